@@ -1,0 +1,22 @@
+"""Addresses and channel options shared by the sync and asyncio clients."""
+
+from __future__ import annotations
+
+import os
+
+from kvserver.config import default_socket
+
+MAX_MESSAGE_BYTES = 64 << 20
+
+CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def target(address: str | None) -> str:
+    """'unix:///p', '/p' (a socket path) or 'host:port'; None reads KVSERVER_ADDRESS."""
+    address = address or os.environ.get("KVSERVER_ADDRESS") or default_socket()
+    if address.startswith("/"):
+        return f"unix://{address}"
+    return address

@@ -1,0 +1,83 @@
+"""Request building and response reading shared by the sync and asyncio clients."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvclient.shm_pool import ShmKVPool
+from kvserver.layout import wire_dtype
+from kvserver.v1 import kvserver_pb2 as pb
+
+Indices = torch.Tensor | np.ndarray | Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    client_id: str
+    host_tokens: int
+    page_size: int
+    host_bytes_per_token: int
+    start_layer: int
+    end_layer: int
+
+
+def ids(values: Indices) -> list[int]:
+    if isinstance(values, torch.Tensor):
+        return values.reshape(-1).tolist()
+    if isinstance(values, np.ndarray):
+        return values.reshape(-1).tolist()
+    return list(values)
+
+
+def register_request(
+    *,
+    model: str,
+    pool: ShmKVPool,
+    start_layer: int,
+    end_layer: int,
+    num_layers: int,
+    host_tokens: int,
+    page_size: int,
+    tp_rank: int,
+    tp_size: int,
+    pp_rank: int,
+    pp_size: int,
+) -> pb.RegisterRequest:
+    return pb.RegisterRequest(
+        model=model,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=pp_rank,
+        pp_size=pp_size,
+        start_layer=start_layer,
+        end_layer=end_layer,
+        num_layers=num_layers,
+        layout=pool.layout.to_wire(),
+        dtype=wire_dtype(pool.dtype),
+        page_size=page_size,
+        device_pool=pool.descriptor(),
+        host_tokens=host_tokens,
+    )
+
+
+def registration(resp: pb.RegisterResponse, req: pb.RegisterRequest) -> Registration:
+    return Registration(
+        client_id=resp.client_id,
+        host_tokens=resp.host_tokens,
+        page_size=resp.page_size,
+        host_bytes_per_token=resp.host_bytes_per_token,
+        start_layer=req.start_layer,
+        end_layer=req.end_layer,
+    )
+
+
+def layer_list(layers: Iterable[int] | None) -> list[int]:
+    return [] if layers is None else [int(x) for x in layers]
+
+
+def host_tensor(resp: pb.AllocResponse) -> torch.Tensor:
+    return torch.tensor(resp.host_indices, dtype=torch.int64)

@@ -1,0 +1,76 @@
+"""``kvserver`` console script: flags (or KVSERVER_* variables) to ServerConfig, then serve."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import uvloop
+
+from kvserver.config import ServerConfig, default_socket, parse_size
+from kvserver.server import serve
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(f"KVSERVER_{name}", default)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvserver",
+        description="Per-node KV-cache host memory daemon for LLM inference engines.",
+        epilog="Every flag can also be set as an environment variable, e.g. KVSERVER_HOST_MEMORY.",
+    )
+    p.add_argument("--socket", default=_env("SOCKET"),
+                   help=f"Unix socket path (default {default_socket()}; 'none' to disable)")
+    p.add_argument("--listen", default=_env("LISTEN"), help="also listen on TCP host:port")
+    p.add_argument("--host-memory", default=_env("HOST_MEMORY", "4GiB"),
+                   help="host KV memory budget, e.g. 8GiB (default 4GiB)")
+    p.add_argument("--copy-threads", type=int, default=int(_env("COPY_THREADS", "2")),
+                   help="copy worker threads (default 2)")
+    p.add_argument("--torch-threads", type=int, default=int(_env("TORCH_THREADS", "0")),
+                   help="torch intra-op threads for copies (default: torch's choice)")
+    p.add_argument("--shutdown-grace", type=float, default=float(_env("SHUTDOWN_GRACE", "5")),
+                   help="seconds in-flight calls get on SIGTERM (default 5)")
+    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    socket = args.socket
+    if socket is None:
+        socket = default_socket()
+    elif socket.lower() == "none":
+        socket = None
+    return ServerConfig(
+        socket=socket,
+        listen=args.listen,
+        host_memory=parse_size(args.host_memory),
+        copy_threads=args.copy_threads,
+        torch_threads=args.torch_threads,
+        shutdown_grace=args.shutdown_grace,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"kvserver: {exc}", file=sys.stderr)
+        return 2
+    if not config.addresses:
+        print("kvserver: nothing to listen on: give --socket or --listen", file=sys.stderr)
+        return 2
+    uvloop.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Daemon configuration: one frozen object built at the edge from flags and KVSERVER_* variables."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'8GiB', '512MiB', '4G', '1048576' -> bytes (binary units)."""
+    m = _SIZE.fullmatch(text)
+    if not m:
+        raise ValueError(f"cannot read size {text!r}; write it like 8GiB, 512MiB or 1048576")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def default_socket() -> str:
+    if os.geteuid() == 0:
+        return "/run/kvserver/kvserver.sock"
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvserver-{os.geteuid()}"
+    return os.path.join(runtime, "kvserver", "kvserver.sock")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    socket: str | None = None  # Unix socket path; None with no TCP address means default_socket()
+    listen: str | None = None  # optional TCP address, host:port
+    host_memory: int = 4 << 30
+    copy_threads: int = 2
+    torch_threads: int = 0  # 0 leaves torch's default
+    shutdown_grace: float = 5.0
+    max_message_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        if self.host_memory < 2 << 20:
+            raise ValueError("host memory must be at least 2MiB")
+        if self.copy_threads < 1:
+            raise ValueError("copy threads must be at least 1")
+        if self.shutdown_grace < 0:
+            raise ValueError("shutdown grace must not be negative")
+        if self.listen is not None and not re.fullmatch(r"\[?[\w.:-]*\]?:\d+", self.listen):
+            raise ValueError(f"listen address {self.listen!r} is not host:port")
+
+    @property
+    def addresses(self) -> list[str]:
+        out = []
+        if self.socket:
+            out.append(f"unix://{os.path.abspath(self.socket)}")
+        if self.listen:
+            out.append(self.listen)
+        return out

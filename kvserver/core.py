@@ -1,0 +1,291 @@
+"""The daemon's core: clients, the host arena and the copy workers. No gRPC in here.
+
+State changes (register, alloc, free, unregister) run on the event loop thread, so they need no
+locks. Copies run in a thread pool; while one runs, its host pages are marked busy so that a
+Free or Unregister of those pages waits for it to finish instead of racing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvserver import transfer
+from kvserver.client_state import ClientSpec, ClientState, Counters
+from kvserver.device_pool import open_shm_pool
+from kvserver.errors import InvalidArgument, NoCapacity, UnknownClient
+from kvserver.host_pool import HostArena
+from kvserver.layout import KVLayout, LayerRange, torch_dtype
+from kvserver.page_allocator import PageAllocator
+from kvserver.v1 import kvserver_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadStep:
+    """One or more layers landed: every requested layer up to ``last_layer`` (global)."""
+
+    last_layer: int
+    layers_done: int
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    client: ClientState
+    plan: transfer.CopyPlan
+    local_layers: list[int]
+    pages: np.ndarray
+
+    @property
+    def bytes_per_layer(self) -> int:
+        spec = self.client.spec
+        return self.plan.num_tokens * spec.token_bytes * spec.layout.num_parts
+
+
+class KVCore:
+    def __init__(self, host_memory: int, copy_threads: int = 2) -> None:
+        self.arena = HostArena(host_memory)
+        self.clients: dict[str, ClientState] = {}
+        self.totals = Counters()  # transfers of clients already gone
+        self._executor = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvcopy")
+
+    # ---- registration -------------------------------------------------------------------
+
+    def register(self, req: pb.RegisterRequest) -> ClientState:
+        spec = _spec_from_request(req)
+        if req.host_tokens == 0:
+            raise InvalidArgument("host_tokens must be at least one page")
+        device = open_shm_pool(
+            req.device_pool, spec.layout, spec.dtype, len(spec.layers), spec.page_size
+        )
+        try:
+            page_bytes = spec.page_bytes
+            want_pages = -(-req.host_tokens // spec.page_size)
+            num_pages = min(want_pages, self.arena.largest_free() // page_bytes)
+            if num_pages == 0:
+                raise NoCapacity(
+                    f"no host memory left for one page of {page_bytes} bytes "
+                    f"({self.arena.capacity - self.arena.reserved} of {self.arena.capacity} free)"
+                )
+            offset = self.arena.reserve(num_pages * page_bytes)
+        except BaseException:
+            device.close()
+            raise
+        host_views = self._host_views(spec, device.dtype, offset, num_pages)
+        client = ClientState(
+            client_id=secrets.token_hex(16),
+            spec=spec,
+            device=device,
+            region_offset=offset,
+            region_bytes=num_pages * page_bytes,
+            pages=PageAllocator(num_pages),
+            host_views=host_views,
+            busy=np.zeros(num_pages, dtype=np.int32),
+        )
+        self.clients[client.client_id] = client
+        logger.info(
+            "registered %s: model=%s tp=%d/%d pp=%d/%d layers=%s pages=%d x %d B",
+            client.client_id, spec.model, spec.tp_rank, spec.tp_size, spec.pp_rank, spec.pp_size,
+            spec.layers, num_pages, page_bytes,
+        )
+        return client
+
+    def _host_views(
+        self, spec: ClientSpec, wide: torch.dtype, offset: int, num_pages: int
+    ) -> list[list[torch.Tensor]]:
+        w = wide.itemsize
+        flat = self.arena.view(wide)
+        chunk = spec.page_size * spec.token_bytes
+        parts = spec.layout.num_parts
+        return [
+            [
+                torch.as_strided(
+                    flat,
+                    (num_pages, chunk // w),
+                    (spec.page_bytes // w, 1),
+                    (offset + (layer * parts + part) * chunk) // w,
+                )
+                for part in range(parts)
+            ]
+            for layer in range(len(spec.layers))
+        ]
+
+    async def unregister(self, client_id: str) -> None:
+        client = self.client(client_id)
+        client.closing = True
+        await self._wait(client, lambda: client.inflight == 0)
+        del self.clients[client_id]
+        self.totals.add(client.counters)
+        client.host_views = []
+        client.device.close()
+        self.arena.release(client.region_offset, client.region_bytes)
+        logger.info("unregistered %s", client_id)
+
+    def client(self, client_id: str) -> ClientState:
+        client = self.clients.get(client_id)
+        if client is None or client.closing:
+            raise UnknownClient(f"unknown client id {client_id!r}; register first")
+        return client
+
+    # ---- host pages -----------------------------------------------------------------------
+
+    def alloc(self, client_id: str, num_tokens: int) -> np.ndarray:
+        client = self.client(client_id)
+        if num_tokens <= 0:
+            raise InvalidArgument("num_tokens must be positive")
+        p = client.spec.page_size
+        pages = client.pages.allocate(-(-num_tokens // p))
+        return _page_tokens(pages, p)
+
+    async def free(self, client_id: str, host_indices) -> int:
+        client = self.client(client_id)
+        pages = transfer.host_pages_of(transfer.as_indices(host_indices, "host"), client.spec.page_size)
+        client.pages.check_owned(pages)
+        if client.busy[pages].any():
+            # A copy still reads or writes these pages: free them once it is done.
+            await self._wait(client, lambda: not client.busy[pages].any())
+            client = self.client(client_id)
+        client.pages.free(pages)
+        return pages.size * client.spec.page_size
+
+    # ---- transfers ------------------------------------------------------------------------
+
+    def prepare(self, client_id: str, host_indices, device_indices, layers) -> Job:
+        """Validates a whole transfer request and plans it; touches no memory."""
+        client = self.client(client_id)
+        spec = client.spec
+        local_layers = spec.layers.select(list(layers))
+        host = transfer.as_indices(host_indices, "host")
+        dev = transfer.as_indices(device_indices, "device")
+        if host.size != dev.size:
+            raise InvalidArgument(
+                f"{host.size} host indices but {dev.size} device indices; they must pair up"
+            )
+        pages = transfer.host_pages_of(host, spec.page_size)
+        client.pages.check_owned(pages)
+        transfer.check_device_tokens(dev, client.device.num_tokens)
+        num_dev_pages = client.device.num_pages if client.device.page_views is not None else None
+        plan = transfer.make_plan(pages, dev, spec.page_size, num_dev_pages)
+        return Job(client, plan, local_layers, pages)
+
+    async def write(self, job: Job) -> int:
+        await self._submit(job, False, None)
+        nbytes = job.bytes_per_layer * len(job.local_layers)
+        job.client.counters.bytes_written += nbytes
+        job.client.counters.write_ops += 1
+        return nbytes
+
+    async def load(self, job: Job) -> AsyncIterator[LoadStep]:
+        """Runs the copy in a worker and yields progress as layers land, batching when behind."""
+        loop = asyncio.get_running_loop()
+        landed: asyncio.Queue[int] = asyncio.Queue()
+
+        def on_layer(i: int) -> None:
+            loop.call_soon_threadsafe(landed.put_nowait, i)
+
+        fut = self._submit(job, True, on_layer)
+        start = job.client.spec.layers.start
+        total = len(job.local_layers)
+        done = 0
+        while done < total:
+            getter = asyncio.ensure_future(landed.get())
+            await asyncio.wait({getter, fut}, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                fut.result()  # the worker stopped early: raise its error
+                continue
+            i = getter.result()
+            while not landed.empty():
+                i = landed.get_nowait()
+            done = i + 1
+            yield LoadStep(start + job.local_layers[i], done, done * job.bytes_per_layer)
+        await fut
+        job.client.counters.bytes_loaded += total * job.bytes_per_layer
+        job.client.counters.load_ops += 1
+
+    def _submit(
+        self, job: Job, to_device: bool, on_layer: Callable[[int], None] | None
+    ) -> asyncio.Future[None]:
+        """Starts a copy; its pages stay busy until the worker thread is really done with them,
+        even when the RPC that asked for it is cancelled first."""
+        loop = asyncio.get_running_loop()
+        client = job.client
+        client.busy[job.pages] += 1
+        client.inflight += 1
+        cf = self._executor.submit(self._run, job, to_device, on_layer)
+        cf.add_done_callback(lambda _: loop.call_soon_threadsafe(self._release, job))
+        return asyncio.wrap_future(cf, loop=loop)
+
+    def _run(self, job: Job, to_device: bool, on_layer: Callable[[int], None] | None) -> None:
+        device = job.client.device
+        for i, layer in enumerate(job.local_layers):
+            for part, host in enumerate(job.client.host_views[layer]):
+                pages = device.page_views[layer][part] if device.page_views is not None else None
+                transfer.copy_part(job.plan, host, pages, device.token_views[layer][part], to_device)
+            if on_layer is not None:
+                on_layer(i)
+
+    def _release(self, job: Job) -> None:
+        client = job.client
+        client.busy[job.pages] -= 1
+        client.inflight -= 1
+        client.changed.set()
+        client.changed = asyncio.Event()
+
+    @staticmethod
+    async def _wait(client: ClientState, predicate: Callable[[], bool]) -> None:
+        while not predicate():
+            await client.changed.wait()
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        for client_id in list(self.clients):
+            await self.unregister(client_id)
+        self._executor.shutdown(wait=True)
+        self.arena.close()
+
+
+def _page_tokens(pages: np.ndarray, page_size: int) -> np.ndarray:
+    return (pages[:, None] * page_size + np.arange(page_size, dtype=np.int64)).reshape(-1)
+
+
+def _spec_from_request(req: pb.RegisterRequest) -> ClientSpec:
+    if not req.model:
+        raise InvalidArgument("model must be set")
+    tp_size, pp_size = max(req.tp_size, 1), max(req.pp_size, 1)
+    if req.tp_rank >= tp_size or req.pp_rank >= pp_size:
+        raise InvalidArgument(
+            f"rank out of range: tp {req.tp_rank}/{tp_size}, pp {req.pp_rank}/{pp_size}"
+        )
+    layers = LayerRange(req.start_layer, req.end_layer)
+    if req.end_layer > req.num_layers:
+        raise InvalidArgument(
+            f"layer range {layers} does not fit in a model of num_layers={req.num_layers}"
+        )
+    if req.page_size == 0 or req.page_size > 4096:
+        raise InvalidArgument(f"page_size must be in [1, 4096], got {req.page_size}")
+    if req.dtype == pb.DTYPE_UNSPECIFIED:
+        raise InvalidArgument("dtype must be set")
+    return ClientSpec(
+        model=req.model,
+        tp_rank=req.tp_rank,
+        tp_size=tp_size,
+        pp_rank=req.pp_rank,
+        pp_size=pp_size,
+        num_layers=req.num_layers,
+        layers=layers,
+        layout=KVLayout.from_wire(req.layout),
+        dtype=torch_dtype(req.dtype),
+        page_size=req.page_size,
+    )
+

@@ -1,0 +1,136 @@
+"""An engine's device pool as the daemon sees it: one strided tensor view per (layer, part).
+
+Views use the widest integer dtype that divides every offset, stride and token size, so copies
+move 8-byte words where they can whatever the KV dtype is (fp8 included).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserver.errors import InvalidArgument
+from kvserver.layout import KVLayout
+from kvserver.shm import ShmMapping, open_shm
+from kvserver.v1 import kvserver_pb2 as pb
+
+WIDE_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+MAX_POOL_TOKENS = 1 << 40
+
+
+def wide_dtype(*sizes: int) -> torch.dtype:
+    """The widest integer dtype whose size divides every one of ``sizes``."""
+    g = 0
+    for s in sizes:
+        g = math.gcd(g, s)
+    for width, dtype in WIDE_DTYPES.items():
+        if g % width == 0:
+            return dtype
+    return torch.uint8
+
+
+@dataclass(slots=True)
+class ShmDevicePool:
+    """Views into the engine's shared-memory KV buffers, checked against each object's size."""
+
+    num_tokens: int
+    page_size: int
+    dtype: torch.dtype  # the wide copy dtype
+    token_views: list[list[torch.Tensor]]  # [layer][part] -> [num_tokens, elems]
+    page_views: list[list[torch.Tensor]] | None  # [layer][part] -> [num_pages, page_size*elems]
+    mappings: list[ShmMapping] = field(default_factory=list)
+
+    @property
+    def num_pages(self) -> int:
+        return self.num_tokens // self.page_size
+
+    def close(self) -> None:
+        self.token_views = []
+        self.page_views = None
+        for m in self.mappings:
+            m.close()
+        self.mappings = []
+
+
+def open_shm_pool(
+    msg: pb.DevicePool,
+    layout: KVLayout,
+    kv_dtype: torch.dtype,
+    num_layers: int,
+    page_size: int,
+) -> ShmDevicePool:
+    """Validates the whole description, then maps each named object once and builds views."""
+    refs = _check_refs(msg, layout, num_layers)
+    token_bytes = layout.token_bytes(kv_dtype)
+    n = msg.num_tokens
+    if not 0 < n <= MAX_POOL_TOKENS:
+        raise InvalidArgument(f"device_pool.num_tokens must be in [1, {MAX_POOL_TOKENS}], got {n}")
+    for r in refs:
+        if r.WhichOneof("location") != "shm":
+            raise InvalidArgument("this daemon path takes shared-memory buffers only")
+        if r.token_stride < token_bytes:
+            raise InvalidArgument(
+                f"token_stride {r.token_stride} is smaller than one token ({token_bytes} bytes "
+                f"for {layout} in {kv_dtype})"
+            )
+    mappings: dict[str, ShmMapping] = {}
+    try:
+        for r in refs:
+            name = r.shm.name
+            if name not in mappings:
+                mappings[name] = open_shm(name)
+            m = mappings[name]
+            end = r.offset + (n - 1) * r.token_stride + token_bytes
+            if end > m.size:
+                raise InvalidArgument(
+                    f"shm object {name!r} is {m.size} bytes but the buffer at offset {r.offset} "
+                    f"with token_stride {r.token_stride} needs {end} bytes for {n} tokens"
+                )
+        wide = wide_dtype(token_bytes, *(r.offset for r in refs), *(r.token_stride for r in refs))
+        w = wide.itemsize
+        flat = {name: torch.frombuffer(m.mm, dtype=wide, count=m.size // w) for name, m in mappings.items()}
+        elems = token_bytes // w
+        parts = layout.num_parts
+        token_views = [
+            [
+                torch.as_strided(flat[r.shm.name], (n, elems), (r.token_stride // w, 1), r.offset // w)
+                for r in refs[layer * parts : (layer + 1) * parts]
+            ]
+            for layer in range(num_layers)
+        ]
+        page_views = None
+        if all(r.token_stride == token_bytes for r in refs) and n >= page_size:
+            pages = n // page_size
+            page_views = [
+                [
+                    torch.as_strided(
+                        flat[r.shm.name], (pages, page_size * elems), (page_size * elems, 1), r.offset // w
+                    )
+                    for r in refs[layer * parts : (layer + 1) * parts]
+                ]
+                for layer in range(num_layers)
+            ]
+        return ShmDevicePool(n, page_size, wide, token_views, page_views, list(mappings.values()))
+    except BaseException:
+        for m in mappings.values():
+            m.close()
+        raise
+
+
+def _check_refs(msg: pb.DevicePool, layout: KVLayout, num_layers: int) -> list[pb.BufferRef]:
+    if len(msg.layers) != num_layers:
+        raise InvalidArgument(
+            f"device_pool lists {len(msg.layers)} layers but the layer range holds {num_layers}"
+        )
+    refs: list[pb.BufferRef] = []
+    kind = "MLA (one latent)" if layout.is_mla else "MHA (K and V)"
+    for i, layer in enumerate(msg.layers):
+        if len(layer.parts) != layout.num_parts:
+            raise InvalidArgument(
+                f"device_pool layer {i} has {len(layer.parts)} buffers; {kind} needs "
+                f"{layout.num_parts}"
+            )
+        refs.extend(layer.parts)
+    return refs

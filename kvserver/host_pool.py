@@ -1,0 +1,92 @@
+"""The daemon-wide host memory budget: one lazily committed arena carved into client regions.
+
+The arena is a private anonymous mapping with MAP_NORESERVE: pages are committed on first touch,
+so a large budget costs nothing until clients write into it, and a released region is handed back
+to the kernel with MADV_DONTNEED.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import mmap
+
+import torch
+
+from kvserver.errors import NoCapacity
+
+logger = logging.getLogger(__name__)
+
+REGION_ALIGN = 1 << 21  # 2 MiB: regions start on huge-page boundaries
+
+
+def _align_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+class HostArena:
+    """First-fit allocator of aligned byte regions over one mapping of ``capacity`` bytes."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < REGION_ALIGN:
+            raise ValueError(f"host memory must be at least {REGION_ALIGN} bytes, got {capacity}")
+        self.capacity = capacity // REGION_ALIGN * REGION_ALIGN
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
+        self._mm = mmap.mmap(-1, self.capacity, flags=flags)
+        self._views: dict[torch.dtype, torch.Tensor] = {}
+        # Free ranges as parallel sorted lists of starts and sizes.
+        self._free_starts: list[int] = [0]
+        self._free_sizes: list[int] = [self.capacity]
+        self.reserved = 0
+
+    def view(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole arena as a flat tensor of ``dtype`` (cached per dtype)."""
+        t = self._views.get(dtype)
+        if t is None:
+            t = torch.frombuffer(self._mm, dtype=dtype, count=self.capacity // dtype.itemsize)
+            self._views[dtype] = t
+        return t
+
+    def largest_free(self) -> int:
+        return max(self._free_sizes, default=0)
+
+    def reserve(self, nbytes: int) -> int:
+        """Reserves ``nbytes`` (rounded up to the alignment) and returns the region's offset."""
+        size = _align_up(nbytes, REGION_ALIGN)
+        for i, free in enumerate(self._free_sizes):
+            if free >= size:
+                start = self._free_starts[i]
+                if free == size:
+                    del self._free_starts[i], self._free_sizes[i]
+                else:
+                    self._free_starts[i] += size
+                    self._free_sizes[i] -= size
+                self.reserved += size
+                return start
+        raise NoCapacity(
+            f"host memory exhausted: {nbytes} bytes requested, largest free region "
+            f"{self.largest_free()} of {self.capacity} bytes"
+        )
+
+    def release(self, start: int, nbytes: int) -> None:
+        """Returns a region and gives its pages back to the kernel."""
+        size = _align_up(nbytes, REGION_ALIGN)
+        self._mm.madvise(mmap.MADV_DONTNEED, start, size)
+        self.reserved -= size
+        i = bisect.bisect_left(self._free_starts, start)
+        self._free_starts.insert(i, start)
+        self._free_sizes.insert(i, size)
+        # Merge with the next, then the previous neighbour.
+        if i + 1 < len(self._free_starts) and start + size == self._free_starts[i + 1]:
+            self._free_sizes[i] += self._free_sizes.pop(i + 1)
+            self._free_starts.pop(i + 1)
+        if i > 0 and self._free_starts[i - 1] + self._free_sizes[i - 1] == start:
+            self._free_sizes[i - 1] += self._free_sizes.pop(i)
+            self._free_starts.pop(i)
+
+    def close(self) -> None:
+        self._views.clear()
+        try:
+            self._mm.close()
+        except BufferError:
+            logger.warning("host arena still has live views at close; leaving it to the GC")

@@ -1,0 +1,118 @@
+"""KV geometry shared by the daemon and the client: dtypes, per-token layout and layer ranges."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserver.errors import InvalidArgument, LayerOutOfRange
+from kvserver.v1 import kvserver_pb2 as pb
+
+DTYPE_TO_TORCH: dict[int, torch.dtype] = {
+    pb.DTYPE_BFLOAT16: torch.bfloat16,
+    pb.DTYPE_FLOAT16: torch.float16,
+    pb.DTYPE_FLOAT32: torch.float32,
+    pb.DTYPE_FLOAT8_E4M3FN: torch.float8_e4m3fn,
+    pb.DTYPE_FLOAT8_E5M2: torch.float8_e5m2,
+}
+TORCH_TO_DTYPE: dict[torch.dtype, int] = {v: k for k, v in DTYPE_TO_TORCH.items()}
+
+
+def torch_dtype(dtype: int) -> torch.dtype:
+    try:
+        return DTYPE_TO_TORCH[dtype]
+    except KeyError:
+        allowed = ", ".join(pb.DType.Name(d) for d in DTYPE_TO_TORCH)
+        raise InvalidArgument(f"dtype {dtype} is not supported; use one of {allowed}") from None
+
+
+def wire_dtype(dtype: torch.dtype) -> int:
+    try:
+        return TORCH_TO_DTYPE[dtype]
+    except KeyError:
+        allowed = ", ".join(str(d) for d in TORCH_TO_DTYPE)
+        raise InvalidArgument(f"dtype {dtype} is not supported; use one of {allowed}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Per-token KV shape of one layer: ``num_parts`` buffers (K and V, or one MLA latent)."""
+
+    is_mla: bool
+    num_heads: int
+    head_dim: int
+    rope_dim: int = 0  # MLA: the qk_rope_head_dim share of head_dim
+
+    @classmethod
+    def mha(cls, num_heads: int, head_dim: int) -> KVLayout:
+        return cls(False, num_heads, head_dim)
+
+    @classmethod
+    def mla(cls, kv_lora_rank: int, qk_rope_head_dim: int) -> KVLayout:
+        return cls(True, 1, kv_lora_rank + qk_rope_head_dim, qk_rope_head_dim)
+
+    @property
+    def num_parts(self) -> int:
+        return 1 if self.is_mla else 2
+
+    @property
+    def token_shape(self) -> tuple[int, int]:
+        return (self.num_heads, self.head_dim)
+
+    def token_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one token in one part (K, V or latent) of one layer."""
+        return self.num_heads * self.head_dim * dtype.itemsize
+
+    @classmethod
+    def from_wire(cls, msg: pb.KVLayout) -> KVLayout:
+        kind = msg.WhichOneof("kind")
+        if kind == "mha":
+            if msg.mha.num_heads == 0 or msg.mha.head_dim == 0:
+                raise InvalidArgument("layout.mha needs num_heads > 0 and head_dim > 0")
+            return cls.mha(msg.mha.num_heads, msg.mha.head_dim)
+        if kind == "mla":
+            if msg.mla.kv_lora_rank == 0:
+                raise InvalidArgument("layout.mla needs kv_lora_rank > 0")
+            return cls.mla(msg.mla.kv_lora_rank, msg.mla.qk_rope_head_dim)
+        raise InvalidArgument("layout must be set to mha or mla")
+
+    def to_wire(self) -> pb.KVLayout:
+        if self.is_mla:
+            rank = self.head_dim - self.rope_dim
+            return pb.KVLayout(mla=pb.MLALayout(kv_lora_rank=rank, qk_rope_head_dim=self.rope_dim))
+        return pb.KVLayout(mha=pb.MHALayout(num_heads=self.num_heads, head_dim=self.head_dim))
+
+
+@dataclass(frozen=True, slots=True)
+class LayerRange:
+    """A client's global layer range [start, end); the one place global ids become local ones."""
+
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.end:
+            raise InvalidArgument(f"layer range [{self.start}, {self.end}) is empty or negative")
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def __str__(self) -> str:
+        return f"[{self.start}, {self.end})"
+
+    def to_local(self, layer_id: int) -> int:
+        if not self.start <= layer_id < self.end:
+            raise LayerOutOfRange(
+                f"layer {layer_id} is outside this client's layer range {self}"
+            )
+        return layer_id - self.start
+
+    def select(self, layer_ids: list[int] | tuple[int, ...]) -> list[int]:
+        """Global ids (ascending, no repeats; empty means all) to local ids."""
+        if not layer_ids:
+            return list(range(len(self)))
+        local = [self.to_local(layer) for layer in layer_ids]
+        if any(b <= a for a, b in zip(local, local[1:], strict=False)):
+            raise InvalidArgument(f"layers must be ascending without repeats, got {list(layer_ids)}")
+        return local

@@ -1,0 +1,135 @@
+"""gRPC servicer: proto <-> core translation and status mapping, nothing else."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from kvserver.client_state import ClientState, Counters
+from kvserver.core import KVCore
+from kvserver.errors import KVError, status_of
+from kvserver.v1 import kvserver_pb2 as pb
+from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+
+def _abort_on_error(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await fn(self, request, context)
+        except KVError as exc:
+            await context.abort(*status_of(exc))
+        except Exception as exc:
+            logger.exception("%s failed", fn.__name__)
+            await context.abort(*status_of(exc))
+
+    return wrapper
+
+
+def _counters(c: Counters) -> pb.TransferCounters:
+    return pb.TransferCounters(
+        bytes_written=c.bytes_written,
+        bytes_loaded=c.bytes_loaded,
+        write_ops=c.write_ops,
+        load_ops=c.load_ops,
+    )
+
+
+def _client_stats(c: ClientState) -> pb.ClientStats:
+    s = c.spec
+    per_token = s.page_bytes // s.page_size
+    return pb.ClientStats(
+        client_id=c.client_id,
+        model=s.model,
+        tp_rank=s.tp_rank,
+        pp_rank=s.pp_rank,
+        start_layer=s.layers.start,
+        end_layer=s.layers.end,
+        capacity_tokens=c.capacity_tokens,
+        used_tokens=c.used_tokens,
+        capacity_bytes=c.capacity_tokens * per_token,
+        used_bytes=c.used_tokens * per_token,
+        transfers=_counters(c.counters),
+    )
+
+
+class KVServicer(pb_grpc.KVServerServicer):
+    def __init__(self, core: KVCore) -> None:
+        self.core = core
+
+    @_abort_on_error
+    async def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
+        client = self.core.register(request)
+        spec = client.spec
+        return pb.RegisterResponse(
+            client_id=client.client_id,
+            host_tokens=client.capacity_tokens,
+            page_size=spec.page_size,
+            host_bytes_per_token=spec.page_bytes // spec.page_size,
+        )
+
+    @_abort_on_error
+    async def Unregister(self, request: pb.UnregisterRequest, context) -> pb.UnregisterResponse:
+        await self.core.unregister(request.client_id)
+        return pb.UnregisterResponse()
+
+    @_abort_on_error
+    async def Alloc(self, request: pb.AllocRequest, context) -> pb.AllocResponse:
+        indices = self.core.alloc(request.client_id, request.num_tokens)
+        return pb.AllocResponse(host_indices=indices.tolist())
+
+    @_abort_on_error
+    async def Free(self, request: pb.FreeRequest, context) -> pb.FreeResponse:
+        freed = await self.core.free(request.client_id, request.host_indices)
+        return pb.FreeResponse(freed_tokens=freed)
+
+    @_abort_on_error
+    async def Write(self, request: pb.WriteRequest, context) -> pb.WriteResponse:
+        job = self.core.prepare(
+            request.client_id, request.host_indices, request.device_indices, request.layers
+        )
+        return pb.WriteResponse(bytes=await self.core.write(job))
+
+    async def Load(self, request: pb.LoadRequest, context) -> AsyncIterator[pb.LoadProgress]:
+        try:
+            job = self.core.prepare(
+                request.client_id, request.host_indices, request.device_indices, request.layers
+            )
+            total = len(job.local_layers)
+            async for step in self.core.load(job):
+                yield pb.LoadProgress(
+                    last_layer=step.last_layer,
+                    layers_done=step.layers_done,
+                    done=step.layers_done == total,
+                    bytes=step.bytes,
+                )
+        except Exception as exc:
+            if not isinstance(exc, KVError):
+                logger.exception("Load failed")
+            await context.abort(*status_of(exc))
+
+    @_abort_on_error
+    async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
+        core = self.core
+        if request.client_id:
+            clients = [core.client(request.client_id)]
+        else:
+            clients = list(core.clients.values())
+        totals = Counters()
+        totals.add(core.totals)
+        for c in core.clients.values():
+            totals.add(c.counters)
+        return pb.StatsResponse(
+            capacity_bytes=core.arena.capacity,
+            reserved_bytes=core.arena.reserved,
+            used_bytes=sum(c.pages.num_used * c.spec.page_bytes for c in core.clients.values()),
+            num_clients=len(core.clients),
+            transfers=_counters(totals),
+            clients=[_client_stats(c) for c in clients],
+        )

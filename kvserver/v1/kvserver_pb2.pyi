@@ -1,0 +1,273 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_FLOAT8_E4M3FN: _ClassVar[DType]
+    DTYPE_FLOAT8_E5M2: _ClassVar[DType]
+DTYPE_UNSPECIFIED: DType
+DTYPE_BFLOAT16: DType
+DTYPE_FLOAT16: DType
+DTYPE_FLOAT32: DType
+DTYPE_FLOAT8_E4M3FN: DType
+DTYPE_FLOAT8_E5M2: DType
+
+class MHALayout(_message.Message):
+    __slots__ = ("num_heads", "head_dim")
+    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    num_heads: int
+    head_dim: int
+    def __init__(self, num_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
+
+class MLALayout(_message.Message):
+    __slots__ = ("kv_lora_rank", "qk_rope_head_dim")
+    KV_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    QK_ROPE_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    def __init__(self, kv_lora_rank: _Optional[int] = ..., qk_rope_head_dim: _Optional[int] = ...) -> None: ...
+
+class KVLayout(_message.Message):
+    __slots__ = ("mha", "mla")
+    MHA_FIELD_NUMBER: _ClassVar[int]
+    MLA_FIELD_NUMBER: _ClassVar[int]
+    mha: MHALayout
+    mla: MLALayout
+    def __init__(self, mha: _Optional[_Union[MHALayout, _Mapping]] = ..., mla: _Optional[_Union[MLALayout, _Mapping]] = ...) -> None: ...
+
+class ShmLocation(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class CudaIpcLocation(_message.Message):
+    __slots__ = ("ipc_handle", "device_uuid", "allocation_size", "pci_bus_id")
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATION_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PCI_BUS_ID_FIELD_NUMBER: _ClassVar[int]
+    ipc_handle: bytes
+    device_uuid: str
+    allocation_size: int
+    pci_bus_id: str
+    def __init__(self, ipc_handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., allocation_size: _Optional[int] = ..., pci_bus_id: _Optional[str] = ...) -> None: ...
+
+class BufferRef(_message.Message):
+    __slots__ = ("shm", "cuda", "offset", "token_stride")
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    shm: ShmLocation
+    cuda: CudaIpcLocation
+    offset: int
+    token_stride: int
+    def __init__(self, shm: _Optional[_Union[ShmLocation, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpcLocation, _Mapping]] = ..., offset: _Optional[int] = ..., token_stride: _Optional[int] = ...) -> None: ...
+
+class LayerBuffers(_message.Message):
+    __slots__ = ("parts",)
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    parts: _containers.RepeatedCompositeFieldContainer[BufferRef]
+    def __init__(self, parts: _Optional[_Iterable[_Union[BufferRef, _Mapping]]] = ...) -> None: ...
+
+class DevicePool(_message.Message):
+    __slots__ = ("num_tokens", "layers")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    layers: _containers.RepeatedCompositeFieldContainer[LayerBuffers]
+    def __init__(self, num_tokens: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerBuffers, _Mapping]]] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("model", "tp_rank", "tp_size", "pp_rank", "pp_size", "start_layer", "end_layer", "num_layers", "layout", "dtype", "page_size", "device_pool", "host_tokens")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    START_LAYER_FIELD_NUMBER: _ClassVar[int]
+    END_LAYER_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_POOL_FIELD_NUMBER: _ClassVar[int]
+    HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    start_layer: int
+    end_layer: int
+    num_layers: int
+    layout: KVLayout
+    dtype: DType
+    page_size: int
+    device_pool: DevicePool
+    host_tokens: int
+    def __init__(self, model: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., page_size: _Optional[int] = ..., device_pool: _Optional[_Union[DevicePool, _Mapping]] = ..., host_tokens: _Optional[int] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("client_id", "host_tokens", "page_size", "host_bytes_per_token")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HOST_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    host_tokens: int
+    page_size: int
+    host_bytes_per_token: int
+    def __init__(self, client_id: _Optional[str] = ..., host_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., host_bytes_per_token: _Optional[int] = ...) -> None: ...
+
+class UnregisterRequest(_message.Message):
+    __slots__ = ("client_id",)
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    def __init__(self, client_id: _Optional[str] = ...) -> None: ...
+
+class UnregisterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AllocRequest(_message.Message):
+    __slots__ = ("client_id", "num_tokens")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    num_tokens: int
+    def __init__(self, client_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class AllocResponse(_message.Message):
+    __slots__ = ("host_indices",)
+    HOST_INDICES_FIELD_NUMBER: _ClassVar[int]
+    host_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, host_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FreeRequest(_message.Message):
+    __slots__ = ("client_id", "host_indices")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_INDICES_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    host_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, client_id: _Optional[str] = ..., host_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FreeResponse(_message.Message):
+    __slots__ = ("freed_tokens",)
+    FREED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    freed_tokens: int
+    def __init__(self, freed_tokens: _Optional[int] = ...) -> None: ...
+
+class WriteRequest(_message.Message):
+    __slots__ = ("client_id", "device_indices", "host_indices", "layers")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    HOST_INDICES_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    device_indices: _containers.RepeatedScalarFieldContainer[int]
+    host_indices: _containers.RepeatedScalarFieldContainer[int]
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, client_id: _Optional[str] = ..., device_indices: _Optional[_Iterable[int]] = ..., host_indices: _Optional[_Iterable[int]] = ..., layers: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class WriteResponse(_message.Message):
+    __slots__ = ("bytes",)
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    def __init__(self, bytes: _Optional[int] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ("client_id", "host_indices", "device_indices", "layers")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_INDICES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    host_indices: _containers.RepeatedScalarFieldContainer[int]
+    device_indices: _containers.RepeatedScalarFieldContainer[int]
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, client_id: _Optional[str] = ..., host_indices: _Optional[_Iterable[int]] = ..., device_indices: _Optional[_Iterable[int]] = ..., layers: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LoadProgress(_message.Message):
+    __slots__ = ("last_layer", "layers_done", "done", "bytes")
+    LAST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_DONE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    last_layer: int
+    layers_done: int
+    done: bool
+    bytes: int
+    def __init__(self, last_layer: _Optional[int] = ..., layers_done: _Optional[int] = ..., done: _Optional[bool] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ("client_id",)
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    def __init__(self, client_id: _Optional[str] = ...) -> None: ...
+
+class TransferCounters(_message.Message):
+    __slots__ = ("bytes_written", "bytes_loaded", "write_ops", "load_ops")
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_LOADED_FIELD_NUMBER: _ClassVar[int]
+    WRITE_OPS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_OPS_FIELD_NUMBER: _ClassVar[int]
+    bytes_written: int
+    bytes_loaded: int
+    write_ops: int
+    load_ops: int
+    def __init__(self, bytes_written: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., write_ops: _Optional[int] = ..., load_ops: _Optional[int] = ...) -> None: ...
+
+class ClientStats(_message.Message):
+    __slots__ = ("client_id", "model", "tp_rank", "pp_rank", "start_layer", "end_layer", "capacity_tokens", "used_tokens", "capacity_bytes", "used_bytes", "transfers")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    START_LAYER_FIELD_NUMBER: _ClassVar[int]
+    END_LAYER_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    model: str
+    tp_rank: int
+    pp_rank: int
+    start_layer: int
+    end_layer: int
+    capacity_tokens: int
+    used_tokens: int
+    capacity_bytes: int
+    used_bytes: int
+    transfers: TransferCounters
+    def __init__(self, client_id: _Optional[str] = ..., model: _Optional[str] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., used_tokens: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., transfers: _Optional[_Union[TransferCounters, _Mapping]] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("capacity_bytes", "reserved_bytes", "used_bytes", "num_clients", "transfers", "clients")
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    capacity_bytes: int
+    reserved_bytes: int
+    used_bytes: int
+    num_clients: int
+    transfers: TransferCounters
+    clients: _containers.RepeatedCompositeFieldContainer[ClientStats]
+    def __init__(self, capacity_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_clients: _Optional[int] = ..., transfers: _Optional[_Union[TransferCounters, _Mapping]] = ..., clients: _Optional[_Iterable[_Union[ClientStats, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,69 @@
+"""Fixtures: a real daemon on a temp Unix socket, run on its own uvloop thread."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import threading
+from collections.abc import Iterator
+
+import pytest
+import uvloop
+
+from kvserver.config import ServerConfig
+from kvserver.server import Daemon
+
+
+class DaemonThread:
+    """A Daemon on a private event loop thread, so sync clients in the test can call it."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.address = f"unix://{config.socket}"
+        self.loop = uvloop.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.daemon: Daemon = self.call(self._start())
+
+    async def _start(self) -> Daemon:
+        daemon = Daemon(self.config)
+        await daemon.start()
+        return daemon
+
+    def call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=60)
+
+    def run(self, fn, *args):
+        """Runs a plain function on the daemon's loop thread (to read core state safely)."""
+
+        async def wrapper():
+            return fn(*args)
+
+        return self.call(wrapper())
+
+    @property
+    def core(self):
+        return self.daemon.core
+
+    def stop(self) -> None:
+        self.call(self.daemon.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=30)
+        self.loop.close()
+
+
+@pytest.fixture
+def socket_dir() -> Iterator[str]:
+    with tempfile.TemporaryDirectory(prefix="kvs-") as d:
+        yield d
+
+
+@pytest.fixture
+def daemon(socket_dir: str) -> Iterator[DaemonThread]:
+    config = ServerConfig(socket=os.path.join(socket_dir, "kv.sock"), host_memory=512 << 20)
+    d = DaemonThread(config)
+    try:
+        yield d
+    finally:
+        d.stop()
