@@ -28,8 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default=_env("LISTEN"), help="also listen on TCP host:port")
     p.add_argument("--host-memory", default=_env("HOST_MEMORY", "4GiB"),
                    help="host KV memory budget, e.g. 8GiB (default 4GiB)")
-    p.add_argument("--copy-threads", type=int, default=int(_env("COPY_THREADS", "2")),
-                   help="copy worker threads (default 2)")
+    p.add_argument("--copy-threads", type=int, default=int(_env("COPY_THREADS", "1")),
+                   help="copy worker threads (default 1: each copy already uses every torch thread)")
     p.add_argument("--torch-threads", type=int, default=int(_env("TORCH_THREADS", "0")),
                    help="torch intra-op threads for copies (default: torch's choice)")
     p.add_argument("--shutdown-grace", type=float, default=float(_env("SHUTDOWN_GRACE", "5")),

@@ -30,7 +30,7 @@ class ServerConfig:
     socket: str | None = None  # Unix socket path; None with no TCP address means default_socket()
     listen: str | None = None  # optional TCP address, host:port
     host_memory: int = 4 << 30
-    copy_threads: int = 2
+    copy_threads: int = 1  # one thread drives torch; more OpenMP masters fight over cores
     torch_threads: int = 0  # 0 leaves torch's default
     shutdown_grace: float = 5.0
     max_message_bytes: int = 64 << 20

@@ -52,7 +52,7 @@ class Job:
 
 
 class KVCore:
-    def __init__(self, host_memory: int, copy_threads: int = 2) -> None:
+    def __init__(self, host_memory: int, copy_threads: int = 1) -> None:
         self.arena = HostArena(host_memory)
         self.clients: dict[str, ClientState] = {}
         self.totals = Counters()  # transfers of clients already gone

@@ -67,3 +67,9 @@ def daemon(socket_dir: str) -> Iterator[DaemonThread]:
         yield d
     finally:
         d.stop()
+
+
+# Spawned engine processes import their bodies from this folder.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (os.path.dirname(__file__), os.environ.get("PYTHONPATH")) if p
+)
