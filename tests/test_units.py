@@ -1,0 +1,165 @@
+"""Unit tests of the pieces under the daemon: sizes, layer ranges, arena, pages, copy plans."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvserver import transfer
+from kvserver.config import ServerConfig, parse_size
+from kvserver.errors import FailedPrecondition, InvalidArgument, LayerOutOfRange, NoCapacity, OutOfRange
+from kvserver.host_pool import REGION_ALIGN, HostArena
+from kvserver.layout import KVLayout, LayerRange
+from kvserver.page_allocator import PageAllocator
+
+
+def test_parse_size():
+    assert parse_size("8GiB") == 8 << 30
+    assert parse_size("512MiB") == 512 << 20
+    assert parse_size("4G") == 4 << 30
+    assert parse_size("1048576") == 1 << 20
+    assert parse_size("1.5k") == 1536
+    for bad in ("lots", "8 GiBs", "-1G", ""):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+
+
+def test_config_checks():
+    with pytest.raises(ValueError):
+        ServerConfig(host_memory=1024)
+    with pytest.raises(ValueError):
+        ServerConfig(listen="no-port")
+    assert ServerConfig(socket="/tmp/x.sock", listen="127.0.0.1:5000").addresses == [
+        "unix:///tmp/x.sock", "127.0.0.1:5000"]
+
+
+def test_layer_range_maps_global_ids_and_names_the_range():
+    r = LayerRange(16, 32)
+    assert r.to_local(16) == 0 and r.to_local(31) == 15
+    with pytest.raises(LayerOutOfRange, match=r"\[16, 32\)"):
+        r.to_local(15)
+    with pytest.raises(LayerOutOfRange, match=r"\[16, 32\)"):
+        r.to_local(32)
+    assert r.select([]) == list(range(16))
+    assert r.select([17, 20]) == [1, 4]
+    with pytest.raises(InvalidArgument):
+        r.select([20, 17])
+    with pytest.raises(InvalidArgument):
+        r.select([17, 17])
+    with pytest.raises(InvalidArgument):
+        LayerRange(4, 4)
+
+
+def test_layout_sizes():
+    assert KVLayout.mha(8, 128).token_bytes(torch.bfloat16) == 2048
+    mla = KVLayout.mla(512, 64)
+    assert mla.num_parts == 1 and mla.token_bytes(torch.float8_e4m3fn) == 576
+    assert KVLayout.from_wire(mla.to_wire()) == mla
+
+
+def test_arena_first_fit_merge_and_exhaustion():
+    arena = HostArena(8 * REGION_ALIGN)
+    a = arena.reserve(1)
+    b = arena.reserve(3 * REGION_ALIGN)
+    c = arena.reserve(REGION_ALIGN)
+    assert (a, b, c) == (0, REGION_ALIGN, 4 * REGION_ALIGN)
+    assert arena.reserved == 5 * REGION_ALIGN
+    with pytest.raises(NoCapacity):
+        arena.reserve(4 * REGION_ALIGN)
+    arena.release(b, 3 * REGION_ALIGN)
+    arena.release(a, 1)
+    assert arena.largest_free() == 4 * REGION_ALIGN  # a and b merged
+    assert arena.reserve(4 * REGION_ALIGN) == 0
+    arena.release(0, 4 * REGION_ALIGN)
+    arena.release(c, REGION_ALIGN)
+    assert arena.largest_free() == arena.capacity and arena.reserved == 0
+    arena.close()
+
+
+def test_page_allocator_checks_ownership():
+    pages = PageAllocator(8)
+    got = pages.allocate(3)
+    assert got.tolist() == [0, 1, 2] and pages.num_free == 5
+    with pytest.raises(NoCapacity):
+        pages.allocate(6)
+    with pytest.raises(OutOfRange):
+        pages.check_owned(np.array([8]))
+    with pytest.raises(OutOfRange):
+        pages.check_owned(np.array([-1]))
+    with pytest.raises(FailedPrecondition):
+        pages.check_owned(np.array([3]))
+    with pytest.raises(InvalidArgument):
+        pages.check_owned(np.array([1, 1]))
+    pages.free(np.array([1]))
+    with pytest.raises(FailedPrecondition):
+        pages.free(np.array([1]))
+    assert pages.num_used == 2
+
+
+def test_whole_pages_detection():
+    p = 4
+    assert transfer.whole_pages(np.arange(8), p).tolist() == [0, 1]
+    assert transfer.whole_pages(np.array([8, 9, 10, 11, 0, 1, 2, 3]), p).tolist() == [2, 0]
+    assert transfer.whole_pages(np.array([1, 2, 3, 4]), p) is None  # unaligned
+    assert transfer.whole_pages(np.array([0, 1, 3, 2]), p) is None  # out of order in the page
+    assert transfer.whole_pages(np.arange(6), p) is None  # partial page
+    with pytest.raises(InvalidArgument, match="whole, aligned pages"):
+        transfer.host_pages_of(np.arange(6), p)
+
+
+def test_plan_picks_runs_pages_or_tokens():
+    p = 4
+    # Consecutive on both sides: one run.
+    plan = transfer.make_plan(np.arange(8), np.arange(32, 64), p, num_device_pages=100)
+    assert plan.device_paged and plan.runs == ((0, 8, 8),)
+    # Scattered pages: index path.
+    plan = transfer.make_plan(np.array([5, 1, 3]), np.array([8, 9, 10, 11, 0, 1, 2, 3, 40, 41, 42, 43]),
+                              p, num_device_pages=100)
+    assert plan.device_paged and plan.runs is None and plan.device_rows.tolist() == [2, 0, 10]
+    # Device slots not whole pages: token rows.
+    plan = transfer.make_plan(np.array([0]), np.array([7, 3, 9, 1]), p, num_device_pages=100)
+    assert not plan.device_paged and plan.device_rows.tolist() == [7, 3, 9, 1]
+    # Strided pool (no page view): token rows.
+    plan = transfer.make_plan(np.array([0]), np.arange(4), p, num_device_pages=None)
+    assert not plan.device_paged
+
+
+def test_check_device_tokens():
+    transfer.check_device_tokens(np.array([0, 9]), 10)
+    with pytest.raises(OutOfRange, match="outside the device pool of 10"):
+        transfer.check_device_tokens(np.array([10]), 10)
+    with pytest.raises(OutOfRange):
+        transfer.check_device_tokens(np.array([-1]), 10)
+    with pytest.raises(InvalidArgument, match="more than once"):
+        transfer.check_device_tokens(np.array([3, 3]), 10)
+
+
+@pytest.mark.parametrize("paged", [True, False])
+@pytest.mark.parametrize("to_device", [True, False])
+def test_copy_part_matches_reference(paged, to_device):
+    g = torch.Generator().manual_seed(0)
+    p, elems, region_pages, dev_tokens = 4, 6, 10, 64
+    host_full = torch.randint(0, 1 << 30, (region_pages, 3, p * elems), generator=g)
+    host = host_full[:, 1]  # a strided (layer, part) view, as in the daemon
+    dev = torch.randint(0, 1 << 30, (dev_tokens, elems), generator=g)
+    hp = np.array([7, 2, 5])
+    if paged:
+        dt = (np.array([3, 9, 0])[:, None] * p + np.arange(p)).reshape(-1)
+    else:
+        dt = np.random.default_rng(0).permutation(dev_tokens)[: 3 * p]
+    plan = transfer.make_plan(hp, dt, p, dev_tokens // p)
+    assert plan.device_paged == paged
+    host_before, dev_before = host_full.clone(), dev.clone()
+    transfer.copy_part(plan, host, dev.view(-1, p * elems), dev, to_device)
+    rows = host_before[:, 1][torch.from_numpy(hp)].reshape(-1, elems)
+    if to_device:
+        expect = dev_before.clone()
+        expect[torch.from_numpy(dt)] = rows
+        assert torch.equal(dev, expect)
+        assert torch.equal(host_full, host_before)
+    else:
+        expect = host_before.clone()
+        expect[torch.from_numpy(hp), 1] = dev_before[torch.from_numpy(dt)].reshape(3, -1)
+        assert torch.equal(host_full, expect)
+        assert torch.equal(dev, dev_before)
