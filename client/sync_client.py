@@ -42,6 +42,8 @@ class LoadHandle:
             self._fail(from_rpc_error(exc))
         except KVClientError as exc:
             self._fail(exc)
+        except BaseException as exc:  # never leave waiters hanging
+            self._fail(KVClientError(grpc.StatusCode.INTERNAL, f"load stream failed: {exc!r}"))
 
     def _fail(self, error: KVClientError) -> None:
         with self._cond:
