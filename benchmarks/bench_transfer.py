@@ -118,7 +118,6 @@ def main() -> None:
         assert np.array_equal(host[hp].numpy(), np.stack(
             [np.stack([dev_views[la][pa][dev_pages].numpy() for pa in range(parts)], 1)
              for la in range(args.layers)], 1)), "in-process copy is wrong"
-        del host
 
         # ---- through the daemon -----------------------------------------------------------
         socket = os.path.join(tmp, "kv.sock")

@@ -10,11 +10,18 @@ import sys
 import uvloop
 
 from kvserver.config import ServerConfig, default_socket, parse_size
-from kvserver.server import serve
+from kvserver.server import ListenError, serve
 
 
 def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(f"KVSERVER_{name}", default)
+
+
+def _log_level(text: str) -> str:
+    level = text.upper()
+    if level not in logging.getLevelNamesMapping():
+        raise argparse.ArgumentTypeError(f"unknown log level {text!r}; use DEBUG, INFO, WARNING or ERROR")
+    return level
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,13 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default=_env("LISTEN"), help="also listen on TCP host:port")
     p.add_argument("--host-memory", default=_env("HOST_MEMORY", "4GiB"),
                    help="host KV memory budget, e.g. 8GiB (default 4GiB)")
-    p.add_argument("--copy-threads", type=int, default=int(_env("COPY_THREADS", "1")),
+    p.add_argument("--copy-threads", type=int, default=_env("COPY_THREADS", "1"),
                    help="copy worker threads (default 1: each copy already uses every torch thread)")
-    p.add_argument("--torch-threads", type=int, default=int(_env("TORCH_THREADS", "0")),
+    p.add_argument("--torch-threads", type=int, default=_env("TORCH_THREADS", "0"),
                    help="torch intra-op threads for copies (default: torch's choice)")
-    p.add_argument("--shutdown-grace", type=float, default=float(_env("SHUTDOWN_GRACE", "5")),
+    p.add_argument("--shutdown-grace", type=float, default=_env("SHUTDOWN_GRACE", "5"),
                    help="seconds in-flight calls get on SIGTERM (default 5)")
-    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    p.add_argument("--log-level", type=_log_level, default=_env("LOG_LEVEL", "INFO"),
+                   help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     return p
 
 
@@ -57,7 +65,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
@@ -68,7 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     if not config.addresses:
         print("kvserver: nothing to listen on: give --socket or --listen", file=sys.stderr)
         return 2
-    uvloop.run(serve(config))
+    try:
+        uvloop.run(serve(config))
+    except ListenError as exc:
+        print(f"kvserver: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -20,7 +20,7 @@ import torch
 from kvserver import transfer
 from kvserver.client_state import ClientSpec, ClientState, Counters
 from kvserver.device_pool import open_shm_pool
-from kvserver.errors import InvalidArgument, NoCapacity, UnknownClient
+from kvserver.errors import InvalidArgument, NoCapacity, UnknownClient, shown
 from kvserver.host_pool import HostArena
 from kvserver.layout import KVLayout, LayerRange, torch_dtype
 from kvserver.page_allocator import PageAllocator
@@ -133,7 +133,7 @@ class KVCore:
     def client(self, client_id: str) -> ClientState:
         client = self.clients.get(client_id)
         if client is None or client.closing:
-            raise UnknownClient(f"unknown client id {client_id!r}; register first")
+            raise UnknownClient(f"unknown client id {shown(client_id)}; register first")
         return client
 
     # ---- host pages -----------------------------------------------------------------------
@@ -173,6 +173,7 @@ class KVCore:
         pages = transfer.host_pages_of(host, spec.page_size)
         client.pages.check_owned(pages)
         transfer.check_device_tokens(dev, client.device.num_tokens)
+        client.device.check_sizes()  # narrows, does not close, the window for a SIGBUS
         num_dev_pages = client.device.num_pages if client.device.page_views is not None else None
         plan = transfer.make_plan(pages, dev, spec.page_size, num_dev_pages)
         return Job(client, plan, local_layers, pages)

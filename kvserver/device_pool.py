@@ -46,6 +46,10 @@ class ShmDevicePool:
     def num_pages(self) -> int:
         return self.num_tokens // self.page_size
 
+    def check_sizes(self) -> None:
+        for m in self.mappings:
+            m.check_size()
+
     def close(self) -> None:
         self.token_views = []
         self.page_views = None

@@ -47,8 +47,24 @@ class Unavailable(KVError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+# Status details travel in HTTP/2 trailers, which peers refuse past 8 KiB (soft) / 16 KiB (hard).
+MAX_DETAILS = 2048
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """repr(value), shortened: caller input quoted in a message must not blow up its size."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} chars)"
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_DETAILS else f"{text[:MAX_DETAILS]}... ({len(text)} chars)"
+
+
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status for an exception: domain errors keep theirs, anything else is INTERNAL."""
     if isinstance(exc, KVError):
-        return exc.code, str(exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+        return exc.code, _clip(str(exc))
+    return grpc.StatusCode.INTERNAL, _clip(f"internal error: {type(exc).__name__}: {exc}")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserver.errors import InvalidArgument, LayerOutOfRange
+from kvserver.errors import InvalidArgument, LayerOutOfRange, shown
 from kvserver.v1 import kvserver_pb2 as pb
 
 DTYPE_TO_TORCH: dict[int, torch.dtype] = {
@@ -114,5 +114,5 @@ class LayerRange:
             return list(range(len(self)))
         local = [self.to_local(layer) for layer in layer_ids]
         if any(b <= a for a, b in zip(local, local[1:], strict=False)):
-            raise InvalidArgument(f"layers must be ascending without repeats, got {list(layer_ids)}")
+            raise InvalidArgument(f"layers must be ascending without repeats, got {shown(list(layer_ids))}")
         return local

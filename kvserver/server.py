@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
+import socket
 
 import grpc
 import torch
@@ -14,13 +16,31 @@ from grpc_reflection.v1alpha import reflection
 
 from kvserver.config import ServerConfig
 from kvserver.core import KVCore
-from kvserver.servicer import KVServicer
+from kvserver.servicer import KVServicer, add_to_server
 from kvserver.v1 import kvserver_pb2 as pb
-from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVServer"].full_name
+
+
+class ListenError(RuntimeError):
+    """An address the daemon was told to listen on cannot be used."""
+
+
+def _check_unix_socket_free(path: str) -> None:
+    """grpc unlinks whatever sits at a Unix socket path before binding, so a second daemon would
+    silently take the socket of a live one. Refuse if something accepts connections there; a dead
+    file left by a crash (connection refused) is fine to replace."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ECONNREFUSED):
+                return
+            raise ListenError(f"cannot use socket {path}: {exc.strerror}") from None
+    raise ListenError(f"another process is already listening on {path}")
 
 
 class Daemon:
@@ -36,7 +56,7 @@ class Daemon:
             ("grpc.so_reuseport", 0),
         ]
         self.server = grpc.aio.server(options=opts)
-        pb_grpc.add_KVServerServicer_to_server(KVServicer(self.core), self.server)
+        add_to_server(KVServicer(self.core), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
@@ -46,10 +66,19 @@ class Daemon:
     async def start(self) -> None:
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)
+        bound = []
         for address in self.config.addresses:
             if address.startswith("unix://"):
-                os.makedirs(os.path.dirname(address[len("unix://") :]), mode=0o700, exist_ok=True)
-            self.ports.append(self.server.add_insecure_port(address))
+                path = address[len("unix://") :]
+                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+                _check_unix_socket_free(path)
+            try:
+                port = self.server.add_insecure_port(address)
+            except RuntimeError:
+                raise ListenError(f"cannot listen on {address} (in use, or not a local address)") from None
+            self.ports.append(port)
+            # Name the port the kernel picked for host:0, so a caller can find it in the log.
+            bound.append(address if address.startswith("unix://") else f"{address.rsplit(':', 1)[0]}:{port}")
         await self.server.start()
         for address in self.config.addresses:
             if address.startswith("unix://"):
@@ -59,7 +88,7 @@ class Daemon:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         logger.info(
             "kvserver listening on %s with %d bytes of host memory",
-            ", ".join(self.config.addresses), self.core.arena.capacity,
+            ", ".join(bound), self.core.arena.capacity,
         )
 
     async def stop(self) -> None:

@@ -8,20 +8,48 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvserver.client_state import ClientState, Counters
 from kvserver.core import KVCore
-from kvserver.errors import KVError, status_of
+from kvserver.errors import InvalidArgument, KVError, status_of
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
 
+class MalformedRequest:
+    """Stands in for request bytes that did not parse, so the handler can answer INVALID_ARGUMENT
+    (grpc.aio would otherwise report the DecodeError as UNKNOWN)."""
+
+    __slots__ = ("type_name", "error")
+
+    def __init__(self, type_name: str, error: DecodeError) -> None:
+        self.type_name = type_name
+        self.error = error
+
+
+def _lenient(message_cls: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return message_cls.FromString(data)
+        except DecodeError as exc:
+            return MalformedRequest(message_cls.DESCRIPTOR.full_name, exc)
+
+    return parse
+
+
+def _check_parsed(request: Any) -> None:
+    if isinstance(request, MalformedRequest):
+        raise InvalidArgument(f"request is not a valid {request.type_name}: {request.error}")
+
+
 def _abort_on_error(fn: Callable) -> Callable:
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
+            _check_parsed(request)
             return await fn(self, request, context)
         except KVError as exc:
             await context.abort(*status_of(exc))
@@ -98,6 +126,7 @@ class KVServicer(pb_grpc.KVServerServicer):
 
     async def Load(self, request: pb.LoadRequest, context) -> AsyncIterator[pb.LoadProgress]:
         try:
+            _check_parsed(request)
             job = self.core.prepare(
                 request.client_id, request.host_indices, request.device_indices, request.layers
             )
@@ -133,3 +162,24 @@ class KVServicer(pb_grpc.KVServerServicer):
             transfers=_counters(totals),
             clients=[_client_stats(c) for c in clients],
         )
+
+
+def add_to_server(servicer: KVServicer, server: Any) -> None:
+    """The generated add_KVServerServicer_to_server, with request parsing that cannot raise."""
+    service = pb.DESCRIPTOR.services_by_name["KVServer"]
+    handlers = {}
+    for method in service.methods:
+        request_cls = getattr(pb, method.input_type.name)
+        response_cls = getattr(pb, method.output_type.name)
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=_lenient(request_cls),
+            response_serializer=response_cls.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)

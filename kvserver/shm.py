@@ -8,7 +8,7 @@ import re
 import stat
 from dataclasses import dataclass
 
-from kvserver.errors import InvalidArgument, NotFound, PermissionDenied
+from kvserver.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, shown
 
 SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
@@ -18,7 +18,7 @@ def check_name(name: str) -> str:
     """A bare object name: no slashes, no leading dot, no '..', no NUL, at most 201 chars."""
     if not _NAME.fullmatch(name) or ".." in name:
         raise InvalidArgument(
-            f"shm name {name!r} is not allowed: use letters, digits, '.', '_' and '-' only, "
+            f"shm name {shown(name)} is not allowed: use letters, digits, '.', '_' and '-' only, "
             "starting with a letter or digit, without '..' or '/'"
         )
     return name
@@ -31,8 +31,22 @@ class ShmMapping:
     name: str
     size: int
     mm: mmap.mmap
+    fd: int = -1  # kept open by open_shm so the object's size can be checked before each copy
+
+    def check_size(self) -> None:
+        """Raises if the object shrank below what is mapped: touching the lost tail is SIGBUS."""
+        if self.fd >= 0:
+            now = os.fstat(self.fd).st_size
+            if now < self.size:
+                raise FailedPrecondition(
+                    f"shm object {self.name!r} shrank from {self.size} to {now} bytes since Register; "
+                    "register the pool again"
+                )
 
     def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         try:
             self.mm.close()
         except BufferError:
@@ -59,9 +73,10 @@ def open_shm(name: str) -> ShmMapping:
         if st.st_size == 0:
             raise InvalidArgument(f"shm object {name!r} is empty")
         mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        return ShmMapping(name, st.st_size, mm)
-    finally:
+        return ShmMapping(name, st.st_size, mm, fd)
+    except BaseException:
         os.close(fd)
+        raise
 
 
 def create_shm(name: str, size: int) -> ShmMapping:

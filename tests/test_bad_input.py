@@ -1,0 +1,810 @@
+"""Bad input against the real daemon: each rejected request gets a specific status and changes nothing.
+
+Every case runs against a daemon holding one client (global layers [4, 8) of an 8-layer model,
+MHA 2 heads x 8 dims bf16, 256-token pool, 8 host pages of 16 tokens) that has stored host pages
+0..3 from device slots [0, 64). Around each rejected request the test checks that:
+
+- the status code is the specific one and the message names the problem;
+- Stats (daemon-wide and the client's own) is identical: capacity, reservations, usage, counters;
+- the whole device pool (the shm object's bytes) is unchanged;
+- the client's host region (read white-box from the in-process arena) is unchanged, and the stored
+  pages, loaded back into a zeroed scratch range of the pool, still hash to what was written;
+- a rejected Register leaves no mapping of its shm objects in this (the daemon's) process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import resource
+import secrets
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import grpc
+import pytest
+import torch
+
+from kvclient import KVClient, KVClientError, KVLayout, ShmKVPool
+from kvclient._messages import register_request
+from kvserver.shm import SHM_DIR, unlink_shm
+from kvserver.v1 import kvserver_pb2 as pb
+from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
+
+C = grpc.StatusCode
+START, END, NUM_LAYERS = 4, 8, 8
+POOL_TOKENS = 256
+PAGE = 16
+HOST_TOKENS = 128  # 8 pages
+STORED_PAGES = [0, 1, 2, 3]  # written at setup from device slots [0, 64)
+OTHER = 64  # device slots [64, 128) hold data unlike anything stored: bad writes/loads use them
+SCRATCH = slice(192, 256)  # zero except while stored pages are loaded back to be checked
+TIMEOUT = 10.0
+U64_MAX = (1 << 64) - 1
+
+
+def tokens(*pages: int) -> list[int]:
+    """Host token slots of whole pages, as Alloc returns them."""
+    return [p * PAGE + i for p in pages for i in range(PAGE)]
+
+
+def slots(start: int, n: int = PAGE) -> list[int]:
+    return list(range(start, start + n))
+
+
+def _sha(tensors: list[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _file_sha(name: str) -> str:
+    with open(os.path.join(SHM_DIR, name), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _mappings_of(name: str) -> list[str]:
+    """Lines of this process's maps (the daemon runs in-process) that map /dev/shm/<name>."""
+    path = os.path.join(SHM_DIR, name)
+    with open(f"/proc/{os.getpid()}/maps") as f:
+        lines = [line.rstrip("\n") for line in f]
+    return [
+        line for line in lines
+        if len(line.split(None, 5)) == 6 and line.split(None, 5)[5] in (path, f"{path} (deleted)")
+    ]
+
+
+def _error_of(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
+    try:
+        result = call()
+    except grpc.RpcError as exc:
+        return exc.code(), exc.details() or ""
+    except KVClientError as exc:
+        return exc.code, exc.message
+    pytest.fail(f"the bad request was accepted: {result!r}")
+
+
+def _make_raw_shm(name: str, size: int) -> None:
+    """A /dev/shm object this process does not map (so any mapping of it is the daemon's)."""
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    stats_all: pb.StatsResponse
+    stats_client: pb.StatsResponse
+    device_sha: str
+    region_sha: str
+
+
+class Env:
+    """The daemon, its one storing client, a raw stub and the checks around a rejected request."""
+
+    def __init__(self, daemon) -> None:
+        self.daemon = daemon
+        torch.manual_seed(0)
+        self.pool = ShmKVPool(KVLayout.mha(2, 8), torch.bfloat16, num_layers=END - START,
+                              num_tokens=POOL_TOKENS)
+        for layer in self.pool.buffers:
+            for part in layer:
+                part.copy_(torch.randn(part.shape))
+                part[SCRATCH].zero_()
+        self.client = KVClient(daemon.address, timeout=TIMEOUT)
+        self.reg = self.client.register(
+            model="m", pool=self.pool, start_layer=START, end_layer=END, num_layers=NUM_LAYERS,
+            host_tokens=HOST_TOKENS, page_size=PAGE,
+        )
+        assert self.reg.host_tokens == HOST_TOKENS
+        self.cid = self.reg.client_id
+        self.host = self.client.alloc(len(STORED_PAGES) * PAGE).tolist()
+        assert self.host == tokens(*STORED_PAGES)
+        self.client.write(host_indices=self.host, device_indices=slots(0, len(self.host)))
+        # What the host now holds: the source rows, hashed right after the write.
+        self.stored_sha = _sha([p[: len(self.host)] for layer in self.pool.buffers for p in layer])
+        self.channel = grpc.insecure_channel(daemon.address)
+        self.stub = pb_grpc.KVServerStub(self.channel)
+        assert self.loaded_back_sha() == self.stored_sha  # the check itself works
+
+    def close(self) -> None:
+        self.channel.close()
+        try:
+            self.client.unregister()
+        finally:
+            self.client.close()
+            self.pool.close()
+
+    # -- observations ---------------------------------------------------------------------------
+
+    def region_sha(self) -> str:
+        def read() -> str:
+            core = self.daemon.core
+            c = core.clients[self.cid]
+            view = core.arena.view(torch.uint8)[c.region_offset : c.region_offset + c.region_bytes]
+            return hashlib.sha256(view.numpy().tobytes()).hexdigest()
+
+        return self.daemon.run(read)
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(
+            stats_all=self.stub.Stats(pb.StatsRequest(), timeout=TIMEOUT),
+            stats_client=self.stub.Stats(pb.StatsRequest(client_id=self.cid), timeout=TIMEOUT),
+            device_sha=_file_sha(self.pool.name),
+            region_sha=self.region_sha(),
+        )
+
+    def loaded_back_sha(self) -> str:
+        """Loads the stored pages into the zeroed scratch slots, hashes them, zeroes them again."""
+        scratch = [p[SCRATCH] for layer in self.pool.buffers for p in layer]
+        assert all(not t.any() for t in scratch), "scratch slots were not zero"
+        req = pb.LoadRequest(client_id=self.cid, host_indices=self.host,
+                             device_indices=list(range(SCRATCH.start, SCRATCH.stop)))
+        steps = list(self.stub.Load(req, timeout=TIMEOUT))
+        assert steps and steps[-1].done
+        sha = _sha(scratch)
+        for t in scratch:
+            t.zero_()
+        return sha
+
+    def assert_unchanged(self, before: Snapshot) -> None:
+        after = self.snapshot()
+        assert after.stats_all == before.stats_all
+        assert after.stats_client == before.stats_client
+        assert after.device_sha == before.device_sha, "the device pool changed"
+        assert after.region_sha == before.region_sha, "the client's host region changed"
+        assert self.loaded_back_sha() == self.stored_sha, "the stored host pages changed"
+
+    def reject(self, code: grpc.StatusCode, text: str, call: Callable[[], object]) -> str:
+        """Runs a bad request; checks its status and message, and that nothing changed."""
+        before = self.snapshot()
+        got_code, message = _error_of(call)
+        assert got_code == code, f"{got_code.name}: {message}"
+        assert text in message, message
+        self.assert_unchanged(before)
+        return message
+
+    # -- raw requests ---------------------------------------------------------------------------
+
+    def transfer(self, op: str, host, device, layers=(), client_id: str | None = None):
+        cid = self.cid if client_id is None else client_id
+        if op == "write":
+            req = pb.WriteRequest(client_id=cid, host_indices=host, device_indices=device, layers=layers)
+            return lambda: self.stub.Write(req, timeout=TIMEOUT)
+        req = pb.LoadRequest(client_id=cid, host_indices=host, device_indices=device, layers=layers)
+        return lambda: list(self.stub.Load(req, timeout=TIMEOUT))
+
+
+@pytest.fixture
+def env(daemon) -> Iterator[Env]:
+    e = Env(daemon)
+    try:
+        yield e
+    finally:
+        e.close()
+
+
+# ---- unknown client ids ----------------------------------------------------------------------------
+
+
+def _stale_id(env: Env) -> str:
+    """The id of a client that registered (on the same pool) and unregistered."""
+    other = KVClient(env.daemon.address, timeout=TIMEOUT)
+    try:
+        reg = other.register(model="gone", pool=env.pool, start_layer=START, end_layer=END,
+                             num_layers=NUM_LAYERS, host_tokens=PAGE, page_size=PAGE)
+        other.unregister()
+    finally:
+        other.close()
+    return reg.client_id
+
+
+CLIENT_IDS = {
+    "random": lambda env: secrets.token_hex(16),
+    "empty": lambda env: "",
+    "unregistered": _stale_id,
+    "uppercased": lambda env: env.cid.upper() if env.cid.upper() != env.cid else "X" + env.cid[1:],
+    "extended": lambda env: env.cid + "0",
+    "prefix": lambda env: env.cid[:-1],
+}
+
+
+def _by_id(env: Env, method: str, cid: str):
+    s = env.stub
+    if method == "Alloc":
+        return lambda: s.Alloc(pb.AllocRequest(client_id=cid, num_tokens=PAGE), timeout=TIMEOUT)
+    if method == "Free":
+        return lambda: s.Free(pb.FreeRequest(client_id=cid, host_indices=tokens(0)), timeout=TIMEOUT)
+    if method in ("Write", "Load"):
+        return env.transfer(method.lower(), tokens(0), slots(OTHER), client_id=cid)
+    if method == "Stats":
+        return lambda: s.Stats(pb.StatsRequest(client_id=cid), timeout=TIMEOUT)
+    assert method == "Unregister"
+    return lambda: s.Unregister(pb.UnregisterRequest(client_id=cid), timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize(
+    ("method", "which"),
+    [
+        pytest.param(m, w, id=f"{m}-{w}")
+        for m in ["Alloc", "Free", "Write", "Load", "Stats", "Unregister"]
+        for w in CLIENT_IDS
+        if (m, w) != ("Stats", "empty")  # an empty id asks Stats for the daemon-wide view
+    ],
+)
+def test_unknown_client_id(env: Env, method: str, which: str) -> None:
+    cid = CLIENT_IDS[which](env)
+    message = env.reject(C.NOT_FOUND, "unknown client id", _by_id(env, method, cid))
+    assert repr(cid) in message
+
+
+def test_unknown_client_id_through_kvclient(env: Env) -> None:
+    other = KVClient(env.daemon.address, timeout=TIMEOUT)
+    other.registration = dataclasses.replace(env.reg, client_id="f" * 32)
+    try:
+        env.reject(C.NOT_FOUND, "unknown client id 'ffff", lambda: other.alloc(PAGE))
+        env.reject(C.NOT_FOUND, "unknown client id",
+                   lambda: other.load(host_indices=env.host, device_indices=slots(OTHER, 64)).wait(TIMEOUT))
+    finally:
+        other.registration = None
+        other.close()
+
+
+# ---- Write and Load: bad indices and layers ----------------------------------------------------------
+
+OOR, INV, FP = C.OUT_OF_RANGE, C.INVALID_ARGUMENT, C.FAILED_PRECONDITION
+REGION = "outside this client's host region of 8 pages"
+WHOLE = "whole, aligned pages of 16 tokens"
+
+TRANSFER_CASES = [
+    # host indices
+    pytest.param(tokens(8), slots(OTHER), [], OOR, f"host page 8 is {REGION}", id="host-past-region"),
+    pytest.param(tokens(0, 1 << 40), slots(OTHER, 32), [], OOR, f"page {1 << 40} is {REGION}",
+                 id="host-far-past-region"),
+    pytest.param(tokens(-1), slots(OTHER), [], OOR, f"host page -1 is {REGION}", id="host-negative"),
+    pytest.param(tokens(-(1 << 59)), slots(OTHER), [], OOR, f"host page {-(1 << 59)}", id="host-int64-min"),
+    pytest.param([-1], [OTHER], [], INV, WHOLE, id="host-negative-single-slot"),
+    pytest.param(tokens(4), slots(OTHER), [], FP, "host page 4 is not allocated to this client",
+                 id="host-not-allocated"),
+    pytest.param(tokens(0, 5), slots(OTHER, 32), [], FP, "host page 5 is not allocated",
+                 id="host-partly-not-allocated"),
+    pytest.param(slots(1), slots(OTHER), [], INV, WHOLE, id="host-misaligned"),
+    pytest.param(slots(0, 8), slots(OTHER, 8), [], INV, WHOLE, id="host-partial-page"),
+    pytest.param(slots(0, 24), slots(OTHER, 24), [], INV, WHOLE, id="host-page-and-a-half"),
+    pytest.param(tokens(0)[::-1], slots(OTHER), [], INV, WHOLE, id="host-page-reversed"),
+    pytest.param([0] * PAGE, slots(OTHER), [], INV, WHOLE, id="host-duplicate-slot"),
+    pytest.param(tokens(0, 0), slots(OTHER, 32), [], INV, "host indices name the same page more than once",
+                 id="host-duplicate-page"),
+    pytest.param(tokens(1, 0, 1), slots(OTHER, 48), [], INV, "same page more than once",
+                 id="host-duplicate-page-apart"),
+    # device indices
+    pytest.param(tokens(0), [OTHER] * PAGE, [], INV, "device indices name the same slot more than once",
+                 id="device-duplicate-slot"),
+    pytest.param(tokens(0, 1), slots(OTHER) * 2, [], INV, "same slot more than once",
+                 id="device-duplicate-page"),
+    pytest.param(tokens(0), slots(POOL_TOKENS - 6), [], OOR,
+                 f"device index {POOL_TOKENS + 9} is outside the device pool of {POOL_TOKENS} tokens",
+                 id="device-past-pool"),
+    pytest.param(tokens(0), slots(OTHER, 15) + [1 << 62], [], OOR, f"device index {1 << 62} is outside",
+                 id="device-far-past-pool"),
+    pytest.param(tokens(0), slots(-1), [], OOR, "device index -1 is outside the device pool",
+                 id="device-negative"),
+    pytest.param(tokens(0), slots(OTHER, 15) + [-(1 << 63)], [], OOR, f"device index {-(1 << 63)}",
+                 id="device-int64-min"),
+    # pairing
+    pytest.param(tokens(0), slots(OTHER, 15), [], INV, "16 host indices but 15 device indices",
+                 id="count-mismatch-short"),
+    pytest.param(tokens(0), slots(OTHER, 17), [], INV, "16 host indices but 17 device indices",
+                 id="count-mismatch-long"),
+    pytest.param(tokens(0), [], [], INV, "16 host indices but 0 device indices", id="count-mismatch-empty"),
+    pytest.param([], slots(OTHER), [], INV, "0 host indices but 16 device indices",
+                 id="count-mismatch-no-host"),
+    # layers
+    pytest.param(tokens(0), slots(OTHER), [2], OOR, "layer 2 is outside this client's layer range [4, 8)",
+                 id="layer-below-range"),
+    pytest.param(tokens(0), slots(OTHER), [3], OOR, "layer 3 is outside this client's layer range [4, 8)",
+                 id="layer-just-below-range"),
+    pytest.param(tokens(0), slots(OTHER), [8], OOR, "layer 8 is outside this client's layer range [4, 8)",
+                 id="layer-at-end"),
+    pytest.param(tokens(0), slots(OTHER), [4, 5, 9], OOR, "layer 9 is outside", id="layer-last-outside"),
+    pytest.param(tokens(0), slots(OTHER), [(1 << 32) - 1], OOR, f"layer {(1 << 32) - 1} is outside",
+                 id="layer-uint32-max"),
+    pytest.param(tokens(0), slots(OTHER), [5, 5], INV, "layers must be ascending without repeats",
+                 id="layer-repeated"),
+    pytest.param(tokens(0), slots(OTHER), [6, 5], INV, "ascending without repeats, got [6, 5]",
+                 id="layer-descending"),
+    pytest.param(tokens(0), slots(OTHER), [4, 5, 7, 7], INV, "ascending without repeats",
+                 id="layer-repeated-at-end"),
+]
+
+
+@pytest.mark.parametrize("op", ["write", "load"])
+@pytest.mark.parametrize(("host", "device", "layers", "code", "text"), TRANSFER_CASES)
+def test_bad_transfer(env: Env, op: str, host, device, layers, code, text) -> None:
+    env.reject(code, text, env.transfer(op, host, device, layers))
+
+
+@pytest.mark.parametrize("layers", [[2], [4, 8]], ids=["below", "end"])
+def test_layer_outside_range_through_kvclient(env: Env, layers: list[int]) -> None:
+    """The client library surfaces the same status and the range named as [4, 8)."""
+    bad = layers[-1]
+    text = f"layer {bad} is outside this client's layer range [4, 8)"
+    dev = slots(OTHER, 64)
+    env.reject(C.OUT_OF_RANGE, text,
+               lambda: env.client.write(host_indices=env.host, device_indices=dev, layers=layers))
+    env.reject(C.OUT_OF_RANGE, text,
+               lambda: env.client.load(host_indices=env.host, device_indices=dev, layers=layers).wait(5))
+
+
+# ---- Alloc and Free ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "code", "text"),
+    [
+        pytest.param(65, C.RESOURCE_EXHAUSTED, "host region full: 5 pages requested, 4 of 8 free",
+                     id="more-than-free"),
+        pytest.param(HOST_TOKENS + 1, C.RESOURCE_EXHAUSTED, "9 pages requested, 4 of 8 free",
+                     id="more-than-region"),
+        pytest.param(U64_MAX, C.RESOURCE_EXHAUSTED, "host region full", id="uint64-max"),
+        pytest.param(0, C.INVALID_ARGUMENT, "num_tokens must be positive", id="zero"),
+    ],
+)
+def test_bad_alloc(env: Env, num_tokens: int, code, text) -> None:
+    req = pb.AllocRequest(client_id=env.cid, num_tokens=num_tokens)
+    env.reject(code, text, lambda: env.stub.Alloc(req, timeout=TIMEOUT))
+
+
+def _free_page_4_once(env: Env) -> None:
+    assert env.client.alloc(PAGE).tolist() == tokens(4)
+    assert env.client.free(tokens(4)) == PAGE
+
+
+@pytest.mark.parametrize(
+    ("setup", "host", "code", "text"),
+    [
+        pytest.param(None, tokens(4), FP, "host page 4 is not allocated to this client",
+                     id="never-allocated"),
+        pytest.param(_free_page_4_once, tokens(4), FP, "host page 4 is not allocated", id="double-free"),
+        pytest.param(None, tokens(0, 5), FP, "host page 5 is not allocated", id="allocated-and-not"),
+        pytest.param(None, tokens(8), OOR, f"host page 8 is {REGION}", id="past-region"),
+        pytest.param(None, tokens(0, 9), OOR, f"host page 9 is {REGION}", id="allocated-and-past-region"),
+        pytest.param(None, tokens(-1), OOR, f"host page -1 is {REGION}", id="negative"),
+        pytest.param(None, tokens(0, 0), INV, "host indices name the same page more than once",
+                     id="duplicate-page"),
+        pytest.param(None, tokens(0)[:-1] + [0], INV, WHOLE, id="duplicate-slot"),
+        pytest.param(None, slots(1), INV, WHOLE, id="misaligned"),
+        pytest.param(None, slots(0, 8), INV, WHOLE, id="partial-page"),
+    ],
+)
+def test_bad_free(env: Env, setup, host: list[int], code, text) -> None:
+    if setup is not None:
+        setup(env)
+    env.reject(code, text,
+               lambda: env.stub.Free(pb.FreeRequest(client_id=env.cid, host_indices=host), timeout=TIMEOUT))
+
+
+# ---- Register ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Spare:
+    """A second pool for Register cases; this process keeps no mapping of it."""
+
+    name: str
+    base: pb.RegisterRequest
+    extra: list[str]  # more /dev/shm entries a case made, removed at teardown
+
+    def request(self) -> pb.RegisterRequest:
+        req = pb.RegisterRequest()
+        req.CopyFrom(self.base)
+        return req
+
+    def names(self) -> list[str]:
+        return [self.name, *self.extra]
+
+
+@pytest.fixture
+def spare(env: Env) -> Iterator[Spare]:
+    pool = ShmKVPool(KVLayout.mha(2, 8), torch.bfloat16, num_layers=4, num_tokens=POOL_TOKENS)
+    base = register_request(model="spare", pool=pool, start_layer=0, end_layer=4, num_layers=4,
+                            host_tokens=64, page_size=PAGE, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+    pool.close(unlink=False)
+    s = Spare(pool.name, base, [])
+    assert _mappings_of(s.name) == []
+    try:
+        yield s
+    finally:
+        for name in s.names():
+            path = os.path.join(SHM_DIR, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                os.rmdir(path)
+            elif os.path.lexists(path):
+                os.unlink(path)
+
+
+def _set_names(req: pb.RegisterRequest, name: str, layers: list[int] | None = None) -> None:
+    for i, layer in enumerate(req.device_pool.layers):
+        if layers is None or i in layers:
+            for part in layer.parts:
+                part.shm.name = name
+
+
+def _extra(s: Spare, kind: str) -> str:
+    name = f"kvtest-{kind}-{secrets.token_hex(6)}"
+    path = os.path.join(SHM_DIR, name)
+    s.extra.append(name)
+    if kind == "missing":
+        pass
+    elif kind == "small":
+        _make_raw_shm(name, 1000)
+    elif kind == "empty":
+        _make_raw_shm(name, 0)
+    elif kind == "dir":
+        os.mkdir(path)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "symlink":
+        os.symlink(os.path.join(SHM_DIR, s.name), path)
+    return name
+
+
+def _names(name: str) -> Callable[[Spare, pb.RegisterRequest], None]:
+    return lambda s, r: _set_names(r, name)
+
+
+def _strides(stride: int) -> Callable[[Spare, pb.RegisterRequest], None]:
+    def f(s: Spare, r: pb.RegisterRequest) -> None:
+        for layer in r.device_pool.layers:
+            for part in layer.parts:
+                part.token_stride = stride
+
+    return f
+
+
+def _parts(n: int) -> Callable[[Spare, pb.RegisterRequest], None]:
+    def f(s: Spare, r: pb.RegisterRequest) -> None:
+        for layer in r.device_pool.layers:
+            first = pb.BufferRef()
+            first.CopyFrom(layer.parts[0])
+            del layer.parts[:]
+            for _ in range(n):
+                layer.parts.add().CopyFrom(first)
+
+    return f
+
+
+def _mla(s: Spare, r: pb.RegisterRequest) -> None:
+    r.layout.CopyFrom(KVLayout.mla(12, 4).to_wire())  # 16 values: the same 32-byte token
+
+
+def _num_layers(n: int) -> Callable[[Spare, pb.RegisterRequest], None]:
+    def f(s: Spare, r: pb.RegisterRequest) -> None:
+        layers = list(r.device_pool.layers)
+        del r.device_pool.layers[:]
+        for i in range(n):
+            r.device_pool.layers.add().CopyFrom(layers[i % len(layers)])
+
+    return f
+
+
+def _fields(**values) -> Callable[[Spare, pb.RegisterRequest], None]:
+    def f(s: Spare, r: pb.RegisterRequest) -> None:
+        for k, v in values.items():
+            setattr(r, k, v)
+
+    return f
+
+
+def _clear_location(s: Spare, r: pb.RegisterRequest) -> None:
+    r.device_pool.layers[2].parts[1].ClearField("location")
+
+
+def _cuda_location(s: Spare, r: pb.RegisterRequest) -> None:
+    r.device_pool.layers[0].parts[0].cuda.ipc_handle = b"\0" * 64
+
+
+def _offset_past_end(s: Spare, r: pb.RegisterRequest) -> None:
+    r.device_pool.layers[3].parts[1].offset = 8 * POOL_TOKENS * 32
+
+
+def _num_tokens(n: int) -> Callable[[Spare, pb.RegisterRequest], None]:
+    def f(s: Spare, r: pb.RegisterRequest) -> None:
+        r.device_pool.num_tokens = n
+
+    return f
+
+
+NOT_ALLOWED = "is not allowed: use letters, digits"
+BAD_NAMES = {
+    "dotdot-etc-passwd": "../etc/passwd",
+    "slash": "a/b",
+    "absolute": "/dev/shm/x",
+    "hidden": ".hidden",
+    "empty": "",
+    "dotdot": "..",
+    "dot": ".",
+    "inner-dotdot": "a..b",
+    "nul": "a\0b",
+    "space": "a b",
+    "newline": "a\n",
+    "non-ascii": "kv\u00e9",
+    "too-long": "x" * 202,
+}
+
+REGISTER_CASES = [
+    pytest.param(lambda s, r: _set_names(r, _extra(s, "missing")), C.NOT_FOUND,
+                 "does not exist in /dev/shm", id="shm-missing"),
+    pytest.param(lambda s, r: _set_names(r, _extra(s, "missing"), [3]), C.NOT_FOUND,
+                 "does not exist in /dev/shm", id="shm-missing-last-layer"),
+    pytest.param(_num_tokens(POOL_TOKENS + 1), INV, "bytes but the buffer at offset", id="shm-too-small"),
+    pytest.param(_offset_past_end, INV, f"is {8 * POOL_TOKENS * 32} bytes but the buffer at offset",
+                 id="shm-offset-past-end"),
+    pytest.param(lambda s, r: _set_names(r, _extra(s, "small")), INV, "is 1000 bytes but",
+                 id="shm-object-small"),
+    pytest.param(lambda s, r: _set_names(r, _extra(s, "small"), [1]), INV, "is 1000 bytes but",
+                 id="shm-one-layer-small"),
+    pytest.param(lambda s, r: _set_names(r, _extra(s, "empty")), INV, "is empty", id="shm-object-empty"),
+    pytest.param(lambda s, r: _set_names(r, _extra(s, "dir")), INV, "cannot be opened", id="shm-directory"),
+    pytest.param(lambda s, r: _set_names(r, _extra(s, "fifo")), INV, "is not a regular shared-memory object",
+                 id="shm-fifo"),
+    pytest.param(lambda s, r: _set_names(r, _extra(s, "symlink")), INV, "cannot be opened", id="shm-symlink"),
+    *[pytest.param(_names(n), INV, NOT_ALLOWED, id=f"shm-name-{k}") for k, n in BAD_NAMES.items()],
+    pytest.param(_strides(16), INV, "token_stride 16 is smaller than one token (32 bytes", id="stride-half"),
+    pytest.param(_strides(0), INV, "token_stride 0 is smaller than one token", id="stride-zero"),
+    pytest.param(_parts(1), INV, "device_pool layer 0 has 1 buffers; MHA (K and V) needs 2",
+                 id="mha-one-part"),
+    pytest.param(_parts(3), INV, "has 3 buffers; MHA (K and V) needs 2", id="mha-three-parts"),
+    pytest.param(_mla, INV, "has 2 buffers; MLA (one latent) needs 1", id="mla-two-parts"),
+    pytest.param(_num_layers(3), INV, "device_pool lists 3 layers but the layer range holds 4",
+                 id="too-few-layers"),
+    pytest.param(_num_layers(5), INV, "device_pool lists 5 layers but the layer range holds 4",
+                 id="too-many-layers"),
+    pytest.param(_num_layers(0), INV, "device_pool lists 0 layers", id="no-layers"),
+    pytest.param(_num_tokens(0), INV, "device_pool.num_tokens must be in [1, ", id="pool-zero-tokens"),
+    pytest.param(_clear_location, INV, "shared-memory buffers only", id="location-unset"),
+    pytest.param(_cuda_location, INV, "shared-memory buffers only", id="location-cuda"),
+    pytest.param(_fields(dtype=pb.DTYPE_UNSPECIFIED), INV, "dtype must be set", id="dtype-unspecified"),
+    pytest.param(_fields(dtype=99), INV, "dtype 99 is not supported; use one of DTYPE_BFLOAT16",
+                 id="dtype-unknown"),
+    pytest.param(lambda s, r: r.ClearField("layout"), INV, "layout must be set to mha or mla",
+                 id="layout-unset"),
+    pytest.param(lambda s, r: setattr(r.layout.mha, "num_heads", 0), INV, "needs num_heads > 0",
+                 id="mha-zero-heads"),
+    pytest.param(lambda s, r: setattr(r.layout.mha, "head_dim", 0), INV, "head_dim > 0", id="mha-zero-dim"),
+    pytest.param(lambda s, r: r.layout.mla.SetInParent(), INV, "kv_lora_rank > 0", id="mla-zero-rank"),
+    pytest.param(_fields(page_size=0), INV, "page_size must be in [1, 4096], got 0", id="page-size-zero"),
+    pytest.param(_fields(page_size=4097), INV, "page_size must be in [1, 4096], got 4097",
+                 id="page-size-huge"),
+    pytest.param(_fields(start_layer=4, end_layer=4, num_layers=8), INV, "layer range [4, 4) is empty",
+                 id="layer-range-empty"),
+    pytest.param(_fields(start_layer=3, end_layer=1), INV, "layer range [3, 1) is empty",
+                 id="layer-range-reversed"),
+    pytest.param(_fields(num_layers=3), INV, "layer range [0, 4) does not fit in a model of num_layers=3",
+                 id="end-past-num-layers"),
+    pytest.param(_fields(num_layers=0), INV, "num_layers=0", id="num-layers-zero"),
+    pytest.param(_fields(tp_rank=2, tp_size=2), INV, "rank out of range: tp 2/2", id="tp-rank-eq-size"),
+    pytest.param(_fields(tp_rank=1, tp_size=0), INV, "rank out of range: tp 1/1", id="tp-rank-size-unset"),
+    pytest.param(_fields(pp_rank=5, pp_size=2), INV, "pp 5/2", id="pp-rank-past-size"),
+    pytest.param(_fields(model=""), INV, "model must be set", id="model-empty"),
+    pytest.param(_fields(host_tokens=0), INV, "host_tokens must be at least one page", id="host-tokens-zero"),
+]
+
+
+@pytest.mark.parametrize(("mutate", "code", "text"), REGISTER_CASES)
+def test_bad_register(env: Env, spare: Spare, mutate, code, text) -> None:
+    req = spare.request()
+    mutate(spare, req)
+    env.reject(code, text, lambda: env.stub.Register(req, timeout=TIMEOUT))
+    for name in spare.names():
+        assert _mappings_of(name) == [], f"the daemon still maps {name}"
+
+
+def test_spare_request_is_valid_and_mapping_check_sees_it(env: Env, spare: Spare) -> None:
+    """Positive control: the unmodified request registers, the daemon's mapping shows up in
+    /proc/<pid>/maps, and Unregister puts Stats and the maps back as they were."""
+    before = env.snapshot()
+    resp = env.stub.Register(spare.request(), timeout=TIMEOUT)
+    assert resp.host_tokens == 64 and resp.page_size == PAGE
+    assert _mappings_of(spare.name) != []
+    env.stub.Unregister(pb.UnregisterRequest(client_id=resp.client_id), timeout=TIMEOUT)
+    assert _mappings_of(spare.name) == []
+    env.assert_unchanged(before)
+
+
+def test_register_page_larger_than_host_memory(env: Env) -> None:
+    """One page (4 layers x K,V x 4096 tokens x 32 KiB) is 1 GiB, more than the 512 MiB daemon."""
+    pool = ShmKVPool(KVLayout.mha(16, 1024), torch.bfloat16, num_layers=4, num_tokens=1)
+    req = register_request(model="big", pool=pool, start_layer=0, end_layer=4, num_layers=4, host_tokens=1,
+                           page_size=4096, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+    pool.close(unlink=False)
+    try:
+        env.reject(C.RESOURCE_EXHAUSTED, f"no host memory left for one page of {1 << 30} bytes",
+                   lambda: env.stub.Register(req, timeout=TIMEOUT))
+        assert _mappings_of(pool.name) == []
+    finally:
+        unlink_shm(pool.name)
+
+
+@pytest.mark.parametrize("host_tokens", [10**12, U64_MAX], ids=["1e12", "uint64-max"])
+def test_register_more_than_budget_grants_less(env: Env, spare: Spare, host_tokens: int) -> None:
+    before = env.snapshot()
+    free = before.stats_all.capacity_bytes - before.stats_all.reserved_bytes
+    req = spare.request()
+    req.host_tokens = host_tokens
+    resp = env.stub.Register(req, timeout=TIMEOUT)
+    page_bytes = resp.host_bytes_per_token * PAGE
+    assert resp.page_size == PAGE
+    assert resp.host_tokens % PAGE == 0
+    assert 0 < resp.host_tokens * resp.host_bytes_per_token <= free
+    assert resp.host_tokens == free // page_bytes * PAGE  # all the room there was, in whole pages
+    full = env.stub.Stats(pb.StatsRequest(), timeout=TIMEOUT)
+    assert full.num_clients == 2 and full.reserved_bytes <= full.capacity_bytes
+
+    # Now nothing is left: a third registration is refused and changes nothing.
+    third = spare.request()
+    env.reject(C.RESOURCE_EXHAUSTED, "no host memory left for one page",
+               lambda: env.stub.Register(third, timeout=TIMEOUT))
+    assert len(_mappings_of(spare.name)) > 0  # the granted client's mapping only
+    mapped = _mappings_of(spare.name)
+    third.host_tokens = 1
+    env.reject(C.RESOURCE_EXHAUSTED, "no host memory left", lambda: env.stub.Register(third, timeout=TIMEOUT))
+    assert _mappings_of(spare.name) == mapped
+
+    env.stub.Unregister(pb.UnregisterRequest(client_id=resp.client_id), timeout=TIMEOUT)
+    assert _mappings_of(spare.name) == []
+    # Back to where it was, but for the counters of the check loads that env.reject ran.
+    after = env.snapshot()
+    assert _without_counters(after.stats_all) == _without_counters(before.stats_all)
+    assert (after.device_sha, after.region_sha) == (before.device_sha, before.region_sha)
+    assert env.loaded_back_sha() == env.stored_sha
+
+
+def _without_counters(stats: pb.StatsResponse) -> pb.StatsResponse:
+    out = pb.StatsResponse()
+    out.CopyFrom(stats)
+    out.ClearField("transfers")
+    for c in out.clients:
+        c.ClearField("transfers")
+    return out
+
+
+# ---- requests that are not protobuf at all ------------------------------------------------------------
+
+METHODS = ["Register", "Unregister", "Alloc", "Free", "Write", "Load", "Stats"]
+CORRUPT = b"\xff\xff\xff"  # field 0x1fff... with an unfinished varint: not a message of any type
+
+
+def _raw_call(env: Env, method: str):
+    path = f"/kvserver.v1.KVServer/{method}"
+    if method == "Load":
+        rpc = env.channel.unary_stream(path)
+        return lambda: list(rpc(CORRUPT, timeout=TIMEOUT))
+    rpc = env.channel.unary_unary(path)
+    return lambda: rpc(CORRUPT, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_corrupt_request_changes_nothing(env: Env, method: str) -> None:
+    before = env.snapshot()
+    code, message = _error_of(_raw_call(env, method))
+    assert code != C.OK and "Error parsing message" in message
+    env.assert_unchanged(before)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_corrupt_request_is_invalid_argument(env: Env, method: str) -> None:
+    code, message = _error_of(_raw_call(env, method))
+    assert code == C.INVALID_ARGUMENT, f"{code.name}: {message}"
+    assert f"kvserver.v1.{method}Request" in message
+
+
+# ---- huge input echoed into the status message ----------------------------------------------------------
+
+HUGE = 100_000  # well past gRPC's metadata limits (8 KiB soft, 16 KiB hard); status details ride in trailers
+
+
+def _huge_register(env: Env, spare: Spare):
+    req = spare.request()
+    _set_names(req, "x" * HUGE)
+    return lambda: env.stub.Register(req, timeout=TIMEOUT)
+
+
+HUGE_CASES = {
+    **{
+        f"client-id-{m}": (
+            lambda env, spare, m=m: _by_id(env, m, "a" * HUGE), C.NOT_FOUND, "unknown client id",
+        )
+        for m in ["Alloc", "Free", "Write", "Load", "Stats", "Unregister"]
+    },
+    "shm-name": (_huge_register, C.INVALID_ARGUMENT, NOT_ALLOWED),
+    **{
+        f"layers-repeated-{op}": (
+            lambda env, spare, op=op: env.transfer(op, tokens(0), slots(OTHER), [5] * (HUGE // 3)),
+            C.INVALID_ARGUMENT, "ascending without repeats",
+        )
+        for op in ["write", "load"]
+    },
+}
+
+
+@pytest.mark.parametrize("case", list(HUGE_CASES))
+def test_huge_input_keeps_its_status(env: Env, spare: Spare, case: str) -> None:
+    make, code, text = HUGE_CASES[case]
+    message = env.reject(code, text, make(env, spare))
+    assert len(message) < 4096
+
+
+# ---- a pool shrunk under the daemon -----------------------------------------------------------------------
+
+SHRINK_SCRIPT = r"""
+import os, sys
+import torch
+from conftest import DaemonThread
+from kvclient import KVClient, KVClientError, KVLayout, ShmKVPool
+from kvserver.config import ServerConfig
+
+name, sock = sys.argv[1:3]
+dt = DaemonThread(ServerConfig(socket=sock, host_memory=8 << 20))
+pool = ShmKVPool(KVLayout.mha(2, 8), torch.bfloat16, num_layers=1, num_tokens=256, name=name)  # 16 KiB
+c = KVClient(dt.address, timeout=10)
+c.register(model="m", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=16, page_size=16)
+h = c.alloc(16)
+pool.close(unlink=False)
+os.truncate(f"/dev/shm/{name}", 4096)  # the engine shrinks its pool object to one page after Register
+print("truncated", flush=True)
+try:
+    c.write(host_indices=h, device_indices=range(240, 256))  # past the first page
+    print("ACCEPTED", flush=True)
+except KVClientError as exc:
+    print("REJECTED", exc.code.name, exc.message, flush=True)
+print("alive", c.stats(all_clients=True).num_clients, flush=True)
+c.unregister()
+c.close()
+dt.stop()
+"""
+
+
+def test_pool_shrunk_after_register_does_not_kill_the_daemon(socket_dir: str) -> None:
+    name = f"kvtest-shrunk-{secrets.token_hex(6)}"
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    try:
+        res = subprocess.run(
+            [sys.executable, "-c", SHRINK_SCRIPT, name, os.path.join(socket_dir, "shrunk.sock")],
+            capture_output=True, text=True, timeout=120, env=env,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0)),
+        )
+    finally:
+        if os.path.lexists(os.path.join(SHM_DIR, name)):
+            os.unlink(os.path.join(SHM_DIR, name))
+    assert "truncated" in res.stdout, res.stderr[-2000:]
+    assert res.returncode == 0, f"daemon process died with {res.returncode}: {res.stderr[-500:]}"
+    assert "REJECTED FAILED_PRECONDITION" in res.stdout and "alive 1" in res.stdout, res.stdout
