@@ -44,14 +44,17 @@ def start_daemon(socket: str, host_memory: str) -> subprocess.Popen:
     return proc
 
 
-def timed(fn, repeats: int) -> float:
-    fn()  # warm-up: first touch of pages, thread start-up
-    times = []
+def interleaved(fns: dict[str, object], repeats: int) -> dict[str, float]:
+    """Median seconds of each function, run in turn so that drift in machine speed hits all alike."""
+    for fn in fns.values():
+        fn()  # warm-up: first touch of pages, thread start-up
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def main() -> None:
@@ -65,6 +68,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
+    # One thread for every torch op here, like the daemon's kernel: idle OpenMP threads spinning
+    # after a parallel copy would otherwise steal the cores from whichever side runs next.
+    torch.set_num_threads(1)
     dtype = torch.bfloat16
     layout = KVLayout.mha(args.heads, args.head_dim)
     token_bytes = layout.token_bytes(dtype) * layout.num_parts * args.layers
@@ -110,16 +116,8 @@ def main() -> None:
         src = torch.empty(nbytes, dtype=torch.uint8)
         dst = torch.empty_like(src)
         src.fill_(1)
-        t_memcpy = timed(lambda: dst.copy_(src), args.repeats)
-        t_naive_w = timed(lambda: naive(False), args.repeats)
-        t_naive_l = timed(lambda: naive(True), args.repeats)
-        t_in_w = timed(lambda: planned(False), args.repeats)
-        t_in_l = timed(lambda: planned(True), args.repeats)
-        assert np.array_equal(host[hp].numpy(), np.stack(
-            [np.stack([dev_views[la][pa][dev_pages].numpy() for pa in range(parts)], 1)
-             for la in range(args.layers)], 1)), "in-process copy is wrong"
 
-        # ---- through the daemon -----------------------------------------------------------
+        # ---- through the daemon, measured in turn with the baselines ----------------------
         socket = os.path.join(tmp, "kv.sock")
         daemon = start_daemon(socket, f"{4 * nbytes // (1 << 20) + 64}MiB")
         try:
@@ -129,26 +127,33 @@ def main() -> None:
                                 page_size=args.page_size)
                 all_host = client.alloc(2 * tokens).view(-1, args.page_size)
                 host_idx = all_host[hp].reshape(-1)
-                t_d_w = timed(lambda: client.write(host_indices=host_idx, device_indices=dev),
-                              args.repeats)
-                t_d_l = timed(lambda: client.load(host_indices=host_idx, device_indices=dev).wait(),
-                              args.repeats)
+                t = interleaved({
+                    "memcpy": lambda: dst.copy_(src),
+                    "naive write": lambda: naive(False),
+                    "naive load": lambda: naive(True),
+                    "in-process write": lambda: planned(False),
+                    "in-process load": lambda: planned(True),
+                    "daemon write": lambda: client.write(host_indices=host_idx, device_indices=dev),
+                    "daemon load": lambda: client.load(host_indices=host_idx, device_indices=dev).wait(),
+                }, args.repeats)
                 client.unregister()
         finally:
             daemon.terminate()
             daemon.wait(timeout=30)
+        assert np.array_equal(host[hp].numpy(), np.stack(
+            [np.stack([dev_views[la][pa][dev_pages].numpy() for pa in range(parts)], 1)
+             for la in range(args.layers)], 1)), "in-process copy is wrong"
 
     gbs = lambda t: nbytes / t / 1e9  # noqa: E731
     print(f"transfer: {nbytes / (1 << 20):.1f} MiB = {tokens} tokens in {pages} scattered pages of "
           f"{args.page_size} tokens; {args.layers} layers x {layout.num_parts} parts, "
           f"{args.page_size * layout.token_bytes(dtype)} B per page chunk; median of {args.repeats}")
-    print(f"memcpy (contiguous)     {gbs(t_memcpy):7.2f} GB/s")
-    print(f"naive torch write       {gbs(t_naive_w):7.2f} GB/s")
-    print(f"naive torch load        {gbs(t_naive_l):7.2f} GB/s")
-    print(f"in-process write        {gbs(t_in_w):7.2f} GB/s")
-    print(f"in-process load         {gbs(t_in_l):7.2f} GB/s")
-    print(f"daemon write            {gbs(t_d_w):7.2f} GB/s   {t_in_w / t_d_w:5.2f}x in-process")
-    print(f"daemon load             {gbs(t_d_l):7.2f} GB/s   {t_in_l / t_d_l:5.2f}x in-process")
+    for name, secs in t.items():
+        ratio = ""
+        if name.startswith("daemon"):
+            base = t[name.replace("daemon", "in-process")]
+            ratio = f"   {base / secs:5.2f}x in-process"
+        print(f"{name:<20} {gbs(secs):7.2f} GB/s{ratio}")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch intra-op threads for copies (default: torch's choice)")
     p.add_argument("--shutdown-grace", type=float, default=_env("SHUTDOWN_GRACE", "5"),
                    help="seconds in-flight calls get on SIGTERM (default 5)")
+    p.add_argument("--progress-interval-ms", type=float, default=_env("PROGRESS_INTERVAL_MS", "1"),
+                   help="least time between load progress messages; 0 sends one per layer (default 1)")
     p.add_argument("--log-level", type=_log_level, default=_env("LOG_LEVEL", "INFO"),
                    help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     return p
@@ -59,6 +61,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         copy_threads=args.copy_threads,
         torch_threads=args.torch_threads,
         shutdown_grace=args.shutdown_grace,
+        progress_interval=args.progress_interval_ms / 1000,
     )
 
 

@@ -11,6 +11,7 @@ import torch
 from kvserver.device_pool import ShmDevicePool
 from kvserver.layout import KVLayout, LayerRange
 from kvserver.page_allocator import PageAllocator
+from kvserver.transfer import BufferTable
 
 
 @dataclass(slots=True)
@@ -60,6 +61,7 @@ class ClientState:
     region_bytes: int
     pages: PageAllocator
     host_views: list[list[torch.Tensor]]  # [layer][part] -> [num_pages, page_size*elems]
+    host_table: BufferTable
     counters: Counters = field(default_factory=Counters)
     busy: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     inflight: int = 0

@@ -33,6 +33,7 @@ class ServerConfig:
     copy_threads: int = 1  # one thread drives torch; more OpenMP masters fight over cores
     torch_threads: int = 0  # 0 leaves torch's default
     shutdown_grace: float = 5.0
+    progress_interval: float = 0.001  # seconds between load progress messages (the last always goes)
     max_message_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
@@ -42,6 +43,8 @@ class ServerConfig:
             raise ValueError("copy threads must be at least 1")
         if self.shutdown_grace < 0:
             raise ValueError("shutdown grace must not be negative")
+        if not 0 <= self.progress_interval <= 1:
+            raise ValueError("progress interval must be between 0 and 1000 ms")
         if self.listen is not None and not re.fullmatch(r"\[?[\w.:-]*\]?:\d+", self.listen):
             raise ValueError(f"listen address {self.listen!r} is not host:port")
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,11 +24,15 @@ from kvserver.client_state import ClientSpec, ClientState, Counters
 from kvserver.device_pool import open_shm_pool
 from kvserver.errors import InvalidArgument, NoCapacity, UnknownClient, shown
 from kvserver.host_pool import HostArena
+from kvserver.layer_signal import LayerSignal
 from kvserver.layout import KVLayout, LayerRange, torch_dtype
 from kvserver.page_allocator import PageAllocator
 from kvserver.v1 import kvserver_pb2 as pb
 
 logger = logging.getLogger(__name__)
+
+# Copies up to this size run on the event loop when the worker is idle (~50 us at memcpy speed).
+INLINE_COPY_BYTES = 256 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,10 +58,12 @@ class Job:
 
 
 class KVCore:
-    def __init__(self, host_memory: int, copy_threads: int = 1) -> None:
+    def __init__(self, host_memory: int, copy_threads: int = 1, progress_interval: float = 0.0) -> None:
         self.arena = HostArena(host_memory)
+        self.progress_interval = progress_interval
         self.clients: dict[str, ClientState] = {}
         self.totals = Counters()  # transfers of clients already gone
+        self._queued = 0  # copies handed to the worker and not yet released
         self._executor = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvcopy")
 
     # ---- registration -------------------------------------------------------------------
@@ -89,6 +97,7 @@ class KVCore:
             region_bytes=num_pages * page_bytes,
             pages=PageAllocator(num_pages),
             host_views=host_views,
+            host_table=transfer.BufferTable.of(host_views),
             busy=np.zeros(num_pages, dtype=np.int32),
         )
         self.clients[client.client_id] = client
@@ -186,59 +195,96 @@ class KVCore:
         return nbytes
 
     async def load(self, job: Job) -> AsyncIterator[LoadStep]:
-        """Runs the copy in a worker and yields progress as layers land, batching when behind."""
+        """Runs the copy in the worker and yields progress as layers land.
+
+        Steps are at least ``progress_interval`` seconds apart (the last one is never held
+        back): each message costs both processes CPU time, which on a busy node comes out of
+        the copy. A step covers every layer landed since the previous one.
+        """
         loop = asyncio.get_running_loop()
-        landed: asyncio.Queue[int] = asyncio.Queue()
-
-        def on_layer(i: int) -> None:
-            loop.call_soon_threadsafe(landed.put_nowait, i)
-
-        fut = self._submit(job, True, on_layer)
+        changed = asyncio.Event()
+        signal = LayerSignal()
+        signal.watch(loop, changed)
+        try:
+            fut = self._submit(job, True, signal)
+        except BaseException:
+            signal.unwatch(loop)
+            signal.release()  # the job's share: it never started
+            raise
         start = job.client.spec.layers.start
         total = len(job.local_layers)
-        done = 0
-        while done < total:
-            getter = asyncio.ensure_future(landed.get())
-            await asyncio.wait({getter, fut}, return_when=asyncio.FIRST_COMPLETED)
-            if not getter.done():
-                getter.cancel()
-                fut.result()  # the worker stopped early: raise its error
-                continue
-            i = getter.result()
-            while not landed.empty():
-                i = landed.get_nowait()
-            done = i + 1
-            yield LoadStep(start + job.local_layers[i], done, done * job.bytes_per_layer)
-        await fut
+        sent, sent_at = 0, -math.inf
+        waiter = None
+        try:
+            while sent < total:
+                if fut.done():
+                    fut.result()  # raises the worker's error, if any
+                done = signal.layers_done
+                wait = self.progress_interval - (time.monotonic() - sent_at)
+                if done > sent and (done == total or wait <= 0):
+                    yield LoadStep(start + job.local_layers[done - 1], done, done * job.bytes_per_layer)
+                    sent, sent_at = done, time.monotonic()
+                    continue
+                changed.clear()
+                waiter = asyncio.ensure_future(changed.wait())
+                await asyncio.wait({waiter, fut}, timeout=wait if done > sent else None,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+            await fut
+        finally:
+            if waiter is not None:
+                waiter.cancel()
+            signal.unwatch(loop)
         job.client.counters.bytes_loaded += total * job.bytes_per_layer
         job.client.counters.load_ops += 1
 
-    def _submit(
-        self, job: Job, to_device: bool, on_layer: Callable[[int], None] | None
-    ) -> asyncio.Future[None]:
-        """Starts a copy; its pages stay busy until the worker thread is really done with them,
-        even when the RPC that asked for it is cancelled first."""
+    def _submit(self, job: Job, to_device: bool, signal: LayerSignal | None) -> asyncio.Future[None]:
+        """Starts a copy; its pages stay busy (and its signal open) until the worker thread is
+        really done with them, even when the RPC that asked for it is cancelled first.
+
+        A small copy while no other copy is queued runs right here on the loop: it takes less
+        time than handing it to the worker and back would, and still keeps arrival order.
+        """
         loop = asyncio.get_running_loop()
         client = job.client
         client.busy[job.pages] += 1
         client.inflight += 1
-        cf = self._executor.submit(self._run, job, to_device, on_layer)
-        cf.add_done_callback(lambda _: loop.call_soon_threadsafe(self._release, job))
+        if self._queued == 0 and job.bytes_per_layer * len(job.local_layers) <= INLINE_COPY_BYTES:
+            fut = loop.create_future()
+            try:
+                self._run(job, to_device, signal)
+                fut.set_result(None)
+            except Exception as exc:
+                fut.set_exception(exc)
+            finally:
+                self._release(job, signal)
+            return fut
+        self._queued += 1
+        cf = self._executor.submit(self._run, job, to_device, signal)
+        cf.add_done_callback(lambda _: loop.call_soon_threadsafe(self._release, job, signal, True))
         return asyncio.wrap_future(cf, loop=loop)
 
-    def _run(self, job: Job, to_device: bool, on_layer: Callable[[int], None] | None) -> None:
-        device = job.client.device
+    def _run(self, job: Job, to_device: bool, signal: LayerSignal | None) -> None:
+        client, device = job.client, job.client.device
+        table = device.page_table if job.plan.device_paged else device.token_table
+        layers = np.asarray(job.local_layers, dtype=np.int64)
+        progress, fd = (signal.counter, signal.fd) if signal is not None else (None, -1)
+        if transfer.copy_job(job.plan, layers, client.host_table, table, to_device, progress, fd):
+            return
         for i, layer in enumerate(job.local_layers):
-            for part, host in enumerate(job.client.host_views[layer]):
+            for part, host in enumerate(client.host_views[layer]):
                 pages = device.page_views[layer][part] if device.page_views is not None else None
                 transfer.copy_part(job.plan, host, pages, device.token_views[layer][part], to_device)
-            if on_layer is not None:
-                on_layer(i)
+            if signal is not None:
+                signal.publish(i + 1)
 
-    def _release(self, job: Job) -> None:
+    def _release(self, job: Job, signal: LayerSignal | None, queued: bool = False) -> None:
+        self._queued -= queued
         client = job.client
         client.busy[job.pages] -= 1
         client.inflight -= 1
+        if signal is not None:
+            signal.release()
         client.changed.set()
         client.changed = asyncio.Event()
 

@@ -14,6 +14,7 @@ import torch
 from kvserver.errors import InvalidArgument
 from kvserver.layout import KVLayout
 from kvserver.shm import ShmMapping, open_shm
+from kvserver.transfer import BufferTable
 from kvserver.v1 import kvserver_pb2 as pb
 
 WIDE_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -41,6 +42,13 @@ class ShmDevicePool:
     token_views: list[list[torch.Tensor]]  # [layer][part] -> [num_tokens, elems]
     page_views: list[list[torch.Tensor]] | None  # [layer][part] -> [num_pages, page_size*elems]
     mappings: list[ShmMapping] = field(default_factory=list)
+    token_table: BufferTable | None = None
+    page_table: BufferTable | None = None
+
+    def __post_init__(self) -> None:
+        self.token_table = BufferTable.of(self.token_views)
+        if self.page_views is not None:
+            self.page_table = BufferTable.of(self.page_views)
 
     @property
     def num_pages(self) -> int:

@@ -48,7 +48,7 @@ class Daemon:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.core = KVCore(config.host_memory, config.copy_threads)
+        self.core = KVCore(config.host_memory, config.copy_threads, config.progress_interval)
         self.health = health.aio.HealthServicer()
         opts = [
             ("grpc.max_receive_message_length", config.max_message_bytes),

@@ -5,32 +5,73 @@ layer. Host memory is page-first (a page holds every layer of the client's range
 (layer, part) of a host page is one contiguous chunk of ``page_size`` tokens. Rows are pages
 whenever the device indices are whole aligned pages too, else device tokens.
 
-Per (layer, part) the copy is one of:
-- a few ``copy_`` calls over runs that are consecutive on both sides (one pass, no temporary);
-- ``index_select(out=scratch)`` then ``index_copy_`` (two passes through a reused buffer).
+A whole job (every layer and part) is one call of the ``_kvcopy`` C kernel: one pass, one memcpy
+per row, no temporary, no thread pool of its own, and the GIL released from the first byte to the
+last, so the event loop keeps serving while it runs. Per-layer progress comes out through a
+counter and an eventfd. Without the compiled kernel the copy falls back to torch, per (layer,
+part): ``index_select(out=scratch)`` then ``index_copy_`` (two passes).
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from kvserver.errors import InvalidArgument, OutOfRange
 
-# Use run copies when the average run is at least this many rows long.
-MIN_AVG_RUN_ROWS = 4
+try:
+    from kvserver._kvcopy import copy_layers, copy_rows
+except ImportError:  # not compiled (e.g. run from a source tree): torch fallback below
+    copy_layers = copy_rows = None
+
+
+@dataclass(frozen=True, slots=True)
+class BufferTable:
+    """Where every (layer, part) buffer of one pool starts, viewed as rows of ``row_bytes``."""
+
+    bases: np.ndarray  # uint64 [layers, parts]: address of row 0
+    row_stride: int | None  # bytes between rows; None when the buffers' strides differ
+    row_bytes: int
+
+    @classmethod
+    def of(cls, views: list[list[torch.Tensor]]) -> BufferTable:
+        w = views[0][0].element_size()
+        strides = {v.stride(0) * w for layer in views for v in layer}
+        return cls(
+            bases=np.array([[v.data_ptr() for v in layer] for layer in views], dtype=np.uint64),
+            row_stride=strides.pop() if len(strides) == 1 else None,
+            row_bytes=views[0][0].shape[1] * w,
+        )
 
 
 @dataclass(frozen=True, slots=True)
 class CopyPlan:
-    host_pages: torch.Tensor  # int64 page ids in the client's region
-    device_rows: torch.Tensor  # int64 device page ids if device_paged, else device token ids
+    host_pages: np.ndarray  # int64 page ids in the client's region
+    device_rows: np.ndarray  # int64 device page ids if device_paged, else device token ids
     device_paged: bool
-    runs: tuple[tuple[int, int, int], ...] | None  # (host_page, device_row, length) when paged
-    num_tokens: int
+    page_size: int
+    # Byte offsets of every row, per (host page stride, device row stride, row bytes).
+    _offsets: dict = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.host_pages.size * self.page_size
+
+    def offsets(self, host_stride: int, dev_stride: int, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+        key = (host_stride, dev_stride, row_bytes)
+        got = self._offsets.get(key)
+        if got is None:
+            if self.device_paged:
+                host = self.host_pages * host_stride
+            else:  # token rows: token k of a host page lies k rows into the page's chunk
+                host = (self.host_pages[:, None] * host_stride
+                        + np.arange(self.page_size, dtype=np.int64) * row_bytes).reshape(-1)
+            got = (np.ascontiguousarray(host), np.ascontiguousarray(self.device_rows * dev_stride))
+            self._offsets[key] = got
+        return got
 
 
 def as_indices(values, what: str) -> np.ndarray:
@@ -80,38 +121,63 @@ def make_plan(
     host_pages: np.ndarray, device_tokens: np.ndarray, page_size: int, num_device_pages: int | None
 ) -> CopyPlan:
     """Plans a copy whose indices were already checked."""
-    n = device_tokens.size
     dev_pages = None
     if num_device_pages is not None:
         dev_pages = whole_pages(device_tokens, page_size)
         if dev_pages is not None and dev_pages.size and int(dev_pages.max()) >= num_device_pages:
             dev_pages = None
-    runs = None
-    if dev_pages is not None:
-        runs = _runs(host_pages, dev_pages)
-        rows = dev_pages
-    else:
-        rows = device_tokens
+    rows = device_tokens if dev_pages is None else dev_pages
     return CopyPlan(
-        host_pages=torch.from_numpy(np.ascontiguousarray(host_pages)),
-        device_rows=torch.from_numpy(np.ascontiguousarray(rows)),
+        host_pages=np.ascontiguousarray(host_pages, dtype=np.int64),
+        device_rows=np.ascontiguousarray(rows, dtype=np.int64),
         device_paged=dev_pages is not None,
-        runs=runs,
-        num_tokens=n,
+        page_size=page_size,
     )
 
 
-def _runs(host: np.ndarray, dev: np.ndarray) -> tuple[tuple[int, int, int], ...] | None:
-    if host.size == 0:
-        return ()
-    breaks = np.flatnonzero((np.diff(host) != 1) | (np.diff(dev) != 1)) + 1
-    if host.size < MIN_AVG_RUN_ROWS * (breaks.size + 1):
-        return None
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [host.size]))
-    return tuple(
-        (int(host[s]), int(dev[s]), int(e - s)) for s, e in zip(starts, ends, strict=True)
-    )
+def copy_part(plan: CopyPlan, host: torch.Tensor, device_pages: torch.Tensor | None,
+              device_tokens: torch.Tensor, to_device: bool) -> None:
+    """Copies one (layer, part). ``host`` is [region_pages, page_size*elems]; device views are
+    [pages, page_size*elems] and [tokens, elems]."""
+    if plan.host_pages.size == 0:
+        return
+    dev = device_pages if plan.device_paged else device_tokens
+    if copy_rows is None:
+        _copy_part_torch(plan, host, dev, to_device)
+        return
+    w = host.element_size()
+    row_bytes = dev.shape[1] * w
+    host_off, dev_off = plan.offsets(host.stride(0) * w, dev.stride(0) * w, row_bytes)
+    if to_device:
+        copy_rows(dev.data_ptr(), dev_off.ctypes.data, host.data_ptr(), host_off.ctypes.data,
+                  dev_off.size, row_bytes)
+    else:
+        copy_rows(host.data_ptr(), host_off.ctypes.data, dev.data_ptr(), dev_off.ctypes.data,
+                  dev_off.size, row_bytes)
+
+
+def copy_job(plan: CopyPlan, layers: np.ndarray, host: BufferTable, device: BufferTable,
+             to_device: bool, progress: np.ndarray | None = None, eventfd: int = -1) -> bool:
+    """Copies every part of the given local layers in one kernel call; False if it cannot (no
+    compiled kernel, or buffers with different strides), and then nothing was copied.
+
+    ``device`` is the pool's page table for a paged plan, its token table otherwise. After each
+    layer the kernel stores the number of layers done in ``progress[0]`` and signals ``eventfd``.
+    """
+    if copy_layers is None or device.row_stride is None or host.row_stride is None:
+        return False
+    host_off, dev_off = plan.offsets(host.row_stride, device.row_stride, device.row_bytes)
+    host_bases = np.ascontiguousarray(host.bases[layers]).reshape(-1)
+    dev_bases = np.ascontiguousarray(device.bases[layers]).reshape(-1)
+    parts = host.bases.shape[1]
+    if to_device:
+        dst, dst_off, src, src_off = dev_bases, dev_off, host_bases, host_off
+    else:
+        dst, dst_off, src, src_off = host_bases, host_off, dev_bases, dev_off
+    copy_layers(dst.ctypes.data, src.ctypes.data, dst.size, parts, dst_off.ctypes.data,
+                src_off.ctypes.data, dev_off.size, device.row_bytes,
+                0 if progress is None else progress.ctypes.data, eventfd)
+    return True
 
 
 _scratch = threading.local()
@@ -127,34 +193,14 @@ def _scratch_buffer(dtype: torch.dtype, rows: int, cols: int) -> torch.Tensor:
     return buf[:need].view(rows, cols)
 
 
-def copy_part(plan: CopyPlan, host: torch.Tensor, device_pages: torch.Tensor | None,
-              device_tokens: torch.Tensor, to_device: bool) -> None:
-    """Copies one (layer, part). ``host`` is [region_pages, page_size*elems]."""
-    n_pages = plan.host_pages.numel()
-    if n_pages == 0:
-        return
-    if plan.device_paged:
-        dev = device_pages
-        if plan.runs is not None:
-            for h, d, length in plan.runs:
-                if to_device:
-                    dev[d : d + length].copy_(host[h : h + length])
-                else:
-                    host[h : h + length].copy_(dev[d : d + length])
-            return
-        tmp = _scratch_buffer(host.dtype, n_pages, host.shape[1])
-        if to_device:
-            torch.index_select(host, 0, plan.host_pages, out=tmp)
-            dev.index_copy_(0, plan.device_rows, tmp)
-        else:
-            torch.index_select(dev, 0, plan.device_rows, out=tmp)
-            host.index_copy_(0, plan.host_pages, tmp)
-        return
-    elems = device_tokens.shape[1]
-    tmp = _scratch_buffer(host.dtype, n_pages, host.shape[1])
+def _copy_part_torch(plan: CopyPlan, host: torch.Tensor, dev: torch.Tensor, to_device: bool) -> None:
+    host_pages = torch.from_numpy(plan.host_pages)
+    dev_rows = torch.from_numpy(plan.device_rows)
+    tmp = _scratch_buffer(host.dtype, host_pages.numel(), host.shape[1])
+    dev_tmp = tmp.view(-1, dev.shape[1])
     if to_device:
-        torch.index_select(host, 0, plan.host_pages, out=tmp)
-        device_tokens.index_copy_(0, plan.device_rows, tmp.view(-1, elems))
+        torch.index_select(host, 0, host_pages, out=tmp)
+        dev.index_copy_(0, dev_rows, dev_tmp)
     else:
-        torch.index_select(device_tokens, 0, plan.device_rows, out=tmp.view(-1, elems))
-        host.index_copy_(0, plan.host_pages, tmp)
+        torch.index_select(dev, 0, dev_rows, out=dev_tmp)
+        host.index_copy_(0, host_pages, tmp)

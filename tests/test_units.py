@@ -108,21 +108,22 @@ def test_whole_pages_detection():
         transfer.host_pages_of(np.arange(6), p)
 
 
-def test_plan_picks_runs_pages_or_tokens():
+def test_plan_picks_pages_or_tokens():
     p = 4
-    # Consecutive on both sides: one run.
-    plan = transfer.make_plan(np.arange(8), np.arange(32, 64), p, num_device_pages=100)
-    assert plan.device_paged and plan.runs == ((0, 8, 8),)
-    # Scattered pages: index path.
+    # Scattered whole pages: page rows on both sides.
     plan = transfer.make_plan(np.array([5, 1, 3]), np.array([8, 9, 10, 11, 0, 1, 2, 3, 40, 41, 42, 43]),
                               p, num_device_pages=100)
-    assert plan.device_paged and plan.runs is None and plan.device_rows.tolist() == [2, 0, 10]
-    # Device slots not whole pages: token rows.
-    plan = transfer.make_plan(np.array([0]), np.array([7, 3, 9, 1]), p, num_device_pages=100)
+    assert plan.device_paged and plan.device_rows.tolist() == [2, 0, 10]
+    host_off, dev_off = plan.offsets(1000, 64, 64)
+    assert host_off.tolist() == [5000, 1000, 3000] and dev_off.tolist() == [128, 0, 640]
+    # Device slots not whole pages: token rows; host offsets step through each page's chunk.
+    plan = transfer.make_plan(np.array([2]), np.array([7, 3, 9, 1]), p, num_device_pages=100)
     assert not plan.device_paged and plan.device_rows.tolist() == [7, 3, 9, 1]
-    # Strided pool (no page view): token rows.
-    plan = transfer.make_plan(np.array([0]), np.arange(4), p, num_device_pages=None)
-    assert not plan.device_paged
+    host_off, dev_off = plan.offsets(1000, 24, 16)
+    assert host_off.tolist() == [2000, 2016, 2032, 2048] and dev_off.tolist() == [168, 72, 216, 24]
+    # Strided pool (no page view), or whole pages past the last full device page: token rows.
+    assert not transfer.make_plan(np.array([0]), np.arange(4), p, num_device_pages=None).device_paged
+    assert not transfer.make_plan(np.array([0]), np.arange(8, 12), p, num_device_pages=2).device_paged
 
 
 def test_check_device_tokens():
@@ -135,9 +136,14 @@ def test_check_device_tokens():
         transfer.check_device_tokens(np.array([3, 3]), 10)
 
 
+@pytest.mark.parametrize("kernel", ["c", "torch"])
 @pytest.mark.parametrize("paged", [True, False])
 @pytest.mark.parametrize("to_device", [True, False])
-def test_copy_part_matches_reference(paged, to_device):
+def test_copy_part_matches_reference(monkeypatch, kernel, paged, to_device):
+    if kernel == "c":
+        assert transfer.copy_rows is not None, "the _kvcopy extension is not built"
+    else:
+        monkeypatch.setattr(transfer, "copy_rows", None)
     g = torch.Generator().manual_seed(0)
     p, elems, region_pages, dev_tokens = 4, 6, 10, 64
     host_full = torch.randint(0, 1 << 30, (region_pages, 3, p * elems), generator=g)
