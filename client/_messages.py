@@ -23,6 +23,7 @@ class Registration:
     host_bytes_per_token: int
     start_layer: int
     end_layer: int
+    epoch: int
 
 
 def ids(values: Indices) -> list[int]:
@@ -72,6 +73,7 @@ def registration(resp: pb.RegisterResponse, req: pb.RegisterRequest) -> Registra
         host_bytes_per_token=resp.host_bytes_per_token,
         start_layer=req.start_layer,
         end_layer=req.end_layer,
+        epoch=resp.epoch,
     )
 
 

@@ -43,9 +43,37 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds in-flight calls get on SIGTERM (default 5)")
     p.add_argument("--progress-interval-ms", type=float, default=_env("PROGRESS_INTERVAL_MS", "1"),
                    help="least time between load progress messages; 0 sends one per layer (default 1)")
+    p.add_argument("--lease-seconds", type=float, default=_env("LEASE_SECONDS", "30"),
+                   help="a client without a Session is reclaimed this long after its last call (default 30)")
+    p.add_argument("--reclaim-grace-seconds", type=float, default=_env("RECLAIM_GRACE_SECONDS", "1"),
+                   help="wait for a new Session this long before reclaiming a client whose session "
+                        "ended (default 1)")
+    p.add_argument("--max-clients", type=int, default=_env("MAX_CLIENTS", "1024"))
+    p.add_argument("--max-request-indices", type=int, default=_env("MAX_REQUEST_INDICES", str(1 << 22)),
+                   help="most indices in one request (default 4194304)")
+    p.add_argument("--token-file", default=_env("TOKEN_FILE"),
+                   help="file holding the token clients must send; KVSERVER_TOKEN gives it directly")
+    p.add_argument("--insecure-tcp", action="store_true", default=_env("INSECURE_TCP", "") == "1",
+                   help="allow --listen without a token")
+    p.add_argument("--socket-group-access", action="store_true",
+                   default=_env("SOCKET_GROUP_ACCESS", "") == "1",
+                   help="socket mode 0660 instead of 0600 (the directory must let the group in too)")
     p.add_argument("--log-level", type=_log_level, default=_env("LOG_LEVEL", "INFO"),
                    help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     return p
+
+
+def _read_token(path: str | None) -> str | None:
+    if path:
+        try:
+            with open(path) as f:
+                token = f.read().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read token file {path}: {exc.strerror}") from None
+        if not token:
+            raise ValueError(f"token file {path} is empty")
+        return token
+    return os.environ.get("KVSERVER_TOKEN") or None
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -62,6 +90,13 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         torch_threads=args.torch_threads,
         shutdown_grace=args.shutdown_grace,
         progress_interval=args.progress_interval_ms / 1000,
+        lease=args.lease_seconds,
+        reclaim_grace=args.reclaim_grace_seconds,
+        max_clients=args.max_clients,
+        max_request_indices=args.max_request_indices,
+        token=_read_token(args.token_file),
+        insecure_tcp=args.insecure_tcp,
+        socket_group_access=args.socket_group_access,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,6 +56,7 @@ class ClientSpec:
 @dataclass(slots=True)
 class ClientState:
     client_id: str
+    epoch: int  # carried in the high bits of every host index this registration hands out
     spec: ClientSpec
     device: ShmDevicePool
     region_offset: int
@@ -67,6 +69,11 @@ class ClientState:
     inflight: int = 0
     closing: bool = False
     changed: asyncio.Event = field(default_factory=asyncio.Event)  # set and replaced on release
+    # Liveness (see liveness.py): open Session streams, last call, when the last session ended.
+    sessions: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+    session_ended_at: float | None = None
+    gone: asyncio.Event = field(default_factory=asyncio.Event)  # set once unregistered or reclaimed
 
     @property
     def capacity_tokens(self) -> int:

@@ -34,6 +34,13 @@ class ServerConfig:
     torch_threads: int = 0  # 0 leaves torch's default
     shutdown_grace: float = 5.0
     progress_interval: float = 0.001  # seconds between load progress messages (the last always goes)
+    lease: float = 30.0  # seconds a client without a Session survives after its last call
+    reclaim_grace: float = 1.0  # seconds after a Session ends before the client is reclaimed
+    max_clients: int = 1024
+    max_request_indices: int = 1 << 22
+    token: str | None = None  # required as "authorization: Bearer <token>" metadata when set
+    insecure_tcp: bool = False  # allow --listen without a token
+    socket_group_access: bool = False  # socket mode 0660 instead of 0600
     max_message_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
@@ -47,6 +54,20 @@ class ServerConfig:
             raise ValueError("progress interval must be between 0 and 1000 ms")
         if self.listen is not None and not re.fullmatch(r"\[?[\w.:-]*\]?:\d+", self.listen):
             raise ValueError(f"listen address {self.listen!r} is not host:port")
+        if self.listen is not None and not self.token and not self.insecure_tcp:
+            raise ValueError(
+                "listening on TCP needs a token (--token-file or KVSERVER_TOKEN); "
+                "--insecure-tcp runs without one"
+            )
+        if self.lease <= 0 or self.reclaim_grace < 0:
+            raise ValueError("lease must be positive and reclaim grace not negative")
+        if self.max_clients < 1 or self.max_request_indices < 1:
+            raise ValueError("client and request limits must be at least 1")
+
+
+    @property
+    def socket_mode(self) -> int:
+        return 0o660 if self.socket_group_access else 0o600
 
     @property
     def addresses(self) -> list[str]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvserver import transfer
+from kvserver import epochs, transfer
 from kvserver.client_state import ClientSpec, ClientState, Counters
 from kvserver.device_pool import open_shm_pool
 from kvserver.errors import InvalidArgument, NoCapacity, UnknownClient, shown
@@ -58,10 +58,20 @@ class Job:
 
 
 class KVCore:
-    def __init__(self, host_memory: int, copy_threads: int = 1, progress_interval: float = 0.0) -> None:
+    def __init__(
+        self,
+        host_memory: int,
+        copy_threads: int = 1,
+        progress_interval: float = 0.0,
+        max_clients: int = 1024,
+        max_request_indices: int = 1 << 22,
+    ) -> None:
         self.arena = HostArena(host_memory)
         self.progress_interval = progress_interval
+        self.max_clients = max_clients
+        self.max_request_indices = max_request_indices
         self.clients: dict[str, ClientState] = {}
+        self.reclaimed = 0  # clients reclaimed by liveness
         self.totals = Counters()  # transfers of clients already gone
         self._queued = 0  # copies handed to the worker and not yet released
         self._executor = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvcopy")
@@ -70,6 +80,8 @@ class KVCore:
 
     def register(self, req: pb.RegisterRequest) -> ClientState:
         spec = _spec_from_request(req)
+        if len(self.clients) >= self.max_clients:
+            raise NoCapacity(f"client limit reached: {self.max_clients} clients are registered")
         if req.host_tokens == 0:
             raise InvalidArgument("host_tokens must be at least one page")
         device = open_shm_pool(
@@ -91,6 +103,7 @@ class KVCore:
         host_views = self._host_views(spec, device.dtype, offset, num_pages)
         client = ClientState(
             client_id=secrets.token_hex(16),
+            epoch=self._new_epoch(),
             spec=spec,
             device=device,
             region_offset=offset,
@@ -107,6 +120,13 @@ class KVCore:
             spec.layers, num_pages, page_bytes,
         )
         return client
+
+    def _new_epoch(self) -> int:
+        live = {c.epoch for c in self.clients.values()}
+        while True:
+            epoch = 1 + secrets.randbelow(epochs.MAX_EPOCH)
+            if epoch not in live:
+                return epoch
 
     def _host_views(
         self, spec: ClientSpec, wide: torch.dtype, offset: int, num_pages: int
@@ -128,7 +148,8 @@ class KVCore:
             for layer in range(len(spec.layers))
         ]
 
-    async def unregister(self, client_id: str) -> None:
+    async def unregister(self, client_id: str, reason: str = "unregistered") -> None:
+        """Releases everything the client holds, once its in-flight copies are done."""
         client = self.client(client_id)
         client.closing = True
         await self._wait(client, lambda: client.inflight == 0)
@@ -137,13 +158,33 @@ class KVCore:
         client.host_views = []
         client.device.close()
         self.arena.release(client.region_offset, client.region_bytes)
-        logger.info("unregistered %s", client_id)
+        client.gone.set()
+        logger.info("%s %s (%d host bytes released)", reason, client_id, client.region_bytes)
 
     def client(self, client_id: str) -> ClientState:
+        """The live client of this id; every call through here renews the client's lease."""
         client = self.clients.get(client_id)
         if client is None or client.closing:
-            raise UnknownClient(f"unknown client id {shown(client_id)}; register first")
+            raise UnknownClient(
+                f"unknown client id {shown(client_id)}: register first (it may have been "
+                "unregistered, reclaimed after its session ended, or lost in a daemon restart)"
+            )
+        client.last_seen = time.monotonic()
         return client
+
+    def _host_pages(self, client: ClientState, host_indices) -> np.ndarray:
+        self._check_size(len(host_indices))
+        host = transfer.as_indices(host_indices, "host")
+        slots = epochs.strip(host, client.epoch)
+        pages = transfer.host_pages_of(slots, client.spec.page_size)
+        client.pages.check_owned(pages)
+        return pages
+
+    def _check_size(self, n: int) -> None:
+        if n > self.max_request_indices:
+            raise NoCapacity(
+                f"{n} indices in one request; the limit is {self.max_request_indices}: split it"
+            )
 
     # ---- host pages -----------------------------------------------------------------------
 
@@ -152,13 +193,15 @@ class KVCore:
         if num_tokens <= 0:
             raise InvalidArgument("num_tokens must be positive")
         p = client.spec.page_size
-        pages = client.pages.allocate(-(-num_tokens // p))
-        return _page_tokens(pages, p)
+        num_pages = -(-num_tokens // p)
+        if num_pages <= client.pages.num_free:  # else allocate() names the full region
+            self._check_size(num_pages * p)
+        pages = client.pages.allocate(num_pages)
+        return epochs.tag(_page_tokens(pages, p), client.epoch)
 
     async def free(self, client_id: str, host_indices) -> int:
         client = self.client(client_id)
-        pages = transfer.host_pages_of(transfer.as_indices(host_indices, "host"), client.spec.page_size)
-        client.pages.check_owned(pages)
+        pages = self._host_pages(client, host_indices)
         if client.busy[pages].any():
             # A copy still reads or writes these pages: free them once it is done.
             await self._wait(client, lambda: not client.busy[pages].any())
@@ -173,14 +216,13 @@ class KVCore:
         client = self.client(client_id)
         spec = client.spec
         local_layers = spec.layers.select(list(layers))
-        host = transfer.as_indices(host_indices, "host")
-        dev = transfer.as_indices(device_indices, "device")
-        if host.size != dev.size:
+        if len(host_indices) != len(device_indices):
             raise InvalidArgument(
-                f"{host.size} host indices but {dev.size} device indices; they must pair up"
+                f"{len(host_indices)} host indices but {len(device_indices)} device indices; "
+                "they must pair up"
             )
-        pages = transfer.host_pages_of(host, spec.page_size)
-        client.pages.check_owned(pages)
+        pages = self._host_pages(client, host_indices)
+        dev = transfer.as_indices(device_indices, "device")
         transfer.check_device_tokens(dev, client.device.num_tokens)
         client.device.check_sizes()  # narrows, does not close, the window for a SIGBUS
         num_dev_pages = client.device.num_pages if client.device.page_views is not None else None

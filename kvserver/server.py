@@ -14,8 +14,10 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvserver.auth import TokenAuth
 from kvserver.config import ServerConfig
 from kvserver.core import KVCore
+from kvserver.liveness import Reaper
 from kvserver.servicer import KVServicer, add_to_server
 from kvserver.v1 import kvserver_pb2 as pb
 
@@ -48,15 +50,24 @@ class Daemon:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.core = KVCore(config.host_memory, config.copy_threads, config.progress_interval)
+        self.core = KVCore(
+            config.host_memory,
+            config.copy_threads,
+            config.progress_interval,
+            max_clients=config.max_clients,
+            max_request_indices=config.max_request_indices,
+        )
+        self.reaper = Reaper(self.core, config.lease, config.reclaim_grace)
         self.health = health.aio.HealthServicer()
         opts = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        self.server = grpc.aio.server(options=opts)
-        add_to_server(KVServicer(self.core), self.server)
+        interceptors = [TokenAuth(config.token)] if config.token else []
+        self.server = grpc.aio.server(options=opts, interceptors=interceptors)
+        self.servicer = KVServicer(self.core, self.reaper)
+        add_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
@@ -67,23 +78,33 @@ class Daemon:
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)
         bound = []
+        # The socket is created at bind under the umask: make it owner-only from the first moment.
+        old_umask = os.umask(0o177)
+        try:
+            for address in self.config.addresses:
+                if address.startswith("unix://"):
+                    path = address[len("unix://") :]
+                    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+                    _check_unix_socket_free(path)
+                try:
+                    port = self.server.add_insecure_port(address)
+                except RuntimeError:
+                    raise ListenError(
+                        f"cannot listen on {address} (in use, or not a local address)"
+                    ) from None
+                self.ports.append(port)
+                # Name the port the kernel picked for host:0, so a caller can find it in the log.
+                unix = address.startswith("unix://")
+                bound.append(address if unix else f"{address.rsplit(':', 1)[0]}:{port}")
+            await self.server.start()
+        finally:
+            os.umask(old_umask)
         for address in self.config.addresses:
             if address.startswith("unix://"):
-                path = address[len("unix://") :]
-                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-                _check_unix_socket_free(path)
-            try:
-                port = self.server.add_insecure_port(address)
-            except RuntimeError:
-                raise ListenError(f"cannot listen on {address} (in use, or not a local address)") from None
-            self.ports.append(port)
-            # Name the port the kernel picked for host:0, so a caller can find it in the log.
-            bound.append(address if address.startswith("unix://") else f"{address.rsplit(':', 1)[0]}:{port}")
-        await self.server.start()
-        for address in self.config.addresses:
-            if address.startswith("unix://"):
-                # Only the daemon's user may connect; grpc creates the socket under the umask.
-                os.chmod(address[len("unix://") :], 0o600)
+                os.chmod(address[len("unix://") :], self.config.socket_mode)
+        if self.config.listen and not self.config.token:
+            logger.warning("listening on TCP %s without a token (--insecure-tcp)", self.config.listen)
+        self.reaper.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         logger.info(
@@ -92,8 +113,11 @@ class Daemon:
         )
 
     async def stop(self) -> None:
-        """Health goes NOT_SERVING, in-flight calls get the grace period, then memory is freed."""
+        """Health goes NOT_SERVING, sessions end, in-flight calls get the grace period, then
+        memory is freed."""
         await self.health.enter_graceful_shutdown()
+        await self.reaper.stop()
+        self.servicer.stopping.set()
         await self.server.stop(self.config.shutdown_grace)
         await self.core.close()
         logger.info("kvserver stopped")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -13,6 +14,7 @@ from google.protobuf.message import DecodeError
 from kvserver.client_state import ClientState, Counters
 from kvserver.core import KVCore
 from kvserver.errors import InvalidArgument, KVError, status_of
+from kvserver.liveness import Reaper
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
@@ -69,11 +71,13 @@ def _counters(c: Counters) -> pb.TransferCounters:
     )
 
 
-def _client_stats(c: ClientState) -> pb.ClientStats:
+def _client_stats(c: ClientState, redact: bool = False) -> pb.ClientStats:
+    """``redact``: the daemon-wide view shows only a prefix of each id, since an id is what
+    lets a caller act as that client."""
     s = c.spec
     per_token = s.page_bytes // s.page_size
     return pb.ClientStats(
-        client_id=c.client_id,
+        client_id=c.client_id[:8] + "..." if redact else c.client_id,
         model=s.model,
         tp_rank=s.tp_rank,
         pp_rank=s.pp_rank,
@@ -84,12 +88,16 @@ def _client_stats(c: ClientState) -> pb.ClientStats:
         capacity_bytes=c.capacity_tokens * per_token,
         used_bytes=c.used_tokens * per_token,
         transfers=_counters(c.counters),
+        epoch=c.epoch,
+        sessions=c.sessions,
     )
 
 
 class KVServicer(pb_grpc.KVServerServicer):
-    def __init__(self, core: KVCore) -> None:
+    def __init__(self, core: KVCore, reaper: Reaper) -> None:
         self.core = core
+        self.reaper = reaper
+        self.stopping = asyncio.Event()  # set at shutdown: sessions end so the server can drain
 
     @_abort_on_error
     async def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
@@ -100,6 +108,9 @@ class KVServicer(pb_grpc.KVServerServicer):
             host_tokens=client.capacity_tokens,
             page_size=spec.page_size,
             host_bytes_per_token=spec.page_bytes // spec.page_size,
+            epoch=client.epoch,
+            lease_seconds=self.reaper.lease,
+            reclaim_grace_seconds=self.reaper.grace,
         )
 
     @_abort_on_error
@@ -143,6 +154,22 @@ class KVServicer(pb_grpc.KVServerServicer):
                 logger.exception("Load failed")
             await context.abort(*status_of(exc))
 
+    async def Session(self, request: pb.SessionRequest, context) -> AsyncIterator[pb.SessionEvent]:
+        try:
+            _check_parsed(request)
+            client = self.core.client(request.client_id)
+        except Exception as exc:
+            await context.abort(*status_of(exc))
+        async with self.reaper.session(client):
+            yield pb.SessionEvent(epoch=client.epoch)
+            # Open until the client goes away (cancels this), is unregistered, or the daemon stops.
+            ends = [asyncio.ensure_future(e.wait()) for e in (client.gone, self.stopping)]
+            try:
+                await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for e in ends:
+                    e.cancel()
+
     @_abort_on_error
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         core = self.core
@@ -160,7 +187,8 @@ class KVServicer(pb_grpc.KVServerServicer):
             used_bytes=sum(c.pages.num_used * c.spec.page_bytes for c in core.clients.values()),
             num_clients=len(core.clients),
             transfers=_counters(totals),
-            clients=[_client_stats(c) for c in clients],
+            clients=[_client_stats(c, redact=not request.client_id) for c in clients],
+            reclaimed_clients=core.reclaimed,
         )
 
 

@@ -30,6 +30,7 @@ import torch
 
 from kvclient import KVClient, KVClientError, KVLayout, ShmKVPool
 from kvclient._messages import register_request
+from kvserver.epochs import EPOCH_SHIFT
 from kvserver.shm import SHM_DIR, unlink_shm
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
@@ -49,6 +50,10 @@ U64_MAX = (1 << 64) - 1
 def tokens(*pages: int) -> list[int]:
     """Host token slots of whole pages, as Alloc returns them."""
     return [p * PAGE + i for p in pages for i in range(PAGE)]
+
+
+# Page 0 of another registration epoch: what an engine holds after a daemon restart.
+STALE = [-1 - i for i in range(PAGE)]  # a marker: Env turns it into the current epoch + 1
 
 
 def slots(start: int, n: int = PAGE) -> list[int]:
@@ -124,8 +129,9 @@ class Env:
         )
         assert self.reg.host_tokens == HOST_TOKENS
         self.cid = self.reg.client_id
+        self.epoch = self.reg.epoch
         self.host = self.client.alloc(len(STORED_PAGES) * PAGE).tolist()
-        assert self.host == tokens(*STORED_PAGES)
+        assert self.host == self.tagged(tokens(*STORED_PAGES))
         self.client.write(host_indices=self.host, device_indices=slots(0, len(self.host)))
         # What the host now holds: the source rows, hashed right after the write.
         self.stored_sha = _sha([p[: len(self.host)] for layer in self.pool.buffers for p in layer])
@@ -192,8 +198,16 @@ class Env:
 
     # -- raw requests ---------------------------------------------------------------------------
 
+    def tagged(self, host: list[int]) -> list[int]:
+        """Host slots as this registration's host indices (with its epoch in the high bits, as
+        Alloc returns them); negative numbers stay as they are, and STALE gets another epoch."""
+        if host == STALE:
+            return [((self.epoch + 1) << EPOCH_SHIFT) | i for i in range(PAGE)]
+        return [h | (self.epoch << EPOCH_SHIFT) if h >= 0 else h for h in host]
+
     def transfer(self, op: str, host, device, layers=(), client_id: str | None = None):
         cid = self.cid if client_id is None else client_id
+        host = self.tagged(list(host))
         if op == "write":
             req = pb.WriteRequest(client_id=cid, host_indices=host, device_indices=device, layers=layers)
             return lambda: self.stub.Write(req, timeout=TIMEOUT)
@@ -285,11 +299,12 @@ WHOLE = "whole, aligned pages of 16 tokens"
 TRANSFER_CASES = [
     # host indices
     pytest.param(tokens(8), slots(OTHER), [], OOR, f"host page 8 is {REGION}", id="host-past-region"),
-    pytest.param(tokens(0, 1 << 40), slots(OTHER, 32), [], OOR, f"page {1 << 40} is {REGION}",
+    pytest.param(tokens(0, (1 << 32) - 1), slots(OTHER, 32), [], OOR, f"page {(1 << 32) - 1} is {REGION}",
                  id="host-far-past-region"),
-    pytest.param(tokens(-1), slots(OTHER), [], OOR, f"host page -1 is {REGION}", id="host-negative"),
-    pytest.param(tokens(-(1 << 59)), slots(OTHER), [], OOR, f"host page {-(1 << 59)}", id="host-int64-min"),
-    pytest.param([-1], [OTHER], [], INV, WHOLE, id="host-negative-single-slot"),
+    pytest.param(tokens(-1), slots(OTHER), [], OOR, "host index -16 is negative", id="host-negative"),
+    pytest.param(tokens(-(1 << 59)), slots(OTHER), [], OOR, "is negative", id="host-int64-min"),
+    pytest.param([-1], [OTHER], [], OOR, "host index -1 is negative", id="host-negative-single-slot"),
+    pytest.param(STALE, slots(OTHER), [], FP, "allocated before a daemon restart", id="host-stale-epoch"),
     pytest.param(tokens(4), slots(OTHER), [], FP, "host page 4 is not allocated to this client",
                  id="host-not-allocated"),
     pytest.param(tokens(0, 5), slots(OTHER, 32), [], FP, "host page 5 is not allocated",
@@ -382,8 +397,8 @@ def test_bad_alloc(env: Env, num_tokens: int, code, text) -> None:
 
 
 def _free_page_4_once(env: Env) -> None:
-    assert env.client.alloc(PAGE).tolist() == tokens(4)
-    assert env.client.free(tokens(4)) == PAGE
+    assert env.client.alloc(PAGE).tolist() == env.tagged(tokens(4))
+    assert env.client.free(env.tagged(tokens(4))) == PAGE
 
 
 @pytest.mark.parametrize(
@@ -395,7 +410,8 @@ def _free_page_4_once(env: Env) -> None:
         pytest.param(None, tokens(0, 5), FP, "host page 5 is not allocated", id="allocated-and-not"),
         pytest.param(None, tokens(8), OOR, f"host page 8 is {REGION}", id="past-region"),
         pytest.param(None, tokens(0, 9), OOR, f"host page 9 is {REGION}", id="allocated-and-past-region"),
-        pytest.param(None, tokens(-1), OOR, f"host page -1 is {REGION}", id="negative"),
+        pytest.param(None, tokens(-1), OOR, "host index -16 is negative", id="negative"),
+        pytest.param(None, STALE, FP, "belongs to registration epoch", id="stale-epoch"),
         pytest.param(None, tokens(0, 0), INV, "host indices name the same page more than once",
                      id="duplicate-page"),
         pytest.param(None, tokens(0)[:-1] + [0], INV, WHOLE, id="duplicate-slot"),
@@ -407,7 +423,8 @@ def test_bad_free(env: Env, setup, host: list[int], code, text) -> None:
     if setup is not None:
         setup(env)
     env.reject(code, text,
-               lambda: env.stub.Free(pb.FreeRequest(client_id=env.cid, host_indices=host), timeout=TIMEOUT))
+               lambda: env.stub.Free(pb.FreeRequest(client_id=env.cid, host_indices=env.tagged(host)),
+                                     timeout=TIMEOUT))
 
 
 # ---- Register ---------------------------------------------------------------------------------------

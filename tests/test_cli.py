@@ -139,7 +139,7 @@ def test_flags_socket_and_tcp_health_roundtrip_sigterm(spawn, socket_dir):
     # The daemon does not report the port it bound, so --listen 127.0.0.1:0 could not be dialled here;
     # a port the kernel just handed out (and that was closed again) stands in for it.
     port = free_tcp_port()
-    d = spawn(["--socket", path, "--listen", f"127.0.0.1:{port}", "--host-memory", "64MiB"])
+    d = spawn(["--socket", path, "--listen", f"127.0.0.1:{port}", "--insecure-tcp", "--host-memory", "64MiB"])
     unix, tcp = f"unix://{path}", f"127.0.0.1:{port}"
     d.wait_serving(unix, path)
 
@@ -205,7 +205,7 @@ def test_flags_override_env_and_stale_socket_is_replaced(spawn, socket_dir):
 
 
 def test_config_accepts_port_zero():
-    assert ServerConfig(listen="127.0.0.1:0").addresses == ["127.0.0.1:0"]
+    assert ServerConfig(listen="127.0.0.1:0", token="t").addresses == ["127.0.0.1:0"]
 
 
 # --- usage errors ------------------------------------------------------------------------------------
@@ -216,7 +216,8 @@ PROCESS_CASES = {
     "bad-size-flag": (["--host-memory", "lots"], {}, 2, "kvserver: cannot read size 'lots'"),
     "bad-size-env": ([], {"KVSERVER_HOST_MEMORY": "lots"}, 2, "kvserver: cannot read size 'lots'"),
     "bad-log-level": (["--log-level", "loud"], {}, 2, "unknown log level 'loud'"),
-    "tcp-port-busy": (["--listen", "127.0.0.1:{busy}"], {}, 1, "kvserver: cannot listen on 127.0.0.1:{busy}"),
+    "tcp-port-busy": (["--listen", "127.0.0.1:{busy}", "--insecure-tcp"], {}, 1,
+                      "kvserver: cannot listen on 127.0.0.1:{busy}"),
 }
 PROCESS_GAPS: set[str] = set()
 
@@ -272,6 +273,7 @@ MAIN_CASES = {
     "zero-threads": (["--copy-threads", "0"], {}, "copy threads must be at least 1"),
     "negative-grace": (["--shutdown-grace", "-1"], {}, "shutdown grace must not be negative"),
     "bad-listen": (["--listen", "nohost"], {}, "listen address 'nohost' is not host:port"),
+    "tcp-without-token": (["--listen", "127.0.0.1:5555"], {}, "listening on TCP needs a token"),
     "nothing-to-listen": (["--socket", "none"], {}, "nothing to listen on"),
     "unknown-flag": (["--frobnicate"], {}, "unrecognized arguments: --frobnicate"),
     "bad-int-env": ([], {"KVSERVER_COPY_THREADS": "lots"}, "invalid int value: 'lots'"),

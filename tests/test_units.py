@@ -29,8 +29,11 @@ def test_config_checks():
     with pytest.raises(ValueError):
         ServerConfig(host_memory=1024)
     with pytest.raises(ValueError):
-        ServerConfig(listen="no-port")
-    assert ServerConfig(socket="/tmp/x.sock", listen="127.0.0.1:5000").addresses == [
+        ServerConfig(listen="no-port", token="t")
+    with pytest.raises(ValueError, match="needs a token"):
+        ServerConfig(listen="127.0.0.1:5000")
+    assert ServerConfig(listen="127.0.0.1:5000", insecure_tcp=True).listen
+    assert ServerConfig(socket="/tmp/x.sock", listen="127.0.0.1:5000", token="t").addresses == [
         "unix:///tmp/x.sock", "127.0.0.1:5000"]
 
 

@@ -121,16 +121,22 @@ class RegisterRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., page_size: _Optional[int] = ..., device_pool: _Optional[_Union[DevicePool, _Mapping]] = ..., host_tokens: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("client_id", "host_tokens", "page_size", "host_bytes_per_token")
+    __slots__ = ("client_id", "host_tokens", "page_size", "host_bytes_per_token", "epoch", "lease_seconds", "reclaim_grace_seconds")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     HOST_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RECLAIM_GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     host_tokens: int
     page_size: int
     host_bytes_per_token: int
-    def __init__(self, client_id: _Optional[str] = ..., host_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., host_bytes_per_token: _Optional[int] = ...) -> None: ...
+    epoch: int
+    lease_seconds: float
+    reclaim_grace_seconds: float
+    def __init__(self, client_id: _Optional[str] = ..., host_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., host_bytes_per_token: _Optional[int] = ..., epoch: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., reclaim_grace_seconds: _Optional[float] = ...) -> None: ...
 
 class UnregisterRequest(_message.Message):
     __slots__ = ("client_id",)
@@ -231,7 +237,7 @@ class TransferCounters(_message.Message):
     def __init__(self, bytes_written: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., write_ops: _Optional[int] = ..., load_ops: _Optional[int] = ...) -> None: ...
 
 class ClientStats(_message.Message):
-    __slots__ = ("client_id", "model", "tp_rank", "pp_rank", "start_layer", "end_layer", "capacity_tokens", "used_tokens", "capacity_bytes", "used_bytes", "transfers")
+    __slots__ = ("client_id", "model", "tp_rank", "pp_rank", "start_layer", "end_layer", "capacity_tokens", "used_tokens", "capacity_bytes", "used_bytes", "transfers", "epoch", "sessions")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +249,8 @@ class ClientStats(_message.Message):
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     model: str
     tp_rank: int
@@ -254,20 +262,36 @@ class ClientStats(_message.Message):
     capacity_bytes: int
     used_bytes: int
     transfers: TransferCounters
-    def __init__(self, client_id: _Optional[str] = ..., model: _Optional[str] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., used_tokens: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., transfers: _Optional[_Union[TransferCounters, _Mapping]] = ...) -> None: ...
+    epoch: int
+    sessions: int
+    def __init__(self, client_id: _Optional[str] = ..., model: _Optional[str] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., used_tokens: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., transfers: _Optional[_Union[TransferCounters, _Mapping]] = ..., epoch: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("client_id",)
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    def __init__(self, client_id: _Optional[str] = ...) -> None: ...
+
+class SessionEvent(_message.Message):
+    __slots__ = ("epoch",)
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("capacity_bytes", "reserved_bytes", "used_bytes", "num_clients", "transfers", "clients")
+    __slots__ = ("capacity_bytes", "reserved_bytes", "used_bytes", "num_clients", "transfers", "clients", "reclaimed_clients")
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_CLIENTS_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    RECLAIMED_CLIENTS_FIELD_NUMBER: _ClassVar[int]
     capacity_bytes: int
     reserved_bytes: int
     used_bytes: int
     num_clients: int
     transfers: TransferCounters
     clients: _containers.RepeatedCompositeFieldContainer[ClientStats]
-    def __init__(self, capacity_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_clients: _Optional[int] = ..., transfers: _Optional[_Union[TransferCounters, _Mapping]] = ..., clients: _Optional[_Iterable[_Union[ClientStats, _Mapping]]] = ...) -> None: ...
+    reclaimed_clients: int
+    def __init__(self, capacity_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_clients: _Optional[int] = ..., transfers: _Optional[_Union[TransferCounters, _Mapping]] = ..., clients: _Optional[_Iterable[_Union[ClientStats, _Mapping]]] = ..., reclaimed_clients: _Optional[int] = ...) -> None: ...

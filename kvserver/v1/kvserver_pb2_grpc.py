@@ -69,6 +69,11 @@ class KVServerStub:
                 request_serializer=kvserver_dot_v1_dot_kvserver__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvserver_dot_v1_dot_kvserver__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.unary_stream(
+                '/kvserver.v1.KVServer/Session',
+                request_serializer=kvserver_dot_v1_dot_kvserver__pb2.SessionRequest.SerializeToString,
+                response_deserializer=kvserver_dot_v1_dot_kvserver__pb2.SessionEvent.FromString,
+                _registered_method=True)
 
 
 class KVServerServicer:
@@ -123,6 +128,13 @@ class KVServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request, context):
+        """Holds a registration alive for as long as the stream stays open.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -160,6 +172,11 @@ def add_KVServerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvserver_dot_v1_dot_kvserver__pb2.StatsRequest.FromString,
                     response_serializer=kvserver_dot_v1_dot_kvserver__pb2.StatsResponse.SerializeToString,
+            ),
+            'Session': grpc.unary_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=kvserver_dot_v1_dot_kvserver__pb2.SessionRequest.FromString,
+                    response_serializer=kvserver_dot_v1_dot_kvserver__pb2.SessionEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -351,6 +368,33 @@ class KVServer:
             '/kvserver.v1.KVServer/Stats',
             kvserver_dot_v1_dot_kvserver__pb2.StatsRequest.SerializeToString,
             kvserver_dot_v1_dot_kvserver__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvserver.v1.KVServer/Session',
+            kvserver_dot_v1_dot_kvserver__pb2.SessionRequest.SerializeToString,
+            kvserver_dot_v1_dot_kvserver__pb2.SessionEvent.FromString,
             options,
             channel_credentials,
             insecure,
