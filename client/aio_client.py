@@ -1,8 +1,15 @@
-"""asyncio client, for engines and tools that run an event loop."""
+"""asyncio client, for engines and tools that run an event loop.
+
+Same behaviour as ``KVClient``: a Session stream keeps the registration alive, and in resilient
+mode the daemon going away turns into misses while a task re-registers with backoff.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import os
 from collections.abc import AsyncIterator, Iterable
 
 import grpc
@@ -10,24 +17,33 @@ import torch
 
 from kvclient import _messages as msg
 from kvclient._channel import CHANNEL_OPTIONS, target
+from kvclient._resilience import Backoff, is_miss, needs_register
 from kvclient.errors import KVClientError, from_rpc_error
 from kvclient.shm_pool import ShmKVPool
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
+logger = logging.getLogger(__name__)
+
 
 class AsyncLoadHandle:
-    """A load in flight. ``await wait_layer(i)`` returns once global layer i has landed."""
+    """A load in flight. ``await wait_layer(i)`` is True once global layer i has landed, False
+    if the load missed."""
 
-    def __init__(self, layers: list[int], stream: AsyncIterator[pb.LoadProgress]) -> None:
+    def __init__(self, layers: list[int], stream: AsyncIterator[pb.LoadProgress] | None,
+                 client: AsyncKVClient | None = None, reg: msg.Registration | None = None) -> None:
         self.layers = layers
+        self.missed = stream is None
         self._last_layer = -1
         self._done = False
         self._bytes = 0
+        self._client, self._reg = client, reg
         self._changed = asyncio.Condition()
         self._task = asyncio.get_running_loop().create_task(self._consume(stream))
 
-    async def _consume(self, stream: AsyncIterator[pb.LoadProgress]) -> None:
+    async def _consume(self, stream: AsyncIterator[pb.LoadProgress] | None) -> None:
+        if stream is None:
+            return
         try:
             async for progress in stream:
                 async with self._changed:
@@ -35,54 +51,87 @@ class AsyncLoadHandle:
                     self._bytes = progress.bytes
                     self._done = progress.done
                     self._changed.notify_all()
+            if not self._done:
+                raise KVClientError(grpc.StatusCode.INTERNAL, "load stream ended before the last layer")
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
+            error = from_rpc_error(exc)
+            if self._client is None or not self._client._is_miss(error, self._reg):
+                raise error from None
+            self.missed = True
         finally:
             async with self._changed:
                 self._changed.notify_all()
-        if not self._done:
-            raise KVClientError(grpc.StatusCode.INTERNAL, "load stream ended before the last layer")
 
-    async def _wait(self, ready) -> None:
-        async with self._changed:
-            while not ready():
-                if self._task.done():
-                    self._task.result()
-                await self._changed.wait()
-        if self._task.done() and not ready():
-            self._task.result()
-
-    async def wait_layer(self, layer_id: int) -> None:
+    async def wait_layer(self, layer_id: int) -> bool:
         if layer_id not in self.layers:
             raise ValueError(f"layer {layer_id} is not part of this load")
-        await self._wait(lambda: self._last_layer >= layer_id)
+        async with self._changed:
+            while self._last_layer < layer_id and not self._task.done():
+                await self._changed.wait()
+        if self._task.done():
+            self._task.result()
+        return self._last_layer >= layer_id and not self.missed
 
     async def wait(self) -> int:
         await self._task
-        return self._bytes
+        return 0 if self.missed else self._bytes
 
 
 class AsyncKVClient:
     """asyncio twin of KVClient; create it inside the running loop."""
 
-    def __init__(self, address: str | None = None, *, timeout: float = 30.0) -> None:
+    def __init__(self, address: str | None = None, *, timeout: float = 5.0, token: str | None = None,
+                 resilient: bool = True) -> None:
         self.target = target(address)
         self.timeout = timeout
+        self.resilient = resilient
+        token = token or os.environ.get("KVSERVER_TOKEN")
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVServerStub(self._channel)
+        self._request: pb.RegisterRequest | None = None
+        self._session: asyncio.Task | None = None
+        self._reconnect: asyncio.Task | None = None
         self.registration: msg.Registration | None = None
+        self.connected = False
+        self.misses = 0
+        self.reconnects = 0
 
     async def _call(self, method, request):
         try:
-            return await method(request, timeout=self.timeout)
+            return await method(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
+
+    async def _data_call(self, method, request, on_miss):
+        reg = self.registration
+        if reg is None:
+            raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "register() first")
+        if not self.connected:
+            self.misses += 1
+            return on_miss
+        try:
+            return await method(request(reg.client_id), timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            if self._is_miss(from_rpc_error(exc), reg):
+                return on_miss
+            raise from_rpc_error(exc) from None
+
+    def _is_miss(self, error: KVClientError, reg: msg.Registration | None) -> bool:
+        if not self.resilient or not is_miss(error.code):
+            return False
+        self.misses += 1
+        if needs_register(error.code):
+            self._lost(reg, error.message)
+        return True
 
     @property
     def client_id(self) -> str:
         if self.registration is None:
             raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "register() first")
         return self.registration.client_id
+
+    # ---- registration and liveness --------------------------------------------------------
 
     async def register(self, *, model: str, pool: ShmKVPool, start_layer: int, end_layer: int,
                        num_layers: int, host_tokens: int, page_size: int = 1, tp_rank: int = 0,
@@ -92,49 +141,120 @@ class AsyncKVClient:
             num_layers=num_layers, host_tokens=host_tokens, page_size=page_size,
             tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
         )
-        self.registration = msg.registration(await self._call(self._stub.Register, req), req)
-        return self.registration
+        reg = msg.registration(await self._call(self._stub.Register, req), req)
+        self._request = req
+        self._adopt(reg)
+        return reg
+
+    def _adopt(self, reg: msg.Registration) -> None:
+        self.registration = reg
+        self.connected = True
+        self._session = asyncio.get_running_loop().create_task(self._hold_session(reg))
+
+    async def _hold_session(self, reg: msg.Registration) -> None:
+        reason = "session ended"
+        try:
+            async for _ in self._stub.Session(pb.SessionRequest(client_id=reg.client_id),
+                                              metadata=self._metadata):
+                pass
+        except grpc.RpcError as exc:
+            reason = f"session ended: {exc.code().name}"
+        self._lost(reg, reason)
+
+    def _lost(self, reg: msg.Registration | None, reason: str) -> None:
+        if reg is None or reg is not self.registration or not self.connected:
+            return
+        self.connected = False
+        if not self.resilient or self._request is None or self._reconnect is not None:
+            return
+        logger.warning("kvserver registration lost (%s); writes are dropped and loads miss until "
+                       "the daemon is back", reason)
+        self._reconnect = asyncio.get_running_loop().create_task(self._reregister())
+
+    async def _reregister(self) -> None:
+        backoff = Backoff()
+        try:
+            while self._request is not None:
+                await asyncio.sleep(backoff.next())
+                try:
+                    resp = await self._stub.Register(self._request, timeout=self.timeout,
+                                                     metadata=self._metadata)
+                except grpc.RpcError:
+                    continue
+                if self._request is None:
+                    return
+                self._adopt(msg.registration(resp, self._request))
+                self.reconnects += 1
+                logger.warning("kvserver registration restored after %d attempts", backoff.attempt)
+                return
+        finally:
+            self._reconnect = None
+
+    async def _stop_tasks(self) -> None:
+        for task in (self._session, self._reconnect):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._session = self._reconnect = None
 
     async def unregister(self) -> None:
-        if self.registration is not None:
-            await self._call(self._stub.Unregister, pb.UnregisterRequest(client_id=self.client_id))
-            self.registration = None
+        reg, self.registration, self._request = self.registration, None, None
+        self.connected = False
+        await self._stop_tasks()
+        if reg is None:
+            return
+        try:
+            await self._call(self._stub.Unregister, pb.UnregisterRequest(client_id=reg.client_id))
+        except KVClientError as exc:
+            if not (self.resilient and is_miss(exc.code)):
+                raise
 
-    async def alloc(self, num_tokens: int) -> torch.Tensor:
-        req = pb.AllocRequest(client_id=self.client_id, num_tokens=num_tokens)
-        return msg.host_tensor(await self._call(self._stub.Alloc, req))
+    # ---- data -----------------------------------------------------------------------------
+
+    async def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        resp = await self._data_call(
+            self._stub.Alloc, lambda cid: pb.AllocRequest(client_id=cid, num_tokens=num_tokens), None)
+        return None if resp is None else msg.host_tensor(resp)
 
     async def free(self, host_indices: msg.Indices) -> int:
-        req = pb.FreeRequest(client_id=self.client_id, host_indices=msg.ids(host_indices))
-        return (await self._call(self._stub.Free, req)).freed_tokens
+        ids = msg.ids(host_indices)
+        resp = await self._data_call(
+            self._stub.Free, lambda cid: pb.FreeRequest(client_id=cid, host_indices=ids), None)
+        return 0 if resp is None else resp.freed_tokens
 
     async def write(self, *, host_indices: msg.Indices, device_indices: msg.Indices,
                     layers: Iterable[int] | None = None) -> int:
-        req = pb.WriteRequest(
-            client_id=self.client_id,
-            host_indices=msg.ids(host_indices),
-            device_indices=msg.ids(device_indices),
-            layers=msg.layer_list(layers),
+        host, dev, lay = msg.ids(host_indices), msg.ids(device_indices), msg.layer_list(layers)
+        resp = await self._data_call(
+            self._stub.Write,
+            lambda cid: pb.WriteRequest(client_id=cid, host_indices=host, device_indices=dev, layers=lay),
+            None,
         )
-        return (await self._call(self._stub.Write, req)).bytes
+        return 0 if resp is None else resp.bytes
 
     def load(self, *, host_indices: msg.Indices, device_indices: msg.Indices,
              layers: Iterable[int] | None = None) -> AsyncLoadHandle:
         reg = self.registration
-        req = pb.LoadRequest(
-            client_id=self.client_id,
-            host_indices=msg.ids(host_indices),
-            device_indices=msg.ids(device_indices),
-            layers=msg.layer_list(layers),
-        )
-        layer_ids = list(req.layers) or list(range(reg.start_layer, reg.end_layer))
-        return AsyncLoadHandle(layer_ids, self._stub.Load(req, timeout=self.timeout))
+        if reg is None:
+            raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "register() first")
+        lay = msg.layer_list(layers) or list(range(reg.start_layer, reg.end_layer))
+        if not self.connected:
+            self.misses += 1
+            return AsyncLoadHandle(lay, None)
+        req = pb.LoadRequest(client_id=reg.client_id, host_indices=msg.ids(host_indices),
+                             device_indices=msg.ids(device_indices), layers=msg.layer_list(layers))
+        stream = self._stub.Load(req, timeout=self.timeout, metadata=self._metadata)
+        return AsyncLoadHandle(lay, stream, self, reg)
 
     async def stats(self, all_clients: bool = False) -> pb.StatsResponse:
         req = pb.StatsRequest(client_id="" if all_clients else self.client_id)
         return await self._call(self._stub.Stats, req)
 
     async def close(self) -> None:
+        self._request = None
+        self.connected = False
+        await self._stop_tasks()
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncKVClient:

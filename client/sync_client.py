@@ -1,9 +1,16 @@
-"""Synchronous client, safe to call from engine threads."""
+"""Synchronous client, safe to call from engine threads.
+
+The client keeps its registration alive with a Session stream, and in resilient mode (the
+default) survives the daemon going away: writes are dropped, loads report a miss, and a
+background thread re-registers with backoff once the daemon is back (see ``_resilience``).
+"""
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -11,22 +18,34 @@ import torch
 
 from kvclient import _messages as msg
 from kvclient._channel import CHANNEL_OPTIONS, target
+from kvclient._resilience import Backoff, is_miss, needs_register
 from kvclient.errors import KVClientError, from_rpc_error
 from kvclient.shm_pool import ShmKVPool
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
+logger = logging.getLogger(__name__)
+
 
 class LoadHandle:
-    """A load in flight. ``wait_layer(i)`` returns once global layer i has landed."""
+    """A load in flight. ``wait_layer(i)`` returns True once global layer i has landed, or False
+    if the load missed (resilient mode: the daemon went away; recompute instead)."""
 
-    def __init__(self, layers: list[int], start_layer: int, end_layer: int) -> None:
-        self.layers = layers or list(range(start_layer, end_layer))
+    def __init__(self, layers: list[int], on_error: Callable[[KVClientError], bool] | None = None) -> None:
+        self.layers = layers
+        self._on_error = on_error  # True: the error is a miss, not raised
         self._cond = threading.Condition()
         self._last_layer = -1
         self._done = False
         self._bytes = 0
         self._error: KVClientError | None = None
+        self.missed = False
+
+    @classmethod
+    def miss(cls, layers: list[int]) -> LoadHandle:
+        handle = cls(layers)
+        handle.missed = True
+        return handle
 
     def _consume(self, stream: Iterable[pb.LoadProgress]) -> None:
         try:
@@ -46,8 +65,12 @@ class LoadHandle:
             self._fail(KVClientError(grpc.StatusCode.INTERNAL, f"load stream failed: {exc!r}"))
 
     def _fail(self, error: KVClientError) -> None:
+        missed = self._on_error is not None and self._on_error(error)
         with self._cond:
-            self._error = error
+            if missed:
+                self.missed = True
+            else:
+                self._error = error
             self._cond.notify_all()
 
     def _check(self) -> None:
@@ -59,49 +82,96 @@ class LoadHandle:
             self._check()
             return self._last_layer >= layer_id
 
-    def wait_layer(self, layer_id: int, timeout: float | None = None) -> None:
+    def wait_layer(self, layer_id: int, timeout: float | None = None) -> bool:
         if layer_id not in self.layers:
             raise ValueError(f"layer {layer_id} is not part of this load")
         with self._cond:
             ok = self._cond.wait_for(
-                lambda: self._error is not None or self._last_layer >= layer_id, timeout
+                lambda: self._error is not None or self.missed or self._last_layer >= layer_id, timeout
             )
             self._check()
             if not ok:
                 raise TimeoutError(f"layer {layer_id} did not land within {timeout} s")
+            return self._last_layer >= layer_id and not self.missed
 
     def wait(self, timeout: float | None = None) -> int:
-        """Waits for every layer; returns the bytes copied."""
+        """Waits for every layer; returns the bytes copied (0 if the load missed)."""
         with self._cond:
-            ok = self._cond.wait_for(lambda: self._error is not None or self._done, timeout)
+            ok = self._cond.wait_for(lambda: self._error is not None or self.missed or self._done, timeout)
             self._check()
             if not ok:
                 raise TimeoutError(f"load did not finish within {timeout} s")
-            return self._bytes
+            return 0 if self.missed else self._bytes
 
 
 class KVClient:
-    """One engine process's connection to the daemon and its registration."""
+    """One engine process's connection to the daemon and its registration.
 
-    def __init__(self, address: str | None = None, *, timeout: float = 30.0) -> None:
+    ``resilient`` (default True): when the daemon is unreachable, restarted, or no longer knows
+    the registration or its pages, ``write`` returns 0, ``load`` returns a missed handle,
+    ``alloc`` returns None and ``free`` 0, counted in ``misses``; the client re-registers by
+    itself. Requests that are wrong still raise ``KVClientError``. With ``resilient=False``
+    every failure raises.
+    """
+
+    def __init__(self, address: str | None = None, *, timeout: float = 5.0, token: str | None = None,
+                 resilient: bool = True) -> None:
         self.target = target(address)
         self.timeout = timeout
+        self.resilient = resilient
+        token = token or os.environ.get("KVSERVER_TOKEN")
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVServerStub(self._channel)
         self._loaders = ThreadPoolExecutor(8, thread_name_prefix="kvclient-load")
+        self._lock = threading.Lock()
+        self._request: pb.RegisterRequest | None = None
+        self._session: grpc.Future | None = None
+        self._reconnecting = False
+        self._closed = threading.Event()
         self.registration: msg.Registration | None = None
+        self.connected = False
+        self.misses = 0
+        self.reconnects = 0
+
+    # ---- plumbing ---------------------------------------------------------------------------
 
     def _call(self, method, request):
         try:
-            return method(request, timeout=self.timeout)
+            return method(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
+
+    def _data_call(self, method, request, on_miss):
+        """A call on the registration: failures that mean "not there" become ``on_miss``."""
+        reg = self.registration
+        if reg is None and self._request is None:
+            raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "register() first")
+        if not self.connected:
+            self.misses += 1
+            return on_miss
+        try:
+            return method(request(reg.client_id), timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            if self._is_miss(from_rpc_error(exc), reg):
+                return on_miss
+            raise from_rpc_error(exc) from None
+
+    def _is_miss(self, error: KVClientError, reg: msg.Registration | None) -> bool:
+        if not self.resilient or not is_miss(error.code):
+            return False
+        self.misses += 1
+        if needs_register(error.code):
+            self._lost(reg, error.message)
+        return True
 
     @property
     def client_id(self) -> str:
         if self.registration is None:
             raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "register() first")
         return self.registration.client_id
+
+    # ---- registration and liveness --------------------------------------------------------
 
     def register(
         self,
@@ -118,52 +188,127 @@ class KVClient:
         pp_rank: int = 0,
         pp_size: int = 1,
     ) -> msg.Registration:
+        """Registers (always raising on failure) and opens the session that keeps it alive."""
         req = msg.register_request(
             model=model, pool=pool, start_layer=start_layer, end_layer=end_layer,
             num_layers=num_layers, host_tokens=host_tokens, page_size=page_size,
             tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
         )
-        self.registration = msg.registration(self._call(self._stub.Register, req), req)
-        return self.registration
+        reg = msg.registration(self._call(self._stub.Register, req), req)
+        with self._lock:
+            self._request = req
+            self._adopt(reg)
+        return reg
+
+    def _adopt(self, reg: msg.Registration) -> None:
+        """Makes ``reg`` current and holds its session (caller holds the lock)."""
+        self.registration = reg
+        self.connected = True
+        call = self._stub.Session(pb.SessionRequest(client_id=reg.client_id), metadata=self._metadata)
+        self._session = call
+        threading.Thread(target=self._hold_session, args=(call, reg), daemon=True,
+                         name="kvclient-session").start()
+
+    def _hold_session(self, call, reg: msg.Registration) -> None:
+        reason = "session ended"
+        try:
+            for _ in call:
+                pass
+        except grpc.RpcError as exc:
+            reason = f"session ended: {exc.code().name}"
+        self._lost(reg, reason)
+
+    def _lost(self, reg: msg.Registration | None, reason: str) -> None:
+        """The daemon no longer holds ``reg``: misses until a new registration is made."""
+        with self._lock:
+            if self._closed.is_set() or reg is None or reg is not self.registration or not self.connected:
+                return
+            self.connected = False
+            if not self.resilient or self._reconnecting or self._request is None:
+                return
+            self._reconnecting = True
+        logger.warning("kvserver registration lost (%s); writes are dropped and loads miss until "
+                       "the daemon is back", reason)
+        threading.Thread(target=self._reconnect, daemon=True, name="kvclient-reconnect").start()
+
+    def _reconnect(self) -> None:
+        backoff = Backoff()
+        try:
+            while not self._closed.wait(backoff.next()):
+                try:
+                    resp = self._stub.Register(self._request, timeout=self.timeout, metadata=self._metadata)
+                except grpc.RpcError as exc:
+                    logger.debug("re-registration failed: %s", exc.code().name)
+                    continue
+                with self._lock:
+                    if self._closed.is_set() or self.registration is None:
+                        return
+                    self._adopt(msg.registration(resp, self._request))
+                    self.reconnects += 1
+                logger.warning("kvserver registration restored after %d attempts", backoff.attempt)
+                return
+        finally:
+            with self._lock:
+                self._reconnecting = False
 
     def unregister(self) -> None:
-        if self.registration is not None:
-            self._call(self._stub.Unregister, pb.UnregisterRequest(client_id=self.client_id))
-            self.registration = None
+        with self._lock:
+            reg, self.registration, self._request = self.registration, None, None
+            self.connected = False
+            session, self._session = self._session, None
+        if session is not None:
+            session.cancel()
+        if reg is None:
+            return
+        try:
+            self._call(self._stub.Unregister, pb.UnregisterRequest(client_id=reg.client_id))
+        except KVClientError as exc:
+            if not (self.resilient and is_miss(exc.code)):
+                raise
 
-    def alloc(self, num_tokens: int) -> torch.Tensor:
-        req = pb.AllocRequest(client_id=self.client_id, num_tokens=num_tokens)
-        return msg.host_tensor(self._call(self._stub.Alloc, req))
+    # ---- data -----------------------------------------------------------------------------
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """Page-aligned host indices, or None on a miss (resilient mode)."""
+        resp = self._data_call(self._stub.Alloc,
+                               lambda cid: pb.AllocRequest(client_id=cid, num_tokens=num_tokens), None)
+        return None if resp is None else msg.host_tensor(resp)
 
     def free(self, host_indices: msg.Indices) -> int:
-        req = pb.FreeRequest(client_id=self.client_id, host_indices=msg.ids(host_indices))
-        return self._call(self._stub.Free, req).freed_tokens
+        ids = msg.ids(host_indices)
+        resp = self._data_call(self._stub.Free, lambda cid: pb.FreeRequest(client_id=cid, host_indices=ids),
+                               None)
+        return 0 if resp is None else resp.freed_tokens
 
     def write(
         self, *, host_indices: msg.Indices, device_indices: msg.Indices, layers: Iterable[int] | None = None
     ) -> int:
-        """Offloads device slots to host slots for the given global layers (default: all)."""
-        req = pb.WriteRequest(
-            client_id=self.client_id,
-            host_indices=msg.ids(host_indices),
-            device_indices=msg.ids(device_indices),
-            layers=msg.layer_list(layers),
+        """Offloads device slots to host slots for the given global layers (default: all).
+        Returns the bytes written, 0 on a miss (resilient mode)."""
+        host, dev, lay = msg.ids(host_indices), msg.ids(device_indices), msg.layer_list(layers)
+        resp = self._data_call(
+            self._stub.Write,
+            lambda cid: pb.WriteRequest(client_id=cid, host_indices=host, device_indices=dev, layers=lay),
+            None,
         )
-        return self._call(self._stub.Write, req).bytes
+        return 0 if resp is None else resp.bytes
 
     def load(
         self, *, host_indices: msg.Indices, device_indices: msg.Indices, layers: Iterable[int] | None = None
     ) -> LoadHandle:
         """Starts a layer-by-layer load and returns at once."""
         reg = self.registration
-        req = pb.LoadRequest(
-            client_id=self.client_id,
-            host_indices=msg.ids(host_indices),
-            device_indices=msg.ids(device_indices),
-            layers=msg.layer_list(layers),
-        )
-        handle = LoadHandle(list(req.layers), reg.start_layer, reg.end_layer)
-        stream = self._stub.Load(req, timeout=self.timeout)
+        if reg is None and self._request is None:
+            raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "register() first")
+        req = self._request or pb.RegisterRequest()
+        lay = msg.layer_list(layers) or list(range(req.start_layer, req.end_layer))
+        if not self.connected:
+            self.misses += 1
+            return LoadHandle.miss(lay)
+        request = pb.LoadRequest(client_id=reg.client_id, host_indices=msg.ids(host_indices),
+                                 device_indices=msg.ids(device_indices), layers=msg.layer_list(layers))
+        handle = LoadHandle(lay, on_error=lambda error: self._is_miss(error, reg))
+        stream = self._stub.Load(request, timeout=self.timeout, metadata=self._metadata)
         self._loaders.submit(handle._consume, stream)
         return handle
 
@@ -172,6 +317,13 @@ class KVClient:
         return self._call(self._stub.Stats, req)
 
     def close(self) -> None:
+        """Stops the session (the daemon then reclaims the registration) and the channel."""
+        self._closed.set()
+        with self._lock:
+            session, self._session = self._session, None
+            self.connected = False
+        if session is not None:
+            session.cancel()
         self._loaders.shutdown(wait=True)
         self._channel.close()
 

@@ -279,12 +279,31 @@ def test_unknown_client_id(env: Env, method: str, which: str) -> None:
 
 
 def test_unknown_client_id_through_kvclient(env: Env) -> None:
-    other = KVClient(env.daemon.address, timeout=TIMEOUT)
+    other = KVClient(env.daemon.address, timeout=TIMEOUT, resilient=False)
     other.registration = dataclasses.replace(env.reg, client_id="f" * 32)
+    other.connected = True
     try:
         env.reject(C.NOT_FOUND, "unknown client id 'ffff", lambda: other.alloc(PAGE))
         env.reject(C.NOT_FOUND, "unknown client id",
                    lambda: other.load(host_indices=env.host, device_indices=slots(OTHER, 64)).wait(TIMEOUT))
+    finally:
+        other.registration = None
+        other.close()
+
+
+def test_unknown_client_id_is_a_miss_in_resilient_mode(env: Env) -> None:
+    """An engine whose registration the daemon lost sees misses, not exceptions."""
+    other = KVClient(env.daemon.address, timeout=TIMEOUT)
+    other.registration = dataclasses.replace(env.reg, client_id="f" * 32)
+    other.connected = True
+    try:
+        before = env.snapshot()
+        assert other.alloc(PAGE) is None
+        other.connected = True  # a lost registration stops calls; let the load try too
+        handle = other.load(host_indices=env.host, device_indices=slots(OTHER, 64))
+        assert handle.wait(TIMEOUT) == 0 and handle.missed
+        assert other.misses == 2
+        env.assert_unchanged(before)
     finally:
         other.registration = None
         other.close()
@@ -790,7 +809,7 @@ from kvserver.config import ServerConfig
 name, sock = sys.argv[1:3]
 dt = DaemonThread(ServerConfig(socket=sock, host_memory=8 << 20))
 pool = ShmKVPool(KVLayout.mha(2, 8), torch.bfloat16, num_layers=1, num_tokens=256, name=name)  # 16 KiB
-c = KVClient(dt.address, timeout=10)
+c = KVClient(dt.address, timeout=10, resilient=False)
 c.register(model="m", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=16, page_size=16)
 h = c.alloc(16)
 pool.close(unlink=False)
