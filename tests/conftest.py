@@ -73,3 +73,19 @@ def daemon(socket_dir: str) -> Iterator[DaemonThread]:
 os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (os.path.dirname(__file__), os.environ.get("PYTHONPATH")) if p
 )
+
+
+@pytest.fixture
+def daemon_factory(socket_dir: str):
+    """Builds in-process daemons with other settings: daemon_factory(lease=0.5, ...)."""
+    made: list[DaemonThread] = []
+
+    def make(**overrides) -> DaemonThread:
+        config = ServerConfig(socket=os.path.join(socket_dir, f"kv{len(made)}.sock"),
+                              host_memory=512 << 20, **overrides)
+        made.append(DaemonThread(config))
+        return made[-1]
+
+    yield make
+    for d in made:
+        d.stop()
