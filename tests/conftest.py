@@ -47,6 +47,8 @@ class DaemonThread:
         return self.daemon.core
 
     def stop(self) -> None:
+        if not self._thread.is_alive():
+            return
         self.call(self.daemon.stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=30)
