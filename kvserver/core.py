@@ -215,7 +215,7 @@ class KVCore:
         """Validates a whole transfer request and plans it; touches no memory."""
         client = self.client(client_id)
         spec = client.spec
-        local_layers = spec.layers.select(list(layers))
+        local_layers = spec.layers.select(layers)
         if len(host_indices) != len(device_indices):
             raise InvalidArgument(
                 f"{len(host_indices)} host indices but {len(device_indices)} device indices; "

@@ -112,6 +112,11 @@ class LayerRange:
         """Global ids (ascending, no repeats; empty means all) to local ids."""
         if not layer_ids:
             return list(range(len(self)))
+        if len(layer_ids) > len(self):  # refused before any per-id work: the list may hold millions
+            raise InvalidArgument(
+                f"layers must be ascending without repeats, got {len(layer_ids)} ids for the "
+                f"{len(self)} layers of this client's layer range {self}"
+            )
         local = [self.to_local(layer) for layer in layer_ids]
         if any(b <= a for a, b in zip(local, local[1:], strict=False)):
             raise InvalidArgument(f"layers must be ascending without repeats, got {shown(list(layer_ids))}")

