@@ -21,7 +21,7 @@ import torch
 
 from kvserver import epochs, transfer
 from kvserver.client_state import ClientSpec, ClientState, Counters
-from kvserver.device_pool import open_shm_pool
+from kvserver.device_pool import open_pool
 from kvserver.errors import InvalidArgument, NoCapacity, UnknownClient, shown
 from kvserver.host_pool import HostArena
 from kvserver.layer_signal import LayerSignal
@@ -84,7 +84,7 @@ class KVCore:
             raise NoCapacity(f"client limit reached: {self.max_clients} clients are registered")
         if req.host_tokens == 0:
             raise InvalidArgument("host_tokens must be at least one page")
-        device = open_shm_pool(
+        device = open_pool(
             req.device_pool, spec.layout, spec.dtype, len(spec.layers), spec.page_size
         )
         try:

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserver.errors import InvalidArgument
+from kvserver.cuda.handles import check_span, normalize_uuid, raw_ipc_handle
+from kvserver.cuda.runtime import require_cuda
+from kvserver.errors import InvalidArgument, Unimplemented
 from kvserver.layout import KVLayout
 from kvserver.shm import ShmMapping, open_shm
 from kvserver.transfer import BufferTable
@@ -66,22 +68,54 @@ class ShmDevicePool:
         self.mappings = []
 
 
-def open_shm_pool(
+def open_pool(
     msg: pb.DevicePool,
     layout: KVLayout,
     kv_dtype: torch.dtype,
     num_layers: int,
     page_size: int,
 ) -> ShmDevicePool:
-    """Validates the whole description, then maps each named object once and builds views."""
+    """Validates the whole description, then opens the pool where it lives."""
     refs = _check_refs(msg, layout, num_layers)
-    token_bytes = layout.token_bytes(kv_dtype)
     n = msg.num_tokens
     if not 0 < n <= MAX_POOL_TOKENS:
         raise InvalidArgument(f"device_pool.num_tokens must be in [1, {MAX_POOL_TOKENS}], got {n}")
+    kinds = {r.WhichOneof("location") for r in refs}
+    if kinds == {"cuda"}:
+        open_cuda_pool(refs, n, layout.token_bytes(kv_dtype))
+    if kinds != {"shm"}:
+        raise InvalidArgument(
+            "every buffer of a device pool must have a location, all shared memory (shm) or all "
+            f"CUDA IPC (cuda); got {sorted(k or 'none' for k in kinds)}"
+        )
+    return open_shm_pool(refs, n, layout, kv_dtype, num_layers, page_size)
+
+
+def open_cuda_pool(refs: list[pb.BufferRef], num_tokens: int, token_bytes: int) -> None:
+    """Checks every handle, UUID and span first (bad input is INVALID_ARGUMENT on any daemon),
+    then needs a usable GPU (FAILED_PRECONDITION without one)."""
+    for i, r in enumerate(refs):
+        what = f"device_pool buffer {i}"
+        raw_ipc_handle(r.cuda.ipc_handle)
+        normalize_uuid(r.cuda.device_uuid)
+        check_span(r.offset, r.token_stride, num_tokens, token_bytes, r.cuda.allocation_size, what)
+    require_cuda()
+    raise Unimplemented(
+        "the CUDA IPC data path is not built yet in this version: register the pool from shared memory"
+    )
+
+
+def open_shm_pool(
+    refs: list[pb.BufferRef],
+    n: int,
+    layout: KVLayout,
+    kv_dtype: torch.dtype,
+    num_layers: int,
+    page_size: int,
+) -> ShmDevicePool:
+    """Maps each named object once, checks each buffer against its size, and builds views."""
+    token_bytes = layout.token_bytes(kv_dtype)
     for r in refs:
-        if r.WhichOneof("location") != "shm":
-            raise InvalidArgument("this daemon path takes shared-memory buffers only")
         if r.token_stride < token_bytes:
             raise InvalidArgument(
                 f"token_stride {r.token_stride} is smaller than one token ({token_bytes} bytes "

@@ -43,6 +43,10 @@ class PermissionDenied(KVError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class Unimplemented(KVError):
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
 class Unavailable(KVError):
     code = grpc.StatusCode.UNAVAILABLE
 

@@ -1,0 +1,75 @@
+"""An engine's CUDA KV buffers described for the daemon: IPC handle of each buffer's allocation,
+the buffer's byte offset inside it, token stride, and the device's UUID.
+
+Nothing here needs a GPU until ``CudaKVPool`` is built from real CUDA tensors; the conversion
+itself (``buffer_ref``) is plain data and is tested on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserver.cuda.handles import normalize_uuid, raw_ipc_handle
+from kvserver.errors import InvalidArgument
+from kvserver.layout import KVLayout
+from kvserver.v1 import kvserver_pb2 as pb
+
+
+def buffer_ref(share: tuple, tensor_offset_bytes: int, token_stride: int, device_uuid: str) -> pb.BufferRef:
+    """A BufferRef from ``storage._share_cuda_()``'s tuple (device, handle, storage size, storage
+    offset in its allocation, ...) plus the tensor's own offset inside its storage.
+
+    Raises ValueError for memory without a legacy IPC handle (expandable segments)."""
+    _device, handle, storage_size, storage_offset = share[:4]
+    try:
+        raw_ipc_handle(handle)
+    except InvalidArgument as exc:
+        raise ValueError(str(exc)) from None
+    return pb.BufferRef(
+        cuda=pb.CudaIpcLocation(
+            ipc_handle=bytes(handle),
+            device_uuid=normalize_uuid(device_uuid),
+            # The daemon may touch the storage and nothing past it.
+            allocation_size=storage_offset + storage_size,
+        ),
+        offset=storage_offset + tensor_offset_bytes,
+        token_stride=token_stride,
+    )
+
+
+class CudaKVPool:
+    """Per layer, K and V (MHA) or the latent (MLA): CUDA tensors of [num_tokens, heads, head_dim].
+
+    The engine keeps these tensors alive while registered: the daemon maps their memory.
+    """
+
+    def __init__(self, layout: KVLayout, dtype: torch.dtype, buffers: list[list[torch.Tensor]]) -> None:
+        if not buffers or any(len(parts) != layout.num_parts for parts in buffers):
+            raise ValueError(f"each layer needs {layout.num_parts} buffer(s) for this layout")
+        num_tokens = buffers[0][0].shape[0]
+        for parts in buffers:
+            for t in parts:
+                if not t.is_cuda or t.dtype != dtype or t.shape[0] != num_tokens:
+                    raise ValueError("buffers must be CUDA tensors of one dtype and one token count")
+                if t[0].numel() * t.element_size() != layout.token_bytes(dtype) or not t[0].is_contiguous():
+                    raise ValueError(f"each token must be {layout.token_shape} contiguous values")
+        self.layout = layout
+        self.dtype = dtype
+        self.buffers = buffers
+        self.num_layers = len(buffers)
+        self.num_tokens = num_tokens
+
+    def descriptor(self) -> pb.DevicePool:
+        refs = []
+        for parts in self.buffers:
+            layer = pb.LayerBuffers()
+            for t in parts:
+                uuid = str(torch.cuda.get_device_properties(t.device).uuid)
+                layer.parts.append(buffer_ref(
+                    t.untyped_storage()._share_cuda_(),
+                    t.storage_offset() * t.element_size(),
+                    t.stride(0) * t.element_size(),
+                    uuid,
+                ))
+            refs.append(layer)
+        return pb.DevicePool(num_tokens=self.num_tokens, layers=refs)

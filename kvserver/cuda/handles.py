@@ -1,0 +1,71 @@
+"""CUDA IPC handles and device identities as they arrive on the wire, checked without a GPU.
+
+An engine exports each KV buffer as the IPC handle of the cudaMalloc allocation that contains it,
+plus the buffer's byte offset inside that allocation (PyTorch's caching allocator hands out
+blocks carved from larger segments), and the device's UUID: ordinals differ between processes
+with different CUDA_VISIBLE_DEVICES.
+"""
+
+from __future__ import annotations
+
+import re
+
+from kvserver.errors import InvalidArgument
+
+IPC_HANDLE_BYTES = 64
+# torch >= 2.5 prefixes its handles with a version byte (2) and a kind byte:
+# b"c" for cudaMalloc memory (64-byte cudaIpcMemHandle_t follows), b"e" for expandable segments.
+TORCH_HANDLE_VERSION = 2
+EXPANDABLE_HINT = (
+    "the KV pool was allocated from PyTorch expandable segments (VMM memory), which has no CUDA IPC "
+    "handle: allocate the pool with expandable segments off, e.g. "
+    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False, or "
+    "torch.cuda.memory._set_allocator_settings('expandable_segments:False') around the allocation"
+)
+_UUID = re.compile(r"(?:GPU-)?([0-9a-fA-F]{8})-?([0-9a-fA-F]{4})-?([0-9a-fA-F]{4})-?([0-9a-fA-F]{4})-?"
+                   r"([0-9a-fA-F]{12})")
+
+
+def raw_ipc_handle(handle: bytes) -> bytes:
+    """The 64-byte cudaIpcMemHandle_t inside a raw or torch-prefixed handle."""
+    if len(handle) == IPC_HANDLE_BYTES:
+        return handle
+    if len(handle) >= 2 and handle[0] == TORCH_HANDLE_VERSION:
+        kind = handle[1:2]
+        if kind == b"e":
+            raise InvalidArgument(EXPANDABLE_HINT)
+        if kind == b"c" and len(handle) == IPC_HANDLE_BYTES + 2:
+            return handle[2:]
+    raise InvalidArgument(
+        f"ipc_handle must be a 64-byte cudaIpcMemHandle_t (or torch's 66-byte form), got {len(handle)} bytes"
+    )
+
+
+def normalize_uuid(text: str) -> str:
+    """'GPU-1a2b3c4d-...' in any of its spellings (with or without 'GPU-' and dashes), lowercased."""
+    m = _UUID.fullmatch(text.strip())
+    if not m:
+        raise InvalidArgument(f"device_uuid {text[:80]!r} is not a GPU UUID like GPU-xxxxxxxx-xxxx-xxxx-xxxx-"
+                              "xxxxxxxxxxxx")
+    return "GPU-" + "-".join(g.lower() for g in m.groups())
+
+
+def uuid_from_bytes(raw: bytes) -> str:
+    """A cudaUUID_t's 16 bytes as 'GPU-...' (what nvidia-smi and torch print)."""
+    h = raw.hex()
+    return normalize_uuid(f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}")
+
+
+def check_span(offset: int, token_stride: int, num_tokens: int, token_bytes: int, allocation_size: int,
+               what: str) -> None:
+    """The buffer's last token must end inside the allocation the handle opens."""
+    if token_stride < token_bytes:
+        raise InvalidArgument(
+            f"{what}: token_stride {token_stride} is smaller than one token ({token_bytes} B)"
+        )
+    end = offset + (num_tokens - 1) * token_stride + token_bytes
+    if end > allocation_size:
+        raise InvalidArgument(
+            f"{what}: buffer at offset {offset} with token_stride {token_stride} needs {end} bytes for "
+            f"{num_tokens} tokens, but the allocation is {allocation_size} bytes"
+        )

@@ -1,0 +1,149 @@
+"""The CUDA path's parts that need no GPU: handle and UUID parsing, span checks, copy planning,
+the client's export, and how a daemon without a usable GPU answers CUDA registrations."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from kvclient import KVClient, KVClientError, KVLayout, ShmKVPool
+from kvclient._messages import register_request
+from kvclient.cuda_pool import buffer_ref
+from kvserver.cuda import plan
+from kvserver.cuda.handles import check_span, normalize_uuid, raw_ipc_handle, uuid_from_bytes
+from kvserver.cuda.runtime import _probe
+from kvserver.errors import InvalidArgument
+from kvserver.v1 import kvserver_pb2 as pb
+from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
+
+HANDLE = bytes(range(64))
+UUID = "GPU-1a2b3c4d-5e6f-7a8b-9c0d-112233445566"
+
+
+def test_raw_handle_forms():
+    assert raw_ipc_handle(HANDLE) == HANDLE
+    assert raw_ipc_handle(b"\x02c" + HANDLE) == HANDLE  # torch's versioned cudaMalloc handle
+    with pytest.raises(InvalidArgument, match="expandable_segments:False"):
+        raw_ipc_handle(b"\x02e" + b"\0" * 40)  # torch's expandable-segment form
+    for bad in (b"", HANDLE[:63], HANDLE + b"\0", b"\x03c" + HANDLE):
+        with pytest.raises(InvalidArgument, match="64-byte"):
+            raw_ipc_handle(bad)
+
+
+def test_uuid_spellings():
+    assert normalize_uuid(UUID) == UUID
+    assert normalize_uuid(UUID.upper().replace("GPU-", "")) == UUID
+    assert normalize_uuid("1a2b3c4d5e6f7a8b9c0d112233445566") == UUID
+    assert uuid_from_bytes(bytes.fromhex("1a2b3c4d5e6f7a8b9c0d112233445566")) == UUID
+    for bad in ("", "GPU-xyz", "0", UUID + "0", "MIG-1a2b3c4d-5e6f-7a8b-9c0d-112233445566"):
+        with pytest.raises(InvalidArgument, match="not a GPU UUID"):
+            normalize_uuid(bad)
+
+
+def test_span_must_end_inside_the_allocation():
+    check_span(offset=4096, token_stride=256, num_tokens=16, token_bytes=256, allocation_size=4096 + 4096,
+               what="b")
+    with pytest.raises(InvalidArgument, match="needs 8193 bytes"):
+        check_span(4097, 256, 16, 256, 8192, "b")
+    with pytest.raises(InvalidArgument, match="smaller than one token"):
+        check_span(0, 128, 16, 256, 1 << 20, "b")
+
+
+def test_copy_method_by_chunk_size():
+    assert plan.choose_method(16 << 10) == "kernel"
+    assert plan.choose_method(28 << 10) == "dma"
+    assert plan.choose_method(64 << 10, dma_min_chunk_bytes=128 << 10) == "kernel"
+
+
+def test_dma_runs_merge_rows_consecutive_on_both_sides():
+    runs = plan.dma_runs(np.array([4, 5, 6, 9, 10, 2]), np.array([0, 1, 2, 3, 4, 8]))
+    assert runs == [plan.DmaRun(4, 0, 3), plan.DmaRun(9, 3, 2), plan.DmaRun(2, 8, 1)]
+    assert plan.dma_runs(np.array([], dtype=np.int64), np.array([], dtype=np.int64)) == []
+
+
+def test_kernel_launch_shape():
+    assert plan.kernel_launch(num_rows=1000, row_bytes=4096, max_blocks=8) == (8, 128)
+    assert plan.kernel_launch(num_rows=3, row_bytes=64, max_blocks=8) == (1, 128)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        plan.kernel_launch(10, 12, 8)
+
+
+def test_client_export_from_a_share_tuple():
+    # What storage._share_cuda_() returns: device, handle, storage size, offset in the allocation, ...
+    share = (0, b"\x02c" + HANDLE, 1 << 20, 3 << 20, b"ref", 0, b"event", False)
+    ref = buffer_ref(share, tensor_offset_bytes=512, token_stride=256, device_uuid=UUID.upper())
+    assert ref.cuda.ipc_handle == b"\x02c" + HANDLE
+    assert ref.cuda.device_uuid == UUID
+    assert ref.offset == (3 << 20) + 512
+    assert ref.cuda.allocation_size == (4 << 20)
+    assert ref.token_stride == 256
+    with pytest.raises(ValueError, match="expandable"):
+        buffer_ref((0, b"\x02e" + b"\0" * 30, 1 << 20, 0), 0, 256, UUID)
+
+
+def cuda_register_request(handle: bytes = HANDLE, uuid: str = UUID, allocation_size: int = 1 << 20):
+    layout = KVLayout.mha(2, 64)  # 256 B per token
+    pool = pb.DevicePool(num_tokens=1024, layers=[
+        pb.LayerBuffers(parts=[
+            pb.BufferRef(cuda=pb.CudaIpcLocation(ipc_handle=handle, device_uuid=uuid,
+                                                 allocation_size=allocation_size),
+                         offset=part * (256 << 10), token_stride=256)
+            for part in range(2)
+        ])
+        for _ in range(2)
+    ])
+
+    class Described:
+        def __init__(self):
+            self.layout, self.dtype = layout, torch.float16
+
+        def descriptor(self):
+            return pool
+
+    return register_request(model="gpu", pool=Described(), start_layer=0, end_layer=2, num_layers=2,
+                            host_tokens=256, page_size=16, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+
+
+needs_no_gpu = pytest.mark.skipif(_probe()[0] is not None, reason="a usable GPU is present")
+
+
+@needs_no_gpu
+def test_daemon_without_gpu_refuses_cuda_pools_and_keeps_serving_shm(daemon):
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Register(cuda_register_request(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "cannot register CUDA pools" in err.value.details()
+        assert "Shared-memory pools still work" in err.value.details()
+        assert stub.Stats(pb.StatsRequest()).num_clients == 0
+    with ShmKVPool(KVLayout.mha(2, 8), torch.bfloat16, 2, 64) as pool, KVClient(daemon.address) as c:
+        c.register(model="m", pool=pool, start_layer=0, end_layer=2, num_layers=2, host_tokens=16)
+        assert c.write(host_indices=c.alloc(16), device_indices=torch.arange(16)) > 0
+
+
+@pytest.mark.parametrize(("kwargs", "text"), [
+    ({"handle": b"\x02e" + b"\0" * 40}, "expandable_segments:False"),
+    ({"handle": HANDLE[:10]}, "64-byte"),
+    ({"uuid": "3"}, "not a GPU UUID"),
+    ({"allocation_size": 4096}, "the allocation is 4096 bytes"),
+])
+def test_bad_cuda_descriptions_are_invalid_on_any_daemon(daemon, kwargs, text):
+    """Checked before the daemon looks for a GPU, so the answer does not depend on having one."""
+    with grpc.insecure_channel(daemon.address) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.KVServerStub(ch).Register(cuda_register_request(**kwargs), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert text in err.value.details()
+
+
+@needs_no_gpu
+def test_kvclient_reports_the_refusal(daemon):
+    client = KVClient(daemon.address)
+    req = cuda_register_request()
+    with pytest.raises(KVClientError) as err:
+        client._call(client._stub.Register, req)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    client.close()
