@@ -2,6 +2,7 @@
 
 from kvclient._messages import Registration
 from kvclient.aio_client import AsyncKVClient, AsyncLoadHandle
+from kvclient.cuda_pool import CudaKVPool
 from kvclient.errors import KVClientError
 from kvclient.shm_pool import ShmKVPool
 from kvclient.sync_client import KVClient, LoadHandle
@@ -10,6 +11,7 @@ from kvserver.layout import KVLayout
 __all__ = [
     "AsyncKVClient",
     "AsyncLoadHandle",
+    "CudaKVPool",
     "KVClient",
     "KVClientError",
     "KVLayout",

@@ -24,6 +24,7 @@ class Registration:
     start_layer: int
     end_layer: int
     epoch: int
+    layer_events: tuple[bytes, ...] = ()  # CUDA pools: [slot * layers + local layer]
 
 
 def ids(values: Indices) -> list[int]:
@@ -74,6 +75,7 @@ def registration(resp: pb.RegisterResponse, req: pb.RegisterRequest) -> Registra
         start_layer=req.start_layer,
         end_layer=req.end_layer,
         epoch=resp.epoch,
+        layer_events=tuple(resp.layer_events),
     )
 
 

@@ -47,7 +47,8 @@ class AsyncLoadHandle:
         try:
             async for progress in stream:
                 async with self._changed:
-                    self._last_layer = progress.last_layer
+                    if progress.layers_done:
+                        self._last_layer = progress.last_layer
                     self._bytes = progress.bytes
                     self._done = progress.done
                     self._changed.notify_all()

@@ -19,6 +19,7 @@ import torch
 from kvclient import _messages as msg
 from kvclient._channel import CHANNEL_OPTIONS, target
 from kvclient._resilience import Backoff, is_miss, needs_register
+from kvclient.cuda_events import LayerEvents, event_handle
 from kvclient.errors import KVClientError, from_rpc_error
 from kvclient.shm_pool import ShmKVPool
 from kvserver.v1 import kvserver_pb2 as pb
@@ -40,6 +41,8 @@ class LoadHandle:
         self._bytes = 0
         self._error: KVClientError | None = None
         self.missed = False
+        self._recorded = False
+        self.events: dict[int, object] = {}  # CUDA pools: global layer -> torch.cuda.Event
 
     @classmethod
     def miss(cls, layers: list[int]) -> LoadHandle:
@@ -51,7 +54,9 @@ class LoadHandle:
         try:
             for progress in stream:
                 with self._cond:
-                    self._last_layer = progress.last_layer
+                    self._recorded = self._recorded or progress.events_recorded
+                    if progress.layers_done:
+                        self._last_layer = progress.last_layer
                     self._bytes = progress.bytes
                     self._done = progress.done
                     self._cond.notify_all()
@@ -94,6 +99,30 @@ class LoadHandle:
                 raise TimeoutError(f"layer {layer_id} did not land within {timeout} s")
             return self._last_layer >= layer_id and not self.missed
 
+    def wait_recorded(self, timeout: float | None = None) -> bool:
+        """CUDA pools: blocks until the daemon has recorded this load's layer events (one message,
+        sent before the copies finish); False if the load missed."""
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: self._error is not None or self.missed or self._recorded or self._done, timeout
+            )
+            self._check()
+            if not ok:
+                raise TimeoutError(f"layer events were not recorded within {timeout} s")
+            return not self.missed
+
+    def stream_wait_layer(self, layer_id: int, stream=None) -> bool:
+        """CUDA pools: makes ``stream`` (default: the current one) wait on the GPU until global
+        layer ``layer_id`` has landed; the CPU does not wait for the copy. False on a miss."""
+        if layer_id not in self.events:
+            raise ValueError(f"layer {layer_id} has no event in this load (not a CUDA pool, or not loaded)")
+        if not self.wait_recorded():
+            return False
+        import torch
+
+        (stream or torch.cuda.current_stream()).wait_event(self.events[layer_id])
+        return True
+
     def wait(self, timeout: float | None = None) -> int:
         """Waits for every layer; returns the bytes copied (0 if the load missed)."""
         with self._cond:
@@ -133,6 +162,8 @@ class KVClient:
         self.connected = False
         self.misses = 0
         self.reconnects = 0
+        self._events: LayerEvents | None = None
+        self._device = 0  # CUDA pools: the device the layer events are opened on
 
     # ---- plumbing ---------------------------------------------------------------------------
 
@@ -187,14 +218,20 @@ class KVClient:
         tp_size: int = 1,
         pp_rank: int = 0,
         pp_size: int = 1,
+        event_slots: int = 0,
     ) -> msg.Registration:
-        """Registers (always raising on failure) and opens the session that keeps it alive."""
+        """Registers (always raising on failure) and opens the session that keeps it alive.
+        ``pool`` is a ShmKVPool or a CudaKVPool; CUDA pools get ``event_slots`` (default 3)
+        sets of per-layer events, one set per load in flight."""
         req = msg.register_request(
             model=model, pool=pool, start_layer=start_layer, end_layer=end_layer,
             num_layers=num_layers, host_tokens=host_tokens, page_size=page_size,
             tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
         )
+        req.event_slots = event_slots
         reg = msg.registration(self._call(self._stub.Register, req), req)
+        if reg.layer_events:
+            self._device = pool.buffers[0][0].device
         with self._lock:
             self._request = req
             self._adopt(reg)
@@ -281,22 +318,30 @@ class KVClient:
         return 0 if resp is None else resp.freed_tokens
 
     def write(
-        self, *, host_indices: msg.Indices, device_indices: msg.Indices, layers: Iterable[int] | None = None
+        self, *, host_indices: msg.Indices, device_indices: msg.Indices, layers: Iterable[int] | None = None,
+        ready_event=None,
     ) -> int:
         """Offloads device slots to host slots for the given global layers (default: all).
+        CUDA pools: ``ready_event`` (an interprocess torch.cuda.Event the engine recorded after
+        writing the KV) makes the daemon's copy wait for it on the GPU.
         Returns the bytes written, 0 on a miss (resilient mode)."""
         host, dev, lay = msg.ids(host_indices), msg.ids(device_indices), msg.layer_list(layers)
+        ready = b"" if ready_event is None else event_handle(ready_event)
         resp = self._data_call(
             self._stub.Write,
-            lambda cid: pb.WriteRequest(client_id=cid, host_indices=host, device_indices=dev, layers=lay),
+            lambda cid: pb.WriteRequest(client_id=cid, host_indices=host, device_indices=dev, layers=lay,
+                                        ready_event=ready),
             None,
         )
         return 0 if resp is None else resp.bytes
 
     def load(
-        self, *, host_indices: msg.Indices, device_indices: msg.Indices, layers: Iterable[int] | None = None
+        self, *, host_indices: msg.Indices, device_indices: msg.Indices, layers: Iterable[int] | None = None,
+        event_slot: int = 0, ready_event=None,
     ) -> LoadHandle:
-        """Starts a layer-by-layer load and returns at once."""
+        """Starts a layer-by-layer load and returns at once. CUDA pools: the load records the
+        layer events of ``event_slot`` (``handle.stream_wait_layer``); ``ready_event`` makes the
+        daemon wait for the engine before overwriting the device slots."""
         reg = self.registration
         if reg is None and self._request is None:
             raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "register() first")
@@ -306,11 +351,21 @@ class KVClient:
             self.misses += 1
             return LoadHandle.miss(lay)
         request = pb.LoadRequest(client_id=reg.client_id, host_indices=msg.ids(host_indices),
-                                 device_indices=msg.ids(device_indices), layers=msg.layer_list(layers))
+                                 device_indices=msg.ids(device_indices), layers=msg.layer_list(layers),
+                                 event_slot=event_slot,
+                                 ready_event=b"" if ready_event is None else event_handle(ready_event))
         handle = LoadHandle(lay, on_error=lambda error: self._is_miss(error, reg))
+        if reg.layer_events:
+            events = self._layer_events(reg)
+            handle.events = {g: events.event(event_slot, g - reg.start_layer) for g in lay}
         stream = self._stub.Load(request, timeout=self.timeout, metadata=self._metadata)
         self._loaders.submit(handle._consume, stream)
         return handle
+
+    def _layer_events(self, reg: msg.Registration) -> LayerEvents:
+        if self._events is None or self._events.handles is not reg.layer_events:
+            self._events = LayerEvents(reg.layer_events, reg.end_layer - reg.start_layer, self._device)
+        return self._events
 
     def stats(self, all_clients: bool = False) -> pb.StatsResponse:
         req = pb.StatsRequest(client_id="" if all_clients else self.client_id)

@@ -37,11 +37,13 @@ INLINE_COPY_BYTES = 256 << 10
 
 @dataclass(frozen=True, slots=True)
 class LoadStep:
-    """One or more layers landed: every requested layer up to ``last_layer`` (global)."""
+    """One or more layers landed: every requested layer up to ``last_layer`` (global). A CUDA
+    load first yields a step with ``events_recorded`` and no layer done yet."""
 
     last_layer: int
     layers_done: int
     bytes: int
+    events_recorded: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +52,8 @@ class Job:
     plan: transfer.CopyPlan
     local_layers: list[int]
     pages: np.ndarray
+    ready_event: bytes = b""  # CUDA: the engine's event to wait on before copying
+    event_slot: int = 0  # CUDA loads: whose layer events to record
 
     @property
     def bytes_per_layer(self) -> int:
@@ -85,7 +89,7 @@ class KVCore:
         if req.host_tokens == 0:
             raise InvalidArgument("host_tokens must be at least one page")
         device = open_pool(
-            req.device_pool, spec.layout, spec.dtype, len(spec.layers), spec.page_size
+            req.device_pool, spec.layout, spec.dtype, len(spec.layers), spec.page_size, req.event_slots
         )
         try:
             page_bytes = spec.page_bytes
@@ -100,6 +104,13 @@ class KVCore:
         except BaseException:
             device.close()
             raise
+        if device.kind == "cuda":
+            try:
+                device.attach_host(self.arena.address + offset, num_pages * page_bytes, len(spec.layers))
+            except BaseException:
+                device.close()
+                self.arena.release(offset, num_pages * page_bytes)
+                raise
         host_views = self._host_views(spec, device.dtype, offset, num_pages)
         client = ClientState(
             client_id=secrets.token_hex(16),
@@ -211,10 +222,23 @@ class KVCore:
 
     # ---- transfers ------------------------------------------------------------------------
 
-    def prepare(self, client_id: str, host_indices, device_indices, layers) -> Job:
+    def prepare(self, client_id: str, host_indices, device_indices, layers, ready_event: bytes = b"",
+                event_slot: int = 0) -> Job:
         """Validates a whole transfer request and plans it; touches no memory."""
         client = self.client(client_id)
         spec = client.spec
+        if client.device.kind != "cuda" and (ready_event or event_slot):
+            raise InvalidArgument("ready_event and event_slot are for CUDA pools; this pool is shared memory")
+        if client.device.kind == "cuda":
+            if event_slot >= client.device.event_slots:
+                raise InvalidArgument(
+                    f"event_slot {event_slot} is not one of this registration's "
+                    f"{client.device.event_slots} slots"
+                )
+            if ready_event and len(ready_event) != 64:
+                raise InvalidArgument(
+                    f"ready_event must be a 64-byte CUDA IPC event handle, got {len(ready_event)} bytes"
+                )
         local_layers = spec.layers.select(layers)
         if len(host_indices) != len(device_indices):
             raise InvalidArgument(
@@ -225,9 +249,9 @@ class KVCore:
         dev = transfer.as_indices(device_indices, "device")
         transfer.check_device_tokens(dev, client.device.num_tokens)
         client.device.check_sizes()  # narrows, does not close, the window for a SIGBUS
-        num_dev_pages = client.device.num_pages if client.device.page_views is not None else None
+        num_dev_pages = client.device.num_pages if _paged(client.device) else None
         plan = transfer.make_plan(pages, dev, spec.page_size, num_dev_pages)
-        return Job(client, plan, local_layers, pages)
+        return Job(client, plan, local_layers, pages, bytes(ready_event), event_slot)
 
     async def write(self, job: Job) -> int:
         await self._submit(job, False, None)
@@ -256,11 +280,15 @@ class KVCore:
         start = job.client.spec.layers.start
         total = len(job.local_layers)
         sent, sent_at = 0, -math.inf
+        told_recorded = job.client.device.kind != "cuda"
         waiter = None
         try:
             while sent < total:
                 if fut.done():
                     fut.result()  # raises the worker's error, if any
+                if not told_recorded and signal.recorded:
+                    told_recorded = True
+                    yield LoadStep(-1, 0, 0, events_recorded=True)
                 done = signal.layers_done
                 wait = self.progress_interval - (time.monotonic() - sent_at)
                 if done > sent and (done == total or wait <= 0):
@@ -291,7 +319,8 @@ class KVCore:
         client = job.client
         client.busy[job.pages] += 1
         client.inflight += 1
-        if self._queued == 0 and job.bytes_per_layer * len(job.local_layers) <= INLINE_COPY_BYTES:
+        small = job.bytes_per_layer * len(job.local_layers) <= INLINE_COPY_BYTES
+        if self._queued == 0 and small and client.device.kind == "shm":
             fut = loop.create_future()
             try:
                 self._run(job, to_device, signal)
@@ -308,6 +337,11 @@ class KVCore:
 
     def _run(self, job: Job, to_device: bool, signal: LayerSignal | None) -> None:
         client, device = job.client, job.client.device
+        if device.kind == "cuda":
+            layers = np.asarray(job.local_layers, dtype=np.int64)
+            device.run(job.plan, layers, client.host_table, to_device, signal, job.ready_event,
+                       job.event_slot)
+            return
         table = device.page_table if job.plan.device_paged else device.token_table
         layers = np.asarray(job.local_layers, dtype=np.int64)
         progress, fd = (signal.counter, signal.fd) if signal is not None else (None, -1)
@@ -342,6 +376,10 @@ class KVCore:
             await self.unregister(client_id)
         self._executor.shutdown(wait=True)
         self.arena.close()
+
+
+def _paged(device) -> bool:
+    return device.paged if device.kind == "cuda" else device.page_views is not None
 
 
 def _page_tokens(pages: np.ndarray, page_size: int) -> np.ndarray:

@@ -13,7 +13,7 @@ import torch
 
 from kvserver.cuda.handles import check_span, normalize_uuid, raw_ipc_handle
 from kvserver.cuda.runtime import require_cuda
-from kvserver.errors import InvalidArgument, Unimplemented
+from kvserver.errors import InvalidArgument
 from kvserver.layout import KVLayout
 from kvserver.shm import ShmMapping, open_shm
 from kvserver.transfer import BufferTable
@@ -44,6 +44,7 @@ class ShmDevicePool:
     token_views: list[list[torch.Tensor]]  # [layer][part] -> [num_tokens, elems]
     page_views: list[list[torch.Tensor]] | None  # [layer][part] -> [num_pages, page_size*elems]
     mappings: list[ShmMapping] = field(default_factory=list)
+    kind: str = "shm"
     token_table: BufferTable | None = None
     page_table: BufferTable | None = None
 
@@ -74,7 +75,8 @@ def open_pool(
     kv_dtype: torch.dtype,
     num_layers: int,
     page_size: int,
-) -> ShmDevicePool:
+    event_slots: int = 0,
+):
     """Validates the whole description, then opens the pool where it lives."""
     refs = _check_refs(msg, layout, num_layers)
     n = msg.num_tokens
@@ -82,7 +84,7 @@ def open_pool(
         raise InvalidArgument(f"device_pool.num_tokens must be in [1, {MAX_POOL_TOKENS}], got {n}")
     kinds = {r.WhichOneof("location") for r in refs}
     if kinds == {"cuda"}:
-        open_cuda_pool(refs, n, layout.token_bytes(kv_dtype))
+        return open_cuda(refs, n, layout, kv_dtype, page_size, event_slots)
     if kinds != {"shm"}:
         raise InvalidArgument(
             "every buffer of a device pool must have a location, all shared memory (shm) or all "
@@ -91,18 +93,20 @@ def open_pool(
     return open_shm_pool(refs, n, layout, kv_dtype, num_layers, page_size)
 
 
-def open_cuda_pool(refs: list[pb.BufferRef], num_tokens: int, token_bytes: int) -> None:
+def open_cuda(refs: list[pb.BufferRef], num_tokens: int, layout: KVLayout, kv_dtype: torch.dtype,
+              page_size: int, event_slots: int):
     """Checks every handle, UUID and span first (bad input is INVALID_ARGUMENT on any daemon),
-    then needs a usable GPU (FAILED_PRECONDITION without one)."""
+    then needs a usable GPU (FAILED_PRECONDITION without one), then opens the allocations."""
+    token_bytes = layout.token_bytes(kv_dtype)
     for i, r in enumerate(refs):
         what = f"device_pool buffer {i}"
         raw_ipc_handle(r.cuda.ipc_handle)
         normalize_uuid(r.cuda.device_uuid)
         check_span(r.offset, r.token_stride, num_tokens, token_bytes, r.cuda.allocation_size, what)
-    require_cuda()
-    raise Unimplemented(
-        "the CUDA IPC data path is not built yet in this version: register the pool from shared memory"
-    )
+    cupy = require_cuda()
+    from kvserver.cuda.pool import open_cuda_pool  # needs CuPy's runtime: imported only now
+
+    return open_cuda_pool(cupy, refs, num_tokens, token_bytes, layout.num_parts, page_size, event_slots)
 
 
 def open_shm_pool(

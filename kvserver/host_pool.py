@@ -47,6 +47,11 @@ class HostArena:
             self._views[dtype] = t
         return t
 
+    @property
+    def address(self) -> int:
+        """The arena's first byte in this process."""
+        return self.view(torch.uint8).data_ptr()
+
     def largest_free(self) -> int:
         return max(self._free_sizes, default=0)
 

@@ -11,7 +11,8 @@ import numpy as np
 
 class LayerSignal:
     def __init__(self) -> None:
-        self.counter = np.zeros(1, dtype=np.int64)  # layers done; written by the copy thread
+        # [layers done, 1 once a CUDA load's layer events are all recorded]; written by the copier
+        self.counter = np.zeros(2, dtype=np.int64)
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._holders = 2  # the copy thread's job and the loop's watcher
 
@@ -20,9 +21,17 @@ class LayerSignal:
         self.counter[0] = layers_done
         os.eventfd_write(self.fd, 1)
 
+    def mark_recorded(self) -> None:
+        self.counter[1] = 1
+        os.eventfd_write(self.fd, 1)
+
     @property
     def layers_done(self) -> int:
         return int(self.counter[0])
+
+    @property
+    def recorded(self) -> bool:
+        return bool(self.counter[1])
 
     def watch(self, loop: asyncio.AbstractEventLoop, changed: asyncio.Event) -> None:
         """Sets ``changed`` whenever the copy thread signals."""

@@ -111,6 +111,7 @@ class KVServicer(pb_grpc.KVServerServicer):
             epoch=client.epoch,
             lease_seconds=self.reaper.lease,
             reclaim_grace_seconds=self.reaper.grace,
+            layer_events=getattr(client.device, "event_handles", []),
         )
 
     @_abort_on_error
@@ -131,7 +132,8 @@ class KVServicer(pb_grpc.KVServerServicer):
     @_abort_on_error
     async def Write(self, request: pb.WriteRequest, context) -> pb.WriteResponse:
         job = self.core.prepare(
-            request.client_id, request.host_indices, request.device_indices, request.layers
+            request.client_id, request.host_indices, request.device_indices, request.layers,
+            request.ready_event,
         )
         return pb.WriteResponse(bytes=await self.core.write(job))
 
@@ -139,15 +141,17 @@ class KVServicer(pb_grpc.KVServerServicer):
         try:
             _check_parsed(request)
             job = self.core.prepare(
-                request.client_id, request.host_indices, request.device_indices, request.layers
+                request.client_id, request.host_indices, request.device_indices, request.layers,
+                request.ready_event, request.event_slot,
             )
             total = len(job.local_layers)
             async for step in self.core.load(job):
                 yield pb.LoadProgress(
-                    last_layer=step.last_layer,
+                    last_layer=max(step.last_layer, 0),
                     layers_done=step.layers_done,
                     done=step.layers_done == total,
                     bytes=step.bytes,
+                    events_recorded=step.events_recorded,
                 )
         except Exception as exc:
             if not isinstance(exc, KVError):

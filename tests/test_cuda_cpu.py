@@ -4,7 +4,6 @@ the client's export, and how a daemon without a usable GPU answers CUDA registra
 from __future__ import annotations
 
 import grpc
-import numpy as np
 import pytest
 import torch
 
@@ -55,12 +54,6 @@ def test_copy_method_by_chunk_size():
     assert plan.choose_method(16 << 10) == "kernel"
     assert plan.choose_method(28 << 10) == "dma"
     assert plan.choose_method(64 << 10, dma_min_chunk_bytes=128 << 10) == "kernel"
-
-
-def test_dma_runs_merge_rows_consecutive_on_both_sides():
-    runs = plan.dma_runs(np.array([4, 5, 6, 9, 10, 2]), np.array([0, 1, 2, 3, 4, 8]))
-    assert runs == [plan.DmaRun(4, 0, 3), plan.DmaRun(9, 3, 2), plan.DmaRun(2, 8, 1)]
-    assert plan.dma_runs(np.array([], dtype=np.int64), np.array([], dtype=np.int64)) == []
 
 
 def test_kernel_launch_shape():

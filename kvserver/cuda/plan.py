@@ -2,41 +2,19 @@
 
 Small copies are where plain DMA collapses: batched cudaMemcpy stays at ~5-7 GB/s below ~28 KiB
 per copy on H100 and reaches 40-52 GB/s from there up (vLLM PR #42212). Below that size a
-gather/scatter kernel reading and writing mapped pinned host memory wins; at and above it, DMA
-per run of consecutive pages. The crossover depends on the device, so it is a parameter that the
+gather/scatter kernel reading and writing mapped pinned host memory wins; at and above it, one
+DMA per page chunk. The crossover depends on the device, so it is a parameter that the
 GPU check measures.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
-
 DMA_MIN_CHUNK_BYTES = 28 << 10
-
-
-@dataclass(frozen=True, slots=True)
-class DmaRun:
-    host_row: int
-    device_row: int
-    rows: int
 
 
 def choose_method(chunk_bytes: int, dma_min_chunk_bytes: int = DMA_MIN_CHUNK_BYTES) -> str:
     """'kernel' for small per-(layer, part) page chunks, 'dma' for large ones."""
     return "dma" if chunk_bytes >= dma_min_chunk_bytes else "kernel"
-
-
-def dma_runs(host_rows: np.ndarray, device_rows: np.ndarray) -> list[DmaRun]:
-    """Pairs of rows consecutive on both sides, merged into one copy each."""
-    if host_rows.size == 0:
-        return []
-    breaks = np.flatnonzero((np.diff(host_rows) != 1) | (np.diff(device_rows) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [host_rows.size]))
-    return [DmaRun(int(host_rows[s]), int(device_rows[s]), int(e - s))
-            for s, e in zip(starts, ends, strict=True)]
 
 
 def kernel_launch(num_rows: int, row_bytes: int, max_blocks: int,

@@ -91,7 +91,7 @@ class DevicePool(_message.Message):
     def __init__(self, num_tokens: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerBuffers, _Mapping]]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("model", "tp_rank", "tp_size", "pp_rank", "pp_size", "start_layer", "end_layer", "num_layers", "layout", "dtype", "page_size", "device_pool", "host_tokens")
+    __slots__ = ("model", "tp_rank", "tp_size", "pp_rank", "pp_size", "start_layer", "end_layer", "num_layers", "layout", "dtype", "page_size", "device_pool", "host_tokens", "event_slots")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class RegisterRequest(_message.Message):
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_POOL_FIELD_NUMBER: _ClassVar[int]
     HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SLOTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     tp_rank: int
     tp_size: int
@@ -118,10 +119,11 @@ class RegisterRequest(_message.Message):
     page_size: int
     device_pool: DevicePool
     host_tokens: int
-    def __init__(self, model: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., page_size: _Optional[int] = ..., device_pool: _Optional[_Union[DevicePool, _Mapping]] = ..., host_tokens: _Optional[int] = ...) -> None: ...
+    event_slots: int
+    def __init__(self, model: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., page_size: _Optional[int] = ..., device_pool: _Optional[_Union[DevicePool, _Mapping]] = ..., host_tokens: _Optional[int] = ..., event_slots: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("client_id", "host_tokens", "page_size", "host_bytes_per_token", "epoch", "lease_seconds", "reclaim_grace_seconds")
+    __slots__ = ("client_id", "host_tokens", "page_size", "host_bytes_per_token", "epoch", "lease_seconds", "reclaim_grace_seconds", "layer_events")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +131,7 @@ class RegisterResponse(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RECLAIM_GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_EVENTS_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     host_tokens: int
     page_size: int
@@ -136,7 +139,8 @@ class RegisterResponse(_message.Message):
     epoch: int
     lease_seconds: float
     reclaim_grace_seconds: float
-    def __init__(self, client_id: _Optional[str] = ..., host_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., host_bytes_per_token: _Optional[int] = ..., epoch: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., reclaim_grace_seconds: _Optional[float] = ...) -> None: ...
+    layer_events: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, client_id: _Optional[str] = ..., host_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., host_bytes_per_token: _Optional[int] = ..., epoch: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., reclaim_grace_seconds: _Optional[float] = ..., layer_events: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class UnregisterRequest(_message.Message):
     __slots__ = ("client_id",)
@@ -177,16 +181,18 @@ class FreeResponse(_message.Message):
     def __init__(self, freed_tokens: _Optional[int] = ...) -> None: ...
 
 class WriteRequest(_message.Message):
-    __slots__ = ("client_id", "device_indices", "host_indices", "layers")
+    __slots__ = ("client_id", "device_indices", "host_indices", "layers", "ready_event")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_INDICES_FIELD_NUMBER: _ClassVar[int]
     HOST_INDICES_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     device_indices: _containers.RepeatedScalarFieldContainer[int]
     host_indices: _containers.RepeatedScalarFieldContainer[int]
     layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, client_id: _Optional[str] = ..., device_indices: _Optional[_Iterable[int]] = ..., host_indices: _Optional[_Iterable[int]] = ..., layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    ready_event: bytes
+    def __init__(self, client_id: _Optional[str] = ..., device_indices: _Optional[_Iterable[int]] = ..., host_indices: _Optional[_Iterable[int]] = ..., layers: _Optional[_Iterable[int]] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
 
 class WriteResponse(_message.Message):
     __slots__ = ("bytes",)
@@ -195,28 +201,34 @@ class WriteResponse(_message.Message):
     def __init__(self, bytes: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("client_id", "host_indices", "device_indices", "layers")
+    __slots__ = ("client_id", "host_indices", "device_indices", "layers", "event_slot", "ready_event")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_INDICES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_INDICES_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SLOT_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     host_indices: _containers.RepeatedScalarFieldContainer[int]
     device_indices: _containers.RepeatedScalarFieldContainer[int]
     layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, client_id: _Optional[str] = ..., host_indices: _Optional[_Iterable[int]] = ..., device_indices: _Optional[_Iterable[int]] = ..., layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    event_slot: int
+    ready_event: bytes
+    def __init__(self, client_id: _Optional[str] = ..., host_indices: _Optional[_Iterable[int]] = ..., device_indices: _Optional[_Iterable[int]] = ..., layers: _Optional[_Iterable[int]] = ..., event_slot: _Optional[int] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
 
 class LoadProgress(_message.Message):
-    __slots__ = ("last_layer", "layers_done", "done", "bytes")
+    __slots__ = ("last_layer", "layers_done", "done", "bytes", "events_recorded")
     LAST_LAYER_FIELD_NUMBER: _ClassVar[int]
     LAYERS_DONE_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_RECORDED_FIELD_NUMBER: _ClassVar[int]
     last_layer: int
     layers_done: int
     done: bool
     bytes: int
-    def __init__(self, last_layer: _Optional[int] = ..., layers_done: _Optional[int] = ..., done: _Optional[bool] = ..., bytes: _Optional[int] = ...) -> None: ...
+    events_recorded: bool
+    def __init__(self, last_layer: _Optional[int] = ..., layers_done: _Optional[int] = ..., done: _Optional[bool] = ..., bytes: _Optional[int] = ..., events_recorded: _Optional[bool] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("client_id",)

@@ -1,0 +1,249 @@
+"""An engine's device pool opened through CUDA IPC, and the copies between it and pinned host memory.
+
+Lifetime, per registration: each allocation is opened once per device (shared by every client
+that exports it) and closed with its last user; the client's host region is registered with
+cudaHostRegister (Portable | Mapped, chunks of at most 64 GiB) so the copy kernel reads and
+writes it directly; a non-blocking stream and ``event_slots x layers`` interprocess events are
+created. ``close`` waits for the stream and releases all of it: a dead engine's memory is not
+held by the daemon.
+
+Ordering is on the GPU: a write waits on the engine's ready event before reading its slots; a
+load records one event per layer, which the engine's compute stream waits on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvserver.cuda import plan
+from kvserver.cuda.devices import ordinal_for
+from kvserver.cuda.handles import check_span, raw_ipc_handle
+from kvserver.cuda.kernels import copy_rows_kernel
+from kvserver.errors import InvalidArgument
+from kvserver.v1 import kvserver_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+HOST_REGISTER_FLAGS = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
+HOST_REGISTER_CHUNK = 64 << 30  # one cudaHostRegister of 512 GiB or more fails on r580+ drivers
+EVENT_FLAGS = 2 | 4  # cudaEventDisableTiming | cudaEventInterprocess
+STREAM_NON_BLOCKING = 1
+MEMCPY_DEFAULT = 4
+DEFAULT_EVENT_SLOTS = 3
+MAX_EVENT_SLOTS = 16
+KERNEL_MAX_BLOCKS = 64
+
+_open_lock = threading.Lock()
+_open: dict[tuple[int, bytes], list[int]] = {}  # (device, raw handle) -> [base pointer, users]
+
+
+def _open_allocation(rt, ordinal: int, handle: bytes) -> int:
+    with _open_lock:
+        entry = _open.get((ordinal, handle))
+        if entry is None:
+            entry = _open[(ordinal, handle)] = [rt.ipcOpenMemHandle(handle, 1), 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def _close_allocation(rt, ordinal: int, handle: bytes) -> None:
+    with _open_lock:
+        entry = _open[(ordinal, handle)]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _open[(ordinal, handle)]
+            rt.ipcCloseMemHandle(entry[0])
+
+
+@dataclass(slots=True)
+class CudaDevicePool:
+    cupy: object
+    ordinal: int
+    num_tokens: int
+    page_size: int
+    token_bytes: int
+    token_stride: int
+    parts: int
+    token_bases: np.ndarray  # uint64 [layers, parts]: device address of token 0
+    handles: list[bytes]
+    stream: int = 0
+    events: list[int] = field(default_factory=list)  # [slot * layers + layer]
+    event_handles: list[bytes] = field(default_factory=list)
+    event_slots: int = DEFAULT_EVENT_SLOTS
+    pinned: list[int] = field(default_factory=list)
+    host_to_device: int = 0  # add to a host address of the region to get its device address
+    opened_events: dict[bytes, int] = field(default_factory=dict)
+    kind: str = "cuda"
+    mappings: list = field(default_factory=list)  # the shared-memory pools' field; none here
+
+    @property
+    def num_pages(self) -> int:
+        return self.num_tokens // self.page_size
+
+    @property
+    def paged(self) -> bool:
+        return self.token_stride == self.token_bytes and self.num_tokens >= self.page_size
+
+    def check_sizes(self) -> None:
+        """IPC allocations cannot shrink under the daemon."""
+
+    def device(self):
+        return self.cupy.cuda.Device(self.ordinal)
+
+    # ---- lifetime -------------------------------------------------------------------------
+
+    def attach_host(self, host_ptr: int, nbytes: int, num_layers: int) -> None:
+        """Pins the client's host region and creates the stream and the layer events."""
+        rt = self.cupy.cuda.runtime
+        with self.device():
+            for start in range(0, nbytes, HOST_REGISTER_CHUNK):
+                size = min(HOST_REGISTER_CHUNK, nbytes - start)
+                rt.hostRegister(host_ptr + start, size, HOST_REGISTER_FLAGS)
+                self.pinned.append(host_ptr + start)
+            self.host_to_device = rt.pointerGetAttributes(host_ptr).devicePointer - host_ptr
+            self.stream = rt.streamCreateWithFlags(STREAM_NON_BLOCKING)
+            for _ in range(self.event_slots * num_layers):
+                event = rt.eventCreateWithFlags(EVENT_FLAGS)
+                self.events.append(event)
+                self.event_handles.append(rt.ipcGetEventHandle(event))
+
+    def close(self) -> None:
+        rt = self.cupy.cuda.runtime
+        with self.device():
+            if self.stream:
+                rt.streamSynchronize(self.stream)
+            for event in self.events:
+                rt.eventDestroy(event)
+            for event in self.opened_events.values():
+                rt.eventDestroy(event)
+            for ptr in self.pinned:
+                rt.hostUnregister(ptr)
+            if self.stream:
+                rt.streamDestroy(self.stream)
+            for handle in self.handles:
+                _close_allocation(rt, self.ordinal, handle)
+        self.events, self.opened_events, self.pinned, self.handles, self.stream = [], {}, [], [], 0
+
+    # ---- copies ---------------------------------------------------------------------------
+
+    def _wait_on(self, event_handle: bytes) -> None:
+        """Makes the stream wait (on the GPU) for the engine's latest record of this event."""
+        rt = self.cupy.cuda.runtime
+        event = self.opened_events.get(event_handle)
+        if event is None:
+            event = self.opened_events[event_handle] = rt.ipcOpenEventHandle(event_handle)
+        rt.streamWaitEvent(self.stream, event, 0)
+
+    def run(self, copy_plan, layers: np.ndarray, host_table, to_device: bool, signal,
+            ready_event: bytes = b"", event_slot: int = 0) -> None:
+        """Enqueues the copy of ``layers`` (local ids); for loads records each layer's event of
+        ``event_slot``, says so through ``signal``, then reports layers as they complete."""
+        cp = self.cupy
+        rt = cp.cuda.runtime
+        num_layers = self.token_bases.shape[0]
+        with self.device(), cp.cuda.ExternalStream(self.stream):
+            if ready_event:
+                self._wait_on(ready_event)
+            if copy_plan.device_paged:
+                row_bytes, dev_stride = self.page_size * self.token_bytes, self.page_size * self.token_bytes
+            else:
+                row_bytes, dev_stride = self.token_bytes, self.token_stride
+            host_off, dev_off = copy_plan.offsets(host_table.row_stride, dev_stride, row_bytes)
+            host_bases = host_table.bases[layers] + np.uint64(self.host_to_device % (1 << 64))
+            dev_bases = self.token_bases[layers]
+            if to_device:
+                copier = self._copier(dev_bases, dev_off, host_bases, host_off, row_bytes)
+            else:
+                copier = self._copier(host_bases, host_off, dev_bases, dev_off, row_bytes)
+            if signal is None:  # a write: every layer at once, then wait for it
+                copier(slice(None))
+                rt.streamSynchronize(self.stream)
+                return
+            events = []
+            for i, layer in enumerate(layers.tolist()):
+                copier(slice(i, i + 1))
+                event = self.events[event_slot * num_layers + layer]
+                rt.eventRecord(event, self.stream)
+                events.append(event)
+            signal.mark_recorded()
+            for i, event in enumerate(events):
+                rt.eventSynchronize(event)
+                signal.publish(i + 1)
+
+    def _copier(self, dst_bases: np.ndarray, dst_off: np.ndarray, src_bases: np.ndarray,
+                src_off: np.ndarray, row_bytes: int):
+        """A function copying the rows of a slice of layers: the kernel for small rows, DMA runs
+        for large ones (``plan.choose_method``)."""
+        cp = self.cupy
+        aligned = row_bytes % 8 == 0 and not (
+            (dst_bases % 8).any() or (src_bases % 8).any() or (dst_off % 8).any() or (src_off % 8).any()
+        )
+        if aligned and plan.choose_method(row_bytes) == "kernel":
+            kernel = copy_rows_kernel(cp)
+            d_dst_off, d_src_off = cp.asarray(dst_off), cp.asarray(src_off)
+            d_dst_b, d_src_b = cp.asarray(dst_bases.reshape(-1)), cp.asarray(src_bases.reshape(-1))
+            n, parts = dst_off.size, self.parts
+            blocks, threads = plan.kernel_launch(n * parts, row_bytes, KERNEL_MAX_BLOCKS)
+
+            def launch(layers: slice) -> None:
+                first, last, _ = layers.indices(dst_bases.shape[0])
+                count = (last - first) * parts
+                if count == 0 or n == 0:
+                    return
+                kernel((blocks,), (threads,), (
+                    d_dst_b[first * parts:], d_src_b[first * parts:], np.int32(count),
+                    d_dst_off, d_src_off, np.int64(n), np.int64(row_bytes // 8),
+                ))
+
+            return launch
+        pairs = list(zip(dst_off.tolist(), src_off.tolist(), strict=True))
+        rt = cp.cuda.runtime
+
+        def dma(layers: slice) -> None:
+            for db, sb in zip(dst_bases[layers].reshape(-1).tolist(), src_bases[layers].reshape(-1).tolist(),
+                              strict=True):
+                for d, s in pairs:
+                    rt.memcpyAsync(db + d, sb + s, row_bytes, MEMCPY_DEFAULT, self.stream)
+
+        return dma
+
+
+def open_cuda_pool(cupy, refs: list[pb.BufferRef], num_tokens: int, token_bytes: int, parts: int,
+                   page_size: int, event_slots: int) -> CudaDevicePool:
+    """Checks, then opens every allocation of the pool once on the engine's device."""
+    if not 0 <= event_slots <= MAX_EVENT_SLOTS:
+        raise InvalidArgument(f"event_slots must be at most {MAX_EVENT_SLOTS}, got {event_slots}")
+    uuids = {r.cuda.device_uuid for r in refs}
+    ordinal = ordinal_for(cupy, refs[0].cuda.device_uuid, refs[0].cuda.pci_bus_id)
+    if len({ordinal_for(cupy, u) for u in uuids}) != 1:
+        raise InvalidArgument("every buffer of a CUDA pool must live on one device")
+    strides = {r.token_stride for r in refs}
+    if len(strides) != 1:
+        raise InvalidArgument("every buffer of a CUDA pool must have the same token_stride")
+    handles = []
+    for i, r in enumerate(refs):
+        check_span(r.offset, r.token_stride, num_tokens, token_bytes, r.cuda.allocation_size,
+                   f"device_pool buffer {i}")
+        handles.append(raw_ipc_handle(r.cuda.ipc_handle))
+    rt = cupy.cuda.runtime
+    opened: list[bytes] = []
+    try:
+        with cupy.cuda.Device(ordinal):
+            bases = []
+            for handle, r in zip(handles, refs, strict=True):
+                bases.append(_open_allocation(rt, ordinal, handle) + r.offset)
+                opened.append(handle)
+    except Exception:
+        for handle in opened:
+            _close_allocation(rt, ordinal, handle)
+        raise
+    return CudaDevicePool(
+        cupy=cupy, ordinal=ordinal, num_tokens=num_tokens, page_size=page_size, token_bytes=token_bytes,
+        token_stride=strides.pop(), parts=parts,
+        token_bases=np.array(bases, dtype=np.uint64).reshape(-1, parts), handles=handles,
+        event_slots=event_slots or DEFAULT_EVENT_SLOTS,
+    )
