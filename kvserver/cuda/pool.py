@@ -23,6 +23,7 @@ from kvserver.cuda import plan
 from kvserver.cuda.devices import ordinal_for
 from kvserver.cuda.handles import check_span, raw_ipc_handle
 from kvserver.cuda.kernels import copy_rows_kernel
+from kvserver.device_pool import wide_dtype
 from kvserver.errors import InvalidArgument
 from kvserver.v1 import kvserver_pb2 as pb
 
@@ -83,6 +84,11 @@ class CudaDevicePool:
     @property
     def num_pages(self) -> int:
         return self.num_tokens // self.page_size
+
+    @property
+    def dtype(self):
+        """The wide integer dtype of the client's host views."""
+        return wide_dtype(self.token_bytes)
 
     @property
     def paged(self) -> bool:

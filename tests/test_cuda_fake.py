@@ -1,0 +1,148 @@
+"""The daemon's CUDA path end to end through gRPC, with CuPy replaced by tests/fake_cupy.py.
+
+Bit-exact transfers through IPC pointers (kernel and DMA paths), ordering (ready events waited on
+before copying, one event recorded per layer, "events recorded" sent before completion), and the
+release of every IPC mapping, pin, event and stream when a client goes.
+"""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+from fake_cupy import UUID, make_fake_cupy
+
+from kvserver import device_pool
+from kvserver.v1 import kvserver_pb2 as pb
+from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
+
+LAYERS, TOKENS = 4, 256
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    cupy = make_fake_cupy()
+    monkeypatch.setattr(device_pool, "require_cuda", lambda: cupy)
+    return cupy
+
+
+def cuda_pool(fake, heads: int, head_dim: int, parts: int = 2, handle_mem=None):
+    token_bytes = heads * head_dim * 2  # fp16
+    buffer_bytes = TOKENS * token_bytes
+    handle, mem = handle_mem or fake.cuda.runtime.export(LAYERS * parts * buffer_bytes + 4096)
+    refs = pb.DevicePool(num_tokens=TOKENS, layers=[
+        pb.LayerBuffers(parts=[
+            pb.BufferRef(cuda=pb.CudaIpcLocation(ipc_handle=b"\x02c" + handle, device_uuid=UUID,
+                                                 allocation_size=mem.size),
+                         offset=4096 + (layer * parts + part) * buffer_bytes, token_stride=token_bytes)
+            for part in range(parts)
+        ])
+        for layer in range(LAYERS)
+    ])
+    view = mem[4096:].reshape(LAYERS, parts, TOKENS, token_bytes)
+    return refs, view, (handle, mem)
+
+
+def register(stub, refs, heads, head_dim, page_size):
+    parts = len(refs.layers[0].parts)
+    layout = (pb.KVLayout(mha=pb.MHALayout(num_heads=heads, head_dim=head_dim)) if parts == 2 else
+              pb.KVLayout(mla=pb.MLALayout(kv_lora_rank=heads * head_dim)))
+    return stub.Register(pb.RegisterRequest(
+        model="gpu", start_layer=8, end_layer=8 + LAYERS, num_layers=16,
+        layout=layout, dtype=pb.DTYPE_FLOAT16,
+        page_size=page_size, device_pool=refs, host_tokens=TOKENS, event_slots=2,
+    ), timeout=10)
+
+
+@pytest.mark.parametrize(("page_size", "path", "tokens", "parts"), [
+    (16, "kernel", False, 2),  # 512 B per token: 8 KiB page chunks go through the kernel
+    (64, "memcpyAsync", False, 2),  # 32 KiB page chunks go by DMA
+    (16, "kernel", True, 2),  # single scattered device tokens: token rows
+    (16, "kernel", False, 1),  # one part per layer, as MLA
+])
+def test_cuda_round_trip_events_and_release(daemon, fake, page_size, path, tokens, parts):
+    rt = fake.cuda.runtime
+    heads, head_dim = 2, 128
+    refs, kv, _ = cuda_pool(fake, heads, head_dim, parts=parts)
+    rng = np.random.default_rng(page_size)
+    kv[:] = rng.integers(0, 256, kv.shape, dtype=np.uint8)
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        reg = register(stub, refs, heads, head_dim, page_size)
+        assert len(reg.layer_events) == 2 * LAYERS
+        host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=128)).host_indices)
+        pages = rng.permutation(TOKENS // page_size)[: 128 // page_size]
+        dev = (pages[:, None] * page_size + np.arange(page_size)).reshape(-1).tolist()
+        if tokens:
+            dev = rng.permutation(TOKENS)[:128].tolist()
+        want = kv[:, :, dev].copy()
+
+        ready = (4242).to_bytes(8, "little") * 8
+        rt.calls.clear()
+        stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=host, device_indices=dev,
+                                   ready_event=ready), timeout=10)
+        names = [c[0] for c in rt.calls]
+        assert names.index("streamWaitEvent") < names.index(path), "copied before the engine was ready"
+        assert names[-1] == "streamSynchronize"
+        kv[:] = 0
+
+        rt.calls.clear()
+        steps = list(stub.Load(pb.LoadRequest(client_id=reg.client_id, host_indices=host, device_indices=dev,
+                                              event_slot=1), timeout=10))
+        assert steps[0].events_recorded and steps[0].layers_done == 0, steps[0]
+        assert steps[-1].done and steps[-1].layers_done == LAYERS and steps[-1].last_layer == 8 + LAYERS - 1
+        assert np.array_equal(kv[:, :, dev], want)
+        assert not kv[:, :, sorted(set(range(TOKENS)) - set(dev))].any()
+        # Slot 1's events, one per layer, recorded in layer order after that layer's copy.
+        slot1 = [int.from_bytes(h[:8], "little") for h in reg.layer_events[LAYERS:]]
+        records = [c[1] for c in rt.calls if c[0] == "eventRecord"]
+        assert records == slot1
+        names = [c[0] for c in rt.calls]
+        first_record = names.index("eventRecord")
+        assert path in names[:first_record], "layer 0's event recorded before its copy"
+        assert names.index("eventSynchronize") > len(names) - 1 - names[::-1].index("eventRecord")
+
+        rt.calls.clear()
+        stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=10)
+        names = [c[0] for c in rt.calls]
+        assert names.count("eventDestroy") == 2 * LAYERS + 1  # its layer events + the opened ready event
+        assert names.count("hostUnregister") == 1 and names.count("ipcCloseMemHandle") == 1
+        assert "streamDestroy" in names and names.index("streamSynchronize") < names.index("streamDestroy")
+
+
+def test_allocation_opened_once_for_two_clients(daemon, fake):
+    rt = fake.cuda.runtime
+    refs, kv, shared = cuda_pool(fake, 2, 64)
+    refs2, _, _ = cuda_pool(fake, 2, 64, handle_mem=shared)
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        a = register(stub, refs, 2, 64, 16)
+        b = register(stub, refs2, 2, 64, 16)
+        assert [c[0] for c in rt.calls].count("ipcOpenMemHandle") == 1
+        stub.Unregister(pb.UnregisterRequest(client_id=a.client_id), timeout=10)
+        assert [c[0] for c in rt.calls].count("ipcCloseMemHandle") == 0
+        stub.Unregister(pb.UnregisterRequest(client_id=b.client_id), timeout=10)
+        assert [c[0] for c in rt.calls].count("ipcCloseMemHandle") == 1
+
+
+def test_cuda_request_checks(daemon, fake):
+    refs, _, _ = cuda_pool(fake, 2, 64)
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        reg = register(stub, refs, 2, 64, 16)
+        host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=16)).host_indices)
+        for req, text in [
+            (pb.LoadRequest(client_id=reg.client_id, host_indices=host, device_indices=list(range(16)),
+                            event_slot=2), "not one of this registration's 2 slots"),
+            (pb.LoadRequest(client_id=reg.client_id, host_indices=host, device_indices=list(range(16)),
+                            ready_event=b"short"), "64-byte CUDA IPC event handle"),
+        ]:
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Load(req, timeout=10))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and text in err.value.details()
+        other_uuid = refs.layers[0].parts[0].cuda.device_uuid.replace("1a2b", "ffff")
+        refs.layers[0].parts[0].cuda.device_uuid = other_uuid
+        with pytest.raises(grpc.RpcError) as err:
+            register(stub, refs, 2, 64, 16)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not visible to the daemon" in err.value.details()
