@@ -51,8 +51,8 @@ def engine(address: str, kind: str, start: int, end: int, num_layers: int, page_
             layout, dtype = KVLayout.mla(512, 64), torch.float8_e4m3fn
         heads, dim = layout.token_shape
         g = torch.Generator(device=dev).manual_seed(start)
-        buffers = [[torch.randint(0, 255, (num_tokens, heads, dim), dtype=torch.uint8, device=dev,
-                                  generator=g).view(dtype) for _ in range(layout.num_parts)]
+        buffers = [[torch.randint(0, 255, (num_tokens, heads, dim * dtype.itemsize), dtype=torch.uint8,
+                                  device=dev, generator=g).view(dtype) for _ in range(layout.num_parts)]
                    for _ in range(end - start)]
         pool = CudaKVPool(layout, dtype, buffers)
         client = KVClient(address, timeout=60, resilient=False)

@@ -54,6 +54,7 @@ def test_copy_method_by_chunk_size():
     assert plan.choose_method(16 << 10) == "kernel"
     assert plan.choose_method(28 << 10) == "dma"
     assert plan.choose_method(64 << 10, dma_min_chunk_bytes=128 << 10) == "kernel"
+    assert plan.choose_method(64 << 10, num_copies=plan.DMA_MAX_COPIES + 1) == "kernel"
 
 
 def test_kernel_launch_shape():

@@ -10,11 +10,17 @@ GPU check measures.
 from __future__ import annotations
 
 DMA_MIN_CHUNK_BYTES = 28 << 10
+# Each DMA is one cudaMemcpyAsync issued from Python (~5 us): past this many per job the issue
+# cost outweighs DMA's edge, and the kernel (one launch per layer) is used instead.
+DMA_MAX_COPIES = 512
 
 
-def choose_method(chunk_bytes: int, dma_min_chunk_bytes: int = DMA_MIN_CHUNK_BYTES) -> str:
-    """'kernel' for small per-(layer, part) page chunks, 'dma' for large ones."""
-    return "dma" if chunk_bytes >= dma_min_chunk_bytes else "kernel"
+def choose_method(chunk_bytes: int, num_copies: int = 1,
+                  dma_min_chunk_bytes: int = DMA_MIN_CHUNK_BYTES) -> str:
+    """'dma' for large per-(layer, part) page chunks when there are few of them, else 'kernel'."""
+    if chunk_bytes >= dma_min_chunk_bytes and num_copies <= DMA_MAX_COPIES:
+        return "dma"
+    return "kernel"
 
 
 def kernel_launch(num_rows: int, row_bytes: int, max_blocks: int,

@@ -188,7 +188,7 @@ class CudaDevicePool:
         aligned = row_bytes % 8 == 0 and not (
             (dst_bases % 8).any() or (src_bases % 8).any() or (dst_off % 8).any() or (src_off % 8).any()
         )
-        if aligned and plan.choose_method(row_bytes) == "kernel":
+        if aligned and plan.choose_method(row_bytes, dst_off.size * dst_bases.size) == "kernel":
             kernel = copy_rows_kernel(cp)
             d_dst_off, d_src_off = cp.asarray(dst_off), cp.asarray(src_off)
             d_dst_b, d_src_b = cp.asarray(dst_bases.reshape(-1)), cp.asarray(src_bases.reshape(-1))
