@@ -78,14 +78,15 @@ class Daemon:
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)
         bound = []
+        for address in self.config.addresses:
+            if address.startswith("unix://"):
+                path = address[len("unix://") :]
+                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+                _check_unix_socket_free(path)
         # The socket is created at bind under the umask: make it owner-only from the first moment.
         old_umask = os.umask(0o177)
         try:
             for address in self.config.addresses:
-                if address.startswith("unix://"):
-                    path = address[len("unix://") :]
-                    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-                    _check_unix_socket_free(path)
                 try:
                     port = self.server.add_insecure_port(address)
                 except RuntimeError:

@@ -786,3 +786,14 @@ def test_daemon_wide_stats_do_not_reveal_client_ids(make_daemon, parties) -> Non
     assert shown == {a.cid[:8] + "...", b.cid[:8] + "..."}
     code, _ = _error_of(lambda: a.call("Alloc", pb.AllocRequest(client_id=b.cid[:8] + "...", num_tokens=1)))
     assert code == C.NOT_FOUND
+
+
+def test_socket_directory_created_owner_only_and_traversable(socket_dir) -> None:
+    """A socket directory the daemon creates is 0700: private, but usable by its owner."""
+    path = os.path.join(socket_dir, "fresh", "nested", "kv.sock")
+    d = DaemonThread(ServerConfig(socket=path, host_memory=8 << 20))
+    try:
+        assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    finally:
+        d.stop()
