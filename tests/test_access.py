@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import signal
@@ -24,6 +23,10 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from checks import error_of as _error_of
+from checks import file_sha as _file_sha
+from checks import mappings_of as _mappings_of
+from checks import sha_of as _sha
 from conftest import DaemonThread
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_cli import STARTUP_TIMEOUT, DaemonProcess, clean_env
@@ -33,7 +36,7 @@ from kvclient import KVClient, KVClientError, KVLayout, ShmKVPool
 from kvclient._messages import register_request
 from kvserver.config import ServerConfig
 from kvserver.epochs import EPOCH_SHIFT, SLOT_MASK
-from kvserver.shm import SHM_DIR, unlink_shm
+from kvserver.shm import unlink_shm
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
@@ -55,33 +58,12 @@ needs_grpcurl = pytest.mark.skipif(GRPCURL is None, reason=f"no runnable grpcurl
 # ---- helpers ------------------------------------------------------------------------------------------
 
 
-def _sha(tensors: list[torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
-def _file_sha(name: str) -> str:
-    with open(os.path.join(SHM_DIR, name), "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
 
 
-def _mappings_of(name: str) -> list[str]:
-    """Lines of this process's maps (the daemon runs in-process) that map /dev/shm/<name>."""
-    path = os.path.join(SHM_DIR, name)
-    with open(f"/proc/{os.getpid()}/maps") as f:
-        return [line for line in f if line.rstrip("\n").endswith((path, f"{path} (deleted)"))]
 
 
-def _error_of(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
-    try:
-        result = call()
-    except grpc.RpcError as exc:
-        return exc.code(), exc.details() or ""
-    except KVClientError as exc:
-        return exc.code, exc.message
-    pytest.fail(f"the request was accepted: {str(result)[:300]!r}")
 
 
 def _new_pool(seed: int = 0, **kw) -> ShmKVPool:

@@ -27,8 +27,12 @@ from dataclasses import dataclass
 import grpc
 import pytest
 import torch
+from checks import error_of as _error_of
+from checks import file_sha as _file_sha
+from checks import mappings_of as _mappings_of
+from checks import sha_of as _sha
 
-from kvclient import KVClient, KVClientError, KVLayout, ShmKVPool
+from kvclient import KVClient, KVLayout, ShmKVPool
 from kvclient._messages import register_request
 from kvserver.epochs import EPOCH_SHIFT
 from kvserver.shm import SHM_DIR, unlink_shm
@@ -60,37 +64,12 @@ def slots(start: int, n: int = PAGE) -> list[int]:
     return list(range(start, start + n))
 
 
-def _sha(tensors: list[torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
-def _file_sha(name: str) -> str:
-    with open(os.path.join(SHM_DIR, name), "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
 
 
-def _mappings_of(name: str) -> list[str]:
-    """Lines of this process's maps (the daemon runs in-process) that map /dev/shm/<name>."""
-    path = os.path.join(SHM_DIR, name)
-    with open(f"/proc/{os.getpid()}/maps") as f:
-        lines = [line.rstrip("\n") for line in f]
-    return [
-        line for line in lines
-        if len(line.split(None, 5)) == 6 and line.split(None, 5)[5] in (path, f"{path} (deleted)")
-    ]
 
 
-def _error_of(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
-    try:
-        result = call()
-    except grpc.RpcError as exc:
-        return exc.code(), exc.details() or ""
-    except KVClientError as exc:
-        return exc.code, exc.message
-    pytest.fail(f"the bad request was accepted: {result!r}")
 
 
 def _make_raw_shm(name: str, size: int) -> None:

@@ -8,9 +8,7 @@ and per-client Stats, the device pool's bytes, and the stored host pages (loaded
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import secrets
 import subprocess
 import time
@@ -19,13 +17,16 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 import torch
+from checks import file_sha as _file_sha
+from checks import mappings_of as _mappings_of
+from checks import sha_of as _sha
 from google.protobuf import json_format
 from test_grpcurl import GRPCURL, GRPCURL_VERSION
 
 from kvclient import KVClient, KVLayout, ShmKVPool
 from kvclient._messages import register_request
 from kvserver.epochs import EPOCH_SHIFT
-from kvserver.shm import SHM_DIR, unlink_shm
+from kvserver.shm import unlink_shm
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
@@ -51,23 +52,10 @@ UINT64_MAX = (1 << 64) - 1
 DEFAULT_REQUEST_LIMIT = 1 << 22
 
 
-def _sha(tensors: list[torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
-def _file_sha(name: str) -> str:
-    with open(os.path.join(SHM_DIR, name), "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
 
 
-def _mappings_of(name: str) -> list[str]:
-    """Lines of this process's maps (the daemon runs in-process) that map /dev/shm/<name>."""
-    path = os.path.join(SHM_DIR, name)
-    with open(f"/proc/{os.getpid()}/maps") as f:
-        return [line for line in f if line.rstrip("\n").endswith((path, f"{path} (deleted)"))]
 
 
 def grpcurl_name(code: grpc.StatusCode) -> str:

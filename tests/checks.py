@@ -1,0 +1,44 @@
+"""Checks shared by the bad-input and access tests: hashes, mappings, and the status of a call."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+
+import grpc
+import pytest
+import torch
+
+from kvclient import KVClientError
+from kvserver.shm import SHM_DIR
+
+
+def sha_of(tensors: list[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def file_sha(name: str) -> str:
+    with open(os.path.join(SHM_DIR, name), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def mappings_of(name: str) -> list[str]:
+    """Lines of this process's maps (the daemon runs in-process) that map /dev/shm/<name>."""
+    path = os.path.join(SHM_DIR, name)
+    with open(f"/proc/{os.getpid()}/maps") as f:
+        return [line for line in f if line.rstrip("\n").endswith((path, f"{path} (deleted)"))]
+
+
+def error_of(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
+    """The status a call that must fail ended with; fails the test if it succeeded."""
+    try:
+        result = call()
+    except grpc.RpcError as exc:
+        return exc.code(), exc.details() or ""
+    except KVClientError as exc:
+        return exc.code, exc.message
+    pytest.fail(f"the request was accepted: {str(result)[:300]!r}")
