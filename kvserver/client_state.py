@@ -10,9 +10,11 @@ import numpy as np
 import torch
 
 from kvserver.device_pool import ShmDevicePool
-from kvserver.layout import KVLayout, LayerRange
+from kvserver.errors import InvalidArgument
+from kvserver.layout import KVLayout, LayerRange, torch_dtype
 from kvserver.page_allocator import PageAllocator
 from kvserver.transfer import BufferTable
+from kvserver.v1 import kvserver_pb2 as pb
 
 
 @dataclass(slots=True)
@@ -41,6 +43,39 @@ class ClientSpec:
     layout: KVLayout
     dtype: torch.dtype
     page_size: int
+
+    @classmethod
+    def from_request(cls, req: pb.RegisterRequest) -> ClientSpec:
+        if not req.model:
+            raise InvalidArgument("model must be set")
+        if len(req.model) > 256:
+            raise InvalidArgument(f"model name is {len(req.model)} characters; at most 256")
+        tp_size, pp_size = max(req.tp_size, 1), max(req.pp_size, 1)
+        if req.tp_rank >= tp_size or req.pp_rank >= pp_size:
+            raise InvalidArgument(
+                f"rank out of range: tp {req.tp_rank}/{tp_size}, pp {req.pp_rank}/{pp_size}"
+            )
+        layers = LayerRange(req.start_layer, req.end_layer)
+        if req.end_layer > req.num_layers:
+            raise InvalidArgument(
+                f"layer range {layers} does not fit in a model of num_layers={req.num_layers}"
+            )
+        if req.page_size == 0 or req.page_size > 4096:
+            raise InvalidArgument(f"page_size must be in [1, 4096], got {req.page_size}")
+        if req.dtype == pb.DTYPE_UNSPECIFIED:
+            raise InvalidArgument("dtype must be set")
+        return cls(
+            model=req.model,
+            tp_rank=req.tp_rank,
+            tp_size=tp_size,
+            pp_rank=req.pp_rank,
+            pp_size=pp_size,
+            num_layers=req.num_layers,
+            layers=layers,
+            layout=KVLayout.from_wire(req.layout),
+            dtype=torch_dtype(req.dtype),
+            page_size=req.page_size,
+        )
 
     @property
     def token_bytes(self) -> int:

@@ -25,7 +25,6 @@ from kvserver.device_pool import open_pool
 from kvserver.errors import InvalidArgument, NoCapacity, UnknownClient, shown
 from kvserver.host_pool import HostArena
 from kvserver.layer_signal import LayerSignal
-from kvserver.layout import KVLayout, LayerRange, torch_dtype
 from kvserver.page_allocator import PageAllocator
 from kvserver.v1 import kvserver_pb2 as pb
 
@@ -83,7 +82,7 @@ class KVCore:
     # ---- registration -------------------------------------------------------------------
 
     def register(self, req: pb.RegisterRequest) -> ClientState:
-        spec = _spec_from_request(req)
+        spec = ClientSpec.from_request(req)
         if len(self.clients) >= self.max_clients:
             raise NoCapacity(f"client limit reached: {self.max_clients} clients are registered")
         if req.host_tokens == 0:
@@ -167,9 +166,14 @@ class KVCore:
         del self.clients[client_id]
         self.totals.add(client.counters)
         client.host_views = []
-        client.device.close()
-        self.arena.release(client.region_offset, client.region_bytes)
-        client.gone.set()
+        try:
+            client.device.close()
+        except Exception:
+            logger.exception("closing the device pool of %s failed; releasing its host memory anyway",
+                             client_id)
+        finally:
+            self.arena.release(client.region_offset, client.region_bytes)
+            client.gone.set()
         logger.info("%s %s (%d host bytes released)", reason, client_id, client.region_bytes)
 
     def client(self, client_id: str) -> ClientState:
@@ -384,35 +388,3 @@ def _paged(device) -> bool:
 
 def _page_tokens(pages: np.ndarray, page_size: int) -> np.ndarray:
     return (pages[:, None] * page_size + np.arange(page_size, dtype=np.int64)).reshape(-1)
-
-
-def _spec_from_request(req: pb.RegisterRequest) -> ClientSpec:
-    if not req.model:
-        raise InvalidArgument("model must be set")
-    tp_size, pp_size = max(req.tp_size, 1), max(req.pp_size, 1)
-    if req.tp_rank >= tp_size or req.pp_rank >= pp_size:
-        raise InvalidArgument(
-            f"rank out of range: tp {req.tp_rank}/{tp_size}, pp {req.pp_rank}/{pp_size}"
-        )
-    layers = LayerRange(req.start_layer, req.end_layer)
-    if req.end_layer > req.num_layers:
-        raise InvalidArgument(
-            f"layer range {layers} does not fit in a model of num_layers={req.num_layers}"
-        )
-    if req.page_size == 0 or req.page_size > 4096:
-        raise InvalidArgument(f"page_size must be in [1, 4096], got {req.page_size}")
-    if req.dtype == pb.DTYPE_UNSPECIFIED:
-        raise InvalidArgument("dtype must be set")
-    return ClientSpec(
-        model=req.model,
-        tp_rank=req.tp_rank,
-        tp_size=tp_size,
-        pp_rank=req.pp_rank,
-        pp_size=pp_size,
-        num_layers=req.num_layers,
-        layers=layers,
-        layout=KVLayout.from_wire(req.layout),
-        dtype=torch_dtype(req.dtype),
-        page_size=req.page_size,
-    )
-
