@@ -2,8 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -228,7 +227,7 @@ class LoadProgress(_message.Message):
     done: bool
     bytes: int
     events_recorded: bool
-    def __init__(self, last_layer: _Optional[int] = ..., layers_done: _Optional[int] = ..., done: _Optional[bool] = ..., bytes: _Optional[int] = ..., events_recorded: _Optional[bool] = ...) -> None: ...
+    def __init__(self, last_layer: _Optional[int] = ..., layers_done: _Optional[int] = ..., done: bool = ..., bytes: _Optional[int] = ..., events_recorded: bool = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("client_id",)
