@@ -15,8 +15,13 @@ def uuid_to_ordinal(cupy) -> dict[str, int]:
     rt = cupy.cuda.runtime
     out = {}
     for i in range(rt.getDeviceCount()):
-        uuid = rt.getDeviceProperties(i)["uuid"]
-        out[uuid_from_bytes(bytes(uuid))] = i
+        props = rt.getDeviceProperties(i)
+        if "uuid" in props:
+            out[uuid_from_bytes(bytes(props["uuid"]))] = i
+        else:  # CuPy builds without the field: torch reports the same UUID
+            import torch
+
+            out[normalize_uuid(str(torch.cuda.get_device_properties(i).uuid))] = i
     return out
 
 
