@@ -18,6 +18,7 @@ import torch
 from kvclient import _messages as msg
 from kvclient._channel import CHANNEL_OPTIONS, target
 from kvclient._resilience import Backoff, is_miss, needs_register
+from kvclient.cuda_events import event_handle
 from kvclient.errors import KVClientError, from_rpc_error
 from kvclient.shm_pool import ShmKVPool
 from kvserver.v1 import kvserver_pb2 as pb
@@ -136,12 +137,14 @@ class AsyncKVClient:
 
     async def register(self, *, model: str, pool: ShmKVPool, start_layer: int, end_layer: int,
                        num_layers: int, host_tokens: int, page_size: int = 1, tp_rank: int = 0,
-                       tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1) -> msg.Registration:
+                       tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
+                       event_slots: int = 0) -> msg.Registration:
         req = msg.register_request(
             model=model, pool=pool, start_layer=start_layer, end_layer=end_layer,
             num_layers=num_layers, host_tokens=host_tokens, page_size=page_size,
             tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
         )
+        req.event_slots = event_slots
         reg = msg.registration(await self._call(self._stub.Register, req), req)
         self._request = req
         self._adopt(reg)
@@ -225,17 +228,20 @@ class AsyncKVClient:
         return 0 if resp is None else resp.freed_tokens
 
     async def write(self, *, host_indices: msg.Indices, device_indices: msg.Indices,
-                    layers: Iterable[int] | None = None) -> int:
+                    layers: Iterable[int] | None = None, ready_event=None) -> int:
         host, dev, lay = msg.ids(host_indices), msg.ids(device_indices), msg.layer_list(layers)
+        ready = b"" if ready_event is None else event_handle(ready_event)
         resp = await self._data_call(
             self._stub.Write,
-            lambda cid: pb.WriteRequest(client_id=cid, host_indices=host, device_indices=dev, layers=lay),
+            lambda cid: pb.WriteRequest(client_id=cid, host_indices=host, device_indices=dev, layers=lay,
+                                        ready_event=ready),
             None,
         )
         return 0 if resp is None else resp.bytes
 
     def load(self, *, host_indices: msg.Indices, device_indices: msg.Indices,
-             layers: Iterable[int] | None = None) -> AsyncLoadHandle:
+             layers: Iterable[int] | None = None, event_slot: int = 0, ready_event=None) -> AsyncLoadHandle:
+        """Starts a layer-by-layer load; CUDA pools record the layer events of ``event_slot``."""
         reg = self.registration
         if reg is None:
             raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "register() first")
@@ -244,7 +250,9 @@ class AsyncKVClient:
             self.misses += 1
             return AsyncLoadHandle(lay, None)
         req = pb.LoadRequest(client_id=reg.client_id, host_indices=msg.ids(host_indices),
-                             device_indices=msg.ids(device_indices), layers=msg.layer_list(layers))
+                             device_indices=msg.ids(device_indices), layers=msg.layer_list(layers),
+                             event_slot=event_slot,
+                             ready_event=b"" if ready_event is None else event_handle(ready_event))
         stream = self._stub.Load(req, timeout=self.timeout, metadata=self._metadata)
         return AsyncLoadHandle(lay, stream, self, reg)
 
