@@ -273,7 +273,7 @@ class KVCore:
         """
         loop = asyncio.get_running_loop()
         changed = asyncio.Event()
-        signal = LayerSignal()
+        signal = LayerSignal(self.progress_interval, len(job.local_layers))
         signal.watch(loop, changed)
         try:
             fut = self._submit(job, True, signal)
@@ -349,7 +349,8 @@ class KVCore:
         table = device.page_table if job.plan.device_paged else device.token_table
         layers = np.asarray(job.local_layers, dtype=np.int64)
         progress, fd = (signal.counter, signal.fd) if signal is not None else (None, -1)
-        if transfer.copy_job(job.plan, layers, client.host_table, table, to_device, progress, fd):
+        interval = signal.interval if signal is not None else 0.0
+        if transfer.copy_job(job.plan, layers, client.host_table, table, to_device, progress, fd, interval):
             return
         for i, layer in enumerate(job.local_layers):
             for part, host in enumerate(client.host_views[layer]):

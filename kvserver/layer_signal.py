@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import numpy as np
 
 
 class LayerSignal:
-    def __init__(self) -> None:
+    """``interval``: least seconds between two signals (the last layer always signals), so the
+    loop wakes at most once an interval however many layers land."""
+
+    def __init__(self, interval: float = 0.0, total: int = 0) -> None:
+        self.interval = interval
+        self.total = total
+        self._last = time.monotonic()
         # [layers done, 1 once a CUDA load's layer events are all recorded]; written by the copier
         self.counter = np.zeros(2, dtype=np.int64)
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -19,7 +26,10 @@ class LayerSignal:
     def publish(self, layers_done: int) -> None:
         """For copies done in Python: what the kernel does after each layer."""
         self.counter[0] = layers_done
-        os.eventfd_write(self.fd, 1)
+        now = time.monotonic()
+        if layers_done >= self.total or now - self._last >= self.interval:
+            self._last = now
+            os.eventfd_write(self.fd, 1)
 
     def mark_recorded(self) -> None:
         self.counter[1] = 1

@@ -157,12 +157,14 @@ def copy_part(plan: CopyPlan, host: torch.Tensor, device_pages: torch.Tensor | N
 
 
 def copy_job(plan: CopyPlan, layers: np.ndarray, host: BufferTable, device: BufferTable,
-             to_device: bool, progress: np.ndarray | None = None, eventfd: int = -1) -> bool:
+             to_device: bool, progress: np.ndarray | None = None, eventfd: int = -1,
+             signal_interval: float = 0.0) -> bool:
     """Copies every part of the given local layers in one kernel call; False if it cannot (no
     compiled kernel, or buffers with different strides), and then nothing was copied.
 
     ``device`` is the pool's page table for a paged plan, its token table otherwise. After each
-    layer the kernel stores the number of layers done in ``progress[0]`` and signals ``eventfd``.
+    layer the kernel stores the number of layers done in ``progress[0]``, and signals ``eventfd``
+    once ``signal_interval`` seconds have passed since its last signal (always after the last).
     """
     if copy_layers is None or device.row_stride is None or host.row_stride is None:
         return False
@@ -176,7 +178,7 @@ def copy_job(plan: CopyPlan, layers: np.ndarray, host: BufferTable, device: Buff
         dst, dst_off, src, src_off = host_bases, host_off, dev_bases, dev_off
     copy_layers(dst.ctypes.data, src.ctypes.data, dst.size, parts, dst_off.ctypes.data,
                 src_off.ctypes.data, dev_off.size, device.row_bytes,
-                0 if progress is None else progress.ctypes.data, eventfd)
+                0 if progress is None else progress.ctypes.data, eventfd, int(signal_interval * 1e9))
     return True
 
 

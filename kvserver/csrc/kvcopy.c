@@ -4,11 +4,12 @@
  * row i from src + src_offsets[i] to dst + dst_offsets[i].
  *
  * copy_layers(dst_bases, src_bases, num_buffers, parts, dst_offsets, src_offsets, n, row_bytes,
- *             progress, eventfd) does the same for num_buffers (layer, part) buffer pairs, whose
- * base addresses are arrays of uint64, with the same row offsets in each. After each group of
- * `parts` buffers (one layer) it stores the number of layers done in *progress (if not 0) and
- * adds 1 to the eventfd (if >= 0), so an event loop can stream per-layer progress while this
- * thread copies without ever taking the GIL.
+ *             progress, eventfd, signal_interval_ns) does the same for num_buffers (layer, part)
+ * buffer pairs, whose base addresses are arrays of uint64, with the same row offsets in each.
+ * After each group of `parts` buffers (one layer) it stores the number of layers done in
+ * *progress (if not 0), and adds 1 to the eventfd (if >= 0) when signal_interval_ns have passed
+ * since the last signal, and always after the last layer. An event loop can so stream per-layer
+ * progress while this thread copies without ever taking the GIL, woken at most once an interval.
  *
  * Addresses are integers (tensor data_ptr values); offsets are arrays of int64 byte offsets. The
  * caller has checked every offset against its buffer. No threads are started: the daemon decides
@@ -18,7 +19,14 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
 
 static void copy_n(char *d, const int64_t *doff, const char *s, const int64_t *soff, Py_ssize_t n,
                    size_t row_bytes) {
@@ -49,8 +57,9 @@ static PyObject *copy_layers(PyObject *self, PyObject *args) {
     unsigned long long dst_bases, src_bases, dst_offsets, src_offsets, progress;
     Py_ssize_t num_buffers, parts, n, row_bytes;
     int efd;
-    if (!PyArg_ParseTuple(args, "KKnnKKnnKi", &dst_bases, &src_bases, &num_buffers, &parts,
-                          &dst_offsets, &src_offsets, &n, &row_bytes, &progress, &efd))
+    long long interval_ns = 0;
+    if (!PyArg_ParseTuple(args, "KKnnKKnnKi|L", &dst_bases, &src_bases, &num_buffers, &parts,
+                          &dst_offsets, &src_offsets, &n, &row_bytes, &progress, &efd, &interval_ns))
         return NULL;
     if (num_buffers < 0 || parts <= 0 || n < 0 || row_bytes < 0 || num_buffers % parts) {
         PyErr_SetString(PyExc_ValueError, "bad buffer, part or row counts");
@@ -63,12 +72,15 @@ static PyObject *copy_layers(PyObject *self, PyObject *args) {
     int64_t *done = (int64_t *)(uintptr_t)progress;
     int failed = 0;
     Py_BEGIN_ALLOW_THREADS
+    int64_t last_signal = now_ns();
     for (Py_ssize_t b = 0; b < num_buffers; b++) {
         copy_n((char *)(uintptr_t)db[b], doff, (const char *)(uintptr_t)sb[b], soff, n, (size_t)row_bytes);
         if ((b + 1) % parts == 0) {
             if (done)
                 __atomic_store_n(done, (int64_t)((b + 1) / parts), __ATOMIC_RELEASE);
-            if (efd >= 0) {
+            int64_t t = now_ns();
+            if (efd >= 0 && (b + 1 == num_buffers || t - last_signal >= interval_ns)) {
+                last_signal = t;
                 uint64_t one = 1;
                 if (write(efd, &one, sizeof one) != sizeof one)
                     failed = 1;
