@@ -18,7 +18,7 @@ import torch
 from kvclient import _messages as msg
 from kvclient._channel import CHANNEL_OPTIONS, target
 from kvclient._resilience import Backoff, is_miss, needs_register
-from kvclient.cuda_events import event_handle
+from kvclient.cuda_events import LayerEvents, event_handle
 from kvclient.errors import KVClientError, from_rpc_error
 from kvclient.shm_pool import ShmKVPool
 from kvserver.v1 import kvserver_pb2 as pb
@@ -35,6 +35,8 @@ class AsyncLoadHandle:
                  client: AsyncKVClient | None = None, reg: msg.Registration | None = None) -> None:
         self.layers = layers
         self.missed = stream is None
+        self.events: dict[int, object] = {}  # CUDA pools: global layer -> torch.cuda.Event
+        self._recorded = False
         self._last_layer = -1
         self._done = False
         self._bytes = 0
@@ -48,6 +50,7 @@ class AsyncLoadHandle:
         try:
             async for progress in stream:
                 async with self._changed:
+                    self._recorded = self._recorded or progress.events_recorded
                     if progress.layers_done:
                         self._last_layer = progress.last_layer
                     self._bytes = progress.bytes
@@ -74,6 +77,27 @@ class AsyncLoadHandle:
             self._task.result()
         return self._last_layer >= layer_id and not self.missed
 
+    async def wait_recorded(self) -> bool:
+        """CUDA pools: until the daemon has recorded this load's layer events; False on a miss."""
+        async with self._changed:
+            while not (self._recorded or self._done) and not self._task.done():
+                await self._changed.wait()
+        if self._task.done():
+            self._task.result()
+        return not self.missed
+
+    async def stream_wait_layer(self, layer_id: int, stream=None) -> bool:
+        """CUDA pools: ``stream`` (default: the current one) waits on the GPU for global layer
+        ``layer_id``; the event loop does not wait for the copy. False on a miss."""
+        if layer_id not in self.events:
+            raise ValueError(f"layer {layer_id} has no event in this load (not a CUDA pool, or not loaded)")
+        if not await self.wait_recorded():
+            return False
+        import torch
+
+        (stream or torch.cuda.current_stream()).wait_event(self.events[layer_id])
+        return True
+
     async def wait(self) -> int:
         await self._task
         return 0 if self.missed else self._bytes
@@ -98,6 +122,8 @@ class AsyncKVClient:
         self.connected = False
         self.misses = 0
         self.reconnects = 0
+        self._events: LayerEvents | None = None
+        self._device = 0  # CUDA pools: the device the layer events are opened on
 
     async def _call(self, method, request):
         try:
@@ -146,6 +172,8 @@ class AsyncKVClient:
         )
         req.event_slots = event_slots
         reg = msg.registration(await self._call(self._stub.Register, req), req)
+        if reg.layer_events:
+            self._device = pool.buffers[0][0].device
         self._request = req
         self._adopt(reg)
         return reg
@@ -254,7 +282,12 @@ class AsyncKVClient:
                              event_slot=event_slot,
                              ready_event=b"" if ready_event is None else event_handle(ready_event))
         stream = self._stub.Load(req, timeout=self.timeout, metadata=self._metadata)
-        return AsyncLoadHandle(lay, stream, self, reg)
+        handle = AsyncLoadHandle(lay, stream, self, reg)
+        if reg.layer_events:
+            if self._events is None or self._events.handles is not reg.layer_events:
+                self._events = LayerEvents(reg.layer_events, reg.end_layer - reg.start_layer, self._device)
+            handle.events = {g: self._events.event(event_slot, g - reg.start_layer) for g in lay}
+        return handle
 
     async def stats(self, all_clients: bool = False) -> pb.StatsResponse:
         req = pb.StatsRequest(client_id="" if all_clients else self.client_id)

@@ -7,6 +7,8 @@ release of every IPC mapping, pin, event and stream when a client goes.
 
 from __future__ import annotations
 
+import types
+
 import grpc
 import numpy as np
 import pytest
@@ -146,3 +148,69 @@ def test_cuda_request_checks(daemon, fake):
             register(stub, refs, 2, 64, 16)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "not visible to the daemon" in err.value.details()
+
+
+class DescribedPool:
+    """What KVClient.register needs of a CUDA pool, around a fake-CuPy description."""
+
+    def __init__(self, refs, heads, head_dim):
+        import torch
+
+        from kvclient import KVLayout
+
+        self.layout, self.dtype, self._refs = KVLayout.mha(heads, head_dim), torch.float16, refs
+        self.buffers = [[types.SimpleNamespace(device=0)]]
+
+    def descriptor(self):
+        return self._refs
+
+
+class FakeStream:
+    def __init__(self):
+        self.waited = []
+
+    def wait_event(self, event):
+        self.waited.append(event)
+
+
+def test_clients_wait_on_layer_events_after_they_are_recorded(daemon, fake, monkeypatch):
+    """The sync and asyncio clients: a stream waits on a layer's event only after the daemon said
+    the load's events are recorded, and on the event of the slot the load named."""
+    import asyncio
+
+    import torch
+
+    from kvclient import AsyncKVClient, KVClient
+
+    opened = []
+    monkeypatch.setattr(torch.cuda.Event, "from_ipc_handle",
+                        staticmethod(lambda device, handle: opened.append(handle) or handle))
+    refs, kv, _ = cuda_pool(fake, 2, 64)
+    kv[:] = 7
+    with KVClient(daemon.address) as client:
+        reg = client.register(model="gpu", pool=DescribedPool(refs, 2, 64), start_layer=8, end_layer=12,
+                              num_layers=16, host_tokens=64, page_size=16, event_slots=2)
+        host = client.alloc(64)
+        client.write(host_indices=host, device_indices=range(64))
+        handle = client.load(host_indices=host, device_indices=range(64, 128), event_slot=1)
+        stream = FakeStream()
+        for layer in range(8, 12):
+            assert handle.stream_wait_layer(layer, stream)
+        assert stream.waited == list(reg.layer_events[LAYERS:])  # slot 1, layers in order
+        assert handle.wait() > 0 and (kv[:, :, 64:128] == 7).all()
+
+    async def run_async():
+        async with AsyncKVClient(daemon.address) as client:
+            await client.register(model="gpu", pool=DescribedPool(refs, 2, 64), start_layer=8, end_layer=12,
+                                  num_layers=16, host_tokens=64, page_size=16, event_slots=2)
+            host = await client.alloc(64)
+            await client.write(host_indices=host, device_indices=range(64))
+            handle = client.load(host_indices=host, device_indices=range(128, 192), event_slot=0)
+            stream = FakeStream()
+            assert await handle.stream_wait_layer(9, stream)
+            assert stream.waited == [client.registration.layer_events[1]]
+            assert await handle.wait() > 0
+            await client.unregister()
+
+    asyncio.run(run_async())
+    assert (kv[:, :, 128:192] == 7).all()
