@@ -135,7 +135,7 @@ class KVServicer(pb_grpc.KVServerServicer):
             request.client_id, request.host_indices, request.device_indices, request.layers,
             request.ready_event,
         )
-        return pb.WriteResponse(bytes=await self.core.write(job))
+        return pb.WriteResponse(bytes=await self.core.copier.write(job))
 
     async def Load(self, request: pb.LoadRequest, context) -> AsyncIterator[pb.LoadProgress]:
         try:
@@ -145,7 +145,7 @@ class KVServicer(pb_grpc.KVServerServicer):
                 request.ready_event, request.event_slot,
             )
             total = len(job.local_layers)
-            async for step in self.core.load(job):
+            async for step in self.core.copier.load(job):
                 yield pb.LoadProgress(
                     last_layer=max(step.last_layer, 0),
                     layers_done=step.layers_done,

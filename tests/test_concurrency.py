@@ -132,7 +132,7 @@ def test_shutdown_during_a_write_finishes_it_then_frees(daemon_factory):
         t = threading.Thread(target=write)
         t.start()
         # Stop while the write is (very likely) in flight: it gets the grace period to finish.
-        while d.run(lambda: d.core._queued) == 0 and t.is_alive():
+        while d.run(lambda: d.core.copier.queued) == 0 and t.is_alive():
             pass
         d.stop()
         t.join(30)

@@ -1,0 +1,181 @@
+"""Running copies: one worker thread, small copies inline, streamed load progress.
+
+Copies run on one worker thread in arrival order (torch or the C kernel already use the machine's
+bandwidth; more threads would only reorder them). While a copy runs, its host pages are marked
+busy, so that a Free or Unregister of those pages waits for it, and the mark is cleared by the
+worker's own completion, never by the RPC that asked: a cancelled call cannot free pages a copy
+still touches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvserver import transfer
+from kvserver.client_state import ClientState
+from kvserver.layer_signal import LayerSignal
+
+# Copies up to this size run on the event loop when the worker is idle (~50 us at memcpy speed).
+INLINE_COPY_BYTES = 256 << 10
+
+
+@dataclass(frozen=True, slots=True)
+class LoadStep:
+    """One or more layers landed: every requested layer up to ``last_layer`` (global). A CUDA
+    load first yields a step with ``events_recorded`` and no layer done yet."""
+
+    last_layer: int
+    layers_done: int
+    bytes: int
+    events_recorded: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    client: ClientState
+    plan: transfer.CopyPlan
+    local_layers: list[int]
+    pages: np.ndarray
+    ready_event: bytes = b""  # CUDA: the engine's event to wait on before copying
+    event_slot: int = 0  # CUDA loads: whose layer events to record
+
+    @property
+    def bytes_per_layer(self) -> int:
+        spec = self.client.spec
+        return self.plan.num_tokens * spec.token_bytes * spec.layout.num_parts
+
+
+class Copier:
+    def __init__(self, copy_threads: int = 1, progress_interval: float = 0.0) -> None:
+        self.progress_interval = progress_interval
+        self.queued = 0  # copies handed to the worker and not yet released
+        self._executor = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvcopy")
+
+    async def write(self, job: Job) -> int:
+        await self._submit(job, False, None)
+        nbytes = job.bytes_per_layer * len(job.local_layers)
+        job.client.counters.bytes_written += nbytes
+        job.client.counters.write_ops += 1
+        return nbytes
+
+    async def load(self, job: Job) -> AsyncIterator[LoadStep]:
+        """Runs the copy in the worker and yields progress as layers land.
+
+        Steps are at least ``progress_interval`` seconds apart (the last one is never held
+        back): each message costs both processes CPU time, which on a busy node comes out of
+        the copy. A step covers every layer landed since the previous one.
+        """
+        loop = asyncio.get_running_loop()
+        changed = asyncio.Event()
+        signal = LayerSignal(self.progress_interval, len(job.local_layers))
+        signal.watch(loop, changed)
+        try:
+            fut = self._submit(job, True, signal)
+        except BaseException:
+            signal.unwatch(loop)
+            signal.release()  # the job's share: it never started
+            raise
+        start = job.client.spec.layers.start
+        total = len(job.local_layers)
+        sent, sent_at = 0, -math.inf
+        told_recorded = job.client.device.kind != "cuda"
+        waiter = None
+        try:
+            while sent < total:
+                if fut.done():
+                    fut.result()  # raises the worker's error, if any
+                if not told_recorded and signal.recorded:
+                    told_recorded = True
+                    yield LoadStep(-1, 0, 0, events_recorded=True)
+                done = signal.layers_done
+                wait = self.progress_interval - (time.monotonic() - sent_at)
+                if done > sent and (done == total or wait <= 0):
+                    yield LoadStep(start + job.local_layers[done - 1], done, done * job.bytes_per_layer)
+                    sent, sent_at = done, time.monotonic()
+                    continue
+                changed.clear()
+                waiter = asyncio.ensure_future(changed.wait())
+                await asyncio.wait({waiter, fut}, timeout=wait if done > sent else None,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+            await fut
+        finally:
+            if waiter is not None:
+                waiter.cancel()
+            signal.unwatch(loop)
+        job.client.counters.bytes_loaded += total * job.bytes_per_layer
+        job.client.counters.load_ops += 1
+
+    def _submit(self, job: Job, to_device: bool, signal: LayerSignal | None) -> asyncio.Future[None]:
+        """Starts a copy; its pages stay busy (and its signal open) until the worker thread is
+        really done with them, even when the RPC that asked for it is cancelled first.
+
+        A small copy while no other copy is queued runs right here on the loop: it takes less
+        time than handing it to the worker and back would, and still keeps arrival order.
+        """
+        loop = asyncio.get_running_loop()
+        client = job.client
+        client.busy[job.pages] += 1
+        client.inflight += 1
+        small = job.bytes_per_layer * len(job.local_layers) <= INLINE_COPY_BYTES
+        if self.queued == 0 and small and client.device.kind == "shm":
+            fut = loop.create_future()
+            try:
+                self._run(job, to_device, signal)
+                fut.set_result(None)
+            except Exception as exc:
+                fut.set_exception(exc)
+            finally:
+                self._release(job, signal)
+            return fut
+        self.queued += 1
+        cf = self._executor.submit(self._run, job, to_device, signal)
+        cf.add_done_callback(lambda _: loop.call_soon_threadsafe(self._release, job, signal, True))
+        return asyncio.wrap_future(cf, loop=loop)
+
+    def _run(self, job: Job, to_device: bool, signal: LayerSignal | None) -> None:
+        client, device = job.client, job.client.device
+        if device.kind == "cuda":
+            layers = np.asarray(job.local_layers, dtype=np.int64)
+            device.run(job.plan, layers, client.host_table, to_device, signal, job.ready_event,
+                       job.event_slot)
+            return
+        table = device.page_table if job.plan.device_paged else device.token_table
+        layers = np.asarray(job.local_layers, dtype=np.int64)
+        progress, fd = (signal.counter, signal.fd) if signal is not None else (None, -1)
+        interval = signal.interval if signal is not None else 0.0
+        if transfer.copy_job(job.plan, layers, client.host_table, table, to_device, progress, fd, interval):
+            return
+        for i, layer in enumerate(job.local_layers):
+            for part, host in enumerate(client.host_views[layer]):
+                pages = device.page_views[layer][part] if device.page_views is not None else None
+                transfer.copy_part(job.plan, host, pages, device.token_views[layer][part], to_device)
+            if signal is not None:
+                signal.publish(i + 1)
+
+    def _release(self, job: Job, signal: LayerSignal | None, queued: bool = False) -> None:
+        self.queued -= queued
+        client = job.client
+        client.busy[job.pages] -= 1
+        client.inflight -= 1
+        if signal is not None:
+            signal.release()
+        client.changed.set()
+        client.changed = asyncio.Event()
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
+async def wait_until(client: ClientState, predicate: Callable[[], bool]) -> None:
+    """Waits on the loop until ``predicate`` holds; re-checked whenever one of the client's
+    copies is released."""
+    while not predicate():
+        await client.changed.wait()
