@@ -1,0 +1,116 @@
+"""A load in flight, as the synchronous client returns it."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+
+import grpc
+
+from kvclient.errors import KVClientError, from_rpc_error
+from kvserver.v1 import kvserver_pb2 as pb
+
+
+class LoadHandle:
+    """A load in flight. ``wait_layer(i)`` returns True once global layer i has landed, or False
+    if the load missed (resilient mode: the daemon went away; recompute instead)."""
+
+    def __init__(self, layers: list[int], on_error: Callable[[KVClientError], bool] | None = None) -> None:
+        self.layers = layers
+        self._on_error = on_error  # True: the error is a miss, not raised
+        self._cond = threading.Condition()
+        self._last_layer = -1
+        self._done = False
+        self._bytes = 0
+        self._error: KVClientError | None = None
+        self.missed = False
+        self._recorded = False
+        self.events: dict[int, object] = {}  # CUDA pools: global layer -> torch.cuda.Event
+
+    @classmethod
+    def miss(cls, layers: list[int]) -> LoadHandle:
+        handle = cls(layers)
+        handle.missed = True
+        return handle
+
+    def _consume(self, stream: Iterable[pb.LoadProgress]) -> None:
+        try:
+            for progress in stream:
+                with self._cond:
+                    self._recorded = self._recorded or progress.events_recorded
+                    if progress.layers_done:
+                        self._last_layer = progress.last_layer
+                    self._bytes = progress.bytes
+                    self._done = progress.done
+                    self._cond.notify_all()
+            if not self._done:
+                raise KVClientError(grpc.StatusCode.INTERNAL, "load stream ended before the last layer")
+        except grpc.RpcError as exc:
+            self._fail(from_rpc_error(exc))
+        except KVClientError as exc:
+            self._fail(exc)
+        except BaseException as exc:  # never leave waiters hanging
+            self._fail(KVClientError(grpc.StatusCode.INTERNAL, f"load stream failed: {exc!r}"))
+
+    def _fail(self, error: KVClientError) -> None:
+        missed = self._on_error is not None and self._on_error(error)
+        with self._cond:
+            if missed:
+                self.missed = True
+            else:
+                self._error = error
+            self._cond.notify_all()
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def landed(self, layer_id: int) -> bool:
+        with self._cond:
+            self._check()
+            return self._last_layer >= layer_id
+
+    def wait_layer(self, layer_id: int, timeout: float | None = None) -> bool:
+        if layer_id not in self.layers:
+            raise ValueError(f"layer {layer_id} is not part of this load")
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: self._error is not None or self.missed or self._last_layer >= layer_id, timeout
+            )
+            self._check()
+            if not ok:
+                raise TimeoutError(f"layer {layer_id} did not land within {timeout} s")
+            return self._last_layer >= layer_id and not self.missed
+
+    def wait_recorded(self, timeout: float | None = None) -> bool:
+        """CUDA pools: blocks until the daemon has recorded this load's layer events (one message,
+        sent before the copies finish); False if the load missed."""
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: self._error is not None or self.missed or self._recorded or self._done, timeout
+            )
+            self._check()
+            if not ok:
+                raise TimeoutError(f"layer events were not recorded within {timeout} s")
+            return not self.missed
+
+    def stream_wait_layer(self, layer_id: int, stream=None) -> bool:
+        """CUDA pools: makes ``stream`` (default: the current one) wait on the GPU until global
+        layer ``layer_id`` has landed; the CPU does not wait for the copy. False on a miss."""
+        if layer_id not in self.events:
+            raise ValueError(f"layer {layer_id} has no event in this load (not a CUDA pool, or not loaded)")
+        if not self.wait_recorded():
+            return False
+        import torch
+
+        (stream or torch.cuda.current_stream()).wait_event(self.events[layer_id])
+        return True
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Waits for every layer; returns the bytes copied (0 if the load missed)."""
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self._error is not None or self.missed or self._done, timeout)
+            self._check()
+            if not ok:
+                raise TimeoutError(f"load did not finish within {timeout} s")
+            return 0 if self.missed else self._bytes
