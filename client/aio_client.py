@@ -289,6 +289,14 @@ class AsyncKVClient:
             handle.events = {g: self._events.event(event_slot, g - reg.start_layer) for g in lay}
         return handle
 
+    async def available_size(self) -> int:
+        """Host token slots this registration can still allocate (0 on a miss)."""
+        resp = await self._data_call(self._stub.Stats, lambda cid: pb.StatsRequest(client_id=cid), None)
+        if resp is None:
+            return 0
+        c = resp.clients[0]
+        return c.capacity_tokens - c.used_tokens
+
     async def stats(self, all_clients: bool = False) -> pb.StatsResponse:
         req = pb.StatsRequest(client_id="" if all_clients else self.client_id)
         return await self._call(self._stub.Stats, req)

@@ -263,6 +263,14 @@ class KVClient:
             self._events = LayerEvents(reg.layer_events, reg.end_layer - reg.start_layer, self._device)
         return self._events
 
+    def available_size(self) -> int:
+        """Host token slots this registration can still allocate (0 on a miss)."""
+        resp = self._data_call(self._stub.Stats, lambda cid: pb.StatsRequest(client_id=cid), None)
+        if resp is None:
+            return 0
+        c = resp.clients[0]
+        return c.capacity_tokens - c.used_tokens
+
     def stats(self, all_clients: bool = False) -> pb.StatsResponse:
         req = pb.StatsRequest(client_id="" if all_clients else self.client_id)
         return self._call(self._stub.Stats, req)

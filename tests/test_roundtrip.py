@@ -159,6 +159,7 @@ def test_contiguous_runs_and_multiple_writes(daemon):
         for local, layer in enumerate(pool.buffers):
             assert torch.equal(raw(layer[0])[dev], original[local][0][dev])
         stats = client.stats()
+        assert client.available_size() == stats.clients[0].capacity_tokens - 256
         assert stats.clients[0].transfers.write_ops == 4
         assert stats.clients[0].transfers.load_ops == 1
         assert stats.clients[0].used_tokens == 256
@@ -201,8 +202,10 @@ def test_async_client_roundtrip(daemon):
                 await handle.wait_layer(layer)
                 assert torch.equal(raw(pool.buffers[local][0])[dev], original[local][0][dev])
             await handle.wait()
+            assert await client.available_size() == 64
             assert await client.free(host) == 64
             assert (await client.stats()).clients[0].used_tokens == 0
+            assert await client.available_size() == 128
             await client.unregister()
 
     with ShmKVPool(layout, dtype, END - START, POOL_TOKENS) as pool:
