@@ -9,16 +9,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import AsyncIterator, Iterable
 
 import grpc
 import torch
 
 from kvclient import _messages as msg
-from kvclient._channel import CHANNEL_OPTIONS, target
-from kvclient._resilience import Backoff, is_miss, needs_register
-from kvclient.cuda_events import LayerEvents, event_handle
+from kvclient._base import ClientBase
+from kvclient._channel import CHANNEL_OPTIONS
+from kvclient._resilience import Backoff, is_miss
+from kvclient.cuda_events import event_handle
 from kvclient.errors import KVClientError, from_rpc_error
 from kvclient.shm_pool import ShmKVPool
 from kvserver.v1 import kvserver_pb2 as pb
@@ -103,27 +103,16 @@ class AsyncLoadHandle:
         return 0 if self.missed else self._bytes
 
 
-class AsyncKVClient:
+class AsyncKVClient(ClientBase):
     """asyncio twin of KVClient; create it inside the running loop."""
 
     def __init__(self, address: str | None = None, *, timeout: float = 5.0, token: str | None = None,
                  resilient: bool = True) -> None:
-        self.target = target(address)
-        self.timeout = timeout
-        self.resilient = resilient
-        token = token or os.environ.get("KVSERVER_TOKEN")
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        super().__init__(address, timeout, token, resilient)
         self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVServerStub(self._channel)
-        self._request: pb.RegisterRequest | None = None
         self._session: asyncio.Task | None = None
         self._reconnect: asyncio.Task | None = None
-        self.registration: msg.Registration | None = None
-        self.connected = False
-        self.misses = 0
-        self.reconnects = 0
-        self._events: LayerEvents | None = None
-        self._device = 0  # CUDA pools: the device the layer events are opened on
 
     async def _call(self, method, request):
         try:
@@ -145,19 +134,6 @@ class AsyncKVClient:
                 return on_miss
             raise from_rpc_error(exc) from None
 
-    def _is_miss(self, error: KVClientError, reg: msg.Registration | None) -> bool:
-        if not self.resilient or not is_miss(error.code):
-            return False
-        self.misses += 1
-        if needs_register(error.code):
-            self._lost(reg, error.message)
-        return True
-
-    @property
-    def client_id(self) -> str:
-        if self.registration is None:
-            raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "register() first")
-        return self.registration.client_id
 
     # ---- registration and liveness --------------------------------------------------------
 
@@ -284,9 +260,8 @@ class AsyncKVClient:
         stream = self._stub.Load(req, timeout=self.timeout, metadata=self._metadata)
         handle = AsyncLoadHandle(lay, stream, self, reg)
         if reg.layer_events:
-            if self._events is None or self._events.handles is not reg.layer_events:
-                self._events = LayerEvents(reg.layer_events, reg.end_layer - reg.start_layer, self._device)
-            handle.events = {g: self._events.event(event_slot, g - reg.start_layer) for g in lay}
+            events = self._layer_events(reg)
+            handle.events = {g: events.event(event_slot, g - reg.start_layer) for g in lay}
         return handle
 
     async def available_size(self) -> int:

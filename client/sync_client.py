@@ -8,7 +8,6 @@ background thread re-registers with backoff once the daemon is back (see ``_resi
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -17,9 +16,10 @@ import grpc
 import torch
 
 from kvclient import _messages as msg
-from kvclient._channel import CHANNEL_OPTIONS, target
-from kvclient._resilience import Backoff, is_miss, needs_register
-from kvclient.cuda_events import LayerEvents, event_handle
+from kvclient._base import ClientBase
+from kvclient._channel import CHANNEL_OPTIONS
+from kvclient._resilience import Backoff, is_miss
+from kvclient.cuda_events import event_handle
 from kvclient.errors import KVClientError, from_rpc_error
 from kvclient.load_handle import LoadHandle
 from kvclient.shm_pool import ShmKVPool
@@ -29,7 +29,7 @@ from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 
-class KVClient:
+class KVClient(ClientBase):
     """One engine process's connection to the daemon and its registration.
 
     ``resilient`` (default True): when the daemon is unreachable, restarted, or no longer knows
@@ -41,25 +41,14 @@ class KVClient:
 
     def __init__(self, address: str | None = None, *, timeout: float = 5.0, token: str | None = None,
                  resilient: bool = True) -> None:
-        self.target = target(address)
-        self.timeout = timeout
-        self.resilient = resilient
-        token = token or os.environ.get("KVSERVER_TOKEN")
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        super().__init__(address, timeout, token, resilient)
         self._channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVServerStub(self._channel)
         self._loaders = ThreadPoolExecutor(8, thread_name_prefix="kvclient-load")
         self._lock = threading.Lock()
-        self._request: pb.RegisterRequest | None = None
         self._session: grpc.Future | None = None
         self._reconnecting = False
         self._closed = threading.Event()
-        self.registration: msg.Registration | None = None
-        self.connected = False
-        self.misses = 0
-        self.reconnects = 0
-        self._events: LayerEvents | None = None
-        self._device = 0  # CUDA pools: the device the layer events are opened on
 
     # ---- plumbing ---------------------------------------------------------------------------
 
@@ -84,19 +73,6 @@ class KVClient:
                 return on_miss
             raise from_rpc_error(exc) from None
 
-    def _is_miss(self, error: KVClientError, reg: msg.Registration | None) -> bool:
-        if not self.resilient or not is_miss(error.code):
-            return False
-        self.misses += 1
-        if needs_register(error.code):
-            self._lost(reg, error.message)
-        return True
-
-    @property
-    def client_id(self) -> str:
-        if self.registration is None:
-            raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "register() first")
-        return self.registration.client_id
 
     # ---- registration and liveness --------------------------------------------------------
 
@@ -257,11 +233,6 @@ class KVClient:
         stream = self._stub.Load(request, timeout=self.timeout, metadata=self._metadata)
         self._loaders.submit(handle._consume, stream)
         return handle
-
-    def _layer_events(self, reg: msg.Registration) -> LayerEvents:
-        if self._events is None or self._events.handles is not reg.layer_events:
-            self._events = LayerEvents(reg.layer_events, reg.end_layer - reg.start_layer, self._device)
-        return self._events
 
     def available_size(self) -> int:
         """Host token slots this registration can still allocate (0 on a miss)."""

@@ -1,0 +1,54 @@
+"""What the sync and asyncio clients share: settings, registration state and the miss policy."""
+
+from __future__ import annotations
+
+import os
+
+import grpc
+
+from kvclient import _messages as msg
+from kvclient._channel import target
+from kvclient._resilience import is_miss, needs_register
+from kvclient.cuda_events import LayerEvents
+from kvclient.errors import KVClientError
+from kvserver.v1 import kvserver_pb2 as pb
+
+
+class ClientBase:
+    def __init__(self, address: str | None, timeout: float, token: str | None, resilient: bool) -> None:
+        self.target = target(address)
+        self.timeout = timeout
+        self.resilient = resilient
+        token = token or os.environ.get("KVSERVER_TOKEN")
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._request: pb.RegisterRequest | None = None
+        self.registration: msg.Registration | None = None
+        self.connected = False
+        self.misses = 0
+        self.reconnects = 0
+        self._events: LayerEvents | None = None
+        self._device = 0  # CUDA pools: the device the layer events are opened on
+
+    @property
+    def client_id(self) -> str:
+        if self.registration is None:
+            raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "register() first")
+        return self.registration.client_id
+
+    def _is_miss(self, error: KVClientError, reg: msg.Registration | None) -> bool:
+        """In resilient mode, counts ``error`` as a miss if it means "not there" (and starts
+        re-registering when the registration is gone); False means it must be raised."""
+        if not self.resilient or not is_miss(error.code):
+            return False
+        self.misses += 1
+        if needs_register(error.code):
+            self._lost(reg, error.message)
+        return True
+
+    def _lost(self, reg: msg.Registration | None, reason: str) -> None:
+        raise NotImplementedError
+
+    def _layer_events(self, reg: msg.Registration) -> LayerEvents:
+        if self._events is None or self._events.handles is not reg.layer_events:
+            self._events = LayerEvents(reg.layer_events, reg.end_layer - reg.start_layer, self._device)
+        return self._events
