@@ -43,14 +43,6 @@ class PermissionDenied(KVError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
-class Unimplemented(KVError):
-    code = grpc.StatusCode.UNIMPLEMENTED
-
-
-class Unavailable(KVError):
-    code = grpc.StatusCode.UNAVAILABLE
-
-
 # Status details travel in HTTP/2 trailers, which peers refuse past 8 KiB (soft) / 16 KiB (hard).
 MAX_DETAILS = 2048
 
