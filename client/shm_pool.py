@@ -86,7 +86,8 @@ class ShmKVPool:
         )
 
     def close(self, unlink: bool = True) -> None:
-        """Drops this process's tensors and mapping; unlinks the object unless told not to."""
+        """Unmaps the pool and unlinks the object unless told not to. Tensors taken from
+        ``buffers`` must not be used afterwards: they point into the unmapped memory."""
         self.buffers = []
         if self._shm is not None:
             self._shm.close()

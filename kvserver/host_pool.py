@@ -8,14 +8,11 @@ to the kernel with MADV_DONTNEED.
 from __future__ import annotations
 
 import bisect
-import logging
 import mmap
 
 import torch
 
 from kvserver.errors import NoCapacity
-
-logger = logging.getLogger(__name__)
 
 REGION_ALIGN = 1 << 21  # 2 MiB: regions start on huge-page boundaries
 
@@ -90,8 +87,7 @@ class HostArena:
             self._free_starts.pop(i)
 
     def close(self) -> None:
+        # Every client's host views are gone by now (clients are unregistered first): torch views
+        # do not pin the mapping, so none may outlive this.
         self._views.clear()
-        try:
-            self._mm.close()
-        except BufferError:
-            logger.warning("host arena still has live views at close; leaving it to the GC")
+        self._mm.close()

@@ -47,11 +47,9 @@ class ShmMapping:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        try:
-            self.mm.close()
-        except BufferError:
-            # A tensor view still exports the buffer; the mapping goes when the last view does.
-            pass
+        # torch.frombuffer does not pin the mapping: every tensor view of it must be dropped first,
+        # or it would point at unmapped memory. Callers clear their views before closing.
+        self.mm.close()
 
 
 def open_shm(name: str) -> ShmMapping:

@@ -83,10 +83,14 @@ class LightEngine:
         try:
             self.stub.Unregister(pb.UnregisterRequest(client_id=self.client_id), timeout=10)
         finally:
-            self.channel.close()
-            del self.kv
-            self.shm.close()
-            unlink_shm(self.name)
+            self.drop()
+
+    def drop(self) -> None:
+        """Goes away without unregistering: channel closed, pool unmapped and unlinked."""
+        self.channel.close()
+        del self.kv  # a numpy view pins the mapping: it must go before the mapping does
+        self.shm.close()
+        unlink_shm(self.name)
 
 
 def killed_mid_load(address: str, name: str, ready) -> None:

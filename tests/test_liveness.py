@@ -103,9 +103,7 @@ def test_client_without_session_lives_for_its_lease(daemon_factory):
         assert d.run(lambda: len(d.core.clients)) == 0
         assert d.run(lambda: d.core.reclaimed) == 1
     finally:
-        eng.channel.close()
-        eng.shm.close()
-        unlink_shm(name)
+        eng.drop()
 
 
 def test_new_session_within_grace_keeps_the_registration(daemon_factory):
@@ -125,9 +123,7 @@ def test_new_session_within_grace_keeps_the_registration(daemon_factory):
         time.sleep(0.8)
         assert d.run(lambda: len(d.core.clients)) == 0
     finally:
-        eng.channel.close()
-        eng.shm.close()
-        unlink_shm(name)
+        eng.drop()
 
 
 def test_unregister_ends_the_session(daemon):
@@ -135,6 +131,4 @@ def test_unregister_ends_the_session(daemon):
     eng = LightEngine(daemon.address, name)
     eng.stub.Unregister(pb.UnregisterRequest(client_id=eng.client_id), timeout=10)
     assert list(eng.session) == []  # the daemon closed the stream cleanly
-    eng.channel.close()
-    eng.shm.close()
-    unlink_shm(name)
+    eng.drop()
