@@ -48,6 +48,11 @@ class ClientBase:
     def _lost(self, reg: msg.Registration | None, reason: str) -> None:
         raise NotImplementedError
 
+    def _remember_device(self, pool, reg: msg.Registration) -> None:
+        """CUDA pools: the layer events are opened on the device the pool lives on."""
+        if reg.layer_events:
+            self._device = pool.buffers[0][0].device
+
     def _layer_events(self, reg: msg.Registration) -> LayerEvents:
         if self._events is None or self._events.handles is not reg.layer_events:
             self._events = LayerEvents(reg.layer_events, reg.end_layer - reg.start_layer, self._device)

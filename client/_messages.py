@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvclient.cuda_pool import CudaKVPool
 from kvclient.shm_pool import ShmKVPool
 from kvserver.layout import wire_dtype
 from kvserver.v1 import kvserver_pb2 as pb
@@ -38,7 +39,7 @@ def ids(values: Indices) -> list[int]:
 def register_request(
     *,
     model: str,
-    pool: ShmKVPool,
+    pool: ShmKVPool | CudaKVPool,
     start_layer: int,
     end_layer: int,
     num_layers: int,
@@ -48,6 +49,7 @@ def register_request(
     tp_size: int,
     pp_rank: int,
     pp_size: int,
+    event_slots: int = 0,
 ) -> pb.RegisterRequest:
     return pb.RegisterRequest(
         model=model,
@@ -63,6 +65,7 @@ def register_request(
         page_size=page_size,
         device_pool=pool.descriptor(),
         host_tokens=host_tokens,
+        event_slots=event_slots,
     )
 
 

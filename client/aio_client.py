@@ -144,12 +144,10 @@ class AsyncKVClient(ClientBase):
         req = msg.register_request(
             model=model, pool=pool, start_layer=start_layer, end_layer=end_layer,
             num_layers=num_layers, host_tokens=host_tokens, page_size=page_size,
-            tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
+            tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, event_slots=event_slots,
         )
-        req.event_slots = event_slots
         reg = msg.registration(await self._call(self._stub.Register, req), req)
-        if reg.layer_events:
-            self._device = pool.buffers[0][0].device
+        self._remember_device(pool, reg)
         self._request = req
         self._adopt(reg)
         return reg
