@@ -131,9 +131,16 @@ def test_shutdown_during_a_write_finishes_it_then_frees(daemon_factory):
 
         t = threading.Thread(target=write)
         t.start()
-        # Stop while the write is (very likely) in flight: it gets the grace period to finish.
+        # Stop while the write is in flight: it gets the grace period to finish.
         while d.run(lambda: d.core.copier.queued) == 0 and t.is_alive():
             pass
+
+        async def stop_now() -> int:
+            in_flight = d.core.copier.queued  # read on the loop, right as the shutdown begins
+            await d.daemon.stop()
+            return in_flight
+
+        assert d.call(stop_now()) == 1, "the write was not in flight when the shutdown began"
         d.stop()
         t.join(30)
         assert result.get("bytes") == TOKENS * LAYERS * 2 * 256
