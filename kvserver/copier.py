@@ -93,7 +93,7 @@ class Copier:
                     fut.result()  # raises the worker's error, if any
                 if not told_recorded and signal.recorded:
                     told_recorded = True
-                    yield LoadStep(-1, 0, 0, events_recorded=True)
+                    yield LoadStep(0, 0, 0, events_recorded=True)  # no layer yet: layers_done is 0
                 done = signal.layers_done
                 wait = self.progress_interval - (time.monotonic() - sent_at)
                 if done > sent and (done == total or wait <= 0):

@@ -147,7 +147,7 @@ class KVServicer(pb_grpc.KVServerServicer):
             total = len(job.local_layers)
             async for step in self.core.copier.load(job):
                 yield pb.LoadProgress(
-                    last_layer=max(step.last_layer, 0),
+                    last_layer=step.last_layer,
                     layers_done=step.layers_done,
                     done=step.layers_done == total,
                     bytes=step.bytes,
