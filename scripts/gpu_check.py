@@ -1,6 +1,7 @@
 """One-shot GPU check of the CUDA IPC path: correctness, per-layer events, bandwidth.
 
-Run on a machine with one CUDA GPU, from the repository root, in under 5 minutes:
+Run on a machine with one CUDA GPU, from the repository root (sized for under 5 minutes; not yet
+timed, since it has not run on a GPU):
 
     python scripts/gpu_check.py [--quick]
 
