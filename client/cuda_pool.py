@@ -9,32 +9,46 @@ from __future__ import annotations
 
 import torch
 
+from kvserver.cuda.devices import normalize_pci_bus_id
 from kvserver.cuda.handles import normalize_uuid, raw_ipc_handle
 from kvserver.errors import InvalidArgument
 from kvserver.layout import KVLayout
 from kvserver.v1 import kvserver_pb2 as pb
 
 
-def buffer_ref(share: tuple, tensor_offset_bytes: int, token_stride: int, device_uuid: str) -> pb.BufferRef:
+def buffer_ref(share: tuple, tensor_offset_bytes: int, token_stride: int, device_uuid: str,
+               pci_bus_id: str = "") -> pb.BufferRef:
     """A BufferRef from ``storage._share_cuda_()``'s tuple (device, handle, storage size, storage
-    offset in its allocation, ...) plus the tensor's own offset inside its storage.
+    offset in its allocation, ...) plus the tensor's own offset inside its storage. The handle
+    goes as the raw 64-byte cudaIpcMemHandle_t, whatever torch's prefix version.
 
     Raises ValueError for memory without a legacy IPC handle (expandable segments)."""
     _device, handle, storage_size, storage_offset = share[:4]
     try:
-        raw_ipc_handle(handle)
+        raw = raw_ipc_handle(bytes(handle))
+        pci = normalize_pci_bus_id(pci_bus_id)
     except InvalidArgument as exc:
         raise ValueError(str(exc)) from None
     return pb.BufferRef(
         cuda=pb.CudaIpcLocation(
-            ipc_handle=bytes(handle),
+            ipc_handle=raw,
             device_uuid=normalize_uuid(device_uuid),
             # The daemon may touch the storage and nothing past it.
             allocation_size=storage_offset + storage_size,
+            pci_bus_id=pci,
         ),
         offset=storage_offset + tensor_offset_bytes,
         token_stride=token_stride,
     )
+
+
+def device_identity(device: torch.device) -> tuple[str, str]:
+    """(UUID, PCI bus id) of a CUDA device, as the daemon finds it whatever its ordinals."""
+    props = torch.cuda.get_device_properties(device)
+    pci = ""
+    if all(hasattr(props, a) for a in ("pci_domain_id", "pci_bus_id", "pci_device_id")):
+        pci = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    return str(props.uuid), pci
 
 
 class CudaKVPool:
@@ -64,12 +78,13 @@ class CudaKVPool:
         for parts in self.buffers:
             layer = pb.LayerBuffers()
             for t in parts:
-                uuid = str(torch.cuda.get_device_properties(t.device).uuid)
+                uuid, pci = device_identity(t.device)
                 layer.parts.append(buffer_ref(
                     t.untyped_storage()._share_cuda_(),
                     t.storage_offset() * t.element_size(),
                     t.stride(0) * t.element_size(),
                     uuid,
+                    pci,
                 ))
             refs.append(layer)
         return pb.DevicePool(num_tokens=self.num_tokens, layers=refs)

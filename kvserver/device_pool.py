@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserver.cuda.devices import normalize_pci_bus_id
 from kvserver.cuda.handles import check_span, normalize_uuid, raw_ipc_handle
 from kvserver.cuda.runtime import require_cuda
 from kvserver.errors import InvalidArgument
@@ -102,6 +103,7 @@ def open_cuda(refs: list[pb.BufferRef], num_tokens: int, layout: KVLayout, kv_dt
         what = f"device_pool buffer {i}"
         raw_ipc_handle(r.cuda.ipc_handle)
         normalize_uuid(r.cuda.device_uuid)
+        normalize_pci_bus_id(r.cuda.pci_bus_id)
         check_span(r.offset, r.token_stride, num_tokens, token_bytes, r.cuda.allocation_size, what)
     cupy = require_cuda()
     from kvserver.cuda.pool import open_cuda_pool  # needs CuPy's runtime: imported only now

@@ -6,11 +6,13 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
+from fake_cupy import UUID_HEX, make_fake_cupy
 
 from kvclient import KVClient, KVClientError, KVLayout, ShmKVPool
 from kvclient._messages import register_request
 from kvclient.cuda_pool import buffer_ref
 from kvserver.cuda import plan
+from kvserver.cuda.devices import normalize_pci_bus_id, ordinal_for
 from kvserver.cuda.handles import check_span, normalize_uuid, raw_ipc_handle, uuid_from_bytes
 from kvserver.cuda.runtime import _probe
 from kvserver.errors import InvalidArgument
@@ -23,12 +25,49 @@ UUID = "GPU-1a2b3c4d-5e6f-7a8b-9c0d-112233445566"
 
 def test_raw_handle_forms():
     assert raw_ipc_handle(HANDLE) == HANDLE
-    assert raw_ipc_handle(b"\x02c" + HANDLE) == HANDLE  # torch's versioned cudaMalloc handle
-    with pytest.raises(InvalidArgument, match="expandable_segments:False"):
-        raw_ipc_handle(b"\x02e" + b"\0" * 40)  # torch's expandable-segment form
-    for bad in (b"", HANDLE[:63], HANDLE + b"\0", b"\x03c" + HANDLE):
+    for version in (1, 2, 3):  # torch's versioned cudaMalloc handle: 2 up to torch 2.12, 3 from 2.13
+        assert raw_ipc_handle(bytes([version]) + b"c" + HANDLE) == HANDLE
+    for version in (2, 3):
+        with pytest.raises(InvalidArgument, match="expandable_segments:False"):
+            raw_ipc_handle(bytes([version]) + b"e" + b"\0" * 40)  # torch's expandable-segment form
+    with pytest.raises(InvalidArgument, match="version 9, which this daemon does not know"):
+        raw_ipc_handle(b"\x09c" + HANDLE)
+    for bad in (b"", HANDLE[:63], HANDLE + b"\0", b"\x02c" + HANDLE[:63], b"\x02x" + HANDLE):
         with pytest.raises(InvalidArgument, match="64-byte"):
             raw_ipc_handle(bad)
+
+
+def test_pci_bus_id_spellings():
+    assert normalize_pci_bus_id("0000:3B:00.0") == "00000000:3b:00.0"
+    assert normalize_pci_bus_id("00000000:3b:00.0") == "00000000:3b:00.0"
+    assert normalize_pci_bus_id("") == ""
+    for bad in ("3b:00.0", "0000:3b:00", "0000:3b:00.8", "GPU-0"):
+        with pytest.raises(InvalidArgument, match="not a PCI bus id"):
+            normalize_pci_bus_id(bad)
+
+
+@pytest.mark.parametrize("uuid_bytes", [
+    bytes.fromhex(UUID_HEX),  # what CUDA fills in
+    bytes.fromhex(UUID_HEX) + b"\x7f\x01",  # no zero byte: the C string ran on into the next field
+])
+def test_device_found_by_uuid(uuid_bytes):
+    cupy = make_fake_cupy()
+    cupy.cuda.runtime.uuid_bytes = uuid_bytes
+    assert ordinal_for(cupy, UUID) == 0
+    assert ordinal_for(cupy, UUID.upper()[4:], "0000:3b:00.0") == 0
+    with pytest.raises(InvalidArgument, match="is not visible to the daemon"):
+        ordinal_for(cupy, "GPU-ffffffff-5e6f-7a8b-9c0d-112233445566")
+
+
+def test_device_with_a_cut_uuid_found_by_pci_bus_id():
+    """CuPy hands cudaUUID_t over as a C string, cut at its first zero byte."""
+    cupy = make_fake_cupy()
+    cupy.cuda.runtime.uuid_bytes = bytes.fromhex(UUID_HEX)[:5]
+    assert ordinal_for(cupy, UUID, "0000:3B:00.0") == 0
+    with pytest.raises(InvalidArgument, match="no full UUIDs"):
+        ordinal_for(cupy, UUID)
+    with pytest.raises(InvalidArgument, match="at 00000000:3c:00.0 is not visible"):
+        ordinal_for(cupy, UUID, "0000:3c:00.0")
 
 
 def test_uuid_spellings():
@@ -66,23 +105,27 @@ def test_kernel_launch_shape():
 
 def test_client_export_from_a_share_tuple():
     # What storage._share_cuda_() returns: device, handle, storage size, offset in the allocation, ...
-    share = (0, b"\x02c" + HANDLE, 1 << 20, 3 << 20, b"ref", 0, b"event", False)
-    ref = buffer_ref(share, tensor_offset_bytes=512, token_stride=256, device_uuid=UUID.upper())
-    assert ref.cuda.ipc_handle == b"\x02c" + HANDLE
-    assert ref.cuda.device_uuid == UUID
-    assert ref.offset == (3 << 20) + 512
-    assert ref.cuda.allocation_size == (4 << 20)
-    assert ref.token_stride == 256
+    for handle in (b"\x02c" + HANDLE, b"\x03c" + HANDLE, HANDLE):
+        share = (0, handle, 1 << 20, 3 << 20, b"ref", 0, b"event", False)
+        ref = buffer_ref(share, tensor_offset_bytes=512, token_stride=256, device_uuid=UUID.upper(),
+                         pci_bus_id="0000:3B:00.0")
+        assert ref.cuda.ipc_handle == HANDLE  # raw, whatever torch's prefix version
+        assert ref.cuda.device_uuid == UUID
+        assert ref.cuda.pci_bus_id == "00000000:3b:00.0"
+        assert ref.offset == (3 << 20) + 512
+        assert ref.cuda.allocation_size == (4 << 20)
+        assert ref.token_stride == 256
     with pytest.raises(ValueError, match="expandable"):
         buffer_ref((0, b"\x02e" + b"\0" * 30, 1 << 20, 0), 0, 256, UUID)
 
 
-def cuda_register_request(handle: bytes = HANDLE, uuid: str = UUID, allocation_size: int = 1 << 20):
+def cuda_register_request(handle: bytes = HANDLE, uuid: str = UUID, allocation_size: int = 1 << 20,
+                          pci_bus_id: str = ""):
     layout = KVLayout.mha(2, 64)  # 256 B per token
     pool = pb.DevicePool(num_tokens=1024, layers=[
         pb.LayerBuffers(parts=[
             pb.BufferRef(cuda=pb.CudaIpcLocation(ipc_handle=handle, device_uuid=uuid,
-                                                 allocation_size=allocation_size),
+                                                 allocation_size=allocation_size, pci_bus_id=pci_bus_id),
                          offset=part * (256 << 10), token_stride=256)
             for part in range(2)
         ])
@@ -122,6 +165,7 @@ def test_daemon_without_gpu_refuses_cuda_pools_and_keeps_serving_shm(daemon):
     ({"handle": b"\x02e" + b"\0" * 40}, "expandable_segments:False"),
     ({"handle": HANDLE[:10]}, "64-byte"),
     ({"uuid": "3"}, "not a GPU UUID"),
+    ({"pci_bus_id": "3b:00"}, "not a PCI bus id"),
     ({"allocation_size": 4096}, "the allocation is 4096 bytes"),
 ])
 def test_bad_cuda_descriptions_are_invalid_on_any_daemon(daemon, kwargs, text):

@@ -1,41 +1,65 @@
-"""Devices by UUID: the engine's ordinal means nothing in the daemon's process."""
+"""Devices by UUID or PCI bus id: the engine's ordinal means nothing in the daemon's process.
+
+CuPy reports a device's UUID through ``getDeviceProperties``, which hands the 16-byte
+``cudaUUID_t`` to Python as a C string: it ends at the first zero byte, so some devices' UUIDs
+arrive short (and one without a zero byte may run on into the next field: its first 16 bytes are
+the UUID). Short ones are left out of the UUID table, and the PCI bus id the client sends as well
+(``deviceGetPCIBusId`` is exact) finds those devices.
+"""
 
 from __future__ import annotations
 
 import functools
+import logging
+import re
 
 from kvserver.cuda.handles import normalize_uuid, uuid_from_bytes
 from kvserver.errors import InvalidArgument
 
-CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
+logger = logging.getLogger(__name__)
+
+UUID_BYTES = 16
+_PCI = re.compile(r"([0-9a-fA-F]{4,8}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])")
+
+
+def normalize_pci_bus_id(text: str) -> str:
+    """'0000:3B:00.0' (domain:bus:device.function) lowercased, domain as 8 hex digits as CUDA
+    prints it; empty stays empty."""
+    if not text:
+        return ""
+    m = _PCI.fullmatch(text.strip())
+    if not m:
+        raise InvalidArgument(f"pci_bus_id {text[:40]!r} is not a PCI bus id like 0000:3b:00.0")
+    domain, bus, device, function = m.groups()
+    return f"{int(domain, 16):08x}:{bus.lower()}:{device.lower()}.{function}"
 
 
 @functools.cache
-def uuid_to_ordinal(cupy) -> dict[str, int]:
+def device_table(cupy) -> tuple[dict[str, int], dict[str, int]]:
+    """(UUID -> ordinal, PCI bus id -> ordinal) for the devices the daemon sees."""
     rt = cupy.cuda.runtime
-    out = {}
+    by_uuid, by_pci = {}, {}
     for i in range(rt.getDeviceCount()):
-        props = rt.getDeviceProperties(i)
-        if "uuid" in props:
-            out[uuid_from_bytes(bytes(props["uuid"]))] = i
-        else:  # CuPy builds without the field: torch reports the same UUID
-            import torch
-
-            out[normalize_uuid(str(torch.cuda.get_device_properties(i).uuid))] = i
-    return out
+        raw = rt.getDeviceProperties(i).get("uuid", b"")
+        if isinstance(raw, bytes | bytearray) and len(raw) >= UUID_BYTES:
+            by_uuid[uuid_from_bytes(bytes(raw[:UUID_BYTES]))] = i
+        else:
+            logger.info("device %d: CuPy gives no full UUID; it is found by PCI bus id", i)
+        by_pci[normalize_pci_bus_id(rt.deviceGetPCIBusId(i))] = i
+    return by_uuid, by_pci
 
 
 def ordinal_for(cupy, device_uuid: str, pci_bus_id: str = "") -> int:
+    """The daemon's ordinal of the engine's device: by UUID, else by PCI bus id."""
     uuid = normalize_uuid(device_uuid)
-    table = uuid_to_ordinal(cupy)
-    if uuid in table:
-        return table[uuid]
-    if pci_bus_id:
-        try:
-            return cupy.cuda.runtime.deviceGetByPCIBusId(pci_bus_id)
-        except Exception:
-            pass
+    pci = normalize_pci_bus_id(pci_bus_id)
+    by_uuid, by_pci = device_table(cupy)
+    if uuid in by_uuid:
+        return by_uuid[uuid]
+    if pci in by_pci:
+        return by_pci[pci]
     raise InvalidArgument(
-        f"device {uuid} is not visible to the daemon (it sees {sorted(table)}): give the daemon "
-        "access to every GPU its engines use"
+        f"device {uuid}{f' at {pci}' if pci else ''} is not visible to the daemon (it sees "
+        f"{sorted(by_uuid) or 'no full UUIDs'} at {sorted(by_pci)}): give the daemon access to every "
+        "GPU its engines use"
     )

@@ -13,9 +13,11 @@ import re
 from kvserver.errors import InvalidArgument
 
 IPC_HANDLE_BYTES = 64
-# torch >= 2.5 prefixes its handles with a version byte (2) and a kind byte:
-# b"c" for cudaMalloc memory (64-byte cudaIpcMemHandle_t follows), b"e" for expandable segments.
-TORCH_HANDLE_VERSION = 2
+# torch >= 2.5 prefixes its handles with a version byte and a kind byte: b"c" for cudaMalloc memory
+# (the 64-byte cudaIpcMemHandle_t follows), b"e" for expandable segments. The version is 2 up to
+# torch 2.12 (1 in allocators forked from earlier releases) and 3 from 2.13; the b"c" payload is
+# the same in all of them.
+TORCH_HANDLE_VERSIONS = frozenset({1, 2, 3})
 EXPANDABLE_HINT = (
     "the KV pool was allocated from PyTorch expandable segments (VMM memory), which has no CUDA IPC "
     "handle: allocate the pool with expandable segments off, e.g. "
@@ -30,12 +32,16 @@ def raw_ipc_handle(handle: bytes) -> bytes:
     """The 64-byte cudaIpcMemHandle_t inside a raw or torch-prefixed handle."""
     if len(handle) == IPC_HANDLE_BYTES:
         return handle
-    if len(handle) >= 2 and handle[0] == TORCH_HANDLE_VERSION:
-        kind = handle[1:2]
-        if kind == b"e":
-            raise InvalidArgument(EXPANDABLE_HINT)
-        if kind == b"c" and len(handle) == IPC_HANDLE_BYTES + 2:
-            return handle[2:]
+    if len(handle) >= 2 and handle[1:2] == b"e":
+        raise InvalidArgument(EXPANDABLE_HINT)
+    if len(handle) == IPC_HANDLE_BYTES + 2 and handle[1:2] == b"c":
+        if handle[0] not in TORCH_HANDLE_VERSIONS:
+            raise InvalidArgument(
+                f"ipc_handle has torch handle version {handle[0]}, which this daemon does not know: "
+                f"send the raw 64-byte cudaIpcMemHandle_t (versions {sorted(TORCH_HANDLE_VERSIONS)} "
+                "are read)"
+            )
+        return handle[2:]
     raise InvalidArgument(
         f"ipc_handle must be a 64-byte cudaIpcMemHandle_t (or torch's 66-byte form), got {len(handle)} bytes"
     )
