@@ -1,7 +1,8 @@
 """A stand-in for CuPy on a machine without a GPU, for testing the daemon's CUDA path logic.
 
 "Device memory" is host memory (numpy buffers), so every copy the daemon plans through IPC
-pointers, the copy kernel or DMA really moves bytes and can be checked bit for bit. Every runtime
+pointers, the copy kernel or DMA really moves bytes and can be checked bit for bit. The kernel is
+the daemon's own CUDA source built for the CPU (tests/kernel_host.py). Every runtime
 call is logged in order, so event ordering and the release of every resource can be checked too.
 What it cannot show (real IPC, pinning, kernel speed) is for scripts/gpu_check.py on a GPU.
 """
@@ -13,15 +14,19 @@ import ctypes
 import types
 
 import numpy as np
+from kernel_host import HostKernel
 
 UUID_HEX = "1a2b3c4d5e6f7a8b9c0d112233445566"
 UUID = "GPU-1a2b3c4d-5e6f-7a8b-9c0d-112233445566"
+PCI_BUS_ID = "0000:3B:00.0"  # as cudaDeviceGetPCIBusId spells it
 
 
 class FakeRuntime:
     def __init__(self) -> None:
         self.calls: list[tuple] = []
         self.allocations: dict[bytes, np.ndarray] = {}
+        self.current_stream: list[int] = [0]
+        self.uuid_bytes = bytes.fromhex(UUID_HEX)
         self._next = 1
 
     def _id(self) -> int:
@@ -39,10 +44,10 @@ class FakeRuntime:
         return 1
 
     def getDeviceProperties(self, i):
-        return {"uuid": bytes.fromhex(UUID_HEX)}
+        return {"uuid": self.uuid_bytes}
 
-    def deviceGetByPCIBusId(self, bus):
-        raise RuntimeError("no such bus")
+    def deviceGetPCIBusId(self, i):
+        return PCI_BUS_ID
 
     def ipcOpenMemHandle(self, handle, flags=1):
         self.calls.append(("ipcOpenMemHandle", handle))
@@ -60,12 +65,6 @@ class FakeRuntime:
     def pointerGetAttributes(self, ptr):
         return types.SimpleNamespace(devicePointer=ptr)  # UVA: the host address works on the device
 
-    def streamCreateWithFlags(self, flags):
-        return self._id()
-
-    def streamDestroy(self, stream):
-        self.calls.append(("streamDestroy", stream))
-
     def streamSynchronize(self, stream):
         self.calls.append(("streamSynchronize", stream))
 
@@ -73,6 +72,7 @@ class FakeRuntime:
         self.calls.append(("streamWaitEvent", event))
 
     def eventCreateWithFlags(self, flags):
+        self.calls.append(("eventCreateWithFlags", flags))
         return self._id()
 
     def eventDestroy(self, event):
@@ -92,21 +92,46 @@ class FakeRuntime:
         self.calls.append(("eventSynchronize", event))
 
     def memcpyAsync(self, dst, src, size, kind, stream):
-        self.calls.append(("memcpyAsync", size))
+        self.calls.append(("memcpyAsync", size, stream))
         ctypes.memmove(dst, src, size)
 
 
-class FakeKernel:
-    def __init__(self, runtime: FakeRuntime) -> None:
+class FakeStream:
+    """cupy.cuda.Stream: a handle, and the current stream inside ``with``."""
+
+    def __init__(self, runtime: FakeRuntime, non_blocking: bool = False) -> None:
+        self.runtime = runtime
+        self.ptr = runtime._id()
+        self.non_blocking = non_blocking
+        runtime.calls.append(("Stream", self.ptr, non_blocking))
+
+    def __enter__(self) -> FakeStream:
+        self.runtime.current_stream.append(self.ptr)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.runtime.current_stream.pop()
+
+
+class RecordingKernel(HostKernel):
+    """The real kernel source built for the CPU (tests/kernel_host.py), launches logged."""
+
+    def __init__(self, runtime: FakeRuntime, source: str, name: str) -> None:
+        super().__init__(source, name)
         self.runtime = runtime
 
     def __call__(self, grid, block, args):
-        dst_bases, src_bases, count, dst_off, src_off, n, words = args
-        self.runtime.calls.append(("kernel", int(count), int(n)))
-        for b in range(int(count)):
-            for r in range(int(n)):
-                ctypes.memmove(int(dst_bases[b]) + int(dst_off[r]), int(src_bases[b]) + int(src_off[r]),
-                               int(words) * 8)
+        _, _, count, _, _, n, _ = args
+        self.runtime.calls.append(("kernel", int(count), int(n), self.runtime.current_stream[-1]))
+        super().__call__(grid, block, args)
+
+
+class FakeMemoryPool:
+    def __init__(self, runtime: FakeRuntime) -> None:
+        self.runtime = runtime
+
+    def free_all_blocks(self, stream=None):
+        self.runtime.calls.append(("free_all_blocks", None if stream is None else stream.ptr))
 
 
 class FakeCupy:
@@ -114,14 +139,16 @@ class FakeCupy:
 
     def __init__(self) -> None:
         runtime = FakeRuntime()
+        pool = FakeMemoryPool(runtime)
         self.cuda = types.SimpleNamespace(
             runtime=runtime,
             Device=lambda ordinal: contextlib.nullcontext(),
-            ExternalStream=lambda ptr: contextlib.nullcontext(),
+            Stream=lambda non_blocking=False: FakeStream(runtime, non_blocking),
             is_available=lambda: True,
         )
-        self.asarray = np.asarray
-        self.RawKernel = lambda source, name: FakeKernel(runtime)
+        self.asarray = lambda a: np.ascontiguousarray(a)
+        self.get_default_memory_pool = lambda: pool
+        self.RawKernel = lambda source, name: RecordingKernel(runtime, source, name)
 
 
 def make_fake_cupy() -> FakeCupy:

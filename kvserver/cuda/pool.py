@@ -5,7 +5,8 @@ that exports it) and closed with its last user; the client's host region is regi
 cudaHostRegister (Portable | Mapped, chunks of at most 64 GiB) so the copy kernel reads and
 writes it directly; a non-blocking stream and ``event_slots x layers`` interprocess events are
 created. ``close`` waits for the stream and releases all of it: a dead engine's memory is not
-held by the daemon.
+held by the daemon. The stream is CuPy's own (``cupy.cuda.Stream``), so kernels, the uploads of
+their offset tables and the DMA all run on it, on CuPy 13 and 14 alike.
 
 Ordering is on the GPU: a write waits on the engine's ready event before reading its slots; a
 load records one event per layer, which the engine's compute stream waits on.
@@ -31,8 +32,9 @@ logger = logging.getLogger(__name__)
 
 HOST_REGISTER_FLAGS = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 HOST_REGISTER_CHUNK = 64 << 30  # one cudaHostRegister of 512 GiB or more fails on r580+ drivers
-EVENT_FLAGS = 2 | 4  # cudaEventDisableTiming | cudaEventInterprocess
-STREAM_NON_BLOCKING = 1
+# cudaEventBlockingSync | cudaEventDisableTiming | cudaEventInterprocess: the copy thread sleeps
+# in eventSynchronize instead of spinning a core for the length of every load.
+EVENT_FLAGS = 1 | 2 | 4
 MEMCPY_DEFAULT = 4
 DEFAULT_EVENT_SLOTS = 3
 MAX_EVENT_SLOTS = 16
@@ -71,7 +73,7 @@ class CudaDevicePool:
     parts: int
     token_bases: np.ndarray  # uint64 [layers, parts]: device address of token 0
     handles: list[bytes]
-    stream: int = 0
+    stream: object = None  # cupy.cuda.Stream, non-blocking
     events: list[int] = field(default_factory=list)  # [slot * layers + layer]
     event_handles: list[bytes] = field(default_factory=list)
     event_slots: int = DEFAULT_EVENT_SLOTS
@@ -111,7 +113,7 @@ class CudaDevicePool:
                 rt.hostRegister(host_ptr + start, size, HOST_REGISTER_FLAGS)
                 self.pinned.append(host_ptr + start)
             self.host_to_device = rt.pointerGetAttributes(host_ptr).devicePointer - host_ptr
-            self.stream = rt.streamCreateWithFlags(STREAM_NON_BLOCKING)
+            self.stream = self.cupy.cuda.Stream(non_blocking=True)
             for _ in range(self.event_slots * num_layers):
                 event = rt.eventCreateWithFlags(EVENT_FLAGS)
                 self.events.append(event)
@@ -120,19 +122,20 @@ class CudaDevicePool:
     def close(self) -> None:
         rt = self.cupy.cuda.runtime
         with self.device():
-            if self.stream:
-                rt.streamSynchronize(self.stream)
+            if self.stream is not None:
+                rt.streamSynchronize(self.stream.ptr)
             for event in self.events:
                 rt.eventDestroy(event)
             for event in self.opened_events.values():
                 rt.eventDestroy(event)
             for ptr in self.pinned:
                 rt.hostUnregister(ptr)
-            if self.stream:
-                rt.streamDestroy(self.stream)
             for handle in self.handles:
                 _close_allocation(rt, self.ordinal, handle)
-        self.events, self.opened_events, self.pinned, self.handles, self.stream = [], {}, [], [], 0
+            if self.stream is not None:  # the offset tables' blocks cached for this stream
+                self.cupy.get_default_memory_pool().free_all_blocks(stream=self.stream)
+            # CuPy destroys its stream with the last reference, which is this one.
+            self.events, self.opened_events, self.pinned, self.handles, self.stream = [], {}, [], [], None
 
     # ---- copies ---------------------------------------------------------------------------
 
@@ -142,7 +145,7 @@ class CudaDevicePool:
         event = self.opened_events.get(event_handle)
         if event is None:
             event = self.opened_events[event_handle] = rt.ipcOpenEventHandle(event_handle)
-        rt.streamWaitEvent(self.stream, event, 0)
+        rt.streamWaitEvent(self.stream.ptr, event, 0)
 
     def run(self, copy_plan, layers: np.ndarray, host_table, to_device: bool, signal,
             ready_event: bytes = b"", event_slot: int = 0) -> None:
@@ -151,7 +154,8 @@ class CudaDevicePool:
         cp = self.cupy
         rt = cp.cuda.runtime
         num_layers = self.token_bases.shape[0]
-        with self.device(), cp.cuda.ExternalStream(self.stream):
+        stream = self.stream.ptr
+        with self.device(), self.stream:
             if ready_event:
                 self._wait_on(ready_event)
             if copy_plan.device_paged:
@@ -167,13 +171,13 @@ class CudaDevicePool:
                 copier = self._copier(host_bases, host_off, dev_bases, dev_off, row_bytes)
             if signal is None:  # a write: every layer at once, then wait for it
                 copier(slice(None))
-                rt.streamSynchronize(self.stream)
+                rt.streamSynchronize(stream)
                 return
             events = []
             for i, layer in enumerate(layers.tolist()):
                 copier(slice(i, i + 1))
                 event = self.events[event_slot * num_layers + layer]
-                rt.eventRecord(event, self.stream)
+                rt.eventRecord(event, stream)
                 events.append(event)
             signal.mark_recorded()
             for i, event in enumerate(events):
@@ -207,13 +211,13 @@ class CudaDevicePool:
 
             return launch
         pairs = list(zip(dst_off.tolist(), src_off.tolist(), strict=True))
-        rt = cp.cuda.runtime
+        rt, stream = cp.cuda.runtime, self.stream.ptr
 
         def dma(layers: slice) -> None:
             for db, sb in zip(dst_bases[layers].reshape(-1).tolist(), src_bases[layers].reshape(-1).tolist(),
                               strict=True):
                 for d, s in pairs:
-                    rt.memcpyAsync(db + d, sb + s, row_bytes, MEMCPY_DEFAULT, self.stream)
+                    rt.memcpyAsync(db + d, sb + s, row_bytes, MEMCPY_DEFAULT, stream)
 
         return dma
 
@@ -223,10 +227,11 @@ def open_cuda_pool(cupy, refs: list[pb.BufferRef], num_tokens: int, token_bytes:
     """Checks, then opens every allocation of the pool once on the engine's device."""
     if not 0 <= event_slots <= MAX_EVENT_SLOTS:
         raise InvalidArgument(f"event_slots must be at most {MAX_EVENT_SLOTS}, got {event_slots}")
-    uuids = {r.cuda.device_uuid for r in refs}
-    ordinal = ordinal_for(cupy, refs[0].cuda.device_uuid, refs[0].cuda.pci_bus_id)
-    if len({ordinal_for(cupy, u) for u in uuids}) != 1:
+    devices = {(r.cuda.device_uuid, r.cuda.pci_bus_id) for r in refs}
+    ordinals = {ordinal_for(cupy, uuid, pci) for uuid, pci in devices}
+    if len(ordinals) != 1:
         raise InvalidArgument("every buffer of a CUDA pool must live on one device")
+    ordinal = ordinals.pop()
     strides = {r.token_stride for r in refs}
     if len(strides) != 1:
         raise InvalidArgument("every buffer of a CUDA pool must have the same token_stride")
