@@ -6,6 +6,7 @@ locks. Checked requests become ``Job``s that ``copier.Copier`` runs.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -37,21 +38,67 @@ class KVCore:
         self.max_clients = max_clients
         self.max_request_indices = max_request_indices
         self.clients: dict[str, ClientState] = {}
+        self._registering = 0  # registrations under way (they may await worker threads)
+        self._in_threads = 0  # registrations and CUDA pool closes in worker threads
+        self._thread_done = asyncio.Event()  # set whenever one of those ends
         self.reclaimed = 0  # clients reclaimed by liveness
         self.totals = Counters()  # transfers of clients already gone
         self.copier = Copier(copy_threads, progress_interval)
 
     # ---- registration -------------------------------------------------------------------
 
-    def register(self, req: pb.RegisterRequest) -> ClientState:
+    async def register(self, req: pb.RegisterRequest) -> ClientState:
+        """Opens the engine's pool and gives it a host region. Opening a CUDA pool (CuPy's first
+        import, a CUDA context, IPC mappings) and pinning its region take seconds for large
+        regions: they run in a worker thread so the loop keeps serving everyone else."""
         spec = ClientSpec.from_request(req)
-        if len(self.clients) >= self.max_clients:
+        if len(self.clients) + self._registering >= self.max_clients:
             raise NoCapacity(f"client limit reached: {self.max_clients} clients are registered")
         if req.host_tokens == 0:
             raise InvalidArgument("host_tokens must be at least one page")
-        device = open_pool(
-            req.device_pool, spec.layout, spec.dtype, len(spec.layers), spec.page_size, req.event_slots
-        )
+        self._registering += 1
+        try:
+            return await self._register(req, spec)
+        finally:
+            self._registering -= 1
+
+    async def _in_thread(self, fn, *args, undo=None):
+        """``fn(*args)`` in a worker thread; ``close`` waits for it, since it may use the arena.
+        If the caller is cancelled (its RPC ended), the thread still finishes first, and what it
+        returned is handed to ``undo``, so nothing it opened is left behind."""
+        self._in_threads += 1
+        work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            try:
+                result = await work
+            except Exception:
+                raise asyncio.CancelledError from None
+            if undo is not None:
+                await asyncio.to_thread(undo, result)
+            raise
+        finally:
+            self._in_threads -= 1
+            self._thread_done.set()
+
+    async def _close_device(self, device, in_thread: bool) -> None:
+        if in_thread:  # a CUDA pool's close waits on its stream and unpins its region
+            await self._in_thread(device.close)
+        else:
+            device.close()
+
+    async def _register(self, req: pb.RegisterRequest, spec: ClientSpec) -> ClientState:
+        def open_device():
+            return open_pool(req.device_pool, spec.layout, spec.dtype, len(spec.layers), spec.page_size,
+                             req.event_slots)
+
+        is_cuda = any(p.WhichOneof("location") == "cuda"
+                      for layer in req.device_pool.layers for p in layer.parts)
+        if is_cuda:
+            device = await self._in_thread(open_device, undo=lambda d: d.close())
+        else:
+            device = open_device()
         try:
             page_bytes = spec.page_bytes
             want_pages = -(-req.host_tokens // spec.page_size)
@@ -63,13 +110,14 @@ class KVCore:
                 )
             offset = self.arena.reserve(num_pages * page_bytes)
         except BaseException:
-            device.close()
+            await self._close_device(device, is_cuda)
             raise
-        if device.kind == "cuda":
+        if is_cuda:
             try:
-                device.attach_host(self.arena.address + offset, num_pages * page_bytes, len(spec.layers))
+                await self._in_thread(device.attach_host, self.arena.address + offset, num_pages * page_bytes,
+                                      len(spec.layers))
             except BaseException:
-                device.close()
+                await self._close_device(device, is_cuda)
                 self.arena.release(offset, num_pages * page_bytes)
                 raise
         host_views = self._host_views(spec, device.dtype, offset, num_pages)
@@ -129,7 +177,7 @@ class KVCore:
         self.totals.add(client.counters)
         client.host_views = []
         try:
-            client.device.close()
+            await self._close_device(client.device, client.device.kind == "cuda")
         except Exception:
             logger.exception("closing the device pool of %s failed; releasing its host memory anyway",
                              client_id)
@@ -222,6 +270,9 @@ class KVCore:
     # ---- lifecycle ------------------------------------------------------------------------
 
     async def close(self) -> None:
+        while self._in_threads:  # a registration or a pool close in a worker thread uses the arena
+            self._thread_done.clear()
+            await self._thread_done.wait()
         for client_id in list(self.clients):
             await self.unregister(client_id)
         self.copier.shutdown()

@@ -101,7 +101,7 @@ class KVServicer(pb_grpc.KVServerServicer):
 
     @_abort_on_error
     async def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
-        client = self.core.register(request)
+        client = await self.core.register(request)
         spec = client.spec
         return pb.RegisterResponse(
             client_id=client.client_id,

@@ -72,6 +72,9 @@ def test_cuda_round_trip_events_and_release(daemon, fake, page_size, path, token
         stub = pb_grpc.KVServerStub(ch)
         reg = register(stub, refs, heads, head_dim, page_size)
         assert len(reg.layer_events) == 2 * LAYERS
+        create_calls = list(rt.calls)
+        # Interprocess layer events whose waits sleep: BlockingSync | DisableTiming | Interprocess.
+        assert [c[1] for c in create_calls if c[0] == "eventCreateWithFlags"] == [1 | 2 | 4] * (2 * LAYERS)
         host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=128)).host_indices)
         pages = rng.permutation(TOKENS // page_size)[: 128 // page_size]
         dev = (pages[:, None] * page_size + np.arange(page_size)).reshape(-1).tolist()
@@ -86,6 +89,10 @@ def test_cuda_round_trip_events_and_release(daemon, fake, page_size, path, token
         names = [c[0] for c in rt.calls]
         assert names.index("streamWaitEvent") < names.index(path), "copied before the engine was ready"
         assert names[-1] == "streamSynchronize"
+        # Every copy on the registration's own non-blocking stream, never the legacy default one.
+        stream = next(c for c in rt.calls if c[0] == "streamSynchronize")[1]
+        assert stream != 0 and ("Stream", stream, True) in create_calls
+        assert all(c[-1] == stream for c in rt.calls if c[0] in ("kernel", "memcpyAsync"))
         kv[:] = 0
 
         rt.calls.clear()
@@ -109,7 +116,7 @@ def test_cuda_round_trip_events_and_release(daemon, fake, page_size, path, token
         names = [c[0] for c in rt.calls]
         assert names.count("eventDestroy") == 2 * LAYERS + 1  # its layer events + the opened ready event
         assert names.count("hostUnregister") == 1 and names.count("ipcCloseMemHandle") == 1
-        assert "streamDestroy" in names and names.index("streamSynchronize") < names.index("streamDestroy")
+        assert names[0] == "streamSynchronize" and ("free_all_blocks", stream) in rt.calls
 
 
 def test_allocation_opened_once_for_two_clients(daemon, fake):
@@ -148,6 +155,68 @@ def test_cuda_request_checks(daemon, fake):
             register(stub, refs, 2, 64, 16)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "not visible to the daemon" in err.value.details()
+
+
+def slow_host_register(rt, monkeypatch, seconds: float):
+    """hostRegister that takes ``seconds``, as pinning tens of GiB does."""
+    import time
+
+    real = rt.hostRegister
+
+    def slow(ptr, size, flags):
+        time.sleep(seconds)
+        real(ptr, size, flags)
+
+    monkeypatch.setattr(rt, "hostRegister", slow)
+
+
+def test_pinning_runs_off_the_event_loop(daemon, fake, monkeypatch):
+    """While one engine's region is being pinned, the daemon answers everyone else at once."""
+    import threading
+    import time
+
+    slow_host_register(fake.cuda.runtime, monkeypatch, 1.5)
+    refs, _, _ = cuda_pool(fake, 2, 64)
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault("reg", register(stub, refs, 2, 64, 16)))
+        t.start()
+        time.sleep(0.3)  # the registration is now pinning
+        t0 = time.monotonic()
+        assert stub.Stats(pb.StatsRequest(), timeout=10).num_clients == 0
+        assert time.monotonic() - t0 < 0.5, "the event loop was blocked by the registration"
+        t.join(10)
+        assert result["reg"].client_id and stub.Stats(pb.StatsRequest()).num_clients == 1
+
+
+def test_registration_given_up_by_its_engine_leaves_nothing(daemon, fake, monkeypatch):
+    """An engine whose Register deadline passes while its region is pinned: the daemon finishes
+    the pin, then releases the pin, the IPC mapping and the host region, and holds no client."""
+    import time
+
+    rt = fake.cuda.runtime
+    slow_host_register(rt, monkeypatch, 1.0)
+    refs, _, _ = cuda_pool(fake, 2, 64)
+    free_before = daemon.core.arena.largest_free()
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Register(pb.RegisterRequest(
+                model="gpu", start_layer=8, end_layer=8 + LAYERS, num_layers=16,
+                layout=pb.KVLayout(mha=pb.MHALayout(num_heads=2, head_dim=64)), dtype=pb.DTYPE_FLOAT16,
+                page_size=16, device_pool=refs, host_tokens=TOKENS, event_slots=2,
+            ), timeout=0.3)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = time.monotonic() + 5
+        while "hostUnregister" not in [c[0] for c in rt.calls] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        names = [c[0] for c in rt.calls]
+        assert names.count("ipcOpenMemHandle") == names.count("ipcCloseMemHandle") == 1
+        assert names.count("hostRegister") == names.count("hostUnregister") == 1
+        assert stub.Stats(pb.StatsRequest()).num_clients == 0
+        assert daemon.core.arena.largest_free() == free_before
 
 
 class DescribedPool:
