@@ -13,17 +13,22 @@ are torch CUDA tensors, and checks:
    correctly, while the last layer's event has not completed yet;
 3. host <-> device bandwidth through the daemon for scattered pages of 1, 16 and 64 tokens,
    against a contiguous pinned cudaMemcpy of the same bytes measured in the same run.
-It prints one JSON document and exits non-zero if a check failed. Needs torch with CUDA, CuPy
-(cupy-cuda12x or cupy-cuda13x) with NVRTC, grpcio, protobuf, uvloop, grpcio-reflection and
-grpcio-health-checking; the repository is used from the source tree (PYTHONPATH).
+It prints one JSON document and exits non-zero if a check failed. ``--preflight`` runs only
+what needs no GPU (imports from this tree, daemon start and health) and is tested on CPU.
+Needs torch with CUDA, CuPy (cupy-cuda12x or cupy-cuda13x) with NVRTC, grpcio, protobuf, uvloop,
+grpcio-reflection and grpcio-health-checking; kvserver and kvclient come from this source tree,
+installed or not.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import importlib.util
 import json
 import multiprocessing as mp
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,8 +36,24 @@ import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+
+def _use_source_tree() -> None:
+    """kvserver and kvclient from this tree, installed or not: kvclient's sources live in client/,
+    so a bare tree (as on a lent GPU machine) reaches them through a symlink named kvclient. Spawned
+    engines inherit sys.path, and with it the link."""
+    sys.path.insert(0, ROOT)
+    client = os.path.realpath(os.path.join(ROOT, "client"))
+    spec = importlib.util.find_spec("kvclient")
+    if spec is not None and spec.origin and os.path.dirname(os.path.realpath(spec.origin)) == client:
+        return
+    link_dir = tempfile.mkdtemp(prefix="kvclient-src-")
+    os.symlink(client, os.path.join(link_dir, "kvclient"))
+    sys.path.insert(0, link_dir)
+    atexit.register(shutil.rmtree, link_dir, True)
+
+
+_use_source_tree()
 
 
 def engine(address: str, kind: str, start: int, end: int, num_layers: int, page_size: int,
@@ -126,21 +147,55 @@ def engine(address: str, kind: str, start: int, end: int, num_layers: int, page_
     out.put(result)
 
 
+def preflight(address: str) -> dict:
+    """What can be checked before any GPU work, and without a GPU: every module the check uses
+    imports from this tree, the daemon answers its health check, and whether it can use CUDA."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    import kvclient
+    import kvserver
+    from kvclient import CudaKVPool, KVClient, KVLayout  # noqa: F401  (what the engines use)
+    from kvserver.cuda import kernels, pool  # noqa: F401  (the daemon's CUDA path, sans CuPy)
+    from kvserver.cuda.runtime import _probe
+
+    with grpc.insecure_channel(address) as ch:
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30).status
+    cupy, why = _probe()
+    return {
+        "kvserver": os.path.dirname(kvserver.__file__),
+        "kvclient": os.path.dirname(os.path.realpath(kvclient.__file__)),
+        "daemon_health": health_pb2.HealthCheckResponse.ServingStatus.Name(status),
+        "cuda": "usable" if cupy is not None else why,
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer sizes and rounds")
+    ap.add_argument("--preflight", action="store_true",
+                    help="only the checks that need no GPU: imports, daemon start and health")
+    ap.add_argument("--host-memory", default=None,
+                    help="the daemon's host memory (default 24GiB for the check, 1GiB for --preflight)")
     args = ap.parse_args()
+    host_memory = args.host_memory or ("1GiB" if args.preflight else "24GiB")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     tmp = tempfile.mkdtemp(prefix="kvgpu-")
     socket = os.path.join(tmp, "kv.sock")
-    daemon = subprocess.Popen([sys.executable, "-m", "kvserver", "--socket", socket, "--host-memory", "24GiB",
-                               "--progress-interval-ms", "0"], env=env)
+    daemon = subprocess.Popen([sys.executable, "-m", "kvserver", "--socket", socket,
+                               "--host-memory", host_memory, "--progress-interval-ms", "0"], env=env)
     report: dict = {"checks": [], "ok": True}
     try:
         while not os.path.exists(socket):
             if daemon.poll() is not None:
                 raise RuntimeError("daemon exited")
             time.sleep(0.05)
+        report["preflight"] = preflight(f"unix://{socket}")
+        report["ok"] = report["preflight"]["daemon_health"] == "SERVING"
+        if args.preflight:
+            return _finish(report, daemon, tmp)
+        if report["preflight"]["cuda"] != "usable":
+            raise RuntimeError(f"the daemon cannot use CUDA here: {report['preflight']['cuda']}")
         ctx = mp.get_context("spawn")
         plans = [("mha", 16), ("mla", 16)] if args.quick else [("mha", 1), ("mha", 16), ("mha", 64),
                                                                   ("mla", 16)]
@@ -163,9 +218,13 @@ def main() -> int:
     except BaseException:
         report["ok"] = False
         report["error"] = traceback.format_exc()
-    finally:
-        daemon.terminate()
-        daemon.wait(60)
+    return _finish(report, daemon, tmp)
+
+
+def _finish(report: dict, daemon: subprocess.Popen, tmp: str) -> int:
+    daemon.terminate()
+    report["daemon_exit"] = daemon.wait(60)
+    shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps(report, indent=1))
     return 0 if report["ok"] else 1
 
