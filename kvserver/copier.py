@@ -1,10 +1,12 @@
 """Running copies: one worker thread, small copies inline, streamed load progress.
 
 Copies run on one worker thread in arrival order (torch or the C kernel already use the machine's
-bandwidth; more threads would only reorder them). While a copy runs, its host pages are marked
-busy, so that a Free or Unregister of those pages waits for it, and the mark is cleared by the
-worker's own completion, never by the RPC that asked: a cancelled call cannot free pages a copy
-still touches.
+bandwidth; more threads would only reorder them). A CUDA job only takes the worker while it is
+enqueued on its client's stream; a waiter thread then waits for the GPU and reports its layers,
+so engines on other GPUs (or other clients on one GPU) are not queued behind it. While a copy
+runs, its host pages are marked busy, so that a Free or Unregister of those pages waits for it,
+and the mark is cleared by the copy's own completion, never by the RPC that asked: a cancelled
+call cannot free pages a copy still touches.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import asyncio
 import math
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +26,8 @@ from kvserver.layer_signal import LayerSignal
 
 # Copies up to this size run on the event loop when the worker is idle (~50 us at memcpy speed).
 INLINE_COPY_BYTES = 256 << 10
+# Threads that wait for enqueued CUDA copies (one per copy in flight, sleeping in the driver).
+CUDA_WAITERS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +61,7 @@ class Copier:
         self.progress_interval = progress_interval
         self.queued = 0  # copies handed to the worker and not yet released
         self._executor = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvcopy")
+        self._waiters = ThreadPoolExecutor(CUDA_WAITERS, thread_name_prefix="kvcuda-wait")
 
     async def write(self, job: Job) -> int:
         await self._submit(job, False, None)
@@ -136,17 +141,42 @@ class Copier:
                 self._release(job, signal)
             return fut
         self.queued += 1
-        cf = self._executor.submit(self._run, job, to_device, signal)
+        if client.device.kind == "cuda":
+            cf = self._cuda(job, to_device, signal)
+        else:
+            cf = self._executor.submit(self._run, job, to_device, signal)
         cf.add_done_callback(lambda _: loop.call_soon_threadsafe(self._release, job, signal, True))
         return asyncio.wrap_future(cf, loop=loop)
 
+    def _cuda(self, job: Job, to_device: bool, signal: LayerSignal | None) -> Future[None]:
+        """The worker enqueues the copy (and says a load's events are recorded), then hands the
+        waiting to a waiter thread; the future completes when the GPU has done the copy."""
+        device, done = job.client.device, Future()
+        layers = np.asarray(job.local_layers, dtype=np.int64)
+
+        def wait(pending) -> None:
+            try:
+                device.wait(pending, signal)
+            except BaseException as exc:
+                done.set_exception(exc)
+            else:
+                done.set_result(None)
+
+        def enqueue() -> None:
+            try:
+                pending = device.enqueue(job.plan, layers, job.client.host_table, to_device, job.ready_event,
+                                         job.event_slot)
+                if signal is not None:
+                    signal.mark_recorded()
+                self._waiters.submit(wait, pending)
+            except BaseException as exc:
+                done.set_exception(exc)
+
+        self._executor.submit(enqueue)
+        return done
+
     def _run(self, job: Job, to_device: bool, signal: LayerSignal | None) -> None:
         client, device = job.client, job.client.device
-        if device.kind == "cuda":
-            layers = np.asarray(job.local_layers, dtype=np.int64)
-            device.run(job.plan, layers, client.host_table, to_device, signal, job.ready_event,
-                       job.event_slot)
-            return
         table = device.page_table if job.plan.device_paged else device.token_table
         layers = np.asarray(job.local_layers, dtype=np.int64)
         progress, fd = (signal.counter, signal.fd) if signal is not None else (None, -1)
@@ -171,7 +201,8 @@ class Copier:
         client.changed = asyncio.Event()
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=True)
+        self._executor.shutdown(wait=True)  # enqueued CUDA copies have their waiters by now
+        self._waiters.shutdown(wait=True)
 
 
 async def wait_until(client: ClientState, predicate: Callable[[], bool]) -> None:

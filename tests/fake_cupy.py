@@ -86,7 +86,7 @@ class FakeRuntime:
         return int.from_bytes(handle[:8], "little") + 100_000
 
     def eventRecord(self, event, stream):
-        self.calls.append(("eventRecord", event))
+        self.calls.append(("eventRecord", event, stream))
 
     def eventSynchronize(self, event):
         self.calls.append(("eventSynchronize", event))

@@ -88,11 +88,15 @@ def test_cuda_round_trip_events_and_release(daemon, fake, page_size, path, token
                                    ready_event=ready), timeout=10)
         names = [c[0] for c in rt.calls]
         assert names.index("streamWaitEvent") < names.index(path), "copied before the engine was ready"
-        assert names[-1] == "streamSynchronize"
-        # Every copy on the registration's own non-blocking stream, never the legacy default one.
-        stream = next(c for c in rt.calls if c[0] == "streamSynchronize")[1]
+        # The write's own completion event (blocking sync, not interprocess), recorded after the
+        # copies, waited on, then destroyed.
+        assert names[-4:] == ["eventCreateWithFlags", "eventRecord", "eventSynchronize", "eventDestroy"]
+        assert rt.calls[-4][1] == 1 | 2 and rt.calls[-3][1] == rt.calls[-2][1] == rt.calls[-1][1]
+        # Every copy and record on the registration's own non-blocking stream, never the legacy
+        # default one.
+        stream = rt.calls[-3][2]
         assert stream != 0 and ("Stream", stream, True) in create_calls
-        assert all(c[-1] == stream for c in rt.calls if c[0] in ("kernel", "memcpyAsync"))
+        assert all(c[-1] == stream for c in rt.calls if c[0] in ("kernel", "memcpyAsync", "eventRecord"))
         kv[:] = 0
 
         rt.calls.clear()
@@ -217,6 +221,83 @@ def test_registration_given_up_by_its_engine_leaves_nothing(daemon, fake, monkey
         assert names.count("hostRegister") == names.count("hostUnregister") == 1
         assert stub.Stats(pb.StatsRequest()).num_clients == 0
         assert daemon.core.arena.largest_free() == free_before
+
+
+def test_a_slow_gpu_copy_does_not_hold_up_other_clients(daemon, fake, monkeypatch):
+    """The copy worker only enqueues CUDA copies; waiting for the GPU is a waiter thread's job.
+    While one engine's load is still on its GPU, another engine's write and load complete, and
+    the first engine already knows its layer events are recorded."""
+    import threading
+
+    rt = fake.cuda.runtime
+    refs_a, _, _ = cuda_pool(fake, 2, 64)
+    refs_b, kv_b, _ = cuda_pool(fake, 2, 64)
+    gate = threading.Event()
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        a, b = register(stub, refs_a, 2, 64, 16), register(stub, refs_b, 2, 64, 16)
+        slow = {int.from_bytes(h[:8], "little") for h in a.layer_events}
+        real_sync = rt.eventSynchronize
+
+        def sync(event):
+            if event in slow:
+                assert gate.wait(10), "the gate was never opened"
+            real_sync(event)
+
+        monkeypatch.setattr(rt, "eventSynchronize", sync)
+        host_a = list(stub.Alloc(pb.AllocRequest(client_id=a.client_id, num_tokens=64)).host_indices)
+        steps_a: list = []
+        load_a = threading.Thread(target=lambda: steps_a.extend(stub.Load(pb.LoadRequest(
+            client_id=a.client_id, host_indices=host_a, device_indices=list(range(64))), timeout=20)))
+        load_a.start()
+        kv_b[:] = 5
+        host_b = list(stub.Alloc(pb.AllocRequest(client_id=b.client_id, num_tokens=64)).host_indices)
+        stub.Write(pb.WriteRequest(client_id=b.client_id, host_indices=host_b,
+                                   device_indices=list(range(64))), timeout=5)
+        kv_b[:] = 0
+        steps_b = list(stub.Load(pb.LoadRequest(client_id=b.client_id, host_indices=host_b,
+                                                device_indices=list(range(64))), timeout=5))
+        assert steps_b[-1].done and (kv_b[:, :, :64] == 5).all()
+        assert load_a.is_alive() and [s.events_recorded for s in steps_a] == [True]
+        gate.set()
+        load_a.join(10)
+        assert steps_a[-1].done and steps_a[-1].layers_done == LAYERS
+
+
+def test_a_launch_failing_mid_job_waits_for_what_was_enqueued(daemon, fake, monkeypatch):
+    """If the second layer's launch fails, the first layer's copy may still be on the stream: the
+    daemon waits for the stream before it releases the pages, then answers INTERNAL, and the
+    client stays usable."""
+    import fake_cupy
+
+    rt = fake.cuda.runtime
+    refs, _, _ = cuda_pool(fake, 2, 64)
+    launches = []
+    real_call = fake_cupy.RecordingKernel.__call__
+
+    def flaky(self, grid, block, args):
+        launches.append(1)
+        if len(launches) == 2:
+            raise RuntimeError("CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES")
+        real_call(self, grid, block, args)
+
+    monkeypatch.setattr(fake_cupy.RecordingKernel, "__call__", flaky)
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        reg = register(stub, refs, 2, 64, 16)
+        host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=64)).host_indices)
+        rt.calls.clear()
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Load(pb.LoadRequest(client_id=reg.client_id, host_indices=host,
+                                          device_indices=list(range(64))), timeout=10))
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        assert "LAUNCH_OUT_OF_RESOURCES" in err.value.details()
+        names = [c[0] for c in rt.calls]
+        assert names.count("kernel") == 1 and names.index("kernel") < names.index("streamSynchronize")
+        assert len(list(stub.Load(pb.LoadRequest(client_id=reg.client_id, host_indices=host,
+                                                 device_indices=list(range(64))), timeout=10))) > 1
+        stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=10)
+        assert stub.Stats(pb.StatsRequest()).num_clients == 0
 
 
 class DescribedPool:

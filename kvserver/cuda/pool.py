@@ -35,6 +35,7 @@ HOST_REGISTER_CHUNK = 64 << 30  # one cudaHostRegister of 512 GiB or more fails 
 # cudaEventBlockingSync | cudaEventDisableTiming | cudaEventInterprocess: the copy thread sleeps
 # in eventSynchronize instead of spinning a core for the length of every load.
 EVENT_FLAGS = 1 | 2 | 4
+DONE_EVENT_FLAGS = 1 | 2  # a write's completion: BlockingSync | DisableTiming, this process only
 MEMCPY_DEFAULT = 4
 DEFAULT_EVENT_SLOTS = 3
 MAX_EVENT_SLOTS = 16
@@ -60,6 +61,15 @@ def _close_allocation(rt, ordinal: int, handle: bytes) -> None:
         if entry[1] == 0:
             del _open[(ordinal, handle)]
             rt.ipcCloseMemHandle(entry[0])
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """An enqueued copy: the events that complete with it, in layer order; ``owned`` ones (a
+    write's) are destroyed once waited on."""
+
+    events: list[int]
+    owned: bool = False
 
 
 @dataclass(slots=True)
@@ -147,42 +157,66 @@ class CudaDevicePool:
             event = self.opened_events[event_handle] = rt.ipcOpenEventHandle(event_handle)
         rt.streamWaitEvent(self.stream.ptr, event, 0)
 
-    def run(self, copy_plan, layers: np.ndarray, host_table, to_device: bool, signal,
-            ready_event: bytes = b"", event_slot: int = 0) -> None:
-        """Enqueues the copy of ``layers`` (local ids); for loads records each layer's event of
-        ``event_slot``, says so through ``signal``, then reports layers as they complete."""
+    def enqueue(self, copy_plan, layers: np.ndarray, host_table, to_device: bool, ready_event: bytes = b"",
+                event_slot: int = 0) -> Pending:
+        """Puts the copy of ``layers`` (local ids) on the client's stream and returns at once
+        with what ``wait`` waits on: a load's layer events of ``event_slot``, each recorded after
+        its layer's copy, or a write's one completion event. Runs on the copy worker, which is
+        then free for the next job while the GPU copies."""
         cp = self.cupy
         rt = cp.cuda.runtime
         num_layers = self.token_bases.shape[0]
         stream = self.stream.ptr
         with self.device(), self.stream:
-            if ready_event:
-                self._wait_on(ready_event)
-            if copy_plan.device_paged:
-                row_bytes, dev_stride = self.page_size * self.token_bytes, self.page_size * self.token_bytes
-            else:
-                row_bytes, dev_stride = self.token_bytes, self.token_stride
-            host_off, dev_off = copy_plan.offsets(host_table.row_stride, dev_stride, row_bytes)
-            host_bases = host_table.bases[layers] + np.uint64(self.host_to_device % (1 << 64))
-            dev_bases = self.token_bases[layers]
-            if to_device:
-                copier = self._copier(dev_bases, dev_off, host_bases, host_off, row_bytes)
-            else:
-                copier = self._copier(host_bases, host_off, dev_bases, dev_off, row_bytes)
-            if signal is None:  # a write: every layer at once, then wait for it
-                copier(slice(None))
+            try:
+                if ready_event:
+                    self._wait_on(ready_event)
+                copier = self._job_copier(copy_plan, layers, host_table, to_device)
+                if not to_device:  # a write: every layer at once, one event for all of it
+                    copier(slice(None))
+                    done = rt.eventCreateWithFlags(DONE_EVENT_FLAGS)
+                    rt.eventRecord(done, stream)
+                    return Pending([done], owned=True)
+                events = []
+                for i, layer in enumerate(layers.tolist()):
+                    copier(slice(i, i + 1))
+                    event = self.events[event_slot * num_layers + layer]
+                    rt.eventRecord(event, stream)
+                    events.append(event)
+                return Pending(events)
+            except BaseException:
+                # Part of the job may be on the stream: let it finish before the pages are
+                # released by the caller, then report the failure.
                 rt.streamSynchronize(stream)
-                return
-            events = []
-            for i, layer in enumerate(layers.tolist()):
-                copier(slice(i, i + 1))
-                event = self.events[event_slot * num_layers + layer]
-                rt.eventRecord(event, stream)
-                events.append(event)
-            signal.mark_recorded()
-            for i, event in enumerate(events):
-                rt.eventSynchronize(event)
-                signal.publish(i + 1)
+                raise
+
+    def _job_copier(self, copy_plan, layers: np.ndarray, host_table, to_device: bool):
+        """The copier of one job: rows of whole device pages where the plan allows, else of tokens."""
+        if copy_plan.device_paged:
+            row_bytes = dev_stride = self.page_size * self.token_bytes
+        else:
+            row_bytes, dev_stride = self.token_bytes, self.token_stride
+        host_off, dev_off = copy_plan.offsets(host_table.row_stride, dev_stride, row_bytes)
+        host_bases = host_table.bases[layers] + np.uint64(self.host_to_device % (1 << 64))
+        dev_bases = self.token_bases[layers]
+        if to_device:
+            return self._copier(dev_bases, dev_off, host_bases, host_off, row_bytes)
+        return self._copier(host_bases, host_off, dev_bases, dev_off, row_bytes)
+
+    def wait(self, pending: Pending, signal) -> None:
+        """Blocks (sleeping: blocking-sync events) until the enqueued copy is done, reporting
+        each layer through ``signal`` as its event completes. Runs on a waiter thread."""
+        rt = self.cupy.cuda.runtime
+        with self.device():
+            try:
+                for i, event in enumerate(pending.events):
+                    rt.eventSynchronize(event)
+                    if signal is not None:
+                        signal.publish(i + 1)
+            finally:
+                if pending.owned:
+                    for event in pending.events:
+                        rt.eventDestroy(event)
 
     def _copier(self, dst_bases: np.ndarray, dst_off: np.ndarray, src_bases: np.ndarray,
                 src_off: np.ndarray, row_bytes: int):
