@@ -57,7 +57,7 @@ _use_source_tree()
 
 
 def engine(address: str, kind: str, start: int, end: int, num_layers: int, page_size: int,
-           num_tokens: int, transfer_tokens: int, bench_rounds: int, out) -> None:
+           num_tokens: int, transfer_tokens: int, bench_rounds: int, out, bench_lock) -> None:
     """One engine process: a CUDA pool for layers [start, end), checks, and timings."""
     result = {"kind": kind, "range": [start, end], "page_size": page_size}
     try:
@@ -129,13 +129,14 @@ def engine(address: str, kind: str, start: int, end: int, num_layers: int, page_
             torch.cuda.synchronize()
             return (time.perf_counter() - t0) / bench_rounds
 
-        t = {
-            "memcpy_h2d": timed(lambda: gpu.copy_(pinned, non_blocking=True)),
-            "memcpy_d2h": timed(lambda: pinned.copy_(gpu, non_blocking=True)),
-            "daemon_write_d2h": timed(lambda: client.write(host_indices=host, device_indices=dev_idx)),
-            "daemon_load_h2d": timed(lambda: client.load(host_indices=host, device_indices=dev_idx,
-                                                         event_slot=1).wait()),
-        }
+        with bench_lock:  # one engine at a time: the two would share the link and skew the ratios
+            t = {
+                "memcpy_h2d": timed(lambda: gpu.copy_(pinned, non_blocking=True)),
+                "memcpy_d2h": timed(lambda: pinned.copy_(gpu, non_blocking=True)),
+                "daemon_write_d2h": timed(lambda: client.write(host_indices=host, device_indices=dev_idx)),
+                "daemon_load_h2d": timed(lambda: client.load(host_indices=host, device_indices=dev_idx,
+                                                             event_slot=1).wait()),
+            }
         result["bytes"] = nbytes
         result["GBps"] = {k: round(nbytes / v / 1e9, 2) for k, v in t.items()}
         result["load_vs_memcpy"] = round(t["memcpy_h2d"] / t["daemon_load_h2d"], 3)
@@ -185,6 +186,7 @@ def main() -> int:
     daemon = subprocess.Popen([sys.executable, "-m", "kvserver", "--socket", socket,
                                "--host-memory", host_memory, "--progress-interval-ms", "0"], env=env)
     report: dict = {"checks": [], "ok": True}
+    started = time.monotonic()
     try:
         while not os.path.exists(socket):
             if daemon.poll() is not None:
@@ -193,17 +195,17 @@ def main() -> int:
         report["preflight"] = preflight(f"unix://{socket}")
         report["ok"] = report["preflight"]["daemon_health"] == "SERVING"
         if args.preflight:
-            return _finish(report, daemon, tmp)
+            return _finish(report, daemon, tmp, started)
         if report["preflight"]["cuda"] != "usable":
             raise RuntimeError(f"the daemon cannot use CUDA here: {report['preflight']['cuda']}")
         ctx = mp.get_context("spawn")
         plans = [("mha", 16), ("mla", 16)] if args.quick else [("mha", 1), ("mha", 16), ("mha", 64),
                                                                   ("mla", 16)]
         for kind, page in plans:
-            out = ctx.Queue()
+            out, bench_lock = ctx.Queue(), ctx.Lock()
             procs = [ctx.Process(target=engine, args=(f"unix://{socket}", kind, s, e, 32, page, 65536,
                                                       16384 if page > 1 else 4096, 3 if args.quick else 10,
-                                                      out))
+                                                      out, bench_lock))
                      for s, e in ((0, 16), (16, 32))]
             for p in procs:
                 p.start()
@@ -218,10 +220,11 @@ def main() -> int:
     except BaseException:
         report["ok"] = False
         report["error"] = traceback.format_exc()
-    return _finish(report, daemon, tmp)
+    return _finish(report, daemon, tmp, started)
 
 
-def _finish(report: dict, daemon: subprocess.Popen, tmp: str) -> int:
+def _finish(report: dict, daemon: subprocess.Popen, tmp: str, started: float) -> int:
+    report["seconds"] = round(time.monotonic() - started, 1)
     daemon.terminate()
     report["daemon_exit"] = daemon.wait(60)
     shutil.rmtree(tmp, ignore_errors=True)

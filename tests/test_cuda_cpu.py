@@ -119,6 +119,23 @@ def test_client_export_from_a_share_tuple():
         buffer_ref((0, b"\x02e" + b"\0" * 30, 1 << 20, 0), 0, 256, UUID)
 
 
+def test_client_device_identity(monkeypatch):
+    """UUID and PCI bus id as torch reports them; older torch builds without the PCI fields send
+    the UUID alone."""
+    import types
+
+    from kvclient.cuda_pool import device_identity
+
+    props = types.SimpleNamespace(uuid="1a2b3c4d-5e6f-7a8b-9c0d-112233445566", pci_domain_id=0,
+                                  pci_bus_id=0x3B, pci_device_id=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    uuid = "1a2b3c4d-5e6f-7a8b-9c0d-112233445566"
+    assert device_identity(torch.device("cuda", 0)) == (uuid, "0000:3b:00.0")
+    assert normalize_pci_bus_id(device_identity(0)[1]) == "00000000:3b:00.0"
+    del props.pci_device_id
+    assert device_identity(0) == (uuid, "")
+
+
 def cuda_register_request(handle: bytes = HANDLE, uuid: str = UUID, allocation_size: int = 1 << 20,
                           pci_bus_id: str = ""):
     layout = KVLayout.mha(2, 64)  # 256 B per token
