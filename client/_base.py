@@ -28,6 +28,7 @@ class ClientBase:
         self.reconnects = 0
         self._events: LayerEvents | None = None
         self._device = 0  # CUDA pools: the device the layer events are opened on
+        self._pool = None  # the registered pool
 
     @property
     def client_id(self) -> str:
@@ -48,10 +49,19 @@ class ClientBase:
     def _lost(self, reg: msg.Registration | None, reason: str) -> None:
         raise NotImplementedError
 
-    def _remember_device(self, pool, reg: msg.Registration) -> None:
-        """CUDA pools: the layer events are opened on the device the pool lives on."""
+    def _remember_pool(self, pool, reg: msg.Registration) -> None:
+        """The registered pool; for CUDA pools, the device its layer events are opened on."""
+        self._pool = pool
         if reg.layer_events:
             self._device = pool.buffers[0][0].device
+
+    def _unregistered(self) -> None:
+        """The daemon confirmed the registration is gone, mappings closed: a CUDA pool may let
+        torch reuse its memory once the engine frees it."""
+        pool, self._pool = self._pool, None
+        release = getattr(pool, "release_exports", None)
+        if release is not None:
+            release()
 
     def _layer_events(self, reg: msg.Registration) -> LayerEvents:
         if self._events is None or self._events.handles is not reg.layer_events:

@@ -147,7 +147,7 @@ class AsyncKVClient(ClientBase):
             tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, event_slots=event_slots,
         )
         reg = msg.registration(await self._call(self._stub.Register, req), req)
-        self._remember_device(pool, reg)
+        self._remember_pool(pool, reg)
         self._request = req
         self._adopt(reg)
         return reg
@@ -215,6 +215,8 @@ class AsyncKVClient(ClientBase):
         except KVClientError as exc:
             if not (self.resilient and is_miss(exc.code)):
                 raise
+        else:
+            self._unregistered()
 
     # ---- data -----------------------------------------------------------------------------
 

@@ -55,6 +55,13 @@ class CudaKVPool:
     """Per layer, K and V (MHA) or the latent (MLA): CUDA tensors of [num_tokens, heads, head_dim].
 
     The engine keeps these tensors alive while registered: the daemon maps their memory.
+
+    Exporting a buffer (``storage._share_cuda_()``) sets torch's IPC reference counter for its
+    block to 1, and torch keeps a freed block whose counter is above 0 out of reuse ("limbo"),
+    waiting for a torch consumer to release it. The daemon is not a torch consumer, so the pool
+    releases those counters itself (``release_exports``) once no daemon maps the memory: the
+    clients do it after a confirmed ``unregister``. Until then, pool memory the engine frees stays
+    out of reuse, which is the safe side: the daemon may still copy into it.
     """
 
     def __init__(self, layout: KVLayout, dtype: torch.dtype, buffers: list[list[torch.Tensor]]) -> None:
@@ -72,6 +79,7 @@ class CudaKVPool:
         self.buffers = buffers
         self.num_layers = len(buffers)
         self.num_tokens = num_tokens
+        self._exports: list[tuple[bytes, int]] = []  # torch IPC reference counters (file, offset)
 
     def descriptor(self) -> pb.DevicePool:
         refs = []
@@ -79,8 +87,10 @@ class CudaKVPool:
             layer = pb.LayerBuffers()
             for t in parts:
                 uuid, pci = device_identity(t.device)
+                share = t.untyped_storage()._share_cuda_()
+                self._exports.append((share[4], share[5]))
                 layer.parts.append(buffer_ref(
-                    t.untyped_storage()._share_cuda_(),
+                    share,
                     t.storage_offset() * t.element_size(),
                     t.stride(0) * t.element_size(),
                     uuid,
@@ -88,3 +98,13 @@ class CudaKVPool:
                 ))
             refs.append(layer)
         return pb.DevicePool(num_tokens=self.num_tokens, layers=refs)
+
+    def release_exports(self) -> int:
+        """Drops torch's IPC reference counts taken by ``descriptor`` (once no daemon maps the
+        pool), so memory the engine frees goes back to its allocator; returns how many."""
+        exports, self._exports = self._exports, []
+        for ref_counter, offset in exports:
+            torch.UntypedStorage._release_ipc_counter_cuda(ref_counter, offset)
+        if exports:
+            torch.cuda.ipc_collect()  # blocks already freed and held back return now
+        return len(exports)

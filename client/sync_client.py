@@ -101,7 +101,7 @@ class KVClient(ClientBase):
             tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, event_slots=event_slots,
         )
         reg = msg.registration(self._call(self._stub.Register, req), req)
-        self._remember_device(pool, reg)
+        self._remember_pool(pool, reg)
         with self._lock:
             self._request = req
             self._adopt(reg)
@@ -172,6 +172,8 @@ class KVClient(ClientBase):
         except KVClientError as exc:
             if not (self.resilient and is_miss(exc.code)):
                 raise
+        else:
+            self._unregistered()
 
     # ---- data -----------------------------------------------------------------------------
 

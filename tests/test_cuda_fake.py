@@ -364,3 +364,67 @@ def test_clients_wait_on_layer_events_after_they_are_recorded(daemon, fake, monk
 
     asyncio.run(run_async())
     assert (kv[:, :, 128:192] == 7).all()
+
+
+class CudaTensorStandIn:
+    """What CudaKVPool reads of a torch CUDA tensor, over a CPU tensor; its storage exports an
+    allocation of the fake runtime the way ``_share_cuda_()`` does (torch 2.13's handle prefix)."""
+
+    def __init__(self, cpu, handle: bytes, alloc_size: int, offset: int, counter: int) -> None:
+        import torch
+
+        self.cpu, self.is_cuda, self.device = cpu, True, torch.device("cuda", 0)
+        self.dtype, self.shape = cpu.dtype, cpu.shape
+        self._share = (0, b"\x03c" + handle, alloc_size - offset, offset, b"/torch_4242_7", counter,
+                       b"\0" * 64, True)
+
+    def __getitem__(self, i):
+        return self.cpu[i]
+
+    def element_size(self) -> int:
+        return self.cpu.element_size()
+
+    def stride(self, dim: int) -> int:
+        return self.cpu.stride(dim)
+
+    def storage_offset(self) -> int:
+        return 0
+
+    def untyped_storage(self):
+        return types.SimpleNamespace(_share_cuda_=lambda: self._share)
+
+
+def test_cuda_pool_gives_torch_its_memory_back_after_unregister(daemon, fake, monkeypatch):
+    """CudaKVPool's exports leave torch holding freed pool memory out of reuse until they are
+    released; the client releases them after the daemon confirms an unregister (never on a plain
+    close, when the daemon may still map the pool until it reclaims it)."""
+    import torch
+
+    from kvclient import CudaKVPool, KVClient, KVLayout
+    from kvclient import cuda_pool as cuda_pool_module
+
+    released, collected = [], []
+    monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter_cuda",
+                        staticmethod(lambda ref, offset: released.append((ref, offset))), raising=False)
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: collected.append(1))
+    monkeypatch.setattr(cuda_pool_module, "device_identity", lambda device: (UUID, "0000:3b:00.0"))
+    layout = KVLayout.mha(2, 64)
+    token_bytes = layout.token_bytes(torch.float16)
+    handle, mem = fake.cuda.runtime.export(LAYERS * 2 * TOKENS * token_bytes)
+    buffers = [[CudaTensorStandIn(torch.zeros(TOKENS, 2, 64, dtype=torch.float16), handle, mem.size,
+                                  (layer * 2 + part) * TOKENS * token_bytes, layer * 2 + part)
+                for part in range(2)] for layer in range(LAYERS)]
+    pool = CudaKVPool(layout, torch.float16, buffers)
+    with KVClient(daemon.address) as client:
+        client.register(model="gpu", pool=pool, start_layer=0, end_layer=LAYERS, num_layers=LAYERS,
+                        host_tokens=64, page_size=16)
+        assert client.write(host_indices=client.alloc(16), device_indices=range(16)) > 0
+        assert released == []
+        client.unregister()
+        assert sorted(released) == [(b"/torch_4242_7", i) for i in range(2 * LAYERS)] and collected
+        released.clear()
+        client.register(model="gpu", pool=pool, start_layer=0, end_layer=LAYERS, num_layers=LAYERS,
+                        host_tokens=64, page_size=16)
+    assert released == []  # closed, not unregistered: the daemon holds the pool until it reclaims it
+    assert pool.release_exports() == 2 * LAYERS and len(released) == 2 * LAYERS
+    assert pool.release_exports() == 0
