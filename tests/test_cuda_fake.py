@@ -428,3 +428,38 @@ def test_cuda_pool_gives_torch_its_memory_back_after_unregister(daemon, fake, mo
     assert released == []  # closed, not unregistered: the daemon holds the pool until it reclaims it
     assert pool.release_exports() == 2 * LAYERS and len(released) == 2 * LAYERS
     assert pool.release_exports() == 0
+
+
+def test_ready_events_opened_once_and_bounded(daemon, fake):
+    """An engine that re-records one ready event has it opened once; one that makes a new event
+    per step has at most MAX_OPENED_EVENTS open in the daemon, the oldest closed first."""
+    from kvserver.cuda.pool import MAX_OPENED_EVENTS
+
+    rt = fake.cuda.runtime
+    refs, _, _ = cuda_pool(fake, 2, 64)
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        reg = register(stub, refs, 2, 64, 16)
+        host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=16)).host_indices)
+
+        def write(event_id: int) -> None:
+            stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=host,
+                                       device_indices=list(range(16)),
+                                       ready_event=event_id.to_bytes(8, "little") * 8), timeout=10)
+
+        rt.calls.clear()
+        for _ in range(5):
+            write(9000)
+        assert [c[0] for c in rt.calls].count("ipcOpenEventHandle") == 1
+        extra = 6
+        for i in range(MAX_OPENED_EVENTS + extra):
+            write(10_000 + i)
+        opened = [c[1] for c in rt.calls if c[0] == "ipcOpenEventHandle"]
+        destroyed = [c[1] for c in rt.calls if c[0] == "eventDestroy"]
+        assert len(opened) == 1 + MAX_OPENED_EVENTS + extra
+        # The writes' own completion events are destroyed too; opened ones are 100_000 + id.
+        evicted = sorted(e - 100_000 for e in destroyed if e > 100_000)
+        assert evicted == [9000] + [10_000 + i for i in range(extra)]
+        rt.calls.clear()
+        stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=10)
+        assert len([c for c in rt.calls if c[0] == "eventDestroy" and c[1] > 100_000]) == MAX_OPENED_EVENTS

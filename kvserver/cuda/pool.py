@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,6 +40,9 @@ DONE_EVENT_FLAGS = 1 | 2  # a write's completion: BlockingSync | DisableTiming, 
 MEMCPY_DEFAULT = 4
 DEFAULT_EVENT_SLOTS = 3
 MAX_EVENT_SLOTS = 16
+# Engines' ready events opened per client, least recently used closed first: an engine that makes
+# a new event per step must not grow the daemon's set without bound.
+MAX_OPENED_EVENTS = 64
 KERNEL_MAX_BLOCKS = 128  # with 8 warps each: ~1000 rows in flight, about one block per SM on H100/H200
 
 _open_lock = threading.Lock()
@@ -89,7 +93,8 @@ class CudaDevicePool:
     event_slots: int = DEFAULT_EVENT_SLOTS
     pinned: list[int] = field(default_factory=list)
     host_to_device: int = 0  # add to a host address of the region to get its device address
-    opened_events: dict[bytes, int] = field(default_factory=dict)
+    opened_events: OrderedDict[bytes, int] = field(default_factory=OrderedDict)
+    _events_lock: threading.Lock = field(default_factory=threading.Lock)
     kind: str = "cuda"
     mappings: list = field(default_factory=list)  # the shared-memory pools' field; none here
 
@@ -136,8 +141,9 @@ class CudaDevicePool:
                 rt.streamSynchronize(self.stream.ptr)
             for event in self.events:
                 rt.eventDestroy(event)
-            for event in self.opened_events.values():
-                rt.eventDestroy(event)
+            with self._events_lock:
+                for event in self.opened_events.values():
+                    rt.eventDestroy(event)
             for ptr in self.pinned:
                 rt.hostUnregister(ptr)
             for handle in self.handles:
@@ -145,17 +151,24 @@ class CudaDevicePool:
             if self.stream is not None:  # the offset tables' blocks cached for this stream
                 self.cupy.get_default_memory_pool().free_all_blocks(stream=self.stream)
             # CuPy destroys its stream with the last reference, which is this one.
-            self.events, self.opened_events, self.pinned, self.handles, self.stream = [], {}, [], [], None
+            self.events, self.pinned, self.handles, self.stream = [], [], [], None
+            self.opened_events = OrderedDict()
 
     # ---- copies ---------------------------------------------------------------------------
 
     def _wait_on(self, event_handle: bytes) -> None:
         """Makes the stream wait (on the GPU) for the engine's latest record of this event."""
         rt = self.cupy.cuda.runtime
-        event = self.opened_events.get(event_handle)
-        if event is None:
-            event = self.opened_events[event_handle] = rt.ipcOpenEventHandle(event_handle)
-        rt.streamWaitEvent(self.stream.ptr, event, 0)
+        with self._events_lock:
+            event = self.opened_events.get(event_handle)
+            if event is None:
+                event = self.opened_events[event_handle] = rt.ipcOpenEventHandle(event_handle)
+                if len(self.opened_events) > MAX_OPENED_EVENTS:
+                    # A wait already enqueued keeps what it waits for; destroying is safe.
+                    rt.eventDestroy(self.opened_events.popitem(last=False)[1])
+            else:
+                self.opened_events.move_to_end(event_handle)
+            rt.streamWaitEvent(self.stream.ptr, event, 0)
 
     def enqueue(self, copy_plan, layers: np.ndarray, host_table, to_device: bool, ready_event: bytes = b"",
                 event_slot: int = 0) -> Pending:
