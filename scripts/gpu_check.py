@@ -30,6 +30,7 @@ import importlib.util
 import json
 import multiprocessing as mp
 import os
+import queue
 import shutil
 import subprocess
 import sys
@@ -60,9 +61,15 @@ _use_source_tree()
 
 def engine(address: str, kind: str, start: int, end: int, num_layers: int, page_size: int,
            num_tokens: int, transfer_tokens: int, bench_rounds: int, out, bench_lock) -> None:
-    """One engine process: a CUDA pool for layers [start, end), checks, and timings."""
+    """One engine process: a CUDA pool for layers [start, end), checks, and timings. It reports
+    each stage as it starts, so a hang is reported with where it happened."""
     result = {"kind": kind, "range": [start, end], "page_size": page_size}
+
+    def stage(name: str) -> None:
+        out.put({"range": [start, end], "stage": name})
+
     try:
+        stage("import torch and allocate the pool")
         import torch
 
         torch.cuda.memory._set_allocator_settings("expandable_segments:False")
@@ -78,6 +85,7 @@ def engine(address: str, kind: str, start: int, end: int, num_layers: int, page_
         buffers = [[torch.randint(0, 255, (num_tokens, heads, dim * dtype.itemsize), dtype=torch.uint8,
                                   device=dev, generator=g).view(dtype) for _ in range(layout.num_parts)]
                    for _ in range(end - start)]
+        stage("register (IPC open, pinning)")
         pool = CudaKVPool(layout, dtype, buffers)
         client = KVClient(address, timeout=60, resilient=False)
         client.register(model=f"check-{kind}", pool=pool, start_layer=start, end_layer=end,
@@ -91,6 +99,7 @@ def engine(address: str, kind: str, start: int, end: int, num_layers: int, page_
         nbytes = transfer_tokens * layout.token_bytes(dtype) * layout.num_parts * (end - start)
 
         # 1. bit-exact round trip, with the engine's ready event ordering the write.
+        stage("write, wipe, load")
         want = [[b.view(torch.uint8)[dev_idx.to(dev)].clone() for b in layer] for layer in buffers]
         ready = torch.cuda.Event(interprocess=True)
         ready.record()
@@ -119,6 +128,7 @@ def engine(address: str, kind: str, start: int, end: int, num_layers: int, page_
                               for b, w in zip(layer, wl, strict=True))
 
         # 3. bandwidth: daemon write and load vs a contiguous pinned copy of the same bytes.
+        stage("bandwidth")
         pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         gpu = torch.empty(nbytes, dtype=torch.uint8, device=dev)
 
@@ -146,6 +156,7 @@ def engine(address: str, kind: str, start: int, end: int, num_layers: int, page_
 
         # 4. after unregister, the pool's memory goes back to torch when the engine frees it
         # (the exports' IPC reference counts are released; otherwise torch holds it back).
+        stage("unregister and free")
         pool_bytes = sum(b.untyped_storage().nbytes() for layer in buffers for b in layer)
         reserved = torch.cuda.memory_reserved(dev)
         client.unregister()
@@ -156,6 +167,7 @@ def engine(address: str, kind: str, start: int, end: int, num_layers: int, page_
         client.close()
     except BaseException:
         result["error"] = traceback.format_exc()
+    result["final"] = True
     out.put(result)
 
 
@@ -182,6 +194,52 @@ def preflight(address: str) -> dict:
     }
 
 
+def run_plan(ctx, address: str, kind: str, page: int, rounds: int, deadline: float, report: dict,
+             target=None) -> None:
+    """Two engines (layers [0, 16) and [16, 32) of one model) for one pool kind and page size;
+    their results go into ``report``. Raises TimeoutError, with each engine's last stage, if they
+    have not finished by ``deadline``, and RuntimeError if one dies without a result."""
+    out, bench_lock = ctx.Queue(), ctx.Lock()
+    ranges = [(0, 16), (16, 32)]
+    procs = {r: ctx.Process(target=target or engine, args=(address, kind, *r, 32, page, 65536,
+                                                 16384 if page > 1 else 4096, rounds, out, bench_lock))
+             for r in ranges}
+    for p in procs.values():
+        p.start()
+    stages = {r: "starting" for r in ranges}
+    try:
+        while stages:
+            try:
+                msg = out.get(timeout=1.0)
+            except queue.Empty:
+                dead = {r: procs[r].exitcode for r in stages if not procs[r].is_alive()}
+                if dead:
+                    raise RuntimeError(f"{kind}/{page}: engines {dead} (range: exit code) died at "
+                                       f"{ {r: stages[r] for r in dead} }") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{kind}/{page}: engines still running at the deadline, at "
+                                       f"{stages}") from None
+                continue
+            r = tuple(msg["range"])
+            if "final" not in msg:
+                stages[r] = msg["stage"]
+                continue
+            del stages[r]
+            # Layer 0 must be readable while the last layer is still in flight wherever the
+            # transfer is long enough (>= 256 MiB: tens of ms at PCIe speed) to tell.
+            pipelined = msg.get("layer0_ready_before_last_layer") or msg.get("bytes", 0) < 256 << 20
+            msg["ok"] = bool("error" not in msg and msg.get("exact") and msg.get("layer0_exact") and pipelined
+                             and msg.get("pool_memory_returned"))
+            report["ok"] &= msg["ok"]
+            report["checks"].append(msg)
+    finally:
+        for p in procs.values():
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer sizes and rounds")
@@ -189,6 +247,8 @@ def main() -> int:
                     help="only the checks that need no GPU: imports, daemon start and health")
     ap.add_argument("--host-memory", default=None,
                     help="the daemon's host memory (default 24GiB for the check, 1GiB for --preflight)")
+    ap.add_argument("--deadline", type=float, default=360,
+                    help="seconds for the whole check; engines still running then are killed and reported")
     args = ap.parse_args()
     host_memory = args.host_memory or ("1GiB" if args.preflight else "24GiB")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
@@ -198,10 +258,13 @@ def main() -> int:
                                "--host-memory", host_memory, "--progress-interval-ms", "0"], env=env)
     report: dict = {"checks": [], "ok": True}
     started = time.monotonic()
+    deadline = started + args.deadline
     try:
         while not os.path.exists(socket):
             if daemon.poll() is not None:
                 raise RuntimeError("daemon exited")
+            if time.monotonic() > started + 60:
+                raise RuntimeError("the daemon did not listen within 60 s")
             time.sleep(0.05)
         report["preflight"] = preflight(f"unix://{socket}")
         report["ok"] = report["preflight"]["daemon_health"] == "SERVING"
@@ -210,28 +273,11 @@ def main() -> int:
         if report["preflight"]["cuda"] != "usable":
             raise RuntimeError(f"the daemon cannot use CUDA here: {report['preflight']['cuda']}")
         ctx = mp.get_context("spawn")
-        plans = [("mha", 16), ("mla", 16)] if args.quick else [("mha", 1), ("mha", 16), ("mha", 64),
-                                                                  ("mla", 16)]
+        # The most telling plans first, so a run cut short by its deadline still says the most.
+        plans = [("mha", 16), ("mla", 16)] if args.quick else [("mha", 16), ("mla", 16), ("mha", 1),
+                                                                  ("mha", 64)]
         for kind, page in plans:
-            out, bench_lock = ctx.Queue(), ctx.Lock()
-            procs = [ctx.Process(target=engine, args=(f"unix://{socket}", kind, s, e, 32, page, 65536,
-                                                      16384 if page > 1 else 4096, 3 if args.quick else 10,
-                                                      out, bench_lock))
-                     for s, e in ((0, 16), (16, 32))]
-            for p in procs:
-                p.start()
-            for _ in procs:
-                r = out.get(timeout=240)
-                # Layer 0 must be readable while the last layer is still in flight wherever the
-                # transfer is long enough (>= 256 MiB: tens of ms at PCIe speed) to tell.
-                pipelined = r.get("layer0_ready_before_last_layer") or r.get("bytes", 0) < 256 << 20
-                ok = ("error" not in r and r.get("exact") and r.get("layer0_exact") and pipelined
-                      and r.get("pool_memory_returned"))
-                r["ok"] = bool(ok)
-                report["ok"] &= r["ok"]
-                report["checks"].append(r)
-            for p in procs:
-                p.join(60)
+            run_plan(ctx, f"unix://{socket}", kind, page, 3 if args.quick else 10, deadline, report)
     except BaseException:
         report["ok"] = False
         report["error"] = traceback.format_exc()
@@ -241,7 +287,12 @@ def main() -> int:
 def _finish(report: dict, daemon: subprocess.Popen, tmp: str, started: float) -> int:
     report["seconds"] = round(time.monotonic() - started, 1)
     daemon.terminate()
-    report["daemon_exit"] = daemon.wait(60)
+    try:
+        report["daemon_exit"] = daemon.wait(30)
+    except subprocess.TimeoutExpired:
+        daemon.kill()
+        report["daemon_exit"] = f"killed: no exit 30 s after SIGTERM (then {daemon.wait(10)})"
+        report["ok"] = False
     shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps(report, indent=1))
     return 0 if report["ok"] else 1
