@@ -65,19 +65,18 @@ class KVCore:
     async def _in_thread(self, fn, *args, undo=None):
         """``fn(*args)`` in a worker thread; ``close`` waits for it, since it may use the arena.
         If the caller is cancelled (its RPC ended), the thread still finishes first, and what it
-        returned is handed to ``undo``, so nothing it opened is left behind."""
+        returned is handed to ``undo`` (also in a thread), so nothing it opened is left behind."""
         self._in_threads += 1
-        work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
         try:
-            return await asyncio.shield(work)
-        except asyncio.CancelledError:
-            try:
-                result = await work
-            except Exception:
-                raise asyncio.CancelledError from None
-            if undo is not None:
-                await asyncio.to_thread(undo, result)
-            raise
+            work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+            if not await _settle(work):
+                return work.result()
+            if work.exception() is None and undo is not None:
+                undone = asyncio.ensure_future(asyncio.to_thread(undo, work.result()))
+                await _settle(undone)
+                if undone.exception() is not None:
+                    logger.error("undoing a cancelled %s failed: %r", fn.__name__, undone.exception())
+            raise asyncio.CancelledError
         finally:
             self._in_threads -= 1
             self._thread_done.set()
@@ -277,6 +276,18 @@ class KVCore:
             await self.unregister(client_id)
         self.copier.shutdown()
         self.arena.close()
+
+
+async def _settle(fut: asyncio.Future) -> bool:
+    """Waits until ``fut`` is done, through any cancellation of the caller; says whether the
+    caller was cancelled meanwhile (threads cannot be stopped, so their work is waited out)."""
+    cancelled = False
+    while not fut.done():
+        try:
+            await asyncio.wait({fut})
+        except asyncio.CancelledError:
+            cancelled = True
+    return cancelled
 
 
 def _paged(device) -> bool:
