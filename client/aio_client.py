@@ -89,6 +89,8 @@ class AsyncLoadHandle:
     async def stream_wait_layer(self, layer_id: int, stream=None) -> bool:
         """CUDA pools: ``stream`` (default: the current one) waits on the GPU for global layer
         ``layer_id``; the event loop does not wait for the copy. False on a miss."""
+        if self.missed:  # e.g. the daemon was away when the load was asked for: no events
+            return False
         if layer_id not in self.events:
             raise ValueError(f"layer {layer_id} has no event in this load (not a CUDA pool, or not loaded)")
         if not await self.wait_recorded():

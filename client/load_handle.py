@@ -97,6 +97,8 @@ class LoadHandle:
     def stream_wait_layer(self, layer_id: int, stream=None) -> bool:
         """CUDA pools: makes ``stream`` (default: the current one) wait on the GPU until global
         layer ``layer_id`` has landed; the CPU does not wait for the copy. False on a miss."""
+        if self.missed:  # e.g. the daemon was away when the load was asked for: no events
+            return False
         if layer_id not in self.events:
             raise ValueError(f"layer {layer_id} has no event in this load (not a CUDA pool, or not loaded)")
         if not self.wait_recorded():

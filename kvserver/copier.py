@@ -152,6 +152,9 @@ class Copier:
         """The worker enqueues the copy (and says a load's events are recorded), then hands the
         waiting to a waiter thread; the future completes when the GPU has done the copy."""
         device, done = job.client.device, Future()
+        # Running from the start, so that cancelling the RPC cannot cancel it: the pages stay
+        # busy until the GPU is really done with them.
+        done.set_running_or_notify_cancel()
         layers = np.asarray(job.local_layers, dtype=np.int64)
 
         def wait(pending) -> None:

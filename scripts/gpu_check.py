@@ -107,6 +107,7 @@ def engine(address: str, kind: str, start: int, end: int, num_layers: int, page_
         for layer in buffers:
             for b in layer:
                 b.view(torch.uint8)[dev_idx.to(dev)] = 0
+        del layer, b  # no name may keep a pool buffer alive past step 4
         torch.cuda.synchronize()
         handle = client.load(host_indices=host, device_indices=dev_idx, event_slot=0)
 
@@ -158,9 +159,12 @@ def engine(address: str, kind: str, start: int, end: int, num_layers: int, page_
         # (the exports' IPC reference counts are released; otherwise torch holds it back).
         stage("unregister and free")
         pool_bytes = sum(b.untyped_storage().nbytes() for layer in buffers for b in layer)
+        del want, got0, handle, last  # freed first, so that they cannot make up for the pool
+        gc.collect()
+        torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved(dev)
         client.unregister()
-        del pool, buffers, want, got0, handle, last
+        del pool, buffers
         gc.collect()
         torch.cuda.empty_cache()
         result["pool_memory_returned"] = reserved - torch.cuda.memory_reserved(dev) >= pool_bytes

@@ -471,3 +471,55 @@ def test_ready_events_opened_once_and_bounded(daemon, fake):
         rt.calls.clear()
         stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=10)
         assert len([c for c in rt.calls if c[0] == "eventDestroy" and c[1] > 100_000]) == MAX_OPENED_EVENTS
+
+
+def test_a_cancelled_cuda_write_keeps_its_pages_until_the_gpu_is_done(daemon, fake, monkeypatch):
+    """An engine whose Write deadline passes while the copy is still on the GPU: the pages stay
+    busy and Unregister (so unpinning and IPC close) waits until the copy has completed."""
+    import threading
+    import time
+
+    rt = fake.cuda.runtime
+    refs, _, _ = cuda_pool(fake, 2, 64)
+    gate = threading.Event()
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        reg = register(stub, refs, 2, 64, 16)
+        host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=64)).host_indices)
+        real_sync = rt.eventSynchronize
+
+        def gated(event):
+            assert gate.wait(10), "the gate was never opened"
+            real_sync(event)
+
+        monkeypatch.setattr(rt, "eventSynchronize", gated)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=host,
+                                       device_indices=list(range(64))), timeout=0.3)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        unregister = threading.Thread(target=lambda: stub.Unregister(
+            pb.UnregisterRequest(client_id=reg.client_id), timeout=20))
+        unregister.start()
+        time.sleep(0.5)
+        assert unregister.is_alive() and "hostUnregister" not in [c[0] for c in rt.calls]
+        gate.set()
+        unregister.join(10)
+        names = [c[0] for c in rt.calls]
+        assert names.index("eventSynchronize") < names.index("hostUnregister")
+        assert stub.Stats(pb.StatsRequest()).num_clients == 0
+
+
+def test_stream_wait_layer_on_a_missed_load_is_false():
+    """A load asked for while the daemon was away has no events: waiting on a layer is a miss,
+    never an exception, in both clients."""
+    import asyncio
+
+    from kvclient.aio_client import AsyncLoadHandle
+    from kvclient.load_handle import LoadHandle
+
+    assert LoadHandle.miss([8, 9]).stream_wait_layer(8) is False
+
+    async def aio():
+        return await AsyncLoadHandle([8, 9], None).stream_wait_layer(8)
+
+    assert asyncio.run(aio()) is False
