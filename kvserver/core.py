@@ -71,7 +71,9 @@ class KVCore:
             work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
             if not await _settle(work):
                 return work.result()
-            if work.exception() is None and undo is not None:
+            if work.exception() is not None:  # nobody else will see it: the caller is gone
+                logger.error("%s failed after its caller was cancelled: %r", fn.__name__, work.exception())
+            elif undo is not None:
                 undone = asyncio.ensure_future(asyncio.to_thread(undo, work.result()))
                 await _settle(undone)
                 if undone.exception() is not None:
@@ -116,8 +118,10 @@ class KVCore:
                 await self._in_thread(device.attach_host, self.arena.address + offset, num_pages * page_bytes,
                                       len(spec.layers))
             except BaseException:
-                await self._close_device(device, is_cuda)
-                self.arena.release(offset, num_pages * page_bytes)
+                try:
+                    await self._close_device(device, is_cuda)
+                finally:
+                    self.arena.release(offset, num_pages * page_bytes)
                 raise
         host_views = self._host_views(spec, device.dtype, offset, num_pages)
         client = ClientState(
@@ -168,9 +172,18 @@ class KVCore:
         ]
 
     async def unregister(self, client_id: str, reason: str = "unregistered") -> None:
-        """Releases everything the client holds, once its in-flight copies are done."""
+        """Releases everything the client holds, once its in-flight copies are done. Once begun,
+        the release runs to its end even if the caller is cancelled (an RPC deadline, the
+        reaper's shutdown): a client half released would be held for good."""
         client = self.client(client_id)
         client.closing = True
+        release = asyncio.ensure_future(self._release(client, reason))
+        if await _settle(release):
+            raise asyncio.CancelledError
+        release.result()
+
+    async def _release(self, client: ClientState, reason: str) -> None:
+        client_id = client.client_id
         await wait_until(client, lambda: client.inflight == 0)
         del self.clients[client_id]
         self.totals.add(client.counters)
@@ -272,8 +285,11 @@ class KVCore:
         while self._in_threads:  # a registration or a pool close in a worker thread uses the arena
             self._thread_done.clear()
             await self._thread_done.wait()
-        for client_id in list(self.clients):
-            await self.unregister(client_id)
+        for client in list(self.clients.values()):
+            if client.closing:  # being released by an earlier unregister or reclaim
+                await client.gone.wait()
+            else:
+                await self.unregister(client.client_id)
         self.copier.shutdown()
         self.arena.close()
 

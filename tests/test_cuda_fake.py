@@ -236,6 +236,7 @@ def test_a_slow_gpu_copy_does_not_hold_up_other_clients(daemon, fake, monkeypatc
     While one engine's load is still on its GPU, another engine's write and load complete, and
     the first engine already knows its layer events are recorded."""
     import threading
+    import time
 
     rt = fake.cuda.runtime
     refs_a, _, _ = cuda_pool(fake, 2, 64)
@@ -258,6 +259,9 @@ def test_a_slow_gpu_copy_does_not_hold_up_other_clients(daemon, fake, monkeypatc
         load_a = threading.Thread(target=lambda: steps_a.extend(stub.Load(pb.LoadRequest(
             client_id=a.client_id, host_indices=host_a, device_indices=list(range(64))), timeout=20)))
         load_a.start()
+        deadline = time.monotonic() + 10
+        while not steps_a and time.monotonic() < deadline:  # A's copy is on the GPU now
+            time.sleep(0.01)
         kv_b[:] = 5
         host_b = list(stub.Alloc(pb.AllocRequest(client_id=b.client_id, num_tokens=64)).host_indices)
         stub.Write(pb.WriteRequest(client_id=b.client_id, host_indices=host_b,
@@ -462,12 +466,14 @@ def test_ready_events_opened_once_and_bounded(daemon, fake):
         extra = 6
         for i in range(MAX_OPENED_EVENTS + extra):
             write(10_000 + i)
+            if i == MAX_OPENED_EVENTS // 2:
+                write(9000)  # used again: now one of the most recent, not the oldest
         opened = [c[1] for c in rt.calls if c[0] == "ipcOpenEventHandle"]
         destroyed = [c[1] for c in rt.calls if c[0] == "eventDestroy"]
         assert len(opened) == 1 + MAX_OPENED_EVENTS + extra
         # The writes' own completion events are destroyed too; opened ones are 100_000 + id.
         evicted = sorted(e - 100_000 for e in destroyed if e > 100_000)
-        assert evicted == [9000] + [10_000 + i for i in range(extra)]
+        assert evicted == [10_000 + i for i in range(extra + 1)]  # the least recently used
         rt.calls.clear()
         stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=10)
         assert len([c for c in rt.calls if c[0] == "eventDestroy" and c[1] > 100_000]) == MAX_OPENED_EVENTS
@@ -523,3 +529,68 @@ def test_stream_wait_layer_on_a_missed_load_is_false():
         return await AsyncLoadHandle([8, 9], None).stream_wait_layer(8)
 
     assert asyncio.run(aio()) is False
+
+
+def test_a_registration_cancelled_twice_still_gives_back_its_host_region(daemon, fake, monkeypatch):
+    """Cancelled while pinning, then cancelled again while its cleanup closes the pool (as at
+    shutdown): the pool is closed and the host region released all the same."""
+    import asyncio
+    import time
+
+    rt = fake.cuda.runtime
+    slow_host_register(rt, monkeypatch, 0.6)
+    slow_host_register(rt, monkeypatch, 0.6, "hostUnregister")
+    refs, _, _ = cuda_pool(fake, 2, 64)
+    req = pb.RegisterRequest(
+        model="gpu", start_layer=8, end_layer=8 + LAYERS, num_layers=16,
+        layout=pb.KVLayout(mha=pb.MHALayout(num_heads=2, head_dim=64)), dtype=pb.DTYPE_FLOAT16,
+        page_size=16, device_pool=refs, host_tokens=TOKENS, event_slots=2)
+    reserved_before = daemon.run(lambda: daemon.core.arena.reserved)
+
+    async def cancel_twice():
+        task = asyncio.ensure_future(daemon.core.register(req))
+        await asyncio.sleep(0.3)  # pinning
+        task.cancel()
+        await asyncio.sleep(0.5)  # the pin is done; the cleanup is unpinning
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    daemon.call(cancel_twice())
+    deadline = time.monotonic() + 5
+    while daemon.run(lambda: daemon.core.arena.reserved) != reserved_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    names = [c[0] for c in rt.calls]
+    assert names.count("hostRegister") == names.count("hostUnregister") == 1
+    assert names.count("ipcOpenMemHandle") == names.count("ipcCloseMemHandle") == 1
+    assert daemon.run(lambda: (daemon.core.arena.reserved, len(daemon.core.clients))) == (reserved_before, 0)
+
+
+def test_an_unregister_cancelled_midway_still_releases_the_client(daemon, fake, monkeypatch):
+    """An Unregister whose deadline passes while a copy is still on the GPU: the release goes on
+    to the end once the copy is done (nothing is held for good), and shutdown is not blocked."""
+    import threading
+    import time
+
+    rt = fake.cuda.runtime
+    refs, _, _ = cuda_pool(fake, 2, 64)
+    gate = threading.Event()
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        reg = register(stub, refs, 2, 64, 16)
+        host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=64)).host_indices)
+        real_sync = rt.eventSynchronize
+        monkeypatch.setattr(rt, "eventSynchronize", lambda event: (gate.wait(10), real_sync(event)))
+        for call in (lambda: stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=host,
+                                                        device_indices=list(range(64))), timeout=0.3),
+                     lambda: stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=0.3)):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "hostUnregister" not in [c[0] for c in rt.calls]  # the copy is still on the GPU
+        gate.set()
+        deadline = time.monotonic() + 5
+        while stub.Stats(pb.StatsRequest()).num_clients and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stub.Stats(pb.StatsRequest()).num_clients == 0
+        assert [c[0] for c in rt.calls].count("hostUnregister") == 1

@@ -188,7 +188,11 @@ class CudaDevicePool:
                 if not to_device:  # a write: every layer at once, one event for all of it
                     copier(slice(None))
                     done = rt.eventCreateWithFlags(DONE_EVENT_FLAGS)
-                    rt.eventRecord(done, stream)
+                    try:
+                        rt.eventRecord(done, stream)
+                    except BaseException:
+                        rt.eventDestroy(done)
+                        raise
                     return Pending([done], owned=True)
                 events = []
                 for i, layer in enumerate(layers.tolist()):
