@@ -237,8 +237,8 @@ def run_plan(ctx, address: str, kind: str, page: int, rounds: int, deadline: flo
             report["ok"] &= msg["ok"]
             report["checks"].append(msg)
     finally:
-        for p in procs.values():
-            p.join(10)
+        for r, p in procs.items():
+            p.join(0 if r in stages else 10)  # a hung engine is killed at once: GPU time is scarce
             if p.is_alive():
                 p.kill()
                 p.join(10)
