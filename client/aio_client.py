@@ -45,9 +45,9 @@ class AsyncLoadHandle:
         self._task = asyncio.get_running_loop().create_task(self._consume(stream))
 
     async def _consume(self, stream: AsyncIterator[pb.LoadProgress] | None) -> None:
-        if stream is None:
-            return
         try:
+            if stream is None:  # a miss from the start; waiters are still woken below
+                return
             async for progress in stream:
                 async with self._changed:
                     self._recorded = self._recorded or progress.events_recorded
@@ -58,8 +58,14 @@ class AsyncLoadHandle:
                     self._changed.notify_all()
             if not self._done:
                 raise KVClientError(grpc.StatusCode.INTERNAL, "load stream ended before the last layer")
-        except grpc.RpcError as exc:
-            error = from_rpc_error(exc)
+        except (grpc.RpcError, asyncio.CancelledError) as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                if asyncio.current_task().cancelling():  # this task itself was cancelled
+                    raise
+                # grpc.aio ends a call with CancelledError when its channel is closed under it
+                error = KVClientError(grpc.StatusCode.CANCELLED, "the load's call was cancelled (closed)")
+            else:
+                error = from_rpc_error(exc)
             if self._client is None or not self._client._is_miss(error, self._reg):
                 raise error from None
             self.missed = True
@@ -173,6 +179,10 @@ class AsyncKVClient(ClientBase):
         if reg is None or reg is not self.registration or not self.connected:
             return
         self.connected = False
+        # Given up: its session ends, so a daemon that still holds it (a slow call, not a dead
+        # daemon) reclaims it rather than keeping it beside the next registration.
+        if self._session is not None and self._session is not asyncio.current_task():
+            self._session.cancel()
         if not self.resilient or self._request is None or self._reconnect is not None:
             return
         logger.warning("kvserver registration lost (%s); writes are dropped and loads miss until "

@@ -131,6 +131,10 @@ class KVClient(ClientBase):
             if self._closed.is_set() or reg is None or reg is not self.registration or not self.connected:
                 return
             self.connected = False
+            # Given up: its session ends, so a daemon that still holds it (a slow call, not a
+            # dead daemon) reclaims it rather than keeping it beside the next registration.
+            if self._session is not None:
+                self._session.cancel()
             if not self.resilient or self._reconnecting or self._request is None:
                 return
             self._reconnecting = True

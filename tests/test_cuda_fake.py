@@ -594,3 +594,114 @@ def test_an_unregister_cancelled_midway_still_releases_the_client(daemon, fake, 
             time.sleep(0.05)
         assert stub.Stats(pb.StatsRequest()).num_clients == 0
         assert [c[0] for c in rt.calls].count("hostUnregister") == 1
+
+
+@pytest.fixture
+def cpu_events(monkeypatch):
+    """torch without CUDA cannot open IPC events: the clients get the handle bytes instead."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda.Event, "from_ipc_handle", staticmethod(lambda device, handle: handle))
+
+
+def gate_gpu(rt, monkeypatch):
+    """Every eventSynchronize waits for the returned gate: copies 'stay on the GPU'."""
+    import threading
+
+    gate = threading.Event()
+    real_sync = rt.eventSynchronize
+    monkeypatch.setattr(rt, "eventSynchronize", lambda event: (gate.wait(10), real_sync(event)))
+    return gate
+
+
+def wait_for(predicate, seconds: float = 6.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return predicate()
+
+
+@pytest.mark.parametrize("client_kind", ["sync", "asyncio"])
+def test_a_registration_given_up_after_a_slow_call_is_not_left_behind(daemon, fake, monkeypatch, cpu_events,
+                                                                        client_kind):
+    """A load that outlives the client's deadline makes the client give up its registration and
+    register again; the old one's session ends with it, so the daemon reclaims it instead of
+    keeping two registrations of one engine."""
+    import asyncio
+
+    from kvclient import AsyncKVClient, KVClient
+
+    refs, _, _ = cuda_pool(fake, 2, 64)
+    num_clients = lambda: daemon.run(lambda: len(daemon.core.clients))  # noqa: E731
+    gate = gate_gpu(fake.cuda.runtime, monkeypatch)
+    kwargs = dict(model="gpu", pool=DescribedPool(refs, 2, 64), start_layer=8, end_layer=12, num_layers=16,
+                  host_tokens=64, page_size=16)
+    if client_kind == "sync":
+        with KVClient(daemon.address, timeout=0.5) as client:
+            client.register(**kwargs)
+            assert client.load(host_indices=client.alloc(16), device_indices=range(16)).wait() == 0
+            gate.set()
+            assert wait_for(lambda: client.reconnects == 1 and num_clients() == 1), num_clients()
+            assert client.connected
+            assert client.write(host_indices=client.alloc(16), device_indices=range(16)) > 0
+        return
+
+    async def run_async():
+        async with AsyncKVClient(daemon.address, timeout=0.5) as client:
+            await client.register(**kwargs)
+            handle = client.load(host_indices=await client.alloc(16), device_indices=range(16))
+            assert await handle.wait() == 0
+            gate.set()
+            for _ in range(120):
+                if client.reconnects == 1 and num_clients() == 1:
+                    break
+                await asyncio.sleep(0.05)
+            assert client.reconnects == 1 and num_clients() == 1, num_clients()
+
+    asyncio.run(run_async())
+
+
+def test_asyncio_waiters_of_a_load_missed_from_the_start_are_woken():
+    """A load asked for while disconnected: wait_layer and wait_recorded, entered before the
+    handle's task has run, return False instead of waiting forever."""
+    import asyncio
+
+    from kvclient.aio_client import AsyncLoadHandle
+
+    async def run(wait):
+        handle = AsyncLoadHandle([8, 9], None)
+        watchdog = asyncio.get_running_loop().call_later(2, asyncio.current_task().cancel)
+        try:  # awaited directly: the waiter is in before the handle's own task has run
+            return await wait(handle)
+        finally:
+            watchdog.cancel()
+
+    assert asyncio.run(run(lambda h: h.wait_layer(8))) is False
+    assert asyncio.run(run(lambda h: h.wait_recorded())) is False
+
+
+def test_closing_the_asyncio_client_mid_load_is_a_miss(daemon, fake, monkeypatch, cpu_events):
+    """The engine closes its client while a load is on the GPU: waiting on that load reports a
+    miss; no CancelledError reaches coroutines that nobody cancelled."""
+    import asyncio
+
+    from kvclient import AsyncKVClient
+
+    refs, _, _ = cuda_pool(fake, 2, 64)
+    gate = gate_gpu(fake.cuda.runtime, monkeypatch)
+
+    async def run():
+        client = AsyncKVClient(daemon.address)
+        await client.register(model="gpu", pool=DescribedPool(refs, 2, 64), start_layer=8, end_layer=12,
+                              num_layers=16, host_tokens=64, page_size=16)
+        handle = client.load(host_indices=await client.alloc(16), device_indices=range(16))
+        assert await handle.wait_recorded()
+        await client.close()
+        return await handle.wait_layer(11), await handle.wait()
+
+    try:
+        assert asyncio.run(run()) == (False, 0)
+    finally:
+        gate.set()
