@@ -58,14 +58,6 @@ needs_grpcurl = pytest.mark.skipif(GRPCURL is None, reason=f"no runnable grpcurl
 # ---- helpers ------------------------------------------------------------------------------------------
 
 
-
-
-
-
-
-
-
-
 def _new_pool(seed: int = 0, **kw) -> ShmKVPool:
     """Random KV in device slots [0, SCRATCH), zeros above."""
     kw.setdefault("layout", KVLayout.mha(2, 8))

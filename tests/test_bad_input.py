@@ -15,7 +15,6 @@ MHA 2 heads x 8 dims bf16, 256-token pool, 8 host pages of 16 tokens) that has s
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import resource
 import secrets
@@ -28,48 +27,31 @@ import grpc
 import pytest
 import torch
 from checks import error_of as _error_of
-from checks import file_sha as _file_sha
 from checks import mappings_of as _mappings_of
-from checks import sha_of as _sha
+from stored_env import (
+    END,
+    HOST_TOKENS,
+    NUM_LAYERS,
+    OTHER,
+    PAGE,
+    POOL_TOKENS,
+    START,
+    TIMEOUT,
+    StoredEnv,
+    slots,
+    tokens,
+)
 
 from kvclient import KVClient, KVLayout, ShmKVPool
 from kvclient._messages import register_request
-from kvserver.epochs import EPOCH_SHIFT
 from kvserver.shm import SHM_DIR, unlink_shm
 from kvserver.v1 import kvserver_pb2 as pb
-from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
 C = grpc.StatusCode
-START, END, NUM_LAYERS = 4, 8, 8
-POOL_TOKENS = 256
-PAGE = 16
-HOST_TOKENS = 128  # 8 pages
-STORED_PAGES = [0, 1, 2, 3]  # written at setup from device slots [0, 64)
-OTHER = 64  # device slots [64, 128) hold data unlike anything stored: bad writes/loads use them
-SCRATCH = slice(192, 256)  # zero except while stored pages are loaded back to be checked
-TIMEOUT = 10.0
 U64_MAX = (1 << 64) - 1
-
-
-def tokens(*pages: int) -> list[int]:
-    """Host token slots of whole pages, as Alloc returns them."""
-    return [p * PAGE + i for p in pages for i in range(PAGE)]
-
 
 # Page 0 of another registration epoch: what an engine holds after a daemon restart.
 STALE = [-1 - i for i in range(PAGE)]  # a marker: Env turns it into the current epoch + 1
-
-
-def slots(start: int, n: int = PAGE) -> list[int]:
-    return list(range(start, start + n))
-
-
-
-
-
-
-
-
 
 
 def _make_raw_shm(name: str, size: int) -> None:
@@ -81,108 +63,15 @@ def _make_raw_shm(name: str, size: int) -> None:
         os.close(fd)
 
 
-@dataclass(frozen=True)
-class Snapshot:
-    stats_all: pb.StatsResponse
-    stats_client: pb.StatsResponse
-    device_sha: str
-    region_sha: str
-
-
-class Env:
-    """The daemon, its one storing client, a raw stub and the checks around a rejected request."""
-
-    def __init__(self, daemon) -> None:
-        self.daemon = daemon
-        torch.manual_seed(0)
-        self.pool = ShmKVPool(KVLayout.mha(2, 8), torch.bfloat16, num_layers=END - START,
-                              num_tokens=POOL_TOKENS)
-        for layer in self.pool.buffers:
-            for part in layer:
-                part.copy_(torch.randn(part.shape))
-                part[SCRATCH].zero_()
-        self.client = KVClient(daemon.address, timeout=TIMEOUT)
-        self.reg = self.client.register(
-            model="m", pool=self.pool, start_layer=START, end_layer=END, num_layers=NUM_LAYERS,
-            host_tokens=HOST_TOKENS, page_size=PAGE,
-        )
-        assert self.reg.host_tokens == HOST_TOKENS
-        self.cid = self.reg.client_id
-        self.epoch = self.reg.epoch
-        self.host = self.client.alloc(len(STORED_PAGES) * PAGE).tolist()
-        assert self.host == self.tagged(tokens(*STORED_PAGES))
-        self.client.write(host_indices=self.host, device_indices=slots(0, len(self.host)))
-        # What the host now holds: the source rows, hashed right after the write.
-        self.stored_sha = _sha([p[: len(self.host)] for layer in self.pool.buffers for p in layer])
-        self.channel = grpc.insecure_channel(daemon.address)
-        self.stub = pb_grpc.KVServerStub(self.channel)
-        assert self.loaded_back_sha() == self.stored_sha  # the check itself works
-
-    def close(self) -> None:
-        self.channel.close()
-        try:
-            self.client.unregister()
-        finally:
-            self.client.close()
-            self.pool.close()
-
-    # -- observations ---------------------------------------------------------------------------
-
-    def region_sha(self) -> str:
-        def read() -> str:
-            core = self.daemon.core
-            c = core.clients[self.cid]
-            view = core.arena.view(torch.uint8)[c.region_offset : c.region_offset + c.region_bytes]
-            return hashlib.sha256(view.numpy().tobytes()).hexdigest()
-
-        return self.daemon.run(read)
-
-    def snapshot(self) -> Snapshot:
-        return Snapshot(
-            stats_all=self.stub.Stats(pb.StatsRequest(), timeout=TIMEOUT),
-            stats_client=self.stub.Stats(pb.StatsRequest(client_id=self.cid), timeout=TIMEOUT),
-            device_sha=_file_sha(self.pool.name),
-            region_sha=self.region_sha(),
-        )
-
-    def loaded_back_sha(self) -> str:
-        """Loads the stored pages into the zeroed scratch slots, hashes them, zeroes them again."""
-        scratch = [p[SCRATCH] for layer in self.pool.buffers for p in layer]
-        assert all(not t.any() for t in scratch), "scratch slots were not zero"
-        req = pb.LoadRequest(client_id=self.cid, host_indices=self.host,
-                             device_indices=list(range(SCRATCH.start, SCRATCH.stop)))
-        steps = list(self.stub.Load(req, timeout=TIMEOUT))
-        assert steps and steps[-1].done
-        sha = _sha(scratch)
-        for t in scratch:
-            t.zero_()
-        return sha
-
-    def assert_unchanged(self, before: Snapshot) -> None:
-        after = self.snapshot()
-        assert after.stats_all == before.stats_all
-        assert after.stats_client == before.stats_client
-        assert after.device_sha == before.device_sha, "the device pool changed"
-        assert after.region_sha == before.region_sha, "the client's host region changed"
-        assert self.loaded_back_sha() == self.stored_sha, "the stored host pages changed"
-
-    def reject(self, code: grpc.StatusCode, text: str, call: Callable[[], object]) -> str:
-        """Runs a bad request; checks its status and message, and that nothing changed."""
-        before = self.snapshot()
-        got_code, message = _error_of(call)
-        assert got_code == code, f"{got_code.name}: {message}"
-        assert text in message, message
-        self.assert_unchanged(before)
-        return message
-
-    # -- raw requests ---------------------------------------------------------------------------
+class Env(StoredEnv):
+    """The stored client (tests/stored_env.py) and raw transfer requests naming its pages."""
 
     def tagged(self, host: list[int]) -> list[int]:
-        """Host slots as this registration's host indices (with its epoch in the high bits, as
-        Alloc returns them); negative numbers stay as they are, and STALE gets another epoch."""
+        """Host slots as this registration's host indices (``tag``); negative numbers stay as
+        they are, and STALE becomes page 0 of another epoch."""
         if host == STALE:
-            return [((self.epoch + 1) << EPOCH_SHIFT) | i for i in range(PAGE)]
-        return [h | (self.epoch << EPOCH_SHIFT) if h >= 0 else h for h in host]
+            return self.tag(tokens(0), self.epoch + 1)
+        return [self.tag([h])[0] if h >= 0 else h for h in host]
 
     def transfer(self, op: str, host, device, layers=(), client_id: str | None = None):
         cid = self.cid if client_id is None else client_id

@@ -11,24 +11,20 @@ from __future__ import annotations
 import json
 import secrets
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
 import torch
-from checks import file_sha as _file_sha
 from checks import mappings_of as _mappings_of
-from checks import sha_of as _sha
 from google.protobuf import json_format
+from stored_env import END, NUM_LAYERS, OTHER, PAGE, POOL_TOKENS, START, TIMEOUT, StoredEnv, slots
 from test_grpcurl import GRPCURL, GRPCURL_VERSION
 
-from kvclient import KVClient, KVLayout, ShmKVPool
+from kvclient import KVLayout, ShmKVPool
 from kvclient._messages import register_request
-from kvserver.epochs import EPOCH_SHIFT
 from kvserver.shm import unlink_shm
 from kvserver.v1 import kvserver_pb2 as pb
-from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.skipif(
     GRPCURL is None,
@@ -38,24 +34,10 @@ pytestmark = pytest.mark.skipif(
 
 C = grpc.StatusCode
 SERVICE = "kvserver.v1.KVServer"
-START, END, NUM_LAYERS = 4, 8, 8  # the pool holds global layers [4, 8) of an 8-layer model
-POOL_TOKENS = 256
-PAGE = 16
-HOST_TOKENS = 128  # 8 pages
-STORED = 64  # host pages 0..3, written from device slots [0, 64)
-OTHER = 64  # device slots [64, 128): what bad writes and loads name
-SCRATCH = slice(192, 256)  # zero except while the stored pages are loaded back to be checked
-TIMEOUT = 10.0
 INT64_MAX = (1 << 63) - 1
 UINT32_MAX = (1 << 32) - 1
 UINT64_MAX = (1 << 64) - 1
 DEFAULT_REQUEST_LIMIT = 1 << 22
-
-
-
-
-
-
 
 
 def grpcurl_name(code: grpc.StatusCode) -> str:
@@ -63,20 +45,11 @@ def grpcurl_name(code: grpc.StatusCode) -> str:
     return "".join(word.capitalize() for word in code.name.split("_"))
 
 
-class Env:
-    """The daemon, one client that stored known bytes, a spare pool for Register cases, and the
-    before/after checks."""
+class Env(StoredEnv):
+    """The stored client (tests/stored_env.py), a spare pool for Register cases, and grpcurl."""
 
     def __init__(self, daemon) -> None:
-        self.daemon = daemon
         self.socket = daemon.config.socket
-        g = torch.Generator().manual_seed(0)
-        self.pool = ShmKVPool(KVLayout.mha(2, 8), torch.bfloat16, num_layers=END - START,
-                              num_tokens=POOL_TOKENS)
-        for layer in self.pool.buffers:
-            for part in layer:
-                part.copy_(torch.randn(part.shape, generator=g))
-                part[SCRATCH].zero_()
         # A second pool for Register cases; this process does not map it, so a mapping is the daemon's.
         spare = ShmKVPool(KVLayout.mha(2, 8), torch.bfloat16, num_layers=END - START, num_tokens=POOL_TOKENS)
         spare.close(unlink=False)
@@ -84,68 +57,27 @@ class Env:
         self.spare = register_request(model="spare", pool=spare, start_layer=START, end_layer=END,
                                       num_layers=NUM_LAYERS, host_tokens=64, page_size=PAGE, tp_rank=0,
                                       tp_size=1, pp_rank=0, pp_size=1)
-        self.client = KVClient(daemon.address, timeout=TIMEOUT, resilient=False)
-        self.channel = grpc.insecure_channel(daemon.address)
-        self.stub = pb_grpc.KVServerStub(self.channel)
-        reg = self.client.register(model="m", pool=self.pool, start_layer=START, end_layer=END,
-                                   num_layers=NUM_LAYERS, host_tokens=HOST_TOKENS, page_size=PAGE)
-        self.cid, self.epoch = reg.client_id, reg.epoch
-        self.host = self.client.alloc(STORED).tolist()
-        self.client.write(host_indices=self.host, device_indices=list(range(STORED)))
-        self.stored_sha = _sha([p[:STORED] for layer in self.pool.buffers for p in layer])
-        deadline = time.monotonic() + TIMEOUT  # Stats count sessions: let the client's open first
-        while self.stub.Stats(pb.StatsRequest(client_id=self.cid), timeout=TIMEOUT).clients[0].sessions != 1:
-            assert time.monotonic() < deadline, "the client's session never opened"
-            time.sleep(0.01)
-        assert self.loaded_back_sha() == self.stored_sha  # the check itself works
+        try:
+            super().__init__(daemon)
+        except BaseException:
+            unlink_shm(self.spare_name)
+            raise
 
     def close(self) -> None:
-        self.channel.close()
         try:
-            self.client.unregister()
+            super().close()
         finally:
-            self.client.close()
-            self.pool.close()
             unlink_shm(self.spare_name)
 
-    def tagged(self, slots: list[int], epoch: int | None = None) -> list[int]:
-        e = self.epoch if epoch is None else epoch
-        return [(e << EPOCH_SHIFT) | s for s in slots]
+    def assert_unchanged(self, before) -> None:
+        super().assert_unchanged(before)
+        assert _mappings_of(self.spare_name) == [], "the daemon maps the spare pool"
 
     def register_json(self, mutate: Callable[[dict], None] | None = None) -> str:
         doc = json_format.MessageToDict(self.spare, preserving_proto_field_name=True)
         if mutate is not None:
             mutate(doc)
         return json.dumps(doc)
-
-    # -- observations ------------------------------------------------------------------------------
-
-    def snapshot(self) -> tuple:
-        return (
-            self.stub.Stats(pb.StatsRequest(), timeout=TIMEOUT),
-            self.stub.Stats(pb.StatsRequest(client_id=self.cid), timeout=TIMEOUT),
-            _file_sha(self.pool.name),
-        )
-
-    def loaded_back_sha(self) -> str:
-        scratch = [p[SCRATCH] for layer in self.pool.buffers for p in layer]
-        assert all(not t.any() for t in scratch), "scratch slots were not zero"
-        req = pb.LoadRequest(client_id=self.cid, host_indices=self.host,
-                             device_indices=list(range(SCRATCH.start, SCRATCH.stop)))
-        steps = list(self.stub.Load(req, timeout=TIMEOUT))
-        assert steps and steps[-1].done
-        sha = _sha(scratch)
-        for t in scratch:
-            t.zero_()
-        return sha
-
-    def assert_unchanged(self, before: tuple) -> None:
-        stats_all, stats_client, device = self.snapshot()
-        assert stats_all == before[0], "daemon-wide Stats changed"
-        assert stats_client == before[1], "the client's Stats changed"
-        assert device == before[2], "the device pool changed"
-        assert self.loaded_back_sha() == self.stored_sha, "the stored host pages changed"
-        assert _mappings_of(self.spare_name) == [], "the daemon maps the spare pool"
 
     # -- grpcurl ------------------------------------------------------------------------------------
 
@@ -214,7 +146,7 @@ def _transfer(env: Env, host: list[int], device: list[int], layers: list[int] | 
 
 
 def _other(n: int = PAGE) -> list[int]:
-    return list(range(OTHER, OTHER + n))
+    return slots(OTHER, n)
 
 
 CASES: dict[str, tuple[str, Callable[[Env], str], grpc.StatusCode, str]] = {
@@ -244,10 +176,10 @@ CASES: dict[str, tuple[str, Callable[[Env], str], grpc.StatusCode, str]] = {
         "Write", lambda e: _transfer(e, [-PAGE + i for i in range(PAGE)], _other()), C.OUT_OF_RANGE,
         "host index -16 is negative"),
     "write-other-epoch": (
-        "Write", lambda e: _transfer(e, e.tagged(list(range(PAGE)), e.epoch + 1), _other()),
+        "Write", lambda e: _transfer(e, e.tag(list(range(PAGE)), e.epoch + 1), _other()),
         C.FAILED_PRECONDITION, "belongs to registration epoch"),
     "load-host-not-allocated": (
-        "Load", lambda e: _transfer(e, e.tagged(list(range(4 * PAGE, 5 * PAGE))), _other()),
+        "Load", lambda e: _transfer(e, e.tag(list(range(4 * PAGE, 5 * PAGE))), _other()),
         C.FAILED_PRECONDITION, "host page 4 is not allocated to this client"),
     "free-duplicate-pages": (
         "Free", lambda e: json.dumps({"client_id": e.cid, "host_indices": e.host[:PAGE] * 2}),
