@@ -7,11 +7,16 @@ release of every IPC mapping, pin, event and stream when a client goes.
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
 import types
 
+import fake_cupy
 import grpc
 import numpy as np
 import pytest
+import torch
 from fake_cupy import UUID, make_fake_cupy
 from kernel_host import compiler
 
@@ -168,8 +173,6 @@ def test_cuda_request_checks(daemon, fake):
 def slow_host_register(rt, monkeypatch, seconds: float, call: str = "hostRegister"):
     """A runtime call (hostRegister by default) that takes ``seconds``, as pinning tens of GiB
     does."""
-    import time
-
     real = getattr(rt, call)
 
     def slow(*args):
@@ -181,9 +184,6 @@ def slow_host_register(rt, monkeypatch, seconds: float, call: str = "hostRegiste
 
 def test_pinning_runs_off_the_event_loop(daemon, fake, monkeypatch):
     """While one engine's region is being pinned, the daemon answers everyone else at once."""
-    import threading
-    import time
-
     slow_host_register(fake.cuda.runtime, monkeypatch, 1.5)
     refs, _, _ = cuda_pool(fake, 2, 64)
     with grpc.insecure_channel(daemon.address) as ch:
@@ -199,13 +199,39 @@ def test_pinning_runs_off_the_event_loop(daemon, fake, monkeypatch):
         assert result["reg"].client_id and stub.Stats(pb.StatsRequest()).num_clients == 1
 
 
+@pytest.fixture
+def cpu_events(monkeypatch):
+    """torch without CUDA cannot open IPC events: the clients get the handle bytes instead."""
+    monkeypatch.setattr(torch.cuda.Event, "from_ipc_handle", staticmethod(lambda device, handle: handle))
+
+
+def gate_gpu(rt, monkeypatch, only: set[int] | None = None):
+    """eventSynchronize (of every event, or of those in ``only``) waits for the returned gate:
+    those copies 'stay on the GPU' until the test opens it."""
+    gate = threading.Event()
+    real_sync = rt.eventSynchronize
+
+    def gated(event):
+        if only is None or event in only:
+            assert gate.wait(10), "the gate was never opened"
+        real_sync(event)
+
+    monkeypatch.setattr(rt, "eventSynchronize", gated)
+    return gate
+
+
+def wait_for(predicate, seconds: float = 6.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return predicate()
+
+
 @pytest.mark.parametrize("slow_call", ["hostRegister", "ipcOpenMemHandle"])
 def test_registration_given_up_by_its_engine_leaves_nothing(daemon, fake, monkeypatch, slow_call):
     """An engine whose Register deadline passes while its pool is opened or its region pinned:
     the daemon lets that finish, then releases the IPC mapping (and the pin and host region, if
     it got that far), and holds no client."""
-    import time
-
     rt = fake.cuda.runtime
     slow_host_register(rt, monkeypatch, 1.0, slow_call)
     refs, _, _ = cuda_pool(fake, 2, 64)
@@ -219,9 +245,7 @@ def test_registration_given_up_by_its_engine_leaves_nothing(daemon, fake, monkey
                 page_size=16, device_pool=refs, host_tokens=TOKENS, event_slots=2,
             ), timeout=0.3)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        deadline = time.monotonic() + 5
-        while "ipcCloseMemHandle" not in [c[0] for c in rt.calls] and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: "ipcCloseMemHandle" in [c[0] for c in rt.calls])
         time.sleep(0.2)
         names = [c[0] for c in rt.calls]
         assert names.count("ipcOpenMemHandle") == names.count("ipcCloseMemHandle") == 1
@@ -235,33 +259,19 @@ def test_a_slow_gpu_copy_does_not_hold_up_other_clients(daemon, fake, monkeypatc
     """The copy worker only enqueues CUDA copies; waiting for the GPU is a waiter thread's job.
     While one engine's load is still on its GPU, another engine's write and load complete, and
     the first engine already knows its layer events are recorded."""
-    import threading
-    import time
-
     rt = fake.cuda.runtime
     refs_a, _, _ = cuda_pool(fake, 2, 64)
     refs_b, kv_b, _ = cuda_pool(fake, 2, 64)
-    gate = threading.Event()
     with grpc.insecure_channel(daemon.address) as ch:
         stub = pb_grpc.KVServerStub(ch)
         a, b = register(stub, refs_a, 2, 64, 16), register(stub, refs_b, 2, 64, 16)
-        slow = {int.from_bytes(h[:8], "little") for h in a.layer_events}
-        real_sync = rt.eventSynchronize
-
-        def sync(event):
-            if event in slow:
-                assert gate.wait(10), "the gate was never opened"
-            real_sync(event)
-
-        monkeypatch.setattr(rt, "eventSynchronize", sync)
+        gate = gate_gpu(rt, monkeypatch, only={int.from_bytes(h[:8], "little") for h in a.layer_events})
         host_a = list(stub.Alloc(pb.AllocRequest(client_id=a.client_id, num_tokens=64)).host_indices)
         steps_a: list = []
         load_a = threading.Thread(target=lambda: steps_a.extend(stub.Load(pb.LoadRequest(
             client_id=a.client_id, host_indices=host_a, device_indices=list(range(64))), timeout=20)))
         load_a.start()
-        deadline = time.monotonic() + 10
-        while not steps_a and time.monotonic() < deadline:  # A's copy is on the GPU now
-            time.sleep(0.01)
+        assert wait_for(lambda: steps_a)  # A's copy is on the GPU now
         kv_b[:] = 5
         host_b = list(stub.Alloc(pb.AllocRequest(client_id=b.client_id, num_tokens=64)).host_indices)
         stub.Write(pb.WriteRequest(client_id=b.client_id, host_indices=host_b,
@@ -280,8 +290,6 @@ def test_a_launch_failing_mid_job_waits_for_what_was_enqueued(daemon, fake, monk
     """If the second layer's launch fails, the first layer's copy may still be on the stream: the
     daemon waits for the stream before it releases the pages, then answers INTERNAL, and the
     client stays usable."""
-    import fake_cupy
-
     rt = fake.cuda.runtime
     refs, _, _ = cuda_pool(fake, 2, 64)
     launches = []
@@ -314,10 +322,7 @@ def test_a_launch_failing_mid_job_waits_for_what_was_enqueued(daemon, fake, monk
 
 class DescribedPool:
     """What KVClient.register needs of a CUDA pool, around a fake-CuPy description."""
-
     def __init__(self, refs, heads, head_dim):
-        import torch
-
         from kvclient import KVLayout
 
         self.layout, self.dtype, self._refs = KVLayout.mha(heads, head_dim), torch.float16, refs
@@ -338,9 +343,7 @@ class FakeStream:
 def test_clients_wait_on_layer_events_after_they_are_recorded(daemon, fake, monkeypatch):
     """The sync and asyncio clients: a stream waits on a layer's event only after the daemon said
     the load's events are recorded, and on the event of the slot the load named."""
-    import asyncio
 
-    import torch
 
     from kvclient import AsyncKVClient, KVClient
 
@@ -381,10 +384,7 @@ def test_clients_wait_on_layer_events_after_they_are_recorded(daemon, fake, monk
 class CudaTensorStandIn:
     """What CudaKVPool reads of a torch CUDA tensor, over a CPU tensor; its storage exports an
     allocation of the fake runtime the way ``_share_cuda_()`` does (torch 2.13's handle prefix)."""
-
     def __init__(self, cpu, handle: bytes, alloc_size: int, offset: int, counter: int) -> None:
-        import torch
-
         self.cpu, self.is_cuda, self.device = cpu, True, torch.device("cuda", 0)
         self.dtype, self.shape = cpu.dtype, cpu.shape
         self._share = (0, b"\x03c" + handle, alloc_size - offset, offset, b"/torch_4242_7", counter,
@@ -410,8 +410,6 @@ def test_cuda_pool_gives_torch_its_memory_back_after_unregister(daemon, fake, mo
     """CudaKVPool's exports leave torch holding freed pool memory out of reuse until they are
     released; the client releases them after the daemon confirms an unregister (never on a plain
     close, when the daemon may still map the pool until it reclaims it)."""
-    import torch
-
     from kvclient import CudaKVPool, KVClient, KVLayout
     from kvclient import cuda_pool as cuda_pool_module
 
@@ -482,23 +480,13 @@ def test_ready_events_opened_once_and_bounded(daemon, fake):
 def test_a_cancelled_cuda_write_keeps_its_pages_until_the_gpu_is_done(daemon, fake, monkeypatch):
     """An engine whose Write deadline passes while the copy is still on the GPU: the pages stay
     busy and Unregister (so unpinning and IPC close) waits until the copy has completed."""
-    import threading
-    import time
-
     rt = fake.cuda.runtime
     refs, _, _ = cuda_pool(fake, 2, 64)
-    gate = threading.Event()
     with grpc.insecure_channel(daemon.address) as ch:
         stub = pb_grpc.KVServerStub(ch)
         reg = register(stub, refs, 2, 64, 16)
         host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=64)).host_indices)
-        real_sync = rt.eventSynchronize
-
-        def gated(event):
-            assert gate.wait(10), "the gate was never opened"
-            real_sync(event)
-
-        monkeypatch.setattr(rt, "eventSynchronize", gated)
+        gate = gate_gpu(rt, monkeypatch)
         with pytest.raises(grpc.RpcError) as err:
             stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=host,
                                        device_indices=list(range(64))), timeout=0.3)
@@ -518,8 +506,6 @@ def test_a_cancelled_cuda_write_keeps_its_pages_until_the_gpu_is_done(daemon, fa
 def test_stream_wait_layer_on_a_missed_load_is_false():
     """A load asked for while the daemon was away has no events: waiting on a layer is a miss,
     never an exception, in both clients."""
-    import asyncio
-
     from kvclient.aio_client import AsyncLoadHandle
     from kvclient.load_handle import LoadHandle
 
@@ -534,9 +520,6 @@ def test_stream_wait_layer_on_a_missed_load_is_false():
 def test_a_registration_cancelled_twice_still_gives_back_its_host_region(daemon, fake, monkeypatch):
     """Cancelled while pinning, then cancelled again while its cleanup closes the pool (as at
     shutdown): the pool is closed and the host region released all the same."""
-    import asyncio
-    import time
-
     rt = fake.cuda.runtime
     slow_host_register(rt, monkeypatch, 0.6)
     slow_host_register(rt, monkeypatch, 0.6, "hostUnregister")
@@ -557,9 +540,7 @@ def test_a_registration_cancelled_twice_still_gives_back_its_host_region(daemon,
             await task
 
     daemon.call(cancel_twice())
-    deadline = time.monotonic() + 5
-    while daemon.run(lambda: daemon.core.arena.reserved) != reserved_before and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: daemon.run(lambda: daemon.core.arena.reserved) == reserved_before)
     names = [c[0] for c in rt.calls]
     assert names.count("hostRegister") == names.count("hostUnregister") == 1
     assert names.count("ipcOpenMemHandle") == names.count("ipcCloseMemHandle") == 1
@@ -569,18 +550,13 @@ def test_a_registration_cancelled_twice_still_gives_back_its_host_region(daemon,
 def test_an_unregister_cancelled_midway_still_releases_the_client(daemon, fake, monkeypatch):
     """An Unregister whose deadline passes while a copy is still on the GPU: the release goes on
     to the end once the copy is done (nothing is held for good), and shutdown is not blocked."""
-    import threading
-    import time
-
     rt = fake.cuda.runtime
     refs, _, _ = cuda_pool(fake, 2, 64)
-    gate = threading.Event()
     with grpc.insecure_channel(daemon.address) as ch:
         stub = pb_grpc.KVServerStub(ch)
         reg = register(stub, refs, 2, 64, 16)
         host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=64)).host_indices)
-        real_sync = rt.eventSynchronize
-        monkeypatch.setattr(rt, "eventSynchronize", lambda event: (gate.wait(10), real_sync(event)))
+        gate = gate_gpu(rt, monkeypatch)
         for call in (lambda: stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=host,
                                                         device_indices=list(range(64))), timeout=0.3),
                      lambda: stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=0.3)):
@@ -589,38 +565,8 @@ def test_an_unregister_cancelled_midway_still_releases_the_client(daemon, fake, 
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "hostUnregister" not in [c[0] for c in rt.calls]  # the copy is still on the GPU
         gate.set()
-        deadline = time.monotonic() + 5
-        while stub.Stats(pb.StatsRequest()).num_clients and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert stub.Stats(pb.StatsRequest()).num_clients == 0
+        assert wait_for(lambda: stub.Stats(pb.StatsRequest()).num_clients == 0)
         assert [c[0] for c in rt.calls].count("hostUnregister") == 1
-
-
-@pytest.fixture
-def cpu_events(monkeypatch):
-    """torch without CUDA cannot open IPC events: the clients get the handle bytes instead."""
-    import torch
-
-    monkeypatch.setattr(torch.cuda.Event, "from_ipc_handle", staticmethod(lambda device, handle: handle))
-
-
-def gate_gpu(rt, monkeypatch):
-    """Every eventSynchronize waits for the returned gate: copies 'stay on the GPU'."""
-    import threading
-
-    gate = threading.Event()
-    real_sync = rt.eventSynchronize
-    monkeypatch.setattr(rt, "eventSynchronize", lambda event: (gate.wait(10), real_sync(event)))
-    return gate
-
-
-def wait_for(predicate, seconds: float = 6.0) -> bool:
-    import time
-
-    deadline = time.monotonic() + seconds
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return predicate()
 
 
 @pytest.mark.parametrize("client_kind", ["sync", "asyncio"])
@@ -629,8 +575,6 @@ def test_a_registration_given_up_after_a_slow_call_is_not_left_behind(daemon, fa
     """A load that outlives the client's deadline makes the client give up its registration and
     register again; the old one's session ends with it, so the daemon reclaims it instead of
     keeping two registrations of one engine."""
-    import asyncio
-
     from kvclient import AsyncKVClient, KVClient
 
     refs, _, _ = cuda_pool(fake, 2, 64)
@@ -666,8 +610,6 @@ def test_a_registration_given_up_after_a_slow_call_is_not_left_behind(daemon, fa
 def test_asyncio_waiters_of_a_load_missed_from_the_start_are_woken():
     """A load asked for while disconnected: wait_layer and wait_recorded, entered before the
     handle's task has run, return False instead of waiting forever."""
-    import asyncio
-
     from kvclient.aio_client import AsyncLoadHandle
 
     async def run(wait):
@@ -685,8 +627,6 @@ def test_asyncio_waiters_of_a_load_missed_from_the_start_are_woken():
 def test_closing_the_asyncio_client_mid_load_is_a_miss(daemon, fake, monkeypatch, cpu_events):
     """The engine closes its client while a load is on the GPU: waiting on that load reports a
     miss; no CancelledError reaches coroutines that nobody cancelled."""
-    import asyncio
-
     from kvclient import AsyncKVClient
 
     refs, _, _ = cuda_pool(fake, 2, 64)
