@@ -275,7 +275,7 @@ class KVCore:
         dev = transfer.as_indices(device_indices, "device")
         transfer.check_device_tokens(dev, client.device.num_tokens)
         client.device.check_sizes()  # narrows, does not close, the window for a SIGBUS
-        num_dev_pages = client.device.num_pages if _paged(client.device) else None
+        num_dev_pages = client.device.num_pages if client.device.paged else None
         plan = transfer.make_plan(pages, dev, spec.page_size, num_dev_pages)
         return Job(client, plan, local_layers, pages, bytes(ready_event), event_slot)
 
@@ -304,10 +304,6 @@ async def _settle(fut: asyncio.Future) -> bool:
         except asyncio.CancelledError:
             cancelled = True
     return cancelled
-
-
-def _paged(device) -> bool:
-    return device.paged if device.kind == "cuda" else device.page_views is not None
 
 
 def _page_tokens(pages: np.ndarray, page_size: int) -> np.ndarray:

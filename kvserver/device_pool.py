@@ -58,6 +58,11 @@ class ShmDevicePool:
     def num_pages(self) -> int:
         return self.num_tokens // self.page_size
 
+    @property
+    def paged(self) -> bool:
+        """Whole device pages can be copied as rows (the buffers are page-contiguous)."""
+        return self.page_views is not None
+
     def check_sizes(self) -> None:
         for m in self.mappings:
             m.check_size()

@@ -96,7 +96,6 @@ class CudaDevicePool:
     opened_events: OrderedDict[bytes, int] = field(default_factory=OrderedDict)
     _events_lock: threading.Lock = field(default_factory=threading.Lock)
     kind: str = "cuda"
-    mappings: list = field(default_factory=list)  # the shared-memory pools' field; none here
 
     @property
     def num_pages(self) -> int:
