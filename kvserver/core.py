@@ -48,9 +48,9 @@ class KVCore:
     # ---- registration -------------------------------------------------------------------
 
     async def register(self, req: pb.RegisterRequest) -> ClientState:
-        """Opens the engine's pool and gives it a host region. Opening a CUDA pool (CuPy's first
-        import, a CUDA context, IPC mappings) and pinning its region take seconds for large
-        regions: they run in a worker thread so the loop keeps serving everyone else."""
+        """Opens the engine's pool and gives it a host region. Opening and attaching a pool run in
+        a worker thread: for a CUDA pool (CuPy's first import, a CUDA context, IPC mappings,
+        pinning the region) they take seconds, and the loop keeps serving everyone else."""
         spec = ClientSpec.from_request(req)
         if len(self.clients) + self._registering >= self.max_clients:
             raise NoCapacity(f"client limit reached: {self.max_clients} clients are registered")
@@ -83,23 +83,12 @@ class KVCore:
             self._in_threads -= 1
             self._thread_done.set()
 
-    async def _close_device(self, device, in_thread: bool) -> None:
-        if in_thread:  # a CUDA pool's close waits on its stream and unpins its region
-            await self._in_thread(device.close)
-        else:
-            device.close()
-
     async def _register(self, req: pb.RegisterRequest, spec: ClientSpec) -> ClientState:
         def open_device():
             return open_pool(req.device_pool, spec.layout, spec.dtype, len(spec.layers), spec.page_size,
                              req.event_slots)
 
-        is_cuda = any(p.WhichOneof("location") == "cuda"
-                      for layer in req.device_pool.layers for p in layer.parts)
-        if is_cuda:
-            device = await self._in_thread(open_device, undo=lambda d: d.close())
-        else:
-            device = open_device()
+        device = await self._in_thread(open_device, undo=lambda d: d.close())
         try:
             page_bytes = spec.page_bytes
             want_pages = -(-req.host_tokens // spec.page_size)
@@ -111,18 +100,17 @@ class KVCore:
                 )
             offset = self.arena.reserve(num_pages * page_bytes)
         except BaseException:
-            await self._close_device(device, is_cuda)
+            await self._in_thread(device.close)
             raise
-        if is_cuda:
+        try:
+            await self._in_thread(device.attach_host, self.arena.address + offset, num_pages * page_bytes,
+                                  len(spec.layers))
+        except BaseException:
             try:
-                await self._in_thread(device.attach_host, self.arena.address + offset, num_pages * page_bytes,
-                                      len(spec.layers))
-            except BaseException:
-                try:
-                    await self._close_device(device, is_cuda)
-                finally:
-                    self.arena.release(offset, num_pages * page_bytes)
-                raise
+                await self._in_thread(device.close)
+            finally:
+                self.arena.release(offset, num_pages * page_bytes)
+            raise
         host_views = self._host_views(spec, device.dtype, offset, num_pages)
         client = ClientState(
             client_id=secrets.token_hex(16),
@@ -189,7 +177,7 @@ class KVCore:
         self.totals.add(client.counters)
         client.host_views = []
         try:
-            await self._close_device(client.device, client.device.kind == "cuda")
+            await self._in_thread(client.device.close)
         except Exception:
             logger.exception("closing the device pool of %s failed; releasing its host memory anyway",
                              client_id)

@@ -63,6 +63,9 @@ class ShmDevicePool:
         """Whole device pages can be copied as rows (the buffers are page-contiguous)."""
         return self.page_views is not None
 
+    def attach_host(self, host_ptr: int, nbytes: int, num_layers: int) -> None:
+        """The CPU copies between shared memory and the host region: nothing to set up."""
+
     def check_sizes(self) -> None:
         for m in self.mappings:
             m.check_size()
