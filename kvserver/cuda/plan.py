@@ -10,8 +10,9 @@ GPU check measures.
 from __future__ import annotations
 
 DMA_MIN_CHUNK_BYTES = 28 << 10
-# Each DMA is one cudaMemcpyAsync issued from Python (~5 us): past this many per job the issue
-# cost outweighs DMA's edge, and the kernel (one launch per layer) is used instead.
+# Each DMA is one cudaMemcpyAsync issued from Python (a few microseconds each; not yet measured
+# here): past this many per job the issue cost is taken to outweigh DMA's edge, and the kernel
+# (one launch per layer) is used instead. The GPU check's figures are what should set it.
 DMA_MAX_COPIES = 512
 
 
