@@ -51,6 +51,12 @@ class ShmLocation(_message.Message):
     name: str
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
+class FdLocation(_message.Message):
+    __slots__ = ("index",)
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    def __init__(self, index: _Optional[int] = ...) -> None: ...
+
 class CudaIpcLocation(_message.Message):
     __slots__ = ("ipc_handle", "device_uuid", "allocation_size", "pci_bus_id")
     IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
@@ -64,16 +70,18 @@ class CudaIpcLocation(_message.Message):
     def __init__(self, ipc_handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., allocation_size: _Optional[int] = ..., pci_bus_id: _Optional[str] = ...) -> None: ...
 
 class BufferRef(_message.Message):
-    __slots__ = ("shm", "cuda", "offset", "token_stride")
+    __slots__ = ("shm", "cuda", "fd", "offset", "token_stride")
     SHM_FIELD_NUMBER: _ClassVar[int]
     CUDA_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     TOKEN_STRIDE_FIELD_NUMBER: _ClassVar[int]
     shm: ShmLocation
     cuda: CudaIpcLocation
+    fd: FdLocation
     offset: int
     token_stride: int
-    def __init__(self, shm: _Optional[_Union[ShmLocation, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpcLocation, _Mapping]] = ..., offset: _Optional[int] = ..., token_stride: _Optional[int] = ...) -> None: ...
+    def __init__(self, shm: _Optional[_Union[ShmLocation, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpcLocation, _Mapping]] = ..., fd: _Optional[_Union[FdLocation, _Mapping]] = ..., offset: _Optional[int] = ..., token_stride: _Optional[int] = ...) -> None: ...
 
 class LayerBuffers(_message.Message):
     __slots__ = ("parts",)
@@ -90,7 +98,7 @@ class DevicePool(_message.Message):
     def __init__(self, num_tokens: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerBuffers, _Mapping]]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("model", "tp_rank", "tp_size", "pp_rank", "pp_size", "start_layer", "end_layer", "num_layers", "layout", "dtype", "page_size", "device_pool", "host_tokens", "event_slots")
+    __slots__ = ("model", "tp_rank", "tp_size", "pp_rank", "pp_size", "start_layer", "end_layer", "num_layers", "layout", "dtype", "page_size", "device_pool", "host_tokens", "event_slots", "min_host_tokens", "replaces_client_id", "peer_ticket")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +113,9 @@ class RegisterRequest(_message.Message):
     DEVICE_POOL_FIELD_NUMBER: _ClassVar[int]
     HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EVENT_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MIN_HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REPLACES_CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_TICKET_FIELD_NUMBER: _ClassVar[int]
     model: str
     tp_rank: int
     tp_size: int
@@ -119,7 +130,10 @@ class RegisterRequest(_message.Message):
     device_pool: DevicePool
     host_tokens: int
     event_slots: int
-    def __init__(self, model: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., page_size: _Optional[int] = ..., device_pool: _Optional[_Union[DevicePool, _Mapping]] = ..., host_tokens: _Optional[int] = ..., event_slots: _Optional[int] = ...) -> None: ...
+    min_host_tokens: int
+    replaces_client_id: str
+    peer_ticket: str
+    def __init__(self, model: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., page_size: _Optional[int] = ..., device_pool: _Optional[_Union[DevicePool, _Mapping]] = ..., host_tokens: _Optional[int] = ..., event_slots: _Optional[int] = ..., min_host_tokens: _Optional[int] = ..., replaces_client_id: _Optional[str] = ..., peer_ticket: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("client_id", "host_tokens", "page_size", "host_bytes_per_token", "epoch", "lease_seconds", "reclaim_grace_seconds", "layer_events")
@@ -180,18 +194,20 @@ class FreeResponse(_message.Message):
     def __init__(self, freed_tokens: _Optional[int] = ...) -> None: ...
 
 class WriteRequest(_message.Message):
-    __slots__ = ("client_id", "device_indices", "host_indices", "layers", "ready_event")
+    __slots__ = ("client_id", "device_indices", "host_indices", "layers", "ready_event", "timeout_ms")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_INDICES_FIELD_NUMBER: _ClassVar[int]
     HOST_INDICES_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     READY_EVENT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     device_indices: _containers.RepeatedScalarFieldContainer[int]
     host_indices: _containers.RepeatedScalarFieldContainer[int]
     layers: _containers.RepeatedScalarFieldContainer[int]
     ready_event: bytes
-    def __init__(self, client_id: _Optional[str] = ..., device_indices: _Optional[_Iterable[int]] = ..., host_indices: _Optional[_Iterable[int]] = ..., layers: _Optional[_Iterable[int]] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
+    timeout_ms: int
+    def __init__(self, client_id: _Optional[str] = ..., device_indices: _Optional[_Iterable[int]] = ..., host_indices: _Optional[_Iterable[int]] = ..., layers: _Optional[_Iterable[int]] = ..., ready_event: _Optional[bytes] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class WriteResponse(_message.Message):
     __slots__ = ("bytes",)
@@ -200,20 +216,22 @@ class WriteResponse(_message.Message):
     def __init__(self, bytes: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("client_id", "host_indices", "device_indices", "layers", "event_slot", "ready_event")
+    __slots__ = ("client_id", "host_indices", "device_indices", "layers", "event_slot", "ready_event", "timeout_ms")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_INDICES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_INDICES_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     EVENT_SLOT_FIELD_NUMBER: _ClassVar[int]
     READY_EVENT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     host_indices: _containers.RepeatedScalarFieldContainer[int]
     device_indices: _containers.RepeatedScalarFieldContainer[int]
     layers: _containers.RepeatedScalarFieldContainer[int]
     event_slot: int
     ready_event: bytes
-    def __init__(self, client_id: _Optional[str] = ..., host_indices: _Optional[_Iterable[int]] = ..., device_indices: _Optional[_Iterable[int]] = ..., layers: _Optional[_Iterable[int]] = ..., event_slot: _Optional[int] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
+    timeout_ms: int
+    def __init__(self, client_id: _Optional[str] = ..., host_indices: _Optional[_Iterable[int]] = ..., device_indices: _Optional[_Iterable[int]] = ..., layers: _Optional[_Iterable[int]] = ..., event_slot: _Optional[int] = ..., ready_event: _Optional[bytes] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class LoadProgress(_message.Message):
     __slots__ = ("last_layer", "layers_done", "done", "bytes", "events_recorded")
