@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import grpc
 
 from kvclient import _messages as msg
 from kvclient._channel import target
-from kvclient._resilience import is_miss, needs_register
+from kvclient._resilience import confirm_grace, is_miss, job_unconfirmed, needs_register
 from kvclient.cuda_events import LayerEvents
 from kvclient.errors import KVClientError
 from kvserver.v1 import kvserver_pb2 as pb
+
+logger = logging.getLogger("kvclient")
 
 
 class ClientBase:
@@ -48,6 +51,43 @@ class ClientBase:
 
     def _lost(self, reg: msg.Registration | None, reason: str) -> None:
         raise NotImplementedError
+
+    def _job_unconfirmed(self, error: KVClientError) -> bool:
+        """A Write or Load failed without the daemon confirming that its job is dead."""
+        return job_unconfirmed(error.code, error.job_ended)
+
+    @property
+    def _job_deadline(self) -> float:
+        """The gRPC deadline of a Write or Load: later than the job deadline the daemon is told
+        (``timeout``), so that its answer, not the client's clock, ends the call."""
+        return self.timeout + confirm_grace(self.timeout)
+
+    @property
+    def _timeout_ms(self) -> int:
+        return max(1, int(self.timeout * 1000))
+
+    def _disconnected(self, on_miss):
+        """A call while the registration is lost: a miss, or (not resilient) an error."""
+        if not self.resilient:
+            raise KVClientError(grpc.StatusCode.UNAVAILABLE,
+                                "the registration was lost (daemon unreachable, restarted or reclaimed it)")
+        self.misses += 1
+        return on_miss
+
+    def _retry_request(self, reg: msg.Registration | None) -> pb.RegisterRequest:
+        """The registration request again, naming the registration it replaces: a daemon that
+        still holds that one (a slow call, not a restart) releases it first."""
+        req = pb.RegisterRequest()
+        req.CopyFrom(self._request)
+        if reg is not None:
+            req.replaces_client_id = reg.client_id
+        return req
+
+    @staticmethod
+    def _log_grant(reg: msg.Registration, req: pb.RegisterRequest) -> None:
+        logger.info("registered with kvserver: %d host tokens granted of %d asked (%d bytes each), "
+                    "layers [%d, %d)", reg.host_tokens, req.host_tokens, reg.host_bytes_per_token,
+                    reg.start_layer, reg.end_layer)
 
     def _remember_pool(self, pool, reg: msg.Registration) -> None:
         """The registered pool; for CUDA pools, the device its layer events are opened on."""

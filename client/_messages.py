@@ -50,6 +50,7 @@ def register_request(
     pp_rank: int,
     pp_size: int,
     event_slots: int = 0,
+    min_host_tokens: int = 0,
 ) -> pb.RegisterRequest:
     return pb.RegisterRequest(
         model=model,
@@ -66,6 +67,7 @@ def register_request(
         device_pool=pool.descriptor(),
         host_tokens=host_tokens,
         event_slots=event_slots,
+        min_host_tokens=min_host_tokens,
     )
 
 

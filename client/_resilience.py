@@ -12,27 +12,44 @@ import random
 
 import grpc
 
-# The daemon is unreachable or too slow: reconnect.
-OUTAGE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                    grpc.StatusCode.CANCELLED})
+# The daemon is unreachable: reconnect (register again once it answers).
+OUTAGE = frozenset({grpc.StatusCode.UNAVAILABLE})
 # The daemon no longer knows this registration (restarted, or reclaimed it): register again.
 LOST = frozenset({grpc.StatusCode.NOT_FOUND})
 # The host pages are not (or no longer) this registration's: the data is simply not there.
 STALE = frozenset({grpc.StatusCode.FAILED_PRECONDITION})
+# The call took too long or was cancelled: a miss, and the registration stays. A deadline is not an
+# outage: re-registering would drop every page the registration holds.
+SLOW = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
 
 
 def is_miss(code: grpc.StatusCode) -> bool:
-    return code in OUTAGE or code in LOST or code in STALE
+    return code in OUTAGE or code in LOST or code in STALE or code in SLOW
 
 
 def needs_register(code: grpc.StatusCode) -> bool:
     return code in OUTAGE or code in LOST
 
 
+def job_unconfirmed(code: grpc.StatusCode, job_ended: bool) -> bool:
+    """A Write or Load failed on the client's side (its deadline, a cancellation) without the
+    daemon saying its job is dead: the job might still copy, so the client must make sure it
+    cannot before it reports the failure."""
+    return code in SLOW and not job_ended
+
+
+def confirm_grace(timeout: float) -> float:
+    """How much longer than the daemon's own job deadline (``timeout``) a Write or Load call's
+    gRPC deadline is: time for the daemon to stop the job and say so."""
+    return max(1.0, timeout / 2)
+
+
 class Backoff:
     """Exponential backoff with full jitter, from ``first`` up to ``cap`` seconds."""
 
-    def __init__(self, first: float = 0.05, cap: float = 2.0) -> None:
+    # The cap keeps a client back within about a second of a daemon that answers again, whatever
+    # the length of the outage (the channel's own reconnect backoff is capped alike: _channel.py).
+    def __init__(self, first: float = 0.05, cap: float = 0.5) -> None:
         self.first = first
         self.cap = cap
         self.attempt = 0

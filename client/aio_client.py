@@ -35,6 +35,8 @@ class AsyncLoadHandle:
                  client: AsyncKVClient | None = None, reg: msg.Registration | None = None) -> None:
         self.layers = layers
         self.missed = stream is None
+        # False only if the load failed and the daemon could not confirm that its copy stopped.
+        self.confirmed = True
         self.events: dict[int, object] = {}  # CUDA pools: global layer -> torch.cuda.Event
         self._recorded = False
         self._last_layer = -1
@@ -66,6 +68,9 @@ class AsyncLoadHandle:
                 error = KVClientError(grpc.StatusCode.CANCELLED, "the load's call was cancelled (closed)")
             else:
                 error = from_rpc_error(exc)
+            if self._client is not None and self._client._job_unconfirmed(error):
+                # Reported to the engine only once the copy cannot still run.
+                self.confirmed = await self._client._confirm_stopped(self._reg)
             if self._client is None or not self._client._is_miss(error, self._reg):
                 raise error from None
             self.missed = True
@@ -128,19 +133,39 @@ class AsyncKVClient(ClientBase):
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
 
-    async def _data_call(self, method, request, on_miss):
+    async def _data_call(self, method, request, on_miss, job: bool = False):
         reg = self.registration
         if reg is None:
             raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "register() first")
         if not self.connected:
-            self.misses += 1
-            return on_miss
+            return self._disconnected(on_miss)
         try:
-            return await method(request(reg.client_id), timeout=self.timeout, metadata=self._metadata)
+            return await method(request(reg.client_id), timeout=self._job_deadline if job else self.timeout,
+                                metadata=self._metadata)
         except grpc.RpcError as exc:
-            if self._is_miss(from_rpc_error(exc), reg):
-                return on_miss
-            raise from_rpc_error(exc) from None
+            error = from_rpc_error(exc)
+        if job and self._job_unconfirmed(error):
+            await self._confirm_stopped(reg)
+        if self._is_miss(error, reg):
+            return on_miss
+        raise error from None
+
+    async def _confirm_stopped(self, reg: msg.Registration) -> bool:
+        """As KVClient._confirm_stopped: Unregister stops the registration's jobs and answers once
+        they are dead; then the client registers anew. True if the daemon confirmed."""
+        if self._request is None:  # closed or unregistered
+            return False
+        try:
+            await self._stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=self.timeout,
+                                        metadata=self._metadata)
+            confirmed = True
+        except grpc.RpcError as exc:
+            confirmed = exc.code() == grpc.StatusCode.NOT_FOUND
+        if not confirmed:
+            logger.warning("kvserver did not confirm that a timed-out copy stopped; its device slots "
+                           "may still be written until the daemon drops the registration")
+        self._lost(reg, "a copy outlived its deadline unanswered")
+        return confirmed
 
 
     # ---- registration and liveness --------------------------------------------------------
@@ -148,13 +173,15 @@ class AsyncKVClient(ClientBase):
     async def register(self, *, model: str, pool: ShmKVPool, start_layer: int, end_layer: int,
                        num_layers: int, host_tokens: int, page_size: int = 1, tp_rank: int = 0,
                        tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
-                       event_slots: int = 0) -> msg.Registration:
+                       event_slots: int = 0, min_host_tokens: int | None = None) -> msg.Registration:
         req = msg.register_request(
             model=model, pool=pool, start_layer=start_layer, end_layer=end_layer,
             num_layers=num_layers, host_tokens=host_tokens, page_size=page_size,
             tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, event_slots=event_slots,
+            min_host_tokens=min_host_tokens or 0,
         )
         reg = msg.registration(await self._call(self._stub.Register, req), req)
+        self._log_grant(reg, req)
         self._remember_pool(pool, reg)
         self._request = req
         self._adopt(reg)
@@ -187,21 +214,24 @@ class AsyncKVClient(ClientBase):
             return
         logger.warning("kvserver registration lost (%s); writes are dropped and loads miss until "
                        "the daemon is back", reason)
-        self._reconnect = asyncio.get_running_loop().create_task(self._reregister())
+        self._reconnect = asyncio.get_running_loop().create_task(self._reregister(reg))
 
-    async def _reregister(self) -> None:
+    async def _reregister(self, old: msg.Registration) -> None:
         backoff = Backoff()
         try:
             while self._request is not None:
                 await asyncio.sleep(backoff.next())
+                request = self._request
+                if request is None:
+                    return
                 try:
-                    resp = await self._stub.Register(self._request, timeout=self.timeout,
+                    resp = await self._stub.Register(self._retry_request(old), timeout=self.timeout,
                                                      metadata=self._metadata)
                 except grpc.RpcError:
                     continue
                 if self._request is None:
                     return
-                self._adopt(msg.registration(resp, self._request))
+                self._adopt(msg.registration(resp, request))
                 self.reconnects += 1
                 logger.warning("kvserver registration restored after %d attempts", backoff.attempt)
                 return
@@ -250,8 +280,8 @@ class AsyncKVClient(ClientBase):
         resp = await self._data_call(
             self._stub.Write,
             lambda cid: pb.WriteRequest(client_id=cid, host_indices=host, device_indices=dev, layers=lay,
-                                        ready_event=ready),
-            None,
+                                        ready_event=ready, timeout_ms=self._timeout_ms),
+            None, job=True,
         )
         return 0 if resp is None else resp.bytes
 
@@ -263,13 +293,12 @@ class AsyncKVClient(ClientBase):
             raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "register() first")
         lay = msg.layer_list(layers) or list(range(reg.start_layer, reg.end_layer))
         if not self.connected:
-            self.misses += 1
-            return AsyncLoadHandle(lay, None)
+            return self._disconnected(AsyncLoadHandle(lay, None))
         req = pb.LoadRequest(client_id=reg.client_id, host_indices=msg.ids(host_indices),
                              device_indices=msg.ids(device_indices), layers=msg.layer_list(layers),
-                             event_slot=event_slot,
+                             event_slot=event_slot, timeout_ms=self._timeout_ms,
                              ready_event=b"" if ready_event is None else event_handle(ready_event))
-        stream = self._stub.Load(req, timeout=self.timeout, metadata=self._metadata)
+        stream = self._stub.Load(req, timeout=self._job_deadline, metadata=self._metadata)
         handle = AsyncLoadHandle(lay, stream, self, reg)
         if reg.layer_events:
             events = self._layer_events(reg)

@@ -24,6 +24,9 @@ class LoadHandle:
         self._bytes = 0
         self._error: KVClientError | None = None
         self.missed = False
+        # False only if the load failed and the daemon could not confirm that its copy stopped
+        # (see docs/reliability.md): its device slots may then still be written for a while.
+        self.confirmed = True
         self._recorded = False
         self.events: dict[int, object] = {}  # CUDA pools: global layer -> torch.cuda.Event
 

@@ -58,20 +58,42 @@ class KVClient(ClientBase):
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
 
-    def _data_call(self, method, request, on_miss):
-        """A call on the registration: failures that mean "not there" become ``on_miss``."""
+    def _data_call(self, method, request, on_miss, job: bool = False):
+        """A call on the registration: failures that mean "not there" become ``on_miss``.
+        ``job``: a Write, whose failure is reported only once its copy cannot still run."""
         reg = self.registration
         if reg is None and self._request is None:
             raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "register() first")
         if not self.connected:
-            self.misses += 1
-            return on_miss
+            return self._disconnected(on_miss)
         try:
-            return method(request(reg.client_id), timeout=self.timeout, metadata=self._metadata)
+            return method(request(reg.client_id), timeout=self._job_deadline if job else self.timeout,
+                          metadata=self._metadata)
         except grpc.RpcError as exc:
-            if self._is_miss(from_rpc_error(exc), reg):
-                return on_miss
-            raise from_rpc_error(exc) from None
+            error = from_rpc_error(exc)
+        if job and self._job_unconfirmed(error):
+            self._confirm_stopped(reg)
+        if self._is_miss(error, reg):
+            return on_miss
+        raise error from None
+
+    def _confirm_stopped(self, reg: msg.Registration) -> bool:
+        """A Write or Load got no answer in time, so its copy might still run. Unregister stops
+        every job of the registration and answers once they are dead; the client then registers
+        anew. True if the daemon confirmed (see docs/reliability.md for when it cannot)."""
+        if self._closed.is_set():
+            return False
+        try:
+            self._stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=self.timeout,
+                                  metadata=self._metadata)
+            confirmed = True
+        except grpc.RpcError as exc:
+            confirmed = exc.code() == grpc.StatusCode.NOT_FOUND  # already released or being released
+        if not confirmed:
+            logger.warning("kvserver did not confirm that a timed-out copy stopped; its device slots "
+                           "may still be written until the daemon drops the registration")
+        self._lost(reg, "a copy outlived its deadline unanswered")
+        return confirmed
 
 
     # ---- registration and liveness --------------------------------------------------------
@@ -91,16 +113,21 @@ class KVClient(ClientBase):
         pp_rank: int = 0,
         pp_size: int = 1,
         event_slots: int = 0,
+        min_host_tokens: int | None = None,
     ) -> msg.Registration:
         """Registers (always raising on failure) and opens the session that keeps it alive.
         ``pool`` is a ShmKVPool or a CudaKVPool; CUDA pools get ``event_slots`` (default 3)
-        sets of per-layer events, one set per load in flight."""
+        sets of per-layer events, one set per load in flight. The grant is ``host_tokens``, or
+        at least ``min_host_tokens`` if given: a daemon that cannot grant that much refuses with
+        RESOURCE_EXHAUSTED, naming what is free."""
         req = msg.register_request(
             model=model, pool=pool, start_layer=start_layer, end_layer=end_layer,
             num_layers=num_layers, host_tokens=host_tokens, page_size=page_size,
             tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, event_slots=event_slots,
+            min_host_tokens=min_host_tokens or 0,
         )
         reg = msg.registration(self._call(self._stub.Register, req), req)
+        self._log_grant(reg, req)
         self._remember_pool(pool, reg)
         with self._lock:
             self._request = req
@@ -140,21 +167,25 @@ class KVClient(ClientBase):
             self._reconnecting = True
         logger.warning("kvserver registration lost (%s); writes are dropped and loads miss until "
                        "the daemon is back", reason)
-        threading.Thread(target=self._reconnect, daemon=True, name="kvclient-reconnect").start()
+        threading.Thread(target=self._reconnect, args=(reg,), daemon=True, name="kvclient-reconnect").start()
 
-    def _reconnect(self) -> None:
+    def _reconnect(self, old: msg.Registration) -> None:
         backoff = Backoff()
         try:
             while not self._closed.wait(backoff.next()):
+                request = self._request
+                if request is None:
+                    return
                 try:
-                    resp = self._stub.Register(self._request, timeout=self.timeout, metadata=self._metadata)
+                    resp = self._stub.Register(self._retry_request(old), timeout=self.timeout,
+                                               metadata=self._metadata)
                 except grpc.RpcError as exc:
                     logger.debug("re-registration failed: %s", exc.code().name)
                     continue
                 with self._lock:
                     if self._closed.is_set() or self.registration is None:
                         return
-                    self._adopt(msg.registration(resp, self._request))
+                    self._adopt(msg.registration(resp, request))
                     self.reconnects += 1
                 logger.warning("kvserver registration restored after %d attempts", backoff.attempt)
                 return
@@ -206,8 +237,8 @@ class KVClient(ClientBase):
         resp = self._data_call(
             self._stub.Write,
             lambda cid: pb.WriteRequest(client_id=cid, host_indices=host, device_indices=dev, layers=lay,
-                                        ready_event=ready),
-            None,
+                                        ready_event=ready, timeout_ms=self._timeout_ms),
+            None, job=True,
         )
         return 0 if resp is None else resp.bytes
 
@@ -224,17 +255,24 @@ class KVClient(ClientBase):
         req = self._request or pb.RegisterRequest()
         lay = msg.layer_list(layers) or list(range(req.start_layer, req.end_layer))
         if not self.connected:
-            self.misses += 1
-            return LoadHandle.miss(lay)
+            return self._disconnected(LoadHandle.miss(lay))
         request = pb.LoadRequest(client_id=reg.client_id, host_indices=msg.ids(host_indices),
                                  device_indices=msg.ids(device_indices), layers=msg.layer_list(layers),
-                                 event_slot=event_slot,
+                                 event_slot=event_slot, timeout_ms=self._timeout_ms,
                                  ready_event=b"" if ready_event is None else event_handle(ready_event))
-        handle = LoadHandle(lay, on_error=lambda error: self._is_miss(error, reg))
+        handle = LoadHandle(lay)
+
+        def failed(error: KVClientError) -> bool:
+            # Reported to the engine only once the daemon said the copy is dead, or was made to.
+            if self._job_unconfirmed(error):
+                handle.confirmed = self._confirm_stopped(reg)
+            return self._is_miss(error, reg)
+
+        handle._on_error = failed
         if reg.layer_events:
             events = self._layer_events(reg)
             handle.events = {g: events.event(event_slot, g - reg.start_layer) for g in lay}
-        stream = self._stub.Load(request, timeout=self.timeout, metadata=self._metadata)
+        stream = self._stub.Load(request, timeout=self._job_deadline, metadata=self._metadata)
         self._loaders.submit(handle._consume, stream)
         return handle
 

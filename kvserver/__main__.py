@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most indices in one request (default 4194304)")
     p.add_argument("--token-file", default=_env("TOKEN_FILE"),
                    help="file holding the token clients must send; KVSERVER_TOKEN gives it directly")
+    p.add_argument("--admin-token-file", default=_env("ADMIN_TOKEN_FILE"),
+                   help="file holding the admin token (x-kvserver-admin metadata): it lets a caller "
+                        "list every client in Stats; KVSERVER_ADMIN_TOKEN gives it directly")
     p.add_argument("--insecure-tcp", action="store_true", default=_env("INSECURE_TCP", "") == "1",
                    help="allow --listen without a token")
     p.add_argument("--socket-group-access", action="store_true",
@@ -63,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _read_token(path: str | None) -> str | None:
+def _read_token(path: str | None, variable: str = "KVSERVER_TOKEN") -> str | None:
     if path:
         try:
             with open(path) as f:
@@ -73,7 +76,7 @@ def _read_token(path: str | None) -> str | None:
         if not token:
             raise ValueError(f"token file {path} is empty")
         return token
-    return os.environ.get("KVSERVER_TOKEN") or None
+    return os.environ.get(variable) or None
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -95,6 +98,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_clients=args.max_clients,
         max_request_indices=args.max_request_indices,
         token=_read_token(args.token_file),
+        admin_token=_read_token(args.admin_token_file, "KVSERVER_ADMIN_TOKEN"),
         insecure_tcp=args.insecure_tcp,
         socket_group_access=args.socket_group_access,
     )

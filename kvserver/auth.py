@@ -1,6 +1,8 @@
-"""Token check on every call: 'authorization: Bearer <token>' metadata, compared in constant time.
+"""Credentials in call metadata, compared in constant time.
 
-Health checks stay open (probes have no token); everything else, reflection included, needs it.
+The client token: 'authorization: Bearer <token>' on every call. Health checks stay open
+(probes have no token); everything else, reflection included, needs it.
+The admin token: 'x-kvserver-admin: <token>' on a Stats call lists every client of the daemon.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import hmac
 import grpc
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+ADMIN_KEY = "x-kvserver-admin"
 MESSAGE = "missing or wrong token: send 'authorization: Bearer <token>' metadata"
 
 
@@ -22,16 +25,28 @@ async def _deny_stream(request, context):
     yield  # pragma: no cover (makes this an async generator)
 
 
+def _value(metadata, key: str) -> bytes | None:
+    for k, value in metadata or ():
+        if k == key:
+            return value.encode() if isinstance(value, str) else value
+    return None
+
+
+def is_admin(metadata, admin_token: str | None) -> bool:
+    """The call carries the daemon's admin token (never true when none is set)."""
+    if not admin_token:
+        return False
+    got = _value(metadata, ADMIN_KEY)
+    return got is not None and hmac.compare_digest(got, admin_token.encode())
+
+
 class TokenAuth(grpc.aio.ServerInterceptor):
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()
 
     def allows(self, metadata) -> bool:
-        for key, value in metadata or ():
-            if key == "authorization":
-                got = value.encode() if isinstance(value, str) else value
-                return hmac.compare_digest(got, self._expected)
-        return False
+        got = _value(metadata, "authorization")
+        return got is not None and hmac.compare_digest(got, self._expected)
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)

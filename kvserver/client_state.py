@@ -17,6 +17,12 @@ from kvserver.transfer import BufferTable
 from kvserver.v1 import kvserver_pb2 as pb
 
 
+def public_id(client_id: str) -> str:
+    """What logs and listings show of a client id: its first 8 of 32 hex digits. The id is the
+    client's bearer capability, so it is never shown whole to anyone but its holder."""
+    return client_id[:8] + "..."
+
+
 @dataclass(slots=True)
 class Counters:
     bytes_written: int = 0
@@ -102,6 +108,7 @@ class ClientState:
     counters: Counters = field(default_factory=Counters)
     busy: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     inflight: int = 0
+    jobs: set = field(default_factory=set)  # copier.Job in flight, stopped when the client is released
     closing: bool = False
     changed: asyncio.Event = field(default_factory=asyncio.Event)  # set and replaced on release
     # Liveness (see liveness.py): open Session streams, last call, when the last session ended.

@@ -39,6 +39,7 @@ class ServerConfig:
     max_clients: int = 1024
     max_request_indices: int = 1 << 22
     token: str | None = None  # required as "authorization: Bearer <token>" metadata when set
+    admin_token: str | None = None  # as "x-kvserver-admin: <token>" metadata: Stats lists every client
     insecure_tcp: bool = False  # allow --listen without a token
     socket_group_access: bool = False  # socket mode 0660 instead of 0600
     max_message_bytes: int = 64 << 20
@@ -63,6 +64,8 @@ class ServerConfig:
             raise ValueError("lease must be positive and reclaim grace not negative")
         if self.max_clients < 1 or self.max_request_indices < 1:
             raise ValueError("client and request limits must be at least 1")
+        if self.admin_token is not None and self.admin_token == self.token:
+            raise ValueError("the admin token must differ from the client token")
 
 
     @property

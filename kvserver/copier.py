@@ -7,21 +7,30 @@ so engines on other GPUs (or other clients on one GPU) are not queued behind it.
 runs, its host pages are marked busy, so that a Free or Unregister of those pages waits for it,
 and the mark is cleared by the copy's own completion, never by the RPC that asked: a cancelled
 call cannot free pages a copy still touches.
+
+A job never outlives what asked for it. Each has a stop word that the copy reads before every
+layer: a job whose call ended (deadline, disconnect), whose ``timeout_ms`` passed, or whose client
+is being released is dropped if still queued and ends at its next layer boundary if running. Its
+call is answered only once the job is dead, so a client told "this load failed" knows the daemon
+will not write those slots later. A CUDA job that is already on the GPU cannot be stopped: its
+call is answered once the GPU is done with it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvserver import transfer
 from kvserver.client_state import ClientState
+from kvserver.errors import JobStopped
 from kvserver.layer_signal import LayerSignal
 
 # Copies up to this size run on the event loop when the worker is idle (~50 us at memcpy speed).
@@ -41,7 +50,7 @@ class LoadStep:
     events_recorded: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class Job:
     client: ClientState
     plan: transfer.CopyPlan
@@ -49,11 +58,32 @@ class Job:
     pages: np.ndarray
     ready_event: bytes = b""  # CUDA: the engine's event to wait on before copying
     event_slot: int = 0  # CUDA loads: whose layer events to record
+    timeout: float = 0.0  # seconds from submission after which the job stops (0: none)
+    # Read by the copy thread before every layer; nonzero once the job is to stop.
+    stop_word: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
+    stop_reason: str = ""
+    queued: Future | None = None  # the worker's future while the job may still be dropped
 
     @property
     def bytes_per_layer(self) -> int:
         spec = self.client.spec
         return self.plan.num_tokens * spec.token_bytes * spec.layout.num_parts
+
+    @property
+    def stopping(self) -> bool:
+        return bool(self.stop_word[0])
+
+    def stop(self, reason: str) -> None:
+        """Asks the job to end: dropped if the worker has not taken it yet, else it ends at its
+        next layer boundary. The first reason given is the one reported."""
+        if not self.stop_reason:
+            self.stop_reason = reason
+        self.stop_word[0] = 1
+        if self.queued is not None:
+            self.queued.cancel()  # only succeeds while the job waits in the worker's queue
+
+    def stopped(self, layers_done: int) -> JobStopped:
+        return JobStopped(self.stop_reason or "cancelled", layers_done, len(self.local_layers))
 
 
 class Copier:
@@ -64,7 +94,11 @@ class Copier:
         self._waiters = ThreadPoolExecutor(CUDA_WAITERS, thread_name_prefix="kvcuda-wait")
 
     async def write(self, job: Job) -> int:
-        await self._submit(job, False, None)
+        fut = self._submit(job, False, None)
+        try:
+            await _until_done(fut, job)
+        finally:
+            job.client.jobs.discard(job)
         nbytes = job.bytes_per_layer * len(job.local_layers)
         job.client.counters.bytes_written += nbytes
         job.client.counters.write_ops += 1
@@ -95,6 +129,10 @@ class Copier:
         try:
             while sent < total:
                 if fut.done():
+                    if fut.exception() is not None and signal.layers_done > sent:
+                        # Stopped or failed after some layers: say which landed, then why.
+                        sent = signal.layers_done
+                        yield LoadStep(start + job.local_layers[sent - 1], sent, sent * job.bytes_per_layer)
                     fut.result()  # raises the worker's error, if any
                 if not told_recorded and signal.recorded:
                     told_recorded = True
@@ -110,17 +148,24 @@ class Copier:
                 await asyncio.wait({waiter, fut}, timeout=wait if done > sent else None,
                                    return_when=asyncio.FIRST_COMPLETED)
                 waiter.cancel()
-            await fut
+            await _until_done(fut, job)
+        except BaseException:
+            if not fut.done():  # the call ended (its deadline, a disconnect): so does the job
+                job.stop("cancelled")
+                _forget(fut)
+            raise
         finally:
             if waiter is not None:
                 waiter.cancel()
             signal.unwatch(loop)
+            job.client.jobs.discard(job)
         job.client.counters.bytes_loaded += total * job.bytes_per_layer
         job.client.counters.load_ops += 1
 
     def _submit(self, job: Job, to_device: bool, signal: LayerSignal | None) -> asyncio.Future[None]:
         """Starts a copy; its pages stay busy (and its signal open) until the worker thread is
-        really done with them, even when the RPC that asked for it is cancelled first.
+        really done with them, even when the RPC that asked for it is cancelled first. The
+        future fails with ``JobStopped`` if the job was stopped before its last layer.
 
         A small copy while no other copy is queued runs right here on the loop: it takes less
         time than handing it to the worker and back would, and still keeps arrival order.
@@ -129,6 +174,7 @@ class Copier:
         client = job.client
         client.busy[job.pages] += 1
         client.inflight += 1
+        client.jobs.add(job)
         small = job.bytes_per_layer * len(job.local_layers) <= INLINE_COPY_BYTES
         if self.queued == 0 and small and client.device.kind == "shm":
             fut = loop.create_future()
@@ -144,9 +190,26 @@ class Copier:
         if client.device.kind == "cuda":
             cf = self._cuda(job, to_device, signal)
         else:
-            cf = self._executor.submit(self._run, job, to_device, signal)
-        cf.add_done_callback(lambda _: loop.call_soon_threadsafe(self._release, job, signal, True))
-        return asyncio.wrap_future(cf, loop=loop)
+            cf = job.queued = self._executor.submit(self._run, job, to_device, signal)
+        fut = loop.create_future()
+        timer = loop.call_later(job.timeout, job.stop, "deadline") if job.timeout > 0 else None
+
+        def finish(_: Future) -> None:
+            if timer is not None:
+                timer.cancel()
+            job.queued = None
+            self._release(job, signal, True)
+            if fut.done():  # the caller stopped waiting (its task was cancelled)
+                return
+            if cf.cancelled():  # dropped from the queue: nothing was copied
+                fut.set_exception(job.stopped(0))
+            elif cf.exception() is not None:
+                fut.set_exception(cf.exception())
+            else:
+                fut.set_result(None)
+
+        cf.add_done_callback(lambda f: loop.call_soon_threadsafe(finish, f))
+        return fut
 
     def _cuda(self, job: Job, to_device: bool, signal: LayerSignal | None) -> Future[None]:
         """The worker enqueues the copy (and says a load's events are recorded), then hands the
@@ -167,6 +230,8 @@ class Copier:
 
         def enqueue() -> None:
             try:
+                if job.stopping:  # dropped before anything went on the GPU
+                    raise job.stopped(0)
                 pending = device.enqueue(job.plan, layers, job.client.host_table, to_device, job.ready_event,
                                          job.event_slot)
                 if signal is not None:
@@ -179,14 +244,25 @@ class Copier:
         return done
 
     def _run(self, job: Job, to_device: bool, signal: LayerSignal | None) -> None:
+        """Copies the job's layers in order; raises ``JobStopped`` if it was stopped first."""
         client, device = job.client, job.client.device
+        if job.stopping:
+            raise job.stopped(0)
         table = device.page_table if job.plan.device_paged else device.token_table
         layers = np.asarray(job.local_layers, dtype=np.int64)
         progress, fd = (signal.counter, signal.fd) if signal is not None else (None, -1)
         interval = signal.interval if signal is not None else 0.0
-        if transfer.copy_job(job.plan, layers, client.host_table, table, to_device, progress, fd, interval):
+        done = transfer.copy_job(job.plan, layers, client.host_table, table, to_device, progress, fd,
+                                 interval, job.stop_word)
+        if done is not None:
+            if done < len(job.local_layers):
+                if signal is not None:
+                    os.eventfd_write(signal.fd, 1)  # wake the loop: the copy ends here
+                raise job.stopped(done)
             return
         for i, layer in enumerate(job.local_layers):
+            if job.stopping:
+                raise job.stopped(i)
             for part, host in enumerate(client.host_views[layer]):
                 pages = device.page_views[layer][part] if device.page_views is not None else None
                 transfer.copy_part(job.plan, host, pages, device.token_views[layer][part], to_device)
@@ -206,6 +282,23 @@ class Copier:
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True)  # enqueued CUDA copies have their waiters by now
         self._waiters.shutdown(wait=True)
+
+
+async def _until_done(fut: asyncio.Future, job: Job) -> None:
+    """Awaits the job's future; if the caller is cancelled meanwhile, the job is told to stop
+    and the cancellation goes on (the job's own completion still releases its pages)."""
+    try:
+        await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        if not fut.done():
+            job.stop("cancelled")
+            _forget(fut)
+        raise
+
+
+def _forget(fut: asyncio.Future) -> None:
+    """Nobody will await ``fut`` now: its outcome is read so that asyncio does not log it."""
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 async def wait_until(client: ClientState, predicate: Callable[[], bool]) -> None:

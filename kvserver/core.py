@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from kvserver import epochs, transfer
-from kvserver.client_state import ClientSpec, ClientState, Counters
+from kvserver.client_state import ClientSpec, ClientState, Counters, public_id
 from kvserver.copier import Copier, Job, wait_until
 from kvserver.device_pool import open_pool
 from kvserver.errors import InvalidArgument, NoCapacity, UnknownClient, shown
@@ -52,6 +52,8 @@ class KVCore:
         a worker thread: for a CUDA pool (CuPy's first import, a CUDA context, IPC mappings,
         pinning the region) they take seconds, and the loop keeps serving everyone else."""
         spec = ClientSpec.from_request(req)
+        if req.replaces_client_id:
+            await self._release_replaced(req.replaces_client_id)
         if len(self.clients) + self._registering >= self.max_clients:
             raise NoCapacity(f"client limit reached: {self.max_clients} clients are registered")
         if req.host_tokens == 0:
@@ -61,6 +63,17 @@ class KVCore:
             return await self._register(req, spec)
         finally:
             self._registering -= 1
+
+    async def _release_replaced(self, client_id: str) -> None:
+        """An engine registering again names its previous registration: released first (its
+        jobs stopped, its region returned), so one engine never holds two regions."""
+        old = self.clients.get(client_id)
+        if old is None:
+            return
+        if old.closing:
+            await old.gone.wait()
+        else:
+            await self.unregister(client_id, reason="replaced by a new registration")
 
     async def _in_thread(self, fn, *args, undo=None):
         """``fn(*args)`` in a worker thread; ``close`` waits for it, since it may use the arena.
@@ -127,7 +140,7 @@ class KVCore:
         self.clients[client.client_id] = client
         logger.info(
             "registered %s: model=%s tp=%d/%d pp=%d/%d layers=%s pages=%d x %d B",
-            client.client_id, spec.model, spec.tp_rank, spec.tp_size, spec.pp_rank, spec.pp_size,
+            public_id(client.client_id), spec.model, spec.tp_rank, spec.tp_size, spec.pp_rank, spec.pp_size,
             spec.layers, num_pages, page_bytes,
         )
         return client
@@ -172,6 +185,8 @@ class KVCore:
 
     async def _release(self, client: ClientState, reason: str) -> None:
         client_id = client.client_id
+        for job in list(client.jobs):  # queued ones are dropped, running ones end at a layer boundary
+            job.stop("released")
         await wait_until(client, lambda: client.inflight == 0)
         del self.clients[client_id]
         self.totals.add(client.counters)
@@ -180,11 +195,11 @@ class KVCore:
             await self._in_thread(client.device.close)
         except Exception:
             logger.exception("closing the device pool of %s failed; releasing its host memory anyway",
-                             client_id)
+                             public_id(client_id))
         finally:
             self.arena.release(client.region_offset, client.region_bytes)
             client.gone.set()
-        logger.info("%s %s (%d host bytes released)", reason, client_id, client.region_bytes)
+        logger.info("%s %s (%d host bytes released)", reason, public_id(client_id), client.region_bytes)
 
     def client(self, client_id: str) -> ClientState:
         """The live client of this id; every call through here renews the client's lease."""
@@ -237,7 +252,7 @@ class KVCore:
     # ---- transfers ------------------------------------------------------------------------
 
     def prepare(self, client_id: str, host_indices, device_indices, layers, ready_event: bytes = b"",
-                event_slot: int = 0) -> Job:
+                event_slot: int = 0, timeout_ms: int = 0) -> Job:
         """Validates a whole transfer request and plans it; touches no memory."""
         client = self.client(client_id)
         spec = client.spec
@@ -265,7 +280,7 @@ class KVCore:
         client.device.check_sizes()  # narrows, does not close, the window for a SIGBUS
         num_dev_pages = client.device.num_pages if client.device.paged else None
         plan = transfer.make_plan(pages, dev, spec.page_size, num_dev_pages)
-        return Job(client, plan, local_layers, pages, bytes(ready_event), event_slot)
+        return Job(client, plan, local_layers, pages, bytes(ready_event), event_slot, timeout_ms / 1000)
 
     # ---- lifecycle ------------------------------------------------------------------------
 

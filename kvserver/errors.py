@@ -43,6 +43,31 @@ class PermissionDenied(KVError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class JobStopped(KVError):
+    """A copy stopped at a layer boundary before its last layer: nothing more of it is copied.
+    Its code says why: its deadline passed, its call ended, or its client was released."""
+
+    CODES = {
+        "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
+        "cancelled": grpc.StatusCode.CANCELLED,
+        "released": grpc.StatusCode.NOT_FOUND,
+    }
+    WHY = {
+        "deadline": "its timeout_ms passed",
+        "cancelled": "its call ended",
+        "released": "its client was unregistered or reclaimed",
+    }
+
+    def __init__(self, reason: str, layers_done: int, total: int) -> None:
+        self.code = self.CODES[reason]
+        self.reason = reason
+        self.layers_done = layers_done
+        super().__init__(
+            f"copy stopped because {self.WHY[reason]}: {layers_done} of its {total} layers were "
+            "copied, and nothing more of it will be"
+        )
+
+
 # Status details travel in HTTP/2 trailers, which peers refuse past 8 KiB (soft) / 16 KiB (hard).
 MAX_DETAILS = 2048
 

@@ -66,7 +66,7 @@ class Daemon:
         ]
         interceptors = [TokenAuth(config.token)] if config.token else []
         self.server = grpc.aio.server(options=opts, interceptors=interceptors)
-        self.servicer = KVServicer(self.core, self.reaper)
+        self.servicer = KVServicer(self.core, self.reaper, config.admin_token)
         add_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

@@ -11,7 +11,8 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvserver.client_state import ClientState, Counters
+from kvserver.auth import is_admin
+from kvserver.client_state import ClientState, Counters, public_id
 from kvserver.core import KVCore
 from kvserver.errors import InvalidArgument, KVError, status_of
 from kvserver.liveness import Reaper
@@ -19,6 +20,11 @@ from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
+
+# Trailing metadata of every Write and Load answer: the job is dead (or never started), so a
+# client that sees a failure knows nothing of it will still be copied. A deadline or
+# disconnection the client sees on its own side carries no such mark.
+JOB_ENDED = (("kvserver-job", "ended"),)
 
 
 class MalformedRequest:
@@ -77,7 +83,7 @@ def _client_stats(c: ClientState, redact: bool = False) -> pb.ClientStats:
     s = c.spec
     per_token = s.page_bytes // s.page_size
     return pb.ClientStats(
-        client_id=c.client_id[:8] + "..." if redact else c.client_id,
+        client_id=public_id(c.client_id) if redact else c.client_id,
         model=s.model,
         tp_rank=s.tp_rank,
         pp_rank=s.pp_rank,
@@ -94,9 +100,10 @@ def _client_stats(c: ClientState, redact: bool = False) -> pb.ClientStats:
 
 
 class KVServicer(pb_grpc.KVServerServicer):
-    def __init__(self, core: KVCore, reaper: Reaper) -> None:
+    def __init__(self, core: KVCore, reaper: Reaper, admin_token: str | None = None) -> None:
         self.core = core
         self.reaper = reaper
+        self.admin_token = admin_token
         self.stopping = asyncio.Event()  # set at shutdown: sessions end so the server can drain
 
     @_abort_on_error
@@ -131,18 +138,21 @@ class KVServicer(pb_grpc.KVServerServicer):
 
     @_abort_on_error
     async def Write(self, request: pb.WriteRequest, context) -> pb.WriteResponse:
+        # Whatever this call answers, its job is dead by then (or never was): say so.
+        context.set_trailing_metadata(JOB_ENDED)
         job = self.core.prepare(
             request.client_id, request.host_indices, request.device_indices, request.layers,
-            request.ready_event,
+            request.ready_event, timeout_ms=request.timeout_ms,
         )
         return pb.WriteResponse(bytes=await self.core.copier.write(job))
 
     async def Load(self, request: pb.LoadRequest, context) -> AsyncIterator[pb.LoadProgress]:
         try:
+            context.set_trailing_metadata(JOB_ENDED)
             _check_parsed(request)
             job = self.core.prepare(
                 request.client_id, request.host_indices, request.device_indices, request.layers,
-                request.ready_event, request.event_slot,
+                request.ready_event, request.event_slot, request.timeout_ms,
             )
             total = len(job.local_layers)
             async for step in self.core.copier.load(job):
@@ -177,10 +187,12 @@ class KVServicer(pb_grpc.KVServerServicer):
     @_abort_on_error
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         core = self.core
-        if request.client_id:
+        if request.client_id:  # the caller holds this client's id: its own client
             clients = [core.client(request.client_id)]
-        else:
+        elif is_admin(context.invocation_metadata(), self.admin_token):
             clients = list(core.clients.values())
+        else:  # other peers' models, ranks and epochs are theirs: totals only
+            clients = []
         totals = Counters()
         totals.add(core.totals)
         for c in core.clients.values():

@@ -158,16 +158,19 @@ def copy_part(plan: CopyPlan, host: torch.Tensor, device_pages: torch.Tensor | N
 
 def copy_job(plan: CopyPlan, layers: np.ndarray, host: BufferTable, device: BufferTable,
              to_device: bool, progress: np.ndarray | None = None, eventfd: int = -1,
-             signal_interval: float = 0.0) -> bool:
-    """Copies every part of the given local layers in one kernel call; False if it cannot (no
-    compiled kernel, or buffers with different strides), and then nothing was copied.
+             signal_interval: float = 0.0, stop: np.ndarray | None = None) -> int | None:
+    """Copies every part of the given local layers in one kernel call and returns how many
+    layers it copied; None if it cannot (no compiled kernel, or buffers with different strides),
+    and then nothing was copied.
 
     ``device`` is the pool's page table for a paged plan, its token table otherwise. After each
     layer the kernel stores the number of layers done in ``progress[0]``, and signals ``eventfd``
     once ``signal_interval`` seconds have passed since its last signal (always after the last).
+    Before each layer it reads ``stop[0]`` (an int64 another thread may set): once it is set, the
+    copy ends at that layer boundary.
     """
     if copy_layers is None or device.row_stride is None or host.row_stride is None:
-        return False
+        return None
     host_off, dev_off = plan.offsets(host.row_stride, device.row_stride, device.row_bytes)
     host_bases = np.ascontiguousarray(host.bases[layers]).reshape(-1)
     dev_bases = np.ascontiguousarray(device.bases[layers]).reshape(-1)
@@ -176,10 +179,10 @@ def copy_job(plan: CopyPlan, layers: np.ndarray, host: BufferTable, device: Buff
         dst, dst_off, src, src_off = dev_bases, dev_off, host_bases, host_off
     else:
         dst, dst_off, src, src_off = host_bases, host_off, dev_bases, dev_off
-    copy_layers(dst.ctypes.data, src.ctypes.data, dst.size, parts, dst_off.ctypes.data,
-                src_off.ctypes.data, dev_off.size, device.row_bytes,
-                0 if progress is None else progress.ctypes.data, eventfd, int(signal_interval * 1e9))
-    return True
+    return copy_layers(dst.ctypes.data, src.ctypes.data, dst.size, parts, dst_off.ctypes.data,
+                       src_off.ctypes.data, dev_off.size, device.row_bytes,
+                       0 if progress is None else progress.ctypes.data, eventfd, int(signal_interval * 1e9),
+                       0 if stop is None else stop.ctypes.data)
 
 
 _scratch = threading.local()

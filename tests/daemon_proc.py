@@ -13,8 +13,13 @@ import grpc
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
+ADMIN_TOKEN = "test-admin-token"
+ADMIN = (("x-kvserver-admin", ADMIN_TOKEN),)
+
 
 class DaemonProcess:
+    """``stats()`` carries the admin token the daemon is started with, so it lists every client."""
+
     def __init__(self, socket: str, *args: str, host_memory: str = "1GiB") -> None:
         self.socket = socket
         self.address = f"unix://{socket}"
@@ -25,7 +30,8 @@ class DaemonProcess:
     def start(self) -> None:
         if os.path.exists(self.socket):
             os.unlink(self.socket)
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvserver", *self.args])
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvserver", *self.args],
+                                     env={**os.environ, "KVSERVER_ADMIN_TOKEN": ADMIN_TOKEN})
         deadline = time.monotonic() + 30
         while not os.path.exists(self.socket):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -39,7 +45,7 @@ class DaemonProcess:
         return self.proc.pid
 
     def stats(self) -> pb.StatsResponse:
-        return self.stub.Stats(pb.StatsRequest(), timeout=10)
+        return self.stub.Stats(pb.StatsRequest(), timeout=10, metadata=ADMIN)
 
     def rss(self) -> int:
         with open(f"/proc/{self.pid}/status") as f:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -752,14 +753,39 @@ def test_other_clients_pages_are_refused(make_daemon, parties) -> None:
                  lambda: b.call("Free", pb.FreeRequest(client_id=b.cid, host_indices=forged)))
 
 
-def test_daemon_wide_stats_do_not_reveal_client_ids(make_daemon, parties) -> None:
-    d = make_daemon()
+def test_stats_show_a_peer_its_own_clients_and_everything_only_to_the_admin(make_daemon, parties) -> None:
+    d = make_daemon(admin_token="the-admin-token")
     a, b = Party(d.address, seed=1), Party(d.address, seed=2)
     parties += [a, b]
-    shown = {c.client_id for c in a.call("Stats", pb.StatsRequest()).clients}
-    assert shown == {a.cid[:8] + "...", b.cid[:8] + "..."}
+    # Without the admin token: totals only, no other client's model, ranks or epoch.
+    anyone = a.call("Stats", pb.StatsRequest())
+    assert anyone.num_clients == 2 and list(anyone.clients) == []
+    for wrong in ("", "the-admin-toke", "the-admin-token-"):
+        got = _stub_call(d.address, "Stats", pb.StatsRequest(), (("x-kvserver-admin", wrong),))
+        assert list(got.clients) == []
+    # Its own client, by the id it holds.
+    own = a.call("Stats", pb.StatsRequest(client_id=a.cid)).clients
+    assert [c.client_id for c in own] == [a.cid]
+    # The admin sees every client, each id shortened: an id is its client's bearer capability.
+    admin = _stub_call(d.address, "Stats", pb.StatsRequest(), (("x-kvserver-admin", "the-admin-token"),))
+    assert {c.client_id for c in admin.clients} == {a.cid[:8] + "...", b.cid[:8] + "..."}
     code, _ = _error_of(lambda: a.call("Alloc", pb.AllocRequest(client_id=b.cid[:8] + "...", num_tokens=1)))
     assert code == C.NOT_FOUND
+
+
+def test_the_daemon_never_logs_a_client_id(make_daemon, parties, caplog) -> None:
+    caplog.set_level(logging.DEBUG)
+    d = make_daemon()
+    a = Party(d.address, seed=1)
+    parties.append(a)
+    a.call("Unregister", pb.UnregisterRequest(client_id=a.cid))
+    b = Party(d.address, seed=2)
+    parties.append(b)
+    d.call(d.daemon.reaper.reap_once())
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "registered" in text and a.cid[:8] in text
+    for cid in (a.cid, b.cid):
+        assert cid not in text, "a client id (a bearer capability) was logged whole"
 
 
 def test_socket_directory_created_owner_only_and_traversable(socket_dir) -> None:

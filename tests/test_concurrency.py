@@ -100,25 +100,6 @@ def test_two_writes_to_the_same_pages_do_not_mix(slow_daemon):
             assert from_a != from_b, "the pages hold a mix of both writes (or neither)"
 
 
-def test_unregister_during_a_load_lets_it_finish(slow_daemon):
-    with big_pool() as pool, KVClient(slow_daemon.address) as client:
-        register(client, pool)
-        dev = torch.arange(TOKENS)
-        host = client.alloc(TOKENS)
-        client.write(host_indices=host, device_indices=dev)
-        want = snapshot(pool)
-        for layer in pool.buffers:
-            for buf in layer:
-                buf.zero_()
-        handle = client.load(host_indices=host, device_indices=dev)
-        handle.wait_layer(0)
-        client.unregister()  # returns once the copy is done with the pages
-        assert handle.wait() > 0 and not handle.missed
-        assert same(pool, want)
-        core = slow_daemon.core
-        assert slow_daemon.run(lambda: (len(core.clients), core.arena.reserved)) == (0, 0)
-
-
 def test_shutdown_during_a_write_finishes_it_then_frees(daemon_factory):
     d = daemon_factory(progress_interval=0.0)
     with big_pool() as pool, KVClient(d.address, resilient=False) as client:

@@ -4,12 +4,14 @@
  * row i from src + src_offsets[i] to dst + dst_offsets[i].
  *
  * copy_layers(dst_bases, src_bases, num_buffers, parts, dst_offsets, src_offsets, n, row_bytes,
- *             progress, eventfd, signal_interval_ns) does the same for num_buffers (layer, part)
- * buffer pairs, whose base addresses are arrays of uint64, with the same row offsets in each.
+ *             progress, eventfd, signal_interval_ns, stop) does the same for num_buffers (layer,
+ * part) buffer pairs, whose base addresses are arrays of uint64, with the same row offsets in each.
  * After each group of `parts` buffers (one layer) it stores the number of layers done in
  * *progress (if not 0), and adds 1 to the eventfd (if >= 0) when signal_interval_ns have passed
  * since the last signal, and always after the last layer. An event loop can so stream per-layer
  * progress while this thread copies without ever taking the GIL, woken at most once an interval.
+ * Before each layer it reads *stop (if not 0): once another thread has set it, the copy ends at
+ * that layer boundary. It returns the number of layers copied.
  *
  * Addresses are integers (tensor data_ptr values); offsets are arrays of int64 byte offsets. The
  * caller has checked every offset against its buffer. No threads are started: the daemon decides
@@ -54,12 +56,13 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
 }
 
 static PyObject *copy_layers(PyObject *self, PyObject *args) {
-    unsigned long long dst_bases, src_bases, dst_offsets, src_offsets, progress;
+    unsigned long long dst_bases, src_bases, dst_offsets, src_offsets, progress, stop_word = 0;
     Py_ssize_t num_buffers, parts, n, row_bytes;
     int efd;
     long long interval_ns = 0;
-    if (!PyArg_ParseTuple(args, "KKnnKKnnKi|L", &dst_bases, &src_bases, &num_buffers, &parts,
-                          &dst_offsets, &src_offsets, &n, &row_bytes, &progress, &efd, &interval_ns))
+    if (!PyArg_ParseTuple(args, "KKnnKKnnKi|LK", &dst_bases, &src_bases, &num_buffers, &parts,
+                          &dst_offsets, &src_offsets, &n, &row_bytes, &progress, &efd, &interval_ns,
+                          &stop_word))
         return NULL;
     if (num_buffers < 0 || parts <= 0 || n < 0 || row_bytes < 0 || num_buffers % parts) {
         PyErr_SetString(PyExc_ValueError, "bad buffer, part or row counts");
@@ -70,12 +73,17 @@ static PyObject *copy_layers(PyObject *self, PyObject *args) {
     const int64_t *doff = (const int64_t *)(uintptr_t)dst_offsets;
     const int64_t *soff = (const int64_t *)(uintptr_t)src_offsets;
     int64_t *done = (int64_t *)(uintptr_t)progress;
+    const int64_t *stop = (const int64_t *)(uintptr_t)stop_word;
     int failed = 0;
+    Py_ssize_t layers = 0;
     Py_BEGIN_ALLOW_THREADS
     int64_t last_signal = now_ns();
     for (Py_ssize_t b = 0; b < num_buffers; b++) {
+        if (b % parts == 0 && stop && __atomic_load_n(stop, __ATOMIC_ACQUIRE))
+            break;
         copy_n((char *)(uintptr_t)db[b], doff, (const char *)(uintptr_t)sb[b], soff, n, (size_t)row_bytes);
         if ((b + 1) % parts == 0) {
+            layers = (b + 1) / parts;
             if (done)
                 __atomic_store_n(done, (int64_t)((b + 1) / parts), __ATOMIC_RELEASE);
             int64_t t = now_ns();
@@ -90,7 +98,7 @@ static PyObject *copy_layers(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     if (failed)
         return PyErr_SetFromErrno(PyExc_OSError);
-    Py_RETURN_NONE;
+    return PyLong_FromSsize_t(layers);
 }
 
 static PyMethodDef methods[] = {
