@@ -8,6 +8,7 @@ unknown client make the client register again, and a new registration replaces t
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -15,7 +16,7 @@ import grpc
 import pytest
 import torch
 
-from kvclient import KVClient, KVClientError, KVLayout, ShmKVPool
+from kvclient import AsyncKVClient, KVClient, KVClientError, KVLayout, ShmKVPool
 
 LAYERS, TOKENS, PAGE = 32, 4096, 16
 LAYOUT = KVLayout.mha(2, 64)  # 256 B per token and part: 16 MiB for 1024 tokens of 32 layers
@@ -184,3 +185,29 @@ def test_not_resilient_raises_once_the_session_is_gone(daemon_factory):
             with pytest.raises(KVClientError) as err:
                 call()
             assert err.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_asyncio_a_load_reported_missed_never_lands_later(daemon):
+    async def run() -> None:
+        async with AsyncKVClient(daemon.address, timeout=0.5) as client:
+            with make_pool() as pool:
+                await client.register(model="d", pool=pool, start_layer=0, end_layer=LAYERS,
+                                      num_layers=LAYERS, host_tokens=TOKENS, page_size=PAGE)
+                dev = torch.arange(1024)
+                host = await client.alloc(1024)
+                assert await client.write(host_indices=host, device_indices=dev) > 0
+                busy = BusyWorker(daemon)
+                try:
+                    handle = client.load(host_indices=host, device_indices=dev)
+                    assert await handle.wait() == 0 and handle.missed
+                    other = await client.alloc(1024)
+                    assert await client.write(host_indices=other, device_indices=dev) == 0
+                    scribble(pool, dev, seed=11)
+                    fresh = slots(pool, dev)
+                finally:
+                    await asyncio.to_thread(busy.release)
+                await asyncio.to_thread(wait_for, lambda: idle(daemon), 10, "the copier to be idle")
+                assert all(torch.equal(a, b) for a, b in zip(slots(pool, dev), fresh, strict=True))
+                assert handle.confirmed and client.connected and client.reconnects == 0
+
+    asyncio.run(run())
