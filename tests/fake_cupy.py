@@ -40,6 +40,15 @@ class FakeRuntime:
         self.allocations[handle] = mem
         return handle, mem
 
+    def address_range(self, ptr: int) -> tuple[int, int]:
+        """cuMemGetAddressRange: (base, size) of the allocation holding ``ptr``; like the driver,
+        CUDA_ERROR_NOT_FOUND for an address no allocation holds."""
+        for mem in self.allocations.values():
+            base = mem.ctypes.data
+            if base <= ptr < base + mem.size:
+                return base, mem.size
+        raise RuntimeError("cuMemGetAddressRange failed: CUDA_ERROR_NOT_FOUND")
+
     def getDeviceCount(self):
         return 1
 
@@ -153,3 +162,15 @@ class FakeCupy:
 
 def make_fake_cupy() -> FakeCupy:
     return FakeCupy()
+
+
+def install(monkeypatch) -> FakeCupy:
+    """A stand-in GPU for the daemon in this process: CuPy, and the one driver call the daemon
+    makes through libcuda (kvserver/cuda/driver.py)."""
+    from kvserver import device_pool
+    from kvserver.cuda import driver
+
+    cupy = make_fake_cupy()
+    monkeypatch.setattr(device_pool, "require_cuda", lambda: cupy)
+    monkeypatch.setattr(driver, "allocation_range", cupy.cuda.runtime.address_range)
+    return cupy

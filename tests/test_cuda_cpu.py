@@ -89,6 +89,23 @@ def test_span_must_end_inside_the_allocation():
         check_span(0, 128, 16, 256, 1 << 20, "b")
 
 
+def test_span_is_checked_against_the_real_allocation():
+    """The declared size can only narrow the driver's: 2^63 declared reaches no further."""
+    check_span(0, 256, 16, 256, 1 << 63, "b", real_size=4096)
+    with pytest.raises(InvalidArgument, match="the allocation the handle opens is 4095 bytes"):
+        check_span(0, 256, 16, 256, 1 << 63, "b", real_size=4095)
+    with pytest.raises(InvalidArgument, match="the allocation is 2048 bytes"):
+        check_span(0, 256, 16, 256, 2048, "b", real_size=4096)
+
+
+def test_stand_in_reports_real_allocation_ranges():
+    rt = make_fake_cupy().cuda.runtime
+    _, mem = rt.export(8192)
+    assert rt.address_range(mem.ctypes.data + 100) == (mem.ctypes.data, 8192)
+    with pytest.raises(RuntimeError, match="CUDA_ERROR_NOT_FOUND"):
+        rt.address_range(mem.ctypes.data + 8192)
+
+
 def test_copy_method_by_chunk_size():
     assert plan.choose_method(16 << 10) == "kernel"
     assert plan.choose_method(28 << 10) == "dma"

@@ -17,10 +17,9 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from fake_cupy import UUID, make_fake_cupy
+from fake_cupy import UUID
 from kernel_host import compiler
 
-from kvserver import device_pool
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
@@ -32,9 +31,7 @@ pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler (g++
 
 @pytest.fixture
 def fake(monkeypatch):
-    cupy = make_fake_cupy()
-    monkeypatch.setattr(device_pool, "require_cuda", lambda: cupy)
-    return cupy
+    return fake_cupy.install(monkeypatch)
 
 
 def cuda_pool(fake, heads: int, head_dim: int, parts: int = 2, handle_mem=None):
@@ -144,6 +141,64 @@ def test_allocation_opened_once_for_two_clients(daemon, fake):
         stub.Unregister(pb.UnregisterRequest(client_id=a.client_id), timeout=10)
         assert [c[0] for c in rt.calls].count("ipcCloseMemHandle") == 0
         stub.Unregister(pb.UnregisterRequest(client_id=b.client_id), timeout=10)
+        assert [c[0] for c in rt.calls].count("ipcCloseMemHandle") == 1
+
+
+def oversize(refs, reach: int) -> None:
+    """Declares every buffer's allocation 2^63 bytes and moves the last buffer ``reach`` bytes
+    from the allocation's base: what a hostile client sends to reach other memory."""
+    for layer in refs.layers:
+        for part in layer.parts:
+            part.cuda.allocation_size = 1 << 63
+    refs.layers[-1].parts[-1].offset = reach
+
+
+@pytest.mark.parametrize("reach", ["far", "one byte past"])
+def test_a_span_past_the_real_allocation_is_refused(daemon, fake, reach):
+    """The declared allocation_size can only narrow what the daemon may touch: the span is checked
+    against the real range of the opened allocation, and a refused pool leaves nothing open."""
+    rt = fake.cuda.runtime
+    refs, _, (_, mem) = cuda_pool(fake, 2, 64)
+    token_bytes = refs.layers[0].parts[0].token_stride
+    # "one byte past": the last token ends one byte after the allocation does.
+    oversize(refs, 1 << 40 if reach == "far" else mem.size - TOKENS * token_bytes + 1)
+    reserved = daemon.run(lambda: daemon.core.arena.reserved)
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            register(stub, refs, 2, 64, 16)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"the allocation the handle opens is {mem.size} bytes" in err.value.details()
+        names = [c[0] for c in rt.calls]
+        assert names.count("ipcOpenMemHandle") == names.count("ipcCloseMemHandle") == 1
+        assert "hostRegister" not in names
+        assert stub.Stats(pb.StatsRequest()).num_clients == 0
+    assert daemon.run(lambda: daemon.core.arena.reserved) == reserved
+
+
+def test_an_oversized_span_next_to_a_live_client_leaves_its_mapping_open(daemon, fake):
+    """A second client naming the same allocation with an oversized span is refused; the first
+    client's mapping (shared, opened once) stays open and it keeps working."""
+    rt = fake.cuda.runtime
+    refs, kv, shared = cuda_pool(fake, 2, 64)
+    bad, _, _ = cuda_pool(fake, 2, 64, handle_mem=shared)
+    oversize(bad, 1 << 40)
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        good = register(stub, refs, 2, 64, 16)
+        with pytest.raises(grpc.RpcError) as err:
+            register(stub, bad, 2, 64, 16)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "ipcCloseMemHandle" not in [c[0] for c in rt.calls]
+        kv[:] = 3
+        host = list(stub.Alloc(pb.AllocRequest(client_id=good.client_id, num_tokens=16)).host_indices)
+        stub.Write(pb.WriteRequest(client_id=good.client_id, host_indices=host,
+                                   device_indices=list(range(16))), timeout=10)
+        kv[:] = 0
+        list(stub.Load(pb.LoadRequest(client_id=good.client_id, host_indices=host,
+                                      device_indices=list(range(16))), timeout=10))
+        assert (kv[:, :, :16] == 3).all()
+        stub.Unregister(pb.UnregisterRequest(client_id=good.client_id), timeout=10)
         assert [c[0] for c in rt.calls].count("ipcCloseMemHandle") == 1
 
 

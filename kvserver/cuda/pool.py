@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvserver.cuda import plan
+from kvserver.cuda import driver, plan
 from kvserver.cuda.devices import ordinal_for
 from kvserver.cuda.handles import check_span, raw_ipc_handle
 from kvserver.cuda.kernels import copy_rows_kernel
@@ -46,16 +46,25 @@ MAX_OPENED_EVENTS = 64
 KERNEL_MAX_BLOCKS = 128  # with 8 warps each: ~1000 rows in flight, about one block per SM on H100/H200
 
 _open_lock = threading.Lock()
-_open: dict[tuple[int, bytes], list[int]] = {}  # (device, raw handle) -> [base pointer, users]
+# (device, raw handle) -> [base pointer, users, bytes from the base to the allocation's real end]
+_open: dict[tuple[int, bytes], list[int]] = {}
 
 
-def _open_allocation(rt, ordinal: int, handle: bytes) -> int:
+def _open_allocation(rt, ordinal: int, handle: bytes) -> tuple[int, int]:
+    """(base, real size) of the allocation, opened once per device; the size is the driver's,
+    never the client's word. Runs inside ``with cupy.cuda.Device(ordinal)``."""
     with _open_lock:
         entry = _open.get((ordinal, handle))
         if entry is None:
-            entry = _open[(ordinal, handle)] = [rt.ipcOpenMemHandle(handle, 1), 0]
+            ptr = rt.ipcOpenMemHandle(handle, 1)
+            try:
+                base, size = driver.allocation_range(ptr)
+            except BaseException:
+                rt.ipcCloseMemHandle(ptr)
+                raise
+            entry = _open[(ordinal, handle)] = [ptr, 0, base + size - ptr]
         entry[1] += 1
-        return entry[0]
+        return entry[0], entry[2]
 
 
 def _close_allocation(rt, ordinal: int, handle: bytes) -> None:
@@ -295,12 +304,16 @@ def open_cuda_pool(cupy, refs: list[pb.BufferRef], num_tokens: int, token_bytes:
     try:
         with cupy.cuda.Device(ordinal):
             bases = []
-            for handle, r in zip(handles, refs, strict=True):
-                bases.append(_open_allocation(rt, ordinal, handle) + r.offset)
+            for i, (handle, r) in enumerate(zip(handles, refs, strict=True)):
+                base, real_size = _open_allocation(rt, ordinal, handle)
                 opened.append(handle)
-    except Exception:
-        for handle in opened:
-            _close_allocation(rt, ordinal, handle)
+                check_span(r.offset, r.token_stride, num_tokens, token_bytes, r.cuda.allocation_size,
+                           f"device_pool buffer {i}", real_size=real_size)
+                bases.append(base + r.offset)
+    except BaseException:
+        with cupy.cuda.Device(ordinal):
+            for handle in opened:
+                _close_allocation(rt, ordinal, handle)
         raise
     return CudaDevicePool(
         cupy=cupy, ordinal=ordinal, num_tokens=num_tokens, page_size=page_size, token_bytes=token_bytes,
