@@ -131,7 +131,7 @@ class RecordingKernel(HostKernel):
 
     def __call__(self, grid, block, args):
         _, _, count, _, _, n, _ = args
-        self.runtime.calls.append(("kernel", int(count), int(n), self.runtime.current_stream[-1]))
+        self.runtime.calls.append(("kernel", int(count), int(n), self.name, self.runtime.current_stream[-1]))
         super().__call__(grid, block, args)
 
 

@@ -116,8 +116,19 @@ def test_copy_method_by_chunk_size():
 def test_kernel_launch_shape():
     assert plan.kernel_launch(num_rows=1000, row_bytes=4096, max_blocks=8) == (8, 128)
     assert plan.kernel_launch(num_rows=3, row_bytes=64, max_blocks=8) == (1, 128)
+    assert plan.kernel_launch(num_rows=3, row_bytes=6, max_blocks=8, word_bytes=2) == (1, 128)
     with pytest.raises(ValueError, match="multiple of 8"):
         plan.kernel_launch(10, 12, 8)
+
+
+def test_copy_word_is_the_widest_that_divides_everything():
+    import numpy as np
+
+    assert plan.word_bytes(4096, np.array([0, 8, 64], dtype=np.uint64)) == 8
+    assert plan.word_bytes(4096, np.array([0, 12]), np.array([4])) == 4
+    assert plan.word_bytes(6, np.array([0, 6, 12])) == 2
+    assert plan.word_bytes(4096, np.array([0, 1 << 40]), np.array([3])) == 1
+    assert plan.word_bytes(8, np.array([], dtype=np.int64)) == 8
 
 
 def test_client_export_from_a_share_tuple():

@@ -129,6 +129,35 @@ def test_cuda_round_trip_events_and_release(daemon, fake, page_size, path, token
         assert names[0] == "streamSynchronize" and ("free_all_blocks", stream) in rt.calls
 
 
+@pytest.mark.parametrize(("head_dim", "word"), [(3, "kv_copy_rows_w2"), (130, "kv_copy_rows_w4")])
+def test_unaligned_rows_are_one_launch_per_layer_and_exact(daemon, fake, head_dim, word):
+    """Tokens of 6 (or 260) bytes, scattered on the device: rows are not 8-byte aligned, and each
+    job is still one kernel launch per layer (a write: one in all) with a narrower word, never a
+    copy call per row on the shared worker, and every byte lands."""
+    rt = fake.cuda.runtime
+    refs, kv, _ = cuda_pool(fake, 1, head_dim)
+    rng = np.random.default_rng(head_dim)
+    kv[:] = rng.integers(0, 256, kv.shape, dtype=np.uint8)
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        reg = register(stub, refs, 1, head_dim, 16)
+        host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=128)).host_indices)
+        dev = rng.permutation(TOKENS)[:128].tolist()
+        want = kv[:, :, dev].copy()
+        rt.calls.clear()
+        stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=host, device_indices=dev),
+                   timeout=10)
+        kv[:] = 0
+        list(stub.Load(pb.LoadRequest(client_id=reg.client_id, host_indices=host, device_indices=dev),
+                       timeout=10))
+        launches = [c for c in rt.calls if c[0] in ("kernel", "memcpyAsync")]
+        assert [c[0] for c in launches] == ["kernel"] * (1 + LAYERS)
+        assert {c[3] for c in launches} == {word}
+        assert np.array_equal(kv[:, :, dev], want)
+        assert not kv[:, :, sorted(set(range(TOKENS)) - set(dev))].any()
+        stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=10)
+
+
 def test_allocation_opened_once_for_two_clients(daemon, fake):
     rt = fake.cuda.runtime
     refs, kv, shared = cuda_pool(fake, 2, 64)

@@ -245,18 +245,18 @@ class CudaDevicePool:
 
     def _copier(self, dst_bases: np.ndarray, dst_off: np.ndarray, src_bases: np.ndarray,
                 src_off: np.ndarray, row_bytes: int):
-        """A function copying the rows of a slice of layers: the kernel for small rows, DMA runs
-        for large ones (``plan.choose_method``)."""
+        """A function copying the rows of a slice of layers: one kernel launch (with the widest
+        word the job's alignment allows) for small rows or many copies, DMA for a bounded number
+        of large ones (``plan.choose_method``)."""
         cp = self.cupy
-        aligned = row_bytes % 8 == 0 and not (
-            (dst_bases % 8).any() or (src_bases % 8).any() or (dst_off % 8).any() or (src_off % 8).any()
-        )
-        if aligned and plan.choose_method(row_bytes, dst_off.size * dst_bases.size) == "kernel":
-            kernel = copy_rows_kernel(cp)
+        if plan.choose_method(row_bytes, dst_off.size * dst_bases.size) == "kernel":
+            word = plan.word_bytes(row_bytes, dst_bases, src_bases, dst_off, src_off)
+            kernel = copy_rows_kernel(cp, word)
             d_dst_off, d_src_off = cp.asarray(dst_off), cp.asarray(src_off)
             d_dst_b, d_src_b = cp.asarray(dst_bases.reshape(-1)), cp.asarray(src_bases.reshape(-1))
             n, parts = dst_off.size, self.parts
-            blocks, threads = plan.kernel_launch(n * parts, row_bytes, KERNEL_MAX_BLOCKS, warps_per_block=8)
+            blocks, threads = plan.kernel_launch(n * parts, row_bytes, KERNEL_MAX_BLOCKS, warps_per_block=8,
+                                                 word_bytes=word)
 
             def launch(layers: slice) -> None:
                 first, last, _ = layers.indices(dst_bases.shape[0])
@@ -265,10 +265,11 @@ class CudaDevicePool:
                     return
                 kernel((blocks,), (threads,), (
                     d_dst_b[first * parts:], d_src_b[first * parts:], np.int32(count),
-                    d_dst_off, d_src_off, np.int64(n), np.int64(row_bytes // 8),
+                    d_dst_off, d_src_off, np.int64(n), np.int64(row_bytes // word),
                 ))
 
             return launch
+        # At most plan.DMA_MAX_COPIES copies per job (choose_method): DMA needs no alignment.
         pairs = list(zip(dst_off.tolist(), src_off.tolist(), strict=True))
         rt, stream = cp.cuda.runtime, self.stream.ptr
 
