@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import threading
+import time
 import types
 
 import numpy as np
@@ -21,17 +23,36 @@ UUID = "GPU-1a2b3c4d-5e6f-7a8b-9c0d-112233445566"
 PCI_BUS_ID = "0000:3B:00.0"  # as cudaDeviceGetPCIBusId spells it
 
 
+class _CurrentStream(threading.local):
+    """CuPy's current stream is per thread."""
+
+    def __init__(self) -> None:
+        self.stack = [0]
+
+
 class FakeRuntime:
     def __init__(self) -> None:
         self.calls: list[tuple] = []
+        # (stream, thread, call) of everything put on a stream, in the order it was put there.
+        self.stream_ops: list[tuple[int, int, str]] = []
         self.allocations: dict[bytes, np.ndarray] = {}
-        self.current_stream: list[int] = [0]
+        self._current = _CurrentStream()
         self.uuid_bytes = bytes.fromhex(UUID_HEX)
+        self.launch_seconds = 0.0  # how long a kernel launch takes to return
         self._next = 1
+        self._lock = threading.Lock()
+
+    @property
+    def current_stream(self) -> list[int]:
+        return self._current.stack
+
+    def _on_stream(self, stream: int, call: str) -> None:
+        self.stream_ops.append((stream, threading.get_ident(), call))
 
     def _id(self) -> int:
-        self._next += 1
-        return self._next
+        with self._lock:
+            self._next += 1
+            return self._next
 
     def export(self, nbytes: int) -> tuple[bytes, np.ndarray]:
         """An engine's cudaMalloc: returns (IPC handle, its memory)."""
@@ -79,6 +100,7 @@ class FakeRuntime:
 
     def streamWaitEvent(self, stream, event, flags=0):
         self.calls.append(("streamWaitEvent", event))
+        self._on_stream(stream, "streamWaitEvent")
 
     def eventCreateWithFlags(self, flags):
         self.calls.append(("eventCreateWithFlags", flags))
@@ -96,12 +118,14 @@ class FakeRuntime:
 
     def eventRecord(self, event, stream):
         self.calls.append(("eventRecord", event, stream))
+        self._on_stream(stream, "eventRecord")
 
     def eventSynchronize(self, event):
         self.calls.append(("eventSynchronize", event))
 
     def memcpyAsync(self, dst, src, size, kind, stream):
         self.calls.append(("memcpyAsync", size, stream))
+        self._on_stream(stream, "memcpyAsync")
         ctypes.memmove(dst, src, size)
 
 
@@ -131,7 +155,10 @@ class RecordingKernel(HostKernel):
 
     def __call__(self, grid, block, args):
         _, _, count, _, _, n, _ = args
-        self.runtime.calls.append(("kernel", int(count), int(n), self.name, self.runtime.current_stream[-1]))
+        stream = self.runtime.current_stream[-1]
+        self.runtime.calls.append(("kernel", int(count), int(n), self.name, stream))
+        self.runtime._on_stream(stream, "kernel")
+        time.sleep(self.runtime.launch_seconds)
         super().__call__(grid, block, args)
 
 

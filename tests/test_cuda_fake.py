@@ -729,3 +729,52 @@ def test_closing_the_asyncio_client_mid_load_is_a_miss(daemon, fake, monkeypatch
         assert asyncio.run(run()) == (False, 0)
     finally:
         gate.set()
+
+
+def interleaved_jobs(stream_ops) -> list[tuple[int, str]]:
+    """Calls put on a stream by one thread while another thread's write was still being enqueued
+    there (a write's enqueue ends with its completion event's record)."""
+    owner: dict[int, int | None] = {}
+    bad = []
+    for stream, thread, call in stream_ops:
+        if owner.get(stream) not in (None, thread):
+            bad.append((stream, call))
+        owner[stream] = None if call == "eventRecord" else thread
+    return bad
+
+
+def test_two_copy_threads_never_enqueue_on_one_stream_at_once(daemon_factory, fake):
+    """With --copy-threads 2, two writes of one client are enqueued one after the other on its
+    stream, never mixed; both land whole."""
+    d = daemon_factory(copy_threads=2)
+    rt = fake.cuda.runtime
+    refs, kv, _ = cuda_pool(fake, 2, 64)
+    with grpc.insecure_channel(d.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        reg = register(stub, refs, 2, 64, 16)
+        hosts = [list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=32)).host_indices)
+                 for _ in range(2)]
+        kv[:] = 9
+        rt.launch_seconds = 0.03  # slow launches: both threads are inside an enqueue at once
+        rt.stream_ops.clear()
+        start = threading.Barrier(2)
+
+        def writes(host) -> None:
+            start.wait()
+            for _ in range(4):
+                stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=host,
+                                           device_indices=list(range(32))), timeout=10)
+
+        threads = [threading.Thread(target=writes, args=(h,)) for h in hosts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        rt.launch_seconds = 0.0
+        assert len({thread for _, thread, _ in rt.stream_ops}) == 2  # both copy threads enqueued
+        assert interleaved_jobs(rt.stream_ops) == []
+        kv[:] = 0
+        for host in hosts:
+            list(stub.Load(pb.LoadRequest(client_id=reg.client_id, host_indices=host,
+                                          device_indices=list(range(32))), timeout=10))
+            assert (kv[:, :, :32] == 9).all()

@@ -104,6 +104,9 @@ class CudaDevicePool:
     host_to_device: int = 0  # add to a host address of the region to get its device address
     opened_events: OrderedDict[bytes, int] = field(default_factory=OrderedDict)
     _events_lock: threading.Lock = field(default_factory=threading.Lock)
+    # One job at a time goes onto the stream: with --copy-threads above 1, two workers may hold
+    # jobs of this client, and their launches and records must not interleave.
+    _enqueue_lock: threading.Lock = field(default_factory=threading.Lock)
     kind: str = "cuda"
 
     @property
@@ -188,7 +191,7 @@ class CudaDevicePool:
         rt = cp.cuda.runtime
         num_layers = self.token_bases.shape[0]
         stream = self.stream.ptr
-        with self.device(), self.stream:
+        with self._enqueue_lock, self.device(), self.stream:
             try:
                 if ready_event:
                     self._wait_on(ready_event)
