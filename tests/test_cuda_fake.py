@@ -290,17 +290,24 @@ def cpu_events(monkeypatch):
 
 
 def gate_gpu(rt, monkeypatch, only: set[int] | None = None):
-    """eventSynchronize (of every event, or of those in ``only``) waits for the returned gate:
+    """Events (every one, or those in ``only``) do not complete until the returned gate opens:
     those copies 'stay on the GPU' until the test opens it."""
     gate = threading.Event()
-    real_sync = rt.eventSynchronize
+    real_sync, real_query = rt.eventSynchronize, rt.eventQuery
 
     def gated(event):
         if only is None or event in only:
             assert gate.wait(10), "the gate was never opened"
         real_sync(event)
 
+    def query(event):
+        if (only is None or event in only) and not gate.is_set():
+            real_query(event)
+            return fake_cupy.NOT_READY
+        return real_query(event)
+
     monkeypatch.setattr(rt, "eventSynchronize", gated)
+    monkeypatch.setattr(rt, "eventQuery", query)
     return gate
 
 
@@ -778,3 +785,126 @@ def test_two_copy_threads_never_enqueue_on_one_stream_at_once(daemon_factory, fa
             list(stub.Load(pb.LoadRequest(client_id=reg.client_id, host_indices=host,
                                           device_indices=list(range(32))), timeout=10))
             assert (kv[:, :, :32] == 9).all()
+
+
+WAIT_S = 1.0  # --cuda-wait-seconds of the daemons below
+
+
+def copy_call(stub, kind: str, client_id: str, host, dev, ready: bytes):
+    if kind == "write":
+        return stub.Write(pb.WriteRequest(client_id=client_id, host_indices=host, device_indices=dev,
+                                          ready_event=ready), timeout=20)
+    return list(stub.Load(pb.LoadRequest(client_id=client_id, host_indices=host, device_indices=dev,
+                                         ready_event=ready), timeout=20))
+
+
+def in_thread(fn) -> tuple[threading.Thread, dict]:
+    """Runs ``fn`` in a thread; the dict gets its gRPC error (or result) and how long it took."""
+    out: dict = {}
+
+    def run() -> None:
+        t0 = time.monotonic()
+        try:
+            out["result"] = fn()
+        except grpc.RpcError as exc:
+            out["error"] = exc
+        out["seconds"] = time.monotonic() - t0
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+@pytest.mark.parametrize("kind", ["write", "load"])
+def test_a_ready_event_that_never_fires_fails_only_its_own_client(daemon_factory, fake, kind):
+    """A's copy waits (on the GPU) for an engine event that never fires. Past --cuda-wait-seconds
+    its call fails with DEADLINE_EXCEEDED and A is reclaimed, while B, on the same GPU, loads all
+    along. A's pinned region and IPC mapping stay held (the GPU may still run A's copy) until
+    A's stream drains, then a background thread releases them."""
+    d = daemon_factory(cuda_wait_seconds=WAIT_S)
+    rt = fake.cuda.runtime
+    refs_a, _, _ = cuda_pool(fake, 2, 64)
+    refs_b, kv_b, _ = cuda_pool(fake, 2, 64)
+    hung = (777).to_bytes(8, "little") * 8
+    rt.hang(hung)
+    try:
+        with grpc.insecure_channel(d.address) as ch:
+            stub = pb_grpc.KVServerStub(ch)
+            a = register(stub, refs_a, 2, 64, 16)
+            reserved_a = d.run(lambda: d.core.arena.reserved)
+            b = register(stub, refs_b, 2, 64, 16)
+            host_a = list(stub.Alloc(pb.AllocRequest(client_id=a.client_id, num_tokens=64)).host_indices)
+            host_b = list(stub.Alloc(pb.AllocRequest(client_id=b.client_id, num_tokens=64)).host_indices)
+            kv_b[:] = 4
+            stub.Write(pb.WriteRequest(client_id=b.client_id, host_indices=host_b,
+                                       device_indices=list(range(64))), timeout=10)
+            t, out = in_thread(lambda: copy_call(stub, kind, a.client_id, host_a, list(range(64)), hung))
+            b_loads = 0
+            while t.is_alive():
+                kv_b[:] = 0
+                list(stub.Load(pb.LoadRequest(client_id=b.client_id, host_indices=host_b,
+                                              device_indices=list(range(64))), timeout=5))
+                assert (kv_b[:, :, :64] == 4).all()
+                b_loads += 1
+            t.join()
+            assert "error" in out, out
+            err = out["error"]
+            assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.details()
+            assert "--cuda-wait-seconds" in err.details()
+            assert WAIT_S - 0.05 <= out["seconds"] < WAIT_S + 1.5, out["seconds"]
+            assert b_loads >= 3, b_loads
+            clients = lambda: d.run(lambda: set(d.core.clients))  # noqa: E731
+            assert wait_for(lambda: clients() == {b.client_id})
+            assert d.run(lambda: d.core.reclaimed) == 1
+            with pytest.raises(grpc.RpcError) as gone:
+                stub.Unregister(pb.UnregisterRequest(client_id=a.client_id), timeout=5)
+            assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+            # Quarantined: still pinned, mapped and reserved, since the GPU may still copy.
+            names = [c[0] for c in rt.calls]
+            assert names.count("hostUnregister") == names.count("ipcCloseMemHandle") == 0
+            reserved = lambda: d.run(lambda: d.core.arena.reserved)  # noqa: E731
+            reserved_both = reserved()
+            assert reserved_both > reserved_a
+            stub.Write(pb.WriteRequest(client_id=b.client_id, host_indices=host_b,
+                                       device_indices=list(range(64))), timeout=10)
+            rt.fire(hung)  # the engine's event fires at last: A's stream drains
+            assert wait_for(lambda: reserved() == reserved_both - reserved_a), reserved()
+            names = [c[0] for c in rt.calls]
+            assert names.count("hostUnregister") == names.count("ipcCloseMemHandle") == 1
+            kv_b[:] = 0
+            list(stub.Load(pb.LoadRequest(client_id=b.client_id, host_indices=host_b,
+                                          device_indices=list(range(64))), timeout=5))
+            assert (kv_b[:, :, :64] == 4).all()
+    finally:
+        rt.fire(hung)
+
+
+def test_the_unregister_of_a_stalled_client_ends(daemon_factory, fake):
+    """An engine unregisters while its write waits on an event that never fires: the write fails
+    past --cuda-wait-seconds and the Unregister then returns; the client's GPU resources are
+    quarantined until its stream drains."""
+    d = daemon_factory(cuda_wait_seconds=WAIT_S)
+    rt = fake.cuda.runtime
+    refs, _, _ = cuda_pool(fake, 2, 64)
+    hung = (778).to_bytes(8, "little") * 8
+    rt.hang(hung)
+    try:
+        with grpc.insecure_channel(d.address) as ch:
+            stub = pb_grpc.KVServerStub(ch)
+            reg = register(stub, refs, 2, 64, 16)
+            host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=64)).host_indices)
+            t, out = in_thread(lambda: copy_call(stub, "write", reg.client_id, host, list(range(64)), hung))
+            assert wait_for(lambda: "streamWaitEvent" in [c[0] for c in rt.calls])
+            t0 = time.monotonic()
+            stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=10)
+            assert time.monotonic() - t0 < WAIT_S + 1.5
+            t.join(5)
+            assert out["error"].code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert stub.Stats(pb.StatsRequest()).num_clients == 0
+            assert "hostUnregister" not in [c[0] for c in rt.calls]
+            assert d.run(lambda: d.core.arena.reserved) > 0
+            rt.fire(hung)
+            assert wait_for(lambda: d.run(lambda: d.core.arena.reserved) == 0)
+            assert [c[0] for c in rt.calls].count("hostUnregister") == 1
+    finally:
+        rt.fire(hung)
