@@ -230,3 +230,17 @@ def test_kvclient_reports_the_refusal(daemon):
         client._call(client._stub.Register, req)
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
     client.close()
+
+
+def test_cuda_wait_seconds_flag_and_variable(monkeypatch):
+    from kvserver.__main__ import build_parser, config_from_args
+    from kvserver.config import ServerConfig
+
+    assert config_from_args(build_parser().parse_args(["--socket", "/tmp/x.sock"])).cuda_wait_seconds == 20
+    args = build_parser().parse_args(["--socket", "/tmp/x.sock", "--cuda-wait-seconds", "2.5"])
+    assert config_from_args(args).cuda_wait_seconds == 2.5
+    monkeypatch.setenv("KVSERVER_CUDA_WAIT_SECONDS", "7")
+    assert config_from_args(build_parser().parse_args(["--socket", "/tmp/x.sock"])).cuda_wait_seconds == 7
+    for bad in (0, -1, 1e9):
+        with pytest.raises(ValueError, match="CUDA wait seconds"):
+            ServerConfig(socket="/tmp/x.sock", cuda_wait_seconds=bad)

@@ -96,7 +96,7 @@ def test_cuda_round_trip_events_and_release(daemon, fake, page_size, path, token
         assert names.index("streamWaitEvent") < names.index(path), "copied before the engine was ready"
         # The write's own completion event (blocking sync, not interprocess), recorded after the
         # copies, waited on, then destroyed.
-        assert names[-4:] == ["eventCreateWithFlags", "eventRecord", "eventSynchronize", "eventDestroy"]
+        assert names[-4:] == ["eventCreateWithFlags", "eventRecord", "eventQuery", "eventDestroy"]
         assert rt.calls[-4][1] == 1 | 2 and rt.calls[-3][1] == rt.calls[-2][1] == rt.calls[-1][1]
         # Every copy and record on the registration's own non-blocking stream, never the legacy
         # default one.
@@ -119,14 +119,14 @@ def test_cuda_round_trip_events_and_release(daemon, fake, page_size, path, token
         names = [c[0] for c in rt.calls]
         first_record = names.index("eventRecord")
         assert path in names[:first_record], "layer 0's event recorded before its copy"
-        assert names.index("eventSynchronize") > len(names) - 1 - names[::-1].index("eventRecord")
+        assert names.index("eventQuery") > len(names) - 1 - names[::-1].index("eventRecord")
 
         rt.calls.clear()
         stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=10)
         names = [c[0] for c in rt.calls]
         assert names.count("eventDestroy") == 2 * LAYERS + 1  # its layer events + the opened ready event
         assert names.count("hostUnregister") == 1 and names.count("ipcCloseMemHandle") == 1
-        assert names[0] == "streamSynchronize" and ("free_all_blocks", stream) in rt.calls
+        assert names[0] == "streamQuery" and ("free_all_blocks", stream) in rt.calls  # drained first
 
 
 @pytest.mark.parametrize(("head_dim", "word"), [(3, "kv_copy_rows_w2"), (130, "kv_copy_rows_w4")])
@@ -293,12 +293,7 @@ def gate_gpu(rt, monkeypatch, only: set[int] | None = None):
     """Events (every one, or those in ``only``) do not complete until the returned gate opens:
     those copies 'stay on the GPU' until the test opens it."""
     gate = threading.Event()
-    real_sync, real_query = rt.eventSynchronize, rt.eventQuery
-
-    def gated(event):
-        if only is None or event in only:
-            assert gate.wait(10), "the gate was never opened"
-        real_sync(event)
+    real_query = rt.eventQuery
 
     def query(event):
         if (only is None or event in only) and not gate.is_set():
@@ -306,7 +301,6 @@ def gate_gpu(rt, monkeypatch, only: set[int] | None = None):
             return fake_cupy.NOT_READY
         return real_query(event)
 
-    monkeypatch.setattr(rt, "eventSynchronize", gated)
     monkeypatch.setattr(rt, "eventQuery", query)
     return gate
 
@@ -404,7 +398,7 @@ def test_a_launch_failing_mid_job_waits_for_what_was_enqueued(daemon, fake, monk
         assert err.value.code() == grpc.StatusCode.INTERNAL
         assert "LAUNCH_OUT_OF_RESOURCES" in err.value.details()
         names = [c[0] for c in rt.calls]
-        assert names.count("kernel") == 1 and names.index("kernel") < names.index("streamSynchronize")
+        assert names.count("kernel") == 1 and names.index("kernel") < names.index("streamQuery")
         assert len(list(stub.Load(pb.LoadRequest(client_id=reg.client_id, host_indices=host,
                                                  device_indices=list(range(64))), timeout=10))) > 1
         stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=10)
@@ -590,7 +584,7 @@ def test_a_cancelled_cuda_write_keeps_its_pages_until_the_gpu_is_done(daemon, fa
         gate.set()
         unregister.join(10)
         names = [c[0] for c in rt.calls]
-        assert names.index("eventSynchronize") < names.index("hostUnregister")
+        assert names.index("eventQuery") < names.index("hostUnregister")
         assert stub.Stats(pb.StatsRequest()).num_clients == 0
 
 

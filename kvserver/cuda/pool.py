@@ -10,23 +10,31 @@ their offset tables and the DMA all run on it, on CuPy 13 and 14 alike.
 
 Ordering is on the GPU: a write waits on the engine's ready event before reading its slots; a
 load records one event per layer, which the engine's compute stream waits on.
+
+Every wait on the GPU has a deadline (``waits``): a job whose events make no progress for
+``--cuda-wait-seconds`` fails, and with it the pool (``failed``), which the reaper then reclaims;
+other waits of the pool give up at once. A pool whose stream has not drained when it closes hands
+its resources to the quarantine instead of releasing them under the GPU.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvserver.cuda import driver, plan
+from kvserver.cuda import driver, plan, waits
 from kvserver.cuda.devices import ordinal_for
 from kvserver.cuda.handles import check_span, raw_ipc_handle
 from kvserver.cuda.kernels import copy_rows_kernel
+from kvserver.cuda.quarantine import QUARANTINE
 from kvserver.device_pool import wide_dtype
-from kvserver.errors import InvalidArgument
+from kvserver.errors import GpuStalled, InvalidArgument
 from kvserver.v1 import kvserver_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -107,6 +115,9 @@ class CudaDevicePool:
     # One job at a time goes onto the stream: with --copy-threads above 1, two workers may hold
     # jobs of this client, and their launches and records must not interleave.
     _enqueue_lock: threading.Lock = field(default_factory=threading.Lock)
+    wait_seconds: float = waits.DEFAULT_WAIT_SECONDS  # no progress this long fails the pool
+    failed: str | None = None  # why this pool's GPU work is given up on; the reaper reclaims it
+    pinned_bytes: int = 0
     kind: str = "cuda"
 
     @property
@@ -138,6 +149,7 @@ class CudaDevicePool:
                 size = min(HOST_REGISTER_CHUNK, nbytes - start)
                 rt.hostRegister(host_ptr + start, size, HOST_REGISTER_FLAGS)
                 self.pinned.append(host_ptr + start)
+                self.pinned_bytes += size
             self.host_to_device = rt.pointerGetAttributes(host_ptr).devicePointer - host_ptr
             self.stream = self.cupy.cuda.Stream(non_blocking=True)
             for _ in range(self.event_slots * num_layers):
@@ -145,11 +157,32 @@ class CudaDevicePool:
                 self.events.append(event)
                 self.event_handles.append(rt.ipcGetEventHandle(event))
 
-    def close(self) -> None:
+    def close(self) -> Future | None:
+        """Releases everything once the stream has drained (waiting up to ``wait_seconds``; not
+        at all for a failed pool). If it has not drained, the GPU may still touch the pinned
+        region and the mappings: they go to the quarantine, and the returned future completes
+        once they are released; until then the caller must keep the host region reserved."""
+        if self.stream is not None:
+            limit = 0.0 if self.failed else self.wait_seconds
+            with self.device():
+                if not waits.until_done(self._stream_query, time.monotonic() + limit):
+                    return QUARANTINE.hold(
+                        f"CUDA pool on device {self.ordinal} ({self.pinned_bytes} pinned host bytes, "
+                        f"{len(self.handles)} IPC mappings; {self.failed or 'its stream had not drained'})",
+                        self._drained, self._release)
+        self._release()
+        return None
+
+    def _stream_query(self) -> int:
+        return self.cupy.cuda.runtime.streamQuery(self.stream.ptr)
+
+    def _drained(self) -> bool:
+        with self.device():
+            return self._stream_query() == 0
+
+    def _release(self) -> None:
         rt = self.cupy.cuda.runtime
         with self.device():
-            if self.stream is not None:
-                rt.streamSynchronize(self.stream.ptr)
             for event in self.events:
                 rt.eventDestroy(event)
             with self._events_lock:
@@ -164,6 +197,15 @@ class CudaDevicePool:
             # CuPy destroys its stream with the last reference, which is this one.
             self.events, self.pinned, self.handles, self.stream = [], [], [], None
             self.opened_events = OrderedDict()
+
+    def _fail(self, why: str) -> None:
+        if self.failed is None:
+            self.failed = why
+            logger.warning("CUDA pool on device %d failed: %s", self.ordinal, why)
+
+    def _stalled(self) -> GpuStalled:
+        return GpuStalled(f"this client's GPU work is given up on: {self.failed}. The client is "
+                          "failed and reclaimed; register again")
 
     # ---- copies ---------------------------------------------------------------------------
 
@@ -192,6 +234,8 @@ class CudaDevicePool:
         num_layers = self.token_bases.shape[0]
         stream = self.stream.ptr
         with self._enqueue_lock, self.device(), self.stream:
+            if self.failed:
+                raise self._stalled()
             try:
                 if ready_event:
                     self._wait_on(ready_event)
@@ -212,10 +256,13 @@ class CudaDevicePool:
                     rt.eventRecord(event, stream)
                     events.append(event)
                 return Pending(events)
-            except BaseException:
+            except BaseException as exc:
                 # Part of the job may be on the stream: let it finish before the pages are
                 # released by the caller, then report the failure.
-                rt.streamSynchronize(stream)
+                if not waits.until_done(self._stream_query, time.monotonic() + self.wait_seconds):
+                    self._fail(f"a failed job's copies were still on the GPU after {self.wait_seconds:g} s "
+                               "(--cuda-wait-seconds)")
+                    raise self._stalled() from exc
                 raise
 
     def _job_copier(self, copy_plan, layers: np.ndarray, host_table, to_device: bool):
@@ -232,17 +279,23 @@ class CudaDevicePool:
         return self._copier(host_bases, host_off, dev_bases, dev_off, row_bytes)
 
     def wait(self, pending: Pending, signal) -> None:
-        """Blocks (sleeping: blocking-sync events) until the enqueued copy is done, reporting
-        each layer through ``signal`` as its event completes. Runs on a waiter thread."""
+        """Blocks until the enqueued copy is done, reporting each layer through ``signal`` as its
+        event completes. Runs on a waiter thread. Fails the pool (GpuStalled) if the events make
+        no progress for ``wait_seconds``, and gives up at once if the pool has failed meanwhile."""
         rt = self.cupy.cuda.runtime
         with self.device():
             try:
                 for i, event in enumerate(pending.events):
-                    rt.eventSynchronize(event)
+                    if not waits.until_done(lambda e=event: rt.eventQuery(e),
+                                            time.monotonic() + self.wait_seconds, lambda: bool(self.failed)):
+                        self._fail(f"its GPU copies made no progress for {self.wait_seconds:g} s "
+                                   "(--cuda-wait-seconds): an event they wait on, such as the engine's "
+                                   "ready event, has not fired")
+                        raise self._stalled()
                     if signal is not None:
                         signal.publish(i + 1)
             finally:
-                if pending.owned:
+                if pending.owned:  # destroying a pending event is safe: CUDA frees it once complete
                     for event in pending.events:
                         rt.eventDestroy(event)
 
@@ -323,5 +376,5 @@ def open_cuda_pool(cupy, refs: list[pb.BufferRef], num_tokens: int, token_bytes:
         cupy=cupy, ordinal=ordinal, num_tokens=num_tokens, page_size=page_size, token_bytes=token_bytes,
         token_stride=strides.pop(), parts=parts,
         token_bases=np.array(bases, dtype=np.uint64).reshape(-1, parts), handles=handles,
-        event_slots=event_slots or DEFAULT_EVENT_SLOTS,
+        event_slots=event_slots or DEFAULT_EVENT_SLOTS, wait_seconds=waits.wait_seconds(),
     )
