@@ -41,8 +41,9 @@ logger = logging.getLogger(__name__)
 
 HOST_REGISTER_FLAGS = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 HOST_REGISTER_CHUNK = 64 << 30  # one cudaHostRegister of 512 GiB or more fails on r580+ drivers
-# cudaEventBlockingSync | cudaEventDisableTiming | cudaEventInterprocess: the copy thread sleeps
-# in eventSynchronize instead of spinning a core for the length of every load.
+# cudaEventBlockingSync | cudaEventDisableTiming | cudaEventInterprocess: a CPU thread that
+# synchronizes on one (in the engine) sleeps instead of spinning. The daemon itself polls
+# eventQuery with a deadline (waits.py), which no flag changes.
 EVENT_FLAGS = 1 | 2 | 4
 DONE_EVENT_FLAGS = 1 | 2  # a write's completion: BlockingSync | DisableTiming, this process only
 MEMCPY_DEFAULT = 4
