@@ -251,6 +251,7 @@ def safety_engine(address: str, wait_seconds: float, stall_seconds: float, out) 
         dev_idx = torch.arange(256)
         host_b, host_a = b.alloc(256), a.alloc(256)
         want = [[t.view(torch.uint8)[:256].clone() for t in layer] for layer in pool.buffers]
+        torch.cuda.synchronize()
         b.write(host_indices=host_b, device_indices=dev_idx)
         side = torch.cuda.Stream()
         t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -282,6 +283,8 @@ def safety_engine(address: str, wait_seconds: float, stall_seconds: float, out) 
             for layer in pool.buffers:
                 for t in layer:
                     t.view(torch.uint8)[:256] = 0
+            # This stream only: a device-wide synchronize would wait for the spinning kernel.
+            torch.cuda.current_stream().synchronize()
             b.load(host_indices=host_b, device_indices=dev_idx).wait()
             exact &= all(torch.equal(t.view(torch.uint8)[:256], w)
                          for layer, wl in zip(pool.buffers, want, strict=True)
@@ -290,9 +293,17 @@ def safety_engine(address: str, wait_seconds: float, stall_seconds: float, out) 
         writer.join()
         stall["b_loads_during_stall"], stall["b_exact"] = loads, exact
         stalled_at = time.monotonic()
-        while time.monotonic() - stalled_at < 5 and b.stats(all_clients=True).num_clients > 1:
+
+        def a_gone() -> bool:
+            try:
+                a.stats()
+            except KVClientError as exc:
+                return exc.code.name == "NOT_FOUND"
+            return False
+
+        while time.monotonic() - stalled_at < 5 and not a_gone():
             time.sleep(0.1)
-        stall["a_reclaimed"] = b.stats(all_clients=True).num_clients == 1
+        stall["a_reclaimed"] = a_gone()
         stall["held_while_stalled"] = b.stats(all_clients=True).reserved_bytes > reserved_b
         a.close()
         while time.monotonic() - stalled_at < stall_seconds + 10:
