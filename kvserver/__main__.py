@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reclaim-grace-seconds", type=float, default=_env("RECLAIM_GRACE_SECONDS", "1"),
                    help="wait for a new Session this long before reclaiming a client whose session "
                         "ended (default 1)")
+    p.add_argument("--cuda-wait-seconds", type=float, default=_env("CUDA_WAIT_SECONDS", "20"),
+                   help="a CUDA client whose GPU copies make no progress this long (say, an engine "
+                        "event that never fires) is failed and reclaimed (default 20)")
     p.add_argument("--max-clients", type=int, default=_env("MAX_CLIENTS", "1024"))
     p.add_argument("--max-request-indices", type=int, default=_env("MAX_REQUEST_INDICES", str(1 << 22)),
                    help="most indices in one request (default 4194304)")
@@ -101,6 +104,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         admin_token=_read_token(args.admin_token_file, "KVSERVER_ADMIN_TOKEN"),
         insecure_tcp=args.insecure_tcp,
         socket_group_access=args.socket_group_access,
+        cuda_wait_seconds=args.cuda_wait_seconds,
     )
 
 

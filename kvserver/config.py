@@ -43,6 +43,7 @@ class ServerConfig:
     insecure_tcp: bool = False  # allow --listen without a token
     socket_group_access: bool = False  # socket mode 0660 instead of 0600
     max_message_bytes: int = 64 << 20
+    cuda_wait_seconds: float = 20.0  # GPU work of a client making no progress this long fails it
 
     def __post_init__(self) -> None:
         if self.host_memory < 2 << 20:
@@ -66,6 +67,8 @@ class ServerConfig:
             raise ValueError("client and request limits must be at least 1")
         if self.admin_token is not None and self.admin_token == self.token:
             raise ValueError("the admin token must differ from the client token")
+        if not 0 < self.cuda_wait_seconds <= 3600:
+            raise ValueError("CUDA wait seconds must be in (0, 3600]")
 
 
     @property

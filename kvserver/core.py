@@ -191,13 +191,18 @@ class KVCore:
         del self.clients[client_id]
         self.totals.add(client.counters)
         client.host_views = []
+        held = None  # a CUDA pool's quarantine: the GPU may still touch the host region
         try:
-            await self._in_thread(client.device.close)
+            held = await self._in_thread(client.device.close)
         except Exception:
             logger.exception("closing the device pool of %s failed; releasing its host memory anyway",
                              public_id(client_id))
         finally:
-            self.arena.release(client.region_offset, client.region_bytes)
+            if held is None:
+                self.arena.release(client.region_offset, client.region_bytes)
+            else:  # stays reserved until the quarantine has released the pool's GPU resources
+                loop, region = asyncio.get_running_loop(), (client.region_offset, client.region_bytes)
+                held.add_done_callback(lambda _: loop.call_soon_threadsafe(self.arena.release, *region))
             client.gone.set()
         logger.info("%s %s (%d host bytes released)", reason, public_id(client_id), client.region_bytes)
 

@@ -68,6 +68,12 @@ class JobStopped(KVError):
         )
 
 
+class GpuStalled(KVError):
+    """A client's GPU copies made no progress within --cuda-wait-seconds: the client is failed."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 # Status details travel in HTTP/2 trailers, which peers refuse past 8 KiB (soft) / 16 KiB (hard).
 MAX_DETAILS = 2048
 

@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from kvserver.auth import TokenAuth
 from kvserver.config import ServerConfig
 from kvserver.core import KVCore
+from kvserver.cuda.waits import set_wait_seconds
 from kvserver.liveness import Reaper
 from kvserver.servicer import KVServicer, add_to_server
 from kvserver.v1 import kvserver_pb2 as pb
@@ -50,6 +51,7 @@ class Daemon:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        set_wait_seconds(config.cuda_wait_seconds)  # for the CUDA pools this daemon opens
         self.core = KVCore(
             config.host_memory,
             config.copy_threads,

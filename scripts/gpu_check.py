@@ -13,7 +13,13 @@ are torch CUDA tensors, and checks:
    correctly, while the last layer's event has not completed yet;
 3. host <-> device bandwidth through the daemon for scattered pages of 1, 16 and 64 tokens,
    against a contiguous pinned cudaMemcpy of the same bytes measured in the same run;
-4. after unregister, the pool's memory goes back to torch when the engine frees it.
+4. after unregister, the pool's memory goes back to torch when the engine frees it;
+5. a pool whose buffers reach past the real allocation (declared allocation_size 2^63) is refused
+   with INVALID_ARGUMENT;
+6. a write waiting on an engine ready event that does not fire (recorded behind a spinning
+   kernel) fails with DEADLINE_EXCEEDED past the daemon's --cuda-wait-seconds and fails only its
+   own client: another client on the same GPU loads bit-exactly all along, the stalled one is
+   reclaimed, and its quarantined host region is released once the spinning kernel ends.
 It prints one JSON document and exits non-zero if a check failed. ``--preflight`` runs only
 what needs no GPU (imports from this tree, daemon start and health) and is tested on CPU.
 Needs torch with CUDA, CuPy (cupy-cuda12x or cupy-cuda13x) with NVRTC, grpcio, protobuf, uvloop,
@@ -39,6 +45,8 @@ import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CUDA_WAIT_SECONDS = 5  # the daemon's --cuda-wait-seconds in this check
+STALL_SECONDS = 12  # how long the stalled client's ready event is held back (> CUDA_WAIT_SECONDS)
 
 
 def _use_source_tree() -> None:
@@ -175,6 +183,148 @@ def engine(address: str, kind: str, start: int, end: int, num_layers: int, page_
     out.put(result)
 
 
+def safety_engine(address: str, wait_seconds: float, stall_seconds: float, out) -> None:
+    """One engine process checking the daemon against hostile or stuck engines on a real GPU:
+    an oversized declared span, and a ready event that does not fire for ``stall_seconds``."""
+    result: dict = {"kind": "safety", "range": [0, 1]}
+
+    def stage(name: str) -> None:
+        out.put({"range": [0, 1], "stage": name})
+
+    try:
+        stage("import torch and allocate the pools")
+        import threading
+
+        import torch
+
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+        from kvclient import CudaKVPool, KVClient, KVClientError, KVLayout
+
+        dev = torch.device("cuda", 0)
+        layout, dtype, tokens = KVLayout.mha(8, 128), torch.bfloat16, 4096
+
+        def new_pool(seed: int) -> CudaKVPool:
+            g = torch.Generator(device=dev).manual_seed(seed)
+            heads, dim = layout.token_shape
+            return CudaKVPool(layout, dtype, [[
+                torch.randint(0, 255, (tokens, heads, dim * 2), dtype=torch.uint8, device=dev,
+                              generator=g).view(dtype) for _ in range(2)] for _ in range(2)])
+
+        def register(client, pool) -> None:
+            client.register(model="check-safety", pool=pool, start_layer=0, end_layer=2, num_layers=2,
+                            host_tokens=1024, page_size=16)
+
+        # 5. buffers reaching far past the real allocation, declared inside 2^63 bytes.
+        stage("oversized declared span")
+        pool = new_pool(1)
+
+        class Oversized:
+            def __init__(self, inner) -> None:
+                self.layout, self.dtype, self.buffers = inner.layout, inner.dtype, inner.buffers
+                self.inner = inner
+
+            def descriptor(self):
+                desc = self.inner.descriptor()
+                for layer in desc.layers:
+                    for part in layer.parts:
+                        part.cuda.allocation_size = 1 << 63
+                desc.num_tokens = tokens * 4096  # 4096 times what the tensors hold
+                return desc
+
+        probe = KVClient(address, timeout=60, resilient=False)
+        try:
+            register(probe, Oversized(pool))
+            result["oversized_span_refused"] = False
+        except KVClientError as exc:
+            result["oversized_span_refused"] = (exc.code.name == "INVALID_ARGUMENT"
+                                                and "the allocation the handle opens is" in exc.message)
+            result["oversized_span_message"] = exc.message[:300]
+        probe.close()
+
+        # 6. client A's ready event does not fire for stall_seconds; client B loads meanwhile.
+        stage("stalled ready event")
+        b, a = KVClient(address, timeout=60, resilient=False), KVClient(address, timeout=60, resilient=False)
+        register(b, pool)
+        reserved_b = b.stats(all_clients=True).reserved_bytes
+        pool_a = new_pool(2)
+        register(a, pool_a)
+        dev_idx = torch.arange(256)
+        host_b, host_a = b.alloc(256), a.alloc(256)
+        want = [[t.view(torch.uint8)[:256].clone() for t in layer] for layer in pool.buffers]
+        torch.cuda.synchronize()
+        b.write(host_indices=host_b, device_indices=dev_idx)
+        side = torch.cuda.Stream()
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        torch.cuda._sleep(50_000_000)
+        t1.record()
+        t1.synchronize()
+        cycles_per_ms = 50_000_000 / max(t0.elapsed_time(t1), 1e-3)
+        ready = torch.cuda.Event(interprocess=True)
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(int(cycles_per_ms * stall_seconds * 1000))
+            ready.record(side)
+        stall: dict = {}
+        result["stall"] = stall
+
+        def stalled_write() -> None:
+            start = time.monotonic()
+            try:
+                a.write(host_indices=host_a, device_indices=dev_idx, ready_event=ready)
+                stall["a_code"] = "OK"
+            except KVClientError as exc:
+                stall["a_code"], stall["a_message"] = exc.code.name, exc.message[:300]
+            stall["a_seconds"] = round(time.monotonic() - start, 2)
+
+        writer = threading.Thread(target=stalled_write)
+        writer.start()
+        loads, exact = 0, True
+        while writer.is_alive():
+            for layer in pool.buffers:
+                for t in layer:
+                    t.view(torch.uint8)[:256] = 0
+            # This stream only: a device-wide synchronize would wait for the spinning kernel.
+            torch.cuda.current_stream().synchronize()
+            b.load(host_indices=host_b, device_indices=dev_idx).wait()
+            exact &= all(torch.equal(t.view(torch.uint8)[:256], w)
+                         for layer, wl in zip(pool.buffers, want, strict=True)
+                         for t, w in zip(layer, wl, strict=True))
+            loads += 1
+        writer.join()
+        stall["b_loads_during_stall"], stall["b_exact"] = loads, exact
+        stalled_at = time.monotonic()
+
+        def a_gone() -> bool:
+            try:
+                a.stats()
+            except KVClientError as exc:
+                return exc.code.name == "NOT_FOUND"
+            return False
+
+        while time.monotonic() - stalled_at < 5 and not a_gone():
+            time.sleep(0.1)
+        stall["a_reclaimed"] = a_gone()
+        stall["held_while_stalled"] = b.stats(all_clients=True).reserved_bytes > reserved_b
+        a.close()
+        while time.monotonic() - stalled_at < stall_seconds + 10:
+            if b.stats(all_clients=True).reserved_bytes == reserved_b:
+                break
+            time.sleep(0.2)
+        stall["quarantine_released"] = b.stats(all_clients=True).reserved_bytes == reserved_b
+        stall["quarantine_seconds"] = round(time.monotonic() - stalled_at, 1)
+        b.unregister()
+        b.close()
+        result["ok"] = bool(result["oversized_span_refused"] and stall["a_code"] == "DEADLINE_EXCEEDED"
+                            and stall["a_seconds"] < wait_seconds + 3 and loads >= 1 and exact
+                            and stall["a_reclaimed"] and stall["held_while_stalled"]
+                            and stall["quarantine_released"])
+    except BaseException:
+        result["error"] = traceback.format_exc()
+        result["ok"] = False
+    result["final"] = True
+    out.put(result)
+
+
 def preflight(address: str) -> dict:
     """What can be checked before any GPU work, and without a GPU: every module the check uses
     imports from this tree, the daemon answers its health check, and whether it can use CUDA."""
@@ -198,6 +348,38 @@ def preflight(address: str) -> dict:
     }
 
 
+def _results(procs: dict, out, label: str, deadline: float):
+    """Yields each engine's final message as it comes. Raises TimeoutError, with each engine's
+    last stage, if they have not finished by ``deadline``, and RuntimeError if one dies without a
+    result; engines still running then are killed."""
+    stages = {r: "starting" for r in procs}
+    try:
+        while stages:
+            try:
+                msg = out.get(timeout=1.0)
+            except queue.Empty:
+                dead = {r: procs[r].exitcode for r in stages if not procs[r].is_alive()}
+                if dead:
+                    raise RuntimeError(f"{label}: engines {dead} (range: exit code) died at "
+                                       f"{ {r: stages[r] for r in dead} }") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{label}: engines still running at the deadline, at "
+                                       f"{stages}") from None
+                continue
+            r = tuple(msg["range"])
+            if "final" not in msg:
+                stages[r] = msg["stage"]
+                continue
+            del stages[r]
+            yield msg
+    finally:
+        for r, p in procs.items():
+            p.join(0 if r in stages else 10)  # a hung engine is killed at once: GPU time is scarce
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+
+
 def run_plan(ctx, address: str, kind: str, page: int, rounds: int, deadline: float, report: dict,
              target=None) -> None:
     """Two engines (layers [0, 16) and [16, 32) of one model) for one pool kind and page size;
@@ -210,38 +392,27 @@ def run_plan(ctx, address: str, kind: str, page: int, rounds: int, deadline: flo
              for r in ranges}
     for p in procs.values():
         p.start()
-    stages = {r: "starting" for r in ranges}
-    try:
-        while stages:
-            try:
-                msg = out.get(timeout=1.0)
-            except queue.Empty:
-                dead = {r: procs[r].exitcode for r in stages if not procs[r].is_alive()}
-                if dead:
-                    raise RuntimeError(f"{kind}/{page}: engines {dead} (range: exit code) died at "
-                                       f"{ {r: stages[r] for r in dead} }") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{kind}/{page}: engines still running at the deadline, at "
-                                       f"{stages}") from None
-                continue
-            r = tuple(msg["range"])
-            if "final" not in msg:
-                stages[r] = msg["stage"]
-                continue
-            del stages[r]
-            # Layer 0 must be readable while the last layer is still in flight wherever the
-            # transfer is long enough (>= 256 MiB: tens of ms at PCIe speed) to tell.
-            pipelined = msg.get("layer0_ready_before_last_layer") or msg.get("bytes", 0) < 256 << 20
-            msg["ok"] = bool("error" not in msg and msg.get("exact") and msg.get("layer0_exact") and pipelined
-                             and msg.get("pool_memory_returned"))
-            report["ok"] &= msg["ok"]
-            report["checks"].append(msg)
-    finally:
-        for r, p in procs.items():
-            p.join(0 if r in stages else 10)  # a hung engine is killed at once: GPU time is scarce
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+    for msg in _results(procs, out, f"{kind}/{page}", deadline):
+        # Layer 0 must be readable while the last layer is still in flight wherever the
+        # transfer is long enough (>= 256 MiB: tens of ms at PCIe speed) to tell.
+        pipelined = msg.get("layer0_ready_before_last_layer") or msg.get("bytes", 0) < 256 << 20
+        msg["ok"] = bool("error" not in msg and msg.get("exact") and msg.get("layer0_exact") and pipelined
+                         and msg.get("pool_memory_returned"))
+        report["ok"] &= msg["ok"]
+        report["checks"].append(msg)
+
+
+def run_safety(ctx, address: str, deadline: float, report: dict, target=None,
+               wait_seconds: float = CUDA_WAIT_SECONDS, stall_seconds: float = STALL_SECONDS) -> None:
+    """The hostile- and stuck-engine checks (``safety_engine``) in one engine process."""
+    out = ctx.Queue()
+    procs = {(0, 1): ctx.Process(target=target or safety_engine, args=(address, wait_seconds, stall_seconds,
+                                                                       out))}
+    procs[(0, 1)].start()
+    for msg in _results(procs, out, "safety", deadline):
+        msg["ok"] = bool(msg.get("ok"))
+        report["ok"] &= msg["ok"]
+        report["checks"].append(msg)
 
 
 def main() -> int:
@@ -259,7 +430,8 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="kvgpu-")
     socket = os.path.join(tmp, "kv.sock")
     daemon = subprocess.Popen([sys.executable, "-m", "kvserver", "--socket", socket,
-                               "--host-memory", host_memory, "--progress-interval-ms", "0"], env=env)
+                               "--host-memory", host_memory, "--progress-interval-ms", "0",
+                               "--cuda-wait-seconds", str(CUDA_WAIT_SECONDS)], env=env)
     report: dict = {"checks": [], "ok": True}
     started = time.monotonic()
     deadline = started + args.deadline
@@ -280,8 +452,10 @@ def main() -> int:
         # The most telling plans first, so a run cut short by its deadline still says the most.
         plans = [("mha", 16), ("mla", 16)] if args.quick else [("mha", 16), ("mla", 16), ("mha", 1),
                                                                   ("mha", 64)]
-        for kind, page in plans:
+        for i, (kind, page) in enumerate(plans):
             run_plan(ctx, f"unix://{socket}", kind, page, 3 if args.quick else 10, deadline, report)
+            if i == 1:  # after the two most telling plans: the hostile- and stuck-engine checks
+                run_safety(ctx, f"unix://{socket}", deadline, report)
     except BaseException:
         report["ok"] = False
         report["error"] = traceback.format_exc()

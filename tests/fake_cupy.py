@@ -5,12 +5,21 @@ pointers, the copy kernel or DMA really moves bytes and can be checked bit for b
 the daemon's own CUDA source built for the CPU (tests/kernel_host.py). Every runtime
 call is logged in order, so event ordering and the release of every resource can be checked too.
 What it cannot show (real IPC, pinning, kernel speed) is for scripts/gpu_check.py on a GPU.
+
+Streams keep CUDA's order: work put on a stream after a wait on an engine event that is "hung"
+(``FakeRuntime.hang``: the engine recorded it behind work that never ends) does not run, and
+events recorded there do not complete, until the test fires that event. ``eventQuery`` and
+``streamQuery`` answer NOT_READY meanwhile, as CuPy's do (they return cudaErrorNotReady rather
+than raise); ``eventSynchronize`` and ``streamSynchronize`` block, as the real ones would for
+good (here they give up after STUCK_SECONDS, so a test that waits on them fails instead of hanging).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import threading
+import time
 import types
 
 import numpy as np
@@ -19,19 +28,80 @@ from kernel_host import HostKernel
 UUID_HEX = "1a2b3c4d5e6f7a8b9c0d112233445566"
 UUID = "GPU-1a2b3c4d-5e6f-7a8b-9c0d-112233445566"
 PCI_BUS_ID = "0000:3B:00.0"  # as cudaDeviceGetPCIBusId spells it
+NOT_READY = 600  # cudaErrorNotReady
+STUCK_SECONDS = 15.0
+
+
+class _CurrentStream(threading.local):
+    """CuPy's current stream is per thread."""
+
+    def __init__(self) -> None:
+        self.stack = [0]
 
 
 class FakeRuntime:
     def __init__(self) -> None:
         self.calls: list[tuple] = []
+        # (stream, thread, call) of everything put on a stream, in the order it was put there.
+        self.stream_ops: list[tuple[int, int, str]] = []
         self.allocations: dict[bytes, np.ndarray] = {}
-        self.current_stream: list[int] = [0]
+        self._current = _CurrentStream()
         self.uuid_bytes = bytes.fromhex(UUID_HEX)
+        self.launch_seconds = 0.0  # how long a kernel launch takes to return
         self._next = 1
+        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._hung: set[int] = set()  # engine events (as opened here) that have not fired
+        self._stalled: dict[int, tuple[int, list]] = {}  # stream -> (hung event, work behind it)
+        self._pending: set[int] = set()  # events recorded behind a hung one
+
+    # ---- events that never fire -----------------------------------------------------------
+
+    @staticmethod
+    def opened_id(handle: bytes) -> int:
+        return int.from_bytes(handle[:8], "little") + 100_000
+
+    def hang(self, handle: bytes) -> None:
+        """The engine's event of this IPC handle will not fire until ``fire``."""
+        with self._cond:
+            self._hung.add(self.opened_id(handle))
+
+    def fire(self, handle: bytes) -> None:
+        """The hung event completes: the work queued behind it runs, in stream order."""
+        event = self.opened_id(handle)
+        with self._cond:
+            self._hung.discard(event)
+            for stream, (waited, work) in list(self._stalled.items()):
+                if waited == event:
+                    del self._stalled[stream]
+                    for fn in work:
+                        fn()
+            self._cond.notify_all()
+
+    def _defer(self, stream: int, fn) -> bool:
+        """Queues ``fn`` behind the hung event its stream waits on; False if the stream runs."""
+        with self._cond:
+            if stream not in self._stalled:
+                return False
+            self._stalled[stream][1].append(fn)
+            return True
+
+    def _block_until(self, ready, what: str) -> None:
+        with self._cond:
+            if not self._cond.wait_for(ready, STUCK_SECONDS):
+                raise RuntimeError(f"stand-in: {what} waited {STUCK_SECONDS} s on work that never ends")
+
+    @property
+    def current_stream(self) -> list[int]:
+        return self._current.stack
+
+    def _on_stream(self, stream: int, call: str) -> None:
+        self.stream_ops.append((stream, threading.get_ident(), call))
 
     def _id(self) -> int:
-        self._next += 1
-        return self._next
+        with self._lock:
+            self._next += 1
+            return self._next
 
     def export(self, nbytes: int) -> tuple[bytes, np.ndarray]:
         """An engine's cudaMalloc: returns (IPC handle, its memory)."""
@@ -39,6 +109,15 @@ class FakeRuntime:
         handle = self._id().to_bytes(8, "little") * 8
         self.allocations[handle] = mem
         return handle, mem
+
+    def address_range(self, ptr: int) -> tuple[int, int]:
+        """cuMemGetAddressRange: (base, size) of the allocation holding ``ptr``; like the driver,
+        CUDA_ERROR_NOT_FOUND for an address no allocation holds."""
+        for mem in self.allocations.values():
+            base = mem.ctypes.data
+            if base <= ptr < base + mem.size:
+                return base, mem.size
+        raise RuntimeError("cuMemGetAddressRange failed: CUDA_ERROR_NOT_FOUND")
 
     def getDeviceCount(self):
         return 1
@@ -67,9 +146,19 @@ class FakeRuntime:
 
     def streamSynchronize(self, stream):
         self.calls.append(("streamSynchronize", stream))
+        self._block_until(lambda: stream not in self._stalled, "streamSynchronize")
+
+    def streamQuery(self, stream):
+        self.calls.append(("streamQuery", stream))
+        with self._cond:
+            return NOT_READY if stream in self._stalled else 0
 
     def streamWaitEvent(self, stream, event, flags=0):
         self.calls.append(("streamWaitEvent", event))
+        self._on_stream(stream, "streamWaitEvent")
+        with self._cond:
+            if event in self._hung and stream not in self._stalled:
+                self._stalled[stream] = (event, [])
 
     def eventCreateWithFlags(self, flags):
         self.calls.append(("eventCreateWithFlags", flags))
@@ -83,17 +172,31 @@ class FakeRuntime:
 
     def ipcOpenEventHandle(self, handle):
         self.calls.append(("ipcOpenEventHandle", handle))
-        return int.from_bytes(handle[:8], "little") + 100_000
+        return self.opened_id(handle)
 
     def eventRecord(self, event, stream):
         self.calls.append(("eventRecord", event, stream))
+        self._on_stream(stream, "eventRecord")
+        with self._cond:
+            self._pending.discard(event)  # a new record replaces the last one
+            if stream in self._stalled:
+                self._pending.add(event)
+                self._stalled[stream][1].append(lambda: self._pending.discard(event))
+
+    def eventQuery(self, event):
+        self.calls.append(("eventQuery", event))
+        with self._cond:
+            return NOT_READY if event in self._pending else 0
 
     def eventSynchronize(self, event):
         self.calls.append(("eventSynchronize", event))
+        self._block_until(lambda: event not in self._pending, "eventSynchronize")
 
     def memcpyAsync(self, dst, src, size, kind, stream):
         self.calls.append(("memcpyAsync", size, stream))
-        ctypes.memmove(dst, src, size)
+        self._on_stream(stream, "memcpyAsync")
+        if not self._defer(stream, lambda: ctypes.memmove(dst, src, size)):
+            ctypes.memmove(dst, src, size)
 
 
 class FakeStream:
@@ -122,8 +225,12 @@ class RecordingKernel(HostKernel):
 
     def __call__(self, grid, block, args):
         _, _, count, _, _, n, _ = args
-        self.runtime.calls.append(("kernel", int(count), int(n), self.runtime.current_stream[-1]))
-        super().__call__(grid, block, args)
+        stream = self.runtime.current_stream[-1]
+        self.runtime.calls.append(("kernel", int(count), int(n), self.name, stream))
+        self.runtime._on_stream(stream, "kernel")
+        time.sleep(self.runtime.launch_seconds)
+        if not self.runtime._defer(stream, lambda: HostKernel.__call__(self, grid, block, args)):
+            super().__call__(grid, block, args)
 
 
 class FakeMemoryPool:
@@ -153,3 +260,15 @@ class FakeCupy:
 
 def make_fake_cupy() -> FakeCupy:
     return FakeCupy()
+
+
+def install(monkeypatch) -> FakeCupy:
+    """A stand-in GPU for the daemon in this process: CuPy, and the one driver call the daemon
+    makes through libcuda (kvserver/cuda/driver.py)."""
+    from kvserver import device_pool
+    from kvserver.cuda import driver
+
+    cupy = make_fake_cupy()
+    monkeypatch.setattr(device_pool, "require_cuda", lambda: cupy)
+    monkeypatch.setattr(driver, "allocation_range", cupy.cuda.runtime.address_range)
+    return cupy

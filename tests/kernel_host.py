@@ -1,5 +1,5 @@
-"""The GPU copy kernel's own source (kvserver/cuda/kernels.py), built for the CPU and run thread by
-thread, so tests without a GPU check the real kernel's indexing, not a re-implementation of it.
+"""The GPU copy kernels' own source (kvserver/cuda/kernels.py), built for the CPU and run thread by
+thread, so tests without a GPU check the real kernels' indexing, not a re-implementation of it.
 
 The kernel's threads share nothing (no shared memory, no barriers), so running every (block,
 thread) of the grid one after another gives what the GPU gives. What this cannot show (speed,
@@ -18,14 +18,16 @@ import tempfile
 
 import numpy as np
 
-KERNEL = "kv_copy_rows"
+KERNELS = ("kv_copy_rows", "kv_copy_rows_w4", "kv_copy_rows_w2", "kv_copy_rows_w1")
 _SHIM = r"""
 struct kv_dim3 { unsigned int x, y, z; };
 static kv_dim3 threadIdx, blockIdx, blockDim, gridDim;
 #define __global__
+#define __device__
+#define __forceinline__ inline
 """
 _LAUNCHER = r"""
-extern "C" void kv_launch(unsigned int grid, unsigned int block,
+extern "C" void launch_NAME(unsigned int grid, unsigned int block,
     const unsigned long long* dst_bases, const unsigned long long* src_bases, int num_buffers,
     const long long* dst_offsets, const long long* src_offsets, long long num_rows, long long row_words)
 {
@@ -33,7 +35,7 @@ extern "C" void kv_launch(unsigned int grid, unsigned int block,
     for (unsigned int b = 0; b < grid; ++b) {
         for (unsigned int t = 0; t < block; ++t) {
             blockIdx.x = b; threadIdx.x = t;
-            kv_copy_rows(dst_bases, src_bases, num_buffers, dst_offsets, src_offsets, num_rows, row_words);
+            NAME(dst_bases, src_bases, num_buffers, dst_offsets, src_offsets, num_rows, row_words);
         }
     }
 }
@@ -46,11 +48,12 @@ def compiler() -> str | None:
 
 @functools.cache
 def build(source: str) -> ctypes.CDLL:
-    """The kernel source as a shared library exporting ``kv_launch(grid, block, *kernel args)``."""
+    """The kernel source as a shared library exporting ``launch_<kernel>(grid, block, *kernel args)``
+    for each kernel it defines."""
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++) to build the copy kernel for the CPU")
-    text = _SHIM + source + _LAUNCHER
+    text = _SHIM + source + "".join(_LAUNCHER.replace("NAME", name) for name in KERNELS if name in source)
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     out = os.path.join(tempfile.gettempdir(), f"kvserver-kernel-{digest}.so")
     if not os.path.exists(out):
@@ -59,9 +62,12 @@ def build(source: str) -> ctypes.CDLL:
                        check=True, capture_output=True)
         os.replace(tmp, out)
     lib = ctypes.CDLL(out)
-    lib.kv_launch.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong]
-    lib.kv_launch.restype = None
+    for name in KERNELS:
+        if name in source:
+            fn = getattr(lib, f"launch_{name}")
+            fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong]
+            fn.restype = None
     return lib
 
 
@@ -73,9 +79,10 @@ class HostKernel:
     """Called like a CuPy RawKernel: ``kernel((blocks,), (threads,), args)``, args as numpy."""
 
     def __init__(self, source: str, name: str) -> None:
-        if name != KERNEL:
-            raise ValueError(f"only {KERNEL} has a CPU launcher, not {name}")
-        self.lib = build(source)
+        if name not in KERNELS or name not in source:
+            raise ValueError(f"only {KERNELS} have CPU launchers, and the source must define {name}")
+        self.name = name
+        self.launch = getattr(build(source), f"launch_{name}")
 
     def __call__(self, grid: tuple, block: tuple, args: tuple) -> None:
         dst_bases, src_bases, count, dst_off, src_off, n, words = args
@@ -87,5 +94,5 @@ class HostKernel:
         for a, dtype in ((count, np.int32), (n, np.int64), (words, np.int64)):
             if not isinstance(a, np.generic) or a.dtype != dtype:
                 raise TypeError(f"kernel scalars must be {dtype.__name__}, got {type(a).__name__}")
-        self.lib.kv_launch(grid[0], block[0], _ptr(dst_bases), _ptr(src_bases), int(count), _ptr(dst_off),
-                           _ptr(src_off), int(n), int(words))
+        self.launch(grid[0], block[0], _ptr(dst_bases), _ptr(src_bases), int(count), _ptr(dst_off),
+                    _ptr(src_off), int(n), int(words))

@@ -89,6 +89,23 @@ def test_span_must_end_inside_the_allocation():
         check_span(0, 128, 16, 256, 1 << 20, "b")
 
 
+def test_span_is_checked_against_the_real_allocation():
+    """The declared size can only narrow the driver's: 2^63 declared reaches no further."""
+    check_span(0, 256, 16, 256, 1 << 63, "b", real_size=4096)
+    with pytest.raises(InvalidArgument, match="the allocation the handle opens is 4095 bytes"):
+        check_span(0, 256, 16, 256, 1 << 63, "b", real_size=4095)
+    with pytest.raises(InvalidArgument, match="the allocation is 2048 bytes"):
+        check_span(0, 256, 16, 256, 2048, "b", real_size=4096)
+
+
+def test_stand_in_reports_real_allocation_ranges():
+    rt = make_fake_cupy().cuda.runtime
+    _, mem = rt.export(8192)
+    assert rt.address_range(mem.ctypes.data + 100) == (mem.ctypes.data, 8192)
+    with pytest.raises(RuntimeError, match="CUDA_ERROR_NOT_FOUND"):
+        rt.address_range(mem.ctypes.data + 8192)
+
+
 def test_copy_method_by_chunk_size():
     assert plan.choose_method(16 << 10) == "kernel"
     assert plan.choose_method(28 << 10) == "dma"
@@ -99,8 +116,19 @@ def test_copy_method_by_chunk_size():
 def test_kernel_launch_shape():
     assert plan.kernel_launch(num_rows=1000, row_bytes=4096, max_blocks=8) == (8, 128)
     assert plan.kernel_launch(num_rows=3, row_bytes=64, max_blocks=8) == (1, 128)
+    assert plan.kernel_launch(num_rows=3, row_bytes=6, max_blocks=8, word_bytes=2) == (1, 128)
     with pytest.raises(ValueError, match="multiple of 8"):
         plan.kernel_launch(10, 12, 8)
+
+
+def test_copy_word_is_the_widest_that_divides_everything():
+    import numpy as np
+
+    assert plan.word_bytes(4096, np.array([0, 8, 64], dtype=np.uint64)) == 8
+    assert plan.word_bytes(4096, np.array([0, 12]), np.array([4])) == 4
+    assert plan.word_bytes(6, np.array([0, 6, 12])) == 2
+    assert plan.word_bytes(4096, np.array([0, 1 << 40]), np.array([3])) == 1
+    assert plan.word_bytes(8, np.array([], dtype=np.int64)) == 8
 
 
 def test_client_export_from_a_share_tuple():
@@ -202,3 +230,17 @@ def test_kvclient_reports_the_refusal(daemon):
         client._call(client._stub.Register, req)
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
     client.close()
+
+
+def test_cuda_wait_seconds_flag_and_variable(monkeypatch):
+    from kvserver.__main__ import build_parser, config_from_args
+    from kvserver.config import ServerConfig
+
+    assert config_from_args(build_parser().parse_args(["--socket", "/tmp/x.sock"])).cuda_wait_seconds == 20
+    args = build_parser().parse_args(["--socket", "/tmp/x.sock", "--cuda-wait-seconds", "2.5"])
+    assert config_from_args(args).cuda_wait_seconds == 2.5
+    monkeypatch.setenv("KVSERVER_CUDA_WAIT_SECONDS", "7")
+    assert config_from_args(build_parser().parse_args(["--socket", "/tmp/x.sock"])).cuda_wait_seconds == 7
+    for bad in (0, -1, 1e9):
+        with pytest.raises(ValueError, match="CUDA wait seconds"):
+            ServerConfig(socket="/tmp/x.sock", cuda_wait_seconds=bad)

@@ -17,10 +17,9 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from fake_cupy import UUID, make_fake_cupy
+from fake_cupy import UUID
 from kernel_host import compiler
 
-from kvserver import device_pool
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
@@ -32,9 +31,7 @@ pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler (g++
 
 @pytest.fixture
 def fake(monkeypatch):
-    cupy = make_fake_cupy()
-    monkeypatch.setattr(device_pool, "require_cuda", lambda: cupy)
-    return cupy
+    return fake_cupy.install(monkeypatch)
 
 
 def cuda_pool(fake, heads: int, head_dim: int, parts: int = 2, handle_mem=None):
@@ -99,7 +96,7 @@ def test_cuda_round_trip_events_and_release(daemon, fake, page_size, path, token
         assert names.index("streamWaitEvent") < names.index(path), "copied before the engine was ready"
         # The write's own completion event (blocking sync, not interprocess), recorded after the
         # copies, waited on, then destroyed.
-        assert names[-4:] == ["eventCreateWithFlags", "eventRecord", "eventSynchronize", "eventDestroy"]
+        assert names[-4:] == ["eventCreateWithFlags", "eventRecord", "eventQuery", "eventDestroy"]
         assert rt.calls[-4][1] == 1 | 2 and rt.calls[-3][1] == rt.calls[-2][1] == rt.calls[-1][1]
         # Every copy and record on the registration's own non-blocking stream, never the legacy
         # default one.
@@ -122,14 +119,43 @@ def test_cuda_round_trip_events_and_release(daemon, fake, page_size, path, token
         names = [c[0] for c in rt.calls]
         first_record = names.index("eventRecord")
         assert path in names[:first_record], "layer 0's event recorded before its copy"
-        assert names.index("eventSynchronize") > len(names) - 1 - names[::-1].index("eventRecord")
+        assert names.index("eventQuery") > len(names) - 1 - names[::-1].index("eventRecord")
 
         rt.calls.clear()
         stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=10)
         names = [c[0] for c in rt.calls]
         assert names.count("eventDestroy") == 2 * LAYERS + 1  # its layer events + the opened ready event
         assert names.count("hostUnregister") == 1 and names.count("ipcCloseMemHandle") == 1
-        assert names[0] == "streamSynchronize" and ("free_all_blocks", stream) in rt.calls
+        assert names[0] == "streamQuery" and ("free_all_blocks", stream) in rt.calls  # drained first
+
+
+@pytest.mark.parametrize(("head_dim", "word"), [(3, "kv_copy_rows_w2"), (130, "kv_copy_rows_w4")])
+def test_unaligned_rows_are_one_launch_per_layer_and_exact(daemon, fake, head_dim, word):
+    """Tokens of 6 (or 260) bytes, scattered on the device: rows are not 8-byte aligned, and each
+    job is still one kernel launch per layer (a write: one in all) with a narrower word, never a
+    copy call per row on the shared worker, and every byte lands."""
+    rt = fake.cuda.runtime
+    refs, kv, _ = cuda_pool(fake, 1, head_dim)
+    rng = np.random.default_rng(head_dim)
+    kv[:] = rng.integers(0, 256, kv.shape, dtype=np.uint8)
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        reg = register(stub, refs, 1, head_dim, 16)
+        host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=128)).host_indices)
+        dev = rng.permutation(TOKENS)[:128].tolist()
+        want = kv[:, :, dev].copy()
+        rt.calls.clear()
+        stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=host, device_indices=dev),
+                   timeout=10)
+        kv[:] = 0
+        list(stub.Load(pb.LoadRequest(client_id=reg.client_id, host_indices=host, device_indices=dev),
+                       timeout=10))
+        launches = [c for c in rt.calls if c[0] in ("kernel", "memcpyAsync")]
+        assert [c[0] for c in launches] == ["kernel"] * (1 + LAYERS)
+        assert {c[3] for c in launches} == {word}
+        assert np.array_equal(kv[:, :, dev], want)
+        assert not kv[:, :, sorted(set(range(TOKENS)) - set(dev))].any()
+        stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=10)
 
 
 def test_allocation_opened_once_for_two_clients(daemon, fake):
@@ -144,6 +170,64 @@ def test_allocation_opened_once_for_two_clients(daemon, fake):
         stub.Unregister(pb.UnregisterRequest(client_id=a.client_id), timeout=10)
         assert [c[0] for c in rt.calls].count("ipcCloseMemHandle") == 0
         stub.Unregister(pb.UnregisterRequest(client_id=b.client_id), timeout=10)
+        assert [c[0] for c in rt.calls].count("ipcCloseMemHandle") == 1
+
+
+def oversize(refs, reach: int) -> None:
+    """Declares every buffer's allocation 2^63 bytes and moves the last buffer ``reach`` bytes
+    from the allocation's base: what a hostile client sends to reach other memory."""
+    for layer in refs.layers:
+        for part in layer.parts:
+            part.cuda.allocation_size = 1 << 63
+    refs.layers[-1].parts[-1].offset = reach
+
+
+@pytest.mark.parametrize("reach", ["far", "one byte past"])
+def test_a_span_past_the_real_allocation_is_refused(daemon, fake, reach):
+    """The declared allocation_size can only narrow what the daemon may touch: the span is checked
+    against the real range of the opened allocation, and a refused pool leaves nothing open."""
+    rt = fake.cuda.runtime
+    refs, _, (_, mem) = cuda_pool(fake, 2, 64)
+    token_bytes = refs.layers[0].parts[0].token_stride
+    # "one byte past": the last token ends one byte after the allocation does.
+    oversize(refs, 1 << 40 if reach == "far" else mem.size - TOKENS * token_bytes + 1)
+    reserved = daemon.run(lambda: daemon.core.arena.reserved)
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            register(stub, refs, 2, 64, 16)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"the allocation the handle opens is {mem.size} bytes" in err.value.details()
+        names = [c[0] for c in rt.calls]
+        assert names.count("ipcOpenMemHandle") == names.count("ipcCloseMemHandle") == 1
+        assert "hostRegister" not in names
+        assert stub.Stats(pb.StatsRequest()).num_clients == 0
+    assert daemon.run(lambda: daemon.core.arena.reserved) == reserved
+
+
+def test_an_oversized_span_next_to_a_live_client_leaves_its_mapping_open(daemon, fake):
+    """A second client naming the same allocation with an oversized span is refused; the first
+    client's mapping (shared, opened once) stays open and it keeps working."""
+    rt = fake.cuda.runtime
+    refs, kv, shared = cuda_pool(fake, 2, 64)
+    bad, _, _ = cuda_pool(fake, 2, 64, handle_mem=shared)
+    oversize(bad, 1 << 40)
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        good = register(stub, refs, 2, 64, 16)
+        with pytest.raises(grpc.RpcError) as err:
+            register(stub, bad, 2, 64, 16)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "ipcCloseMemHandle" not in [c[0] for c in rt.calls]
+        kv[:] = 3
+        host = list(stub.Alloc(pb.AllocRequest(client_id=good.client_id, num_tokens=16)).host_indices)
+        stub.Write(pb.WriteRequest(client_id=good.client_id, host_indices=host,
+                                   device_indices=list(range(16))), timeout=10)
+        kv[:] = 0
+        list(stub.Load(pb.LoadRequest(client_id=good.client_id, host_indices=host,
+                                      device_indices=list(range(16))), timeout=10))
+        assert (kv[:, :, :16] == 3).all()
+        stub.Unregister(pb.UnregisterRequest(client_id=good.client_id), timeout=10)
         assert [c[0] for c in rt.calls].count("ipcCloseMemHandle") == 1
 
 
@@ -206,17 +290,18 @@ def cpu_events(monkeypatch):
 
 
 def gate_gpu(rt, monkeypatch, only: set[int] | None = None):
-    """eventSynchronize (of every event, or of those in ``only``) waits for the returned gate:
+    """Events (every one, or those in ``only``) do not complete until the returned gate opens:
     those copies 'stay on the GPU' until the test opens it."""
     gate = threading.Event()
-    real_sync = rt.eventSynchronize
+    real_query = rt.eventQuery
 
-    def gated(event):
-        if only is None or event in only:
-            assert gate.wait(10), "the gate was never opened"
-        real_sync(event)
+    def query(event):
+        if (only is None or event in only) and not gate.is_set():
+            real_query(event)
+            return fake_cupy.NOT_READY
+        return real_query(event)
 
-    monkeypatch.setattr(rt, "eventSynchronize", gated)
+    monkeypatch.setattr(rt, "eventQuery", query)
     return gate
 
 
@@ -313,7 +398,7 @@ def test_a_launch_failing_mid_job_waits_for_what_was_enqueued(daemon, fake, monk
         assert err.value.code() == grpc.StatusCode.INTERNAL
         assert "LAUNCH_OUT_OF_RESOURCES" in err.value.details()
         names = [c[0] for c in rt.calls]
-        assert names.count("kernel") == 1 and names.index("kernel") < names.index("streamSynchronize")
+        assert names.count("kernel") == 1 and names.index("kernel") < names.index("streamQuery")
         assert len(list(stub.Load(pb.LoadRequest(client_id=reg.client_id, host_indices=host,
                                                  device_indices=list(range(64))), timeout=10))) > 1
         stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=10)
@@ -499,7 +584,7 @@ def test_a_cancelled_cuda_write_keeps_its_pages_until_the_gpu_is_done(daemon, fa
         gate.set()
         unregister.join(10)
         names = [c[0] for c in rt.calls]
-        assert names.index("eventSynchronize") < names.index("hostUnregister")
+        assert names.index("eventQuery") < names.index("hostUnregister")
         assert stub.Stats(pb.StatsRequest()).num_clients == 0
 
 
@@ -645,3 +730,175 @@ def test_closing_the_asyncio_client_mid_load_is_a_miss(daemon, fake, monkeypatch
         assert asyncio.run(run()) == (False, 0)
     finally:
         gate.set()
+
+
+def interleaved_jobs(stream_ops) -> list[tuple[int, str]]:
+    """Calls put on a stream by one thread while another thread's write was still being enqueued
+    there (a write's enqueue ends with its completion event's record)."""
+    owner: dict[int, int | None] = {}
+    bad = []
+    for stream, thread, call in stream_ops:
+        if owner.get(stream) not in (None, thread):
+            bad.append((stream, call))
+        owner[stream] = None if call == "eventRecord" else thread
+    return bad
+
+
+def test_two_copy_threads_never_enqueue_on_one_stream_at_once(daemon_factory, fake):
+    """With --copy-threads 2, two writes of one client are enqueued one after the other on its
+    stream, never mixed; both land whole."""
+    d = daemon_factory(copy_threads=2)
+    rt = fake.cuda.runtime
+    refs, kv, _ = cuda_pool(fake, 2, 64)
+    with grpc.insecure_channel(d.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        reg = register(stub, refs, 2, 64, 16)
+        hosts = [list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=32)).host_indices)
+                 for _ in range(2)]
+        kv[:] = 9
+        rt.launch_seconds = 0.03  # slow launches: both threads are inside an enqueue at once
+        rt.stream_ops.clear()
+        start = threading.Barrier(2)
+
+        def writes(host) -> None:
+            start.wait()
+            for _ in range(4):
+                stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=host,
+                                           device_indices=list(range(32))), timeout=10)
+
+        threads = [threading.Thread(target=writes, args=(h,)) for h in hosts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        rt.launch_seconds = 0.0
+        assert len({thread for _, thread, _ in rt.stream_ops}) == 2  # both copy threads enqueued
+        assert interleaved_jobs(rt.stream_ops) == []
+        kv[:] = 0
+        for host in hosts:
+            list(stub.Load(pb.LoadRequest(client_id=reg.client_id, host_indices=host,
+                                          device_indices=list(range(32))), timeout=10))
+            assert (kv[:, :, :32] == 9).all()
+
+
+WAIT_S = 1.0  # --cuda-wait-seconds of the daemons below
+
+
+def copy_call(stub, kind: str, client_id: str, host, dev, ready: bytes):
+    if kind == "write":
+        return stub.Write(pb.WriteRequest(client_id=client_id, host_indices=host, device_indices=dev,
+                                          ready_event=ready), timeout=20)
+    return list(stub.Load(pb.LoadRequest(client_id=client_id, host_indices=host, device_indices=dev,
+                                         ready_event=ready), timeout=20))
+
+
+def in_thread(fn) -> tuple[threading.Thread, dict]:
+    """Runs ``fn`` in a thread; the dict gets its gRPC error (or result) and how long it took."""
+    out: dict = {}
+
+    def run() -> None:
+        t0 = time.monotonic()
+        try:
+            out["result"] = fn()
+        except grpc.RpcError as exc:
+            out["error"] = exc
+        out["seconds"] = time.monotonic() - t0
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+@pytest.mark.parametrize("kind", ["write", "load"])
+def test_a_ready_event_that_never_fires_fails_only_its_own_client(daemon_factory, fake, kind):
+    """A's copy waits (on the GPU) for an engine event that never fires. Past --cuda-wait-seconds
+    its call fails with DEADLINE_EXCEEDED and A is reclaimed, while B, on the same GPU, loads all
+    along. A's pinned region and IPC mapping stay held (the GPU may still run A's copy) until
+    A's stream drains, then a background thread releases them."""
+    d = daemon_factory(cuda_wait_seconds=WAIT_S)
+    rt = fake.cuda.runtime
+    refs_a, _, _ = cuda_pool(fake, 2, 64)
+    refs_b, kv_b, _ = cuda_pool(fake, 2, 64)
+    hung = (777).to_bytes(8, "little") * 8
+    rt.hang(hung)
+    try:
+        with grpc.insecure_channel(d.address) as ch:
+            stub = pb_grpc.KVServerStub(ch)
+            a = register(stub, refs_a, 2, 64, 16)
+            reserved_a = d.run(lambda: d.core.arena.reserved)
+            b = register(stub, refs_b, 2, 64, 16)
+            host_a = list(stub.Alloc(pb.AllocRequest(client_id=a.client_id, num_tokens=64)).host_indices)
+            host_b = list(stub.Alloc(pb.AllocRequest(client_id=b.client_id, num_tokens=64)).host_indices)
+            kv_b[:] = 4
+            stub.Write(pb.WriteRequest(client_id=b.client_id, host_indices=host_b,
+                                       device_indices=list(range(64))), timeout=10)
+            t, out = in_thread(lambda: copy_call(stub, kind, a.client_id, host_a, list(range(64)), hung))
+            b_loads = 0
+            while t.is_alive():
+                kv_b[:] = 0
+                list(stub.Load(pb.LoadRequest(client_id=b.client_id, host_indices=host_b,
+                                              device_indices=list(range(64))), timeout=5))
+                assert (kv_b[:, :, :64] == 4).all()
+                b_loads += 1
+            t.join()
+            assert "error" in out, out
+            err = out["error"]
+            assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.details()
+            assert "--cuda-wait-seconds" in err.details()
+            assert WAIT_S - 0.05 <= out["seconds"] < WAIT_S + 1.5, out["seconds"]
+            assert b_loads >= 3, b_loads
+            clients = lambda: d.run(lambda: set(d.core.clients))  # noqa: E731
+            assert wait_for(lambda: clients() == {b.client_id})
+            assert d.run(lambda: d.core.reclaimed) == 1
+            with pytest.raises(grpc.RpcError) as gone:
+                stub.Unregister(pb.UnregisterRequest(client_id=a.client_id), timeout=5)
+            assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+            # Quarantined: still pinned, mapped and reserved, since the GPU may still copy.
+            names = [c[0] for c in rt.calls]
+            assert names.count("hostUnregister") == names.count("ipcCloseMemHandle") == 0
+            reserved = lambda: d.run(lambda: d.core.arena.reserved)  # noqa: E731
+            reserved_both = reserved()
+            assert reserved_both > reserved_a
+            stub.Write(pb.WriteRequest(client_id=b.client_id, host_indices=host_b,
+                                       device_indices=list(range(64))), timeout=10)
+            rt.fire(hung)  # the engine's event fires at last: A's stream drains
+            assert wait_for(lambda: reserved() == reserved_both - reserved_a), reserved()
+            names = [c[0] for c in rt.calls]
+            assert names.count("hostUnregister") == names.count("ipcCloseMemHandle") == 1
+            kv_b[:] = 0
+            list(stub.Load(pb.LoadRequest(client_id=b.client_id, host_indices=host_b,
+                                          device_indices=list(range(64))), timeout=5))
+            assert (kv_b[:, :, :64] == 4).all()
+    finally:
+        rt.fire(hung)
+
+
+def test_the_unregister_of_a_stalled_client_ends(daemon_factory, fake):
+    """An engine unregisters while its write waits on an event that never fires: the write fails
+    past --cuda-wait-seconds and the Unregister then returns; the client's GPU resources are
+    quarantined until its stream drains."""
+    d = daemon_factory(cuda_wait_seconds=WAIT_S)
+    rt = fake.cuda.runtime
+    refs, _, _ = cuda_pool(fake, 2, 64)
+    hung = (778).to_bytes(8, "little") * 8
+    rt.hang(hung)
+    try:
+        with grpc.insecure_channel(d.address) as ch:
+            stub = pb_grpc.KVServerStub(ch)
+            reg = register(stub, refs, 2, 64, 16)
+            host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=64)).host_indices)
+            t, out = in_thread(lambda: copy_call(stub, "write", reg.client_id, host, list(range(64)), hung))
+            assert wait_for(lambda: "streamWaitEvent" in [c[0] for c in rt.calls])
+            t0 = time.monotonic()
+            stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=10)
+            assert time.monotonic() - t0 < WAIT_S + 1.5
+            t.join(5)
+            assert out["error"].code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert stub.Stats(pb.StatsRequest()).num_clients == 0
+            assert "hostUnregister" not in [c[0] for c in rt.calls]
+            assert d.run(lambda: d.core.arena.reserved) > 0
+            rt.fire(hung)
+            assert wait_for(lambda: d.run(lambda: d.core.arena.reserved) == 0)
+            assert [c[0] for c in rt.calls].count("hostUnregister") == 1
+    finally:
+        rt.fire(hung)

@@ -63,13 +63,21 @@ def uuid_from_bytes(raw: bytes) -> str:
 
 
 def check_span(offset: int, token_stride: int, num_tokens: int, token_bytes: int, allocation_size: int,
-               what: str) -> None:
-    """The buffer's last token must end inside the allocation the handle opens."""
+               what: str, real_size: int | None = None) -> None:
+    """The buffer's last token must end inside the allocation the handle opens: inside the size
+    the client declares and, once the allocation is open, inside its real size (``real_size``,
+    from the driver), whichever is smaller."""
     if token_stride < token_bytes:
         raise InvalidArgument(
             f"{what}: token_stride {token_stride} is smaller than one token ({token_bytes} B)"
         )
     end = offset + (num_tokens - 1) * token_stride + token_bytes
+    if real_size is not None and end > real_size:
+        raise InvalidArgument(
+            f"{what}: buffer at offset {offset} with token_stride {token_stride} needs {end} bytes for "
+            f"{num_tokens} tokens, but the allocation the handle opens is {real_size} bytes "
+            f"(allocation_size {allocation_size} was declared)"
+        )
     if end > allocation_size:
         raise InvalidArgument(
             f"{what}: buffer at offset {offset} with token_stride {token_stride} needs {end} bytes for "

@@ -9,6 +9,8 @@ GPU check measures.
 
 from __future__ import annotations
 
+import numpy as np
+
 DMA_MIN_CHUNK_BYTES = 28 << 10
 # Each DMA is one cudaMemcpyAsync issued from Python (a few microseconds each; not yet measured
 # here): past this many per job the issue cost is taken to outweigh DMA's edge, and the kernel
@@ -24,11 +26,21 @@ def choose_method(chunk_bytes: int, num_copies: int = 1,
     return "kernel"
 
 
+def word_bytes(row_bytes: int, *addresses: np.ndarray) -> int:
+    """The copy kernel's word: the widest of 8, 4, 2, 1 bytes dividing the row size and every base
+    and offset in ``addresses``."""
+    for word in (8, 4, 2):
+        if row_bytes % word == 0 and not any((np.asarray(a) % word).any() for a in addresses):
+            return word
+    return 1
+
+
 def kernel_launch(num_rows: int, row_bytes: int, max_blocks: int,
-                  warps_per_block: int = 4) -> tuple[int, int]:
-    """(blocks, threads) for the copy kernel: one warp per row, 8-byte words, capped in blocks so
-    the copy leaves most SMs to the engine's compute."""
-    if row_bytes % 8:
-        raise ValueError(f"rows must be a multiple of 8 bytes for the copy kernel, got {row_bytes}")
+                  warps_per_block: int = 4, word_bytes: int = 8) -> tuple[int, int]:
+    """(blocks, threads) for the copy kernel: one warp per row, capped in blocks so the copy
+    leaves most SMs to the engine's compute."""
+    if row_bytes % word_bytes:
+        raise ValueError(f"rows must be a multiple of {word_bytes} bytes for this copy kernel, "
+                         f"got {row_bytes}")
     blocks = max(1, min(max_blocks, -(-num_rows // warps_per_block)))
     return blocks, 32 * warps_per_block

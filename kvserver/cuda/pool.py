@@ -10,31 +10,40 @@ their offset tables and the DMA all run on it, on CuPy 13 and 14 alike.
 
 Ordering is on the GPU: a write waits on the engine's ready event before reading its slots; a
 load records one event per layer, which the engine's compute stream waits on.
+
+Every wait on the GPU has a deadline (``waits``): a job whose events make no progress for
+``--cuda-wait-seconds`` fails, and with it the pool (``failed``), which the reaper then reclaims;
+other waits of the pool give up at once. A pool whose stream has not drained when it closes hands
+its resources to the quarantine instead of releasing them under the GPU.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvserver.cuda import plan
+from kvserver.cuda import driver, plan, waits
 from kvserver.cuda.devices import ordinal_for
 from kvserver.cuda.handles import check_span, raw_ipc_handle
 from kvserver.cuda.kernels import copy_rows_kernel
+from kvserver.cuda.quarantine import QUARANTINE
 from kvserver.device_pool import wide_dtype
-from kvserver.errors import InvalidArgument
+from kvserver.errors import GpuStalled, InvalidArgument
 from kvserver.v1 import kvserver_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
 HOST_REGISTER_FLAGS = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 HOST_REGISTER_CHUNK = 64 << 30  # one cudaHostRegister of 512 GiB or more fails on r580+ drivers
-# cudaEventBlockingSync | cudaEventDisableTiming | cudaEventInterprocess: the copy thread sleeps
-# in eventSynchronize instead of spinning a core for the length of every load.
+# cudaEventBlockingSync | cudaEventDisableTiming | cudaEventInterprocess: a CPU thread that
+# synchronizes on one (in the engine) sleeps instead of spinning. The daemon itself polls
+# eventQuery with a deadline (waits.py), which no flag changes.
 EVENT_FLAGS = 1 | 2 | 4
 DONE_EVENT_FLAGS = 1 | 2  # a write's completion: BlockingSync | DisableTiming, this process only
 MEMCPY_DEFAULT = 4
@@ -46,16 +55,25 @@ MAX_OPENED_EVENTS = 64
 KERNEL_MAX_BLOCKS = 128  # with 8 warps each: ~1000 rows in flight, about one block per SM on H100/H200
 
 _open_lock = threading.Lock()
-_open: dict[tuple[int, bytes], list[int]] = {}  # (device, raw handle) -> [base pointer, users]
+# (device, raw handle) -> [base pointer, users, bytes from the base to the allocation's real end]
+_open: dict[tuple[int, bytes], list[int]] = {}
 
 
-def _open_allocation(rt, ordinal: int, handle: bytes) -> int:
+def _open_allocation(rt, ordinal: int, handle: bytes) -> tuple[int, int]:
+    """(base, real size) of the allocation, opened once per device; the size is the driver's,
+    never the client's word. Runs inside ``with cupy.cuda.Device(ordinal)``."""
     with _open_lock:
         entry = _open.get((ordinal, handle))
         if entry is None:
-            entry = _open[(ordinal, handle)] = [rt.ipcOpenMemHandle(handle, 1), 0]
+            ptr = rt.ipcOpenMemHandle(handle, 1)
+            try:
+                base, size = driver.allocation_range(ptr)
+            except BaseException:
+                rt.ipcCloseMemHandle(ptr)
+                raise
+            entry = _open[(ordinal, handle)] = [ptr, 0, base + size - ptr]
         entry[1] += 1
-        return entry[0]
+        return entry[0], entry[2]
 
 
 def _close_allocation(rt, ordinal: int, handle: bytes) -> None:
@@ -95,6 +113,12 @@ class CudaDevicePool:
     host_to_device: int = 0  # add to a host address of the region to get its device address
     opened_events: OrderedDict[bytes, int] = field(default_factory=OrderedDict)
     _events_lock: threading.Lock = field(default_factory=threading.Lock)
+    # One job at a time goes onto the stream: with --copy-threads above 1, two workers may hold
+    # jobs of this client, and their launches and records must not interleave.
+    _enqueue_lock: threading.Lock = field(default_factory=threading.Lock)
+    wait_seconds: float = waits.DEFAULT_WAIT_SECONDS  # no progress this long fails the pool
+    failed: str | None = None  # why this pool's GPU work is given up on; the reaper reclaims it
+    pinned_bytes: int = 0
     kind: str = "cuda"
 
     @property
@@ -126,6 +150,7 @@ class CudaDevicePool:
                 size = min(HOST_REGISTER_CHUNK, nbytes - start)
                 rt.hostRegister(host_ptr + start, size, HOST_REGISTER_FLAGS)
                 self.pinned.append(host_ptr + start)
+                self.pinned_bytes += size
             self.host_to_device = rt.pointerGetAttributes(host_ptr).devicePointer - host_ptr
             self.stream = self.cupy.cuda.Stream(non_blocking=True)
             for _ in range(self.event_slots * num_layers):
@@ -133,11 +158,32 @@ class CudaDevicePool:
                 self.events.append(event)
                 self.event_handles.append(rt.ipcGetEventHandle(event))
 
-    def close(self) -> None:
+    def close(self) -> Future | None:
+        """Releases everything once the stream has drained (waiting up to ``wait_seconds``; not
+        at all for a failed pool). If it has not drained, the GPU may still touch the pinned
+        region and the mappings: they go to the quarantine, and the returned future completes
+        once they are released; until then the caller must keep the host region reserved."""
+        if self.stream is not None:
+            limit = 0.0 if self.failed else self.wait_seconds
+            with self.device():
+                if not waits.until_done(self._stream_query, time.monotonic() + limit):
+                    return QUARANTINE.hold(
+                        f"CUDA pool on device {self.ordinal} ({self.pinned_bytes} pinned host bytes, "
+                        f"{len(self.handles)} IPC mappings; {self.failed or 'its stream had not drained'})",
+                        self._drained, self._release)
+        self._release()
+        return None
+
+    def _stream_query(self) -> int:
+        return self.cupy.cuda.runtime.streamQuery(self.stream.ptr)
+
+    def _drained(self) -> bool:
+        with self.device():
+            return self._stream_query() == 0
+
+    def _release(self) -> None:
         rt = self.cupy.cuda.runtime
         with self.device():
-            if self.stream is not None:
-                rt.streamSynchronize(self.stream.ptr)
             for event in self.events:
                 rt.eventDestroy(event)
             with self._events_lock:
@@ -152,6 +198,15 @@ class CudaDevicePool:
             # CuPy destroys its stream with the last reference, which is this one.
             self.events, self.pinned, self.handles, self.stream = [], [], [], None
             self.opened_events = OrderedDict()
+
+    def _fail(self, why: str) -> None:
+        if self.failed is None:
+            self.failed = why
+            logger.warning("CUDA pool on device %d failed: %s", self.ordinal, why)
+
+    def _stalled(self) -> GpuStalled:
+        return GpuStalled(f"this client's GPU work is given up on: {self.failed}. The client is "
+                          "failed and reclaimed; register again")
 
     # ---- copies ---------------------------------------------------------------------------
 
@@ -179,7 +234,9 @@ class CudaDevicePool:
         rt = cp.cuda.runtime
         num_layers = self.token_bases.shape[0]
         stream = self.stream.ptr
-        with self.device(), self.stream:
+        with self._enqueue_lock, self.device(), self.stream:
+            if self.failed:
+                raise self._stalled()
             try:
                 if ready_event:
                     self._wait_on(ready_event)
@@ -200,10 +257,13 @@ class CudaDevicePool:
                     rt.eventRecord(event, stream)
                     events.append(event)
                 return Pending(events)
-            except BaseException:
+            except BaseException as exc:
                 # Part of the job may be on the stream: let it finish before the pages are
                 # released by the caller, then report the failure.
-                rt.streamSynchronize(stream)
+                if not waits.until_done(self._stream_query, time.monotonic() + self.wait_seconds):
+                    self._fail(f"a failed job's copies were still on the GPU after {self.wait_seconds:g} s "
+                               "(--cuda-wait-seconds)")
+                    raise self._stalled() from exc
                 raise
 
     def _job_copier(self, copy_plan, layers: np.ndarray, host_table, to_device: bool):
@@ -220,34 +280,40 @@ class CudaDevicePool:
         return self._copier(host_bases, host_off, dev_bases, dev_off, row_bytes)
 
     def wait(self, pending: Pending, signal) -> None:
-        """Blocks (sleeping: blocking-sync events) until the enqueued copy is done, reporting
-        each layer through ``signal`` as its event completes. Runs on a waiter thread."""
+        """Blocks until the enqueued copy is done, reporting each layer through ``signal`` as its
+        event completes. Runs on a waiter thread. Fails the pool (GpuStalled) if the events make
+        no progress for ``wait_seconds``, and gives up at once if the pool has failed meanwhile."""
         rt = self.cupy.cuda.runtime
         with self.device():
             try:
                 for i, event in enumerate(pending.events):
-                    rt.eventSynchronize(event)
+                    if not waits.until_done(lambda e=event: rt.eventQuery(e),
+                                            time.monotonic() + self.wait_seconds, lambda: bool(self.failed)):
+                        self._fail(f"its GPU copies made no progress for {self.wait_seconds:g} s "
+                                   "(--cuda-wait-seconds): an event they wait on, such as the engine's "
+                                   "ready event, has not fired")
+                        raise self._stalled()
                     if signal is not None:
                         signal.publish(i + 1)
             finally:
-                if pending.owned:
+                if pending.owned:  # destroying a pending event is safe: CUDA frees it once complete
                     for event in pending.events:
                         rt.eventDestroy(event)
 
     def _copier(self, dst_bases: np.ndarray, dst_off: np.ndarray, src_bases: np.ndarray,
                 src_off: np.ndarray, row_bytes: int):
-        """A function copying the rows of a slice of layers: the kernel for small rows, DMA runs
-        for large ones (``plan.choose_method``)."""
+        """A function copying the rows of a slice of layers: one kernel launch (with the widest
+        word the job's alignment allows) for small rows or many copies, DMA for a bounded number
+        of large ones (``plan.choose_method``)."""
         cp = self.cupy
-        aligned = row_bytes % 8 == 0 and not (
-            (dst_bases % 8).any() or (src_bases % 8).any() or (dst_off % 8).any() or (src_off % 8).any()
-        )
-        if aligned and plan.choose_method(row_bytes, dst_off.size * dst_bases.size) == "kernel":
-            kernel = copy_rows_kernel(cp)
+        if plan.choose_method(row_bytes, dst_off.size * dst_bases.size) == "kernel":
+            word = plan.word_bytes(row_bytes, dst_bases, src_bases, dst_off, src_off)
+            kernel = copy_rows_kernel(cp, word)
             d_dst_off, d_src_off = cp.asarray(dst_off), cp.asarray(src_off)
             d_dst_b, d_src_b = cp.asarray(dst_bases.reshape(-1)), cp.asarray(src_bases.reshape(-1))
             n, parts = dst_off.size, self.parts
-            blocks, threads = plan.kernel_launch(n * parts, row_bytes, KERNEL_MAX_BLOCKS, warps_per_block=8)
+            blocks, threads = plan.kernel_launch(n * parts, row_bytes, KERNEL_MAX_BLOCKS, warps_per_block=8,
+                                                 word_bytes=word)
 
             def launch(layers: slice) -> None:
                 first, last, _ = layers.indices(dst_bases.shape[0])
@@ -256,10 +322,11 @@ class CudaDevicePool:
                     return
                 kernel((blocks,), (threads,), (
                     d_dst_b[first * parts:], d_src_b[first * parts:], np.int32(count),
-                    d_dst_off, d_src_off, np.int64(n), np.int64(row_bytes // 8),
+                    d_dst_off, d_src_off, np.int64(n), np.int64(row_bytes // word),
                 ))
 
             return launch
+        # At most plan.DMA_MAX_COPIES copies per job (choose_method): DMA needs no alignment.
         pairs = list(zip(dst_off.tolist(), src_off.tolist(), strict=True))
         rt, stream = cp.cuda.runtime, self.stream.ptr
 
@@ -295,16 +362,20 @@ def open_cuda_pool(cupy, refs: list[pb.BufferRef], num_tokens: int, token_bytes:
     try:
         with cupy.cuda.Device(ordinal):
             bases = []
-            for handle, r in zip(handles, refs, strict=True):
-                bases.append(_open_allocation(rt, ordinal, handle) + r.offset)
+            for i, (handle, r) in enumerate(zip(handles, refs, strict=True)):
+                base, real_size = _open_allocation(rt, ordinal, handle)
                 opened.append(handle)
-    except Exception:
-        for handle in opened:
-            _close_allocation(rt, ordinal, handle)
+                check_span(r.offset, r.token_stride, num_tokens, token_bytes, r.cuda.allocation_size,
+                           f"device_pool buffer {i}", real_size=real_size)
+                bases.append(base + r.offset)
+    except BaseException:
+        with cupy.cuda.Device(ordinal):
+            for handle in opened:
+                _close_allocation(rt, ordinal, handle)
         raise
     return CudaDevicePool(
         cupy=cupy, ordinal=ordinal, num_tokens=num_tokens, page_size=page_size, token_bytes=token_bytes,
         token_stride=strides.pop(), parts=parts,
         token_bases=np.array(bases, dtype=np.uint64).reshape(-1, parts), handles=handles,
-        event_slots=event_slots or DEFAULT_EVENT_SLOTS,
+        event_slots=event_slots or DEFAULT_EVENT_SLOTS, wait_seconds=waits.wait_seconds(),
     )

@@ -1,0 +1,40 @@
+"""The one CUDA driver call the daemon makes itself: the real extent of an opened allocation.
+
+CuPy's runtime module has no cudaMemGetAddressRange, so this goes to libcuda directly through
+ctypes. It needs a current context on the calling thread: the runtime's primary context is
+current inside ``with cupy.cuda.Device(...)`` once a runtime call (``ipcOpenMemHandle``) has run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+CUDA_SUCCESS = 0
+
+
+class DriverError(RuntimeError):
+    """A libcuda call returned an error."""
+
+
+@functools.cache
+def _libcuda() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+                                            ctypes.c_uint64]
+    lib.cuMemGetAddressRange_v2.restype = ctypes.c_int
+    lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    lib.cuGetErrorName.restype = ctypes.c_int
+    return lib
+
+
+def allocation_range(ptr: int) -> tuple[int, int]:
+    """(base, size) of the device allocation that contains ``ptr`` (cuMemGetAddressRange_v2)."""
+    lib = _libcuda()
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    status = lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+    if status != CUDA_SUCCESS:
+        name = ctypes.c_char_p()
+        lib.cuGetErrorName(status, ctypes.byref(name))
+        raise DriverError(f"cuMemGetAddressRange failed: {(name.value or b'CUresult %d' % status).decode()}")
+    return base.value, size.value
