@@ -12,9 +12,14 @@ import mmap
 
 import torch
 
+from kvserver.config import format_size, machine_memory
 from kvserver.errors import NoCapacity
 
 REGION_ALIGN = 1 << 21  # 2 MiB: regions start on huge-page boundaries
+
+
+class HostMemoryError(ValueError):
+    """The budget cannot be mapped on this machine (address space, overcommit policy or limits)."""
 
 
 def _align_up(n: int, a: int) -> int:
@@ -29,7 +34,14 @@ class HostArena:
             raise ValueError(f"host memory must be at least {REGION_ALIGN} bytes, got {capacity}")
         self.capacity = capacity // REGION_ALIGN * REGION_ALIGN
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
-        self._mm = mmap.mmap(-1, self.capacity, flags=flags)
+        try:
+            self._mm = mmap.mmap(-1, self.capacity, flags=flags)
+        except OSError as exc:
+            raise HostMemoryError(
+                f"cannot map {format_size(self.capacity)} of host memory ({exc.strerror}): this machine "
+                f"has {format_size(machine_memory())}; give less with --host-memory (KVSERVER_HOST_MEMORY), "
+                "as a size or as a share of it, e.g. --host-memory 60%"
+            ) from None
         self._views: dict[torch.dtype, torch.Tensor] = {}
         # Free ranges as parallel sorted lists of starts and sizes.
         self._free_starts: list[int] = [0]
