@@ -20,8 +20,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /src
-# Only what the wheel is built from: the packages named in pyproject.toml (README.md if present).
-COPY pyproject.toml README.m[d] ./
+# Only what the wheel is built from: the project files (README.md if present) and the package folders
+# setup.py finds packages in (it also builds the C copy kernel from kvserver/csrc).
+COPY pyproject.toml setup.py README.m[d] ./
 COPY kvserver ./kvserver
 COPY client ./client
 

@@ -1,8 +1,21 @@
-"""Builds the one C extension; everything else is in pyproject.toml."""
+"""Finds the packages and builds the one C extension; everything else is in pyproject.toml.
 
-from setuptools import Extension, setup
+Packages are found, not listed: kvserver and every subpackage under kvserver/, and kvclient with
+any subpackage from client/ (pyproject.toml maps the name to the folder). A new subpackage ships
+without an edit here; tests/test_wheel.py checks that every module of the tree is in the wheel.
+"""
+
+from setuptools import Extension, find_packages, setup
+
+
+def packages() -> list[str]:
+    server = find_packages(include=["kvserver", "kvserver.*"])
+    client = find_packages(include=["client", "client.*"])
+    return server + ["kvclient" + name.removeprefix("client") for name in client]
+
 
 setup(
+    packages=packages(),
     ext_modules=[
         Extension("kvserver._kvcopy", ["kvserver/csrc/kvcopy.c"], extra_compile_args=["-O3"], optional=True),
     ],

@@ -9,7 +9,8 @@ import sys
 
 import uvloop
 
-from kvserver.config import ServerConfig, default_socket, parse_size
+from kvserver.config import ServerConfig, default_socket, parse_host_memory
+from kvserver.host_pool import HostMemoryError
 from kvserver.server import ListenError, serve
 
 
@@ -34,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"Unix socket path (default {default_socket()}; 'none' to disable)")
     p.add_argument("--listen", default=_env("LISTEN"), help="also listen on TCP host:port")
     p.add_argument("--host-memory", default=_env("HOST_MEMORY", "4GiB"),
-                   help="host KV memory budget, e.g. 8GiB (default 4GiB)")
+                   help="host KV memory budget: a size (8GiB) or a share of the machine's memory "
+                        "(60%%) (default 4GiB)")
     p.add_argument("--copy-threads", type=int, default=_env("COPY_THREADS", "1"),
                    help="copy worker threads (default 1; one keeps copies in arrival order)")
     p.add_argument("--torch-threads", type=int, default=_env("TORCH_THREADS", "0"),
@@ -91,7 +93,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         socket=socket,
         listen=args.listen,
-        host_memory=parse_size(args.host_memory),
+        host_memory=parse_host_memory(args.host_memory),
         copy_threads=args.copy_threads,
         torch_threads=args.torch_threads,
         shutdown_grace=args.shutdown_grace,
@@ -127,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     except ListenError as exc:
         print(f"kvserver: {exc}", file=sys.stderr)
         return 1
+    except HostMemoryError as exc:
+        print(f"kvserver: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

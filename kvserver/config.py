@@ -10,12 +10,47 @@ _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", re.IGNORECASE)
 
 
+_SHARE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*%\s*")
+
+
 def parse_size(text: str) -> int:
     """'8GiB', '512MiB', '4G', '1048576' -> bytes (binary units)."""
     m = _SIZE.fullmatch(text)
     if not m:
         raise ValueError(f"cannot read size {text!r}; write it like 8GiB, 512MiB or 1048576")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def machine_memory() -> int:
+    """The machine's memory in bytes: MemTotal of /proc/meminfo (a container's cgroup limit is not
+    looked at), else the physical page count."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) << 10
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def format_size(n: int) -> str:
+    """Bytes for people: '23.4 GiB', '1000.0 TiB', '512 bytes'."""
+    for name, unit in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= unit:
+            return f"{n / unit:.1f} {name}"
+    return f"{n} bytes"
+
+
+def parse_host_memory(text: str) -> int:
+    """A size (see ``parse_size``) or a share of the machine's memory, '60%' -> bytes."""
+    m = _SHARE.fullmatch(text)
+    if not m:
+        return parse_size(text)
+    share = float(m.group(1))
+    if not 0 < share <= 100:
+        raise ValueError(f"a share of the machine's memory is above 0% and at most 100%, not {text!r}")
+    return int(machine_memory() * share / 100)
 
 
 def default_socket() -> str:

@@ -8,13 +8,29 @@ to the kernel with MADV_DONTNEED.
 from __future__ import annotations
 
 import bisect
+import logging
 import mmap
+import platform
+import sys
 
 import torch
 
+from kvserver.config import format_size, machine_memory
 from kvserver.errors import NoCapacity
 
+logger = logging.getLogger(__name__)
+
 REGION_ALIGN = 1 << 21  # 2 MiB: regions start on huge-page boundaries
+# Python names MAP_NORESERVE only from 3.13; without it the kernel's default overcommit check refuses
+# a budget above the machine's memory and swap. Its value on Linux where the generic one holds.
+_GENERIC_MMAN = ("x86_64", "aarch64", "riscv64")
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0) or (
+    0x4000 if sys.platform == "linux" and platform.machine() in _GENERIC_MMAN else 0
+)
+
+
+class HostMemoryError(ValueError):
+    """The budget cannot be mapped on this machine (address space, overcommit policy or limits)."""
 
 
 def _align_up(n: int, a: int) -> int:
@@ -28,8 +44,21 @@ class HostArena:
         if capacity < REGION_ALIGN:
             raise ValueError(f"host memory must be at least {REGION_ALIGN} bytes, got {capacity}")
         self.capacity = capacity // REGION_ALIGN * REGION_ALIGN
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
-        self._mm = mmap.mmap(-1, self.capacity, flags=flags)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE
+        try:
+            self._mm = mmap.mmap(-1, self.capacity, flags=flags)
+        except OSError as exc:
+            raise HostMemoryError(
+                f"cannot map {format_size(self.capacity)} of host memory ({exc.strerror}): this machine "
+                f"has {format_size(machine_memory())}; give less with --host-memory (KVSERVER_HOST_MEMORY), "
+                "as a size or as a share of it, e.g. --host-memory 60%"
+            ) from None
+        if self.capacity > machine_memory():
+            logger.warning(
+                "host memory %s is more than this machine's %s: it is committed as clients write, "
+                "and writing all of it will swap or end in the OOM killer",
+                format_size(self.capacity), format_size(machine_memory()),
+            )
         self._views: dict[torch.dtype, torch.Tensor] = {}
         # Free ranges as parallel sorted lists of starts and sizes.
         self._free_starts: list[int] = [0]

@@ -208,9 +208,46 @@ def test_config_accepts_port_zero():
     assert ServerConfig(listen="127.0.0.1:0", token="t").addresses == ["127.0.0.1:0"]
 
 
+def machine_memory_gib() -> str:
+    """MemTotal from /proc/meminfo, as the daemon's messages print it."""
+    with open("/proc/meminfo") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
+    return f"{kib / (1 << 20):.1f} GiB"
+
+
+def test_host_memory_as_a_share_of_the_machine(spawn, socket_dir):
+    path = os.path.join(socket_dir, "share.sock")
+    d = spawn(["--socket", path, "--host-memory", "0.5%"])
+    d.wait_serving(f"unix://{path}", path)
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:")) << 10
+    want = total * 5 // 1000 // (2 << 20) * (2 << 20)  # the arena is whole 2 MiB regions
+    assert abs(stats(f"unix://{path}").capacity_bytes - want) <= 2 << 20
+    assert d.stop()[0] == 0
+
+
+def test_a_budget_above_the_machines_memory_is_mapped_lazily_with_a_warning(spawn, socket_dir):
+    """The arena is MAP_NORESERVE (Python before 3.13 has no name for the flag), so under the kernel's
+    default overcommit policy a budget twice the machine's memory maps, committing nothing until
+    written; the daemon says that it is more than the machine has."""
+    with open("/proc/sys/vm/overcommit_memory") as f:
+        if f.read().strip() == "2":
+            pytest.skip("vm.overcommit_memory=2 accounts MAP_NORESERVE mappings: such a budget cannot map")
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:")) << 10
+    budget = 2 * total // (2 << 20) * (2 << 20)
+    path = os.path.join(socket_dir, "big.sock")
+    d = spawn(["--socket", path, "--host-memory", str(budget)])
+    d.wait_serving(f"unix://{path}", path)
+    assert stats(f"unix://{path}").capacity_bytes == budget
+    assert f"is more than this machine's {machine_memory_gib()}" in d.log, d.log
+    assert d.stop()[0] == 0
+
+
 # --- usage errors ------------------------------------------------------------------------------------
-# Through a real process: the brief's bad flag, the same through the environment, a bad log level and
-# a busy TCP port. All start at once (each pays the torch import) so the module stays fast.
+# Through a real process: the brief's bad flag, the same through the environment, a bad log level, a
+# busy TCP port and a budget no machine can map. All start at once (each pays the torch import) so the
+# module stays fast. A case may expect several strings, all in its one error line.
 GAP = "the CLI dies with a traceback (exit 1) instead of a clear error; see the proposed patch"
 PROCESS_CASES = {
     "bad-size-flag": (["--host-memory", "lots"], {}, 2, "kvserver: cannot read size 'lots'"),
@@ -218,8 +255,12 @@ PROCESS_CASES = {
     "bad-log-level": (["--log-level", "loud"], {}, 2, "unknown log level 'loud'"),
     "tcp-port-busy": (["--listen", "127.0.0.1:{busy}", "--insecure-tcp"], {}, 1,
                       "kvserver: cannot listen on 127.0.0.1:{busy}"),
+    # 1000 TiB is past any x86-64 or arm64 user address space, whatever the overcommit policy.
+    "host-memory-unmappable": (["--host-memory", "1000TiB"], {}, 2, (
+        "kvserver: cannot map 1000.0 TiB of host memory", "this machine has {mem}", "--host-memory 60%")),
 }
 PROCESS_GAPS: set[str] = set()
+BAD_RUN_TIMEOUT = 60.0  # they all import torch at once, on a shared 2-core machine
 
 
 @pytest.fixture(scope="module")
@@ -254,21 +295,28 @@ def _gap(cases: dict, gaps: set[str]) -> list:
 def test_usage_errors_in_a_process(bad_runs, busy_port, case):
     proc = bad_runs[case]
     try:
-        out, err = proc.communicate(timeout=STARTUP_TIMEOUT)
+        out, err = proc.communicate(timeout=BAD_RUN_TIMEOUT)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
-        pytest.fail(f"{case}: still running after {STARTUP_TIMEOUT} s (it should have refused to start)")
-    _, _, code, message = PROCESS_CASES[case]
+        pytest.fail(f"{case}: still running after {BAD_RUN_TIMEOUT} s (it should have refused to start)")
+    _, _, code, messages = PROCESS_CASES[case]
     assert "Traceback" not in err, err
     assert proc.returncode == code, f"{case}: exit {proc.returncode}\n{err}"
-    assert message.format(busy=busy_port) in err, err
+    (line,) = [line for line in err.splitlines() if line.startswith("kvserver: ")] or [err]
+    for message in (messages,) if isinstance(messages, str) else messages:
+        assert message.format(busy=busy_port, mem=machine_memory_gib()) in line, err
     assert out == ""
 
 
 # The rest run main() in this process: the same code path without paying a process start each.
 MAIN_CASES = {
     "too-small": (["--host-memory", "1MiB"], {}, "host memory must be at least 2MiB"),
+    "share-over-100": (["--host-memory", "150%"], {}, "a share of the machine's memory is above 0% and at "
+                       "most 100%, not '150%'"),
+    "share-zero": (["--host-memory", "0%"], {}, "is above 0% and at most 100%, not '0%'"),
+    "share-not-a-number": (["--host-memory", "half%"], {}, "cannot read size 'half%'"),
+    "share-env-over-100": ([], {"KVSERVER_HOST_MEMORY": "101%"}, "at most 100%, not '101%'"),
     "bad-int-flag": (["--copy-threads", "many"], {}, "argument --copy-threads: invalid int value: 'many'"),
     "zero-threads": (["--copy-threads", "0"], {}, "copy threads must be at least 1"),
     "negative-grace": (["--shutdown-grace", "-1"], {}, "shutdown grace must not be negative"),
