@@ -172,3 +172,20 @@ def test_copy_part_matches_reference(monkeypatch, kernel, paged, to_device):
         expect[torch.from_numpy(hp), 1] = dev_before[torch.from_numpy(dt)].reshape(3, -1)
         assert torch.equal(host_full, expect)
         assert torch.equal(dev, dev_before)
+
+
+# ---- bounded bookkeeping, unambiguous host indices, layer ids checked against the range first ----------
+
+
+def test_layer_ids_past_the_range_are_out_of_range_naming_it():
+    """A list longer than the range is refused for the id outside it, not for its length."""
+    with pytest.raises(LayerOutOfRange, match=r"layer 3 is outside this client's layer range \[2, 3\)"):
+        LayerRange(2, 3).select([2, 3])
+    with pytest.raises(LayerOutOfRange, match=r"layer 9 is outside .* \[4, 8\)"):
+        LayerRange(4, 8).select([4, 5, 6, 7, 9])
+    with pytest.raises(LayerOutOfRange, match=r"layer 1 is outside"):
+        LayerRange(4, 8).select([1] + [5] * 100_000)
+    with pytest.raises(InvalidArgument, match="ascending without repeats"):
+        LayerRange(4, 8).select([5] * 100_000)  # every id inside: a repeat
+
+
