@@ -38,6 +38,7 @@ class ServerConfig:
     reclaim_grace: float = 1.0  # seconds after a Session ends before the client is reclaimed
     max_clients: int = 1024
     max_request_indices: int = 1 << 22
+    max_pages_per_client: int = 1 << 24  # x page_size (at most 4096) fits below the epoch bits
     token: str | None = None  # required as "authorization: Bearer <token>" metadata when set
     insecure_tcp: bool = False  # allow --listen without a token
     socket_group_access: bool = False  # socket mode 0660 instead of 0600
@@ -61,8 +62,8 @@ class ServerConfig:
             )
         if self.lease <= 0 or self.reclaim_grace < 0:
             raise ValueError("lease must be positive and reclaim grace not negative")
-        if self.max_clients < 1 or self.max_request_indices < 1:
-            raise ValueError("client and request limits must be at least 1")
+        if self.max_clients < 1 or self.max_request_indices < 1 or self.max_pages_per_client < 1:
+            raise ValueError("client, request and page limits must be at least 1")
 
 
     @property

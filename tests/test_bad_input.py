@@ -720,6 +720,28 @@ def test_pool_shrunk_after_register_does_not_kill_the_daemon(socket_dir: str) ->
 # ---- grants, layer lists longer than the range -------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    ("fields", "code", "text"),
+    [
+        pytest.param({"host_tokens": 10**7}, C.RESOURCE_EXHAUSTED,
+                     "accepts no fewer than 10000000 host tokens", id="full-ask-is-the-least"),
+        pytest.param({"host_tokens": U64_MAX, "min_host_tokens": 10**7}, C.RESOURCE_EXHAUSTED,
+                     "not enough host memory", id="least-over-budget"),
+        pytest.param({"host_tokens": 64, "min_host_tokens": 80}, INV,
+                     "min_host_tokens 80 is more than host_tokens 64", id="least-over-ask"),
+        pytest.param({"host_tokens": 1 << 40, "min_host_tokens": 1 << 40}, C.RESOURCE_EXHAUSTED,
+                     f"a client holds at most {1 << 24} pages (--max-pages-per-client",
+                     id="least-over-page-limit"),
+    ],
+)
+def test_register_grant_below_the_least_is_refused(env: Env, spare: Spare, fields: dict, code, text) -> None:
+    req = spare.request()
+    for k, v in fields.items():
+        setattr(req, k, v)
+    env.reject(code, text, lambda: env.stub.Register(req, timeout=TIMEOUT))
+    assert _mappings_of(spare.name) == []
+
+
 @pytest.mark.parametrize("op", ["write", "load"])
 @pytest.mark.parametrize(
     ("layers", "text"),

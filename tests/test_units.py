@@ -189,6 +189,20 @@ def test_layer_ids_past_the_range_are_out_of_range_naming_it():
         LayerRange(4, 8).select([5] * 100_000)  # every id inside: a repeat
 
 
+def test_epoch_aliasing_is_refused():
+    """With epoch 3, slot 2^36 + 5 would tag to the same index as slot 5: refused, never aliased."""
+    from kvserver import epochs
+
+    five = epochs.tag(np.array([5]), 3)
+    assert int(five[0]) == (3 << epochs.EPOCH_SHIFT) | 5
+    with pytest.raises(ValueError, match="2\\^36"):
+        epochs.tag(np.array([(1 << 36) + 5]), 3)
+    # strip refuses slots past the client's region (here 4 pages of 16 tokens), naming the page.
+    assert epochs.strip(five, 3, num_pages=4, page_size=16).tolist() == [5]
+    with pytest.raises(OutOfRange, match="host page 4 is outside this client's host region of 4 pages"):
+        epochs.strip(epochs.tag(np.array([64]), 3), 3, num_pages=4, page_size=16)
+
+
 def test_page_allocator_keeps_fifo_order_across_frees():
     pages = PageAllocator(6)
     assert pages.allocate(4).tolist() == [0, 1, 2, 3]
