@@ -244,3 +244,18 @@ def test_repeats_are_found_without_sorting_in_order_input():
     assert not transfer.has_repeats(np.array([], dtype=np.int64))
 
 
+def test_packed_indices_are_the_bytes_protobuf_writes():
+    from kvserver import wire
+    from kvserver.v1 import kvserver_pb2 as pb
+
+    rng = np.random.default_rng(0)
+    cases = [
+        np.arange(1000) | (12345 << 36),  # one epoch's host indices: every varint the same length
+        np.arange(1000) | ((1 << 26) + 1 << 36),  # 9-byte varints
+        np.array([0, 1, 127, 128, 16383, 16384, -1, -(1 << 63), (1 << 63) - 1]),  # mixed lengths
+        rng.integers(-(1 << 63), (1 << 63) - 1, 1000, dtype=np.int64),
+        np.array([], dtype=np.int64),
+    ]
+    for values in cases:
+        expected = pb.AllocResponse(host_indices=values.tolist()).SerializeToString()
+        assert wire.packed_int64(1, values) == expected
