@@ -36,8 +36,7 @@ def _request(pool: ShmKVPool, host_tokens: int, page_size: int) -> pb.RegisterRe
     req = register_request(model="tiny", pool=pool, start_layer=0, end_layer=1, num_layers=1,
                            host_tokens=host_tokens, page_size=page_size, tp_rank=0, tp_size=1,
                            pp_rank=0, pp_size=1)
-    if hasattr(req, "min_host_tokens"):
-        req.min_host_tokens = page_size  # take whatever the budget holds
+    req.min_host_tokens = page_size  # take whatever the budget and the limits allow
     return req
 
 
@@ -94,8 +93,9 @@ def main() -> None:
                     steps.append(("Register", t0, time.monotonic(), f"{exc.code().name}: {exc.details()}"))
                     reg = None
                 else:
+                    grown = (d.rss() - rss0) >> 20
                     steps.append(("Register", t0, time.monotonic(),
-                                  f"{reg.host_tokens} tokens granted, daemon RSS +{(d.rss() - rss0) >> 20} MiB"))
+                                  f"{reg.host_tokens} tokens granted, daemon RSS +{grown} MiB"))
                 if reg is not None:
                     n = min(args.tokens, reg.host_tokens)
                     t0 = time.monotonic()
@@ -117,7 +117,8 @@ def main() -> None:
           f"(MLA rank {args.rank}, fp8, 1 layer, page {args.page_size}); daemon peak RSS {hwm >> 20} MiB")
     for name, start, end, what in steps:
         held = max((s for t, s in calls if t < end and t + s > start), default=0.0)
-        print(f"  {name:8s} {end - start:8.3f} s   probe's longest Stats meanwhile {held * 1e3:8.1f} ms   {what}")
+        print(f"  {name:8s} {end - start:8.3f} s   probe's longest Stats meanwhile {held * 1e3:8.1f} ms"
+              f"   {what}")
 
 
 if __name__ == "__main__":

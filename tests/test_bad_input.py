@@ -746,8 +746,10 @@ def test_register_grant_below_the_least_is_refused(env: Env, spare: Spare, field
 @pytest.mark.parametrize(
     ("layers", "text"),
     [
-        pytest.param([4, 5, 6, 7, 8], "layer 8 is outside this client's layer range [4, 8)", id="one-past-end"),
-        pytest.param([3, 4, 5, 6, 7], "layer 3 is outside this client's layer range [4, 8)", id="one-below"),
+        pytest.param([4, 5, 6, 7, 8], "layer 8 is outside this client's layer range [4, 8)",
+                     id="one-past-end"),
+        pytest.param([3, 4, 5, 6, 7], "layer 3 is outside this client's layer range [4, 8)",
+                     id="one-below"),
         pytest.param([5] * 50_000 + [9], "layer 9 is outside this client's layer range [4, 8)",
                      id="long-and-outside"),
     ],
