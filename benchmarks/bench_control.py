@@ -116,7 +116,9 @@ def main() -> None:
     print(f"budget {args.host_memory}, pages of {args.rank * args.page_size} B "
           f"(MLA rank {args.rank}, fp8, 1 layer, page {args.page_size}); daemon peak RSS {hwm >> 20} MiB")
     for name, start, end, what in steps:
-        held = max((s for t, s in calls if t < end and t + s > start), default=0.0)
+        # The longest a probe call waited within this step (a call may span two steps).
+        held = max((min(t + s, end) - max(t, start) for t, s in calls if t < end and t + s > start),
+                   default=0.0)
         print(f"  {name:8s} {end - start:8.3f} s   probe's longest Stats meanwhile {held * 1e3:8.1f} ms"
               f"   {what}")
 

@@ -87,8 +87,10 @@ class Probe:
         return self.calls
 
     def longest_during(self, start: float, end: float) -> float:
-        """The probe's longest call that overlapped [start, end] (after stop())."""
-        return max((s for t, s in self.stop() if t < end and t + s > start), default=0.0)
+        """The longest a probe call waited within [start, end] (after stop()); a call that spans
+        two steps counts in each only for its time inside it."""
+        return max((min(t + s, end) - max(t, start) for t, s in self.stop() if t < end and t + s > start),
+                   default=0.0)
 
     def close(self) -> None:
         if self.proc.poll() is None:
