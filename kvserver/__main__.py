@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-clients", type=int, default=_env("MAX_CLIENTS", "1024"))
     p.add_argument("--max-request-indices", type=int, default=_env("MAX_REQUEST_INDICES", str(1 << 22)),
                    help="most indices in one request (default 4194304)")
+    p.add_argument("--max-pages-per-client", type=int, default=_env("MAX_PAGES_PER_CLIENT", str(1 << 24)),
+                   help="most host pages one registration may hold (default 16777216)")
     p.add_argument("--token-file", default=_env("TOKEN_FILE"),
                    help="file holding the token clients must send; KVSERVER_TOKEN gives it directly")
     p.add_argument("--admin-token-file", default=_env("ADMIN_TOKEN_FILE"),
@@ -102,6 +104,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         reclaim_grace=args.reclaim_grace_seconds,
         max_clients=args.max_clients,
         max_request_indices=args.max_request_indices,
+        max_pages_per_client=args.max_pages_per_client,
         token=_read_token(args.token_file),
         admin_token=_read_token(args.admin_token_file, "KVSERVER_ADMIN_TOKEN"),
         insecure_tcp=args.insecure_tcp,

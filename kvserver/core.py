@@ -25,6 +25,15 @@ from kvserver.v1 import kvserver_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
+# The least bytes of one host page (every layer and part of the client's range): each page costs the
+# daemon up to 9 bytes of bookkeeping (free list, allocated bitmap, busy count), at most 14% of it.
+MIN_PAGE_BYTES = 64
+LIMIT_FLAG = "--max-pages-per-client, KVSERVER_MAX_PAGES_PER_CLIENT"
+# A Free of more host indices is checked in a worker thread (numpy releases the GIL), so the event
+# loop keeps serving other engines meanwhile; 4 Mi indices take ~0.1 s to check.
+OFF_LOOP_INDICES = 1 << 16
+
+
 class KVCore:
     def __init__(
         self,
@@ -33,10 +42,12 @@ class KVCore:
         progress_interval: float = 0.0,
         max_clients: int = 1024,
         max_request_indices: int = 1 << 22,
+        max_pages_per_client: int = 1 << 24,
     ) -> None:
         self.arena = HostArena(host_memory)
         self.max_clients = max_clients
         self.max_request_indices = max_request_indices
+        self.max_pages_per_client = max_pages_per_client
         self.clients: dict[str, ClientState] = {}
         self._registering = 0  # registrations under way (they may await worker threads)
         self._in_threads = 0  # registrations and CUDA pool closes in worker threads
@@ -52,15 +63,17 @@ class KVCore:
         a worker thread: for a CUDA pool (CuPy's first import, a CUDA context, IPC mappings,
         pinning the region) they take seconds, and the loop keeps serving everyone else."""
         spec = ClientSpec.from_request(req)
-        if req.replaces_client_id:
+        if req.host_tokens == 0:
+            raise InvalidArgument("host_tokens must be at least one page")
+        least, most = self._grant_bounds(req, spec)
+        if req.replaces_client_id:  # after the request's own checks: a bad one changes nothing
             await self._release_replaced(req.replaces_client_id)
         if len(self.clients) + self._registering >= self.max_clients:
             raise NoCapacity(f"client limit reached: {self.max_clients} clients are registered")
-        if req.host_tokens == 0:
-            raise InvalidArgument("host_tokens must be at least one page")
+        self._check_fits(spec, least)  # before the pool is opened; again once it is
         self._registering += 1
         try:
-            return await self._register(req, spec)
+            return await self._register(req, spec, least, most)
         finally:
             self._registering -= 1
 
@@ -74,6 +87,60 @@ class KVCore:
             await old.gone.wait()
         else:
             await self.unregister(client_id, reason="replaced by a new registration")
+
+    def _grant_bounds(self, req: pb.RegisterRequest, spec: ClientSpec) -> tuple[int, int]:
+        """The least and the most pages this registration may be granted; refuses what no budget
+        could serve: pages too small to be worth their bookkeeping, and more pages than a client
+        may hold or than host indices can name."""
+        p, page_bytes = spec.page_size, spec.page_bytes
+        if page_bytes < MIN_PAGE_BYTES:
+            per_token = page_bytes // p
+            raise InvalidArgument(
+                f"a host page of {page_bytes} bytes ({p} tokens of {per_token} bytes over the client's "
+                f"layers) is too small: pages must be at least {MIN_PAGE_BYTES} bytes, since each costs "
+                f"the daemon bookkeeping; use a page_size of at least {-(-MIN_PAGE_BYTES // per_token)}"
+            )
+        least_tokens = req.min_host_tokens or req.host_tokens
+        if least_tokens > req.host_tokens:
+            raise InvalidArgument(
+                f"min_host_tokens {req.min_host_tokens} is more than host_tokens {req.host_tokens}"
+            )
+        least = -(-least_tokens // p)
+        if least > self.max_pages_per_client:
+            raise NoCapacity(
+                f"this registration accepts no fewer than {least} pages of {p} tokens, but a client "
+                f"holds at most {self.max_pages_per_client} pages ({LIMIT_FLAG}): ask for fewer host "
+                "tokens, accept fewer (min_host_tokens), or use larger pages"
+            )
+        if least * p > epochs.MAX_SLOTS:
+            raise NoCapacity(
+                f"this registration accepts no fewer than {least * p} host token slots, but a client "
+                f"region holds at most {epochs.MAX_SLOTS} host token slots (host indices carry the "
+                f"registration epoch above bit {epochs.EPOCH_SHIFT})"
+            )
+        want = -(-req.host_tokens // p)
+        return least, min(want, self.max_pages_per_client, epochs.MAX_SLOTS // p)
+
+    def _check_fits(self, spec: ClientSpec, least: int) -> int:
+        """Pages of ``spec`` that fit in the largest free region; refuses fewer than ``least``,
+        naming what is free in bytes and in tokens of this layout."""
+        page_bytes, p = spec.page_bytes, spec.page_size
+        fit = self.arena.largest_free() // page_bytes
+        free = self.arena.capacity - self.arena.reserved
+        if fit == 0:
+            raise NoCapacity(
+                f"no host memory left for one page of {page_bytes} bytes "
+                f"({free} of {self.arena.capacity} free)"
+            )
+        if fit < least:
+            raise NoCapacity(
+                f"not enough host memory: this registration accepts no fewer than {least * p} host "
+                f"tokens ({least * page_bytes} bytes at {page_bytes // p} bytes a token), but "
+                f"{fit * p} tokens ({fit * page_bytes} bytes) fit in the largest free region, and "
+                f"{free} bytes of {self.arena.capacity} are free; ask for fewer, or set "
+                "min_host_tokens to the least the engine accepts"
+            )
+        return fit
 
     async def _in_thread(self, fn, *args, undo=None):
         """``fn(*args)`` in a worker thread; ``close`` waits for it, since it may use the arena.
@@ -96,7 +163,8 @@ class KVCore:
             self._in_threads -= 1
             self._thread_done.set()
 
-    async def _register(self, req: pb.RegisterRequest, spec: ClientSpec) -> ClientState:
+    async def _register(self, req: pb.RegisterRequest, spec: ClientSpec, least: int,
+                        most: int) -> ClientState:
         def open_device():
             return open_pool(req.device_pool, spec.layout, spec.dtype, len(spec.layers), spec.page_size,
                              req.event_slots)
@@ -104,13 +172,7 @@ class KVCore:
         device = await self._in_thread(open_device, undo=lambda d: d.close())
         try:
             page_bytes = spec.page_bytes
-            want_pages = -(-req.host_tokens // spec.page_size)
-            num_pages = min(want_pages, self.arena.largest_free() // page_bytes)
-            if num_pages == 0:
-                raise NoCapacity(
-                    f"no host memory left for one page of {page_bytes} bytes "
-                    f"({self.arena.capacity - self.arena.reserved} of {self.arena.capacity} free)"
-                )
+            num_pages = min(most, self._check_fits(spec, least))
             offset = self.arena.reserve(num_pages * page_bytes)
         except BaseException:
             await self._in_thread(device.close)
@@ -138,10 +200,12 @@ class KVCore:
             busy=np.zeros(num_pages, dtype=np.int32),
         )
         self.clients[client.client_id] = client
-        logger.info(
-            "registered %s: model=%s tp=%d/%d pp=%d/%d layers=%s pages=%d x %d B",
-            public_id(client.client_id), spec.model, spec.tp_rank, spec.tp_size, spec.pp_rank, spec.pp_size,
-            spec.layers, num_pages, page_bytes,
+        logger.info(  # public_id: the id is a bearer capability
+            "registered %s: granted %d of %d host tokens asked (least accepted %d), %d pages x %d B; "
+            "model=%s tp=%d/%d pp=%d/%d layers=%s",
+            public_id(client.client_id), client.capacity_tokens, req.host_tokens, least * spec.page_size,
+            num_pages, page_bytes, spec.model, spec.tp_rank, spec.tp_size, spec.pp_rank, spec.pp_size,
+            spec.layers,
         )
         return client
 
@@ -220,7 +284,7 @@ class KVCore:
     def _host_pages(self, client: ClientState, host_indices) -> np.ndarray:
         self._check_size(len(host_indices))
         host = transfer.as_indices(host_indices, "host")
-        slots = epochs.strip(host, client.epoch)
+        slots = epochs.strip(host, client.epoch, client.pages.num_pages, client.spec.page_size)
         pages = transfer.host_pages_of(slots, client.spec.page_size)
         client.pages.check_owned(pages)
         return pages
@@ -246,12 +310,22 @@ class KVCore:
 
     async def free(self, client_id: str, host_indices) -> int:
         client = self.client(client_id)
-        pages = self._host_pages(client, host_indices)
-        if client.busy[pages].any():
-            # A copy still reads or writes these pages: free them once it is done.
+        if len(host_indices) <= OFF_LOOP_INDICES:
+            pages = self._host_pages(client, host_indices)
+        else:
+            self._check_size(len(host_indices))
+            seen = client.pages.version
+            pages = await asyncio.to_thread(self._host_pages, client, host_indices)
+            client = self.client(client_id)
+            if client.pages.version != seen:  # pages changed meanwhile: check them again, here
+                client.pages.check_owned(pages)
+        if client.inflight and client.busy[pages].any():
+            # A copy still reads or writes these pages: free them once it is done (and still ours).
             await wait_until(client, lambda: not client.busy[pages].any())
             client = self.client(client_id)
-        client.pages.free(pages)
+            client.pages.free(pages)
+        else:
+            client.pages.free(pages, checked=True)
         return pages.size * client.spec.page_size
 
     # ---- transfers ------------------------------------------------------------------------
@@ -315,4 +389,6 @@ async def _settle(fut: asyncio.Future) -> bool:
 
 
 def _page_tokens(pages: np.ndarray, page_size: int) -> np.ndarray:
+    if page_size == 1:
+        return pages
     return (pages[:, None] * page_size + np.arange(page_size, dtype=np.int64)).reshape(-1)

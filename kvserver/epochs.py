@@ -14,16 +14,22 @@ import numpy as np
 from kvserver.errors import FailedPrecondition, OutOfRange
 
 EPOCH_SHIFT = 36  # 64 G token slots per client region
+MAX_SLOTS = 1 << EPOCH_SHIFT  # the most token slots a region may hold: registration refuses more
 MAX_EPOCH = (1 << (63 - EPOCH_SHIFT)) - 1
-SLOT_MASK = (1 << EPOCH_SHIFT) - 1
+SLOT_MASK = MAX_SLOTS - 1
 
 
 def tag(slots: np.ndarray, epoch: int) -> np.ndarray:
+    """Host indices of ``slots`` (all below 2^36: a larger slot would carry into the epoch bits
+    and alias another slot, e.g. slot 2^36 + 5 of epoch 3 is slot 5 of epoch 3)."""
+    if slots.size and int(slots.max()) >= MAX_SLOTS:
+        raise ValueError(f"host slot {int(slots.max())} does not fit below 2^36 beside the epoch")
     return slots | np.int64(epoch << EPOCH_SHIFT)
 
 
-def strip(indices: np.ndarray, epoch: int) -> np.ndarray:
-    """Host token slots of ``indices``, which must all carry ``epoch``."""
+def strip(indices: np.ndarray, epoch: int, num_pages: int, page_size: int) -> np.ndarray:
+    """Host token slots of ``indices``, which must all carry ``epoch`` and lie in the client's
+    region of ``num_pages`` pages of ``page_size`` tokens."""
     if indices.size == 0:
         return indices
     lo = int(indices.min())
@@ -31,10 +37,16 @@ def strip(indices: np.ndarray, epoch: int) -> np.ndarray:
         raise OutOfRange(f"host index {lo} is negative; host indices come from Alloc")
     wrong = (indices >> EPOCH_SHIFT) != epoch
     if wrong.any():
-        bad = int(indices[wrong][0])
+        bad = int(indices[wrong.argmax()])
         raise FailedPrecondition(
             f"host index {bad} belongs to registration epoch {bad >> EPOCH_SHIFT}, not this "
             f"client's epoch {epoch}: it was allocated before a daemon restart or a "
             "re-registration, or was never allocated; allocate again"
         )
-    return indices & SLOT_MASK
+    slots = indices & SLOT_MASK
+    hi = int(slots.max())
+    if hi >= num_pages * page_size:
+        raise OutOfRange(
+            f"host page {hi // page_size} is outside this client's host region of {num_pages} pages"
+        )
+    return slots

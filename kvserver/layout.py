@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvserver.errors import InvalidArgument, LayerOutOfRange, shown
 from kvserver.v1 import kvserver_pb2 as pb
+
+# Longest layers list looked at id by id (with array operations) to name an id outside the range;
+# a longer one (a 64 MiB message holds ~60 M) is refused by its length alone.
+MAX_LAYER_IDS = 1 << 20
 
 DTYPE_TO_TORCH: dict[int, torch.dtype] = {
     pb.DTYPE_BFLOAT16: torch.bfloat16,
@@ -108,13 +113,24 @@ class LayerRange:
             )
         return layer_id - self.start
 
-    def select(self, layer_ids: list[int] | tuple[int, ...]) -> list[int]:
-        """Global ids (ascending, no repeats; empty means all) to local ids."""
+    def select(self, layer_ids) -> list[int]:
+        """Global ids (ascending, no repeats; empty means all) to local ids. Every id is checked
+        against the range first, so an id outside it is OUT_OF_RANGE however long the list."""
         if not layer_ids:
             return list(range(len(self)))
-        if len(layer_ids) > len(self):  # refused before any per-id work: the list may hold millions
+        n = len(layer_ids)
+        if n > len(self):  # never valid: refused with array operations, no Python work per id
+            if n > MAX_LAYER_IDS:
+                raise InvalidArgument(
+                    f"{n} layer ids for the {len(self)} layers of this client's layer range {self}: "
+                    "a layers list names each layer of the range at most once"
+                )
+            ids = np.asarray(layer_ids, dtype=np.int64)
+            outside = (ids < self.start) | (ids >= self.end)
+            if outside.any():
+                self.to_local(int(ids[outside.argmax()]))  # raises, naming the id and the range
             raise InvalidArgument(
-                f"layers must be ascending without repeats, got {len(layer_ids)} ids for the "
+                f"layers must be ascending without repeats, got {n} ids for the "
                 f"{len(self)} layers of this client's layer range {self}"
             )
         local = [self.to_local(layer) for layer in layer_ids]

@@ -58,6 +58,7 @@ class Daemon:
             config.progress_interval,
             max_clients=config.max_clients,
             max_request_indices=config.max_request_indices,
+            max_pages_per_client=config.max_pages_per_client,
         )
         self.reaper = Reaper(self.core, config.lease, config.reclaim_grace)
         self.health = health.aio.HealthServicer()

@@ -83,13 +83,16 @@ class Party:
     """One client registered through a raw stub (no Session: the 30 s lease outlives any test here),
     with what it stored on the host and the means to check it is still there."""
 
-    def __init__(self, target: str, *, metadata=None, host_tokens: int = 256, seed: int = 0) -> None:
+    def __init__(self, target: str, *, metadata=None, host_tokens: int = 256, min_host_tokens: int = 0,
+                 seed: int = 0) -> None:
         self.md = metadata
         self.channel = grpc.insecure_channel(target)
         self.stub = pb_grpc.KVServerStub(self.channel)
         self.pool = _new_pool(seed)
         try:
-            resp = self.call("Register", _register_request(self.pool, host_tokens))
+            req = _register_request(self.pool, host_tokens)
+            req.min_host_tokens = min_host_tokens
+            resp = self.call("Register", req)
         except BaseException:
             self.close()
             raise
@@ -702,7 +705,7 @@ def test_host_memory_budget(make_daemon, parties, unmapped) -> None:
                  lambda: p.call("Register", req))
     assert _mappings_of(big.name) == []
     # Take the rest of the budget; then even the smallest registration is refused.
-    greedy = Party(d.address, host_tokens=10**12, seed=1)
+    greedy = Party(d.address, host_tokens=10**12, min_host_tokens=PAGE, seed=1)
     parties.append(greedy)
     stats = p.call("Stats", pb.StatsRequest())
     assert stats.reserved_bytes == stats.capacity_bytes == 4 << 20

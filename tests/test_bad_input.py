@@ -558,10 +558,13 @@ def test_register_page_larger_than_host_memory(env: Env) -> None:
 
 @pytest.mark.parametrize("host_tokens", [10**12, U64_MAX], ids=["1e12", "uint64-max"])
 def test_register_more_than_budget_grants_less(env: Env, spare: Spare, host_tokens: int) -> None:
+    """Only when the engine says it accepts less (min_host_tokens); test_bounded_cost.py has the
+    refusal of an ask the budget cannot serve."""
     before = env.snapshot()
     free = before.stats_all.capacity_bytes - before.stats_all.reserved_bytes
     req = spare.request()
     req.host_tokens = host_tokens
+    req.min_host_tokens = PAGE
     resp = env.stub.Register(req, timeout=TIMEOUT)
     page_bytes = resp.host_bytes_per_token * PAGE
     assert resp.page_size == PAGE
@@ -712,3 +715,64 @@ def test_pool_shrunk_after_register_does_not_kill_the_daemon(socket_dir: str) ->
     assert "truncated" in res.stdout, res.stderr[-2000:]
     assert res.returncode == 0, f"daemon process died with {res.returncode}: {res.stderr[-500:]}"
     assert "REJECTED FAILED_PRECONDITION" in res.stdout and "alive 1" in res.stdout, res.stdout
+
+
+# ---- grants, layer lists longer than the range -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "code", "text"),
+    [
+        pytest.param({"host_tokens": 10**7}, C.RESOURCE_EXHAUSTED,
+                     "accepts no fewer than 10000000 host tokens", id="full-ask-is-the-least"),
+        pytest.param({"host_tokens": U64_MAX, "min_host_tokens": 10**7}, C.RESOURCE_EXHAUSTED,
+                     "not enough host memory", id="least-over-budget"),
+        pytest.param({"host_tokens": 64, "min_host_tokens": 80}, INV,
+                     "min_host_tokens 80 is more than host_tokens 64", id="least-over-ask"),
+        pytest.param({"host_tokens": 1 << 40, "min_host_tokens": 1 << 40}, C.RESOURCE_EXHAUSTED,
+                     f"a client holds at most {1 << 24} pages (--max-pages-per-client",
+                     id="least-over-page-limit"),
+    ],
+)
+def test_register_grant_below_the_least_is_refused(env: Env, spare: Spare, fields: dict, code, text) -> None:
+    req = spare.request()
+    for k, v in fields.items():
+        setattr(req, k, v)
+    env.reject(code, text, lambda: env.stub.Register(req, timeout=TIMEOUT))
+    assert _mappings_of(spare.name) == []
+
+
+@pytest.mark.parametrize("op", ["write", "load"])
+@pytest.mark.parametrize(
+    ("layers", "text"),
+    [
+        pytest.param([4, 5, 6, 7, 8], "layer 8 is outside this client's layer range [4, 8)",
+                     id="one-past-end"),
+        pytest.param([3, 4, 5, 6, 7], "layer 3 is outside this client's layer range [4, 8)",
+                     id="one-below"),
+        pytest.param([5] * 50_000 + [9], "layer 9 is outside this client's layer range [4, 8)",
+                     id="long-and-outside"),
+    ],
+)
+def test_layer_list_longer_than_the_range_names_the_range(env: Env, op: str, layers, text: str) -> None:
+    env.reject(C.OUT_OF_RANGE, text, env.transfer(op, tokens(0), slots(OTHER), layers))
+
+
+def test_two_layer_ids_for_a_one_layer_range_are_out_of_range(env: Env) -> None:
+    """layers=[2, 3] for the range [2, 3): the id outside the range is named, not the count."""
+    pool = ShmKVPool(KVLayout.mha(2, 8), torch.bfloat16, num_layers=1, num_tokens=64)
+    other = KVClient(env.daemon.address, timeout=TIMEOUT, resilient=False)
+    try:
+        other.register(model="one", pool=pool, start_layer=2, end_layer=3, num_layers=NUM_LAYERS,
+                       host_tokens=PAGE, page_size=PAGE)
+        host = other.alloc(PAGE)
+        text = "layer 3 is outside this client's layer range [2, 3)"
+        env.reject(C.OUT_OF_RANGE, text,
+                   lambda: other.write(host_indices=host, device_indices=range(PAGE), layers=[2, 3]))
+        env.reject(C.OUT_OF_RANGE, text,
+                   lambda: other.load(host_indices=host, device_indices=range(PAGE), layers=[2, 3]).wait(5))
+        assert other.write(host_indices=host, device_indices=range(PAGE), layers=[2]) > 0
+    finally:
+        other.unregister()
+        other.close()
+        pool.close()
