@@ -57,6 +57,10 @@ NOT_RUN = {
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_reclaim.py --kills 10"):
         "a benchmark of ten engine kills, for figures measured by hand; test_liveness.py holds the "
         "same reclaim to its bound",
+    ("docs/performance.md",
+     ".venv/bin/python benchmarks/bench_control.py --host-memory 64MiB --rank 1 --page-size 1"):
+        "a benchmark of daemon subprocesses for figures measured by hand; test_bounded_cost.py holds "
+        "the same Register, Alloc and Free cases to their bounds",
 }
 # Lines of run blocks that are not run whole: the reason, the scripts checked instead, and the part
 # of the line that runs as written (None: nothing).
