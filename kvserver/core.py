@@ -330,6 +330,21 @@ class KVCore:
 
     # ---- transfers ------------------------------------------------------------------------
 
+    async def prepare_job(self, client_id: str, host_indices, device_indices, layers,
+                          ready_event: bytes = b"", event_slot: int = 0, timeout_ms: int = 0) -> Job:
+        """``prepare``, in a worker thread for a large request (its checks take a good part of a
+        second for millions of indices), re-checked here if the client's pages changed meanwhile."""
+        args = (client_id, host_indices, device_indices, layers, ready_event, event_slot, timeout_ms)
+        if len(host_indices) <= OFF_LOOP_INDICES:
+            return self.prepare(*args)
+        self._check_size(len(host_indices))
+        seen = self.client(client_id).pages.version
+        job = await asyncio.to_thread(self.prepare, *args)
+        client = self.client(client_id)  # still registered
+        if client.pages.version != seen:
+            client.pages.check_owned(job.pages)
+        return job
+
     def prepare(self, client_id: str, host_indices, device_indices, layers, ready_event: bytes = b"",
                 event_slot: int = 0, timeout_ms: int = 0) -> Job:
         """Validates a whole transfer request and plans it; touches no memory."""

@@ -147,7 +147,7 @@ class KVServicer(pb_grpc.KVServerServicer):
     async def Write(self, request: pb.WriteRequest, context) -> pb.WriteResponse:
         # Whatever this call answers, its job is dead by then (or never was): say so.
         context.set_trailing_metadata(JOB_ENDED)
-        job = self.core.prepare(
+        job = await self.core.prepare_job(
             request.client_id, request.host_indices, request.device_indices, request.layers,
             request.ready_event, timeout_ms=request.timeout_ms,
         )
@@ -157,7 +157,7 @@ class KVServicer(pb_grpc.KVServerServicer):
         try:
             context.set_trailing_metadata(JOB_ENDED)
             _check_parsed(request)
-            job = self.core.prepare(
+            job = await self.core.prepare_job(
                 request.client_id, request.host_indices, request.device_indices, request.layers,
                 request.ready_event, request.event_slot, request.timeout_ms,
             )

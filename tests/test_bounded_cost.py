@@ -24,7 +24,7 @@ from checks import error_of, mappings_of
 from conftest import DaemonThread
 from daemon_proc import DaemonProcess
 
-from kvclient import KVLayout, ShmKVPool
+from kvclient import KVClient, KVLayout, ShmKVPool
 from kvclient._messages import register_request
 from kvserver.config import ServerConfig
 from kvserver.v1 import kvserver_pb2 as pb
@@ -290,3 +290,21 @@ def test_a_region_past_2_36_slots_is_refused(make_daemon) -> None:
             assert mappings_of(pool.name) == mapped  # the test's own mapping only
     finally:
         pool.close()
+
+
+def test_a_large_write_and_load_are_checked_off_the_loop_and_exact(daemon) -> None:
+    """More than OFF_LOOP_INDICES indices: the request's checks run in a worker thread (and are
+    re-checked on the loop if the pages changed meanwhile); the copy is still bit-exact."""
+    n = 1 << 17
+    with ShmKVPool(KVLayout.mla(64, 0), torch.float8_e4m3fn, num_layers=1, num_tokens=n) as pool, \
+            KVClient(daemon.address, timeout=60) as client:
+        client.register(model="m", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=n)
+        raw = pool.buffers[0][0].view(torch.uint8)
+        g = torch.Generator().manual_seed(5)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+        want = raw.clone()
+        host, dev = client.alloc(n), torch.randperm(n)
+        assert client.write(host_indices=host, device_indices=dev) == n * 64
+        raw.zero_()
+        assert client.load(host_indices=host, device_indices=dev).wait() == n * 64
+        assert torch.equal(raw, want)
