@@ -50,7 +50,10 @@ def register_request(
     pp_rank: int,
     pp_size: int,
     event_slots: int = 0,
+    peer_ticket: str = "",
 ) -> pb.RegisterRequest:
+    """The request without a ticket unless given one: the clients get a fresh ticket for each
+    Register they send (``_fd_socket.ticketed``)."""
     return pb.RegisterRequest(
         model=model,
         tp_rank=tp_rank,
@@ -66,6 +69,7 @@ def register_request(
         device_pool=pool.descriptor(),
         host_tokens=host_tokens,
         event_slots=event_slots,
+        peer_ticket=peer_ticket,
     )
 
 

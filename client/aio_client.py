@@ -17,6 +17,7 @@ import torch
 from kvclient import _messages as msg
 from kvclient._base import ClientBase
 from kvclient._channel import CHANNEL_OPTIONS
+from kvclient._fd_socket import ticketed
 from kvclient._resilience import Backoff, is_miss
 from kvclient.cuda_events import event_handle
 from kvclient.errors import KVClientError, from_rpc_error
@@ -154,7 +155,8 @@ class AsyncKVClient(ClientBase):
             num_layers=num_layers, host_tokens=host_tokens, page_size=page_size,
             tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, event_slots=event_slots,
         )
-        reg = msg.registration(await self._call(self._stub.Register, req), req)
+        sent = await asyncio.to_thread(ticketed, self.target, pool, req)
+        reg = msg.registration(await self._call(self._stub.Register, sent), req)
         self._remember_pool(pool, reg)
         self._request = req
         self._adopt(reg)
@@ -195,9 +197,9 @@ class AsyncKVClient(ClientBase):
             while self._request is not None:
                 await asyncio.sleep(backoff.next())
                 try:
-                    resp = await self._stub.Register(self._request, timeout=self.timeout,
-                                                     metadata=self._metadata)
-                except grpc.RpcError:
+                    sent = await asyncio.to_thread(ticketed, self.target, self._pool, self._request)
+                    resp = await self._stub.Register(sent, timeout=self.timeout, metadata=self._metadata)
+                except (grpc.RpcError, KVClientError):
                     continue
                 if self._request is None:
                     return

@@ -41,6 +41,7 @@ class ServerConfig:
     token: str | None = None  # required as "authorization: Bearer <token>" metadata when set
     insecure_tcp: bool = False  # allow --listen without a token
     socket_group_access: bool = False  # socket mode 0660 instead of 0600
+    allow_named_shm: bool = False  # accept named /dev/shm pools (owned by the caller) besides memfds
     max_message_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
