@@ -61,9 +61,10 @@ class KVCore:
         if req.host_tokens == 0:
             raise InvalidArgument("host_tokens must be at least one page")
         # The ticket is spent by this call whatever its outcome; its fds close once the pool is open.
-        ticket = self.tickets.redeem(req.peer_ticket) if req.peer_ticket and self.tickets else None
+        has_socket = self.tickets is not None
+        ticket = self.tickets.redeem(req.peer_ticket) if req.peer_ticket and has_socket else None
         access = ShmAccess(tuple(ticket.fds) if ticket else (), ticket.peer if ticket else None,
-                           self.allow_named_shm, self.tickets is not None)
+                           self.allow_named_shm, has_socket)
         self._registering += 1
         try:
             client = await self._register(req, spec, access)

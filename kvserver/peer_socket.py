@@ -66,10 +66,13 @@ def request_ticket(path: str, fds: list[int], timeout: float = 5.0) -> str:
         s.settimeout(timeout)
         s.connect(path)
         chunks = [fds[i : i + FDS_PER_MESSAGE] for i in range(0, len(fds), FDS_PER_MESSAGE)] or [[]]
-        for i, chunk in enumerate(chunks):
-            data = HEADER.pack(MAGIC, len(fds)) if i == 0 else MORE
-            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", chunk))] if chunk else []
-            s.sendmsg([data], anc)
+        try:
+            for i, chunk in enumerate(chunks):
+                data = HEADER.pack(MAGIC, len(fds)) if i == 0 else MORE
+                anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", chunk))] if chunk else []
+                s.sendmsg([data], anc)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused before it read anything (too many connections): its answer says why
         reply = s.recv(2048)
     if reply[:1] == b"T":
         return reply[1:].decode()

@@ -27,10 +27,12 @@ def file_sha(name: str) -> str:
 
 
 def mappings_of(name: str) -> list[str]:
-    """Lines of this process's maps (the daemon runs in-process) that map /dev/shm/<name>."""
+    """Lines of this process's maps (the daemon runs in-process) that map /dev/shm/<name>, or
+    the memfd labelled <name>."""
     path = os.path.join(SHM_DIR, name)
+    ends = (path, f"{path} (deleted)", f"/memfd:{name} (deleted)")
     with open(f"/proc/{os.getpid()}/maps") as f:
-        return [line for line in f if line.rstrip("\n").endswith((path, f"{path} (deleted)"))]
+        return [line for line in f if line.rstrip("\n").endswith(ends)]
 
 
 def error_of(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
