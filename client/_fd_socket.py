@@ -7,6 +7,8 @@ Synchronous and short; the asyncio client runs it in a thread.
 
 from __future__ import annotations
 
+import os
+
 import grpc
 
 from kvclient.errors import KVClientError
@@ -15,11 +17,12 @@ from kvserver.v1 import kvserver_pb2 as pb
 
 
 def fd_socket_path(target: str) -> str | None:
-    """The fd socket of a ``unix://`` gRPC target; None for TCP targets (no descriptors there)."""
+    """The fd socket of a ``unix://`` gRPC target. A TCP target has none, unless
+    KVSERVER_FD_SOCKET names the daemon's (an engine on the daemon's host that talks TCP)."""
     for prefix in ("unix://", "unix:"):
         if target.startswith(prefix):
             return target[len(prefix) :] + ".fd"
-    return None
+    return os.environ.get("KVSERVER_FD_SOCKET") or None
 
 
 def get_ticket(path: str, fds: list[int], timeout: float = 5.0) -> str:

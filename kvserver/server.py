@@ -108,7 +108,7 @@ class Daemon:
                 bound.append(address if unix else f"{address.rsplit(':', 1)[0]}:{port}")
             if self.peer_socket is not None:  # before serving: a client's first Register needs it
                 self.peer_socket.start()
-                bound.append(self.peer_socket.path)
+                logger.info("shared-memory pools' descriptors on %s", self.peer_socket.path)
             await self.server.start()
         finally:
             os.umask(old_umask)

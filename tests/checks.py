@@ -26,6 +26,14 @@ def file_sha(name: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
+def pool_sha(pool) -> str:
+    """The sha256 of a kvclient.ShmKVPool's whole object, read through its memfd (or its name)."""
+    if not pool.fds:
+        return file_sha(pool.name)
+    fd = pool.fds[0]
+    return hashlib.sha256(os.pread(fd, os.fstat(fd).st_size, 0)).hexdigest()
+
+
 def mappings_of(name: str) -> list[str]:
     """Lines of this process's maps (the daemon runs in-process) that map /dev/shm/<name>, or
     the memfd labelled <name>."""
