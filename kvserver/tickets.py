@@ -60,15 +60,15 @@ class TicketBook:
         return len(self._tickets)
 
     def issue(self, peer: PeerCred, fds: list[int]) -> str:
-        """Takes ownership of ``fds`` (closed here if no ticket can be issued)."""
-        ticket = Ticket(peer, fds)
+        """A new ticket holding ``fds``: the book owns them once it returns (if it raises, they
+        stay the caller's to close)."""
         if self._per_uid[peer.uid] >= self.max_per_uid:
-            ticket.close()
             raise NoCapacity(
                 f"uid {peer.uid} already holds {self.max_per_uid} unredeemed tickets; "
                 "register with them or let them expire"
             )
         key = secrets.token_hex(16)
+        ticket = Ticket(peer, list(fds))
         self._tickets[key] = ticket
         self._per_uid[peer.uid] += 1
         ticket.expiry = asyncio.get_running_loop().call_later(self.ttl, self._expire, key)

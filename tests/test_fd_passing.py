@@ -406,9 +406,15 @@ def test_a_ticket_names_only_its_own_peers_fds(daemon) -> None:
 def test_outstanding_tickets_per_uid_are_capped(daemon) -> None:
     daemon.run(lambda: setattr(daemon.core.tickets, "max_per_uid", 3))
     tickets = [get_ticket(fd_path(daemon), []) for _ in range(3)]
-    with pytest.raises(KVClientError) as err:
-        get_ticket(fd_path(daemon), [])
-    assert err.value.code == C.RESOURCE_EXHAUSTED and "3 unredeemed tickets" in err.value.message
+    fd, mapping = create_memfd("kvtest-capped", 4096)
+    mapping.close()
+    try:
+        with pytest.raises(KVClientError) as err:
+            get_ticket(fd_path(daemon), [fd])
+        assert err.value.code == C.RESOURCE_EXHAUSTED and "3 unredeemed tickets" in err.value.message
+        wait_until(lambda: fds_to("kvtest-capped") == 1, what="the refused descriptor closed")
+    finally:
+        os.close(fd)
     with ShmKVPool(LAYOUT, torch.float16, 2, 256, name=f"kvtest-cap-{os.urandom(4).hex()}") as pool:
         # Redeeming one (here by a refused Register) makes room again.
         error_of(lambda: stub_of(daemon).Register(pool_request(pool, tickets[0]), timeout=TIMEOUT))
