@@ -207,11 +207,7 @@ class PeerSocket:
             except OSError as exc:
                 raise _Closed from exc
             await _readable(loop, conn)
-        for level, kind, payload in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                got = array.array("i")
-                got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
-                fds.extend(got)
+        fds.extend(_fds_of(anc))
         if flags & socket.MSG_CTRUNC:
             raise InvalidArgument(f"more than {FDS_PER_MESSAGE} descriptors in one message")
         if flags & socket.MSG_TRUNC:
@@ -234,10 +230,31 @@ class _Closed(Exception):
     """The peer went away mid-message: nothing to answer."""
 
 
+def _fds_of(anc: list[tuple[int, int, bytes]]) -> list[int]:
+    """The descriptors SCM_RIGHTS control messages carried (now open in this process)."""
+    out: list[int] = []
+    for level, kind, payload in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            got = array.array("i")
+            got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
+            out.extend(got)
+    return out
+
+
 def _error(exc: KVError) -> bytes:
     return b"E" + f"{exc.code.name} {exc}".encode()[:1024]
 
 
 def _reply(conn: socket.socket, reply: bytes) -> None:
+    """Answers before the caller closes. Whatever the peer sent that was not read goes first
+    (descriptors closed): a Unix socket closed with unread data resets its peer, which would then
+    lose the answer."""
+    with contextlib.suppress(OSError):
+        for _ in range(64):
+            data, anc, _, _ = conn.recvmsg(64, _CMSG_SPACE, socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
+            for fd in _fds_of(anc):
+                os.close(fd)
+            if not data and not anc:  # end of stream
+                break
     with contextlib.suppress(OSError):
         conn.send(reply)

@@ -486,8 +486,10 @@ def test_a_peer_that_leaves_midway_or_says_nothing_holds_nothing(daemon) -> None
         os.close(fd)
 
 
-def test_idle_connections_of_one_uid_are_capped_and_time_out(daemon) -> None:
-    daemon.run(lambda: setattr(daemon.daemon.peer_socket, "conn_seconds", 1.0))
+def test_idle_connections_of_one_uid_are_capped(daemon) -> None:
+    """A uid holding its share of idle connections is refused more (answered, not left hanging),
+    and served again once they go. (Connections that stay silent time out: see above.)"""
+    daemon.run(lambda: setattr(daemon.daemon.peer_socket, "conn_seconds", 60.0))
     idle = [_raw(fd_path(daemon)) for _ in range(MAX_CONNS_PER_UID)]
     try:
         wait_until(lambda: daemon.run(lambda: len(daemon.daemon.peer_socket._serving)) == MAX_CONNS_PER_UID)
@@ -495,13 +497,11 @@ def test_idle_connections_of_one_uid_are_capped_and_time_out(daemon) -> None:
             get_ticket(fd_path(daemon), [])
         assert err.value.code == C.RESOURCE_EXHAUSTED
         assert "too many fd socket connections" in err.value.message
-        for s in idle:  # each is answered and dropped once its time is up
-            assert s.recv(2048).startswith(b"EINVALID_ARGUMENT")
-        wait_until(lambda: daemon.run(lambda: len(daemon.daemon.peer_socket._serving)) == 0)
-        assert get_ticket(fd_path(daemon), [])
     finally:
         for s in idle:
             s.close()
+    wait_until(lambda: daemon.run(lambda: len(daemon.daemon.peer_socket._serving)) == 0)
+    assert get_ticket(fd_path(daemon), [])
 
 
 def test_many_fds_in_one_ticket(daemon) -> None:
