@@ -21,8 +21,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from daemon_proc import DaemonProcess  # noqa: E402
 from light_engine import killed_mid_load  # noqa: E402
 
-from kvserver.shm import unlink_shm  # noqa: E402
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
@@ -46,7 +44,6 @@ def main() -> None:
                 proc.join()
                 d.wait_for(lambda s: s.num_clients == 0 and s.reserved_bytes == 0, timeout=10)
                 times.append(time.monotonic() - t0)
-                unlink_shm(name)
         finally:
             d.stop()
     print(f"reclaim after SIGKILL mid-load, {args.kills} kills: median {statistics.median(times):.2f} s, "

@@ -51,7 +51,10 @@ def register_request(
     pp_size: int,
     event_slots: int = 0,
     min_host_tokens: int = 0,
+    peer_ticket: str = "",
 ) -> pb.RegisterRequest:
+    """The request without a ticket unless given one: the clients get a fresh ticket for each
+    Register they send (``_fd_socket.ticketed``)."""
     return pb.RegisterRequest(
         model=model,
         tp_rank=tp_rank,
@@ -68,6 +71,7 @@ def register_request(
         host_tokens=host_tokens,
         event_slots=event_slots,
         min_host_tokens=min_host_tokens,
+        peer_ticket=peer_ticket,
     )
 
 

@@ -17,6 +17,7 @@ import torch
 from kvclient import _messages as msg
 from kvclient._base import ClientBase
 from kvclient._channel import CHANNEL_OPTIONS
+from kvclient._fd_socket import ticketed
 from kvclient._resilience import Backoff, is_miss
 from kvclient.cuda_events import event_handle
 from kvclient.errors import KVClientError, from_rpc_error
@@ -180,7 +181,8 @@ class AsyncKVClient(ClientBase):
             tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, event_slots=event_slots,
             min_host_tokens=min_host_tokens or 0,
         )
-        reg = msg.registration(await self._call(self._stub.Register, req), req)
+        sent = await asyncio.to_thread(ticketed, self.target, pool, req)
+        reg = msg.registration(await self._call(self._stub.Register, sent), req)
         self._log_grant(reg, req)
         self._remember_pool(pool, reg)
         self._request = req
@@ -225,9 +227,9 @@ class AsyncKVClient(ClientBase):
                 if request is None:
                     return
                 try:
-                    resp = await self._stub.Register(self._retry_request(old), timeout=self.timeout,
-                                                     metadata=self._metadata)
-                except grpc.RpcError:
+                    sent = await asyncio.to_thread(ticketed, self.target, self._pool, self._retry_request(old))
+                    resp = await self._stub.Register(sent, timeout=self.timeout, metadata=self._metadata)
+                except (grpc.RpcError, KVClientError):
                     continue
                 if self._request is None:
                     return

@@ -18,6 +18,7 @@ import torch
 from kvclient import _messages as msg
 from kvclient._base import ClientBase
 from kvclient._channel import CHANNEL_OPTIONS
+from kvclient._fd_socket import ticketed
 from kvclient._resilience import Backoff, is_miss
 from kvclient.cuda_events import event_handle
 from kvclient.errors import KVClientError, from_rpc_error
@@ -126,7 +127,7 @@ class KVClient(ClientBase):
             tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, event_slots=event_slots,
             min_host_tokens=min_host_tokens or 0,
         )
-        reg = msg.registration(self._call(self._stub.Register, req), req)
+        reg = msg.registration(self._call(self._stub.Register, ticketed(self.target, pool, req)), req)
         self._log_grant(reg, req)
         self._remember_pool(pool, reg)
         with self._lock:
@@ -177,10 +178,13 @@ class KVClient(ClientBase):
                 if request is None:
                     return
                 try:
-                    resp = self._stub.Register(self._retry_request(old), timeout=self.timeout,
-                                               metadata=self._metadata)
+                    resp = self._stub.Register(ticketed(self.target, self._pool, self._retry_request(old)),
+                                               timeout=self.timeout, metadata=self._metadata)
                 except grpc.RpcError as exc:
                     logger.debug("re-registration failed: %s", exc.code().name)
+                    continue
+                except KVClientError as exc:  # no peer ticket: the daemon is not back yet
+                    logger.debug("re-registration failed: %s", exc.message)
                     continue
                 with self._lock:
                     if self._closed.is_set() or self.registration is None:

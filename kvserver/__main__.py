@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--socket-group-access", action="store_true",
                    default=_env("SOCKET_GROUP_ACCESS", "") == "1",
                    help="socket mode 0660 instead of 0600 (the directory must let the group in too)")
+    p.add_argument("--allow-named-shm", action="store_true", default=_env("ALLOW_NAMED_SHM", "") == "1",
+                   help="also accept pools in named /dev/shm objects, only ones owned by the caller's "
+                        "uid (default: sealed memfds passed over the fd socket only)")
     p.add_argument("--log-level", type=_log_level, default=_env("LOG_LEVEL", "INFO"),
                    help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     return p
@@ -110,6 +113,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         insecure_tcp=args.insecure_tcp,
         socket_group_access=args.socket_group_access,
         cuda_wait_seconds=args.cuda_wait_seconds,
+        allow_named_shm=args.allow_named_shm,
     )
 
 

@@ -13,6 +13,7 @@ from kvserver.device_pool import ShmDevicePool
 from kvserver.errors import InvalidArgument
 from kvserver.layout import KVLayout, LayerRange, torch_dtype
 from kvserver.page_allocator import PageAllocator
+from kvserver.tickets import PeerCred
 from kvserver.transfer import BufferTable
 from kvserver.v1 import kvserver_pb2 as pb
 
@@ -116,6 +117,8 @@ class ClientState:
     last_seen: float = field(default_factory=time.monotonic)
     session_ended_at: float | None = None
     gone: asyncio.Event = field(default_factory=asyncio.Event)  # set once unregistered or reclaimed
+    # The registering process (pid, uid, gid from its peer ticket); None for a CUDA pool sent without one.
+    peer: PeerCred | None = None
 
     @property
     def capacity_tokens(self) -> int:

@@ -17,10 +17,11 @@ import torch
 from kvserver import epochs, transfer
 from kvserver.client_state import ClientSpec, ClientState, Counters, public_id
 from kvserver.copier import Copier, Job, wait_until
-from kvserver.device_pool import open_pool
+from kvserver.device_pool import ShmAccess, open_pool
 from kvserver.errors import InvalidArgument, NoCapacity, UnknownClient, shown
 from kvserver.host_pool import HostArena
 from kvserver.page_allocator import PageAllocator
+from kvserver.tickets import TicketBook
 from kvserver.v1 import kvserver_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class KVCore:
         max_clients: int = 1024,
         max_request_indices: int = 1 << 22,
         max_pages_per_client: int = 1 << 24,
+        allow_named_shm: bool = False,
     ) -> None:
         self.arena = HostArena(host_memory)
         self.max_clients = max_clients
@@ -55,6 +57,8 @@ class KVCore:
         self.reclaimed = 0  # clients reclaimed by liveness
         self.totals = Counters()  # transfers of clients already gone
         self.copier = Copier(copy_threads, progress_interval)
+        self.allow_named_shm = allow_named_shm
+        self.tickets: TicketBook | None = None  # the fd socket's (server.py); None without a Unix socket
 
     # ---- registration -------------------------------------------------------------------
 
@@ -66,16 +70,26 @@ class KVCore:
         if req.host_tokens == 0:
             raise InvalidArgument("host_tokens must be at least one page")
         least, most = self._grant_bounds(req, spec)
-        if req.replaces_client_id:  # after the request's own checks: a bad one changes nothing
-            await self._release_replaced(req.replaces_client_id)
-        if len(self.clients) + self._registering >= self.max_clients:
-            raise NoCapacity(f"client limit reached: {self.max_clients} clients are registered")
-        self._check_fits(spec, least)  # before the pool is opened; again once it is
+        # The ticket is spent by this call whatever its outcome from here on; its fds close once
+        # the pool is open. Redeemed before anything changes: a bad ticket changes nothing.
+        has_socket = self.tickets is not None
+        ticket = self.tickets.redeem(req.peer_ticket) if req.peer_ticket and has_socket else None
+        access = ShmAccess(tuple(ticket.fds) if ticket else (), ticket.peer if ticket else None,
+                           self.allow_named_shm, has_socket)
         self._registering += 1
         try:
-            return await self._register(req, spec, least, most)
+            if req.replaces_client_id:  # after the request's own checks: a bad one changes nothing
+                await self._release_replaced(req.replaces_client_id)
+            if len(self.clients) + self._registering > self.max_clients:
+                raise NoCapacity(f"client limit reached: {self.max_clients} clients are registered")
+            self._check_fits(spec, least)  # before the pool is opened; again once it is
+            client = await self._register(req, spec, access, least, most)
+            client.peer = access.peer
+            return client
         finally:
             self._registering -= 1
+            if ticket is not None:
+                ticket.close()
 
     async def _release_replaced(self, client_id: str) -> None:
         """An engine registering again names its previous registration: released first (its
@@ -163,11 +177,11 @@ class KVCore:
             self._in_threads -= 1
             self._thread_done.set()
 
-    async def _register(self, req: pb.RegisterRequest, spec: ClientSpec, least: int,
+    async def _register(self, req: pb.RegisterRequest, spec: ClientSpec, access: ShmAccess, least: int,
                         most: int) -> ClientState:
         def open_device():
             return open_pool(req.device_pool, spec.layout, spec.dtype, len(spec.layers), spec.page_size,
-                             req.event_slots)
+                             req.event_slots, access)
 
         device = await self._in_thread(open_device, undo=lambda d: d.close())
         try:
@@ -371,7 +385,7 @@ class KVCore:
         pages = self._host_pages(client, host_indices)
         dev = transfer.as_indices(device_indices, "device")
         transfer.check_device_tokens(dev, client.device.num_tokens)
-        client.device.check_sizes()  # narrows, does not close, the window for a SIGBUS
+        client.device.check_sizes()  # named objects only: narrows, does not close, a SIGBUS window
         num_dev_pages = client.device.num_pages if client.device.paged else None
         plan = transfer.make_plan(pages, dev, spec.page_size, num_dev_pages)
         return Job(client, plan, local_layers, pages, bytes(ready_event), event_slot, timeout_ms / 1000)

@@ -14,9 +14,10 @@ import torch
 from kvserver.cuda.devices import normalize_pci_bus_id
 from kvserver.cuda.handles import check_span, normalize_uuid, raw_ipc_handle
 from kvserver.cuda.runtime import require_cuda
-from kvserver.errors import InvalidArgument
+from kvserver.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from kvserver.layout import KVLayout
-from kvserver.shm import ShmMapping, open_shm
+from kvserver.shm import ShmMapping, map_sealed_fd, open_shm
+from kvserver.tickets import PeerCred
 from kvserver.transfer import BufferTable
 from kvserver.v1 import kvserver_pb2 as pb
 
@@ -33,6 +34,18 @@ def wide_dtype(*sizes: int) -> torch.dtype:
         if g % width == 0:
             return dtype
     return torch.uint8
+
+
+@dataclass(frozen=True, slots=True)
+class ShmAccess:
+    """What a shared-memory pool may be opened from: the descriptors and credentials of the
+    Register call's peer ticket (none without one), whether named /dev/shm objects are allowed
+    (--allow-named-shm), and whether the daemon has the Unix socket tickets come from."""
+
+    fds: tuple[int, ...] = ()
+    peer: PeerCred | None = None
+    allow_named: bool = False
+    fd_socket: bool = True
 
 
 @dataclass(slots=True)
@@ -67,6 +80,7 @@ class ShmDevicePool:
         """The CPU copies between shared memory and the host region: nothing to set up."""
 
     def check_sizes(self) -> None:
+        """Named objects can shrink under the mapping; sealed fds cannot (their fd is -1)."""
         for m in self.mappings:
             m.check_size()
 
@@ -85,8 +99,10 @@ def open_pool(
     num_layers: int,
     page_size: int,
     event_slots: int = 0,
+    access: ShmAccess | None = None,
 ):
-    """Validates the whole description, then opens the pool where it lives."""
+    """Validates the whole description, then opens the pool where it lives. Shared-memory pools
+    open only from ``access``: the caller's descriptors, or named objects it owns."""
     refs = _check_refs(msg, layout, num_layers)
     n = msg.num_tokens
     if not 0 < n <= MAX_POOL_TOKENS:
@@ -94,12 +110,12 @@ def open_pool(
     kinds = {r.WhichOneof("location") for r in refs}
     if kinds == {"cuda"}:
         return open_cuda(refs, n, layout, kv_dtype, page_size, event_slots)
-    if kinds != {"shm"}:
+    if kinds not in ({"fd"}, {"shm"}, {"fd", "shm"}):
         raise InvalidArgument(
-            "every buffer of a device pool must have a location, all shared memory (shm) or all "
-            f"CUDA IPC (cuda); got {sorted(k or 'none' for k in kinds)}"
+            "every buffer of a device pool must have a location, all shared memory (fd or shm) or "
+            f"all CUDA IPC (cuda); got {sorted(k or 'none' for k in kinds)}"
         )
-    return open_shm_pool(refs, n, layout, kv_dtype, num_layers, page_size)
+    return open_shm_pool(refs, n, layout, kv_dtype, num_layers, page_size, access or ShmAccess())
 
 
 def open_cuda(refs: list[pb.BufferRef], num_tokens: int, layout: KVLayout, kv_dtype: torch.dtype,
@@ -126,9 +142,12 @@ def open_shm_pool(
     kv_dtype: torch.dtype,
     num_layers: int,
     page_size: int,
+    access: ShmAccess,
 ) -> ShmDevicePool:
-    """Maps each named object once, checks each buffer against its size, and builds views."""
+    """Maps each descriptor or named object once, checks each buffer against its size, and
+    builds views. Every reference is checked before anything is mapped."""
     token_bytes = layout.token_bytes(kv_dtype)
+    _check_access(refs, access)
     for r in refs:
         if r.token_stride < token_bytes:
             raise InvalidArgument(
@@ -138,24 +157,28 @@ def open_shm_pool(
     mappings: dict[str, ShmMapping] = {}
     try:
         for r in refs:
-            name = r.shm.name
-            if name not in mappings:
-                mappings[name] = open_shm(name)
-            m = mappings[name]
+            key = _key(r)
+            if key not in mappings:
+                if r.HasField("fd"):
+                    mappings[key] = map_sealed_fd(access.fds[r.fd.index], f"fd {r.fd.index}")
+                else:
+                    mappings[key] = open_shm(r.shm.name, access.peer.uid)
+            m = mappings[key]
             end = r.offset + (n - 1) * r.token_stride + token_bytes
             if end > m.size:
+                what = f"shm object {r.shm.name!r}" if r.HasField("shm") else f"fd {r.fd.index}"
                 raise InvalidArgument(
-                    f"shm object {name!r} is {m.size} bytes but the buffer at offset {r.offset} "
+                    f"{what} is {m.size} bytes but the buffer at offset {r.offset} "
                     f"with token_stride {r.token_stride} needs {end} bytes for {n} tokens"
                 )
         wide = wide_dtype(token_bytes, *(r.offset for r in refs), *(r.token_stride for r in refs))
         w = wide.itemsize
-        flat = {name: torch.frombuffer(m.mm, dtype=wide, count=m.size // w) for name, m in mappings.items()}
+        flat = {key: torch.frombuffer(m.mm, dtype=wide, count=m.size // w) for key, m in mappings.items()}
         elems = token_bytes // w
         parts = layout.num_parts
         token_views = [
             [
-                torch.as_strided(flat[r.shm.name], (n, elems), (r.token_stride // w, 1), r.offset // w)
+                torch.as_strided(flat[_key(r)], (n, elems), (r.token_stride // w, 1), r.offset // w)
                 for r in refs[layer * parts : (layer + 1) * parts]
             ]
             for layer in range(num_layers)
@@ -166,7 +189,7 @@ def open_shm_pool(
             page_views = [
                 [
                     torch.as_strided(
-                        flat[r.shm.name], (pages, page_size * elems), (page_size * elems, 1), r.offset // w
+                        flat[_key(r)], (pages, page_size * elems), (page_size * elems, 1), r.offset // w
                     )
                     for r in refs[layer * parts : (layer + 1) * parts]
                 ]
@@ -177,6 +200,36 @@ def open_shm_pool(
         for m in mappings.values():
             m.close()
         raise
+
+
+def _key(r: pb.BufferRef) -> str:
+    return f"fd:{r.fd.index}" if r.HasField("fd") else f"shm:{r.shm.name}"
+
+
+def _check_access(refs: list[pb.BufferRef], access: ShmAccess) -> None:
+    """The pool names only descriptors its caller sent, and named objects only where allowed."""
+    if not access.fd_socket:
+        raise FailedPrecondition(
+            "shared-memory pools need the daemon's Unix socket (descriptors come over its fd "
+            "socket); this daemon listens on TCP only"
+        )
+    named = any(r.HasField("shm") for r in refs)
+    if named and not access.allow_named:
+        raise PermissionDenied(
+            "named shm objects (ShmLocation) are refused unless the daemon runs with "
+            "--allow-named-shm; send the pool's memfd over the fd socket (FdLocation) instead"
+        )
+    if access.peer is None:
+        raise InvalidArgument(
+            "a shared-memory pool needs a peer_ticket from the daemon's fd socket (the gRPC socket's "
+            "path + '.fd'): it carries the pool's descriptors and the caller's credentials"
+        )
+    for i, r in enumerate(refs):
+        if r.HasField("fd") and r.fd.index >= len(access.fds):
+            raise InvalidArgument(
+                f"device_pool buffer {i} names fd {r.fd.index} but the peer ticket carries "
+                f"{len(access.fds)} descriptor(s)"
+            )
 
 
 def _check_refs(msg: pb.DevicePool, layout: KVLayout, num_layers: int) -> list[pb.BufferRef]:

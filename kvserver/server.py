@@ -19,7 +19,9 @@ from kvserver.config import ServerConfig
 from kvserver.core import KVCore
 from kvserver.cuda.waits import set_wait_seconds
 from kvserver.liveness import Reaper
+from kvserver.peer_socket import PeerSocket, fd_socket_path
 from kvserver.servicer import KVServicer, add_to_server
+from kvserver.tickets import TicketBook
 from kvserver.v1 import kvserver_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -59,7 +61,14 @@ class Daemon:
             max_clients=config.max_clients,
             max_request_indices=config.max_request_indices,
             max_pages_per_client=config.max_pages_per_client,
+            allow_named_shm=config.allow_named_shm,
         )
+        # Shared-memory pools' descriptors come over the fd socket beside the Unix gRPC socket.
+        self.peer_socket: PeerSocket | None = None
+        if config.socket:
+            self.peer_socket = PeerSocket(fd_socket_path(os.path.abspath(config.socket)),
+                                          config.socket_mode, TicketBook())
+            self.core.tickets = self.peer_socket.tickets
         self.reaper = Reaper(self.core, config.lease, config.reclaim_grace)
         self.health = health.aio.HealthServicer()
         opts = [
@@ -100,6 +109,9 @@ class Daemon:
                 # Name the port the kernel picked for host:0, so a caller can find it in the log.
                 unix = address.startswith("unix://")
                 bound.append(address if unix else f"{address.rsplit(':', 1)[0]}:{port}")
+            if self.peer_socket is not None:  # before serving: a client's first Register needs it
+                self.peer_socket.start()
+                logger.info("shared-memory pools' descriptors on %s", self.peer_socket.path)
             await self.server.start()
         finally:
             os.umask(old_umask)
@@ -123,6 +135,8 @@ class Daemon:
         await self.reaper.stop()
         self.servicer.stopping.set()
         await self.server.stop(self.config.shutdown_grace)
+        if self.peer_socket is not None:
+            await self.peer_socket.stop()
         await self.core.close()
         logger.info("kvserver stopped")
 

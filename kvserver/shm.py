@@ -1,7 +1,9 @@
-"""POSIX shared-memory objects (/dev/shm) as writable mmaps, with strict name checks."""
+"""Shared memory as writable mmaps: sealed memfds handed over by descriptor (the default), and
+named POSIX objects in /dev/shm (opt-in, with strict name and owner checks)."""
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import re
@@ -11,6 +13,8 @@ from dataclasses import dataclass
 from kvserver.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, shown
 
 SHM_DIR = "/dev/shm"
+# Seals a pool's memfd gets: its size can never change, nor can the seals.
+POOL_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
 
 
@@ -31,7 +35,7 @@ class ShmMapping:
     name: str
     size: int
     mm: mmap.mmap
-    fd: int = -1  # kept open by open_shm so the object's size can be checked before each copy
+    fd: int = -1  # named objects: kept open so the object's size can be checked before each copy
 
     def check_size(self) -> None:
         """Raises if the object shrank below what is mapped: touching the lost tail is SIGBUS."""
@@ -52,8 +56,9 @@ class ShmMapping:
         self.mm.close()
 
 
-def open_shm(name: str) -> ShmMapping:
-    """Maps an existing object read-write; the name is checked before anything is opened."""
+def open_shm(name: str, owner_uid: int) -> ShmMapping:
+    """Maps an existing named object read-write; the name is checked before anything is opened,
+    and the object must belong to ``owner_uid`` (the caller's), checked on the opened file."""
     check_name(name)
     path = os.path.join(SHM_DIR, name)
     try:
@@ -68,10 +73,60 @@ def open_shm(name: str) -> ShmMapping:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise InvalidArgument(f"shm object {name!r} is not a regular shared-memory object")
+        if st.st_uid != owner_uid:
+            raise PermissionDenied(
+                f"shm object {name!r} is owned by uid {st.st_uid}, not by the caller (uid {owner_uid}); "
+                "the daemon maps only named objects that belong to the caller"
+            )
         if st.st_size == 0:
             raise InvalidArgument(f"shm object {name!r} is empty")
         mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         return ShmMapping(name, st.st_size, mm, fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def map_sealed_fd(fd: int, what: str) -> ShmMapping:
+    """Maps a descriptor an engine handed over: a regular (memfd) file open read-write and sealed
+    against shrinking, so no truncation can ever fault a copy. The descriptor stays the caller's."""
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
+        raise InvalidArgument(f"{what} cannot be used: {exc.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise InvalidArgument(f"{what} is not a regular file; send a sealed memfd")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0  # not shared memory that can carry seals (a disk file, say)
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise FailedPrecondition(
+            f"{what} is not sealed against shrinking: create it with memfd_create(MFD_ALLOW_SEALING) "
+            "and add F_SEAL_SHRINK (kvclient.ShmKVPool does), so truncating it cannot crash the daemon"
+        )
+    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+        raise InvalidArgument(f"{what} is not open read-write")
+    if st.st_size == 0:
+        raise InvalidArgument(f"{what} is empty")
+    try:
+        mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as exc:
+        raise InvalidArgument(f"{what} cannot be mapped read-write: {exc.strerror}") from None
+    return ShmMapping(what, st.st_size, mm)
+
+
+def create_memfd(name: str, size: int) -> tuple[int, ShmMapping]:
+    """A new anonymous memfd of ``size`` bytes, sealed (``POOL_SEALS``) and mapped; ``name`` is
+    only the label /proc shows. The memory goes when its last descriptor and mapping do."""
+    if size <= 0:
+        raise InvalidArgument("shm size must be positive")
+    fd = os.memfd_create(name, os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, POOL_SEALS)
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        return fd, ShmMapping(name, size, mm)
     except BaseException:
         os.close(fd)
         raise

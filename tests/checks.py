@@ -26,11 +26,21 @@ def file_sha(name: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
+def pool_sha(pool) -> str:
+    """The sha256 of a kvclient.ShmKVPool's whole object, read through its memfd (or its name)."""
+    if not pool.fds:
+        return file_sha(pool.name)
+    fd = pool.fds[0]
+    return hashlib.sha256(os.pread(fd, os.fstat(fd).st_size, 0)).hexdigest()
+
+
 def mappings_of(name: str) -> list[str]:
-    """Lines of this process's maps (the daemon runs in-process) that map /dev/shm/<name>."""
+    """Lines of this process's maps (the daemon runs in-process) that map /dev/shm/<name>, or
+    the memfd labelled <name>."""
     path = os.path.join(SHM_DIR, name)
+    ends = (path, f"{path} (deleted)", f"/memfd:{name} (deleted)")
     with open(f"/proc/{os.getpid()}/maps") as f:
-        return [line for line in f if line.rstrip("\n").endswith((path, f"{path} (deleted)"))]
+        return [line for line in f if line.rstrip("\n").endswith(ends)]
 
 
 def error_of(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:

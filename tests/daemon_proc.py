@@ -55,9 +55,10 @@ class DaemonProcess:
         raise RuntimeError("no VmRSS")
 
     def shm_maps(self) -> list[str]:
+        """The daemon's mappings of engine pools: named /dev/shm objects and memfds."""
         with open(f"/proc/{self.pid}/maps") as f:
             return [line.split(None, 5)[5].strip() for line in f
-                    if len(line.split(None, 5)) == 6 and "/dev/shm/" in line]
+                    if len(line.split(None, 5)) == 6 and ("/dev/shm/" in line or "/memfd:" in line)]
 
     def num_fds(self) -> int:
         return len(os.listdir(f"/proc/{self.pid}/fd"))

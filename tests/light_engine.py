@@ -1,15 +1,18 @@
 """A torch-free engine for liveness, restart and soak tests: raw gRPC stubs and numpy over a
-shared-memory KV pool, so a process starts in milliseconds from a forkserver."""
+shared-memory KV pool, so a process starts in milliseconds from a forkserver. The pool is a
+sealed memfd handed over the daemon's fd socket, or with ``named=True`` a /dev/shm object."""
 
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 
 import grpc
 import numpy as np
 
-from kvserver.shm import create_shm, unlink_shm
+from kvserver.peer_socket import fd_socket_path, request_ticket
+from kvserver.shm import create_memfd, create_shm, unlink_shm
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
@@ -19,19 +22,26 @@ class LightEngine:
 
     def __init__(self, address: str, name: str, *, layers: int = 4, num_tokens: int = 1024,
                  heads: int = 2, head_dim: int = 64, page_size: int = 16, host_tokens: int = 1024,
-                 session: bool = True) -> None:
+                 session: bool = True, named: bool = False) -> None:
         self.name = name
+        self.named = named
         self.page_size = page_size
         self.token_bytes = heads * head_dim * 2
         self.num_tokens = num_tokens
-        self.shm = create_shm(name, layers * 2 * num_tokens * self.token_bytes)
+        size = layers * 2 * num_tokens * self.token_bytes
+        self.fd = -1
+        if named:
+            self.shm = create_shm(name, size)
+        else:
+            self.fd, self.shm = create_memfd(name, size)
         self.kv = np.frombuffer(self.shm.mm, dtype=np.uint8).reshape(layers, 2, num_tokens, self.token_bytes)
         self.channel = grpc.insecure_channel(address)
         self.stub = pb_grpc.KVServerStub(self.channel)
         buffer_bytes = num_tokens * self.token_bytes
+        where = {"shm": pb.ShmLocation(name=name)} if named else {"fd": pb.FdLocation(index=0)}
         pool = pb.DevicePool(num_tokens=num_tokens, layers=[
             pb.LayerBuffers(parts=[
-                pb.BufferRef(shm=pb.ShmLocation(name=name), offset=(layer * 2 + part) * buffer_bytes,
+                pb.BufferRef(**where, offset=(layer * 2 + part) * buffer_bytes,
                              token_stride=self.token_bytes)
                 for part in range(2)
             ])
@@ -41,6 +51,8 @@ class LightEngine:
             model="light", start_layer=0, end_layer=layers, num_layers=layers,
             layout=pb.KVLayout(mha=pb.MHALayout(num_heads=heads, head_dim=head_dim)),
             dtype=pb.DTYPE_FLOAT16, page_size=page_size, device_pool=pool, host_tokens=host_tokens,
+            peer_ticket=request_ticket(fd_socket_path(address.removeprefix("unix://")),
+                                       [] if named else [self.fd]),
         ), timeout=10)
         self.session = None
         if session:
@@ -86,11 +98,14 @@ class LightEngine:
             self.drop()
 
     def drop(self) -> None:
-        """Goes away without unregistering: channel closed, pool unmapped and unlinked."""
+        """Goes away without unregistering: channel closed, pool unmapped and closed (unlinked)."""
         self.channel.close()
         del self.kv  # a numpy view pins the mapping: it must go before the mapping does
         self.shm.close()
-        unlink_shm(self.name)
+        if self.fd >= 0:
+            os.close(self.fd)
+        if self.named:
+            unlink_shm(self.name)
 
 
 def killed_mid_load(address: str, name: str, ready) -> None:

@@ -373,7 +373,7 @@ class Soaker:
         after_free = self.stats().used_tokens
         if after_free != 0:
             self.error(f"{after_free} tokens still used after freeing everything")
-        self.eng.close()  # ends the session, unregisters, unlinks the pool
+        self.eng.close()  # ends the session, unregisters, closes the pool
         return {
             "ops": sum(v for k, v in self.ops.items() if k != "alloc_exhausted"),
             "by_op": dict(self.ops), "seconds": elapsed, "mismatches": self.mismatches,

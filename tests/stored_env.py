@@ -6,21 +6,24 @@ The client holds global layers [4, 8) of an 8-layer model (MHA 2 heads x 8 dims,
 "Nothing changed" means: Stats (daemon-wide and the client's own) is identical, the device pool's
 bytes are the same, the client's host region (read white-box from the in-process arena) is the
 same, and the stored pages, loaded back into a zeroed scratch range of the pool, still hash to
-what was written.
+what was written. The client's pool is a memfd (kvclient's default); ``named_shm_daemon`` is the
+daemon the bad-input tests use, which also takes named /dev/shm pools, so their cases run too.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 import torch
-from checks import error_of, file_sha, sha_of
+from checks import error_of, pool_sha, sha_of
 
 from kvclient import KVClient, KVLayout, ShmKVPool
+from kvclient._fd_socket import get_ticket
 from kvserver.epochs import EPOCH_SHIFT
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
@@ -33,6 +36,21 @@ STORED_PAGES = [0, 1, 2, 3]  # written at setup from device slots [0, 64)
 OTHER = 64  # device slots [64, 128) hold data unlike anything stored: bad writes/loads use them
 SCRATCH = slice(192, 256)  # zero except while stored pages are loaded back to be checked
 TIMEOUT = 10.0
+
+
+def named_shm_daemon(socket_dir: str):
+    """An in-process daemon as conftest's, that also takes named shm pools (--allow-named-shm)."""
+    from conftest import DaemonThread
+
+    from kvserver.config import ServerConfig
+
+    return DaemonThread(ServerConfig(socket=os.path.join(socket_dir, "kv.sock"), host_memory=512 << 20,
+                                     allow_named_shm=True))
+
+
+def ticket_for(daemon, pool: ShmKVPool) -> str:
+    """A fresh peer ticket for ``pool``'s descriptors (none for a named pool) from ``daemon``."""
+    return get_ticket(daemon.config.socket + ".fd", pool.fds)
 
 
 def tokens(*pages: int) -> list[int]:
@@ -112,7 +130,7 @@ class StoredEnv:
         return Snapshot(
             stats_all=self.stub.Stats(pb.StatsRequest(), timeout=TIMEOUT),
             stats_client=self.stub.Stats(pb.StatsRequest(client_id=self.cid), timeout=TIMEOUT),
-            device_sha=file_sha(self.pool.name),
+            device_sha=pool_sha(self.pool),
             region_sha=self.region_sha(),
         )
 

@@ -25,8 +25,8 @@ import grpc
 import pytest
 import torch
 from checks import error_of as _error_of
-from checks import file_sha as _file_sha
 from checks import mappings_of as _mappings_of
+from checks import pool_sha as _pool_sha
 from checks import sha_of as _sha
 from conftest import DaemonThread
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -34,10 +34,10 @@ from test_cli import STARTUP_TIMEOUT, DaemonProcess, clean_env
 from test_grpcurl import GRPCURL, GRPCURL_VERSION
 
 from kvclient import KVClient, KVClientError, KVLayout, ShmKVPool
+from kvclient._fd_socket import fd_socket_path, get_ticket
 from kvclient._messages import register_request
 from kvserver.config import ServerConfig
 from kvserver.epochs import EPOCH_SHIFT, SLOT_MASK
-from kvserver.shm import unlink_shm
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
@@ -73,10 +73,18 @@ def _new_pool(seed: int = 0, **kw) -> ShmKVPool:
     return pool
 
 
-def _register_request(pool: ShmKVPool, host_tokens: int = 256, page_size: int = PAGE, model: str = "m"):
+def _register_request(pool: ShmKVPool, host_tokens: int = 256, page_size: int = PAGE, model: str = "m",
+                      fd_socket: str | None = None):
+    """With ``fd_socket``, the request carries a fresh ticket for the pool's memfd."""
+    ticket = get_ticket(fd_socket, pool.fds) if fd_socket else ""
     return register_request(model=model, pool=pool, start_layer=0, end_layer=pool.num_layers,
                             num_layers=pool.num_layers, host_tokens=host_tokens, page_size=page_size,
-                            tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+                            tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, peer_ticket=ticket)
+
+
+def _fd(d: DaemonThread) -> str:
+    """The daemon's fd socket, beside its gRPC socket."""
+    return d.config.socket + ".fd"
 
 
 class Party:
@@ -84,13 +92,13 @@ class Party:
     with what it stored on the host and the means to check it is still there."""
 
     def __init__(self, target: str, *, metadata=None, host_tokens: int = 256, min_host_tokens: int = 0,
-                 seed: int = 0) -> None:
+                 seed: int = 0, fd_socket: str | None = None) -> None:
         self.md = metadata
         self.channel = grpc.insecure_channel(target)
         self.stub = pb_grpc.KVServerStub(self.channel)
         self.pool = _new_pool(seed)
         try:
-            req = _register_request(self.pool, host_tokens)
+            req = _register_request(self.pool, host_tokens, fd_socket=fd_socket or fd_socket_path(target))
             req.min_host_tokens = min_host_tokens
             resp = self.call("Register", req)
         except BaseException:
@@ -117,7 +125,7 @@ class Party:
         self.stored_sha = _sha([p[rows] for layer in self.pool.buffers for p in layer])
 
     def device_sha(self) -> str:
-        return _file_sha(self.pool.name)
+        return _pool_sha(self.pool)
 
     def loaded_back_sha(self) -> str:
         """Loads every stored page into the zeroed scratch slots, hashes them, zeroes them again."""
@@ -188,20 +196,20 @@ def make_daemon(socket_dir: str) -> Iterator[Callable[..., DaemonThread]]:
 
 @pytest.fixture
 def unmapped() -> Iterator[Callable[..., ShmKVPool]]:
-    """Pools whose shm object exists but that this process does not map, so a mapping of one in
-    /proc/self/maps is the (in-process) daemon's. ``descriptor()`` still works on them."""
-    names: list[str] = []
+    """Pools whose memfd is open but that this process does not map, so a mapping of one in
+    /proc/self/maps is the (in-process) daemon's. ``descriptor()`` and ``fds`` still work on them."""
+    pools: list[ShmKVPool] = []
 
     def make(seed: int = 0, **kw) -> ShmKVPool:
         pool = _new_pool(seed, **kw)
-        pool.close(unlink=False)
-        names.append(pool.name)
+        pool.unmap()
+        pools.append(pool)
         assert _mappings_of(pool.name) == []
         return pool
 
     yield make
-    for name in names:
-        unlink_shm(name)
+    for pool in pools:
+        pool.close()
 
 
 @pytest.fixture
@@ -304,7 +312,7 @@ def test_every_kvserver_call_needs_the_token(secured, unmapped, via: str) -> Non
     """Register without the token must not even open the pool; the rest are refused before any
     lookup, so a real client id does not help either."""
     target = _target(secured, via)
-    owner = Party(target, metadata=AUTH)
+    owner = Party(target, metadata=AUTH, fd_socket=_fd(secured))
     try:
         host = owner.alloc(PAGE)
         owner.store(host, list(range(PAGE)))
@@ -312,7 +320,7 @@ def test_every_kvserver_call_needs_the_token(secured, unmapped, via: str) -> Non
         pool = unmapped(seed=1)
         cid, dev = owner.cid, range(PAGE, 2 * PAGE)
         calls = {
-            "Register": _register_request(pool),
+            "Register": _register_request(pool, fd_socket=_fd(secured)),
             "Unregister": pb.UnregisterRequest(client_id=cid),
             "Alloc": pb.AllocRequest(client_id=cid, num_tokens=PAGE),
             "Free": pb.FreeRequest(client_id=cid, host_indices=host),
@@ -408,6 +416,7 @@ def _round_trip(client: KVClient, pool: ShmKVPool) -> None:
 @pytest.mark.parametrize("via", ["tcp", "unix"])
 def test_kvclient_with_token(secured, monkeypatch, via: str) -> None:
     monkeypatch.delenv("KVSERVER_TOKEN", raising=False)
+    monkeypatch.setenv("KVSERVER_FD_SOCKET", _fd(secured))  # how a TCP client finds the fd socket
     with _new_pool() as pool, KVClient(_target(secured, via), token=TOKEN, timeout=TIMEOUT,
                                        resilient=False) as client:
         _round_trip(client, pool)
@@ -430,6 +439,7 @@ def test_kvclient_without_the_token_is_unauthenticated(secured, unmapped, monkey
 
 def test_kvclient_reads_token_from_env(secured, monkeypatch) -> None:
     monkeypatch.setenv("KVSERVER_TOKEN", TOKEN)
+    monkeypatch.setenv("KVSERVER_FD_SOCKET", _fd(secured))
     with _new_pool() as pool, KVClient(tcp_of(secured), timeout=TIMEOUT, resilient=False) as client:
         _round_trip(client, pool)
     # An explicit token wins over the environment.
@@ -531,6 +541,7 @@ def test_cli_token(cli, monkeypatch, case: str) -> None:
             assert code == C.UNAUTHENTICATED and DENIED in message, f"{target}: {code.name}: {message}"
         assert _stub_call(target, "Stats", pb.StatsRequest(), AUTH).capacity_bytes == 16 << 20
         assert health(target, SERVICE) == health_pb2.HealthCheckResponse.SERVING
+    monkeypatch.setenv("KVSERVER_FD_SOCKET", unix.removeprefix("unix://") + ".fd")
     with _new_pool() as pool, KVClient(tcp, token=TOKEN, timeout=TIMEOUT, resilient=False) as client:
         _round_trip(client, pool)
     _stop(proc)
@@ -603,13 +614,12 @@ def test_client_limit(make_daemon, parties, unmapped) -> None:
         p.store(p.alloc(32), list(range(32)))
     world = World(parties)
     third = unmapped(seed=3)
-    req = _register_request(third)
     world.reject(C.RESOURCE_EXHAUSTED, "client limit reached: 2 clients are registered",
-                 lambda: parties[0].call("Register", req))
+                 lambda: parties[0].call("Register", _register_request(third, fd_socket=_fd(d))))
     assert _mappings_of(third.name) == []
     # Positive control: once a client leaves, the same request registers.
     parties[1].call("Unregister", pb.UnregisterRequest(client_id=parties[1].cid))
-    resp = parties[0].call("Register", req)
+    resp = parties[0].call("Register", _register_request(third, fd_socket=_fd(d)))
     assert resp.host_tokens == 256 and _mappings_of(third.name) != []
     parties[0].call("Unregister", pb.UnregisterRequest(client_id=resp.client_id))
     assert _mappings_of(third.name) == []
@@ -700,7 +710,7 @@ def test_host_memory_budget(make_daemon, parties, unmapped) -> None:
     world = World(parties)
     # One page of this pool (1 layer x K,V x 4096 tokens x 16 heads x 128 dims x bf16) is 32 MiB.
     big = unmapped(layout=KVLayout.mha(16, 128), num_layers=1, num_tokens=1)
-    req = _register_request(big, host_tokens=1, page_size=4096)
+    req = _register_request(big, host_tokens=1, page_size=4096, fd_socket=_fd(d))
     world.reject(C.RESOURCE_EXHAUSTED, f"no host memory left for one page of {32 << 20} bytes",
                  lambda: p.call("Register", req))
     assert _mappings_of(big.name) == []
@@ -710,9 +720,8 @@ def test_host_memory_budget(make_daemon, parties, unmapped) -> None:
     stats = p.call("Stats", pb.StatsRequest())
     assert stats.reserved_bytes == stats.capacity_bytes == 4 << 20
     small = unmapped(seed=2)
-    req = _register_request(small, host_tokens=PAGE)
     world.reject(C.RESOURCE_EXHAUSTED, "no host memory left for one page of 2048 bytes (0 of",
-                 lambda: p.call("Register", req))
+                 lambda: p.call("Register", _register_request(small, host_tokens=PAGE, fd_socket=_fd(d))))
     assert _mappings_of(small.name) == []
 
 

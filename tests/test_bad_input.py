@@ -10,6 +10,9 @@ MHA 2 heads x 8 dims bf16, 256-token pool, 8 host pages of 16 tokens) that has s
 - the client's host region (read white-box from the in-process arena) is unchanged, and the stored
   pages, loaded back into a zeroed scratch range of the pool, still hash to what was written;
 - a rejected Register leaves no mapping of its shm objects in this (the daemon's) process.
+
+The daemon here runs with --allow-named-shm, so Register cases cover both memfd pools (passed
+with a peer ticket) and named /dev/shm objects; tests/test_fd_passing.py covers the default.
 """
 
 from __future__ import annotations
@@ -38,13 +41,15 @@ from stored_env import (
     START,
     TIMEOUT,
     StoredEnv,
+    named_shm_daemon,
     slots,
+    ticket_for,
     tokens,
 )
 
 from kvclient import KVClient, KVLayout, ShmKVPool
 from kvclient._messages import register_request
-from kvserver.shm import SHM_DIR, unlink_shm
+from kvserver.shm import SHM_DIR
 from kvserver.v1 import kvserver_pb2 as pb
 
 C = grpc.StatusCode
@@ -81,6 +86,15 @@ class Env(StoredEnv):
             return lambda: self.stub.Write(req, timeout=TIMEOUT)
         req = pb.LoadRequest(client_id=cid, host_indices=host, device_indices=device, layers=layers)
         return lambda: list(self.stub.Load(req, timeout=TIMEOUT))
+
+
+@pytest.fixture
+def daemon(socket_dir: str):
+    d = named_shm_daemon(socket_dir)
+    try:
+        yield d
+    finally:
+        d.stop()
 
 
 @pytest.fixture
@@ -319,38 +333,56 @@ def test_bad_free(env: Env, setup, host: list[int], code, text) -> None:
 
 @dataclass
 class Spare:
-    """A second pool for Register cases; this process keeps no mapping of it."""
+    """A second pool for Register cases (a memfd, or a named object); this process keeps no
+    mapping of it. Each ``request()`` carries a fresh peer ticket."""
 
-    name: str
+    pool: ShmKVPool
     base: pb.RegisterRequest
     extra: list[str]  # more /dev/shm entries a case made, removed at teardown
+    daemon: object
+
+    @property
+    def name(self) -> str:
+        return self.pool.name
 
     def request(self) -> pb.RegisterRequest:
         req = pb.RegisterRequest()
         req.CopyFrom(self.base)
+        req.peer_ticket = ticket_for(self.daemon, self.pool)
         return req
 
     def names(self) -> list[str]:
         return [self.name, *self.extra]
 
 
-@pytest.fixture
-def spare(env: Env) -> Iterator[Spare]:
-    pool = ShmKVPool(KVLayout.mha(2, 8), torch.bfloat16, num_layers=4, num_tokens=POOL_TOKENS)
+def _make_spare(env: Env, named: bool) -> Iterator[Spare]:
+    name = f"kvtest-spare-{secrets.token_hex(6)}" if named else None
+    pool = ShmKVPool(KVLayout.mha(2, 8), torch.bfloat16, num_layers=4, num_tokens=POOL_TOKENS, name=name)
     base = register_request(model="spare", pool=pool, start_layer=0, end_layer=4, num_layers=4,
                             host_tokens=64, page_size=PAGE, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
-    pool.close(unlink=False)
-    s = Spare(pool.name, base, [])
+    pool.unmap()
+    s = Spare(pool, base, [], env.daemon)
     assert _mappings_of(s.name) == []
     try:
         yield s
     finally:
-        for name in s.names():
+        pool.close()
+        for name in s.extra:
             path = os.path.join(SHM_DIR, name)
             if os.path.isdir(path) and not os.path.islink(path):
                 os.rmdir(path)
             elif os.path.lexists(path):
                 os.unlink(path)
+
+
+@pytest.fixture
+def spare(env: Env) -> Iterator[Spare]:
+    yield from _make_spare(env, named=False)
+
+
+@pytest.fixture
+def named_spare(env: Env) -> Iterator[Spare]:
+    yield from _make_spare(env, named=True)
 
 
 def _set_names(req: pb.RegisterRequest, name: str, layers: list[int] | None = None) -> None:
@@ -376,6 +408,9 @@ def _extra(s: Spare, kind: str) -> str:
         os.mkfifo(path)
     elif kind == "symlink":
         os.symlink(os.path.join(SHM_DIR, s.name), path)
+    elif kind == "foreign":  # another user's object, big enough: the daemon must not open it for us
+        _make_raw_shm(name, 8 * POOL_TOKENS * 32)
+        os.chown(path, 65534, 65534)
     return name
 
 
@@ -479,7 +514,20 @@ REGISTER_CASES = [
     pytest.param(lambda s, r: _set_names(r, _extra(s, "fifo")), INV, "is not a regular shared-memory object",
                  id="shm-fifo"),
     pytest.param(lambda s, r: _set_names(r, _extra(s, "symlink")), INV, "cannot be opened", id="shm-symlink"),
+    pytest.param(lambda s, r: _set_names(r, _extra(s, "foreign")), C.PERMISSION_DENIED,
+                 "is owned by uid 65534, not by the caller (uid 0)", id="shm-other-owner"),
     *[pytest.param(_names(n), INV, NOT_ALLOWED, id=f"shm-name-{k}") for k, n in BAD_NAMES.items()],
+    pytest.param(lambda s, r: r.ClearField("peer_ticket"), INV,
+                 "needs a peer_ticket from the daemon's fd socket", id="ticket-missing"),
+    pytest.param(lambda s, r: setattr(r, "peer_ticket", "0" * 32), C.PERMISSION_DENIED,
+                 "peer_ticket is unknown, expired or already used", id="ticket-unknown"),
+    pytest.param(lambda s, r: setattr(r, "peer_ticket", "x" * 100_000), C.PERMISSION_DENIED,
+                 "peer_ticket is unknown", id="ticket-huge"),
+    pytest.param(lambda s, r: setattr(r.device_pool.layers[3].parts[1].fd, "index", 1), INV,
+                 "device_pool buffer 7 names fd 1 but the peer ticket carries 1 descriptor(s)",
+                 id="fd-past-ticket"),
+    pytest.param(lambda s, r: setattr(r.device_pool.layers[0].parts[0].fd, "index", 2**32 - 1), INV,
+                 f"names fd {2**32 - 1} but the peer ticket carries 1", id="fd-index-uint32-max"),
     pytest.param(_strides(16), INV, "token_stride 16 is smaller than one token (32 bytes", id="stride-half"),
     pytest.param(_strides(0), INV, "token_stride 0 is smaller than one token", id="stride-zero"),
     pytest.param(_parts(1), INV, "device_pool layer 0 has 1 buffers; MHA (K and V) needs 2",
@@ -493,7 +541,8 @@ REGISTER_CASES = [
     pytest.param(_num_layers(0), INV, "device_pool lists 0 layers", id="no-layers"),
     pytest.param(_num_tokens(0), INV, "device_pool.num_tokens must be in [1, ", id="pool-zero-tokens"),
     pytest.param(_clear_location, INV, "must have a location", id="location-unset"),
-    pytest.param(_cuda_location, INV, "all shared memory (shm) or all CUDA IPC", id="location-mixed-cuda"),
+    pytest.param(_cuda_location, INV, "all shared memory (fd or shm) or all CUDA IPC",
+                 id="location-mixed-cuda"),
     pytest.param(_fields(dtype=pb.DTYPE_UNSPECIFIED), INV, "dtype must be set", id="dtype-unspecified"),
     pytest.param(_fields(dtype=99), INV, "dtype 99 is not supported; use one of DTYPE_BFLOAT16",
                  id="dtype-unknown"),
@@ -521,8 +570,17 @@ REGISTER_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("mutate", "code", "text"), REGISTER_CASES)
-def test_bad_register(env: Env, spare: Spare, mutate, code, text) -> None:
+# Cases about names run on a named pool; the rest on a memfd pool (the default).
+_SIZE_CASES = {"shm-too-small", "shm-offset-past-end"}
+REGISTER_CASES = [
+    pytest.param(*c.values, c.id.startswith("shm-") and c.id not in _SIZE_CASES, id=c.id)
+    for c in REGISTER_CASES
+]
+
+
+@pytest.mark.parametrize(("mutate", "code", "text", "named"), REGISTER_CASES)
+def test_bad_register(env: Env, request, mutate, code, text, named: bool) -> None:
+    spare = request.getfixturevalue("named_spare" if named else "spare")
     req = spare.request()
     mutate(spare, req)
     env.reject(code, text, lambda: env.stub.Register(req, timeout=TIMEOUT))
@@ -530,9 +588,11 @@ def test_bad_register(env: Env, spare: Spare, mutate, code, text) -> None:
         assert _mappings_of(name) == [], f"the daemon still maps {name}"
 
 
-def test_spare_request_is_valid_and_mapping_check_sees_it(env: Env, spare: Spare) -> None:
+@pytest.mark.parametrize("named", [False, True], ids=["memfd", "named"])
+def test_spare_request_is_valid_and_mapping_check_sees_it(env: Env, request, named: bool) -> None:
     """Positive control: the unmodified request registers, the daemon's mapping shows up in
     /proc/<pid>/maps, and Unregister puts Stats and the maps back as they were."""
+    spare = request.getfixturevalue("named_spare" if named else "spare")
     before = env.snapshot()
     resp = env.stub.Register(spare.request(), timeout=TIMEOUT)
     assert resp.host_tokens == 64 and resp.page_size == PAGE
@@ -546,14 +606,15 @@ def test_register_page_larger_than_host_memory(env: Env) -> None:
     """One page (4 layers x K,V x 4096 tokens x 32 KiB) is 1 GiB, more than the 512 MiB daemon."""
     pool = ShmKVPool(KVLayout.mha(16, 1024), torch.bfloat16, num_layers=4, num_tokens=1)
     req = register_request(model="big", pool=pool, start_layer=0, end_layer=4, num_layers=4, host_tokens=1,
-                           page_size=4096, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
-    pool.close(unlink=False)
+                           page_size=4096, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
+                           peer_ticket=ticket_for(env.daemon, pool))
+    pool.unmap()
     try:
         env.reject(C.RESOURCE_EXHAUSTED, f"no host memory left for one page of {1 << 30} bytes",
                    lambda: env.stub.Register(req, timeout=TIMEOUT))
         assert _mappings_of(pool.name) == []
     finally:
-        unlink_shm(pool.name)
+        pool.close()
 
 
 @pytest.mark.parametrize("host_tokens", [10**12, U64_MAX], ids=["1e12", "uint64-max"])
@@ -580,6 +641,7 @@ def test_register_more_than_budget_grants_less(env: Env, spare: Spare, host_toke
                lambda: env.stub.Register(third, timeout=TIMEOUT))
     assert len(_mappings_of(spare.name)) > 0  # the granted client's mapping only
     mapped = _mappings_of(spare.name)
+    third = spare.request()  # the refused Register spent the first one's ticket
     third.host_tokens = 1
     env.reject(C.RESOURCE_EXHAUSTED, "no host memory left", lambda: env.stub.Register(third, timeout=TIMEOUT))
     assert _mappings_of(spare.name) == mapped
@@ -662,7 +724,8 @@ HUGE_CASES = {
 
 
 @pytest.mark.parametrize("case", list(HUGE_CASES))
-def test_huge_input_keeps_its_status(env: Env, spare: Spare, case: str) -> None:
+def test_huge_input_keeps_its_status(env: Env, named_spare: Spare, case: str) -> None:
+    spare = named_spare
     make, code, text = HUGE_CASES[case]
     message = env.reject(code, text, make(env, spare))
     assert len(message) < 4096
@@ -678,7 +741,7 @@ from kvclient import KVClient, KVClientError, KVLayout, ShmKVPool
 from kvserver.config import ServerConfig
 
 name, sock = sys.argv[1:3]
-dt = DaemonThread(ServerConfig(socket=sock, host_memory=8 << 20))
+dt = DaemonThread(ServerConfig(socket=sock, host_memory=8 << 20, allow_named_shm=True))
 pool = ShmKVPool(KVLayout.mha(2, 8), torch.bfloat16, num_layers=1, num_tokens=256, name=name)  # 16 KiB
 c = KVClient(dt.address, timeout=10, resilient=False)
 c.register(model="m", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=16, page_size=16)

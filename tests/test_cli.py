@@ -134,7 +134,7 @@ def round_trip(target: str) -> None:
             client.unregister()
 
 
-def test_flags_socket_and_tcp_health_roundtrip_sigterm(spawn, socket_dir):
+def test_flags_socket_and_tcp_health_roundtrip_sigterm(spawn, socket_dir, monkeypatch):
     path = os.path.join(socket_dir, "run", "kv.sock")  # the daemon creates the missing directory
     # The daemon does not report the port it bound, so --listen 127.0.0.1:0 could not be dialled here;
     # a port the kernel just handed out (and that was closed again) stands in for it.
@@ -153,6 +153,7 @@ def test_flags_socket_and_tcp_health_roundtrip_sigterm(spawn, socket_dir):
     assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) & 0o077 == 0  # made with 0700
 
     round_trip(unix)
+    monkeypatch.setenv("KVSERVER_FD_SOCKET", f"{path}.fd")  # a TCP client passes its pool's fd there
     round_trip(tcp)
     assert f"listening on unix://{path}, 127.0.0.1:{port}" in d.log and str(64 << 20) in d.log
 

@@ -18,6 +18,7 @@ import torch
 from google.protobuf import json_format
 
 from kvclient import KVLayout, ShmKVPool
+from kvclient._fd_socket import get_ticket
 from kvclient._messages import register_request
 from kvserver.v1 import kvserver_pb2 as pb
 
@@ -173,9 +174,12 @@ def test_register_write_load_stream(sock, pool):
             buf.copy_(torch.randn(buf.shape).to(torch.bfloat16) + 10 * layer + part)
     ref = [[b.clone() for b in parts] for parts in pool.buffers]
 
+    # grpcurl cannot pass descriptors: this process hands the pool's memfd to the fd socket and
+    # grpcurl's Register carries the ticket.
     req = register_request(
         model="grpcurl-test", pool=pool, start_layer=START, end_layer=END, num_layers=NUM_LAYERS,
         host_tokens=64, page_size=PAGE, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
+        peer_ticket=get_ticket(f"{sock}.fd", pool.fds),
     )
     reg = parse(grpcurl(sock, "kvserver.v1.KVServer/Register", data=json_format.MessageToJson(req)).stdout,
                 pb.RegisterResponse())

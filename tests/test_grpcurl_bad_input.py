@@ -4,6 +4,9 @@ grpcurl builds each request from JSON through server reflection, so these reques
 could type. Every case must reach the daemon and be refused with a specific status (grpcurl prints
 "Code: <Name>" and "Message: ..." and exits 64 + the code), and must change nothing: the daemon-wide
 and per-client Stats, the device pool's bytes, and the stored host pages (loaded back and hashed).
+
+grpcurl cannot pass descriptors, so the spare pool here is a named /dev/shm object (the daemon runs
+with --allow-named-shm) and each Register JSON carries a peer ticket this process got for it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,19 @@ import pytest
 import torch
 from checks import mappings_of as _mappings_of
 from google.protobuf import json_format
-from stored_env import END, NUM_LAYERS, OTHER, PAGE, POOL_TOKENS, START, TIMEOUT, StoredEnv, slots
+from stored_env import (
+    END,
+    NUM_LAYERS,
+    OTHER,
+    PAGE,
+    POOL_TOKENS,
+    START,
+    TIMEOUT,
+    StoredEnv,
+    named_shm_daemon,
+    slots,
+    ticket_for,
+)
 from test_grpcurl import GRPCURL, GRPCURL_VERSION
 
 from kvclient import KVLayout, ShmKVPool
@@ -51,8 +66,10 @@ class Env(StoredEnv):
     def __init__(self, daemon) -> None:
         self.socket = daemon.config.socket
         # A second pool for Register cases; this process does not map it, so a mapping is the daemon's.
-        spare = ShmKVPool(KVLayout.mha(2, 8), torch.bfloat16, num_layers=END - START, num_tokens=POOL_TOKENS)
+        spare = ShmKVPool(KVLayout.mha(2, 8), torch.bfloat16, num_layers=END - START, num_tokens=POOL_TOKENS,
+                          name=f"kvtest-spare-{secrets.token_hex(6)}")
         spare.close(unlink=False)
+        self.spare_pool = spare
         self.spare_name = spare.name
         self.spare = register_request(model="spare", pool=spare, start_layer=START, end_layer=END,
                                       num_layers=NUM_LAYERS, host_tokens=64, page_size=PAGE, tp_rank=0,
@@ -74,7 +91,9 @@ class Env(StoredEnv):
         assert _mappings_of(self.spare_name) == [], "the daemon maps the spare pool"
 
     def register_json(self, mutate: Callable[[dict], None] | None = None) -> str:
+        """The spare's Register request as JSON, with a fresh peer ticket."""
         doc = json_format.MessageToDict(self.spare, preserving_proto_field_name=True)
+        doc["peer_ticket"] = ticket_for(self.daemon, self.spare_pool)
         if mutate is not None:
             mutate(doc)
         return json.dumps(doc)
@@ -90,6 +109,15 @@ class Env(StoredEnv):
             return subprocess.run(cmd, capture_output=True, text=True, timeout=90)
         with open(stdin, "rb") as f:
             return subprocess.run(cmd, stdin=f, capture_output=True, text=True, timeout=90)
+
+
+@pytest.fixture
+def daemon(socket_dir: str):
+    d = named_shm_daemon(socket_dir)
+    try:
+        yield d
+    finally:
+        d.stop()
 
 
 @pytest.fixture
@@ -122,6 +150,13 @@ def _names(name: str) -> Callable[[dict], None]:
                 part["shm"]["name"] = name
 
     return f
+
+
+def _fd_location(doc: dict) -> None:
+    for layer in doc["device_pool"]["layers"]:
+        for part in layer["parts"]:
+            del part["shm"]
+            part["fd"] = {"index": 0}
 
 
 def _set(**values) -> Callable[[dict], None]:
@@ -159,6 +194,15 @@ CASES: dict[str, tuple[str, Callable[[Env], str], grpc.StatusCode, str]] = {
     "register-shm-missing": (
         "Register", lambda e: e.register_json(_names(f"kvtest-missing-{secrets.token_hex(6)}")), C.NOT_FOUND,
         "does not exist in /dev/shm"),
+    "register-no-ticket": (
+        "Register", lambda e: e.register_json(_set(peer_ticket=None)), C.INVALID_ARGUMENT,
+        "needs a peer_ticket from the daemon's fd socket"),
+    "register-forged-ticket": (
+        "Register", lambda e: e.register_json(_set(peer_ticket="f" * 32)), C.PERMISSION_DENIED,
+        "peer_ticket is unknown, expired or already used"),
+    "register-fd-without-descriptors": (
+        "Register", lambda e: e.register_json(_fd_location), C.INVALID_ARGUMENT,
+        "device_pool buffer 0 names fd 0 but the peer ticket carries 0 descriptor(s)"),
     "register-dtype-unknown-number": (
         "Register", lambda e: e.register_json(_set(dtype=99)), C.INVALID_ARGUMENT,
         "dtype 99 is not supported; use one of DTYPE_BFLOAT16"),

@@ -280,7 +280,7 @@ def test_engine_example(env, start, tmp_path):
     moved = 64 * int(reg.group(2))
     assert f"offloaded {moved} bytes of 64 tokens" in out, out
     assert f"prefetched {moved} bytes, layer by layer" in out, out
-    assert out.rstrip().endswith("done: client closed, pool unlinked"), out
+    assert out.rstrip().endswith("done: client and pool closed"), out
     after = stats(target)
     assert after.num_clients == 0 and after.reserved_bytes == 0, after
     assert set(os.listdir("/dev/shm")) <= shm_before, "the example left its pool behind"
