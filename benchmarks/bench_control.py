@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from daemon_proc import DaemonProcess  # noqa: E402
 
 from kvclient import KVLayout, ShmKVPool  # noqa: E402
+from kvclient._fd_socket import ticketed
 from kvclient._messages import register_request  # noqa: E402
 from kvserver.v1 import kvserver_pb2 as pb  # noqa: E402
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc  # noqa: E402
@@ -46,7 +47,7 @@ def probe(address: str, stop, out) -> None:
         stub = pb_grpc.KVServerStub(ch)
         pool = ShmKVPool(KVLayout.mha(2, 8), torch.bfloat16, num_layers=1, num_tokens=64)
         try:
-            cid = stub.Register(_request(pool, 16, 16), timeout=60).client_id
+            cid = stub.Register(ticketed(address, pool, _request(pool, 16, 16)), timeout=60).client_id
             out.send("ready")
             calls = []
             while not stop.is_set():
@@ -88,7 +89,8 @@ def main() -> None:
                 rss0 = d.rss()
                 t0 = time.monotonic()
                 try:
-                    reg = stub.Register(_request(pool, 1 << 40, args.page_size), timeout=600)
+                    reg = stub.Register(ticketed(d.address, pool, _request(pool, 1 << 40, args.page_size)),
+                                        timeout=600)
                 except grpc.RpcError as exc:
                     steps.append(("Register", t0, time.monotonic(), f"{exc.code().name}: {exc.details()}"))
                     reg = None

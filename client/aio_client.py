@@ -227,7 +227,8 @@ class AsyncKVClient(ClientBase):
                 if request is None:
                     return
                 try:
-                    sent = await asyncio.to_thread(ticketed, self.target, self._pool, self._retry_request(old))
+                    retry = self._retry_request(old)
+                    sent = await asyncio.to_thread(ticketed, self.target, self._pool, retry)
                     resp = await self._stub.Register(sent, timeout=self.timeout, metadata=self._metadata)
                 except (grpc.RpcError, KVClientError):
                     continue

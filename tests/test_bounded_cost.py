@@ -25,6 +25,7 @@ from conftest import DaemonThread
 from daemon_proc import DaemonProcess
 
 from kvclient import KVClient, KVLayout, ShmKVPool
+from kvclient._fd_socket import ticketed
 from kvclient._messages import register_request
 from kvserver.config import ServerConfig
 from kvserver.v1 import kvserver_pb2 as pb
@@ -52,14 +53,16 @@ print(json.dumps(calls), flush=True)
 """
 
 
-def _request(pool: ShmKVPool, host_tokens: int, page_size: int, least: int = 0, *, start: int = 0,
-             num_layers: int | None = None) -> pb.RegisterRequest:
+def _request(daemon, pool: ShmKVPool, host_tokens: int, page_size: int, least: int = 0, *,
+             start: int = 0, num_layers: int | None = None) -> pb.RegisterRequest:
+    """A Register of ``pool``, with a fresh peer ticket for its memfd from the fd socket of
+    ``daemon`` (a daemon, or its address)."""
     end = start + pool.num_layers
     req = register_request(model="m", pool=pool, start_layer=start, end_layer=end,
                            num_layers=num_layers or end, host_tokens=host_tokens, page_size=page_size,
                            tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
     req.min_host_tokens = least
-    return req
+    return ticketed(daemon if isinstance(daemon, str) else daemon.address, pool, req)
 
 
 def _tiny_pool(rank: int) -> ShmKVPool:
@@ -74,7 +77,7 @@ class Probe:
         self.pool = ShmKVPool(KVLayout.mha(2, 8), torch.bfloat16, num_layers=1, num_tokens=64)
         self.channel = grpc.insecure_channel(address, options=BIG_MESSAGES)
         self.stub = pb_grpc.KVServerStub(self.channel)
-        cid = self.stub.Register(_request(self.pool, 16, 16), timeout=60).client_id
+        cid = self.stub.Register(_request(address, self.pool, 16, 16), timeout=60).client_id
         self.proc = subprocess.Popen([sys.executable, "-c", PROBE, address, cid], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout.readline().strip() == "ready"
@@ -151,19 +154,19 @@ def test_a_grant_below_the_least_accepted_is_refused_naming_what_is_free(make_da
             free_tokens = free // page_bytes * 16
             # The full ask is the default least: refused, naming the free bytes and tokens.
             for least in (0, 10**6, free_tokens + 1):
-                code, message = error_of(lambda least=least: stub.Register(_request(pool, 10**6, 16, least),
-                                                                             timeout=30))
+                req = _request(d, pool, 10**6, 16, least)
+                code, message = error_of(lambda req=req: stub.Register(req, timeout=30))
                 assert code == C.RESOURCE_EXHAUSTED, (code, message)
                 assert f"{free} bytes" in message and f"{free_tokens} tokens" in message, message
                 assert f"{per_token} bytes a token" in message, message
                 assert stub.Stats(pb.StatsRequest(), timeout=30) == before
                 assert mappings_of(pool.name) == mapped  # the test's own mapping only
             # A least above the ask is a malformed request.
-            code, message = error_of(lambda: stub.Register(_request(pool, 64, 16, 65), timeout=30))
+            code, message = error_of(lambda: stub.Register(_request(d, pool, 64, 16, 65), timeout=30))
             assert code == C.INVALID_ARGUMENT and "min_host_tokens 65 is more than host_tokens 64" in message
             # A least that fits: granted all there is, and the grant is logged without the full id.
             caplog.clear()
-            resp = stub.Register(_request(pool, 10**6, 16, 1000), timeout=30)
+            resp = stub.Register(_request(d, pool, 10**6, 16, 1000), timeout=30)
             assert resp.host_tokens == free_tokens
             granted = [r.getMessage() for r in caplog.records if "granted" in r.getMessage()]
             assert len(granted) == 1 and f"{free_tokens} of 1000000 host tokens asked" in granted[0], granted
@@ -171,7 +174,7 @@ def test_a_grant_below_the_least_accepted_is_refused_naming_what_is_free(make_da
             assert not any(resp.client_id in r.getMessage() for r in caplog.records)
             stub.Unregister(pb.UnregisterRequest(client_id=resp.client_id), timeout=30)
             # An ask that fits, with the default least, is granted whole.
-            resp = stub.Register(_request(pool, 160, 16), timeout=30)
+            resp = stub.Register(_request(d, pool, 160, 16), timeout=30)
             assert resp.host_tokens == 160
             stub.Unregister(pb.UnregisterRequest(client_id=resp.client_id), timeout=30)
     finally:
@@ -189,13 +192,13 @@ def test_pages_below_the_least_page_bytes_are_refused(make_daemon) -> None:
         with grpc.insecure_channel(d.address) as ch:
             stub = pb_grpc.KVServerStub(ch)
             before, mapped = stub.Stats(pb.StatsRequest(), timeout=30), mappings_of(pool.name)
-            code, message = error_of(lambda: stub.Register(_request(pool, 1 << 20, 1, 1), timeout=30))
+            code, message = error_of(lambda: stub.Register(_request(d, pool, 1 << 20, 1, 1), timeout=30))
             assert code == C.INVALID_ARGUMENT, (code, message)
             assert "host page of 1 bytes" in message and "at least 64 bytes" in message, message
             assert stub.Stats(pb.StatsRequest(), timeout=30) == before
             assert mappings_of(pool.name) == mapped  # the test's own mapping only
             # 64 tokens a page make it 64 bytes: allowed.
-            resp = stub.Register(_request(pool, 1 << 20, 64, 64), timeout=30)
+            resp = stub.Register(_request(d, pool, 1 << 20, 64, 64), timeout=30)
             assert resp.host_tokens > 0 and resp.host_bytes_per_token == 1
     finally:
         pool.close()
@@ -208,14 +211,14 @@ def test_more_pages_than_the_limit_are_refused_naming_the_flag(make_daemon) -> N
         with grpc.insecure_channel(d.address) as ch:
             stub = pb_grpc.KVServerStub(ch)
             before, mapped = stub.Stats(pb.StatsRequest(), timeout=30), mappings_of(pool.name)
-            code, message = error_of(lambda: stub.Register(_request(pool, 65 * 16, 16), timeout=30))
+            code, message = error_of(lambda: stub.Register(_request(d, pool, 65 * 16, 16), timeout=30))
             assert code == C.RESOURCE_EXHAUSTED, (code, message)
             assert "65 pages" in message and "at most 64 pages" in message, message
             assert "--max-pages-per-client" in message and "KVSERVER_MAX_PAGES_PER_CLIENT" in message
             assert stub.Stats(pb.StatsRequest(), timeout=30) == before
             assert mappings_of(pool.name) == mapped  # the test's own mapping only
             # Accepting less: granted the limit.
-            resp = stub.Register(_request(pool, 65 * 16, 16, 16), timeout=30)
+            resp = stub.Register(_request(d, pool, 65 * 16, 16, 16), timeout=30)
             assert resp.host_tokens == 64 * 16
     finally:
         pool.close()
@@ -230,7 +233,7 @@ def test_register_of_the_most_pages_is_bounded_and_others_are_served(node) -> No
         with grpc.insecure_channel(d.address) as ch:
             stub = pb_grpc.KVServerStub(ch)
             rss = d.rss()
-            resp, t0, t1 = _timed(lambda: stub.Register(_request(pool, 1 << 40, 1, 1), timeout=120))
+            resp, t0, t1 = _timed(lambda: stub.Register(_request(d, pool, 1 << 40, 1, 1), timeout=120))
             grown = d.rss() - rss
             stub.Unregister(pb.UnregisterRequest(client_id=resp.client_id), timeout=120)
         held = probe.longest_during(t0, t1)
@@ -250,7 +253,7 @@ def test_alloc_and_free_of_the_largest_request_are_fast(node) -> None:
     try:
         with grpc.insecure_channel(d.address, options=BIG_MESSAGES) as ch:
             stub = pb_grpc.KVServerStub(ch)
-            reg = stub.Register(_request(pool, MOST_INDICES, 1), timeout=120)
+            reg = stub.Register(_request(d, pool, MOST_INDICES, 1), timeout=120)
             assert reg.host_tokens == MOST_INDICES
             alloc = pb.AllocRequest(client_id=reg.client_id, num_tokens=MOST_INDICES)
             got, a0, a1 = _timed(lambda: stub.Alloc(alloc, timeout=120))
@@ -283,7 +286,7 @@ def test_a_region_past_2_36_slots_is_refused(make_daemon) -> None:
             stub = pb_grpc.KVServerStub(ch)
             before, mapped = stub.Stats(pb.StatsRequest(), timeout=30), mappings_of(pool.name)
             ask = (1 << 36) + 4096
-            code, message = error_of(lambda: stub.Register(_request(pool, ask, 4096, ask), timeout=30))
+            code, message = error_of(lambda: stub.Register(_request(d, pool, ask, 4096, ask), timeout=30))
             assert code == C.RESOURCE_EXHAUSTED, (code, message)
             assert f"at most {1 << 36} host token slots" in message, message
             assert stub.Stats(pb.StatsRequest(), timeout=30) == before
