@@ -157,9 +157,9 @@ class AsyncKVClient(ClientBase):
         if self._request is None:  # closed or unregistered
             return False
         try:
-            await self._stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=self.timeout,
-                                        metadata=self._metadata)
-            confirmed = True
+            resp = await self._stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id),
+                                               timeout=self.timeout, metadata=self._metadata)
+            confirmed = not resp.copies_pending  # GPU work that may still run is not dead
         except grpc.RpcError as exc:
             confirmed = exc.code() == grpc.StatusCode.NOT_FOUND
         if not confirmed:
@@ -317,6 +317,8 @@ class AsyncKVClient(ClientBase):
         return c.capacity_tokens - c.used_tokens
 
     async def stats(self, all_clients: bool = False) -> pb.StatsResponse:
+        """This client's stats, or (``all_clients``) daemon-wide totals; the list of every client
+        is only for a caller with the daemon's admin token."""
         req = pb.StatsRequest(client_id="" if all_clients else self.client_id)
         return await self._call(self._stub.Stats, req)
 

@@ -85,9 +85,9 @@ class KVClient(ClientBase):
         if self._closed.is_set():
             return False
         try:
-            self._stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=self.timeout,
-                                  metadata=self._metadata)
-            confirmed = True
+            resp = self._stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=self.timeout,
+                                         metadata=self._metadata)
+            confirmed = not resp.copies_pending  # GPU work that may still run is not dead
         except grpc.RpcError as exc:
             confirmed = exc.code() == grpc.StatusCode.NOT_FOUND  # already released or being released
         if not confirmed:
@@ -289,6 +289,8 @@ class KVClient(ClientBase):
         return c.capacity_tokens - c.used_tokens
 
     def stats(self, all_clients: bool = False) -> pb.StatsResponse:
+        """This client's stats, or (``all_clients``) daemon-wide totals; the list of every client
+        is only for a caller with the daemon's admin token."""
         req = pb.StatsRequest(client_id="" if all_clients else self.client_id)
         return self._call(self._stub.Stats, req)
 

@@ -117,6 +117,7 @@ class ClientState:
     last_seen: float = field(default_factory=time.monotonic)
     session_ended_at: float | None = None
     gone: asyncio.Event = field(default_factory=asyncio.Event)  # set once unregistered or reclaimed
+    copies_pending: bool = False  # released with GPU work that may still run (quarantined)
     # The registering process (pid, uid, gid from its peer ticket); None for a CUDA pool sent without one.
     peer: PeerCred | None = None
 

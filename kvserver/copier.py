@@ -58,7 +58,7 @@ class Job:
     pages: np.ndarray
     ready_event: bytes = b""  # CUDA: the engine's event to wait on before copying
     event_slot: int = 0  # CUDA loads: whose layer events to record
-    timeout: float = 0.0  # seconds from submission after which the job stops (0: none)
+    deadline: float = 0.0  # event-loop time at which the job stops (0: none), from timeout_ms
     # Read by the copy thread before every layer; nonzero once the job is to stop.
     stop_word: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
     stop_reason: str = ""
@@ -152,7 +152,7 @@ class Copier:
         except BaseException:
             if not fut.done():  # the call ended (its deadline, a disconnect): so does the job
                 job.stop("cancelled")
-                _forget(fut)
+            _forget(fut)
             raise
         finally:
             if waiter is not None:
@@ -192,7 +192,7 @@ class Copier:
         else:
             cf = job.queued = self._executor.submit(self._run, job, to_device, signal)
         fut = loop.create_future()
-        timer = loop.call_later(job.timeout, job.stop, "deadline") if job.timeout > 0 else None
+        timer = loop.call_at(job.deadline, job.stop, "deadline") if job.deadline > 0 else None
 
         def finish(_: Future) -> None:
             if timer is not None:
@@ -240,7 +240,9 @@ class Copier:
             except BaseException as exc:
                 done.set_exception(exc)
 
-        self._executor.submit(enqueue)
+        queued = job.queued = self._executor.submit(enqueue)
+        # Stopped while still waiting for the worker: dropped from its queue, nothing enqueued.
+        queued.add_done_callback(lambda f: f.cancelled() and done.set_exception(job.stopped(0)))
         return done
 
     def _run(self, job: Job, to_device: bool, signal: LayerSignal | None) -> None:

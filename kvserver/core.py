@@ -58,6 +58,8 @@ class KVCore:
         self.totals = Counters()  # transfers of clients already gone
         self.copier = Copier(copy_threads, progress_interval)
         self.allow_named_shm = allow_named_shm
+        # Ids of released clients whose GPU work may still run: an Unregister of one says so.
+        self._quarantined: set[str] = set()
         self.tickets: TicketBook | None = None  # the fd socket's (server.py); None without a Unix socket
 
     # ---- registration -------------------------------------------------------------------
@@ -250,16 +252,26 @@ class KVCore:
             for layer in range(len(spec.layers))
         ]
 
-    async def unregister(self, client_id: str, reason: str = "unregistered") -> None:
+    async def unregister(self, client_id: str, reason: str = "unregistered") -> bool:
         """Releases everything the client holds, once its in-flight copies are done. Once begun,
         the release runs to its end even if the caller is cancelled (an RPC deadline, the
-        reaper's shutdown): a client half released would be held for good."""
+        reaper's shutdown): a client half released would be held for good. Returns whether
+        copies of it may still run on the GPU (its pool was quarantined)."""
+        if client_id in self._quarantined:  # released, but its GPU work may still run
+            return True
+        client = self.clients.get(client_id)
+        if client is not None and client.closing:
+            # Being released already (another Unregister, a reclaim): answer once it is done, so
+            # that an answer always means every job of the client is dead or quarantined.
+            await asyncio.shield(client.gone.wait())
+            return client.copies_pending
         client = self.client(client_id)
         client.closing = True
         release = asyncio.ensure_future(self._release(client, reason))
         if await _settle(release):
             raise asyncio.CancelledError
         release.result()
+        return client.copies_pending
 
     async def _release(self, client: ClientState, reason: str) -> None:
         client_id = client.client_id
@@ -279,8 +291,15 @@ class KVCore:
             if held is None:
                 self.arena.release(client.region_offset, client.region_bytes)
             else:  # stays reserved until the quarantine has released the pool's GPU resources
+                client.copies_pending = True
+                self._quarantined.add(client_id)
                 loop, region = asyncio.get_running_loop(), (client.region_offset, client.region_bytes)
-                held.add_done_callback(lambda _: loop.call_soon_threadsafe(self.arena.release, *region))
+
+                def drained() -> None:
+                    self.arena.release(*region)
+                    self._quarantined.discard(client_id)
+
+                held.add_done_callback(lambda _: loop.call_soon_threadsafe(drained))
             client.gone.set()
         logger.info("%s %s (%d host bytes released)", reason, public_id(client_id), client.region_bytes)
 
@@ -348,7 +367,9 @@ class KVCore:
                           ready_event: bytes = b"", event_slot: int = 0, timeout_ms: int = 0) -> Job:
         """``prepare``, in a worker thread for a large request (its checks take a good part of a
         second for millions of indices), re-checked here if the client's pages changed meanwhile."""
-        args = (client_id, host_indices, device_indices, layers, ready_event, event_slot, timeout_ms)
+        # The job's deadline counts from the request's arrival, checks included.
+        deadline = asyncio.get_running_loop().time() + timeout_ms / 1000 if timeout_ms else 0.0
+        args = (client_id, host_indices, device_indices, layers, ready_event, event_slot, deadline)
         if len(host_indices) <= OFF_LOOP_INDICES:
             return self.prepare(*args)
         self._check_size(len(host_indices))
@@ -360,7 +381,7 @@ class KVCore:
         return job
 
     def prepare(self, client_id: str, host_indices, device_indices, layers, ready_event: bytes = b"",
-                event_slot: int = 0, timeout_ms: int = 0) -> Job:
+                event_slot: int = 0, deadline: float = 0.0) -> Job:
         """Validates a whole transfer request and plans it; touches no memory."""
         client = self.client(client_id)
         spec = client.spec
@@ -388,7 +409,7 @@ class KVCore:
         client.device.check_sizes()  # named objects only: narrows, does not close, a SIGBUS window
         num_dev_pages = client.device.num_pages if client.device.paged else None
         plan = transfer.make_plan(pages, dev, spec.page_size, num_dev_pages)
-        return Job(client, plan, local_layers, pages, bytes(ready_event), event_slot, timeout_ms / 1000)
+        return Job(client, plan, local_layers, pages, bytes(ready_event), event_slot, deadline)
 
     # ---- lifecycle ------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from kvserver import wire
 from kvserver.auth import is_admin
 from kvserver.client_state import ClientState, Counters, public_id
 from kvserver.core import OFF_LOOP_INDICES, KVCore
-from kvserver.errors import InvalidArgument, KVError, status_of
+from kvserver.errors import GpuStalled, InvalidArgument, KVError, status_of
 from kvserver.liveness import Reaper
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
@@ -63,12 +63,20 @@ def _abort_on_error(fn: Callable) -> Callable:
             _check_parsed(request)
             return await fn(self, request, context)
         except KVError as exc:
+            _unmark_stalled(exc, context)
             await context.abort(*status_of(exc))
         except Exception as exc:
             logger.exception("%s failed", fn.__name__)
             await context.abort(*status_of(exc))
 
     return wrapper
+
+
+def _unmark_stalled(exc: BaseException, context) -> None:
+    """A job given up on the GPU (``GpuStalled``) may still run there later: its answer must not
+    say the job is dead."""
+    if isinstance(exc, GpuStalled):
+        context.set_trailing_metadata(())
 
 
 def _counters(c: Counters) -> pb.TransferCounters:
@@ -126,8 +134,7 @@ class KVServicer(pb_grpc.KVServerServicer):
 
     @_abort_on_error
     async def Unregister(self, request: pb.UnregisterRequest, context) -> pb.UnregisterResponse:
-        await self.core.unregister(request.client_id)
-        return pb.UnregisterResponse()
+        return pb.UnregisterResponse(copies_pending=await self.core.unregister(request.client_id))
 
     @_abort_on_error
     async def Alloc(self, request: pb.AllocRequest, context) -> pb.AllocResponse:
@@ -173,6 +180,7 @@ class KVServicer(pb_grpc.KVServerServicer):
         except Exception as exc:
             if not isinstance(exc, KVError):
                 logger.exception("Load failed")
+            _unmark_stalled(exc, context)
             await context.abort(*status_of(exc))
 
     async def Session(self, request: pb.SessionRequest, context) -> AsyncIterator[pb.SessionEvent]:

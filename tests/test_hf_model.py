@@ -399,13 +399,11 @@ def test_pipeline_stages_in_separate_processes(daemon, prefilled: Prefilled, pag
     collector.start()
     try:
         barrier.wait(TIMEOUT)
-        stats = KVClient(daemon.address)
-        try:
-            seen = stats.stats(all_clients=True)
-        finally:
-            stats.close()
-        ranges = sorted((c.start_layer, c.end_layer) for c in seen.clients)
-        used = sorted(c.used_tokens for c in seen.clients)
+        # Read on the daemon's loop: Stats lists other engines' clients only to the admin.
+        seen = daemon.run(lambda: [(c.spec.layers.start, c.spec.layers.end, c.used_tokens)
+                                   for c in daemon.core.clients.values()])
+        ranges = sorted((start, end) for start, end, _ in seen)
+        used = sorted(u for _, _, u in seen)
         barrier.wait(TIMEOUT)
     except threading.BrokenBarrierError:
         ranges = used = None  # a stage failed; its traceback is in ``errors``

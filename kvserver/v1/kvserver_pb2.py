@@ -14,15 +14,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvserver/v1/kvserver.proto\x12\x0bkvserver.v1\"0\n\tMHALayout\x12\x11\n\tnum_heads\x18\x01 \x01(\r\x12\x10\n\x08head_dim\x18\x02 \x01(\r\";\n\tMLALayout\x12\x14\n\x0ckv_lora_rank\x18\x01 \x01(\r\x12\x18\n\x10qk_rope_head_dim\x18\x02 \x01(\r\"`\n\x08KVLayout\x12%\n\x03mha\x18\x01 \x01(\x0b\x32\x16.kvserver.v1.MHALayoutH\x00\x12%\n\x03mla\x18\x02 \x01(\x0b\x32\x16.kvserver.v1.MLALayoutH\x00\x42\x06\n\x04kind\"\x1b\n\x0bShmLocation\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1b\n\nFdLocation\x12\r\n\x05index\x18\x01 \x01(\r\"g\n\x0f\x43udaIpcLocation\x12\x12\n\nipc_handle\x18\x01 \x01(\x0c\x12\x13\n\x0b\x64\x65vice_uuid\x18\x02 \x01(\t\x12\x17\n\x0f\x61llocation_size\x18\x03 \x01(\x04\x12\x12\n\npci_bus_id\x18\x04 \x01(\t\"\xbb\x01\n\tBufferRef\x12\'\n\x03shm\x18\x01 \x01(\x0b\x32\x18.kvserver.v1.ShmLocationH\x00\x12,\n\x04\x63uda\x18\x02 \x01(\x0b\x32\x1c.kvserver.v1.CudaIpcLocationH\x00\x12%\n\x02\x66\x64\x18\x05 \x01(\x0b\x32\x17.kvserver.v1.FdLocationH\x00\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x14\n\x0ctoken_stride\x18\x04 \x01(\x04\x42\n\n\x08location\"5\n\x0cLayerBuffers\x12%\n\x05parts\x18\x01 \x03(\x0b\x32\x16.kvserver.v1.BufferRef\"K\n\nDevicePool\x12\x12\n\nnum_tokens\x18\x01 \x01(\x04\x12)\n\x06layers\x18\x02 \x03(\x0b\x32\x19.kvserver.v1.LayerBuffers\"\x9f\x03\n\x0fRegisterRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07tp_size\x18\x03 \x01(\r\x12\x0f\n\x07pp_rank\x18\x04 \x01(\r\x12\x0f\n\x07pp_size\x18\x05 \x01(\r\x12\x13\n\x0bstart_layer\x18\x06 \x01(\r\x12\x11\n\tend_layer\x18\x07 \x01(\r\x12\x12\n\nnum_layers\x18\x08 \x01(\r\x12%\n\x06layout\x18\t \x01(\x0b\x32\x15.kvserver.v1.KVLayout\x12!\n\x05\x64type\x18\n \x01(\x0e\x32\x12.kvserver.v1.DType\x12\x11\n\tpage_size\x18\x0b \x01(\r\x12,\n\x0b\x64\x65vice_pool\x18\x0c \x01(\x0b\x32\x17.kvserver.v1.DevicePool\x12\x13\n\x0bhost_tokens\x18\r \x01(\x04\x12\x13\n\x0b\x65vent_slots\x18\x0e \x01(\r\x12\x17\n\x0fmin_host_tokens\x18\x0f \x01(\x04\x12\x1a\n\x12replaces_client_id\x18\x10 \x01(\t\x12\x13\n\x0bpeer_ticket\x18\x11 \x01(\t\"\xc6\x01\n\x10RegisterResponse\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x13\n\x0bhost_tokens\x18\x02 \x01(\x04\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x1c\n\x14host_bytes_per_token\x18\x04 \x01(\x04\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x15\n\rlease_seconds\x18\x06 \x01(\x01\x12\x1d\n\x15reclaim_grace_seconds\x18\x07 \x01(\x01\x12\x14\n\x0clayer_events\x18\x08 \x03(\x0c\"&\n\x11UnregisterRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\"\x14\n\x12UnregisterResponse\"5\n\x0c\x41llocRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\"%\n\rAllocResponse\x12\x14\n\x0chost_indices\x18\x01 \x03(\x03\"6\n\x0b\x46reeRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x14\n\x0chost_indices\x18\x02 \x03(\x03\"$\n\x0c\x46reeResponse\x12\x14\n\x0c\x66reed_tokens\x18\x01 \x01(\x04\"\x88\x01\n\x0cWriteRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x16\n\x0e\x64\x65vice_indices\x18\x02 \x03(\x03\x12\x14\n\x0chost_indices\x18\x03 \x03(\x03\x12\x0e\n\x06layers\x18\x04 \x03(\r\x12\x13\n\x0bready_event\x18\x05 \x01(\x0c\x12\x12\n\ntimeout_ms\x18\x06 \x01(\r\"\x1e\n\rWriteResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\"\x9b\x01\n\x0bLoadRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x14\n\x0chost_indices\x18\x02 \x03(\x03\x12\x16\n\x0e\x64\x65vice_indices\x18\x03 \x03(\x03\x12\x0e\n\x06layers\x18\x04 \x03(\r\x12\x12\n\nevent_slot\x18\x05 \x01(\r\x12\x13\n\x0bready_event\x18\x06 \x01(\x0c\x12\x12\n\ntimeout_ms\x18\x07 \x01(\r\"m\n\x0cLoadProgress\x12\x12\n\nlast_layer\x18\x01 \x01(\r\x12\x13\n\x0blayers_done\x18\x02 \x01(\r\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x17\n\x0f\x65vents_recorded\x18\x05 \x01(\x08\"!\n\x0cStatsRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\"d\n\x10TransferCounters\x12\x15\n\rbytes_written\x18\x01 \x01(\x04\x12\x14\n\x0c\x62ytes_loaded\x18\x02 \x01(\x04\x12\x11\n\twrite_ops\x18\x03 \x01(\x04\x12\x10\n\x08load_ops\x18\x04 \x01(\x04\"\xa6\x02\n\x0b\x43lientStats\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07pp_rank\x18\x04 \x01(\r\x12\x13\n\x0bstart_layer\x18\x05 \x01(\r\x12\x11\n\tend_layer\x18\x06 \x01(\r\x12\x17\n\x0f\x63\x61pacity_tokens\x18\x07 \x01(\x04\x12\x13\n\x0bused_tokens\x18\x08 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\t \x01(\x04\x12\x12\n\nused_bytes\x18\n \x01(\x04\x12\x30\n\ttransfers\x18\x0b \x01(\x0b\x32\x1d.kvserver.v1.TransferCounters\x12\r\n\x05\x65poch\x18\x0c \x01(\x04\x12\x10\n\x08sessions\x18\r \x01(\r\"#\n\x0eSessionRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\"\x1d\n\x0cSessionEvent\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\"\xe0\x01\n\rStatsResponse\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x04\x12\x16\n\x0ereserved_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bnum_clients\x18\x04 \x01(\r\x12\x30\n\ttransfers\x18\x05 \x01(\x0b\x32\x1d.kvserver.v1.TransferCounters\x12)\n\x07\x63lients\x18\x06 \x03(\x0b\x32\x18.kvserver.v1.ClientStats\x12\x19\n\x11reclaimed_clients\x18\x07 \x01(\x04*\x88\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03\x12\x17\n\x13\x44TYPE_FLOAT8_E4M3FN\x10\x04\x12\x15\n\x11\x44TYPE_FLOAT8_E5M2\x10\x05\x32\xa3\x04\n\x08KVServer\x12G\n\x08Register\x12\x1c.kvserver.v1.RegisterRequest\x1a\x1d.kvserver.v1.RegisterResponse\x12M\n\nUnregister\x12\x1e.kvserver.v1.UnregisterRequest\x1a\x1f.kvserver.v1.UnregisterResponse\x12>\n\x05\x41lloc\x12\x19.kvserver.v1.AllocRequest\x1a\x1a.kvserver.v1.AllocResponse\x12;\n\x04\x46ree\x12\x18.kvserver.v1.FreeRequest\x1a\x19.kvserver.v1.FreeResponse\x12>\n\x05Write\x12\x19.kvserver.v1.WriteRequest\x1a\x1a.kvserver.v1.WriteResponse\x12=\n\x04Load\x12\x18.kvserver.v1.LoadRequest\x1a\x19.kvserver.v1.LoadProgress0\x01\x12>\n\x05Stats\x12\x19.kvserver.v1.StatsRequest\x1a\x1a.kvserver.v1.StatsResponse\x12\x43\n\x07Session\x12\x1b.kvserver.v1.SessionRequest\x1a\x19.kvserver.v1.SessionEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvserver/v1/kvserver.proto\x12\x0bkvserver.v1\"0\n\tMHALayout\x12\x11\n\tnum_heads\x18\x01 \x01(\r\x12\x10\n\x08head_dim\x18\x02 \x01(\r\";\n\tMLALayout\x12\x14\n\x0ckv_lora_rank\x18\x01 \x01(\r\x12\x18\n\x10qk_rope_head_dim\x18\x02 \x01(\r\"`\n\x08KVLayout\x12%\n\x03mha\x18\x01 \x01(\x0b\x32\x16.kvserver.v1.MHALayoutH\x00\x12%\n\x03mla\x18\x02 \x01(\x0b\x32\x16.kvserver.v1.MLALayoutH\x00\x42\x06\n\x04kind\"\x1b\n\x0bShmLocation\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1b\n\nFdLocation\x12\r\n\x05index\x18\x01 \x01(\r\"g\n\x0f\x43udaIpcLocation\x12\x12\n\nipc_handle\x18\x01 \x01(\x0c\x12\x13\n\x0b\x64\x65vice_uuid\x18\x02 \x01(\t\x12\x17\n\x0f\x61llocation_size\x18\x03 \x01(\x04\x12\x12\n\npci_bus_id\x18\x04 \x01(\t\"\xbb\x01\n\tBufferRef\x12\'\n\x03shm\x18\x01 \x01(\x0b\x32\x18.kvserver.v1.ShmLocationH\x00\x12,\n\x04\x63uda\x18\x02 \x01(\x0b\x32\x1c.kvserver.v1.CudaIpcLocationH\x00\x12%\n\x02\x66\x64\x18\x05 \x01(\x0b\x32\x17.kvserver.v1.FdLocationH\x00\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x14\n\x0ctoken_stride\x18\x04 \x01(\x04\x42\n\n\x08location\"5\n\x0cLayerBuffers\x12%\n\x05parts\x18\x01 \x03(\x0b\x32\x16.kvserver.v1.BufferRef\"K\n\nDevicePool\x12\x12\n\nnum_tokens\x18\x01 \x01(\x04\x12)\n\x06layers\x18\x02 \x03(\x0b\x32\x19.kvserver.v1.LayerBuffers\"\x9f\x03\n\x0fRegisterRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07tp_size\x18\x03 \x01(\r\x12\x0f\n\x07pp_rank\x18\x04 \x01(\r\x12\x0f\n\x07pp_size\x18\x05 \x01(\r\x12\x13\n\x0bstart_layer\x18\x06 \x01(\r\x12\x11\n\tend_layer\x18\x07 \x01(\r\x12\x12\n\nnum_layers\x18\x08 \x01(\r\x12%\n\x06layout\x18\t \x01(\x0b\x32\x15.kvserver.v1.KVLayout\x12!\n\x05\x64type\x18\n \x01(\x0e\x32\x12.kvserver.v1.DType\x12\x11\n\tpage_size\x18\x0b \x01(\r\x12,\n\x0b\x64\x65vice_pool\x18\x0c \x01(\x0b\x32\x17.kvserver.v1.DevicePool\x12\x13\n\x0bhost_tokens\x18\r \x01(\x04\x12\x13\n\x0b\x65vent_slots\x18\x0e \x01(\r\x12\x17\n\x0fmin_host_tokens\x18\x0f \x01(\x04\x12\x1a\n\x12replaces_client_id\x18\x10 \x01(\t\x12\x13\n\x0bpeer_ticket\x18\x11 \x01(\t\"\xc6\x01\n\x10RegisterResponse\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x13\n\x0bhost_tokens\x18\x02 \x01(\x04\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x1c\n\x14host_bytes_per_token\x18\x04 \x01(\x04\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x15\n\rlease_seconds\x18\x06 \x01(\x01\x12\x1d\n\x15reclaim_grace_seconds\x18\x07 \x01(\x01\x12\x14\n\x0clayer_events\x18\x08 \x03(\x0c\"&\n\x11UnregisterRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\",\n\x12UnregisterResponse\x12\x16\n\x0e\x63opies_pending\x18\x01 \x01(\x08\"5\n\x0c\x41llocRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\"%\n\rAllocResponse\x12\x14\n\x0chost_indices\x18\x01 \x03(\x03\"6\n\x0b\x46reeRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x14\n\x0chost_indices\x18\x02 \x03(\x03\"$\n\x0c\x46reeResponse\x12\x14\n\x0c\x66reed_tokens\x18\x01 \x01(\x04\"\x88\x01\n\x0cWriteRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x16\n\x0e\x64\x65vice_indices\x18\x02 \x03(\x03\x12\x14\n\x0chost_indices\x18\x03 \x03(\x03\x12\x0e\n\x06layers\x18\x04 \x03(\r\x12\x13\n\x0bready_event\x18\x05 \x01(\x0c\x12\x12\n\ntimeout_ms\x18\x06 \x01(\r\"\x1e\n\rWriteResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\"\x9b\x01\n\x0bLoadRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x14\n\x0chost_indices\x18\x02 \x03(\x03\x12\x16\n\x0e\x64\x65vice_indices\x18\x03 \x03(\x03\x12\x0e\n\x06layers\x18\x04 \x03(\r\x12\x12\n\nevent_slot\x18\x05 \x01(\r\x12\x13\n\x0bready_event\x18\x06 \x01(\x0c\x12\x12\n\ntimeout_ms\x18\x07 \x01(\r\"m\n\x0cLoadProgress\x12\x12\n\nlast_layer\x18\x01 \x01(\r\x12\x13\n\x0blayers_done\x18\x02 \x01(\r\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x17\n\x0f\x65vents_recorded\x18\x05 \x01(\x08\"!\n\x0cStatsRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\"d\n\x10TransferCounters\x12\x15\n\rbytes_written\x18\x01 \x01(\x04\x12\x14\n\x0c\x62ytes_loaded\x18\x02 \x01(\x04\x12\x11\n\twrite_ops\x18\x03 \x01(\x04\x12\x10\n\x08load_ops\x18\x04 \x01(\x04\"\xa6\x02\n\x0b\x43lientStats\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07pp_rank\x18\x04 \x01(\r\x12\x13\n\x0bstart_layer\x18\x05 \x01(\r\x12\x11\n\tend_layer\x18\x06 \x01(\r\x12\x17\n\x0f\x63\x61pacity_tokens\x18\x07 \x01(\x04\x12\x13\n\x0bused_tokens\x18\x08 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\t \x01(\x04\x12\x12\n\nused_bytes\x18\n \x01(\x04\x12\x30\n\ttransfers\x18\x0b \x01(\x0b\x32\x1d.kvserver.v1.TransferCounters\x12\r\n\x05\x65poch\x18\x0c \x01(\x04\x12\x10\n\x08sessions\x18\r \x01(\r\"#\n\x0eSessionRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\"\x1d\n\x0cSessionEvent\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\"\xe0\x01\n\rStatsResponse\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x04\x12\x16\n\x0ereserved_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bnum_clients\x18\x04 \x01(\r\x12\x30\n\ttransfers\x18\x05 \x01(\x0b\x32\x1d.kvserver.v1.TransferCounters\x12)\n\x07\x63lients\x18\x06 \x03(\x0b\x32\x18.kvserver.v1.ClientStats\x12\x19\n\x11reclaimed_clients\x18\x07 \x01(\x04*\x88\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03\x12\x17\n\x13\x44TYPE_FLOAT8_E4M3FN\x10\x04\x12\x15\n\x11\x44TYPE_FLOAT8_E5M2\x10\x05\x32\xa3\x04\n\x08KVServer\x12G\n\x08Register\x12\x1c.kvserver.v1.RegisterRequest\x1a\x1d.kvserver.v1.RegisterResponse\x12M\n\nUnregister\x12\x1e.kvserver.v1.UnregisterRequest\x1a\x1f.kvserver.v1.UnregisterResponse\x12>\n\x05\x41lloc\x12\x19.kvserver.v1.AllocRequest\x1a\x1a.kvserver.v1.AllocResponse\x12;\n\x04\x46ree\x12\x18.kvserver.v1.FreeRequest\x1a\x19.kvserver.v1.FreeResponse\x12>\n\x05Write\x12\x19.kvserver.v1.WriteRequest\x1a\x1a.kvserver.v1.WriteResponse\x12=\n\x04Load\x12\x18.kvserver.v1.LoadRequest\x1a\x19.kvserver.v1.LoadProgress0\x01\x12>\n\x05Stats\x12\x19.kvserver.v1.StatsRequest\x1a\x1a.kvserver.v1.StatsResponse\x12\x43\n\x07Session\x12\x1b.kvserver.v1.SessionRequest\x1a\x19.kvserver.v1.SessionEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvserver.v1.kvserver_pb2', _globals)
 if _descriptor._USE_C_DESCRIPTORS == False:
   DESCRIPTOR._options = None
-  _globals['_DTYPE']._serialized_start=2776
-  _globals['_DTYPE']._serialized_end=2912
+  _globals['_DTYPE']._serialized_start=2800
+  _globals['_DTYPE']._serialized_end=2936
   _globals['_MHALAYOUT']._serialized_start=43
   _globals['_MHALAYOUT']._serialized_end=91
   _globals['_MLALAYOUT']._serialized_start=93
@@ -48,35 +48,35 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _globals['_UNREGISTERREQUEST']._serialized_start=1356
   _globals['_UNREGISTERREQUEST']._serialized_end=1394
   _globals['_UNREGISTERRESPONSE']._serialized_start=1396
-  _globals['_UNREGISTERRESPONSE']._serialized_end=1416
-  _globals['_ALLOCREQUEST']._serialized_start=1418
-  _globals['_ALLOCREQUEST']._serialized_end=1471
-  _globals['_ALLOCRESPONSE']._serialized_start=1473
-  _globals['_ALLOCRESPONSE']._serialized_end=1510
-  _globals['_FREEREQUEST']._serialized_start=1512
-  _globals['_FREEREQUEST']._serialized_end=1566
-  _globals['_FREERESPONSE']._serialized_start=1568
-  _globals['_FREERESPONSE']._serialized_end=1604
-  _globals['_WRITEREQUEST']._serialized_start=1607
-  _globals['_WRITEREQUEST']._serialized_end=1743
-  _globals['_WRITERESPONSE']._serialized_start=1745
-  _globals['_WRITERESPONSE']._serialized_end=1775
-  _globals['_LOADREQUEST']._serialized_start=1778
-  _globals['_LOADREQUEST']._serialized_end=1933
-  _globals['_LOADPROGRESS']._serialized_start=1935
-  _globals['_LOADPROGRESS']._serialized_end=2044
-  _globals['_STATSREQUEST']._serialized_start=2046
-  _globals['_STATSREQUEST']._serialized_end=2079
-  _globals['_TRANSFERCOUNTERS']._serialized_start=2081
-  _globals['_TRANSFERCOUNTERS']._serialized_end=2181
-  _globals['_CLIENTSTATS']._serialized_start=2184
-  _globals['_CLIENTSTATS']._serialized_end=2478
-  _globals['_SESSIONREQUEST']._serialized_start=2480
-  _globals['_SESSIONREQUEST']._serialized_end=2515
-  _globals['_SESSIONEVENT']._serialized_start=2517
-  _globals['_SESSIONEVENT']._serialized_end=2546
-  _globals['_STATSRESPONSE']._serialized_start=2549
-  _globals['_STATSRESPONSE']._serialized_end=2773
-  _globals['_KVSERVER']._serialized_start=2915
-  _globals['_KVSERVER']._serialized_end=3462
+  _globals['_UNREGISTERRESPONSE']._serialized_end=1440
+  _globals['_ALLOCREQUEST']._serialized_start=1442
+  _globals['_ALLOCREQUEST']._serialized_end=1495
+  _globals['_ALLOCRESPONSE']._serialized_start=1497
+  _globals['_ALLOCRESPONSE']._serialized_end=1534
+  _globals['_FREEREQUEST']._serialized_start=1536
+  _globals['_FREEREQUEST']._serialized_end=1590
+  _globals['_FREERESPONSE']._serialized_start=1592
+  _globals['_FREERESPONSE']._serialized_end=1628
+  _globals['_WRITEREQUEST']._serialized_start=1631
+  _globals['_WRITEREQUEST']._serialized_end=1767
+  _globals['_WRITERESPONSE']._serialized_start=1769
+  _globals['_WRITERESPONSE']._serialized_end=1799
+  _globals['_LOADREQUEST']._serialized_start=1802
+  _globals['_LOADREQUEST']._serialized_end=1957
+  _globals['_LOADPROGRESS']._serialized_start=1959
+  _globals['_LOADPROGRESS']._serialized_end=2068
+  _globals['_STATSREQUEST']._serialized_start=2070
+  _globals['_STATSREQUEST']._serialized_end=2103
+  _globals['_TRANSFERCOUNTERS']._serialized_start=2105
+  _globals['_TRANSFERCOUNTERS']._serialized_end=2205
+  _globals['_CLIENTSTATS']._serialized_start=2208
+  _globals['_CLIENTSTATS']._serialized_end=2502
+  _globals['_SESSIONREQUEST']._serialized_start=2504
+  _globals['_SESSIONREQUEST']._serialized_end=2539
+  _globals['_SESSIONEVENT']._serialized_start=2541
+  _globals['_SESSIONEVENT']._serialized_end=2570
+  _globals['_STATSRESPONSE']._serialized_start=2573
+  _globals['_STATSRESPONSE']._serialized_end=2797
+  _globals['_KVSERVER']._serialized_start=2939
+  _globals['_KVSERVER']._serialized_end=3486
 # @@protoc_insertion_point(module_scope)

@@ -162,8 +162,10 @@ class UnregisterRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ...) -> None: ...
 
 class UnregisterResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("copies_pending",)
+    COPIES_PENDING_FIELD_NUMBER: _ClassVar[int]
+    copies_pending: bool
+    def __init__(self, copies_pending: bool = ...) -> None: ...
 
 class AllocRequest(_message.Message):
     __slots__ = ("client_id", "num_tokens")
