@@ -83,8 +83,8 @@ def daemon_factory(socket_dir: str):
     made: list[DaemonThread] = []
 
     def make(**overrides) -> DaemonThread:
-        config = ServerConfig(socket=os.path.join(socket_dir, f"kv{len(made)}.sock"),
-                              host_memory=512 << 20, **overrides)
+        overrides.setdefault("host_memory", 512 << 20)
+        config = ServerConfig(socket=os.path.join(socket_dir, f"kv{len(made)}.sock"), **overrides)
         made.append(DaemonThread(config))
         return made[-1]
 

@@ -147,11 +147,19 @@ def test_an_unanswered_load_is_reported_after_the_registration_is_replaced(daemo
 
 
 def test_unregister_stops_a_running_load_at_a_layer_boundary(daemon_factory):
-    d = daemon_factory(progress_interval=0.0)
-    with make_pool() as pool, KVClient(d.address) as client:
-        register(client, pool)
-        dev = torch.arange(TOKENS)
-        host = client.alloc(TOKENS)
+    # 512 MiB in 32 layers: long enough that the Unregister arrives while the copy runs.
+    d = daemon_factory(progress_interval=0.0, host_memory=600 << 20)
+    big = 2 * TOKENS
+    with ShmKVPool(KVLayout.mha(4, 128), torch.float16, LAYERS, big) as pool, \
+            KVClient(d.address, timeout=60) as client:
+        client.register(model="d", pool=pool, start_layer=0, end_layer=LAYERS, num_layers=LAYERS,
+                        host_tokens=big, page_size=PAGE)
+        g = torch.Generator().manual_seed(1)
+        for layer in pool.buffers:
+            for buf in layer:
+                buf.view(torch.int16).random_(generator=g)
+        dev = torch.arange(big)
+        host = client.alloc(big)
         client.write(host_indices=host, device_indices=dev)
         want = slots(pool, dev)
         for layer in pool.buffers:
@@ -165,6 +173,7 @@ def test_unregister_stops_a_running_load_at_a_layer_boundary(daemon_factory):
         got = slots(pool, dev)
         landed = [layer for layer in range(LAYERS) if handle.landed(layer)]
         assert landed == list(range(len(landed))) and landed, "layers land in order"
+        assert len(landed) < LAYERS, "the load ran to its end: it was not stopped"
         for layer in range(LAYERS):
             k, v = got[2 * layer], got[2 * layer + 1]
             if layer in landed:
