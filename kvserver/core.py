@@ -87,11 +87,16 @@ class KVCore:
             self._check_fits(spec, least)  # before the pool is opened; again once it is
             client = await self._register(req, spec, access, least, most)
             client.peer = access.peer
+        except BaseException:
+            if ticket is not None:  # off the loop: it may hold the last reference to a large memfd
+                asyncio.get_running_loop().run_in_executor(None, ticket.close)
+            raise
+        else:
+            if ticket is not None:  # the pool's mapping holds the memory: closing is cheap
+                ticket.close()
             return client
         finally:
             self._registering -= 1
-            if ticket is not None:
-                ticket.close()
 
     async def _release_replaced(self, client_id: str) -> None:
         """An engine registering again names its previous registration: released first (its

@@ -21,7 +21,7 @@ from kvserver.cuda.waits import set_wait_seconds
 from kvserver.liveness import Reaper
 from kvserver.peer_socket import PeerSocket, fd_socket_path
 from kvserver.servicer import KVServicer, add_to_server
-from kvserver.tickets import TicketBook
+from kvserver.tickets import TicketBook, raise_fd_limit
 from kvserver.v1 import kvserver_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ class Daemon:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        raise_fd_limit()  # mappings, sockets and peers' descriptors: take what the system allows
         set_wait_seconds(config.cuda_wait_seconds)  # for the CUDA pools this daemon opens
         self.core = KVCore(
             config.host_memory,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import resource
 import secrets
 from collections import Counter
 from dataclasses import dataclass, field
@@ -20,6 +21,27 @@ logger = logging.getLogger(__name__)
 
 TICKET_SECONDS = 30.0  # an unredeemed ticket's descriptors are closed this long after it was issued
 MAX_TICKETS_PER_UID = 64  # outstanding (unredeemed) tickets one uid may hold
+MAX_FDS_PER_UID = 4096  # descriptors one uid's unredeemed tickets may hold together
+
+
+def fd_budget() -> int:
+    """Descriptors all unredeemed tickets may hold together: a quarter of the process's limit, so
+    that no peer can starve the daemon of the descriptors its sockets and mappings need."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(64, (soft if soft != resource.RLIM_INFINITY else 1 << 20) // 4)
+
+
+def raise_fd_limit() -> int:
+    """Raises the soft descriptor limit to the hard one (at startup); returns the soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if want > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            logger.warning("could not raise the descriptor limit from %d to %d", soft, want)
+    return soft
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,11 +72,16 @@ class Ticket:
 class TicketBook:
     """Outstanding tickets, by ticket string."""
 
-    def __init__(self, ttl: float = TICKET_SECONDS, max_per_uid: int = MAX_TICKETS_PER_UID) -> None:
+    def __init__(self, ttl: float = TICKET_SECONDS, max_per_uid: int = MAX_TICKETS_PER_UID,
+                 max_fds_per_uid: int = MAX_FDS_PER_UID, max_fds: int | None = None) -> None:
         self.ttl = ttl
         self.max_per_uid = max_per_uid
+        self.max_fds_per_uid = max_fds_per_uid
+        self.max_fds = fd_budget() if max_fds is None else max_fds
         self._tickets: dict[str, Ticket] = {}
         self._per_uid: Counter[int] = Counter()
+        self._fds_per_uid: Counter[int] = Counter()
+        self.num_fds = 0  # descriptors held by unredeemed tickets
 
     def __len__(self) -> int:
         return len(self._tickets)
@@ -67,10 +94,19 @@ class TicketBook:
                 f"uid {peer.uid} already holds {self.max_per_uid} unredeemed tickets; "
                 "register with them or let them expire"
             )
+        n = len(fds)
+        if self._fds_per_uid[peer.uid] + n > self.max_fds_per_uid or self.num_fds + n > self.max_fds:
+            raise NoCapacity(
+                f"too many descriptors held by unredeemed tickets ({self._fds_per_uid[peer.uid]} of uid "
+                f"{peer.uid}, at most {self.max_fds_per_uid}; {self.num_fds} in all, at most "
+                f"{self.max_fds}): register with them or let them expire"
+            )
         key = secrets.token_hex(16)
         ticket = Ticket(peer, list(fds))
         self._tickets[key] = ticket
         self._per_uid[peer.uid] += 1
+        self._fds_per_uid[peer.uid] += n
+        self.num_fds += n
         ticket.expiry = asyncio.get_running_loop().call_later(self.ttl, self._expire, key)
         return key
 
@@ -87,9 +123,12 @@ class TicketBook:
 
     def _drop(self, key: str) -> Ticket:
         ticket = self._tickets.pop(key)
-        self._per_uid[ticket.peer.uid] -= 1
-        if not self._per_uid[ticket.peer.uid]:
-            del self._per_uid[ticket.peer.uid]
+        uid = ticket.peer.uid
+        self._per_uid[uid] -= 1
+        self._fds_per_uid[uid] -= len(ticket.fds)
+        self.num_fds -= len(ticket.fds)
+        if not self._per_uid[uid]:
+            del self._per_uid[uid], self._fds_per_uid[uid]
         if ticket.expiry is not None:
             ticket.expiry.cancel()
         return ticket
@@ -99,7 +138,9 @@ class TicketBook:
             ticket = self._drop(key)
             logger.info("a ticket of pid %d expired unredeemed; %d fds closed", ticket.peer.pid,
                         len(ticket.fds))
-            ticket.close()
+            # Off the loop: a ticket may hold the last reference to a large, populated memfd,
+            # and closing it frees all of its pages.
+            asyncio.get_running_loop().run_in_executor(None, ticket.close)
 
     def close(self) -> None:
         for key in list(self._tickets):

@@ -421,6 +421,27 @@ def test_outstanding_tickets_per_uid_are_capped(daemon) -> None:
     assert get_ticket(fd_path(daemon), [])
 
 
+def test_descriptors_held_by_one_uids_tickets_are_capped(daemon) -> None:
+    """One peer sending the same descriptor over and over cannot run the daemon out of
+    descriptors: what its unredeemed tickets hold together is capped, per uid and in all."""
+    per_uid = daemon.run(lambda: daemon.core.tickets.max_fds_per_uid)
+    fd, mapping = create_memfd("kvtest-fdcap", 4096)
+    mapping.close()
+    try:
+        held = [get_ticket(fd_path(daemon), [fd] * MAX_FDS) for _ in range(per_uid // MAX_FDS)]
+        assert daemon.run(lambda: daemon.core.tickets.num_fds) == per_uid
+        with pytest.raises(KVClientError) as err:
+            get_ticket(fd_path(daemon), [fd])
+        assert err.value.code == C.RESOURCE_EXHAUSTED and "too many descriptors" in err.value.message
+        assert daemon.run(lambda: daemon.core.tickets.max_fds) >= per_uid  # the daemon-wide budget
+        with ShmKVPool(LAYOUT, torch.float16, 2, 256) as pool:  # redeemed (here refused): room again
+            error_of(lambda: stub_of(daemon).Register(pool_request(pool, held[0]), timeout=TIMEOUT))
+        assert get_ticket(fd_path(daemon), [fd])
+    finally:
+        os.close(fd)
+    _still_serves(daemon)
+
+
 def _raw(path: str) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     s.settimeout(10)
