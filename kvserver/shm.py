@@ -109,6 +109,12 @@ def map_sealed_fd(fd: int, what: str) -> ShmMapping:
         raise InvalidArgument(f"{what} is not open read-write")
     if st.st_size == 0:
         raise InvalidArgument(f"{what} is empty")
+    if st.st_blksize > mmap.PAGESIZE:
+        # hugetlbfs (MFD_HUGETLB): touching a page when the node has no huge page left is SIGBUS.
+        raise InvalidArgument(
+            f"{what} is huge-page memory ({st.st_blksize} B pages): refused, since a copy into it "
+            "faults when the node runs out of huge pages; send an ordinary memfd"
+        )
     try:
         mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as exc:

@@ -277,6 +277,14 @@ def _disk_file() -> int:
     return os.dup(f.fileno())
 
 
+def _huge_pages() -> int:
+    """hugetlbfs, sealed against shrinking: copying into it faults once huge pages run out."""
+    fd = os.memfd_create("kvtest-huge", os.MFD_HUGETLB | os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    os.ftruncate(fd, 2 << 20)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    return fd
+
+
 def _small() -> int:
     fd, mapping = create_memfd("kvtest-small", 1000)
     mapping.close()
@@ -291,6 +299,7 @@ BAD_FDS = [
     pytest.param(_write_sealed, C.INVALID_ARGUMENT, "cannot be mapped read-write", id="write-sealed"),
     pytest.param(_pipe, C.INVALID_ARGUMENT, "fd 0 is not a regular file", id="pipe"),
     pytest.param(_small, C.INVALID_ARGUMENT, "fd 0 is 1000 bytes but the buffer at offset", id="too-small"),
+    pytest.param(_huge_pages, C.INVALID_ARGUMENT, "fd 0 is huge-page memory", id="hugetlb"),
 ]
 
 
