@@ -142,7 +142,12 @@ class KVServicer(pb_grpc.KVServerServicer):
         # The AllocResponse's wire bytes, encoded with numpy (a message of 4 Mi indices costs ~1 s
         # of GIL to build and serialise); large ones in a worker thread, off the event loop.
         if indices.size > OFF_LOOP_INDICES:
-            return await asyncio.to_thread(wire.packed_int64, ALLOC_INDICES_FIELD, indices)
+            try:
+                return await asyncio.to_thread(wire.packed_int64, ALLOC_INDICES_FIELD, indices)
+            except asyncio.CancelledError:  # the caller is gone and will never name these pages
+                free = asyncio.ensure_future(self.core.free(request.client_id, indices))
+                free.add_done_callback(lambda f: f.cancelled() or f.exception())
+                raise
         return wire.packed_int64(ALLOC_INDICES_FIELD, indices)
 
     @_abort_on_error
