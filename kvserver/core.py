@@ -80,11 +80,11 @@ class KVCore:
                            self.allow_named_shm, has_socket)
         self._registering += 1
         try:
-            if req.replaces_client_id:  # after the request's own checks: a bad one changes nothing
-                await self._release_replaced(req.replaces_client_id)
-            if len(self.clients) + self._registering > self.max_clients:
+            replaced = self.clients.get(req.replaces_client_id) if req.replaces_client_id else None
+            if len(self.clients) + self._registering - (replaced is not None) > self.max_clients:
                 raise NoCapacity(f"client limit reached: {self.max_clients} clients are registered")
-            self._check_fits(spec, least)  # before the pool is opened; again once it is
+            if replaced is None:  # else its region is not free yet: checked once it is released
+                self._check_fits(spec, least)  # before the pool is opened; again once it is
             client = await self._register(req, spec, access, least, most)
             client.peer = access.peer
         except BaseException:
@@ -192,6 +192,8 @@ class KVCore:
 
         device = await self._in_thread(open_device, undo=lambda d: d.close())
         try:
+            if req.replaces_client_id:  # only now that the new pool has passed every check
+                await self._release_replaced(req.replaces_client_id)
             page_bytes = spec.page_bytes
             num_pages = min(most, self._check_fits(spec, least))
             offset = self.arena.reserve(num_pages * page_bytes)
