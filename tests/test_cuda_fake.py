@@ -588,6 +588,44 @@ def test_a_cancelled_cuda_write_keeps_its_pages_until_the_gpu_is_done(daemon, fa
         assert stub.Stats(pb.StatsRequest()).num_clients == 0
 
 
+def test_a_second_unregister_answers_only_once_the_release_is_done(daemon, fake, monkeypatch):
+    """While one Unregister waits for a copy still on the GPU, another (a client confirming that
+    a timed-out copy is dead) must not be told NOT_FOUND: it answers once the release is done."""
+    rt = fake.cuda.runtime
+    refs, _, _ = cuda_pool(fake, 2, 64)
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        reg = register(stub, refs, 2, 64, 16)
+        host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=64)).host_indices)
+        gate = gate_gpu(rt, monkeypatch)
+        with pytest.raises(grpc.RpcError):
+            stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=host,
+                                       device_indices=list(range(64))), timeout=0.3)
+        answers: list = []
+
+        def unregister() -> None:
+            try:
+                resp = stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=20)
+                answers.append(("ok", resp.copies_pending, "hostUnregister" in [c[0] for c in rt.calls]))
+            except grpc.RpcError as exc:
+                answers.append((exc.code().name, None, None))
+
+        first = threading.Thread(target=unregister)
+        first.start()
+        deadline = time.monotonic() + 10
+        while not daemon.run(lambda: daemon.core.clients[reg.client_id].closing):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        second = threading.Thread(target=unregister)
+        second.start()
+        time.sleep(0.5)
+        assert answers == [], f"answered while the copy was still on the GPU: {answers}"
+        gate.set()
+        first.join(10)
+        second.join(10)
+        assert answers == [("ok", False, True), ("ok", False, True)], answers
+
+
 def test_stream_wait_layer_on_a_missed_load_is_false():
     """A load asked for while the daemon was away has no events: waiting on a layer is a miss,
     never an exception, in both clients."""
