@@ -234,9 +234,9 @@ class Copier:
                     raise job.stopped(0)
                 pending = device.enqueue(job.plan, layers, job.client.host_table, to_device, job.ready_event,
                                          job.event_slot)
-                if signal is not None:
+                if signal is not None and pending.failed is None:
                     signal.mark_recorded()
-                self._waiters.submit(wait, pending)
+                self._waiters.submit(wait, pending)  # a failed launch is drained there too
             except BaseException as exc:
                 done.set_exception(exc)
 

@@ -88,10 +88,12 @@ def _close_allocation(rt, ordinal: int, handle: bytes) -> None:
 @dataclass(frozen=True, slots=True)
 class Pending:
     """An enqueued copy: the events that complete with it, in layer order; ``owned`` ones (a
-    write's) are destroyed once waited on."""
+    write's) are destroyed once waited on. ``failed``: the launch failed part way; what it had
+    enqueued is drained by the waiter (never on the shared copy worker), then this is raised."""
 
     events: list[int]
     owned: bool = False
+    failed: BaseException | None = None
 
 
 @dataclass(slots=True)
@@ -257,14 +259,10 @@ class CudaDevicePool:
                     rt.eventRecord(event, stream)
                     events.append(event)
                 return Pending(events)
-            except BaseException as exc:
-                # Part of the job may be on the stream: let it finish before the pages are
-                # released by the caller, then report the failure.
-                if not waits.until_done(self._stream_query, time.monotonic() + self.wait_seconds):
-                    self._fail(f"a failed job's copies were still on the GPU after {self.wait_seconds:g} s "
-                               "(--cuda-wait-seconds)")
-                    raise self._stalled() from exc
-                raise
+            except Exception as exc:
+                # Part of the job may be on the stream: a waiter thread lets it finish before the
+                # pages are released, then reports the failure; the copy worker moves on.
+                return Pending([], failed=exc)
 
     def _job_copier(self, copy_plan, layers: np.ndarray, host_table, to_device: bool):
         """The copier of one job: rows of whole device pages where the plan allows, else of tokens."""
@@ -285,6 +283,12 @@ class CudaDevicePool:
         no progress for ``wait_seconds``, and gives up at once if the pool has failed meanwhile."""
         rt = self.cupy.cuda.runtime
         with self.device():
+            if pending.failed is not None:
+                if not waits.until_done(self._stream_query, time.monotonic() + self.wait_seconds):
+                    self._fail(f"a failed job's copies were still on the GPU after {self.wait_seconds:g} s "
+                               "(--cuda-wait-seconds)")
+                    raise self._stalled() from pending.failed
+                raise pending.failed
             try:
                 for i, event in enumerate(pending.events):
                     if not waits.until_done(lambda e=event: rt.eventQuery(e),
