@@ -64,6 +64,9 @@ def test_engines_are_back_within_two_seconds_after_outages_of_any_length(socket_
         t.start()
     for t in threads:
         t.join(120)
+    print("serving again after the daemon answered:",
+          ", ".join(f"{s:g} s outage: {r:.2f} s" if isinstance(r, float) else f"{s:g} s: {r!r}"
+                    for s, r in sorted(results.items())))
     for seconds in OUTAGES:
         got = results.get(seconds)
         assert not isinstance(got, BaseException), f"{seconds} s outage: {got!r}"
