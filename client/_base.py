@@ -95,10 +95,15 @@ class ClientBase:
         if reg.layer_events:
             self._device = pool.buffers[0][0].device
 
-    def _unregistered(self) -> None:
+    def _unregistered(self, copies_pending: bool = False) -> None:
         """The daemon confirmed the registration is gone, mappings closed: a CUDA pool may let
-        torch reuse its memory once the engine frees it."""
+        torch reuse its memory once the engine frees it. Not while the daemon says copies of it
+        may still run on the GPU (quarantined): torch must not hand that memory to anything else."""
         pool, self._pool = self._pool, None
+        if copies_pending:
+            logger.warning("kvserver still holds GPU copies of this pool (quarantined): its memory "
+                           "stays exported, so torch will not reuse it")
+            return
         release = getattr(pool, "release_exports", None)
         if release is not None:
             release()

@@ -256,12 +256,12 @@ class AsyncKVClient(ClientBase):
         if reg is None:
             return
         try:
-            await self._call(self._stub.Unregister, pb.UnregisterRequest(client_id=reg.client_id))
+            resp = await self._call(self._stub.Unregister, pb.UnregisterRequest(client_id=reg.client_id))
         except KVClientError as exc:
             if not (self.resilient and is_miss(exc.code)):
                 raise
         else:
-            self._unregistered()
+            self._unregistered(resp.copies_pending)
 
     # ---- data -----------------------------------------------------------------------------
 

@@ -207,12 +207,12 @@ class KVClient(ClientBase):
         if reg is None:
             return
         try:
-            self._call(self._stub.Unregister, pb.UnregisterRequest(client_id=reg.client_id))
+            resp = self._call(self._stub.Unregister, pb.UnregisterRequest(client_id=reg.client_id))
         except KVClientError as exc:
             if not (self.resilient and is_miss(exc.code)):
                 raise
         else:
-            self._unregistered()
+            self._unregistered(resp.copies_pending)
 
     # ---- data -----------------------------------------------------------------------------
 

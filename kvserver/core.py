@@ -52,6 +52,7 @@ class KVCore:
         self.max_pages_per_client = max_pages_per_client
         self.clients: dict[str, ClientState] = {}
         self._registering = 0  # registrations under way (they may await worker threads)
+        self._replacing = 0  # of those, the ones replacing a client still registered
         self._in_threads = 0  # registrations and CUDA pool closes in worker threads
         self._thread_done = asyncio.Event()  # set whenever one of those ends
         self.reclaimed = 0  # clients reclaimed by liveness
@@ -79,9 +80,12 @@ class KVCore:
         access = ShmAccess(tuple(ticket.fds) if ticket else (), ticket.peer if ticket else None,
                            self.allow_named_shm, has_socket)
         self._registering += 1
+        replaced = None
         try:
             replaced = self.clients.get(req.replaces_client_id) if req.replaces_client_id else None
-            if len(self.clients) + self._registering - (replaced is not None) > self.max_clients:
+            # A registration replacing a live one takes no new place: its old client is counted.
+            self._replacing += replaced is not None
+            if len(self.clients) + self._registering - self._replacing > self.max_clients:
                 raise NoCapacity(f"client limit reached: {self.max_clients} clients are registered")
             if replaced is None:  # else its region is not free yet: checked once it is released
                 self._check_fits(spec, least)  # before the pool is opened; again once it is
@@ -89,7 +93,7 @@ class KVCore:
             client.peer = access.peer
         except BaseException:
             if ticket is not None:  # off the loop: it may hold the last reference to a large memfd
-                asyncio.get_running_loop().run_in_executor(None, ticket.close)
+                ticket.close_off_loop()
             raise
         else:
             if ticket is not None:  # the pool's mapping holds the memory: closing is cheap
@@ -97,6 +101,7 @@ class KVCore:
             return client
         finally:
             self._registering -= 1
+            self._replacing -= replaced is not None
 
     async def _release_replaced(self, client_id: str) -> None:
         """An engine registering again names its previous registration: released first (its

@@ -30,7 +30,7 @@ import socket
 import struct
 
 from kvserver.errors import InvalidArgument, KVError, NoCapacity
-from kvserver.tickets import PeerCred, TicketBook
+from kvserver.tickets import PeerCred, TicketBook, close_off_loop
 
 logger = logging.getLogger(__name__)
 
@@ -174,8 +174,7 @@ class PeerSocket:
         except Exception:
             logger.exception("fd socket connection from pid %d failed", peer.pid)
         finally:
-            for fd in fds:
-                os.close(fd)
+            close_off_loop(fds)  # a refused peer's descriptors: maybe the last hold on a big memfd
             if reply is not None:
                 _reply(conn, reply)
             conn.close()
@@ -252,8 +251,7 @@ def _reply(conn: socket.socket, reply: bytes) -> None:
     with contextlib.suppress(OSError):
         for _ in range(64):
             data, anc, _, _ = conn.recvmsg(64, _CMSG_SPACE, socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
-            for fd in _fds_of(anc):
-                os.close(fd)
+            close_off_loop(_fds_of(anc))
             if not data and not anc:  # end of stream
                 break
     with contextlib.suppress(OSError):

@@ -109,10 +109,11 @@ def map_sealed_fd(fd: int, what: str) -> ShmMapping:
         raise InvalidArgument(f"{what} is not open read-write")
     if st.st_size == 0:
         raise InvalidArgument(f"{what} is empty")
-    if st.st_blksize > mmap.PAGESIZE:
+    fs_page = os.fstatvfs(fd).f_bsize  # hugetlbfs reports its huge page; tmpfs (THP or not) PAGE_SIZE
+    if fs_page > mmap.PAGESIZE:
         # hugetlbfs (MFD_HUGETLB): touching a page when the node has no huge page left is SIGBUS.
         raise InvalidArgument(
-            f"{what} is huge-page memory ({st.st_blksize} B pages): refused, since a copy into it "
+            f"{what} is huge-page memory ({fs_page} B pages): refused, since a copy into it "
             "faults when the node runs out of huge pages; send an ordinary memfd"
         )
     try:

@@ -44,6 +44,26 @@ def raise_fd_limit() -> int:
     return soft
 
 
+def close_off_loop(fds: list[int]) -> None:
+    """Closes ``fds`` in a worker thread: a peer's descriptor may be the last reference to a large,
+    populated memfd, and closing that frees all of its pages. Inline when no executor is left (at
+    shutdown)."""
+
+    def close() -> None:
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                logger.warning("closing a peer's fd %d failed", fd)
+
+    if not fds:
+        return
+    try:
+        asyncio.get_running_loop().run_in_executor(None, close)
+    except RuntimeError:  # no running loop, or its default executor is shut down
+        close()
+
+
 @dataclass(frozen=True, slots=True)
 class PeerCred:
     """The engine process on the other end of the fd socket, from SO_PEERCRED."""
@@ -67,6 +87,10 @@ class Ticket:
                 os.close(fd)
             except OSError:
                 logger.warning("closing a ticket's fd %d failed", fd)
+
+    def close_off_loop(self) -> None:
+        fds, self.fds = self.fds, []
+        close_off_loop(fds)
 
 
 class TicketBook:
@@ -138,9 +162,7 @@ class TicketBook:
             ticket = self._drop(key)
             logger.info("a ticket of pid %d expired unredeemed; %d fds closed", ticket.peer.pid,
                         len(ticket.fds))
-            # Off the loop: a ticket may hold the last reference to a large, populated memfd,
-            # and closing it frees all of its pages.
-            asyncio.get_running_loop().run_in_executor(None, ticket.close)
+            ticket.close_off_loop()
 
     def close(self) -> None:
         for key in list(self._tickets):

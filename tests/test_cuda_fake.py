@@ -373,8 +373,8 @@ def test_a_slow_gpu_copy_does_not_hold_up_other_clients(daemon, fake, monkeypatc
 
 def test_a_launch_failing_mid_job_waits_for_what_was_enqueued(daemon, fake, monkeypatch):
     """If the second layer's launch fails, the first layer's copy may still be on the stream: the
-    daemon waits for the stream before it releases the pages, then answers INTERNAL, and the
-    client stays usable."""
+    daemon waits (on a waiter thread, through a marker event recorded behind it) before it
+    releases the pages, then answers INTERNAL, and the client stays usable."""
     rt = fake.cuda.runtime
     refs, _, _ = cuda_pool(fake, 2, 64)
     launches = []
@@ -398,7 +398,9 @@ def test_a_launch_failing_mid_job_waits_for_what_was_enqueued(daemon, fake, monk
         assert err.value.code() == grpc.StatusCode.INTERNAL
         assert "LAUNCH_OUT_OF_RESOURCES" in err.value.details()
         names = [c[0] for c in rt.calls]
-        assert names.count("kernel") == 1 and names.index("kernel") < names.index("streamQuery")
+        k = names.index("kernel")
+        # A marker recorded right behind what was enqueued, and waited on before the answer.
+        assert names.count("kernel") == 1 and "eventRecord" in names[k:] and "eventQuery" in names[k:]
         assert len(list(stub.Load(pb.LoadRequest(client_id=reg.client_id, host_indices=host,
                                                  device_indices=list(range(64))), timeout=10))) > 1
         stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=10)

@@ -260,9 +260,25 @@ class CudaDevicePool:
                     events.append(event)
                 return Pending(events)
             except Exception as exc:
-                # Part of the job may be on the stream: a waiter thread lets it finish before the
-                # pages are released, then reports the failure; the copy worker moves on.
-                return Pending([], failed=exc)
+                # Part of the job may be on the stream: a marker event recorded right behind it
+                # (still under the lock, so nothing later is in between) lets a waiter thread wait
+                # for exactly that part before the pages are released and the failure reported;
+                # the copy worker moves on. If even the marker cannot be recorded, drain here.
+                try:
+                    marker = rt.eventCreateWithFlags(DONE_EVENT_FLAGS)
+                except Exception:
+                    marker = None
+                if marker is not None:
+                    try:
+                        rt.eventRecord(marker, stream)
+                        return Pending([marker], owned=True, failed=exc)
+                    except Exception:
+                        rt.eventDestroy(marker)
+                if not waits.until_done(self._stream_query, time.monotonic() + self.wait_seconds):
+                    self._fail(f"a failed job's copies were still on the GPU after {self.wait_seconds:g} s "
+                               "(--cuda-wait-seconds)")
+                    raise self._stalled() from exc
+                raise
 
     def _job_copier(self, copy_plan, layers: np.ndarray, host_table, to_device: bool):
         """The copier of one job: rows of whole device pages where the plan allows, else of tokens."""
@@ -283,12 +299,6 @@ class CudaDevicePool:
         no progress for ``wait_seconds``, and gives up at once if the pool has failed meanwhile."""
         rt = self.cupy.cuda.runtime
         with self.device():
-            if pending.failed is not None:
-                if not waits.until_done(self._stream_query, time.monotonic() + self.wait_seconds):
-                    self._fail(f"a failed job's copies were still on the GPU after {self.wait_seconds:g} s "
-                               "(--cuda-wait-seconds)")
-                    raise self._stalled() from pending.failed
-                raise pending.failed
             try:
                 for i, event in enumerate(pending.events):
                     if not waits.until_done(lambda e=event: rt.eventQuery(e),
@@ -296,9 +306,11 @@ class CudaDevicePool:
                         self._fail(f"its GPU copies made no progress for {self.wait_seconds:g} s "
                                    "(--cuda-wait-seconds): an event they wait on, such as the engine's "
                                    "ready event, has not fired")
-                        raise self._stalled()
-                    if signal is not None:
+                        raise self._stalled() from pending.failed
+                    if signal is not None and pending.failed is None:
                         signal.publish(i + 1)
+                if pending.failed is not None:  # what it had enqueued is done: now say it failed
+                    raise pending.failed
             finally:
                 if pending.owned:  # destroying a pending event is safe: CUDA frees it once complete
                     for event in pending.events:
