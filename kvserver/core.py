@@ -59,8 +59,9 @@ class KVCore:
         self.totals = Counters()  # transfers of clients already gone
         self.copier = Copier(copy_threads, progress_interval)
         self.allow_named_shm = allow_named_shm
-        # Ids of released clients whose GPU work may still run: an Unregister of one says so.
-        self._quarantined: set[str] = set()
+        # Released clients whose GPU work may still run, with the IPC allocations it may touch:
+        # an Unregister of one, or of any client sharing one of those allocations, says so.
+        self._quarantined: dict[str, frozenset[bytes]] = {}
         self.tickets: TicketBook | None = None  # the fd socket's (server.py); None without a Unix socket
 
     # ---- registration -------------------------------------------------------------------
@@ -293,6 +294,7 @@ class KVCore:
         del self.clients[client_id]
         self.totals.add(client.counters)
         client.host_views = []
+        handles = frozenset(getattr(client.device, "handles", ()))  # CUDA IPC allocations
         held = None  # a CUDA pool's quarantine: the GPU may still touch the host region
         try:
             held = await self._in_thread(client.device.close)
@@ -302,14 +304,17 @@ class KVCore:
         finally:
             if held is None:
                 self.arena.release(client.region_offset, client.region_bytes)
+                # Its own copies are dead, but a quarantined client's may still write the same
+                # device memory: the engine must not let it be reused yet.
+                client.copies_pending = any(handles & h for h in self._quarantined.values())
             else:  # stays reserved until the quarantine has released the pool's GPU resources
                 client.copies_pending = True
-                self._quarantined.add(client_id)
+                self._quarantined[client_id] = handles
                 loop, region = asyncio.get_running_loop(), (client.region_offset, client.region_bytes)
 
                 def drained() -> None:
                     self.arena.release(*region)
-                    self._quarantined.discard(client_id)
+                    self._quarantined.pop(client_id, None)
 
                 held.add_done_callback(lambda _: loop.call_soon_threadsafe(drained))
             client.gone.set()

@@ -527,6 +527,51 @@ def test_cuda_pool_gives_torch_its_memory_back_after_unregister(daemon, fake, mo
     assert pool.release_exports() == 0
 
 
+def test_exports_kept_while_a_quarantined_copy_may_write_the_pool(daemon_factory, fake, monkeypatch):
+    """A write of this pool stalls on an engine event that never fires: the client is reclaimed
+    and quarantined, and re-registers by itself. Unregistering the new registration must not give
+    torch the pool's memory back while the old copy may still land in it; once the stream drains,
+    an Unregister says so again."""
+    from kvclient import CudaKVPool, KVClient, KVLayout
+    from kvclient import cuda_pool as cuda_pool_module
+
+    released: list = []
+    monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter_cuda",
+                        staticmethod(lambda ref, offset: released.append((ref, offset))), raising=False)
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: None)
+    monkeypatch.setattr(cuda_pool_module, "device_identity", lambda device: (UUID, "0000:3b:00.0"))
+    d = daemon_factory(cuda_wait_seconds=WAIT_S, reclaim_grace=0.1)
+    rt = fake.cuda.runtime
+    hung = (778).to_bytes(8, "little") * 8
+    rt.hang(hung)
+    layout = KVLayout.mha(2, 64)
+    token_bytes = layout.token_bytes(torch.float16)
+    handle, mem = rt.export(LAYERS * 2 * TOKENS * token_bytes)
+    buffers = [[CudaTensorStandIn(torch.zeros(TOKENS, 2, 64, dtype=torch.float16), handle, mem.size,
+                                  (layer * 2 + part) * TOKENS * token_bytes, layer * 2 + part)
+                for part in range(2)] for layer in range(LAYERS)]
+    pool = CudaKVPool(layout, torch.float16, buffers)
+    try:
+        with KVClient(d.address) as client, grpc.insecure_channel(d.address) as ch:
+            client.register(model="gpu", pool=pool, start_layer=0, end_layer=LAYERS, num_layers=LAYERS,
+                            host_tokens=64, page_size=16)
+            old = client.client_id
+            host = client.alloc(16).tolist()
+            with pytest.raises(grpc.RpcError) as err:  # stalls, then fails the client
+                pb_grpc.KVServerStub(ch).Write(pb.WriteRequest(
+                    client_id=old, host_indices=host, device_indices=list(range(16)), ready_event=hung),
+                    timeout=20)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert wait_for(lambda: client.connected and client.client_id != old), "no re-registration"
+            client.unregister()
+            assert released == [], "exports released while a quarantined copy may still write the pool"
+            rt.fire(hung)  # the old copy lands at last; the quarantine drains
+            assert wait_for(lambda: d.run(lambda: not d.core._quarantined))
+        assert pool.release_exports() == 2 * LAYERS
+    finally:
+        rt.fire(hung)
+
+
 def test_ready_events_opened_once_and_bounded(daemon, fake):
     """An engine that re-records one ready event has it opened once; one that makes a new event
     per step has at most MAX_OPENED_EVENTS open in the daemon, the oldest closed first."""
