@@ -8,6 +8,7 @@ release of every IPC mapping, pin, event and stream when a client goes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 import types
@@ -493,14 +494,14 @@ class CudaTensorStandIn:
         return types.SimpleNamespace(_share_cuda_=lambda: self._share)
 
 
-def test_cuda_pool_gives_torch_its_memory_back_after_unregister(daemon, fake, monkeypatch):
-    """CudaKVPool's exports leave torch holding freed pool memory out of reuse until they are
-    released; the client releases them after the daemon confirms an unregister (never on a plain
-    close, when the daemon may still map the pool until it reclaims it)."""
-    from kvclient import CudaKVPool, KVClient, KVLayout
+def standin_cuda_kv_pool(fake, monkeypatch):
+    """A real CudaKVPool over stand-in CUDA tensors of one fake allocation; torch's IPC release
+    calls are recorded: returns the pool, the released (ref, offset) pairs and ipc_collect calls."""
+    from kvclient import CudaKVPool, KVLayout
     from kvclient import cuda_pool as cuda_pool_module
 
-    released, collected = [], []
+    released: list = []
+    collected: list = []
     monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter_cuda",
                         staticmethod(lambda ref, offset: released.append((ref, offset))), raising=False)
     monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: collected.append(1))
@@ -511,7 +512,16 @@ def test_cuda_pool_gives_torch_its_memory_back_after_unregister(daemon, fake, mo
     buffers = [[CudaTensorStandIn(torch.zeros(TOKENS, 2, 64, dtype=torch.float16), handle, mem.size,
                                   (layer * 2 + part) * TOKENS * token_bytes, layer * 2 + part)
                 for part in range(2)] for layer in range(LAYERS)]
-    pool = CudaKVPool(layout, torch.float16, buffers)
+    return CudaKVPool(layout, torch.float16, buffers), released, collected
+
+
+def test_cuda_pool_gives_torch_its_memory_back_after_unregister(daemon, fake, monkeypatch):
+    """CudaKVPool's exports leave torch holding freed pool memory out of reuse until they are
+    released; the client releases them after the daemon confirms an unregister (never on a plain
+    close, when the daemon may still map the pool until it reclaims it)."""
+    from kvclient import KVClient
+
+    pool, released, collected = standin_cuda_kv_pool(fake, monkeypatch)
     with KVClient(daemon.address) as client:
         client.register(model="gpu", pool=pool, start_layer=0, end_layer=LAYERS, num_layers=LAYERS,
                         host_tokens=64, page_size=16)
@@ -532,25 +542,13 @@ def test_exports_kept_while_a_quarantined_copy_may_write_the_pool(daemon_factory
     and quarantined, and re-registers by itself. Unregistering the new registration must not give
     torch the pool's memory back while the old copy may still land in it; once the stream drains,
     an Unregister says so again."""
-    from kvclient import CudaKVPool, KVClient, KVLayout
-    from kvclient import cuda_pool as cuda_pool_module
+    from kvclient import KVClient
 
-    released: list = []
-    monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter_cuda",
-                        staticmethod(lambda ref, offset: released.append((ref, offset))), raising=False)
-    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: None)
-    monkeypatch.setattr(cuda_pool_module, "device_identity", lambda device: (UUID, "0000:3b:00.0"))
+    pool, released, _ = standin_cuda_kv_pool(fake, monkeypatch)
     d = daemon_factory(cuda_wait_seconds=WAIT_S, reclaim_grace=0.1)
     rt = fake.cuda.runtime
     hung = (778).to_bytes(8, "little") * 8
     rt.hang(hung)
-    layout = KVLayout.mha(2, 64)
-    token_bytes = layout.token_bytes(torch.float16)
-    handle, mem = rt.export(LAYERS * 2 * TOKENS * token_bytes)
-    buffers = [[CudaTensorStandIn(torch.zeros(TOKENS, 2, 64, dtype=torch.float16), handle, mem.size,
-                                  (layer * 2 + part) * TOKENS * token_bytes, layer * 2 + part)
-                for part in range(2)] for layer in range(LAYERS)]
-    pool = CudaKVPool(layout, torch.float16, buffers)
     try:
         with KVClient(d.address) as client, grpc.insecure_channel(d.address) as ch:
             client.register(model="gpu", pool=pool, start_layer=0, end_layer=LAYERS, num_layers=LAYERS,
@@ -609,20 +607,28 @@ def test_ready_events_opened_once_and_bounded(daemon, fake):
         assert len([c for c in rt.calls if c[0] == "eventDestroy" and c[1] > 100_000]) == MAX_OPENED_EVENTS
 
 
-def test_a_cancelled_cuda_write_keeps_its_pages_until_the_gpu_is_done(daemon, fake, monkeypatch):
-    """An engine whose Write deadline passes while the copy is still on the GPU: the pages stay
-    busy and Unregister (so unpinning and IPC close) waits until the copy has completed."""
-    rt = fake.cuda.runtime
+@contextlib.contextmanager
+def a_write_held_on_the_gpu(daemon, fake, monkeypatch):
+    """A client whose Write deadline passed while its copy stays on the (gated) GPU: yields the
+    stub, the registration and the gate that lets the copy complete."""
     refs, _, _ = cuda_pool(fake, 2, 64)
     with grpc.insecure_channel(daemon.address) as ch:
         stub = pb_grpc.KVServerStub(ch)
         reg = register(stub, refs, 2, 64, 16)
         host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=64)).host_indices)
-        gate = gate_gpu(rt, monkeypatch)
+        gate = gate_gpu(fake.cuda.runtime, monkeypatch)
         with pytest.raises(grpc.RpcError) as err:
             stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=host,
                                        device_indices=list(range(64))), timeout=0.3)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        yield stub, reg, gate
+
+
+def test_a_cancelled_cuda_write_keeps_its_pages_until_the_gpu_is_done(daemon, fake, monkeypatch):
+    """An engine whose Write deadline passes while the copy is still on the GPU: the pages stay
+    busy and Unregister (so unpinning and IPC close) waits until the copy has completed."""
+    rt = fake.cuda.runtime
+    with a_write_held_on_the_gpu(daemon, fake, monkeypatch) as (stub, reg, gate):
         unregister = threading.Thread(target=lambda: stub.Unregister(
             pb.UnregisterRequest(client_id=reg.client_id), timeout=20))
         unregister.start()
@@ -639,15 +645,7 @@ def test_a_second_unregister_answers_only_once_the_release_is_done(daemon, fake,
     """While one Unregister waits for a copy still on the GPU, another (a client confirming that
     a timed-out copy is dead) must not be told NOT_FOUND: it answers once the release is done."""
     rt = fake.cuda.runtime
-    refs, _, _ = cuda_pool(fake, 2, 64)
-    with grpc.insecure_channel(daemon.address) as ch:
-        stub = pb_grpc.KVServerStub(ch)
-        reg = register(stub, refs, 2, 64, 16)
-        host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=64)).host_indices)
-        gate = gate_gpu(rt, monkeypatch)
-        with pytest.raises(grpc.RpcError):
-            stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=host,
-                                       device_indices=list(range(64))), timeout=0.3)
+    with a_write_held_on_the_gpu(daemon, fake, monkeypatch) as (stub, reg, gate):
         answers: list = []
 
         def unregister() -> None:

@@ -16,24 +16,12 @@ import grpc
 import pytest
 import torch
 
+# The same 32-layer pool as the concurrency tests (256 B per token and part: 16 MiB for 1024
+# tokens of 32 layers), and the same registration.
+from test_concurrency import LAYERS, LAYOUT, PAGE, TOKENS, register
+from test_concurrency import big_pool as make_pool
+
 from kvclient import AsyncKVClient, KVClient, KVClientError, KVLayout, ShmKVPool
-
-LAYERS, TOKENS, PAGE = 32, 4096, 16
-LAYOUT = KVLayout.mha(2, 64)  # 256 B per token and part: 16 MiB for 1024 tokens of 32 layers
-
-
-def make_pool() -> ShmKVPool:
-    pool = ShmKVPool(LAYOUT, torch.float16, LAYERS, TOKENS)
-    g = torch.Generator().manual_seed(0)
-    for layer in pool.buffers:
-        for buf in layer:
-            buf.view(torch.int16).random_(generator=g)
-    return pool
-
-
-def register(client: KVClient, pool: ShmKVPool) -> None:
-    client.register(model="d", pool=pool, start_layer=0, end_layer=LAYERS, num_layers=LAYERS,
-                    host_tokens=TOKENS, page_size=PAGE)
 
 
 def slots(pool: ShmKVPool, dev: torch.Tensor) -> list[torch.Tensor]:
