@@ -296,7 +296,8 @@ class AsyncKVClient(ClientBase):
             raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "register() first")
         lay = msg.layer_list(layers) or list(range(reg.start_layer, reg.end_layer))
         if not self.connected:
-            return self._disconnected(AsyncLoadHandle(lay, None))
+            self._disconnected(None)  # raises unless resilient
+            return AsyncLoadHandle(lay, None)
         req = pb.LoadRequest(client_id=reg.client_id, host_indices=msg.ids(host_indices),
                              device_indices=msg.ids(device_indices), layers=msg.layer_list(layers),
                              event_slot=event_slot, timeout_ms=self._timeout_ms,

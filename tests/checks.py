@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from collections.abc import Callable
 
 import grpc
@@ -52,3 +53,11 @@ def error_of(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
     except KVClientError as exc:
         return exc.code, exc.message
     pytest.fail(f"the request was accepted: {str(result)[:300]!r}")
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> None:
+    """Polls ``predicate`` until it holds; fails the test, naming ``what``, after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)

@@ -18,6 +18,7 @@ import torch
 
 # The same 32-layer pool as the concurrency tests (256 B per token and part: 16 MiB for 1024
 # tokens of 32 layers), and the same registration.
+from checks import wait_until
 from test_concurrency import LAYERS, LAYOUT, PAGE, TOKENS, register
 from test_concurrency import big_pool as make_pool
 
@@ -60,13 +61,6 @@ def idle(daemon) -> bool:
     return daemon.run(lambda: all(c.inflight == 0 for c in daemon.core.clients.values()))
 
 
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
 def test_a_load_reported_missed_never_lands_later(daemon):
     with make_pool() as pool, KVClient(daemon.address, timeout=0.5) as client:
         register(client, pool)
@@ -84,7 +78,7 @@ def test_a_load_reported_missed_never_lands_later(daemon):
             fresh = slots(pool, dev)
         finally:
             busy.release()
-        wait_for(lambda: idle(daemon), 10, "the copier to be idle")
+        wait_until(lambda: idle(daemon), 10, "the copier to be idle")
         assert all(torch.equal(a, b) for a, b in zip(slots(pool, dev), fresh, strict=True)), (
             "a load reported as missed overwrote the slots afterwards")
         assert handle.confirmed, "the daemon did not confirm the load was dropped"
@@ -129,7 +123,7 @@ def test_an_unanswered_load_is_reported_after_the_registration_is_replaced(daemo
         handle = client.load(host_indices=host, device_indices=dev)
         assert handle.wait(timeout=30) == 0 and handle.missed
         assert not handle.confirmed
-        wait_for(lambda: client.connected and client.client_id != old, 30, "the new registration")
+        wait_until(lambda: client.connected and client.client_id != old, 30, "the new registration")
         core = daemon.core
         assert daemon.run(lambda: (list(core.clients), core.arena.reserved)) == ([client.client_id], region)
 
@@ -175,7 +169,7 @@ def test_not_resilient_raises_once_the_session_is_gone(daemon_factory):
     with ShmKVPool(LAYOUT, torch.float16, 2, 64) as pool, KVClient(d.address, resilient=False) as client:
         client.register(model="d", pool=pool, start_layer=0, end_layer=2, num_layers=2, host_tokens=64)
         d.stop()
-        wait_for(lambda: not client.connected, 10, "the session to end")
+        wait_until(lambda: not client.connected, 10, "the session to end")
         for call in (lambda: client.alloc(16), lambda: client.free([0]),
                      lambda: client.write(host_indices=[0], device_indices=[0]),
                      lambda: client.load(host_indices=[0], device_indices=[0])):
@@ -203,7 +197,7 @@ def test_asyncio_a_load_reported_missed_never_lands_later(daemon):
                     fresh = slots(pool, dev)
                 finally:
                     await asyncio.to_thread(busy.release)
-                await asyncio.to_thread(wait_for, lambda: idle(daemon), 10, "the copier to be idle")
+                await asyncio.to_thread(wait_until, lambda: idle(daemon), 10, "the copier to be idle")
                 assert all(torch.equal(a, b) for a, b in zip(slots(pool, dev), fresh, strict=True))
                 assert handle.confirmed and client.connected and client.reconnects == 0
 

@@ -6,17 +6,11 @@ import multiprocessing as mp
 import os
 import time
 
+from checks import wait_until
 from daemon_proc import DaemonProcess
 from engine_procs import resilient_engine
 
 ENGINES = 2
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def test_engines_ride_through_a_daemon_restart(socket_dir):
