@@ -63,6 +63,14 @@ class Job:
     stop_word: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
     stop_reason: str = ""
     queued: Future | None = None  # the worker's future while the job may still be dropped
+    # Where the host side lives: None for the client's own region (``pages`` are its pages, held
+    # busy while the job runs); else a cache table whose rows are byte offsets in the arena, and
+    # ``pages`` is empty (the cache holds those pages as being read or written).
+    host_table: transfer.BufferTable | None = None
+
+    @property
+    def host(self) -> transfer.BufferTable:
+        return self.client.host_table if self.host_table is None else self.host_table
 
     @property
     def bytes_per_layer(self) -> int:
@@ -172,7 +180,7 @@ class Copier:
         """
         loop = asyncio.get_running_loop()
         client = job.client
-        client.busy[job.pages] += 1
+        client.busy[job.pages] += 1  # cache jobs: no pages (the cache marks its own)
         client.inflight += 1
         client.jobs.add(job)
         small = job.bytes_per_layer * len(job.local_layers) <= INLINE_COPY_BYTES
@@ -232,7 +240,7 @@ class Copier:
             try:
                 if job.stopping:  # dropped before anything went on the GPU
                     raise job.stopped(0)
-                pending = device.enqueue(job.plan, layers, job.client.host_table, to_device, job.ready_event,
+                pending = device.enqueue(job.plan, layers, job.host, to_device, job.ready_event,
                                          job.event_slot)
                 if signal is not None and pending.failed is None:
                     signal.mark_recorded()
@@ -254,7 +262,7 @@ class Copier:
         layers = np.asarray(job.local_layers, dtype=np.int64)
         progress, fd = (signal.counter, signal.fd) if signal is not None else (None, -1)
         interval = signal.interval if signal is not None else 0.0
-        done = transfer.copy_job(job.plan, layers, client.host_table, table, to_device, progress, fd,
+        done = transfer.copy_job(job.plan, layers, job.host, table, to_device, progress, fd,
                                  interval, job.stop_word)
         if done is not None:
             if done < len(job.local_layers):
@@ -265,9 +273,13 @@ class Copier:
         for i, layer in enumerate(job.local_layers):
             if job.stopping:
                 raise job.stopped(i)
-            for part, host in enumerate(client.host_views[layer]):
+            for part, dev_tokens in enumerate(device.token_views[layer]):
                 pages = device.page_views[layer][part] if device.page_views is not None else None
-                transfer.copy_part(job.plan, host, pages, device.token_views[layer][part], to_device)
+                if job.host_table is None:
+                    host = client.host_views[layer][part]
+                    transfer.copy_part(job.plan, host, pages, dev_tokens, to_device)
+                else:
+                    transfer.copy_part_at(job.plan, job.host_table, layer, part, pages, dev_tokens, to_device)
             if signal is not None:
                 signal.publish(i + 1)
 

@@ -43,6 +43,10 @@ class PermissionDenied(KVError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class Unimplemented(KVError):
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
 class JobStopped(KVError):
     """A copy stopped at a layer boundary before its last layer: nothing more of it is copied.
     Its code says why: its deadline passed, its call ended, or its client was released."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvserver.errors import InvalidArgument, OutOfRange
+from kvserver.errors import InvalidArgument, OutOfRange, Unimplemented
 
 try:
     from kvserver._kvcopy import copy_layers, copy_rows
@@ -168,6 +168,25 @@ def copy_part(plan: CopyPlan, host: torch.Tensor, device_pages: torch.Tensor | N
     else:
         copy_rows(host.data_ptr(), host_off.ctypes.data, dev.data_ptr(), dev_off.ctypes.data,
                   dev_off.size, row_bytes)
+
+
+def copy_part_at(plan: CopyPlan, host: BufferTable, layer: int, part: int, device_pages: torch.Tensor | None,
+                 device_tokens: torch.Tensor, to_device: bool) -> None:
+    """Copies one (layer, part) between a device view and host rows given by a table whose rows
+    are byte offsets (the cache's pages, wherever they lie in the arena)."""
+    if plan.host_pages.size == 0:
+        return
+    if copy_rows is None:
+        raise Unimplemented("the node-wide cache needs kvserver's compiled copy kernel (_kvcopy)")
+    dev = device_pages if plan.device_paged else device_tokens
+    w = dev.element_size()
+    row_bytes = dev.shape[1] * w
+    host_off, dev_off = plan.offsets(host.row_stride, dev.stride(0) * w, row_bytes)
+    base = int(host.bases[layer, part])
+    if to_device:
+        copy_rows(dev.data_ptr(), dev_off.ctypes.data, base, host_off.ctypes.data, dev_off.size, row_bytes)
+    else:
+        copy_rows(base, host_off.ctypes.data, dev.data_ptr(), dev_off.ctypes.data, dev_off.size, row_bytes)
 
 
 def copy_job(plan: CopyPlan, layers: np.ndarray, host: BufferTable, device: BufferTable,

@@ -236,18 +236,144 @@ class LoadRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., host_indices: _Optional[_Iterable[int]] = ..., device_indices: _Optional[_Iterable[int]] = ..., layers: _Optional[_Iterable[int]] = ..., event_slot: _Optional[int] = ..., ready_event: _Optional[bytes] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class LoadProgress(_message.Message):
-    __slots__ = ("last_layer", "layers_done", "done", "bytes", "events_recorded")
+    __slots__ = ("last_layer", "layers_done", "done", "bytes", "events_recorded", "pages")
     LAST_LAYER_FIELD_NUMBER: _ClassVar[int]
     LAYERS_DONE_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     EVENTS_RECORDED_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
     last_layer: int
     layers_done: int
     done: bool
     bytes: int
     events_recorded: bool
-    def __init__(self, last_layer: _Optional[int] = ..., layers_done: _Optional[int] = ..., done: bool = ..., bytes: _Optional[int] = ..., events_recorded: bool = ...) -> None: ...
+    pages: int
+    def __init__(self, last_layer: _Optional[int] = ..., layers_done: _Optional[int] = ..., done: bool = ..., bytes: _Optional[int] = ..., events_recorded: bool = ..., pages: _Optional[int] = ...) -> None: ...
+
+class KVSpace(_message.Message):
+    __slots__ = ("model", "layout", "dtype", "page_size", "num_layers", "tp_size", "pp_size")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    layout: KVLayout
+    dtype: DType
+    page_size: int
+    num_layers: int
+    tp_size: int
+    pp_size: int
+    def __init__(self, model: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ...) -> None: ...
+
+class OpenSpaceRequest(_message.Message):
+    __slots__ = ("space", "peer_ticket")
+    SPACE_FIELD_NUMBER: _ClassVar[int]
+    PEER_TICKET_FIELD_NUMBER: _ClassVar[int]
+    space: KVSpace
+    peer_ticket: str
+    def __init__(self, space: _Optional[_Union[KVSpace, _Mapping]] = ..., peer_ticket: _Optional[str] = ...) -> None: ...
+
+class OpenSpaceResponse(_message.Message):
+    __slots__ = ("space_id", "tenant")
+    SPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    space_id: str
+    tenant: str
+    def __init__(self, space_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("client_id", "space_id", "keys", "key_bytes", "pin_ms", "whole_space")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    KEY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PIN_MS_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_SPACE_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    space_id: str
+    keys: bytes
+    key_bytes: int
+    pin_ms: int
+    whole_space: bool
+    def __init__(self, client_id: _Optional[str] = ..., space_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., key_bytes: _Optional[int] = ..., pin_ms: _Optional[int] = ..., whole_space: bool = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("pages", "lease_id")
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    pages: int
+    lease_id: str
+    def __init__(self, pages: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class PutRequest(_message.Message):
+    __slots__ = ("client_id", "keys", "key_bytes", "device_pages", "ready_event", "timeout_ms")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    KEY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    keys: bytes
+    key_bytes: int
+    device_pages: _containers.RepeatedScalarFieldContainer[int]
+    ready_event: bytes
+    timeout_ms: int
+    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., key_bytes: _Optional[int] = ..., device_pages: _Optional[_Iterable[int]] = ..., ready_event: _Optional[bytes] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("stored", "present", "dropped", "bytes")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    present: int
+    dropped: int
+    bytes: int
+    def __init__(self, stored: _Optional[int] = ..., present: _Optional[int] = ..., dropped: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class GetRequest(_message.Message):
+    __slots__ = ("client_id", "keys", "key_bytes", "device_pages", "layers", "event_slot", "ready_event", "timeout_ms", "lease_id")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    KEY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SLOT_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    keys: bytes
+    key_bytes: int
+    device_pages: _containers.RepeatedScalarFieldContainer[int]
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    event_slot: int
+    ready_event: bytes
+    timeout_ms: int
+    lease_id: str
+    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., key_bytes: _Optional[int] = ..., device_pages: _Optional[_Iterable[int]] = ..., layers: _Optional[_Iterable[int]] = ..., event_slot: _Optional[int] = ..., ready_event: _Optional[bytes] = ..., timeout_ms: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("client_id", "space_id", "lease_ids")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    space_id: str
+    lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, client_id: _Optional[str] = ..., space_id: _Optional[str] = ..., lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("client_id",)
@@ -310,7 +436,7 @@ class SessionEvent(_message.Message):
     def __init__(self, epoch: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("capacity_bytes", "reserved_bytes", "used_bytes", "num_clients", "transfers", "clients", "reclaimed_clients")
+    __slots__ = ("capacity_bytes", "reserved_bytes", "used_bytes", "num_clients", "transfers", "clients", "reclaimed_clients", "cache_bytes", "spaces", "tenants")
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -318,6 +444,9 @@ class StatsResponse(_message.Message):
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     CLIENTS_FIELD_NUMBER: _ClassVar[int]
     RECLAIMED_CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPACES_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     capacity_bytes: int
     reserved_bytes: int
     used_bytes: int
@@ -325,4 +454,53 @@ class StatsResponse(_message.Message):
     transfers: TransferCounters
     clients: _containers.RepeatedCompositeFieldContainer[ClientStats]
     reclaimed_clients: int
-    def __init__(self, capacity_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_clients: _Optional[int] = ..., transfers: _Optional[_Union[TransferCounters, _Mapping]] = ..., clients: _Optional[_Iterable[_Union[ClientStats, _Mapping]]] = ..., reclaimed_clients: _Optional[int] = ...) -> None: ...
+    cache_bytes: int
+    spaces: _containers.RepeatedCompositeFieldContainer[SpaceStats]
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
+    def __init__(self, capacity_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_clients: _Optional[int] = ..., transfers: _Optional[_Union[TransferCounters, _Mapping]] = ..., clients: _Optional[_Iterable[_Union[ClientStats, _Mapping]]] = ..., reclaimed_clients: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., spaces: _Optional[_Iterable[_Union[SpaceStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
+
+class CacheCounters(_message.Message):
+    __slots__ = ("pages", "bytes", "hits", "misses", "evictions", "dedup_pages", "dedup_bytes", "dropped")
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    DEDUP_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DEDUP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    pages: int
+    bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    dedup_pages: int
+    dedup_bytes: int
+    dropped: int
+    def __init__(self, pages: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., dedup_pages: _Optional[int] = ..., dedup_bytes: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...
+
+class SpaceStats(_message.Message):
+    __slots__ = ("tenant", "space", "counters", "parts_seen", "parts", "complete_pages")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    SPACE_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    PARTS_SEEN_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    space: KVSpace
+    counters: CacheCounters
+    parts_seen: int
+    parts: int
+    complete_pages: int
+    def __init__(self, tenant: _Optional[str] = ..., space: _Optional[_Union[KVSpace, _Mapping]] = ..., counters: _Optional[_Union[CacheCounters, _Mapping]] = ..., parts_seen: _Optional[int] = ..., parts: _Optional[int] = ..., complete_pages: _Optional[int] = ...) -> None: ...
+
+class TenantStats(_message.Message):
+    __slots__ = ("tenant", "counters", "quota_bytes")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    counters: CacheCounters
+    quota_bytes: int
+    def __init__(self, tenant: _Optional[str] = ..., counters: _Optional[_Union[CacheCounters, _Mapping]] = ..., quota_bytes: _Optional[int] = ...) -> None: ...

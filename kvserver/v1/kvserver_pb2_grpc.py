@@ -54,6 +54,31 @@ class KVServerStub(object):
                 request_serializer=kvserver_dot_v1_dot_kvserver__pb2.SessionRequest.SerializeToString,
                 response_deserializer=kvserver_dot_v1_dot_kvserver__pb2.SessionEvent.FromString,
                 )
+        self.OpenSpace = channel.unary_unary(
+                '/kvserver.v1.KVServer/OpenSpace',
+                request_serializer=kvserver_dot_v1_dot_kvserver__pb2.OpenSpaceRequest.SerializeToString,
+                response_deserializer=kvserver_dot_v1_dot_kvserver__pb2.OpenSpaceResponse.FromString,
+                )
+        self.Lookup = channel.unary_unary(
+                '/kvserver.v1.KVServer/Lookup',
+                request_serializer=kvserver_dot_v1_dot_kvserver__pb2.LookupRequest.SerializeToString,
+                response_deserializer=kvserver_dot_v1_dot_kvserver__pb2.LookupResponse.FromString,
+                )
+        self.Put = channel.unary_unary(
+                '/kvserver.v1.KVServer/Put',
+                request_serializer=kvserver_dot_v1_dot_kvserver__pb2.PutRequest.SerializeToString,
+                response_deserializer=kvserver_dot_v1_dot_kvserver__pb2.PutResponse.FromString,
+                )
+        self.Get = channel.unary_stream(
+                '/kvserver.v1.KVServer/Get',
+                request_serializer=kvserver_dot_v1_dot_kvserver__pb2.GetRequest.SerializeToString,
+                response_deserializer=kvserver_dot_v1_dot_kvserver__pb2.LoadProgress.FromString,
+                )
+        self.Release = channel.unary_unary(
+                '/kvserver.v1.KVServer/Release',
+                request_serializer=kvserver_dot_v1_dot_kvserver__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=kvserver_dot_v1_dot_kvserver__pb2.ReleaseResponse.FromString,
+                )
 
 
 class KVServerServicer(object):
@@ -115,6 +140,43 @@ class KVServerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenSpace(self, request, context):
+        """---- the node-wide cache: pages named by engine-given keys, shared by every engine of a space ----
+        A handle on a KV space for a process that holds no pool (an engine's scheduler): Lookups
+        through it answer for the whole space, every TP rank and PP stage.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Lookup(self, request, context):
+        """How many leading keys are stored; optionally pins those pages for a short lease.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Put(self, request, context):
+        """Offload into the cache: stores the pages of keys not yet stored, skips the others.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Get(self, request, context):
+        """Prefetch from the cache: loads the longest stored prefix of keys, layer by layer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """Ends leases taken by Lookup before they expire.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -157,6 +219,31 @@ def add_KVServerServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=kvserver_dot_v1_dot_kvserver__pb2.SessionRequest.FromString,
                     response_serializer=kvserver_dot_v1_dot_kvserver__pb2.SessionEvent.SerializeToString,
+            ),
+            'OpenSpace': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenSpace,
+                    request_deserializer=kvserver_dot_v1_dot_kvserver__pb2.OpenSpaceRequest.FromString,
+                    response_serializer=kvserver_dot_v1_dot_kvserver__pb2.OpenSpaceResponse.SerializeToString,
+            ),
+            'Lookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=kvserver_dot_v1_dot_kvserver__pb2.LookupRequest.FromString,
+                    response_serializer=kvserver_dot_v1_dot_kvserver__pb2.LookupResponse.SerializeToString,
+            ),
+            'Put': grpc.unary_unary_rpc_method_handler(
+                    servicer.Put,
+                    request_deserializer=kvserver_dot_v1_dot_kvserver__pb2.PutRequest.FromString,
+                    response_serializer=kvserver_dot_v1_dot_kvserver__pb2.PutResponse.SerializeToString,
+            ),
+            'Get': grpc.unary_stream_rpc_method_handler(
+                    servicer.Get,
+                    request_deserializer=kvserver_dot_v1_dot_kvserver__pb2.GetRequest.FromString,
+                    response_serializer=kvserver_dot_v1_dot_kvserver__pb2.LoadProgress.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=kvserver_dot_v1_dot_kvserver__pb2.ReleaseRequest.FromString,
+                    response_serializer=kvserver_dot_v1_dot_kvserver__pb2.ReleaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,5 +388,90 @@ class KVServer(object):
         return grpc.experimental.unary_stream(request, target, '/kvserver.v1.KVServer/Session',
             kvserver_dot_v1_dot_kvserver__pb2.SessionRequest.SerializeToString,
             kvserver_dot_v1_dot_kvserver__pb2.SessionEvent.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def OpenSpace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/kvserver.v1.KVServer/OpenSpace',
+            kvserver_dot_v1_dot_kvserver__pb2.OpenSpaceRequest.SerializeToString,
+            kvserver_dot_v1_dot_kvserver__pb2.OpenSpaceResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/kvserver.v1.KVServer/Lookup',
+            kvserver_dot_v1_dot_kvserver__pb2.LookupRequest.SerializeToString,
+            kvserver_dot_v1_dot_kvserver__pb2.LookupResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Put(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/kvserver.v1.KVServer/Put',
+            kvserver_dot_v1_dot_kvserver__pb2.PutRequest.SerializeToString,
+            kvserver_dot_v1_dot_kvserver__pb2.PutResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Get(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(request, target, '/kvserver.v1.KVServer/Get',
+            kvserver_dot_v1_dot_kvserver__pb2.GetRequest.SerializeToString,
+            kvserver_dot_v1_dot_kvserver__pb2.LoadProgress.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/kvserver.v1.KVServer/Release',
+            kvserver_dot_v1_dot_kvserver__pb2.ReleaseRequest.SerializeToString,
+            kvserver_dot_v1_dot_kvserver__pb2.ReleaseResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
