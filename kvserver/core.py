@@ -75,9 +75,9 @@ class KVCore:
     async def register(self, req: pb.RegisterRequest, tenant: str | None = None) -> ClientState:
         """Opens the engine's pool and gives it a host region. ``tenant``: the tenant of the
         call's tenant token, if it sent one (else the peer ticket's uid decides). Opening and
-        attaching a pool run in
-        a worker thread: for a CUDA pool (CuPy's first import, a CUDA context, IPC mappings,
-        pinning the region) they take seconds, and the loop keeps serving everyone else."""
+        attaching a pool run in a worker thread: for a CUDA pool (CuPy's first import, a CUDA
+        context, IPC mappings, pinning the region) they take seconds, and the loop keeps serving
+        everyone else."""
         spec = ClientSpec.from_request(req)
         if req.host_tokens == 0:
             raise InvalidArgument("host_tokens must be at least one page")
