@@ -140,3 +140,13 @@ def test_spaces_per_tenant_limit_drops_empty_spaces():
         cache.space(space_key(model="fourth"))
     assert cache.space(space_key("other", model="fourth"))  # another tenant's count is its own
     assert cache.space(full.key) is full
+
+
+def test_a_part_held_across_its_space_being_dropped_keeps_working():
+    cache, _, _ = make_cache(max_spaces_per_tenant=1)
+    held = part_of(cache, cache.space(space_key(model="held")))
+    cache.space(space_key(model="next"))  # drops the empty "held" space
+    assert cache.find_space(held.space.key) is None
+    put(cache, held, K("ab"))  # brings its space back, the same object
+    assert cache.find_space(held.space.key) is held.space
+    assert cache.lookup(held.space, K("ab")) == (2, "")
