@@ -99,6 +99,26 @@ class HostArena:
             f"{self.largest_free()} of {self.capacity} bytes"
         )
 
+    def reserve_high(self, nbytes: int) -> int:
+        """Like ``reserve``, but takes the free range with the highest address that fits and carves
+        the region from its top: regions taken this way gather at the top of the arena, those of
+        ``reserve`` at the bottom."""
+        size = _align_up(nbytes, REGION_ALIGN)
+        for i in range(len(self._free_sizes) - 1, -1, -1):
+            free = self._free_sizes[i]
+            if free >= size:
+                start = self._free_starts[i] + free - size
+                if free == size:
+                    del self._free_starts[i], self._free_sizes[i]
+                else:
+                    self._free_sizes[i] -= size
+                self.reserved += size
+                return start
+        raise NoCapacity(
+            f"host memory exhausted: {nbytes} bytes requested, largest free region "
+            f"{self.largest_free()} of {self.capacity} bytes"
+        )
+
     def release(self, start: int, nbytes: int) -> None:
         """Returns a region and gives its pages back to the kernel."""
         size = _align_up(nbytes, REGION_ALIGN)
