@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_store_support import PAGE, K, make_cache, offsets_ok, one_part, put, stored
+from store_support import PAGE, K, make_cache, offsets_ok, one_part, put, stored
 
 from kvserver.errors import InvalidArgument, NoCapacity
 from kvserver.store import MAX_PIN_MS, split_keys

@@ -4,7 +4,7 @@ classes, make_room for client regions, and the budget shared with them."""
 from __future__ import annotations
 
 import pytest
-from test_store_support import PAGE, K, MiB, make_cache, offsets_ok, one_part, put, stored
+from store_support import PAGE, K, MiB, make_cache, offsets_ok, one_part, put, stored
 
 from kvserver.errors import NoCapacity
 from kvserver.host_pool import HostArena

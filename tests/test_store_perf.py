@@ -7,7 +7,7 @@ import time
 from itertools import repeat
 
 import numpy as np
-from test_store_support import MiB, make_cache, part_of, space_key
+from store_support import MiB, make_cache, part_of, space_key
 
 N = 1 << 16
 RATIO = 12  # generous: a per-key Python loop costs ~30x a C-level map

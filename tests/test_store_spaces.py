@@ -4,7 +4,7 @@ apart, quotas and stats."""
 from __future__ import annotations
 
 import pytest
-from test_store_support import K, MiB, make_cache, one_part, part_of, put, space_key, stored
+from store_support import K, MiB, make_cache, one_part, part_of, put, space_key, stored
 
 from kvserver.errors import FailedPrecondition, InvalidArgument, NoCapacity
 from kvserver.store import PartKey
