@@ -20,7 +20,7 @@ from kvserver import transfer
 from kvserver.client_state import ClientSpec, ClientState
 from kvserver.copier import Job, LoadStep
 from kvserver.core import KVCore
-from kvserver.errors import InvalidArgument, NoCapacity, NotFound
+from kvserver.errors import InvalidArgument, NoCapacity, NotFound, OutOfRange
 from kvserver.layout import KVLayout, torch_dtype
 from kvserver.store import MAX_PIN_MS, KVCache, Part, PartKey, Space, SpaceKey, split_keys
 from kvserver.tenants import TenantBook, tenant_of
@@ -156,7 +156,13 @@ class CacheOps:
             raise InvalidArgument(f"{len(keys)} keys but {pages.size} device pages; they must pair up")
         device = client.device
         self.kv.check_events(client, ready_event, event_slot)
-        transfer.check_device_tokens(pages, device.num_pages)  # range and repeats, as pages
+        if pages.size:
+            lo, hi = int(pages.min()), int(pages.max())
+            if lo < 0 or hi >= device.num_pages:
+                raise OutOfRange(f"device page {lo if lo < 0 else hi} is outside the device pool of "
+                                 f"{device.num_pages} pages ({device.num_tokens} tokens)")
+            if transfer.has_repeats(pages):
+                raise InvalidArgument("device pages name the same page more than once")
         device.check_sizes()
         return keys, pages
 
