@@ -79,8 +79,7 @@ class KVCore:
         context, IPC mappings, pinning the region) they take seconds, and the loop keeps serving
         everyone else."""
         spec = ClientSpec.from_request(req)
-        if req.host_tokens == 0:
-            raise InvalidArgument("host_tokens must be at least one page")
+        # host_tokens 0: an engine that uses only the node-wide cache, with no region of its own.
         least, most = self._grant_bounds(req, spec)
         # The ticket is spent by this call whatever its outcome from here on; its fds close once
         # the pool is open. Redeemed before anything changes: a bad ticket changes nothing.
@@ -166,6 +165,8 @@ class KVCore:
             self.cache.make_room(least * page_bytes)
         fit = self.arena.largest_free() // page_bytes
         free = self.arena.capacity - self.arena.reserved
+        if least == 0:
+            return fit
         if fit == 0:
             raise NoCapacity(
                 f"no host memory left for one page of {page_bytes} bytes "

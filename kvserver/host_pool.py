@@ -83,6 +83,8 @@ class HostArena:
 
     def reserve(self, nbytes: int) -> int:
         """Reserves ``nbytes`` (rounded up to the alignment) and returns the region's offset."""
+        if nbytes == 0:  # an empty region: nothing to reserve (release of it is a no-op too)
+            return 0
         size = _align_up(nbytes, REGION_ALIGN)
         for i, free in enumerate(self._free_sizes):
             if free >= size:
@@ -121,6 +123,8 @@ class HostArena:
 
     def release(self, start: int, nbytes: int) -> None:
         """Returns a region and gives its pages back to the kernel."""
+        if nbytes == 0:
+            return
         size = _align_up(nbytes, REGION_ALIGN)
         self._mm.madvise(mmap.MADV_DONTNEED, start, size)
         self.reserved -= size
