@@ -294,7 +294,7 @@ class KVCore:
         del self.clients[client_id]
         self.totals.add(client.counters)
         client.host_views = []
-        handles = frozenset(getattr(client.device, "handles", ()))  # CUDA IPC allocations
+        handles = client.device.ipc_allocations
         held = None  # a CUDA pool's quarantine: the GPU may still touch the host region
         try:
             held = await self._in_thread(client.device.close)
@@ -402,18 +402,7 @@ class KVCore:
         """Validates a whole transfer request and plans it; touches no memory."""
         client = self.client(client_id)
         spec = client.spec
-        if client.device.kind != "cuda" and (ready_event or event_slot):
-            raise InvalidArgument("ready_event and event_slot are for CUDA pools; this pool is shared memory")
-        if client.device.kind == "cuda":
-            if event_slot >= client.device.event_slots:
-                raise InvalidArgument(
-                    f"event_slot {event_slot} is not one of this registration's "
-                    f"{client.device.event_slots} slots"
-                )
-            if ready_event and len(ready_event) != 64:
-                raise InvalidArgument(
-                    f"ready_event must be a 64-byte CUDA IPC event handle, got {len(ready_event)} bytes"
-                )
+        client.device.check_request(ready_event, event_slot)
         local_layers = spec.layers.select(layers)
         if len(host_indices) != len(device_indices):
             raise InvalidArgument(
