@@ -67,6 +67,14 @@ class Job:
     # busy while the job runs); else a cache table whose rows are byte offsets in the arena, and
     # ``pages`` is empty (the cache holds those pages as being read or written).
     host_table: transfer.BufferTable | None = None
+    # Called once on the event loop when the medium is done with every byte of the job's host
+    # rows, with whether the copy completed: where the cache ends its read or write marks. Its
+    # call may end first: a CUDA job given up on (stalled) settles only once its pool's GPU work
+    # has drained, so the cache keeps such pages marked, and their slab pinned, until then.
+    on_settled: Callable[[bool], None] | None = None
+    # Set by the medium when the job's call ends before the device is done with its memory:
+    # completes once that device work has drained.
+    held: Future | None = None
 
     @property
     def host(self) -> transfer.BufferTable:
@@ -195,6 +203,7 @@ class Copier:
                 fut.set_exception(cf.exception())
             else:
                 fut.set_result(None)
+            _settle(job, cf, loop)
             return fut
         self.queued += 1
         cf = client.device.start(job, to_device, signal, self._executor, self._waiters)
@@ -206,6 +215,7 @@ class Copier:
                 timer.cancel()
             job.queued = None
             self._release(job, signal, True)
+            _settle(job, cf, loop)
             if fut.done():  # the caller stopped waiting (its task was cancelled)
                 return
             if cf.cancelled():  # dropped from the queue: nothing was copied
@@ -231,6 +241,16 @@ class Copier:
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True)  # enqueued CUDA copies have their waiters by now
         self._waiters.shutdown(wait=True)
+
+
+def _settle(job: Job, cf: Future, loop: asyncio.AbstractEventLoop) -> None:
+    """Calls the job's ``on_settled`` now, or once the device work it was given up on has drained."""
+    if job.on_settled is None:
+        return
+    if job.held is not None and not job.held.done():
+        job.held.add_done_callback(lambda _: loop.call_soon_threadsafe(job.on_settled, False))
+    else:
+        job.on_settled(not cf.cancelled() and cf.exception() is None)
 
 
 async def _until_done(fut: asyncio.Future, job: Job) -> None:

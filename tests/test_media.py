@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from checks import wait_until
 from kernel_host import compiler
 from test_cuda_fake import cuda_pool, register
 
@@ -25,7 +26,7 @@ from kvclient import KVClient, KVLayout, ShmKVPool
 from kvserver import core as core_module
 from kvserver import device_pool, media, transfer
 from kvserver.copier import Job
-from kvserver.errors import FailedPrecondition, InvalidArgument
+from kvserver.errors import FailedPrecondition, GpuStalled, InvalidArgument
 from kvserver.media.base import INLINE, DevicePool
 from kvserver.media.cuda import SlabPinner
 from kvserver.media.shm import ShmDevicePool
@@ -71,13 +72,18 @@ def cache_job(client, table, offsets: np.ndarray, device_tokens: np.ndarray) -> 
     return Job(client, plan, list(range(len(client.spec.layers))), np.empty(0, np.int64), host_table=table)
 
 
-async def put_then_get(core, client_id: str, offsets: np.ndarray, src: np.ndarray, dst: np.ndarray):
+async def put_then_get(core, client_id: str, offsets: np.ndarray, src: np.ndarray, dst: np.ndarray,
+                       settled: list | None = None):
     """Copies device tokens ``src`` into cache pages at arena ``offsets``, then those pages into
-    device tokens ``dst``; returns the load's steps."""
+    device tokens ``dst``; returns the load's steps. Each job's settling goes into ``settled``."""
     client = core.client(client_id)
     table = cache_table(core.arena.address, client.spec)
-    await core.copier.write(cache_job(client, table, offsets, src))
-    return [step async for step in core.copier.load(cache_job(client, table, offsets, dst))]
+    put, get = cache_job(client, table, offsets, src), cache_job(client, table, offsets, dst)
+    if settled is not None:
+        put.on_settled = lambda ok: settled.append(("put", ok))
+        get.on_settled = lambda ok: settled.append(("get", ok))
+    await core.copier.write(put)
+    return [step async for step in core.copier.load(get)]
 
 
 def arena_page(core, offset: int, spec) -> np.ndarray:
@@ -96,7 +102,9 @@ def check_round_trip(daemon, client_id: str, dev, offsets: np.ndarray, src: np.n
     start, end = client.region_offset, client.region_offset + client.region_bytes
     region = core.arena.view(torch.uint8).numpy()[start:end]
     region_before = region.copy()
-    steps = daemon.call(put_then_get(core, client_id, offsets, src, dst))
+    settled: list = []
+    steps = daemon.call(put_then_get(core, client_id, offsets, src, dst, settled))
+    assert settled == [("put", True), ("get", True)]  # each once its copy was done
     spec = client.spec
     n = spec.page_size
     for i, offset in enumerate(offsets.tolist()):
@@ -317,3 +325,39 @@ def test_slab_pinner_follows_the_cache_and_refuses_while_a_slab_is_unpinned():
     assert rt.registered == {c: 1 << 20}
     pinner.close()
     assert rt.registered == {} and pinner.pinned_bytes == 0
+
+
+@needs_kernel
+def test_a_stalled_cuda_cache_job_settles_once_its_gpu_work_has_drained(daemon_factory, fake, monkeypatch):
+    """A Put's copy waits on an engine event that never fires: its call fails past
+    --cuda-wait-seconds and the client is reclaimed, but the GPU may still read the cache pages,
+    so the job settles (the cache may end its marks) only once the quarantined stream drains."""
+    d = daemon_factory(cuda_wait_seconds=1.0)
+    rt = fake.cuda.runtime
+    pinner = SlabPinner()
+    monkeypatch.setattr(core_module, "open_pool", functools.partial(media.open_pool, slabs=pinner))
+    refs, _, _ = cuda_pool(fake, HEADS, HEAD_DIM)
+    with grpc.insecure_channel(d.address) as ch:
+        client_id = register(pb_grpc.KVServerStub(ch), refs, HEADS, HEAD_DIM, PAGE).client_id
+    base = d.run(slab, d.core, 1)
+    pinner.added(d.core.arena.address + base, page_bytes())
+    hung = (779).to_bytes(8, "little") * 8
+    rt.hang(hung)
+    settled: list[bool] = []
+
+    async def stalled_put() -> None:
+        client = d.core.client(client_id)
+        job = cache_job(client, cache_table(d.core.arena.address, client.spec), np.array([base]),
+                        np.arange(PAGE))
+        job.ready_event, job.on_settled = hung, settled.append
+        await d.core.copier.write(job)
+
+    try:
+        with pytest.raises(GpuStalled):
+            d.call(stalled_put())
+        wait_until(lambda: client_id not in d.run(lambda: set(d.core.clients)), 10, "the client reclaimed")
+        assert d.run(lambda: list(settled)) == []  # reclaimed, quarantined: the GPU may still copy
+        rt.fire(hung)
+        wait_until(lambda: d.run(lambda: list(settled)) == [False], 10, "the job settled as failed")
+    finally:
+        rt.fire(hung)

@@ -126,6 +126,8 @@ class CudaDevicePool(DevicePool):
     failed: str | None = None  # why this pool's GPU work is given up on; the reaper reclaims it
     pinned_bytes: int = 0
     slabs: SlabPinner | None = None  # the daemon's cache slabs, pinned once this pool attaches
+    # Completes once the pool's resources are released: its GPU work, if any was left, has drained.
+    released: Future = field(default_factory=Future)
 
     @property
     def dtype(self):
@@ -222,6 +224,8 @@ class CudaDevicePool(DevicePool):
             # CuPy destroys its stream with the last reference, which is this one.
             self.events, self.pinned, self.handles, self.stream = [], [], [], None
             self.opened_events = OrderedDict()
+        if not self.released.done():
+            self.released.set_result(None)
 
     def _fail(self, why: str) -> None:
         if self.failed is None:
@@ -258,11 +262,16 @@ class CudaDevicePool(DevicePool):
         done.set_running_or_notify_cancel()
         layers = np.asarray(job.local_layers, dtype=np.int64)
 
+        def fail(exc: BaseException) -> None:
+            if isinstance(exc, GpuStalled):  # given up on: its copies may still run on the GPU
+                job.held = self.released
+            done.set_exception(exc)
+
         def wait(pending: Pending) -> None:
             try:
                 self.wait(pending, signal)
             except BaseException as exc:
-                done.set_exception(exc)
+                fail(exc)
             else:
                 done.set_result(None)
 
@@ -276,7 +285,7 @@ class CudaDevicePool(DevicePool):
                     signal.mark_recorded()
                 waiters.submit(wait, pending)  # a failed launch is drained there too
             except BaseException as exc:
-                done.set_exception(exc)
+                fail(exc)
 
         queued = job.queued = executor.submit(enqueue)
         # Stopped while still waiting for the worker: dropped from its queue, nothing enqueued.
