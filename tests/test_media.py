@@ -8,7 +8,6 @@ registered with the GPU: cache slabs must be pinned (``SlabPinner``) for its cop
 
 from __future__ import annotations
 
-import functools
 import pathlib
 import re
 import typing
@@ -223,6 +222,14 @@ def test_shm_cache_rows_round_trip(daemon, scattered):
     pool.close()
 
 
+def with_pinner(monkeypatch, pinner: SlabPinner) -> None:
+    """The daemon's pools open with ``pinner`` as their cache slabs' pinner."""
+    def open_pool(*args, slabs=None, **kwargs):
+        return media.open_pool(*args, slabs=pinner, **kwargs)
+
+    monkeypatch.setattr(core_module, "open_pool", open_pool)
+
+
 def pinned(rt) -> dict[int, int]:
     return dict(rt.registered)
 
@@ -234,7 +241,7 @@ def test_cuda_cache_rows_need_pinned_slabs_and_round_trip(daemon, fake, monkeypa
     core = daemon.core
     pb_ = page_bytes(page_size)
     pinner = SlabPinner()
-    monkeypatch.setattr(core_module, "open_pool", functools.partial(media.open_pool, slabs=pinner))
+    with_pinner(monkeypatch, pinner)
     first = daemon.run(slab, core, 2, page_size)
     first_ptr = core.arena.address + first
     pinner.added(first_ptr, 2 * pb_)
@@ -271,7 +278,7 @@ def test_cuda_cache_rows_refused_without_unified_addressing(daemon, fake, monkey
     rt = fake.cuda.runtime
     rt.device_offset = 1 << 20  # pinned host memory gets another device address
     pinner = SlabPinner()
-    monkeypatch.setattr(core_module, "open_pool", functools.partial(media.open_pool, slabs=pinner))
+    with_pinner(monkeypatch, pinner)
     base = daemon.run(slab, daemon.core, 1)
     pinner.added(daemon.core.arena.address + base, page_bytes())
     refs, kv, _ = cuda_pool(fake, HEADS, HEAD_DIM)
@@ -335,7 +342,7 @@ def test_a_stalled_cuda_cache_job_settles_once_its_gpu_work_has_drained(daemon_f
     d = daemon_factory(cuda_wait_seconds=1.0)
     rt = fake.cuda.runtime
     pinner = SlabPinner()
-    monkeypatch.setattr(core_module, "open_pool", functools.partial(media.open_pool, slabs=pinner))
+    with_pinner(monkeypatch, pinner)
     refs, _, _ = cuda_pool(fake, HEADS, HEAD_DIM)
     with grpc.insecure_channel(d.address) as ch:
         client_id = register(pb_grpc.KVServerStub(ch), refs, HEADS, HEAD_DIM, PAGE).client_id

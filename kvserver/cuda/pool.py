@@ -8,6 +8,10 @@ created. ``close`` waits for the stream and releases all of it: a dead engine's 
 held by the daemon. The stream is CuPy's own (``cupy.cuda.Stream``), so kernels, the uploads of
 their offset tables and the DMA all run on it, on CuPy 13 and 14 alike.
 
+The host side of a copy is the client's region or, for the node-wide cache, pages anywhere in the
+cache's slabs, which ``slabs.SlabPinner`` keeps pinned; the GPU reaches those by their host address
+(unified addressing, checked when each slab is pinned).
+
 Ordering is on the GPU: a write waits on the engine's ready event before reading its slots; a
 load records one event per layer, which the engine's compute stream waits on.
 
