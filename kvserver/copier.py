@@ -1,5 +1,9 @@
 """Running copies: one worker thread, small copies inline, streamed load progress.
 
+How a job's bytes move is its pool's medium's (``kvserver/media``: the CPU for shared memory, the
+GPU for CUDA, ``DevicePool.start``); the copier keeps what is the same for all: queueing,
+deadlines, stop words, busy marks and progress.
+
 Copies run on one worker thread in arrival order (torch or the C kernel already use the machine's
 bandwidth; more threads would only reorder them). A CUDA job only takes the worker while it is
 enqueued on its client's stream; a waiter thread then waits for the GPU and reports its layers,
