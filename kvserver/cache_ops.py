@@ -3,7 +3,7 @@ request checked before the cache changes, and the copy jobs of Put and Get. No g
 
 The index (``kvserver.store``) decides which pages; the copier moves the bytes. A Put's new pages
 stay invisible, and a Get's pages stay marked as being read, until the copy is really over (the
-job's ``on_end``), not when its call ends: a copy the daemon could not stop yet still owns them.
+job's ``on_settled``), not when its call ends: a copy the daemon could not stop yet still owns them.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ class CacheOps:
         if pages.size != len(keys):
             raise InvalidArgument(f"{len(keys)} keys but {pages.size} device pages; they must pair up")
         device = client.device
-        self.kv.check_events(client, ready_event, event_slot)
+        device.check_request(ready_event, event_slot)
         if pages.size:
             lo, hi = int(pages.min()), int(pages.max())
             if lo < 0 or hi >= device.num_pages:
@@ -196,7 +196,7 @@ class CacheOps:
         except BaseException:
             self.cache.complete_put(plan, False)
             raise
-        job.on_end = lambda ok: self.cache.complete_put(plan, ok)
+        job.on_settled = lambda ok: self.cache.complete_put(plan, ok)
         nbytes = await self.kv.copier.write(job)
         return PutOutcome(n, plan.present, plan.dropped, nbytes)
 
@@ -220,7 +220,7 @@ class CacheOps:
         except BaseException:
             self.cache.complete_get(plan, False)
             raise
-        job.on_end = lambda ok: self.cache.complete_get(plan, ok)
+        job.on_settled = lambda ok: self.cache.complete_get(plan, ok)
         async for step in self.kv.copier.load(job):
             yield plan.pages, step
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvserver.device_pool import ShmDevicePool
 from kvserver.errors import InvalidArgument
 from kvserver.layout import KVLayout, LayerRange, torch_dtype
+from kvserver.media.base import DevicePool
 from kvserver.page_allocator import PageAllocator
 from kvserver.tickets import PeerCred
 from kvserver.transfer import BufferTable
@@ -100,7 +100,7 @@ class ClientState:
     client_id: str
     epoch: int  # carried in the high bits of every host index this registration hands out
     spec: ClientSpec
-    device: ShmDevicePool
+    device: DevicePool
     region_offset: int
     region_bytes: int
     pages: PageAllocator

@@ -1,5 +1,9 @@
 """Running copies: one worker thread, small copies inline, streamed load progress.
 
+How a job's bytes move is its pool's medium's (``kvserver/media``: the CPU for shared memory, the
+GPU for CUDA, ``DevicePool.start``); the copier keeps what is the same for all: queueing,
+deadlines, stop words, busy marks and progress.
+
 Copies run on one worker thread in arrival order (torch or the C kernel already use the machine's
 bandwidth; more threads would only reorder them). A CUDA job only takes the worker while it is
 enqueued on its client's stream; a waiter thread then waits for the GPU and reports its layers,
@@ -19,9 +23,7 @@ call is answered once the GPU is done with it.
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
-import os
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,13 +35,12 @@ from kvserver import transfer
 from kvserver.client_state import ClientState
 from kvserver.errors import JobStopped
 from kvserver.layer_signal import LayerSignal
-
-logger = logging.getLogger(__name__)
+from kvserver.media.base import INLINE
 
 # Copies up to this size run on the event loop when the worker is idle (~50 us at memcpy speed).
 INLINE_COPY_BYTES = 256 << 10
-# Threads that wait for enqueued CUDA copies (one per copy in flight, sleeping in the driver).
-CUDA_WAITERS = 64
+# Threads that wait for enqueued device copies (one per copy in flight, sleeping in the driver).
+DEVICE_WAITERS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +71,14 @@ class Job:
     # busy while the job runs); else a cache table whose rows are byte offsets in the arena, and
     # ``pages`` is empty (the cache holds those pages as being read or written).
     host_table: transfer.BufferTable | None = None
-    # Called once the copy is really over (never while a thread or the GPU may still touch its
-    # pages), with whether every layer was copied: a cache job hands its pages back to the cache.
-    on_end: Callable[[bool], None] | None = None
+    # Called once on the event loop when the medium is done with every byte of the job's host
+    # rows, with whether the copy completed: where the cache ends its read or write marks. Its
+    # call may end first: a CUDA job given up on (stalled) settles only once its pool's GPU work
+    # has drained, so the cache keeps such pages marked, and their slab pinned, until then.
+    on_settled: Callable[[bool], None] | None = None
+    # Set by the medium when the job's call ends before the device is done with its memory:
+    # completes once that device work has drained.
+    held: Future | None = None
 
     @property
     def host(self) -> transfer.BufferTable:
@@ -105,7 +111,7 @@ class Copier:
         self.progress_interval = progress_interval
         self.queued = 0  # copies handed to the worker and not yet released
         self._executor = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvcopy")
-        self._waiters = ThreadPoolExecutor(CUDA_WAITERS, thread_name_prefix="kvcuda-wait")
+        self._waiters = ThreadPoolExecutor(DEVICE_WAITERS, thread_name_prefix="kvdev-wait")
 
     async def write(self, job: Job) -> int:
         fut = self._submit(job, False, None)
@@ -138,7 +144,7 @@ class Copier:
         start = job.client.spec.layers.start
         total = len(job.local_layers)
         sent, sent_at = 0, -math.inf
-        told_recorded = job.client.device.kind != "cuda"
+        told_recorded = not job.client.device.records_events
         waiter = None
         try:
             while sent < total:
@@ -190,23 +196,21 @@ class Copier:
         client.inflight += 1
         client.jobs.add(job)
         small = job.bytes_per_layer * len(job.local_layers) <= INLINE_COPY_BYTES
-        if self.queued == 0 and small and client.device.kind == "shm":
+        if self.queued == 0 and small and client.device.inline_ok:
             fut = loop.create_future()
-            ok = False
             try:
-                self._run(job, to_device, signal)
-                ok = True
-                fut.set_result(None)
-            except Exception as exc:
-                fut.set_exception(exc)
+                cf = client.device.start(job, to_device, signal, INLINE, INLINE)
             finally:
-                self._release(job, signal, ok=ok)
+                job.queued = None
+                self._release(job, signal)
+            if cf.exception() is not None:
+                fut.set_exception(cf.exception())
+            else:
+                fut.set_result(None)
+            _settle(job, cf, loop)
             return fut
         self.queued += 1
-        if client.device.kind == "cuda":
-            cf = self._cuda(job, to_device, signal)
-        else:
-            cf = job.queued = self._executor.submit(self._run, job, to_device, signal)
+        cf = client.device.start(job, to_device, signal, self._executor, self._waiters)
         fut = loop.create_future()
         timer = loop.call_at(job.deadline, job.stop, "deadline") if job.deadline > 0 else None
 
@@ -214,7 +218,8 @@ class Copier:
             if timer is not None:
                 timer.cancel()
             job.queued = None
-            self._release(job, signal, True, ok=not cf.cancelled() and cf.exception() is None)
+            self._release(job, signal, True)
+            _settle(job, cf, loop)
             if fut.done():  # the caller stopped waiting (its task was cancelled)
                 return
             if cf.cancelled():  # dropped from the queue: nothing was copied
@@ -227,77 +232,8 @@ class Copier:
         cf.add_done_callback(lambda f: loop.call_soon_threadsafe(finish, f))
         return fut
 
-    def _cuda(self, job: Job, to_device: bool, signal: LayerSignal | None) -> Future[None]:
-        """The worker enqueues the copy (and says a load's events are recorded), then hands the
-        waiting to a waiter thread; the future completes when the GPU has done the copy."""
-        device, done = job.client.device, Future()
-        # Running from the start, so that cancelling the RPC cannot cancel it: the pages stay
-        # busy until the GPU is really done with them.
-        done.set_running_or_notify_cancel()
-        layers = np.asarray(job.local_layers, dtype=np.int64)
-
-        def wait(pending) -> None:
-            try:
-                device.wait(pending, signal)
-            except BaseException as exc:
-                done.set_exception(exc)
-            else:
-                done.set_result(None)
-
-        def enqueue() -> None:
-            try:
-                if job.stopping:  # dropped before anything went on the GPU
-                    raise job.stopped(0)
-                pending = device.enqueue(job.plan, layers, job.host, to_device, job.ready_event,
-                                         job.event_slot)
-                if signal is not None and pending.failed is None:
-                    signal.mark_recorded()
-                self._waiters.submit(wait, pending)  # a failed launch is drained there too
-            except BaseException as exc:
-                done.set_exception(exc)
-
-        queued = job.queued = self._executor.submit(enqueue)
-        # Stopped while still waiting for the worker: dropped from its queue, nothing enqueued.
-        queued.add_done_callback(lambda f: f.cancelled() and done.set_exception(job.stopped(0)))
-        return done
-
-    def _run(self, job: Job, to_device: bool, signal: LayerSignal | None) -> None:
-        """Copies the job's layers in order; raises ``JobStopped`` if it was stopped first."""
-        client, device = job.client, job.client.device
-        if job.stopping:
-            raise job.stopped(0)
-        table = device.page_table if job.plan.device_paged else device.token_table
-        layers = np.asarray(job.local_layers, dtype=np.int64)
-        progress, fd = (signal.counter, signal.fd) if signal is not None else (None, -1)
-        interval = signal.interval if signal is not None else 0.0
-        done = transfer.copy_job(job.plan, layers, job.host, table, to_device, progress, fd,
-                                 interval, job.stop_word)
-        if done is not None:
-            if done < len(job.local_layers):
-                if signal is not None:
-                    os.eventfd_write(signal.fd, 1)  # wake the loop: the copy ends here
-                raise job.stopped(done)
-            return
-        for i, layer in enumerate(job.local_layers):
-            if job.stopping:
-                raise job.stopped(i)
-            for part, dev_tokens in enumerate(device.token_views[layer]):
-                pages = device.page_views[layer][part] if device.page_views is not None else None
-                if job.host_table is None:
-                    host = client.host_views[layer][part]
-                    transfer.copy_part(job.plan, host, pages, dev_tokens, to_device)
-                else:
-                    transfer.copy_part_at(job.plan, job.host_table, layer, part, pages, dev_tokens, to_device)
-            if signal is not None:
-                signal.publish(i + 1)
-
-    def _release(self, job: Job, signal: LayerSignal | None, queued: bool = False, ok: bool = False) -> None:
+    def _release(self, job: Job, signal: LayerSignal | None, queued: bool = False) -> None:
         self.queued -= queued
-        if job.on_end is not None:
-            try:
-                job.on_end(ok)
-            except Exception:
-                logger.exception("ending a copy job failed")
         client = job.client
         client.busy[job.pages] -= 1
         client.inflight -= 1
@@ -309,6 +245,16 @@ class Copier:
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True)  # enqueued CUDA copies have their waiters by now
         self._waiters.shutdown(wait=True)
+
+
+def _settle(job: Job, cf: Future, loop: asyncio.AbstractEventLoop) -> None:
+    """Calls the job's ``on_settled`` now, or once the device work it was given up on has drained."""
+    if job.on_settled is None:
+        return
+    if job.held is not None and not job.held.done():
+        job.held.add_done_callback(lambda _: loop.call_soon_threadsafe(job.on_settled, False))
+    else:
+        job.on_settled(not cf.cancelled() and cf.exception() is None)
 
 
 async def _until_done(fut: asyncio.Future, job: Job) -> None:

@@ -17,6 +17,7 @@ import torch
 from kvserver import epochs, transfer
 from kvserver.client_state import ClientSpec, ClientState, Counters, public_id
 from kvserver.copier import Copier, Job, wait_until
+from kvserver.cuda.slabs import SlabPinner
 from kvserver.device_pool import ShmAccess, open_pool
 from kvserver.errors import InvalidArgument, NoCapacity, UnknownClient, shown
 from kvserver.host_pool import HostArena
@@ -53,6 +54,11 @@ class KVCore:
         self.arena = HostArena(host_memory)
         # The node-wide cache: its pages share the arena (and so the budget) with clients' regions.
         self.cache = KVCache(self.arena, default_quota=tenant_quota, quotas=tenant_quotas or {})
+        # CUDA copies reach cache pages by host address: their slabs are pinned once CUDA is in use.
+        self.slab_pinner = SlabPinner()
+        base = self.arena.address
+        self.cache.on_slab_added.append(lambda off, n: self.slab_pinner.added(base + off, n))
+        self.cache.on_slab_removed.append(lambda off, n: self.slab_pinner.removed(base + off, n))
         self.max_clients = max_clients
         self.max_request_indices = max_request_indices
         self.max_pages_per_client = max_pages_per_client
@@ -207,7 +213,7 @@ class KVCore:
                         most: int) -> ClientState:
         def open_device():
             return open_pool(req.device_pool, spec.layout, spec.dtype, len(spec.layers), spec.page_size,
-                             req.event_slots, access)
+                             req.event_slots, access, slabs=self.slab_pinner)
 
         device = await self._in_thread(open_device, undo=lambda d: d.close())
         try:
@@ -307,7 +313,7 @@ class KVCore:
         del self.clients[client_id]
         self.totals.add(client.counters)
         client.host_views = []
-        handles = frozenset(getattr(client.device, "handles", ()))  # CUDA IPC allocations
+        handles = client.device.ipc_allocations
         held = None  # a CUDA pool's quarantine: the GPU may still touch the host region
         try:
             held = await self._in_thread(client.device.close)
@@ -415,7 +421,7 @@ class KVCore:
         """Validates a whole transfer request and plans it; touches no memory."""
         client = self.client(client_id)
         spec = client.spec
-        self.check_events(client, ready_event, event_slot)
+        client.device.check_request(ready_event, event_slot)
         local_layers = spec.layers.select(layers)
         if len(host_indices) != len(device_indices):
             raise InvalidArgument(
@@ -434,22 +440,6 @@ class KVCore:
         """A job's deadline on the loop's clock, counted from the request's arrival (0: none)."""
         return asyncio.get_running_loop().time() + timeout_ms / 1000 if timeout_ms else 0.0
 
-    @staticmethod
-    def check_events(client: ClientState, ready_event: bytes, event_slot: int) -> None:
-        """The CUDA event fields of a request, checked against the client's pool."""
-        if client.device.kind != "cuda" and (ready_event or event_slot):
-            raise InvalidArgument("ready_event and event_slot are for CUDA pools; this pool is shared memory")
-        if client.device.kind == "cuda":
-            if event_slot >= client.device.event_slots:
-                raise InvalidArgument(
-                    f"event_slot {event_slot} is not one of this registration's "
-                    f"{client.device.event_slots} slots"
-                )
-            if ready_event and len(ready_event) != 64:
-                raise InvalidArgument(
-                    f"ready_event must be a 64-byte CUDA IPC event handle, got {len(ready_event)} bytes"
-                )
-
     # ---- lifecycle ------------------------------------------------------------------------
 
     async def close(self) -> None:
@@ -462,6 +452,7 @@ class KVCore:
             else:
                 await self.unregister(client.client_id)
         self.copier.shutdown()
+        self.slab_pinner.close()  # after every copy, before the memory it pinned goes
         self.arena.close()
 
 

@@ -47,7 +47,7 @@ class Reaper:
         """Why the client is to be reclaimed now, or None."""
         if client.closing:
             return None
-        failed = getattr(client.device, "failed", None)
+        failed = client.device.failed
         if failed:
             return failed
         if client.sessions:

@@ -152,7 +152,7 @@ class KVServicer(pb_grpc.KVServerServicer):
             epoch=client.epoch,
             lease_seconds=self.reaper.lease,
             reclaim_grace_seconds=self.reaper.grace,
-            layer_events=getattr(client.device, "event_handles", []),
+            layer_events=client.device.event_handles,
         )
 
     @_abort_on_error

@@ -19,7 +19,13 @@ are torch CUDA tensors, and checks:
 6. a write waiting on an engine ready event that does not fire (recorded behind a spinning
    kernel) fails with DEADLINE_EXCEEDED past the daemon's --cuda-wait-seconds and fails only its
    own client: another client on the same GPU loads bit-exactly all along, the stalled one is
-   reclaimed, and its quarantined host region is released once the spinning kernel ends.
+   reclaimed, and its quarantined host region is released once the spinning kernel ends;
+7. the node-wide cache on real CUDA tensors: one engine Puts scattered pages of its pool under
+   their content keys (``page_keys``) and unregisters; a second registration, in another process
+   with its own pool, looks the keys up, Gets them (plus keys never stored) into other scattered
+   pages of its pool, and reads each layer on its compute stream right after
+   ``stream_wait_layer``: bit for bit the first engine's pages, the pages past the stored prefix
+   untouched.
 It prints one JSON document and exits non-zero if a check failed. ``--preflight`` runs only
 what needs no GPU (imports from this tree, daemon start and health) and is tested on CPU.
 Needs torch with CUDA, CuPy (cupy-cuda12x or cupy-cuda13x) with NVRTC, grpcio, protobuf, uvloop,
@@ -47,6 +53,10 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA_WAIT_SECONDS = 5  # the daemon's --cuda-wait-seconds in this check
 STALL_SECONDS = 12  # how long the stalled client's ready event is held back (> CUDA_WAIT_SECONDS)
+# The cache round trip: an 8-layer MHA (8 x 128, bf16) model, pools of 4096 tokens, 64 pages of 16
+# tokens stored (32 MiB) and 4 more asked for that were never stored.
+CACHE_LAYERS, CACHE_TOKENS, CACHE_PAGE, CACHE_PAGES, CACHE_EXTRA = 8, 4096, 16, 64, 4
+CACHE_SEEDS = {"put": 11, "get": 12}  # each engine's pool contents
 
 
 def _use_source_tree() -> None:
@@ -325,6 +335,115 @@ def safety_engine(address: str, wait_seconds: float, stall_seconds: float, out) 
     out.put(result)
 
 
+def cache_plan(num_tokens: int = CACHE_TOKENS, page_size: int = CACHE_PAGE, pages: int = CACHE_PAGES,
+               extra: int = CACHE_EXTRA, seed: int = 7) -> dict:
+    """What the cache round trip moves, decided without a GPU: the token ids of ``pages + extra``
+    whole pages (the first ``pages`` get stored), the storing engine's device pages (``pages``,
+    scattered) and the loading engine's (``pages + extra``, scattered, another order)."""
+    import random
+
+    pool_pages = num_tokens // page_size
+    if pages + extra > pool_pages:
+        raise ValueError(f"{pages + extra} pages do not fit a pool of {pool_pages}")
+    rng = random.Random(seed)
+    return {
+        "page_size": page_size,
+        "pages": pages,
+        "tokens": [rng.randrange(128_000) for _ in range((pages + extra) * page_size)],
+        "put_pages": rng.sample(range(pool_pages), pages),
+        "get_pages": rng.sample(range(pool_pages), pages + extra),
+    }
+
+
+def cache_engine(address: str, role: str, plan: dict, out, stored) -> None:
+    """One engine of the cache round trip: ``put`` stores its pages and unregisters, then sets
+    ``stored``; ``get`` waits for that, then loads them into its own pool (see the module's notes)."""
+    label = [0, 1] if role == "put" else [1, 2]
+    result: dict = {"kind": f"cache-{role}", "range": label}
+
+    def stage(name: str) -> None:
+        out.put({"range": label, "stage": name})
+
+    try:
+        stage("import torch and allocate the pool")
+        import torch
+
+        from kvclient import CudaKVPool, KVClient, KVLayout
+        from kvclient.keys import page_keys
+
+        dev = torch.device("cuda", 0)
+        layout, dtype, page = KVLayout.mha(8, 128), torch.bfloat16, plan["page_size"]
+        heads, dim = layout.token_shape
+
+        def buffers_of(seed: int) -> list[list]:
+            g = torch.Generator(device=dev).manual_seed(seed)
+            return [[torch.randint(0, 255, (CACHE_TOKENS, heads, dim * dtype.itemsize), dtype=torch.uint8,
+                                   device=dev, generator=g).view(dtype) for _ in range(layout.num_parts)]
+                    for _ in range(CACHE_LAYERS)]
+
+        def rows(buf, pages: list[int]):
+            """The bytes of ``pages`` of one buffer, [pages, page_size * token bytes]."""
+            return buf.view(torch.uint8).view(CACHE_TOKENS // page, -1)[torch.tensor(pages, device=dev)]
+
+        buffers = buffers_of(CACHE_SEEDS[role])
+        stage("register")
+        pool = CudaKVPool(layout, dtype, buffers)
+        client = KVClient(address, timeout=60, resilient=False)
+        client.register(model="check-cache", pool=pool, start_layer=0, end_layer=CACHE_LAYERS,
+                        num_layers=CACHE_LAYERS, host_tokens=page, page_size=page)
+        n = plan["pages"]
+        if role == "put":
+            stage("put")
+            keys = page_keys(plan["tokens"][: n * page], page)
+            ready = torch.cuda.Event(interprocess=True)
+            ready.record()
+            put = client.put(keys, plan["put_pages"], ready_event=ready)
+            again = client.put(keys, plan["put_pages"])  # stored already: every key is present
+            result.update(stored=put.stored, dropped=put.dropped, present_again=again.present,
+                          stored_again=again.stored)
+            stage("unregister (the pages outlive their writer)")
+            client.unregister()
+            stored.set()
+            result["ok"] = put.stored == n and again.present == n and again.stored == 0
+        else:
+            stage("wait for the put")
+            if not stored.wait(120):
+                raise TimeoutError("the put engine did not store its pages within 120 s")
+            want = [[rows(b, plan["put_pages"]) for b in layer] for layer in buffers_of(CACHE_SEEDS["put"])]
+            extra = plan["get_pages"][n:]
+            untouched = [[rows(b, extra).clone() for b in layer] for layer in buffers]
+            keys = page_keys(plan["tokens"], page)  # the stored prefix, then keys never stored
+            torch.cuda.synchronize()  # the pool's contents and the references exist before the Get
+            stage("lookup and get")
+            result["lookup"] = client.lookup(keys).pages
+            handle = client.get(keys, plan["get_pages"], event_slot=0)
+            result["pages"] = handle.pages(timeout=60)
+            stream = torch.cuda.Stream()
+            same, waited = [], []
+            for layer in range(CACHE_LAYERS):
+                waited.append(handle.stream_wait_layer(layer, stream))
+                with torch.cuda.stream(stream):  # runs once the layer has landed, not before
+                    same += [torch.equal(rows(b, plan["get_pages"][:n]), w)
+                             for b, w in zip(buffers[layer], want[layer], strict=True)]
+            handle.wait(60)
+            torch.cuda.synchronize()
+            result["layer_waits"] = all(waited)
+            result["exact"] = all(same)
+            result["past_prefix_untouched"] = all(torch.equal(rows(b, extra), u)
+                                                  for layer, ul in zip(buffers, untouched, strict=True)
+                                                  for b, u in zip(layer, ul, strict=True))
+            client.unregister()
+            result["ok"] = (result["lookup"] == n and result["pages"] == n and result["layer_waits"]
+                            and result["exact"] and result["past_prefix_untouched"])
+        client.close()
+    except BaseException:
+        result["error"] = traceback.format_exc()
+        result["ok"] = False
+        stored.set()  # the other engine stops waiting: it fails on what is not there
+    result["final"] = True
+    out.put(result)
+
+
 def preflight(address: str) -> dict:
     """What can be checked before any GPU work, and without a GPU: every module the check uses
     imports from this tree, the daemon answers its health check, and whether it can use CUDA."""
@@ -415,6 +534,21 @@ def run_safety(ctx, address: str, deadline: float, report: dict, target=None,
         report["checks"].append(msg)
 
 
+def run_cache(ctx, address: str, deadline: float, report: dict, target=None,
+              plan: dict | None = None) -> None:
+    """The cache round trip (``cache_engine``): a put engine and a get engine, each its own process."""
+    out, stored = ctx.Queue(), ctx.Event()
+    plan = plan or cache_plan()
+    procs = {(i, i + 1): ctx.Process(target=target or cache_engine, args=(address, role, plan, out, stored))
+             for i, role in enumerate(("put", "get"))}
+    for p in procs.values():
+        p.start()
+    for msg in _results(procs, out, "cache", deadline):
+        msg["ok"] = bool(msg.get("ok")) and "error" not in msg
+        report["ok"] &= msg["ok"]
+        report["checks"].append(msg)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer sizes and rounds")
@@ -456,6 +590,7 @@ def main() -> int:
             run_plan(ctx, f"unix://{socket}", kind, page, 3 if args.quick else 10, deadline, report)
             if i == 1:  # after the two most telling plans: the hostile- and stuck-engine checks
                 run_safety(ctx, f"unix://{socket}", deadline, report)
+                run_cache(ctx, f"unix://{socket}", deadline, report)
     except BaseException:
         report["ok"] = False
         report["error"] = traceback.format_exc()

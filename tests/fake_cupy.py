@@ -6,6 +6,12 @@ the daemon's own CUDA source built for the CPU (tests/kernel_host.py). Every run
 call is logged in order, so event ordering and the release of every resource can be checked too.
 What it cannot show (real IPC, pinning, kernel speed) is for scripts/gpu_check.py on a GPU.
 
+Like a GPU, the stand-in only reaches memory it may: every row a kernel or a DMA touches must lie
+in an exported allocation or in host memory registered with ``hostRegister`` (and not since
+unregistered); anything else fails the launch as an illegal address would. ``device_offset``
+makes ``pointerGetAttributes`` give registered host memory another device address, as on a
+device without unified addressing.
+
 Streams keep CUDA's order: work put on a stream after a wait on an engine event that is "hung"
 (``FakeRuntime.hang``: the engine recorded it behind work that never ends) does not run, and
 events recorded there do not complete, until the test fires that event. ``eventQuery`` and
@@ -24,6 +30,8 @@ import types
 
 import numpy as np
 from kernel_host import HostKernel
+
+from kvserver.cuda.kernels import KERNELS
 
 UUID_HEX = "1a2b3c4d5e6f7a8b9c0d112233445566"
 UUID = "GPU-1a2b3c4d-5e6f-7a8b-9c0d-112233445566"
@@ -54,6 +62,8 @@ class FakeRuntime:
         self._hung: set[int] = set()  # engine events (as opened here) that have not fired
         self._stalled: dict[int, tuple[int, list]] = {}  # stream -> (hung event, work behind it)
         self._pending: set[int] = set()  # events recorded behind a hung one
+        self.registered: dict[int, int] = {}  # host address -> bytes, while hostRegister'ed
+        self.device_offset = 0  # added to a registered host address to give its device address
 
     # ---- events that never fire -----------------------------------------------------------
 
@@ -137,12 +147,50 @@ class FakeRuntime:
 
     def hostRegister(self, ptr, size, flags):
         self.calls.append(("hostRegister", ptr, size, flags))
+        with self._lock:
+            if any(p < ptr + size and ptr < p + n for p, n in self.registered.items()):
+                raise RuntimeError("cudaErrorHostMemoryAlreadyRegistered")
+            self.registered[ptr] = size
 
     def hostUnregister(self, ptr):
         self.calls.append(("hostUnregister", ptr))
+        with self._lock:
+            if self.registered.pop(ptr, None) is None:
+                raise RuntimeError("cudaErrorHostMemoryNotRegistered")
 
     def pointerGetAttributes(self, ptr):
-        return types.SimpleNamespace(devicePointer=ptr)  # UVA: the host address works on the device
+        # UVA: the host address works on the device (unless the test says otherwise)
+        return types.SimpleNamespace(devicePointer=ptr + self.device_offset)
+
+    def _ranges(self) -> tuple[np.ndarray, np.ndarray]:
+        """(starts, ends) of the memory the GPU may reach, sorted by start."""
+        with self._lock:
+            ranges = [(m.ctypes.data, m.size) for m in self.allocations.values()]
+            ranges += list(self.registered.items())
+        ranges.sort()
+        starts = np.array([r[0] for r in ranges], dtype=np.uint64)
+        return starts, starts + np.array([r[1] for r in ranges], dtype=np.uint64)
+
+    def check_reach(self, lo, hi, what: str) -> None:
+        """Raises unless each [lo, hi) (scalars or arrays) lies in one exported allocation or
+        one registered host range."""
+        lo = np.atleast_1d(np.asarray(lo, dtype=np.uint64))
+        hi = np.atleast_1d(np.asarray(hi, dtype=np.uint64))
+        starts, ends = self._ranges()
+        idx = np.searchsorted(starts, lo, side="right").astype(np.int64) - 1
+        ok = (idx >= 0) & (hi <= ends[np.maximum(idx, 0)]) if starts.size else np.zeros(lo.shape, bool)
+        if not ok.all():
+            bad = int(np.flatnonzero(~ok)[0])
+            raise RuntimeError(f"stand-in: {what} touches [{int(lo[bad]):#x}, {int(hi[bad]):#x}), memory the "
+                               "GPU cannot reach (cudaErrorIllegalAddress)")
+
+    def check_rows(self, bases, offsets, row_bytes: int, what: str) -> None:
+        """Every row ``base + offset`` of ``row_bytes`` is reachable (see ``check_reach``)."""
+        offsets = np.asarray(offsets, dtype=np.int64).astype(np.uint64)
+        if offsets.size == 0:
+            return
+        lo = (np.asarray(bases, dtype=np.uint64).reshape(-1, 1) + offsets.reshape(1, -1)).reshape(-1)
+        self.check_reach(lo, lo + np.uint64(row_bytes), what)
 
     def streamSynchronize(self, stream):
         self.calls.append(("streamSynchronize", stream))
@@ -194,6 +242,8 @@ class FakeRuntime:
 
     def memcpyAsync(self, dst, src, size, kind, stream):
         self.calls.append(("memcpyAsync", size, stream))
+        self.check_reach(dst, dst + size, "memcpyAsync")
+        self.check_reach(src, src + size, "memcpyAsync")
         self._on_stream(stream, "memcpyAsync")
         if not self._defer(stream, lambda: ctypes.memmove(dst, src, size)):
             ctypes.memmove(dst, src, size)
@@ -222,9 +272,13 @@ class RecordingKernel(HostKernel):
     def __init__(self, runtime: FakeRuntime, source: str, name: str) -> None:
         super().__init__(source, name)
         self.runtime = runtime
+        self.word = {name: word for word, name in KERNELS.items()}[name]
 
     def __call__(self, grid, block, args):
-        _, _, count, _, _, n, _ = args
+        dst_b, src_b, count, dst_off, src_off, n, row_words = args
+        row_bytes = int(row_words) * self.word
+        self.runtime.check_rows(dst_b[:int(count)], dst_off[:int(n)], row_bytes, self.name)
+        self.runtime.check_rows(src_b[:int(count)], src_off[:int(n)], row_bytes, self.name)
         stream = self.runtime.current_stream[-1]
         self.runtime.calls.append(("kernel", int(count), int(n), self.name, stream))
         self.runtime._on_stream(stream, "kernel")
@@ -265,10 +319,10 @@ def make_fake_cupy() -> FakeCupy:
 def install(monkeypatch) -> FakeCupy:
     """A stand-in GPU for the daemon in this process: CuPy, and the one driver call the daemon
     makes through libcuda (kvserver/cuda/driver.py)."""
-    from kvserver import device_pool
     from kvserver.cuda import driver
+    from kvserver.media import cuda
 
     cupy = make_fake_cupy()
-    monkeypatch.setattr(device_pool, "require_cuda", lambda: cupy)
+    monkeypatch.setattr(cuda, "require_cuda", lambda: cupy)
     monkeypatch.setattr(driver, "allocation_range", cupy.cuda.runtime.address_range)
     return cupy

@@ -277,7 +277,8 @@ def test_cache_put_lookup_get_and_stats(sock, pool):
 
     # A scheduler's view: the same tenant (this process's uid, from a ticket with no descriptors).
     space = {"model": "grpcurl-cache", "layout": {"mha": {"num_heads": 2, "head_dim": 8}},
-             "dtype": "DTYPE_BFLOAT16", "page_size": PAGE, "num_layers": NUM_LAYERS, "tp_size": 1, "pp_size": 1}
+             "dtype": "DTYPE_BFLOAT16", "page_size": PAGE, "num_layers": NUM_LAYERS,
+             "tp_size": 1, "pp_size": 1}
     opened = parse(grpcurl(sock, "kvserver.v1.KVServer/OpenSpace", data=json.dumps(
         {"space": space, "peer_ticket": get_ticket(f"{sock}.fd", [])})).stdout, pb.OpenSpaceResponse())
     assert opened.tenant == f"uid:{os.getuid()}"
@@ -293,7 +294,8 @@ def test_cache_put_lookup_get_and_stats(sock, pool):
     for parts in pool.buffers:
         for buf in parts:
             buf.zero_()
-    get = {"client_id": cid, "keys": packed, "key_bytes": 16, "device_pages": [5, 6, 7], "lease_id": mine.lease_id}
+    get = {"client_id": cid, "keys": packed, "key_bytes": 16, "device_pages": [5, 6, 7],
+           "lease_id": mine.lease_id}
     msgs = [parse(json.dumps(m), pb.LoadProgress()) for m in json_stream(
         grpcurl(sock, "kvserver.v1.KVServer/Get", data=json.dumps(get)).stdout)]
     assert msgs[-1].done and msgs[-1].pages == 3 and msgs[-1].layers_done == END - START

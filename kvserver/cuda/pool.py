@@ -8,6 +8,10 @@ created. ``close`` waits for the stream and releases all of it: a dead engine's 
 held by the daemon. The stream is CuPy's own (``cupy.cuda.Stream``), so kernels, the uploads of
 their offset tables and the DMA all run on it, on CuPy 13 and 14 alike.
 
+The host side of a copy is the client's region or, for the node-wide cache, pages anywhere in the
+cache's slabs, which ``slabs.SlabPinner`` keeps pinned; the GPU reaches those by their host address
+(unified addressing, checked when each slab is pinned).
+
 Ordering is on the GPU: a write waits on the engine's ready event before reading its slots; a
 load records one event per layer, which the engine's compute stream waits on.
 
@@ -23,8 +27,9 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -33,14 +38,17 @@ from kvserver.cuda.devices import ordinal_for
 from kvserver.cuda.handles import check_span, raw_ipc_handle
 from kvserver.cuda.kernels import copy_rows_kernel
 from kvserver.cuda.quarantine import QUARANTINE
-from kvserver.device_pool import wide_dtype
-from kvserver.errors import GpuStalled, InvalidArgument
+from kvserver.cuda.slabs import HOST_REGISTER_FLAGS, SlabPinner, register_host
+from kvserver.errors import FailedPrecondition, GpuStalled, InvalidArgument
+from kvserver.media.base import DevicePool, wide_dtype
 from kvserver.v1 import kvserver_pb2 as pb
+
+if TYPE_CHECKING:
+    from kvserver.copier import Job
+    from kvserver.layer_signal import LayerSignal
 
 logger = logging.getLogger(__name__)
 
-HOST_REGISTER_FLAGS = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
-HOST_REGISTER_CHUNK = 64 << 30  # one cudaHostRegister of 512 GiB or more fails on r580+ drivers
 # cudaEventBlockingSync | cudaEventDisableTiming | cudaEventInterprocess: a CPU thread that
 # synchronizes on one (in the engine) sleeps instead of spinning. The daemon itself polls
 # eventQuery with a deadline (waits.py), which no flag changes.
@@ -97,7 +105,7 @@ class Pending:
 
 
 @dataclass(slots=True)
-class CudaDevicePool:
+class CudaDevicePool(DevicePool):
     cupy: object
     ordinal: int
     num_tokens: int
@@ -121,11 +129,9 @@ class CudaDevicePool:
     wait_seconds: float = waits.DEFAULT_WAIT_SECONDS  # no progress this long fails the pool
     failed: str | None = None  # why this pool's GPU work is given up on; the reaper reclaims it
     pinned_bytes: int = 0
-    kind: str = "cuda"
-
-    @property
-    def num_pages(self) -> int:
-        return self.num_tokens // self.page_size
+    slabs: SlabPinner | None = None  # the daemon's cache slabs, pinned once this pool attaches
+    # Completes once the pool's resources are released: its GPU work, if any was left, has drained.
+    released: Future = field(default_factory=Future)
 
     @property
     def dtype(self):
@@ -136,6 +142,28 @@ class CudaDevicePool:
     def paged(self) -> bool:
         return self.token_stride == self.token_bytes and self.num_tokens >= self.page_size
 
+    @property
+    def ipc_allocations(self) -> frozenset[bytes]:
+        return frozenset(self.handles)
+
+    @property
+    def inline_ok(self) -> bool:
+        return False  # every copy is GPU work, enqueued off the event loop
+
+    @property
+    def records_events(self) -> bool:
+        return True
+
+    def check_request(self, ready_event: bytes, event_slot: int) -> None:
+        if event_slot >= self.event_slots:
+            raise InvalidArgument(
+                f"event_slot {event_slot} is not one of this registration's {self.event_slots} slots"
+            )
+        if ready_event and len(ready_event) != 64:
+            raise InvalidArgument(
+                f"ready_event must be a 64-byte CUDA IPC event handle, got {len(ready_event)} bytes"
+            )
+
     def check_sizes(self) -> None:
         """IPC allocations cannot shrink under the daemon."""
 
@@ -145,15 +173,16 @@ class CudaDevicePool:
     # ---- lifetime -------------------------------------------------------------------------
 
     def attach_host(self, host_ptr: int, nbytes: int, num_layers: int) -> None:
-        """Pins the client's host region and creates the stream and the layer events."""
+        """Pins the client's host region (and, the first time CUDA is used, the cache's slabs)
+        and creates the stream and the layer events."""
         rt = self.cupy.cuda.runtime
         with self.device():
-            for start in range(0, nbytes, HOST_REGISTER_CHUNK):
-                size = min(HOST_REGISTER_CHUNK, nbytes - start)
-                rt.hostRegister(host_ptr + start, size, HOST_REGISTER_FLAGS)
-                self.pinned.append(host_ptr + start)
-                self.pinned_bytes += size
-            self.host_to_device = rt.pointerGetAttributes(host_ptr).devicePointer - host_ptr
+            self.pinned = register_host(rt, host_ptr, nbytes, HOST_REGISTER_FLAGS)
+            self.pinned_bytes = nbytes
+            if self.slabs is not None:
+                self.slabs.use(self.cupy, self.ordinal)
+            if nbytes:  # a cache-only registration has no region to translate
+                self.host_to_device = rt.pointerGetAttributes(host_ptr).devicePointer - host_ptr
             self.stream = self.cupy.cuda.Stream(non_blocking=True)
             for _ in range(self.event_slots * num_layers):
                 event = rt.eventCreateWithFlags(EVENT_FLAGS)
@@ -200,6 +229,8 @@ class CudaDevicePool:
             # CuPy destroys its stream with the last reference, which is this one.
             self.events, self.pinned, self.handles, self.stream = [], [], [], None
             self.opened_events = OrderedDict()
+        if not self.released.done():
+            self.released.set_result(None)
 
     def _fail(self, why: str) -> None:
         if self.failed is None:
@@ -226,23 +257,70 @@ class CudaDevicePool:
                 self.opened_events.move_to_end(event_handle)
             rt.streamWaitEvent(self.stream.ptr, event, 0)
 
+    def start(self, job: Job, to_device: bool, signal: LayerSignal | None, executor: Executor,
+              waiters: Executor) -> Future[None]:
+        """The copy worker enqueues the copy (and says a load's events are recorded), then hands
+        the waiting to a waiter thread; the future completes when the GPU has done the copy."""
+        done: Future[None] = Future()
+        # Running from the start, so that cancelling the RPC cannot cancel it: the pages stay
+        # busy until the GPU is really done with them.
+        done.set_running_or_notify_cancel()
+        layers = np.asarray(job.local_layers, dtype=np.int64)
+
+        def fail(exc: BaseException) -> None:
+            if isinstance(exc, GpuStalled):  # given up on: its copies may still run on the GPU
+                job.held = self.released
+            done.set_exception(exc)
+
+        def wait(pending: Pending) -> None:
+            try:
+                self.wait(pending, signal)
+            except BaseException as exc:
+                fail(exc)
+            else:
+                done.set_result(None)
+
+        def enqueue() -> None:
+            try:
+                if job.stopping:  # dropped before anything went on the GPU
+                    raise job.stopped(0)
+                pending = self.enqueue(job.plan, layers, job.host, to_device, job.ready_event,
+                                       job.event_slot, cache_rows=job.host_table is not None)
+                if signal is not None and pending.failed is None:
+                    signal.mark_recorded()
+                waiters.submit(wait, pending)  # a failed launch is drained there too
+            except BaseException as exc:
+                fail(exc)
+
+        queued = job.queued = executor.submit(enqueue)
+        # Stopped while still waiting for the worker: dropped from its queue, nothing enqueued.
+        queued.add_done_callback(lambda f: f.cancelled() and done.set_exception(job.stopped(0)))
+        return done
+
     def enqueue(self, copy_plan, layers: np.ndarray, host_table, to_device: bool, ready_event: bytes = b"",
-                event_slot: int = 0) -> Pending:
+                event_slot: int = 0, cache_rows: bool = False) -> Pending:
         """Puts the copy of ``layers`` (local ids) on the client's stream and returns at once
         with what ``wait`` waits on: a load's layer events of ``event_slot``, each recorded after
         its layer's copy, or a write's one completion event. Runs on the copy worker, which is
-        then free for the next job while the GPU copies."""
+        then free for the next job while the GPU copies. ``cache_rows``: ``host_table`` is the
+        cache's (rows are byte offsets into the arena's pinned slabs, addressed by their host
+        address), not the client's region."""
         cp = self.cupy
         rt = cp.cuda.runtime
         num_layers = self.token_bases.shape[0]
         stream = self.stream.ptr
+        if cache_rows:
+            if self.slabs is None:
+                raise FailedPrecondition("this CUDA pool was opened without the cache's slabs pinned for it")
+            self.slabs.check()
+        host_to_device = 0 if cache_rows else self.host_to_device
         with self._enqueue_lock, self.device(), self.stream:
             if self.failed:
                 raise self._stalled()
             try:
                 if ready_event:
                     self._wait_on(ready_event)
-                copier = self._job_copier(copy_plan, layers, host_table, to_device)
+                copier = self._job_copier(copy_plan, layers, host_table, to_device, host_to_device)
                 if not to_device:  # a write: every layer at once, one event for all of it
                     copier(slice(None))
                     done = rt.eventCreateWithFlags(DONE_EVENT_FLAGS)
@@ -280,14 +358,15 @@ class CudaDevicePool:
                     raise self._stalled() from exc
                 raise
 
-    def _job_copier(self, copy_plan, layers: np.ndarray, host_table, to_device: bool):
-        """The copier of one job: rows of whole device pages where the plan allows, else of tokens."""
+    def _job_copier(self, copy_plan, layers: np.ndarray, host_table, to_device: bool, host_to_device: int):
+        """The copier of one job: rows of whole device pages where the plan allows, else of tokens.
+        ``host_to_device`` turns the table's host addresses into device addresses."""
         if copy_plan.device_paged:
             row_bytes = dev_stride = self.page_size * self.token_bytes
         else:
             row_bytes, dev_stride = self.token_bytes, self.token_stride
         host_off, dev_off = copy_plan.offsets(host_table.row_stride, dev_stride, row_bytes)
-        host_bases = host_table.bases[layers] + np.uint64(self.host_to_device % (1 << 64))
+        host_bases = host_table.bases[layers] + np.uint64(host_to_device % (1 << 64))
         dev_bases = self.token_bases[layers]
         if to_device:
             return self._copier(dev_bases, dev_off, host_bases, host_off, row_bytes)
@@ -356,7 +435,7 @@ class CudaDevicePool:
 
 
 def open_cuda_pool(cupy, refs: list[pb.BufferRef], num_tokens: int, token_bytes: int, parts: int,
-                   page_size: int, event_slots: int) -> CudaDevicePool:
+                   page_size: int, event_slots: int, slabs: SlabPinner | None = None) -> CudaDevicePool:
     """Checks, then opens every allocation of the pool once on the engine's device."""
     if not 0 <= event_slots <= MAX_EVENT_SLOTS:
         raise InvalidArgument(f"event_slots must be at most {MAX_EVENT_SLOTS}, got {event_slots}")
@@ -393,5 +472,5 @@ def open_cuda_pool(cupy, refs: list[pb.BufferRef], num_tokens: int, token_bytes:
         cupy=cupy, ordinal=ordinal, num_tokens=num_tokens, page_size=page_size, token_bytes=token_bytes,
         token_stride=strides.pop(), parts=parts,
         token_bases=np.array(bases, dtype=np.uint64).reshape(-1, parts), handles=handles,
-        event_slots=event_slots or DEFAULT_EVENT_SLOTS, wait_seconds=waits.wait_seconds(),
+        event_slots=event_slots or DEFAULT_EVENT_SLOTS, wait_seconds=waits.wait_seconds(), slabs=slabs,
     )

@@ -1,0 +1,121 @@
+"""The one interface every medium's device pool implements (shared memory, CUDA).
+
+A pool is opened by ``kvserver.media.open_pool`` from the Register request's description, gets
+the client's host region once (``attach_host``), checks each copy request (``check_request``,
+``check_sizes``), runs copy jobs (``start``) and is closed once with its client (``close``). The
+copier owns what is the same for every medium (queueing, deadlines, stop words, busy marks and
+progress); the pool owns how bytes move between its memory and the host.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from kvserver.copier import Job
+    from kvserver.layer_signal import LayerSignal
+
+WIDE_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def wide_dtype(*sizes: int) -> torch.dtype:
+    """The widest integer dtype whose size divides every one of ``sizes``."""
+    g = 0
+    for s in sizes:
+        g = math.gcd(g, s)
+    for width, dtype in WIDE_DTYPES.items():
+        if g % width == 0:
+            return dtype
+    return torch.uint8
+
+
+class DevicePool(ABC):
+    """An engine's KV buffers as the daemon sees them: ``num_tokens`` token slots per (layer,
+    part), grouped in pages of ``page_size`` tokens."""
+
+    __slots__ = ()
+
+    # Attributes (plain fields or properties of each medium):
+    num_tokens: int
+    page_size: int
+    dtype: torch.dtype  # the wide integer dtype of the client's host views (copies move its words)
+    event_slots: int  # sets of per-layer load events a client can use at once (0: no events)
+    event_handles: Sequence[bytes]  # IPC handles of the layer events, [slot * layers + layer]
+    failed: str | None  # why the pool's work is given up on (the reaper reclaims it), or None
+
+    @property
+    def num_pages(self) -> int:
+        """Whole pages of the pool."""
+        return self.num_tokens // self.page_size
+
+    @property
+    @abstractmethod
+    def paged(self) -> bool:
+        """Whole device pages can be copied as rows (every buffer is page-contiguous)."""
+
+    @property
+    @abstractmethod
+    def ipc_allocations(self) -> frozenset[bytes]:
+        """The engine's device allocations this pool maps (empty where nothing is mapped by IPC):
+        another pool of the same allocation that is still quarantined may write this memory."""
+
+    @property
+    @abstractmethod
+    def inline_ok(self) -> bool:
+        """A small copy may run right on the event loop (it is a memcpy of host memory)."""
+
+    @property
+    @abstractmethod
+    def records_events(self) -> bool:
+        """A load says 'events recorded' before its first layer lands (the engine's compute
+        stream then waits on the layer events)."""
+
+    @abstractmethod
+    def check_request(self, ready_event: bytes, event_slot: int) -> None:
+        """Raises InvalidArgument if a copy request's event fields do not fit this medium."""
+
+    @abstractmethod
+    def check_sizes(self) -> None:
+        """Raises if the pool's memory shrank under the daemon since it was opened."""
+
+    @abstractmethod
+    def attach_host(self, host_ptr: int, nbytes: int, num_layers: int) -> None:
+        """Sets up copies with the client's host region (``nbytes`` at ``host_ptr``). Runs in a
+        worker thread, once, before any copy."""
+
+    @abstractmethod
+    def start(self, job: Job, to_device: bool, signal: LayerSignal | None, executor: Executor,
+              waiters: Executor) -> Future[None]:
+        """Starts a copy job: host to device for a load, else device to host. The returned future
+        completes once the medium is done with every byte of the job (raising ``JobStopped`` if
+        the job was stopped first, or the copy's error). ``executor`` is the copy worker, in
+        arrival order; ``waiters`` may hold threads that only wait for a device. A job dropped
+        from the worker's queue shows as a cancelled future; ``job.queued`` is what ``job.stop``
+        may cancel. ``signal`` (loads) gets every landed layer."""
+
+    @abstractmethod
+    def close(self) -> Future | None:
+        """Releases the pool. None once everything is released; else a future that completes
+        once it is (the device may still touch the host region until then)."""
+
+
+class InlineExecutor(Executor):
+    """Runs each submitted call at once in the caller's thread (a small copy on the event loop)."""
+
+    def submit(self, fn: Callable, /, *args, **kwargs) -> Future:
+        fut: Future = Future()
+        fut.set_running_or_notify_cancel()
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except Exception as exc:
+            fut.set_exception(exc)
+        return fut
+
+
+INLINE = InlineExecutor()

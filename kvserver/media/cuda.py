@@ -1,0 +1,41 @@
+"""The CUDA medium: an engine's KV buffers opened through CUDA IPC, copied by the GPU between
+them and pinned host memory. The pool itself lives in ``kvserver.cuda.pool`` (imported only once
+a CUDA pool is opened, so that a daemon without CuPy never loads it); cache slabs are pinned by
+``kvserver.cuda.slabs.SlabPinner``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvserver.cuda.devices import normalize_pci_bus_id
+from kvserver.cuda.handles import check_span, normalize_uuid, raw_ipc_handle
+from kvserver.cuda.runtime import require_cuda
+from kvserver.cuda.slabs import SlabPinner
+from kvserver.layout import KVLayout
+from kvserver.v1 import kvserver_pb2 as pb
+
+if TYPE_CHECKING:
+    from kvserver.cuda.pool import CudaDevicePool
+
+__all__ = ["SlabPinner", "open_cuda"]
+
+
+def open_cuda(refs: list[pb.BufferRef], num_tokens: int, layout: KVLayout, kv_dtype: torch.dtype,
+              page_size: int, event_slots: int, slabs: SlabPinner | None = None) -> CudaDevicePool:
+    """Checks every handle, UUID and span first (bad input is INVALID_ARGUMENT on any daemon),
+    then needs a usable GPU (FAILED_PRECONDITION without one), then opens the allocations.
+    ``slabs``: the daemon's cache slabs, pinned for this pool's device once it attaches."""
+    token_bytes = layout.token_bytes(kv_dtype)
+    for i, r in enumerate(refs):
+        what = f"device_pool buffer {i}"
+        raw_ipc_handle(r.cuda.ipc_handle)
+        normalize_uuid(r.cuda.device_uuid)
+        normalize_pci_bus_id(r.cuda.pci_bus_id)
+        check_span(r.offset, r.token_stride, num_tokens, token_bytes, r.cuda.allocation_size, what)
+    cupy = require_cuda()
+    from kvserver.cuda.pool import open_cuda_pool  # needs CuPy's runtime: imported only now
+
+    return open_cuda_pool(cupy, refs, num_tokens, token_bytes, layout.num_parts, page_size, event_slots,
+                          slabs)

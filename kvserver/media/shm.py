@@ -1,0 +1,236 @@
+"""The shared-memory medium: an engine's KV buffers in memfds (or named /dev/shm objects) mapped
+into the daemon, copied by the CPU. Views use the widest integer dtype that divides every offset,
+stride and token size, so copies move 8-byte words where they can whatever the KV dtype is."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kvserver import transfer
+from kvserver.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from kvserver.layout import KVLayout
+from kvserver.media.base import DevicePool, wide_dtype
+from kvserver.shm import ShmMapping, map_sealed_fd, open_shm
+from kvserver.tickets import PeerCred
+from kvserver.transfer import BufferTable
+from kvserver.v1 import kvserver_pb2 as pb
+
+if TYPE_CHECKING:
+    from kvserver.copier import Job
+    from kvserver.layer_signal import LayerSignal
+
+
+@dataclass(frozen=True, slots=True)
+class ShmAccess:
+    """What a shared-memory pool may be opened from: the descriptors and credentials of the
+    Register call's peer ticket (none without one), whether named /dev/shm objects are allowed
+    (--allow-named-shm), and whether the daemon has the Unix socket tickets come from."""
+
+    fds: tuple[int, ...] = ()
+    peer: PeerCred | None = None
+    allow_named: bool = False
+    fd_socket: bool = True
+
+
+@dataclass(slots=True)
+class ShmDevicePool(DevicePool):
+    """Views into the engine's shared-memory KV buffers, checked against each object's size."""
+
+    num_tokens: int
+    page_size: int
+    dtype: torch.dtype  # the wide copy dtype
+    token_views: list[list[torch.Tensor]]  # [layer][part] -> [num_tokens, elems]
+    page_views: list[list[torch.Tensor]] | None  # [layer][part] -> [num_pages, page_size*elems]
+    mappings: list[ShmMapping] = field(default_factory=list)
+    token_table: BufferTable | None = None
+    page_table: BufferTable | None = None
+
+    def __post_init__(self) -> None:
+        self.token_table = BufferTable.of(self.token_views)
+        if self.page_views is not None:
+            self.page_table = BufferTable.of(self.page_views)
+
+    @property
+    def paged(self) -> bool:
+        return self.page_views is not None
+
+    @property
+    def event_slots(self) -> int:
+        return 0
+
+    @property
+    def event_handles(self) -> tuple[bytes, ...]:
+        return ()
+
+    @property
+    def ipc_allocations(self) -> frozenset[bytes]:
+        return frozenset()
+
+    @property
+    def inline_ok(self) -> bool:
+        return True
+
+    @property
+    def records_events(self) -> bool:
+        return False
+
+    @property
+    def failed(self) -> str | None:
+        return None  # a CPU copy cannot hang behind anything
+
+    def check_request(self, ready_event: bytes, event_slot: int) -> None:
+        if ready_event or event_slot:
+            raise InvalidArgument("ready_event and event_slot are for CUDA pools; this pool is shared memory")
+
+    def attach_host(self, host_ptr: int, nbytes: int, num_layers: int) -> None:
+        """The CPU copies between shared memory and the host region: nothing to set up."""
+
+    def check_sizes(self) -> None:
+        """Named objects can shrink under the mapping; sealed fds cannot (their fd is -1)."""
+        for m in self.mappings:
+            m.check_size()
+
+    def start(self, job: Job, to_device: bool, signal: LayerSignal | None, executor: Executor,
+              waiters: Executor) -> Future[None]:
+        fut = job.queued = executor.submit(self.run, job, to_device, signal)
+        return fut
+
+    def run(self, job: Job, to_device: bool, signal: LayerSignal | None) -> None:
+        """Copies the job's layers in order in this thread; raises ``JobStopped`` if it was
+        stopped first (before any layer, or at a layer boundary)."""
+        if job.stopping:
+            raise job.stopped(0)
+        table = self.page_table if job.plan.device_paged else self.token_table
+        layers = np.asarray(job.local_layers, dtype=np.int64)
+        progress, fd = (signal.counter, signal.fd) if signal is not None else (None, -1)
+        interval = signal.interval if signal is not None else 0.0
+        done = transfer.copy_job(job.plan, layers, job.host, table, to_device, progress, fd,
+                                 interval, job.stop_word)
+        if done is not None:
+            if done < len(job.local_layers):
+                if signal is not None:
+                    os.eventfd_write(signal.fd, 1)  # wake the loop: the copy ends here
+                raise job.stopped(done)
+            return
+        for i, layer in enumerate(job.local_layers):
+            if job.stopping:
+                raise job.stopped(i)
+            for part, dev_tokens in enumerate(self.token_views[layer]):
+                pages = self.page_views[layer][part] if self.page_views is not None else None
+                if job.host_table is None:
+                    host = job.client.host_views[layer][part]
+                    transfer.copy_part(job.plan, host, pages, dev_tokens, to_device)
+                else:
+                    transfer.copy_part_at(job.plan, job.host_table, layer, part, pages, dev_tokens, to_device)
+            if signal is not None:
+                signal.publish(i + 1)
+
+    def close(self) -> None:
+        self.token_views = []
+        self.page_views = None
+        for m in self.mappings:
+            m.close()
+        self.mappings = []
+
+
+def open_shm_pool(
+    refs: list[pb.BufferRef],
+    n: int,
+    layout: KVLayout,
+    kv_dtype: torch.dtype,
+    num_layers: int,
+    page_size: int,
+    access: ShmAccess,
+) -> ShmDevicePool:
+    """Maps each descriptor or named object once, checks each buffer against its size, and
+    builds views. Every reference is checked before anything is mapped."""
+    token_bytes = layout.token_bytes(kv_dtype)
+    _check_access(refs, access)
+    for r in refs:
+        if r.token_stride < token_bytes:
+            raise InvalidArgument(
+                f"token_stride {r.token_stride} is smaller than one token ({token_bytes} bytes "
+                f"for {layout} in {kv_dtype})"
+            )
+    mappings: dict[str, ShmMapping] = {}
+    try:
+        for r in refs:
+            key = _key(r)
+            if key not in mappings:
+                if r.HasField("fd"):
+                    mappings[key] = map_sealed_fd(access.fds[r.fd.index], f"fd {r.fd.index}")
+                else:
+                    mappings[key] = open_shm(r.shm.name, access.peer.uid)
+            m = mappings[key]
+            end = r.offset + (n - 1) * r.token_stride + token_bytes
+            if end > m.size:
+                what = f"shm object {r.shm.name!r}" if r.HasField("shm") else f"fd {r.fd.index}"
+                raise InvalidArgument(
+                    f"{what} is {m.size} bytes but the buffer at offset {r.offset} "
+                    f"with token_stride {r.token_stride} needs {end} bytes for {n} tokens"
+                )
+        wide = wide_dtype(token_bytes, *(r.offset for r in refs), *(r.token_stride for r in refs))
+        w = wide.itemsize
+        flat = {key: torch.frombuffer(m.mm, dtype=wide, count=m.size // w) for key, m in mappings.items()}
+        elems = token_bytes // w
+        parts = layout.num_parts
+        token_views = [
+            [
+                torch.as_strided(flat[_key(r)], (n, elems), (r.token_stride // w, 1), r.offset // w)
+                for r in refs[layer * parts : (layer + 1) * parts]
+            ]
+            for layer in range(num_layers)
+        ]
+        page_views = None
+        if all(r.token_stride == token_bytes for r in refs) and n >= page_size:
+            pages = n // page_size
+            page_views = [
+                [
+                    torch.as_strided(
+                        flat[_key(r)], (pages, page_size * elems), (page_size * elems, 1), r.offset // w
+                    )
+                    for r in refs[layer * parts : (layer + 1) * parts]
+                ]
+                for layer in range(num_layers)
+            ]
+        return ShmDevicePool(n, page_size, wide, token_views, page_views, list(mappings.values()))
+    except BaseException:
+        for m in mappings.values():
+            m.close()
+        raise
+
+
+def _key(r: pb.BufferRef) -> str:
+    return f"fd:{r.fd.index}" if r.HasField("fd") else f"shm:{r.shm.name}"
+
+
+def _check_access(refs: list[pb.BufferRef], access: ShmAccess) -> None:
+    """The pool names only descriptors its caller sent, and named objects only where allowed."""
+    if not access.fd_socket:
+        raise FailedPrecondition(
+            "shared-memory pools need the daemon's Unix socket (descriptors come over its fd "
+            "socket); this daemon listens on TCP only"
+        )
+    named = any(r.HasField("shm") for r in refs)
+    if named and not access.allow_named:
+        raise PermissionDenied(
+            "named shm objects (ShmLocation) are refused unless the daemon runs with "
+            "--allow-named-shm; send the pool's memfd over the fd socket (FdLocation) instead"
+        )
+    if access.peer is None:
+        raise InvalidArgument(
+            "a shared-memory pool needs a peer_ticket from the daemon's fd socket (the gRPC socket's "
+            "path + '.fd'): it carries the pool's descriptors and the caller's credentials"
+        )
+    for i, r in enumerate(refs):
+        if r.HasField("fd") and r.fd.index >= len(access.fds):
+            raise InvalidArgument(
+                f"device_pool buffer {i} names fd {r.fd.index} but the peer ticket carries "
+                f"{len(access.fds)} descriptor(s)"
+            )
