@@ -42,6 +42,7 @@ RUN = {
     ("README.md", "scripts/install.sh && .venv/bin/kvserver"): "opening",
     ("README.md", "kvserver"): "daemons",
     ("README.md", "import torch"): "engine",
+    ("README.md", "from kvclient import KVClient, KVLayout, ShmKVPool"): "cache",
     ("README.md", "S=/run/kvserver/kvserver.sock"): "grpcurl",
     ("README.md", "scripts/test.sh"): "development",
 }
@@ -284,6 +285,22 @@ def test_engine_example(env, start, tmp_path):
     after = stats(target)
     assert after.num_clients == 0 and after.reserved_bytes == 0, after
     assert set(os.listdir("/dev/shm")) <= shm_before, "the example left its pool behind"
+    d.stop()
+
+
+def test_cache_example_hits_in_a_second_process(env, start, tmp_path):
+    d = start("kvserver", env)
+    (target,), _ = d.wait_listening()
+    (tmp_path / "cached_engine.py").write_text(block("cache"))
+    outs = []
+    for _ in range(2):  # two processes, one after the other: the second is the restarted engine
+        res = subprocess.run([str(VENV_BIN / "python"), "cached_engine.py"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+        outs.append(res.stdout.strip())
+    assert outs == ["computed the prompt, stored 4 pages", "loaded 4 of 4 pages from the cache"], outs
+    after = stats(target)
+    assert after.num_clients == 0 and after.cache_bytes > 0, after  # the pages outlived both engines
     d.stop()
 
 
