@@ -1,0 +1,71 @@
+"""The cache calls of both clients and both views against the real daemon: put, lookup, a view's
+pinned lookup and release, get layer by layer, and a get of keys nobody stored."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from kvclient import AsyncCacheView, AsyncKVClient, CacheView, KVClient, KVLayout, ShmKVPool
+from kvclient.keys import page_keys
+from tests.test_roundtrip import fill_random, raw, snapshot
+
+LAYOUT, DTYPE, PAGE, LAYERS = KVLayout.mha(2, 8), torch.float16, 16, 4
+
+
+def register(client, pool):
+    return client.register(model="calls", pool=pool, start_layer=0, end_layer=LAYERS, num_layers=LAYERS,
+                           host_tokens=0, page_size=PAGE)
+
+
+def test_sync_client_and_view(daemon):
+    keys = page_keys(range(1000, 1000 + 5 * PAGE + 3), PAGE)  # 5 whole pages; the rest has no key
+    assert len(keys) == 5 * 16
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 256) as pa, ShmKVPool(LAYOUT, DTYPE, LAYERS, 256) as pb_, \
+            KVClient(daemon.address) as a, KVClient(daemon.address) as b:
+        register(a, pa)
+        register(b, pb_)
+        fill_random(pa, 3)
+        orig = snapshot(pa)
+        assert (a.put(keys, [0, 1, 2, 3, 4]).stored, a.put(keys, [0, 1, 2, 3, 4]).present) == (5, 5)
+        assert b.lookup(keys).pages == 5
+        with CacheView(daemon.address, model="calls", layout=LAYOUT, dtype=DTYPE, page_size=PAGE,
+                       num_layers=LAYERS) as view:
+            found = view.lookup(keys, pin_ms=2000)
+            assert found.pages == 5 and found.lease_id
+            assert view.release(found.lease_id) == 1 and view.release(found.lease_id) == 0
+        handle = b.get(keys, [10, 11, 12, 13, 14])
+        assert handle.pages() == 5
+        assert all(handle.wait_layer(layer) for layer in range(LAYERS))
+        handle.wait()
+        for layer in range(LAYERS):
+            for part, buf in enumerate(pb_.buffers[layer]):
+                assert torch.equal(raw(buf)[10 * PAGE:15 * PAGE], orig[layer][part][:5 * PAGE])
+        assert b.get(page_keys([1, 2, 3] * PAGE, PAGE), [6, 7, 8]).pages() == 0
+
+
+def test_asyncio_client_and_view(daemon):
+    keys = page_keys(range(2 * PAGE), PAGE)
+
+    async def run():
+        with ShmKVPool(LAYOUT, DTYPE, LAYERS, 64) as pa, ShmKVPool(LAYOUT, DTYPE, LAYERS, 64) as pb_:
+            async with AsyncKVClient(daemon.address) as a, AsyncKVClient(daemon.address) as b:
+                await a.register(model="calls", pool=pa, start_layer=0, end_layer=LAYERS, num_layers=LAYERS,
+                                 host_tokens=0, page_size=PAGE)
+                await b.register(model="calls", pool=pb_, start_layer=0, end_layer=LAYERS, num_layers=LAYERS,
+                                 host_tokens=0, page_size=PAGE)
+                fill_random(pa, 4)
+                orig = snapshot(pa)
+                assert (await a.put(keys, [2, 3])).stored == 2
+                async with AsyncCacheView(daemon.address, model="calls", layout=LAYOUT, dtype=DTYPE,
+                                          page_size=PAGE, num_layers=LAYERS) as view:
+                    assert (await view.lookup(keys)).pages == 2
+                handle = b.get(keys, [0, 1])
+                assert await handle.pages() == 2
+                await handle.wait()
+                for layer in range(LAYERS):
+                    for part, buf in enumerate(pb_.buffers[layer]):
+                        assert torch.equal(raw(buf)[: 2 * PAGE], orig[layer][part][2 * PAGE:4 * PAGE])
+
+    asyncio.run(run())
