@@ -149,7 +149,8 @@ def main() -> None:
     print(f"{'keys':>8}  {'Stats':>9}  {'engine':>9}  {'scheduler':>9}  {'engine/Stats':>12}  "
           f"{'scheduler/Stats':>15}")
     for n, t in lookups:
-        print(f"{n:>8}  {t['Stats'] * 1e3:7.2f}ms  {t['engine'] * 1e3:7.2f}ms  {t['scheduler'] * 1e3:7.2f}ms  "
+        ms = {k: v * 1e3 for k, v in t.items()}
+        print(f"{n:>8}  {ms['Stats']:7.2f}ms  {ms['engine']:7.2f}ms  {ms['scheduler']:7.2f}ms  "
               f"{t['engine'] / t['Stats']:11.2f}x  {t['scheduler'] / t['Stats']:14.2f}x")
     print(f"\nPut/Get vs Write/Load, pages of {PAGE} tokens x {LAYERS} layers (2 MiB); median of "
           f"{args.repeats} rounds; GB/s")
