@@ -38,7 +38,7 @@ def recv(out, what: str):
 
 def test_killed_engine_restarted_hits_its_prefix_and_other_tenants_do_not(tmp_path) -> None:
     tokens_file = tmp_path / "tenants"
-    tokens_file.write_text("other tok-other\n")
+    tokens_file.write_text("other tok-other-0123456789\n")
     sock_dir = tempfile.mkdtemp(prefix="kvc-")
     os.chmod(sock_dir, 0o755)  # lets another uid reach the socket (group access below)
     d = DaemonProcess(os.path.join(sock_dir, "kv.sock"), "--tenant-tokens", str(tokens_file),
@@ -75,9 +75,9 @@ def test_killed_engine_restarted_hits_its_prefix_and_other_tenants_do_not(tmp_pa
         assert again.exitcode == 0
 
         keys = prompt_keys(tokens)
-        with CacheEngine(d.address, tenant_token="tok-other") as other:
+        with CacheEngine(d.address, tenant_token="tok-other-0123456789") as other:
             assert other.lookup(keys).pages == 0, "another tenant hit the same keys"
-            assert all(s.tenant == "other" for s in other.client.stats(all_clients=True).spaces)
+            assert all(s.tenant == "other" for s in other.client.stats().spaces)
             pages = scattered(np.random.default_rng(3), N, other.num_pages)
             other.wipe()
             assert other.get(keys, pages) == 0 and other.zero(pages)
@@ -86,7 +86,7 @@ def test_killed_engine_restarted_hits_its_prefix_and_other_tenants_do_not(tmp_pa
             assert other.put(keys, pages).stored == N
         tenants = {t.tenant: t.counters.pages for t in d.stats().tenants}
         assert tenants == {f"uid:{os.getuid()}": N, "other": N}, tenants
-        code, _ = error_of(lambda: CacheEngine(d.address, tenant_token="tok-unknown"))
+        code, _ = error_of(lambda: CacheEngine(d.address, tenant_token="tok-unknown-0123456789"))
         assert code == grpc.StatusCode.UNAUTHENTICATED
 
         if os.geteuid() == 0:  # another uid, without a tenant token: its own tenant
@@ -108,13 +108,14 @@ def lookup_as(uid: int, socket: str, keys: list[bytes]) -> dict:
 
 def test_quotas_hold(tmp_path) -> None:
     tokens_file = tmp_path / "tenants"
-    tokens_file.write_text("# name token [quota]\nsmall tok-small 1MiB\nplain tok-plain\n")
+    small, plain = "tok-small-0123456789", "tok-plain-0123456789"  # tokens are at least 16 characters
+    tokens_file.write_text(f"# name token [quota]\nsmall {small} 1MiB\nplain {plain}\n")
     d = DaemonProcess(str(tmp_path / "kv.sock"), "--tenant-tokens", str(tokens_file),
                       "--tenant-quota", "2MiB", host_memory="128MiB")
     try:
         rng = np.random.default_rng(4)
         keys = prompt_keys(rng.integers(0, 50000, 100 * 16))
-        want = {f"uid:{os.getuid()}": (None, 64), "small": ("tok-small", 32), "plain": ("tok-plain", 64)}
+        want = {f"uid:{os.getuid()}": (None, 64), "small": (small, 32), "plain": (plain, 64)}
         for tenant, (token, fits) in want.items():
             with CacheEngine(d.address, tenant_token=token, pages=100) as eng:
                 pages = np.arange(100)
@@ -127,7 +128,7 @@ def test_quotas_hold(tmp_path) -> None:
                 eng.fill(more, pages[:16])
                 assert eng.put(more, pages[:16]).stored == 16
                 assert eng.lookup(keys).pages == fits - 16, "the prefix loses its end"
-                own = eng.client.stats(all_clients=True).tenants
+                own = eng.client.stats().tenants
                 assert [t.tenant for t in own] == [tenant], "a tenant sees only its own totals"
                 assert own[0].counters.bytes == fits * PAGE_BYTES
                 assert own[0].quota_bytes == fits * PAGE_BYTES
@@ -136,6 +137,6 @@ def test_quotas_hold(tmp_path) -> None:
             t: fits * PAGE_BYTES for t, (_, fits) in want.items()}
         assert stats.cache_bytes <= stats.capacity_bytes
         with pytest.raises(KVClientError):
-            CacheEngine(d.address, tenant_token="tok-nobody-has")
+            CacheEngine(d.address, tenant_token="tok-nobody-has-0123456789")
     finally:
         d.stop()
