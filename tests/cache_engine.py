@@ -206,7 +206,8 @@ def lookup_as(uid: int, socket: str, keys: bytes) -> dict:
     os.setuid(uid)
     with CacheView(f"unix://{socket}", model=MODEL, layout=LAYOUT, dtype=DTYPE, page_size=PAGE,
                    num_layers=4) as view:
-        return {"uid": os.getuid(), "tenant": view.tenant, "pages": view.lookup(keys).pages}
+        pages = view.lookup(keys).pages  # the view opens its space on first use
+        return {"uid": os.getuid(), "tenant": view.tenant, "pages": pages}
 
 
 if __name__ == "__main__":

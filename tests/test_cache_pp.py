@@ -70,9 +70,14 @@ def test_scheduler_sees_a_page_only_when_every_stage_holds_it(daemon_proc) -> No
             assert "[3, 7)" in message, message
 
         # A fourth engine naming another layer range for stage 1 would not be interchangeable.
+        # It is refused at its Register, or at the latest at its first cache call.
+        def odd_stage() -> None:
+            with CacheEngine(daemon_proc.address, start=3, end=6, num_layers=NUM_LAYERS, pp_rank=1,
+                             pp_size=STAGES) as odd:
+                odd.lookup(keys)
+
         with pytest.raises(KVClientError) as err:
-            CacheEngine(daemon_proc.address, start=3, end=6, num_layers=NUM_LAYERS, pp_rank=1,
-                        pp_size=STAGES)
+            odd_stage()
         assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION, err.value
         assert "[3, 7)" in err.value.message and "[3, 6)" in err.value.message, err.value.message
 
