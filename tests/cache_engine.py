@@ -273,6 +273,7 @@ def churn_worker(address: str, name: str, seed: int, seconds: float, docs: list[
                     report["corrupt"] += 1
             if kv[:, :, pages[got:]].any():
                 report["untouched_violations"] += 1
+        del kv  # a numpy view pins the mapping: it goes before the mapping does
         eng.close()
     except BaseException:
         report["errors"].append(traceback.format_exc())
