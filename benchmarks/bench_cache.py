@@ -2,11 +2,13 @@
 
 - Lookup of 1k and 64k keys, all stored (tiny pages so that 64k of them fit), from an engine
   (``KVClient.lookup``: its own part) and from a scheduler (``CacheView.lookup``: the whole space),
-  against a bare ``Stats`` call: what answering for the keys costs over a round trip.
+  against a bare ``Stats`` call (no client id, no admin token: the daemon-wide totals only) on a
+  channel to the same socket: what answering for the keys costs over a round trip.
 - Put and Get of --sizes MiB through the cache against Write and Load of the same device pages
   through the index API (Alloc'd host pages), MHA 8 x 128 bf16, 32 layers, pages of 16 tokens (2 MiB
   a page, scattered in a pool twice the transfer). Every Put stores fresh keys, so once the cache is
-  full it evicts as it goes; every Get loads the same stored pages. Ratios are cache / index API.
+  full (it is filled before the timed rounds) it evicts as it goes; every Get loads the same stored
+  pages. Ratios are cache / index API.
 
 The daemon runs as a subprocess; this process is the engine. Each row's figures are medians of
 --repeats rounds measured in turn. Run: python benchmarks/bench_cache.py [--quick]
@@ -23,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
+import grpc
 import numpy as np
 import torch
 
@@ -31,11 +34,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from daemon_proc import DaemonProcess  # noqa: E402
 
 from kvclient import CacheView, KVClient, KVLayout, ShmKVPool  # noqa: E402
+from kvserver.v1 import kvserver_pb2 as pb  # noqa: E402
+from kvserver.v1 import kvserver_pb2_grpc as pb_grpc  # noqa: E402
 
 PAGE = 16
 LOOKUP_LAYOUT = KVLayout.mha(1, 8)  # fp16, 1 layer: 512 B a page
 BIG = KVLayout.mha(8, 128)  # bf16, 32 layers: 2 MiB a page
 LAYERS = 32
+CACHE_TRANSFERS = 3  # the cache's room, in transfers: the Get pages and two more
+
+
+def d_stats(address: str) -> pb.StatsResponse:
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.KVServerStub(channel).Stats(pb.StatsRequest(), timeout=30)
 
 
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -60,7 +71,8 @@ def bench_lookup(address: str, counts: list[int], repeats: int) -> list[tuple[in
     rows = []
     with ShmKVPool(LOOKUP_LAYOUT, torch.float16, 1, most * PAGE) as pool, KVClient(address) as client, \
             CacheView(address, model="bench-lookup", layout=LOOKUP_LAYOUT, dtype=torch.float16,
-                      page_size=PAGE, num_layers=1) as view:
+                      page_size=PAGE, num_layers=1) as view, grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.KVServerStub(channel)
         client.register(model="bench-lookup", pool=pool, start_layer=0, end_layer=1, num_layers=1,
                         host_tokens=PAGE, page_size=PAGE)
         stored = keys(most, "lookup")
@@ -70,7 +82,7 @@ def bench_lookup(address: str, counts: list[int], repeats: int) -> list[tuple[in
             packed = b"".join(stored[:n])
             assert client.lookup(packed).pages == n and view.lookup(packed).pages == n
             t = interleaved({
-                "Stats": lambda: client.stats(),
+                "Stats": lambda: stub.Stats(pb.StatsRequest(), timeout=30),
                 "engine": lambda packed=packed: client.lookup(packed),
                 "scheduler": lambda packed=packed: view.lookup(packed),
             }, repeats)
@@ -100,6 +112,11 @@ def bench_transfer(address: str, mib: int, repeats: int) -> dict[str, float]:
         def put() -> None:
             r = client.put(keys(pages, f"put-{mib}-{next(fresh)}"), dev_pages)
             assert r.stored == pages, r
+
+        # Fill the cache first: every timed Put then evicts, as in a cache that has been running.
+        while d_stats(address).cache_bytes < CACHE_TRANSFERS * pages * page_bytes:
+            put()
+        put()
 
         t = interleaved({
             "Write": lambda: client.write(host_indices=host, device_indices=dev),
@@ -135,15 +152,23 @@ def main() -> None:
     counts = [int(x) for x in args.keys.split(",")]
     sizes = [int(x) for x in args.sizes.split(",")]
     torch.set_num_threads(1)
-    # Room for the lookup pages, and per size its host region and four transfers of cache.
-    budget = max(counts) * 512 * 2 + 6 * max(sizes) * (1 << 20) + (64 << 20)
     with tempfile.TemporaryDirectory(prefix="kvcache-bench-") as tmp:
+        # Lookup: room for the tiny pages. Transfers: a daemon per size, with room for the host
+        # region of the Write/Load baseline and CACHE_TRANSFERS transfers' worth of cache.
+        budget = max(counts) * 512 * 2 + (16 << 20)
         d = DaemonProcess(os.path.join(tmp, "kv.sock"), host_memory=f"{budget >> 20}MiB")
         try:
             lookups = bench_lookup(d.address, counts, max(args.repeats, 10))
-            transfers = [(mib, bench_transfer(d.address, mib, args.repeats)) for mib in sizes]
         finally:
             d.stop()
+        transfers = []
+        for mib in sizes:
+            d = DaemonProcess(os.path.join(tmp, f"kv{mib}.sock"),
+                              host_memory=f"{(CACHE_TRANSFERS + 1) * mib + 16}MiB")
+            try:
+                transfers.append((mib, bench_transfer(d.address, mib, args.repeats)))
+            finally:
+                d.stop()
 
     print(f"Lookup, all keys stored; median of {max(args.repeats, 10)} rounds")
     print(f"{'keys':>8}  {'Stats':>9}  {'engine':>9}  {'scheduler':>9}  {'engine/Stats':>12}  "
