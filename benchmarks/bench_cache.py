@@ -105,8 +105,6 @@ def bench_transfer(address: str, mib: int, repeats: int) -> dict[str, float]:
         dev_pages = torch.randperm(pool_pages, generator=g)[:pages]
         dev = (dev_pages[:, None] * PAGE + torch.arange(PAGE)).reshape(-1)
         host = client.alloc(pages * PAGE)
-        stored = keys(pages, f"get-{mib}")
-        assert client.put(stored, dev_pages).stored == pages
         fresh = iter(range(1 << 30))
 
         def put() -> None:
@@ -117,12 +115,19 @@ def bench_transfer(address: str, mib: int, repeats: int) -> dict[str, float]:
         while d_stats(address).cache_bytes < CACHE_TRANSFERS * pages * page_bytes:
             put()
         put()
+        stored = keys(pages, f"get-{mib}")  # the most recent pages: each Get touches them again
+        assert client.put(stored, dev_pages).stored == pages
+
+        def get() -> None:
+            handle = client.get(stored, dev_pages)
+            assert handle.pages(timeout=60) == pages, "the pages to Get were evicted"
+            handle.wait(timeout=60)
 
         t = interleaved({
             "Write": lambda: client.write(host_indices=host, device_indices=dev),
             "Put": put,
             "Load": lambda: client.load(host_indices=host, device_indices=dev).wait(),
-            "Get": lambda: client.get(stored, dev_pages).wait(),
+            "Get": get,
         }, repeats)
         # What the Get loads is what was Put: wipe the pages, Get them back, compare.
         want = [b.view(torch.uint8)[dev].clone() for layer in pool.buffers for b in layer]
