@@ -1,6 +1,7 @@
-"""Peer tickets: before every Register of a shared-memory pool the client hands the pool's
-descriptors to the daemon's fd socket (the gRPC socket's path + ".fd") and puts the one-time
-ticket it gets back into the request. The protocol is in kvserver/peer_socket.py.
+"""Peer tickets: before every Register the client hands the pool's descriptors (none for a CUDA
+pool) to the daemon's fd socket (the gRPC socket's path + ".fd") and puts the one-time ticket it
+gets back into the request; a scheduler's OpenSpace carries one too. The ticket tells the daemon
+the caller's uid, and so its tenant. The protocol is in kvserver/peer_socket.py.
 
 Synchronous and short; the asyncio client runs it in a thread.
 """
@@ -37,14 +38,20 @@ def get_ticket(path: str, fds: list[int], timeout: float = 5.0) -> str:
             from None
 
 
-def ticketed(target: str, pool, req: pb.RegisterRequest) -> pb.RegisterRequest:
-    """``req`` with a fresh peer ticket for ``pool``'s descriptors, when the pool is in shared
-    memory (a CUDA pool has none) and the daemon is reached over its Unix socket."""
-    fds = getattr(pool, "fds", None)
+def ticket_for(target: str, fds: list[int] | tuple[int, ...] = ()) -> str:
+    """A fresh peer ticket carrying ``fds`` when the daemon has an fd socket for ``target``;
+    "" when it has none (TCP)."""
     path = fd_socket_path(target)
-    if fds is None or path is None:
+    return "" if path is None else get_ticket(path, list(fds))
+
+
+def ticketed(target: str, pool, req: pb.RegisterRequest) -> pb.RegisterRequest:
+    """``req`` with a fresh peer ticket carrying ``pool``'s descriptors (a shared-memory pool's;
+    a CUDA pool has none), when the daemon has an fd socket for ``target``."""
+    ticket = ticket_for(target, tuple(getattr(pool, "fds", None) or ()))
+    if not ticket:
         return req
     out = pb.RegisterRequest()
     out.CopyFrom(req)
-    out.peer_ticket = get_ticket(path, list(fds))
+    out.peer_ticket = ticket
     return out

@@ -1,4 +1,4 @@
-"""Request building and response reading shared by the sync and asyncio clients."""
+"""Messages the client core builds and reads: the Register request, the registration it answers, ids."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A load in flight, as the synchronous client returns it."""
+"""A load or a get in flight, as the synchronous client returns it."""
 
 from __future__ import annotations
 
@@ -13,10 +13,14 @@ from kvserver.v1 import kvserver_pb2 as pb
 
 class LoadHandle:
     """A load in flight. ``wait_layer(i)`` returns True once global layer i has landed, or False
-    if the load missed (resilient mode: the daemon went away; recompute instead)."""
+    if the load missed (resilient mode: the daemon went away; recompute instead). A Get's
+    ``pages()`` says how many leading pages it loads; one that loads none lands no layer."""
 
-    def __init__(self, layers: list[int], on_error: Callable[[KVClientError], bool] | None = None) -> None:
+    def __init__(self, layers: list[int], on_error: Callable[[KVClientError], bool] | None = None, *,
+                 get: bool = False) -> None:
         self.layers = layers
+        self.get = get
+        self._pages: int | None = None  # a Get's stored prefix, from its first message
         self._on_error = on_error  # True: the error is a miss, not raised
         self._cond = threading.Condition()
         self._last_layer = -1
@@ -31,8 +35,8 @@ class LoadHandle:
         self.events: dict[int, object] = {}  # CUDA pools: global layer -> torch.cuda.Event
 
     @classmethod
-    def miss(cls, layers: list[int]) -> LoadHandle:
-        handle = cls(layers)
+    def miss(cls, layers: list[int], *, get: bool = False) -> LoadHandle:
+        handle = cls(layers, get=get)
         handle.missed = True
         return handle
 
@@ -40,6 +44,8 @@ class LoadHandle:
         try:
             for progress in stream:
                 with self._cond:
+                    if self._pages is None:
+                        self._pages = progress.pages
                     self._recorded = self._recorded or progress.events_recorded
                     if progress.layers_done:
                         self._last_layer = progress.last_layer
@@ -78,7 +84,8 @@ class LoadHandle:
             raise ValueError(f"layer {layer_id} is not part of this load")
         with self._cond:
             ok = self._cond.wait_for(
-                lambda: self._error is not None or self.missed or self._last_layer >= layer_id, timeout
+                lambda: self._error is not None or self.missed or self._done or self._last_layer >= layer_id,
+                timeout,
             )
             self._check()
             if not ok:
@@ -104,12 +111,24 @@ class LoadHandle:
             return False
         if layer_id not in self.events:
             raise ValueError(f"layer {layer_id} has no event in this load (not a CUDA pool, or not loaded)")
-        if not self.wait_recorded():
+        if not self.wait_recorded() or (self.get and self._pages == 0):  # a Get of nothing: no events
             return False
         import torch
 
         (stream or torch.cuda.current_stream()).wait_event(self.events[layer_id])
         return True
+
+    def pages(self, timeout: float | None = None) -> int:
+        """Blocks until the first message: how many leading pages this Get loads (0 on a miss)."""
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: self._error is not None or self.missed or self._pages is not None or self._done,
+                timeout,
+            )
+            self._check()
+            if not ok:
+                raise TimeoutError(f"the get did not answer within {timeout} s")
+            return 0 if self.missed else self._pages or 0
 
     def wait(self, timeout: float | None = None) -> int:
         """Waits for every layer; returns the bytes copied (0 if the load missed)."""

@@ -1,28 +1,33 @@
 """Synchronous client, safe to call from engine threads.
 
 The client keeps its registration alive with a Session stream, and in resilient mode (the
-default) survives the daemon going away: writes are dropped, loads report a miss, and a
-background thread re-registers with backoff once the daemon is back (see ``_resilience``).
+default) survives the daemon going away: writes and puts are dropped, loads, gets and lookups
+report a miss, and a background thread re-registers with backoff once the daemon is back (see
+``_resilience``). What to send and what each answer means is ``ClientCore``'s; this shell only
+sends it, on threads.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
 
 from kvclient import _messages as msg
-from kvclient._base import ClientBase
 from kvclient._channel import CHANNEL_OPTIONS
 from kvclient._fd_socket import ticketed
-from kvclient._resilience import Backoff, is_miss
-from kvclient.cuda_events import event_handle
+from kvclient._ops import Call, Missed, Op, StreamOp
+from kvclient._resilience import Backoff
+from kvclient._shell import CoreShell
+from kvclient.core import ClientCore
 from kvclient.errors import KVClientError, from_rpc_error
+from kvclient.keys import KEY_BYTES, Keys
 from kvclient.load_handle import LoadHandle
+from kvclient.results import LookupResult, PutResult
 from kvclient.shm_pool import ShmKVPool
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
@@ -30,72 +35,86 @@ from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 
-class KVClient(ClientBase):
+class KVClient(CoreShell):
     """One engine process's connection to the daemon and its registration.
 
     ``resilient`` (default True): when the daemon is unreachable, restarted, or no longer knows
-    the registration or its pages, ``write`` returns 0, ``load`` returns a missed handle,
-    ``alloc`` returns None and ``free`` 0, counted in ``misses``; the client re-registers by
-    itself. Requests that are wrong still raise ``KVClientError``. With ``resilient=False``
-    every failure raises.
+    the registration or its pages, ``write`` returns 0, ``load`` and ``get`` return a missed
+    handle, ``alloc`` returns None, ``free`` and ``release`` 0, ``lookup`` no pages and ``put``
+    every page dropped, counted in ``misses``; the client re-registers by itself. Requests that
+    are wrong still raise ``KVClientError``. With ``resilient=False`` every failure raises.
+    ``tenant_token``: sent with every call (``x-kvserver-tenant``), it puts the client's cached
+    pages in that token's tenant.
     """
 
     def __init__(self, address: str | None = None, *, timeout: float = 5.0, token: str | None = None,
-                 resilient: bool = True) -> None:
-        super().__init__(address, timeout, token, resilient)
+                 resilient: bool = True, tenant_token: str | None = None) -> None:
+        self._core = ClientCore(address, timeout=timeout, token=token, resilient=resilient,
+                                tenant_token=tenant_token)
         self._channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVServerStub(self._channel)
         self._loaders = ThreadPoolExecutor(8, thread_name_prefix="kvclient-load")
-        self._lock = threading.Lock()
-        self._session: grpc.Future | None = None
-        self._reconnecting = False
         self._closed = threading.Event()
 
-    # ---- plumbing ---------------------------------------------------------------------------
+    # ---- I/O --------------------------------------------------------------------------------
 
     def _call(self, method, request):
         try:
-            return method(request, timeout=self.timeout, metadata=self._metadata)
+            return method(request, timeout=self.timeout, metadata=self._core.metadata)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
 
-    def _data_call(self, method, request, on_miss, job: bool = False):
-        """A call on the registration: failures that mean "not there" become ``on_miss``.
-        ``job``: a Write, whose failure is reported only once its copy cannot still run."""
-        reg = self.registration
-        if reg is None and self._request is None:
-            raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "register() first")
-        if not self.connected:
-            return self._disconnected(on_miss)
+    def _run(self, op: Op):
+        call = self._core.start(op)
+        if isinstance(call, Missed):
+            return call.value
         try:
-            return method(request(reg.client_id), timeout=self._job_deadline if job else self.timeout,
-                          metadata=self._metadata)
+            resp = getattr(self._stub, op.rpc)(call.request, timeout=call.timeout,
+                                               metadata=self._core.metadata)
         except grpc.RpcError as exc:
             error = from_rpc_error(exc)
-        if job and self._job_unconfirmed(error):
-            self._confirm_stopped(reg)
-        if self._is_miss(error, reg):
-            return on_miss
+        else:
+            return op.read(resp)
+        if self._core.unconfirmed(call, error):
+            self._confirm_stopped(call.reg)
+        if self._is_miss(error, call.reg):
+            return op.miss
         raise error from None
 
+    def _stream(self, op: StreamOp) -> LoadHandle:
+        call = self._core.start_stream(op)
+        if isinstance(call, Missed):
+            return LoadHandle.miss(call.value, get=op.get)
+        handle = LoadHandle(call.layers, get=op.get)
+        handle.events = call.events
+        handle._on_error = lambda error: self._stream_failed(call, handle, error)
+        stream = getattr(self._stub, op.rpc)(call.request, timeout=call.timeout, metadata=self._core.metadata)
+        self._loaders.submit(handle._consume, stream)
+        return handle
+
+    def _stream_failed(self, call: Call, handle: LoadHandle, error: KVClientError) -> bool:
+        # Reported to the engine only once the daemon said the copy is dead, or was made to.
+        if self._core.unconfirmed(call, error):
+            handle.confirmed = self._confirm_stopped(call.reg)
+        return self._is_miss(error, call.reg)
+
+    def _is_miss(self, error: KVClientError, reg: msg.Registration | None) -> bool:
+        miss, lose = self._core.judge(error, reg)
+        if lose:
+            self._lost(reg, error.message)
+        return miss
+
     def _confirm_stopped(self, reg: msg.Registration) -> bool:
-        """A Write or Load got no answer in time, so its copy might still run. Unregister stops
-        every job of the registration and answers once they are dead; the client then registers
-        anew. True if the daemon confirmed (see docs/reliability.md for when it cannot)."""
-        if self._closed.is_set():
+        req = self._core.confirm_request(reg)
+        if req is None:
             return False
         try:
-            resp = self._stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=self.timeout,
-                                         metadata=self._metadata)
-            confirmed = not resp.copies_pending  # GPU work that may still run is not dead
+            confirmed = self._core.confirmed(self._stub.Unregister(req, timeout=self.timeout,
+                                                                   metadata=self._core.metadata))
         except grpc.RpcError as exc:
-            confirmed = exc.code() == grpc.StatusCode.NOT_FOUND  # already released or being released
-        if not confirmed:
-            logger.warning("kvserver did not confirm that a timed-out copy stopped; its device slots "
-                           "may still be written until the daemon drops the registration")
+            confirmed = self._core.confirmed(None, from_rpc_error(exc))
         self._lost(reg, "a copy outlived its deadline unanswered")
         return confirmed
-
 
     # ---- registration and liveness --------------------------------------------------------
 
@@ -121,26 +140,22 @@ class KVClient(ClientBase):
         sets of per-layer events, one set per load in flight. The grant is ``host_tokens``, or
         at least ``min_host_tokens`` if given: a daemon that cannot grant that much refuses with
         RESOURCE_EXHAUSTED, naming what is free."""
-        req = msg.register_request(
+        req = self._core.register_request(
             model=model, pool=pool, start_layer=start_layer, end_layer=end_layer,
             num_layers=num_layers, host_tokens=host_tokens, page_size=page_size,
             tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, event_slots=event_slots,
-            min_host_tokens=min_host_tokens or 0,
+            min_host_tokens=min_host_tokens,
         )
-        reg = msg.registration(self._call(self._stub.Register, ticketed(self.target, pool, req)), req)
-        self._log_grant(reg, req)
-        self._remember_pool(pool, reg)
-        with self._lock:
-            self._request = req
-            self._adopt(reg)
+        resp = self._call(self._stub.Register, ticketed(self.target, pool, req))
+        reg = self._core.registered(resp, req, pool)
+        self._open_session(reg)
         return reg
 
-    def _adopt(self, reg: msg.Registration) -> None:
-        """Makes ``reg`` current and holds its session (caller holds the lock)."""
-        self.registration = reg
-        self.connected = True
-        call = self._stub.Session(pb.SessionRequest(client_id=reg.client_id), metadata=self._metadata)
-        self._session = call
+    def _open_session(self, reg: msg.Registration) -> None:
+        call = self._stub.Session(pb.SessionRequest(client_id=reg.client_id), metadata=self._core.metadata)
+        if not self._core.hold(reg, call):
+            call.cancel()
+            return
         threading.Thread(target=self._hold_session, args=(call, reg), daemon=True,
                          name="kvclient-session").start()
 
@@ -154,54 +169,40 @@ class KVClient(ClientBase):
         self._lost(reg, reason)
 
     def _lost(self, reg: msg.Registration | None, reason: str) -> None:
-        """The daemon no longer holds ``reg``: misses until a new registration is made."""
-        with self._lock:
-            if self._closed.is_set() or reg is None or reg is not self.registration or not self.connected:
-                return
-            self.connected = False
-            # Given up: its session ends, so a daemon that still holds it (a slow call, not a
-            # dead daemon) reclaims it rather than keeping it beside the next registration.
-            if self._session is not None:
-                self._session.cancel()
-            if not self.resilient or self._reconnecting or self._request is None:
-                return
-            self._reconnecting = True
-        logger.warning("kvserver registration lost (%s); writes are dropped and loads miss until "
-                       "the daemon is back", reason)
-        threading.Thread(target=self._reconnect, args=(reg,), daemon=True, name="kvclient-reconnect").start()
+        lost = self._core.lose(reg, reason)
+        if lost is None:
+            return
+        if lost.session is not None:
+            lost.session.cancel()
+        if lost.reconnect:
+            threading.Thread(target=self._reconnect, args=(reg,), daemon=True,
+                             name="kvclient-reconnect").start()
 
     def _reconnect(self, old: msg.Registration) -> None:
         backoff = Backoff()
         try:
             while not self._closed.wait(backoff.next()):
-                request = self._request
-                if request is None:
+                retry = self._core.retry_request(old)
+                if retry is None:
                     return
                 try:
-                    resp = self._stub.Register(ticketed(self.target, self._pool, self._retry_request(old)),
-                                               timeout=self.timeout, metadata=self._metadata)
+                    resp = self._stub.Register(ticketed(self.target, self._core.pool, retry),
+                                               timeout=self.timeout, metadata=self._core.metadata)
                 except grpc.RpcError as exc:
                     logger.debug("re-registration failed: %s", exc.code().name)
                     continue
                 except KVClientError as exc:  # no peer ticket: the daemon is not back yet
                     logger.debug("re-registration failed: %s", exc.message)
                     continue
-                with self._lock:
-                    if self._closed.is_set() or self.registration is None:
-                        return
-                    self._adopt(msg.registration(resp, request))
-                    self.reconnects += 1
-                logger.warning("kvserver registration restored after %d attempts", backoff.attempt)
+                reg = self._core.reregistered(resp, old, backoff.attempt)
+                if reg is not None:
+                    self._open_session(reg)
                 return
         finally:
-            with self._lock:
-                self._reconnecting = False
+            self._core.reconnect_ended(old)
 
     def unregister(self) -> None:
-        with self._lock:
-            reg, self.registration, self._request = self.registration, None, None
-            self.connected = False
-            session, self._session = self._session, None
+        reg, session = self._core.unregistering()
         if session is not None:
             session.cancel()
         if reg is None:
@@ -209,24 +210,18 @@ class KVClient(ClientBase):
         try:
             resp = self._call(self._stub.Unregister, pb.UnregisterRequest(client_id=reg.client_id))
         except KVClientError as exc:
-            if not (self.resilient and is_miss(exc.code)):
-                raise
+            self._core.unregister_failed(exc)
         else:
-            self._unregistered(resp.copies_pending)
+            self._core.unregistered(resp.copies_pending)
 
-    # ---- data -----------------------------------------------------------------------------
+    # ---- the index API ----------------------------------------------------------------------
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Page-aligned host indices, or None on a miss (resilient mode)."""
-        resp = self._data_call(self._stub.Alloc,
-                               lambda cid: pb.AllocRequest(client_id=cid, num_tokens=num_tokens), None)
-        return None if resp is None else msg.host_tensor(resp)
+        return self._run(self._core.alloc(num_tokens))
 
     def free(self, host_indices: msg.Indices) -> int:
-        ids = msg.ids(host_indices)
-        resp = self._data_call(self._stub.Free, lambda cid: pb.FreeRequest(client_id=cid, host_indices=ids),
-                               None)
-        return 0 if resp is None else resp.freed_tokens
+        return self._run(self._core.free(host_indices))
 
     def write(
         self, *, host_indices: msg.Indices, device_indices: msg.Indices, layers: Iterable[int] | None = None,
@@ -236,15 +231,7 @@ class KVClient(ClientBase):
         CUDA pools: ``ready_event`` (an interprocess torch.cuda.Event the engine recorded after
         writing the KV) makes the daemon's copy wait for it on the GPU.
         Returns the bytes written, 0 on a miss (resilient mode)."""
-        host, dev, lay = msg.ids(host_indices), msg.ids(device_indices), msg.layer_list(layers)
-        ready = b"" if ready_event is None else event_handle(ready_event)
-        resp = self._data_call(
-            self._stub.Write,
-            lambda cid: pb.WriteRequest(client_id=cid, host_indices=host, device_indices=dev, layers=lay,
-                                        ready_event=ready, timeout_ms=self._timeout_ms),
-            None, job=True,
-        )
-        return 0 if resp is None else resp.bytes
+        return self._run(self._core.write(host_indices, device_indices, layers, ready_event))
 
     def load(
         self, *, host_indices: msg.Indices, device_indices: msg.Indices, layers: Iterable[int] | None = None,
@@ -253,53 +240,50 @@ class KVClient(ClientBase):
         """Starts a layer-by-layer load and returns at once. CUDA pools: the load records the
         layer events of ``event_slot`` (``handle.stream_wait_layer``); ``ready_event`` makes the
         daemon wait for the engine before overwriting the device slots."""
-        reg = self.registration
-        if reg is None and self._request is None:
-            raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "register() first")
-        req = self._request or pb.RegisterRequest()
-        lay = msg.layer_list(layers) or list(range(req.start_layer, req.end_layer))
-        if not self.connected:
-            return self._disconnected(LoadHandle.miss(lay))
-        request = pb.LoadRequest(client_id=reg.client_id, host_indices=msg.ids(host_indices),
-                                 device_indices=msg.ids(device_indices), layers=msg.layer_list(layers),
-                                 event_slot=event_slot, timeout_ms=self._timeout_ms,
-                                 ready_event=b"" if ready_event is None else event_handle(ready_event))
-        handle = LoadHandle(lay)
-
-        def failed(error: KVClientError) -> bool:
-            # Reported to the engine only once the daemon said the copy is dead, or was made to.
-            if self._job_unconfirmed(error):
-                handle.confirmed = self._confirm_stopped(reg)
-            return self._is_miss(error, reg)
-
-        handle._on_error = failed
-        if reg.layer_events:
-            events = self._layer_events(reg)
-            handle.events = {g: events.event(event_slot, g - reg.start_layer) for g in lay}
-        stream = self._stub.Load(request, timeout=self._job_deadline, metadata=self._metadata)
-        self._loaders.submit(handle._consume, stream)
-        return handle
+        return self._stream(self._core.load(host_indices, device_indices, layers, event_slot, ready_event))
 
     def available_size(self) -> int:
         """Host token slots this registration can still allocate (0 on a miss)."""
-        resp = self._data_call(self._stub.Stats, lambda cid: pb.StatsRequest(client_id=cid), None)
-        if resp is None:
-            return 0
-        c = resp.clients[0]
-        return c.capacity_tokens - c.used_tokens
+        return self._run(self._core.available_size())
 
     def stats(self, all_clients: bool = False) -> pb.StatsResponse:
         """This client's stats, or (``all_clients``) daemon-wide totals; the list of every client
         is only for a caller with the daemon's admin token."""
-        req = pb.StatsRequest(client_id="" if all_clients else self.client_id)
-        return self._call(self._stub.Stats, req)
+        return self._run(self._core.stats(all_clients))
+
+    # ---- the node-wide cache ----------------------------------------------------------------
+
+    def lookup(self, keys: Keys, *, pin_ms: int = 0, whole_space: bool = False,
+               key_bytes: int = KEY_BYTES) -> LookupResult:
+        """How many leading ``keys`` are cached in this engine's part (``whole_space``: in every
+        part of its space); ``pin_ms`` pins them under the returned lease. Keys are packed bytes
+        of ``key_bytes`` each, or a sequence of equal-length bytes."""
+        return self._run(self._core.lookup(keys, pin_ms, whole_space, key_bytes))
+
+    def put(self, keys: Keys, device_pages: msg.Indices, *, ready_event=None,
+            key_bytes: int = KEY_BYTES) -> PutResult:
+        """Stores device page ``device_pages[i]`` under key i, for keys not cached yet."""
+        return self._run(self._core.put(keys, device_pages, ready_event, key_bytes))
+
+    def get(self, keys: Keys, device_pages: msg.Indices, *, layers: Iterable[int] | None = None,
+            event_slot: int = 0, ready_event=None, lease_id: str = "",
+            key_bytes: int = KEY_BYTES) -> LoadHandle:
+        """Starts loading the longest cached prefix of ``keys`` into ``device_pages``, layer by
+        layer as ``load``; ``handle.pages()`` says how many pages that is. ``lease_id`` (from a
+        pinning ``lookup``) is ended once the get is done."""
+        return self._stream(self._core.get(keys, device_pages, layers, event_slot, ready_event, lease_id,
+                                           key_bytes))
+
+    def release(self, lease_ids: str | Sequence[str]) -> int:
+        """Ends leases taken by ``lookup(pin_ms=...)``; returns how many were still held."""
+        return self._run(self._core.release(lease_ids))
+
+    # ---- closing ----------------------------------------------------------------------------
 
     def close(self) -> None:
         """Stops the session (the daemon then reclaims the registration) and the channel."""
         self._closed.set()
-        with self._lock:
-            session, self._session = self._session, None
-            self.connected = False
+        session = self._core.closing()
         if session is not None:
             session.cancel()
         self._loaders.shutdown(wait=True)

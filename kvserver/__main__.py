@@ -12,6 +12,7 @@ import uvloop
 from kvserver.config import ServerConfig, default_socket, parse_host_memory
 from kvserver.host_pool import HostMemoryError
 from kvserver.server import ListenError, serve
+from kvserver.tenants import TenantBook, parse_quota
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -71,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-named-shm", action="store_true", default=_env("ALLOW_NAMED_SHM", "") == "1",
                    help="also accept pools in named /dev/shm objects, only ones owned by the caller's "
                         "uid (default: sealed memfds passed over the fd socket only)")
+    p.add_argument("--tenant-quota", default=_env("TENANT_QUOTA", "100%"),
+                   help="cached bytes one tenant may hold in the node-wide cache: a size or a share of "
+                        "--host-memory (default 100%%: the whole budget)")
+    p.add_argument("--tenant-tokens", default=_env("TENANT_TOKENS"),
+                   help="file of 'name token [quota]' lines: a call sending x-kvserver-tenant: <token> "
+                        "is in tenant <name> (default: a caller's tenant is its uid)")
     p.add_argument("--log-level", type=_log_level, default=_env("LOG_LEVEL", "INFO"),
                    help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     return p
@@ -95,7 +102,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         socket = default_socket()
     elif socket.lower() == "none":
         socket = None
-    return ServerConfig(
+    config = ServerConfig(
         socket=socket,
         listen=args.listen,
         host_memory=parse_host_memory(args.host_memory),
@@ -114,7 +121,14 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         socket_group_access=args.socket_group_access,
         cuda_wait_seconds=args.cuda_wait_seconds,
         allow_named_shm=args.allow_named_shm,
+        tenant_quota=args.tenant_quota,
+        tenant_tokens=args.tenant_tokens,
     )
+    # Checked here, so that a bad quota or tokens file stops the daemon with a clear message.
+    parse_quota(config.tenant_quota, config.host_memory)
+    if config.tenant_tokens:
+        TenantBook.load(config.tenant_tokens, config.host_memory)
+    return config
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -120,6 +120,8 @@ class ClientState:
     copies_pending: bool = False  # released with GPU work that may still run (quarantined)
     # The registering process (pid, uid, gid from its peer ticket); None for a CUDA pool sent without one.
     peer: PeerCred | None = None
+    tenant: str = "anonymous"  # whose cached pages it sees (kvserver.tenants)
+    cache_table: BufferTable | None = None  # its part's page layout for cache jobs, made on first use
 
     @property
     def capacity_tokens(self) -> int:

@@ -81,6 +81,8 @@ class ServerConfig:
     allow_named_shm: bool = False  # accept named /dev/shm pools (owned by the caller) besides memfds
     max_message_bytes: int = 64 << 20
     cuda_wait_seconds: float = 20.0  # GPU work of a client making no progress this long fails it
+    tenant_quota: str = "100%"  # cached bytes one tenant may hold: a size or a share of host_memory
+    tenant_tokens: str | None = None  # file of 'name token [quota]' lines (kvserver.tenants)
 
     def __post_init__(self) -> None:
         if self.host_memory < 2 << 20:

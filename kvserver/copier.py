@@ -19,6 +19,7 @@ call is answered once the GPU is done with it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 import time
@@ -32,6 +33,8 @@ from kvserver import transfer
 from kvserver.client_state import ClientState
 from kvserver.errors import JobStopped
 from kvserver.layer_signal import LayerSignal
+
+logger = logging.getLogger(__name__)
 
 # Copies up to this size run on the event loop when the worker is idle (~50 us at memcpy speed).
 INLINE_COPY_BYTES = 256 << 10
@@ -67,6 +70,9 @@ class Job:
     # busy while the job runs); else a cache table whose rows are byte offsets in the arena, and
     # ``pages`` is empty (the cache holds those pages as being read or written).
     host_table: transfer.BufferTable | None = None
+    # Called once the copy is really over (never while a thread or the GPU may still touch its
+    # pages), with whether every layer was copied: a cache job hands its pages back to the cache.
+    on_end: Callable[[bool], None] | None = None
 
     @property
     def host(self) -> transfer.BufferTable:
@@ -186,13 +192,15 @@ class Copier:
         small = job.bytes_per_layer * len(job.local_layers) <= INLINE_COPY_BYTES
         if self.queued == 0 and small and client.device.kind == "shm":
             fut = loop.create_future()
+            ok = False
             try:
                 self._run(job, to_device, signal)
+                ok = True
                 fut.set_result(None)
             except Exception as exc:
                 fut.set_exception(exc)
             finally:
-                self._release(job, signal)
+                self._release(job, signal, ok=ok)
             return fut
         self.queued += 1
         if client.device.kind == "cuda":
@@ -206,7 +214,7 @@ class Copier:
             if timer is not None:
                 timer.cancel()
             job.queued = None
-            self._release(job, signal, True)
+            self._release(job, signal, True, ok=not cf.cancelled() and cf.exception() is None)
             if fut.done():  # the caller stopped waiting (its task was cancelled)
                 return
             if cf.cancelled():  # dropped from the queue: nothing was copied
@@ -283,8 +291,13 @@ class Copier:
             if signal is not None:
                 signal.publish(i + 1)
 
-    def _release(self, job: Job, signal: LayerSignal | None, queued: bool = False) -> None:
+    def _release(self, job: Job, signal: LayerSignal | None, queued: bool = False, ok: bool = False) -> None:
         self.queued -= queued
+        if job.on_end is not None:
+            try:
+                job.on_end(ok)
+            except Exception:
+                logger.exception("ending a copy job failed")
         client = job.client
         client.busy[job.pages] -= 1
         client.inflight -= 1

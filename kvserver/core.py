@@ -21,6 +21,8 @@ from kvserver.device_pool import ShmAccess, open_pool
 from kvserver.errors import InvalidArgument, NoCapacity, UnknownClient, shown
 from kvserver.host_pool import HostArena
 from kvserver.page_allocator import PageAllocator
+from kvserver.store import KVCache
+from kvserver.tenants import tenant_of
 from kvserver.tickets import TicketBook
 from kvserver.v1 import kvserver_pb2 as pb
 
@@ -45,8 +47,12 @@ class KVCore:
         max_request_indices: int = 1 << 22,
         max_pages_per_client: int = 1 << 24,
         allow_named_shm: bool = False,
+        tenant_quota: int = 0,
+        tenant_quotas: dict[str, int] | None = None,
     ) -> None:
         self.arena = HostArena(host_memory)
+        # The node-wide cache: its pages share the arena (and so the budget) with clients' regions.
+        self.cache = KVCache(self.arena, default_quota=tenant_quota, quotas=tenant_quotas or {})
         self.max_clients = max_clients
         self.max_request_indices = max_request_indices
         self.max_pages_per_client = max_pages_per_client
@@ -66,13 +72,14 @@ class KVCore:
 
     # ---- registration -------------------------------------------------------------------
 
-    async def register(self, req: pb.RegisterRequest) -> ClientState:
-        """Opens the engine's pool and gives it a host region. Opening and attaching a pool run in
-        a worker thread: for a CUDA pool (CuPy's first import, a CUDA context, IPC mappings,
-        pinning the region) they take seconds, and the loop keeps serving everyone else."""
+    async def register(self, req: pb.RegisterRequest, tenant: str | None = None) -> ClientState:
+        """Opens the engine's pool and gives it a host region. ``tenant``: the tenant of the
+        call's tenant token, if it sent one (else the peer ticket's uid decides). Opening and
+        attaching a pool run in a worker thread: for a CUDA pool (CuPy's first import, a CUDA
+        context, IPC mappings, pinning the region) they take seconds, and the loop keeps serving
+        everyone else."""
         spec = ClientSpec.from_request(req)
-        if req.host_tokens == 0:
-            raise InvalidArgument("host_tokens must be at least one page")
+        # host_tokens 0: an engine that uses only the node-wide cache, with no region of its own.
         least, most = self._grant_bounds(req, spec)
         # The ticket is spent by this call whatever its outcome from here on; its fds close once
         # the pool is open. Redeemed before anything changes: a bad ticket changes nothing.
@@ -92,6 +99,7 @@ class KVCore:
                 self._check_fits(spec, least)  # before the pool is opened; again once it is
             client = await self._register(req, spec, access, least, most)
             client.peer = access.peer
+            client.tenant = tenant_of(tenant, access.peer)
         except BaseException:
             if ticket is not None:  # off the loop: it may hold the last reference to a large memfd
                 ticket.close_off_loop()
@@ -152,8 +160,13 @@ class KVCore:
         """Pages of ``spec`` that fit in the largest free region; refuses fewer than ``least``,
         naming what is free in bytes and in tokens of this layout."""
         page_bytes, p = spec.page_bytes, spec.page_size
+        if self.arena.largest_free() < least * page_bytes:
+            # Cached pages give way to the least the engine accepts, never to more.
+            self.cache.make_room(least * page_bytes)
         fit = self.arena.largest_free() // page_bytes
         free = self.arena.capacity - self.arena.reserved
+        if least == 0:
+            return fit
         if fit == 0:
             raise NoCapacity(
                 f"no host memory left for one page of {page_bytes} bytes "
@@ -385,7 +398,7 @@ class KVCore:
         """``prepare``, in a worker thread for a large request (its checks take a good part of a
         second for millions of indices), re-checked here if the client's pages changed meanwhile."""
         # The job's deadline counts from the request's arrival, checks included.
-        deadline = asyncio.get_running_loop().time() + timeout_ms / 1000 if timeout_ms else 0.0
+        deadline = self.deadline(timeout_ms)
         args = (client_id, host_indices, device_indices, layers, ready_event, event_slot, deadline)
         if len(host_indices) <= OFF_LOOP_INDICES:
             return self.prepare(*args)
@@ -402,18 +415,7 @@ class KVCore:
         """Validates a whole transfer request and plans it; touches no memory."""
         client = self.client(client_id)
         spec = client.spec
-        if client.device.kind != "cuda" and (ready_event or event_slot):
-            raise InvalidArgument("ready_event and event_slot are for CUDA pools; this pool is shared memory")
-        if client.device.kind == "cuda":
-            if event_slot >= client.device.event_slots:
-                raise InvalidArgument(
-                    f"event_slot {event_slot} is not one of this registration's "
-                    f"{client.device.event_slots} slots"
-                )
-            if ready_event and len(ready_event) != 64:
-                raise InvalidArgument(
-                    f"ready_event must be a 64-byte CUDA IPC event handle, got {len(ready_event)} bytes"
-                )
+        self.check_events(client, ready_event, event_slot)
         local_layers = spec.layers.select(layers)
         if len(host_indices) != len(device_indices):
             raise InvalidArgument(
@@ -427,6 +429,26 @@ class KVCore:
         num_dev_pages = client.device.num_pages if client.device.paged else None
         plan = transfer.make_plan(pages, dev, spec.page_size, num_dev_pages)
         return Job(client, plan, local_layers, pages, bytes(ready_event), event_slot, deadline)
+
+    def deadline(self, timeout_ms: int) -> float:
+        """A job's deadline on the loop's clock, counted from the request's arrival (0: none)."""
+        return asyncio.get_running_loop().time() + timeout_ms / 1000 if timeout_ms else 0.0
+
+    @staticmethod
+    def check_events(client: ClientState, ready_event: bytes, event_slot: int) -> None:
+        """The CUDA event fields of a request, checked against the client's pool."""
+        if client.device.kind != "cuda" and (ready_event or event_slot):
+            raise InvalidArgument("ready_event and event_slot are for CUDA pools; this pool is shared memory")
+        if client.device.kind == "cuda":
+            if event_slot >= client.device.event_slots:
+                raise InvalidArgument(
+                    f"event_slot {event_slot} is not one of this registration's "
+                    f"{client.device.event_slots} slots"
+                )
+            if ready_event and len(ready_event) != 64:
+                raise InvalidArgument(
+                    f"ready_event must be a 64-byte CUDA IPC event handle, got {len(ready_event)} bytes"
+                )
 
     # ---- lifecycle ------------------------------------------------------------------------
 

@@ -43,6 +43,10 @@ class PermissionDenied(KVError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class Unauthenticated(KVError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
 class Unimplemented(KVError):
     code = grpc.StatusCode.UNIMPLEMENTED
 

@@ -83,6 +83,8 @@ class HostArena:
 
     def reserve(self, nbytes: int) -> int:
         """Reserves ``nbytes`` (rounded up to the alignment) and returns the region's offset."""
+        if nbytes == 0:  # an empty region: nothing to reserve (release of it is a no-op too)
+            return 0
         size = _align_up(nbytes, REGION_ALIGN)
         for i, free in enumerate(self._free_sizes):
             if free >= size:
@@ -99,8 +101,30 @@ class HostArena:
             f"{self.largest_free()} of {self.capacity} bytes"
         )
 
+    def reserve_high(self, nbytes: int) -> int:
+        """Like ``reserve``, but takes the free range with the highest address that fits and carves
+        the region from its top: regions taken this way gather at the top of the arena, those of
+        ``reserve`` at the bottom."""
+        size = _align_up(nbytes, REGION_ALIGN)
+        for i in range(len(self._free_sizes) - 1, -1, -1):
+            free = self._free_sizes[i]
+            if free >= size:
+                start = self._free_starts[i] + free - size
+                if free == size:
+                    del self._free_starts[i], self._free_sizes[i]
+                else:
+                    self._free_sizes[i] -= size
+                self.reserved += size
+                return start
+        raise NoCapacity(
+            f"host memory exhausted: {nbytes} bytes requested, largest free region "
+            f"{self.largest_free()} of {self.capacity} bytes"
+        )
+
     def release(self, start: int, nbytes: int) -> None:
         """Returns a region and gives its pages back to the kernel."""
+        if nbytes == 0:
+            return
         size = _align_up(nbytes, REGION_ALIGN)
         self._mm.madvise(mmap.MADV_DONTNEED, start, size)
         self.reserved -= size

@@ -15,12 +15,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvserver.auth import TokenAuth
+from kvserver.cache_ops import expire_leases
 from kvserver.config import ServerConfig
 from kvserver.core import KVCore
 from kvserver.cuda.waits import set_wait_seconds
 from kvserver.liveness import Reaper
 from kvserver.peer_socket import PeerSocket, fd_socket_path
 from kvserver.servicer import KVServicer, add_to_server
+from kvserver.tenants import TenantBook, parse_quota
 from kvserver.tickets import TicketBook, raise_fd_limit
 from kvserver.v1 import kvserver_pb2 as pb
 
@@ -55,6 +57,9 @@ class Daemon:
         self.config = config
         raise_fd_limit()  # mappings, sockets and peers' descriptors: take what the system allows
         set_wait_seconds(config.cuda_wait_seconds)  # for the CUDA pools this daemon opens
+        capacity = config.host_memory
+        tokens = config.tenant_tokens
+        self.tenants = TenantBook.load(tokens, capacity) if tokens else TenantBook()
         self.core = KVCore(
             config.host_memory,
             config.copy_threads,
@@ -63,7 +68,11 @@ class Daemon:
             max_request_indices=config.max_request_indices,
             max_pages_per_client=config.max_pages_per_client,
             allow_named_shm=config.allow_named_shm,
+            tenant_quota=parse_quota(config.tenant_quota, capacity),
+            tenant_quotas=self.tenants.quotas,
         )
+        self._stop_leases = asyncio.Event()
+        self._leases: asyncio.Task | None = None
         # Shared-memory pools' descriptors come over the fd socket beside the Unix gRPC socket.
         self.peer_socket: PeerSocket | None = None
         if config.socket:
@@ -79,7 +88,7 @@ class Daemon:
         ]
         interceptors = [TokenAuth(config.token)] if config.token else []
         self.server = grpc.aio.server(options=opts, interceptors=interceptors)
-        self.servicer = KVServicer(self.core, self.reaper, config.admin_token)
+        self.servicer = KVServicer(self.core, self.reaper, config.admin_token, self.tenants)
         add_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -122,6 +131,7 @@ class Daemon:
         if self.config.listen and not self.config.token:
             logger.warning("listening on TCP %s without a token (--insecure-tcp)", self.config.listen)
         self.reaper.start()
+        self._leases = asyncio.ensure_future(expire_leases(self.core.cache, self._stop_leases))
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         logger.info(
@@ -134,6 +144,9 @@ class Daemon:
         memory is freed."""
         await self.health.enter_graceful_shutdown()
         await self.reaper.stop()
+        self._stop_leases.set()
+        if self._leases is not None:
+            await self._leases
         self.servicer.stopping.set()
         await self.server.stop(self.config.shutdown_grace)
         if self.peer_socket is not None:

@@ -13,10 +13,14 @@ from google.protobuf.message import DecodeError
 
 from kvserver import wire
 from kvserver.auth import is_admin
+from kvserver.cache_ops import CacheOps, space_from_wire
 from kvserver.client_state import ClientState, Counters, public_id
 from kvserver.core import OFF_LOOP_INDICES, KVCore
 from kvserver.errors import GpuStalled, InvalidArgument, KVError, status_of
+from kvserver.layout import wire_dtype
 from kvserver.liveness import Reaper
+from kvserver.store import CacheCounters, SpaceStat, TenantStat
+from kvserver.tenants import TenantBook, tenant_of
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
@@ -110,16 +114,35 @@ def _client_stats(c: ClientState, redact: bool = False) -> pb.ClientStats:
     )
 
 
+def _cache_counters(c: CacheCounters) -> pb.CacheCounters:
+    return pb.CacheCounters(pages=c.pages, bytes=c.bytes, hits=c.hits, misses=c.misses, evictions=c.evictions,
+                            dedup_pages=c.dedup_pages, dedup_bytes=c.dedup_bytes, dropped=c.dropped)
+
+
+def _space_stats(st: SpaceStat) -> pb.SpaceStats:
+    k = st.space
+    space = pb.KVSpace(model=k.model, layout=k.layout.to_wire(), dtype=wire_dtype(k.dtype),
+                       page_size=k.page_size, num_layers=k.num_layers, tp_size=k.tp_size, pp_size=k.pp_size)
+    return pb.SpaceStats(tenant=k.tenant, space=space, counters=_cache_counters(st.counters),
+                         parts_seen=st.parts_seen, parts=st.parts, complete_pages=st.complete_pages)
+
+
+def _tenant_stats(st: TenantStat) -> pb.TenantStats:
+    return pb.TenantStats(tenant=st.tenant, counters=_cache_counters(st.counters), quota_bytes=st.quota_bytes)
+
+
 class KVServicer(pb_grpc.KVServerServicer):
-    def __init__(self, core: KVCore, reaper: Reaper, admin_token: str | None = None) -> None:
+    def __init__(self, core: KVCore, reaper: Reaper, admin_token: str | None = None,
+                 tenants: TenantBook | None = None) -> None:
         self.core = core
+        self.cache = CacheOps(core, tenants)
         self.reaper = reaper
         self.admin_token = admin_token
         self.stopping = asyncio.Event()  # set at shutdown: sessions end so the server can drain
 
     @_abort_on_error
     async def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
-        client = await self.core.register(request)
+        client = await self.core.register(request, self.cache.tenants.named(context.invocation_metadata()))
         spec = client.spec
         return pb.RegisterResponse(
             client_id=client.client_id,
@@ -207,12 +230,20 @@ class KVServicer(pb_grpc.KVServerServicer):
     @_abort_on_error
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         core = self.core
+        metadata = context.invocation_metadata()
+        admin = is_admin(metadata, self.admin_token)
         if request.client_id:  # the caller holds this client's id: its own client
             clients = [core.client(request.client_id)]
-        elif is_admin(context.invocation_metadata(), self.admin_token):
+            tenant = clients[0].tenant
+        elif admin:
             clients = list(core.clients.values())
+            tenant = None
         else:  # other peers' models, ranks and epochs are theirs: totals only
             clients = []
+            tenant = self.cache.tenants.named(metadata)
+        if admin:
+            tenant = None  # every tenant's spaces
+        spaces, tenants = core.cache.stats(tenant) if admin or tenant is not None else ([], [])
         totals = Counters()
         totals.add(core.totals)
         for c in core.clients.values():
@@ -225,7 +256,64 @@ class KVServicer(pb_grpc.KVServerServicer):
             transfers=_counters(totals),
             clients=[_client_stats(c, redact=not request.client_id) for c in clients],
             reclaimed_clients=core.reclaimed,
+            cache_bytes=core.cache.bytes,
+            spaces=[_space_stats(st) for st in spaces],
+            tenants=[_tenant_stats(st) for st in tenants],
         )
+
+    # ---- the node-wide cache ------------------------------------------------------------------
+
+    @_abort_on_error
+    async def OpenSpace(self, request: pb.OpenSpaceRequest, context) -> pb.OpenSpaceResponse:
+        named = self.cache.tenants.named(context.invocation_metadata())
+        peer = None
+        if request.peer_ticket and self.core.tickets is not None:
+            ticket = self.core.tickets.redeem(request.peer_ticket)
+            ticket.close_off_loop()  # a space needs no descriptors
+            peer = ticket.peer
+        tenant = tenant_of(named, peer)
+        space = space_from_wire(tenant, request.space)
+        return pb.OpenSpaceResponse(space_id=self.cache.open_space(space), tenant=tenant)
+
+    @_abort_on_error
+    async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
+        pages, lease = self.cache.lookup(request)
+        return pb.LookupResponse(pages=pages, lease_id=lease)
+
+    @_abort_on_error
+    async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        return pb.ReleaseResponse(released=self.cache.release(request))
+
+    @_abort_on_error
+    async def Put(self, request: pb.PutRequest, context) -> pb.PutResponse:
+        context.set_trailing_metadata(JOB_ENDED)
+        got = await self.cache.put(request)
+        return pb.PutResponse(stored=got.stored, present=got.present, dropped=got.dropped, bytes=got.bytes)
+
+    async def Get(self, request: pb.GetRequest, context) -> AsyncIterator[pb.LoadProgress]:
+        try:
+            context.set_trailing_metadata(JOB_ENDED)
+            _check_parsed(request)
+            total = None
+            async for pages, step in self.cache.get(request):
+                if step is None:  # nothing stored: one message, done
+                    yield pb.LoadProgress(done=True, pages=0)
+                    return
+                if total is None:
+                    total = len(request.layers) or len(self.core.client(request.client_id).spec.layers)
+                yield pb.LoadProgress(
+                    last_layer=step.last_layer,
+                    layers_done=step.layers_done,
+                    done=step.layers_done == total,
+                    bytes=step.bytes,
+                    events_recorded=step.events_recorded,
+                    pages=pages,
+                )
+        except Exception as exc:
+            if not isinstance(exc, KVError):
+                logger.exception("Get failed")
+            _unmark_stalled(exc, context)
+            await context.abort(*status_of(exc))
 
 
 def _serialize(response: Any) -> bytes:

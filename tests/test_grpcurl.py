@@ -248,3 +248,62 @@ def test_bad_json_is_rejected_by_grpcurl(sock):
     res = grpcurl(sock, "kvserver.v1.KVServer/Alloc", data='{"client_idd":"x"}', check=False)
     assert res.returncode != 0
     assert "client_idd" in res.stderr
+
+
+def test_cache_put_lookup_get_and_stats(sock, pool):
+    """The node-wide cache driven by grpcurl alone: keys travel as base64 (proto3 JSON bytes)."""
+    import base64
+    import hashlib
+
+    for layer in range(pool.num_layers):
+        for part, buf in enumerate(pool.buffers[layer]):
+            buf.copy_(torch.randn(buf.shape).to(torch.bfloat16) + 10 * layer + part)
+    ref = [[b.clone() for b in parts] for parts in pool.buffers]
+    req = register_request(
+        model="grpcurl-cache", pool=pool, start_layer=START, end_layer=END, num_layers=NUM_LAYERS,
+        host_tokens=PAGE, page_size=PAGE, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
+        peer_ticket=get_ticket(f"{sock}.fd", pool.fds),
+    )
+    reg = parse(grpcurl(sock, "kvserver.v1.KVServer/Register", data=json_format.MessageToJson(req)).stdout,
+                pb.RegisterResponse())
+    cid = reg.client_id
+    keys = b"".join(hashlib.blake2b(bytes([i]), digest_size=16).digest() for i in range(3))
+    packed = base64.b64encode(keys).decode()
+    put = {"client_id": cid, "keys": packed, "key_bytes": 16, "device_pages": [1, 2, 3]}
+    stored = parse(grpcurl(sock, "kvserver.v1.KVServer/Put", data=json.dumps(put)).stdout, pb.PutResponse())
+    assert (stored.stored, stored.present) == (3, 0)
+    again = parse(grpcurl(sock, "kvserver.v1.KVServer/Put", data=json.dumps(put)).stdout, pb.PutResponse())
+    assert (again.stored, again.present) == (0, 3)
+
+    # A scheduler's view: the same tenant (this process's uid, from a ticket with no descriptors).
+    space = {"model": "grpcurl-cache", "layout": {"mha": {"num_heads": 2, "head_dim": 8}},
+             "dtype": "DTYPE_BFLOAT16", "page_size": PAGE, "num_layers": NUM_LAYERS, "tp_size": 1, "pp_size": 1}
+    opened = parse(grpcurl(sock, "kvserver.v1.KVServer/OpenSpace", data=json.dumps(
+        {"space": space, "peer_ticket": get_ticket(f"{sock}.fd", [])})).stdout, pb.OpenSpaceResponse())
+    assert opened.tenant == f"uid:{os.getuid()}"
+    # The layer range [4, 8) is one PP stage of a pp_size 1 model: the scheduler counts whole pages only.
+    lookup = {"space_id": opened.space_id, "keys": packed, "key_bytes": 16}
+    found = parse(grpcurl(sock, "kvserver.v1.KVServer/Lookup", data=json.dumps(lookup)).stdout,
+                  pb.LookupResponse())
+    assert found.pages == 3
+    mine = parse(grpcurl(sock, "kvserver.v1.KVServer/Lookup", data=json.dumps(
+        {"client_id": cid, "keys": packed, "key_bytes": 16, "pin_ms": 5000})).stdout, pb.LookupResponse())
+    assert mine.pages == 3 and mine.lease_id
+
+    for parts in pool.buffers:
+        for buf in parts:
+            buf.zero_()
+    get = {"client_id": cid, "keys": packed, "key_bytes": 16, "device_pages": [5, 6, 7], "lease_id": mine.lease_id}
+    msgs = [parse(json.dumps(m), pb.LoadProgress()) for m in json_stream(
+        grpcurl(sock, "kvserver.v1.KVServer/Get", data=json.dumps(get)).stdout)]
+    assert msgs[-1].done and msgs[-1].pages == 3 and msgs[-1].layers_done == END - START
+    for layer in range(pool.num_layers):
+        for buf, want in zip(pool.buffers[layer], ref[layer], strict=True):
+            assert torch.equal(buf[5 * PAGE:8 * PAGE], want[PAGE:4 * PAGE])
+
+    stats = parse(grpcurl(sock, "kvserver.v1.KVServer/Stats", data=json.dumps({"client_id": cid})).stdout,
+                  pb.StatsResponse())
+    (st,) = [s for s in stats.spaces if s.space.model == "grpcurl-cache"]
+    assert st.tenant == f"uid:{os.getuid()}" and st.counters.pages == 3
+    assert st.counters.dedup_pages == 3 and st.complete_pages == 3
+    grpcurl(sock, "kvserver.v1.KVServer/Unregister", data=json.dumps({"client_id": cid}))

@@ -1,0 +1,78 @@
+"""Bookkeeping costs of the cache index (no copying): lookup of 1k and 64k keys in one part and in
+a space of 3 PP parts, and prepare/complete of Put and Get per page, each against a bare dict
+lookup of the same keys measured in the same run (the ratio says how close to C speed it stays).
+Run: python benchmarks/bench_store.py [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from itertools import repeat
+
+import numpy as np
+import torch
+
+from kvserver.host_pool import HostArena
+from kvserver.layout import KVLayout
+from kvserver.store import KVCache, PartKey, SpaceKey
+
+PAGE_BYTES = 256
+
+
+def best(fn, rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    n_max = 1 << 16
+    arena = HostArena(3 * n_max * PAGE_BYTES + (32 << 20))
+    cache = KVCache(arena)
+    key = SpaceKey("bench", "m", KVLayout.mha(2, 4), torch.float16, 16, 3, 1, 3)
+    space = cache.space(key)
+    parts = [cache.part(space, PartKey(0, r, r, r + 1, PAGE_BYTES)) for r in range(3)]
+    keys = [i.to_bytes(16, "little") for i in range(n_max)]
+    for part in parts:
+        cache.complete_put(cache.prepare_put(part, keys), True)
+    index = dict(zip(keys, range(n_max), strict=True))
+
+    print(f"{'operation':<34}{'keys':>7}{'time':>11}{'per key':>10}{'dict':>11}{'ratio':>7}")
+    for n in (1 << 10, n_max):
+        ks = keys[:n]
+        base = best(lambda ks=ks: np.fromiter(map(index.get, ks, repeat(-1)), np.int64, len(ks)), args.rounds)
+        fresh = [b"x" + k for k in ks]
+
+        def put_cycle(fresh=fresh):
+            plan = cache.prepare_put(parts[0], fresh)
+            cache.complete_put(plan, False)  # frees them again: every round stores n new pages
+
+        def get_cycle(ks=ks):
+            cache.complete_get(cache.prepare_get(parts[0], ks), True)
+
+        rows = {
+            "lookup (part)": lambda ks=ks: cache.lookup(parts[0], ks),
+            "lookup (3-part space)": lambda ks=ks: cache.lookup(space, ks),
+            "lookup (3-part space, pinned)": lambda ks=ks: cache.release(
+                "bench", [cache.lookup(space, ks, pin_ms=1000)[1]]),
+            "prepare+complete put (new pages)": put_cycle,
+            "prepare+complete put (present)": lambda ks=ks: cache.complete_put(
+                cache.prepare_put(parts[0], ks), True),
+            "prepare+complete get": get_cycle,
+        }
+        for name, fn in rows.items():
+            t = best(fn, args.rounds)
+            print(f"{name:<34}{n:>7}{t * 1e3:>9.3f}ms{t / n * 1e9:>8.0f}ns"
+                  f"{base * 1e3:>9.3f}ms{t / base:>7.1f}")
+    arena.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""A scheduler's view of the node-wide cache: how much of a prompt is cached for a whole KV
+space, without a pool (``ViewCore`` plans; these shells send).
+
+The space is opened (``OpenSpace``) on the first call, with a peer ticket on a Unix socket so
+that the daemon knows the caller's uid; ``space_id`` and ``tenant`` are "" until then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import grpc
+import torch
+
+from kvclient._channel import CHANNEL_OPTIONS
+from kvclient._fd_socket import ticket_for
+from kvclient.errors import KVClientError, from_rpc_error
+from kvclient.keys import KEY_BYTES, Keys
+from kvclient.results import LookupResult
+from kvclient.view_core import RETRY, ViewCore, ViewOp
+from kvserver.layout import KVLayout
+from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
+
+
+class _ViewShell:
+    _core: ViewCore
+
+    @property
+    def space_id(self) -> str:
+        return self._core.space_id
+
+    @property
+    def tenant(self) -> str:
+        return self._core.tenant
+
+    @property
+    def misses(self) -> int:
+        return self._core.misses
+
+
+class CacheView(_ViewShell):
+    """``lookup`` answers for the whole space (a page counts once every part of it is cached)."""
+
+    def __init__(self, address: str | None = None, *, model: str, layout: KVLayout, dtype: torch.dtype,
+                 page_size: int, num_layers: int, tp_size: int = 1, pp_size: int = 1, timeout: float = 5.0,
+                 token: str | None = None, tenant_token: str | None = None) -> None:
+        self._core = ViewCore(address, model=model, layout=layout, dtype=dtype, page_size=page_size,
+                              num_layers=num_layers, tp_size=tp_size, pp_size=pp_size, timeout=timeout,
+                              token=token, tenant_token=tenant_token)
+        self._channel = grpc.insecure_channel(self._core.target, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.KVServerStub(self._channel)
+
+    def open(self) -> str:
+        """Opens the space (raising on failure); returns its id."""
+        req = self._core.open_request(ticket_for(self._core.target))
+        try:
+            resp = self._stub.OpenSpace(req, timeout=self._core.timeout, metadata=self._core.metadata)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        return self._core.opened(resp)
+
+    def _run(self, op: ViewOp):
+        retried = False
+        while True:
+            try:
+                space_id = self._core.space_id or self.open()
+                resp = getattr(self._stub, op.rpc)(op.build(space_id), timeout=self._core.timeout,
+                                                   metadata=self._core.metadata)
+            except grpc.RpcError as exc:
+                error = from_rpc_error(exc)
+            except KVClientError as exc:
+                error = exc
+            else:
+                return op.read(resp)
+            if self._core.failed(op, error, retried) != RETRY:
+                return op.miss
+            retried = True
+
+    def lookup(self, keys: Keys, *, pin_ms: int = 0, key_bytes: int = KEY_BYTES) -> LookupResult:
+        """Leading keys cached in every part of the space (0 while the daemon is away);
+        ``pin_ms`` pins them under the returned lease."""
+        return self._run(self._core.lookup(keys, pin_ms, key_bytes))
+
+    def release(self, lease_ids: str | Sequence[str]) -> int:
+        return self._run(self._core.release(lease_ids))
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> CacheView:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncCacheView(_ViewShell):
+    """asyncio twin of CacheView; create it inside the running loop."""
+
+    def __init__(self, address: str | None = None, *, model: str, layout: KVLayout, dtype: torch.dtype,
+                 page_size: int, num_layers: int, tp_size: int = 1, pp_size: int = 1, timeout: float = 5.0,
+                 token: str | None = None, tenant_token: str | None = None) -> None:
+        self._core = ViewCore(address, model=model, layout=layout, dtype=dtype, page_size=page_size,
+                              num_layers=num_layers, tp_size=tp_size, pp_size=pp_size, timeout=timeout,
+                              token=token, tenant_token=tenant_token)
+        self._channel = grpc.aio.insecure_channel(self._core.target, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.KVServerStub(self._channel)
+
+    async def open(self) -> str:
+        """Opens the space (raising on failure); returns its id."""
+        req = self._core.open_request(await asyncio.to_thread(ticket_for, self._core.target))
+        try:
+            resp = await self._stub.OpenSpace(req, timeout=self._core.timeout, metadata=self._core.metadata)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        return self._core.opened(resp)
+
+    async def _run(self, op: ViewOp):
+        retried = False
+        while True:
+            try:
+                space_id = self._core.space_id or await self.open()
+                resp = await getattr(self._stub, op.rpc)(op.build(space_id), timeout=self._core.timeout,
+                                                         metadata=self._core.metadata)
+            except grpc.RpcError as exc:
+                error = from_rpc_error(exc)
+            except KVClientError as exc:
+                error = exc
+            else:
+                return op.read(resp)
+            if self._core.failed(op, error, retried) != RETRY:
+                return op.miss
+            retried = True
+
+    async def lookup(self, keys: Keys, *, pin_ms: int = 0, key_bytes: int = KEY_BYTES) -> LookupResult:
+        return await self._run(self._core.lookup(keys, pin_ms, key_bytes))
+
+    async def release(self, lease_ids: str | Sequence[str]) -> int:
+        return await self._run(self._core.release(lease_ids))
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncCacheView:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,345 @@
+"""The node-wide KV cache index: spaces, parts, keys to pages, eviction, leases and quotas.
+
+Primitives: ``KVCache`` with ``space`` / ``part`` (get or create), ``lookup``, ``prepare_put`` /
+``complete_put``, ``prepare_get`` / ``complete_get``, ``release`` / ``expire_leases`` (leases),
+``make_room`` (free arena room for a client region) and ``stats``. It copies nothing and knows no
+gRPC: the daemon calls it on its event loop and copies bytes to and from the offsets it returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from kvserver.errors import FailedPrecondition, InvalidArgument, NoCapacity
+from kvserver.host_pool import HostArena
+from kvserver.store.eviction import lru_bytes, lru_pages, lru_slabs
+from kvserver.store.keys import leading, page_ids
+from kvserver.store.leases import LeaseTable
+from kvserver.store.pages import COMMITTED, WRITING, PageTable
+from kvserver.store.plans import GetPlan, PutPlan
+from kvserver.store.quotas import Tenant, Tenants
+from kvserver.store.slabs import SlabPool
+from kvserver.store.spaces import Part, PartKey, Space, SpaceKey
+from kvserver.store.stats import CacheCounters, SpaceStat, TenantStat
+
+logger = logging.getLogger(__name__)
+
+MAX_PIN_MS = 60_000
+
+
+class KVCache:
+    def __init__(self, arena: HostArena, *, default_quota: int = 0, quotas: Mapping[str, int] = {},  # noqa: B006
+                 slab_bytes: int = 8 << 20, max_spaces_per_tenant: int = 256,
+                 max_leases_per_tenant: int = 4096, clock: Callable[[], float] = time.monotonic) -> None:
+        self.arena = arena
+        self.clock = clock
+        self.max_spaces_per_tenant = max_spaces_per_tenant
+        self.pages = PageTable()
+        self.slabs = SlabPool(arena, self.pages, slab_bytes)
+        self.leases = LeaseTable(self.pages, max_leases_per_tenant, clock)
+        self.tenants = Tenants(arena.capacity, default_quota, quotas)
+        self.on_slab_added = self.slabs.on_slab_added
+        self.on_slab_removed = self.slabs.on_slab_removed
+        self._spaces: dict[SpaceKey, Space] = {}
+        # Spaces dropped while empty, kept while something still refers to them, so that a later
+        # space() or a call through a held Part brings back the same object.
+        self._dropped: weakref.WeakValueDictionary[SpaceKey, Space] = weakref.WeakValueDictionary()
+        self._parts: dict[int, Part] = {}
+        self._next_gid = 0
+
+    @property
+    def bytes(self) -> int:
+        """Arena bytes held in slabs."""
+        return self.slabs.bytes
+
+    # Spaces and parts
+
+    def space(self, key: SpaceKey) -> Space:
+        space = self._spaces.get(key)
+        if space is not None:
+            return space
+        tenant = self.tenants.get(key.tenant)
+        if tenant.spaces >= self.max_spaces_per_tenant:
+            self._drop_empty_spaces(tenant)
+        if tenant.spaces >= self.max_spaces_per_tenant:
+            raise NoCapacity(
+                f"tenant {key.tenant!r} has {tenant.spaces} KV spaces holding pages, the most allowed"
+            )
+        space = self._dropped.pop(key, None) or Space(key)
+        self._adopt(space, tenant)
+        return space
+
+    def find_space(self, key: SpaceKey) -> Space | None:
+        return self._spaces.get(key)
+
+    def _adopt(self, space: Space, tenant: Tenant) -> None:
+        self._spaces[space.key] = space
+        tenant.spaces += 1
+        for part in space.parts.values():
+            self._parts[part.gid] = part
+
+    def _live(self, space: Space) -> Space:
+        """The space, registered again if it was dropped while empty and is used through a Part."""
+        if self._spaces.get(space.key) is not space:
+            self._dropped.pop(space.key, None)
+            self._adopt(space, self.tenants.get(space.key.tenant))
+        return space
+
+    def _drop_empty_spaces(self, tenant: Tenant) -> None:
+        empty = [s for s in self._spaces.values() if s.key.tenant == tenant.name and not s.counters.pages]
+        for space in empty:
+            del self._spaces[space.key]
+            self._dropped[space.key] = space
+            tenant.spaces -= 1
+            for part in space.parts.values():
+                del self._parts[part.gid]
+
+    def part(self, space: Space, key: PartKey) -> Part:
+        sk = space.key
+        if not (0 <= key.tp_shard < sk.tp_shards and 0 <= key.pp_rank < sk.pp_size):
+            raise InvalidArgument(
+                f"part (tp_shard {key.tp_shard}, pp_rank {key.pp_rank}) is outside a space of "
+                f"{sk.tp_shards} TP shards and {sk.pp_size} PP stages"
+            )
+        if not (0 <= key.start_layer < key.end_layer <= sk.num_layers) or key.page_bytes <= 0:
+            raise InvalidArgument(
+                f"part layers [{key.start_layer}, {key.end_layer}) of {sk.num_layers} and page_bytes "
+                f"{key.page_bytes}: the range must be non-empty and inside the model, page_bytes > 0"
+            )
+        self._live(space)
+        existing = space.parts.get((key.tp_shard, key.pp_rank))
+        if existing is not None:
+            if existing.key != key:
+                old = existing.key
+                raise FailedPrecondition(
+                    f"PP stage {key.pp_rank} (TP shard {key.tp_shard}) of this KV space holds layers "
+                    f"[{old.start_layer}, {old.end_layer}) in pages of {old.page_bytes} bytes; this "
+                    f"registration names layers [{key.start_layer}, {key.end_layer}) in pages of "
+                    f"{key.page_bytes} bytes, whose pages would not be interchangeable"
+                )
+            return existing
+        part = Part(space, key, self._next_gid)
+        self._next_gid += 1
+        space.parts[(key.tp_shard, key.pp_rank)] = part
+        self._parts[part.gid] = part
+        return part
+
+    # Lookup
+
+    def lookup(self, target: Part | Space, keys: list[bytes], pin_ms: int = 0) -> tuple[int, str]:
+        if not 0 <= pin_ms <= MAX_PIN_MS:
+            raise InvalidArgument(f"pin_ms must be between 0 and {MAX_PIN_MS}, got {pin_ms}")
+        if isinstance(target, Part):
+            space, parts = target.space, [target]
+        else:
+            space = target
+            full = len(space.parts) == space.key.num_parts
+            parts = list(space.parts.values()) if full else []
+        space = self._live(space)
+        tenant = self.tenants.get(space.key.tenant)
+        if pin_ms and keys:
+            self.leases.check(tenant.name)
+        n = len(keys) if parts else 0
+        found = []
+        for part in parts:
+            ids = page_ids(part.pages, keys[:n] if n < len(keys) else keys)
+            n = leading((ids >= 0) & (self.pages.state[ids] == COMMITTED))
+            found.append(ids)
+        counted = [ids[:n] for ids in found] if n else []
+        for c in (space.counters, tenant.counters):
+            c.hits += n
+            c.misses += len(keys) - n
+        for ids in counted:
+            self.pages.touch(ids)
+        lease_id = ""
+        if pin_ms and n:
+            lease_id = self.leases.add(tenant.name, np.concatenate(counted), pin_ms)
+        return n, lease_id
+
+    # Put
+
+    def prepare_put(self, part: Part, keys: list[bytes]) -> PutPlan:
+        space = self._live(part.space)
+        tenant = self.tenants.get(space.key.tenant)
+        page_bytes = part.key.page_bytes
+        ids = page_ids(part.pages, keys)
+        missing = np.flatnonzero(ids < 0)
+        if len(missing):
+            mkeys = list(map(keys.__getitem__, missing.tolist()))
+            first = dict(zip(reversed(mkeys), reversed(missing.tolist()), strict=True))  # earliest wins
+            positions = np.fromiter(first.values(), np.int64, len(first))
+            positions.sort()
+            held = ids[ids >= 0]
+            np.add.at(self.pages.readers, held, 1)  # the present pages are not evicted for this Put
+            try:
+                new = self._allocate(tenant, page_bytes, len(positions))
+            finally:
+                np.subtract.at(self.pages.readers, held, 1)
+            stored = positions[: len(new)]
+            dropped = 0
+            if len(new) < len(positions):
+                firsts = np.fromiter(map(first.__getitem__, mkeys), np.int64, len(mkeys))
+                dropped = int(np.count_nonzero(firsts >= positions[len(new)]))
+        else:
+            new = stored = np.empty(0, np.int64)
+            dropped = 0
+        present = len(keys) - len(new) - dropped
+        if len(new):
+            skeys = list(map(keys.__getitem__, stored.tolist()))
+            p = self.pages
+            p.state[new] = WRITING
+            p.part[new] = part.gid
+            p.tenant[new] = tenant.tid
+            p.set_keys(new, skeys)
+            part.pages.update(zip(skeys, new.tolist(), strict=True))
+        for c in (space.counters, tenant.counters):
+            c.pages += len(new)
+            c.bytes += len(new) * page_bytes
+            c.dedup_pages += present
+            c.dedup_bytes += present * page_bytes
+            c.dropped += dropped
+        return PutPlan(part, stored, self.pages.offset[new], present, dropped, new)
+
+    def complete_put(self, plan: PutPlan, ok: bool) -> None:
+        ids, plan.page_ids = plan.page_ids, plan.page_ids[:0]
+        if not len(ids):
+            return
+        if ok:
+            self.pages.state[ids] = COMMITTED
+            self.pages.touch(ids)
+        else:
+            self._drop(ids, evicted=False)
+
+    def _allocate(self, tenant: Tenant, page_bytes: int, want: int) -> np.ndarray:
+        """Up to ``want`` free pages of ``page_bytes``, evicting to make room for them: under the
+        tenant's quota its own pages, then pages of the class, then whole slabs of other classes."""
+        room = tenant.room()
+        if room is not None and room < want * page_bytes:
+            mine = self.pages.evictable() & (self.pages.tenant == tenant.tid)
+            self._drop(lru_bytes(self.pages, mine, want * page_bytes - room))
+            want = min(want, tenant.room() // page_bytes)
+        if want <= 0:
+            return np.empty(0, np.int64)
+        kept: list[int] = []  # slabs emptied here, reused before being released
+        while self.slabs.free_count(page_bytes) < want and self.slabs.grow(page_bytes):
+            pass
+        short = want - self.slabs.free_count(page_bytes)
+        if short > 0:
+            same = self.pages.evictable() & (self.pages.nbytes == page_bytes)
+            kept += self._drop(lru_pages(self.pages, same, short), release_empty=False)
+        while self.slabs.free_count(page_bytes) < want:
+            others = lru_slabs(self.pages, self.slabs.nslabs, exclude_class=page_bytes)
+            if not len(others):
+                break
+            self._evict_slab(int(others[0]))
+            while self.slabs.free_count(page_bytes) < want and self.slabs.grow(page_bytes):
+                pass
+        new = self.slabs.take(page_bytes, want)
+        self.slabs.release_empty(kept)
+        return new
+
+    # Get
+
+    def prepare_get(self, part: Part, keys: list[bytes], lease_id: str = "") -> GetPlan:
+        space = self._live(part.space)
+        tenant = self.tenants.get(space.key.tenant)
+        ids = page_ids(part.pages, keys)
+        n = leading((ids >= 0) & (self.pages.state[ids] == COMMITTED))
+        ids = ids[:n]
+        np.add.at(self.pages.readers, ids, 1)
+        for c in (space.counters, tenant.counters):
+            c.misses += len(keys) - n
+        lease = lease_id if lease_id and self.leases.holds(lease_id, tenant.name) else ""
+        return GetPlan(part, n, self.pages.offset[ids], lease, ids)
+
+    def complete_get(self, plan: GetPlan, ok: bool) -> None:
+        ids, plan.page_ids = plan.page_ids, plan.page_ids[:0]
+        np.subtract.at(self.pages.readers, ids, 1)
+        self.pages.touch(ids)
+        if plan.lease_id:
+            self.leases.end(plan.lease_id, plan.part.space.key.tenant)
+            plan.lease_id = ""
+
+    # Leases
+
+    def release(self, tenant: str, lease_ids: Sequence[str]) -> int:
+        return self.leases.release(tenant, lease_ids)
+
+    def expire_leases(self) -> int:
+        return self.leases.expire()
+
+    # Eviction
+
+    def make_room(self, nbytes: int) -> bool:
+        """Evicts whole slabs, least recently used first, none holding a pinned, read or written
+        page, until the arena has a free range of ``nbytes``; True if it then has one."""
+        if self.arena.largest_free() >= nbytes:
+            return True
+        for sid in lru_slabs(self.pages, self.slabs.nslabs).tolist():
+            self._evict_slab(sid)
+            if self.arena.largest_free() >= nbytes:
+                return True
+        return False
+
+    def _evict_slab(self, sid: int) -> None:
+        slab = self.slabs.slabs[sid]
+        held = slab.pages[self.pages.state[slab.pages] == COMMITTED]
+        self._drop(held, release_empty=False)
+        self.slabs.release([sid])
+
+    def _drop(self, ids: np.ndarray, evicted: bool = True, release_empty: bool = True) -> list[int]:
+        """Frees pages (committed, or being written for a failed Put): their keys leave their
+        parts' indexes and their bytes their counters. Returns the slabs they belong to."""
+        if not len(ids):
+            return []
+        gids = self.pages.part[ids]
+        order = np.argsort(gids, kind="stable")
+        uniq, starts = np.unique(gids[order], return_index=True)
+        for gid, chunk in zip(uniq.tolist(), np.split(ids[order], starts[1:]), strict=True):
+            part = self._parts[gid]
+            deque(map(part.pages.pop, self.pages.keys_of(chunk)), maxlen=0)
+            tenant = self.tenants.get(part.space.key.tenant)
+            for c in (part.space.counters, tenant.counters):
+                c.pages -= len(chunk)
+                c.bytes -= len(chunk) * part.key.page_bytes
+                if evicted:
+                    c.evictions += len(chunk)
+        self.pages.clear(ids)
+        return self.slabs.give(ids, release_empty=release_empty)
+
+    # Stats
+
+    def stats(self, tenant: str | None = None) -> tuple[list[SpaceStat], list[TenantStat]]:
+        spaces = [s for s in self._spaces.values() if tenant is None or s.key.tenant == tenant]
+        names = list(self.tenants.by_name) if tenant is None else [tenant]
+        space_stats = [
+            SpaceStat(s.key, replace(s.counters), len(s.parts), s.key.num_parts, self._complete(s))
+            for s in spaces
+        ]
+        tenant_stats = []
+        for name in names:
+            t = self.tenants.by_name.get(name)
+            if t is None:
+                tenant_stats.append(TenantStat(name, CacheCounters(), self.tenants.quota_of(name)))
+            else:
+                tenant_stats.append(TenantStat(name, replace(t.counters), t.quota))
+        return space_stats, tenant_stats
+
+    def _complete(self, space: Space) -> int:
+        """Keys committed in every part of the space."""
+        if len(space.parts) < space.key.num_parts:
+            return 0
+        parts = sorted(space.parts.values(), key=lambda p: len(p.pages))
+        keys = list(parts[0].pages)
+        ok = np.ones(len(keys), bool)
+        for part in parts:
+            ids = page_ids(part.pages, keys)
+            ok &= (ids >= 0) & (self.pages.state[ids] == COMMITTED)
+        return int(np.count_nonzero(ok))

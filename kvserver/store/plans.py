@@ -1,0 +1,37 @@
+"""What prepare_put and prepare_get hand the copier, and complete_put / complete_get take back.
+
+Primitives: ``PutPlan`` and ``GetPlan``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from kvserver.store.spaces import Part
+
+
+def _no_pages() -> np.ndarray:
+    return np.empty(0, np.int64)
+
+
+@dataclass(slots=True)
+class PutPlan:
+    part: Part
+    positions: np.ndarray  # int64, ascending: indices into the request's keys of the pages to copy
+    offsets: np.ndarray  # int64: arena byte offset of each new page
+    present: int  # keys skipped: stored already, or being stored by another Put
+    dropped: int  # keys not stored for want of room or quota (always the last ones)
+    page_ids: np.ndarray = field(default_factory=_no_pages)  # the new pages; emptied once completed
+
+
+@dataclass(slots=True)
+class GetPlan:
+    part: Part
+    pages: int  # leading keys stored (committed) in the part
+    offsets: np.ndarray  # int64 arena byte offsets of those pages, in key order
+    lease_id: str  # lease ended at complete_get ("" for none)
+    page_ids: np.ndarray = field(default_factory=_no_pages)  # the pages read; emptied once completed

@@ -1,0 +1,185 @@
+"""The cache index driven directly: fill, touch, evict; dedup; failed puts; pins by Gets and
+leases. Arena of 8 MiB in 2 MiB slabs of two 1 MiB pages: the cache holds eight pages."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from store_support import PAGE, K, make_cache, offsets_ok, one_part, put, stored
+
+from kvserver.errors import InvalidArgument, NoCapacity
+from kvserver.store import MAX_PIN_MS, split_keys
+
+
+def test_split_keys():
+    assert split_keys(b"aabbcc", 2, 3) == [b"aa", b"bb", b"cc"]
+    assert split_keys(b"a\x00\x00\x00", 2, 2) == [b"a\x00", b"\x00\x00"]  # trailing zeros kept
+    assert split_keys(b"", 16, 1) == []
+    for packed, width in ((b"abc", 2), (b"ab", 0), (b"a" * 65, 65)):
+        with pytest.raises(InvalidArgument):
+            split_keys(packed, width, 100)
+    with pytest.raises(NoCapacity):
+        split_keys(b"abcd", 1, 3)
+
+
+def test_fill_touch_evict_lru():
+    cache, _, _ = make_cache()
+    part = one_part(cache)
+    plan = put(cache, part, K("abcdefgh"))
+    assert (plan.positions.tolist(), plan.present, plan.dropped) == (list(range(8)), 0, 0)
+    assert offsets_ok(cache, plan.offsets, PAGE) and len(set(plan.offsets.tolist())) == 8
+    # put [a..h]: a is the most recent, h the least. Touch [e, f]: they become the most recent.
+    assert cache.lookup(part, K("ef")) == (2, "")
+    # put [i, j] -> evicts h and g (the least recently used), then d and c for [k, l]
+    put(cache, part, K("ij"))
+    assert stored(cache, part, "abcdefgh") == "abcdef"
+    put(cache, part, K("kl"))
+    assert stored(cache, part, "abcdefghijkl") == "abefijkl"
+    assert cache.lookup(part, K("abc")) == (2, "")
+    space, tenant = cache.stats()
+    assert (space[0].counters.evictions, space[0].counters.pages) == (4, 8)
+    assert (space[0].counters.hits, space[0].counters.misses) == (4, 1)
+    assert tenant[0].counters.evictions == 4
+
+
+def test_prefix_loses_its_end_first():
+    cache, _, _ = make_cache()
+    part = one_part(cache)
+    put(cache, part, K("abcd"))  # one prefix
+    put(cache, part, K("wxyz"))  # another, more recent
+    assert cache.lookup(part, K("abcd")) == (4, "")  # now abcd is the more recent prefix
+    put(cache, part, K("pq"))  # evicts the end of the older prefix first
+    assert stored(cache, part, "abcdwxyz") == "abcdwx"
+    put(cache, part, K("rs"))
+    assert stored(cache, part, "abcdwxyz") == "abcd"
+    # the remaining lookups still find whole prefixes, never a hole in the middle
+    assert cache.lookup(part, K("abcd")) == (4, "")
+    put(cache, part, K("tuvwxy"))  # takes the four older pages p, q, r, s, then d and c
+    assert stored(cache, part, "abcdpqrs") == "ab"  # the prefix lost its end first
+
+
+def test_dedup_and_racing_puts_store_once():
+    cache, _, _ = make_cache()
+    part = one_part(cache)
+    first = cache.prepare_put(part, K("abc"))
+    second = cache.prepare_put(part, K("bcd"))  # b, c being written by the first: present
+    assert (second.positions.tolist(), second.present) == ([2], 2)
+    assert cache.lookup(part, K("abcd")) == (0, "")  # nothing visible while being written
+    cache.complete_put(second, True)
+    cache.complete_put(first, True)
+    assert cache.lookup(part, K("abcd")) == (4, "")
+    again = put(cache, part, K("abcd"))
+    assert (len(again.positions), again.present) == (0, 4)
+    repeats = put(cache, part, K("eefe"))  # repeats in one request: the first counts
+    assert (repeats.positions.tolist(), repeats.present) == ([0, 2], 2)
+    counters = cache.stats()[0][0].counters
+    assert (counters.pages, counters.dedup_pages, counters.dedup_bytes) == (6, 8, 8 * PAGE)
+
+
+def test_failed_put_frees_its_pages():
+    cache, _, _ = make_cache()
+    part = one_part(cache)
+    put(cache, part, K("ab"))
+    held = cache.bytes
+    plan = put(cache, part, K("cdef"), ok=False)
+    assert len(plan.positions) == 4
+    assert cache.lookup(part, K("abcdef")) == (2, "")
+    assert stored(cache, part, "cdef") == "" and len(part.pages) == 2
+    assert cache.bytes == held  # the slabs it took were released, being empty
+    counters = cache.stats()[0][0].counters
+    assert (counters.pages, counters.bytes, counters.evictions) == (2, 2 * PAGE, 0)
+    assert len(put(cache, part, K("cdef")).positions) == 4  # and can be stored again
+
+
+def test_pages_being_written_or_read_are_never_evicted():
+    cache, _, _ = make_cache()
+    part = one_part(cache)
+    put(cache, part, K("abcd"))
+    get = cache.prepare_get(part, K("abx"))
+    assert (get.pages, len(get.offsets)) == (2, 2)
+    writing = cache.prepare_put(part, K("efgh"))  # fills the cache
+    plan = put(cache, part, K("ijklmn"))  # may evict only c and d: two of six stored
+    assert (len(plan.positions), plan.dropped, plan.present) == (2, 4, 0)
+    assert stored(cache, part, "abcd") == "ab"
+    cache.complete_put(writing, True)
+    cache.complete_get(get, True)
+    assert stored(cache, part, "abefghij") == "abefghij"
+    # with the Get done, a and b are evictable again (LRU among them: after the newer pages)
+    put(cache, part, K("opqrstuv"))
+    assert stored(cache, part, "ab") == ""
+
+
+def test_dropped_keys_are_the_last_ones():
+    cache, _, _ = make_cache()
+    part = one_part(cache)
+    put(cache, part, K("ab"))
+    _, lease = cache.lookup(part, K("ab"), pin_ms=1000)
+    plan = put(cache, part, K("cdefghijkk"))  # 6 free pages for 8 new keys; k repeated
+    assert plan.positions.tolist() == [0, 1, 2, 3, 4, 5]
+    assert (plan.present, plan.dropped) == (0, 4)  # i, j, k, k
+    assert cache.stats()[1][0].counters.dropped == 4
+    assert cache.release("t", [lease]) == 1
+
+
+def test_leases_pin_until_released_or_expired():
+    cache, _, clock = make_cache()
+    part = one_part(cache)
+    put(cache, part, K("abcdefgh"))
+    n, lease = cache.lookup(part, K("fgh"), pin_ms=5000)
+    assert n == 3 and len(lease) == 32
+    put(cache, part, K("ijklmn"))  # evicts the unpinned least recent ones: e, d, c, b, a, ... not f, g, h
+    assert stored(cache, part, "abcdefgh") == "fgh"
+    assert cache.release("other", [lease]) == 0  # only its tenant ends it
+    clock.now += 4.9
+    assert cache.expire_leases() == 0
+    clock.now += 0.2
+    assert cache.expire_leases() == 1
+    assert cache.release("t", [lease]) == 0  # already ended
+    put(cache, part, K("opq"))
+    assert stored(cache, part, "fgh") == ""
+    # a lease released explicitly
+    n, lease = cache.lookup(part, K("opq"), pin_ms=MAX_PIN_MS)
+    assert cache.release("t", [lease, lease, "nonsense"]) == 1
+    assert int(cache.pages.pins.sum()) == 0
+    assert cache.lookup(part, K("zz"), pin_ms=100) == (0, "")  # nothing counted: no lease
+    for bad in (-1, MAX_PIN_MS + 1):
+        with pytest.raises(InvalidArgument):
+            cache.lookup(part, K("o"), pin_ms=bad)
+
+
+def test_get_ends_the_lease_it_names():
+    cache, _, _ = make_cache()
+    part = one_part(cache)
+    put(cache, part, K("abcd"))
+    _, lease = cache.lookup(part, K("ab"), pin_ms=1000)
+    plan = cache.prepare_get(part, K("abcz"), lease_id=lease)
+    assert (plan.pages, plan.lease_id) == (3, lease)
+    assert cache.prepare_get(part, K("a"), lease_id="unknown").lease_id == ""
+    cache.complete_get(plan, False)  # even a failed Get ends it
+    assert cache.release("t", [lease]) == 0
+    assert int(cache.pages.pins.sum()) == 0
+    misses = cache.stats()[0][0].counters.misses
+    assert misses == 1  # prepare_get counts the keys it did not load
+
+
+def test_lease_limit_per_tenant():
+    cache, _, clock = make_cache(max_leases_per_tenant=2)
+    part = one_part(cache)
+    put(cache, part, K("a"))
+    leases = [cache.lookup(part, K("a"), pin_ms=1000)[1] for _ in range(2)]
+    with pytest.raises(NoCapacity):
+        cache.lookup(part, K("a"), pin_ms=1000)
+    assert int(cache.pages.pins.sum()) == 2  # the refused lookup pinned nothing
+    clock.now += 2
+    assert cache.lookup(part, K("a"), pin_ms=1000)[0] == 1  # expired ones make way
+    assert cache.release("t", leases) == 0
+
+
+def test_touch_order_of_a_get():
+    cache, _, _ = make_cache()
+    part = one_part(cache)
+    put(cache, part, K("abcdefgh"))
+    plan = cache.prepare_get(part, K("hg"))  # after it, h then g are the most recent
+    cache.complete_get(plan, True)
+    stamps = cache.pages.stamp[[part.pages[k] for k in K("hgabcdef")]]
+    assert (np.diff(stamps) < 0).all()

@@ -1,0 +1,152 @@
+"""Spaces, parts and tenants of the cache index: TP and PP parts, space-wide lookups, tenants kept
+apart, quotas and stats."""
+
+from __future__ import annotations
+
+import pytest
+from store_support import K, MiB, make_cache, one_part, part_of, put, space_key, stored
+
+from kvserver.errors import FailedPrecondition, InvalidArgument, NoCapacity
+from kvserver.store import PartKey
+
+
+def test_mla_tp4_ranks_share_one_part():
+    cache, _, _ = make_cache()
+    space = cache.space(space_key(mla=True, tp=4))
+    parts = [part_of(cache, space, tp_shard=0) for _ in range(4)]  # every rank names shard 0
+    assert all(p is parts[0] for p in parts) and len(space.parts) == 1
+    plans = [cache.prepare_put(p, K("abc")) for p in parts]
+    assert [len(p.positions) for p in plans] == [3, 0, 0, 0]
+    for plan in plans:
+        cache.complete_put(plan, True)
+    assert cache.lookup(space, K("abc")) == (3, "")
+    assert cache.stats()[0][0].counters.pages == 3
+    with pytest.raises(InvalidArgument):
+        part_of(cache, space, tp_shard=1)
+
+
+def test_mha_tp2_two_parts_two_copies():
+    cache, _, _ = make_cache()
+    space = cache.space(space_key(tp=2))
+    rank0, rank1 = part_of(cache, space, 0), part_of(cache, space, 1)
+    put(cache, rank0, K("ab"))
+    assert cache.lookup(space, K("ab")) == (0, "")  # rank 1 holds nothing yet
+    assert cache.lookup(rank0, K("ab")) == (2, "")
+    put(cache, rank1, K("ab"))
+    assert cache.lookup(space, K("ab")) == (2, "")
+    assert set(cache.pages.offset[[rank0.pages[b"a"], rank1.pages[b"a"]]].tolist()).__len__() == 2
+    stat = cache.stats()[0][0]
+    assert (stat.counters.pages, stat.complete_pages, stat.parts_seen, stat.parts) == (4, 2, 2, 2)
+
+
+def test_pp3_space_lookup_needs_every_stage():
+    cache, _, _ = make_cache(capacity=16 * MiB)
+    space = cache.space(space_key(pp=3, layers=6))
+    stages = [part_of(cache, space, pp_rank=r) for r in range(3)]
+    assert [(p.key.start_layer, p.key.end_layer) for p in stages] == [(0, 2), (2, 4), (4, 6)]
+    put(cache, stages[0], K("abcd"))
+    put(cache, stages[1], K("abc"))
+    assert cache.lookup(space, K("abcd")) == (0, "")  # stage 2 holds nothing
+    put(cache, stages[2], K("ab"))
+    assert cache.lookup(space, K("abcd")) == (2, "")
+    put(cache, stages[2], K("cd"))
+    assert cache.lookup(space, K("abcd")) == (3, "")
+    assert cache.stats()[0][0].complete_pages == 3
+    # pins of a space lookup hold the pages of every stage
+    n, lease = cache.lookup(space, K("abc"), pin_ms=1000)
+    assert n == 3 and int(cache.pages.pins.sum()) == 9
+    cache.release("t", [lease])
+    # evicting stage 1's pages drops the space's answer
+    cache.make_room(16 * MiB)  # evicts everything evictable
+    put(cache, stages[0], K("abcd"))
+    put(cache, stages[2], K("abcd"))
+    assert cache.lookup(space, K("abcd")) == (0, "")
+    assert cache.lookup(stages[0], K("abcd")) == (4, "")
+
+
+def test_part_layer_range_is_fixed_by_its_first_registration():
+    cache, _, _ = make_cache()
+    space = cache.space(space_key(pp=2))
+    part = cache.part(space, PartKey(0, 1, 2, 4, MiB))
+    assert cache.part(space, PartKey(0, 1, 2, 4, MiB)) is part
+    with pytest.raises(FailedPrecondition, match=r"\[2, 4\).*\[1, 4\)"):
+        cache.part(space, PartKey(0, 1, 1, 4, MiB))
+    with pytest.raises(FailedPrecondition):
+        cache.part(space, PartKey(0, 1, 2, 4, 2 * MiB))
+    for bad in (PartKey(0, 2, 0, 1, MiB), PartKey(0, 0, 0, 5, MiB), PartKey(0, 0, 0, 1, 0)):
+        with pytest.raises(InvalidArgument):
+            cache.part(space, bad)
+    assert len(space.parts) == 1
+
+
+def test_tenants_with_equal_keys_see_nothing_of_each_other():
+    cache, _, _ = make_cache()
+    alice, bob = one_part(cache, "alice"), one_part(cache, "bob")
+    put(cache, alice, K("abc"))
+    assert cache.lookup(bob, K("abc")) == (0, "")
+    assert cache.prepare_get(bob, K("abc")).pages == 0
+    plan = put(cache, bob, K("abc"))  # bob stores his own copy
+    assert (len(plan.positions), plan.present) == (3, 0)
+    _, lease = cache.lookup(alice, K("a"), pin_ms=1000)
+    assert cache.release("bob", [lease]) == 0
+    spaces, tenants = cache.stats("bob")
+    assert [s.space.tenant for s in spaces] == ["bob"] and [t.tenant for t in tenants] == ["bob"]
+    assert tenants[0].counters.misses == 6
+    assert {t.tenant for t in cache.stats()[1]} == {"alice", "bob"}
+    assert cache.stats("carol")[1][0].counters.pages == 0
+
+
+def test_quota_evicts_the_tenants_own_pages():
+    cache, _, _ = make_cache(capacity=16 * MiB, quotas={"small": 4 * MiB})
+    small, big = one_part(cache, "small"), one_part(cache, "big")
+    put(cache, big, K("abcd"))
+    put(cache, small, K("abcd"))
+    put(cache, small, K("efg"))  # over quota: evicts its own d, c, b, not big's
+    assert stored(cache, small, "abcdefg") == "aefg"
+    assert stored(cache, big, "abcd") == "abcd"
+    plan = put(cache, small, K("hijklm"))  # at most four pages under the quota, the rest dropped
+    assert (len(plan.positions), plan.dropped) == (4, 2)
+    _, tenants = cache.stats()
+    by = {t.tenant: t for t in tenants}
+    assert by["small"].counters.bytes == 4 * MiB and by["small"].quota_bytes == 4 * MiB
+    assert by["small"].counters.evictions == 3 + 4 and by["big"].counters.evictions == 0
+    assert by["big"].quota_bytes == 0  # no default quota
+
+
+def test_quota_counts_pages_being_written():
+    cache, _, _ = make_cache(default_quota=2 * MiB)
+    part = one_part(cache)
+    first = cache.prepare_put(part, K("ab"))
+    second = cache.prepare_put(part, K("cd"))  # the first's pages are being written: not evicted
+    assert (len(second.positions), second.dropped) == (0, 2)
+    cache.complete_put(first, True)
+    assert cache.stats("t")[1][0].quota_bytes == 2 * MiB
+
+
+def test_quota_of_the_whole_arena_is_none():
+    cache, _, _ = make_cache(default_quota=1 << 40)
+    assert cache.stats("x")[1][0].quota_bytes == 0
+
+
+def test_spaces_per_tenant_limit_drops_empty_spaces():
+    cache, _, _ = make_cache(max_spaces_per_tenant=2)
+    full = cache.space(space_key(model="full"))
+    put(cache, part_of(cache, full), K("a"))
+    empty = cache.space(space_key(model="empty"))
+    third = cache.space(space_key(model="third"))  # the empty one makes way
+    assert cache.find_space(empty.key) is None and cache.find_space(third.key) is third
+    put(cache, part_of(cache, third), K("a"))
+    with pytest.raises(NoCapacity):
+        cache.space(space_key(model="fourth"))
+    assert cache.space(space_key("other", model="fourth"))  # another tenant's count is its own
+    assert cache.space(full.key) is full
+
+
+def test_a_part_held_across_its_space_being_dropped_keeps_working():
+    cache, _, _ = make_cache(max_spaces_per_tenant=1)
+    held = part_of(cache, cache.space(space_key(model="held")))
+    cache.space(space_key(model="next"))  # drops the empty "held" space
+    assert cache.find_space(held.space.key) is None
+    put(cache, held, K("ab"))  # brings its space back, the same object
+    assert cache.find_space(held.space.key) is held.space
+    assert cache.lookup(held.space, K("ab")) == (2, "")
