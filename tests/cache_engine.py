@@ -1,8 +1,9 @@
 """Engines for the node-wide cache tests: a KVClient over a shared-memory pool whose pages hold
 KV that is a pure function of the page's key, so any process can tell what a page must hold.
 
-``CacheEngine`` is used in the test process and in spawned engine processes alike; the process
-bodies below import nothing from the tests but this module.
+``CacheEngine`` is used in the test process and in spawned engine processes alike. Below it: the
+bodies of spawned engine processes, a churning engine over raw stubs (``churn_worker``, a
+``light_engine.LightEngine``), and a script mode that looks keys up as another uid.
 """
 
 from __future__ import annotations
@@ -214,7 +215,7 @@ if __name__ == "__main__":
     print(json.dumps(lookup_as(int(sys.argv[1]), sys.argv[2], bytes.fromhex(sys.argv[3]))))
 
 
-# ---- a torch-free churning engine (forkserver children of test_cache_concurrency) ---------------
+# ---- a churning engine over raw stubs (forkserver children of test_cache_concurrency) -----------
 
 CHURN_PAGES = 64  # device pages of a churning engine
 
