@@ -62,6 +62,9 @@ NOT_RUN = {
      ".venv/bin/python benchmarks/bench_control.py --host-memory 64MiB --rank 1 --page-size 1"):
         "a benchmark of daemon subprocesses for figures measured by hand; test_bounded_cost.py holds "
         "the same Register, Alloc and Free cases to their bounds",
+    ("docs/performance.md", ".venv/bin/python benchmarks/bench_cache.py --repeats 20"):
+        "a benchmark of daemon subprocesses for figures measured by hand; test_cache_bench.py runs "
+        "the same script with --quick",
 }
 # Lines of run blocks that are not run whole: the reason, the scripts checked instead, and the part
 # of the line that runs as written (None: nothing).
