@@ -45,6 +45,7 @@ RUN = {
     ("README.md", "from kvclient import KVClient, KVLayout, ShmKVPool"): "cache",
     ("README.md", "S=/run/kvserver/kvserver.sock"): "grpcurl",
     ("README.md", "scripts/test.sh"): "development",
+    ("docs/performance.md", ".venv/bin/python benchmarks/bench_store.py"): "store-bench",
 }
 # Blocks not run here, and why.
 NOT_RUN = {
@@ -305,6 +306,15 @@ def test_cache_example_hits_in_a_second_process(env, start, tmp_path):
     after = stats(target)
     assert after.num_clients == 0 and after.cache_bytes > 0, after  # the pages outlived both engines
     d.stop()
+
+
+def test_store_benchmark_block(env):
+    res = subprocess.run(["bash", "-e", "-c", block("store-bench")], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    rows = [line.split() for line in res.stdout.splitlines() if line.startswith(("lookup", "prepare"))]
+    assert len(rows) == 12, res.stdout  # six operations at 1k and 64k keys, each with its dict ratio
+    assert all(float(row[-1]) > 0 for row in rows), res.stdout
 
 
 def test_grpcurl_block(env, start, home, tmp_path):
