@@ -102,7 +102,7 @@ class KVCore:
             if len(self.clients) + self._registering - self._replacing > self.max_clients:
                 raise NoCapacity(f"client limit reached: {self.max_clients} clients are registered")
             if replaced is None:  # else its region is not free yet: checked once it is released
-                self._check_fits(spec, least)  # before the pool is opened; again once it is
+                self._check_fits(spec, least, evict=False)  # before the pool is opened; again once it is
             client = await self._register(req, spec, access, least, most)
             client.peer = access.peer
             client.tenant = tenant_of(tenant, access.peer)
@@ -162,13 +162,22 @@ class KVCore:
         want = -(-req.host_tokens // p)
         return least, min(want, self.max_pages_per_client, epochs.MAX_SLOTS // p)
 
-    def _check_fits(self, spec: ClientSpec, least: int) -> int:
+    def _check_fits(self, spec: ClientSpec, least: int, evict: bool = True) -> int:
         """Pages of ``spec`` that fit in the largest free region; refuses fewer than ``least``,
-        naming what is free in bytes and in tokens of this layout."""
+        naming what is free in bytes and in tokens of this layout.
+
+        Cached pages give way to the least the engine accepts, never to more, and only once its
+        pool has opened and passed its checks (``evict``): before that, the check counts the
+        cache's bytes as free, and a refused registration has evicted nothing. Nothing is evicted
+        either when even an empty cache would leave too little."""
         page_bytes, p = spec.page_bytes, spec.page_size
-        if self.arena.largest_free() < least * page_bytes:
-            # Cached pages give way to the least the engine accepts, never to more.
-            self.cache.make_room(least * page_bytes)
+        need = least * page_bytes
+        if least and self.arena.largest_free() < need:
+            reclaimable = self.cache.bytes
+            if not evict and self.arena.largest_free() + reclaimable >= need:
+                return least
+            if evict and self.arena.capacity - self.arena.reserved + reclaimable >= need:
+                self.cache.make_room(need)
         fit = self.arena.largest_free() // page_bytes
         free = self.arena.capacity - self.arena.reserved
         if least == 0:

@@ -12,6 +12,9 @@ from cache_engine import CacheEngine, prompt_keys, scattered
 from checks import error_of
 from daemon_proc import DaemonProcess
 
+from kvclient._messages import register_request
+from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
+
 PAGE_BYTES = 16 * 256 * 2 * 4  # 32 KiB: MHA 2 x 64 fp16, K and V, 4 layers, 16 tokens
 QUOTA_PAGES = 32
 
@@ -109,6 +112,18 @@ def test_room_eviction_and_registrations_take_back_cache_memory(tmp_path) -> Non
             assert eng.lookup(b).pages == 64
             stats = d.stats()
             assert stats.cache_bytes == 8 << 20 and stats.spaces[0].counters.evictions == 64
+
+            # A registration refused for its pool (here: no peer ticket for its descriptors) evicts
+            # nothing, though it asks for more than is free: the cache gives way only once a pool
+            # has opened and passed its checks.
+            req = register_request(model="refused", pool=eng.pool, start_layer=0, end_layer=4, num_layers=4,
+                                   host_tokens=4096, page_size=16, tp_rank=0, tp_size=1, pp_rank=0,
+                                   pp_size=1)
+            with grpc.insecure_channel(d.address) as channel:
+                code, message = error_of(lambda: pb_grpc.KVServerStub(channel).Register(req))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "peer_ticket" in message, message
+            assert eng.lookup(a).pages == 192 and eng.lookup(b).pages == 64, "a refused Register evicted"
+            assert d.stats().cache_bytes == 8 << 20
 
             # A registration needing 8 MiB finds 6 MiB free: the slab goes, unless a page in it is pinned.
             lease = eng.lookup(b, pin_ms=30_000)

@@ -150,3 +150,39 @@ def test_a_part_held_across_its_space_being_dropped_keeps_working():
     put(cache, held, K("ab"))  # brings its space back, the same object
     assert cache.find_space(held.space.key) is held.space
     assert cache.lookup(held.space, K("ab")) == (2, "")
+
+
+def test_a_space_lease_is_ended_rank_by_rank():
+    """A scheduler pins a prefix for every rank; each rank's Get unpins its own part only, so a
+    rank that reads later still finds its pages pinned."""
+    cache, _, _ = make_cache()
+    space = cache.space(space_key(tp=2))
+    rank0, rank1 = part_of(cache, space, 0), part_of(cache, space, 1)
+    put(cache, rank0, K("ab"))
+    put(cache, rank1, K("ab"))
+    n, lease = cache.lookup(space, K("abab"), pin_ms=5000)  # a repeated key is pinned once
+    assert n == 4 and lease
+    assert cache.pages.pins.sum() == 4  # a and b in both parts
+    got = cache.prepare_get(rank0, K("ab"), lease)
+    cache.complete_get(got, True)
+    ids1 = [rank1.pages[b"a"], rank1.pages[b"b"]]
+    assert cache.pages.pins[ids1].tolist() == [1, 1]  # rank 1 keeps its pins
+    assert cache.pages.pins[[rank0.pages[b"a"], rank0.pages[b"b"]]].tolist() == [0, 0]
+    assert cache.make_room(7 * MiB) is False  # rank 1's pinned slab stays
+    assert cache.lookup(rank1, K("ab")) == (2, "")
+    got = cache.prepare_get(rank1, K("ab"), lease)
+    cache.complete_get(got, True)
+    assert cache.pages.pins.sum() == 0 and cache.release("t", [lease]) == 0  # the lease has ended
+
+
+def test_pinned_pages_per_tenant_are_bounded():
+    cache, _, _ = make_cache()
+    cache.leases.max_pinned_per_tenant = 3
+    part = one_part(cache)
+    put(cache, part, K("abcd"))
+    n, lease = cache.lookup(part, K("ab"), pin_ms=1000)
+    assert n == 2 and lease
+    with pytest.raises(NoCapacity, match="pins 2 pages"):
+        cache.lookup(part, K("abc"), pin_ms=1000)
+    assert cache.pages.pins.sum() == 2  # the refused pin changed nothing
+    assert cache.lookup(part, K("c"), pin_ms=1000)[0] == 1

@@ -153,14 +153,14 @@ class KVCache:
             n = leading((ids >= 0) & (self.pages.state[ids] == COMMITTED))
             found.append(ids)
         counted = [ids[:n] for ids in found] if n else []
+        lease_id = ""
+        if pin_ms and n:  # first: a pin refused for the tenant's limits changes nothing
+            lease_id = self.leases.add(tenant.name, np.concatenate(counted), pin_ms)
         for c in (space.counters, tenant.counters):
             c.hits += n
             c.misses += len(keys) - n
         for ids in counted:
             self.pages.touch(ids)
-        lease_id = ""
-        if pin_ms and n:
-            lease_id = self.leases.add(tenant.name, np.concatenate(counted), pin_ms)
         return n, lease_id
 
     # Put
@@ -263,8 +263,8 @@ class KVCache:
         ids, plan.page_ids = plan.page_ids, plan.page_ids[:0]
         np.subtract.at(self.pages.readers, ids, 1)
         self.pages.touch(ids)
-        if plan.lease_id:
-            self.leases.end(plan.lease_id, plan.part.space.key.tenant)
+        if plan.lease_id:  # this part's pins only: the other ranks' Gets may still come
+            self.leases.end_part(plan.lease_id, plan.part.space.key.tenant, plan.part.gid)
             plan.lease_id = ""
 
     # Leases

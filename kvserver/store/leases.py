@@ -1,6 +1,12 @@
-"""Leases: pins on pages for a while, ended explicitly, by a Get naming them, or by expiry.
+"""Leases: pins on pages for a while, ended explicitly, part by part by the Gets naming them, or
+by expiry.
 
-Primitives: ``Lease`` and ``LeaseTable`` (``add``, ``end``, ``release``, ``expire``, ``holds``).
+A lease of a whole space pins the pages of every part (every TP rank and PP stage), and each rank
+reads only its own part: a Get naming the lease unpins its own part's pages, and the lease ends
+once no part is left, so the ranks that have not read yet keep their pins.
+
+Primitives: ``Lease`` and ``LeaseTable`` (``add``, ``end``, ``end_part``, ``release``, ``expire``,
+``holds``).
 """
 
 from __future__ import annotations
@@ -15,18 +21,25 @@ import numpy as np
 from kvserver.errors import NoCapacity
 from kvserver.store.pages import PageTable
 
+# Page pins one tenant's leases may hold together (8 bytes each in the leases' arrays).
+MAX_PINNED_PER_TENANT = 1 << 24
+
 
 @dataclass(slots=True)
 class Lease:
     tenant: str
     expires: float
-    pages: np.ndarray  # page ids pinned (may repeat)
+    pages: np.ndarray  # page ids pinned, each once
+    parts: np.ndarray  # the part gid of each of those pages
 
 
 class LeaseTable:
-    def __init__(self, pages: PageTable, max_per_tenant: int, clock: Callable[[], float]) -> None:
+    def __init__(self, pages: PageTable, max_per_tenant: int, clock: Callable[[], float],
+                 max_pinned_per_tenant: int = MAX_PINNED_PER_TENANT) -> None:
         self.pages = pages
         self.max_per_tenant = max_per_tenant
+        self.max_pinned_per_tenant = max_pinned_per_tenant
+        self._pinned: dict[str, int] = {}  # page pins the tenant's leases hold
         self.clock = clock
         self.leases: dict[str, Lease] = {}
         self._per_tenant: dict[str, int] = {}
@@ -43,12 +56,21 @@ class LeaseTable:
                 )
 
     def add(self, tenant: str, ids: np.ndarray, pin_ms: int) -> str:
-        """Pins the pages until ``pin_ms`` from now; returns the new lease id."""
+        """Pins the pages (each once, however often the request named it) until ``pin_ms`` from
+        now; returns the new lease id."""
         self.check(tenant)
+        ids = np.unique(ids)
+        held = self._pinned.get(tenant, 0)
+        if held + ids.size > self.max_pinned_per_tenant:
+            raise NoCapacity(
+                f"tenant {tenant!r} pins {held} pages under its leases; {ids.size} more would pass the "
+                f"most allowed ({self.max_pinned_per_tenant}): release leases or pin fewer pages"
+            )
         lease_id = secrets.token_hex(16)
         expires = self.clock() + pin_ms / 1000
-        np.add.at(self.pages.pins, ids, 1)
-        self.leases[lease_id] = Lease(tenant, expires, ids)
+        self.pages.pins[ids] += 1
+        self._pinned[tenant] = held + ids.size
+        self.leases[lease_id] = Lease(tenant, expires, ids, self.pages.part[ids])
         self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
         heapq.heappush(self._heap, (expires, lease_id))
         return lease_id
@@ -62,11 +84,32 @@ class LeaseTable:
         if not self.holds(lease_id, tenant):
             return False
         lease = self.leases.pop(lease_id)
-        np.subtract.at(self.pages.pins, lease.pages, 1)
+        self._unpin(tenant, lease.pages)
         self._per_tenant[tenant] -= 1
         if not self._per_tenant[tenant]:
             del self._per_tenant[tenant]
         return True
+
+    def end_part(self, lease_id: str, tenant: str, part_gid: int) -> None:
+        """Unpins the lease's pages of one part (a rank's Get has read them); the lease ends once
+        it pins nothing more."""
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.tenant != tenant:
+            return
+        mine = lease.parts == part_gid
+        if mine.all():
+            self.end(lease_id, tenant)
+            return
+        self._unpin(tenant, lease.pages[mine])
+        lease.pages, lease.parts = lease.pages[~mine], lease.parts[~mine]
+
+    def _unpin(self, tenant: str, ids: np.ndarray) -> None:
+        self.pages.pins[ids] -= 1
+        left = self._pinned.get(tenant, 0) - ids.size
+        if left > 0:
+            self._pinned[tenant] = left
+        else:
+            self._pinned.pop(tenant, None)
 
     def release(self, tenant: str, lease_ids: Sequence[str]) -> int:
         return sum(self.end(lease_id, tenant) for lease_id in set(lease_ids))
