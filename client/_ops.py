@@ -23,6 +23,7 @@ class Op:
     miss: Any = None
     registered: bool = True
     job: bool = False
+    cache: bool = False  # a call on the node-wide cache: best effort (see ClientCore.judge)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,10 @@ class StreamOp:
     event_slot: int = 0
     get: bool = False
     job: bool = True
+
+    @property
+    def cache(self) -> bool:
+        return self.get
 
 
 @dataclass(slots=True)

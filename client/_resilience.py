@@ -23,6 +23,11 @@ STALE = frozenset({grpc.StatusCode.FAILED_PRECONDITION})
 SLOW = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
 
 
+# A cache call the daemon cannot serve now (a tenant's limit, slabs being pinned, a part of another
+# layer range): the cache is best effort, so the engine recomputes; the reason is logged once.
+CACHE_BEST_EFFORT = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION})
+
+
 def is_miss(code: grpc.StatusCode) -> bool:
     return code in OUTAGE or code in LOST or code in STALE or code in SLOW
 

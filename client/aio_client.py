@@ -67,7 +67,7 @@ class AsyncKVClient(CoreShell):
             return op.read(resp)
         if self._core.unconfirmed(call, error):
             await self._confirm_stopped(call.reg)
-        if self._is_miss(error, call.reg):
+        if self._is_miss(error, call.reg, call.op.cache):
             return op.miss
         raise error from None
 
@@ -85,10 +85,10 @@ class AsyncKVClient(CoreShell):
         # Reported to the engine only once the copy cannot still run.
         if self._core.unconfirmed(call, error):
             handle.confirmed = await self._confirm_stopped(call.reg)
-        return self._is_miss(error, call.reg)
+        return self._is_miss(error, call.reg, call.op.cache)
 
-    def _is_miss(self, error: KVClientError, reg: msg.Registration | None) -> bool:
-        miss, lose = self._core.judge(error, reg)
+    def _is_miss(self, error: KVClientError, reg: msg.Registration | None, cache: bool = False) -> bool:
+        miss, lose = self._core.judge(error, reg, cache)
         if lose:
             self._lost(reg, error.message)
         return miss

@@ -19,7 +19,7 @@ import grpc
 from kvclient import _messages as msg
 from kvclient._channel import target
 from kvclient._ops import Call, Lost, Missed, Op, StreamOp
-from kvclient._resilience import confirm_grace, is_miss, job_unconfirmed, needs_register
+from kvclient._resilience import CACHE_BEST_EFFORT, confirm_grace, is_miss, job_unconfirmed, needs_register
 from kvclient.cuda_events import LayerEvents, event_handle
 from kvclient.errors import KVClientError
 from kvclient.keys import KEY_BYTES, Keys, pack_keys
@@ -70,6 +70,7 @@ class ClientCore:
         self.connected = False
         self.closed = False
         self.misses = 0
+        self._warned: set[tuple[grpc.StatusCode, str]] = set()  # cache misses' reasons, logged once
         self.reconnects = 0
         self.pool = None  # the registered pool
         self._device = 0  # CUDA pools: the device the layer events are opened on
@@ -258,10 +259,23 @@ class ClientCore:
         confirm it (``confirm_request``) before reporting the failure."""
         return call.op.job and job_unconfirmed(error.code, error.job_ended)
 
-    def judge(self, error: KVClientError, reg: msg.Registration | None) -> tuple[bool, bool]:
+    def judge(self, error: KVClientError, reg: msg.Registration | None,
+              cache: bool = False) -> tuple[bool, bool]:
         """(a miss, not raised; the registration is lost and must be given up). In resilient mode
-        a failure that means "not there" is a miss, counted."""
-        if reg is None or not self.resilient or not is_miss(error.code):
+        a failure that means "not there" is a miss, counted. The node-wide cache is best effort:
+        a cache call the daemon cannot serve now (a limit reached, slabs not pinned yet, or a part
+        whose layer range this engine disagrees with) is a miss too, logged once per reason so
+        that a misconfigured engine does not miss in silence."""
+        if reg is None or not self.resilient:
+            return False, False
+        if cache and error.code in CACHE_BEST_EFFORT:
+            self.misses += 1
+            reason = (error.code, error.message[:80])
+            if reason not in self._warned:
+                self._warned.add(reason)
+                logger.warning("kvserver cache call missed: %s: %s", error.code.name, error.message)
+            return True, False
+        if not is_miss(error.code):
             return False, False
         self.misses += 1
         return True, needs_register(error.code)
@@ -333,7 +347,7 @@ class ClientCore:
         data, width, _ = packed(keys, key_bytes)
         return Op("Lookup", lambda r: pb.LookupRequest(client_id=r.client_id, keys=data, key_bytes=width,
                                                        pin_ms=pin_ms, whole_space=whole_space),
-                  lambda resp: LookupResult(resp.pages, resp.lease_id), LookupResult(0))
+                  lambda resp: LookupResult(resp.pages, resp.lease_id), LookupResult(0), cache=True)
 
     def put(self, keys: Keys, device_pages: msg.Indices, ready_event, key_bytes: int = KEY_BYTES) -> Op:
         data, width, count = packed(keys, key_bytes)
@@ -342,7 +356,7 @@ class ClientCore:
                                                  device_pages=pages, ready_event=ready,
                                                  timeout_ms=self.timeout_ms),
                   lambda resp: PutResult(resp.stored, resp.present, resp.dropped, resp.bytes),
-                  PutResult(dropped=count), job=True)
+                  PutResult(dropped=count), job=True, cache=True)
 
     def get(self, keys: Keys, device_pages: msg.Indices, layers: Iterable[int] | None, event_slot: int,
             ready_event, lease_id: str, key_bytes: int = KEY_BYTES) -> StreamOp:
@@ -357,4 +371,4 @@ class ClientCore:
     def release(self, lease_ids: str | Sequence[str]) -> Op:
         ids = lease_list(lease_ids)
         return Op("Release", lambda r: pb.ReleaseRequest(client_id=r.client_id, lease_ids=ids),
-                  lambda resp: resp.released, 0)
+                  lambda resp: resp.released, 0, cache=True)

@@ -77,7 +77,7 @@ class KVClient(CoreShell):
             return op.read(resp)
         if self._core.unconfirmed(call, error):
             self._confirm_stopped(call.reg)
-        if self._is_miss(error, call.reg):
+        if self._is_miss(error, call.reg, call.op.cache):
             return op.miss
         raise error from None
 
@@ -96,10 +96,10 @@ class KVClient(CoreShell):
         # Reported to the engine only once the daemon said the copy is dead, or was made to.
         if self._core.unconfirmed(call, error):
             handle.confirmed = self._confirm_stopped(call.reg)
-        return self._is_miss(error, call.reg)
+        return self._is_miss(error, call.reg, call.op.cache)
 
-    def _is_miss(self, error: KVClientError, reg: msg.Registration | None) -> bool:
-        miss, lose = self._core.judge(error, reg)
+    def _is_miss(self, error: KVClientError, reg: msg.Registration | None, cache: bool = False) -> bool:
+        miss, lose = self._core.judge(error, reg, cache)
         if lose:
             self._lost(reg, error.message)
         return miss

@@ -156,6 +156,7 @@ class CacheOps:
             raise InvalidArgument(f"{len(keys)} keys but {pages.size} device pages; they must pair up")
         device = client.device
         device.check_request(ready_event, event_slot)
+        device.check_cache_rows()
         if pages.size:
             lo, hi = int(pages.min()), int(pages.max())
             if lo < 0 or hi >= device.num_pages:
@@ -197,7 +198,11 @@ class CacheOps:
             self.cache.complete_put(plan, False)
             raise
         job.on_settled = lambda ok: self.cache.complete_put(plan, ok)
-        nbytes = await self.kv.copier.write(job)
+        try:
+            nbytes = await self.kv.copier.write(job)
+        finally:
+            if not job.submitted:  # it never reached the medium, so nothing will settle it
+                self.cache.complete_put(plan, False)
         return PutOutcome(n, plan.present, plan.dropped, nbytes)
 
     async def get(self, req: pb.GetRequest) -> AsyncIterator[tuple[int, LoadStep | None]]:
@@ -221,8 +226,12 @@ class CacheOps:
             self.cache.complete_get(plan, False)
             raise
         job.on_settled = lambda ok: self.cache.complete_get(plan, ok)
-        async for step in self.kv.copier.load(job):
-            yield plan.pages, step
+        try:
+            async for step in self.kv.copier.load(job):
+                yield plan.pages, step
+        finally:
+            if not job.submitted:  # it never reached the medium, so nothing will settle it
+                self.cache.complete_get(plan, False)
 
 
 async def expire_leases(cache: KVCache, stop: asyncio.Event, period: float = 1.0) -> None:

@@ -79,6 +79,9 @@ class Job:
     # Set by the medium when the job's call ends before the device is done with its memory:
     # completes once that device work has drained.
     held: Future | None = None
+    # Set once the medium has the job: from then on ``on_settled`` will be called. A job that
+    # failed before (no descriptor left for its signal, the worker shut down) never will be.
+    submitted: bool = False
 
     @property
     def host(self) -> transfer.BufferTable:
@@ -200,6 +203,7 @@ class Copier:
             fut = loop.create_future()
             try:
                 cf = client.device.start(job, to_device, signal, INLINE, INLINE)
+                job.submitted = True
             finally:
                 job.queued = None
                 self._release(job, signal)
@@ -210,7 +214,12 @@ class Copier:
             _settle(job, cf, loop)
             return fut
         self.queued += 1
-        cf = client.device.start(job, to_device, signal, self._executor, self._waiters)
+        try:
+            cf = client.device.start(job, to_device, signal, self._executor, self._waiters)
+        except BaseException:
+            self._release(job, None, True)  # the caller releases the signal: it never started
+            raise
+        job.submitted = True
         fut = loop.create_future()
         timer = loop.call_at(job.deadline, job.stop, "deadline") if job.deadline > 0 else None
 

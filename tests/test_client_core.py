@@ -177,6 +177,19 @@ def test_which_failures_are_misses(pool, code, miss, lose):
     assert core.judge(error(code), None) == (False, False)  # a call on no registration raises all
 
 
+@pytest.mark.parametrize("code", [C.RESOURCE_EXHAUSTED, C.FAILED_PRECONDITION])
+def test_a_cache_call_the_daemon_cannot_serve_now_is_a_miss_logged_once(pool, code, caplog):
+    core = registered(pool)
+    with caplog.at_level("WARNING", logger="kvclient.core"):
+        assert core.judge(error(code), core.registration, cache=True) == (True, False)
+        assert core.judge(error(code), core.registration, cache=True) == (True, False)
+    assert core.misses == 2
+    assert len([r for r in caplog.records if "cache call missed" in r.getMessage()]) == 1
+    assert core.judge(error(C.INVALID_ARGUMENT), core.registration, cache=True) == (False, False)
+    strict = registered(pool, resilient=False)
+    assert strict.judge(error(code), strict.registration, cache=True) == (False, False)
+
+
 def test_a_job_failure_is_confirmed_unless_the_daemon_said_it_ended(pool):
     core = registered(pool)
     put = core.start(core.put(KEYS, [0, 1, 2, 3], None))

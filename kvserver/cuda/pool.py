@@ -167,6 +167,14 @@ class CudaDevicePool(DevicePool):
     def check_sizes(self) -> None:
         """IPC allocations cannot shrink under the daemon."""
 
+    def check_cache_rows(self) -> None:
+        """The cache's slabs are pinned for this device, and the pool has not failed."""
+        if self.failed:
+            raise self._stalled()
+        if self.slabs is None:
+            raise FailedPrecondition("this CUDA pool was opened without the cache's slabs pinned for it")
+        self.slabs.check()
+
     def device(self):
         return self.cupy.cuda.Device(self.ordinal)
 
@@ -310,9 +318,7 @@ class CudaDevicePool(DevicePool):
         num_layers = self.token_bases.shape[0]
         stream = self.stream.ptr
         if cache_rows:
-            if self.slabs is None:
-                raise FailedPrecondition("this CUDA pool was opened without the cache's slabs pinned for it")
-            self.slabs.check()
+            self.check_cache_rows()
         host_to_device = 0 if cache_rows else self.host_to_device
         with self._enqueue_lock, self.device(), self.stream:
             if self.failed:

@@ -105,6 +105,12 @@ class SlabPinner:
                 raise FailedPrecondition("no CUDA pool has attached: the cache slabs are not pinned for CUDA")
             if self._mismatch:
                 raise FailedPrecondition(self._mismatch)
+            pending = len(self._slabs) - len(self._pinned) - len(self._unpinned)
+            if pending:  # the first CUDA registration is still pinning the slabs that were there
+                raise FailedPrecondition(
+                    f"{pending} cache slab(s) are still being pinned for the GPU; CUDA copies of cache "
+                    "pages wait until they are"
+                )
             if self._unpinned:
                 ptr, why = next(iter(self._unpinned.items()))
                 raise FailedPrecondition(

@@ -85,6 +85,12 @@ class DevicePool(ABC):
         """Raises if the pool's memory shrank under the daemon since it was opened."""
 
     @abstractmethod
+    def check_cache_rows(self) -> None:
+        """Raises unless copies to and from the node-wide cache's slabs can run now. Checked
+        before the cache picks (and evicts for) the pages of a Put or Get, so a request the medium
+        must refuse changes nothing; checked again when the copy starts."""
+
+    @abstractmethod
     def attach_host(self, host_ptr: int, nbytes: int, num_layers: int) -> None:
         """Sets up copies with the client's host region (``nbytes`` at ``host_ptr``). Runs in a
         worker thread, once, before any copy."""

@@ -91,6 +91,9 @@ class ShmDevicePool(DevicePool):
     def attach_host(self, host_ptr: int, nbytes: int, num_layers: int) -> None:
         """The CPU copies between shared memory and the host region: nothing to set up."""
 
+    def check_cache_rows(self) -> None:
+        """The CPU reaches the cache's slabs as any arena memory: nothing to check."""
+
     def check_sizes(self) -> None:
         """Named objects can shrink under the mapping; sealed fds cannot (their fd is -1)."""
         for m in self.mappings:
