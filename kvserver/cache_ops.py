@@ -30,6 +30,11 @@ from kvserver.v1 import kvserver_pb2 as pb
 logger = logging.getLogger(__name__)
 
 MAX_SPACE_IDS = 1 << 16  # space handles the daemon keeps (one per tenant and space)
+# Keys in one Lookup, Put or Get (2 Mi tokens in pages of 16): their bookkeeping runs on the event
+# loop, so a request is bounded to what the loop can do in a small fraction of a second.
+MAX_CACHE_KEYS = 1 << 17
+MAX_PARALLEL = 4096  # TP and PP sizes a space may name
+MAX_LAYERS = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +61,9 @@ def space_from_wire(tenant: str, msg: pb.KVSpace) -> SpaceKey:
     if msg.dtype == pb.DTYPE_UNSPECIFIED:
         raise InvalidArgument("space.dtype must be set")
     tp_size, pp_size = max(msg.tp_size, 1), max(msg.pp_size, 1)
+    if tp_size > MAX_PARALLEL or pp_size > MAX_PARALLEL or msg.num_layers > MAX_LAYERS:
+        raise InvalidArgument(f"space tp_size {tp_size}, pp_size {pp_size}, num_layers {msg.num_layers}: "
+                              f"at most {MAX_PARALLEL}, {MAX_PARALLEL} and {MAX_LAYERS}")
     if pp_size > msg.num_layers:
         raise InvalidArgument(f"space.pp_size {pp_size} is more than its {msg.num_layers} layers")
     return SpaceKey(tenant, msg.model, KVLayout.from_wire(msg.layout), torch_dtype(msg.dtype), msg.page_size,
@@ -77,6 +85,7 @@ class CacheOps:
         self.cache: KVCache = kv.cache
         self.kv = kv
         self.tenants = tenants or TenantBook()
+        self._max_keys = min(MAX_CACHE_KEYS, kv.max_request_indices)
         self._space_ids: dict[str, SpaceKey] = {}
         self._ids_of: dict[SpaceKey, str] = {}
 
@@ -131,7 +140,7 @@ class CacheOps:
         _, client, key = self._target(req.client_id, req.space_id)
         if req.pin_ms > MAX_PIN_MS:
             raise InvalidArgument(f"pin_ms is {req.pin_ms}; at most {MAX_PIN_MS}")
-        keys = split_keys(req.keys, req.key_bytes, self.kv.max_request_indices)
+        keys = split_keys(req.keys, req.key_bytes, self._max_keys)
         target: Part | Space
         if client is not None:
             part = self._part(client)
@@ -150,7 +159,7 @@ class CacheOps:
 
     def _checked(self, client: ClientState, packed: bytes, key_bytes: int, device_pages,
                  ready_event: bytes, event_slot: int) -> tuple[list[bytes], np.ndarray]:
-        keys = split_keys(packed, key_bytes, self.kv.max_request_indices)
+        keys = split_keys(packed, key_bytes, self._max_keys)
         pages = transfer.as_indices(device_pages, "device page")
         if pages.size != len(keys):
             raise InvalidArgument(f"{len(keys)} keys but {pages.size} device pages; they must pair up")
