@@ -15,7 +15,7 @@ from light_engine import LightEngine, killed_mid_load
 from kvserver.shm import SHM_DIR
 from kvserver.v1 import kvserver_pb2 as pb
 
-KILL_LOOPS = 100
+KILL_LOOPS = 50
 
 
 @pytest.fixture(scope="module")
