@@ -16,7 +16,7 @@ import pytest
 from cache_engine import PAGE, churn_worker
 from daemon_proc import DaemonProcess
 
-SECONDS = float(os.environ.get("KVSERVER_CACHE_CHURN_SECONDS", "15"))
+SECONDS = float(os.environ.get("KVSERVER_CACHE_CHURN_SECONDS", "8"))
 PROCS = 8
 DOCS, DOC_PAGES = 6, 32
 PAGE_BYTES = PAGE * 256 * 2 * 4
