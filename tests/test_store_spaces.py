@@ -186,3 +186,27 @@ def test_pinned_pages_per_tenant_are_bounded():
         cache.lookup(part, K("abc"), pin_ms=1000)
     assert cache.pages.pins.sum() == 2  # the refused pin changed nothing
     assert cache.lookup(part, K("c"), pin_ms=1000)[0] == 1
+
+
+def test_complete_pages_are_counted_as_pages_come_and_go():
+    """The count Stats shows, kept up as parts commit and lose keys, equals a recount."""
+    import random
+
+    from kvserver.store.complete import CompleteCount
+
+    rng = random.Random(7)
+    count = CompleteCount(3)
+    held: list[set[bytes]] = [set(), set(), set()]
+    for _ in range(300):
+        part = rng.randrange(3)
+        keys = {bytes([rng.randrange(40)]) for _ in range(rng.randrange(1, 8))}
+        if rng.random() < 0.6:
+            new = sorted(keys - held[part])
+            count.added(new)
+            held[part] |= set(new)
+        else:
+            old = sorted(keys & held[part])
+            count.removed(old)
+            held[part] -= set(old)
+        assert count.value == len(held[0] & held[1] & held[2])
+    assert set(count.parts_of) == held[0] | held[1] | held[2]

@@ -14,6 +14,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from itertools import compress
 
 import numpy as np
 
@@ -214,6 +215,7 @@ class KVCache:
         if ok:
             self.pages.state[ids] = COMMITTED
             self.pages.touch(ids)
+            plan.part.space.complete.added(self.pages.keys_of(ids))
         else:
             self._drop(ids, evicted=False)
 
@@ -304,7 +306,10 @@ class KVCache:
         uniq, starts = np.unique(gids[order], return_index=True)
         for gid, chunk in zip(uniq.tolist(), np.split(ids[order], starts[1:]), strict=True):
             part = self._parts[gid]
-            deque(map(part.pages.pop, self.pages.keys_of(chunk)), maxlen=0)
+            keys = self.pages.keys_of(chunk)
+            committed = self.pages.state[chunk] == COMMITTED
+            part.space.complete.removed(keys if committed.all() else list(compress(keys, committed.tolist())))
+            deque(map(part.pages.pop, keys), maxlen=0)
             tenant = self.tenants.get(part.space.key.tenant)
             for c in (part.space.counters, tenant.counters):
                 c.pages -= len(chunk)
@@ -320,7 +325,7 @@ class KVCache:
         spaces = [s for s in self._spaces.values() if tenant is None or s.key.tenant == tenant]
         names = list(self.tenants.by_name) if tenant is None else [tenant]
         space_stats = [
-            SpaceStat(s.key, replace(s.counters), len(s.parts), s.key.num_parts, self._complete(s))
+            SpaceStat(s.key, replace(s.counters), len(s.parts), s.key.num_parts, s.complete.value)
             for s in spaces
         ]
         tenant_stats = []
@@ -331,15 +336,3 @@ class KVCache:
             else:
                 tenant_stats.append(TenantStat(name, replace(t.counters), t.quota))
         return space_stats, tenant_stats
-
-    def _complete(self, space: Space) -> int:
-        """Keys committed in every part of the space."""
-        if len(space.parts) < space.key.num_parts:
-            return 0
-        parts = sorted(space.parts.values(), key=lambda p: len(p.pages))
-        keys = list(parts[0].pages)
-        ok = np.ones(len(keys), bool)
-        for part in parts:
-            ids = page_ids(part.pages, keys)
-            ok &= (ids >= 0) & (self.pages.state[ids] == COMMITTED)
-        return int(np.count_nonzero(ok))

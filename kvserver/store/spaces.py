@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserver.layout import KVLayout
+from kvserver.store.complete import CompleteCount
 from kvserver.store.stats import CacheCounters
 
 
@@ -51,12 +52,13 @@ class PartKey:
 class Space:
     """One KV space: its parts by (tp_shard, pp_rank) and its counters."""
 
-    __slots__ = ("key", "parts", "counters", "__weakref__")
+    __slots__ = ("key", "parts", "counters", "complete", "__weakref__")
 
     def __init__(self, key: SpaceKey) -> None:
         self.key = key
         self.parts: dict[tuple[int, int], Part] = {}
         self.counters = CacheCounters()
+        self.complete = CompleteCount(key.num_parts)  # keys committed in every part
 
     def __repr__(self) -> str:
         return f"Space({self.key.tenant!r}, {self.key.model!r}, parts={len(self.parts)}/{self.key.num_parts})"
