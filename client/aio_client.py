@@ -63,6 +63,12 @@ class AsyncKVClient(CoreShell):
                                                      metadata=self._core.metadata)
         except grpc.RpcError as exc:
             error = from_rpc_error(exc)
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # this task itself was cancelled
+                raise
+            # grpc.aio ends a call with CancelledError when its channel is closed under it: as the
+            # blocking client, a cancelled call (a miss, not an exception reaching the engine)
+            error = KVClientError(grpc.StatusCode.CANCELLED, f"the {op.rpc} call was cancelled (closed)")
         else:
             return op.read(resp)
         if self._core.unconfirmed(call, error):
@@ -118,7 +124,9 @@ class AsyncKVClient(CoreShell):
             min_host_tokens=min_host_tokens,
         )
         sent = await asyncio.to_thread(ticketed, self.target, pool, req)
-        reg = self._core.registered(await self._call(self._stub.Register, sent), req, pool)
+        reg, replaced = self._core.registered(await self._call(self._stub.Register, sent), req, pool)
+        if replaced is not None and replaced is not asyncio.current_task():
+            replaced.cancel()
         self._open_session(reg)
         return reg
 
@@ -162,11 +170,22 @@ class AsyncKVClient(CoreShell):
                 reg = self._core.reregistered(resp, old, backoff.attempt)
                 if reg is not None:
                     self._open_session(reg)
+                else:  # unregistered, closed or replaced meanwhile: this one is nobody's
+                    await asyncio.shield(self._drop_orphan(resp.client_id))
                 return
         finally:
             self._core.reconnect_ended(old)
             if self._reconnect is asyncio.current_task():
                 self._reconnect = None
+
+    async def _drop_orphan(self, client_id: str) -> None:
+        """Unregisters a registration the client no longer wants (best effort: the daemon would
+        otherwise hold it for its lease)."""
+        try:
+            await self._stub.Unregister(pb.UnregisterRequest(client_id=client_id), timeout=self.timeout,
+                                        metadata=self._core.metadata)
+        except (grpc.RpcError, asyncio.CancelledError) as exc:
+            logger.debug("unregistering a registration nobody uses failed: %r", exc)
 
     async def _stop_tasks(self, session: object | None) -> None:
         for task in (session, self._reconnect):

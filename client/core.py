@@ -100,12 +100,22 @@ class ClientCore:
     # ---- registration -----------------------------------------------------------------------
 
     def register_request(self, **kwargs) -> pb.RegisterRequest:
-        """``_messages.register_request`` (the shell adds a peer ticket to what it sends)."""
+        """``_messages.register_request`` (the shell adds a peer ticket to what it sends). A
+        client that holds a registration already (live, or lost and being re-registered) names it
+        as the one this replaces: the daemon releases it, so one client never holds two."""
         kwargs["min_host_tokens"] = kwargs.get("min_host_tokens") or 0
-        return msg.register_request(**kwargs)
+        req = msg.register_request(**kwargs)
+        with self._lock:
+            held = self.registration if self.registration is not None else self._reconnecting_for
+        if held is not None:
+            req.replaces_client_id = held.client_id
+        return req
 
-    def registered(self, resp: pb.RegisterResponse, req: pb.RegisterRequest, pool) -> msg.Registration:
-        """A Register answered: ``req`` is the request to send again after a loss."""
+    def registered(self, resp: pb.RegisterResponse, req: pb.RegisterRequest,
+                   pool) -> tuple[msg.Registration, object | None]:
+        """A Register answered: ``req`` is the request to send again after a loss. Returns the
+        registration and the session of the one it replaced, for the shell to cancel; a
+        re-registration under way for a lost one stops (this one replaced it)."""
         reg = msg.registration(resp, req)
         logger.info("registered with kvserver: %d host tokens granted of %d asked (%d bytes each), "
                     "layers [%d, %d)", reg.host_tokens, req.host_tokens, reg.host_bytes_per_token,
@@ -113,10 +123,15 @@ class ClientCore:
         self.pool = pool
         if reg.layer_events:
             self._device = pool.buffers[0][0].device
+        kept = pb.RegisterRequest()
+        kept.CopyFrom(req)
+        kept.ClearField("replaces_client_id")  # a retry names the registration it then replaces
         with self._lock:
-            self.request = req
+            self.request = kept
+            stale = self._session
+            self._reconnecting_for = None
             self._adopt(reg)
-        return reg
+        return reg, stale
 
     def _adopt(self, reg: msg.Registration) -> None:
         self.registration = reg

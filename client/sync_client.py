@@ -147,7 +147,9 @@ class KVClient(CoreShell):
             min_host_tokens=min_host_tokens,
         )
         resp = self._call(self._stub.Register, ticketed(self.target, pool, req))
-        reg = self._core.registered(resp, req, pool)
+        reg, replaced = self._core.registered(resp, req, pool)
+        if replaced is not None:
+            replaced.cancel()
         self._open_session(reg)
         return reg
 
@@ -197,9 +199,20 @@ class KVClient(CoreShell):
                 reg = self._core.reregistered(resp, old, backoff.attempt)
                 if reg is not None:
                     self._open_session(reg)
+                else:  # unregistered, closed or replaced meanwhile: this one is nobody's
+                    self._drop_orphan(resp.client_id)
                 return
         finally:
             self._core.reconnect_ended(old)
+
+    def _drop_orphan(self, client_id: str) -> None:
+        """Unregisters a registration the client no longer wants (best effort: the daemon would
+        otherwise hold it for its lease)."""
+        try:
+            self._stub.Unregister(pb.UnregisterRequest(client_id=client_id), timeout=self.timeout,
+                                  metadata=self._core.metadata)
+        except grpc.RpcError as exc:
+            logger.debug("unregistering a registration nobody uses failed: %s", exc.code().name)
 
     def unregister(self) -> None:
         reg, session = self._core.unregistering()

@@ -215,8 +215,8 @@ class CacheOps:
         return PutOutcome(n, plan.present, plan.dropped, nbytes)
 
     async def get(self, req: pb.GetRequest) -> AsyncIterator[tuple[int, LoadStep | None]]:
-        """Yields (pages, step): first the number of leading keys this Get loads with no step if
-        it loads none, else one item per progress step of the copy."""
+        """Yields (pages, step): first the number of leading keys this Get loads, with no step;
+        then, unless that is 0, one item per progress step of the copy."""
         client = self.kv.client(req.client_id)
         deadline = self.kv.deadline(req.timeout_ms)
         keys, pages = self._checked(client, req.keys, req.key_bytes, req.device_pages, req.ready_event,
@@ -236,6 +236,7 @@ class CacheOps:
             raise
         job.on_settled = lambda ok: self.cache.complete_get(plan, ok)
         try:
+            yield plan.pages, None  # the prefix is known now: the engine need not wait for a copy
             async for step in self.kv.copier.load(job):
                 yield plan.pages, step
         finally:

@@ -203,10 +203,14 @@ class Copier:
             fut = loop.create_future()
             try:
                 cf = client.device.start(job, to_device, signal, INLINE, INLINE)
-                job.submitted = True
-            finally:
+            except BaseException:
                 job.queued = None
-                self._release(job, signal)
+                self._release(job, None)  # the caller releases the signal: the job never started
+                client.jobs.discard(job)
+                raise
+            job.submitted = True
+            job.queued = None
+            self._release(job, signal)
             if cf.exception() is not None:
                 fut.set_exception(cf.exception())
             else:
@@ -218,6 +222,7 @@ class Copier:
             cf = client.device.start(job, to_device, signal, self._executor, self._waiters)
         except BaseException:
             self._release(job, None, True)  # the caller releases the signal: it never started
+            client.jobs.discard(job)
             raise
         job.submitted = True
         fut = loop.create_future()

@@ -296,9 +296,11 @@ class KVServicer(pb_grpc.KVServerServicer):
             _check_parsed(request)
             total = None
             async for pages, step in self.cache.get(request):
-                if step is None:  # nothing stored: one message, done
-                    yield pb.LoadProgress(done=True, pages=0)
-                    return
+                if step is None:  # first: how many pages; nothing stored is one message, done
+                    yield pb.LoadProgress(done=pages == 0, pages=pages)
+                    if pages == 0:
+                        return
+                    continue
                 if total is None:
                     total = len(request.layers) or len(self.core.client(request.client_id).spec.layers)
                 yield pb.LoadProgress(

@@ -40,6 +40,8 @@ def test_a_get_whose_progress_signal_cannot_be_made_leaves_no_reader(daemon, eng
     assert err.value.code() == grpc.StatusCode.INTERNAL
     cache = daemon.core.cache
     assert int(cache.pages.readers.sum()) == 0
+    client = daemon.core.clients[engine.client_id]
+    assert not client.jobs and client.inflight == 0  # nothing of the job is left behind
     monkeypatch.undo()
     assert engine.lookup(keys).pages == 3 and cache.make_room(daemon.core.arena.capacity) is True
 
@@ -56,6 +58,8 @@ def test_a_put_whose_copy_cannot_start_stores_nothing(daemon, engine, monkeypatc
     assert err.value.code() == grpc.StatusCode.INTERNAL
     cache = daemon.core.cache
     assert int((cache.pages.state == WRITING).sum()) == 0
+    client = daemon.core.clients[engine.client_id]
+    assert not client.jobs and client.inflight == 0
     monkeypatch.undo()
     assert engine.lookup(keys).pages == 0
     assert engine.put(keys, [0, 1]).stored == 2  # not "present": the failed Put left no trace

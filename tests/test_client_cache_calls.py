@@ -69,3 +69,26 @@ def test_asyncio_client_and_view(daemon):
                         assert torch.equal(raw(buf)[: 2 * PAGE], orig[layer][part][2 * PAGE:4 * PAGE])
 
     asyncio.run(run())
+
+
+def test_a_get_says_its_pages_before_its_copy_runs(daemon):
+    """The prefix is known once the cache has looked: pages() answers while the copy still waits for
+    the worker (here held by a stand-in for another engine's long copy)."""
+    import threading
+    import time
+
+    keys = page_keys(range(160 * PAGE), PAGE)
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 4096) as pool, KVClient(daemon.address) as client:
+        register(client, pool)
+        assert client.put(keys, list(range(160))).stored == 160
+        release = threading.Event()
+        daemon.core.copier._executor.submit(release.wait, 10)  # the worker is busy elsewhere
+        try:
+            handle = client.get(keys, list(range(96, 256)))  # 160 pages, too large to run inline
+            t = time.monotonic()
+            assert handle.pages(timeout=5) == 160
+            assert time.monotonic() - t < 1.0
+            assert not handle.landed(0)
+        finally:
+            release.set()
+        assert handle.wait() > 0
