@@ -266,7 +266,7 @@ class ClientCore:
         if not self.resilient:
             raise KVClientError(grpc.StatusCode.UNAVAILABLE,
                                 "the registration was lost (daemon unreachable, restarted or reclaimed it)")
-        self.misses += 1
+        self._count_miss()
         return on_miss
 
     def unconfirmed(self, call: Call, error: KVClientError) -> bool:
@@ -284,7 +284,7 @@ class ClientCore:
         if reg is None or not self.resilient:
             return False, False
         if cache and error.code in CACHE_BEST_EFFORT:
-            self.misses += 1
+            self._count_miss()
             reason = (error.code, error.message[:80])
             if reason not in self._warned:
                 self._warned.add(reason)
@@ -292,7 +292,7 @@ class ClientCore:
             return True, False
         if not is_miss(error.code):
             return False, False
-        self.misses += 1
+        self._count_miss()
         return True, needs_register(error.code)
 
     def confirm_request(self, reg: msg.Registration) -> pb.UnregisterRequest | None:
@@ -311,6 +311,10 @@ class ClientCore:
             logger.warning("kvserver did not confirm that a timed-out copy stopped; its device slots "
                            "may still be written until the daemon drops the registration")
         return ok
+
+    def _count_miss(self) -> None:
+        with self._lock:  # engine threads miss at the same time
+            self.misses += 1
 
     def _layer_events(self, reg: msg.Registration) -> LayerEvents:
         if self._events is None or self._events.handles is not reg.layer_events:
