@@ -23,8 +23,7 @@ from kvserver.core import KVCore
 from kvserver.errors import InvalidArgument, NoCapacity, NotFound, OutOfRange
 from kvserver.layout import KVLayout, torch_dtype
 from kvserver.store import MAX_PIN_MS, KVCache, Part, PartKey, Space, SpaceKey, split_keys
-from kvserver.tenants import TenantBook, tenant_of
-from kvserver.tickets import PeerCred
+from kvserver.tenants import TenantBook
 from kvserver.v1 import kvserver_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -90,9 +89,6 @@ class CacheOps:
         self._ids_of: dict[SpaceKey, str] = {}
 
     # ---- who is asking ----------------------------------------------------------------------
-
-    def tenant(self, metadata, peer: PeerCred | None) -> str:
-        return tenant_of(self.tenants.named(metadata), peer)
 
     def _part(self, client: ClientState) -> Part:
         spec = client.spec

@@ -24,6 +24,7 @@ from test_cuda_fake import cuda_pool, register
 from kvclient import KVClient, KVLayout, ShmKVPool
 from kvserver import core as core_module
 from kvserver import device_pool, media, transfer
+from kvserver.cache_ops import cache_table
 from kvserver.copier import Job
 from kvserver.errors import FailedPrecondition, GpuStalled, InvalidArgument
 from kvserver.media.base import INLINE, DevicePool
@@ -53,15 +54,6 @@ def shm_client(daemon) -> tuple[str, ShmKVPool, KVClient]:
 def shm_bytes(pool: ShmKVPool) -> list[list[np.ndarray]]:
     """The pool's bytes, one [token, byte] array per (layer, part), sharing its memory."""
     return [[b.reshape(TOKENS, -1).view(torch.uint8).numpy() for b in layer] for layer in pool.buffers]
-
-
-def cache_table(arena_address: int, spec) -> transfer.BufferTable:
-    """The cache's host table: page-first pages anywhere in the arena, rows named by byte offset."""
-    chunk = spec.page_size * spec.token_bytes
-    parts = spec.layout.num_parts
-    bases = np.array([[arena_address + (layer * parts + part) * chunk for part in range(parts)]
-                      for layer in range(len(spec.layers))], dtype=np.uint64)
-    return transfer.BufferTable(bases=bases, row_stride=1, row_bytes=chunk)
 
 
 def cache_job(client, table, offsets: np.ndarray, device_tokens: np.ndarray) -> Job:
