@@ -14,6 +14,7 @@ import time
 import pytest
 import sglang_env
 import torch
+from conftest import DaemonThread
 
 if not sglang_env.sglang_installed():
     pytest.skip("sglang not installed (scripts/install_sglang.sh)", allow_module_level=True)
@@ -65,6 +66,12 @@ def _fill(pool, slots, seed):
 
 def _rows(pool, slots):
     return [[buf[slots].clone() for buf in bufs] for bufs in _buffers(pool)]
+
+
+def _assert_same_bytes(expect, got):
+    for exp_part, got_part in zip(expect, got, strict=True):
+        for e, g in zip(exp_part, got_part, strict=True):
+            assert torch.equal(e.view(torch.uint8), g.view(torch.uint8))
 
 
 def _hashes(tokens):
@@ -178,7 +185,6 @@ def test_two_engines_share_a_prefix_layer_by_layer(daemon, kind):
         assert b.lookup("r2", [_kv(keys=hashes + _hashes(tokens[PAGE: 2 * PAGE]))]) == [1, 2, 3]
         assert b.cancel_queued_load("r2") is False  # never queued (its lease is released)
         slots_b = alloc_b.alloc(3 * PAGE)
-        assert not torch.equal(slots_a, slots_b) or True
         assert b.load("r1", [_kv(keys=hashes, device_indices=slots_b)]) is True
         counter = b.layer_done_counter
         waits = []
@@ -189,6 +195,14 @@ def test_two_engines_share_a_prefix_layer_by_layer(daemon, kind):
             waits.append(local)
 
         counter.wait_until = recording_wait
+        completed = []
+        real_complete = counter.complete
+
+        def recording_complete(idx, local):
+            completed.append((idx, local))
+            real_complete(idx, local)
+
+        counter.complete = recording_complete
         index = b.start_layer_wise_loading()
         assert index >= 0
         counter.set_consumer(index)
@@ -199,10 +213,9 @@ def test_two_engines_share_a_prefix_layer_by_layer(daemon, kind):
         assert released == list(pool_b.model_layer_ids)  # global ids through the pool
         assert waits == list(range(pool_b.layer_num))  # the counter saw local ids, in order
         assert b.finish_layer_wise_loading(index) is True
-        got = _rows(pool_b, slots_b)
-        for exp_part, got_part in zip(expect, got, strict=True):
-            for e, g in zip(exp_part, got_part, strict=True):
-                assert torch.equal(e.view(torch.uint8), g.view(torch.uint8))
+        # The loader released SGLang's counter once per local layer, in order.
+        assert completed == [(index, local) for local in range(pool_b.layer_num)]
+        _assert_same_bytes(expect, _rows(pool_b, slots_b))
         # Nothing queued: -1, and finishing it is True.
         assert b.start_layer_wise_loading() == -1
         assert b.finish_layer_wise_loading(-1) is True
@@ -225,7 +238,7 @@ def test_cancel_queued_load_and_reset(daemon):
         assert a.cancel_queued_load("r") is False
         assert a.start_layer_wise_loading() == -1
         # Slots that are not whole pages are refused, not loaded.
-        assert a.load("s", [_kv(keys=hashes, device_indices=other[1:].tolist() and other[1:])]) is False
+        assert a.load("s", [_kv(keys=hashes, device_indices=other + 1)]) is False
         assert a.offload([_kv(device_indices=slots, keys=hashes)]) is True
         a.reset()
         assert a.num_completed_offloads() == 0
@@ -263,6 +276,31 @@ def test_daemon_stopped_mid_request_gives_misses(daemon_factory):
             assert _completed(a, 1) == 1
             assert a.pop_completed_offload() is False
         assert a.pop_completed_offload() is False  # nothing left: False, not an exception
+
+        # The daemon comes back (same socket, empty cache): the clients re-register by
+        # themselves, A's next write-through stores, B hits and loads again.
+        again = DaemonThread(d.config)
+        try:
+            deadline = time.monotonic() + 20
+            stored = False
+            while not stored and time.monotonic() < deadline:
+                if a.offload([_kv(device_indices=slots_a, keys=hashes)]):
+                    _completed(a, 1)
+                    stored = a.pop_completed_offload()
+                if not stored:
+                    time.sleep(0.2)
+            assert stored, "A never stored again after the daemon came back"
+            assert b.lookup("r3", [_kv(keys=hashes)]) == [1, 2]
+            assert b.load("r3", [_kv(keys=hashes, device_indices=slots_b)]) is True
+            index = b.start_layer_wise_loading()
+            b.layer_done_counter.set_consumer(index)
+            _forward(pool_b, [])
+            assert b.finish_layer_wise_loading(index) is True
+            _assert_same_bytes(_rows(pool_a, slots_a), _rows(pool_b, slots_b))
+        finally:
+            a.close()
+            b.close()
+            again.stop()
     finally:
         a.close()
         b.close()

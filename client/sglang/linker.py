@@ -362,7 +362,7 @@ class KVServerLinker(UnifiedCacheLinker):
 
     # ---- offload ---------------------------------------------------------------------------
 
-    def offload(self, transfers: list[PoolTransfer], session_id: Optional[str] = None) -> bool:
+    def offload(self, transfers: list[PoolTransfer], session_id: Optional[str] = None) -> bool:  # noqa: UP045 (SGLang's own annotation: the contract test compares signatures)
         kv = _kv_transfer(transfers)
         if kv is None or not kv.keys or self._closed or not self._ensure_registered():
             return False
