@@ -304,3 +304,20 @@ def test_daemon_stopped_mid_request_gives_misses(daemon_factory):
     finally:
         a.close()
         b.close()
+
+
+def test_no_daemon_at_startup_misses_everything(socket_dir):
+    """The engine starts before the daemon: the linker constructs, and every call is a miss."""
+    linker, pool, alloc = _engine(f"unix://{socket_dir}/absent.sock", retry_register_s=60.0)
+    try:
+        hashes = _hashes(list(range(PAGE)))
+        slots = alloc.alloc(PAGE)
+        assert linker.lookup("r", [_kv(keys=hashes)]) == []
+        assert linker.load("r", [_kv(keys=hashes, device_indices=slots)]) is False
+        assert linker.offload([_kv(device_indices=slots, keys=hashes)]) is False
+        assert linker.start_layer_wise_loading() == -1
+        assert linker.finish_layer_wise_loading(-1) is True
+        assert linker.num_completed_offloads() == 0 and linker.pop_completed_offload() is False
+        linker.reset()
+    finally:
+        linker.close()
