@@ -30,7 +30,7 @@ def _sglang():
     sglang_env.restore()
 
 
-def _engine(daemon_address, kind="mha", *, num_layers=10, pp_size=2, pp_rank=1, **extra):
+def _engine(daemon_address, kind="mha", *, num_layers=10, pp_size=2, pp_rank=1, dtype=None, **extra):
     """One SGLang-shaped engine: its stage pool in shared memory, CacheInitParams, and the linker
     as SGLang's registry builds it (create_unified_cache_linker, then the counter registered on
     the pool)."""
@@ -39,7 +39,8 @@ def _engine(daemon_address, kind="mha", *, num_layers=10, pp_size=2, pp_rank=1, 
 
     from kvclient.sglang.linker import share_cpu_pool
 
-    pool = sglang_env.stage_pool(kind, num_layers, pp_size, pp_rank, size=128, page_size=PAGE)
+    pool = sglang_env.stage_pool(kind, num_layers, pp_size, pp_rank, size=128, page_size=PAGE,
+                                 dtype=dtype)
     share_cpu_pool(pool)
     params = sglang_env.cache_init_params(pool, pp_rank=pp_rank, pp_size=pp_size)
     config = {"linker": "KVServerLinker", "linker_module_path": MODULE,
@@ -61,7 +62,10 @@ def _fill(pool, slots, seed):
     g = torch.Generator().manual_seed(seed)
     for bufs in _buffers(pool):
         for buf in bufs:
-            buf[slots] = torch.randn(buf[slots].shape, generator=g).to(buf.dtype)
+            if buf.dtype == torch.uint8:  # an fp8 pool's store dtype
+                buf[slots] = torch.randint(0, 256, buf[slots].shape, generator=g, dtype=torch.uint8)
+            else:
+                buf[slots] = torch.randn(buf[slots].shape, generator=g).to(buf.dtype)
 
 
 def _rows(pool, slots):
@@ -161,10 +165,14 @@ def test_a_cpu_pool_outside_shared_memory_is_refused(daemon):
 # ---- behaviour --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["mha", "mla"])
-def test_two_engines_share_a_prefix_layer_by_layer(daemon, kind):
-    a, pool_a, alloc_a = _engine(daemon.address, kind)
-    b, pool_b, alloc_b = _engine(daemon.address, kind)
+@pytest.mark.parametrize("kind,dtype", [("mha", None), ("mla", None), ("mha", "fp8")])
+def test_two_engines_share_a_prefix_layer_by_layer(daemon, kind, dtype):
+    dtype = torch.float8_e4m3fn if dtype == "fp8" else None
+    a, pool_a, alloc_a = _engine(daemon.address, kind, dtype=dtype)
+    b, pool_b, alloc_b = _engine(daemon.address, kind, dtype=dtype)
+    if dtype is not None:  # SGLang stores fp8 as uint8; the daemon is told fp8
+        assert pool_a.k_buffer[0].dtype == torch.uint8
+        assert pool_a.kvserver_shm_pool.dtype == torch.float8_e4m3fn
     try:
         tokens = list(range(1000, 1000 + 3 * PAGE + 5))
         hashes = _hashes(tokens[: 3 * PAGE])  # whole pages only, as the wrapper cuts them

@@ -42,6 +42,7 @@ import time
 from collections import deque
 from typing import Optional
 
+import grpc
 import torch
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
@@ -51,6 +52,7 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
 )
 
 from kvclient.cuda_pool import CudaKVPool
+from kvclient.errors import KVClientError
 from kvclient.shm_pool import ShmKVPool
 from kvclient.sync_client import KVClient
 from kvserver.layout import KVLayout
@@ -59,6 +61,9 @@ logger = logging.getLogger("kvclient.sglang")
 
 KEY_BYTES = 32  # a SHA-256 storage hash
 SHM_POOL_ATTR = "kvserver_shm_pool"
+# Register failures that mean "the daemon is not there (yet)": the linker starts and misses.
+_AWAY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+         grpc.StatusCode.UNKNOWN}
 
 
 class KVServerLoadError(RuntimeError):
@@ -104,28 +109,43 @@ def share_cpu_pool(kvcache) -> ShmKVPool:
     first = buffers[0][0]
     if first.device.type != "cpu":
         raise ValueError("share_cpu_pool is for CPU pools; CUDA pools are registered as they are")
-    shm = ShmKVPool(layout, first.dtype, len(buffers), first.shape[0])
+    dtype = _wire_dtype(kvcache, first)
+    shm = ShmKVPool(layout, dtype, len(buffers), first.shape[0])
+
+    def store(t: torch.Tensor) -> torch.Tensor:  # the dtype SGLang stores in (uint8 for fp8)
+        return t.view(first.dtype) if t.dtype != first.dtype else t
+
     for layer, parts in enumerate(buffers):
         for part, old in enumerate(parts):
-            shm.buffers[layer][part].copy_(old)
+            store(shm.buffers[layer][part]).copy_(old)
     if layout.is_mla:
-        kvcache.kv_buffer = [shm.buffers[layer][0] for layer in range(len(buffers))]
+        kvcache.kv_buffer = [store(shm.buffers[layer][0]) for layer in range(len(buffers))]
         if hasattr(kvcache, "data_ptrs"):
             kvcache.data_ptrs = torch.tensor([b.data_ptr() for b in kvcache.kv_buffer],
                                              dtype=torch.uint64, device=kvcache.device)
     else:
-        kvcache.k_buffer = [shm.buffers[layer][0] for layer in range(len(buffers))]
-        kvcache.v_buffer = [shm.buffers[layer][1] for layer in range(len(buffers))]
+        kvcache.k_buffer = [store(shm.buffers[layer][0]) for layer in range(len(buffers))]
+        kvcache.v_buffer = [store(shm.buffers[layer][1]) for layer in range(len(buffers))]
         if hasattr(kvcache, "_init_data_ptrs_and_strides"):
             kvcache._init_data_ptrs_and_strides()
     setattr(kvcache, SHM_POOL_ATTR, shm)
     return shm
 
 
+def _wire_dtype(kvcache, buf: torch.Tensor) -> torch.dtype:
+    """fp8 pools store uint8 (``store_dtype``); the daemon is told the logical fp8 dtype, whose
+    bytes are the same."""
+    logical = getattr(kvcache, "dtype", buf.dtype)
+    if buf.dtype == torch.uint8 and logical.itemsize == 1 and logical != torch.uint8:
+        return logical
+    return buf.dtype
+
+
 def _registrable(kvcache, layout: KVLayout, buffers: list[list[torch.Tensor]]):
     first = buffers[0][0]
     if first.device.type == "cuda":
-        return CudaKVPool(layout, first.dtype, buffers)
+        dtype = _wire_dtype(kvcache, first)
+        return CudaKVPool(layout, dtype, [[b.view(dtype) for b in parts] for parts in buffers])
     shm = getattr(kvcache, SHM_POOL_ATTR, None)
     if isinstance(shm, ShmKVPool) and all(
         buf.data_ptr() == shm.buffers[layer][part].data_ptr()
@@ -210,14 +230,15 @@ class KVServerLinker(UnifiedCacheLinker):
         self._offloads_open = 0  # queued or running
         self._idle = threading.Condition(self._lock)
         self._closed = False
-        self._ensure_registered()
+        self._ensure_registered(strict=True)
         self._offloader = threading.Thread(target=self._offload_loop, name="kvserver-offload", daemon=True)
         self._offloader.start()
 
     # ---- registration ----------------------------------------------------------------------
 
-    def _ensure_registered(self) -> bool:
-        """Registered, or (at most every retry_register_s) tries again; False means miss."""
+    def _ensure_registered(self, strict: bool = False) -> bool:
+        """Registered, or (at most every retry_register_s) tries again; False means miss.
+        ``strict`` (construction): a refusal that is not the daemon being away raises."""
         if self._registered:
             return True
         now = time.monotonic()
@@ -227,6 +248,8 @@ class KVServerLinker(UnifiedCacheLinker):
         try:
             self.client.register(**self._register_kwargs)
         except Exception as exc:  # the daemon is away: every call misses until it is back
+            if strict and not (isinstance(exc, KVClientError) and exc.code in _AWAY):
+                raise
             logger.warning("kvserver: register failed (%s); the cache misses until it succeeds", exc)
             return False
         self._registered = True
