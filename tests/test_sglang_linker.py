@@ -329,3 +329,33 @@ def test_no_daemon_at_startup_misses_everything(socket_dir):
         linker.reset()
     finally:
         linker.close()
+
+
+@pytest.mark.parametrize("pp_size", [1, 2, 3])
+def test_every_pp_stage_stores_and_loads_its_own_layers(daemon, pp_size):
+    """SGLang's own split (get_pp_indices) of 10 layers: each stage's two engines share a prefix
+    over the stage's global layers; the counter gets the stage's local ids."""
+    ranges = sglang_env.pp_split(10, pp_size)
+    hashes = _hashes(list(range(7, 7 + 2 * PAGE)))
+    for rank, (start, end) in enumerate(ranges):
+        a, pool_a, alloc_a = _engine(daemon.address, num_layers=10, pp_size=pp_size, pp_rank=rank)
+        b, pool_b, alloc_b = _engine(daemon.address, num_layers=10, pp_size=pp_size, pp_rank=rank)
+        try:
+            assert a.layer_ids == tuple(range(start, end))
+            assert (a._register_kwargs["start_layer"], a._register_kwargs["end_layer"]) == (start, end)
+            slots_a, slots_b = alloc_a.alloc(2 * PAGE), alloc_b.alloc(2 * PAGE)
+            _fill(pool_a, slots_a, seed=rank)
+            assert a.offload([_kv(device_indices=slots_a, keys=hashes)]) is True
+            assert _completed(a, 1) == 1 and a.pop_completed_offload() is True
+            assert b.lookup("r", [_kv(keys=hashes)]) == [1, 2]
+            assert b.load("r", [_kv(keys=hashes, device_indices=slots_b)]) is True
+            index = b.start_layer_wise_loading()
+            b.layer_done_counter.set_consumer(index)
+            released = []
+            _forward(pool_b, released)
+            assert released == list(range(start, end))
+            assert b.finish_layer_wise_loading(index) is True
+            _assert_same_bytes(_rows(pool_a, slots_a), _rows(pool_b, slots_b))
+        finally:
+            a.close()
+            b.close()
