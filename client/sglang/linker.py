@@ -1,0 +1,460 @@
+"""``KVServerLinker``: kvserver's node-wide cache as SGLang 0.5.23's UnifiedCacheLinker.
+
+    python -m sglang.launch_server ... --enable-unified-cache-external-linker \\
+        --unified-cache-external-linker-backend dynamic \\
+        --unified-cache-external-linker-config '{"linker": "KVServerLinker",
+            "linker_module_path": "kvclient.sglang.linker",
+            "linker_extra_config": {"address": "unix:///run/kvserver/kvserver.sock"}}'
+
+``linker_extra_config`` (all optional): ``address`` (default: the client's, KVSERVER_ADDRESS),
+``token``, ``tenant_token``, ``model`` (the KV space's model name; default served_model_name or
+model_path), ``num_layers`` (the model's layer count; needed on every PP stage but the last,
+which knows it from its own end), ``tp_rank``/``tp_size`` (default: from the attention TP group),
+``lookup_pin_ms`` (default 10000: a lookup pins its hit until the load, 0 for no pin),
+``timeout_s`` (each daemon call, default 5), ``load_timeout_s`` (a whole load, default 30),
+``event_slots`` (CUDA: loads in flight, default 8), ``retry_register_s`` (default 5).
+
+What SGLang gives, what goes on the wire:
+- The device pool is ``params.token_to_kv_pool_allocator.get_kvcache()``: MHATokenToKVPool
+  (``k_buffer``/``v_buffer``) or MLATokenToKVPool (``kv_buffer``), one tensor per **local** layer
+  of ``[size + page_size, heads, dim]``; the stage's global layers are ``model_layer_ids`` (never
+  ``end_layer``, which is inclusive when defaulted and exclusive under PP). The daemon sees global
+  ids; only SGLang's ``layer_done_counter`` gets local ones.
+- CUDA tensors are registered as they are (``CudaKVPool``: IPC handles of SGLang's own tensors).
+  CPU tensors must already live in shared memory for the daemon to reach them, and a ShmKVPool
+  cannot wrap memory torch allocated: ``share_cpu_pool(kvcache)`` rebuilds an SGLang CPU pool's
+  buffers over a ShmKVPool (for CPU engines and the tests) and the linker registers that.
+- Keys: SGLang's storage hashes (``PoolTransfer.keys``, 64-hex SHA-256 strings, chained) as their
+  32 raw bytes. Device pages: ``device_indices`` are token slots; page = slot // page_size.
+- Every daemon failure (unreachable, restarted, registration lost, a copy that stops) is a miss:
+  ``lookup`` returns [], ``load`` and ``offload`` False, a started load reports False from
+  ``finish_layer_wise_loading`` (SGLang aborts those requests and recomputes), an offload's
+  completion False. Configuration errors (a CPU pool not in shared memory, SWA/Mamba
+  components, an unknown layer count) raise at construction.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Optional
+
+import grpc
+import torch
+from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+from sglang.srt.mem_cache.unified_cache.components import ComponentType
+from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
+    LayerWiseLoadCounter,
+    UnifiedCacheLinker,
+)
+
+from kvclient.cuda_pool import CudaKVPool
+from kvclient.errors import KVClientError
+from kvclient.shm_pool import ShmKVPool
+from kvclient.sync_client import KVClient
+from kvserver.layout import KVLayout
+
+logger = logging.getLogger("kvclient.sglang")
+
+KEY_BYTES = 32  # a SHA-256 storage hash
+SHM_POOL_ATTR = "kvserver_shm_pool"
+# Register failures that mean "the daemon is not there (yet)": the linker starts and misses.
+_AWAY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+         grpc.StatusCode.UNKNOWN}
+
+
+class KVServerLoadError(RuntimeError):
+    """Why a batch's load did not land (given to LayerWiseLoadCounter.fail)."""
+
+
+# ---- SGLang's objects, read ------------------------------------------------------------------
+
+
+def storage_keys(hashes) -> bytes:
+    """SGLang's storage hash strings, packed as fixed-width 32-byte keys."""
+    out = bytearray()
+    for h in hashes:
+        if not isinstance(h, str) or len(h) != 2 * KEY_BYTES:
+            raise ValueError(f"not an SGLang storage hash (64 hex digits): {h!r}")
+        out += bytes.fromhex(h)
+    return bytes(out)
+
+
+def pool_layout(kvcache) -> tuple[KVLayout, list[list[torch.Tensor]]]:
+    """(layout, buffers per local layer) of an SGLang MHA or MLA token pool."""
+    if hasattr(kvcache, "kv_buffer") and hasattr(kvcache, "kv_lora_rank"):
+        layout = KVLayout.mla(kvcache.kv_lora_rank, kvcache.qk_rope_head_dim)
+        buffers = [[buf] for buf in kvcache.kv_buffer]
+    elif hasattr(kvcache, "k_buffer") and hasattr(kvcache, "v_buffer"):
+        head_dim = kvcache.head_dim
+        if getattr(kvcache, "v_head_dim", head_dim) != head_dim:
+            raise ValueError(f"K and V head sizes differ ({head_dim}, {kvcache.v_head_dim}): "
+                             "kvserver's MHA layout has one head size")
+        layout = KVLayout.mha(kvcache.head_num, head_dim)
+        buffers = [[k, v] for k, v in zip(kvcache.k_buffer, kvcache.v_buffer, strict=True)]
+    else:
+        raise ValueError(f"{type(kvcache).__name__} is neither an MHA nor an MLA token pool")
+    if len(buffers) != len(kvcache.model_layer_ids):
+        raise ValueError(f"{len(buffers)} layer buffers for layers {kvcache.model_layer_ids}")
+    return layout, buffers
+
+
+def share_cpu_pool(kvcache) -> ShmKVPool:
+    """CPU only: moves an SGLang token pool's buffers into a ShmKVPool (contents copied) so the
+    daemon can reach them, and refreshes the pool's pointer tables. The linker registers it."""
+    layout, buffers = pool_layout(kvcache)
+    first = buffers[0][0]
+    if first.device.type != "cpu":
+        raise ValueError("share_cpu_pool is for CPU pools; CUDA pools are registered as they are")
+    dtype = _wire_dtype(kvcache, first)
+    shm = ShmKVPool(layout, dtype, len(buffers), first.shape[0])
+
+    def store(t: torch.Tensor) -> torch.Tensor:  # the dtype SGLang stores in (uint8 for fp8)
+        return t.view(first.dtype) if t.dtype != first.dtype else t
+
+    for layer, parts in enumerate(buffers):
+        for part, old in enumerate(parts):
+            store(shm.buffers[layer][part]).copy_(old)
+    if layout.is_mla:
+        kvcache.kv_buffer = [store(shm.buffers[layer][0]) for layer in range(len(buffers))]
+        if hasattr(kvcache, "data_ptrs"):
+            kvcache.data_ptrs = torch.tensor([b.data_ptr() for b in kvcache.kv_buffer],
+                                             dtype=torch.uint64, device=kvcache.device)
+    else:
+        kvcache.k_buffer = [store(shm.buffers[layer][0]) for layer in range(len(buffers))]
+        kvcache.v_buffer = [store(shm.buffers[layer][1]) for layer in range(len(buffers))]
+        if hasattr(kvcache, "_init_data_ptrs_and_strides"):
+            kvcache._init_data_ptrs_and_strides()
+    setattr(kvcache, SHM_POOL_ATTR, shm)
+    return shm
+
+
+def _wire_dtype(kvcache, buf: torch.Tensor) -> torch.dtype:
+    """fp8 pools store uint8 (``store_dtype``); the daemon is told the logical fp8 dtype, whose
+    bytes are the same."""
+    logical = getattr(kvcache, "dtype", buf.dtype)
+    if buf.dtype == torch.uint8 and logical.itemsize == 1 and logical != torch.uint8:
+        return logical
+    return buf.dtype
+
+
+def _registrable(kvcache, layout: KVLayout, buffers: list[list[torch.Tensor]]):
+    first = buffers[0][0]
+    if first.device.type == "cuda":
+        dtype = _wire_dtype(kvcache, first)
+        return CudaKVPool(layout, dtype, [[b.view(dtype) for b in parts] for parts in buffers])
+    shm = getattr(kvcache, SHM_POOL_ATTR, None)
+    if isinstance(shm, ShmKVPool) and all(
+        buf.data_ptr() == shm.buffers[layer][part].data_ptr()
+        for layer, parts in enumerate(buffers) for part, buf in enumerate(parts)
+    ):
+        return shm
+    raise ValueError("the KV pool is on the CPU but not in shared memory: the daemon cannot reach "
+                     "it; build it over a ShmKVPool (kvclient.sglang.linker.share_cpu_pool)")
+
+
+def _group_rank(group) -> tuple[int, int] | None:
+    if group is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return None
+    return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+
+
+def _kv_transfer(transfers: list[PoolTransfer]) -> PoolTransfer | None:
+    for transfer in transfers:
+        if transfer.name == PoolName.KV:
+            return transfer
+    return None
+
+
+# ---- the linker ------------------------------------------------------------------------------
+
+
+class KVServerLinker(UnifiedCacheLinker):
+    def __init__(self, server_args, params, *, components, extra_config, forward_stream=None):
+        cfg = dict(extra_config or {})
+        self.forward_stream = forward_stream
+        extra = set(components) - {ComponentType.FULL}
+        if extra:
+            raise ValueError(f"KVServerLinker stores full-attention KV only; not {sorted(map(str, extra))}")
+        kvcache = params.token_to_kv_pool_allocator.get_kvcache()
+        self.kvcache = kvcache
+        self.page_size = int(params.page_size)
+        self.layer_ids = tuple(int(i) for i in kvcache.model_layer_ids)  # global, this stage's
+        self.layer_done_counter = LayerWiseLoadCounter(len(self.layer_ids))
+        self.pools = {PoolName.KV: kvcache}
+        layout, buffers = pool_layout(kvcache)
+        self.cuda = buffers[0][0].device.type == "cuda"
+        self.device_pool = _registrable(kvcache, layout, buffers)
+
+        pp_rank = int(getattr(params, "pp_rank", 0) or 0)
+        pp_size = int(getattr(params, "pp_size", 0) or getattr(server_args, "pp_size", 1) or 1)
+        start, end = self.layer_ids[0], self.layer_ids[-1] + 1
+        num_layers = cfg.get("num_layers")
+        if num_layers is None:
+            if pp_rank != pp_size - 1:
+                raise ValueError(f"PP stage {pp_rank} of {pp_size} (layers [{start}, {end})) cannot "
+                                 "know the model's layer count: set linker_extra_config.num_layers")
+            num_layers = end
+        tp = _group_rank(getattr(params, "attn_tp_cache_group", None)
+                         or getattr(params, "tp_cache_group", None))
+        tp_rank = int(cfg.get("tp_rank", tp[0] if tp else 0))
+        tp_size = int(cfg.get("tp_size", tp[1] if tp else 1))
+        if tp is None and "tp_size" not in cfg and int(getattr(server_args, "tp_size", 1) or 1) > 1:
+            raise ValueError("TP > 1 without a TP group in CacheInitParams: set "
+                             "linker_extra_config.tp_rank and tp_size")
+        model = cfg.get("model") or getattr(server_args, "served_model_name", None) or server_args.model_path
+        self._register_kwargs = dict(
+            model=str(model), pool=self.device_pool, start_layer=start, end_layer=end,
+            num_layers=int(num_layers), host_tokens=0, page_size=self.page_size, tp_rank=tp_rank,
+            tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
+            event_slots=int(cfg.get("event_slots", 8)) if self.cuda else 0,
+        )
+        self.event_slots = self._register_kwargs["event_slots"]
+        self.pin_ms = int(cfg.get("lookup_pin_ms", 10_000))
+        self.load_timeout = float(cfg.get("load_timeout_s", 30.0))
+        self.retry_register_s = float(cfg.get("retry_register_s", 5.0))
+        self.client = KVClient(cfg.get("address"), timeout=float(cfg.get("timeout_s", 5.0)),
+                               token=cfg.get("token"), tenant_token=cfg.get("tenant_token"))
+        self._lock = threading.Lock()
+        self._registered = False
+        self._last_try = float("-inf")
+        self._leases: dict[str, str] = {}  # rid -> lease of its lookup
+        self._pending: dict[str, tuple[bytes, list[int], str]] = {}  # queued loads
+        self._loading: dict[int, threading.Thread] = {}
+        self._next_slot = 0
+        self._offloads: queue.Queue = queue.Queue()
+        self._completed: deque[bool] = deque()
+        self._offloads_open = 0  # queued or running
+        self._idle = threading.Condition(self._lock)
+        self._closed = False
+        self._ensure_registered(strict=True)
+        self._offloader = threading.Thread(target=self._offload_loop, name="kvserver-offload", daemon=True)
+        self._offloader.start()
+
+    # ---- registration ----------------------------------------------------------------------
+
+    def _ensure_registered(self, strict: bool = False) -> bool:
+        """Registered, or (at most every retry_register_s) tries again; False means miss.
+        ``strict`` (construction): a refusal that is not the daemon being away raises."""
+        if self._registered:
+            return True
+        now = time.monotonic()
+        if now - self._last_try < self.retry_register_s or self._closed:
+            return False
+        self._last_try = now
+        try:
+            self.client.register(**self._register_kwargs)
+        except Exception as exc:  # the daemon is away: every call misses until it is back
+            if strict and not (isinstance(exc, KVClientError) and exc.code in _AWAY):
+                raise
+            logger.warning("kvserver: register failed (%s); the cache misses until it succeeds", exc)
+            return False
+        self._registered = True
+        return True
+
+    # ---- lookup and load -------------------------------------------------------------------
+
+    def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
+        kv = _kv_transfer(transfers)
+        if kv is None or not kv.keys or not self._ensure_registered():
+            return []
+        try:
+            keys = storage_keys(kv.keys)
+            found = self.client.lookup(keys, pin_ms=self.pin_ms, key_bytes=KEY_BYTES)
+        except Exception as exc:
+            logger.warning("kvserver: lookup failed (%s): a miss", exc)
+            return []
+        old = self._leases.pop(rid, None)
+        if old:
+            self._release(old)
+        if found.lease_id:
+            self._leases[rid] = found.lease_id
+        # One contiguous pool: every prefix up to the stored one is restorable.
+        return list(range(1, min(found.pages, len(kv.keys)) + 1))
+
+    def _pages(self, transfer: PoolTransfer) -> list[int] | None:
+        slots = transfer.device_indices
+        n = len(transfer.keys)
+        if slots is None or slots.numel() != n * self.page_size:
+            return None
+        grid = slots.to("cpu", torch.int64).view(n, self.page_size)
+        first = grid[:, 0]
+        expect = first[:, None] + torch.arange(self.page_size)
+        if bool((first % self.page_size).any()) or not torch.equal(grid, expect):
+            return None  # not whole, aligned pages
+        return (first // self.page_size).tolist()
+
+    def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
+        kv = _kv_transfer(transfers)
+        if kv is None or not kv.keys or not self._ensure_registered():
+            return False
+        pages = self._pages(kv)
+        if pages is None:
+            logger.warning("kvserver: load of %s: device slots are not whole pages; not loaded", rid)
+            return False
+        try:
+            keys = storage_keys(kv.keys)
+        except ValueError as exc:
+            logger.warning("kvserver: load of %s: %s", rid, exc)
+            return False
+        self._pending[rid] = (keys, pages, self._leases.pop(rid, ""))
+        return True
+
+    def start_layer_wise_loading(self) -> int:
+        if not self._pending:
+            return -1
+        pending, self._pending = self._pending, {}
+        index = self.layer_done_counter.update_producer()
+        ready = None
+        if self.cuda:  # the slots were allocated (and maybe cleared) on the current stream
+            ready = torch.cuda.Event(interprocess=True)
+            ready.record()
+        gets = []
+        for rid, (keys, pages, lease) in pending.items():
+            slot = 0
+            if self.event_slots:
+                slot, self._next_slot = self._next_slot, (self._next_slot + 1) % self.event_slots
+            try:
+                handle = self.client.get(keys, pages, layers=self.layer_ids, event_slot=slot,
+                                         ready_event=ready, lease_id=lease, key_bytes=KEY_BYTES)
+            except Exception as exc:
+                logger.warning("kvserver: get for %s failed (%s)", rid, exc)
+                handle = None
+            gets.append((rid, len(pages), handle))
+        thread = threading.Thread(target=self._land, args=(index, gets), name=f"kvserver-load-{index}",
+                                  daemon=True)
+        self._loading[index] = thread
+        thread.start()
+        return index
+
+    def _land(self, index: int, gets) -> None:
+        """Releases SGLang's counter layer by layer (local ids) as every get of the batch lands
+        the layer; fails the rest of the batch at the first get that misses."""
+        counter = self.layer_done_counter
+        deadline = time.monotonic() + self.load_timeout
+        try:
+            for rid, want, handle in gets:
+                if handle is None:
+                    raise KVServerLoadError(f"{rid}: the get could not start")
+                got = handle.pages(timeout=max(0.0, deadline - time.monotonic()))
+                if got < want:
+                    raise KVServerLoadError(f"{rid}: {got} of {want} pages stored")
+            for local, layer in enumerate(self.layer_ids):
+                for rid, _, handle in gets:
+                    if not handle.wait_layer(layer, timeout=max(0.0, deadline - time.monotonic())):
+                        raise KVServerLoadError(f"{rid}: layer {layer} did not land")
+                    event = handle.events.get(layer)
+                    if event is not None:  # CUDA: the copy itself has finished on the GPU
+                        event.synchronize()
+                counter.complete(index, local)
+        except Exception as exc:
+            logger.warning("kvserver: load batch %d failed (%s); SGLang recomputes it", index, exc)
+            counter.fail(index, exc if isinstance(exc, KVServerLoadError) else KVServerLoadError(str(exc)))
+        finally:
+            # Nothing may write the slots once finish_layer_wise_loading returns.
+            for _, _, handle in gets:
+                if handle is not None:
+                    try:
+                        handle.wait(timeout=max(0.0, deadline - time.monotonic()))
+                    except Exception:
+                        pass
+
+    def finish_layer_wise_loading(self, counter_index: int) -> bool:
+        thread = self._loading.pop(counter_index, None)
+        if thread is not None:
+            thread.join()
+        return self.layer_done_counter.finish(counter_index)  # True for an index with no loads
+
+    def cancel_queued_load(self, rid: str) -> bool:
+        entry = self._pending.pop(rid, None)
+        lease = self._leases.pop(rid, "")
+        if entry is not None:
+            lease = entry[2] or lease
+        if lease:
+            self._release(lease)
+        return entry is not None
+
+    def _release(self, lease: str) -> None:
+        try:
+            self.client.release(lease)
+        except Exception:
+            pass
+
+    # ---- offload ---------------------------------------------------------------------------
+
+    def offload(self, transfers: list[PoolTransfer], session_id: Optional[str] = None) -> bool:  # noqa: UP045 (SGLang's own annotation: the contract test compares signatures)
+        kv = _kv_transfer(transfers)
+        if kv is None or not kv.keys or self._closed or not self._ensure_registered():
+            return False
+        pages = self._pages(kv)
+        if pages is None:
+            return False
+        try:
+            keys = storage_keys(kv.keys)
+        except ValueError:
+            return False
+        events = self.record_offload_ready()  # before the pages are read
+        with self._lock:
+            self._offloads_open += 1
+        self._offloads.put((keys, pages, events))
+        return True
+
+    def _offload_loop(self) -> None:
+        while True:
+            task = self._offloads.get()
+            if task is None:
+                return
+            keys, pages, events = task
+            ok = False
+            try:
+                for event in events:
+                    event.synchronize()
+                result = self.client.put(keys, pages, key_bytes=KEY_BYTES)
+                ok = result.dropped == 0 and result.stored + result.present == len(pages)
+            except Exception as exc:
+                logger.warning("kvserver: put failed (%s)", exc)
+            with self._lock:
+                self._completed.append(ok)
+                self._offloads_open -= 1
+                self._idle.notify_all()
+
+    def num_completed_offloads(self) -> int:
+        with self._lock:
+            return len(self._completed)
+
+    def pop_completed_offload(self) -> bool:
+        with self._lock:
+            return self._completed.popleft() if self._completed else False
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def _quiesce(self) -> None:
+        for rid in list(self._pending):
+            self.cancel_queued_load(rid)
+        for index in list(self._loading):
+            self._loading.pop(index).join()
+        with self._lock:
+            self._idle.wait_for(lambda: self._offloads_open == 0, timeout=self.load_timeout)
+            self._completed.clear()
+        for lease in self._leases.values():
+            self._release(lease)
+        self._leases.clear()
+        self.layer_done_counter.reset()
+
+    def reset(self) -> None:
+        self._quiesce()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._quiesce()
+        self._closed = True
+        self._offloads.put(None)
+        self._offloader.join(timeout=self.load_timeout)
+        try:
+            self.client.close()
+        except Exception:
+            pass

@@ -1,0 +1,361 @@
+"""kvclient.sglang.linker.KVServerLinker against SGLang 0.5.23's real classes and a real daemon.
+
+CPU tensors as the device pool: SGLang's own MHA/MLA token pools, their buffers moved into shared
+memory by share_cpu_pool (the daemon can only reach a CPU pool there). Skipped where
+scripts/install_sglang.sh has not run.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+
+import pytest
+import sglang_env
+import torch
+from conftest import DaemonThread
+
+if not sglang_env.sglang_installed():
+    pytest.skip("sglang not installed (scripts/install_sglang.sh)", allow_module_level=True)
+
+PAGE = 16
+MODULE = "kvclient.sglang.linker"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _sglang():
+    sglang_env.setup()
+    yield
+    sglang_env.restore()
+
+
+def _engine(daemon_address, kind="mha", *, num_layers=10, pp_size=2, pp_rank=1, dtype=None, **extra):
+    """One SGLang-shaped engine: its stage pool in shared memory, CacheInitParams, and the linker
+    as SGLang's registry builds it (create_unified_cache_linker, then the counter registered on
+    the pool)."""
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.srt.mem_cache.unified_cache.linker_factory import create_unified_cache_linker
+
+    from kvclient.sglang.linker import share_cpu_pool
+
+    pool = sglang_env.stage_pool(kind, num_layers, pp_size, pp_rank, size=128, page_size=PAGE,
+                                 dtype=dtype)
+    share_cpu_pool(pool)
+    params = sglang_env.cache_init_params(pool, pp_rank=pp_rank, pp_size=pp_size)
+    config = {"linker": "KVServerLinker", "linker_module_path": MODULE,
+              "linker_extra_config": {"address": daemon_address, "model": "sglang-test",
+                                      "num_layers": num_layers, "timeout_s": 2.0,
+                                      "load_timeout_s": 10.0, **extra}}
+    linker = create_unified_cache_linker(sglang_env.server_args(pp_size=pp_size), params,
+                                         backend="dynamic", config=config,
+                                         components={ComponentType.FULL})
+    pool.register_layer_transfer_counter(linker.layer_done_counter)
+    return linker, pool, params.token_to_kv_pool_allocator
+
+
+def _buffers(pool):
+    return [pool.kv_buffer] if hasattr(pool, "kv_lora_rank") else [pool.k_buffer, pool.v_buffer]
+
+
+def _fill(pool, slots, seed):
+    g = torch.Generator().manual_seed(seed)
+    for bufs in _buffers(pool):
+        for buf in bufs:
+            if buf.dtype == torch.uint8:  # an fp8 pool's store dtype
+                buf[slots] = torch.randint(0, 256, buf[slots].shape, generator=g, dtype=torch.uint8)
+            else:
+                buf[slots] = torch.randn(buf[slots].shape, generator=g).to(buf.dtype)
+
+
+def _rows(pool, slots):
+    return [[buf[slots].clone() for buf in bufs] for bufs in _buffers(pool)]
+
+
+def _assert_same_bytes(expect, got):
+    for exp_part, got_part in zip(expect, got, strict=True):
+        for e, g in zip(exp_part, got_part, strict=True):
+            assert torch.equal(e.view(torch.uint8), g.view(torch.uint8))
+
+
+def _hashes(tokens):
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    return get_storage_hash_str(tokens, None, page_size=PAGE)
+
+
+def _kv(**kw):
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    return PoolTransfer(name=PoolName.KV, **kw)
+
+
+def _completed(linker, n, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while linker.num_completed_offloads() < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return linker.num_completed_offloads()
+
+
+def _forward(pool, released):
+    """The attention layers: global ids through the pool's wait hook."""
+    for layer_id in pool.model_layer_ids:
+        pool.get_key_buffer(layer_id)
+        released.append(layer_id)
+
+
+# ---- contract ---------------------------------------------------------------------------------
+
+
+def test_contract_real_base_real_signatures(daemon):
+    from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
+        LayerWiseLoadCounter,
+        UnifiedCacheLinker,
+    )
+
+    from kvclient.sglang.linker import KVServerLinker
+
+    assert issubclass(KVServerLinker, UnifiedCacheLinker)
+    assert not inspect.isabstract(KVServerLinker) and not KVServerLinker.__abstractmethods__
+    # The pinned version's contract: a method missing here (or renamed upstream) fails.
+    abstract = set(UnifiedCacheLinker.__abstractmethods__)
+    assert abstract == {"lookup", "load", "start_layer_wise_loading", "finish_layer_wise_loading",
+                        "cancel_queued_load", "offload", "num_completed_offloads",
+                        "pop_completed_offload", "reset", "close"}
+    for name in abstract:
+        mine = getattr(KVServerLinker, name)
+        assert mine is not getattr(UnifiedCacheLinker, name), name
+        assert inspect.signature(mine) == inspect.signature(getattr(UnifiedCacheLinker, name)), name
+    # The constructor SGLang's factory calls.
+    params = list(inspect.signature(KVServerLinker.__init__).parameters.values())
+    assert [p.name for p in params] == ["self", "server_args", "params", "components",
+                                        "extra_config", "forward_stream"]
+    assert [p.kind for p in params[3:]] == [inspect.Parameter.KEYWORD_ONLY] * 3
+    assert params[-1].default is None
+
+    linker, pool, _ = _engine(daemon.address)
+    try:
+        assert type(linker) is KVServerLinker
+        assert isinstance(linker.layer_done_counter, LayerWiseLoadCounter)
+        assert pool.layer_transfer_counter is linker.layer_done_counter
+        assert linker.layer_done_counter.num_layers == pool.layer_num == 5
+        assert linker.layer_ids == (5, 6, 7, 8, 9)  # from model_layer_ids, global
+        reg = linker._register_kwargs
+        assert (reg["start_layer"], reg["end_layer"], reg["num_layers"]) == (5, 10, 10)
+        assert (reg["pp_rank"], reg["pp_size"], reg["tp_rank"], reg["tp_size"]) == (1, 2, 0, 1)
+        assert linker.forward_stream is None
+        assert len(linker.record_offload_ready()) == 1
+    finally:
+        linker.close()
+
+
+def test_a_cpu_pool_outside_shared_memory_is_refused(daemon):
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.srt.mem_cache.unified_cache.linker_factory import create_unified_cache_linker
+
+    pool = sglang_env.mha_pool(layer_num=4)
+    params = sglang_env.cache_init_params(pool)
+    config = {"linker": "KVServerLinker", "linker_module_path": MODULE,
+              "linker_extra_config": {"address": daemon.address}}
+    with pytest.raises(ValueError, match="not in shared memory"):
+        create_unified_cache_linker(sglang_env.server_args(), params, backend="dynamic",
+                                    config=config, components={ComponentType.FULL})
+
+
+# ---- behaviour --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind,dtype", [("mha", None), ("mla", None), ("mha", "fp8")])
+def test_two_engines_share_a_prefix_layer_by_layer(daemon, kind, dtype):
+    dtype = torch.float8_e4m3fn if dtype == "fp8" else None
+    a, pool_a, alloc_a = _engine(daemon.address, kind, dtype=dtype)
+    b, pool_b, alloc_b = _engine(daemon.address, kind, dtype=dtype)
+    if dtype is not None:  # SGLang stores fp8 as uint8; the daemon is told fp8
+        assert pool_a.k_buffer[0].dtype == torch.uint8
+        assert pool_a.kvserver_shm_pool.dtype == torch.float8_e4m3fn
+    try:
+        tokens = list(range(1000, 1000 + 3 * PAGE + 5))
+        hashes = _hashes(tokens[: 3 * PAGE])  # whole pages only, as the wrapper cuts them
+        assert len(hashes) == 3 and all(len(h) == 64 for h in hashes)
+
+        # Engine A: the forward wrote its KV; write-through offloads the node.
+        slots_a = alloc_a.alloc(3 * PAGE)
+        _fill(pool_a, slots_a, seed=7)
+        expect = _rows(pool_a, slots_a)
+        assert a.lookup("a0", [_kv(keys=hashes)]) == []
+        assert a.offload([_kv(device_indices=slots_a, keys=hashes)], session_id=None) is True
+        assert _completed(a, 1) == 1
+        assert a.pop_completed_offload() is True
+        assert a.num_completed_offloads() == 0
+
+        # Engine B: match -> lookup, load_back -> load, prefill -> start, forward, finish.
+        assert b.lookup("r1", [_kv(keys=hashes)]) == [1, 2, 3]
+        assert b.lookup("r2", [_kv(keys=hashes + _hashes(tokens[PAGE: 2 * PAGE]))]) == [1, 2, 3]
+        assert b.cancel_queued_load("r2") is False  # never queued (its lease is released)
+        slots_b = alloc_b.alloc(3 * PAGE)
+        assert b.load("r1", [_kv(keys=hashes, device_indices=slots_b)]) is True
+        counter = b.layer_done_counter
+        waits = []
+        real_wait = counter.wait_until
+
+        def recording_wait(local):
+            real_wait(local)
+            waits.append(local)
+
+        counter.wait_until = recording_wait
+        completed = []
+        real_complete = counter.complete
+
+        def recording_complete(idx, local):
+            completed.append((idx, local))
+            real_complete(idx, local)
+
+        counter.complete = recording_complete
+        index = b.start_layer_wise_loading()
+        assert index >= 0
+        counter.set_consumer(index)
+        released = []
+        forward = threading.Thread(target=_forward, args=(pool_b, released))
+        forward.start()
+        forward.join(10)
+        assert released == list(pool_b.model_layer_ids)  # global ids through the pool
+        assert waits == list(range(pool_b.layer_num))  # the counter saw local ids, in order
+        assert b.finish_layer_wise_loading(index) is True
+        # The loader released SGLang's counter once per local layer, in order.
+        assert completed == [(index, local) for local in range(pool_b.layer_num)]
+        _assert_same_bytes(expect, _rows(pool_b, slots_b))
+        # Nothing queued: -1, and finishing it is True.
+        assert b.start_layer_wise_loading() == -1
+        assert b.finish_layer_wise_loading(-1) is True
+    finally:
+        a.close()
+        b.close()
+
+
+def test_cancel_queued_load_and_reset(daemon):
+    a, pool_a, alloc_a = _engine(daemon.address)
+    try:
+        hashes = _hashes(list(range(2 * PAGE)))
+        slots = alloc_a.alloc(2 * PAGE)
+        assert a.offload([_kv(device_indices=slots, keys=hashes)]) is True
+        assert _completed(a, 1) == 1 and a.pop_completed_offload() is True
+        assert a.lookup("r", [_kv(keys=hashes)]) == [1, 2]
+        other = alloc_a.alloc(2 * PAGE)
+        assert a.load("r", [_kv(keys=hashes, device_indices=other)]) is True
+        assert a.cancel_queued_load("r") is True
+        assert a.cancel_queued_load("r") is False
+        assert a.start_layer_wise_loading() == -1
+        # Slots that are not whole pages are refused, not loaded.
+        assert a.load("s", [_kv(keys=hashes, device_indices=other + 1)]) is False
+        assert a.offload([_kv(device_indices=slots, keys=hashes)]) is True
+        a.reset()
+        assert a.num_completed_offloads() == 0
+        assert a.layer_done_counter.producer_index == -1
+    finally:
+        a.close()
+
+
+def test_daemon_stopped_mid_request_gives_misses(daemon_factory):
+    d = daemon_factory()
+    a, pool_a, alloc_a = _engine(d.address, retry_register_s=0.0)
+    b, pool_b, alloc_b = _engine(d.address, retry_register_s=0.0)
+    try:
+        hashes = _hashes(list(range(500, 500 + 2 * PAGE)))
+        slots_a = alloc_a.alloc(2 * PAGE)
+        _fill(pool_a, slots_a, seed=3)
+        assert a.offload([_kv(device_indices=slots_a, keys=hashes)]) is True
+        assert _completed(a, 1) == 1 and a.pop_completed_offload() is True
+        assert b.lookup("r", [_kv(keys=hashes)]) == [1, 2]
+        slots_b = alloc_b.alloc(2 * PAGE)
+        assert b.load("r", [_kv(keys=hashes, device_indices=slots_b)]) is True
+
+        d.stop()  # between SGLang's load_back and the batch's prefill
+
+        index = b.start_layer_wise_loading()
+        b.layer_done_counter.set_consumer(index)
+        released = []
+        forward = threading.Thread(target=_forward, args=(pool_b, released))
+        forward.start()
+        forward.join(15)
+        assert not forward.is_alive(), "the forward must not hang on a failed load"
+        assert b.finish_layer_wise_loading(index) is False  # SGLang aborts and recomputes
+        assert b.lookup("r2", [_kv(keys=hashes)]) == []
+        if a.offload([_kv(device_indices=slots_a, keys=hashes)]):
+            assert _completed(a, 1) == 1
+            assert a.pop_completed_offload() is False
+        assert a.pop_completed_offload() is False  # nothing left: False, not an exception
+
+        # The daemon comes back (same socket, empty cache): the clients re-register by
+        # themselves, A's next write-through stores, B hits and loads again.
+        again = DaemonThread(d.config)
+        try:
+            deadline = time.monotonic() + 20
+            stored = False
+            while not stored and time.monotonic() < deadline:
+                if a.offload([_kv(device_indices=slots_a, keys=hashes)]):
+                    _completed(a, 1)
+                    stored = a.pop_completed_offload()
+                if not stored:
+                    time.sleep(0.2)
+            assert stored, "A never stored again after the daemon came back"
+            assert b.lookup("r3", [_kv(keys=hashes)]) == [1, 2]
+            assert b.load("r3", [_kv(keys=hashes, device_indices=slots_b)]) is True
+            index = b.start_layer_wise_loading()
+            b.layer_done_counter.set_consumer(index)
+            _forward(pool_b, [])
+            assert b.finish_layer_wise_loading(index) is True
+            _assert_same_bytes(_rows(pool_a, slots_a), _rows(pool_b, slots_b))
+        finally:
+            a.close()
+            b.close()
+            again.stop()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_no_daemon_at_startup_misses_everything(socket_dir):
+    """The engine starts before the daemon: the linker constructs, and every call is a miss."""
+    linker, pool, alloc = _engine(f"unix://{socket_dir}/absent.sock", retry_register_s=60.0)
+    try:
+        hashes = _hashes(list(range(PAGE)))
+        slots = alloc.alloc(PAGE)
+        assert linker.lookup("r", [_kv(keys=hashes)]) == []
+        assert linker.load("r", [_kv(keys=hashes, device_indices=slots)]) is False
+        assert linker.offload([_kv(device_indices=slots, keys=hashes)]) is False
+        assert linker.start_layer_wise_loading() == -1
+        assert linker.finish_layer_wise_loading(-1) is True
+        assert linker.num_completed_offloads() == 0 and linker.pop_completed_offload() is False
+        linker.reset()
+    finally:
+        linker.close()
+
+
+@pytest.mark.parametrize("pp_size", [1, 2, 3])
+def test_every_pp_stage_stores_and_loads_its_own_layers(daemon, pp_size):
+    """SGLang's own split (get_pp_indices) of 10 layers: each stage's two engines share a prefix
+    over the stage's global layers; the counter gets the stage's local ids."""
+    ranges = sglang_env.pp_split(10, pp_size)
+    hashes = _hashes(list(range(7, 7 + 2 * PAGE)))
+    for rank, (start, end) in enumerate(ranges):
+        a, pool_a, alloc_a = _engine(daemon.address, num_layers=10, pp_size=pp_size, pp_rank=rank)
+        b, pool_b, alloc_b = _engine(daemon.address, num_layers=10, pp_size=pp_size, pp_rank=rank)
+        try:
+            assert a.layer_ids == tuple(range(start, end))
+            assert (a._register_kwargs["start_layer"], a._register_kwargs["end_layer"]) == (start, end)
+            slots_a, slots_b = alloc_a.alloc(2 * PAGE), alloc_b.alloc(2 * PAGE)
+            _fill(pool_a, slots_a, seed=rank)
+            assert a.offload([_kv(device_indices=slots_a, keys=hashes)]) is True
+            assert _completed(a, 1) == 1 and a.pop_completed_offload() is True
+            assert b.lookup("r", [_kv(keys=hashes)]) == [1, 2]
+            assert b.load("r", [_kv(keys=hashes, device_indices=slots_b)]) is True
+            index = b.start_layer_wise_loading()
+            b.layer_done_counter.set_consumer(index)
+            released = []
+            _forward(pool_b, released)
+            assert released == list(range(start, end))
+            assert b.finish_layer_wise_loading(index) is True
+            _assert_same_bytes(_rows(pool_a, slots_a), _rows(pool_b, slots_b))
+        finally:
+            a.close()
+            b.close()
