@@ -25,7 +25,14 @@ are torch CUDA tensors, and checks:
    with its own pool, looks the keys up, Gets them (plus keys never stored) into other scattered
    pages of its pool, and reads each layer on its compute stream right after
    ``stream_wait_layer``: bit for bit the first engine's pages, the pages past the stored prefix
-   untouched.
+   untouched;
+8. the SGLang linker (``kvclient.sglang.linker.KVServerLinker``, scripts/gpu_check_sglang.py) on
+   CUDA tensors shaped like SGLang's MHA (bf16) and MLA (fp8 stored as uint8) pools of one PP
+   stage (global layers [4, 8)): one linker offloads scattered pages after its forward stream's
+   write, another looks them up, loads them into other slots, and its "attention" reads every
+   layer through the pool's ``get_key_buffer`` hook on its compute stream, where the linker's
+   counter makes the stream wait for that layer's event: bit for bit, slots past the load
+   untouched, and a load of keys never stored reported failed with its slots untouched.
 It prints one JSON document and exits non-zero if a check failed. ``--preflight`` runs only
 what needs no GPU (imports from this tree, daemon start and health) and is tested on CPU.
 Needs torch with CUDA, CuPy (cupy-cuda12x or cupy-cuda13x) with NVRTC, grpcio, protobuf, uvloop,
@@ -444,6 +451,23 @@ def cache_engine(address: str, role: str, plan: dict, out, stored) -> None:
     out.put(result)
 
 
+def sglang_engine(address: str, kind: str, out) -> None:
+    """The SGLang linker round (``gpu_check_sglang.run``) in its own engine process."""
+    label = [0, 1] if kind == "mha" else [1, 2]
+    result: dict = {"kind": f"sglang-linker-{kind}", "range": label}
+    try:
+        out.put({"range": label, "stage": "linker round"})
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import gpu_check_sglang
+
+        result.update(gpu_check_sglang.run(address, kind, "cuda"))
+    except BaseException:
+        result["error"] = traceback.format_exc()
+        result["ok"] = False
+    result["final"] = True
+    out.put(result)
+
+
 def preflight(address: str) -> dict:
     """What can be checked before any GPU work, and without a GPU: every module the check uses
     imports from this tree, the daemon answers its health check, and whether it can use CUDA."""
@@ -549,6 +573,19 @@ def run_cache(ctx, address: str, deadline: float, report: dict, target=None,
         report["checks"].append(msg)
 
 
+def run_sglang(ctx, address: str, deadline: float, report: dict, target=None) -> None:
+    """The SGLang linker's round (``sglang_engine``) for an MHA and an MLA pool, one after the other."""
+    for kind in ("mha", "mla"):
+        out = ctx.Queue()
+        label = (0, 1) if kind == "mha" else (1, 2)
+        procs = {label: ctx.Process(target=target or sglang_engine, args=(address, kind, out))}
+        procs[label].start()
+        for msg in _results(procs, out, f"sglang-{kind}", deadline):
+            msg["ok"] = bool(msg.get("ok")) and "error" not in msg
+            report["ok"] &= msg["ok"]
+            report["checks"].append(msg)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer sizes and rounds")
@@ -591,6 +628,7 @@ def main() -> int:
             if i == 1:  # after the two most telling plans: the hostile- and stuck-engine checks
                 run_safety(ctx, f"unix://{socket}", deadline, report)
                 run_cache(ctx, f"unix://{socket}", deadline, report)
+                run_sglang(ctx, f"unix://{socket}", deadline, report)
     except BaseException:
         report["ok"] = False
         report["error"] = traceback.format_exc()

@@ -11,8 +11,9 @@
 # - GPU-only or heavy imports (triton, torchvision, IPython) are NOT installed: tests/sglang_standins/
 #   holds stand-ins that tests/sglang_env.py puts on sys.path.
 #
-# The wheel is taken from $SGLANG_WHEEL, else ./.whl/ (cached), else /tmp/wheels/, else downloaded
-# from PyPI into ./.whl/ (39 MB).
+# The wheel is taken from $SGLANG_WHEEL, else ./.cache/wheels/ (cached), else /tmp/wheels/, else
+# downloaded from PyPI into ./.cache/wheels/ (39 MB). Not ./.whl/: that folder is what the GPU check
+# carries and installs on the GPU machine, where SGLang must not be (scripts/gpu_check_sglang.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${VENV:-.venv}"
@@ -48,14 +49,14 @@ torch_before="$("$py" -c 'import torch; print(torch.__version__)')"
 
 wheel="${SGLANG_WHEEL:-}"
 if [[ -z "$wheel" ]]; then
-  for cand in ".whl/$WHEEL_NAME" "/tmp/wheels/$WHEEL_NAME"; do
+  for cand in ".cache/wheels/$WHEEL_NAME" "/tmp/wheels/$WHEEL_NAME"; do
     if [[ -f "$cand" ]]; then wheel="$cand"; break; fi
   done
 fi
 if [[ -z "$wheel" ]]; then
-  mkdir -p .whl
-  "${pip[@]}" download -q --no-deps --only-binary=:all: "sglang==${SGLANG_VERSION}" -d .whl
-  wheel=".whl/$WHEEL_NAME"
+  mkdir -p .cache/wheels
+  "${pip[@]}" download -q --no-deps --only-binary=:all: "sglang==${SGLANG_VERSION}" -d .cache/wheels
+  wheel=".cache/wheels/$WHEEL_NAME"
 fi
 
 # One pip call, no dependency resolution. pip still prints that sglang's own pins (torch 2.14.1,

@@ -359,3 +359,49 @@ def test_every_pp_stage_stores_and_loads_its_own_layers(daemon, pp_size):
         finally:
             a.close()
             b.close()
+
+
+class _CudaHandle:
+    """Stands in for a CUDA LoadHandle (no GPU here): records the stream waits asked of it."""
+
+    def __init__(self) -> None:
+        self.waits: list[int] = []
+
+    def stream_wait_layer(self, layer_id: int, stream=None) -> bool:
+        self.waits.append(layer_id)
+        return True
+
+
+def test_the_cuda_counter_waits_on_the_stream_per_global_layer_and_reports_late_failures():
+    """On CUDA the counter's layers are released once the events are recorded; each wait_until
+    (local id, from SGLang's pool hook) then makes the stream wait for that layer's event, in
+    every get of the batch, under its global id. A failed batch asks for no stream wait, and a
+    get that fails after its events were handed out fails finish()."""
+    from kvclient.sglang.linker import KVServerLayerCounter, KVServerLoadError
+
+    counter = KVServerLayerCounter((4, 5, 6))
+    index = counter.update_producer()
+    handles = [_CudaHandle(), _CudaHandle()]
+    counter.gpu_waits[index] = handles
+    for local in range(3):
+        counter.complete(index, local)
+    counter.set_consumer(index)
+    counter.wait_until(0)
+    counter.wait_until(2)
+    assert [h.waits for h in handles] == [[4, 6], [4, 6]]
+    assert counter.finish(index) is True and index not in counter.gpu_waits
+
+    failed = counter.update_producer()
+    late = _CudaHandle()
+    counter.gpu_waits[failed] = [late]
+    counter.fail(failed, KVServerLoadError("3 of 4 pages stored"))
+    counter.set_consumer(failed)
+    counter.wait_until(1)  # returns (SGLang's contract) without a stream wait
+    assert late.waits == [] and counter.finish(failed) is False
+
+    landed = counter.update_producer()
+    for local in range(3):
+        counter.complete(landed, local)
+    counter.late_fail(landed)
+    assert counter.finish(landed) is False
+    assert counter.finish(landed) is True  # an index already finished: nothing left to report

@@ -70,6 +70,53 @@ class KVServerLoadError(RuntimeError):
     """Why a batch's load did not land (given to LayerWiseLoadCounter.fail)."""
 
 
+class KVServerLayerCounter(LayerWiseLoadCounter):
+    """SGLang's counter, with the GPU in the wait on CUDA pools.
+
+    SGLang's attention calls ``wait_until(local_layer)`` on the forward stream before it reads a
+    layer. On the CPU path the load thread completes a layer once the daemon has copied it. On
+    CUDA it completes every layer as soon as the daemon has *recorded* the batch's per-layer
+    events (before the copies run), and ``wait_until`` makes the current stream wait on the GPU
+    for that layer's event: the CPU never blocks per layer, and layer i's attention starts while
+    later layers are still being copied. ``finish`` also reports a get that failed after its
+    events were recorded (``late_fail``), so SGLang aborts those requests.
+    """
+
+    def __init__(self, layer_ids: tuple[int, ...]) -> None:
+        super().__init__(len(layer_ids))
+        self.layer_ids = layer_ids
+        self.gpu_waits: dict[int, list] = {}  # batch index -> its CUDA LoadHandles
+        self.late_failures: set[int] = set()
+
+    def wait_until(self, threshold: int) -> None:
+        super().wait_until(threshold)
+        handles = self.gpu_waits.get(self.consumer_index)
+        if not handles:
+            return
+        futures = self.futures.get(self.consumer_index)
+        if futures is None or futures[threshold].exception() is not None:
+            return  # failed: finish() says so, and the forward's output is not used
+        layer = self.layer_ids[threshold]
+        for handle in handles:
+            handle.stream_wait_layer(layer)
+
+    def late_fail(self, index: int) -> None:
+        self.late_failures.add(index)
+
+    def finish(self, index: int) -> bool:
+        landed = super().finish(index)
+        self.gpu_waits.pop(index, None)
+        if index in self.late_failures:
+            self.late_failures.discard(index)
+            return False
+        return landed
+
+    def reset(self) -> None:
+        super().reset()
+        self.gpu_waits.clear()
+        self.late_failures.clear()
+
+
 # ---- SGLang's objects, read ------------------------------------------------------------------
 
 
@@ -183,7 +230,7 @@ class KVServerLinker(UnifiedCacheLinker):
         self.kvcache = kvcache
         self.page_size = int(params.page_size)
         self.layer_ids = tuple(int(i) for i in kvcache.model_layer_ids)  # global, this stage's
-        self.layer_done_counter = LayerWiseLoadCounter(len(self.layer_ids))
+        self.layer_done_counter = KVServerLayerCounter(self.layer_ids)
         self.pools = {PoolName.KV: kvcache}
         layout, buffers = pool_layout(kvcache)
         self.cuda = buffers[0][0].device.type == "cuda"
@@ -225,6 +272,7 @@ class KVServerLinker(UnifiedCacheLinker):
         self._pending: dict[str, tuple[bytes, list[int], str]] = {}  # queued loads
         self._loading: dict[int, threading.Thread] = {}
         self._next_slot = 0
+        self._side_stream = None  # CUDA: where the slots-ready event is recorded
         self._offloads: queue.Queue = queue.Queue()
         self._completed: deque[bool] = deque()
         self._offloads_open = 0  # queued or running
@@ -308,10 +356,7 @@ class KVServerLinker(UnifiedCacheLinker):
             return -1
         pending, self._pending = self._pending, {}
         index = self.layer_done_counter.update_producer()
-        ready = None
-        if self.cuda:  # the slots were allocated (and maybe cleared) on the current stream
-            ready = torch.cuda.Event(interprocess=True)
-            ready.record()
+        ready = self._slots_ready() if self.cuda else None
         gets = []
         for rid, (keys, pages, lease) in pending.items():
             slot = 0
@@ -324,17 +369,37 @@ class KVServerLinker(UnifiedCacheLinker):
                 logger.warning("kvserver: get for %s failed (%s)", rid, exc)
                 handle = None
             gets.append((rid, len(pages), handle))
+        if self.cuda:
+            self.layer_done_counter.gpu_waits[index] = [h for _, _, h in gets if h is not None]
         thread = threading.Thread(target=self._land, args=(index, gets), name=f"kvserver-load-{index}",
                                   daemon=True)
         self._loading[index] = thread
         thread.start()
         return index
 
+    def _slots_ready(self):
+        """CUDA: an interprocess event after which the daemon may write the batch's slots: past
+        the work queued so far on the current stream (which allocated them) and on the forward
+        stream (which may still read their previous contents). Recorded on a side stream, so
+        neither stream waits for the other."""
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream()
+        side = self._side_stream
+        side.wait_stream(torch.cuda.current_stream())
+        if self.forward_stream is not None:
+            side.wait_stream(self.forward_stream)
+        ready = torch.cuda.Event(interprocess=True)
+        ready.record(side)
+        return ready
+
     def _land(self, index: int, gets) -> None:
-        """Releases SGLang's counter layer by layer (local ids) as every get of the batch lands
-        the layer; fails the rest of the batch at the first get that misses."""
+        """Releases SGLang's counter layer by layer (local ids): on the CPU path as every get of
+        the batch lands the layer; on CUDA all at once when the daemon has recorded the layer
+        events (the wait per layer is then on the GPU, in KVServerLayerCounter.wait_until). The
+        first get that misses fails the rest of the batch."""
         counter = self.layer_done_counter
         deadline = time.monotonic() + self.load_timeout
+        completed = False
         try:
             for rid, want, handle in gets:
                 if handle is None:
@@ -342,25 +407,36 @@ class KVServerLinker(UnifiedCacheLinker):
                 got = handle.pages(timeout=max(0.0, deadline - time.monotonic()))
                 if got < want:
                     raise KVServerLoadError(f"{rid}: {got} of {want} pages stored")
-            for local, layer in enumerate(self.layer_ids):
+            if self.cuda:
                 for rid, _, handle in gets:
-                    if not handle.wait_layer(layer, timeout=max(0.0, deadline - time.monotonic())):
-                        raise KVServerLoadError(f"{rid}: layer {layer} did not land")
-                    event = handle.events.get(layer)
-                    if event is not None:  # CUDA: the copy itself has finished on the GPU
-                        event.synchronize()
-                counter.complete(index, local)
+                    if not handle.wait_recorded(timeout=max(0.0, deadline - time.monotonic())):
+                        raise KVServerLoadError(f"{rid}: the load's layer events were not recorded")
+                for local in range(len(self.layer_ids)):
+                    counter.complete(index, local)
+            else:
+                for local, layer in enumerate(self.layer_ids):
+                    for rid, _, handle in gets:
+                        if not handle.wait_layer(layer, timeout=max(0.0, deadline - time.monotonic())):
+                            raise KVServerLoadError(f"{rid}: layer {layer} did not land")
+                    counter.complete(index, local)
+            completed = True
         except Exception as exc:
             logger.warning("kvserver: load batch %d failed (%s); SGLang recomputes it", index, exc)
             counter.fail(index, exc if isinstance(exc, KVServerLoadError) else KVServerLoadError(str(exc)))
         finally:
-            # Nothing may write the slots once finish_layer_wise_loading returns.
-            for _, _, handle in gets:
-                if handle is not None:
-                    try:
-                        handle.wait(timeout=max(0.0, deadline - time.monotonic()))
-                    except Exception:
-                        pass
+            # Nothing may write the slots once finish_layer_wise_loading returns; a get that
+            # fails now (its events already given to the forward) fails the batch too.
+            for rid, _, handle in gets:
+                if handle is None:
+                    continue
+                try:
+                    handle.wait(timeout=max(0.0, deadline - time.monotonic()))
+                    ok = not handle.missed
+                except Exception as exc:
+                    logger.warning("kvserver: load batch %d: %s did not finish (%s)", index, rid, exc)
+                    ok = False
+                if completed and not ok:
+                    counter.late_fail(index)
 
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
         thread = self._loading.pop(counter_index, None)
