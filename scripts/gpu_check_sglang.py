@@ -47,7 +47,7 @@ def install_standin() -> bool:
             del sys.modules[name]
     import torch
 
-    class PoolName(str, enum.Enum):
+    class PoolName(str, enum.Enum):  # noqa: UP042 (SGLang's own base classes)
         KV = "kv"
         MAMBA = "mamba"
         SWA = "swa"
@@ -229,8 +229,9 @@ def storage_hashes(tokens: list[int]) -> list[str]:
 
 
 def make_linker(address: str, pool: StagePool, forward_stream=None):
-    from kvclient.sglang.linker import KVServerLinker, share_cpu_pool
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
+    from kvclient.sglang.linker import KVServerLinker, share_cpu_pool
 
     if pool.device.type == "cpu":
         share_cpu_pool(pool)

@@ -63,7 +63,7 @@ fi
 # flashinfer...) are unmet; that is expected and filtered out.
 log="$(mktemp)"
 rc=0
-"${pip[@]}" install -q --no-deps "$wheel" "${PACKAGES[@]}" >"$log" 2>&1 || rc=$?
+"${pip[@]}" install -q --no-compile --no-deps "$wheel" "${PACKAGES[@]}" >"$log" 2>&1 || rc=$?
 grep -v -e "^sglang ${SGLANG_VERSION} requires" -e "dependency resolver does not currently" \
   -e "is ignored: it is neither a file nor a directory" "$log" || true
 rm -f "$log"

@@ -27,7 +27,8 @@ needs_sglang = pytest.mark.skipif(not sglang_env.sglang_installed(),
 
 
 def load_check():
-    spec = importlib.util.spec_from_file_location("gpu_check_sglang", os.path.join(SCRIPTS, "gpu_check_sglang.py"))
+    path = os.path.join(SCRIPTS, "gpu_check_sglang.py")
+    spec = importlib.util.spec_from_file_location("gpu_check_sglang", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
