@@ -11,10 +11,13 @@ import inspect
 import threading
 import time
 
+import grpc
 import pytest
 import sglang_env
 import torch
 from conftest import DaemonThread
+
+from kvclient.errors import KVClientError
 
 if not sglang_env.sglang_installed():
     pytest.skip("sglang not installed (scripts/install_sglang.sh)", allow_module_level=True)
@@ -356,9 +359,42 @@ def test_every_pp_stage_stores_and_loads_its_own_layers(daemon, pp_size):
             assert released == list(range(start, end))
             assert b.finish_layer_wise_loading(index) is True
             _assert_same_bytes(_rows(pool_a, slots_a), _rows(pool_b, slots_b))
+            # A global id outside the stage, sent on the wire, is refused naming the stage's range.
+            from kvclient.sglang.linker import storage_keys
+
+            wrong = end if end < 10 else start - 1 if start > 0 else 10
+            with pytest.raises(KVClientError) as refused:
+                b.client.get(storage_keys(hashes), [1, 2], layers=[wrong], key_bytes=32).wait(5)
+            assert refused.value.code == grpc.StatusCode.OUT_OF_RANGE
+            assert f"[{start}, {end})" in refused.value.message, refused.value.message
         finally:
             a.close()
             b.close()
+
+
+def test_a_stage_claiming_another_layer_range_misses_and_says_why(daemon, monkeypatch, caplog):
+    """Two engines of one model disagree on stage 0's layers (SGLANG_PP_LAYER_PARTITION set for
+    one): the first fixes the part's range; the other's calls are refused, which the linker turns
+    into misses, logging once the daemon's reason with both ranges."""
+    hashes = _hashes(list(range(3, 3 + PAGE)))
+    a, pool_a, alloc_a = _engine(daemon.address, num_layers=10, pp_size=2, pp_rank=0)
+    monkeypatch.setenv("SGLANG_PP_LAYER_PARTITION", "4,6")
+    b, pool_b, alloc_b = _engine(daemon.address, num_layers=10, pp_size=2, pp_rank=0)
+    try:
+        assert (a.layer_ids, b.layer_ids) == (tuple(range(0, 5)), tuple(range(0, 4)))
+        slots = alloc_a.alloc(PAGE)
+        _fill(pool_a, slots, seed=1)
+        assert a.offload([_kv(device_indices=slots, keys=hashes)]) is True
+        assert _completed(a, 1) == 1 and a.pop_completed_offload() is True
+        with caplog.at_level("WARNING"):
+            assert b.lookup("r", [_kv(keys=hashes)]) == []
+            assert b.lookup("r", [_kv(keys=hashes)]) == []
+        said = [r.getMessage() for r in caplog.records if "[0, 5)" in r.getMessage()]
+        assert said and "[0, 4)" in said[0], caplog.text
+        assert a.lookup("r", [_kv(keys=hashes)]) == [1]  # the first engine still hits
+    finally:
+        a.close()
+        b.close()
 
 
 class _CudaHandle:
