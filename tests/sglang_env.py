@@ -198,3 +198,26 @@ def host_pool(device_pool, *, ratio: float = 2.0, layout: str = "page_first"):
         return MLATokenToKVPoolHost(info.buffer_info, ratio, 0, device_pool.page_size, layout,
                                     target_layer_num=device_pool.layer_num, **common)
     return MHATokenToKVPoolHost(info.buffer_info, ratio, 0, device_pool.page_size, layout, **common)
+
+
+def runtime_context(server_args, *, role: str = "scheduler"):
+    """A context manager activating SGLang's runtime config (get_disagg(), get_memory()...) built
+    from `server_args`, as a scheduler process has it after publish(); create_context/use_context
+    leave the process-wide context as it was once the block ends. Needed by UnifiedRadixCache's
+    match_prefix (it reads get_disagg().disaggregation_mode)."""
+    setup()
+    from sglang.srt import runtime_context as rc
+
+    return rc.use_context(rc.create_context(server_args, role=role))
+
+
+def req(rid: str, tokens, *, max_new_tokens: int = 4):
+    """SGLang's own Req for a text prompt of token ids (no tokenizer: origin_input_text is empty),
+    as the scheduler builds it from a TokenizedGenerateReqInput."""
+    setup()
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    return Req(rid, "", array("q", tokens), SamplingParams(max_new_tokens=max_new_tokens))
