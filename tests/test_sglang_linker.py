@@ -400,11 +400,14 @@ def test_a_stage_claiming_another_layer_range_misses_and_says_why(daemon, monkey
 class _CudaHandle:
     """Stands in for a CUDA LoadHandle (no GPU here): records the stream waits asked of it."""
 
-    def __init__(self) -> None:
+    def __init__(self, error: Exception | None = None) -> None:
         self.waits: list[int] = []
+        self.error = error  # the daemon's answer, had the copy failed after its events were recorded
 
     def stream_wait_layer(self, layer_id: int, stream=None) -> bool:
         self.waits.append(layer_id)
+        if self.error is not None:
+            raise self.error
         return True
 
 
@@ -441,3 +444,12 @@ def test_the_cuda_counter_waits_on_the_stream_per_global_layer_and_reports_late_
     counter.late_fail(landed)
     assert counter.finish(landed) is False
     assert counter.finish(landed) is True  # an index already finished: nothing left to report
+
+    broken = counter.update_producer()
+    dead = _CudaHandle(KVClientError(grpc.StatusCode.INTERNAL, "load stream ended before the last layer"))
+    counter.gpu_waits[broken] = [dead]
+    for local in range(3):
+        counter.complete(broken, local)
+    counter.set_consumer(broken)
+    counter.wait_until(0)  # does not raise into the forward
+    assert dead.waits == [4] and counter.finish(broken) is False

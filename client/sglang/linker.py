@@ -98,7 +98,12 @@ class KVServerLayerCounter(LayerWiseLoadCounter):
             return  # failed: finish() says so, and the forward's output is not used
         layer = self.layer_ids[threshold]
         for handle in handles:
-            handle.stream_wait_layer(layer)
+            try:
+                handle.stream_wait_layer(layer)
+            except Exception as exc:  # never into the forward: finish() reports it
+                logger.warning("kvserver: layer %d of load batch %d failed (%s)", layer,
+                               self.consumer_index, exc)
+                self.late_fail(self.consumer_index)
 
     def late_fail(self, index: int) -> None:
         self.late_failures.add(index)
