@@ -1,5 +1,7 @@
-"""docker-compose.yml and Dockerfile: the daemon and an engine share a socket volume, IPC, PIDs and GPUs;
-the daemon's command line is one the real parser accepts; the healthcheck works against a real daemon.
+"""docker-compose.yml, Dockerfile and Dockerfile.sglang: the daemon and an SGLang engine share a socket
+volume, IPC, PIDs and GPUs; the daemon's command line is one the real parser accepts; the healthcheck
+works against a real daemon; the engine runs docs/integrations.md's linker command on SGLang's image
+plus kvclient.
 
 No Docker engine is needed: the file is read with PyYAML and compose's ${VAR:-default} interpolation is
 done here. ``docker compose config`` runs too where a compose CLI is installed.
@@ -7,8 +9,10 @@ done here. ``docker compose config`` runs too where a compose CLI is installed.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -16,8 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sglang_env
 
 yaml = pytest.importorskip("yaml", reason="pyyaml is in the test extra: pip install -e .[test]")
+
+from test_readme import block, blocks, command  # noqa: E402
 
 from kvclient._channel import target  # noqa: E402
 from kvserver.__main__ import build_parser, config_from_args  # noqa: E402
@@ -26,6 +33,7 @@ from kvserver.config import default_socket, parse_size  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "docker-compose.yml"
 DOCKERFILE = REPO / "Dockerfile"
+SGLANG_DOCKERFILE = REPO / "Dockerfile.sglang"
 SOCKET_VOLUME = "kvserver-socket"
 
 _VAR = re.compile(r"\$(?:(\$)|\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\})")
@@ -179,8 +187,8 @@ def test_stop_grace_covers_shutdown_grace(services):
     assert m and int(m.group(1)) > grace, "docker would SIGKILL the daemon during its drain"
 
 
-def dockerfile_instructions() -> list[tuple[str, str]]:
-    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+def dockerfile_instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
+    text = re.sub(r"\\\n", " ", path.read_text())
     out = []
     for line in text.splitlines():
         line = line.strip()
@@ -206,15 +214,18 @@ def test_dockerfile_installs_the_project(services):
     assert '"kvserver"' in cmd
 
 
-def test_dockerfile_sources_build_a_wheel(tmp_path):
-    """The files the Dockerfile copies are enough for `pip install .` (built here without network)."""
+@pytest.mark.parametrize("dockerfile", [DOCKERFILE, SGLANG_DOCKERFILE], ids=lambda p: p.name)
+def test_dockerfile_sources_build_a_wheel(tmp_path, dockerfile):
+    """The files a Dockerfile copies exist and are enough for `pip install .` (built here without
+    network)."""
     src = tmp_path / "src"
     src.mkdir()
-    for word, rest in dockerfile_instructions():
+    for word, rest in dockerfile_instructions(dockerfile):
         if word != "COPY":
             continue
         *sources, dest = rest.split()
         for pattern in sources:
+            assert list(REPO.glob(pattern)), f"{dockerfile.name} copies {pattern}, which does not exist"
             for path in REPO.glob(pattern):
                 to = src / (path.name if dest.endswith("/") else dest)
                 (shutil.copytree if path.is_dir() else shutil.copy)(path, to)
@@ -222,6 +233,62 @@ def test_dockerfile_sources_build_a_wheel(tmp_path):
     res = subprocess.run([*pip, "."], cwd=src, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert list(tmp_path.glob("kvserver-*.whl"))
+
+
+def documented_launch(mode: str) -> list[str]:
+    """The words of docs/integrations.md's launch_server command (test_readme's block), split as bash
+    splits them, continuations joined."""
+    (line,) = [ln for ln in re.sub(r"\\\n", " ", block(mode)).splitlines() if "sglang.launch_server" in ln]
+    return shlex.split(line, comments=True)
+
+
+def documented_install() -> list[str]:
+    """docs/integrations.md's step 1: the installs into SGLang's environment."""
+    (text,) = [text for (doc, first), text in blocks().items()
+               if doc == "docs/integrations.md" and first.startswith("python -m pip install")]
+    return [command(line) for line in text.splitlines() if command(line)]
+
+
+def test_engine_runs_the_documented_linker_command(services):
+    cmd = services["engine"]["command"]
+    assert isinstance(cmd, list), "use the exec form so no shell sits between docker and SGLang's signals"
+    doc = documented_launch("sglang-linker")
+    assert doc[:3] == ["python", "-m", "sglang.launch_server"]
+    # The same flags and the same JSON, word for word; python3 is the image's interpreter, and the
+    # container listens on all its interfaces (the published port) rather than on localhost.
+    assert cmd[:3] == ["python3", "-m", "sglang.launch_server"]
+    assert cmd[3:] == [*doc[3:], "--host", "0.0.0.0", "--port", "30000"]
+    config = json.loads(cmd[cmd.index("--unified-cache-external-linker-config") + 1])
+    assert config["linker"] == "KVServerLinker" and config["linker_module_path"] == "kvclient.sglang.linker"
+    address = config["linker_extra_config"]["address"]
+    assert address == environment(services["engine"])["KVSERVER_ADDRESS"]
+    assert address == f"unix://{daemon_config(services['kvserver']).socket}"
+
+
+def test_engine_model_follows_MODEL():
+    cmd = load({"MODEL": "meta-llama/Llama-3.1-8B-Instruct"})["services"]["engine"]["command"]
+    assert cmd[cmd.index("--model-path") + 1] == "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def test_engine_image_is_sglang_plus_kvclient(services):
+    build = services["engine"]["build"]
+    assert (REPO / build["context"] / build["dockerfile"]).resolve() == SGLANG_DOCKERFILE
+    ins = dockerfile_instructions(SGLANG_DOCKERFILE)
+    # The SGLang release kvclient.sglang is written and tested against (tests/sglang_env.py).
+    assert ins[0] == ("FROM", f"lmsysorg/sglang:v{sglang_env.SGLANG_VERSION}")
+    copied = " ".join(rest for word, rest in ins if word == "COPY")
+    for needed in ("pyproject.toml", "kvserver", "client"):
+        assert needed in copied, f"Dockerfile.sglang does not copy {needed}"
+    runs = " ".join(rest for word, rest in ins if word == "RUN")
+    installs = re.findall(r"pip install ([^&]*?)\s*(?:&&|$)", runs)
+    assert installs, runs
+    assert "--no-deps ." in installs, "kvclient must go in with --no-deps (SGLang's torch stays)"
+    for args in installs:
+        assert "torch" not in args and "--upgrade" not in args and "-U " not in args, args
+    # The same installs as docs/integrations.md's step 1, with the image's interpreter.
+    for line in documented_install():
+        assert line.replace("python -m pip", "python3 -m pip", 1) in runs, line
+    assert "cmp - /tmp/torch-before" in runs, "the build must fail if torch's version changed"
 
 
 def _compose_cli() -> list[str] | None:

@@ -46,6 +46,22 @@ RUN = {
     ("README.md", "S=/run/kvserver/kvserver.sock"): "grpcurl",
     ("README.md", "scripts/test.sh"): "development",
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_store.py"): "store-bench",
+    ("docs/integrations.md", "mkdir -p ~/.config/kvserver"): "sglang-daemon",
+    # Run by tests/test_sglang_launch.py (SGLang's own parser and classes; skipped without SGLang).
+    ("docs/integrations.md",
+     "python -m sglang.launch_server --model-path Qwen/Qwen2.5-0.5B-Instruct --page-size 64 \\"):
+        "sglang-linker",
+    ("docs/integrations.md",
+     "python -m sglang.launch_server --model-path Qwen/Qwen2.5-0.5B-Instruct --page-size 64 --pp-size 2 \\"):
+        "sglang-linker-pp",
+    ("docs/integrations.md",
+     "python -m sglang.launch_server --model-path Qwen/Qwen2.5-0.5B-Instruct --page-size 64 --dp-size 2 \\"):
+        "sglang-linker-dp",
+    ("docs/integrations.md",
+     "python -m sglang.launch_server --model-path Qwen/Qwen2.5-0.5B-Instruct --enable-hierarchical-cache \\"):
+        "sglang-hicache",
+    ("docs/integrations.md", "S=/run/kvserver/kvserver.sock"): "sglang-stats-grpcurl",
+    ("docs/integrations.md", "from kvclient import KVClient"): "sglang-stats-python",
 }
 # Blocks not run here, and why.
 NOT_RUN = {
@@ -66,6 +82,9 @@ NOT_RUN = {
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_cache.py --repeats 20"):
         "a benchmark of daemon subprocesses for figures measured by hand; test_cache_bench.py runs "
         "the same script with --quick",
+    ("docs/integrations.md", 'python -m pip install "grpcio>=1.62.3" "protobuf>=4.25.1"'):
+        "installs into SGLang's own environment; tests/test_compose.py checks that Dockerfile.sglang "
+        "runs these same two installs on SGLang's image",
 }
 # Lines of run blocks that are not run whole: the reason, the scripts checked instead, and the part
 # of the line that runs as written (None: nothing).
@@ -343,3 +362,15 @@ def test_development_block(env, start):
     text = block("development")
     assert "scripts/test.sh" in text
     assert run_lines(text, env, start) == []
+
+
+def test_integrations_daemon_block(env, start, home):
+    """docs/integrations.md's daemon for SGLang: root's socket, the budget it names, an admin token
+    only its owner reads."""
+    if os.geteuid() != 0:
+        pytest.skip("the block is written for root (/run/kvserver/kvserver.sock), as in SGLang's container")
+    listened = run_lines(block("sglang-daemon"), env, start)
+    assert listened == [f"unix://{ROOT_SOCKET}"]
+    token = home / ".config" / "kvserver" / "admin-token"
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600
+    assert len(token.read_text().strip()) >= 32
