@@ -42,7 +42,6 @@ import time
 from collections import deque
 from typing import Optional
 
-import grpc
 import torch
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
@@ -52,18 +51,14 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
 )
 
 from kvclient.cuda_pool import CudaKVPool
-from kvclient.errors import KVClientError
+from kvclient.sglang._common import KEY_BYTES, Registrar, _wire_dtype, storage_keys
 from kvclient.shm_pool import ShmKVPool
 from kvclient.sync_client import KVClient
 from kvserver.layout import KVLayout
 
 logger = logging.getLogger("kvclient.sglang")
 
-KEY_BYTES = 32  # a SHA-256 storage hash
 SHM_POOL_ATTR = "kvserver_shm_pool"
-# Register failures that mean "the daemon is not there (yet)": the linker starts and misses.
-_AWAY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-         grpc.StatusCode.UNKNOWN}
 
 
 class KVServerLoadError(RuntimeError):
@@ -125,16 +120,6 @@ class KVServerLayerCounter(LayerWiseLoadCounter):
 # ---- SGLang's objects, read ------------------------------------------------------------------
 
 
-def storage_keys(hashes) -> bytes:
-    """SGLang's storage hash strings, packed as fixed-width 32-byte keys."""
-    out = bytearray()
-    for h in hashes:
-        if not isinstance(h, str) or len(h) != 2 * KEY_BYTES:
-            raise ValueError(f"not an SGLang storage hash (64 hex digits): {h!r}")
-        out += bytes.fromhex(h)
-    return bytes(out)
-
-
 def pool_layout(kvcache) -> tuple[KVLayout, list[list[torch.Tensor]]]:
     """(layout, buffers per local layer) of an SGLang MHA or MLA token pool."""
     if hasattr(kvcache, "kv_buffer") and hasattr(kvcache, "kv_lora_rank"):
@@ -182,15 +167,6 @@ def share_cpu_pool(kvcache) -> ShmKVPool:
             kvcache._init_data_ptrs_and_strides()
     setattr(kvcache, SHM_POOL_ATTR, shm)
     return shm
-
-
-def _wire_dtype(kvcache, buf: torch.Tensor) -> torch.dtype:
-    """fp8 pools store uint8 (``store_dtype``); the daemon is told the logical fp8 dtype, whose
-    bytes are the same."""
-    logical = getattr(kvcache, "dtype", buf.dtype)
-    if buf.dtype == torch.uint8 and logical.itemsize == 1 and logical != torch.uint8:
-        return logical
-    return buf.dtype
 
 
 def _registrable(kvcache, layout: KVLayout, buffers: list[list[torch.Tensor]]):
@@ -271,8 +247,7 @@ class KVServerLinker(UnifiedCacheLinker):
         self.client = KVClient(cfg.get("address"), timeout=float(cfg.get("timeout_s", 5.0)),
                                token=cfg.get("token"), tenant_token=cfg.get("tenant_token"))
         self._lock = threading.Lock()
-        self._registered = False
-        self._last_try = float("-inf")
+        self._registrar = Registrar(self.client, self.retry_register_s)
         self._leases: dict[str, str] = {}  # rid -> lease of its lookup
         self._pending: dict[str, tuple[bytes, list[int], str]] = {}  # queued loads
         self._loading: dict[int, threading.Thread] = {}
@@ -292,21 +267,7 @@ class KVServerLinker(UnifiedCacheLinker):
     def _ensure_registered(self, strict: bool = False) -> bool:
         """Registered, or (at most every retry_register_s) tries again; False means miss.
         ``strict`` (construction): a refusal that is not the daemon being away raises."""
-        if self._registered:
-            return True
-        now = time.monotonic()
-        if now - self._last_try < self.retry_register_s or self._closed:
-            return False
-        self._last_try = now
-        try:
-            self.client.register(**self._register_kwargs)
-        except Exception as exc:  # the daemon is away: every call misses until it is back
-            if strict and not (isinstance(exc, KVClientError) and exc.code in _AWAY):
-                raise
-            logger.warning("kvserver: register failed (%s); the cache misses until it succeeds", exc)
-            return False
-        self._registered = True
-        return True
+        return self._registrar.ensure(self._register_kwargs, strict=strict, closed=self._closed)
 
     # ---- lookup and load -------------------------------------------------------------------
 
