@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvserver import transfer
-from kvserver.client_state import ClientSpec, ClientState
+from kvserver.client_state import ClientSpec, ClientState, check_model_shape
 from kvserver.copier import Job, LoadStep
 from kvserver.core import KVCore
 from kvserver.errors import InvalidArgument, NoCapacity, NotFound, OutOfRange
@@ -32,8 +32,6 @@ MAX_SPACE_IDS = 1 << 16  # space handles the daemon keeps (one per tenant and sp
 # Keys in one Lookup, Put or Get (2 Mi tokens in pages of 16): their bookkeeping runs on the event
 # loop, so a request is bounded to what the loop can do in a small fraction of a second.
 MAX_CACHE_KEYS = 1 << 17
-MAX_PARALLEL = 4096  # TP and PP sizes a space may name
-MAX_LAYERS = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,11 +58,7 @@ def space_from_wire(tenant: str, msg: pb.KVSpace) -> SpaceKey:
     if msg.dtype == pb.DTYPE_UNSPECIFIED:
         raise InvalidArgument("space.dtype must be set")
     tp_size, pp_size = max(msg.tp_size, 1), max(msg.pp_size, 1)
-    if tp_size > MAX_PARALLEL or pp_size > MAX_PARALLEL or msg.num_layers > MAX_LAYERS:
-        raise InvalidArgument(f"space tp_size {tp_size}, pp_size {pp_size}, num_layers {msg.num_layers}: "
-                              f"at most {MAX_PARALLEL}, {MAX_PARALLEL} and {MAX_LAYERS}")
-    if pp_size > msg.num_layers:
-        raise InvalidArgument(f"space.pp_size {pp_size} is more than its {msg.num_layers} layers")
+    check_model_shape(tp_size, pp_size, msg.num_layers, "space ")
     return SpaceKey(tenant, msg.model, KVLayout.from_wire(msg.layout), torch_dtype(msg.dtype), msg.page_size,
                     msg.num_layers, tp_size, pp_size)
 

@@ -17,6 +17,18 @@ from kvserver.tickets import PeerCred
 from kvserver.transfer import BufferTable
 from kvserver.v1 import kvserver_pb2 as pb
 
+MAX_PARALLEL = 4096  # TP and PP sizes a model (a registration's, a space's) may name
+MAX_LAYERS = 1 << 16
+
+
+def check_model_shape(tp_size: int, pp_size: int, num_layers: int, what: str = "") -> None:
+    """The bounds every registration and every KV space named on the wire are held to."""
+    if tp_size > MAX_PARALLEL or pp_size > MAX_PARALLEL or num_layers > MAX_LAYERS:
+        raise InvalidArgument(f"{what}tp_size {tp_size}, pp_size {pp_size}, num_layers {num_layers}: "
+                              f"at most {MAX_PARALLEL}, {MAX_PARALLEL} and {MAX_LAYERS}")
+    if pp_size > num_layers:
+        raise InvalidArgument(f"{what}pp_size {pp_size} is more than its {num_layers} layers")
+
 
 def public_id(client_id: str) -> str:
     """What logs and listings show of a client id: its first 8 of 32 hex digits. The id is the
@@ -67,6 +79,7 @@ class ClientSpec:
             raise InvalidArgument(
                 f"layer range {layers} does not fit in a model of num_layers={req.num_layers}"
             )
+        check_model_shape(tp_size, pp_size, req.num_layers)
         if req.page_size == 0 or req.page_size > 4096:
             raise InvalidArgument(f"page_size must be in [1, 4096], got {req.page_size}")
         if req.dtype == pb.DTYPE_UNSPECIFIED:

@@ -566,6 +566,13 @@ REGISTER_CASES = [
     pytest.param(_fields(tp_rank=1, tp_size=0), INV, "rank out of range: tp 1/1", id="tp-rank-size-unset"),
     pytest.param(_fields(pp_rank=5, pp_size=2), INV, "pp 5/2", id="pp-rank-past-size"),
     pytest.param(_fields(model=""), INV, "model must be set", id="model-empty"),
+    pytest.param(_fields(num_layers=1 << 30), INV, "num_layers 1073741824: at most 4096, 4096 and 65536",
+                 id="num-layers-huge"),
+    pytest.param(_fields(tp_size=1 << 20), INV, "tp_size 1048576, pp_size 1, num_layers 4: at most",
+                 id="tp-size-huge"),
+    pytest.param(_fields(pp_size=1 << 20), INV, "pp_size 1048576, num_layers 4: at most", id="pp-size-huge"),
+    pytest.param(_fields(pp_size=8, pp_rank=0, num_layers=4), INV, "pp_size 8 is more than its 4 layers",
+                 id="pp-size-past-layers"),
 ]
 
 
