@@ -281,7 +281,7 @@ def test_daemon_stopped_mid_request_gives_misses(daemon_factory):
         forward.start()
         forward.join(15)
         assert not forward.is_alive(), "the forward must not hang on a failed load"
-        assert b.finish_layer_wise_loading(index) is False  # SGLang aborts and recomputes
+        assert b.finish_layer_wise_loading(index) is False  # SGLang aborts those requests (503)
         assert b.lookup("r2", [_kv(keys=hashes)]) == []
         if a.offload([_kv(device_indices=slots_a, keys=hashes)]):
             assert _completed(a, 1) == 1

@@ -28,7 +28,8 @@ What SGLang gives, what goes on the wire:
   32 raw bytes. Device pages: ``device_indices`` are token slots; page = slot // page_size.
 - Every daemon failure (unreachable, restarted, registration lost, a copy that stops) is a miss:
   ``lookup`` returns [], ``load`` and ``offload`` False, a started load reports False from
-  ``finish_layer_wise_loading`` (SGLang aborts those requests and recomputes), an offload's
+  ``finish_layer_wise_loading`` (SGLang then aborts those requests with 503; the seam has no way
+  back to recomputing a load it already started), an offload's
   completion False. Configuration errors (a CPU pool not in shared memory, SWA/Mamba
   components, an unknown layer count) raise at construction.
 """
@@ -387,7 +388,7 @@ class KVServerLinker(UnifiedCacheLinker):
                     counter.complete(index, local)
             completed = True
         except Exception as exc:
-            logger.warning("kvserver: load batch %d failed (%s); SGLang recomputes it", index, exc)
+            logger.warning("kvserver: load batch %d failed (%s); SGLang aborts its requests", index, exc)
             counter.fail(index, exc if isinstance(exc, KVServerLoadError) else KVServerLoadError(str(exc)))
         finally:
             # Nothing may write the slots once finish_layer_wise_loading returns; a get that
