@@ -6,13 +6,17 @@ stand-in for the four names ``kvclient.sglang.linker`` imports from it into ``sy
 each with SGLang 0.5.23's semantics; ``tests/test_gpu_check_sglang.py`` checks them against the
 real classes. What runs is kvserver's real ``KVServerLinker``, as SGLang drives it:
 
-1. engine A (PP stage 1 of 2: global layers [4, 8) of an 8-layer model) fills its pool, offloads
-   ``PAGES`` scattered pages under chained SHA-256 storage hashes (``offload`` after the forward's
-   ready events, completion popped as SGLang's ``check_hicache_events`` does);
-2. engine B, same stage, another pool: ``lookup`` → ``load`` into other scattered slots →
-   ``start_layer_wise_loading`` → ``counter.set_consumer`` → the "attention" reads each layer
-   through the pool's ``get_key_buffer(layer_id)`` hook (which calls ``wait_until(local)``) on its
-   own compute stream, and compares it with A's pages there, on the GPU → ``finish_layer_wise_loading``;
+1. engine A (PP 2 of an 8-layer model: a linker per stage, global layers [0, 4) and [4, 8)) fills
+   its pools; stage 1's "forward" rewrites the pages on its forward stream behind a spinning
+   kernel, and the offload is asked for at once, so only the linker's ready events order the
+   daemon's read. Both stages offload ``PAGES`` scattered pages under chained SHA-256 storage
+   hashes, completions popped as SGLang's ``check_hicache_events`` does;
+2. engine B, stage 1, another pool, whose forward stream still writes the target slots' old
+   contents behind a spinning kernel: ``lookup`` (a hit once every stage holds the pages) →
+   ``load`` into other scattered slots → ``start_layer_wise_loading`` → ``counter.set_consumer``
+   → the "attention" reads each layer through the pool's ``get_key_buffer(layer_id)`` hook (which
+   calls ``wait_until(local)``) on its compute stream and compares it with A's pages there, on
+   the GPU, checked only at the end → ``finish_layer_wise_loading``;
 3. a load of keys never stored: ``finish_layer_wise_loading`` is False and B's slots are untouched.
 
 ``run(device)`` works on CPU too (the pools then go to shared memory with ``share_cpu_pool``), so
@@ -31,10 +35,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 NUM_LAYERS = 8  # the model's
-STAGE = (4, 8)  # global layers of PP stage 1 of 2
+STAGES = ((0, 4), (4, 8))  # global layers of PP stages 0 and 1 of 2
+STAGE = STAGES[1]  # the stage whose load is checked
 PAGE = 16
 TOKENS = 4096  # slots per pool, SGLang's padding page excluded
 PAGES = 48
+SLEEP_CYCLES = 100_000_000  # torch.cuda._sleep: tens of ms on any current GPU
 
 
 def install_standin() -> bool:
@@ -181,14 +187,14 @@ class StagePool:
     attention read: one tensor per local layer of ``[TOKENS + PAGE, heads, dim]`` (page 0 is
     SGLang's padding page), ``model_layer_ids`` global, and the layer wait hook."""
 
-    def __init__(self, kind: str, device, seed: int) -> None:
+    def __init__(self, kind: str, device, seed: int, stage: tuple[int, int] = STAGE) -> None:
         import torch
 
         self.kind = kind
         self.device = device
-        self.start_layer = STAGE[0]
-        self.layer_num = STAGE[1] - STAGE[0]
-        self.model_layer_ids = tuple(range(*STAGE))
+        self.start_layer = stage[0]
+        self.layer_num = stage[1] - stage[0]
+        self.model_layer_ids = tuple(range(*stage))
         self.layer_transfer_counter = None
         g = torch.Generator(device=device).manual_seed(seed)
         rows = TOKENS + PAGE
@@ -219,6 +225,18 @@ class StagePool:
         return self.buffers(layer_id - self.start_layer)
 
 
+class MHATokenToKVPool(StagePool):
+    """Stand-in named as SGLang's MHA pool (the linker stores SGLang's own pool classes only)."""
+
+
+class MLATokenToKVPool(StagePool):
+    """Stand-in named as SGLang's MLA pool."""
+
+
+def stage_pool(kind: str, device, seed: int, stage: tuple[int, int] = STAGE) -> StagePool:
+    return (MLATokenToKVPool if kind == "mla" else MHATokenToKVPool)(kind, device, seed, stage)
+
+
 def storage_hashes(tokens: list[int]) -> list[str]:
     """Chained SHA-256 page hashes as 64-hex strings, the form of SGLang's storage hashes."""
     out, prior = [], b""
@@ -228,7 +246,7 @@ def storage_hashes(tokens: list[int]) -> list[str]:
     return out
 
 
-def make_linker(address: str, pool: StagePool, forward_stream=None):
+def make_linker(address: str, pool: StagePool, forward_stream=None, pp_rank: int = 1):
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
     from kvclient.sglang.linker import KVServerLinker, share_cpu_pool
@@ -236,7 +254,7 @@ def make_linker(address: str, pool: StagePool, forward_stream=None):
     if pool.device.type == "cpu":
         share_cpu_pool(pool)
     allocator = types.SimpleNamespace(get_kvcache=lambda: pool)
-    params = types.SimpleNamespace(token_to_kv_pool_allocator=allocator, page_size=PAGE, pp_rank=1,
+    params = types.SimpleNamespace(token_to_kv_pool_allocator=allocator, page_size=PAGE, pp_rank=pp_rank,
                                    pp_size=2, attn_tp_cache_group=None, tp_cache_group=None)
     server_args = types.SimpleNamespace(model_path="check-sglang-linker", served_model_name=None,
                                         tp_size=1, pp_size=2)
@@ -276,14 +294,20 @@ def run(address: str, kind: str, device: str = "cuda") -> dict:
 
     result: dict = {"kind": f"sglang-linker-{kind}", "device": dev.type}
     stream_a = torch.cuda.Stream() if cuda else None
-    a, b = StagePool(kind, dev, 1), StagePool(kind, dev, 2)
-    linker_a = make_linker(address, a, stream_a)
+    a, b = stage_pool(kind, dev, 1), stage_pool(kind, dev, 2)
+    a0 = stage_pool(kind, dev, 3, STAGES[0])  # A's other stage: under PP a page is a hit once
+    linker_a = make_linker(address, a, stream_a)  # every stage holds it
+    linker_a0 = make_linker(address, a0, None, pp_rank=0)
     compute = torch.cuda.Stream() if cuda else None
     linker_b = make_linker(address, b, compute)
     try:
+        stage0 = linker_a0.offload([PoolTransfer(name=PoolName.KV, keys=keys,
+                                                 device_indices=slots(put_pages))])
         # 1. A's "forward" writes the pages on its forward stream; the offload is asked for at
         # once, so only the linker's ready events keep the daemon from reading them too early.
         with (torch.cuda.stream(stream_a) if cuda else _null()):
+            if cuda:  # the write lands tens of ms late: a Put not ordered after it reads old bytes
+                torch.cuda._sleep(SLEEP_CYCLES)
             for local in range(a.layer_num):
                 for buf in a.buffers(local):
                     buf[slots(put_pages)] = buf[slots(put_pages)].flip(0)
@@ -293,7 +317,10 @@ def run(address: str, kind: str, device: str = "cuda") -> dict:
         deadline = time.monotonic() + 60
         while linker_a.num_completed_offloads() < 1 and time.monotonic() < deadline:
             time.sleep(0.005)
-        result["offloaded"] = bool(ok_offload and linker_a.pop_completed_offload())
+        while linker_a0.num_completed_offloads() < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        result["offloaded"] = bool(ok_offload and linker_a.pop_completed_offload()
+                                   and stage0 and linker_a0.pop_completed_offload())
         if cuda:
             torch.cuda.synchronize()  # ``want`` is read on other streams below
 
@@ -307,6 +334,12 @@ def run(address: str, kind: str, device: str = "cuda") -> dict:
         if cuda:
             torch.cuda.synchronize()
         marks = []  # (CPU seconds, GPU event) as each layer becomes usable on the compute stream
+        if cuda:  # B's forward still writes the slots' old contents, late: the load must land after
+            with torch.cuda.stream(compute):
+                torch.cuda._sleep(SLEEP_CYCLES)
+                for local in range(b.layer_num):
+                    for buf in b.buffers(local):
+                        buf[slots(get_pages)] = 0
         t0 = time.perf_counter()
         start = _event(cuda, compute)
         index = linker_b.start_layer_wise_loading()
@@ -317,7 +350,9 @@ def run(address: str, kind: str, device: str = "cuda") -> dict:
                 bufs = b.get_key_buffer(layer)  # wait_until(local): on CUDA the stream waits
                 marks.append((time.perf_counter() - t0, _event(cuda, compute)))
                 got = [buf[slots(get_pages)].view(torch.uint8) for buf in bufs]
-                same += [torch.equal(g, w) for g, w in zip(got, want[local], strict=True)]
+                # Compared on the stream, checked at the end: a CPU sync here would let every
+                # later layer land before its own stream wait is put to the test.
+                same += [(g == w).all() for g, w in zip(got, want[local], strict=True)]
         if cuda:
             compute.synchronize()
             result["gpu_ms_until_layer0_usable"] = round(start.elapsed_time(marks[0][1]), 3)
@@ -325,7 +360,7 @@ def run(address: str, kind: str, device: str = "cuda") -> dict:
         result["cpu_ms_until_layer0_released"] = round(marks[0][0] * 1e3, 3)
         result["finished"] = linker_b.finish_layer_wise_loading(index)
         result["ms_whole_load"] = round((time.perf_counter() - t0) * 1e3, 3)
-        result["exact"] = all(same) and len(same) == b.layer_num * len(b.buffers(0))
+        result["exact"] = bool(torch.stack(same).all()) and len(same) == b.layer_num * len(b.buffers(0))
         result["past_slots_untouched"] = all(
             torch.equal(r, u) for local in range(b.layer_num)
             for r, u in zip(rows(b, local, extra), untouched[local], strict=True))
@@ -344,6 +379,7 @@ def run(address: str, kind: str, device: str = "cuda") -> dict:
                                        for r, u in zip(rows(b, local, extra), before[local], strict=True))
     finally:
         linker_a.close()
+        linker_a0.close()
         linker_b.close()
     result["ok"] = bool(result.get("offloaded") and result.get("lookup") == PAGES and result.get("queued")
                         and result.get("finished") and result.get("exact")

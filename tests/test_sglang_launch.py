@@ -275,15 +275,20 @@ def test_pp_command_needs_num_layers_on_every_stage_but_the_last(daemon):
     assert server_args.unified_cache_external_linker_config["linker_extra_config"]["num_layers"] == NUM_LAYERS
     point_at(server_args, daemon.address)
     hashes = page_hashes(2000, 2)
-    for rank, (first, end) in enumerate(sglang_env.pp_split(NUM_LAYERS, 2)):
-        a, b = Engine(server_args, pp_rank=rank), Engine(server_args, pp_rank=rank)
-        try:
+    # Under PP a page is a hit once every stage holds it: both stages store, then both load.
+    stages = [(Engine(server_args, pp_rank=rank), Engine(server_args, pp_rank=rank)) for rank in range(2)]
+    try:
+        expect = []
+        for rank, (first, end) in enumerate(sglang_env.pp_split(NUM_LAYERS, 2)):
+            a = stages[rank][0]
             assert (a.registered["start_layer"], a.registered["end_layer"]) == (first, end)
             assert a.registered["num_layers"] == NUM_LAYERS
             assert (a.registered["pp_rank"], a.registered["pp_size"]) == (rank, 2)
-            expect = a.offload(hashes, seed=10 + rank)
-            assert same_bytes(expect, b.load(f"r{rank}", hashes))
-        finally:
+            expect.append(a.offload(hashes, seed=10 + rank))
+        for rank, (_, b) in enumerate(stages):
+            assert same_bytes(expect[rank], b.load(f"r{rank}", hashes))
+    finally:
+        for a, b in stages:
             a.close()
             b.close()
     # Without num_layers: the first stage refuses to start, the last knows the count from its end.

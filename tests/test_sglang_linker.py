@@ -33,7 +33,8 @@ def _sglang():
     sglang_env.restore()
 
 
-def _engine(daemon_address, kind="mha", *, num_layers=10, pp_size=2, pp_rank=1, dtype=None, **extra):
+def _engine(daemon_address, kind="mha", *, num_layers=10, pp_size=2, pp_rank=1, dtype=None,
+            pool_class=None, params_overrides=None, **extra):
     """One SGLang-shaped engine: its stage pool in shared memory, CacheInitParams, and the linker
     as SGLang's registry builds it (create_unified_cache_linker, then the counter registered on
     the pool)."""
@@ -45,7 +46,11 @@ def _engine(daemon_address, kind="mha", *, num_layers=10, pp_size=2, pp_rank=1, 
     pool = sglang_env.stage_pool(kind, num_layers, pp_size, pp_rank, size=128, page_size=PAGE,
                                  dtype=dtype)
     share_cpu_pool(pool)
+    if pool_class is not None:  # a subclass of SGLang's pool, holding more than K/V or the latent
+        pool.__class__ = pool_class
     params = sglang_env.cache_init_params(pool, pp_rank=pp_rank, pp_size=pp_size)
+    for name, value in (params_overrides or {}).items():
+        setattr(params, name, value)
     config = {"linker": "KVServerLinker", "linker_module_path": MODULE,
               "linker_extra_config": {"address": daemon_address, "model": "sglang-test",
                                       "num_layers": num_layers, "timeout_s": 2.0,
@@ -171,8 +176,8 @@ def test_a_cpu_pool_outside_shared_memory_is_refused(daemon):
 @pytest.mark.parametrize("kind,dtype", [("mha", None), ("mla", None), ("mha", "fp8")])
 def test_two_engines_share_a_prefix_layer_by_layer(daemon, kind, dtype):
     dtype = torch.float8_e4m3fn if dtype == "fp8" else None
-    a, pool_a, alloc_a = _engine(daemon.address, kind, dtype=dtype)
-    b, pool_b, alloc_b = _engine(daemon.address, kind, dtype=dtype)
+    a, pool_a, alloc_a = _engine(daemon.address, kind, dtype=dtype, pp_size=1, pp_rank=0)
+    b, pool_b, alloc_b = _engine(daemon.address, kind, dtype=dtype, pp_size=1, pp_rank=0)
     if dtype is not None:  # SGLang stores fp8 as uint8; the daemon is told fp8
         assert pool_a.k_buffer[0].dtype == torch.uint8
         assert pool_a.kvserver_shm_pool.dtype == torch.float8_e4m3fn
@@ -236,7 +241,7 @@ def test_two_engines_share_a_prefix_layer_by_layer(daemon, kind, dtype):
 
 
 def test_cancel_queued_load_and_reset(daemon):
-    a, pool_a, alloc_a = _engine(daemon.address)
+    a, pool_a, alloc_a = _engine(daemon.address, pp_size=1, pp_rank=0)
     try:
         hashes = _hashes(list(range(2 * PAGE)))
         slots = alloc_a.alloc(2 * PAGE)
@@ -260,8 +265,8 @@ def test_cancel_queued_load_and_reset(daemon):
 
 def test_daemon_stopped_mid_request_gives_misses(daemon_factory):
     d = daemon_factory()
-    a, pool_a, alloc_a = _engine(d.address, retry_register_s=0.0)
-    b, pool_b, alloc_b = _engine(d.address, retry_register_s=0.0)
+    a, pool_a, alloc_a = _engine(d.address, retry_register_s=0.0, pp_size=1, pp_rank=0)
+    b, pool_b, alloc_b = _engine(d.address, retry_register_s=0.0, pp_size=1, pp_rank=0)
     try:
         hashes = _hashes(list(range(500, 500 + 2 * PAGE)))
         slots_a = alloc_a.alloc(2 * PAGE)
@@ -325,7 +330,10 @@ def test_no_daemon_at_startup_misses_everything(socket_dir):
         slots = alloc.alloc(PAGE)
         assert linker.lookup("r", [_kv(keys=hashes)]) == []
         assert linker.load("r", [_kv(keys=hashes, device_indices=slots)]) is False
-        assert linker.offload([_kv(device_indices=slots, keys=hashes)]) is False
+        # An offload is queued whatever the daemon (the answer depends on the transfers alone, as
+        # SGLang's TP ranks pair their pending offloads by position) and completes False.
+        assert linker.offload([_kv(device_indices=slots, keys=hashes)]) is True
+        assert _completed(linker, 1) == 1 and linker.pop_completed_offload() is False
         assert linker.start_layer_wise_loading() == -1
         assert linker.finish_layer_wise_loading(-1) is True
         assert linker.num_completed_offloads() == 0 and linker.pop_completed_offload() is False
@@ -337,19 +345,31 @@ def test_no_daemon_at_startup_misses_everything(socket_dir):
 @pytest.mark.parametrize("pp_size", [1, 2, 3])
 def test_every_pp_stage_stores_and_loads_its_own_layers(daemon, pp_size):
     """SGLang's own split (get_pp_indices) of 10 layers: each stage's two engines share a prefix
-    over the stage's global layers; the counter gets the stage's local ids."""
+    over the stage's global layers; the counter gets the stage's local ids. SGLang does not agree
+    on hits across PP stages (each builds its own batch), so every stage counts a page only once
+    all stages hold it: no stage sees a hit before the last one has stored."""
+    from kvclient.sglang.linker import storage_keys
+
     ranges = sglang_env.pp_split(10, pp_size)
-    hashes = _hashes(list(range(7, 7 + 2 * PAGE)))
-    for rank, (start, end) in enumerate(ranges):
-        a, pool_a, alloc_a = _engine(daemon.address, num_layers=10, pp_size=pp_size, pp_rank=rank)
-        b, pool_b, alloc_b = _engine(daemon.address, num_layers=10, pp_size=pp_size, pp_rank=rank)
-        try:
+    hashes = _hashes(list(range(7 + pp_size, 7 + pp_size + 2 * PAGE)))
+    stages = [(_engine(daemon.address, num_layers=10, pp_size=pp_size, pp_rank=rank),
+               _engine(daemon.address, num_layers=10, pp_size=pp_size, pp_rank=rank))
+              for rank in range(pp_size)]
+    try:
+        stored = []
+        for rank, ((a, pool_a, alloc_a), (b, _, _)) in enumerate(stages):
+            start, end = ranges[rank]
             assert a.layer_ids == tuple(range(start, end))
             assert (a._register_kwargs["start_layer"], a._register_kwargs["end_layer"]) == (start, end)
-            slots_a, slots_b = alloc_a.alloc(2 * PAGE), alloc_b.alloc(2 * PAGE)
+            assert b.lookup("early", [_kv(keys=hashes)]) == []  # not every stage holds the pages yet
+            slots_a = alloc_a.alloc(2 * PAGE)
             _fill(pool_a, slots_a, seed=rank)
+            stored.append(_rows(pool_a, slots_a))
             assert a.offload([_kv(device_indices=slots_a, keys=hashes)]) is True
             assert _completed(a, 1) == 1 and a.pop_completed_offload() is True
+        for rank, (_, (b, pool_b, alloc_b)) in enumerate(stages):
+            start, end = ranges[rank]
+            slots_b = alloc_b.alloc(2 * PAGE)
             assert b.lookup("r", [_kv(keys=hashes)]) == [1, 2]
             assert b.load("r", [_kv(keys=hashes, device_indices=slots_b)]) is True
             index = b.start_layer_wise_loading()
@@ -358,16 +378,15 @@ def test_every_pp_stage_stores_and_loads_its_own_layers(daemon, pp_size):
             _forward(pool_b, released)
             assert released == list(range(start, end))
             assert b.finish_layer_wise_loading(index) is True
-            _assert_same_bytes(_rows(pool_a, slots_a), _rows(pool_b, slots_b))
+            _assert_same_bytes(stored[rank], _rows(pool_b, slots_b))
             # A global id outside the stage, sent on the wire, is refused naming the stage's range.
-            from kvclient.sglang.linker import storage_keys
-
             wrong = end if end < 10 else start - 1 if start > 0 else 10
             with pytest.raises(KVClientError) as refused:
                 b.client.get(storage_keys(hashes), [1, 2], layers=[wrong], key_bytes=32).wait(5)
             assert refused.value.code == grpc.StatusCode.OUT_OF_RANGE
             assert f"[{start}, {end})" in refused.value.message, refused.value.message
-        finally:
+    finally:
+        for (a, _, _), (b, _, _) in stages:
             a.close()
             b.close()
 
@@ -391,7 +410,9 @@ def test_a_stage_claiming_another_layer_range_misses_and_says_why(daemon, monkey
             assert b.lookup("r", [_kv(keys=hashes)]) == []
         said = [r.getMessage() for r in caplog.records if "[0, 5)" in r.getMessage()]
         assert said and "[0, 4)" in said[0], caplog.text
-        assert a.lookup("r", [_kv(keys=hashes)]) == [1]  # the first engine still hits
+        from kvclient.sglang.linker import storage_keys
+
+        assert a.client.lookup(storage_keys(hashes), key_bytes=32).pages == 1  # its own part: stored
     finally:
         a.close()
         b.close()
@@ -453,3 +474,85 @@ def test_the_cuda_counter_waits_on_the_stream_per_global_layer_and_reports_late_
     counter.set_consumer(broken)
     counter.wait_until(0)  # does not raise into the forward
     assert dead.waits == [4] and counter.finish(broken) is False
+
+
+def test_pools_holding_more_than_kv_and_context_parallel_ranks_are_refused(daemon):
+    """A subclass of SGLang's pools (MXFP8 with its scales, DSA with its indexer, ...) holds
+    buffers the linker does not store, and context-parallel ranks hold different tokens of one
+    page: either would load silently wrong KV, so construction refuses them, saying why."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+    class MLAWithIndexer(MLATokenToKVPool):
+        pass
+
+    class MHAWithScales(MHATokenToKVPool):
+        pass
+
+    with pytest.raises(ValueError, match="not MLAWithIndexer"):
+        _engine(daemon.address, "mla", pool_class=MLAWithIndexer)
+    with pytest.raises(ValueError, match="not MHAWithScales"):
+        _engine(daemon.address, "mha", pool_class=MHAWithScales)
+    with pytest.raises(ValueError, match="context-parallel"):
+        _engine(daemon.address, params_overrides={"attn_cp_size": 2})
+
+
+def test_reset_drops_the_offloads_it_finds_queued(daemon):
+    """SGLang's reset releases every pending offload's node once the linker's reset returns, and
+    their slots may then be reused: a queued offload must not Put them afterwards, nor complete
+    into the next generation's queue. The one already running finishes first."""
+    a, pool, alloc = _engine(daemon.address, pp_size=1, pp_rank=0)
+    gate, entered, puts = threading.Event(), threading.Event(), []
+    real_put = a.client.put
+
+    def gated_put(*args, **kw):  # the real Put, held at its start while the test queues more
+        puts.append(args[0])
+        entered.set()
+        gate.wait(10)
+        return real_put(*args, **kw)
+
+    a.client.put = gated_put
+    try:
+        batches = [_hashes(list(range(100 * i, 100 * i + PAGE))) for i in range(4)]
+        for keys in batches:
+            slots = alloc.alloc(PAGE)
+            _fill(pool, slots, seed=len(puts))
+            assert a.offload([_kv(device_indices=slots, keys=keys)]) is True
+        assert entered.wait(10)
+        resetting = threading.Thread(target=a.reset)
+        resetting.start()
+        time.sleep(0.2)
+        assert resetting.is_alive()  # waits for the Put that is running
+        gate.set()
+        resetting.join(10)
+        assert not resetting.is_alive()
+        assert len(puts) == 1 and a.num_completed_offloads() == 0
+        from kvclient.sglang.linker import storage_keys
+
+        stored = [a.client.lookup(storage_keys(keys), key_bytes=32).pages for keys in batches]
+        assert stored == [1, 0, 0, 0]
+        slots = alloc.alloc(PAGE)
+        assert a.offload([_kv(device_indices=slots, keys=batches[1])]) is True  # after the reset
+        assert _completed(a, 1) == 1 and a.pop_completed_offload() is True
+    finally:
+        gate.set()
+        a.close()
+
+
+def test_leases_of_lookups_that_never_load_are_forgotten_after_their_pin(daemon):
+    """A request aborted after its lookup (or refused slots, or missed on another rank) never
+    loads: past the pin the daemon has ended its lease, and the linker forgets it too."""
+    a, pool, alloc = _engine(daemon.address, pp_size=1, pp_rank=0, lookup_pin_ms=200)
+    try:
+        keys = _hashes(list(range(PAGE)))
+        slots = alloc.alloc(PAGE)
+        _fill(pool, slots, seed=3)
+        assert a.offload([_kv(device_indices=slots, keys=keys)]) is True
+        assert _completed(a, 1) == 1 and a.pop_completed_offload() is True
+        for i in range(5):
+            assert a.lookup(f"gone-{i}", [_kv(keys=keys)]) == [1]
+        assert len(a._leases) == 5
+        time.sleep(0.3)
+        assert a.lookup("live", [_kv(keys=keys)]) == [1]
+        assert list(a._leases) == ["live"]
+    finally:
+        a.close()

@@ -1,7 +1,8 @@
 """KVServerLinker driven through SGLang 0.5.23's own UnifiedRadixCache and
 UnifiedCacheLinkerWrapper, with SGLang's real Req, the way the scheduler calls them, against a real
 daemon. Two engines (stage pp_rank=1 of pp_size=2 over 10 layers, so the pool's local layer ids
-0-4 are the model's global 5-9), each with its own MHA pool in shared memory, allocator,
+0-4 are the model's global 5-9; where B loads, engine A's stage 0 stores the prompt too, since
+under PP a page is a hit once every stage holds it), each with its own MHA pool in shared memory, allocator,
 ReqToTokenPool and radix cache, the linker built by create_unified_cache_linker and attached as
 SGLang's registry does (init_cache_linker, then the counter registered on the pool).
 
@@ -82,16 +83,16 @@ class Engine:
         self.cache.release_host_resources()  # -> wrapper.close -> linker.close
 
 
-def _engine(address: str, **extra) -> Engine:
+def _engine(address: str, pp_rank: int = PP_RANK, **extra) -> Engine:
     """registry.py's order: the tree, the linker from the factory with the tree's components,
     init_cache_linker, the counter registered on the pool."""
     from sglang.srt.mem_cache.unified_cache.linker_factory import create_unified_cache_linker
 
     from kvclient.sglang.linker import KVServerLinker, share_cpu_pool
 
-    pool = sglang_env.stage_pool("mha", NUM_LAYERS, PP_SIZE, PP_RANK, size=256, page_size=PAGE)
+    pool = sglang_env.stage_pool("mha", NUM_LAYERS, PP_SIZE, pp_rank, size=256, page_size=PAGE)
     share_cpu_pool(pool)
-    params = sglang_env.cache_init_params(pool, pp_rank=PP_RANK, pp_size=PP_SIZE)
+    params = sglang_env.cache_init_params(pool, pp_rank=pp_rank, pp_size=PP_SIZE)
     cache = sglang_env.unified_radix_cache(params)
     config = {"linker": "KVServerLinker", "linker_module_path": "kvclient.sglang.linker",
               "linker_extra_config": {"address": address, "model": MODEL, "num_layers": NUM_LAYERS,
@@ -163,6 +164,15 @@ def _drain_offloads(engine: Engine, timeout: float = 10.0) -> None:
     assert not engine.wrapper.pending_offloads, "the offload was never committed"
 
 
+def _stage_zero(address: str, seed: int, **extra) -> Engine:
+    """Engine A's other PP stage, through its own radix cache: under PP a page is a hit only once
+    every stage holds it (the stages do not agree on hits otherwise), so it stores the prompt too."""
+    a0 = _engine(address, pp_rank=0, **extra)
+    _prefill_and_insert(a0, sglang_env.req("a0-0", PROMPT), seed=seed)
+    _drain_offloads(a0)
+    return a0
+
+
 def _counters(engine: Engine):
     """The daemon's cache counters for the model's KV space (CacheCounters)."""
     (space,) = [s for s in engine.linker.client.stats().spaces if s.space.model == MODEL]
@@ -199,6 +209,15 @@ def _forward(pool, released: list) -> threading.Thread:
     return thread
 
 
+def _kv_lookup(tokens):
+    """The FULL component's LOOKUP transfer for ``tokens``' whole pages (SGLang's own hashes)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    whole = len(tokens) // PAGE * PAGE
+    return PoolTransfer(name=PoolName.KV, keys=get_storage_hash_str(tokens[:whole], None, page_size=PAGE))
+
+
 def _device_match(engine: Engine, tokens) -> int:
     """What the tree alone holds for `tokens` (no req: the linker is not asked)."""
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
@@ -232,9 +251,12 @@ def test_an_insert_writes_through_to_the_daemon_and_the_step_commits_it(daemon):
 def test_a_second_engine_loads_the_prefix_through_its_radix_cache(daemon):
     a = _engine(daemon.address)
     b = _engine(daemon.address)
+    a0 = None
     try:
         _, expect = _prefill_and_insert(a, sglang_env.req("a-0", PROMPT), seed=21)
         _drain_offloads(a)
+        assert b.linker.lookup("early", [_kv_lookup(PROMPT)]) == []  # stage 0 holds nothing yet
+        a0 = _stage_zero(daemon.address, seed=22)
         b.allocator.alloc(2 * PAGE)  # another request's pages: B's slots are not A's
 
         req = sglang_env.req("b-0", PROMPT + [7, 8, 9])
@@ -279,11 +301,13 @@ def test_a_second_engine_loads_the_prefix_through_its_radix_cache(daemon):
         # stored); the daemon finds every page present and stores nothing twice.
         assert len(b.wrapper.pending_offloads) == 1
         _drain_offloads(b)
-        counters = _counters(b)
-        assert (counters.pages, counters.dedup_pages) == (STORED_PAGES, STORED_PAGES)
+        counters = _counters(b)  # both stages' pages
+        assert (counters.pages, counters.dedup_pages) == (PP_SIZE * STORED_PAGES, STORED_PAGES)
     finally:
         a.close()
         b.close()
+        if a0 is not None:
+            a0.close()
 
 
 # ---- 3. the daemon stops between init_load_back and the forward -----------------------------
@@ -296,9 +320,11 @@ def test_a_load_lost_before_the_forward_aborts_the_request_and_inserts_nothing(d
     d = daemon_factory()
     a = _engine(d.address, retry_register_s=0.0)
     b = _engine(d.address, retry_register_s=0.0)
+    a0 = None
     try:
         _prefill_and_insert(a, sglang_env.req("a-0", PROMPT), seed=31)
         _drain_offloads(a)
+        a0 = _stage_zero(d.address, seed=32, retry_register_s=0.0)
         req = sglang_env.req("b-0", PROMPT + [7, 8, 9])
         promised, (loaded, _) = _admit(b, req)
         assert promised == loaded == STORED_PAGES * PAGE
@@ -323,3 +349,5 @@ def test_a_load_lost_before_the_forward_aborts_the_request_and_inserts_nothing(d
     finally:
         a.close()
         b.close()
+        if a0 is not None:
+            a0.close()

@@ -173,7 +173,7 @@ def test_the_factory_builds_it_from_the_extra_config_json(daemon):
     try:
         assert type(backend) is KVServerStorage
         assert backend.storage_config.extra_config["address"] == daemon.address
-        reg = backend._register_kwargs
+        reg = backend._registrar.kwargs
         # The last stage knows the model's layer count from its own end.
         assert (reg["start_layer"], reg["end_layer"], reg["num_layers"]) == (5, 10, 10)
         assert (reg["pp_rank"], reg["pp_size"], reg["tp_rank"], reg["tp_size"]) == (1, 2, 0, 1)
@@ -416,7 +416,7 @@ def test_every_pp_stage_stores_and_loads_its_own_layers(daemon, pp_size, caplog)
         b, host_b = _engine(daemon.address, num_layers=10, pp_size=pp_size, pp_rank=rank)
         try:
             assert host_a.target_layer_num == end - start and host_a.start_layer == start
-            reg = a._register_kwargs
+            reg = a._registrar.kwargs
             assert (reg["start_layer"], reg["end_layer"], reg["num_layers"]) == (start, end, 10)
             _randomize(host_a, seed=rank)
             assert a.batch_set_v1(keys, _slots([3, 4, 5])) == [True] * 3

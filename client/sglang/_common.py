@@ -60,14 +60,15 @@ class Registrar:
     daemon being away (a bad layout, a wrong layer count) raises when ``strict``: it is a
     configuration error that would otherwise miss forever."""
 
-    def __init__(self, client: KVClient, retry_s: float) -> None:
+    def __init__(self, client: KVClient, retry_s: float, kwargs: dict | None = None) -> None:
         self.client = client
         self.retry_s = retry_s
+        self.kwargs = kwargs  # KVClient.register's; read and changed only under the lock
         self.registered = False
         self._last_try = float("-inf")
         self._lock = threading.Lock()  # controller threads may ask at once: one Register
 
-    def ensure(self, kwargs: dict, *, strict: bool = False, closed: bool = False) -> bool:
+    def ensure(self, *, strict: bool = False, closed: bool = False) -> bool:
         """Registered (True), or tried again if it is time; False means miss."""
         if self.registered:
             return True
@@ -75,11 +76,11 @@ class Registrar:
             if self.registered:
                 return True
             now = time.monotonic()
-            if closed or now - self._last_try < self.retry_s:
+            if closed or self.kwargs is None or now - self._last_try < self.retry_s:
                 return False
             self._last_try = now
             try:
-                self.client.register(**kwargs)
+                self.client.register(**self.kwargs)
             except Exception as exc:  # the daemon is away: every call misses until it is back
                 if strict and not daemon_away(exc):
                     raise
@@ -88,8 +89,10 @@ class Registrar:
             self.registered = True
             return True
 
-    def renew(self) -> None:
-        """The next ``ensure`` registers again at once (with new arguments, say a new pool)."""
+    def renew(self, **changes) -> None:
+        """The next ``ensure`` registers again at once, with ``changes`` to the arguments (a new
+        pool, say): under the lock, so no Register in flight can send the old ones after this."""
         with self._lock:
+            self.kwargs = dict(self.kwargs or {}, **changes)
             self.registered = False
             self._last_try = float("-inf")

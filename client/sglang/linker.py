@@ -121,8 +121,18 @@ class KVServerLayerCounter(LayerWiseLoadCounter):
 # ---- SGLang's objects, read ------------------------------------------------------------------
 
 
+# The token pools whose every buffer the linker stores. Subclasses (MHATokenToKVPoolMXFP8 with its
+# scales, DSATokenToKVPool with its indexer cache, ...) hold more than K/V or the latent, which a
+# load would leave stale: silently wrong attention, so they are refused. Matched by name, so that
+# the GPU check's stand-in pools (scripts/gpu_check_sglang.py) are held to the same rule.
+STORABLE_POOLS = ("MHATokenToKVPool", "MLATokenToKVPool")
+
+
 def pool_layout(kvcache) -> tuple[KVLayout, list[list[torch.Tensor]]]:
     """(layout, buffers per local layer) of an SGLang MHA or MLA token pool."""
+    if type(kvcache).__name__ not in STORABLE_POOLS:
+        raise ValueError(f"kvserver stores SGLang's {' and '.join(STORABLE_POOLS)} only, whose buffers "
+                         f"are all K/V or the MLA latent; not {type(kvcache).__name__}")
     if hasattr(kvcache, "kv_buffer") and hasattr(kvcache, "kv_lora_rank"):
         layout = KVLayout.mla(kvcache.kv_lora_rank, kvcache.qk_rope_head_dim)
         buffers = [[buf] for buf in kvcache.kv_buffer]
@@ -135,8 +145,11 @@ def pool_layout(kvcache) -> tuple[KVLayout, list[list[torch.Tensor]]]:
         buffers = [[k, v] for k, v in zip(kvcache.k_buffer, kvcache.v_buffer, strict=True)]
     else:
         raise ValueError(f"{type(kvcache).__name__} is neither an MHA nor an MLA token pool")
-    if len(buffers) != len(kvcache.model_layer_ids):
-        raise ValueError(f"{len(buffers)} layer buffers for layers {kvcache.model_layer_ids}")
+    ids = tuple(kvcache.model_layer_ids)
+    if len(buffers) != len(ids):
+        raise ValueError(f"{len(buffers)} layer buffers for layers {ids}")
+    if ids != tuple(range(ids[0], ids[0] + len(ids))):
+        raise ValueError(f"the pool's layers {ids} are not one contiguous range")
     return layout, buffers
 
 
@@ -185,6 +198,16 @@ def _registrable(kvcache, layout: KVLayout, buffers: list[list[torch.Tensor]]):
                      "it; build it over a ShmKVPool (kvclient.sglang.linker.share_cpu_pool)")
 
 
+def _dcp_size() -> int:
+    """SGLang's decode-context-parallel size, where its runtime context says (1 elsewhere)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(getattr(get_parallel(), "attn_dcp_size", 1) or 1)
+    except Exception:  # no published context (tests, the GPU check's stand-in): no DCP
+        return 1
+
+
 def _group_rank(group) -> tuple[int, int] | None:
     if group is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return None
@@ -208,6 +231,9 @@ class KVServerLinker(UnifiedCacheLinker):
         extra = set(components) - {ComponentType.FULL}
         if extra:
             raise ValueError(f"KVServerLinker stores full-attention KV only; not {sorted(map(str, extra))}")
+        if int(getattr(params, "attn_cp_size", 1) or 1) > 1 or _dcp_size() > 1:
+            raise ValueError("KVServerLinker does not store context-parallel KV (attention CP or DCP "
+                             "above 1): the ranks hold different tokens of one page")
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
         self.kvcache = kvcache
         self.page_size = int(params.page_size)
@@ -235,21 +261,25 @@ class KVServerLinker(UnifiedCacheLinker):
             raise ValueError("TP > 1 without a TP group in CacheInitParams: set "
                              "linker_extra_config.tp_rank and tp_size")
         model = cfg.get("model") or getattr(server_args, "served_model_name", None) or server_args.model_path
-        self._register_kwargs = dict(
+        register_kwargs = dict(
             model=str(model), pool=self.device_pool, start_layer=start, end_layer=end,
             num_layers=int(num_layers), host_tokens=0, page_size=self.page_size, tp_rank=tp_rank,
             tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
             event_slots=int(cfg.get("event_slots", 8)) if self.cuda else 0,
         )
-        self.event_slots = self._register_kwargs["event_slots"]
+        self.event_slots = register_kwargs["event_slots"]
+        # SGLang agrees on hits across TP ranks (a MIN all-reduce) but not across PP stages, each of
+        # which builds its own batch: under PP every stage asks whether *every* part of the space
+        # holds a page, so all stages count alike (and the pin holds every stage's pages).
+        self.whole_space = pp_size > 1
         self.pin_ms = int(cfg.get("lookup_pin_ms", 10_000))
         self.load_timeout = float(cfg.get("load_timeout_s", 30.0))
         self.retry_register_s = float(cfg.get("retry_register_s", 5.0))
         self.client = KVClient(cfg.get("address"), timeout=float(cfg.get("timeout_s", 5.0)),
                                token=cfg.get("token"), tenant_token=cfg.get("tenant_token"))
         self._lock = threading.Lock()
-        self._registrar = Registrar(self.client, self.retry_register_s)
-        self._leases: dict[str, str] = {}  # rid -> lease of its lookup
+        self._registrar = Registrar(self.client, self.retry_register_s, register_kwargs)
+        self._leases: dict[str, tuple[str, float]] = {}  # rid -> (lease of its lookup, taken at)
         self._pending: dict[str, tuple[bytes, list[int], str]] = {}  # queued loads
         self._loading: dict[int, threading.Thread] = {}
         self._next_slot = 0
@@ -257,9 +287,14 @@ class KVServerLinker(UnifiedCacheLinker):
         self._offloads: queue.Queue = queue.Queue()
         self._completed: deque[bool] = deque()
         self._offloads_open = 0  # queued or running
+        self._generation = 0  # bumped by reset: queued offloads of an older one are dropped
         self._idle = threading.Condition(self._lock)
         self._closed = False
-        self._ensure_registered(strict=True)
+        try:
+            self._ensure_registered(strict=True)
+        except BaseException:
+            self.client.close()
+            raise
         self._offloader = threading.Thread(target=self._offload_loop, name="kvserver-offload", daemon=True)
         self._offloader.start()
 
@@ -268,7 +303,11 @@ class KVServerLinker(UnifiedCacheLinker):
     def _ensure_registered(self, strict: bool = False) -> bool:
         """Registered, or (at most every retry_register_s) tries again; False means miss.
         ``strict`` (construction): a refusal that is not the daemon being away raises."""
-        return self._registrar.ensure(self._register_kwargs, strict=strict, closed=self._closed)
+        return self._registrar.ensure(strict=strict, closed=self._closed)
+
+    @property
+    def _register_kwargs(self) -> dict:
+        return self._registrar.kwargs
 
     # ---- lookup and load -------------------------------------------------------------------
 
@@ -278,17 +317,26 @@ class KVServerLinker(UnifiedCacheLinker):
             return []
         try:
             keys = storage_keys(kv.keys)
-            found = self.client.lookup(keys, pin_ms=self.pin_ms, key_bytes=KEY_BYTES)
+            found = self.client.lookup(keys, pin_ms=self.pin_ms, whole_space=self.whole_space,
+                                       key_bytes=KEY_BYTES)
         except Exception as exc:
             logger.warning("kvserver: lookup failed (%s): a miss", exc)
             return []
         old = self._leases.pop(rid, None)
         if old:
-            self._release(old)
+            self._release(old[0])
+        self._forget_expired_leases()
         if found.lease_id:
-            self._leases[rid] = found.lease_id
+            self._leases[rid] = (found.lease_id, time.monotonic())
         # One contiguous pool: every prefix up to the stored one is restorable.
         return list(range(1, min(found.pages, len(kv.keys)) + 1))
+
+    def _forget_expired_leases(self) -> None:
+        """Leases of requests that never loaded (aborted, refused a slot, missed on another rank):
+        past their pin the daemon has ended them, so they are only forgotten here."""
+        horizon = time.monotonic() - self.pin_ms / 1000
+        for rid in [rid for rid, (_, at) in self._leases.items() if at < horizon]:
+            del self._leases[rid]
 
     def _pages(self, transfer: PoolTransfer) -> list[int] | None:
         slots = transfer.device_indices
@@ -315,7 +363,7 @@ class KVServerLinker(UnifiedCacheLinker):
         except ValueError as exc:
             logger.warning("kvserver: load of %s: %s", rid, exc)
             return False
-        self._pending[rid] = (keys, pages, self._leases.pop(rid, ""))
+        self._pending[rid] = (keys, pages, self._leases.pop(rid, ("", 0.0))[0])
         return True
 
     def start_layer_wise_loading(self) -> int:
@@ -338,7 +386,9 @@ class KVServerLinker(UnifiedCacheLinker):
             gets.append((rid, len(pages), handle))
         if self.cuda:
             self.layer_done_counter.gpu_waits[index] = [h for _, _, h in gets if h is not None]
-        thread = threading.Thread(target=self._land, args=(index, gets), name=f"kvserver-load-{index}",
+        # ``ready`` travels to the daemon as an IPC handle only: it must outlive every get of the
+        # batch (an event destroyed before the daemon opens and waits on it orders nothing).
+        thread = threading.Thread(target=self._land, args=(index, gets, ready), name=f"kvserver-load-{index}",
                                   daemon=True)
         self._loading[index] = thread
         thread.start()
@@ -359,7 +409,7 @@ class KVServerLinker(UnifiedCacheLinker):
         ready.record(side)
         return ready
 
-    def _land(self, index: int, gets) -> None:
+    def _land(self, index: int, gets, ready=None) -> None:
         """Releases SGLang's counter layer by layer (local ids): on the CPU path as every get of
         the batch lands the layer; on CUDA all at once when the daemon has recorded the layer
         events (the wait per layer is then on the GPU, in KVServerLayerCounter.wait_until). The
@@ -396,14 +446,19 @@ class KVServerLinker(UnifiedCacheLinker):
             for rid, _, handle in gets:
                 if handle is None:
                     continue
-                try:
-                    handle.wait(timeout=max(0.0, deadline - time.monotonic()))
+                try:  # the daemon ends a get by its own deadline; this bound is for a silent one
+                    handle.wait(timeout=self.load_timeout)
                     ok = not handle.missed
                 except Exception as exc:
                     logger.warning("kvserver: load batch %d: %s did not finish (%s)", index, rid, exc)
                     ok = False
+                if not handle.confirmed:
+                    logger.error("kvserver: load batch %d: the daemon could not confirm that the copy "
+                                 "for %s stopped; its device slots may still be written for a while",
+                                 index, rid)
                 if completed and not ok:
                     counter.late_fail(index)
+            del ready  # every get has ended: the daemon no longer waits on it
 
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
         thread = self._loading.pop(counter_index, None)
@@ -413,7 +468,7 @@ class KVServerLinker(UnifiedCacheLinker):
 
     def cancel_queued_load(self, rid: str) -> bool:
         entry = self._pending.pop(rid, None)
-        lease = self._leases.pop(rid, "")
+        lease = self._leases.pop(rid, ("", 0.0))[0]
         if entry is not None:
             lease = entry[2] or lease
         if lease:
@@ -429,8 +484,11 @@ class KVServerLinker(UnifiedCacheLinker):
     # ---- offload ---------------------------------------------------------------------------
 
     def offload(self, transfers: list[PoolTransfer], session_id: Optional[str] = None) -> bool:  # noqa: UP045 (SGLang's own annotation: the contract test compares signatures)
+        """Queues a Put. The answer depends on the transfers alone, as SGLang's wrapper needs (each
+        TP rank keeps its own queue of pending offloads, paired by position across ranks): a
+        linker that is not registered (or closed) still queues it, and it completes False."""
         kv = _kv_transfer(transfers)
-        if kv is None or not kv.keys or self._closed or not self._ensure_registered():
+        if kv is None or not kv.keys:
             return False
         pages = self._pages(kv)
         if pages is None:
@@ -439,10 +497,11 @@ class KVServerLinker(UnifiedCacheLinker):
             keys = storage_keys(kv.keys)
         except ValueError:
             return False
-        events = self.record_offload_ready()  # before the pages are read
+        usable = not self._closed and self._ensure_registered()
+        events = self.record_offload_ready() if usable else []  # before the pages are read
         with self._lock:
             self._offloads_open += 1
-        self._offloads.put((keys, pages, events))
+            self._offloads.put((keys, pages, events, usable, self._generation))
         return True
 
     def _offload_loop(self) -> None:
@@ -450,17 +509,21 @@ class KVServerLinker(UnifiedCacheLinker):
             task = self._offloads.get()
             if task is None:
                 return
-            keys, pages, events = task
+            keys, pages, events, usable, generation = task
             ok = False
-            try:
-                for event in events:
-                    event.synchronize()
-                result = self.client.put(keys, pages, key_bytes=KEY_BYTES)
-                ok = result.dropped == 0 and result.stored + result.present == len(pages)
-            except Exception as exc:
-                logger.warning("kvserver: put failed (%s)", exc)
             with self._lock:
-                self._completed.append(ok)
+                stale = generation != self._generation  # queued before a reset: its slots are gone
+            if usable and not stale:
+                try:
+                    for event in events:
+                        event.synchronize()
+                    result = self.client.put(keys, pages, key_bytes=KEY_BYTES)
+                    ok = result.dropped == 0 and result.stored + result.present == len(pages)
+                except Exception as exc:
+                    logger.warning("kvserver: put failed (%s)", exc)
+            with self._lock:
+                if generation == self._generation:
+                    self._completed.append(ok)
                 self._offloads_open -= 1
                 self._idle.notify_all()
 
@@ -480,9 +543,13 @@ class KVServerLinker(UnifiedCacheLinker):
         for index in list(self._loading):
             self._loading.pop(index).join()
         with self._lock:
-            self._idle.wait_for(lambda: self._offloads_open == 0, timeout=self.load_timeout)
+            # Offloads not started are dropped (SGLang releases their nodes once this returns,
+            # and their slots may be reused); the one running is waited for: its Put is bounded
+            # by the client's deadline. Nothing completes for the old generation afterwards.
+            self._generation += 1
+            self._idle.wait_for(lambda: self._offloads_open == 0)
             self._completed.clear()
-        for lease in self._leases.values():
+        for lease, _ in self._leases.values():
             self._release(lease)
         self._leases.clear()
         self.layer_done_counter.reset()

@@ -318,7 +318,6 @@ class KVServerStorage(HiCacheStorage):
                                tenant_token=cfg.get("tenant_token"))
         self._registrar = Registrar(self.client, float(cfg.get("retry_register_s", 5.0)))
         self._lock = threading.Lock()  # the staging pool: one call at a time
-        self._register_kwargs: dict | None = None
         self.geometry: HostGeometry | None = None
         self.staging: Staging | None = None
         self._host_view: torch.Tensor | None = None
@@ -350,12 +349,12 @@ class KVServerStorage(HiCacheStorage):
         self._wire_dtype = wire_dtype(geo.store_dtype, self.dtype_name)
         self._host_view = geo.pages_view(mem_pool_host.kv_buffer, geo.num_pages)
         self.staging = Staging(geo, self._wire_dtype, self.staging_pages)
-        self._register_kwargs = dict(
+        self._registrar.renew(
             model=str(self.model), pool=self.staging.pool, start_layer=start, end_layer=end,
             num_layers=int(num_layers), host_tokens=0, page_size=geo.page_size, tp_rank=cfg.tp_rank,
             tp_size=cfg.tp_size, pp_rank=cfg.pp_rank, pp_size=cfg.pp_size,
         )
-        if self._registrar.ensure(self._register_kwargs, strict=True):
+        if self._registrar.ensure(strict=True):
             self._probe()
 
     def _probe(self) -> None:
@@ -379,17 +378,16 @@ class KVServerStorage(HiCacheStorage):
 
     def _ready(self) -> bool:
         """Registered (or registered again now); False: miss. Call with the staging lock held."""
-        if self._closed or self.staging is None or self._register_kwargs is None:
+        if self._closed or self.staging is None:
             return False
-        return self._registrar.ensure(self._register_kwargs)
+        return self._registrar.ensure()
 
     def _renew_staging(self, why: str) -> None:
         """A Get the daemon could not confirm stopped may still write the staging pool: use a new
         one (a new registration, which replaces and so stops the old one) from now on."""
         logger.warning("kvserver: %s; the staging pool is replaced", why)
         old, self.staging = self.staging, Staging(self.geometry, self._wire_dtype, self.staging_pages)
-        self._register_kwargs = dict(self._register_kwargs, pool=self.staging.pool)
-        self._registrar.renew()
+        self._registrar.renew(pool=self.staging.pool)
         old.close()  # our mapping only: a copy still running writes the daemon's own
 
     # ---- the v1 interface --------------------------------------------------------------------
@@ -400,7 +398,7 @@ class KVServerStorage(HiCacheStorage):
             return 0
         try:
             packed = page_keys(keys)
-            if self._closed or not self._registrar.ensure(self._register_kwargs):
+            if self._closed or not self._registrar.ensure():
                 return 0
             return min(self.client.lookup(packed, key_bytes=KEY_BYTES).pages, len(keys))
         except Exception as exc:
