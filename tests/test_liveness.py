@@ -15,7 +15,7 @@ from light_engine import LightEngine, killed_mid_load
 from kvserver.shm import SHM_DIR
 from kvserver.v1 import kvserver_pb2 as pb
 
-KILL_LOOPS = 50
+KILL_LOOPS = 30
 
 
 @pytest.fixture(scope="module")
