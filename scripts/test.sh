@@ -7,5 +7,7 @@ cd "$(dirname "$0")/.."
 scripts/install.sh test
 scripts/install_sglang.sh  # SGLang 0.5.23 without its dependencies, for the integration tests
 .venv/bin/ruff check .
-.venv/bin/python -m pytest -q "$@"
+# Two workers (the machine's two cores), each running whole files; the modules that run daemons on
+# the node's default socket and port take a lock (tests/conftest.py: default_socket_lock).
+.venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"
 scripts/check_wheel.sh

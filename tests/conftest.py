@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import tempfile
 import threading
@@ -91,3 +92,16 @@ def daemon_factory(socket_dir: str):
     yield make
     for d in made:
         d.stop()
+
+
+@pytest.fixture(scope="module")
+def default_socket_lock() -> Iterator[None]:
+    """Held by a test module that runs daemons on the node's default socket and TCP port (the
+    documents' blocks): such modules run one at a time, also under pytest-xdist's workers."""
+    path = os.path.join(tempfile.gettempdir(), "kvserver-tests-default-socket.lock")
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

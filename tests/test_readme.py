@@ -30,6 +30,9 @@ from kvserver.config import parse_host_memory
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
+# Daemons on the node's default socket and TCP port: one such module at a time (conftest).
+pytestmark = pytest.mark.usefixtures("default_socket_lock")
+
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = REPO / ".venv" / "bin"
 DOCS = ["README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md"))]

@@ -44,6 +44,9 @@ from test_readme import (  # noqa: F401  (env, home, start: fixtures of the Stat
     starts_daemon,
 )
 
+# Daemons on the node's default socket and TCP port: one such module at a time (conftest).
+pytestmark = pytest.mark.usefixtures("default_socket_lock")
+
 if not sglang_env.sglang_installed():
     pytest.skip("sglang not installed (scripts/install_sglang.sh)", allow_module_level=True)
 

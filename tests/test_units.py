@@ -232,8 +232,13 @@ def test_page_allocator_of_the_most_pages_is_cheap():
     pages.free(shuffled)
     again = pages.allocate(1 << 24)
     spent = time.perf_counter() - t0
+    # Against one array operation over as many pages, in the same run (the machine may be busy):
+    # sorting 16 Mi shuffled ids takes about 2 s here; per-page Python would be many times that.
+    t0 = time.perf_counter()
+    np.sort(np.random.default_rng(1).permutation(1 << 24))
+    baseline = time.perf_counter() - t0
     assert again.size == 1 << 24 and pages.num_free == 0
-    assert built < 0.05 and spent < 2.0, (built, spent)
+    assert built < 0.05 + baseline / 20 and spent < 3 * baseline, (built, spent, baseline)
 
 
 def test_repeats_are_found_without_sorting_in_order_input():
