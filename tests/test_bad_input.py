@@ -480,6 +480,25 @@ def _num_tokens(n: int) -> Callable[[Spare, pb.RegisterRequest], None]:
     return f
 
 
+def _geometry(layers: list[int] | None = None, parts: list[int] | None = None, **fields):
+    """Sets BufferRef addressing fields (docs/layouts.md) on the chosen buffers (all by default)."""
+    def f(s: Spare, r: pb.RegisterRequest) -> None:
+        for i, layer in enumerate(r.device_pool.layers):
+            for j, part in enumerate(layer.parts):
+                if (layers is None or i in layers) and (parts is None or j in parts):
+                    for k, v in fields.items():
+                        setattr(part, k, v)
+
+    return f
+
+
+def _overlap_v(s: Spare, r: pb.RegisterRequest) -> None:
+    """Layer 0's V, described with blocks, starts half a token into K's last token."""
+    k, v = r.device_pool.layers[0].parts
+    v.offset = k.offset + (POOL_TOKENS - 1) * 32 + 16
+    v.block_tokens, v.block_stride = 16, 16 * 32
+
+
 NOT_ALLOWED = "is not allowed: use letters, digits"
 BAD_NAMES = {
     "dotdot-etc-passwd": "../etc/passwd",
@@ -530,6 +549,28 @@ REGISTER_CASES = [
                  f"names fd {2**32 - 1} but the peer ticket carries 1", id="fd-index-uint32-max"),
     pytest.param(_strides(16), INV, "token_stride 16 is smaller than one token (32 bytes", id="stride-half"),
     pytest.param(_strides(0), INV, "token_stride 0 is smaller than one token", id="stride-zero"),
+    pytest.param(_geometry(block_stride=64), INV, "block_stride 64 is set but block_tokens is 0",
+                 id="geom-block-stride-without-tokens"),
+    pytest.param(_geometry(block_tokens=16), INV, "block_tokens 16 needs a block_stride > 0",
+                 id="geom-block-tokens-without-stride"),
+    pytest.param(_geometry(block_tokens=3, block_stride=96), INV,
+                 "num_tokens 256 is not a whole number of blocks of 3 tokens", id="geom-partial-block"),
+    pytest.param(_geometry(head_stride=8), INV, "head_stride 8 is smaller than one head (16 bytes)",
+                 id="geom-head-stride-small"),
+    pytest.param(_geometry(head_stride=32), INV, "device_pool buffer 0: token rows overlap",
+                 id="geom-head-rows-overlap"),
+    pytest.param(_geometry(block_tokens=4, block_stride=64), INV,
+                 "blocks overlap: block_stride 64 is smaller than one block's 128 bytes",
+                 id="geom-blocks-overlap"),
+    pytest.param(_geometry(offset=2**48), INV, "offset 281474976710656 is too large", id="geom-field-huge"),
+    pytest.param(_geometry(block_stride=2**63), INV, "block_stride 9223372036854775808 is too large",
+                 id="geom-block-stride-huge"),
+    pytest.param(_overlap_v, INV, "device_pool buffer 0 and device_pool buffer 1 overlap in the same memory",
+                 id="geom-buffers-overlap"),
+    pytest.param(_geometry(layers=[3], parts=[1], block_tokens=16, block_stride=1024), INV,
+                 f"is {8 * POOL_TOKENS * 32} bytes but the buffer at offset", id="geom-block-span-past-end"),
+    pytest.param(_geometry(token_stride=16, head_stride=4096), C.UNIMPLEMENTED,
+                 "strided heads (head_stride) are not copied yet", id="geom-hnd-not-yet"),
     pytest.param(_parts(1), INV, "device_pool layer 0 has 1 buffers; MHA (K and V) needs 2",
                  id="mha-one-part"),
     pytest.param(_parts(3), INV, "has 3 buffers; MHA (K and V) needs 2", id="mha-three-parts"),

@@ -255,6 +255,39 @@ def test_cuda_request_checks(daemon, fake):
         assert "not visible to the daemon" in err.value.details()
 
 
+def _flashinfer(refs, token_bytes: int, block: int = 16) -> None:
+    """K and V of each layer interleaved per block, as vLLM's FlashInfer [blocks, 2, block, H, D]."""
+    for layer, lb in enumerate(refs.layers):
+        for part, r in enumerate(lb.parts):
+            r.offset = 4096 + layer * 2 * TOKENS * token_bytes + part * block * token_bytes
+            r.block_tokens, r.block_stride = block, 2 * block * token_bytes
+
+
+@pytest.mark.parametrize(("mutate", "code", "text"), [
+    (lambda refs, tb: _flashinfer(refs, tb), grpc.StatusCode.UNIMPLEMENTED,
+     "CUDA pools with blocks (block_tokens) or strided heads (head_stride) are not copied yet"),
+    (lambda refs, tb: setattr(refs.layers[0].parts[0], "head_stride", 64), grpc.StatusCode.INVALID_ARGUMENT,
+     "device_pool buffer 0: head_stride 64 is smaller than one head (128 bytes)"),
+    (lambda refs, tb: refs.layers[1].parts[1].MergeFrom(pb.BufferRef(
+        offset=refs.layers[1].parts[0].offset + tb, block_tokens=16, block_stride=16 * tb)),
+     grpc.StatusCode.INVALID_ARGUMENT, "device_pool buffer 2 and device_pool buffer 3 overlap"),
+    (lambda refs, tb: (_flashinfer(refs, tb), setattr(refs.layers[3].parts[1], "block_stride", 1 << 20)),
+     grpc.StatusCode.INVALID_ARGUMENT, "but the allocation is"),
+], ids=["flashinfer-not-yet", "head-stride-small", "buffers-overlap", "block-span-past-allocation"])
+def test_cuda_pool_geometry_is_checked_before_opening(daemon, fake, mutate, code, text):
+    """Block and head strides (docs/layouts.md) are checked before any handle is opened; a layout
+    the CUDA copy path does not honour yet is refused, never copied by the wrong rule."""
+    refs, _, _ = cuda_pool(fake, 2, 64)
+    mutate(refs, refs.layers[0].parts[0].token_stride)
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            register(stub, refs, 2, 64, 16)
+        assert err.value.code() == code and text in err.value.details(), err.value.details()
+        assert "ipcOpenMemHandle" not in [c[0] for c in fake.cuda.runtime.calls]
+        assert stub.Stats(pb.StatsRequest()).num_clients == 0
+
+
 def slow_host_register(rt, monkeypatch, seconds: float, call: str = "hostRegister"):
     """A runtime call (hostRegister by default) that takes ``seconds``, as pinning tens of GiB
     does."""

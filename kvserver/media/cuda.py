@@ -9,10 +9,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvserver import geometry
 from kvserver.cuda.devices import normalize_pci_bus_id
 from kvserver.cuda.handles import check_span, normalize_uuid, raw_ipc_handle
 from kvserver.cuda.runtime import require_cuda
 from kvserver.cuda.slabs import SlabPinner
+from kvserver.errors import InvalidArgument, Unimplemented
 from kvserver.layout import KVLayout
 from kvserver.v1 import kvserver_pb2 as pb
 
@@ -28,12 +30,27 @@ def open_cuda(refs: list[pb.BufferRef], num_tokens: int, layout: KVLayout, kv_dt
     then needs a usable GPU (FAILED_PRECONDITION without one), then opens the allocations.
     ``slabs``: the daemon's cache slabs, pinned for this pool's device once it attaches."""
     token_bytes = layout.token_bytes(kv_dtype)
+    heads, head_bytes = layout.num_heads, layout.head_dim * kv_dtype.itemsize
+    geoms = []
     for i, r in enumerate(refs):
         what = f"device_pool buffer {i}"
         raw_ipc_handle(r.cuda.ipc_handle)
         normalize_uuid(r.cuda.device_uuid)
         normalize_pci_bus_id(r.cuda.pci_bus_id)
-        check_span(r.offset, r.token_stride, num_tokens, token_bytes, r.cuda.allocation_size, what)
+        g = geometry.of_ref(r, num_tokens, heads, head_bytes, what)
+        geoms.append(g)
+        if g.plain:
+            check_span(r.offset, r.token_stride, num_tokens, token_bytes, r.cuda.allocation_size, what)
+        elif g.span(num_tokens)[1] > r.cuda.allocation_size:
+            raise InvalidArgument(
+                f"{what}: buffer at {geometry.describe(r)} needs {g.span(num_tokens)[1]} bytes for "
+                f"{num_tokens} tokens, but the allocation is {r.cuda.allocation_size} bytes")
+    geometry.check_no_overlap(geoms, [bytes(r.cuda.ipc_handle).hex() for r in refs], num_tokens,
+                              lambda i: f"device_pool buffer {i}")
+    if not all(g.plain for g in geoms):
+        raise Unimplemented(
+            "CUDA pools with blocks (block_tokens) or strided heads (head_stride) are not copied yet "
+            "(docs/layouts.md)")
     cupy = require_cuda()
     from kvserver.cuda.pool import open_cuda_pool  # needs CuPy's runtime: imported only now
 

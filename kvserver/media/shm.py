@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvserver import transfer
-from kvserver.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from kvserver import geometry, transfer
+from kvserver.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unimplemented
 from kvserver.layout import KVLayout
 from kvserver.media.base import DevicePool, wide_dtype
 from kvserver.shm import ShmMapping, map_sealed_fd, open_shm
@@ -155,15 +155,11 @@ def open_shm_pool(
     builds views. Every reference is checked before anything is mapped."""
     token_bytes = layout.token_bytes(kv_dtype)
     _check_access(refs, access)
-    for r in refs:
-        if r.token_stride < token_bytes:
-            raise InvalidArgument(
-                f"token_stride {r.token_stride} is smaller than one token ({token_bytes} bytes "
-                f"for {layout} in {kv_dtype})"
-            )
+    heads, head_bytes = layout.num_heads, layout.head_dim * kv_dtype.itemsize
+    geoms = [geometry.of_ref(r, n, heads, head_bytes, f"device_pool buffer {i}") for i, r in enumerate(refs)]
     mappings: dict[str, ShmMapping] = {}
     try:
-        for r in refs:
+        for r, g in zip(refs, geoms, strict=True):
             key = _key(r)
             if key not in mappings:
                 if r.HasField("fd"):
@@ -171,13 +167,18 @@ def open_shm_pool(
                 else:
                     mappings[key] = open_shm(r.shm.name, access.peer.uid)
             m = mappings[key]
-            end = r.offset + (n - 1) * r.token_stride + token_bytes
+            end = g.span(n)[1]
             if end > m.size:
                 what = f"shm object {r.shm.name!r}" if r.HasField("shm") else f"fd {r.fd.index}"
                 raise InvalidArgument(
-                    f"{what} is {m.size} bytes but the buffer at offset {r.offset} "
-                    f"with token_stride {r.token_stride} needs {end} bytes for {n} tokens"
+                    f"{what} is {m.size} bytes but the buffer at {geometry.describe(r)} "
+                    f"needs {end} bytes for {n} tokens"
                 )
+        geometry.check_no_overlap(geoms, [_key(r) for r in refs], n, lambda i: f"device_pool buffer {i}")
+        if not all(g.plain for g in geoms):
+            raise Unimplemented(
+                "shared-memory pools with blocks (block_tokens) or strided heads (head_stride) are not "
+                "copied yet (docs/layouts.md)")
         wide = wide_dtype(token_bytes, *(r.offset for r in refs), *(r.token_stride for r in refs))
         w = wide.itemsize
         flat = {key: torch.frombuffer(m.mm, dtype=wide, count=m.size // w) for key, m in mappings.items()}

@@ -70,18 +70,24 @@ class CudaIpcLocation(_message.Message):
     def __init__(self, ipc_handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., allocation_size: _Optional[int] = ..., pci_bus_id: _Optional[str] = ...) -> None: ...
 
 class BufferRef(_message.Message):
-    __slots__ = ("shm", "cuda", "fd", "offset", "token_stride")
+    __slots__ = ("shm", "cuda", "fd", "offset", "token_stride", "block_tokens", "block_stride", "head_stride")
     SHM_FIELD_NUMBER: _ClassVar[int]
     CUDA_FIELD_NUMBER: _ClassVar[int]
     FD_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     TOKEN_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    HEAD_STRIDE_FIELD_NUMBER: _ClassVar[int]
     shm: ShmLocation
     cuda: CudaIpcLocation
     fd: FdLocation
     offset: int
     token_stride: int
-    def __init__(self, shm: _Optional[_Union[ShmLocation, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpcLocation, _Mapping]] = ..., fd: _Optional[_Union[FdLocation, _Mapping]] = ..., offset: _Optional[int] = ..., token_stride: _Optional[int] = ...) -> None: ...
+    block_tokens: int
+    block_stride: int
+    head_stride: int
+    def __init__(self, shm: _Optional[_Union[ShmLocation, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpcLocation, _Mapping]] = ..., fd: _Optional[_Union[FdLocation, _Mapping]] = ..., offset: _Optional[int] = ..., token_stride: _Optional[int] = ..., block_tokens: _Optional[int] = ..., block_stride: _Optional[int] = ..., head_stride: _Optional[int] = ...) -> None: ...
 
 class LayerBuffers(_message.Message):
     __slots__ = ("parts",)
