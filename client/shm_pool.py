@@ -33,9 +33,18 @@ class ShmKVPool:
         *,
         name: str | None = None,
         token_padding: int = 0,
+        vllm_layout: str | None = None,
+        block_size: int = 16,
     ) -> None:
         """Creates the object (a sealed memfd, or the named object ``name``); ``token_padding``
-        extra bytes per token exercise strided pools."""
+        extra bytes per token exercise strided pools.
+
+        ``vllm_layout`` lays each layer out as one of vLLM's attention backends does (one tensor
+        per layer, ``block_size`` tokens a block; docs/layouts.md): "flash_attn" [2, blocks, block,
+        H, D], "flashinfer" [blocks, 2, block, H, D], "flash_attn_hnd" [2, blocks, H, block, D],
+        "flashinfer_hnd" [blocks, 2, H, block, D], or "mla" [blocks, block, latent]. ``buffers``
+        then holds [blocks, block, H, D] views (token t at [t // block, t % block]) and
+        ``layer_tensors`` the layers' own tensors."""
         self.layout = layout
         self.dtype = dtype
         self.num_layers = num_layers
@@ -54,6 +63,12 @@ class ShmKVPool:
         else:
             self._fd, self._shm = create_memfd(self.name, size)
         flat = torch.frombuffer(self._shm.mm, dtype=torch.uint8).view(dtype)
+        self.vllm_layout = vllm_layout
+        self._refs: list[list[dict]] | None = None
+        self.layer_tensors: list[torch.Tensor] = []
+        if vllm_layout is not None:
+            self._lay_out_as_vllm(flat, vllm_layout, block_size, token_padding)
+            return
         stride = self.token_stride // dtype.itemsize
         heads, dim = layout.token_shape
         self.buffers: list[list[torch.Tensor]] = [
@@ -68,6 +83,34 @@ class ShmKVPool:
             ]
             for layer in range(num_layers)
         ]
+
+    def _lay_out_as_vllm(self, flat: torch.Tensor, kind: str, block: int, token_padding: int) -> None:
+        layout, n = self.layout, self.num_tokens
+        if token_padding or n % block:
+            raise ValueError("a vLLM layout has no token padding and whole blocks")
+        if (kind == "mla") != layout.is_mla:
+            raise ValueError(f"layout {kind!r} does not fit a {'MLA' if layout.is_mla else 'MHA'} pool")
+        heads, dim = layout.token_shape
+        nb, per_layer = n // block, self.buffer_bytes * layout.num_parts // self.dtype.itemsize
+        shapes = {"flash_attn": (2, nb, block, heads, dim), "flashinfer": (nb, 2, block, heads, dim),
+                  "flash_attn_hnd": (2, nb, heads, block, dim), "flashinfer_hnd": (nb, 2, heads, block, dim),
+                  "mla": (nb, block, heads, dim)}
+        if kind not in shapes:
+            raise ValueError(f"unknown vLLM layout {kind!r}; one of {sorted(shapes)}")
+        self.layer_tensors = [flat[i * per_layer:(i + 1) * per_layer].view(shapes[kind])
+                              for i in range(self.num_layers)]
+
+        def part_view(t: torch.Tensor, p: int) -> torch.Tensor:
+            v = {"flash_attn": lambda: t[p], "flashinfer": lambda: t[:, p], "mla": lambda: t,
+                 "flash_attn_hnd": lambda: t[p].transpose(1, 2),
+                 "flashinfer_hnd": lambda: t[:, p].transpose(1, 2)}[kind]()
+            return v
+
+        w, base = self.dtype.itemsize, flat.data_ptr()
+        self.buffers = [[part_view(t, p) for p in range(layout.num_parts)] for t in self.layer_tensors]
+        self._refs = [[{"offset": v.data_ptr() - base, "block_tokens": block, "block_stride": v.stride(0) * w,
+                        "token_stride": v.stride(1) * w, "head_stride": v.stride(2) * w} for v in layer]
+                      for layer in self.buffers]
 
     def _offset(self, layer: int, part: int) -> int:
         return (layer * self.layout.num_parts + part) * self.buffer_bytes
@@ -96,6 +139,7 @@ class ShmKVPool:
             layers=[
                 pb.LayerBuffers(
                     parts=[
+                        pb.BufferRef(**self._location(), **self._refs[layer][part]) if self._refs else
                         pb.BufferRef(
                             **self._location(),
                             offset=self._offset(layer, part),
@@ -112,6 +156,7 @@ class ShmKVPool:
         """Drops this process's mapping but keeps the object (a memfd: its descriptor), so the
         pool can still be registered. Tensors taken from ``buffers`` must not be used afterwards."""
         self.buffers = []
+        self.layer_tensors = []
         if self._shm is not None:
             self._shm.close()
             self._shm = None

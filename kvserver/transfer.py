@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from kvserver.errors import InvalidArgument, OutOfRange, Unimplemented
+from kvserver.geometry import Geometry
 
 try:
     from kvserver._kvcopy import copy_layers, copy_rows
@@ -35,6 +36,9 @@ class BufferTable:
     bases: np.ndarray  # uint64 [layers, parts]: address of row 0
     row_stride: int | None  # bytes between rows; None when the buffers' strides differ
     row_bytes: int
+    # The buffers' shared addressing where it is not plain rows (blocks or strided heads,
+    # docs/layouts.md): rows are then tokens, or (token, head) segments of ``row_bytes``.
+    geometry: Geometry | None = None
 
     @classmethod
     def of(cls, views: list[list[torch.Tensor]]) -> BufferTable:
@@ -70,6 +74,28 @@ class CopyPlan:
                 host = (self.host_pages[:, None] * host_stride
                         + np.arange(self.page_size, dtype=np.int64) * row_bytes).reshape(-1)
             got = (np.ascontiguousarray(host), np.ascontiguousarray(self.device_rows * dev_stride))
+            self._offsets[key] = got
+        return got
+
+
+    def strided_offsets(self, host_stride: int, geom: Geometry) -> tuple[np.ndarray, np.ndarray]:
+        """Host and device byte offsets of every row for a device buffer of geometry ``geom``
+        (relative to the buffer's ``offset``): a row is a token where heads are contiguous, else a
+        (token, head) segment of ``head_bytes``. Host rows are page-first and token-major as ever:
+        token k of a host page lies k tokens into the page's chunk, its heads one after another."""
+        key = ("strided", host_stride, geom.shape_key())
+        got = self._offsets.get(key)
+        if got is None:
+            if self.device_paged:
+                raise AssertionError("a strided pool is never planned in pages")
+            tb = geom.token_bytes
+            host = (self.host_pages[:, None] * host_stride
+                    + np.arange(self.page_size, dtype=np.int64) * tb).reshape(-1)
+            dev = geom.token_offsets(self.device_rows)
+            if not geom.heads_contiguous:
+                host = (host[:, None] + np.arange(geom.heads, dtype=np.int64) * geom.head_bytes).reshape(-1)
+                dev = (dev[:, None] + np.arange(geom.heads, dtype=np.int64) * geom.head_stride).reshape(-1)
+            got = (np.ascontiguousarray(host), np.ascontiguousarray(dev))
             self._offsets[key] = got
         return got
 
@@ -202,9 +228,15 @@ def copy_job(plan: CopyPlan, layers: np.ndarray, host: BufferTable, device: Buff
     Before each layer it reads ``stop[0]`` (an int64 another thread may set): once it is set, the
     copy ends at that layer boundary.
     """
-    if copy_layers is None or device.row_stride is None or host.row_stride is None:
+    if device.geometry is not None:
+        if copy_layers is None or host.row_stride is None:
+            raise Unimplemented("pools with blocks or strided heads need kvserver's compiled copy kernel "
+                                "(_kvcopy) and one host row stride")
+        host_off, dev_off = plan.strided_offsets(host.row_stride, device.geometry)
+    elif copy_layers is None or device.row_stride is None or host.row_stride is None:
         return None
-    host_off, dev_off = plan.offsets(host.row_stride, device.row_stride, device.row_bytes)
+    else:
+        host_off, dev_off = plan.offsets(host.row_stride, device.row_stride, device.row_bytes)
     host_bases = np.ascontiguousarray(host.bases[layers]).reshape(-1)
     dev_bases = np.ascontiguousarray(device.bases[layers]).reshape(-1)
     parts = host.bases.shape[1]

@@ -52,6 +52,8 @@ class ShmDevicePool(DevicePool):
     page_table: BufferTable | None = None
 
     def __post_init__(self) -> None:
+        if self.token_table is not None:  # a strided pool: its table is given, it has no views
+            return
         self.token_table = BufferTable.of(self.token_views)
         if self.page_views is not None:
             self.page_table = BufferTable.of(self.page_views)
@@ -176,9 +178,7 @@ def open_shm_pool(
                 )
         geometry.check_no_overlap(geoms, [_key(r) for r in refs], n, lambda i: f"device_pool buffer {i}")
         if not all(g.plain for g in geoms):
-            raise Unimplemented(
-                "shared-memory pools with blocks (block_tokens) or strided heads (head_stride) are not "
-                "copied yet (docs/layouts.md)")
+            return _strided_pool(refs, geoms, n, layout, page_size, token_bytes, mappings)
         wide = wide_dtype(token_bytes, *(r.offset for r in refs), *(r.token_stride for r in refs))
         w = wide.itemsize
         flat = {key: torch.frombuffer(m.mm, dtype=wide, count=m.size // w) for key, m in mappings.items()}
@@ -208,6 +208,30 @@ def open_shm_pool(
         for m in mappings.values():
             m.close()
         raise
+
+
+def _strided_pool(refs: list[pb.BufferRef], geoms: list[geometry.Geometry], n: int, layout: KVLayout,
+                  page_size: int, token_bytes: int, mappings: dict[str, ShmMapping]) -> ShmDevicePool:
+    """A pool with blocks or strided heads (docs/layouts.md): no tensor views, only a table of each
+    buffer's address and the geometry every buffer shares; rows are tokens, or (token, head)
+    segments where heads are not contiguous."""
+    if len({g.shape_key() for g in geoms}) != 1:
+        raise Unimplemented(
+            "every buffer of a shared-memory pool with blocks or strided heads must have the same "
+            "token_stride, block_tokens, block_stride and head_stride")
+    addresses = {}
+    for key, m in mappings.items():
+        flat = torch.frombuffer(m.mm, dtype=torch.uint8)
+        addresses[key] = flat.data_ptr()
+        del flat  # the mapping stays open; no export of it may outlive this call
+    parts = layout.num_parts
+    bases = np.array([[addresses[_key(r)] + r.offset for r in refs[i : i + parts]]
+                      for i in range(0, len(refs), parts)], dtype=np.uint64)
+    g = geoms[0]
+    row_bytes = g.token_bytes if g.heads_contiguous else g.head_bytes
+    table = BufferTable(bases=bases, row_stride=None, row_bytes=row_bytes, geometry=g)
+    return ShmDevicePool(n, page_size, wide_dtype(token_bytes, g.head_bytes), [], None,
+                         list(mappings.values()), token_table=table)
 
 
 def _key(r: pb.BufferRef) -> str:
