@@ -255,17 +255,19 @@ def test_cuda_request_checks(daemon, fake):
         assert "not visible to the daemon" in err.value.details()
 
 
-def _flashinfer(refs, token_bytes: int, block: int = 16) -> None:
+def _flashinfer(refs, token_bytes: int, block: int = 16, layers=None) -> None:
     """K and V of each layer interleaved per block, as vLLM's FlashInfer [blocks, 2, block, H, D]."""
     for layer, lb in enumerate(refs.layers):
         for part, r in enumerate(lb.parts):
+            if layers is not None and layer not in layers:
+                continue
             r.offset = 4096 + layer * 2 * TOKENS * token_bytes + part * block * token_bytes
             r.block_tokens, r.block_stride = block, 2 * block * token_bytes
 
 
 @pytest.mark.parametrize(("mutate", "code", "text"), [
-    (lambda refs, tb: _flashinfer(refs, tb), grpc.StatusCode.UNIMPLEMENTED,
-     "CUDA pools with blocks (block_tokens) or strided heads (head_stride) are not copied yet"),
+    (lambda refs, tb: (_flashinfer(refs, tb), _flashinfer(refs, tb, block=8, layers=[0])),
+     grpc.StatusCode.UNIMPLEMENTED, "every buffer of a CUDA pool with blocks or strided heads must have"),
     (lambda refs, tb: setattr(refs.layers[0].parts[0], "head_stride", 64), grpc.StatusCode.INVALID_ARGUMENT,
      "device_pool buffer 0: head_stride 64 is smaller than one head (128 bytes)"),
     (lambda refs, tb: refs.layers[1].parts[1].MergeFrom(pb.BufferRef(
@@ -273,10 +275,10 @@ def _flashinfer(refs, token_bytes: int, block: int = 16) -> None:
      grpc.StatusCode.INVALID_ARGUMENT, "device_pool buffer 2 and device_pool buffer 3 overlap"),
     (lambda refs, tb: (_flashinfer(refs, tb), setattr(refs.layers[3].parts[1], "block_stride", 1 << 20)),
      grpc.StatusCode.INVALID_ARGUMENT, "but the allocation is"),
-], ids=["flashinfer-not-yet", "head-stride-small", "buffers-overlap", "block-span-past-allocation"])
+], ids=["mixed-geometries", "head-stride-small", "buffers-overlap", "block-span-past-allocation"])
 def test_cuda_pool_geometry_is_checked_before_opening(daemon, fake, mutate, code, text):
-    """Block and head strides (docs/layouts.md) are checked before any handle is opened; a layout
-    the CUDA copy path does not honour yet is refused, never copied by the wrong rule."""
+    """Block and head strides (docs/layouts.md) are checked before any handle is opened; a pool
+    whose buffers differ in geometry is refused, never copied by the wrong rule."""
     refs, _, _ = cuda_pool(fake, 2, 64)
     mutate(refs, refs.layers[0].parts[0].token_stride)
     with grpc.insecure_channel(daemon.address) as ch:
@@ -286,6 +288,74 @@ def test_cuda_pool_geometry_is_checked_before_opening(daemon, fake, mutate, code
         assert err.value.code() == code and text in err.value.details(), err.value.details()
         assert "ipcOpenMemHandle" not in [c[0] for c in fake.cuda.runtime.calls]
         assert stub.Stats(pb.StatsRequest()).num_clients == 0
+
+
+def vllm_cuda_pool(fake, kind: str, heads: int, head_dim: int, block: int = 16):
+    """A pool in vLLM's FlashInfer ("flashinfer": [blocks, 2, block, H, D]) or its HND variant
+    ("flashinfer_hnd": [blocks, 2, H, block, D]) or FlashAttention HND ("flash_attn_hnd":
+    [2, blocks, H, block, D]) per layer, fp16, in one fake allocation. Returns the refs and, per
+    (layer, part), a [blocks, block, H, head bytes] view of the memory."""
+    hb, nb = head_dim * 2, TOKENS // block
+    layer_bytes = 2 * TOKENS * heads * hb
+    handle, mem = fake.cuda.runtime.export(LAYERS * layer_bytes + 4096)
+    views, layers = [], []
+    for layer in range(LAYERS):
+        flat = mem[4096 + layer * layer_bytes:4096 + (layer + 1) * layer_bytes]
+        if kind == "flashinfer":
+            t = flat.reshape(nb, 2, block, heads, hb)
+            parts = [t[:, p] for p in range(2)]
+        elif kind == "flashinfer_hnd":
+            t = flat.reshape(nb, 2, heads, block, hb)
+            parts = [t[:, p].transpose(0, 2, 1, 3) for p in range(2)]
+        else:
+            t = flat.reshape(2, nb, heads, block, hb)
+            parts = [t[p].transpose(0, 2, 1, 3) for p in range(2)]
+        views.append(parts)
+        layers.append(pb.LayerBuffers(parts=[
+            pb.BufferRef(cuda=pb.CudaIpcLocation(ipc_handle=b"\x02c" + handle, device_uuid=UUID,
+                                                 allocation_size=mem.size),
+                         offset=v.__array_interface__["data"][0] - mem.__array_interface__["data"][0],
+                         block_tokens=block, block_stride=v.strides[0], token_stride=v.strides[1],
+                         head_stride=v.strides[2])
+            for v in parts]))
+    return pb.DevicePool(num_tokens=TOKENS, layers=layers), views, mem
+
+
+def _tokens(view: np.ndarray) -> np.ndarray:
+    return view.reshape(TOKENS, *view.shape[2:])
+
+
+@pytest.mark.parametrize("page_size", [16, 1])
+@pytest.mark.parametrize("kind", ["flashinfer", "flashinfer_hnd", "flash_attn_hnd"])
+def test_cuda_round_trip_in_vllm_layouts(daemon, fake, kind, page_size):
+    """Write then Load through the daemon's CUDA planning and its copy kernel (built for the CPU):
+    block strides (FlashInfer) and per-head segments (HND) land bit for bit, and nothing else is
+    written."""
+    heads, head_dim = 4, 8
+    refs, views, mem = vllm_cuda_pool(fake, kind, heads, head_dim)
+    rng = np.random.default_rng(7)
+    mem[:] = rng.integers(0, 256, mem.shape, dtype=np.uint8)
+    want = [[_tokens(v).copy() for v in layer] for layer in views]
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        reg = register(stub, refs, heads, head_dim, page_size)
+        host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=64)).host_indices)
+        pages = rng.permutation(TOKENS // page_size)[: 64 // page_size]
+        dev = (pages[:, None] * page_size + np.arange(page_size)).reshape(-1).tolist()
+        stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=host, device_indices=dev),
+                   timeout=10)
+        mem[:] = 0
+        steps = list(stub.Load(pb.LoadRequest(client_id=reg.client_id, host_indices=host, device_indices=dev),
+                               timeout=10))
+        assert steps[-1].done
+        others = sorted(set(range(TOKENS)) - set(dev))
+        for layer in range(LAYERS):
+            for part in range(2):
+                got = _tokens(views[layer][part])
+                assert np.array_equal(got[dev], want[layer][part][dev]), (layer, part)
+                assert not got[others].any()
+        assert not mem[:4096].any()
+        stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=10)
 
 
 def slow_host_register(rt, monkeypatch, seconds: float, call: str = "hostRegister"):

@@ -40,6 +40,7 @@ from kvserver.cuda.kernels import copy_rows_kernel
 from kvserver.cuda.quarantine import QUARANTINE
 from kvserver.cuda.slabs import HOST_REGISTER_FLAGS, SlabPinner, register_host
 from kvserver.errors import FailedPrecondition, GpuStalled, InvalidArgument
+from kvserver.geometry import Geometry, describe
 from kvserver.media.base import DevicePool, wide_dtype
 from kvserver.v1 import kvserver_pb2 as pb
 
@@ -115,6 +116,7 @@ class CudaDevicePool(DevicePool):
     parts: int
     token_bases: np.ndarray  # uint64 [layers, parts]: device address of token 0
     handles: list[bytes]
+    geometry: Geometry | None = None  # every buffer's blocks and head strides; None: plain token rows
     stream: object = None  # cupy.cuda.Stream, non-blocking
     events: list[int] = field(default_factory=list)  # [slot * layers + layer]
     event_handles: list[bytes] = field(default_factory=list)
@@ -136,10 +138,14 @@ class CudaDevicePool(DevicePool):
     @property
     def dtype(self):
         """The wide integer dtype of the client's host views."""
+        if self.geometry is not None:
+            return wide_dtype(self.token_bytes, self.geometry.head_bytes)
         return wide_dtype(self.token_bytes)
 
     @property
     def paged(self) -> bool:
+        if self.geometry is not None:
+            return False  # rows are tokens, or (token, head) segments
         return self.token_stride == self.token_bytes and self.num_tokens >= self.page_size
 
     @property
@@ -367,11 +373,16 @@ class CudaDevicePool(DevicePool):
     def _job_copier(self, copy_plan, layers: np.ndarray, host_table, to_device: bool, host_to_device: int):
         """The copier of one job: rows of whole device pages where the plan allows, else of tokens.
         ``host_to_device`` turns the table's host addresses into device addresses."""
-        if copy_plan.device_paged:
-            row_bytes = dev_stride = self.page_size * self.token_bytes
+        g = self.geometry
+        if g is not None:
+            row_bytes = g.token_bytes if g.heads_contiguous else g.head_bytes
+            host_off, dev_off = copy_plan.strided_offsets(host_table.row_stride, g)
         else:
-            row_bytes, dev_stride = self.token_bytes, self.token_stride
-        host_off, dev_off = copy_plan.offsets(host_table.row_stride, dev_stride, row_bytes)
+            if copy_plan.device_paged:
+                row_bytes = dev_stride = self.page_size * self.token_bytes
+            else:
+                row_bytes, dev_stride = self.token_bytes, self.token_stride
+            host_off, dev_off = copy_plan.offsets(host_table.row_stride, dev_stride, row_bytes)
         host_bases = host_table.bases[layers] + np.uint64(host_to_device % (1 << 64))
         dev_bases = self.token_bases[layers]
         if to_device:
@@ -441,8 +452,11 @@ class CudaDevicePool(DevicePool):
 
 
 def open_cuda_pool(cupy, refs: list[pb.BufferRef], num_tokens: int, token_bytes: int, parts: int,
-                   page_size: int, event_slots: int, slabs: SlabPinner | None = None) -> CudaDevicePool:
-    """Checks, then opens every allocation of the pool once on the engine's device."""
+                   page_size: int, event_slots: int, slabs: SlabPinner | None = None,
+                   geoms: list[Geometry] | None = None) -> CudaDevicePool:
+    """Checks, then opens every allocation of the pool once on the engine's device. ``geoms``:
+    the buffers' checked geometry where the pool has blocks or strided heads (docs/layouts.md),
+    one shape for every buffer; None for plain token rows."""
     if not 0 <= event_slots <= MAX_EVENT_SLOTS:
         raise InvalidArgument(f"event_slots must be at most {MAX_EVENT_SLOTS}, got {event_slots}")
     devices = {(r.cuda.device_uuid, r.cuda.pci_bus_id) for r in refs}
@@ -455,8 +469,7 @@ def open_cuda_pool(cupy, refs: list[pb.BufferRef], num_tokens: int, token_bytes:
         raise InvalidArgument("every buffer of a CUDA pool must have the same token_stride")
     handles = []
     for i, r in enumerate(refs):
-        check_span(r.offset, r.token_stride, num_tokens, token_bytes, r.cuda.allocation_size,
-                   f"device_pool buffer {i}")
+        _check_span(r, geoms[i] if geoms else None, num_tokens, token_bytes, f"device_pool buffer {i}")
         handles.append(raw_ipc_handle(r.cuda.ipc_handle))
     rt = cupy.cuda.runtime
     opened: list[bytes] = []
@@ -466,8 +479,8 @@ def open_cuda_pool(cupy, refs: list[pb.BufferRef], num_tokens: int, token_bytes:
             for i, (handle, r) in enumerate(zip(handles, refs, strict=True)):
                 base, real_size = _open_allocation(rt, ordinal, handle)
                 opened.append(handle)
-                check_span(r.offset, r.token_stride, num_tokens, token_bytes, r.cuda.allocation_size,
-                           f"device_pool buffer {i}", real_size=real_size)
+                _check_span(r, geoms[i] if geoms else None, num_tokens, token_bytes,
+                            f"device_pool buffer {i}", real_size)
                 bases.append(base + r.offset)
     except BaseException:
         with cupy.cuda.Device(ordinal):
@@ -476,7 +489,22 @@ def open_cuda_pool(cupy, refs: list[pb.BufferRef], num_tokens: int, token_bytes:
         raise
     return CudaDevicePool(
         cupy=cupy, ordinal=ordinal, num_tokens=num_tokens, page_size=page_size, token_bytes=token_bytes,
-        token_stride=strides.pop(), parts=parts,
+        token_stride=strides.pop(), parts=parts, geometry=geoms[0] if geoms else None,
         token_bases=np.array(bases, dtype=np.uint64).reshape(-1, parts), handles=handles,
         event_slots=event_slots or DEFAULT_EVENT_SLOTS, wait_seconds=waits.wait_seconds(), slabs=slabs,
     )
+
+
+def _check_span(r: pb.BufferRef, g: Geometry | None, num_tokens: int, token_bytes: int, what: str,
+                real_size: int | None = None) -> None:
+    """The buffer's whole span inside the declared allocation and, once open, its real size."""
+    if g is None:
+        check_span(r.offset, r.token_stride, num_tokens, token_bytes, r.cuda.allocation_size, what,
+                   real_size=real_size)
+        return
+    end = g.span(num_tokens)[1]
+    for size, which in ((real_size, "the allocation the handle opens is"),
+                        (r.cuda.allocation_size, "the allocation is")):
+        if size is not None and end > size:
+            raise InvalidArgument(f"{what}: buffer at {describe(r)} needs {end} bytes for {num_tokens} "
+                                  f"tokens, but {which} {size} bytes")

@@ -47,12 +47,13 @@ def open_cuda(refs: list[pb.BufferRef], num_tokens: int, layout: KVLayout, kv_dt
                 f"{num_tokens} tokens, but the allocation is {r.cuda.allocation_size} bytes")
     geometry.check_no_overlap(geoms, [bytes(r.cuda.ipc_handle).hex() for r in refs], num_tokens,
                               lambda i: f"device_pool buffer {i}")
-    if not all(g.plain for g in geoms):
+    strided = not all(g.plain for g in geoms)
+    if strided and len({g.shape_key() for g in geoms}) != 1:
         raise Unimplemented(
-            "CUDA pools with blocks (block_tokens) or strided heads (head_stride) are not copied yet "
-            "(docs/layouts.md)")
+            "every buffer of a CUDA pool with blocks or strided heads must have the same token_stride, "
+            "block_tokens, block_stride and head_stride")
     cupy = require_cuda()
     from kvserver.cuda.pool import open_cuda_pool  # needs CuPy's runtime: imported only now
 
     return open_cuda_pool(cupy, refs, num_tokens, token_bytes, layout.num_parts, page_size, event_slots,
-                          slabs)
+                          slabs, geoms if strided else None)
