@@ -17,10 +17,13 @@ from kvserver.v1 import kvserver_pb2 as pb
 
 
 def buffer_ref(share: tuple, tensor_offset_bytes: int, token_stride: int, device_uuid: str,
-               pci_bus_id: str = "") -> pb.BufferRef:
+               pci_bus_id: str = "", *, block_tokens: int = 0, block_stride: int = 0,
+               head_stride: int = 0) -> pb.BufferRef:
     """A BufferRef from ``storage._share_cuda_()``'s tuple (device, handle, storage size, storage
     offset in its allocation, ...) plus the tensor's own offset inside its storage. The handle
-    goes as the raw 64-byte cudaIpcMemHandle_t, whatever torch's prefix version.
+    goes as the raw 64-byte cudaIpcMemHandle_t, whatever torch's prefix version. ``block_tokens``,
+    ``block_stride`` and ``head_stride`` describe vLLM's blocked and HND layouts (docs/layouts.md);
+    their defaults are plain token rows.
 
     Raises ValueError for memory without a legacy IPC handle (expandable segments)."""
     _device, handle, storage_size, storage_offset = share[:4]
@@ -39,6 +42,9 @@ def buffer_ref(share: tuple, tensor_offset_bytes: int, token_stride: int, device
         ),
         offset=storage_offset + tensor_offset_bytes,
         token_stride=token_stride,
+        block_tokens=block_tokens,
+        block_stride=block_stride,
+        head_stride=head_stride,
     )
 
 

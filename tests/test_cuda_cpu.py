@@ -143,6 +143,10 @@ def test_client_export_from_a_share_tuple():
         assert ref.offset == (3 << 20) + 512
         assert ref.cuda.allocation_size == (4 << 20)
         assert ref.token_stride == 256
+        assert (ref.block_tokens, ref.block_stride, ref.head_stride) == (0, 0, 0)  # plain token rows
+    # FlashInfer HND, 16-token blocks of 8 heads x 256 B: K of block b at b * 2 * 16 * 2048.
+    ref = buffer_ref(share, 0, 256, UUID, block_tokens=16, block_stride=2 * 16 * 2048, head_stride=16 * 256)
+    assert (ref.block_tokens, ref.block_stride, ref.token_stride, ref.head_stride) == (16, 65536, 256, 4096)
     with pytest.raises(ValueError, match="expandable"):
         buffer_ref((0, b"\x02e" + b"\0" * 30, 1 << 20, 0), 0, 256, UUID)
 
