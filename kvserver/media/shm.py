@@ -215,6 +215,9 @@ def _strided_pool(refs: list[pb.BufferRef], geoms: list[geometry.Geometry], n: i
     """A pool with blocks or strided heads (docs/layouts.md): no tensor views, only a table of each
     buffer's address and the geometry every buffer shares; rows are tokens, or (token, head)
     segments where heads are not contiguous."""
+    if transfer.copy_layers is None:
+        raise Unimplemented("shared-memory pools with blocks or strided heads need kvserver's compiled "
+                            "copy kernel (_kvcopy)")
     if len({g.shape_key() for g in geoms}) != 1:
         raise Unimplemented(
             "every buffer of a shared-memory pool with blocks or strided heads must have the same "
