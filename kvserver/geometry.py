@@ -16,6 +16,27 @@ from kvserver.errors import InvalidArgument
 
 MAX_FIELD = 1 << 48  # every offset and stride: no product of planning overflows int64
 MAX_BLOCK_SEGMENTS = 1 << 20  # block_tokens * heads: the exact in-block overlap check's size
+# What checking one Register's strided buffers may cost in all, so that no pool description can
+# hold the daemon's event loop (each unit is one (token, head) segment sorted, or one pair of
+# buffers compared). vLLM's layouts spend a few thousand: one check per distinct buffer shape, one
+# pair per layer where K and V interleave in one tensor.
+MAX_CHECK_UNITS = 1 << 20
+
+
+class CheckBudget:
+    """The work left for one request's layout checks; refusing past it is INVALID_ARGUMENT."""
+
+    def __init__(self, units: int = MAX_CHECK_UNITS) -> None:
+        self.left = units
+        self.checked_shapes: set[tuple] = set()  # within-buffer checks already done, by shape
+
+    def spend(self, units: int, what: str) -> None:
+        self.left -= units
+        if self.left < 0:
+            raise InvalidArgument(
+                f"{what}: checking this pool's layout would take more than {MAX_CHECK_UNITS} steps "
+                "(too many distinct strided buffer shapes, or too many strided buffers sharing memory); "
+                "give its buffers one layout and separate memory per layer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,9 +109,12 @@ def describe(r) -> str:
     return ", ".join(parts)
 
 
-def of_ref(r, num_tokens: int, heads: int, head_bytes: int, what: str) -> Geometry:
+def of_ref(r, num_tokens: int, heads: int, head_bytes: int, what: str,
+           budget: CheckBudget | None = None) -> Geometry:
     """Checks one BufferRef's fields (rules 1 and 2 of docs/layouts.md) and returns its
-    normalised geometry. Raises InvalidArgument with ``what`` (e.g. 'device_pool buffer 3')."""
+    normalised geometry. Raises InvalidArgument with ``what`` (e.g. 'device_pool buffer 3').
+    ``budget``: the request's, shared by all its buffers (a fresh one if None)."""
+    budget = budget if budget is not None else CheckBudget()
     token_bytes = heads * head_bytes
     for name in ("offset", "token_stride", "block_tokens", "block_stride", "head_stride"):
         if getattr(r, name) >= MAX_FIELD:
@@ -122,10 +146,14 @@ def of_ref(r, num_tokens: int, heads: int, head_bytes: int, what: str) -> Geomet
             raise InvalidArgument(
                 f"{what}: {tokens} tokens x {heads} heads per block is more than {MAX_BLOCK_SEGMENTS} "
                 f"head segments; use blocks (block_tokens) or contiguous heads")
-        starts = np.sort(g.segment_starts(tokens))
-        if (np.diff(starts) < head_bytes).any():
-            raise InvalidArgument(
-                f"{what}: token rows overlap ({describe(r)}, heads {heads} x {head_bytes} bytes)")
+        shape = (g.shape_key(), tokens)
+        if shape not in budget.checked_shapes:  # the same strides overlap the same way anywhere
+            budget.spend(tokens * heads, what)
+            starts = np.sort(g.segment_starts(tokens))
+            if (np.diff(starts) < head_bytes).any():
+                raise InvalidArgument(
+                    f"{what}: token rows overlap ({describe(r)}, heads {heads} x {head_bytes} bytes)")
+            budget.checked_shapes.add(shape)
     if g.block_tokens and bs < g.in_block_extent(bt):
         raise InvalidArgument(
             f"{what}: blocks overlap: block_stride {bs} is smaller than one block's "
@@ -153,10 +181,14 @@ def _disjoint(a: np.ndarray, b: np.ndarray) -> bool:
     return bool((both[1:, 0] >= both[:-1, 1]).all())
 
 
-def check_no_overlap(geoms: list[Geometry], keys: list[str], num_tokens: int, label) -> None:
+def check_no_overlap(geoms: list[Geometry], keys: list[str], num_tokens: int, label,
+                     budget: CheckBudget | None = None) -> None:
     """Rule 4: no two buffers of one object share a byte, where either uses the strided fields
     (old clients' plain buffers keep today's rule: not checked). ``keys`` names each buffer's
-    object; ``label(i)`` names buffer i in the message."""
+    object; ``label(i)`` names buffer i in the message. Every pair compared spends ``budget``."""
+    if not any(g.strided for g in geoms):
+        return  # old clients: nothing to compare, and no pair loop over their buffers
+    budget = budget if budget is not None else CheckBudget()
     by_key: dict[str, list[int]] = {}
     for i, k in enumerate(keys):
         by_key.setdefault(k, []).append(i)
@@ -169,10 +201,12 @@ def check_no_overlap(geoms: list[Geometry], keys: list[str], num_tokens: int, la
                 if lo_b >= hi_a:
                     break
                 ga, gb = geoms[a], geoms[b]
+                budget.spend(16, label(min(a, b)))  # a pair: a Python loop step or more
                 if not (ga.strided or gb.strided):
                     continue
-                if (ga.block_tokens and gb.block_tokens and ga.block_stride == gb.block_stride
-                        and _disjoint(_period_segments(ga), _period_segments(gb))):
-                    continue
+                if ga.block_tokens and gb.block_tokens and ga.block_stride == gb.block_stride:
+                    budget.spend(2 * ga.block_tokens * ga.heads, label(min(a, b)))
+                    if _disjoint(_period_segments(ga), _period_segments(gb)):
+                        continue
                 first, second = sorted((a, b))
                 raise InvalidArgument(f"{label(first)} and {label(second)} overlap in the same memory")

@@ -83,3 +83,44 @@ def test_blocks_that_follow_like_tokens_are_the_plain_rule():
     r = pb.BufferRef(offset=128, block_tokens=BS, block_stride=BS * 64, token_stride=64)
     g = geometry.of_ref(r, NB * BS, H, 16, "k")
     assert g.plain and g.span(NB * BS) == (128, 128 + NB * BS * 64)
+
+
+def test_one_check_per_buffer_shape_and_a_bounded_cost_for_any_description():
+    """A hostile pool description must not hold the daemon's event loop: the within-buffer check
+    runs once per distinct shape (a real pool's layers share one), and the whole request's checks
+    have a budget, past which it is refused with INVALID_ARGUMENT."""
+    head_bytes = D * 2
+    hnd = dict(block_tokens=BS, block_stride=2 * H * BS * head_bytes, token_stride=head_bytes,
+               head_stride=BS * head_bytes)
+    budget = geometry.CheckBudget()
+    for layer in range(200):  # 200 layers of one HND shape: checked once
+        geometry.of_ref(pb.BufferRef(offset=layer * NB * hnd["block_stride"], **hnd), NB * BS, H,
+                        head_bytes, f"buffer {layer}", budget)
+    assert geometry.MAX_CHECK_UNITS - budget.left == BS * H
+
+    # Distinct shapes, each as dear as the budget allows a few of: refused, not checked forever.
+    big_tokens = geometry.MAX_BLOCK_SEGMENTS // H  # one block of the most segments allowed
+    budget = geometry.CheckBudget()
+    with pytest.raises(InvalidArgument, match="would take more than"):
+        for i in range(64):
+            stride = head_bytes * (1 + i)  # another token stride each time: another shape
+            geometry.of_ref(pb.BufferRef(block_tokens=big_tokens, block_stride=big_tokens * H * stride * 4,
+                                         token_stride=stride, head_stride=big_tokens * stride * 2),
+                            big_tokens, H, head_bytes, f"buffer {i}", budget)
+
+    # Thousands of strided buffers interleaved in one memory (disjoint, but every pair's spans
+    # overlap, so every pair would be compared): refused once the budget is spent.
+    n, block = 4096, BS * H * head_bytes
+    flat = dict(block_tokens=BS, block_stride=n * block, token_stride=H * head_bytes)
+    geoms = [geometry.of_ref(pb.BufferRef(offset=i * block, **flat), NB * BS, H, head_bytes, f"buffer {i}")
+             for i in range(n)]
+    with pytest.raises(InvalidArgument, match="would take more than"):
+        geometry.check_no_overlap(geoms, ["one"] * len(geoms), NB * BS, lambda i: f"buffer {i}")
+
+
+def test_plain_buffers_of_old_clients_are_not_compared_at_all():
+    geoms = [geometry.of_ref(pb.BufferRef(offset=0, token_stride=H * D * 2), NB * BS, H, D * 2, f"b{i}")
+             for i in range(100_000)]  # overlapping, as old clients may send: today's rule
+    budget = geometry.CheckBudget()
+    geometry.check_no_overlap(geoms, ["one"] * len(geoms), NB * BS, lambda i: f"b{i}", budget)
+    assert budget.left == geometry.MAX_CHECK_UNITS

@@ -32,12 +32,13 @@ def open_cuda(refs: list[pb.BufferRef], num_tokens: int, layout: KVLayout, kv_dt
     token_bytes = layout.token_bytes(kv_dtype)
     heads, head_bytes = layout.num_heads, layout.head_dim * kv_dtype.itemsize
     geoms = []
+    budget = geometry.CheckBudget()
     for i, r in enumerate(refs):
         what = f"device_pool buffer {i}"
         raw_ipc_handle(r.cuda.ipc_handle)
         normalize_uuid(r.cuda.device_uuid)
         normalize_pci_bus_id(r.cuda.pci_bus_id)
-        g = geometry.of_ref(r, num_tokens, heads, head_bytes, what)
+        g = geometry.of_ref(r, num_tokens, heads, head_bytes, what, budget)
         geoms.append(g)
         if g.plain:
             check_span(r.offset, r.token_stride, num_tokens, token_bytes, r.cuda.allocation_size, what)
@@ -46,7 +47,7 @@ def open_cuda(refs: list[pb.BufferRef], num_tokens: int, layout: KVLayout, kv_dt
                 f"{what}: buffer at {geometry.describe(r)} needs {g.span(num_tokens)[1]} bytes for "
                 f"{num_tokens} tokens, but the allocation is {r.cuda.allocation_size} bytes")
     geometry.check_no_overlap(geoms, [bytes(r.cuda.ipc_handle).hex() for r in refs], num_tokens,
-                              lambda i: f"device_pool buffer {i}")
+                              lambda i: f"device_pool buffer {i}", budget)
     strided = not all(g.plain for g in geoms)
     if strided and len({g.shape_key() for g in geoms}) != 1:
         raise Unimplemented(

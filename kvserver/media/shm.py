@@ -158,7 +158,9 @@ def open_shm_pool(
     token_bytes = layout.token_bytes(kv_dtype)
     _check_access(refs, access)
     heads, head_bytes = layout.num_heads, layout.head_dim * kv_dtype.itemsize
-    geoms = [geometry.of_ref(r, n, heads, head_bytes, f"device_pool buffer {i}") for i, r in enumerate(refs)]
+    budget = geometry.CheckBudget()
+    geoms = [geometry.of_ref(r, n, heads, head_bytes, f"device_pool buffer {i}", budget)
+             for i, r in enumerate(refs)]
     mappings: dict[str, ShmMapping] = {}
     try:
         for r, g in zip(refs, geoms, strict=True):
@@ -176,7 +178,8 @@ def open_shm_pool(
                     f"{what} is {m.size} bytes but the buffer at {geometry.describe(r)} "
                     f"needs {end} bytes for {n} tokens"
                 )
-        geometry.check_no_overlap(geoms, [_key(r) for r in refs], n, lambda i: f"device_pool buffer {i}")
+        geometry.check_no_overlap(geoms, [_key(r) for r in refs], n, lambda i: f"device_pool buffer {i}",
+                                  budget)
         if not all(g.plain for g in geoms):
             return _strided_pool(refs, geoms, n, layout, page_size, token_bytes, mappings)
         wide = wide_dtype(token_bytes, *(r.offset for r in refs), *(r.token_stride for r in refs))
