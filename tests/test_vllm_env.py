@@ -296,3 +296,23 @@ def test_backends_declare_their_layouts():
     assert CPUAttentionBackend.supported_kv_cache_layouts() == (L.LBHNC,)
     assert FlexAttentionBackend.supported_kv_cache_layouts() == (L.LBNHC,)
     assert _DEFAULT_LAYOUT_PREFERENCE[0] is L.LBNHC
+
+
+# ---- block hashes ----------------------------------------------------------------------------------
+
+
+def test_sha256_block_hashes_are_stable_across_processes_without_pythonhashseed(monkeypatch):
+    # 0.33: with the default prefix_caching_hash_algo "sha256" the root (NONE_HASH) seed is the
+    # fixed "vllm-none-hash" unless PYTHONHASHSEED is set; only xxhash/xxhash_cbor draw a random
+    # per-process seed. So two replicas with default settings agree on every block hash.
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import DEFAULT_NONE_HASH_SEED, resolve_none_hash_seed
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    assert resolve_none_hash_seed(sha256) == DEFAULT_NONE_HASH_SEED == "vllm-none-hash"
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    assert resolve_none_hash_seed(sha256) == "7"
+    assert vllm_env.vllm_config().cache_config.prefix_caching_hash_algo == "sha256"
+    a = vllm_env.request("h1", range(32))
+    b = vllm_env.request("h2", range(32))
+    assert a.block_hashes == b.block_hashes and len(a.block_hashes) == 2
