@@ -316,3 +316,36 @@ def test_sha256_block_hashes_are_stable_across_processes_without_pythonhashseed(
     a = vllm_env.request("h1", range(32))
     b = vllm_env.request("h2", range(32))
     assert a.block_hashes == b.block_hashes and len(a.block_hashes) == 2
+
+
+def test_per_layer_views_built_by_vllm_in_each_layout():
+    # vLLM's own create_kv_cache_views over one raw int8 buffer shared by 3 layers: each layer gets
+    # a 4D [B, H, N, 2 * head_size] view in the spec's dtype (element strides below), K in
+    # [..., :head_size] and V in [..., head_size:] of the same row.
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheTensor,
+        compute_layout_strides,
+        create_kv_cache_views,
+    )
+    from vllm.v1.kv_cache_layout import KVCacheLayout as L
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)
+    expected = {  # (element strides of layer 0's view, element offset of layer 1)
+        "LBHNC": ((512, 256, 16, 1), 5120), "LBNHC": ((512, 16, 32, 1), 5120),
+        "LHBNC": ((256, 2560, 16, 1), 5120), "BLHNC": ((1536, 256, 16, 1), 512),
+        "BLNHC": ((1536, 16, 32, 1), 512), "BHLNC": ((1536, 768, 16, 1), 256)}
+    for layout in L:
+        strides = compute_layout_strides(full, 10, 3, layout)
+        tensor = KVCacheTensor(size=full.page_size_bytes * 30, layers=["l0", "l1", "l2"],
+                               layer_stride=strides[0], block_stride=strides[1])
+        raw = torch.zeros(tensor.size, dtype=torch.int8)
+        views = create_kv_cache_views(raw, full, 10, layout, tensor)
+        assert len(views) == 3
+        assert all(v.shape == (10, 2, 16, 16) and v.dtype == torch.float16 for v in views)
+        assert (views[0].stride(), views[1].storage_offset()) == expected[layout.name], layout
+        # the three layers tile the buffer exactly, no overlap
+        for i, v in enumerate(views):
+            v.fill_(i + 1)
+        assert torch.bincount(raw.view(torch.float16).to(torch.int64)).tolist()[1:] == [
+            10 * 2 * 16 * 16] * 3
