@@ -1,0 +1,7 @@
+"""kvserver as vLLM 0.33's KV connector (``kvclient.vllm.connector.KVServerConnector``).
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVServerConnector",
+        "kv_connector_module_path": "kvclient.vllm.connector", "kv_role": "kv_both"}'
+
+Importing this package does not import vLLM; ``kvclient.vllm.connector`` does.
+"""

@@ -1,0 +1,136 @@
+"""The KV space a vLLM engine uses, read from its configs the same way in the scheduler process
+and in every worker: model name, per-token layout, dtype, page (= vLLM block) size, layer count,
+TP and PP sizes. Keys are vLLM's own block hashes, where they are the same in every process.
+
+Importing this module does not import vLLM (it reads vLLM's objects by attribute).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kvserver.layout import KVLayout
+
+logger = logging.getLogger("kvclient.vllm")
+
+# The per-layer specs whose pages kvserver stores whole: dense K/V (K and V side by side in one
+# row, [B, H, N, 2 * head_size]) or the MLA latent ([B, 1, N, latent]). Matched by class name:
+# subclasses (sink, RSWA, sparse or hidden-state caches) hold more than that and are refused.
+STORABLE_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+# vLLM's hash algorithms whose block hashes are the same in every process without PYTHONHASHSEED.
+STABLE_HASHES = ("sha256", "sha256_cbor")
+FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+@dataclass(frozen=True)
+class Space:
+    model: str
+    layout: KVLayout
+    dtype: torch.dtype  # on the wire (fp8 as its float8 type; vLLM keeps it in uint8)
+    page_size: int  # tokens: one vLLM block
+    num_layers: int
+    tp_size: int
+    pp_size: int
+    hash_stride: int  # vLLM block hashes per block (block_size // hash_block_size)
+
+
+def extra_config(vllm_config) -> dict:
+    ktc = vllm_config.kv_transfer_config
+    return dict(getattr(ktc, "kv_connector_extra_config", None) or {})
+
+
+def _spec(kv_cache_config):
+    groups = list(kv_cache_config.kv_cache_groups)
+    if len(groups) != 1:
+        raise ValueError(f"KVServerConnector stores models with one KV cache group; this one has "
+                         f"{len(groups)} (hybrid attention: sliding window, Mamba or several specs)")
+    spec = groups[0].kv_cache_spec
+    name = type(spec).__name__
+    if name not in STORABLE_SPECS:
+        raise ValueError(f"KVServerConnector stores full-attention or MLA KV ({', '.join(STORABLE_SPECS)}); "
+                         f"not {name}")
+    quant = getattr(spec, "kv_quant_mode", None)
+    if quant is not None and getattr(quant, "name", str(quant)) != "NONE":
+        raise ValueError(f"KVServerConnector does not store quantised KV with scales ({quant})")
+    for attr in ("num_head_slots", "state_content_bytes", "sliding_window", "attention_chunk_size",
+                 "model_version"):
+        if getattr(spec, attr, None) is not None:
+            raise ValueError(f"KVServerConnector does not store this KV cache ({name}.{attr} = "
+                             f"{getattr(spec, attr)!r}): its pages hold more than dense K/V or the latent")
+    if getattr(spec, "tokens_per_state", 1) != 1:
+        raise ValueError("KVServerConnector stores one KV state per token")
+    return groups[0], spec
+
+
+def wire_dtype(spec, vllm_config) -> torch.dtype:
+    dtype = spec.dtype
+    if dtype == torch.uint8:  # vLLM's fp8 caches are uint8 tensors
+        cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "") or "")
+        if cache_dtype not in FP8:
+            raise ValueError(f"a uint8 KV cache with cache_dtype {cache_dtype!r} is not one kvserver stores")
+        return FP8[cache_dtype]
+    return dtype
+
+
+def read_space(vllm_config, kv_cache_config) -> Space:
+    """The space of this engine; raises ValueError for what the connector does not store."""
+    cfg = extra_config(vllm_config)
+    _, spec = _spec(kv_cache_config)
+    par = vllm_config.parallel_config
+    for attr in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if int(getattr(par, attr, 1) or 1) > 1:
+            raise ValueError(f"KVServerConnector does not store context-parallel KV ({attr} > 1): the ranks "
+                             "hold different tokens of one block")
+    model_config = vllm_config.model_config
+    if type(spec).__name__ == "MLAAttentionSpec":
+        text = model_config.hf_text_config
+        lora, rope = int(text.kv_lora_rank), int(text.qk_rope_head_dim)
+        if lora + rope != spec.head_size:
+            raise ValueError(f"MLA latent {spec.head_size} != kv_lora_rank {lora} + qk_rope_head_dim {rope}")
+        layout = KVLayout.mla(lora, rope)
+    else:
+        if spec.head_size_v != spec.head_size:
+            raise ValueError(f"K and V head sizes differ ({spec.head_size}, {spec.head_size_v})")
+        layout = KVLayout.mha(int(spec.num_kv_heads), int(spec.head_size))
+    block_size = int(spec.block_size)
+    hash_block = int(getattr(kv_cache_config, "hash_block_size", None) or block_size)
+    if block_size % hash_block:
+        raise ValueError(f"block size {block_size} is not a multiple of the hash block size {hash_block}")
+    model = cfg.get("model") or (getattr(model_config, "served_model_name", None) or model_config.model)
+    if isinstance(model, (list, tuple)):
+        model = model[0]
+    return Space(model=str(model), layout=layout, dtype=wire_dtype(spec, vllm_config), page_size=block_size,
+                 num_layers=int(cfg.get("num_layers") or model_config.get_total_num_hidden_layers()),
+                 tp_size=int(par.tensor_parallel_size), pp_size=int(par.pipeline_parallel_size),
+                 hash_stride=block_size // hash_block)
+
+
+def keys_shareable(vllm_config) -> bool:
+    """vLLM's block hashes are the same in every process under sha256 / sha256_cbor (a fixed root
+    seed) or, for xxhash, when PYTHONHASHSEED is set (the same on every replica). Otherwise the
+    root is random per process: nothing stored would ever be found by another engine or after a
+    restart, so the connector stores and finds nothing, and says so once."""
+    algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
+    if algo in STABLE_HASHES or os.environ.get("PYTHONHASHSEED") is not None:
+        return True
+    logger.warning("kvserver: prefix_caching_hash_algo=%s draws a random per-process seed unless "
+                   "PYTHONHASHSEED is set, so no other engine (or this one after a restart) could find "
+                   "what it stores: the KV connector is off (every lookup misses, nothing is stored). Use "
+                   "--prefix-caching-hash-algo sha256 (the default) or the same PYTHONHASHSEED on every "
+                   "replica.", algo)
+    return False
+
+
+def block_keys(request, hash_stride: int, upto: int | None = None) -> list[bytes]:
+    """One key per full block of ``request`` (at most ``upto``): vLLM's chained block hash of the
+    block's last hash unit, which names the whole prefix up to it (tokens, LoRA, multimodal
+    inputs, cache salt)."""
+    hashes = request.block_hashes
+    n = len(hashes) // hash_stride
+    if upto is not None:
+        n = min(n, upto)
+    return [bytes(hashes[(i + 1) * hash_stride - 1]) for i in range(n)]

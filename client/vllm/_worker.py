@@ -1,0 +1,278 @@
+"""The worker-side connector: registers vLLM's per-layer KV cache views with the daemon as they
+lie (``KVViewsPool``: every one of vLLM 0.33's six layouts, no copy), starts one Get per loading
+request before the forward, waits for each layer as attention reaches it, stores the blocks a
+step filled after its forward (one Put per request, ordered after the forward's KV writes by an
+event on CUDA), and reports failed loads so that vLLM recomputes those blocks.
+
+On CUDA a layer's wait is on the GPU (the compute stream waits for the daemon's per-layer
+interprocess event); the CPU does not block per layer. On CPU pools (shared memory) the worker
+blocks until the daemon reports the layer copied.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvclient.registrar import Registrar
+from kvclient.sync_client import KVClient
+from kvclient.vllm._meta import KVServerConnectorMetadata, LoadJob, SaveJob
+from kvclient.vllm._space import Space
+
+logger = logging.getLogger("kvclient.vllm")
+
+
+def _layer_index(name: str) -> int:
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return int(extract_layer_index(name))
+
+
+def _ranks(space: Space, cfg: dict) -> tuple[int, int]:
+    """(tp_rank, pp_rank): from vLLM's process groups where they exist, else the config."""
+    tp_rank = cfg.get("tp_rank")
+    pp_rank = cfg.get("pp_rank")
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            tp_rank = ps.get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
+            pp_rank = ps.get_pp_group().rank_in_group if pp_rank is None else pp_rank
+    except Exception:  # no process groups (tests, a single CPU worker)
+        pass
+    if tp_rank is None and space.tp_size > 1 or pp_rank is None and space.pp_size > 1:
+        raise ValueError("TP or PP above 1 without vLLM's process groups: set kv_connector_extra_config "
+                         "tp_rank and pp_rank")
+    return int(tp_rank or 0), int(pp_rank or 0)
+
+
+@dataclass
+class _Load:
+    job: LoadJob
+    handle: object | None
+    asked: int  # blocks the Get was asked for (keys sent)
+    failed: bool = False
+
+
+class WorkerSide:
+    def __init__(self, space: Space, cfg: dict, enabled: bool) -> None:
+        self.space = space
+        self.cfg = cfg
+        self.enabled = enabled
+        self.layerwise = bool(cfg.get("layerwise", True))
+        self.load_timeout = float(cfg.get("load_timeout_s", 30.0))
+        self.client = KVClient(cfg.get("address"), timeout=float(cfg.get("timeout_s", 5.0)),
+                               token=cfg.get("token"), tenant_token=cfg.get("tenant_token"))
+        self.registrar: Registrar | None = None
+        self.pool = None  # a KVViewsPool once registered
+        self.layer_of: dict[str, int] = {}
+        self.layer_ids: tuple[int, ...] = ()
+        self.cuda = False
+        self.event_slots = 0
+        self._loads: list[_Load] = []
+        self._deadline = 0.0
+        self._ready = None  # CUDA: the step's slots-ready event, alive until its Gets end
+        self._failed: set[int] = set()
+        self._lock = threading.Condition()
+        self._pending: dict[str, int] = {}  # req_id -> Puts queued or running
+        self._saving: set[str] = set()  # requests with a Put asked for, until reported finished
+        self._finishing: set[str] = set()
+        self._puts: queue.Queue = queue.Queue()
+        self._putter = threading.Thread(target=self._put_loop, name="kvserver-put", daemon=True)
+        self._putter.start()
+
+    # ---- registration ----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from kvclient.views_pool import KVViewsPool
+
+        space = self.space
+        by_layer = sorted(((_layer_index(name), name, t) for name, t in kv_caches.items()),
+                          key=lambda e: e[0])
+        ids = tuple(i for i, _, _ in by_layer)
+        if len(set(ids)) != len(ids) or ids != tuple(range(ids[0], ids[0] + len(ids))):
+            raise ValueError(f"KVServerConnector needs one KV cache per layer of one contiguous range; "
+                             f"got {ids}")
+        self.layer_ids = ids
+        self.layer_of = {name: i for i, name, _ in by_layer}
+        hs = space.layout.head_dim
+        buffers = []
+        for _, name, t in by_layer:
+            if t.dim() != 4:
+                raise ValueError(f"{name}: a {t.dim()}D KV cache; vLLM 0.33 gives "
+                                 "[blocks, heads, block, content]")
+            view = t.view(space.dtype) if t.dtype != space.dtype else t
+            buffers.append([view] if space.layout.is_mla else [view[..., :hs], view[..., hs:]])
+        self.pool = KVViewsPool(space.layout, space.dtype, buffers)
+        self.cuda = buffers[0][0].device.type == "cuda"
+        self.event_slots = int(self.cfg.get("event_slots", 16)) if self.cuda else 0
+        tp_rank, pp_rank = _ranks(space, self.cfg)
+        kwargs = dict(model=space.model, pool=self.pool, start_layer=ids[0], end_layer=ids[-1] + 1,
+                      num_layers=space.num_layers, host_tokens=0, page_size=space.page_size,
+                      tp_rank=tp_rank, tp_size=space.tp_size, pp_rank=pp_rank, pp_size=space.pp_size,
+                      event_slots=self.event_slots)
+        self.registrar = Registrar(self.client, float(self.cfg.get("retry_register_s", 5.0)), kwargs)
+        if self.enabled:
+            self.registrar.ensure(strict=True)
+
+    def _registered(self) -> bool:
+        return self.enabled and self.registrar is not None and self.registrar.ensure()
+
+    # ---- loads -----------------------------------------------------------------------------
+
+    def _ready_event(self):
+        """CUDA: an interprocess event past the work queued so far on the current stream (what
+        last used the blocks, and the step's own KV writes for a Put)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event(interprocess=True)
+        event.record(torch.cuda.current_stream())
+        return event
+
+    def start_load_kv(self, meta: KVServerConnectorMetadata | None) -> None:
+        self._loads = []
+        if meta is None or not meta.loads:
+            return
+        if not self._registered():
+            for job in meta.loads:
+                self._failed.update(job.block_ids)
+            return
+        ready = self._ready_event()
+        self._ready = ready  # kept until the step's Gets end: the daemon waits on it
+        self._deadline = time.monotonic() + self.load_timeout
+        kb = meta.key_bytes
+        for i, job in enumerate(meta.loads):
+            asked = len(job.keys) // kb
+            handle = None
+            if self.cuda and i >= self.event_slots:
+                logger.warning("kvserver: %d loads in one step, more than event_slots %d: %s is recomputed",
+                               len(meta.loads), self.event_slots, job.req_id)
+            elif asked:
+                try:
+                    handle = self.client.get(job.keys, job.block_ids[:asked], layers=self.layer_ids,
+                                             event_slot=i if self.cuda else 0, ready_event=ready,
+                                             lease_id=job.lease, key_bytes=kb)
+                except Exception as exc:
+                    logger.warning("kvserver: get for %s failed (%s): its blocks are recomputed",
+                                   job.req_id, exc)
+            self._loads.append(_Load(job, handle, asked, failed=handle is None))
+        if not self.layerwise:  # the forward starts once every layer is in (on the GPU for CUDA)
+            for layer in self.layer_ids:
+                self._wait_layer(layer)
+
+    def _wait_layer(self, layer: int) -> None:
+        for load in self._loads:
+            if load.failed:
+                continue
+            try:
+                if self.cuda:
+                    ok = load.handle.stream_wait_layer(layer)
+                else:
+                    ok = load.handle.wait_layer(layer, timeout=max(0.0, self._deadline - time.monotonic()))
+            except Exception as exc:
+                logger.warning("kvserver: layer %d of %s did not land (%s)", layer, load.job.req_id, exc)
+                ok = False
+            if not ok:
+                load.failed = True
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if not self.layerwise or not self._loads:
+            return
+        layer = self.layer_of.get(layer_name)
+        if layer is not None:
+            self._wait_layer(layer)
+
+    def load_errors(self) -> set[int]:
+        """Blocks of this step's loads that did not land (all of a failed Get's, or those past the
+        prefix a Get found); called after the forward, when vLLM asks."""
+        for load in self._loads:
+            got = 0
+            if not load.failed and load.handle is not None:
+                try:
+                    got = load.handle.pages(timeout=max(0.0, self._deadline - time.monotonic()))
+                    load.handle.wait(timeout=max(0.0, self._deadline - time.monotonic()))
+                    if load.handle.missed:
+                        got = 0
+                except Exception as exc:
+                    logger.warning("kvserver: load of %s failed (%s): its blocks are recomputed",
+                                   load.job.req_id, exc)
+                    got = 0
+                if not load.handle.confirmed:
+                    logger.error("kvserver: the daemon could not confirm that the load of %s stopped; its "
+                                 "blocks may still be written for a while", load.job.req_id)
+            got = min(got, load.asked)
+            if got < len(load.job.block_ids):
+                self._failed.update(load.job.block_ids[got:])
+        self._loads = []
+        self._ready = None
+        failed, self._failed = self._failed, set()
+        if failed:
+            logger.info("kvserver: %d blocks did not load; vLLM recomputes them", len(failed))
+        return failed
+
+    # ---- saves -----------------------------------------------------------------------------
+
+    def wait_for_save(self, meta: KVServerConnectorMetadata | None) -> None:
+        if meta is None or not meta.saves:
+            return
+        usable = self._registered()
+        ready = self._ready_event() if usable else None
+        with self._lock:
+            for job in meta.saves:
+                self._saving.add(job.req_id)
+                self._pending[job.req_id] = self._pending.get(job.req_id, 0) + 1
+                self._puts.put((job, meta.key_bytes, ready, usable))
+
+    def _put_loop(self) -> None:
+        while True:
+            task = self._puts.get()
+            if task is None:
+                return
+            job, kb, ready, usable = task
+            if usable:
+                self._put(job, kb, ready)
+            with self._lock:
+                self._pending[job.req_id] -= 1
+                self._lock.notify_all()
+
+    def _put(self, job: SaveJob, kb: int, ready) -> None:
+        try:
+            result = self.client.put(job.keys, job.block_ids, ready_event=ready, key_bytes=kb)
+            if result.dropped:
+                logger.info("kvserver: %d blocks of %s not stored (cache full)", result.dropped, job.req_id)
+        except Exception as exc:
+            logger.warning("kvserver: put for %s failed (%s)", job.req_id, exc)
+
+    def handle_preemptions(self, meta: KVServerConnectorMetadata | None) -> None:
+        """A preempted request's blocks are freed and may be reused by this very step: its Puts
+        must have read them first."""
+        if meta is None or not meta.preempted:
+            return
+        with self._lock:
+            self._lock.wait_for(lambda: all(self._pending.get(r, 0) == 0 for r in meta.preempted),
+                                timeout=self.load_timeout)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        with self._lock:
+            self._finishing.update(r for r in finished_req_ids if r in self._saving)
+            done = {r for r in self._finishing if self._pending.get(r, 0) == 0}
+            self._finishing -= done
+            self._saving -= done
+            for r in done:
+                self._pending.pop(r, None)
+        return (done or None), None
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._lock.wait_for(lambda: not any(self._pending.values()), timeout=self.load_timeout)
+        self._puts.put(None)
+        self._putter.join(timeout=self.load_timeout)
+        try:
+            self.client.close()
+        except Exception:
+            pass

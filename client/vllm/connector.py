@@ -1,0 +1,122 @@
+"""``KVServerConnector``: kvserver's node-wide cache as vLLM 0.33's KV connector, loaded by module
+path, no patch:
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVServerConnector",
+        "kv_connector_module_path": "kvclient.vllm.connector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"address": "unix:///run/kvserver/kvserver.sock"}}'
+
+``kv_connector_extra_config`` (all optional): ``address`` (default: KVSERVER_ADDRESS or the
+daemon's default socket), ``token``, ``tenant_token``, ``model`` (the KV space's name; default
+the served model name), ``num_layers`` (default the model's), ``layerwise`` (default true: each
+layer's attention waits only for that layer, which needs PIECEWISE CUDA graphs; false keeps full
+CUDA graphs and the forward waits for the whole load, still on the GPU), ``lookup`` ("sync", or
+"async": the lookup runs off the scheduler's thread and the request is scheduled a step later),
+``lookup_pin_ms`` (default 10000), ``timeout_s`` (each daemon call, default 5),
+``load_timeout_s`` (default 30), ``event_slots`` (CUDA: loads in one step, default 16),
+``retry_register_s`` (default 5), ``tp_rank`` / ``pp_rank`` (only without vLLM's process groups).
+
+Keys are vLLM's own block hashes (sha256 by default: the same in every process, so DP replicas and
+a restarted engine share). A failed load is reported through ``get_block_ids_with_load_errors``
+and vLLM recomputes those blocks (``kv_load_failure_policy`` "recompute", vLLM's default); every
+other daemon failure is a miss or a block not stored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from kvclient.vllm._meta import KVServerConnectorMetadata
+from kvclient.vllm._scheduler import SchedulerSide
+from kvclient.vllm._space import extra_config, keys_shareable, read_space
+from kvclient.vllm._worker import WorkerSide
+
+__all__ = ["KVServerConnector", "KVServerConnectorMetadata"]
+
+
+class KVServerConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if kv_cache_config is None:
+            raise ValueError("KVServerConnector needs vLLM's KVCacheConfig, which vLLM 0.33 gives both roles")
+        cfg = extra_config(vllm_config)
+        space = read_space(vllm_config, kv_cache_config)
+        enabled = keys_shareable(vllm_config)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(space, cfg, enabled, self._request_block_ids)
+        else:
+            self._worker = WorkerSide(space, cfg, enabled)
+
+    def _request_block_ids(self, req_id: str) -> list[int]:
+        return list(self._kv_cache_manager.get_block_ids(req_id)[0])
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # wait_for_layer_load runs between attention layers: not inside a full CUDA graph.
+        return bool((extra_config or {}).get("layerwise", True))
+
+    # ---- scheduler side --------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids[0])
+
+    # ---- worker side -----------------------------------------------------------------------
+
+    def _meta(self) -> KVServerConnectorMetadata | None:
+        meta = self._connector_metadata
+        return meta if isinstance(meta, KVServerConnectorMetadata) else None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        self._worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):
+        if isinstance(kv_connector_metadata, KVServerConnectorMetadata):
+            self._worker.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        self._worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        # A Put stores a block's every layer of this stage, so the blocks are stored once, after
+        # the last layer (wait_for_save): one daemon call per request a step, not one per layer.
+        return
+
+    def wait_for_save(self):
+        self._worker.wait_for_save(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors()
+
+    def shutdown(self):
+        side = self._scheduler or self._worker
+        if side is not None:
+            side.shutdown()

@@ -1,0 +1,316 @@
+"""kvclient.vllm.connector.KVServerConnector against vLLM 0.33.0's real classes and a real daemon.
+
+vLLM's own Scheduler (the connector built by vLLM's factory from its module path) and the worker
+role over vLLM's own per-layer KV cache views in shared memory (tests/vllm_engine.py), on a CPU.
+Skipped where scripts/install_vllm.sh has not run.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import tempfile
+
+import pytest
+import torch
+import vllm_env
+from conftest import DaemonThread
+
+from kvserver.config import ServerConfig
+
+if not vllm_env.vllm_installed():
+    pytest.skip("vllm not installed (scripts/install_vllm.sh)", allow_module_level=True)
+
+import vllm_engine  # noqa: E402
+from vllm_engine import BLOCK, Engine, kv_value, sampled  # noqa: E402
+
+PROMPT = [(7 * i) % 500 + 3 for i in range(70)]  # 70 tokens: 4 whole blocks before the last token
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm():
+    vllm_env.setup()
+    yield
+    vllm_env.restore()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with tempfile.TemporaryDirectory(prefix="kvs-vllm-") as d:
+        daemon = DaemonThread(ServerConfig(socket=os.path.join(d, "kv.sock"), host_memory=256 << 20))
+        yield daemon
+        daemon.stop()
+
+
+@pytest.fixture(scope="module")
+def vcfg(server):
+    # One ModelConfig for the module: each one inspects the architecture in a subprocess (~15 s).
+    return vllm_engine.config(server.address)
+
+
+@pytest.fixture()
+def engines(vcfg, server):
+    """engines(model=..., address=..., **Engine kwargs): engines on the module's config, whose
+    connector settings are changed for the test and put back after."""
+    made: list[Engine] = []
+    extra = vcfg.kv_transfer_config.kv_connector_extra_config
+    saved = dict(extra)
+
+    def make(model: str, *, address: str | None = None, settings: dict | None = None, **kw) -> Engine:
+        extra.clear()
+        extra.update(saved, model=model, address=address or server.address, **(settings or {}))
+        made.append(Engine(vcfg, **kw))
+        return made[-1]
+
+    yield make
+    for e in made:
+        e.close()
+    extra.clear()
+    extra.update(saved)
+
+
+def leases(daemon: DaemonThread) -> int:
+    return daemon.run(lambda: len(daemon.core.cache.leases.leases))
+
+
+def full_tokens(prompt: list[int], generated: int) -> list[int]:
+    return prompt + [sampled(p) for p in range(len(prompt), len(prompt) + generated)]
+
+
+def check_loaded(req_id: str, tokens: list[int], upto: int, seen: list):
+    """An on_layer hook: when the step loads ``req_id``, layer i's K/V of its first ``upto``
+    tokens are in place once wait_for_layer_load(layer i) returns (before the layer computes)."""
+
+    def hook(engine: Engine, layer: int, so) -> None:
+        if any(r.req_id == req_id for r in so.scheduled_new_reqs):
+            ids = engine.block_ids(req_id)
+            for pos in range(upto):
+                for part in (0, 1):
+                    got = engine.kv(ids[pos // BLOCK], pos % BLOCK, layer, part)
+                    assert torch.equal(got, kv_value(tokens[pos], pos, layer, part)), (layer, pos, part)
+            seen.append(layer)
+
+    return hook
+
+
+# ---- the contract --------------------------------------------------------------------------
+
+
+def test_subclasses_vllms_base_classes_with_their_exact_signatures(vcfg):
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
+
+    from kvclient.vllm.connector import KVServerConnector
+
+    assert issubclass(KVServerConnector, KVConnectorBase_V1) and issubclass(KVServerConnector, SupportsHMA)
+    assert not KVServerConnector.__abstractmethods__
+    overridden = [n for n, f in vars(KVServerConnector).items()
+                  if callable(f) or isinstance(f, classmethod)]
+    checked = 0
+    for name in overridden:
+        base = getattr(KVConnectorBase_V1, name, None) or getattr(SupportsHMA, name, None)
+        if base is None or name.startswith("__") and name != "__init__":
+            continue
+        ours = inspect.signature(getattr(KVServerConnector, name))
+        theirs = inspect.signature(base)
+        assert [(p.name, p.kind, p.default) for p in ours.parameters.values()] == \
+            [(p.name, p.kind, p.default) for p in theirs.parameters.values()], name
+        checked += 1
+    assert checked >= 16
+    # vLLM's own factory loads it by module path, and sees the HMA variant
+    assert KVConnectorFactory.get_connector_class(vcfg.kv_transfer_config) is KVServerConnector
+    assert KVServerConnector.requires_piecewise_for_cudagraph({}) is True
+    assert KVServerConnector.requires_piecewise_for_cudagraph({"layerwise": False}) is False
+
+
+# ---- sharing across engines ------------------------------------------------------------------
+
+
+def test_a_second_replica_loads_the_first_ones_prefix_layer_by_layer(engines, server):
+    a = engines("share", layout="LBNHC")
+    a.add("a1", PROMPT, max_tokens=3)
+    a.run()
+    assert a.finished_sending == {"a1"}  # vLLM kept a1's blocks until its Puts were done
+    assert leases(server) == 0
+
+    seen: list[int] = []
+    tokens_b = PROMPT[:64] + [9] * 10
+    b = engines("share", layout="LHBNC", on_layer=check_loaded("b1", PROMPT, 64, seen))
+    b.add("b1", tokens_b, max_tokens=2)
+    so = b.step()
+    assert b.admitted["b1"] == [64]  # 4 blocks from kvserver, no local hit
+    assert so.num_scheduled_tokens["b1"] == len(tokens_b) - 64
+    assert seen == [0, 1]
+    assert not b.invalid
+    b.run()
+    assert leases(server) == 0
+
+    # vLLM's own prefix cache first: a third request on b hits b's blocks locally, and the
+    # connector is asked only beyond them (nothing more to load)
+    b.add("b2", tokens_b, max_tokens=1)
+    b.step()
+    assert b.admitted["b2"] == [64]
+    b.run()
+
+
+def test_a_restarted_engine_finds_its_prefix(engines):
+    first = engines("restart", layout="BLHNC")
+    first.add("r1", PROMPT, max_tokens=20)
+    first.run()
+    first.close()
+    again = engines("restart", layout="BHLNC")
+    tokens = full_tokens(PROMPT, 20)[:86]  # the whole answer stored too: 5 blocks
+    seen: list[int] = []
+    again.on_layer = check_loaded("r2", tokens, 80, seen)
+    again.add("r2", tokens, max_tokens=1)
+    again.step()
+    assert again.admitted["r2"] == [80]
+    assert seen == [0, 1]
+    again.run()
+
+
+def test_async_lookup_schedules_the_request_a_step_later(engines):
+    a = engines("async", settings={"lookup": "async"})
+    a.add("a1", PROMPT, max_tokens=1)
+    a.run()
+    seen: list[int] = []
+    b = engines("async", settings={"lookup": "async"}, on_layer=check_loaded("b1", PROMPT, 64, seen))
+    b.add("b1", PROMPT, max_tokens=1)
+    so = b.step()
+    assert "b1" not in so.num_scheduled_tokens  # the lookup is still out
+    for _ in range(50):
+        so = b.step()
+        if "b1" in so.num_scheduled_tokens:
+            break
+    assert b.admitted["b1"] == [64] and seen == [0, 1]
+    b.run()
+
+
+# ---- failures --------------------------------------------------------------------------------
+
+
+def test_a_failed_load_is_reported_and_vllm_recomputes_it(engines, daemon_factory, caplog):
+    d = daemon_factory(host_memory=64 << 20)
+    a = engines("fail", address=d.address)
+    a.add("a1", PROMPT, max_tokens=1)
+    a.run()
+
+    def kill_daemon(engine, so):
+        if any(r.req_id == "b1" for r in so.scheduled_new_reqs):
+            d.stop()  # between the scheduler's lookup and the worker's Get
+
+    b = engines("fail", address=d.address, before_load=kill_daemon)
+    b.add("b1", PROMPT, max_tokens=2)
+    with caplog.at_level(logging.INFO, logger="kvclient.vllm"):
+        b.step()
+    assert b.admitted["b1"] == [64]
+    ids = b.block_ids("b1")
+    assert b.invalid == set(ids[:4])  # every block of the failed Get, reported to vLLM
+    assert "vLLM recomputes them" in caplog.text
+    so = b.step()  # vLLM rolls b1 back to the first invalid block and computes it again
+    assert so.scheduled_cached_reqs.num_computed_tokens[so.scheduled_cached_reqs.req_ids.index("b1")] == 0
+    b.expect_kv("b1", PROMPT, min(64, b.scheduler.requests["b1"].num_computed_tokens))
+    b.run()  # the daemon stays away: Puts fail, the request still finishes and frees its blocks
+    assert b.finished_sending == {"b1"}
+
+
+def test_no_daemon_at_startup_serves_with_misses(engines, tmp_path):
+    away = f"unix://{tmp_path}/none.sock"
+    e = engines("away", address=away)
+    e.add("x1", PROMPT, max_tokens=2)
+    e.step()
+    assert e.admitted["x1"] == [0]
+    e.run()
+
+
+def test_preemption_waits_for_saves_and_what_was_stored_is_right(engines, server):
+    # 12 blocks for two requests that need 8 each: vLLM preempts one while both decode.
+    e = engines("preempt", num_blocks=12)
+    e.add("p1", PROMPT, max_tokens=50)
+    e.add("p2", [t + 1 for t in PROMPT], max_tokens=50)
+    e.run(max_steps=400)
+    assert e.preempted, "the test needs a preemption"
+    assert e.finished_sending == {"p1", "p2"}
+    # what both stored, preempted or not, is their KV: another engine loads it bit for bit
+    for rid, prompt in (("p1", PROMPT), ("p2", [t + 1 for t in PROMPT])):
+        tokens = full_tokens(prompt, 50)
+        seen: list[int] = []
+        c = engines("preempt", on_layer=check_loaded(rid + "c", tokens, 112, seen))
+        c.add(rid + "c", tokens, max_tokens=1)
+        c.step()
+        assert c.admitted[rid + "c"] == [112] and seen == [0, 1]
+        c.run()
+    assert leases(server) == 0
+
+
+def test_abort_releases_the_pin_of_a_request_that_never_loaded(engines, server):
+    from vllm.v1.request import RequestStatus
+
+    a = engines("abort")
+    a.add("a1", PROMPT, max_tokens=1)
+    a.run()
+    # b has room for one request: b1 runs, b2 is looked up (pinned) but gets no blocks
+    b = engines("abort", num_blocks=6)
+    b.add("b1", [1] * 80, max_tokens=1)
+    b.step()
+    b.add("b2", PROMPT, max_tokens=1)
+    b.scheduler.schedule()  # looks b2 up: a pin; no blocks to allocate
+    assert leases(server) == 1
+    b.scheduler.finish_requests("b2", RequestStatus.FINISHED_ABORTED)
+    assert leases(server) == 0
+
+
+# ---- keys ------------------------------------------------------------------------------------
+
+
+def test_keys_are_vllms_block_hashes_only_where_every_process_computes_the_same(vcfg, monkeypatch, caplog):
+    from kvclient.vllm._space import keys_shareable
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    assert keys_shareable(vcfg)  # sha256, vLLM's default: a fixed root seed
+    monkeypatch.setattr(vcfg.cache_config, "prefix_caching_hash_algo", "xxhash")
+    with caplog.at_level(logging.WARNING, logger="kvclient.vllm"):
+        assert not keys_shareable(vcfg)
+    assert "random per-process seed" in caplog.text and "connector is off" in caplog.text
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    assert keys_shareable(vcfg)
+
+
+def test_an_engine_with_per_process_hashes_stores_and_finds_nothing(engines, vcfg, monkeypatch, server):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    monkeypatch.setattr(vcfg.cache_config, "prefix_caching_hash_algo", "xxhash")
+    cached = server.run(lambda: server.core.cache.bytes)
+    e = engines("xxhash")
+    e.add("x1", PROMPT, max_tokens=1)
+    e.run()
+    assert e.finished_sending == set()  # nothing stored, nothing held back
+    assert server.run(lambda: server.core.cache.bytes) == cached
+
+
+# ---- what it refuses ---------------------------------------------------------------------------
+
+
+def test_refuses_hybrid_and_non_dense_caches(vcfg):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+
+    from kvclient.vllm.connector import KVServerConnector
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    swa = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float16,
+                            sliding_window=128)
+    two = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["model.layers.0.self_attn.attn"], full),
+        KVCacheGroupSpec(["model.layers.1.self_attn.attn"], swa)])
+    with pytest.raises(ValueError, match="one KV cache group"):
+        KVServerConnector(vcfg, KVConnectorRole.SCHEDULER, two)
+    one_swa = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(list(vllm_engine.LAYERS), swa)])
+    with pytest.raises(ValueError, match="full-attention or MLA"):
+        KVServerConnector(vcfg, KVConnectorRole.WORKER, one_swa)

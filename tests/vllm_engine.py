@@ -1,0 +1,197 @@
+"""A vLLM 0.33 engine on a CPU for the connector tests: vLLM's real Scheduler (with the connector
+built by vLLM's factory in the scheduler role), the connector again in the worker role over real
+per-layer KV cache views (vLLM's own ``create_kv_cache_views`` over shared memory), and a stand-in
+for the model's forward that calls the worker connector exactly as vLLM's model runner does
+(``KVConnectorModelRunnerMixin._get_kv_connector_output`` and the attention layers'
+``maybe_transfer_kv_layer``) and writes each scheduled token's K/V as a function of (token,
+position, layer): what a real attention layer writes is a function of the prefix, and this one
+makes a wrong or missing block visible bit for bit.
+
+Call ``vllm_env.setup()`` (a module fixture) before anything here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CONNECTOR_PATH = "kvclient.vllm.connector"
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")  # vllm_env.model_dir()'s
+HEADS, HEAD_SIZE, BLOCK = 2, 16, 16
+
+
+def kv_value(token: int, pos: int, layer: int, part: int) -> torch.Tensor:
+    """[HEADS, HEAD_SIZE] of fp16 small integers (exact), distinct per (token, position, layer, part)."""
+    base = (token * 13 + pos * 7 + layer * 5 + part * 11) % 1000
+    h = torch.arange(HEADS)[:, None] * 17
+    d = torch.arange(HEAD_SIZE)[None, :]
+    return ((base + h + d) % 2000).to(torch.float16)
+
+
+def sampled(pos: int) -> int:
+    """The token the stand-in model samples at position ``pos`` (deterministic, never EOS)."""
+    return 100 + pos % 50
+
+
+def config(address: str, **extra):
+    import vllm_env
+
+    cfg = vllm_env.vllm_config(kv_connector="KVServerConnector", kv_connector_module_path=CONNECTOR_PATH,
+                               kv_connector_extra_config={"address": address, "model": "vllm-test", **extra})
+    return cfg
+
+
+def make_views(layout_name: str, num_blocks: int, num_layers: int = len(LAYERS)):
+    """(SharedKVMemory, [per-layer [B, H, N, 2 * head] views]) as vLLM's allocator lays them out."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheTensor,
+        compute_layout_strides,
+        create_kv_cache_views,
+    )
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from kvclient.views_pool import SharedKVMemory
+
+    layout = KVCacheLayout[layout_name]
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float16)
+    strides = compute_layout_strides(spec, num_blocks, num_layers, layout)
+    names = [f"l{i}" for i in range(num_layers)]
+    tensor = KVCacheTensor(size=spec.page_size_bytes * num_blocks * num_layers, layers=names,
+                           layer_stride=strides[0], block_stride=strides[1])
+    mem = SharedKVMemory(tensor.size)
+    views = create_kv_cache_views(mem.tensor.view(torch.int8), spec, num_blocks, layout, tensor)
+    return mem, list(views)
+
+
+class Engine:
+    """One vLLM engine: scheduler + one worker, on ``address``'s daemon."""
+
+    def __init__(self, vllm_config, *, layout: str = "LBNHC", num_blocks: int = 64,
+                 on_layer=None, before_load=None) -> None:
+        import vllm_env
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        self.config = vllm_config
+        kv_cfg = vllm_env.kv_cache_config(BLOCK, num_blocks, num_kv_heads=HEADS, head_size=HEAD_SIZE,
+                                          layers=LAYERS)
+        self.scheduler = vllm_env.scheduler(vllm_config, kv_cfg)
+        self.connector = self.scheduler.connector
+        self.worker = KVConnectorFactory.create_connector(config=vllm_config, role=KVConnectorRole.WORKER,
+                                                          kv_cache_config=kv_cfg)
+        self.mem, views = make_views(layout, num_blocks)
+        self.caches = dict(zip(LAYERS, views, strict=True))
+        self.worker.register_kv_caches(self.caches)
+        self.on_layer = on_layer  # on_layer(engine, layer_index, scheduler_output) after each layer's wait
+        self.before_load = before_load  # before_load(engine, scheduler_output) before start_load_kv
+        self.steps = 0
+        self.invalid: set[int] = set()
+        self.finished_sending: set[str] = set()
+        self.admitted: dict[str, list[int]] = {}  # request -> computed tokens at each admission
+        self.preempted: set[str] = set()
+
+    # ---- vLLM's side --------------------------------------------------------------------------
+
+    def add(self, req_id: str, tokens, max_tokens: int = 4):
+        import vllm_env
+
+        req = vllm_env.request(req_id, tokens, max_tokens=max_tokens, block_size=BLOCK)
+        self.scheduler.add_request(req)
+        return req
+
+    def block_ids(self, req_id: str) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+
+    def kv(self, block: int, slot: int, layer: int, part: int) -> torch.Tensor:
+        v = self.caches[LAYERS[layer]]
+        return v[block, :, slot, part * HEAD_SIZE:(part + 1) * HEAD_SIZE]
+
+    def expect_kv(self, req_id: str, tokens, upto: int) -> None:
+        """The request's first ``upto`` tokens' K/V in its blocks are the model's, bit for bit."""
+        ids = self.block_ids(req_id)
+        for pos in range(upto):
+            for layer in range(len(LAYERS)):
+                for part in (0, 1):
+                    got = self.kv(ids[pos // BLOCK], pos % BLOCK, layer, part)
+                    want = kv_value(tokens[pos], pos, layer, part)
+                    assert torch.equal(got, want), (req_id, pos, layer, part)
+
+    def _scheduled(self, so) -> list[tuple[str, int, int]]:
+        """(request, first position, tokens) of every request the step computes."""
+        out = [(r.req_id, r.num_computed_tokens, so.num_scheduled_tokens[r.req_id])
+               for r in so.scheduled_new_reqs]
+        cached = so.scheduled_cached_reqs
+        out += [(rid, cached.num_computed_tokens[i], so.num_scheduled_tokens[rid])
+                for i, rid in enumerate(cached.req_ids)]
+        return out
+
+    def step(self):
+        """One engine step; returns the SchedulerOutput."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        so = self.scheduler.schedule()
+        for r in so.scheduled_new_reqs:
+            self.admitted.setdefault(r.req_id, []).append(r.num_computed_tokens)
+        for i, rid in enumerate(so.scheduled_cached_reqs.req_ids):
+            if rid in so.scheduled_cached_reqs.resumed_req_ids:
+                self.admitted.setdefault(rid, []).append(so.scheduled_cached_reqs.num_computed_tokens[i])
+        self.preempted |= set(so.preempted_req_ids or ())
+        meta = so.kv_connector_metadata
+        w = self.worker
+        w.handle_preemptions(meta)  # gpu_model_runner.execute_model, before the inputs
+        w.bind_connector_metadata(meta)
+        if self.before_load is not None:
+            self.before_load(self, so)
+        if so.has_sync_kv_loads:
+            w.start_load_kv(None)
+        work = self._scheduled(so)
+        if so.total_num_scheduled_tokens:
+            for layer, name in enumerate(LAYERS):
+                w.wait_for_layer_load(name)
+                if self.on_layer is not None:
+                    self.on_layer(self, layer, so)
+                for rid, start, n in work:  # the layer's attention writes the step's K/V
+                    req = self.scheduler.requests[rid]
+                    ids = self.block_ids(rid)
+                    for pos in range(start, start + n):
+                        tok = req.all_token_ids[pos]
+                        for part in (0, 1):
+                            dst = self.kv(ids[pos // BLOCK], pos % BLOCK, layer, part)
+                            dst.copy_(kv_value(tok, pos, layer, part))
+                w.save_kv_layer(name, self.caches[name], None)
+        if not so.has_sync_kv_loads:
+            w.start_load_kv(None)
+        w.wait_for_save()
+        sending, recving = w.get_finished(so.finished_req_ids)
+        invalid = w.get_block_ids_with_load_errors()
+        w.clear_connector_metadata()
+        self.invalid |= invalid
+        self.finished_sending |= sending or set()
+        ids = [rid for rid, _, _ in work]
+        tokens = []
+        for rid, start, n in work:
+            req = self.scheduler.requests[rid]
+            tokens.append([sampled(start + n)] if start + n >= req.num_tokens else [])
+        out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                sampled_token_ids=tokens, logprobs=None, prompt_logprobs_dict={},
+                                pooler_output=None,
+                                kv_connector_output=KVConnectorOutput(finished_sending=sending,
+                                                                      finished_recving=recving,
+                                                                      invalid_block_ids=invalid))
+        self.scheduler.update_from_output(so, out)
+        self.steps += 1
+        return so
+
+    def run(self, max_steps: int = 200) -> None:
+        """Steps until nothing is left (finished requests' blocks freed included)."""
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests():
+                return
+            self.step()
+        raise AssertionError(f"still busy after {max_steps} steps")
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.connector.shutdown()
+        self.caches.clear()
+        self.mem.close()
