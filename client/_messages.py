@@ -10,6 +10,7 @@ import torch
 
 from kvclient.cuda_pool import CudaKVPool
 from kvclient.shm_pool import ShmKVPool
+from kvclient.views_pool import KVViewsPool
 from kvserver.layout import wire_dtype
 from kvserver.v1 import kvserver_pb2 as pb
 
@@ -39,7 +40,7 @@ def ids(values: Indices) -> list[int]:
 def register_request(
     *,
     model: str,
-    pool: ShmKVPool | CudaKVPool,
+    pool: ShmKVPool | CudaKVPool | KVViewsPool,
     start_layer: int,
     end_layer: int,
     num_layers: int,

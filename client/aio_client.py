@@ -23,10 +23,12 @@ from kvclient._resilience import Backoff
 from kvclient._shell import CoreShell
 from kvclient.aio_load_handle import AsyncLoadHandle
 from kvclient.core import ClientCore
+from kvclient.cuda_pool import CudaKVPool
 from kvclient.errors import KVClientError, from_rpc_error
 from kvclient.keys import KEY_BYTES, Keys
 from kvclient.results import LookupResult, PutResult
 from kvclient.shm_pool import ShmKVPool
+from kvclient.views_pool import KVViewsPool
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
@@ -113,7 +115,8 @@ class AsyncKVClient(CoreShell):
 
     # ---- registration and liveness --------------------------------------------------------
 
-    async def register(self, *, model: str, pool: ShmKVPool, start_layer: int, end_layer: int,
+    async def register(self, *, model: str, pool: ShmKVPool | CudaKVPool | KVViewsPool, start_layer: int,
+                       end_layer: int,
                        num_layers: int, host_tokens: int, page_size: int = 1, tp_rank: int = 0,
                        tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
                        event_slots: int = 0, min_host_tokens: int | None = None) -> msg.Registration:

@@ -24,11 +24,13 @@ from kvclient._ops import Call, Missed, Op, StreamOp
 from kvclient._resilience import Backoff
 from kvclient._shell import CoreShell
 from kvclient.core import ClientCore
+from kvclient.cuda_pool import CudaKVPool
 from kvclient.errors import KVClientError, from_rpc_error
 from kvclient.keys import KEY_BYTES, Keys
 from kvclient.load_handle import LoadHandle
 from kvclient.results import LookupResult, PutResult
 from kvclient.shm_pool import ShmKVPool
+from kvclient.views_pool import KVViewsPool
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
@@ -122,7 +124,7 @@ class KVClient(CoreShell):
         self,
         *,
         model: str,
-        pool: ShmKVPool,
+        pool: ShmKVPool | CudaKVPool | KVViewsPool,
         start_layer: int,
         end_layer: int,
         num_layers: int,
@@ -136,7 +138,7 @@ class KVClient(CoreShell):
         min_host_tokens: int | None = None,
     ) -> msg.Registration:
         """Registers (always raising on failure) and opens the session that keeps it alive.
-        ``pool`` is a ShmKVPool or a CudaKVPool; CUDA pools get ``event_slots`` (default 3)
+        ``pool`` is a ShmKVPool, a CudaKVPool or a KVViewsPool; CUDA pools get ``event_slots`` (default 3)
         sets of per-layer events, one set per load in flight. The grant is ``host_tokens``, or
         at least ``min_host_tokens`` if given: a daemon that cannot grant that much refuses with
         RESOURCE_EXHAUSTED, naming what is free."""

@@ -358,6 +358,81 @@ def test_cuda_round_trip_in_vllm_layouts(daemon, fake, kind, page_size):
         stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=10)
 
 
+LAYOUTS_033 = ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
+
+
+def vllm033_cuda_pool(fake, order: str, heads: int, head_dim: int, block: int = 16):
+    """vLLM 0.33's per-layer [B, H, N, C] views (C = K then V of one head, docs/layouts.md) of one
+    logical [L, B, H, N, C] cache stored in physical ``order``, fp16, in one fake allocation.
+    Returns the refs and, per (layer, part), a [B, N, H, head bytes] view of the memory."""
+    nb = TOKENS // block
+    sizes = dict(L=LAYERS, B=nb, H=heads, N=block, C=2 * head_dim)
+    nbytes = LAYERS * TOKENS * heads * 2 * head_dim * 2
+    handle, mem = fake.cuda.runtime.export(nbytes + 4096)
+    raw = torch.from_numpy(mem[4096:]).view(torch.float16).view([sizes[a] for a in order])
+    five = raw.permute([order.index(a) for a in "LBHNC"])
+    base = mem.ctypes.data
+    views, layers = [], []
+    for layer in range(LAYERS):
+        parts = [five[layer][..., :head_dim], five[layer][..., head_dim:]]
+        views.append([v.view(torch.uint8).permute(0, 2, 1, 3).numpy() for v in parts])  # [B, N, H, bytes]
+        layers.append(pb.LayerBuffers(parts=[
+            pb.BufferRef(cuda=pb.CudaIpcLocation(ipc_handle=b"\x02c" + handle, device_uuid=UUID,
+                                                 allocation_size=mem.size),
+                         offset=v.data_ptr() - base, block_tokens=block, block_stride=v.stride(0) * 2,
+                         head_stride=v.stride(1) * 2, token_stride=v.stride(2) * 2)
+            for v in parts]))
+    return pb.DevicePool(num_tokens=TOKENS, layers=layers), views, mem
+
+
+@pytest.mark.parametrize("page_size", [16, 1])
+@pytest.mark.parametrize("order", LAYOUTS_033)
+def test_cuda_round_trip_in_vllm_033_layouts(daemon, fake, order, page_size):
+    """vLLM 0.33's six per-layer layouts (LHBNC: each head runs over every block, head_stride
+    = blocks * block_stride) through the CUDA planning and copy kernel: bit for bit, nothing else
+    written."""
+    heads, head_dim = 2, 8
+    refs, views, mem = vllm033_cuda_pool(fake, order, heads, head_dim)
+    rng = np.random.default_rng(11)
+    mem[:] = rng.integers(0, 256, mem.shape, dtype=np.uint8)
+    want = [[_tokens(v).copy() for v in layer] for layer in views]
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        reg = register(stub, refs, heads, head_dim, page_size)
+        host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=64)).host_indices)
+        pages = rng.permutation(TOKENS // page_size)[: 64 // page_size]
+        dev = (pages[:, None] * page_size + np.arange(page_size)).reshape(-1).tolist()
+        stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=host, device_indices=dev),
+                   timeout=10)
+        mem[:] = 0
+        steps = list(stub.Load(pb.LoadRequest(client_id=reg.client_id, host_indices=host, device_indices=dev),
+                               timeout=10))
+        assert steps[-1].done
+        others = sorted(set(range(TOKENS)) - set(dev))
+        for layer in range(LAYERS):
+            for part in range(2):
+                got = _tokens(views[layer][part])
+                assert np.array_equal(got[dev], want[layer][part][dev]), (layer, part)
+                assert not got[others].any()
+        assert not mem[:4096].any()
+        stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=10)
+
+
+def test_cuda_lhbnc_heads_overlapping_blocks_are_refused_before_opening(daemon, fake):
+    refs, _, _ = vllm033_cuda_pool(fake, "LHBNC", 2, 8)
+    for lb in refs.layers:
+        for r in lb.parts:
+            r.head_stride -= r.block_stride  # head 1 starts inside head 0's last block
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            register(stub, refs, 2, 8, 16)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "blocks overlap" in err.value.details(), err.value.details()
+        assert "ipcOpenMemHandle" not in [c[0] for c in fake.cuda.runtime.calls]
+        assert stub.Stats(pb.StatsRequest()).num_clients == 0
+
+
 def slow_host_register(rt, monkeypatch, seconds: float, call: str = "hostRegister"):
     """A runtime call (hostRegister by default) that takes ``seconds``, as pinning tens of GiB
     does."""

@@ -124,3 +124,100 @@ def test_plain_buffers_of_old_clients_are_not_compared_at_all():
     budget = geometry.CheckBudget()
     geometry.check_no_overlap(geoms, ["one"] * len(geoms), NB * BS, lambda i: f"b{i}", budget)
     assert budget.left == geometry.MAX_CHECK_UNITS
+
+
+# vLLM 0.33: every layer is a [B, H, N, C] view of a logical [L, B, H, N, C] cache in one of six
+# physical orders; K = view[..., :D], V = view[..., D:] (docs/layouts.md, "vLLM 0.33's per-layer views").
+LAYOUTS_033 = ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
+LAYERS_033 = 3
+
+
+def views_033(order: str, mla: bool = False):
+    """(raw tensor, per layer the parts' [B, H, N, D] views) in physical ``order``."""
+    heads, c = (1, 2 * D) if mla else (H, 2 * D)
+    sizes = dict(L=LAYERS_033, B=NB, H=heads, N=BS, C=c)
+    raw = torch.empty([sizes[a] for a in order], dtype=DT)
+    five = raw.permute([order.index(a) for a in "LBHNC"])
+    if mla:
+        return raw, [[five[layer]] for layer in range(LAYERS_033)]
+    return raw, [[five[layer][..., :D], five[layer][..., D:]] for layer in range(LAYERS_033)]
+
+
+def _ref_033(base: int, v: torch.Tensor) -> pb.BufferRef:
+    w = v.element_size()
+    return pb.BufferRef(offset=v.data_ptr() - base, block_tokens=v.shape[2], block_stride=v.stride(0) * w,
+                        head_stride=v.stride(1) * w, token_stride=v.stride(2) * w)
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize("order", LAYOUTS_033)
+def test_each_vllm_033_layout_is_accepted_and_described_exactly(order, mla):
+    """LHBNC runs each head over every block (head_stride = blocks * block_stride), so a block's
+    extent exceeds its block_stride, yet the views tile memory: accepted, K and V of a row and the
+    layers found disjoint, and every (token, head) the rule names is where torch keeps it."""
+    raw, layers = views_033(order, mla)
+    base, n = raw.data_ptr(), NB * BS
+    heads, head_bytes = layers[0][0].shape[1], layers[0][0].shape[3] * raw.element_size()
+    refs = [_ref_033(base, v) for parts in layers for v in parts]
+    budget = geometry.CheckBudget()
+    geoms = [geometry.of_ref(r, n, heads, head_bytes, f"buffer {i}", budget) for i, r in enumerate(refs)]
+    geometry.check_no_overlap(geoms, ["one"] * len(geoms), n, lambda i: f"buffer {i}", budget)
+    assert geometry.MAX_CHECK_UNITS - budget.left < 4096
+    tokens = torch.arange(n)
+    views = [v for parts in layers for v in parts]
+    for g, v in zip(geoms, views, strict=True):
+        per_token = torch.from_numpy(g.token_offsets(tokens.numpy())) + g.offset
+        for h in range(heads):
+            want = torch.tensor([v[t // BS, h, t % BS].data_ptr() for t in range(n)]) - base
+            assert (per_token + h * g.head_stride == want).all(), (order, h)
+    # the highest byte touched is the raw tensor's last
+    hi = max(g.span(n)[1] for g in geoms)
+    assert hi == raw.numel() * raw.element_size()
+
+
+def _lhbnc(head_stride: int) -> pb.BufferRef:
+    hb = D * 2
+    return pb.BufferRef(offset=0, block_tokens=BS, block_stride=BS * 2 * hb, token_stride=2 * hb,
+                        head_stride=head_stride)
+
+
+def test_heads_running_over_blocks_that_do_overlap_are_refused():
+    """A head/block layout as LHBNC's, but the next head starts before the last block of the
+    previous one ends: refused (INVALID_ARGUMENT), as are K/V pairs of it that really overlap."""
+    hb, n = D * 2, NB * BS
+    ok = _lhbnc(NB * BS * 2 * hb)
+    geometry.of_ref(ok, n, H, hb, "k")
+    with pytest.raises(InvalidArgument, match="blocks overlap: block_stride 512 is smaller than one block's"):
+        geometry.of_ref(_lhbnc((NB - 1) * BS * 2 * hb), n, H, hb, "k")
+    with pytest.raises(InvalidArgument, match="blocks overlap"):
+        geometry.of_ref(_lhbnc(NB * BS * 2 * hb - hb - hb // 2), n, H, hb, "k")  # half a head
+    geometry.of_ref(_lhbnc(NB * BS * 2 * hb - hb), n, H, hb, "k")  # just fits: the last token's gap
+    # K and V of one row (V = K + head_bytes): disjoint; V half a head into K: refused
+    k = geometry.of_ref(ok, n, H, hb, "k")
+    for delta, fine in [(hb, True), (hb // 2, False), (0, False)]:
+        vr = pb.BufferRef()
+        vr.CopyFrom(ok)
+        vr.offset = delta
+        v = geometry.of_ref(vr, n, H, hb, "v")
+        if fine:
+            geometry.check_no_overlap([k, v], ["x", "x"], n, lambda i: f"buffer {i}")
+        else:
+            with pytest.raises(InvalidArgument, match="buffer 0 and buffer 1 overlap"):
+                geometry.check_no_overlap([k, v], ["x", "x"], n, lambda i: f"buffer {i}")
+    # a second layer placed inside the first one's head runs: refused
+    other = pb.BufferRef()
+    other.CopyFrom(ok)
+    other.offset = BS * 2 * hb * 3
+    with pytest.raises(InvalidArgument, match="overlap"):
+        geometry.check_no_overlap([k, geometry.of_ref(other, n, H, hb, "l1")], ["x", "x"], n,
+                                  lambda i: f"buffer {i}")
+
+
+def test_nesting_check_is_constant_cost():
+    """The (block, head, token) nesting check costs nothing from the budget, whatever the counts."""
+    hb = 16
+    r = pb.BufferRef(offset=0, block_tokens=1, block_stride=2 * hb, token_stride=2 * hb,
+                     head_stride=(1 << 20) * 2 * hb)
+    budget = geometry.CheckBudget()
+    geometry.of_ref(r, 1 << 20, 1, hb, "k", budget)  # one head: contiguous, nothing sorted
+    assert budget.left == geometry.MAX_CHECK_UNITS
