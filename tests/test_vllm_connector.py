@@ -11,6 +11,7 @@ import inspect
 import logging
 import os
 import tempfile
+import time
 
 import pytest
 import torch
@@ -179,7 +180,8 @@ def test_async_lookup_schedules_the_request_a_step_later(engines):
     b.add("b1", PROMPT, max_tokens=1)
     so = b.step()
     assert "b1" not in so.num_scheduled_tokens  # the lookup is still out
-    for _ in range(50):
+    for _ in range(400):  # a real step takes milliseconds; these take microseconds
+        time.sleep(0.005)
         so = b.step()
         if "b1" in so.num_scheduled_tokens:
             break
@@ -190,7 +192,11 @@ def test_async_lookup_schedules_the_request_a_step_later(engines):
 # ---- failures --------------------------------------------------------------------------------
 
 
-def test_a_failed_load_is_reported_and_vllm_recomputes_it(engines, daemon_factory, caplog):
+def test_a_failed_load_is_reported_and_vllm_recomputes_it(engines, daemon_factory, caplog, vcfg, monkeypatch):
+    # vLLM's synchronous Scheduler: under async scheduling vLLM 0.33 keeps the output placeholder
+    # of a request whose load failed, and the recompute then schedules one token too many
+    # (docs/vllm-notes.md); the connector's part is the same under both.
+    monkeypatch.setattr(vcfg.scheduler_config, "async_scheduling", False)
     d = daemon_factory(host_memory=64 << 20)
     a = engines("fail", address=d.address)
     a.add("a1", PROMPT, max_tokens=1)
@@ -201,7 +207,7 @@ def test_a_failed_load_is_reported_and_vllm_recomputes_it(engines, daemon_factor
             d.stop()  # between the scheduler's lookup and the worker's Get
 
     b = engines("fail", address=d.address, before_load=kill_daemon)
-    b.add("b1", PROMPT, max_tokens=2)
+    b.add("b1", PROMPT, max_tokens=12)  # fills a fifth block, whose Put then fails
     with caplog.at_level(logging.INFO, logger="kvclient.vllm"):
         b.step()
     assert b.admitted["b1"] == [64]
@@ -211,8 +217,8 @@ def test_a_failed_load_is_reported_and_vllm_recomputes_it(engines, daemon_factor
     so = b.step()  # vLLM rolls b1 back to the first invalid block and computes it again
     assert so.scheduled_cached_reqs.num_computed_tokens[so.scheduled_cached_reqs.req_ids.index("b1")] == 0
     b.expect_kv("b1", PROMPT, min(64, b.scheduler.requests["b1"].num_computed_tokens))
-    b.run()  # the daemon stays away: Puts fail, the request still finishes and frees its blocks
-    assert b.finished_sending == {"b1"}
+    b.run()  # the daemon stays away: the Put fails, the request still finishes and frees its blocks
+    assert b.finished_sending == {"b1"} and "b1" not in b.scheduler.requests
 
 
 def test_no_daemon_at_startup_serves_with_misses(engines, tmp_path):

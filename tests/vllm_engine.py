@@ -12,6 +12,8 @@ Call ``vllm_env.setup()`` (a module fixture) before anything here.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 CONNECTOR_PATH = "kvclient.vllm.connector"
@@ -154,7 +156,9 @@ class Engine:
                     req = self.scheduler.requests[rid]
                     ids = self.block_ids(rid)
                     for pos in range(start, start + n):
-                        tok = req.all_token_ids[pos]
+                        # Under async scheduling a decode step's input may still be a placeholder:
+                        # the runner feeds the token it sampled last step, which is sampled(pos).
+                        tok = req.all_token_ids[pos] if pos < req.num_tokens else sampled(pos)
                         for part in (0, 1):
                             dst = self.kv(ids[pos // BLOCK], pos % BLOCK, layer, part)
                             dst.copy_(kv_value(tok, pos, layer, part))
@@ -182,13 +186,19 @@ class Engine:
         self.steps += 1
         return so
 
-    def run(self, max_steps: int = 200) -> None:
-        """Steps until nothing is left (finished requests' blocks freed included)."""
-        for _ in range(max_steps):
-            if not self.scheduler.has_requests():
-                return
-            self.step()
-        raise AssertionError(f"still busy after {max_steps} steps")
+    def run(self, max_steps: int = 400, timeout: float = 30.0) -> None:
+        """Steps until nothing is left (finished requests' blocks freed included). As vLLM's engine
+        loop, it keeps stepping while finished requests wait for their Puts; empty steps pause a
+        millisecond here."""
+        deadline = time.monotonic() + timeout
+        steps = 0
+        while self.scheduler.has_requests():
+            so = self.step()
+            steps += bool(so.total_num_scheduled_tokens)
+            if steps > max_steps or time.monotonic() > deadline:
+                raise AssertionError(f"still busy after {steps} steps")
+            if not so.total_num_scheduled_tokens:
+                time.sleep(0.001)
 
     def close(self) -> None:
         self.worker.shutdown()

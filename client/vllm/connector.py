@@ -3,6 +3,7 @@ path, no patch:
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVServerConnector",
         "kv_connector_module_path": "kvclient.vllm.connector", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"address": "unix:///run/kvserver/kvserver.sock"}}'
 
 ``kv_connector_extra_config`` (all optional): ``address`` (default: KVSERVER_ADDRESS or the
@@ -17,12 +18,14 @@ CUDA graphs and the forward waits for the whole load, still on the GPU), ``looku
 
 Keys are vLLM's own block hashes (sha256 by default: the same in every process, so DP replicas and
 a restarted engine share). A failed load is reported through ``get_block_ids_with_load_errors``
-and vLLM recomputes those blocks (``kv_load_failure_policy`` "recompute", vLLM's default); every
+and vLLM recomputes those blocks with ``kv_load_failure_policy`` "recompute" (vLLM's default,
+"fail", fails those requests instead, and the connector warns at startup); every
 other daemon failure is a miss or a block not stored.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -40,6 +43,8 @@ from kvclient.vllm._worker import WorkerSide
 
 __all__ = ["KVServerConnector", "KVServerConnectorMetadata"]
 
+logger = logging.getLogger("kvclient.vllm")
+
 
 class KVServerConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config) -> None:
@@ -52,6 +57,11 @@ class KVServerConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "recompute")
+            if enabled and policy != "recompute":
+                logger.warning("kvserver: kv_load_failure_policy is %r: a load that fails (the daemon gone "
+                               "mid-step) fails its requests; set \"kv_load_failure_policy\": \"recompute\" "
+                               "in --kv-transfer-config to have vLLM recompute those blocks", policy)
             self._scheduler = SchedulerSide(space, cfg, enabled, self._request_block_ids)
         else:
             self._worker = WorkerSide(space, cfg, enabled)

@@ -1,0 +1,153 @@
+"""The vLLM connector's worker side (kvclient.vllm._worker.WorkerSide, what KVServerConnector runs
+in vLLM's worker processes) over every KV cache layout vLLM 0.33 ships, MHA and MLA: per-layer
+views built by vLLM's own ``create_kv_cache_views`` in shared memory, registered as they lie;
+blocks stored from one layout and loaded into another, bit for bit, each layer in place when its
+wait returns; a Get that finds only a prefix reports the rest. Real daemon; skipped without vLLM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import pytest
+import torch
+import vllm_env
+
+if not vllm_env.vllm_installed():
+    pytest.skip("vllm not installed (scripts/install_vllm.sh)", allow_module_level=True)
+
+from kvserver.layout import KVLayout  # noqa: E402
+
+LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+BLOCKS = 12
+SENTINEL = -7.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm():
+    vllm_env.setup()
+    yield
+    vllm_env.restore()
+
+
+def spec(kind: str):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    if kind == "mha":
+        return FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    return MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=48, dtype=torch.float16)
+
+
+def space(kind: str):
+    from kvclient.vllm._space import Space
+
+    layout = KVLayout.mha(2, 16) if kind == "mha" else KVLayout.mla(32, 16)
+    return Space(model=f"worker-{kind}", layout=layout, dtype=torch.float16, page_size=16,
+                 num_layers=len(NAMES), tp_size=1, pp_size=1, hash_stride=1)
+
+
+def views(kind: str, layout_name: str):
+    from vllm.v1.kv_cache_interface import KVCacheTensor, compute_layout_strides, create_kv_cache_views
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from kvclient.views_pool import SharedKVMemory
+
+    s = spec(kind)
+    strides = compute_layout_strides(s, BLOCKS, len(NAMES), KVCacheLayout[layout_name])
+    tensor = KVCacheTensor(size=s.page_size_bytes * BLOCKS * len(NAMES), layers=list(NAMES),
+                           layer_stride=strides[0], block_stride=strides[1])
+    mem = SharedKVMemory(tensor.size)
+    return mem, list(create_kv_cache_views(mem.tensor.view(torch.int8), s, BLOCKS, KVCacheLayout[layout_name],
+                                           tensor))
+
+
+def keys(n: int, salt: str) -> bytes:
+    out, h = b"", b""
+    for i in range(n):
+        h = hashlib.sha256(h + f"{salt}:{i}".encode()).digest()
+        out += h
+    return out
+
+
+def worker(kind: str, address: str, layout_name: str):
+    from kvclient.vllm._worker import WorkerSide
+
+    mem, vs = views(kind, layout_name)
+    w = WorkerSide(space(kind), {"address": address}, True)
+    w.register_kv_caches(dict(zip(NAMES, vs, strict=True)))
+    return w, mem, vs
+
+
+def wait_finished(w, req_id: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, _ = w.get_finished({req_id})
+        if done == {req_id}:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{req_id}'s Puts did not finish")
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("src,dst", list(zip(LAYOUTS, LAYOUTS[1:] + LAYOUTS[:1], strict=True)))
+def test_blocks_stored_in_one_layout_load_into_another_layer_by_layer(daemon, kind, src, dst):
+    from kvclient.vllm._meta import KVServerConnectorMetadata, LoadJob, SaveJob
+
+    a, mem_a, va = worker(kind, daemon.address, src)
+    b, mem_b, vb = worker(kind, daemon.address, dst)
+    try:
+        g = torch.Generator().manual_seed(hash((kind, src)) & 0xFFFF)
+        for v in va:
+            v.copy_(torch.randint(0, 2000, v.shape, generator=g).to(torch.float16))
+        for v in vb:
+            v.fill_(SENTINEL)
+        stored = [3, 7, 1, 9, 0]
+        a.wait_for_save(KVServerConnectorMetadata(saves=[SaveJob("r", keys(5, src), stored)]))
+        wait_finished(a, "r")
+
+        target = [10, 2, 5, 11, 4, 6]  # the sixth key was never stored
+        b.start_load_kv(KVServerConnectorMetadata(loads=[LoadJob("q", keys(5, src) + keys(6, "never")[-32:],
+                                                                 target)]))
+        for layer, name in enumerate(NAMES):
+            b.wait_for_layer_load(name)
+            for s_blk, d_blk in zip(stored, target, strict=False):
+                assert torch.equal(vb[layer][d_blk], va[layer][s_blk]), (layer, s_blk, d_blk)
+        assert b.load_errors() == {6}  # past the stored prefix: vLLM recomputes it
+        assert bool((vb[0][6] == SENTINEL).all()) and bool((vb[2][8] == SENTINEL).all())
+    finally:
+        for w in (a, b):
+            w.shutdown()
+        mem_a.close()
+        mem_b.close()
+
+
+def test_a_load_without_a_daemon_reports_every_block(tmp_path):
+    from kvclient.vllm._meta import KVServerConnectorMetadata, LoadJob
+
+    w, mem, _ = worker("mha", f"unix://{tmp_path}/none.sock", "LBNHC")
+    try:
+        w.start_load_kv(KVServerConnectorMetadata(loads=[LoadJob("q", keys(3, "x"), [4, 5, 6])]))
+        for name in NAMES:
+            w.wait_for_layer_load(name)
+        assert w.load_errors() == {4, 5, 6}
+        assert w.load_errors() == set()  # reported once
+    finally:
+        w.shutdown()
+        mem.close()
+
+
+def test_registration_refuses_what_vllm_would_not_give(daemon):
+    from kvclient.vllm._worker import WorkerSide
+
+    mem, vs = views("mha", "LBNHC")
+    try:
+        w = WorkerSide(space("mha"), {"address": daemon.address}, True)
+        with pytest.raises(ValueError, match="contiguous range"):
+            w.register_kv_caches({NAMES[0]: vs[0], NAMES[2]: vs[2]})
+        with pytest.raises(ValueError, match="a 3D KV cache"):
+            w.register_kv_caches({NAMES[0]: vs[0][0]})
+        w.shutdown()
+    finally:
+        mem.close()
