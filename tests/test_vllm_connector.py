@@ -320,3 +320,25 @@ def test_refuses_hybrid_and_non_dense_caches(vcfg):
         KVCacheGroupSpec(list(vllm_engine.LAYERS), swa)])
     with pytest.raises(ValueError, match="full-attention or MLA"):
         KVServerConnector(vcfg, KVConnectorRole.WORKER, one_swa)
+
+
+def test_kv_role_producer_only_stores_and_consumer_only_loads(engines, vcfg, monkeypatch):
+    monkeypatch.setattr(vcfg.kv_transfer_config, "kv_role", "kv_producer")
+    p = engines("roles")
+    p.add("p1", PROMPT, max_tokens=1)
+    p.run()
+    assert p.finished_sending == {"p1"}
+    p.add("p2", [5] * 3 + PROMPT, max_tokens=1)  # another prefix: nothing of it stored yet
+    p.run()
+    p2 = engines("roles")
+    p2.add("p3", PROMPT, max_tokens=1)
+    p2.step()
+    assert p2.admitted["p3"] == [0]  # a producer never loads, even what is stored
+    p2.run()
+    monkeypatch.setattr(vcfg.kv_transfer_config, "kv_role", "kv_consumer")
+    seen: list[int] = []
+    c = engines("roles", on_layer=check_loaded("c1", PROMPT, 64, seen))
+    c.add("c1", PROMPT + [1] * 30, max_tokens=1)
+    c.run()
+    assert c.admitted["c1"] == [64] and seen == [0, 1]
+    assert c.finished_sending == set()  # a consumer stores nothing, so vLLM frees at once

@@ -151,3 +151,52 @@ def test_registration_refuses_what_vllm_would_not_give(daemon):
         w.shutdown()
     finally:
         mem.close()
+
+
+@pytest.mark.parametrize("split", ["tp", "pp"])
+def test_a_lookup_counts_a_block_once_every_tp_rank_and_pp_stage_holds_it(daemon, split):
+    # Two workers of one engine (TP ranks 0 and 1 of 2, or PP stages over layers [0, 2) and [2, 3)),
+    # and the scheduler's lookup, which answers for the whole space.
+    from kvclient.vllm._meta import KVServerConnectorMetadata, SaveJob
+    from kvclient.vllm._scheduler import SchedulerSide
+    from kvclient.vllm._space import Space
+    from kvclient.vllm._worker import WorkerSide
+
+    base = space("mha")
+    sp = Space(**{**base.__dict__, "model": f"split-{split}", "tp_size": 2 if split == "tp" else 1,
+                  "pp_size": 2 if split == "pp" else 1})
+    workers, mems = [], []
+    for rank in (0, 1):
+        mem, vs = views("mha", "LBNHC")
+        mems.append(mem)
+        cfg = {"address": daemon.address, "tp_rank": rank if split == "tp" else 0,
+               "pp_rank": rank if split == "pp" else 0}
+        w = WorkerSide(sp, cfg, True)
+        layers = list(zip(NAMES, vs, strict=True))
+        if split == "pp":
+            layers = layers[:2] if rank == 0 else layers[2:]
+        w.register_kv_caches(dict(layers))
+        workers.append(w)
+    sched = SchedulerSide(sp, {"address": daemon.address}, True, lambda rid: [])
+    req = vllm_env.request("r", list(range(1, 82)), block_size=16)  # 5 whole blocks
+    try:
+        def matched() -> int:
+            n, _ = sched.get_num_new_matched_tokens(req, 0)
+            return n
+
+        assert matched() == 0
+        block_keys = b"".join(bytes(h) for h in req.block_hashes[:5])
+        first = KVServerConnectorMetadata(saves=[SaveJob("r", block_keys, [0, 1, 2, 3, 4])])
+        workers[0].wait_for_save(first)
+        wait_finished(workers[0], "r")
+        assert matched() == 0  # one rank's (or stage's) part is not the whole block
+        second = KVServerConnectorMetadata(saves=[SaveJob("r", block_keys[:3 * 32], [5, 6, 7])])
+        workers[1].wait_for_save(second)
+        wait_finished(workers[1], "r")
+        assert matched() == 3 * 16  # complete for the first three blocks only
+    finally:
+        sched.shutdown()
+        for w in workers:
+            w.shutdown()
+        for m in mems:
+            m.close()

@@ -37,9 +37,12 @@ class _Req:
 
 
 class SchedulerSide:
-    def __init__(self, space: Space, cfg: dict, enabled: bool, block_ids: Callable[[str], list[int]]) -> None:
+    def __init__(self, space: Space, cfg: dict, enabled: bool, block_ids: Callable[[str], list[int]], *,
+                 loads: bool = True, saves: bool = True) -> None:
         self.space = space
         self.enabled = enabled
+        self.loads = loads  # kv_role kv_consumer or kv_both
+        self.saves = saves  # kv_role kv_producer or kv_both
         self.block_size = space.page_size
         self.pin_ms = int(cfg.get("lookup_pin_ms", 10_000))
         mode = str(cfg.get("lookup", "sync"))
@@ -82,6 +85,10 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.enabled:
+            return 0, False
+        if not self.loads:  # a producer only: stores, never loads
+            st = self._reqs.setdefault(request.request_id, _Req(request))
+            st.local = num_computed_tokens
             return 0, False
         rid = request.request_id
         st = self._reqs.get(rid)
@@ -140,7 +147,7 @@ class SchedulerSide:
         meta = KVServerConnectorMetadata(key_bytes=KEY_BYTES, loads=self._loads, saves=self._finish_saves,
                                          preempted=set(scheduler_output.preempted_req_ids or ()))
         self._loads, self._finish_saves = [], []
-        if not self.enabled:
+        if not self.enabled or not self.saves:
             return meta
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             st = self._reqs.get(rid)
@@ -159,7 +166,7 @@ class SchedulerSide:
         if st.lookup is not None:  # a lookup still running: its pin is released when it answers
             st.lookup.add_done_callback(self._release_answer)
         self._set_lease(st, "")
-        if self.enabled:
+        if self.enabled and self.saves:
             # Blocks whose KV is written but whose hash came after their step was scheduled
             # (decode tokens under async scheduling): stored by the next step's workers.
             computed = request.num_computed_tokens - int(getattr(request, "num_in_flight_tokens", 0) or 0)

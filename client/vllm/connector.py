@@ -15,6 +15,7 @@ CUDA graphs and the forward waits for the whole load, still on the GPU), ``looku
 ``lookup_pin_ms`` (default 10000), ``timeout_s`` (each daemon call, default 5),
 ``load_timeout_s`` (default 30), ``event_slots`` (CUDA: loads in one step, default 16),
 ``retry_register_s`` (default 5), ``tp_rank`` / ``pp_rank`` (only without vLLM's process groups).
+``kv_role``: "kv_both" loads and stores, "kv_consumer" only loads, "kv_producer" only stores.
 
 Keys are vLLM's own block hashes (sha256 by default: the same in every process, so DP replicas and
 a restarted engine share). A failed load is reported through ``get_block_ids_with_load_errors``
@@ -62,7 +63,9 @@ class KVServerConnector(KVConnectorBase_V1, SupportsHMA):
                 logger.warning("kvserver: kv_load_failure_policy is %r: a load that fails (the daemon gone "
                                "mid-step) fails its requests; set \"kv_load_failure_policy\": \"recompute\" "
                                "in --kv-transfer-config to have vLLM recompute those blocks", policy)
-            self._scheduler = SchedulerSide(space, cfg, enabled, self._request_block_ids)
+            ktc = vllm_config.kv_transfer_config
+            self._scheduler = SchedulerSide(space, cfg, enabled, self._request_block_ids,
+                                            loads=bool(ktc.is_kv_consumer), saves=bool(ktc.is_kv_producer))
         else:
             self._worker = WorkerSide(space, cfg, enabled)
 
