@@ -32,7 +32,18 @@ are torch CUDA tensors, and checks:
    write, another looks them up, loads them into other slots, and its "attention" reads every
    layer through the pool's ``get_key_buffer`` hook on its compute stream, where the linker's
    counter makes the stream wait for that layer's event: bit for bit, slots past the load
-   untouched, and a load of keys never stored reported failed with its slots untouched.
+   untouched, and a load of keys never stored reported failed with its slots untouched;
+9. the vLLM connector's worker side (``kvclient.vllm._worker.WorkerSide``,
+   scripts/gpu_check_vllm.py) on CUDA per-layer views laid out as vLLM 0.33 lays them out (MHA
+   bf16 8 x 128 in LBNHC and LBHNC, MLA fp8 stored as uint8 1 x 576 in LBNHC) of an 8-layer
+   model: engine A's compute stream rewrites scattered blocks behind a spinning kernel and
+   ``wait_for_save`` is called at once (only the worker's ready event orders the daemon's read),
+   ``get_finished`` reports the request once its Puts are done; engine B, whose compute stream
+   still writes the target blocks' old contents behind a spinning kernel, calls
+   ``start_load_kv``, then ``wait_for_layer_load`` per layer and compares that layer with A's
+   blocks on the stream: bit for bit, ``load_errors()`` empty, blocks past the load untouched;
+   a load of keys never stored has exactly its blocks reported by ``load_errors()``, untouched,
+   and a partly stored load has its prefix exact and exactly the rest reported.
 It prints one JSON document and exits non-zero if a check failed. ``--preflight`` runs only
 what needs no GPU (imports from this tree, daemon start and health) and is tested on CPU.
 Needs torch with CUDA, CuPy (cupy-cuda12x or cupy-cuda13x) with NVRTC, grpcio, protobuf, uvloop,
@@ -64,6 +75,8 @@ STALL_SECONDS = 12  # how long the stalled client's ready event is held back (> 
 # tokens stored (32 MiB) and 4 more asked for that were never stored.
 CACHE_LAYERS, CACHE_TOKENS, CACHE_PAGE, CACHE_PAGES, CACHE_EXTRA = 8, 4096, 16, 64, 4
 CACHE_SEEDS = {"put": 11, "get": 12}  # each engine's pool contents
+# The vLLM worker-side round (scripts/gpu_check_vllm.py): (pool kind, vLLM 0.33 layout), its CASES.
+VLLM_CASES = (("mha", "LBNHC"), ("mha", "LBHNC"), ("mla", "LBNHC"))
 
 
 def _use_source_tree() -> None:
@@ -468,6 +481,28 @@ def sglang_engine(address: str, kind: str, out) -> None:
     out.put(result)
 
 
+def vllm_engine(address: str, kind: str, layout: str, out, device: str = "cuda") -> None:
+    """The vLLM connector's worker-side round (``gpu_check_vllm.run``) in its own engine process.
+    It always runs with the script's vLLM stand-in (a vLLM installed here is not imported): the
+    check needs no vLLM, and runs the same on every machine."""
+    label = [list(c) for c in VLLM_CASES].index([kind, layout])
+    label = [label, label + 1]
+    result: dict = {"kind": f"vllm-worker-{kind}-{layout}", "range": label}
+    try:
+        out.put({"range": label, "stage": "worker round"})
+        if "vllm" not in sys.modules:
+            sys.modules["vllm"] = None  # not importable: gpu_check_vllm puts its stand-in in
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import gpu_check_vllm
+
+        result.update(gpu_check_vllm.run(address, kind, device, layout))
+    except BaseException:
+        result["error"] = traceback.format_exc()
+        result["ok"] = False
+    result["final"] = True
+    out.put(result)
+
+
 def preflight(address: str) -> dict:
     """What can be checked before any GPU work, and without a GPU: every module the check uses
     imports from this tree, the daemon answers its health check, and whether it can use CUDA."""
@@ -488,7 +523,34 @@ def preflight(address: str) -> dict:
         "kvclient": os.path.dirname(os.path.realpath(kvclient.__file__)),
         "daemon_health": health_pb2.HealthCheckResponse.ServingStatus.Name(status),
         "cuda": "usable" if cupy is not None else why,
+        "vllm_worker": _vllm_worker_imports(),
     }
+
+
+def _vllm_worker_imports() -> str:
+    """kvclient's vLLM worker side imports over scripts/gpu_check_vllm.py's vLLM stand-in, as
+    ``vllm_engine`` runs it (raises if not); what it imported is taken out of sys.modules again."""
+    def ours(name: str) -> bool:
+        return name in ("vllm", "gpu_check_vllm") or name.startswith(("vllm.", "kvclient.vllm"))
+
+    saved = {n: m for n, m in sys.modules.items() if ours(n)}
+    for name in saved:
+        del sys.modules[name]
+    sys.modules["vllm"] = None  # not importable, as on the GPU machine
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "gpu_check_vllm", os.path.join(ROOT, "scripts", "gpu_check_vllm.py"))
+        check = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(check)
+        if not check.install_standin():
+            raise RuntimeError("the vLLM stand-in was not installed")
+        from kvclient.views_pool import KVViewsPool, SharedKVMemory  # noqa: F401
+        from kvclient.vllm._worker import WorkerSide  # noqa: F401
+        return "imports (vLLM stand-in)"
+    finally:
+        for name in [n for n in sys.modules if ours(n)]:
+            del sys.modules[name]
+        sys.modules.update(saved)
 
 
 def _results(procs: dict, out, label: str, deadline: float):
@@ -586,6 +648,20 @@ def run_sglang(ctx, address: str, deadline: float, report: dict, target=None) ->
             report["checks"].append(msg)
 
 
+def run_vllm(ctx, address: str, deadline: float, report: dict, target=None, device: str = "cuda") -> None:
+    """The vLLM connector's worker-side round (``vllm_engine``) for each of ``VLLM_CASES``, each in
+    its own engine process, all at once (small pools, a few MiB each: they share the GPU well)."""
+    out = ctx.Queue()
+    procs = {(i, i + 1): ctx.Process(target=target or vllm_engine, args=(address, kind, layout, out, device))
+             for i, (kind, layout) in enumerate(VLLM_CASES)}
+    for p in procs.values():
+        p.start()
+    for msg in _results(procs, out, "vllm", deadline):
+        msg["ok"] = bool(msg.get("ok")) and "error" not in msg
+        report["ok"] &= msg["ok"]
+        report["checks"].append(msg)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer sizes and rounds")
@@ -629,6 +705,7 @@ def main() -> int:
                 run_safety(ctx, f"unix://{socket}", deadline, report)
                 run_cache(ctx, f"unix://{socket}", deadline, report)
                 run_sglang(ctx, f"unix://{socket}", deadline, report)
+                run_vllm(ctx, f"unix://{socket}", deadline, report)
     except BaseException:
         report["ok"] = False
         report["error"] = traceback.format_exc()

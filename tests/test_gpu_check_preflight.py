@@ -1,6 +1,7 @@
 """scripts/gpu_check.py's first stage, on CPU, as a lent GPU machine runs it: from a bare copy of
 the tree (the project not installed, only its dependencies), the daemon starts and answers health,
-and every module the engines import resolves to this tree (kvclient's sources are in client/)."""
+every module the engines import resolves to this tree (kvclient's sources are in client/), and
+the vLLM worker side imports over the script's vLLM stand-in."""
 
 from __future__ import annotations
 
@@ -29,4 +30,5 @@ def test_preflight_runs_from_a_bare_source_tree(tmp_path):
     assert os.path.realpath(pre["kvclient"]) == os.path.realpath(os.path.join(ROOT, "client"))
     assert os.path.realpath(pre["kvserver"]) == os.path.realpath(os.path.join(ROOT, "kvserver"))
     assert pre["cuda"]  # "usable", or why not
+    assert pre["vllm_worker"] == "imports (vLLM stand-in)"  # the worker side, as the vLLM round runs it
     assert report["daemon_exit"] == 0  # SIGTERM drains and exits cleanly

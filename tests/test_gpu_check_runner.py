@@ -1,6 +1,7 @@
-"""scripts/gpu_check.py's engine runner on CPU, with stand-in engines (the real ones need a GPU):
+"""scripts/gpu_check.py's engine runners on CPU, with stand-in engines (the real ones need a GPU):
 results are collected, and an engine that hangs or dies is reported with the stage it reached,
-within the check's deadline, instead of eating the GPU machine's time."""
+within the check's deadline, instead of eating the GPU machine's time. The vLLM worker-side
+runner also runs its real engines here, on CPU views (scripts/gpu_check_vllm.py works on both)."""
 
 from __future__ import annotations
 
@@ -74,3 +75,75 @@ def test_a_hanging_engine_is_reported_at_the_deadline_with_its_stage():
 def test_a_dying_engine_is_reported_with_its_stage():
     with pytest.raises(RuntimeError, match=r"died at .*register \(IPC open, pinning\)"):
         run(dying_engine, 60)
+
+
+# ---- the vLLM worker-side round's runner ------------------------------------------------------
+
+
+def vllm_standin(address, kind, layout, out, device, ok=True, hang=False):
+    label = [["mha", "LBNHC"], ["mha", "LBHNC"], ["mla", "LBNHC"]].index([kind, layout])
+    out.put({"range": [label, label + 1], "stage": "worker round"})
+    if hang:
+        time.sleep(120)
+    out.put({"range": [label, label + 1], "kind": f"vllm-worker-{kind}-{layout}", "ok": ok, "final": True})
+
+
+def vllm_passing(*args):
+    vllm_standin(*args)
+
+
+def vllm_one_failing(address, kind, layout, out, device):
+    vllm_standin(address, kind, layout, out, device, ok=layout != "LBHNC")
+
+
+def vllm_one_hanging(address, kind, layout, out, device):
+    vllm_standin(address, kind, layout, out, device, hang=kind == "mla")
+
+
+def vllm_real(*args):
+    """gpu_check.vllm_engine itself (spawned engines import their target by module name)."""
+    load_gpu_check().vllm_engine(*args)
+
+
+def run_vllm(target, deadline_s: float, address: str = "unix:///nowhere") -> dict:
+    gpu_check = load_gpu_check()
+    report = {"checks": [], "ok": True}
+    gpu_check.run_vllm(mp.get_context("spawn"), address, time.monotonic() + deadline_s, report, target=target,
+                       device="cpu")
+    return report
+
+
+def test_the_vllm_cases_are_the_rounds():
+    import importlib.util as iu
+
+    spec = iu.spec_from_file_location("gpu_check_vllm", os.path.join(ROOT, "scripts", "gpu_check_vllm.py"))
+    check = iu.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    assert load_gpu_check().VLLM_CASES == check.CASES
+
+
+def test_vllm_results_are_collected():
+    report = run_vllm(vllm_passing, 60)
+    assert report["ok"] and sorted(c["kind"] for c in report["checks"]) == [
+        "vllm-worker-mha-LBHNC", "vllm-worker-mha-LBNHC", "vllm-worker-mla-LBNHC"]
+
+
+def test_a_failed_vllm_case_fails_the_report():
+    report = run_vllm(vllm_one_failing, 60)
+    assert not report["ok"]
+    assert {c["kind"]: c["ok"] for c in report["checks"]} == {
+        "vllm-worker-mha-LBNHC": True, "vllm-worker-mha-LBHNC": False, "vllm-worker-mla-LBNHC": True}
+
+
+def test_a_hanging_vllm_case_is_reported_at_the_deadline_with_its_stage():
+    with pytest.raises(TimeoutError, match=r"vllm: .*\(2, 3\): 'worker round'") as err:
+        run_vllm(vllm_one_hanging, 4)
+    assert "(0, 1)" not in str(err.value) and "(1, 2)" not in str(err.value)
+
+
+def test_the_real_vllm_engines_pass_on_cpu(daemon):
+    report = run_vllm(vllm_real, 120, daemon.address)
+    assert report["ok"], report
+    assert sorted(c["kind"] for c in report["checks"]) == [
+        "vllm-worker-mha-LBHNC", "vllm-worker-mha-LBNHC", "vllm-worker-mla-LBNHC"]
+    assert all(c["exact"] and c["miss_reported"] and c["device"] == "cpu" for c in report["checks"])
