@@ -30,6 +30,7 @@ exact round before a GPU does.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 import sys
@@ -240,8 +241,9 @@ def run(address: str, kind: str, device: str = "cuda", layout: str = "LBNHC") ->
 
         # 1. A's forward rewrites the blocks on its compute stream; the save is asked for at once,
         # on that stream, so only the worker's ready event keeps the daemon from reading too early.
+        syncs: list[str] = []  # CPU syncs torch reports inside the stream-ordered sections (CUDA)
         t0 = time.perf_counter()
-        with _stream(compute_a):
+        with _stream(compute_a), _sync_watch(cuda, syncs):
             if cuda:  # the write lands tens of ms late: a Put not ordered after it reads old bytes
                 torch.cuda._sleep(SLEEP_CYCLES)
             for layer, view in enumerate(va):
@@ -266,7 +268,7 @@ def run(address: str, kind: str, device: str = "cuda", layout: str = "LBNHC") ->
         untouched = [rows(view, extra).clone() for view in vb]
         marks, waits, same = [], [], []  # per layer: (CPU s, GPU event), no load failed, equal
         t0 = time.perf_counter()
-        with _stream(compute_b):
+        with _stream(compute_b), _sync_watch(cuda, syncs):
             if cuda:  # the load must land after this late write, not before
                 torch.cuda._sleep(SLEEP_CYCLES)
                 for view in vb:
@@ -293,6 +295,7 @@ def run(address: str, kind: str, device: str = "cuda", layout: str = "LBNHC") ->
         result["past_blocks_untouched"] = all(torch.equal(rows(view, extra), u)
                                               for view, u in zip(vb, untouched, strict=True))
         result["bytes"] = sum(w.numel() for w in want)
+        result["stream_syncs"] = syncs[:5]  # none expected: each would shorten a spinning kernel's test
 
         # 3. A miss: keys never stored; every block of the job is reported, none is written.
         before = [rows(view, extra).clone() for view in vb]
@@ -345,11 +348,32 @@ def _event(cuda: bool):
     return event
 
 
+@contextlib.contextmanager
+def _sync_watch(cuda: bool, found: list):
+    """CUDA: collects the synchronizing CUDA operations torch warns of while the block runs
+    (``torch.cuda.set_sync_debug_mode("warn")``, any thread): a CPU sync on a stream behind a
+    spinning kernel waits it out, and the ordering it is there to test is no longer tested."""
+    if not cuda:
+        yield
+        return
+    import warnings
+
+    import torch
+
+    before = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+    found += [str(w.message)[:300] for w in caught if "synchroniz" in str(w.message).lower()]
+
+
 def _stream(stream):
     """``torch.cuda.stream(stream)``, or nothing to enter on CPU (``stream`` None)."""
     if stream is None:
-        import contextlib
-
         return contextlib.nullcontext()
     import torch
 

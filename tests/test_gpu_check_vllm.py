@@ -158,3 +158,22 @@ def test_the_views_are_vllms_own(real_vllm, kind, layout):
     for a, b in zip(ours, theirs, strict=True):
         assert (a.shape, a.stride(), a.storage_offset(), a.dtype, a.data_ptr()) == \
             (b.shape, b.stride(), b.storage_offset(), b.dtype, b.data_ptr())
+
+
+def test_the_sync_watch_collects_torchs_sync_warnings_and_restores_the_mode(monkeypatch):
+    """The CUDA-only guard of the stream-ordered sections, with torch's sync debug mode stubbed
+    (this torch has no CUDA): torch's warnings are collected, others not, the mode is put back."""
+    import warnings
+
+    modes = [0]
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: modes[-1])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: modes.append(mode))
+    found: list[str] = []
+    with CHECK._sync_watch(True, found):
+        assert modes[-1] == "warn"
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+        warnings.warn("something else", stacklevel=1)
+    assert found == ["called a synchronizing CUDA operation"] and modes[-1] == 0
+    with CHECK._sync_watch(False, found):  # CPU: nothing to watch
+        pass
+    assert modes == [0, "warn", 0]
