@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # What a user installs, checked from outside the tree: builds the wheel, installs it with its
 # dependencies into a fresh virtual environment (CPU torch first, as scripts/install.sh does), imports
-# every module of the tree's packages from there without CuPy, runs `kvserver --help`, and starts the
-# installed daemon for one health check and a shared-memory round trip with the installed kvclient.
+# every module of the tree's packages from there without CuPy (the engines' integrations, which
+# import SGLang or vLLM, are found in the wheel but not imported), runs `kvserver --help`, and starts
+# the installed daemon for one health check and a shared-memory round trip with the installed kvclient.
 # Usage: scripts/check_wheel.sh   (needs .venv from scripts/install.sh, to build with)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -50,15 +51,23 @@ import sys
 import sysconfig
 
 venv, expected = sys.argv[1], sys.argv[2:]
+# The engines' integrations and what they stand on, named here as well as found in the tree, so
+# that a module missing from the tree fails too.
+expected += [
+    "kvclient.sglang", "kvclient.sglang._common", "kvclient.sglang.linker", "kvclient.sglang.storage",
+    "kvclient.vllm", "kvclient.vllm.connector", "kvclient.vllm._space", "kvclient.vllm._scheduler",
+    "kvclient.vllm._worker", "kvclient.vllm._meta", "kvclient.registrar", "kvclient.views_pool",
+]
 installed = []
 for top in ("kvserver", "kvclient"):
     pkg = importlib.import_module(top)
     installed += [top] + [m.name for m in pkgutil.walk_packages(pkg.__path__, prefix=f"{top}.")]
 missing = sorted(set(expected) - set(installed))
 assert not missing, f"the installed wheel lacks {missing}"
-# The engines' integrations import their engine (SGLang), which an engine's environment has and
-# this one does not: they are checked to be in the wheel, and found there, but not imported.
-needs_engine = [n for n in installed if n.startswith("kvclient.sglang.")]
+# The engines' integrations import their engine (SGLang, vLLM), which an engine's environment has
+# and this one does not: they are checked to be in the wheel, and found there, but not imported.
+# The packages themselves (kvclient.sglang, kvclient.vllm) import without their engine.
+needs_engine = [n for n in installed if n.startswith(("kvclient.sglang.", "kvclient.vllm."))]
 for name in installed:
     if name in needs_engine:
         spec = importlib.util.find_spec(name)

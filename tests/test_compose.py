@@ -1,7 +1,8 @@
-"""docker-compose.yml, Dockerfile and Dockerfile.sglang: the daemon and an SGLang engine share a socket
-volume, IPC, PIDs and GPUs; the daemon's command line is one the real parser accepts; the healthcheck
-works against a real daemon; the engine runs docs/integrations.md's linker command on SGLang's image
-plus kvclient.
+"""docker-compose.yml, Dockerfile, Dockerfile.sglang and Dockerfile.vllm: the daemon and its engines
+(SGLang, and vLLM under the `vllm` profile) share a socket volume, IPC, PIDs and GPUs; the daemon's
+command line is one the real parser accepts; the healthcheck works against a real daemon; the SGLang
+engine runs docs/integrations.md's linker command on SGLang's image plus kvclient, the vLLM one its
+`vllm serve` command on vLLM's image plus kvclient.
 
 No Docker engine is needed: the file is read with PyYAML and compose's ${VAR:-default} interpolation is
 done here. ``docker compose config`` runs too where a compose CLI is installed.
@@ -21,6 +22,7 @@ from typing import Any
 
 import pytest
 import sglang_env
+import vllm_env
 
 yaml = pytest.importorskip("yaml", reason="pyyaml is in the test extra: pip install -e .[test]")
 
@@ -34,6 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "docker-compose.yml"
 DOCKERFILE = REPO / "Dockerfile"
 SGLANG_DOCKERFILE = REPO / "Dockerfile.sglang"
+VLLM_DOCKERFILE = REPO / "Dockerfile.vllm"
+ENGINES = ["engine", "vllm"]  # the services that reach the daemon
 SOCKET_VOLUME = "kvserver-socket"
 
 _VAR = re.compile(r"\$(?:(\$)|\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\})")
@@ -119,7 +123,13 @@ def gpu_devices(service: dict) -> list[dict]:
 
 
 def test_services_present(services):
-    assert {"kvserver", "engine"} <= set(services)
+    assert {"kvserver", *ENGINES} <= set(services)
+
+
+def test_vllm_only_under_its_profile(services):
+    # `docker compose up` starts the daemon and SGLang; `--profile vllm` adds vLLM.
+    assert services["vllm"]["profiles"] == ["vllm"]
+    assert "profiles" not in services["kvserver"] and "profiles" not in services["engine"]
 
 
 def test_daemon_command_parses(services):
@@ -148,35 +158,37 @@ def test_bad_host_memory_is_refused_by_the_daemon():
 def test_shared_socket_volume(compose, services):
     assert SOCKET_VOLUME in compose.get("volumes", {}), "declare the socket volume at the top level"
     socket_dir = os.path.dirname(daemon_config(services["kvserver"]).socket)
-    for name in ("kvserver", "engine"):
+    for name in ("kvserver", *ENGINES):
         assert mounts(services[name]).get(SOCKET_VOLUME) == socket_dir, f"{name} must mount {SOCKET_VOLUME}"
 
 
-def test_engine_address_matches_daemon_socket(services):
-    address = environment(services["engine"])["KVSERVER_ADDRESS"]
+@pytest.mark.parametrize("name", ENGINES)
+def test_engine_address_matches_daemon_socket(services, name):
+    address = environment(services[name])["KVSERVER_ADDRESS"]
     sock = daemon_config(services["kvserver"]).socket
     assert address == f"unix://{sock}"
     assert target(address) == f"unix://{sock}"  # what kvclient will dial
 
 
 def test_ipc_and_pid_namespaces_shared(services):
-    for name in ("kvserver", "engine"):
+    for name in ("kvserver", *ENGINES):
         assert services[name].get("ipc") == "host", f"{name}: /dev/shm pools and CUDA IPC need ipc: host"
         assert services[name].get("pid") == "host", f"{name}: CUDA IPC needs a shared PID namespace"
 
 
-@pytest.mark.parametrize("name", ["kvserver", "engine"])
+@pytest.mark.parametrize("name", ["kvserver", *ENGINES])
 def test_gpu_reservation(services, name):
     assert gpu_devices(services[name]), f"{name} needs deploy.resources.reservations.devices (nvidia, gpu)"
 
 
 def test_healthcheck_and_dependency(services):
-    daemon, engine = services["kvserver"], services["engine"]
+    daemon = services["kvserver"]
     hc = daemon["healthcheck"]
     assert hc["test"][0] in ("CMD", "CMD-SHELL")
     assert not hc.get("disable", False)
     assert "unix://" + daemon_config(daemon).socket in " ".join(hc["test"])
-    assert engine["depends_on"]["kvserver"]["condition"] == "service_healthy"
+    for name in ENGINES:
+        assert services[name]["depends_on"]["kvserver"]["condition"] == "service_healthy", name
     assert daemon["restart"] == "unless-stopped"
 
 
@@ -214,7 +226,7 @@ def test_dockerfile_installs_the_project(services):
     assert '"kvserver"' in cmd
 
 
-@pytest.mark.parametrize("dockerfile", [DOCKERFILE, SGLANG_DOCKERFILE], ids=lambda p: p.name)
+@pytest.mark.parametrize("dockerfile", [DOCKERFILE, SGLANG_DOCKERFILE, VLLM_DOCKERFILE], ids=lambda p: p.name)
 def test_dockerfile_sources_build_a_wheel(tmp_path, dockerfile):
     """The files a Dockerfile copies exist and are enough for `pip install .` (built here without
     network)."""
@@ -270,19 +282,63 @@ def test_engine_model_follows_MODEL():
     assert cmd[cmd.index("--model-path") + 1] == "meta-llama/Llama-3.1-8B-Instruct"
 
 
-def test_engine_image_is_sglang_plus_kvclient(services):
-    build = services["engine"]["build"]
-    assert (REPO / build["context"] / build["dockerfile"]).resolve() == SGLANG_DOCKERFILE
-    ins = dockerfile_instructions(SGLANG_DOCKERFILE)
-    # The SGLang release kvclient.sglang is written and tested against (tests/sglang_env.py).
-    assert ins[0] == ("FROM", f"lmsysorg/sglang:v{sglang_env.SGLANG_VERSION}")
+def documented_serve(mode: str) -> list[str]:
+    """The words of docs/integrations.md's `vllm serve` command (test_readme's block), split as bash
+    splits them, continuations joined."""
+    (line,) = [ln for ln in re.sub(r"\\\n", " ", block(mode)).splitlines() if "vllm serve" in ln]
+    return shlex.split(line, comments=True)
+
+
+def test_vllm_runs_the_documented_serve_command(services):
+    vllm = services["vllm"]
+    # vllm/vllm-openai's entrypoint is `vllm serve`; the service spells it out rather than rely on it.
+    assert vllm["entrypoint"] == ["vllm", "serve"]
+    ins = dockerfile_instructions(VLLM_DOCKERFILE)
+    assert next(rest for word, rest in reversed(ins) if word == "ENTRYPOINT") == '["vllm", "serve"]'
+    cmd = vllm["command"]
+    assert isinstance(cmd, list), "use the exec form so no shell sits between docker and vLLM's signals"
+    doc = documented_serve("vllm-serve")
+    assert doc[:2] == ["vllm", "serve"]
+    # The same words and the same JSON; the container listens on all its interfaces (the published
+    # port) rather than on localhost.
+    assert [*vllm["entrypoint"], *cmd] == [*doc, "--host", "0.0.0.0", "--port", "8000"]
+    assert vllm["ports"] == ["8000:8000"]
+    config = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert config["kv_connector"] == "KVServerConnector"
+    assert config["kv_connector_module_path"] == "kvclient.vllm.connector"
+    assert config["kv_load_failure_policy"] == "recompute"
+    address = config["kv_connector_extra_config"]["address"]
+    assert address == environment(vllm)["KVSERVER_ADDRESS"]
+    assert address == f"unix://{daemon_config(services['kvserver']).socket}"
+
+
+def test_vllm_model_follows_MODEL():
+    cmd = load({"MODEL": "meta-llama/Llama-3.1-8B-Instruct"})["services"]["vllm"]["command"]
+    assert cmd[0] == "meta-llama/Llama-3.1-8B-Instruct"
+
+
+# service -> its Dockerfile and base image: the engine release kvclient's integration is written and
+# tested against (tests/sglang_env.py, tests/vllm_env.py).
+ENGINE_IMAGES = {
+    "engine": (SGLANG_DOCKERFILE, f"lmsysorg/sglang:v{sglang_env.SGLANG_VERSION}"),
+    "vllm": (VLLM_DOCKERFILE, f"vllm/vllm-openai:v{vllm_env.VLLM_VERSION}"),
+}
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_engine_image_is_the_engines_plus_kvclient(services, name):
+    dockerfile, base = ENGINE_IMAGES[name]
+    build = services[name]["build"]
+    assert (REPO / build["context"] / build["dockerfile"]).resolve() == dockerfile
+    ins = dockerfile_instructions(dockerfile)
+    assert ins[0] == ("FROM", base)
     copied = " ".join(rest for word, rest in ins if word == "COPY")
     for needed in ("pyproject.toml", "kvserver", "client"):
-        assert needed in copied, f"Dockerfile.sglang does not copy {needed}"
+        assert needed in copied, f"{dockerfile.name} does not copy {needed}"
     runs = " ".join(rest for word, rest in ins if word == "RUN")
     installs = re.findall(r"pip install ([^&]*?)\s*(?:&&|$)", runs)
     assert installs, runs
-    assert "--no-deps ." in installs, "kvclient must go in with --no-deps (SGLang's torch stays)"
+    assert "--no-deps ." in installs, "kvclient must go in with --no-deps (the engine's torch stays)"
     for args in installs:
         assert "torch" not in args and "--upgrade" not in args and "-U " not in args, args
     # The same installs as docs/integrations.md's step 1, with the image's interpreter.

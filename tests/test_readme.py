@@ -65,6 +65,13 @@ RUN = {
         "sglang-hicache",
     ("docs/integrations.md", "S=/run/kvserver/kvserver.sock"): "sglang-stats-grpcurl",
     ("docs/integrations.md", "from kvclient import KVClient"): "sglang-stats-python",
+    # Run by tests/test_vllm_serve.py (vLLM's own CLI parser and connector factory; skipped without vLLM).
+    ("docs/integrations.md", "vllm serve Qwen/Qwen2.5-0.5B-Instruct \\"): "vllm-serve",
+    ("docs/integrations.md", "vllm serve Qwen/Qwen2.5-0.5B-Instruct --data-parallel-size 2 \\"):
+        "vllm-serve-dp",
+    ("docs/integrations.md", "vllm serve Qwen/Qwen2.5-0.5B-Instruct "
+                             "--compilation-config '{\"cudagraph_mode\": \"FULL_AND_PIECEWISE\"}' \\"):
+        "vllm-serve-full-graphs",
 }
 # Blocks not run here, and why.
 NOT_RUN = {
