@@ -285,9 +285,16 @@ def run(address: str, kind: str, device: str = "cuda") -> dict:
     put_pages = rng.sample(range(1, pages + 1), PAGES)
     get_pages = rng.sample(range(1, pages + 1), PAGES)
 
+    slot_cache: dict[tuple, torch.Tensor] = {}
+
     def slots(page_ids: list[int]):
-        t = torch.tensor(page_ids, dtype=torch.int64)
-        return (t[:, None] * PAGE + torch.arange(PAGE)).reshape(-1).to(dev)
+        """The pages' slots on the device, made once: a host-to-device copy inside the stream work
+        below would make the CPU wait for the spinning kernels and order everything by itself."""
+        key = tuple(page_ids)
+        if key not in slot_cache:
+            t = torch.tensor(page_ids, dtype=torch.int64)
+            slot_cache[key] = (t[:, None] * PAGE + torch.arange(PAGE)).reshape(-1).to(dev)
+        return slot_cache[key]
 
     def rows(pool: StagePool, local: int, page_ids: list[int]) -> list:
         return [b[slots(page_ids)].view(torch.uint8) for b in pool.buffers(local)]
@@ -300,6 +307,9 @@ def run(address: str, kind: str, device: str = "cuda") -> dict:
     linker_a0 = make_linker(address, a0, None, pp_rank=0)
     compute = torch.cuda.Stream() if cuda else None
     linker_b = make_linker(address, b, compute)
+    extra = [p for p in range(1, pages + 1) if p not in get_pages][:4]
+    for page_ids in (put_pages, get_pages, extra):
+        slots(page_ids)
     try:
         stage0 = linker_a0.offload([PoolTransfer(name=PoolName.KV, keys=keys,
                                                  device_indices=slots(put_pages))])
@@ -325,7 +335,6 @@ def run(address: str, kind: str, device: str = "cuda") -> dict:
             torch.cuda.synchronize()  # ``want`` is read on other streams below
 
         # 2. B: lookup, load, layer-wise loading read through the pool's wait hook.
-        extra = [p for p in range(1, pages + 1) if p not in get_pages][:4]
         untouched = [[r.clone() for r in rows(b, local, extra)] for local in range(b.layer_num)]
         found = linker_b.lookup("r1", [PoolTransfer(name=PoolName.KV, keys=keys)])
         result["lookup"] = len(found)

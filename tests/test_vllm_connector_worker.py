@@ -200,3 +200,13 @@ def test_a_lookup_counts_a_block_once_every_tp_rank_and_pp_stage_holds_it(daemon
             w.shutdown()
         for m in mems:
             m.close()
+
+
+def test_shutdown_unregisters_at_once(daemon):
+    w, mem, _ = worker("mha", daemon.address, "LBHNC")
+    try:
+        assert daemon.run(lambda: len(daemon.core.clients)) == 1
+        w.shutdown()  # the engine's exit: its pool is let go now, not when its session times out
+        assert daemon.run(lambda: len(daemon.core.clients)) == 0
+    finally:
+        mem.close()

@@ -100,8 +100,9 @@ class SchedulerSide:
             st.local, st.found = num_computed_tokens, 0
             return 0, False
         if self._async:
-            if st.lookup is None:
+            if st.lookup is None:  # answered at a later step, never this one: the step is not held
                 st.lookup = self._pool.submit(self._lookup, keys)
+                return None, False
             if not st.lookup.done():
                 return None, False  # vLLM asks again next step
             found, st.lookup = st.lookup.result(), None

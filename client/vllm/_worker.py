@@ -189,13 +189,18 @@ class WorkerSide:
 
     def load_errors(self) -> set[int]:
         """Blocks of this step's loads that did not land (all of a failed Get's, or those past the
-        prefix a Get found); called after the forward, when vLLM asks."""
+        prefix a Get found); called after the forward, when vLLM asks. Every Get of the step has
+        ended when this returns (or the daemon could not say it stopped, which is logged): vLLM
+        may give the blocks of a failed one to a recompute at once."""
         for load in self._loads:
             got = 0
-            if not load.failed and load.handle is not None:
+            if load.handle is not None:
                 try:
-                    got = load.handle.pages(timeout=max(0.0, self._deadline - time.monotonic()))
-                    load.handle.wait(timeout=max(0.0, self._deadline - time.monotonic()))
+                    if not load.failed:
+                        got = load.handle.pages(timeout=max(0.0, self._deadline - time.monotonic()))
+                    # A Get whose layer wait failed (a timeout, say) may still be writing: it is
+                    # waited out too, bounded by the daemon's own deadline for it.
+                    load.handle.wait(timeout=self.load_timeout)
                     if load.handle.missed:
                         got = 0
                 except Exception as exc:
@@ -205,6 +210,8 @@ class WorkerSide:
                 if not load.handle.confirmed:
                     logger.error("kvserver: the daemon could not confirm that the load of %s stopped; its "
                                  "blocks may still be written for a while", load.job.req_id)
+            if load.failed:
+                got = 0
             got = min(got, load.asked)
             if got < len(load.job.block_ids):
                 self._failed.update(load.job.block_ids[got:])
@@ -272,6 +279,13 @@ class WorkerSide:
             self._lock.wait_for(lambda: not any(self._pending.values()), timeout=self.load_timeout)
         self._puts.put(None)
         self._putter.join(timeout=self.load_timeout)
+        try:
+            if self.registrar is not None and self.registrar.registered:
+                # Confirmed: the daemon has let go of the pool (on CUDA its IPC exports go back
+                # to torch's allocator).
+                self.client.unregister()
+        except Exception as exc:
+            logger.warning("kvserver: unregister failed (%s)", exc)
         try:
             self.client.close()
         except Exception:
