@@ -204,7 +204,7 @@ def run(address: str, kind: str, device: str = "cuda", layout: str = "LBNHC") ->
         index(blocks)
 
     def meta(**jobs) -> KVServerConnectorMetadata:
-        return KVServerConnectorMetadata(key_bytes=32, **jobs)
+        return KVServerConnectorMetadata(**jobs)
 
     mems: list = []
 

@@ -24,7 +24,7 @@ if not vllm_env.vllm_installed():
     pytest.skip("vllm not installed (scripts/install_vllm.sh)", allow_module_level=True)
 
 import vllm_engine  # noqa: E402
-from vllm_engine import BLOCK, Engine, kv_value, sampled  # noqa: E402
+from vllm_engine import BLOCK, Engine, expected_kv, sampled  # noqa: E402
 
 PROMPT = [(7 * i) % 500 + 3 for i in range(70)]  # 70 tokens: 4 whole blocks before the last token
 
@@ -71,8 +71,15 @@ def engines(vcfg, server):
     extra.update(saved)
 
 
-def leases(daemon: DaemonThread) -> int:
-    return daemon.run(lambda: len(daemon.core.cache.leases.leases))
+def leases(daemon: DaemonThread, settle: int | None = 0) -> int:
+    """Leases the daemon holds, once they reach ``settle`` (the scheduler releases off its own
+    thread) or after 5 s; ``settle=None`` reads them at once."""
+    deadline = time.monotonic() + 5
+    while True:
+        n = daemon.run(lambda: len(daemon.core.cache.leases.leases))
+        if settle is None or n == settle or time.monotonic() > deadline:
+            return n
+        time.sleep(0.01)
 
 
 def full_tokens(prompt: list[int], generated: int) -> list[int]:
@@ -89,7 +96,7 @@ def check_loaded(req_id: str, tokens: list[int], upto: int, seen: list):
             for pos in range(upto):
                 for part in (0, 1):
                     got = engine.kv(ids[pos // BLOCK], pos % BLOCK, layer, part)
-                    assert torch.equal(got, kv_value(tokens[pos], pos, layer, part)), (layer, pos, part)
+                    assert torch.equal(got, expected_kv(tokens, pos, layer, part)), (layer, pos, part)
             seen.append(layer)
 
     return hook
@@ -262,7 +269,7 @@ def test_abort_releases_the_pin_of_a_request_that_never_loaded(engines, server):
     b.step()
     b.add("b2", PROMPT, max_tokens=1)
     b.scheduler.schedule()  # looks b2 up: a pin; no blocks to allocate
-    assert leases(server) == 1
+    assert leases(server, settle=None) == 1
     b.scheduler.finish_requests("b2", RequestStatus.FINISHED_ABORTED)
     assert leases(server) == 0
 
@@ -342,3 +349,58 @@ def test_kv_role_producer_only_stores_and_consumer_only_loads(engines, vcfg, mon
     c.run()
     assert c.admitted["c1"] == [64] and seen == [0, 1]
     assert c.finished_sending == set()  # a consumer stores nothing, so vLLM frees at once
+
+
+def test_blocks_computed_on_a_failed_load_are_not_stored(engines, daemon_factory, vcfg, monkeypatch):
+    # A load that fails with the daemon up (its pages evicted between the lookup and the Get):
+    # the step still computes the blocks after the loaded prefix, on top of garbage. They must
+    # not be stored under their keys; the recomputed ones are, and a third engine loads those.
+    monkeypatch.setattr(vcfg.scheduler_config, "async_scheduling", False)  # see the failed-load test
+    d = daemon_factory(host_memory=64 << 20)
+    a = engines("poison", address=d.address)
+    a.add("a1", PROMPT[:40], max_tokens=1)  # stores blocks 0 and 1
+    a.run()
+
+    def evict(engine, so):
+        if any(r.req_id == "b1" for r in so.scheduled_new_reqs):
+            d.run(lambda: d.core.cache.make_room(1 << 40))  # every unpinned page goes
+
+    tokens_b = PROMPT[:32] + [11] * 40
+    b = engines("poison", address=d.address, settings={"lookup_pin_ms": 0}, before_load=evict)
+    b.add("b1", tokens_b, max_tokens=1)
+    b.step()  # loads blocks 0-1 (and fails), computes 32..72: blocks 2 and 3 on garbage
+    assert b.admitted["b1"] == [32] and len(b.invalid) == 2
+    b.run()  # vLLM recomputes; the recomputed blocks are stored
+
+    seen: list[int] = []
+    c = engines("poison", address=d.address, on_layer=check_loaded("c1", tokens_b, 64, seen))
+    c.add("c1", tokens_b + [5] * 8, max_tokens=1)
+    c.step()
+    assert c.admitted["c1"] == [64] and seen == [0, 1]  # all four blocks right, bit for bit
+    c.run()
+
+
+def test_preempted_requests_blocks_are_reused_only_after_their_puts(engines, server):
+    # Puts made slow: without handle_preemptions' wait, a preempted request's blocks are reused
+    # (written by the other request's forward) before its queued Puts read them.
+    e = engines("preempt-slow", num_blocks=12)
+    put = e.worker._worker.client.put
+
+    def slow_put(*args, **kwargs):
+        time.sleep(0.2)
+        return put(*args, **kwargs)
+
+    e.worker._worker.client.put = slow_put
+    prompts = {"s1": PROMPT, "s2": [t + 2 for t in PROMPT]}
+    for rid, prompt in prompts.items():
+        e.add(rid, prompt, max_tokens=50)
+    e.run(max_steps=400, timeout=60)
+    assert e.preempted
+    for rid, prompt in prompts.items():
+        tokens = full_tokens(prompt, 50)
+        seen: list[int] = []
+        c = engines("preempt-slow", on_layer=check_loaded(rid + "c", tokens, 112, seen))
+        c.add(rid + "c", tokens, max_tokens=1)
+        c.step()
+        assert c.admitted[rid + "c"] == [112] and seen == [0, 1]
+        c.run()

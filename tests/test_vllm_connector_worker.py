@@ -210,3 +210,36 @@ def test_shutdown_unregisters_at_once(daemon):
         assert daemon.run(lambda: len(daemon.core.clients)) == 0
     finally:
         mem.close()
+
+
+def test_a_finished_request_is_reported_only_once_its_puts_ran(daemon):
+    # Under speculative decoding vLLM calls get_finished before wait_for_save; a request that
+    # finished with its last Put in the same step's metadata must not be reported before it ran.
+    from kvclient.vllm._meta import KVServerConnectorMetadata, SaveJob
+
+    w, mem, _ = worker("mha", daemon.address, "LBNHC")
+    try:
+        meta = KVServerConnectorMetadata(saves=[SaveJob("r", keys(2, "spec"), [1, 2])])
+        w.bind(meta)  # the connector's bind_connector_metadata
+        assert w.get_finished({"r"}) == (None, None)  # its Put has not even been queued
+        w.wait_for_save(meta)
+        wait_finished(w, "r")
+    finally:
+        w.shutdown()
+        mem.close()
+
+
+def test_lookups_back_off_while_the_daemon_is_away(tmp_path):
+    from kvclient.vllm._scheduler import SchedulerSide
+
+    sched = SchedulerSide(space("mha"), {"address": f"unix://{tmp_path}/none.sock"}, True, lambda rid: [])
+    req = vllm_env.request("r", list(range(1, 82)), block_size=16)
+    try:
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        asked = sched.view.misses
+        assert asked >= 1
+        for _ in range(20):  # a scheduler's steps: none waits on the daemon again for a while
+            assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert sched.view.misses == asked
+    finally:
+        sched.shutdown()

@@ -3,9 +3,11 @@ built by vLLM's factory in the scheduler role), the connector again in the worke
 per-layer KV cache views (vLLM's own ``create_kv_cache_views`` over shared memory), and a stand-in
 for the model's forward that calls the worker connector exactly as vLLM's model runner does
 (``KVConnectorModelRunnerMixin._get_kv_connector_output`` and the attention layers'
-``maybe_transfer_kv_layer``) and writes each scheduled token's K/V as a function of (token,
-position, layer): what a real attention layer writes is a function of the prefix, and this one
-makes a wrong or missing block visible bit for bit.
+``maybe_transfer_kv_layer``), in its order: each layer writes the step's K/V, waits for the
+layer's load, then its "attention" reads the layer. Layer l's K/V at position p is a function of
+(token, position, layer) plus what layer l - 1's attention read at p (its K at p - 1), as a real
+model's K/V depend on the prefix through the layers below: a block that did not load, or was
+computed on one that did not, shows bit for bit (``expected_kv``).
 
 Call ``vllm_env.setup()`` (a module fixture) before anything here.
 """
@@ -21,12 +23,31 @@ LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")  # v
 HEADS, HEAD_SIZE, BLOCK = 2, 16, 16
 
 
-def kv_value(token: int, pos: int, layer: int, part: int) -> torch.Tensor:
-    """[HEADS, HEAD_SIZE] of fp16 small integers (exact), distinct per (token, position, layer, part)."""
-    base = (token * 13 + pos * 7 + layer * 5 + part * 11) % 1000
+def kv_value(token: int, pos: int, layer: int, part: int, carry: int = 0) -> torch.Tensor:
+    """[HEADS, HEAD_SIZE] of fp16 small integers (exact), distinct per (token, position, layer,
+    part), shifted by ``carry``: what the layer below read."""
+    base = (token * 13 + pos * 7 + layer * 5 + part * 11 + carry) % 1000
     h = torch.arange(HEADS)[:, None] * 17
     d = torch.arange(HEAD_SIZE)[None, :]
     return ((base + h + d) % 2000).to(torch.float16)
+
+
+def expected_kv(tokens, pos: int, layer: int, part: int) -> torch.Tensor:
+    """The K/V the stand-in model computes for ``tokens[pos]`` in ``layer``, from the tokens alone."""
+    return kv_value(tokens[pos], pos, layer, part, _carry(tuple(tokens), pos, layer))
+
+
+def _carry(tokens: tuple, pos: int, layer: int) -> int:
+    carries = _CARRIES.setdefault(tokens, {})
+    for p in range(pos + 1):
+        for layer_ in range(layer + 1):
+            if (p, layer_) not in carries:
+                carries[p, layer_] = 0 if layer_ == 0 or p == 0 else \
+                    int(kv_value(tokens[p - 1], p - 1, layer_ - 1, 0, carries[p - 1, layer_ - 1])[0, 0])
+    return carries[pos, layer]
+
+
+_CARRIES: dict[tuple, dict] = {}
 
 
 def sampled(pos: int) -> int:
@@ -69,7 +90,7 @@ class Engine:
     """One vLLM engine: scheduler + one worker, on ``address``'s daemon."""
 
     def __init__(self, vllm_config, *, layout: str = "LBNHC", num_blocks: int = 64,
-                 on_layer=None, before_load=None) -> None:
+                 on_layer=None, before_load=None, spec_order: bool = False) -> None:
         import vllm_env
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -86,6 +107,7 @@ class Engine:
         self.worker.register_kv_caches(self.caches)
         self.on_layer = on_layer  # on_layer(engine, layer_index, scheduler_output) after each layer's wait
         self.before_load = before_load  # before_load(engine, scheduler_output) before start_load_kv
+        self.spec_order = spec_order  # wait_for_save after get_finished, as under speculative decoding
         self.steps = 0
         self.invalid: set[int] = set()
         self.finished_sending: set[str] = set()
@@ -115,7 +137,7 @@ class Engine:
             for layer in range(len(LAYERS)):
                 for part in (0, 1):
                     got = self.kv(ids[pos // BLOCK], pos % BLOCK, layer, part)
-                    want = kv_value(tokens[pos], pos, layer, part)
+                    want = expected_kv(tokens, pos, layer, part)
                     assert torch.equal(got, want), (req_id, pos, layer, part)
 
     def _scheduled(self, so) -> list[tuple[str, int, int]]:
@@ -147,12 +169,10 @@ class Engine:
         if so.has_sync_kv_loads:
             w.start_load_kv(None)
         work = self._scheduled(so)
+        carry: dict[tuple[str, int], int] = {}  # (request, position) -> what the layer below read
         if so.total_num_scheduled_tokens:
             for layer, name in enumerate(LAYERS):
-                w.wait_for_layer_load(name)
-                if self.on_layer is not None:
-                    self.on_layer(self, layer, so)
-                for rid, start, n in work:  # the layer's attention writes the step's K/V
+                for rid, start, n in work:  # the layer writes the step's K/V (before its wait: 0.33)
                     req = self.scheduler.requests[rid]
                     ids = self.block_ids(rid)
                     for pos in range(start, start + n):
@@ -161,13 +181,25 @@ class Engine:
                         tok = req.all_token_ids[pos] if pos < req.num_tokens else sampled(pos)
                         for part in (0, 1):
                             dst = self.kv(ids[pos // BLOCK], pos % BLOCK, layer, part)
-                            dst.copy_(kv_value(tok, pos, layer, part))
+                            dst.copy_(kv_value(tok, pos, layer, part, carry.get((rid, pos), 0)))
+                w.wait_for_layer_load(name)
+                if self.on_layer is not None:
+                    self.on_layer(self, layer, so)
+                for rid, start, n in work:  # its attention reads the prefix: K at p - 1 for p
+                    ids = self.block_ids(rid)
+                    for pos in range(start, start + n):
+                        prev = self.kv(ids[(pos - 1) // BLOCK], (pos - 1) % BLOCK, layer, 0) if pos else 0
+                        carry[rid, pos] = int(prev[0, 0]) if pos else 0
                 w.save_kv_layer(name, self.caches[name], None)
         if not so.has_sync_kv_loads:
             w.start_load_kv(None)
-        w.wait_for_save()
+        if not self.spec_order:
+            w.wait_for_save()
         sending, recving = w.get_finished(so.finished_req_ids)
         invalid = w.get_block_ids_with_load_errors()
+        worker_meta = w.build_connector_worker_meta()
+        if self.spec_order:  # speculative decoding: finalize_kv_connector after the draft model
+            w.wait_for_save()
         w.clear_connector_metadata()
         self.invalid |= invalid
         self.finished_sending |= sending or set()
@@ -176,12 +208,11 @@ class Engine:
         for rid, start, n in work:
             req = self.scheduler.requests[rid]
             tokens.append([sampled(start + n)] if start + n >= req.num_tokens else [])
+        kv_out = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
+                                   invalid_block_ids=invalid, kv_connector_worker_meta=worker_meta)
         out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                 sampled_token_ids=tokens, logprobs=None, prompt_logprobs_dict={},
-                                pooler_output=None,
-                                kv_connector_output=KVConnectorOutput(finished_sending=sending,
-                                                                      finished_recving=recving,
-                                                                      invalid_block_ids=invalid))
+                                pooler_output=None, kv_connector_output=kv_out)
         self.scheduler.update_from_output(so, out)
         self.steps += 1
         return so

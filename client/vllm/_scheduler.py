@@ -6,23 +6,29 @@ A request's blocks are stored as they fill (the blocks a step completes, after t
 forward), not only when it finishes: another replica can hit a long prompt while its first
 request still decodes. A finished request whose last blocks are still being stored keeps them
 (``request_finished`` answers True) until every worker reports its Puts done.
+
+A request that loads stores nothing more until its load is known good on every worker (their
+step reports, ``KVServerWorkerMeta``): blocks computed on top of a load that failed hold wrong
+KV under the right keys, and a stored page is never overwritten. After a failed load its blocks
+are stored again as vLLM recomputes them.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvclient.cache_view import CacheView
 from kvclient.results import LookupResult
-from kvclient.vllm._meta import KVServerConnectorMetadata, LoadJob, SaveJob
+from kvclient.vllm._meta import KVServerConnectorMetadata, KVServerWorkerMeta, LoadJob, SaveJob
 from kvclient.vllm._space import Space, block_keys
 
 logger = logging.getLogger("kvclient.vllm")
 
-KEY_BYTES = 32  # vLLM's sha256 block hashes
+AWAY_BACKOFF_S = (0.5, 30.0)  # no lookups for this long after one failed, doubling up to the cap
 
 
 @dataclass
@@ -33,7 +39,9 @@ class _Req:
     lease: str = ""
     saved: int = 0  # leading blocks stored or known stored
     saving: bool = False  # a Put was asked for: vLLM keeps its blocks until the workers' Puts end
+    loading_from: int | None = None  # first block of a load not yet reported good by the workers
     lookup: Future | None = field(default=None, repr=False)
+    answer: tuple[LookupResult, float] | None = None  # async: the last answer and when it came
 
 
 class SchedulerSide:
@@ -45,28 +53,39 @@ class SchedulerSide:
         self.saves = saves  # kv_role kv_producer or kv_both
         self.block_size = space.page_size
         self.pin_ms = int(cfg.get("lookup_pin_ms", 10_000))
+        self.max_loads = int(cfg.get("event_slots", 16))  # a worker's Gets in flight in one step
         mode = str(cfg.get("lookup", "sync"))
         if mode not in ("sync", "async"):
             raise ValueError(f"kv_connector_extra_config.lookup must be 'sync' or 'async', not {mode!r}")
         self._async = mode == "async"
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvserver-lookup") if self._async else None
+        # Lookups (async mode) and releases run here, off the scheduler's thread.
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvserver-lookup")
         self._block_ids = block_ids
         self.view = CacheView(cfg.get("address"), model=space.model, layout=space.layout, dtype=space.dtype,
                               page_size=space.page_size, num_layers=space.num_layers, tp_size=space.tp_size,
-                              pp_size=space.pp_size, timeout=float(cfg.get("timeout_s", 5.0)),
+                              pp_size=space.pp_size, timeout=float(cfg.get("lookup_timeout_s", 1.0)),
                               token=cfg.get("token"), tenant_token=cfg.get("tenant_token"))
         self._reqs: dict[str, _Req] = {}
         self._loads: list[LoadJob] = []
         self._finish_saves: list[SaveJob] = []
+        self._away_until = 0.0  # lookups miss without asking until then (the daemon failed one)
+        self._backoff = AWAY_BACKOFF_S[0]
 
     # ---- lookup ----------------------------------------------------------------------------
 
     def _lookup(self, keys: list[bytes]) -> LookupResult:
+        misses = self.view.misses
         try:
-            return self.view.lookup(b"".join(keys), pin_ms=self.pin_ms, key_bytes=KEY_BYTES)
-        except Exception as exc:  # the daemon refused or is away: a miss, never the scheduler's end
+            found = self.view.lookup(b"".join(keys), pin_ms=self.pin_ms, key_bytes=len(keys[0]))
+        except Exception as exc:  # the daemon refused: a miss, never the scheduler's end
             logger.warning("kvserver: lookup failed (%s): a miss", exc)
+            found = None
+        if found is None or self.view.misses > misses:  # away, slow or refusing: ask less often
+            self._away_until = time.monotonic() + self._backoff
+            self._backoff = min(self._backoff * 2, AWAY_BACKOFF_S[1])
             return LookupResult(0)
+        self._backoff = AWAY_BACKOFF_S[0]
+        return found
 
     def _set_lease(self, st: _Req, lease: str) -> None:
         if st.lease:
@@ -74,6 +93,9 @@ class SchedulerSide:
         st.lease = lease
 
     def _release(self, lease: str) -> None:
+        self._pool.submit(self._release_now, lease)  # never on the scheduler's thread
+
+    def _release_now(self, lease: str) -> None:
         try:
             self.view.release(lease)
         except Exception:
@@ -81,35 +103,43 @@ class SchedulerSide:
 
     def _release_answer(self, answer: Future) -> None:
         if not answer.cancelled() and answer.exception() is None and answer.result().lease_id:
-            self._release(answer.result().lease_id)
+            self._release_now(answer.result().lease_id)
+
+    def _answer(self, st: _Req, keys: list[bytes]) -> LookupResult | None:
+        """This request's lookup answer; None: not yet (async mode: vLLM asks again next step)."""
+        if not self._async:
+            return self._lookup(keys)
+        if st.answer is not None and (time.monotonic() - st.answer[1]) * 2000 < self.pin_ms:
+            return st.answer[0]  # still pinned: a request vLLM could not admit yet asks no more
+        if st.lookup is None:  # answered at a later step, never this one: the step is not held
+            st.lookup = self._pool.submit(self._lookup, keys)
+            return None
+        if not st.lookup.done():
+            return None
+        found, st.lookup = st.lookup.result(), None
+        st.answer = (found, time.monotonic())
+        return found
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.enabled:
-            return 0, False
-        if not self.loads:  # a producer only: stores, never loads
-            st = self._reqs.setdefault(request.request_id, _Req(request))
-            st.local = num_computed_tokens
             return 0, False
         rid = request.request_id
         st = self._reqs.get(rid)
         if st is None:
             st = self._reqs[rid] = _Req(request)
+        st.local = num_computed_tokens
         # As vLLM's own prefix cache: whole blocks, and at least the prompt's last token computed.
         keys = block_keys(request, self.space.hash_stride, (request.num_tokens - 1) // self.block_size)
-        if not keys:
-            st.local, st.found = num_computed_tokens, 0
+        if (not self.loads or not keys or len(self._loads) >= self.max_loads
+                or time.monotonic() < self._away_until):
+            st.found = 0
             return 0, False
-        if self._async:
-            if st.lookup is None:  # answered at a later step, never this one: the step is not held
-                st.lookup = self._pool.submit(self._lookup, keys)
-                return None, False
-            if not st.lookup.done():
-                return None, False  # vLLM asks again next step
-            found, st.lookup = st.lookup.result(), None
-        else:
-            found = self._lookup(keys)
-        self._set_lease(st, found.lease_id)
-        st.local, st.found = num_computed_tokens, min(found.pages, len(keys))
+        found = self._answer(st, keys)
+        if found is None:
+            return None, False
+        if found.lease_id != st.lease:
+            self._set_lease(st, found.lease_id)
+        st.found = min(found.pages, len(keys))
         st.saved = max(st.saved, st.found)
         hit = st.found * self.block_size
         return max(0, hit - num_computed_tokens), False
@@ -118,6 +148,7 @@ class SchedulerSide:
         st = self._reqs.get(request.request_id)
         if st is None:
             return
+        st.answer = None  # admitted: a later lookup (after a preemption, say) asks again
         if num_external_tokens <= 0:
             self._set_lease(st, "")  # nothing to load: the pin is not needed
             return
@@ -127,12 +158,16 @@ class SchedulerSide:
         keys = block_keys(request, self.space.hash_stride, first + n)[first:]
         # A shorter key list (cannot happen with vLLM's own numbers) loads fewer blocks, and the
         # worker reports the rest as failed: vLLM recomputes them, never reads them unloaded.
-        self._loads.append(LoadJob(request.request_id, b"".join(keys[:len(ids)]), ids, st.lease))
+        self._loads.append(LoadJob(request.request_id, b"".join(keys[:len(ids)]), ids, st.lease,
+                                   key_bytes=len(keys[0]) if keys else 32))
         st.lease = ""  # the Get ends it
+        st.loading_from = first
 
     # ---- per step --------------------------------------------------------------------------
 
     def _save_job(self, st: _Req, computed_tokens: int, block_ids: list[int] | None = None) -> SaveJob | None:
+        if st.loading_from is not None:
+            return None  # blocks computed on an unconfirmed load wait for the workers' report
         req = st.request
         keys = block_keys(req, self.space.hash_stride, computed_tokens // self.block_size)
         if len(keys) <= st.saved:
@@ -140,12 +175,13 @@ class SchedulerSide:
         ids = list(block_ids if block_ids is not None else self._block_ids(req.request_id))
         if len(ids) < len(keys):
             return None
-        job = SaveJob(req.request_id, b"".join(keys[st.saved:]), ids[st.saved:len(keys)])
+        job = SaveJob(req.request_id, b"".join(keys[st.saved:]), ids[st.saved:len(keys)],
+                      key_bytes=len(keys[0]))
         st.saved, st.saving = len(keys), True
         return job
 
     def build_connector_meta(self, scheduler_output) -> KVServerConnectorMetadata:
-        meta = KVServerConnectorMetadata(key_bytes=KEY_BYTES, loads=self._loads, saves=self._finish_saves,
+        meta = KVServerConnectorMetadata(loads=self._loads, saves=self._finish_saves,
                                          preempted=set(scheduler_output.preempted_req_ids or ()))
         self._loads, self._finish_saves = [], []
         if not self.enabled or not self.saves:
@@ -159,6 +195,19 @@ class SchedulerSide:
             if job is not None:
                 meta.saves.append(job)
         return meta
+
+    def update_connector_output(self, connector_output) -> None:
+        """The workers' step report: which loads landed on every one of them."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(meta, KVServerWorkerMeta):
+            return
+        for rid, ok in meta.loads.items():
+            st = self._reqs.get(rid)
+            if st is None or st.loading_from is None:
+                continue
+            if not ok:  # vLLM recomputes from the first failed block: those are stored again then
+                st.saved = min(st.saved, st.loading_from)
+            st.loading_from = None
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         st = self._reqs.pop(request.request_id, None)
@@ -181,6 +230,5 @@ class SchedulerSide:
             if st.lease:
                 self._release(st.lease)
         self._reqs.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=True, cancel_futures=False)
         self.view.close()

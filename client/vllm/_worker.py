@@ -21,7 +21,7 @@ import torch
 
 from kvclient.registrar import Registrar
 from kvclient.sync_client import KVClient
-from kvclient.vllm._meta import KVServerConnectorMetadata, LoadJob, SaveJob
+from kvclient.vllm._meta import KVServerConnectorMetadata, KVServerWorkerMeta, LoadJob, SaveJob
 from kvclient.vllm._space import Space
 
 logger = logging.getLogger("kvclient.vllm")
@@ -78,6 +78,9 @@ class WorkerSide:
         self._deadline = 0.0
         self._ready = None  # CUDA: the step's slots-ready event, alive until its Gets end
         self._failed: set[int] = set()
+        self._report: dict[str, bool] = {}  # this step's loads: landed or not
+        self._cancelled: set[str] = set()  # preempted requests whose queued Puts are dropped
+        self._bound: KVServerConnectorMetadata | None = None  # the step's, once its Puts count
         self._lock = threading.Condition()
         self._pending: dict[str, int] = {}  # req_id -> Puts queued or running
         self._saving: set[str] = set()  # requests with a Put asked for, until reported finished
@@ -138,32 +141,38 @@ class WorkerSide:
         self._loads = []
         if meta is None or not meta.loads:
             return
-        if not self._registered():
-            for job in meta.loads:
-                self._failed.update(job.block_ids)
-            return
-        ready = self._ready_event()
+        usable = self._registered()
+        ready = self._ready_event() if usable else None
         self._ready = ready  # kept until the step's Gets end: the daemon waits on it
         self._deadline = time.monotonic() + self.load_timeout
-        kb = meta.key_bytes
         for i, job in enumerate(meta.loads):
-            asked = len(job.keys) // kb
+            asked = len(job.keys) // job.key_bytes
             handle = None
-            if self.cuda and i >= self.event_slots:
+            if not usable:
+                pass
+            elif self.cuda and i >= self.event_slots:
                 logger.warning("kvserver: %d loads in one step, more than event_slots %d: %s is recomputed",
                                len(meta.loads), self.event_slots, job.req_id)
             elif asked:
                 try:
                     handle = self.client.get(job.keys, job.block_ids[:asked], layers=self.layer_ids,
                                              event_slot=i if self.cuda else 0, ready_event=ready,
-                                             lease_id=job.lease, key_bytes=kb)
+                                             lease_id=job.lease, key_bytes=job.key_bytes)
                 except Exception as exc:
                     logger.warning("kvserver: get for %s failed (%s): its blocks are recomputed",
                                    job.req_id, exc)
+            if handle is None and job.lease and usable:
+                self._release(job.lease)  # no Get to end it
             self._loads.append(_Load(job, handle, asked, failed=handle is None))
         if not self.layerwise:  # the forward starts once every layer is in (on the GPU for CUDA)
             for layer in self.layer_ids:
                 self._wait_layer(layer)
+
+    def _release(self, lease: str) -> None:
+        try:
+            self.client.release(lease)
+        except Exception:
+            pass  # it ends by itself at its pin's end
 
     def _wait_layer(self, layer: int) -> None:
         for load in self._loads:
@@ -191,7 +200,9 @@ class WorkerSide:
         """Blocks of this step's loads that did not land (all of a failed Get's, or those past the
         prefix a Get found); called after the forward, when vLLM asks. Every Get of the step has
         ended when this returns (or the daemon could not say it stopped, which is logged): vLLM
-        may give the blocks of a failed one to a recompute at once."""
+        may give the blocks of a failed one to a recompute at once. The step's report
+        (``worker_meta``) says which requests' loads landed."""
+        deadline = time.monotonic() + self.load_timeout  # one bound for the whole step
         for load in self._loads:
             got = 0
             if load.handle is not None:
@@ -200,7 +211,7 @@ class WorkerSide:
                         got = load.handle.pages(timeout=max(0.0, self._deadline - time.monotonic()))
                     # A Get whose layer wait failed (a timeout, say) may still be writing: it is
                     # waited out too, bounded by the daemon's own deadline for it.
-                    load.handle.wait(timeout=self.load_timeout)
+                    load.handle.wait(timeout=max(0.0, deadline - time.monotonic()))
                     if load.handle.missed:
                         got = 0
                 except Exception as exc:
@@ -213,7 +224,9 @@ class WorkerSide:
             if load.failed:
                 got = 0
             got = min(got, load.asked)
-            if got < len(load.job.block_ids):
+            landed = got >= len(load.job.block_ids)
+            self._report[load.job.req_id] = self._report.get(load.job.req_id, True) and landed
+            if not landed:
                 self._failed.update(load.job.block_ids[got:])
         self._loads = []
         self._ready = None
@@ -222,34 +235,54 @@ class WorkerSide:
             logger.info("kvserver: %d blocks did not load; vLLM recomputes them", len(failed))
         return failed
 
+    def worker_meta(self) -> KVServerWorkerMeta | None:
+        """The step's report to the scheduler: which loads landed (None: no load this step)."""
+        report, self._report = self._report, {}
+        return KVServerWorkerMeta(loads=report) if report else None
+
     # ---- saves -----------------------------------------------------------------------------
 
-    def wait_for_save(self, meta: KVServerConnectorMetadata | None) -> None:
+    def bind(self, meta: KVServerConnectorMetadata | None) -> None:
+        """The step's metadata arrived: its Puts count as pending from now on, so a request
+        finished in this step is not reported done before they run (vLLM calls wait_for_save
+        after get_finished under speculative decoding)."""
+        self._bound = meta
         if meta is None or not meta.saves:
             return
-        usable = self._registered()
-        ready = self._ready_event() if usable else None
         with self._lock:
             for job in meta.saves:
                 self._saving.add(job.req_id)
                 self._pending[job.req_id] = self._pending.get(job.req_id, 0) + 1
-                self._puts.put((job, meta.key_bytes, ready, usable))
+                self._cancelled.discard(job.req_id)
+
+    def wait_for_save(self, meta: KVServerConnectorMetadata | None) -> None:
+        if meta is not self._bound:  # called without vLLM's bind (the GPU check, benchmarks)
+            self.bind(meta)
+        self._bound = None
+        if meta is None or not meta.saves:
+            return
+        usable = self._registered()
+        ready = self._ready_event() if usable else None
+        for job in meta.saves:
+            self._puts.put((job, ready, usable))
 
     def _put_loop(self) -> None:
         while True:
             task = self._puts.get()
             if task is None:
                 return
-            job, kb, ready, usable = task
-            if usable:
-                self._put(job, kb, ready)
+            job, ready, usable = task
+            with self._lock:
+                cancelled = job.req_id in self._cancelled
+            if usable and not cancelled:
+                self._put(job, ready)
             with self._lock:
                 self._pending[job.req_id] -= 1
                 self._lock.notify_all()
 
-    def _put(self, job: SaveJob, kb: int, ready) -> None:
+    def _put(self, job: SaveJob, ready) -> None:
         try:
-            result = self.client.put(job.keys, job.block_ids, ready_event=ready, key_bytes=kb)
+            result = self.client.put(job.keys, job.block_ids, ready_event=ready, key_bytes=job.key_bytes)
             if result.dropped:
                 logger.info("kvserver: %d blocks of %s not stored (cache full)", result.dropped, job.req_id)
         except Exception as exc:
@@ -257,12 +290,18 @@ class WorkerSide:
 
     def handle_preemptions(self, meta: KVServerConnectorMetadata | None) -> None:
         """A preempted request's blocks are freed and may be reused by this very step: its Puts
-        must have read them first."""
+        must have read them first. Puts still queued past the bound are dropped."""
         if meta is None or not meta.preempted:
             return
         with self._lock:
-            self._lock.wait_for(lambda: all(self._pending.get(r, 0) == 0 for r in meta.preempted),
-                                timeout=self.load_timeout)
+            done = self._lock.wait_for(lambda: all(self._pending.get(r, 0) == 0 for r in meta.preempted),
+                                       timeout=self.load_timeout)
+            if not done:
+                late = {r for r in meta.preempted if self._pending.get(r, 0)}
+                self._cancelled |= late
+                logger.error("kvserver: Puts of preempted %s did not end within %.0f s; those not started "
+                             "are dropped, and one running may read reused blocks", sorted(late),
+                             self.load_timeout)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         with self._lock:
@@ -272,6 +311,7 @@ class WorkerSide:
             self._saving -= done
             for r in done:
                 self._pending.pop(r, None)
+                self._cancelled.discard(r)
         return (done or None), None
 
     def shutdown(self) -> None:
