@@ -2,7 +2,8 @@
 
 vLLM cannot be carried to the GPU machine, so when it is not importable this module puts a
 stand-in for the two names ``kvclient.vllm._worker`` (and ``_meta``) import from it into
-``sys.modules``: ``KVConnectorMetadata`` (vLLM's empty base class) and ``extract_layer_index``
+``sys.modules``: ``KVConnectorMetadata`` (vLLM's empty base class), ``KVConnectorWorkerMetadata``
+(its abstract ``aggregate``) and ``extract_layer_index``
 (vLLM 0.33's semantics); ``tests/test_gpu_check_vllm.py`` checks them against vLLM's own. The
 per-layer views are built here with ``torch.as_strided`` from vLLM 0.33's stride formulas
 (``compute_layout_strides`` / ``create_kv_cache_views`` over one raw byte buffer; the test checks
@@ -36,6 +37,7 @@ import random
 import sys
 import time
 import types
+from abc import ABC, abstractmethod
 
 NUM_LAYERS = 8  # the model's, all in this PP 1 worker
 NUM_BLOCKS = 32  # vLLM blocks per engine (block 0, vLLM's null block, is never used)
@@ -70,6 +72,13 @@ def install_standin() -> bool:
     class KVConnectorMetadata:
         """vLLM's base of what the scheduler-side connector sends the workers (empty)."""
 
+    class KVConnectorWorkerMetadata(ABC):
+        """vLLM's base of what each worker-side connector reports to the scheduler's."""
+
+        @abstractmethod
+        def aggregate(self, other):
+            """Aggregates metadata with another worker's."""
+
     def extract_layer_index(layer_name: str, num_attn_module: int = 1) -> int:
         """vLLM 0.33's: the one integer in a module name ("model.layers.3.self_attn.attn" -> 3);
         with ``num_attn_module`` > 1 and "attn" in the name, at most two (i * num + j)."""
@@ -89,7 +98,9 @@ def install_standin() -> bool:
         "vllm": {}, "vllm.distributed": {}, "vllm.distributed.kv_transfer": {},
         "vllm.distributed.kv_transfer.kv_connector": {},
         "vllm.distributed.kv_transfer.kv_connector.v1": {},
-        "vllm.distributed.kv_transfer.kv_connector.v1.base": {"KVConnectorMetadata": KVConnectorMetadata},
+        "vllm.distributed.kv_transfer.kv_connector.v1.base": {
+            "KVConnectorMetadata": KVConnectorMetadata,
+            "KVConnectorWorkerMetadata": KVConnectorWorkerMetadata},
         "vllm.model_executor": {}, "vllm.model_executor.models": {},
         "vllm.model_executor.models.utils": {"extract_layer_index": extract_layer_index},
     }

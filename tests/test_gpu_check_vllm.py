@@ -9,6 +9,7 @@ from the stride formulas with the ones vLLM's own create_kv_cache_views builds.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import os
 import subprocess
@@ -104,6 +105,10 @@ def test_the_standin_matches_vllm_0_33(real_vllm):
         # The base class: empty in both (nothing a subclass would inherit differs).
         assert not [n for n in vars(real_base.KVConnectorMetadata) if not n.startswith("_")]
         assert not [n for n in vars(base.KVConnectorMetadata) if not n.startswith("_")]
+        real_w, standin_w = real_base.KVConnectorWorkerMetadata, base.KVConnectorWorkerMetadata
+        assert standin_w.__abstractmethods__ == real_w.__abstractmethods__ == frozenset({"aggregate"})
+        assert list(inspect.signature(standin_w.aggregate).parameters) == \
+            list(inspect.signature(real_w.aggregate).parameters)
         names = ["model.layers.0.self_attn.attn", "model.layers.31.self_attn.attn", "layers.7",
                  "model.layers.12.self_attn.mla_attn", "model.decoder.layers.5.self_attn.attn",
                  "language_model.model.layers.3.self_attn.attn", "2.self_attn", "encoder.layers.1.self_attn",
