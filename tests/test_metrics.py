@@ -188,6 +188,13 @@ def test_two_daemons_in_one_process_have_their_own_registries(daemon_factory):
     assert a.daemon.metrics.registry is not b.daemon.metrics.registry
     assert value(scrape(a.daemon.metrics.port), "kvserver_host_memory_bytes") == 64 << 20
     assert value(scrape(b.daemon.metrics.port), "kvserver_host_memory_bytes") == 128 << 20
+    # A model name is the engine's: quotes, backslashes and newlines come back as they were sent.
+    odd = 'od"d\\mo\ndel'
+    with grpc.insecure_channel(a.address) as channel:
+        pb_grpc.KVServerStub(channel).OpenSpace(pb.OpenSpaceRequest(space=pb.KVSpace(
+            model=odd, layout=pb.KVLayout(mha=pb.MHALayout(num_heads=2, head_dim=8)),
+            dtype=pb.DTYPE_BFLOAT16, page_size=16, num_layers=2)), timeout=10)
+    assert value(scrape(a.daemon.metrics.port), "kvserver_cache_pages", model=odd, dtype="bfloat16") == 0
     port = a.daemon.metrics.port
     a.stop()  # the endpoint goes with its daemon
     with pytest.raises(urllib.error.URLError):
