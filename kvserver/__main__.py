@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tenant-tokens", default=_env("TENANT_TOKENS"),
                    help="file of 'name token [quota]' lines: a call sending x-kvserver-tenant: <token> "
                         "is in tenant <name> (default: a caller's tenant is its uid)")
+    p.add_argument("--metrics-listen", default=_env("METRICS_LISTEN"),
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics, e.g. 127.0.0.1:9400 "
+                        "(default off; no token guards it: bind it where only your scraper reaches)")
     p.add_argument("--log-level", type=_log_level, default=_env("LOG_LEVEL", "INFO"),
                    help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     return p
@@ -123,6 +126,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         allow_named_shm=args.allow_named_shm,
         tenant_quota=args.tenant_quota,
         tenant_tokens=args.tenant_tokens,
+        metrics_listen=args.metrics_listen,
     )
     # Checked here, so that a bad quota or tokens file stops the daemon with a clear message.
     parse_quota(config.tenant_quota, config.host_memory)

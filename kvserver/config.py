@@ -53,6 +53,18 @@ def parse_host_memory(text: str) -> int:
     return int(machine_memory() * share / 100)
 
 
+_ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[\w.-]*):(\d{1,5})")
+
+
+def parse_metrics_listen(text: str) -> tuple[str, int]:
+    """'127.0.0.1:9400', '[::1]:9400', ':9400' (every interface) -> (host, port); port 0 picks one."""
+    m = _ADDRESS.fullmatch(text)
+    if not m or int(m.group(2)) > 65535:
+        raise ValueError(f"metrics address {text!r} is not HOST:PORT (e.g. 127.0.0.1:9400 or [::1]:9400)")
+    host = m.group(1).strip("[]") or "0.0.0.0"
+    return host, int(m.group(2))
+
+
 def default_socket() -> str:
     if os.geteuid() == 0:
         return "/run/kvserver/kvserver.sock"
@@ -83,6 +95,7 @@ class ServerConfig:
     cuda_wait_seconds: float = 20.0  # GPU work of a client making no progress this long fails it
     tenant_quota: str = "100%"  # cached bytes one tenant may hold: a size or a share of host_memory
     tenant_tokens: str | None = None  # file of 'name token [quota]' lines (kvserver.tenants)
+    metrics_listen: str | None = None  # HOST:PORT of a Prometheus /metrics endpoint; None: off
 
     def __post_init__(self) -> None:
         if self.host_memory < 2 << 20:
@@ -108,6 +121,8 @@ class ServerConfig:
             raise ValueError("the admin token must differ from the client token")
         if not 0 < self.cuda_wait_seconds <= 3600:
             raise ValueError("CUDA wait seconds must be in (0, 3600]")
+        if self.metrics_listen is not None:
+            parse_metrics_listen(self.metrics_listen)
 
 
     @property

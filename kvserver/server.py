@@ -20,6 +20,7 @@ from kvserver.config import ServerConfig
 from kvserver.core import KVCore
 from kvserver.cuda.waits import set_wait_seconds
 from kvserver.liveness import Reaper
+from kvserver.metrics import Metrics
 from kvserver.peer_socket import PeerSocket, fd_socket_path
 from kvserver.servicer import KVServicer, add_to_server
 from kvserver.tenants import TenantBook, parse_quota
@@ -88,7 +89,9 @@ class Daemon:
         ]
         interceptors = [TokenAuth(config.token)] if config.token else []
         self.server = grpc.aio.server(options=opts, interceptors=interceptors)
-        self.servicer = KVServicer(self.core, self.reaper, config.admin_token, self.tenants)
+        # Its registry is this daemon's own; served over HTTP only with --metrics-listen.
+        self.metrics = Metrics(self.core)
+        self.servicer = KVServicer(self.core, self.reaper, config.admin_token, self.tenants, self.metrics)
         add_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -130,6 +133,17 @@ class Daemon:
                 os.chmod(address[len("unix://") :], self.config.socket_mode)
         if self.config.listen and not self.config.token:
             logger.warning("listening on TCP %s without a token (--insecure-tcp)", self.config.listen)
+        if self.config.metrics_listen:
+            try:
+                url = self.metrics.serve(self.config.metrics_listen)
+            except OSError as exc:
+                await self.server.stop(0)
+                if self.peer_socket is not None:
+                    await self.peer_socket.stop()
+                raise ListenError(
+                    f"cannot serve metrics on {self.config.metrics_listen}: {exc.strerror or exc}"
+                ) from None
+            logger.info("metrics on %s", url)
         self.reaper.start()
         self._leases = asyncio.ensure_future(expire_leases(self.core.cache, self._stop_leases))
         for name in ("", SERVICE_NAME):
@@ -144,6 +158,7 @@ class Daemon:
         memory is freed."""
         await self.health.enter_graceful_shutdown()
         await self.reaper.stop()
+        await self.metrics.stop()
         self._stop_leases.set()
         if self._leases is not None:
             await self._leases

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ from kvserver.core import OFF_LOOP_INDICES, KVCore
 from kvserver.errors import GpuStalled, InvalidArgument, KVError, status_of
 from kvserver.layout import wire_dtype
 from kvserver.liveness import Reaper
+from kvserver.metrics import Metrics
 from kvserver.store import CacheCounters, SpaceStat, TenantStat
 from kvserver.tenants import TenantBook, tenant_of
 from kvserver.v1 import kvserver_pb2 as pb
@@ -63,6 +65,7 @@ def _check_parsed(request: Any) -> None:
 def _abort_on_error(fn: Callable) -> Callable:
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        started = time.perf_counter()
         try:
             _check_parsed(request)
             return await fn(self, request, context)
@@ -72,6 +75,8 @@ def _abort_on_error(fn: Callable) -> Callable:
         except Exception as exc:
             logger.exception("%s failed", fn.__name__)
             await context.abort(*status_of(exc))
+        finally:
+            self.metrics.observe(fn.__name__, started)
 
     return wrapper
 
@@ -133,8 +138,9 @@ def _tenant_stats(st: TenantStat) -> pb.TenantStats:
 
 class KVServicer(pb_grpc.KVServerServicer):
     def __init__(self, core: KVCore, reaper: Reaper, admin_token: str | None = None,
-                 tenants: TenantBook | None = None) -> None:
+                 tenants: TenantBook | None = None, metrics: Metrics | None = None) -> None:
         self.core = core
+        self.metrics = metrics or Metrics(core)  # histograms and transfer counters, observed here
         self.cache = CacheOps(core, tenants)
         self.reaper = reaper
         self.admin_token = admin_token
@@ -186,9 +192,13 @@ class KVServicer(pb_grpc.KVServerServicer):
             request.client_id, request.host_indices, request.device_indices, request.layers,
             request.ready_event, timeout_ms=request.timeout_ms,
         )
-        return pb.WriteResponse(bytes=await self.core.copier.write(job))
+        nbytes = await self.core.copier.write(job)
+        self.metrics.transfers.add("write", nbytes)
+        return pb.WriteResponse(bytes=nbytes)
 
     async def Load(self, request: pb.LoadRequest, context) -> AsyncIterator[pb.LoadProgress]:
+        started = time.perf_counter()
+        first, moved = True, 0
         try:
             context.set_trailing_metadata(JOB_ENDED)
             _check_parsed(request)
@@ -198,6 +208,10 @@ class KVServicer(pb_grpc.KVServerServicer):
             )
             total = len(job.local_layers)
             async for step in self.core.copier.load(job):
+                if first and step.layers_done:
+                    first = False
+                    self.metrics.first_layer_landed("load", started)
+                moved = step.bytes
                 yield pb.LoadProgress(
                     last_layer=step.last_layer,
                     layers_done=step.layers_done,
@@ -205,11 +219,14 @@ class KVServicer(pb_grpc.KVServerServicer):
                     bytes=step.bytes,
                     events_recorded=step.events_recorded,
                 )
+            self.metrics.transfers.add("load", moved)  # the job is over: counted as Stats counts it
         except Exception as exc:
             if not isinstance(exc, KVError):
                 logger.exception("Load failed")
             _unmark_stalled(exc, context)
             await context.abort(*status_of(exc))
+        finally:
+            self.metrics.observe("Load", started)
 
     async def Session(self, request: pb.SessionRequest, context) -> AsyncIterator[pb.SessionEvent]:
         try:
@@ -288,9 +305,13 @@ class KVServicer(pb_grpc.KVServerServicer):
     async def Put(self, request: pb.PutRequest, context) -> pb.PutResponse:
         context.set_trailing_metadata(JOB_ENDED)
         got = await self.cache.put(request)
+        if got.stored:  # a copy ran (as Stats counts: a Put of nothing new copies nothing)
+            self.metrics.transfers.add("put", got.bytes)
         return pb.PutResponse(stored=got.stored, present=got.present, dropped=got.dropped, bytes=got.bytes)
 
     async def Get(self, request: pb.GetRequest, context) -> AsyncIterator[pb.LoadProgress]:
+        started = time.perf_counter()
+        first, moved = True, -1
         try:
             context.set_trailing_metadata(JOB_ENDED)
             _check_parsed(request)
@@ -303,6 +324,10 @@ class KVServicer(pb_grpc.KVServerServicer):
                     continue
                 if total is None:
                     total = len(request.layers) or len(self.core.client(request.client_id).spec.layers)
+                if first and step.layers_done:
+                    first = False
+                    self.metrics.first_layer_landed("get", started)
+                moved = step.bytes
                 yield pb.LoadProgress(
                     last_layer=step.last_layer,
                     layers_done=step.layers_done,
@@ -311,11 +336,15 @@ class KVServicer(pb_grpc.KVServerServicer):
                     events_recorded=step.events_recorded,
                     pages=pages,
                 )
+            if moved >= 0:  # a copy ran and is over (a Get that found nothing copies nothing)
+                self.metrics.transfers.add("get", moved)
         except Exception as exc:
             if not isinstance(exc, KVError):
                 logger.exception("Get failed")
             _unmark_stalled(exc, context)
             await context.abort(*status_of(exc))
+        finally:
+            self.metrics.observe("Get", started)
 
 
 def _serialize(response: Any) -> bytes:

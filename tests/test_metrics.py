@@ -1,0 +1,304 @@
+"""Prometheus metrics (--metrics-listen): a real daemon's /metrics endpoint, scraped over HTTP and
+parsed, says what an engine did and agrees with the Stats RPC; off by default; bad addresses refused;
+docs/metrics.md's curl line runs as written."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from daemon_proc import ADMIN, ADMIN_TOKEN, DaemonProcess
+from light_engine import LightEngine
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvclient import KVClient, KVLayout, ShmKVPool
+from kvserver.__main__ import main
+from kvserver.config import ServerConfig, parse_metrics_listen
+from kvserver.v1 import kvserver_pb2 as pb
+from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
+
+REPO = Path(__file__).resolve().parents[1]
+LAYOUT = KVLayout.mha(2, 8)
+DTYPE = torch.float16
+LAYERS = 4
+PAGE = 16
+POOL_TOKENS = 256
+TOKEN_BYTES = LAYOUT.token_bytes(DTYPE) * LAYOUT.num_parts * LAYERS  # every layer and part
+
+
+def scrape(port: int, host: str = "127.0.0.1") -> dict[str, list]:
+    """name -> samples [(sample name, labels, value)] of every family of /metrics."""
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as resp:
+        assert resp.status == 200
+        text = resp.read().decode()
+    return {f.name: [(s.name, s.labels, s.value) for s in f.samples]
+            for f in text_string_to_metric_families(text)}
+
+
+def value(metrics: dict, sample: str, **labels: str) -> float:
+    """The value of one sample (its full name, e.g. kvserver_cache_hits_total) matching ``labels``."""
+    family = re.sub(r"(_total|_count|_sum|_bucket|_created)$", "", sample)
+    samples = metrics.get(family, []) + (metrics.get(sample, []) if sample != family else [])
+    found = [v for name, ls, v in samples
+             if name == sample and all(ls.get(k) == want for k, want in labels.items())]
+    assert len(found) == 1, f"{sample}{labels}: {found} in {metrics.get(family)}"
+    return found[0]
+
+
+def keys(n: int, salt: bytes = b"") -> list[bytes]:
+    return [i.to_bytes(8, "little") + salt.ljust(8, b"\0") for i in range(n)]
+
+
+def fill(pool: ShmKVPool, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for layer in pool.buffers:
+        for buf in layer:
+            buf.view(torch.uint8).copy_(torch.randint(0, 256, buf.view(torch.uint8).shape, generator=g))
+
+
+def test_scrape_counts_what_the_engine_did_and_agrees_with_stats(daemon_factory):
+    d = daemon_factory(metrics_listen="127.0.0.1:0", reclaim_grace=0.1, admin_token=ADMIN_TOKEN)
+    port = d.daemon.metrics.port
+    assert port
+    before = scrape(port)
+    assert value(before, "kvserver_clients") == 0
+    assert value(before, "kvserver_host_memory_bytes") == d.core.arena.capacity
+    assert value(before, "kvserver_operation_duration_seconds_count", op="Write") == 0
+
+    n = 64  # tokens: 4 pages
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, POOL_TOKENS) as pool, KVClient(d.address) as client:
+        fill(pool, 1)
+        client.register(model="metrics-model", pool=pool, start_layer=0, end_layer=LAYERS,
+                        num_layers=LAYERS, host_tokens=128, page_size=PAGE)
+        host = client.alloc(n)
+        dev = torch.arange(n)
+        assert client.write(host_indices=host, device_indices=dev) == n * TOKEN_BYTES
+        client.load(host_indices=host, device_indices=dev).wait()
+        client.load(host_indices=host, device_indices=dev).wait()
+
+        ks = keys(6)
+        assert client.lookup(ks[:4]).pages == 0  # 4 misses
+        put = client.put(ks[:4], torch.arange(4))
+        assert put.stored == 4
+        assert client.put(ks[:4], torch.arange(4)).present == 4  # dedup: nothing copied
+        assert client.lookup(ks).pages == 4  # 4 hits, 2 misses
+        got = client.get(ks[:4], torch.arange(4, 8))
+        got.wait()
+        assert got.pages() == 4
+
+        m = scrape(port)
+        stats = _admin_stats(d)  # the same numbers through Stats
+        page_bytes = PAGE * TOKEN_BYTES
+        expect = {"write": (1, n * TOKEN_BYTES), "load": (2, 2 * n * TOKEN_BYTES),
+                  "put": (1, 4 * page_bytes), "get": (1, 4 * page_bytes)}
+        for direction, (ops, nbytes) in expect.items():
+            assert value(m, "kvserver_operations_total", direction=direction, lane="grpc") == ops, direction
+            assert value(m, "kvserver_transfer_bytes_total", direction=direction, lane="grpc") == nbytes
+        t = stats.transfers
+        assert t.bytes_written == expect["write"][1] + expect["put"][1]
+        assert t.bytes_loaded == expect["load"][1] + expect["get"][1]
+        assert (t.write_ops, t.load_ops) == (2, 3)
+
+        assert value(m, "kvserver_clients") == stats.num_clients == 1
+        assert value(m, "kvserver_host_memory_bytes") == stats.capacity_bytes
+        assert value(m, "kvserver_host_memory_reserved_bytes") == stats.reserved_bytes
+        assert value(m, "kvserver_host_memory_used_bytes") == stats.used_bytes == n * TOKEN_BYTES
+        assert value(m, "kvserver_cache_slab_bytes") == stats.cache_bytes > 0
+        assert value(m, "kvserver_copy_queue_depth") == 0
+        assert value(m, "kvserver_reclaims_total") == stats.reclaimed_clients == 0
+        tenant = f"uid:{os.getuid()}"
+        assert value(m, "kvserver_client_memory_bytes", tenant=tenant,
+                     model="metrics-model") == 128 * TOKEN_BYTES
+        assert value(m, "kvserver_client_memory_used_bytes", tenant=tenant,
+                     model="metrics-model") == n * TOKEN_BYTES
+
+        (space,) = [s for s in stats.spaces if s.space.model == "metrics-model"]
+        (tstat,) = [t for t in stats.tenants if t.tenant == tenant]
+        labels = dict(tenant=tenant, model="metrics-model", layout="mha:2x8", dtype="float16",
+                      page_size=str(PAGE), num_layers=str(LAYERS), tp_size="1", pp_size="1")
+        c = space.counters
+        assert (c.hits, c.misses, c.pages, c.dedup_pages) == (4, 6, 4, 4)
+        assert value(m, "kvserver_cache_hits_total", **labels) == c.hits
+        assert value(m, "kvserver_cache_misses_total", **labels) == c.misses
+        assert value(m, "kvserver_cache_pages", **labels) == c.pages
+        assert value(m, "kvserver_cache_bytes", **labels) == c.bytes == 4 * page_bytes
+        assert value(m, "kvserver_cache_evictions_total", **labels) == c.evictions == 0
+        assert value(m, "kvserver_cache_dedup_pages_total", **labels) == c.dedup_pages
+        assert value(m, "kvserver_cache_dropped_pages_total", **labels) == c.dropped == 0
+        assert value(m, "kvserver_tenant_cache_bytes", tenant=tenant) == c.bytes
+        assert value(m, "kvserver_tenant_cache_pages", tenant=tenant) == c.pages
+        assert value(m, "kvserver_tenant_quota_bytes", tenant=tenant) == tstat.quota_bytes  # 0: none
+
+        for op in ("Register", "Alloc", "Write", "Lookup", "Put"):
+            assert value(m, "kvserver_operation_duration_seconds_count", op=op) >= 1, op
+        assert value(m, "kvserver_operation_duration_seconds_count", op="Load") == 2
+        assert value(m, "kvserver_operation_duration_seconds_count", op="Get") == 1
+        assert value(m, "kvserver_operation_duration_seconds_sum", op="Load") > 0
+        assert value(m, "kvserver_time_to_first_layer_seconds_count", op="load") == 2
+        assert value(m, "kvserver_time_to_first_layer_seconds_count", op="get") == 1
+        assert value(m, "kvserver_time_to_first_layer_seconds_bucket", op="get", le="+Inf") == 1
+        client.unregister()
+
+    # Gone with its client: the gauges drop, the counters do not.
+    after = scrape(port)
+    assert value(after, "kvserver_clients") == 0
+    assert value(after, "kvserver_host_memory_used_bytes") == 0
+    for direction, (ops, nbytes) in expect.items():
+        assert value(after, "kvserver_operations_total", direction=direction, lane="grpc") == ops
+        assert value(after, "kvserver_transfer_bytes_total", direction=direction, lane="grpc") == nbytes
+    assert value(after, "kvserver_cache_hits_total", **labels) == 4  # the cache outlives its writer
+    assert value(after, "kvserver_operation_duration_seconds_count", op="Unregister") == 1
+    assert value(after, "kvserver_operation_duration_seconds_count", op="Stats") >= 1
+
+    # An engine whose session drops is reclaimed: counted.
+    eng = LightEngine(d.address, f"kvtest-metrics-{secrets.token_hex(4)}")
+    try:
+        assert value(scrape(port), "kvserver_clients") == 1
+        eng.session.cancel()
+        deadline = time.monotonic() + 10
+        while value(m := scrape(port), "kvserver_reclaims_total") < 1:
+            assert time.monotonic() < deadline, "the reclaim never showed"
+            time.sleep(0.05)
+        assert value(m, "kvserver_reclaims_total") == 1
+        assert _admin_stats(d).reclaimed_clients == 1
+    finally:
+        eng.drop()
+
+
+def _admin_stats(d) -> pb.StatsResponse:
+    """The Stats RPC as the admin sees it: every tenant's spaces."""
+    with grpc.insecure_channel(d.address) as channel:
+        return pb_grpc.KVServerStub(channel).Stats(pb.StatsRequest(), metadata=ADMIN, timeout=10)
+
+
+def test_two_daemons_in_one_process_have_their_own_registries(daemon_factory):
+    a = daemon_factory(metrics_listen="127.0.0.1:0", host_memory=64 << 20)
+    b = daemon_factory(metrics_listen="127.0.0.1:0", host_memory=128 << 20)
+    assert a.daemon.metrics.registry is not b.daemon.metrics.registry
+    assert value(scrape(a.daemon.metrics.port), "kvserver_host_memory_bytes") == 64 << 20
+    assert value(scrape(b.daemon.metrics.port), "kvserver_host_memory_bytes") == 128 << 20
+    # A model name is the engine's: quotes, backslashes and newlines come back as they were sent.
+    odd = 'od"d\\mo\ndel'
+    with grpc.insecure_channel(a.address) as channel:
+        pb_grpc.KVServerStub(channel).OpenSpace(pb.OpenSpaceRequest(space=pb.KVSpace(
+            model=odd, layout=pb.KVLayout(mha=pb.MHALayout(num_heads=2, head_dim=8)),
+            dtype=pb.DTYPE_BFLOAT16, page_size=16, num_layers=2)), timeout=10)
+    assert value(scrape(a.daemon.metrics.port), "kvserver_cache_pages", model=odd, dtype="bfloat16") == 0
+    port = a.daemon.metrics.port
+    a.stop()  # the endpoint goes with its daemon
+    with pytest.raises(urllib.error.URLError):
+        scrape(port)
+
+
+def _listening_tcp_inodes() -> set[str]:
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if os.path.exists(table):
+            with open(table) as f:
+                for line in f.readlines()[1:]:
+                    cols = line.split()
+                    if cols[3] == "0A":  # LISTEN
+                        out.add(cols[9])
+    return out
+
+
+def test_metrics_are_off_by_default(tmp_path):
+    assert ServerConfig().metrics_listen is None
+    d = DaemonProcess(str(tmp_path / "kv.sock"))
+    try:
+        assert d.stats().num_clients == 0  # serving
+        fds = os.listdir(f"/proc/{d.pid}/fd")
+        sockets = set()
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{d.pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                sockets.add(link[len("socket:["):-1])
+        assert not sockets & _listening_tcp_inodes(), "a daemon without --metrics-listen listens on TCP"
+    finally:
+        assert d.stop() == 0
+
+
+@pytest.mark.parametrize("address", ["9400", "localhost", "127.0.0.1:99999", "host:port", "a b:1"])
+def test_a_malformed_metrics_address_is_refused(address, tmp_path, capsys):
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        ServerConfig(metrics_listen=address)
+    assert main(["--socket", str(tmp_path / "kv.sock"), "--metrics-listen", address]) == 2
+    err = capsys.readouterr().err
+    assert "HOST:PORT" in err and repr(address) in err
+
+
+def test_addresses_parse():
+    assert parse_metrics_listen("127.0.0.1:9400") == ("127.0.0.1", 9400)
+    assert parse_metrics_listen("[::1]:0") == ("::1", 0)
+    assert parse_metrics_listen(":9400") == ("0.0.0.0", 9400)
+
+
+def test_a_taken_metrics_port_stops_the_daemon(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVER_")}
+        env["KVSERVER_METRICS_LISTEN"] = f"127.0.0.1:{port}"
+        res = subprocess.run([sys.executable, "-m", "kvserver", "--socket", str(tmp_path / "kv.sock")],
+                             capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode == 1
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in res.stderr
+
+
+DOC_PORT = 9400
+
+
+def _doc_blocks() -> dict[str, str]:
+    """docs/metrics.md's bash blocks by first line."""
+    text = (REPO / "docs" / "metrics.md").read_text()
+    return {body.splitlines()[0]: body for lang, body in
+            re.findall(r"^```(\w*)\n(.*?)^```", text, re.MULTILINE | re.DOTALL) if lang == "bash"}
+
+
+def test_the_docs_curl_line_runs_as_written(tmp_path, default_socket_lock):
+    blocks = _doc_blocks()
+    start = blocks["kvserver --metrics-listen 127.0.0.1:9400"].strip()
+    curl = blocks["curl -s http://127.0.0.1:9400/metrics | grep '^kvserver_clients'"].strip()
+    with socket.socket() as s:
+        if s.connect_ex(("127.0.0.1", DOC_PORT)) == 0:
+            pytest.skip(f"port {DOC_PORT}, which docs/metrics.md uses, is taken")
+    (tmp_path / "run").mkdir(mode=0o700)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVER_")}
+    bin_dir = Path(sys.executable).parent
+    env.update(HOME=str(tmp_path), XDG_RUNTIME_DIR=str(tmp_path / "run"),
+               PATH=f"{bin_dir}:{os.environ['PATH']}")
+    if os.geteuid() == 0 and os.path.exists("/run/kvserver/kvserver.sock"):
+        with socket.socket(socket.AF_UNIX) as s:
+            if s.connect_ex("/run/kvserver/kvserver.sock") == 0:
+                pytest.skip("a daemon already serves the default socket")
+    log = open(tmp_path / "log", "wb")
+    proc = subprocess.Popen(["bash", "-c", start], env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while "metrics on http://127.0.0.1:9400/metrics" not in (tmp_path / "log").read_text():
+            assert proc.poll() is None, (tmp_path / "log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "log").read_text()
+            time.sleep(0.05)
+        res = subprocess.run(["bash", "-c", curl], env=env, capture_output=True, text=True, timeout=30)
+        assert res.returncode == 0, res.stderr
+        assert res.stdout.strip() == "kvserver_clients 0.0"
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+        log.close()
