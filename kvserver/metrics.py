@@ -217,7 +217,7 @@ class Metrics:
                                      "Time from a Load or Get's arrival until its first layer landed.",
                                      ("op",), buckets=BUCKETS, registry=self.registry)
         self._duration = {op: self.duration.labels(op) for op in OPERATIONS}
-        self._first_layer = {op: self.first_layer.labels(op) for op in ("load", "get")}
+        self._first_layer = {op: self.first_layer.labels(op) for op in ("Load", "Get")}
         self.registry.register(StateCollector(self))
         self._server = None
         self._thread = None

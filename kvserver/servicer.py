@@ -210,7 +210,7 @@ class KVServicer(pb_grpc.KVServerServicer):
             async for step in self.core.copier.load(job):
                 if first and step.layers_done:
                     first = False
-                    self.metrics.first_layer_landed("load", started)
+                    self.metrics.first_layer_landed("Load", started)
                 moved = step.bytes
                 yield pb.LoadProgress(
                     last_layer=step.last_layer,
@@ -326,7 +326,7 @@ class KVServicer(pb_grpc.KVServerServicer):
                     total = len(request.layers) or len(self.core.client(request.client_id).spec.layers)
                 if first and step.layers_done:
                     first = False
-                    self.metrics.first_layer_landed("get", started)
+                    self.metrics.first_layer_landed("Get", started)
                 moved = step.bytes
                 yield pb.LoadProgress(
                     last_layer=step.last_layer,

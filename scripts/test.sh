@@ -8,7 +8,18 @@ scripts/install.sh test
 scripts/install_sglang.sh  # SGLang 0.5.23 without its dependencies, for the integration tests
 scripts/install_vllm.sh  # vLLM 0.33.0's Python code without its dependencies (after SGLang's packages)
 .venv/bin/ruff check .
+# The wheel check (a wheel built from this tree, installed in a fresh venv, its daemon on a private
+# socket) runs beside the suite: it is mostly pip and disk, and overlaps the suite's waits.
+wheel_log=$(mktemp)
+scripts/check_wheel.sh >"$wheel_log" 2>&1 &
+wheel_pid=$!
+trap 'kill "$wheel_pid" 2>/dev/null || true; rm -f "$wheel_log"' EXIT
 # Two workers (the machine's two cores), each running whole files; the modules that run daemons on
 # the node's default socket and port take a lock (tests/conftest.py: default_socket_lock).
-.venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"
-scripts/check_wheel.sh
+rc=0
+.venv/bin/python -m pytest -q -n 2 --dist loadfile "$@" || rc=$?
+wheel_rc=0
+wait "$wheel_pid" || wheel_rc=$?
+cat "$wheel_log"
+[ "$rc" -eq 0 ] || exit "$rc"
+[ "$wheel_rc" -eq 0 ] || { echo "the wheel check failed ($wheel_rc)" >&2; exit "$wheel_rc"; }

@@ -145,9 +145,9 @@ def test_scrape_counts_what_the_engine_did_and_agrees_with_stats(daemon_factory)
         assert value(m, "kvserver_operation_duration_seconds_count", op="Load") == 2
         assert value(m, "kvserver_operation_duration_seconds_count", op="Get") == 1
         assert value(m, "kvserver_operation_duration_seconds_sum", op="Load") > 0
-        assert value(m, "kvserver_time_to_first_layer_seconds_count", op="load") == 2
-        assert value(m, "kvserver_time_to_first_layer_seconds_count", op="get") == 1
-        assert value(m, "kvserver_time_to_first_layer_seconds_bucket", op="get", le="+Inf") == 1
+        assert value(m, "kvserver_time_to_first_layer_seconds_count", op="Load") == 2
+        assert value(m, "kvserver_time_to_first_layer_seconds_count", op="Get") == 1
+        assert value(m, "kvserver_time_to_first_layer_seconds_bucket", op="Get", le="+Inf") == 1
         client.unregister()
 
     # Gone with its client: the gauges drop, the counters do not.
