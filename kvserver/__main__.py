@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-listen", default=_env("METRICS_LISTEN"),
                    help="serve Prometheus metrics at http://HOST:PORT/metrics, e.g. 127.0.0.1:9400 "
                         "(default off; no token guards it: bind it where only your scraper reaches)")
+    p.add_argument("--metrics-per-space", action="store_true", default=_env("METRICS_PER_SPACE", "") == "1",
+                   help="also export per tenant, model and space series (tenant and model names: what "
+                        "Stats shows only with the admin token; default: daemon-wide series only)")
     p.add_argument("--log-level", type=_log_level, default=_env("LOG_LEVEL", "INFO"),
                    help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     return p
@@ -127,6 +130,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         tenant_quota=args.tenant_quota,
         tenant_tokens=args.tenant_tokens,
         metrics_listen=args.metrics_listen,
+        metrics_per_space=args.metrics_per_space,
     )
     # Checked here, so that a bad quota or tokens file stops the daemon with a clear message.
     parse_quota(config.tenant_quota, config.host_memory)

@@ -57,11 +57,15 @@ _ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[\w.-]*):(\d{1,5})")
 
 
 def parse_metrics_listen(text: str) -> tuple[str, int]:
-    """'127.0.0.1:9400', '[::1]:9400', ':9400' (every interface) -> (host, port); port 0 picks one."""
+    """'127.0.0.1:9400', '[::1]:9400', '0.0.0.0:9400' -> (host, port); port 0 picks one. The host
+    is never implied: every interface has to be asked for by name."""
     m = _ADDRESS.fullmatch(text)
     if not m or int(m.group(2)) > 65535:
         raise ValueError(f"metrics address {text!r} is not HOST:PORT (e.g. 127.0.0.1:9400 or [::1]:9400)")
-    host = m.group(1).strip("[]") or "0.0.0.0"
+    host = m.group(1).strip("[]")
+    if not host:
+        raise ValueError(f"metrics address {text!r} names no host: write 127.0.0.1:PORT, or 0.0.0.0:PORT "
+                         "for every IPv4 interface")
     return host, int(m.group(2))
 
 
@@ -96,6 +100,7 @@ class ServerConfig:
     tenant_quota: str = "100%"  # cached bytes one tenant may hold: a size or a share of host_memory
     tenant_tokens: str | None = None  # file of 'name token [quota]' lines (kvserver.tenants)
     metrics_listen: str | None = None  # HOST:PORT of a Prometheus /metrics endpoint; None: off
+    metrics_per_space: bool = False  # also tenants', models' and spaces' series (names every tenant)
 
     def __post_init__(self) -> None:
         if self.host_memory < 2 << 20:

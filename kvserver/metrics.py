@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -109,32 +110,52 @@ def snapshot(core: KVCore, transfers: Transfers) -> Snapshot:
 
 
 class StateCollector:
-    """Gauges and counters read from the daemon's state at scrape time, on the daemon's loop."""
+    """Gauges and counters read from the daemon's state at scrape time, on the daemon's loop.
+    One snapshot runs at a time, and scrapes that waited for it share it (it was taken after
+    they asked); a snapshot the loop did not take in time is cancelled: no pile of scrapes can
+    queue work on the loop."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
+        self._lock = threading.Lock()
+        self._last: tuple[float, Snapshot] | None = None
 
     def describe(self) -> list[Metric]:
         return []  # nothing to check at registration: the names are this module's own
 
-    def collect(self) -> Iterator[Metric]:
+    def _snapshot(self) -> Snapshot | None:
         m = self.metrics
-        loop = m.loop
-        if loop is None or loop.is_closed():
-            return
-        try:
-            snap = asyncio.run_coroutine_threadsafe(m.snapshot(), loop).result(timeout=SCRAPE_TIMEOUT)
-        except Exception as exc:  # the loop is stuck or stopping: report the histograms only
-            logger.warning("metrics scrape could not read the daemon's state: %r", exc)
-            return
-        yield from _families(snap)
+        asked = time.monotonic()
+        with self._lock:  # one snapshot at a time; scrapes that waited for it share it
+            if self._last is not None and self._last[0] >= asked:
+                return self._last[1]
+            loop = m.loop
+            if loop is None or loop.is_closed() or not loop.is_running():
+                return None
+            fut = asyncio.run_coroutine_threadsafe(m.snapshot(), loop)
+            try:
+                snap = fut.result(timeout=SCRAPE_TIMEOUT)
+            except Exception as exc:  # the loop is stuck or stopping
+                fut.cancel()
+                logger.warning("metrics scrape could not read the daemon's state: %r", exc)
+                return None
+            self._last = (time.monotonic(), snap)
+            return snap
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        yield _gauge("kvserver_state_collected",
+                     "1 if this scrape read the daemon's state, 0 if its loop did not answer in time.",
+                     1 if snap is not None else 0)
+        if snap is not None:
+            yield from _families(snap, self.metrics.per_space)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
 
 
-def _families(s: Snapshot) -> Iterator[Metric]:
+def _families(s: Snapshot, per_space: bool) -> Iterator[Metric]:
     yield _gauge("kvserver_host_memory_bytes", "Host KV memory budget (--host-memory).", s.capacity)
     yield _gauge("kvserver_host_memory_reserved_bytes",
                  "Host memory reserved: clients' regions and the node-wide cache's slabs.", s.reserved)
@@ -150,13 +171,15 @@ def _families(s: Snapshot) -> Iterator[Metric]:
 
     nbytes = CounterMetricFamily("kvserver_transfer_bytes", "Bytes copied, by direction and lane.",
                                  labels=("direction", "lane"))
-    ops = CounterMetricFamily("kvserver_operations", "Completed transfer operations, by direction and lane.",
+    ops = CounterMetricFamily("kvserver_transfers", "Completed transfers, by direction and lane.",
                               labels=("direction", "lane"))
     for (direction, lane), v in s.transfer_bytes.items():
         nbytes.add_metric([direction, lane], v)
         ops.add_metric([direction, lane], s.transfer_ops[direction, lane])
     yield nbytes
     yield ops
+    if not per_space:  # tenants' and models' names are the admin's view (--metrics-per-space)
+        return
 
     cap = GaugeMetricFamily("kvserver_client_memory_bytes", "Host region bytes granted to clients.",
                             labels=("tenant", "model"))
@@ -169,13 +192,15 @@ def _families(s: Snapshot) -> Iterator[Metric]:
     yield used
 
     t_quota = GaugeMetricFamily("kvserver_tenant_quota_bytes",
-                                "Most cache bytes the tenant may hold (0: no quota).", labels=("tenant",))
+                                "Most cache bytes the tenant may hold (no sample: no quota).",
+                                labels=("tenant",))
     t_bytes = GaugeMetricFamily("kvserver_tenant_cache_bytes", "Cache bytes the tenant holds.",
                                 labels=("tenant",))
     t_pages = GaugeMetricFamily("kvserver_tenant_cache_pages", "Cache pages the tenant holds.",
                                 labels=("tenant",))
     for t in s.tenants:
-        t_quota.add_metric([t.tenant], t.quota_bytes)
+        if t.quota_bytes:
+            t_quota.add_metric([t.tenant], t.quota_bytes)
         t_bytes.add_metric([t.tenant], t.counters.bytes)
         t_pages.add_metric([t.tenant], t.counters.pages)
     yield t_quota
@@ -186,7 +211,7 @@ def _families(s: Snapshot) -> Iterator[Metric]:
         (GaugeMetricFamily, "kvserver_cache_pages", "Cached pages of the space (being written included).",
          "pages"),
         (GaugeMetricFamily, "kvserver_cache_bytes", "Cached bytes of the space.", "bytes"),
-        (CounterMetricFamily, "kvserver_cache_hits", "Pages found by Lookup and Get.", "hits"),
+        (CounterMetricFamily, "kvserver_cache_hits", "Pages Lookup found.", "hits"),
         (CounterMetricFamily, "kvserver_cache_misses", "Pages asked for and not found.", "misses"),
         (CounterMetricFamily, "kvserver_cache_evictions", "Pages evicted.", "evictions"),
         (CounterMetricFamily, "kvserver_cache_dedup_pages", "Put pages already cached (not stored again).",
@@ -194,9 +219,12 @@ def _families(s: Snapshot) -> Iterator[Metric]:
         (CounterMetricFamily, "kvserver_cache_dropped_pages", "Put pages dropped for want of room.",
          "dropped"),
     ]
+    attrs = [attr for *_, attr in per_space]
+    # A space opened and never used (OpenSpace alone) adds no series.
+    active = [st for st in s.spaces if any(getattr(st.counters, a) for a in attrs)]
     for kind, name, doc, attr in per_space:
         fam = kind(name, doc, labels=SPACE_LABELS)
-        for st in s.spaces:
+        for st in active:
             fam.add_metric(_space_labels(st.space), getattr(st.counters, attr))
         yield fam
 
@@ -205,8 +233,10 @@ class Metrics:
     """One daemon's registry: histograms observed where the work happens, transfer counters, and
     the state collector; ``serve`` starts the HTTP endpoint."""
 
-    def __init__(self, core: KVCore) -> None:
+    def __init__(self, core: KVCore, per_space: bool = False) -> None:
         self.core = core
+        self.per_space = per_space
+        self.host: str | None = None
         self.transfers = Transfers()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.registry = CollectorRegistry(auto_describe=False)
@@ -238,12 +268,14 @@ class Metrics:
         """Starts /metrics on ``address`` (HOST:PORT); returns its URL. Call on the daemon's loop."""
         self.loop = asyncio.get_running_loop()
         host, port = parse_metrics_listen(address)
+        self.host = host
         self._server, self._thread = start_http_server(port, host, self.registry)
         self.port = self._server.server_port
         shown = f"[{host}]" if ":" in host else host
         return f"http://{shown}:{self.port}/metrics"
 
     async def stop(self) -> None:
+        self.loop = None  # a scrape from now on reads no state
         server, self._server = self._server, None
         if server is None:
             return

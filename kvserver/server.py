@@ -90,7 +90,7 @@ class Daemon:
         interceptors = [TokenAuth(config.token)] if config.token else []
         self.server = grpc.aio.server(options=opts, interceptors=interceptors)
         # Its registry is this daemon's own; served over HTTP only with --metrics-listen.
-        self.metrics = Metrics(self.core)
+        self.metrics = Metrics(self.core, per_space=config.metrics_per_space)
         self.servicer = KVServicer(self.core, self.reaper, config.admin_token, self.tenants, self.metrics)
         add_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -143,7 +143,12 @@ class Daemon:
                 raise ListenError(
                     f"cannot serve metrics on {self.config.metrics_listen}: {exc.strerror or exc}"
                 ) from None
-            logger.info("metrics on %s", url)
+            detail = " (per tenant, model and space)" if self.config.metrics_per_space else ""
+            logger.info("metrics on %s%s", url, detail)
+            host = self.metrics.host or ""
+            if not (host.startswith("127.") or host in ("::1", "localhost")):
+                logger.warning("metrics on %s are served to anyone who can reach %s: no token guards them",
+                               url, host)
         self.reaper.start()
         self._leases = asyncio.ensure_future(expire_leases(self.core.cache, self._stop_leases))
         for name in ("", SERVICE_NAME):

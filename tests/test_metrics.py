@@ -37,13 +37,16 @@ POOL_TOKENS = 256
 TOKEN_BYTES = LAYOUT.token_bytes(DTYPE) * LAYOUT.num_parts * LAYERS  # every layer and part
 
 
-def scrape(port: int, host: str = "127.0.0.1") -> dict[str, list]:
-    """name -> samples [(sample name, labels, value)] of every family of /metrics."""
+def scrape(port: int, host: str = "127.0.0.1", types: dict | None = None) -> dict[str, list]:
+    """name -> samples [(sample name, labels, value)] of every family of /metrics (``types``, if
+    given, gets name -> the family's type)."""
     with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as resp:
         assert resp.status == 200
         text = resp.read().decode()
-    return {f.name: [(s.name, s.labels, s.value) for s in f.samples]
-            for f in text_string_to_metric_families(text)}
+    families = list(text_string_to_metric_families(text))
+    if types is not None:
+        types.update({f.name: f.type for f in families})
+    return {f.name: [(s.name, s.labels, s.value) for s in f.samples] for f in families}
 
 
 def value(metrics: dict, sample: str, **labels: str) -> float:
@@ -68,7 +71,8 @@ def fill(pool: ShmKVPool, seed: int) -> None:
 
 
 def test_scrape_counts_what_the_engine_did_and_agrees_with_stats(daemon_factory):
-    d = daemon_factory(metrics_listen="127.0.0.1:0", reclaim_grace=0.1, admin_token=ADMIN_TOKEN)
+    d = daemon_factory(metrics_listen="127.0.0.1:0", metrics_per_space=True, reclaim_grace=0.1,
+                       admin_token=ADMIN_TOKEN)
     port = d.daemon.metrics.port
     assert port
     before = scrape(port)
@@ -103,7 +107,7 @@ def test_scrape_counts_what_the_engine_did_and_agrees_with_stats(daemon_factory)
         expect = {"write": (1, n * TOKEN_BYTES), "load": (2, 2 * n * TOKEN_BYTES),
                   "put": (1, 4 * page_bytes), "get": (1, 4 * page_bytes)}
         for direction, (ops, nbytes) in expect.items():
-            assert value(m, "kvserver_operations_total", direction=direction, lane="grpc") == ops, direction
+            assert value(m, "kvserver_transfers_total", direction=direction, lane="grpc") == ops, direction
             assert value(m, "kvserver_transfer_bytes_total", direction=direction, lane="grpc") == nbytes
         t = stats.transfers
         assert t.bytes_written == expect["write"][1] + expect["put"][1]
@@ -138,7 +142,8 @@ def test_scrape_counts_what_the_engine_did_and_agrees_with_stats(daemon_factory)
         assert value(m, "kvserver_cache_dropped_pages_total", **labels) == c.dropped == 0
         assert value(m, "kvserver_tenant_cache_bytes", tenant=tenant) == c.bytes
         assert value(m, "kvserver_tenant_cache_pages", tenant=tenant) == c.pages
-        assert value(m, "kvserver_tenant_quota_bytes", tenant=tenant) == tstat.quota_bytes  # 0: none
+        quota = [v for _, ls, v in m.get("kvserver_tenant_quota_bytes", []) if ls.get("tenant") == tenant]
+        assert quota == ([tstat.quota_bytes] if tstat.quota_bytes else [])  # no quota: no sample
 
         for op in ("Register", "Alloc", "Write", "Lookup", "Put"):
             assert value(m, "kvserver_operation_duration_seconds_count", op=op) >= 1, op
@@ -155,7 +160,7 @@ def test_scrape_counts_what_the_engine_did_and_agrees_with_stats(daemon_factory)
     assert value(after, "kvserver_clients") == 0
     assert value(after, "kvserver_host_memory_used_bytes") == 0
     for direction, (ops, nbytes) in expect.items():
-        assert value(after, "kvserver_operations_total", direction=direction, lane="grpc") == ops
+        assert value(after, "kvserver_transfers_total", direction=direction, lane="grpc") == ops
         assert value(after, "kvserver_transfer_bytes_total", direction=direction, lane="grpc") == nbytes
     assert value(after, "kvserver_cache_hits_total", **labels) == 4  # the cache outlives its writer
     assert value(after, "kvserver_operation_duration_seconds_count", op="Unregister") == 1
@@ -183,18 +188,25 @@ def _admin_stats(d) -> pb.StatsResponse:
 
 
 def test_two_daemons_in_one_process_have_their_own_registries(daemon_factory):
-    a = daemon_factory(metrics_listen="127.0.0.1:0", host_memory=64 << 20)
-    b = daemon_factory(metrics_listen="127.0.0.1:0", host_memory=128 << 20)
+    a = daemon_factory(metrics_listen="127.0.0.1:0", metrics_per_space=True, host_memory=64 << 20)
+    b = daemon_factory(metrics_listen="127.0.0.1:0", metrics_per_space=True, host_memory=128 << 20)
     assert a.daemon.metrics.registry is not b.daemon.metrics.registry
     assert value(scrape(a.daemon.metrics.port), "kvserver_host_memory_bytes") == 64 << 20
     assert value(scrape(b.daemon.metrics.port), "kvserver_host_memory_bytes") == 128 << 20
     # A model name is the engine's: quotes, backslashes and newlines come back as they were sent.
     odd = 'od"d\\mo\ndel'
     with grpc.insecure_channel(a.address) as channel:
-        pb_grpc.KVServerStub(channel).OpenSpace(pb.OpenSpaceRequest(space=pb.KVSpace(
+        stub = pb_grpc.KVServerStub(channel)
+        opened = stub.OpenSpace(pb.OpenSpaceRequest(space=pb.KVSpace(
             model=odd, layout=pb.KVLayout(mha=pb.MHALayout(num_heads=2, head_dim=8)),
             dtype=pb.DTYPE_BFLOAT16, page_size=16, num_layers=2)), timeout=10)
-    assert value(scrape(a.daemon.metrics.port), "kvserver_cache_pages", model=odd, dtype="bfloat16") == 0
+        # A space only opened adds no series; one that was asked something does.
+        before = scrape(a.daemon.metrics.port).get("kvserver_cache_misses", [])
+        assert not [ls for _, ls, _ in before if ls.get("model") == odd]
+        stub.Lookup(pb.LookupRequest(space_id=opened.space_id, keys=b"k" * 16, key_bytes=16), timeout=10)
+    m = scrape(a.daemon.metrics.port)
+    assert value(m, "kvserver_cache_pages", model=odd, dtype="bfloat16") == 0
+    assert value(m, "kvserver_cache_misses_total", model=odd, dtype="bfloat16") == 1
     port = a.daemon.metrics.port
     a.stop()  # the endpoint goes with its daemon
     with pytest.raises(urllib.error.URLError):
@@ -211,6 +223,29 @@ def _listening_tcp_inodes() -> set[str]:
                     if cols[3] == "0A":  # LISTEN
                         out.add(cols[9])
     return out
+
+
+def test_by_default_no_series_names_a_tenant_or_a_model(daemon_factory):
+    # Stats shows tenants and models only to the admin; /metrics has no token, so its per-tenant,
+    # per-model and per-space series are opt-in (--metrics-per-space).
+    d = daemon_factory(metrics_listen="127.0.0.1:0")
+    pool = ShmKVPool(LAYOUT, DTYPE, LAYERS, POOL_TOKENS)
+    try:
+        with KVClient(d.address, timeout=10) as client:
+            client.register(model="secret-model", pool=pool, start_layer=0, end_layer=LAYERS,
+                            num_layers=LAYERS, host_tokens=0, page_size=PAGE)
+            assert client.put(keys(2), [0, 1]).stored == 2
+            types: dict = {}
+            m = scrape(d.daemon.metrics.port, types=types)
+            assert value(m, "kvserver_clients") == 1 and value(m, "kvserver_state_collected") == 1
+            labels = {k for samples in m.values() for _, ls, _ in samples for k in ls}
+            assert not labels & {"tenant", "model"}, labels
+            assert types["kvserver_transfers"] == types["kvserver_transfer_bytes"] == "counter"
+            assert types["kvserver_clients"] == "gauge"
+            assert types["kvserver_operation_duration_seconds"] == "histogram"
+            client.unregister()
+    finally:
+        pool.close()
 
 
 def test_metrics_are_off_by_default(tmp_path):
@@ -244,7 +279,9 @@ def test_a_malformed_metrics_address_is_refused(address, tmp_path, capsys):
 def test_addresses_parse():
     assert parse_metrics_listen("127.0.0.1:9400") == ("127.0.0.1", 9400)
     assert parse_metrics_listen("[::1]:0") == ("::1", 0)
-    assert parse_metrics_listen(":9400") == ("0.0.0.0", 9400)
+    assert parse_metrics_listen("0.0.0.0:9400") == ("0.0.0.0", 9400)
+    with pytest.raises(ValueError, match="names no host"):  # every interface only when asked by name
+        parse_metrics_listen(":9400")
 
 
 def test_a_taken_metrics_port_stops_the_daemon(tmp_path):
