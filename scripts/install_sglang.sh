@@ -41,39 +41,6 @@ PACKAGES=(
   partial-json-parser==0.2.1.1.post7
 )
 
-if [[ ! -x "$py" ]]; then
-  echo "no venv at $venv: run scripts/install.sh test first" >&2
-  exit 1
-fi
-torch_before="$("$py" -c 'import torch; print(torch.__version__)')"
-
-wheel="${SGLANG_WHEEL:-}"
-if [[ -z "$wheel" ]]; then
-  for cand in ".cache/wheels/$WHEEL_NAME" "/tmp/wheels/$WHEEL_NAME"; do
-    if [[ -f "$cand" ]]; then wheel="$cand"; break; fi
-  done
-fi
-if [[ -z "$wheel" ]]; then
-  mkdir -p .cache/wheels
-  "${pip[@]}" download -q --no-deps --only-binary=:all: "sglang==${SGLANG_VERSION}" -d .cache/wheels
-  wheel=".cache/wheels/$WHEEL_NAME"
-fi
-
-# One pip call, no dependency resolution. pip still prints that sglang's own pins (torch 2.14.1,
-# flashinfer...) are unmet; that is expected and filtered out.
-log="$(mktemp)"
-rc=0
-"${pip[@]}" install -q --no-compile --no-deps "$wheel" "${PACKAGES[@]}" >"$log" 2>&1 || rc=$?
-grep -v -e "^sglang ${SGLANG_VERSION} requires" -e "dependency resolver does not currently" \
-  -e "is ignored: it is neither a file nor a directory" "$log" || true
-rm -f "$log"
-if [[ $rc -ne 0 ]]; then echo "pip install failed ($rc)" >&2; exit "$rc"; fi
-"$py" -c "from importlib.metadata import version as v; assert v('sglang') == '${SGLANG_VERSION}', v('sglang')" \
-  || { echo "sglang ${SGLANG_VERSION} did not install" >&2; exit 1; }
-
-torch_after="$("$py" -c 'import torch; print(torch.__version__)')"
-if [[ "$torch_after" != "$torch_before" ]]; then
-  echo "torch changed from $torch_before to $torch_after: the CPU torch must stay" >&2
-  exit 1
-fi
-echo "sglang ${SGLANG_VERSION} installed in $venv without its dependencies (torch $torch_after kept)"
+# shellcheck source=scripts/engine_wheel.sh
+source scripts/engine_wheel.sh
+install_engine sglang "$SGLANG_VERSION" "$WHEEL_NAME" "${SGLANG_WHEEL:-}" '^sglang [0-9.]+ requires' "${PACKAGES[@]}"

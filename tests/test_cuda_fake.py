@@ -333,7 +333,13 @@ def test_cuda_round_trip_in_vllm_layouts(daemon, fake, kind, page_size):
     written."""
     heads, head_dim = 4, 8
     refs, views, mem = vllm_cuda_pool(fake, kind, heads, head_dim)
-    rng = np.random.default_rng(7)
+    _write_load_round_trip(daemon, refs, views, mem, heads, head_dim, page_size, seed=7)
+
+
+def _write_load_round_trip(daemon, refs, views, mem, heads: int, head_dim: int, page_size: int, seed: int):
+    """Write 64 scattered tokens of random bytes, wipe the pool, Load them back: they land bit for
+    bit, every other token stays zero, and nothing is written before the pool's memory."""
+    rng = np.random.default_rng(seed)
     mem[:] = rng.integers(0, 256, mem.shape, dtype=np.uint8)
     want = [[_tokens(v).copy() for v in layer] for layer in views]
     with grpc.insecure_channel(daemon.address) as ch:
@@ -393,29 +399,7 @@ def test_cuda_round_trip_in_vllm_033_layouts(daemon, fake, order, page_size):
     written."""
     heads, head_dim = 2, 8
     refs, views, mem = vllm033_cuda_pool(fake, order, heads, head_dim)
-    rng = np.random.default_rng(11)
-    mem[:] = rng.integers(0, 256, mem.shape, dtype=np.uint8)
-    want = [[_tokens(v).copy() for v in layer] for layer in views]
-    with grpc.insecure_channel(daemon.address) as ch:
-        stub = pb_grpc.KVServerStub(ch)
-        reg = register(stub, refs, heads, head_dim, page_size)
-        host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=64)).host_indices)
-        pages = rng.permutation(TOKENS // page_size)[: 64 // page_size]
-        dev = (pages[:, None] * page_size + np.arange(page_size)).reshape(-1).tolist()
-        stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=host, device_indices=dev),
-                   timeout=10)
-        mem[:] = 0
-        steps = list(stub.Load(pb.LoadRequest(client_id=reg.client_id, host_indices=host, device_indices=dev),
-                               timeout=10))
-        assert steps[-1].done
-        others = sorted(set(range(TOKENS)) - set(dev))
-        for layer in range(LAYERS):
-            for part in range(2):
-                got = _tokens(views[layer][part])
-                assert np.array_equal(got[dev], want[layer][part][dev]), (layer, part)
-                assert not got[others].any()
-        assert not mem[:4096].any()
-        stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=10)
+    _write_load_round_trip(daemon, refs, views, mem, heads, head_dim, page_size, seed=11)
 
 
 def test_cuda_lhbnc_heads_overlapping_blocks_are_refused_before_opening(daemon, fake):
