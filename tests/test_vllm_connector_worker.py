@@ -243,3 +243,16 @@ def test_lookups_back_off_while_the_daemon_is_away(tmp_path):
         assert sched.view.misses == asked
     finally:
         sched.shutdown()
+
+
+def test_block_keys_read_only_the_blocks_asked_for():
+    from kvclient.vllm._space import block_keys, hashed_blocks
+
+    req = vllm_env.request("k", list(range(1, 82)), block_size=16)  # 5 whole blocks, 81 tokens
+    hashes = [bytes(h) for h in req.block_hashes]
+    assert hashed_blocks(req, 1) == 5
+    assert block_keys(req, 1) == hashes
+    assert block_keys(req, 1, 4, start=2) == hashes[2:4]
+    assert block_keys(req, 1, 9, start=5) == []
+    # a block of two hash units is named by its second: the chain up to the block's end
+    assert block_keys(req, 2) == [hashes[1], hashes[3]]

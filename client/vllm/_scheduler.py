@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from kvclient.cache_view import CacheView
 from kvclient.results import LookupResult
 from kvclient.vllm._meta import KVServerConnectorMetadata, KVServerWorkerMeta, LoadJob, SaveJob
-from kvclient.vllm._space import Space, block_keys
+from kvclient.vllm._space import Space, block_keys, hashed_blocks
 
 logger = logging.getLogger("kvclient.vllm")
 
@@ -155,7 +155,7 @@ class SchedulerSide:
         first = st.local // self.block_size
         n = -(-num_external_tokens // self.block_size)
         ids = list(blocks.get_block_ids()[0])[first:first + n]
-        keys = block_keys(request, self.space.hash_stride, first + n)[first:]
+        keys = block_keys(request, self.space.hash_stride, first + n, start=first)
         # A shorter key list (cannot happen with vLLM's own numbers) loads fewer blocks, and the
         # worker reports the rest as failed: vLLM recomputes them, never reads them unloaded.
         self._loads.append(LoadJob(request.request_id, b"".join(keys[:len(ids)]), ids, st.lease,
@@ -169,15 +169,15 @@ class SchedulerSide:
         if st.loading_from is not None:
             return None  # blocks computed on an unconfirmed load wait for the workers' report
         req = st.request
-        keys = block_keys(req, self.space.hash_stride, computed_tokens // self.block_size)
-        if len(keys) <= st.saved:
+        full = min(hashed_blocks(req, self.space.hash_stride), computed_tokens // self.block_size)
+        if full <= st.saved:
+            return None  # the common decode step: nothing new, nothing read
+        ids = block_ids if block_ids is not None else self._block_ids(req.request_id)
+        if len(ids) < full:
             return None
-        ids = list(block_ids if block_ids is not None else self._block_ids(req.request_id))
-        if len(ids) < len(keys):
-            return None
-        job = SaveJob(req.request_id, b"".join(keys[st.saved:]), ids[st.saved:len(keys)],
-                      key_bytes=len(keys[0]))
-        st.saved, st.saving = len(keys), True
+        keys = block_keys(req, self.space.hash_stride, full, start=st.saved)
+        job = SaveJob(req.request_id, b"".join(keys), list(ids[st.saved:full]), key_bytes=len(keys[0]))
+        st.saved, st.saving = full, True
         return job
 
     def build_connector_meta(self, scheduler_output) -> KVServerConnectorMetadata:

@@ -125,12 +125,18 @@ def keys_shareable(vllm_config) -> bool:
     return False
 
 
-def block_keys(request, hash_stride: int, upto: int | None = None) -> list[bytes]:
-    """One key per full block of ``request`` (at most ``upto``): vLLM's chained block hash of the
-    block's last hash unit, which names the whole prefix up to it (tokens, LoRA, multimodal
-    inputs, cache salt)."""
+def hashed_blocks(request, hash_stride: int) -> int:
+    """How many of ``request``'s blocks have a hash (are full and known)."""
+    return len(request.block_hashes) // hash_stride
+
+
+def block_keys(request, hash_stride: int, upto: int | None = None, start: int = 0) -> list[bytes]:
+    """One key per full block ``start`` .. ``upto`` of ``request``: vLLM's chained block hash of
+    the block's last hash unit, which names the whole prefix up to it (tokens, LoRA, multimodal
+    inputs, cache salt). Only the blocks asked for are read: a step stores a long request's few
+    new blocks, not its whole prefix again."""
     hashes = request.block_hashes
-    n = len(hashes) // hash_stride
+    n = hashed_blocks(request, hash_stride)
     if upto is not None:
         n = min(n, upto)
-    return [bytes(hashes[(i + 1) * hash_stride - 1]) for i in range(n)]
+    return [bytes(hashes[(i + 1) * hash_stride - 1]) for i in range(start, n)]
