@@ -61,3 +61,17 @@ def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> No
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.01)
+
+
+class Described:
+    """A pool whose descriptor a test edits: registers as ``pool`` does, with ``desc`` sent."""
+
+    def __init__(self, pool, desc) -> None:
+        self._pool, self._desc = pool, desc
+        self.layout, self.dtype = pool.layout, pool.dtype
+
+    def descriptor(self):
+        return self._desc
+
+    def __getattr__(self, name):
+        return getattr(self._pool, name)

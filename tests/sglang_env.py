@@ -27,6 +27,8 @@ import sys
 import warnings
 from pathlib import Path
 
+import standins
+
 SGLANG_VERSION = "0.5.23"
 STANDINS = Path(__file__).resolve().parent / "sglang_standins"
 STANDIN_MODULES = ("triton", "torchvision", "IPython")
@@ -81,16 +83,8 @@ def restore() -> None:
     """Undo what setup() left visible outside SGLang: the stand-ins on sys.path and in sys.modules
     (the SGLang modules already imported keep their references) and os.environ."""
     global _environ_before
-    while str(STANDINS) in sys.path:
-        sys.path.remove(str(STANDINS))
-    for name in list(sys.modules):
-        path = getattr(sys.modules[name], "__file__", None) or ""
-        if name.split(".", 1)[0] in STANDIN_MODULES and path.startswith(str(STANDINS)):
-            del sys.modules[name]
-    if _environ_before is not None:
-        os.environ.clear()
-        os.environ.update(_environ_before)
-        _environ_before = None
+    standins.undo(STANDINS, STANDIN_MODULES, _environ_before)
+    _environ_before = None
 
 
 # ---- builders for SGLang's real objects on a CPU -------------------------------------------------

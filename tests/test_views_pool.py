@@ -13,6 +13,7 @@ import grpc
 import pytest
 import torch
 import vllm_env
+from checks import Described
 from conftest import DaemonThread
 
 from kvclient import KVClient, KVLayout
@@ -235,20 +236,6 @@ def test_bad_views_are_value_errors():
     assert shared_memory_of(e.mem.tensor) is None  # closed: not live any more
 
 
-class _Described:
-    """A pool whose descriptor a test edits."""
-
-    def __init__(self, pool: KVViewsPool, desc) -> None:
-        self._pool, self._desc = pool, desc
-        self.layout, self.dtype = pool.layout, pool.dtype
-
-    def descriptor(self):
-        return self._desc
-
-    def __getattr__(self, name):
-        return getattr(self._pool, name)
-
-
 @pytest.mark.parametrize("tamper", ["heads-into-blocks", "v-into-k"])
 def test_a_tampered_description_is_refused_by_the_daemon(daemon, tamper):
     e = Engine("LHBNC", False, torch.float16, blocks=8)
@@ -263,7 +250,7 @@ def test_a_tampered_description_is_refused_by_the_daemon(daemon, tamper):
         with KVClient(daemon.address) as client:
             before = client.stats(all_clients=True).num_clients
             with pytest.raises(KVClientError) as err:
-                register(client, _Described(e.pool, desc), f"views-bad-{tamper}")
+                register(client, Described(e.pool, desc), f"views-bad-{tamper}")
             assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
             assert "overlap" in err.value.message
             assert client.stats(all_clients=True).num_clients == before, "nothing registered"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from checks import Described
 
 from kvclient import KVClient, KVLayout, ShmKVPool
 from kvclient.keys import page_keys
@@ -107,19 +108,5 @@ def test_buffers_of_one_pool_with_different_geometries_are_refused(daemon):
         desc.layers[1].parts[0].block_stride *= 2  # now past the object, so: the size check
         desc.layers[1].parts[0].offset = 0
         with pytest.raises(Exception, match="overlap|bytes but the buffer"):
-            client.register(model="bad", pool=_Described(pool, desc), start_layer=0, end_layer=LAYERS,
+            client.register(model="bad", pool=Described(pool, desc), start_layer=0, end_layer=LAYERS,
                             num_layers=LAYERS, host_tokens=0, page_size=16)
-
-
-class _Described:
-    """A pool whose descriptor a test edits."""
-
-    def __init__(self, pool: ShmKVPool, desc) -> None:
-        self._pool, self._desc = pool, desc
-        self.layout, self.dtype = pool.layout, pool.dtype
-
-    def descriptor(self):
-        return self._desc
-
-    def __getattr__(self, name):
-        return getattr(self._pool, name)

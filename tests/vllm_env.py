@@ -32,6 +32,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
+import standins
+
 VLLM_VERSION = "0.33.0"
 STANDINS = Path(__file__).resolve().parent / "vllm_standins"
 STANDIN_MODULES = ("flashinfer",)
@@ -83,16 +85,8 @@ def restore() -> None:
     """Undo what setup() left visible outside vLLM: the stand-ins on sys.path and in sys.modules
     (the vLLM modules already imported keep their references) and os.environ."""
     global _environ_before
-    while str(STANDINS) in sys.path:
-        sys.path.remove(str(STANDINS))
-    for name in list(sys.modules):
-        path = getattr(sys.modules[name], "__file__", None) or ""
-        if name.split(".", 1)[0] in STANDIN_MODULES and path.startswith(str(STANDINS)):
-            del sys.modules[name]
-    if _environ_before is not None:
-        os.environ.clear()
-        os.environ.update(_environ_before)
-        _environ_before = None
+    standins.undo(STANDINS, STANDIN_MODULES, _environ_before)
+    _environ_before = None
 
 
 # ---- builders for vLLM's real objects on a CPU ---------------------------------------------------
