@@ -111,10 +111,16 @@ class Daemon:
         # The socket is created at bind under the umask: make it owner-only from the first moment.
         old_umask = os.umask(0o177)
         try:
+            # The fd socket first: whoever finds the gRPC socket can register at once.
+            if self.peer_socket is not None:
+                self.peer_socket.start()
+                logger.info("shared-memory pools' descriptors on %s", self.peer_socket.path)
             for address in self.config.addresses:
                 try:
                     port = self.server.add_insecure_port(address)
                 except RuntimeError:
+                    if self.peer_socket is not None:
+                        await self.peer_socket.stop()
                     raise ListenError(
                         f"cannot listen on {address} (in use, or not a local address)"
                     ) from None
@@ -122,9 +128,6 @@ class Daemon:
                 # Name the port the kernel picked for host:0, so a caller can find it in the log.
                 unix = address.startswith("unix://")
                 bound.append(address if unix else f"{address.rsplit(':', 1)[0]}:{port}")
-            if self.peer_socket is not None:  # before serving: a client's first Register needs it
-                self.peer_socket.start()
-                logger.info("shared-memory pools' descriptors on %s", self.peer_socket.path)
             await self.server.start()
         finally:
             os.umask(old_umask)

@@ -197,6 +197,24 @@ def test_fd_socket_sits_beside_the_grpc_socket_with_its_mode(daemon_factory, gro
     assert not os.path.exists(fd_path(d)) and not os.path.exists(d.config.socket)
 
 
+def test_the_fd_socket_is_there_before_the_grpc_socket(daemon_factory, monkeypatch) -> None:
+    """A client that finds the gRPC socket (a supervisor polling for it, a test helper) can
+    register at once: the fd socket its Register needs was bound before it."""
+    from kvserver.peer_socket import PeerSocket
+
+    seen: list[bool] = []
+    start = PeerSocket.start
+
+    def observed(self) -> None:
+        seen.append(os.path.exists(self.path[: -len(".fd")]))
+        start(self)
+
+    monkeypatch.setattr(PeerSocket, "start", observed)
+    d = daemon_factory()
+    assert seen == [False], "the gRPC socket was bound before the fd socket"
+    assert os.path.exists(fd_path(d))
+
+
 # ---- SIGBUS: seals ------------------------------------------------------------------------------
 
 
