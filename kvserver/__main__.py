@@ -38,8 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-memory", default=_env("HOST_MEMORY", "4GiB"),
                    help="host KV memory budget: a size (8GiB) or a share of the machine's memory "
                         "(60%%) (default 4GiB)")
-    p.add_argument("--copy-threads", type=int, default=_env("COPY_THREADS", "1"),
-                   help="copy worker threads (default 1; one keeps copies in arrival order)")
+    p.add_argument("--copy-threads", type=int, default=_env("COPY_THREADS", "2"),
+                   help="copy worker threads (default 2): loads go first, and a large job's pieces "
+                        "run on every idle worker")
     p.add_argument("--torch-threads", type=int, default=_env("TORCH_THREADS", "0"),
                    help="torch intra-op threads for copies (default: torch's choice)")
     p.add_argument("--shutdown-grace", type=float, default=_env("SHUTDOWN_GRACE", "5"),

@@ -1,13 +1,15 @@
-"""Running copies: one worker thread, small copies inline, streamed load progress.
+"""Running copies: the copy workers' queues, small copies inline, streamed load progress.
 
 How a job's bytes move is its pool's medium's (``kvserver/media``: the CPU for shared memory, the
 GPU for CUDA, ``DevicePool.start``); the copier keeps what is the same for all: queueing,
 deadlines, stop words, busy marks and progress.
 
-Copies run on one worker thread in arrival order (torch or the C kernel already use the machine's
-bandwidth; more threads would only reorder them). A CUDA job only takes the worker while it is
-enqueued on its client's stream; a waiter thread then waits for the GPU and reports its layers,
-so engines on other GPUs (or other clients on one GPU) are not queued behind it. While a copy
+Copies run on ``copy_threads`` worker threads (``kvserver.copy_queue``): loads before writes, in
+arrival order within each, every job in pieces of a few MiB, so that a prefetch an engine waits on
+is held up by at most a piece of someone's offload; a large job's pieces use every idle worker.
+A CUDA job only takes a worker while it is enqueued on its client's stream; a waiter thread then
+waits for the GPU and reports its layers, so engines on other GPUs (or other clients on one GPU)
+are not queued behind it. While a copy
 runs, its host pages are marked busy, so that a Free or Unregister of those pages waits for it,
 and the mark is cleared by the copy's own completion, never by the RPC that asked: a cancelled
 call cannot free pages a copy still touches.
@@ -33,6 +35,7 @@ import numpy as np
 
 from kvserver import transfer
 from kvserver.client_state import ClientState
+from kvserver.copy_queue import CopyQueue
 from kvserver.errors import JobStopped
 from kvserver.layer_signal import LayerSignal
 from kvserver.media.base import INLINE
@@ -113,7 +116,7 @@ class Copier:
     def __init__(self, copy_threads: int = 1, progress_interval: float = 0.0) -> None:
         self.progress_interval = progress_interval
         self.queued = 0  # copies handed to the worker and not yet released
-        self._executor = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvcopy")
+        self._executor = CopyQueue(copy_threads)
         self._waiters = ThreadPoolExecutor(DEVICE_WAITERS, thread_name_prefix="kvdev-wait")
 
     async def write(self, job: Job) -> int:

@@ -215,19 +215,24 @@ def copy_part_at(plan: CopyPlan, host: BufferTable, layer: int, part: int, devic
         copy_rows(base, host_off.ctypes.data, dev.data_ptr(), dev_off.ctypes.data, dev_off.size, row_bytes)
 
 
-def copy_job(plan: CopyPlan, layers: np.ndarray, host: BufferTable, device: BufferTable,
-             to_device: bool, progress: np.ndarray | None = None, eventfd: int = -1,
-             signal_interval: float = 0.0, stop: np.ndarray | None = None) -> int | None:
-    """Copies every part of the given local layers in one kernel call and returns how many
-    layers it copied; None if it cannot (no compiled kernel, or buffers with different strides),
-    and then nothing was copied.
+@dataclass(frozen=True, slots=True)
+class JobRows:
+    """A job's rows as the kernel copies them: byte offsets of every row on each side (relative
+    to each (layer, part) buffer's base) and the bytes of a row."""
 
-    ``device`` is the pool's page table for a paged plan, its token table otherwise. After each
-    layer the kernel stores the number of layers done in ``progress[0]``, and signals ``eventfd``
-    once ``signal_interval`` seconds have passed since its last signal (always after the last).
-    Before each layer it reads ``stop[0]`` (an int64 another thread may set): once it is set, the
-    copy ends at that layer boundary.
-    """
+    host: np.ndarray
+    device: np.ndarray
+    row_bytes: int
+
+    @property
+    def count(self) -> int:
+        return self.device.size
+
+
+def job_rows(plan: CopyPlan, host: BufferTable, device: BufferTable) -> JobRows | None:
+    """The rows of a job between ``host`` and ``device`` (its pool's page table for a paged plan,
+    its token table otherwise); None if the kernel cannot copy them (no compiled kernel, or
+    buffers with different strides)."""
     if device.geometry is not None:
         if copy_layers is None or host.row_stride is None:
             raise Unimplemented("pools with blocks or strided heads need kvserver's compiled copy kernel "
@@ -237,6 +242,23 @@ def copy_job(plan: CopyPlan, layers: np.ndarray, host: BufferTable, device: Buff
         return None
     else:
         host_off, dev_off = plan.offsets(host.row_stride, device.row_stride, device.row_bytes)
+    return JobRows(host_off, dev_off, device.row_bytes)
+
+
+def copy_rows_of(rows: JobRows, layers: np.ndarray, host: BufferTable, device: BufferTable, to_device: bool,
+                 span: tuple[int, int] | None = None, progress: np.ndarray | None = None,
+                 progress_base: int = 0, eventfd: int = -1, signal_interval: float = 0.0,
+                 stop: np.ndarray | None = None) -> int:
+    """Copies every part of the given local layers, rows ``span`` (default: all), in one kernel
+    call and returns how many layers it copied.
+
+    After each layer the kernel stores ``progress_base`` + the layers done in ``progress[0]``, and
+    signals ``eventfd`` once ``signal_interval`` seconds have passed since its last signal (always
+    after the last). Before each layer it reads ``stop[0]`` (an int64 another thread may set): once
+    it is set, the copy ends at that layer boundary.
+    """
+    lo, hi = span if span is not None else (0, rows.count)
+    host_off, dev_off = rows.host[lo:hi], rows.device[lo:hi]
     host_bases = np.ascontiguousarray(host.bases[layers]).reshape(-1)
     dev_bases = np.ascontiguousarray(device.bases[layers]).reshape(-1)
     parts = host.bases.shape[1]
@@ -245,9 +267,21 @@ def copy_job(plan: CopyPlan, layers: np.ndarray, host: BufferTable, device: Buff
     else:
         dst, dst_off, src, src_off = host_bases, host_off, dev_bases, dev_off
     return copy_layers(dst.ctypes.data, src.ctypes.data, dst.size, parts, dst_off.ctypes.data,
-                       src_off.ctypes.data, dev_off.size, device.row_bytes,
+                       src_off.ctypes.data, dev_off.size, rows.row_bytes,
                        0 if progress is None else progress.ctypes.data, eventfd, int(signal_interval * 1e9),
-                       0 if stop is None else stop.ctypes.data)
+                       0 if stop is None else stop.ctypes.data, progress_base)
+
+
+def copy_job(plan: CopyPlan, layers: np.ndarray, host: BufferTable, device: BufferTable,
+             to_device: bool, progress: np.ndarray | None = None, eventfd: int = -1,
+             signal_interval: float = 0.0, stop: np.ndarray | None = None) -> int | None:
+    """``copy_rows_of`` for a whole job in one call; None if the kernel cannot copy it, and then
+    nothing was copied."""
+    rows = job_rows(plan, host, device)
+    if rows is None:
+        return None
+    return copy_rows_of(rows, layers, host, device, to_device, None, progress, 0, eventfd,
+                        signal_interval, stop)
 
 
 _scratch = threading.local()

@@ -38,19 +38,21 @@ def scribble(pool: ShmKVPool, dev: torch.Tensor, seed: int) -> None:
 
 
 class BusyWorker:
-    """Holds the daemon's one copy worker, as another engine's long offload would."""
+    """Holds every copy worker of the daemon, as other engines' long copies would."""
 
     def __init__(self, daemon) -> None:
         self.daemon = daemon
         self.gate = threading.Event()
-        self.started = threading.Event()
+        queue = daemon.core.copier._executor
+        started = threading.Barrier(queue.threads + 1)
 
         def hold() -> None:
-            self.started.set()
+            started.wait(10)
             self.gate.wait(60)
 
-        daemon.core.copier._executor.submit(hold)
-        assert self.started.wait(10)
+        for _ in range(queue.threads):
+            queue.submit(hold)
+        started.wait(10)
 
     def release(self) -> None:
         self.gate.set()

@@ -4,10 +4,11 @@
  * row i from src + src_offsets[i] to dst + dst_offsets[i].
  *
  * copy_layers(dst_bases, src_bases, num_buffers, parts, dst_offsets, src_offsets, n, row_bytes,
- *             progress, eventfd, signal_interval_ns, stop) does the same for num_buffers (layer,
- * part) buffer pairs, whose base addresses are arrays of uint64, with the same row offsets in each.
- * After each group of `parts` buffers (one layer) it stores the number of layers done in
- * *progress (if not 0), and adds 1 to the eventfd (if >= 0) when signal_interval_ns have passed
+ *             progress, eventfd, signal_interval_ns, stop, progress_base) does the same for
+ * num_buffers (layer, part) buffer pairs, whose base addresses are arrays of uint64, with the same
+ * row offsets in each. After each group of `parts` buffers (one layer) it stores progress_base +
+ * the number of layers done in *progress (if not 0; a job copied in pieces passes the layers its
+ * earlier pieces did), and adds 1 to the eventfd (if >= 0) when signal_interval_ns have passed
  * since the last signal, and always after the last layer. An event loop can so stream per-layer
  * progress while this thread copies without ever taking the GIL, woken at most once an interval.
  * Before each layer it reads *stop (if not 0): once another thread has set it, the copy ends at
@@ -59,10 +60,10 @@ static PyObject *copy_layers(PyObject *self, PyObject *args) {
     unsigned long long dst_bases, src_bases, dst_offsets, src_offsets, progress, stop_word = 0;
     Py_ssize_t num_buffers, parts, n, row_bytes;
     int efd;
-    long long interval_ns = 0;
-    if (!PyArg_ParseTuple(args, "KKnnKKnnKi|LK", &dst_bases, &src_bases, &num_buffers, &parts,
+    long long interval_ns = 0, base = 0;
+    if (!PyArg_ParseTuple(args, "KKnnKKnnKi|LKL", &dst_bases, &src_bases, &num_buffers, &parts,
                           &dst_offsets, &src_offsets, &n, &row_bytes, &progress, &efd, &interval_ns,
-                          &stop_word))
+                          &stop_word, &base))
         return NULL;
     if (num_buffers < 0 || parts <= 0 || n < 0 || row_bytes < 0 || num_buffers % parts) {
         PyErr_SetString(PyExc_ValueError, "bad buffer, part or row counts");
@@ -85,7 +86,7 @@ static PyObject *copy_layers(PyObject *self, PyObject *args) {
         if ((b + 1) % parts == 0) {
             layers = (b + 1) / parts;
             if (done)
-                __atomic_store_n(done, (int64_t)((b + 1) / parts), __ATOMIC_RELEASE);
+                __atomic_store_n(done, (int64_t)(base + (b + 1) / parts), __ATOMIC_RELEASE);
             int64_t t = now_ns();
             if (efd >= 0 && (b + 1 == num_buffers || t - last_signal >= interval_ns)) {
                 last_signal = t;

@@ -306,7 +306,7 @@ class CudaDevicePool(DevicePool):
             except BaseException as exc:
                 fail(exc)
 
-        queued = job.queued = executor.submit(enqueue)
+        queued = job.queued = executor.submit_as(to_device, enqueue)
         # Stopped while still waiting for the worker: dropped from its queue, nothing enqueued.
         queued.add_done_callback(lambda f: f.cancelled() and done.set_exception(job.stopped(0)))
         return done

@@ -19,6 +19,7 @@ import torch
 
 if TYPE_CHECKING:
     from kvserver.copier import Job
+    from kvserver.copy_queue import Work
     from kvserver.layer_signal import LayerSignal
 
 WIDE_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -100,10 +101,11 @@ class DevicePool(ABC):
               waiters: Executor) -> Future[None]:
         """Starts a copy job: host to device for a load, else device to host. The returned future
         completes once the medium is done with every byte of the job (raising ``JobStopped`` if
-        the job was stopped first, or the copy's error). ``executor`` is the copy worker, in
-        arrival order; ``waiters`` may hold threads that only wait for a device. A job dropped
-        from the worker's queue shows as a cancelled future; ``job.queued`` is what ``job.stop``
-        may cancel. ``signal`` (loads) gets every landed layer."""
+        the job was stopped first, or the copy's error). ``executor`` is the copy workers' queue
+        (``kvserver.copy_queue``: loads first, jobs in pieces) or ``INLINE``; ``waiters`` may
+        hold threads that only wait for a device. A job dropped from the queue shows as a
+        cancelled future; ``job.queued`` is what ``job.stop`` may cancel. ``signal`` (loads) gets
+        every landed layer."""
 
     @abstractmethod
     def close(self) -> Future | None:
@@ -114,6 +116,8 @@ class DevicePool(ABC):
 class InlineExecutor(Executor):
     """Runs each submitted call at once in the caller's thread (a small copy on the event loop)."""
 
+    threads = 1
+
     def submit(self, fn: Callable, /, *args, **kwargs) -> Future:
         fut: Future = Future()
         fut.set_running_or_notify_cancel()
@@ -122,6 +126,22 @@ class InlineExecutor(Executor):
         except Exception as exc:
             fut.set_exception(exc)
         return fut
+
+    def submit_as(self, load: bool, fn: Callable, /, *args) -> Future:
+        return self.submit(fn, *args)
+
+    def submit_work(self, work: Work) -> Future:
+        """Every piece in order, then its ``finish``."""
+        work.future.set_running_or_notify_cancel()
+        try:
+            for i in range(work.pieces):
+                if work.stopping():
+                    break
+                work.run(i)
+            work.future.set_result(work.finish())
+        except Exception as exc:
+            work.future.set_exception(exc)
+        return work.future
 
 
 INLINE = InlineExecutor()

@@ -5,6 +5,7 @@ stride and token size, so copies move 8-byte words where they can whatever the K
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -12,7 +13,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvserver import geometry, transfer
+from kvserver import copy_queue, geometry, transfer
+from kvserver.copy_queue import Work
 from kvserver.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unimplemented
 from kvserver.layout import KVLayout
 from kvserver.media.base import DevicePool, wide_dtype
@@ -103,26 +105,18 @@ class ShmDevicePool(DevicePool):
 
     def start(self, job: Job, to_device: bool, signal: LayerSignal | None, executor: Executor,
               waiters: Executor) -> Future[None]:
-        fut = job.queued = executor.submit(self.run, job, to_device, signal)
+        table = self.page_table if job.plan.device_paged else self.token_table
+        rows = transfer.job_rows(job.plan, job.host, table)
+        if rows is None:  # no compiled kernel, or buffers of different strides: torch, one piece
+            work = Work(to_device, 1, lambda _: self._run_views(job, to_device, signal))
+        else:
+            work = _pieces(job, rows, table, to_device, signal, getattr(executor, "threads", 1))
+        fut = job.queued = executor.submit_work(work)
         return fut
 
-    def run(self, job: Job, to_device: bool, signal: LayerSignal | None) -> None:
-        """Copies the job's layers in order in this thread; raises ``JobStopped`` if it was
-        stopped first (before any layer, or at a layer boundary)."""
-        if job.stopping:
-            raise job.stopped(0)
-        table = self.page_table if job.plan.device_paged else self.token_table
-        layers = np.asarray(job.local_layers, dtype=np.int64)
-        progress, fd = (signal.counter, signal.fd) if signal is not None else (None, -1)
-        interval = signal.interval if signal is not None else 0.0
-        done = transfer.copy_job(job.plan, layers, job.host, table, to_device, progress, fd,
-                                 interval, job.stop_word)
-        if done is not None:
-            if done < len(job.local_layers):
-                if signal is not None:
-                    os.eventfd_write(signal.fd, 1)  # wake the loop: the copy ends here
-                raise job.stopped(done)
-            return
+    def _run_views(self, job: Job, to_device: bool, signal: LayerSignal | None) -> None:
+        """Copies the job's layers in order with torch, in this thread; raises ``JobStopped`` if
+        it was stopped first (before any layer, or at a layer boundary)."""
         for i, layer in enumerate(job.local_layers):
             if job.stopping:
                 raise job.stopped(i)
@@ -268,3 +262,74 @@ def _check_access(refs: list[pb.BufferRef], access: ShmAccess) -> None:
                 f"device_pool buffer {i} names fd {r.fd.index} but the peer ticket carries "
                 f"{len(access.fds)} descriptor(s)"
             )
+
+
+def _pieces(job: Job, rows: transfer.JobRows, table: BufferTable, to_device: bool,
+            signal: LayerSignal | None, threads: int) -> Work:
+    """The job as pieces of at most about ``copy_queue.CHUNK_BYTES`` (``kvserver.copy_queue``): groups of
+    whole layers, or, where a layer is larger than a piece or the job is large enough to take
+    every worker, each layer's rows split in ranges that run in parallel.
+
+    Progress: whole-layer pieces run in order and the kernel publishes every layer as it lands;
+    split layers are published once all their ranges are done, in layer order."""
+    total_layers = len(job.local_layers)
+    layers = np.asarray(job.local_layers, dtype=np.int64)
+    per_layer = max(1, job.bytes_per_layer)
+    chunk = copy_queue.CHUNK_BYTES
+    split = -(-per_layer // chunk)
+    if threads > 1 and per_layer * total_layers >= copy_queue.PARALLEL_BYTES:
+        split = max(split, threads)
+    split = max(1, min(split, rows.count))
+    if split == 1 and to_device:
+        group = max(1, total_layers)  # nothing waits behind a load: one kernel call, as fast as it gets
+    elif split == 1:
+        group = max(1, chunk // per_layer)
+    elif to_device:
+        group = 1  # a load's layers are published as they land: one layer a piece
+    else:
+        group = max(1, chunk * split // per_layer)
+    groups = -(-total_layers // group) if total_layers else 0
+    bounds = [rows.count * s // split for s in range(split + 1)]
+    progress = signal.counter if signal is not None else np.zeros(1, dtype=np.int64)
+    left = [split] * groups  # ranges still to copy, per layer group
+    lock = threading.Lock()
+    frontier = [0]  # layer groups done, in order (split layers)
+
+    def run(i: int) -> None:
+        g, s = divmod(i, split)
+        lo, hi = g * group, min(total_layers, (g + 1) * group)
+        if split == 1:
+            # Stopped at a layer boundary (the stop word): ``finish`` reports the layers done.
+            if signal is not None:  # a whole load in one call: the kernel wakes the loop itself
+                transfer.copy_rows_of(rows, layers[lo:hi], job.host, table, to_device, None,
+                                      progress, lo, signal.fd, signal.interval, job.stop_word)
+                return
+            transfer.copy_rows_of(rows, layers[lo:hi], job.host, table, to_device, None,
+                                  progress, lo, -1, 0.0, job.stop_word)
+            return
+        done = transfer.copy_rows_of(rows, layers[lo:hi], job.host, table, to_device,
+                                     (bounds[s], bounds[s + 1]), None, 0, -1, 0.0, job.stop_word)
+        if done < hi - lo:  # stopped: this group never counts as landed
+            return
+        with lock:
+            left[g] -= 1
+            moved = False
+            while frontier[0] < groups and left[frontier[0]] == 0:
+                frontier[0] += 1
+                moved = True
+            landed = min(total_layers, frontier[0] * group)
+        if moved:
+            if signal is not None:
+                signal.publish(landed)
+            else:
+                progress[0] = landed
+
+    def finish() -> None:
+        landed = int(progress[0])
+        if landed < total_layers:
+            if signal is not None:
+                os.eventfd_write(signal.fd, 1)  # wake the loop: the copy ends here
+            raise job.stopped(landed)
+
+    return Work(to_device, max(1, groups * split), run, finish, parallel=split > 1,
+                stopping=lambda: job.stopping)
