@@ -119,6 +119,10 @@ class Copier:
         self._executor = CopyQueue(copy_threads)
         self._waiters = ThreadPoolExecutor(DEVICE_WAITERS, thread_name_prefix="kvdev-wait")
 
+    def waiting(self) -> tuple[int, int]:
+        """Jobs whose pieces the workers have not all taken yet: (loads, writes)."""
+        return self._executor.depth()
+
     async def write(self, job: Job) -> int:
         fut = self._submit(job, False, None)
         try:

@@ -99,7 +99,7 @@ class CopyQueue(Executor):
         return self.submit_work(single(load, fn, *args))
 
     def depth(self) -> tuple[int, int]:
-        """Jobs waiting or running: (loads, writes)."""
+        """Jobs with pieces not handed to a worker yet: (loads, writes)."""
         with self._cond:
             return len(self._loads), len(self._writes)
 

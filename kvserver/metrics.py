@@ -77,6 +77,7 @@ class Snapshot:
     cache_bytes: int
     clients: int
     queue_depth: int
+    waiting: tuple[int, int]  # jobs with pieces no worker has taken yet: (loads, writes)
     reclaims: int
     transfer_bytes: dict[tuple[str, str], int]
     transfer_ops: dict[tuple[str, str], int]
@@ -100,6 +101,7 @@ def snapshot(core: KVCore, transfers: Transfers) -> Snapshot:
         cache_bytes=core.cache.bytes,
         clients=len(core.clients),
         queue_depth=core.copier.queued,
+        waiting=core.copier.waiting(),
         reclaims=core.reclaimed,
         transfer_bytes=dict(transfers.bytes),
         transfer_ops=dict(transfers.ops),
@@ -164,8 +166,14 @@ def _families(s: Snapshot, per_space: bool) -> Iterator[Metric]:
     yield _gauge("kvserver_cache_slab_bytes", "Host memory held by the node-wide cache's slabs.",
                  s.cache_bytes)
     yield _gauge("kvserver_clients", "Registered clients.", s.clients)
-    yield _gauge("kvserver_copy_queue_depth", "Copies handed to the copy worker and not done yet.",
+    yield _gauge("kvserver_copy_queue_depth", "Copies handed to the copy workers and not done yet.",
                  s.queue_depth)
+    waiting = GaugeMetricFamily("kvserver_copies_waiting",
+                                "Copies with pieces no copy worker has taken yet, by direction.",
+                                labels=("direction",))
+    waiting.add_metric(("load",), s.waiting[0])
+    waiting.add_metric(("write",), s.waiting[1])
+    yield waiting
     yield CounterMetricFamily("kvserver_reclaims", "Registrations reclaimed from dead or silent engines.",
                               value=s.reclaims)
 

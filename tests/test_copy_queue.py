@@ -238,6 +238,7 @@ def test_a_small_load_overtakes_a_large_offload(socket_dir, monkeypatch):
             handle = small.load(host_indices=host_small, device_indices=torch.arange(16, 32))
             while d.run(lambda: d.core.copier.queued) < 2:
                 time.sleep(0.001)
+            assert d.run(d.core.copier.waiting) == (1, 1)  # what kvserver_copies_waiting shows
             gate.set()
             assert handle.wait() > 0
             landed = time.monotonic()

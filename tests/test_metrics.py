@@ -120,6 +120,8 @@ def test_scrape_counts_what_the_engine_did_and_agrees_with_stats(daemon_factory)
         assert value(m, "kvserver_host_memory_used_bytes") == stats.used_bytes == n * TOKEN_BYTES
         assert value(m, "kvserver_cache_slab_bytes") == stats.cache_bytes > 0
         assert value(m, "kvserver_copy_queue_depth") == 0
+        assert value(m, "kvserver_copies_waiting", direction="load") == 0
+        assert value(m, "kvserver_copies_waiting", direction="write") == 0
         assert value(m, "kvserver_reclaims_total") == stats.reclaimed_clients == 0
         tenant = f"uid:{os.getuid()}"
         assert value(m, "kvserver_client_memory_bytes", tenant=tenant,
