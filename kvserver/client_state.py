@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from kvserver.errors import InvalidArgument
+from kvserver.job_order import JobOrder
 from kvserver.layout import KVLayout, LayerRange, torch_dtype
 from kvserver.media.base import DevicePool
 from kvserver.page_allocator import PageAllocator
@@ -135,6 +136,7 @@ class ClientState:
     peer: PeerCred | None = None
     tenant: str = "anonymous"  # whose cached pages it sees (kvserver.tenants)
     cache_table: BufferTable | None = None  # its part's page layout for cache jobs, made on first use
+    order: JobOrder | None = None  # which of its copies wait for which (job_order.py), made on first copy
 
     @property
     def capacity_tokens(self) -> int:

@@ -35,8 +35,9 @@ import numpy as np
 
 from kvserver import transfer
 from kvserver.client_state import ClientState
-from kvserver.copy_queue import CopyQueue
+from kvserver.copy_queue import CopyQueue, Work
 from kvserver.errors import JobStopped
+from kvserver.job_order import JobOrder
 from kvserver.layer_signal import LayerSignal
 from kvserver.media.base import INLINE
 
@@ -85,6 +86,15 @@ class Job:
     # Set once the medium has the job: from then on ``on_settled`` will be called. A job that
     # failed before (no descriptor left for its signal, the worker shut down) never will be.
     submitted: bool = False
+    # Ordering among the client's copies (kvserver/job_order.py): whether this is a load, the
+    # earlier jobs it waits for, and its work in the copy queue (None until handed to it).
+    load: bool = False
+    after: list = field(default_factory=list)
+    work: Work | None = None
+
+    def ready(self) -> bool:
+        """Whether every earlier job it must follow has ended (or was dropped) in the queue."""
+        return all(p.work is None or p.work.ended or p.work.future.cancelled() for p in self.after)
 
     @property
     def host(self) -> transfer.BufferTable:
@@ -202,6 +212,9 @@ class Copier:
         """
         loop = asyncio.get_running_loop()
         client = job.client
+        if client.order is None:
+            client.order = JobOrder(client.busy.size, client.device.num_tokens)
+        job.after = client.order.admit(job, to_device)
         client.busy[job.pages] += 1  # cache jobs: no pages (the cache marks its own)
         client.inflight += 1
         client.jobs.add(job)
@@ -256,6 +269,8 @@ class Copier:
     def _release(self, job: Job, signal: LayerSignal | None, queued: bool = False) -> None:
         self.queued -= queued
         client = job.client
+        if client.order is not None:
+            client.order.finished(job)
         client.busy[job.pages] -= 1
         client.inflight -= 1
         if signal is not None:

@@ -12,7 +12,9 @@ the next piece is a write's.
 
 A job is dropped while none of its pieces has started (``Future.cancel`` on its future succeeds,
 as with a ``ThreadPoolExecutor``); once started, it ends after its running pieces when
-``stopping`` turns true (the copy kernel also reads the job's stop word before every layer).
+``stopping`` turns true for its next piece.
+A work does not start before the works it follows (``ready``, from ``kvserver/job_order.py``)
+have ended: loads go first, but never past a copy of their client they depend on.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ WRITE_EVERY = 8
 # A piece copies about this much (~0.3 ms at this machine's memcpy speed): what a load may wait
 # behind an offload.
 CHUNK_BYTES = 2 << 20
-# Jobs from this size split every layer's rows over all workers.
+# Jobs from this size split every layer's rows over all workers, in ranges of at least
+# MIN_RANGE_BYTES (below that the hand-offs cost more than the second core gives).
 PARALLEL_BYTES = 8 << 20
+MIN_RANGE_BYTES = 1 << 20
 
 
 @dataclass(eq=False)
@@ -39,15 +43,20 @@ class Work:
     """One copy job in ``pieces`` pieces. ``run(i)`` copies piece i in a worker thread;
     ``finish()`` runs once, in the thread of the last piece to end, when every piece has run or
     the work stopped or failed early: what it returns or raises is the future's outcome (a piece's
-    error is the outcome instead, and ``finish`` is not called). ``stopping()`` is read before each
-    piece: once true no piece starts."""
+    error is the outcome instead, and ``finish`` is not called). ``stopping(i)`` is read before
+    piece i: once true it does not start, nor any later piece (a work may keep it false for the
+    rest of a layer it has begun, so that it stops at a layer boundary). ``ended`` turns true
+    (under the queue's lock) once no piece of it runs or will run: what later work of its client
+    waits for."""
 
     load: bool
     pieces: int
     run: Callable[[int], None]
     finish: Callable[[], object] = lambda: None
     parallel: bool = False
-    stopping: Callable[[], bool] = lambda: False
+    stopping: Callable[[int], bool] = lambda i: False
+    # Read before the first piece: false while work it must follow has not ended (job_order.py).
+    ready: Callable[[], bool] = lambda: True
     future: Future = field(default_factory=Future)
     # The queue's bookkeeping, under its lock.
     next: int = 0
@@ -60,10 +69,13 @@ class Work:
         return self.next > 0
 
 
-def single(load: bool, fn: Callable, *args, **kwargs) -> Work:
+def single(load: bool, fn: Callable, *args, ready: Callable[[], bool] | None = None) -> Work:
     """A call as one piece of work: its result is the future's."""
     out: list = []
-    return Work(load, 1, lambda _: out.append(fn(*args, **kwargs)), finish=lambda: out[0])
+    work = Work(load, 1, lambda _: out.append(fn(*args)), finish=lambda: out[0])
+    if ready is not None:
+        work.ready = ready
+    return work
 
 
 class CopyQueue(Executor):
@@ -88,20 +100,27 @@ class CopyQueue(Executor):
             if self._closed:
                 raise RuntimeError("cannot schedule new copies after shutdown")
             (self._loads if work.load else self._writes).append(work)
-            self._cond.notify(self.threads if work.parallel else 1)
+            self._cond.notify_all()
+        # Cancelled while it waits: work of its client held behind it may go now.
+        work.future.add_done_callback(lambda f: f.cancelled() and self._wake())
         return work.future
 
-    def submit(self, fn: Callable, /, *args, **kwargs) -> Future:
+    def submit(self, fn: Callable, /, *args) -> Future:
         """A plain call, queued as a write (``Executor`` interface)."""
-        return self.submit_work(single(False, fn, *args, **kwargs))
+        return self.submit_work(single(False, fn, *args))
 
-    def submit_as(self, load: bool, fn: Callable, /, *args) -> Future:
-        return self.submit_work(single(load, fn, *args))
+    def submit_as(self, load: bool, fn: Callable, /, *args,
+                  ready: Callable[[], bool] | None = None) -> Future:
+        return self.submit_work(single(load, fn, *args, ready=ready))
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
 
     def depth(self) -> tuple[int, int]:
         """Jobs with pieces not handed to a worker yet: (loads, writes)."""
         with self._cond:
-            return len(self._loads), len(self._writes)
+            return tuple(sum(not w.future.cancelled() for w in q) for q in (self._loads, self._writes))
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stops taking work; the queued work still runs (enqueued copies must end), then the
@@ -121,6 +140,7 @@ class CopyQueue(Executor):
                 got = self._take()
                 while got is None:
                     if self._closed and not self._loads and not self._writes:
+                        self._cond.notify_all()  # the others may be waiting for this moment
                         return
                     self._cond.wait()
                     got = self._take()
@@ -137,10 +157,10 @@ class CopyQueue(Executor):
             with self._cond:
                 work.running -= 1
                 last = work.running == 0 and (work.next == work.pieces or work.error is not None
-                                              or work.stopping())
+                                              or work.stopping(work.next))
                 if last:
                     self._forget(work)
-                if work.parallel and not last:
+                elif work.parallel:
                     self._cond.notify()
             if last:
                 self._end(work)
@@ -153,10 +173,16 @@ class CopyQueue(Executor):
             queues = (self._writes, self._loads)
         for q in queues:
             for work in list(q):
-                if not work.started and not work.future.set_running_or_notify_cancel():
-                    q.remove(work)  # cancelled while it waited: nothing of it ran
-                    continue
-                if work.error is not None or work.stopping():
+                if not work.started:
+                    if work.future.cancelled():
+                        q.remove(work)  # cancelled while it waited: nothing of it ran
+                        continue
+                    if not work.ready():
+                        continue  # behind an earlier copy of its client
+                    if not work.future.set_running_or_notify_cancel():
+                        q.remove(work)
+                        continue
+                if work.error is not None or work.stopping(work.next):
                     if work.running == 0:
                         q.remove(work)
                         return work, -1
@@ -184,15 +210,16 @@ class CopyQueue(Executor):
                 q.remove(work)
 
     def _end(self, work: Work) -> None:
-        if work.ended:
-            return
-        work.ended = True
+        """Settles the work's future, then wakes the workers: work held behind it may go."""
         if work.error is not None:
             work.future.set_exception(work.error)
-            return
-        try:
-            result = work.finish()
-        except BaseException as exc:
-            work.future.set_exception(exc)
         else:
-            work.future.set_result(result)
+            try:
+                result = work.finish()
+            except BaseException as exc:
+                work.future.set_exception(exc)
+            else:
+                work.future.set_result(result)
+        with self._cond:
+            work.ended = True
+            self._cond.notify_all()

@@ -229,6 +229,19 @@ class JobRows:
         return self.device.size
 
 
+def row_count(plan: CopyPlan, host: BufferTable, device: BufferTable) -> int | None:
+    """How many rows ``job_rows`` makes, without making them; None where it makes none."""
+    if device.geometry is not None:
+        if copy_layers is None or host.row_stride is None:
+            raise Unimplemented("pools with blocks or strided heads need kvserver's compiled copy kernel "
+                                "(_kvcopy) and one host row stride")
+        heads = 1 if device.geometry.heads_contiguous else device.geometry.heads
+        return plan.device_rows.size * heads  # token rows, or (token, head) segments
+    if copy_layers is None or device.row_stride is None or host.row_stride is None:
+        return None
+    return plan.device_rows.size  # pages of a paged plan, else tokens
+
+
 def job_rows(plan: CopyPlan, host: BufferTable, device: BufferTable) -> JobRows | None:
     """The rows of a job between ``host`` and ``device`` (its pool's page table for a paged plan,
     its token table otherwise); None if the kernel cannot copy them (no compiled kernel, or

@@ -47,7 +47,7 @@ class Gated:
             self.finished += 1
             return name
 
-        self.work = Work(load, pieces, run, finish, parallel=parallel, stopping=lambda: self.stop)
+        self.work = Work(load, pieces, run, finish, parallel=parallel, stopping=lambda i: self.stop)
 
     def open_all(self) -> None:
         for g in self.gates:
@@ -171,6 +171,7 @@ def pieced_daemon(request, socket_dir, monkeypatch):
     whole layers or split them; 64 B pieces split every layer's rows many times."""
     threads, chunk = request.param
     monkeypatch.setattr(copy_queue, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(copy_queue, "MIN_RANGE_BYTES", 1)
     monkeypatch.setattr(copy_queue, "PARALLEL_BYTES", 0 if threads > 1 else 1 << 40)
     d = DaemonThread(ServerConfig(socket=f"{socket_dir}/kv.sock", host_memory=64 << 20, copy_threads=threads))
     yield d
@@ -178,7 +179,18 @@ def pieced_daemon(request, socket_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_pieced_copies_are_bit_exact_and_layers_land_in_order(pieced_daemon, page_size):
+def test_pieced_copies_are_bit_exact_and_layers_land_in_order(pieced_daemon, page_size, monkeypatch):
+    from kvserver.layer_signal import LayerSignal
+
+    published: list[int] = []
+    real_publish = LayerSignal.publish
+
+    def publish(self, layers_done: int) -> None:
+        time.sleep(0.0005)  # widens any window in which two workers could publish out of order
+        published.append(layers_done)
+        real_publish(self, layers_done)
+
+    monkeypatch.setattr(LayerSignal, "publish", publish)
     n = 256
     with ShmKVPool(LAYOUT, torch.float16, LAYERS, POOL) as pool, KVClient(pieced_daemon.address) as client:
         client.register(model="m", pool=pool, start_layer=0, end_layer=LAYERS, num_layers=LAYERS,
@@ -199,6 +211,7 @@ def test_pieced_copies_are_bit_exact_and_layers_land_in_order(pieced_daemon, pag
             assert all(torch.equal(g, e) for g, e in zip(got, before[layer], strict=True)), layer
         assert handle.wait() > 0
         assert seen == list(range(LAYERS))
+        assert published == sorted(published), f"progress went back: {published}"
 
 
 def token_rows(pool: ShmKVPool) -> list[list[torch.Tensor]]:
@@ -207,9 +220,20 @@ def token_rows(pool: ShmKVPool) -> list[list[torch.Tensor]]:
 
 
 def test_a_small_load_overtakes_a_large_offload(socket_dir, monkeypatch):
-    """One worker, an offload of 64 MiB in 256 KiB pieces, and a 1-page load issued just after it:
-    the load is done while the offload still runs."""
+    """One worker, held while an offload of 64 MiB in 256 KiB pieces and then a 1-page load of
+    another engine queue up: once the worker is free, the load's copy is the first it makes."""
+    from kvserver import transfer
+
     monkeypatch.setattr(copy_queue, "CHUNK_BYTES", 256 << 10)
+    monkeypatch.setattr(copy_queue, "MIN_RANGE_BYTES", 256 << 10)
+    made: list[bool] = []  # to_device of each kernel call, in order
+    real = transfer.copy_rows_of
+
+    def recorded(rows, layers, host, table, to_device, *args):
+        made.append(to_device)
+        return real(rows, layers, host, table, to_device, *args)
+
+    monkeypatch.setattr(transfer, "copy_rows_of", recorded)
     d = DaemonThread(ServerConfig(socket=f"{socket_dir}/kv.sock", host_memory=256 << 20, copy_threads=1))
     big_layout = KVLayout.mha(8, 128)  # 2 KiB a token and part
     tokens = 16384  # x 2 KiB x (K, V): 64 MiB
@@ -229,7 +253,6 @@ def test_a_small_load_overtakes_a_large_offload(socket_dir, monkeypatch):
 
             def offload() -> None:
                 done["bytes"] = big.write(host_indices=host_big, device_indices=torch.arange(tokens))
-                done["write"] = time.monotonic()
 
             t = threading.Thread(target=offload)
             t.start()
@@ -239,23 +262,60 @@ def test_a_small_load_overtakes_a_large_offload(socket_dir, monkeypatch):
             while d.run(lambda: d.core.copier.queued) < 2:
                 time.sleep(0.001)
             assert d.run(d.core.copier.waiting) == (1, 1)  # what kvserver_copies_waiting shows
+            made.clear()
             gate.set()
             assert handle.wait() > 0
-            landed = time.monotonic()
             t.join(60)
             assert done["bytes"] == tokens * 2048 * 2
-            assert landed < done["write"], "the load waited for the whole offload"
+            assert made[0] is True, "the offload's pieces went before the load"
+            assert made.count(False) == 256  # the offload, in its 256 KiB pieces
+    finally:
+        d.stop()
+
+
+def test_a_load_after_a_write_of_the_same_pages_reads_what_it_stored(socket_dir):
+    """Loads go first, but not past a write of their client they depend on: queued behind a
+    write of the same host pages, a load reads what that write stores."""
+    d = DaemonThread(ServerConfig(socket=f"{socket_dir}/kv.sock", host_memory=64 << 20, copy_threads=1))
+    try:
+        with ShmKVPool(WIDE, torch.float16, LAYERS, 2 * POOL) as pool, KVClient(d.address) as c:
+            c.register(model="m", pool=pool, start_layer=0, end_layer=LAYERS, num_layers=LAYERS,
+                       host_tokens=POOL, page_size=16)
+            a, b = torch.arange(POOL), torch.arange(POOL, 2 * POOL)  # 512 KiB each: never inline
+            host = c.alloc(POOL)
+            for layer in pool.buffers:
+                for buf in layer:
+                    buf[a] = 1
+            assert c.write(host_indices=host, device_indices=a) > 0  # the host pages hold 1s
+            for layer in pool.buffers:
+                for buf in layer:
+                    buf[a] = 2
+            gate = threading.Event()
+            d.core.copier._executor.submit(gate.wait, WAIT)
+            t = threading.Thread(target=lambda: c.write(host_indices=host, device_indices=a))
+            t.start()
+            while d.run(lambda: d.core.copier.queued) < 1:
+                time.sleep(0.001)
+            handle = c.load(host_indices=host, device_indices=b)
+            while d.run(lambda: d.core.copier.queued) < 2:
+                time.sleep(0.001)
+            gate.set()
+            assert handle.wait() > 0
+            t.join(30)
+            assert all(bool((buf[b] == 2).all()) for layer in pool.buffers for buf in layer), (
+                "the load read the pages before the write queued ahead of it")
     finally:
         d.stop()
 
 
 def test_a_load_stopped_between_pieces_lands_no_later_layer(socket_dir, monkeypatch):
     """A load whose layers are split in pieces, its first piece of layer 1 held until the job's
-    deadline stopped it: it is reported missed (and confirmed), and nothing more lands (layer 0
-    did; layers 1.. stay as they were)."""
+    deadline stopped it: it is reported missed (and confirmed); layer 1, begun, is finished (a job
+    stops at a layer boundary, never with a layer half copied) and no later layer is touched."""
     from kvserver import transfer
 
     monkeypatch.setattr(copy_queue, "CHUNK_BYTES", 64)  # every layer in many row pieces
+    monkeypatch.setattr(copy_queue, "MIN_RANGE_BYTES", 1)
     held = threading.Event()
     real = transfer.copy_rows_of
     calls = [0]
@@ -263,13 +323,15 @@ def test_a_load_stopped_between_pieces_lands_no_later_layer(socket_dir, monkeypa
     def slow_at_layer_1(rows, layers, *args):
         if layers.size == 1 and int(layers[0]) == 1 and args[2]:  # a load's layer 1
             calls[0] += 1
-            stop = args[-1]
             if calls[0] == 1:  # a piece that takes until the job's deadline has passed
                 held.set()
                 deadline = time.monotonic() + WAIT
-                while not stop[0] and time.monotonic() < deadline:
+                while not stopped() and time.monotonic() < deadline:
                     time.sleep(0.005)
         return real(rows, layers, *args)
+
+    def stopped() -> bool:  # read from the copy worker: a glance at the daemon's jobs
+        return any(j.stopping for c in list(d.core.clients.values()) for j in list(c.jobs))
 
     monkeypatch.setattr(transfer, "copy_rows_of", slow_at_layer_1)
     d = DaemonThread(ServerConfig(socket=f"{socket_dir}/kv.sock", host_memory=64 << 20, copy_threads=1))
@@ -290,8 +352,9 @@ def test_a_load_stopped_between_pieces_lands_no_later_layer(socket_dir, monkeypa
             while d.run(lambda: any(cl.inflight for cl in d.core.clients.values())):
                 time.sleep(0.01)
             after = token_rows(pool)
-            assert all(torch.equal(a, b) for a, b in zip(after[0], stored[0], strict=True))
-            for layer in range(1, LAYERS):
+            for layer in (0, 1):
+                assert all(torch.equal(a, b) for a, b in zip(after[layer], stored[layer], strict=True))
+            for layer in range(2, LAYERS):
                 assert all(not b.any() for b in after[layer]), f"layer {layer} landed after the miss"
     finally:
         d.stop()

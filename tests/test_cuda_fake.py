@@ -990,8 +990,9 @@ def interleaved_jobs(stream_ops) -> list[tuple[int, str]]:
 
 
 def test_two_copy_threads_never_enqueue_on_one_stream_at_once(daemon_factory, fake):
-    """With --copy-threads 2, two writes of one client are enqueued one after the other on its
-    stream, never mixed; both land whole."""
+    """With --copy-threads 2, a client's writes and its loads of other pages and slots (which may
+    run side by side: kvserver/job_order.py) are enqueued one after the other on its stream,
+    never mixed; all land whole."""
     d = daemon_factory(copy_threads=2)
     rt = fake.cuda.runtime
     refs, kv, _ = cuda_pool(fake, 2, 64)
@@ -1001,17 +1002,25 @@ def test_two_copy_threads_never_enqueue_on_one_stream_at_once(daemon_factory, fa
         hosts = [list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=32)).host_indices)
                  for _ in range(2)]
         kv[:] = 9
+        stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=hosts[1],
+                                   device_indices=list(range(32))), timeout=10)
         rt.launch_seconds = 0.03  # slow launches: both threads are inside an enqueue at once
         rt.stream_ops.clear()
         start = threading.Barrier(2)
 
-        def writes(host) -> None:
+        def writes() -> None:
             start.wait()
             for _ in range(4):
-                stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=host,
+                stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=hosts[0],
                                            device_indices=list(range(32))), timeout=10)
 
-        threads = [threading.Thread(target=writes, args=(h,)) for h in hosts]
+        def loads() -> None:
+            start.wait()
+            for _ in range(4):
+                list(stub.Load(pb.LoadRequest(client_id=reg.client_id, host_indices=hosts[1],
+                                              device_indices=list(range(32, 64))), timeout=10))
+
+        threads = [threading.Thread(target=writes), threading.Thread(target=loads)]
         for t in threads:
             t.start()
         for t in threads:

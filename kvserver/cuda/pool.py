@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvserver.copy_queue import single
 from kvserver.cuda import driver, plan, waits
 from kvserver.cuda.devices import ordinal_for
 from kvserver.cuda.handles import check_span, raw_ipc_handle
@@ -306,7 +307,10 @@ class CudaDevicePool(DevicePool):
             except BaseException as exc:
                 fail(exc)
 
-        queued = job.queued = executor.submit_as(to_device, enqueue)
+        # Enqueued on the client's stream only after the earlier copies it must follow
+        # (kvserver/job_order.py): the stream then keeps that order on the GPU.
+        work = job.work = single(to_device, enqueue, ready=job.ready)
+        queued = job.queued = executor.submit_work(work)
         # Stopped while still waiting for the worker: dropped from its queue, nothing enqueued.
         queued.add_done_callback(lambda f: f.cancelled() and done.set_exception(job.stopped(0)))
         return done

@@ -135,12 +135,13 @@ class InlineExecutor(Executor):
         work.future.set_running_or_notify_cancel()
         try:
             for i in range(work.pieces):
-                if work.stopping():
+                if work.stopping(i):
                     break
                 work.run(i)
             work.future.set_result(work.finish())
         except Exception as exc:
             work.future.set_exception(exc)
+        work.ended = True
         return work.future
 
 

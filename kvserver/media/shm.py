@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -106,11 +107,14 @@ class ShmDevicePool(DevicePool):
     def start(self, job: Job, to_device: bool, signal: LayerSignal | None, executor: Executor,
               waiters: Executor) -> Future[None]:
         table = self.page_table if job.plan.device_paged else self.token_table
-        rows = transfer.job_rows(job.plan, job.host, table)
-        if rows is None:  # no compiled kernel, or buffers of different strides: torch, one piece
-            work = Work(to_device, 1, lambda _: self._run_views(job, to_device, signal))
+        count = transfer.row_count(job.plan, job.host, table)
+        if count is None:  # no compiled kernel, or buffers of different strides: torch, one piece
+            work = Work(to_device, 1, lambda _: self._run_views(job, to_device, signal),
+                        stopping=lambda _: job.stopping, ready=job.ready)
         else:
-            work = _pieces(job, rows, table, to_device, signal, getattr(executor, "threads", 1))
+            work = _pieces(job, lambda: transfer.job_rows(job.plan, job.host, table), count, table,
+                           to_device, signal, getattr(executor, "threads", 1))
+        job.work = work
         fut = job.queued = executor.submit_work(work)
         return fut
 
@@ -264,14 +268,17 @@ def _check_access(refs: list[pb.BufferRef], access: ShmAccess) -> None:
             )
 
 
-def _pieces(job: Job, rows: transfer.JobRows, table: BufferTable, to_device: bool,
-            signal: LayerSignal | None, threads: int) -> Work:
-    """The job as pieces of at most about ``copy_queue.CHUNK_BYTES`` (``kvserver.copy_queue``): groups of
-    whole layers, or, where a layer is larger than a piece or the job is large enough to take
-    every worker, each layer's rows split in ranges that run in parallel.
+def _pieces(job: Job, plan_rows: Callable[[], transfer.JobRows], count: int, table: BufferTable,
+            to_device: bool, signal: LayerSignal | None, threads: int) -> Work:
+    """The job as pieces of at most about ``copy_queue.CHUNK_BYTES``: groups of whole layers, or,
+    where a layer is larger than a piece or the job is large enough to take every worker, each
+    layer's rows split in ranges (of at least ``copy_queue.MIN_RANGE_BYTES``) that run in
+    parallel. ``count`` rows; ``plan_rows`` makes their offsets (in the first piece's worker, not
+    on the loop).
 
-    Progress: whole-layer pieces run in order and the kernel publishes every layer as it lands;
-    split layers are published once all their ranges are done, in layer order."""
+    Progress: whole-layer pieces run in order and the kernel publishes every layer as it lands; a
+    load whose layers each fit a piece is one kernel call. Split layers are published once all
+    their ranges are done, in layer order."""
     total_layers = len(job.local_layers)
     layers = np.asarray(job.local_layers, dtype=np.int64)
     per_layer = max(1, job.bytes_per_layer)
@@ -279,9 +286,9 @@ def _pieces(job: Job, rows: transfer.JobRows, table: BufferTable, to_device: boo
     split = -(-per_layer // chunk)
     if threads > 1 and per_layer * total_layers >= copy_queue.PARALLEL_BYTES:
         split = max(split, threads)
-    split = max(1, min(split, rows.count))
+    split = max(1, min(split, count, per_layer // max(1, copy_queue.MIN_RANGE_BYTES)))
     if split == 1 and to_device:
-        group = max(1, total_layers)  # nothing waits behind a load: one kernel call, as fast as it gets
+        group = max(1, total_layers)  # one call: the kernel publishes each layer as it lands
     elif split == 1:
         group = max(1, chunk // per_layer)
     elif to_device:
@@ -289,47 +296,54 @@ def _pieces(job: Job, rows: transfer.JobRows, table: BufferTable, to_device: boo
     else:
         group = max(1, chunk * split // per_layer)
     groups = -(-total_layers // group) if total_layers else 0
-    bounds = [rows.count * s // split for s in range(split + 1)]
+    bounds = [count * s // split for s in range(split + 1)]
     progress = signal.counter if signal is not None else np.zeros(1, dtype=np.int64)
     left = [split] * groups  # ranges still to copy, per layer group
     lock = threading.Lock()
     frontier = [0]  # layer groups done, in order (split layers)
+    made: list[transfer.JobRows] = []
+
+    def rows() -> transfer.JobRows:
+        with lock:
+            if not made:
+                made.append(plan_rows())
+            return made[0]
 
     def run(i: int) -> None:
         g, s = divmod(i, split)
         lo, hi = g * group, min(total_layers, (g + 1) * group)
         if split == 1:
             # Stopped at a layer boundary (the stop word): ``finish`` reports the layers done.
-            if signal is not None:  # a whole load in one call: the kernel wakes the loop itself
-                transfer.copy_rows_of(rows, layers[lo:hi], job.host, table, to_device, None,
-                                      progress, lo, signal.fd, signal.interval, job.stop_word)
-                return
-            transfer.copy_rows_of(rows, layers[lo:hi], job.host, table, to_device, None,
-                                  progress, lo, -1, 0.0, job.stop_word)
+            fd, interval = (signal.fd, signal.interval) if signal is not None else (-1, 0.0)
+            transfer.copy_rows_of(rows(), layers[lo:hi], job.host, table, to_device, None,
+                                  progress, lo, fd, interval, job.stop_word)
             return
-        done = transfer.copy_rows_of(rows, layers[lo:hi], job.host, table, to_device,
-                                     (bounds[s], bounds[s + 1]), None, 0, -1, 0.0, job.stop_word)
-        if done < hi - lo:  # stopped: this group never counts as landed
-            return
-        with lock:
+        # No stop word: a layer group once begun is finished (``stopping`` below), so a job
+        # stops at a layer boundary, never with a layer half copied.
+        transfer.copy_rows_of(rows(), layers[lo:hi], job.host, table, to_device,
+                              (bounds[s], bounds[s + 1]), None, 0, -1, 0.0, None)
+        with lock:  # published under the lock: progress never goes back
             left[g] -= 1
             moved = False
             while frontier[0] < groups and left[frontier[0]] == 0:
                 frontier[0] += 1
                 moved = True
-            landed = min(total_layers, frontier[0] * group)
-        if moved:
-            if signal is not None:
-                signal.publish(landed)
-            else:
-                progress[0] = landed
+            if moved:
+                landed = min(total_layers, frontier[0] * group)
+                if signal is not None:
+                    signal.publish(landed)
+                else:
+                    progress[0] = landed
 
     def finish() -> None:
-        landed = int(progress[0])
+        landed = int(progress[0]) if split == 1 else min(total_layers, frontier[0] * group)
         if landed < total_layers:
             if signal is not None:
                 os.eventfd_write(signal.fd, 1)  # wake the loop: the copy ends here
             raise job.stopped(landed)
 
+    def stopping(i: int) -> bool:
+        return job.stopping and i % split == 0  # the next piece would begin a layer group
+
     return Work(to_device, max(1, groups * split), run, finish, parallel=split > 1,
-                stopping=lambda: job.stopping)
+                stopping=stopping, ready=job.ready)
