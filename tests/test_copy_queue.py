@@ -358,3 +358,20 @@ def test_a_load_stopped_between_pieces_lands_no_later_layer(socket_dir, monkeypa
                 assert all(not b.any() for b in after[layer]), f"layer {layer} landed after the miss"
     finally:
         d.stop()
+
+
+def test_shutdown_runs_what_is_queued_and_wakes_every_worker():
+    """A worker waiting while another runs the pieces of an ordered work is woken when that work
+    ends: shutdown returns once the queued work is done."""
+    q = CopyQueue(2)
+    log: list = []
+    ordered = Gated("ordered", 3, log)
+    q.submit_work(ordered.work)
+    assert ordered.started[0].wait(WAIT)
+    t = threading.Thread(target=q.shutdown, daemon=True)
+    t.start()
+    ordered.open_all()
+    assert ordered.work.future.result(WAIT) == "ordered"
+    t.join(WAIT)
+    assert not t.is_alive(), "shutdown hung"
+    assert [i for _, i in log] == [0, 1, 2]
