@@ -156,6 +156,15 @@ def machine_info() -> dict:
     }
 
 
+def save_figure(fig, path) -> None:
+    """Writes a figure as a small PNG (dpi 100, optimized) and closes it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, pil_kwargs={"optimize": True})
+    plt.close(fig)
+
+
 def mib(nbytes: float) -> str:
     n = nbytes / (1 << 20)
     return f"{n / 1024:g} GiB" if n >= 1024 else f"{n:g} MiB"

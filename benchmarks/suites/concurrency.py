@@ -78,6 +78,17 @@ def engine(index: int, address: str, nbytes: int, conn) -> None:
         c.unregister()
 
 
+def _recv(conn, proc, timeout: float):
+    """The engine's next message; raises if it died or sent nothing within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not conn.poll(0.2):
+        if not proc.is_alive():
+            raise RuntimeError(f"engine process {proc.pid} exited with {proc.exitcode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"engine process {proc.pid} sent nothing within {timeout} s")
+    return conn.recv()
+
+
 def run(args: argparse.Namespace, progress) -> dict:
     counts = args.concurrency_engines or ([1, 2] if args.quick else [1, 2, 4, 8])
     size = args.concurrency_mib or (4 if args.quick else 16)
@@ -96,17 +107,16 @@ def run(args: argparse.Namespace, progress) -> dict:
                 procs.append(p)
                 conns.append(mine)
             op_bytes = None
-            for conn in conns:
-                if not conn.poll(300):
-                    raise RuntimeError("an engine did not register within 300 s")
-                tag, op_bytes = conn.recv()
+            for conn, proc in zip(conns, procs, strict=True):
+                tag, op_bytes = _recv(conn, proc, 300)
                 assert tag == "ready"
                 bar.update(1)
             for n in counts:
                 start = time.monotonic() + 0.2
                 for conn in conns[:n]:
                     conn.send(("run", start, seconds))
-                per_engine = [conn.recv() for conn in conns[:n]]
+                per_engine = [_recv(conn, proc, seconds + 120)
+                              for conn, proc in zip(conns[:n], procs[:n], strict=True)]
                 ops = [o for eng in per_engine for o in eng]
                 if not ops:
                     raise RuntimeError(f"{n} engines finished no operation in {seconds} s")
@@ -167,10 +177,8 @@ def plot(result: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
     a2.legend(fontsize=8)
     for ax in (a1, a2):
         ax.set_xticks(n)
-    fig.tight_layout()
     path = out_dir / "concurrency.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    common.save_figure(fig, path)
     return [path]
 
 

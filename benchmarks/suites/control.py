@@ -142,10 +142,8 @@ def plot(result: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
     ax.set_title(f"1-page, 1-layer round trip vs bare gRPC unary ({result['params']['trips']} trips)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    fig.tight_layout()
     path = out_dir / "control_latency.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    common.save_figure(fig, path)
     return [path]
 
 

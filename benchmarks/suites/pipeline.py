@@ -118,10 +118,8 @@ def plot(result: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
         ax.set_title(f"time to layer i ({label}); dotted: ideal")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
-    fig.tight_layout()
     path = out_dir / "pipeline_layers.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    common.save_figure(fig, path)
     return [path]
 
 

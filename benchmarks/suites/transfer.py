@@ -176,7 +176,7 @@ def plot(result: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
     rows = result["rows"]
     layouts = [lay for lay in result["params"]["layouts"] if any(r["layout"] == lay for r in rows)]
     paths = []
-    fig, axes = plt.subplots(len(layouts), 2, figsize=(10, 3.6 * len(layouts)), squeeze=False)
+    fig, axes = plt.subplots(len(layouts), 2, figsize=(9, 3.2 * len(layouts)), squeeze=False)
     for i, lay in enumerate(layouts):
         for j, (key, what) in enumerate((("ratio_write", "Write"), ("ratio_load", "Load"))):
             ax = axes[i][j]
@@ -194,10 +194,8 @@ def plot(result: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
             ax.set_title(f"{lay.upper()}: daemon {what} vs in-process copy")
             ax.legend(fontsize=8)
             ax.grid(alpha=0.3)
-    fig.tight_layout()
     paths.append(out_dir / "transfer_ratio.png")
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
+    common.save_figure(fig, paths[-1])
 
     fig, axes = plt.subplots(1, len(layouts), figsize=(5.5 * len(layouts), 3.8), squeeze=False)
     for i, lay in enumerate(layouts):
@@ -221,10 +219,8 @@ def plot(result: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
         ax.set_title(f"{lay.upper()}: Load bandwidth")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    fig.tight_layout()
     paths.append(out_dir / "transfer_gbs.png")
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
+    common.save_figure(fig, paths[-1])
     return paths
 
 
