@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import pathlib
 import time
 
@@ -76,6 +77,10 @@ def engine(index: int, address: str, nbytes: int, conn) -> None:
                 ops += [("write", t, t1 - t), ("load", t1, t2 - t1)]
             conn.send(ops)
         c.unregister()
+    conn.close()
+    # Registration, client and pool are closed: skip the interpreter's teardown of torch (seconds
+    # on a loaded machine, times every engine) that the parent would otherwise wait for.
+    os._exit(0)
 
 
 def _recv(conn, proc, timeout: float):
@@ -86,7 +91,11 @@ def _recv(conn, proc, timeout: float):
             raise RuntimeError(f"engine process {proc.pid} exited with {proc.exitcode}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"engine process {proc.pid} sent nothing within {timeout} s")
-    return conn.recv()
+    try:
+        return conn.recv()
+    except EOFError:
+        proc.join(5)
+        raise RuntimeError(f"engine process {proc.pid} exited with {proc.exitcode}") from None
 
 
 def run(args: argparse.Namespace, progress) -> dict:

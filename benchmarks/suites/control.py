@@ -37,7 +37,7 @@ DTYPE = torch.bfloat16
 
 def add_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("control")
-    g.add_argument("--control-trips", type=int, help="round trips (default 3000; --quick: 150)")
+    g.add_argument("--control-trips", type=int, help="round trips (default 3000; --quick: 100)")
 
 
 def lanes() -> list[str | None]:
@@ -48,7 +48,7 @@ def lanes() -> list[str | None]:
 
 
 def run(args: argparse.Namespace, progress) -> dict:
-    trips = args.control_trips or (150 if args.quick else 3000)
+    trips = args.control_trips or (100 if args.quick else 3000)
     d = common.daemon()
     clients, pools = {}, []
     loop = asyncio.new_event_loop()

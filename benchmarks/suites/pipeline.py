@@ -32,7 +32,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-mib", type=int, nargs="+", help="load sizes (default 16 64 256; --quick: 4)")
     g.add_argument("--pipeline-layers", type=int, default=32)
     g.add_argument("--pipeline-repeats", type=int, help="loads per size (default 1 GiB / size, 5 to 30; "
-                   "--quick: 8)")
+                   "--quick: 5)")
     g.add_argument("--pipeline-intervals", nargs="+",
                    help="daemon --progress-interval-ms values; 'default' for the daemon's own "
                    "(default: default 0; --quick: default)")
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace, progress) -> dict:
             d = common.daemon(*flags, host_memory=host_memory)
             pages = max(1, (size << 20) // token_bytes // PAGE)
             tokens = pages * PAGE
-            repeats = args.pipeline_repeats or (8 if args.quick else
+            repeats = args.pipeline_repeats or (5 if args.quick else
                                                 max(5, min(30, (1 << 30) // (size << 20))))
             g = torch.Generator().manual_seed(0)
             with ShmKVPool(LAYOUT, DTYPE, layers, 2 * tokens) as pool, KVClient(d.address, timeout=120) as c:

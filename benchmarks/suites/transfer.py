@@ -47,7 +47,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--transfer-layouts", nargs="+", choices=sorted(LAYOUTS), default=["mha", "mla"])
     g.add_argument("--transfer-layers", type=int, default=32)
     g.add_argument("--transfer-repeats", type=int,
-                   help="rounds per case (default: 2 GiB / size, 3 to 30; --quick: 5)")
+                   help="rounds per case (default: 2 GiB / size, 3 to 30; --quick: 3)")
     g.add_argument("--transfer-seed", type=int, default=0)
 
 
@@ -58,7 +58,7 @@ def _params(args: argparse.Namespace) -> dict:
         "page_sizes": args.transfer_page_sizes or ([1, 16] if quick else [1, 16, 64, 256]),
         "layouts": args.transfer_layouts,
         "layers": args.transfer_layers,
-        "repeats": args.transfer_repeats or (5 if quick else None),
+        "repeats": args.transfer_repeats or (3 if quick else None),
         "seed": args.transfer_seed,
         "dtype": str(DTYPE),
     }
