@@ -40,7 +40,7 @@ def daemon(*flags: str, host_memory: str = DEFAULT_BUDGET):
             return got[0]
         if got is not None:
             _stop(flags)
-        tmp = tempfile.mkdtemp(prefix="kvbench-")
+        tmp = tempfile.mkdtemp(prefix="kvsuite-")
         d = DaemonProcess(os.path.join(tmp, "kv.sock"), "--log-level", "ERROR", *flags, host_memory=str(need))
         _DAEMONS[flags] = (d, need, tmp)
         return d
