@@ -11,7 +11,8 @@ pool in shared memory. Every figure is measured in the same run:
 - daemon:      Write (device -> host) and Load (host -> device, until the last layer landed).
 
 Ratios are daemon / in-process: what going through the daemon costs over copying in the engine.
-Run: python benchmarks/bench_transfer.py
+Run: python benchmarks/bench_transfer.py (the matrix of sizes, page sizes and layouts with the
+same copies: python benchmarks/run.py transfer)
 """
 
 from __future__ import annotations
@@ -27,8 +28,12 @@ import time
 import numpy as np
 import torch
 
-from kvclient import KVClient, KVLayout, ShmKVPool
-from kvserver import transfer
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from suites import common  # noqa: E402
+
+from kvclient import KVClient, KVLayout, ShmKVPool  # noqa: E402
+from kvserver import transfer  # noqa: E402
 
 
 def start_daemon(socket: str, host_memory: str) -> subprocess.Popen:
@@ -45,16 +50,9 @@ def start_daemon(socket: str, host_memory: str) -> subprocess.Popen:
 
 
 def interleaved(fns: dict[str, object], repeats: int) -> dict[str, float]:
-    """Median seconds of each function, run in turn so that drift in machine speed hits all alike."""
-    for fn in fns.values():
-        fn()  # warm-up: first touch of pages, thread start-up
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    """Median seconds of each function, run in turn so that drift in machine speed hits all alike
+    (the timing of benchmarks/run.py's suites)."""
+    return {name: statistics.median(ts) for name, ts in common.interleaved(fns, repeats).items()}
 
 
 def main() -> None:

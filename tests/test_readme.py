@@ -82,6 +82,12 @@ NOT_RUN = {
         "the CUDA pool needs a GPU and CuPy (docs/gpu-check.md is the check for a GPU machine)",
     ("docs/gpu-check.md", "echo /.whl/ >> .git/info/exclude"):
         "prepares a device run: edits .git/info/exclude and downloads wheels for the GPU machine",
+    ("docs/performance.md", ".venv/bin/python benchmarks/run.py"):
+        "the whole benchmark suite takes minutes (about 6 on a 2-core machine), for figures measured "
+        "by hand; tests/test_bench_suite.py runs the same script with --quick",
+    ("docs/performance.md", ".venv/bin/python benchmarks/run.py --quick --out /tmp/kvbench-quick"):
+        "tests/test_bench_suite.py runs benchmarks/run.py --quick with its own temporary --out and "
+        "checks every file it writes",
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_transfer.py --mib 32 --repeats 40"):
         "benchmarks of minutes on a 2-core machine, for figures measured by hand; the README's "
         "bench_transfer.py line runs the same script as written",
