@@ -5,17 +5,18 @@ so a client's next round finds its history whichever replica serves it.
 
 Replica 0 lives in the benchmark's process, replica 1 in a child driven over a pipe; both time
 their own Get and Put. The coordinator keeps each replica's device LRU. The child is forked before
-the benchmark opens any gRPC channel (gRPC does not survive a fork with channels open) and builds
-its replica on its first command, once the daemon is up.
+the benchmark opens any gRPC channel (gRPC does not survive a fork with channels open; see
+``child_context``, which spawns instead when forking is not safe) and builds its replica on its
+first command, once the daemon is up.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 import traceback
 
 from _multiturn_kv import DevicePool, Geometry
+from _multiturn_model import child_context
 from _multiturn_sim import PrefixLRU, Record, Request, Workload
 
 from kvclient import KVClient
@@ -75,10 +76,10 @@ def _child(conn, address: str, geom: Geometry, pages: int, seed: int) -> None:
 
 
 class RemoteReplica:
-    """A CacheReplica in a forked process (forked at once; ``start`` makes it register)."""
+    """A CacheReplica in a child process (started at once; ``start`` makes it register)."""
 
-    def __init__(self, address: str, geom: Geometry, pages: int, seed: int) -> None:
-        ctx = mp.get_context("fork")
+    def __init__(self, address: str, geom: Geometry, pages: int, seed: int, spawn: bool = False) -> None:
+        ctx = child_context(spawn)
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_child, args=(child, address, geom, pages, seed), daemon=True)
         self.proc.start()

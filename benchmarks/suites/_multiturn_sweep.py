@@ -70,6 +70,6 @@ def sweep(inproc: InProcessHost, index: IndexHost, replica: CacheReplica, sizes:
 
 
 def sizes_for(device_pages: int, quick: bool) -> list[int]:
-    want = [1, 8] if quick else [1, 4, 16, 64]
+    want = [1, 8] if quick else [1, 4, 16, 64, 256]
     return sorted({min(n, device_pages) for n in want})
 

@@ -15,7 +15,20 @@ config, nothing downloaded) timed on this machine at start-up and fitted (_multi
 KV moved is real bytes of that model's geometry, moved by the real kernel or the real daemon, and
 timed. One engine serves one request at a time (FIFO); TTFT = queue wait + load + prefill of the
 missing tokens; the write-through of the new pages after the prefill keeps the engine busy.
-Decode is not modelled (it costs the same in every configuration).
+Decode is not modelled (it costs the same in every configuration). The KV geometry is the timed
+model's own (8 layers x 4 KV heads x 32, float32: 8 KiB a token, 128 KiB a page of 16), so
+compute and bytes are of one model; --multiturn-layers scales both.
+
+Reading it: hit rates depend only on the trace and the tiers' sizes (the three host tiers of one
+size and policy reuse the same tokens); TTFT and capacity (requests over the busiest engine's busy
+time: what it could serve if never idle; throughput proper is bounded by the arrival rate) add the
+fitted prefill cost and the measured transfer times. Host tiers win over recompute because
+prefilling the tokens costs far more than moving their KV. The daemon tiers lose to the
+in-process pool on every call: a daemon call costs a round trip (gRPC over a Unix socket, the
+daemon's event loop) of a few ms whatever its size at these sizes, the in-process copy a fraction
+of a ms; ``transfer_sweep`` measures that per call and size. The index configuration also pays
+an Alloc per write-through. In DP, dp2-recompute is what two separate device pools give; the
+node-wide cache is what lets a replica find a history the other one computed.
 
 Run alone: python benchmarks/suites/multiturn.py [--quick] [--out DIR]
 """
@@ -72,6 +85,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--multiturn-layers", type=int, default=ModelConfig.layers,
                    help="layers of the timed model (its KV geometry is the bytes moved)")
     g.add_argument("--multiturn-seed", type=int, default=0)
+    g.add_argument("--multiturn-spawn", action="store_true",
+                   help="spawn the child processes (model timing, second replica) instead of forking "
+                        "them; forking is used only while this process has no other thread")
 
 
 def _workload(args: argparse.Namespace) -> Workload:
@@ -113,9 +129,9 @@ def run(args: argparse.Namespace, progress) -> dict:
     checks: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="kv-multiturn-") as tmp:
         socket = os.path.join(tmp, "kv.sock")
-        # Both children are forked before any gRPC channel or thread exists.
-        timing = Timing(cfg, args.quick)
-        remote = RemoteReplica(f"unix://{socket}", geom, dev_pages, w.seed)
+        # Both children start before any gRPC channel or thread of this run exists.
+        timing = Timing(cfg, args.quick, args.multiturn_spawn)
+        remote = RemoteReplica(f"unix://{socket}", geom, dev_pages, w.seed, args.multiturn_spawn)
         daemon = None
         try:
             model = None if args.quick else timing.result()  # timed alone in a full run
