@@ -22,6 +22,7 @@ def test_quick_run_reports_every_configuration(tmp_path) -> None:
                           capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads((tmp_path / "multiturn.json").read_text())
+    assert result["suite"] == "multiturn" and result["quick"] is True and "--quick" in result["command"]
     assert "| config |" in proc.stdout, proc.stdout
 
     cfgs = result["configs"]

@@ -40,6 +40,7 @@ import json
 import math
 import os
 import pathlib
+import shlex
 import sys
 import tempfile
 import time
@@ -111,7 +112,6 @@ def _client_keys(w: Workload, vocab: int) -> list[list[bytes]]:
 
 
 def run(args: argparse.Namespace, progress) -> dict:
-    t_start = time.monotonic()
     torch.set_num_threads(1)
     w = _workload(args)
     cfg = ModelConfig(layers=args.multiturn_layers)
@@ -189,8 +189,6 @@ def run(args: argparse.Namespace, progress) -> dict:
         tl = timeline(reqs, records[name], rate, prefill, 2 if name.startswith("dp2") else 1)
         results[name] = figures(reqs, records[name], tl)
     return {
-        "suite": NAME,
-        "quick": bool(args.quick),
         "workload": {"clients": w.clients, "rounds": w.rounds, "question_tokens": w.question,
                      "answer_tokens": w.answer, "page_tokens": w.page, "seed": w.seed,
                      "requests": len(reqs), "all_history_pages": w.all_pages()},
@@ -204,7 +202,6 @@ def run(args: argparse.Namespace, progress) -> dict:
         "configs": results,
         "checks": checks,
         "transfer_sweep": transfers,
-        "wall_s": time.monotonic() - t_start,
     }
 
 
@@ -299,10 +296,14 @@ def main() -> None:
         from tqdm import tqdm as progress
     except ImportError:  # pragma: no cover
         progress = _NoProgress
+    t0 = time.monotonic()
     result = run(args, progress)
+    command = shlex.join([sys.executable, os.path.relpath(__file__, _ROOT), *sys.argv[1:]])
+    doc = {"suite": NAME, "command": command, "quick": bool(args.quick), "wall_s": time.monotonic() - t0,
+           **result}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{NAME}.json"
-    path.write_text(json.dumps(result, indent=1))
+    path.write_text(json.dumps(doc, indent=1) + "\n")
     paths = plot(result, args.out)
     print(summary(result))
     print(f"\nwrote {path} and {', '.join(str(p) for p in paths)}")
