@@ -164,6 +164,12 @@ class Timing:
             self.value = value
         return self.value
 
+    def close(self) -> None:
+        """Ends the child if it is still timing (the run failed before asking for the result)."""
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(10)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

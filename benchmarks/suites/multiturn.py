@@ -174,6 +174,7 @@ def run(args: argparse.Namespace, progress) -> dict:
             if model is None:
                 model = timing.result()
         finally:
+            timing.close()
             remote.close()
             if daemon is not None:
                 daemon.stop()
