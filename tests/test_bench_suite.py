@@ -19,8 +19,10 @@ PNG = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("bench")
-    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "run.py"), "--quick", "--progress", "on",
-                          "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=240)
+    # multiturn's smoke run has its own test (test_bench_multiturn.py): not run twice.
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "run.py"), *SUITES, "--quick",
+                          "--progress", "on", "--out", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, f"run.py exited {res.returncode}:\n{res.stdout}\n{res.stderr}"
     return out, res.stdout
 
@@ -38,7 +40,7 @@ def _times(stats: dict) -> None:
 def _doc(out: Path, name: str) -> dict:
     doc = json.loads((out / f"{name}.json").read_text())
     assert doc["suite"] == name and doc["quick"] is True
-    assert "benchmarks/run.py --quick" in doc["command"]
+    assert "benchmarks/run.py" in doc["command"] and "--quick" in doc["command"]
     m = doc["machine"]
     assert _positive(m["cpu_count"]) and m["cpu_model"] and m["python"] and m["torch"] and m["grpcio"]
     assert m["date"].startswith("20")
@@ -47,8 +49,7 @@ def _doc(out: Path, name: str) -> dict:
 
 def test_every_suite_prints_its_summary_and_writes_png_plots(quick):
     out, stdout = quick
-    present = SUITES + [s for s in OPTIONAL if (REPO / "benchmarks" / "suites" / f"{s}.py").exists()]
-    for name in present:
+    for name in SUITES:
         section = stdout.split(f"## {name}\n", 1)[1].split("\n## ", 1)[0]
         assert "|---" in section, f"{name}: no summary table in\n{stdout}"
         _doc(out, name)
@@ -56,9 +57,24 @@ def test_every_suite_prints_its_summary_and_writes_png_plots(quick):
         assert plots, f"{name}: no plot"
         for p in plots:
             assert p.read_bytes()[:8] == PNG and p.stat().st_size < 150_000, p
-    for name in OPTIONAL:
-        if name not in present:
-            assert f"## {name}\n\nskipped:" in stdout
+
+
+def test_the_entry_point_has_every_suite_with_its_interface():
+    """run.py runs multiturn too (its smoke run is test_bench_multiturn.py's)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_run", REPO / "benchmarks" / "run.py")
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    assert run.SUITES == SUITES + OPTIONAL
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        for name in run.SUITES:
+            mod = importlib.import_module(f"suites.{name}")
+            assert mod.NAME == name
+            assert all(callable(getattr(mod, f)) for f in ("add_args", "run", "plot", "summary")), name
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
 
 
 def test_transfer_measures_every_method_of_every_case(quick):
