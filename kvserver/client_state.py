@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -135,6 +136,7 @@ class ClientState:
     peer: PeerCred | None = None
     tenant: str = "anonymous"  # whose cached pages it sees (kvserver.tenants)
     cache_table: BufferTable | None = None  # its part's page layout for cache jobs, made on first use
+    lane: Any = None  # its lane_server.Lane, if it opened one; closed on release
 
     @property
     def capacity_tokens(self) -> int:
