@@ -128,10 +128,10 @@ class ClientLane:
         i = self._begin(rpc, data)
         if i is None:
             return None
-        self._leave()
         src = LaneStream(self, i, time.monotonic() + timeout)
         with self._lock:
             self._streams[i] = src
+        self._leave()
         return src
 
     def _begin(self, rpc: str, data: bytes) -> int | None:
@@ -190,16 +190,17 @@ class ClientLane:
     def _give_back(self, i: int) -> None:
         with self._lock:
             self._streams.pop(i, None)
-            if self.closed:
-                return
-            R.U32.pack_into(self._mm, R.slot_offset(i) + R.STATE, R.FREE)
             self.calls += 1
-            self._free.append(i)
+            if not self.closed:
+                R.U32.pack_into(self._mm, R.slot_offset(i) + R.STATE, R.FREE)
+                self._free.append(i)
+        self._maybe_release()
 
     def _abandon(self, i: int) -> None:
         with self._lock:
             self._streams.pop(i, None)
             self._abandoned.add(i)
+        self._maybe_release()
 
     def _wait(self, i: int, deadline: float, ready: Callable[[], bool]) -> int:
         """Until ``ready()``, the slot's doorbell rings, the lane closes, or ``deadline``."""
@@ -232,25 +233,30 @@ class ClientLane:
     def _leave(self) -> None:
         with self._lock:
             self._users -= 1
-            last = self.closed and self._users == 0
+        self._maybe_release()
+
+    def _maybe_release(self) -> None:
+        with self._lock:
+            last = self.closed and self._users == 0 and not self._streams
         if last:
             self._release()
 
     # ---- closing ---------------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """No new calls; waiters wake (UNAVAILABLE); memory and sockets go once the last leaves."""
+    def close(self, wake: bool = True) -> None:
+        """No new calls; memory and sockets go once the last call in flight has ended. ``wake``:
+        those calls end now (UNAVAILABLE); else (the registration was lost, but the daemon may
+        still answer, as a gRPC call in flight would be answered) they run to their end."""
         with self._lock:
-            if self.closed:
+            if self.closed and not wake:
                 return
             self.closed = True
-            idle = self._users == 0
         self.handed_over()
-        for s in (self._submit, *self._done):
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-        if idle:
-            self._release()
+        if wake:
+            for s in (self._submit, *self._done):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+        self._maybe_release()
 
     def _release(self) -> None:
         with self._lock:

@@ -210,11 +210,14 @@ class KVClient(CoreShell):
         if self._core.registration is not reg or not self._core.connected:  # lost meanwhile
             self._close_lane(reg)
 
-    def _close_lane(self, reg: msg.Registration | None = None) -> None:
+    def _close_lane(self, reg: msg.Registration | None = None, wake: bool = True) -> None:
+        """``wake``: calls in flight on it end now (UNAVAILABLE). A lost registration's lane takes
+        no new call but lets those in flight end as the daemon answers them, as on gRPC; the
+        daemon's death ends them at once (its doorbells close)."""
         lane = self._lane
         if lane is not None and (reg is None or lane.reg is reg):
             self._lane = None
-            lane.close()
+            lane.close(wake)
 
     @property
     def lane(self) -> ClientLane | None:
@@ -240,7 +243,7 @@ class KVClient(CoreShell):
 
     def _lost(self, reg: msg.Registration | None, reason: str) -> None:
         if reg is not None:
-            self._close_lane(reg)
+            self._close_lane(reg, wake=False)
         lost = self._core.lose(reg, reason)
         if lost is None:
             return

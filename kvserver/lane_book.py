@@ -4,6 +4,7 @@ stop) closes the lane: ``KVCore._release`` awaits ``ClientState.lane.close()``."
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
@@ -23,6 +24,12 @@ class LaneBook:
                  run: Callable[[str, str, bytes, Callable[[Any], None]], Awaitable[bytes]]) -> None:
         self.core = core
         self.run = run
+        self.lanes: set[Lane] = set()
+
+    async def drain(self, grace: float) -> None:
+        """At shutdown: every lane finishes what it runs within ``grace`` and takes nothing new."""
+        if self.lanes:
+            await asyncio.gather(*(lane.drain(grace) for lane in list(self.lanes)))
 
     async def open(self, client_id: str, peer_ticket: str, named_tenant: str | None) -> Lane:
         tickets = self.core.tickets
@@ -46,5 +53,7 @@ class LaneBook:
         lane = Lane(client_id, ring, submit, done, functools.partial(self.run, client_id))
         client.lane = lane
         lane.start()
+        self.lanes.add(lane)
+        lane.on_close = self.lanes.discard
         logger.info("lane of %d slots opened for %s", lane.slots, public_id(client_id))
         return lane

@@ -108,6 +108,7 @@ class Lane:
         self._watching = False
         self._closed = False
         self.served = 0
+        self.on_close: Callable[[Lane], None] | None = None
 
     def start(self) -> None:
         self._submit.setblocking(False)
@@ -204,12 +205,22 @@ class Lane:
         with contextlib.suppress(OSError):  # a full queue (the client reads it later) or a gone peer
             self._done[i].send(b"d", socket.MSG_DONTWAIT)
 
+    async def drain(self, grace: float) -> None:
+        """At shutdown: takes no new request, and gives those running up to ``grace`` seconds to
+        finish (as the gRPC server gives its calls); ``close`` ends what is left."""
+        self._unwatch()
+        tasks = [t for t in self._tasks if t is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace)
+
     async def close(self) -> None:
         """Stops serving: no more requests are taken, running ones are cancelled and awaited,
         then the ring is unmapped and the doorbells closed (the client's waiters see them close)."""
         if self._closed:
             return
         self._closed = True
+        if self.on_close is not None:
+            self.on_close(self)
         self._unwatch()
         tasks = [t for t in self._tasks if t is not None]
         for t in tasks:
