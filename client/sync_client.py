@@ -187,19 +187,20 @@ class KVClient(CoreShell):
         """Opens the registration's lane (a Unix socket target, lane="auto"); on any failure the
         client stays on gRPC (an older daemon answers UNIMPLEMENTED)."""
         if self.lane_mode != "auto" or fd_socket_path(self.target) is None \
-                or not self.target.startswith("unix"):
+                or not self.target.startswith("unix") or self._closed.is_set():
             return
         lane = ClientLane()
         try:
             ticket = ticket_for(self.target, lane.daemon_fds())
             self._stub.OpenLane(pb.OpenLaneRequest(client_id=reg.client_id, peer_ticket=ticket),
                                 timeout=self.timeout, metadata=self._core.metadata)
-        except (grpc.RpcError, KVClientError) as exc:
+        except (grpc.RpcError, KVClientError, ValueError) as exc:  # ValueError: closed meanwhile
             lane.close()
-            code = exc.code() if isinstance(exc, grpc.RpcError) else exc.code
+            code = exc.code() if isinstance(exc, grpc.RpcError) else getattr(exc, "code", None)
             log = logger.debug if self._lane_refused else logger.info
             self._lane_refused = True
-            log("kvserver lane not opened (%s): Write, Load, Put and Get stay on gRPC", code.name)
+            log("kvserver lane not opened (%s): Write, Load, Put and Get stay on gRPC",
+                code.name if code is not None else exc)
             return
         finally:
             lane.handed_over()
