@@ -1,8 +1,9 @@
 """The data-plane fast lane (docs/lane.md) against the gRPC lane, on one daemon subprocess.
 
 - round trip: a 1-page (``--page-size`` tokens), 1-layer Write then a Load of it, waited to its
-  end, ``--trips`` times on each lane (interleaved in blocks), p50 and p99; beside it a bare
-  grpc.aio unary call (Stats) on the same socket: what any gRPC call costs;
+  end, ``--trips`` times on each lane (interleaved in blocks), p50 and p99, and the CPU time the
+  daemon and this process spent per round trip (from /proc: what a loaded machine's scheduler
+  does not hide); beside it a bare grpc.aio unary call (Stats) on the same socket;
 - bulk: a ``--mib``-sized (every layer) Write and Load on each lane, median of ``--repeats``,
   against the same copy done in this process with the daemon's copy plan (``kvserver.transfer``).
 
@@ -38,6 +39,13 @@ def start_daemon(socket: str, host_memory: str) -> subprocess.Popen:
             raise RuntimeError("daemon did not start")
         time.sleep(0.05)
     return proc
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (/proc: coarse ticks, summed over many calls)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pct(samples: list[float], q: float) -> float:
@@ -96,20 +104,29 @@ def main() -> None:
                     for _ in range(50):
                         c.write(host_indices=host[name][:p], device_indices=dev, layers=[0])
                         c.load(host_indices=host[name][:p], device_indices=dev, layers=[0]).wait()
+                cpu = {name: [0.0, 0.0] for name in clients}  # CPU seconds: daemon, this process
                 for _ in range(max(1, args.trips // 100)):
                     for name, (c, _) in clients.items():
                         h = host[name][:p]
+                        before = cpu_seconds(daemon.pid), cpu_seconds(os.getpid())
                         for _ in range(100):
                             t = time.perf_counter()
                             c.write(host_indices=h, device_indices=dev, layers=[0])
                             c.load(host_indices=h, device_indices=dev, layers=[0]).wait()
                             trips[name].append(time.perf_counter() - t)
+                        cpu[name][0] += cpu_seconds(daemon.pid) - before[0]
+                        cpu[name][1] += cpu_seconds(os.getpid()) - before[1]
                 bare = bare_unary(f"unix://{socket}", args.trips)
                 for name, ts in (("ring lane write+load", trips["ring"]),
                                  ("grpc lane write+load", trips["grpc"]), ("bare grpc.aio Stats", bare)):
                     rows.append((f"{name} (1 page, 1 layer)",
                                  f"p50 {pct(ts, 0.5) * 1e6:8.1f} us   p99 {pct(ts, 0.99) * 1e6:8.1f} us"
                                  f"   n={len(ts)}"))
+                for name in clients:
+                    n = len(trips[name])
+                    rows.append((f"{name} lane CPU per round trip",
+                                 f"daemon {cpu[name][0] / n * 1e6:6.0f} us   "
+                                 f"engine {cpu[name][1] / n * 1e6:6.0f} us"))
                 served = ring.lane.calls if ring.lane is not None else 0
                 # ---- bulk --------------------------------------------------------------------
                 for mib in args.mib:
