@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable
 
 import grpc
@@ -33,6 +34,8 @@ class LoadHandle:
         self.confirmed = True
         self._recorded = False
         self.events: dict[int, object] = {}  # CUDA pools: global layer -> torch.cuda.Event
+        self._source = None  # on the lane: its kvclient._lane.LaneStream, pumped by waiters
+        self._pumping = False
 
     @classmethod
     def miss(cls, layers: list[int], *, get: bool = False) -> LoadHandle:
@@ -40,18 +43,21 @@ class LoadHandle:
         handle.missed = True
         return handle
 
+    def _apply(self, progress: pb.LoadProgress) -> None:
+        with self._cond:
+            if self._pages is None:
+                self._pages = progress.pages
+            self._recorded = self._recorded or progress.events_recorded
+            if progress.layers_done:
+                self._last_layer = progress.last_layer
+            self._bytes = progress.bytes
+            self._done = progress.done
+            self._cond.notify_all()
+
     def _consume(self, stream: Iterable[pb.LoadProgress]) -> None:
         try:
             for progress in stream:
-                with self._cond:
-                    if self._pages is None:
-                        self._pages = progress.pages
-                    self._recorded = self._recorded or progress.events_recorded
-                    if progress.layers_done:
-                        self._last_layer = progress.last_layer
-                    self._bytes = progress.bytes
-                    self._done = progress.done
-                    self._cond.notify_all()
+                self._apply(progress)
             if not self._done:
                 raise KVClientError(grpc.StatusCode.INTERNAL, "load stream ended before the last layer")
         except grpc.RpcError as exc:
@@ -70,12 +76,58 @@ class LoadHandle:
                 self._error = error
             self._cond.notify_all()
 
+    def _wait_for(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
+        """``Condition.wait_for`` (the condition held). On the lane (``_source``), no thread feeds
+        the handle: one waiter at a time pumps the slot's progress, the others wait for its news."""
+        src = self._source
+        if src is None or src.finished:
+            return self._cond.wait_for(predicate, timeout)
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if predicate():
+                return True
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            if src.finished:
+                return self._cond.wait_for(predicate, left)
+            if self._pumping:
+                self._cond.wait(left)
+                continue
+            self._pumping = True
+            self._cond.release()
+            try:
+                src.pump(self, left)
+            finally:
+                self._cond.acquire()
+                self._pumping = False
+                self._cond.notify_all()
+
+    def _drive(self) -> None:
+        """Reads what the lane has for this handle now, without waiting."""
+        with self._cond:
+            self._pump_now()
+
+    def _pump_now(self) -> None:
+        src = self._source
+        if src is None or src.finished or self._pumping:
+            return
+        self._pumping = True
+        self._cond.release()
+        try:
+            src.pump(self, 0.0)
+        finally:
+            self._cond.acquire()
+            self._pumping = False
+            self._cond.notify_all()
+
     def _check(self) -> None:
         if self._error is not None:
             raise self._error
 
     def landed(self, layer_id: int) -> bool:
         with self._cond:
+            self._pump_now()
             self._check()
             return self._last_layer >= layer_id
 
@@ -83,7 +135,7 @@ class LoadHandle:
         if layer_id not in self.layers:
             raise ValueError(f"layer {layer_id} is not part of this load")
         with self._cond:
-            ok = self._cond.wait_for(
+            ok = self._wait_for(
                 lambda: self._error is not None or self.missed or self._done or self._last_layer >= layer_id,
                 timeout,
             )
@@ -96,7 +148,7 @@ class LoadHandle:
         """CUDA pools: blocks until the daemon has recorded this load's layer events (one message,
         sent before the copies finish); False if the load missed."""
         with self._cond:
-            ok = self._cond.wait_for(
+            ok = self._wait_for(
                 lambda: self._error is not None or self.missed or self._recorded or self._done, timeout
             )
             self._check()
@@ -121,7 +173,7 @@ class LoadHandle:
     def pages(self, timeout: float | None = None) -> int:
         """Blocks until the first message: how many leading pages this Get loads (0 on a miss)."""
         with self._cond:
-            ok = self._cond.wait_for(
+            ok = self._wait_for(
                 lambda: self._error is not None or self.missed or self._pages is not None or self._done,
                 timeout,
             )
@@ -133,7 +185,7 @@ class LoadHandle:
     def wait(self, timeout: float | None = None) -> int:
         """Waits for every layer; returns the bytes copied (0 if the load missed)."""
         with self._cond:
-            ok = self._cond.wait_for(lambda: self._error is not None or self.missed or self._done, timeout)
+            ok = self._wait_for(lambda: self._error is not None or self.missed or self._done, timeout)
             self._check()
             if not ok:
                 raise TimeoutError(f"load did not finish within {timeout} s")

@@ -19,7 +19,8 @@ import torch
 
 from kvclient import _messages as msg
 from kvclient._channel import CHANNEL_OPTIONS
-from kvclient._fd_socket import ticketed
+from kvclient._fd_socket import fd_socket_path, ticket_for, ticketed
+from kvclient._lane import ClientLane
 from kvclient._ops import Call, Missed, Op, StreamOp
 from kvclient._resilience import Backoff
 from kvclient._shell import CoreShell
@@ -36,6 +37,9 @@ from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
+# The unary calls the fast lane carries, with their response messages.
+LANE_UNARY = {"Write": pb.WriteResponse, "Put": pb.PutResponse}
+
 
 class KVClient(CoreShell):
     """One engine process's connection to the daemon and its registration.
@@ -50,9 +54,15 @@ class KVClient(CoreShell):
     """
 
     def __init__(self, address: str | None = None, *, timeout: float = 5.0, token: str | None = None,
-                 resilient: bool = True, tenant_token: str | None = None) -> None:
+                 resilient: bool = True, tenant_token: str | None = None, lane: str = "auto") -> None:
+        if lane not in ("auto", "grpc"):
+            raise ValueError(f"lane must be 'auto' or 'grpc', not {lane!r}")
         self._core = ClientCore(address, timeout=timeout, token=token, resilient=resilient,
                                 tenant_token=tenant_token)
+        # "auto": Write, Load, Put and Get take the fast lane (docs/lane.md) once it is open.
+        self.lane_mode = lane
+        self._lane: ClientLane | None = None
+        self._lane_refused = False
         self._channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVServerStub(self._channel)
         self._loaders = ThreadPoolExecutor(8, thread_name_prefix="kvclient-load")
@@ -70,11 +80,19 @@ class KVClient(CoreShell):
         call = self._core.start(op)
         if isinstance(call, Missed):
             return call.value
+        lane = self._lane
+        got = None
         try:
+            if lane is not None and op.rpc in LANE_UNARY and lane.reg is call.reg:
+                got = lane.unary(op.rpc, call.request.SerializeToString(), call.timeout)
+            if got is not None:
+                return op.read(LANE_UNARY[op.rpc].FromString(got))
             resp = getattr(self._stub, op.rpc)(call.request, timeout=call.timeout,
                                                metadata=self._core.metadata)
         except grpc.RpcError as exc:
             error = from_rpc_error(exc)
+        except KVClientError as exc:
+            error = exc
         else:
             return op.read(resp)
         if self._core.unconfirmed(call, error):
@@ -90,6 +108,13 @@ class KVClient(CoreShell):
         handle = LoadHandle(call.layers, get=op.get)
         handle.events = call.events
         handle._on_error = lambda error: self._stream_failed(call, handle, error)
+        lane = self._lane
+        if lane is not None and lane.reg is call.reg:
+            source = lane.stream(op.rpc, call.request.SerializeToString(), call.timeout)
+            if source is not None:
+                source.handle = handle
+                handle._source = source
+                return handle
         stream = getattr(self._stub, op.rpc)(call.request, timeout=call.timeout, metadata=self._core.metadata)
         self._loaders.submit(handle._consume, stream)
         return handle
@@ -153,7 +178,52 @@ class KVClient(CoreShell):
         if replaced is not None:
             replaced.cancel()
         self._open_session(reg)
+        self._open_lane(reg)
         return reg
+
+    # ---- the fast lane ------------------------------------------------------------------------
+
+    def _open_lane(self, reg: msg.Registration) -> None:
+        """Opens the registration's lane (a Unix socket target, lane="auto"); on any failure the
+        client stays on gRPC (an older daemon answers UNIMPLEMENTED)."""
+        if self.lane_mode != "auto" or fd_socket_path(self.target) is None \
+                or not self.target.startswith("unix") or self._closed.is_set():
+            return
+        lane = ClientLane()
+        try:
+            ticket = ticket_for(self.target, lane.daemon_fds())
+            self._stub.OpenLane(pb.OpenLaneRequest(client_id=reg.client_id, peer_ticket=ticket),
+                                timeout=self.timeout, metadata=self._core.metadata)
+        except (grpc.RpcError, KVClientError, ValueError) as exc:  # ValueError: closed meanwhile
+            lane.close()
+            code = exc.code() if isinstance(exc, grpc.RpcError) else getattr(exc, "code", None)
+            log = logger.debug if self._lane_refused else logger.info
+            self._lane_refused = True
+            log("kvserver lane not opened (%s): Write, Load, Put and Get stay on gRPC",
+                code.name if code is not None else exc)
+            return
+        finally:
+            lane.handed_over()
+        lane.reg = reg
+        old, self._lane = self._lane, lane
+        if old is not None:
+            old.close()
+        if self._core.registration is not reg or not self._core.connected:  # lost meanwhile
+            self._close_lane(reg)
+
+    def _close_lane(self, reg: msg.Registration | None = None, wake: bool = True) -> None:
+        """``wake``: calls in flight on it end now (UNAVAILABLE). A lost registration's lane takes
+        no new call but lets those in flight end as the daemon answers them, as on gRPC; the
+        daemon's death ends them at once (its doorbells close)."""
+        lane = self._lane
+        if lane is not None and (reg is None or lane.reg is reg):
+            self._lane = None
+            lane.close(wake)
+
+    @property
+    def lane(self) -> ClientLane | None:
+        """The open fast lane, or None (gRPC only)."""
+        return self._lane
 
     def _open_session(self, reg: msg.Registration) -> None:
         call = self._stub.Session(pb.SessionRequest(client_id=reg.client_id), metadata=self._core.metadata)
@@ -173,6 +243,8 @@ class KVClient(CoreShell):
         self._lost(reg, reason)
 
     def _lost(self, reg: msg.Registration | None, reason: str) -> None:
+        if reg is not None:
+            self._close_lane(reg, wake=False)
         lost = self._core.lose(reg, reason)
         if lost is None:
             return
@@ -201,6 +273,7 @@ class KVClient(CoreShell):
                 reg = self._core.reregistered(resp, old, backoff.attempt)
                 if reg is not None:
                     self._open_session(reg)
+                    self._open_lane(reg)
                 else:  # unregistered, closed or replaced meanwhile: this one is nobody's
                     self._drop_orphan(resp.client_id)
                 return
@@ -220,6 +293,7 @@ class KVClient(CoreShell):
         reg, session = self._core.unregistering()
         if session is not None:
             session.cancel()
+        self._close_lane()
         if reg is None:
             return
         try:
@@ -301,6 +375,7 @@ class KVClient(CoreShell):
         session = self._core.closing()
         if session is not None:
             session.cancel()
+        self._close_lane()
         self._loaders.shutdown(wait=True)
         self._channel.close()
 

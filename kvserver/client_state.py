@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -137,6 +138,7 @@ class ClientState:
     tenant: str = "anonymous"  # whose cached pages it sees (kvserver.tenants)
     cache_table: BufferTable | None = None  # its part's page layout for cache jobs, made on first use
     order: JobOrder | None = None  # which of its copies wait for which (job_order.py), made on first copy
+    lane: Any = None  # its lane_server.Lane, if it opened one; closed on release
 
     @property
     def capacity_tokens(self) -> int:

@@ -318,6 +318,9 @@ class KVCore:
         client_id = client.client_id
         for job in list(client.jobs):  # queued ones are dropped, running ones end at a layer boundary
             job.stop("released")
+        lane, client.lane = client.lane, None
+        if lane is not None:  # its handlers are cancelled and awaited, then its ring unmapped
+            await lane.close()
         await wait_until(client, lambda: client.inflight == 0)
         del self.clients[client_id]
         self.totals.add(client.counters)

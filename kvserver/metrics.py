@@ -36,7 +36,7 @@ BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 
 OPERATIONS = ("Register", "Unregister", "Alloc", "Free", "Write", "Load", "Stats", "OpenSpace",
               "Lookup", "Release", "Put", "Get")
 DIRECTIONS = ("write", "load", "put", "get")  # device->host, host->device, device->cache, cache->device
-LANES = ("grpc",)  # how the request reached the daemon; today every transfer is asked over gRPC
+LANES = ("grpc", "ring")  # how the request reached the daemon: gRPC, or the lane's ring (docs/lane.md)
 SCRAPE_TIMEOUT = 5.0  # seconds a scrape waits for the daemon's loop
 SPACE_LABELS = ("tenant", "model", "layout", "dtype", "page_size", "num_layers", "tp_size", "pp_size")
 

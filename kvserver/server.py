@@ -171,7 +171,9 @@ class Daemon:
         if self._leases is not None:
             await self._leases
         self.servicer.stopping.set()
-        await self.server.stop(self.config.shutdown_grace)
+        # In-flight calls on both lanes get the grace period; then nothing new is taken.
+        await asyncio.gather(self.server.stop(self.config.shutdown_grace),
+                             self.servicer.lanes.drain(self.config.shutdown_grace))
         if self.peer_socket is not None:
             await self.peer_socket.stop()
         await self.core.close()

@@ -12,12 +12,13 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvserver import wire
+from kvserver import lane_ring, wire
 from kvserver.auth import is_admin
 from kvserver.cache_ops import CacheOps, space_from_wire
 from kvserver.client_state import ClientState, Counters, public_id
 from kvserver.core import OFF_LOOP_INDICES, KVCore
-from kvserver.errors import GpuStalled, InvalidArgument, KVError, status_of
+from kvserver.errors import GpuStalled, InvalidArgument, KVError, PermissionDenied, status_of
+from kvserver.lane_book import LaneBook
 from kvserver.layout import wire_dtype
 from kvserver.liveness import Reaper
 from kvserver.metrics import Metrics
@@ -145,6 +146,7 @@ class KVServicer(pb_grpc.KVServerServicer):
         self.reaper = reaper
         self.admin_token = admin_token
         self.stopping = asyncio.Event()  # set at shutdown: sessions end so the server can drain
+        self.lanes = LaneBook(core, self.run_lane)
 
     @_abort_on_error
     async def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
@@ -188,38 +190,24 @@ class KVServicer(pb_grpc.KVServerServicer):
     async def Write(self, request: pb.WriteRequest, context) -> pb.WriteResponse:
         # Whatever this call answers, its job is dead by then (or never was): say so.
         context.set_trailing_metadata(JOB_ENDED)
+        return await self._write(request, "grpc")
+
+    async def _write(self, request: pb.WriteRequest, lane: str) -> pb.WriteResponse:
         job = await self.core.prepare_job(
             request.client_id, request.host_indices, request.device_indices, request.layers,
             request.ready_event, timeout_ms=request.timeout_ms,
         )
         nbytes = await self.core.copier.write(job)
-        self.metrics.transfers.add("write", nbytes)
+        self.metrics.transfers.add("write", nbytes, lane)
         return pb.WriteResponse(bytes=nbytes)
 
     async def Load(self, request: pb.LoadRequest, context) -> AsyncIterator[pb.LoadProgress]:
         started = time.perf_counter()
-        first, moved = True, 0
         try:
             context.set_trailing_metadata(JOB_ENDED)
             _check_parsed(request)
-            job = await self.core.prepare_job(
-                request.client_id, request.host_indices, request.device_indices, request.layers,
-                request.ready_event, request.event_slot, request.timeout_ms,
-            )
-            total = len(job.local_layers)
-            async for step in self.core.copier.load(job):
-                if first and step.layers_done:
-                    first = False
-                    self.metrics.first_layer_landed("Load", started)
-                moved = step.bytes
-                yield pb.LoadProgress(
-                    last_layer=step.last_layer,
-                    layers_done=step.layers_done,
-                    done=step.layers_done == total,
-                    bytes=step.bytes,
-                    events_recorded=step.events_recorded,
-                )
-            self.metrics.transfers.add("load", moved)  # the job is over: counted as Stats counts it
+            async for progress in self._load(request, "grpc", started):
+                yield progress
         except Exception as exc:
             if not isinstance(exc, KVError):
                 logger.exception("Load failed")
@@ -227,6 +215,28 @@ class KVServicer(pb_grpc.KVServerServicer):
             await context.abort(*status_of(exc))
         finally:
             self.metrics.observe("Load", started)
+
+    async def _load(self, request: pb.LoadRequest, lane: str,
+                    started: float) -> AsyncIterator[pb.LoadProgress]:
+        first, moved = True, 0
+        job = await self.core.prepare_job(
+            request.client_id, request.host_indices, request.device_indices, request.layers,
+            request.ready_event, request.event_slot, request.timeout_ms,
+        )
+        total = len(job.local_layers)
+        async for step in self.core.copier.load(job):
+            if first and step.layers_done:
+                first = False
+                self.metrics.first_layer_landed("Load", started)
+            moved = step.bytes
+            yield pb.LoadProgress(
+                last_layer=step.last_layer,
+                layers_done=step.layers_done,
+                done=step.layers_done == total,
+                bytes=step.bytes,
+                events_recorded=step.events_recorded,
+            )
+        self.metrics.transfers.add("load", moved, lane)  # the job is over: counted as Stats counts it
 
     async def Session(self, request: pb.SessionRequest, context) -> AsyncIterator[pb.SessionEvent]:
         try:
@@ -304,40 +314,21 @@ class KVServicer(pb_grpc.KVServerServicer):
     @_abort_on_error
     async def Put(self, request: pb.PutRequest, context) -> pb.PutResponse:
         context.set_trailing_metadata(JOB_ENDED)
+        return await self._put(request, "grpc")
+
+    async def _put(self, request: pb.PutRequest, lane: str) -> pb.PutResponse:
         got = await self.cache.put(request)
         if got.stored:  # a copy ran (as Stats counts: a Put of nothing new copies nothing)
-            self.metrics.transfers.add("put", got.bytes)
+            self.metrics.transfers.add("put", got.bytes, lane)
         return pb.PutResponse(stored=got.stored, present=got.present, dropped=got.dropped, bytes=got.bytes)
 
     async def Get(self, request: pb.GetRequest, context) -> AsyncIterator[pb.LoadProgress]:
         started = time.perf_counter()
-        first, moved = True, -1
         try:
             context.set_trailing_metadata(JOB_ENDED)
             _check_parsed(request)
-            total = None
-            async for pages, step in self.cache.get(request):
-                if step is None:  # first: how many pages; nothing stored is one message, done
-                    yield pb.LoadProgress(done=pages == 0, pages=pages)
-                    if pages == 0:
-                        return
-                    continue
-                if total is None:
-                    total = len(request.layers) or len(self.core.client(request.client_id).spec.layers)
-                if first and step.layers_done:
-                    first = False
-                    self.metrics.first_layer_landed("Get", started)
-                moved = step.bytes
-                yield pb.LoadProgress(
-                    last_layer=step.last_layer,
-                    layers_done=step.layers_done,
-                    done=step.layers_done == total,
-                    bytes=step.bytes,
-                    events_recorded=step.events_recorded,
-                    pages=pages,
-                )
-            if moved >= 0:  # a copy ran and is over (a Get that found nothing copies nothing)
-                self.metrics.transfers.add("get", moved)
+            async for progress in self._get(request, "grpc", started):
+                yield progress
         except Exception as exc:
             if not isinstance(exc, KVError):
                 logger.exception("Get failed")
@@ -345,6 +336,70 @@ class KVServicer(pb_grpc.KVServerServicer):
             await context.abort(*status_of(exc))
         finally:
             self.metrics.observe("Get", started)
+
+    async def _get(self, request: pb.GetRequest, lane: str, started: float) -> AsyncIterator[pb.LoadProgress]:
+        first, moved = True, -1
+        total = None
+        async for pages, step in self.cache.get(request):
+            if step is None:  # first: how many pages; nothing stored is one message, done
+                yield pb.LoadProgress(done=pages == 0, pages=pages)
+                if pages == 0:
+                    return
+                continue
+            if total is None:
+                total = len(request.layers) or len(self.core.client(request.client_id).spec.layers)
+            if first and step.layers_done:
+                first = False
+                self.metrics.first_layer_landed("Get", started)
+            moved = step.bytes
+            yield pb.LoadProgress(
+                last_layer=step.last_layer,
+                layers_done=step.layers_done,
+                done=step.layers_done == total,
+                bytes=step.bytes,
+                events_recorded=step.events_recorded,
+                pages=pages,
+            )
+        if moved >= 0:  # a copy ran and is over (a Get that found nothing copies nothing)
+            self.metrics.transfers.add("get", moved, lane)
+
+    # ---- the data-plane fast lane (docs/lane.md) ------------------------------------------------
+
+    @_abort_on_error
+    async def OpenLane(self, request: pb.OpenLaneRequest, context) -> pb.OpenLaneResponse:
+        lane = await self.lanes.open(request.client_id, request.peer_ticket,
+                                     self.cache.tenants.named(context.invocation_metadata()))
+        return pb.OpenLaneResponse(slots=lane.slots, request_bytes=lane_ring.REQUEST_BYTES,
+                                   response_bytes=lane_ring.RESPONSE_BYTES)
+
+    async def run_lane(self, client_id: str, rpc: str, data: bytes, progress: Callable[[Any], None]) -> bytes:
+        """One request that came on ``client_id``'s lane: parsed and run by the code its RPC runs."""
+        started = time.perf_counter()
+        try:
+            request = _lenient(_LANE_REQUESTS[rpc])(data)
+            _check_parsed(request)
+            if request.client_id != client_id:
+                self.core.client(request.client_id)  # an unknown id answers as the RPC would
+                raise PermissionDenied("a lane carries only the calls of the registration that opened it")
+            if rpc == "Write":
+                return (await self._write(request, "ring")).SerializeToString()
+            if rpc == "Put":
+                return (await self._put(request, "ring")).SerializeToString()
+            steps = self._load if rpc == "Load" else self._get
+            stream = steps(request, "ring", started)
+            async for message in stream:
+                progress(message)
+            return b""
+        except Exception as exc:
+            if not isinstance(exc, KVError):
+                logger.exception("%s on a lane failed", rpc)
+            raise
+        finally:
+            self.metrics.observe(rpc, started)
+
+
+_LANE_REQUESTS = {"Write": pb.WriteRequest, "Load": pb.LoadRequest, "Put": pb.PutRequest,
+                  "Get": pb.GetRequest}
 
 
 def _serialize(response: Any) -> bytes:

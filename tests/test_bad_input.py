@@ -49,6 +49,7 @@ from stored_env import (
 
 from kvclient import KVClient, KVLayout, ShmKVPool
 from kvclient._messages import register_request
+from kvclient.load_handle import LoadHandle
 from kvserver.shm import SHM_DIR
 from kvserver.v1 import kvserver_pb2 as pb
 
@@ -78,14 +79,33 @@ class Env(StoredEnv):
             return self.tag(tokens(0), self.epoch + 1)
         return [self.tag([h])[0] if h >= 0 else h for h in host]
 
-    def transfer(self, op: str, host, device, layers=(), client_id: str | None = None):
+    def transfer(self, op: str, host, device, layers=(), client_id: str | None = None, lane: str = "grpc"):
+        """The raw request as a call on ``lane``: "grpc", or "ring" (the client's fast lane)."""
         cid = self.cid if client_id is None else client_id
         host = self.tagged(list(host))
         if op == "write":
             req = pb.WriteRequest(client_id=cid, host_indices=host, device_indices=device, layers=layers)
+            if lane == "ring":
+                return lambda: self._on_ring().unary("Write", req.SerializeToString(), TIMEOUT)
             return lambda: self.stub.Write(req, timeout=TIMEOUT)
         req = pb.LoadRequest(client_id=cid, host_indices=host, device_indices=device, layers=layers)
+        if lane == "ring":
+            return lambda: ring_stream(self._on_ring(), "Load", req, list(layers) or list(range(START, END)))
         return lambda: list(self.stub.Load(req, timeout=TIMEOUT))
+
+    def _on_ring(self):
+        lane = self.client.lane
+        assert lane is not None and not lane.closed, "the client's lane is not open"
+        return lane
+
+
+def ring_stream(lane, rpc: str, req, layers: list[int]) -> int:
+    """A Load or Get sent on ``lane`` as the client sends it, waited to its end."""
+    src = lane.stream(rpc, req.SerializeToString(), TIMEOUT)
+    assert src is not None
+    handle = LoadHandle(layers)
+    handle._source, src.handle = src, handle
+    return handle.wait(TIMEOUT)
 
 
 @pytest.fixture
@@ -264,6 +284,28 @@ TRANSFER_CASES = [
 @pytest.mark.parametrize(("host", "device", "layers", "code", "text"), TRANSFER_CASES)
 def test_bad_transfer(env: Env, op: str, host, device, layers, code, text) -> None:
     env.reject(code, text, env.transfer(op, host, device, layers))
+
+
+# The key cases again on the fast lane (docs/lane.md): the same table, so the same status and
+# message as test_bad_transfer and test_unknown_client_id get on gRPC, and nothing changed.
+LANE_CASES = ("host-not-allocated", "device-past-pool", "count-mismatch-short", "layer-below-range")
+
+
+@pytest.mark.parametrize("lane", ["ring"])
+@pytest.mark.parametrize("op", ["write", "load"])
+@pytest.mark.parametrize(("host", "device", "layers", "code", "text"),
+                         [c for c in TRANSFER_CASES if c.id in LANE_CASES])
+def test_bad_transfer_on_the_lane(env: Env, lane: str, op: str, host, device, layers, code, text) -> None:
+    env.reject(code, text, env.transfer(op, host, device, layers, lane=lane))
+
+
+@pytest.mark.parametrize("lane", ["ring"])
+@pytest.mark.parametrize("op", ["write", "load"])
+@pytest.mark.parametrize("which", ["unregistered"])
+def test_unknown_client_id_on_the_lane(env: Env, lane: str, op: str, which: str) -> None:
+    cid = CLIENT_IDS[which](env)
+    env.reject(C.NOT_FOUND, "unknown client id", env.transfer(op, tokens(0), slots(OTHER), client_id=cid,
+                                                             lane=lane))
 
 
 @pytest.mark.parametrize("layers", [[2], [4, 8]], ids=["below", "end"])

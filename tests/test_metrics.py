@@ -107,8 +107,10 @@ def test_scrape_counts_what_the_engine_did_and_agrees_with_stats(daemon_factory)
         expect = {"write": (1, n * TOKEN_BYTES), "load": (2, 2 * n * TOKEN_BYTES),
                   "put": (1, 4 * page_bytes), "get": (1, 4 * page_bytes)}
         for direction, (ops, nbytes) in expect.items():
-            assert value(m, "kvserver_transfers_total", direction=direction, lane="grpc") == ops, direction
-            assert value(m, "kvserver_transfer_bytes_total", direction=direction, lane="grpc") == nbytes
+            # The client takes the fast lane on a Unix socket (docs/lane.md): every transfer is "ring".
+            assert value(m, "kvserver_transfers_total", direction=direction, lane="ring") == ops, direction
+            assert value(m, "kvserver_transfer_bytes_total", direction=direction, lane="ring") == nbytes
+            assert value(m, "kvserver_transfers_total", direction=direction, lane="grpc") == 0
         t = stats.transfers
         assert t.bytes_written == expect["write"][1] + expect["put"][1]
         assert t.bytes_loaded == expect["load"][1] + expect["get"][1]
@@ -162,8 +164,8 @@ def test_scrape_counts_what_the_engine_did_and_agrees_with_stats(daemon_factory)
     assert value(after, "kvserver_clients") == 0
     assert value(after, "kvserver_host_memory_used_bytes") == 0
     for direction, (ops, nbytes) in expect.items():
-        assert value(after, "kvserver_transfers_total", direction=direction, lane="grpc") == ops
-        assert value(after, "kvserver_transfer_bytes_total", direction=direction, lane="grpc") == nbytes
+        assert value(after, "kvserver_transfers_total", direction=direction, lane="ring") == ops
+        assert value(after, "kvserver_transfer_bytes_total", direction=direction, lane="ring") == nbytes
     assert value(after, "kvserver_cache_hits_total", **labels) == 4  # the cache outlives its writer
     assert value(after, "kvserver_operation_duration_seconds_count", op="Unregister") == 1
     assert value(after, "kvserver_operation_duration_seconds_count", op="Stats") >= 1

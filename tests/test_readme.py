@@ -107,6 +107,9 @@ NOT_RUN = {
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_cache.py --repeats 20"):
         "a benchmark of daemon subprocesses for figures measured by hand; test_cache_bench.py runs "
         "the same script with --quick",
+    ("docs/lane.md", ".venv/bin/python benchmarks/bench_lane.py"):
+        "a benchmark of about half a minute, for figures measured by hand; tests/test_lane.py runs "
+        "the same lane calls",
     ("docs/integrations.md", 'python -m pip install "grpcio>=1.62.3" "protobuf>=4.25.1"'):
         "installs into SGLang's own environment; tests/test_compose.py checks that Dockerfile.sglang "
         "runs these same two installs on SGLang's image",

@@ -510,3 +510,21 @@ class TenantStats(_message.Message):
     counters: CacheCounters
     quota_bytes: int
     def __init__(self, tenant: _Optional[str] = ..., counters: _Optional[_Union[CacheCounters, _Mapping]] = ..., quota_bytes: _Optional[int] = ...) -> None: ...
+
+class OpenLaneRequest(_message.Message):
+    __slots__ = ("client_id", "peer_ticket")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_TICKET_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    peer_ticket: str
+    def __init__(self, client_id: _Optional[str] = ..., peer_ticket: _Optional[str] = ...) -> None: ...
+
+class OpenLaneResponse(_message.Message):
+    __slots__ = ("slots", "request_bytes", "response_bytes")
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    slots: int
+    request_bytes: int
+    response_bytes: int
+    def __init__(self, slots: _Optional[int] = ..., request_bytes: _Optional[int] = ..., response_bytes: _Optional[int] = ...) -> None: ...

@@ -54,6 +54,11 @@ class KVServerStub(object):
                 request_serializer=kvserver_dot_v1_dot_kvserver__pb2.SessionRequest.SerializeToString,
                 response_deserializer=kvserver_dot_v1_dot_kvserver__pb2.SessionEvent.FromString,
                 )
+        self.OpenLane = channel.unary_unary(
+                '/kvserver.v1.KVServer/OpenLane',
+                request_serializer=kvserver_dot_v1_dot_kvserver__pb2.OpenLaneRequest.SerializeToString,
+                response_deserializer=kvserver_dot_v1_dot_kvserver__pb2.OpenLaneResponse.FromString,
+                )
         self.OpenSpace = channel.unary_unary(
                 '/kvserver.v1.KVServer/OpenSpace',
                 request_serializer=kvserver_dot_v1_dot_kvserver__pb2.OpenSpaceRequest.SerializeToString,
@@ -140,6 +145,15 @@ class KVServerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenLane(self, request, context):
+        """Opens the data-plane fast lane of a registration: a sealed shared-memory ring and eventfd
+        doorbells, handed over the fd socket under peer_ticket, on which Write, Load, Put and Get
+        requests travel without gRPC (see docs/lane.md). Unix socket only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def OpenSpace(self, request, context):
         """---- the node-wide cache: pages named by engine-given keys, shared by every engine of a space ----
         A handle on a KV space for a process that holds no pool (an engine's scheduler): Lookups
@@ -219,6 +233,11 @@ def add_KVServerServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=kvserver_dot_v1_dot_kvserver__pb2.SessionRequest.FromString,
                     response_serializer=kvserver_dot_v1_dot_kvserver__pb2.SessionEvent.SerializeToString,
+            ),
+            'OpenLane': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenLane,
+                    request_deserializer=kvserver_dot_v1_dot_kvserver__pb2.OpenLaneRequest.FromString,
+                    response_serializer=kvserver_dot_v1_dot_kvserver__pb2.OpenLaneResponse.SerializeToString,
             ),
             'OpenSpace': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenSpace,
@@ -388,6 +407,23 @@ class KVServer(object):
         return grpc.experimental.unary_stream(request, target, '/kvserver.v1.KVServer/Session',
             kvserver_dot_v1_dot_kvserver__pb2.SessionRequest.SerializeToString,
             kvserver_dot_v1_dot_kvserver__pb2.SessionEvent.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def OpenLane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/kvserver.v1.KVServer/OpenLane',
+            kvserver_dot_v1_dot_kvserver__pb2.OpenLaneRequest.SerializeToString,
+            kvserver_dot_v1_dot_kvserver__pb2.OpenLaneResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 

@@ -1,0 +1,184 @@
+"""The data-plane fast lane (docs/lane.md) against the gRPC lane, on one daemon subprocess.
+
+- round trip: a 1-page (``--page-size`` tokens), 1-layer Write then a Load of it, waited to its
+  end, ``--trips`` times on each lane (interleaved in blocks), p50 and p99, and the CPU time the
+  daemon and this process spent per round trip (from /proc: what a loaded machine's scheduler
+  does not hide); beside it a bare grpc.aio unary call (Stats) on the same socket;
+- bulk: a ``--mib``-sized (every layer) Write and Load on each lane, median of ``--repeats``,
+  against the same copy done in this process with the daemon's copy plan (``kvserver.transfer``).
+
+Run: python benchmarks/bench_lane.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import grpc
+import torch
+
+from kvclient import KVClient, KVLayout, ShmKVPool
+from kvserver import transfer
+from kvserver.v1 import kvserver_pb2 as pb
+from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
+
+
+def start_daemon(socket: str, host_memory: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "kvserver", "--socket", socket, "--host-memory",
+                             host_memory, "--log-level", "WARNING"])
+    deadline = time.monotonic() + 30
+    while not os.path.exists(socket):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("daemon did not start")
+        time.sleep(0.05)
+    return proc
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (/proc: coarse ticks, summed over many calls)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pct(samples: list[float], q: float) -> float:
+    s = sorted(samples)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def bare_unary(address: str, n: int) -> list[float]:
+    async def run() -> list[float]:
+        async with grpc.aio.insecure_channel(address) as ch:
+            stub = pb_grpc.KVServerStub(ch)
+            for _ in range(50):
+                await stub.Stats(pb.StatsRequest())
+            out = []
+            for _ in range(n):
+                t = time.perf_counter()
+                await stub.Stats(pb.StatsRequest())
+                out.append(time.perf_counter() - t)
+            return out
+
+    return asyncio.run(run())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trips", type=int, default=2000)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--mib", type=int, nargs="*", default=[16, 64])
+    ap.add_argument("--repeats", type=int, default=9)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    dtype, layout, p = torch.bfloat16, KVLayout.mha(8, 128), args.page_size
+    token_bytes = layout.token_bytes(dtype) * layout.num_parts * args.layers
+    most = max(args.mib) * (1 << 20) // token_bytes // p * p
+    pool_tokens = 2 * most
+    rows: list[tuple[str, str]] = []
+    with tempfile.TemporaryDirectory(prefix="kvlane-") as tmp:
+        socket = os.path.join(tmp, "kv.sock")
+        daemon = start_daemon(socket, f"{6 * most * token_bytes // (1 << 20) + 64}MiB")
+        try:
+            with ShmKVPool(layout, dtype, args.layers, pool_tokens) as ring_pool, \
+                    ShmKVPool(layout, dtype, args.layers, pool_tokens) as grpc_pool, \
+                    KVClient(socket) as ring, KVClient(socket, lane="grpc") as plain:
+                clients = {"ring": (ring, ring_pool), "grpc": (plain, grpc_pool)}
+                host = {}
+                for name, (c, pool) in clients.items():
+                    c.register(model="bench", pool=pool, start_layer=0, end_layer=args.layers,
+                               num_layers=args.layers, host_tokens=2 * most, page_size=p)
+                    host[name] = c.alloc(2 * most)
+                assert ring.lane is not None, "the ring lane did not open"
+                # ---- round trips, interleaved in blocks of 100 -----------------------------
+                dev = torch.arange(p)
+                trips: dict[str, list[float]] = {"ring": [], "grpc": []}
+                for name, (c, _) in clients.items():  # warm-up
+                    for _ in range(50):
+                        c.write(host_indices=host[name][:p], device_indices=dev, layers=[0])
+                        c.load(host_indices=host[name][:p], device_indices=dev, layers=[0]).wait()
+                cpu = {name: [0.0, 0.0] for name in clients}  # CPU seconds: daemon, this process
+                for _ in range(max(1, args.trips // 100)):
+                    for name, (c, _) in clients.items():
+                        h = host[name][:p]
+                        before = cpu_seconds(daemon.pid), cpu_seconds(os.getpid())
+                        for _ in range(100):
+                            t = time.perf_counter()
+                            c.write(host_indices=h, device_indices=dev, layers=[0])
+                            c.load(host_indices=h, device_indices=dev, layers=[0]).wait()
+                            trips[name].append(time.perf_counter() - t)
+                        cpu[name][0] += cpu_seconds(daemon.pid) - before[0]
+                        cpu[name][1] += cpu_seconds(os.getpid()) - before[1]
+                bare = bare_unary(f"unix://{socket}", args.trips)
+                for name, ts in (("ring lane write+load", trips["ring"]),
+                                 ("grpc lane write+load", trips["grpc"]), ("bare grpc.aio Stats", bare)):
+                    rows.append((f"{name} (1 page, 1 layer)",
+                                 f"p50 {pct(ts, 0.5) * 1e6:8.1f} us   p99 {pct(ts, 0.99) * 1e6:8.1f} us"
+                                 f"   n={len(ts)}"))
+                for name in clients:
+                    n = len(trips[name])
+                    rows.append((f"{name} lane CPU per round trip",
+                                 f"daemon {cpu[name][0] / n * 1e6:6.0f} us   "
+                                 f"engine {cpu[name][1] / n * 1e6:6.0f} us"))
+                served = ring.lane.calls if ring.lane is not None else 0
+                # ---- bulk --------------------------------------------------------------------
+                for mib in args.mib:
+                    tokens = mib * (1 << 20) // token_bytes // p * p
+                    nbytes = tokens * token_bytes
+                    d = torch.randperm(pool_tokens // p)[: tokens // p]
+                    dev_idx = (d[:, None] * p + torch.arange(p)).reshape(-1)
+                    chunk = p * layout.token_bytes(dtype) // 8
+                    local = torch.zeros(tokens // p * 2, args.layers, 2, chunk, dtype=torch.int64)
+                    hp = torch.randperm(tokens // p * 2)[: tokens // p]
+                    plan = transfer.make_plan(hp.numpy(), dev_idx.numpy(), p, pool_tokens // p)
+                    bufs = ring_pool.buffers
+                    views = [[b.view(torch.int64).view(-1, chunk) for b in layer] for layer in bufs]
+                    toks = [[b.view(torch.int64).view(pool_tokens, -1) for b in layer] for layer in bufs]
+
+                    def planned(to_device: bool, views=views, toks=toks, local=local, plan=plan) -> None:
+                        for layer in range(args.layers):
+                            for part in range(2):
+                                transfer.copy_part(plan, local[:, layer, part], views[layer][part],
+                                                   toks[layer][part], to_device)
+
+                    fns = {"in-process write": lambda planned=planned: planned(False),
+                           "in-process load": lambda planned=planned: planned(True)}
+                    for name, (c, _) in clients.items():
+                        hi = host[name].view(-1, p)[: tokens // p].reshape(-1)
+                        fns[f"{name} lane write"] = lambda c=c, hi=hi, di=dev_idx: c.write(
+                            host_indices=hi, device_indices=di)
+                        fns[f"{name} lane load"] = lambda c=c, hi=hi, di=dev_idx: c.load(
+                            host_indices=hi, device_indices=di).wait()
+                    for fn in fns.values():
+                        fn()
+                    times: dict[str, list[float]] = {k: [] for k in fns}
+                    for _ in range(args.repeats):
+                        for k, fn in fns.items():
+                            t = time.perf_counter()
+                            fn()
+                            times[k].append(time.perf_counter() - t)
+                    for k, ts in times.items():
+                        m = statistics.median(ts)
+                        rows.append((f"{mib} MiB {k}", f"{m * 1e3:8.2f} ms   {nbytes / m / 1e9:6.2f} GB/s"))
+                served = (ring.lane.calls if ring.lane is not None else 0) - served
+                for c, _ in clients.values():
+                    c.unregister()
+        finally:
+            daemon.terminate()
+            daemon.wait(30)
+    width = max(len(r[0]) for r in rows)
+    print(f"{'measure':<{width}}   result")
+    for name, value in rows:
+        print(f"{name:<{width}}   {value}")
+    print(f"(ring lane: {served} bulk calls answered on the ring)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The data-plane fast lane's ring: a fixed little-endian layout both sides agree on (torch-free:
+the client library imports it). See docs/lane.md.
+
+The ring is one memfd, made by the client and sealed (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL),
+of exactly ``ring_bytes(slots)`` bytes:
+
+    header (64 B): magic b"KVL1", version u32, slots u32, slot_bytes u32, request_bytes u32,
+                   response_bytes u32, error_bytes u32, then zeros
+    slot i at HEADER_BYTES + i * SLOT_BYTES:
+      0  state u32          FREE -> SUBMITTED (client) -> TAKEN (daemon) -> DONE (daemon) -> FREE (client)
+      4  rpc u32            RPC_WRITE, RPC_LOAD, RPC_PUT, RPC_GET
+      8  seq u64            the client's; the daemon echoes it in done_seq with DONE
+      16 request_len u32    bytes of the serialized request at REQUEST_AT
+      20 code u32           final gRPC status code (0: OK), valid once DONE
+      24 response_len u32   bytes of the serialized response at RESPONSE_AT (Write, Put)
+      28 error_len u32      bytes of the UTF-8 status message at ERROR_AT
+      32 layers_done u32    Load/Get progress, as LoadProgress says it
+      36 last_layer u32
+      40 bytes u64
+      48 events_recorded u32
+      52 pages u32          Get: the stored prefix
+      56 step u32           incremented by the daemon after each progress update
+      60 flags u32          FLAG_DONE: the progress says done; FLAG_JOB_ENDED: the job is dead
+      64 done_seq u64
+      72 (zeros up to REQUEST_AT)
+      REQUEST_AT  request bytes  (REQUEST_BYTES)
+      RESPONSE_AT response bytes (RESPONSE_BYTES)
+      ERROR_AT    status message (ERROR_BYTES)
+
+Doorbells are SOCK_SEQPACKET socket pairs, not eventfds: the daemon reads and writes its ends with
+MSG_DONTWAIT, a per-call flag, whereas an eventfd's O_NONBLOCK lives in the open file description
+that the peer shares and may clear (a blocking eventfd read or write would stall the daemon's
+event loop). One pair rings the daemon ("submit"); one pair per slot rings the client ("done").
+A closed end reads as end-of-file on the other: a dead daemon wakes every waiting client at once.
+
+The daemon copies a request out of the ring before parsing it, bounds every length it reads there,
+and computes every address from these constants, never from the ring.
+"""
+
+from __future__ import annotations
+
+import struct
+
+MAGIC = b"KVL1"
+VERSION = 1
+# magic, version, slots, slot_bytes, request_bytes, response_bytes, error_bytes
+HEADER = struct.Struct("<4s6I")
+HEADER_BYTES = 64
+MAX_SLOTS = 64
+DEFAULT_SLOTS = 8
+
+FREE, SUBMITTED, TAKEN, DONE = 0, 1, 2, 3
+RPC_WRITE, RPC_LOAD, RPC_PUT, RPC_GET = 1, 2, 3, 4
+RPC_NAMES = {RPC_WRITE: "Write", RPC_LOAD: "Load", RPC_PUT: "Put", RPC_GET: "Get"}
+RPC_IDS = {v: k for k, v in RPC_NAMES.items()}
+STREAMS = frozenset({"Load", "Get"})
+
+FLAG_DONE = 1
+FLAG_JOB_ENDED = 2
+
+# Offsets inside a slot.
+STATE = 0
+CALL = struct.Struct("<IQI")  # rpc, seq, request_len at RPC_AT
+RPC_AT = 4
+RESULT = struct.Struct("<III")  # code, response_len, error_len at CODE_AT
+CODE_AT = 20
+PROGRESS = struct.Struct("<IIQIIII")  # layers_done, last_layer, bytes, events_recorded, pages, step, flags
+PROGRESS_AT = 32
+DONE_SEQ = struct.Struct("<Q")
+DONE_SEQ_AT = 64
+U32 = struct.Struct("<I")
+
+SLOT_HEADER_BYTES = 128
+REQUEST_BYTES = 64 * 1024
+RESPONSE_BYTES = 1024
+ERROR_BYTES = 3 * 1024
+REQUEST_AT = SLOT_HEADER_BYTES
+RESPONSE_AT = REQUEST_AT + REQUEST_BYTES
+ERROR_AT = RESPONSE_AT + RESPONSE_BYTES
+SLOT_BYTES = ERROR_AT + ERROR_BYTES  # 69,760 B
+
+
+def ring_bytes(slots: int) -> int:
+    return HEADER_BYTES + slots * SLOT_BYTES
+
+
+def slot_offset(i: int) -> int:
+    return HEADER_BYTES + i * SLOT_BYTES
+
+
+def header(slots: int) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, slots, SLOT_BYTES, REQUEST_BYTES, RESPONSE_BYTES, ERROR_BYTES)

@@ -1,0 +1,312 @@
+"""The data-plane fast lane (docs/lane.md) against the real daemon: round trips on the ring are
+bit-exact and counted by lane, a hostile ring changes nothing outside itself and stalls no one,
+a lane is only its registration's process's, and its release (Unregister, a killed engine, a dead
+daemon) frees it on both sides."""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from checks import wait_until
+from daemon_proc import DaemonProcess
+
+from kvclient import KVClient, KVLayout, ShmKVPool
+from kvclient._fd_socket import ticket_for
+from kvclient.keys import page_keys
+from kvserver import lane_ring as R
+from kvserver.v1 import kvserver_pb2 as pb
+from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
+
+LAYOUT, DTYPE, LAYERS, PAGE, TOKENS = KVLayout.mha(2, 8), torch.float16, 4, 16, 256
+
+
+def register(client: KVClient, pool: ShmKVPool, host_tokens: int = 128):
+    return client.register(model="lane", pool=pool, start_layer=0, end_layer=LAYERS, num_layers=LAYERS,
+                           host_tokens=host_tokens, page_size=PAGE)
+
+
+def fill(pool: ShmKVPool, seed: int) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    for layer in pool.buffers:
+        for buf in layer:
+            buf.view(torch.int16).random_(generator=g)
+    return [[b.clone() for b in layer] for layer in pool.buffers]
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)  # random bits include NaNs: compare bytes
+
+
+def wipe(pool: ShmKVPool) -> None:
+    for layer in pool.buffers:
+        for buf in layer:
+            buf.zero_()
+
+
+def ops(daemon, direction: str, lane: str) -> int:
+    return daemon.run(lambda: daemon.daemon.metrics.transfers.ops[direction, lane])
+
+
+def round_trip(client: KVClient, pool: ShmKVPool) -> None:
+    orig = fill(pool, 1)
+    host, dev = client.alloc(64), torch.arange(64, 128)
+    assert client.write(host_indices=host, device_indices=dev) == 64 * LAYOUT.token_bytes(DTYPE) * 2 * LAYERS
+    wipe(pool)
+    handle = client.load(host_indices=host, device_indices=dev)
+    assert all(handle.wait_layer(layer) for layer in range(LAYERS))
+    assert handle.wait() > 0 and not handle.missed
+    for layer in range(LAYERS):
+        for part, buf in enumerate(pool.buffers[layer]):
+            assert torch.equal(raw(buf[64:128]), raw(orig[layer][part][64:128]))
+            assert not buf[:64].any() and not buf[128:].any()  # nothing else written
+
+
+@pytest.mark.parametrize("lane", ["auto", "grpc"])
+def test_round_trip_is_bit_exact_and_counted_by_lane(daemon, lane: str) -> None:
+    used, other = ("ring", "grpc") if lane == "auto" else ("grpc", "ring")
+    before = {(d, ln): ops(daemon, d, ln) for d in ("write", "load") for ln in ("ring", "grpc")}
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, KVClient(daemon.address, lane=lane) as client:
+        register(client, pool)
+        assert (client.lane is not None) == (lane == "auto")
+        round_trip(client, pool)
+        if client.lane is not None:
+            assert client.lane.calls == 2
+        client.unregister()
+    for d in ("write", "load"):
+        assert ops(daemon, d, used) == before[d, used] + 1
+        assert ops(daemon, d, other) == before[d, other]
+
+
+def test_put_and_get_on_the_ring(daemon) -> None:
+    keys = page_keys(range(3 * PAGE), PAGE)
+    before = (ops(daemon, "put", "ring"), ops(daemon, "get", "ring"))
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, KVClient(daemon.address) as client:
+        register(client, pool, host_tokens=0)
+        orig = fill(pool, 2)
+        assert client.put(keys, [0, 1, 2]).stored == 3
+        handle = client.get(keys, [8, 9, 10])
+        assert handle.pages() == 3
+        assert all(handle.wait_layer(layer) for layer in range(LAYERS))
+        handle.wait()
+        for layer in range(LAYERS):
+            for part, buf in enumerate(pool.buffers[layer]):
+                assert torch.equal(raw(buf[8 * PAGE:11 * PAGE]), raw(orig[layer][part][:3 * PAGE]))
+        assert client.get(page_keys([7] * PAGE, PAGE), [4]).pages() == 0  # nothing stored: one answer
+        assert client.lane is not None and client.lane.calls == 3
+        client.unregister()
+    assert (ops(daemon, "put", "ring"), ops(daemon, "get", "ring")) == (before[0] + 1, before[1] + 1)
+
+
+# ---- a raw peer: its own ring, written by hand -----------------------------------------------------
+
+
+class RawRing:
+    """A lane made without the library: the ring, the doorbells, and OpenLane."""
+
+    def __init__(self, address: str, client_id: str, slots: int = 8) -> None:
+        self.slots = slots
+        fd = os.memfd_create("raw-lane", os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, R.ring_bytes(slots))
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        self.mm = mmap.mmap(fd, R.ring_bytes(slots))
+        self.mm[: R.HEADER.size] = R.header(slots)
+        self.submit, submit_peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(slots)]
+        self.done = [a for a, _ in pairs]
+        peer = [fd, submit_peer.fileno()] + [b.fileno() for _, b in pairs]
+        with grpc.insecure_channel(address) as ch:
+            pb_grpc.KVServerStub(ch).OpenLane(
+                pb.OpenLaneRequest(client_id=client_id, peer_ticket=ticket_for(address, peer)), timeout=5)
+        os.close(fd)
+        submit_peer.close()
+        for _, b in pairs:
+            b.close()
+
+    def put(self, i: int, rpc: int, data: bytes, length: int | None = None, state: int = R.SUBMITTED) -> None:
+        off = R.slot_offset(i)
+        self.mm[off + R.REQUEST_AT: off + R.REQUEST_AT + len(data)] = data
+        R.CALL.pack_into(self.mm, off + R.RPC_AT, rpc, i, len(data) if length is None else length)
+        R.U32.pack_into(self.mm, off + R.STATE, state)
+
+    def ring(self, times: int = 1) -> int:
+        sent = 0
+        for _ in range(times):
+            try:
+                self.submit.send(b"x", socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                break
+            sent += 1
+        return sent
+
+    def state(self, i: int) -> int:
+        return R.U32.unpack_from(self.mm, R.slot_offset(i) + R.STATE)[0]
+
+    def answer(self, i: int) -> tuple[grpc.StatusCode, str]:
+        off = R.slot_offset(i)
+        code, _, m = R.RESULT.unpack_from(self.mm, off + R.CODE_AT)
+        status = next(c for c in grpc.StatusCode if c.value[0] == code)
+        return status, bytes(self.mm[off + R.ERROR_AT: off + R.ERROR_AT + m]).decode()
+
+    def close(self) -> None:
+        for s in (self.submit, *self.done):
+            s.close()
+        self.mm.close()
+
+
+def test_a_hostile_ring_hurts_only_itself(daemon) -> None:
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as raw_pool, \
+            ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, \
+            KVClient(daemon.address, lane="grpc") as raw_client, KVClient(daemon.address) as engine:
+        raw_reg = register(raw_client, raw_pool)
+        register(engine, pool)
+        ring = RawRing(daemon.address, raw_reg.client_id)
+        try:
+            host = raw_client.alloc(16)
+            good = pb.WriteRequest(client_id=raw_reg.client_id, host_indices=host.tolist(),
+                                   device_indices=list(range(16)))
+            theirs = pb.WriteRequest(client_id=engine.client_id, host_indices=host.tolist(),
+                                     device_indices=list(range(16)))
+            ring.put(0, 99, good.SerializeToString())  # no such rpc
+            ring.put(1, R.RPC_WRITE, good.SerializeToString(), length=(1 << 32) - 1)  # a length past the slot
+            ring.put(2, R.RPC_LOAD, b"\xff" * 64)  # not a LoadRequest
+            ring.put(3, R.RPC_WRITE, theirs.SerializeToString())  # another registration's id
+            ring.put(4, R.RPC_WRITE, good.SerializeToString(), state=0xDEADBEEF)  # no state the daemon knows
+            ring.put(5, R.RPC_WRITE, good.SerializeToString())  # a good one
+            assert ring.ring(100_000) > 0  # the doorbell, rung until its queue is full
+            wait_until(lambda: all(ring.state(i) == R.DONE for i in (0, 1, 2, 3, 5)), 10,
+                       "the ring's answers")
+            inv = grpc.StatusCode.INVALID_ARGUMENT
+            assert ring.answer(0) == (inv, "unknown lane rpc id 99")
+            assert ring.answer(1)[0] == inv and "request_len" in ring.answer(1)[1]
+            assert ring.answer(2)[0] == inv and "LoadRequest" in ring.answer(2)[1]
+            assert ring.answer(3)[0] == grpc.StatusCode.PERMISSION_DENIED
+            assert ring.answer(5)[0] == grpc.StatusCode.OK
+            assert ring.state(4) == 0xDEADBEEF  # ignored
+            # The slots stay DONE (never freed): resubmitting one is ignored until the peer frees it.
+            assert bytes(ring.mm[: R.HEADER.size]) == R.header(8)  # the daemon wrote no header
+            assert not any(ring.mm[R.slot_offset(6): R.ring_bytes(8)])  # nor any slot it was not asked to
+            # Meanwhile another engine is served on its own lane.
+            round_trip(engine, pool)
+            assert engine.lane is not None and engine.lane.calls == 2
+            raw_client.unregister()  # the daemon closes the raw lane: its doorbells read end-of-file
+            ring.done[0].settimeout(10)
+            while ring.done[0].recv(16):
+                pass
+        finally:
+            ring.close()
+
+
+# Another process (torch-free, so it starts fast) opening a lane on a client id it learned.
+ATTEMPT = """
+import fcntl, os, socket, sys, grpc
+from kvserver import lane_ring as R
+from kvserver.peer_socket import request_ticket
+from kvserver.v1 import kvserver_pb2 as pb, kvserver_pb2_grpc as pb_grpc
+fd = os.memfd_create("other-lane", os.MFD_ALLOW_SEALING)
+os.ftruncate(fd, R.ring_bytes(1))
+os.pwrite(fd, R.header(1), 0)
+fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2)]
+ticket = request_ticket(sys.argv[1][len("unix://"):] + ".fd", [fd] + [b.fileno() for _, b in pairs])
+with grpc.insecure_channel(sys.argv[1]) as ch:
+    try:
+        pb_grpc.KVServerStub(ch).OpenLane(pb.OpenLaneRequest(client_id=sys.argv[2], peer_ticket=ticket),
+                                          timeout=5)
+        print("OK")
+    except grpc.RpcError as exc:
+        print(exc.code().name)
+"""
+
+
+def test_only_the_registering_process_opens_its_lane(daemon) -> None:
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, KVClient(daemon.address, lane="grpc") as client:
+        reg = register(client, pool)
+        out = subprocess.run([sys.executable, "-c", ATTEMPT, daemon.address, reg.client_id], check=True,
+                             capture_output=True, text=True, timeout=60).stdout.split()
+        assert out == ["PERMISSION_DENIED"]
+        with pytest.raises(grpc.RpcError) as err:
+            RawRing(daemon.address, "f" * 32)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        client.unregister()
+
+
+# ---- lifecycle, with the daemon in its own process ---------------------------------------------------
+
+ENGINE = """
+import sys, time, torch
+from kvclient import KVClient, KVLayout, ShmKVPool
+pool = ShmKVPool(KVLayout.mha(2, 8), torch.float16, 4, 256)
+client = KVClient(sys.argv[1])
+client.register(model="killed", pool=pool, start_layer=0, end_layer=4, num_layers=4, host_tokens=64,
+                page_size=16)
+assert client.lane is not None
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def lane_maps(d: DaemonProcess) -> list[str]:
+    return [m for m in d.shm_maps() if "kvclient-lane" in m]
+
+
+def test_the_lane_is_freed_and_reopened_with_its_registration(socket_dir: str) -> None:
+    """Unregister and a killed engine free the daemon's half; a daemon killed mid-call wakes the
+    waiting call (a miss, before its deadline); the restarted daemon gets a new lane."""
+    d = DaemonProcess(os.path.join(socket_dir, "kv.sock"))
+    try:
+        with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, KVClient(d.address, timeout=2.0) as client:
+            register(client, pool)
+            assert client.lane is not None and len(lane_maps(d)) == 1
+            held = d.num_fds()  # the lane's doorbells among them (its ring is mapped, not held)
+            client.unregister()
+            wait_until(lambda: d.num_fds() <= held - 1 - R.DEFAULT_SLOTS and not lane_maps(d), 10,
+                       "the lane's release")
+            base = d.num_fds()
+            engine = subprocess.Popen([sys.executable, "-c", ENGINE, d.address], stdout=subprocess.PIPE,
+                                      text=True)
+            try:
+                assert engine.stdout.readline().strip() == "ready"
+                assert len(lane_maps(d)) == 1
+                engine.send_signal(signal.SIGKILL)
+                engine.wait(30)
+            finally:
+                engine.kill()
+                engine.stdout.close()
+            wait_until(lambda: d.num_fds() <= base and not lane_maps(d) and d.stats().num_clients == 0, 20,
+                       "the killed engine's lane to be freed")
+
+            register(client, pool)
+            first = client.lane
+            host, dev = client.alloc(16), torch.arange(16)
+            assert client.write(host_indices=host, device_indices=dev) > 0 and first.calls == 1
+            os.kill(d.pid, signal.SIGSTOP)  # the call waits on a daemon that answers nothing
+            got: list = []
+            writer = threading.Thread(target=lambda: got.append(
+                (client.write(host_indices=host, device_indices=dev), time.monotonic())))
+            writer.start()
+            time.sleep(0.2)
+            killed = time.monotonic()
+            d.kill()
+            writer.join(client._core.job_deadline + 5)
+            assert not writer.is_alive(), "the call hung on a dead daemon"
+            assert got[0][0] == 0 and client.misses >= 1  # a miss, as on gRPC
+            assert got[0][1] - killed < client._core.job_deadline  # woken by the daemon's death
+            d.start()
+            wait_until(lambda: client.connected and client.lane is not None and client.lane is not first,
+                       20, "re-registration and a new lane")
+            host = client.alloc(16)
+            assert client.write(host_indices=host, device_indices=dev) > 0
+            assert client.lane.calls == 1 and client.lane.reg is client.registration
+    finally:
+        d.stop()
