@@ -285,6 +285,40 @@ def copy_rows_of(rows: JobRows, layers: np.ndarray, host: BufferTable, device: B
                        0 if stop is None else stop.ctypes.data, progress_base)
 
 
+class RowCopier:
+    """One job's kernel calls, piece by piece (``kvserver.media.shm``): every address is worked
+    out once, so a piece costs the kernel call and a few integer sums. ``layers`` are the job's
+    local layers; a piece names them by position (``lo``..``hi``) and its rows ``r0``..``r1``."""
+
+    def __init__(self, rows: JobRows, layers: np.ndarray, host: BufferTable, device: BufferTable,
+                 to_device: bool) -> None:
+        host_bases = np.ascontiguousarray(host.bases[layers], dtype=np.uint64)
+        dev_bases = np.ascontiguousarray(device.bases[layers], dtype=np.uint64)
+        self.to_device = to_device
+        self.parts = host.bases.shape[1]
+        self.count = rows.count
+        self.row_bytes = rows.row_bytes
+        if to_device:
+            self._keep = (dev_bases, host_bases, rows.device, rows.host)
+        else:
+            self._keep = (host_bases, dev_bases, rows.host, rows.device)
+        dst, src, dst_off, src_off = self._keep  # held for as long as the kernel reads them
+        self._dst, self._src = dst.ctypes.data, src.ctypes.data
+        self._dst_off, self._src_off = dst_off.ctypes.data, src_off.ctypes.data
+
+    def copy(self, lo: int, hi: int, r0: int, r1: int, progress: np.ndarray | None = None,
+             progress_base: int = 0, eventfd: int = -1, signal_interval: float = 0.0,
+             stop: np.ndarray | None = None) -> int:
+        """Copies rows ``r0``..``r1`` of the job's layers ``lo``..``hi`` (positions); as
+        ``copy_rows_of`` for progress, signals and the stop word. Returns the layers copied."""
+        step = self.parts * 8  # one layer's row of bases (uint64)
+        return copy_layers(self._dst + lo * step, self._src + lo * step, (hi - lo) * self.parts,
+                           self.parts, self._dst_off + r0 * 8, self._src_off + r0 * 8, r1 - r0,
+                           self.row_bytes, 0 if progress is None else progress.ctypes.data, eventfd,
+                           int(signal_interval * 1e9), 0 if stop is None else stop.ctypes.data,
+                           progress_base)
+
+
 def copy_job(plan: CopyPlan, layers: np.ndarray, host: BufferTable, device: BufferTable,
              to_device: bool, progress: np.ndarray | None = None, eventfd: int = -1,
              signal_interval: float = 0.0, stop: np.ndarray | None = None) -> int | None:

@@ -131,10 +131,12 @@ def test_a_failed_piece_is_the_outcome_and_no_later_piece_runs(queue):
 
 
 def test_parallel_pieces_use_every_worker_and_ordered_ones_never_overlap():
+    """A load's parallel pieces run on both workers at once (a write's take one worker, leaving
+    the other core to the event loop: see the next test); an ordered work's never overlap."""
     q = CopyQueue(2)
     try:
         log: list = []
-        wide = Gated("wide", 2, log, parallel=True)
+        wide = Gated("wide", 2, log, load=True, parallel=True)
         q.submit_work(wide.work)
         assert wide.started[0].wait(WAIT) and wide.started[1].wait(WAIT)  # both at once
         wide.open_all()
@@ -153,6 +155,30 @@ def test_parallel_pieces_use_every_worker_and_ordered_ones_never_overlap():
 
         q.submit_work(Work(True, 6, run)).result(WAIT)
         assert most[0] == 1
+    finally:
+        q.shutdown()
+
+
+def test_writes_take_one_worker_and_wait_while_a_load_copies():
+    """On two workers, a write's parallel pieces run one at a time, and while a load's piece
+    copies no write piece starts (the bandwidth, and a core for the loop, go to the load)."""
+    q = CopyQueue(2)
+    try:
+        log: list = []
+        write = Gated("write", 3, log, parallel=True)
+        q.submit_work(write.work)
+        assert write.started[0].wait(WAIT)
+        time.sleep(0.05)
+        assert not write.started[1].is_set(), "a second worker took a write piece"
+        load = Gated("load", 1, log, load=True)
+        q.submit_work(load.work)
+        assert load.started[0].wait(WAIT)  # on the free worker, while the write's piece runs
+        write.gates[0].set()
+        time.sleep(0.05)
+        assert not write.started[1].is_set(), "a write piece started while a load copied"
+        load.open_all()
+        write.open_all()
+        assert write.work.future.result(WAIT) == "write" and load.work.future.result(WAIT) == "load"
     finally:
         q.shutdown()
 
@@ -227,13 +253,13 @@ def test_a_small_load_overtakes_a_large_offload(socket_dir, monkeypatch):
     monkeypatch.setattr(copy_queue, "CHUNK_BYTES", 256 << 10)
     monkeypatch.setattr(copy_queue, "MIN_RANGE_BYTES", 256 << 10)
     made: list[bool] = []  # to_device of each kernel call, in order
-    real = transfer.copy_rows_of
+    real = transfer.RowCopier.copy
 
-    def recorded(rows, layers, host, table, to_device, *args):
-        made.append(to_device)
-        return real(rows, layers, host, table, to_device, *args)
+    def recorded(self, *args):
+        made.append(self.to_device)
+        return real(self, *args)
 
-    monkeypatch.setattr(transfer, "copy_rows_of", recorded)
+    monkeypatch.setattr(transfer.RowCopier, "copy", recorded)
     d = DaemonThread(ServerConfig(socket=f"{socket_dir}/kv.sock", host_memory=256 << 20, copy_threads=1))
     big_layout = KVLayout.mha(8, 128)  # 2 KiB a token and part
     tokens = 16384  # x 2 KiB x (K, V): 64 MiB
@@ -317,23 +343,23 @@ def test_a_load_stopped_between_pieces_lands_no_later_layer(socket_dir, monkeypa
     monkeypatch.setattr(copy_queue, "CHUNK_BYTES", 64)  # every layer in many row pieces
     monkeypatch.setattr(copy_queue, "MIN_RANGE_BYTES", 1)
     held = threading.Event()
-    real = transfer.copy_rows_of
+    real = transfer.RowCopier.copy
     calls = [0]
 
-    def slow_at_layer_1(rows, layers, *args):
-        if layers.size == 1 and int(layers[0]) == 1 and args[2]:  # a load's layer 1
+    def slow_at_layer_1(self, lo, hi, *args):
+        if (lo, hi) == (1, 2) and self.to_device:  # a load's layer 1
             calls[0] += 1
             if calls[0] == 1:  # a piece that takes until the job's deadline has passed
                 held.set()
                 deadline = time.monotonic() + WAIT
                 while not stopped() and time.monotonic() < deadline:
                     time.sleep(0.005)
-        return real(rows, layers, *args)
+        return real(self, lo, hi, *args)
 
     def stopped() -> bool:  # read from the copy worker: a glance at the daemon's jobs
         return any(j.stopping for c in list(d.core.clients.values()) for j in list(c.jobs))
 
-    monkeypatch.setattr(transfer, "copy_rows_of", slow_at_layer_1)
+    monkeypatch.setattr(transfer.RowCopier, "copy", slow_at_layer_1)
     d = DaemonThread(ServerConfig(socket=f"{socket_dir}/kv.sock", host_memory=64 << 20, copy_threads=1))
     try:
         with ShmKVPool(WIDE, torch.float16, LAYERS, POOL) as pool, KVClient(d.address, timeout=0.5) as c:

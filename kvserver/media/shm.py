@@ -284,7 +284,8 @@ def _pieces(job: Job, plan_rows: Callable[[], transfer.JobRows], count: int, tab
     per_layer = max(1, job.bytes_per_layer)
     chunk = copy_queue.CHUNK_BYTES
     split = -(-per_layer // chunk)
-    if threads > 1 and per_layer * total_layers >= copy_queue.PARALLEL_BYTES:
+    parallel_from = copy_queue.PARALLEL_BYTES
+    if threads > 1 and parallel_from is not None and per_layer * total_layers >= parallel_from:
         split = max(split, threads)
     split = max(1, min(split, count, per_layer // max(1, copy_queue.MIN_RANGE_BYTES)))
     if split == 1 and to_device:
@@ -301,12 +302,12 @@ def _pieces(job: Job, plan_rows: Callable[[], transfer.JobRows], count: int, tab
     left = [split] * groups  # ranges still to copy, per layer group
     lock = threading.Lock()
     frontier = [0]  # layer groups done, in order (split layers)
-    made: list[transfer.JobRows] = []
+    made: list[transfer.RowCopier] = []
 
-    def rows() -> transfer.JobRows:
+    def copier() -> transfer.RowCopier:
         with lock:
             if not made:
-                made.append(plan_rows())
+                made.append(transfer.RowCopier(plan_rows(), layers, job.host, table, to_device))
             return made[0]
 
     def run(i: int) -> None:
@@ -315,13 +316,11 @@ def _pieces(job: Job, plan_rows: Callable[[], transfer.JobRows], count: int, tab
         if split == 1:
             # Stopped at a layer boundary (the stop word): ``finish`` reports the layers done.
             fd, interval = (signal.fd, signal.interval) if signal is not None else (-1, 0.0)
-            transfer.copy_rows_of(rows(), layers[lo:hi], job.host, table, to_device, None,
-                                  progress, lo, fd, interval, job.stop_word)
+            copier().copy(lo, hi, 0, count, progress, lo, fd, interval, job.stop_word)
             return
         # No stop word: a layer group once begun is finished (``stopping`` below), so a job
         # stops at a layer boundary, never with a layer half copied.
-        transfer.copy_rows_of(rows(), layers[lo:hi], job.host, table, to_device,
-                              (bounds[s], bounds[s + 1]), None, 0, -1, 0.0, None)
+        copier().copy(lo, hi, bounds[s], bounds[s + 1])
         with lock:  # published under the lock: progress never goes back
             left[g] -= 1
             moved = False
