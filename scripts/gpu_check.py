@@ -70,6 +70,7 @@ import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA_WAIT_SECONDS = 5  # the daemon's --cuda-wait-seconds in this check
+LANE_TRIPS = 200  # one-page write + load round trips timed per engine (the fast lane)
 STALL_SECONDS = 12  # how long the stalled client's ready event is held back (> CUDA_WAIT_SECONDS)
 # The cache round trip: an 8-layer MHA (8 x 128, bf16) model, pools of 4096 tokens, 64 pages of 16
 # tokens stored (32 MiB) and 4 more asked for that were never stored.
@@ -188,7 +189,33 @@ def engine(address: str, kind: str, start: int, end: int, num_layers: int, page_
                 "daemon_load_h2d": timed(lambda: client.load(host_indices=host, device_indices=dev_idx,
                                                              event_slot=1).wait()),
             }
+            # One page on the lane the client took (the fast lane on a Unix socket: docs/lane.md):
+            # write + load round trips against a pinned cudaMemcpy of the same page both ways.
+            one_host, one_dev = host[:page_size], dev_idx[:page_size]
+            page_bytes = nbytes // pages
+            one_pinned = torch.empty(page_bytes, dtype=torch.uint8, pin_memory=True)
+            one_gpu = torch.empty(page_bytes, dtype=torch.uint8, device=dev)
+            trips, copies = [], []
+            for _ in range(LANE_TRIPS):
+                t0 = time.perf_counter()
+                client.write(host_indices=one_host, device_indices=one_dev)
+                client.load(host_indices=one_host, device_indices=one_dev, event_slot=1).wait()
+                trips.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                one_gpu.copy_(one_pinned, non_blocking=True)
+                one_pinned.copy_(one_gpu, non_blocking=True)
+                torch.cuda.synchronize()
+                copies.append(time.perf_counter() - t0)
+            trips.sort()
+            copies.sort()
+            result["page_round_trip_us"] = {
+                "lane": "ring" if client.lane is not None else "grpc",
+                "p50": round(trips[len(trips) // 2] * 1e6, 1),
+                "p99": round(trips[int(len(trips) * 0.99)] * 1e6, 1),
+                "pinned_memcpy_p50": round(copies[len(copies) // 2] * 1e6, 1),
+            }
         result["bytes"] = nbytes
+        result["lane"] = "ring" if client.lane is not None else "grpc"
         result["GBps"] = {k: round(nbytes / v / 1e9, 2) for k, v in t.items()}
         result["load_vs_memcpy"] = round(t["memcpy_h2d"] / t["daemon_load_h2d"], 3)
         result["write_vs_memcpy"] = round(t["memcpy_d2h"] / t["daemon_write_d2h"], 3)
