@@ -83,8 +83,8 @@ def test_a_get_says_its_pages_before_its_copy_runs(daemon):
         assert client.put(keys, list(range(160))).stored == 160
         release = threading.Event()
         queue = daemon.core.copier._executor
-        for _ in range(queue.threads):  # every worker is busy elsewhere
-            queue.submit(release.wait, 10)
+        for _ in range(queue.threads):  # every worker is busy elsewhere (loads take them all)
+            queue.submit_as(True, release.wait, 10)
         try:
             handle = client.get(keys, list(range(96, 256)))  # 160 pages, too large to run inline
             t = time.monotonic()

@@ -51,7 +51,7 @@ class BusyWorker:
             self.gate.wait(60)
 
         for _ in range(queue.threads):
-            queue.submit(hold)
+            queue.submit_as(True, hold)  # as loads: they take every worker, and writes wait
         started.wait(10)
 
     def release(self) -> None:
