@@ -32,12 +32,11 @@ WRITE_EVERY = 8
 # A piece copies about this much (~0.35 ms at this machine's memcpy speed): what a load may wait
 # behind an offload.
 CHUNK_BYTES = 2 << 20
-# Jobs from this size would split every layer's rows over all workers, in ranges of at least
-# MIN_RANGE_BYTES (below that the hand-offs cost more than a second core gives). Off (None): on
-# the 2-vCPU machine this project is measured on, two threads copy a 256 MiB job in 52-60 ms
-# against 44 ms for one (docs/performance.md); a node whose cores each have their own bandwidth
-# may set it.
-PARALLEL_BYTES: int | None = None
+# Loads from this size split every layer's rows over all workers, in ranges of at least
+# MIN_RANGE_BYTES (below that the hand-offs cost more than a second core gives): on this
+# project's 2-vCPU machine two workers copy 256 MiB 1.12-1.2x as fast as one kernel call
+# (benchmarks/bench_pieces.py). None: never. Writes never split over workers (they leave a core).
+PARALLEL_BYTES: int | None = 8 << 20
 MIN_RANGE_BYTES = 1 << 20
 
 

@@ -107,6 +107,12 @@ NOT_RUN = {
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_cache.py --repeats 20"):
         "a benchmark of daemon subprocesses for figures measured by hand; test_cache_bench.py runs "
         "the same script with --quick",
+    ("docs/performance.md", ".venv/bin/python benchmarks/bench_priority.py"):
+        "a benchmark of about a minute with a 1 GiB offloader engine, for figures measured by hand; "
+        "tests/test_copy_queue.py holds the same order (a small load's copy before a queued offload's)",
+    ("docs/performance.md", ".venv/bin/python benchmarks/bench_lane.py"):
+        "a benchmark of about half a minute, for figures measured by hand; tests/test_lane.py runs "
+        "the same lane calls",
     ("docs/lane.md", ".venv/bin/python benchmarks/bench_lane.py"):
         "a benchmark of about half a minute, for figures measured by hand; tests/test_lane.py runs "
         "the same lane calls",

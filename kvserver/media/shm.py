@@ -285,7 +285,7 @@ def _pieces(job: Job, plan_rows: Callable[[], transfer.JobRows], count: int, tab
     chunk = copy_queue.CHUNK_BYTES
     split = -(-per_layer // chunk)
     parallel_from = copy_queue.PARALLEL_BYTES
-    if threads > 1 and parallel_from is not None and per_layer * total_layers >= parallel_from:
+    if to_device and threads > 1 and parallel_from is not None and per_layer * total_layers >= parallel_from:
         split = max(split, threads)
     split = max(1, min(split, count, per_layer // max(1, copy_queue.MIN_RANGE_BYTES)))
     if split == 1 and to_device:
