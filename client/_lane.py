@@ -38,7 +38,10 @@ logger = logging.getLogger("kvclient")
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 # How long a waiter polls its slot's words before it blocks on the doorbell (see docs/lane.md).
 SPIN_SECONDS = float(os.environ.get("KVCLIENT_LANE_SPIN_US", "0")) / 1e6
-_OPEN, _CLOSED, _TIMEOUT = 0, 1, 2
+# _CLOSED: the daemon closed its end (it is gone, or released the registration: its jobs are
+# dead). _CUT: this client shut the lane while the call ran (close, unregister): the daemon may
+# still copy, so the call ends as a cancelled one, unconfirmed, as a gRPC call would.
+_OPEN, _CLOSED, _TIMEOUT, _CUT = 0, 1, 2, 3
 
 
 class ClientLane:
@@ -78,6 +81,7 @@ class ClientLane:
         self._seq = itertools.count(1)
         self._users = 0
         self.closed = False
+        self._cut = False  # closed with wake: this client shut its own ends
         self._released = False
 
     # ---- opening -------------------------------------------------------------------------------
@@ -115,8 +119,9 @@ class ClientLane:
                     if code:
                         raise _error(code, message, flags)
                     return response
-                if got == _CLOSED:
-                    raise _unavailable()
+                if got in (_CLOSED, _CUT):
+                    self._abandon(i)
+                    raise _unavailable() if got == _CLOSED else _cut()
                 if got == _TIMEOUT:
                     self._abandon(i)
                     raise KVClientError(grpc.StatusCode.DEADLINE_EXCEEDED, "lane call deadline exceeded")
@@ -210,7 +215,9 @@ class ClientLane:
                 if ready():
                     return _OPEN
         sock = self._done[i]
-        while not self.closed:
+        # Closed without wake (the registration was lost), the call still runs to the daemon's
+        # answer: only the socket's end says the daemon is gone.
+        while True:
             if ready():
                 return _OPEN
             left = deadline - time.monotonic()
@@ -222,13 +229,15 @@ class ClientLane:
             for _ in range(64):
                 try:
                     if not sock.recv(16, socket.MSG_DONTWAIT):
-                        return _CLOSED  # end of file: the daemon closed its end
+                        return self._ended()  # end of file
                 except (BlockingIOError, InterruptedError):
                     return _OPEN
                 except OSError:
-                    return _CLOSED
+                    return self._ended()
             return _OPEN
-        return _CLOSED
+
+    def _ended(self) -> int:
+        return _CUT if self._cut else _CLOSED
 
     def _leave(self) -> None:
         with self._lock:
@@ -253,6 +262,7 @@ class ClientLane:
             self.closed = True
         self.handed_over()
         if wake:
+            self._cut = True
             for s in (self._submit, *self._done):
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
@@ -307,9 +317,10 @@ class LaneStream:
                     handle._fail(_error(code, message, flags))
                 elif not flags & R.FLAG_DONE:
                     handle._fail(KVClientError(grpc.StatusCode.INTERNAL, "load ended before the last layer"))
-            elif got == _CLOSED:
+            elif got in (_CLOSED, _CUT):
                 self.finished = True
-                handle._fail(_unavailable())
+                lane._abandon(i)
+                handle._fail(_unavailable() if got == _CLOSED else _cut())
             elif time.monotonic() >= self.deadline:
                 self.finished = True
                 lane._abandon(i)
@@ -327,6 +338,11 @@ def _message(words: tuple[int, ...]) -> pb.LoadProgress:
 def _error(code: int, message: str, flags: int) -> KVClientError:
     status = _CODES.get(code, grpc.StatusCode.UNKNOWN)
     return KVClientError(status, message, bool(flags & R.FLAG_JOB_ENDED))
+
+
+def _cut() -> KVClientError:
+    """This client closed the lane under the call: the daemon may still copy (unconfirmed)."""
+    return KVClientError(grpc.StatusCode.CANCELLED, "the client closed the lane while the call ran")
 
 
 def _unavailable() -> KVClientError:

@@ -47,7 +47,7 @@ class LaneBook:
                 raise FailedPrecondition("this registration has a lane open already")
             ring, submit, done = open_ring(ticket.fds)
         except BaseException:
-            ticket.close()
+            ticket.close_off_loop()  # a peer's memfd may be the last reference to many pages
             raise
         ticket.fds = []  # the lane owns them now
         lane = Lane(client_id, ring, submit, done, functools.partial(self.run, client_id))

@@ -40,7 +40,10 @@ def _check_doorbell(fd: int, what: str) -> socket.socket:
         raise InvalidArgument(f"{what} cannot be used: {exc.strerror}") from None
     if not stat.S_ISSOCK(st.st_mode):
         raise InvalidArgument(f"{what} is not a socket: send one end of a SOCK_SEQPACKET socketpair")
-    sock = socket.socket(fileno=fd)  # owns fd from here
+    try:
+        sock = socket.socket(fileno=fd)  # owns fd from here
+    except OSError as exc:
+        raise InvalidArgument(f"{what} cannot be used: {exc.strerror or exc}") from None
     try:
         if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_SEQPACKET:
             raise InvalidArgument(f"{what} is not a Unix SOCK_SEQPACKET socket")
@@ -65,6 +68,8 @@ def open_ring(fds: list[int]) -> tuple[ShmMapping, socket.socket, list[socket.so
                                  "and F_SEAL_SEAL")
     ring = map_sealed_fd(fds[0], "the lane's ring")
     try:
+        if ring.size < R.HEADER.size:
+            raise InvalidArgument(f"the lane's ring is {ring.size} bytes: smaller than its header")
         magic, version, slots, slot_bytes, req, resp, err = R.HEADER.unpack(bytes(ring.mm[: R.HEADER.size]))
         if magic != R.MAGIC or version != R.VERSION:
             raise InvalidArgument(f"the lane's ring has magic {magic!r} version {version}; expected "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -379,16 +380,18 @@ class KVServicer(pb_grpc.KVServerServicer):
             request = _lenient(_LANE_REQUESTS[rpc])(data)
             _check_parsed(request)
             if request.client_id != client_id:
-                self.core.client(request.client_id)  # an unknown id answers as the RPC would
+                if request.client_id not in self.core.clients:  # unknown: answered as the RPC would
+                    self.core.client(request.client_id)
+                # Known: refused without a look at it (that would renew its lease).
                 raise PermissionDenied("a lane carries only the calls of the registration that opened it")
             if rpc == "Write":
                 return (await self._write(request, "ring")).SerializeToString()
             if rpc == "Put":
                 return (await self._put(request, "ring")).SerializeToString()
             steps = self._load if rpc == "Load" else self._get
-            stream = steps(request, "ring", started)
-            async for message in stream:
-                progress(message)
+            async with contextlib.aclosing(steps(request, "ring", started)) as stream:
+                async for message in stream:
+                    progress(message)  # if it raises, the job still ends here, not at a GC
             return b""
         except Exception as exc:
             if not isinstance(exc, KVError):

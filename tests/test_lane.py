@@ -310,3 +310,36 @@ def test_the_lane_is_freed_and_reopened_with_its_registration(socket_dir: str) -
             assert client.lane.calls == 1 and client.lane.reg is client.registration
     finally:
         d.stop()
+
+
+def test_a_lost_registrations_lane_lets_a_call_in_flight_run_to_the_daemons_answer(daemon) -> None:
+    """The session can end while the daemon still runs a lane call (the client closes the lane
+    without waking it): the call is answered as the daemon answers it, never reported missed
+    while the copy may still land."""
+    layout = KVLayout.mha(8, 64)  # 2 KiB a token and part: 1 MiB a layer of 256 tokens, never inline
+    with ShmKVPool(layout, DTYPE, LAYERS, TOKENS) as pool, KVClient(daemon.address) as client:
+        client.register(model="lane", pool=pool, start_layer=0, end_layer=LAYERS, num_layers=LAYERS,
+                        host_tokens=TOKENS, page_size=PAGE)
+        assert client.lane is not None
+        dev = torch.arange(TOKENS)
+        host = client.alloc(TOKENS)
+        assert client.write(host_indices=host, device_indices=dev) > 0
+        queue = daemon.core.copier._executor
+        gate, started = threading.Event(), threading.Barrier(queue.threads + 1)
+
+        def hold() -> None:
+            started.wait(10)
+            gate.wait(30)
+
+        for _ in range(queue.threads):
+            queue.submit_as(True, hold)
+        started.wait(10)
+        try:
+            handle = client.load(host_indices=host, device_indices=dev)
+            client._close_lane(client.lane.reg, wake=False)  # what a lost session does
+            with pytest.raises(TimeoutError):  # nothing to report before the daemon answers
+                handle.wait_layer(0, timeout=0.3)
+            assert not handle.missed
+        finally:
+            gate.set()
+        assert handle.wait(timeout=30) > 0, "the daemon's answer was not the call's"
