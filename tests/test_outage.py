@@ -1,6 +1,6 @@
 """Back within seconds of the daemon answering, however long it was away.
 
-Outages of 1, 5 and 15 s run side by side, one daemon process and one engine each: the
+Outages of 1, 4 and 10 s run side by side, one daemon process and one engine each: the
 engine must be registered again and storing pages within 2 s of its daemon answering health
 checks. gRPC's own reconnect backoff (up to 120 s by default) would leave a client idle for
 many seconds after a long outage; the client caps it.
@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvclient import KVClient, KVLayout, ShmKVPool
 
-OUTAGES = (1.0, 5.0, 15.0)
+OUTAGES = (1.0, 4.0, 10.0)
 BACK_WITHIN = 2.0
 
 
