@@ -44,9 +44,6 @@ from test_readme import (  # noqa: F401  (env, home, start: fixtures of the Stat
     starts_daemon,
 )
 
-# Daemons on the node's default socket and TCP port: one such module at a time (conftest).
-pytestmark = pytest.mark.usefixtures("default_socket_lock")
-
 if not sglang_env.sglang_installed():
     pytest.skip("sglang not installed (scripts/install_sglang.sh)", allow_module_level=True)
 
@@ -363,9 +360,11 @@ def test_hicache_command_names_kvserver_storage():
 # ---- seeing the hits ---------------------------------------------------------------------------
 
 
-def test_stats_blocks_show_the_linkers_hits(env, start, tmp_path):  # noqa: F811 (test_readme's fixtures)
+def test_stats_blocks_show_the_linkers_hits(env, start, tmp_path,  # noqa: F811 (test_readme's fixtures)
+                                            default_socket_lock):
     """Step 2's daemon, two engines from step 3's command as written (the daemon is at the documented
-    socket), then step 5's grpcurl and Python blocks as written."""
+    socket), then step 5's grpcurl and Python blocks as written. It alone in this module runs a
+    daemon on the node's default socket, so it alone takes the lock (conftest)."""
     if os.geteuid() != 0:
         pytest.skip("the blocks are written for root (/run/kvserver/kvserver.sock), as in SGLang's container")
     daemon = None
