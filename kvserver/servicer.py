@@ -90,6 +90,13 @@ def _unmark_stalled(exc: BaseException, context) -> None:
         context.set_trailing_metadata(())
 
 
+def _progress(step, total: int, pages: int = 0) -> pb.LoadProgress:
+    """A copier LoadStep as the LoadProgress message a Load or Get streams (or the lane's words)."""
+    return pb.LoadProgress(last_layer=step.last_layer, layers_done=step.layers_done,
+                           done=step.layers_done == total, bytes=step.bytes,
+                           events_recorded=step.events_recorded, pages=pages)
+
+
 def _counters(c: Counters) -> pb.TransferCounters:
     return pb.TransferCounters(
         bytes_written=c.bytes_written,
@@ -230,13 +237,7 @@ class KVServicer(pb_grpc.KVServerServicer):
                 first = False
                 self.metrics.first_layer_landed("Load", started)
             moved = step.bytes
-            yield pb.LoadProgress(
-                last_layer=step.last_layer,
-                layers_done=step.layers_done,
-                done=step.layers_done == total,
-                bytes=step.bytes,
-                events_recorded=step.events_recorded,
-            )
+            yield _progress(step, total)
         self.metrics.transfers.add("load", moved, lane)  # the job is over: counted as Stats counts it
 
     async def Session(self, request: pb.SessionRequest, context) -> AsyncIterator[pb.SessionEvent]:
@@ -353,14 +354,7 @@ class KVServicer(pb_grpc.KVServerServicer):
                 first = False
                 self.metrics.first_layer_landed("Get", started)
             moved = step.bytes
-            yield pb.LoadProgress(
-                last_layer=step.last_layer,
-                layers_done=step.layers_done,
-                done=step.layers_done == total,
-                bytes=step.bytes,
-                events_recorded=step.events_recorded,
-                pages=pages,
-            )
+            yield _progress(step, total, pages)
         if moved >= 0:  # a copy ran and is over (a Get that found nothing copies nothing)
             self.metrics.transfers.add("get", moved, lane)
 
