@@ -34,7 +34,7 @@ WRITE_EVERY = 8
 CHUNK_BYTES = 2 << 20
 # Loads from this size split every layer's rows over all workers, in ranges of at least
 # MIN_RANGE_BYTES (below that the hand-offs cost more than a second core gives): on this
-# project's 2-vCPU machine two workers copy 256 MiB 1.12-1.2x as fast as one kernel call
+# project's 2-vCPU machine two workers copy 256 MiB 1.06-1.2x as fast as one kernel call
 # (benchmarks/bench_pieces.py). None: never. Writes never split over workers (they leave a core).
 PARALLEL_BYTES: int | None = 8 << 20
 MIN_RANGE_BYTES = 1 << 20

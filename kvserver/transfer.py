@@ -246,43 +246,13 @@ def job_rows(plan: CopyPlan, host: BufferTable, device: BufferTable) -> JobRows 
     """The rows of a job between ``host`` and ``device`` (its pool's page table for a paged plan,
     its token table otherwise); None if the kernel cannot copy them (no compiled kernel, or
     buffers with different strides)."""
-    if device.geometry is not None:
-        if copy_layers is None or host.row_stride is None:
-            raise Unimplemented("pools with blocks or strided heads need kvserver's compiled copy kernel "
-                                "(_kvcopy) and one host row stride")
-        host_off, dev_off = plan.strided_offsets(host.row_stride, device.geometry)
-    elif copy_layers is None or device.row_stride is None or host.row_stride is None:
+    if row_count(plan, host, device) is None:
         return None
+    if device.geometry is not None:
+        host_off, dev_off = plan.strided_offsets(host.row_stride, device.geometry)
     else:
         host_off, dev_off = plan.offsets(host.row_stride, device.row_stride, device.row_bytes)
     return JobRows(host_off, dev_off, device.row_bytes)
-
-
-def copy_rows_of(rows: JobRows, layers: np.ndarray, host: BufferTable, device: BufferTable, to_device: bool,
-                 span: tuple[int, int] | None = None, progress: np.ndarray | None = None,
-                 progress_base: int = 0, eventfd: int = -1, signal_interval: float = 0.0,
-                 stop: np.ndarray | None = None) -> int:
-    """Copies every part of the given local layers, rows ``span`` (default: all), in one kernel
-    call and returns how many layers it copied.
-
-    After each layer the kernel stores ``progress_base`` + the layers done in ``progress[0]``, and
-    signals ``eventfd`` once ``signal_interval`` seconds have passed since its last signal (always
-    after the last). Before each layer it reads ``stop[0]`` (an int64 another thread may set): once
-    it is set, the copy ends at that layer boundary.
-    """
-    lo, hi = span if span is not None else (0, rows.count)
-    host_off, dev_off = rows.host[lo:hi], rows.device[lo:hi]
-    host_bases = np.ascontiguousarray(host.bases[layers]).reshape(-1)
-    dev_bases = np.ascontiguousarray(device.bases[layers]).reshape(-1)
-    parts = host.bases.shape[1]
-    if to_device:
-        dst, dst_off, src, src_off = dev_bases, dev_off, host_bases, host_off
-    else:
-        dst, dst_off, src, src_off = host_bases, host_off, dev_bases, dev_off
-    return copy_layers(dst.ctypes.data, src.ctypes.data, dst.size, parts, dst_off.ctypes.data,
-                       src_off.ctypes.data, dev_off.size, rows.row_bytes,
-                       0 if progress is None else progress.ctypes.data, eventfd, int(signal_interval * 1e9),
-                       0 if stop is None else stop.ctypes.data, progress_base)
 
 
 class RowCopier:
@@ -309,8 +279,12 @@ class RowCopier:
     def copy(self, lo: int, hi: int, r0: int, r1: int, progress: np.ndarray | None = None,
              progress_base: int = 0, eventfd: int = -1, signal_interval: float = 0.0,
              stop: np.ndarray | None = None) -> int:
-        """Copies rows ``r0``..``r1`` of the job's layers ``lo``..``hi`` (positions); as
-        ``copy_rows_of`` for progress, signals and the stop word. Returns the layers copied."""
+        """Copies rows ``r0``..``r1`` of the job's layers ``lo``..``hi`` (positions) and returns
+        how many layers it copied. After each layer the kernel stores ``progress_base`` + the
+        layers done in ``progress[0]``, and signals ``eventfd`` once ``signal_interval`` seconds
+        have passed since its last signal (always after the last). Before each layer it reads
+        ``stop[0]`` (an int64 another thread may set): once set, the copy ends at that layer
+        boundary."""
         step = self.parts * 8  # one layer's row of bases (uint64)
         return copy_layers(self._dst + lo * step, self._src + lo * step, (hi - lo) * self.parts,
                            self.parts, self._dst_off + r0 * 8, self._src_off + r0 * 8, r1 - r0,
@@ -322,13 +296,13 @@ class RowCopier:
 def copy_job(plan: CopyPlan, layers: np.ndarray, host: BufferTable, device: BufferTable,
              to_device: bool, progress: np.ndarray | None = None, eventfd: int = -1,
              signal_interval: float = 0.0, stop: np.ndarray | None = None) -> int | None:
-    """``copy_rows_of`` for a whole job in one call; None if the kernel cannot copy it, and then
-    nothing was copied."""
+    """A whole job in one kernel call (``RowCopier.copy``); returns the layers copied, or None
+    if the kernel cannot copy it, and then nothing was copied."""
     rows = job_rows(plan, host, device)
     if rows is None:
         return None
-    return copy_rows_of(rows, layers, host, device, to_device, None, progress, 0, eventfd,
-                        signal_interval, stop)
+    copier = RowCopier(rows, layers, host, device, to_device)
+    return copier.copy(0, len(layers), 0, rows.count, progress, 0, eventfd, signal_interval, stop)
 
 
 _scratch = threading.local()

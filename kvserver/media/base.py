@@ -127,9 +127,6 @@ class InlineExecutor(Executor):
             fut.set_exception(exc)
         return fut
 
-    def submit_as(self, load: bool, fn: Callable, /, *args) -> Future:
-        return self.submit(fn, *args)
-
     def submit_work(self, work: Work) -> Future:
         """Every piece in order, then its ``finish``."""
         work.future.set_running_or_notify_cancel()
