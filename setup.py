@@ -2,7 +2,7 @@
 
 Packages are found, not listed: kvserver and every subpackage under kvserver/, and kvclient with
 any subpackage from client/ (pyproject.toml maps the name to the folder). A new subpackage ships
-without an edit here; tests/test_wheel.py checks that every module of the tree is in the wheel.
+without an edit here; tests/test_ship_wheel.py checks that every module of the tree is in the wheel.
 """
 
 from setuptools import Extension, find_packages, setup
@@ -17,6 +17,7 @@ def packages() -> list[str]:
 setup(
     packages=packages(),
     ext_modules=[
-        Extension("kvserver._kvcopy", ["kvserver/csrc/kvcopy.c"], extra_compile_args=["-O3"], optional=True),
+        Extension("kvserver.copy._kvcopy", ["kvserver/copy/csrc/kvcopy.c"], extra_compile_args=["-O3"],
+                  optional=True),
     ],
 )

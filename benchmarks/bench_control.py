@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from daemon_proc import DaemonProcess  # noqa: E402
 
 from kvclient import KVLayout, ShmKVPool  # noqa: E402
-from kvclient._fd_socket import ticketed
 from kvclient._messages import register_request  # noqa: E402
+from kvclient.transport.fd_socket import ticketed
 from kvserver.v1 import kvserver_pb2 as pb  # noqa: E402
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc  # noqa: E402
 

@@ -13,8 +13,8 @@ from itertools import repeat
 import numpy as np
 import torch
 
-from kvserver.host_pool import HostArena
-from kvserver.layout import KVLayout
+from kvserver.host.arena import HostArena
+from kvserver.protocol.layout import KVLayout
 from kvserver.store import KVCache, PartKey, SpaceKey
 
 PAGE_BYTES = 256

@@ -71,7 +71,7 @@ def main() -> None:
     from kvclient.vllm._meta import KVServerConnectorMetadata, LoadJob, SaveJob
     from kvclient.vllm._space import Space
     from kvclient.vllm._worker import WorkerSide
-    from kvserver.layout import KVLayout
+    from kvserver.protocol.layout import KVLayout
 
     tmp = tempfile.mkdtemp(prefix="kvbench-")
     daemon = DaemonProcess(os.path.join(tmp, "kv.sock"), host_memory=args.host_memory)

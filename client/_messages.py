@@ -11,7 +11,7 @@ import torch
 from kvclient.cuda_pool import CudaKVPool
 from kvclient.shm_pool import ShmKVPool
 from kvclient.views_pool import KVViewsPool
-from kvserver.layout import wire_dtype
+from kvserver.protocol.layout import wire_dtype
 from kvserver.v1 import kvserver_pb2 as pb
 
 Indices = torch.Tensor | np.ndarray | Sequence[int]

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from kvserver.cuda.devices import normalize_pci_bus_id
-from kvserver.cuda.handles import normalize_uuid, raw_ipc_handle
 from kvserver.errors import InvalidArgument
-from kvserver.layout import KVLayout
+from kvserver.protocol.cuda_ipc import normalize_pci_bus_id, normalize_uuid, raw_ipc_handle
+from kvserver.protocol.layout import KVLayout
 from kvserver.v1 import kvserver_pb2 as pb
 
 

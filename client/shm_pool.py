@@ -18,8 +18,8 @@ import secrets
 
 import torch
 
-from kvserver.layout import KVLayout
-from kvserver.shm import ShmMapping, create_memfd, create_shm, unlink_shm
+from kvserver.protocol.layout import KVLayout
+from kvserver.protocol.shared_memory import ShmMapping, create_memfd, create_shm, unlink_shm
 from kvserver.v1 import kvserver_pb2 as pb
 
 

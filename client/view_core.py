@@ -15,13 +15,13 @@ from typing import Any
 import grpc
 import torch
 
-from kvclient._channel import target
 from kvclient._resilience import is_miss
 from kvclient.core import call_metadata, lease_list, packed
 from kvclient.errors import KVClientError
 from kvclient.keys import KEY_BYTES, Keys
 from kvclient.results import LookupResult
-from kvserver.layout import KVLayout, wire_dtype
+from kvclient.transport.channel import target
+from kvserver.protocol.layout import KVLayout, wire_dtype
 from kvserver.v1 import kvserver_pb2 as pb
 
 RETRY = "retry"

@@ -17,8 +17,8 @@ import weakref
 import torch
 
 from kvclient.cuda_pool import buffer_ref, device_identity
-from kvserver.layout import KVLayout
-from kvserver.shm import create_memfd
+from kvserver.protocol.layout import KVLayout
+from kvserver.protocol.shared_memory import create_memfd
 from kvserver.v1 import kvserver_pb2 as pb
 
 _LIVE: weakref.WeakSet[SharedKVMemory] = weakref.WeakSet()

@@ -9,10 +9,11 @@ import sys
 
 import uvloop
 
-from kvserver.config import ServerConfig, default_socket, parse_host_memory
-from kvserver.host_pool import HostMemoryError
+from kvserver.config import ServerConfig, parse_host_memory
+from kvserver.host.arena import HostMemoryError
+from kvserver.peers.tenants import TenantBook, parse_quota
+from kvserver.protocol.paths import default_socket
 from kvserver.server import ListenError, serve
-from kvserver.tenants import TenantBook, parse_quota
 
 
 def _env(name: str, default: str | None = None) -> str | None:

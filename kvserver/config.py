@@ -69,13 +69,6 @@ def parse_metrics_listen(text: str) -> tuple[str, int]:
     return host, int(m.group(2))
 
 
-def default_socket() -> str:
-    if os.geteuid() == 0:
-        return "/run/kvserver/kvserver.sock"
-    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvserver-{os.geteuid()}"
-    return os.path.join(runtime, "kvserver", "kvserver.sock")
-
-
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     socket: str | None = None  # Unix socket path; None with no TCP address means default_socket()
@@ -98,7 +91,7 @@ class ServerConfig:
     max_message_bytes: int = 64 << 20
     cuda_wait_seconds: float = 20.0  # GPU work of a client making no progress this long fails it
     tenant_quota: str = "100%"  # cached bytes one tenant may hold: a size or a share of host_memory
-    tenant_tokens: str | None = None  # file of 'name token [quota]' lines (kvserver.tenants)
+    tenant_tokens: str | None = None  # file of 'name token [quota]' lines (kvserver.peers.tenants)
     metrics_listen: str | None = None  # HOST:PORT of a Prometheus /metrics endpoint; None: off
     metrics_per_space: bool = False  # also tenants', models' and spaces' series (names every tenant)
 

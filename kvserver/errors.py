@@ -1,22 +1,49 @@
-"""Domain errors raised by the daemon's core, and the one table that maps them to gRPC codes."""
+"""Domain errors raised by the daemon (and by the shared protocol checks), each with its status code.
+
+The codes are the canonical RPC status codes, by the numbers gRPC uses; ``kvserver.api.status``
+turns them into ``grpc.StatusCode`` and the fast lane and the fd socket send them as they are. This
+module imports no gRPC, so that every layer (the cache index included) may raise these.
+"""
 
 from __future__ import annotations
 
-import grpc
+from enum import IntEnum
+
+
+class Code(IntEnum):
+    """The canonical status codes (google.rpc.Code): the same names and numbers as Code."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    DATA_LOSS = 15
+    UNAUTHENTICATED = 16
 
 
 class KVError(Exception):
     """Base of every error the daemon reports to a caller."""
 
-    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    code: Code = Code.INTERNAL
 
 
 class InvalidArgument(KVError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    code = Code.INVALID_ARGUMENT
 
 
 class NotFound(KVError):
-    code = grpc.StatusCode.NOT_FOUND
+    code = Code.NOT_FOUND
 
 
 class UnknownClient(NotFound):
@@ -24,7 +51,7 @@ class UnknownClient(NotFound):
 
 
 class OutOfRange(KVError):
-    code = grpc.StatusCode.OUT_OF_RANGE
+    code = Code.OUT_OF_RANGE
 
 
 class LayerOutOfRange(OutOfRange):
@@ -32,23 +59,23 @@ class LayerOutOfRange(OutOfRange):
 
 
 class FailedPrecondition(KVError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    code = Code.FAILED_PRECONDITION
 
 
 class NoCapacity(KVError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    code = Code.RESOURCE_EXHAUSTED
 
 
 class PermissionDenied(KVError):
-    code = grpc.StatusCode.PERMISSION_DENIED
+    code = Code.PERMISSION_DENIED
 
 
 class Unauthenticated(KVError):
-    code = grpc.StatusCode.UNAUTHENTICATED
+    code = Code.UNAUTHENTICATED
 
 
 class Unimplemented(KVError):
-    code = grpc.StatusCode.UNIMPLEMENTED
+    code = Code.UNIMPLEMENTED
 
 
 class JobStopped(KVError):
@@ -56,9 +83,9 @@ class JobStopped(KVError):
     Its code says why: its deadline passed, its call ended, or its client was released."""
 
     CODES = {
-        "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
-        "cancelled": grpc.StatusCode.CANCELLED,
-        "released": grpc.StatusCode.NOT_FOUND,
+        "deadline": Code.DEADLINE_EXCEEDED,
+        "cancelled": Code.CANCELLED,
+        "released": Code.NOT_FOUND,
     }
     WHY = {
         "deadline": "its timeout_ms passed",
@@ -79,7 +106,7 @@ class JobStopped(KVError):
 class GpuStalled(KVError):
     """A client's GPU copies made no progress within --cuda-wait-seconds: the client is failed."""
 
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    code = Code.DEADLINE_EXCEEDED
 
 
 # Status details travel in HTTP/2 trailers, which peers refuse past 8 KiB (soft) / 16 KiB (hard).
@@ -98,8 +125,8 @@ def _clip(text: str) -> str:
     return text if len(text) <= MAX_DETAILS else f"{text[:MAX_DETAILS]}... ({len(text)} chars)"
 
 
-def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+def status_of(exc: BaseException) -> tuple[Code, str]:
     """The gRPC status for an exception: domain errors keep theirs, anything else is INTERNAL."""
     if isinstance(exc, KVError):
         return exc.code, _clip(str(exc))
-    return grpc.StatusCode.INTERNAL, _clip(f"internal error: {type(exc).__name__}: {exc}")
+    return Code.INTERNAL, _clip(f"internal error: {type(exc).__name__}: {exc}")

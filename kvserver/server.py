@@ -14,17 +14,18 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvserver.auth import TokenAuth
-from kvserver.cache_ops import expire_leases
+from kvserver.api.auth import TokenAuth
+from kvserver.api.metrics import Metrics
+from kvserver.api.servicer import KVServicer, add_to_server
 from kvserver.config import ServerConfig
-from kvserver.core import KVCore
-from kvserver.cuda.waits import set_wait_seconds
-from kvserver.liveness import Reaper
-from kvserver.metrics import Metrics
-from kvserver.peer_socket import PeerSocket, fd_socket_path
-from kvserver.servicer import KVServicer, add_to_server
-from kvserver.tenants import TenantBook, parse_quota
-from kvserver.tickets import TicketBook, raise_fd_limit
+from kvserver.core.cache_ops import expire_leases
+from kvserver.core.kvcore import KVCore
+from kvserver.core.liveness import Reaper
+from kvserver.media.cuda.waits import set_wait_seconds
+from kvserver.peers.fd_socket import PeerSocket
+from kvserver.peers.tenants import TenantBook, parse_quota
+from kvserver.peers.tickets import TicketBook, raise_fd_limit
+from kvserver.protocol.fd_socket import fd_socket_path
 from kvserver.v1 import kvserver_pb2 as pb
 
 logger = logging.getLogger(__name__)

@@ -539,8 +539,8 @@ def preflight(address: str) -> dict:
     import kvclient
     import kvserver
     from kvclient import CudaKVPool, KVClient, KVLayout  # noqa: F401  (what the engines use)
-    from kvserver.cuda import kernels, pool  # noqa: F401  (the daemon's CUDA path, sans CuPy)
-    from kvserver.cuda.runtime import _probe
+    from kvserver.media.cuda import kernels, pool  # noqa: F401  (the daemon's CUDA path, sans CuPy)
+    from kvserver.media.cuda.runtime import _probe
 
     with grpc.insecure_channel(address) as ch:
         status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30).status

@@ -119,7 +119,7 @@ def geometry(kind: str) -> dict:
     (head, token) cell, vLLM's tensor dtype, kvserver's wire dtype and KVLayout."""
     import torch
 
-    from kvserver.layout import KVLayout
+    from kvserver.protocol.layout import KVLayout
 
     if kind == "mla":  # DeepSeek's latent (512 + 64 rope), fp8 kept by vLLM as uint8; FlashMLA's block
         return {"heads": 1, "block": 64, "content": 576, "dtype": torch.uint8,

@@ -8,6 +8,7 @@ scripts/install.sh test
 scripts/install_sglang.sh  # SGLang 0.5.23 without its dependencies, for the integration tests
 scripts/install_vllm.sh  # vLLM 0.33.0's Python code without its dependencies (after SGLang's packages)
 .venv/bin/ruff check .
+.venv/bin/lint-imports  # the shape of the code: layers, no circles (contracts in pyproject.toml)
 # The wheel check (a wheel built from this tree, installed in a fresh venv, its daemon on a private
 # socket) runs beside the suite: it is mostly pip and disk, and overlaps the suite's waits.
 wheel_log=$(mktemp)

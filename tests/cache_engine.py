@@ -215,7 +215,7 @@ if __name__ == "__main__":
     print(json.dumps(lookup_as(int(sys.argv[1]), sys.argv[2], bytes.fromhex(sys.argv[3]))))
 
 
-# ---- a churning engine over raw stubs (forkserver children of test_cache_concurrency) -----------
+# ---- a churning engine over raw stubs (forkserver children of test_core_cache_concurrency) -----------
 
 CHURN_PAGES = 64  # device pages of a churning engine
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvclient import KVClientError
-from kvserver.shm import SHM_DIR
+from kvserver.protocol.shared_memory import SHM_DIR
 
 
 def sha_of(tensors: list[torch.Tensor]) -> str:

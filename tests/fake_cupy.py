@@ -31,7 +31,7 @@ import types
 import numpy as np
 from kernel_host import HostKernel
 
-from kvserver.cuda.kernels import KERNELS
+from kvserver.media.cuda.kernels import KERNELS
 
 UUID_HEX = "1a2b3c4d5e6f7a8b9c0d112233445566"
 UUID = "GPU-1a2b3c4d-5e6f-7a8b-9c0d-112233445566"
@@ -318,9 +318,9 @@ def make_fake_cupy() -> FakeCupy:
 
 def install(monkeypatch) -> FakeCupy:
     """A stand-in GPU for the daemon in this process: CuPy, and the one driver call the daemon
-    makes through libcuda (kvserver/cuda/driver.py)."""
-    from kvserver.cuda import driver
+    makes through libcuda (kvserver/media/cuda/driver.py)."""
     from kvserver.media import cuda
+    from kvserver.media.cuda import driver
 
     cupy = make_fake_cupy()
     monkeypatch.setattr(cuda, "require_cuda", lambda: cupy)

@@ -14,8 +14,8 @@ import sys
 
 import grpc
 
-from kvserver.peer_socket import fd_socket_path, request_ticket
-from kvserver.shm import SHM_DIR, create_memfd
+from kvserver.protocol.fd_socket import fd_socket_path, request_ticket
+from kvserver.protocol.shared_memory import SHM_DIR, create_memfd
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 

@@ -1,4 +1,4 @@
-"""The GPU copy kernels' own source (kvserver/cuda/kernels.py), built for the CPU and run thread by
+"""The GPU copy kernels' own source (kvserver/media/cuda/kernels.py), built for the CPU and run thread by
 thread, so tests without a GPU check the real kernels' indexing, not a re-implementation of it.
 
 The kernel's threads share nothing (no shared memory, no barriers), so running every (block,

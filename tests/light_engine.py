@@ -11,8 +11,8 @@ import time
 import grpc
 import numpy as np
 
-from kvserver.peer_socket import fd_socket_path, request_ticket
-from kvserver.shm import create_memfd, create_shm, unlink_shm
+from kvserver.protocol.fd_socket import fd_socket_path, request_ticket
+from kvserver.protocol.shared_memory import create_memfd, create_shm, unlink_shm
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 

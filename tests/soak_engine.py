@@ -1,7 +1,7 @@
 """A soak client: one LightEngine doing random Alloc / Write / Load / Free against the daemon for a
 fixed time, checking every byte it loads back and every count the daemon reports.
 
-Runs in a forkserver child (see test_soak.py). What a host page holds is tracked as one sha256
+Runs in a forkserver child (see test_e2e_soak.py). What a host page holds is tracked as one sha256
 per (page, layer) of the bytes that were written to it, keyed by the host index of the page's
 first token; a load is checked page by page and layer by layer against that.
 """
@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 from light_engine import LightEngine
 
-from kvserver.epochs import EPOCH_SHIFT
+from kvserver.core.epochs import EPOCH_SHIFT
 from kvserver.v1 import kvserver_pb2 as pb
 
 MAX_ERRORS = 20  # details kept per process; every error is still counted

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvserver.host_pool import HostArena
-from kvserver.layout import KVLayout
+from kvserver.host.arena import HostArena
+from kvserver.protocol.layout import KVLayout
 from kvserver.store import KVCache, Part, PartKey, PutPlan, Space, SpaceKey
 
 MiB = 1 << 20

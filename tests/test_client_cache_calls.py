@@ -9,7 +9,7 @@ import torch
 
 from kvclient import AsyncCacheView, AsyncKVClient, CacheView, KVClient, KVLayout, ShmKVPool
 from kvclient.keys import page_keys
-from tests.test_roundtrip import fill_random, raw, snapshot
+from tests.test_e2e_roundtrip import fill_random, raw, snapshot
 
 LAYOUT, DTYPE, PAGE, LAYERS = KVLayout.mha(2, 8), torch.float16, 16, 4
 

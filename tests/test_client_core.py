@@ -25,10 +25,10 @@ from kvclient import (
     PutResult,
     ShmKVPool,
 )
-from kvclient._fd_socket import ticketed
 from kvclient._ops import Call, Missed
 from kvclient.core import TENANT_METADATA, ClientCore
 from kvclient.keys import page_keys, split_keys
+from kvclient.transport.fd_socket import ticketed
 from kvclient.view_core import MISS, RETRY, ViewCore
 from kvserver.v1 import kvserver_pb2 as pb
 

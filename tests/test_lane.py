@@ -22,9 +22,9 @@ from checks import wait_until
 from daemon_proc import DaemonProcess
 
 from kvclient import KVClient, KVLayout, ShmKVPool
-from kvclient._fd_socket import ticket_for
 from kvclient.keys import page_keys
-from kvserver import lane_ring as R
+from kvclient.transport.fd_socket import ticket_for
+from kvserver.protocol import ring as R
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
@@ -210,8 +210,8 @@ def test_a_hostile_ring_hurts_only_itself(daemon) -> None:
 # Another process (torch-free, so it starts fast) opening a lane on a client id it learned.
 ATTEMPT = """
 import fcntl, os, socket, sys, grpc
-from kvserver import lane_ring as R
-from kvserver.peer_socket import request_ticket
+from kvserver.protocol import ring as R
+from kvserver.protocol.fd_socket import request_ticket
 from kvserver.v1 import kvserver_pb2 as pb, kvserver_pb2_grpc as pb_grpc
 fd = os.memfd_create("other-lane", os.MFD_ALLOW_SEALING)
 os.ftruncate(fd, R.ring_bytes(1))

@@ -1,7 +1,7 @@
 """docs/integrations.md's SGLang commands, read by SGLang 0.5.23's own argument parser, and the classes
 they name built from what it parsed.
 
-Each `python -m sglang.launch_server` line of the document is extracted as tests/test_readme.py
+Each `python -m sglang.launch_server` line of the document is extracted as tests/test_docs_readme.py
 extracts blocks, split as bash would, and handed to SGLang's `prepare_server_args` (what
 `sglang.launch_server` runs before it resolves the model), so a misspelled flag or broken JSON
 fails here. SGLang's own validation of the cache flags (`handle_hicache`) runs on the result. The
@@ -31,7 +31,7 @@ from unittest import mock
 import pytest
 import sglang_env
 import torch
-from test_readme import (  # noqa: F401  (env, home, start: fixtures of the Stats walk)
+from test_docs_readme import (  # noqa: F401  (env, home, start: fixtures of the Stats walk)
     REPO,
     RUN,
     VENV_BIN,
@@ -217,7 +217,7 @@ def test_every_launch_command_is_run_here_and_parsed_by_sglang():
     assert {RUN.get(key) for key in launching} == LAUNCH_MODES, "a launch_server block not run here"
     ran_elsewhere = {mode for (doc, _), mode in RUN.items()
                      if doc == DOC and not mode.startswith("vllm-")} - RUN_HERE  # vllm-*: test_vllm_serve.py
-    assert ran_elsewhere == {"sglang-daemon"}  # test_readme.py::test_integrations_daemon_block
+    assert ran_elsewhere == {"sglang-daemon"}  # test_docs_readme.py::test_integrations_daemon_block
     for key in launching:
         (argv,) = launch_commands(doc_blocks[key])
         server_args = parse(argv)
@@ -360,7 +360,7 @@ def test_hicache_command_names_kvserver_storage():
 # ---- seeing the hits ---------------------------------------------------------------------------
 
 
-def test_stats_blocks_show_the_linkers_hits(env, start, tmp_path,  # noqa: F811 (test_readme's fixtures)
+def test_stats_blocks_show_the_linkers_hits(env, start, tmp_path,  # noqa: F811 (test_docs_readme's fixtures)
                                             default_socket_lock):
     """Step 2's daemon, two engines from step 3's command as written (the daemon is at the documented
     socket), then step 5's grpcurl and Python blocks as written. It alone in this module runs a

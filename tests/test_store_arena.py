@@ -7,7 +7,7 @@ import pytest
 from store_support import PAGE, K, MiB, make_cache, offsets_ok, one_part, put, stored
 
 from kvserver.errors import NoCapacity
-from kvserver.host_pool import HostArena
+from kvserver.host.arena import HostArena
 
 
 def test_reserve_high_carves_from_the_top():

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvserver import transfer
 from kvserver.config import ServerConfig, parse_size
+from kvserver.copy import transfer
 from kvserver.errors import FailedPrecondition, InvalidArgument, LayerOutOfRange, NoCapacity, OutOfRange
-from kvserver.host_pool import REGION_ALIGN, HostArena
-from kvserver.layout import KVLayout, LayerRange
-from kvserver.page_allocator import PageAllocator
+from kvserver.host.arena import REGION_ALIGN, HostArena
+from kvserver.host.pages import PageAllocator
+from kvserver.protocol.layout import KVLayout, LayerRange
 
 
 def test_parse_size():
@@ -191,7 +191,7 @@ def test_layer_ids_past_the_range_are_out_of_range_naming_it():
 
 def test_epoch_aliasing_is_refused():
     """With epoch 3, slot 2^36 + 5 would tag to the same index as slot 5: refused, never aliased."""
-    from kvserver import epochs
+    from kvserver.core import epochs
 
     five = epochs.tag(np.array([5]), 3)
     assert int(five[0]) == (3 << epochs.EPOCH_SHIFT) | 5
@@ -250,7 +250,7 @@ def test_repeats_are_found_without_sorting_in_order_input():
 
 
 def test_packed_indices_are_the_bytes_protobuf_writes():
-    from kvserver import wire
+    from kvserver.api import packed as wire
     from kvserver.v1 import kvserver_pb2 as pb
 
     rng = np.random.default_rng(0)

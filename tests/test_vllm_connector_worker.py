@@ -17,7 +17,7 @@ import vllm_env
 if not vllm_env.vllm_installed():
     pytest.skip("vllm not installed (scripts/install_vllm.sh)", allow_module_level=True)
 
-from kvserver.layout import KVLayout  # noqa: E402
+from kvserver.protocol.layout import KVLayout  # noqa: E402
 
 LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(3)]

@@ -1,7 +1,7 @@
 """docs/integrations.md's `vllm serve` commands, read by vLLM 0.33.0's own CLI parser, and the connector
 class vLLM's factory loads from what it parsed.
 
-Each `vllm serve` line of the document is extracted as tests/test_readme.py extracts blocks, its
+Each `vllm serve` line of the document is extracted as tests/test_docs_readme.py extracts blocks, its
 `\\` continuations joined and its words split as bash splits them, and handed to the parser
 `vllm serve` builds (`FlexibleArgumentParser` with a "serve" subparser filled by
 `make_arg_parser`, then `validate_parsed_serve_args`), so a misspelled flag or broken JSON fails
@@ -27,7 +27,7 @@ import sys
 
 import pytest
 import vllm_env
-from test_readme import REPO, RUN, block, blocks
+from test_docs_readme import REPO, RUN, block, blocks
 
 if not vllm_env.vllm_installed():
     pytest.skip("vllm not installed (scripts/install_vllm.sh)", allow_module_level=True)

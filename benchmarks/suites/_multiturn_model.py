@@ -1,7 +1,7 @@
 """The compute model of the multi-turn benchmark: prefill time of a small Llama timed on this machine.
 
 A Llama is built from a config under a fixed seed (nothing is downloaded, as in
-tests/test_hf_model.py), and the prefill of ``n`` new tokens after a cached prefix of ``p`` tokens
+tests/test_e2e_hf_model.py), and the prefill of ``n`` new tokens after a cached prefix of ``p`` tokens
 is timed at a few (n, p) points (the fastest of a few runs each). A least-squares fit of
 
     t(n, p) = a + b * n + c * n * (p + n / 2)

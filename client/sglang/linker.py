@@ -55,7 +55,7 @@ from kvclient.cuda_pool import CudaKVPool
 from kvclient.sglang._common import KEY_BYTES, Registrar, _wire_dtype, storage_keys
 from kvclient.shm_pool import ShmKVPool
 from kvclient.sync_client import KVClient
-from kvserver.layout import KVLayout
+from kvserver.protocol.layout import KVLayout
 
 logger = logging.getLogger("kvclient.sglang")
 

@@ -65,7 +65,7 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from kvclient.sglang._common import KEY_BYTES, Registrar, daemon_away, fp8_wire_dtype
 from kvclient.shm_pool import ShmKVPool
 from kvclient.sync_client import KVClient
-from kvserver.layout import KVLayout
+from kvserver.protocol.layout import KVLayout
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.pool_host import HostKVCache

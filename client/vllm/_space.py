@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserver.layout import KVLayout
+from kvserver.protocol.layout import KVLayout
 
 logger = logging.getLogger("kvclient.vllm")
 

@@ -1,17 +1,23 @@
 """Device pools, one module per medium: shared memory (``shm``) and CUDA IPC (``cuda``), all
 behind one interface (``base.DevicePool``). ``open_pool`` checks a Register request's pool
-description and opens it with the medium its buffers name."""
+description and opens it with the medium its buffers name.
+
+Owns: the media and how each runs a ``kvserver.copy.job.Job``. A new medium is a module here (and
+a pool class in the client).
+May import: ``copy``, ``peers`` (the caller's credentials for named objects), ``protocol``,
+``errors`` and ``v1``; nothing above it (no client state, no cache, no gRPC).
+"""
 
 from __future__ import annotations
 
 import torch
 
 from kvserver.errors import InvalidArgument
-from kvserver.layout import KVLayout
 from kvserver.media import cuda, shm
 from kvserver.media.base import DevicePool, wide_dtype
 from kvserver.media.cuda import SlabPinner
 from kvserver.media.shm import ShmAccess, ShmDevicePool
+from kvserver.protocol.layout import KVLayout
 from kvserver.v1 import kvserver_pb2 as pb
 
 __all__ = ["MAX_POOL_TOKENS", "DevicePool", "ShmAccess", "ShmDevicePool", "SlabPinner", "open_pool",

@@ -14,19 +14,19 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvserver import copy_queue, geometry, transfer
-from kvserver.copy_queue import Work
+from kvserver.copy import geometry, transfer, workers
+from kvserver.copy.transfer import BufferTable
+from kvserver.copy.workers import Work
 from kvserver.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unimplemented
-from kvserver.layout import KVLayout
 from kvserver.media.base import DevicePool, wide_dtype
-from kvserver.shm import ShmMapping, map_sealed_fd, open_shm
-from kvserver.tickets import PeerCred
-from kvserver.transfer import BufferTable
+from kvserver.peers.tickets import PeerCred
+from kvserver.protocol.layout import KVLayout
+from kvserver.protocol.shared_memory import ShmMapping, map_sealed_fd, open_shm
 from kvserver.v1 import kvserver_pb2 as pb
 
 if TYPE_CHECKING:
-    from kvserver.copier import Job
-    from kvserver.layer_signal import LayerSignal
+    from kvserver.copy.job import Job
+    from kvserver.copy.progress import LayerSignal
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +127,7 @@ class ShmDevicePool(DevicePool):
             for part, dev_tokens in enumerate(self.token_views[layer]):
                 pages = self.page_views[layer][part] if self.page_views is not None else None
                 if job.host_table is None:
-                    host = job.client.host_views[layer][part]
+                    host = job.region_views[layer][part]
                     transfer.copy_part(job.plan, host, pages, dev_tokens, to_device)
                 else:
                     transfer.copy_part_at(job.plan, job.host_table, layer, part, pages, dev_tokens, to_device)
@@ -270,9 +270,9 @@ def _check_access(refs: list[pb.BufferRef], access: ShmAccess) -> None:
 
 def _pieces(job: Job, plan_rows: Callable[[], transfer.JobRows], count: int, table: BufferTable,
             to_device: bool, signal: LayerSignal | None, threads: int) -> Work:
-    """The job as pieces of at most about ``copy_queue.CHUNK_BYTES``: groups of whole layers, or,
+    """The job as pieces of at most about ``workers.CHUNK_BYTES``: groups of whole layers, or,
     where a layer is larger than a piece or the job is large enough to take every worker, each
-    layer's rows split in ranges (of at least ``copy_queue.MIN_RANGE_BYTES``) that run in
+    layer's rows split in ranges (of at least ``workers.MIN_RANGE_BYTES``) that run in
     parallel. ``count`` rows; ``plan_rows`` makes their offsets (in the first piece's worker, not
     on the loop).
 
@@ -282,12 +282,12 @@ def _pieces(job: Job, plan_rows: Callable[[], transfer.JobRows], count: int, tab
     total_layers = len(job.local_layers)
     layers = np.asarray(job.local_layers, dtype=np.int64)
     per_layer = max(1, job.bytes_per_layer)
-    chunk = copy_queue.CHUNK_BYTES
+    chunk = workers.CHUNK_BYTES
     split = -(-per_layer // chunk)
-    parallel_from = copy_queue.PARALLEL_BYTES
+    parallel_from = workers.PARALLEL_BYTES
     if to_device and threads > 1 and parallel_from is not None and per_layer * total_layers >= parallel_from:
         split = max(split, threads)
-    split = max(1, min(split, count, per_layer // max(1, copy_queue.MIN_RANGE_BYTES)))
+    split = max(1, min(split, count, per_layer // max(1, workers.MIN_RANGE_BYTES)))
     if split == 1 and to_device:
         group = max(1, total_layers)  # one call: the kernel publishes each layer as it lands
     elif split == 1:

@@ -19,7 +19,8 @@ from itertools import compress
 import numpy as np
 
 from kvserver.errors import FailedPrecondition, InvalidArgument, NoCapacity
-from kvserver.host_pool import HostArena
+from kvserver.host.arena import HostArena
+from kvserver.store.counters import CacheCounters
 from kvserver.store.eviction import lru_bytes, lru_pages, lru_slabs
 from kvserver.store.keys import leading, page_ids
 from kvserver.store.leases import LeaseTable
@@ -28,7 +29,7 @@ from kvserver.store.plans import GetPlan, PutPlan
 from kvserver.store.quotas import Tenant, Tenants
 from kvserver.store.slabs import SlabPool
 from kvserver.store.spaces import Part, PartKey, Space, SpaceKey
-from kvserver.store.stats import CacheCounters, SpaceStat, TenantStat
+from kvserver.store.stats import SpaceStat, TenantStat
 
 logger = logging.getLogger(__name__)
 

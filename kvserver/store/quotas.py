@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvserver.store.stats import CacheCounters
+from kvserver.store.counters import CacheCounters
 
 
 class Tenant:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvserver.errors import NoCapacity
-from kvserver.host_pool import REGION_ALIGN, HostArena
+from kvserver.host.arena import REGION_ALIGN, HostArena
 from kvserver.store.pages import FREE, PageTable
 
 logger = logging.getLogger(__name__)

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserver.layout import KVLayout
+from kvserver.protocol.layout import KVLayout
 from kvserver.store.complete import CompleteCount
-from kvserver.store.stats import CacheCounters
+from kvserver.store.counters import CacheCounters
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,30 +1,14 @@
-"""Cache counters and the stats the cache reports per space and per tenant.
+"""The stats the cache reports per space and per tenant.
 
-Primitives: ``CacheCounters`` (mutable counters, the fields of the proto's CacheCounters),
-``SpaceStat`` and ``TenantStat`` (snapshots).
+Primitives: ``SpaceStat`` and ``TenantStat`` (snapshots of ``CacheCounters`` with what they count).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from kvserver.store.spaces import SpaceKey
-
-
-@dataclass(slots=True)
-class CacheCounters:
-    """pages and bytes are current values (pages being written included); the rest count up."""
-
-    pages: int = 0
-    bytes: int = 0
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    dedup_pages: int = 0
-    dedup_bytes: int = 0
-    dropped: int = 0
+from kvserver.store.counters import CacheCounters
+from kvserver.store.spaces import SpaceKey
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from kvserver.cuda.runtime import _probe
+from kvserver.media.cuda.runtime import _probe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -1,0 +1,57 @@
+"""Peer tickets: before every Register the client hands the pool's descriptors (none for a CUDA
+pool) to the daemon's fd socket (the gRPC socket's path + ".fd") and puts the one-time ticket it
+gets back into the request; a scheduler's OpenSpace carries one too. The ticket tells the daemon
+the caller's uid, and so its tenant. The protocol is in kvserver/protocol/fd_socket.py.
+
+Synchronous and short; the asyncio client runs it in a thread.
+"""
+
+from __future__ import annotations
+
+import os
+
+import grpc
+
+from kvclient.errors import KVClientError
+from kvserver.protocol.fd_socket import TicketRefused, request_ticket
+from kvserver.v1 import kvserver_pb2 as pb
+
+
+def fd_socket_path(target: str) -> str | None:
+    """The fd socket of a ``unix://`` gRPC target. A TCP target has none, unless
+    KVSERVER_FD_SOCKET names the daemon's (an engine on the daemon's host that talks TCP)."""
+    for prefix in ("unix://", "unix:"):
+        if target.startswith(prefix):
+            return target[len(prefix) :] + ".fd"
+    return os.environ.get("KVSERVER_FD_SOCKET") or None
+
+
+def get_ticket(path: str, fds: list[int], timeout: float = 5.0) -> str:
+    try:
+        return request_ticket(path, fds, timeout)
+    except OSError as exc:
+        raise KVClientError(grpc.StatusCode.UNAVAILABLE,
+                            f"cannot get a peer ticket from the daemon's fd socket {path}: {exc}") from None
+    except TicketRefused as exc:
+        code = grpc.StatusCode.__members__.get(exc.code, grpc.StatusCode.UNKNOWN)
+        raise KVClientError(code, f"the daemon's fd socket refused the pool's descriptors: {exc.message}") \
+            from None
+
+
+def ticket_for(target: str, fds: list[int] | tuple[int, ...] = ()) -> str:
+    """A fresh peer ticket carrying ``fds`` when the daemon has an fd socket for ``target``;
+    "" when it has none (TCP)."""
+    path = fd_socket_path(target)
+    return "" if path is None else get_ticket(path, list(fds))
+
+
+def ticketed(target: str, pool, req: pb.RegisterRequest) -> pb.RegisterRequest:
+    """``req`` with a fresh peer ticket carrying ``pool``'s descriptors (a shared-memory pool's;
+    a CUDA pool has none), when the daemon has an fd socket for ``target``."""
+    ticket = ticket_for(target, tuple(getattr(pool, "fds", None) or ()))
+    if not ticket:
+        return req
+    out = pb.RegisterRequest()
+    out.CopyFrom(req)
+    out.peer_ticket = ticket
+    return out

@@ -1,0 +1,353 @@
+"""The client's half of the data-plane fast lane (docs/lane.md; the layout is kvserver.protocol.ring).
+
+``ClientLane`` makes the sealed ring and the doorbells, and carries one Write, Load, Put or Get
+per slot: the serialized request goes into a free slot, the submit doorbell rings the daemon, and
+the caller's thread waits on its slot's done doorbell (poll with the call's deadline, after a
+short spin on the slot's words). A request too large for a slot, or a call that finds every slot
+busy, takes the gRPC path instead (the caller's choice: ``unary``/``stream`` answer None).
+
+A slot whose call gave up (its deadline) stays the daemon's until the daemon marks it DONE; it is
+taken back by a later call. When the daemon closes its ends (it stopped, died, or released the
+registration), every waiter wakes with UNAVAILABLE, as a gRPC call would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import itertools
+import logging
+import math
+import mmap
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from kvclient.errors import KVClientError
+from kvserver.protocol import ring as R
+from kvserver.v1 import kvserver_pb2 as pb
+
+logger = logging.getLogger("kvclient")
+
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+# How long a waiter polls its slot's words before it blocks on the doorbell (see docs/lane.md).
+SPIN_SECONDS = float(os.environ.get("KVCLIENT_LANE_SPIN_US", "0")) / 1e6
+# _CLOSED: the daemon closed its end (it is gone, or released the registration: its jobs are
+# dead). _CUT: this client shut the lane while the call ran (close, unregister): the daemon may
+# still copy, so the call ends as a cancelled one, unconfirmed, as a gRPC call would.
+_OPEN, _CLOSED, _TIMEOUT, _CUT = 0, 1, 2, 3
+
+
+class ClientLane:
+    def __init__(self, slots: int = R.DEFAULT_SLOTS, spin: float = SPIN_SECONDS) -> None:
+        if not 1 <= slots <= R.MAX_SLOTS:
+            raise ValueError(f"slots must be in [1, {R.MAX_SLOTS}]")
+        self.slots = slots
+        self.spin = spin
+        self.reg: Any = None  # the registration this lane was opened for
+        self.calls = 0  # requests answered on the lane
+        size = R.ring_bytes(slots)
+        fd = os.memfd_create("kvclient-lane", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._mm[: R.HEADER.size] = R.header(slots)
+        self._ring_fd = fd
+        self._submit, submit_peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(slots)]
+        self._done = [p[0] for p in pairs]
+        self._peer: list[socket.socket] | None = [submit_peer] + [p[1] for p in pairs]
+        for s in self._done:
+            s.setblocking(False)
+        self._polls = []
+        for s in self._done:
+            p = select.poll()
+            p.register(s.fileno(), select.POLLIN)
+            self._polls.append(p)
+        self._lock = threading.Lock()
+        self._free = list(range(slots))
+        self._abandoned: set[int] = set()
+        self._streams: dict[int, LaneStream] = {}
+        self._seq = itertools.count(1)
+        self._users = 0
+        self.closed = False
+        self._cut = False  # closed with wake: this client shut its own ends
+        self._released = False
+
+    # ---- opening -------------------------------------------------------------------------------
+
+    def daemon_fds(self) -> list[int]:
+        """What the daemon gets over the fd socket: the ring, then its ends of the doorbells."""
+        assert self._peer is not None
+        return [self._ring_fd] + [s.fileno() for s in self._peer]
+
+    def handed_over(self) -> None:
+        """The daemon holds its own copies now (or never will): ours are closed, so that the
+        daemon's death reads as end-of-file on our ends."""
+        peer, self._peer = self._peer, None
+        for s in peer or ():
+            s.close()
+        if self._ring_fd >= 0:
+            os.close(self._ring_fd)
+            self._ring_fd = -1
+
+    # ---- calls -----------------------------------------------------------------------------------
+
+    def unary(self, rpc: str, data: bytes, timeout: float) -> bytes | None:
+        """Write or Put on the lane: the response bytes; None: not sent (take gRPC). Raises
+        KVClientError with the daemon's status, or UNAVAILABLE / DEADLINE_EXCEEDED."""
+        i = self._begin(rpc, data)
+        if i is None:
+            return None
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                got = self._wait(i, deadline, lambda: self._state(i) == R.DONE)
+                if self._state(i) == R.DONE:
+                    code, response, message, flags = self._result(i)
+                    self._give_back(i)
+                    if code:
+                        raise _error(code, message, flags)
+                    return response
+                if got in (_CLOSED, _CUT):
+                    self._abandon(i)
+                    raise _unavailable() if got == _CLOSED else _cut()
+                if got == _TIMEOUT:
+                    self._abandon(i)
+                    raise KVClientError(grpc.StatusCode.DEADLINE_EXCEEDED, "lane call deadline exceeded")
+        finally:
+            self._leave()
+
+    def stream(self, rpc: str, data: bytes, timeout: float) -> LaneStream | None:
+        """Load or Get on the lane: its progress source for a LoadHandle; None: take gRPC."""
+        i = self._begin(rpc, data)
+        if i is None:
+            return None
+        src = LaneStream(self, i, time.monotonic() + timeout)
+        with self._lock:
+            self._streams[i] = src
+        self._leave()
+        return src
+
+    def _begin(self, rpc: str, data: bytes) -> int | None:
+        if len(data) > R.REQUEST_BYTES:
+            return None
+        with self._lock:
+            if self.closed:
+                return None
+            if not self._free:
+                finished = self._reclaim()
+            else:
+                finished = []
+        for src in finished:  # streams nobody waits for: read their end, so their slots come back
+            if src.handle is not None:
+                src.handle._drive()
+        with self._lock:
+            if self.closed or not self._free:
+                return None
+            i = self._free.pop()
+            self._users += 1
+        off = R.slot_offset(i)
+        mm = self._mm
+        mm[off + R.REQUEST_AT: off + R.REQUEST_AT + len(data)] = data
+        R.CALL.pack_into(mm, off + R.RPC_AT, R.RPC_IDS[rpc], next(self._seq), len(data))
+        R.PROGRESS.pack_into(mm, off + R.PROGRESS_AT, 0, 0, 0, 0, 0, 0, 0)  # nothing of the last call
+        R.U32.pack_into(mm, off + R.STATE, R.SUBMITTED)
+        with contextlib.suppress(OSError):  # full (the daemon has doorbells to read) or closed (it is gone)
+            self._submit.send(b"s", socket.MSG_DONTWAIT)
+        return i
+
+    def _reclaim(self) -> list[LaneStream]:
+        """Takes back the slots given up on that the daemon has finished; returns the streams it
+        has finished that nobody has read to their end yet (lock held)."""
+        for i in list(self._abandoned):
+            if self._state(i) == R.DONE:
+                self._abandoned.discard(i)
+                R.U32.pack_into(self._mm, R.slot_offset(i) + R.STATE, R.FREE)
+                self._free.append(i)
+        return [src for i, src in self._streams.items() if self._state(i) == R.DONE]
+
+    def _state(self, i: int) -> int:
+        return R.U32.unpack_from(self._mm, R.slot_offset(i) + R.STATE)[0]
+
+    def _progress(self, i: int) -> tuple[int, ...]:
+        return R.PROGRESS.unpack_from(self._mm, R.slot_offset(i) + R.PROGRESS_AT)
+
+    def _result(self, i: int) -> tuple[int, bytes, str, int]:
+        off = R.slot_offset(i)
+        mm = self._mm
+        code, n, m = R.RESULT.unpack_from(mm, off + R.CODE_AT)
+        flags = R.U32.unpack_from(mm, off + R.PROGRESS_AT + 28)[0]
+        response = bytes(mm[off + R.RESPONSE_AT: off + R.RESPONSE_AT + min(n, R.RESPONSE_BYTES)])
+        message = bytes(mm[off + R.ERROR_AT: off + R.ERROR_AT + min(m, R.ERROR_BYTES)])
+        return code, response, message.decode(errors="replace"), flags
+
+    def _give_back(self, i: int) -> None:
+        with self._lock:
+            self._streams.pop(i, None)
+            self.calls += 1
+            if not self.closed:
+                R.U32.pack_into(self._mm, R.slot_offset(i) + R.STATE, R.FREE)
+                self._free.append(i)
+        self._maybe_release()
+
+    def _abandon(self, i: int) -> None:
+        with self._lock:
+            self._streams.pop(i, None)
+            self._abandoned.add(i)
+        self._maybe_release()
+
+    def _wait(self, i: int, deadline: float, ready: Callable[[], bool]) -> int:
+        """Until ``ready()``, the slot's doorbell rings, the lane closes, or ``deadline``."""
+        if self.spin:
+            until = min(deadline, time.monotonic() + self.spin)
+            while time.monotonic() < until:
+                if ready():
+                    return _OPEN
+        sock = self._done[i]
+        # Closed without wake (the registration was lost), the call still runs to the daemon's
+        # answer: only the socket's end says the daemon is gone.
+        while True:
+            if ready():
+                return _OPEN
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return _TIMEOUT
+            events = self._polls[i].poll(max(1, math.ceil(left * 1000)))
+            if not events:
+                continue
+            for _ in range(64):
+                try:
+                    if not sock.recv(16, socket.MSG_DONTWAIT):
+                        return self._ended()  # end of file
+                except (BlockingIOError, InterruptedError):
+                    return _OPEN
+                except OSError:
+                    return self._ended()
+            return _OPEN
+
+    def _ended(self) -> int:
+        return _CUT if self._cut else _CLOSED
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._users -= 1
+        self._maybe_release()
+
+    def _maybe_release(self) -> None:
+        with self._lock:
+            last = self.closed and self._users == 0 and not self._streams
+        if last:
+            self._release()
+
+    # ---- closing ---------------------------------------------------------------------------------
+
+    def close(self, wake: bool = True) -> None:
+        """No new calls; memory and sockets go once the last call in flight has ended. ``wake``:
+        those calls end now (UNAVAILABLE); else (the registration was lost, but the daemon may
+        still answer, as a gRPC call in flight would be answered) they run to their end."""
+        with self._lock:
+            if self.closed and not wake:
+                return
+            self.closed = True
+        self.handed_over()
+        if wake:
+            self._cut = True
+            for s in (self._submit, *self._done):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+        self._maybe_release()
+
+    def _release(self) -> None:
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        for s in (self._submit, *self._done):
+            s.close()
+        with contextlib.suppress(BufferError):
+            self._mm.close()
+
+
+class LaneStream:
+    """The progress of one Load or Get in a slot, pumped by the LoadHandle's waiters."""
+
+    def __init__(self, lane: ClientLane, slot: int, deadline: float) -> None:
+        self.lane = lane
+        self.slot = slot
+        self.deadline = deadline
+        self.step = 0
+        self.finished = False
+        self.handle: Any = None  # the LoadHandle it feeds
+
+    def pump(self, handle: Any, timeout: float | None) -> None:
+        """Waits up to ``timeout`` (None: the call's deadline) for news and hands it to ``handle``."""
+        if self.finished:
+            return
+        lane, i = self.lane, self.slot
+        with lane._lock:
+            if lane._released:
+                self.finished = True
+                handle._fail(_unavailable())
+                return
+            lane._users += 1
+        try:
+            end = self.deadline if timeout is None else min(self.deadline, time.monotonic() + timeout)
+            got = lane._wait(i, end, lambda: lane._state(i) == R.DONE or lane._progress(i)[5] != self.step)
+            done = lane._state(i) == R.DONE
+            words = lane._progress(i)
+            if words[5] != self.step or done:
+                self.step = words[5]
+                handle._apply(_message(words))
+            if done:
+                code, _, message, flags = lane._result(i)
+                self.finished = True
+                lane._give_back(i)
+                if code:
+                    handle._fail(_error(code, message, flags))
+                elif not flags & R.FLAG_DONE:
+                    handle._fail(KVClientError(grpc.StatusCode.INTERNAL, "load ended before the last layer"))
+            elif got in (_CLOSED, _CUT):
+                self.finished = True
+                lane._abandon(i)
+                handle._fail(_unavailable() if got == _CLOSED else _cut())
+            elif time.monotonic() >= self.deadline:
+                self.finished = True
+                lane._abandon(i)
+                handle._fail(KVClientError(grpc.StatusCode.DEADLINE_EXCEEDED, "lane call deadline exceeded"))
+        finally:
+            lane._leave()
+
+
+def _message(words: tuple[int, ...]) -> pb.LoadProgress:
+    layers_done, last_layer, nbytes, recorded, pages, _, flags = words
+    return pb.LoadProgress(last_layer=last_layer, layers_done=layers_done, done=bool(flags & R.FLAG_DONE),
+                           bytes=nbytes, events_recorded=bool(recorded), pages=pages)
+
+
+def _error(code: int, message: str, flags: int) -> KVClientError:
+    status = _CODES.get(code, grpc.StatusCode.UNKNOWN)
+    return KVClientError(status, message, bool(flags & R.FLAG_JOB_ENDED))
+
+
+def _cut() -> KVClientError:
+    """This client closed the lane under the call: the daemon may still copy (unconfirmed)."""
+    return KVClientError(grpc.StatusCode.CANCELLED, "the client closed the lane while the call ran")
+
+
+def _unavailable() -> KVClientError:
+    return KVClientError(grpc.StatusCode.UNAVAILABLE, "the daemon closed the lane (stopped, or released the "
+                         "registration)")
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}

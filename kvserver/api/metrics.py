@@ -1,0 +1,294 @@
+"""Prometheus metrics of one daemon (``--metrics-listen``), from the same state Stats reads.
+
+Each daemon has a ``CollectorRegistry`` of its own (never the process-wide default), so two
+daemons in one process do not clash. Histograms and the transfer counters are observed on the
+event loop where the work happens; everything else is read at scrape time by ``StateCollector``,
+which runs a snapshot coroutine *on the daemon's loop* from the HTTP server's thread: a scrape
+never touches core state from another thread. See docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import start_http_server
+
+from kvserver.config import parse_metrics_listen
+
+if TYPE_CHECKING:
+    from kvserver.core.kvcore import KVCore
+    from kvserver.store.spaces import SpaceKey
+
+logger = logging.getLogger(__name__)
+
+# 50 us .. 10 s: a small inline copy, up to a large load queued behind others.
+BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+           0.5, 1.0, 2.5, 5.0, 10.0)
+# RPCs timed by kvserver_operation_duration_seconds (Session is a long-lived stream: not timed).
+OPERATIONS = ("Register", "Unregister", "Alloc", "Free", "Write", "Load", "Stats", "OpenSpace",
+              "Lookup", "Release", "Put", "Get")
+DIRECTIONS = ("write", "load", "put", "get")  # device->host, host->device, device->cache, cache->device
+LANES = ("grpc", "ring")  # how the request reached the daemon: gRPC, or the lane's ring (docs/lane.md)
+SCRAPE_TIMEOUT = 5.0  # seconds a scrape waits for the daemon's loop
+SPACE_LABELS = ("tenant", "model", "layout", "dtype", "page_size", "num_layers", "tp_size", "pp_size")
+
+@dataclass(slots=True)
+class Transfers:
+    """Daemon-wide transfer counters by (direction, lane): they only ever go up (a client's own
+    counters leave with it)."""
+
+    bytes: dict[tuple[str, str], int] = field(
+        default_factory=lambda: {(d, lane): 0 for d in DIRECTIONS for lane in LANES})
+    ops: dict[tuple[str, str], int] = field(
+        default_factory=lambda: {(d, lane): 0 for d in DIRECTIONS for lane in LANES})
+
+    def add(self, direction: str, nbytes: int, lane: str = "grpc") -> None:
+        self.bytes[direction, lane] += nbytes
+        self.ops[direction, lane] += 1
+
+
+def _layout_label(key: SpaceKey) -> str:
+    lay = key.layout
+    if lay.is_mla:
+        return f"mla:{lay.head_dim - lay.rope_dim}+{lay.rope_dim}"
+    return f"mha:{lay.num_heads}x{lay.head_dim}"
+
+
+def _space_labels(key: SpaceKey) -> list[str]:
+    return [key.tenant, key.model, _layout_label(key), str(key.dtype).removeprefix("torch."),
+            str(key.page_size), str(key.num_layers), str(key.tp_size), str(key.pp_size)]
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """What a scrape reports of the daemon's state, copied on its loop."""
+
+    capacity: int
+    reserved: int
+    used: int
+    cache_bytes: int
+    clients: int
+    queue_depth: int
+    waiting: tuple[int, int]  # jobs with pieces no worker has taken yet: (loads, writes)
+    reclaims: int
+    transfer_bytes: dict[tuple[str, str], int]
+    transfer_ops: dict[tuple[str, str], int]
+    client_memory: dict[tuple[str, str], list[int]]  # (tenant, model) -> [capacity, used] bytes
+    spaces: list  # SpaceStat
+    tenants: list  # TenantStat
+
+
+def snapshot(core: KVCore, transfers: Transfers) -> Snapshot:
+    """Reads the core as the Stats RPC does (the same sources: the numbers agree). Loop only."""
+    client_memory: dict[tuple[str, str], list[int]] = {}
+    for c in core.clients.values():
+        row = client_memory.setdefault((c.tenant, c.spec.model), [0, 0])
+        row[0] += c.region_bytes
+        row[1] += c.pages.num_used * c.spec.page_bytes
+    spaces, tenants = core.cache.stats(None)
+    return Snapshot(
+        capacity=core.arena.capacity,
+        reserved=core.arena.reserved,
+        used=sum(c.pages.num_used * c.spec.page_bytes for c in core.clients.values()),
+        cache_bytes=core.cache.bytes,
+        clients=len(core.clients),
+        queue_depth=core.copier.queued,
+        waiting=core.copier.waiting(),
+        reclaims=core.reclaimed,
+        transfer_bytes=dict(transfers.bytes),
+        transfer_ops=dict(transfers.ops),
+        client_memory=client_memory,
+        spaces=spaces,
+        tenants=tenants,
+    )
+
+
+class StateCollector:
+    """Gauges and counters read from the daemon's state at scrape time, on the daemon's loop.
+    One snapshot runs at a time, and scrapes that waited for it share it (it was taken after
+    they asked); a snapshot the loop did not take in time is cancelled: no pile of scrapes can
+    queue work on the loop."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self._lock = threading.Lock()
+        self._last: tuple[float, Snapshot] | None = None
+
+    def describe(self) -> list[Metric]:
+        return []  # nothing to check at registration: the names are this module's own
+
+    def _snapshot(self) -> Snapshot | None:
+        m = self.metrics
+        asked = time.monotonic()
+        with self._lock:  # one snapshot at a time; scrapes that waited for it share it
+            if self._last is not None and self._last[0] >= asked:
+                return self._last[1]
+            loop = m.loop
+            if loop is None or loop.is_closed() or not loop.is_running():
+                return None
+            fut = asyncio.run_coroutine_threadsafe(m.snapshot(), loop)
+            try:
+                snap = fut.result(timeout=SCRAPE_TIMEOUT)
+            except Exception as exc:  # the loop is stuck or stopping
+                fut.cancel()
+                logger.warning("metrics scrape could not read the daemon's state: %r", exc)
+                return None
+            self._last = (time.monotonic(), snap)
+            return snap
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        yield _gauge("kvserver_state_collected",
+                     "1 if this scrape read the daemon's state, 0 if its loop did not answer in time.",
+                     1 if snap is not None else 0)
+        if snap is not None:
+            yield from _families(snap, self.metrics.per_space)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _families(s: Snapshot, per_space: bool) -> Iterator[Metric]:
+    yield _gauge("kvserver_host_memory_bytes", "Host KV memory budget (--host-memory).", s.capacity)
+    yield _gauge("kvserver_host_memory_reserved_bytes",
+                 "Host memory reserved: clients' regions and the node-wide cache's slabs.", s.reserved)
+    yield _gauge("kvserver_host_memory_used_bytes",
+                 "Bytes of allocated pages in clients' regions (Stats used_bytes).", s.used)
+    yield _gauge("kvserver_cache_slab_bytes", "Host memory held by the node-wide cache's slabs.",
+                 s.cache_bytes)
+    yield _gauge("kvserver_clients", "Registered clients.", s.clients)
+    yield _gauge("kvserver_copy_queue_depth", "Copies handed to the copy workers and not done yet.",
+                 s.queue_depth)
+    waiting = GaugeMetricFamily("kvserver_copies_waiting",
+                                "Copies with pieces no copy worker has taken yet, by direction.",
+                                labels=("direction",))
+    waiting.add_metric(("load",), s.waiting[0])
+    waiting.add_metric(("write",), s.waiting[1])
+    yield waiting
+    yield CounterMetricFamily("kvserver_reclaims", "Registrations reclaimed from dead or silent engines.",
+                              value=s.reclaims)
+
+    nbytes = CounterMetricFamily("kvserver_transfer_bytes", "Bytes copied, by direction and lane.",
+                                 labels=("direction", "lane"))
+    ops = CounterMetricFamily("kvserver_transfers", "Completed transfers, by direction and lane.",
+                              labels=("direction", "lane"))
+    for (direction, lane), v in s.transfer_bytes.items():
+        nbytes.add_metric([direction, lane], v)
+        ops.add_metric([direction, lane], s.transfer_ops[direction, lane])
+    yield nbytes
+    yield ops
+    if not per_space:  # tenants' and models' names are the admin's view (--metrics-per-space)
+        return
+
+    cap = GaugeMetricFamily("kvserver_client_memory_bytes", "Host region bytes granted to clients.",
+                            labels=("tenant", "model"))
+    used = GaugeMetricFamily("kvserver_client_memory_used_bytes",
+                             "Bytes of allocated pages in clients' regions.", labels=("tenant", "model"))
+    for (tenant, model), (c, u) in s.client_memory.items():
+        cap.add_metric([tenant, model], c)
+        used.add_metric([tenant, model], u)
+    yield cap
+    yield used
+
+    t_quota = GaugeMetricFamily("kvserver_tenant_quota_bytes",
+                                "Most cache bytes the tenant may hold (no sample: no quota).",
+                                labels=("tenant",))
+    t_bytes = GaugeMetricFamily("kvserver_tenant_cache_bytes", "Cache bytes the tenant holds.",
+                                labels=("tenant",))
+    t_pages = GaugeMetricFamily("kvserver_tenant_cache_pages", "Cache pages the tenant holds.",
+                                labels=("tenant",))
+    for t in s.tenants:
+        if t.quota_bytes:
+            t_quota.add_metric([t.tenant], t.quota_bytes)
+        t_bytes.add_metric([t.tenant], t.counters.bytes)
+        t_pages.add_metric([t.tenant], t.counters.pages)
+    yield t_quota
+    yield t_bytes
+    yield t_pages
+
+    per_space = [
+        (GaugeMetricFamily, "kvserver_cache_pages", "Cached pages of the space (being written included).",
+         "pages"),
+        (GaugeMetricFamily, "kvserver_cache_bytes", "Cached bytes of the space.", "bytes"),
+        (CounterMetricFamily, "kvserver_cache_hits", "Pages Lookup found.", "hits"),
+        (CounterMetricFamily, "kvserver_cache_misses", "Pages asked for and not found.", "misses"),
+        (CounterMetricFamily, "kvserver_cache_evictions", "Pages evicted.", "evictions"),
+        (CounterMetricFamily, "kvserver_cache_dedup_pages", "Put pages already cached (not stored again).",
+         "dedup_pages"),
+        (CounterMetricFamily, "kvserver_cache_dropped_pages", "Put pages dropped for want of room.",
+         "dropped"),
+    ]
+    attrs = [attr for *_, attr in per_space]
+    # A space opened and never used (OpenSpace alone) adds no series.
+    active = [st for st in s.spaces if any(getattr(st.counters, a) for a in attrs)]
+    for kind, name, doc, attr in per_space:
+        fam = kind(name, doc, labels=SPACE_LABELS)
+        for st in active:
+            fam.add_metric(_space_labels(st.space), getattr(st.counters, attr))
+        yield fam
+
+
+class Metrics:
+    """One daemon's registry: histograms observed where the work happens, transfer counters, and
+    the state collector; ``serve`` starts the HTTP endpoint."""
+
+    def __init__(self, core: KVCore, per_space: bool = False) -> None:
+        self.core = core
+        self.per_space = per_space
+        self.host: str | None = None
+        self.transfers = Transfers()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.duration = Histogram("kvserver_operation_duration_seconds",
+                                  "Time an RPC took in the daemon, from its arrival to its answer.",
+                                  ("op",), buckets=BUCKETS, registry=self.registry)
+        self.first_layer = Histogram("kvserver_time_to_first_layer_seconds",
+                                     "Time from a Load or Get's arrival until its first layer landed.",
+                                     ("op",), buckets=BUCKETS, registry=self.registry)
+        self._duration = {op: self.duration.labels(op) for op in OPERATIONS}
+        self._first_layer = {op: self.first_layer.labels(op) for op in ("Load", "Get")}
+        self.registry.register(StateCollector(self))
+        self._server = None
+        self._thread = None
+        self.port: int | None = None
+
+    def observe(self, op: str, started: float) -> None:
+        child = self._duration.get(op)
+        if child is not None:
+            child.observe(time.perf_counter() - started)
+
+    def first_layer_landed(self, op: str, started: float) -> None:
+        self._first_layer[op].observe(time.perf_counter() - started)
+
+    async def snapshot(self) -> Snapshot:
+        return snapshot(self.core, self.transfers)
+
+    def serve(self, address: str) -> str:
+        """Starts /metrics on ``address`` (HOST:PORT); returns its URL. Call on the daemon's loop."""
+        self.loop = asyncio.get_running_loop()
+        host, port = parse_metrics_listen(address)
+        self.host = host
+        self._server, self._thread = start_http_server(port, host, self.registry)
+        self.port = self._server.server_port
+        shown = f"[{host}]" if ":" in host else host
+        return f"http://{shown}:{self.port}/metrics"
+
+    async def stop(self) -> None:
+        self.loop = None  # a scrape from now on reads no state
+        server, self._server = self._server, None
+        if server is None:
+            return
+        # shutdown() waits for the serving thread's loop: off the event loop, which a scrape may wait on.
+        await asyncio.to_thread(server.shutdown)
+        server.server_close()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 5)

@@ -1,0 +1,427 @@
+"""gRPC servicer: proto <-> core translation and status mapping, nothing else."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from kvserver.api import packed
+from kvserver.api.auth import is_admin
+from kvserver.api.metrics import Metrics
+from kvserver.api.status import grpc_status
+from kvserver.core.cache_ops import CacheOps, space_from_wire
+from kvserver.core.client_state import ClientState, Counters, public_id
+from kvserver.core.kvcore import OFF_LOOP_INDICES, KVCore
+from kvserver.core.liveness import Reaper
+from kvserver.errors import GpuStalled, InvalidArgument, KVError, PermissionDenied
+from kvserver.lane.book import LaneBook
+from kvserver.peers.tenants import TenantBook, tenant_of
+from kvserver.protocol import ring
+from kvserver.protocol.layout import wire_dtype
+from kvserver.store import CacheCounters, SpaceStat, TenantStat
+from kvserver.v1 import kvserver_pb2 as pb
+from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+# Trailing metadata of every Write and Load answer: the job is dead (or never started), so a
+# client that sees a failure knows nothing of it will still be copied. A deadline or
+# disconnection the client sees on its own side carries no such mark.
+JOB_ENDED = (("kvserver-job", "ended"),)
+
+ALLOC_INDICES_FIELD = pb.AllocResponse.DESCRIPTOR.fields_by_name["host_indices"].number
+
+
+class MalformedRequest:
+    """Stands in for request bytes that did not parse, so the handler can answer INVALID_ARGUMENT
+    (grpc.aio would otherwise report the DecodeError as UNKNOWN)."""
+
+    __slots__ = ("type_name", "error")
+
+    def __init__(self, type_name: str, error: DecodeError) -> None:
+        self.type_name = type_name
+        self.error = error
+
+
+def _lenient(message_cls: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return message_cls.FromString(data)
+        except DecodeError as exc:
+            return MalformedRequest(message_cls.DESCRIPTOR.full_name, exc)
+
+    return parse
+
+
+def _check_parsed(request: Any) -> None:
+    if isinstance(request, MalformedRequest):
+        raise InvalidArgument(f"request is not a valid {request.type_name}: {request.error}")
+
+
+def _abort_on_error(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        started = time.perf_counter()
+        try:
+            _check_parsed(request)
+            return await fn(self, request, context)
+        except KVError as exc:
+            _unmark_stalled(exc, context)
+            await context.abort(*grpc_status(exc))
+        except Exception as exc:
+            logger.exception("%s failed", fn.__name__)
+            await context.abort(*grpc_status(exc))
+        finally:
+            self.metrics.observe(fn.__name__, started)
+
+    return wrapper
+
+
+def _unmark_stalled(exc: BaseException, context) -> None:
+    """A job given up on the GPU (``GpuStalled``) may still run there later: its answer must not
+    say the job is dead."""
+    if isinstance(exc, GpuStalled):
+        context.set_trailing_metadata(())
+
+
+def _progress(step, total: int, pages: int = 0) -> pb.LoadProgress:
+    """A copier LoadStep as the LoadProgress message a Load or Get streams (or the lane's words)."""
+    return pb.LoadProgress(last_layer=step.last_layer, layers_done=step.layers_done,
+                           done=step.layers_done == total, bytes=step.bytes,
+                           events_recorded=step.events_recorded, pages=pages)
+
+
+def _counters(c: Counters) -> pb.TransferCounters:
+    return pb.TransferCounters(
+        bytes_written=c.bytes_written,
+        bytes_loaded=c.bytes_loaded,
+        write_ops=c.write_ops,
+        load_ops=c.load_ops,
+    )
+
+
+def _client_stats(c: ClientState, redact: bool = False) -> pb.ClientStats:
+    """``redact``: the daemon-wide view shows only a prefix of each id, since an id is what
+    lets a caller act as that client."""
+    s = c.spec
+    per_token = s.page_bytes // s.page_size
+    return pb.ClientStats(
+        client_id=public_id(c.client_id) if redact else c.client_id,
+        model=s.model,
+        tp_rank=s.tp_rank,
+        pp_rank=s.pp_rank,
+        start_layer=s.layers.start,
+        end_layer=s.layers.end,
+        capacity_tokens=c.capacity_tokens,
+        used_tokens=c.used_tokens,
+        capacity_bytes=c.capacity_tokens * per_token,
+        used_bytes=c.used_tokens * per_token,
+        transfers=_counters(c.counters),
+        epoch=c.epoch,
+        sessions=c.sessions,
+    )
+
+
+def _cache_counters(c: CacheCounters) -> pb.CacheCounters:
+    return pb.CacheCounters(pages=c.pages, bytes=c.bytes, hits=c.hits, misses=c.misses, evictions=c.evictions,
+                            dedup_pages=c.dedup_pages, dedup_bytes=c.dedup_bytes, dropped=c.dropped)
+
+
+def _space_stats(st: SpaceStat) -> pb.SpaceStats:
+    k = st.space
+    space = pb.KVSpace(model=k.model, layout=k.layout.to_wire(), dtype=wire_dtype(k.dtype),
+                       page_size=k.page_size, num_layers=k.num_layers, tp_size=k.tp_size, pp_size=k.pp_size)
+    return pb.SpaceStats(tenant=k.tenant, space=space, counters=_cache_counters(st.counters),
+                         parts_seen=st.parts_seen, parts=st.parts, complete_pages=st.complete_pages)
+
+
+def _tenant_stats(st: TenantStat) -> pb.TenantStats:
+    return pb.TenantStats(tenant=st.tenant, counters=_cache_counters(st.counters), quota_bytes=st.quota_bytes)
+
+
+class KVServicer(pb_grpc.KVServerServicer):
+    def __init__(self, core: KVCore, reaper: Reaper, admin_token: str | None = None,
+                 tenants: TenantBook | None = None, metrics: Metrics | None = None) -> None:
+        self.core = core
+        self.metrics = metrics or Metrics(core)  # histograms and transfer counters, observed here
+        self.cache = CacheOps(core, tenants)
+        self.reaper = reaper
+        self.admin_token = admin_token
+        self.stopping = asyncio.Event()  # set at shutdown: sessions end so the server can drain
+        self.lanes = LaneBook(core, self.run_lane)
+
+    @_abort_on_error
+    async def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
+        client = await self.core.register(request, self.cache.tenants.named(context.invocation_metadata()))
+        spec = client.spec
+        return pb.RegisterResponse(
+            client_id=client.client_id,
+            host_tokens=client.capacity_tokens,
+            page_size=spec.page_size,
+            host_bytes_per_token=spec.page_bytes // spec.page_size,
+            epoch=client.epoch,
+            lease_seconds=self.reaper.lease,
+            reclaim_grace_seconds=self.reaper.grace,
+            layer_events=client.device.event_handles,
+        )
+
+    @_abort_on_error
+    async def Unregister(self, request: pb.UnregisterRequest, context) -> pb.UnregisterResponse:
+        return pb.UnregisterResponse(copies_pending=await self.core.unregister(request.client_id))
+
+    @_abort_on_error
+    async def Alloc(self, request: pb.AllocRequest, context) -> pb.AllocResponse:
+        indices = self.core.alloc(request.client_id, request.num_tokens)
+        # The AllocResponse's wire bytes, encoded with numpy (a message of 4 Mi indices costs ~1 s
+        # of GIL to build and serialise); large ones in a worker thread, off the event loop.
+        if indices.size > OFF_LOOP_INDICES:
+            try:
+                return await asyncio.to_thread(packed.packed_int64, ALLOC_INDICES_FIELD, indices)
+            except asyncio.CancelledError:  # the caller is gone and will never name these pages
+                free = asyncio.ensure_future(self.core.free(request.client_id, indices))
+                free.add_done_callback(lambda f: f.cancelled() or f.exception())
+                raise
+        return packed.packed_int64(ALLOC_INDICES_FIELD, indices)
+
+    @_abort_on_error
+    async def Free(self, request: pb.FreeRequest, context) -> pb.FreeResponse:
+        freed = await self.core.free(request.client_id, request.host_indices)
+        return pb.FreeResponse(freed_tokens=freed)
+
+    @_abort_on_error
+    async def Write(self, request: pb.WriteRequest, context) -> pb.WriteResponse:
+        # Whatever this call answers, its job is dead by then (or never was): say so.
+        context.set_trailing_metadata(JOB_ENDED)
+        return await self._write(request, "grpc")
+
+    async def _write(self, request: pb.WriteRequest, lane: str) -> pb.WriteResponse:
+        job = await self.core.prepare_job(
+            request.client_id, request.host_indices, request.device_indices, request.layers,
+            request.ready_event, timeout_ms=request.timeout_ms,
+        )
+        nbytes = await self.core.copier.write(job)
+        self.metrics.transfers.add("write", nbytes, lane)
+        return pb.WriteResponse(bytes=nbytes)
+
+    async def Load(self, request: pb.LoadRequest, context) -> AsyncIterator[pb.LoadProgress]:
+        started = time.perf_counter()
+        try:
+            context.set_trailing_metadata(JOB_ENDED)
+            _check_parsed(request)
+            async for progress in self._load(request, "grpc", started):
+                yield progress
+        except Exception as exc:
+            if not isinstance(exc, KVError):
+                logger.exception("Load failed")
+            _unmark_stalled(exc, context)
+            await context.abort(*grpc_status(exc))
+        finally:
+            self.metrics.observe("Load", started)
+
+    async def _load(self, request: pb.LoadRequest, lane: str,
+                    started: float) -> AsyncIterator[pb.LoadProgress]:
+        first, moved = True, 0
+        job = await self.core.prepare_job(
+            request.client_id, request.host_indices, request.device_indices, request.layers,
+            request.ready_event, request.event_slot, request.timeout_ms,
+        )
+        total = len(job.local_layers)
+        async for step in self.core.copier.load(job):
+            if first and step.layers_done:
+                first = False
+                self.metrics.first_layer_landed("Load", started)
+            moved = step.bytes
+            yield _progress(step, total)
+        self.metrics.transfers.add("load", moved, lane)  # the job is over: counted as Stats counts it
+
+    async def Session(self, request: pb.SessionRequest, context) -> AsyncIterator[pb.SessionEvent]:
+        try:
+            _check_parsed(request)
+            client = self.core.client(request.client_id)
+        except Exception as exc:
+            await context.abort(*grpc_status(exc))
+        async with self.reaper.session(client):
+            yield pb.SessionEvent(epoch=client.epoch)
+            # Open until the client goes away (cancels this), is unregistered, or the daemon stops.
+            ends = [asyncio.ensure_future(e.wait()) for e in (client.gone, self.stopping)]
+            try:
+                await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for e in ends:
+                    e.cancel()
+
+    @_abort_on_error
+    async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
+        core = self.core
+        metadata = context.invocation_metadata()
+        admin = is_admin(metadata, self.admin_token)
+        if request.client_id:  # the caller holds this client's id: its own client
+            clients = [core.client(request.client_id)]
+            tenant = clients[0].tenant
+        elif admin:
+            clients = list(core.clients.values())
+            tenant = None
+        else:  # other peers' models, ranks and epochs are theirs: totals only
+            clients = []
+            tenant = self.cache.tenants.named(metadata)
+        if admin:
+            tenant = None  # every tenant's spaces
+        spaces, tenants = core.cache.stats(tenant) if admin or tenant is not None else ([], [])
+        totals = Counters()
+        totals.add(core.totals)
+        for c in core.clients.values():
+            totals.add(c.counters)
+        return pb.StatsResponse(
+            capacity_bytes=core.arena.capacity,
+            reserved_bytes=core.arena.reserved,
+            used_bytes=sum(c.pages.num_used * c.spec.page_bytes for c in core.clients.values()),
+            num_clients=len(core.clients),
+            transfers=_counters(totals),
+            clients=[_client_stats(c, redact=not request.client_id) for c in clients],
+            reclaimed_clients=core.reclaimed,
+            cache_bytes=core.cache.bytes,
+            spaces=[_space_stats(st) for st in spaces],
+            tenants=[_tenant_stats(st) for st in tenants],
+        )
+
+    # ---- the node-wide cache ------------------------------------------------------------------
+
+    @_abort_on_error
+    async def OpenSpace(self, request: pb.OpenSpaceRequest, context) -> pb.OpenSpaceResponse:
+        named = self.cache.tenants.named(context.invocation_metadata())
+        peer = None
+        if request.peer_ticket and self.core.tickets is not None:
+            ticket = self.core.tickets.redeem(request.peer_ticket)
+            ticket.close_off_loop()  # a space needs no descriptors
+            peer = ticket.peer
+        tenant = tenant_of(named, peer)
+        space = space_from_wire(tenant, request.space)
+        return pb.OpenSpaceResponse(space_id=self.cache.open_space(space), tenant=tenant)
+
+    @_abort_on_error
+    async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
+        pages, lease = self.cache.lookup(request)
+        return pb.LookupResponse(pages=pages, lease_id=lease)
+
+    @_abort_on_error
+    async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        return pb.ReleaseResponse(released=self.cache.release(request))
+
+    @_abort_on_error
+    async def Put(self, request: pb.PutRequest, context) -> pb.PutResponse:
+        context.set_trailing_metadata(JOB_ENDED)
+        return await self._put(request, "grpc")
+
+    async def _put(self, request: pb.PutRequest, lane: str) -> pb.PutResponse:
+        got = await self.cache.put(request)
+        if got.stored:  # a copy ran (as Stats counts: a Put of nothing new copies nothing)
+            self.metrics.transfers.add("put", got.bytes, lane)
+        return pb.PutResponse(stored=got.stored, present=got.present, dropped=got.dropped, bytes=got.bytes)
+
+    async def Get(self, request: pb.GetRequest, context) -> AsyncIterator[pb.LoadProgress]:
+        started = time.perf_counter()
+        try:
+            context.set_trailing_metadata(JOB_ENDED)
+            _check_parsed(request)
+            async for progress in self._get(request, "grpc", started):
+                yield progress
+        except Exception as exc:
+            if not isinstance(exc, KVError):
+                logger.exception("Get failed")
+            _unmark_stalled(exc, context)
+            await context.abort(*grpc_status(exc))
+        finally:
+            self.metrics.observe("Get", started)
+
+    async def _get(self, request: pb.GetRequest, lane: str, started: float) -> AsyncIterator[pb.LoadProgress]:
+        first, moved = True, -1
+        total = None
+        async for pages, step in self.cache.get(request):
+            if step is None:  # first: how many pages; nothing stored is one message, done
+                yield pb.LoadProgress(done=pages == 0, pages=pages)
+                if pages == 0:
+                    return
+                continue
+            if total is None:
+                total = len(request.layers) or len(self.core.client(request.client_id).spec.layers)
+            if first and step.layers_done:
+                first = False
+                self.metrics.first_layer_landed("Get", started)
+            moved = step.bytes
+            yield _progress(step, total, pages)
+        if moved >= 0:  # a copy ran and is over (a Get that found nothing copies nothing)
+            self.metrics.transfers.add("get", moved, lane)
+
+    # ---- the data-plane fast lane (docs/lane.md) ------------------------------------------------
+
+    @_abort_on_error
+    async def OpenLane(self, request: pb.OpenLaneRequest, context) -> pb.OpenLaneResponse:
+        lane = await self.lanes.open(request.client_id, request.peer_ticket,
+                                     self.cache.tenants.named(context.invocation_metadata()))
+        return pb.OpenLaneResponse(slots=lane.slots, request_bytes=ring.REQUEST_BYTES,
+                                   response_bytes=ring.RESPONSE_BYTES)
+
+    async def run_lane(self, client_id: str, rpc: str, data: bytes, progress: Callable[[Any], None]) -> bytes:
+        """One request that came on ``client_id``'s lane: parsed and run by the code its RPC runs."""
+        started = time.perf_counter()
+        try:
+            request = _lenient(_LANE_REQUESTS[rpc])(data)
+            _check_parsed(request)
+            if request.client_id != client_id:
+                if request.client_id not in self.core.clients:  # unknown: answered as the RPC would
+                    self.core.client(request.client_id)
+                # Known: refused without a look at it (that would renew its lease).
+                raise PermissionDenied("a lane carries only the calls of the registration that opened it")
+            if rpc == "Write":
+                return (await self._write(request, "ring")).SerializeToString()
+            if rpc == "Put":
+                return (await self._put(request, "ring")).SerializeToString()
+            steps = self._load if rpc == "Load" else self._get
+            async with contextlib.aclosing(steps(request, "ring", started)) as stream:
+                async for message in stream:
+                    progress(message)  # if it raises, the job still ends here, not at a GC
+            return b""
+        except Exception as exc:
+            if not isinstance(exc, KVError):
+                logger.exception("%s on a lane failed", rpc)
+            raise
+        finally:
+            self.metrics.observe(rpc, started)
+
+
+_LANE_REQUESTS = {"Write": pb.WriteRequest, "Load": pb.LoadRequest, "Put": pb.PutRequest,
+                  "Get": pb.GetRequest}
+
+
+def _serialize(response: Any) -> bytes:
+    """A response message's bytes; a handler may return them ready-made (see Alloc)."""
+    return response if isinstance(response, bytes) else response.SerializeToString()
+
+
+def add_to_server(servicer: KVServicer, server: Any) -> None:
+    """The generated add_KVServerServicer_to_server, with request parsing that cannot raise."""
+    service = pb.DESCRIPTOR.services_by_name["KVServer"]
+    handlers = {}
+    for method in service.methods:
+        request_cls = getattr(pb, method.input_type.name)
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=_lenient(request_cls),
+            response_serializer=_serialize,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    if hasattr(server, "add_registered_method_handlers"):  # grpcio >= 1.63: faster dispatch
+        server.add_registered_method_handlers(service.full_name, handlers)

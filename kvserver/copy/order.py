@@ -1,0 +1,74 @@
+"""Which earlier copies of one client a new copy must wait for.
+
+Loads go first (``kvserver.copy.workers``), but never past a copy of the same client they depend
+on. A client's copies keep their arrival order, with one exception: a load may start before the
+client's earlier writes when it shares no host page and no device slot with any of them (it reads
+no page they write, and writes no slot they read). So two writes to the same pages are applied
+whole in arrival order, a load after a write of the same pages reads what that write stored, and
+a load into slots an earlier write still reads waits for it; an engine's prefetch overtakes its
+own unrelated offloads.
+
+Host pages are the client's region pages (cache jobs have none: the cache hands out pages being
+written to no reader); device slots are tokens of its pool. Loop only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from kvserver.copy.job import Job
+
+
+def device_tokens(job: Job) -> np.ndarray:
+    plan = job.plan
+    if not plan.device_paged:
+        return plan.device_rows
+    offsets = np.arange(plan.page_size, dtype=np.int64)
+    return (plan.device_rows[:, None] * plan.page_size + offsets).reshape(-1)
+
+
+class JobOrder:
+    def __init__(self, region_pages: int, device_tokens: int) -> None:
+        self._sizes = (region_pages, device_tokens)
+        self.unfinished: list[Job] = []  # arrival order
+        self._written: tuple[np.ndarray, np.ndarray] | None = None  # unfinished writes' pages, slots
+        self._writes = 0
+
+    def admit(self, job: Job, load: bool) -> list[Job]:
+        """Registers ``job`` (a load if ``load``) and returns the earlier jobs it must wait for."""
+        earlier = list(self.unfinished)
+        if load and self._writes and not self._touches_writes(job):
+            earlier = [j for j in earlier if j.load]
+        job.load = load
+        self.unfinished.append(job)
+        if not load:
+            pages, slots = self._marks()
+            pages[job.pages] += 1
+            slots[device_tokens(job)] += 1
+            self._writes += 1
+        return earlier
+
+    def finished(self, job: Job) -> None:
+        """``job`` is over (or never started): it holds back nothing more."""
+        try:
+            self.unfinished.remove(job)
+        except ValueError:
+            return
+        if not job.load:
+            pages, slots = self._marks()
+            pages[job.pages] -= 1
+            slots[device_tokens(job)] -= 1
+            self._writes -= 1
+
+    def _marks(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._written is None:
+            pages, slots = self._sizes
+            self._written = (np.zeros(pages, dtype=np.int32), np.zeros(slots, dtype=np.int32))
+        return self._written
+
+    def _touches_writes(self, job: Job) -> bool:
+        pages, slots = self._marks()
+        return bool(pages[job.pages].any() or slots[device_tokens(job)].any())

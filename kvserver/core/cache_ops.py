@@ -1,0 +1,246 @@
+"""The node-wide cache's operations as the daemon serves them: whose space a call is in, the whole
+request checked before the cache changes, and the copy jobs of Put and Get. No gRPC.
+
+The index (``kvserver.store``) decides which pages; the copier moves the bytes. A Put's new pages
+stay invisible, and a Get's pages stay marked as being read, until the copy is really over (the
+job's ``on_settled``), not when its call ends: a copy the daemon could not stop yet still owns them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvserver.copy import transfer
+from kvserver.core.client_state import ClientSpec, ClientState, check_model_shape
+from kvserver.core.copier import ClientJob, LoadStep
+from kvserver.core.kvcore import KVCore
+from kvserver.errors import InvalidArgument, NoCapacity, NotFound, OutOfRange
+from kvserver.peers.tenants import TenantBook
+from kvserver.protocol.layout import KVLayout, torch_dtype
+from kvserver.store import MAX_PIN_MS, KVCache, Part, PartKey, Space, SpaceKey, split_keys
+from kvserver.v1 import kvserver_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+MAX_SPACE_IDS = 1 << 16  # space handles the daemon keeps (one per tenant and space)
+# Keys in one Lookup, Put or Get (2 Mi tokens in pages of 16): their bookkeeping runs on the event
+# loop, so a request is bounded to what the loop can do in a small fraction of a second.
+MAX_CACHE_KEYS = 1 << 17
+
+
+@dataclass(frozen=True, slots=True)
+class PutOutcome:
+    stored: int
+    present: int
+    dropped: int
+    bytes: int
+
+
+def space_key(tenant: str, spec: ClientSpec) -> SpaceKey:
+    return SpaceKey(tenant, spec.model, spec.layout, spec.dtype, spec.page_size, spec.num_layers,
+                    spec.tp_size, spec.pp_size)
+
+
+def space_from_wire(tenant: str, msg: pb.KVSpace) -> SpaceKey:
+    """The space a scheduler names, checked as a registration's fields are."""
+    if not msg.model or len(msg.model) > 256:
+        raise InvalidArgument("space.model must be set, at most 256 characters")
+    if msg.page_size == 0 or msg.page_size > 4096:
+        raise InvalidArgument(f"space.page_size must be in [1, 4096], got {msg.page_size}")
+    if msg.num_layers == 0:
+        raise InvalidArgument("space.num_layers must be at least 1")
+    if msg.dtype == pb.DTYPE_UNSPECIFIED:
+        raise InvalidArgument("space.dtype must be set")
+    tp_size, pp_size = max(msg.tp_size, 1), max(msg.pp_size, 1)
+    check_model_shape(tp_size, pp_size, msg.num_layers, "space ")
+    return SpaceKey(tenant, msg.model, KVLayout.from_wire(msg.layout), torch_dtype(msg.dtype), msg.page_size,
+                    msg.num_layers, tp_size, pp_size)
+
+
+def cache_table(arena_address: int, spec: ClientSpec) -> transfer.BufferTable:
+    """Where (layer, part) of a cached page of this client's part starts, relative to the page's
+    arena offset: rows are byte offsets (row_stride 1), the page laid out as a region's page."""
+    parts = spec.layout.num_parts
+    chunk = spec.page_size * spec.token_bytes
+    bases = np.array([[arena_address + (layer * parts + part) * chunk for part in range(parts)]
+                      for layer in range(len(spec.layers))], dtype=np.uint64)
+    return transfer.BufferTable(bases=bases, row_stride=1, row_bytes=spec.token_bytes)
+
+
+class CacheOps:
+    def __init__(self, kv: KVCore, tenants: TenantBook | None = None) -> None:
+        self.cache: KVCache = kv.cache
+        self.kv = kv
+        self.tenants = tenants or TenantBook()
+        self._max_keys = min(MAX_CACHE_KEYS, kv.max_request_indices)
+        self._space_ids: dict[str, SpaceKey] = {}
+        self._ids_of: dict[SpaceKey, str] = {}
+
+    # ---- who is asking ----------------------------------------------------------------------
+
+    def _part(self, client: ClientState) -> Part:
+        spec = client.spec
+        space = self.cache.space(space_key(client.tenant, spec))
+        shard = 0 if spec.layout.is_mla else spec.tp_rank
+        key = PartKey(shard, spec.pp_rank, spec.layers.start, spec.layers.end, spec.page_bytes)
+        return self.cache.part(space, key)
+
+    def open_space(self, space: SpaceKey) -> str:
+        self.cache.space(space)  # the tenant's space limit applies here too
+        sid = self._ids_of.get(space)
+        if sid is None:
+            if len(self._space_ids) >= MAX_SPACE_IDS:
+                self._forget_empty_ids()
+            sid = secrets.token_hex(16)
+            self._space_ids[sid] = space
+            self._ids_of[space] = sid
+        return sid
+
+    def _forget_empty_ids(self) -> None:
+        for sid, key in list(self._space_ids.items()):
+            if self.cache.find_space(key) is None:
+                del self._space_ids[sid], self._ids_of[key]
+        if len(self._space_ids) >= MAX_SPACE_IDS:
+            raise NoCapacity(f"the daemon holds {MAX_SPACE_IDS} space handles; none is free")
+
+    def _space(self, space_id: str) -> SpaceKey:
+        key = self._space_ids.get(space_id)
+        if key is None:
+            raise NotFound("unknown space_id: open the space again (the daemon may have restarted)")
+        return key
+
+    def _target(self, client_id: str, space_id: str) -> tuple[str, ClientState | None, SpaceKey | None]:
+        if bool(client_id) == bool(space_id):
+            raise InvalidArgument("give exactly one of client_id (an engine) and space_id (a scheduler)")
+        if client_id:
+            client = self.kv.client(client_id)
+            return client.tenant, client, None
+        key = self._space(space_id)
+        return key.tenant, None, key
+
+    # ---- Lookup and Release -----------------------------------------------------------------
+
+    def lookup(self, req: pb.LookupRequest) -> tuple[int, str]:
+        _, client, key = self._target(req.client_id, req.space_id)
+        if req.pin_ms > MAX_PIN_MS:
+            raise InvalidArgument(f"pin_ms is {req.pin_ms}; at most {MAX_PIN_MS}")
+        keys = split_keys(req.keys, req.key_bytes, self._max_keys)
+        target: Part | Space
+        if client is not None:
+            part = self._part(client)
+            target = part.space if req.whole_space else part
+        else:
+            target = self.cache.space(key)
+        return self.cache.lookup(target, keys, req.pin_ms)
+
+    def release(self, req: pb.ReleaseRequest) -> int:
+        tenant, _, _ = self._target(req.client_id, req.space_id)
+        if len(req.lease_ids) > 4096:
+            raise InvalidArgument(f"{len(req.lease_ids)} leases in one Release; at most 4096")
+        return self.cache.release(tenant, list(req.lease_ids))
+
+    # ---- Put and Get --------------------------------------------------------------------------
+
+    def _checked(self, client: ClientState, packed: bytes, key_bytes: int, device_pages,
+                 ready_event: bytes, event_slot: int) -> tuple[list[bytes], np.ndarray]:
+        keys = split_keys(packed, key_bytes, self._max_keys)
+        pages = transfer.as_indices(device_pages, "device page")
+        if pages.size != len(keys):
+            raise InvalidArgument(f"{len(keys)} keys but {pages.size} device pages; they must pair up")
+        device = client.device
+        device.check_request(ready_event, event_slot)
+        device.check_cache_rows()
+        if pages.size:
+            lo, hi = int(pages.min()), int(pages.max())
+            if lo < 0 or hi >= device.num_pages:
+                raise OutOfRange(f"device page {lo if lo < 0 else hi} is outside the device pool of "
+                                 f"{device.num_pages} pages ({device.num_tokens} tokens)")
+            if transfer.has_repeats(pages):
+                raise InvalidArgument("device pages name the same page more than once")
+        device.check_sizes()
+        return keys, pages
+
+    def _job(self, client: ClientState, offsets: np.ndarray, device_pages: np.ndarray,
+             local_layers: list[int],
+             ready_event: bytes, event_slot: int, deadline: float) -> ClientJob:
+        p = client.spec.page_size
+        if client.device.paged:
+            plan = transfer.CopyPlan(offsets, device_pages, True, p)
+        else:
+            tokens = (device_pages[:, None] * p + np.arange(p, dtype=np.int64)).reshape(-1)
+            plan = transfer.CopyPlan(offsets, tokens, False, p)
+        if client.cache_table is None:
+            client.cache_table = cache_table(self.kv.arena.address, client.spec)
+        return ClientJob(client, plan, local_layers, np.empty(0, dtype=np.int64), bytes(ready_event),
+                            event_slot, deadline, host_table=client.cache_table)
+
+    async def put(self, req: pb.PutRequest) -> PutOutcome:
+        client = self.kv.client(req.client_id)
+        deadline = self.kv.deadline(req.timeout_ms)
+        keys, pages = self._checked(client, req.keys, req.key_bytes, req.device_pages, req.ready_event, 0)
+        part = self._part(client)
+        plan = self.cache.prepare_put(part, keys)
+        n = plan.positions.size
+        if n == 0:
+            self.cache.complete_put(plan, True)
+            return PutOutcome(0, plan.present, plan.dropped, 0)
+        try:
+            job = self._job(client, plan.offsets, pages[plan.positions], client.spec.layers.select([]),
+                            req.ready_event, 0, deadline)
+        except BaseException:
+            self.cache.complete_put(plan, False)
+            raise
+        job.on_settled = lambda ok: self.cache.complete_put(plan, ok)
+        try:
+            nbytes = await self.kv.copier.write(job)
+        finally:
+            if not job.submitted:  # it never reached the medium, so nothing will settle it
+                self.cache.complete_put(plan, False)
+        return PutOutcome(n, plan.present, plan.dropped, nbytes)
+
+    async def get(self, req: pb.GetRequest) -> AsyncIterator[tuple[int, LoadStep | None]]:
+        """Yields (pages, step): first the number of leading keys this Get loads, with no step;
+        then, unless that is 0, one item per progress step of the copy."""
+        client = self.kv.client(req.client_id)
+        deadline = self.kv.deadline(req.timeout_ms)
+        keys, pages = self._checked(client, req.keys, req.key_bytes, req.device_pages, req.ready_event,
+                                    req.event_slot)
+        local_layers = client.spec.layers.select(req.layers)
+        part = self._part(client)
+        plan = self.cache.prepare_get(part, keys, req.lease_id)
+        if plan.pages == 0:
+            self.cache.complete_get(plan, True)
+            yield 0, None
+            return
+        try:
+            job = self._job(client, plan.offsets, pages[: plan.pages], local_layers, req.ready_event,
+                            req.event_slot, deadline)
+        except BaseException:
+            self.cache.complete_get(plan, False)
+            raise
+        job.on_settled = lambda ok: self.cache.complete_get(plan, ok)
+        try:
+            yield plan.pages, None  # the prefix is known now: the engine need not wait for a copy
+            async for step in self.kv.copier.load(job):
+                yield plan.pages, step
+        finally:
+            if not job.submitted:  # it never reached the medium, so nothing will settle it
+                self.cache.complete_get(plan, False)
+
+
+async def expire_leases(cache: KVCache, stop: asyncio.Event, period: float = 1.0) -> None:
+    """Ends expired leases every ``period`` seconds until ``stop`` is set."""
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), period)
+        except TimeoutError:
+            pass
+        ended = cache.expire_leases()
+        if ended:
+            logger.debug("%d cache leases expired", ended)

@@ -1,0 +1,271 @@
+"""Running copies: the copy workers' queues, small copies inline, streamed load progress.
+
+How a job's bytes move is its pool's medium's (``kvserver/media``: the CPU for shared memory, the
+GPU for CUDA, ``DevicePool.start``); the copier keeps what is the same for all: queueing,
+deadlines, stop words, busy marks and progress.
+
+Copies run on ``copy_threads`` worker threads (``kvserver.copy.workers``): loads before writes, in
+arrival order within each, every job in pieces of a few MiB, so that a prefetch an engine waits on
+is held up by at most a piece of someone's offload; a large job's pieces use every idle worker.
+A CUDA job only takes a worker while it is enqueued on its client's stream; a waiter thread then
+waits for the GPU and reports its layers, so engines on other GPUs (or other clients on one GPU)
+are not queued behind it. While a copy
+runs, its host pages are marked busy, so that a Free or Unregister of those pages waits for it,
+and the mark is cleared by the copy's own completion, never by the RPC that asked: a cancelled
+call cannot free pages a copy still touches.
+
+A job never outlives what asked for it. Each has a stop word that the copy reads before every
+layer: a job whose call ended (deadline, disconnect), whose ``timeout_ms`` passed, or whose client
+is being released is dropped if still queued and ends at its next layer boundary if running. Its
+call is answered only once the job is dead, so a client told "this load failed" knows the daemon
+will not write those slots later. A CUDA job that is already on the GPU cannot be stopped: its
+call is answered once the GPU is done with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvserver.copy import transfer
+from kvserver.copy.job import Job
+from kvserver.copy.order import JobOrder
+from kvserver.copy.progress import LayerSignal
+from kvserver.copy.workers import CopyQueue
+from kvserver.core.client_state import ClientState
+from kvserver.media.base import INLINE
+
+# Copies up to this size run on the event loop when the worker is idle (~50 us at memcpy speed).
+INLINE_COPY_BYTES = 256 << 10
+# Threads that wait for enqueued device copies (one per copy in flight, sleeping in the driver).
+DEVICE_WAITERS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class LoadStep:
+    """One or more layers landed: every requested layer up to ``last_layer`` (global). A CUDA
+    load first yields a step with ``events_recorded`` and no layer done yet."""
+
+    last_layer: int
+    layers_done: int
+    bytes: int
+    events_recorded: bool = False
+
+
+@dataclass(slots=True, eq=False, init=False)
+class ClientJob(Job):
+    """A job of a registered client: the copier holds its pages busy, orders it among the client's
+    copies and adds it to the client's counters. Its host rows are the client's region pages, or
+    ``host_table``'s rows (cache pages in the arena)."""
+
+    client: ClientState
+
+    def __init__(self, client: ClientState, plan: transfer.CopyPlan, local_layers: list[int],
+                 pages: np.ndarray, ready_event: bytes = b"", event_slot: int = 0, deadline: float = 0.0,
+                 host_table: transfer.BufferTable | None = None) -> None:
+        spec = client.spec
+        Job.__init__(self, plan, local_layers, pages, client.host_table, client.host_views,
+                     spec.token_bytes * spec.layout.num_parts, ready_event, event_slot, deadline,
+                     host_table=host_table)
+        self.client = client
+
+
+class Copier:
+    def __init__(self, copy_threads: int = 1, progress_interval: float = 0.0) -> None:
+        self.progress_interval = progress_interval
+        self.queued = 0  # copies handed to the worker and not yet released
+        self._executor = CopyQueue(copy_threads)
+        self._waiters = ThreadPoolExecutor(DEVICE_WAITERS, thread_name_prefix="kvdev-wait")
+
+    def waiting(self) -> tuple[int, int]:
+        """Jobs whose pieces the workers have not all taken yet: (loads, writes)."""
+        return self._executor.depth()
+
+    async def write(self, job: ClientJob) -> int:
+        fut = self._submit(job, False, None)
+        try:
+            await _until_done(fut, job)
+        finally:
+            job.client.jobs.discard(job)
+        nbytes = job.bytes_per_layer * len(job.local_layers)
+        job.client.counters.bytes_written += nbytes
+        job.client.counters.write_ops += 1
+        return nbytes
+
+    async def load(self, job: ClientJob) -> AsyncIterator[LoadStep]:
+        """Runs the copy in the worker and yields progress as layers land.
+
+        Steps are at least ``progress_interval`` seconds apart (the last one is never held
+        back): each message costs both processes CPU time, which on a busy node comes out of
+        the copy. A step covers every layer landed since the previous one.
+        """
+        loop = asyncio.get_running_loop()
+        changed = asyncio.Event()
+        signal = LayerSignal(self.progress_interval, len(job.local_layers))
+        signal.watch(loop, changed)
+        try:
+            fut = self._submit(job, True, signal)
+        except BaseException:
+            signal.unwatch(loop)
+            signal.release()  # the job's share: it never started
+            raise
+        start = job.client.spec.layers.start
+        total = len(job.local_layers)
+        sent, sent_at = 0, -math.inf
+        told_recorded = not job.client.device.records_events
+        waiter = None
+        try:
+            while sent < total:
+                if fut.done():
+                    if fut.exception() is not None and signal.layers_done > sent:
+                        # Stopped or failed after some layers: say which landed, then why.
+                        sent = signal.layers_done
+                        yield LoadStep(start + job.local_layers[sent - 1], sent, sent * job.bytes_per_layer)
+                    fut.result()  # raises the worker's error, if any
+                if not told_recorded and signal.recorded:
+                    told_recorded = True
+                    yield LoadStep(0, 0, 0, events_recorded=True)  # no layer yet: layers_done is 0
+                done = signal.layers_done
+                wait = self.progress_interval - (time.monotonic() - sent_at)
+                if done > sent and (done == total or wait <= 0):
+                    yield LoadStep(start + job.local_layers[done - 1], done, done * job.bytes_per_layer)
+                    sent, sent_at = done, time.monotonic()
+                    continue
+                changed.clear()
+                waiter = asyncio.ensure_future(changed.wait())
+                await asyncio.wait({waiter, fut}, timeout=wait if done > sent else None,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+            await _until_done(fut, job)
+        except BaseException:
+            if not fut.done():  # the call ended (its deadline, a disconnect): so does the job
+                job.stop("cancelled")
+            _forget(fut)
+            raise
+        finally:
+            if waiter is not None:
+                waiter.cancel()
+            signal.unwatch(loop)
+            job.client.jobs.discard(job)
+        job.client.counters.bytes_loaded += total * job.bytes_per_layer
+        job.client.counters.load_ops += 1
+
+    def _submit(self, job: ClientJob, to_device: bool, signal: LayerSignal | None) -> asyncio.Future[None]:
+        """Starts a copy; its pages stay busy (and its signal open) until the worker thread is
+        really done with them, even when the RPC that asked for it is cancelled first. The
+        future fails with ``JobStopped`` if the job was stopped before its last layer.
+
+        A small copy while no other copy is queued runs right here on the loop: it takes less
+        time than handing it to the worker and back would, and still keeps arrival order.
+        """
+        loop = asyncio.get_running_loop()
+        client = job.client
+        if client.order is None:
+            client.order = JobOrder(client.busy.size, client.device.num_tokens)
+        job.after = client.order.admit(job, to_device)
+        client.busy[job.pages] += 1  # cache jobs: no pages (the cache marks its own)
+        client.inflight += 1
+        client.jobs.add(job)
+        small = job.bytes_per_layer * len(job.local_layers) <= INLINE_COPY_BYTES
+        if self.queued == 0 and small and client.device.inline_ok:
+            fut = loop.create_future()
+            try:
+                cf = client.device.start(job, to_device, signal, INLINE, INLINE)
+            except BaseException:
+                job.queued = None
+                self._release(job, None)  # the caller releases the signal: the job never started
+                client.jobs.discard(job)
+                raise
+            job.submitted = True
+            job.queued = None
+            self._release(job, signal)
+            if cf.exception() is not None:
+                fut.set_exception(cf.exception())
+            else:
+                fut.set_result(None)
+            _settle(job, cf, loop)
+            return fut
+        self.queued += 1
+        try:
+            cf = client.device.start(job, to_device, signal, self._executor, self._waiters)
+        except BaseException:
+            self._release(job, None, True)  # the caller releases the signal: it never started
+            client.jobs.discard(job)
+            raise
+        job.submitted = True
+        fut = loop.create_future()
+        timer = loop.call_at(job.deadline, job.stop, "deadline") if job.deadline > 0 else None
+
+        def finish(_: Future) -> None:
+            if timer is not None:
+                timer.cancel()
+            job.queued = None
+            self._release(job, signal, True)
+            _settle(job, cf, loop)
+            if fut.done():  # the caller stopped waiting (its task was cancelled)
+                return
+            if cf.cancelled():  # dropped from the queue: nothing was copied
+                fut.set_exception(job.stopped(0))
+            elif cf.exception() is not None:
+                fut.set_exception(cf.exception())
+            else:
+                fut.set_result(None)
+
+        cf.add_done_callback(lambda f: loop.call_soon_threadsafe(finish, f))
+        return fut
+
+    def _release(self, job: ClientJob, signal: LayerSignal | None, queued: bool = False) -> None:
+        self.queued -= queued
+        client = job.client
+        if client.order is not None:
+            client.order.finished(job)
+        client.busy[job.pages] -= 1
+        client.inflight -= 1
+        if signal is not None:
+            signal.release()
+        client.changed.set()
+        client.changed = asyncio.Event()
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True)  # enqueued CUDA copies have their waiters by now
+        self._waiters.shutdown(wait=True)
+
+
+def _settle(job: ClientJob, cf: Future, loop: asyncio.AbstractEventLoop) -> None:
+    """Calls the job's ``on_settled`` now, or once the device work it was given up on has drained."""
+    if job.on_settled is None:
+        return
+    if job.held is not None and not job.held.done():
+        job.held.add_done_callback(lambda _: loop.call_soon_threadsafe(job.on_settled, False))
+    else:
+        job.on_settled(not cf.cancelled() and cf.exception() is None)
+
+
+async def _until_done(fut: asyncio.Future, job: ClientJob) -> None:
+    """Awaits the job's future; if the caller is cancelled meanwhile, the job is told to stop
+    and the cancellation goes on (the job's own completion still releases its pages)."""
+    try:
+        await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        if not fut.done():
+            job.stop("cancelled")
+            _forget(fut)
+        raise
+
+
+def _forget(fut: asyncio.Future) -> None:
+    """Nobody will await ``fut`` now: its outcome is read so that asyncio does not log it."""
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
+async def wait_until(client: ClientState, predicate: Callable[[], bool]) -> None:
+    """Waits on the loop until ``predicate`` holds; re-checked whenever one of the client's
+    copies is released."""
+    while not predicate():
+        await client.changed.wait()

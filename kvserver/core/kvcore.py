@@ -1,0 +1,487 @@
+"""The daemon's core: clients, the host arena, pages, and checking transfer requests. No gRPC.
+
+State changes (register, alloc, free, unregister) run on the event loop thread, so they need no
+locks. Checked requests become ``ClientJob``s that ``copier.Copier`` runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+
+import numpy as np
+import torch
+
+from kvserver.copy import transfer
+from kvserver.core import epochs
+from kvserver.core.client_state import ClientSpec, ClientState, Counters, public_id
+from kvserver.core.copier import ClientJob, Copier, wait_until
+from kvserver.errors import InvalidArgument, NoCapacity, UnknownClient, shown
+from kvserver.host.arena import HostArena
+from kvserver.host.pages import PageAllocator
+from kvserver.media import ShmAccess, open_pool
+from kvserver.media.cuda.slabs import SlabPinner
+from kvserver.peers.tenants import tenant_of
+from kvserver.peers.tickets import TicketBook
+from kvserver.store import KVCache
+from kvserver.v1 import kvserver_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+# The least bytes of one host page (every layer and part of the client's range): each page costs the
+# daemon up to 9 bytes of bookkeeping (free list, allocated bitmap, busy count), at most 14% of it.
+MIN_PAGE_BYTES = 64
+LIMIT_FLAG = "--max-pages-per-client, KVSERVER_MAX_PAGES_PER_CLIENT"
+# A Free of more host indices is checked in a worker thread (numpy releases the GIL), so the event
+# loop keeps serving other engines meanwhile; 4 Mi indices take ~0.1 s to check.
+OFF_LOOP_INDICES = 1 << 16
+
+
+class KVCore:
+    def __init__(
+        self,
+        host_memory: int,
+        copy_threads: int = 1,
+        progress_interval: float = 0.0,
+        max_clients: int = 1024,
+        max_request_indices: int = 1 << 22,
+        max_pages_per_client: int = 1 << 24,
+        allow_named_shm: bool = False,
+        tenant_quota: int = 0,
+        tenant_quotas: dict[str, int] | None = None,
+    ) -> None:
+        self.arena = HostArena(host_memory)
+        # The node-wide cache: its pages share the arena (and so the budget) with clients' regions.
+        self.cache = KVCache(self.arena, default_quota=tenant_quota, quotas=tenant_quotas or {})
+        # CUDA copies reach cache pages by host address: their slabs are pinned once CUDA is in use.
+        self.slab_pinner = SlabPinner()
+        base = self.arena.address
+        self.cache.on_slab_added.append(lambda off, n: self.slab_pinner.added(base + off, n))
+        self.cache.on_slab_removed.append(lambda off, n: self.slab_pinner.removed(base + off, n))
+        self.max_clients = max_clients
+        self.max_request_indices = max_request_indices
+        self.max_pages_per_client = max_pages_per_client
+        self.clients: dict[str, ClientState] = {}
+        self._registering = 0  # registrations under way (they may await worker threads)
+        self._replacing = 0  # of those, the ones replacing a client still registered
+        self._in_threads = 0  # registrations and CUDA pool closes in worker threads
+        self._thread_done = asyncio.Event()  # set whenever one of those ends
+        self.reclaimed = 0  # clients reclaimed by liveness
+        self.totals = Counters()  # transfers of clients already gone
+        self.copier = Copier(copy_threads, progress_interval)
+        self.allow_named_shm = allow_named_shm
+        # Released clients whose GPU work may still run, with the IPC allocations it may touch:
+        # an Unregister of one, or of any client sharing one of those allocations, says so.
+        self._quarantined: dict[str, frozenset[bytes]] = {}
+        self.tickets: TicketBook | None = None  # the fd socket's (server.py); None without a Unix socket
+
+    # ---- registration -------------------------------------------------------------------
+
+    async def register(self, req: pb.RegisterRequest, tenant: str | None = None) -> ClientState:
+        """Opens the engine's pool and gives it a host region. ``tenant``: the tenant of the
+        call's tenant token, if it sent one (else the peer ticket's uid decides). Opening and
+        attaching a pool run in a worker thread: for a CUDA pool (CuPy's first import, a CUDA
+        context, IPC mappings, pinning the region) they take seconds, and the loop keeps serving
+        everyone else."""
+        spec = ClientSpec.from_request(req)
+        # host_tokens 0: an engine that uses only the node-wide cache, with no region of its own.
+        least, most = self._grant_bounds(req, spec)
+        # The ticket is spent by this call whatever its outcome from here on; its fds close once
+        # the pool is open. Redeemed before anything changes: a bad ticket changes nothing.
+        has_socket = self.tickets is not None
+        ticket = self.tickets.redeem(req.peer_ticket) if req.peer_ticket and has_socket else None
+        access = ShmAccess(tuple(ticket.fds) if ticket else (), ticket.peer if ticket else None,
+                           self.allow_named_shm, has_socket)
+        self._registering += 1
+        replaced = None
+        try:
+            replaced = self.clients.get(req.replaces_client_id) if req.replaces_client_id else None
+            # A registration replacing a live one takes no new place: its old client is counted.
+            self._replacing += replaced is not None
+            if len(self.clients) + self._registering - self._replacing > self.max_clients:
+                raise NoCapacity(f"client limit reached: {self.max_clients} clients are registered")
+            if replaced is None:  # else its region is not free yet: checked once it is released
+                self._check_fits(spec, least, evict=False)  # before the pool is opened; again once it is
+            client = await self._register(req, spec, access, least, most)
+            client.peer = access.peer
+            client.tenant = tenant_of(tenant, access.peer)
+        except BaseException:
+            if ticket is not None:  # off the loop: it may hold the last reference to a large memfd
+                ticket.close_off_loop()
+            raise
+        else:
+            if ticket is not None:  # the pool's mapping holds the memory: closing is cheap
+                ticket.close()
+            return client
+        finally:
+            self._registering -= 1
+            self._replacing -= replaced is not None
+
+    async def _release_replaced(self, client_id: str) -> None:
+        """An engine registering again names its previous registration: released first (its
+        jobs stopped, its region returned), so one engine never holds two regions."""
+        old = self.clients.get(client_id)
+        if old is None:
+            return
+        if old.closing:
+            await old.gone.wait()
+        else:
+            await self.unregister(client_id, reason="replaced by a new registration")
+
+    def _grant_bounds(self, req: pb.RegisterRequest, spec: ClientSpec) -> tuple[int, int]:
+        """The least and the most pages this registration may be granted; refuses what no budget
+        could serve: pages too small to be worth their bookkeeping, and more pages than a client
+        may hold or than host indices can name."""
+        p, page_bytes = spec.page_size, spec.page_bytes
+        if page_bytes < MIN_PAGE_BYTES:
+            per_token = page_bytes // p
+            raise InvalidArgument(
+                f"a host page of {page_bytes} bytes ({p} tokens of {per_token} bytes over the client's "
+                f"layers) is too small: pages must be at least {MIN_PAGE_BYTES} bytes, since each costs "
+                f"the daemon bookkeeping; use a page_size of at least {-(-MIN_PAGE_BYTES // per_token)}"
+            )
+        least_tokens = req.min_host_tokens or req.host_tokens
+        if least_tokens > req.host_tokens:
+            raise InvalidArgument(
+                f"min_host_tokens {req.min_host_tokens} is more than host_tokens {req.host_tokens}"
+            )
+        least = -(-least_tokens // p)
+        if least > self.max_pages_per_client:
+            raise NoCapacity(
+                f"this registration accepts no fewer than {least} pages of {p} tokens, but a client "
+                f"holds at most {self.max_pages_per_client} pages ({LIMIT_FLAG}): ask for fewer host "
+                "tokens, accept fewer (min_host_tokens), or use larger pages"
+            )
+        if least * p > epochs.MAX_SLOTS:
+            raise NoCapacity(
+                f"this registration accepts no fewer than {least * p} host token slots, but a client "
+                f"region holds at most {epochs.MAX_SLOTS} host token slots (host indices carry the "
+                f"registration epoch above bit {epochs.EPOCH_SHIFT})"
+            )
+        want = -(-req.host_tokens // p)
+        return least, min(want, self.max_pages_per_client, epochs.MAX_SLOTS // p)
+
+    def _check_fits(self, spec: ClientSpec, least: int, evict: bool = True) -> int:
+        """Pages of ``spec`` that fit in the largest free region; refuses fewer than ``least``,
+        naming what is free in bytes and in tokens of this layout.
+
+        Cached pages give way to the least the engine accepts, never to more, and only once its
+        pool has opened and passed its checks (``evict``): before that, the check counts the
+        cache's bytes as free, and a refused registration has evicted nothing. Nothing is evicted
+        either when even an empty cache would leave too little."""
+        page_bytes, p = spec.page_bytes, spec.page_size
+        need = least * page_bytes
+        if least and self.arena.largest_free() < need:
+            reclaimable = self.cache.bytes
+            if not evict and self.arena.largest_free() + reclaimable >= need:
+                return least
+            if evict and self.arena.capacity - self.arena.reserved + reclaimable >= need:
+                self.cache.make_room(need)
+        fit = self.arena.largest_free() // page_bytes
+        free = self.arena.capacity - self.arena.reserved
+        if least == 0:
+            return fit
+        if fit == 0:
+            raise NoCapacity(
+                f"no host memory left for one page of {page_bytes} bytes "
+                f"({free} of {self.arena.capacity} free)"
+            )
+        if fit < least:
+            raise NoCapacity(
+                f"not enough host memory: this registration accepts no fewer than {least * p} host "
+                f"tokens ({least * page_bytes} bytes at {page_bytes // p} bytes a token), but "
+                f"{fit * p} tokens ({fit * page_bytes} bytes) fit in the largest free region, and "
+                f"{free} bytes of {self.arena.capacity} are free; ask for fewer, or set "
+                "min_host_tokens to the least the engine accepts"
+            )
+        return fit
+
+    async def _in_thread(self, fn, *args, undo=None):
+        """``fn(*args)`` in a worker thread; ``close`` waits for it, since it may use the arena.
+        If the caller is cancelled (its RPC ended), the thread still finishes first, and what it
+        returned is handed to ``undo`` (also in a thread), so nothing it opened is left behind."""
+        self._in_threads += 1
+        try:
+            work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+            if not await _settle(work):
+                return work.result()
+            if work.exception() is not None:  # nobody else will see it: the caller is gone
+                logger.error("%s failed after its caller was cancelled: %r", fn.__name__, work.exception())
+            elif undo is not None:
+                undone = asyncio.ensure_future(asyncio.to_thread(undo, work.result()))
+                await _settle(undone)
+                if undone.exception() is not None:
+                    logger.error("undoing a cancelled %s failed: %r", fn.__name__, undone.exception())
+            raise asyncio.CancelledError
+        finally:
+            self._in_threads -= 1
+            self._thread_done.set()
+
+    async def _register(self, req: pb.RegisterRequest, spec: ClientSpec, access: ShmAccess, least: int,
+                        most: int) -> ClientState:
+        def open_device():
+            return open_pool(req.device_pool, spec.layout, spec.dtype, len(spec.layers), spec.page_size,
+                             req.event_slots, access, slabs=self.slab_pinner)
+
+        device = await self._in_thread(open_device, undo=lambda d: d.close())
+        try:
+            if req.replaces_client_id:  # only now that the new pool has passed every check
+                await self._release_replaced(req.replaces_client_id)
+            page_bytes = spec.page_bytes
+            num_pages = min(most, self._check_fits(spec, least))
+            offset = self.arena.reserve(num_pages * page_bytes)
+        except BaseException:
+            await self._in_thread(device.close)
+            raise
+        try:
+            await self._in_thread(device.attach_host, self.arena.address + offset, num_pages * page_bytes,
+                                  len(spec.layers))
+        except BaseException:
+            try:
+                await self._in_thread(device.close)
+            finally:
+                self.arena.release(offset, num_pages * page_bytes)
+            raise
+        host_views = self._host_views(spec, device.dtype, offset, num_pages)
+        client = ClientState(
+            client_id=secrets.token_hex(16),
+            epoch=self._new_epoch(),
+            spec=spec,
+            device=device,
+            region_offset=offset,
+            region_bytes=num_pages * page_bytes,
+            pages=PageAllocator(num_pages),
+            host_views=host_views,
+            host_table=transfer.BufferTable.of(host_views),
+            busy=np.zeros(num_pages, dtype=np.int32),
+        )
+        self.clients[client.client_id] = client
+        logger.info(  # public_id: the id is a bearer capability
+            "registered %s: granted %d of %d host tokens asked (least accepted %d), %d pages x %d B; "
+            "model=%s tp=%d/%d pp=%d/%d layers=%s",
+            public_id(client.client_id), client.capacity_tokens, req.host_tokens, least * spec.page_size,
+            num_pages, page_bytes, spec.model, spec.tp_rank, spec.tp_size, spec.pp_rank, spec.pp_size,
+            spec.layers,
+        )
+        return client
+
+    def _new_epoch(self) -> int:
+        live = {c.epoch for c in self.clients.values()}
+        while True:
+            epoch = 1 + secrets.randbelow(epochs.MAX_EPOCH)
+            if epoch not in live:
+                return epoch
+
+    def _host_views(
+        self, spec: ClientSpec, wide: torch.dtype, offset: int, num_pages: int
+    ) -> list[list[torch.Tensor]]:
+        w = wide.itemsize
+        flat = self.arena.view(wide)
+        chunk = spec.page_size * spec.token_bytes
+        parts = spec.layout.num_parts
+        return [
+            [
+                torch.as_strided(
+                    flat,
+                    (num_pages, chunk // w),
+                    (spec.page_bytes // w, 1),
+                    (offset + (layer * parts + part) * chunk) // w,
+                )
+                for part in range(parts)
+            ]
+            for layer in range(len(spec.layers))
+        ]
+
+    async def unregister(self, client_id: str, reason: str = "unregistered") -> bool:
+        """Releases everything the client holds, once its in-flight copies are done. Once begun,
+        the release runs to its end even if the caller is cancelled (an RPC deadline, the
+        reaper's shutdown): a client half released would be held for good. Returns whether
+        copies of it may still run on the GPU (its pool was quarantined)."""
+        if client_id in self._quarantined:  # released, but its GPU work may still run
+            return True
+        client = self.clients.get(client_id)
+        if client is not None and client.closing:
+            # Being released already (another Unregister, a reclaim): answer once it is done, so
+            # that an answer always means every job of the client is dead or quarantined.
+            await asyncio.shield(client.gone.wait())
+            return client.copies_pending
+        client = self.client(client_id)
+        client.closing = True
+        release = asyncio.ensure_future(self._release(client, reason))
+        if await _settle(release):
+            raise asyncio.CancelledError
+        release.result()
+        return client.copies_pending
+
+    async def _release(self, client: ClientState, reason: str) -> None:
+        client_id = client.client_id
+        for job in list(client.jobs):  # queued ones are dropped, running ones end at a layer boundary
+            job.stop("released")
+        lane, client.lane = client.lane, None
+        if lane is not None:  # its handlers are cancelled and awaited, then its ring unmapped
+            await lane.close()
+        await wait_until(client, lambda: client.inflight == 0)
+        del self.clients[client_id]
+        self.totals.add(client.counters)
+        client.host_views = []
+        handles = client.device.ipc_allocations
+        held = None  # a CUDA pool's quarantine: the GPU may still touch the host region
+        try:
+            held = await self._in_thread(client.device.close)
+        except Exception:
+            logger.exception("closing the device pool of %s failed; releasing its host memory anyway",
+                             public_id(client_id))
+        finally:
+            if held is None:
+                self.arena.release(client.region_offset, client.region_bytes)
+                # Its own copies are dead, but a quarantined client's may still write the same
+                # device memory: the engine must not let it be reused yet.
+                client.copies_pending = any(handles & h for h in self._quarantined.values())
+            else:  # stays reserved until the quarantine has released the pool's GPU resources
+                client.copies_pending = True
+                self._quarantined[client_id] = handles
+                loop, region = asyncio.get_running_loop(), (client.region_offset, client.region_bytes)
+
+                def drained() -> None:
+                    self.arena.release(*region)
+                    self._quarantined.pop(client_id, None)
+
+                held.add_done_callback(lambda _: loop.call_soon_threadsafe(drained))
+            client.gone.set()
+        logger.info("%s %s (%d host bytes released)", reason, public_id(client_id), client.region_bytes)
+
+    def client(self, client_id: str) -> ClientState:
+        """The live client of this id; every call through here renews the client's lease."""
+        client = self.clients.get(client_id)
+        if client is None or client.closing:
+            raise UnknownClient(
+                f"unknown client id {shown(client_id)}: register first (it may have been "
+                "unregistered, reclaimed after its session ended, or lost in a daemon restart)"
+            )
+        client.last_seen = time.monotonic()
+        return client
+
+    def _host_pages(self, client: ClientState, host_indices) -> np.ndarray:
+        self._check_size(len(host_indices))
+        host = transfer.as_indices(host_indices, "host")
+        slots = epochs.strip(host, client.epoch, client.pages.num_pages, client.spec.page_size)
+        pages = transfer.host_pages_of(slots, client.spec.page_size)
+        client.pages.check_owned(pages)
+        return pages
+
+    def _check_size(self, n: int) -> None:
+        if n > self.max_request_indices:
+            raise NoCapacity(
+                f"{n} indices in one request; the limit is {self.max_request_indices}: split it"
+            )
+
+    # ---- host pages -----------------------------------------------------------------------
+
+    def alloc(self, client_id: str, num_tokens: int) -> np.ndarray:
+        client = self.client(client_id)
+        if num_tokens <= 0:
+            raise InvalidArgument("num_tokens must be positive")
+        p = client.spec.page_size
+        num_pages = -(-num_tokens // p)
+        if num_pages <= client.pages.num_free:  # else allocate() names the full region
+            self._check_size(num_pages * p)
+        pages = client.pages.allocate(num_pages)
+        return epochs.tag(_page_tokens(pages, p), client.epoch)
+
+    async def free(self, client_id: str, host_indices) -> int:
+        client = self.client(client_id)
+        if len(host_indices) <= OFF_LOOP_INDICES:
+            pages = self._host_pages(client, host_indices)
+        else:
+            self._check_size(len(host_indices))
+            seen = client.pages.version
+            pages = await asyncio.to_thread(self._host_pages, client, host_indices)
+            client = self.client(client_id)
+            if client.pages.version != seen:  # pages changed meanwhile: check them again, here
+                client.pages.check_owned(pages)
+        if client.inflight and client.busy[pages].any():
+            # A copy still reads or writes these pages: free them once it is done (and still ours).
+            await wait_until(client, lambda: not client.busy[pages].any())
+            client = self.client(client_id)
+            client.pages.free(pages)
+        else:
+            client.pages.free(pages, checked=True)
+        return pages.size * client.spec.page_size
+
+    # ---- transfers ------------------------------------------------------------------------
+
+    async def prepare_job(self, client_id: str, host_indices, device_indices, layers,
+                          ready_event: bytes = b"", event_slot: int = 0, timeout_ms: int = 0) -> ClientJob:
+        """``prepare``, in a worker thread for a large request (its checks take a good part of a
+        second for millions of indices), re-checked here if the client's pages changed meanwhile."""
+        # The job's deadline counts from the request's arrival, checks included.
+        deadline = self.deadline(timeout_ms)
+        args = (client_id, host_indices, device_indices, layers, ready_event, event_slot, deadline)
+        if len(host_indices) <= OFF_LOOP_INDICES:
+            return self.prepare(*args)
+        self._check_size(len(host_indices))
+        seen = self.client(client_id).pages.version
+        job = await asyncio.to_thread(self.prepare, *args)
+        client = self.client(client_id)  # still registered
+        if client.pages.version != seen:
+            client.pages.check_owned(job.pages)
+        return job
+
+    def prepare(self, client_id: str, host_indices, device_indices, layers, ready_event: bytes = b"",
+                event_slot: int = 0, deadline: float = 0.0) -> ClientJob:
+        """Validates a whole transfer request and plans it; touches no memory."""
+        client = self.client(client_id)
+        spec = client.spec
+        client.device.check_request(ready_event, event_slot)
+        local_layers = spec.layers.select(layers)
+        if len(host_indices) != len(device_indices):
+            raise InvalidArgument(
+                f"{len(host_indices)} host indices but {len(device_indices)} device indices; "
+                "they must pair up"
+            )
+        pages = self._host_pages(client, host_indices)
+        dev = transfer.as_indices(device_indices, "device")
+        transfer.check_device_tokens(dev, client.device.num_tokens)
+        client.device.check_sizes()  # named objects only: narrows, does not close, a SIGBUS window
+        num_dev_pages = client.device.num_pages if client.device.paged else None
+        plan = transfer.make_plan(pages, dev, spec.page_size, num_dev_pages)
+        return ClientJob(client, plan, local_layers, pages, bytes(ready_event), event_slot, deadline)
+
+    def deadline(self, timeout_ms: int) -> float:
+        """A job's deadline on the loop's clock, counted from the request's arrival (0: none)."""
+        return asyncio.get_running_loop().time() + timeout_ms / 1000 if timeout_ms else 0.0
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        while self._in_threads:  # a registration or a pool close in a worker thread uses the arena
+            self._thread_done.clear()
+            await self._thread_done.wait()
+        for client in list(self.clients.values()):
+            if client.closing:  # being released by an earlier unregister or reclaim
+                await client.gone.wait()
+            else:
+                await self.unregister(client.client_id)
+        self.copier.shutdown()
+        self.slab_pinner.close()  # after every copy, before the memory it pinned goes
+        self.arena.close()
+
+
+async def _settle(fut: asyncio.Future) -> bool:
+    """Waits until ``fut`` is done, through any cancellation of the caller; says whether the
+    caller was cancelled meanwhile (threads cannot be stopped, so their work is waited out)."""
+    cancelled = False
+    while not fut.done():
+        try:
+            await asyncio.wait({fut})
+        except asyncio.CancelledError:
+            cancelled = True
+    return cancelled
+
+
+def _page_tokens(pages: np.ndarray, page_size: int) -> np.ndarray:
+    if page_size == 1:
+        return pages
+    return (pages[:, None] * page_size + np.arange(page_size, dtype=np.int64)).reshape(-1)

@@ -1,0 +1,59 @@
+"""Opening lanes (the OpenLane RPC's checks): a lane belongs to one registration, and only the
+process that registered it may open it. Its release (Unregister, reclaim, replacement, daemon
+stop) closes the lane: ``KVCore._release`` awaits ``ClientState.lane.close()``."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kvserver.core.client_state import public_id
+from kvserver.core.kvcore import KVCore
+from kvserver.errors import FailedPrecondition, PermissionDenied
+from kvserver.lane.server import Lane, open_ring
+from kvserver.peers.tenants import tenant_of
+
+logger = logging.getLogger(__name__)
+
+
+class LaneBook:
+    def __init__(self, core: KVCore,
+                 run: Callable[[str, str, bytes, Callable[[Any], None]], Awaitable[bytes]]) -> None:
+        self.core = core
+        self.run = run
+        self.lanes: set[Lane] = set()
+
+    async def drain(self, grace: float) -> None:
+        """At shutdown: every lane finishes what it runs within ``grace`` and takes nothing new."""
+        if self.lanes:
+            await asyncio.gather(*(lane.drain(grace) for lane in list(self.lanes)))
+
+    async def open(self, client_id: str, peer_ticket: str, named_tenant: str | None) -> Lane:
+        tickets = self.core.tickets
+        if tickets is None:
+            raise FailedPrecondition("this daemon has no Unix socket: lanes need its fd socket")
+        ticket = tickets.redeem(peer_ticket)  # spent whatever happens next
+        try:
+            client = self.core.client(client_id)
+            peer = client.peer
+            if peer is None or (peer.uid, peer.pid) != (ticket.peer.uid, ticket.peer.pid):
+                raise PermissionDenied("only the process that registered a client may open its lane")
+            if tenant_of(named_tenant, ticket.peer) != client.tenant:
+                raise PermissionDenied("a lane is opened with the tenant of its registration")
+            if client.lane is not None:
+                raise FailedPrecondition("this registration has a lane open already")
+            ring, submit, done = open_ring(ticket.fds)
+        except BaseException:
+            ticket.close_off_loop()  # a peer's memfd may be the last reference to many pages
+            raise
+        ticket.fds = []  # the lane owns them now
+        lane = Lane(client_id, ring, submit, done, functools.partial(self.run, client_id))
+        client.lane = lane
+        lane.start()
+        self.lanes.add(lane)
+        lane.on_close = self.lanes.discard
+        logger.info("lane of %d slots opened for %s", lane.slots, public_id(client_id))
+        return lane

@@ -1,0 +1,237 @@
+"""The daemon's half of the data-plane fast lane: one ``Lane`` per registration that opened one.
+
+A lane watches its submit doorbell on the event loop (``add_reader``). Each wake-up drains the
+doorbell (at most ``MAX_DRAIN`` messages) and looks once at every slot the lane is not already
+serving: a SUBMITTED one has its request copied into private memory, is marked TAKEN and served by
+a task that runs the very code the gRPC RPC runs (``run``). So a lane has at most ``slots``
+requests in flight, and a peer scribbling on its ring or ringing its doorbell without end only
+costs itself bounded work per wake-up. The layout is in ``lane_ring``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import socket
+import stat
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kvserver.errors import FailedPrecondition, GpuStalled, InvalidArgument, KVError, status_of
+from kvserver.protocol import ring as R
+from kvserver.protocol.shared_memory import ShmMapping, map_sealed_fd
+
+logger = logging.getLogger(__name__)
+
+MAX_DRAIN = 64  # doorbell messages read per wake-up
+_REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+# run(rpc name, request bytes, progress callback) -> response bytes; raises as the RPC would.
+Runner = Callable[[str, bytes, Callable[[Any], None]], Awaitable[bytes]]
+
+
+def _check_doorbell(fd: int, what: str) -> socket.socket:
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
+        raise InvalidArgument(f"{what} cannot be used: {exc.strerror}") from None
+    if not stat.S_ISSOCK(st.st_mode):
+        raise InvalidArgument(f"{what} is not a socket: send one end of a SOCK_SEQPACKET socketpair")
+    try:
+        sock = socket.socket(fileno=fd)  # owns fd from here
+    except OSError as exc:
+        raise InvalidArgument(f"{what} cannot be used: {exc.strerror or exc}") from None
+    try:
+        if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_SEQPACKET:
+            raise InvalidArgument(f"{what} is not a Unix SOCK_SEQPACKET socket")
+    except BaseException:
+        sock.detach()
+        raise
+    return sock
+
+
+def open_ring(fds: list[int]) -> tuple[ShmMapping, socket.socket, list[socket.socket]]:
+    """Checks and takes over a ticket's descriptors: (ring, submit doorbell, done doorbells). The
+    caller keeps ``fds`` and closes them if this raises; on success they belong to the results
+    (the ring's descriptor is closed, its mapping kept)."""
+    if len(fds) < 3:
+        raise InvalidArgument(f"a lane takes a ring and at least two doorbells; {len(fds)} descriptors sent")
+    try:
+        seals = fcntl.fcntl(fds[0], fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0
+    if seals & _REQUIRED_SEALS != _REQUIRED_SEALS:
+        raise FailedPrecondition("the lane's ring must be a memfd sealed with F_SEAL_SHRINK, F_SEAL_GROW "
+                                 "and F_SEAL_SEAL")
+    ring = map_sealed_fd(fds[0], "the lane's ring")
+    try:
+        if ring.size < R.HEADER.size:
+            raise InvalidArgument(f"the lane's ring is {ring.size} bytes: smaller than its header")
+        magic, version, slots, slot_bytes, req, resp, err = R.HEADER.unpack(bytes(ring.mm[: R.HEADER.size]))
+        if magic != R.MAGIC or version != R.VERSION:
+            raise InvalidArgument(f"the lane's ring has magic {magic!r} version {version}; expected "
+                                  f"{R.MAGIC!r} version {R.VERSION}")
+        if (slot_bytes, req, resp, err) != (R.SLOT_BYTES, R.REQUEST_BYTES, R.RESPONSE_BYTES, R.ERROR_BYTES):
+            raise InvalidArgument("the lane's ring has another slot layout than this daemon's")
+        if not 1 <= slots <= R.MAX_SLOTS:
+            raise InvalidArgument(f"the lane's ring has {slots} slots; 1 to {R.MAX_SLOTS}")
+        if ring.size != R.ring_bytes(slots):
+            raise InvalidArgument(f"the lane's ring is {ring.size} bytes; {slots} slots take "
+                                  f"{R.ring_bytes(slots)}")
+        if len(fds) != 2 + slots:
+            raise InvalidArgument(f"{len(fds)} descriptors for a ring of {slots} slots; expected {2 + slots}")
+        socks: list[socket.socket] = []
+        try:
+            for i, fd in enumerate(fds[1:]):
+                what = "the submit doorbell" if i == 0 else f"done doorbell {i - 1}"
+                socks.append(_check_doorbell(fd, what))
+        except BaseException:
+            for s in socks:
+                s.detach()
+            raise
+    except BaseException:
+        ring.close()
+        raise
+    os.close(fds[0])
+    return ring, socks[0], socks[1:]
+
+
+class Lane:
+    def __init__(self, client_id: str, ring: ShmMapping, submit: socket.socket, done: list[socket.socket],
+                 run: Runner) -> None:
+        self.client_id = client_id
+        self.slots = len(done)
+        self._mm = ring.mm
+        self._ring = ring
+        self._submit = submit
+        self._done = done
+        self._run = run
+        self._tasks: list[asyncio.Task | None] = [None] * self.slots
+        self._watching = False
+        self._closed = False
+        self.served = 0
+        self.on_close: Callable[[Lane], None] | None = None
+
+    def start(self) -> None:
+        self._submit.setblocking(False)
+        asyncio.get_running_loop().add_reader(self._submit.fileno(), self._doorbell)
+        self._watching = True
+
+    def _unwatch(self) -> None:
+        if self._watching:
+            self._watching = False
+            asyncio.get_running_loop().remove_reader(self._submit.fileno())
+
+    def _doorbell(self) -> None:
+        for _ in range(MAX_DRAIN):
+            try:
+                data = self._submit.recv(16, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                data = b""
+            if not data:  # the peer closed its end: it is gone; the release cleans up
+                self._unwatch()
+                break
+        self._scan()
+
+    def _scan(self) -> None:
+        mm = self._mm
+        for i in range(self.slots):
+            if self._tasks[i] is not None:
+                continue
+            off = R.slot_offset(i)
+            if R.U32.unpack_from(mm, off + R.STATE)[0] != R.SUBMITTED:
+                continue
+            rpc, seq, n = R.CALL.unpack_from(mm, off + R.RPC_AT)
+            data = bytes(mm[off + R.REQUEST_AT: off + R.REQUEST_AT + min(n, R.REQUEST_BYTES)])  # private copy
+            R.U32.pack_into(mm, off + R.STATE, R.TAKEN)
+            self._tasks[i] = asyncio.ensure_future(self._serve(i, rpc, seq, n, data))
+
+    async def _serve(self, i: int, rpc: int, seq: int, n: int, data: bytes) -> None:
+        off = R.slot_offset(i)
+        mm = self._mm
+        step = 0
+
+        final = None
+
+        def progress(p: Any) -> None:
+            nonlocal step, final
+            if p.done:  # published with DONE: the client sees the end and the status at once
+                final = p
+                return
+            step = (step + 1) & 0xFFFFFFFF
+            R.PROGRESS.pack_into(mm, off + R.PROGRESS_AT, p.layers_done, p.last_layer, p.bytes,
+                                 int(p.events_recorded), p.pages, step, 0)
+            self._ring_done(i)
+
+        R.PROGRESS.pack_into(mm, off + R.PROGRESS_AT, 0, 0, 0, 0, 0, 0, 0)
+        code, response, message, ended = 0, b"", b"", True
+        try:
+            name = R.RPC_NAMES.get(rpc)
+            if name is None:
+                raise InvalidArgument(f"unknown lane rpc id {rpc}")
+            if n > R.REQUEST_BYTES:
+                raise InvalidArgument(f"request_len {n} is more than a slot's {R.REQUEST_BYTES} bytes")
+            response = await self._run(name, data, progress)
+            if len(response) > R.RESPONSE_BYTES:
+                raise KVError(f"a {len(response)}-byte response does not fit a slot")
+        except asyncio.CancelledError:
+            self._tasks[i] = None
+            raise
+        except Exception as exc:
+            status, text = status_of(exc)
+            code, message, response = int(status), text.encode()[: R.ERROR_BYTES], b""
+            ended = not isinstance(exc, GpuStalled)
+        if self._closed:
+            return
+        flags = R.FLAG_JOB_ENDED if ended else 0
+        if final is not None:
+            R.PROGRESS.pack_into(mm, off + R.PROGRESS_AT, final.layers_done, final.last_layer, final.bytes,
+                                 int(final.events_recorded), final.pages, (step + 1) & 0xFFFFFFFF,
+                                 flags | R.FLAG_DONE)
+        else:
+            R.U32.pack_into(mm, off + R.PROGRESS_AT + 28, flags)
+        mm[off + R.RESPONSE_AT: off + R.RESPONSE_AT + len(response)] = response
+        mm[off + R.ERROR_AT: off + R.ERROR_AT + len(message)] = message
+        R.RESULT.pack_into(mm, off + R.CODE_AT, code, len(response), len(message))
+        R.DONE_SEQ.pack_into(mm, off + R.DONE_SEQ_AT, seq)
+        R.U32.pack_into(mm, off + R.STATE, R.DONE)
+        self._tasks[i] = None
+        self.served += 1
+        self._ring_done(i)
+        if self._watching:
+            self._scan()  # a request submitted while this slot's neighbours were all busy
+
+    def _ring_done(self, i: int) -> None:
+        with contextlib.suppress(OSError):  # a full queue (the client reads it later) or a gone peer
+            self._done[i].send(b"d", socket.MSG_DONTWAIT)
+
+    async def drain(self, grace: float) -> None:
+        """At shutdown: takes no new request, and gives those running up to ``grace`` seconds to
+        finish (as the gRPC server gives its calls); ``close`` ends what is left."""
+        self._unwatch()
+        tasks = [t for t in self._tasks if t is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace)
+
+    async def close(self) -> None:
+        """Stops serving: no more requests are taken, running ones are cancelled and awaited,
+        then the ring is unmapped and the doorbells closed (the client's waiters see them close)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.on_close is not None:
+            self.on_close(self)
+        self._unwatch()
+        tasks = [t for t in self._tasks if t is not None]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for s in (self._submit, *self._done):
+            s.close()
+        self._ring.close()

@@ -1,0 +1,213 @@
+"""The fd socket's daemon half: where an engine hands the daemon its pool's descriptors
+(SCM_RIGHTS) and gets back a one-time ticket for its Register call. The protocol, and the engine's
+half (``request_ticket``), are in ``kvserver.protocol.fd_socket``.
+
+The daemon reads the peer's pid, uid and gid (SO_PEERCRED), keeps the descriptors under a random
+ticket (tickets.py) and answers ``b"T" + ticket``; on anything else it answers
+``b"E" + <status code name> + b" " + message`` and closes every descriptor it got. Either way it
+then closes the connection.
+
+Every socket is non-blocking and served on the event loop (``add_reader``); a connection that has
+not finished within ``CONN_SECONDS`` is dropped, and the daemon holds at most ``MAX_CONNS``
+connections at once, at most ``MAX_CONNS_PER_UID`` of one uid, so no peer can stall another.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import struct
+
+from kvserver.errors import InvalidArgument, KVError, NoCapacity
+from kvserver.peers.tickets import PeerCred, TicketBook, close_off_loop
+from kvserver.protocol.fd_socket import FDS_PER_MESSAGE, HEADER, MAGIC, MAX_FDS, MORE
+
+logger = logging.getLogger(__name__)
+
+CONN_SECONDS = 5.0
+MAX_CONNS = 64
+MAX_CONNS_PER_UID = 8
+_CMSG_SPACE = socket.CMSG_SPACE(FDS_PER_MESSAGE * 4)
+_PEERCRED = struct.Struct("3i")
+
+
+class PeerSocket:
+    """Listens on ``path`` and issues tickets into ``tickets``."""
+
+    def __init__(self, path: str, mode: int, tickets: TicketBook) -> None:
+        self.path = path
+        self.mode = mode
+        self.tickets = tickets
+        self.conn_seconds = CONN_SECONDS
+        self._sock: socket.socket | None = None
+        self._serving: set[asyncio.Task] = set()
+        self._per_uid: dict[int, int] = {}
+
+    def start(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # the gRPC socket's check found no live daemon: a crash's leftover
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        old_umask = os.umask(0o177)  # owner-only from the first moment, as the gRPC socket
+        try:
+            sock.bind(self.path)
+        except OSError:
+            sock.close()
+            raise
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.path, self.mode)
+        sock.listen(128)
+        sock.setblocking(False)
+        self._sock = sock
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._accept)
+
+    async def stop(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            asyncio.get_running_loop().remove_reader(sock.fileno())
+            sock.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        for task in list(self._serving):
+            task.cancel()
+        if self._serving:
+            await asyncio.wait(self._serving)
+        self.tickets.close()
+
+    # ---- connections ------------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        while self._sock is not None:
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and the like: refuse this one, keep listening
+                logger.warning("fd socket accept failed: %s", exc.strerror)
+                return
+            conn.setblocking(False)
+            try:
+                pid, uid, gid = _PEERCRED.unpack(
+                    conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            except OSError:
+                conn.close()
+                continue
+            peer = PeerCred(pid, uid, gid)
+            if len(self._serving) >= MAX_CONNS or self._per_uid.get(uid, 0) >= MAX_CONNS_PER_UID:
+                _reply(conn, _error(NoCapacity("too many fd socket connections at once; try again")))
+                conn.close()
+                continue
+            self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
+            task = asyncio.get_running_loop().create_task(self._serve(conn, peer))
+            self._serving.add(task)
+            task.add_done_callback(lambda t, uid=uid: self._served(t, uid))
+
+    def _served(self, task: asyncio.Task, uid: int) -> None:
+        self._serving.discard(task)
+        self._per_uid[uid] -= 1
+        if not self._per_uid[uid]:
+            del self._per_uid[uid]
+
+    async def _serve(self, conn: socket.socket, peer: PeerCred) -> None:
+        fds: list[int] = []
+        reply: bytes | None = None
+        try:
+            async with asyncio.timeout(self.conn_seconds):
+                await self._receive(conn, fds)
+            reply = b"T" + self.tickets.issue(peer, fds).encode()
+            fds = []  # the ticket owns them now
+        except TimeoutError:
+            reply = _error(InvalidArgument(f"the message did not arrive within {self.conn_seconds} s"))
+        except KVError as exc:
+            reply = _error(exc)
+        except _Closed:
+            pass
+        except Exception:
+            logger.exception("fd socket connection from pid %d failed", peer.pid)
+        finally:
+            close_off_loop(fds)  # a refused peer's descriptors: maybe the last hold on a big memfd
+            if reply is not None:
+                _reply(conn, reply)
+            conn.close()
+
+    async def _receive(self, conn: socket.socket, fds: list[int]) -> None:
+        """Reads the header and every announced descriptor into ``fds``."""
+        data = await self._message(conn, fds)
+        if len(data) != HEADER.size or data[:4] != MAGIC:
+            raise InvalidArgument(f"expected the {HEADER.size}-byte header starting {MAGIC!r}")
+        _, n = HEADER.unpack(data)
+        if n > MAX_FDS:
+            raise InvalidArgument(f"{n} descriptors announced; at most {MAX_FDS} per ticket")
+        while True:
+            if len(fds) > n:
+                raise InvalidArgument(f"{len(fds)} descriptors sent but {n} announced")
+            if len(fds) == n:
+                return
+            if await self._message(conn, fds) != MORE:
+                raise InvalidArgument(f"expected {MORE!r} with more descriptors ({len(fds)} of {n} so far)")
+
+    async def _message(self, conn: socket.socket, fds: list[int]) -> bytes:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                data, anc, flags, _ = conn.recvmsg(64, _CMSG_SPACE, socket.MSG_CMSG_CLOEXEC)
+                break
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError as exc:
+                raise _Closed from exc
+            await _readable(loop, conn)
+        fds.extend(_fds_of(anc))
+        if flags & socket.MSG_CTRUNC:
+            raise InvalidArgument(f"more than {FDS_PER_MESSAGE} descriptors in one message")
+        if flags & socket.MSG_TRUNC:
+            raise InvalidArgument("fd socket message too long")
+        if not data and not anc:
+            raise _Closed
+        return data
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
+    ready = loop.create_future()
+    loop.add_reader(conn.fileno(), lambda: ready.done() or ready.set_result(None))
+    try:
+        await ready
+    finally:
+        loop.remove_reader(conn.fileno())
+
+
+class _Closed(Exception):
+    """The peer went away mid-message: nothing to answer."""
+
+
+def _fds_of(anc: list[tuple[int, int, bytes]]) -> list[int]:
+    """The descriptors SCM_RIGHTS control messages carried (now open in this process)."""
+    out: list[int] = []
+    for level, kind, payload in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            got = array.array("i")
+            got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
+            out.extend(got)
+    return out
+
+
+def _error(exc: KVError) -> bytes:
+    return b"E" + f"{exc.code.name} {exc}".encode()[:1024]
+
+
+def _reply(conn: socket.socket, reply: bytes) -> None:
+    """Answers before the caller closes. Whatever the peer sent that was not read goes first
+    (descriptors closed): a Unix socket closed with unread data resets its peer, which would then
+    lose the answer."""
+    with contextlib.suppress(OSError):
+        for _ in range(64):
+            data, anc, _, _ = conn.recvmsg(64, _CMSG_SPACE, socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
+            close_off_loop(_fds_of(anc))
+            if not data and not anc:  # end of stream
+                break
+    with contextlib.suppress(OSError):
+        conn.send(reply)

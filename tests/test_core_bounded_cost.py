@@ -1,0 +1,313 @@
+"""What one registration may cost the node: the grant is never silently smaller than asked, pages
+have a least size and a client a most pages, host indices cannot alias, and the largest requests
+the limits allow are served in bounded time and memory while other engines' calls go on.
+
+The cost tests run the daemon as a subprocess (its memory is read from /proc) and a second engine
+as a probe process calling Stats back to back; the probe's longest call while a step runs is how
+long that step held other engines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+from checks import error_of, mappings_of
+from conftest import DaemonThread
+from daemon_proc import DaemonProcess
+
+from kvclient import KVClient, KVLayout, ShmKVPool
+from kvclient._messages import register_request
+from kvclient.transport.fd_socket import ticketed
+from kvserver.config import ServerConfig
+from kvserver.v1 import kvserver_pb2 as pb
+from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
+
+C = grpc.StatusCode
+BIG_MESSAGES = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+MOST_INDICES = 1 << 22  # the default --max-request-indices
+HELD = 0.5  # seconds another engine's call may wait on this 2-core VM, generously
+
+PROBE = r"""
+import json, select, sys, time
+import grpc
+from kvserver.v1 import kvserver_pb2 as pb, kvserver_pb2_grpc as pb_grpc
+address, cid = sys.argv[1:3]
+stub = pb_grpc.KVServerStub(grpc.insecure_channel(address))
+stub.Stats(pb.StatsRequest(client_id=cid), timeout=60)
+print("ready", flush=True)
+calls = []
+while not select.select([sys.stdin], [], [], 0)[0]:  # until the test closes our stdin
+    t0 = time.monotonic()
+    stub.Stats(pb.StatsRequest(client_id=cid), timeout=120)
+    calls.append((t0, time.monotonic() - t0))
+print(json.dumps(calls), flush=True)
+"""
+
+
+def _request(daemon, pool: ShmKVPool, host_tokens: int, page_size: int, least: int = 0, *,
+             start: int = 0, num_layers: int | None = None) -> pb.RegisterRequest:
+    """A Register of ``pool``, with a fresh peer ticket for its memfd from the fd socket of
+    ``daemon`` (a daemon, or its address)."""
+    end = start + pool.num_layers
+    req = register_request(model="m", pool=pool, start_layer=start, end_layer=end,
+                           num_layers=num_layers or end, host_tokens=host_tokens, page_size=page_size,
+                           tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+    req.min_host_tokens = least
+    return ticketed(daemon if isinstance(daemon, str) else daemon.address, pool, req)
+
+
+def _tiny_pool(rank: int) -> ShmKVPool:
+    """One layer of MLA latents of ``rank`` fp8 values: pages of ``rank`` bytes at page size 1."""
+    return ShmKVPool(KVLayout.mla(rank, 0), torch.float8_e4m3fn, num_layers=1, num_tokens=1024)
+
+
+class Probe:
+    """Another engine, in its own process, calling Stats back to back."""
+
+    def __init__(self, address: str) -> None:
+        self.pool = ShmKVPool(KVLayout.mha(2, 8), torch.bfloat16, num_layers=1, num_tokens=64)
+        self.channel = grpc.insecure_channel(address, options=BIG_MESSAGES)
+        self.stub = pb_grpc.KVServerStub(self.channel)
+        cid = self.stub.Register(_request(address, self.pool, 16, 16), timeout=60).client_id
+        self.proc = subprocess.Popen([sys.executable, "-c", PROBE, address, cid], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "ready"
+        self.calls: list[tuple[float, float]] | None = None
+
+    def stop(self) -> list[tuple[float, float]]:
+        if self.calls is None:
+            out, _ = self.proc.communicate(timeout=120)
+            self.calls = json.loads(out)
+        return self.calls
+
+    def longest_during(self, start: float, end: float) -> float:
+        """The longest a probe call waited within [start, end] (after stop()); a call that spans
+        two steps counts in each only for its time inside it."""
+        return max((min(t + s, end) - max(t, start) for t, s in self.stop() if t < end and t + s > start),
+                   default=0.0)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.channel.close()
+        self.pool.close()
+
+
+@pytest.fixture
+def make_daemon(socket_dir: str):
+    """In-process daemons with the given settings."""
+    made: list[DaemonThread] = []
+
+    def make(**settings) -> DaemonThread:
+        made.append(DaemonThread(ServerConfig(socket=os.path.join(socket_dir, f"kv{len(made)}.sock"),
+                                              **settings)))
+        return made[-1]
+
+    yield make
+    for d in made:
+        d.stop()
+
+
+@pytest.fixture
+def node(socket_dir: str) -> Iterator[tuple[DaemonProcess, Probe]]:
+    """A daemon with room for the most pages of 64 bytes (16 Mi: 1 GiB), and a probe engine."""
+    d = DaemonProcess(os.path.join(socket_dir, "kv.sock"), host_memory="1088MiB")
+    probe = None
+    try:
+        probe = Probe(d.address)
+        yield d, probe
+    finally:
+        if probe is not None:
+            probe.close()
+        d.stop()
+
+
+def _timed(fn):
+    t0 = time.monotonic()
+    out = fn()
+    return out, t0, time.monotonic()
+
+
+# ---- finding 3: the grant is never silently smaller than asked ------------------------------------------
+
+
+def test_a_grant_below_the_least_accepted_is_refused_naming_what_is_free(make_daemon, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="kvserver")
+    d = make_daemon(host_memory=8 << 20)
+    pool = ShmKVPool(KVLayout.mha(2, 8), torch.bfloat16, num_layers=4, num_tokens=256)  # 4 KiB pages of 16
+    page_bytes, per_token = 4096, 256
+    try:
+        with grpc.insecure_channel(d.address) as ch:
+            stub = pb_grpc.KVServerStub(ch)
+            before, mapped = stub.Stats(pb.StatsRequest(), timeout=30), mappings_of(pool.name)
+            free = before.capacity_bytes - before.reserved_bytes
+            free_tokens = free // page_bytes * 16
+            # The full ask is the default least: refused, naming the free bytes and tokens.
+            for least in (0, 10**6, free_tokens + 1):
+                req = _request(d, pool, 10**6, 16, least)
+                code, message = error_of(lambda req=req: stub.Register(req, timeout=30))
+                assert code == C.RESOURCE_EXHAUSTED, (code, message)
+                assert f"{free} bytes" in message and f"{free_tokens} tokens" in message, message
+                assert f"{per_token} bytes a token" in message, message
+                assert stub.Stats(pb.StatsRequest(), timeout=30) == before
+                assert mappings_of(pool.name) == mapped  # the test's own mapping only
+            # A least above the ask is a malformed request.
+            code, message = error_of(lambda: stub.Register(_request(d, pool, 64, 16, 65), timeout=30))
+            assert code == C.INVALID_ARGUMENT and "min_host_tokens 65 is more than host_tokens 64" in message
+            # A least that fits: granted all there is, and the grant is logged without the full id.
+            caplog.clear()
+            resp = stub.Register(_request(d, pool, 10**6, 16, 1000), timeout=30)
+            assert resp.host_tokens == free_tokens
+            granted = [r.getMessage() for r in caplog.records if "granted" in r.getMessage()]
+            assert len(granted) == 1 and f"{free_tokens} of 1000000 host tokens asked" in granted[0], granted
+            assert resp.client_id[:8] in granted[0]
+            assert not any(resp.client_id in r.getMessage() for r in caplog.records)
+            stub.Unregister(pb.UnregisterRequest(client_id=resp.client_id), timeout=30)
+            # An ask that fits, with the default least, is granted whole.
+            resp = stub.Register(_request(d, pool, 160, 16), timeout=30)
+            assert resp.host_tokens == 160
+            stub.Unregister(pb.UnregisterRequest(client_id=resp.client_id), timeout=30)
+    finally:
+        pool.close()
+
+
+# ---- finding 8: limits on what one registration may cost -------------------------------------------------
+
+
+def test_pages_below_the_least_page_bytes_are_refused(make_daemon) -> None:
+    """MLA rank 1, fp8, one layer, page 1: 1-byte pages, whose bookkeeping would dwarf their bytes."""
+    d = make_daemon(host_memory=8 << 20)
+    pool = _tiny_pool(1)
+    try:
+        with grpc.insecure_channel(d.address) as ch:
+            stub = pb_grpc.KVServerStub(ch)
+            before, mapped = stub.Stats(pb.StatsRequest(), timeout=30), mappings_of(pool.name)
+            code, message = error_of(lambda: stub.Register(_request(d, pool, 1 << 20, 1, 1), timeout=30))
+            assert code == C.INVALID_ARGUMENT, (code, message)
+            assert "host page of 1 bytes" in message and "at least 64 bytes" in message, message
+            assert stub.Stats(pb.StatsRequest(), timeout=30) == before
+            assert mappings_of(pool.name) == mapped  # the test's own mapping only
+            # 64 tokens a page make it 64 bytes: allowed.
+            resp = stub.Register(_request(d, pool, 1 << 20, 64, 64), timeout=30)
+            assert resp.host_tokens > 0 and resp.host_bytes_per_token == 1
+    finally:
+        pool.close()
+
+
+def test_more_pages_than_the_limit_are_refused_naming_the_flag(make_daemon) -> None:
+    d = make_daemon(host_memory=8 << 20, max_pages_per_client=64)
+    pool = ShmKVPool(KVLayout.mha(2, 8), torch.bfloat16, num_layers=4, num_tokens=256)
+    try:
+        with grpc.insecure_channel(d.address) as ch:
+            stub = pb_grpc.KVServerStub(ch)
+            before, mapped = stub.Stats(pb.StatsRequest(), timeout=30), mappings_of(pool.name)
+            code, message = error_of(lambda: stub.Register(_request(d, pool, 65 * 16, 16), timeout=30))
+            assert code == C.RESOURCE_EXHAUSTED, (code, message)
+            assert "65 pages" in message and "at most 64 pages" in message, message
+            assert "--max-pages-per-client" in message and "KVSERVER_MAX_PAGES_PER_CLIENT" in message
+            assert stub.Stats(pb.StatsRequest(), timeout=30) == before
+            assert mappings_of(pool.name) == mapped  # the test's own mapping only
+            # Accepting less: granted the limit.
+            resp = stub.Register(_request(d, pool, 65 * 16, 16, 16), timeout=30)
+            assert resp.host_tokens == 64 * 16
+    finally:
+        pool.close()
+
+
+def test_register_of_the_most_pages_is_bounded_and_others_are_served(node) -> None:
+    """16 Mi pages of 64 bytes (the least page, the most pages): the old page list took seconds and
+    hundreds of MiB on the event loop for this, holding every other engine's calls meanwhile."""
+    d, probe = node
+    pool = _tiny_pool(64)
+    try:
+        with grpc.insecure_channel(d.address) as ch:
+            stub = pb_grpc.KVServerStub(ch)
+            rss = d.rss()
+            resp, t0, t1 = _timed(lambda: stub.Register(_request(d, pool, 1 << 40, 1, 1), timeout=120))
+            grown = d.rss() - rss
+            stub.Unregister(pb.UnregisterRequest(client_id=resp.client_id), timeout=120)
+        held = probe.longest_during(t0, t1)
+        print(f"Register of {resp.host_tokens} pages: {t1 - t0:.3f} s, daemon +{grown >> 20} MiB, "
+              f"another engine's Stats held {held * 1e3:.1f} ms")
+        assert t1 - t0 < 0.5, f"Register took {t1 - t0:.2f} s"
+        assert grown < 64 << 20, f"Register grew the daemon by {grown >> 20} MiB"
+        assert held < HELD, f"another engine's Stats waited {held:.2f} s"
+        assert resp.host_tokens == 1 << 24  # the page limit, not the budget, bounds it
+    finally:
+        pool.close()
+
+
+def test_alloc_and_free_of_the_largest_request_are_fast(node) -> None:
+    d, probe = node
+    pool = _tiny_pool(64)
+    try:
+        with grpc.insecure_channel(d.address, options=BIG_MESSAGES) as ch:
+            stub = pb_grpc.KVServerStub(ch)
+            reg = stub.Register(_request(d, pool, MOST_INDICES, 1), timeout=120)
+            assert reg.host_tokens == MOST_INDICES
+            alloc = pb.AllocRequest(client_id=reg.client_id, num_tokens=MOST_INDICES)
+            got, a0, a1 = _timed(lambda: stub.Alloc(alloc, timeout=120))
+            assert len(got.host_indices) == MOST_INDICES
+            free = pb.FreeRequest(client_id=reg.client_id, host_indices=got.host_indices)
+            freed, f0, f1 = _timed(lambda: stub.Free(free, timeout=120))
+            assert freed.freed_tokens == MOST_INDICES
+            stats = stub.Stats(pb.StatsRequest(client_id=reg.client_id), timeout=30).clients[0]
+            assert stats.used_tokens == 0
+        alloc_held, free_held = probe.longest_during(a0, a1), probe.longest_during(f0, f1)
+        print(f"Alloc {a1 - a0:.3f} s (Stats held {alloc_held * 1e3:.1f} ms), "
+              f"Free {f1 - f0:.3f} s (Stats held {free_held * 1e3:.1f} ms)")
+        assert a1 - a0 < 2.0, f"Alloc of 4 Mi tokens took {a1 - a0:.2f} s"
+        assert f1 - f0 < 2.0, f"Free of 4 Mi tokens took {f1 - f0:.2f} s"
+        assert alloc_held < HELD and free_held < HELD, (alloc_held, free_held)
+    finally:
+        pool.close()
+
+
+# ---- finding 9: host indices cannot alias across epochs -------------------------------------------------
+
+
+def test_a_region_past_2_36_slots_is_refused(make_daemon) -> None:
+    """The epoch sits above bit 36 of a host index, so a region may hold at most 2^36 token slots
+    (with the default page limit that holds by construction; here the limit is raised)."""
+    d = make_daemon(host_memory=8 << 20, max_pages_per_client=1 << 30)
+    pool = ShmKVPool(KVLayout.mha(2, 8), torch.bfloat16, num_layers=1, num_tokens=4096)
+    try:
+        with grpc.insecure_channel(d.address) as ch:
+            stub = pb_grpc.KVServerStub(ch)
+            before, mapped = stub.Stats(pb.StatsRequest(), timeout=30), mappings_of(pool.name)
+            ask = (1 << 36) + 4096
+            code, message = error_of(lambda: stub.Register(_request(d, pool, ask, 4096, ask), timeout=30))
+            assert code == C.RESOURCE_EXHAUSTED, (code, message)
+            assert f"at most {1 << 36} host token slots" in message, message
+            assert stub.Stats(pb.StatsRequest(), timeout=30) == before
+            assert mappings_of(pool.name) == mapped  # the test's own mapping only
+    finally:
+        pool.close()
+
+
+def test_a_large_write_and_load_are_checked_off_the_loop_and_exact(daemon) -> None:
+    """More than OFF_LOOP_INDICES indices: the request's checks run in a worker thread (and are
+    re-checked on the loop if the pages changed meanwhile); the copy is still bit-exact."""
+    n = 1 << 17
+    with ShmKVPool(KVLayout.mla(64, 0), torch.float8_e4m3fn, num_layers=1, num_tokens=n) as pool, \
+            KVClient(daemon.address, timeout=60) as client:
+        client.register(model="m", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=n)
+        raw = pool.buffers[0][0].view(torch.uint8)
+        g = torch.Generator().manual_seed(5)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+        want = raw.clone()
+        host, dev = client.alloc(n), torch.randperm(n)
+        assert client.write(host_indices=host, device_indices=dev) == n * 64
+        raw.zero_()
+        assert client.load(host_indices=host, device_indices=dev).wait() == n * 64
+        assert torch.equal(raw, want)

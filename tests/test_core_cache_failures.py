@@ -1,0 +1,65 @@
+"""A Put or Get that fails before its copy reaches the medium hands its pages back to the cache:
+nothing stays marked as being written or read."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from kvclient import KVClient, KVLayout, ShmKVPool
+from kvclient.keys import page_keys
+from kvserver.core import copier
+from kvserver.media.shm import ShmDevicePool
+from kvserver.store.pages import WRITING
+from kvserver.v1 import kvserver_pb2 as pb
+
+PAGE = 16
+
+
+@pytest.fixture
+def engine(daemon):
+    with ShmKVPool(KVLayout.mha(2, 8), torch.float16, 2, 8 * PAGE) as pool, \
+            KVClient(daemon.address, resilient=False) as client:
+        client.register(model="fail", pool=pool, start_layer=0, end_layer=2, num_layers=2, host_tokens=0,
+                        page_size=PAGE)
+        yield client
+
+
+def test_a_get_whose_progress_signal_cannot_be_made_leaves_no_reader(daemon, engine, monkeypatch):
+    keys = page_keys(range(3 * PAGE), PAGE)
+    assert engine.put(keys, [0, 1, 2]).stored == 3
+
+    def no_descriptors(*args, **kwargs):
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(copier, "LayerSignal", no_descriptors)
+    request = pb.GetRequest(client_id=engine.client_id, keys=keys, key_bytes=16, device_pages=[3, 4, 5])
+    with pytest.raises(grpc.RpcError) as err:
+        list(engine._stub.Get(request))
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    cache = daemon.core.cache
+    assert int(cache.pages.readers.sum()) == 0
+    client = daemon.core.clients[engine.client_id]
+    assert not client.jobs and client.inflight == 0  # nothing of the job is left behind
+    monkeypatch.undo()
+    assert engine.lookup(keys).pages == 3 and cache.make_room(daemon.core.arena.capacity) is True
+
+
+def test_a_put_whose_copy_cannot_start_stores_nothing(daemon, engine, monkeypatch):
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("the medium refused the job")
+
+    monkeypatch.setattr(ShmDevicePool, "start", broken)
+    keys = page_keys(range(1000, 1000 + 2 * PAGE), PAGE)
+    request = pb.PutRequest(client_id=engine.client_id, keys=keys, key_bytes=16, device_pages=[0, 1])
+    with pytest.raises(grpc.RpcError) as err:
+        engine._stub.Put(request)
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    cache = daemon.core.cache
+    assert int((cache.pages.state == WRITING).sum()) == 0
+    client = daemon.core.clients[engine.client_id]
+    assert not client.jobs and client.inflight == 0
+    monkeypatch.undo()
+    assert engine.lookup(keys).pages == 0
+    assert engine.put(keys, [0, 1]).stored == 2  # not "present": the failed Put left no trace

@@ -1,0 +1,133 @@
+"""A dead engine's memory comes back: sessions, reclaim grace, leases, and a kill loop."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import secrets
+import signal
+import time
+
+import pytest
+from daemon_proc import DaemonProcess
+from light_engine import LightEngine, killed_mid_load
+
+from kvserver.protocol.shared_memory import SHM_DIR
+from kvserver.v1 import kvserver_pb2 as pb
+
+KILL_LOOPS = 30
+
+
+@pytest.fixture(scope="module")
+def forkserver():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["light_engine"])
+    return ctx
+
+
+def start_killable(ctx, address: str, name: str):
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=killed_mid_load, args=(address, name, child))
+    proc.start()
+    assert parent.poll(30), "engine never started its load"
+    assert parent.recv() == b"loading"
+    return proc
+
+
+def test_killed_engine_is_reclaimed_within_two_seconds(socket_dir, forkserver):
+    """Default settings: SIGKILL mid-load, and the daemon holds nothing of it 2 s later."""
+    d = DaemonProcess(os.path.join(socket_dir, "kv.sock"), "--progress-interval-ms", "0")
+    name = f"kvtest-kill-{secrets.token_hex(4)}"
+    try:
+        proc = start_killable(forkserver, d.address, name)
+        assert d.stats().num_clients == 1 and d.stats().clients[0].sessions == 1
+        assert f"/memfd:{name} (deleted)" in d.shm_maps()
+        os.kill(proc.pid, signal.SIGKILL)
+        t_kill = time.monotonic()
+        proc.join(10)
+        d.wait_for(lambda s: s.num_clients == 0 and s.reserved_bytes == 0, timeout=5)
+        elapsed = time.monotonic() - t_kill
+        assert elapsed < 2.0, f"reclaimed after {elapsed:.2f} s"
+        assert not [m for m in d.shm_maps() if name in m], "the dead engine's pool is still mapped"
+        assert d.stats().reclaimed_clients == 1
+        assert name not in os.listdir(SHM_DIR)  # a memfd: it went with its last holder
+    finally:
+        assert d.stop() == 0
+
+
+def test_kill_mid_load_loop_releases_everything(socket_dir, forkserver):
+    """SIGKILL an engine mid-load, over and over: accounting, mappings, fds and RSS stay flat."""
+    d = DaemonProcess(os.path.join(socket_dir, "kv.sock"), "--progress-interval-ms", "0",
+                      "--reclaim-grace-seconds", "0.2")
+    try:
+        base_fds = None
+        rss = []
+        mid_load = 0
+        for i in range(KILL_LOOPS):
+            name = f"kvtest-loop-{i}-{secrets.token_hex(4)}"
+            loads_before = d.stats().transfers.load_ops
+            proc = start_killable(forkserver, d.address, name)
+            os.kill(proc.pid, signal.SIGKILL)
+            t_kill = time.monotonic()
+            proc.join(10)
+            d.wait_for(lambda s: s.num_clients == 0 and s.reserved_bytes == 0 and s.used_bytes == 0,
+                       timeout=5)
+            assert time.monotonic() - t_kill < 2.0
+            assert d.shm_maps() == [], f"iteration {i}: mappings left: {d.shm_maps()}"
+            mid_load += d.stats().transfers.load_ops == loads_before  # the load never finished
+            if i == 4:
+                base_fds = d.num_fds()
+            if i >= 4:
+                assert d.num_fds() == base_fds, f"iteration {i}: fds {d.num_fds()} vs {base_fds}"
+                rss.append(d.rss())
+        assert d.stats().reclaimed_clients == KILL_LOOPS
+        # Killed while the load was streaming: most kills land before the last layer.
+        assert mid_load >= KILL_LOOPS // 2, f"only {mid_load} of {KILL_LOOPS} kills landed mid-load"
+        growth = max(rss[-10:]) - min(rss[:10])
+        assert growth < 32 << 20, f"daemon RSS grew by {growth >> 20} MiB over {KILL_LOOPS} kills"
+    finally:
+        assert d.stop() == 0
+
+
+def test_client_without_session_lives_for_its_lease(daemon_factory):
+    d = daemon_factory(lease=0.5)
+    name = f"kvtest-lease-{secrets.token_hex(4)}"
+    eng = LightEngine(d.address, name, session=False)
+    try:
+        for _ in range(4):  # calls renew the lease
+            time.sleep(0.3)
+            eng.alloc(16)
+        assert d.run(lambda: len(d.core.clients)) == 1
+        time.sleep(0.9)
+        assert d.run(lambda: len(d.core.clients)) == 0
+        assert d.run(lambda: d.core.reclaimed) == 1
+    finally:
+        eng.drop()
+
+
+def test_new_session_within_grace_keeps_the_registration(daemon_factory):
+    d = daemon_factory(reclaim_grace=0.5)
+    name = f"kvtest-grace-{secrets.token_hex(4)}"
+    eng = LightEngine(d.address, name)
+    try:
+        host = eng.alloc(64)
+        eng.session.cancel()  # the connection blips
+        time.sleep(0.2)
+        eng.session = eng.stub.Session(pb.SessionRequest(client_id=eng.client_id))
+        next(eng.session)
+        time.sleep(0.8)  # past the grace period of the first session
+        assert d.run(lambda: len(d.core.clients)) == 1
+        assert eng.free(host) == 64
+        eng.session.cancel()
+        time.sleep(0.8)
+        assert d.run(lambda: len(d.core.clients)) == 0
+    finally:
+        eng.drop()
+
+
+def test_unregister_ends_the_session(daemon):
+    name = f"kvtest-unreg-{secrets.token_hex(4)}"
+    eng = LightEngine(daemon.address, name)
+    eng.stub.Unregister(pb.UnregisterRequest(client_id=eng.client_id), timeout=10)
+    assert list(eng.session) == []  # the daemon closed the stream cleanly
+    eng.drop()

@@ -1,0 +1,1162 @@
+"""The daemon's CUDA path end to end through gRPC, with CuPy replaced by tests/fake_cupy.py.
+
+Bit-exact transfers through IPC pointers (kernel and DMA paths), ordering (ready events waited on
+before copying, one event recorded per layer, "events recorded" sent before completion), and the
+release of every IPC mapping, pin, event and stream when a client goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+import types
+
+import fake_cupy
+import grpc
+import numpy as np
+import pytest
+import torch
+from fake_cupy import UUID
+from kernel_host import compiler
+
+from kvserver.v1 import kvserver_pb2 as pb
+from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
+
+LAYERS, TOKENS = 4, 256
+
+# The stand-in runs the daemon's CUDA kernel source built for the CPU.
+pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler (g++) to build the copy kernel")
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    return fake_cupy.install(monkeypatch)
+
+
+def cuda_pool(fake, heads: int, head_dim: int, parts: int = 2, handle_mem=None):
+    token_bytes = heads * head_dim * 2  # fp16
+    buffer_bytes = TOKENS * token_bytes
+    handle, mem = handle_mem or fake.cuda.runtime.export(LAYERS * parts * buffer_bytes + 4096)
+    refs = pb.DevicePool(num_tokens=TOKENS, layers=[
+        pb.LayerBuffers(parts=[
+            pb.BufferRef(cuda=pb.CudaIpcLocation(ipc_handle=b"\x02c" + handle, device_uuid=UUID,
+                                                 allocation_size=mem.size),
+                         offset=4096 + (layer * parts + part) * buffer_bytes, token_stride=token_bytes)
+            for part in range(parts)
+        ])
+        for layer in range(LAYERS)
+    ])
+    view = mem[4096:].reshape(LAYERS, parts, TOKENS, token_bytes)
+    return refs, view, (handle, mem)
+
+
+def register(stub, refs, heads, head_dim, page_size):
+    parts = len(refs.layers[0].parts)
+    layout = (pb.KVLayout(mha=pb.MHALayout(num_heads=heads, head_dim=head_dim)) if parts == 2 else
+              pb.KVLayout(mla=pb.MLALayout(kv_lora_rank=heads * head_dim)))
+    return stub.Register(pb.RegisterRequest(
+        model="gpu", start_layer=8, end_layer=8 + LAYERS, num_layers=16,
+        layout=layout, dtype=pb.DTYPE_FLOAT16,
+        page_size=page_size, device_pool=refs, host_tokens=TOKENS, event_slots=2,
+    ), timeout=10)
+
+
+@pytest.mark.parametrize(("page_size", "path", "tokens", "parts"), [
+    (16, "kernel", False, 2),  # 512 B per token: 8 KiB page chunks go through the kernel
+    (64, "memcpyAsync", False, 2),  # 32 KiB page chunks go by DMA
+    (16, "kernel", True, 2),  # single scattered device tokens: token rows
+    (16, "kernel", False, 1),  # one part per layer, as MLA
+])
+def test_cuda_round_trip_events_and_release(daemon, fake, page_size, path, tokens, parts):
+    rt = fake.cuda.runtime
+    heads, head_dim = 2, 128
+    refs, kv, _ = cuda_pool(fake, heads, head_dim, parts=parts)
+    rng = np.random.default_rng(page_size)
+    kv[:] = rng.integers(0, 256, kv.shape, dtype=np.uint8)
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        reg = register(stub, refs, heads, head_dim, page_size)
+        assert len(reg.layer_events) == 2 * LAYERS
+        create_calls = list(rt.calls)
+        # Interprocess layer events whose waits sleep: BlockingSync | DisableTiming | Interprocess.
+        assert [c[1] for c in create_calls if c[0] == "eventCreateWithFlags"] == [1 | 2 | 4] * (2 * LAYERS)
+        host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=128)).host_indices)
+        pages = rng.permutation(TOKENS // page_size)[: 128 // page_size]
+        dev = (pages[:, None] * page_size + np.arange(page_size)).reshape(-1).tolist()
+        if tokens:
+            dev = rng.permutation(TOKENS)[:128].tolist()
+        want = kv[:, :, dev].copy()
+
+        ready = (4242).to_bytes(8, "little") * 8
+        rt.calls.clear()
+        stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=host, device_indices=dev,
+                                   ready_event=ready), timeout=10)
+        names = [c[0] for c in rt.calls]
+        assert names.index("streamWaitEvent") < names.index(path), "copied before the engine was ready"
+        # The write's own completion event (blocking sync, not interprocess), recorded after the
+        # copies, waited on, then destroyed.
+        assert names[-4:] == ["eventCreateWithFlags", "eventRecord", "eventQuery", "eventDestroy"]
+        assert rt.calls[-4][1] == 1 | 2 and rt.calls[-3][1] == rt.calls[-2][1] == rt.calls[-1][1]
+        # Every copy and record on the registration's own non-blocking stream, never the legacy
+        # default one.
+        stream = rt.calls[-3][2]
+        assert stream != 0 and ("Stream", stream, True) in create_calls
+        assert all(c[-1] == stream for c in rt.calls if c[0] in ("kernel", "memcpyAsync", "eventRecord"))
+        kv[:] = 0
+
+        rt.calls.clear()
+        steps = list(stub.Load(pb.LoadRequest(client_id=reg.client_id, host_indices=host, device_indices=dev,
+                                              event_slot=1), timeout=10))
+        assert steps[0].events_recorded and steps[0].layers_done == 0, steps[0]
+        assert steps[-1].done and steps[-1].layers_done == LAYERS and steps[-1].last_layer == 8 + LAYERS - 1
+        assert np.array_equal(kv[:, :, dev], want)
+        assert not kv[:, :, sorted(set(range(TOKENS)) - set(dev))].any()
+        # Slot 1's events, one per layer, recorded in layer order after that layer's copy.
+        slot1 = [int.from_bytes(h[:8], "little") for h in reg.layer_events[LAYERS:]]
+        records = [c[1] for c in rt.calls if c[0] == "eventRecord"]
+        assert records == slot1
+        names = [c[0] for c in rt.calls]
+        first_record = names.index("eventRecord")
+        assert path in names[:first_record], "layer 0's event recorded before its copy"
+        assert names.index("eventQuery") > len(names) - 1 - names[::-1].index("eventRecord")
+
+        rt.calls.clear()
+        stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=10)
+        names = [c[0] for c in rt.calls]
+        assert names.count("eventDestroy") == 2 * LAYERS + 1  # its layer events + the opened ready event
+        assert names.count("hostUnregister") == 1 and names.count("ipcCloseMemHandle") == 1
+        assert names[0] == "streamQuery" and ("free_all_blocks", stream) in rt.calls  # drained first
+
+
+@pytest.mark.parametrize(("head_dim", "word"), [(3, "kv_copy_rows_w2"), (130, "kv_copy_rows_w4")])
+def test_unaligned_rows_are_one_launch_per_layer_and_exact(daemon, fake, head_dim, word):
+    """Tokens of 6 (or 260) bytes, scattered on the device: rows are not 8-byte aligned, and each
+    job is still one kernel launch per layer (a write: one in all) with a narrower word, never a
+    copy call per row on the shared worker, and every byte lands."""
+    rt = fake.cuda.runtime
+    refs, kv, _ = cuda_pool(fake, 1, head_dim)
+    rng = np.random.default_rng(head_dim)
+    kv[:] = rng.integers(0, 256, kv.shape, dtype=np.uint8)
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        reg = register(stub, refs, 1, head_dim, 16)
+        host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=128)).host_indices)
+        dev = rng.permutation(TOKENS)[:128].tolist()
+        want = kv[:, :, dev].copy()
+        rt.calls.clear()
+        stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=host, device_indices=dev),
+                   timeout=10)
+        kv[:] = 0
+        list(stub.Load(pb.LoadRequest(client_id=reg.client_id, host_indices=host, device_indices=dev),
+                       timeout=10))
+        launches = [c for c in rt.calls if c[0] in ("kernel", "memcpyAsync")]
+        assert [c[0] for c in launches] == ["kernel"] * (1 + LAYERS)
+        assert {c[3] for c in launches} == {word}
+        assert np.array_equal(kv[:, :, dev], want)
+        assert not kv[:, :, sorted(set(range(TOKENS)) - set(dev))].any()
+        stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=10)
+
+
+def test_allocation_opened_once_for_two_clients(daemon, fake):
+    rt = fake.cuda.runtime
+    refs, kv, shared = cuda_pool(fake, 2, 64)
+    refs2, _, _ = cuda_pool(fake, 2, 64, handle_mem=shared)
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        a = register(stub, refs, 2, 64, 16)
+        b = register(stub, refs2, 2, 64, 16)
+        assert [c[0] for c in rt.calls].count("ipcOpenMemHandle") == 1
+        stub.Unregister(pb.UnregisterRequest(client_id=a.client_id), timeout=10)
+        assert [c[0] for c in rt.calls].count("ipcCloseMemHandle") == 0
+        stub.Unregister(pb.UnregisterRequest(client_id=b.client_id), timeout=10)
+        assert [c[0] for c in rt.calls].count("ipcCloseMemHandle") == 1
+
+
+def oversize(refs, reach: int) -> None:
+    """Declares every buffer's allocation 2^63 bytes and moves the last buffer ``reach`` bytes
+    from the allocation's base: what a hostile client sends to reach other memory."""
+    for layer in refs.layers:
+        for part in layer.parts:
+            part.cuda.allocation_size = 1 << 63
+    refs.layers[-1].parts[-1].offset = reach
+
+
+@pytest.mark.parametrize("reach", ["far", "one byte past"])
+def test_a_span_past_the_real_allocation_is_refused(daemon, fake, reach):
+    """The declared allocation_size can only narrow what the daemon may touch: the span is checked
+    against the real range of the opened allocation, and a refused pool leaves nothing open."""
+    rt = fake.cuda.runtime
+    refs, _, (_, mem) = cuda_pool(fake, 2, 64)
+    token_bytes = refs.layers[0].parts[0].token_stride
+    # "one byte past": the last token ends one byte after the allocation does.
+    oversize(refs, 1 << 40 if reach == "far" else mem.size - TOKENS * token_bytes + 1)
+    reserved = daemon.run(lambda: daemon.core.arena.reserved)
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            register(stub, refs, 2, 64, 16)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"the allocation the handle opens is {mem.size} bytes" in err.value.details()
+        names = [c[0] for c in rt.calls]
+        assert names.count("ipcOpenMemHandle") == names.count("ipcCloseMemHandle") == 1
+        assert "hostRegister" not in names
+        assert stub.Stats(pb.StatsRequest()).num_clients == 0
+    assert daemon.run(lambda: daemon.core.arena.reserved) == reserved
+
+
+def test_an_oversized_span_next_to_a_live_client_leaves_its_mapping_open(daemon, fake):
+    """A second client naming the same allocation with an oversized span is refused; the first
+    client's mapping (shared, opened once) stays open and it keeps working."""
+    rt = fake.cuda.runtime
+    refs, kv, shared = cuda_pool(fake, 2, 64)
+    bad, _, _ = cuda_pool(fake, 2, 64, handle_mem=shared)
+    oversize(bad, 1 << 40)
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        good = register(stub, refs, 2, 64, 16)
+        with pytest.raises(grpc.RpcError) as err:
+            register(stub, bad, 2, 64, 16)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "ipcCloseMemHandle" not in [c[0] for c in rt.calls]
+        kv[:] = 3
+        host = list(stub.Alloc(pb.AllocRequest(client_id=good.client_id, num_tokens=16)).host_indices)
+        stub.Write(pb.WriteRequest(client_id=good.client_id, host_indices=host,
+                                   device_indices=list(range(16))), timeout=10)
+        kv[:] = 0
+        list(stub.Load(pb.LoadRequest(client_id=good.client_id, host_indices=host,
+                                      device_indices=list(range(16))), timeout=10))
+        assert (kv[:, :, :16] == 3).all()
+        stub.Unregister(pb.UnregisterRequest(client_id=good.client_id), timeout=10)
+        assert [c[0] for c in rt.calls].count("ipcCloseMemHandle") == 1
+
+
+def test_cuda_request_checks(daemon, fake):
+    refs, _, _ = cuda_pool(fake, 2, 64)
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        reg = register(stub, refs, 2, 64, 16)
+        host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=16)).host_indices)
+        for req, text in [
+            (pb.LoadRequest(client_id=reg.client_id, host_indices=host, device_indices=list(range(16)),
+                            event_slot=2), "not one of this registration's 2 slots"),
+            (pb.LoadRequest(client_id=reg.client_id, host_indices=host, device_indices=list(range(16)),
+                            ready_event=b"short"), "64-byte CUDA IPC event handle"),
+        ]:
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Load(req, timeout=10))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and text in err.value.details()
+        other_uuid = refs.layers[0].parts[0].cuda.device_uuid.replace("1a2b", "ffff")
+        refs.layers[0].parts[0].cuda.device_uuid = other_uuid
+        with pytest.raises(grpc.RpcError) as err:
+            register(stub, refs, 2, 64, 16)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not visible to the daemon" in err.value.details()
+
+
+def _flashinfer(refs, token_bytes: int, block: int = 16, layers=None) -> None:
+    """K and V of each layer interleaved per block, as vLLM's FlashInfer [blocks, 2, block, H, D]."""
+    for layer, lb in enumerate(refs.layers):
+        for part, r in enumerate(lb.parts):
+            if layers is not None and layer not in layers:
+                continue
+            r.offset = 4096 + layer * 2 * TOKENS * token_bytes + part * block * token_bytes
+            r.block_tokens, r.block_stride = block, 2 * block * token_bytes
+
+
+@pytest.mark.parametrize(("mutate", "code", "text"), [
+    (lambda refs, tb: (_flashinfer(refs, tb), _flashinfer(refs, tb, block=8, layers=[0])),
+     grpc.StatusCode.UNIMPLEMENTED, "every buffer of a CUDA pool with blocks or strided heads must have"),
+    (lambda refs, tb: setattr(refs.layers[0].parts[0], "head_stride", 64), grpc.StatusCode.INVALID_ARGUMENT,
+     "device_pool buffer 0: head_stride 64 is smaller than one head (128 bytes)"),
+    (lambda refs, tb: refs.layers[1].parts[1].MergeFrom(pb.BufferRef(
+        offset=refs.layers[1].parts[0].offset + tb, block_tokens=16, block_stride=16 * tb)),
+     grpc.StatusCode.INVALID_ARGUMENT, "device_pool buffer 2 and device_pool buffer 3 overlap"),
+    (lambda refs, tb: (_flashinfer(refs, tb), setattr(refs.layers[3].parts[1], "block_stride", 1 << 20)),
+     grpc.StatusCode.INVALID_ARGUMENT, "but the allocation is"),
+], ids=["mixed-geometries", "head-stride-small", "buffers-overlap", "block-span-past-allocation"])
+def test_cuda_pool_geometry_is_checked_before_opening(daemon, fake, mutate, code, text):
+    """Block and head strides (docs/layouts.md) are checked before any handle is opened; a pool
+    whose buffers differ in geometry is refused, never copied by the wrong rule."""
+    refs, _, _ = cuda_pool(fake, 2, 64)
+    mutate(refs, refs.layers[0].parts[0].token_stride)
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            register(stub, refs, 2, 64, 16)
+        assert err.value.code() == code and text in err.value.details(), err.value.details()
+        assert "ipcOpenMemHandle" not in [c[0] for c in fake.cuda.runtime.calls]
+        assert stub.Stats(pb.StatsRequest()).num_clients == 0
+
+
+def vllm_cuda_pool(fake, kind: str, heads: int, head_dim: int, block: int = 16):
+    """A pool in vLLM's FlashInfer ("flashinfer": [blocks, 2, block, H, D]) or its HND variant
+    ("flashinfer_hnd": [blocks, 2, H, block, D]) or FlashAttention HND ("flash_attn_hnd":
+    [2, blocks, H, block, D]) per layer, fp16, in one fake allocation. Returns the refs and, per
+    (layer, part), a [blocks, block, H, head bytes] view of the memory."""
+    hb, nb = head_dim * 2, TOKENS // block
+    layer_bytes = 2 * TOKENS * heads * hb
+    handle, mem = fake.cuda.runtime.export(LAYERS * layer_bytes + 4096)
+    views, layers = [], []
+    for layer in range(LAYERS):
+        flat = mem[4096 + layer * layer_bytes:4096 + (layer + 1) * layer_bytes]
+        if kind == "flashinfer":
+            t = flat.reshape(nb, 2, block, heads, hb)
+            parts = [t[:, p] for p in range(2)]
+        elif kind == "flashinfer_hnd":
+            t = flat.reshape(nb, 2, heads, block, hb)
+            parts = [t[:, p].transpose(0, 2, 1, 3) for p in range(2)]
+        else:
+            t = flat.reshape(2, nb, heads, block, hb)
+            parts = [t[p].transpose(0, 2, 1, 3) for p in range(2)]
+        views.append(parts)
+        layers.append(pb.LayerBuffers(parts=[
+            pb.BufferRef(cuda=pb.CudaIpcLocation(ipc_handle=b"\x02c" + handle, device_uuid=UUID,
+                                                 allocation_size=mem.size),
+                         offset=v.__array_interface__["data"][0] - mem.__array_interface__["data"][0],
+                         block_tokens=block, block_stride=v.strides[0], token_stride=v.strides[1],
+                         head_stride=v.strides[2])
+            for v in parts]))
+    return pb.DevicePool(num_tokens=TOKENS, layers=layers), views, mem
+
+
+def _tokens(view: np.ndarray) -> np.ndarray:
+    return view.reshape(TOKENS, *view.shape[2:])
+
+
+@pytest.mark.parametrize("page_size", [16, 1])
+@pytest.mark.parametrize("kind", ["flashinfer", "flashinfer_hnd", "flash_attn_hnd"])
+def test_cuda_round_trip_in_vllm_layouts(daemon, fake, kind, page_size):
+    """Write then Load through the daemon's CUDA planning and its copy kernel (built for the CPU):
+    block strides (FlashInfer) and per-head segments (HND) land bit for bit, and nothing else is
+    written."""
+    heads, head_dim = 4, 8
+    refs, views, mem = vllm_cuda_pool(fake, kind, heads, head_dim)
+    _write_load_round_trip(daemon, refs, views, mem, heads, head_dim, page_size, seed=7)
+
+
+def _write_load_round_trip(daemon, refs, views, mem, heads: int, head_dim: int, page_size: int, seed: int):
+    """Write 64 scattered tokens of random bytes, wipe the pool, Load them back: they land bit for
+    bit, every other token stays zero, and nothing is written before the pool's memory."""
+    rng = np.random.default_rng(seed)
+    mem[:] = rng.integers(0, 256, mem.shape, dtype=np.uint8)
+    want = [[_tokens(v).copy() for v in layer] for layer in views]
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        reg = register(stub, refs, heads, head_dim, page_size)
+        host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=64)).host_indices)
+        pages = rng.permutation(TOKENS // page_size)[: 64 // page_size]
+        dev = (pages[:, None] * page_size + np.arange(page_size)).reshape(-1).tolist()
+        stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=host, device_indices=dev),
+                   timeout=10)
+        mem[:] = 0
+        steps = list(stub.Load(pb.LoadRequest(client_id=reg.client_id, host_indices=host, device_indices=dev),
+                               timeout=10))
+        assert steps[-1].done
+        others = sorted(set(range(TOKENS)) - set(dev))
+        for layer in range(LAYERS):
+            for part in range(2):
+                got = _tokens(views[layer][part])
+                assert np.array_equal(got[dev], want[layer][part][dev]), (layer, part)
+                assert not got[others].any()
+        assert not mem[:4096].any()
+        stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=10)
+
+
+LAYOUTS_033 = ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
+
+
+def vllm033_cuda_pool(fake, order: str, heads: int, head_dim: int, block: int = 16):
+    """vLLM 0.33's per-layer [B, H, N, C] views (C = K then V of one head, docs/layouts.md) of one
+    logical [L, B, H, N, C] cache stored in physical ``order``, fp16, in one fake allocation.
+    Returns the refs and, per (layer, part), a [B, N, H, head bytes] view of the memory."""
+    nb = TOKENS // block
+    sizes = dict(L=LAYERS, B=nb, H=heads, N=block, C=2 * head_dim)
+    nbytes = LAYERS * TOKENS * heads * 2 * head_dim * 2
+    handle, mem = fake.cuda.runtime.export(nbytes + 4096)
+    raw = torch.from_numpy(mem[4096:]).view(torch.float16).view([sizes[a] for a in order])
+    five = raw.permute([order.index(a) for a in "LBHNC"])
+    base = mem.ctypes.data
+    views, layers = [], []
+    for layer in range(LAYERS):
+        parts = [five[layer][..., :head_dim], five[layer][..., head_dim:]]
+        views.append([v.view(torch.uint8).permute(0, 2, 1, 3).numpy() for v in parts])  # [B, N, H, bytes]
+        layers.append(pb.LayerBuffers(parts=[
+            pb.BufferRef(cuda=pb.CudaIpcLocation(ipc_handle=b"\x02c" + handle, device_uuid=UUID,
+                                                 allocation_size=mem.size),
+                         offset=v.data_ptr() - base, block_tokens=block, block_stride=v.stride(0) * 2,
+                         head_stride=v.stride(1) * 2, token_stride=v.stride(2) * 2)
+            for v in parts]))
+    return pb.DevicePool(num_tokens=TOKENS, layers=layers), views, mem
+
+
+@pytest.mark.parametrize("page_size", [16, 1])
+@pytest.mark.parametrize("order", LAYOUTS_033)
+def test_cuda_round_trip_in_vllm_033_layouts(daemon, fake, order, page_size):
+    """vLLM 0.33's six per-layer layouts (LHBNC: each head runs over every block, head_stride
+    = blocks * block_stride) through the CUDA planning and copy kernel: bit for bit, nothing else
+    written."""
+    heads, head_dim = 2, 8
+    refs, views, mem = vllm033_cuda_pool(fake, order, heads, head_dim)
+    _write_load_round_trip(daemon, refs, views, mem, heads, head_dim, page_size, seed=11)
+
+
+def test_cuda_lhbnc_heads_overlapping_blocks_are_refused_before_opening(daemon, fake):
+    refs, _, _ = vllm033_cuda_pool(fake, "LHBNC", 2, 8)
+    for lb in refs.layers:
+        for r in lb.parts:
+            r.head_stride -= r.block_stride  # head 1 starts inside head 0's last block
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            register(stub, refs, 2, 8, 16)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "blocks overlap" in err.value.details(), err.value.details()
+        assert "ipcOpenMemHandle" not in [c[0] for c in fake.cuda.runtime.calls]
+        assert stub.Stats(pb.StatsRequest()).num_clients == 0
+
+
+def slow_host_register(rt, monkeypatch, seconds: float, call: str = "hostRegister"):
+    """A runtime call (hostRegister by default) that takes ``seconds``, as pinning tens of GiB
+    does."""
+    real = getattr(rt, call)
+
+    def slow(*args):
+        time.sleep(seconds)
+        return real(*args)
+
+    monkeypatch.setattr(rt, call, slow)
+
+
+def test_pinning_runs_off_the_event_loop(daemon, fake, monkeypatch):
+    """While one engine's region is being pinned, the daemon answers everyone else at once."""
+    slow_host_register(fake.cuda.runtime, monkeypatch, 1.5)
+    refs, _, _ = cuda_pool(fake, 2, 64)
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault("reg", register(stub, refs, 2, 64, 16)))
+        t.start()
+        time.sleep(0.3)  # the registration is now pinning
+        t0 = time.monotonic()
+        assert stub.Stats(pb.StatsRequest(), timeout=10).num_clients == 0
+        assert time.monotonic() - t0 < 0.5, "the event loop was blocked by the registration"
+        t.join(10)
+        assert result["reg"].client_id and stub.Stats(pb.StatsRequest()).num_clients == 1
+
+
+@pytest.fixture
+def cpu_events(monkeypatch):
+    """torch without CUDA cannot open IPC events: the clients get the handle bytes instead."""
+    monkeypatch.setattr(torch.cuda.Event, "from_ipc_handle", staticmethod(lambda device, handle: handle))
+
+
+def gate_gpu(rt, monkeypatch, only: set[int] | None = None):
+    """Events (every one, or those in ``only``) do not complete until the returned gate opens:
+    those copies 'stay on the GPU' until the test opens it."""
+    gate = threading.Event()
+    real_query = rt.eventQuery
+
+    def query(event):
+        if (only is None or event in only) and not gate.is_set():
+            real_query(event)
+            return fake_cupy.NOT_READY
+        return real_query(event)
+
+    monkeypatch.setattr(rt, "eventQuery", query)
+    return gate
+
+
+def wait_for(predicate, seconds: float = 6.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return predicate()
+
+
+@pytest.mark.parametrize("slow_call", ["hostRegister", "ipcOpenMemHandle"])
+def test_registration_given_up_by_its_engine_leaves_nothing(daemon, fake, monkeypatch, slow_call):
+    """An engine whose Register deadline passes while its pool is opened or its region pinned:
+    the daemon lets that finish, then releases the IPC mapping (and the pin and host region, if
+    it got that far), and holds no client."""
+    rt = fake.cuda.runtime
+    slow_host_register(rt, monkeypatch, 1.0, slow_call)
+    refs, _, _ = cuda_pool(fake, 2, 64)
+    free_before = daemon.core.arena.largest_free()
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Register(pb.RegisterRequest(
+                model="gpu", start_layer=8, end_layer=8 + LAYERS, num_layers=16,
+                layout=pb.KVLayout(mha=pb.MHALayout(num_heads=2, head_dim=64)), dtype=pb.DTYPE_FLOAT16,
+                page_size=16, device_pool=refs, host_tokens=TOKENS, event_slots=2,
+            ), timeout=0.3)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_for(lambda: "ipcCloseMemHandle" in [c[0] for c in rt.calls])
+        time.sleep(0.2)
+        names = [c[0] for c in rt.calls]
+        assert names.count("ipcOpenMemHandle") == names.count("ipcCloseMemHandle") == 1
+        pinned = 1 if slow_call == "hostRegister" else 0  # a cancelled open never gets to pinning
+        assert names.count("hostRegister") == names.count("hostUnregister") == pinned
+        assert stub.Stats(pb.StatsRequest()).num_clients == 0
+        assert daemon.core.arena.largest_free() == free_before
+
+
+def test_a_slow_gpu_copy_does_not_hold_up_other_clients(daemon, fake, monkeypatch):
+    """The copy worker only enqueues CUDA copies; waiting for the GPU is a waiter thread's job.
+    While one engine's load is still on its GPU, another engine's write and load complete, and
+    the first engine already knows its layer events are recorded."""
+    rt = fake.cuda.runtime
+    refs_a, _, _ = cuda_pool(fake, 2, 64)
+    refs_b, kv_b, _ = cuda_pool(fake, 2, 64)
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        a, b = register(stub, refs_a, 2, 64, 16), register(stub, refs_b, 2, 64, 16)
+        gate = gate_gpu(rt, monkeypatch, only={int.from_bytes(h[:8], "little") for h in a.layer_events})
+        host_a = list(stub.Alloc(pb.AllocRequest(client_id=a.client_id, num_tokens=64)).host_indices)
+        steps_a: list = []
+        load_a = threading.Thread(target=lambda: steps_a.extend(stub.Load(pb.LoadRequest(
+            client_id=a.client_id, host_indices=host_a, device_indices=list(range(64))), timeout=20)))
+        load_a.start()
+        assert wait_for(lambda: steps_a)  # A's copy is on the GPU now
+        kv_b[:] = 5
+        host_b = list(stub.Alloc(pb.AllocRequest(client_id=b.client_id, num_tokens=64)).host_indices)
+        stub.Write(pb.WriteRequest(client_id=b.client_id, host_indices=host_b,
+                                   device_indices=list(range(64))), timeout=5)
+        kv_b[:] = 0
+        steps_b = list(stub.Load(pb.LoadRequest(client_id=b.client_id, host_indices=host_b,
+                                                device_indices=list(range(64))), timeout=5))
+        assert steps_b[-1].done and (kv_b[:, :, :64] == 5).all()
+        assert load_a.is_alive() and [s.events_recorded for s in steps_a] == [True]
+        gate.set()
+        load_a.join(10)
+        assert steps_a[-1].done and steps_a[-1].layers_done == LAYERS
+
+
+def test_a_launch_failing_mid_job_waits_for_what_was_enqueued(daemon, fake, monkeypatch):
+    """If the second layer's launch fails, the first layer's copy may still be on the stream: the
+    daemon waits (on a waiter thread, through a marker event recorded behind it) before it
+    releases the pages, then answers INTERNAL, and the client stays usable."""
+    rt = fake.cuda.runtime
+    refs, _, _ = cuda_pool(fake, 2, 64)
+    launches = []
+    real_call = fake_cupy.RecordingKernel.__call__
+
+    def flaky(self, grid, block, args):
+        launches.append(1)
+        if len(launches) == 2:
+            raise RuntimeError("CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES")
+        real_call(self, grid, block, args)
+
+    monkeypatch.setattr(fake_cupy.RecordingKernel, "__call__", flaky)
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        reg = register(stub, refs, 2, 64, 16)
+        host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=64)).host_indices)
+        rt.calls.clear()
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Load(pb.LoadRequest(client_id=reg.client_id, host_indices=host,
+                                          device_indices=list(range(64))), timeout=10))
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        assert "LAUNCH_OUT_OF_RESOURCES" in err.value.details()
+        names = [c[0] for c in rt.calls]
+        k = names.index("kernel")
+        # A marker recorded right behind what was enqueued, and waited on before the answer.
+        assert names.count("kernel") == 1 and "eventRecord" in names[k:] and "eventQuery" in names[k:]
+        assert len(list(stub.Load(pb.LoadRequest(client_id=reg.client_id, host_indices=host,
+                                                 device_indices=list(range(64))), timeout=10))) > 1
+        stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=10)
+        assert stub.Stats(pb.StatsRequest()).num_clients == 0
+
+
+class DescribedPool:
+    """What KVClient.register needs of a CUDA pool, around a fake-CuPy description."""
+    def __init__(self, refs, heads, head_dim):
+        from kvclient import KVLayout
+
+        self.layout, self.dtype, self._refs = KVLayout.mha(heads, head_dim), torch.float16, refs
+        self.buffers = [[types.SimpleNamespace(device=0)]]
+
+    def descriptor(self):
+        return self._refs
+
+
+class FakeStream:
+    def __init__(self):
+        self.waited = []
+
+    def wait_event(self, event):
+        self.waited.append(event)
+
+
+def test_clients_wait_on_layer_events_after_they_are_recorded(daemon, fake, monkeypatch):
+    """The sync and asyncio clients: a stream waits on a layer's event only after the daemon said
+    the load's events are recorded, and on the event of the slot the load named."""
+
+
+    from kvclient import AsyncKVClient, KVClient
+
+    opened = []
+    monkeypatch.setattr(torch.cuda.Event, "from_ipc_handle",
+                        staticmethod(lambda device, handle: opened.append(handle) or handle))
+    refs, kv, _ = cuda_pool(fake, 2, 64)
+    kv[:] = 7
+    with KVClient(daemon.address) as client:
+        reg = client.register(model="gpu", pool=DescribedPool(refs, 2, 64), start_layer=8, end_layer=12,
+                              num_layers=16, host_tokens=64, page_size=16, event_slots=2)
+        host = client.alloc(64)
+        client.write(host_indices=host, device_indices=range(64))
+        handle = client.load(host_indices=host, device_indices=range(64, 128), event_slot=1)
+        stream = FakeStream()
+        for layer in range(8, 12):
+            assert handle.stream_wait_layer(layer, stream)
+        assert stream.waited == list(reg.layer_events[LAYERS:])  # slot 1, layers in order
+        assert handle.wait() > 0 and (kv[:, :, 64:128] == 7).all()
+
+    async def run_async():
+        async with AsyncKVClient(daemon.address) as client:
+            await client.register(model="gpu", pool=DescribedPool(refs, 2, 64), start_layer=8, end_layer=12,
+                                  num_layers=16, host_tokens=64, page_size=16, event_slots=2)
+            host = await client.alloc(64)
+            await client.write(host_indices=host, device_indices=range(64))
+            handle = client.load(host_indices=host, device_indices=range(128, 192), event_slot=0)
+            stream = FakeStream()
+            assert await handle.stream_wait_layer(9, stream)
+            assert stream.waited == [client.registration.layer_events[1]]
+            assert await handle.wait() > 0
+            await client.unregister()
+
+    asyncio.run(run_async())
+    assert (kv[:, :, 128:192] == 7).all()
+
+
+class CudaTensorStandIn:
+    """What CudaKVPool reads of a torch CUDA tensor, over a CPU tensor; its storage exports an
+    allocation of the fake runtime the way ``_share_cuda_()`` does (torch 2.13's handle prefix)."""
+    def __init__(self, cpu, handle: bytes, alloc_size: int, offset: int, counter: int) -> None:
+        self.cpu, self.is_cuda, self.device = cpu, True, torch.device("cuda", 0)
+        self.dtype, self.shape = cpu.dtype, cpu.shape
+        self._share = (0, b"\x03c" + handle, alloc_size - offset, offset, b"/torch_4242_7", counter,
+                       b"\0" * 64, True)
+
+    def __getitem__(self, i):
+        return self.cpu[i]
+
+    def element_size(self) -> int:
+        return self.cpu.element_size()
+
+    def stride(self, dim: int) -> int:
+        return self.cpu.stride(dim)
+
+    def storage_offset(self) -> int:
+        return 0
+
+    def untyped_storage(self):
+        return types.SimpleNamespace(_share_cuda_=lambda: self._share)
+
+
+def standin_cuda_kv_pool(fake, monkeypatch):
+    """A real CudaKVPool over stand-in CUDA tensors of one fake allocation; torch's IPC release
+    calls are recorded: returns the pool, the released (ref, offset) pairs and ipc_collect calls."""
+    from kvclient import CudaKVPool, KVLayout
+    from kvclient import cuda_pool as cuda_pool_module
+
+    released: list = []
+    collected: list = []
+    monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter_cuda",
+                        staticmethod(lambda ref, offset: released.append((ref, offset))), raising=False)
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: collected.append(1))
+    monkeypatch.setattr(cuda_pool_module, "device_identity", lambda device: (UUID, "0000:3b:00.0"))
+    layout = KVLayout.mha(2, 64)
+    token_bytes = layout.token_bytes(torch.float16)
+    handle, mem = fake.cuda.runtime.export(LAYERS * 2 * TOKENS * token_bytes)
+    buffers = [[CudaTensorStandIn(torch.zeros(TOKENS, 2, 64, dtype=torch.float16), handle, mem.size,
+                                  (layer * 2 + part) * TOKENS * token_bytes, layer * 2 + part)
+                for part in range(2)] for layer in range(LAYERS)]
+    return CudaKVPool(layout, torch.float16, buffers), released, collected
+
+
+def test_cuda_pool_gives_torch_its_memory_back_after_unregister(daemon, fake, monkeypatch):
+    """CudaKVPool's exports leave torch holding freed pool memory out of reuse until they are
+    released; the client releases them after the daemon confirms an unregister (never on a plain
+    close, when the daemon may still map the pool until it reclaims it)."""
+    from kvclient import KVClient
+
+    pool, released, collected = standin_cuda_kv_pool(fake, monkeypatch)
+    with KVClient(daemon.address) as client:
+        client.register(model="gpu", pool=pool, start_layer=0, end_layer=LAYERS, num_layers=LAYERS,
+                        host_tokens=64, page_size=16)
+        assert client.write(host_indices=client.alloc(16), device_indices=range(16)) > 0
+        assert released == []
+        client.unregister()
+        assert sorted(released) == [(b"/torch_4242_7", i) for i in range(2 * LAYERS)] and collected
+        released.clear()
+        client.register(model="gpu", pool=pool, start_layer=0, end_layer=LAYERS, num_layers=LAYERS,
+                        host_tokens=64, page_size=16)
+    assert released == []  # closed, not unregistered: the daemon holds the pool until it reclaims it
+    assert pool.release_exports() == 2 * LAYERS and len(released) == 2 * LAYERS
+    assert pool.release_exports() == 0
+
+
+def test_exports_kept_while_a_quarantined_copy_may_write_the_pool(daemon_factory, fake, monkeypatch):
+    """A write of this pool stalls on an engine event that never fires: the client is reclaimed
+    and quarantined, and re-registers by itself. Unregistering the new registration must not give
+    torch the pool's memory back while the old copy may still land in it; once the stream drains,
+    an Unregister says so again."""
+    from kvclient import KVClient
+
+    pool, released, _ = standin_cuda_kv_pool(fake, monkeypatch)
+    d = daemon_factory(cuda_wait_seconds=WAIT_S, reclaim_grace=0.1)
+    rt = fake.cuda.runtime
+    hung = (778).to_bytes(8, "little") * 8
+    rt.hang(hung)
+    try:
+        with KVClient(d.address) as client, grpc.insecure_channel(d.address) as ch:
+            client.register(model="gpu", pool=pool, start_layer=0, end_layer=LAYERS, num_layers=LAYERS,
+                            host_tokens=64, page_size=16)
+            old = client.client_id
+            host = client.alloc(16).tolist()
+            with pytest.raises(grpc.RpcError) as err:  # stalls, then fails the client
+                pb_grpc.KVServerStub(ch).Write(pb.WriteRequest(
+                    client_id=old, host_indices=host, device_indices=list(range(16)), ready_event=hung),
+                    timeout=20)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert wait_for(lambda: client.connected and client.client_id != old), "no re-registration"
+            client.unregister()
+            assert released == [], "exports released while a quarantined copy may still write the pool"
+            rt.fire(hung)  # the old copy lands at last; the quarantine drains
+            assert wait_for(lambda: d.run(lambda: not d.core._quarantined))
+        assert pool.release_exports() == 2 * LAYERS
+    finally:
+        rt.fire(hung)
+
+
+def test_ready_events_opened_once_and_bounded(daemon, fake):
+    """An engine that re-records one ready event has it opened once; one that makes a new event
+    per step has at most MAX_OPENED_EVENTS open in the daemon, the oldest closed first."""
+    from kvserver.media.cuda.pool import MAX_OPENED_EVENTS
+
+    rt = fake.cuda.runtime
+    refs, _, _ = cuda_pool(fake, 2, 64)
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        reg = register(stub, refs, 2, 64, 16)
+        host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=16)).host_indices)
+
+        def write(event_id: int) -> None:
+            stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=host,
+                                       device_indices=list(range(16)),
+                                       ready_event=event_id.to_bytes(8, "little") * 8), timeout=10)
+
+        rt.calls.clear()
+        for _ in range(5):
+            write(9000)
+        assert [c[0] for c in rt.calls].count("ipcOpenEventHandle") == 1
+        extra = 6
+        for i in range(MAX_OPENED_EVENTS + extra):
+            write(10_000 + i)
+            if i == MAX_OPENED_EVENTS // 2:
+                write(9000)  # used again: now one of the most recent, not the oldest
+        opened = [c[1] for c in rt.calls if c[0] == "ipcOpenEventHandle"]
+        destroyed = [c[1] for c in rt.calls if c[0] == "eventDestroy"]
+        assert len(opened) == 1 + MAX_OPENED_EVENTS + extra
+        # The writes' own completion events are destroyed too; opened ones are 100_000 + id.
+        evicted = sorted(e - 100_000 for e in destroyed if e > 100_000)
+        assert evicted == [10_000 + i for i in range(extra + 1)]  # the least recently used
+        rt.calls.clear()
+        stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=10)
+        assert len([c for c in rt.calls if c[0] == "eventDestroy" and c[1] > 100_000]) == MAX_OPENED_EVENTS
+
+
+@contextlib.contextmanager
+def a_write_held_on_the_gpu(daemon, fake, monkeypatch):
+    """A client whose Write deadline passed while its copy stays on the (gated) GPU: yields the
+    stub, the registration and the gate that lets the copy complete."""
+    refs, _, _ = cuda_pool(fake, 2, 64)
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        reg = register(stub, refs, 2, 64, 16)
+        host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=64)).host_indices)
+        gate = gate_gpu(fake.cuda.runtime, monkeypatch)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=host,
+                                       device_indices=list(range(64))), timeout=0.3)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        yield stub, reg, gate
+
+
+def test_a_cancelled_cuda_write_keeps_its_pages_until_the_gpu_is_done(daemon, fake, monkeypatch):
+    """An engine whose Write deadline passes while the copy is still on the GPU: the pages stay
+    busy and Unregister (so unpinning and IPC close) waits until the copy has completed."""
+    rt = fake.cuda.runtime
+    with a_write_held_on_the_gpu(daemon, fake, monkeypatch) as (stub, reg, gate):
+        unregister = threading.Thread(target=lambda: stub.Unregister(
+            pb.UnregisterRequest(client_id=reg.client_id), timeout=20))
+        unregister.start()
+        time.sleep(0.5)
+        assert unregister.is_alive() and "hostUnregister" not in [c[0] for c in rt.calls]
+        gate.set()
+        unregister.join(10)
+        names = [c[0] for c in rt.calls]
+        assert names.index("eventQuery") < names.index("hostUnregister")
+        assert stub.Stats(pb.StatsRequest()).num_clients == 0
+
+
+def test_a_second_unregister_answers_only_once_the_release_is_done(daemon, fake, monkeypatch):
+    """While one Unregister waits for a copy still on the GPU, another (a client confirming that
+    a timed-out copy is dead) must not be told NOT_FOUND: it answers once the release is done."""
+    rt = fake.cuda.runtime
+    with a_write_held_on_the_gpu(daemon, fake, monkeypatch) as (stub, reg, gate):
+        answers: list = []
+
+        def unregister() -> None:
+            try:
+                resp = stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=20)
+                answers.append(("ok", resp.copies_pending, "hostUnregister" in [c[0] for c in rt.calls]))
+            except grpc.RpcError as exc:
+                answers.append((exc.code().name, None, None))
+
+        first = threading.Thread(target=unregister)
+        first.start()
+        deadline = time.monotonic() + 10
+        while not daemon.run(lambda: daemon.core.clients[reg.client_id].closing):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        second = threading.Thread(target=unregister)
+        second.start()
+        time.sleep(0.5)
+        assert answers == [], f"answered while the copy was still on the GPU: {answers}"
+        gate.set()
+        first.join(10)
+        second.join(10)
+        assert answers == [("ok", False, True), ("ok", False, True)], answers
+
+
+def test_stream_wait_layer_on_a_missed_load_is_false():
+    """A load asked for while the daemon was away has no events: waiting on a layer is a miss,
+    never an exception, in both clients."""
+    from kvclient.aio_client import AsyncLoadHandle
+    from kvclient.load_handle import LoadHandle
+
+    assert LoadHandle.miss([8, 9]).stream_wait_layer(8) is False
+
+    async def aio():
+        return await AsyncLoadHandle([8, 9], None).stream_wait_layer(8)
+
+    assert asyncio.run(aio()) is False
+
+
+def test_a_registration_cancelled_twice_still_gives_back_its_host_region(daemon, fake, monkeypatch):
+    """Cancelled while pinning, then cancelled again while its cleanup closes the pool (as at
+    shutdown): the pool is closed and the host region released all the same."""
+    rt = fake.cuda.runtime
+    slow_host_register(rt, monkeypatch, 0.6)
+    slow_host_register(rt, monkeypatch, 0.6, "hostUnregister")
+    refs, _, _ = cuda_pool(fake, 2, 64)
+    req = pb.RegisterRequest(
+        model="gpu", start_layer=8, end_layer=8 + LAYERS, num_layers=16,
+        layout=pb.KVLayout(mha=pb.MHALayout(num_heads=2, head_dim=64)), dtype=pb.DTYPE_FLOAT16,
+        page_size=16, device_pool=refs, host_tokens=TOKENS, event_slots=2)
+    reserved_before = daemon.run(lambda: daemon.core.arena.reserved)
+
+    async def cancel_twice():
+        task = asyncio.ensure_future(daemon.core.register(req))
+        await asyncio.sleep(0.3)  # pinning
+        task.cancel()
+        await asyncio.sleep(0.5)  # the pin is done; the cleanup is unpinning
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    daemon.call(cancel_twice())
+    wait_for(lambda: daemon.run(lambda: daemon.core.arena.reserved) == reserved_before)
+    names = [c[0] for c in rt.calls]
+    assert names.count("hostRegister") == names.count("hostUnregister") == 1
+    assert names.count("ipcOpenMemHandle") == names.count("ipcCloseMemHandle") == 1
+    assert daemon.run(lambda: (daemon.core.arena.reserved, len(daemon.core.clients))) == (reserved_before, 0)
+
+
+def test_an_unregister_cancelled_midway_still_releases_the_client(daemon, fake, monkeypatch):
+    """An Unregister whose deadline passes while a copy is still on the GPU: the release goes on
+    to the end once the copy is done (nothing is held for good), and shutdown is not blocked."""
+    rt = fake.cuda.runtime
+    refs, _, _ = cuda_pool(fake, 2, 64)
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        reg = register(stub, refs, 2, 64, 16)
+        host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=64)).host_indices)
+        gate = gate_gpu(rt, monkeypatch)
+        for call in (lambda: stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=host,
+                                                        device_indices=list(range(64))), timeout=0.3),
+                     lambda: stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=0.3)):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "hostUnregister" not in [c[0] for c in rt.calls]  # the copy is still on the GPU
+        gate.set()
+        assert wait_for(lambda: stub.Stats(pb.StatsRequest()).num_clients == 0)
+        assert [c[0] for c in rt.calls].count("hostUnregister") == 1
+
+
+@pytest.mark.parametrize("client_kind", ["sync", "asyncio"])
+def test_a_registration_given_up_after_a_slow_call_is_not_left_behind(daemon, fake, monkeypatch, cpu_events,
+                                                                        client_kind):
+    """A load that outlives the client's deadline makes the client give up its registration and
+    register again; the old one's session ends with it, so the daemon reclaims it instead of
+    keeping two registrations of one engine."""
+    from kvclient import AsyncKVClient, KVClient
+
+    refs, _, _ = cuda_pool(fake, 2, 64)
+    num_clients = lambda: daemon.run(lambda: len(daemon.core.clients))  # noqa: E731
+    gate = gate_gpu(fake.cuda.runtime, monkeypatch)
+    kwargs = dict(model="gpu", pool=DescribedPool(refs, 2, 64), start_layer=8, end_layer=12, num_layers=16,
+                  host_tokens=64, page_size=16)
+    if client_kind == "sync":
+        with KVClient(daemon.address, timeout=0.5) as client:
+            client.register(**kwargs)
+            assert client.load(host_indices=client.alloc(16), device_indices=range(16)).wait() == 0
+            gate.set()
+            assert wait_for(lambda: client.reconnects == 1 and num_clients() == 1), num_clients()
+            assert client.connected
+            assert client.write(host_indices=client.alloc(16), device_indices=range(16)) > 0
+        return
+
+    async def run_async():
+        async with AsyncKVClient(daemon.address, timeout=0.5) as client:
+            await client.register(**kwargs)
+            handle = client.load(host_indices=await client.alloc(16), device_indices=range(16))
+            assert await handle.wait() == 0
+            gate.set()
+            for _ in range(120):
+                if client.reconnects == 1 and num_clients() == 1:
+                    break
+                await asyncio.sleep(0.05)
+            assert client.reconnects == 1 and num_clients() == 1, num_clients()
+
+    asyncio.run(run_async())
+
+
+def test_asyncio_waiters_of_a_load_missed_from_the_start_are_woken():
+    """A load asked for while disconnected: wait_layer and wait_recorded, entered before the
+    handle's task has run, return False instead of waiting forever."""
+    from kvclient.aio_client import AsyncLoadHandle
+
+    async def run(wait):
+        handle = AsyncLoadHandle([8, 9], None)
+        watchdog = asyncio.get_running_loop().call_later(2, asyncio.current_task().cancel)
+        try:  # awaited directly: the waiter is in before the handle's own task has run
+            return await wait(handle)
+        finally:
+            watchdog.cancel()
+
+    assert asyncio.run(run(lambda h: h.wait_layer(8))) is False
+    assert asyncio.run(run(lambda h: h.wait_recorded())) is False
+
+
+def test_closing_the_asyncio_client_mid_load_is_a_miss(daemon, fake, monkeypatch, cpu_events):
+    """The engine closes its client while a load is on the GPU: waiting on that load reports a
+    miss; no CancelledError reaches coroutines that nobody cancelled."""
+    from kvclient import AsyncKVClient
+
+    refs, _, _ = cuda_pool(fake, 2, 64)
+    gate = gate_gpu(fake.cuda.runtime, monkeypatch)
+
+    async def run():
+        client = AsyncKVClient(daemon.address)
+        await client.register(model="gpu", pool=DescribedPool(refs, 2, 64), start_layer=8, end_layer=12,
+                              num_layers=16, host_tokens=64, page_size=16)
+        handle = client.load(host_indices=await client.alloc(16), device_indices=range(16))
+        assert await handle.wait_recorded()
+        await client.close()
+        return await handle.wait_layer(11), await handle.wait()
+
+    try:
+        assert asyncio.run(run()) == (False, 0)
+    finally:
+        gate.set()
+
+
+def interleaved_jobs(stream_ops) -> list[tuple[int, str]]:
+    """Calls put on a stream by one thread while another thread's write was still being enqueued
+    there (a write's enqueue ends with its completion event's record)."""
+    owner: dict[int, int | None] = {}
+    bad = []
+    for stream, thread, call in stream_ops:
+        if owner.get(stream) not in (None, thread):
+            bad.append((stream, call))
+        owner[stream] = None if call == "eventRecord" else thread
+    return bad
+
+
+def test_two_copy_threads_never_enqueue_on_one_stream_at_once(daemon_factory, fake):
+    """With --copy-threads 2, a client's writes and its loads of other pages and slots (which may
+    run side by side: kvserver/copy/order.py) are enqueued one after the other on its stream,
+    never mixed; all land whole."""
+    d = daemon_factory(copy_threads=2)
+    rt = fake.cuda.runtime
+    refs, kv, _ = cuda_pool(fake, 2, 64)
+    with grpc.insecure_channel(d.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        reg = register(stub, refs, 2, 64, 16)
+        hosts = [list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=32)).host_indices)
+                 for _ in range(2)]
+        kv[:] = 9
+        stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=hosts[1],
+                                   device_indices=list(range(32))), timeout=10)
+        rt.launch_seconds = 0.03  # slow launches: both threads are inside an enqueue at once
+        rt.stream_ops.clear()
+        start = threading.Barrier(2)
+
+        def writes() -> None:
+            start.wait()
+            for _ in range(4):
+                stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=hosts[0],
+                                           device_indices=list(range(32))), timeout=10)
+
+        def loads() -> None:
+            start.wait()
+            for _ in range(4):
+                list(stub.Load(pb.LoadRequest(client_id=reg.client_id, host_indices=hosts[1],
+                                              device_indices=list(range(32, 64))), timeout=10))
+
+        threads = [threading.Thread(target=writes), threading.Thread(target=loads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        rt.launch_seconds = 0.0
+        assert len({thread for _, thread, _ in rt.stream_ops}) == 2  # both copy threads enqueued
+        assert interleaved_jobs(rt.stream_ops) == []
+        kv[:] = 0
+        for host in hosts:
+            list(stub.Load(pb.LoadRequest(client_id=reg.client_id, host_indices=host,
+                                          device_indices=list(range(32))), timeout=10))
+            assert (kv[:, :, :32] == 9).all()
+
+
+WAIT_S = 1.0  # --cuda-wait-seconds of the daemons below
+
+
+def copy_call(stub, kind: str, client_id: str, host, dev, ready: bytes):
+    if kind == "write":
+        return stub.Write(pb.WriteRequest(client_id=client_id, host_indices=host, device_indices=dev,
+                                          ready_event=ready), timeout=20)
+    return list(stub.Load(pb.LoadRequest(client_id=client_id, host_indices=host, device_indices=dev,
+                                         ready_event=ready), timeout=20))
+
+
+def in_thread(fn) -> tuple[threading.Thread, dict]:
+    """Runs ``fn`` in a thread; the dict gets its gRPC error (or result) and how long it took."""
+    out: dict = {}
+
+    def run() -> None:
+        t0 = time.monotonic()
+        try:
+            out["result"] = fn()
+        except grpc.RpcError as exc:
+            out["error"] = exc
+        out["seconds"] = time.monotonic() - t0
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+@pytest.mark.parametrize("kind", ["write", "load"])
+def test_a_ready_event_that_never_fires_fails_only_its_own_client(daemon_factory, fake, kind):
+    """A's copy waits (on the GPU) for an engine event that never fires. Past --cuda-wait-seconds
+    its call fails with DEADLINE_EXCEEDED and A is reclaimed, while B, on the same GPU, loads all
+    along. A's pinned region and IPC mapping stay held (the GPU may still run A's copy) until
+    A's stream drains, then a background thread releases them."""
+    d = daemon_factory(cuda_wait_seconds=WAIT_S)
+    rt = fake.cuda.runtime
+    refs_a, _, _ = cuda_pool(fake, 2, 64)
+    refs_b, kv_b, _ = cuda_pool(fake, 2, 64)
+    hung = (777).to_bytes(8, "little") * 8
+    rt.hang(hung)
+    try:
+        with grpc.insecure_channel(d.address) as ch:
+            stub = pb_grpc.KVServerStub(ch)
+            a = register(stub, refs_a, 2, 64, 16)
+            reserved_a = d.run(lambda: d.core.arena.reserved)
+            b = register(stub, refs_b, 2, 64, 16)
+            host_a = list(stub.Alloc(pb.AllocRequest(client_id=a.client_id, num_tokens=64)).host_indices)
+            host_b = list(stub.Alloc(pb.AllocRequest(client_id=b.client_id, num_tokens=64)).host_indices)
+            kv_b[:] = 4
+            stub.Write(pb.WriteRequest(client_id=b.client_id, host_indices=host_b,
+                                       device_indices=list(range(64))), timeout=10)
+            t, out = in_thread(lambda: copy_call(stub, kind, a.client_id, host_a, list(range(64)), hung))
+            b_loads = 0
+            while t.is_alive():
+                kv_b[:] = 0
+                list(stub.Load(pb.LoadRequest(client_id=b.client_id, host_indices=host_b,
+                                              device_indices=list(range(64))), timeout=5))
+                assert (kv_b[:, :, :64] == 4).all()
+                b_loads += 1
+            t.join()
+            assert "error" in out, out
+            err = out["error"]
+            assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.details()
+            assert "--cuda-wait-seconds" in err.details()
+            assert WAIT_S - 0.05 <= out["seconds"] < WAIT_S + 1.5, out["seconds"]
+            assert b_loads >= 3, b_loads
+            clients = lambda: d.run(lambda: set(d.core.clients))  # noqa: E731
+            assert wait_for(lambda: clients() == {b.client_id})
+            assert d.run(lambda: d.core.reclaimed) == 1
+            # The failed call did not claim its job dead, and an Unregister of A says its copies may
+            # still run: A's client cannot take the failure as confirmed.
+            assert ("kvserver-job", "ended") not in tuple(tuple(m) for m in err.trailing_metadata() or ())
+            assert stub.Unregister(pb.UnregisterRequest(client_id=a.client_id), timeout=5).copies_pending
+            # Quarantined: still pinned, mapped and reserved, since the GPU may still copy.
+            names = [c[0] for c in rt.calls]
+            assert names.count("hostUnregister") == names.count("ipcCloseMemHandle") == 0
+            reserved = lambda: d.run(lambda: d.core.arena.reserved)  # noqa: E731
+            reserved_both = reserved()
+            assert reserved_both > reserved_a
+            stub.Write(pb.WriteRequest(client_id=b.client_id, host_indices=host_b,
+                                       device_indices=list(range(64))), timeout=10)
+            rt.fire(hung)  # the engine's event fires at last: A's stream drains
+            assert wait_for(lambda: reserved() == reserved_both - reserved_a), reserved()
+            names = [c[0] for c in rt.calls]
+            assert names.count("hostUnregister") == names.count("ipcCloseMemHandle") == 1
+            with pytest.raises(grpc.RpcError) as gone:  # drained: A is simply gone now
+                stub.Unregister(pb.UnregisterRequest(client_id=a.client_id), timeout=5)
+            assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+            kv_b[:] = 0
+            list(stub.Load(pb.LoadRequest(client_id=b.client_id, host_indices=host_b,
+                                          device_indices=list(range(64))), timeout=5))
+            assert (kv_b[:, :, :64] == 4).all()
+    finally:
+        rt.fire(hung)
+
+
+def test_the_unregister_of_a_stalled_client_ends(daemon_factory, fake):
+    """An engine unregisters while its write waits on an event that never fires: the write fails
+    past --cuda-wait-seconds and the Unregister then returns; the client's GPU resources are
+    quarantined until its stream drains."""
+    d = daemon_factory(cuda_wait_seconds=WAIT_S)
+    rt = fake.cuda.runtime
+    refs, _, _ = cuda_pool(fake, 2, 64)
+    hung = (778).to_bytes(8, "little") * 8
+    rt.hang(hung)
+    try:
+        with grpc.insecure_channel(d.address) as ch:
+            stub = pb_grpc.KVServerStub(ch)
+            reg = register(stub, refs, 2, 64, 16)
+            host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=64)).host_indices)
+            t, out = in_thread(lambda: copy_call(stub, "write", reg.client_id, host, list(range(64)), hung))
+            assert wait_for(lambda: "streamWaitEvent" in [c[0] for c in rt.calls])
+            t0 = time.monotonic()
+            stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=10)
+            assert time.monotonic() - t0 < WAIT_S + 1.5
+            t.join(5)
+            assert out["error"].code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert stub.Stats(pb.StatsRequest()).num_clients == 0
+            assert "hostUnregister" not in [c[0] for c in rt.calls]
+            assert d.run(lambda: d.core.arena.reserved) > 0
+            rt.fire(hung)
+            assert wait_for(lambda: d.run(lambda: d.core.arena.reserved) == 0)
+            assert [c[0] for c in rt.calls].count("hostUnregister") == 1
+    finally:
+        rt.fire(hung)

@@ -1,0 +1,585 @@
+"""Shared-memory pools reach the daemon as sealed memfds over the fd socket, never by a name the
+daemon opens for its caller.
+
+- Confused deputy: a process of another uid, let in through a 0660 socket, cannot make the
+  (root) daemon read or write a root-owned 0600 object, with or without --allow-named-shm, and
+  cannot name descriptors it did not send.
+- SIGBUS: an engine cannot truncate its pool (sealed), so the daemon survives and serves others;
+  an unsealed (or otherwise unfit) descriptor is refused at Register.
+- Leaks: a SIGKILLed engine leaves nothing in /dev/shm, and nothing mapped in the daemon.
+- Tickets: one use, expiry closes their descriptors, one peer's ticket names only its own
+  descriptors, per-uid caps, and malformed fd-socket traffic is answered or dropped without
+  disturbing the daemon.
+"""
+
+from __future__ import annotations
+
+import array
+import fcntl
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from checks import error_of, mappings_of
+from daemon_proc import DaemonProcess
+from light_engine import LightEngine, killed_mid_load
+
+from kvclient import KVClient, KVClientError, KVLayout, ShmKVPool
+from kvclient._messages import register_request
+from kvclient.transport.fd_socket import get_ticket
+from kvserver.__main__ import build_parser, config_from_args
+from kvserver.config import ServerConfig
+from kvserver.peers.fd_socket import MAX_CONNS_PER_UID
+from kvserver.protocol.fd_socket import MAX_FDS, fd_socket_path
+from kvserver.protocol.shared_memory import SHM_DIR, create_memfd, create_shm, unlink_shm
+from kvserver.v1 import kvserver_pb2 as pb
+from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
+
+C = grpc.StatusCode
+NOBODY = 65534
+TIMEOUT = 10.0
+LAYOUT = KVLayout.mha(2, 8)
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout} s"
+        time.sleep(0.01)
+
+
+def fds_to(label: str, pid: int | None = None) -> int:
+    """Descriptors of process ``pid`` (default this one) open on the memfd labelled ``label``."""
+    base = f"/proc/{pid or os.getpid()}/fd"
+    n = 0
+    for fd in os.listdir(base):
+        try:
+            n += os.readlink(os.path.join(base, fd)) == f"/memfd:{label} (deleted)"
+        except OSError:
+            pass
+    return n
+
+
+def stub_of(d) -> pb_grpc.KVServerStub:
+    return pb_grpc.KVServerStub(grpc.insecure_channel(d.address))
+
+
+def pool_request(pool: ShmKVPool, ticket: str = "") -> pb.RegisterRequest:
+    return register_request(model="m", pool=pool, start_layer=0, end_layer=pool.num_layers,
+                            num_layers=pool.num_layers, host_tokens=64, page_size=16, tp_rank=0, tp_size=1,
+                            pp_rank=0, pp_size=1, peer_ticket=ticket)
+
+
+def fd_path(d) -> str:
+    return fd_socket_path(d.config.socket)
+
+
+def num_clients(d) -> int:
+    return d.run(lambda: len(d.core.clients))
+
+
+# ---- confused deputy ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("allow_named", [False, True], ids=["default", "allow-named-shm"])
+def test_another_uid_cannot_make_the_daemon_touch_what_it_cannot_open(daemon_factory, socket_dir,
+                                                                     allow_named) -> None:
+    os.chmod(socket_dir, 0o755)
+    d = daemon_factory(socket_group_access=True, allow_named_shm=allow_named)
+    name = f"kvtest-root-{os.urandom(4).hex()}"
+    size = 2 * 64 * 32
+    root = create_shm(name, size)  # mode 0600, owned by root
+    try:
+        root.mm[:] = os.urandom(size)
+        before = hashlib.sha256(root.mm).hexdigest()
+        root.close()
+        peer = os.path.join(os.path.dirname(__file__), "fd_peer.py")
+        res = subprocess.run([sys.executable, peer, str(NOBODY), d.config.socket, name],
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+        got = json.loads(res.stdout)
+        assert got["uid"] == NOBODY and got["can_open"] is False
+        if allow_named:
+            assert got["named"][0] == "PERMISSION_DENIED", got["named"]
+            assert f"is owned by uid 0, not by the caller (uid {NOBODY})" in got["named"][1]
+        else:
+            assert got["named"][0] == "PERMISSION_DENIED", got["named"]
+            assert "--allow-named-shm" in got["named"][1]
+        assert got["named-no-ticket"][0] in ("PERMISSION_DENIED", "INVALID_ARGUMENT"), got
+        assert got["fd-not-sent"] == ["INVALID_ARGUMENT", "device_pool buffer 0 names fd 0 but the peer "
+                                      "ticket carries 0 descriptor(s)"]
+        assert got["fd-not-sent-no-ticket"][0] == "INVALID_ARGUMENT"
+        assert "needs a peer_ticket" in got["fd-not-sent-no-ticket"][1]
+        assert got["fd-past-own"][0] == "INVALID_ARGUMENT" and "names fd 1" in got["fd-past-own"][1]
+        # The control: the same process may register memory it owns, and the daemon knows who it is.
+        assert got["own-memfd"][0] == "OK", got["own-memfd"]
+        peer = d.run(lambda: d.core.clients[got["own-memfd"][1]].peer)
+        assert (peer.uid, peer.gid) == (NOBODY, NOBODY)
+        assert num_clients(d) == 1
+        assert mappings_of(name) == [], "the daemon mapped root's object"
+        with open(os.path.join(SHM_DIR, name), "rb") as f:
+            assert hashlib.sha256(f.read()).hexdigest() == before
+    finally:
+        unlink_shm(name)
+
+
+def test_named_objects_need_the_flag_and_a_ticket(daemon_factory) -> None:
+    off = daemon_factory()
+    on = daemon_factory(allow_named_shm=True)
+    pool = ShmKVPool(LAYOUT, torch.float16, 1, 64, name=f"kvtest-named-{os.urandom(4).hex()}")
+    try:
+        pool.unmap()
+        code, message = error_of(lambda: stub_of(off).Register(
+            pool_request(pool, get_ticket(fd_path(off), [])), timeout=TIMEOUT))
+        assert code == C.PERMISSION_DENIED and "--allow-named-shm" in message
+        code, message = error_of(lambda: stub_of(on).Register(pool_request(pool), timeout=TIMEOUT))
+        assert code == C.INVALID_ARGUMENT and "needs a peer_ticket" in message
+        assert mappings_of(pool.name) == []
+        resp = stub_of(on).Register(pool_request(pool, get_ticket(fd_path(on), [])), timeout=TIMEOUT)
+        assert mappings_of(pool.name) != []
+        stub_of(on).Unregister(pb.UnregisterRequest(client_id=resp.client_id), timeout=TIMEOUT)
+        assert mappings_of(pool.name) == []
+    finally:
+        pool.close()
+
+
+def test_flag_and_variable_turn_named_shm_on() -> None:
+    assert config_from_args(build_parser().parse_args(["--allow-named-shm"])).allow_named_shm
+    assert not config_from_args(build_parser().parse_args([])).allow_named_shm
+    os.environ["KVSERVER_ALLOW_NAMED_SHM"] = "1"
+    try:
+        assert config_from_args(build_parser().parse_args([])).allow_named_shm
+    finally:
+        del os.environ["KVSERVER_ALLOW_NAMED_SHM"]
+
+
+def test_a_daemon_without_a_unix_socket_refuses_shm_pools() -> None:
+    d = _tcp_only_daemon()
+    try:
+        with ShmKVPool(LAYOUT, torch.float16, 1, 64) as pool, KVClient(f"127.0.0.1:{d.daemon.ports[0]}",
+                                                                      resilient=False) as c:
+            with pytest.raises(KVClientError) as err:
+                c.register(model="m", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=64)
+            assert err.value.code == C.FAILED_PRECONDITION
+            assert "need the daemon's Unix socket" in err.value.message
+    finally:
+        d.stop()
+
+
+def _tcp_only_daemon():
+    from conftest import DaemonThread
+
+    return DaemonThread(ServerConfig(socket=None, listen="127.0.0.1:0", insecure_tcp=True,
+                                     host_memory=64 << 20))
+
+
+# ---- the fd socket ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("group", [False, True], ids=["0600", "0660"])
+def test_fd_socket_sits_beside_the_grpc_socket_with_its_mode(daemon_factory, group) -> None:
+    d = daemon_factory(socket_group_access=group)
+    st = os.stat(fd_path(d))
+    assert st.st_mode & 0o777 == (0o660 if group else 0o600)
+    d.stop()
+    assert not os.path.exists(fd_path(d)) and not os.path.exists(d.config.socket)
+
+
+def test_the_fd_socket_is_there_before_the_grpc_socket(daemon_factory, monkeypatch) -> None:
+    """A client that finds the gRPC socket (a supervisor polling for it, a test helper) can
+    register at once: the fd socket its Register needs was bound before it."""
+    from kvserver.peers.fd_socket import PeerSocket
+
+    seen: list[bool] = []
+    start = PeerSocket.start
+
+    def observed(self) -> None:
+        seen.append(os.path.exists(self.path[: -len(".fd")]))
+        start(self)
+
+    monkeypatch.setattr(PeerSocket, "start", observed)
+    d = daemon_factory()
+    assert seen == [False], "the gRPC socket was bound before the fd socket"
+    assert os.path.exists(fd_path(d))
+
+
+# ---- SIGBUS: seals ------------------------------------------------------------------------------
+
+
+def test_an_engine_cannot_truncate_its_pool_and_the_daemon_keeps_serving(socket_dir) -> None:
+    d = DaemonProcess(os.path.join(socket_dir, "kv.sock"), "--progress-interval-ms", "0")
+    layers, tokens = 32, 4096
+    try:
+        with ShmKVPool(KVLayout.mha(4, 64), torch.float16, layers, tokens) as pool, \
+                KVClient(d.address, resilient=False, timeout=30) as client:
+            client.register(model="big", pool=pool, start_layer=0, end_layer=layers, num_layers=layers,
+                            host_tokens=tokens, page_size=16)
+            host = client.alloc(tokens)
+            dev = torch.arange(tokens)
+            assert client.write(host_indices=host, device_indices=dev) > 0
+            handle = client.load(host_indices=host, device_indices=dev)
+            assert handle.wait_layer(0, 30)
+            with pytest.raises(PermissionError):
+                os.ftruncate(pool.fds[0], 0)  # mid-load: F_SEAL_SHRINK says no
+            with pytest.raises(PermissionError):
+                os.ftruncate(pool.fds[0], pool.buffer_bytes * layers * 4)  # F_SEAL_GROW
+            assert handle.wait(30) > 0
+            assert d.proc.poll() is None, "the daemon died"
+            # Another engine is served as before.
+            other = LightEngine(d.address, f"kvtest-other-{os.urandom(4).hex()}")
+            try:
+                rng = np.random.default_rng(0)
+                h, s = other.alloc(64), np.arange(64, dtype=np.int64)
+                other.fill(s, rng)
+                want = other.digest(s)
+                other.write(h, s)
+                other.kv[:] = 0
+                other.load(h, s)
+                assert other.digest(s) == want
+            finally:
+                other.close()
+            client.unregister()
+    finally:
+        assert d.stop() == 0
+
+
+def _unsealed() -> int:
+    fd = os.memfd_create("kvtest-unsealed", os.MFD_CLOEXEC)
+    os.ftruncate(fd, 1 << 20)
+    return fd
+
+
+def _grow_sealed() -> int:
+    fd = os.memfd_create("kvtest-grow", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 1 << 20)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW)
+    return fd
+
+
+def _read_only() -> int:
+    fd, mapping = create_memfd("kvtest-ro", 1 << 20)
+    mapping.close()
+    ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    os.close(fd)
+    return ro
+
+
+def _write_sealed() -> int:
+    fd = os.memfd_create("kvtest-wseal", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 1 << 20)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE)
+    return fd
+
+
+def _pipe() -> int:
+    r, w = os.pipe()
+    os.close(w)
+    return r
+
+
+def _disk_file() -> int:
+    f = tempfile.TemporaryFile()
+    f.truncate(1 << 20)
+    return os.dup(f.fileno())
+
+
+def _huge_pages() -> int:
+    """hugetlbfs, sealed against shrinking: copying into it faults once huge pages run out."""
+    fd = os.memfd_create("kvtest-huge", os.MFD_HUGETLB | os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    os.ftruncate(fd, 2 << 20)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    return fd
+
+
+def _small() -> int:
+    fd, mapping = create_memfd("kvtest-small", 1000)
+    mapping.close()
+    return fd
+
+
+BAD_FDS = [
+    pytest.param(_unsealed, C.FAILED_PRECONDITION, "is not sealed against shrinking", id="unsealed"),
+    pytest.param(_grow_sealed, C.FAILED_PRECONDITION, "is not sealed against shrinking", id="grow-seal-only"),
+    pytest.param(_disk_file, C.FAILED_PRECONDITION, "is not sealed against shrinking", id="disk-file"),
+    pytest.param(_read_only, C.INVALID_ARGUMENT, "fd 0 is not open read-write", id="read-only"),
+    pytest.param(_write_sealed, C.INVALID_ARGUMENT, "cannot be mapped read-write", id="write-sealed"),
+    pytest.param(_pipe, C.INVALID_ARGUMENT, "fd 0 is not a regular file", id="pipe"),
+    pytest.param(_small, C.INVALID_ARGUMENT, "fd 0 is 1000 bytes but the buffer at offset", id="too-small"),
+    pytest.param(_huge_pages, C.INVALID_ARGUMENT, "fd 0 is huge-page memory", id="hugetlb"),
+]
+
+
+@pytest.mark.parametrize(("make", "code", "text"), BAD_FDS)
+def test_an_unfit_fd_is_refused_at_register(daemon, make, code, text) -> None:
+    pool = ShmKVPool(LAYOUT, torch.float16, 2, 256)  # its descriptor() names fd 0 of the ticket
+    fd = make()
+    try:
+        req = pool_request(pool, get_ticket(fd_path(daemon), [fd]))
+        got, message = error_of(lambda: stub_of(daemon).Register(req, timeout=TIMEOUT))
+        assert got == code and text in message, (got, message)
+        assert num_clients(daemon) == 0
+        assert daemon.run(lambda: daemon.core.arena.reserved) == 0
+    finally:
+        os.close(fd)
+        pool.close()
+
+
+# ---- leaks --------------------------------------------------------------------------------------
+
+
+def test_a_killed_engine_leaves_nothing_in_dev_shm_nor_in_the_daemon(socket_dir) -> None:
+    d = DaemonProcess(os.path.join(socket_dir, "kv.sock"), "--progress-interval-ms", "0",
+                      "--reclaim-grace-seconds", "0.2")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["light_engine"])
+    name = f"kvtest-leak-{os.urandom(4).hex()}"
+    try:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=killed_mid_load, args=(d.address, name, child))
+        proc.start()
+        assert parent.poll(60) and parent.recv() == b"loading"
+        assert not [n for n in os.listdir(SHM_DIR) if name in n], "the pool has a name in /dev/shm"
+        assert [m for m in d.shm_maps() if name in m], "the daemon does not map the pool"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        d.wait_for(lambda s: s.num_clients == 0 and s.reserved_bytes == 0, timeout=5)
+        assert not [n for n in os.listdir(SHM_DIR) if name in n], "the dead engine left its pool in /dev/shm"
+        assert not [m for m in d.shm_maps() if name in m], "the daemon still maps the dead engine's pool"
+        assert fds_to(name, d.pid) == 0, "the daemon still holds a descriptor of the pool"
+    finally:
+        assert d.stop() == 0
+
+
+def test_closing_a_pool_leaves_nothing_behind(daemon) -> None:
+    before = set(os.listdir(SHM_DIR))
+    with ShmKVPool(LAYOUT, torch.float16, 2, 256) as pool, KVClient(daemon.address) as c:
+        c.register(model="m", pool=pool, start_layer=0, end_layer=2, num_layers=2, host_tokens=64)
+        name = pool.name
+        # The pool's own, its mapping's (Python's mmap keeps a duplicate), the daemon's mapping's.
+        assert fds_to(name) == 3
+        c.unregister()
+        assert fds_to(name) == 2
+    assert fds_to(name) == 0 and not mappings_of(name)
+    assert not [n for n in set(os.listdir(SHM_DIR)) - before if name in n]
+
+
+# ---- tickets ------------------------------------------------------------------------------------
+
+
+def test_a_ticket_is_good_for_one_register(daemon) -> None:
+    with ShmKVPool(LAYOUT, torch.float16, 2, 256) as pool:
+        req = pool_request(pool, get_ticket(fd_path(daemon), pool.fds))
+        resp = stub_of(daemon).Register(req, timeout=TIMEOUT)
+        assert daemon.run(lambda: daemon.core.clients[resp.client_id].peer.pid) == os.getpid()
+        code, message = error_of(lambda: stub_of(daemon).Register(req, timeout=TIMEOUT))
+        assert code == C.PERMISSION_DENIED and "unknown, expired or already used" in message
+        assert num_clients(daemon) == 1
+        # A Register that fails still spends its ticket.
+        bad = pool_request(pool, get_ticket(fd_path(daemon), pool.fds))
+        bad.device_pool.num_tokens = 10**6  # more than the memfd holds
+        assert error_of(lambda: stub_of(daemon).Register(bad, timeout=TIMEOUT))[0] == C.INVALID_ARGUMENT
+        bad.device_pool.num_tokens = 256
+        assert error_of(lambda: stub_of(daemon).Register(bad, timeout=TIMEOUT))[0] == C.PERMISSION_DENIED
+        assert daemon.run(lambda: len(daemon.core.tickets)) == 0
+        stub_of(daemon).Unregister(pb.UnregisterRequest(client_id=resp.client_id), timeout=TIMEOUT)
+
+
+def test_an_unredeemed_ticket_expires_and_its_fds_are_closed(daemon) -> None:
+    daemon.run(lambda: setattr(daemon.core.tickets, "ttl", 0.3))
+    with ShmKVPool(LAYOUT, torch.float16, 2, 256) as pool:
+        pool.unmap()
+        ticket = get_ticket(fd_path(daemon), pool.fds)
+        assert fds_to(pool.name) == 2  # ours and the ticket's
+        wait_until(lambda: fds_to(pool.name) == 1, what="the expired ticket's fd closed")
+        req = pool_request(pool, ticket)
+        code, message = error_of(lambda: stub_of(daemon).Register(req, timeout=TIMEOUT))
+        assert code == C.PERMISSION_DENIED and "expired" in message
+        assert num_clients(daemon) == 0 and mappings_of(pool.name) == []
+
+
+def test_a_ticket_names_only_its_own_peers_fds(daemon) -> None:
+    with ShmKVPool(LAYOUT, torch.float16, 2, 256) as a, ShmKVPool(LAYOUT, torch.float16, 2, 256) as b:
+        a.unmap()
+        b.unmap()  # any mapping of them is now the (in-process) daemon's
+        ta = get_ticket(fd_path(daemon), a.fds)
+        tb = get_ticket(fd_path(daemon), b.fds)
+        req = pool_request(b, tb)
+        for layer in req.device_pool.layers:
+            for part in layer.parts:
+                part.fd.index = 1  # as if the daemon pooled every peer's fds
+        code, message = error_of(lambda: stub_of(daemon).Register(req, timeout=TIMEOUT))
+        assert code == C.INVALID_ARGUMENT and "names fd 1 but the peer ticket carries 1" in message
+        assert mappings_of(a.name) == [] and mappings_of(b.name) == []
+        resp = stub_of(daemon).Register(pool_request(b, get_ticket(fd_path(daemon), b.fds)), timeout=TIMEOUT)
+        assert mappings_of(b.name) != [] and mappings_of(a.name) == []
+        stub_of(daemon).Unregister(pb.UnregisterRequest(client_id=resp.client_id), timeout=TIMEOUT)
+        resp = stub_of(daemon).Register(pool_request(a, ta), timeout=TIMEOUT)  # A's ticket is still good
+        assert mappings_of(a.name) != [] and mappings_of(b.name) == []
+        stub_of(daemon).Unregister(pb.UnregisterRequest(client_id=resp.client_id), timeout=TIMEOUT)
+
+
+def test_outstanding_tickets_per_uid_are_capped(daemon) -> None:
+    daemon.run(lambda: setattr(daemon.core.tickets, "max_per_uid", 3))
+    tickets = [get_ticket(fd_path(daemon), []) for _ in range(3)]
+    fd, mapping = create_memfd("kvtest-capped", 4096)
+    mapping.close()
+    try:
+        with pytest.raises(KVClientError) as err:
+            get_ticket(fd_path(daemon), [fd])
+        assert err.value.code == C.RESOURCE_EXHAUSTED and "3 unredeemed tickets" in err.value.message
+        wait_until(lambda: fds_to("kvtest-capped") == 1, what="the refused descriptor closed")
+    finally:
+        os.close(fd)
+    with ShmKVPool(LAYOUT, torch.float16, 2, 256, name=f"kvtest-cap-{os.urandom(4).hex()}") as pool:
+        # Redeeming one (here by a refused Register) makes room again.
+        error_of(lambda: stub_of(daemon).Register(pool_request(pool, tickets[0]), timeout=TIMEOUT))
+    assert get_ticket(fd_path(daemon), [])
+
+
+def test_descriptors_held_by_one_uids_tickets_are_capped(daemon) -> None:
+    """One peer sending the same descriptor over and over cannot run the daemon out of
+    descriptors: what its unredeemed tickets hold together is capped, per uid and in all."""
+    per_uid = daemon.run(lambda: daemon.core.tickets.max_fds_per_uid)
+    fd, mapping = create_memfd("kvtest-fdcap", 4096)
+    mapping.close()
+    try:
+        held = [get_ticket(fd_path(daemon), [fd] * MAX_FDS) for _ in range(per_uid // MAX_FDS)]
+        assert daemon.run(lambda: daemon.core.tickets.num_fds) == per_uid
+        with pytest.raises(KVClientError) as err:
+            get_ticket(fd_path(daemon), [fd])
+        assert err.value.code == C.RESOURCE_EXHAUSTED and "too many descriptors" in err.value.message
+        assert daemon.run(lambda: daemon.core.tickets.max_fds) >= per_uid  # the daemon-wide budget
+        with ShmKVPool(LAYOUT, torch.float16, 2, 256) as pool:  # redeemed (here refused): room again
+            error_of(lambda: stub_of(daemon).Register(pool_request(pool, held[0]), timeout=TIMEOUT))
+        assert get_ticket(fd_path(daemon), [fd])
+    finally:
+        os.close(fd)
+    _still_serves(daemon)
+
+
+def _raw(path: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(10)
+    s.connect(path)
+    return s
+
+
+def _send(s: socket.socket, data: bytes, fds: list[int] = ()) -> None:
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    s.sendmsg([data], anc)
+
+
+def _header(n: int) -> bytes:
+    return b"KVF1" + struct.pack("<I", n)
+
+
+MALFORMED = {
+    "garbage": lambda s, fd: _send(s, b"hello world", [fd]),
+    "short-header": lambda s, fd: _send(s, b"KVF1", [fd]),
+    "wrong-magic": lambda s, fd: _send(s, b"KVF2" + struct.pack("<I", 1), [fd]),
+    "too-many-announced": lambda s, fd: _send(s, _header(MAX_FDS + 1), [fd]),
+    "more-than-announced": lambda s, fd: _send(s, _header(1), [fd, fd]),
+    "fds-without-header": lambda s, fd: _send(s, b"+", [fd]),
+    "bad-continuation": lambda s, fd: (_send(s, _header(3), [fd]), _send(s, b"-", [fd])),
+    "long-message": lambda s, fd: _send(s, _header(1) + b"x" * 1000, [fd]),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_fd_socket_messages_get_an_error_and_hold_nothing(daemon, case) -> None:
+    fd, mapping = create_memfd("kvtest-malformed", 4096)
+    mapping.close()
+    try:
+        with _raw(fd_path(daemon)) as s:
+            MALFORMED[case](s, fd)
+            reply = s.recv(2048)
+            assert reply.startswith(b"EINVALID_ARGUMENT "), reply
+            assert s.recv(2048) == b""  # then the daemon closes
+        wait_until(lambda: fds_to("kvtest-malformed") == 1, what="the daemon closed the fds it got")
+        assert daemon.run(lambda: len(daemon.core.tickets)) == 0
+        _still_serves(daemon)
+    finally:
+        os.close(fd)
+
+
+def test_a_peer_that_leaves_midway_or_says_nothing_holds_nothing(daemon) -> None:
+    daemon.run(lambda: setattr(daemon.daemon.peer_socket, "conn_seconds", 0.3))
+    fd, mapping = create_memfd("kvtest-midway", 4096)
+    mapping.close()
+    try:
+        with _raw(fd_path(daemon)) as s:  # announces 2, sends 1, goes away
+            _send(s, _header(2), [fd])
+        silent = _raw(fd_path(daemon))  # says nothing: dropped after conn_seconds
+        slow = _raw(fd_path(daemon))
+        _send(slow, _header(2), [fd])  # never sends the rest
+        assert silent.recv(2048).startswith(b"EINVALID_ARGUMENT the message did not arrive within")
+        assert slow.recv(2048).startswith(b"EINVALID_ARGUMENT")
+        silent.close()
+        slow.close()
+        wait_until(lambda: fds_to("kvtest-midway") == 1, what="the daemon closed the fds it got")
+        _still_serves(daemon)
+    finally:
+        os.close(fd)
+
+
+def test_idle_connections_of_one_uid_are_capped(daemon) -> None:
+    """A uid holding its share of idle connections is refused more (answered, not left hanging),
+    and served again once they go. (Connections that stay silent time out: see above.)"""
+    daemon.run(lambda: setattr(daemon.daemon.peer_socket, "conn_seconds", 60.0))
+    idle = [_raw(fd_path(daemon)) for _ in range(MAX_CONNS_PER_UID)]
+    try:
+        wait_until(lambda: daemon.run(lambda: len(daemon.daemon.peer_socket._serving)) == MAX_CONNS_PER_UID)
+        with pytest.raises(KVClientError) as err:
+            get_ticket(fd_path(daemon), [])
+        assert err.value.code == C.RESOURCE_EXHAUSTED
+        assert "too many fd socket connections" in err.value.message
+    finally:
+        for s in idle:
+            s.close()
+    wait_until(lambda: daemon.run(lambda: len(daemon.daemon.peer_socket._serving)) == 0)
+    assert get_ticket(fd_path(daemon), [])
+
+
+def test_many_fds_in_one_ticket(daemon) -> None:
+    """More than one SCM_RIGHTS message's worth (253): the pool names the last one."""
+    fd, mapping = create_memfd("kvtest-many", 2 * 256 * 32 * 2)
+    mapping.close()
+    pool = ShmKVPool(LAYOUT, torch.float16, 2, 256)
+    try:
+        fds = [fd] * 600
+        req = pool_request(pool, get_ticket(fd_path(daemon), fds))
+        for layer in req.device_pool.layers:
+            for part in layer.parts:
+                part.fd.index = 599
+        resp = stub_of(daemon).Register(req, timeout=TIMEOUT)
+        assert fds_to("kvtest-many") == 2  # ours and the daemon's mapping; the other 599 are closed
+        stub_of(daemon).Unregister(pb.UnregisterRequest(client_id=resp.client_id), timeout=TIMEOUT)
+    finally:
+        os.close(fd)
+        pool.close()
+
+
+def _still_serves(daemon) -> None:
+    with ShmKVPool(LAYOUT, torch.float16, 2, 256) as pool, KVClient(daemon.address, resilient=False) as c:
+        c.register(model="m", pool=pool, start_layer=0, end_layer=2, num_layers=2, host_tokens=64,
+                   page_size=16)
+        pool.buffers[0][0][:16] = 1.5
+        host = c.alloc(16)
+        assert c.write(host_indices=host, device_indices=torch.arange(16)) > 0
+        pool.buffers[0][0][:16] = 0
+        assert c.load(host_indices=host, device_indices=torch.arange(16)).wait(10) > 0
+        assert bool((pool.buffers[0][0][:16] == 1.5).all())
+        c.unregister()
