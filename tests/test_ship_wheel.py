@@ -99,8 +99,8 @@ def check_complete(files: set[str], how: str) -> None:
     missing = sorted(set(present) - files)
     assert not missing, f"the wheel built {how} lacks the engines' integrations {missing}"
     if has_c_compiler():
-        kernels = [f for f in files if f.startswith("kvserver/_kvcopy.") and f.endswith(".so")]
-        assert kernels, f"the wheel built {how} has no compiled copy kernel (kvserver/_kvcopy*.so)"
+        kernels = [f for f in files if f.startswith("kvserver/copy/_kvcopy.") and f.endswith(".so")]
+        assert kernels, f"the wheel built {how} has no compiled copy kernel (kvserver/copy/_kvcopy*.so)"
     stray = sorted(f for f in files if not f.startswith(tuple(f"{n}/" for n in PACKAGE_DIRS)))
     assert not stray, f"the wheel built {how} ships files outside its packages: {stray}"
 

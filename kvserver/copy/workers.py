@@ -57,7 +57,7 @@ class Work:
     finish: Callable[[], object] = lambda: None
     parallel: bool = False
     stopping: Callable[[int], bool] = lambda i: False
-    # Read before the first piece: false while work it must follow has not ended (job_order.py).
+    # Read before the first piece: false while work it must follow has not ended (kvserver.copy.order).
     ready: Callable[[], bool] = lambda: True
     future: Future = field(default_factory=Future)
     # The queue's bookkeeping, under its lock.

@@ -5,7 +5,7 @@ doorbell (at most ``MAX_DRAIN`` messages) and looks once at every slot the lane 
 serving: a SUBMITTED one has its request copied into private memory, is marked TAKEN and served by
 a task that runs the very code the gRPC RPC runs (``run``). So a lane has at most ``slots``
 requests in flight, and a peer scribbling on its ring or ringing its doorbell without end only
-costs itself bounded work per wake-up. The layout is in ``lane_ring``.
+costs itself bounded work per wake-up. The layout is in ``kvserver.protocol.ring``.
 """
 
 from __future__ import annotations

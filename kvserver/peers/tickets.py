@@ -1,5 +1,5 @@
 """One-time peer tickets: the credentials and descriptors an engine handed over the fd socket,
-held under a random ticket until the Register call that names it (see peer_socket.py).
+held under a random ticket until the Register call that names it (see kvserver.peers.fd_socket).
 
 A ticket is spent by the first Register that names it, whether that registration succeeds or
 not; one nobody redeems expires and its descriptors are closed. Runs on the event loop thread.
