@@ -21,7 +21,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /src
 # Only what the wheel is built from: the project files (README.md if present) and the package folders
-# setup.py finds packages in (it also builds the C copy kernel from kvserver/copy/csrc).
+# setup.py finds packages in (it also builds the C copy kernel from kvserver/copies/csrc).
 COPY pyproject.toml setup.py README.m[d] ./
 COPY kvserver ./kvserver
 COPY client ./client

@@ -17,7 +17,7 @@ def packages() -> list[str]:
 setup(
     packages=packages(),
     ext_modules=[
-        Extension("kvserver.copy._kvcopy", ["kvserver/copy/csrc/kvcopy.c"], extra_compile_args=["-O3"],
+        Extension("kvserver.copies._kvcopy", ["kvserver/copies/csrc/kvcopy.c"], extra_compile_args=["-O3"],
                   optional=True),
     ],
 )

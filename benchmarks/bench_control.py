@@ -26,7 +26,7 @@ from daemon_proc import DaemonProcess  # noqa: E402
 
 from kvclient import KVLayout, ShmKVPool  # noqa: E402
 from kvclient._messages import register_request  # noqa: E402
-from kvclient.transport.fd_socket import ticketed
+from kvclient._transport.fd_socket import ticketed
 from kvserver.v1 import kvserver_pb2 as pb  # noqa: E402
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc  # noqa: E402
 

@@ -5,7 +5,7 @@
   daemon and this process spent per round trip (from /proc: what a loaded machine's scheduler
   does not hide); beside it a bare grpc.aio unary call (Stats) on the same socket;
 - bulk: a ``--mib``-sized (every layer) Write and Load on each lane, median of ``--repeats``,
-  against the same copy done in this process with the daemon's copy plan (``kvserver.copy.transfer``).
+  against the same copy done in this process with the daemon's copy plan (``kvserver.copies.transfer``).
 
 Run: python benchmarks/bench_lane.py
 """
@@ -25,7 +25,7 @@ import grpc
 import torch
 
 from kvclient import KVClient, KVLayout, ShmKVPool
-from kvserver.copy import transfer
+from kvserver.copies import transfer
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 

@@ -1,7 +1,7 @@
 """In-process copy speed of one 16 MiB device -> host job per device layout (docs/layouts.md).
 
 The same job as benchmarks/bench_transfer.py's (8 scattered pages of 16 tokens, 32 layers x 2
-parts, 8 heads x 256 B a token), run through ``kvserver.copy.transfer.copy_job`` with the pool
+parts, 8 heads x 256 B a token), run through ``kvserver.copies.transfer.copy_job`` with the pool
 described as plain token rows (page rows and token rows), vLLM's FlashInfer (blocks of 16
 tokens, K and V interleaved) and FlashInfer HND (per-(token, head) segments). Median of 15.
 Run: python benchmarks/bench_layouts.py
@@ -14,9 +14,9 @@ import time
 import numpy as np
 import torch
 
-from kvserver.copy import transfer
-from kvserver.copy.geometry import Geometry
-from kvserver.copy.transfer import BufferTable
+from kvserver.copies import transfer
+from kvserver.copies.geometry import Geometry
+from kvserver.copies.transfer import BufferTable
 
 L, P, H, HB, PS, N, BS, PAGES = 32, 2, 8, 256, 16, 1024, 16, 8
 TB = H * HB

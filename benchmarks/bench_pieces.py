@@ -1,7 +1,7 @@
 """What cutting a copy in pieces costs, and what a second copy thread gives, in this process.
 
 A 256 MiB scattered copy (32 layers x K, V, pages of 32 KiB, the daemon's plan and kernel) as one
-kernel call, then through ``kvserver.copy.workers`` in pieces of 1, 2 and 4 MiB on one worker, and
+kernel call, then through ``kvserver.copies.workers`` in pieces of 1, 2 and 4 MiB on one worker, and
 in 1 MiB pieces split over two workers at once. Median of --repeats, each in turn so that drift
 hits all alike. Run: python benchmarks/bench_pieces.py [--repeats 9]
 """
@@ -15,8 +15,8 @@ import time
 import numpy as np
 import torch
 
-from kvserver.copy import transfer
-from kvserver.copy.workers import CopyQueue, Work
+from kvserver.copies import transfer
+from kvserver.copies.workers import CopyQueue, Work
 
 LAYERS, PARTS, ROW = 32, 2, 32768
 HOST_PAGES, DEVICE_PAGES, PAGES = 512, 1024, 128  # 128 pages x 32 KiB x 64 buffers = 256 MiB

@@ -7,7 +7,7 @@ pool in shared memory. Every figure is measured in the same run:
 - naive:       the scattered page copy done in this process with plain torch indexing
                (``dst[dev] = src[host]`` per layer and part) on the same page-first host layout;
 - in-process:  the same copy done in this process with the daemon's own copy plan and kernels
-               (``kvserver.copy.transfer``), i.e. what an engine would get by copying itself;
+               (``kvserver.copies.transfer``), i.e. what an engine would get by copying itself;
 - daemon:      Write (device -> host) and Load (host -> device, until the last layer landed).
 
 Ratios are daemon / in-process: what going through the daemon costs over copying in the engine.
@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from suites import common  # noqa: E402
 
 from kvclient import KVClient, KVLayout, ShmKVPool  # noqa: E402
-from kvserver.copy import transfer  # noqa: E402
+from kvserver.copies import transfer  # noqa: E402
 
 
 def start_daemon(socket: str, host_memory: str) -> subprocess.Popen:

@@ -55,7 +55,7 @@ def register_request(
     peer_ticket: str = "",
 ) -> pb.RegisterRequest:
     """The request without a ticket unless given one: the clients get a fresh ticket for each
-    Register they send (``_fd_socket.ticketed``)."""
+    Register they send (``_transport.fd_socket.ticketed``)."""
     return pb.RegisterRequest(
         model=model,
         tp_rank=tp_rank,

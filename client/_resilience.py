@@ -53,7 +53,7 @@ class Backoff:
     """Exponential backoff with full jitter, from ``first`` up to ``cap`` seconds."""
 
     # The cap keeps a client back within about a second of a daemon that answers again, whatever
-    # the length of the outage (the channel's own reconnect backoff is capped alike: _channel.py).
+    # the length of the outage (the channel's own reconnect backoff is capped alike: _transport/channel.py).
     def __init__(self, first: float = 0.05, cap: float = 0.5) -> None:
         self.first = first
         self.cap = cap

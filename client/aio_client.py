@@ -19,6 +19,8 @@ from kvclient import _messages as msg
 from kvclient._ops import Call, Missed, Op, StreamOp
 from kvclient._resilience import Backoff
 from kvclient._shell import CoreShell
+from kvclient._transport.channel import CHANNEL_OPTIONS
+from kvclient._transport.fd_socket import ticketed
 from kvclient.aio_load_handle import AsyncLoadHandle
 from kvclient.core import ClientCore
 from kvclient.cuda_pool import CudaKVPool
@@ -26,8 +28,6 @@ from kvclient.errors import KVClientError, from_rpc_error
 from kvclient.keys import KEY_BYTES, Keys
 from kvclient.results import LookupResult, PutResult
 from kvclient.shm_pool import ShmKVPool
-from kvclient.transport.channel import CHANNEL_OPTIONS
-from kvclient.transport.fd_socket import ticketed
 from kvclient.views_pool import KVViewsPool
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc

@@ -13,11 +13,11 @@ from collections.abc import Sequence
 import grpc
 import torch
 
+from kvclient._transport.channel import CHANNEL_OPTIONS
+from kvclient._transport.fd_socket import ticket_for
 from kvclient.errors import KVClientError, from_rpc_error
 from kvclient.keys import KEY_BYTES, Keys
 from kvclient.results import LookupResult
-from kvclient.transport.channel import CHANNEL_OPTIONS
-from kvclient.transport.fd_socket import ticket_for
 from kvclient.view_core import RETRY, ViewCore, ViewOp
 from kvserver.protocol.layout import KVLayout
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc

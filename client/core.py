@@ -19,11 +19,11 @@ import grpc
 from kvclient import _messages as msg
 from kvclient._ops import Call, Lost, Missed, Op, StreamOp
 from kvclient._resilience import CACHE_BEST_EFFORT, confirm_grace, is_miss, job_unconfirmed, needs_register
+from kvclient._transport.channel import target
 from kvclient.cuda_events import LayerEvents, event_handle
 from kvclient.errors import KVClientError
 from kvclient.keys import KEY_BYTES, Keys, pack_keys
 from kvclient.results import LookupResult, PutResult
-from kvclient.transport.channel import target
 from kvserver.v1 import kvserver_pb2 as pb
 
 logger = logging.getLogger("kvclient")

@@ -34,7 +34,7 @@ class LoadHandle:
         self.confirmed = True
         self._recorded = False
         self.events: dict[int, object] = {}  # CUDA pools: global layer -> torch.cuda.Event
-        self._source = None  # on the lane: its kvclient.transport.lane.LaneStream, pumped by waiters
+        self._source = None  # on the lane: its kvclient._transport.lane.LaneStream, pumped by waiters
         self._pumping = False
 
     @classmethod

@@ -21,6 +21,9 @@ from kvclient import _messages as msg
 from kvclient._ops import Call, Missed, Op, StreamOp
 from kvclient._resilience import Backoff
 from kvclient._shell import CoreShell
+from kvclient._transport.channel import CHANNEL_OPTIONS
+from kvclient._transport.fd_socket import fd_socket_path, ticket_for, ticketed
+from kvclient._transport.lane import ClientLane
 from kvclient.core import ClientCore
 from kvclient.cuda_pool import CudaKVPool
 from kvclient.errors import KVClientError, from_rpc_error
@@ -28,9 +31,6 @@ from kvclient.keys import KEY_BYTES, Keys
 from kvclient.load_handle import LoadHandle
 from kvclient.results import LookupResult, PutResult
 from kvclient.shm_pool import ShmKVPool
-from kvclient.transport.channel import CHANNEL_OPTIONS
-from kvclient.transport.fd_socket import fd_socket_path, ticket_for, ticketed
-from kvclient.transport.lane import ClientLane
 from kvclient.views_pool import KVViewsPool
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc

@@ -16,11 +16,11 @@ import grpc
 import torch
 
 from kvclient._resilience import is_miss
+from kvclient._transport.channel import target
 from kvclient.core import call_metadata, lease_list, packed
 from kvclient.errors import KVClientError
 from kvclient.keys import KEY_BYTES, Keys
 from kvclient.results import LookupResult
-from kvclient.transport.channel import target
 from kvserver.protocol.layout import KVLayout, wire_dtype
 from kvserver.v1 import kvserver_pb2 as pb
 

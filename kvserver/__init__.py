@@ -9,7 +9,7 @@ down, and ``lint-imports`` (the contracts in pyproject.toml) holds them:
     core               clients and their lifecycle, checked transfers, cache operations, the copier
     media | store      device pools by medium  |  the node-wide cache index
     peers | host       callers' credentials, tickets, tenants  |  the host arena and region pages
-    copy | config      jobs, plans, queues, progress, copy kernels  |  the daemon's configuration
+    copies | config    jobs, plans, queues, progress, copy kernels  |  the daemon's configuration
     protocol           what the daemon and its clients agree on (kvclient imports only this, v1, errors)
     errors | v1        domain errors with their status codes  |  the generated gRPC modules
 

@@ -11,7 +11,7 @@ from enum import IntEnum
 
 
 class Code(IntEnum):
-    """The canonical status codes (google.rpc.Code): the same names and numbers as Code."""
+    """The canonical status codes (google.rpc.Code): ``grpc.StatusCode``'s names and numbers."""
 
     OK = 0
     CANCELLED = 1
@@ -126,7 +126,8 @@ def _clip(text: str) -> str:
 
 
 def status_of(exc: BaseException) -> tuple[Code, str]:
-    """The gRPC status for an exception: domain errors keep theirs, anything else is INTERNAL."""
+    """The status code and details for an exception: domain errors keep theirs, anything else is
+    INTERNAL."""
     if isinstance(exc, KVError):
         return exc.code, _clip(str(exc))
     return Code.INTERNAL, _clip(f"internal error: {type(exc).__name__}: {exc}")

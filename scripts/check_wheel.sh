@@ -77,7 +77,7 @@ for name in installed:
     assert mod.__file__.startswith(venv), f"{name} imported from {mod.__file__}, not from the wheel"
 assert importlib.util.find_spec("cupy") is None and "cupy" not in sys.modules
 if shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]):
-    assert "kvserver.copy._kvcopy" in installed, "the wheel has no compiled copy kernel"
+    assert "kvserver.copies._kvcopy" in installed, "the wheel has no compiled copy kernel"
 print(f"imported {len(installed) - len(needs_engine)} modules from the wheel, without CuPy; "
       f"found {len(needs_engine)} that need an engine: {needs_engine}")
 EOF

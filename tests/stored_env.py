@@ -23,7 +23,7 @@ import torch
 from checks import error_of, pool_sha, sha_of
 
 from kvclient import KVClient, KVLayout, ShmKVPool
-from kvclient.transport.fd_socket import get_ticket
+from kvclient._transport.fd_socket import get_ticket
 from kvserver.core.epochs import EPOCH_SHIFT
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc

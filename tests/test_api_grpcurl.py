@@ -19,7 +19,7 @@ from google.protobuf import json_format
 
 from kvclient import KVLayout, ShmKVPool
 from kvclient._messages import register_request
-from kvclient.transport.fd_socket import get_ticket
+from kvclient._transport.fd_socket import get_ticket
 from kvserver.v1 import kvserver_pb2 as pb
 
 START, END, NUM_LAYERS = 4, 8, 8  # the pool holds global layers [4, 8) of an 8-layer model

@@ -26,9 +26,9 @@ from kvclient import (
     ShmKVPool,
 )
 from kvclient._ops import Call, Missed
+from kvclient._transport.fd_socket import ticketed
 from kvclient.core import TENANT_METADATA, ClientCore
 from kvclient.keys import page_keys, split_keys
-from kvclient.transport.fd_socket import ticketed
 from kvclient.view_core import MISS, RETRY, ViewCore
 from kvserver.v1 import kvserver_pb2 as pb
 

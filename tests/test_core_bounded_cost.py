@@ -26,7 +26,7 @@ from daemon_proc import DaemonProcess
 
 from kvclient import KVClient, KVLayout, ShmKVPool
 from kvclient._messages import register_request
-from kvclient.transport.fd_socket import ticketed
+from kvclient._transport.fd_socket import ticketed
 from kvserver.config import ServerConfig
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc

@@ -109,7 +109,7 @@ NOT_RUN = {
         "the same script with --quick",
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_priority.py"):
         "a benchmark of about a minute with a 1 GiB offloader engine, for figures measured by hand; "
-        "tests/test_copy_workers.py holds the same order (a small load's copy before a queued offload's)",
+        "tests/test_copies_workers.py holds the same order (a small load's copy before a queued offload's)",
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_lane.py"):
         "a benchmark of about half a minute, for figures measured by hand; tests/test_lane.py runs "
         "the same lane calls",

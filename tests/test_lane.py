@@ -22,8 +22,8 @@ from checks import wait_until
 from daemon_proc import DaemonProcess
 
 from kvclient import KVClient, KVLayout, ShmKVPool
+from kvclient._transport.fd_socket import ticket_for
 from kvclient.keys import page_keys
-from kvclient.transport.fd_socket import ticket_for
 from kvserver.protocol import ring as R
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc

@@ -23,7 +23,7 @@ from test_media_cuda_fake import cuda_pool, register
 
 from kvclient import KVClient, KVLayout, ShmKVPool
 from kvserver import media
-from kvserver.copy import transfer
+from kvserver.copies import transfer
 from kvserver.core import kvcore as core_module
 from kvserver.core.cache_ops import cache_table
 from kvserver.core.copier import ClientJob as Job

@@ -35,7 +35,7 @@ from test_server_cli import STARTUP_TIMEOUT, DaemonProcess, clean_env
 
 from kvclient import KVClient, KVClientError, KVLayout, ShmKVPool
 from kvclient._messages import register_request
-from kvclient.transport.fd_socket import fd_socket_path, get_ticket
+from kvclient._transport.fd_socket import fd_socket_path, get_ticket
 from kvserver.config import ServerConfig
 from kvserver.core.epochs import EPOCH_SHIFT, SLOT_MASK
 from kvserver.v1 import kvserver_pb2 as pb

@@ -39,7 +39,7 @@ from light_engine import LightEngine, killed_mid_load
 
 from kvclient import KVClient, KVClientError, KVLayout, ShmKVPool
 from kvclient._messages import register_request
-from kvclient.transport.fd_socket import get_ticket
+from kvclient._transport.fd_socket import get_ticket
 from kvserver.__main__ import build_parser, config_from_args
 from kvserver.config import ServerConfig
 from kvserver.peers.fd_socket import MAX_CONNS_PER_UID

@@ -28,7 +28,7 @@ yaml = pytest.importorskip("yaml", reason="pyyaml is in the test extra: pip inst
 
 from test_docs_readme import block, blocks, command  # noqa: E402
 
-from kvclient.transport.channel import target  # noqa: E402
+from kvclient._transport.channel import target  # noqa: E402
 from kvserver.__main__ import build_parser, config_from_args  # noqa: E402
 from kvserver.config import parse_size  # noqa: E402
 from kvserver.protocol.paths import default_socket  # noqa: E402

@@ -99,8 +99,8 @@ def check_complete(files: set[str], how: str) -> None:
     missing = sorted(set(present) - files)
     assert not missing, f"the wheel built {how} lacks the engines' integrations {missing}"
     if has_c_compiler():
-        kernels = [f for f in files if f.startswith("kvserver/copy/_kvcopy.") and f.endswith(".so")]
-        assert kernels, f"the wheel built {how} has no compiled copy kernel (kvserver/copy/_kvcopy*.so)"
+        kernels = [f for f in files if f.startswith("kvserver/copies/_kvcopy.") and f.endswith(".so")]
+        assert kernels, f"the wheel built {how} has no compiled copy kernel (kvserver/copies/_kvcopy*.so)"
     stray = sorted(f for f in files if not f.startswith(tuple(f"{n}/" for n in PACKAGE_DIRS)))
     assert not stray, f"the wheel built {how} ships files outside its packages: {stray}"
 
@@ -128,7 +128,7 @@ def test_sdist_builds_the_same_wheel(tree, tmp_path):
     with tarfile.open(sdist) as tar:
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
         tar.extractall(tmp_path / "unpacked", filter="data")
-    for needed in ("pyproject.toml", "setup.py", "README.md", "kvserver/copy/csrc/kvcopy.c"):
+    for needed in ("pyproject.toml", "setup.py", "README.md", "kvserver/copies/csrc/kvcopy.c"):
         assert needed in names, f"the sdist lacks {needed}"
     (root,) = (tmp_path / "unpacked").iterdir()
     check_complete(wheel_files(build_wheel(root, tmp_path / "wheel")), "from the sdist")

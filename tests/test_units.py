@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvserver.config import ServerConfig, parse_size
-from kvserver.copy import transfer
+from kvserver.copies import transfer
 from kvserver.errors import FailedPrecondition, InvalidArgument, LayerOutOfRange, NoCapacity, OutOfRange
 from kvserver.host.arena import REGION_ALIGN, HostArena
 from kvserver.host.pages import PageAllocator

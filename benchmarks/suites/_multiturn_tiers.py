@@ -1,7 +1,7 @@
 """The host tiers of the multi-turn benchmark, each moving real bytes between a device pool and
 host memory, timed:
 
-- ``InProcessHost``: a host tensor in the engine's own process, copied with kvserver.copy.transfer's
+- ``InProcessHost``: a host tensor in the engine's own process, copied with kvserver.copies.transfer's
   kernel (``copy_job``, the call the daemon makes);
 - ``IndexHost``: the daemon's index API (Alloc, Write, Load, Free), the engine keeping the index
   of which host pages hold which client's prefix.
@@ -19,7 +19,7 @@ from _multiturn_kv import DevicePool, Geometry
 from _multiturn_sim import PrefixLRU, Record, Request, Workload
 
 from kvclient import KVClient
-from kvserver.copy import transfer
+from kvserver.copies import transfer
 
 
 class InProcessHost:

@@ -4,7 +4,7 @@ process; the device KV pool holds about a quarter of all histories, so a returni
 is still on the device, found in a host tier, or recomputed. Five configurations see the same trace:
 
 - recompute:          one engine, device pool with LRU prefix reuse, nothing below it;
-- host-inprocess:     one engine with a host pool in its own process (kvserver.copy.transfer's kernel);
+- host-inprocess:     one engine with a host pool in its own process (kvserver.copies.transfer's kernel);
 - kvserver-index:     one engine whose host tier is the daemon's index API (Alloc/Write/Load/Free);
 - dp2-recompute:      two DP replicas, each request to a random replica, no host tier (baseline);
 - dp2-kvserver-cache: the same two replicas (two processes) sharing the daemon's node-wide cache

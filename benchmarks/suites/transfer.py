@@ -6,7 +6,7 @@ measured in turn (one of each per round, median of the rounds):
 
 - memcpy:      one contiguous copy of the same number of bytes (the machine's copy speed);
 - in-process:  the same scattered page copy done here with the daemon's own plan and kernel
-               (``kvserver.copy.transfer.make_plan`` + ``copy_job``), what an engine gets by copying itself;
+               (``kvserver.copies.transfer.make_plan`` + ``copy_job``), what an engine gets by copying itself;
 - daemon:      ``KVClient.write`` (device -> host) and ``KVClient.load(...).wait()`` (host -> device,
                until the last layer landed) through a daemon subprocess on a Unix socket.
 
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from kvclient import KVClient, KVLayout, ShmKVPool
-from kvserver.copy import transfer
+from kvserver.copies import transfer
 
 from . import common
 

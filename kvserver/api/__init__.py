@@ -3,5 +3,5 @@ metadata, domain errors as gRPC statuses, the wire bytes of large answers, and /
 
 Owns: ``servicer`` (KVServicer), ``auth`` (tokens), ``status`` (errors -> grpc.StatusCode),
 ``packed`` (index lists encoded with numpy), ``metrics`` (Prometheus).
-May import: ``lane`` and everything below it; only ``server`` and ``__main__`` import it.
+May import: ``lane`` and everything below it; only ``server`` imports it.
 """

@@ -5,5 +5,5 @@ Owns: ``kvcore`` (KVCore: register, alloc, free, unregister, checked Write/Load 
 ``client_state`` (what the daemon holds for one registration), ``epochs`` (registration epochs in
 host indices), ``cache_ops`` (Lookup, Put, Get and Release over ``store``), ``copier`` (queues,
 inline copies, deadlines, per-layer progress) and ``liveness`` (sessions and the reaper).
-May import: ``media``, ``store``, ``peers``, ``host``, ``copy`` and below; never gRPC.
+May import: ``media``, ``store``, ``peers``, ``host``, ``copies`` and below; never gRPC.
 """

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvserver.copy import transfer
+from kvserver.copies import transfer
 from kvserver.core.client_state import ClientSpec, ClientState, check_model_shape
 from kvserver.core.copier import ClientJob, LoadStep
 from kvserver.core.kvcore import KVCore
@@ -178,7 +178,7 @@ class CacheOps:
         if client.cache_table is None:
             client.cache_table = cache_table(self.kv.arena.address, client.spec)
         return ClientJob(client, plan, local_layers, np.empty(0, dtype=np.int64), bytes(ready_event),
-                            event_slot, deadline, host_table=client.cache_table)
+                         event_slot, deadline, host_table=client.cache_table)
 
     async def put(self, req: pb.PutRequest) -> PutOutcome:
         client = self.kv.client(req.client_id)

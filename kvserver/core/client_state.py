@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvserver.copy.order import JobOrder
-from kvserver.copy.transfer import BufferTable
+from kvserver.copies.order import JobOrder
+from kvserver.copies.transfer import BufferTable
 from kvserver.errors import InvalidArgument
 from kvserver.host.pages import PageAllocator
 from kvserver.media.base import DevicePool

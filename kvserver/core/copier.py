@@ -4,7 +4,7 @@ How a job's bytes move is its pool's medium's (``kvserver/media``: the CPU for s
 GPU for CUDA, ``DevicePool.start``); the copier keeps what is the same for all: queueing,
 deadlines, stop words, busy marks and progress.
 
-Copies run on ``copy_threads`` worker threads (``kvserver.copy.workers``): loads before writes, in
+Copies run on ``copy_threads`` worker threads (``kvserver.copies.workers``): loads before writes, in
 arrival order within each, every job in pieces of a few MiB, so that a prefetch an engine waits on
 is held up by at most a piece of someone's offload; a large job's pieces use every idle worker.
 A CUDA job only takes a worker while it is enqueued on its client's stream; a waiter thread then
@@ -33,11 +33,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvserver.copy import transfer
-from kvserver.copy.job import Job
-from kvserver.copy.order import JobOrder
-from kvserver.copy.progress import LayerSignal
-from kvserver.copy.workers import CopyQueue
+from kvserver.copies import transfer
+from kvserver.copies.job import Job
+from kvserver.copies.order import JobOrder
+from kvserver.copies.progress import LayerSignal
+from kvserver.copies.workers import CopyQueue
 from kvserver.core.client_state import ClientState
 from kvserver.media.base import INLINE
 
@@ -69,6 +69,9 @@ class ClientJob(Job):
     def __init__(self, client: ClientState, plan: transfer.CopyPlan, local_layers: list[int],
                  pages: np.ndarray, ready_event: bytes = b"", event_slot: int = 0, deadline: float = 0.0,
                  host_table: transfer.BufferTable | None = None) -> None:
+        # The region's table and views are the client's from Register until its release, which
+        # clears them only once no copy of it is in flight (inflight == 0), so reading them now
+        # is reading them when the copy runs.
         spec = client.spec
         Job.__init__(self, plan, local_layers, pages, client.host_table, client.host_views,
                      spec.token_bytes * spec.layout.num_parts, ready_event, event_slot, deadline,

@@ -14,15 +14,14 @@ import time
 import numpy as np
 import torch
 
-from kvserver.copy import transfer
+from kvserver.copies import transfer
 from kvserver.core import epochs
 from kvserver.core.client_state import ClientSpec, ClientState, Counters, public_id
 from kvserver.core.copier import ClientJob, Copier, wait_until
 from kvserver.errors import InvalidArgument, NoCapacity, UnknownClient, shown
 from kvserver.host.arena import HostArena
 from kvserver.host.pages import PageAllocator
-from kvserver.media import ShmAccess, open_pool
-from kvserver.media.cuda.slabs import SlabPinner
+from kvserver.media import ShmAccess, SlabPinner, open_pool
 from kvserver.peers.tenants import tenant_of
 from kvserver.peers.tickets import TicketBook
 from kvserver.store import KVCache

@@ -2,5 +2,5 @@
 allocator of one client's region.
 
 Owns: ``arena`` (HostArena: one lazily committed mapping) and ``pages`` (PageAllocator).
-May import: ``copy`` (index checks), ``config`` and ``errors``.
+May import: ``copies`` (index checks), ``config`` and ``errors``.
 """

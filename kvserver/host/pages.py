@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvserver.copy.transfer import has_repeats
+from kvserver.copies.transfer import has_repeats
 from kvserver.errors import FailedPrecondition, InvalidArgument, NoCapacity, OutOfRange
 
 

@@ -2,9 +2,9 @@
 behind one interface (``base.DevicePool``). ``open_pool`` checks a Register request's pool
 description and opens it with the medium its buffers name.
 
-Owns: the media and how each runs a ``kvserver.copy.job.Job``. A new medium is a module here (and
+Owns: the media and how each runs a ``kvserver.copies.job.Job``. A new medium is a module here (and
 a pool class in the client).
-May import: ``copy``, ``peers`` (the caller's credentials for named objects), ``protocol``,
+May import: ``copies``, ``peers`` (the caller's credentials for named objects), ``protocol``,
 ``errors`` and ``v1``; nothing above it (no client state, no cache, no gRPC).
 """
 

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from kvserver.copy.job import Job
-    from kvserver.copy.progress import LayerSignal
-    from kvserver.copy.workers import Work
+    from kvserver.copies.job import Job
+    from kvserver.copies.progress import LayerSignal
+    from kvserver.copies.workers import Work
 
 WIDE_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
@@ -102,7 +102,7 @@ class DevicePool(ABC):
         """Starts a copy job: host to device for a load, else device to host. The returned future
         completes once the medium is done with every byte of the job (raising ``JobStopped`` if
         the job was stopped first, or the copy's error). ``executor`` is the copy workers' queue
-        (``kvserver.copy.workers``: loads first, jobs in pieces) or ``INLINE``; ``waiters`` may
+        (``kvserver.copies.workers``: loads first, jobs in pieces) or ``INLINE``; ``waiters`` may
         hold threads that only wait for a device. A job dropped from the queue shows as a
         cancelled future; ``job.queued`` is what ``job.stop`` may cancel. ``signal`` (loads) gets
         every landed layer."""

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvserver.copy import geometry, transfer, workers
-from kvserver.copy.transfer import BufferTable
-from kvserver.copy.workers import Work
+from kvserver.copies import geometry, transfer, workers
+from kvserver.copies.transfer import BufferTable
+from kvserver.copies.workers import Work
 from kvserver.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unimplemented
 from kvserver.media.base import DevicePool, wide_dtype
 from kvserver.peers.tickets import PeerCred
@@ -25,8 +25,8 @@ from kvserver.protocol.shared_memory import ShmMapping, map_sealed_fd, open_shm
 from kvserver.v1 import kvserver_pb2 as pb
 
 if TYPE_CHECKING:
-    from kvserver.copy.job import Job
-    from kvserver.copy.progress import LayerSignal
+    from kvserver.copies.job import Job
+    from kvserver.copies.progress import LayerSignal
 
 
 @dataclass(frozen=True, slots=True)

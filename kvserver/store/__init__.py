@@ -7,7 +7,7 @@ Owns: ``cache`` (KVCache: lookup, prepare/complete put and get, leases, make_roo
 parts: ``spaces``, ``keys``, ``pages``, ``slabs``, ``eviction``, ``leases``, ``quotas``,
 ``complete``, ``plans``, ``counters`` and ``stats``.
 May import: ``host`` (the arena its slabs come from), ``protocol``, ``config`` and ``errors``; never
-gRPC and never the copy code (``copy``, ``media``, ``core``).
+gRPC and never the copy code (``copies``, ``media``, ``core``).
 """
 
 from kvserver.store.cache import MAX_PIN_MS, KVCache

@@ -1,6 +1,9 @@
 """The CUDA medium: an engine's KV buffers opened through CUDA IPC, copied by the GPU between
 them and pinned host memory.
 
+Owns: ``open_cuda`` (here), ``pool``, ``slabs``, ``devices``, ``plan``, ``kernels``, ``waits``,
+``quarantine``, ``runtime`` and ``driver``.
+
 Nothing here imports CuPy or touches a GPU at import time: ``runtime.require_cuda()`` does, the
 first time a CUDA client registers. The pool itself lives in ``pool`` (imported only once a CUDA
 pool is opened, so that a daemon without CuPy never loads it); cache slabs are pinned by
@@ -8,7 +11,7 @@ pool is opened, so that a daemon without CuPy never loads it); cache slabs are p
 the copies, ``waits`` polls with deadlines, ``quarantine`` holds what a stalled GPU may still touch
 and ``driver`` is the one driver call made through ctypes.
 
-May import: what ``kvserver.media`` may (``copy``, ``protocol``, ``errors``, ``v1``), and CuPy lazily.
+May import: what ``kvserver.media`` may (``copies``, ``protocol``, ``errors``, ``v1``), and CuPy lazily.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvserver.copy import geometry
+from kvserver.copies import geometry
 from kvserver.errors import InvalidArgument, Unimplemented
 from kvserver.media.cuda.runtime import require_cuda
 from kvserver.media.cuda.slabs import SlabPinner

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvserver.copy.geometry import Geometry, describe
-from kvserver.copy.workers import single
+from kvserver.copies.geometry import Geometry, describe
+from kvserver.copies.workers import single
 from kvserver.errors import FailedPrecondition, GpuStalled, InvalidArgument
 from kvserver.media.base import DevicePool, wide_dtype
 from kvserver.media.cuda import driver, plan, waits
@@ -46,8 +46,8 @@ from kvserver.protocol.cuda_ipc import check_span, raw_ipc_handle
 from kvserver.v1 import kvserver_pb2 as pb
 
 if TYPE_CHECKING:
-    from kvserver.copy.job import Job
-    from kvserver.copy.progress import LayerSignal
+    from kvserver.copies.job import Job
+    from kvserver.copies.progress import LayerSignal
 
 logger = logging.getLogger(__name__)
 
@@ -308,7 +308,7 @@ class CudaDevicePool(DevicePool):
                 fail(exc)
 
         # Enqueued on the client's stream only after the earlier copies it must follow
-        # (kvserver/copy/order.py): the stream then keeps that order on the GPU.
+        # (kvserver/copies/order.py): the stream then keeps that order on the GPU.
         work = job.work = single(to_device, enqueue, ready=job.ready)
         queued = job.queued = executor.submit_work(work)
         # Stopped while still waiting for the worker: dropped from its queue, nothing enqueued.

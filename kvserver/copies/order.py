@@ -1,6 +1,6 @@
 """Which earlier copies of one client a new copy must wait for.
 
-Loads go first (``kvserver.copy.workers``), but never past a copy of the same client they depend
+Loads go first (``kvserver.copies.workers``), but never past a copy of the same client they depend
 on. A client's copies keep their arrival order, with one exception: a load may start before the
 client's earlier writes when it shares no host page and no device slot with any of them (it reads
 no page they write, and writes no slot they read). So two writes to the same pages are applied
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from kvserver.copy.job import Job
+    from kvserver.copies.job import Job
 
 
 def device_tokens(job: Job) -> np.ndarray:

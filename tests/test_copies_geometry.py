@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserver.copy import geometry
+from kvserver.copies import geometry
 from kvserver.errors import InvalidArgument
 from kvserver.v1 import kvserver_pb2 as pb
 

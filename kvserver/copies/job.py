@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvserver.copy import transfer
-from kvserver.copy.workers import Work
+from kvserver.copies import transfer
+from kvserver.copies.workers import Work
 from kvserver.errors import JobStopped
 
 
@@ -31,7 +31,7 @@ class Job:
     pages: np.ndarray
     region: transfer.BufferTable  # the client's own host region (rows are its pages)
     region_views: list[list[torch.Tensor]]  # the same region as [layer][part] tensors (torch's path)
-    token_bytes: int  # bytes of one token in every part of one layer
+    layer_token_bytes: int  # bytes of one token in one layer: every part (K and V) together
     ready_event: bytes = b""  # CUDA: the engine's event to wait on before copying
     event_slot: int = 0  # CUDA loads: whose layer events to record
     deadline: float = 0.0  # event-loop time at which the job stops (0: none), from timeout_ms
@@ -54,7 +54,7 @@ class Job:
     # Set once the medium has the job: from then on ``on_settled`` will be called. A job that
     # failed before (no descriptor left for its signal, the worker shut down) never will be.
     submitted: bool = False
-    # Ordering among the client's copies (kvserver/copy/order.py): whether this is a load, the
+    # Ordering among the client's copies (kvserver/copies/order.py): whether this is a load, the
     # earlier jobs it waits for, and its work in the copy queue (None until handed to it).
     load: bool = False
     after: list = field(default_factory=list)
@@ -70,7 +70,7 @@ class Job:
 
     @property
     def bytes_per_layer(self) -> int:
-        return self.plan.num_tokens * self.token_bytes
+        return self.plan.num_tokens * self.layer_token_bytes
 
     @property
     def stopping(self) -> bool:

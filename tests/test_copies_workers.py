@@ -19,8 +19,8 @@ from test_e2e_roundtrip import fill_random, raw, scattered_slots, snapshot, wipe
 
 from kvclient import KVClient, KVLayout, ShmKVPool
 from kvserver.config import ServerConfig
-from kvserver.copy import workers as copy_queue
-from kvserver.copy.workers import WRITE_EVERY, CopyQueue, Work
+from kvserver.copies import workers as copy_queue
+from kvserver.copies.workers import WRITE_EVERY, CopyQueue, Work
 
 WAIT = 10.0
 
@@ -206,7 +206,7 @@ def pieced_daemon(request, socket_dir, monkeypatch):
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_pieced_copies_are_bit_exact_and_layers_land_in_order(pieced_daemon, page_size, monkeypatch):
-    from kvserver.copy.progress import LayerSignal
+    from kvserver.copies.progress import LayerSignal
 
     published: list[int] = []
     real_publish = LayerSignal.publish
@@ -248,7 +248,7 @@ def token_rows(pool: ShmKVPool) -> list[list[torch.Tensor]]:
 def test_a_small_load_overtakes_a_large_offload(socket_dir, monkeypatch):
     """One worker, held while an offload of 64 MiB in 256 KiB pieces and then a 1-page load of
     another engine queue up: once the worker is free, the load's copy is the first it makes."""
-    from kvserver.copy import transfer
+    from kvserver.copies import transfer
 
     monkeypatch.setattr(copy_queue, "CHUNK_BYTES", 256 << 10)
     monkeypatch.setattr(copy_queue, "MIN_RANGE_BYTES", 256 << 10)
@@ -338,7 +338,7 @@ def test_a_load_stopped_between_pieces_lands_no_later_layer(socket_dir, monkeypa
     """A load whose layers are split in pieces, its first piece of layer 1 held until the job's
     deadline stopped it: it is reported missed (and confirmed); layer 1, begun, is finished (a job
     stops at a layer boundary, never with a layer half copied) and no later layer is touched."""
-    from kvserver.copy import transfer
+    from kvserver.copies import transfer
 
     monkeypatch.setattr(copy_queue, "CHUNK_BYTES", 64)  # every layer in many row pieces
     monkeypatch.setattr(copy_queue, "MIN_RANGE_BYTES", 1)

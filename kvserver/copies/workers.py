@@ -13,7 +13,7 @@ the next piece is a write's.
 A job is dropped while none of its pieces has started (``Future.cancel`` on its future succeeds,
 as with a ``ThreadPoolExecutor``); once started, it ends after its running pieces when
 ``stopping`` turns true for its next piece.
-A work does not start before the works it follows (``ready``, from ``kvserver/copy/order.py``)
+A work does not start before the works it follows (``ready``, from ``kvserver/copies/order.py``)
 have ended: loads go first, but never past a copy of their client they depend on.
 """
 
@@ -57,7 +57,7 @@ class Work:
     finish: Callable[[], object] = lambda: None
     parallel: bool = False
     stopping: Callable[[int], bool] = lambda i: False
-    # Read before the first piece: false while work it must follow has not ended (kvserver.copy.order).
+    # Read before the first piece: false while work it must follow has not ended (kvserver.copies.order).
     ready: Callable[[], bool] = lambda: True
     future: Future = field(default_factory=Future)
     # The queue's bookkeeping, under its lock.

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvserver.copy.geometry import Geometry
+from kvserver.copies.geometry import Geometry
 from kvserver.errors import InvalidArgument, OutOfRange, Unimplemented
 
 try:
-    from kvserver.copy._kvcopy import copy_layers, copy_rows
+    from kvserver.copies._kvcopy import copy_layers, copy_rows
 except ImportError:  # not compiled (e.g. run from a source tree): torch fallback below
     copy_layers = copy_rows = None
 
