@@ -5,7 +5,7 @@ The public API is what this module exports, plus ``kvclient.keys``, ``kvclient.v
 
     core, _ops, _messages, _resilience     the client without its I/O: requests, answers, misses
     sync_client, aio_client, _shell        its two shells (threads; asyncio) and their load handles
-    transport/                             channel, fd socket tickets, the shared-memory fast lane
+    _transport/                            channel, fd socket tickets, the shared-memory fast lane
     shm_pool, cuda_pool, views_pool        device pools by medium (cuda_events: per-layer events)
     view_core, cache_view                  a scheduler's read-only view of a KV space
     keys, results, errors, registrar       page keys, answers, the one exception, register-or-miss
