@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from store_support import PAGE, K, make_cache, offsets_ok, one_part, put, stored
+from store_support import PAGE, K, MiB, make_cache, offsets_ok, one_part, part_of, put, space_key, stored
 
 from kvserver.errors import InvalidArgument, NoCapacity
 from kvserver.store import MAX_PIN_MS, split_keys
@@ -183,3 +183,23 @@ def test_touch_order_of_a_get():
     cache.complete_get(plan, True)
     stamps = cache.pages.stamp[[part.pages[k] for k in K("hgabcdef")]]
     assert (np.diff(stamps) < 0).all()
+
+
+def test_a_put_that_evicts_many_slabs_ranks_them_once(monkeypatch):
+    """Ranking other classes' slabs costs a pass over every page of the cache: done once per Put,
+    not once per evicted slab (which made a Put that evicts across classes quadratic)."""
+    import kvserver.store.cache as cache_module
+
+    cache, _, _ = make_cache(32 * MiB)
+    small = one_part(cache, page_bytes=PAGE // 16)  # 32 pages to a 2 MiB slab
+    put(cache, small, [b"s%d" % i for i in range(16 * 32)])  # every slab of the arena
+    assert cache.stats()[0][0].counters.pages == 16 * 32
+    calls = []
+    real = cache_module.lru_slabs
+    monkeypatch.setattr(cache_module, "lru_slabs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    big = part_of(cache, cache.space(space_key(model="big")))  # 2 pages to a slab
+    plan = put(cache, big, [b"b%d" % i for i in range(16)])  # needs 8 of the small class's slabs
+    assert (len(plan.positions), plan.dropped) == (16, 0)
+    assert len(calls) == 1
+    small_pages = [s for s in cache.stats()[0] if s.space.model == "m"][0].counters.pages
+    assert small_pages == 8 * 32  # the other eight slabs were left alone

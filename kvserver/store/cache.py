@@ -237,13 +237,16 @@ class KVCache:
         if short > 0:
             same = self.pages.evictable() & (self.pages.nbytes == page_bytes)
             kept += self._drop(lru_pages(self.pages, same, short), release_empty=False)
-        while self.slabs.free_count(page_bytes) < want:
-            others = lru_slabs(self.pages, self.slabs.nslabs, exclude_class=page_bytes)
-            if not len(others):
-                break
-            self._evict_slab(int(others[0]))
-            while self.slabs.free_count(page_bytes) < want and self.slabs.grow(page_bytes):
-                pass
+        if self.slabs.free_count(page_bytes) < want:
+            # Other classes' slabs, least recently used first, ranked once: evicting one slab
+            # changes no other slab's pages, so the order holds for the whole Put (ranking again
+            # per slab made a Put that evicts many slabs quadratic in the cache's pages).
+            for sid in lru_slabs(self.pages, self.slabs.nslabs, exclude_class=page_bytes).tolist():
+                self._evict_slab(sid)
+                while self.slabs.free_count(page_bytes) < want and self.slabs.grow(page_bytes):
+                    pass
+                if self.slabs.free_count(page_bytes) >= want:
+                    break
         new = self.slabs.take(page_bytes, want)
         self.slabs.release_empty(kept)
         return new
