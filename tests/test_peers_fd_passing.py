@@ -15,6 +15,7 @@ daemon opens for its caller.
 from __future__ import annotations
 
 import array
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -313,10 +314,8 @@ def _small() -> int:
 BAD_FDS = [
     pytest.param(_unsealed, C.FAILED_PRECONDITION, "is not sealed against shrinking", id="unsealed"),
     pytest.param(_grow_sealed, C.FAILED_PRECONDITION, "is not sealed against shrinking", id="grow-seal-only"),
-    pytest.param(_disk_file, C.FAILED_PRECONDITION, "is not sealed against shrinking", id="disk-file"),
     pytest.param(_read_only, C.INVALID_ARGUMENT, "fd 0 is not open read-write", id="read-only"),
     pytest.param(_write_sealed, C.INVALID_ARGUMENT, "cannot be mapped read-write", id="write-sealed"),
-    pytest.param(_pipe, C.INVALID_ARGUMENT, "fd 0 is not a regular file", id="pipe"),
     pytest.param(_small, C.INVALID_ARGUMENT, "fd 0 is 1000 bytes but the buffer at offset", id="too-small"),
     pytest.param(_huge_pages, C.INVALID_ARGUMENT, "fd 0 is huge-page memory", id="hugetlb"),
 ]
@@ -335,6 +334,89 @@ def test_an_unfit_fd_is_refused_at_register(daemon, make, code, text) -> None:
     finally:
         os.close(fd)
         pool.close()
+
+
+def _lingering_tcp_socket(seconds: int = 10) -> int:
+    """A TCP socket whose last close() waits ``seconds`` for data its peer never reads (SO_LINGER):
+    the descriptor a hostile engine sends to stall whoever closes it."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    sender = socket.socket()
+    sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sender.connect(listener.getsockname())
+    receiver, _ = listener.accept()  # never reads
+    sender.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            sender.send(b"x" * 65536)
+    sender.setblocking(True)
+    sender.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, seconds))
+    _LINGERING.extend([listener, receiver])  # kept open so that the data stays unread
+    return sender.detach()
+
+
+_LINGERING: list[socket.socket] = []
+
+
+def _dev_null() -> int:
+    return os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+
+
+def _directory() -> int:
+    return os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+NOT_SHARED_MEMORY = [
+    pytest.param(_pipe, "a pipe", id="pipe"),
+    pytest.param(_disk_file, "a regular file outside shared memory", id="disk-file"),
+    pytest.param(_lingering_tcp_socket, "a socket other than a Unix SOCK_SEQPACKET one", id="tcp-socket"),
+    pytest.param(_dev_null, "a character device", id="char-device"),
+    pytest.param(_directory, "a directory", id="directory"),
+]
+
+
+@pytest.mark.parametrize(("make", "kind"), NOT_SHARED_MEMORY)
+def test_a_descriptor_that_is_not_shared_memory_is_refused_at_the_fd_socket(daemon, make, kind) -> None:
+    """Only what a pool or a lane can use is kept under a ticket: any other descriptor (one that
+    could block whoever closes it) is refused, with its index and kind, and closed off the loop."""
+    good, mapping = create_memfd("kvtest-good", 4096)
+    mapping.close()
+    bad = make()
+    try:
+        with pytest.raises(KVClientError) as err:
+            get_ticket(fd_path(daemon), [good, bad])
+        assert err.value.code == C.INVALID_ARGUMENT, err.value
+        assert f"descriptor 1 is {kind}" in err.value.message, err.value.message
+        assert daemon.run(lambda: daemon.core.tickets.num_fds) == 0
+    finally:
+        os.close(good)
+        os.close(bad)
+    wait_until(lambda: fds_to("kvtest-good") == 0, what="the refused peer's descriptors closed")
+    _still_serves(daemon)
+
+
+def test_sockets_set_to_linger_never_hold_the_daemon(daemon) -> None:
+    """Eight peers each send a memfd and a TCP socket set to linger 10 s over unread data, then
+    close their own ends, so the daemon's copy is the last: every one is refused, closed at once,
+    and another engine's Register and calls go through as on an idle daemon."""
+    good, mapping = create_memfd("kvtest-linger", 4096)
+    mapping.close()
+    try:
+        for _ in range(8):
+            sock = _lingering_tcp_socket(10)
+            try:
+                with pytest.raises(KVClientError) as err:
+                    get_ticket(fd_path(daemon), [good, sock])
+                assert err.value.code == C.INVALID_ARGUMENT
+            finally:
+                os.close(sock)  # the daemon's copy is now the last reference
+    finally:
+        os.close(good)
+    started = time.monotonic()
+    _still_serves(daemon)
+    assert time.monotonic() - started < 3.0
 
 
 # ---- leaks --------------------------------------------------------------------------------------

@@ -111,8 +111,8 @@ class KVCore:
                 ticket.close_off_loop()
             raise
         else:
-            if ticket is not None:  # the pool's mapping holds the memory: closing is cheap
-                ticket.close()
+            if ticket is not None:  # a descriptor the pool does not map may hold the last reference
+                ticket.close_off_loop()  # to a large memfd
             return client
         finally:
             self._registering -= 1

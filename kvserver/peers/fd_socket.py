@@ -17,9 +17,11 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import socket
+import stat
 import struct
 
 from kvserver.errors import InvalidArgument, KVError, NoCapacity
@@ -161,7 +163,14 @@ class PeerSocket:
             except OSError as exc:
                 raise _Closed from exc
             await _readable(loop, conn)
-        fds.extend(_fds_of(anc))
+        got = _fds_of(anc)
+        fds.extend(got)
+        for i, fd in enumerate(got, len(fds) - len(got)):
+            why = _unusable(fd)
+            if why:
+                raise InvalidArgument(f"descriptor {i} is {why}: a pool's buffers are shared memory "
+                                      "(memfds, or files on tmpfs or hugetlbfs) and a lane's doorbells "
+                                      "Unix SOCK_SEQPACKET sockets")
         if flags & socket.MSG_CTRUNC:
             raise InvalidArgument(f"more than {FDS_PER_MESSAGE} descriptors in one message")
         if flags & socket.MSG_TRUNC:
@@ -178,6 +187,36 @@ async def _readable(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> Non
         await ready
     finally:
         loop.remove_reader(conn.fileno())
+
+
+def _unusable(fd: int) -> str:
+    """Why a peer's descriptor is none a pool or a lane can use ('' if it is one). Checked before a
+    ticket keeps it: a descriptor of another kind (a TCP socket set to linger, a file on a slow
+    file system) could block whoever closes it."""
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
+        return f"unusable ({exc.strerror})"
+    if stat.S_ISREG(st.st_mode):
+        try:
+            fcntl.fcntl(fd, fcntl.F_GET_SEALS)  # only shared memory (shmem, hugetlbfs) takes seals
+        except OSError:
+            return "a regular file outside shared memory"
+        return ""
+    if stat.S_ISSOCK(st.st_mode):
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            return "a socket of an unknown kind"
+        try:
+            if sock.family == socket.AF_UNIX and sock.type == socket.SOCK_SEQPACKET:
+                return ""
+            return "a socket other than a Unix SOCK_SEQPACKET one"
+        finally:
+            sock.detach()
+    kinds = [(stat.S_ISFIFO, "a pipe"), (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device")]
+    return next((name for test, name in kinds if test(st.st_mode)), "not a file")
 
 
 class _Closed(Exception):

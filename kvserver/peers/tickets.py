@@ -10,8 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import queue
 import resource
 import secrets
+import socket
+import stat
+import struct
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -44,24 +49,61 @@ def raise_fd_limit() -> int:
     return soft
 
 
-def close_off_loop(fds: list[int]) -> None:
-    """Closes ``fds`` in a worker thread: a peer's descriptor may be the last reference to a large,
-    populated memfd, and closing that frees all of its pages. Inline when no executor is left (at
-    shutdown)."""
+CLOSERS = 2  # threads that close peers' descriptors, apart from every other worker
+_LINGER_OFF = struct.pack("ii", 1, 0)
 
-    def close() -> None:
-        for fd in fds:
-            try:
-                os.close(fd)
-            except OSError:
-                logger.warning("closing a peer's fd %d failed", fd)
 
-    if not fds:
-        return
+def close_peer_fd(fd: int) -> None:
+    """Closes a descriptor a peer sent, without letting it decide how long that takes: a socket is
+    closed abortively (SO_LINGER 0), never waiting for a linger time the peer chose."""
     try:
-        asyncio.get_running_loop().run_in_executor(None, close)
-    except RuntimeError:  # no running loop, or its default executor is shut down
-        close()
+        if stat.S_ISSOCK(os.fstat(fd).st_mode):
+            sock = socket.socket(fileno=fd)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_OFF)
+            except OSError:
+                pass  # not an option of this kind of socket (Unix sockets never linger)
+            sock.close()
+            return
+    except OSError:
+        pass
+    try:
+        os.close(fd)
+    except OSError:
+        logger.warning("closing a peer's fd %d failed", fd)
+
+
+class _Closer:
+    """Daemon threads of their own that close peers' descriptors: closing the last reference to
+    a large memfd frees all of its pages, and no such close may hold the event loop or the default
+    executor that Register's pool opening runs in."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def close(self, fds: list[int]) -> None:
+        with self._lock:
+            if len(self._threads) < CLOSERS:
+                thread = threading.Thread(target=self._run, name="kvpeer-close", daemon=True)
+                thread.start()
+                self._threads.append(thread)
+        self._queue.put(fds)
+
+    def _run(self) -> None:
+        while True:
+            for fd in self._queue.get():
+                close_peer_fd(fd)
+
+
+_CLOSER = _Closer()
+
+
+def close_off_loop(fds: list[int]) -> None:
+    """Closes ``fds``, descriptors a peer sent, on the closer threads (never the loop's)."""
+    if fds:
+        _CLOSER.close(list(fds))
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,13 +122,10 @@ class Ticket:
     expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
 
     def close(self) -> None:
-        """Closes every descriptor the ticket holds (idempotent)."""
+        """Closes every descriptor the ticket holds, here (idempotent): at shutdown only."""
         fds, self.fds = self.fds, []
         for fd in fds:
-            try:
-                os.close(fd)
-            except OSError:
-                logger.warning("closing a ticket's fd %d failed", fd)
+            close_peer_fd(fd)
 
     def close_off_loop(self) -> None:
         fds, self.fds = self.fds, []
