@@ -107,6 +107,9 @@ NOT_RUN = {
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_cache.py --repeats 20"):
         "a benchmark of daemon subprocesses for figures measured by hand; test_bench_cache.py runs "
         "the same script with --quick",
+    ("docs/performance.md", ".venv/bin/python benchmarks/bench_release.py --gib 4"):
+        "a benchmark that populates 4 GiB twice, for figures measured by hand; tests/test_bench_release.py "
+        "runs the same script on a small region",
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_priority.py"):
         "a benchmark of about a minute with a 1 GiB offloader engine, for figures measured by hand; "
         "tests/test_copies_workers.py holds the same order (a small load's copy before a queued offload's)",
