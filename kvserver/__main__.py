@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a CUDA client whose GPU copies make no progress this long (say, an engine "
                         "event that never fires) is failed and reclaimed (default 20)")
     p.add_argument("--max-clients", type=int, default=_env("MAX_CLIENTS", "1024"))
+    p.add_argument("--max-clients-per-tenant", type=int, default=_env("MAX_CLIENTS_PER_TENANT", "256"),
+                   help="most registrations one tenant (a uid, a tenant token, or the anonymous one) "
+                        "holds at once, so that no one caller takes every client slot (default 256)")
     p.add_argument("--max-request-indices", type=int, default=_env("MAX_REQUEST_INDICES", str(1 << 22)),
                    help="most indices in one request (default 4194304)")
     p.add_argument("--max-pages-per-client", type=int, default=_env("MAX_PAGES_PER_CLIENT", str(1 << 24)),
@@ -121,6 +124,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         lease=args.lease_seconds,
         reclaim_grace=args.reclaim_grace_seconds,
         max_clients=args.max_clients,
+        max_clients_per_tenant=args.max_clients_per_tenant,
         max_request_indices=args.max_request_indices,
         max_pages_per_client=args.max_pages_per_client,
         token=_read_token(args.token_file),

@@ -81,6 +81,7 @@ class ServerConfig:
     lease: float = 30.0  # seconds a client without a Session survives after its last call
     reclaim_grace: float = 1.0  # seconds after a Session ends before the client is reclaimed
     max_clients: int = 1024
+    max_clients_per_tenant: int = 256  # registrations one tenant holds at once
     max_request_indices: int = 1 << 22
     max_pages_per_client: int = 1 << 24  # x page_size (at most 4096) fits below the epoch bits
     token: str | None = None  # required as "authorization: Bearer <token>" metadata when set
@@ -113,7 +114,8 @@ class ServerConfig:
             )
         if self.lease <= 0 or self.reclaim_grace < 0:
             raise ValueError("lease must be positive and reclaim grace not negative")
-        if self.max_clients < 1 or self.max_request_indices < 1 or self.max_pages_per_client < 1:
+        if min(self.max_clients, self.max_clients_per_tenant, self.max_request_indices,
+               self.max_pages_per_client) < 1:
             raise ValueError("client, request and page limits must be at least 1")
         if self.admin_token is not None and self.admin_token == self.token:
             raise ValueError("the admin token must differ from the client token")

@@ -67,6 +67,7 @@ class Daemon:
             config.copy_threads,
             config.progress_interval,
             max_clients=config.max_clients,
+            max_clients_per_tenant=config.max_clients_per_tenant,
             max_request_indices=config.max_request_indices,
             max_pages_per_client=config.max_pages_per_client,
             allow_named_shm=config.allow_named_shm,

@@ -625,6 +625,30 @@ def test_client_limit(make_daemon, parties, unmapped) -> None:
     assert _mappings_of(third.name) == []
 
 
+def test_one_tenant_cannot_take_every_client_slot(make_daemon, parties, unmapped, tmp_path) -> None:
+    """Registrations are capped per tenant (--max-clients-per-tenant) as well as in all: a caller
+    past its tenant's cap is refused, naming the cap, and another tenant still registers."""
+    tokens = tmp_path / "tenants"
+    tokens.write_text("other other-tenant-token\n")
+    d = make_daemon(max_clients=8, max_clients_per_tenant=2, tenant_tokens=str(tokens))
+    for seed in range(2):  # this process's uid: tenant uid:<uid>
+        p = Party(d.address, seed=seed)
+        parties.append(p)
+    world = World(parties)
+    third = unmapped(seed=3)
+    world.reject(C.RESOURCE_EXHAUSTED, f"tenant uid:{os.getuid()} holds 2 registrations, its limit",
+                 lambda: parties[0].call("Register", _register_request(third, fd_socket=_fd(d))))
+    assert _mappings_of(third.name) == []
+    other = Party(d.address, seed=4, metadata=(("x-kvserver-tenant", "other-tenant-token"),))
+    parties.append(other)
+    assert other.cid
+    # A registration replacing one of the tenant's own takes no new place.
+    req = _register_request(third, fd_socket=_fd(d))
+    req.replaces_client_id = parties[1].cid
+    resp = parties[0].call("Register", req)
+    parties[0].call("Unregister", pb.UnregisterRequest(client_id=resp.client_id))
+
+
 LIMIT = 64  # max_request_indices
 
 

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections import Counter
 
 import numpy as np
 import torch
@@ -45,6 +46,7 @@ class KVCore:
         copy_threads: int = 1,
         progress_interval: float = 0.0,
         max_clients: int = 1024,
+        max_clients_per_tenant: int = 256,
         max_request_indices: int = 1 << 22,
         max_pages_per_client: int = 1 << 24,
         allow_named_shm: bool = False,
@@ -60,6 +62,8 @@ class KVCore:
         self.cache.on_slab_added.append(lambda off, n: self.slab_pinner.added(base + off, n))
         self.cache.on_slab_removed.append(lambda off, n: self.slab_pinner.removed(base + off, n))
         self.max_clients = max_clients
+        self.max_clients_per_tenant = max_clients_per_tenant
+        self._registering_by_tenant: Counter[str] = Counter()  # registrations under way, by tenant
         self.max_request_indices = max_request_indices
         self.max_pages_per_client = max_pages_per_client
         self.clients: dict[str, ClientState] = {}
@@ -93,7 +97,9 @@ class KVCore:
         ticket = self.tickets.redeem(req.peer_ticket) if req.peer_ticket and has_socket else None
         access = ShmAccess(tuple(ticket.fds) if ticket else (), ticket.peer if ticket else None,
                            self.allow_named_shm, has_socket)
+        who = tenant_of(tenant, access.peer)
         self._registering += 1
+        self._registering_by_tenant[who] += 1
         replaced = None
         try:
             replaced = self.clients.get(req.replaces_client_id) if req.replaces_client_id else None
@@ -101,11 +107,17 @@ class KVCore:
             self._replacing += replaced is not None
             if len(self.clients) + self._registering - self._replacing > self.max_clients:
                 raise NoCapacity(f"client limit reached: {self.max_clients} clients are registered")
+            held = self._registering_by_tenant[who] + sum(c.tenant == who for c in self.clients.values())
+            if held - (replaced is not None and replaced.tenant == who) > self.max_clients_per_tenant:
+                raise NoCapacity(
+                    f"tenant {who} holds {self.max_clients_per_tenant} registrations, its limit "
+                    "(--max-clients-per-tenant): unregister one first"
+                )
             if replaced is None:  # else its region is not free yet: checked once it is released
                 self._check_fits(spec, least, evict=False)  # before the pool is opened; again once it is
             client = await self._register(req, spec, access, least, most)
             client.peer = access.peer
-            client.tenant = tenant_of(tenant, access.peer)
+            client.tenant = who
         except BaseException:
             if ticket is not None:  # off the loop: it may hold the last reference to a large memfd
                 ticket.close_off_loop()
@@ -116,6 +128,9 @@ class KVCore:
             return client
         finally:
             self._registering -= 1
+            self._registering_by_tenant[who] -= 1
+            if not self._registering_by_tenant[who]:
+                del self._registering_by_tenant[who]
             self._replacing -= replaced is not None
 
     async def _release_replaced(self, client_id: str) -> None:
