@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -76,6 +77,7 @@ class Daemon:
         )
         self._stop_leases = asyncio.Event()
         self._leases: asyncio.Task | None = None
+        self._lag: asyncio.Task | None = None  # observes the event loop's lateness (metrics)
         # Shared-memory pools' descriptors come over the fd socket beside the Unix gRPC socket.
         self.peer_socket: PeerSocket | None = None
         if config.socket:
@@ -156,6 +158,7 @@ class Daemon:
                                url, host)
         self.reaper.start()
         self._leases = asyncio.ensure_future(expire_leases(self.core.cache, self._stop_leases))
+        self._lag = asyncio.ensure_future(self.metrics.watch_loop())
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         logger.info(
@@ -169,6 +172,10 @@ class Daemon:
         await self.health.enter_graceful_shutdown()
         await self.reaper.stop()
         await self.metrics.stop()
+        if self._lag is not None:
+            self._lag.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._lag
         self._stop_leases.set()
         if self._leases is not None:
             await self._leases

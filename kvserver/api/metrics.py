@@ -32,6 +32,9 @@ logger = logging.getLogger(__name__)
 # 50 us .. 10 s: a small inline copy, up to a large load queued behind others.
 BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
            0.5, 1.0, 2.5, 5.0, 10.0)
+# kvserver_event_loop_lag_seconds: how late a timer due every LAG_INTERVAL ran on the daemon's loop.
+LAG_INTERVAL = 0.05
+LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # RPCs timed by kvserver_operation_duration_seconds (Session is a long-lived stream: not timed).
 OPERATIONS = ("Register", "Unregister", "Alloc", "Free", "Write", "Load", "Stats", "OpenSpace",
               "Lookup", "Release", "Put", "Get")
@@ -254,6 +257,10 @@ class Metrics:
         self.first_layer = Histogram("kvserver_time_to_first_layer_seconds",
                                      "Time from a Load or Get's arrival until its first layer landed.",
                                      ("op",), buckets=BUCKETS, registry=self.registry)
+        self.loop_lag = Histogram("kvserver_event_loop_lag_seconds",
+                                  f"How late the daemon's event loop ran a timer due every {LAG_INTERVAL} s: "
+                                  "time in which it served no engine.",
+                                  buckets=LAG_BUCKETS, registry=self.registry)
         self._duration = {op: self.duration.labels(op) for op in OPERATIONS}
         self._first_layer = {op: self.first_layer.labels(op) for op in ("Load", "Get")}
         self.registry.register(StateCollector(self))
@@ -268,6 +275,15 @@ class Metrics:
 
     def first_layer_landed(self, op: str, started: float) -> None:
         self._first_layer[op].observe(time.perf_counter() - started)
+
+    async def watch_loop(self) -> None:
+        """Observes the loop's lateness until cancelled: a timer is due every ``LAG_INTERVAL``;
+        what it runs late is time every engine's call waited."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + LAG_INTERVAL
+            await asyncio.sleep(LAG_INTERVAL)
+            self.loop_lag.observe(max(0.0, loop.time() - due))
 
     async def snapshot(self) -> Snapshot:
         return snapshot(self.core, self.transfers)
