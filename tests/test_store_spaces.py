@@ -3,6 +3,7 @@ apart, quotas and stats."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from store_support import K, MiB, make_cache, one_part, part_of, put, space_key, stored
 
@@ -210,3 +211,48 @@ def test_complete_pages_are_counted_as_pages_come_and_go():
             held[part] -= set(old)
         assert count.value == len(held[0] & held[1] & held[2])
     assert set(count.parts_of) == held[0] | held[1] | held[2]
+
+
+def test_a_whole_space_lookup_examines_a_bounded_number_of_pairs(monkeypatch):
+    """A whole-space Lookup looks at keys in every part: of a space of many parts it examines at
+    most MAX_LOOKUP_PAIRS // parts keys, so its work on the loop does not grow with parts x keys.
+    A shorter hit is a correct answer; misses still count every key asked."""
+    import kvserver.store.cache as cache_module
+
+    monkeypatch.setattr(cache_module, "MAX_LOOKUP_PAIRS", 16)
+    cache, _, _ = make_cache(capacity=16 * MiB)
+    space = cache.space(space_key(tp=2))
+    parts = [part_of(cache, space, r, page_bytes=MiB // 8) for r in range(2)]
+    for part in parts:
+        put(cache, part, K("abcdefghijkl"))
+    assert cache.lookup(space, K("abcdefghijkl")) == (8, "")  # 16 // 2 parts: the first 8 keys
+    assert cache.lookup(parts[0], K("abcdefghijkl")) == (12, "")  # one part: every key
+    n, lease = cache.lookup(space, K("abcdefghijkl"), pin_ms=1000)
+    assert n == 8 and int(cache.pages.pins.sum()) == 16  # 8 pages in each part pinned once
+    counters = cache.stats()[0][0].counters
+    assert (counters.hits, counters.misses) == (8 + 12 + 8, 4 + 0 + 4)
+
+
+def test_a_pinned_lookup_of_distinct_keys_needs_no_dedup(monkeypatch):
+    """Distinct keys name distinct pages: pinning them skips the sort that deduplicating costs
+    (most of a second at a million pins); repeated keys still pin each page once."""
+    import kvserver.store.leases as leases_module
+
+    calls = []
+
+    class CountingNumpy:  # the leases module's numpy, with its np.unique calls counted
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        def unique(self, a, *args, **kwargs):
+            calls.append(1)
+            return np.unique(a, *args, **kwargs)
+
+    monkeypatch.setattr(leases_module, "np", CountingNumpy())
+    cache, _, _ = make_cache()
+    part = one_part(cache, page_bytes=MiB // 8)
+    put(cache, part, K("abcd"))
+    n, _ = cache.lookup(part, K("abcd"), pin_ms=1000)
+    assert n == 4 and calls == [] and int(cache.pages.pins.sum()) == 4
+    n, _ = cache.lookup(part, K("abab"), pin_ms=1000)
+    assert n == 4 and calls == [1] and int(cache.pages.pins.sum()) == 6  # a and b once more

@@ -34,6 +34,10 @@ from kvserver.store.stats import SpaceStat, TenantStat
 logger = logging.getLogger(__name__)
 
 MAX_PIN_MS = 60_000
+# (key, part) pairs one Lookup examines: a whole-space Lookup looks at the keys in every part, so
+# of a space of many parts it examines fewer keys (a shorter hit is a correct answer; work on the
+# event loop that grew with parts x keys held it 13.7 s at 64 parts x 128 Ki keys).
+MAX_LOOKUP_PAIRS = 1 << 20
 
 
 class KVCache:
@@ -148,6 +152,9 @@ class KVCache:
         tenant = self.tenants.get(space.key.tenant)
         if pin_ms and keys:
             self.leases.check(tenant.name)
+        asked = len(keys)
+        if len(parts) > 1:
+            keys = keys[: max(1, MAX_LOOKUP_PAIRS // len(parts))]
         n = len(keys) if parts else 0
         found = []
         for part in parts:
@@ -157,10 +164,12 @@ class KVCache:
         counted = [ids[:n] for ids in found] if n else []
         lease_id = ""
         if pin_ms and n:  # first: a pin refused for the tenant's limits changes nothing
-            lease_id = self.leases.add(tenant.name, np.concatenate(counted), pin_ms)
+            # Distinct keys are distinct pages (a page holds one key of one part): no dedup then.
+            distinct = len(set(keys[:n])) == n
+            lease_id = self.leases.add(tenant.name, np.concatenate(counted), pin_ms, distinct=distinct)
         for c in (space.counters, tenant.counters):
             c.hits += n
-            c.misses += len(keys) - n
+            c.misses += asked - n
         for ids in counted:
             self.pages.touch(ids)
         return n, lease_id

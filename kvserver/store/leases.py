@@ -55,11 +55,13 @@ class LeaseTable:
                     "release some (Release, or a Get naming them) or let them expire"
                 )
 
-    def add(self, tenant: str, ids: np.ndarray, pin_ms: int) -> str:
+    def add(self, tenant: str, ids: np.ndarray, pin_ms: int, distinct: bool = False) -> str:
         """Pins the pages (each once, however often the request named it) until ``pin_ms`` from
-        now; returns the new lease id."""
+        now; returns the new lease id. ``distinct``: the caller knows no id repeats (deduplicating
+        a million ids costs most of a second)."""
         self.check(tenant)
-        ids = np.unique(ids)
+        if not distinct:
+            ids = np.unique(ids)
         held = self._pinned.get(tenant, 0)
         if held + ids.size > self.max_pinned_per_tenant:
             raise NoCapacity(
