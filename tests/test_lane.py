@@ -164,6 +164,25 @@ class RawRing:
         self.mm.close()
 
 
+def test_lane_descriptors_are_capped_per_uid(daemon) -> None:
+    """The doorbells of one uid's open lanes are capped (1 + one per slot each): past the cap a
+    lane is refused and the engine's calls go over gRPC, as they would without a lane."""
+    lanes = daemon.daemon.servicer.lanes
+    daemon.run(lambda: setattr(lanes, "max_fds_per_uid", 9))  # one lane of the default 8 slots
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as a, ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as b, \
+            KVClient(daemon.address) as first, KVClient(daemon.address) as second:
+        register(first, a)
+        register(second, b)
+        assert first.lane is not None and second.lane is None
+        round_trip(second, b)  # over gRPC
+        first.unregister()  # its lane's descriptors are given back
+        assert daemon.run(lambda: dict(lanes._fds_per_uid)) == {}
+        second.unregister()
+        register(second, b)
+        assert second.lane is not None
+        second.unregister()
+
+
 def test_a_hostile_ring_hurts_only_itself(daemon) -> None:
     with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as raw_pool, \
             ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, \

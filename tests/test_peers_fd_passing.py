@@ -419,6 +419,33 @@ def test_sockets_set_to_linger_never_hold_the_daemon(daemon) -> None:
     assert time.monotonic() - started < 3.0
 
 
+def test_a_daemon_out_of_descriptors_says_so(socket_dir) -> None:
+    """A daemon at its descriptor limit answers RESOURCE_EXHAUSTED naming it, not 'too many
+    descriptors in one message' (the kernel truncates the descriptors it cannot install)."""
+    import resource
+
+    path = os.path.join(socket_dir, "kv.sock")
+
+    def few_descriptors() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+
+    proc = subprocess.Popen([sys.executable, "-m", "kvserver", "--socket", path, "--host-memory", "64MiB"],
+                            preexec_fn=few_descriptors, stderr=subprocess.DEVNULL)
+    fd, mapping = create_memfd("kvtest-exhaust", 4096)
+    mapping.close()
+    try:
+        wait_until(lambda: os.path.exists(path), 30, "the daemon's socket")
+        with pytest.raises(KVClientError) as err:
+            get_ticket(fd_socket_path(path), [fd] * 250)  # one message: more than it can install
+        assert err.value.code == C.RESOURCE_EXHAUSTED, err.value
+        assert "the daemon is out of descriptors (its limit is 128)" in err.value.message
+        assert get_ticket(fd_socket_path(path), [fd])  # a small one still goes through
+    finally:
+        os.close(fd)
+        proc.terminate()
+        proc.wait(30)
+
+
 # ---- leaks --------------------------------------------------------------------------------------
 
 

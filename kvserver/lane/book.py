@@ -7,16 +7,21 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvserver.core.client_state import public_id
 from kvserver.core.kvcore import KVCore
-from kvserver.errors import FailedPrecondition, PermissionDenied
+from kvserver.errors import FailedPrecondition, NoCapacity, PermissionDenied
 from kvserver.lane.server import Lane, open_ring
 from kvserver.peers.tenants import tenant_of
 
 logger = logging.getLogger(__name__)
+
+
+# Descriptors (doorbell sockets: 1 + one per slot) the open lanes of one uid hold together.
+MAX_LANE_FDS_PER_UID = 4096
 
 
 class LaneBook:
@@ -25,6 +30,8 @@ class LaneBook:
         self.core = core
         self.run = run
         self.lanes: set[Lane] = set()
+        self.max_fds_per_uid = MAX_LANE_FDS_PER_UID
+        self._fds_per_uid: Counter[int] = Counter()
 
     async def drain(self, grace: float) -> None:
         """At shutdown: every lane finishes what it runs within ``grace`` and takes nothing new."""
@@ -45,6 +52,12 @@ class LaneBook:
                 raise PermissionDenied("a lane is opened with the tenant of its registration")
             if client.lane is not None:
                 raise FailedPrecondition("this registration has a lane open already")
+            uid, held = ticket.peer.uid, self._fds_per_uid[ticket.peer.uid]
+            if held + len(ticket.fds) - 1 > self.max_fds_per_uid:  # the ring's own fd is closed
+                raise NoCapacity(
+                    f"uid {uid}'s lanes hold {held} descriptors; this one would pass the most one uid's "
+                    f"lanes may hold ({self.max_fds_per_uid}): its calls go over gRPC"
+                )
             ring, submit, done = open_ring(ticket.fds)
         except BaseException:
             ticket.close_off_loop()  # a peer's memfd may be the last reference to many pages
@@ -54,6 +67,15 @@ class LaneBook:
         client.lane = lane
         lane.start()
         self.lanes.add(lane)
-        lane.on_close = self.lanes.discard
+        fds = 1 + len(done)
+        self._fds_per_uid[uid] += fds
+
+        def closed(lane: Lane) -> None:
+            self.lanes.discard(lane)
+            self._fds_per_uid[uid] -= fds
+            if self._fds_per_uid[uid] <= 0:
+                del self._fds_per_uid[uid]
+
+        lane.on_close = closed
         logger.info("lane of %d slots opened for %s", lane.slots, public_id(client_id))
         return lane

@@ -17,9 +17,11 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import errno
 import fcntl
 import logging
 import os
+import resource
 import socket
 import stat
 import struct
@@ -172,6 +174,9 @@ class PeerSocket:
                                       "(memfds, or files on tmpfs or hugetlbfs) and a lane's doorbells "
                                       "Unix SOCK_SEQPACKET sockets")
         if flags & socket.MSG_CTRUNC:
+            if _out_of_descriptors():
+                raise NoCapacity("the daemon is out of descriptors (its limit is "
+                                 f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}): try again later")
             raise InvalidArgument(f"more than {FDS_PER_MESSAGE} descriptors in one message")
         if flags & socket.MSG_TRUNC:
             raise InvalidArgument("fd socket message too long")
@@ -187,6 +192,16 @@ async def _readable(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> Non
         await ready
     finally:
         loop.remove_reader(conn.fileno())
+
+
+def _out_of_descriptors() -> bool:
+    """Whether this process can open no descriptor now: the kernel truncates the descriptors of
+    a message it cannot install (MSG_CTRUNC), which is otherwise a peer's oversized message."""
+    try:
+        os.close(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+    except OSError as exc:
+        return exc.errno in (errno.EMFILE, errno.ENFILE)
+    return False
 
 
 def _unusable(fd: int) -> str:
