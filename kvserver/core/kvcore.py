@@ -123,8 +123,9 @@ class KVCore:
                 ticket.close_off_loop()
             raise
         else:
-            if ticket is not None:  # a descriptor the pool does not map may hold the last reference
-                ticket.close_off_loop()  # to a large memfd
+            if ticket is not None:
+                ticket.close_mapped({ref.fd.index for layer in req.device_pool.layers for ref in layer.parts
+                                     if ref.HasField("fd")})
             return client
         finally:
             self._registering -= 1

@@ -127,6 +127,16 @@ class Ticket:
         for fd in fds:
             close_peer_fd(fd)
 
+    def close_mapped(self, mapped: set[int]) -> None:
+        """Closes the ticket's descriptors once a pool is open: those it maps (by index) here,
+        since its mappings hold their memory and closing them frees nothing; the others on the
+        closer threads, since one of them may be the last hold on a large memfd."""
+        fds, self.fds = self.fds, []
+        for i, fd in enumerate(fds):
+            if i in mapped:
+                close_peer_fd(fd)
+        close_off_loop([fd for i, fd in enumerate(fds) if i not in mapped])
+
     def close_off_loop(self) -> None:
         fds, self.fds = self.fds, []
         close_off_loop(fds)
