@@ -202,7 +202,7 @@ def test_the_event_loops_lag_is_a_histogram(daemon_factory):
     after = scrape(port)
     slow = value(after, "kvserver_event_loop_lag_seconds_count") - value(
         after, "kvserver_event_loop_lag_seconds_bucket", le="0.25")
-    assert slow - slow_before == 1
+    assert slow - slow_before >= 1  # the 0.4 s hold (a busy machine may add others)
     assert value(after, "kvserver_event_loop_lag_seconds_sum") >= 0.3
 
 

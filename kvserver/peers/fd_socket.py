@@ -174,7 +174,9 @@ class PeerSocket:
                                       "(memfds, or files on tmpfs or hugetlbfs) and a lane's doorbells "
                                       "Unix SOCK_SEQPACKET sockets")
         if flags & socket.MSG_CTRUNC:
-            if _out_of_descriptors():
+            # The control buffer holds FDS_PER_MESSAGE descriptors: truncated short of that, the
+            # kernel could not install them here (this process is at its descriptor limit).
+            if len(got) < FDS_PER_MESSAGE or _out_of_descriptors():
                 raise NoCapacity("the daemon is out of descriptors (its limit is "
                                  f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}): try again later")
             raise InvalidArgument(f"more than {FDS_PER_MESSAGE} descriptors in one message")
