@@ -315,7 +315,7 @@ def test_a_large_write_and_load_are_checked_off_the_loop_and_exact(daemon) -> No
 
 
 def test_a_released_region_goes_back_to_the_kernel_off_the_loop(daemon, monkeypatch):
-    """Unregister gives a client's populated region back to the kernel (MADV_DONTNEED, ~0.13 s a
+    """Unregister gives a client's populated region back to the kernel (MADV_DONTNEED, ~0.09 s a
     GiB) in a worker thread, never on the event loop every engine shares; the range is free again
     only after, and whoever reserves it next reads zeros."""
     from kvserver.host.arena import HostArena

@@ -137,7 +137,7 @@ class ClientState:
     peer: PeerCred | None = None
     tenant: str = "anonymous"  # whose cached pages it sees (kvserver.peers.tenants)
     cache_table: BufferTable | None = None  # its part's page layout for cache jobs, made on first use
-    order: JobOrder | None = None  # which of its copies wait for which (copy.order), made on first copy
+    order: JobOrder | None = None  # which of its copies wait for which (copies.order), made on first copy
     lane: Any = None  # its kvserver.lane.server.Lane, if it opened one; closed on release
 
     @property

@@ -369,7 +369,7 @@ class KVCore:
 
     async def _release_region(self, offset: int, nbytes: int) -> None:
         """Returns a client's region to the arena. Its pages go back to the kernel in a worker
-        thread first (a large, populated region takes ~0.13 s a GiB): the range is reused only
+        thread first (a populated region takes ~0.09 s a GiB, bench_release.py): the range is reused only
         after, and if that failed, ``release`` does it here before the range is free again."""
         discarded = []
 

@@ -2,8 +2,9 @@
 
 The arena is a private anonymous mapping with MAP_NORESERVE: pages are committed on first touch,
 so a large budget costs nothing until clients write into it, and a released region is handed back
-to the kernel with MADV_DONTNEED. Handing back a large region takes time (~0.13 s per populated GiB),
-so ``discard`` does it in any thread without the GIL, before ``release`` returns the range.
+to the kernel with MADV_DONTNEED. Handing back a large region takes time (~0.09 s per populated
+GiB: benchmarks/bench_release.py), so ``discard`` does it in any thread without the GIL, before
+``release`` returns the range.
 """
 
 from __future__ import annotations

@@ -35,8 +35,8 @@ logger = logging.getLogger(__name__)
 
 MAX_PIN_MS = 60_000
 # (key, part) pairs one Lookup examines: a whole-space Lookup looks at the keys in every part, so
-# of a space of many parts it examines fewer keys (a shorter hit is a correct answer; work on the
-# event loop that grew with parts x keys held it 13.7 s at 64 parts x 128 Ki keys).
+# of a space of many parts it examines fewer keys (a shorter hit is a correct answer, and the work
+# on the event loop no longer grows with parts x keys).
 MAX_LOOKUP_PAIRS = 1 << 20
 
 
