@@ -8,7 +8,7 @@ import torch
 
 from kvserver.host.arena import HostArena
 from kvserver.protocol.layout import KVLayout
-from kvserver.store import KVCache, Part, PartKey, PutPlan, Space, SpaceKey
+from kvserver.store import Keys, KVCache, Part, PartKey, PutPlan, Space, SpaceKey
 
 MiB = 1 << 20
 PAGE = MiB  # page bytes of the default part: two pages to a 2 MiB slab
@@ -58,9 +58,14 @@ def put(cache: KVCache, part: Part, keys: list[bytes], ok: bool = True) -> PutPl
     return plan
 
 
+def ids_of(cache: KVCache, part: Part, names: str) -> list[int]:
+    """Page ids of the named keys in the part (-1 for a key it does not hold)."""
+    return cache.pages.find(part.gid, Keys.of(K(names))).tolist()
+
+
 def stored(cache: KVCache, part: Part, names: str) -> str:
     """Which of the named keys the part holds committed, without touching anything."""
-    ids = [part.pages.get(k, -1) for k in K(names)]
+    ids = ids_of(cache, part, names)
     state = cache.pages.state
     return "".join(n for n, i in zip(names, ids, strict=True) if i >= 0 and state[i] == 3)
 

@@ -14,6 +14,7 @@ from checks import error_of, pool_sha
 from daemon_proc import DaemonProcess
 
 from kvclient import CacheView
+from kvclient._transport.fd_socket import fd_socket_path, get_ticket
 from kvserver.protocol.layout import wire_dtype
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
@@ -190,7 +191,7 @@ def space(**change) -> pb.KVSpace:
     pytest.param(space(model=""), "model", id="no-model"),
 ])
 def test_bad_open_space(env: Env, bad: pb.KVSpace, text: str) -> None:
-    req = pb.OpenSpaceRequest(space=bad)
+    req = pb.OpenSpaceRequest(space=bad, peer_ticket=get_ticket(fd_socket_path(env.d.address), []))
     env.reject(C.INVALID_ARGUMENT, text, lambda: env.stub.OpenSpace(req, timeout=10))
 
 

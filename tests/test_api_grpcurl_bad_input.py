@@ -195,8 +195,8 @@ CASES: dict[str, tuple[str, Callable[[Env], str], grpc.StatusCode, str]] = {
         "Register", lambda e: e.register_json(_names(f"kvtest-missing-{secrets.token_hex(6)}")), C.NOT_FOUND,
         "does not exist in /dev/shm"),
     "register-no-ticket": (
-        "Register", lambda e: e.register_json(_set(peer_ticket=None)), C.INVALID_ARGUMENT,
-        "needs a peer_ticket from the daemon's fd socket"),
+        "Register", lambda e: e.register_json(_set(peer_ticket=None)), C.UNAUTHENTICATED,
+        "needs a peer ticket"),
     "register-forged-ticket": (
         "Register", lambda e: e.register_json(_set(peer_ticket="f" * 32)), C.PERMISSION_DENIED,
         "peer_ticket is unknown, expired or already used"),

@@ -23,6 +23,7 @@ from light_engine import LightEngine
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvclient import KVClient, KVLayout, ShmKVPool
+from kvclient._transport.fd_socket import fd_socket_path, get_ticket
 from kvserver.__main__ import main
 from kvserver.config import ServerConfig, parse_metrics_listen
 from kvserver.v1 import kvserver_pb2 as pb
@@ -224,7 +225,8 @@ def test_two_daemons_in_one_process_have_their_own_registries(daemon_factory):
         stub = pb_grpc.KVServerStub(channel)
         opened = stub.OpenSpace(pb.OpenSpaceRequest(space=pb.KVSpace(
             model=odd, layout=pb.KVLayout(mha=pb.MHALayout(num_heads=2, head_dim=8)),
-            dtype=pb.DTYPE_BFLOAT16, page_size=16, num_layers=2)), timeout=10)
+            dtype=pb.DTYPE_BFLOAT16, page_size=16, num_layers=2),
+            peer_ticket=get_ticket(fd_socket_path(a.address), [])), timeout=10)
         # A space only opened adds no series; one that was asked something does.
         before = scrape(a.daemon.metrics.port).get("kvserver_cache_misses", [])
         assert not [ls for _, ls, _ in before if ls.get("model") == odd]

@@ -121,7 +121,7 @@ def test_room_eviction_and_registrations_take_back_cache_memory(tmp_path) -> Non
                                    pp_size=1)
             with grpc.insecure_channel(d.address) as channel:
                 code, message = error_of(lambda: pb_grpc.KVServerStub(channel).Register(req))
-            assert code == grpc.StatusCode.INVALID_ARGUMENT and "peer_ticket" in message, message
+            assert code == grpc.StatusCode.UNAUTHENTICATED and "peer ticket" in message, message
             assert eng.lookup(a).pages == 192 and eng.lookup(b).pages == 64, "a refused Register evicted"
             assert d.stats().cache_bytes == 8 << 20
 

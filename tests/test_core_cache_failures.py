@@ -3,11 +3,15 @@ nothing stays marked as being written or read."""
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import grpc
 import pytest
 import torch
 
-from kvclient import KVClient, KVLayout, ShmKVPool
+from kvclient import KVClient, KVClientError, KVLayout, ShmKVPool
 from kvclient.keys import page_keys
 from kvserver.core import copier
 from kvserver.media.shm import ShmDevicePool
@@ -63,3 +67,37 @@ def test_a_put_whose_copy_cannot_start_stores_nothing(daemon, engine, monkeypatc
     monkeypatch.undo()
     assert engine.lookup(keys).pages == 0
     assert engine.put(keys, [0, 1]).stored == 2  # not "present": the failed Put left no trace
+
+
+def test_a_put_of_keys_another_put_is_writing_counts_them_only_once_stored(daemon, engine, monkeypatch):
+    """Keys a first Put is still writing are not "present" to a second Put: it waits for that copy,
+    and when the copy fails it stores them itself, so that what it reports stored is stored."""
+    monkeypatch.setattr(ShmDevicePool, "inline_ok", property(lambda self: False))
+    real = ShmDevicePool.start
+    started: list[object] = []
+
+    def first_fails_late(self, job, *args):
+        if started:
+            return real(self, job, *args)
+        started.append(job)
+        failing: Future[None] = Future()
+        threading.Timer(0.5, failing.set_exception, [RuntimeError("the copy failed")]).start()
+        return failing
+
+    monkeypatch.setattr(ShmDevicePool, "start", first_fails_late)
+    keys = page_keys(range(2000, 2000 + 2 * PAGE), PAGE)
+    cache = daemon.core.cache
+    with ShmKVPool(KVLayout.mha(2, 8), torch.float16, 2, 8 * PAGE) as pool, \
+            KVClient(daemon.address, resilient=False) as other, ThreadPoolExecutor(1) as pool_exec:
+        other.register(model="fail", pool=pool, start_layer=0, end_layer=2, num_layers=2, host_tokens=0,
+                       page_size=PAGE)
+        first = pool_exec.submit(engine.put, keys, [0, 1])
+        deadline = time.monotonic() + 10
+        while not started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert int((cache.pages.state == WRITING).sum()) == 2  # the first Put's pages, being written
+        second = other.put(keys, [2, 3])
+        with pytest.raises(KVClientError):
+            first.result(timeout=10)
+    assert (second.stored, second.present, second.dropped) == (2, 0, 0)
+    assert engine.lookup(keys).pages == 2

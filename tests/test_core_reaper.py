@@ -12,8 +12,7 @@ import pytest
 from kernel_host import compiler
 from light_engine import LightEngine
 from test_media_cuda_fake import cuda_pool, register, wait_for
-
-from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
+from ticketing import ticketing_stub
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler (g++) for the CUDA stand-in")
 
@@ -33,7 +32,7 @@ def test_the_reaper_reclaims_others_while_one_release_hangs(daemon_factory, monk
     clients = lambda: d.run(lambda: set(d.core.clients))  # noqa: E731
     refs, _, _ = cuda_pool(cupy, 2, 64)
     with grpc.insecure_channel(d.address) as ch:
-        stuck_id = register(pb_grpc.KVServerStub(ch), refs, 2, 64, 16).client_id  # first in the table
+        stuck_id = register(ticketing_stub(ch, d.address), refs, 2, 64, 16).client_id  # first in the table
     others = [LightEngine(d.address, f"kvtest-reap-{i}-{secrets.token_hex(4)}", session=False)
               for i in range(2)]
     try:

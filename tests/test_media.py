@@ -20,6 +20,7 @@ import torch
 from checks import wait_until
 from kernel_host import compiler
 from test_media_cuda_fake import cuda_pool, register
+from ticketing import ticketing_stub
 
 from kvclient import KVClient, KVLayout, ShmKVPool
 from kvserver import media
@@ -31,7 +32,6 @@ from kvserver.errors import FailedPrecondition, GpuStalled, InvalidArgument
 from kvserver.media.base import INLINE, DevicePool
 from kvserver.media.cuda import SlabPinner
 from kvserver.media.shm import ShmDevicePool
-from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
 LAYERS, TOKENS, PAGE = 4, 256, 16
 HEADS, HEAD_DIM = 2, 128  # fp16: 512 bytes per token and part
@@ -149,7 +149,7 @@ def test_each_medium_implements_every_member(daemon, fake):
     shm_id, pool, client = shm_client(daemon)
     refs, _, _ = cuda_pool(fake, HEADS, HEAD_DIM)
     with grpc.insecure_channel(daemon.address) as ch:
-        cuda_id = register(pb_grpc.KVServerStub(ch), refs, HEADS, HEAD_DIM, PAGE).client_id
+        cuda_id = register(ticketing_stub(ch, daemon.address), refs, HEADS, HEAD_DIM, PAGE).client_id
     shm_dev = daemon.run(daemon.core.client, shm_id).device
     cuda_dev = daemon.run(daemon.core.client, cuda_id).device
     from kvserver.media.cuda.pool import CudaDevicePool
@@ -243,7 +243,7 @@ def test_cuda_cache_rows_need_pinned_slabs_and_round_trip(daemon, fake, monkeypa
     refs, kv, _ = cuda_pool(fake, HEADS, HEAD_DIM)
     kv[:] = np.random.default_rng(page_size).integers(0, 256, kv.shape, dtype=np.uint8)
     with grpc.insecure_channel(daemon.address) as ch:
-        client_id = register(pb_grpc.KVServerStub(ch), refs, HEADS, HEAD_DIM, page_size).client_id
+        client_id = register(ticketing_stub(ch, daemon.address), refs, HEADS, HEAD_DIM, page_size).client_id
     assert pinned(rt)[first_ptr] == 2 * pb_  # pinned at the first CUDA registration
     assert ("hostRegister", first_ptr, 2 * pb_, 3) in rt.calls  # Portable | Mapped
     later = daemon.run(slab, core, 1, page_size)
@@ -276,7 +276,7 @@ def test_cuda_cache_rows_refused_without_unified_addressing(daemon, fake, monkey
     pinner.added(daemon.core.arena.address + base, page_bytes())
     refs, kv, _ = cuda_pool(fake, HEADS, HEAD_DIM)
     with grpc.insecure_channel(daemon.address) as ch:
-        client_id = register(pb_grpc.KVServerStub(ch), refs, HEADS, HEAD_DIM, PAGE).client_id
+        client_id = register(ticketing_stub(ch, daemon.address), refs, HEADS, HEAD_DIM, PAGE).client_id
     launched = len(rt.stream_ops)
     with pytest.raises(FailedPrecondition, match="without unified addressing"):
         daemon.call(put_then_get(daemon.core, client_id, np.array([base], dtype=np.int64),
@@ -293,7 +293,7 @@ def test_cuda_cache_rows_refused_for_a_pool_without_the_pinner(daemon, fake, mon
     monkeypatch.setattr(core_module, "open_pool", open_pool)
     refs, _, _ = cuda_pool(fake, HEADS, HEAD_DIM)
     with grpc.insecure_channel(daemon.address) as ch:
-        client_id = register(pb_grpc.KVServerStub(ch), refs, HEADS, HEAD_DIM, PAGE).client_id
+        client_id = register(ticketing_stub(ch, daemon.address), refs, HEADS, HEAD_DIM, PAGE).client_id
     base = daemon.run(slab, daemon.core, 1)
     with pytest.raises(FailedPrecondition, match="without the cache's slabs pinned"):
         daemon.call(put_then_get(daemon.core, client_id, np.array([base], dtype=np.int64),
@@ -343,7 +343,7 @@ def test_a_stalled_cuda_cache_job_settles_once_its_gpu_work_has_drained(daemon_f
     with_pinner(monkeypatch, pinner)
     refs, _, _ = cuda_pool(fake, HEADS, HEAD_DIM)
     with grpc.insecure_channel(d.address) as ch:
-        client_id = register(pb_grpc.KVServerStub(ch), refs, HEADS, HEAD_DIM, PAGE).client_id
+        client_id = register(ticketing_stub(ch, d.address), refs, HEADS, HEAD_DIM, PAGE).client_id
     base = d.run(slab, d.core, 1)
     pinner.added(d.core.arena.address + base, page_bytes())
     hung = (779).to_bytes(8, "little") * 8

@@ -7,9 +7,11 @@ import grpc
 import pytest
 import torch
 from fake_cupy import UUID_HEX, make_fake_cupy
+from ticketing import ticketing_stub
 
 from kvclient import KVClient, KVClientError, KVLayout, ShmKVPool
 from kvclient._messages import register_request
+from kvclient._transport.fd_socket import ticketed
 from kvclient.cuda_pool import buffer_ref
 from kvserver.errors import InvalidArgument
 from kvserver.media.cuda import plan
@@ -23,7 +25,6 @@ from kvserver.protocol.cuda_ipc import (
     uuid_from_bytes,
 )
 from kvserver.v1 import kvserver_pb2 as pb
-from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
 HANDLE = bytes(range(64))
 UUID = "GPU-1a2b3c4d-5e6f-7a8b-9c0d-112233445566"
@@ -204,7 +205,7 @@ needs_no_gpu = pytest.mark.skipif(_probe()[0] is not None, reason="a usable GPU 
 @needs_no_gpu
 def test_daemon_without_gpu_refuses_cuda_pools_and_keeps_serving_shm(daemon):
     with grpc.insecure_channel(daemon.address) as ch:
-        stub = pb_grpc.KVServerStub(ch)
+        stub = ticketing_stub(ch, daemon.address)
         with pytest.raises(grpc.RpcError) as err:
             stub.Register(cuda_register_request(), timeout=10)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -227,7 +228,7 @@ def test_bad_cuda_descriptions_are_invalid_on_any_daemon(daemon, kwargs, text):
     """Checked before the daemon looks for a GPU, so the answer does not depend on having one."""
     with grpc.insecure_channel(daemon.address) as ch:
         with pytest.raises(grpc.RpcError) as err:
-            pb_grpc.KVServerStub(ch).Register(cuda_register_request(**kwargs), timeout=10)
+            ticketing_stub(ch, daemon.address).Register(cuda_register_request(**kwargs), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert text in err.value.details()
 
@@ -237,7 +238,7 @@ def test_kvclient_reports_the_refusal(daemon):
     client = KVClient(daemon.address)
     req = cuda_register_request()
     with pytest.raises(KVClientError) as err:
-        client._call(client._stub.Register, req)
+        client._call(client._stub.Register, ticketed(daemon.address, None, req))
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
     client.close()
 

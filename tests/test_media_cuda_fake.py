@@ -20,9 +20,9 @@ import pytest
 import torch
 from fake_cupy import UUID
 from kernel_host import compiler
+from ticketing import ticketing_stub
 
 from kvserver.v1 import kvserver_pb2 as pb
-from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
 LAYERS, TOKENS = 4, 256
 
@@ -76,7 +76,7 @@ def test_cuda_round_trip_events_and_release(daemon, fake, page_size, path, token
     rng = np.random.default_rng(page_size)
     kv[:] = rng.integers(0, 256, kv.shape, dtype=np.uint8)
     with grpc.insecure_channel(daemon.address) as ch:
-        stub = pb_grpc.KVServerStub(ch)
+        stub = ticketing_stub(ch, daemon.address)
         reg = register(stub, refs, heads, head_dim, page_size)
         assert len(reg.layer_events) == 2 * LAYERS
         create_calls = list(rt.calls)
@@ -140,7 +140,7 @@ def test_unaligned_rows_are_one_launch_per_layer_and_exact(daemon, fake, head_di
     rng = np.random.default_rng(head_dim)
     kv[:] = rng.integers(0, 256, kv.shape, dtype=np.uint8)
     with grpc.insecure_channel(daemon.address) as ch:
-        stub = pb_grpc.KVServerStub(ch)
+        stub = ticketing_stub(ch, daemon.address)
         reg = register(stub, refs, 1, head_dim, 16)
         host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=128)).host_indices)
         dev = rng.permutation(TOKENS)[:128].tolist()
@@ -164,7 +164,7 @@ def test_allocation_opened_once_for_two_clients(daemon, fake):
     refs, kv, shared = cuda_pool(fake, 2, 64)
     refs2, _, _ = cuda_pool(fake, 2, 64, handle_mem=shared)
     with grpc.insecure_channel(daemon.address) as ch:
-        stub = pb_grpc.KVServerStub(ch)
+        stub = ticketing_stub(ch, daemon.address)
         a = register(stub, refs, 2, 64, 16)
         b = register(stub, refs2, 2, 64, 16)
         assert [c[0] for c in rt.calls].count("ipcOpenMemHandle") == 1
@@ -194,7 +194,7 @@ def test_a_span_past_the_real_allocation_is_refused(daemon, fake, reach):
     oversize(refs, 1 << 40 if reach == "far" else mem.size - TOKENS * token_bytes + 1)
     reserved = daemon.run(lambda: daemon.core.arena.reserved)
     with grpc.insecure_channel(daemon.address) as ch:
-        stub = pb_grpc.KVServerStub(ch)
+        stub = ticketing_stub(ch, daemon.address)
         with pytest.raises(grpc.RpcError) as err:
             register(stub, refs, 2, 64, 16)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -214,7 +214,7 @@ def test_an_oversized_span_next_to_a_live_client_leaves_its_mapping_open(daemon,
     bad, _, _ = cuda_pool(fake, 2, 64, handle_mem=shared)
     oversize(bad, 1 << 40)
     with grpc.insecure_channel(daemon.address) as ch:
-        stub = pb_grpc.KVServerStub(ch)
+        stub = ticketing_stub(ch, daemon.address)
         good = register(stub, refs, 2, 64, 16)
         with pytest.raises(grpc.RpcError) as err:
             register(stub, bad, 2, 64, 16)
@@ -235,7 +235,7 @@ def test_an_oversized_span_next_to_a_live_client_leaves_its_mapping_open(daemon,
 def test_cuda_request_checks(daemon, fake):
     refs, _, _ = cuda_pool(fake, 2, 64)
     with grpc.insecure_channel(daemon.address) as ch:
-        stub = pb_grpc.KVServerStub(ch)
+        stub = ticketing_stub(ch, daemon.address)
         reg = register(stub, refs, 2, 64, 16)
         host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=16)).host_indices)
         for req, text in [
@@ -282,7 +282,7 @@ def test_cuda_pool_geometry_is_checked_before_opening(daemon, fake, mutate, code
     refs, _, _ = cuda_pool(fake, 2, 64)
     mutate(refs, refs.layers[0].parts[0].token_stride)
     with grpc.insecure_channel(daemon.address) as ch:
-        stub = pb_grpc.KVServerStub(ch)
+        stub = ticketing_stub(ch, daemon.address)
         with pytest.raises(grpc.RpcError) as err:
             register(stub, refs, 2, 64, 16)
         assert err.value.code() == code and text in err.value.details(), err.value.details()
@@ -343,7 +343,7 @@ def _write_load_round_trip(daemon, refs, views, mem, heads: int, head_dim: int, 
     mem[:] = rng.integers(0, 256, mem.shape, dtype=np.uint8)
     want = [[_tokens(v).copy() for v in layer] for layer in views]
     with grpc.insecure_channel(daemon.address) as ch:
-        stub = pb_grpc.KVServerStub(ch)
+        stub = ticketing_stub(ch, daemon.address)
         reg = register(stub, refs, heads, head_dim, page_size)
         host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=64)).host_indices)
         pages = rng.permutation(TOKENS // page_size)[: 64 // page_size]
@@ -408,7 +408,7 @@ def test_cuda_lhbnc_heads_overlapping_blocks_are_refused_before_opening(daemon, 
         for r in lb.parts:
             r.head_stride -= r.block_stride  # head 1 starts inside head 0's last block
     with grpc.insecure_channel(daemon.address) as ch:
-        stub = pb_grpc.KVServerStub(ch)
+        stub = ticketing_stub(ch, daemon.address)
         with pytest.raises(grpc.RpcError) as err:
             register(stub, refs, 2, 8, 16)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -434,7 +434,7 @@ def test_pinning_runs_off_the_event_loop(daemon, fake, monkeypatch):
     slow_host_register(fake.cuda.runtime, monkeypatch, 1.5)
     refs, _, _ = cuda_pool(fake, 2, 64)
     with grpc.insecure_channel(daemon.address) as ch:
-        stub = pb_grpc.KVServerStub(ch)
+        stub = ticketing_stub(ch, daemon.address)
         result = {}
         t = threading.Thread(target=lambda: result.setdefault("reg", register(stub, refs, 2, 64, 16)))
         t.start()
@@ -485,7 +485,7 @@ def test_registration_given_up_by_its_engine_leaves_nothing(daemon, fake, monkey
     refs, _, _ = cuda_pool(fake, 2, 64)
     free_before = daemon.core.arena.largest_free()
     with grpc.insecure_channel(daemon.address) as ch:
-        stub = pb_grpc.KVServerStub(ch)
+        stub = ticketing_stub(ch, daemon.address)
         with pytest.raises(grpc.RpcError) as err:
             stub.Register(pb.RegisterRequest(
                 model="gpu", start_layer=8, end_layer=8 + LAYERS, num_layers=16,
@@ -511,7 +511,7 @@ def test_a_slow_gpu_copy_does_not_hold_up_other_clients(daemon, fake, monkeypatc
     refs_a, _, _ = cuda_pool(fake, 2, 64)
     refs_b, kv_b, _ = cuda_pool(fake, 2, 64)
     with grpc.insecure_channel(daemon.address) as ch:
-        stub = pb_grpc.KVServerStub(ch)
+        stub = ticketing_stub(ch, daemon.address)
         a, b = register(stub, refs_a, 2, 64, 16), register(stub, refs_b, 2, 64, 16)
         gate = gate_gpu(rt, monkeypatch, only={int.from_bytes(h[:8], "little") for h in a.layer_events})
         host_a = list(stub.Alloc(pb.AllocRequest(client_id=a.client_id, num_tokens=64)).host_indices)
@@ -551,7 +551,7 @@ def test_a_launch_failing_mid_job_waits_for_what_was_enqueued(daemon, fake, monk
 
     monkeypatch.setattr(fake_cupy.RecordingKernel, "__call__", flaky)
     with grpc.insecure_channel(daemon.address) as ch:
-        stub = pb_grpc.KVServerStub(ch)
+        stub = ticketing_stub(ch, daemon.address)
         reg = register(stub, refs, 2, 64, 16)
         host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=64)).host_indices)
         rt.calls.clear()
@@ -718,7 +718,7 @@ def test_exports_kept_while_a_quarantined_copy_may_write_the_pool(daemon_factory
             old = client.client_id
             host = client.alloc(16).tolist()
             with pytest.raises(grpc.RpcError) as err:  # stalls, then fails the client
-                pb_grpc.KVServerStub(ch).Write(pb.WriteRequest(
+                ticketing_stub(ch, d.address).Write(pb.WriteRequest(
                     client_id=old, host_indices=host, device_indices=list(range(16)), ready_event=hung),
                     timeout=20)
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -740,7 +740,7 @@ def test_ready_events_opened_once_and_bounded(daemon, fake):
     rt = fake.cuda.runtime
     refs, _, _ = cuda_pool(fake, 2, 64)
     with grpc.insecure_channel(daemon.address) as ch:
-        stub = pb_grpc.KVServerStub(ch)
+        stub = ticketing_stub(ch, daemon.address)
         reg = register(stub, refs, 2, 64, 16)
         host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=16)).host_indices)
 
@@ -775,7 +775,7 @@ def a_write_held_on_the_gpu(daemon, fake, monkeypatch):
     stub, the registration and the gate that lets the copy complete."""
     refs, _, _ = cuda_pool(fake, 2, 64)
     with grpc.insecure_channel(daemon.address) as ch:
-        stub = pb_grpc.KVServerStub(ch)
+        stub = ticketing_stub(ch, daemon.address)
         reg = register(stub, refs, 2, 64, 16)
         host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=64)).host_indices)
         gate = gate_gpu(fake.cuda.runtime, monkeypatch)
@@ -883,7 +883,7 @@ def test_an_unregister_cancelled_midway_still_releases_the_client(daemon, fake, 
     rt = fake.cuda.runtime
     refs, _, _ = cuda_pool(fake, 2, 64)
     with grpc.insecure_channel(daemon.address) as ch:
-        stub = pb_grpc.KVServerStub(ch)
+        stub = ticketing_stub(ch, daemon.address)
         reg = register(stub, refs, 2, 64, 16)
         host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=64)).host_indices)
         gate = gate_gpu(rt, monkeypatch)
@@ -998,7 +998,7 @@ def test_two_copy_threads_never_enqueue_on_one_stream_at_once(daemon_factory, fa
     rt = fake.cuda.runtime
     refs, kv, _ = cuda_pool(fake, 2, 64)
     with grpc.insecure_channel(d.address) as ch:
-        stub = pb_grpc.KVServerStub(ch)
+        stub = ticketing_stub(ch, d.address)
         reg = register(stub, refs, 2, 64, 16)
         hosts = [list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=32)).host_indices)
                  for _ in range(2)]
@@ -1078,7 +1078,7 @@ def test_a_ready_event_that_never_fires_fails_only_its_own_client(daemon_factory
     rt.hang(hung)
     try:
         with grpc.insecure_channel(d.address) as ch:
-            stub = pb_grpc.KVServerStub(ch)
+            stub = ticketing_stub(ch, d.address)
             a = register(stub, refs_a, 2, 64, 16)
             reserved_a = d.run(lambda: d.core.arena.reserved)
             b = register(stub, refs_b, 2, 64, 16)
@@ -1143,7 +1143,7 @@ def test_the_unregister_of_a_stalled_client_ends(daemon_factory, fake):
     rt.hang(hung)
     try:
         with grpc.insecure_channel(d.address) as ch:
-            stub = pb_grpc.KVServerStub(ch)
+            stub = ticketing_stub(ch, d.address)
             reg = register(stub, refs, 2, 64, 16)
             host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=64)).host_indices)
             t, out = in_thread(lambda: copy_call(stub, "write", reg.client_id, host, list(range(64)), hung))

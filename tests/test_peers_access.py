@@ -836,3 +836,25 @@ def test_socket_directory_created_owner_only_and_traversable(socket_dir) -> None
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     finally:
         d.stop()
+
+
+def test_the_unix_socket_is_never_anonymous(daemon) -> None:
+    """Every caller on the Unix socket is a process of the node with a uid: an OpenSpace or a
+    Register there names it with a peer ticket (or a tenant token), else it is refused; it never
+    lands in the anonymous tenant, whose pages a TCP caller without a token would share."""
+    space = pb.KVSpace(model="m", layout=pb.KVLayout(mha=pb.MHALayout(num_heads=2, head_dim=8)),
+                       dtype=pb.DTYPE_FLOAT16, page_size=PAGE, num_layers=LAYERS)
+    fds = fd_socket_path(daemon.address)
+    with grpc.insecure_channel(daemon.address) as channel:
+        stub = pb_grpc.KVServerStub(channel)
+        code, message = _error_of(lambda: stub.OpenSpace(pb.OpenSpaceRequest(space=space), timeout=TIMEOUT))
+        assert code == C.UNAUTHENTICATED and "peer ticket" in message, message
+        named = pb.RegisterRequest(model="m", tp_size=1, pp_size=1, start_layer=0, end_layer=LAYERS,
+                                   num_layers=LAYERS, layout=space.layout, dtype=pb.DTYPE_FLOAT16,
+                                   page_size=PAGE, host_tokens=0)
+        code, message = _error_of(lambda: stub.Register(named, timeout=TIMEOUT))
+        assert code == C.UNAUTHENTICATED and "peer ticket" in message, message
+        opened = stub.OpenSpace(pb.OpenSpaceRequest(space=space, peer_ticket=get_ticket(fds, [])),
+                                timeout=TIMEOUT)
+        assert opened.tenant == f"uid:{os.getuid()}"
+    assert daemon.core.clients == {}

@@ -8,18 +8,29 @@ import pytest
 from store_support import PAGE, K, MiB, make_cache, offsets_ok, one_part, part_of, put, space_key, stored
 
 from kvserver.errors import InvalidArgument, NoCapacity
-from kvserver.store import MAX_PIN_MS, split_keys
+from kvserver.store import MAX_PIN_MS, Keys
 
 
-def test_split_keys():
-    assert split_keys(b"aabbcc", 2, 3) == [b"aa", b"bb", b"cc"]
-    assert split_keys(b"a\x00\x00\x00", 2, 2) == [b"a\x00", b"\x00\x00"]  # trailing zeros kept
-    assert split_keys(b"", 16, 1) == []
+def _same(a: Keys, b: Keys) -> bool:
+    return np.array_equal(a.words, b.words) and np.array_equal(a.lens, b.lens)
+
+
+def test_keys_unpack():
+    assert _same(Keys.unpack(b"aabbcc", 2, 3), Keys.of([b"aa", b"bb", b"cc"]))
+    zeros = Keys.unpack(b"a\x00\x00\x00", 2, 2)
+    assert _same(zeros, Keys.of([b"a\x00", b"\x00\x00"]))  # trailing zeros kept
+    assert not _same(zeros[:1], Keys.of([b"a"]))  # a key and its zero-padded form differ
+    assert len(Keys.unpack(b"", 16, 1)) == 0
+    wide = bytes(range(40)) + bytes(range(1, 41))  # wider than 16 bytes: kept as digests
+    assert _same(Keys.unpack(wide, 40, 2), Keys.of([wide[:40], wide[40:]]))
+    assert Keys.unpack(wide, 40, 2).distinct() and not Keys.unpack(wide[:40] * 2, 40, 2).distinct()
+    assert Keys.unpack(b"abcabd", 2, 3).firsts().tolist() == [0, 1, 2]
+    assert Keys.unpack(b"abab", 2, 2).firsts().tolist() == [0]
     for packed, width in ((b"abc", 2), (b"ab", 0), (b"a" * 65, 65)):
         with pytest.raises(InvalidArgument):
-            split_keys(packed, width, 100)
+            Keys.unpack(packed, width, 100)
     with pytest.raises(NoCapacity):
-        split_keys(b"abcd", 1, 3)
+        Keys.unpack(b"abcd", 1, 3)
 
 
 def test_fill_touch_evict_lru():
@@ -62,8 +73,8 @@ def test_dedup_and_racing_puts_store_once():
     cache, _, _ = make_cache()
     part = one_part(cache)
     first = cache.prepare_put(part, K("abc"))
-    second = cache.prepare_put(part, K("bcd"))  # b, c being written by the first: present
-    assert (second.positions.tolist(), second.present) == ([2], 2)
+    second = cache.prepare_put(part, K("bcd"))  # b, c being written by the first: waited for
+    assert (second.positions.tolist(), second.present, second.waiting.tolist()) == ([2], 0, [0, 1])
     assert cache.lookup(part, K("abcd")) == (0, "")  # nothing visible while being written
     cache.complete_put(second, True)
     cache.complete_put(first, True)
@@ -73,7 +84,7 @@ def test_dedup_and_racing_puts_store_once():
     repeats = put(cache, part, K("eefe"))  # repeats in one request: the first counts
     assert (repeats.positions.tolist(), repeats.present) == ([0, 2], 2)
     counters = cache.stats()[0][0].counters
-    assert (counters.pages, counters.dedup_pages, counters.dedup_bytes) == (6, 8, 8 * PAGE)
+    assert (counters.pages, counters.dedup_pages, counters.dedup_bytes) == (6, 6, 6 * PAGE)
 
 
 def test_failed_put_frees_its_pages():
@@ -84,7 +95,7 @@ def test_failed_put_frees_its_pages():
     plan = put(cache, part, K("cdef"), ok=False)
     assert len(plan.positions) == 4
     assert cache.lookup(part, K("abcdef")) == (2, "")
-    assert stored(cache, part, "cdef") == "" and len(part.pages) == 2
+    assert stored(cache, part, "cdef") == "" and part.pages == 2
     assert cache.bytes == held  # the slabs it took were released, being empty
     counters = cache.stats()[0][0].counters
     assert (counters.pages, counters.bytes, counters.evictions) == (2, 2 * PAGE, 0)
@@ -181,7 +192,7 @@ def test_touch_order_of_a_get():
     put(cache, part, K("abcdefgh"))
     plan = cache.prepare_get(part, K("hg"))  # after it, h then g are the most recent
     cache.complete_get(plan, True)
-    stamps = cache.pages.stamp[[part.pages[k] for k in K("hgabcdef")]]
+    stamps = cache.pages.stamp[cache.pages.find(part.gid, Keys.of(K("hgabcdef")))]
     assert (np.diff(stamps) < 0).all()
 
 

@@ -126,3 +126,27 @@ def test_budget_is_never_exceeded():
             regions.append(arena.reserve(6 * MiB))
     counters = cache.stats()[0][0].counters
     assert counters.bytes == counters.pages * PAGE <= cache.bytes
+
+
+def test_the_bookkeeping_of_tiny_pages_is_charged_to_the_budget():
+    """Every cached page costs the daemon BYTES_PER_PAGE of bookkeeping beside its bytes; past
+    1/64 of the budget that is charged to it, so a cache of tiny pages holds fewer of them and
+    the daemon's memory (slabs plus bookkeeping) stays within the budget."""
+    import numpy as np
+
+    from kvserver.host.arena import BOOK_ALLOWANCE
+    from kvserver.store import Keys
+    from kvserver.store.pages import BYTES_PER_PAGE
+
+    cache, arena, _ = make_cache(capacity=32 * MiB)
+    part = one_part(cache, page_bytes=64)
+    n = 1 << 15
+    for i in range(16):
+        keys = Keys.unpack(np.arange(i * n, (i + 1) * n, dtype=np.uint64).repeat(2).tobytes(), 16, n)
+        put(cache, part, keys)
+        assert arena.booked == cache.pages.in_slabs * BYTES_PER_PAGE
+        assert arena.reserved + arena.booked - arena.capacity // BOOK_ALLOWANCE <= arena.capacity
+    assert cache.pages.in_slabs * (64 + BYTES_PER_PAGE) <= arena.capacity + arena.capacity // BOOK_ALLOWANCE
+    assert part.pages > (arena.capacity // (64 + BYTES_PER_PAGE)) // 2  # and still a full cache
+    cache.make_room(arena.capacity)
+    assert arena.booked == 0 and arena.reserved == 0  # slabs gone, bookkeeping with them

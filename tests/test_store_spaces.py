@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from store_support import K, MiB, make_cache, one_part, part_of, put, space_key, stored
+from store_support import K, MiB, ids_of, make_cache, one_part, part_of, put, space_key, stored
 
 from kvserver.errors import FailedPrecondition, InvalidArgument, NoCapacity
 from kvserver.store import PartKey
@@ -35,7 +35,7 @@ def test_mha_tp2_two_parts_two_copies():
     assert cache.lookup(rank0, K("ab")) == (2, "")
     put(cache, rank1, K("ab"))
     assert cache.lookup(space, K("ab")) == (2, "")
-    assert set(cache.pages.offset[[rank0.pages[b"a"], rank1.pages[b"a"]]].tolist()).__len__() == 2
+    assert len(set(cache.pages.offset[ids_of(cache, rank0, "a") + ids_of(cache, rank1, "a")].tolist())) == 2
     stat = cache.stats()[0][0]
     assert (stat.counters.pages, stat.complete_pages, stat.parts_seen, stat.parts) == (4, 2, 2, 2)
 
@@ -166,9 +166,9 @@ def test_a_space_lease_is_ended_rank_by_rank():
     assert cache.pages.pins.sum() == 4  # a and b in both parts
     got = cache.prepare_get(rank0, K("ab"), lease)
     cache.complete_get(got, True)
-    ids1 = [rank1.pages[b"a"], rank1.pages[b"b"]]
+    ids1 = ids_of(cache, rank1, "ab")
     assert cache.pages.pins[ids1].tolist() == [1, 1]  # rank 1 keeps its pins
-    assert cache.pages.pins[[rank0.pages[b"a"], rank0.pages[b"b"]]].tolist() == [0, 0]
+    assert cache.pages.pins[ids_of(cache, rank0, "ab")].tolist() == [0, 0]
     assert cache.make_room(7 * MiB) is False  # rank 1's pinned slab stays
     assert cache.lookup(rank1, K("ab")) == (2, "")
     got = cache.prepare_get(rank1, K("ab"), lease)
@@ -193,24 +193,28 @@ def test_complete_pages_are_counted_as_pages_come_and_go():
     """The count Stats shows, kept up as parts commit and lose keys, equals a recount."""
     import random
 
-    from kvserver.store.complete import CompleteCount
+    from kvserver.store.complete import CompleteCount, PartCounts
+    from kvserver.store.keys import Keys
 
     rng = random.Random(7)
-    count = CompleteCount(3)
+    counts = PartCounts()
+    other = CompleteCount(3, counts)  # another space's counts in the same table stay apart
+    other.added(Keys.of([bytes([k]) for k in range(40)]))
+    count = CompleteCount(3, counts)
     held: list[set[bytes]] = [set(), set(), set()]
     for _ in range(300):
         part = rng.randrange(3)
         keys = {bytes([rng.randrange(40)]) for _ in range(rng.randrange(1, 8))}
         if rng.random() < 0.6:
             new = sorted(keys - held[part])
-            count.added(new)
+            count.added(Keys.of(new))
             held[part] |= set(new)
         else:
             old = sorted(keys & held[part])
-            count.removed(old)
+            count.removed(Keys.of(old))
             held[part] -= set(old)
         assert count.value == len(held[0] & held[1] & held[2])
-    assert set(count.parts_of) == held[0] | held[1] | held[2]
+    assert counts.index.count == 40 + len(held[0] | held[1] | held[2])  # a key no part holds is gone
 
 
 def test_a_whole_space_lookup_examines_a_bounded_number_of_pairs(monkeypatch):
@@ -256,3 +260,41 @@ def test_a_pinned_lookup_of_distinct_keys_needs_no_dedup(monkeypatch):
     assert n == 4 and calls == [] and int(cache.pages.pins.sum()) == 4
     n, _ = cache.lookup(part, K("abab"), pin_ms=1000)
     assert n == 4 and calls == [1] and int(cache.pages.pins.sum()) == 6  # a and b once more
+
+
+def test_a_tenant_pinning_one_page_per_size_class_is_charged_its_slabs():
+    """A quota counts what a tenant holds: its slabs whole, not the bytes of its pages. A tenant
+    storing one tiny page in each of many size classes and pinning them holds a slab per class;
+    charged for them, it stops at its quota, and its pins keep no other tenant's memory from use."""
+    cache, arena, _ = make_cache(capacity=16 * MiB, quotas={"hostile": 4 * MiB})
+    victim = one_part(cache, "victim")
+    put(cache, victim, K("abcdefgh"))  # 4 slabs of 2 MiB
+    space = cache.space(space_key("hostile"))
+    for i in range(8):  # 8 size classes, one 64-byte page in each, pinned
+        part = cache.part(space, PartKey(0, 0, 0, 4, 64 + i)) if i == 0 else cache.part(
+            cache.space(space_key("hostile", model=f"m{i}")), PartKey(0, 0, 0, 4, 64 + i))
+        put(cache, part, K("z"))
+        cache.lookup(part, K("z"), pin_ms=60_000)
+    assert cache.slabs.held(cache.tenants.get("hostile").tid) <= 4 * MiB
+    assert stored(cache, victim, "abcdefgh") == "abcdefgh"  # the victim lost nothing
+    assert len(put(cache, victim, K("ijkl")).positions) == 4  # and stores into what is left
+    assert cache.make_room(4 * MiB) and arena.largest_free() >= 4 * MiB  # evicting the victim's own
+
+
+def test_pins_are_charged_to_the_budget():
+    """A pin's bookkeeping (its place in its lease's arrays) is booked against the arena while it
+    lasts; with no room left for it the pin is refused and changes nothing."""
+    from kvserver.host.arena import BOOK_ALLOWANCE
+    from kvserver.store.leases import PIN_BYTES
+
+    cache, arena, _ = make_cache()
+    part = one_part(cache)
+    put(cache, part, K("ab"))
+    before = arena.booked
+    n, lease = cache.lookup(part, K("ab"), pin_ms=1000)
+    assert n == 2 and arena.booked == before + 2 * PIN_BYTES
+    assert cache.release("t", [lease]) == 1 and arena.booked == before
+    assert arena.book(arena.available + arena.capacity // BOOK_ALLOWANCE - arena.booked)  # nothing left
+    with pytest.raises(NoCapacity, match="bookkeeping"):
+        cache.lookup(part, K("ab"), pin_ms=1000)
+    assert cache.pages.pins.sum() == 0

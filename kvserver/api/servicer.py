@@ -21,9 +21,9 @@ from kvserver.core.cache_ops import CacheOps, space_from_wire
 from kvserver.core.client_state import ClientState, Counters, public_id
 from kvserver.core.kvcore import OFF_LOOP_INDICES, KVCore
 from kvserver.core.liveness import Reaper
-from kvserver.errors import GpuStalled, InvalidArgument, KVError, PermissionDenied
+from kvserver.errors import GpuStalled, InvalidArgument, KVError, PermissionDenied, Unauthenticated
 from kvserver.lane.book import LaneBook
-from kvserver.peers.tenants import TenantBook, tenant_of
+from kvserver.peers.tenants import TENANT_KEY, TenantBook, tenant_of
 from kvserver.protocol import ring
 from kvserver.protocol.layout import wire_dtype
 from kvserver.store import CacheCounters, SpaceStat, TenantStat
@@ -90,6 +90,17 @@ def _unmark_stalled(exc: BaseException, context) -> None:
     say the job is dead."""
     if isinstance(exc, GpuStalled):
         context.set_trailing_metadata(())
+
+
+def _known_on_unix(context, named: str | None, ticket: str) -> None:
+    """A caller on the Unix socket is a process of the node with a uid: it names itself with a
+    peer ticket (whose uid the fd socket read with SO_PEERCRED; kvclient sends one) or a tenant
+    token, and is never the anonymous tenant (that is for TCP callers without a tenant token)."""
+    if named is None and not ticket and context.peer().startswith("unix:"):
+        raise Unauthenticated(
+            "a caller on the Unix socket needs a peer ticket (kvclient sends one on every Register "
+            f"and OpenSpace) or a tenant token ({TENANT_KEY} metadata): it is never anonymous"
+        )
 
 
 def _progress(step, total: int, pages: int = 0) -> pb.LoadProgress:
@@ -160,7 +171,9 @@ class KVServicer(pb_grpc.KVServerServicer):
 
     @_abort_on_error
     async def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
-        client = await self.core.register(request, self.cache.tenants.named(context.invocation_metadata()))
+        named = self.cache.tenants.named(context.invocation_metadata())
+        _known_on_unix(context, named, request.peer_ticket)
+        client = await self.core.register(request, named)
         spec = client.spec
         return pb.RegisterResponse(
             client_id=client.client_id,
@@ -297,6 +310,7 @@ class KVServicer(pb_grpc.KVServerServicer):
     @_abort_on_error
     async def OpenSpace(self, request: pb.OpenSpaceRequest, context) -> pb.OpenSpaceResponse:
         named = self.cache.tenants.named(context.invocation_metadata())
+        _known_on_unix(context, named, request.peer_ticket)
         peer = None
         if request.peer_ticket and self.core.tickets is not None:
             ticket = self.core.tickets.redeem(request.peer_ticket)

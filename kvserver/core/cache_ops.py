@@ -23,7 +23,8 @@ from kvserver.core.kvcore import KVCore
 from kvserver.errors import InvalidArgument, NoCapacity, NotFound, OutOfRange
 from kvserver.peers.tenants import TenantBook
 from kvserver.protocol.layout import KVLayout, torch_dtype
-from kvserver.store import MAX_PIN_MS, KVCache, Part, PartKey, Space, SpaceKey, split_keys
+from kvserver.store import MAX_PIN_MS, Keys, KVCache, Part, PartKey, PutPlan, Space, SpaceKey
+from kvserver.store.pages import COMMITTED
 from kvserver.v1 import kvserver_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ class CacheOps:
         self._max_keys = min(MAX_CACHE_KEYS, kv.max_request_indices)
         self._space_ids: dict[str, SpaceKey] = {}
         self._ids_of: dict[SpaceKey, str] = {}
+        self._put_settled: asyncio.Future[None] | None = None  # done when a Put's copy settles next
 
     # ---- who is asking ----------------------------------------------------------------------
 
@@ -130,7 +132,7 @@ class CacheOps:
         _, client, key = self._target(req.client_id, req.space_id)
         if req.pin_ms > MAX_PIN_MS:
             raise InvalidArgument(f"pin_ms is {req.pin_ms}; at most {MAX_PIN_MS}")
-        keys = split_keys(req.keys, req.key_bytes, self._max_keys)
+        keys = Keys.unpack(req.keys, req.key_bytes, self._max_keys)
         target: Part | Space
         if client is not None:
             part = self._part(client)
@@ -148,8 +150,8 @@ class CacheOps:
     # ---- Put and Get --------------------------------------------------------------------------
 
     def _checked(self, client: ClientState, packed: bytes, key_bytes: int, device_pages,
-                 ready_event: bytes, event_slot: int) -> tuple[list[bytes], np.ndarray]:
-        keys = split_keys(packed, key_bytes, self._max_keys)
+                 ready_event: bytes, event_slot: int) -> tuple[Keys, np.ndarray]:
+        keys = Keys.unpack(packed, key_bytes, self._max_keys)
         pages = transfer.as_indices(device_pages, "device page")
         if pages.size != len(keys):
             raise InvalidArgument(f"{len(keys)} keys but {pages.size} device pages; they must pair up")
@@ -184,25 +186,65 @@ class CacheOps:
         client = self.kv.client(req.client_id)
         deadline = self.kv.deadline(req.timeout_ms)
         keys, pages = self._checked(client, req.keys, req.key_bytes, req.device_pages, req.ready_event, 0)
-        part = self._part(client)
+        return await self._store(client, self._part(client), keys, pages, req.ready_event, deadline, True)
+
+    async def _store(self, client: ClientState, part: Part, keys: Keys, pages: np.ndarray,
+                     ready_event: bytes, deadline: float, again: bool) -> PutOutcome:
+        """Stores the pages of ``keys`` not yet stored. Keys another Put is still writing count
+        once that copy is over: present if it stored them; if it failed, stored here (``again``)
+        or else reported not stored. A Put reports stored only what is."""
         plan = self.cache.prepare_put(part, keys)
         n = plan.positions.size
+        waiting = plan.waiting
         if n == 0:
             self.cache.complete_put(plan, True)
-            return PutOutcome(0, plan.present, plan.dropped, 0)
-        try:
-            job = self._job(client, plan.offsets, pages[plan.positions], client.spec.layers.select([]),
-                            req.ready_event, 0, deadline)
-        except BaseException:
-            self.cache.complete_put(plan, False)
-            raise
-        job.on_settled = lambda ok: self.cache.complete_put(plan, ok)
-        try:
-            nbytes = await self.kv.copier.write(job)
-        finally:
-            if not job.submitted:  # it never reached the medium, so nothing will settle it
+            own = PutOutcome(0, plan.present, plan.dropped, 0)
+        else:
+            try:
+                job = self._job(client, plan.offsets, pages[plan.positions], client.spec.layers.select([]),
+                                ready_event, 0, deadline)
+            except BaseException:
                 self.cache.complete_put(plan, False)
-        return PutOutcome(n, plan.present, plan.dropped, nbytes)
+                raise
+            job.on_settled = lambda ok: self._settled(plan, ok)
+            try:
+                nbytes = await self.kv.copier.write(job)
+            finally:
+                if not job.submitted:  # it never reached the medium, so nothing will settle it
+                    self._settled(plan, False)
+            own = PutOutcome(n, plan.present, plan.dropped, nbytes)
+        if not len(waiting):
+            return own
+        sub = keys.take(waiting)
+        await self._until_written(part, sub, deadline)
+        if not again:  # what is still not stored (written again by yet another Put) is not counted
+            ids = self.cache.pages.find(part.gid, sub)
+            present = int(np.count_nonzero(self.cache.pages.state[ids[ids >= 0]] == COMMITTED))
+            return PutOutcome(own.stored, own.present + present, own.dropped + len(waiting) - present,
+                              own.bytes)
+        more = await self._store(client, part, sub, pages[waiting], ready_event, deadline, False)
+        return PutOutcome(own.stored + more.stored, own.present + more.present,
+                          own.dropped + more.dropped, own.bytes + more.bytes)
+
+    def _settled(self, plan: PutPlan, ok: bool) -> None:
+        self.cache.complete_put(plan, ok)
+        wake, self._put_settled = self._put_settled, None
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    async def _until_written(self, part: Part, keys: Keys, deadline: float) -> None:
+        """Returns once no Put is writing any of ``keys`` (or at the deadline)."""
+        loop = asyncio.get_running_loop()
+        while self.cache.writing(part, keys):
+            if self._put_settled is None:
+                self._put_settled = loop.create_future()
+            left = deadline - loop.time() if deadline else None
+            if left is not None and left <= 0:
+                return
+            try:
+                await asyncio.wait_for(asyncio.shield(self._put_settled), left)
+            except TimeoutError:
+                return
 
     async def get(self, req: pb.GetRequest) -> AsyncIterator[tuple[int, LoadStep | None]]:
         """Yields (pages, step): first the number of leading keys this Get loads, with no step;

@@ -192,10 +192,10 @@ class KVCore:
             reclaimable = self.cache.bytes
             if not evict and self.arena.largest_free() + reclaimable >= need:
                 return least
-            if evict and self.arena.capacity - self.arena.reserved + reclaimable >= need:
+            if evict and self.arena.available + reclaimable >= need:
                 self.cache.make_room(need)
         fit = self.arena.largest_free() // page_bytes
-        free = self.arena.capacity - self.arena.reserved
+        free = self.arena.available
         if least == 0:
             return fit
         if fit == 0:

@@ -5,6 +5,10 @@ so a large budget costs nothing until clients write into it, and a released regi
 to the kernel with MADV_DONTNEED. Handing back a large region takes time (~0.09 s per populated
 GiB: benchmarks/bench_release.py), so ``discard`` does it in any thread without the GIL, before
 ``release`` returns the range.
+
+Memory the daemon keeps for what lies in the arena (the cache's per-page bookkeeping) is booked
+against it as well: past a free allowance of 1/64 of the budget, every booked byte is one byte less
+to reserve, so the daemon's memory stays within the budget however small the cache's pages.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from kvserver.errors import NoCapacity
 logger = logging.getLogger(__name__)
 
 REGION_ALIGN = 1 << 21  # 2 MiB: regions start on huge-page boundaries
+BOOK_ALLOWANCE = 64  # bookkeeping up to capacity / BOOK_ALLOWANCE is not charged to the budget
 # Python names MAP_NORESERVE only from 3.13; without it the kernel's default overcommit check refuses
 # a budget above the machine's memory and swap. Its value on Linux where the generic one holds.
 _GENERIC_MMAN = ("x86_64", "aarch64", "riscv64")
@@ -73,6 +78,7 @@ class HostArena:
         self._free_starts: list[int] = [0]
         self._free_sizes: list[int] = [self.capacity]
         self.reserved = 0
+        self.booked = 0  # bytes of bookkeeping kept for the arena's contents (see the module doc)
 
     def view(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole arena as a flat tensor of ``dtype`` (cached per dtype)."""
@@ -87,15 +93,40 @@ class HostArena:
         """The arena's first byte in this process."""
         return self.view(torch.uint8).data_ptr()
 
+    @property
+    def charged(self) -> int:
+        """Booked bytes charged to the budget: those past the free allowance."""
+        return max(0, self.booked - self.capacity // BOOK_ALLOWANCE)
+
+    @property
+    def available(self) -> int:
+        """Bytes that may still be reserved: free, less the booked bytes charged."""
+        return self.capacity - self.reserved - self.charged
+
     def largest_free(self) -> int:
-        return max(self._free_sizes, default=0)
+        return min(max(self._free_sizes, default=0), self.available // REGION_ALIGN * REGION_ALIGN)
+
+    def _fits(self, size: int, booked: int) -> bool:
+        charged = max(0, self.booked + booked - self.capacity // BOOK_ALLOWANCE)
+        return self.reserved + size + charged <= self.capacity
+
+    def book(self, nbytes: int) -> bool:
+        """Books ``nbytes`` of bookkeeping with no region (``unbook`` gives them back); False,
+        booking nothing, if the budget has no room for them."""
+        if not self._fits(0, nbytes):
+            return False
+        self.booked += nbytes
+        return True
+
+    def unbook(self, nbytes: int) -> None:
+        self.booked -= nbytes
 
     def reserve(self, nbytes: int) -> int:
         """Reserves ``nbytes`` (rounded up to the alignment) and returns the region's offset."""
         if nbytes == 0:  # an empty region: nothing to reserve (release of it is a no-op too)
             return 0
         size = _align_up(nbytes, REGION_ALIGN)
-        for i, free in enumerate(self._free_sizes):
+        for i, free in enumerate(self._free_sizes if self._fits(size, 0) else ()):
             if free >= size:
                 start = self._free_starts[i]
                 if free == size:
@@ -110,12 +141,14 @@ class HostArena:
             f"{self.largest_free()} of {self.capacity} bytes"
         )
 
-    def reserve_high(self, nbytes: int) -> int:
+    def reserve_high(self, nbytes: int, booked: int = 0) -> int:
         """Like ``reserve``, but takes the free range with the highest address that fits and carves
         the region from its top: regions taken this way gather at the top of the arena, those of
-        ``reserve`` at the bottom."""
+        ``reserve`` at the bottom. ``booked``: bookkeeping bytes the region brings (returned with
+        it to ``release``)."""
         size = _align_up(nbytes, REGION_ALIGN)
-        for i in range(len(self._free_sizes) - 1, -1, -1):
+        fits = self._fits(size, booked)
+        for i in range(len(self._free_sizes) - 1 if fits else -1, -1, -1):
             free = self._free_sizes[i]
             if free >= size:
                 start = self._free_starts[i] + free - size
@@ -124,6 +157,7 @@ class HostArena:
                 else:
                     self._free_sizes[i] -= size
                 self.reserved += size
+                self.booked += booked
                 return start
         raise NoCapacity(
             f"host memory exhausted: {nbytes} bytes requested, largest free region "
@@ -141,7 +175,7 @@ class HostArena:
             err = ctypes.get_errno()
             raise OSError(err, f"madvise of {size} bytes at offset {start}: {os.strerror(err)}")
 
-    def release(self, start: int, nbytes: int, discarded: bool = False) -> None:
+    def release(self, start: int, nbytes: int, discarded: bool = False, booked: int = 0) -> None:
         """Returns a region, first giving its pages back to the kernel unless ``discard`` did, so
         that whoever reserves the range next never reads what was there."""
         if nbytes == 0:
@@ -150,6 +184,7 @@ class HostArena:
         if not discarded:
             self._mm.madvise(mmap.MADV_DONTNEED, start, size)
         self.reserved -= size
+        self.booked -= booked
         i = bisect.bisect_left(self._free_starts, start)
         self._free_starts.insert(i, start)
         self._free_sizes.insert(i, size)

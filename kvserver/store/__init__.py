@@ -4,7 +4,7 @@ It keeps which pages hold which keys, where they lie in the host arena, and who 
 it copies nothing and knows no gRPC.
 
 Owns: ``cache`` (KVCache: lookup, prepare/complete put and get, leases, make_room, stats) and its
-parts: ``spaces``, ``keys``, ``pages``, ``slabs``, ``eviction``, ``leases``, ``quotas``,
+parts: ``spaces``, ``keys``, ``index``, ``stack``, ``pages``, ``slabs``, ``eviction``, ``leases``, ``quotas``,
 ``complete``, ``plans``, ``counters`` and ``stats``.
 May import: ``host`` (the arena its slabs come from), ``protocol``, ``config`` and ``errors``; never
 gRPC and never the copy code (``copies``, ``media``, ``core``).
@@ -12,12 +12,12 @@ gRPC and never the copy code (``copies``, ``media``, ``core``).
 
 from kvserver.store.cache import MAX_PIN_MS, KVCache
 from kvserver.store.counters import CacheCounters
-from kvserver.store.keys import MAX_KEY_BYTES, split_keys
+from kvserver.store.keys import MAX_KEY_BYTES, Keys
 from kvserver.store.plans import GetPlan, PutPlan
 from kvserver.store.spaces import Part, PartKey, Space, SpaceKey
 from kvserver.store.stats import SpaceStat, TenantStat
 
 __all__ = [
     "MAX_KEY_BYTES", "MAX_PIN_MS", "CacheCounters", "GetPlan", "KVCache", "Part", "PartKey", "PutPlan",
-    "Space", "SpaceKey", "SpaceStat", "TenantStat", "split_keys",
+    "Keys", "Space", "SpaceKey", "SpaceStat", "TenantStat",
 ]

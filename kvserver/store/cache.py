@@ -11,18 +11,17 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from itertools import compress
 
 import numpy as np
 
 from kvserver.errors import FailedPrecondition, InvalidArgument, NoCapacity
 from kvserver.host.arena import HostArena
+from kvserver.store.complete import PartCounts
 from kvserver.store.counters import CacheCounters
-from kvserver.store.eviction import lru_bytes, lru_pages, lru_slabs
-from kvserver.store.keys import leading, page_ids
+from kvserver.store.eviction import lru_pages, lru_slabs
+from kvserver.store.keys import Keys, as_keys, leading
 from kvserver.store.leases import LeaseTable
 from kvserver.store.pages import COMMITTED, WRITING, PageTable
 from kvserver.store.plans import GetPlan, PutPlan
@@ -48,8 +47,9 @@ class KVCache:
         self.clock = clock
         self.max_spaces_per_tenant = max_spaces_per_tenant
         self.pages = PageTable()
+        self.part_counts = PartCounts()
         self.slabs = SlabPool(arena, self.pages, slab_bytes)
-        self.leases = LeaseTable(self.pages, max_leases_per_tenant, clock)
+        self.leases = LeaseTable(self.pages, max_leases_per_tenant, clock, arena=arena)
         self.tenants = Tenants(arena.capacity, default_quota, quotas)
         self.on_slab_added = self.slabs.on_slab_added
         self.on_slab_removed = self.slabs.on_slab_removed
@@ -78,7 +78,7 @@ class KVCache:
             raise NoCapacity(
                 f"tenant {key.tenant!r} has {tenant.spaces} KV spaces holding pages, the most allowed"
             )
-        space = self._dropped.pop(key, None) or Space(key)
+        space = self._dropped.pop(key, None) or Space(key, self.part_counts)
         self._adopt(space, tenant)
         return space
 
@@ -139,7 +139,8 @@ class KVCache:
 
     # Lookup
 
-    def lookup(self, target: Part | Space, keys: list[bytes], pin_ms: int = 0) -> tuple[int, str]:
+    def lookup(self, target: Part | Space, keys: Keys | Sequence[bytes], pin_ms: int = 0) -> tuple[int, str]:
+        keys = as_keys(keys)
         if not 0 <= pin_ms <= MAX_PIN_MS:
             raise InvalidArgument(f"pin_ms must be between 0 and {MAX_PIN_MS}, got {pin_ms}")
         if isinstance(target, Part):
@@ -158,14 +159,14 @@ class KVCache:
         n = len(keys) if parts else 0
         found = []
         for part in parts:
-            ids = page_ids(part.pages, keys[:n] if n < len(keys) else keys)
+            ids = self.pages.find(part.gid, keys[:n])
             n = leading((ids >= 0) & (self.pages.state[ids] == COMMITTED))
             found.append(ids)
         counted = [ids[:n] for ids in found] if n else []
         lease_id = ""
         if pin_ms and n:  # first: a pin refused for the tenant's limits changes nothing
             # Distinct keys are distinct pages (a page holds one key of one part): no dedup then.
-            distinct = len(set(keys[:n])) == n
+            distinct = keys[:n].distinct()
             lease_id = self.leases.add(tenant.name, np.concatenate(counted), pin_ms, distinct=distinct)
         for c in (space.counters, tenant.counters):
             c.hits += n
@@ -176,17 +177,20 @@ class KVCache:
 
     # Put
 
-    def prepare_put(self, part: Part, keys: list[bytes]) -> PutPlan:
+    def prepare_put(self, part: Part, keys: Keys | Sequence[bytes]) -> PutPlan:
+        keys = as_keys(keys)
         space = self._live(part.space)
         tenant = self.tenants.get(space.key.tenant)
         page_bytes = part.key.page_bytes
-        ids = page_ids(part.pages, keys)
+        ids = self.pages.find(part.gid, keys)
         missing = np.flatnonzero(ids < 0)
+        # Keys another Put is still writing: neither stored nor present until that copy is over.
+        waiting = np.flatnonzero(self.pages.state[ids[ids >= 0]] == WRITING)
+        if len(waiting):
+            waiting = np.flatnonzero(ids >= 0)[waiting]
         if len(missing):
-            mkeys = list(map(keys.__getitem__, missing.tolist()))
-            first = dict(zip(reversed(mkeys), reversed(missing.tolist()), strict=True))  # earliest wins
-            positions = np.fromiter(first.values(), np.int64, len(first))
-            positions.sort()
+            firsts, rank = keys.take(missing).firsts(ranks=True)  # of repeated keys the earliest is stored
+            positions = missing[firsts]
             held = ids[ids >= 0]
             np.add.at(self.pages.readers, held, 1)  # the present pages are not evicted for this Put
             try:
@@ -196,27 +200,31 @@ class KVCache:
             stored = positions[: len(new)]
             dropped = 0
             if len(new) < len(positions):
-                firsts = np.fromiter(map(first.__getitem__, mkeys), np.int64, len(mkeys))
-                dropped = int(np.count_nonzero(firsts >= positions[len(new)]))
+                # Every occurrence of a key left out (a repeat of a stored key is present).
+                dropped = int(np.count_nonzero(rank >= len(new)))
         else:
             new = stored = np.empty(0, np.int64)
             dropped = 0
-        present = len(keys) - len(new) - dropped
+        present = len(keys) - len(new) - dropped - len(waiting)
         if len(new):
-            skeys = list(map(keys.__getitem__, stored.tolist()))
             p = self.pages
             p.state[new] = WRITING
             p.part[new] = part.gid
             p.tenant[new] = tenant.tid
-            p.set_keys(new, skeys)
-            part.pages.update(zip(skeys, new.tolist(), strict=True))
+            p.set_keys(new, part.gid, keys.take(stored))
+            part.pages += len(new)
         for c in (space.counters, tenant.counters):
             c.pages += len(new)
             c.bytes += len(new) * page_bytes
             c.dedup_pages += present
             c.dedup_bytes += present * page_bytes
             c.dropped += dropped
-        return PutPlan(part, stored, self.pages.offset[new], present, dropped, new)
+        return PutPlan(part, stored, self.pages.offset[new], present, dropped, new, waiting)
+
+    def writing(self, part: Part, keys: Keys) -> bool:
+        """True if a Put is still writing any of ``keys`` into the part."""
+        ids = self.pages.find(part.gid, keys)
+        return bool((self.pages.state[ids[ids >= 0]] == WRITING).any())
 
     def complete_put(self, plan: PutPlan, ok: bool) -> None:
         ids, plan.page_ids = plan.page_ids, plan.page_ids[:0]
@@ -230,42 +238,55 @@ class KVCache:
             self._drop(ids, evicted=False)
 
     def _allocate(self, tenant: Tenant, page_bytes: int, want: int) -> np.ndarray:
-        """Up to ``want`` free pages of ``page_bytes``, evicting to make room for them: under the
-        tenant's quota its own pages, then pages of the class, then whole slabs of other classes."""
-        room = tenant.room()
-        if room is not None and room < want * page_bytes:
-            mine = self.pages.evictable() & (self.pages.tenant == tenant.tid)
-            self._drop(lru_bytes(self.pages, mine, want * page_bytes - room))
-            want = min(want, tenant.room() // page_bytes)
-        if want <= 0:
-            return np.empty(0, np.int64)
+        """Up to ``want`` free pages of ``page_bytes`` in the tenant's slabs. It grows the class by
+        whole slabs while the tenant's quota and the arena allow; short of that it evicts the
+        tenant's own least recently used pages of the class, then whole slabs, least recently used
+        first: the tenant's own when its quota binds, anyone's when the arena is full."""
+        cls, quota = (tenant.tid, page_bytes), tenant.quota
+        n = self.slabs.fitting(page_bytes, quota)
+        if not n:
+            return np.empty(0, np.int64)  # not one slab of these pages fits under its quota
+        slab = self.slabs.shape(n, page_bytes)
+
+        def grow() -> bool:
+            """Grows the class toward ``want`` free pages; False if the quota stopped it."""
+            while self.slabs.free_count(cls) < want:
+                if quota and self.slabs.held(tenant.tid, quota, slab) > quota:
+                    return False
+                if not self.slabs.grow(cls, n):
+                    return True
+            return True
+
+        under_quota = grow()
         kept: list[int] = []  # slabs emptied here, reused before being released
-        while self.slabs.free_count(page_bytes) < want and self.slabs.grow(page_bytes):
-            pass
-        short = want - self.slabs.free_count(page_bytes)
+        short = want - self.slabs.free_count(cls)
         if short > 0:
-            same = self.pages.evictable() & (self.pages.nbytes == page_bytes)
-            kept += self._drop(lru_pages(self.pages, same, short), release_empty=False)
-        if self.slabs.free_count(page_bytes) < want:
-            # Other classes' slabs, least recently used first, ranked once: evicting one slab
-            # changes no other slab's pages, so the order holds for the whole Put (ranking again
-            # per slab made a Put that evicts many slabs quadratic in the cache's pages).
-            for sid in lru_slabs(self.pages, self.slabs.nslabs, exclude_class=page_bytes).tolist():
+            p = self.pages
+            mine = p.evictable() & (p.tenant == tenant.tid) & (p.nbytes == page_bytes)
+            kept += self._drop(lru_pages(p, mine, short), release_empty=False)
+        if self.slabs.free_count(cls) < want:
+            # Other slabs, least recently used first, ranked once: evicting one slab changes no
+            # other slab's pages, so the order holds for the whole Put (ranking again per slab made
+            # a Put that evicts many slabs quadratic in the cache's pages).
+            own = [s for (tid, _), sids in self.slabs.of_class.items() if tid == tenant.tid for s in sids]
+            ranked = lru_slabs(self.pages, self.slabs.nslabs, exclude=self.slabs.of_class.get(cls, ()),
+                               only=None if under_quota else own)
+            for sid in ranked.tolist():
                 self._evict_slab(sid)
-                while self.slabs.free_count(page_bytes) < want and self.slabs.grow(page_bytes):
-                    pass
-                if self.slabs.free_count(page_bytes) >= want:
+                grow()
+                if self.slabs.free_count(cls) >= want:
                     break
-        new = self.slabs.take(page_bytes, want)
+        new = self.slabs.take(cls, want)
         self.slabs.release_empty(kept)
         return new
 
     # Get
 
-    def prepare_get(self, part: Part, keys: list[bytes], lease_id: str = "") -> GetPlan:
+    def prepare_get(self, part: Part, keys: Keys | Sequence[bytes], lease_id: str = "") -> GetPlan:
+        keys = as_keys(keys)
         space = self._live(part.space)
         tenant = self.tenants.get(space.key.tenant)
-        ids = page_ids(part.pages, keys)
+        ids = self.pages.find(part.gid, keys)
         n = leading((ids >= 0) & (self.pages.state[ids] == COMMITTED))
         ids = ids[:n]
         np.add.at(self.pages.readers, ids, 1)
@@ -319,10 +340,9 @@ class KVCache:
         uniq, starts = np.unique(gids[order], return_index=True)
         for gid, chunk in zip(uniq.tolist(), np.split(ids[order], starts[1:]), strict=True):
             part = self._parts[gid]
-            keys = self.pages.keys_of(chunk)
-            committed = self.pages.state[chunk] == COMMITTED
-            part.space.complete.removed(keys if committed.all() else list(compress(keys, committed.tolist())))
-            deque(map(part.pages.pop, keys), maxlen=0)
+            committed = chunk[self.pages.state[chunk] == COMMITTED]
+            part.space.complete.removed(self.pages.keys_of(committed))
+            part.pages -= len(chunk)
             tenant = self.tenants.get(part.space.key.tenant)
             for c in (part.space.counters, tenant.counters):
                 c.pages -= len(chunk)

@@ -1,43 +1,93 @@
 """Pages complete in every part of a space, counted as they come and go, so that Stats never
 probes every key: per key, the number of parts that hold it committed.
 
-Primitives: ``CompleteCount`` (``added``, ``removed``, ``value``). Each call costs one dict probe
-and one store per key, in C (``map``, ``compress``), and a numpy count; a space of one part needs
-no dict at all.
+The counts of all spaces live in one ``KeyIndex`` (owner: the space's number) with a count per
+entry, so a key costs a fixed few dozen bytes, not a Python object; a space of one part needs no
+counts at all.
+
+Primitives: ``PartCounts`` (the shared table) and ``CompleteCount`` (``added``, ``removed``,
+``value``).
 """
 
 from __future__ import annotations
 
-from collections import deque
-from itertools import compress, repeat
+import itertools
 
 import numpy as np
 
+from kvserver.store.index import KeyIndex
+from kvserver.store.keys import Keys
+from kvserver.store.stack import IdStack
+
+
+class PartCounts:
+    """(space, key) -> parts of the space that hold the key committed."""
+
+    def __init__(self) -> None:
+        self.index = KeyIndex(0)
+        self.held = np.zeros(0, np.int32)
+        self._spare = IdStack()
+        self._fresh = 0
+        self._spaces = itertools.count()
+
+    def new_space(self) -> int:
+        return next(self._spaces)
+
+    def _take(self, n: int) -> np.ndarray:
+        ids = self._spare.pop(n)
+        if len(ids) < n:
+            k = n - len(ids)
+            if self._fresh + k > len(self.held):
+                cap = max(2 * len(self.held), self._fresh + k, 1024)
+                self.index.grow(cap)
+                held = np.zeros(cap, np.int32)
+                held[: len(self.held)] = self.held
+                self.held = held
+            ids = np.concatenate([ids, np.arange(self._fresh, self._fresh + k, dtype=np.int64)])
+            self._fresh += k
+        return ids
+
+    def add(self, space: int, keys: Keys) -> np.ndarray:
+        """Counts one more part for each key (distinct); returns the new counts."""
+        ids = self.index.find(space, keys)
+        new = ids < 0
+        if new.any():
+            fresh = self._take(int(new.sum()))
+            self.index.insert(fresh, space, keys.take(np.flatnonzero(new)))
+            self.held[fresh] = 0
+            ids[new] = fresh
+        self.held[ids] += 1
+        return self.held[ids]
+
+    def remove(self, space: int, keys: Keys) -> np.ndarray:
+        """Counts one part less for each key (distinct, each counted); returns the old counts."""
+        ids = self.index.find(space, keys)
+        ids = ids[ids >= 0]
+        old = self.held[ids].copy()
+        self.held[ids] -= 1
+        gone = ids[old == 1]
+        self.index.remove(gone)
+        self._spare.push(gone)
+        return old
+
 
 class CompleteCount:
-    def __init__(self, num_parts: int) -> None:
+    def __init__(self, num_parts: int, counts: PartCounts) -> None:
         self.num_parts = num_parts
-        self.parts_of: dict[bytes, int] = {}  # key -> parts that hold it committed (2+ parts only)
+        self.counts = counts
+        self.space = counts.new_space()
         self.value = 0  # keys held committed by every part
 
-    def added(self, keys: list[bytes]) -> None:
+    def added(self, keys: Keys) -> None:
         """``keys`` were committed in one part (each once)."""
-        if self.num_parts == 1 or not keys:
+        if self.num_parts == 1 or not len(keys):
             self.value += len(keys)
             return
-        held = np.fromiter(map(self.parts_of.get, keys, repeat(0)), np.int64, len(keys)) + 1
-        deque(map(self.parts_of.__setitem__, keys, held.tolist()), maxlen=0)
-        self.value += int(np.count_nonzero(held == self.num_parts))
+        self.value += int(np.count_nonzero(self.counts.add(self.space, keys) == self.num_parts))
 
-    def removed(self, keys: list[bytes]) -> None:
+    def removed(self, keys: Keys) -> None:
         """``keys``, committed in one part, left it (each once)."""
-        if self.num_parts == 1 or not keys:
+        if self.num_parts == 1 or not len(keys):
             self.value -= len(keys)
             return
-        held = np.fromiter(map(self.parts_of.__getitem__, keys), np.int64, len(keys))
-        self.value -= int(np.count_nonzero(held == self.num_parts))
-        held -= 1
-        gone = (held == 0).tolist()
-        deque(map(self.parts_of.pop, compress(keys, gone)), maxlen=0)
-        kept = held != 0
-        deque(map(self.parts_of.__setitem__, compress(keys, kept.tolist()), held[kept].tolist()), maxlen=0)
+        self.value -= int(np.count_nonzero(self.counts.remove(self.space, keys) == self.num_parts))

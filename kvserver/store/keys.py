@@ -1,37 +1,128 @@
-"""Cache keys: splitting a packed key field, and mapping keys to page ids at C speed.
+"""Cache keys as fixed-size numpy rows: no Python object per key, whatever a request holds.
 
-Primitives: ``split_keys`` (packed bytes -> list of keys), ``page_ids`` (a part's key index ->
-int64 page ids, -1 for a key it does not hold) and ``leading`` (length of a mask's leading run).
+A key of up to 16 bytes is kept whole, zero-padded into two 64-bit words, with its length beside it
+(so ``b"a"`` and ``b"a\\x00"`` stay different keys). A wider key (up to 64 bytes) is kept as its
+16-byte BLAKE2b digest, marked by its length: keys are themselves digests of token prefixes, and a
+collision of a 128-bit digest is out of reach, even for a tenant choosing its own keys (and a
+tenant's keys only ever name its own pages).
+
+Primitives: ``Keys`` (``unpack`` a request's packed field, ``of`` a list of keys, slices, ``take``,
+``firsts`` and ``distinct``) and ``leading`` (length of a mask's leading run).
 """
 
 from __future__ import annotations
 
-from itertools import repeat
+from collections.abc import Sequence
+from hashlib import blake2b
+from typing import Literal, overload
 
 import numpy as np
 
 from kvserver.errors import InvalidArgument, NoCapacity
 
 MAX_KEY_BYTES = 64
+WORD_BYTES = 16  # bytes of a key kept whole; a wider key is kept as a digest of this size
+_PERSON = b"kvserver-key"
 
 
-def split_keys(packed: bytes, key_bytes: int, max_keys: int) -> list[bytes]:
-    """The keys packed in ``packed``, ``key_bytes`` bytes each, in order."""
-    if not 1 <= key_bytes <= MAX_KEY_BYTES:
-        raise InvalidArgument(f"key_bytes must be between 1 and {MAX_KEY_BYTES}, got {key_bytes}")
-    if len(packed) % key_bytes:
-        raise InvalidArgument(
-            f"keys are {len(packed)} bytes, not a whole number of {key_bytes}-byte keys"
-        )
-    n = len(packed) // key_bytes
-    if n > max_keys:
-        raise NoCapacity(f"{n} keys in one request; at most {max_keys} are allowed")
-    return np.frombuffer(packed, dtype=f"V{key_bytes}").tolist()
+def _digests(rows: Sequence[bytes]) -> bytes:
+    return b"".join(blake2b(bytes(r), digest_size=WORD_BYTES, person=_PERSON).digest() for r in rows)
 
 
-def page_ids(index: dict[bytes, int], keys: list[bytes]) -> np.ndarray:
-    """Page id of each key in ``index`` (int64), -1 where the index does not hold it."""
-    return np.fromiter(map(index.get, keys, repeat(-1)), dtype=np.int64, count=len(keys))
+class Keys:
+    """``n`` keys: ``words`` (n, 2) uint64 and ``lens`` (n,) uint8."""
+
+    __slots__ = ("words", "lens")
+
+    def __init__(self, words: np.ndarray, lens: np.ndarray) -> None:
+        self.words = words
+        self.lens = lens
+
+    @classmethod
+    def unpack(cls, packed: bytes, key_bytes: int, max_keys: int) -> Keys:
+        """The keys packed in ``packed``, ``key_bytes`` bytes each, in order."""
+        if not 1 <= key_bytes <= MAX_KEY_BYTES:
+            raise InvalidArgument(f"key_bytes must be between 1 and {MAX_KEY_BYTES}, got {key_bytes}")
+        if len(packed) % key_bytes:
+            raise InvalidArgument(
+                f"keys are {len(packed)} bytes, not a whole number of {key_bytes}-byte keys"
+            )
+        n = len(packed) // key_bytes
+        if n > max_keys:
+            raise NoCapacity(f"{n} keys in one request; at most {max_keys} are allowed")
+        raw = np.frombuffer(packed, np.uint8).reshape(n, key_bytes)
+        if key_bytes == WORD_BYTES:
+            words = raw.view(np.uint64).copy()
+        elif key_bytes < WORD_BYTES:
+            padded = np.zeros((n, WORD_BYTES), np.uint8)
+            padded[:, :key_bytes] = raw
+            words = padded.view(np.uint64)
+        else:
+            rows = [packed[i : i + key_bytes] for i in range(0, len(packed), key_bytes)]
+            words = np.frombuffer(_digests(rows), np.uint64).reshape(n, 2).copy()
+        return cls(words.reshape(n, 2), np.full(n, key_bytes, np.uint8))
+
+    @classmethod
+    def of(cls, keys: Sequence[bytes]) -> Keys:
+        """Keys given one by one (of any lengths up to ``MAX_KEY_BYTES``)."""
+        keys = [bytes(k) for k in keys]
+        lens = np.fromiter(map(len, keys), np.int64, len(keys))
+        if len(keys) and (lens.max() > MAX_KEY_BYTES or lens.min() < 1):
+            raise InvalidArgument(f"keys must be 1 to {MAX_KEY_BYTES} bytes long")
+        rows = [k if len(k) <= WORD_BYTES else _digests([k]) for k in keys]
+        words = np.array(rows, dtype=f"S{WORD_BYTES}").view(np.uint64) if rows else np.empty(0, np.uint64)
+        return cls(words.reshape(len(keys), 2), lens.astype(np.uint8))
+
+    @classmethod
+    def empty(cls) -> Keys:
+        return cls(np.empty((0, 2), np.uint64), np.empty(0, np.uint8))
+
+    def __len__(self) -> int:
+        return len(self.lens)
+
+    def __getitem__(self, sl: slice) -> Keys:
+        return Keys(self.words[sl], self.lens[sl])
+
+    def take(self, positions: np.ndarray) -> Keys:
+        return Keys(self.words[positions], self.lens[positions])
+
+    @overload
+    def firsts(self, ranks: Literal[False] = False) -> np.ndarray: ...
+    @overload
+    def firsts(self, ranks: Literal[True]) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def firsts(self, ranks: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+        """Ascending positions of the first occurrence of each distinct key; with ``ranks``, also
+        for every key the index of its first occurrence in those positions."""
+        n = len(self)
+        w0, w1 = self.words[:, 0], self.words[:, 1]
+        same_len = n == 0 or bool((self.lens == self.lens[0]).all())
+        order = np.lexsort((w1, w0) if same_len else (self.lens, w1, w0))  # stable: ties by position
+        new = np.ones(n, bool)
+        if n > 1:
+            a, b = order[1:], order[:-1]
+            new[1:] = (w0[a] != w0[b]) | (w1[a] != w1[b]) | (self.lens[a] != self.lens[b])
+        first = order[new]  # per group (in key order), its first position
+        by_pos = np.argsort(first, kind="stable")
+        firsts = first[by_pos].astype(np.int64)
+        if not ranks:
+            return firsts
+        rank_of_group = np.empty(len(first), np.int64)
+        rank_of_group[by_pos] = np.arange(len(first))
+        rank = np.empty(n, np.int64)
+        rank[order] = rank_of_group[np.cumsum(new) - 1]
+        return firsts, rank
+
+    def distinct(self) -> bool:
+        """True if no key repeats."""
+        return len(self) < 2 or len(self.firsts()) == len(self)
+
+    def __repr__(self) -> str:
+        return f"Keys({len(self)})"
+
+
+def as_keys(keys: Keys | Sequence[bytes]) -> Keys:
+    return keys if isinstance(keys, Keys) else Keys.of(keys)
 
 
 def leading(mask: np.ndarray) -> int:

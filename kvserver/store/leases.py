@@ -19,10 +19,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvserver.errors import NoCapacity
+from kvserver.host.arena import HostArena
 from kvserver.store.pages import PageTable
 
-# Page pins one tenant's leases may hold together (8 bytes each in the leases' arrays).
+# Page pins one tenant's leases may hold together.
 MAX_PINNED_PER_TENANT = 1 << 24
+PIN_BYTES = 12  # a pin's bookkeeping: its page id and part in the lease's arrays, charged to the arena
 
 
 @dataclass(slots=True)
@@ -35,8 +37,9 @@ class Lease:
 
 class LeaseTable:
     def __init__(self, pages: PageTable, max_per_tenant: int, clock: Callable[[], float],
-                 max_pinned_per_tenant: int = MAX_PINNED_PER_TENANT) -> None:
+                 max_pinned_per_tenant: int = MAX_PINNED_PER_TENANT, arena: HostArena | None = None) -> None:
         self.pages = pages
+        self.arena = arena
         self.max_per_tenant = max_per_tenant
         self.max_pinned_per_tenant = max_pinned_per_tenant
         self._pinned: dict[str, int] = {}  # page pins the tenant's leases hold
@@ -67,6 +70,11 @@ class LeaseTable:
             raise NoCapacity(
                 f"tenant {tenant!r} pins {held} pages under its leases; {ids.size} more would pass the "
                 f"most allowed ({self.max_pinned_per_tenant}): release leases or pin fewer pages"
+            )
+        if self.arena is not None and not self.arena.book(ids.size * PIN_BYTES):
+            raise NoCapacity(
+                f"no host memory left for the bookkeeping of {ids.size} more pins: release leases "
+                "or pin fewer pages"
             )
         lease_id = secrets.token_hex(16)
         expires = self.clock() + pin_ms / 1000
@@ -107,6 +115,8 @@ class LeaseTable:
 
     def _unpin(self, tenant: str, ids: np.ndarray) -> None:
         self.pages.pins[ids] -= 1
+        if self.arena is not None:
+            self.arena.unbook(ids.size * PIN_BYTES)
         left = self._pinned.get(tenant, 0) - ids.size
         if left > 0:
             self._pinned[tenant] = left

@@ -1,15 +1,18 @@
 """The per-page state of the cache as growable numpy arrays, indexed by page id.
 
 Primitives: ``PageTable`` (arrays: LRU stamp, pins, readers, state, part, tenant, arena offset,
-slab and page bytes; the key of each page), ``PageTable.take`` / ``give`` (page ids for a new slab
-and back), ``PageTable.touch`` (prefix-end-first stamps) and ``PageTable.evictable``.
+slab and page bytes; ``index``, the key of each page filed under its part), ``PageTable.take`` /
+``give`` (page ids for a new slab and back), ``PageTable.touch`` (prefix-end-first stamps),
+``PageTable.evictable`` and ``BYTES_PER_PAGE`` (what the table and its index hold per page).
 """
 
 from __future__ import annotations
 
-from itertools import repeat
-
 import numpy as np
+
+from kvserver.store.index import BYTES_PER_ENTRY, KeyIndex
+from kvserver.store.keys import Keys
+from kvserver.store.stack import IdStack
 
 UNUSED = 0  # id not in any slab
 FREE = 1  # in a slab, holds nothing
@@ -27,43 +30,55 @@ _ARRAYS = {
     "slab": np.int32,
     "nbytes": np.int64,
 }
+# Bookkeeping bytes per page: the arrays above, its key index entry, its place in a free list or
+# the spare ids (4), and the entry a space of several parts may keep for its key (complete.py).
+BYTES_PER_PAGE = sum(np.dtype(t).itemsize for t in _ARRAYS.values()) + 2 * (BYTES_PER_ENTRY + 4)
 
 
 class PageTable:
     """Arrays of per-page state; an array doubles when the ids run out."""
 
     def __init__(self, capacity: int = 1024) -> None:
-        self.size = 0
-        self.keys: list[bytes | None] = []
-        self._spare: list[int] = []
+        self.size = 0  # ids below it have array entries
+        self.fresh = 0  # ids below it have been handed out at least once
+        self._spare = IdStack()  # ids given back, reused first
         self._tick = 0
         self.stamp = self.pins = self.readers = self.state = np.empty(0)
         self.part = self.tenant = self.offset = self.slab = self.nbytes = np.empty(0)
+        self.index = KeyIndex(0)
         self._grow(capacity)
 
     def _grow(self, capacity: int) -> None:
+        # New entries are zeros, written only when their ids are handed out: a grown table costs
+        # memory as its pages are used, not as it is sized.
         old = self.size
         for name, dtype in _ARRAYS.items():
             arr = np.zeros(capacity, dtype)
             arr[:old] = getattr(self, name)[:old]
             setattr(self, name, arr)
-        self.part[old:] = -1
-        self.keys.extend(repeat(None, capacity - old))
-        self._spare.extend(range(capacity - 1, old - 1, -1))
+        self.index.grow(capacity)
         self.size = capacity
 
     def take(self, n: int) -> np.ndarray:
         """``n`` unused page ids, ascending where possible."""
-        if len(self._spare) < n:
-            self._grow(max(2 * self.size, self.size + n))
-        ids = self._spare[-n:]
-        del self._spare[-n:]
-        return np.array(ids[::-1], dtype=np.int64)
+        ids = self._spare.pop(n)
+        if len(ids) < n:
+            k = n - len(ids)
+            if self.fresh + k > self.size:
+                self._grow(max(2 * self.size, self.fresh + k))
+            ids = np.concatenate([ids, np.arange(self.fresh, self.fresh + k, dtype=np.int64)])
+            self.fresh += k
+        return ids
 
     def give(self, ids: np.ndarray) -> None:
         """Page ids of a released slab go back to the spare ids."""
         self.state[ids] = UNUSED
-        self._spare.extend(ids[::-1].tolist())
+        self._spare.push(ids)
+
+    @property
+    def in_slabs(self) -> int:
+        """Page ids held by slabs."""
+        return self.fresh - len(self._spare)
 
     def touch(self, ids: np.ndarray) -> None:
         """Marks pages used, in key order: the first is made the most recently used."""
@@ -72,19 +87,24 @@ class PageTable:
             self.stamp[ids] = np.arange(self._tick + n, self._tick, -1, dtype=np.int64)
             self._tick += n
 
-    def set_keys(self, ids: np.ndarray, keys: list[bytes]) -> None:
-        list(map(self.keys.__setitem__, ids.tolist(), keys))
+    def find(self, part: int, keys: Keys) -> np.ndarray:
+        """Page id of each key in part ``part`` (being written or committed), -1 where none."""
+        return self.index.find(part, keys)
 
-    def keys_of(self, ids: np.ndarray) -> list[bytes]:
-        return list(map(self.keys.__getitem__, ids.tolist()))
+    def set_keys(self, ids: np.ndarray, part: int, keys: Keys) -> None:
+        """Files free pages under their keys in ``part`` (keys distinct and absent from it)."""
+        self.index.insert(ids, part, keys)
+
+    def keys_of(self, ids: np.ndarray) -> Keys:
+        return self.index.keys_of(ids)
 
     def clear(self, ids: np.ndarray) -> None:
         """Makes pages free: no key, no part, no stamp."""
+        self.index.remove(ids[self.part[ids] >= 0])
         self.state[ids] = FREE
         self.part[ids] = -1
         self.tenant[ids] = -1
         self.stamp[ids] = 0
-        list(map(self.keys.__setitem__, ids.tolist(), repeat(None)))
 
     def evictable(self) -> np.ndarray:
         """Mask of pages eviction may take: committed, not pinned, not being read."""

@@ -23,9 +23,10 @@ class PutPlan:
     part: Part
     positions: np.ndarray  # int64, ascending: indices into the request's keys of the pages to copy
     offsets: np.ndarray  # int64: arena byte offset of each new page
-    present: int  # keys skipped: stored already, or being stored by another Put
+    present: int  # keys skipped: stored already (committed)
     dropped: int  # keys not stored for want of room or quota (always the last ones)
     page_ids: np.ndarray = field(default_factory=_no_pages)  # the new pages; emptied once completed
+    waiting: np.ndarray = field(default_factory=_no_pages)  # positions of keys another Put is writing
 
 
 @dataclass(slots=True)

@@ -1,4 +1,5 @@
-"""Tenants and their quotas: the most cached bytes one tenant may hold.
+"""Tenants and their quotas: the most cache memory one tenant may hold (the bytes of its slabs,
+whole: free pages and pinned pages in them included).
 
 Primitives: ``Tenant`` (id, counters, quota, spaces) and ``Tenants`` (get or create by name, with
 the quota resolved from the per-tenant table or the default).
@@ -21,9 +22,6 @@ class Tenant:
         self.quota = quota  # 0: none
         self.spaces = 0
 
-    def room(self) -> int | None:
-        """Bytes the tenant may still cache under its quota; None without a quota."""
-        return None if not self.quota else max(0, self.quota - self.counters.bytes)
 
 
 class Tenants:

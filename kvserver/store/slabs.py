@@ -1,8 +1,12 @@
-"""Slabs: runs of equal-sized pages taken from the top of the host arena, one size class each.
+"""Slabs: runs of equal-sized pages taken from the top of the host arena, one class each.
+
+A class is a tenant and a page size: a slab holds the pages of one tenant only, so what a tenant
+holds (its slabs, whole, whatever it pins in them) is known and charged to its quota, and its pins
+keep only its own slabs from eviction.
 
 Primitives: ``Slab``, ``SlabPool.grow`` (reserve one more slab of a class), ``SlabPool.take`` /
-``SlabPool.give`` (free pages of a class out and back) and ``SlabPool.release`` (a slab back to
-the arena, its hooks called first).
+``SlabPool.give`` (free pages of a class out and back), ``SlabPool.held`` (a tenant's slab bytes)
+and ``SlabPool.release`` (a slab back to the arena, its hooks called first).
 """
 
 from __future__ import annotations
@@ -14,14 +18,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvserver.errors import NoCapacity
-from kvserver.host.arena import REGION_ALIGN, HostArena
-from kvserver.store.pages import FREE, PageTable
+from kvserver.host.arena import BOOK_ALLOWANCE, REGION_ALIGN, HostArena
+from kvserver.store.pages import BYTES_PER_PAGE, FREE, PageTable
+from kvserver.store.stack import IdStack
 
 logger = logging.getLogger(__name__)
 
 
 def _align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
+
+
+Class = tuple[int, int]  # (tenant id, page bytes)
 
 
 @dataclass(slots=True)
@@ -32,6 +40,11 @@ class Slab:
     page_bytes: int
     pages: np.ndarray  # page ids, page i at offset + i * page_bytes
     free: int  # pages of it that hold nothing
+    tenant: int = -1  # the tenant whose pages it holds
+
+    @property
+    def cls(self) -> Class:
+        return (self.tenant, self.page_bytes)
 
 
 class SlabPool:
@@ -45,7 +58,10 @@ class SlabPool:
         self.bytes = 0
         self.on_slab_added: list[Callable[[int, int], None]] = []
         self.on_slab_removed: list[Callable[[int, int], None]] = []
-        self._free: dict[int, list[int]] = {}  # page bytes -> free page ids (taken from the end)
+        self._free: dict[Class, IdStack] = {}  # class -> free page ids
+        self.of_class: dict[Class, set[int]] = {}  # class -> its slab ids
+        self._held: dict[int, int] = {}  # tenant id -> bytes of its slabs' pages, free ones included
+        self._booked: dict[int, int] = {}  # tenant id -> bookkeeping bytes of its slabs' pages
         self._spare_sids: list[int] = []
         self._next_sid = 0
 
@@ -57,15 +73,48 @@ class SlabPool:
     def per_slab(self, page_bytes: int) -> int:
         return max(1, self.slab_bytes // page_bytes)
 
-    def free_count(self, page_bytes: int) -> int:
-        return len(self._free.get(page_bytes, ()))
+    def free_count(self, cls: Class) -> int:
+        return len(self._free.get(cls, ()))
 
-    def grow(self, page_bytes: int) -> bool:
-        """Reserves one more slab of pages of ``page_bytes``; False if the arena has no room."""
+    @staticmethod
+    def cost(nbytes: int, booked: int, quota: int) -> int:
+        """What slabs of ``nbytes`` whose pages book ``booked`` bytes cost a tenant of ``quota``:
+        their bytes and their bookkeeping past the same free allowance the arena gives."""
+        return nbytes + max(0, booked - quota // BOOK_ALLOWANCE)
+
+    def held(self, tenant: int, quota: int = 0, more: tuple[int, int] = (0, 0)) -> int:
+        """What the tenant's slabs cost it under ``quota`` (``cost``), with ``more`` (``shape``
+        of one more slab) added."""
+        return self.cost(self._held.get(tenant, 0) + more[0], self._booked.get(tenant, 0) + more[1], quota)
+
+    def fitting(self, page_bytes: int, quota: int) -> int:
+        """Pages in one slab of the class for a tenant of ``quota`` (0: none): the pool's number,
+        fewer if one slab would cost more than the quota, 0 if not even one page fits."""
         n = self.per_slab(page_bytes)
+        while quota and n and self.slab_cost(n, page_bytes, quota) > quota:
+            n //= 2
+        return n
+
+    @staticmethod
+    def shape(n: int, page_bytes: int) -> tuple[int, int]:
+        """What a slab of ``n`` pages of ``page_bytes`` holds for its tenant: (bytes of its pages,
+        bytes booked for their bookkeeping). The slab's rounding up to the arena's alignment is
+        not the tenant's: under 2 MiB a slab, at most as much as its pages."""
+        return n * page_bytes, n * BYTES_PER_PAGE
+
+    def slab_cost(self, n: int, page_bytes: int, quota: int) -> int:
+        return self.cost(*self.shape(n, page_bytes), quota)
+
+    def grow(self, cls: Class, n: int = 0) -> bool:
+        """Reserves one more slab of the class, of ``n`` pages (the pool's number if 0); False if
+        the arena has no room."""
+        tenant, page_bytes = cls
+        n = n or self.per_slab(page_bytes)
         nbytes = _align_up(n * page_bytes, REGION_ALIGN)
         try:
-            offset = self.arena.reserve_high(nbytes)
+            # Its pages' bookkeeping is charged to the arena too: what the daemon holds for the
+            # cache stays within the host memory it was given, however small the pages.
+            offset = self.arena.reserve_high(nbytes, booked=n * BYTES_PER_PAGE)
         except NoCapacity:
             return False
         sid = self._spare_sids.pop() if self._spare_sids else self._new_sid()
@@ -78,8 +127,11 @@ class SlabPool:
         p.part[ids] = -1
         p.tenant[ids] = -1
         p.stamp[ids] = 0
-        self.slabs[sid] = Slab(sid, offset, nbytes, page_bytes, ids, n)
-        self._free.setdefault(page_bytes, []).extend(ids[::-1].tolist())
+        self.slabs[sid] = Slab(sid, offset, nbytes, page_bytes, ids, n, tenant)
+        self._free.setdefault(cls, IdStack()).push(ids)
+        self.of_class.setdefault(cls, set()).add(sid)
+        self._held[tenant] = self._held.get(tenant, 0) + n * page_bytes
+        self._booked[tenant] = self._booked.get(tenant, 0) + n * BYTES_PER_PAGE
         self.bytes += nbytes
         for hook in self.on_slab_added:
             hook(offset, nbytes)
@@ -89,14 +141,12 @@ class SlabPool:
         self._next_sid += 1
         return self._next_sid - 1
 
-    def take(self, page_bytes: int, n: int) -> np.ndarray:
+    def take(self, cls: Class, n: int) -> np.ndarray:
         """``n`` free pages of the class (at most as many as it has)."""
-        free = self._free.get(page_bytes, [])
-        n = min(n, len(free))
-        if n == 0:
+        free = self._free.get(cls)
+        if free is None or not n or not len(free):
             return np.empty(0, np.int64)
-        ids = np.array(free[-n:][::-1], dtype=np.int64)
-        del free[-n:]
+        ids = free.pop(n)
         self._count(ids, -1)
         return ids
 
@@ -105,9 +155,11 @@ class SlabPool:
         to. Returns the ids of the slabs the pages belong to."""
         if not len(ids):
             return []
-        for page_bytes in np.unique(self.pages.nbytes[ids]).tolist():
-            chunk = ids[self.pages.nbytes[ids] == page_bytes]
-            self._free.setdefault(page_bytes, []).extend(chunk[::-1].tolist())
+        slab = self.pages.slab[ids]
+        order = np.argsort(slab, kind="stable")
+        uniq, starts = np.unique(slab[order], return_index=True)
+        for sid, chunk in zip(uniq.tolist(), np.split(ids[order], starts[1:]), strict=True):
+            self._free[self.slabs[sid].cls].push(chunk)
         sids = self._count(ids, 1)
         if release_empty:
             self.release_empty(sids)
@@ -129,14 +181,16 @@ class SlabPool:
         """Gives slabs back to the arena; their pages must all be free."""
         slabs = [self.slabs.pop(s) for s in sids]
         ids = np.concatenate([s.pages for s in slabs])
-        for page_bytes in {s.page_bytes for s in slabs}:
-            free = np.array(self._free[page_bytes], dtype=np.int64)
-            self._free[page_bytes] = free[~np.isin(free, ids)].tolist()
+        for cls in {s.cls for s in slabs}:
+            self._free[cls].drop(ids)
         self.pages.give(ids)
         for slab in slabs:
+            self.of_class[slab.cls].discard(slab.sid)
+            self._held[slab.tenant] -= len(slab.pages) * slab.page_bytes
+            self._booked[slab.tenant] -= len(slab.pages) * BYTES_PER_PAGE
             for hook in self.on_slab_removed:
                 hook(slab.offset, slab.nbytes)
-            self.arena.release(slab.offset, slab.nbytes)
+            self.arena.release(slab.offset, slab.nbytes, booked=len(slab.pages) * BYTES_PER_PAGE)
             self.bytes -= slab.nbytes
             self._spare_sids.append(slab.sid)
         logger.debug("released %d cache slabs", len(slabs))

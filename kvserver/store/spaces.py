@@ -1,7 +1,7 @@
 """KV spaces and their parts: what makes cached pages interchangeable.
 
 Primitives: ``SpaceKey`` (tenant, model and geometry of a space), ``PartKey`` (one TP shard and PP
-stage of it), ``Space`` (a space's parts and counters) and ``Part`` (a part's key -> page index).
+stage of it), ``Space`` (a space's parts and counters) and ``Part`` (one of its parts).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserver.protocol.layout import KVLayout
-from kvserver.store.complete import CompleteCount
+from kvserver.store.complete import CompleteCount, PartCounts
 from kvserver.store.counters import CacheCounters
 
 
@@ -54,18 +54,18 @@ class Space:
 
     __slots__ = ("key", "parts", "counters", "complete", "__weakref__")
 
-    def __init__(self, key: SpaceKey) -> None:
+    def __init__(self, key: SpaceKey, counts: PartCounts) -> None:
         self.key = key
         self.parts: dict[tuple[int, int], Part] = {}
         self.counters = CacheCounters()
-        self.complete = CompleteCount(key.num_parts)  # keys committed in every part
+        self.complete = CompleteCount(key.num_parts, counts)  # keys committed in every part
 
     def __repr__(self) -> str:
         return f"Space({self.key.tenant!r}, {self.key.model!r}, parts={len(self.parts)}/{self.key.num_parts})"
 
 
 class Part:
-    """One part of a space: the index of its keys to page ids (being written or committed)."""
+    """One part of a space; its keys are filed under ``gid`` in the page table's index."""
 
     __slots__ = ("space", "key", "index", "gid", "pages")
 
@@ -74,7 +74,7 @@ class Part:
         self.key = key
         self.index = key.pp_rank * space.key.tp_shards + key.tp_shard
         self.gid = gid  # cache-wide id, as kept in the page table
-        self.pages: dict[bytes, int] = {}
+        self.pages = 0  # pages filed under it (being written or committed)
 
     def __repr__(self) -> str:
-        return f"Part(tp_shard={self.key.tp_shard}, pp_rank={self.key.pp_rank}, pages={len(self.pages)})"
+        return f"Part(tp_shard={self.key.tp_shard}, pp_rank={self.key.pp_rank}, pages={self.pages})"

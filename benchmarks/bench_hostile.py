@@ -1,0 +1,236 @@
+"""Hostile peers: one engine's small Loads while other processes send the largest valid requests
+of every kind, against the same Loads with the node idle, in the same run.
+
+The daemon runs as a subprocess (--host-memory, default 1 GiB) with /metrics on. A victim engine
+(MHA 2 x 64 fp16, 2 layers) loads one 16-token page back to back, first alone (--seconds), then
+while these run, each in its own process, as fast as the daemon answers them (--seconds again):
+- tiny pages: Register of a region of the smallest pages (64 bytes: MLA rank 1, fp8, one layer,
+  64 tokens a page) as large as the budget allows, then Unregister;
+- evicting Puts: Puts of 128 Ki new keys in turn into four page sizes of 64 to 256 bytes, the
+  cache full: every Put evicts across size classes;
+- pinned Lookups: whole-space Lookups of 128 Ki stored keys pinning them for 60 s, then Release;
+- a large region: Register of a 256 MiB region, a Write populating all of it, Unregister;
+- descriptors: tickets of 253 memfds each (accepted, never redeemed) and of 253 TCP sockets
+  (refused), back to back.
+Prints the victim's Load p50 / p99 and the event loop's lag p99 (kvserver_event_loop_lag_seconds,
+the bucket it falls in) for each phase, their ratios, and how many of each attack the daemon
+served. Targets: victim p99 within 2x of idle, loop lag p99 under 20 ms.
+
+Run: python benchmarks/bench_hostile.py [--seconds 10] [--host-memory 1GiB] [--attacks "tiny pages,..."]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import sys
+import tempfile
+import time
+import urllib.request
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+
+from daemon_proc import DaemonProcess  # noqa: E402
+
+from kvclient import KVClient, KVClientError, KVLayout, ShmKVPool  # noqa: E402
+from kvclient._transport.fd_socket import fd_socket_path  # noqa: E402
+from kvserver.protocol.fd_socket import FDS_PER_MESSAGE, TicketRefused, request_ticket  # noqa: E402
+
+MAX_KEYS = 1 << 17
+PAGE = 64  # tokens a page: with MLA rank 1 fp8, the smallest page the daemon takes (64 bytes)
+LAG_METRIC = "kvserver_event_loop_lag_seconds_bucket"
+
+
+# ---- the attacks (each in its own process, until ``stop``) ----------------------------------------
+
+def _tiny_register(address: str, stop) -> int:
+    rounds = 0
+    with ShmKVPool(KVLayout.mla(1, 0), torch.float8_e4m3fn, 1, 1024) as pool:
+        while not stop.is_set():
+            with KVClient(address, resilient=False) as c:
+                c.register(model="tiny", pool=pool, start_layer=0, end_layer=1, num_layers=1,
+                           host_tokens=1 << 30, min_host_tokens=PAGE, page_size=PAGE)
+                c.unregister()
+            rounds += 1
+    return rounds
+
+
+def _evicting_puts(address: str, stop) -> int:
+    rounds = 0
+    pools = [ShmKVPool(KVLayout.mla(r, 0), torch.float8_e4m3fn, 1, MAX_KEYS * PAGE) for r in (1, 2, 3, 4)]
+    clients = [KVClient(address, resilient=False) for _ in pools]
+    try:
+        for i, (c, pool) in enumerate(zip(clients, pools, strict=True)):
+            c.register(model=f"evict{i}", pool=pool, start_layer=0, end_layer=1, num_layers=1,
+                       host_tokens=0, page_size=PAGE)
+        pages = list(range(MAX_KEYS))
+        while not stop.is_set():
+            clients[rounds % len(clients)].put(os.urandom(16 * MAX_KEYS), pages)
+            rounds += 1
+    finally:
+        for c in clients:
+            c.close()
+        for pool in pools:
+            pool.close()
+    return rounds
+
+
+def _pinned_lookups(address: str, stop) -> int:
+    rounds = 0
+    keys = os.urandom(16 * MAX_KEYS)
+    with ShmKVPool(KVLayout.mla(1, 0), torch.float8_e4m3fn, 1, MAX_KEYS * PAGE) as pool, \
+            KVClient(address, resilient=False) as c:
+        c.register(model="pin", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=0,
+                   page_size=PAGE)
+        c.put(keys, list(range(MAX_KEYS)))
+        while not stop.is_set():
+            got = c.lookup(keys, pin_ms=60_000, whole_space=True)
+            if got.lease_id:
+                c.release(got.lease_id)
+            rounds += 1
+    return rounds
+
+
+def _large_region(address: str, stop) -> int:
+    rounds = 0
+    layout = KVLayout.mha(8, 128)  # 4 KiB a token and part, 2 parts, 2 layers: 16 KiB a token
+    tokens = (256 << 20) // (16 << 10)
+    with ShmKVPool(layout, torch.float16, 2, 1024) as pool:
+        while not stop.is_set():
+            with KVClient(address, resilient=False) as c:
+                c.register(model="big", pool=pool, start_layer=0, end_layer=2, num_layers=2,
+                           host_tokens=tokens, page_size=16)
+                host = c.alloc(tokens)
+                for s in range(0, tokens, 1024):
+                    c.write(host_indices=host[s : s + 1024], device_indices=np.arange(1024))
+                c.unregister()
+            rounds += 1
+    return rounds
+
+
+def _descriptors(address: str, stop) -> int:
+    rounds = 0
+    path = fd_socket_path(address)
+    memfds = [os.memfd_create("flood", os.MFD_CLOEXEC) for _ in range(FDS_PER_MESSAGE)]
+    tcp = [socket.socket() for _ in range(FDS_PER_MESSAGE)]
+    try:
+        while not stop.is_set():
+            for fds in (memfds, [s.fileno() for s in tcp]):
+                try:
+                    request_ticket(path, fds)
+                except (TicketRefused, OSError):
+                    pass
+            rounds += 1
+    finally:
+        for fd in memfds:
+            os.close(fd)
+        for s in tcp:
+            s.close()
+    return rounds
+
+
+ATTACKS = {"tiny pages": _tiny_register, "evicting Puts": _evicting_puts, "pinned Lookups": _pinned_lookups,
+           "large region": _large_region, "descriptors": _descriptors}
+
+
+def _attack(name: str, address: str, stop, out) -> None:
+    try:
+        out.put((name, ATTACKS[name](address, stop), ""))
+    except (KVClientError, OSError, RuntimeError) as exc:
+        out.put((name, -1, f"{type(exc).__name__}: {exc}"))
+
+
+# ---- the victim and the loop's lag ------------------------------------------------------------------
+
+def _lag_buckets(port: int) -> dict[float, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(LAG_METRIC):
+            le = line.split('le="')[1].split('"')[0]
+            out[float("inf") if le == "+Inf" else float(le)] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _p99_bucket(before: dict[float, float], after: dict[float, float]) -> tuple[float, int]:
+    """(the upper bound of the bucket the 99th percentile falls in, samples) between two scrapes."""
+    counts = {le: after[le] - before.get(le, 0.0) for le in sorted(after)}
+    total = counts[float("inf")]
+    return next(le for le, c in counts.items() if c >= 0.99 * total), int(total)
+
+
+def _loads(c: KVClient, host, device, seconds: float) -> np.ndarray:
+    times = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        t = time.perf_counter()
+        c.load(host_indices=host, device_indices=device).wait(timeout=60)
+        times.append(time.perf_counter() - t)
+    return np.array(times)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seconds", type=float, default=10.0, help="each phase's length")
+    ap.add_argument("--host-memory", default="1GiB")
+    ap.add_argument("--attacks", default=",".join(ATTACKS), help="which attacks, comma separated")
+    args = ap.parse_args()
+    attacks = [a.strip() for a in args.attacks.split(",")]
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="kvhostile-") as tmp:
+        d = DaemonProcess(os.path.join(tmp, "kv.sock"), "--metrics-listen", f"127.0.0.1:{port}",
+                          "--log-level", "ERROR", host_memory=args.host_memory)
+        try:
+            with ShmKVPool(KVLayout.mha(2, 64), torch.float16, 2, 256) as pool, \
+                    KVClient(d.address, resilient=False) as victim:
+                victim.register(model="victim", pool=pool, start_layer=0, end_layer=2, num_layers=2,
+                                host_tokens=256, page_size=16)
+                host, device = victim.alloc(16), np.arange(16)
+                victim.write(host_indices=host, device_indices=device)
+                _loads(victim, host, device, 1.0)  # warm
+                lag0 = _lag_buckets(port)
+                idle = _loads(victim, host, device, args.seconds)
+                lag1 = _lag_buckets(port)
+                stop, out = ctx.Event(), ctx.Queue()
+                procs = [ctx.Process(target=_attack, args=(name, d.address, stop, out)) for name in attacks]
+                for p in procs:
+                    p.start()
+                time.sleep(min(5.0, args.seconds / 2))  # the attacks under way (pools built, caches full)
+                lag2 = _lag_buckets(port)
+                hostile = _loads(victim, host, device, args.seconds)
+                lag3 = _lag_buckets(port)
+                stop.set()
+                served = dict((name, (n, err)) for name, n, err in (out.get(timeout=300) for _ in procs))
+                for p in procs:
+                    p.join(timeout=60)
+        finally:
+            d.stop()
+    idle_lag, idle_n = _p99_bucket(lag0, lag1)
+    hostile_lag, hostile_n = _p99_bucket(lag2, lag3)
+    i50, i99 = np.percentile(idle, [50, 99]) * 1e3
+    h50, h99 = np.percentile(hostile, [50, 99]) * 1e3
+    print(f"victim Loads of one 16-token page, {args.seconds:.0f} s a phase, budget {args.host_memory}")
+    print(f"  idle:    {len(idle)} Loads, p50 {i50:.2f} ms, p99 {i99:.2f} ms; "
+          f"loop lag p99 <= {idle_lag * 1e3:g} ms ({idle_n} ticks)")
+    print(f"  hostile: {len(hostile)} Loads, p50 {h50:.2f} ms, p99 {h99:.2f} ms; "
+          f"loop lag p99 <= {hostile_lag * 1e3:g} ms ({hostile_n} ticks)")
+    print(f"  victim p99 ratio hostile / idle: {h99 / i99:.2f}")
+    for name, (n, err) in served.items():
+        print(f"  {name}: {n} rounds" + (f" (stopped: {err})" if err else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""A compact hash index of keys, held in numpy arrays: (owner, key) -> entry id.
+
+Entries are numbered by their user (the cache numbers them by page id); each holds its key's two
+words, its length, its owner (a part or a space) and the next entry of its bucket's chain, 25 bytes
+in all, and the buckets hold one int32 for every two entries. No Python object is kept per key.
+
+Every call costs work in proportion to the keys it names, never to the index's size:
+- lookups walk the chains of all the keys at once, one numpy step per chain link; chains stay short
+  (two entries a bucket on average) because the hash is seeded at random per process, so a peer
+  cannot choose keys that crowd one bucket;
+- the index grows one bucket at a time (linear hashing): each insert splits as many buckets as it
+  added entries / 2, so no call ever rehashes the whole table;
+- a removal relinks only the chains of the buckets it touched.
+
+Primitives: ``KeyIndex`` (``find``, ``insert``, ``remove``, ``keys_of``, ``grow``) and
+``BYTES_PER_ENTRY``.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import numpy as np
+
+from kvserver.store.keys import Keys
+
+LOAD = 2  # entries per bucket, on average, before a bucket splits
+_FIRST_BUCKETS = 64
+BYTES_PER_ENTRY = 8 + 8 + 1 + 4 + 4 + 4 * 2 // LOAD  # words, length, owner, chain; buckets (at most 2x)
+
+_M1 = np.uint64(0xFF51AFD7ED558CCD)
+_M2 = np.uint64(0xC4CEB9FE1A85EC53)
+
+
+def _grown(arr: np.ndarray, capacity: int) -> np.ndarray:
+    """``arr`` in a new array of ``capacity`` (its tail zeros, left untouched: not resident)."""
+    out = np.zeros(capacity, arr.dtype)
+    out[: len(arr)] = arr
+    return out
+
+
+class KeyIndex:
+    def __init__(self, capacity: int = 1024) -> None:
+        self.w0 = np.zeros(capacity, np.uint64)
+        self.w1 = np.zeros(capacity, np.uint64)
+        self.lens = np.zeros(capacity, np.uint8)
+        self.owner = np.zeros(capacity, np.int32)
+        self.next = np.zeros(capacity, np.int32)
+        self.head = np.full(_FIRST_BUCKETS, -1, np.int32)
+        self.buckets = _FIRST_BUCKETS  # in use: self.head[:self.buckets]
+        self.level = _FIRST_BUCKETS  # buckets at the start of this round of splits (a power of 2)
+        self.split = 0  # buckets of this round split so far
+        self.count = 0
+        seeds = np.frombuffer(secrets.token_bytes(24), np.uint64)
+        self._s0, self._s1, self._s2 = seeds[0], seeds[1], seeds[2] | np.uint64(1)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.w0)
+
+    def grow(self, capacity: int) -> None:
+        """Room for entry ids below ``capacity``."""
+        for name in ("w0", "w1", "lens", "owner", "next"):
+            setattr(self, name, _grown(getattr(self, name), capacity))
+
+    def nbytes(self) -> int:
+        """Bytes of the arrays (allocated; pages never written are not resident)."""
+        return sum(a.nbytes for a in (self.w0, self.w1, self.lens, self.owner, self.next, self.head))
+
+    # Hashing and addressing
+
+    def _hash(self, w0: np.ndarray, w1: np.ndarray, lens: np.ndarray, owner: np.ndarray) -> np.ndarray:
+        h = (w0 ^ self._s0) * _M1
+        h ^= h >> np.uint64(31)
+        h += (w1 ^ self._s1) * _M2
+        h ^= h >> np.uint64(29)
+        h += (owner.astype(np.uint64) << np.uint64(8) | lens.astype(np.uint64)) * self._s2
+        h ^= h >> np.uint64(32)
+        h *= _M1
+        h ^= h >> np.uint64(33)
+        return h
+
+    def _bucket(self, h: np.ndarray) -> np.ndarray:
+        b = h & np.uint64(self.level - 1)
+        if self.split:
+            low = b < np.uint64(self.split)
+            b[low] = h[low] & np.uint64(2 * self.level - 1)
+        return b.astype(np.int64)
+
+    def _buckets_of(self, ids: np.ndarray) -> np.ndarray:
+        return self._bucket(self._hash(self.w0[ids], self.w1[ids], self.lens[ids], self.owner[ids]))
+
+    # Lookups
+
+    def find(self, owner: int, keys: Keys) -> np.ndarray:
+        """Entry id of each key under ``owner`` (int64), -1 where the index does not hold it."""
+        n = len(keys)
+        out = np.full(n, -1, np.int64)
+        if not n or not self.count:
+            return out
+        w0, w1, lens = keys.words[:, 0], keys.words[:, 1], keys.lens
+        cur = self.head[self._bucket(self._hash(w0, w1, lens, np.full(n, owner, np.int32)))].astype(np.int64)
+        pos = np.arange(n)
+        while True:
+            live = cur >= 0
+            pos, cur = pos[live], cur[live]
+            if not len(cur):
+                return out
+            hit = ((self.w0[cur] == w0[pos]) & (self.w1[cur] == w1[pos]) & (self.lens[cur] == lens[pos])
+                   & (self.owner[cur] == owner))
+            out[pos[hit]] = cur[hit]
+            pos, cur = pos[~hit], self.next[cur[~hit]].astype(np.int64)
+
+    def keys_of(self, ids: np.ndarray) -> Keys:
+        return Keys(np.stack([self.w0[ids], self.w1[ids]], axis=1), self.lens[ids])
+
+    # Changes
+
+    def insert(self, ids: np.ndarray, owner: int | np.ndarray, keys: Keys) -> None:
+        """Files entries ``ids`` (not in the index) under their keys; the keys must be distinct
+        and absent for their owner."""
+        if not len(ids):
+            return
+        self.w0[ids], self.w1[ids], self.lens[ids] = keys.words[:, 0], keys.words[:, 1], keys.lens
+        self.owner[ids] = owner
+        self._link(ids, self._buckets_of(ids))
+        self.count += len(ids)
+        self._split_to_load()
+
+    def remove(self, ids: np.ndarray) -> None:
+        """Takes entries ``ids`` (each in the index, each once) out of it."""
+        if not len(ids):
+            return
+        buckets = np.unique(self._buckets_of(ids))
+        members = self._members(buckets)
+        kept = members[~np.isin(members, ids)]
+        self.head[buckets] = -1
+        self._link(kept, self._buckets_of(kept))
+        self.count -= len(ids)
+
+    def _members(self, buckets: np.ndarray) -> np.ndarray:
+        """Every entry in the chains of ``buckets``."""
+        out = []
+        cur = self.head[buckets]
+        while True:
+            cur = cur[cur >= 0]
+            if not len(cur):
+                break
+            out.append(cur)
+            cur = self.next[cur]
+        return np.concatenate(out).astype(np.int64) if out else np.empty(0, np.int64)
+
+    def _link(self, ids: np.ndarray, buckets: np.ndarray) -> None:
+        """Puts entries at the heads of their buckets' chains (several a bucket at once)."""
+        if not len(ids):
+            return
+        order = np.argsort(buckets)
+        b, e = buckets[order], ids[order]
+        first = np.ones(len(b), bool)
+        first[1:] = b[1:] != b[:-1]
+        prev = np.empty(len(e), np.int64)
+        prev[0] = -1
+        prev[1:] = e[:-1]
+        self.next[e] = np.where(first, self.head[b], prev)
+        last = np.ones(len(b), bool)
+        last[:-1] = b[1:] != b[:-1]
+        self.head[b[last]] = e[last]
+
+    def _split_to_load(self) -> None:
+        """Splits buckets, in order, until they average at most ``LOAD`` entries."""
+        while self.count > LOAD * self.buckets:
+            k = min(-(-self.count // LOAD) - self.buckets, self.level - self.split)
+            lo = self.split
+            if self.buckets + k > len(self.head):
+                head = np.empty(max(2 * len(self.head), self.buckets + k), np.int32)
+                head[: self.buckets] = self.head[: self.buckets]
+                self.head = head
+            moved = self._members(np.arange(lo, lo + k))
+            self.head[lo : lo + k] = -1
+            self.head[self.buckets : self.buckets + k] = -1
+            self.buckets += k
+            self.split += k
+            if self.split == self.level:
+                self.level *= 2
+                self.split = 0
+            self._link(moved, self._buckets_of(moved))

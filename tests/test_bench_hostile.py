@@ -1,0 +1,23 @@
+"""benchmarks/bench_hostile.py runs end to end in short phases: it prints the victim's Load
+percentiles and the loop's lag for the idle and the hostile phase, their ratio, and every attack
+was served (the figures are the benchmark's, recorded in docs/performance.md)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_bench_hostile_prints_both_phases_and_every_attack():
+    run = subprocess.run([sys.executable, "benchmarks/bench_hostile.py", "--seconds", "3",
+                          "--host-memory", "512MiB"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert len(re.findall(r"p99 [\d.]+ ms; loop lag p99 <= [\d.]+ ms", run.stdout)) == 2, run.stdout
+    assert "victim p99 ratio hostile / idle" in run.stdout, run.stdout
+    rounds = dict(re.findall(r"  ([a-zA-Z ]+): (-?\d+) rounds", run.stdout))
+    assert set(rounds) == {"tiny pages", "evicting Puts", "pinned Lookups", "large region", "descriptors"}
+    assert all(int(n) > 0 for n in rounds.values()), run.stdout
