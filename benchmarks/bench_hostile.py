@@ -12,6 +12,8 @@ while these run, each in its own process, as fast as the daemon answers them (--
 - a large region: Register of a 256 MiB region, a Write populating all of it, Unregister;
 - descriptors: tickets of 253 memfds each (accepted, never redeemed) and of 253 TCP sockets
   (refused), back to back.
+A Register or a pin the budget refuses (the other attackers hold the memory) counts as a round,
+as an engine would try again.
 Prints the victim's Load p50 / p99 and the event loop's lag p99 (kvserver_event_loop_lag_seconds,
 the bucket it falls in) for each phase, their ratios, and how many of each attack the daemon
 served. Targets: victim p99 within 2x of idle, loop lag p99 under 20 ms.
@@ -48,19 +50,38 @@ LAG_METRIC = "kvserver_event_loop_lag_seconds_bucket"
 
 # ---- the attacks (each in its own process, until ``stop``) ----------------------------------------
 
-def _tiny_register(address: str, stop) -> int:
+def _registered(c: KVClient, **kw) -> bool:
+    """Registers; False (a round all the same) when the budget has no room: the other attackers
+    hold it, and an engine would try again."""
+    return _tried(c.register, **kw) is not None
+
+
+def _tried(call, *args, **kw):
+    """``call``'s answer; None (a round all the same) when the daemon has no room for it:
+    the other attackers hold the memory, and an engine would try again."""
+    try:
+        return call(*args, **kw)
+    except KVClientError as exc:
+        if exc.code.name != "RESOURCE_EXHAUSTED":
+            raise
+        time.sleep(0.01)
+        return None
+
+
+def _tiny_register(address: str, stop, ready) -> int:
     rounds = 0
     with ShmKVPool(KVLayout.mla(1, 0), torch.float8_e4m3fn, 1, 1024) as pool:
+        ready()
         while not stop.is_set():
             with KVClient(address, resilient=False) as c:
-                c.register(model="tiny", pool=pool, start_layer=0, end_layer=1, num_layers=1,
-                           host_tokens=1 << 30, min_host_tokens=PAGE, page_size=PAGE)
-                c.unregister()
+                if _registered(c, model="tiny", pool=pool, start_layer=0, end_layer=1, num_layers=1,
+                               host_tokens=1 << 30, min_host_tokens=PAGE, page_size=PAGE):
+                    c.unregister()
             rounds += 1
     return rounds
 
 
-def _evicting_puts(address: str, stop) -> int:
+def _evicting_puts(address: str, stop, ready) -> int:
     rounds = 0
     pools = [ShmKVPool(KVLayout.mla(r, 0), torch.float8_e4m3fn, 1, MAX_KEYS * PAGE) for r in (1, 2, 3, 4)]
     clients = [KVClient(address, resilient=False) for _ in pools]
@@ -69,6 +90,7 @@ def _evicting_puts(address: str, stop) -> int:
             c.register(model=f"evict{i}", pool=pool, start_layer=0, end_layer=1, num_layers=1,
                        host_tokens=0, page_size=PAGE)
         pages = list(range(MAX_KEYS))
+        ready()
         while not stop.is_set():
             clients[rounds % len(clients)].put(os.urandom(16 * MAX_KEYS), pages)
             rounds += 1
@@ -80,7 +102,7 @@ def _evicting_puts(address: str, stop) -> int:
     return rounds
 
 
-def _pinned_lookups(address: str, stop) -> int:
+def _pinned_lookups(address: str, stop, ready) -> int:
     rounds = 0
     keys = os.urandom(16 * MAX_KEYS)
     with ShmKVPool(KVLayout.mla(1, 0), torch.float8_e4m3fn, 1, MAX_KEYS * PAGE) as pool, \
@@ -88,23 +110,27 @@ def _pinned_lookups(address: str, stop) -> int:
         c.register(model="pin", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=0,
                    page_size=PAGE)
         c.put(keys, list(range(MAX_KEYS)))
+        ready()
         while not stop.is_set():
-            got = c.lookup(keys, pin_ms=60_000, whole_space=True)
-            if got.lease_id:
+            got = _tried(c.lookup, keys, pin_ms=60_000, whole_space=True)
+            if got is not None and got.lease_id:
                 c.release(got.lease_id)
             rounds += 1
     return rounds
 
 
-def _large_region(address: str, stop) -> int:
+def _large_region(address: str, stop, ready) -> int:
     rounds = 0
     layout = KVLayout.mha(8, 128)  # 4 KiB a token and part, 2 parts, 2 layers: 16 KiB a token
     tokens = (256 << 20) // (16 << 10)
     with ShmKVPool(layout, torch.float16, 2, 1024) as pool:
+        ready()
         while not stop.is_set():
             with KVClient(address, resilient=False) as c:
-                c.register(model="big", pool=pool, start_layer=0, end_layer=2, num_layers=2,
-                           host_tokens=tokens, page_size=16)
+                if not _registered(c, model="big", pool=pool, start_layer=0, end_layer=2, num_layers=2,
+                                   host_tokens=tokens, page_size=16):
+                    rounds += 1
+                    continue
                 host = c.alloc(tokens)
                 for s in range(0, tokens, 1024):
                     c.write(host_indices=host[s : s + 1024], device_indices=np.arange(1024))
@@ -113,11 +139,12 @@ def _large_region(address: str, stop) -> int:
     return rounds
 
 
-def _descriptors(address: str, stop) -> int:
+def _descriptors(address: str, stop, ready) -> int:
     rounds = 0
     path = fd_socket_path(address)
     memfds = [os.memfd_create("flood", os.MFD_CLOEXEC) for _ in range(FDS_PER_MESSAGE)]
     tcp = [socket.socket() for _ in range(FDS_PER_MESSAGE)]
+    ready()
     try:
         while not stop.is_set():
             for fds in (memfds, [s.fileno() for s in tcp]):
@@ -140,7 +167,7 @@ ATTACKS = {"tiny pages": _tiny_register, "evicting Puts": _evicting_puts, "pinne
 
 def _attack(name: str, address: str, stop, out) -> None:
     try:
-        out.put((name, ATTACKS[name](address, stop), ""))
+        out.put((name, ATTACKS[name](address, stop, lambda: out.put((name, None, ""))), ""))
     except (KVClientError, OSError, RuntimeError) as exc:
         out.put((name, -1, f"{type(exc).__name__}: {exc}"))
 
@@ -208,12 +235,21 @@ def main() -> None:
                 procs = [ctx.Process(target=_attack, args=(name, d.address, stop, out)) for name in attacks]
                 for p in procs:
                     p.start()
-                time.sleep(min(5.0, args.seconds / 2))  # the attacks under way (pools built, caches full)
+                served: dict[str, tuple[int, str]] = {}
+                waiting = set(attacks)
+                while waiting:  # every attack set up (pools built, registered) and under way
+                    name, n, err = out.get(timeout=300)
+                    waiting.discard(name)
+                    if n is not None:
+                        served[name] = (n, err)
+                time.sleep(1.0)
                 lag2 = _lag_buckets(port)
                 hostile = _loads(victim, host, device, args.seconds)
                 lag3 = _lag_buckets(port)
                 stop.set()
-                served = dict((name, (n, err)) for name, n, err in (out.get(timeout=300) for _ in procs))
+                while len(served) < len(procs):
+                    name, n, err = out.get(timeout=300)
+                    served[name] = (n, err)
                 for p in procs:
                     p.join(timeout=60)
         finally:

@@ -110,6 +110,12 @@ NOT_RUN = {
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_release.py --gib 4"):
         "a benchmark that populates 4 GiB twice, for figures measured by hand; tests/test_bench_release.py "
         "runs the same script on a small region",
+    ("docs/performance.md", ".venv/bin/python benchmarks/bench_index.py --mib 256"):
+        "a benchmark that fills a 256 MiB cache of tiny pages, for figures measured by hand; "
+        "tests/test_bench_index.py runs the same script on a 32 MiB budget",
+    ("docs/performance.md", ".venv/bin/python benchmarks/bench_hostile.py --seconds 10"):
+        "a benchmark of a daemon and five attacking processes for about half a minute, for figures "
+        "measured by hand; tests/test_bench_hostile.py runs the same script in 3 s phases",
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_priority.py"):
         "a benchmark of about a minute with a 1 GiB offloader engine, for figures measured by hand; "
         "tests/test_copies_workers.py holds the same order (a small load's copy before a queued offload's)",

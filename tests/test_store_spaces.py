@@ -283,18 +283,26 @@ def test_a_tenant_pinning_one_page_per_size_class_is_charged_its_slabs():
 
 def test_pins_are_charged_to_the_budget():
     """A pin's bookkeeping (its place in its lease's arrays) is booked against the arena while it
-    lasts; with no room left for it the pin is refused and changes nothing."""
+    lasts. In a full cache a pin evicts the least recently used slab that holds none of the pages it
+    pins; with nothing left to evict it is refused and changes nothing."""
     from kvserver.host.arena import BOOK_ALLOWANCE
     from kvserver.store.leases import PIN_BYTES
 
+    def fill_bookings() -> bool:  # books all the budget has left
+        return arena.book(arena.capacity - arena.reserved + arena.capacity // BOOK_ALLOWANCE - arena.booked)
+
     cache, arena, _ = make_cache()
     part = one_part(cache)
-    put(cache, part, K("ab"))
+    put(cache, part, K("cd"))
+    put(cache, part, K("ab"))  # two slabs: c, d's is the least recently used
     before = arena.booked
     n, lease = cache.lookup(part, K("ab"), pin_ms=1000)
     assert n == 2 and arena.booked == before + 2 * PIN_BYTES
     assert cache.release("t", [lease]) == 1 and arena.booked == before
-    assert arena.book(arena.available + arena.capacity // BOOK_ALLOWANCE - arena.booked)  # nothing left
+    assert fill_bookings()  # nothing left
+    n, lease = cache.lookup(part, K("ab"), pin_ms=1000)  # evicts c, d's slab for the pins' bookkeeping
+    assert n == 2 and stored(cache, part, "abcd") == "ab"
+    assert fill_bookings()
     with pytest.raises(NoCapacity, match="bookkeeping"):
-        cache.lookup(part, K("ab"), pin_ms=1000)
-    assert cache.pages.pins.sum() == 0
+        cache.lookup(part, K("ab"), pin_ms=1000)  # only a, b's own slab is left: nothing to evict
+    assert int(cache.pages.pins.sum()) == 2 and stored(cache, part, "ab") == "ab"

@@ -322,7 +322,7 @@ class KVServicer(pb_grpc.KVServerServicer):
 
     @_abort_on_error
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
-        pages, lease = self.cache.lookup(request)
+        pages, lease = await self.cache.lookup(request)
         return pb.LookupResponse(pages=pages, lease_id=lease)
 
     @_abort_on_error

@@ -9,7 +9,9 @@ a load into slots an earlier write still reads waits for it; an engine's prefetc
 own unrelated offloads.
 
 Host pages are the client's region pages (cache jobs have none: the cache hands out pages being
-written to no reader); device slots are tokens of its pool. Loop only.
+written to no reader); device slots are the pages of its pool (``page_size`` tokens each: a copy
+of single tokens marks their pages, which orders it at worst behind a copy of other tokens of the
+same page), so that marking costs one entry a page, never one a token. Loop only.
 """
 
 from __future__ import annotations
@@ -22,17 +24,15 @@ if TYPE_CHECKING:
     from kvserver.copies.job import Job
 
 
-def device_tokens(job: Job) -> np.ndarray:
+def device_pages(job: Job) -> np.ndarray:
+    """The device pages a job's copy reads or writes (repeats possible)."""
     plan = job.plan
-    if not plan.device_paged:
-        return plan.device_rows
-    offsets = np.arange(plan.page_size, dtype=np.int64)
-    return (plan.device_rows[:, None] * plan.page_size + offsets).reshape(-1)
+    return plan.device_rows if plan.device_paged else plan.device_rows // plan.page_size
 
 
 class JobOrder:
-    def __init__(self, region_pages: int, device_tokens: int) -> None:
-        self._sizes = (region_pages, device_tokens)
+    def __init__(self, region_pages: int, device_tokens: int, page_size: int) -> None:
+        self._sizes = (region_pages, -(-device_tokens // page_size))
         self.unfinished: list[Job] = []  # arrival order
         self._written: tuple[np.ndarray, np.ndarray] | None = None  # unfinished writes' pages, slots
         self._writes = 0
@@ -47,7 +47,7 @@ class JobOrder:
         if not load:
             pages, slots = self._marks()
             pages[job.pages] += 1
-            slots[device_tokens(job)] += 1
+            slots[device_pages(job)] += 1
             self._writes += 1
         return earlier
 
@@ -60,7 +60,7 @@ class JobOrder:
         if not job.load:
             pages, slots = self._marks()
             pages[job.pages] -= 1
-            slots[device_tokens(job)] -= 1
+            slots[device_pages(job)] -= 1
             self._writes -= 1
 
     def _marks(self) -> tuple[np.ndarray, np.ndarray]:
@@ -71,4 +71,4 @@ class JobOrder:
 
     def _touches_writes(self, job: Job) -> bool:
         pages, slots = self._marks()
-        return bool(pages[job.pages].any() or slots[device_tokens(job)].any())
+        return bool(pages[job.pages].any() or slots[device_pages(job)].any())

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Generator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -28,6 +29,7 @@ from kvserver.store.pages import COMMITTED
 from kvserver.v1 import kvserver_pb2 as pb
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_SPACE_IDS = 1 << 16  # space handles the daemon keeps (one per tenant and space)
 # Keys in one Lookup, Put or Get (2 Mi tokens in pages of 16): their bookkeeping runs on the event
@@ -128,7 +130,7 @@ class CacheOps:
 
     # ---- Lookup and Release -----------------------------------------------------------------
 
-    def lookup(self, req: pb.LookupRequest) -> tuple[int, str]:
+    async def lookup(self, req: pb.LookupRequest) -> tuple[int, str]:
         _, client, key = self._target(req.client_id, req.space_id)
         if req.pin_ms > MAX_PIN_MS:
             raise InvalidArgument(f"pin_ms is {req.pin_ms}; at most {MAX_PIN_MS}")
@@ -139,7 +141,7 @@ class CacheOps:
             target = part.space if req.whole_space else part
         else:
             target = self.cache.space(key)
-        return self.cache.lookup(target, keys, req.pin_ms)
+        return await in_steps(self.cache.lookup_steps(target, keys, req.pin_ms))
 
     def release(self, req: pb.ReleaseRequest) -> int:
         tenant, _, _ = self._target(req.client_id, req.space_id)
@@ -193,7 +195,7 @@ class CacheOps:
         """Stores the pages of ``keys`` not yet stored. Keys another Put is still writing count
         once that copy is over: present if it stored them; if it failed, stored here (``again``)
         or else reported not stored. A Put reports stored only what is."""
-        plan = self.cache.prepare_put(part, keys)
+        plan = await in_steps(self.cache.prepare_put_steps(part, keys))
         n = plan.positions.size
         waiting = plan.waiting
         if n == 0:
@@ -255,7 +257,7 @@ class CacheOps:
                                     req.event_slot)
         local_layers = client.spec.layers.select(req.layers)
         part = self._part(client)
-        plan = self.cache.prepare_get(part, keys, req.lease_id)
+        plan = await in_steps(self.cache.prepare_get_steps(part, keys, req.lease_id))
         if plan.pages == 0:
             self.cache.complete_get(plan, True)
             yield 0, None
@@ -274,6 +276,20 @@ class CacheOps:
         finally:
             if not job.submitted:  # it never reached the medium, so nothing will settle it
                 self.cache.complete_get(plan, False)
+
+
+async def in_steps(steps: Generator[None, None, T]) -> T:
+    """Runs a cache operation's steps (``kvserver.store.steps``), letting the event loop serve
+    others between two; a caller cancelled meanwhile closes it, which undoes what it did."""
+    try:
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+            await asyncio.sleep(0)
+    finally:
+        steps.close()
 
 
 async def expire_leases(cache: KVCache, stop: asyncio.Event, period: float = 1.0) -> None:

@@ -170,7 +170,7 @@ class Copier:
         loop = asyncio.get_running_loop()
         client = job.client
         if client.order is None:
-            client.order = JobOrder(client.busy.size, client.device.num_tokens)
+            client.order = JobOrder(client.busy.size, client.device.num_tokens, client.spec.page_size)
         job.after = client.order.admit(job, to_device)
         client.busy[job.pages] += 1  # cache jobs: no pages (the cache marks its own)
         client.inflight += 1

@@ -26,13 +26,14 @@ from kvserver.media import ShmAccess, SlabPinner, open_pool
 from kvserver.peers.tenants import tenant_of
 from kvserver.peers.tickets import TicketBook
 from kvserver.store import KVCache
+from kvserver.store.pages import MIN_PAGE_BYTES
 from kvserver.v1 import kvserver_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-# The least bytes of one host page (every layer and part of the client's range): each page costs the
-# daemon up to 9 bytes of bookkeeping (free list, allocated bitmap, busy count), at most 14% of it.
-MIN_PAGE_BYTES = 64
+# MIN_PAGE_BYTES (from the cache, which sizes its tables by it) is the least bytes of one host page
+# (every layer and part of the client's range): each page costs the daemon up to 9 bytes of
+# bookkeeping in a region (free list, allocated bitmap, busy count), at most 14% of it.
 LIMIT_FLAG = "--max-pages-per-client, KVSERVER_MAX_PAGES_PER_CLIENT"
 # A Free of more host indices is checked in a worker thread (numpy releases the GIL), so the event
 # loop keeps serving other engines meanwhile; 4 Mi indices take ~0.1 s to check.

@@ -110,6 +110,9 @@ class HostArena:
         charged = max(0, self.booked + booked - self.capacity // BOOK_ALLOWANCE)
         return self.reserved + size + charged <= self.capacity
 
+    def can_book(self, nbytes: int) -> bool:
+        return self._fits(0, nbytes)
+
     def book(self, nbytes: int) -> bool:
         """Books ``nbytes`` of bookkeeping with no region (``unbook`` gives them back); False,
         booking nothing, if the budget has no room for them."""

@@ -11,24 +11,25 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import replace
 
 import numpy as np
 
 from kvserver.errors import FailedPrecondition, InvalidArgument, NoCapacity
-from kvserver.host.arena import HostArena
+from kvserver.host.arena import BOOK_ALLOWANCE, HostArena
 from kvserver.store.complete import PartCounts
 from kvserver.store.counters import CacheCounters
-from kvserver.store.eviction import lru_pages, lru_slabs
+from kvserver.store.eviction import EvictionQueue, lru_slabs
 from kvserver.store.keys import Keys, as_keys, leading
 from kvserver.store.leases import LeaseTable
-from kvserver.store.pages import COMMITTED, WRITING, PageTable
+from kvserver.store.pages import BYTES_PER_PAGE, COMMITTED, MIN_PAGE_BYTES, WRITING, PageTable
 from kvserver.store.plans import GetPlan, PutPlan
 from kvserver.store.quotas import Tenant, Tenants
 from kvserver.store.slabs import SlabPool
 from kvserver.store.spaces import Part, PartKey, Space, SpaceKey
 from kvserver.store.stats import SpaceStat, TenantStat
+from kvserver.store.steps import STEP_KEYS, run_steps
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,13 @@ MAX_PIN_MS = 60_000
 MAX_LOOKUP_PAIRS = 1 << 20
 
 
+def max_pages(arena: HostArena) -> int:
+    """The most pages the arena can hold: all of the smallest pages an engine may have (64 bytes,
+    as registrations require) and their bookkeeping, past its free allowance."""
+    budget = arena.capacity + arena.capacity // BOOK_ALLOWANCE
+    return max(1 << 16, min((1 << 31) - 1, budget // (MIN_PAGE_BYTES + BYTES_PER_PAGE)))
+
+
 class KVCache:
     def __init__(self, arena: HostArena, *, default_quota: int = 0, quotas: Mapping[str, int] = {},  # noqa: B006
                  slab_bytes: int = 8 << 20, max_spaces_per_tenant: int = 256,
@@ -46,10 +54,11 @@ class KVCache:
         self.arena = arena
         self.clock = clock
         self.max_spaces_per_tenant = max_spaces_per_tenant
-        self.pages = PageTable()
-        self.part_counts = PartCounts()
+        self.pages = PageTable(max_pages(arena))
+        self.part_counts = PartCounts(self.pages.size)
         self.slabs = SlabPool(arena, self.pages, slab_bytes)
-        self.leases = LeaseTable(self.pages, max_leases_per_tenant, clock, arena=arena)
+        self.leases = LeaseTable(self.pages, max_leases_per_tenant, clock, arena=arena,
+                                 make_room=self._room_to_book)
         self.tenants = Tenants(arena.capacity, default_quota, quotas)
         self.on_slab_added = self.slabs.on_slab_added
         self.on_slab_removed = self.slabs.on_slab_removed
@@ -58,6 +67,7 @@ class KVCache:
         # space() or a call through a held Part brings back the same object.
         self._dropped: weakref.WeakValueDictionary[SpaceKey, Space] = weakref.WeakValueDictionary()
         self._parts: dict[int, Part] = {}
+        self._queues: dict[tuple[int, int], EvictionQueue] = {}  # per size class (tenant, page bytes)
         self._next_gid = 0
 
     @property
@@ -140,6 +150,15 @@ class KVCache:
     # Lookup
 
     def lookup(self, target: Part | Space, keys: Keys | Sequence[bytes], pin_ms: int = 0) -> tuple[int, str]:
+        """How many leading keys are stored (in every part of a space), pinned under a new lease
+        for ``pin_ms`` if given; see ``lookup_steps``."""
+        return run_steps(self.lookup_steps(target, keys, pin_ms))
+
+    def lookup_steps(self, target: Part | Space, keys: Keys | Sequence[bytes],
+                     pin_ms: int = 0) -> Generator[None, None, tuple[int, str]]:
+        """``lookup`` in steps of at most ``STEP_KEYS`` keys, yielding between them so that the
+        daemon's event loop serves others meanwhile. Each step pins what it found before the next
+        one runs; a lookup given up midway ends its lease."""
         keys = as_keys(keys)
         if not 0 <= pin_ms <= MAX_PIN_MS:
             raise InvalidArgument(f"pin_ms must be between 0 and {MAX_PIN_MS}, got {pin_ms}")
@@ -156,29 +175,78 @@ class KVCache:
         asked = len(keys)
         if len(parts) > 1:
             keys = keys[: max(1, MAX_LOOKUP_PAIRS // len(parts))]
-        n = len(keys) if parts else 0
-        found = []
-        for part in parts:
-            ids = self.pages.find(part.gid, keys[:n])
-            n = leading((ids >= 0) & (self.pages.state[ids] == COMMITTED))
-            found.append(ids)
-        counted = [ids[:n] for ids in found] if n else []
+        total = len(keys) if parts else 0
+        n = 0
+        counted: list[list[np.ndarray]] = []  # per step, per part: the page ids found
         lease_id = ""
-        if pin_ms and n:  # first: a pin refused for the tenant's limits changes nothing
-            # Distinct keys are distinct pages (a page holds one key of one part): no dedup then.
-            distinct = keys[:n].distinct()
-            lease_id = self.leases.add(tenant.name, np.concatenate(counted), pin_ms, distinct=distinct)
+        try:
+            while n < total:
+                step = keys[n : n + STEP_KEYS]
+                m, found = len(step), []
+                for part in parts:
+                    ids = self.pages.find(part.gid, step[:m])
+                    m = leading((ids >= 0) & (self.pages.state[ids] == COMMITTED))
+                    found.append(ids)
+                got = [ids[:m] for ids in found]
+                if pin_ms and m:  # a pin refused for the tenant's limits: the lease so far ends
+                    # Distinct keys are distinct pages (a page holds one key of one part): no dedup then.
+                    ids, distinct = np.concatenate(got), step[:m].distinct()
+                    if lease_id:
+                        self.leases.extend(lease_id, tenant.name, ids, distinct=distinct)
+                    else:
+                        lease_id = self.leases.add(tenant.name, ids, pin_ms, distinct=distinct)
+                counted.append(got)
+                n += m
+                if m < len(step) or n == total:
+                    break
+                yield
+        except BaseException:
+            if lease_id:
+                self.leases.end(lease_id, tenant.name)
+            raise
         for c in (space.counters, tenant.counters):
             c.hits += n
             c.misses += asked - n
-        for ids in counted:
-            self.pages.touch(ids)
+        # Touched once at the end, in key order, so that the first key is the most recent. Pages
+        # a step found unpinned may have gone since; a stamp on a page that changed only moves it
+        # in the LRU order.
+        for j in range(len(parts) if counted else 0):
+            self.pages.touch(np.concatenate([got[j] for got in counted]))
         return n, lease_id
 
     # Put
 
     def prepare_put(self, part: Part, keys: Keys | Sequence[bytes]) -> PutPlan:
+        """Takes pages for the keys the part does not hold (see ``prepare_put_steps``)."""
+        return run_steps(self.prepare_put_steps(part, keys))
+
+    def prepare_put_steps(self, part: Part, keys: Keys | Sequence[bytes]) -> Generator[None, None, PutPlan]:
+        """``prepare_put`` in steps of at most ``STEP_KEYS`` keys. Once a step cannot store all of
+        its keys the budget is full: the keys after it are dropped whole, so that what is stored
+        is a prefix. A Put given up midway frees what its steps took."""
         keys = as_keys(keys)
+        plans: list[tuple[int, PutPlan]] = []
+        start = 0
+        try:
+            while start < len(keys):
+                plan = self._prepare_put(part, keys[start : start + STEP_KEYS])
+                plans.append((start, plan))
+                start += STEP_KEYS
+                if plan.dropped or start >= len(keys):
+                    break
+                yield
+        except BaseException:
+            for _, plan in plans:
+                self.complete_put(plan, False)
+            raise
+        rest = max(0, len(keys) - start)
+        if rest:
+            tenant = self.tenants.get(part.space.key.tenant)
+            for c in (part.space.counters, tenant.counters):
+                c.dropped += rest
+        return PutPlan.merged(part, plans, rest)
+
+    def _prepare_put(self, part: Part, keys: Keys) -> PutPlan:
         space = self._live(part.space)
         tenant = self.tenants.get(space.key.tenant)
         page_bytes = part.key.page_bytes
@@ -260,10 +328,10 @@ class KVCache:
         under_quota = grow()
         kept: list[int] = []  # slabs emptied here, reused before being released
         short = want - self.slabs.free_count(cls)
-        if short > 0:
-            p = self.pages
-            mine = p.evictable() & (p.tenant == tenant.tid) & (p.nbytes == page_bytes)
-            kept += self._drop(lru_pages(p, mine, short), release_empty=False)
+        if short > 0:  # the class's own least recently used pages, from its queue
+            queue = self._queues.setdefault(cls, EvictionQueue())
+            old = queue.pop(self.pages, lambda: self.slabs.pages_of(cls), tenant.tid, page_bytes, short)
+            kept += self._drop(old, release_empty=False)
         if self.slabs.free_count(cls) < want:
             # Other slabs, least recently used first, ranked once: evicting one slab changes no
             # other slab's pages, so the order holds for the whole Put (ranking again per slab made
@@ -283,13 +351,33 @@ class KVCache:
     # Get
 
     def prepare_get(self, part: Part, keys: Keys | Sequence[bytes], lease_id: str = "") -> GetPlan:
+        """The longest stored prefix of ``keys``, marked as being read (see ``prepare_get_steps``)."""
+        return run_steps(self.prepare_get_steps(part, keys, lease_id))
+
+    def prepare_get_steps(self, part: Part, keys: Keys | Sequence[bytes],
+                          lease_id: str = "") -> Generator[None, None, GetPlan]:
+        """``prepare_get`` in steps of at most ``STEP_KEYS`` keys; each step marks its pages as
+        being read before the next runs, and a Get given up midway unmarks them."""
         keys = as_keys(keys)
         space = self._live(part.space)
         tenant = self.tenants.get(space.key.tenant)
-        ids = self.pages.find(part.gid, keys)
-        n = leading((ids >= 0) & (self.pages.state[ids] == COMMITTED))
-        ids = ids[:n]
-        np.add.at(self.pages.readers, ids, 1)
+        n, got = 0, []
+        try:
+            while n < len(keys):
+                step = keys[n : n + STEP_KEYS]
+                ids = self.pages.find(part.gid, step)
+                m = leading((ids >= 0) & (self.pages.state[ids] == COMMITTED))
+                np.add.at(self.pages.readers, ids[:m], 1)
+                got.append(ids[:m])
+                n += m
+                if m < len(step) or n == len(keys):
+                    break
+                yield
+        except BaseException:
+            for ids in got:
+                np.subtract.at(self.pages.readers, ids, 1)
+            raise
+        ids = np.concatenate(got) if got else np.empty(0, np.int64)
         for c in (space.counters, tenant.counters):
             c.misses += len(keys) - n
         lease = lease_id if lease_id and self.leases.holds(lease_id, tenant.name) else ""
@@ -323,6 +411,18 @@ class KVCache:
             if self.arena.largest_free() >= nbytes:
                 return True
         return False
+
+    def _room_to_book(self, nbytes: int, spare: np.ndarray) -> None:
+        """Evicts whole slabs, least recently used first, none holding a page of ``spare``, until
+        the arena can book ``nbytes`` more bytes of bookkeeping (a full cache's new pins)."""
+        np.add.at(self.pages.readers, spare, 1)  # busy: their slabs are not evicted
+        try:
+            for sid in lru_slabs(self.pages, self.slabs.nslabs).tolist():
+                if self.arena.can_book(nbytes):
+                    return
+                self._evict_slab(sid)
+        finally:
+            np.subtract.at(self.pages.readers, spare, 1)
 
     def _evict_slab(self, sid: int) -> None:
         slab = self.slabs.slabs[sid]

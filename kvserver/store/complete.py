@@ -17,15 +17,17 @@ import numpy as np
 
 from kvserver.store.index import KeyIndex
 from kvserver.store.keys import Keys
+from kvserver.store.lazy import lazy_zeros
 from kvserver.store.stack import IdStack
 
 
 class PartCounts:
     """(space, key) -> parts of the space that hold the key committed."""
 
-    def __init__(self) -> None:
-        self.index = KeyIndex(0)
-        self.held = np.zeros(0, np.int32)
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        # At most one entry per cached page: sized for ``capacity`` pages, committed as used.
+        self.index = KeyIndex(capacity)
+        self.held = lazy_zeros(capacity, np.int32)
         self._spare = IdStack()
         self._fresh = 0
         self._spaces = itertools.count()
@@ -37,12 +39,6 @@ class PartCounts:
         ids = self._spare.pop(n)
         if len(ids) < n:
             k = n - len(ids)
-            if self._fresh + k > len(self.held):
-                cap = max(2 * len(self.held), self._fresh + k, 1024)
-                self.index.grow(cap)
-                held = np.zeros(cap, np.int32)
-                held[: len(self.held)] = self.held
-                self.held = held
             ids = np.concatenate([ids, np.arange(self._fresh, self._fresh + k, dtype=np.int64)])
             self._fresh += k
         return ids

@@ -12,8 +12,7 @@ Every call costs work in proportion to the keys it names, never to the index's s
   added entries / 2, so no call ever rehashes the whole table;
 - a removal relinks only the chains of the buckets it touched.
 
-Primitives: ``KeyIndex`` (``find``, ``insert``, ``remove``, ``keys_of``, ``grow``) and
-``BYTES_PER_ENTRY``.
+Primitives: ``KeyIndex`` (``find``, ``insert``, ``remove``, ``keys_of``) and ``BYTES_PER_ENTRY``.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ import secrets
 import numpy as np
 
 from kvserver.store.keys import Keys
+from kvserver.store.lazy import lazy_zeros
 
 LOAD = 2  # entries per bucket, on average, before a bucket splits
 _FIRST_BUCKETS = 64
@@ -32,21 +32,17 @@ _M1 = np.uint64(0xFF51AFD7ED558CCD)
 _M2 = np.uint64(0xC4CEB9FE1A85EC53)
 
 
-def _grown(arr: np.ndarray, capacity: int) -> np.ndarray:
-    """``arr`` in a new array of ``capacity`` (its tail zeros, left untouched: not resident)."""
-    out = np.zeros(capacity, arr.dtype)
-    out[: len(arr)] = arr
-    return out
-
-
 class KeyIndex:
     def __init__(self, capacity: int = 1024) -> None:
-        self.w0 = np.zeros(capacity, np.uint64)
-        self.w1 = np.zeros(capacity, np.uint64)
-        self.lens = np.zeros(capacity, np.uint8)
-        self.owner = np.zeros(capacity, np.int32)
-        self.next = np.zeros(capacity, np.int32)
-        self.head = np.full(_FIRST_BUCKETS, -1, np.int32)
+        # Sized for ``capacity`` entries at once, committed as used (``lazy_zeros``): no call ever
+        # copies the index to grow it.
+        self.w0 = lazy_zeros(capacity, np.uint64)
+        self.w1 = lazy_zeros(capacity, np.uint64)
+        self.lens = lazy_zeros(capacity, np.uint8)
+        self.owner = lazy_zeros(capacity, np.int32)
+        self.next = lazy_zeros(capacity, np.int32)
+        self.head = lazy_zeros(_FIRST_BUCKETS + capacity // LOAD + 1, np.int32)
+        self.head[:_FIRST_BUCKETS] = -1
         self.buckets = _FIRST_BUCKETS  # in use: self.head[:self.buckets]
         self.level = _FIRST_BUCKETS  # buckets at the start of this round of splits (a power of 2)
         self.split = 0  # buckets of this round split so far
@@ -57,11 +53,6 @@ class KeyIndex:
     @property
     def capacity(self) -> int:
         return len(self.w0)
-
-    def grow(self, capacity: int) -> None:
-        """Room for entry ids below ``capacity``."""
-        for name in ("w0", "w1", "lens", "owner", "next"):
-            setattr(self, name, _grown(getattr(self, name), capacity))
 
     def nbytes(self) -> int:
         """Bytes of the arrays (allocated; pages never written are not resident)."""
@@ -171,10 +162,6 @@ class KeyIndex:
         while self.count > LOAD * self.buckets:
             k = min(-(-self.count // LOAD) - self.buckets, self.level - self.split)
             lo = self.split
-            if self.buckets + k > len(self.head):
-                head = np.empty(max(2 * len(self.head), self.buckets + k), np.int32)
-                head[: self.buckets] = self.head[: self.buckets]
-                self.head = head
             moved = self._members(np.arange(lo, lo + k))
             self.head[lo : lo + k] = -1
             self.head[self.buckets : self.buckets + k] = -1

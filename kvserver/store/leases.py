@@ -5,8 +5,8 @@ A lease of a whole space pins the pages of every part (every TP rank and PP stag
 reads only its own part: a Get naming the lease unpins its own part's pages, and the lease ends
 once no part is left, so the ranks that have not read yet keep their pins.
 
-Primitives: ``Lease`` and ``LeaseTable`` (``add``, ``end``, ``end_part``, ``release``, ``expire``,
-``holds``).
+Primitives: ``Lease`` and ``LeaseTable`` (``add``, ``extend``, ``end``, ``end_part``, ``release``,
+``expire``, ``holds``).
 """
 
 from __future__ import annotations
@@ -37,9 +37,12 @@ class Lease:
 
 class LeaseTable:
     def __init__(self, pages: PageTable, max_per_tenant: int, clock: Callable[[], float],
-                 max_pinned_per_tenant: int = MAX_PINNED_PER_TENANT, arena: HostArena | None = None) -> None:
+                 max_pinned_per_tenant: int = MAX_PINNED_PER_TENANT, arena: HostArena | None = None,
+                 make_room: Callable[[int, np.ndarray], None] | None = None) -> None:
         self.pages = pages
         self.arena = arena
+        # Evicts (sparing the given pages) until the arena can book that many more bytes.
+        self.make_room = make_room
         self.max_per_tenant = max_per_tenant
         self.max_pinned_per_tenant = max_pinned_per_tenant
         self._pinned: dict[str, int] = {}  # page pins the tenant's leases hold
@@ -63,6 +66,23 @@ class LeaseTable:
         now; returns the new lease id. ``distinct``: the caller knows no id repeats (deduplicating
         a million ids costs most of a second)."""
         self.check(tenant)
+        ids = self._pin(tenant, ids, distinct)
+        lease_id = secrets.token_hex(16)
+        expires = self.clock() + pin_ms / 1000
+        self.leases[lease_id] = Lease(tenant, expires, ids, self.pages.part[ids])
+        self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
+        heapq.heappush(self._heap, (expires, lease_id))
+        return lease_id
+
+    def extend(self, lease_id: str, tenant: str, ids: np.ndarray, distinct: bool = False) -> None:
+        """Pins more pages under a lease of the tenant (a lookup's later step), on the same terms
+        as ``add``."""
+        lease = self.leases[lease_id]
+        ids = self._pin(tenant, ids, distinct)
+        lease.pages = np.concatenate([lease.pages, ids])
+        lease.parts = np.concatenate([lease.parts, self.pages.part[ids]])
+
+    def _pin(self, tenant: str, ids: np.ndarray, distinct: bool) -> np.ndarray:
         if not distinct:
             ids = np.unique(ids)
         held = self._pinned.get(tenant, 0)
@@ -71,19 +91,18 @@ class LeaseTable:
                 f"tenant {tenant!r} pins {held} pages under its leases; {ids.size} more would pass the "
                 f"most allowed ({self.max_pinned_per_tenant}): release leases or pin fewer pages"
             )
-        if self.arena is not None and not self.arena.book(ids.size * PIN_BYTES):
-            raise NoCapacity(
-                f"no host memory left for the bookkeeping of {ids.size} more pins: release leases "
-                "or pin fewer pages"
-            )
-        lease_id = secrets.token_hex(16)
-        expires = self.clock() + pin_ms / 1000
+        nbytes = ids.size * PIN_BYTES
+        if self.arena is not None and not self.arena.book(nbytes):
+            if self.make_room is not None:
+                self.make_room(nbytes, ids)
+            if not self.arena.book(nbytes):
+                raise NoCapacity(
+                    f"no host memory left for the bookkeeping of {ids.size} more pins: release leases "
+                    "or pin fewer pages"
+                )
         self.pages.pins[ids] += 1
         self._pinned[tenant] = held + ids.size
-        self.leases[lease_id] = Lease(tenant, expires, ids, self.pages.part[ids])
-        self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
-        heapq.heappush(self._heap, (expires, lease_id))
-        return lease_id
+        return ids
 
     def holds(self, lease_id: str, tenant: str) -> bool:
         lease = self.leases.get(lease_id)

@@ -12,6 +12,7 @@ import numpy as np
 
 from kvserver.store.index import BYTES_PER_ENTRY, KeyIndex
 from kvserver.store.keys import Keys
+from kvserver.store.lazy import lazy_zeros
 from kvserver.store.stack import IdStack
 
 UNUSED = 0  # id not in any slab
@@ -30,6 +31,7 @@ _ARRAYS = {
     "slab": np.int32,
     "nbytes": np.int64,
 }
+MIN_PAGE_BYTES = 64  # the smallest host page a registration may have (see kvserver.core)
 # Bookkeeping bytes per page: the arrays above, its key index entry, its place in a free list or
 # the spare ids (4), and the entry a space of several parts may keep for its key (complete.py).
 BYTES_PER_PAGE = sum(np.dtype(t).itemsize for t in _ARRAYS.values()) + 2 * (BYTES_PER_ENTRY + 4)
@@ -38,34 +40,25 @@ BYTES_PER_PAGE = sum(np.dtype(t).itemsize for t in _ARRAYS.values()) + 2 * (BYTE
 class PageTable:
     """Arrays of per-page state; an array doubles when the ids run out."""
 
-    def __init__(self, capacity: int = 1024) -> None:
-        self.size = 0  # ids below it have array entries
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        # Every array is sized for ``capacity`` pages at once and committed as it is used (ids are
+        # handed out from the lowest): the table never grows, so no call copies it.
+        self.size = capacity  # the most page ids there can be
         self.fresh = 0  # ids below it have been handed out at least once
         self._spare = IdStack()  # ids given back, reused first
         self._tick = 0
-        self.stamp = self.pins = self.readers = self.state = np.empty(0)
-        self.part = self.tenant = self.offset = self.slab = self.nbytes = np.empty(0)
-        self.index = KeyIndex(0)
-        self._grow(capacity)
-
-    def _grow(self, capacity: int) -> None:
-        # New entries are zeros, written only when their ids are handed out: a grown table costs
-        # memory as its pages are used, not as it is sized.
-        old = self.size
         for name, dtype in _ARRAYS.items():
-            arr = np.zeros(capacity, dtype)
-            arr[:old] = getattr(self, name)[:old]
-            setattr(self, name, arr)
-        self.index.grow(capacity)
-        self.size = capacity
+            setattr(self, name, lazy_zeros(capacity, dtype))
+        self.index = KeyIndex(capacity)
+        self.slab_stamp = np.zeros(64, np.int64)  # per slab id: the newest stamp of its pages
 
-    def take(self, n: int) -> np.ndarray:
-        """``n`` unused page ids, ascending where possible."""
+    def take(self, n: int) -> np.ndarray | None:
+        """``n`` unused page ids, ascending where possible; None if the table has fewer left."""
+        if len(self._spare) + self.size - self.fresh < n:
+            return None
         ids = self._spare.pop(n)
         if len(ids) < n:
             k = n - len(ids)
-            if self.fresh + k > self.size:
-                self._grow(max(2 * self.size, self.fresh + k))
             ids = np.concatenate([ids, np.arange(self.fresh, self.fresh + k, dtype=np.int64)])
             self.fresh += k
         return ids
@@ -84,8 +77,18 @@ class PageTable:
         """Marks pages used, in key order: the first is made the most recently used."""
         n = len(ids)
         if n:
-            self.stamp[ids] = np.arange(self._tick + n, self._tick, -1, dtype=np.int64)
+            stamps = np.arange(self._tick + n, self._tick, -1, dtype=np.int64)
+            self.stamp[ids] = stamps
+            np.maximum.at(self.slab_stamp, self.slab[ids], stamps)  # its slabs' recency, kept as it goes
             self._tick += n
+
+    def new_slab(self, sid: int) -> None:
+        """A slab id starts (again): not used yet."""
+        if sid >= len(self.slab_stamp):
+            grown = np.zeros(max(2 * len(self.slab_stamp), sid + 1), np.int64)
+            grown[: len(self.slab_stamp)] = self.slab_stamp
+            self.slab_stamp = grown
+        self.slab_stamp[sid] = 0
 
     def find(self, part: int, keys: Keys) -> np.ndarray:
         """Page id of each key in part ``part`` (being written or committed), -1 where none."""

@@ -28,6 +28,22 @@ class PutPlan:
     page_ids: np.ndarray = field(default_factory=_no_pages)  # the new pages; emptied once completed
     waiting: np.ndarray = field(default_factory=_no_pages)  # positions of keys another Put is writing
 
+    @classmethod
+    def merged(cls, part: Part, plans: list[tuple[int, PutPlan]], dropped: int = 0) -> PutPlan:
+        """One plan of the plans of a request's steps (each with the position its keys start
+        at), with ``dropped`` more keys dropped after them."""
+        if len(plans) == 1 and plans[0][0] == 0:
+            plan = plans[0][1]
+            plan.dropped += dropped
+            return plan
+
+        def cat(arrays: list[np.ndarray]) -> np.ndarray:
+            return np.concatenate(arrays) if arrays else _no_pages()
+
+        return cls(part, cat([p.positions + s for s, p in plans]), cat([p.offsets for _, p in plans]),
+                   sum(p.present for _, p in plans), sum(p.dropped for _, p in plans) + dropped,
+                   cat([p.page_ids for _, p in plans]), cat([p.waiting + s for s, p in plans]))
+
 
 @dataclass(slots=True)
 class GetPlan:

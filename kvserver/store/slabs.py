@@ -76,6 +76,11 @@ class SlabPool:
     def free_count(self, cls: Class) -> int:
         return len(self._free.get(cls, ()))
 
+    def pages_of(self, cls: Class) -> np.ndarray:
+        """The page ids of the class's slabs."""
+        sids = self.of_class.get(cls, ())
+        return np.concatenate([self.slabs[s].pages for s in sids]) if sids else np.empty(0, np.int64)
+
     @staticmethod
     def cost(nbytes: int, booked: int, quota: int) -> int:
         """What slabs of ``nbytes`` whose pages book ``booked`` bytes cost a tenant of ``quota``:
@@ -117,8 +122,12 @@ class SlabPool:
             offset = self.arena.reserve_high(nbytes, booked=n * BYTES_PER_PAGE)
         except NoCapacity:
             return False
-        sid = self._spare_sids.pop() if self._spare_sids else self._new_sid()
         ids = self.pages.take(n)
+        if ids is None:  # the page table is full (pages of the smallest size fill the budget)
+            self.arena.release(offset, nbytes, booked=n * BYTES_PER_PAGE)
+            return False
+        sid = self._spare_sids.pop() if self._spare_sids else self._new_sid()
+        self.pages.new_slab(sid)
         p = self.pages
         p.state[ids] = FREE
         p.offset[ids] = offset + np.arange(n, dtype=np.int64) * page_bytes

@@ -1,0 +1,87 @@
+"""A large request's bookkeeping runs in steps of at most STEP_KEYS keys (the daemon lets its event
+loop serve others between two): stepped or run at once it gives the same answer, and a request
+given up between two steps leaves nothing behind (no pin, no page being written or read)."""
+
+from __future__ import annotations
+
+import pytest
+from store_support import MiB, make_cache, one_part, put
+
+import kvserver.store.cache as cache_module
+from kvserver.store import Keys
+from kvserver.store.pages import WRITING
+from kvserver.store.steps import run_steps
+
+N = 100
+
+
+def keys(n: int, salt: int = 0) -> Keys:
+    return Keys.of([(i + (salt << 32)).to_bytes(16, "little") for i in range(n)])
+
+
+@pytest.fixture
+def small_steps(monkeypatch):
+    monkeypatch.setattr(cache_module, "STEP_KEYS", 16)
+
+
+def steps_of(gen) -> tuple[int, object]:
+    """(how many times it yielded, what it returned)."""
+    n = 0
+    while True:
+        try:
+            next(gen)
+        except StopIteration as done:
+            return n, done.value
+        n += 1
+
+
+def test_a_large_request_yields_between_steps_and_answers_the_same(small_steps):
+    cache, _, _ = make_cache(capacity=64 * MiB)
+    part = one_part(cache, page_bytes=4096)
+    yields, plan = steps_of(cache.prepare_put_steps(part, keys(N)))
+    assert yields == N // 16 and len(plan.positions) == N and plan.positions.tolist() == list(range(N))
+    cache.complete_put(plan, True)
+    yields, got = steps_of(cache.lookup_steps(part, keys(N)))
+    assert yields == N // 16 and got == (N, "")
+    mixed = Keys.of([*(k.to_bytes(16, "little") for k in range(40)), b"missing".ljust(16, b"\0")])
+    assert steps_of(cache.lookup_steps(part, mixed)) == (2, (40, ""))  # stops at the first miss
+    yields, plan = steps_of(cache.prepare_get_steps(part, keys(N)))
+    assert yields == N // 16 and plan.pages == N and len(plan.offsets) == N
+    cache.complete_get(plan, True)
+    counters = cache.stats()[0][0].counters
+    assert (counters.pages, counters.hits, counters.misses) == (N, N + 40, 1)
+
+
+def test_a_pinned_lookup_pins_every_step_under_one_lease(small_steps):
+    cache, _, _ = make_cache(capacity=64 * MiB)
+    part = one_part(cache, page_bytes=4096)
+    put(cache, part, keys(N))
+    n, lease = run_steps(cache.lookup_steps(part, keys(N), pin_ms=1000))
+    assert n == N and len(cache.leases.leases) == 1 and int(cache.pages.pins.sum()) == N
+    assert cache.release("t", [lease]) == 1 and int(cache.pages.pins.sum()) == 0
+
+
+def test_requests_given_up_between_steps_leave_nothing(small_steps):
+    cache, arena, _ = make_cache(capacity=64 * MiB)
+    part = one_part(cache, page_bytes=4096)
+    put(cache, part, keys(N))
+    booked = arena.booked
+    for gen in (cache.lookup_steps(part, keys(N), pin_ms=1000), cache.prepare_put_steps(part, keys(N, 1)),
+                cache.prepare_get_steps(part, keys(N))):
+        next(gen)
+        next(gen)  # two steps done
+        gen.close()  # the caller gave up (a cancelled RPC)
+    assert int(cache.pages.pins.sum()) == 0 and not cache.leases.leases and arena.booked == booked
+    assert int((cache.pages.state == WRITING).sum()) == 0 and int(cache.pages.readers.sum()) == 0
+    assert cache.lookup(part, keys(N, 1)) == (0, "")  # the Put given up stored nothing
+    assert part.pages == N
+
+
+def test_a_put_that_fills_the_budget_drops_every_later_key(small_steps):
+    cache, _, _ = make_cache(capacity=8 * MiB, default_quota=2 * MiB)  # 2 MiB: 512 pages of 4 KiB
+    part = one_part(cache, page_bytes=4096)
+    plan = cache.prepare_put(part, keys(600))
+    stored = len(plan.positions)
+    assert stored < 600 and plan.positions.tolist() == list(range(stored))  # a prefix, whole
+    assert plan.dropped == 600 - stored and plan.present == 0
+    cache.complete_put(plan, True)
