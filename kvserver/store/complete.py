@@ -18,7 +18,7 @@ import numpy as np
 from kvserver.store.index import KeyIndex
 from kvserver.store.keys import Keys
 from kvserver.store.lazy import lazy_zeros
-from kvserver.store.stack import IdStack
+from kvserver.store.stack import IdPool
 
 
 class PartCounts:
@@ -28,27 +28,18 @@ class PartCounts:
         # At most one entry per cached page: sized for ``capacity`` pages, committed as used.
         self.index = KeyIndex(capacity)
         self.held = lazy_zeros(capacity, np.int32)
-        self._spare = IdStack()
-        self._fresh = 0
+        self._ids = IdPool(capacity)
         self._spaces = itertools.count()
 
     def new_space(self) -> int:
         return next(self._spaces)
-
-    def _take(self, n: int) -> np.ndarray:
-        ids = self._spare.pop(n)
-        if len(ids) < n:
-            k = n - len(ids)
-            ids = np.concatenate([ids, np.arange(self._fresh, self._fresh + k, dtype=np.int64)])
-            self._fresh += k
-        return ids
 
     def add(self, space: int, keys: Keys) -> np.ndarray:
         """Counts one more part for each key (distinct); returns the new counts."""
         ids = self.index.find(space, keys)
         new = ids < 0
         if new.any():
-            fresh = self._take(int(new.sum()))
+            fresh = self._ids.take(int(new.sum()))  # never None: an entry per cached page at most
             self.index.insert(fresh, space, keys.take(np.flatnonzero(new)))
             self.held[fresh] = 0
             ids[new] = fresh
@@ -63,7 +54,7 @@ class PartCounts:
         self.held[ids] -= 1
         gone = ids[old == 1]
         self.index.remove(gone)
-        self._spare.push(gone)
+        self._ids.give(gone)
         return old
 
 

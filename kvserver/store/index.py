@@ -50,14 +50,6 @@ class KeyIndex:
         seeds = np.frombuffer(secrets.token_bytes(24), np.uint64)
         self._s0, self._s1, self._s2 = seeds[0], seeds[1], seeds[2] | np.uint64(1)
 
-    @property
-    def capacity(self) -> int:
-        return len(self.w0)
-
-    def nbytes(self) -> int:
-        """Bytes of the arrays (allocated; pages never written are not resident)."""
-        return sum(a.nbytes for a in (self.w0, self.w1, self.lens, self.owner, self.next, self.head))
-
     # Hashing and addressing
 
     def _hash(self, w0: np.ndarray, w1: np.ndarray, lens: np.ndarray, owner: np.ndarray) -> np.ndarray:

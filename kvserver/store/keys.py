@@ -73,10 +73,6 @@ class Keys:
         words = np.array(rows, dtype=f"S{WORD_BYTES}").view(np.uint64) if rows else np.empty(0, np.uint64)
         return cls(words.reshape(len(keys), 2), lens.astype(np.uint8))
 
-    @classmethod
-    def empty(cls) -> Keys:
-        return cls(np.empty((0, 2), np.uint64), np.empty(0, np.uint8))
-
     def __len__(self) -> int:
         return len(self.lens)
 

@@ -13,7 +13,7 @@ import numpy as np
 from kvserver.store.index import BYTES_PER_ENTRY, KeyIndex
 from kvserver.store.keys import Keys
 from kvserver.store.lazy import lazy_zeros
-from kvserver.store.stack import IdStack
+from kvserver.store.stack import IdPool
 
 UNUSED = 0  # id not in any slab
 FREE = 1  # in a slab, holds nothing
@@ -44,8 +44,7 @@ class PageTable:
         # Every array is sized for ``capacity`` pages at once and committed as it is used (ids are
         # handed out from the lowest): the table never grows, so no call copies it.
         self.size = capacity  # the most page ids there can be
-        self.fresh = 0  # ids below it have been handed out at least once
-        self._spare = IdStack()  # ids given back, reused first
+        self._ids = IdPool(capacity)
         self._tick = 0
         for name, dtype in _ARRAYS.items():
             setattr(self, name, lazy_zeros(capacity, dtype))
@@ -54,24 +53,17 @@ class PageTable:
 
     def take(self, n: int) -> np.ndarray | None:
         """``n`` unused page ids, ascending where possible; None if the table has fewer left."""
-        if len(self._spare) + self.size - self.fresh < n:
-            return None
-        ids = self._spare.pop(n)
-        if len(ids) < n:
-            k = n - len(ids)
-            ids = np.concatenate([ids, np.arange(self.fresh, self.fresh + k, dtype=np.int64)])
-            self.fresh += k
-        return ids
+        return self._ids.take(n)
 
     def give(self, ids: np.ndarray) -> None:
         """Page ids of a released slab go back to the spare ids."""
         self.state[ids] = UNUSED
-        self._spare.push(ids)
+        self._ids.give(ids)
 
     @property
     def in_slabs(self) -> int:
         """Page ids held by slabs."""
-        return self.fresh - len(self._spare)
+        return self._ids.in_use
 
     def touch(self, ids: np.ndarray) -> None:
         """Marks pages used, in key order: the first is made the most recently used."""

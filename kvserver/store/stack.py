@@ -1,6 +1,7 @@
-"""A stack of ids in one growable numpy array: 4 bytes an id, pushed and popped in batches.
+"""Ids in numpy arrays, 4 bytes an id, handed out and taken back in batches.
 
-Primitives: ``IdStack`` (``push``, ``pop``, ``drop``, ``__len__``).
+Primitives: ``IdStack`` (a stack: ``push``, ``pop``, ``drop``, ``__len__``) and ``IdPool`` (ids
+below a limit: ``take`` those given back first, then new ones from the lowest; ``give`` back).
 """
 
 from __future__ import annotations
@@ -41,3 +42,33 @@ class IdStack:
         kept = held[~np.isin(held, ids)]
         self._n = len(kept)
         self._ids[: self._n] = kept
+
+
+class IdPool:
+    """Ids below ``limit``: ``take`` hands out ids given back first, then never-used ones in
+    ascending order (so a table indexed by them is written from its start)."""
+
+    __slots__ = ("limit", "fresh", "_spare")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.fresh = 0  # ids below it have been handed out at least once
+        self._spare = IdStack()  # ids given back
+
+    @property
+    def in_use(self) -> int:
+        return self.fresh - len(self._spare)
+
+    def take(self, n: int) -> np.ndarray | None:
+        """``n`` ids (int64); None, taking nothing, if fewer than ``n`` are left."""
+        if len(self._spare) + self.limit - self.fresh < n:
+            return None
+        ids = self._spare.pop(n)
+        if len(ids) < n:
+            k = n - len(ids)
+            ids = np.concatenate([ids, np.arange(self.fresh, self.fresh + k, dtype=np.int64)])
+            self.fresh += k
+        return ids
+
+    def give(self, ids: np.ndarray) -> None:
+        self._spare.push(ids)
