@@ -85,3 +85,19 @@ def test_a_put_that_fills_the_budget_drops_every_later_key(small_steps):
     assert stored < 600 and plan.positions.tolist() == list(range(stored))  # a prefix, whole
     assert plan.dropped == 600 - stored and plan.present == 0
     cache.complete_put(plan, True)
+
+
+def test_a_pin_runs_from_the_answer_not_from_the_lookups_first_step(small_steps):
+    """A pinned lookup's lease is not expired between its steps: its pin_ms counts from the
+    answer, so the pins of every step hold until then."""
+    cache, _, clock = make_cache(capacity=64 * MiB)
+    part = one_part(cache, page_bytes=4096)
+    put(cache, part, keys(N))
+    steps = cache.lookup_steps(part, keys(N), pin_ms=1)
+    next(steps)  # the first step pinned its pages under the lease
+    clock.now += 1.0  # past pin_ms
+    assert cache.expire_leases() == 0  # as the daemon's expiry task would run between two steps
+    n, lease = run_steps(steps)
+    assert n == N and lease in cache.leases.leases and int(cache.pages.pins.sum()) == N
+    clock.now += 0.002
+    assert cache.expire_leases() == 1 and int(cache.pages.pins.sum()) == 0

@@ -158,7 +158,7 @@ class KVCache:
                      pin_ms: int = 0) -> Generator[None, None, tuple[int, str]]:
         """``lookup`` in steps of at most ``STEP_KEYS`` keys, yielding between them so that the
         daemon's event loop serves others meanwhile. Each step pins what it found before the next
-        one runs; a lookup given up midway ends its lease."""
+        one runs; a lookup given up midway ends its lease, whose ``pin_ms`` counts from the answer."""
         keys = as_keys(keys)
         if not 0 <= pin_ms <= MAX_PIN_MS:
             raise InvalidArgument(f"pin_ms must be between 0 and {MAX_PIN_MS}, got {pin_ms}")
@@ -194,7 +194,8 @@ class KVCache:
                     if lease_id:
                         self.leases.extend(lease_id, tenant.name, ids, distinct=distinct)
                     else:
-                        lease_id = self.leases.add(tenant.name, ids, pin_ms, distinct=distinct)
+                        # Its time starts at the answer: no expiry ends it between two steps.
+                        lease_id = self.leases.add(tenant.name, ids, None, distinct=distinct)
                 counted.append(got)
                 n += m
                 if m < len(step) or n == total:
@@ -204,6 +205,8 @@ class KVCache:
             if lease_id:
                 self.leases.end(lease_id, tenant.name)
             raise
+        if lease_id:
+            self.leases.start(lease_id, pin_ms)
         for c in (space.counters, tenant.counters):
             c.hits += n
             c.misses += asked - n

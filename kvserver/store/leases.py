@@ -5,8 +5,8 @@ A lease of a whole space pins the pages of every part (every TP rank and PP stag
 reads only its own part: a Get naming the lease unpins its own part's pages, and the lease ends
 once no part is left, so the ranks that have not read yet keep their pins.
 
-Primitives: ``Lease`` and ``LeaseTable`` (``add``, ``extend``, ``end``, ``end_part``, ``release``,
-``expire``, ``holds``).
+Primitives: ``Lease`` and ``LeaseTable`` (``add``, ``extend``, ``start``, ``end``, ``end_part``,
+``release``, ``expire``, ``holds``).
 """
 
 from __future__ import annotations
@@ -61,18 +61,25 @@ class LeaseTable:
                     "release some (Release, or a Get naming them) or let them expire"
                 )
 
-    def add(self, tenant: str, ids: np.ndarray, pin_ms: int, distinct: bool = False) -> str:
+    def add(self, tenant: str, ids: np.ndarray, pin_ms: int | None, distinct: bool = False) -> str:
         """Pins the pages (each once, however often the request named it) until ``pin_ms`` from
-        now; returns the new lease id. ``distinct``: the caller knows no id repeats (deduplicating
-        a million ids costs most of a second)."""
+        now; returns the new lease id. ``pin_ms`` None: the lease does not expire until ``start``
+        gives it its time (a lookup still pinning in steps). ``distinct``: the caller knows no id
+        repeats (deduplicating a million ids costs most of a second)."""
         self.check(tenant)
         ids = self._pin(tenant, ids, distinct)
         lease_id = secrets.token_hex(16)
-        expires = self.clock() + pin_ms / 1000
-        self.leases[lease_id] = Lease(tenant, expires, ids, self.pages.part[ids])
+        self.leases[lease_id] = Lease(tenant, float("inf"), ids, self.pages.part[ids])
         self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
-        heapq.heappush(self._heap, (expires, lease_id))
+        if pin_ms is not None:
+            self.start(lease_id, pin_ms)
         return lease_id
+
+    def start(self, lease_id: str, pin_ms: int) -> None:
+        """The lease expires ``pin_ms`` from now."""
+        expires = self.clock() + pin_ms / 1000
+        self.leases[lease_id].expires = expires
+        heapq.heappush(self._heap, (expires, lease_id))
 
     def extend(self, lease_id: str, tenant: str, ids: np.ndarray, distinct: bool = False) -> None:
         """Pins more pages under a lease of the tenant (a lookup's later step), on the same terms
