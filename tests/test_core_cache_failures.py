@@ -101,3 +101,4 @@ def test_a_put_of_keys_another_put_is_writing_counts_them_only_once_stored(daemo
             first.result(timeout=10)
     assert (second.stored, second.present, second.dropped) == (2, 0, 0)
     assert engine.lookup(keys).pages == 2
+

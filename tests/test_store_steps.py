@@ -101,3 +101,16 @@ def test_a_pin_runs_from_the_answer_not_from_the_lookups_first_step(small_steps)
     assert n == N and lease in cache.leases.leases and int(cache.pages.pins.sum()) == N
     clock.now += 0.002
     assert cache.expire_leases() == 1 and int(cache.pages.pins.sum()) == 0
+
+
+def test_wide_keys_are_digested_in_steps(monkeypatch):
+    """Keys wider than 16 bytes are kept as digests, one hash call each: a request of them is
+    unpacked in steps (the event loop free between two), to the same keys as at once."""
+    import kvserver.store.keys as keys_module
+
+    monkeypatch.setattr(keys_module, "STEP_KEYS", 16)
+    packed = b"".join(i.to_bytes(40, "little") for i in range(N))
+    yields, stepped = steps_of(Keys.unpack_steps(packed, 40, N))
+    whole = Keys.unpack(packed, 40, N)
+    assert yields == N // 16 and (stepped.words == whole.words).all() and (stepped.lens == whole.lens).all()
+    assert steps_of(Keys.unpack_steps(packed[: 16 * N], 16, N))[0] == 0  # 16 bytes: one numpy pass

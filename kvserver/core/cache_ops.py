@@ -134,7 +134,7 @@ class CacheOps:
         _, client, key = self._target(req.client_id, req.space_id)
         if req.pin_ms > MAX_PIN_MS:
             raise InvalidArgument(f"pin_ms is {req.pin_ms}; at most {MAX_PIN_MS}")
-        keys = Keys.unpack(req.keys, req.key_bytes, self._max_keys)
+        keys = await in_steps(Keys.unpack_steps(req.keys, req.key_bytes, self._max_keys))
         target: Part | Space
         if client is not None:
             part = self._part(client)
@@ -151,9 +151,9 @@ class CacheOps:
 
     # ---- Put and Get --------------------------------------------------------------------------
 
-    def _checked(self, client: ClientState, packed: bytes, key_bytes: int, device_pages,
-                 ready_event: bytes, event_slot: int) -> tuple[Keys, np.ndarray]:
-        keys = Keys.unpack(packed, key_bytes, self._max_keys)
+    async def _checked(self, client: ClientState, packed: bytes, key_bytes: int, device_pages,
+                       ready_event: bytes, event_slot: int) -> tuple[Keys, np.ndarray]:
+        keys = await in_steps(Keys.unpack_steps(packed, key_bytes, self._max_keys))
         pages = transfer.as_indices(device_pages, "device page")
         if pages.size != len(keys):
             raise InvalidArgument(f"{len(keys)} keys but {pages.size} device pages; they must pair up")
@@ -187,7 +187,8 @@ class CacheOps:
     async def put(self, req: pb.PutRequest) -> PutOutcome:
         client = self.kv.client(req.client_id)
         deadline = self.kv.deadline(req.timeout_ms)
-        keys, pages = self._checked(client, req.keys, req.key_bytes, req.device_pages, req.ready_event, 0)
+        keys, pages = await self._checked(client, req.keys, req.key_bytes, req.device_pages,
+                                          req.ready_event, 0)
         return await self._store(client, self._part(client), keys, pages, req.ready_event, deadline, True)
 
     async def _store(self, client: ClientState, part: Part, keys: Keys, pages: np.ndarray,
@@ -253,8 +254,8 @@ class CacheOps:
         then, unless that is 0, one item per progress step of the copy."""
         client = self.kv.client(req.client_id)
         deadline = self.kv.deadline(req.timeout_ms)
-        keys, pages = self._checked(client, req.keys, req.key_bytes, req.device_pages, req.ready_event,
-                                    req.event_slot)
+        keys, pages = await self._checked(client, req.keys, req.key_bytes, req.device_pages,
+                                          req.ready_event, req.event_slot)
         local_layers = client.spec.layers.select(req.layers)
         part = self._part(client)
         plan = await in_steps(self.cache.prepare_get_steps(part, keys, req.lease_id))

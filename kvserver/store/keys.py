@@ -6,19 +6,21 @@ A key of up to 16 bytes is kept whole, zero-padded into two 64-bit words, with i
 collision of a 128-bit digest is out of reach, even for a tenant choosing its own keys (and a
 tenant's keys only ever name its own pages).
 
-Primitives: ``Keys`` (``unpack`` a request's packed field, ``of`` a list of keys, slices, ``take``,
-``firsts`` and ``distinct``) and ``leading`` (length of a mask's leading run).
+Primitives: ``Keys`` (``unpack`` a request's packed field, at once or in steps, ``of`` a list of
+keys, slices, ``take``, ``firsts`` and ``distinct``) and ``leading`` (length of a mask's leading
+run).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from hashlib import blake2b
 from typing import Literal, overload
 
 import numpy as np
 
 from kvserver.errors import InvalidArgument, NoCapacity
+from kvserver.store.steps import STEP_KEYS, run_steps
 
 MAX_KEY_BYTES = 64
 WORD_BYTES = 16  # bytes of a key kept whole; a wider key is kept as a digest of this size
@@ -41,6 +43,12 @@ class Keys:
     @classmethod
     def unpack(cls, packed: bytes, key_bytes: int, max_keys: int) -> Keys:
         """The keys packed in ``packed``, ``key_bytes`` bytes each, in order."""
+        return run_steps(cls.unpack_steps(packed, key_bytes, max_keys))
+
+    @classmethod
+    def unpack_steps(cls, packed: bytes, key_bytes: int, max_keys: int) -> Generator[None, None, Keys]:
+        """``unpack`` in steps: keys of up to 16 bytes in one numpy pass, wider ones digested
+        ``STEP_KEYS`` at a time (a hash call each, ~1.4 µs), yielding between two."""
         if not 1 <= key_bytes <= MAX_KEY_BYTES:
             raise InvalidArgument(f"key_bytes must be between 1 and {MAX_KEY_BYTES}, got {key_bytes}")
         if len(packed) % key_bytes:
@@ -58,8 +66,14 @@ class Keys:
             padded[:, :key_bytes] = raw
             words = padded.view(np.uint64)
         else:
-            rows = [packed[i : i + key_bytes] for i in range(0, len(packed), key_bytes)]
-            words = np.frombuffer(_digests(rows), np.uint64).reshape(n, 2).copy()
+            words = np.empty((n, 2), np.uint64)
+            view = memoryview(packed)
+            for start in range(0, n, STEP_KEYS):
+                end = min(n, start + STEP_KEYS)
+                rows = [view[i * key_bytes : (i + 1) * key_bytes] for i in range(start, end)]
+                words[start:end] = np.frombuffer(_digests(rows), np.uint64).reshape(-1, 2)
+                if end < n:
+                    yield
         return cls(words.reshape(n, 2), np.full(n, key_bytes, np.uint8))
 
     @classmethod
