@@ -102,3 +102,38 @@ def test_a_put_of_keys_another_put_is_writing_counts_them_only_once_stored(daemo
     assert (second.stored, second.present, second.dropped) == (2, 0, 0)
     assert engine.lookup(keys).pages == 2
 
+
+@pytest.mark.parametrize("call", ["put", "get"])
+def test_a_client_released_between_a_calls_steps_gets_no_copy(daemon, engine, monkeypatch, call):
+    """A Put or Get yields between its steps; if its client is released meanwhile (Unregister,
+    reclaim), it answers UNKNOWN client and copies nothing: its pool may be closed by then."""
+    import asyncio
+
+    import kvserver.store.cache as cache_module
+    from kvserver.errors import UnknownClient
+
+    keys = page_keys(range(3000, 3000 + 4 * PAGE), PAGE)
+    if call == "get":
+        assert engine.put(keys, [0, 1, 2, 3]).stored == 4
+    monkeypatch.setattr(cache_module, "STEP_KEYS", 1)
+    ops = daemon.daemon.servicer.cache
+    cid = engine.client_id
+
+    async def race() -> None:
+        if call == "put":
+            task = asyncio.ensure_future(ops.put(pb.PutRequest(client_id=cid, keys=keys, key_bytes=16,
+                                                               device_pages=[4, 5, 6, 7])))
+        else:
+            async def get() -> None:
+                async for _ in ops.get(pb.GetRequest(client_id=cid, keys=keys, key_bytes=16,
+                                                     device_pages=[4, 5, 6, 7])):
+                    pass
+            task = asyncio.ensure_future(get())
+        await asyncio.sleep(0)  # its first step is done; it yields
+        await daemon.core.unregister(cid)
+        with pytest.raises(UnknownClient):
+            await task
+
+    daemon.call(race())
+    cache = daemon.core.cache
+    assert int((cache.pages.state == WRITING).sum()) == 0 and int(cache.pages.readers.sum()) == 0

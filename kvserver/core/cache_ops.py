@@ -154,6 +154,7 @@ class CacheOps:
     async def _checked(self, client: ClientState, packed: bytes, key_bytes: int, device_pages,
                        ready_event: bytes, event_slot: int) -> tuple[Keys, np.ndarray]:
         keys = await in_steps(Keys.unpack_steps(packed, key_bytes, self._max_keys))
+        self.kv.client(client.client_id)  # still registered after the steps (its pool still open)
         pages = transfer.as_indices(device_pages, "device page")
         if pages.size != len(keys):
             raise InvalidArgument(f"{len(keys)} keys but {pages.size} device pages; they must pair up")
@@ -204,6 +205,7 @@ class CacheOps:
             own = PutOutcome(0, plan.present, plan.dropped, 0)
         else:
             try:
+                self.kv.client(client.client_id)  # released during the steps: its pool may be closed
                 job = self._job(client, plan.offsets, pages[plan.positions], client.spec.layers.select([]),
                                 ready_event, 0, deadline)
             except BaseException:
@@ -264,6 +266,7 @@ class CacheOps:
             yield 0, None
             return
         try:
+            self.kv.client(client.client_id)  # released during the steps: its pool may be closed
             job = self._job(client, plan.offsets, pages[: plan.pages], local_layers, req.ready_event,
                             req.event_slot, deadline)
         except BaseException:
