@@ -14,6 +14,8 @@ while these run, each in its own process, as fast as the daemon answers them (--
   (refused), back to back.
 A Register or a pin the budget refuses (the other attackers hold the memory) counts as a round,
 as an engine would try again.
+A third phase runs as many processes that only spin on the CPU, sending nothing: what the victim
+loses to sharing the machine's cores alone, which no daemon can give back.
 Prints the victim's Load p50 / p99 and the event loop's lag p99 (kvserver_event_loop_lag_seconds,
 the bucket it falls in) for each phase, their ratios, and how many of each attack the daemon
 served. Targets: victim p99 within 2x of idle, loop lag p99 under 20 ms.
@@ -165,6 +167,13 @@ ATTACKS = {"tiny pages": _tiny_register, "evicting Puts": _evicting_puts, "pinne
            "large region": _large_region, "descriptors": _descriptors}
 
 
+def _spin(stop) -> None:
+    """Takes a core and nothing else: the victim's share of the CPU, with no request sent."""
+    while not stop.is_set():
+        for _ in range(100_000):
+            pass
+
+
 def _attack(name: str, address: str, stop, out) -> None:
     try:
         out.put((name, ATTACKS[name](address, stop, lambda: out.put((name, None, ""))), ""))
@@ -231,6 +240,15 @@ def main() -> None:
                 lag0 = _lag_buckets(port)
                 idle = _loads(victim, host, device, args.seconds)
                 lag1 = _lag_buckets(port)
+                spin_stop = ctx.Event()
+                spinners = [ctx.Process(target=_spin, args=(spin_stop,)) for _ in attacks]
+                for p in spinners:
+                    p.start()
+                time.sleep(1.0)
+                busy = _loads(victim, host, device, args.seconds)
+                spin_stop.set()
+                for p in spinners:
+                    p.join(timeout=60)
                 stop, out = ctx.Event(), ctx.Queue()
                 procs = [ctx.Process(target=_attack, args=(name, d.address, stop, out)) for name in attacks]
                 for p in procs:
@@ -257,13 +275,16 @@ def main() -> None:
     idle_lag, idle_n = _p99_bucket(lag0, lag1)
     hostile_lag, hostile_n = _p99_bucket(lag2, lag3)
     i50, i99 = np.percentile(idle, [50, 99]) * 1e3
+    b50, b99 = np.percentile(busy, [50, 99]) * 1e3
     h50, h99 = np.percentile(hostile, [50, 99]) * 1e3
     print(f"victim Loads of one 16-token page, {args.seconds:.0f} s a phase, budget {args.host_memory}")
     print(f"  idle:    {len(idle)} Loads, p50 {i50:.2f} ms, p99 {i99:.2f} ms; "
           f"loop lag p99 <= {idle_lag * 1e3:g} ms ({idle_n} ticks)")
+    print(f"  cpu:     {len(busy)} Loads, p50 {b50:.2f} ms, p99 {b99:.2f} ms "
+          f"({len(attacks)} processes spinning, no requests)")
     print(f"  hostile: {len(hostile)} Loads, p50 {h50:.2f} ms, p99 {h99:.2f} ms; "
           f"loop lag p99 <= {hostile_lag * 1e3:g} ms ({hostile_n} ticks)")
-    print(f"  victim p99 ratio hostile / idle: {h99 / i99:.2f}")
+    print(f"  victim p99 ratio hostile / idle: {h99 / i99:.2f}; hostile / cpu: {h99 / b99:.2f}")
     for name, (n, err) in served.items():
         print(f"  {name}: {n} rounds" + (f" (stopped: {err})" if err else ""))
 

@@ -81,8 +81,9 @@ def test_kill_mid_load_loop_releases_everything(socket_dir, forkserver):
                 assert d.num_fds() == base_fds, f"iteration {i}: fds {d.num_fds()} vs {base_fds}"
                 rss.append(d.rss())
         assert d.stats().reclaimed_clients == KILL_LOOPS
-        # Killed while the load was streaming: most kills land before the last layer.
-        assert mid_load >= KILL_LOOPS // 2, f"only {mid_load} of {KILL_LOOPS} kills landed mid-load"
+        # Killed while the load was streaming: kills land before the last layer often enough that the
+        # loop covers it (alone about two in three do; with other tests on two cores a fifth do).
+        assert mid_load >= 3, f"only {mid_load} of {KILL_LOOPS} kills landed mid-load"
         growth = max(rss[-10:]) - min(rss[:10])
         assert growth < 32 << 20, f"daemon RSS grew by {growth >> 20} MiB over {KILL_LOOPS} kills"
     finally:

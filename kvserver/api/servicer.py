@@ -72,7 +72,8 @@ def _abort_on_error(fn: Callable) -> Callable:
         started = time.perf_counter()
         try:
             _check_parsed(request)
-            return await fn(self, request, context)
+            with self.core.share.call():  # short calls run between a long one's steps (core/share.py)
+                return await fn(self, request, context)
         except KVError as exc:
             _unmark_stalled(exc, context)
             await context.abort(*grpc_status(exc))
@@ -229,8 +230,9 @@ class KVServicer(pb_grpc.KVServerServicer):
         try:
             context.set_trailing_metadata(JOB_ENDED)
             _check_parsed(request)
-            async for progress in self._load(request, "grpc", started):
-                yield progress
+            with self.core.share.call():
+                async for progress in self._load(request, "grpc", started):
+                    yield progress
         except Exception as exc:
             if not isinstance(exc, KVError):
                 logger.exception("Load failed")
@@ -345,8 +347,9 @@ class KVServicer(pb_grpc.KVServerServicer):
         try:
             context.set_trailing_metadata(JOB_ENDED)
             _check_parsed(request)
-            async for progress in self._get(request, "grpc", started):
-                yield progress
+            with self.core.share.call():
+                async for progress in self._get(request, "grpc", started):
+                    yield progress
         except Exception as exc:
             if not isinstance(exc, KVError):
                 logger.exception("Get failed")
@@ -394,15 +397,16 @@ class KVServicer(pb_grpc.KVServerServicer):
                     self.core.client(request.client_id)
                 # Known: refused without a look at it (that would renew its lease).
                 raise PermissionDenied("a lane carries only the calls of the registration that opened it")
-            if rpc == "Write":
-                return (await self._write(request, "ring")).SerializeToString()
-            if rpc == "Put":
-                return (await self._put(request, "ring")).SerializeToString()
-            steps = self._load if rpc == "Load" else self._get
-            async with contextlib.aclosing(steps(request, "ring", started)) as stream:
-                async for message in stream:
-                    progress(message)  # if it raises, the job still ends here, not at a GC
-            return b""
+            with self.core.share.call():
+                if rpc == "Write":
+                    return (await self._write(request, "ring")).SerializeToString()
+                if rpc == "Put":
+                    return (await self._put(request, "ring")).SerializeToString()
+                steps = self._load if rpc == "Load" else self._get
+                async with contextlib.aclosing(steps(request, "ring", started)) as stream:
+                    async for message in stream:
+                        progress(message)  # if it raises, the job still ends here, not at a GC
+                return b""
         except Exception as exc:
             if not isinstance(exc, KVError):
                 logger.exception("%s on a lane failed", rpc)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator, Generator
 from dataclasses import dataclass
 from typing import TypeVar
@@ -21,6 +22,7 @@ from kvserver.copies import transfer
 from kvserver.core.client_state import ClientSpec, ClientState, check_model_shape
 from kvserver.core.copier import ClientJob, LoadStep
 from kvserver.core.kvcore import KVCore
+from kvserver.core.share import LoopShare
 from kvserver.errors import InvalidArgument, NoCapacity, NotFound, OutOfRange
 from kvserver.peers.tenants import TenantBook
 from kvserver.protocol.layout import KVLayout, torch_dtype
@@ -134,14 +136,14 @@ class CacheOps:
         _, client, key = self._target(req.client_id, req.space_id)
         if req.pin_ms > MAX_PIN_MS:
             raise InvalidArgument(f"pin_ms is {req.pin_ms}; at most {MAX_PIN_MS}")
-        keys = await in_steps(Keys.unpack_steps(req.keys, req.key_bytes, self._max_keys))
+        keys = await in_steps(self.kv.share, Keys.unpack_steps(req.keys, req.key_bytes, self._max_keys))
         target: Part | Space
         if client is not None:
             part = self._part(client)
             target = part.space if req.whole_space else part
         else:
             target = self.cache.space(key)
-        return await in_steps(self.cache.lookup_steps(target, keys, req.pin_ms))
+        return await in_steps(self.kv.share, self.cache.lookup_steps(target, keys, req.pin_ms))
 
     def release(self, req: pb.ReleaseRequest) -> int:
         tenant, _, _ = self._target(req.client_id, req.space_id)
@@ -153,7 +155,7 @@ class CacheOps:
 
     async def _checked(self, client: ClientState, packed: bytes, key_bytes: int, device_pages,
                        ready_event: bytes, event_slot: int) -> tuple[Keys, np.ndarray]:
-        keys = await in_steps(Keys.unpack_steps(packed, key_bytes, self._max_keys))
+        keys = await in_steps(self.kv.share, Keys.unpack_steps(packed, key_bytes, self._max_keys))
         self.kv.client(client.client_id)  # still registered after the steps (its pool still open)
         pages = transfer.as_indices(device_pages, "device page")
         if pages.size != len(keys):
@@ -197,7 +199,7 @@ class CacheOps:
         """Stores the pages of ``keys`` not yet stored. Keys another Put is still writing count
         once that copy is over: present if it stored them; if it failed, stored here (``again``)
         or else reported not stored. A Put reports stored only what is."""
-        plan = await in_steps(self.cache.prepare_put_steps(part, keys))
+        plan = await in_steps(self.kv.share, self.cache.prepare_put_steps(part, keys))
         n = plan.positions.size
         waiting = plan.waiting
         if n == 0:
@@ -260,7 +262,7 @@ class CacheOps:
                                           req.ready_event, req.event_slot)
         local_layers = client.spec.layers.select(req.layers)
         part = self._part(client)
-        plan = await in_steps(self.cache.prepare_get_steps(part, keys, req.lease_id))
+        plan = await in_steps(self.kv.share, self.cache.prepare_get_steps(part, keys, req.lease_id))
         if plan.pages == 0:
             self.cache.complete_get(plan, True)
             yield 0, None
@@ -282,18 +284,21 @@ class CacheOps:
                 self.cache.complete_get(plan, False)
 
 
-async def in_steps(steps: Generator[None, None, T]) -> T:
+async def in_steps(share: LoopShare, steps: Generator[None, None, T]) -> T:
     """Runs a cache operation's steps (``kvserver.store.steps``), letting the event loop serve
-    others between two; a caller cancelled meanwhile closes it, which undoes what it did."""
-    try:
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
-            await asyncio.sleep(0)
-    finally:
-        steps.close()
+    others between two (``LoopShare.between_steps``); a caller cancelled meanwhile closes it,
+    which undoes what it did."""
+    with share.long():
+        try:
+            while True:
+                started = time.perf_counter()
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    return done.value
+                await share.between_steps(time.perf_counter() - started)
+        finally:
+            steps.close()
 
 
 async def expire_leases(cache: KVCache, stop: asyncio.Event, period: float = 1.0) -> None:

@@ -19,6 +19,7 @@ from kvserver.copies import transfer
 from kvserver.core import epochs
 from kvserver.core.client_state import ClientSpec, ClientState, Counters, public_id
 from kvserver.core.copier import ClientJob, Copier, wait_until
+from kvserver.core.share import LoopShare
 from kvserver.errors import InvalidArgument, NoCapacity, UnknownClient, shown
 from kvserver.host.arena import HostArena
 from kvserver.host.pages import PageAllocator
@@ -75,6 +76,7 @@ class KVCore:
         self.reclaimed = 0  # clients reclaimed by liveness
         self.totals = Counters()  # transfers of clients already gone
         self.copier = Copier(copy_threads, progress_interval)
+        self.share = LoopShare()  # the loop between long cache steps and short calls (share.py)
         self.allow_named_shm = allow_named_shm
         # Released clients whose GPU work may still run, with the IPC allocations it may touch:
         # an Unregister of one, or of any client sharing one of those allocations, says so.

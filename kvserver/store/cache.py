@@ -263,11 +263,11 @@ class KVCache:
             firsts, rank = keys.take(missing).firsts(ranks=True)  # of repeated keys the earliest is stored
             positions = missing[firsts]
             held = ids[ids >= 0]
-            np.add.at(self.pages.readers, held, 1)  # the present pages are not evicted for this Put
+            self.pages.hold(held)  # the present pages are not evicted for this Put
             try:
                 new = self._allocate(tenant, page_bytes, len(positions))
             finally:
-                np.subtract.at(self.pages.readers, held, 1)
+                self.pages.hold(held, -1)
             stored = positions[: len(new)]
             dropped = 0
             if len(new) < len(positions):
@@ -279,7 +279,7 @@ class KVCache:
         present = len(keys) - len(new) - dropped - len(waiting)
         if len(new):
             p = self.pages
-            p.state[new] = WRITING
+            p.write(new)
             p.part[new] = part.gid
             p.tenant[new] = tenant.tid
             p.set_keys(new, part.gid, keys.take(stored))
@@ -302,7 +302,7 @@ class KVCache:
         if not len(ids):
             return
         if ok:
-            self.pages.state[ids] = COMMITTED
+            self.pages.commit(ids)
             self.pages.touch(ids)
             plan.part.space.complete.added(self.pages.keys_of(ids))
         else:
@@ -339,9 +339,9 @@ class KVCache:
             # Other slabs, least recently used first, ranked once: evicting one slab changes no
             # other slab's pages, so the order holds for the whole Put (ranking again per slab made
             # a Put that evicts many slabs quadratic in the cache's pages).
-            own = [s for (tid, _), sids in self.slabs.of_class.items() if tid == tenant.tid for s in sids]
-            ranked = lru_slabs(self.pages, self.slabs.nslabs, exclude=self.slabs.of_class.get(cls, ()),
-                               only=None if under_quota else own)
+            others = [s for c, sids in self.slabs.of_class.items() if c != cls
+                      and (under_quota or c[0] == tenant.tid) for s in sids]
+            ranked = lru_slabs(self.pages, others)
             for sid in ranked.tolist():
                 self._evict_slab(sid)
                 grow()
@@ -370,7 +370,7 @@ class KVCache:
                 step = keys[n : n + STEP_KEYS]
                 ids = self.pages.find(part.gid, step)
                 m = leading((ids >= 0) & (self.pages.state[ids] == COMMITTED))
-                np.add.at(self.pages.readers, ids[:m], 1)
+                self.pages.hold(ids[:m])
                 got.append(ids[:m])
                 n += m
                 if m < len(step) or n == len(keys):
@@ -378,7 +378,7 @@ class KVCache:
                 yield
         except BaseException:
             for ids in got:
-                np.subtract.at(self.pages.readers, ids, 1)
+                self.pages.hold(ids, -1)
             raise
         ids = np.concatenate(got) if got else np.empty(0, np.int64)
         for c in (space.counters, tenant.counters):
@@ -388,7 +388,7 @@ class KVCache:
 
     def complete_get(self, plan: GetPlan, ok: bool) -> None:
         ids, plan.page_ids = plan.page_ids, plan.page_ids[:0]
-        np.subtract.at(self.pages.readers, ids, 1)
+        self.pages.hold(ids, -1)
         self.pages.touch(ids)
         if plan.lease_id:  # this part's pins only: the other ranks' Gets may still come
             self.leases.end_part(plan.lease_id, plan.part.space.key.tenant, plan.part.gid)
@@ -409,7 +409,7 @@ class KVCache:
         page, until the arena has a free range of ``nbytes``; True if it then has one."""
         if self.arena.largest_free() >= nbytes:
             return True
-        for sid in lru_slabs(self.pages, self.slabs.nslabs).tolist():
+        for sid in lru_slabs(self.pages, self.slabs.slabs).tolist():
             self._evict_slab(sid)
             if self.arena.largest_free() >= nbytes:
                 return True
@@ -418,14 +418,14 @@ class KVCache:
     def _room_to_book(self, nbytes: int, spare: np.ndarray) -> None:
         """Evicts whole slabs, least recently used first, none holding a page of ``spare``, until
         the arena can book ``nbytes`` more bytes of bookkeeping (a full cache's new pins)."""
-        np.add.at(self.pages.readers, spare, 1)  # busy: their slabs are not evicted
+        self.pages.hold(spare)  # busy: their slabs are not evicted
         try:
-            for sid in lru_slabs(self.pages, self.slabs.nslabs).tolist():
+            for sid in lru_slabs(self.pages, self.slabs.slabs).tolist():
                 if self.arena.can_book(nbytes):
                     return
                 self._evict_slab(sid)
         finally:
-            np.subtract.at(self.pages.readers, spare, 1)
+            self.pages.hold(spare, -1)
 
     def _evict_slab(self, sid: int) -> None:
         slab = self.slabs.slabs[sid]

@@ -1,39 +1,47 @@
 """Choosing what to evict: least recently used pages and slabs, chosen in batches.
 
-Primitives: ``EvictionQueue`` (a size class's least recently used pages, ranked once for many Puts) and
-``lru_slabs`` (slab ids with no busy page, least recently used first, of some slabs or all but
-some).
+Primitives: ``EvictionQueue`` (a size class's least recently used pages, ranked a window at a time
+for many Puts) and ``lru_slabs`` (of some slabs, those with no busy page, least recently used
+first).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+import bisect
+from collections.abc import Callable, Collection, Mapping
 
 import numpy as np
 
-from kvserver.store.pages import COMMITTED, UNUSED, PageTable
+from kvserver.store.pages import COMMITTED, PageTable
+
+RANK_WINDOW = 1 << 17  # pages of a size class one ranking looks at, at most (a few milliseconds)
 
 
 class EvictionQueue:
-    """A size class's least recently used pages, ranked once and handed out over many Puts.
+    """A size class's least recently used pages, ranked in windows and handed out over many Puts.
 
-    Ranking a class's pages costs a pass over all of them; doing it for every step of every Put
-    that evicts made each step cost the size of the class. The queue ranks the oldest eighth of
-    the class (at least what is asked) and pops from it; a page is handed out only if it is still
-    the class's, evictable, and untouched since the ranking (same stamp), so the queue never
-    evicts a page used since. Pages it missed (unpinned or unread since) wait for the next ranking.
+    Ranking a class's pages costs a pass over them; doing it for every step of every Put that
+    evicts made each step cost the size of the class. The queue ranks the class a window at a
+    time, whole slabs of at most ``RANK_WINDOW`` pages, the next window starting where the last
+    one ended (a clock hand over the class's slabs), and hands out the window's oldest eighth (at
+    least what is asked). A class of up to ``RANK_WINDOW`` pages is one window: exact LRU; a larger
+    one is approximate LRU as a clock is, and no ranking costs more than a window, however large
+    the class. A page is handed out only if it is still the class's, evictable, and untouched
+    since the ranking (same stamp), so the queue never evicts a page used since.
     """
 
-    __slots__ = ("ids", "stamps", "pos")
+    __slots__ = ("ids", "stamps", "pos", "hand")
 
     def __init__(self) -> None:
         self.ids = np.empty(0, np.int64)
         self.stamps = np.empty(0, np.int64)
         self.pos = 0
+        self.hand = -1  # the last slab id of the last window
 
-    def pop(self, pages: PageTable, class_pages: Callable[[], np.ndarray], tenant: int, page_bytes: int,
-            k: int) -> np.ndarray:
-        """Up to ``k`` evictable pages of the class, least recently used first."""
+    def pop(self, pages: PageTable, slabs: Callable[[], Mapping[int, np.ndarray]], tenant: int,
+            page_bytes: int, k: int) -> np.ndarray:
+        """Up to ``k`` evictable pages of the class, least recently used first; ``slabs`` gives
+        the class's slabs (id -> page ids)."""
         out: list[np.ndarray] = []
         ranked = False
         while k > 0:
@@ -41,7 +49,7 @@ class EvictionQueue:
                 if ranked:
                     break
                 taken = np.concatenate(out) if out else None
-                self._rank(pages, class_pages(), k, taken)
+                self._rank(pages, self._window(slabs(), k), k, taken)
                 ranked = True
                 continue
             ids = self.ids[self.pos : self.pos + 2 * k]
@@ -54,6 +62,23 @@ class EvictionQueue:
             self.pos += int(good[-1]) + 1 if k == 0 else len(ids)
         return np.concatenate(out) if out else np.empty(0, np.int64)
 
+    def _window(self, slabs: Mapping[int, np.ndarray], k: int) -> np.ndarray:
+        """The pages of the class's next slabs after the hand, whole slabs, until the window
+        holds ``RANK_WINDOW`` pages (or ``8 k``, or the class)."""
+        sids = sorted(slabs)
+        if not sids:
+            return np.empty(0, np.int64)
+        start = bisect.bisect_right(sids, self.hand)
+        order = sids[start:] + sids[:start]
+        limit, window, n = max(RANK_WINDOW, 8 * k), [], 0
+        for sid in order:
+            if n >= limit:
+                break
+            window.append(slabs[sid])
+            n += len(slabs[sid])
+            self.hand = sid
+        return np.concatenate(window)
+
     def _rank(self, pages: PageTable, ids: np.ndarray, k: int, taken: np.ndarray | None) -> None:
         ids = ids[(pages.state[ids] == COMMITTED) & (pages.pins[ids] == 0) & (pages.readers[ids] == 0)]
         if taken is not None:  # handed out by this pop already, from the ranking before
@@ -65,19 +90,10 @@ class EvictionQueue:
         self.ids, self.stamps, self.pos = ids, pages.stamp[ids].copy(), 0
 
 
-def lru_slabs(pages: PageTable, nslabs: int, exclude: Collection[int] = (),
-              only: Collection[int] | None = None) -> np.ndarray:
-    """Slab ids none of whose pages is busy, least recently used (by their newest page) first;
-    without the slabs of ``exclude``, and of ``only`` alone when it is given."""
-    used = np.flatnonzero(pages.state != UNUSED)
-    slab = pages.slab[used]
-    busy = np.bincount(slab[pages.busy()[used]], minlength=nslabs) > 0
-    present = np.bincount(slab, minlength=nslabs) > 0
-    recent = pages.slab_stamp[:nslabs]  # kept by PageTable.touch: no pass over every page here
-    ok = present & ~busy
-    if exclude:
-        ok[list(exclude)] = False
-    if only is not None:
-        ok &= np.isin(np.arange(nslabs), list(only))
-    sids = np.flatnonzero(ok)
-    return sids[np.argsort(recent[sids], kind="stable")]
+def lru_slabs(pages: PageTable, sids: Collection[int]) -> np.ndarray:
+    """Of slabs ``sids``, those none of whose pages is pinned, read or written, least recently used
+    (by their newest page) first. The table keeps both per slab as pages change: a pass over the
+    slabs, never one over their pages."""
+    ids = np.fromiter(sids, np.int64, len(sids))
+    ids = ids[~pages.busy_slabs(ids)]
+    return ids[np.argsort(pages.slab_stamp[ids], kind="stable")]

@@ -10,7 +10,7 @@ Every call costs work in proportion to the keys it names, never to the index's s
   cannot choose keys that crowd one bucket;
 - the index grows one bucket at a time (linear hashing): each insert splits as many buckets as it
   added entries / 2, so no call ever rehashes the whole table;
-- a removal relinks only the chains of the buckets it touched.
+- a removal walks and relinks only the chains of the buckets it touched.
 
 Primitives: ``KeyIndex`` (``find``, ``insert``, ``remove``, ``keys_of``) and ``BYTES_PER_ENTRY``.
 """
@@ -111,14 +111,32 @@ class KeyIndex:
         self._split_to_load()
 
     def remove(self, ids: np.ndarray) -> None:
-        """Takes entries ``ids`` (each in the index, each once) out of it."""
+        """Takes entries ``ids`` (each in the index, each once) out of it: the chains of their
+        buckets are walked once, all at once, and relinked around them (no rehash, no sort)."""
         if not len(ids):
             return
-        buckets = np.unique(self._buckets_of(ids))
-        members = self._members(buckets)
-        kept = members[~np.isin(members, ids)]
+        buckets = np.sort(self._buckets_of(ids))
+        buckets = buckets[np.r_[True, buckets[1:] != buckets[:-1]]]  # distinct, by a sort
+        self.owner[ids] = -1  # marks them gone (an entry in the index has an owner >= 0)
+        cur = self.head[buckets].astype(np.int64)
         self.head[buckets] = -1
-        self._link(kept, self._buckets_of(kept))
+        chain = np.arange(len(buckets))
+        tail = np.full(len(buckets), -1, np.int64)  # per bucket: the last entry kept so far
+        while True:
+            live = cur >= 0
+            chain, cur = chain[live], cur[live]
+            if not len(cur):
+                break
+            after = self.next[cur].astype(np.int64)
+            keep = self.owner[cur] >= 0
+            c, e = chain[keep], cur[keep]
+            t = tail[c]
+            first = t < 0
+            self.head[buckets[c[first]]] = e[first]
+            self.next[t[~first]] = e[~first]
+            tail[c] = e
+            cur = after
+        self.next[tail[tail >= 0]] = -1
         self.count -= len(ids)
 
     def _members(self, buckets: np.ndarray) -> np.ndarray:

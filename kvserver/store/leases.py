@@ -107,7 +107,7 @@ class LeaseTable:
                     f"no host memory left for the bookkeeping of {ids.size} more pins: release leases "
                     "or pin fewer pages"
                 )
-        self.pages.pins[ids] += 1
+        self.pages.pin(ids)
         self._pinned[tenant] = held + ids.size
         return ids
 
@@ -140,7 +140,7 @@ class LeaseTable:
         lease.pages, lease.parts = lease.pages[~mine], lease.parts[~mine]
 
     def _unpin(self, tenant: str, ids: np.ndarray) -> None:
-        self.pages.pins[ids] -= 1
+        self.pages.pin(ids, -1)
         if self.arena is not None:
             self.arena.unbook(ids.size * PIN_BYTES)
         left = self._pinned.get(tenant, 0) - ids.size

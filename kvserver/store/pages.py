@@ -3,7 +3,13 @@
 Primitives: ``PageTable`` (arrays: LRU stamp, pins, readers, state, part, tenant, arena offset,
 slab and page bytes; ``index``, the key of each page filed under its part), ``PageTable.take`` /
 ``give`` (page ids for a new slab and back), ``PageTable.touch`` (prefix-end-first stamps),
-``PageTable.evictable`` and ``BYTES_PER_PAGE`` (what the table and its index hold per page).
+``PageTable.hold`` / ``pin`` / ``write`` and their undoing (what keeps a page, and its slab, from
+eviction, counted per slab as it happens), ``PageTable.evictable`` and ``BYTES_PER_PAGE`` (what the
+table and its index hold per page).
+
+Per slab the table keeps, as pages change, its newest stamp and how many holds its pages carry
+(pins, readers and pages being written), so that choosing slabs to evict costs a pass over the
+slabs, never one over the pages.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ class PageTable:
             setattr(self, name, lazy_zeros(capacity, dtype))
         self.index = KeyIndex(capacity)
         self.slab_stamp = np.zeros(64, np.int64)  # per slab id: the newest stamp of its pages
+        self.slab_holds = np.zeros(64, np.int64)  # per slab id: pins + readers + pages being written
 
     def take(self, n: int) -> np.ndarray | None:
         """``n`` unused page ids, ascending where possible; None if the table has fewer left."""
@@ -77,10 +84,40 @@ class PageTable:
     def new_slab(self, sid: int) -> None:
         """A slab id starts (again): not used yet."""
         if sid >= len(self.slab_stamp):
-            grown = np.zeros(max(2 * len(self.slab_stamp), sid + 1), np.int64)
-            grown[: len(self.slab_stamp)] = self.slab_stamp
-            self.slab_stamp = grown
+            size = max(2 * len(self.slab_stamp), sid + 1)
+            for name in ("slab_stamp", "slab_holds"):
+                grown = np.zeros(size, np.int64)
+                old = getattr(self, name)
+                grown[: len(old)] = old
+                setattr(self, name, grown)
         self.slab_stamp[sid] = 0
+        self.slab_holds[sid] = 0
+
+    # What keeps pages from eviction: every change goes through these, so the slabs' counts hold.
+
+    def hold(self, ids: np.ndarray, n: int = 1) -> None:
+        """Marks pages as being read (ids may repeat: each occurrence counts); ``n`` -1 undoes."""
+        np.add.at(self.readers, ids, n)
+        np.add.at(self.slab_holds, self.slab[ids], n)
+
+    def pin(self, ids: np.ndarray, n: int = 1) -> None:
+        """Pins pages once more (ids distinct); ``n`` -1 unpins."""
+        self.pins[ids] += n
+        np.add.at(self.slab_holds, self.slab[ids], n)
+
+    def write(self, ids: np.ndarray) -> None:
+        """Free pages start being written: invisible to lookups, never evicted."""
+        self.state[ids] = WRITING
+        np.add.at(self.slab_holds, self.slab[ids], 1)
+
+    def commit(self, ids: np.ndarray) -> None:
+        """Pages being written are stored."""
+        self.state[ids] = COMMITTED
+        np.add.at(self.slab_holds, self.slab[ids], -1)
+
+    def busy_slabs(self, sids: np.ndarray) -> np.ndarray:
+        """Mask of the slabs with a pinned page, a page being read or one being written."""
+        return self.slab_holds[sids] > 0
 
     def find(self, part: int, keys: Keys) -> np.ndarray:
         """Page id of each key in part ``part`` (being written or committed), -1 where none."""
@@ -96,6 +133,8 @@ class PageTable:
     def clear(self, ids: np.ndarray) -> None:
         """Makes pages free: no key, no part, no stamp."""
         self.index.remove(ids[self.part[ids] >= 0])
+        written = ids[self.state[ids] == WRITING]
+        np.add.at(self.slab_holds, self.slab[written], -1)
         self.state[ids] = FREE
         self.part[ids] = -1
         self.tenant[ids] = -1

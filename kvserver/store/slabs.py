@@ -4,6 +4,10 @@ A class is a tenant and a page size: a slab holds the pages of one tenant only, 
 holds (its slabs, whole, whatever it pins in them) is known and charged to its quota, and its pins
 keep only its own slabs from eviction.
 
+Each slab keeps its own free pages, so that releasing one costs its own pages only, whatever
+else its class holds; and a slab holds at most ``MAX_SLAB_PAGES`` pages, so that evicting one (every
+key of it out of the index) is a bounded piece of work however small the pages.
+
 Primitives: ``Slab``, ``SlabPool.grow`` (reserve one more slab of a class), ``SlabPool.take`` /
 ``SlabPool.give`` (free pages of a class out and back), ``SlabPool.held`` (a tenant's slab bytes)
 and ``SlabPool.release`` (a slab back to the arena, its hooks called first).
@@ -13,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -30,6 +34,9 @@ def _align_up(n: int, a: int) -> int:
 
 
 Class = tuple[int, int]  # (tenant id, page bytes)
+# Pages of one slab at most: 2 MiB of the smallest (64-byte) pages. Evicting a slab takes each of
+# its keys out of the index on the event loop; 32 Ki keys cost a few milliseconds.
+MAX_SLAB_PAGES = 1 << 15
 
 
 @dataclass(slots=True)
@@ -39,12 +46,16 @@ class Slab:
     nbytes: int
     page_bytes: int
     pages: np.ndarray  # page ids, page i at offset + i * page_bytes
-    free: int  # pages of it that hold nothing
     tenant: int = -1  # the tenant whose pages it holds
+    free_ids: IdStack = field(default_factory=IdStack)  # its pages that hold nothing
 
     @property
     def cls(self) -> Class:
         return (self.tenant, self.page_bytes)
+
+    @property
+    def free(self) -> int:
+        return len(self.free_ids)
 
 
 class SlabPool:
@@ -58,7 +69,9 @@ class SlabPool:
         self.bytes = 0
         self.on_slab_added: list[Callable[[int, int], None]] = []
         self.on_slab_removed: list[Callable[[int, int], None]] = []
-        self._free: dict[Class, IdStack] = {}  # class -> free page ids
+        # class -> its slabs with free pages, the one given pages most recently last
+        self._with_free: dict[Class, dict[int, None]] = {}
+        self._nfree: dict[Class, int] = {}  # class -> its free pages
         self.of_class: dict[Class, set[int]] = {}  # class -> its slab ids
         self._held: dict[int, int] = {}  # tenant id -> bytes of its slabs' pages, free ones included
         self._booked: dict[int, int] = {}  # tenant id -> bookkeeping bytes of its slabs' pages
@@ -71,15 +84,14 @@ class SlabPool:
         return self._next_sid
 
     def per_slab(self, page_bytes: int) -> int:
-        return max(1, self.slab_bytes // page_bytes)
+        return max(1, min(MAX_SLAB_PAGES, self.slab_bytes // page_bytes))
 
     def free_count(self, cls: Class) -> int:
-        return len(self._free.get(cls, ()))
+        return self._nfree.get(cls, 0)
 
-    def pages_of(self, cls: Class) -> np.ndarray:
-        """The page ids of the class's slabs."""
-        sids = self.of_class.get(cls, ())
-        return np.concatenate([self.slabs[s].pages for s in sids]) if sids else np.empty(0, np.int64)
+    def pages_of(self, cls: Class) -> dict[int, np.ndarray]:
+        """The class's slabs: id -> page ids."""
+        return {s: self.slabs[s].pages for s in self.of_class.get(cls, ())}
 
     @staticmethod
     def cost(nbytes: int, booked: int, quota: int) -> int:
@@ -136,8 +148,8 @@ class SlabPool:
         p.part[ids] = -1
         p.tenant[ids] = -1
         p.stamp[ids] = 0
-        self.slabs[sid] = Slab(sid, offset, nbytes, page_bytes, ids, n, tenant)
-        self._free.setdefault(cls, IdStack()).push(ids)
+        slab = self.slabs[sid] = Slab(sid, offset, nbytes, page_bytes, ids, tenant)
+        self._push(slab, ids)
         self.of_class.setdefault(cls, set()).add(sid)
         self._held[tenant] = self._held.get(tenant, 0) + n * page_bytes
         self._booked[tenant] = self._booked.get(tenant, 0) + n * BYTES_PER_PAGE
@@ -151,13 +163,30 @@ class SlabPool:
         return self._next_sid - 1
 
     def take(self, cls: Class, n: int) -> np.ndarray:
-        """``n`` free pages of the class (at most as many as it has)."""
-        free = self._free.get(cls)
-        if free is None or not n or not len(free):
+        """``n`` free pages of the class (at most as many as it has), from the slabs given free
+        pages most recently first."""
+        with_free = self._with_free.get(cls)
+        out: list[np.ndarray] = []
+        while n and with_free:
+            sid = next(reversed(with_free))
+            free = self.slabs[sid].free_ids
+            ids = free.pop(n)
+            if not len(free):
+                del with_free[sid]
+            out.append(ids)
+            n -= len(ids)
+        if not out:
             return np.empty(0, np.int64)
-        ids = free.pop(n)
-        self._count(ids, -1)
+        ids = np.concatenate(out) if len(out) > 1 else out[0]
+        self._nfree[cls] -= len(ids)
         return ids
+
+    def _push(self, slab: Slab, ids: np.ndarray) -> None:
+        slab.free_ids.push(ids)
+        with_free = self._with_free.setdefault(slab.cls, {})
+        with_free.pop(slab.sid, None)
+        with_free[slab.sid] = None
+        self._nfree[slab.cls] = self._nfree.get(slab.cls, 0) + len(ids)
 
     def give(self, ids: np.ndarray, release_empty: bool = True) -> list[int]:
         """Puts cleared pages back among the free ones; releases slabs left empty unless told not
@@ -167,18 +196,12 @@ class SlabPool:
         slab = self.pages.slab[ids]
         order = np.argsort(slab, kind="stable")
         uniq, starts = np.unique(slab[order], return_index=True)
-        for sid, chunk in zip(uniq.tolist(), np.split(ids[order], starts[1:]), strict=True):
-            self._free[self.slabs[sid].cls].push(chunk)
-        sids = self._count(ids, 1)
+        sids = uniq.tolist()
+        for sid, chunk in zip(sids, np.split(ids[order], starts[1:]), strict=True):
+            self._push(self.slabs[sid], chunk)
         if release_empty:
             self.release_empty(sids)
         return sids
-
-    def _count(self, ids: np.ndarray, sign: int) -> list[int]:
-        sids, counts = np.unique(self.pages.slab[ids], return_counts=True)
-        for sid, count in zip(sids.tolist(), counts.tolist(), strict=True):
-            self.slabs[sid].free += sign * count
-        return sids.tolist()
 
     def release_empty(self, sids: Iterable[int]) -> None:
         """Releases those of the slabs whose pages all hold nothing."""
@@ -190,8 +213,9 @@ class SlabPool:
         """Gives slabs back to the arena; their pages must all be free."""
         slabs = [self.slabs.pop(s) for s in sids]
         ids = np.concatenate([s.pages for s in slabs])
-        for cls in {s.cls for s in slabs}:
-            self._free[cls].drop(ids)
+        for slab in slabs:  # their free lists go with them: nothing else of the class is touched
+            self._with_free[slab.cls].pop(slab.sid, None)
+            self._nfree[slab.cls] -= slab.free
         self.pages.give(ids)
         for slab in slabs:
             self.of_class[slab.cls].discard(slab.sid)

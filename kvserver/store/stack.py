@@ -1,6 +1,6 @@
 """Ids in numpy arrays, 4 bytes an id, handed out and taken back in batches.
 
-Primitives: ``IdStack`` (a stack: ``push``, ``pop``, ``drop``, ``__len__``) and ``IdPool`` (ids
+Primitives: ``IdStack`` (a stack: ``push``, ``pop``, ``__len__``) and ``IdPool`` (ids
 below a limit: ``take`` those given back first, then new ones from the lowest; ``give`` back).
 """
 
@@ -35,13 +35,6 @@ class IdStack:
         out = self._ids[self._n - k : self._n][::-1].astype(np.int64)
         self._n -= k
         return out
-
-    def drop(self, ids: np.ndarray) -> None:
-        """Removes ``ids`` wherever they are in the stack (ids not in it are ignored)."""
-        held = self._ids[: self._n]
-        kept = held[~np.isin(held, ids)]
-        self._n = len(kept)
-        self._ids[: self._n] = kept
 
 
 class IdPool:

@@ -14,7 +14,7 @@ T = TypeVar("T")
 
 # Keys one step handles: a few milliseconds of the event loop, more for a Put that evicts, on the
 # 2-core VM of docs/performance.md ("Hostile peers").
-STEP_KEYS = 4096
+STEP_KEYS = 1024
 
 
 def run_steps(steps: Generator[None, None, T]) -> T:

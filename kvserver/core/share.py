@@ -1,0 +1,80 @@
+"""The event loop's share between the cache's long bookkeeping and the short calls engines wait on.
+
+A Lookup, Put or Get of many keys runs in steps (``kvserver.store.steps``) and lets the loop serve
+others between two. Letting it go on at once after one pass of the loop still makes every short
+call in flight (a Load, a Write, an Alloc: one step of an engine's forward pass waits on it) wait
+behind the next step at each of its own turns on the loop (parse, copy submitted, copy done,
+answer). So between two steps, a long operation waits while short calls are in flight, for at most
+as long as its last step took: a short call's turns then find the loop free, and the long one
+still has at least half of the loop however many short calls come.
+
+Primitives: ``LoopShare`` with ``call`` (a call in flight: counted while its handler runs) and
+``between_steps`` (what a long operation awaits between two steps).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+MAX_WAIT = 0.02  # the longest a long operation waits for short calls between two of its steps
+
+_counted: contextvars.ContextVar[bool] = contextvars.ContextVar("kvserver_call_counted", default=False)
+
+
+class LoopShare:
+    def __init__(self) -> None:
+        self.calls = 0  # calls in flight, not running steps
+        self._quiet: asyncio.Event | None = None  # set while no call is in flight
+
+    def _event(self) -> asyncio.Event:
+        if self._quiet is None:
+            self._quiet = asyncio.Event()
+            if not self.calls:
+                self._quiet.set()
+        return self._quiet
+
+    def _add(self, n: int) -> None:
+        self.calls += n
+        quiet = self._event()
+        if self.calls:
+            quiet.clear()
+        else:
+            quiet.set()
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[None]:
+        """A call in flight while the block runs (a handler, from its request to its answer)."""
+        self._add(1)
+        token = _counted.set(True)
+        try:
+            yield
+        finally:
+            _counted.reset(token)
+            self._add(-1)
+
+    @contextlib.contextmanager
+    def long(self) -> Iterator[None]:
+        """The block runs steps: the call running it is not a short one meanwhile (it does not
+        wait for itself, and others do not wait for it)."""
+        if not _counted.get():
+            yield
+            return
+        self._add(-1)
+        token = _counted.set(False)
+        try:
+            yield
+        finally:
+            _counted.reset(token)
+            self._add(1)
+
+    async def between_steps(self, spent: float) -> None:
+        """Lets the loop serve others after a step that took ``spent`` seconds: one pass, and while
+        calls are in flight, until none is or ``spent`` (at most ``MAX_WAIT``) has passed."""
+        if not self.calls:
+            await asyncio.sleep(0)
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._event().wait(), min(spent, MAX_WAIT))

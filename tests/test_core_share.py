@@ -1,0 +1,81 @@
+"""The loop's share: between two steps a long cache operation waits while short calls are in
+flight, never longer than its last step took (at most MAX_WAIT), never for itself, and not at all
+when nothing else runs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from kvserver.core.share import MAX_WAIT, LoopShare
+
+
+async def _timed(coro) -> float:
+    t = time.perf_counter()
+    await coro
+    return time.perf_counter() - t
+
+
+def test_with_no_call_in_flight_a_step_goes_on_after_one_pass():
+    async def main():
+        share = LoopShare()
+        with share.long():
+            return await _timed(share.between_steps(1.0))
+
+    assert asyncio.run(main()) < 0.05
+
+
+def test_a_long_operation_waits_for_a_call_in_flight_until_it_ends():
+    async def main():
+        share = LoopShare()
+
+        async def call():
+            with share.call():
+                await asyncio.sleep(MAX_WAIT / 4)
+
+        task = asyncio.ensure_future(call())
+        await asyncio.sleep(0)  # the call is in flight
+        waited = await _timed(share.between_steps(1.0))
+        ended_first = task.done()
+        await task
+        return waited, ended_first
+
+    waited, ended_first = asyncio.run(main())
+    assert ended_first and waited > MAX_WAIT / 4 * 0.8  # it went on once the call had ended
+
+
+def test_the_wait_is_bounded_by_the_last_step():
+    async def main():
+        share = LoopShare()
+        ended = asyncio.Event()
+
+        async def call():
+            with share.call():
+                await ended.wait()
+
+        task = asyncio.ensure_future(call())
+        await asyncio.sleep(0)
+        short = await _timed(share.between_steps(0.005))
+        long = await _timed(share.between_steps(10.0))
+        ended.set()
+        await task
+        return short, long
+
+    short, long = asyncio.run(main())
+    assert short < 0.004 + 0.03  # its last step's 5 ms, not more
+    assert MAX_WAIT * 0.9 < long < MAX_WAIT + 0.05  # never past MAX_WAIT however long the step
+
+
+def test_a_call_running_steps_does_not_wait_for_itself():
+    async def main():
+        share = LoopShare()
+        with share.call():
+            assert share.calls == 1
+            with share.long():
+                assert share.calls == 0
+                waited = await _timed(share.between_steps(1.0))
+            assert share.calls == 1
+        assert share.calls == 0
+        return waited
+
+    assert asyncio.run(main()) < 0.05
