@@ -12,8 +12,9 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-# Keys one step handles: a few milliseconds of the event loop, more for a Put that evicts, on the
-# 2-core VM of docs/performance.md ("Hostile peers").
+# Keys one step handles: about a millisecond of the event loop, a few for a Put that evicts, on the
+# 2-core VM of docs/performance.md ("Hostile peers"); 4096 made another engine's Load wait twice as
+# long behind each step.
 STEP_KEYS = 1024
 
 
