@@ -24,6 +24,7 @@ class Op:
     registered: bool = True
     job: bool = False
     cache: bool = False  # a call on the node-wide cache: best effort (see ClientCore.judge)
+    timeout: float | None = None  # the call's own bound, if shorter than the client's (a lookup)
 
 
 @dataclass(frozen=True, slots=True)

@@ -126,7 +126,7 @@ class AsyncKVClient(CoreShell):
             tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, event_slots=event_slots,
             min_host_tokens=min_host_tokens,
         )
-        sent = await asyncio.to_thread(ticketed, self.target, pool, req)
+        sent = await asyncio.to_thread(ticketed, self.target, pool, req, self.timeout)
         reg, replaced = self._core.registered(await self._call(self._stub.Register, sent), req, pool)
         if replaced is not None and replaced is not asyncio.current_task():
             replaced.cancel()
@@ -166,7 +166,8 @@ class AsyncKVClient(CoreShell):
                 if retry is None:
                     return
                 try:
-                    sent = await asyncio.to_thread(ticketed, self.target, self._core.pool, retry)
+                    sent = await asyncio.to_thread(ticketed, self.target, self._core.pool, retry,
+                                                   self.timeout)
                     resp = await self._stub.Register(sent, timeout=self.timeout, metadata=self._core.metadata)
                 except (grpc.RpcError, KVClientError):
                     continue
@@ -239,8 +240,17 @@ class AsyncKVClient(CoreShell):
     # ---- the node-wide cache ----------------------------------------------------------------
 
     async def lookup(self, keys: Keys, *, pin_ms: int = 0, whole_space: bool = False,
-                     key_bytes: int = KEY_BYTES) -> LookupResult:
-        return await self._run(self._core.lookup(keys, pin_ms, whole_space, key_bytes))
+                     key_bytes: int = KEY_BYTES, timeout: float | None = None) -> LookupResult:
+        return await self._run(self._core.lookup(keys, pin_ms, whole_space, key_bytes, timeout))
+
+    async def ping(self, timeout: float | None = None) -> bool:
+        """True if the daemon answers a call on this registration (an empty Lookup) in time."""
+        misses = self.misses
+        try:
+            await self.lookup(b"", timeout=timeout)
+        except KVClientError:
+            return False
+        return self.misses == misses
 
     async def put(self, keys: Keys, device_pages: msg.Indices, *, ready_event=None,
                   key_bytes: int = KEY_BYTES) -> PutResult:

@@ -52,8 +52,9 @@ class CacheView(_ViewShell):
         self._stub = pb_grpc.KVServerStub(self._channel)
 
     def open(self) -> str:
-        """Opens the space (raising on failure); returns its id."""
-        req = self._core.open_request(ticket_for(self._core.target))
+        """Opens the space (raising on failure); returns its id. Every step (the peer ticket
+        too) waits at most the view's ``timeout``."""
+        req = self._core.open_request(ticket_for(self._core.target, timeout=self._core.timeout))
         try:
             resp = self._stub.OpenSpace(req, timeout=self._core.timeout, metadata=self._core.metadata)
         except grpc.RpcError as exc:
@@ -82,6 +83,14 @@ class CacheView(_ViewShell):
         ``pin_ms`` pins them under the returned lease."""
         return self._run(self._core.lookup(keys, pin_ms, key_bytes))
 
+    def ping(self) -> bool:
+        """True if the daemon answers: the space opened again (within the view's timeout)."""
+        try:
+            self.open()
+        except KVClientError:
+            return False
+        return True
+
     def release(self, lease_ids: str | Sequence[str]) -> int:
         return self._run(self._core.release(lease_ids))
 
@@ -109,7 +118,8 @@ class AsyncCacheView(_ViewShell):
 
     async def open(self) -> str:
         """Opens the space (raising on failure); returns its id."""
-        req = self._core.open_request(await asyncio.to_thread(ticket_for, self._core.target))
+        req = self._core.open_request(await asyncio.to_thread(ticket_for, self._core.target, (),
+                                                              self._core.timeout))
         try:
             resp = await self._stub.OpenSpace(req, timeout=self._core.timeout, metadata=self._core.metadata)
         except grpc.RpcError as exc:

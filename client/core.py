@@ -244,7 +244,7 @@ class ClientCore:
             raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "register() first")
         if not self.connected:
             return Missed(self.disconnected(op.miss))
-        return Call(op, reg, op.build(reg), self.job_deadline if op.job else self.timeout)
+        return Call(op, reg, op.build(reg), op.timeout or (self.job_deadline if op.job else self.timeout))
 
     def start_stream(self, op: StreamOp) -> Call | Missed:
         """A Load or Get to send now (with its layers and CUDA layer events), or the layers of a
@@ -362,11 +362,13 @@ class ClientCore:
         req = pb.StatsRequest(client_id="" if all_clients else self.client_id)
         return Op("Stats", lambda r: req, lambda resp: resp, registered=False)
 
-    def lookup(self, keys: Keys, pin_ms: int, whole_space: bool, key_bytes: int = KEY_BYTES) -> Op:
+    def lookup(self, keys: Keys, pin_ms: int, whole_space: bool, key_bytes: int = KEY_BYTES,
+               timeout: float | None = None) -> Op:
         data, width, _ = packed(keys, key_bytes)
         return Op("Lookup", lambda r: pb.LookupRequest(client_id=r.client_id, keys=data, key_bytes=width,
                                                        pin_ms=pin_ms, whole_space=whole_space),
-                  lambda resp: LookupResult(resp.pages, resp.lease_id), LookupResult(0), cache=True)
+                  lambda resp: LookupResult(resp.pages, resp.lease_id), LookupResult(0), cache=True,
+                  timeout=timeout)
 
     def put(self, keys: Keys, device_pages: msg.Indices, ready_event, key_bytes: int = KEY_BYTES) -> Op:
         data, width, count = packed(keys, key_bytes)

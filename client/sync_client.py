@@ -173,7 +173,7 @@ class KVClient(CoreShell):
             tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, event_slots=event_slots,
             min_host_tokens=min_host_tokens,
         )
-        resp = self._call(self._stub.Register, ticketed(self.target, pool, req))
+        resp = self._call(self._stub.Register, ticketed(self.target, pool, req, self.timeout))
         reg, replaced = self._core.registered(resp, req, pool)
         if replaced is not None:
             replaced.cancel()
@@ -191,7 +191,7 @@ class KVClient(CoreShell):
             return
         lane = ClientLane()
         try:
-            ticket = ticket_for(self.target, lane.daemon_fds())
+            ticket = ticket_for(self.target, lane.daemon_fds(), self.timeout)
             self._stub.OpenLane(pb.OpenLaneRequest(client_id=reg.client_id, peer_ticket=ticket),
                                 timeout=self.timeout, metadata=self._core.metadata)
         except (grpc.RpcError, KVClientError, ValueError) as exc:  # ValueError: closed meanwhile
@@ -262,7 +262,7 @@ class KVClient(CoreShell):
                 if retry is None:
                     return
                 try:
-                    resp = self._stub.Register(ticketed(self.target, self._core.pool, retry),
+                    resp = self._stub.Register(ticketed(self.target, self._core.pool, retry, self.timeout),
                                                timeout=self.timeout, metadata=self._core.metadata)
                 except grpc.RpcError as exc:
                     logger.debug("re-registration failed: %s", exc.code().name)
@@ -343,11 +343,21 @@ class KVClient(CoreShell):
     # ---- the node-wide cache ----------------------------------------------------------------
 
     def lookup(self, keys: Keys, *, pin_ms: int = 0, whole_space: bool = False,
-               key_bytes: int = KEY_BYTES) -> LookupResult:
+               key_bytes: int = KEY_BYTES, timeout: float | None = None) -> LookupResult:
         """How many leading ``keys`` are cached in this engine's part (``whole_space``: in every
         part of its space); ``pin_ms`` pins them under the returned lease. Keys are packed bytes
-        of ``key_bytes`` each, or a sequence of equal-length bytes."""
-        return self._run(self._core.lookup(keys, pin_ms, whole_space, key_bytes))
+        of ``key_bytes`` each, or a sequence of equal-length bytes. ``timeout``: this call's
+        bound, if not the client's."""
+        return self._run(self._core.lookup(keys, pin_ms, whole_space, key_bytes, timeout))
+
+    def ping(self, timeout: float | None = None) -> bool:
+        """True if the daemon answers a call on this registration (an empty Lookup) in time."""
+        misses = self.misses
+        try:
+            self.lookup(b"", timeout=timeout)
+        except KVClientError:
+            return False
+        return self.misses == misses
 
     def put(self, keys: Keys, device_pages: msg.Indices, *, ready_event=None,
             key_bytes: int = KEY_BYTES) -> PutResult:

@@ -91,6 +91,9 @@ NOT_RUN = {
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_transfer.py --mib 32 --repeats 40"):
         "benchmarks of minutes on a 2-core machine, for figures measured by hand; the README's "
         "bench_transfer.py line runs the same script as written",
+    ("docs/performance.md", ".venv/bin/python benchmarks/bench_engine_faults.py"):
+        "a benchmark of about half a minute that SIGSTOPs its daemon, for figures measured by hand; "
+        "tests/test_bench_engine_faults.py runs the same script on small sizes",
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_vllm_connector.py"):
         "a benchmark of about half a minute, for figures measured by hand; "
         "tests/test_bench_vllm_connector.py runs the same script on a small size",

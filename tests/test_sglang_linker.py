@@ -306,6 +306,11 @@ def test_daemon_stopped_mid_request_gives_misses(daemon_factory):
                 if not stored:
                     time.sleep(0.2)
             assert stored, "A never stored again after the daemon came back"
+            # B's lookups miss at once until its probe (off the scheduler's thread) finds the
+            # daemon answering again, within the probe's backoff cap.
+            deadline = time.monotonic() + b.away.cap + 5
+            while b.lookup("r3", [_kv(keys=hashes)]) != [1, 2] and time.monotonic() < deadline:
+                time.sleep(0.1)
             assert b.lookup("r3", [_kv(keys=hashes)]) == [1, 2]
             assert b.load("r3", [_kv(keys=hashes, device_indices=slots_b)]) is True
             index = b.start_layer_wise_loading()
@@ -556,3 +561,38 @@ def test_leases_of_lookups_that_never_load_are_forgotten_after_their_pin(daemon)
         assert list(a._leases) == ["live"]
     finally:
         a.close()
+
+
+def test_a_stopped_daemon_costs_the_scheduler_one_bounded_wait(socket_dir):
+    """SGLang calls lookup, load and offload on its scheduler's thread: each waits at most
+    lookup_timeout_s, and after one timed out none waits until the daemon answers again."""
+    import os
+    import signal
+
+    from daemon_proc import DaemonProcess
+
+    d = DaemonProcess(os.path.join(socket_dir, "stopped.sock"), host_memory="256MiB")
+    linker, pool, alloc = _engine(d.address, pp_size=1, pp_rank=0, lookup_timeout_s=0.5)
+    try:
+        hashes = _hashes(list(range(700, 700 + 2 * PAGE)))
+        slots = alloc.alloc(2 * PAGE)
+        assert linker.lookup("warm", [_kv(keys=hashes)]) == []  # registered, answering
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        took, answers = [], []
+        for i in range(4):
+            t = time.monotonic()
+            answers.append((linker.lookup(f"r{i}", [_kv(keys=hashes)]),
+                            linker.load(f"r{i}", [_kv(keys=hashes, device_indices=slots)]),
+                            linker.offload([_kv(device_indices=slots, keys=hashes)])))
+            took.append(time.monotonic() - t)
+            time.sleep(0.3)
+        assert max(took) < 0.5 + 0.5, took
+        assert sum(t > 0.2 for t in took) <= 1, took
+        # Misses: nothing to load, and offloads queued as SGLang needs, each to complete False.
+        assert answers == [([], False, True)] * 4
+        assert _completed(linker, 4) == 4
+        assert [linker.pop_completed_offload() for _ in range(4)] == [False] * 4
+    finally:
+        os.kill(d.proc.pid, signal.SIGCONT)
+        linker.close()
+        d.stop()

@@ -404,3 +404,114 @@ def test_preempted_requests_blocks_are_reused_only_after_their_puts(engines, ser
         c.step()
         assert c.admitted[rid + "c"] == [112] and seen == [0, 1]
         c.run()
+
+
+# ---- a stopped daemon: no scheduler step waits past its bound, no Put holds blocks long ----------
+
+
+@pytest.fixture()
+def stopped_daemon(socket_dir):
+    """A daemon subprocess; ``stop()`` SIGSTOPs it (it neither answers nor closes anything), and it
+    is let go and ended after the test."""
+    import signal
+
+    from daemon_proc import DaemonProcess
+
+    d = DaemonProcess(os.path.join(socket_dir, "stopped.sock"), host_memory="256MiB")
+    d.stop_signal = lambda: os.kill(d.proc.pid, signal.SIGSTOP)
+    yield d
+    os.kill(d.proc.pid, signal.SIGCONT)
+    d.stop()
+
+
+def timed_schedules(engine: Engine) -> list[float]:
+    """Wraps the engine's scheduler so that each ``schedule()`` call's length is recorded."""
+    took: list[float] = []
+    real = engine.scheduler.schedule
+
+    def schedule():
+        t = time.monotonic()
+        try:
+            return real()
+        finally:
+            took.append(time.monotonic() - t)
+
+    engine.scheduler.schedule = schedule
+    return took
+
+
+STALL_SETTINGS = {"lookup_timeout_s": 0.5, "timeout_s": 1.0, "load_timeout_s": 3.0}
+
+
+def test_a_stopped_daemon_costs_the_scheduler_one_bounded_wait(engines, stopped_daemon):
+    """Every setup step of a lookup (the peer ticket included) waits at most lookup_timeout_s, and
+    after one lookup timed out no later step waits until the daemon answers again."""
+    d = stopped_daemon
+    a = engines("stall", address=d.address, settings=STALL_SETTINGS)
+    a.add("a1", PROMPT, max_tokens=1)
+    a.run()
+    b = engines("stall", address=d.address, settings=STALL_SETTINGS)  # its space is not open yet
+    took = timed_schedules(b)
+    d.stop_signal()
+    for i in range(6):
+        b.add(f"b{i}", [t + i for t in PROMPT], max_tokens=1)
+        b.step()
+        time.sleep(0.6)  # past the old backoff window: a step then waited again
+    assert max(took) < STALL_SETTINGS["lookup_timeout_s"] + 0.5, took
+    assert sum(t > 0.2 for t in took) <= 1, took  # one bounded wait, then none
+    assert all(b.admitted[f"b{i}"] == [0] for i in range(6))  # misses, served all the same
+
+
+def test_puts_to_a_stopped_daemon_free_the_blocks_of_finished_requests_within_their_bound(
+        engines, stopped_daemon):
+    """A Put that cannot run in time is dropped and its blocks go back to vLLM: past
+    max_queued_puts at once, and every one queued behind a Put the daemon did not answer, without
+    a wait of its own."""
+    d = stopped_daemon
+    settings = dict(STALL_SETTINGS, max_queued_puts=4)
+    e = engines("stall-put", address=d.address, settings=settings)
+    e.add("warm", PROMPT, max_tokens=1)
+    e.run()  # registered, lane open, space open
+    d.stop_signal()
+    names = {f"p{i}" for i in range(10)}
+    for i in range(10):
+        e.add(f"p{i}", [t + 7 * i for t in PROMPT], max_tokens=1)
+    t0 = time.monotonic()
+    # A few a step, each computed and finished at once: a Put each, the first stuck on the daemon.
+    while len(e.finished_sending & names) < 5 and time.monotonic() - t0 < 30:
+        e.step()
+        time.sleep(0.01)
+    first = time.monotonic() - t0
+    e.run(timeout=60)
+    held = time.monotonic() - t0
+    assert e.finished_sending >= names
+    assert first < 1.0, f"the Puts past the queue's bound held their blocks {first:.1f} s"
+    # The Put that ran waits its deadline (timeout_s + 1 s of grace) and the Unregister that
+    # confirms it stopped (timeout_s); the ones queued behind it are dropped once it failed.
+    assert held < 2 + 1 + 2, f"finished requests held their blocks {held:.1f} s"
+    assert e.worker._worker.dropped_puts >= 9
+
+
+def test_a_burst_of_cached_prefixes_gets_every_hit_and_asks_once_each(engines, server, vcfg, monkeypatch):
+    """More requests with cached prefixes than a step may load (event_slots): those past it wait a
+    step (None) and load then, none recomputes its prefix; and a request vLLM cannot admit yet is
+    not looked up again every step."""
+    n = 64
+    monkeypatch.setattr(vcfg.scheduler_config, "max_num_seqs", 2 * n)  # the whole burst in one step
+    monkeypatch.setattr(vcfg.scheduler_config, "max_num_batched_tokens", 4096)
+    prompts = {f"q{i}": [(11 * i + 5 * j) % 400 + 3 for j in range(2 * BLOCK + 1)] for i in range(n)}
+    a = engines("burst", num_blocks=4 * n)
+    for rid, tokens in prompts.items():
+        a.add(rid, tokens, max_tokens=1)
+    a.run(max_steps=2000)
+    b = engines("burst", num_blocks=4 * n)
+    view = b.connector._scheduler.view
+    lookups = []
+    real = view.lookup
+    view.lookup = lambda *args, **kw: lookups.append(1) or real(*args, **kw)
+    for rid, tokens in prompts.items():
+        b.add(rid, tokens, max_tokens=1)
+    b.run(max_steps=2000)
+    hits = sum(b.admitted[rid] == [2 * BLOCK] for rid in prompts)
+    assert hits == n, f"{hits} of {n} requests got their hit"
+    assert len(lookups) <= 2 * n, f"{len(lookups)} lookups for {n} requests"

@@ -38,17 +38,17 @@ def get_ticket(path: str, fds: list[int], timeout: float = 5.0) -> str:
             from None
 
 
-def ticket_for(target: str, fds: list[int] | tuple[int, ...] = ()) -> str:
+def ticket_for(target: str, fds: list[int] | tuple[int, ...] = (), timeout: float = 5.0) -> str:
     """A fresh peer ticket carrying ``fds`` when the daemon has an fd socket for ``target``;
-    "" when it has none (TCP)."""
+    "" when it has none (TCP). It waits at most ``timeout`` (the caller's own call bound)."""
     path = fd_socket_path(target)
-    return "" if path is None else get_ticket(path, list(fds))
+    return "" if path is None else get_ticket(path, list(fds), timeout)
 
 
-def ticketed(target: str, pool, req: pb.RegisterRequest) -> pb.RegisterRequest:
+def ticketed(target: str, pool, req: pb.RegisterRequest, timeout: float = 5.0) -> pb.RegisterRequest:
     """``req`` with a fresh peer ticket carrying ``pool``'s descriptors (a shared-memory pool's;
     a CUDA pool has none), when the daemon has an fd socket for ``target``."""
-    ticket = ticket_for(target, tuple(getattr(pool, "fds", None) or ()))
+    ticket = ticket_for(target, tuple(getattr(pool, "fds", None) or ()), timeout)
     if not ticket:
         return req
     out = pb.RegisterRequest()

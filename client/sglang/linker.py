@@ -11,7 +11,8 @@
 model_path), ``num_layers`` (the model's layer count; needed on every PP stage but the last,
 which knows it from its own end), ``tp_rank``/``tp_size`` (default: from the attention TP group),
 ``lookup_pin_ms`` (default 10000: a lookup pins its hit until the load, 0 for no pin),
-``timeout_s`` (each daemon call, default 5), ``load_timeout_s`` (a whole load, default 30),
+``lookup_timeout_s`` (a lookup on the scheduler's thread, default 1), ``timeout_s`` (each other
+daemon call, default 5), ``load_timeout_s`` (a whole load, default 30),
 ``event_slots`` (CUDA: loads in flight, default 8), ``retry_register_s`` (default 5).
 
 What SGLang gives, what goes on the wire:
@@ -26,6 +27,9 @@ What SGLang gives, what goes on the wire:
   buffers over a ShmKVPool (for CPU engines and the tests) and the linker registers that.
 - Keys: SGLang's storage hashes (``PoolTransfer.keys``, 64-hex SHA-256 strings, chained) as their
   32 raw bytes. Device pages: ``device_indices`` are token slots; page = slot // page_size.
+- No call on SGLang's scheduler thread waits longer than ``lookup_timeout_s``: after one that
+  failed (the daemon away or stuck), lookups, loads and offloads miss at once while a background
+  thread probes the daemon (and registers again if it must), until it answers (``AwayGate``).
 - Every daemon failure (unreachable, restarted, registration lost, a copy that stops) is a miss:
   ``lookup`` returns [], ``load`` and ``offload`` False, a started load reports False from
   ``finish_layer_wise_loading`` (SGLang then aborts those requests with 503; the seam has no way
@@ -51,6 +55,7 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
     UnifiedCacheLinker,
 )
 
+from kvclient.away import AwayGate
 from kvclient.cuda_pool import CudaKVPool
 from kvclient.sglang._common import KEY_BYTES, Registrar, _wire_dtype, storage_keys
 from kvclient.shm_pool import ShmKVPool
@@ -275,6 +280,7 @@ class KVServerLinker(UnifiedCacheLinker):
         self.pin_ms = int(cfg.get("lookup_pin_ms", 10_000))
         self.load_timeout = float(cfg.get("load_timeout_s", 30.0))
         self.retry_register_s = float(cfg.get("retry_register_s", 5.0))
+        self.lookup_timeout = float(cfg.get("lookup_timeout_s", 1.0))
         self.client = KVClient(cfg.get("address"), timeout=float(cfg.get("timeout_s", 5.0)),
                                token=cfg.get("token"), tenant_token=cfg.get("tenant_token"))
         self._lock = threading.Lock()
@@ -290,8 +296,12 @@ class KVServerLinker(UnifiedCacheLinker):
         self._generation = 0  # bumped by reset: queued offloads of an older one are dropped
         self._idle = threading.Condition(self._lock)
         self._closed = False
+        # After one call that failed, no call on the scheduler's thread waits until a probe (off
+        # that thread: a ping, or the Register the linker still needs) finds the daemon answering.
+        self.away = AwayGate(self._probe, name="kvserver-sglang-probe")
         try:
-            self._ensure_registered(strict=True)
+            if not self._ensure_registered(strict=True):
+                self.away.failed()  # started without the daemon: registered from the probe thread
         except BaseException:
             self.client.close()
             raise
@@ -309,18 +319,38 @@ class KVServerLinker(UnifiedCacheLinker):
     def _register_kwargs(self) -> dict:
         return self._registrar.kwargs
 
+    def _usable(self) -> bool:
+        """Registered and answering, known without a call: the scheduler's thread never waits on
+        a Register or on a daemon that did not answer last time."""
+        if self._closed or not self.away.open:
+            return False
+        if not self._registrar.registered:
+            self.away.failed()  # registration lost (a renew): the probe thread registers
+            return False
+        return True
+
+    def _probe(self) -> bool:
+        if not self._registrar.registered:
+            return self._registrar.ensure(closed=self._closed)  # at most every retry_register_s
+        return self.client.ping(timeout=self.lookup_timeout)
+
     # ---- lookup and load -------------------------------------------------------------------
 
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
         kv = _kv_transfer(transfers)
-        if kv is None or not kv.keys or not self._ensure_registered():
+        if kv is None or not kv.keys or not self._usable():
             return []
+        misses = self.client.misses
         try:
             keys = storage_keys(kv.keys)
             found = self.client.lookup(keys, pin_ms=self.pin_ms, whole_space=self.whole_space,
-                                       key_bytes=KEY_BYTES)
+                                       key_bytes=KEY_BYTES, timeout=self.lookup_timeout)
         except Exception as exc:
             logger.warning("kvserver: lookup failed (%s): a miss", exc)
+            self.away.failed()
+            return []
+        if self.client.misses > misses:  # away or stuck: no further call on this thread waits
+            self.away.failed()
             return []
         old = self._leases.pop(rid, None)
         if old:
@@ -352,7 +382,7 @@ class KVServerLinker(UnifiedCacheLinker):
 
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
         kv = _kv_transfer(transfers)
-        if kv is None or not kv.keys or not self._ensure_registered():
+        if kv is None or not kv.keys or not self._usable():
             return False
         pages = self._pages(kv)
         if pages is None:
@@ -497,7 +527,7 @@ class KVServerLinker(UnifiedCacheLinker):
             keys = storage_keys(kv.keys)
         except ValueError:
             return False
-        usable = not self._closed and self._ensure_registered()
+        usable = self._usable()
         events = self.record_offload_ready() if usable else []  # before the pages are read
         with self._lock:
             self._offloads_open += 1
@@ -562,6 +592,7 @@ class KVServerLinker(UnifiedCacheLinker):
             return
         self._quiesce()
         self._closed = True
+        self.away.close()
         self._offloads.put(None)
         self._offloader.join(timeout=self.load_timeout)
         try:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from kvclient.away import AwayGate
 from kvclient.cache_view import CacheView
 from kvclient.results import LookupResult
 from kvclient.vllm._meta import KVServerConnectorMetadata, KVServerWorkerMeta, LoadJob, SaveJob
@@ -28,7 +29,6 @@ from kvclient.vllm._space import Space, block_keys, hashed_blocks
 
 logger = logging.getLogger("kvclient.vllm")
 
-AWAY_BACKOFF_S = (0.5, 30.0)  # no lookups for this long after one failed, doubling up to the cap
 
 
 @dataclass
@@ -68,23 +68,24 @@ class SchedulerSide:
         self._reqs: dict[str, _Req] = {}
         self._loads: list[LoadJob] = []
         self._finish_saves: list[SaveJob] = []
-        self._away_until = 0.0  # lookups miss without asking until then (the daemon failed one)
-        self._backoff = AWAY_BACKOFF_S[0]
+        # After one lookup that failed, lookups miss without asking until a probe (off this
+        # thread) finds the daemon answering: a stuck daemon costs the scheduler one bounded wait.
+        self.away = AwayGate(self.view.ping, name="kvserver-vllm-probe")
 
     # ---- lookup ----------------------------------------------------------------------------
 
     def _lookup(self, keys: list[bytes]) -> LookupResult:
+        if not self.away.open:
+            return LookupResult(0)
         misses = self.view.misses
         try:
             found = self.view.lookup(b"".join(keys), pin_ms=self.pin_ms, key_bytes=len(keys[0]))
         except Exception as exc:  # the daemon refused: a miss, never the scheduler's end
             logger.warning("kvserver: lookup failed (%s): a miss", exc)
             found = None
-        if found is None or self.view.misses > misses:  # away, slow or refusing: ask less often
-            self._away_until = time.monotonic() + self._backoff
-            self._backoff = min(self._backoff * 2, AWAY_BACKOFF_S[1])
+        if found is None or self.view.misses > misses:  # away, slow or refusing: no more waits
+            self.away.failed()
             return LookupResult(0)
-        self._backoff = AWAY_BACKOFF_S[0]
         return found
 
     def _set_lease(self, st: _Req, lease: str) -> None:
@@ -106,11 +107,16 @@ class SchedulerSide:
             self._release_now(answer.result().lease_id)
 
     def _answer(self, st: _Req, keys: list[bytes]) -> LookupResult | None:
-        """This request's lookup answer; None: not yet (async mode: vLLM asks again next step)."""
-        if not self._async:
-            return self._lookup(keys)
+        """This request's lookup answer; None: not yet (async mode: vLLM asks again next step).
+        An answer that pins is kept for half its pin's life: a request vLLM cannot admit yet (no
+        free blocks, this step's loads full) is not looked up, pinned and released every step."""
         if st.answer is not None and (time.monotonic() - st.answer[1]) * 2000 < self.pin_ms:
-            return st.answer[0]  # still pinned: a request vLLM could not admit yet asks no more
+            return st.answer[0]
+        if not self._async:
+            found = self._lookup(keys)
+            if found.lease_id:  # a miss pins nothing: asked again, it may find what was stored since
+                st.answer = (found, time.monotonic())
+            return found
         if st.lookup is None:  # answered at a later step, never this one: the step is not held
             st.lookup = self._pool.submit(self._lookup, keys)
             return None
@@ -130,8 +136,7 @@ class SchedulerSide:
         st.local = num_computed_tokens
         # As vLLM's own prefix cache: whole blocks, and at least the prompt's last token computed.
         keys = block_keys(request, self.space.hash_stride, (request.num_tokens - 1) // self.block_size)
-        if (not self.loads or not keys or len(self._loads) >= self.max_loads
-                or time.monotonic() < self._away_until):
+        if not self.loads or not keys or not self.away.open:
             st.found = 0
             return 0, False
         found = self._answer(st, keys)
@@ -141,8 +146,12 @@ class SchedulerSide:
             self._set_lease(st, found.lease_id)
         st.found = min(found.pages, len(keys))
         st.saved = max(st.saved, st.found)
-        hit = st.found * self.block_size
-        return max(0, hit - num_computed_tokens), False
+        external = max(0, st.found * self.block_size - num_computed_tokens)
+        if external and len(self._loads) >= self.max_loads:
+            # This step's loads are full: not a miss (that would recompute the whole prefix), but
+            # "ask again next step", its answer and pin kept for then.
+            return None, False
+        return external, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
@@ -230,5 +239,6 @@ class SchedulerSide:
             if st.lease:
                 self._release(st.lease)
         self._reqs.clear()
+        self.away.close()
         self._pool.shutdown(wait=True, cancel_futures=False)
         self.view.close()

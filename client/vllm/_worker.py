@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvclient.away import AwayGate
 from kvclient.registrar import Registrar
 from kvclient.sync_client import KVClient
 from kvclient.vllm._meta import KVServerConnectorMetadata, KVServerWorkerMeta, LoadJob, SaveJob
@@ -66,8 +67,18 @@ class WorkerSide:
         self.enabled = enabled
         self.layerwise = bool(cfg.get("layerwise", True))
         self.load_timeout = float(cfg.get("load_timeout_s", 30.0))
-        self.client = KVClient(cfg.get("address"), timeout=float(cfg.get("timeout_s", 5.0)),
+        self.timeout = float(cfg.get("timeout_s", 5.0))
+        self.client = KVClient(cfg.get("address"), timeout=self.timeout,
                                token=cfg.get("token"), tenant_token=cfg.get("tenant_token"))
+        # Puts wait in one queue, at most this many, each at most put_queue_s before it starts:
+        # past either it is dropped (not stored) and its blocks go back to vLLM at once.
+        self.max_queued_puts = int(cfg.get("max_queued_puts", 64))
+        queue_s = cfg.get("put_queue_s")
+        self.put_queue_s = self.timeout if queue_s is None else float(queue_s)
+        self.dropped_puts = 0
+        # After a call that failed (the daemon away or stuck), loads and Puts miss at once, and
+        # Register is tried again, from a probe thread, never from the forward's thread.
+        self.away = AwayGate(self._probe, name="kvserver-vllm-probe")
         self.registrar: Registrar | None = None
         self.pool = None  # a KVViewsPool once registered
         self.layer_of: dict[str, int] = {}
@@ -120,11 +131,24 @@ class WorkerSide:
                       tp_rank=tp_rank, tp_size=space.tp_size, pp_rank=pp_rank, pp_size=space.pp_size,
                       event_slots=self.event_slots)
         self.registrar = Registrar(self.client, float(self.cfg.get("retry_register_s", 5.0)), kwargs)
-        if self.enabled:
-            self.registrar.ensure(strict=True)
+        if self.enabled and not self.registrar.ensure(strict=True):
+            self.away.failed()  # the daemon is away at startup: the probe thread registers
 
     def _registered(self) -> bool:
-        return self.enabled and self.registrar is not None and self.registrar.ensure()
+        """Registered and answering, known without a call on this thread."""
+        if not self.enabled or self.registrar is None or not self.away.open:
+            return False
+        if not self.registrar.registered:
+            self.away.failed()  # registered again by the probe thread
+            return False
+        return True
+
+    def _probe(self) -> bool:
+        if self.registrar is None:
+            return True
+        if not self.registrar.registered:
+            return self.registrar.ensure()  # at most every retry_register_s
+        return self.client.ping()
 
     # ---- loads -----------------------------------------------------------------------------
 
@@ -214,6 +238,7 @@ class WorkerSide:
                     load.handle.wait(timeout=max(0.0, deadline - time.monotonic()))
                     if load.handle.missed:
                         got = 0
+                        self.away.failed()  # the next steps' loads and Puts miss without waiting
                 except Exception as exc:
                     logger.warning("kvserver: load of %s failed (%s): its blocks are recomputed",
                                    load.job.req_id, exc)
@@ -263,30 +288,56 @@ class WorkerSide:
             return
         usable = self._registered()
         ready = self._ready_event() if usable else None
+        now = time.monotonic()
         for job in meta.saves:
-            self._puts.put((job, ready, usable))
+            if not usable:
+                self._drop_put(job, "the daemon is away or not answering")
+            elif self._puts.qsize() >= self.max_queued_puts:
+                self._drop_put(job, f"{self.max_queued_puts} Puts already queued")
+            else:
+                self._puts.put((job, ready, now))
+
+    def _drop_put(self, job: SaveJob, why: str) -> None:
+        """The Put is not stored: its blocks are vLLM's again at once."""
+        self.dropped_puts += 1
+        if self.dropped_puts == 1 or self.dropped_puts % 100 == 0:
+            logger.warning("kvserver: Put of %s dropped (%s); %d dropped so far", job.req_id, why,
+                           self.dropped_puts)
+        with self._lock:
+            self._pending[job.req_id] -= 1
+            self._lock.notify_all()
 
     def _put_loop(self) -> None:
         while True:
             task = self._puts.get()
             if task is None:
                 return
-            job, ready, usable = task
+            job, ready, queued_at = task
             with self._lock:
-                cancelled = job.req_id in self._cancelled
-            if usable and not cancelled:
+                cancelled = job.req_id in self._cancelled  # preempted: its blocks are reused
+            waited = time.monotonic() - queued_at
+            if not cancelled and not self.away.open:
+                self._drop_put(job, "the daemon did not answer the Put before it")
+                continue
+            if not cancelled and waited > self.put_queue_s:
+                self._drop_put(job, f"it waited {waited:.1f} s for the Puts before it")
+                continue
+            if not cancelled:
                 self._put(job, ready)
             with self._lock:
                 self._pending[job.req_id] -= 1
                 self._lock.notify_all()
 
     def _put(self, job: SaveJob, ready) -> None:
+        misses = self.client.misses
         try:
             result = self.client.put(job.keys, job.block_ids, ready_event=ready, key_bytes=job.key_bytes)
             if result.dropped:
                 logger.info("kvserver: %d blocks of %s not stored (cache full)", result.dropped, job.req_id)
         except Exception as exc:
             logger.warning("kvserver: put for %s failed (%s)", job.req_id, exc)
+        if self.client.misses > misses:  # away or stuck: the Puts queued behind it miss at once
+            self.away.failed()
 
     def handle_preemptions(self, meta: KVServerConnectorMetadata | None) -> None:
         """A preempted request's blocks are freed and may be reused by this very step: its Puts
@@ -319,6 +370,7 @@ class WorkerSide:
             self._lock.wait_for(lambda: not any(self._pending.values()), timeout=self.load_timeout)
         self._puts.put(None)
         self._putter.join(timeout=self.load_timeout)
+        self.away.close()
         try:
             if self.registrar is not None and self.registrar.registered:
                 # Confirmed: the daemon has let go of the pool (on CUDA its IPC exports go back
