@@ -515,3 +515,43 @@ def test_a_burst_of_cached_prefixes_gets_every_hit_and_asks_once_each(engines, s
     hits = sum(b.admitted[rid] == [2 * BLOCK] for rid in prompts)
     assert hits == n, f"{hits} of {n} requests got their hit"
     assert len(lookups) <= 2 * n, f"{len(lookups)} lookups for {n} requests"
+
+
+def test_a_failed_load_never_reaches_the_cache_through_another_requests_local_hit(
+        engines, daemon_factory, vcfg):
+    """vLLM's default AsyncScheduler caches a loading request's blocks under their hashes when it
+    allocates them, before they land. Request v's load fails (its pages evicted between the lookup
+    and the Get); x, scheduled before that step's output came back, hits v's blocks in vLLM's own
+    prefix cache. x must store none of them, nor what it computed on them: a fresh engine loading
+    the prefix gets the prefix's K/V bit for bit (the blocks v stored once it recomputed them)."""
+    assert vcfg.scheduler_config.async_scheduling  # vLLM's default: the AsyncScheduler
+    d = daemon_factory(host_memory=64 << 20)
+    a = engines("poison-async", address=d.address)
+    a.add("a1", PROMPT, max_tokens=1)  # stores blocks 0-3
+    a.run()
+
+    def evict(engine, so):
+        if any(r.req_id == "v" for r in so.scheduled_new_reqs):
+            d.run(lambda: d.core.cache.make_room(1 << 40))  # every unpinned page goes
+
+    b = engines("poison-async", address=d.address, settings={"lookup_pin_ms": 0}, before_load=evict)
+    b.add("v", PROMPT, max_tokens=4)
+    tokens_x = PROMPT[:64] + [13] * 20
+    b.overlapped(between=lambda e: e.add("x", tokens_x, max_tokens=1))
+    assert b.admitted["v"] == [64] and len(b.invalid) == 4  # v's Get found nothing: all 4 failed
+    assert b.admitted["x"] == [64]  # x's hit: v's blocks, from vLLM's own prefix cache
+    # vLLM 0.33's AsyncScheduler then waits forever on the output placeholder of v's failed step
+    # (docs/vllm-notes.md): v is aborted, before it computed its blocks again.
+    from vllm.v1.request import RequestStatus
+
+    b.scheduler.finish_requests(["v"], RequestStatus.FINISHED_ABORTED)
+    b.run()
+
+    seen: list[int] = []
+    c = engines("poison-async", address=d.address, on_layer=check_loaded("c1", PROMPT, 64, seen))
+    c.add("c1", PROMPT, max_tokens=1)
+    c.step()
+    # Every layer's K/V of the prefix is right bit for bit (check_loaded), hit or not; here x
+    # stored nothing and v nothing, so it misses and computes them.
+    assert seen == [0, 1] and c.admitted["c1"] == [0]
+    c.run()

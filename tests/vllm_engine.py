@@ -151,9 +151,32 @@ class Engine:
 
     def step(self):
         """One engine step; returns the SchedulerOutput."""
+        so = self.scheduler.schedule()
+        self.scheduler.update_from_output(so, self.execute(so))
+        self.steps += 1
+        return so
+
+    def overlapped(self, between=None):
+        """Two steps as vLLM's engine runs them under async scheduling (a batch queue of two): step
+        N is scheduled and executed, ``between(engine)`` runs, step N+1 is scheduled before N's
+        output reached the scheduler and executed, then both outputs are given back in order.
+        Returns both SchedulerOutputs."""
+        first = self.scheduler.schedule()
+        out1 = self.execute(first)
+        if between is not None:
+            between(self)
+        second = self.scheduler.schedule()
+        out2 = self.execute(second)
+        self.scheduler.update_from_output(first, out1)
+        self.scheduler.update_from_output(second, out2)
+        self.steps += 2
+        return first, second
+
+    def execute(self, so):
+        """The worker's side of a scheduled step: the connector's calls around a forward whose K/V
+        depend on the layer below. Returns the ModelRunnerOutput (not yet given to the scheduler)."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-        so = self.scheduler.schedule()
         for r in so.scheduled_new_reqs:
             self.admitted.setdefault(r.req_id, []).append(r.num_computed_tokens)
         for i, rid in enumerate(so.scheduled_cached_reqs.req_ids):
@@ -210,12 +233,9 @@ class Engine:
             tokens.append([sampled(start + n)] if start + n >= req.num_tokens else [])
         kv_out = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
                                    invalid_block_ids=invalid, kv_connector_worker_meta=worker_meta)
-        out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                sampled_token_ids=tokens, logprobs=None, prompt_logprobs_dict={},
-                                pooler_output=None, kv_connector_output=kv_out)
-        self.scheduler.update_from_output(so, out)
-        self.steps += 1
-        return so
+        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                 sampled_token_ids=tokens, logprobs=None, prompt_logprobs_dict={},
+                                 pooler_output=None, kv_connector_output=kv_out)
 
     def run(self, max_steps: int = 400, timeout: float = 30.0) -> None:
         """Steps until nothing is left (finished requests' blocks freed included). As vLLM's engine

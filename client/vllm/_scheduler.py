@@ -11,6 +11,14 @@ A request that loads stores nothing more until its load is known good on every w
 step reports, ``KVServerWorkerMeta``): blocks computed on top of a load that failed hold wrong
 KV under the right keys, and a stored page is never overwritten. After a failed load its blocks
 are stored again as vLLM recomputes them.
+
+The same holds for every other request that reads those blocks. vLLM caches a loading request's
+blocks under their hashes when it allocates them, before they land, so under async scheduling a
+request admitted before the failed step's report comes back can hit them in vLLM's own prefix
+cache. A request whose local hit includes a block of an unconfirmed load stores nothing until that
+load is reported good; if it failed, the request never stores from that block on (what it
+computed there was computed on wrong KV). Blocks of a failed load stay suspect until the request
+that loaded them has computed them again.
 """
 
 from __future__ import annotations
@@ -42,6 +50,12 @@ class _Req:
     loading_from: int | None = None  # first block of a load not yet reported good by the workers
     lookup: Future | None = field(default=None, repr=False)
     answer: tuple[LookupResult, float] | None = None  # async: the last answer and when it came
+    load_blocks: list[int] = field(default_factory=list)  # the blocks its own load writes
+    load_end: int = 0  # the index, among its blocks, past the last one its load writes
+    # Loads this request's local prefix hit reads before they are reported: loading request ->
+    # the first of its blocks among this request's. Nothing is stored while any is left.
+    depends: dict[str, int] = field(default_factory=dict)
+    tainted_from: int | None = None  # its first block read from, or computed on, a failed load
 
 
 class SchedulerSide:
@@ -66,6 +80,9 @@ class SchedulerSide:
                               pp_size=space.pp_size, timeout=float(cfg.get("lookup_timeout_s", 1.0)),
                               token=cfg.get("token"), tenant_token=cfg.get("tenant_token"))
         self._reqs: dict[str, _Req] = {}
+        self._loading_blocks: dict[int, str] = {}  # block -> the request whose unreported load writes it
+        self._bad_blocks: dict[int, str] = {}  # block -> whose load failed in it, until recomputed
+        self._dependents: dict[str, set[str]] = {}  # loading request -> requests that read its blocks
         self._loads: list[LoadJob] = []
         self._finish_saves: list[SaveJob] = []
         # After one lookup that failed, lookups miss without asking until a probe (off this
@@ -153,11 +170,35 @@ class SchedulerSide:
             return None, False
         return external, False
 
+    def _check_local_hit(self, st: _Req, ids: list[int]) -> None:
+        """The blocks vLLM's own prefix cache gave the request: any of an unreported load makes it
+        wait for that report before it stores; any of a failed load stops its stores there."""
+        rid = st.request.request_id
+        for i, block in enumerate(ids):
+            owner = self._loading_blocks.get(block)
+            if owner is not None and owner != rid:
+                if owner not in st.depends:
+                    st.depends[owner] = i
+                    self._dependents.setdefault(owner, set()).add(rid)
+            elif block in self._bad_blocks and self._bad_blocks[block] != rid:
+                self._taint(st, i)
+
+    @staticmethod
+    def _taint(st: _Req, first: int) -> None:
+        st.tainted_from = first if st.tainted_from is None else min(st.tainted_from, first)
+        if st.saved > first:
+            logger.error("kvserver: %s already stored blocks read from a load that failed",
+                         st.request.request_id)
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
         if st is None:
             return
         st.answer = None  # admitted: a later lookup (after a preemption, say) asks again
+        if self._loading_blocks or self._bad_blocks:
+            local = st.local // self.block_size
+            if local:
+                self._check_local_hit(st, list(blocks.get_block_ids()[0])[:local])
         if num_external_tokens <= 0:
             self._set_lease(st, "")  # nothing to load: the pin is not needed
             return
@@ -171,14 +212,19 @@ class SchedulerSide:
                                    key_bytes=len(keys[0]) if keys else 32))
         st.lease = ""  # the Get ends it
         st.loading_from = first
+        st.load_blocks, st.load_end = ids, first + len(ids)
+        for block in ids:
+            self._loading_blocks[block] = request.request_id
 
     # ---- per step --------------------------------------------------------------------------
 
     def _save_job(self, st: _Req, computed_tokens: int, block_ids: list[int] | None = None) -> SaveJob | None:
-        if st.loading_from is not None:
+        if st.loading_from is not None or st.depends:
             return None  # blocks computed on an unconfirmed load wait for the workers' report
         req = st.request
         full = min(hashed_blocks(req, self.space.hash_stride), computed_tokens // self.block_size)
+        if st.tainted_from is not None:
+            full = min(full, st.tainted_from)  # never a block read from, or computed on, a failed load
         if full <= st.saved:
             return None  # the common decode step: nothing new, nothing read
         ids = block_ids if block_ids is not None else self._block_ids(req.request_id)
@@ -212,16 +258,39 @@ class SchedulerSide:
             return
         for rid, ok in meta.loads.items():
             st = self._reqs.get(rid)
+            self._load_reported(rid, st, ok)
             if st is None or st.loading_from is None:
                 continue
             if not ok:  # vLLM recomputes from the first failed block: those are stored again then
                 st.saved = min(st.saved, st.loading_from)
             st.loading_from = None
 
+    def _load_reported(self, rid: str, st: _Req | None, ok: bool) -> None:
+        """A load is known good or failed: the requests that read its blocks learn which."""
+        if st is not None:
+            blocks = st.load_blocks
+        else:
+            blocks = [b for b, r in self._loading_blocks.items() if r == rid]
+        for block in blocks:
+            if self._loading_blocks.get(block) == rid:
+                del self._loading_blocks[block]
+                if not ok:
+                    self._bad_blocks[block] = rid
+        if st is not None and ok:
+            st.load_blocks = []
+        for other in self._dependents.pop(rid, ()):
+            dep = self._reqs.get(other)
+            if dep is None:
+                continue
+            first = dep.depends.pop(rid, None)
+            if first is not None and not ok:
+                self._taint(dep, first)
+
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         st = self._reqs.pop(request.request_id, None)
         if st is None:
             return False, None
+        self._forget_loads(st, request)
         if st.lookup is not None:  # a lookup still running: its pin is released when it answers
             st.lookup.add_done_callback(self._release_answer)
         self._set_lease(st, "")
@@ -233,6 +302,20 @@ class SchedulerSide:
             if job is not None:
                 self._finish_saves.append(job)
         return st.saving, None
+
+    def _forget_loads(self, st: _Req, request) -> None:
+        """A request ends: a load of its still unreported is taken for failed (its readers never
+        store from it); blocks of its failed load stop being suspect once it computed them again."""
+        rid = request.request_id
+        if any(self._loading_blocks.get(b) == rid for b in st.load_blocks):
+            self._load_reported(rid, st, False)
+        bad = [b for b in st.load_blocks if self._bad_blocks.get(b) == rid]
+        computed = request.num_computed_tokens - int(getattr(request, "num_in_flight_tokens", 0) or 0)
+        if bad and computed >= st.load_end * self.block_size:  # vLLM computed them again in place
+            for b in bad:
+                del self._bad_blocks[b]
+        for owner in st.depends:
+            self._dependents.get(owner, set()).discard(rid)
 
     def shutdown(self) -> None:
         for st in self._reqs.values():
