@@ -596,3 +596,29 @@ def test_a_stopped_daemon_costs_the_scheduler_one_bounded_wait(socket_dir):
         os.kill(d.proc.pid, signal.SIGCONT)
         linker.close()
         d.stop()
+
+
+def test_a_load_whose_pin_ran_out_is_refused_before_it_starts(daemon_factory):
+    """A load SGLang has started cannot be taken back (a failure is a 503), so the linker refuses
+    one that may fail for want of its pin: once the lookup's pin is gone or nearly so, load()
+    answers False and SGLang recomputes those pages instead."""
+    d = daemon_factory()
+    a, pool_a, alloc_a = _engine(d.address, pp_size=1, pp_rank=0)
+    b, pool_b, alloc_b = _engine(d.address, pp_size=1, pp_rank=0, lookup_pin_ms=400)
+    try:
+        hashes = _hashes(list(range(900, 900 + 2 * PAGE)))
+        slots_a = alloc_a.alloc(2 * PAGE)
+        _fill(pool_a, slots_a, seed=5)
+        assert a.offload([_kv(device_indices=slots_a, keys=hashes)]) is True
+        assert _completed(a, 1) == 1 and a.pop_completed_offload() is True
+        slots_b = alloc_b.alloc(2 * PAGE)
+        assert b.lookup("fresh", [_kv(keys=hashes)]) == [1, 2]
+        assert b.load("fresh", [_kv(keys=hashes, device_indices=slots_b)]) is True  # pinned: started
+        assert b.cancel_queued_load("fresh") is True
+        assert b.lookup("late", [_kv(keys=hashes)]) == [1, 2]
+        time.sleep(0.45)  # past the pin
+        assert b.load("late", [_kv(keys=hashes, device_indices=slots_b)]) is False
+        assert b.start_layer_wise_loading() == -1  # nothing was queued
+    finally:
+        a.close()
+        b.close()

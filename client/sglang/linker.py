@@ -393,8 +393,20 @@ class KVServerLinker(UnifiedCacheLinker):
         except ValueError as exc:
             logger.warning("kvserver: load of %s: %s", rid, exc)
             return False
-        self._pending[rid] = (keys, pages, self._leases.pop(rid, ("", 0.0))[0])
+        lease, taken = self._leases.pop(rid, ("", 0.0))
+        if self.pin_ms and self._pin_left(taken) < min(1.0, self.pin_ms / 2000):
+            # SGLang cannot take back a load it started (a failure is a 503): one whose pages may
+            # go before its Get (the lookup's pin gone, or nearly) is refused now, and recomputed.
+            if lease:
+                self._release(lease)
+            logger.info("kvserver: load of %s refused: its lookup's pin has run out; recomputed", rid)
+            return False
+        self._pending[rid] = (keys, pages, lease)
         return True
+
+    def _pin_left(self, taken: float) -> float:
+        """Seconds left of a pin taken at ``taken`` (0 when there is none)."""
+        return self.pin_ms / 1000 - (time.monotonic() - taken) if taken else 0.0
 
     def start_layer_wise_loading(self) -> int:
         if not self._pending:
