@@ -80,8 +80,8 @@ def main() -> None:
     pool_blocks = 2 * args.blocks + 1
     mem_a, caches_a, page = views(args.layout, pool_blocks, args.layers)
     mem_b, caches_b, _ = views(args.layout, pool_blocks, args.layers)
-    a = WorkerSide(space, {"address": daemon.address, "timeout_s": 60.0}, True)
-    b = WorkerSide(space, {"address": daemon.address, "timeout_s": 60.0}, True)
+    a = WorkerSide(space, {"address": daemon.address, "timeout_s": 60.0, "layerwise": True}, True)
+    b = WorkerSide(space, {"address": daemon.address, "timeout_s": 60.0, "layerwise": True}, True)
     a.register_kv_caches(caches_a)
     b.register_kv_caches(caches_b)
     names = list(caches_a)

@@ -185,7 +185,8 @@ def run(address: str, kind: str, device: str = "cuda", layout: str = "LBNHC") ->
     block = g["block"]
     space = Space(model=f"check-vllm-{kind}-{layout.lower()}", layout=g["layout"], dtype=g["wire"],
                   page_size=block, num_layers=NUM_LAYERS, tp_size=1, pp_size=1, hash_stride=1)
-    cfg = {"address": address, "timeout_s": 30.0, "load_timeout_s": 60.0}
+    # Per-layer waits (layerwise true): what this check proves is layer i usable before layer i+1.
+    cfg = {"address": address, "timeout_s": 30.0, "load_timeout_s": 60.0, "layerwise": True}
     rng = random.Random(13)
     tokens = [rng.randrange(128_000) for _ in range(BLOCKS * block)]
     keys = block_keys(tokens, block)

@@ -70,8 +70,8 @@ RUN = {
     ("docs/integrations.md", "vllm serve Qwen/Qwen2.5-0.5B-Instruct --data-parallel-size 2 \\"):
         "vllm-serve-dp",
     ("docs/integrations.md", "vllm serve Qwen/Qwen2.5-0.5B-Instruct "
-                             "--compilation-config '{\"cudagraph_mode\": \"FULL_AND_PIECEWISE\"}' \\"):
-        "vllm-serve-full-graphs",
+                             "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' \\"):
+        "vllm-serve-layerwise",
     # Run by tests/test_api_metrics.py (the daemon line as written, then the curl line against it).
     ("docs/metrics.md", "kvserver --metrics-listen 127.0.0.1:9400"): "metrics-daemon",
     ("docs/metrics.md", "curl -s http://127.0.0.1:9400/metrics | grep '^kvserver_clients'"): "metrics-curl",

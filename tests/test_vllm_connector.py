@@ -128,8 +128,9 @@ def test_subclasses_vllms_base_classes_with_their_exact_signatures(vcfg):
     assert checked >= 16
     # vLLM's own factory loads it by module path, and sees the HMA variant
     assert KVConnectorFactory.get_connector_class(vcfg.kv_transfer_config) is KVServerConnector
-    assert KVServerConnector.requires_piecewise_for_cudagraph({}) is True
-    assert KVServerConnector.requires_piecewise_for_cudagraph({"layerwise": False}) is False
+    # Full CUDA graphs by default (decode never loads); layer-by-layer waits need PIECEWISE ones.
+    assert KVServerConnector.requires_piecewise_for_cudagraph({}) is False
+    assert KVServerConnector.requires_piecewise_for_cudagraph({"layerwise": True}) is True
 
 
 # ---- sharing across engines ------------------------------------------------------------------

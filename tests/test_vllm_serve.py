@@ -36,7 +36,7 @@ DOC = "docs/integrations.md"
 SERVE = ["vllm", "serve"]
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 DOCUMENTED_ADDRESS = "unix:///run/kvserver/kvserver.sock"
-SERVE_MODES = {"vllm-serve", "vllm-serve-dp", "vllm-serve-full-graphs"}
+SERVE_MODES = {"vllm-serve", "vllm-serve-dp", "vllm-serve-layerwise"}
 # The kv-transfer-config every documented command gives, besides its extra config.
 TRANSFER = {"kv_connector": "KVServerConnector", "kv_connector_module_path": "kvclient.vllm.connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
@@ -172,18 +172,19 @@ def test_serve_command_parses_and_names_kvserver_connector(parsed, mode):
     # vLLM's factory, on the config it parsed, loads the connector from its module path.
     cls = KVConnectorFactory.get_connector_class(transfer_config(result))
     assert cls is KVServerConnector
-    # Layer-by-layer waits need PIECEWISE CUDA graphs, which vLLM then switches to; layerwise false
-    # keeps full graphs.
-    assert cls.requires_piecewise_for_cudagraph(extra) is (mode != "vllm-serve-full-graphs")
+    # By default vLLM keeps its full CUDA graphs; layer-by-layer waits (layerwise true) need
+    # PIECEWISE ones, which vLLM then switches to.
+    assert cls.requires_piecewise_for_cudagraph(extra) is (mode == "vllm-serve-layerwise")
 
 
 def test_the_commands_differ_only_where_the_document_says(parsed):
-    plain, dp, full = (ok(parsed, m) for m in ("vllm-serve", "vllm-serve-dp", "vllm-serve-full-graphs"))
-    assert (plain["data_parallel_size"], dp["data_parallel_size"], full["data_parallel_size"]) == (1, 2, 1)
-    extras = [r["kv_transfer_config"]["kv_connector_extra_config"] for r in (plain, dp, full)]
+    plain, dp, layerwise = (ok(parsed, m) for m in ("vllm-serve", "vllm-serve-dp", "vllm-serve-layerwise"))
+    sizes = (plain["data_parallel_size"], dp["data_parallel_size"], layerwise["data_parallel_size"])
+    assert sizes == (1, 2, 1)
+    extras = [r["kv_transfer_config"]["kv_connector_extra_config"] for r in (plain, dp, layerwise)]
     assert extras[0] == extras[1] == {"address": DOCUMENTED_ADDRESS}
-    assert extras[2] == {"address": DOCUMENTED_ADDRESS, "layerwise": False}
-    assert full["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    assert extras[2] == {"address": DOCUMENTED_ADDRESS, "layerwise": True}
+    assert layerwise["cudagraph_mode"] == "PIECEWISE"
     assert documented("vllm-serve-dp") == [*SERVE, MODEL, "--data-parallel-size", "2",
                                           *documented("vllm-serve")[3:]]
 

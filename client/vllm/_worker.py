@@ -65,7 +65,8 @@ class WorkerSide:
         self.space = space
         self.cfg = cfg
         self.enabled = enabled
-        self.layerwise = bool(cfg.get("layerwise", True))
+        # Default off: layer-by-layer waits cost every decode step vLLM's full CUDA graphs.
+        self.layerwise = bool(cfg.get("layerwise", False))
         self.load_timeout = float(cfg.get("load_timeout_s", 30.0))
         self.timeout = float(cfg.get("timeout_s", 5.0))
         self.client = KVClient(cfg.get("address"), timeout=self.timeout,

@@ -8,9 +8,10 @@ path, no patch:
 
 ``kv_connector_extra_config`` (all optional): ``address`` (default: KVSERVER_ADDRESS or the
 daemon's default socket), ``token``, ``tenant_token``, ``model`` (the KV space's name; default
-the served model name), ``num_layers`` (default the model's), ``layerwise`` (default true: each
-layer's attention waits only for that layer, which needs PIECEWISE CUDA graphs; false keeps full
-CUDA graphs and the forward waits for the whole load, still on the GPU), ``lookup`` ("sync", or
+the served model name), ``num_layers`` (default the model's), ``layerwise`` (default false: the
+forward waits for a step's whole load, on the GPU, and vLLM keeps its full CUDA graphs for decode;
+true: each layer's attention waits only for that layer, which needs PIECEWISE CUDA graphs for
+every batch), ``lookup`` ("sync", or
 "async": the lookup runs off the scheduler's thread and the request is scheduled a step later),
 ``lookup_pin_ms`` (default 10000), ``timeout_s`` (each daemon call, default 5),
 ``load_timeout_s`` (default 30), ``event_slots`` (CUDA: loads in one step, default 16),
@@ -75,7 +76,7 @@ class KVServerConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         # wait_for_layer_load runs between attention layers: not inside a full CUDA graph.
-        return bool((extra_config or {}).get("layerwise", True))
+        return bool((extra_config or {}).get("layerwise", False))
 
     # ---- scheduler side --------------------------------------------------------------------
 
