@@ -545,7 +545,8 @@ def test_reset_drops_the_offloads_it_finds_queued(daemon):
 
 def test_leases_of_lookups_that_never_load_are_forgotten_after_their_pin(daemon):
     """A request aborted after its lookup (or refused slots, or missed on another rank) never
-    loads: past the pin the daemon has ended its lease, and the linker forgets it too."""
+    loads: past the pin the daemon has ended its lease, and the linker lets go of it too (its
+    time is kept a while, so that a late load of it is refused, then forgotten)."""
     a, pool, alloc = _engine(daemon.address, pp_size=1, pp_rank=0, lookup_pin_ms=200)
     try:
         keys = _hashes(list(range(PAGE)))
@@ -558,7 +559,10 @@ def test_leases_of_lookups_that_never_load_are_forgotten_after_their_pin(daemon)
         assert len(a._leases) == 5
         time.sleep(0.3)
         assert a.lookup("live", [_kv(keys=keys)]) == [1]
-        assert list(a._leases) == ["live"]
+        assert [rid for rid, (lease, _) in a._leases.items() if lease] == ["live"]
+        time.sleep(2.0)  # past ten pins
+        assert a.lookup("later", [_kv(keys=keys)]) == [1]
+        assert list(a._leases) == ["later"]
     finally:
         a.close()
 

@@ -178,3 +178,21 @@ def test_a_removed_key_leaves_its_neighbours_in_the_chain():
     index.remove(np.arange(0, 26, 3))
     got = index.find(0, Keys.of(keys)).tolist()
     assert got == [-1 if i % 3 == 0 else i for i in range(26)]
+
+
+def test_a_key_repeated_across_a_lookups_steps_is_pinned_and_unpinned_alike(monkeypatch):
+    """A lease's steps may pin one page twice (a key named in two steps): its release takes both
+    pins off, and the slab's count agrees with its pages throughout."""
+    import kvserver.store.cache as cache_module
+
+    monkeypatch.setattr(cache_module, "STEP_KEYS", 4)
+    cache, _, _ = make_cache(16 * MiB)
+    part = one_part(cache, page_bytes=MiB // 8)
+    put(cache, part, K("abcd"))
+    found, lease = cache.lookup(part, K("abcdabcd"), pin_ms=1000)
+    assert found == 8 and lease
+    assert int(cache.pages.pins.sum()) == 8
+    assert {s: int(cache.pages.slab_holds[s]) for s in cache.slabs.slabs} == holds_by_pages(cache)
+    assert cache.release("t", [lease]) == 1
+    assert int(cache.pages.pins.sum()) == 0
+    assert all(cache.pages.slab_holds[s] == 0 for s in cache.slabs.slabs)

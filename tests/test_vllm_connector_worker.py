@@ -256,3 +256,56 @@ def test_block_keys_read_only_the_blocks_asked_for():
     assert block_keys(req, 1, 9, start=5) == []
     # a block of two hash units is named by its second: the chain up to the block's end
     assert block_keys(req, 2) == [hashes[1], hashes[3]]
+
+
+@pytest.mark.parametrize("landed", [True, False])
+def test_a_load_reported_after_its_request_finished_resolves_the_requests_that_read_it(daemon, landed):
+    """vLLM frees a finished request before it hands the connector the step's report. A request x
+    that hit v's unreported blocks in vLLM's own prefix cache waits for that report, even when v
+    finished first: a good load lets x store; a failed one stops x's stores at the shared blocks,
+    and marks x's own blocks (computed on them) for any later request that hits them."""
+    from types import SimpleNamespace
+
+    from kvclient.vllm._meta import KVServerConnectorMetadata, KVServerWorkerMeta, SaveJob
+    from kvclient.vllm._scheduler import SchedulerSide
+
+    w, mem, _ = worker("mha", daemon.address, "LBHNC")
+    tokens = list(range(1, 71))  # 4 whole blocks before the last token
+    v = vllm_env.request("v", tokens, block_size=16)
+    x = vllm_env.request("x", tokens[:64] + [900 + i for i in range(30)], block_size=16)
+    blocks = {"v": [0, 1, 2, 3, 4], "x": [0, 1, 2, 3, 5, 6]}  # x shares v's first four
+    sched = SchedulerSide(space("mha"), {"address": daemon.address}, True, lambda rid: blocks[rid])
+
+    def alloc(req, external: int):
+        ids = blocks[req.request_id]
+        sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (ids,)), external)
+
+    def x_saves(computed: int) -> list:
+        x.num_computed_tokens = computed
+        step = SimpleNamespace(num_scheduled_tokens={"x": 0}, preempted_req_ids=set())
+        return [j for j in sched.build_connector_meta(step).saves if j.req_id == "x"]
+
+    try:
+        stored = b"".join(bytes(h) for h in v.block_hashes[:4])
+        w.wait_for_save(KVServerConnectorMetadata(saves=[SaveJob("s", stored, [7, 8, 9, 10])]))
+        wait_finished(w, "s")
+        assert sched.get_num_new_matched_tokens(v, 0) == (64, False)
+        alloc(v, 64)  # v loads blocks 0-3 (sync: vLLM caches them now, before they land)
+        sched.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}, preempted_req_ids=set()))
+        assert sched.get_num_new_matched_tokens(x, 64) == (0, False)  # 64 tokens hit locally
+        alloc(x, 0)
+        assert x_saves(80) == []  # waits for v's report
+        sched.request_finished(v, blocks["v"])  # v ends first, as vLLM frees it first
+        report = KVServerWorkerMeta(loads={"v": landed})
+        sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=report))
+        saves = x_saves(94)  # blocks 4 and 5 of x are full now
+        if landed:
+            assert [j.block_ids for j in saves] == [[5]]  # the fifth block (its first four: present)
+        else:
+            assert saves == []
+            assert {b: owner for b, (owner, _) in sched._bad_blocks.items()} == \
+                {0: "v", 1: "v", 2: "v", 3: "v", 5: "x"}
+    finally:
+        sched.shutdown()
+        w.shutdown()
+        mem.close()

@@ -45,6 +45,7 @@ import queue
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import torch
@@ -299,6 +300,7 @@ class KVServerLinker(UnifiedCacheLinker):
         # After one call that failed, no call on the scheduler's thread waits until a probe (off
         # that thread: a ping, or the Register the linker still needs) finds the daemon answering.
         self.away = AwayGate(self._probe, name="kvserver-sglang-probe")
+        self._releaser = ThreadPoolExecutor(1, thread_name_prefix="kvserver-release")  # off SGLang's threads
         try:
             if not self._ensure_registered(strict=True):
                 self.away.failed()  # started without the daemon: registered from the probe thread
@@ -353,7 +355,7 @@ class KVServerLinker(UnifiedCacheLinker):
             self.away.failed()
             return []
         old = self._leases.pop(rid, None)
-        if old:
+        if old and old[0]:
             self._release(old[0])
         self._forget_expired_leases()
         if found.lease_id:
@@ -363,10 +365,14 @@ class KVServerLinker(UnifiedCacheLinker):
 
     def _forget_expired_leases(self) -> None:
         """Leases of requests that never loaded (aborted, refused a slot, missed on another rank):
-        past their pin the daemon has ended them, so they are only forgotten here."""
-        horizon = time.monotonic() - self.pin_ms / 1000
-        for rid in [rid for rid, (_, at) in self._leases.items() if at < horizon]:
-            del self._leases[rid]
+        past their pin the daemon has ended them. Their time is kept a while longer (a load of one
+        is refused: its pages may be gone), then forgotten."""
+        now = time.monotonic()
+        for rid, (lease, at) in list(self._leases.items()):
+            if now - at > 10 * self.pin_ms / 1000:
+                del self._leases[rid]
+            elif lease and now - at > self.pin_ms / 1000:
+                self._leases[rid] = ("", at)
 
     def _pages(self, transfer: PoolTransfer) -> list[int] | None:
         slots = transfer.device_indices
@@ -394,7 +400,7 @@ class KVServerLinker(UnifiedCacheLinker):
             logger.warning("kvserver: load of %s: %s", rid, exc)
             return False
         lease, taken = self._leases.pop(rid, ("", 0.0))
-        if self.pin_ms and self._pin_left(taken) < min(1.0, self.pin_ms / 2000):
+        if self.pin_ms and taken and self._pin_left(taken) < min(1.0, self.pin_ms / 2000):
             # SGLang cannot take back a load it started (a failure is a 503): one whose pages may
             # go before its Get (the lookup's pin gone, or nearly) is refused now, and recomputed.
             if lease:
@@ -405,8 +411,8 @@ class KVServerLinker(UnifiedCacheLinker):
         return True
 
     def _pin_left(self, taken: float) -> float:
-        """Seconds left of a pin taken at ``taken`` (0 when there is none)."""
-        return self.pin_ms / 1000 - (time.monotonic() - taken) if taken else 0.0
+        """Seconds left of a pin taken at ``taken``."""
+        return self.pin_ms / 1000 - (time.monotonic() - taken)
 
     def start_layer_wise_loading(self) -> int:
         if not self._pending:
@@ -518,10 +524,17 @@ class KVServerLinker(UnifiedCacheLinker):
         return entry is not None
 
     def _release(self, lease: str) -> None:
+        """Ends a lease from a thread of its own: never a wait on SGLang's scheduler thread."""
+        try:
+            self._releaser.submit(self._release_now, lease)
+        except RuntimeError:  # closed: the lease ends by itself at its pin's end
+            pass
+
+    def _release_now(self, lease: str) -> None:
         try:
             self.client.release(lease)
         except Exception:
-            pass
+            pass  # it ends by itself at its pin's end
 
     # ---- offload ---------------------------------------------------------------------------
 
@@ -592,7 +605,8 @@ class KVServerLinker(UnifiedCacheLinker):
             self._idle.wait_for(lambda: self._offloads_open == 0)
             self._completed.clear()
         for lease, _ in self._leases.values():
-            self._release(lease)
+            if lease:
+                self._release(lease)
         self._leases.clear()
         self.layer_done_counter.reset()
 
@@ -605,6 +619,7 @@ class KVServerLinker(UnifiedCacheLinker):
         self._quiesce()
         self._closed = True
         self.away.close()
+        self._releaser.shutdown(wait=True)  # the leases _quiesce let go of, before the channel closes
         self._offloads.put(None)
         self._offloader.join(timeout=self.load_timeout)
         try:

@@ -50,8 +50,8 @@ class _Req:
     loading_from: int | None = None  # first block of a load not yet reported good by the workers
     lookup: Future | None = field(default=None, repr=False)
     answer: tuple[LookupResult, float] | None = None  # async: the last answer and when it came
-    load_blocks: list[int] = field(default_factory=list)  # the blocks its own load writes
     load_end: int = 0  # the index, among its blocks, past the last one its load writes
+    load_failed: bool = False  # its load was reported failed: vLLM computes those blocks again
     # Loads this request's local prefix hit reads before they are reported: loading request ->
     # the first of its blocks among this request's. Nothing is stored while any is left.
     depends: dict[str, int] = field(default_factory=dict)
@@ -80,8 +80,13 @@ class SchedulerSide:
                               pp_size=space.pp_size, timeout=float(cfg.get("lookup_timeout_s", 1.0)),
                               token=cfg.get("token"), tenant_token=cfg.get("tenant_token"))
         self._reqs: dict[str, _Req] = {}
-        self._loading_blocks: dict[int, str] = {}  # block -> the request whose unreported load writes it
-        self._bad_blocks: dict[int, str] = {}  # block -> whose load failed in it, until recomputed
+        # Blocks whose KV is not known good, by vLLM block id: those of loads not yet reported
+        # (block -> loading request), and those read from or computed on a load that failed
+        # (block -> (whose, the key it should hold): a block vLLM reused for other content no
+        # longer matches its key, and is forgotten then).
+        self._loading_blocks: dict[int, str] = {}
+        self._bad_blocks: dict[int, tuple[str, bytes]] = {}
+        self._unreported: dict[str, list[tuple[int, bytes]]] = {}  # loading request -> (block, key)
         self._dependents: dict[str, set[str]] = {}  # loading request -> requests that read its blocks
         self._loads: list[LoadJob] = []
         self._finish_saves: list[SaveJob] = []
@@ -172,23 +177,43 @@ class SchedulerSide:
 
     def _check_local_hit(self, st: _Req, ids: list[int]) -> None:
         """The blocks vLLM's own prefix cache gave the request: any of an unreported load makes it
-        wait for that report before it stores; any of a failed load stops its stores there."""
+        wait for that report before it stores; any read from, or computed on, a failed load (its
+        own included, after a preemption) stops its stores there."""
         rid = st.request.request_id
+        keys = block_keys(st.request, self.space.hash_stride, len(ids))
         for i, block in enumerate(ids):
             owner = self._loading_blocks.get(block)
             if owner is not None and owner != rid:
                 if owner not in st.depends:
                     st.depends[owner] = i
                     self._dependents.setdefault(owner, set()).add(rid)
-            elif block in self._bad_blocks and self._bad_blocks[block] != rid:
+                continue
+            bad = self._bad_blocks.get(block)
+            if bad is None:
+                continue
+            if i < len(keys) and bad[1] != keys[i]:
+                del self._bad_blocks[block]  # vLLM reused it for other content since
+            else:
                 self._taint(st, i)
 
-    @staticmethod
-    def _taint(st: _Req, first: int) -> None:
+    def _taint(self, st: _Req, first: int) -> None:
+        """The request's blocks from ``first`` on were read from, or computed on, a failed load:
+        never stored, and suspect to any request that hits them in vLLM's prefix cache."""
         st.tainted_from = first if st.tainted_from is None else min(st.tainted_from, first)
-        if st.saved > first:
-            logger.error("kvserver: %s already stored blocks read from a load that failed",
-                         st.request.request_id)
+        self._mark_bad(st)
+
+    def _mark_bad(self, st: _Req, ids: list[int] | None = None) -> None:
+        req = st.request
+        if st.tainted_from is None:
+            return
+        ids = list(ids) if ids is not None else self._block_ids(req.request_id)
+        keys = block_keys(req, self.space.hash_stride, len(ids), start=st.tainted_from)
+        for block, key in zip(ids[st.tainted_from:], keys, strict=False):
+            # A block of the failed load itself keeps its loader's mark: the loader computes it
+            # again in place, and its mark goes then.
+            old = self._bad_blocks.get(block)
+            if old is None or old[1] != key:
+                self._bad_blocks[block] = (req.request_id, key)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
@@ -212,7 +237,8 @@ class SchedulerSide:
                                    key_bytes=len(keys[0]) if keys else 32))
         st.lease = ""  # the Get ends it
         st.loading_from = first
-        st.load_blocks, st.load_end = ids, first + len(ids)
+        st.load_end, st.load_failed = first + len(ids), False
+        self._unreported[request.request_id] = list(zip(ids, keys[:len(ids)], strict=False))
         for block in ids:
             self._loading_blocks[block] = request.request_id
 
@@ -225,6 +251,11 @@ class SchedulerSide:
         full = min(hashed_blocks(req, self.space.hash_stride), computed_tokens // self.block_size)
         if st.tainted_from is not None:
             full = min(full, st.tainted_from)  # never a block read from, or computed on, a failed load
+        if st.load_failed and full >= st.load_end:  # its failed blocks computed again: good now
+            rid = req.request_id
+            for block in [b for b, (owner, _) in self._bad_blocks.items() if owner == rid]:
+                del self._bad_blocks[block]
+            st.load_failed = False
         if full <= st.saved:
             return None  # the common decode step: nothing new, nothing read
         ids = block_ids if block_ids is not None else self._block_ids(req.request_id)
@@ -266,18 +297,15 @@ class SchedulerSide:
             st.loading_from = None
 
     def _load_reported(self, rid: str, st: _Req | None, ok: bool) -> None:
-        """A load is known good or failed: the requests that read its blocks learn which."""
-        if st is not None:
-            blocks = st.load_blocks
-        else:
-            blocks = [b for b, r in self._loading_blocks.items() if r == rid]
-        for block in blocks:
+        """A load is known good or failed (its request may have finished already): the requests
+        that read its blocks learn which."""
+        for block, key in self._unreported.pop(rid, ()):
             if self._loading_blocks.get(block) == rid:
                 del self._loading_blocks[block]
                 if not ok:
-                    self._bad_blocks[block] = rid
-        if st is not None and ok:
-            st.load_blocks = []
+                    self._bad_blocks[block] = (rid, key)
+        if st is not None and not ok:
+            st.load_failed = True
         for other in self._dependents.pop(rid, ()):
             dep = self._reqs.get(other)
             if dep is None:
@@ -290,7 +318,7 @@ class SchedulerSide:
         st = self._reqs.pop(request.request_id, None)
         if st is None:
             return False, None
-        self._forget_loads(st, request)
+        self._forget_loads(st, request, block_ids)
         if st.lookup is not None:  # a lookup still running: its pin is released when it answers
             st.lookup.add_done_callback(self._release_answer)
         self._set_lease(st, "")
@@ -303,19 +331,17 @@ class SchedulerSide:
                 self._finish_saves.append(job)
         return st.saving, None
 
-    def _forget_loads(self, st: _Req, request) -> None:
-        """A request ends: a load of its still unreported is taken for failed (its readers never
-        store from it); blocks of its failed load stop being suspect once it computed them again."""
+    def _forget_loads(self, st: _Req, request, block_ids: list[int]) -> None:
+        """A request ends. Its load's report, if still to come, resolves its blocks then; what it
+        computed on a failed load stays marked (its last blocks too); it waits on no load more."""
         rid = request.request_id
-        if any(self._loading_blocks.get(b) == rid for b in st.load_blocks):
-            self._load_reported(rid, st, False)
-        bad = [b for b in st.load_blocks if self._bad_blocks.get(b) == rid]
-        computed = request.num_computed_tokens - int(getattr(request, "num_in_flight_tokens", 0) or 0)
-        if bad and computed >= st.load_end * self.block_size:  # vLLM computed them again in place
-            for b in bad:
-                del self._bad_blocks[b]
+        self._mark_bad(st, block_ids)
         for owner in st.depends:
-            self._dependents.get(owner, set()).discard(rid)
+            deps = self._dependents.get(owner)
+            if deps is not None:
+                deps.discard(rid)
+                if not deps:
+                    del self._dependents[owner]
 
     def shutdown(self) -> None:
         for st in self._reqs.values():

@@ -52,8 +52,9 @@ class LoopShare:
         try:
             yield
         finally:
-            _counted.reset(token)
-            self._add(-1)
+            self._add(-1)  # first: a streaming handler closed from another context still counts out
+            with contextlib.suppress(ValueError):
+                _counted.reset(token)
 
     @contextlib.contextmanager
     def long(self) -> Iterator[None]:
@@ -67,8 +68,9 @@ class LoopShare:
         try:
             yield
         finally:
-            _counted.reset(token)
             self._add(1)
+            with contextlib.suppress(ValueError):
+                _counted.reset(token)
 
     async def between_steps(self, spent: float) -> None:
         """Lets the loop serve others after a step that took ``spent`` seconds: one pass, and while

@@ -101,8 +101,9 @@ class PageTable:
         np.add.at(self.slab_holds, self.slab[ids], n)
 
     def pin(self, ids: np.ndarray, n: int = 1) -> None:
-        """Pins pages once more (ids distinct); ``n`` -1 unpins."""
-        self.pins[ids] += n
+        """Pins pages once more (each occurrence: a lease's steps may pin a page twice); ``n`` -1
+        unpins."""
+        np.add.at(self.pins, ids, n)
         np.add.at(self.slab_holds, self.slab[ids], n)
 
     def write(self, ids: np.ndarray) -> None:

@@ -148,6 +148,8 @@ class SlabPool:
         p.part[ids] = -1
         p.tenant[ids] = -1
         p.stamp[ids] = 0
+        p.pins[ids] = 0
+        p.readers[ids] = 0
         slab = self.slabs[sid] = Slab(sid, offset, nbytes, page_bytes, ids, tenant)
         self._push(slab, ids)
         self.of_class.setdefault(cls, set()).add(sid)
