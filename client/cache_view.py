@@ -8,6 +8,7 @@ that the daemon knows the caller's uid; ``space_id`` and ``tenant`` are "" until
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 
 import grpc
@@ -21,6 +22,11 @@ from kvclient.results import LookupResult
 from kvclient.view_core import RETRY, ViewCore, ViewOp
 from kvserver.protocol.layout import KVLayout
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
+
+
+def _left(deadline: float) -> float:
+    """Seconds left until ``deadline`` (a sliver at least: a call past it fails at once as late)."""
+    return max(0.001, deadline - time.monotonic())
 
 
 class _ViewShell:
@@ -51,22 +57,24 @@ class CacheView(_ViewShell):
         self._channel = grpc.insecure_channel(self._core.target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVServerStub(self._channel)
 
-    def open(self) -> str:
-        """Opens the space (raising on failure); returns its id. Every step (the peer ticket
-        too) waits at most the view's ``timeout``."""
-        req = self._core.open_request(ticket_for(self._core.target, timeout=self._core.timeout))
+    def open(self, timeout: float | None = None) -> str:
+        """Opens the space (raising on failure); returns its id. The peer ticket and the call
+        together wait at most ``timeout`` (the view's by default)."""
+        deadline = time.monotonic() + (self._core.timeout if timeout is None else timeout)
+        req = self._core.open_request(ticket_for(self._core.target, timeout=_left(deadline)))
         try:
-            resp = self._stub.OpenSpace(req, timeout=self._core.timeout, metadata=self._core.metadata)
+            resp = self._stub.OpenSpace(req, timeout=_left(deadline), metadata=self._core.metadata)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
         return self._core.opened(resp)
 
     def _run(self, op: ViewOp):
         retried = False
+        deadline = time.monotonic() + self._core.timeout  # every step of the call within one bound
         while True:
             try:
-                space_id = self._core.space_id or self.open()
-                resp = getattr(self._stub, op.rpc)(op.build(space_id), timeout=self._core.timeout,
+                space_id = self._core.space_id or self.open(_left(deadline))
+                resp = getattr(self._stub, op.rpc)(op.build(space_id), timeout=_left(deadline),
                                                    metadata=self._core.metadata)
             except grpc.RpcError as exc:
                 error = from_rpc_error(exc)
