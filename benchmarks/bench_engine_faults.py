@@ -65,33 +65,18 @@ class Vllm:
             e.close()
 
 
-def _timed(engine) -> list[float]:
-    took: list[float] = []
-    real = engine.scheduler.schedule
-
-    def schedule():
-        t = time.monotonic()
-        try:
-            return real()
-        finally:
-            took.append(time.monotonic() - t)
-
-    engine.scheduler.schedule = schedule
-    return took
-
-
 def stopped_scheduler(v: Vllm, d: DaemonProcess, steps: int) -> dict:
     warm = v.engine("faults-stop", d.address)
     warm.add("w", _prompt(0, 4), max_tokens=1)
     warm.run()
     idle = v.engine("faults-stop", d.address)
-    idle_took = _timed(idle)
+    idle_took = idle.time_schedules()
     for i in range(steps):
         idle.add(f"i{i}", _prompt(100 + i, 4), max_tokens=1)
         idle.step()
     idle.run()
     e = v.engine("faults-stop", d.address)  # its space not opened yet: a ticket is its first step
-    took = _timed(e)
+    took = e.time_schedules()
     os.kill(d.proc.pid, signal.SIGSTOP)
     try:
         for i in range(steps):
@@ -161,10 +146,7 @@ def burst(v: Vllm, d: DaemonProcess, n: int) -> dict:
             a.add(rid, tokens, max_tokens=1)
         a.run(max_steps=4 * n)
         b = v.engine("faults-burst", d.address, num_blocks=4 * n)
-        view = b.connector._scheduler.view
-        lookups = []
-        real = view.lookup
-        view.lookup = lambda *args, **kw: lookups.append(1) or real(*args, **kw)
+        lookups = b.count_lookups()
         computed = []
         for rid, tokens in prompts.items():
             b.add(rid, tokens, max_tokens=1)

@@ -105,6 +105,17 @@ def _completed(linker, n, timeout=10.0):
     return linker.num_completed_offloads()
 
 
+def _store(linker, pool, alloc, first_token: int, seed: int):
+    """Two pages of fresh KV written through ``linker`` (an offload that completes True); returns
+    (their hashes, their slots)."""
+    hashes = _hashes(list(range(first_token, first_token + 2 * PAGE)))
+    slots = alloc.alloc(2 * PAGE)
+    _fill(pool, slots, seed=seed)
+    assert linker.offload([_kv(device_indices=slots, keys=hashes)]) is True
+    assert _completed(linker, 1) == 1 and linker.pop_completed_offload() is True
+    return hashes, slots
+
+
 def _forward(pool, released):
     """The attention layers: global ids through the pool's wait hook."""
     for layer_id in pool.model_layer_ids:
@@ -268,11 +279,7 @@ def test_daemon_stopped_mid_request_gives_misses(daemon_factory):
     a, pool_a, alloc_a = _engine(d.address, retry_register_s=0.0, pp_size=1, pp_rank=0)
     b, pool_b, alloc_b = _engine(d.address, retry_register_s=0.0, pp_size=1, pp_rank=0)
     try:
-        hashes = _hashes(list(range(500, 500 + 2 * PAGE)))
-        slots_a = alloc_a.alloc(2 * PAGE)
-        _fill(pool_a, slots_a, seed=3)
-        assert a.offload([_kv(device_indices=slots_a, keys=hashes)]) is True
-        assert _completed(a, 1) == 1 and a.pop_completed_offload() is True
+        hashes, slots_a = _store(a, pool_a, alloc_a, 500, seed=3)
         assert b.lookup("r", [_kv(keys=hashes)]) == [1, 2]
         slots_b = alloc_b.alloc(2 * PAGE)
         assert b.load("r", [_kv(keys=hashes, device_indices=slots_b)]) is True
@@ -610,11 +617,7 @@ def test_a_load_whose_pin_ran_out_is_refused_before_it_starts(daemon_factory):
     a, pool_a, alloc_a = _engine(d.address, pp_size=1, pp_rank=0)
     b, pool_b, alloc_b = _engine(d.address, pp_size=1, pp_rank=0, lookup_pin_ms=400)
     try:
-        hashes = _hashes(list(range(900, 900 + 2 * PAGE)))
-        slots_a = alloc_a.alloc(2 * PAGE)
-        _fill(pool_a, slots_a, seed=5)
-        assert a.offload([_kv(device_indices=slots_a, keys=hashes)]) is True
-        assert _completed(a, 1) == 1 and a.pop_completed_offload() is True
+        hashes, slots_a = _store(a, pool_a, alloc_a, 900, seed=5)
         slots_b = alloc_b.alloc(2 * PAGE)
         assert b.lookup("fresh", [_kv(keys=hashes)]) == [1, 2]
         assert b.load("fresh", [_kv(keys=hashes, device_indices=slots_b)]) is True  # pinned: started

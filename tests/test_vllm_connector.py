@@ -425,22 +425,6 @@ def stopped_daemon(socket_dir):
     d.stop()
 
 
-def timed_schedules(engine: Engine) -> list[float]:
-    """Wraps the engine's scheduler so that each ``schedule()`` call's length is recorded."""
-    took: list[float] = []
-    real = engine.scheduler.schedule
-
-    def schedule():
-        t = time.monotonic()
-        try:
-            return real()
-        finally:
-            took.append(time.monotonic() - t)
-
-    engine.scheduler.schedule = schedule
-    return took
-
-
 STALL_SETTINGS = {"lookup_timeout_s": 0.5, "timeout_s": 1.0, "load_timeout_s": 3.0}
 
 
@@ -452,7 +436,7 @@ def test_a_stopped_daemon_costs_the_scheduler_one_bounded_wait(engines, stopped_
     a.add("a1", PROMPT, max_tokens=1)
     a.run()
     b = engines("stall", address=d.address, settings=STALL_SETTINGS)  # its space is not open yet
-    took = timed_schedules(b)
+    took = b.time_schedules()
     d.stop_signal()
     for i in range(6):
         b.add(f"b{i}", [t + i for t in PROMPT], max_tokens=1)
@@ -506,10 +490,7 @@ def test_a_burst_of_cached_prefixes_gets_every_hit_and_asks_once_each(engines, s
         a.add(rid, tokens, max_tokens=1)
     a.run(max_steps=2000)
     b = engines("burst", num_blocks=4 * n)
-    view = b.connector._scheduler.view
-    lookups = []
-    real = view.lookup
-    view.lookup = lambda *args, **kw: lookups.append(1) or real(*args, **kw)
+    lookups = b.count_lookups()
     for rid, tokens in prompts.items():
         b.add(rid, tokens, max_tokens=1)
     b.run(max_steps=2000)

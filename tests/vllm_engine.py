@@ -251,6 +251,30 @@ class Engine:
             if not so.total_num_scheduled_tokens:
                 time.sleep(0.001)
 
+    def time_schedules(self) -> list[float]:
+        """From now on, each ``schedule()`` call's length in seconds is appended to the returned
+        list."""
+        took: list[float] = []
+        real = self.scheduler.schedule
+
+        def schedule():
+            t = time.monotonic()
+            try:
+                return real()
+            finally:
+                took.append(time.monotonic() - t)
+
+        self.scheduler.schedule = schedule
+        return took
+
+    def count_lookups(self) -> list[int]:
+        """From now on, each lookup the connector's scheduler side sends appends 1 to the list."""
+        view = self.connector._scheduler.view
+        calls: list[int] = []
+        real = view.lookup
+        view.lookup = lambda *args, **kw: calls.append(1) or real(*args, **kw)
+        return calls
+
     def close(self) -> None:
         self.worker.shutdown()
         self.connector.shutdown()
