@@ -125,6 +125,13 @@ class LoadHandle:
         if self._error is not None:
             raise self._error
 
+    def ended(self) -> bool:
+        """True once the load ended (every layer landed, or it missed or failed); never waits:
+        on the lane it reads what has arrived for this handle."""
+        with self._cond:
+            self._pump_now()
+            return self._done or self.missed or self._error is not None
+
     def landed(self, layer_id: int) -> bool:
         with self._cond:
             self._pump_now()

@@ -22,7 +22,20 @@ model, PP 1, called as vLLM's model runner calls the connector:
    end); ``load_errors()`` is empty, and the blocks not in the load are untouched;
 3. a ``LoadJob`` of keys never stored: ``load_errors()`` reports exactly its blocks, untouched;
 4. a ``LoadJob`` of a stored prefix then keys never stored: the prefix lands bit for bit and
-   ``load_errors()`` reports exactly the blocks past it.
+   ``load_errors()`` reports exactly the blocks past it;
+5. an asynchronous ``LoadJob`` (vLLM's WAITING_FOR_REMOTE_KVS, what hybrid models use) into other
+   blocks, behind a late write of their old contents on B's stream: ``transfer_results`` is polled
+   on that stream until it reports the request; its blocks are then compared on the stream (the
+   completion makes the stream wait for every layer's event), and its event slot is free again.
+
+Then a decode step is timed both ways vLLM runs it with this connector (``decode_step``): a
+stand-in model of NUM_LAYERS layers (a projection, an attention over the batch's KV blocks read
+from the registered views, an output projection) captured whole in one CUDA graph, as vLLM's
+FULL_AND_PIECEWISE mode replays decode batches with ``layerwise`` false, against the same layers
+captured piece by piece with each attention run eagerly between the pieces, calling the
+connector's ``wait_for_layer_load`` first, as PIECEWISE runs every batch with ``layerwise`` true.
+No load is in flight (decode batches never load): the difference is what PIECEWISE costs each
+decode step. A stand-in, not vLLM's model: the figure is the launch and Python cost per layer.
 
 ``run(address, kind, device, layout)`` works on CPU too (the raw buffers are then a
 ``SharedKVMemory``, and there are no streams or spinning kernels), so the CPU tests run this
@@ -44,6 +57,8 @@ NUM_BLOCKS = 32  # vLLM blocks per engine (block 0, vLLM's null block, is never 
 BLOCKS = 8  # blocks stored by A and loaded by B
 MISS_BLOCKS = 4  # blocks of the load of keys never stored
 PREFIX_BLOCKS = 4  # stored blocks at the head of the partly stored load (then 2 never stored)
+ASYNC_BLOCKS = 4  # stored blocks of the asynchronous load
+DECODE_BATCH, DECODE_HIDDEN, DECODE_STEPS = 64, 1024, 200  # the timed decode step (CUDA)
 SLEEP_CYCLES = 100_000_000  # torch.cuda._sleep: tens of ms on any current GPU
 LAYER_NAMES = tuple(f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS))
 
@@ -196,6 +211,8 @@ def run(address: str, kind: str, device: str = "cuda", layout: str = "LBNHC") ->
     free = [b for b in range(1, NUM_BLOCKS) if b not in get_blocks]
     extra = free[:MISS_BLOCKS]  # B's blocks past the load: the miss goes there
     partial = free[MISS_BLOCKS:MISS_BLOCKS + PREFIX_BLOCKS + 2]  # the partly stored load's
+    at = MISS_BLOCKS + PREFIX_BLOCKS + 2
+    later = free[at:at + ASYNC_BLOCKS]  # the asynchronous load's
 
     # Block indices on the device, made before any stream work: a copy of a host list to the GPU
     # synchronises the current stream, which would let a spinning kernel end before the writes
@@ -212,7 +229,7 @@ def run(address: str, kind: str, device: str = "cuda", layout: str = "LBNHC") ->
         """The bytes of ``blocks`` of one layer's view, gathered: [blocks, H, N, C bytes]."""
         return view.view(torch.uint8)[index(blocks)]
 
-    for blocks in (put_blocks, get_blocks, extra, partial, partial[:PREFIX_BLOCKS]):
+    for blocks in (put_blocks, get_blocks, extra, partial, partial[:PREFIX_BLOCKS], later):
         index(blocks)
 
     def meta(**jobs) -> KVServerConnectorMetadata:
@@ -335,18 +352,163 @@ def run(address: str, kind: str, device: str = "cuda", layout: str = "LBNHC") ->
         result["prefix_exact"] = all(torch.equal(rows(view, partial[:PREFIX_BLOCKS]), w[:PREFIX_BLOCKS])
                                      for view, w in zip(vb, want, strict=True))
         result["prefix_errors_exact"] = errors == set(partial[PREFIX_BLOCKS:])
+
+        # 5. An asynchronous load: reported by transfer_results once it ended, then readable on
+        # the stream that polled it.
+        old = torch.zeros_like(rows(vb[0], later))
+        if cuda:
+            torch.cuda.synchronize()
+        reported: tuple = (set(), set())
+        same = []
+        t0 = time.perf_counter()
+        with _stream(compute_b), _sync_watch(cuda, syncs):
+            if cuda:
+                torch.cuda._sleep(SLEEP_CYCLES)
+                for view in vb:
+                    view.view(torch.uint8)[index(later)] = old
+            wb.start_load_kv(meta(loads=[LoadJob("b4", b"".join(keys[:ASYNC_BLOCKS]), list(later),
+                                                 asynchronous=True)]))
+            deadline = time.monotonic() + 60
+            while "b4" not in reported[0] and time.monotonic() < deadline:
+                _, recving, failed = wb.transfer_results(set())
+                reported = (reported[0] | recving, reported[1] | failed)
+                if "b4" not in reported[0]:
+                    time.sleep(0.002)
+            same = [(rows(view, later) == w[:ASYNC_BLOCKS]).all() for view, w in zip(vb, want, strict=True)]
+        if cuda:
+            compute_b.synchronize()
+        result["ms_async_load"] = round((time.perf_counter() - t0) * 1e3, 3)
+        result["async_reported"] = "b4" in reported[0] and "b4" not in reported[1]
+        result["async_exact"] = bool(same) and bool(torch.stack(same).all())
+        result["async_slots_free"] = all(len(free_slots) == wb.event_slots for free_slots in wb._slots)
     finally:
         for worker in workers:
             worker.shutdown()
         for mem in mems:
             mem.close()
+    if (kind, layout) == CASES[0]:  # one case times it: the three run at once on one GPU
+        result["decode_step"] = decode_step(space, cfg, kind, layout, dev)
     result["seconds"] = round(time.perf_counter() - started, 3)
     result["ok"] = bool(result.get("saved") and result.get("lookup") == BLOCKS and result.get("layer_waits")
                         and result.get("exact") and result.get("load_errors_empty")
                         and result.get("past_blocks_untouched") and result.get("miss_reported")
                         and result.get("miss_untouched") and result.get("prefix_exact")
-                        and result.get("prefix_errors_exact"))
+                        and result.get("prefix_errors_exact") and result.get("async_reported")
+                        and result.get("async_exact") and result.get("async_slots_free"))
     return result
+
+
+def decode_step(space, cfg: dict, kind: str, layout: str, dev) -> dict:
+    """Median ms of a stand-in decode step, one CUDA graph (``full_ms``) against graph pieces with
+    eager attention and the connector's per-layer wait between them (``piecewise_ms``), measured
+    in the same run; on CPU the same step runs eagerly, a few times (no figure)."""
+    import torch
+
+    from kvclient.vllm._worker import WorkerSide
+
+    cuda = dev.type == "cuda"
+    batch, hidden, steps = (DECODE_BATCH, DECODE_HIDDEN, DECODE_STEPS) if cuda else (4, 64, 3)
+    raw = torch.zeros(raw_bytes(kind, NUM_BLOCKS, NUM_LAYERS), dtype=torch.uint8, device=dev)
+    mem = None
+    if not cuda:
+        from kvclient.views_pool import SharedKVMemory
+
+        mem = SharedKVMemory(raw.numel())
+        raw = mem.tensor
+    layer_views = views(raw, kind, layout, NUM_BLOCKS, NUM_LAYERS)
+    worker = WorkerSide(space, dict(cfg, layerwise=True), True)
+    try:
+        worker.register_kv_caches(dict(zip(LAYER_NAMES, layer_views, strict=True)))
+        gen = torch.Generator(device=dev).manual_seed(5)
+        dtype = torch.bfloat16 if cuda else torch.float32
+        w_in = [torch.randn(hidden, hidden, generator=gen, device=dev).to(dtype) / 32 for _ in LAYER_NAMES]
+        w_out = [torch.randn(hidden, hidden, generator=gen, device=dev).to(dtype) / 32 for _ in LAYER_NAMES]
+        blocks = torch.arange(1, 1 + BLOCKS, device=dev)
+        x0 = torch.randn(batch, hidden, generator=gen, device=dev).to(dtype)
+
+        def attention(i: int, q):  # the batch reads this layer's KV blocks
+            kv = layer_views[i].view(torch.uint8)[blocks].reshape(-1).to(dtype)
+            width = min(kv.numel(), hidden)
+            scores = torch.softmax(q[:, :width] * kv[:width], dim=-1)
+            return q + torch.nn.functional.pad(scores, (0, hidden - width))
+
+        def full(x):
+            for i in range(NUM_LAYERS):
+                x = attention(i, x @ w_in[i]) @ w_out[i]
+            return x
+
+        def piece_in(i, x):
+            return x @ w_in[i]
+
+        def piece_out(i, x):
+            return x @ w_out[i]
+
+        if not cuda:
+            for _ in range(steps):
+                x = x0
+                for i, name in enumerate(LAYER_NAMES):
+                    worker.wait_for_layer_load(name)
+                    x = piece_out(i, attention(i, piece_in(i, x)))
+            return {"graphs": False, "steps": steps}
+        stream = torch.cuda.Stream()
+        static = x0.clone()
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                full(static)  # warm-up before capture
+        torch.cuda.synchronize()
+        g_full = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g_full):
+            out_full = full(static)
+        ins, outs, g_in, g_out = [], [], [], []
+        for i in range(NUM_LAYERS):
+            a = torch.empty_like(static)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                b = piece_in(i, a)
+            ins.append(a)
+            g_in.append((g, b))
+            c = torch.empty_like(static)
+            g2 = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g2):
+                d = piece_out(i, c)
+            outs.append(c)
+            g_out.append((g2, d))
+
+        def piecewise():
+            x = static
+            for i, name in enumerate(LAYER_NAMES):
+                ins[i].copy_(x)
+                g_in[i][0].replay()
+                worker.wait_for_layer_load(name)  # what layerwise adds between pieces
+                outs[i].copy_(attention(i, g_in[i][1]))
+                g_out[i][0].replay()
+                x = g_out[i][1]
+            return x
+
+        def timed(step) -> float:
+            times = []
+            for _ in range(steps):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0 = time.perf_counter()
+                start.record()
+                step()
+                end.record()
+                end.synchronize()
+                times.append(max(start.elapsed_time(end), (time.perf_counter() - t0) * 1e3))
+            return sorted(times)[len(times) // 2]
+
+        g_full.replay()
+        same = bool(torch.allclose(piecewise().float(), out_full.float(), rtol=0.05, atol=0.05))
+        full_ms = timed(g_full.replay)
+        piece_ms = timed(piecewise)
+        full_ms = min(full_ms, timed(g_full.replay))  # the baseline again: the GPU warms up
+        return {"graphs": True, "layers": NUM_LAYERS, "batch": batch, "hidden": hidden, "steps": steps,
+                "same_output": same, "full_ms": round(full_ms, 4), "piecewise_ms": round(piece_ms, 4),
+                "piecewise_over_full": round(piece_ms / full_ms, 3) if full_ms else None}
+    finally:
+        worker.shutdown()
+        if mem is not None:
+            mem.close()
 
 
 def _event(cuda: bool):

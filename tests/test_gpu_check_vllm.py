@@ -67,6 +67,10 @@ def test_the_rounds_with_the_standin_as_the_gpu_machine_runs_them(daemon):
     assert [r["kind"] for r in results] == [f"vllm-worker-{k}-{lay}" for k, lay in CHECK.CASES]
     for result in results:
         _expect_ok(result)
+        # The asynchronous load's round and the decode step (eager on CPU: no figure) ran.
+        assert result["async_reported"] and result["async_exact"]
+        if result["kind"] == "vllm-worker-{}-{}".format(*CHECK.CASES[0]):
+            assert result["decode_step"] == {"graphs": False, "steps": 3}
 
 
 @pytest.fixture(scope="module")

@@ -197,6 +197,55 @@ def test_async_lookup_schedules_the_request_a_step_later(engines):
     b.run()
 
 
+def test_async_load_waits_for_its_gets_then_computes_on_landed_blocks(engines, server):
+    a = engines("async-load")
+    a.add("a1", PROMPT, max_tokens=1)
+    a.run()
+    b = engines("async-load", settings={"load": "async"})
+    b.add("b1", PROMPT + [9] * 10, max_tokens=3)
+    so = b.step()
+    assert not so.num_scheduled_tokens and not so.has_sync_kv_loads  # waiting for its load
+    assert [len(job.block_ids) for job in so.kv_connector_metadata.loads] == [4]
+    for _ in range(100):
+        if "b1" in b.admitted:
+            break
+        time.sleep(0.002)
+        b.step()
+    assert b.admitted["b1"] == [64] and b.finished_recving == {"b1"} and not b.failed_recving
+    b.expect_kv("b1", PROMPT, 64)
+    b.run()
+    assert leases(server) == 0
+
+
+def test_a_failed_async_load_is_recomputed_whole_and_what_is_stored_is_right(engines, daemon_factory):
+    d = daemon_factory(host_memory=64 << 20)
+    a = engines("async-fail", address=d.address)
+    a.add("a1", PROMPT, max_tokens=1)
+    a.run()
+
+    def evict(engine, so):
+        if any(job.req_id == "b1" for job in so.kv_connector_metadata.loads):
+            d.run(lambda: d.core.cache.make_room(1 << 40))  # every unpinned page goes
+
+    tokens_b = PROMPT[:32] + [11] * 40
+    b = engines("async-fail", address=d.address, before_load=evict,
+                settings={"load": "async", "lookup_pin_ms": 0})
+    b.add("b1", tokens_b, max_tokens=1)
+    for _ in range(100):
+        if "b1" in b.admitted:
+            break
+        time.sleep(0.002)
+        b.step()
+    assert b.failed_recving == {"b1"} and b.admitted["b1"] == [0]  # nothing read, all recomputed
+    b.run()
+    seen: list[int] = []
+    c = engines("async-fail", address=d.address, on_layer=check_loaded("c1", tokens_b, 64, seen))
+    c.add("c1", tokens_b + [5] * 8, max_tokens=1)
+    c.step()
+    assert c.admitted["c1"] == [64] and seen == [0, 1]
+    c.run()
+
+
 # ---- failures --------------------------------------------------------------------------------
 
 
@@ -305,29 +354,43 @@ def test_an_engine_with_per_process_hashes_stores_and_finds_nothing(engines, vcf
 # ---- what it refuses ---------------------------------------------------------------------------
 
 
-def test_refuses_hybrid_and_non_dense_caches(vcfg):
+def test_refuses_state_caches_and_hybrids_it_cannot_serve(vcfg, monkeypatch):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
+        MambaSpec,
         SlidingWindowSpec,
     )
 
     from kvclient.vllm.connector import KVServerConnector
 
+    def groups(*specs):
+        return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+            KVCacheGroupSpec([name], spec) for name, spec in zip(vllm_engine.LAYERS, specs, strict=False)])
+
     full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float16,))
+    with pytest.raises(ValueError, match="Mamba / linear-attention state"):
+        KVServerConnector(vcfg, KVConnectorRole.SCHEDULER, groups(full, mamba))
+    chunked = ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float16,
+                                        attention_chunk_size=64)
+    with pytest.raises(ValueError, match="not ChunkedLocalAttentionSpec"):
+        KVServerConnector(vcfg, KVConnectorRole.WORKER, groups(full, chunked))
+    swa32 = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=16, dtype=torch.float16,
+                              sliding_window=128)
+    with pytest.raises(ValueError, match="share one block size"):
+        KVServerConnector(vcfg, KVConnectorRole.SCHEDULER, groups(full, swa32))
     swa = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float16,
                             sliding_window=128)
-    two = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["model.layers.0.self_attn.attn"], full),
-        KVCacheGroupSpec(["model.layers.1.self_attn.attn"], swa)])
-    with pytest.raises(ValueError, match="one KV cache group"):
-        KVServerConnector(vcfg, KVConnectorRole.SCHEDULER, two)
-    one_swa = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(list(vllm_engine.LAYERS), swa)])
-    with pytest.raises(ValueError, match="full-attention or MLA"):
-        KVServerConnector(vcfg, KVConnectorRole.WORKER, one_swa)
+    monkeypatch.setitem(vcfg.kv_transfer_config.kv_connector_extra_config, "load", "sync")
+    with pytest.raises(ValueError, match="loads asynchronously"):
+        KVServerConnector(vcfg, KVConnectorRole.SCHEDULER, groups(full, swa))
+    monkeypatch.setattr(vcfg.parallel_config, "pipeline_parallel_size", 2)
+    with pytest.raises(ValueError, match="without pipeline parallelism"):
+        KVServerConnector(vcfg, KVConnectorRole.WORKER, groups(full, swa))
 
 
 def test_kv_role_producer_only_stores_and_consumer_only_loads(engines, vcfg, monkeypatch):

@@ -177,7 +177,7 @@ def test_a_lookup_counts_a_block_once_every_tp_rank_and_pp_stage_holds_it(daemon
             layers = layers[:2] if rank == 0 else layers[2:]
         w.register_kv_caches(dict(layers))
         workers.append(w)
-    sched = SchedulerSide(sp, {"address": daemon.address}, True, lambda rid: [])
+    sched = SchedulerSide(sp, {"address": daemon.address}, True, lambda rid: ([],))
     req = vllm_env.request("r", list(range(1, 82)), block_size=16)  # 5 whole blocks
     try:
         def matched() -> int:
@@ -232,7 +232,7 @@ def test_a_finished_request_is_reported_only_once_its_puts_ran(daemon):
 def test_lookups_back_off_while_the_daemon_is_away(tmp_path):
     from kvclient.vllm._scheduler import SchedulerSide
 
-    sched = SchedulerSide(space("mha"), {"address": f"unix://{tmp_path}/none.sock"}, True, lambda rid: [])
+    sched = SchedulerSide(space("mha"), {"address": f"unix://{tmp_path}/none.sock"}, True, lambda rid: ([],))
     req = vllm_env.request("r", list(range(1, 82)), block_size=16)
     try:
         assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
@@ -274,7 +274,7 @@ def test_a_load_reported_after_its_request_finished_resolves_the_requests_that_r
     v = vllm_env.request("v", tokens, block_size=16)
     x = vllm_env.request("x", tokens[:64] + [900 + i for i in range(30)], block_size=16)
     blocks = {"v": [0, 1, 2, 3, 4], "x": [0, 1, 2, 3, 5, 6]}  # x shares v's first four
-    sched = SchedulerSide(space("mha"), {"address": daemon.address}, True, lambda rid: blocks[rid])
+    sched = SchedulerSide(space("mha"), {"address": daemon.address}, True, lambda rid: (blocks[rid],))
 
     def alloc(req, external: int):
         ids = blocks[req.request_id]
@@ -295,7 +295,7 @@ def test_a_load_reported_after_its_request_finished_resolves_the_requests_that_r
         assert sched.get_num_new_matched_tokens(x, 64) == (0, False)  # 64 tokens hit locally
         alloc(x, 0)
         assert x_saves(80) == []  # waits for v's report
-        sched.request_finished(v, blocks["v"])  # v ends first, as vLLM frees it first
+        sched.request_finished(v, (blocks["v"],))  # v ends first, as vLLM frees it first
         report = KVServerWorkerMeta(loads={"v": landed})
         sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=report))
         saves = x_saves(94)  # blocks 4 and 5 of x are full now

@@ -21,6 +21,9 @@ import torch
 CONNECTOR_PATH = "kvclient.vllm.connector"
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")  # vllm_env.model_dir()'s
 HEADS, HEAD_SIZE, BLOCK = 2, 16, 16
+# A hybrid model: even layers attend a sliding window, odd layers everything (as gpt-oss).
+HYBRID_LAYERS = tuple(f"model.layers.{i}.self_attn.attn" for i in range(4))
+NULL_BLOCK = 0  # vLLM's null block: a sliding window's blocks below the window
 
 
 def kv_value(token: int, pos: int, layer: int, part: int, carry: int = 0) -> torch.Tensor:
@@ -86,24 +89,65 @@ def make_views(layout_name: str, num_blocks: int, num_layers: int = len(LAYERS))
     return mem, list(views)
 
 
-class Engine:
-    """One vLLM engine: scheduler + one worker, on ``address``'s daemon."""
+def hybrid_kv_cache(vllm_config, window: int, num_blocks: int, layout_name: str = "LBNHC"):
+    """(KVCacheConfig, SharedKVMemory, {layer: view}) of HYBRID_LAYERS, grouped and laid out by
+    vLLM's own planner (``get_kv_cache_configs``) with its hybrid KV cache manager on, as on a GPU
+    (VllmConfig turns it off on a CPU platform), and the views carved by ``create_kv_cache_views``."""
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec, create_kv_cache_views
+    from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    def __init__(self, vllm_config, *, layout: str = "LBNHC", num_blocks: int = 64,
-                 on_layer=None, before_load=None, spec_order: bool = False) -> None:
+    from kvclient.views_pool import SharedKVMemory
+
+    vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    vllm_config.cache_config.kv_cache_layout = layout_name
+    specs = {}
+    for i, name in enumerate(HYBRID_LAYERS):
+        kw = dict(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float16)
+        windowed = i % 2 == 0
+        specs[name] = SlidingWindowSpec(sliding_window=window, **kw) if windowed else FullAttentionSpec(**kw)
+    groups = get_global_kv_cache_groups(vllm_config, [specs])
+    page = 2 * HEADS * HEAD_SIZE * 2 * BLOCK  # a layer's block: K and V, fp16
+    (kv_cfg,) = get_kv_cache_configs(vllm_config, [specs], [page * len(HYBRID_LAYERS) * num_blocks], groups)
+    mem = SharedKVMemory(sum(t.size for t in kv_cfg.kv_cache_tensors))
+    spec_of = {n: g.kv_cache_spec for g in kv_cfg.kv_cache_groups for n in g.layer_names}
+    caches, at = {}, 0
+    for t in kv_cfg.kv_cache_tensors:
+        raw = mem.tensor[at:at + t.size].view(torch.int8)
+        at += t.size
+        views = create_kv_cache_views(raw, spec_of[t.layers[0]], kv_cfg.num_blocks,
+                                      KVCacheLayout[layout_name], t)
+        caches.update(zip(t.layers, views, strict=True))
+    return kv_cfg, mem, {n: caches[n] for n in HYBRID_LAYERS}
+
+
+class Engine:
+    """One vLLM engine: scheduler + one worker, on ``address``'s daemon. ``window``: the hybrid
+    model of HYBRID_LAYERS (sliding windows of that many tokens and full attention), in vLLM's
+    KV cache groups."""
+
+    def __init__(self, vllm_config, *, layout: str = "LBNHC", num_blocks: int = 64, on_layer=None,
+                 before_load=None, spec_order: bool = False, window: int | None = None) -> None:
         import vllm_env
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
         self.config = vllm_config
-        kv_cfg = vllm_env.kv_cache_config(BLOCK, num_blocks, num_kv_heads=HEADS, head_size=HEAD_SIZE,
-                                          layers=LAYERS)
+        if window is None:
+            kv_cfg = vllm_env.kv_cache_config(BLOCK, num_blocks, num_kv_heads=HEADS, head_size=HEAD_SIZE,
+                                              layers=LAYERS)
+            self.mem, views = make_views(layout, num_blocks)
+            self.layers = LAYERS
+            self.caches = dict(zip(LAYERS, views, strict=True))
+        else:
+            kv_cfg, self.mem, self.caches = hybrid_kv_cache(vllm_config, window, num_blocks, layout)
+            self.layers = HYBRID_LAYERS
+        self.kv_cache_config = kv_cfg
+        self.group_of = {n: gi for gi, g in enumerate(kv_cfg.kv_cache_groups) for n in g.layer_names}
         self.scheduler = vllm_env.scheduler(vllm_config, kv_cfg)
         self.connector = self.scheduler.connector
         self.worker = KVConnectorFactory.create_connector(config=vllm_config, role=KVConnectorRole.WORKER,
                                                           kv_cache_config=kv_cfg)
-        self.mem, views = make_views(layout, num_blocks)
-        self.caches = dict(zip(LAYERS, views, strict=True))
         self.worker.register_kv_caches(self.caches)
         self.on_layer = on_layer  # on_layer(engine, layer_index, scheduler_output) after each layer's wait
         self.before_load = before_load  # before_load(engine, scheduler_output) before start_load_kv
@@ -111,6 +155,8 @@ class Engine:
         self.steps = 0
         self.invalid: set[int] = set()
         self.finished_sending: set[str] = set()
+        self.finished_recving: set[str] = set()
+        self.failed_recving: set[str] = set()
         self.admitted: dict[str, list[int]] = {}  # request -> computed tokens at each admission
         self.preempted: set[str] = set()
 
@@ -123,22 +169,31 @@ class Engine:
         self.scheduler.add_request(req)
         return req
 
-    def block_ids(self, req_id: str) -> list[int]:
-        return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+    def block_ids(self, req_id: str, group: int = 0) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[group])
+
+    def layer_blocks(self, req_id: str, layer: int) -> list[int]:
+        return self.block_ids(req_id, self.group_of[self.layers[layer]])
 
     def kv(self, block: int, slot: int, layer: int, part: int) -> torch.Tensor:
-        v = self.caches[LAYERS[layer]]
+        v = self.caches[self.layers[layer]]
         return v[block, :, slot, part * HEAD_SIZE:(part + 1) * HEAD_SIZE]
 
-    def expect_kv(self, req_id: str, tokens, upto: int) -> None:
-        """The request's first ``upto`` tokens' K/V in its blocks are the model's, bit for bit."""
-        ids = self.block_ids(req_id)
-        for pos in range(upto):
-            for layer in range(len(LAYERS)):
+    def expect_kv(self, req_id: str, tokens, upto: int) -> int:
+        """The request's first ``upto`` tokens' K/V in its blocks are the model's, bit for bit
+        (a sliding window's: those in the blocks vLLM still holds). Returns the entries checked."""
+        checked = 0
+        for layer in range(len(self.layers)):
+            ids = self.layer_blocks(req_id, layer)
+            for pos in range(upto):
+                if ids[pos // BLOCK] == NULL_BLOCK:
+                    continue
                 for part in (0, 1):
                     got = self.kv(ids[pos // BLOCK], pos % BLOCK, layer, part)
                     want = expected_kv(tokens, pos, layer, part)
                     assert torch.equal(got, want), (req_id, pos, layer, part)
+                    checked += 1
+        return checked
 
     def _scheduled(self, so) -> list[tuple[str, int, int]]:
         """(request, first position, tokens) of every request the step computes."""
@@ -194,10 +249,10 @@ class Engine:
         work = self._scheduled(so)
         carry: dict[tuple[str, int], int] = {}  # (request, position) -> what the layer below read
         if so.total_num_scheduled_tokens:
-            for layer, name in enumerate(LAYERS):
+            for layer, name in enumerate(self.layers):
                 for rid, start, n in work:  # the layer writes the step's K/V (before its wait: 0.33)
                     req = self.scheduler.requests[rid]
-                    ids = self.block_ids(rid)
+                    ids = self.layer_blocks(rid, layer)
                     for pos in range(start, start + n):
                         # Under async scheduling a decode step's input may still be a placeholder:
                         # the runner feeds the token it sampled last step, which is sampled(pos).
@@ -209,7 +264,7 @@ class Engine:
                 if self.on_layer is not None:
                     self.on_layer(self, layer, so)
                 for rid, start, n in work:  # its attention reads the prefix: K at p - 1 for p
-                    ids = self.block_ids(rid)
+                    ids = self.layer_blocks(rid, layer)
                     for pos in range(start, start + n):
                         prev = self.kv(ids[(pos - 1) // BLOCK], (pos - 1) % BLOCK, layer, 0) if pos else 0
                         carry[rid, pos] = int(prev[0, 0]) if pos else 0
@@ -218,7 +273,8 @@ class Engine:
             w.start_load_kv(None)
         if not self.spec_order:
             w.wait_for_save()
-        sending, recving = w.get_finished(so.finished_req_ids)
+        results = w.get_transfer_results(so.finished_req_ids)  # as vLLM's model runner asks
+        sending, recving = results.finished_sending, results.finished_recving
         invalid = w.get_block_ids_with_load_errors()
         worker_meta = w.build_connector_worker_meta()
         if self.spec_order:  # speculative decoding: finalize_kv_connector after the draft model
@@ -231,8 +287,11 @@ class Engine:
         for rid, start, n in work:
             req = self.scheduler.requests[rid]
             tokens.append([sampled(start + n)] if start + n >= req.num_tokens else [])
+        self.finished_recving |= recving
+        self.failed_recving |= results.failed_recving
         kv_out = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
-                                   invalid_block_ids=invalid, kv_connector_worker_meta=worker_meta)
+                                   failed_recving=results.failed_recving, invalid_block_ids=invalid,
+                                   kv_connector_worker_meta=worker_meta)
         return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                  sampled_token_ids=tokens, logprobs=None, prompt_logprobs_dict={},
                                  pooler_output=None, kv_connector_output=kv_out)

@@ -1,7 +1,8 @@
 """What the connector's two sides tell each other each step. Scheduler to workers (pickled with
 the SchedulerOutput): the Gets to start before the forward, the Puts to issue after it, and the
-requests preempted since the last step. Workers to scheduler (``build_connector_worker_meta``,
-aggregated over every worker by vLLM): which of the step's loads landed."""
+requests preempted since the last step, and (hybrid models) the blocks the step hands out, which
+no Put still queued may read after the forward writes them. Workers to scheduler
+(``build_connector_worker_meta``, aggregated over every worker by vLLM): which of the step's loads landed."""
 
 from __future__ import annotations
 
@@ -12,24 +13,30 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 @dataclass
 class LoadJob:
-    """Load ``keys[i]`` into block ``block_ids[i]`` (a Get: the longest stored prefix); ``lease``
-    is the pin the scheduler's lookup took, ended by the Get."""
+    """Load ``keys[i]`` into block ``block_ids[i]`` of KV cache group ``group`` (a Get: the
+    longest stored prefix); ``lease`` is the pin the scheduler's lookup took, ended by the Get.
+    ``asynchronous``: the request waits for it (vLLM's WAITING_FOR_REMOTE_KVS) and the workers
+    report it in get_finished, not before the step's forward."""
 
     req_id: str
     keys: bytes  # packed, key_bytes each
     block_ids: list[int]
     lease: str = ""
     key_bytes: int = 32
+    group: int = 0
+    asynchronous: bool = False
 
 
 @dataclass
 class SaveJob:
-    """Store block ``block_ids[i]`` under ``keys[i]`` once this step's KV is written (a Put)."""
+    """Store block ``block_ids[i]`` of group ``group`` under ``keys[i]`` once this step's KV is
+    written (a Put)."""
 
     req_id: str
     keys: bytes
     block_ids: list[int]
     key_bytes: int = 32
+    group: int = 0
 
 
 @dataclass
@@ -37,6 +44,7 @@ class KVServerConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
+    reused: set[int] = field(default_factory=set)  # hybrid: blocks given out (or loaded) this step
 
 
 @dataclass

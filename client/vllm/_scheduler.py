@@ -19,6 +19,14 @@ cache. A request whose local hit includes a block of an unconfirmed load stores 
 load is reported good; if it failed, the request never stores from that block on (what it
 computed there was computed on wrong KV). Blocks of a failed load stay suspect until the request
 that loaded them has computed them again.
+
+Loads are synchronous by default (the forward waits for them; ``load`` "sync"). With ``load``
+"async", as for every hybrid model, the request waits in vLLM's WAITING_FOR_REMOTE_KVS until the
+workers report its Gets ended (``get_finished``), and vLLM caches its blocks only then: no other
+request ever reads a block still loading. A hybrid model (several KV cache groups: full attention
+and sliding window) is looked up group by group: the full-attention groups' longest common prefix
+h, then each sliding-window group's last blocks below h (the blocks vLLM keeps for a hit of h);
+a hit is h only where every group holds its part, else a miss.
 """
 
 from __future__ import annotations
@@ -33,10 +41,20 @@ from kvclient.away import AwayGate
 from kvclient.cache_view import CacheView
 from kvclient.results import LookupResult
 from kvclient.vllm._meta import KVServerConnectorMetadata, KVServerWorkerMeta, LoadJob, SaveJob
-from kvclient.vllm._space import Space, block_keys, hashed_blocks
+from kvclient.vllm._space import Group, Space, block_keys, hashed_blocks
 
 logger = logging.getLogger("kvclient.vllm")
 
+NULL_BLOCK = 0  # vLLM's null block (BlockPool.null_block): a sliding window's skipped blocks
+
+
+@dataclass(frozen=True)
+class _Hit:
+    """A lookup's answer: ``pages`` leading blocks every group can serve, pinned under one lease
+    per group (indexed as the groups; empty on a miss)."""
+
+    pages: int
+    leases: tuple[str, ...] = ()
 
 
 @dataclass
@@ -44,12 +62,12 @@ class _Req:
     request: object
     local: int = 0  # tokens vLLM's own prefix cache had (block-aligned), at the last lookup
     found: int = 0  # leading blocks the cache holds, at the last lookup
-    lease: str = ""
+    leases: tuple[str, ...] = ()
     saved: int = 0  # leading blocks stored or known stored
     saving: bool = False  # a Put was asked for: vLLM keeps its blocks until the workers' Puts end
     loading_from: int | None = None  # first block of a load not yet reported good by the workers
     lookup: Future | None = field(default=None, repr=False)
-    answer: tuple[LookupResult, float] | None = None  # async: the last answer and when it came
+    answer: tuple[_Hit, float] | None = None  # async: the last answer and when it came
     load_end: int = 0  # the index, among its blocks, past the last one its load writes
     load_failed: bool = False  # its load was reported failed: vLLM computes those blocks again
     # Loads this request's local prefix hit reads before they are reported: loading request ->
@@ -59,9 +77,14 @@ class _Req:
 
 
 class SchedulerSide:
-    def __init__(self, space: Space, cfg: dict, enabled: bool, block_ids: Callable[[str], list[int]], *,
-                 loads: bool = True, saves: bool = True) -> None:
-        self.space = space
+    def __init__(self, groups: Space | tuple[Group, ...], cfg: dict, enabled: bool,
+                 block_ids: Callable[[str], tuple[list[int], ...]], *, loads: bool = True,
+                 saves: bool = True) -> None:
+        if isinstance(groups, Space):  # one full-attention group
+            groups = (Group(index=0, space=groups, layer_names=()),)
+        self.groups = groups
+        self.space = space = groups[0].space
+        self.hybrid = len(groups) > 1 or groups[0].window_blocks is not None
         self.enabled = enabled
         self.loads = loads  # kv_role kv_consumer or kv_both
         self.saves = saves  # kv_role kv_producer or kv_both
@@ -72,13 +95,26 @@ class SchedulerSide:
         if mode not in ("sync", "async"):
             raise ValueError(f"kv_connector_extra_config.lookup must be 'sync' or 'async', not {mode!r}")
         self._async = mode == "async"
+        load = str(cfg.get("load") or ("async" if self.hybrid else "sync"))
+        if load not in ("sync", "async"):
+            raise ValueError(f"kv_connector_extra_config.load must be 'sync' or 'async', not {load!r}")
+        if self.hybrid and load == "sync":
+            raise ValueError("a hybrid model (several KV cache groups or a sliding window) loads "
+                             "asynchronously: vLLM takes failed loads of such models per request only; "
+                             "drop \"load\": \"sync\"")
+        self.async_loads = load == "async"
         # Lookups (async mode) and releases run here, off the scheduler's thread.
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvserver-lookup")
         self._block_ids = block_ids
-        self.view = CacheView(cfg.get("address"), model=space.model, layout=space.layout, dtype=space.dtype,
-                              page_size=space.page_size, num_layers=space.num_layers, tp_size=space.tp_size,
-                              pp_size=space.pp_size, timeout=float(cfg.get("lookup_timeout_s", 1.0)),
-                              token=cfg.get("token"), tenant_token=cfg.get("tenant_token"))
+        self.views = [CacheView(cfg.get("address"), model=g.space.model, layout=g.space.layout,
+                                dtype=g.space.dtype, page_size=g.space.page_size,
+                                num_layers=g.space.num_layers,
+                                tp_size=g.space.tp_size, pp_size=g.space.pp_size,
+                                timeout=float(cfg.get("lookup_timeout_s", 1.0)), token=cfg.get("token"),
+                                tenant_token=cfg.get("tenant_token")) for g in groups]
+        self.view = self.views[0]
+        # Full-attention groups first: their common prefix bounds what the windows are asked for.
+        self._order = sorted(groups, key=lambda g: g.window_blocks is not None)
         self._reqs: dict[str, _Req] = {}
         # Blocks whose KV is not known good, by vLLM block id: those of loads not yet reported
         # (block -> loading request), and those read from or computed on a load that failed
@@ -89,6 +125,7 @@ class SchedulerSide:
         self._unreported: dict[str, list[tuple[int, bytes]]] = {}  # loading request -> (block, key)
         self._dependents: dict[str, set[str]] = {}  # loading request -> requests that read its blocks
         self._loads: list[LoadJob] = []
+        self._loading_reqs = 0  # requests with loads in this step
         self._finish_saves: list[SaveJob] = []
         # After one lookup that failed, lookups miss without asking until a probe (off this
         # thread) finds the daemon answering: a stuck daemon costs the scheduler one bounded wait.
@@ -96,39 +133,69 @@ class SchedulerSide:
 
     # ---- lookup ----------------------------------------------------------------------------
 
-    def _lookup(self, keys: list[bytes]) -> LookupResult:
-        if not self.away.open:
-            return LookupResult(0)
-        misses = self.view.misses
+    def _ask(self, view: CacheView, keys: list[bytes]) -> LookupResult | None:
+        misses = view.misses
         try:
-            found = self.view.lookup(b"".join(keys), pin_ms=self.pin_ms, key_bytes=len(keys[0]))
+            found = view.lookup(b"".join(keys), pin_ms=self.pin_ms, key_bytes=len(keys[0]))
         except Exception as exc:  # the daemon refused: a miss, never the scheduler's end
             logger.warning("kvserver: lookup failed (%s): a miss", exc)
             found = None
-        if found is None or self.view.misses > misses:  # away, slow or refusing: no more waits
+        if found is None or view.misses > misses:  # away, slow or refusing: no more waits
             self.away.failed()
-            return LookupResult(0)
+            return None
         return found
 
-    def _set_lease(self, st: _Req, lease: str) -> None:
-        if st.lease:
-            self._release(st.lease)
-        st.lease = lease
+    def _lookup(self, keys: list[bytes]) -> _Hit:
+        if not self.away.open:
+            return _Hit(0)
+        h = len(keys)
+        leases = [""] * len(self.groups)
+        for g in self._order:
+            if h == 0:
+                break
+            w = g.window_blocks
+            # A window is asked for from its end down: its leading answer is the blocks stored
+            # right below h.
+            ask = keys[:h] if w is None else keys[max(0, h - w):h][::-1]
+            found = self._ask(self.views[g.index], ask)
+            if found is None:
+                h = 0
+                break
+            leases[g.index] = found.lease_id
+            if w is None:
+                h = min(h, found.pages)
+            elif found.pages < len(ask):
+                h = 0  # this window is not all there: no group's blocks are served
+        if h == 0:
+            self._release_all(tuple(leases))
+            return _Hit(0)
+        return _Hit(h, tuple(leases))
 
-    def _release(self, lease: str) -> None:
-        self._pool.submit(self._release_now, lease)  # never on the scheduler's thread
+    def _set_leases(self, st: _Req, leases: tuple[str, ...]) -> None:
+        self._release_all(tuple(old if old not in leases else "" for old in st.leases))
+        st.leases = leases
 
-    def _release_now(self, lease: str) -> None:
+    def _release_all(self, leases: tuple[str, ...]) -> None:
+        for g, lease in enumerate(leases):
+            if lease:
+                self._release(lease, g)
+
+    def _release(self, lease: str, group: int = 0) -> None:
+        self._pool.submit(self._release_now, lease, group)  # never on the scheduler's thread
+
+    def _release_now(self, lease: str, group: int = 0) -> None:
         try:
-            self.view.release(lease)
+            self.views[group].release(lease)
         except Exception:
             pass  # it ends by itself at its pin's end
 
     def _release_answer(self, answer: Future) -> None:
-        if not answer.cancelled() and answer.exception() is None and answer.result().lease_id:
-            self._release_now(answer.result().lease_id)
+        if not answer.cancelled() and answer.exception() is None:
+            for g, lease in enumerate(answer.result().leases):
+                if lease:
+                    self._release_now(lease, g)
 
-    def _answer(self, st: _Req, keys: list[bytes]) -> LookupResult | None:
+    def _answer(self, st: _Req, keys: list[bytes]) -> _Hit | None:
         """This request's lookup answer; None: not yet (async mode: vLLM asks again next step).
         An answer that pins is kept for half its pin's life: a request vLLM cannot admit yet (no
         free blocks, this step's loads full) is not looked up, pinned and released every step."""
@@ -136,7 +203,7 @@ class SchedulerSide:
             return st.answer[0]
         if not self._async:
             found = self._lookup(keys)
-            if found.lease_id:  # a miss pins nothing: asked again, it may find what was stored since
+            if found.leases:  # a miss pins nothing: asked again, it may find what was stored since
                 st.answer = (found, time.monotonic())
             return found
         if st.lookup is None:  # answered at a later step, never this one: the step is not held
@@ -164,16 +231,16 @@ class SchedulerSide:
         found = self._answer(st, keys)
         if found is None:
             return None, False
-        if found.lease_id != st.lease:
-            self._set_lease(st, found.lease_id)
+        if found.leases != st.leases:
+            self._set_leases(st, found.leases)
         st.found = min(found.pages, len(keys))
         st.saved = max(st.saved, st.found)
         external = max(0, st.found * self.block_size - num_computed_tokens)
-        if external and len(self._loads) >= self.max_loads:
+        if external and self._loading_reqs >= self.max_loads:
             # This step's loads are full: not a miss (that would recompute the whole prefix), but
             # "ask again next step", its answer and pin kept for then.
             return None, False
-        return external, False
+        return external, self.async_loads and external > 0
 
     def _check_local_hit(self, st: _Req, ids: list[int]) -> None:
         """The blocks vLLM's own prefix cache gave the request: any of an unreported load makes it
@@ -206,7 +273,7 @@ class SchedulerSide:
         req = st.request
         if st.tainted_from is None:
             return
-        ids = list(ids) if ids is not None else self._block_ids(req.request_id)
+        ids = list(ids) if ids is not None else list(self._block_ids(req.request_id)[0])
         keys = block_keys(req, self.space.hash_stride, len(ids), start=st.tainted_from)
         for block, key in zip(ids[st.tainted_from:], keys, strict=False):
             # A block of the failed load itself keeps its loader's mark: the loader computes it
@@ -220,33 +287,51 @@ class SchedulerSide:
         if st is None:
             return
         st.answer = None  # admitted: a later lookup (after a preemption, say) asks again
+        all_ids = blocks.get_block_ids()
         if self._loading_blocks or self._bad_blocks:
             local = st.local // self.block_size
             if local:
-                self._check_local_hit(st, list(blocks.get_block_ids()[0])[:local])
+                self._check_local_hit(st, list(all_ids[0])[:local])
         if num_external_tokens <= 0:
-            self._set_lease(st, "")  # nothing to load: the pin is not needed
+            self._set_leases(st, ())  # nothing to load: the pin is not needed
             return
+        rid = request.request_id
         first = st.local // self.block_size
         n = -(-num_external_tokens // self.block_size)
-        ids = list(blocks.get_block_ids()[0])[first:first + n]
         keys = block_keys(request, self.space.hash_stride, first + n, start=first)
-        # A shorter key list (cannot happen with vLLM's own numbers) loads fewer blocks, and the
-        # worker reports the rest as failed: vLLM recomputes them, never reads them unloaded.
-        self._loads.append(LoadJob(request.request_id, b"".join(keys[:len(ids)]), ids, st.lease,
-                                   key_bytes=len(keys[0]) if keys else 32))
-        st.lease = ""  # the Get ends it
+        key_bytes = len(keys[0]) if keys else 32
+        for g in self.groups:
+            lease = st.leases[g.index] if st.leases else ""
+            ids = list(all_ids[g.index])[first:first + n]
+            # A shorter key list (cannot happen with vLLM's own numbers) loads fewer blocks, and the
+            # worker reports the rest as failed: vLLM recomputes them, never reads them unloaded.
+            pairs = list(zip(ids, keys, strict=False))
+            if g.window_blocks is not None:  # below the window vLLM holds null blocks: not loaded
+                pairs = [(b, k) for b, k in pairs if b != NULL_BLOCK]
+                ids = [b for b, _ in pairs]
+            if not ids:
+                if lease:
+                    self._release(lease, g.index)
+                continue
+            self._loads.append(LoadJob(rid, b"".join(k for _, k in pairs), ids, lease, key_bytes=key_bytes,
+                                       group=g.index, asynchronous=self.async_loads))
+        self._loading_reqs += 1
+        st.leases = ()  # the Gets end them
         st.loading_from = first
-        st.load_end, st.load_failed = first + len(ids), False
-        self._unreported[request.request_id] = list(zip(ids, keys[:len(ids)], strict=False))
+        st.load_end, st.load_failed = first + n, False
+        if self.async_loads:
+            return  # vLLM caches the blocks once they landed: no other request reads them before
+        ids = list(all_ids[0])[first:first + n]
+        self._unreported[rid] = list(zip(ids, keys, strict=False))
         for block in ids:
-            self._loading_blocks[block] = request.request_id
+            self._loading_blocks[block] = rid
 
     # ---- per step --------------------------------------------------------------------------
 
-    def _save_job(self, st: _Req, computed_tokens: int, block_ids: list[int] | None = None) -> SaveJob | None:
+    def _save_jobs(self, st: _Req, computed_tokens: int,
+                   block_ids: tuple[list[int], ...] | None = None) -> list[SaveJob]:
         if st.loading_from is not None or st.depends:
-            return None  # blocks computed on an unconfirmed load wait for the workers' report
+            return []  # blocks computed on an unconfirmed load wait for the workers' report
         req = st.request
         full = min(hashed_blocks(req, self.space.hash_stride), computed_tokens // self.block_size)
         if st.tainted_from is not None:
@@ -257,19 +342,45 @@ class SchedulerSide:
                 del self._bad_blocks[block]
             st.load_failed = False
         if full <= st.saved:
-            return None  # the common decode step: nothing new, nothing read
-        ids = block_ids if block_ids is not None else self._block_ids(req.request_id)
-        if len(ids) < full:
-            return None
+            return []  # the common decode step: nothing new, nothing read
+        all_ids = block_ids if block_ids is not None else self._block_ids(req.request_id)
+        if any(len(all_ids[g.index]) < full for g in self.groups):
+            return []
         keys = block_keys(req, self.space.hash_stride, full, start=st.saved)
-        job = SaveJob(req.request_id, b"".join(keys), list(ids[st.saved:full]), key_bytes=len(keys[0]))
-        st.saved, st.saving = full, True
-        return job
+        jobs = []
+        for g in self.groups:
+            pairs = list(zip(all_ids[g.index][st.saved:full], keys, strict=False))
+            if g.window_blocks is not None:  # blocks vLLM freed below the window are not stored
+                pairs = [(b, k) for b, k in pairs if b != NULL_BLOCK]
+            if pairs:
+                jobs.append(SaveJob(req.request_id, b"".join(k for _, k in pairs), [b for b, _ in pairs],
+                                    key_bytes=len(keys[0]), group=g.index))
+        st.saved = full
+        st.saving = st.saving or bool(jobs)
+        return jobs
+
+    def _reused(self, scheduler_output, loads: list[LoadJob]) -> set[int]:
+        """Hybrid models: the blocks this step gives out or loads into. vLLM frees a sliding
+        window's blocks while their request runs, so one of them may still be read by a Put queued
+        in an earlier step: the workers finish such Puts before the forward (handle_preemptions)."""
+        out: set[int] = set()
+        for r in scheduler_output.scheduled_new_reqs:
+            for ids in r.block_ids:
+                out.update(ids)
+        for new in scheduler_output.scheduled_cached_reqs.new_block_ids:
+            for ids in new or ():
+                out.update(ids)
+        for job in loads:
+            out.update(job.block_ids)
+        out.discard(NULL_BLOCK)
+        return out
 
     def build_connector_meta(self, scheduler_output) -> KVServerConnectorMetadata:
         meta = KVServerConnectorMetadata(loads=self._loads, saves=self._finish_saves,
                                          preempted=set(scheduler_output.preempted_req_ids or ()))
-        self._loads, self._finish_saves = [], []
+        self._loads, self._finish_saves, self._loading_reqs = [], [], 0
+        if self.hybrid and self.enabled:
+            meta.reused = self._reused(scheduler_output, meta.loads)
         if not self.enabled or not self.saves:
             return meta
         for rid, n in scheduler_output.num_scheduled_tokens.items():
@@ -277,9 +388,7 @@ class SchedulerSide:
             if st is None:
                 continue
             # The blocks this step's forward fills; stored after it (wait_for_save).
-            job = self._save_job(st, st.request.num_computed_tokens + n)
-            if job is not None:
-                meta.saves.append(job)
+            meta.saves.extend(self._save_jobs(st, st.request.num_computed_tokens + n))
         return meta
 
     def update_connector_output(self, connector_output) -> None:
@@ -314,28 +423,27 @@ class SchedulerSide:
             if first is not None and not ok:
                 self._taint(dep, first)
 
-    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        """``block_ids``: the request's blocks, one list per KV cache group."""
         st = self._reqs.pop(request.request_id, None)
         if st is None:
             return False, None
         self._forget_loads(st, request, block_ids)
         if st.lookup is not None:  # a lookup still running: its pin is released when it answers
             st.lookup.add_done_callback(self._release_answer)
-        self._set_lease(st, "")
+        self._set_leases(st, ())
         if self.enabled and self.saves:
             # Blocks whose KV is written but whose hash came after their step was scheduled
             # (decode tokens under async scheduling): stored by the next step's workers.
             computed = request.num_computed_tokens - int(getattr(request, "num_in_flight_tokens", 0) or 0)
-            job = self._save_job(st, max(0, computed), block_ids)
-            if job is not None:
-                self._finish_saves.append(job)
+            self._finish_saves.extend(self._save_jobs(st, max(0, computed), block_ids))
         return st.saving, None
 
-    def _forget_loads(self, st: _Req, request, block_ids: list[int]) -> None:
+    def _forget_loads(self, st: _Req, request, block_ids: tuple[list[int], ...]) -> None:
         """A request ends. Its load's report, if still to come, resolves its blocks then; what it
         computed on a failed load stays marked (its last blocks too); it waits on no load more."""
         rid = request.request_id
-        self._mark_bad(st, block_ids)
+        self._mark_bad(st, block_ids[0])
         for owner in st.depends:
             deps = self._dependents.get(owner)
             if deps is not None:
@@ -345,9 +453,9 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         for st in self._reqs.values():
-            if st.lease:
-                self._release(st.lease)
+            self._release_all(st.leases)
         self._reqs.clear()
         self.away.close()
         self._pool.shutdown(wait=True, cancel_futures=False)
-        self.view.close()
+        for view in self.views:
+            view.close()

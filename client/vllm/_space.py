@@ -1,6 +1,11 @@
-"""The KV space a vLLM engine uses, read from its configs the same way in the scheduler process
+"""The KV spaces a vLLM engine uses, read from its configs the same way in the scheduler process
 and in every worker: model name, per-token layout, dtype, page (= vLLM block) size, layer count,
 TP and PP sizes. Keys are vLLM's own block hashes, where they are the same in every process.
+
+A model with one KV cache group is one space. A hybrid model under vLLM's hybrid KV cache manager
+(full-attention and sliding-window layers, as Gemma 2/3, gpt-oss or Mistral's sliding window)
+has one group per kind of layer, each with its own block table: each group is a space of its own
+(the model's name tagged with the group), whose layers are numbered 0.. in model order.
 
 Importing this module does not import vLLM (it reads vLLM's objects by attribute).
 """
@@ -18,9 +23,14 @@ from kvserver.protocol.layout import KVLayout
 logger = logging.getLogger("kvclient.vllm")
 
 # The per-layer specs whose pages kvserver stores whole: dense K/V (K and V side by side in one
-# row, [B, H, N, 2 * head_size]) or the MLA latent ([B, 1, N, latent]). Matched by class name:
-# subclasses (sink, RSWA, sparse or hidden-state caches) hold more than that and are refused.
-STORABLE_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+# row, [B, H, N, 2 * head_size]) or the MLA latent ([B, 1, N, latent]), for every token
+# (full attention) or for the tokens of a sliding window. Matched by class name: subclasses
+# (sink, RSWA, sparse or hidden-state caches) hold more than that and are refused.
+STORABLE_SPECS = ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec")
+WINDOW_SPEC = "SlidingWindowSpec"
+# Not per-token KV: a request's state is one running value per block, which a prefix of pages
+# cannot describe.
+STATE_SPECS = ("MambaSpec",)  # vLLM 0.33's spec for Mamba, linear attention, GDN and short conv
 # vLLM's hash algorithms whose block hashes are the same in every process without PYTHONHASHSEED.
 STABLE_HASHES = ("sha256", "sha256_cbor")
 FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -38,32 +48,62 @@ class Space:
     hash_stride: int  # vLLM block hashes per block (block_size // hash_block_size)
 
 
+@dataclass(frozen=True)
+class Group:
+    """One of vLLM's KV cache groups as kvserver stores it: its own KV space and block table."""
+
+    index: int  # vLLM's group index: block_ids[index] is its block table
+    space: Space
+    layer_names: tuple[str, ...]  # in model order
+    # Sliding window: the trailing blocks a hit of h blocks needs (those vLLM keeps below h);
+    # None: full attention, every leading block.
+    window_blocks: int | None = None
+    # The group's layers are numbered 0.. in model order in its space (several groups); else
+    # they keep the model's layer ids.
+    local_ids: bool = False
+
+
+def layer_index(name: str) -> int:
+    """The model's layer index in a vLLM layer name ("model.layers.3.self_attn.attn" -> 3)."""
+    for part in reversed(name.split(".")):
+        if part.isdigit():
+            return int(part)
+    raise ValueError(f"no layer index in the layer name {name!r}")
+
+
 def extra_config(vllm_config) -> dict:
     ktc = vllm_config.kv_transfer_config
     return dict(getattr(ktc, "kv_connector_extra_config", None) or {})
 
 
-def _spec(kv_cache_config):
-    groups = list(kv_cache_config.kv_cache_groups)
-    if len(groups) != 1:
-        raise ValueError(f"KVServerConnector stores models with one KV cache group; this one has "
-                         f"{len(groups)} (hybrid attention: sliding window, Mamba or several specs)")
-    spec = groups[0].kv_cache_spec
+def _check_spec(spec) -> None:
     name = type(spec).__name__
+    if name in STATE_SPECS:
+        raise ValueError(f"KVServerConnector does not store {name} layers: Mamba / linear-attention state "
+                         "is one running value per request, not per-token KV a prefix of pages describes")
     if name not in STORABLE_SPECS:
-        raise ValueError(f"KVServerConnector stores full-attention or MLA KV ({', '.join(STORABLE_SPECS)}); "
-                         f"not {name}")
+        raise ValueError(f"KVServerConnector stores full-attention, sliding-window or MLA KV "
+                         f"({', '.join(STORABLE_SPECS)}); not {name}")
     quant = getattr(spec, "kv_quant_mode", None)
     if quant is not None and getattr(quant, "name", str(quant)) != "NONE":
         raise ValueError(f"KVServerConnector does not store quantised KV with scales ({quant})")
-    for attr in ("num_head_slots", "state_content_bytes", "sliding_window", "attention_chunk_size",
-                 "model_version"):
+    # A FullAttentionSpec with a sliding_window or attention_chunk_size (hybrid models with vLLM's
+    # hybrid manager off) keeps every block: stored as full attention.
+    for attr in ("num_head_slots", "state_content_bytes", "model_version"):
         if getattr(spec, attr, None) is not None:
             raise ValueError(f"KVServerConnector does not store this KV cache ({name}.{attr} = "
                              f"{getattr(spec, attr)!r}): its pages hold more than dense K/V or the latent")
     if getattr(spec, "tokens_per_state", 1) != 1:
         raise ValueError("KVServerConnector stores one KV state per token")
-    return groups[0], spec
+
+
+def _groups(kv_cache_config) -> list:
+    groups = list(kv_cache_config.kv_cache_groups)
+    if not groups:
+        raise ValueError("KVServerConnector needs at least one KV cache group")
+    for g in groups:
+        _check_spec(g.kv_cache_spec)
+    return groups
 
 
 def wire_dtype(spec, vllm_config) -> torch.dtype:
@@ -76,37 +116,69 @@ def wire_dtype(spec, vllm_config) -> torch.dtype:
     return dtype
 
 
-def read_space(vllm_config, kv_cache_config) -> Space:
-    """The space of this engine; raises ValueError for what the connector does not store."""
+def _layout(spec, model_config) -> KVLayout:
+    if type(spec).__name__ == "MLAAttentionSpec":
+        text = model_config.hf_text_config
+        lora, rope = int(text.kv_lora_rank), int(text.qk_rope_head_dim)
+        if lora + rope != spec.head_size:
+            raise ValueError(f"MLA latent {spec.head_size} != kv_lora_rank {lora} + qk_rope_head_dim {rope}")
+        return KVLayout.mla(lora, rope)
+    if spec.head_size_v != spec.head_size:
+        raise ValueError(f"K and V head sizes differ ({spec.head_size}, {spec.head_size_v})")
+    return KVLayout.mha(int(spec.num_kv_heads), int(spec.head_size))
+
+
+def read_groups(vllm_config, kv_cache_config) -> tuple[Group, ...]:
+    """The spaces of this engine, one per KV cache group; raises ValueError for what the
+    connector does not store."""
     cfg = extra_config(vllm_config)
-    _, spec = _spec(kv_cache_config)
+    groups = _groups(kv_cache_config)
     par = vllm_config.parallel_config
     for attr in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if int(getattr(par, attr, 1) or 1) > 1:
             raise ValueError(f"KVServerConnector does not store context-parallel KV ({attr} > 1): the ranks "
                              "hold different tokens of one block")
     model_config = vllm_config.model_config
-    if type(spec).__name__ == "MLAAttentionSpec":
-        text = model_config.hf_text_config
-        lora, rope = int(text.kv_lora_rank), int(text.qk_rope_head_dim)
-        if lora + rope != spec.head_size:
-            raise ValueError(f"MLA latent {spec.head_size} != kv_lora_rank {lora} + qk_rope_head_dim {rope}")
-        layout = KVLayout.mla(lora, rope)
-    else:
-        if spec.head_size_v != spec.head_size:
-            raise ValueError(f"K and V head sizes differ ({spec.head_size}, {spec.head_size_v})")
-        layout = KVLayout.mha(int(spec.num_kv_heads), int(spec.head_size))
-    block_size = int(spec.block_size)
-    hash_block = int(getattr(kv_cache_config, "hash_block_size", None) or block_size)
-    if block_size % hash_block:
-        raise ValueError(f"block size {block_size} is not a multiple of the hash block size {hash_block}")
     model = cfg.get("model") or (getattr(model_config, "served_model_name", None) or model_config.model)
     if isinstance(model, (list, tuple)):
         model = model[0]
-    return Space(model=str(model), layout=layout, dtype=wire_dtype(spec, vllm_config), page_size=block_size,
-                 num_layers=int(cfg.get("num_layers") or model_config.get_total_num_hidden_layers()),
-                 tp_size=int(par.tensor_parallel_size), pp_size=int(par.pipeline_parallel_size),
-                 hash_stride=block_size // hash_block)
+    block_sizes = {int(g.kv_cache_spec.block_size) for g in groups}
+    if len(block_sizes) != 1:
+        raise ValueError(f"KVServerConnector stores hybrid models whose KV cache groups share one block "
+                         f"size; these have {sorted(block_sizes)}")
+    block_size = block_sizes.pop()
+    hash_block = int(getattr(kv_cache_config, "hash_block_size", None) or block_size)
+    if block_size % hash_block:
+        raise ValueError(f"block size {block_size} is not a multiple of the hash block size {hash_block}")
+    several = len(groups) > 1
+    if several and int(par.pipeline_parallel_size) > 1:
+        raise ValueError("KVServerConnector stores hybrid models (several KV cache groups) without pipeline "
+                         "parallelism: a stage knows only its own layers of each group")
+    out = []
+    for i, g in enumerate(groups):
+        spec = g.kv_cache_spec
+        windowed = type(spec).__name__ == WINDOW_SPEC
+        names = tuple(sorted(g.layer_names, key=layer_index))
+        if several:
+            kind = f"swa{int(spec.sliding_window)}" if windowed else "full"
+            name, num_layers = f"{model}#kv{i}-{kind}", len(names)
+        else:
+            name = str(model)
+            num_layers = int(cfg.get("num_layers") or model_config.get_total_num_hidden_layers())
+        space = Space(model=name, layout=_layout(spec, model_config), dtype=wire_dtype(spec, vllm_config),
+                      page_size=block_size, num_layers=num_layers, tp_size=int(par.tensor_parallel_size),
+                      pp_size=int(par.pipeline_parallel_size), hash_stride=block_size // hash_block)
+        window = None
+        if windowed:
+            retained = int(getattr(spec, "num_retained_tokens", int(spec.sliding_window) - 1))
+            window = max(1, -(-retained // block_size))
+        out.append(Group(index=i, space=space, layer_names=names, window_blocks=window, local_ids=several))
+    return tuple(out)
+
+
+def read_space(vllm_config, kv_cache_config) -> Space:
+    """The space of a one-group engine (the first group's otherwise)."""
+    return read_groups(vllm_config, kv_cache_config)[0].space
 
 
 def keys_shareable(vllm_config) -> bool:

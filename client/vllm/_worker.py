@@ -7,6 +7,11 @@ event on CUDA), and reports failed loads so that vLLM recomputes those blocks.
 On CUDA a layer's wait is on the GPU (the compute stream waits for the daemon's per-layer
 interprocess event); the CPU does not block per layer. On CPU pools (shared memory) the worker
 blocks until the daemon reports the layer copied.
+
+Asynchronous loads (hybrid models, or ``load`` "async") are started the same way but not waited
+for: ``get_finished`` reports each request once all its Gets ended (``failed_recving`` if any did
+not land), and vLLM schedules it then. Each KV cache group is registered as its own pool (its own
+space and client); a hybrid model's Put or Get is one call per group.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from kvclient.away import AwayGate
 from kvclient.registrar import Registrar
 from kvclient.sync_client import KVClient
 from kvclient.vllm._meta import KVServerConnectorMetadata, KVServerWorkerMeta, LoadJob, SaveJob
-from kvclient.vllm._space import Space
+from kvclient.vllm._space import Group, Space, layer_index
 
 logger = logging.getLogger("kvclient.vllm")
 
@@ -53,24 +58,43 @@ def _ranks(space: Space, cfg: dict) -> tuple[int, int]:
 
 
 @dataclass
+class _Link:
+    """One KV cache group's registration with the daemon."""
+
+    group: Group
+    client: KVClient
+    registrar: Registrar | None = None
+    pool: object | None = None
+    layer_ids: tuple[int, ...] = ()
+
+
+@dataclass
 class _Load:
     job: LoadJob
     handle: object | None
     asked: int  # blocks the Get was asked for (keys sent)
     failed: bool = False
+    deadline: float = 0.0  # asynchronous: reported failed past it
+    slot: int | None = None  # asynchronous on CUDA: the event slot it holds
+    landed: bool | None = None  # asynchronous: known once it ended
+    ready: object = None  # asynchronous on CUDA: the event its Get waits on, kept alive with it
 
 
 class WorkerSide:
-    def __init__(self, space: Space, cfg: dict, enabled: bool) -> None:
-        self.space = space
+    def __init__(self, groups: Space | tuple[Group, ...], cfg: dict, enabled: bool) -> None:
+        if isinstance(groups, Space):  # one group holding every layer the worker registers
+            groups = (Group(index=0, space=groups, layer_names=()),)
+        self.groups = groups
+        self.space = groups[0].space
         self.cfg = cfg
         self.enabled = enabled
         # Default off: layer-by-layer waits cost every decode step vLLM's full CUDA graphs.
         self.layerwise = bool(cfg.get("layerwise", False))
         self.load_timeout = float(cfg.get("load_timeout_s", 30.0))
         self.timeout = float(cfg.get("timeout_s", 5.0))
-        self.client = KVClient(cfg.get("address"), timeout=self.timeout,
-                               token=cfg.get("token"), tenant_token=cfg.get("tenant_token"))
+        self.links = [_Link(g, KVClient(cfg.get("address"), timeout=self.timeout, token=cfg.get("token"),
+                                        tenant_token=cfg.get("tenant_token"))) for g in groups]
+        self.client = self.links[0].client
         # Puts wait in one queue, at most this many, each at most put_queue_s before it starts:
         # past either it is dropped (not stored) and its blocks go back to vLLM at once.
         self.max_queued_puts = int(cfg.get("max_queued_puts", 64))
@@ -80,13 +104,14 @@ class WorkerSide:
         # After a call that failed (the daemon away or stuck), loads and Puts miss at once, and
         # Register is tried again, from a probe thread, never from the forward's thread.
         self.away = AwayGate(self._probe, name="kvserver-vllm-probe")
-        self.registrar: Registrar | None = None
-        self.pool = None  # a KVViewsPool once registered
-        self.layer_of: dict[str, int] = {}
-        self.layer_ids: tuple[int, ...] = ()
+        self.layer_of: dict[str, tuple[int, int]] = {}  # layer name -> (group, layer id in its space)
         self.cuda = False
         self.event_slots = 0
         self._loads: list[_Load] = []
+        self._async: dict[str, list[_Load]] = {}  # asynchronous loads in flight, by request
+        self._slots: list[set[int]] = []  # CUDA: each group's event slots free for them
+        self._inflight: dict[int, SaveJob] = {}  # Puts queued or running, by sequence number
+        self._seq = 0
         self._deadline = 0.0
         self._ready = None  # CUDA: the step's slots-ready event, alive until its Gets end
         self._failed: set[int] = set()
@@ -103,43 +128,77 @@ class WorkerSide:
 
     # ---- registration ----------------------------------------------------------------------
 
+    @property
+    def registrar(self) -> Registrar | None:
+        return self.links[0].registrar
+
+    @property
+    def pool(self):
+        return self.links[0].pool
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return self.links[0].layer_ids
+
+    def _group_layers(self, kv_caches: dict[str, torch.Tensor]) -> list[list[tuple[int, str]]]:
+        """Per group: (layer id in its space, layer name), in model order."""
+        if len(self.links) == 1:
+            by_layer = sorted((_layer_index(name), name) for name in kv_caches)
+            ids = tuple(i for i, _ in by_layer)
+            if len(set(ids)) != len(ids) or ids != tuple(range(ids[0], ids[0] + len(ids))):
+                raise ValueError(f"KVServerConnector needs one KV cache per layer of one contiguous range; "
+                                 f"got {ids}")
+            return [by_layer]
+        out = []
+        grouped = set()
+        for link in self.links:
+            names = link.group.layer_names
+            missing = [n for n in names if n not in kv_caches]
+            if missing:
+                raise ValueError(f"KV cache group {link.group.index} names layers this worker has no KV "
+                                 f"cache for: {missing[:4]}")
+            out.append(list(enumerate(names)))
+            grouped.update(names)
+        stray = sorted(set(kv_caches) - grouped, key=layer_index)
+        if stray:
+            raise ValueError(f"KV caches of no KV cache group (shared KV layers are not stored): {stray[:4]}")
+        return out
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from kvclient.views_pool import KVViewsPool
 
-        space = self.space
-        by_layer = sorted(((_layer_index(name), name, t) for name, t in kv_caches.items()),
-                          key=lambda e: e[0])
-        ids = tuple(i for i, _, _ in by_layer)
-        if len(set(ids)) != len(ids) or ids != tuple(range(ids[0], ids[0] + len(ids))):
-            raise ValueError(f"KVServerConnector needs one KV cache per layer of one contiguous range; "
-                             f"got {ids}")
-        self.layer_ids = ids
-        self.layer_of = {name: i for i, name, _ in by_layer}
-        hs = space.layout.head_dim
-        buffers = []
-        for _, name, t in by_layer:
-            if t.dim() != 4:
-                raise ValueError(f"{name}: a {t.dim()}D KV cache; vLLM 0.33 gives "
-                                 "[blocks, heads, block, content]")
-            view = t.view(space.dtype) if t.dtype != space.dtype else t
-            buffers.append([view] if space.layout.is_mla else [view[..., :hs], view[..., hs:]])
-        self.pool = KVViewsPool(space.layout, space.dtype, buffers)
-        self.cuda = buffers[0][0].device.type == "cuda"
-        self.event_slots = int(self.cfg.get("event_slots", 16)) if self.cuda else 0
-        tp_rank, pp_rank = _ranks(space, self.cfg)
-        kwargs = dict(model=space.model, pool=self.pool, start_layer=ids[0], end_layer=ids[-1] + 1,
-                      num_layers=space.num_layers, host_tokens=0, page_size=space.page_size,
-                      tp_rank=tp_rank, tp_size=space.tp_size, pp_rank=pp_rank, pp_size=space.pp_size,
-                      event_slots=self.event_slots)
-        self.registrar = Registrar(self.client, float(self.cfg.get("retry_register_s", 5.0)), kwargs)
-        if self.enabled and not self.registrar.ensure(strict=True):
+        tp_rank, pp_rank = _ranks(self.space, self.cfg)
+        for gi, (link, layers) in enumerate(zip(self.links, self._group_layers(kv_caches), strict=True)):
+            space = link.group.space
+            hs = space.layout.head_dim
+            buffers = []
+            for layer_id, name in layers:
+                t = kv_caches[name]
+                if t.dim() != 4:
+                    raise ValueError(f"{name}: a {t.dim()}D KV cache; vLLM 0.33 gives "
+                                     "[blocks, heads, block, content]")
+                view = t.view(space.dtype) if t.dtype != space.dtype else t
+                buffers.append([view] if space.layout.is_mla else [view[..., :hs], view[..., hs:]])
+                self.layer_of[name] = (gi, layer_id)
+            ids = tuple(i for i, _ in layers)
+            link.layer_ids = ids
+            link.pool = KVViewsPool(space.layout, space.dtype, buffers)
+            self.cuda = buffers[0][0].device.type == "cuda"
+            self.event_slots = int(self.cfg.get("event_slots", 16)) if self.cuda else 0
+            kwargs = dict(model=space.model, pool=link.pool, start_layer=ids[0], end_layer=ids[-1] + 1,
+                          num_layers=space.num_layers, host_tokens=0, page_size=space.page_size,
+                          tp_rank=tp_rank, tp_size=space.tp_size, pp_rank=pp_rank, pp_size=space.pp_size,
+                          event_slots=self.event_slots)
+            link.registrar = Registrar(link.client, float(self.cfg.get("retry_register_s", 5.0)), kwargs)
+        self._slots = [set(range(self.event_slots)) for _ in self.links]
+        if self.enabled and not all(link.registrar.ensure(strict=True) for link in self.links):
             self.away.failed()  # the daemon is away at startup: the probe thread registers
 
     def _registered(self) -> bool:
         """Registered and answering, known without a call on this thread."""
         if not self.enabled or self.registrar is None or not self.away.open:
             return False
-        if not self.registrar.registered:
+        if not all(link.registrar.registered for link in self.links):
             self.away.failed()  # registered again by the probe thread
             return False
         return True
@@ -147,8 +206,10 @@ class WorkerSide:
     def _probe(self) -> bool:
         if self.registrar is None:
             return True
-        if not self.registrar.registered:
-            return self.registrar.ensure()  # at most every retry_register_s
+        for link in self.links:
+            # ensure: at most every retry_register_s
+            if not link.registrar.registered and not link.registrar.ensure():
+                return False
         return self.client.ping()
 
     # ---- loads -----------------------------------------------------------------------------
@@ -168,40 +229,62 @@ class WorkerSide:
             return
         usable = self._registered()
         ready = self._ready_event() if usable else None
-        self._ready = ready  # kept until the step's Gets end: the daemon waits on it
-        self._deadline = time.monotonic() + self.load_timeout
-        for i, job in enumerate(meta.loads):
+        now = time.monotonic()
+        self._deadline = now + self.load_timeout
+        sync = 0
+        for job in meta.loads:
+            link = self.links[job.group]
             asked = len(job.keys) // job.key_bytes
-            handle = None
-            if not usable:
-                pass
-            elif self.cuda and i >= self.event_slots:
-                logger.warning("kvserver: %d loads in one step, more than event_slots %d: %s is recomputed",
-                               len(meta.loads), self.event_slots, job.req_id)
+            handle, slot = None, None
+            if job.asynchronous and self.cuda and usable:
+                slot = min(self._slots[job.group], default=None)
+                if slot is None:
+                    logger.warning("kvserver: more loads in flight than event_slots %d: %s is recomputed",
+                                   self.event_slots, job.req_id)
+                else:
+                    self._slots[job.group].discard(slot)
+            elif not job.asynchronous:
+                slot = sync if self.cuda else 0
+                sync += 1
+            if not usable or (self.cuda and (slot is None or slot >= self.event_slots)):
+                if usable and not job.asynchronous:
+                    logger.warning("kvserver: more loads in one step than event_slots %d: %s is recomputed",
+                                   self.event_slots, job.req_id)
             elif asked:
                 try:
-                    handle = self.client.get(job.keys, job.block_ids[:asked], layers=self.layer_ids,
-                                             event_slot=i if self.cuda else 0, ready_event=ready,
+                    handle = link.client.get(job.keys, job.block_ids[:asked], layers=link.layer_ids,
+                                             event_slot=slot or 0, ready_event=ready,
                                              lease_id=job.lease, key_bytes=job.key_bytes)
                 except Exception as exc:
                     logger.warning("kvserver: get for %s failed (%s): its blocks are recomputed",
                                    job.req_id, exc)
             if handle is None and job.lease and usable:
-                self._release(job.lease)  # no Get to end it
-            self._loads.append(_Load(job, handle, asked, failed=handle is None))
-        if not self.layerwise:  # the forward starts once every layer is in (on the GPU for CUDA)
-            for layer in self.layer_ids:
-                self._wait_layer(layer)
+                self._release(job.lease, link)  # no Get to end it
+            if handle is None and job.asynchronous and slot is not None and self.cuda:
+                self._slots[job.group].add(slot)
+                slot = None
+            load = _Load(job, handle, asked, failed=handle is None, deadline=self._deadline,
+                         slot=slot if job.asynchronous else None, ready=ready if job.asynchronous else None)
+            if job.asynchronous:
+                self._async.setdefault(job.req_id, []).append(load)
+            else:
+                self._loads.append(load)
+        if self._loads:
+            self._ready = ready  # kept until the step's Gets end: the daemon waits on it
+        if self._loads and not self.layerwise:  # the forward starts once every layer is in (CUDA: on the GPU)
+            for gi, link in enumerate(self.links):
+                for layer in link.layer_ids:
+                    self._wait_layer(gi, layer)
 
-    def _release(self, lease: str) -> None:
+    def _release(self, lease: str, link: _Link | None = None) -> None:
         try:
-            self.client.release(lease)
+            (link or self.links[0]).client.release(lease)
         except Exception:
             pass  # it ends by itself at its pin's end
 
-    def _wait_layer(self, layer: int) -> None:
+    def _wait_layer(self, group: int, layer: int) -> None:
         for load in self._loads:
-            if load.failed:
+            if load.failed or load.job.group != group:
                 continue
             try:
                 if self.cuda:
@@ -217,9 +300,68 @@ class WorkerSide:
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self.layerwise or not self._loads:
             return
-        layer = self.layer_of.get(layer_name)
-        if layer is not None:
-            self._wait_layer(layer)
+        where = self.layer_of.get(layer_name)
+        if where is not None:
+            self._wait_layer(*where)
+
+    # ---- asynchronous loads ----------------------------------------------------------------
+
+    def _ended(self, load: _Load, now: float) -> bool | None:
+        """An asynchronous load: True once it landed, False once it failed, None while running."""
+        if load.landed is not None:
+            return load.landed
+        landed = False
+        if load.handle is not None:
+            try:
+                if not load.handle.ended():
+                    raise TimeoutError
+                load.handle.wait(timeout=0)
+                got = 0 if load.handle.missed else load.handle.pages(timeout=0)
+                landed = min(got, load.asked) >= len(load.job.block_ids)
+                if load.handle.missed:
+                    self.away.failed()
+            except TimeoutError:
+                if now < load.deadline:
+                    return None
+                logger.error("kvserver: the load of %s did not end within load_timeout_s %.0f s: reported "
+                             "failed (recomputed); its blocks may still be written for a while",
+                             load.job.req_id, self.load_timeout)
+                self.away.failed()
+            except Exception as exc:
+                logger.warning("kvserver: load of %s failed (%s): its blocks are recomputed",
+                               load.job.req_id, exc)
+            if not load.handle.confirmed:
+                logger.error("kvserver: the daemon could not confirm that the load of %s stopped; its "
+                             "blocks may still be written for a while", load.job.req_id)
+            if landed and self.cuda:  # the request's next forward, on this stream, reads them after
+                link = self.links[load.job.group]
+                for layer in link.layer_ids:
+                    landed = landed and load.handle.stream_wait_layer(layer)
+        if load.slot is not None:
+            self._slots[load.job.group].add(load.slot)
+            load.slot = None
+        load.landed, load.ready = landed, None
+        return landed
+
+    def finished_loads(self) -> tuple[set[str], set[str]]:
+        """Requests whose asynchronous loads all ended since the last call, and those of them
+        whose blocks did not all land (vLLM recomputes them). Each is reported once."""
+        done: set[str] = set()
+        failed: set[str] = set()
+        now = time.monotonic()
+        for rid, loads in list(self._async.items()):
+            states = [self._ended(load, now) for load in loads]
+            if any(state is None for state in states):
+                continue
+            del self._async[rid]
+            ok = all(states)
+            self._report[rid] = self._report.get(rid, True) and ok
+            done.add(rid)
+            if not ok:
+                failed.add(rid)
+        if failed:
+            logger.info("kvserver: the loads of %d requests did not land; vLLM recomputes them", len(failed))
+        return done, failed
 
     def load_errors(self) -> set[int]:
         """Blocks of this step's loads that did not land (all of a failed Get's, or those past the
@@ -296,9 +438,12 @@ class WorkerSide:
             elif self._puts.qsize() >= self.max_queued_puts:
                 self._drop_put(job, f"{self.max_queued_puts} Puts already queued")
             else:
-                self._puts.put((job, ready, now))
+                with self._lock:
+                    self._seq += 1
+                    self._inflight[self._seq] = job
+                self._puts.put((self._seq, job, ready, now))
 
-    def _drop_put(self, job: SaveJob, why: str) -> None:
+    def _drop_put(self, job: SaveJob, why: str, seq: int = 0) -> None:
         """The Put is not stored: its blocks are vLLM's again at once."""
         self.dropped_puts += 1
         if self.dropped_puts == 1 or self.dropped_puts % 100 == 0:
@@ -306,6 +451,7 @@ class WorkerSide:
                            self.dropped_puts)
         with self._lock:
             self._pending[job.req_id] -= 1
+            self._inflight.pop(seq, None)
             self._lock.notify_all()
 
     def _put_loop(self) -> None:
@@ -313,37 +459,45 @@ class WorkerSide:
             task = self._puts.get()
             if task is None:
                 return
-            job, ready, queued_at = task
+            seq, job, ready, queued_at = task
             with self._lock:
                 cancelled = job.req_id in self._cancelled  # preempted: its blocks are reused
             waited = time.monotonic() - queued_at
             if not cancelled and not self.away.open:
-                self._drop_put(job, "the daemon did not answer the Put before it")
+                self._drop_put(job, "the daemon did not answer the Put before it", seq)
                 continue
             if not cancelled and waited > self.put_queue_s:
-                self._drop_put(job, f"it waited {waited:.1f} s for the Puts before it")
+                self._drop_put(job, f"it waited {waited:.1f} s for the Puts before it", seq)
                 continue
             if not cancelled:
                 self._put(job, ready)
             with self._lock:
                 self._pending[job.req_id] -= 1
+                self._inflight.pop(seq, None)
                 self._lock.notify_all()
 
     def _put(self, job: SaveJob, ready) -> None:
-        misses = self.client.misses
+        client = self.links[job.group].client
+        misses = client.misses
         try:
-            result = self.client.put(job.keys, job.block_ids, ready_event=ready, key_bytes=job.key_bytes)
+            result = client.put(job.keys, job.block_ids, ready_event=ready, key_bytes=job.key_bytes)
             if result.dropped:
                 logger.info("kvserver: %d blocks of %s not stored (cache full)", result.dropped, job.req_id)
         except Exception as exc:
             logger.warning("kvserver: put for %s failed (%s)", job.req_id, exc)
-        if self.client.misses > misses:  # away or stuck: the Puts queued behind it miss at once
+        if client.misses > misses:  # away or stuck: the Puts queued behind it miss at once
             self.away.failed()
 
     def handle_preemptions(self, meta: KVServerConnectorMetadata | None) -> None:
         """A preempted request's blocks are freed and may be reused by this very step: its Puts
-        must have read them first. Puts still queued past the bound are dropped."""
-        if meta is None or not meta.preempted:
+        must have read them first. Likewise (hybrid models) the Puts that read a block this step
+        gives out again: a sliding window's blocks are freed while their request runs. Puts still
+        queued past the bound are dropped."""
+        if meta is None:
+            return
+        if meta.reused:
+            self._flush_reused(meta.reused)
+        if not meta.preempted:
             return
         with self._lock:
             done = self._lock.wait_for(lambda: all(self._pending.get(r, 0) == 0 for r in meta.preempted),
@@ -354,6 +508,25 @@ class WorkerSide:
                 logger.error("kvserver: Puts of preempted %s did not end within %.0f s; those not started "
                              "are dropped, and one running may read reused blocks", sorted(late),
                              self.load_timeout)
+
+    def _flush_reused(self, reused: set[int]) -> None:
+        def reading() -> list[SaveJob]:
+            return [job for job in self._inflight.values() if not reused.isdisjoint(job.block_ids)]
+
+        with self._lock:
+            if self._lock.wait_for(lambda: not reading(), timeout=self.load_timeout):
+                return
+            late = {job.req_id for job in reading()}
+            self._cancelled |= late
+        logger.error("kvserver: Puts of %s reading blocks given out again did not end within %.0f s; those "
+                     "not started are dropped, and one running may read reused blocks", sorted(late),
+                     self.load_timeout)
+
+    def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(Puts of finished requests all ended, asynchronous loads ended, those that failed)."""
+        sending, _ = self.get_finished(finished_req_ids)
+        recving, failed = self.finished_loads()
+        return set(sending or ()), recving, failed
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         with self._lock:
@@ -371,15 +544,27 @@ class WorkerSide:
             self._lock.wait_for(lambda: not any(self._pending.values()), timeout=self.load_timeout)
         self._puts.put(None)
         self._putter.join(timeout=self.load_timeout)
+        for loads in self._async.values():  # loads still writing end before the pools go
+            for load in loads:
+                if load.handle is not None:
+                    try:
+                        load.handle.wait(timeout=self.load_timeout)
+                    except Exception:
+                        pass
+        self._async.clear()
         self.away.close()
+        for link in self.links:
+            self._close_link(link)
+
+    def _close_link(self, link: _Link) -> None:
         try:
-            if self.registrar is not None and self.registrar.registered:
+            if link.registrar is not None and link.registrar.registered:
                 # Confirmed: the daemon has let go of the pool (on CUDA its IPC exports go back
                 # to torch's allocator).
-                self.client.unregister()
+                link.client.unregister()
         except Exception as exc:
             logger.warning("kvserver: unregister failed (%s)", exc)
         try:
-            self.client.close()
+            link.client.close()
         except Exception:
             pass

@@ -15,8 +15,16 @@ every batch), ``lookup`` ("sync", or
 "async": the lookup runs off the scheduler's thread and the request is scheduled a step later),
 ``lookup_pin_ms`` (default 10000), ``timeout_s`` (each daemon call, default 5),
 ``load_timeout_s`` (default 30), ``event_slots`` (CUDA: loads in one step, default 16),
-``retry_register_s`` (default 5), ``tp_rank`` / ``pp_rank`` (only without vLLM's process groups).
+``retry_register_s`` (default 5), ``tp_rank`` / ``pp_rank`` (only without vLLM's process groups),
+``load`` ("sync", the default: the step's forward waits for its loads; "async": the request waits
+in WAITING_FOR_REMOTE_KVS until its load ended, and vLLM caches its blocks only then; hybrid
+models always load asynchronously).
 ``kv_role``: "kv_both" loads and stores, "kv_consumer" only loads, "kv_producer" only stores.
+
+Hybrid models (full-attention and sliding-window layers under vLLM's hybrid KV cache manager:
+Gemma 2/3, gpt-oss, Mistral's sliding window) are stored one KV cache group to a space; a hit is
+the longest prefix every group can serve (a sliding window needs only its last blocks). Mamba and
+linear-attention state is refused.
 
 Keys are vLLM's own block hashes (sha256 by default: the same in every process, so DP replicas and
 a restarted engine share). A failed load is reported through ``get_block_ids_with_load_errors``
@@ -35,12 +43,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
 from kvclient.vllm._meta import KVServerConnectorMetadata
 from kvclient.vllm._scheduler import SchedulerSide
-from kvclient.vllm._space import extra_config, keys_shareable, read_space
+from kvclient.vllm._space import extra_config, keys_shareable, read_groups
 from kvclient.vllm._worker import WorkerSide
 
 __all__ = ["KVServerConnector", "KVServerConnectorMetadata"]
@@ -54,7 +63,7 @@ class KVServerConnector(KVConnectorBase_V1, SupportsHMA):
         if kv_cache_config is None:
             raise ValueError("KVServerConnector needs vLLM's KVCacheConfig, which vLLM 0.33 gives both roles")
         cfg = extra_config(vllm_config)
-        space = read_space(vllm_config, kv_cache_config)
+        groups = read_groups(vllm_config, kv_cache_config)
         enabled = keys_shareable(vllm_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -65,13 +74,13 @@ class KVServerConnector(KVConnectorBase_V1, SupportsHMA):
                                "mid-step) fails its requests; set \"kv_load_failure_policy\": \"recompute\" "
                                "in --kv-transfer-config to have vLLM recompute those blocks", policy)
             ktc = vllm_config.kv_transfer_config
-            self._scheduler = SchedulerSide(space, cfg, enabled, self._request_block_ids,
+            self._scheduler = SchedulerSide(groups, cfg, enabled, self._request_block_ids,
                                             loads=bool(ktc.is_kv_consumer), saves=bool(ktc.is_kv_producer))
         else:
-            self._worker = WorkerSide(space, cfg, enabled)
+            self._worker = WorkerSide(groups, cfg, enabled)
 
-    def _request_block_ids(self, req_id: str) -> list[int]:
-        return list(self._kv_cache_manager.get_block_ids(req_id)[0])
+    def _request_block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        return tuple(list(ids) for ids in self._kv_cache_manager.get_block_ids(req_id))
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -93,12 +102,12 @@ class KVServerConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler.request_finished(request, block_ids)
+        return self._scheduler.request_finished(request, (list(block_ids),))
 
     def request_finished_all_groups(
         self, request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler.request_finished(request, block_ids[0])
+        return self._scheduler.request_finished(request, tuple(block_ids))
 
     # ---- worker side -----------------------------------------------------------------------
 
@@ -136,7 +145,13 @@ class KVServerConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.wait_for_save(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker.get_finished(finished_req_ids)
+        sending, recving, _ = self._worker.transfer_results(finished_req_ids)
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._worker.transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors()
