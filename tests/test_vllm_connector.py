@@ -212,6 +212,7 @@ def test_async_load_waits_for_its_gets_then_computes_on_landed_blocks(engines, s
         time.sleep(0.002)
         b.step()
     assert b.admitted["b1"] == [64] and b.finished_recving == {"b1"} and not b.failed_recving
+    assert not b.connector._scheduler._async_loading  # its event slot counts no more
     b.expect_kv("b1", PROMPT, 64)
     b.run()
     assert leases(server) == 0

@@ -154,29 +154,32 @@ def test_a_prefix_one_engine_computed_loads_in_another_bit_for_bit(engines, serv
     assert leases(server) == 0
 
 
-def test_a_window_not_all_stored_is_a_miss_for_every_group(engines, server):
+def store_pages(e: Engine, group: int, which: list[int], tokens=PROMPT) -> None:
+    """Puts the model's own K/V of blocks ``which`` of ``tokens`` into group ``group``'s space,
+    from the engine's blocks 1.. (any it does not use)."""
     from kvclient.vllm._meta import KVServerConnectorMetadata, SaveJob
 
-    e = engines("hybrid-partial")
-    req = vllm_env.request("x", PROMPT, block_size=BLOCK)
-    keys = [bytes(h) for h in req.block_hashes[:9]]
+    keys = [bytes(h) for h in vllm_env.request("x", tokens, block_size=BLOCK).block_hashes]
     w = e.worker._worker
+    layers = [i for i, n in enumerate(e.layers) if e.group_of[n] == group]
+    blocks = list(range(1, 1 + len(which)))
+    for block, i in zip(blocks, which, strict=True):
+        for layer in layers:
+            for slot in range(BLOCK):
+                for part in (0, 1):
+                    e.kv(block, slot, layer, part).copy_(expected_kv(tokens, i * BLOCK + slot, layer, part))
+    w.wait_for_save(KVServerConnectorMetadata(saves=[SaveJob("s", b"".join(keys[i] for i in which),
+                                                             blocks, group=group)]))
+    deadline = time.monotonic() + 5
+    while w._inflight and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_no_whole_window_below_the_full_prefix_is_a_miss_for_every_group(engines, server):
+    e = engines("hybrid-partial")
 
     def store(group: int, which: list[int]) -> None:
-        """Puts the model's own K/V of blocks ``which`` of PROMPT into group ``group``'s space."""
-        layers = [i for i, n in enumerate(e.layers) if e.group_of[n] == group]
-        blocks = list(range(1, 1 + len(which)))
-        for block, i in zip(blocks, which, strict=True):
-            for layer in layers:
-                for slot in range(BLOCK):
-                    for part in (0, 1):
-                        want = expected_kv(PROMPT, i * BLOCK + slot, layer, part)
-                        e.kv(block, slot, layer, part).copy_(want)
-        w.wait_for_save(KVServerConnectorMetadata(saves=[SaveJob("s", b"".join(keys[i] for i in which),
-                                                                 blocks, group=group)]))
-        deadline = time.monotonic() + 5
-        while w._inflight and time.monotonic() < deadline:
-            time.sleep(0.01)
+        store_pages(e, group, which)
 
     store(1, list(range(9)))  # every full-attention page of the prefix
     store(0, [8])  # of the window only its last block: the one below it (7) is missing
@@ -192,6 +195,36 @@ def test_a_window_not_all_stored_is_a_miss_for_every_group(engines, server):
     assert c.admitted["c"] == [HIT]
     c.expect_kv("c", PROMPT, HIT)
     c.run()
+
+
+def test_a_window_missing_below_the_full_prefix_steps_the_hit_down(engines, server):
+    e = engines("hybrid-down")
+    store_pages(e, 1, list(range(9)))  # the full prefix: 9 blocks
+    store_pages(e, 0, list(range(7)))  # the window's blocks 7 and 8 are missing
+    b = engines("hybrid-down")
+    b.add("b", PROMPT, max_tokens=4)
+    until_running(b, "b")
+    # Below 9 blocks, then 8, the window misses its block 7; below 7 it has blocks 5 and 6.
+    assert b.admitted["b"] == [7 * BLOCK]
+    b.expect_kv("b", PROMPT, 7 * BLOCK)
+    b.run()
+    assert leases(server) == 0
+
+
+def test_a_model_of_windows_only_hits_a_stored_prefix_of_a_longer_prompt(engines, server):
+    four = {"num_layers": 4}  # vllm_env.model_dir()'s config says 2; these engines have 4
+    a = engines("hybrid-windows", windows_only=True, settings=four)
+    assert [g.kv_cache_spec.sliding_window for g in a.kv_cache_config.kv_cache_groups] == [WINDOW]
+    a.add("a", PROMPT, max_tokens=1)
+    a.run()
+    b = engines("hybrid-windows", windows_only=True, settings=four)
+    tokens = PROMPT + [21] * 60  # the stored 9 blocks, then 3 more not stored
+    b.add("b", tokens, max_tokens=4)
+    until_running(b, "b")
+    assert b.admitted["b"] == [HIT]
+    b.expect_kv("b", tokens, HIT)
+    b.run()
+    assert leases(server) == 0
 
 
 def test_a_local_hit_loads_only_the_rest_of_each_group(engines, server):
@@ -270,3 +303,76 @@ def test_a_window_block_given_out_again_is_read_by_its_queued_put_first(engines,
         assert c.admitted[f"c{k}"] == [k * BLOCK]
         c.expect_kv(f"c{k}", probe, k * BLOCK)
         c.run()
+
+
+def test_a_request_aborted_while_its_load_runs_keeps_its_blocks_until_the_load_ended(engines, monkeypatch):
+    # Preempted after it stored blocks (so it once had Puts), it resumes with an asynchronous
+    # load of its own prefix, and is aborted while that load still writes its blocks: vLLM must
+    # hold them until the workers report the load, never free them at a report of its Puts.
+    from vllm.v1.request import RequestStatus
+
+    from kvclient.load_handle import LoadHandle
+
+    e = engines("hybrid-abort")
+    e.add("a", PROMPT, max_tokens=60)
+    for _ in range(6):
+        e.step()
+    assert e.scheduler.reset_prefix_cache(reset_running_requests=True)  # preempts it
+    held = {"on": True}
+    ended = LoadHandle.ended
+    monkeypatch.setattr(LoadHandle, "ended", lambda self: False if held["on"] else ended(self))
+    so = e.step()
+    assert {job.req_id for job in so.kv_connector_metadata.loads} == {"a"}
+    e.scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    for _ in range(3):
+        e.step()
+    assert "a" in e.scheduler.requests and "a" not in e.finished_sending  # its blocks still held
+    held["on"] = False
+    for _ in range(50):
+        if "a" not in e.scheduler.requests:
+            break
+        time.sleep(0.005)
+        e.step()
+    assert "a" in e.finished_recving and "a" not in e.scheduler.requests  # freed once it ended
+    assert not e.worker._worker._async and not e.connector._scheduler._async_loading
+
+
+def test_a_failed_asynchronous_load_is_not_tried_again(engines):
+    store_prefix(engines, "hybrid-retry")
+    b = engines("hybrid-retry")
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("get refused")
+
+    for link in b.worker._worker.links:
+        link.client.get = refused
+    b.add("b", PROMPT, max_tokens=1)
+    loads = 0
+    for _ in range(30):
+        so = b.step()
+        loads += len({job.req_id for job in so.kv_connector_metadata.loads})
+        if "b" in b.admitted:
+            break
+    assert loads == 1 and b.failed_recving == {"b"}
+    assert b.admitted["b"] == [0]  # computed from its start, as after a failed synchronous load
+    b.run()
+
+
+def test_blocks_a_step_only_reads_are_not_waited_for(engines):
+    e = engines("hybrid-reads")
+    e.add("a", PROMPT[:80], max_tokens=1)
+    e.run()
+    e.add("b", PROMPT[:80] + [3] * 20, max_tokens=1)
+    so = e.step()  # vLLM's own cache: 4 blocks of a; the daemon's: a fifth, loaded
+    loaded = {b for job in so.kv_connector_metadata.loads for b in job.block_ids}
+    assert loaded and so.kv_connector_metadata.reused == loaded
+    for _ in range(50):
+        so = e.step()
+        if "b" in so.num_scheduled_tokens:
+            break
+        time.sleep(0.002)
+    assert e.admitted["b"] == [80]
+    read = {b for g in range(2) for b in e.block_ids("b", g)[:5]} - {NULL_BLOCK}  # hit and loaded
+    written = {b for g in range(2) for b in e.block_ids("b", g)[5:]} - {NULL_BLOCK}
+    assert so.kv_connector_metadata.reused == written and not read & written
+    e.run()

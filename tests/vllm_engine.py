@@ -89,10 +89,12 @@ def make_views(layout_name: str, num_blocks: int, num_layers: int = len(LAYERS))
     return mem, list(views)
 
 
-def hybrid_kv_cache(vllm_config, window: int, num_blocks: int, layout_name: str = "LBNHC"):
+def hybrid_kv_cache(vllm_config, window: int, num_blocks: int, layout_name: str = "LBNHC",
+                    windows_only: bool = False):
     """(KVCacheConfig, SharedKVMemory, {layer: view}) of HYBRID_LAYERS, grouped and laid out by
     vLLM's own planner (``get_kv_cache_configs``) with its hybrid KV cache manager on, as on a GPU
-    (VllmConfig turns it off on a CPU platform), and the views carved by ``create_kv_cache_views``."""
+    (VllmConfig turns it off on a CPU platform), and the views carved by ``create_kv_cache_views``.
+    ``windows_only``: every layer attends a sliding window (one group)."""
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec, create_kv_cache_views
     from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -104,7 +106,7 @@ def hybrid_kv_cache(vllm_config, window: int, num_blocks: int, layout_name: str 
     specs = {}
     for i, name in enumerate(HYBRID_LAYERS):
         kw = dict(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float16)
-        windowed = i % 2 == 0
+        windowed = windows_only or i % 2 == 0
         specs[name] = SlidingWindowSpec(sliding_window=window, **kw) if windowed else FullAttentionSpec(**kw)
     groups = get_global_kv_cache_groups(vllm_config, [specs])
     page = 2 * HEADS * HEAD_SIZE * 2 * BLOCK  # a layer's block: K and V, fp16
@@ -127,7 +129,8 @@ class Engine:
     KV cache groups."""
 
     def __init__(self, vllm_config, *, layout: str = "LBNHC", num_blocks: int = 64, on_layer=None,
-                 before_load=None, spec_order: bool = False, window: int | None = None) -> None:
+                 before_load=None, spec_order: bool = False, window: int | None = None,
+                 windows_only: bool = False) -> None:
         import vllm_env
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -140,7 +143,8 @@ class Engine:
             self.layers = LAYERS
             self.caches = dict(zip(LAYERS, views, strict=True))
         else:
-            kv_cfg, self.mem, self.caches = hybrid_kv_cache(vllm_config, window, num_blocks, layout)
+            kv_cfg, self.mem, self.caches = hybrid_kv_cache(vllm_config, window, num_blocks, layout,
+                                                            windows_only)
             self.layers = HYBRID_LAYERS
         self.kv_cache_config = kv_cfg
         self.group_of = {n: gi for gi, g in enumerate(kv_cfg.kv_cache_groups) for n in g.layer_names}

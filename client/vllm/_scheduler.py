@@ -66,6 +66,8 @@ class _Req:
     saved: int = 0  # leading blocks stored or known stored
     saving: bool = False  # a Put was asked for: vLLM keeps its blocks until the workers' Puts end
     loading_from: int | None = None  # first block of a load not yet reported good by the workers
+    load_first: int = 0  # first block of its last load
+    async_failed: bool = False  # an asynchronous load of it failed: it loads no more, it recomputes
     lookup: Future | None = field(default=None, repr=False)
     answer: tuple[_Hit, float] | None = None  # async: the last answer and when it came
     load_end: int = 0  # the index, among its blocks, past the last one its load writes
@@ -113,8 +115,6 @@ class SchedulerSide:
                                 timeout=float(cfg.get("lookup_timeout_s", 1.0)), token=cfg.get("token"),
                                 tenant_token=cfg.get("tenant_token")) for g in groups]
         self.view = self.views[0]
-        # Full-attention groups first: their common prefix bounds what the windows are asked for.
-        self._order = sorted(groups, key=lambda g: g.window_blocks is not None)
         self._reqs: dict[str, _Req] = {}
         # Blocks whose KV is not known good, by vLLM block id: those of loads not yet reported
         # (block -> loading request), and those read from or computed on a load that failed
@@ -126,6 +126,9 @@ class SchedulerSide:
         self._dependents: dict[str, set[str]] = {}  # loading request -> requests that read its blocks
         self._loads: list[LoadJob] = []
         self._loading_reqs = 0  # requests with loads in this step
+        # Asynchronous loads not yet reported by the workers: they hold a worker's event slot
+        # (CUDA) across steps, so they count against event_slots until they end.
+        self._async_loading: set[str] = set()
         self._finish_saves: list[SaveJob] = []
         # After one lookup that failed, lookups miss without asking until a probe (off this
         # thread) finds the daemon answering: a stuck daemon costs the scheduler one bounded wait.
@@ -145,31 +148,52 @@ class SchedulerSide:
             return None
         return found
 
+    WINDOW_TRIES = 3  # window checks of one lookup, each below the last one's missing block
+
     def _lookup(self, keys: list[bytes]) -> _Hit:
         if not self.away.open:
             return _Hit(0)
-        h = len(keys)
         leases = [""] * len(self.groups)
-        for g in self._order:
-            if h == 0:
-                break
-            w = g.window_blocks
-            # A window is asked for from its end down: its leading answer is the blocks stored
-            # right below h.
-            ask = keys[:h] if w is None else keys[max(0, h - w):h][::-1]
-            found = self._ask(self.views[g.index], ask)
+        full = [g for g in self.groups if g.window_blocks is None]
+        windows = [g for g in self.groups if g.window_blocks is not None]
+        if not full:  # windows only: the first one's stored prefix bounds the hit
+            full, windows = windows[:1], windows[1:]
+        h = len(keys)
+        for g in full:
+            found = self._ask(self.views[g.index], keys[:h]) if h else None
             if found is None:
                 h = 0
                 break
             leases[g.index] = found.lease_id
-            if w is None:
-                h = min(h, found.pages)
-            elif found.pages < len(ask):
-                h = 0  # this window is not all there: no group's blocks are served
-        if h == 0:
-            self._release_all(tuple(leases))
-            return _Hit(0)
-        return _Hit(h, tuple(leases))
+            h = min(h, found.pages)
+        found_all = not windows
+        for _ in range(self.WINDOW_TRIES if windows and h else 0):
+            found_all, h = self._windows(keys, h, windows, leases)
+            if found_all or h == 0:
+                break
+        if found_all and h > 0:
+            return _Hit(h, tuple(leases))
+        self._release_all(tuple(leases))
+        return _Hit(0)
+
+    def _windows(self, keys: list[bytes], h: int, windows: list[Group],
+                 leases: list[str]) -> tuple[bool, int]:
+        """Asks each window group for the blocks vLLM keeps below a hit of ``h``, from ``h`` down:
+        (True, h) once they all have them; else (False, the hit to try next: below the first
+        missing block found), and 0 when there is none."""
+        for g in windows:
+            if leases[g.index]:  # an earlier try's pin: that try missed
+                self._release(leases[g.index], g.index)
+                leases[g.index] = ""
+        for g in windows:
+            ask = keys[max(0, h - g.window_blocks):h][::-1]
+            found = self._ask(self.views[g.index], ask)
+            if found is None:
+                return False, 0
+            leases[g.index] = found.lease_id
+            if found.pages < len(ask):
+                return False, max(0, h - found.pages - 1)
+        return True, h
 
     def _set_leases(self, st: _Req, leases: tuple[str, ...]) -> None:
         self._release_all(tuple(old if old not in leases else "" for old in st.leases))
@@ -225,7 +249,9 @@ class SchedulerSide:
         st.local = num_computed_tokens
         # As vLLM's own prefix cache: whole blocks, and at least the prompt's last token computed.
         keys = block_keys(request, self.space.hash_stride, (request.num_tokens - 1) // self.block_size)
-        if not self.loads or not keys or not self.away.open:
+        if not self.loads or not keys or not self.away.open or st.async_failed:
+            # After an asynchronous load that failed, vLLM computes the request from its start
+            # (as a failed synchronous load's blocks): never load, fail, load again.
             st.found = 0
             return 0, False
         found = self._answer(st, keys)
@@ -236,7 +262,7 @@ class SchedulerSide:
         st.found = min(found.pages, len(keys))
         st.saved = max(st.saved, st.found)
         external = max(0, st.found * self.block_size - num_computed_tokens)
-        if external and self._loading_reqs >= self.max_loads:
+        if external and self._loading_reqs + len(self._async_loading) >= self.max_loads:
             # This step's loads are full: not a miss (that would recompute the whole prefix), but
             # "ask again next step", its answer and pin kept for then.
             return None, False
@@ -316,8 +342,10 @@ class SchedulerSide:
             self._loads.append(LoadJob(rid, b"".join(k for _, k in pairs), ids, lease, key_bytes=key_bytes,
                                        group=g.index, asynchronous=self.async_loads))
         self._loading_reqs += 1
+        if self.async_loads:
+            self._async_loading.add(rid)
         st.leases = ()  # the Gets end them
-        st.loading_from = first
+        st.loading_from = st.load_first = first
         st.load_end, st.load_failed = first + n, False
         if self.async_loads:
             return  # vLLM caches the blocks once they landed: no other request reads them before
@@ -360,16 +388,24 @@ class SchedulerSide:
         return jobs
 
     def _reused(self, scheduler_output, loads: list[LoadJob]) -> set[int]:
-        """Hybrid models: the blocks this step gives out or loads into. vLLM frees a sliding
-        window's blocks while their request runs, so one of them may still be read by a Put queued
-        in an earlier step: the workers finish such Puts before the forward (handle_preemptions)."""
+        """Hybrid models: the blocks this step writes into, given out to its requests (from each
+        one's first uncomputed block on: below it, a local hit's blocks are only read) or loaded
+        into. vLLM frees a sliding window's blocks while their request runs, so one of them may
+        still be read by a Put queued in an earlier step: the workers finish such Puts before the
+        forward (handle_preemptions)."""
         out: set[int] = set()
+        bs = self.block_size
         for r in scheduler_output.scheduled_new_reqs:
             for ids in r.block_ids:
-                out.update(ids)
-        for new in scheduler_output.scheduled_cached_reqs.new_block_ids:
+                out.update(ids[r.num_computed_tokens // bs:])
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", ())
+        for i, rid in enumerate(cached.req_ids):
+            new = cached.new_block_ids[i]
+            # A resumed request's are its whole table; another's, the blocks added this step.
+            skip = cached.num_computed_tokens[i] // bs if rid in resumed else 0
             for ids in new or ():
-                out.update(ids)
+                out.update(ids[skip:])
         for job in loads:
             out.update(job.block_ids)
         out.discard(NULL_BLOCK)
@@ -379,6 +415,10 @@ class SchedulerSide:
         meta = KVServerConnectorMetadata(loads=self._loads, saves=self._finish_saves,
                                          preempted=set(scheduler_output.preempted_req_ids or ()))
         self._loads, self._finish_saves, self._loading_reqs = [], [], 0
+        for rid in meta.preempted:
+            st = self._reqs.get(rid)
+            if st is not None:  # its blocks went back to vLLM once the workers' Puts read them
+                st.saving = False
         if self.hybrid and self.enabled:
             meta.reused = self._reused(scheduler_output, meta.loads)
         if not self.enabled or not self.saves:
@@ -392,18 +432,28 @@ class SchedulerSide:
         return meta
 
     def update_connector_output(self, connector_output) -> None:
-        """The workers' step report: which loads landed on every one of them."""
+        """The workers' step report: which synchronous loads landed on every one of them
+        (``KVServerWorkerMeta``), and which asynchronous loads ended on all of them, failed or
+        not (vLLM's aggregated ``finished_recving`` and ``failed_recving``)."""
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if not isinstance(meta, KVServerWorkerMeta):
+        if isinstance(meta, KVServerWorkerMeta):
+            for rid, ok in meta.loads.items():
+                self._load_done(rid, ok)
+        failed = getattr(connector_output, "failed_recving", None) or ()
+        for rid in getattr(connector_output, "finished_recving", None) or ():
+            if rid in self._async_loading:
+                self._async_loading.discard(rid)
+                self._load_done(rid, rid not in failed, asynchronous=True)
+
+    def _load_done(self, rid: str, ok: bool, asynchronous: bool = False) -> None:
+        st = self._reqs.get(rid)
+        self._load_reported(rid, st, ok)
+        if st is None:
             return
-        for rid, ok in meta.loads.items():
-            st = self._reqs.get(rid)
-            self._load_reported(rid, st, ok)
-            if st is None or st.loading_from is None:
-                continue
-            if not ok:  # vLLM recomputes from the first failed block: those are stored again then
-                st.saved = min(st.saved, st.loading_from)
-            st.loading_from = None
+        if not ok:  # vLLM recomputes from the first failed block: those are stored again then
+            st.saved = min(st.saved, st.load_first)
+            st.async_failed = st.async_failed or asynchronous
+        st.loading_from = None
 
     def _load_reported(self, rid: str, st: _Req | None, ok: bool) -> None:
         """A load is known good or failed (its request may have finished already): the requests
@@ -427,6 +477,11 @@ class SchedulerSide:
         """``block_ids``: the request's blocks, one list per KV cache group."""
         st = self._reqs.pop(request.request_id, None)
         if st is None:
+            return False, None
+        if request.request_id in self._async_loading:
+            # Its Gets still write its blocks: vLLM holds them until the workers report the load
+            # (finished_recving), and frees them then. It computed nothing to store.
+            self._set_leases(st, ())
             return False, None
         self._forget_loads(st, request, block_ids)
         if st.lookup is not None:  # a lookup still running: its pin is released when it answers

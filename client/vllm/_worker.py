@@ -111,6 +111,7 @@ class WorkerSide:
         self._async: dict[str, list[_Load]] = {}  # asynchronous loads in flight, by request
         self._slots: list[set[int]] = []  # CUDA: each group's event slots free for them
         self._inflight: dict[int, SaveJob] = {}  # Puts queued or running, by sequence number
+        self._dropped_seqs: set[int] = set()  # queued Puts dropped before they start
         self._seq = 0
         self._deadline = 0.0
         self._ready = None  # CUDA: the step's slots-ready event, alive until its Gets end
@@ -321,12 +322,16 @@ class WorkerSide:
                 if load.handle.missed:
                     self.away.failed()
             except TimeoutError:
-                if now < load.deadline:
+                # Past load_timeout_s it misses (the step's synchronous loads too), and is waited
+                # out as long again (bounded by the daemon's own deadline for it), as a failed
+                # synchronous load is: vLLM frees or recomputes its blocks once it is reported.
+                if now >= load.deadline:
+                    self.away.failed()
+                if now < load.deadline + self.load_timeout:
                     return None
-                logger.error("kvserver: the load of %s did not end within load_timeout_s %.0f s: reported "
-                             "failed (recomputed); its blocks may still be written for a while",
+                logger.error("kvserver: the load of %s did not end within twice load_timeout_s %.0f s: "
+                             "reported failed (recomputed); its blocks may still be written for a while",
                              load.job.req_id, self.load_timeout)
-                self.away.failed()
             except Exception as exc:
                 logger.warning("kvserver: load of %s failed (%s): its blocks are recomputed",
                                load.job.req_id, exc)
@@ -355,7 +360,6 @@ class WorkerSide:
                 continue
             del self._async[rid]
             ok = all(states)
-            self._report[rid] = self._report.get(rid, True) and ok
             done.add(rid)
             if not ok:
                 failed.add(rid)
@@ -461,7 +465,9 @@ class WorkerSide:
                 return
             seq, job, ready, queued_at = task
             with self._lock:
-                cancelled = job.req_id in self._cancelled  # preempted: its blocks are reused
+                # Preempted, or reading a block given out again: its blocks are reused.
+                cancelled = job.req_id in self._cancelled or seq in self._dropped_seqs
+                self._dropped_seqs.discard(seq)
             waited = time.monotonic() - queued_at
             if not cancelled and not self.away.open:
                 self._drop_put(job, "the daemon did not answer the Put before it", seq)
@@ -502,6 +508,12 @@ class WorkerSide:
         with self._lock:
             done = self._lock.wait_for(lambda: all(self._pending.get(r, 0) == 0 for r in meta.preempted),
                                        timeout=self.load_timeout)
+            # Its blocks went back to vLLM: a finish no longer waits for these Puts.
+            self._saving -= meta.preempted
+            self._finishing -= meta.preempted
+            for r in meta.preempted:
+                if not self._pending.get(r, 0):
+                    self._pending.pop(r, None)
             if not done:
                 late = {r for r in meta.preempted if self._pending.get(r, 0)}
                 self._cancelled |= late
@@ -517,7 +529,8 @@ class WorkerSide:
             if self._lock.wait_for(lambda: not reading(), timeout=self.load_timeout):
                 return
             late = {job.req_id for job in reading()}
-            self._cancelled |= late
+            self._dropped_seqs |= {seq for seq, job in self._inflight.items()
+                                   if not reused.isdisjoint(job.block_ids)}
         logger.error("kvserver: Puts of %s reading blocks given out again did not end within %.0f s; those "
                      "not started are dropped, and one running may read reused blocks", sorted(late),
                      self.load_timeout)

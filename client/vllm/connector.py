@@ -145,8 +145,10 @@ class KVServerConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.wait_for_save(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending, recving, _ = self._worker.transfer_results(finished_req_ids)
-        return sending or None, recving or None
+        # Asynchronous loads end through get_transfer_results only (with their failures): vLLM
+        # 0.33's model runners ask that, never this.
+        sending, _ = self._worker.get_finished(finished_req_ids)
+        return sending, None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sending, recving, failed = self._worker.transfer_results(finished_req_ids)
