@@ -147,6 +147,7 @@ def burst(v: Vllm, d: DaemonProcess, n: int) -> dict:
         a.run(max_steps=4 * n)
         b = v.engine("faults-burst", d.address, num_blocks=4 * n)
         lookups = b.count_lookups()
+        gets, load_ms = b.count_gets(), b.time_start_load()
         computed = []
         for rid, tokens in prompts.items():
             b.add(rid, tokens, max_tokens=1)
@@ -155,7 +156,10 @@ def burst(v: Vllm, d: DaemonProcess, n: int) -> dict:
             computed += [n_ for rid, n_ in so.num_scheduled_tokens.items() if rid in prompts]
         hits = sum(b.admitted[rid] == [2 * PAGE] for rid in prompts)
         # One token a request past its hit (its last, whose output is the answer: max_tokens 1).
+        loading = [i for i, ms in enumerate(load_ms) if gets[i]]
         return {"hits": hits, "n": n, "lookups": len(lookups), "prefill": sum(computed),
+                "load_steps": len(loading), "gets": sum(gets),
+                "start_load_ms": max((load_ms[i] for i in loading), default=0.0),
                 "prefill_if_all_hit": n * 1, "prefill_if_none_hit": n * (2 * PAGE + 1)}
     finally:
         sc.max_num_seqs, sc.max_num_batched_tokens = saved
@@ -220,7 +224,9 @@ def main() -> None:
     print(f"burst of {b['n']}: {b['hits']} of {b['n']} hits ({b['hits'] / b['n']:.2f}), "
           f"{b['prefill']} prefill tokens computed (every hit: {b['prefill_if_all_hit']}; "
           f"none: {b['prefill_if_none_hit']}), "
-          f"{b['lookups'] / b['n']:.2f} lookups a request")
+          f"{b['lookups'] / b['n']:.2f} lookups a request; {b['gets']} Get calls in its "
+          f"{b['load_steps']} steps that load ({b['gets'] / max(1, b['load_steps']):.2f} a step), "
+          f"slowest start_load_kv {b['start_load_ms']:.2f} ms")
     print(f"stuck Put: {put['n']} finished requests had their blocks back after {put['held']:.1f} s "
           f"(bound: one lookup's wait, one Put's deadline and confirmation, {put['bound']:.1f} s; "
           f"{put['held'] / put['bound']:.2f}x); {put['dropped']} Puts dropped")

@@ -38,6 +38,7 @@ class StreamOp:
     event_slot: int = 0
     get: bool = False
     job: bool = True
+    lane: bool = True  # False: gRPC only (a Get with parts: the lane's progress words have no room)
 
     @property
     def cache(self) -> bool:

@@ -32,6 +32,7 @@ class AsyncLoadHandle:
         self._done = False
         self._bytes = 0
         self._pages: int | None = None  # a Get's stored prefix, from its first message
+        self._part_pages: list[int] = []  # a Get with parts: each part's
         self._on_error = on_error
         self._changed = asyncio.Condition()
         self._task = asyncio.get_running_loop().create_task(self._consume(stream))
@@ -44,6 +45,7 @@ class AsyncLoadHandle:
                 async with self._changed:
                     if self._pages is None:
                         self._pages = progress.pages
+                        self._part_pages = list(progress.part_pages)
                     self._recorded = self._recorded or progress.events_recorded
                     if progress.layers_done:
                         self._last_layer = progress.last_layer
@@ -94,6 +96,11 @@ class AsyncLoadHandle:
         if self._task.done():
             self._task.result()
         return 0 if self.missed else self._pages or 0
+
+    async def part_pages(self) -> list[int]:
+        """A Get with parts: as ``pages``, each part's stored prefix (empty on a miss)."""
+        await self.pages()
+        return [] if self.missed else list(self._part_pages)
 
     async def stream_wait_layer(self, layer_id: int, stream=None) -> bool:
         """CUDA pools: ``stream`` (default: the current one) waits on the GPU for global layer

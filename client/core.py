@@ -389,6 +389,26 @@ class ClientCore:
                                                        timeout_ms=self.timeout_ms, lease_id=lease_id),
                         lay, event_slot, get=True)
 
+    def get_parts(self, parts: Sequence[tuple[Keys, msg.Indices, str]], layers: Iterable[int] | None,
+                  event_slot: int, ready_event, key_bytes: int = KEY_BYTES) -> StreamOp:
+        """Several Gets as one (``GetRequest.parts``): (keys, device pages, lease) each."""
+        built, widths = [], set()
+        for keys, device_pages, lease_id in parts:
+            data, width, _ = packed(keys, key_bytes)
+            if data:
+                widths.add(width)
+            built.append((data, msg.ids(device_pages), lease_id))
+        if len(widths) > 1:
+            raise KVClientError(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the parts of one Get have keys of {sorted(widths)} bytes, not one width")
+        width = widths.pop() if widths else key_bytes
+        lay, ready = msg.layer_list(layers), _ready(ready_event)
+        return StreamOp("Get", lambda r: pb.GetRequest(
+            client_id=r.client_id, key_bytes=width, layers=lay, event_slot=event_slot, ready_event=ready,
+            timeout_ms=self.timeout_ms,
+            parts=[pb.GetPart(keys=d, device_pages=p, lease_id=lease) for d, p, lease in built]),
+            lay, event_slot, get=True, lane=False)
+
     def release(self, lease_ids: str | Sequence[str]) -> Op:
         ids = lease_list(lease_ids)
         return Op("Release", lambda r: pb.ReleaseRequest(client_id=r.client_id, lease_ids=ids),

@@ -22,6 +22,7 @@ class LoadHandle:
         self.layers = layers
         self.get = get
         self._pages: int | None = None  # a Get's stored prefix, from its first message
+        self._part_pages: list[int] = []  # a Get with parts: each part's
         self._on_error = on_error  # True: the error is a miss, not raised
         self._cond = threading.Condition()
         self._last_layer = -1
@@ -47,6 +48,7 @@ class LoadHandle:
         with self._cond:
             if self._pages is None:
                 self._pages = progress.pages
+                self._part_pages = list(progress.part_pages)
             self._recorded = self._recorded or progress.events_recorded
             if progress.layers_done:
                 self._last_layer = progress.last_layer
@@ -188,6 +190,12 @@ class LoadHandle:
             if not ok:
                 raise TimeoutError(f"the get did not answer within {timeout} s")
             return 0 if self.missed else self._pages or 0
+
+    def part_pages(self, timeout: float | None = None) -> list[int]:
+        """A Get with parts: as ``pages``, each part's stored prefix (empty on a miss)."""
+        self.pages(timeout)
+        with self._cond:
+            return [] if self.missed else list(self._part_pages)
 
     def wait(self, timeout: float | None = None) -> int:
         """Waits for every layer; returns the bytes copied (0 if the load missed)."""

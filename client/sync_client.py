@@ -109,7 +109,7 @@ class KVClient(CoreShell):
         handle.events = call.events
         handle._on_error = lambda error: self._stream_failed(call, handle, error)
         lane = self._lane
-        if lane is not None and lane.reg is call.reg:
+        if lane is not None and op.lane and lane.reg is call.reg:
             source = lane.stream(op.rpc, call.request.SerializeToString(), call.timeout)
             if source is not None:
                 source.handle = handle
@@ -372,6 +372,14 @@ class KVClient(CoreShell):
         pinning ``lookup``) is ended once the get is done."""
         return self._stream(self._core.get(keys, device_pages, layers, event_slot, ready_event, lease_id,
                                            key_bytes))
+
+    def get_parts(self, parts: Sequence[tuple[Keys, msg.Indices, str]], *,
+                  layers: Iterable[int] | None = None, event_slot: int = 0, ready_event=None,
+                  key_bytes: int = KEY_BYTES) -> LoadHandle:
+        """Several Gets in one call, (keys, device_pages, lease_id) each, copied as one job:
+        each part loads its own longest cached prefix and ends its own lease;
+        ``handle.part_pages()`` says how many pages of each part that is. Sent on gRPC."""
+        return self._stream(self._core.get_parts(parts, layers, event_slot, ready_event, key_bytes))
 
     def release(self, lease_ids: str | Sequence[str]) -> int:
         """Ends leases taken by ``lookup(pin_ms=...)``; returns how many were still held."""

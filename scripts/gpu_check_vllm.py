@@ -307,7 +307,7 @@ def run(address: str, kind: str, device: str = "cuda", layout: str = "LBNHC") ->
             for layer, name in enumerate(LAYER_NAMES):
                 wb.wait_for_layer_load(name)  # CUDA: the stream waits for the layer's event
                 marks.append((time.perf_counter() - t0, _event(cuda)))
-                waits.append(bool(wb._loads) and not any(load.failed for load in wb._loads))
+                waits.append(bool(wb._loads) and not any(load.batch.failed for load in wb._loads))
                 # Compared on the stream, checked at the end: a CPU sync here would let every
                 # later layer land before its own stream wait is put to the test.
                 same.append((rows(vb[layer], get_blocks) == want[layer]).all())

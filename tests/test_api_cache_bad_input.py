@@ -162,6 +162,33 @@ def test_bad_get_layers_and_lease(env: Env) -> None:
     assert msgs[-1].done and msgs[-1].pages == STORED
 
 
+def parts_request(env: Env, parts: list[tuple[list[bytes], list[int], str]], **fields):
+    req = pb.GetRequest(client_id=env.cid, **{"key_bytes": 16, **fields},
+                        parts=[pb.GetPart(keys=packed(k), device_pages=list(map(int, d)), lease_id=lease)
+                               for k, d, lease in parts])
+    return stream(lambda: env.stub.Get(req, timeout=10))
+
+
+def test_bad_get_with_parts(env: Env) -> None:
+    """A Get of several parts is checked whole before any part is read: a bad part refuses all
+    (the first parts' prefixes are not read, their leases not ended)."""
+    half = STORED // 2
+    good = (env.keys[:half], FREE[:half], "")
+    env.reject(C.INVALID_ARGUMENT, "part 1: 48 bytes of 16-byte keys and 2 device pages",
+               parts_request(env, [good, (env.keys[:3], FREE[half:half + 2], "")]))
+    env.reject(C.INVALID_ARGUMENT, "more than once",
+               parts_request(env, [good, (env.keys[:2], FREE[:2], env.lease)]))
+    env.reject(C.OUT_OF_RANGE, f"{PAGES}", parts_request(env, [good, (env.keys[:1], [PAGES], "")]))
+    env.reject(C.INVALID_ARGUMENT, "in its parts", parts_request(env, [good], keys=packed(env.keys[:1])))
+    env.reject(C.INVALID_ARGUMENT, "in its parts", parts_request(env, [good], lease_id=env.lease))
+    env.reject(C.INVALID_ARGUMENT, "at most 1024", parts_request(env, [([], [], "")] * 1025))
+    env.reject(C.INVALID_ARGUMENT, "key_bytes", parts_request(env, [good], key_bytes=0))
+    many = prompt_keys(np.arange((MAX_KEYS + 1) * PAGE))
+    over = [(many[:MAX_KEYS], np.arange(MAX_KEYS) % PAGES, ""), (many[MAX_KEYS:], [0], "")]
+    env.reject(C.RESOURCE_EXHAUSTED, str(MAX_KEYS), parts_request(env, over))
+    env.reject(C.OUT_OF_RANGE, "[0, 4)", parts_request(env, [good], layers=[4]))
+
+
 # ---- Release and OpenSpace -------------------------------------------------------------------------
 
 

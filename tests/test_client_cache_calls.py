@@ -45,6 +45,39 @@ def test_sync_client_and_view(daemon):
         assert b.get(page_keys([1, 2, 3] * PAGE, PAGE), [6, 7, 8]).pages() == 0
 
 
+def test_a_get_of_several_parts_loads_each_parts_own_prefix_in_one_call(daemon):
+    k = 16  # page_keys' key bytes: it packs them
+    keys = page_keys(range(2000, 2000 + 8 * PAGE), PAGE)  # 8 pages
+    other = page_keys(range(9000, 9000 + 2 * PAGE), PAGE)  # never stored
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 256) as pa, ShmKVPool(LAYOUT, DTYPE, LAYERS, 256) as pb_, \
+            KVClient(daemon.address) as a, KVClient(daemon.address) as b:
+        register(a, pa)
+        register(b, pb_)
+        fill_random(pa, 5)
+        fill_random(pb_, 6)
+        orig, before = snapshot(pa), snapshot(pb_)
+        assert a.put(keys, list(range(8))).stored == 8
+        with CacheView(daemon.address, model="calls", layout=LAYOUT, dtype=DTYPE, page_size=PAGE,
+                       num_layers=LAYERS) as view:
+            lease = view.lookup(keys[:3 * k], pin_ms=5000).lease_id
+            # Part 0: pages 0-2 (pinned); part 1: pages 5-6, then a key never stored, then page 7;
+            # part 2: nothing stored.
+            handle = b.get_parts([(keys[:3 * k], [8, 9, 10], lease),
+                                  (keys[5 * k:7 * k] + other[:k] + keys[7 * k:], [11, 12, 13, 14], ""),
+                                  (other[k:], [15], "")])
+            assert handle.part_pages() == [3, 2, 0] and handle.pages() == 5
+            handle.wait()
+            assert view.release(lease) == 0  # the Get ended its part's lease
+        for layer in range(LAYERS):
+            for part, buf in enumerate(pb_.buffers[layer]):
+                got, want, old = raw(buf), orig[layer][part], before[layer][part]
+                assert torch.equal(got[8 * PAGE:11 * PAGE], want[:3 * PAGE])
+                assert torch.equal(got[11 * PAGE:13 * PAGE], want[5 * PAGE:7 * PAGE])
+                assert torch.equal(got[13 * PAGE:16 * PAGE], old[13 * PAGE:16 * PAGE])  # past a prefix
+        nothing = b.get_parts([(other[:k], [0], ""), (b"", [], "")])
+        assert nothing.part_pages() == [0, 0] and nothing.pages() == 0
+
+
 def test_asyncio_client_and_view(daemon):
     keys = page_keys(range(2 * PAGE), PAGE)
 
@@ -64,6 +97,9 @@ def test_asyncio_client_and_view(daemon):
                 handle = b.get(keys, [0, 1])
                 assert await handle.pages() == 2
                 await handle.wait()
+                parts = b.get_parts([(keys[:16], [0], ""), (keys[16:], [1], "")])
+                assert await parts.part_pages() == [1, 1]
+                await parts.wait()
                 for layer in range(LAYERS):
                     for part, buf in enumerate(pb_.buffers[layer]):
                         assert torch.equal(raw(buf)[: 2 * PAGE], orig[layer][part][2 * PAGE:4 * PAGE])

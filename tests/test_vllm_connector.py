@@ -555,12 +555,15 @@ def test_a_burst_of_cached_prefixes_gets_every_hit_and_asks_once_each(engines, s
     a.run(max_steps=2000)
     b = engines("burst", num_blocks=4 * n)
     lookups = b.count_lookups()
+    gets = b.count_gets()
     for rid, tokens in prompts.items():
         b.add(rid, tokens, max_tokens=1)
     b.run(max_steps=2000)
     hits = sum(b.admitted[rid] == [2 * BLOCK] for rid in prompts)
     assert hits == n, f"{hits} of {n} requests got their hit"
     assert len(lookups) <= 2 * n, f"{len(lookups)} lookups for {n} requests"
+    # One daemon call a step for all its loads (16 requests: event_slots), not one a request.
+    assert [c for c in gets if c] == [1] * (n // 16), gets
 
 
 def test_a_failed_load_never_reaches_the_cache_through_another_requests_local_hit(

@@ -338,6 +338,44 @@ class Engine:
         view.lookup = lambda *args, **kw: calls.append(1) or real(*args, **kw)
         return calls
 
+    def count_gets(self) -> list[int]:
+        """From now on, the worker's Get calls to the daemon in each step (one entry a step)."""
+        w = self.worker._worker
+        calls: list[int] = []
+        for link in w.links:
+            for name in ("get", "get_parts"):
+                real = getattr(link.client, name)
+
+                def counted(*args, _real=real, **kw):
+                    calls[-1] += 1
+                    return _real(*args, **kw)
+
+                setattr(link.client, name, counted)
+        start = w.start_load_kv
+
+        def start_load_kv(meta):
+            calls.append(0)
+            return start(meta)
+
+        w.start_load_kv = start_load_kv
+        return calls
+
+    def time_start_load(self) -> list[float]:
+        """From now on, each step's ``start_load_kv`` length in ms (one entry a step)."""
+        w = self.worker._worker
+        took: list[float] = []
+        start = w.start_load_kv
+
+        def start_load_kv(meta):
+            t = time.perf_counter()
+            try:
+                return start(meta)
+            finally:
+                took.append((time.perf_counter() - t) * 1e3)
+
+        w.start_load_kv = start_load_kv
+        return took
+
     def close(self) -> None:
         self.worker.shutdown()
         self.connector.shutdown()

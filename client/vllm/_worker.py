@@ -69,15 +69,29 @@ class _Link:
 
 
 @dataclass
+class _Batch:
+    """One Get of a group: every load of one kind (synchronous or not) a step starts in it, one
+    part each (``KVClient.get_parts``): one daemon call per group a step, not one per request."""
+
+    group: int
+    handle: object | None = None
+    deadline: float = 0.0  # asynchronous: missed past it, reported failed past it twice
+    slot: int | None = None  # asynchronous on CUDA: the event slot it holds until it ended
+    ready: object = None  # asynchronous on CUDA: the event its Get waits on, kept alive with it
+    failed: bool = False  # a layer did not land, or the Get was not started
+    got: list[int] | None = None  # each part's loaded prefix, once known
+
+
+@dataclass
 class _Load:
     job: LoadJob
-    handle: object | None
+    batch: _Batch
+    part: int  # its part in the batch's Get
     asked: int  # blocks the Get was asked for (keys sent)
-    failed: bool = False
-    deadline: float = 0.0  # asynchronous: reported failed past it
-    slot: int | None = None  # asynchronous on CUDA: the event slot it holds
-    landed: bool | None = None  # asynchronous: known once it ended
-    ready: object = None  # asynchronous on CUDA: the event its Get waits on, kept alive with it
+
+    def landed(self) -> bool:
+        got = self.batch.got or []
+        return self.part < len(got) and min(got[self.part], self.asked) >= len(self.job.block_ids)
 
 
 class WorkerSide:
@@ -230,46 +244,18 @@ class WorkerSide:
             return
         usable = self._registered()
         ready = self._ready_event() if usable else None
-        now = time.monotonic()
-        self._deadline = now + self.load_timeout
-        sync = 0
+        self._deadline = time.monotonic() + self.load_timeout
+        batches: dict[tuple[int, bool], list[LoadJob]] = {}
         for job in meta.loads:
-            link = self.links[job.group]
-            asked = len(job.keys) // job.key_bytes
-            handle, slot = None, None
-            if job.asynchronous and self.cuda and usable:
-                slot = min(self._slots[job.group], default=None)
-                if slot is None:
-                    logger.warning("kvserver: more loads in flight than event_slots %d: %s is recomputed",
-                                   self.event_slots, job.req_id)
+            batches.setdefault((job.group, job.asynchronous), []).append(job)
+        for (group, asynchronous), jobs in batches.items():
+            batch = self._start(group, jobs, asynchronous, usable, ready)
+            for i, job in enumerate(jobs):
+                load = _Load(job, batch, i, len(job.keys) // job.key_bytes)
+                if asynchronous:
+                    self._async.setdefault(job.req_id, []).append(load)
                 else:
-                    self._slots[job.group].discard(slot)
-            elif not job.asynchronous:
-                slot = sync if self.cuda else 0
-                sync += 1
-            if not usable or (self.cuda and (slot is None or slot >= self.event_slots)):
-                if usable and not job.asynchronous:
-                    logger.warning("kvserver: more loads in one step than event_slots %d: %s is recomputed",
-                                   self.event_slots, job.req_id)
-            elif asked:
-                try:
-                    handle = link.client.get(job.keys, job.block_ids[:asked], layers=link.layer_ids,
-                                             event_slot=slot or 0, ready_event=ready,
-                                             lease_id=job.lease, key_bytes=job.key_bytes)
-                except Exception as exc:
-                    logger.warning("kvserver: get for %s failed (%s): its blocks are recomputed",
-                                   job.req_id, exc)
-            if handle is None and job.lease and usable:
-                self._release(job.lease, link)  # no Get to end it
-            if handle is None and job.asynchronous and slot is not None and self.cuda:
-                self._slots[job.group].add(slot)
-                slot = None
-            load = _Load(job, handle, asked, failed=handle is None, deadline=self._deadline,
-                         slot=slot if job.asynchronous else None, ready=ready if job.asynchronous else None)
-            if job.asynchronous:
-                self._async.setdefault(job.req_id, []).append(load)
-            else:
-                self._loads.append(load)
+                    self._loads.append(load)
         if self._loads:
             self._ready = ready  # kept until the step's Gets end: the daemon waits on it
         if self._loads and not self.layerwise:  # the forward starts once every layer is in (CUDA: on the GPU)
@@ -277,26 +263,66 @@ class WorkerSide:
                 for layer in link.layer_ids:
                     self._wait_layer(gi, layer)
 
+    def _start(self, group: int, jobs: list[LoadJob], asynchronous: bool, usable: bool, ready) -> _Batch:
+        """One Get of ``jobs``' parts in group ``group``'s space."""
+        link = self.links[group]
+        batch = _Batch(group, deadline=self._deadline)
+        slot: int | None = 0
+        if usable and self.cuda and asynchronous:  # held across steps: one of the free ones
+            slot = min(self._slots[group], default=None)
+            if slot is None:
+                logger.warning("kvserver: more asynchronous loads in flight than event_slots %d: %s are "
+                               "recomputed", self.event_slots, sorted({job.req_id for job in jobs}))
+            else:
+                self._slots[group].discard(slot)
+        if usable and slot is not None and any(len(job.keys) for job in jobs):
+            try:
+                batch.handle = link.client.get_parts(
+                    [(job.keys, job.block_ids[:len(job.keys) // job.key_bytes], job.lease) for job in jobs],
+                    layers=link.layer_ids, event_slot=slot, ready_event=ready, key_bytes=jobs[0].key_bytes)
+            except Exception as exc:
+                logger.warning("kvserver: get for %s failed (%s): their blocks are recomputed",
+                               sorted({job.req_id for job in jobs}), exc)
+        if batch.handle is None:
+            batch.failed = True
+            if usable:
+                for job in jobs:
+                    if job.lease:
+                        self._release(job.lease, link)  # no Get to end it
+            if asynchronous and self.cuda and slot is not None and usable:
+                self._slots[group].add(slot)
+        elif asynchronous:
+            batch.slot = slot if self.cuda else None
+            batch.ready = ready
+        return batch
+
     def _release(self, lease: str, link: _Link | None = None) -> None:
         try:
             (link or self.links[0]).client.release(lease)
         except Exception:
             pass  # it ends by itself at its pin's end
 
-    def _wait_layer(self, group: int, layer: int) -> None:
+    def _step_batches(self, group: int | None = None) -> list[_Batch]:
+        seen: dict[int, _Batch] = {}
         for load in self._loads:
-            if load.failed or load.job.group != group:
+            if group is None or load.batch.group == group:
+                seen.setdefault(id(load.batch), load.batch)
+        return list(seen.values())
+
+    def _wait_layer(self, group: int, layer: int) -> None:
+        for batch in self._step_batches(group):
+            if batch.failed:
                 continue
             try:
                 if self.cuda:
-                    ok = load.handle.stream_wait_layer(layer)
+                    ok = batch.handle.stream_wait_layer(layer)
                 else:
-                    ok = load.handle.wait_layer(layer, timeout=max(0.0, self._deadline - time.monotonic()))
+                    ok = batch.handle.wait_layer(layer, timeout=max(0.0, self._deadline - time.monotonic()))
             except Exception as exc:
-                logger.warning("kvserver: layer %d of %s did not land (%s)", layer, load.job.req_id, exc)
+                logger.warning("kvserver: layer %d of a load did not land (%s)", layer, exc)
                 ok = False
             if not ok:
-                load.failed = True
+                batch.failed = True
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self.layerwise or not self._loads:
@@ -307,46 +333,45 @@ class WorkerSide:
 
     # ---- asynchronous loads ----------------------------------------------------------------
 
-    def _ended(self, load: _Load, now: float) -> bool | None:
-        """An asynchronous load: True once it landed, False once it failed, None while running."""
-        if load.landed is not None:
-            return load.landed
-        landed = False
-        if load.handle is not None:
+    def _ended(self, batch: _Batch, now: float) -> bool:
+        """An asynchronous batch: True once its Get ended (``batch.got`` known), else False."""
+        if batch.got is not None:
+            return True
+        got: list[int] = []
+        handle = batch.handle
+        if handle is not None:
             try:
-                if not load.handle.ended():
+                if not handle.ended():
                     raise TimeoutError
-                load.handle.wait(timeout=0)
-                got = 0 if load.handle.missed else load.handle.pages(timeout=0)
-                landed = min(got, load.asked) >= len(load.job.block_ids)
-                if load.handle.missed:
+                handle.wait(timeout=0)
+                got = [] if handle.missed else handle.part_pages(timeout=0)
+                if handle.missed:
                     self.away.failed()
             except TimeoutError:
                 # Past load_timeout_s it misses (the step's synchronous loads too), and is waited
                 # out as long again (bounded by the daemon's own deadline for it), as a failed
                 # synchronous load is: vLLM frees or recomputes its blocks once it is reported.
-                if now >= load.deadline:
+                if now >= batch.deadline:
                     self.away.failed()
-                if now < load.deadline + self.load_timeout:
-                    return None
-                logger.error("kvserver: the load of %s did not end within twice load_timeout_s %.0f s: "
-                             "reported failed (recomputed); its blocks may still be written for a while",
-                             load.job.req_id, self.load_timeout)
+                if now < batch.deadline + self.load_timeout:
+                    return False
+                logger.error("kvserver: a load did not end within twice load_timeout_s %.0f s: reported "
+                             "failed (recomputed); its blocks may still be written for a while",
+                             self.load_timeout)
             except Exception as exc:
-                logger.warning("kvserver: load of %s failed (%s): its blocks are recomputed",
-                               load.job.req_id, exc)
-            if not load.handle.confirmed:
-                logger.error("kvserver: the daemon could not confirm that the load of %s stopped; its "
-                             "blocks may still be written for a while", load.job.req_id)
-            if landed and self.cuda:  # the request's next forward, on this stream, reads them after
-                link = self.links[load.job.group]
-                for layer in link.layer_ids:
-                    landed = landed and load.handle.stream_wait_layer(layer)
-        if load.slot is not None:
-            self._slots[load.job.group].add(load.slot)
-            load.slot = None
-        load.landed, load.ready = landed, None
-        return landed
+                logger.warning("kvserver: a load failed (%s): its blocks are recomputed", exc)
+            if not handle.confirmed:
+                logger.error("kvserver: the daemon could not confirm that a load stopped; its blocks may "
+                             "still be written for a while")
+            if any(got) and self.cuda:  # the requests' next forward, on this stream, reads them after
+                for layer in self.links[batch.group].layer_ids:
+                    if not handle.stream_wait_layer(layer):
+                        got = []
+        if batch.slot is not None:
+            self._slots[batch.group].add(batch.slot)
+            batch.slot = None
+        batch.got, batch.ready = got, None
+        return True
 
     def finished_loads(self) -> tuple[set[str], set[str]]:
         """Requests whose asynchronous loads all ended since the last call, and those of them
@@ -355,13 +380,11 @@ class WorkerSide:
         failed: set[str] = set()
         now = time.monotonic()
         for rid, loads in list(self._async.items()):
-            states = [self._ended(load, now) for load in loads]
-            if any(state is None for state in states):
+            if not all([self._ended(load.batch, now) for load in loads]):
                 continue
             del self._async[rid]
-            ok = all(states)
             done.add(rid)
-            if not ok:
+            if not all(load.landed() for load in loads):
                 failed.add(rid)
         if failed:
             logger.info("kvserver: the loads of %d requests did not land; vLLM recomputes them", len(failed))
@@ -374,28 +397,27 @@ class WorkerSide:
         may give the blocks of a failed one to a recompute at once. The step's report
         (``worker_meta``) says which requests' loads landed."""
         deadline = time.monotonic() + self.load_timeout  # one bound for the whole step
-        for load in self._loads:
-            got = 0
-            if load.handle is not None:
+        for batch in self._step_batches():
+            got: list[int] = []
+            if batch.handle is not None:
                 try:
-                    if not load.failed:
-                        got = load.handle.pages(timeout=max(0.0, self._deadline - time.monotonic()))
+                    if not batch.failed:
+                        got = batch.handle.part_pages(timeout=max(0.0, self._deadline - time.monotonic()))
                     # A Get whose layer wait failed (a timeout, say) may still be writing: it is
                     # waited out too, bounded by the daemon's own deadline for it.
-                    load.handle.wait(timeout=max(0.0, deadline - time.monotonic()))
-                    if load.handle.missed:
-                        got = 0
+                    batch.handle.wait(timeout=max(0.0, deadline - time.monotonic()))
+                    if batch.handle.missed:
+                        got = []
                         self.away.failed()  # the next steps' loads and Puts miss without waiting
                 except Exception as exc:
-                    logger.warning("kvserver: load of %s failed (%s): its blocks are recomputed",
-                                   load.job.req_id, exc)
-                    got = 0
-                if not load.handle.confirmed:
-                    logger.error("kvserver: the daemon could not confirm that the load of %s stopped; its "
-                                 "blocks may still be written for a while", load.job.req_id)
-            if load.failed:
-                got = 0
-            got = min(got, load.asked)
+                    logger.warning("kvserver: a load failed (%s): its blocks are recomputed", exc)
+                    got = []
+                if not batch.handle.confirmed:
+                    logger.error("kvserver: the daemon could not confirm that a load stopped; its blocks "
+                                 "may still be written for a while")
+            batch.got = [] if batch.failed else got
+        for load in self._loads:
+            got = min(load.batch.got[load.part], load.asked) if load.part < len(load.batch.got) else 0
             landed = got >= len(load.job.block_ids)
             self._report[load.job.req_id] = self._report.get(load.job.req_id, True) and landed
             if not landed:
@@ -559,9 +581,9 @@ class WorkerSide:
         self._putter.join(timeout=self.load_timeout)
         for loads in self._async.values():  # loads still writing end before the pools go
             for load in loads:
-                if load.handle is not None:
+                if load.batch.handle is not None:
                     try:
-                        load.handle.wait(timeout=self.load_timeout)
+                        load.batch.handle.wait(timeout=self.load_timeout)
                     except Exception:
                         pass
         self._async.clear()

@@ -361,9 +361,12 @@ class KVServicer(pb_grpc.KVServerServicer):
     async def _get(self, request: pb.GetRequest, lane: str, started: float) -> AsyncIterator[pb.LoadProgress]:
         first, moved = True, -1
         total = None
-        async for pages, step in self.cache.get(request):
+        parts = bool(request.parts)
+        async for found, step in self.cache.get(request):
+            pages = sum(found)
+            part_pages = found if parts else ()
             if step is None:  # first: how many pages; nothing stored is one message, done
-                yield pb.LoadProgress(done=pages == 0, pages=pages)
+                yield pb.LoadProgress(done=pages == 0, pages=pages, part_pages=part_pages)
                 if pages == 0:
                     return
                 continue
@@ -373,7 +376,9 @@ class KVServicer(pb_grpc.KVServerServicer):
                 first = False
                 self.metrics.first_layer_landed("Get", started)
             moved = step.bytes
-            yield _progress(step, total, pages)
+            progress = _progress(step, total, pages)
+            progress.part_pages.extend(part_pages)
+            yield progress
         if moved >= 0:  # a copy ran and is over (a Get that found nothing copies nothing)
             self.metrics.transfers.add("get", moved, lane)
 
@@ -397,6 +402,9 @@ class KVServicer(pb_grpc.KVServerServicer):
                     self.core.client(request.client_id)
                 # Known: refused without a look at it (that would renew its lease).
                 raise PermissionDenied("a lane carries only the calls of the registration that opened it")
+            if rpc == "Get" and request.parts:
+                raise InvalidArgument("a Get with parts is not carried by the lane (its progress words have "
+                                      "no room for part_pages): send it on gRPC")
             with self.core.share.call():
                 if rpc == "Write":
                     return (await self._write(request, "ring")).SerializeToString()

@@ -26,7 +26,7 @@ from kvserver.core.share import LoopShare
 from kvserver.errors import InvalidArgument, NoCapacity, NotFound, OutOfRange
 from kvserver.peers.tenants import TenantBook
 from kvserver.protocol.layout import KVLayout, torch_dtype
-from kvserver.store import MAX_PIN_MS, Keys, KVCache, Part, PartKey, PutPlan, Space, SpaceKey
+from kvserver.store import MAX_KEY_BYTES, MAX_PIN_MS, Keys, KVCache, Part, PartKey, PutPlan, Space, SpaceKey
 from kvserver.store.pages import COMMITTED
 from kvserver.v1 import kvserver_pb2 as pb
 
@@ -37,6 +37,7 @@ MAX_SPACE_IDS = 1 << 16  # space handles the daemon keeps (one per tenant and sp
 # Keys in one Lookup, Put or Get (2 Mi tokens in pages of 16): their bookkeeping runs on the event
 # loop, so a request is bounded to what the loop can do in a small fraction of a second.
 MAX_CACHE_KEYS = 1 << 17
+MAX_GET_PARTS = 1024  # Gets in one GetRequest (GetRequest.parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,35 +254,81 @@ class CacheOps:
             except TimeoutError:
                 return
 
-    async def get(self, req: pb.GetRequest) -> AsyncIterator[tuple[int, LoadStep | None]]:
-        """Yields (pages, step): first the number of leading keys this Get loads, with no step;
-        then, unless that is 0, one item per progress step of the copy."""
+    async def _checked_parts(self, client: ClientState,
+                             req: pb.GetRequest) -> tuple[Keys, np.ndarray, list[tuple[int, int, str]]]:
+        """A Get's keys and device pages, and its parts: (first, end, lease) over them (one part
+        for a Get without ``parts``). The whole request is checked before anything is read."""
+        if not req.parts:
+            keys, pages = await self._checked(client, req.keys, req.key_bytes, req.device_pages,
+                                              req.ready_event, req.event_slot)
+            return keys, pages, [(0, len(keys), req.lease_id)]
+        if req.keys or req.device_pages or req.lease_id:
+            raise InvalidArgument("a Get with parts carries its keys, device pages and leases in its parts")
+        if len(req.parts) > MAX_GET_PARTS:
+            raise InvalidArgument(f"{len(req.parts)} parts in one Get; at most {MAX_GET_PARTS}")
+        width = req.key_bytes
+        if not 1 <= width <= MAX_KEY_BYTES:
+            raise InvalidArgument(f"key_bytes must be between 1 and {MAX_KEY_BYTES}, got {width}")
+        bounds, at = [], 0
+        for i, part in enumerate(req.parts):
+            n = len(part.keys) // width if width else 0
+            if len(part.keys) != n * width or len(part.device_pages) != n:
+                raise InvalidArgument(f"part {i}: {len(part.keys)} bytes of {width}-byte keys and "
+                                      f"{len(part.device_pages)} device pages; they must pair up")
+            bounds.append((at, at + n, part.lease_id))
+            at += n
+        if at > self._max_keys:
+            raise NoCapacity(f"{at} keys in one request; at most {self._max_keys} are allowed")
+        device = np.concatenate([transfer.as_indices(p.device_pages, "device page") for p in req.parts])
+        keys, pages = await self._checked(client, b"".join(p.keys for p in req.parts), width, device,
+                                          req.ready_event, req.event_slot)
+        return keys, pages, bounds
+
+    async def get(self, req: pb.GetRequest) -> AsyncIterator[tuple[list[int], LoadStep | None]]:
+        """Yields (pages, step): first how many leading keys of each part this Get loads, with no
+        step; then, unless that is none, one item per progress step of the copy (all parts as one
+        job)."""
         client = self.kv.client(req.client_id)
         deadline = self.kv.deadline(req.timeout_ms)
-        keys, pages = await self._checked(client, req.keys, req.key_bytes, req.device_pages,
-                                          req.ready_event, req.event_slot)
+        keys, pages, bounds = await self._checked_parts(client, req)
         local_layers = client.spec.layers.select(req.layers)
         part = self._part(client)
-        plan = await in_steps(self.kv.share, self.cache.prepare_get_steps(part, keys, req.lease_id))
-        if plan.pages == 0:
-            self.cache.complete_get(plan, True)
-            yield 0, None
+        plans = []
+        try:
+            for first, end, lease in bounds:
+                plans.append(await in_steps(self.kv.share,
+                                            self.cache.prepare_get_steps(part, keys[first:end], lease)))
+        except BaseException:
+            for plan in plans:
+                self.cache.complete_get(plan, False)
+            raise
+
+        def complete(ok: bool) -> None:
+            for plan in plans:
+                self.cache.complete_get(plan, ok)
+
+        found = [plan.pages for plan in plans]
+        if not any(found):
+            complete(True)
+            yield found, None
             return
         try:
             self.kv.client(client.client_id)  # released during the steps: its pool may be closed
-            job = self._job(client, plan.offsets, pages[: plan.pages], local_layers, req.ready_event,
-                            req.event_slot, deadline)
+            offsets = np.concatenate([plan.offsets for plan in plans])
+            device = np.concatenate([pages[first:first + plan.pages]
+                                     for (first, _, _), plan in zip(bounds, plans, strict=True)])
+            job = self._job(client, offsets, device, local_layers, req.ready_event, req.event_slot, deadline)
         except BaseException:
-            self.cache.complete_get(plan, False)
+            complete(False)
             raise
-        job.on_settled = lambda ok: self.cache.complete_get(plan, ok)
+        job.on_settled = complete
         try:
-            yield plan.pages, None  # the prefix is known now: the engine need not wait for a copy
+            yield found, None  # the prefixes are known now: the engine need not wait for a copy
             async for step in self.kv.copier.load(job):
-                yield plan.pages, step
+                yield found, step
         finally:
             if not job.submitted:  # it never reached the medium, so nothing will settle it
-                self.cache.complete_get(plan, False)
+                complete(False)
 
 
 async def in_steps(share: LoopShare, steps: Generator[None, None, T]) -> T:

@@ -242,20 +242,22 @@ class LoadRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., host_indices: _Optional[_Iterable[int]] = ..., device_indices: _Optional[_Iterable[int]] = ..., layers: _Optional[_Iterable[int]] = ..., event_slot: _Optional[int] = ..., ready_event: _Optional[bytes] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class LoadProgress(_message.Message):
-    __slots__ = ("last_layer", "layers_done", "done", "bytes", "events_recorded", "pages")
+    __slots__ = ("last_layer", "layers_done", "done", "bytes", "events_recorded", "pages", "part_pages")
     LAST_LAYER_FIELD_NUMBER: _ClassVar[int]
     LAYERS_DONE_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     EVENTS_RECORDED_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
+    PART_PAGES_FIELD_NUMBER: _ClassVar[int]
     last_layer: int
     layers_done: int
     done: bool
     bytes: int
     events_recorded: bool
     pages: int
-    def __init__(self, last_layer: _Optional[int] = ..., layers_done: _Optional[int] = ..., done: bool = ..., bytes: _Optional[int] = ..., events_recorded: bool = ..., pages: _Optional[int] = ...) -> None: ...
+    part_pages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, last_layer: _Optional[int] = ..., layers_done: _Optional[int] = ..., done: bool = ..., bytes: _Optional[int] = ..., events_recorded: bool = ..., pages: _Optional[int] = ..., part_pages: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVSpace(_message.Message):
     __slots__ = ("model", "layout", "dtype", "page_size", "num_layers", "tp_size", "pp_size")
@@ -344,7 +346,7 @@ class PutResponse(_message.Message):
     def __init__(self, stored: _Optional[int] = ..., present: _Optional[int] = ..., dropped: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("client_id", "keys", "key_bytes", "device_pages", "layers", "event_slot", "ready_event", "timeout_ms", "lease_id")
+    __slots__ = ("client_id", "keys", "key_bytes", "device_pages", "layers", "event_slot", "ready_event", "timeout_ms", "lease_id", "parts")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     KEY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -354,6 +356,7 @@ class GetRequest(_message.Message):
     READY_EVENT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     keys: bytes
     key_bytes: int
@@ -363,7 +366,18 @@ class GetRequest(_message.Message):
     ready_event: bytes
     timeout_ms: int
     lease_id: str
-    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., key_bytes: _Optional[int] = ..., device_pages: _Optional[_Iterable[int]] = ..., layers: _Optional[_Iterable[int]] = ..., event_slot: _Optional[int] = ..., ready_event: _Optional[bytes] = ..., timeout_ms: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    parts: _containers.RepeatedCompositeFieldContainer[GetPart]
+    def __init__(self, client_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., key_bytes: _Optional[int] = ..., device_pages: _Optional[_Iterable[int]] = ..., layers: _Optional[_Iterable[int]] = ..., event_slot: _Optional[int] = ..., ready_event: _Optional[bytes] = ..., timeout_ms: _Optional[int] = ..., lease_id: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[GetPart, _Mapping]]] = ...) -> None: ...
+
+class GetPart(_message.Message):
+    __slots__ = ("keys", "device_pages", "lease_id")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    keys: bytes
+    device_pages: _containers.RepeatedScalarFieldContainer[int]
+    lease_id: str
+    def __init__(self, keys: _Optional[bytes] = ..., device_pages: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("client_id", "space_id", "lease_ids")
