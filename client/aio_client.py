@@ -267,7 +267,9 @@ class AsyncKVClient(CoreShell):
                   layers: Iterable[int] | None = None, event_slot: int = 0, ready_event=None,
                   key_bytes: int = KEY_BYTES) -> AsyncLoadHandle:
         """Several Gets in one call, as ``KVClient.get_parts``; ``await handle.part_pages()``."""
-        return self._stream(self._core.get_parts(parts, layers, event_slot, ready_event, key_bytes))
+        handle = self._stream(self._core.get_parts(parts, layers, event_slot, ready_event, key_bytes))
+        handle.parts = len(parts)
+        return handle
 
     async def release(self, lease_ids: str | Sequence[str]) -> int:
         return await self._run(self._core.release(lease_ids))

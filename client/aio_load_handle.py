@@ -33,6 +33,7 @@ class AsyncLoadHandle:
         self._bytes = 0
         self._pages: int | None = None  # a Get's stored prefix, from its first message
         self._part_pages: list[int] = []  # a Get with parts: each part's
+        self.parts = 0  # a Get with parts: how many (set by get_parts)
         self._on_error = on_error
         self._changed = asyncio.Condition()
         self._task = asyncio.get_running_loop().create_task(self._consume(stream))
@@ -98,9 +99,9 @@ class AsyncLoadHandle:
         return 0 if self.missed else self._pages or 0
 
     async def part_pages(self) -> list[int]:
-        """A Get with parts: as ``pages``, each part's stored prefix (empty on a miss)."""
+        """A Get with parts: as ``pages``, each part's stored prefix (all 0 on a miss)."""
         await self.pages()
-        return [] if self.missed else list(self._part_pages)
+        return [0] * self.parts if self.missed else list(self._part_pages)
 
     async def stream_wait_layer(self, layer_id: int, stream=None) -> bool:
         """CUDA pools: ``stream`` (default: the current one) waits on the GPU for global layer

@@ -23,6 +23,7 @@ class LoadHandle:
         self.get = get
         self._pages: int | None = None  # a Get's stored prefix, from its first message
         self._part_pages: list[int] = []  # a Get with parts: each part's
+        self.parts = 0  # a Get with parts: how many (set by get_parts)
         self._on_error = on_error  # True: the error is a miss, not raised
         self._cond = threading.Condition()
         self._last_layer = -1
@@ -192,10 +193,10 @@ class LoadHandle:
             return 0 if self.missed else self._pages or 0
 
     def part_pages(self, timeout: float | None = None) -> list[int]:
-        """A Get with parts: as ``pages``, each part's stored prefix (empty on a miss)."""
+        """A Get with parts: as ``pages``, each part's stored prefix (all 0 on a miss)."""
         self.pages(timeout)
         with self._cond:
-            return [] if self.missed else list(self._part_pages)
+            return [0] * self.parts if self.missed else list(self._part_pages)
 
     def wait(self, timeout: float | None = None) -> int:
         """Waits for every layer; returns the bytes copied (0 if the load missed)."""

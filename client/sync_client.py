@@ -379,7 +379,9 @@ class KVClient(CoreShell):
         """Several Gets in one call, (keys, device_pages, lease_id) each, copied as one job:
         each part loads its own longest cached prefix and ends its own lease;
         ``handle.part_pages()`` says how many pages of each part that is. Sent on gRPC."""
-        return self._stream(self._core.get_parts(parts, layers, event_slot, ready_event, key_bytes))
+        handle = self._stream(self._core.get_parts(parts, layers, event_slot, ready_event, key_bytes))
+        handle.parts = len(parts)
+        return handle
 
     def release(self, lease_ids: str | Sequence[str]) -> int:
         """Ends leases taken by ``lookup(pin_ms=...)``; returns how many were still held."""

@@ -78,6 +78,27 @@ def test_a_get_of_several_parts_loads_each_parts_own_prefix_in_one_call(daemon):
         assert nothing.part_pages() == [0, 0] and nothing.pages() == 0
 
 
+def test_a_get_of_many_parts_gives_the_event_loop_a_turn_between_parts(daemon, monkeypatch):
+    """Parts of a Get are prepared as one cache operation's steps: the loop gets a turn between
+    two parts (LoopShare.between_steps) as between two steps of one part."""
+    share = daemon.core.share
+    turns: list[float] = []
+    between = share.between_steps
+
+    async def counted(elapsed: float) -> None:
+        turns.append(elapsed)
+        await between(elapsed)
+
+    monkeypatch.setattr(share, "between_steps", counted)
+    keys = page_keys(range(3000, 3000 + 8 * PAGE), PAGE)
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 256) as pool, KVClient(daemon.address) as c:
+        register(c, pool)
+        handle = c.get_parts([(keys[i * 16:(i + 1) * 16], [i], "") for i in range(8)])
+        assert handle.part_pages() == [0] * 8
+        handle.wait()
+    assert len(turns) >= 7
+
+
 def test_asyncio_client_and_view(daemon):
     keys = page_keys(range(2 * PAGE), PAGE)
 

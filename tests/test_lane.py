@@ -202,8 +202,11 @@ def test_a_hostile_ring_hurts_only_itself(daemon) -> None:
             ring.put(3, R.RPC_WRITE, theirs.SerializeToString())  # another registration's id
             ring.put(4, R.RPC_WRITE, good.SerializeToString(), state=0xDEADBEEF)  # no state the daemon knows
             ring.put(5, R.RPC_WRITE, good.SerializeToString())  # a good one
+            parts = pb.GetRequest(client_id=raw_reg.client_id, key_bytes=16,
+                                  parts=[pb.GetPart(keys=b"k" * 16, device_pages=[0])])
+            ring.put(6, R.RPC_GET, parts.SerializeToString())  # parts: gRPC only
             assert ring.ring(100_000) > 0  # the doorbell, rung until its queue is full
-            wait_until(lambda: all(ring.state(i) == R.DONE for i in (0, 1, 2, 3, 5)), 10,
+            wait_until(lambda: all(ring.state(i) == R.DONE for i in (0, 1, 2, 3, 5, 6)), 10,
                        "the ring's answers")
             inv = grpc.StatusCode.INVALID_ARGUMENT
             assert ring.answer(0) == (inv, "unknown lane rpc id 99")
@@ -211,10 +214,11 @@ def test_a_hostile_ring_hurts_only_itself(daemon) -> None:
             assert ring.answer(2)[0] == inv and "LoadRequest" in ring.answer(2)[1]
             assert ring.answer(3)[0] == grpc.StatusCode.PERMISSION_DENIED
             assert ring.answer(5)[0] == grpc.StatusCode.OK
+            assert ring.answer(6)[0] == inv and "not carried by the lane" in ring.answer(6)[1]
             assert ring.state(4) == 0xDEADBEEF  # ignored
             # The slots stay DONE (never freed): resubmitting one is ignored until the peer frees it.
             assert bytes(ring.mm[: R.HEADER.size]) == R.header(8)  # the daemon wrote no header
-            assert not any(ring.mm[R.slot_offset(6): R.ring_bytes(8)])  # nor any slot it was not asked to
+            assert not any(ring.mm[R.slot_offset(7): R.ring_bytes(8)])  # nor any slot it was not asked to
             # Meanwhile another engine is served on its own lane.
             round_trip(engine, pool)
             assert engine.lane is not None and engine.lane.calls == 2

@@ -445,6 +445,41 @@ def test_blocks_computed_on_a_failed_load_are_not_stored(engines, daemon_factory
     c.run()
 
 
+def test_a_failed_get_of_several_requests_reports_every_ones_blocks(engines, daemon_factory, vcfg,
+                                                                    monkeypatch):
+    # One Get a step carries every loading request (a part each): when it finds nothing, every
+    # request's blocks are reported, each request recomputes them, and the next engine loads what
+    # they stored again, bit for bit.
+    monkeypatch.setattr(vcfg.scheduler_config, "async_scheduling", False)
+    monkeypatch.setattr(vcfg.scheduler_config, "max_num_batched_tokens", 256)
+    d = daemon_factory(host_memory=64 << 20)
+    prompts = {"b1": PROMPT, "b2": [t + 1 for t in PROMPT]}
+    a = engines("batch-fail", address=d.address)
+    for rid, tokens in prompts.items():
+        a.add("a" + rid, tokens, max_tokens=1)
+    a.run()
+
+    def evict(engine, so):
+        if {job.req_id for job in so.kv_connector_metadata.loads} == set(prompts):
+            d.run(lambda: d.core.cache.make_room(1 << 40))  # every unpinned page goes
+
+    b = engines("batch-fail", address=d.address, settings={"lookup_pin_ms": 0}, before_load=evict)
+    gets = b.count_gets()
+    for rid, tokens in prompts.items():
+        b.add(rid, tokens, max_tokens=1)
+    b.step()
+    assert b.admitted == {"b1": [64], "b2": [64]} and [g for g in gets if g] == [1]  # one Get, both
+    assert b.invalid == {blk for rid in prompts for blk in b.block_ids(rid)[:4]}
+    b.run()
+    for rid, tokens in prompts.items():
+        seen: list[int] = []
+        c = engines("batch-fail", address=d.address, on_layer=check_loaded("c" + rid, tokens, 64, seen))
+        c.add("c" + rid, tokens, max_tokens=1)
+        c.step()
+        assert c.admitted["c" + rid] == [64] and seen == [0, 1]
+        c.run()
+
+
 def test_preempted_requests_blocks_are_reused_only_after_their_puts(engines, server):
     # Puts made slow: without handle_preemptions' wait, a preempted request's blocks are reused
     # (written by the other request's forward) before its queued Puts read them.

@@ -345,7 +345,7 @@ def test_a_failed_asynchronous_load_is_not_tried_again(engines):
         raise RuntimeError("get refused")
 
     for link in b.worker._worker.links:
-        link.client.get_parts = refused
+        link.client.get = link.client.get_parts = refused
     b.add("b", PROMPT, max_tokens=1)
     loads = 0
     for _ in range(30):

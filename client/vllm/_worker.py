@@ -32,6 +32,10 @@ from kvclient.vllm._space import Group, Space, layer_index
 
 logger = logging.getLogger("kvclient.vllm")
 
+# What the daemon takes in one Get (GetRequest.parts): a step's loads past it take more Gets.
+MAX_GET_PARTS = 1024
+MAX_GET_KEYS = 1 << 17
+
 
 def _layer_index(name: str) -> int:
     from vllm.model_executor.models.utils import extract_layer_index
@@ -80,6 +84,8 @@ class _Batch:
     ready: object = None  # asynchronous on CUDA: the event its Get waits on, kept alive with it
     failed: bool = False  # a layer did not land, or the Get was not started
     got: list[int] | None = None  # each part's loaded prefix, once known
+    parts: int = 0
+    single: bool = False  # one part: a plain Get (it may take the fast lane)
 
 
 @dataclass
@@ -92,6 +98,21 @@ class _Load:
     def landed(self) -> bool:
         got = self.batch.got or []
         return self.part < len(got) and min(got[self.part], self.asked) >= len(self.job.block_ids)
+
+
+def _chunks(jobs: list[LoadJob]):
+    """``jobs`` in runs the daemon takes in one Get (MAX_GET_PARTS, MAX_GET_KEYS)."""
+    chunk: list[LoadJob] = []
+    keys = 0
+    for job in jobs:
+        n = len(job.keys) // job.key_bytes
+        if chunk and (len(chunk) == MAX_GET_PARTS or keys + n > MAX_GET_KEYS):
+            yield chunk
+            chunk, keys = [], 0
+        chunk.append(job)
+        keys += n
+    if chunk:
+        yield chunk
 
 
 class WorkerSide:
@@ -127,6 +148,7 @@ class WorkerSide:
         self._inflight: dict[int, SaveJob] = {}  # Puts queued or running, by sequence number
         self._dropped_seqs: set[int] = set()  # queued Puts dropped before they start
         self._seq = 0
+        self._warned_parts = False
         self._deadline = 0.0
         self._ready = None  # CUDA: the step's slots-ready event, alive until its Gets end
         self._failed: set[int] = set()
@@ -248,14 +270,20 @@ class WorkerSide:
         batches: dict[tuple[int, bool], list[LoadJob]] = {}
         for job in meta.loads:
             batches.setdefault((job.group, job.asynchronous), []).append(job)
-        for (group, asynchronous), jobs in batches.items():
-            batch = self._start(group, jobs, asynchronous, usable, ready)
-            for i, job in enumerate(jobs):
-                load = _Load(job, batch, i, len(job.keys) // job.key_bytes)
-                if asynchronous:
-                    self._async.setdefault(job.req_id, []).append(load)
-                else:
-                    self._loads.append(load)
+        sync_slots = [0] * len(self.links)  # synchronous Gets of the step: slots 0.. of their group
+        for (group, asynchronous), all_jobs in batches.items():
+            for jobs in _chunks(all_jobs):
+                slot = None
+                if not asynchronous:
+                    slot = sync_slots[group] if self.cuda else 0
+                    sync_slots[group] += 1
+                batch = self._start(group, jobs, asynchronous, usable, ready, slot)
+                for i, job in enumerate(jobs):
+                    load = _Load(job, batch, i, len(job.keys) // job.key_bytes)
+                    if asynchronous:
+                        self._async.setdefault(job.req_id, []).append(load)
+                    else:
+                        self._loads.append(load)
         if self._loads:
             self._ready = ready  # kept until the step's Gets end: the daemon waits on it
         if self._loads and not self.layerwise:  # the forward starts once every layer is in (CUDA: on the GPU)
@@ -263,26 +291,39 @@ class WorkerSide:
                 for layer in link.layer_ids:
                     self._wait_layer(gi, layer)
 
-    def _start(self, group: int, jobs: list[LoadJob], asynchronous: bool, usable: bool, ready) -> _Batch:
-        """One Get of ``jobs``' parts in group ``group``'s space."""
+    def _start(self, group: int, jobs: list[LoadJob], asynchronous: bool, usable: bool, ready,
+               slot: int | None) -> _Batch:
+        """One Get of ``jobs``' parts in group ``group``'s space (a synchronous one in event slot
+        ``slot``; an asynchronous one takes a free slot, held until it ended)."""
         link = self.links[group]
-        batch = _Batch(group, deadline=self._deadline)
-        slot: int | None = 0
+        batch = _Batch(group, deadline=self._deadline, parts=len(jobs), single=len(jobs) == 1)
+        rids = sorted({job.req_id for job in jobs})
+        if asynchronous:
+            slot = 0  # CPU pools record no events
         if usable and self.cuda and asynchronous:  # held across steps: one of the free ones
             slot = min(self._slots[group], default=None)
             if slot is None:
                 logger.warning("kvserver: more asynchronous loads in flight than event_slots %d: %s are "
-                               "recomputed", self.event_slots, sorted({job.req_id for job in jobs}))
+                               "recomputed", self.event_slots, rids)
             else:
                 self._slots[group].discard(slot)
+        elif usable and self.cuda and slot is not None and slot >= self.event_slots:
+            logger.warning("kvserver: more Gets in one step than event_slots %d: %s are recomputed",
+                           self.event_slots, rids)
+            slot = None
         if usable and slot is not None and any(len(job.keys) for job in jobs):
             try:
-                batch.handle = link.client.get_parts(
-                    [(job.keys, job.block_ids[:len(job.keys) // job.key_bytes], job.lease) for job in jobs],
-                    layers=link.layer_ids, event_slot=slot, ready_event=ready, key_bytes=jobs[0].key_bytes)
+                kw = dict(layers=link.layer_ids, event_slot=slot, ready_event=ready,
+                          key_bytes=jobs[0].key_bytes)
+                parts = [(job.keys, job.block_ids[:len(job.keys) // job.key_bytes], job.lease)
+                         for job in jobs]
+                if batch.single:
+                    keys, blocks, lease = parts[0]
+                    batch.handle = link.client.get(keys, blocks, lease_id=lease, **kw)
+                else:
+                    batch.handle = link.client.get_parts(parts, **kw)
             except Exception as exc:
-                logger.warning("kvserver: get for %s failed (%s): their blocks are recomputed",
-                               sorted({job.req_id for job in jobs}), exc)
+                logger.warning("kvserver: get for %s failed (%s): their blocks are recomputed", rids, exc)
         if batch.handle is None:
             batch.failed = True
             if usable:
@@ -295,6 +336,19 @@ class WorkerSide:
             batch.slot = slot if self.cuda else None
             batch.ready = ready
         return batch
+
+    def _got(self, batch: _Batch, timeout: float) -> list[int]:
+        """Each part's loaded prefix (blocks until the Get's first answer, within ``timeout``)."""
+        if batch.single:
+            return [batch.handle.pages(timeout=timeout)]
+        got = batch.handle.part_pages(timeout=timeout)
+        if len(got) != batch.parts:
+            if not self._warned_parts:
+                self._warned_parts = True
+                logger.error("kvserver: the daemon answered a Get of %d parts with %d part sizes (a daemon "
+                             "older than this client?): multi-request loads miss", batch.parts, len(got))
+            return []
+        return got
 
     def _release(self, lease: str, link: _Link | None = None) -> None:
         try:
@@ -344,7 +398,7 @@ class WorkerSide:
                 if not handle.ended():
                     raise TimeoutError
                 handle.wait(timeout=0)
-                got = [] if handle.missed else handle.part_pages(timeout=0)
+                got = [] if handle.missed else self._got(batch, 0)
                 if handle.missed:
                     self.away.failed()
             except TimeoutError:
@@ -402,7 +456,7 @@ class WorkerSide:
             if batch.handle is not None:
                 try:
                     if not batch.failed:
-                        got = batch.handle.part_pages(timeout=max(0.0, self._deadline - time.monotonic()))
+                        got = self._got(batch, max(0.0, self._deadline - time.monotonic()))
                     # A Get whose layer wait failed (a timeout, say) may still be writing: it is
                     # waited out too, bounded by the daemon's own deadline for it.
                     batch.handle.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -579,13 +633,13 @@ class WorkerSide:
             self._lock.wait_for(lambda: not any(self._pending.values()), timeout=self.load_timeout)
         self._puts.put(None)
         self._putter.join(timeout=self.load_timeout)
-        for loads in self._async.values():  # loads still writing end before the pools go
-            for load in loads:
-                if load.batch.handle is not None:
-                    try:
-                        load.batch.handle.wait(timeout=self.load_timeout)
-                    except Exception:
-                        pass
+        batches = {id(load.batch): load.batch for loads in self._async.values() for load in loads}
+        for batch in batches.values():  # loads still writing end before the pools go
+            if batch.handle is not None:
+                try:
+                    batch.handle.wait(timeout=self.load_timeout)
+                except Exception:
+                    pass
         self._async.clear()
         self.away.close()
         for link in self.links:

@@ -26,7 +26,18 @@ from kvserver.core.share import LoopShare
 from kvserver.errors import InvalidArgument, NoCapacity, NotFound, OutOfRange
 from kvserver.peers.tenants import TenantBook
 from kvserver.protocol.layout import KVLayout, torch_dtype
-from kvserver.store import MAX_KEY_BYTES, MAX_PIN_MS, Keys, KVCache, Part, PartKey, PutPlan, Space, SpaceKey
+from kvserver.store import (
+    MAX_KEY_BYTES,
+    MAX_PIN_MS,
+    GetPlan,
+    Keys,
+    KVCache,
+    Part,
+    PartKey,
+    PutPlan,
+    Space,
+    SpaceKey,
+)
 from kvserver.store.pages import COMMITTED
 from kvserver.v1 import kvserver_pb2 as pb
 
@@ -284,6 +295,23 @@ class CacheOps:
                                           req.ready_event, req.event_slot)
         return keys, pages, bounds
 
+    def _prepare_parts(self, part: Part, keys: Keys,
+                       bounds: list[tuple[int, int, str]]) -> Generator[None, None, list[GetPlan]]:
+        """``prepare_get_steps`` of each part in turn, as one cache operation's steps: the event
+        loop gets a turn between two parts as between two steps of one, and a Get given up midway
+        undoes the parts it had prepared."""
+        plans: list[GetPlan] = []
+        try:
+            for i, (first, end, lease) in enumerate(bounds):
+                if i:
+                    yield
+                plans.append((yield from self.cache.prepare_get_steps(part, keys[first:end], lease)))
+        except BaseException:
+            for plan in plans:
+                self.cache.complete_get(plan, False)
+            raise
+        return plans
+
     async def get(self, req: pb.GetRequest) -> AsyncIterator[tuple[list[int], LoadStep | None]]:
         """Yields (pages, step): first how many leading keys of each part this Get loads, with no
         step; then, unless that is none, one item per progress step of the copy (all parts as one
@@ -292,16 +320,7 @@ class CacheOps:
         deadline = self.kv.deadline(req.timeout_ms)
         keys, pages, bounds = await self._checked_parts(client, req)
         local_layers = client.spec.layers.select(req.layers)
-        part = self._part(client)
-        plans = []
-        try:
-            for first, end, lease in bounds:
-                plans.append(await in_steps(self.kv.share,
-                                            self.cache.prepare_get_steps(part, keys[first:end], lease)))
-        except BaseException:
-            for plan in plans:
-                self.cache.complete_get(plan, False)
-            raise
+        plans = await in_steps(self.kv.share, self._prepare_parts(self._part(client), keys, bounds))
 
         def complete(ok: bool) -> None:
             for plan in plans:
