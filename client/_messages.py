@@ -53,11 +53,13 @@ def register_request(
     event_slots: int = 0,
     min_host_tokens: int = 0,
     peer_ticket: str = "",
+    weights: str = "",
 ) -> pb.RegisterRequest:
     """The request without a ticket unless given one: the clients get a fresh ticket for each
     Register they send (``_transport.fd_socket.ticketed``)."""
     return pb.RegisterRequest(
         model=model,
+        weights=weights,
         tp_rank=tp_rank,
         tp_size=tp_size,
         pp_rank=pp_rank,

@@ -119,12 +119,13 @@ class AsyncKVClient(CoreShell):
                        end_layer: int,
                        num_layers: int, host_tokens: int, page_size: int = 1, tp_rank: int = 0,
                        tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
-                       event_slots: int = 0, min_host_tokens: int | None = None) -> msg.Registration:
+                       event_slots: int = 0, min_host_tokens: int | None = None,
+                       weights: str = "") -> msg.Registration:
         req = self._core.register_request(
             model=model, pool=pool, start_layer=start_layer, end_layer=end_layer,
             num_layers=num_layers, host_tokens=host_tokens, page_size=page_size,
             tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, event_slots=event_slots,
-            min_host_tokens=min_host_tokens,
+            min_host_tokens=min_host_tokens, weights=weights,
         )
         sent = await asyncio.to_thread(ticketed, self.target, pool, req, self.timeout)
         reg, replaced = self._core.registered(await self._call(self._stub.Register, sent), req, pool)

@@ -50,10 +50,10 @@ class CacheView(_ViewShell):
 
     def __init__(self, address: str | None = None, *, model: str, layout: KVLayout, dtype: torch.dtype,
                  page_size: int, num_layers: int, tp_size: int = 1, pp_size: int = 1, timeout: float = 5.0,
-                 token: str | None = None, tenant_token: str | None = None) -> None:
+                 token: str | None = None, tenant_token: str | None = None, weights: str = "") -> None:
         self._core = ViewCore(address, model=model, layout=layout, dtype=dtype, page_size=page_size,
                               num_layers=num_layers, tp_size=tp_size, pp_size=pp_size, timeout=timeout,
-                              token=token, tenant_token=tenant_token)
+                              token=token, tenant_token=tenant_token, weights=weights)
         self._channel = grpc.insecure_channel(self._core.target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVServerStub(self._channel)
 
@@ -117,10 +117,10 @@ class AsyncCacheView(_ViewShell):
 
     def __init__(self, address: str | None = None, *, model: str, layout: KVLayout, dtype: torch.dtype,
                  page_size: int, num_layers: int, tp_size: int = 1, pp_size: int = 1, timeout: float = 5.0,
-                 token: str | None = None, tenant_token: str | None = None) -> None:
+                 token: str | None = None, tenant_token: str | None = None, weights: str = "") -> None:
         self._core = ViewCore(address, model=model, layout=layout, dtype=dtype, page_size=page_size,
                               num_layers=num_layers, tp_size=tp_size, pp_size=pp_size, timeout=timeout,
-                              token=token, tenant_token=tenant_token)
+                              token=token, tenant_token=tenant_token, weights=weights)
         self._channel = grpc.aio.insecure_channel(self._core.target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVServerStub(self._channel)
 

@@ -161,17 +161,19 @@ class KVClient(CoreShell):
         pp_size: int = 1,
         event_slots: int = 0,
         min_host_tokens: int | None = None,
+        weights: str = "",
     ) -> msg.Registration:
         """Registers (always raising on failure) and opens the session that keeps it alive.
         ``pool`` is a ShmKVPool, a CudaKVPool or a KVViewsPool; CUDA pools get ``event_slots`` (default 3)
         sets of per-layer events, one set per load in flight. The grant is ``host_tokens``, or
         at least ``min_host_tokens`` if given: a daemon that cannot grant that much refuses with
-        RESOURCE_EXHAUSTED, naming what is free."""
+        RESOURCE_EXHAUSTED, naming what is free. ``weights``: the weights' identity beyond the model's
+        name (``kvclient.weights``), part of the KV space: pages of other weights are never shared."""
         req = self._core.register_request(
             model=model, pool=pool, start_layer=start_layer, end_layer=end_layer,
             num_layers=num_layers, host_tokens=host_tokens, page_size=page_size,
             tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, event_slots=event_slots,
-            min_host_tokens=min_host_tokens,
+            min_host_tokens=min_host_tokens, weights=weights,
         )
         resp = self._call(self._stub.Register, ticketed(self.target, pool, req, self.timeout))
         reg, replaced = self._core.registered(resp, req, pool)

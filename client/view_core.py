@@ -43,12 +43,13 @@ class ViewOp:
 class ViewCore:
     def __init__(self, address: str | None, *, model: str, layout: KVLayout, dtype: torch.dtype,
                  page_size: int, num_layers: int, tp_size: int, pp_size: int, timeout: float,
-                 token: str | None, tenant_token: str | None) -> None:
+                 token: str | None, tenant_token: str | None, weights: str = "") -> None:
         self.target = target(address)
         self.timeout = timeout
         self.metadata = call_metadata(token, tenant_token)
         self.space = pb.KVSpace(model=model, layout=layout.to_wire(), dtype=wire_dtype(dtype),
-                                page_size=page_size, num_layers=num_layers, tp_size=tp_size, pp_size=pp_size)
+                                page_size=page_size, num_layers=num_layers, tp_size=tp_size, pp_size=pp_size,
+                                weights=weights)
         self.space_id = ""
         self.tenant = ""
         self.misses = 0

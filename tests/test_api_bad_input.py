@@ -636,6 +636,8 @@ REGISTER_CASES = [
                  id="mha-zero-heads"),
     pytest.param(lambda s, r: setattr(r.layout.mha, "head_dim", 0), INV, "head_dim > 0", id="mha-zero-dim"),
     pytest.param(lambda s, r: r.layout.mla.SetInParent(), INV, "kv_lora_rank > 0", id="mla-zero-rank"),
+    pytest.param(_fields(weights="w" * 257), INV, "weights is 257 characters; at most 256",
+                 id="weights-too-long"),
     pytest.param(_fields(page_size=0), INV, "page_size must be in [1, 4096], got 0", id="page-size-zero"),
     pytest.param(_fields(page_size=4097), INV, "page_size must be in [1, 4096], got 4097",
                  id="page-size-huge"),

@@ -216,6 +216,7 @@ def space(**change) -> pb.KVSpace:
     pytest.param(space(dtype=pb.DTYPE_UNSPECIFIED), "dtype", id="no-dtype"),
     pytest.param(space(layout=pb.KVLayout()), "layout", id="no-layout"),
     pytest.param(space(model=""), "model", id="no-model"),
+    pytest.param(space(weights="w" * 257), "space.weights is 257 characters", id="weights-too-long"),
 ])
 def test_bad_open_space(env: Env, bad: pb.KVSpace, text: str) -> None:
     req = pb.OpenSpaceRequest(space=bad, peer_ticket=get_ticket(fd_socket_path(env.d.address), []))

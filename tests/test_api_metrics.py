@@ -135,7 +135,7 @@ def test_scrape_counts_what_the_engine_did_and_agrees_with_stats(daemon_factory)
         (space,) = [s for s in stats.spaces if s.space.model == "metrics-model"]
         (tstat,) = [t for t in stats.tenants if t.tenant == tenant]
         labels = dict(tenant=tenant, model="metrics-model", layout="mha:2x8", dtype="float16",
-                      page_size=str(PAGE), num_layers=str(LAYERS), tp_size="1", pp_size="1")
+                      page_size=str(PAGE), num_layers=str(LAYERS), tp_size="1", pp_size="1", weights="")
         c = space.counters
         assert (c.hits, c.misses, c.pages, c.dedup_pages) == (4, 6, 4, 4)
         assert value(m, "kvserver_cache_hits_total", **labels) == c.hits

@@ -251,6 +251,25 @@ def test_two_engines_share_a_prefix_layer_by_layer(daemon, kind, dtype):
         b.close()
 
 
+def test_engines_of_other_weights_never_share(daemon):
+    """The weights' identity (linker_extra_config weights, else read from the model path) is part
+    of the KV space: the same model name with other weights finds nothing."""
+    a, pool_a, alloc_a = _engine(daemon.address, pp_size=1, pp_rank=0, weights="rev-a")
+    b, _, _ = _engine(daemon.address, pp_size=1, pp_rank=0, weights="rev-b")
+    c, _, _ = _engine(daemon.address, pp_size=1, pp_rank=0, weights="rev-a")
+    try:
+        hashes = _hashes(list(range(2000, 2000 + 3 * PAGE)))
+        slots = alloc_a.alloc(3 * PAGE)
+        _fill(pool_a, slots, seed=3)
+        assert a.offload([_kv(device_indices=slots, keys=hashes)], session_id=None) is True
+        assert _completed(a, 1) == 1
+        assert b.lookup("b", [_kv(keys=hashes)]) == []
+        assert c.lookup("c", [_kv(keys=hashes)]) == [1, 2, 3]
+    finally:
+        for linker in (a, b, c):
+            linker.close()
+
+
 def test_cancel_queued_load_and_reset(daemon):
     a, pool_a, alloc_a = _engine(daemon.address, pp_size=1, pp_rank=0)
     try:

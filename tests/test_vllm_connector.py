@@ -247,6 +247,43 @@ def test_a_failed_async_load_is_recomputed_whole_and_what_is_stored_is_right(eng
     c.run()
 
 
+def test_engines_of_other_weights_under_one_name_never_share(engines, monkeypatch):
+    a = engines("weights", settings={"weights": "step-100"})
+    a.add("a1", PROMPT, max_tokens=1)
+    a.run()
+    b = engines("weights", settings={"weights": "step-200"})  # the same name, other weights
+    b.add("b1", PROMPT, max_tokens=1)
+    b.step()
+    assert b.admitted["b1"] == [0]
+    b.run()
+    c = engines("weights", settings={"weights": "step-100"})
+    c.add("c1", PROMPT, max_tokens=1)
+    c.step()
+    assert c.admitted["c1"] == [64]
+    c.run()
+    # Read from the checkpoint (here vllm_env's local model directory): weights rewritten in place
+    # (a new modification time) are other weights.
+    config = os.path.join(vllm_env.model_dir(), "config.json")
+    st = os.stat(config)
+    d = engines("weights-files")
+    d.add("d1", PROMPT, max_tokens=1)
+    d.run()
+    try:
+        os.utime(config, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        e = engines("weights-files")
+        e.add("e1", PROMPT, max_tokens=1)
+        e.step()
+        assert e.admitted["e1"] == [0]
+        e.run()
+    finally:
+        os.utime(config, ns=(st.st_atime_ns, st.st_mtime_ns))
+    f = engines("weights-files")
+    f.add("f1", PROMPT, max_tokens=1)
+    f.step()
+    assert f.admitted["f1"] == [64]  # the first files again: d's pages
+    f.run()
+
+
 # ---- failures --------------------------------------------------------------------------------
 
 

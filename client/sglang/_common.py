@@ -17,6 +17,28 @@ logger = logging.getLogger("kvclient.sglang")
 KEY_BYTES = 32  # a SHA-256 storage hash
 
 
+def sglang_weights(cfg: dict, server_args=None) -> str:
+    """The weights' identity of this SGLang engine (``kvclient.weights``): the ``weights`` setting,
+    else read from its model path, revision and quantisation (``server_args``, or SGLang's runtime
+    model settings, as SGLang's own store linkers read the model path); "" where none is known."""
+    from kvclient.weights import weights_identity
+
+    if cfg.get("weights"):
+        return weights_identity("", override=str(cfg["weights"]))
+    src = server_args
+    if src is None:
+        try:
+            from sglang.srt.runtime_context import get_model
+
+            src = get_model()
+        except Exception:
+            src = None
+    path = getattr(src, "model_path", None)
+    if not path:
+        return ""
+    return weights_identity(str(path), getattr(src, "revision", None), getattr(src, "quantization", None))
+
+
 def storage_keys(hashes) -> bytes:
     """SGLang's storage hash strings, packed as fixed-width 32-byte keys."""
     out = bytearray()

@@ -58,7 +58,7 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
 
 from kvclient.away import AwayGate
 from kvclient.cuda_pool import CudaKVPool
-from kvclient.sglang._common import KEY_BYTES, Registrar, _wire_dtype, storage_keys
+from kvclient.sglang._common import KEY_BYTES, Registrar, _wire_dtype, sglang_weights, storage_keys
 from kvclient.shm_pool import ShmKVPool
 from kvclient.sync_client import KVClient
 from kvserver.protocol.layout import KVLayout
@@ -272,6 +272,7 @@ class KVServerLinker(UnifiedCacheLinker):
             num_layers=int(num_layers), host_tokens=0, page_size=self.page_size, tp_rank=tp_rank,
             tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
             event_slots=int(cfg.get("event_slots", 8)) if self.cuda else 0,
+            weights=sglang_weights(cfg, server_args),
         )
         self.event_slots = register_kwargs["event_slots"]
         # SGLang agrees on hits across TP ranks (a MIN all-reduce) but not across PP stages, each of

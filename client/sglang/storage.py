@@ -62,7 +62,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
-from kvclient.sglang._common import KEY_BYTES, Registrar, daemon_away, fp8_wire_dtype
+from kvclient.sglang._common import KEY_BYTES, Registrar, daemon_away, fp8_wire_dtype, sglang_weights
 from kvclient.shm_pool import ShmKVPool
 from kvclient.sync_client import KVClient
 from kvserver.protocol.layout import KVLayout
@@ -353,6 +353,7 @@ class KVServerStorage(HiCacheStorage):
             model=str(self.model), pool=self.staging.pool, start_layer=start, end_layer=end,
             num_layers=int(num_layers), host_tokens=0, page_size=geo.page_size, tp_rank=cfg.tp_rank,
             tp_size=cfg.tp_size, pp_rank=cfg.pp_rank, pp_size=cfg.pp_size,
+            weights=sglang_weights(dict(cfg.extra_config or {})),
         )
         if self._registrar.ensure(strict=True):
             self._probe()

@@ -113,7 +113,8 @@ class SchedulerSide:
                                 num_layers=g.space.num_layers,
                                 tp_size=g.space.tp_size, pp_size=g.space.pp_size,
                                 timeout=float(cfg.get("lookup_timeout_s", 1.0)), token=cfg.get("token"),
-                                tenant_token=cfg.get("tenant_token")) for g in groups]
+                                tenant_token=cfg.get("tenant_token"), weights=g.space.weights)
+                      for g in groups]
         self.view = self.views[0]
         self._reqs: dict[str, _Req] = {}
         # Blocks whose KV is not known good, by vLLM block id: those of loads not yet reported

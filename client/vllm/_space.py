@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvclient.weights import weights_identity
 from kvserver.protocol.layout import KVLayout
 
 logger = logging.getLogger("kvclient.vllm")
@@ -46,6 +47,7 @@ class Space:
     tp_size: int
     pp_size: int
     hash_stride: int  # vLLM block hashes per block (block_size // hash_block_size)
+    weights: str = ""  # the weights' identity beyond the model's name (kvclient.weights)
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,8 @@ def read_groups(vllm_config, kv_cache_config) -> tuple[Group, ...]:
     hash_block = int(getattr(kv_cache_config, "hash_block_size", None) or block_size)
     if block_size % hash_block:
         raise ValueError(f"block size {block_size} is not a multiple of the hash block size {hash_block}")
+    weights = weights_identity(str(model_config.model), getattr(model_config, "revision", None),
+                               getattr(model_config, "quantization", None), cfg.get("weights"))
     several = len(groups) > 1
     if several and int(par.pipeline_parallel_size) > 1:
         raise ValueError("KVServerConnector stores hybrid models (several KV cache groups) without pipeline "
@@ -167,7 +171,8 @@ def read_groups(vllm_config, kv_cache_config) -> tuple[Group, ...]:
             num_layers = int(cfg.get("num_layers") or model_config.get_total_num_hidden_layers())
         space = Space(model=name, layout=_layout(spec, model_config), dtype=wire_dtype(spec, vllm_config),
                       page_size=block_size, num_layers=num_layers, tp_size=int(par.tensor_parallel_size),
-                      pp_size=int(par.pipeline_parallel_size), hash_stride=block_size // hash_block)
+                      pp_size=int(par.pipeline_parallel_size), hash_stride=block_size // hash_block,
+                      weights=weights)
         window = None
         if windowed:
             retained = int(getattr(spec, "num_retained_tokens", int(spec.sliding_window) - 1))

@@ -225,7 +225,7 @@ class WorkerSide:
             kwargs = dict(model=space.model, pool=link.pool, start_layer=ids[0], end_layer=ids[-1] + 1,
                           num_layers=space.num_layers, host_tokens=0, page_size=space.page_size,
                           tp_rank=tp_rank, tp_size=space.tp_size, pp_rank=pp_rank, pp_size=space.pp_size,
-                          event_slots=self.event_slots)
+                          event_slots=self.event_slots, weights=space.weights)
             link.registrar = Registrar(link.client, float(self.cfg.get("retry_register_s", 5.0)), kwargs)
         self._slots = [set(range(self.event_slots)) for _ in self.links]
         if self.enabled and not all(link.registrar.ensure(strict=True) for link in self.links):

@@ -41,7 +41,8 @@ OPERATIONS = ("Register", "Unregister", "Alloc", "Free", "Write", "Load", "Stats
 DIRECTIONS = ("write", "load", "put", "get")  # device->host, host->device, device->cache, cache->device
 LANES = ("grpc", "ring")  # how the request reached the daemon: gRPC, or the lane's ring (docs/lane.md)
 SCRAPE_TIMEOUT = 5.0  # seconds a scrape waits for the daemon's loop
-SPACE_LABELS = ("tenant", "model", "layout", "dtype", "page_size", "num_layers", "tp_size", "pp_size")
+SPACE_LABELS = ("tenant", "model", "layout", "dtype", "page_size", "num_layers", "tp_size", "pp_size",
+                "weights")
 
 @dataclass(slots=True)
 class Transfers:
@@ -67,7 +68,7 @@ def _layout_label(key: SpaceKey) -> str:
 
 def _space_labels(key: SpaceKey) -> list[str]:
     return [key.tenant, key.model, _layout_label(key), str(key.dtype).removeprefix("torch."),
-            str(key.page_size), str(key.num_layers), str(key.tp_size), str(key.pp_size)]
+            str(key.page_size), str(key.num_layers), str(key.tp_size), str(key.pp_size), key.weights]
 
 
 @dataclass(slots=True)

@@ -150,7 +150,8 @@ def _cache_counters(c: CacheCounters) -> pb.CacheCounters:
 def _space_stats(st: SpaceStat) -> pb.SpaceStats:
     k = st.space
     space = pb.KVSpace(model=k.model, layout=k.layout.to_wire(), dtype=wire_dtype(k.dtype),
-                       page_size=k.page_size, num_layers=k.num_layers, tp_size=k.tp_size, pp_size=k.pp_size)
+                       page_size=k.page_size, num_layers=k.num_layers, tp_size=k.tp_size, pp_size=k.pp_size,
+                       weights=k.weights)
     return pb.SpaceStats(tenant=k.tenant, space=space, counters=_cache_counters(st.counters),
                          parts_seen=st.parts_seen, parts=st.parts, complete_pages=st.complete_pages)
 

@@ -61,13 +61,15 @@ class PutOutcome:
 
 def space_key(tenant: str, spec: ClientSpec) -> SpaceKey:
     return SpaceKey(tenant, spec.model, spec.layout, spec.dtype, spec.page_size, spec.num_layers,
-                    spec.tp_size, spec.pp_size)
+                    spec.tp_size, spec.pp_size, spec.weights)
 
 
 def space_from_wire(tenant: str, msg: pb.KVSpace) -> SpaceKey:
     """The space a scheduler names, checked as a registration's fields are."""
     if not msg.model or len(msg.model) > 256:
         raise InvalidArgument("space.model must be set, at most 256 characters")
+    if len(msg.weights) > 256:
+        raise InvalidArgument(f"space.weights is {len(msg.weights)} characters; at most 256")
     if msg.page_size == 0 or msg.page_size > 4096:
         raise InvalidArgument(f"space.page_size must be in [1, 4096], got {msg.page_size}")
     if msg.num_layers == 0:
@@ -77,7 +79,7 @@ def space_from_wire(tenant: str, msg: pb.KVSpace) -> SpaceKey:
     tp_size, pp_size = max(msg.tp_size, 1), max(msg.pp_size, 1)
     check_model_shape(tp_size, pp_size, msg.num_layers, "space ")
     return SpaceKey(tenant, msg.model, KVLayout.from_wire(msg.layout), torch_dtype(msg.dtype), msg.page_size,
-                    msg.num_layers, tp_size, pp_size)
+                    msg.num_layers, tp_size, pp_size, msg.weights)
 
 
 def cache_table(arena_address: int, spec: ClientSpec) -> transfer.BufferTable:

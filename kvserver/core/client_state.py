@@ -64,6 +64,7 @@ class ClientSpec:
     layout: KVLayout
     dtype: torch.dtype
     page_size: int
+    weights: str = ""  # the weights' identity beyond the model's name: part of its KV space
 
     @classmethod
     def from_request(cls, req: pb.RegisterRequest) -> ClientSpec:
@@ -71,6 +72,8 @@ class ClientSpec:
             raise InvalidArgument("model must be set")
         if len(req.model) > 256:
             raise InvalidArgument(f"model name is {len(req.model)} characters; at most 256")
+        if len(req.weights) > 256:
+            raise InvalidArgument(f"weights is {len(req.weights)} characters; at most 256")
         tp_size, pp_size = max(req.tp_size, 1), max(req.pp_size, 1)
         if req.tp_rank >= tp_size or req.pp_rank >= pp_size:
             raise InvalidArgument(
@@ -97,6 +100,7 @@ class ClientSpec:
             layout=KVLayout.from_wire(req.layout),
             dtype=torch_dtype(req.dtype),
             page_size=req.page_size,
+            weights=req.weights,
         )
 
     @property

@@ -27,6 +27,7 @@ class SpaceKey:
     num_layers: int
     tp_size: int
     pp_size: int
+    weights: str = ""  # the weights' identity beyond the model's name (KVSpace.weights)
 
     @property
     def tp_shards(self) -> int:

@@ -104,7 +104,7 @@ class DevicePool(_message.Message):
     def __init__(self, num_tokens: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerBuffers, _Mapping]]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("model", "tp_rank", "tp_size", "pp_rank", "pp_size", "start_layer", "end_layer", "num_layers", "layout", "dtype", "page_size", "device_pool", "host_tokens", "event_slots", "min_host_tokens", "replaces_client_id", "peer_ticket")
+    __slots__ = ("model", "tp_rank", "tp_size", "pp_rank", "pp_size", "start_layer", "end_layer", "num_layers", "layout", "dtype", "page_size", "device_pool", "host_tokens", "event_slots", "min_host_tokens", "replaces_client_id", "peer_ticket", "weights")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class RegisterRequest(_message.Message):
     MIN_HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REPLACES_CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_TICKET_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     tp_rank: int
     tp_size: int
@@ -139,7 +140,8 @@ class RegisterRequest(_message.Message):
     min_host_tokens: int
     replaces_client_id: str
     peer_ticket: str
-    def __init__(self, model: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., page_size: _Optional[int] = ..., device_pool: _Optional[_Union[DevicePool, _Mapping]] = ..., host_tokens: _Optional[int] = ..., event_slots: _Optional[int] = ..., min_host_tokens: _Optional[int] = ..., replaces_client_id: _Optional[str] = ..., peer_ticket: _Optional[str] = ...) -> None: ...
+    weights: str
+    def __init__(self, model: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., page_size: _Optional[int] = ..., device_pool: _Optional[_Union[DevicePool, _Mapping]] = ..., host_tokens: _Optional[int] = ..., event_slots: _Optional[int] = ..., min_host_tokens: _Optional[int] = ..., replaces_client_id: _Optional[str] = ..., peer_ticket: _Optional[str] = ..., weights: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("client_id", "host_tokens", "page_size", "host_bytes_per_token", "epoch", "lease_seconds", "reclaim_grace_seconds", "layer_events")
@@ -260,7 +262,7 @@ class LoadProgress(_message.Message):
     def __init__(self, last_layer: _Optional[int] = ..., layers_done: _Optional[int] = ..., done: bool = ..., bytes: _Optional[int] = ..., events_recorded: bool = ..., pages: _Optional[int] = ..., part_pages: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVSpace(_message.Message):
-    __slots__ = ("model", "layout", "dtype", "page_size", "num_layers", "tp_size", "pp_size")
+    __slots__ = ("model", "layout", "dtype", "page_size", "num_layers", "tp_size", "pp_size", "weights")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -268,6 +270,7 @@ class KVSpace(_message.Message):
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     layout: KVLayout
     dtype: DType
@@ -275,7 +278,8 @@ class KVSpace(_message.Message):
     num_layers: int
     tp_size: int
     pp_size: int
-    def __init__(self, model: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ...) -> None: ...
+    weights: str
+    def __init__(self, model: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., weights: _Optional[str] = ...) -> None: ...
 
 class OpenSpaceRequest(_message.Message):
     __slots__ = ("space", "peer_ticket")
