@@ -53,19 +53,29 @@ def _checkpoint(path, files: dict[str, bytes]) -> None:
 
 def test_a_local_checkpoint_is_named_by_its_files(tmp_path):
     ckpt = str(tmp_path / "model")
-    _checkpoint(ckpt, {"config.json": b"{}", "model.safetensors": b"x" * 100, "README.md": b"readme"})
+    _checkpoint(ckpt, {"config.json": b"{}", "model.safetensors": b"x" * 100_000, "README.md": b"readme"})
     first = weights_identity(ckpt)
     assert first.startswith("files=") and weights_identity(ckpt) == first  # stable
-    with open(os.path.join(ckpt, "README.md"), "ab") as f:
-        f.write(b"more")  # not a weight or config file: same weights
-    assert weights_identity(ckpt) == first
+    _checkpoint(ckpt, {"README.md": b"other"})  # not a weight or config file: the same weights
+    _checkpoint(str(tmp_path / "model" / "checkpoint-10"), {"optimizer.pt": b"o"})  # a trainer's
     st = os.stat(os.path.join(ckpt, "model.safetensors"))
     os.utime(os.path.join(ckpt, "model.safetensors"), ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    rewritten = weights_identity(ckpt)  # the weights replaced in place
-    assert rewritten != first
-    _checkpoint(ckpt, {"model-00002.safetensors": b"y"})
+    assert weights_identity(ckpt) == first  # touched, not changed
+    copy = str(tmp_path / "copy")
+    _checkpoint(copy, {"config.json": b"{}", "model.safetensors": b"x" * 100_000})
+    assert weights_identity(copy) == first  # a copy of the same checkpoint shares
+    _checkpoint(ckpt, {"model.safetensors": b"x" * 50_000 + b"y" + b"x" * 49_999})  # rewritten in place
+    rewritten = weights_identity(ckpt)
+    assert rewritten not in (first, "")
+    _checkpoint(ckpt, {"model-00002.safetensors": b"z"})
     assert weights_identity(ckpt) not in (first, rewritten)
     assert weights_identity(ckpt, quantization="fp8").endswith(";quant=fp8")
+    assert weights_identity(ckpt, load_format="LoadFormat.DUMMY").endswith(";load=dummy")
+    gguf = str(tmp_path / "model.gguf")
+    _checkpoint(str(tmp_path), {"model.gguf": b"g" * 10_000})
+    single = weights_identity(gguf)
+    _checkpoint(str(tmp_path), {"model.gguf": b"h" * 10_000})
+    assert single.startswith("files=") and weights_identity(gguf) != single
 
 
 def test_a_hub_model_is_named_by_its_cached_snapshots_commit(tmp_path, monkeypatch):
@@ -76,13 +86,31 @@ def test_a_hub_model_is_named_by_its_cached_snapshots_commit(tmp_path, monkeypat
     repo = tmp_path / "models--org--tiny"
     _checkpoint(str(repo / "snapshots" / commit), {"config.json": b"{}"})
     _checkpoint(str(repo / "refs"), {"main": commit.encode()})
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "elsewhere"))
+    assert weights_identity("org/tiny", cache_dir=str(tmp_path)) == f"hub=org/tiny@{commit}"  # download dir
     monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path))
-    assert weights_identity("org/tiny") == f"commit={commit}"
-    assert weights_identity("org/uncached", revision="v2") == "revision=v2"
-    assert weights_identity("org/uncached") == ""  # nothing known: said in a warning
+    assert weights_identity("org/tiny") == f"hub=org/tiny@{commit}"
+    assert weights_identity("org/uncached", revision="v2") == "hub=org/uncached@v2"
+    assert weights_identity("org/uncached") == "path=org/uncached"  # nothing more known: a warning
 
 
 def test_an_operators_name_wins_and_every_identity_fits_the_daemons_bound(tmp_path):
     assert weights_identity(str(tmp_path), "v1", "fp8", override="step-1200") == "step-1200"
     long = weights_identity("org/x", override="w" * 1000)
     assert len(long) <= MAX_WEIGHTS and long.startswith("sha256=")
+
+
+def test_sglangs_identity_is_read_from_its_model_settings(tmp_path, monkeypatch):
+    import sys
+    from types import SimpleNamespace
+
+    from kvclient.sglang._common import sglang_weights
+
+    monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context", None)  # no runtime settings here
+    ckpt = str(tmp_path / "model")
+    _checkpoint(ckpt, {"config.json": b"{}", "model.safetensors": b"w" * 5000})
+    args = SimpleNamespace(model_path=ckpt, revision=None, quantization="fp8", download_dir=None,
+                           load_format="auto")
+    assert sglang_weights({}, args) == weights_identity(ckpt, quantization="fp8")
+    assert sglang_weights({"weights": "v7"}, args) == "v7"
+    assert sglang_weights({}, None) == ""  # nothing to read: a warning

@@ -185,6 +185,26 @@ def test_the_factory_builds_it_from_the_extra_config_json(daemon):
         backend.close()
 
 
+def test_engines_of_other_weights_never_share(daemon):
+    """extra_config weights (else SGLang's model path, revision and quantisation) is part of the
+    KV space: the same model name with other weights finds nothing."""
+    keys = _hashes(2, seed=4)
+    a, host_a = _engine(daemon.address, weights="rev-a")
+    b, _ = _engine(daemon.address, weights="rev-b")
+    c, _ = _engine(daemon.address, weights="rev-a")
+    try:
+        assert a._registrar.kwargs["weights"] == "rev-a"
+        _randomize(host_a, seed=1)
+        assert a.batch_set_v1(keys, _slots([3, 4])) == [True] * 2
+        assert b.batch_get_v1(keys, _slots([6, 7])) == [False] * 2
+        assert c.batch_get_v1(keys, _slots([6, 7])) == [True] * 2
+        spaces = {s.space.weights for s in a.client.stats().spaces if s.space.model == "sglang-test"}
+        assert {"rev-a", "rev-b"} <= spaces
+    finally:
+        for backend in (a, b, c):
+            backend.close()
+
+
 def test_configuration_errors_raise_at_registration(daemon):
     # A host layout kvserver does not copy.
     dev = _device_pool()

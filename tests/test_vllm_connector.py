@@ -261,22 +261,25 @@ def test_engines_of_other_weights_under_one_name_never_share(engines, monkeypatc
     c.step()
     assert c.admitted["c1"] == [64]
     c.run()
-    # Read from the checkpoint (here vllm_env's local model directory): weights rewritten in place
-    # (a new modification time) are other weights.
+    # Read from the checkpoint (here vllm_env's local model directory): files rewritten in place
+    # are other weights.
     config = os.path.join(vllm_env.model_dir(), "config.json")
-    st = os.stat(config)
+    with open(config, "rb") as f:
+        original = f.read()
     d = engines("weights-files")
     d.add("d1", PROMPT, max_tokens=1)
     d.run()
     try:
-        os.utime(config, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        with open(config, "wb") as f:
+            f.write(original + b"\n")  # the same JSON, other bytes
         e = engines("weights-files")
         e.add("e1", PROMPT, max_tokens=1)
         e.step()
         assert e.admitted["e1"] == [0]
         e.run()
     finally:
-        os.utime(config, ns=(st.st_atime_ns, st.st_mtime_ns))
+        with open(config, "wb") as f:
+            f.write(original)
     f = engines("weights-files")
     f.add("f1", PROMPT, max_tokens=1)
     f.step()

@@ -19,24 +19,40 @@ KEY_BYTES = 32  # a SHA-256 storage hash
 
 def sglang_weights(cfg: dict, server_args=None) -> str:
     """The weights' identity of this SGLang engine (``kvclient.weights``): the ``weights`` setting,
-    else read from its model path, revision and quantisation (``server_args``, or SGLang's runtime
-    model settings, as SGLang's own store linkers read the model path); "" where none is known."""
+    else read from its model path, revision, quantisation and load format: SGLang's resolved model
+    settings first (``runtime_context.get_model()``, as SGLang's own store linkers read the model
+    path), so the linker and the HiCache backend read the same values, then ``server_args``."""
     from kvclient.weights import weights_identity
 
     if cfg.get("weights"):
         return weights_identity("", override=str(cfg["weights"]))
-    src = server_args
-    if src is None:
-        try:
-            from sglang.srt.runtime_context import get_model
+    sources = []
+    try:
+        from sglang.srt.runtime_context import get_model
 
-            src = get_model()
-        except Exception:
-            src = None
-    path = getattr(src, "model_path", None)
+        sources.append(get_model())
+    except Exception:
+        pass
+    if server_args is not None:
+        sources.append(server_args)
+
+    def read(name: str):
+        for src in sources:
+            try:
+                value = getattr(src, name, None)
+            except Exception:
+                value = None
+            if value:
+                return value
+        return None
+
+    path = read("model_path")
     if not path:
+        logger.warning("kvserver: no model path to read the weights' identity from: engines of other "
+                       "weights under this model name would share KV; set a weights identity")
         return ""
-    return weights_identity(str(path), getattr(src, "revision", None), getattr(src, "quantization", None))
+    return weights_identity(str(path), read("revision"), read("quantization"),
+                            cache_dir=read("download_dir"), load_format=read("load_format"))
 
 
 def storage_keys(hashes) -> bytes:

@@ -152,8 +152,11 @@ def read_groups(vllm_config, kv_cache_config) -> tuple[Group, ...]:
     hash_block = int(getattr(kv_cache_config, "hash_block_size", None) or block_size)
     if block_size % hash_block:
         raise ValueError(f"block size {block_size} is not a multiple of the hash block size {hash_block}")
+    load = getattr(vllm_config, "load_config", None)
     weights = weights_identity(str(model_config.model), getattr(model_config, "revision", None),
-                               getattr(model_config, "quantization", None), cfg.get("weights"))
+                               getattr(model_config, "quantization", None), cfg.get("weights"),
+                               cache_dir=getattr(load, "download_dir", None),
+                               load_format=getattr(load, "load_format", None))
     several = len(groups) > 1
     if several and int(par.pipeline_parallel_size) > 1:
         raise ValueError("KVServerConnector stores hybrid models (several KV cache groups) without pipeline "
