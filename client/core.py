@@ -117,6 +117,10 @@ class ClientCore:
         registration and the session of the one it replaced, for the shell to cancel; a
         re-registration under way for a lost one stops (this one replaced it)."""
         reg = msg.registration(resp, req)
+        if req.weights and resp.weights != req.weights:
+            logger.warning("kvserver: the daemon did not keep this engine's weights identity %r (a daemon "
+                           "older than it?): its pages are not kept apart from those of other weights under "
+                           "the model name %r", req.weights, req.model)
         logger.info("registered with kvserver: %d host tokens granted of %d asked (%d bytes each), "
                     "layers [%d, %d)", reg.host_tokens, req.host_tokens, reg.host_bytes_per_token,
                     reg.start_layer, reg.end_layer)

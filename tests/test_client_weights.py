@@ -114,3 +114,23 @@ def test_sglangs_identity_is_read_from_its_model_settings(tmp_path, monkeypatch)
     assert sglang_weights({}, args) == weights_identity(ckpt, quantization="fp8")
     assert sglang_weights({"weights": "v7"}, args) == "v7"
     assert sglang_weights({}, None) == ""  # nothing to read: a warning
+
+
+def test_the_daemon_echoes_the_identity_and_a_client_warns_when_one_does_not(daemon, caplog):
+    import logging
+
+    from kvclient.core import ClientCore
+    from kvserver.v1 import kvserver_pb2 as pb
+
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 64) as pool, KVClient(daemon.address) as a, \
+            caplog.at_level(logging.WARNING, logger="kvclient"):
+        register(a, pool, "rev=echo")
+        assert a._core.request.weights == "rev=echo"
+        assert "did not keep" not in caplog.text  # this daemon keeps it
+        # An answer without it, as a daemon older than the field gives:
+        core = ClientCore("/nowhere.sock", timeout=1.0, token=None, resilient=True)
+        req = core.register_request(model="weights-model", pool=pool, start_layer=0, end_layer=LAYERS,
+                                    num_layers=LAYERS, host_tokens=0, page_size=PAGE, tp_rank=0, tp_size=1,
+                                    pp_rank=0, pp_size=1, weights="rev=echo")
+        core.registered(pb.RegisterResponse(client_id="cid-x", page_size=PAGE), req, pool)
+        assert "did not keep this engine's weights identity 'rev=echo'" in caplog.text

@@ -186,6 +186,7 @@ class KVServicer(pb_grpc.KVServerServicer):
             lease_seconds=self.reaper.lease,
             reclaim_grace_seconds=self.reaper.grace,
             layer_events=client.device.event_handles,
+            weights=spec.weights,
         )
 
     @_abort_on_error

@@ -144,7 +144,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., page_size: _Optional[int] = ..., device_pool: _Optional[_Union[DevicePool, _Mapping]] = ..., host_tokens: _Optional[int] = ..., event_slots: _Optional[int] = ..., min_host_tokens: _Optional[int] = ..., replaces_client_id: _Optional[str] = ..., peer_ticket: _Optional[str] = ..., weights: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("client_id", "host_tokens", "page_size", "host_bytes_per_token", "epoch", "lease_seconds", "reclaim_grace_seconds", "layer_events")
+    __slots__ = ("client_id", "host_tokens", "page_size", "host_bytes_per_token", "epoch", "lease_seconds", "reclaim_grace_seconds", "layer_events", "weights")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,7 @@ class RegisterResponse(_message.Message):
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RECLAIM_GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LAYER_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     host_tokens: int
     page_size: int
@@ -161,7 +162,8 @@ class RegisterResponse(_message.Message):
     lease_seconds: float
     reclaim_grace_seconds: float
     layer_events: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, client_id: _Optional[str] = ..., host_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., host_bytes_per_token: _Optional[int] = ..., epoch: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., reclaim_grace_seconds: _Optional[float] = ..., layer_events: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    weights: str
+    def __init__(self, client_id: _Optional[str] = ..., host_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., host_bytes_per_token: _Optional[int] = ..., epoch: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., reclaim_grace_seconds: _Optional[float] = ..., layer_events: _Optional[_Iterable[bytes]] = ..., weights: _Optional[str] = ...) -> None: ...
 
 class UnregisterRequest(_message.Message):
     __slots__ = ("client_id",)
