@@ -459,30 +459,25 @@ def decode_step(space, cfg: dict, kind: str, layout: str, dev) -> dict:
         g_full = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g_full):
             out_full = full(static)
-        ins, outs, g_in, g_out = [], [], [], []
-        for i in range(NUM_LAYERS):
-            a = torch.empty_like(static)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                b = piece_in(i, a)
-            ins.append(a)
-            g_in.append((g, b))
-            c = torch.empty_like(static)
-            g2 = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g2):
-                d = piece_out(i, c)
-            outs.append(c)
-            g_out.append((g2, d))
+        def capture(piece, i: int):
+            """(its static input, its graph, its static output) of one layer's piece."""
+            x = torch.empty_like(static)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                y = piece(i, x)
+            return x, graph, y
+
+        pieces = [(capture(piece_in, i), capture(piece_out, i)) for i in range(NUM_LAYERS)]
 
         def piecewise():
             x = static
-            for i, name in enumerate(LAYER_NAMES):
-                ins[i].copy_(x)
-                g_in[i][0].replay()
-                worker.wait_for_layer_load(name)  # what layerwise adds between pieces
-                outs[i].copy_(attention(i, g_in[i][1]))
-                g_out[i][0].replay()
-                x = g_out[i][1]
+            for i, ((a, g_a, b), (c, g_c, d)) in enumerate(pieces):
+                a.copy_(x)
+                g_a.replay()
+                worker.wait_for_layer_load(LAYER_NAMES[i])  # what layerwise adds between pieces
+                c.copy_(attention(i, b))
+                g_c.replay()
+                x = d
             return x
 
         def timed(step) -> float:

@@ -24,7 +24,7 @@ if not vllm_env.vllm_installed():
     pytest.skip("vllm not installed (scripts/install_vllm.sh)", allow_module_level=True)
 
 import vllm_engine  # noqa: E402
-from vllm_engine import BLOCK, Engine, expected_kv, sampled  # noqa: E402
+from vllm_engine import BLOCK, Engine, expected_kv, leases, sampled  # noqa: E402
 
 PROMPT = [(7 * i) % 500 + 3 for i in range(70)]  # 70 tokens: 4 whole blocks before the last token
 
@@ -54,32 +54,7 @@ def vcfg(server):
 def engines(vcfg, server):
     """engines(model=..., address=..., **Engine kwargs): engines on the module's config, whose
     connector settings are changed for the test and put back after."""
-    made: list[Engine] = []
-    extra = vcfg.kv_transfer_config.kv_connector_extra_config
-    saved = dict(extra)
-
-    def make(model: str, *, address: str | None = None, settings: dict | None = None, **kw) -> Engine:
-        extra.clear()
-        extra.update(saved, model=model, address=address or server.address, **(settings or {}))
-        made.append(Engine(vcfg, **kw))
-        return made[-1]
-
-    yield make
-    for e in made:
-        e.close()
-    extra.clear()
-    extra.update(saved)
-
-
-def leases(daemon: DaemonThread, settle: int | None = 0) -> int:
-    """Leases the daemon holds, once they reach ``settle`` (the scheduler releases off its own
-    thread) or after 5 s; ``settle=None`` reads them at once."""
-    deadline = time.monotonic() + 5
-    while True:
-        n = daemon.run(lambda: len(daemon.core.cache.leases.leases))
-        if settle is None or n == settle or time.monotonic() > deadline:
-            return n
-        time.sleep(0.01)
+    yield from vllm_engine.engines(vcfg, server.address)
 
 
 def full_tokens(prompt: list[int], generated: int) -> list[int]:

@@ -26,7 +26,7 @@ if not vllm_env.vllm_installed():
     pytest.skip("vllm not installed (scripts/install_vllm.sh)", allow_module_level=True)
 
 import vllm_engine  # noqa: E402
-from vllm_engine import BLOCK, NULL_BLOCK, Engine, expected_kv  # noqa: E402
+from vllm_engine import BLOCK, NULL_BLOCK, Engine, expected_kv, leases  # noqa: E402
 
 WINDOW = 32  # tokens: vLLM keeps the last 2 blocks below a hit (cdiv(WINDOW - 1, BLOCK))
 PROMPT = [(11 * i) % 400 + 5 for i in range(150)]  # 9 whole blocks before the last token
@@ -57,31 +57,7 @@ def vcfg(server):
 
 @pytest.fixture()
 def engines(vcfg, server):
-    made: list[Engine] = []
-    extra = vcfg.kv_transfer_config.kv_connector_extra_config
-    saved = dict(extra)
-
-    def make(model: str, *, address: str | None = None, settings: dict | None = None, **kw) -> Engine:
-        extra.clear()
-        extra.update(saved, model=model, address=address or server.address, **(settings or {}))
-        kw.setdefault("num_blocks", 96)
-        made.append(Engine(vcfg, window=WINDOW, **kw))
-        return made[-1]
-
-    yield make
-    for e in made:
-        e.close()
-    extra.clear()
-    extra.update(saved)
-
-
-def leases(daemon: DaemonThread, settle: int = 0) -> int:
-    deadline = time.monotonic() + 5
-    while True:
-        n = daemon.run(lambda: len(daemon.core.cache.leases.leases))
-        if n == settle or time.monotonic() > deadline:
-            return n
-        time.sleep(0.01)
+    yield from vllm_engine.engines(vcfg, server.address, window=WINDOW, num_blocks=96)
 
 
 def spaces(e: Engine) -> dict:

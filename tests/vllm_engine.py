@@ -123,6 +123,42 @@ def hybrid_kv_cache(vllm_config, window: int, num_blocks: int, layout_name: str 
     return kv_cfg, mem, {n: caches[n] for n in HYBRID_LAYERS}
 
 
+def engines(vllm_config, address: str, **defaults):
+    """A generator for a test fixture: yields make(model, address=..., settings=..., **Engine
+    kwargs), which builds engines on ``vllm_config`` with its connector settings changed for the
+    engine (``defaults`` are Engine kwargs every engine gets unless given); closes them and puts
+    the settings back after."""
+    made: list[Engine] = []
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+    saved = dict(extra)
+
+    def make(model: str, *, address: str | None = None, settings: dict | None = None, **kw) -> Engine:
+        extra.clear()
+        extra.update(saved, model=model, address=address or default_address, **(settings or {}))
+        made.append(Engine(vllm_config, **{**defaults, **kw}))
+        return made[-1]
+
+    default_address = address
+    try:
+        yield make
+    finally:
+        for e in made:
+            e.close()
+        extra.clear()
+        extra.update(saved)
+
+
+def leases(daemon, settle: int | None = 0) -> int:
+    """Leases the in-process ``daemon`` (a DaemonThread) holds, once they reach ``settle`` (the
+    scheduler releases off its own thread) or after 5 s; ``settle=None`` reads them at once."""
+    deadline = time.monotonic() + 5
+    while True:
+        n = daemon.run(lambda: len(daemon.core.cache.leases.leases))
+        if settle is None or n == settle or time.monotonic() > deadline:
+            return n
+        time.sleep(0.01)
+
+
 class Engine:
     """One vLLM engine: scheduler + one worker, on ``address``'s daemon. ``window``: the hybrid
     model of HYBRID_LAYERS (sliding windows of that many tokens and full attention), in vLLM's
