@@ -184,11 +184,6 @@ def read_groups(vllm_config, kv_cache_config) -> tuple[Group, ...]:
     return tuple(out)
 
 
-def read_space(vllm_config, kv_cache_config) -> Space:
-    """The space of a one-group engine (the first group's otherwise)."""
-    return read_groups(vllm_config, kv_cache_config)[0].space
-
-
 def keys_shareable(vllm_config) -> bool:
     """vLLM's block hashes are the same in every process under sha256 / sha256_cbor (a fixed root
     seed) or, for xxhash, when PYTHONHASHSEED is set (the same on every replica). Otherwise the
