@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-memory", default=_env("HOST_MEMORY", "4GiB"),
                    help="host KV memory budget: a size (8GiB) or a share of the machine's memory "
                         "(60%%) (default 4GiB)")
+    p.add_argument("--host-memory-dir", default=_env("HOST_MEMORY_DIR"),
+                   help="keep the host cache in files in this directory, on tmpfs (e.g. "
+                        "/dev/shm/kvserver), so that a restarted daemon finds it again, after a crash "
+                        "too (default: the cache ends with the daemon)")
     p.add_argument("--copy-threads", type=int, default=_env("COPY_THREADS", "2"),
                    help="copy worker threads (default 2): loads go first, and a large job's pieces "
                         "run on every idle worker")
@@ -117,6 +121,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         socket=socket,
         listen=args.listen,
         host_memory=parse_host_memory(args.host_memory),
+        host_memory_dir=args.host_memory_dir or None,
         copy_threads=args.copy_threads,
         torch_threads=args.torch_threads,
         shutdown_grace=args.shutdown_grace,

@@ -74,6 +74,7 @@ class ServerConfig:
     socket: str | None = None  # Unix socket path; None with no TCP address means default_socket()
     listen: str | None = None  # optional TCP address, host:port
     host_memory: int = 4 << 30
+    host_memory_dir: str | None = None  # keep the host cache in files here (tmpfs): it outlives the daemon
     copy_threads: int = 2  # copy workers: loads first, a large job's pieces on all (kvserver.copies.workers)
     torch_threads: int = 0  # 0 leaves torch's default
     shutdown_grace: float = 5.0

@@ -74,6 +74,7 @@ class Daemon:
             allow_named_shm=config.allow_named_shm,
             tenant_quota=parse_quota(config.tenant_quota, capacity),
             tenant_quotas=self.tenants.quotas,
+            host_memory_dir=config.host_memory_dir,
         )
         self._stop_leases = asyncio.Event()
         self._leases: asyncio.Task | None = None

@@ -662,6 +662,76 @@ def run_cache(ctx, address: str, deadline: float, report: dict, target=None,
         report["checks"].append(msg)
 
 
+def _start_daemon(args: list[str], socket: str, env: dict) -> subprocess.Popen:
+    if os.path.exists(socket):
+        os.unlink(socket)
+    daemon = subprocess.Popen([sys.executable, "-m", "kvserver", "--socket", socket, *args], env=env)
+    started = time.monotonic()
+    while not os.path.exists(socket):
+        if daemon.poll() is not None:
+            raise RuntimeError(f"daemon exited {daemon.returncode}")
+        if time.monotonic() > started + 60:
+            daemon.kill()
+            raise RuntimeError("the daemon did not listen within 60 s")
+        time.sleep(0.05)
+    return daemon
+
+
+def _kept_stats(address: str) -> dict:
+    import grpc
+
+    from kvserver.v1 import kvserver_pb2 as pb
+    from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        grpc.channel_ready_future(ch).result(timeout=30)
+        kept = pb_grpc.KVServerStub(ch).Stats(pb.StatsRequest(), timeout=30).kept
+    return {"adopted_pages": kept.adopted_pages, "torn_pages": kept.torn_pages,
+            "dropped_pages": kept.dropped_pages, "adopt_seconds": round(kept.adopt_seconds, 4),
+            "reason": kept.reason}
+
+
+def run_kept(ctx, tmp: str, env: dict, deadline: float, report: dict, target=None,
+             plan: dict | None = None) -> None:
+    """The cache kept across a kill -9 (--host-memory-dir on tmpfs): the cache round's put engine
+    stores its pages through a daemon keeping its cache in files, that daemon is SIGKILLed and a
+    new one started on the same directory, and the get engine loads the pages from the new one,
+    bit-exact. On CUDA this proves the kept arena's slabs (a shared mapping of a tmpfs file) pin
+    and copy both ways, and that the restarted daemon pins what it adopted."""
+    plan = plan or cache_plan()
+    kept = tempfile.mkdtemp(prefix="kvgpu-kept-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    socket = os.path.join(tmp, "kept.sock")
+    args = ["--host-memory", "2GiB", "--host-memory-dir", kept, "--progress-interval-ms", "0",
+            "--cuda-wait-seconds", str(CUDA_WAIT_SECONDS)]
+    address = f"unix://{socket}"
+    out, stored = ctx.Queue(), ctx.Event()
+    daemon = _start_daemon(args, socket, env)
+    try:
+        for role, label in (("put", (0, 1)), ("get", (1, 2))):
+            proc = ctx.Process(target=target or cache_engine, args=(address, role, plan, out, stored))
+            proc.start()
+            for msg in _results({label: proc}, out, f"kept-{role}", deadline):
+                msg["kind"] = f"kept-{msg.get('kind', role)}"
+                msg["ok"] = bool(msg.get("ok")) and "error" not in msg
+                report["ok"] &= msg["ok"]
+                report["checks"].append(msg)
+            if role == "put":
+                daemon.kill()  # SIGKILL: the files keep what it stored
+                daemon.wait(30)
+                daemon = _start_daemon(args, socket, env)
+                found = {"kind": "kept-restart", **_kept_stats(address)}
+                found["ok"] = found["adopted_pages"] >= plan["pages"] and not found["reason"]
+                report["ok"] &= found["ok"]
+                report["checks"].append(found)
+    finally:
+        daemon.terminate()
+        try:
+            daemon.wait(30)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+        shutil.rmtree(kept, ignore_errors=True)
+
+
 def run_sglang(ctx, address: str, deadline: float, report: dict, target=None) -> None:
     """The SGLang linker's round (``sglang_engine``) for an MHA and an MLA pool, one after the other."""
     for kind in ("mha", "mla"):
@@ -731,6 +801,7 @@ def main() -> int:
             if i == 1:  # after the two most telling plans: the hostile- and stuck-engine checks
                 run_safety(ctx, f"unix://{socket}", deadline, report)
                 run_cache(ctx, f"unix://{socket}", deadline, report)
+                run_kept(ctx, tmp, env, deadline, report)
                 run_sglang(ctx, f"unix://{socket}", deadline, report)
                 run_vllm(ctx, f"unix://{socket}", deadline, report)
     except BaseException:

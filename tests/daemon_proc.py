@@ -38,6 +38,8 @@ class DaemonProcess:
                 raise RuntimeError(f"daemon did not start (exit {self.proc.poll()})")
             time.sleep(0.02)
         self._channel = grpc.insecure_channel(self.address)
+        # The socket's file exists from its bind, a moment before the server listens on it.
+        grpc.channel_ready_future(self._channel).result(timeout=30)
         self.stub = pb_grpc.KVServerStub(self._channel)
 
     @property

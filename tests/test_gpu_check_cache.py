@@ -95,3 +95,42 @@ def test_a_hanging_side_is_reported_at_the_deadline_with_its_stage():
     with pytest.raises(TimeoutError, match=r"cache: .*\(1, 2\): 'get'") as err:
         run(hanging_get, 4)
     assert "(0, 1)" not in str(err.value)  # the put side finished
+
+
+def kept_standin(address, role, plan, out, stored):
+    """The cache round's engines on shared memory: real Puts and Gets through the daemon."""
+    import numpy as np
+    from cache_engine import CacheEngine
+
+    label = [0, 1] if role == "put" else [1, 2]
+    n = plan["pages"]
+    keys = [f"kept{i:04d}".encode() for i in range(n)]
+    pages = np.arange(n)
+    try:
+        with CacheEngine(address, pages=16, resilient=False) as eng:
+            if role == "put":
+                eng.fill(keys, pages)
+                r = eng.put(keys, pages)
+                stored.set()
+                msg = {"kind": "cache-put", "stored": r.stored, "ok": r.stored == n}
+            else:
+                eng.wipe()
+                got = eng.get(keys, pages)
+                msg = {"kind": "cache-get", "pages": got, "ok": got == n and eng.wrong(keys, pages) == []}
+    except Exception as exc:
+        stored.set()
+        msg = {"kind": f"cache-{role}", "error": repr(exc), "ok": False}
+    out.put({"range": label, "final": True, **msg})
+
+
+def test_the_kept_round_kills_the_daemon_between_its_engines_and_loads_what_the_first_stored(tmp_path):
+    gpu_check = load_gpu_check()
+    report = {"checks": [], "ok": True}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    plan = gpu_check.cache_plan(num_tokens=256, page_size=16, pages=4, extra=1)
+    gpu_check.run_kept(mp.get_context("spawn"), str(tmp_path), env, time.monotonic() + 120, report,
+                       target=kept_standin, plan=plan)
+    kinds = {c["kind"]: c for c in report["checks"]}
+    assert report["ok"], report
+    assert list(kinds) == ["kept-cache-put", "kept-restart", "kept-cache-get"]
+    assert kinds["kept-restart"]["adopted_pages"] == 4 and kinds["kept-cache-get"]["pages"] == 4

@@ -25,6 +25,7 @@ from kvserver.config import parse_metrics_listen
 
 if TYPE_CHECKING:
     from kvserver.core.kvcore import KVCore
+    from kvserver.store.keep import Recovery
     from kvserver.store.spaces import SpaceKey
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class Snapshot:
     client_memory: dict[tuple[str, str], list[int]]  # (tenant, model) -> [capacity, used] bytes
     spaces: list  # SpaceStat
     tenants: list  # TenantStat
+    recovery: Recovery | None  # what the start found of a kept cache (None: not kept)
 
 
 def snapshot(core: KVCore, transfers: Transfers) -> Snapshot:
@@ -112,6 +114,7 @@ def snapshot(core: KVCore, transfers: Transfers) -> Snapshot:
         client_memory=client_memory,
         spaces=spaces,
         tenants=tenants,
+        recovery=core.recovery,
     )
 
 
@@ -180,6 +183,20 @@ def _families(s: Snapshot, per_space: bool) -> Iterator[Metric]:
     yield waiting
     yield CounterMetricFamily("kvserver_reclaims", "Registrations reclaimed from dead or silent engines.",
                               value=s.reclaims)
+    rec = s.recovery
+    yield _gauge("kvserver_cache_kept", "1 if the host cache is kept in files (--host-memory-dir).",
+                 rec is not None)
+    if rec is not None:
+        yield _gauge("kvserver_cache_adopted_pages", "Pages this daemon's start adopted from the kept cache.",
+                     rec.adopted_pages)
+        yield _gauge("kvserver_cache_adopted_bytes", "Bytes of the pages adopted at start.",
+                     rec.adopted_bytes)
+        yield _gauge("kvserver_cache_adopt_seconds", "Seconds the start took to adopt the kept cache.",
+                     rec.seconds)
+        yield _gauge("kvserver_cache_adopt_torn_pages",
+                     "Pages being written when the last daemon stopped: dropped at start.", rec.torn)
+        yield _gauge("kvserver_cache_adopt_dropped_pages",
+                     "Kept pages dropped at start because a check failed.", rec.dropped)
 
     nbytes = CounterMetricFamily("kvserver_transfer_bytes", "Bytes copied, by direction and lane.",
                                  labels=("direction", "lane"))

@@ -27,6 +27,7 @@ from kvserver.peers.tenants import TENANT_KEY, TenantBook, tenant_of
 from kvserver.protocol import ring
 from kvserver.protocol.layout import wire_dtype
 from kvserver.store import CacheCounters, SpaceStat, TenantStat
+from kvserver.store.keep import Recovery
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
@@ -307,6 +308,7 @@ class KVServicer(pb_grpc.KVServerServicer):
             cache_bytes=core.cache.bytes,
             spaces=[_space_stats(st) for st in spaces],
             tenants=[_tenant_stats(st) for st in tenants],
+            kept=_kept(core.recovery, admin),
         )
 
     # ---- the node-wide cache ------------------------------------------------------------------
@@ -453,3 +455,12 @@ def add_to_server(servicer: KVServicer, server: Any) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     if hasattr(server, "add_registered_method_handlers"):  # grpcio >= 1.63: faster dispatch
         server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def _kept(rec: Recovery | None, admin: bool) -> pb.KeptCache | None:
+    if rec is None:
+        return None
+    return pb.KeptCache(dir=rec.path if admin else "", adopted_pages=rec.adopted_pages,
+                        adopted_bytes=rec.adopted_bytes, adopt_seconds=rec.seconds, torn_pages=rec.torn,
+                        dropped_pages=rec.dropped, evicted_pages=rec.evicted,
+                        reason=rec.reason if admin else ("" if not rec.reason else "started empty"))

@@ -21,12 +21,14 @@ from kvserver.core.client_state import ClientSpec, ClientState, Counters, public
 from kvserver.core.copier import ClientJob, Copier, wait_until
 from kvserver.core.share import LoopShare
 from kvserver.errors import InvalidArgument, NoCapacity, UnknownClient, shown
-from kvserver.host.arena import HostArena
+from kvserver.host.arena import HostArena, aligned_capacity
+from kvserver.host.kept import KeptDir, KeptDirError
 from kvserver.host.pages import PageAllocator
 from kvserver.media import ShmAccess, SlabPinner, open_pool
 from kvserver.peers.tenants import tenant_of
 from kvserver.peers.tickets import TicketBook
 from kvserver.store import KVCache
+from kvserver.store.keep import Recovery, kept_shape
 from kvserver.store.pages import MIN_PAGE_BYTES
 from kvserver.v1 import kvserver_pb2 as pb
 
@@ -54,15 +56,17 @@ class KVCore:
         allow_named_shm: bool = False,
         tenant_quota: int = 0,
         tenant_quotas: dict[str, int] | None = None,
+        host_memory_dir: str | None = None,
     ) -> None:
-        self.arena = HostArena(host_memory)
-        # The node-wide cache: its pages share the arena (and so the budget) with clients' regions.
-        self.cache = KVCache(self.arena, default_quota=tenant_quota, quotas=tenant_quotas or {})
         # CUDA copies reach cache pages by host address: their slabs are pinned once CUDA is in use.
         self.slab_pinner = SlabPinner()
-        base = self.arena.address
-        self.cache.on_slab_added.append(lambda off, n: self.slab_pinner.added(base + off, n))
-        self.cache.on_slab_removed.append(lambda off, n: self.slab_pinner.removed(base + off, n))
+        self.recovery: Recovery | None = None  # what a kept cache's start found (None: not kept)
+        self._kept: KeptDir | None = None
+        quotas = tenant_quotas or {}
+        if host_memory_dir is None:
+            self._build(host_memory, tenant_quota, quotas)
+        else:
+            self._build_kept(host_memory_dir, host_memory, tenant_quota, quotas)
         self.max_clients = max_clients
         self.max_clients_per_tenant = max_clients_per_tenant
         self._registering_by_tenant: Counter[str] = Counter()  # registrations under way, by tenant
@@ -82,6 +86,49 @@ class KVCore:
         # an Unregister of one, or of any client sharing one of those allocations, says so.
         self._quarantined: dict[str, frozenset[bytes]] = {}
         self.tickets: TicketBook | None = None  # the fd socket's (server.py); None without a Unix socket
+
+    def _build(self, host_memory: int, tenant_quota: int, quotas: dict[str, int],
+               kept: KeptDir | None = None) -> None:
+        self.arena = HostArena(host_memory, kept)
+        # The node-wide cache: its pages share the arena (and so the budget) with clients' regions.
+        self.cache = KVCache(self.arena, default_quota=tenant_quota, quotas=quotas)
+        base = self.arena.address
+        self.cache.on_slab_added.append(lambda off, n: self.slab_pinner.added(base + off, n))
+        self.cache.on_slab_removed.append(lambda off, n: self.slab_pinner.removed(base + off, n))
+        self.recovery = self.cache.adopt()
+
+    def _build_kept(self, path: str, host_memory: int, tenant_quota: int, quotas: dict[str, int]) -> None:
+        """The cache kept in files under ``path`` (--host-memory-dir), adopted from them as far as
+        they pass every check. Files that cannot be adopted are started over; a directory that
+        cannot be used leaves the cache in the daemon's own memory. Either way the daemon serves."""
+        try:
+            kept = KeptDir(path, kept_shape(aligned_capacity(host_memory)))
+        except (KeptDirError, OSError) as exc:
+            logger.error("the host cache cannot be kept in %s: %s; it lives in the daemon's own memory "
+                         "and ends with it", path, exc)
+            self._build(host_memory, tenant_quota, quotas)
+            return
+        try:
+            self._build(host_memory, tenant_quota, quotas, kept)
+        except Exception as exc:  # a kept file no check foresaw: started over, never the daemon's end
+            logger.warning("the host cache kept in %s cannot be adopted (%s: %s): starting it over",
+                           path, type(exc).__name__, exc)
+            try:
+                kept.start_over(f"adopting it failed ({type(exc).__name__}: {exc})")
+                self._build(host_memory, tenant_quota, quotas, kept)
+            except (KeptDirError, OSError) as again:
+                kept.close()
+                logger.error("the host cache cannot be kept in %s: %s; it lives in the daemon's own "
+                             "memory and ends with it", path, again)
+                self._build(host_memory, tenant_quota, quotas)
+                return
+        self._kept = kept
+        rec = self.recovery
+        if rec is not None:
+            if rec.reason and kept.found:
+                logger.warning("%s", rec.line())
+            else:
+                logger.info("%s", rec.line())
 
     # ---- registration -------------------------------------------------------------------
 
@@ -249,9 +296,17 @@ class KVCore:
                 await self._release_replaced(req.replaces_client_id)
             page_bytes = spec.page_bytes
             num_pages = min(most, self._check_fits(spec, least))
-            offset = self.arena.reserve(num_pages * page_bytes)
+            offset = self.arena.reserve(num_pages * page_bytes, commit=False)
         except BaseException:
             await self._in_thread(device.close)
+            raise
+        try:  # a kept arena takes the region's memory now: seconds for a large one, off the loop
+            await self._in_thread(self.arena.commit, offset, num_pages * page_bytes)
+        except BaseException:
+            try:
+                await self._in_thread(device.close)
+            finally:
+                self.arena.release(offset, num_pages * page_bytes)
             raise
         try:
             await self._in_thread(device.attach_host, self.arena.address + offset, num_pages * page_bytes,
@@ -502,6 +557,8 @@ class KVCore:
         self.copier.shutdown()
         self.slab_pinner.close()  # after every copy, before the memory it pinned goes
         self.arena.close()
+        if self._kept is not None:  # the cache stays in its files for the next start
+            self._kept.close()
 
 
 async def _settle(fut: asyncio.Future) -> bool:

@@ -6,6 +6,11 @@ to the kernel with MADV_DONTNEED. Handing back a large region takes time (~0.09 
 GiB: benchmarks/bench_release.py), so ``discard`` does it in any thread without the GIL, before
 ``release`` returns the range.
 
+With --host-memory-dir the arena is a shared mapping of a file there instead (``kept.KeptDir``), so
+that the cache in it outlives the daemon: a region's memory is then taken when it is reserved
+(``fallocate``: a full file system refuses it, where a later write would kill the daemon) and
+freed with the file's blocks when it is released.
+
 Memory the daemon keeps for what lies in the arena (the cache's per-page bookkeeping) is booked
 against it as well: past a free allowance of 1/64 of the budget, every booked byte is one byte less
 to reserve, so the daemon's memory stays within the budget however small the cache's pages.
@@ -25,6 +30,7 @@ import torch
 
 from kvserver.config import format_size, machine_memory
 from kvserver.errors import NoCapacity
+from kvserver.host.kept import KeptDir
 
 logger = logging.getLogger(__name__)
 
@@ -51,16 +57,25 @@ def _align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+def aligned_capacity(capacity: int) -> int:
+    """The bytes an arena of ``capacity`` has: whole regions."""
+    return capacity // REGION_ALIGN * REGION_ALIGN
+
+
 class HostArena:
     """First-fit allocator of aligned byte regions over one mapping of ``capacity`` bytes."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, kept: KeptDir | None = None) -> None:
         if capacity < REGION_ALIGN:
             raise ValueError(f"host memory must be at least {REGION_ALIGN} bytes, got {capacity}")
-        self.capacity = capacity // REGION_ALIGN * REGION_ALIGN
+        self.capacity = aligned_capacity(capacity)
+        self.kept = kept  # the arena is its file "arena"; None: private memory
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE
         try:
-            self._mm = mmap.mmap(-1, self.capacity, flags=flags)
+            if kept is not None:
+                self._mm = kept.mapping("arena", self.capacity)
+            else:
+                self._mm = mmap.mmap(-1, self.capacity, flags=flags)
         except OSError as exc:
             raise HostMemoryError(
                 f"cannot map {format_size(self.capacity)} of host memory ({exc.strerror}): this machine "
@@ -124,20 +139,17 @@ class HostArena:
     def unbook(self, nbytes: int) -> None:
         self.booked -= nbytes
 
-    def reserve(self, nbytes: int) -> int:
-        """Reserves ``nbytes`` (rounded up to the alignment) and returns the region's offset."""
+    def reserve(self, nbytes: int, commit: bool = True) -> int:
+        """Reserves ``nbytes`` (rounded up to the alignment) and returns the region's offset.
+        ``commit`` False: a kept arena's memory for it is taken later, by ``commit`` (which may
+        take a while for a large region: in a worker thread), before anything touches it."""
         if nbytes == 0:  # an empty region: nothing to reserve (release of it is a no-op too)
             return 0
         size = _align_up(nbytes, REGION_ALIGN)
         for i, free in enumerate(self._free_sizes if self._fits(size, 0) else ()):
             if free >= size:
                 start = self._free_starts[i]
-                if free == size:
-                    del self._free_starts[i], self._free_sizes[i]
-                else:
-                    self._free_starts[i] += size
-                    self._free_sizes[i] -= size
-                self.reserved += size
+                self._take(start, size, commit)
                 return start
         raise NoCapacity(
             f"host memory exhausted: {nbytes} bytes requested, largest free region "
@@ -155,11 +167,7 @@ class HostArena:
             free = self._free_sizes[i]
             if free >= size:
                 start = self._free_starts[i] + free - size
-                if free == size:
-                    del self._free_starts[i], self._free_sizes[i]
-                else:
-                    self._free_sizes[i] -= size
-                self.reserved += size
+                self._take(start, size)
                 self.booked += booked
                 return start
         raise NoCapacity(
@@ -167,16 +175,63 @@ class HostArena:
             f"{self.largest_free()} of {self.capacity} bytes"
         )
 
+    def commit(self, start: int, nbytes: int) -> None:
+        """Takes a kept arena's memory for a region reserved with ``commit`` False (NoCapacity if
+        the file system has none); nothing to do for private memory. Any thread."""
+        size = _align_up(nbytes, REGION_ALIGN)
+        if self.kept is not None and size and not self.kept.allocate("arena", start, size):
+            raise NoCapacity(
+                f"host memory: the file system of {self.kept.path} has no room for {size} more bytes "
+                "(--host-memory-dir: give it a tmpfs as large as --host-memory)"
+            )
+
+    def _take(self, start: int, size: int, commit: bool = True) -> None:
+        """Takes [start, start + size) out of the free range holding it; with a kept arena, its
+        memory is taken now (NoCapacity, nothing taken, if the file system has none)."""
+        i = bisect.bisect_right(self._free_starts, start) - 1
+        fs, fz = (self._free_starts[i], self._free_sizes[i]) if i >= 0 else (0, 0)
+        if not (i >= 0 and fs <= start and start + size <= fs + fz):
+            raise ValueError(f"arena range [{start}, {start + size}) is not free")
+        if commit:
+            self.commit(start, size)
+        del self._free_starts[i], self._free_sizes[i]
+        if start + size < fs + fz:  # what is left above it
+            self._free_starts.insert(i, start + size)
+            self._free_sizes.insert(i, fs + fz - start - size)
+        if fs < start:  # and below it
+            self._free_starts.insert(i, fs)
+            self._free_sizes.insert(i, start - fs)
+        self.reserved += size
+
+    def reserve_at(self, start: int, nbytes: int, booked: int = 0) -> None:
+        """Reserves the region at ``start`` (aligned; free): a kept cache's slab found again at the
+        daemon's start. Its memory is already the file's: nothing is allocated or zeroed."""
+        size = _align_up(nbytes, REGION_ALIGN)
+        if start % REGION_ALIGN or start < 0 or start + size > self.capacity:
+            raise ValueError(f"arena range [{start}, {start + size}) is not aligned inside the arena")
+        self._take(start, size, commit=False)  # adopted bytes are kept as they are
+        self.booked += booked
+
+    def discard_free(self) -> None:
+        """Frees the memory of every free range (a kept arena's file may hold what an earlier
+        daemon left there: its clients' regions, slabs not adopted)."""
+        for start, size in zip(self._free_starts, self._free_sizes, strict=True):
+            self._punch(start, size)
+
+    def _punch(self, start: int, size: int) -> None:
+        if self.kept is not None:  # a shared mapping keeps the file's pages: free them there
+            self.kept.punch("arena", start, size)
+        elif _libc.madvise(self.address + start, size, mmap.MADV_DONTNEED) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"madvise of {size} bytes at offset {start}: {os.strerror(err)}")
+
     def discard(self, start: int, nbytes: int) -> None:
         """Gives the pages of a reserved region back to the kernel (they read as zeros after), in
         whichever thread calls it: ctypes lets go of the GIL, so a worker thread doing this costs
         the event loop nothing. The region stays reserved until ``release``."""
         if nbytes == 0:
             return
-        size = _align_up(nbytes, REGION_ALIGN)
-        if _libc.madvise(self.address + start, size, mmap.MADV_DONTNEED) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"madvise of {size} bytes at offset {start}: {os.strerror(err)}")
+        self._punch(start, _align_up(nbytes, REGION_ALIGN))
 
     def release(self, start: int, nbytes: int, discarded: bool = False, booked: int = 0) -> None:
         """Returns a region, first giving its pages back to the kernel unless ``discard`` did, so
@@ -185,7 +240,7 @@ class HostArena:
             return
         size = _align_up(nbytes, REGION_ALIGN)
         if not discarded:
-            self._mm.madvise(mmap.MADV_DONTNEED, start, size)
+            self._punch(start, size)
         self.reserved -= size
         self.booked -= booked
         i = bisect.bisect_left(self._free_starts, start)

@@ -17,13 +17,14 @@ from dataclasses import replace
 import numpy as np
 
 from kvserver.errors import FailedPrecondition, InvalidArgument, NoCapacity
-from kvserver.host.arena import BOOK_ALLOWANCE, HostArena
+from kvserver.host.arena import HostArena
 from kvserver.store.complete import PartCounts
 from kvserver.store.counters import CacheCounters
 from kvserver.store.eviction import EvictionQueue, lru_slabs
+from kvserver.store.keep import Keep, Recovery, adopt
 from kvserver.store.keys import Keys, as_keys, leading
 from kvserver.store.leases import LeaseTable
-from kvserver.store.pages import BYTES_PER_PAGE, COMMITTED, MIN_PAGE_BYTES, WRITING, PageTable
+from kvserver.store.pages import COMMITTED, WRITING, PageTable, max_pages
 from kvserver.store.plans import GetPlan, PutPlan
 from kvserver.store.quotas import Tenant, Tenants
 from kvserver.store.slabs import SlabPool
@@ -40,13 +41,6 @@ MAX_PIN_MS = 60_000
 MAX_LOOKUP_PAIRS = 1 << 20
 
 
-def max_pages(arena: HostArena) -> int:
-    """The most pages the arena can hold: all of the smallest pages an engine may have (64 bytes,
-    as registrations require) and their bookkeeping, past its free allowance."""
-    budget = arena.capacity + arena.capacity // BOOK_ALLOWANCE
-    return max(1 << 16, min((1 << 31) - 1, budget // (MIN_PAGE_BYTES + BYTES_PER_PAGE)))
-
-
 class KVCache:
     def __init__(self, arena: HostArena, *, default_quota: int = 0, quotas: Mapping[str, int] = {},  # noqa: B006
                  slab_bytes: int = 8 << 20, max_spaces_per_tenant: int = 256,
@@ -54,7 +48,8 @@ class KVCache:
         self.arena = arena
         self.clock = clock
         self.max_spaces_per_tenant = max_spaces_per_tenant
-        self.pages = PageTable(max_pages(arena))
+        kept = arena.kept  # a kept arena keeps the cache's records beside it (kvserver.store.keep)
+        self.pages = PageTable(max_pages(arena.capacity), kept)
         self.part_counts = PartCounts(self.pages.size)
         self.slabs = SlabPool(arena, self.pages, slab_bytes)
         self.leases = LeaseTable(self.pages, max_leases_per_tenant, clock, arena=arena,
@@ -69,6 +64,58 @@ class KVCache:
         self._parts: dict[int, Part] = {}
         self._queues: dict[tuple[int, int], EvictionQueue] = {}  # per size class (tenant, page bytes)
         self._next_gid = 0
+        self.keep = self.slabs.keep = Keep(kept, arena.capacity) if kept else None
+
+    def adopt(self) -> Recovery | None:
+        """Takes back what a kept cache's files hold (None if the cache is not kept): call once,
+        before anything else, with the slab hooks in place."""
+        return adopt(self, self.keep) if self.keep is not None else None
+
+    def adopt_part(self, space_key: SpaceKey, part_key: PartKey, gid: int) -> Part:
+        """A kept part, under its number (``adopt``)."""
+        part = self.part(self.space(space_key), part_key, gid)
+        if part.gid != gid:
+            raise FailedPrecondition(f"part {gid} and part {part.gid} are the same part")
+        return part
+
+    def next_gid(self, gid: int) -> None:
+        """New parts are numbered from ``gid`` on (a kept cache's numbers are never reused)."""
+        self._next_gid = max(self._next_gid, gid)
+
+    def trim_to_quotas(self) -> int:
+        """Evicts each tenant's least recently used slabs while it holds more than its quota (a
+        kept cache adopted under smaller quotas); returns the pages evicted."""
+        evicted = 0
+        for tenant in list(self.tenants.by_name.values()):
+            sids = [s for (tid, _), ss in self.slabs.of_class.items() if tid == tenant.tid for s in ss]
+            for sid in lru_slabs(self.pages, sids).tolist():
+                if not tenant.quota or self.slabs.held(tenant.tid, tenant.quota) <= tenant.quota:
+                    break
+                before = tenant.counters.pages
+                self._evict_slab(sid)
+                evicted += before - tenant.counters.pages
+        return evicted
+
+    def adopt_pages(self, ids: np.ndarray) -> None:
+        """Kept committed pages, in adopted slabs, back in their parts' indexes and counters."""
+        if not len(ids):
+            return
+        p = self.pages
+        owners = p.index.owner[ids].astype(np.int64)
+        order = np.argsort(owners, kind="stable")
+        uniq, starts = np.unique(owners[order], return_index=True)
+        for gid, chunk in zip(uniq.tolist(), np.split(ids[order], starts[1:]), strict=True):
+            part = self._parts[gid]
+            tenant = self.tenants.get(part.space.key.tenant)
+            keys = p.index.keys_of(chunk)
+            p.part[chunk] = gid
+            p.tenant[chunk] = tenant.tid
+            p.index.insert(chunk, gid, keys)
+            part.pages += len(chunk)
+            part.space.complete.added(keys)
+            for c in (part.space.counters, tenant.counters):
+                c.pages += len(chunk)
+                c.bytes += len(chunk) * part.key.page_bytes
 
     @property
     def bytes(self) -> int:
@@ -117,7 +164,7 @@ class KVCache:
             for part in space.parts.values():
                 del self._parts[part.gid]
 
-    def part(self, space: Space, key: PartKey) -> Part:
+    def part(self, space: Space, key: PartKey, gid: int = -1) -> Part:
         sk = space.key
         if not (0 <= key.tp_shard < sk.tp_shards and 0 <= key.pp_rank < sk.pp_size):
             raise InvalidArgument(
@@ -141,8 +188,11 @@ class KVCache:
                     f"{key.page_bytes} bytes, whose pages would not be interchangeable"
                 )
             return existing
-        part = Part(space, key, self._next_gid)
-        self._next_gid += 1
+        if gid < 0:
+            gid, self._next_gid = self._next_gid, self._next_gid + 1
+        part = Part(space, key, gid)
+        if self.keep is not None:
+            self.keep.part_added(part)
         space.parts[(key.tp_shard, key.pp_rank)] = part
         self._parts[part.gid] = part
         return part

@@ -21,11 +21,13 @@ import secrets
 
 import numpy as np
 
+from kvserver.host.kept import KeptDir
 from kvserver.store.keys import Keys
 from kvserver.store.lazy import lazy_zeros
 
 LOAD = 2  # entries per bucket, on average, before a bucket splits
 _FIRST_BUCKETS = 64
+KEPT = ("w0", "w1", "lens", "owner")  # the tables a kept index keeps in files
 BYTES_PER_ENTRY = 8 + 8 + 1 + 4 + 4 + 4 * 2 // LOAD  # words, length, owner, chain; buckets (at most 2x)
 
 _M1 = np.uint64(0xFF51AFD7ED558CCD)
@@ -33,13 +35,17 @@ _M2 = np.uint64(0xC4CEB9FE1A85EC53)
 
 
 class KeyIndex:
-    def __init__(self, capacity: int = 1024) -> None:
+    def __init__(self, capacity: int = 1024, kept: KeptDir | None = None) -> None:
         # Sized for ``capacity`` entries at once, committed as used (``lazy_zeros``): no call ever
-        # copies the index to grow it.
-        self.w0 = lazy_zeros(capacity, np.uint64)
-        self.w1 = lazy_zeros(capacity, np.uint64)
-        self.lens = lazy_zeros(capacity, np.uint8)
-        self.owner = lazy_zeros(capacity, np.int32)
+        # copies the index to grow it. ``kept``: the entries (not the chains) are kept in its files,
+        # "index.w0" and so on (KEPT), so that a restarted daemon finds its keys again.
+        def table(name: str, dtype: type) -> np.ndarray:
+            return kept.array(f"index.{name}", capacity, dtype) if kept else lazy_zeros(capacity, dtype)
+
+        self.w0 = table("w0", np.uint64)
+        self.w1 = table("w1", np.uint64)
+        self.lens = table("lens", np.uint8)
+        self.owner = table("owner", np.int32)
         self.next = lazy_zeros(capacity, np.int32)
         self.head = lazy_zeros(_FIRST_BUCKETS + capacity // LOAD + 1, np.int32)
         self.head[:_FIRST_BUCKETS] = -1

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvserver.host.arena import BOOK_ALLOWANCE
+from kvserver.host.kept import KeptDir
 from kvserver.store.index import BYTES_PER_ENTRY, KeyIndex
+from kvserver.store.index import KEPT as INDEX_KEPT
 from kvserver.store.keys import Keys
 from kvserver.store.lazy import lazy_zeros
 from kvserver.store.stack import IdPool
@@ -37,35 +40,81 @@ _ARRAYS = {
     "slab": np.int32,
     "nbytes": np.int64,
 }
+KEPT = ("state", "offset", "slab", "stamp")  # what a kept table keeps of a page (with its key)
+ALLOCATE_IDS = 1 << 16  # kept records are given memory this many ids at a time
 MIN_PAGE_BYTES = 64  # the smallest host page a registration may have (see kvserver.core)
 # Bookkeeping bytes per page: the arrays above, its key index entry, its place in a free list or
 # the spare ids (4), and the entry a space of several parts may keep for its key (complete.py).
 BYTES_PER_PAGE = sum(np.dtype(t).itemsize for t in _ARRAYS.values()) + 2 * (BYTES_PER_ENTRY + 4)
 
 
+def max_pages(capacity: int) -> int:
+    """The most pages an arena of ``capacity`` can hold: all of the smallest pages an engine may
+    have (64 bytes, as registrations require) and their bookkeeping, past its free allowance."""
+    budget = capacity + capacity // BOOK_ALLOWANCE
+    return max(1 << 16, min((1 << 31) - 1, budget // (MIN_PAGE_BYTES + BYTES_PER_PAGE)))
+
+
 class PageTable:
     """Arrays of per-page state; an array doubles when the ids run out."""
 
-    def __init__(self, capacity: int = 1 << 16) -> None:
+    def __init__(self, capacity: int = 1 << 16, kept: KeptDir | None = None) -> None:
         # Every array is sized for ``capacity`` pages at once and committed as it is used (ids are
-        # handed out from the lowest): the table never grows, so no call copies it.
+        # handed out from the lowest): the table never grows, so no call copies it. ``kept``: the
+        # arrays of KEPT and the index's entries are files there, so that a page's record outlives
+        # the daemon (kvserver.store.keep); their memory is taken ahead of the ids handed out.
         self.size = capacity  # the most page ids there can be
         self._ids = IdPool(capacity)
         self._tick = 0
+        self.kept = kept
+        self._allocated = 0  # ids whose kept records have their memory
         for name, dtype in _ARRAYS.items():
-            setattr(self, name, lazy_zeros(capacity, dtype))
-        self.index = KeyIndex(capacity)
+            table = kept.array(f"pages.{name}", capacity, dtype) if kept and name in KEPT else None
+            setattr(self, name, table if table is not None else lazy_zeros(capacity, dtype))
+        self.index = KeyIndex(capacity, kept)
         self.slab_stamp = np.zeros(64, np.int64)  # per slab id: the newest stamp of its pages
         self.slab_holds = np.zeros(64, np.int64)  # per slab id: pins + readers + pages being written
 
     def take(self, n: int) -> np.ndarray | None:
-        """``n`` unused page ids, ascending where possible; None if the table has fewer left."""
-        return self._ids.take(n)
+        """``n`` unused page ids, ascending where possible; None if the table has fewer left (or,
+        kept, its file system has no room for their records)."""
+        ids = self._ids.take(n)
+        if ids is not None and len(ids) and self.kept is not None and int(ids.max()) >= self._allocated:
+            if not self.allocate(int(ids.max()) + 1):
+                self._ids.give(ids)
+                return None
+        return ids
+
+    def allocate(self, upto: int) -> bool:
+        """Takes the memory of kept records up to id ``upto`` (rounded up to ``ALLOCATE_IDS``)."""
+        upto = min(self.size, -(-upto // ALLOCATE_IDS) * ALLOCATE_IDS)
+        if upto <= self._allocated:
+            return True
+        tables = [(f"pages.{n}", getattr(self, n)) for n in KEPT]
+        tables += [(f"index.{n}", getattr(self.index, n)) for n in INDEX_KEPT]
+        for name, table in tables:
+            size = table.itemsize
+            if not self.kept.allocate(name, self._allocated * size, (upto - self._allocated) * size):
+                return False
+        self._allocated = upto
+        return True
 
     def give(self, ids: np.ndarray) -> None:
         """Page ids of a released slab go back to the spare ids."""
         self.state[ids] = UNUSED
         self._ids.give(ids)
+
+    def restore_ids(self, ids: np.ndarray) -> None:
+        """Adopting a kept table: exactly ``ids`` are in slabs (their records hold), no other."""
+        self._ids.restore(ids)
+        self.allocate(self._ids.fresh)
+
+    def restore_stamps(self) -> None:
+        """Adopting a kept table: recency goes on from the newest adopted stamp."""
+        n = self._ids.fresh
+        committed = np.flatnonzero(self.state[:n] == COMMITTED)
+        self._tick = int(self.stamp[committed].max()) + 1 if len(committed) else 0
+        np.maximum.at(self.slab_stamp, self.slab[committed], self.stamp[committed])
 
     @property
     def in_slabs(self) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -25,6 +26,9 @@ from kvserver.errors import NoCapacity
 from kvserver.host.arena import BOOK_ALLOWANCE, REGION_ALIGN, HostArena
 from kvserver.store.pages import BYTES_PER_PAGE, FREE, PageTable
 from kvserver.store.stack import IdStack
+
+if TYPE_CHECKING:
+    from kvserver.store.keep import Keep
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +81,7 @@ class SlabPool:
         self._booked: dict[int, int] = {}  # tenant id -> bookkeeping bytes of its slabs' pages
         self._spare_sids: list[int] = []
         self._next_sid = 0
+        self.keep: Keep | None = None  # a kept cache's slab records (kvserver.store.keep)
 
     @property
     def nslabs(self) -> int:
@@ -156,9 +161,41 @@ class SlabPool:
         self._held[tenant] = self._held.get(tenant, 0) + n * page_bytes
         self._booked[tenant] = self._booked.get(tenant, 0) + n * BYTES_PER_PAGE
         self.bytes += nbytes
+        if self.keep is not None:
+            self.keep.slab_added(sid, offset, nbytes, page_bytes, n)
         for hook in self.on_slab_added:
             hook(offset, nbytes)
         return True
+
+    def adopt(self, sid: int, offset: int, nbytes: int, page_bytes: int, tenant: int, ids: np.ndarray,
+              free: np.ndarray) -> None:
+        """Takes back slab ``sid`` of a kept cache: its region, its pages ``ids`` (their records
+        checked by the caller), of which ``free`` hold nothing."""
+        n = len(ids)
+        self.arena.reserve_at(offset, nbytes, booked=n * BYTES_PER_PAGE)
+        self.pages.new_slab(sid)
+        p = self.pages
+        p.state[free] = FREE
+        p.index.owner[free] = -1
+        p.nbytes[ids] = page_bytes
+        p.part[ids] = -1
+        p.tenant[ids] = -1
+        p.pins[ids] = 0
+        p.readers[ids] = 0
+        p.stamp[free] = 0
+        slab = self.slabs[sid] = Slab(sid, offset, nbytes, page_bytes, ids, tenant)
+        self._push(slab, free)
+        self.of_class.setdefault(slab.cls, set()).add(sid)
+        self._held[tenant] = self._held.get(tenant, 0) + n * page_bytes
+        self._booked[tenant] = self._booked.get(tenant, 0) + n * BYTES_PER_PAGE
+        self.bytes += nbytes
+        for hook in self.on_slab_added:
+            hook(offset, nbytes)
+
+    def adopted(self) -> None:
+        """Every kept slab is adopted: new slabs take the ids between and above theirs."""
+        self._next_sid = max(self.slabs, default=-1) + 1
+        self._spare_sids = sorted(set(range(self._next_sid)) - set(self.slabs), reverse=True)
 
     def _new_sid(self) -> int:
         self._next_sid += 1
@@ -216,6 +253,8 @@ class SlabPool:
         slabs = [self.slabs.pop(s) for s in sids]
         ids = np.concatenate([s.pages for s in slabs])
         for slab in slabs:  # their free lists go with them: nothing else of the class is touched
+            if self.keep is not None:
+                self.keep.slab_removed(slab.sid)
             self._with_free[slab.cls].pop(slab.sid, None)
             self._nfree[slab.cls] -= slab.free
         self.pages.give(ids)

@@ -65,3 +65,9 @@ class IdPool:
 
     def give(self, ids: np.ndarray) -> None:
         self._spare.push(ids)
+
+    def restore(self, ids: np.ndarray) -> None:
+        """Starts over with exactly ``ids`` handed out (a kept cache's pages, adopted)."""
+        self.fresh = int(ids.max()) + 1 if len(ids) else 0
+        self._spare = IdStack()
+        self._spare.push(np.setdiff1d(np.arange(self.fresh, dtype=np.int64), ids))  # lowest first

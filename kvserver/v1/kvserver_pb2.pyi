@@ -462,7 +462,7 @@ class SessionEvent(_message.Message):
     def __init__(self, epoch: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("capacity_bytes", "reserved_bytes", "used_bytes", "num_clients", "transfers", "clients", "reclaimed_clients", "cache_bytes", "spaces", "tenants")
+    __slots__ = ("capacity_bytes", "reserved_bytes", "used_bytes", "num_clients", "transfers", "clients", "reclaimed_clients", "cache_bytes", "spaces", "tenants", "kept")
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -473,6 +473,7 @@ class StatsResponse(_message.Message):
     CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SPACES_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
     capacity_bytes: int
     reserved_bytes: int
     used_bytes: int
@@ -483,7 +484,28 @@ class StatsResponse(_message.Message):
     cache_bytes: int
     spaces: _containers.RepeatedCompositeFieldContainer[SpaceStats]
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
-    def __init__(self, capacity_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_clients: _Optional[int] = ..., transfers: _Optional[_Union[TransferCounters, _Mapping]] = ..., clients: _Optional[_Iterable[_Union[ClientStats, _Mapping]]] = ..., reclaimed_clients: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., spaces: _Optional[_Iterable[_Union[SpaceStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
+    kept: KeptCache
+    def __init__(self, capacity_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_clients: _Optional[int] = ..., transfers: _Optional[_Union[TransferCounters, _Mapping]] = ..., clients: _Optional[_Iterable[_Union[ClientStats, _Mapping]]] = ..., reclaimed_clients: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., spaces: _Optional[_Iterable[_Union[SpaceStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., kept: _Optional[_Union[KeptCache, _Mapping]] = ...) -> None: ...
+
+class KeptCache(_message.Message):
+    __slots__ = ("dir", "adopted_pages", "adopted_bytes", "adopt_seconds", "torn_pages", "dropped_pages", "evicted_pages", "reason")
+    DIR_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ADOPT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TORN_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    dir: str
+    adopted_pages: int
+    adopted_bytes: int
+    adopt_seconds: float
+    torn_pages: int
+    dropped_pages: int
+    evicted_pages: int
+    reason: str
+    def __init__(self, dir: _Optional[str] = ..., adopted_pages: _Optional[int] = ..., adopted_bytes: _Optional[int] = ..., adopt_seconds: _Optional[float] = ..., torn_pages: _Optional[int] = ..., dropped_pages: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class CacheCounters(_message.Message):
     __slots__ = ("pages", "bytes", "hits", "misses", "evictions", "dedup_pages", "dedup_bytes", "dropped")

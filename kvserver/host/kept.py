@@ -1,0 +1,276 @@
+"""A directory whose files keep the host cache across the daemon's restarts (--host-memory-dir).
+
+The arena and the cache's page records are shared mappings of files in it, so that what the daemon
+wrote is in the files the moment it is written, and outlives the process: a SIGKILL included. On
+tmpfs (``/dev/shm``) nothing is ever written back to a disk; a reboot ends them.
+
+Who may use it: the directory must be the daemon's own (its owner, mode 0700 or narrower, no
+link), in a path whose every directory is root's or the daemon's and writable by no one else
+unless sticky, as ``/dev/shm`` is; its files are opened relative to it, never through a link,
+and must be regular, the daemon's, mode 0600, with one name. Anything else is refused before a
+byte is read (``KeptDirError``). One daemon at a time: a lock (released by the kernel when its
+holder dies) keeps a second one out.
+
+What may be adopted: ``format.json`` names the format version and the shape of every file (the
+arena's capacity, the tables' lengths). A daemon finding another shape, or none, starts empty,
+says why, and writes its own: the header goes first, the files are emptied, then the new header
+is written, so that a kill in between leaves no header and the next start is empty too.
+
+Primitives: ``KeptDir`` (``array``, ``allocate``, ``seal``, ``close``; ``adopting``, ``reason``)
+and ``KeptDirError``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import json
+import logging
+import mmap
+import os
+import stat
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1  # bumped whenever a kept file's meaning changes
+HEADER = "format.json"
+NOTHING = "no kept cache was found"
+LOCK = "lock"
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_libc.fallocate.restype = ctypes.c_int
+FALLOC_FL_KEEP_SIZE = 1
+FALLOC_FL_PUNCH_HOLE = 2
+
+
+class KeptDirError(RuntimeError):
+    """The directory cannot keep the cache: another user controls it, or another daemon uses it."""
+
+
+def _check_path(path: str) -> None:
+    """Every directory above ``path`` (resolved) must be root's or ours, and writable by no one
+    else unless sticky: else another user could swap what is below it."""
+    me = os.geteuid()
+    parent = os.path.dirname(path)
+    while True:
+        st = os.lstat(parent)
+        if st.st_uid not in (0, me):
+            raise KeptDirError(f"{parent} (above {path}) belongs to uid {st.st_uid}: another user "
+                               "controls it")
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise KeptDirError(f"{parent} (above {path}) is writable by other users and not sticky")
+        if parent == os.path.dirname(parent):
+            return
+        parent = os.path.dirname(parent)
+
+
+def _check_own(st: os.stat_result, what: str, kind: int) -> None:
+    me = os.geteuid()
+    if stat.S_IFMT(st.st_mode) != kind:
+        raise KeptDirError(f"{what} is not a {'directory' if kind == stat.S_IFDIR else 'regular file'}")
+    if st.st_uid != me:
+        raise KeptDirError(f"{what} belongs to uid {st.st_uid}, not to the daemon's uid {me}")
+    if st.st_mode & 0o077:
+        raise KeptDirError(f"{what} has mode {stat.S_IMODE(st.st_mode):04o}: other users may reach it "
+                           "(it must be 0700 for the directory, 0600 for its files)")
+    if kind == stat.S_IFREG and st.st_nlink != 1:
+        raise KeptDirError(f"{what} has {st.st_nlink} names: another may be changed under it")
+
+
+class KeptDir:
+    """The directory, checked and locked. ``shape``: what the files must have been made for
+    (format, capacity, table lengths) to be adopted; ``adopting`` says whether they were."""
+
+    def __init__(self, path: str, shape: dict[str, Any]) -> None:
+        self.path = os.path.realpath(path)
+        self.shape = {"format": FORMAT, **shape}
+        self._fds: dict[str, int] = {}
+        self._maps: list[mmap.mmap] = []
+        self._dir = -1
+        self._lock = -1
+        _check_path(self.path)
+        try:
+            os.mkdir(self.path, 0o700)
+        except FileExistsError:
+            pass
+        self._dir = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            _check_own(os.fstat(self._dir), self.path, stat.S_IFDIR)
+            self._lock = self._open(LOCK)
+            try:
+                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise KeptDirError(f"another daemon keeps its cache in {self.path}") from None
+            self.adopting, self.reason = self._read_header()
+            self.found = self.reason != NOTHING  # there was a kept cache, adopted or not
+            if not self.adopting:
+                self._remove(HEADER)  # first: a kill from here on leaves nothing to adopt
+        except BaseException:
+            self.close()
+            raise
+
+    def start_over(self, reason: str) -> None:
+        """Drops what was found (its mappings are let go; its files are emptied as they are mapped
+        again) and starts as if the directory held nothing."""
+        self._remove(HEADER)
+        self._unmap()
+        self.adopting, self.reason = False, reason
+
+    # Files
+
+    def _open(self, name: str) -> int:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._dir)
+        try:
+            _check_own(os.fstat(fd), os.path.join(self.path, name), stat.S_IFREG)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _remove(self, name: str) -> None:
+        try:
+            os.unlink(name, dir_fd=self._dir)
+        except FileNotFoundError:
+            pass
+
+    def _read_header(self) -> tuple[bool, str]:
+        try:
+            fd = os.open(HEADER, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir)
+        except FileNotFoundError:
+            return False, NOTHING
+        try:
+            _check_own(os.fstat(fd), os.path.join(self.path, HEADER), stat.S_IFREG)
+            with os.fdopen(os.dup(fd), "rb") as f:
+                text = f.read(1 << 16)
+        finally:
+            os.close(fd)
+        try:
+            found = json.loads(text)
+        except ValueError:
+            return False, "its format.json cannot be read"
+        if not isinstance(found, dict) or found.get("format") != FORMAT:
+            got = found.get("format") if isinstance(found, dict) else None
+            return False, f"it is in format {got!r}, which this daemon (format {FORMAT}) does not know"
+        if found != self.shape:
+            diff = ", ".join(f"{k} {found.get(k)!r} (now {v!r})" for k, v in self.shape.items()
+                             if found.get(k) != v)
+            return False, f"it was made for another shape: {diff}"
+        return True, ""
+
+    def mapping(self, name: str, nbytes: int) -> mmap.mmap:
+        """The file ``name`` of ``nbytes`` mapped shared: as found if adopting (it must have that
+        size), else emptied first. Its blocks are sparse until ``allocate`` takes them."""
+        if name in self._fds:
+            raise ValueError(f"{name} is mapped already")
+        fd = self._open(name)
+        self._fds[name] = fd
+        size = os.fstat(fd).st_size
+        if self.adopting and size != nbytes:
+            raise KeptDirError(f"{os.path.join(self.path, name)} is {size} bytes, not {nbytes}: changed "
+                               "by something other than the daemon")
+        if not self.adopting:
+            os.ftruncate(fd, 0)
+            os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, max(1, nbytes), flags=mmap.MAP_SHARED)
+        self._maps.append(mm)
+        return mm
+
+    def array(self, name: str, n: int, dtype: Any) -> np.ndarray:
+        """A table of ``n`` items kept in file ``name`` (see ``mapping``)."""
+        dtype = np.dtype(dtype)
+        return np.frombuffer(self.mapping(name, n * dtype.itemsize), dtype=dtype, count=n)
+
+    def extent(self, name: str) -> int:
+        """Bytes of file ``name`` before its first hole: what ``allocate`` gave it from its start."""
+        try:
+            return os.lseek(self._fds[name], 0, os.SEEK_HOLE)
+        except OSError:
+            return os.fstat(self._fds[name]).st_size
+
+    def allocate(self, name: str, start: int, nbytes: int) -> bool:
+        """Gives bytes [start, start + nbytes) of the file its memory now, so that writing them
+        later cannot fail (a full tmpfs kills the writer with SIGBUS); False if the file system
+        has no room."""
+        try:
+            os.posix_fallocate(self._fds[name], start, nbytes)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                return False
+            raise
+        return True
+
+    def punch(self, name: str, start: int, nbytes: int) -> None:
+        """Frees bytes [start, start + nbytes) of the file: they read as zeros, hold no memory."""
+        flags = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+        if _libc.fallocate(self._fds[name], flags, start, nbytes) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"freeing {nbytes} bytes of {name}: {os.strerror(err)}")
+
+    def seal(self) -> None:
+        """Writes the header once every file has its shape: from now on a restart adopts them."""
+        tmp = HEADER + ".tmp"
+        self._remove(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                     dir_fd=self._dir)
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.shape, f)
+        os.rename(tmp, HEADER, src_dir_fd=self._dir, dst_dir_fd=self._dir)
+
+    # Small files written whole (the catalog)
+
+    def read_text(self, name: str) -> str:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir)
+        except FileNotFoundError:
+            return ""
+        with os.fdopen(fd, "rb") as f:
+            _check_own(os.fstat(f.fileno()), os.path.join(self.path, name), stat.S_IFREG)
+            return f.read().decode("utf-8", "replace")
+
+    def appender(self, name: str, fresh: bool) -> int:
+        """A descriptor appending to file ``name``; ``fresh`` empties it first."""
+        fd = self._open(name)
+        if fresh:
+            os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_END)
+        self._fds[name] = fd
+        return fd
+
+    def replace_text(self, name: str, text: str) -> int:
+        """Writes ``name`` whole (a new file renamed over it) and returns it open for appending."""
+        tmp = name + ".tmp"
+        self._remove(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                     dir_fd=self._dir)
+        data = text.encode()
+        while data:
+            data = data[os.write(fd, data):]
+        os.rename(tmp, name, src_dir_fd=self._dir, dst_dir_fd=self._dir)
+        old = self._fds.pop(name, None)
+        if old is not None:
+            os.close(old)
+        self._fds[name] = fd
+        return fd
+
+    def _unmap(self) -> None:
+        for mm in self._maps:
+            try:
+                mm.close()
+            except BufferError:  # a view still refers to it: unmapped once the view goes
+                pass
+        self._maps.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def close(self) -> None:
+        self._unmap()
+        for fd in (self._lock, self._dir):
+            if fd >= 0:
+                os.close(fd)
+        self._lock = self._dir = -1

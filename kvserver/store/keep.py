@@ -1,0 +1,272 @@
+"""A cache that survives its daemon: what is kept beside the page table, and adopting it at start.
+
+With --host-memory-dir the arena, the page table's records (state, arena offset, slab, recency) and
+the index's entries (key, part) are files (``kvserver.host.kept``); this module keeps the rest: a
+record per slab (``slabs``: where it lies, its page size and count) and the catalog of parts (one
+JSON line per part: its space's key and its own, under the part's number, which is never reused).
+
+Why a page found in the files is never a torn one: the cache writes a page's record in the order
+its life goes. A new page is marked being written (WRITING) before its bytes are copied and
+committed only once the copy is over (``complete_put``); a page is freed (its key's owner cleared,
+then FREE) before it is handed out again. Every store lands in the files' shared memory as it is
+made, so whatever ends the process, the files say COMMITTED only of a page whose bytes are whole
+and whose key, part and offset are those bytes'. Adoption takes only those, and only if everything
+about them agrees (``adopt``): the slab record is live and sane, the slab's pages are exactly its
+pages, the part is in the catalog with the slab's page size, one tenant per slab, one page per key.
+
+Primitives: ``Keep`` (``slab_added`` / ``slab_removed`` / ``part_added``), ``adopt`` and
+``Recovery``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvserver.config import format_size
+from kvserver.errors import KVError
+from kvserver.host.arena import REGION_ALIGN
+from kvserver.host.kept import KeptDir
+from kvserver.protocol.layout import KVLayout
+from kvserver.store.keys import MAX_KEY_BYTES
+from kvserver.store.pages import COMMITTED, MIN_PAGE_BYTES, UNUSED, WRITING, max_pages
+from kvserver.store.spaces import Part, PartKey, SpaceKey
+
+logger = logging.getLogger(__name__)
+
+SLAB_RECORD = np.dtype([("offset", "<i8"), ("nbytes", "<i8"), ("page_bytes", "<i8"), ("pages", "<i4"),
+                        ("live", "<i4")])
+CATALOG = "catalog"
+
+
+@dataclass(slots=True)
+class Recovery:
+    """What a start found of a kept cache."""
+
+    path: str
+    adopted_pages: int = 0
+    adopted_bytes: int = 0
+    seconds: float = 0.0
+    torn: int = 0  # pages being written when the last daemon stopped: never served, dropped
+    dropped: int = 0  # committed pages that failed a check: dropped
+    evicted: int = 0  # adopted pages evicted at once: their tenant's quota is smaller now
+    reason: str = ""  # why nothing was adopted ("" if the files were)
+
+    def line(self) -> str:
+        if self.reason:
+            return f"host cache in {self.path} starts empty: {self.reason}"
+        return (f"host cache adopted from {self.path}: {self.adopted_pages} pages, "
+                f"{format_size(self.adopted_bytes)}, in {self.seconds:.3f} s; dropped {self.torn} torn "
+                f"(being written at the stop) and {self.dropped} that failed a check"
+                + (f"; evicted {self.evicted} over their tenants' quotas" if self.evicted else ""))
+
+
+def kept_shape(capacity: int) -> dict[str, int]:
+    """What kept files must have been made for to be adopted by a cache of ``capacity`` bytes."""
+    return {"capacity": capacity, "pages": max_pages(capacity), "slab_record": SLAB_RECORD.itemsize}
+
+
+def _space_json(key: SpaceKey) -> dict[str, Any]:
+    lay = key.layout
+    return {"tenant": key.tenant, "model": key.model, "weights": key.weights,
+            "layout": [lay.is_mla, lay.num_heads, lay.head_dim, lay.rope_dim],
+            "dtype": str(key.dtype).removeprefix("torch."), "page_size": key.page_size,
+            "num_layers": key.num_layers, "tp_size": key.tp_size, "pp_size": key.pp_size}
+
+
+def _space_of(d: dict[str, Any]) -> SpaceKey:
+    is_mla, heads, dim, rope = d["layout"]
+    dtype = getattr(torch, d["dtype"])
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a dtype: {d['dtype']!r}")
+    layout = KVLayout(bool(is_mla), int(heads), int(dim), int(rope))
+    return SpaceKey(str(d["tenant"]), str(d["model"]), layout, dtype, int(d["page_size"]),
+                    int(d["num_layers"]), int(d["tp_size"]), int(d["pp_size"]), str(d["weights"]))
+
+
+def _line(part: Part) -> str:
+    k = part.key
+    return json.dumps({"gid": part.gid, "space": _space_json(part.space.key),
+                       "part": [k.tp_shard, k.pp_rank, k.start_layer, k.end_layer, k.page_bytes]}) + "\n"
+
+
+class Keep:
+    """The slab records and the catalog of a kept cache."""
+
+    def __init__(self, kept: KeptDir, capacity: int) -> None:
+        self.kept = kept
+        n = capacity // REGION_ALIGN + 1  # slab ids stay below the most slabs there can be at once
+        self.slabs = kept.array("slabs", n, SLAB_RECORD)
+        if not kept.allocate("slabs", 0, n * SLAB_RECORD.itemsize):
+            raise OSError(f"no room in {kept.path} for {n} slab records")
+        self._catalog = -1
+
+    def slab_added(self, sid: int, offset: int, nbytes: int, page_bytes: int, pages: int) -> None:
+        r = self.slabs[sid : sid + 1]
+        r["offset"], r["nbytes"], r["page_bytes"], r["pages"] = offset, nbytes, page_bytes, pages
+        r["live"] = 1  # last: the record is whole before it counts
+
+    def slab_removed(self, sid: int) -> None:
+        self.slabs["live"][sid] = 0
+
+    def part_added(self, part: Part) -> None:
+        """Files the part in the catalog before any page of it is written."""
+        if self._catalog < 0:
+            self._catalog = self.kept.appender(CATALOG, fresh=not self.kept.adopting)
+        data = _line(part).encode()
+        while data:
+            data = data[os.write(self._catalog, data):]
+
+    def read_catalog(self) -> dict[int, tuple[SpaceKey, PartKey, str]]:
+        """gid -> (space key, part key, its line), of every line that reads whole."""
+        out = {}
+        for line in self.kept.read_text(CATALOG).splitlines():
+            try:
+                d = json.loads(line)
+                gid, (shard, pp, start, end, page_bytes) = int(d["gid"]), d["part"]
+                out[gid] = (_space_of(d["space"]), PartKey(int(shard), int(pp), int(start), int(end),
+                                                            int(page_bytes)), line + "\n")
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # a line cut short by a kill, or not ours: its pages are dropped
+        return out
+
+    def rewrite_catalog(self, lines: list[str]) -> None:
+        self._catalog = self.kept.replace_text(CATALOG, "".join(lines))
+
+
+def adopt(cache: Any, keep: Keep) -> Recovery:
+    """Takes back into ``cache`` (the KVCache, which imports this module) what the files of a kept
+    cache hold, as far as every check passes; the rest is dropped and its memory freed. Then the
+    directory is sealed for the next start."""
+    t0 = time.perf_counter()
+    rec = Recovery(keep.kept.path, reason=keep.kept.reason)
+    if keep.kept.adopting:
+        try:
+            _adopt(cache, keep, rec)
+        finally:
+            cache.arena.discard_free()  # what the last daemon left outside adopted slabs
+    else:
+        keep.rewrite_catalog([])
+    keep.kept.seal()
+    rec.seconds = time.perf_counter() - t0
+    return rec
+
+
+def _sane_slabs(keep: Keep, capacity: int) -> np.ndarray:
+    """Ids of the live slab records that lie inside the arena, aligned, apart from each other."""
+    s = keep.slabs
+    sids = np.flatnonzero(s["live"] == 1)
+    off, nb, pb, n = (s[f][sids].astype(np.int64) for f in ("offset", "nbytes", "page_bytes", "pages"))
+    ok = ((off >= 0) & (off % REGION_ALIGN == 0) & (nb > 0) & (nb % REGION_ALIGN == 0)
+          & (off + nb <= capacity) & (pb >= MIN_PAGE_BYTES) & (n >= 1) & (n * pb <= nb))
+    sids, off, nb = sids[ok], off[ok], nb[ok]
+    order = np.argsort(off, kind="stable")
+    sids, off, nb = sids[order], off[order], nb[order]
+    overlap = np.zeros(len(sids), bool)
+    if len(sids) > 1:
+        clash = off[1:] < off[:-1] + nb[:-1]
+        overlap[1:] |= clash
+        overlap[:-1] |= clash
+    return sids[~overlap]
+
+
+def _adopt(cache: Any, keep: Keep, rec: Recovery) -> None:
+    p, slabs, arena = cache.pages, keep.slabs, cache.arena
+    top = min(p.size, keep.kept.extent("pages.state"))
+    if not p.allocate(top):  # every record written below has its memory first: no SIGBUS
+        raise OSError(f"no room in {keep.kept.path} for the records of {top} pages")
+    # The parts first, under their numbers: a page is adopted only into one of them.
+    catalog = keep.read_catalog()
+    parts, lines = {}, []
+    for gid, (space_key, part_key, line) in catalog.items():
+        try:
+            parts[gid] = cache.adopt_part(space_key, part_key, gid)
+            lines.append(line)
+        except KVError as exc:  # a space the tenant may no longer have: its pages go
+            logger.warning("kept part %d of %s not adopted: %s", gid, space_key.model, exc)
+    cache.next_gid(max(catalog, default=-1) + 1)
+    gids = np.array(sorted(parts), np.int64)
+    names = sorted({part.space.key.tenant for part in parts.values()})
+    part_bytes = np.array([parts[g].key.page_bytes for g in gids.tolist()], np.int64)
+    part_tenant = np.array([names.index(parts[g].space.key.tenant) for g in gids.tolist()], np.int64)
+
+    used = np.flatnonzero(p.state[:top] != UNUSED)
+    rec.torn = int(np.count_nonzero(p.state[used] == WRITING))
+    # Slabs whose pages are exactly their pages (count, offsets, page size).
+    in_sane = used[np.isin(p.slab[used], _sane_slabs(keep, arena.capacity))]
+    in_sane = in_sane[np.argsort(p.slab[in_sane], kind="stable")]
+    sids, starts = np.unique(p.slab[in_sane], return_index=True)
+    whole: list[tuple[int, np.ndarray]] = []
+    for sid, ids in zip(sids.tolist(), np.split(in_sane, starts[1:]) if len(in_sane) else [], strict=True):
+        r = slabs[sid]
+        n, pb = int(r["pages"]), int(r["page_bytes"])
+        rel = p.offset[ids] - int(r["offset"])
+        if len(ids) == n and rel.min() >= 0 and rel.max() < n * pb and not (rel % pb).any() \
+                and np.unique(rel // pb).size == n:
+            whole.append((sid, ids))
+        else:
+            rec.dropped += int(np.count_nonzero(p.state[ids] == COMMITTED))
+    ids = np.concatenate([w[1] for w in whole]) if whole else np.empty(0, np.int64)
+    sid_of = np.repeat(np.array([w[0] for w in whole], np.int64), [len(w[1]) for w in whole])
+    # Committed pages whose part is known with the slab's page size and whose key is sane.
+    com = p.state[ids] == COMMITTED
+    cids, csid = ids[com], sid_of[com]
+    owners, lens = p.index.owner[cids].astype(np.int64), p.index.lens[cids]
+    at = np.minimum(np.searchsorted(gids, owners), max(len(gids) - 1, 0))
+    good = (lens >= 1) & (lens <= MAX_KEY_BYTES)
+    if len(gids):
+        good &= (gids[at] == owners) & (part_bytes[at] == slabs["page_bytes"][csid])
+    else:
+        good[:] = False
+    tenant = part_tenant[at] if len(gids) else np.zeros(len(cids), np.int64)
+    # A slab holds one tenant's pages: one with two is not to be trusted.
+    pairs = np.unique(np.stack([csid[good], tenant[good]]), axis=1)
+    mixed = pairs[0][np.flatnonzero(np.diff(pairs[0]) == 0)]
+    good &= ~np.isin(csid, mixed)
+    # One page per key of a part (the index's invariant): later duplicates go.
+    g = np.flatnonzero(good)
+    w0, w1 = p.index.w0[cids[g]], p.index.w1[cids[g]]
+    order = np.lexsort((lens[g], w1, w0, owners[g]))
+    same = np.zeros(len(g), bool)
+    if len(g) > 1:
+        o = order
+        same[o[1:]] = ((owners[g][o[1:]] == owners[g][o[:-1]]) & (w0[o[1:]] == w0[o[:-1]])
+                       & (w1[o[1:]] == w1[o[:-1]]) & (lens[g][o[1:]] == lens[g][o[:-1]]))
+    good[g[same]] = False
+    rec.dropped += int(np.count_nonzero(~good))
+    # Slabs with at least one good page are adopted; everything else is let go: its records
+    # here, its memory in ``adopt``.
+    keep_sids = np.unique(csid[good])
+    keep_mask = np.isin(sid_of, keep_sids)
+    keep_ids = ids[keep_mask]
+    p.state[np.setdiff1d(used, keep_ids, assume_unique=True)] = UNUSED
+    for sid in np.setdiff1d(np.flatnonzero(slabs["live"] == 1), keep_sids).tolist():
+        keep.slab_removed(sid)
+    p.restore_ids(keep_ids)
+    adopted, a_sid = cids[good], csid[good]  # grouped by slab, as ``whole`` is
+    slab_tenant = dict(zip(a_sid.tolist(), tenant[good].tolist(), strict=True))
+    first, last = np.searchsorted(a_sid, keep_sids), np.searchsorted(a_sid, keep_sids, side="right")
+    by_slab = {sid: adopted[a:b] for sid, a, b in zip(keep_sids.tolist(), first.tolist(), last.tolist(),
+                                                         strict=True)}
+    for sid, sids_ids in whole:
+        if sid not in slab_tenant:
+            continue
+        r = slabs[sid]
+        mine = by_slab[sid]
+        cache.slabs.adopt(sid, int(r["offset"]), int(r["nbytes"]), int(r["page_bytes"]),
+                          cache.tenants.get(names[slab_tenant[sid]]).tid, sids_ids,
+                          np.setdiff1d(sids_ids, mine, assume_unique=True))
+        rec.adopted_bytes += len(mine) * int(r["page_bytes"])
+    cache.adopt_pages(adopted)
+    rec.adopted_pages = len(adopted)
+    cache.slabs.adopted()
+    p.restore_stamps()
+    keep.rewrite_catalog(lines)
+    rec.evicted = cache.trim_to_quotas()

@@ -1,0 +1,360 @@
+"""A host cache kept in files (--host-memory-dir): what a daemon killed with SIGKILL, or stopped,
+leaves is adopted by the next one, bit-exact and nothing torn; files it cannot trust are started
+over or refused, and the daemon serves either way.
+
+The first daemon of each test is a forked child that is SIGKILLed (or kills itself): the same
+end as ``kill -9``, with the writes it made in its mappings and nothing else."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from kvserver.core.kvcore import KVCore
+from kvserver.protocol.layout import KVLayout
+from kvserver.store.spaces import PartKey, SpaceKey
+
+MB = 1 << 20
+LAYOUT = KVLayout.mha(2, 64)
+PAGE_BYTES = 16 * 256 * 2 * 4  # 16 tokens of 256 B per part, K and V, 4 layers: 32 KiB
+
+
+@pytest.fixture
+def kept_dir():
+    path = f"/dev/shm/kvserver-test-kept-{os.getpid()}-{os.urandom(3).hex()}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def space(weights: str = "", tenant: str = "t") -> SpaceKey:
+    return SpaceKey(tenant, "m", LAYOUT, torch.float16, 16, 4, 1, 1, weights)
+
+
+def part_of(core: KVCore, weights: str = "", page_bytes: int = PAGE_BYTES, tenant: str = "t"):
+    c = core.cache
+    return c.part(c.space(space(weights, tenant)), PartKey(0, 0, 0, 4, page_bytes))
+
+
+def content(key: bytes, n: int) -> np.ndarray:
+    seed = int.from_bytes(key[:8].ljust(8, b"\0"), "little")
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def keys_of(prefix: bytes, n: int) -> list[bytes]:
+    return [prefix + i.to_bytes(4, "little") for i in range(n)]
+
+
+def put(core: KVCore, part, keys: list[bytes], ok: bool = True):
+    """Stores ``keys`` with their content (``ok``: the copy completes); returns the plan."""
+    plan = core.cache.prepare_put(part, keys)
+    arena = core.arena.view(torch.uint8).numpy()
+    for pos, off in zip(plan.positions.tolist(), plan.offsets.tolist(), strict=True):
+        arena[off : off + part.key.page_bytes] = content(keys[pos], part.key.page_bytes)
+    if ok is not None:
+        core.cache.complete_put(plan, ok)
+    return plan
+
+
+def found(core: KVCore, part, keys: list[bytes]) -> tuple[int, bool]:
+    """How many leading keys hit, and whether their bytes are exactly what was stored."""
+    plan = core.cache.prepare_get(part, keys)
+    arena = core.arena.view(torch.uint8).numpy()
+    exact = all(np.array_equal(arena[off : off + part.key.page_bytes], content(k, part.key.page_bytes))
+                for k, off in zip(keys, plan.offsets.tolist(), strict=False))
+    core.cache.complete_get(plan, True)
+    return plan.pages, exact
+
+
+def in_child(body, *args) -> None:
+    """Runs ``body(*args)`` in a forked child that is then SIGKILLed (the files keep what it wrote)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            body(*args)
+        except BaseException:
+            os._exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"child ended with {status}"
+
+
+def test_a_killed_daemons_pages_are_adopted_bit_exact_and_torn_ones_never(kept_dir):
+    stored, torn, failed = keys_of(b"ok", 100), keys_of(b"torn", 5), keys_of(b"fail", 5)
+
+    def first():
+        core = KVCore(64 * MB, host_memory_dir=kept_dir)
+        part = part_of(core)
+        put(core, part, stored)
+        put(core, part, failed, ok=False)  # a copy that failed: its pages were freed
+        put(core, part, torn, ok=None)  # bytes written, never committed: killed in the middle
+
+    in_child(first)
+    core = KVCore(64 * MB, host_memory_dir=kept_dir)
+    rec = core.recovery
+    assert rec.reason == "" and rec.adopted_pages == 100 and rec.adopted_bytes == 100 * PAGE_BYTES
+    assert rec.torn == 5 and rec.dropped == 0
+    part = part_of(core)
+    assert found(core, part, stored) == (100, True)
+    assert found(core, part, torn)[0] == 0 and found(core, part, failed)[0] == 0
+    space_stats, tenants = core.cache.stats()
+    assert space_stats[0].counters.pages == 100 and tenants[0].counters.bytes == 100 * PAGE_BYTES
+    # What was torn is stored again, and the cache goes on as any other.
+    assert put(core, part, torn).positions.size == 5
+    assert found(core, part, stored + torn) == (105, True)
+
+
+def test_a_stopped_daemon_keeps_its_cache_and_the_next_adopts_it_again(kept_dir):
+    keys = keys_of(b"k", 50)
+    core = KVCore(64 * MB, host_memory_dir=kept_dir)
+    put(core, part_of(core), keys)
+    asyncio.run(core.close())
+    for _ in range(2):  # adopted, stopped, adopted again
+        core = KVCore(64 * MB, host_memory_dir=kept_dir)
+        assert core.recovery.adopted_pages == 50
+        assert found(core, part_of(core), keys) == (50, True)
+        asyncio.run(core.close())
+
+
+def test_recency_survives_the_restart_and_eviction_takes_the_least_recently_used(kept_dir):
+    page = 1 * MB  # 8 pages a slab of 8 MiB; 22 MiB hold two such slabs, not three
+    old, hot = keys_of(b"old", 8), keys_of(b"hot", 8)
+
+    def first():
+        core = KVCore(22 * MB, host_memory_dir=kept_dir)
+        part = part_of(core, page_bytes=page)
+        put(core, part, hot)
+        put(core, part, old)
+        assert found(core, part, hot)[0] == 8  # hot is now the more recently used
+
+    in_child(first)
+    core = KVCore(22 * MB, host_memory_dir=kept_dir)
+    assert core.recovery.adopted_pages == 16
+    part = part_of(core, page_bytes=page)
+    new = keys_of(b"new", 8)
+    plan = put(core, part, new)
+    assert plan.positions.size == 8 and plan.dropped == 0
+    assert found(core, part, hot) == (8, True), "the recently used pages were evicted"
+    assert found(core, part, old)[0] == 0
+    assert found(core, part, new) == (8, True)
+
+
+def test_other_weights_never_share_a_kept_page(kept_dir):
+    keys = keys_of(b"w", 10)
+
+    def first():
+        core = KVCore(64 * MB, host_memory_dir=kept_dir)
+        put(core, part_of(core, weights="rev-a"), keys)
+
+    in_child(first)
+    core = KVCore(64 * MB, host_memory_dir=kept_dir)
+    assert found(core, part_of(core, weights="rev-b"), keys)[0] == 0
+    assert found(core, part_of(core, weights="rev-a"), keys) == (10, True)
+
+
+def test_tenants_and_quotas_hold_for_adopted_pages(kept_dir):
+    keys = keys_of(b"q", 40)
+
+    def first():
+        core = KVCore(64 * MB, host_memory_dir=kept_dir)
+        put(core, part_of(core, tenant="alice"), keys)
+
+    in_child(first)
+    core = KVCore(64 * MB, host_memory_dir=kept_dir, tenant_quotas={"alice": 16 * MB})
+    assert found(core, part_of(core, tenant="bob"), keys)[0] == 0
+    alice = part_of(core, tenant="alice")
+    assert found(core, alice, keys) == (40, True)
+    # Past her quota, alice's Puts evict her own pages: she never holds more than it.
+    put(core, alice, keys_of(b"more", 1000))
+    held = core.cache.slabs.held(core.cache.tenants.get("alice").tid, 16 * MB)
+    assert 8 * MB < held <= 16 * MB
+    asyncio.run(core.close())
+    # Adopted under a smaller quota: her least recently used slabs go at once.
+    core = KVCore(64 * MB, host_memory_dir=kept_dir, tenant_quotas={"alice": 9 * MB})
+    assert core.recovery.evicted > 0
+    assert core.cache.slabs.held(core.cache.tenants.get("alice").tid, 9 * MB) <= 9 * MB
+
+
+def test_files_of_another_format_or_shape_start_empty_and_say_why(kept_dir, caplog):
+    keys = keys_of(b"f", 10)
+
+    def first():
+        core = KVCore(64 * MB, host_memory_dir=kept_dir)
+        put(core, part_of(core), keys)
+
+    in_child(first)
+    header = os.path.join(kept_dir, "format.json")
+    with open(header) as f:
+        shape = json.load(f)
+    with open(header, "w") as f:
+        json.dump({**shape, "format": 99}, f)
+    with caplog.at_level(logging.WARNING, logger="kvserver.core.kvcore"):
+        core = KVCore(64 * MB, host_memory_dir=kept_dir)
+    assert "format 99" in core.recovery.reason and core.recovery.adopted_pages == 0
+    assert "starts empty" in caplog.text and "format 99" in caplog.text
+    assert found(core, part_of(core), keys)[0] == 0
+    put(core, part_of(core), keys)
+    asyncio.run(core.close())
+    # Another --host-memory: the tables have another shape.
+    core = KVCore(32 * MB, host_memory_dir=kept_dir)
+    assert "capacity" in core.recovery.reason and core.recovery.adopted_pages == 0
+    asyncio.run(core.close())
+    core = KVCore(32 * MB, host_memory_dir=kept_dir)  # and what it wrote is the format from now on
+    assert core.recovery.reason == ""
+
+
+def test_a_truncated_file_is_started_over_and_the_daemon_serves(kept_dir, caplog):
+    keys = keys_of(b"t", 10)
+
+    def first():
+        core = KVCore(64 * MB, host_memory_dir=kept_dir)
+        put(core, part_of(core), keys)
+
+    in_child(first)
+    os.truncate(os.path.join(kept_dir, "pages.state"), 4096)
+    with caplog.at_level(logging.WARNING, logger="kvserver.core.kvcore"):
+        core = KVCore(64 * MB, host_memory_dir=kept_dir)
+    assert "starting it over" in caplog.text
+    assert core.recovery.adopted_pages == 0 and "changed by something other" in core.recovery.reason
+    part = part_of(core)
+    assert found(core, part, keys)[0] == 0
+    put(core, part, keys)
+    assert found(core, part, keys) == (10, True)
+
+
+def test_records_that_disagree_are_dropped_and_the_rest_adopted(kept_dir):
+    a, b = keys_of(b"a", 8), keys_of(b"b", 8)
+    page = 1 * MB
+
+    def first():
+        core = KVCore(64 * MB, host_memory_dir=kept_dir)
+        part = part_of(core, page_bytes=page)
+        put(core, part, a)  # fills one slab of 8 pages
+        put(core, part, b)  # and the next
+
+    in_child(first)
+    slabs = np.memmap(os.path.join(kept_dir, "slabs"), dtype=np.dtype(
+        [("offset", "<i8"), ("nbytes", "<i8"), ("page_bytes", "<i8"), ("pages", "<i4"), ("live", "<i4")]))
+    live = np.flatnonzero(slabs["live"] == 1)
+    assert len(live) == 2
+    first_slab = live[np.argmax(slabs["offset"][live])]  # slabs are taken from the top: a's
+    slabs["offset"][first_slab] += 4096  # no longer aligned: its pages cannot be trusted
+    slabs.flush()
+    del slabs
+    core = KVCore(64 * MB, host_memory_dir=kept_dir)
+    assert core.recovery.adopted_pages == 8 and core.recovery.dropped == 0
+    part = part_of(core, page_bytes=page)
+    assert found(core, part, a)[0] == 0
+    assert found(core, part, b) == (8, True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="changing a directory's owner needs root")
+def test_a_directory_another_uid_controls_is_never_adopted(kept_dir, caplog):
+    os.mkdir(kept_dir, 0o700)
+    os.chown(kept_dir, 65534, 65534)
+    with caplog.at_level(logging.ERROR, logger="kvserver.core.kvcore"):
+        core = KVCore(16 * MB, host_memory_dir=kept_dir)
+    assert core.recovery is None and "belongs to uid 65534" in caplog.text
+    part = part_of(core)
+    put(core, part, keys_of(b"x", 4))  # the cache works, in the daemon's own memory
+    assert found(core, part, keys_of(b"x", 4)) == (4, True)
+    assert os.listdir(kept_dir) == []  # nothing was written there
+
+
+def test_a_directory_others_may_reach_a_link_or_a_file_of_another_name_is_refused(kept_dir, caplog):
+    os.mkdir(kept_dir, 0o755)
+    with caplog.at_level(logging.ERROR, logger="kvserver.core.kvcore"):
+        assert KVCore(16 * MB, host_memory_dir=kept_dir).recovery is None
+    assert "mode 0755" in caplog.text
+    os.chmod(kept_dir, 0o700)
+    link = kept_dir + "-link"
+    os.symlink(kept_dir, link)
+    try:  # a link is resolved once and the real directory checked: it is the daemon's, so used
+        core = KVCore(16 * MB, host_memory_dir=link)
+        assert core.recovery is not None
+        asyncio.run(core.close())
+        # A file with a second name could be changed through the other one: refused.
+        os.link(os.path.join(kept_dir, "slabs"), os.path.join(kept_dir, "other-name"))
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="kvserver.core.kvcore"):
+            core = KVCore(16 * MB, host_memory_dir=kept_dir)
+        assert "2 names" in caplog.text
+    finally:
+        os.unlink(link)
+
+
+def test_a_parent_directory_others_may_write_is_refused(tmp_path, caplog):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # writable by everyone, not sticky: the entry could be swapped
+    with caplog.at_level(logging.ERROR, logger="kvserver.core.kvcore"):
+        core = KVCore(16 * MB, host_memory_dir=str(shared / "kv"))
+    assert core.recovery is None and "not sticky" in caplog.text
+
+
+def test_a_second_daemon_on_the_same_directory_does_not_use_it(kept_dir, caplog):
+    first = KVCore(16 * MB, host_memory_dir=kept_dir)
+    with caplog.at_level(logging.ERROR, logger="kvserver.core.kvcore"):
+        second = KVCore(16 * MB, host_memory_dir=kept_dir)
+    assert first.recovery is not None and second.recovery is None
+    assert "another daemon keeps its cache" in caplog.text
+    asyncio.run(first.close())
+    asyncio.run(second.close())
+
+
+def test_files_are_the_daemons_own_and_no_one_elses(kept_dir):
+    core = KVCore(16 * MB, host_memory_dir=kept_dir)
+    put(core, part_of(core), keys_of(b"m", 4))
+    st = os.stat(kept_dir)
+    assert st.st_uid == os.geteuid() and st.st_mode & 0o777 == 0o700
+    for name in os.listdir(kept_dir):
+        st = os.stat(os.path.join(kept_dir, name))
+        assert st.st_uid == os.geteuid() and st.st_mode & 0o777 == 0o600, name
+    asyncio.run(core.close())
+
+
+def _mount_tmpfs(path: str, size: str) -> bool:
+    os.makedirs(path, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "kvtest", path],
+                       capture_output=True)
+    return r.returncode == 0
+
+
+def test_a_full_file_system_costs_dropped_pages_never_the_daemon(tmp_path):
+    mnt = str(tmp_path / "small")
+    if os.geteuid() != 0 or not _mount_tmpfs(mnt, "40m"):
+        pytest.skip("mounting a small tmpfs needs root (and a kernel that lets this container mount)")
+    try:
+        core = KVCore(256 * MB, host_memory_dir=os.path.join(mnt, "kv"))
+        part = part_of(core, page_bytes=1 * MB)
+        plan = put(core, part, keys_of(b"big", 200))  # 200 MiB do not fit the 40 MiB file system
+        assert 0 < plan.positions.size < 40 and plan.dropped == 200 - plan.positions.size
+        n = plan.positions.size
+        assert found(core, part, keys_of(b"big", 200)) == (n, True)
+        asyncio.run(core.close())
+        core = KVCore(256 * MB, host_memory_dir=os.path.join(mnt, "kv"))
+        assert core.recovery.adopted_pages == n
+        asyncio.run(core.close())
+    finally:
+        subprocess.run(["umount", "-l", mnt], check=False)
+
+
+def test_the_daemon_flag_and_variable_name_the_directory():
+    from kvserver.__main__ import build_parser, config_from_args
+
+    args = build_parser().parse_args(["--host-memory-dir", "/dev/shm/kv"])
+    assert config_from_args(args).host_memory_dir == "/dev/shm/kv"
+    code = ("import os; os.environ['KVSERVER_HOST_MEMORY_DIR'] = '/dev/shm/kv2';"
+            "from kvserver.__main__ import build_parser, config_from_args;"
+            "print(config_from_args(build_parser().parse_args([])).host_memory_dir)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "/dev/shm/kv2"
