@@ -23,7 +23,6 @@ import tempfile
 import time
 
 import grpc
-import numpy as np
 import torch
 
 from kvclient import CacheView, KVLayout

@@ -75,30 +75,128 @@ def found(core: KVCore, part, keys: list[bytes]) -> tuple[int, bool]:
     return plan.pages, exact
 
 
+def _killed_after(body, args) -> None:
+    body(*args)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def in_child(body, *args) -> None:
-    """Runs ``body(*args)`` in a forked child that is then SIGKILLed (the files keep what it wrote)."""
-    pid = os.fork()
-    if pid == 0:
-        try:
-            body(*args)
-        except BaseException:
-            os._exit(3)
-        os.kill(os.getpid(), signal.SIGKILL)
-    _, status = os.waitpid(pid, 0)
-    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"child ended with {status}"
+    """Runs ``body(*args)`` (a module-level function) in a new process that is then SIGKILLed: the
+    files keep what it wrote. Spawned, not forked: a fork of this process, whose threads (copy
+    workers, gRPC) may hold locks, can hang."""
+    import multiprocessing as mp
+
+    proc = mp.get_context("spawn").Process(target=_killed_after, args=(body, args))
+    proc.start()
+    proc.join(120)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(10)
+    assert proc.exitcode == -signal.SIGKILL, f"child ended with {proc.exitcode}"
+
+
+# ---- the first daemons' lives (run in a child that is then killed) -------------------------------
+
+
+def store(kept_dir: str, keys: list[bytes], part_kw: dict | None = None) -> None:
+    core = KVCore(64 * MB, host_memory_dir=kept_dir)
+    part = part_of(core, **(part_kw or {}))
+    if part.key.page_bytes == PAGE_BYTES:
+        put(core, part, keys)
+    else:  # pages that fill a slab each 8 keys: one Put a slab
+        for i in range(0, len(keys), 8):
+            put(core, part, keys[i : i + 8])
+
+
+def store_torn_and_failed(kept_dir: str, stored, failed, torn) -> None:
+    core = KVCore(64 * MB, host_memory_dir=kept_dir)
+    part = part_of(core)
+    put(core, part, stored)
+    put(core, part, failed, ok=False)  # a copy that failed: its pages were freed
+    put(core, part, torn, ok=None)  # bytes written, never committed: killed in the middle
+
+
+def store_hot_then_old(kept_dir: str, page: int, hot, old) -> None:
+    core = KVCore(22 * MB, host_memory_dir=kept_dir)
+    part = part_of(core, page_bytes=page)
+    put(core, part, hot)
+    put(core, part, old)
+    assert found(core, part, hot)[0] == 8  # hot is now the more recently used
+
+
+def grow_killed(kept_dir: str, confirmed, field: str) -> None:
+    core = KVCore(64 * MB, host_memory_dir=kept_dir)
+    part = part_of(core)
+    put(core, part, keys_of(b"x", 512), ok=False)  # a failed Put over two slabs: both released
+    put(core, part, confirmed)  # a new slab takes the ids of one of them
+    p = core.cache.pages
+    real = getattr(p, field)
+
+    class KilledOnWrite:
+        def __getitem__(self, i):
+            return real[i]
+
+        def __setitem__(self, i, v):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    setattr(p, field, KilledOnWrite())
+    put(core, part, keys_of(b"B", 256))  # the next slab's grow is killed midway
+
+
+def store_then_empty_spaces(kept_dir: str, keys) -> None:
+    core = KVCore(64 * MB, host_memory_dir=kept_dir)
+    put(core, part_of(core), keys)
+    for i in range(300):  # spaces opened over the daemon's life, all empty
+        part_of(core, weights=f"w{i}")
+
+
+def store_in_a_space_made_again(kept_dir: str, keys) -> None:
+    import gc
+
+    core = KVCore(64 * MB, host_memory_dir=kept_dir)
+    part_of(core, weights="S")  # empty: dropped once the tenant has too many spaces
+    for i in range(256):
+        part_of(core, weights=f"w{i}")
+    gc.collect()
+    put(core, part_of(core, weights="S"), keys)  # the same part again, under a new number
+
+
+def overflowing_slab_record(kept_dir: str, big: int) -> None:
+    from kvserver.store.pages import COMMITTED, UNUSED
+
+    core = KVCore(64 * MB, host_memory_dir=kept_dir)
+    part = part_of(core)
+    put(core, part, keys_of(b"A", 4))
+    huge = core.cache.part(core.cache.space(space("big")), PartKey(0, 0, 0, 4, big))
+    p, k = core.cache.pages, core.cache.keep
+    sid = int(p.slab[0])
+    r = k.slabs[sid : sid + 1]
+    ids = core.cache.slabs.slabs[sid].pages
+    p.state[ids] = UNUSED
+    a, b = int(ids[0]), int(ids[1])
+    r["pages"], r["page_bytes"] = 2, big  # 2 * 2**62 wraps around in int64
+    p.offset[a], p.offset[b] = int(r["offset"][0]), int(r["offset"][0]) + big
+    p.state[[a, b]] = COMMITTED
+    p.index.owner[[a, b]] = huge.gid
+
+
+def fail_adoption_then_die(kept_dir: str) -> None:
+    """Fails to adopt, and is killed before it starts the files over."""
+    from kvserver.host.kept import KeptDir
+    from kvserver.store import keep as keep_module
+
+    def failing(cache, keep, rec):
+        raise RuntimeError("adoption failed")
+
+    keep_module._adopt = failing
+    KeptDir.start_over = lambda self, reason: os.kill(os.getpid(), signal.SIGKILL)
+    KVCore(64 * MB, host_memory_dir=kept_dir)
 
 
 def test_a_killed_daemons_pages_are_adopted_bit_exact_and_torn_ones_never(kept_dir):
     stored, torn, failed = keys_of(b"ok", 100), keys_of(b"torn", 5), keys_of(b"fail", 5)
 
-    def first():
-        core = KVCore(64 * MB, host_memory_dir=kept_dir)
-        part = part_of(core)
-        put(core, part, stored)
-        put(core, part, failed, ok=False)  # a copy that failed: its pages were freed
-        put(core, part, torn, ok=None)  # bytes written, never committed: killed in the middle
-
-    in_child(first)
+    in_child(store_torn_and_failed, kept_dir, stored, failed, torn)
     core = KVCore(64 * MB, host_memory_dir=kept_dir)
     rec = core.recovery
     assert rec.reason == "" and rec.adopted_pages == 100 and rec.adopted_bytes == 100 * PAGE_BYTES
@@ -129,14 +227,7 @@ def test_recency_survives_the_restart_and_eviction_takes_the_least_recently_used
     page = 1 * MB  # 8 pages a slab of 8 MiB; 22 MiB hold two such slabs, not three
     old, hot = keys_of(b"old", 8), keys_of(b"hot", 8)
 
-    def first():
-        core = KVCore(22 * MB, host_memory_dir=kept_dir)
-        part = part_of(core, page_bytes=page)
-        put(core, part, hot)
-        put(core, part, old)
-        assert found(core, part, hot)[0] == 8  # hot is now the more recently used
-
-    in_child(first)
+    in_child(store_hot_then_old, kept_dir, page, hot, old)
     core = KVCore(22 * MB, host_memory_dir=kept_dir)
     assert core.recovery.adopted_pages == 16
     part = part_of(core, page_bytes=page)
@@ -151,11 +242,7 @@ def test_recency_survives_the_restart_and_eviction_takes_the_least_recently_used
 def test_other_weights_never_share_a_kept_page(kept_dir):
     keys = keys_of(b"w", 10)
 
-    def first():
-        core = KVCore(64 * MB, host_memory_dir=kept_dir)
-        put(core, part_of(core, weights="rev-a"), keys)
-
-    in_child(first)
+    in_child(store, kept_dir, keys, {"weights": "rev-a"})
     core = KVCore(64 * MB, host_memory_dir=kept_dir)
     assert found(core, part_of(core, weights="rev-b"), keys)[0] == 0
     assert found(core, part_of(core, weights="rev-a"), keys) == (10, True)
@@ -164,11 +251,7 @@ def test_other_weights_never_share_a_kept_page(kept_dir):
 def test_tenants_and_quotas_hold_for_adopted_pages(kept_dir):
     keys = keys_of(b"q", 40)
 
-    def first():
-        core = KVCore(64 * MB, host_memory_dir=kept_dir)
-        put(core, part_of(core, tenant="alice"), keys)
-
-    in_child(first)
+    in_child(store, kept_dir, keys, {"tenant": "alice"})
     core = KVCore(64 * MB, host_memory_dir=kept_dir, tenant_quotas={"alice": 16 * MB})
     assert found(core, part_of(core, tenant="bob"), keys)[0] == 0
     alice = part_of(core, tenant="alice")
@@ -187,11 +270,7 @@ def test_tenants_and_quotas_hold_for_adopted_pages(kept_dir):
 def test_files_of_another_format_or_shape_start_empty_and_say_why(kept_dir, caplog):
     keys = keys_of(b"f", 10)
 
-    def first():
-        core = KVCore(64 * MB, host_memory_dir=kept_dir)
-        put(core, part_of(core), keys)
-
-    in_child(first)
+    in_child(store, kept_dir, keys)
     header = os.path.join(kept_dir, "format.json")
     with open(header) as f:
         shape = json.load(f)
@@ -215,11 +294,7 @@ def test_files_of_another_format_or_shape_start_empty_and_say_why(kept_dir, capl
 def test_a_truncated_file_is_started_over_and_the_daemon_serves(kept_dir, caplog):
     keys = keys_of(b"t", 10)
 
-    def first():
-        core = KVCore(64 * MB, host_memory_dir=kept_dir)
-        put(core, part_of(core), keys)
-
-    in_child(first)
+    in_child(store, kept_dir, keys)
     os.truncate(os.path.join(kept_dir, "pages.state"), 4096)
     with caplog.at_level(logging.WARNING, logger="kvserver.core.kvcore"):
         core = KVCore(64 * MB, host_memory_dir=kept_dir)
@@ -235,13 +310,7 @@ def test_records_that_disagree_are_dropped_and_the_rest_adopted(kept_dir):
     a, b = keys_of(b"a", 8), keys_of(b"b", 8)
     page = 1 * MB
 
-    def first():
-        core = KVCore(64 * MB, host_memory_dir=kept_dir)
-        part = part_of(core, page_bytes=page)
-        put(core, part, a)  # fills one slab of 8 pages
-        put(core, part, b)  # and the next
-
-    in_child(first)
+    in_child(store, kept_dir, a + b, {"page_bytes": page})  # two slabs of 8 pages
     slabs = np.memmap(os.path.join(kept_dir, "slabs"), dtype=np.dtype(
         [("offset", "<i8"), ("nbytes", "<i8"), ("page_bytes", "<i8"), ("pages", "<i4"), ("live", "<i4")]))
     live = np.flatnonzero(slabs["live"] == 1)
@@ -251,7 +320,7 @@ def test_records_that_disagree_are_dropped_and_the_rest_adopted(kept_dir):
     slabs.flush()
     del slabs
     core = KVCore(64 * MB, host_memory_dir=kept_dir)
-    assert core.recovery.adopted_pages == 8 and core.recovery.dropped == 0
+    assert core.recovery.adopted_pages == 8 and core.recovery.dropped == 8
     part = part_of(core, page_bytes=page)
     assert found(core, part, a)[0] == 0
     assert found(core, part, b) == (8, True)
@@ -278,8 +347,12 @@ def test_a_directory_others_may_reach_a_link_or_a_file_of_another_name_is_refuse
     os.chmod(kept_dir, 0o700)
     link = kept_dir + "-link"
     os.symlink(kept_dir, link)
-    try:  # a link is resolved once and the real directory checked: it is the daemon's, so used
-        core = KVCore(16 * MB, host_memory_dir=link)
+    try:  # a link is never followed, even to a directory of the daemon's own
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="kvserver.core.kvcore"):
+            assert KVCore(16 * MB, host_memory_dir=link).recovery is None
+        assert "is a link" in caplog.text
+        core = KVCore(16 * MB, host_memory_dir=kept_dir)
         assert core.recovery is not None
         asyncio.run(core.close())
         # A file with a second name could be changed through the other one: refused.
@@ -358,3 +431,135 @@ def test_the_daemon_flag_and_variable_name_the_directory():
             "print(config_from_args(build_parser().parse_args([])).host_memory_dir)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "/dev/shm/kv2"
+
+
+# ---- found by review: each failed on the first version ------------------------------------------
+
+
+@pytest.mark.parametrize("field", ["offset", "slab", "nbytes"])
+def test_a_kill_while_a_slab_grows_loses_no_other_slabs_pages(kept_dir, field):
+    """Page ids of a released slab keep their old slab number: a kill while they are being given
+    to a new slab must not make the old number's live slab look like it has more pages."""
+    confirmed = keys_of(b"A", 256)
+
+    in_child(grow_killed, kept_dir, confirmed, field)
+    core = KVCore(64 * MB, host_memory_dir=kept_dir)
+    assert core.recovery.adopted_pages == 256 and core.recovery.dropped == 0
+    assert found(core, part_of(core), confirmed) == (256, True)
+
+
+def test_many_empty_spaces_in_the_catalog_cost_no_adopted_page(kept_dir):
+    keys = keys_of(b"A", 10)
+
+    in_child(store_then_empty_spaces, kept_dir, keys)
+    core = KVCore(64 * MB, host_memory_dir=kept_dir)
+    assert core.recovery.reason == "" and core.recovery.adopted_pages == 10
+    assert found(core, part_of(core), keys) == (10, True)
+    with open(os.path.join(kept_dir, "catalog")) as f:
+        assert len(f.read().splitlines()) == 1  # parts without pages are forgotten
+
+
+def test_a_space_dropped_while_empty_and_made_again_keeps_its_pages(kept_dir):
+    keys = keys_of(b"A", 10)
+
+    in_child(store_in_a_space_made_again, kept_dir, keys)
+    core = KVCore(64 * MB, host_memory_dir=kept_dir)
+    assert core.recovery.adopted_pages == 10
+    assert found(core, part_of(core, weights="S"), keys) == (10, True)
+
+
+def test_a_slab_record_whose_sizes_overflow_is_not_adopted(kept_dir):
+    from kvserver.store.pages import COMMITTED
+
+    big = 1 << 62
+
+    in_child(overflowing_slab_record, kept_dir, big)
+    core = KVCore(64 * MB, host_memory_dir=kept_dir)
+    assert core.recovery.adopted_pages == 0 and core.recovery.dropped == 2
+    p = core.cache.pages
+    assert (p.offset[p.state[: p.size] == COMMITTED] < core.arena.capacity).all()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a link of another uid needs root to make")
+def test_a_link_another_user_planted_is_never_followed(kept_dir, caplog):
+    target = kept_dir + "-target"
+    os.mkdir(target, 0o700)  # root's own, 0700: it would pass every check were the link followed
+    with open(os.path.join(target, "catalog"), "w") as f:
+        f.write("root's file\n")
+    os.symlink(target, kept_dir)
+    os.lchown(kept_dir, 12345, 12345)
+    try:
+        with caplog.at_level(logging.ERROR, logger="kvserver.core.kvcore"):
+            core = KVCore(16 * MB, host_memory_dir=kept_dir)
+        assert core.recovery is None and "is a link" in caplog.text
+        assert sorted(os.listdir(target)) == ["catalog"]
+        with open(os.path.join(target, "catalog")) as f:
+            assert f.read() == "root's file\n"
+        # Nor below such a link.
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="kvserver.core.kvcore"):
+            assert KVCore(16 * MB, host_memory_dir=os.path.join(kept_dir, "kv")).recovery is None
+        assert "link of uid 12345" in caplog.text
+        assert sorted(os.listdir(target)) == ["catalog"]
+    finally:
+        os.unlink(kept_dir)
+        shutil.rmtree(target, ignore_errors=True)
+
+
+def test_a_build_given_up_leaves_no_slab_in_the_pinner(kept_dir, monkeypatch):
+    keys = keys_of(b"A", 10)
+
+    in_child(store, kept_dir, keys)
+    from kvserver.store import cache as cache_module
+
+    real = cache_module.KVCache.adopt_pages
+
+    def failing(self, ids):
+        real(self, ids)
+        raise RuntimeError("an adoption that fails after its slabs were taken")
+
+    monkeypatch.setattr(cache_module.KVCache, "adopt_pages", failing)
+    core = KVCore(64 * MB, host_memory_dir=kept_dir)
+    assert "adopting it failed" in core.recovery.reason
+    base = core.arena.address
+    live = {base + s.offset for s in core.cache.slabs.slabs.values()}
+    assert set(core.slab_pinner._slabs) <= live
+
+
+def test_an_adoption_that_fails_leaves_nothing_to_adopt_after_a_kill(kept_dir, monkeypatch):
+    """Its records still say COMMITTED once it has freed the arena's memory: the header goes first,
+    so a kill before the start over never adopts the zeroed pages."""
+    keys = keys_of(b"A", 10)
+
+    in_child(store, kept_dir, keys)
+    in_child(fail_adoption_then_die, kept_dir)
+    core = KVCore(64 * MB, host_memory_dir=kept_dir)
+    assert core.recovery.adopted_pages == 0 and core.recovery.reason == "no kept cache was found"
+    assert found(core, part_of(core), keys)[0] == 0
+
+
+def test_a_lookup_that_misses_on_a_full_file_system_is_a_miss_not_a_sigbus(tmp_path):
+    mnt = str(tmp_path / "small")
+    if os.geteuid() != 0 or not _mount_tmpfs(mnt, "24m"):
+        pytest.skip("mounting a small tmpfs needs root (and a kernel that lets this container mount)")
+    code = f"""
+import os, sys
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from test_store_kept import KVCore, MB, part_of, put, found, keys_of
+core = KVCore(16 * MB, host_memory_dir={os.path.join(mnt, "kv")!r})
+part = part_of(core)
+put(core, part, keys_of(b"A", 4))
+fd = os.open({os.path.join(mnt, "filler")!r}, os.O_RDWR | os.O_CREAT, 0o600)
+try:
+    while True:
+        os.write(fd, b"\\0" * 65536)
+except OSError:
+    pass
+print(core.cache.lookup(part, keys_of(b"A", 4) + [b"missing!"])[0], found(core, part, keys_of(b"B", 2))[0])
+"""
+    try:
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, f"exit {run.returncode}: {run.stderr[-2000:]}"
+        assert run.stdout.split() == ["4", "0"]
+    finally:
+        subprocess.run(["umount", "-l", mnt], check=False)

@@ -154,6 +154,48 @@ def test_a_restarted_engine_finds_its_prefix(engines):
     again.run()
 
 
+def test_a_kept_cache_serves_engines_across_a_kill_9_of_their_daemon(engines, socket_dir):
+    """--host-memory-dir: the daemon is SIGKILLed after an engine stored a prompt and its answer;
+    a new engine on the restarted daemon hits the whole prefix, bit-exact, and the first engine
+    carries on with the new daemon without a restart of its own."""
+    import shutil
+
+    from daemon_proc import DaemonProcess
+
+    kept = f"/dev/shm/kvserver-test-vllm-kept-{os.getpid()}-{os.urandom(3).hex()}"
+    d = DaemonProcess(os.path.join(socket_dir, "kept.sock"), "--host-memory-dir", kept, host_memory="256MiB")
+    try:
+        first = engines("kept", address=d.address)
+        first.add("k1", PROMPT, max_tokens=20)
+        first.run()
+        d.kill()
+        d.start()
+        assert d.stats().kept.adopted_pages == 5  # the prompt's 4 blocks and the answer's fifth
+        again = engines("kept", address=d.address, layout="BHLNC")
+        tokens = full_tokens(PROMPT, 20)[:86]  # the whole answer was stored too: 5 blocks
+        seen: list[int] = []
+        again.on_layer = check_loaded("k2", tokens, 80, seen)
+        again.add("k2", tokens, max_tokens=1)
+        again.step()
+        assert again.admitted["k2"] == [80]  # nothing was stored since the restart: adopted pages
+        assert seen == [0, 1]
+        again.run()
+        # The first engine's connector registers again by itself and hits on the new daemon.
+        deadline = time.monotonic() + 15
+        for i in range(100):
+            first.add(f"k3-{i}", tokens, max_tokens=1)
+            first.step()
+            hit = first.admitted[f"k3-{i}"] == [80]
+            first.run()
+            if hit:
+                break
+            assert time.monotonic() < deadline, "the first engine never hit on the restarted daemon"
+            time.sleep(0.2)
+    finally:
+        d.stop()
+        shutil.rmtree(kept, ignore_errors=True)
+
+
 def test_async_lookup_schedules_the_request_a_step_later(engines):
     a = engines("async", settings={"lookup": "async"})
     a.add("a1", PROMPT, max_tokens=1)

@@ -58,8 +58,7 @@ class KVCore:
         tenant_quotas: dict[str, int] | None = None,
         host_memory_dir: str | None = None,
     ) -> None:
-        # CUDA copies reach cache pages by host address: their slabs are pinned once CUDA is in use.
-        self.slab_pinner = SlabPinner()
+        self.slab_pinner = SlabPinner()  # (made again by each _build)
         self.recovery: Recovery | None = None  # what a kept cache's start found (None: not kept)
         self._kept: KeptDir | None = None
         quotas = tenant_quotas or {}
@@ -89,6 +88,9 @@ class KVCore:
 
     def _build(self, host_memory: int, tenant_quota: int, quotas: dict[str, int],
                kept: KeptDir | None = None) -> None:
+        # CUDA copies reach cache pages by host address: their slabs are pinned once CUDA is in
+        # use. A pinner of its own per build: a build given up leaves no slab address behind.
+        self.slab_pinner = SlabPinner()
         self.arena = HostArena(host_memory, kept)
         # The node-wide cache: its pages share the arena (and so the budget) with clients' regions.
         self.cache = KVCache(self.arena, default_quota=tenant_quota, quotas=quotas)

@@ -4,12 +4,12 @@ The arena and the cache's page records are shared mappings of files in it, so th
 wrote is in the files the moment it is written, and outlives the process: a SIGKILL included. On
 tmpfs (``/dev/shm``) nothing is ever written back to a disk; a reboot ends them.
 
-Who may use it: the directory must be the daemon's own (its owner, mode 0700 or narrower, no
-link), in a path whose every directory is root's or the daemon's and writable by no one else
-unless sticky, as ``/dev/shm`` is; its files are opened relative to it, never through a link,
-and must be regular, the daemon's, mode 0600, with one name. Anything else is refused before a
-byte is read (``KeptDirError``). One daemon at a time: a lock (released by the kernel when its
-holder dies) keeps a second one out.
+Who may use it: the directory must be the daemon's own (its owner, mode 0700 or narrower, not a
+link, below no link of another user), in a path whose every directory is root's or the daemon's
+and writable by no one else unless sticky, as ``/dev/shm`` is; its files are opened relative to
+it, never through a link, and must be regular, the daemon's, mode 0600, with one name. Anything
+else is refused before a byte is read (``KeptDirError``). One daemon at a time: a lock (released
+by the kernel when its holder dies) keeps a second one out.
 
 What may be adopted: ``format.json`` names the format version and the shape of every file (the
 arena's capacity, the tables' lengths). A daemon finding another shape, or none, starts empty,
@@ -53,10 +53,24 @@ class KeptDirError(RuntimeError):
 
 
 def _check_path(path: str) -> None:
-    """Every directory above ``path`` (resolved) must be root's or ours, and writable by no one
-    else unless sticky: else another user could swap what is below it."""
+    """``path`` (absolute, as given) must not be a link, nor lie below a link another user owns;
+    and every directory above it (resolved) must be root's or ours, and writable by no one else
+    unless sticky: else another user could swap what is below it."""
     me = os.geteuid()
-    parent = os.path.dirname(path)
+    cur = "/"
+    for comp in path.strip("/").split("/"):
+        cur = os.path.join(cur, comp)
+        try:
+            st = os.lstat(cur)
+        except FileNotFoundError:
+            break
+        if stat.S_ISLNK(st.st_mode):
+            if cur == path:
+                raise KeptDirError(f"{path} is a link: give the directory itself")
+            if st.st_uid not in (0, me):
+                raise KeptDirError(f"{cur} (above {path}) is a link of uid {st.st_uid}: another user "
+                                   "controls where it leads")
+    parent = os.path.realpath(os.path.dirname(path))
     while True:
         st = os.lstat(parent)
         if st.st_uid not in (0, me):
@@ -87,7 +101,7 @@ class KeptDir:
     (format, capacity, table lengths) to be adopted; ``adopting`` says whether they were."""
 
     def __init__(self, path: str, shape: dict[str, Any]) -> None:
-        self.path = os.path.realpath(path)
+        self.path = os.path.abspath(path)  # not resolved: a link there is refused, not followed
         self.shape = {"format": FORMAT, **shape}
         self._fds: dict[str, int] = {}
         self._maps: list[mmap.mmap] = []
@@ -113,6 +127,10 @@ class KeptDir:
         except BaseException:
             self.close()
             raise
+
+    def unseal(self) -> None:
+        """Removes the header: until ``seal`` nothing in the directory will be adopted."""
+        self._remove(HEADER)
 
     def start_over(self, reason: str) -> None:
         """Drops what was found (its mappings are let go; its files are emptied as they are mapped

@@ -64,12 +64,19 @@ class KVCache:
         self._parts: dict[int, Part] = {}
         self._queues: dict[tuple[int, int], EvictionQueue] = {}  # per size class (tenant, page bytes)
         self._next_gid = 0
+        self._adopting = False
         self.keep = self.slabs.keep = Keep(kept, arena.capacity) if kept else None
 
     def adopt(self) -> Recovery | None:
         """Takes back what a kept cache's files hold (None if the cache is not kept): call once,
         before anything else, with the slab hooks in place."""
-        return adopt(self, self.keep) if self.keep is not None else None
+        if self.keep is None:
+            return None
+        self._adopting = True
+        try:
+            return adopt(self, self.keep)
+        finally:
+            self._adopting = False
 
     def adopt_part(self, space_key: SpaceKey, part_key: PartKey, gid: int) -> Part:
         """A kept part, under its number (``adopt``)."""
@@ -129,8 +136,8 @@ class KVCache:
         if space is not None:
             return space
         tenant = self.tenants.get(key.tenant)
-        if tenant.spaces >= self.max_spaces_per_tenant:
-            self._drop_empty_spaces(tenant)
+        if tenant.spaces >= self.max_spaces_per_tenant and not self._adopting:
+            self._drop_empty_spaces(tenant)  # (adopted spaces are empty until their pages come)
         if tenant.spaces >= self.max_spaces_per_tenant:
             raise NoCapacity(
                 f"tenant {key.tenant!r} has {tenant.spaces} KV spaces holding pages, the most allowed"

@@ -36,7 +36,7 @@ from kvserver.host.arena import REGION_ALIGN
 from kvserver.host.kept import KeptDir
 from kvserver.protocol.layout import KVLayout
 from kvserver.store.keys import MAX_KEY_BYTES
-from kvserver.store.pages import COMMITTED, MIN_PAGE_BYTES, UNUSED, WRITING, max_pages
+from kvserver.store.pages import COMMITTED, MAX_SLAB_PAGES, MIN_PAGE_BYTES, UNUSED, WRITING, max_pages
 from kvserver.store.spaces import Part, PartKey, SpaceKey
 
 logger = logging.getLogger(__name__)
@@ -150,8 +150,10 @@ def adopt(cache: Any, keep: Keep) -> Recovery:
     if keep.kept.adopting:
         try:
             _adopt(cache, keep, rec)
-        finally:
-            cache.arena.discard_free()  # what the last daemon left outside adopted slabs
+        except BaseException:
+            keep.kept.unseal()  # what the files say is no longer to be trusted, nor adopted again
+            raise
+        cache.arena.discard_free()  # what the last daemon left outside adopted slabs
     else:
         keep.rewrite_catalog([])
     keep.kept.seal()
@@ -164,8 +166,11 @@ def _sane_slabs(keep: Keep, capacity: int) -> np.ndarray:
     s = keep.slabs
     sids = np.flatnonzero(s["live"] == 1)
     off, nb, pb, n = (s[f][sids].astype(np.int64) for f in ("offset", "nbytes", "page_bytes", "pages"))
-    ok = ((off >= 0) & (off % REGION_ALIGN == 0) & (nb > 0) & (nb % REGION_ALIGN == 0)
-          & (off + nb <= capacity) & (pb >= MIN_PAGE_BYTES) & (n >= 1) & (n * pb <= nb))
+    # Each bounded first, so that no sum or product below can wrap around.
+    ok = ((off >= 0) & (off <= capacity) & (nb > 0) & (nb <= capacity) & (pb >= MIN_PAGE_BYTES)
+          & (pb <= capacity) & (n >= 1) & (n <= MAX_SLAB_PAGES))
+    off, nb, pb, n = (np.where(ok, a, 0) for a in (off, nb, pb, n))
+    ok &= (off % REGION_ALIGN == 0) & (nb % REGION_ALIGN == 0) & (off + nb <= capacity) & (n * pb <= nb)
     sids, off, nb = sids[ok], off[ok], nb[ok]
     order = np.argsort(off, kind="stable")
     sids, off, nb = sids[order], off[order], nb[order]
@@ -182,25 +187,19 @@ def _adopt(cache: Any, keep: Keep, rec: Recovery) -> None:
     top = min(p.size, keep.kept.extent("pages.state"))
     if not p.allocate(top):  # every record written below has its memory first: no SIGBUS
         raise OSError(f"no room in {keep.kept.path} for the records of {top} pages")
-    # The parts first, under their numbers: a page is adopted only into one of them.
     catalog = keep.read_catalog()
-    parts, lines = {}, []
-    for gid, (space_key, part_key, line) in catalog.items():
-        try:
-            parts[gid] = cache.adopt_part(space_key, part_key, gid)
-            lines.append(line)
-        except KVError as exc:  # a space the tenant may no longer have: its pages go
-            logger.warning("kept part %d of %s not adopted: %s", gid, space_key.model, exc)
-    cache.next_gid(max(catalog, default=-1) + 1)
-    gids = np.array(sorted(parts), np.int64)
-    names = sorted({part.space.key.tenant for part in parts.values()})
-    part_bytes = np.array([parts[g].key.page_bytes for g in gids.tolist()], np.int64)
-    part_tenant = np.array([names.index(parts[g].space.key.tenant) for g in gids.tolist()], np.int64)
+    gids = np.array(sorted(catalog), np.int64)
+    names = sorted({catalog[g][0].tenant for g in catalog})
+    part_bytes = np.array([catalog[g][1].page_bytes for g in gids.tolist()], np.int64)
+    part_tenant = np.array([names.index(catalog[g][0].tenant) for g in gids.tolist()], np.int64)
+    cache.next_gid(max(catalog, default=-1) + 1)  # numbers in the files are never given again
 
     used = np.flatnonzero(p.state[:top] != UNUSED)
     rec.torn = int(np.count_nonzero(p.state[used] == WRITING))
     # Slabs whose pages are exactly their pages (count, offsets, page size).
-    in_sane = used[np.isin(p.slab[used], _sane_slabs(keep, arena.capacity))]
+    sane = np.isin(p.slab[used], _sane_slabs(keep, arena.capacity))
+    rec.dropped += int(np.count_nonzero(p.state[used[~sane]] == COMMITTED))
+    in_sane = used[sane]
     in_sane = in_sane[np.argsort(p.slab[in_sane], kind="stable")]
     sids, starts = np.unique(p.slab[in_sane], return_index=True)
     whole: list[tuple[int, np.ndarray]] = []
@@ -240,6 +239,16 @@ def _adopt(cache: Any, keep: Keep, rec: Recovery) -> None:
         same[o[1:]] = ((owners[g][o[1:]] == owners[g][o[:-1]]) & (w0[o[1:]] == w0[o[:-1]])
                        & (w1[o[1:]] == w1[o[:-1]]) & (lens[g][o[1:]] == lens[g][o[:-1]]))
     good[g[same]] = False
+    # The parts of the pages left, under their numbers (parts without pages are forgotten).
+    parts, lines = {}, []
+    for gid in np.unique(owners[good]).tolist():
+        space_key, part_key, line = catalog[gid]
+        try:
+            parts[gid] = cache.adopt_part(space_key, part_key, gid)
+            lines.append(line)
+        except KVError as exc:  # the tenant's spaces are at their limit, or a clash: its pages go
+            logger.warning("kept part %d of %s not adopted: %s", gid, space_key.model, exc)
+    good &= np.isin(owners, np.fromiter(parts, np.int64, len(parts)))
     rec.dropped += int(np.count_nonzero(~good))
     # Slabs with at least one good page are adopted; everything else is let go: its records
     # here, its memory in ``adopt``.

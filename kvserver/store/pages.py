@@ -40,6 +40,9 @@ _ARRAYS = {
     "slab": np.int32,
     "nbytes": np.int64,
 }
+# Pages of one slab at most: 2 MiB of the smallest (64-byte) pages. Evicting a slab takes each of
+# its keys out of the index on the event loop; 32 Ki keys cost a few milliseconds.
+MAX_SLAB_PAGES = 1 << 15
 KEPT = ("state", "offset", "slab", "stamp")  # what a kept table keeps of a page (with its key)
 ALLOCATE_IDS = 1 << 16  # kept records are given memory this many ids at a time
 MIN_PAGE_BYTES = 64  # the smallest host page a registration may have (see kvserver.core)
@@ -72,6 +75,10 @@ class PageTable:
             table = kept.array(f"pages.{name}", capacity, dtype) if kept and name in KEPT else None
             setattr(self, name, table if table is not None else lazy_zeros(capacity, dtype))
         self.index = KeyIndex(capacity, kept)
+        if kept is not None and not self._allocate_range(capacity - 1, capacity):
+            # Lookups index the tables with -1 for a miss: the last item is read, and a read of a
+            # hole in a shared tmpfs mapping takes memory (SIGBUS if there is none): it has it now.
+            raise OSError(f"no room in {kept.path} for the page records")
         self.slab_stamp = np.zeros(64, np.int64)  # per slab id: the newest stamp of its pages
         self.slab_holds = np.zeros(64, np.int64)  # per slab id: pins + readers + pages being written
 
@@ -90,13 +97,18 @@ class PageTable:
         upto = min(self.size, -(-upto // ALLOCATE_IDS) * ALLOCATE_IDS)
         if upto <= self._allocated:
             return True
+        if not self._allocate_range(self._allocated, upto):
+            return False
+        self._allocated = upto
+        return True
+
+    def _allocate_range(self, start: int, end: int) -> bool:
         tables = [(f"pages.{n}", getattr(self, n)) for n in KEPT]
         tables += [(f"index.{n}", getattr(self.index, n)) for n in INDEX_KEPT]
         for name, table in tables:
             size = table.itemsize
-            if not self.kept.allocate(name, self._allocated * size, (upto - self._allocated) * size):
+            if not self.kept.allocate(name, start * size, (end - start) * size):
                 return False
-        self._allocated = upto
         return True
 
     def give(self, ids: np.ndarray) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 
 from kvserver.errors import NoCapacity
 from kvserver.host.arena import BOOK_ALLOWANCE, REGION_ALIGN, HostArena
-from kvserver.store.pages import BYTES_PER_PAGE, FREE, PageTable
+from kvserver.store.pages import BYTES_PER_PAGE, FREE, MAX_SLAB_PAGES, PageTable
 from kvserver.store.stack import IdStack
 
 if TYPE_CHECKING:
@@ -38,9 +38,6 @@ def _align_up(n: int, a: int) -> int:
 
 
 Class = tuple[int, int]  # (tenant id, page bytes)
-# Pages of one slab at most: 2 MiB of the smallest (64-byte) pages. Evicting a slab takes each of
-# its keys out of the index on the event loop; 32 Ki keys cost a few milliseconds.
-MAX_SLAB_PAGES = 1 << 15
 
 
 @dataclass(slots=True)
@@ -146,7 +143,6 @@ class SlabPool:
         sid = self._spare_sids.pop() if self._spare_sids else self._new_sid()
         self.pages.new_slab(sid)
         p = self.pages
-        p.state[ids] = FREE
         p.offset[ids] = offset + np.arange(n, dtype=np.int64) * page_bytes
         p.slab[ids] = sid
         p.nbytes[ids] = page_bytes
@@ -155,6 +151,7 @@ class SlabPool:
         p.stamp[ids] = 0
         p.pins[ids] = 0
         p.readers[ids] = 0
+        p.state[ids] = FREE  # last: a kept page counts as the slab's only with its offset and slab
         slab = self.slabs[sid] = Slab(sid, offset, nbytes, page_bytes, ids, tenant)
         self._push(slab, ids)
         self.of_class.setdefault(cls, set()).add(sid)
