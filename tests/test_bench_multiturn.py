@@ -12,7 +12,8 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "suites" / "multiturn.py"
-CONFIGS = ["recompute", "host-inprocess", "kvserver-index", "dp2-recompute", "dp2-kvserver-cache"]
+CONFIGS = ["recompute", "host-inprocess", "kvserver-index", "dp2-recompute", "dp2-kvserver-cache",
+           "dp2-cache-restart", "dp2-cache-restart-kept"]
 POSITIVE = ["prompt_tokens", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "throughput_rps",
             "throughput_prompt_tps", "makespan_s", "busy_s"]
 
@@ -51,6 +52,15 @@ def test_quick_run_reports_every_configuration(tmp_path) -> None:
         check = result["checks"][name]
         assert check["pages_checked"] > 0 and check["pages_wrong"] == 0, (name, check)
     assert result["checks"]["dp2-kvserver-cache"]["pages_dropped"] == 0
+
+    # A kill -9 of the daemon halfway: with a kept cache (--host-memory-dir) the second half hits as
+    # if nothing had happened; without, it loses what was stored before; no loaded page is wrong.
+    second = {name: cfgs[name]["hit_rate_second_half"] for name in CONFIGS}
+    assert second["dp2-cache-restart-kept"] == second["dp2-kvserver-cache"] > second["dp2-cache-restart"]
+    assert result["checks"]["dp2-cache-restart-kept"]["adopted_pages"] > 0
+    assert result["checks"]["dp2-cache-restart"]["adopted_pages"] == 0
+    for name in ("dp2-cache-restart", "dp2-cache-restart-kept"):
+        assert result["checks"][name]["pages_wrong"] == 0 and result["checks"][name]["pages_checked"] > 0
 
     model = result["model"]
     assert len(model["points"]) >= 4 and all(p["seconds"] > 0 for p in model["points"])

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
+import shutil
 import threading
 import time
 from types import SimpleNamespace
@@ -504,6 +506,38 @@ def test_daemon_stops_and_comes_back(daemon_factory):
         b.close()
         if again is not None:
             again.stop()
+
+
+def test_a_kept_cache_answers_sglang_after_its_daemon_restarts(daemon_factory):
+    """--host-memory-dir: pages an engine stored before the daemon stopped are found by an engine
+    that starts after the new daemon did, with nothing stored since, bit-exact; the engine that
+    stored them finds them too once its backend has registered again."""
+    kept = f"/dev/shm/kvserver-test-sglang-kept-{os.getpid()}-{os.urandom(3).hex()}"
+    d = daemon_factory(host_memory_dir=kept)
+    a, host_a = _engine(d.address, retry_register_s=0.0)
+    b = again = None
+    try:
+        _randomize(host_a, seed=20)
+        keys = _hashes(3, seed=21)
+        assert a.batch_set_v1(keys, _slots([1, 2, 3])) == [True] * 3
+        d.stop()
+        again = DaemonThread(d.config)
+        assert again.run(lambda: again.core.recovery.adopted_pages) == 3
+        b, host_b = _engine(d.address, retry_register_s=0.0)
+        assert b.batch_exists(keys) == 3
+        assert b.batch_get_v1(keys, _slots([4, 5, 6])) == [True] * 3
+        _same_pages(host_a, [1, 2, 3], host_b, [4, 5, 6])
+        deadline = time.monotonic() + 20
+        while a.batch_exists(keys) != 3:
+            assert time.monotonic() < deadline, "the first engine never found its pages again"
+            time.sleep(0.2)
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
+        if again is not None:
+            again.stop()
+        shutil.rmtree(kept, ignore_errors=True)
 
 
 def test_no_daemon_at_startup_constructs_and_misses(socket_dir):

@@ -138,6 +138,10 @@ def test_daemon_command_parses(services):
     assert config.socket == "/run/kvserver/kvserver.sock"
     assert config.listen is None
     assert config.host_memory == 8 << 30  # the ${KVSERVER_HOST_MEMORY:-8GiB} default
+    # The cache is kept in the host's /dev/shm (the daemon shares it: ipc host), so it outlives
+    # the daemon's container.
+    assert config.host_memory_dir == "/dev/shm/kvserver"
+    assert services["kvserver"]["ipc"] == "host"
     assert config.addresses == ["unix:///run/kvserver/kvserver.sock"]
     # Root's default socket is the same path, so the image's bare `kvserver` agrees with compose.
     if os.geteuid() == 0:

@@ -563,3 +563,101 @@ print(core.cache.lookup(part, keys_of(b"A", 4) + [b"missing!"])[0], found(core, 
         assert run.stdout.split() == ["4", "0"]
     finally:
         subprocess.run(["umount", "-l", mnt], check=False)
+
+
+# ---- found by a second review (each failed before its fix) --------------------------------------
+
+
+def _fill_up(path: str) -> int:
+    """Fills the file system of ``path`` with a file there; returns its descriptor."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        return fd
+
+
+def test_a_catalog_line_the_full_file_system_cuts_short_costs_no_later_part(tmp_path):
+    from kvserver.errors import NoCapacity
+
+    mnt = str(tmp_path / "small")
+    if os.geteuid() != 0 or not _mount_tmpfs(mnt, "24m"):
+        pytest.skip("mounting a small tmpfs needs root (and a kernel that lets this container mount)")
+    try:
+        kept = os.path.join(mnt, "kv")
+        core = KVCore(16 * MB, host_memory_dir=kept)
+        i = 0
+        while os.path.getsize(os.path.join(kept, "catalog")) % 4096 < 3900:  # near a page's end
+            part_of(core, weights=f"w{i}")
+            i += 1
+        before = os.path.getsize(os.path.join(kept, "catalog"))
+        fd = _fill_up(os.path.join(mnt, "filler"))
+        with pytest.raises(NoCapacity, match="no room"):  # a clear status, the catalog as it was
+            part_of(core, weights="X")
+        assert os.path.getsize(os.path.join(kept, "catalog")) == before
+        os.close(fd)
+        os.unlink(os.path.join(mnt, "filler"))
+        part = part_of(core, weights="Y")
+        put(core, part, keys_of(b"y", 8))
+        asyncio.run(core.close())
+        core = KVCore(16 * MB, host_memory_dir=kept)
+        assert core.recovery.adopted_pages == 8 and core.recovery.dropped == 0
+        assert found(core, part_of(core, weights="Y"), keys_of(b"y", 8)) == (8, True)
+        asyncio.run(core.close())
+    finally:
+        subprocess.run(["umount", "-l", mnt], check=False)
+
+
+def test_a_restart_on_a_full_file_system_adopts_what_is_there(tmp_path):
+    mnt = str(tmp_path / "small")
+    if os.geteuid() != 0 or not _mount_tmpfs(mnt, "40m"):
+        pytest.skip("mounting a small tmpfs needs root (and a kernel that lets this container mount)")
+    try:
+        kept = os.path.join(mnt, "kv")
+        core = KVCore(16 * MB, host_memory_dir=kept)
+        put(core, part_of(core), keys_of(b"a", 100))
+        for i in range(3):  # parts without pages: the catalog would be compacted at the restart
+            part_of(core, weights=f"w{i}")
+        asyncio.run(core.close())
+        fd = _fill_up(os.path.join(mnt, "filler"))
+        core = KVCore(16 * MB, host_memory_dir=kept)
+        assert core.recovery.reason == "" and core.recovery.adopted_pages == 100
+        assert found(core, part_of(core), keys_of(b"a", 100)) == (100, True)
+        assert not os.path.exists(os.path.join(kept, "catalog.tmp"))
+        asyncio.run(core.close())
+        os.close(fd)
+    finally:
+        subprocess.run(["umount", "-l", mnt], check=False)
+
+
+def test_spaces_a_daemon_held_past_the_limit_are_all_adopted(kept_dir, monkeypatch):
+    from kvserver.store import cache as cache_module
+
+    init = cache_module.KVCache.__init__
+    monkeypatch.setattr(cache_module.KVCache, "__init__",
+                        lambda self, *a, **k: init(self, *a, **{**k, "max_spaces_per_tenant": 4}))
+    core = KVCore(64 * MB, host_memory_dir=kept_dir)
+    held = [part_of(core, weights=f"w{i}") for i in range(4)]  # empty spaces whose parts are held
+    more = [part_of(core, weights=f"x{i}") for i in range(4)]  # these drop the empty ones...
+    for part in held + more:  # ...which come back through their held parts, past the limit
+        put(core, part, keys_of(part.space.key.weights.encode(), 4))
+    asyncio.run(core.close())
+    core = KVCore(64 * MB, host_memory_dir=kept_dir)
+    assert core.recovery.adopted_pages == 32 and core.recovery.dropped == 0
+
+
+def test_a_stamp_out_of_range_in_the_files_breaks_nothing(kept_dir):
+    from kvserver.store.pages import COMMITTED
+
+    core = KVCore(64 * MB, host_memory_dir=kept_dir)
+    put(core, part_of(core), keys_of(b"a", 4))
+    p = core.cache.pages
+    p.stamp[int(np.flatnonzero(p.state[:8] == COMMITTED)[0])] = np.iinfo(np.int64).max - 1
+    asyncio.run(core.close())
+    for _ in range(2):
+        core = KVCore(64 * MB, host_memory_dir=kept_dir)
+        put(core, part_of(core), keys_of(b"b", 4))
+        assert found(core, part_of(core), keys_of(b"a", 4)) == (4, True)
+        assert core.cache.pages.stamp.max() < 1 << 20
+        asyncio.run(core.close())

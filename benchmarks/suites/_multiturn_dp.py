@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections.abc import Callable
 
 from _multiturn_kv import DevicePool, Geometry
 from _multiturn_model import child_context
@@ -23,12 +24,28 @@ from kvclient import KVClient
 
 
 class CacheReplica:
-    def __init__(self, address: str, geom: Geometry, pages: int, seed: int) -> None:
+    """``resilient``: the replica rides through a daemon restart (its calls miss meanwhile and
+    its client registers again by itself), as an engine does."""
+
+    def __init__(self, address: str, geom: Geometry, pages: int, seed: int, resilient: bool = False) -> None:
         self.dev = DevicePool(geom, pages, seed)
-        self.client = KVClient(address, timeout=60, resilient=False)
+        self.client = KVClient(address, timeout=60, resilient=resilient)
         self.client.register(model="multiturn-dp", pool=self.dev.pool, start_layer=0, end_layer=geom.layers,
                              num_layers=geom.layers, host_tokens=geom.page, page_size=geom.page)
         self.dropped = 0
+        self._epoch = self.client.registration.epoch
+
+    def registered_again(self, timeout: float = 60.0) -> float:
+        """Seconds until the client has registered with a restarted daemon."""
+        t0 = time.monotonic()
+        while True:
+            reg = self.client.registration
+            if reg is not None and reg.epoch != self._epoch:
+                self._epoch = reg.epoch
+                return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"the replica did not register again within {timeout} s")
+            time.sleep(0.01)
 
     def get(self, client: int, first: int, keys: bytes, slots: list[int]) -> tuple[int, float]:
         t0 = time.perf_counter()
@@ -58,11 +75,11 @@ class CacheReplica:
             self.dev.close()
 
 
-def _child(conn, address: str, geom: Geometry, pages: int, seed: int) -> None:
+def _child(conn, address: str, geom: Geometry, pages: int, seed: int, resilient: bool = False) -> None:
     try:
         if conn.recv() != "start":
             return
-        rep = CacheReplica(address, geom, pages, seed)
+        rep = CacheReplica(address, geom, pages, seed, resilient)
         conn.send(("ready", None))
         while True:
             cmd, args = conn.recv()
@@ -78,10 +95,12 @@ def _child(conn, address: str, geom: Geometry, pages: int, seed: int) -> None:
 class RemoteReplica:
     """A CacheReplica in a child process (started at once; ``start`` makes it register)."""
 
-    def __init__(self, address: str, geom: Geometry, pages: int, seed: int, spawn: bool = False) -> None:
+    def __init__(self, address: str, geom: Geometry, pages: int, seed: int, spawn: bool = False,
+                 resilient: bool = False) -> None:
         ctx = child_context(spawn)
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_child, args=(child, address, geom, pages, seed), daemon=True)
+        self.proc = ctx.Process(target=_child, args=(child, address, geom, pages, seed, resilient),
+                                daemon=True)
         self.proc.start()
         self.started = self.ready = False
 
@@ -118,6 +137,9 @@ class RemoteReplica:
     def checks(self):
         return self._call("checks")
 
+    def registered_again(self):
+        return self._call("registered_again")
+
     def close(self) -> None:
         try:
             if self.proc.is_alive() and self.started:
@@ -132,12 +154,16 @@ class RemoteReplica:
 
 
 def serve_dp(w: Workload, reqs: list[Request], replicas, pages: int, keys: list[list[bytes]] | None,
-             bar) -> list[Record]:
-    """Trace order; ``replicas`` None: recompute only on two replicas (the baseline of the DP rows)."""
+             bar, restart: tuple[int, Callable[[], None]] | None = None) -> list[Record]:
+    """Trace order; ``replicas`` None: recompute only on two replicas (the baseline of the DP rows).
+    ``restart``: (i, fn): ``fn`` runs before request i (a daemon restart; it returns once the
+    replicas are registered again)."""
     lrus = [PrefixLRU(pages), PrefixLRU(pages)]
     out = []
     pb = w.page
-    for req in reqs:
+    for i, req in enumerate(reqs):
+        if restart is not None and i == restart[0]:
+            restart[1]()
         c, prompt, total = req.client, w.prompt_pages(req.round), w.total_pages(req.round)
         lru = lrus[req.replica]
         d = lru.count(c)

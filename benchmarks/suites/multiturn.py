@@ -1,14 +1,17 @@
 """Multi-turn serving (after SGLang's bench_multiturn): C clients x R rounds, each round a client's
 history grows by an answer (A tokens) and a new question (Q tokens); requests arrive as a Poisson
 process; the device KV pool holds about a quarter of all histories, so a returning client's prefix
-is still on the device, found in a host tier, or recomputed. Five configurations see the same trace:
+is still on the device, found in a host tier, or recomputed. Seven configurations see the same trace:
 
 - recompute:          one engine, device pool with LRU prefix reuse, nothing below it;
 - host-inprocess:     one engine with a host pool in its own process (kvserver.copies.transfer's kernel);
 - kvserver-index:     one engine whose host tier is the daemon's index API (Alloc/Write/Load/Free);
 - dp2-recompute:      two DP replicas, each request to a random replica, no host tier (baseline);
 - dp2-kvserver-cache: the same two replicas (two processes) sharing the daemon's node-wide cache
-                      (Get by content keys, Put of what they computed).
+                      (Get by content keys, Put of what they computed);
+- dp2-cache-restart:  the same on a daemon of its own, SIGKILLed and started again halfway through
+                      (the replicas ride through it: resilient clients, device pools kept);
+- dp2-cache-restart-kept: the same with --host-memory-dir: the restarted daemon adopts the cache.
 
 Compute is modelled, data movement is real: prefill time comes from a small Llama (built from a
 config, nothing downloaded) timed on this machine at start-up and fitted (_multiturn_model); the
@@ -40,7 +43,9 @@ import json
 import math
 import os
 import pathlib
+import secrets
 import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -63,7 +68,10 @@ from daemon_proc import DaemonProcess  # noqa: E402
 from kvclient.keys import page_keys, split_keys  # noqa: E402
 
 NAME = "multiturn"
-CONFIGS = ["recompute", "host-inprocess", "kvserver-index", "dp2-recompute", "dp2-kvserver-cache"]
+CONFIGS = ["recompute", "host-inprocess", "kvserver-index", "dp2-recompute", "dp2-kvserver-cache",
+           "dp2-cache-restart", "dp2-cache-restart-kept"]
+# The daemon is SIGKILLed and started again before this share of the trace (the two restart rows).
+RESTART_AT = 0.5
 QUICK = {"clients": 4, "rounds": 3, "question": 32, "answer": 16}
 SLAB = 8 << 20
 
@@ -170,6 +178,9 @@ def run(args: argparse.Namespace, progress) -> dict:
                     index.close()
             finally:
                 dev.close()
+            for name, kept in (("dp2-cache-restart", False), ("dp2-cache-restart-kept", True)):
+                records[name], checks[name] = serve_restart(w, reqs, geom, dev_pages, keys, budget_mib,
+                                                            kept, bar)
             bar.close()
             if model is None:
                 model = timing.result()
@@ -186,9 +197,14 @@ def run(args: argparse.Namespace, progress) -> dict:
         service = sum(prefill(r.computed, r.hit) for r in records["recompute"])
         rate = args.multiturn_load * len(reqs) / service
     results = {}
+    half = int(len(reqs) * RESTART_AT)
     for name in CONFIGS:
         tl = timeline(reqs, records[name], rate, prefill, 2 if name.startswith("dp2") else 1)
         results[name] = figures(reqs, records[name], tl)
+        after = records[name][half:]  # the requests after the restart, in the restart rows
+        prompt = sum(r.prompt_tokens for r in after)
+        results[name]["hit_rate_second_half"] = sum(r.hit for r in after) / prompt
+        results[name]["ttft_p50_second_half_s"] = sorted(tl.ttft[half:])[len(after) // 2]
     return {
         "workload": {"clients": w.clients, "rounds": w.rounds, "question_tokens": w.question,
                      "answer_tokens": w.answer, "page_tokens": w.page, "seed": w.seed,
@@ -204,6 +220,47 @@ def run(args: argparse.Namespace, progress) -> dict:
         "checks": checks,
         "transfer_sweep": transfers,
     }
+
+
+def serve_restart(w, reqs, geom, dev_pages: int, keys, budget_mib: int, kept: bool, bar) -> tuple[list, dict]:
+    """The dp2-kvserver-cache trace on a daemon of its own that is SIGKILLed and started again
+    before RESTART_AT of the trace; ``kept``: with --host-memory-dir (its cache survives). The
+    replicas ride through it (resilient clients), keeping their device pools."""
+    kept_dir = f"/dev/shm/kvbench-multiturn-{os.getpid()}-{secrets.token_hex(3)}" if kept else None
+    with tempfile.TemporaryDirectory(prefix="kv-multiturn-restart-") as tmp:
+        d = DaemonProcess(os.path.join(tmp, "kv.sock"), *(["--host-memory-dir", kept_dir] if kept else []),
+                          host_memory=f"{budget_mib}MiB")
+        # Spawned: this process has gRPC channels and threads by now, which a fork does not survive.
+        remote = RemoteReplica(d.address, geom, dev_pages, w.seed, spawn=True, resilient=True)
+        local = None
+        took: list[float] = []
+        try:
+            local = CacheReplica(d.address, geom, dev_pages, w.seed, resilient=True)
+            remote.wait_ready()
+
+            def restart() -> None:
+                d.kill()
+                t0 = time.monotonic()
+                d.start()
+                local.registered_again()
+                remote.registered_again()
+                took.append(time.monotonic() - t0)
+
+            records = serve_dp(w, reqs, [local, remote], dev_pages, keys, bar,
+                               restart=(int(len(reqs) * RESTART_AT), restart))
+            stats = d.stats()
+            ch = [local.checks(), remote.checks()]
+            checks = {"pages_checked": sum(c[0] for c in ch), "pages_wrong": sum(c[1] for c in ch),
+                      "pages_dropped": sum(c[2] for c in ch), "cache_bytes": stats.cache_bytes,
+                      "adopted_pages": stats.kept.adopted_pages, "restart_to_registered_s": took[0]}
+        finally:
+            if local is not None:
+                local.close()
+            remote.close()
+            d.stop()
+            if kept_dir:
+                shutil.rmtree(kept_dir, ignore_errors=True)
+    return records, checks
 
 
 def plot(result: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
@@ -241,6 +298,7 @@ def plot(result: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
     ax.set_ylabel("prefix hit rate (tokens reused / prompt tokens)")
     ax.set_ylim(0, 1)
     ax.tick_params(axis="x", labelsize=8)
+    plt.setp(ax.get_xticklabels(), rotation=25, ha="right")
     ax.legend(fontsize=8)
     ax.set_title("prefix hit rate")
     fig.tight_layout()
@@ -277,6 +335,15 @@ def summary(result: dict) -> str:
     wrong = {k: v["pages_wrong"] for k, v in result["checks"].items()}
     lines.append("")
     lines.append(f"Loaded pages checked against what was stored: wrong pages {wrong}.")
+    cfgs, ck = result["configs"], result["checks"]
+    lines.append("")
+    lines.append("After a kill -9 of the daemon before half of the trace (the second half only): "
+                 + "; ".join(f"{n} hit rate {cfgs[n]['hit_rate_second_half']:.3f}, TTFT p50 "
+                             f"{cfgs[n]['ttft_p50_second_half_s'] * 1e3:.1f} ms"
+                             for n in ("dp2-kvserver-cache", "dp2-cache-restart", "dp2-cache-restart-kept"))
+                 + f"; the kept cache adopted {ck['dp2-cache-restart-kept']['adopted_pages']} pages, and "
+                 "the replicas were registered again "
+                 f"{ck['dp2-cache-restart-kept']['restart_to_registered_s']:.2f} s after the restart began.")
     lines += ["", "Per-call transfer time (median ms) by size, same device pages:", "",
               "| pages | KiB | in-process write | in-process load | index Write | index Load | cache Put | "
               "cache Get |", "|---|---|---|---|---|---|---|---|"]

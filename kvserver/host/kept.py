@@ -265,10 +265,15 @@ class KeptDir:
         self._remove(tmp)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                      dir_fd=self._dir)
-        data = text.encode()
-        while data:
-            data = data[os.write(fd, data):]
-        os.rename(tmp, name, src_dir_fd=self._dir, dst_dir_fd=self._dir)
+        try:
+            data = text.encode()
+            while data:
+                data = data[os.write(fd, data):]
+            os.rename(tmp, name, src_dir_fd=self._dir, dst_dir_fd=self._dir)
+        except BaseException:
+            os.close(fd)
+            self._remove(tmp)
+            raise
         old = self._fds.pop(name, None)
         if old is not None:
             os.close(old)

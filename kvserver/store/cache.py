@@ -136,9 +136,11 @@ class KVCache:
         if space is not None:
             return space
         tenant = self.tenants.get(key.tenant)
+        # Adoption takes back every space that holds pages, as many as the daemon held (a space
+        # used through a held Part comes back past the limit); they are empty until their pages come.
         if tenant.spaces >= self.max_spaces_per_tenant and not self._adopting:
-            self._drop_empty_spaces(tenant)  # (adopted spaces are empty until their pages come)
-        if tenant.spaces >= self.max_spaces_per_tenant:
+            self._drop_empty_spaces(tenant)
+        if tenant.spaces >= self.max_spaces_per_tenant and not self._adopting:
             raise NoCapacity(
                 f"tenant {key.tenant!r} has {tenant.spaces} KV spaces holding pages, the most allowed"
             )
@@ -198,7 +200,7 @@ class KVCache:
         if gid < 0:
             gid, self._next_gid = self._next_gid, self._next_gid + 1
         part = Part(space, key, gid)
-        if self.keep is not None:
+        if self.keep is not None and not self._adopting:  # (an adopted part's line is there)
             self.keep.part_added(part)
         space.parts[(key.tp_shard, key.pp_rank)] = part
         self._parts[part.gid] = part

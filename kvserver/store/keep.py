@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from kvserver.config import format_size
-from kvserver.errors import KVError
+from kvserver.errors import KVError, NoCapacity
 from kvserver.host.arena import REGION_ALIGN
 from kvserver.host.kept import KeptDir
 from kvserver.protocol.layout import KVLayout
@@ -117,12 +117,19 @@ class Keep:
         self.slabs["live"][sid] = 0
 
     def part_added(self, part: Part) -> None:
-        """Files the part in the catalog before any page of it is written."""
+        """Files the part in the catalog before any page of it is written; NoCapacity, the catalog
+        as it was, if the file system has no room for its line."""
         if self._catalog < 0:
             self._catalog = self.kept.appender(CATALOG, fresh=not self.kept.adopting)
+        end = os.lseek(self._catalog, 0, os.SEEK_END)
         data = _line(part).encode()
-        while data:
-            data = data[os.write(self._catalog, data):]
+        try:
+            while data:
+                data = data[os.write(self._catalog, data):]
+        except OSError as exc:  # a line cut short would swallow the next one: it goes whole
+            os.ftruncate(self._catalog, end)
+            raise NoCapacity(f"no room in {self.kept.path} to file a new part of the kept cache "
+                             f"({exc.strerror})") from None
 
     def read_catalog(self) -> dict[int, tuple[SpaceKey, PartKey, str]]:
         """gid -> (space key, part key, its line), of every line that reads whole."""
@@ -138,7 +145,16 @@ class Keep:
         return out
 
     def rewrite_catalog(self, lines: list[str]) -> None:
-        self._catalog = self.kept.replace_text(CATALOG, "".join(lines))
+        """The catalog with ``lines`` only; if the file system has no room for the new one, the
+        old one stays (its other lines name parts no page refers to: harmless)."""
+        try:
+            self._catalog = self.kept.replace_text(CATALOG, "".join(lines))
+        except OSError as exc:
+            if not self.kept.adopting:
+                raise
+            logger.warning("the kept catalog in %s was not compacted: %s", self.kept.path, exc.strerror)
+            if self._catalog < 0:
+                self._catalog = self.kept.appender(CATALOG, fresh=False)
 
 
 def adopt(cache: Any, keep: Keep) -> Recovery:
@@ -156,7 +172,7 @@ def adopt(cache: Any, keep: Keep) -> Recovery:
         cache.arena.discard_free()  # what the last daemon left outside adopted slabs
     else:
         keep.rewrite_catalog([])
-    keep.kept.seal()
+        keep.kept.seal()  # (an adopted directory has its header: the same shape, nothing to write)
     rec.seconds = time.perf_counter() - t0
     return rec
 

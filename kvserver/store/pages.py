@@ -4,7 +4,7 @@ Primitives: ``PageTable`` (arrays: LRU stamp, pins, readers, state, part, tenant
 slab and page bytes; ``index``, the key of each page filed under its part), ``PageTable.take`` /
 ``give`` (page ids for a new slab and back), ``PageTable.touch`` (prefix-end-first stamps),
 ``PageTable.hold`` / ``pin`` / ``write`` and their undoing (what keeps a page, and its slab, from
-eviction, counted per slab as it happens), ``PageTable.evictable`` and ``BYTES_PER_PAGE`` (what the
+eviction, counted per slab as it happens) and ``BYTES_PER_PAGE`` (what the
 table and its index hold per page).
 
 Per slab the table keeps, as pages change, its newest stamp and how many holds its pages carry
@@ -122,10 +122,13 @@ class PageTable:
         self.allocate(self._ids.fresh)
 
     def restore_stamps(self) -> None:
-        """Adopting a kept table: recency goes on from the newest adopted stamp."""
+        """Adopting a kept table: the adopted pages' stamps become their ranks, 1..N, in the
+        order they had (whatever a file held, recency goes on from N, far from any overflow)."""
         n = self._ids.fresh
         committed = np.flatnonzero(self.state[:n] == COMMITTED)
-        self._tick = int(self.stamp[committed].max()) + 1 if len(committed) else 0
+        ranked = committed[np.argsort(self.stamp[committed], kind="stable")]
+        self.stamp[ranked] = np.arange(1, len(ranked) + 1, dtype=np.int64)
+        self._tick = len(ranked) + 1
         np.maximum.at(self.slab_stamp, self.slab[committed], self.stamp[committed])
 
     @property
@@ -201,11 +204,3 @@ class PageTable:
         self.part[ids] = -1
         self.tenant[ids] = -1
         self.stamp[ids] = 0
-
-    def evictable(self) -> np.ndarray:
-        """Mask of pages eviction may take: committed, not pinned, not being read."""
-        return (self.state == COMMITTED) & (self.pins == 0) & (self.readers == 0)
-
-    def busy(self) -> np.ndarray:
-        """Mask of pages that hold their slab: pinned, being read or being written."""
-        return (self.state == WRITING) | (self.pins > 0) | (self.readers > 0)
