@@ -9,6 +9,9 @@
   a page, scattered in a pool twice the transfer). Every Put stores fresh keys, so once the cache is
   full (it is filled before the timed rounds) it evicts as it goes; every Get loads the same stored
   pages. Ratios are cache / index API.
+- The same Put and Get through a daemon keeping its cache in files on tmpfs (--host-memory-dir)
+  against a daemon keeping it in its own memory, both running, their calls interleaved: what
+  keeping the cache across restarts costs a transfer. Ratios are kept / plain.
 
 The daemon runs as a subprocess; this process is the engine. Each row's figures are medians of
 --repeats rounds measured in turn. Run: python benchmarks/bench_cache.py [--quick]
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -145,12 +149,54 @@ def bench_transfer(address: str, mib: int, repeats: int) -> dict[str, float]:
     return t
 
 
+def bench_kept(plain: str, kept: str, mib: int, repeats: int) -> dict[str, float]:
+    """Put and Get of ``mib`` MiB through two daemons, ``plain`` and ``kept`` (--host-memory-dir),
+    from one engine's pool, interleaved; each cache filled first, so every timed Put evicts."""
+    page_bytes = PAGE * BIG.token_bytes(torch.bfloat16) * BIG.num_parts * LAYERS
+    pages = mib * (1 << 20) // page_bytes
+    g = torch.Generator().manual_seed(mib)
+    fns: dict[str, Callable[[], object]] = {}
+    with ShmKVPool(BIG, torch.bfloat16, LAYERS, 2 * pages * PAGE) as pool, KVClient(plain) as a, \
+            KVClient(kept) as b:
+        for layer in pool.buffers:
+            for buf in layer:
+                buf.view(torch.int16).random_(generator=g)
+        dev_pages = torch.randperm(2 * pages, generator=g)[:pages]
+        fresh = iter(range(1 << 30))
+        for name, client, address in (("plain", a, plain), ("kept", b, kept)):
+            client.register(model="bench-kept", pool=pool, start_layer=0, end_layer=LAYERS,
+                            num_layers=LAYERS, host_tokens=PAGE, page_size=PAGE)
+
+            def put(client=client) -> None:
+                r = client.put(keys(pages, f"kept-{mib}-{next(fresh)}"), dev_pages)
+                assert r.stored == pages, r
+
+            while d_stats(address).cache_bytes < CACHE_TRANSFERS * pages * page_bytes:
+                put()
+            stored = keys(pages, f"kept-get-{mib}")
+            assert client.put(stored, dev_pages).stored == pages
+
+            def get(client=client, stored=stored) -> None:
+                handle = client.get(stored, dev_pages)
+                assert handle.pages(timeout=60) == pages, "the pages to Get were evicted"
+                handle.wait(timeout=60)
+
+            fns[f"Put {name}"], fns[f"Get {name}"] = put, get
+        t = interleaved(fns, repeats)
+        a.unregister()
+        b.unregister()
+    t["bytes"] = pages * page_bytes
+    return t
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--keys", default="1024,65536", help="Lookup sizes, comma separated")
     ap.add_argument("--sizes", default="16,64", help="Put/Get sizes in MiB, comma separated")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="small sizes, few rounds (a smoke run)")
+    ap.add_argument("--kept-parent", default="/dev/shm",
+                    help="where the kept daemon's --host-memory-dir is made (tmpfs; default /dev/shm)")
     args = ap.parse_args()
     if args.quick:
         args.keys, args.sizes, args.repeats = "1024,8192", "8", 3
@@ -174,6 +220,22 @@ def main() -> None:
                 transfers.append((mib, bench_transfer(d.address, mib, args.repeats)))
             finally:
                 d.stop()
+        kept_rows = []
+        for mib in sizes:
+            budget = f"{(CACHE_TRANSFERS + 1) * mib + 16}MiB"
+            kept_dir = tempfile.mkdtemp(prefix="kvcache-bench-kept-", dir=args.kept_parent)
+            p = k = None
+            try:
+                p = DaemonProcess(os.path.join(tmp, f"plain{mib}.sock"), host_memory=budget)
+                k = DaemonProcess(os.path.join(tmp, f"kept{mib}.sock"), "--host-memory-dir",
+                                  os.path.join(kept_dir, "kv"), host_memory=budget)
+                assert k.stats().HasField("kept"), "the kept daemon keeps nothing: is its directory usable?"
+                kept_rows.append((mib, bench_kept(p.address, k.address, mib, args.repeats)))
+            finally:
+                for d in (p, k):
+                    if d is not None:
+                        d.stop()
+                shutil.rmtree(kept_dir, ignore_errors=True)
 
     print(f"Lookup, all keys stored; median of {max(args.repeats, 10)} rounds")
     print(f"{'keys':>8}  {'Stats':>9}  {'engine':>9}  {'scheduler':>9}  {'engine/Stats':>12}  "
@@ -189,6 +251,15 @@ def main() -> None:
         gbs = {k: t["bytes"] / t[k] / 1e9 for k in ("Write", "Put", "Load", "Get")}
         print(f"{mib:>5}  {gbs['Write']:7.2f}  {gbs['Put']:7.2f}  {gbs['Put'] / gbs['Write']:8.2f}x  "
               f"{gbs['Load']:7.2f}  {gbs['Get']:7.2f}  {gbs['Get'] / gbs['Load']:7.2f}x")
+    print(f"\nPut/Get with the cache kept in files (--host-memory-dir in {args.kept_parent}) vs in the "
+          f"daemon's memory, interleaved; median of {args.repeats} rounds; GB/s")
+    print(f"{'MiB':>5}  {'Put plain':>9}  {'Put kept':>8}  {'kept/plain':>10}  {'Get plain':>9}  "
+          f"{'Get kept':>8}  {'kept/plain':>10}")
+    for mib, t in kept_rows:
+        gbs = {k: t["bytes"] / t[k] / 1e9 for k in ("Put plain", "Put kept", "Get plain", "Get kept")}
+        print(f"{mib:>5}  {gbs['Put plain']:9.2f}  {gbs['Put kept']:8.2f}  "
+              f"{gbs['Put kept'] / gbs['Put plain']:9.2f}x  {gbs['Get plain']:9.2f}  {gbs['Get kept']:8.2f}  "
+              f"{gbs['Get kept'] / gbs['Get plain']:9.2f}x")
 
 
 if __name__ == "__main__":

@@ -142,6 +142,13 @@ def test_daemon_command_parses(services):
     # the daemon's container.
     assert config.host_memory_dir == "/dev/shm/kvserver"
     assert services["kvserver"]["ipc"] == "host"
+
+
+def test_an_empty_host_memory_dir_turns_keeping_off():
+    config = daemon_config(load({"KVSERVER_HOST_MEMORY_DIR": ""})["services"]["kvserver"])
+    assert config.host_memory_dir is None
+    config = daemon_config(load({"KVSERVER_HOST_MEMORY_DIR": "/dev/shm/other"})["services"]["kvserver"])
+    assert config.host_memory_dir == "/dev/shm/other"
     assert config.addresses == ["unix:///run/kvserver/kvserver.sock"]
     # Root's default socket is the same path, so the image's bare `kvserver` agrees with compose.
     if os.geteuid() == 0:

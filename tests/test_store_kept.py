@@ -661,3 +661,32 @@ def test_a_stamp_out_of_range_in_the_files_breaks_nothing(kept_dir):
         assert found(core, part_of(core), keys_of(b"a", 4)) == (4, True)
         assert core.cache.pages.stamp.max() < 1 << 20
         asyncio.run(core.close())
+
+
+def test_a_catalog_kept_as_it_was_sheds_a_line_a_kill_cut_short(tmp_path):
+    """A restart on a full file system keeps the old catalog (it cannot write a compacted one): a
+    line the last daemon's kill cut short must not swallow the next part's line."""
+    mnt = str(tmp_path / "small")
+    if os.geteuid() != 0 or not _mount_tmpfs(mnt, "40m"):
+        pytest.skip("mounting a small tmpfs needs root (and a kernel that lets this container mount)")
+    try:
+        kept = os.path.join(mnt, "kv")
+        core = KVCore(16 * MB, host_memory_dir=kept)
+        put(core, part_of(core), keys_of(b"a", 10))
+        part_of(core, weights="empty")  # a line the compaction would drop
+        asyncio.run(core.close())
+        with open(os.path.join(kept, "catalog"), "a") as f:
+            f.write('{"gid": 99, "space": {"ten')  # a kill in the middle of a line
+        fd = _fill_up(os.path.join(mnt, "filler"))
+        core = KVCore(16 * MB, host_memory_dir=kept)
+        assert core.recovery.adopted_pages == 10
+        os.close(fd)
+        os.unlink(os.path.join(mnt, "filler"))
+        put(core, part_of(core, weights="Y"), keys_of(b"y", 8))
+        asyncio.run(core.close())
+        core = KVCore(16 * MB, host_memory_dir=kept)
+        assert core.recovery.adopted_pages == 18 and core.recovery.dropped == 0
+        assert found(core, part_of(core, weights="Y"), keys_of(b"y", 8)) == (8, True)
+        asyncio.run(core.close())
+    finally:
+        subprocess.run(["umount", "-l", mnt], check=False)

@@ -228,13 +228,13 @@ def serve_restart(w, reqs, geom, dev_pages: int, keys, budget_mib: int, kept: bo
     replicas ride through it (resilient clients), keeping their device pools."""
     kept_dir = f"/dev/shm/kvbench-multiturn-{os.getpid()}-{secrets.token_hex(3)}" if kept else None
     with tempfile.TemporaryDirectory(prefix="kv-multiturn-restart-") as tmp:
-        d = DaemonProcess(os.path.join(tmp, "kv.sock"), *(["--host-memory-dir", kept_dir] if kept else []),
-                          host_memory=f"{budget_mib}MiB")
-        # Spawned: this process has gRPC channels and threads by now, which a fork does not survive.
-        remote = RemoteReplica(d.address, geom, dev_pages, w.seed, spawn=True, resilient=True)
-        local = None
+        d = remote = local = None
         took: list[float] = []
         try:
+            flags = ["--host-memory-dir", kept_dir] if kept else []
+            d = DaemonProcess(os.path.join(tmp, "kv.sock"), *flags, host_memory=f"{budget_mib}MiB")
+            # Spawned: this process has gRPC channels and threads by now, which a fork does not survive.
+            remote = RemoteReplica(d.address, geom, dev_pages, w.seed, spawn=True, resilient=True)
             local = CacheReplica(d.address, geom, dev_pages, w.seed, resilient=True)
             remote.wait_ready()
 
@@ -249,6 +249,8 @@ def serve_restart(w, reqs, geom, dev_pages: int, keys, budget_mib: int, kept: bo
             records = serve_dp(w, reqs, [local, remote], dev_pages, keys, bar,
                                restart=(int(len(reqs) * RESTART_AT), restart))
             stats = d.stats()
+            if kept and not stats.kept.adopted_pages:  # it ran with a cache of its own memory
+                raise RuntimeError(f"the restarted daemon adopted nothing from {kept_dir}: {stats.kept}")
             ch = [local.checks(), remote.checks()]
             checks = {"pages_checked": sum(c[0] for c in ch), "pages_wrong": sum(c[1] for c in ch),
                       "pages_dropped": sum(c[2] for c in ch), "cache_bytes": stats.cache_bytes,
@@ -256,8 +258,10 @@ def serve_restart(w, reqs, geom, dev_pages: int, keys, budget_mib: int, kept: bo
         finally:
             if local is not None:
                 local.close()
-            remote.close()
-            d.stop()
+            if remote is not None:
+                remote.close()
+            if d is not None:
+                d.stop()
             if kept_dir:
                 shutil.rmtree(kept_dir, ignore_errors=True)
     return records, checks

@@ -119,7 +119,8 @@ class KeptDir:
             try:
                 fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise KeptDirError(f"another daemon keeps its cache in {self.path}") from None
+                raise KeptDirError(f"another daemon keeps its cache in {self.path} (give this one another "
+                                   "directory: --host-memory-dir, KVSERVER_HOST_MEMORY_DIR)") from None
             self.adopting, self.reason = self._read_header()
             self.found = self.reason != NOTHING  # there was a kept cache, adopted or not
             if not self.adopting:

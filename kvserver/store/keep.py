@@ -155,6 +155,9 @@ class Keep:
             logger.warning("the kept catalog in %s was not compacted: %s", self.kept.path, exc.strerror)
             if self._catalog < 0:
                 self._catalog = self.kept.appender(CATALOG, fresh=False)
+            text = self.kept.read_text(CATALOG)
+            if text and not text.endswith("\n"):  # a line a kill cut short: the next starts afresh
+                os.ftruncate(self._catalog, len(text[: text.rfind("\n") + 1].encode()))
 
 
 def adopt(cache: Any, keep: Keep) -> Recovery:
