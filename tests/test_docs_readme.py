@@ -189,7 +189,10 @@ def accepts(path: str) -> bool:
 
 
 def port_free(port: int) -> bool:
+    """True unless something listens on the port. SO_REUSEADDR, as the daemon's gRPC server sets
+    it: connections of a daemon that just stopped (TIME_WAIT for a minute) do not take the port."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
