@@ -58,7 +58,6 @@ class KVCore:
         tenant_quotas: dict[str, int] | None = None,
         host_memory_dir: str | None = None,
     ) -> None:
-        self.slab_pinner = SlabPinner()  # (made again by each _build)
         self.recovery: Recovery | None = None  # what a kept cache's start found (None: not kept)
         self._kept: KeptDir | None = None
         quotas = tenant_quotas or {}
@@ -302,17 +301,14 @@ class KVCore:
         except BaseException:
             await self._in_thread(device.close)
             raise
-        try:  # a kept arena takes the region's memory now: seconds for a large one, off the loop
-            await self._in_thread(self.arena.commit, offset, num_pages * page_bytes)
-        except BaseException:
-            try:
-                await self._in_thread(device.close)
-            finally:
-                self.arena.release(offset, num_pages * page_bytes)
-            raise
+
+        def attach() -> None:
+            # A kept arena takes the region's memory first (seconds for a large one): off the loop.
+            self.arena.commit(offset, num_pages * page_bytes)
+            device.attach_host(self.arena.address + offset, num_pages * page_bytes, len(spec.layers))
+
         try:
-            await self._in_thread(device.attach_host, self.arena.address + offset, num_pages * page_bytes,
-                                  len(spec.layers))
+            await self._in_thread(attach)
         except BaseException:
             try:
                 await self._in_thread(device.close)

@@ -136,7 +136,7 @@ class KeptDir:
     def start_over(self, reason: str) -> None:
         """Drops what was found (its mappings are let go; its files are emptied as they are mapped
         again) and starts as if the directory held nothing."""
-        self._remove(HEADER)
+        self.unseal()
         self._unmap()
         self.adopting, self.reason = False, reason
 

@@ -152,17 +152,23 @@ class SlabPool:
         p.pins[ids] = 0
         p.readers[ids] = 0
         p.state[ids] = FREE  # last: a kept page counts as the slab's only with its offset and slab
-        slab = self.slabs[sid] = Slab(sid, offset, nbytes, page_bytes, ids, tenant)
-        self._push(slab, ids)
-        self.of_class.setdefault(cls, set()).add(sid)
-        self._held[tenant] = self._held.get(tenant, 0) + n * page_bytes
-        self._booked[tenant] = self._booked.get(tenant, 0) + n * BYTES_PER_PAGE
-        self.bytes += nbytes
+        self._install(Slab(sid, offset, nbytes, page_bytes, ids, tenant), ids)
         if self.keep is not None:
             self.keep.slab_added(sid, offset, nbytes, page_bytes, n)
-        for hook in self.on_slab_added:
-            hook(offset, nbytes)
         return True
+
+    def _install(self, slab: Slab, free: np.ndarray) -> None:
+        """Files a slab whose pages are set up, ``free`` of them among the free ones, and charges
+        it to its tenant; the slab hooks learn of its memory."""
+        self.slabs[slab.sid] = slab
+        self._push(slab, free)
+        self.of_class.setdefault(slab.cls, set()).add(slab.sid)
+        n = len(slab.pages)
+        self._held[slab.tenant] = self._held.get(slab.tenant, 0) + n * slab.page_bytes
+        self._booked[slab.tenant] = self._booked.get(slab.tenant, 0) + n * BYTES_PER_PAGE
+        self.bytes += slab.nbytes
+        for hook in self.on_slab_added:
+            hook(slab.offset, slab.nbytes)
 
     def adopt(self, sid: int, offset: int, nbytes: int, page_bytes: int, tenant: int, ids: np.ndarray,
               free: np.ndarray) -> None:
@@ -180,14 +186,7 @@ class SlabPool:
         p.pins[ids] = 0
         p.readers[ids] = 0
         p.stamp[free] = 0
-        slab = self.slabs[sid] = Slab(sid, offset, nbytes, page_bytes, ids, tenant)
-        self._push(slab, free)
-        self.of_class.setdefault(slab.cls, set()).add(sid)
-        self._held[tenant] = self._held.get(tenant, 0) + n * page_bytes
-        self._booked[tenant] = self._booked.get(tenant, 0) + n * BYTES_PER_PAGE
-        self.bytes += nbytes
-        for hook in self.on_slab_added:
-            hook(offset, nbytes)
+        self._install(Slab(sid, offset, nbytes, page_bytes, ids, tenant), free)
 
     def adopted(self) -> None:
         """Every kept slab is adopted: new slabs take the ids between and above theirs."""
