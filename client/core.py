@@ -371,8 +371,8 @@ class ClientCore:
         data, width, _ = packed(keys, key_bytes)
         return Op("Lookup", lambda r: pb.LookupRequest(client_id=r.client_id, keys=data, key_bytes=width,
                                                        pin_ms=pin_ms, whole_space=whole_space),
-                  lambda resp: LookupResult(resp.pages, resp.lease_id), LookupResult(0), cache=True,
-                  timeout=timeout)
+                  lambda resp: LookupResult(resp.pages, resp.lease_id, resp.disk_pages), LookupResult(0),
+                  cache=True, timeout=timeout)
 
     def put(self, keys: Keys, device_pages: msg.Indices, ready_event, key_bytes: int = KEY_BYTES) -> Op:
         data, width, count = packed(keys, key_bytes)

@@ -9,7 +9,7 @@ import sys
 
 import uvloop
 
-from kvserver.config import ServerConfig, parse_host_memory
+from kvserver.config import ServerConfig, parse_disk_size, parse_host_memory
 from kvserver.host.arena import HostMemoryError
 from kvserver.peers.tenants import TenantBook, parse_quota
 from kvserver.protocol.paths import default_socket
@@ -43,6 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the host cache in files in this directory, on tmpfs (e.g. "
                         "/dev/shm/kvserver), so that a restarted daemon finds it again, after a crash "
                         "too (default: the cache ends with the daemon)")
+    p.add_argument("--disk-cache", default=_env("DISK_CACHE"),
+                   help="a directory on a local disk for the disk tier: pages the host cache evicts "
+                        "live on there and are read back on a hit, across restarts too (default: none)")
+    p.add_argument("--disk-size", default=_env("DISK_SIZE", "10%"),
+                   help="the disk tier's size: a size (100GiB) or a share of its file system (25%%) "
+                        "(default 10%%)")
+    p.add_argument("--disk-threads", type=int, default=_env("DISK_THREADS", "4"),
+                   help="worker threads of the disk tier's reads and writes (default 4)")
     p.add_argument("--copy-threads", type=int, default=_env("COPY_THREADS", "2"),
                    help="copy worker threads (default 2): loads go first, and a large job's pieces "
                         "run on every idle worker")
@@ -122,6 +130,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         listen=args.listen,
         host_memory=parse_host_memory(args.host_memory),
         host_memory_dir=args.host_memory_dir or None,
+        disk_cache=args.disk_cache or None,
+        disk_size=parse_disk_size(args.disk_size, args.disk_cache) if args.disk_cache else 0,
+        disk_threads=args.disk_threads,
         copy_threads=args.copy_threads,
         torch_threads=args.torch_threads,
         shutdown_grace=args.shutdown_grace,

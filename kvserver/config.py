@@ -53,6 +53,22 @@ def parse_host_memory(text: str) -> int:
     return int(machine_memory() * share / 100)
 
 
+def parse_disk_size(text: str, path: str) -> int:
+    """A size (see ``parse_size``) or a share of the size of the file system holding ``path``
+    (its nearest existing directory), '25%' -> bytes."""
+    m = _SHARE.fullmatch(text)
+    if not m:
+        return parse_size(text)
+    share = float(m.group(1))
+    if not 0 < share <= 100:
+        raise ValueError(f"a share of the disk is above 0% and at most 100%, not {text!r}")
+    where = os.path.abspath(path)
+    while not os.path.isdir(where):
+        where = os.path.dirname(where)
+    st = os.statvfs(where)
+    return int(st.f_blocks * st.f_frsize * share / 100)
+
+
 _ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[\w.-]*):(\d{1,5})")
 
 
@@ -75,6 +91,9 @@ class ServerConfig:
     listen: str | None = None  # optional TCP address, host:port
     host_memory: int = 4 << 30
     host_memory_dir: str | None = None  # keep the host cache in files here (tmpfs): it outlives the daemon
+    disk_cache: str | None = None  # directory of the disk tier (pages evicted from host memory); None: none
+    disk_size: int = 0  # bytes of it
+    disk_threads: int = 4  # its I/O threads: one checks a piece while another waits on the disk
     copy_threads: int = 2  # copy workers: loads first, a large job's pieces on all (kvserver.copies.workers)
     torch_threads: int = 0  # 0 leaves torch's default
     shutdown_grace: float = 5.0
@@ -102,6 +121,10 @@ class ServerConfig:
             raise ValueError("host memory must be at least 2MiB")
         if self.copy_threads < 1:
             raise ValueError("copy threads must be at least 1")
+        if self.disk_cache is not None and self.disk_size < 2 << 20:
+            raise ValueError("the disk cache must be at least 2MiB (--disk-size)")
+        if self.disk_threads < 1:
+            raise ValueError("disk threads must be at least 1")
         if self.shutdown_grace < 0:
             raise ValueError("shutdown grace must not be negative")
         if not 0 <= self.progress_interval <= 1:

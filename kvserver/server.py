@@ -75,6 +75,9 @@ class Daemon:
             tenant_quota=parse_quota(config.tenant_quota, capacity),
             tenant_quotas=self.tenants.quotas,
             host_memory_dir=config.host_memory_dir,
+            disk_cache=config.disk_cache,
+            disk_size=config.disk_size,
+            disk_threads=config.disk_threads,
         )
         self._stop_leases = asyncio.Event()
         self._leases: asyncio.Task | None = None
@@ -158,6 +161,7 @@ class Daemon:
                 logger.warning("metrics on %s are served to anyone who can reach %s: no token guards them",
                                url, host)
         self.reaper.start()
+        self.core.start()
         self._leases = asyncio.ensure_future(expire_leases(self.core.cache, self._stop_leases))
         self._lag = asyncio.ensure_future(self.metrics.watch_loop())
         for name in ("", SERVICE_NAME):

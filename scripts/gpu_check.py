@@ -685,24 +685,47 @@ def _kept_stats(address: str) -> dict:
 
     with grpc.insecure_channel(address) as ch:
         grpc.channel_ready_future(ch).result(timeout=30)
-        kept = pb_grpc.KVServerStub(ch).Stats(pb.StatsRequest(), timeout=30).kept
-    return {"adopted_pages": kept.adopted_pages, "torn_pages": kept.torn_pages,
-            "dropped_pages": kept.dropped_pages, "adopt_seconds": round(kept.adopt_seconds, 4),
-            "reason": kept.reason}
+        stats = pb_grpc.KVServerStub(ch).Stats(pb.StatsRequest(), timeout=30)
+    disk = next((t for t in stats.tiers if t.name == "disk"), None)
+    kept = disk.kept if disk is not None else stats.kept
+    out = {"adopted_pages": kept.adopted_pages, "torn_pages": kept.torn_pages,
+           "dropped_pages": kept.dropped_pages, "adopt_seconds": round(kept.adopt_seconds, 4),
+           "reason": kept.reason}
+    if disk is not None:
+        out.update(disk_written_pages=disk.written_pages, disk_promoted_pages=disk.promoted_pages,
+                   disk_bad_checks=disk.bad_checks, direct_io=disk.direct_io)
+    return out
+
+
+def _disk_written(address: str, pages: int, deadline: float) -> None:
+    """Waits until the daemon's disk tier has written ``pages`` pages behind its host cache."""
+    while _kept_stats(address).get("disk_written_pages", 0) < pages:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the disk tier did not write {pages} pages in time")
+        time.sleep(0.05)
 
 
 def run_kept(ctx, tmp: str, env: dict, deadline: float, report: dict, target=None,
-             plan: dict | None = None) -> None:
+             plan: dict | None = None, disk: bool = False) -> None:
     """The cache kept across a kill -9 (--host-memory-dir on tmpfs): the cache round's put engine
     stores its pages through a daemon keeping its cache in files, that daemon is SIGKILLed and a
     new one started on the same directory, and the get engine loads the pages from the new one,
     bit-exact. On CUDA this proves the kept arena's slabs (a shared mapping of a tmpfs file) pin
-    and copy both ways, and that the restarted daemon pins what it adopted."""
+    and copy both ways, and that the restarted daemon pins what it adopted.
+
+    ``disk``: the same through the disk tier (--disk-cache in ``tmp``, host memory not kept): the
+    put engine's pages are written behind to disk before the kill, and the get engine's Get reads
+    them back from disk into host memory (direct I/O into the pinned slabs) and then to the GPU."""
     plan = plan or cache_plan()
-    kept = tempfile.mkdtemp(prefix="kvgpu-kept-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    socket = os.path.join(tmp, "kept.sock")
-    args = ["--host-memory", "2GiB", "--host-memory-dir", kept, "--progress-interval-ms", "0",
+    prefix = "kvgpu-disk-" if disk else "kvgpu-kept-"
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    kept = tempfile.mkdtemp(prefix=prefix, dir=tmp if disk else shm)
+    socket = os.path.join(tmp, "disk.sock" if disk else "kept.sock")
+    where = ["--disk-cache", os.path.join(kept, "disk"), "--disk-size", "1GiB"] if disk else [
+        "--host-memory-dir", kept]
+    args = ["--host-memory", "2GiB", *where, "--progress-interval-ms", "0",
             "--cuda-wait-seconds", str(CUDA_WAIT_SECONDS)]
+    name = "disk" if disk else "kept"
     address = f"unix://{socket}"
     out, stored = ctx.Queue(), ctx.Event()
     daemon = _start_daemon(args, socket, env)
@@ -710,19 +733,26 @@ def run_kept(ctx, tmp: str, env: dict, deadline: float, report: dict, target=Non
         for role, label in (("put", (0, 1)), ("get", (1, 2))):
             proc = ctx.Process(target=target or cache_engine, args=(address, role, plan, out, stored))
             proc.start()
-            for msg in _results({label: proc}, out, f"kept-{role}", deadline):
-                msg["kind"] = f"kept-{msg.get('kind', role)}"
+            for msg in _results({label: proc}, out, f"{name}-{role}", deadline):
+                msg["kind"] = f"{name}-{msg.get('kind', role)}"
                 msg["ok"] = bool(msg.get("ok")) and "error" not in msg
                 report["ok"] &= msg["ok"]
                 report["checks"].append(msg)
             if role == "put":
+                if disk:
+                    _disk_written(address, plan["pages"], deadline)
                 daemon.kill()  # SIGKILL: the files keep what it stored
                 daemon.wait(30)
                 daemon = _start_daemon(args, socket, env)
-                found = {"kind": "kept-restart", **_kept_stats(address)}
+                found = {"kind": f"{name}-restart", **_kept_stats(address)}
                 found["ok"] = found["adopted_pages"] >= plan["pages"] and not found["reason"]
                 report["ok"] &= found["ok"]
                 report["checks"].append(found)
+        if disk:  # the get engine's pages came from disk: read back, each one checked
+            after = {"kind": "disk-read-back", **_kept_stats(address)}
+            after["ok"] = after["disk_promoted_pages"] >= plan["pages"] and not after["disk_bad_checks"]
+            report["ok"] &= after["ok"]
+            report["checks"].append(after)
     finally:
         daemon.terminate()
         try:
@@ -802,6 +832,7 @@ def main() -> int:
                 run_safety(ctx, f"unix://{socket}", deadline, report)
                 run_cache(ctx, f"unix://{socket}", deadline, report)
                 run_kept(ctx, tmp, env, deadline, report)
+                run_kept(ctx, tmp, env, deadline, report, disk=True)
                 run_sglang(ctx, f"unix://{socket}", deadline, report)
                 run_vllm(ctx, f"unix://{socket}", deadline, report)
     except BaseException:

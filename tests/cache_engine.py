@@ -57,7 +57,7 @@ class CacheEngine:
                  pages: int = 64, page_size: int = PAGE, layout: KVLayout = LAYOUT, dtype=DTYPE,
                  tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
                  model: str = MODEL, tenant_token: str | None = None, resilient: bool = False,
-                 rank_salt: bool = True, host_tokens: int | None = None) -> None:
+                 rank_salt: bool = True, host_tokens: int | None = None, weights: str = "") -> None:
         self.start, self.end, self.page_size, self.num_pages = start, end, page_size, pages
         self.layout, self.dtype = layout, dtype
         # Each TP rank of an MHA model holds its own heads: its bytes differ from the other ranks'.
@@ -70,7 +70,7 @@ class CacheEngine:
         try:
             self.client.register(model=model, pool=self.pool, start_layer=start, end_layer=end,
                                  num_layers=num_layers or end, host_tokens=host_tokens or page_size,
-                                 page_size=page_size,
+                                 page_size=page_size, weights=weights,
                                  tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size)
         except BaseException:
             self.client.close()

@@ -13,7 +13,8 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "suites" / "multiturn.py"
 CONFIGS = ["recompute", "host-inprocess", "kvserver-index", "dp2-recompute", "dp2-kvserver-cache",
-           "dp2-cache-restart", "dp2-cache-restart-kept"]
+           "dp2-cache-restart", "dp2-cache-restart-kept", "dp2-small-host", "dp2-small-host-disk",
+           "dp2-small-host-disk-restart"]
 POSITIVE = ["prompt_tokens", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "throughput_rps",
             "throughput_prompt_tps", "makespan_s", "busy_s"]
 
@@ -58,8 +59,18 @@ def test_quick_run_reports_every_configuration(tmp_path) -> None:
     second = {name: cfgs[name]["hit_rate_second_half"] for name in CONFIGS}
     assert second["dp2-cache-restart-kept"] == second["dp2-kvserver-cache"] > second["dp2-cache-restart"]
     assert result["checks"]["dp2-cache-restart-kept"]["adopted_pages"] > 0
+
+    # The disk rows: the disk tier wrote what the replicas stored, and after a kill -9 halfway the
+    # restarted daemon found it on disk (its host memory was not kept): the second half hits more
+    # than a daemon with neither; pages whose write behind had not ended at the kill are the ones lost.
+    disk, again = result["checks"]["dp2-small-host-disk"], result["checks"]["dp2-small-host-disk-restart"]
+    assert disk["disk_written_pages"] > 0 and disk["disk_bad_checks"] == again["disk_bad_checks"] == 0
+    assert again["disk_adopted_pages"] > 0
+    assert second["dp2-small-host-disk-restart"] > second["dp2-cache-restart"]
+    assert hit["dp2-small-host-disk"] >= hit["dp2-small-host"]
     assert result["checks"]["dp2-cache-restart"]["adopted_pages"] == 0
-    for name in ("dp2-cache-restart", "dp2-cache-restart-kept"):
+    for name in ("dp2-cache-restart", "dp2-cache-restart-kept", "dp2-small-host", "dp2-small-host-disk",
+                 "dp2-small-host-disk-restart"):
         assert result["checks"][name]["pages_wrong"] == 0 and result["checks"][name]["pages_checked"] > 0
 
     model = result["model"]

@@ -60,9 +60,15 @@ def check_all_found(address: str, keys: list[bytes], rng: np.random.Generator) -
             assert eng.wrong(chunk, pages) == [], "a confirmed page came back with other bytes"
 
 
-def test_kill_9_storms_lose_no_confirmed_page_and_serve_no_torn_one(socket_dir, kept_dir):
+@pytest.mark.parametrize("tiers", ["host", "host+disk"])
+def test_kill_9_storms_lose_no_confirmed_page_and_serve_no_torn_one(socket_dir, kept_dir, tmp_path, tiers):
+    """With the disk tier the host memory is small: the storm's pages go on to disk as host memory
+    evicts them, and both tiers are found again after every kill (a page leaves host memory only
+    once its disk copy is written; pages the killed daemon had not written yet are in the kept
+    host memory, and the next daemon writes them)."""
+    more = ("--disk-cache", str(tmp_path / "disk"), "--disk-size", "1GiB") if tiers == "host+disk" else ()
     d = DaemonProcess(os.path.join(socket_dir, "kv.sock"), "--host-memory-dir", kept_dir,
-                      "--log-level", "INFO", host_memory="1GiB")
+                      "--log-level", "INFO", *more, host_memory="24MiB" if more else "1GiB")
     ctx = mp.get_context("spawn")
     stop, out = ctx.Event(), ctx.Queue()
     procs = [ctx.Process(target=storm_engine, args=(d.address, i, stop, out, PAGE_SIZE, 0.004))
@@ -103,6 +109,9 @@ def test_kill_9_storms_lose_no_confirmed_page_and_serve_no_torn_one(socket_dir, 
             errors += drain(out, confirmed, per_engine, time.monotonic() + 0.2)
         assert not errors, errors
         check_all_found(d.address, list(confirmed), rng)
+        if more:
+            disk = next(t for t in d.stats().tiers if t.name == "disk")
+            assert disk.kept.adopted_pages > 0 and disk.promoted_pages > 0, disk  # the disk served
     finally:
         stop.set()
         deadline = time.monotonic() + 60

@@ -134,3 +134,17 @@ def test_the_kept_round_kills_the_daemon_between_its_engines_and_loads_what_the_
     assert report["ok"], report
     assert list(kinds) == ["kept-cache-put", "kept-restart", "kept-cache-get"]
     assert kinds["kept-restart"]["adopted_pages"] == 4 and kinds["kept-cache-get"]["pages"] == 4
+
+
+def test_the_disk_round_reads_back_from_disk_what_the_first_daemon_wrote_behind(tmp_path):
+    gpu_check = load_gpu_check()
+    report = {"checks": [], "ok": True}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    plan = gpu_check.cache_plan(num_tokens=256, page_size=16, pages=4, extra=1)
+    gpu_check.run_kept(mp.get_context("spawn"), str(tmp_path), env, time.monotonic() + 120, report,
+                       target=kept_standin, plan=plan, disk=True)
+    kinds = {c["kind"]: c for c in report["checks"]}
+    assert report["ok"], report
+    assert list(kinds) == ["disk-cache-put", "disk-restart", "disk-cache-get", "disk-read-back"]
+    assert kinds["disk-restart"]["adopted_pages"] == 4 and kinds["disk-cache-get"]["pages"] == 4
+    assert kinds["disk-read-back"]["disk_promoted_pages"] == 4 and kinds["disk-read-back"]["direct_io"]

@@ -1,7 +1,7 @@
 """Multi-turn serving (after SGLang's bench_multiturn): C clients x R rounds, each round a client's
 history grows by an answer (A tokens) and a new question (Q tokens); requests arrive as a Poisson
 process; the device KV pool holds about a quarter of all histories, so a returning client's prefix
-is still on the device, found in a host tier, or recomputed. Seven configurations see the same trace:
+is still on the device, found in a host tier, or recomputed. Ten configurations see the same trace:
 
 - recompute:          one engine, device pool with LRU prefix reuse, nothing below it;
 - host-inprocess:     one engine with a host pool in its own process (kvserver.copies.transfer's kernel);
@@ -12,6 +12,11 @@ is still on the device, found in a host tier, or recomputed. Seven configuration
 - dp2-cache-restart:  the same on a daemon of its own, SIGKILLed and started again halfway through
                       (the replicas ride through it: resilient clients, device pools kept);
 - dp2-cache-restart-kept: the same with --host-memory-dir: the restarted daemon adopts the cache.
+- dp2-small-host:     dp2-kvserver-cache on a daemon whose host memory holds a third of the
+                      histories (--multiturn-small-fraction), no disk: evicted histories are gone;
+- dp2-small-host-disk: the same with the disk tier (--disk-cache): evicted pages are read back;
+- dp2-small-host-disk-restart: the same, SIGKILLed and started again halfway (host memory not
+                      kept): the restarted daemon finds the histories on disk.
 
 Compute is modelled, data movement is real: prefill time comes from a small Llama (built from a
 config, nothing downloaded) timed on this machine at start-up and fitted (_multiturn_model); the
@@ -69,7 +74,9 @@ from kvclient.keys import page_keys, split_keys  # noqa: E402
 
 NAME = "multiturn"
 CONFIGS = ["recompute", "host-inprocess", "kvserver-index", "dp2-recompute", "dp2-kvserver-cache",
-           "dp2-cache-restart", "dp2-cache-restart-kept"]
+           "dp2-cache-restart", "dp2-cache-restart-kept", "dp2-small-host", "dp2-small-host-disk",
+           "dp2-small-host-disk-restart"]
+RESTARTED = ("dp2-cache-restart", "dp2-cache-restart-kept", "dp2-small-host-disk-restart")
 # The daemon is SIGKILLed and started again before this share of the trace (the two restart rows).
 RESTART_AT = 0.5
 QUICK = {"clients": 4, "rounds": 3, "question": 32, "answer": 16}
@@ -87,6 +94,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    help="device pool, as a share of all clients' final histories")
     g.add_argument("--multiturn-host-fraction", type=float, default=1.0,
                    help="host tier (in-process pool, index API region, node cache), same share")
+    g.add_argument("--multiturn-small-fraction", type=float, default=0.33,
+                   help="the small-host rows' host memory for the cache, as a share of the host tier")
+    g.add_argument("--multiturn-disk-dir", default=None,
+                   help="where the disk rows keep their disk tier (default: a temporary directory)")
     g.add_argument("--multiturn-rate", type=float, default=0.0,
                    help="arrivals per second; 0: --multiturn-load times what the recompute-only "
                         "engine can serve (from the fitted prefill model)")
@@ -179,8 +190,15 @@ def run(args: argparse.Namespace, progress) -> dict:
             finally:
                 dev.close()
             for name, kept in (("dp2-cache-restart", False), ("dp2-cache-restart-kept", True)):
-                records[name], checks[name] = serve_restart(w, reqs, geom, dev_pages, keys, budget_mib,
-                                                            kept, bar)
+                records[name], checks[name] = serve_own(w, reqs, geom, dev_pages, keys, budget_mib, bar,
+                                                        kept=kept, restart=True)
+            small_cache = math.ceil(args.multiturn_small_fraction * host_bytes / SLAB) * SLAB
+            small_mib = math.ceil((small_cache + 2 * geom.page_bytes) / (1 << 20)) + 8
+            for name, disk, again in (("dp2-small-host", False, False), ("dp2-small-host-disk", True, False),
+                                      ("dp2-small-host-disk-restart", True, True)):
+                records[name], checks[name] = serve_own(w, reqs, geom, dev_pages, keys, small_mib, bar,
+                                                        disk=disk, disk_dir=args.multiturn_disk_dir,
+                                                        restart=again)
             bar.close()
             if model is None:
                 model = timing.result()
@@ -214,6 +232,7 @@ def run(args: argparse.Namespace, progress) -> dict:
         "device_pages": dev_pages,
         "host_pages": host_pages,
         "daemon_host_memory_mib": budget_mib,
+        "small_host_memory_mib": small_mib,
         "geometry": geometry_note(geom),
         "model": model,
         "configs": results,
@@ -222,23 +241,27 @@ def run(args: argparse.Namespace, progress) -> dict:
     }
 
 
-def serve_restart(w, reqs, geom, dev_pages: int, keys, budget_mib: int, kept: bool, bar) -> tuple[list, dict]:
-    """The dp2-kvserver-cache trace on a daemon of its own that is SIGKILLed and started again
-    before RESTART_AT of the trace; ``kept``: with --host-memory-dir (its cache survives). The
-    replicas ride through it (resilient clients), keeping their device pools."""
+def serve_own(w, reqs, geom, dev_pages: int, keys, budget_mib: int, bar, *, kept: bool = False,
+              disk: bool = False, disk_dir: str | None = None, restart: bool = False) -> tuple[list, dict]:
+    """The dp2-kvserver-cache trace on a daemon of its own of ``budget_mib``; ``kept``: with
+    --host-memory-dir (its host cache survives a restart); ``disk``: with --disk-cache (in
+    ``disk_dir`` or a temporary directory); ``restart``: SIGKILLed and started again before
+    RESTART_AT of the trace, the replicas riding through it (resilient clients, device pools kept)."""
     kept_dir = f"/dev/shm/kvbench-multiturn-{os.getpid()}-{secrets.token_hex(3)}" if kept else None
-    with tempfile.TemporaryDirectory(prefix="kv-multiturn-restart-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kv-multiturn-own-", dir=disk_dir) as tmp:
         d = remote = local = None
         took: list[float] = []
         try:
             flags = ["--host-memory-dir", kept_dir] if kept else []
+            if disk:
+                flags += ["--disk-cache", os.path.join(tmp, "disk"), "--disk-size", "4GiB"]
             d = DaemonProcess(os.path.join(tmp, "kv.sock"), *flags, host_memory=f"{budget_mib}MiB")
             # Spawned: this process has gRPC channels and threads by now, which a fork does not survive.
             remote = RemoteReplica(d.address, geom, dev_pages, w.seed, spawn=True, resilient=True)
             local = CacheReplica(d.address, geom, dev_pages, w.seed, resilient=True)
             remote.wait_ready()
 
-            def restart() -> None:
+            def again() -> None:
                 d.kill()
                 t0 = time.monotonic()
                 d.start()
@@ -247,14 +270,23 @@ def serve_restart(w, reqs, geom, dev_pages: int, keys, budget_mib: int, kept: bo
                 took.append(time.monotonic() - t0)
 
             records = serve_dp(w, reqs, [local, remote], dev_pages, keys, bar,
-                               restart=(int(len(reqs) * RESTART_AT), restart))
+                               restart=(int(len(reqs) * RESTART_AT), again) if restart else None)
             stats = d.stats()
             if kept and not stats.kept.adopted_pages:  # it ran with a cache of its own memory
                 raise RuntimeError(f"the restarted daemon adopted nothing from {kept_dir}: {stats.kept}")
             ch = [local.checks(), remote.checks()]
             checks = {"pages_checked": sum(c[0] for c in ch), "pages_wrong": sum(c[1] for c in ch),
                       "pages_dropped": sum(c[2] for c in ch), "cache_bytes": stats.cache_bytes,
-                      "adopted_pages": stats.kept.adopted_pages, "restart_to_registered_s": took[0]}
+                      "adopted_pages": stats.kept.adopted_pages,
+                      "restart_to_registered_s": took[0] if took else 0.0}
+            tiers = {t.name: t for t in stats.tiers}
+            if disk:
+                t = tiers["disk"]
+                if not t.written_pages:
+                    raise RuntimeError(f"the disk tier wrote nothing: {t}")
+                checks.update(disk_written_pages=t.written_pages, disk_promoted_pages=t.promoted_pages,
+                              disk_adopted_pages=t.kept.adopted_pages, disk_bad_checks=t.bad_checks)
+            checks["host_evicted_pages"] = tiers["host"].evicted_pages
         finally:
             if local is not None:
                 local.close()
@@ -348,6 +380,18 @@ def summary(result: dict) -> str:
                  + f"; the kept cache adopted {ck['dp2-cache-restart-kept']['adopted_pages']} pages, and "
                  "the replicas were registered again "
                  f"{ck['dp2-cache-restart-kept']['restart_to_registered_s']:.2f} s after the restart began.")
+    lines.append("")
+    sd, sr = ck["dp2-small-host-disk"], ck["dp2-small-host-disk-restart"]
+    lines.append(f"Histories past host memory ({result['small_host_memory_mib']} MiB): hit rate "
+                 + ", ".join(f"{n} {cfgs[n]['hit_rate']:.3f} (TTFT p50 {cfgs[n]['ttft_p50_s'] * 1e3:.1f} ms, "
+                             f"p99 {cfgs[n]['ttft_p99_s'] * 1e3:.1f} ms)"
+                             for n in ("dp2-small-host", "dp2-small-host-disk"))
+                 + f"; the disk tier wrote {sd['disk_written_pages']} pages and read back "
+                 f"{sd['disk_promoted_pages']}. After a kill -9 halfway, the second half's hit rate: "
+                 f"{cfgs['dp2-small-host-disk-restart']['hit_rate_second_half']:.3f} with the disk "
+                 f"(it found {sr['disk_adopted_pages']} pages on disk at the restart) against "
+                 f"{cfgs['dp2-small-host-disk']['hit_rate_second_half']:.3f} with no restart and "
+                 f"{cfgs['dp2-cache-restart']['hit_rate_second_half']:.3f} for a daemon with neither.")
     lines += ["", "Per-call transfer time (median ms) by size, same device pages:", "",
               "| pages | KiB | in-process write | in-process load | index Write | index Load | cache Put | "
               "cache Get |", "|---|---|---|---|---|---|---|---|"]

@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import start_http_server
 
 from kvserver.config import parse_metrics_listen
+from kvserver.core.tiers import TierStat, tier_stats
 
 if TYPE_CHECKING:
     from kvserver.core.kvcore import KVCore
@@ -90,6 +91,7 @@ class Snapshot:
     spaces: list  # SpaceStat
     tenants: list  # TenantStat
     recovery: Recovery | None  # what the start found of a kept cache (None: not kept)
+    tiers: list[TierStat]
 
 
 def snapshot(core: KVCore, transfers: Transfers) -> Snapshot:
@@ -115,6 +117,7 @@ def snapshot(core: KVCore, transfers: Transfers) -> Snapshot:
         spaces=spaces,
         tenants=tenants,
         recovery=core.recovery,
+        tiers=tier_stats(core),
     )
 
 
@@ -164,6 +167,51 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
 
 
+_TIER_GAUGES = (
+    ("kvserver_tier_capacity_bytes", "The tier's capacity (host memory, --disk-size).", "capacity_bytes"),
+    ("kvserver_tier_pages", "Pages the tier stores.", "pages"),
+    ("kvserver_tier_bytes", "Bytes of the pages the tier stores.", "bytes"),
+)
+_TIER_COUNTERS = (
+    ("kvserver_tier_hits", "Looked-up pages found in the tier and not in the one above.", "hits"),
+    ("kvserver_tier_evicted_pages", "Pages the tier evicted.", "evicted_pages"),
+)
+_DISK_COUNTERS = (
+    ("kvserver_disk_written_pages", "Pages written to disk behind the host cache.", "written_pages"),
+    ("kvserver_disk_written_bytes", "Bytes written to disk behind the host cache.", "written_bytes"),
+    ("kvserver_disk_promoted_pages", "Pages read back from disk into host memory.", "promoted_pages"),
+    ("kvserver_disk_promoted_bytes", "Bytes read back from disk into host memory.", "promoted_bytes"),
+    ("kvserver_disk_skipped_pages", "Pages not written to disk: queue, disk or disk quota full.",
+     "skipped_pages"),
+    ("kvserver_disk_write_errors", "Pages whose write to disk failed.", "write_errors"),
+    ("kvserver_disk_read_errors", "Pages whose read from disk failed.", "read_errors"),
+    ("kvserver_disk_bad_checks", "Pages read from disk whose check failed: dropped, never served.",
+     "bad_checks"),
+)
+
+
+def _tier_families(tiers: list[TierStat]) -> Iterator[Metric]:
+    for kind, table in ((GaugeMetricFamily, _TIER_GAUGES), (CounterMetricFamily, _TIER_COUNTERS)):
+        for name, doc, attr in table:
+            family = kind(name, doc, labels=("tier",))
+            for t in tiers:
+                family.add_metric((t.name,), getattr(t, attr))
+            yield family
+    disk = next((t for t in tiers if t.name == "disk"), None)
+    if disk is None:
+        return
+    for name, doc, attr in _DISK_COUNTERS:
+        yield CounterMetricFamily(name, doc, value=getattr(disk, attr))
+    rec = disk.recovery
+    if rec is not None:
+        yield _gauge("kvserver_disk_adopted_pages", "Pages this daemon's start found on disk.",
+                     rec.adopted_pages)
+        yield _gauge("kvserver_disk_adopt_seconds", "Seconds the start took to read the disk's index.",
+                     rec.seconds)
+        yield _gauge("kvserver_disk_adopt_torn_pages",
+                     "Disk pages being written when the last daemon stopped: dropped at start.", rec.torn)
+
+
 def _families(s: Snapshot, per_space: bool) -> Iterator[Metric]:
     yield _gauge("kvserver_host_memory_bytes", "Host KV memory budget (--host-memory).", s.capacity)
     yield _gauge("kvserver_host_memory_reserved_bytes",
@@ -197,6 +245,7 @@ def _families(s: Snapshot, per_space: bool) -> Iterator[Metric]:
                      "Pages being written when the last daemon stopped: dropped at start.", rec.torn)
         yield _gauge("kvserver_cache_adopt_dropped_pages",
                      "Kept pages dropped at start because a check failed.", rec.dropped)
+    yield from _tier_families(s.tiers)
 
     nbytes = CounterMetricFamily("kvserver_transfer_bytes", "Bytes copied, by direction and lane.",
                                  labels=("direction", "lane"))

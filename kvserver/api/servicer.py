@@ -21,6 +21,7 @@ from kvserver.core.cache_ops import CacheOps, space_from_wire
 from kvserver.core.client_state import ClientState, Counters, public_id
 from kvserver.core.kvcore import OFF_LOOP_INDICES, KVCore
 from kvserver.core.liveness import Reaper
+from kvserver.core.tiers import tier_stats
 from kvserver.errors import GpuStalled, InvalidArgument, KVError, PermissionDenied, Unauthenticated
 from kvserver.lane.book import LaneBook
 from kvserver.peers.tenants import TENANT_KEY, TenantBook, tenant_of
@@ -309,6 +310,7 @@ class KVServicer(pb_grpc.KVServerServicer):
             spaces=[_space_stats(st) for st in spaces],
             tenants=[_tenant_stats(st) for st in tenants],
             kept=_kept(core.recovery, admin),
+            tiers=_tiers(core, admin),
         )
 
     # ---- the node-wide cache ------------------------------------------------------------------
@@ -328,8 +330,8 @@ class KVServicer(pb_grpc.KVServerServicer):
 
     @_abort_on_error
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
-        pages, lease = await self.cache.lookup(request)
-        return pb.LookupResponse(pages=pages, lease_id=lease)
+        found = await self.cache.lookup(request)
+        return pb.LookupResponse(pages=found.pages, lease_id=found.lease_id, disk_pages=found.lower)
 
     @_abort_on_error
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
@@ -455,6 +457,21 @@ def add_to_server(servicer: KVServicer, server: Any) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     if hasattr(server, "add_registered_method_handlers"):  # grpcio >= 1.63: faster dispatch
         server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def _tiers(core: KVCore, admin: bool) -> list[pb.TierStats]:
+    out = []
+    for t in tier_stats(core):
+        msg = pb.TierStats(
+            name=t.name, capacity_bytes=t.capacity_bytes, slab_bytes=t.slab_bytes, pages=t.pages,
+            bytes=t.bytes, hits=t.hits, evicted_pages=t.evicted_pages, written_pages=t.written_pages,
+            written_bytes=t.written_bytes, promoted_pages=t.promoted_pages, promoted_bytes=t.promoted_bytes,
+            skipped_pages=t.skipped_pages, write_errors=t.write_errors, read_errors=t.read_errors,
+            bad_checks=t.bad_checks, direct_io=t.direct_io)
+        if t.recovery is not None:
+            msg.kept.CopyFrom(_kept(t.recovery, admin))
+        out.append(msg)
+    return out
 
 
 def _kept(rec: Recovery | None, admin: bool) -> pb.KeptCache | None:

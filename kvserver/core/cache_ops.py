@@ -29,6 +29,7 @@ from kvserver.protocol.layout import KVLayout, torch_dtype
 from kvserver.store import (
     MAX_KEY_BYTES,
     MAX_PIN_MS,
+    Found,
     GetPlan,
     Keys,
     KVCache,
@@ -38,7 +39,8 @@ from kvserver.store import (
     Space,
     SpaceKey,
 )
-from kvserver.store.pages import COMMITTED
+from kvserver.store.keys import leading
+from kvserver.store.pages import COMMITTED, WRITING
 from kvserver.v1 import kvserver_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -101,6 +103,8 @@ class CacheOps:
         self._space_ids: dict[str, SpaceKey] = {}
         self._ids_of: dict[SpaceKey, str] = {}
         self._put_settled: asyncio.Future[None] | None = None  # done when a Put's copy settles next
+        self.disk = kv.disk  # the tier under the host cache, or None
+        self.lower = self.disk.holds if self.disk is not None else None
 
     # ---- who is asking ----------------------------------------------------------------------
 
@@ -146,7 +150,7 @@ class CacheOps:
 
     # ---- Lookup and Release -----------------------------------------------------------------
 
-    async def lookup(self, req: pb.LookupRequest) -> tuple[int, str]:
+    async def lookup(self, req: pb.LookupRequest) -> Found:
         _, client, key = self._target(req.client_id, req.space_id)
         if req.pin_ms > MAX_PIN_MS:
             raise InvalidArgument(f"pin_ms is {req.pin_ms}; at most {MAX_PIN_MS}")
@@ -157,7 +161,10 @@ class CacheOps:
             target = part.space if req.whole_space else part
         else:
             target = self.cache.space(key)
-        return await in_steps(self.kv.share, self.cache.lookup_steps(target, keys, req.pin_ms))
+        found = await in_steps(self.kv.share, self.cache.lookup_steps(target, keys, req.pin_ms, self.lower))
+        if self.disk is not None:
+            self.disk.counters.hits += found.lower
+        return found
 
     def release(self, req: pb.ReleaseRequest) -> int:
         tenant, _, _ = self._target(req.client_id, req.space_id)
@@ -248,7 +255,10 @@ class CacheOps:
                           own.dropped + more.dropped, own.bytes + more.bytes)
 
     def _settled(self, plan: PutPlan, ok: bool) -> None:
+        ids = plan.page_ids
         self.cache.complete_put(plan, ok)
+        if ok and self.disk is not None:  # written behind to disk, where it outlives its eviction
+            self.disk.demote(plan.part, ids)
         wake, self._put_settled = self._put_settled, None
         if wake is not None and not wake.done():
             wake.set_result(None)
@@ -322,7 +332,11 @@ class CacheOps:
         deadline = self.kv.deadline(req.timeout_ms)
         keys, pages, bounds = await self._checked_parts(client, req)
         local_layers = client.spec.layers.select(req.layers)
-        plans = await in_steps(self.kv.share, self._prepare_parts(self._part(client), keys, bounds))
+        part = self._part(client)
+        if self.disk is not None:  # pages on disk only are read back into host memory first
+            for first, end, _ in bounds:
+                await self._promote(part, keys[first:end], deadline)
+        plans = await in_steps(self.kv.share, self._prepare_parts(part, keys, bounds))
 
         def complete(ok: bool) -> None:
             for plan in plans:
@@ -350,6 +364,50 @@ class CacheOps:
         finally:
             if not job.submitted:  # it never reached the medium, so nothing will settle it
                 complete(False)
+
+
+    async def _promote(self, part: Part, keys: Keys, deadline: float) -> None:
+        """Reads into host pages the pages of the leading keys stored that only the disk holds;
+        waits for pages being written meanwhile (another Get reading the same pages back). A
+        page that cannot be read whole and checked ends the hit there: the Get loads fewer."""
+        disk, pages = self.disk, self.cache.pages
+        assert disk is not None
+        ids = pages.find(part.gid, keys)
+        state = pages.state[ids]
+        in_host = (ids >= 0) & (state == COMMITTED)
+        writing = (ids >= 0) & (state == WRITING)
+        m = leading(in_host | writing | disk.holds(part, keys))
+        need = np.flatnonzero(~(in_host | writing)[:m])
+        if len(need):
+            # The pages in memory of the hit are not evicted to make room for those read back.
+            held = ids[:m][in_host[:m]]
+            pages.hold(held)
+            try:
+                await self._read_back(part, keys.take(need))
+            finally:
+                pages.hold(held, -1)
+        if self.cache.writing(part, keys[:m]):
+            await self._until_written(part, keys[:m], deadline)
+
+    async def _read_back(self, part: Part, keys: Keys) -> None:
+        """Reads the disk's pages of ``keys`` (all on disk) into new host pages of ``part``."""
+        disk = self.disk
+        assert disk is not None
+        dplan = disk.take(part, keys)
+        if dplan is None:
+            return
+        try:
+            hplan = await in_steps(self.kv.share, self.cache.prepare_put_steps(part, keys[: dplan.pages]))
+        except BaseException:
+            disk.finish(dplan)
+            raise
+        if not len(hplan.page_ids):
+            disk.finish(dplan)
+            self.cache.complete_put(hplan, True)
+            return
+        # Settled by the read, whatever becomes of this call: a thread may still write the pages.
+        await asyncio.shield(disk.read(dplan, keys, hplan.positions, hplan.offsets,
+                                       lambda ok: self.cache.complete_put(hplan, ok)))
 
 
 async def in_steps(share: LoopShare, steps: Generator[None, None, T]) -> T:

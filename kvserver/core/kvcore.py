@@ -20,6 +20,7 @@ from kvserver.core import epochs
 from kvserver.core.client_state import ClientSpec, ClientState, Counters, public_id
 from kvserver.core.copier import ClientJob, Copier, wait_until
 from kvserver.core.share import LoopShare
+from kvserver.disk import DiskTier
 from kvserver.errors import InvalidArgument, NoCapacity, UnknownClient, shown
 from kvserver.host.arena import HostArena, aligned_capacity
 from kvserver.host.kept import KeptDir, KeptDirError
@@ -57,6 +58,9 @@ class KVCore:
         tenant_quota: int = 0,
         tenant_quotas: dict[str, int] | None = None,
         host_memory_dir: str | None = None,
+        disk_cache: str | None = None,
+        disk_size: int = 0,
+        disk_threads: int = 4,
     ) -> None:
         self.recovery: Recovery | None = None  # what a kept cache's start found (None: not kept)
         self._kept: KeptDir | None = None
@@ -65,6 +69,9 @@ class KVCore:
             self._build(host_memory, tenant_quota, quotas)
         else:
             self._build_kept(host_memory_dir, host_memory, tenant_quota, quotas)
+        self.disk: DiskTier | None = None  # the disk tier (--disk-cache), under the host cache
+        if disk_cache:
+            self.disk = self._build_disk(disk_cache, disk_size, disk_threads, tenant_quota, quotas)
         self.max_clients = max_clients
         self.max_clients_per_tenant = max_clients_per_tenant
         self._registering_by_tenant: Counter[str] = Counter()  # registrations under way, by tenant
@@ -130,6 +137,25 @@ class KVCore:
                 logger.warning("%s", rec.line())
             else:
                 logger.info("%s", rec.line())
+
+    def _build_disk(self, path: str, size: int, threads: int, tenant_quota: int,
+                    quotas: dict[str, int]) -> DiskTier | None:
+        """The disk tier in ``path``; None, the daemon serving from host memory alone, if the
+        directory cannot be used. A tenant's disk quota is its share of host memory, of the disk."""
+        host = self.arena.capacity
+
+        def scaled(q: int) -> int:
+            return 0 if q <= 0 or q >= host else max(1, q * size // host)
+
+        try:
+            disk = DiskTier(path, size, self.cache, lambda: self.arena.address,
+                            default_quota=scaled(tenant_quota),
+                            quotas={name: scaled(q) for name, q in quotas.items()}, threads=threads)
+        except (KeptDirError, OSError, ValueError) as exc:
+            logger.error("no disk cache: %s cannot be used (%s); the cache ends at host memory", path, exc)
+            return None
+        logger.info("%s", disk.describe())
+        return disk
 
     # ---- registration -------------------------------------------------------------------
 
@@ -543,6 +569,11 @@ class KVCore:
 
     # ---- lifecycle ------------------------------------------------------------------------
 
+    def start(self) -> None:
+        """Starts what runs beside the calls (the disk tier's writer). On the daemon's loop."""
+        if self.disk is not None:
+            self.disk.start()
+
     async def close(self) -> None:
         while self._in_threads:  # a registration or a pool close in a worker thread uses the arena
             self._thread_done.clear()
@@ -553,6 +584,8 @@ class KVCore:
             else:
                 await self.unregister(client.client_id)
         self.copier.shutdown()
+        if self.disk is not None:  # its reads and writes use the arena
+            await self.disk.close()
         self.slab_pinner.close()  # after every copy, before the memory it pinned goes
         self.arena.close()
         if self._kept is not None:  # the cache stays in its files for the next start

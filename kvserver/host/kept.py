@@ -199,6 +199,37 @@ class KeptDir:
         self._maps.append(mm)
         return mm
 
+    def file(self, name: str, nbytes: int) -> int:
+        """The file ``name`` of ``nbytes``, open (see ``mapping``; read and written by the caller)."""
+        if name in self._fds:
+            raise ValueError(f"{name} is open already")
+        fd = self._open(name)
+        self._fds[name] = fd
+        size = os.fstat(fd).st_size
+        if self.adopting and size != nbytes:
+            raise KeptDirError(f"{os.path.join(self.path, name)} is {size} bytes, not {nbytes}: changed "
+                               "by something other than the daemon")
+        if not self.adopting:
+            os.ftruncate(fd, 0)
+            os.ftruncate(fd, nbytes)
+        return fd
+
+    def direct(self, name: str) -> int:
+        """File ``name`` (open with ``file``) opened again for direct I/O (O_DIRECT: no page cache),
+        the same file or an error; -1 if its file system does not do direct I/O."""
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_DIRECT | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                return -1
+            raise
+        a, b = os.fstat(fd), os.fstat(self._fds[name])
+        if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+            os.close(fd)
+            raise KeptDirError(f"{os.path.join(self.path, name)} was replaced while the daemon opened it")
+        self._fds[name + "#direct"] = fd
+        return fd
+
     def array(self, name: str, n: int, dtype: Any) -> np.ndarray:
         """A table of ``n`` items kept in file ``name`` (see ``mapping``)."""
         dtype = np.dtype(dtype)
@@ -280,6 +311,14 @@ class KeptDir:
             os.close(old)
         self._fds[name] = fd
         return fd
+
+    def flush(self) -> None:
+        """Writes the files' changes back to their file system now (a disk's: so that they
+        outlive a reboot too, not only the daemon)."""
+        for mm in self._maps:
+            mm.flush()
+        for fd in self._fds.values():
+            os.fsync(fd)
 
     def _unmap(self) -> None:
         for mm in self._maps:

@@ -10,7 +10,7 @@ May import: ``host`` (the arena its slabs come from), ``protocol``, ``config`` a
 gRPC and never the copy code (``copies``, ``media``, ``core``).
 """
 
-from kvserver.store.cache import MAX_PIN_MS, KVCache
+from kvserver.store.cache import MAX_PIN_MS, Found, KVCache
 from kvserver.store.counters import CacheCounters
 from kvserver.store.keys import MAX_KEY_BYTES, Keys
 from kvserver.store.plans import GetPlan, PutPlan
@@ -18,6 +18,6 @@ from kvserver.store.spaces import Part, PartKey, Space, SpaceKey
 from kvserver.store.stats import SpaceStat, TenantStat
 
 __all__ = [
-    "MAX_KEY_BYTES", "MAX_PIN_MS", "CacheCounters", "GetPlan", "KVCache", "Part", "PartKey", "PutPlan",
-    "Keys", "Space", "SpaceKey", "SpaceStat", "TenantStat",
+    "MAX_KEY_BYTES", "MAX_PIN_MS", "CacheCounters", "Found", "GetPlan", "KVCache", "Part", "PartKey",
+    "PutPlan", "Keys", "Space", "SpaceKey", "SpaceStat", "TenantStat",
 ]

@@ -13,11 +13,12 @@ import time
 import weakref
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 
 from kvserver.errors import FailedPrecondition, InvalidArgument, NoCapacity
-from kvserver.host.arena import HostArena
+from kvserver.host.regions import Regions
 from kvserver.store.complete import PartCounts
 from kvserver.store.counters import CacheCounters
 from kvserver.store.eviction import EvictionQueue, lru_slabs
@@ -39,17 +40,29 @@ MAX_PIN_MS = 60_000
 # of a space of many parts it examines fewer keys (a shorter hit is a correct answer, and the work
 # on the event loop no longer grows with parts x keys).
 MAX_LOOKUP_PAIRS = 1 << 20
+Lower = Callable[[Part, Keys], np.ndarray]  # which of a part's keys a lower tier holds (bool mask)
+
+
+class Found(NamedTuple):
+    """What a Lookup found: ``pages`` leading keys, pinned under ``lease_id`` if asked, of which
+    ``lower`` only in the tier below."""
+
+    pages: int
+    lease_id: str
+    lower: int = 0
 
 
 class KVCache:
-    def __init__(self, arena: HostArena, *, default_quota: int = 0, quotas: Mapping[str, int] = {},  # noqa: B006
+    def __init__(self, arena: Regions, *, default_quota: int = 0, quotas: Mapping[str, int] = {},  # noqa: B006
                  slab_bytes: int = 8 << 20, max_spaces_per_tenant: int = 256,
-                 max_leases_per_tenant: int = 4096, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_leases_per_tenant: int = 4096, clock: Callable[[], float] = time.monotonic,
+                 sums: bool = False, what: str = "host cache") -> None:
         self.arena = arena
+        self.what = what  # the tier, as logs name it
         self.clock = clock
         self.max_spaces_per_tenant = max_spaces_per_tenant
         kept = arena.kept  # a kept arena keeps the cache's records beside it (kvserver.store.keep)
-        self.pages = PageTable(max_pages(arena.capacity), kept)
+        self.pages = PageTable(max_pages(arena.capacity), kept, sums)
         self.part_counts = PartCounts(self.pages.size)
         self.slabs = SlabPool(arena, self.pages, slab_bytes)
         self.leases = LeaseTable(self.pages, max_leases_per_tenant, clock, arena=arena,
@@ -148,6 +161,10 @@ class KVCache:
         self._adopt(space, tenant)
         return space
 
+    def part_of(self, gid: int) -> Part | None:
+        """The part numbered ``gid`` (None if no space holding it is registered)."""
+        return self._parts.get(gid)
+
     def find_space(self, key: SpaceKey) -> Space | None:
         return self._spaces.get(key)
 
@@ -211,13 +228,16 @@ class KVCache:
     def lookup(self, target: Part | Space, keys: Keys | Sequence[bytes], pin_ms: int = 0) -> tuple[int, str]:
         """How many leading keys are stored (in every part of a space), pinned under a new lease
         for ``pin_ms`` if given; see ``lookup_steps``."""
-        return run_steps(self.lookup_steps(target, keys, pin_ms))
+        found = run_steps(self.lookup_steps(target, keys, pin_ms))
+        return found.pages, found.lease_id
 
-    def lookup_steps(self, target: Part | Space, keys: Keys | Sequence[bytes],
-                     pin_ms: int = 0) -> Generator[None, None, tuple[int, str]]:
+    def lookup_steps(self, target: Part | Space, keys: Keys | Sequence[bytes], pin_ms: int = 0,
+                     lower: Lower | None = None) -> Generator[None, None, Found]:
         """``lookup`` in steps of at most ``STEP_KEYS`` keys, yielding between them so that the
         daemon's event loop serves others meanwhile. Each step pins what it found before the next
-        one runs; a lookup given up midway ends its lease, whose ``pin_ms`` counts from the answer."""
+        one runs; a lookup given up midway ends its lease, whose ``pin_ms`` counts from the answer.
+        ``lower``: a tier below (the disk's ``holds``); a key it holds counts as found, unpinned,
+        and ``Found.lower`` says how many of the keys found are there only."""
         keys = as_keys(keys)
         if not 0 <= pin_ms <= MAX_PIN_MS:
             raise InvalidArgument(f"pin_ms must be between 0 and {MAX_PIN_MS}, got {pin_ms}")
@@ -235,19 +255,24 @@ class KVCache:
         if len(parts) > 1:
             keys = keys[: max(1, MAX_LOOKUP_PAIRS // len(parts))]
         total = len(keys) if parts else 0
-        n = 0
+        n = below = 0
         counted: list[list[np.ndarray]] = []  # per step, per part: the page ids found
         lease_id = ""
         try:
             while n < total:
                 step = keys[n : n + STEP_KEYS]
-                m, found = len(step), []
+                m, found, here = len(step), [], np.ones(len(step), bool)
                 for part in parts:
                     ids = self.pages.find(part.gid, step[:m])
-                    m = leading((ids >= 0) & (self.pages.state[ids] == COMMITTED))
+                    mine = (ids >= 0) & (self.pages.state[ids] == COMMITTED)
+                    here[: len(mine)] &= mine
+                    m = leading(mine | lower(part, step[:m]) if lower is not None else mine)
                     found.append(ids)
-                got = [ids[:m] for ids in found]
-                if pin_ms and m:  # a pin refused for the tenant's limits: the lease so far ends
+                got = [ids[:m][here[:m]] for ids in found]
+                below += m - int(np.count_nonzero(here[:m]))
+                # A pin refused for the tenant's limits: the lease so far ends. Pages the tier
+                # below holds are not pinned (the Get that follows reads them back).
+                if pin_ms and any(len(g) for g in got):
                     # Distinct keys are distinct pages (a page holds one key of one part): no dedup then.
                     ids, distinct = np.concatenate(got), step[:m].distinct()
                     if lease_id:
@@ -274,7 +299,7 @@ class KVCache:
         # in the LRU order.
         for j in range(len(parts) if counted else 0):
             self.pages.touch(np.concatenate([got[j] for got in counted]))
-        return n, lease_id
+        return Found(n, lease_id, below)
 
     # Put
 
@@ -356,16 +381,28 @@ class KVCache:
         ids = self.pages.find(part.gid, keys)
         return bool((self.pages.state[ids[ids >= 0]] == WRITING).any())
 
-    def complete_put(self, plan: PutPlan, ok: bool) -> None:
+    def complete_put(self, plan: PutPlan, ok: bool | np.ndarray) -> None:
+        """Commits the plan's new pages, or frees them if the copy failed; ``ok`` a mask over
+        them: commits those it marks and frees the others."""
         ids, plan.page_ids = plan.page_ids, plan.page_ids[:0]
         if not len(ids):
             return
-        if ok:
-            self.pages.commit(ids)
-            self.pages.touch(ids)
-            plan.part.space.complete.added(self.pages.keys_of(ids))
+        if isinstance(ok, np.ndarray):
+            good, bad = ids[ok], ids[~ok]
         else:
-            self._drop(ids, evicted=False)
+            good, bad = (ids, ids[:0]) if ok else (ids[:0], ids)
+        if len(good):
+            self.pages.commit(good)
+            self.pages.touch(good)
+            plan.part.space.complete.added(self.pages.keys_of(good))
+        if len(bad):
+            self._drop(bad, evicted=False)
+
+    def discard(self, ids: np.ndarray) -> None:
+        """Frees committed pages found bad (a check of their bytes failed): they are no longer
+        found, and count as neither stored nor evicted."""
+        ids = ids[self.pages.state[ids] == COMMITTED]
+        self._drop(ids, evicted=False)
 
     def _allocate(self, tenant: Tenant, page_bytes: int, want: int) -> np.ndarray:
         """Up to ``want`` free pages of ``page_bytes`` in the tenant's slabs. It grows the class by

@@ -51,6 +51,7 @@ class Recovery:
     """What a start found of a kept cache."""
 
     path: str
+    what: str = "host cache"  # the tier: "host cache" or "disk cache"
     adopted_pages: int = 0
     adopted_bytes: int = 0
     seconds: float = 0.0
@@ -61,16 +62,18 @@ class Recovery:
 
     def line(self) -> str:
         if self.reason:
-            return f"host cache in {self.path} starts empty: {self.reason}"
-        return (f"host cache adopted from {self.path}: {self.adopted_pages} pages, "
+            return f"{self.what} in {self.path} starts empty: {self.reason}"
+        return (f"{self.what} adopted from {self.path}: {self.adopted_pages} pages, "
                 f"{format_size(self.adopted_bytes)}, in {self.seconds:.3f} s; dropped {self.torn} torn "
                 f"(being written at the stop) and {self.dropped} that failed a check"
                 + (f"; evicted {self.evicted} over their tenants' quotas" if self.evicted else ""))
 
 
-def kept_shape(capacity: int) -> dict[str, int]:
-    """What kept files must have been made for to be adopted by a cache of ``capacity`` bytes."""
-    return {"capacity": capacity, "pages": max_pages(capacity), "slab_record": SLAB_RECORD.itemsize}
+def kept_shape(capacity: int, kind: str = "host") -> dict[str, int | str]:
+    """What kept files must have been made for to be adopted by a cache of ``capacity`` bytes
+    (``kind``: "host" memory, or "disk" with a check kept per page)."""
+    return {"kind": kind, "capacity": capacity, "pages": max_pages(capacity),
+            "slab_record": SLAB_RECORD.itemsize}
 
 
 def _space_json(key: SpaceKey) -> dict[str, Any]:
@@ -165,7 +168,7 @@ def adopt(cache: Any, keep: Keep) -> Recovery:
     cache hold, as far as every check passes; the rest is dropped and its memory freed. Then the
     directory is sealed for the next start."""
     t0 = time.perf_counter()
-    rec = Recovery(keep.kept.path, reason=keep.kept.reason)
+    rec = Recovery(keep.kept.path, what=cache.what, reason=keep.kept.reason)
     if keep.kept.adopting:
         try:
             _adopt(cache, keep, rec)

@@ -61,11 +61,12 @@ def max_pages(capacity: int) -> int:
 class PageTable:
     """Arrays of per-page state; an array doubles when the ids run out."""
 
-    def __init__(self, capacity: int = 1 << 16, kept: KeptDir | None = None) -> None:
+    def __init__(self, capacity: int = 1 << 16, kept: KeptDir | None = None, sums: bool = False) -> None:
         # Every array is sized for ``capacity`` pages at once and committed as it is used (ids are
         # handed out from the lowest): the table never grows, so no call copies it. ``kept``: the
         # arrays of KEPT and the index's entries are files there, so that a page's record outlives
         # the daemon (kvserver.store.keep); their memory is taken ahead of the ids handed out.
+        # ``sums``: a check of each page's bytes is kept too (``sum``, the disk tier's CRC-32C).
         self.size = capacity  # the most page ids there can be
         self._ids = IdPool(capacity)
         self._tick = 0
@@ -74,6 +75,9 @@ class PageTable:
         for name, dtype in _ARRAYS.items():
             table = kept.array(f"pages.{name}", capacity, dtype) if kept and name in KEPT else None
             setattr(self, name, table if table is not None else lazy_zeros(capacity, dtype))
+        self.kept_names = KEPT + (("sum",) if sums else ())
+        self.sum = (kept.array("pages.sum", capacity, np.uint32) if kept and sums
+                    else lazy_zeros(capacity if sums else 1, np.uint32))
         self.index = KeyIndex(capacity, kept)
         if kept is not None and not self._allocate_range(capacity - 1, capacity):
             # Lookups index the tables with -1 for a miss: the last item is read, and a read of a
@@ -103,7 +107,7 @@ class PageTable:
         return True
 
     def _allocate_range(self, start: int, end: int) -> bool:
-        tables = [(f"pages.{n}", getattr(self, n)) for n in KEPT]
+        tables = [(f"pages.{n}", getattr(self, n)) for n in self.kept_names]
         tables += [(f"index.{n}", getattr(self.index, n)) for n in INDEX_KEPT]
         for name, table in tables:
             size = table.itemsize
@@ -130,6 +134,11 @@ class PageTable:
         self.stamp[ranked] = np.arange(1, len(ranked) + 1, dtype=np.int64)
         self._tick = len(ranked) + 1
         np.maximum.at(self.slab_stamp, self.slab[committed], self.stamp[committed])
+
+    @property
+    def high(self) -> int:
+        """One past the highest page id ever handed out: no id above is in a slab."""
+        return self._ids.fresh
 
     @property
     def in_slabs(self) -> int:

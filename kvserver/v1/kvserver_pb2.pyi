@@ -316,12 +316,14 @@ class LookupRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., space_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., key_bytes: _Optional[int] = ..., pin_ms: _Optional[int] = ..., whole_space: bool = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("pages", "lease_id")
+    __slots__ = ("pages", "lease_id", "disk_pages")
     PAGES_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    DISK_PAGES_FIELD_NUMBER: _ClassVar[int]
     pages: int
     lease_id: str
-    def __init__(self, pages: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    disk_pages: int
+    def __init__(self, pages: _Optional[int] = ..., lease_id: _Optional[str] = ..., disk_pages: _Optional[int] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("client_id", "keys", "key_bytes", "device_pages", "ready_event", "timeout_ms")
@@ -462,7 +464,7 @@ class SessionEvent(_message.Message):
     def __init__(self, epoch: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("capacity_bytes", "reserved_bytes", "used_bytes", "num_clients", "transfers", "clients", "reclaimed_clients", "cache_bytes", "spaces", "tenants", "kept")
+    __slots__ = ("capacity_bytes", "reserved_bytes", "used_bytes", "num_clients", "transfers", "clients", "reclaimed_clients", "cache_bytes", "spaces", "tenants", "kept", "tiers")
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -474,6 +476,7 @@ class StatsResponse(_message.Message):
     SPACES_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
     KEPT_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     capacity_bytes: int
     reserved_bytes: int
     used_bytes: int
@@ -485,7 +488,46 @@ class StatsResponse(_message.Message):
     spaces: _containers.RepeatedCompositeFieldContainer[SpaceStats]
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
     kept: KeptCache
-    def __init__(self, capacity_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_clients: _Optional[int] = ..., transfers: _Optional[_Union[TransferCounters, _Mapping]] = ..., clients: _Optional[_Iterable[_Union[ClientStats, _Mapping]]] = ..., reclaimed_clients: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., spaces: _Optional[_Iterable[_Union[SpaceStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., kept: _Optional[_Union[KeptCache, _Mapping]] = ...) -> None: ...
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    def __init__(self, capacity_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_clients: _Optional[int] = ..., transfers: _Optional[_Union[TransferCounters, _Mapping]] = ..., clients: _Optional[_Iterable[_Union[ClientStats, _Mapping]]] = ..., reclaimed_clients: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., spaces: _Optional[_Iterable[_Union[SpaceStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., kept: _Optional[_Union[KeptCache, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ...) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("name", "capacity_bytes", "slab_bytes", "pages", "bytes", "hits", "evicted_pages", "written_pages", "written_bytes", "promoted_pages", "promoted_bytes", "skipped_pages", "write_errors", "read_errors", "bad_checks", "direct_io", "kept")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLAB_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_PAGES_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PROMOTED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PROMOTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    WRITE_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    READ_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    BAD_CHECKS_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_IO_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    capacity_bytes: int
+    slab_bytes: int
+    pages: int
+    bytes: int
+    hits: int
+    evicted_pages: int
+    written_pages: int
+    written_bytes: int
+    promoted_pages: int
+    promoted_bytes: int
+    skipped_pages: int
+    write_errors: int
+    read_errors: int
+    bad_checks: int
+    direct_io: bool
+    kept: KeptCache
+    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., slab_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., written_pages: _Optional[int] = ..., written_bytes: _Optional[int] = ..., promoted_pages: _Optional[int] = ..., promoted_bytes: _Optional[int] = ..., skipped_pages: _Optional[int] = ..., write_errors: _Optional[int] = ..., read_errors: _Optional[int] = ..., bad_checks: _Optional[int] = ..., direct_io: bool = ..., kept: _Optional[_Union[KeptCache, _Mapping]] = ...) -> None: ...
 
 class KeptCache(_message.Message):
     __slots__ = ("dir", "adopted_pages", "adopted_bytes", "adopt_seconds", "torn_pages", "dropped_pages", "evicted_pages", "reason")

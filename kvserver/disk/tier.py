@@ -1,0 +1,427 @@
+"""The disk tier: a second cache index over a local file, written behind the host cache.
+
+Every page a Put commits to the host cache is queued to be written to disk as well (``demote``),
+by a writer task whose reads of host memory and writes to the file run in worker threads; a host
+page is held (never evicted) only while its own write is under way. When the host cache evicts a
+page, its disk copy stays: eviction costs no I/O at the moment a Put needs room. A Lookup counts
+the keys the disk holds as hits (``holds``); a Get reads those pages back into host pages first
+(``take`` and ``read``, the core's ``promote``), checking each against the check written with it,
+and then loads them to the device as any host page.
+
+The index is a ``KVCache`` of its own over the file's regions (``DiskArena``): its own slabs, its
+own LRU (a page read back or written is used), its own quota per tenant (the host's share of host
+memory as a share of the disk), its own records, kept in the directory beside the file so that
+what was on disk is found again after any restart (``kvserver.store.keep``), with each page's check.
+
+What goes wrong costs misses, never wrong KV and never the daemon: a full disk or a tenant at its
+disk quota writes fewer pages (``skipped``); a failed write leaves the page unstored; a failed or
+short read, or a check that does not match, drops the disk page and ends the hit there.
+
+Primitives: ``DiskTier`` (``holds``, ``demote``, ``take`` / ``read`` / ``finish``, ``run``,
+``close``, ``stats``) and ``DiskCounters``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from kvserver.config import format_size
+from kvserver.disk import io
+from kvserver.disk.arena import DiskArena
+from kvserver.errors import KVError
+from kvserver.host.kept import KeptDir
+from kvserver.host.regions import REGION_ALIGN, aligned_capacity
+from kvserver.store import GetPlan, Keys, KVCache, Part
+from kvserver.store.keep import Recovery, kept_shape
+from kvserver.store.pages import COMMITTED
+
+logger = logging.getLogger(__name__)
+
+MAX_QUEUED_SHARE = 0.25  # of host memory, at most, held by pages waiting for their disk write
+DISK_SLAB_BYTES = 32 << 20  # at most; a small disk has slabs of 1/64 of it
+PIECE_BYTES = 16 << 20  # one worker thread's share of a read or write
+
+
+@dataclass(slots=True)
+class DiskCounters:
+    hits: int = 0  # looked-up pages found on disk only
+    written_pages: int = 0  # pages written behind the host cache
+    written_bytes: int = 0
+    promoted_pages: int = 0  # pages read back into host memory
+    promoted_bytes: int = 0
+    skipped_pages: int = 0  # pages not written: the queue, the disk or the tenant's quota full
+    write_errors: int = 0  # pages whose write failed
+    read_errors: int = 0  # pages whose read failed (or came short)
+    bad_checks: int = 0  # pages read whole whose check did not match: dropped
+    write_seconds: float = 0.0  # time the worker threads spent writing
+    read_seconds: float = 0.0
+
+
+class DiskTier:
+    """The disk tier under ``host`` (the host cache), in directory ``path``, of ``size`` bytes."""
+
+    def __init__(self, path: str, size: int, host: KVCache, host_base: Callable[[], int], *,
+                 default_quota: int = 0, quotas: Mapping[str, int] = {},  # noqa: B006
+                 threads: int = 4) -> None:
+        capacity = aligned_capacity(size)
+        self.kept = KeptDir(path, kept_shape(capacity, "disk"))  # KeptDirError: the caller goes on without
+        try:
+            self._build(capacity, default_quota, quotas)
+        except Exception as exc:  # files no check foresaw: started over
+            logger.warning("the disk cache in %s cannot be adopted (%s: %s): starting it over",
+                           path, type(exc).__name__, exc)
+            try:
+                self.kept.start_over(f"adopting it failed ({type(exc).__name__}: {exc})")
+                self._build(capacity, default_quota, quotas)
+            except BaseException:
+                self.kept.close()
+                raise
+        self.host = host
+        self._base = host_base  # the host arena's address in this process
+        self.counters = DiskCounters()
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvserver-disk")
+        self._threads = threads
+        self._queue: deque[tuple[Part, np.ndarray, Keys]] = deque()
+        self._queued_bytes = 0  # bytes of host pages held for ``demote``: queued or being written
+        self._wake: asyncio.Event | None = None
+        self._inflight: set[asyncio.Future] = set()
+        self._writer: asyncio.Task | None = None  # ``run``, started by ``start`` or the first ``demote``
+        # Host pages found at start without a disk copy (a kept host cache), queued as room allows.
+        self._backlog: deque[tuple[Part, np.ndarray]] = deque()
+        self._closed = False
+        rec = self.recovery
+        if rec.reason and self.kept.found:
+            logger.warning("%s", rec.line())
+        else:
+            logger.info("%s", rec.line())
+
+    def _build(self, capacity: int, default_quota: int, quotas: Mapping[str, int]) -> None:
+        self.arena = DiskArena(capacity, self.kept)
+        slab = max(REGION_ALIGN, min(DISK_SLAB_BYTES, capacity // 64 // REGION_ALIGN * REGION_ALIGN))
+        self.cache = KVCache(self.arena, default_quota=default_quota, quotas=quotas,
+                             slab_bytes=slab, sums=True, what="disk cache")
+        rec = self.cache.adopt()
+        assert rec is not None
+        self.recovery: Recovery = rec
+
+    @property
+    def path(self) -> str:
+        return self.kept.path
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes of host pages waiting for their disk write (or being written)."""
+        return self._queued_bytes
+
+    @property
+    def direct(self) -> bool:
+        """Whether the file system does direct I/O (pages of whole blocks then bypass its cache)."""
+        return self.arena.direct_fd >= 0
+
+    # Which keys are on disk
+
+    def _part(self, part: Part, create: bool) -> Part | None:
+        """The disk's part for a host part (made if ``create``); None if it has none, or one of
+        another shape (layers or page size changed under the same space and rank)."""
+        key = part.space.key
+        space = self.cache.space(key) if create else self.cache.find_space(key)
+        if space is None:
+            return None
+        mine = space.parts.get((part.key.tp_shard, part.key.pp_rank))
+        if mine is None:
+            if not create:
+                return None
+            mine = self.cache.part(space, part.key)
+        return mine if mine.key == part.key else None
+
+    def holds(self, part: Part, keys: Keys) -> np.ndarray:
+        """Mask of ``keys`` whose pages the disk holds for the host part ``part``."""
+        mine = self._part(part, False)
+        if mine is None:
+            return np.zeros(len(keys), bool)
+        ids = self.cache.pages.find(mine.gid, keys)
+        return (ids >= 0) & (self.cache.pages.state[ids] == COMMITTED)
+
+    # Writing behind the host cache
+
+    def demote(self, part: Part, ids: np.ndarray) -> None:
+        """Queues host pages just committed in ``part`` to be written to disk. They are held
+        (never evicted) until written, so that a page leaves host memory only with its disk copy
+        made; past ``MAX_QUEUED_SHARE`` of host memory held so, a Put's pages are not written."""
+        if self._closed or not len(ids):
+            return
+        nbytes = len(ids) * part.key.page_bytes
+        if self._queued_bytes + nbytes > self.host.arena.capacity * MAX_QUEUED_SHARE:
+            self.counters.skipped_pages += len(ids)
+            return
+        self.host.pages.hold(ids)
+        self._queue.append((part, ids.copy(), self.host.pages.keys_of(ids)))
+        self._queued_bytes += nbytes
+        self._start_writer()
+        assert self._wake is not None
+        self._wake.set()
+
+    def start(self) -> None:
+        """Starts the writer, and queues the host pages the disk holds no copy of (those of a kept
+        host cache adopted at start): from then on every host page gets its disk copy."""
+        h = self.host
+        committed = np.flatnonzero(h.pages.state[: h.pages.high] == COMMITTED)
+        if len(committed):
+            gids = h.pages.part[committed]
+            order = np.argsort(gids, kind="stable")
+            uniq, first = np.unique(gids[order], return_index=True)
+            for gid, ids in zip(uniq.tolist(), np.split(committed[order], first[1:]), strict=True):
+                part = h.part_of(gid)
+                if part is None:
+                    continue
+                ids = ids[~self.holds(part, h.pages.keys_of(ids))]
+                if len(ids):
+                    self._backlog.append((part, ids))
+            if self._backlog:
+                logger.info("the disk cache copies %d pages of host memory it does not hold yet",
+                            sum(len(ids) for _, ids in self._backlog))
+        self._start_writer()
+
+    def _start_writer(self) -> None:
+        if self._writer is None:
+            self._wake = asyncio.Event()
+            self._writer = asyncio.get_running_loop().create_task(self.run())
+
+    def _refill(self) -> None:
+        """Queues backlog pages while there is room, those still stored (not evicted meanwhile)."""
+        h = self.host
+        limit = h.arena.capacity * MAX_QUEUED_SHARE
+        while self._backlog and self._queued_bytes < limit:
+            part, ids = self._backlog.popleft()
+            room = max(1, int((limit - self._queued_bytes) // part.key.page_bytes))
+            if len(ids) > room:
+                self._backlog.appendleft((part, ids[room:]))
+                ids = ids[:room]
+            ids = ids[(h.pages.state[ids] == COMMITTED) & (h.pages.part[ids] == part.gid)]
+            if len(ids):
+                self.demote(part, ids)
+
+    async def run(self) -> None:
+        """The writer: writes what ``demote`` queued, ``threads`` batches at a time, until closed."""
+        assert self._wake is not None
+        slots = asyncio.Semaphore(self._threads)
+        while not self._closed:
+            if not self._queue and self._backlog:
+                self._refill()
+            if not self._queue:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await slots.acquire()
+            if self._closed or not self._queue:
+                slots.release()
+                continue
+            part, ids, keys = self._queue.popleft()
+            try:
+                done = self._write(part, ids, keys)
+            except Exception:
+                self._unqueue(part, ids)
+                slots.release()
+                logger.exception("the disk cache could not write %d pages", len(ids))
+                continue
+            if done is None:
+                slots.release()
+            else:
+                done.add_done_callback(lambda _: slots.release())
+
+    def _unqueue(self, part: Part, ids: np.ndarray) -> None:
+        """Host pages ``demote`` held are written (or given up): they may be evicted again."""
+        self.host.pages.hold(ids, -1)
+        self._queued_bytes -= len(ids) * part.key.page_bytes
+
+    def _write(self, part: Part, ids: np.ndarray, keys: Keys) -> asyncio.Future | None:
+        """Starts writing the host pages ``ids`` of ``part`` (held since ``demote``: they still
+        hold ``keys``); the future settles once their records are written and they are let go."""
+        h = self.host
+        try:
+            mine = self._part(part, True)
+        except KVError:  # the tenant's disk spaces are at their limit
+            mine = None
+        if mine is None:
+            self.counters.skipped_pages += len(ids)
+            self._unqueue(part, ids)
+            return None
+        try:
+            plan = self.cache.prepare_put(mine, keys)
+        except BaseException:
+            self._unqueue(part, ids)
+            raise
+        self.counters.skipped_pages += plan.dropped
+        if not len(plan.page_ids):
+            self.cache.complete_put(plan, True)
+            self._unqueue(part, ids)
+            return None
+        src = ids[plan.positions]
+        nbytes = part.key.page_bytes
+        seed = io.seeds(keys.words[plan.positions, 0], keys.words[plan.positions, 1],
+                        keys.lens[plan.positions], mine.gid)
+        fd, direct, base = self.arena.fd, self.arena.direct_fd, self._base()
+        host_off, disk_off = h.pages.offset[src], plan.offsets
+
+        def args(sl: slice) -> tuple:
+            return (io.write_pages, fd, direct, base, host_off[sl], disk_off[sl], nbytes, seed[sl])
+
+        def settled(results: list) -> None:  # on the loop, whatever became of the writer task
+            self._unqueue(part, ids)
+            n = len(plan.page_ids)
+            ok = np.concatenate([r[0][0] if r[1] is None else np.zeros(r[3], bool) for r in results])
+            checks = np.concatenate([r[0][1] if r[1] is None else np.zeros(r[3], np.uint32)
+                                     for r in results])
+            for r in results:
+                if r[1] is not None:
+                    logger.warning("writing %d pages to the disk cache failed: %s", r[3], r[1])
+            self.cache.pages.sum[plan.page_ids[ok]] = checks[ok]  # before the pages count
+            self.cache.complete_put(plan, ok)
+            good = int(np.count_nonzero(ok))
+            c = self.counters
+            c.written_pages += good
+            c.written_bytes += good * nbytes
+            c.write_errors += n - good
+            c.write_seconds += sum(r[2] for r in results)
+
+        return self._pieces(len(src), nbytes, args, settled)
+
+    def _pieces(self, n: int, nbytes: int, args: Callable[[slice], tuple],
+                settled: Callable[[list], None]) -> asyncio.Future:
+        """Runs a read or write of ``n`` pages of ``nbytes`` in pieces of ``PIECE_BYTES`` on the
+        worker threads (one piece's check computed while another's I/O waits); once every piece
+        is over, calls ``settled`` on the loop with each piece's (result, error, seconds, pages),
+        in order. The returned future is done after that; nothing but this settles it, so no
+        page is let go while a thread may still use it."""
+        loop = asyncio.get_running_loop()
+        per = max(1, PIECE_BYTES // nbytes)
+        futs = [loop.run_in_executor(self._pool, _run, min(per, n - i), *args(slice(i, i + per)))
+                for i in range(0, n, per)]
+        done: asyncio.Future = loop.create_future()
+        left = [len(futs)]
+
+        def one(_: asyncio.Future) -> None:
+            left[0] -= 1
+            if left[0]:
+                return
+            self._inflight.discard(done)
+            try:
+                settled([f.result() for f in futs])
+            finally:
+                done.set_result(None)
+
+        self._inflight.add(done)
+        for f in futs:
+            f.add_done_callback(one)
+        return done
+
+    # Reading back
+
+    def take(self, part: Part, keys: Keys) -> GetPlan | None:
+        """Marks the disk pages of the leading ``keys`` it holds as being read (``finish`` ends
+        that); None if it holds none for the part."""
+        mine = self._part(part, False)
+        if mine is None:
+            return None
+        plan = self.cache.prepare_get(mine, keys)
+        if not plan.pages:
+            self.cache.complete_get(plan, True)
+            return None
+        return plan
+
+    def read(self, plan: GetPlan, keys: Keys, positions: np.ndarray, host_offsets: np.ndarray,
+             on_settled: Callable[[np.ndarray], None]) -> asyncio.Future:
+        """Reads the disk pages of ``plan`` at ``positions`` (of ``keys``, the plan's keys) into
+        host pages at ``host_offsets``; once the read is over (whatever became of the caller)
+        calls ``on_settled`` with the mask of pages read whole and checked, drops the disk pages
+        that failed their check and ends the plan's reading. The future settles after that."""
+        ids = plan.page_ids[positions]
+        nbytes = plan.part.key.page_bytes
+        seed = io.seeds(keys.words[positions, 0], keys.words[positions, 1], keys.lens[positions],
+                        plan.part.gid)
+        fd, direct, base = self.arena.fd, self.arena.direct_fd, self._base()
+        disk_off, expected = self.cache.pages.offset[ids], self.cache.pages.sum[ids].copy()
+
+        def args(sl: slice) -> tuple:
+            return (io.read_pages, fd, direct, base, host_offsets[sl], disk_off[sl], nbytes, seed[sl],
+                    expected[sl])
+
+        outcome: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        def settled(results: list) -> None:
+            n = len(ids)
+            ok = np.concatenate([r[0][0] if r[1] is None else np.zeros(r[3], bool) for r in results])
+            bad = sum(r[0][1] for r in results if r[1] is None)
+            for r in results:
+                if r[1] is not None:
+                    logger.warning("reading %d pages of the disk cache failed: %s", r[3], r[1])
+            try:
+                on_settled(ok)
+            finally:
+                self.finish(plan, ids[~ok])
+                good = int(np.count_nonzero(ok))
+                c = self.counters
+                c.promoted_pages += good
+                c.promoted_bytes += good * nbytes
+                c.bad_checks += bad
+                c.read_errors += n - good - bad
+                c.read_seconds += sum(r[2] for r in results)
+                outcome.set_result(ok)
+
+        self._pieces(len(ids), nbytes, args, settled)
+        return outcome
+
+    def finish(self, plan: GetPlan, bad: np.ndarray = np.empty(0, np.int64)) -> None:  # noqa: B008
+        """Ends the reading ``take`` marked; the pages of ``bad`` (ids) are dropped from disk."""
+        self.cache.complete_get(plan, True)
+        if len(bad):
+            self.cache.discard(bad)
+
+    # Stats and the end
+
+    def stats(self) -> tuple[DiskCounters, int, int]:
+        """(counters, pages stored, bytes of pages stored)."""
+        pages = sum(t.counters.pages for t in self.cache.tenants.by_name.values())
+        nbytes = sum(t.counters.bytes for t in self.cache.tenants.by_name.values())
+        return replace(self.counters), pages, nbytes
+
+    async def close(self) -> None:
+        """Stops writing (what is queued is not written) and waits for the I/O under way."""
+        self._closed = True
+        self._backlog.clear()
+        while self._queue:
+            part, ids, _ = self._queue.popleft()
+            self._unqueue(part, ids)
+        if self._wake is not None:
+            self._wake.set()
+        if self._writer is not None:
+            await self._writer
+        if self._inflight:  # (shielded: a thread's pages are let go only once it is done)
+            await asyncio.shield(asyncio.gather(*list(self._inflight), return_exceptions=True))
+        self._pool.shutdown(wait=True)
+        try:
+            self.kept.flush()  # the records written back: a reboot after a stop finds them too
+        except OSError as exc:
+            logger.warning("the disk cache's records in %s were not written back: %s", self.path, exc)
+        self.kept.close()
+
+    def describe(self) -> str:
+        return (f"disk cache in {self.path}: {format_size(self.arena.capacity)}, "
+                f"{'direct' if self.direct else 'buffered'} I/O")
+
+
+def _run(pages: int, fn, *args) -> tuple:
+    """In a worker thread: (result, None, seconds, pages), or (None, the error, seconds, pages)."""
+    t0 = time.perf_counter()
+    try:
+        return fn(*args), None, time.perf_counter() - t0, pages
+    except Exception as exc:
+        return None, exc, time.perf_counter() - t0, pages

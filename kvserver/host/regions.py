@@ -1,0 +1,183 @@
+"""Aligned byte regions of a fixed capacity: the allocator under the host arena and the disk tier.
+
+A first-fit allocator over free ranges kept as parallel sorted lists, handing out regions of whole
+``REGION_ALIGN`` units, from the bottom (``reserve``) or the top (``reserve_high``). Bookkeeping
+bytes the daemon keeps for what lies in the regions are booked against the same capacity: past a
+free allowance of 1/``BOOK_ALLOWANCE`` of it, every booked byte is one byte less to reserve.
+
+What backs the regions (memory, a file) is the subclass's: ``_commit`` takes it for a region,
+``_punch`` frees it.
+
+Primitives: ``Regions`` (``reserve`` / ``reserve_high`` / ``reserve_at`` / ``commit`` / ``release``,
+``book`` / ``unbook``, ``largest_free``, ``discard_free``), ``REGION_ALIGN``, ``BOOK_ALLOWANCE``.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from kvserver.errors import NoCapacity
+
+REGION_ALIGN = 1 << 21  # 2 MiB: regions start on huge-page boundaries
+BOOK_ALLOWANCE = 64  # bookkeeping up to capacity / BOOK_ALLOWANCE is not charged to the capacity
+
+
+def align_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def aligned_capacity(capacity: int) -> int:
+    """The bytes of whole regions in ``capacity``."""
+    return capacity // REGION_ALIGN * REGION_ALIGN
+
+
+class Regions:
+    """First-fit allocator of aligned byte regions over ``capacity`` bytes."""
+
+    what = "host memory"  # what the regions are, as errors name it
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = aligned_capacity(capacity)
+        # Free ranges as parallel sorted lists of starts and sizes.
+        self._free_starts: list[int] = [0]
+        self._free_sizes: list[int] = [self.capacity]
+        self.reserved = 0
+        self.booked = 0  # bytes of bookkeeping kept for the regions' contents (see the module doc)
+
+    @property
+    def charged(self) -> int:
+        """Booked bytes charged to the budget: those past the free allowance."""
+        return max(0, self.booked - self.capacity // BOOK_ALLOWANCE)
+
+    @property
+    def available(self) -> int:
+        """Bytes that may still be reserved: free, less the booked bytes charged."""
+        return self.capacity - self.reserved - self.charged
+
+    def largest_free(self) -> int:
+        return min(max(self._free_sizes, default=0), self.available // REGION_ALIGN * REGION_ALIGN)
+
+    def _fits(self, size: int, booked: int) -> bool:
+        charged = max(0, self.booked + booked - self.capacity // BOOK_ALLOWANCE)
+        return self.reserved + size + charged <= self.capacity
+
+    def can_book(self, nbytes: int) -> bool:
+        return self._fits(0, nbytes)
+
+    def book(self, nbytes: int) -> bool:
+        """Books ``nbytes`` of bookkeeping with no region (``unbook`` gives them back); False,
+        booking nothing, if the budget has no room for them."""
+        if not self._fits(0, nbytes):
+            return False
+        self.booked += nbytes
+        return True
+
+    def unbook(self, nbytes: int) -> None:
+        self.booked -= nbytes
+
+    def reserve(self, nbytes: int, commit: bool = True, booked: int = 0) -> int:
+        """Reserves ``nbytes`` (rounded up to the alignment) and returns the region's offset.
+        ``commit`` False: a kept arena's memory for it is taken later, by ``commit`` (which may
+        take a while for a large region: in a worker thread), before anything touches it.
+        ``booked``: as ``reserve_high``'s."""
+        if nbytes == 0:  # an empty region: nothing to reserve (release of it is a no-op too)
+            return 0
+        size = align_up(nbytes, REGION_ALIGN)
+        for i, free in enumerate(self._free_sizes if self._fits(size, booked) else ()):
+            if free >= size:
+                start = self._free_starts[i]
+                self._take(start, size, commit)
+                self.booked += booked
+                return start
+        raise NoCapacity(
+            f"{self.what} exhausted: {nbytes} bytes requested, largest free region "
+            f"{self.largest_free()} of {self.capacity} bytes"
+        )
+
+    def reserve_high(self, nbytes: int, booked: int = 0) -> int:
+        """Like ``reserve``, but takes the free range with the highest address that fits and carves
+        the region from its top: regions taken this way gather at the top of the arena, those of
+        ``reserve`` at the bottom. ``booked``: bookkeeping bytes the region brings (returned with
+        it to ``release``)."""
+        size = align_up(nbytes, REGION_ALIGN)
+        fits = self._fits(size, booked)
+        for i in range(len(self._free_sizes) - 1 if fits else -1, -1, -1):
+            free = self._free_sizes[i]
+            if free >= size:
+                start = self._free_starts[i] + free - size
+                self._take(start, size)
+                self.booked += booked
+                return start
+        raise NoCapacity(
+            f"{self.what} exhausted: {nbytes} bytes requested, largest free region "
+            f"{self.largest_free()} of {self.capacity} bytes"
+        )
+
+    def commit(self, start: int, nbytes: int) -> None:
+        """Takes the backing store of a region reserved with ``commit`` False (NoCapacity if there
+        is none); nothing to do for memory committed on first touch. Any thread."""
+        size = align_up(nbytes, REGION_ALIGN)
+        if size:
+            self._commit(start, size)
+
+    def _commit(self, start: int, size: int) -> None:
+        """Takes the backing store of [start, start + size) (subclasses that have one)."""
+
+    def _punch(self, start: int, size: int) -> None:
+        """Frees the backing store of [start, start + size): it reads as zeros after."""
+        raise NotImplementedError
+
+    def _take(self, start: int, size: int, commit: bool = True) -> None:
+        """Takes [start, start + size) out of the free range holding it; with a kept arena, its
+        memory is taken now (NoCapacity, nothing taken, if the file system has none)."""
+        i = bisect.bisect_right(self._free_starts, start) - 1
+        fs, fz = (self._free_starts[i], self._free_sizes[i]) if i >= 0 else (0, 0)
+        if not (i >= 0 and fs <= start and start + size <= fs + fz):
+            raise ValueError(f"arena range [{start}, {start + size}) is not free")
+        if commit:
+            self.commit(start, size)
+        del self._free_starts[i], self._free_sizes[i]
+        if start + size < fs + fz:  # what is left above it
+            self._free_starts.insert(i, start + size)
+            self._free_sizes.insert(i, fs + fz - start - size)
+        if fs < start:  # and below it
+            self._free_starts.insert(i, fs)
+            self._free_sizes.insert(i, start - fs)
+        self.reserved += size
+
+    def reserve_at(self, start: int, nbytes: int, booked: int = 0) -> None:
+        """Reserves the region at ``start`` (aligned; free): a kept cache's slab found again at the
+        daemon's start. Its memory is already the file's: nothing is allocated or zeroed."""
+        size = align_up(nbytes, REGION_ALIGN)
+        if start % REGION_ALIGN or start < 0 or start + size > self.capacity:
+            raise ValueError(f"arena range [{start}, {start + size}) is not aligned inside the arena")
+        self._take(start, size, commit=False)  # adopted bytes are kept as they are
+        self.booked += booked
+
+    def discard_free(self) -> None:
+        """Frees the memory of every free range (a kept arena's file may hold what an earlier
+        daemon left there: its clients' regions, slabs not adopted)."""
+        for start, size in zip(self._free_starts, self._free_sizes, strict=True):
+            self._punch(start, size)
+
+    def release(self, start: int, nbytes: int, discarded: bool = False, booked: int = 0) -> None:
+        """Returns a region, first giving its pages back to the kernel unless ``discard`` did, so
+        that whoever reserves the range next never reads what was there."""
+        if nbytes == 0:
+            return
+        size = align_up(nbytes, REGION_ALIGN)
+        if not discarded:
+            self._punch(start, size)
+        self.reserved -= size
+        self.booked -= booked
+        i = bisect.bisect_left(self._free_starts, start)
+        self._free_starts.insert(i, start)
+        self._free_sizes.insert(i, size)
+        # Merge with the next, then the previous neighbour.
+        if i + 1 < len(self._free_starts) and start + size == self._free_starts[i + 1]:
+            self._free_sizes[i] += self._free_sizes.pop(i + 1)
+            self._free_starts.pop(i + 1)
+        if i > 0 and self._free_starts[i - 1] + self._free_sizes[i - 1] == start:
+            self._free_sizes[i - 1] += self._free_sizes.pop(i)
+            self._free_starts.pop(i)
+
