@@ -264,6 +264,44 @@ def test_a_failed_async_load_is_recomputed_whole_and_what_is_stored_is_right(eng
     c.run()
 
 
+def test_a_hit_on_the_daemons_disk_loads_asynchronously_and_one_in_memory_with_the_step(
+        engines, daemon_factory, tmp_path):
+    """The default load ("auto"): a hit the daemon must read back from its disk tier first makes
+    the request wait for its load (no step waits on a disk), bit-exact; once read back it is in
+    host memory, and the next hit loads with the step."""
+    d = daemon_factory(host_memory=64 << 20, disk_cache=str(tmp_path / "disk"), disk_size=256 << 20)
+    a = engines("disk-auto", address=d.address)
+    a.add("a1", PROMPT, max_tokens=1)
+    a.run()
+    deadline = time.monotonic() + 10
+    while d.run(lambda: d.core.disk.counters.written_pages) < 4:
+        assert time.monotonic() < deadline, "the disk tier did not write the prefix"
+        time.sleep(0.01)
+    d.run(lambda: d.core.cache.make_room(1 << 40))  # host memory emptied: the prefix is on disk only
+    b = engines("disk-auto", address=d.address)
+    b.add("b1", PROMPT + [9] * 10, max_tokens=1)
+    so = b.step()
+    assert not so.num_scheduled_tokens and not so.has_sync_kv_loads  # waiting for its load
+    assert [job.asynchronous for job in so.kv_connector_metadata.loads] == [True]
+    for _ in range(200):
+        if "b1" in b.admitted:
+            break
+        time.sleep(0.005)
+        b.step()
+    assert b.admitted["b1"] == [64] and b.finished_recving == {"b1"} and not b.failed_recving
+    b.expect_kv("b1", PROMPT, 64)
+    b.run()
+    assert d.run(lambda: d.core.disk.counters.promoted_pages) == 4
+    seen: list[int] = []
+    c = engines("disk-auto", address=d.address, on_layer=check_loaded("c1", PROMPT, 64, seen))
+    c.add("c1", PROMPT + [5] * 8, max_tokens=1)
+    so = c.step()
+    assert c.admitted["c1"] == [64] and seen == [0, 1]  # in host memory now: loaded with the step
+    assert [job.asynchronous for job in so.kv_connector_metadata.loads] == [False]
+    c.run()
+    assert leases(d) == 0
+
+
 def test_engines_of_other_weights_under_one_name_never_share(engines, monkeypatch):
     a = engines("weights", settings={"weights": "step-100"})
     a.add("a1", PROMPT, max_tokens=1)

@@ -55,6 +55,7 @@ class _Hit:
 
     pages: int
     leases: tuple[str, ...] = ()
+    disk: int = 0  # of the pages, those the daemon's disk tier holds only (read back before loading)
 
 
 @dataclass
@@ -68,6 +69,7 @@ class _Req:
     loading_from: int | None = None  # first block of a load not yet reported good by the workers
     load_first: int = 0  # first block of its last load
     async_failed: bool = False  # an asynchronous load of it failed: it loads no more, it recomputes
+    async_load: bool = False  # its load, if it has one, is asynchronous (vLLM's WAITING_FOR_REMOTE_KVS)
     lookup: Future | None = field(default=None, repr=False)
     answer: tuple[_Hit, float] | None = None  # async: the last answer and when it came
     load_end: int = 0  # the index, among its blocks, past the last one its load writes
@@ -97,14 +99,18 @@ class SchedulerSide:
         if mode not in ("sync", "async"):
             raise ValueError(f"kv_connector_extra_config.lookup must be 'sync' or 'async', not {mode!r}")
         self._async = mode == "async"
-        load = str(cfg.get("load") or ("async" if self.hybrid else "sync"))
-        if load not in ("sync", "async"):
-            raise ValueError(f"kv_connector_extra_config.load must be 'sync' or 'async', not {load!r}")
-        if self.hybrid and load == "sync":
+        load = str(cfg.get("load") or ("async" if self.hybrid else "auto"))
+        if load not in ("sync", "async", "auto"):
+            raise ValueError(f"kv_connector_extra_config.load must be 'sync', 'async' or 'auto', "
+                             f"not {load!r}")
+        if self.hybrid and load != "async":
             raise ValueError("a hybrid model (several KV cache groups or a sliding window) loads "
                              "asynchronously: vLLM takes failed loads of such models per request only; "
-                             "drop \"load\": \"sync\"")
+                             f"drop \"load\": \"{load}\"")
         self.async_loads = load == "async"
+        # "auto": a hit held in the daemon's host memory loads with the step (sync); one the daemon
+        # reads back from its disk tier first loads asynchronously, so no step waits on a disk.
+        self.auto_loads = load == "auto"
         # Lookups (async mode) and releases run here, off the scheduler's thread.
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvserver-lookup")
         self._block_ids = block_ids
@@ -159,7 +165,7 @@ class SchedulerSide:
         windows = [g for g in self.groups if g.window_blocks is not None]
         if not full:  # windows only: the first one's stored prefix bounds the hit
             full, windows = windows[:1], windows[1:]
-        h = len(keys)
+        h, disk = len(keys), 0
         for g in full:
             found = self._ask(self.views[g.index], keys[:h]) if h else None
             if found is None:
@@ -167,13 +173,14 @@ class SchedulerSide:
                 break
             leases[g.index] = found.lease_id
             h = min(h, found.pages)
+            disk = max(disk, found.disk_pages)
         found_all = not windows
         for _ in range(self.WINDOW_TRIES if windows and h else 0):
             found_all, h = self._windows(keys, h, windows, leases)
             if found_all or h == 0:
                 break
         if found_all and h > 0:
-            return _Hit(h, tuple(leases))
+            return _Hit(h, tuple(leases), disk)
         self._release_all(tuple(leases))
         return _Hit(0)
 
@@ -267,7 +274,8 @@ class SchedulerSide:
             # This step's loads are full: not a miss (that would recompute the whole prefix), but
             # "ask again next step", its answer and pin kept for then.
             return None, False
-        return external, self.async_loads and external > 0
+        st.async_load = external > 0 and (self.async_loads or (self.auto_loads and found.disk > 0))
+        return external, st.async_load
 
     def _check_local_hit(self, st: _Req, ids: list[int]) -> None:
         """The blocks vLLM's own prefix cache gave the request: any of an unreported load makes it
@@ -341,14 +349,14 @@ class SchedulerSide:
                     self._release(lease, g.index)
                 continue
             self._loads.append(LoadJob(rid, b"".join(k for _, k in pairs), ids, lease, key_bytes=key_bytes,
-                                       group=g.index, asynchronous=self.async_loads))
+                                       group=g.index, asynchronous=st.async_load))
         self._loading_reqs += 1
-        if self.async_loads:
+        if st.async_load:
             self._async_loading.add(rid)
         st.leases = ()  # the Gets end them
         st.loading_from = st.load_first = first
         st.load_end, st.load_failed = first + n, False
-        if self.async_loads:
+        if st.async_load:
             return  # vLLM caches the blocks once they landed: no other request reads them before
         ids = list(all_ids[0])[first:first + n]
         self._unreported[rid] = list(zip(ids, keys, strict=False))
