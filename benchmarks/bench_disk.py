@@ -128,7 +128,7 @@ def main() -> None:
     p.add_argument("--gib", type=float, default=1.0, help="bytes written and read per round (GiB)")
     p.add_argument("--page-mib", type=float, default=2.0, help="page size (MiB; 16 tokens of an 8B model)")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=4, help="the disk tier's worker threads (--disk-threads)")
+    p.add_argument("--threads", type=int, default=8, help="the disk tier's worker threads (--disk-threads)")
     p.add_argument("--dir", default="/tmp", help="a directory on the file system to measure")
     args = p.parse_args()
     nbytes = int(args.gib * GiB) // int(args.page_mib * MiB) * int(args.page_mib * MiB)

@@ -49,8 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disk-size", default=_env("DISK_SIZE", "10%"),
                    help="the disk tier's size: a size (100GiB) or a share of its file system (25%%) "
                         "(default 10%%)")
-    p.add_argument("--disk-threads", type=int, default=_env("DISK_THREADS", "4"),
-                   help="worker threads of the disk tier's reads and writes (default 4)")
+    p.add_argument("--disk-threads", type=int, default=_env("DISK_THREADS", "8"),
+                   help="worker threads of the disk tier's reads and writes (default 8)")
     p.add_argument("--copy-threads", type=int, default=_env("COPY_THREADS", "2"),
                    help="copy worker threads (default 2): loads go first, and a large job's pieces "
                         "run on every idle worker")
@@ -132,6 +132,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         host_memory_dir=args.host_memory_dir or None,
         disk_cache=args.disk_cache or None,
         disk_size=parse_disk_size(args.disk_size, args.disk_cache) if args.disk_cache else 0,
+        disk_size_share=args.disk_size.strip().endswith("%"),
         disk_threads=args.disk_threads,
         copy_threads=args.copy_threads,
         torch_threads=args.torch_threads,

@@ -93,7 +93,8 @@ class ServerConfig:
     host_memory_dir: str | None = None  # keep the host cache in files here (tmpfs): it outlives the daemon
     disk_cache: str | None = None  # directory of the disk tier (pages evicted from host memory); None: none
     disk_size: int = 0  # bytes of it
-    disk_threads: int = 4  # its I/O threads: one checks a piece while another waits on the disk
+    disk_size_share: bool = False  # disk_size came from a share of the file system (see DiskTier)
+    disk_threads: int = 8  # its I/O threads, as many for reads: checks run while others wait on I/O
     copy_threads: int = 2  # copy workers: loads first, a large job's pieces on all (kvserver.copies.workers)
     torch_threads: int = 0  # 0 leaves torch's default
     shutdown_grace: float = 5.0
@@ -123,6 +124,9 @@ class ServerConfig:
             raise ValueError("copy threads must be at least 1")
         if self.disk_cache is not None and self.disk_size < 2 << 20:
             raise ValueError("the disk cache must be at least 2MiB (--disk-size)")
+        if (self.disk_cache is not None and self.host_memory_dir is not None
+                and os.path.abspath(self.disk_cache) == os.path.abspath(self.host_memory_dir)):
+            raise ValueError("--disk-cache and --host-memory-dir must be two directories")
         if self.disk_threads < 1:
             raise ValueError("disk threads must be at least 1")
         if self.shutdown_grace < 0:

@@ -77,6 +77,7 @@ class Daemon:
             host_memory_dir=config.host_memory_dir,
             disk_cache=config.disk_cache,
             disk_size=config.disk_size,
+            disk_size_share=config.disk_size_share,
             disk_threads=config.disk_threads,
         )
         self._stop_leases = asyncio.Event()

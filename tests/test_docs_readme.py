@@ -346,7 +346,7 @@ def test_opening_commands_install_test_and_start_the_daemon(env, start):
 
 def test_running_the_daemon_block(env, start, home):
     kept = Path(f"/dev/shm/kvserver-{os.getuid()}")
-    disk = Path(f"/var/tmp/kvserver-disk-{os.getuid()}")
+    disk = home / ".cache" / "kvserver-disk"
     ours = [d for d in (kept, disk) if not d.exists()]  # a directory of the user's own is left as it was
     try:
         listened = run_lines(block("daemons"), env, start)

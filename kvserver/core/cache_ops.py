@@ -41,6 +41,7 @@ from kvserver.store import (
 )
 from kvserver.store.keys import leading
 from kvserver.store.pages import COMMITTED, WRITING
+from kvserver.store.steps import STEP_KEYS
 from kvserver.v1 import kvserver_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -259,12 +260,17 @@ class CacheOps:
         self.cache.complete_put(plan, ok)
         if ok and self.disk is not None:  # written behind to disk, where it outlives its eviction
             self.disk.demote(plan.part, ids)
+        self._written()
+
+    def _written(self) -> None:
+        """Pages being written were committed or freed: whoever waits on them looks again."""
         wake, self._put_settled = self._put_settled, None
         if wake is not None and not wake.done():
             wake.set_result(None)
 
     async def _until_written(self, part: Part, keys: Keys, deadline: float) -> None:
-        """Returns once no Put is writing any of ``keys`` (or at the deadline)."""
+        """Returns once no Put (nor read back from disk) is writing any of ``keys`` (or at the
+        deadline)."""
         loop = asyncio.get_running_loop()
         while self.cache.writing(part, keys):
             if self._put_settled is None:
@@ -365,49 +371,85 @@ class CacheOps:
             if not job.submitted:  # it never reached the medium, so nothing will settle it
                 complete(False)
 
-
     async def _promote(self, part: Part, keys: Keys, deadline: float) -> None:
         """Reads into host pages the pages of the leading keys stored that only the disk holds;
-        waits for pages being written meanwhile (another Get reading the same pages back). A
-        page that cannot be read whole and checked ends the hit there: the Get loads fewer."""
-        disk, pages = self.disk, self.cache.pages
-        assert disk is not None
-        ids = pages.find(part.gid, keys)
-        state = pages.state[ids]
-        in_host = (ids >= 0) & (state == COMMITTED)
-        writing = (ids >= 0) & (state == WRITING)
-        m = leading(in_host | writing | disk.holds(part, keys))
+        waits for pages being read back meanwhile (another Get of the same pages: an MLA model's
+        ranks). A page that cannot be read whole and checked, or in time, ends the hit there: the
+        Get loads fewer."""
+        pages = self.cache.pages
+        ids, in_host, writing, on_disk = await in_steps(self.kv.share, self._tiers_of(part, keys))
+        m = leading(in_host | on_disk)  # (a page a Put is writing, and not on disk, ends the hit)
         need = np.flatnonzero(~(in_host | writing)[:m])
         if len(need):
             # The pages in memory of the hit are not evicted to make room for those read back.
             held = ids[:m][in_host[:m]]
             pages.hold(held)
             try:
-                await self._read_back(part, keys.take(need))
+                await self._read_back(part, keys.take(need), deadline)
             finally:
                 pages.hold(held, -1)
         if self.cache.writing(part, keys[:m]):
             await self._until_written(part, keys[:m], deadline)
 
-    async def _read_back(self, part: Part, keys: Keys) -> None:
-        """Reads the disk's pages of ``keys`` (all on disk) into new host pages of ``part``."""
+    def _tiers_of(self, part: Part, keys: Keys) -> Generator[None, None, tuple[np.ndarray, ...]]:
+        """Per key, up to the first one neither tier holds, a step of keys at a time: (host page
+        id, in host memory, being written there, on disk)."""
+        disk, pages = self.disk, self.cache.pages
+        assert disk is not None
+        out: list[tuple[np.ndarray, ...]] = []
+        for start in range(0, len(keys), STEP_KEYS):
+            if start:
+                yield
+            step = keys[start : start + STEP_KEYS]
+            ids = pages.find(part.gid, step)
+            state = pages.state[ids]
+            in_host, writing = (ids >= 0) & (state == COMMITTED), (ids >= 0) & (state == WRITING)
+            on_disk = disk.holds(part, step)
+            out.append((ids, in_host, writing, on_disk))
+            if leading(in_host | on_disk) < len(step):
+                break
+        if not out:
+            return np.empty(0, np.int64), *(np.zeros(0, bool) for _ in range(3))
+        return tuple(np.concatenate(cols) for cols in zip(*out, strict=True))
+
+    async def _read_back(self, part: Part, keys: Keys, deadline: float) -> None:
+        """Reads the disk's pages of ``keys`` (all on disk) into new host pages of ``part``, within
+        the deadline: pages whose read is not over by then stay being written until it is (this
+        Get's hit ends before them)."""
         disk = self.disk
         assert disk is not None
-        dplan = disk.take(part, keys)
+        dplan = await in_steps(self.kv.share, disk.take_steps(part, keys))
         if dplan is None:
             return
         try:
             hplan = await in_steps(self.kv.share, self.cache.prepare_put_steps(part, keys[: dplan.pages]))
         except BaseException:
             disk.finish(dplan)
+            self._written()  # its pages were seen being written between its steps
             raise
         if not len(hplan.page_ids):
             disk.finish(dplan)
             self.cache.complete_put(hplan, True)
             return
+
+        def settled(ok: np.ndarray) -> None:
+            self.cache.complete_put(hplan, ok)
+            self._written()
+
         # Settled by the read, whatever becomes of this call: a thread may still write the pages.
-        await asyncio.shield(disk.read(dplan, keys, hplan.positions, hplan.offsets,
-                                       lambda ok: self.cache.complete_put(hplan, ok)))
+        try:
+            done = disk.read(dplan, keys, hplan.positions, hplan.offsets, settled)
+        except BaseException:  # nothing was handed to a thread (the daemon is closing)
+            disk.finish(dplan)
+            settled(np.zeros(len(hplan.page_ids), bool))
+            raise
+        loop = asyncio.get_running_loop()
+        left = max(0.0, deadline - loop.time()) if deadline else None
+        try:
+            await asyncio.wait_for(asyncio.shield(done), left)
+        except TimeoutError:
+            logger.warning("reading %d pages back from the disk cache is past the Get's deadline",
+                           len(hplan.positions))
 
 
 async def in_steps(share: LoopShare, steps: Generator[None, None, T]) -> T:

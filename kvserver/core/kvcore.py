@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import time
 from collections import Counter
@@ -15,6 +16,7 @@ from collections import Counter
 import numpy as np
 import torch
 
+from kvserver.config import format_size
 from kvserver.copies import transfer
 from kvserver.core import epochs
 from kvserver.core.client_state import ClientSpec, ClientState, Counters, public_id
@@ -60,7 +62,8 @@ class KVCore:
         host_memory_dir: str | None = None,
         disk_cache: str | None = None,
         disk_size: int = 0,
-        disk_threads: int = 4,
+        disk_threads: int = 8,
+        disk_size_share: bool = False,
     ) -> None:
         self.recovery: Recovery | None = None  # what a kept cache's start found (None: not kept)
         self._kept: KeptDir | None = None
@@ -71,7 +74,8 @@ class KVCore:
             self._build_kept(host_memory_dir, host_memory, tenant_quota, quotas)
         self.disk: DiskTier | None = None  # the disk tier (--disk-cache), under the host cache
         if disk_cache:
-            self.disk = self._build_disk(disk_cache, disk_size, disk_threads, tenant_quota, quotas)
+            self.disk = self._build_disk(disk_cache, disk_size, disk_threads, tenant_quota, quotas,
+                                         disk_size_share)
         self.max_clients = max_clients
         self.max_clients_per_tenant = max_clients_per_tenant
         self._registering_by_tenant: Counter[str] = Counter()  # registrations under way, by tenant
@@ -139,7 +143,7 @@ class KVCore:
                 logger.info("%s", rec.line())
 
     def _build_disk(self, path: str, size: int, threads: int, tenant_quota: int,
-                    quotas: dict[str, int]) -> DiskTier | None:
+                    quotas: dict[str, int], resizable: bool = False) -> DiskTier | None:
         """The disk tier in ``path``; None, the daemon serving from host memory alone, if the
         directory cannot be used. A tenant's disk quota is its share of host memory, of the disk."""
         host = self.arena.capacity
@@ -150,11 +154,17 @@ class KVCore:
         try:
             disk = DiskTier(path, size, self.cache, lambda: self.arena.address,
                             default_quota=scaled(tenant_quota),
-                            quotas={name: scaled(q) for name, q in quotas.items()}, threads=threads)
+                            quotas={name: scaled(q) for name, q in quotas.items()}, threads=threads,
+                            resizable=resizable)
         except (KeptDirError, OSError, ValueError) as exc:
             logger.error("no disk cache: %s cannot be used (%s); the cache ends at host memory", path, exc)
             return None
         logger.info("%s", disk.describe())
+        st = os.statvfs(disk.path)
+        if disk.arena.capacity - disk.cache.bytes > st.f_bavail * st.f_frsize:
+            logger.warning("the disk cache may fill its file system: %s of %s free there (--disk-size); "
+                           "a full file system costs the cache pages, and whatever else writes there",
+                           format_size(st.f_bavail * st.f_frsize), format_size(disk.arena.capacity))
         return disk
 
     # ---- registration -------------------------------------------------------------------

@@ -25,6 +25,9 @@ class DiskArena(Regions):
     """Regions of the file ``data`` of ``capacity`` bytes in ``kept``."""
 
     what = "disk cache"
+    # Every disk page is written before it is read, and checked when read: a range whose hole
+    # could not be punched (a file system without hole punching) is used again as it is.
+    reuse_unfreed = True
 
     def __init__(self, capacity: int, kept: KeptDir) -> None:
         super().__init__(capacity)

@@ -109,7 +109,13 @@ def _each_run(write: bool, fd: int, direct_fd: int, base: int, host: np.ndarray,
         h, d = int(host[first]), int(disk[first])
         use = direct_fd if direct_fd >= 0 and aligned and h % BLOCK == 0 and d % BLOCK == 0 else fd
         try:
-            _move(call, use, base + h, (e - s) * nbytes, d)
+            try:
+                _move(call, use, base + h, (e - s) * nbytes, d)
+            except OSError as exc:  # a file system whose direct I/O wants another alignment
+                if use == fd or exc.errno != errno.EINVAL:
+                    raise
+                use = fd
+                _move(call, use, base + h, (e - s) * nbytes, d)
             ok[order[s:e]] = True
         except OSError:  # page by page: only the pages that fail are lost
             for i in order[s:e].tolist() if e - s > 1 else ():

@@ -1,12 +1,13 @@
 """The disk tier: a second cache index over a local file, written behind the host cache.
 
 Every page a Put commits to the host cache is queued to be written to disk as well (``demote``),
-by a writer task whose reads of host memory and writes to the file run in worker threads; a host
-page is held (never evicted) only while its own write is under way. When the host cache evicts a
-page, its disk copy stays: eviction costs no I/O at the moment a Put needs room. A Lookup counts
-the keys the disk holds as hits (``holds``); a Get reads those pages back into host pages first
-(``take`` and ``read``, the core's ``promote``), checking each against the check written with it,
-and then loads them to the device as any host page.
+by a writer task whose reads of host memory and writes to the file run in worker threads; a
+queued host page is held (never evicted) until its disk copy is written, so that when the host
+cache evicts a page its disk copy is there: eviction costs no I/O at the moment a Put needs room.
+Past a quarter of host memory queued, pages wait in a backlog, not held, for room in the queue.
+A Lookup counts the keys the disk holds as hits (``holds``); a Get reads those pages back into
+host pages first (``take_steps`` and ``read``, the core's ``_promote``), checking each against the
+check written with it, and then loads them to the device as any host page.
 
 The index is a ``KVCache`` of its own over the file's regions (``DiskArena``): its own slabs, its
 own LRU (a page read back or written is used), its own quota per tenant (the host's share of host
@@ -17,7 +18,7 @@ What goes wrong costs misses, never wrong KV and never the daemon: a full disk o
 disk quota writes fewer pages (``skipped``); a failed write leaves the page unstored; a failed or
 short read, or a check that does not match, drops the disk page and ends the hit there.
 
-Primitives: ``DiskTier`` (``holds``, ``demote``, ``take`` / ``read`` / ``finish``, ``run``,
+Primitives: ``DiskTier`` (``holds``, ``demote``, ``take_steps`` / ``read`` / ``finish``, ``start``,
 ``close``, ``stats``) and ``DiskCounters``.
 """
 
@@ -27,9 +28,10 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -37,7 +39,7 @@ from kvserver.config import format_size
 from kvserver.disk import io
 from kvserver.disk.arena import DiskArena
 from kvserver.errors import KVError
-from kvserver.host.kept import KeptDir
+from kvserver.host.kept import FORMAT, KeptDir
 from kvserver.host.regions import REGION_ALIGN, aligned_capacity
 from kvserver.store import GetPlan, Keys, KVCache, Part
 from kvserver.store.keep import Recovery, kept_shape
@@ -57,7 +59,7 @@ class DiskCounters:
     written_bytes: int = 0
     promoted_pages: int = 0  # pages read back into host memory
     promoted_bytes: int = 0
-    skipped_pages: int = 0  # pages not written: the queue, the disk or the tenant's quota full
+    skipped_pages: int = 0  # pages with no disk copy: evicted in the backlog, or disk or quota full
     write_errors: int = 0  # pages whose write failed
     read_errors: int = 0  # pages whose read failed (or came short)
     bad_checks: int = 0  # pages read whole whose check did not match: dropped
@@ -66,13 +68,28 @@ class DiskCounters:
 
 
 class DiskTier:
-    """The disk tier under ``host`` (the host cache), in directory ``path``, of ``size`` bytes."""
+    """The disk tier under ``host`` (the host cache), in directory ``path``, of ``size`` bytes.
+    ``resizable``: the size is a share of the file system, found again at each start: files made
+    for another size are adopted at the size they have (a file system's reported size moves)."""
 
     def __init__(self, path: str, size: int, host: KVCache, host_base: Callable[[], int], *,
                  default_quota: int = 0, quotas: Mapping[str, int] = {},  # noqa: B006
-                 threads: int = 4) -> None:
-        capacity = aligned_capacity(size)
-        self.kept = KeptDir(path, kept_shape(capacity, "disk"))  # KeptDirError: the caller goes on without
+                 threads: int = 8, resizable: bool = False) -> None:
+        if io.page_sums is None:
+            raise ValueError("the disk tier needs kvserver's compiled copy kernel (_kvcopy) for its checks")
+
+        def same_kind(found: dict[str, Any]) -> bool:
+            cap = found.get("capacity")
+            return (resizable and isinstance(cap, int) and cap >= REGION_ALIGN
+                    and found == {"format": FORMAT, **kept_shape(cap, "disk")})
+
+        # KeptDirError (another uid's directory, a second daemon): the caller goes on without.
+        self.kept = KeptDir(path, kept_shape(aligned_capacity(size), "disk"), same_kind)
+        capacity = int(self.kept.shape["capacity"])
+        if capacity != aligned_capacity(size):
+            logger.info("the disk cache in %s keeps the size it was made with, %s (--disk-size is a "
+                        "share of its file system, which reports another size now)", path,
+                        format_size(capacity))
         try:
             self._build(capacity, default_quota, quotas)
         except Exception as exc:  # files no check foresaw: started over
@@ -87,15 +104,18 @@ class DiskTier:
         self.host = host
         self._base = host_base  # the host arena's address in this process
         self.counters = DiskCounters()
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvserver-disk")
+        # Reads have threads of their own: a Get waiting on a read never queues behind writes.
+        self._write_pool = ThreadPoolExecutor(threads, thread_name_prefix="kvserver-disk-write")
+        self._read_pool = ThreadPoolExecutor(threads, thread_name_prefix="kvserver-disk-read")
         self._threads = threads
-        self._queue: deque[tuple[Part, np.ndarray, Keys]] = deque()
-        self._queued_bytes = 0  # bytes of host pages held for ``demote``: queued or being written
+        self._queue: deque[tuple[Part, np.ndarray, Keys]] = deque()  # held host pages to write
+        self._queued_bytes = 0  # bytes of host pages held for writing: queued or being written
+        # Host pages to write once the queue has room, not held: a Put's past the queue's bound,
+        # and those a kept host cache holds with no disk copy at start.
+        self._backlog: deque[tuple[Part, np.ndarray, Keys]] = deque()
         self._wake: asyncio.Event | None = None
         self._inflight: set[asyncio.Future] = set()
         self._writer: asyncio.Task | None = None  # ``run``, started by ``start`` or the first ``demote``
-        # Host pages found at start without a disk copy (a kept host cache), queued as room allows.
-        self._backlog: deque[tuple[Part, np.ndarray]] = deque()
         self._closed = False
         rec = self.recovery
         if rec.reason and self.kept.found:
@@ -118,8 +138,8 @@ class DiskTier:
 
     @property
     def queued_bytes(self) -> int:
-        """Bytes of host pages waiting for their disk write (or being written)."""
-        return self._queued_bytes
+        """Bytes of host pages waiting for their disk write (or being written), backlog included."""
+        return self._queued_bytes + sum(len(ids) * part.key.page_bytes for part, ids, _ in self._backlog)
 
     @property
     def direct(self) -> bool:
@@ -143,37 +163,56 @@ class DiskTier:
         return mine if mine.key == part.key else None
 
     def holds(self, part: Part, keys: Keys) -> np.ndarray:
-        """Mask of ``keys`` whose pages the disk holds for the host part ``part``."""
-        mine = self._part(part, False)
+        """Mask of ``keys`` whose pages the disk holds for the host part ``part``; those are made
+        the disk's most recently used (a hit that a Get may read back soon)."""
+        mine = None if self._closed else self._part(part, False)
         if mine is None:
             return np.zeros(len(keys), bool)
         ids = self.cache.pages.find(mine.gid, keys)
-        return (ids >= 0) & (self.cache.pages.state[ids] == COMMITTED)
+        found = (ids >= 0) & (self.cache.pages.state[ids] == COMMITTED)
+        self.cache.pages.touch(ids[found])
+        return found
 
     # Writing behind the host cache
 
+    def _limit(self) -> float:
+        return self.host.arena.capacity * MAX_QUEUED_SHARE
+
     def demote(self, part: Part, ids: np.ndarray) -> None:
-        """Queues host pages just committed in ``part`` to be written to disk. They are held
-        (never evicted) until written, so that a page leaves host memory only with its disk copy
-        made; past ``MAX_QUEUED_SHARE`` of host memory held so, a Put's pages are not written."""
+        """Queues host pages just committed in ``part`` to be written to disk, held (never
+        evicted) until written, so that a page leaves host memory only with its disk copy made.
+        Past ``MAX_QUEUED_SHARE`` of host memory held so, they wait in the backlog, not held."""
         if self._closed or not len(ids):
             return
-        nbytes = len(ids) * part.key.page_bytes
-        if self._queued_bytes + nbytes > self.host.arena.capacity * MAX_QUEUED_SHARE:
-            self.counters.skipped_pages += len(ids)
-            return
-        self.host.pages.hold(ids)
-        self._queue.append((part, ids.copy(), self.host.pages.keys_of(ids)))
-        self._queued_bytes += nbytes
+        keys = self.host.pages.keys_of(ids)
+        if self._backlog or (self._queued_bytes
+                             and self._queued_bytes + len(ids) * part.key.page_bytes > self._limit()):
+            self._backlog.append((part, ids.copy(), keys))
+        else:
+            self._enqueue(part, ids.copy(), keys)
         self._start_writer()
         assert self._wake is not None
         self._wake.set()
 
+    def _enqueue(self, part: Part, ids: np.ndarray, keys: Keys) -> None:
+        self.host.pages.hold(ids)
+        self._queue.append((part, ids, keys))
+        self._queued_bytes += len(ids) * part.key.page_bytes
+
+    def _unqueue(self, part: Part, ids: np.ndarray) -> None:
+        """Host pages queued are written (or given up): they may be evicted again."""
+        self.host.pages.hold(ids, -1)
+        self._queued_bytes -= len(ids) * part.key.page_bytes
+        if self._backlog and self._wake is not None:
+            self._wake.set()
+
     def start(self) -> None:
-        """Starts the writer, and queues the host pages the disk holds no copy of (those of a kept
-        host cache adopted at start): from then on every host page gets its disk copy."""
+        """Starts the writer, and puts in the backlog the host pages the disk holds no copy of
+        (those of a kept host cache adopted at start), least recently used first: from then on
+        every host page gets its disk copy unless it is evicted before its turn."""
         h = self.host
         committed = np.flatnonzero(h.pages.state[: h.pages.high] == COMMITTED)
+        committed = committed[np.argsort(h.pages.stamp[committed], kind="stable")]
         if len(committed):
             gids = h.pages.part[committed]
             order = np.argsort(gids, kind="stable")
@@ -182,12 +221,17 @@ class DiskTier:
                 part = h.part_of(gid)
                 if part is None:
                     continue
-                ids = ids[~self.holds(part, h.pages.keys_of(ids))]
+                keys = h.pages.keys_of(ids)
+                mine = self._part(part, False)
+                if mine is not None:
+                    dids = self.cache.pages.find(mine.gid, keys)
+                    missing = ~((dids >= 0) & (self.cache.pages.state[dids] == COMMITTED))
+                    ids, keys = ids[missing], keys.take(np.flatnonzero(missing))
                 if len(ids):
-                    self._backlog.append((part, ids))
+                    self._backlog.append((part, ids, keys))
             if self._backlog:
                 logger.info("the disk cache copies %d pages of host memory it does not hold yet",
-                            sum(len(ids) for _, ids in self._backlog))
+                            sum(len(ids) for _, ids, _ in self._backlog))
         self._start_writer()
 
     def _start_writer(self) -> None:
@@ -196,25 +240,33 @@ class DiskTier:
             self._writer = asyncio.get_running_loop().create_task(self.run())
 
     def _refill(self) -> None:
-        """Queues backlog pages while there is room, those still stored (not evicted meanwhile)."""
+        """Moves backlog pages into the queue while it has room (at least one batch when it is
+        empty); those evicted meanwhile have no disk copy: skipped."""
         h = self.host
-        limit = h.arena.capacity * MAX_QUEUED_SHARE
-        while self._backlog and self._queued_bytes < limit:
-            part, ids = self._backlog.popleft()
-            room = max(1, int((limit - self._queued_bytes) // part.key.page_bytes))
+        while self._backlog:
+            part, ids, keys = self._backlog[0]
+            room = int((self._limit() - self._queued_bytes) // part.key.page_bytes)
+            if room <= 0:
+                if self._queued_bytes:
+                    return
+                room = 1
+            self._backlog.popleft()
             if len(ids) > room:
-                self._backlog.appendleft((part, ids[room:]))
-                ids = ids[:room]
-            ids = ids[(h.pages.state[ids] == COMMITTED) & (h.pages.part[ids] == part.gid)]
-            if len(ids):
-                self.demote(part, ids)
+                self._backlog.appendleft((part, ids[room:], keys[room:]))
+                ids, keys = ids[:room], keys[:room]
+            alive = (h.pages.find(part.gid, keys) == ids) & (h.pages.state[ids] == COMMITTED)
+            self.counters.skipped_pages += int(np.count_nonzero(~alive))
+            if alive.any():
+                if not alive.all():
+                    ids, keys = ids[alive], keys.take(np.flatnonzero(alive))
+                self._enqueue(part, ids, keys)
 
     async def run(self) -> None:
-        """The writer: writes what ``demote`` queued, ``threads`` batches at a time, until closed."""
+        """The writer: writes what is queued, ``threads`` batches at a time, until closed."""
         assert self._wake is not None
         slots = asyncio.Semaphore(self._threads)
         while not self._closed:
-            if not self._queue and self._backlog:
+            if self._backlog:
                 self._refill()
             if not self._queue:
                 self._wake.clear()
@@ -226,7 +278,7 @@ class DiskTier:
                 continue
             part, ids, keys = self._queue.popleft()
             try:
-                done = self._write(part, ids, keys)
+                done = await self._write(part, ids, keys)
             except Exception:
                 self._unqueue(part, ids)
                 slots.release()
@@ -237,15 +289,10 @@ class DiskTier:
             else:
                 done.add_done_callback(lambda _: slots.release())
 
-    def _unqueue(self, part: Part, ids: np.ndarray) -> None:
-        """Host pages ``demote`` held are written (or given up): they may be evicted again."""
-        self.host.pages.hold(ids, -1)
-        self._queued_bytes -= len(ids) * part.key.page_bytes
-
-    def _write(self, part: Part, ids: np.ndarray, keys: Keys) -> asyncio.Future | None:
-        """Starts writing the host pages ``ids`` of ``part`` (held since ``demote``: they still
-        hold ``keys``); the future settles once their records are written and they are let go."""
-        h = self.host
+    async def _write(self, part: Part, ids: np.ndarray, keys: Keys) -> asyncio.Future | None:
+        """Starts writing the host pages ``ids`` of ``part`` (held since queued: they still hold
+        ``keys``); the future settles once their records are written and they are let go. If it
+        raises, the caller lets them go."""
         try:
             mine = self._part(part, True)
         except KVError:  # the tenant's disk spaces are at their limit
@@ -254,14 +301,10 @@ class DiskTier:
             self.counters.skipped_pages += len(ids)
             self._unqueue(part, ids)
             return None
-        try:
-            plan = self.cache.prepare_put(mine, keys)
-        except BaseException:
-            self._unqueue(part, ids)
-            raise
+        plan = await _stepped(self.cache.prepare_put_steps(mine, keys))
         self.counters.skipped_pages += plan.dropped
-        if not len(plan.page_ids):
-            self.cache.complete_put(plan, True)
+        if self._closed or not len(plan.page_ids):
+            self.cache.complete_put(plan, not self._closed)
             self._unqueue(part, ids)
             return None
         src = ids[plan.positions]
@@ -269,41 +312,43 @@ class DiskTier:
         seed = io.seeds(keys.words[plan.positions, 0], keys.words[plan.positions, 1],
                         keys.lens[plan.positions], mine.gid)
         fd, direct, base = self.arena.fd, self.arena.direct_fd, self._base()
-        host_off, disk_off = h.pages.offset[src], plan.offsets
+        host_off, disk_off = self.host.pages.offset[src], plan.offsets
 
         def args(sl: slice) -> tuple:
             return (io.write_pages, fd, direct, base, host_off[sl], disk_off[sl], nbytes, seed[sl])
 
         def settled(results: list) -> None:  # on the loop, whatever became of the writer task
-            self._unqueue(part, ids)
-            n = len(plan.page_ids)
-            ok = np.concatenate([r[0][0] if r[1] is None else np.zeros(r[3], bool) for r in results])
-            checks = np.concatenate([r[0][1] if r[1] is None else np.zeros(r[3], np.uint32)
-                                     for r in results])
-            for r in results:
-                if r[1] is not None:
-                    logger.warning("writing %d pages to the disk cache failed: %s", r[3], r[1])
-            self.cache.pages.sum[plan.page_ids[ok]] = checks[ok]  # before the pages count
-            self.cache.complete_put(plan, ok)
-            good = int(np.count_nonzero(ok))
-            c = self.counters
-            c.written_pages += good
-            c.written_bytes += good * nbytes
-            c.write_errors += n - good
-            c.write_seconds += sum(r[2] for r in results)
+            try:
+                n = len(plan.page_ids)
+                ok = np.concatenate([r[0][0] if r[1] is None else np.zeros(r[3], bool) for r in results])
+                checks = np.concatenate([r[0][1] if r[1] is None else np.zeros(r[3], np.uint32)
+                                         for r in results])
+                for r in results:
+                    if r[1] is not None:
+                        logger.warning("writing %d pages to the disk cache failed: %s", r[3], r[1])
+                self.cache.pages.sum[plan.page_ids[ok]] = checks[ok]  # before the pages count
+                self.cache.complete_put(plan, ok)
+                good = int(np.count_nonzero(ok))
+                c = self.counters
+                c.written_pages += good
+                c.written_bytes += good * nbytes
+                c.write_errors += n - good
+                c.write_seconds += sum(r[2] for r in results)
+            finally:
+                self._unqueue(part, ids)
 
-        return self._pieces(len(src), nbytes, args, settled)
+        return self._pieces(self._write_pool, len(src), nbytes, args, settled)
 
-    def _pieces(self, n: int, nbytes: int, args: Callable[[slice], tuple],
+    def _pieces(self, pool: ThreadPoolExecutor, n: int, nbytes: int, args: Callable[[slice], tuple],
                 settled: Callable[[list], None]) -> asyncio.Future:
         """Runs a read or write of ``n`` pages of ``nbytes`` in pieces of ``PIECE_BYTES`` on the
-        worker threads (one piece's check computed while another's I/O waits); once every piece
+        pool's threads (one piece's check computed while another's I/O waits); once every piece
         is over, calls ``settled`` on the loop with each piece's (result, error, seconds, pages),
         in order. The returned future is done after that; nothing but this settles it, so no
         page is let go while a thread may still use it."""
         loop = asyncio.get_running_loop()
         per = max(1, PIECE_BYTES // nbytes)
-        futs = [loop.run_in_executor(self._pool, _run, min(per, n - i), *args(slice(i, i + per)))
+        futs = [loop.run_in_executor(pool, _run, min(per, n - i), *args(slice(i, i + per)))
                 for i in range(0, n, per)]
         done: asyncio.Future = loop.create_future()
         left = [len(futs)]
@@ -325,13 +370,13 @@ class DiskTier:
 
     # Reading back
 
-    def take(self, part: Part, keys: Keys) -> GetPlan | None:
+    def take_steps(self, part: Part, keys: Keys) -> Generator[None, None, GetPlan | None]:
         """Marks the disk pages of the leading ``keys`` it holds as being read (``finish`` ends
-        that); None if it holds none for the part."""
-        mine = self._part(part, False)
+        that), a step of keys at a time; None if it holds none for the part."""
+        mine = None if self._closed else self._part(part, False)
         if mine is None:
             return None
-        plan = self.cache.prepare_get(mine, keys)
+        plan = yield from self.cache.prepare_get_steps(mine, keys)
         if not plan.pages:
             self.cache.complete_get(plan, True)
             return None
@@ -341,8 +386,8 @@ class DiskTier:
              on_settled: Callable[[np.ndarray], None]) -> asyncio.Future:
         """Reads the disk pages of ``plan`` at ``positions`` (of ``keys``, the plan's keys) into
         host pages at ``host_offsets``; once the read is over (whatever became of the caller)
-        calls ``on_settled`` with the mask of pages read whole and checked, drops the disk pages
-        that failed their check and ends the plan's reading. The future settles after that."""
+        calls ``on_settled`` with the mask of pages read whole and checked, drops from the disk
+        the pages that were not, and ends the plan's reading. The future settles after that."""
         ids = plan.page_ids[positions]
         nbytes = plan.part.key.page_bytes
         seed = io.seeds(keys.words[positions, 0], keys.words[positions, 1], keys.lens[positions],
@@ -360,27 +405,30 @@ class DiskTier:
             n = len(ids)
             ok = np.concatenate([r[0][0] if r[1] is None else np.zeros(r[3], bool) for r in results])
             bad = sum(r[0][1] for r in results if r[1] is None)
-            for r in results:
-                if r[1] is not None:
-                    logger.warning("reading %d pages of the disk cache failed: %s", r[3], r[1])
             try:
+                for r in results:
+                    if r[1] is not None:
+                        logger.warning("reading %d pages of the disk cache failed: %s", r[3], r[1])
                 on_settled(ok)
             finally:
-                self.finish(plan, ids[~ok])
-                good = int(np.count_nonzero(ok))
-                c = self.counters
-                c.promoted_pages += good
-                c.promoted_bytes += good * nbytes
-                c.bad_checks += bad
-                c.read_errors += n - good - bad
-                c.read_seconds += sum(r[2] for r in results)
-                outcome.set_result(ok)
+                try:
+                    self.finish(plan, ids[~ok])
+                finally:
+                    good = int(np.count_nonzero(ok))
+                    c = self.counters
+                    c.promoted_pages += good
+                    c.promoted_bytes += good * nbytes
+                    c.bad_checks += bad
+                    c.read_errors += n - good - bad
+                    c.read_seconds += sum(r[2] for r in results)
+                    outcome.set_result(ok)
 
-        self._pieces(len(ids), nbytes, args, settled)
+        self._pieces(self._read_pool, len(ids), nbytes, args, settled)
         return outcome
 
     def finish(self, plan: GetPlan, bad: np.ndarray = np.empty(0, np.int64)) -> None:  # noqa: B008
-        """Ends the reading ``take`` marked; the pages of ``bad`` (ids) are dropped from disk."""
+        """Ends the reading ``take_steps`` marked; the pages of ``bad`` (ids), which could not be
+        read or failed their check, are dropped from disk (once no other read holds them)."""
         self.cache.complete_get(plan, True)
         if len(bad):
             self.cache.discard(bad)
@@ -403,10 +451,14 @@ class DiskTier:
         if self._wake is not None:
             self._wake.set()
         if self._writer is not None:
-            await self._writer
+            try:
+                await self._writer
+            except Exception:
+                logger.exception("the disk cache's writer had failed")
         if self._inflight:  # (shielded: a thread's pages are let go only once it is done)
             await asyncio.shield(asyncio.gather(*list(self._inflight), return_exceptions=True))
-        self._pool.shutdown(wait=True)
+        self._write_pool.shutdown(wait=True)
+        self._read_pool.shutdown(wait=True)
         try:
             self.kept.flush()  # the records written back: a reboot after a stop finds them too
         except OSError as exc:
@@ -416,6 +468,19 @@ class DiskTier:
     def describe(self) -> str:
         return (f"disk cache in {self.path}: {format_size(self.arena.capacity)}, "
                 f"{'direct' if self.direct else 'buffered'} I/O")
+
+
+async def _stepped(steps: Generator[None, None, Any]) -> Any:
+    """Runs a cache operation's steps, letting the event loop serve others between two."""
+    try:
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+            await asyncio.sleep(0)
+    finally:
+        steps.close()
 
 
 def _run(pages: int, fn, *args) -> tuple:

@@ -30,6 +30,7 @@ import logging
 import mmap
 import os
 import stat
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -71,6 +72,8 @@ def _check_path(path: str) -> None:
                 raise KeptDirError(f"{cur} (above {path}) is a link of uid {st.st_uid}: another user "
                                    "controls where it leads")
     parent = os.path.realpath(os.path.dirname(path))
+    while not os.path.lexists(parent):  # directories made for it (as the daemon makes them: 0700)
+        parent = os.path.dirname(parent)
     while True:
         st = os.lstat(parent)
         if st.st_uid not in (0, me):
@@ -100,15 +103,20 @@ class KeptDir:
     """The directory, checked and locked. ``shape``: what the files must have been made for
     (format, capacity, table lengths) to be adopted; ``adopting`` says whether they were."""
 
-    def __init__(self, path: str, shape: dict[str, Any]) -> None:
+    def __init__(self, path: str, shape: dict[str, Any],
+                 accept: Callable[[dict[str, Any]], bool] | None = None) -> None:
+        """``accept``: given the header found, of this format, whether files of that shape are
+        adopted too (``shape`` is then the one found)."""
         self.path = os.path.abspath(path)  # not resolved: a link there is refused, not followed
         self.shape = {"format": FORMAT, **shape}
+        self._accept = accept
         self._fds: dict[str, int] = {}
         self._maps: list[mmap.mmap] = []
         self._dir = -1
         self._lock = -1
         _check_path(self.path)
         try:
+            os.makedirs(os.path.dirname(self.path), 0o700, exist_ok=True)
             os.mkdir(self.path, 0o700)
         except FileExistsError:
             pass
@@ -175,6 +183,8 @@ class KeptDir:
         if not isinstance(found, dict) or found.get("format") != FORMAT:
             got = found.get("format") if isinstance(found, dict) else None
             return False, f"it is in format {got!r}, which this daemon (format {FORMAT}) does not know"
+        if found != self.shape and self._accept is not None and self._accept(found):
+            self.shape = found
         if found != self.shape:
             diff = ", ".join(f"{k} {found.get(k)!r} (now {v!r})" for k, v in self.shape.items()
                              if found.get(k) != v)

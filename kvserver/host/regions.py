@@ -15,8 +15,11 @@ Primitives: ``Regions`` (``reserve`` / ``reserve_high`` / ``reserve_at`` / ``com
 from __future__ import annotations
 
 import bisect
+import logging
 
 from kvserver.errors import NoCapacity
+
+logger = logging.getLogger(__name__)
 
 REGION_ALIGN = 1 << 21  # 2 MiB: regions start on huge-page boundaries
 BOOK_ALLOWANCE = 64  # bookkeeping up to capacity / BOOK_ALLOWANCE is not charged to the capacity
@@ -35,6 +38,9 @@ class Regions:
     """First-fit allocator of aligned byte regions over ``capacity`` bytes."""
 
     what = "host memory"  # what the regions are, as errors name it
+    # A range whose freeing failed may be handed out again: only where nothing is read from it
+    # before it is written (never for memory a client gets as its region).
+    reuse_unfreed = False
 
     def __init__(self, capacity: int) -> None:
         self.capacity = aligned_capacity(capacity)
@@ -156,9 +162,15 @@ class Regions:
 
     def discard_free(self) -> None:
         """Frees the memory of every free range (a kept arena's file may hold what an earlier
-        daemon left there: its clients' regions, slabs not adopted)."""
-        for start, size in zip(self._free_starts, self._free_sizes, strict=True):
-            self._punch(start, size)
+        daemon left there: its clients' regions, slabs not adopted). A range that cannot be freed
+        is taken out of use where its contents must never reach anyone (``reuse_unfreed``)."""
+        for start, size in list(zip(self._free_starts, self._free_sizes, strict=True)):
+            try:
+                self._punch(start, size)
+            except OSError as exc:
+                logger.warning("%s: freeing [%d, %d) failed (%s)", self.what, start, start + size, exc)
+                if not self.reuse_unfreed:
+                    self._take(start, size, commit=False)
 
     def release(self, start: int, nbytes: int, discarded: bool = False, booked: int = 0) -> None:
         """Returns a region, first giving its pages back to the kernel unless ``discard`` did, so
@@ -166,10 +178,17 @@ class Regions:
         if nbytes == 0:
             return
         size = align_up(nbytes, REGION_ALIGN)
-        if not discarded:
-            self._punch(start, size)
-        self.reserved -= size
         self.booked -= booked
+        if not discarded:
+            try:
+                self._punch(start, size)
+            except OSError as exc:
+                if not self.reuse_unfreed:  # what was there must never reach the next holder
+                    logger.error("%s: freeing [%d, %d) failed (%s): the range is not used again",
+                                 self.what, start, start + size, exc)
+                    return
+                logger.warning("%s: freeing [%d, %d) failed (%s)", self.what, start, start + size, exc)
+        self.reserved -= size
         i = bisect.bisect_left(self._free_starts, start)
         self._free_starts.insert(i, start)
         self._free_sizes.insert(i, size)

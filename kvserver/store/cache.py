@@ -400,8 +400,10 @@ class KVCache:
 
     def discard(self, ids: np.ndarray) -> None:
         """Frees committed pages found bad (a check of their bytes failed): they are no longer
-        found, and count as neither stored nor evicted."""
-        ids = ids[self.pages.state[ids] == COMMITTED]
+        found, and count as neither stored nor evicted. A page another read or a pin still holds
+        stays until a later discard (its check fails that read too)."""
+        p = self.pages
+        ids = ids[(p.state[ids] == COMMITTED) & (p.readers[ids] == 0) & (p.pins[ids] == 0)]
         self._drop(ids, evicted=False)
 
     def _allocate(self, tenant: Tenant, page_bytes: int, want: int) -> np.ndarray:

@@ -71,9 +71,10 @@ class Recovery:
 
 def kept_shape(capacity: int, kind: str = "host") -> dict[str, int | str]:
     """What kept files must have been made for to be adopted by a cache of ``capacity`` bytes
-    (``kind``: "host" memory, or "disk" with a check kept per page)."""
-    return {"kind": kind, "capacity": capacity, "pages": max_pages(capacity),
-            "slab_record": SLAB_RECORD.itemsize}
+    (``kind``: "host" memory, or "disk" with a check kept per page; a host shape names no kind, as
+    before the disk tier, so that its files are adopted across that upgrade)."""
+    shape: dict[str, int | str] = {"kind": kind} if kind != "host" else {}
+    return {**shape, "capacity": capacity, "pages": max_pages(capacity), "slab_record": SLAB_RECORD.itemsize}
 
 
 def _space_json(key: SpaceKey) -> dict[str, Any]:
