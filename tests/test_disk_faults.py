@@ -271,3 +271,72 @@ def test_one_directory_for_both_tiers_is_refused(tmp_path):
     with pytest.raises(ValueError, match="two directories"):
         ServerConfig(socket=str(tmp_path / "s"), host_memory_dir=str(tmp_path / "d"),
                      disk_cache=str(tmp_path / "d"), disk_size=64 * MiB)
+
+
+def test_a_whole_space_lookup_pins_each_parts_own_pages_in_memory():
+    """A key in memory for one TP shard and on disk only for the other: the Lookup counts it and
+    pins the first shard's page, which its Get will load from memory."""
+    from store_support import make_cache, part_of, space_key
+
+    cache, _, _ = make_cache(capacity=32 * MiB)
+    space = cache.space(space_key(tp=2))
+    a, b = part_of(cache, space, 0), part_of(cache, space, 1)
+    keys = Keys.of([b"k1", b"k2"])
+    plan = cache.prepare_put(a, keys)
+    cache.complete_put(plan, True)
+
+    def lower(part, ks):  # the disk holds both keys of shard 1 only
+        return np.full(len(ks), part is b)
+
+    found = run_steps_of(cache.lookup_steps(space, keys, pin_ms=1000, lower=lower))
+    assert (found.pages, found.lower) == (2, 2) and found.lease_id
+    assert (cache.pages.pins[cache.pages.find(a.gid, keys)] == 1).all()
+
+
+def run_steps_of(gen):
+    from kvserver.store.steps import run_steps
+
+    return run_steps(gen)
+
+
+def test_a_reads_back_hold_on_the_hit_never_lands_on_ids_reused_meanwhile(tmp_path, monkeypatch):
+    """The host pages a Get found in its first step are evicted while its later steps run, and
+    their ids reused by its own read back: it holds the pages as they are then, never the ids it
+    saw, so no page ends with fewer holds than it has."""
+    from kvserver.core.cache_ops import CacheOps
+
+    async def body() -> None:
+        core = KVCore(48 * MiB, disk_cache=str(tmp_path / "disk"), disk_size=128 * MiB)
+        try:
+            c, disk = core.cache, core.disk
+            space = c.space(SpaceKey("t", "m", KVLayout.mha(2, 64), torch.float16, 16, 4, 1, 1))
+            part = c.part(space, PartKey(0, 0, 0, 4, 8192))
+            keys = Keys.of(keys_of("stale", 1100))  # two steps of keys
+            plan = c.prepare_put(part, keys)
+            c.complete_put(plan, True)
+            disk.demote(part, c.pages.find(part.gid, keys))
+            while disk.counters.written_pages < 1100:
+                await asyncio.sleep(0.01)
+            c.make_room(1 << 40)  # host memory empty: everything on disk only
+            plan = c.prepare_put(part, keys[:1024])  # the first step's keys in memory again
+            c.complete_put(plan, True)
+            real = disk.holds
+            calls = [0]
+
+            def holds(p, ks):
+                calls[0] += 1
+                if calls[0] == 1 and p is part:  # between the Get's first and second step
+                    c.make_room(1 << 40)  # its first step's pages go, their ids free for the read back
+                return real(p, ks)
+
+            monkeypatch.setattr(disk, "holds", holds)
+            ops = CacheOps(core)
+            held = await ops._promote(part, keys, 0.0)
+            if held is not None:  # the Get lets its hit go once its own marks hold it
+                c.pages.hold(held, -1)
+            p = c.pages
+            assert int(p.readers.min()) == 0 and int(p.slab_holds.min()) == 0
+        finally:
+            await core.close()
+
+    asyncio.run(body())

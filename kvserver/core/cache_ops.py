@@ -339,10 +339,15 @@ class CacheOps:
         keys, pages, bounds = await self._checked_parts(client, req)
         local_layers = client.spec.layers.select(req.layers)
         part = self._part(client)
-        if self.disk is not None:  # pages on disk only are read back into host memory first
-            for first, end, _ in bounds:
-                await self._promote(part, keys[first:end], deadline)
-        plans = await in_steps(self.kv.share, self._prepare_parts(part, keys, bounds))
+        held: list[np.ndarray] = []
+        try:
+            if self.disk is not None:  # pages on disk only are read back into host memory first
+                for first, end, _ in bounds:
+                    held.append(await self._promote(part, keys[first:end], deadline))
+            plans = await in_steps(self.kv.share, self._prepare_parts(part, keys, bounds))
+        finally:
+            for ids in held:  # the Get's own marks hold them now
+                self.cache.pages.hold(ids, -1)
 
         def complete(ok: bool) -> None:
             for plan in plans:
@@ -371,25 +376,34 @@ class CacheOps:
             if not job.submitted:  # it never reached the medium, so nothing will settle it
                 complete(False)
 
-    async def _promote(self, part: Part, keys: Keys, deadline: float) -> None:
+    async def _promote(self, part: Part, keys: Keys, deadline: float) -> np.ndarray:
         """Reads into host pages the pages of the leading keys stored that only the disk holds;
         waits for pages being read back meanwhile (another Get of the same pages: an MLA model's
         ranks). A page that cannot be read whole and checked, or in time, ends the hit there: the
-        Get loads fewer."""
+        Get loads fewer. Returns the host pages of the hit, held (the caller lets them go once
+        its Get holds them), so that another part's read back does not evict them."""
         pages = self.cache.pages
-        ids, in_host, writing, on_disk = await in_steps(self.kv.share, self._tiers_of(part, keys))
+        _, in_host, writing, on_disk = await in_steps(self.kv.share, self._tiers_of(part, keys))
         m = leading(in_host | on_disk)  # (a page a Put is writing, and not on disk, ends the hit)
         need = np.flatnonzero(~(in_host | writing)[:m])
         if len(need):
             # The pages in memory of the hit are not evicted to make room for those read back.
-            held = ids[:m][in_host[:m]]
-            pages.hold(held)
+            # Found again: those found a step ago may have gone since, and their ids with them.
+            held = self._held_hit(part, keys[:m])
             try:
                 await self._read_back(part, keys.take(need), deadline)
             finally:
                 pages.hold(held, -1)
         if self.cache.writing(part, keys[:m]):
             await self._until_written(part, keys[:m], deadline)
+        return self._held_hit(part, keys[:m])
+
+    def _held_hit(self, part: Part, keys: Keys) -> np.ndarray:
+        """The part's host pages of ``keys`` that are stored now, held once more."""
+        ids = self.cache.pages.find(part.gid, keys)
+        ids = ids[(ids >= 0) & (self.cache.pages.state[ids] == COMMITTED)]
+        self.cache.pages.hold(ids)
+        return ids
 
     def _tiers_of(self, part: Part, keys: Keys) -> Generator[None, None, tuple[np.ndarray, ...]]:
         """Per key, up to the first one neither tier holds, a step of keys at a time: (host page

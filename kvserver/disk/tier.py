@@ -279,9 +279,11 @@ class DiskTier:
             part, ids, keys = self._queue.popleft()
             try:
                 done = await self._write(part, ids, keys)
-            except Exception:
+            except BaseException as exc:
                 self._unqueue(part, ids)
                 slots.release()
+                if not isinstance(exc, Exception):
+                    raise
                 logger.exception("the disk cache could not write %d pages", len(ids))
                 continue
             if done is None:
@@ -387,7 +389,10 @@ class DiskTier:
         """Reads the disk pages of ``plan`` at ``positions`` (of ``keys``, the plan's keys) into
         host pages at ``host_offsets``; once the read is over (whatever became of the caller)
         calls ``on_settled`` with the mask of pages read whole and checked, drops from the disk
-        the pages that were not, and ends the plan's reading. The future settles after that."""
+        the pages that were not, and ends the plan's reading. The future settles after that.
+        RuntimeError, nothing started, once the tier is closing."""
+        if self._closed:
+            raise RuntimeError("the disk cache is closing")
         ids = plan.page_ids[positions]
         nbytes = plan.part.key.page_bytes
         seed = io.seeds(keys.words[positions, 0], keys.words[positions, 1], keys.lens[positions],
@@ -455,7 +460,7 @@ class DiskTier:
                 await self._writer
             except Exception:
                 logger.exception("the disk cache's writer had failed")
-        if self._inflight:  # (shielded: a thread's pages are let go only once it is done)
+        while self._inflight:  # (shielded: a thread's pages are let go only once it is done)
             await asyncio.shield(asyncio.gather(*list(self._inflight), return_exceptions=True))
         self._write_pool.shutdown(wait=True)
         self._read_pool.shutdown(wait=True)

@@ -19,6 +19,7 @@ to reserve, so the daemon's memory stays within the budget however small the cac
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import mmap
 import os
@@ -104,9 +105,11 @@ class HostArena(Regions):
     def _punch(self, start: int, size: int) -> None:
         if self.kept is not None:  # a shared mapping keeps the file's pages: free them there
             self.kept.punch("arena", start, size)
-        elif _libc.madvise(self.address + start, size, mmap.MADV_DONTNEED) != 0:
+            return
+        while _libc.madvise(self.address + start, size, mmap.MADV_DONTNEED) != 0:
             err = ctypes.get_errno()
-            raise OSError(err, f"madvise of {size} bytes at offset {start}: {os.strerror(err)}")
+            if err != errno.EINTR:  # (a signal: again)
+                raise OSError(err, f"madvise of {size} bytes at offset {start}: {os.strerror(err)}")
 
     def discard(self, start: int, nbytes: int) -> None:
         """Gives the pages of a reserved region back to the kernel (they read as zeros after), in

@@ -267,9 +267,10 @@ class KeptDir:
     def punch(self, name: str, start: int, nbytes: int) -> None:
         """Frees bytes [start, start + nbytes) of the file: they read as zeros, hold no memory."""
         flags = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
-        if _libc.fallocate(self._fds[name], flags, start, nbytes) != 0:
+        while _libc.fallocate(self._fds[name], flags, start, nbytes) != 0:
             err = ctypes.get_errno()
-            raise OSError(err, f"freeing {nbytes} bytes of {name}: {os.strerror(err)}")
+            if err != errno.EINTR:  # (a signal: again)
+                raise OSError(err, f"freeing {nbytes} bytes of {name}: {os.strerror(err)}")
 
     def seal(self) -> None:
         """Writes the header once every file has its shape: from now on a restart adopts them."""

@@ -267,8 +267,9 @@ class KVCache:
                     mine = (ids >= 0) & (self.pages.state[ids] == COMMITTED)
                     here[: len(mine)] &= mine
                     m = leading(mine | lower(part, step[:m]) if lower is not None else mine)
-                    found.append(ids)
-                got = [ids[:m][here[:m]] for ids in found]
+                    found.append((ids, mine))
+                # Each part's own pages in memory (pinned), whatever the other parts hold where.
+                got = [ids[:m][mine[:m]] for ids, mine in found]
                 below += m - int(np.count_nonzero(here[:m]))
                 # A pin refused for the tenant's limits: the lease so far ends. Pages the tier
                 # below holds are not pinned (the Get that follows reads them back).
