@@ -241,8 +241,9 @@ class AsyncKVClient(CoreShell):
     # ---- the node-wide cache ----------------------------------------------------------------
 
     async def lookup(self, keys: Keys, *, pin_ms: int = 0, whole_space: bool = False,
-                     key_bytes: int = KEY_BYTES, timeout: float | None = None) -> LookupResult:
-        return await self._run(self._core.lookup(keys, pin_ms, whole_space, key_bytes, timeout))
+                     key_bytes: int = KEY_BYTES, timeout: float | None = None,
+                     memory_only: bool = False) -> LookupResult:
+        return await self._run(self._core.lookup(keys, pin_ms, whole_space, key_bytes, timeout, memory_only))
 
     async def ping(self, timeout: float | None = None) -> bool:
         """True if the daemon answers a call on this registration (an empty Lookup) in time."""

@@ -367,10 +367,11 @@ class ClientCore:
         return Op("Stats", lambda r: req, lambda resp: resp, registered=False)
 
     def lookup(self, keys: Keys, pin_ms: int, whole_space: bool, key_bytes: int = KEY_BYTES,
-               timeout: float | None = None) -> Op:
+               timeout: float | None = None, memory_only: bool = False) -> Op:
         data, width, _ = packed(keys, key_bytes)
         return Op("Lookup", lambda r: pb.LookupRequest(client_id=r.client_id, keys=data, key_bytes=width,
-                                                       pin_ms=pin_ms, whole_space=whole_space),
+                                                       pin_ms=pin_ms, whole_space=whole_space,
+                                                       memory_only=memory_only),
                   lambda resp: LookupResult(resp.pages, resp.lease_id, resp.disk_pages), LookupResult(0),
                   cache=True, timeout=timeout)
 

@@ -345,12 +345,14 @@ class KVClient(CoreShell):
     # ---- the node-wide cache ----------------------------------------------------------------
 
     def lookup(self, keys: Keys, *, pin_ms: int = 0, whole_space: bool = False,
-               key_bytes: int = KEY_BYTES, timeout: float | None = None) -> LookupResult:
+               key_bytes: int = KEY_BYTES, timeout: float | None = None,
+               memory_only: bool = False) -> LookupResult:
         """How many leading ``keys`` are cached in this engine's part (``whole_space``: in every
         part of its space); ``pin_ms`` pins them under the returned lease. Keys are packed bytes
         of ``key_bytes`` each, or a sequence of equal-length bytes. ``timeout``: this call's
-        bound, if not the client's."""
-        return self._run(self._core.lookup(keys, pin_ms, whole_space, key_bytes, timeout))
+        bound, if not the client's. ``memory_only``: only pages in the daemon's host memory count
+        (not those its disk tier holds)."""
+        return self._run(self._core.lookup(keys, pin_ms, whole_space, key_bytes, timeout, memory_only))
 
     def ping(self, timeout: float | None = None) -> bool:
         """True if the daemon answers a call on this registration (an empty Lookup) in time."""

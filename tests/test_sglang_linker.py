@@ -293,6 +293,36 @@ def test_cancel_queued_load_and_reset(daemon):
         a.close()
 
 
+def test_pages_only_the_daemons_disk_holds_are_hits_only_when_asked(daemon_factory, tmp_path):
+    """By default the linker's lookups count the daemon's host memory only: SGLang's load cannot
+    fall back to a recompute, and a disk page is read back inside it. ``disk_hits`` counts them;
+    the load then reads them back, bit-exact."""
+    d = daemon_factory(host_memory=64 << 20, disk_cache=str(tmp_path / "disk"), disk_size=256 << 20)
+    a, pool_a, alloc_a = _engine(d.address, pp_size=1, pp_rank=0)
+    b, pool_b, alloc_b = _engine(d.address, pp_size=1, pp_rank=0, disk_hits=True)
+    try:
+        hashes, slots_a = _store(a, pool_a, alloc_a, 700, seed=5)
+        expect = _rows(pool_a, slots_a)
+        deadline = time.monotonic() + 10
+        while d.run(lambda: d.core.disk.counters.written_pages) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        d.run(lambda: d.core.cache.make_room(1 << 40))  # in host memory no more: on disk only
+        assert a.lookup("r", [_kv(keys=hashes)]) == []
+        assert b.lookup("r", [_kv(keys=hashes)]) == [1, 2]
+        slots_b = alloc_b.alloc(2 * PAGE)
+        assert b.load("r", [_kv(keys=hashes, device_indices=slots_b)]) is True
+        index = b.start_layer_wise_loading()
+        released: list[int] = []
+        _forward(pool_b, released)
+        assert b.finish_layer_wise_loading(index) is True
+        _assert_same_bytes(expect, _rows(pool_b, slots_b))
+        assert a.lookup("r2", [_kv(keys=hashes)]) == [1, 2]  # read back: in host memory now
+    finally:
+        a.close()
+        b.close()
+
+
 def test_daemon_stopped_mid_request_gives_misses(daemon_factory):
     d = daemon_factory()
     a, pool_a, alloc_a = _engine(d.address, retry_register_s=0.0, pp_size=1, pp_rank=0)

@@ -155,6 +155,16 @@ def test_an_empty_host_memory_dir_turns_keeping_off():
         assert default_socket() == config.socket
 
 
+def test_the_disk_tier_is_off_until_a_directory_on_its_volume_is_named(services):
+    assert daemon_config(services["kvserver"]).disk_cache is None
+    path = "/var/cache/kvserver/disk"
+    service = load({"KVSERVER_DISK_CACHE": path, "KVSERVER_DISK_SIZE": "200GiB"})["services"]["kvserver"]
+    config = daemon_config(service)
+    assert (config.disk_cache, config.disk_size) == (path, 200 << 30)
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in service["volumes"]}
+    assert mounts["/var/cache/kvserver"] == "kvserver-disk"  # a volume: it outlives the container
+
+
 @pytest.mark.parametrize("size", ["64GiB", "512MiB", "1T"])
 def test_host_memory_from_environment(size):
     config = daemon_config(load({"KVSERVER_HOST_MEMORY": size})["services"]["kvserver"])

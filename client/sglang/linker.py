@@ -13,7 +13,9 @@ which knows it from its own end), ``tp_rank``/``tp_size`` (default: from the att
 ``lookup_pin_ms`` (default 10000: a lookup pins its hit until the load, 0 for no pin),
 ``lookup_timeout_s`` (a lookup on the scheduler's thread, default 1), ``timeout_s`` (each other
 daemon call, default 5), ``load_timeout_s`` (a whole load, default 30),
-``event_slots`` (CUDA: loads in flight, default 8), ``retry_register_s`` (default 5).
+``event_slots`` (CUDA: loads in flight, default 8), ``retry_register_s`` (default 5),
+``disk_hits`` (default false: a lookup counts only pages in the daemon's host memory, never those
+its disk tier would read back inside SGLang's load, which cannot fall back to a recompute).
 
 What SGLang gives, what goes on the wire:
 - The device pool is ``params.token_to_kv_pool_allocator.get_kvcache()``: MHATokenToKVPool
@@ -283,6 +285,9 @@ class KVServerLinker(UnifiedCacheLinker):
         self.load_timeout = float(cfg.get("load_timeout_s", 30.0))
         self.retry_register_s = float(cfg.get("retry_register_s", 5.0))
         self.lookup_timeout = float(cfg.get("lookup_timeout_s", 1.0))
+        # A load SGLang started cannot fall back to a recompute (it is an HTTP 503): by default only
+        # hits in the daemon's host memory count, never pages its disk tier would read back first.
+        self.disk_hits = bool(cfg.get("disk_hits", False))
         self.client = KVClient(cfg.get("address"), timeout=float(cfg.get("timeout_s", 5.0)),
                                token=cfg.get("token"), tenant_token=cfg.get("tenant_token"))
         self._lock = threading.Lock()
@@ -347,7 +352,8 @@ class KVServerLinker(UnifiedCacheLinker):
         try:
             keys = storage_keys(kv.keys)
             found = self.client.lookup(keys, pin_ms=self.pin_ms, whole_space=self.whole_space,
-                                       key_bytes=KEY_BYTES, timeout=self.lookup_timeout)
+                                       key_bytes=KEY_BYTES, timeout=self.lookup_timeout,
+                                       memory_only=not self.disk_hits)
         except Exception as exc:
             logger.warning("kvserver: lookup failed (%s): a miss", exc)
             self.away.failed()

@@ -162,7 +162,8 @@ class CacheOps:
             target = part.space if req.whole_space else part
         else:
             target = self.cache.space(key)
-        found = await in_steps(self.kv.share, self.cache.lookup_steps(target, keys, req.pin_ms, self.lower))
+        lower = None if req.memory_only else self.lower
+        found = await in_steps(self.kv.share, self.cache.lookup_steps(target, keys, req.pin_ms, lower))
         if self.disk is not None:
             self.disk.counters.hits += found.lower
         return found

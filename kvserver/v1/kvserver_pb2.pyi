@@ -300,20 +300,22 @@ class OpenSpaceResponse(_message.Message):
     def __init__(self, space_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("client_id", "space_id", "keys", "key_bytes", "pin_ms", "whole_space")
+    __slots__ = ("client_id", "space_id", "keys", "key_bytes", "pin_ms", "whole_space", "memory_only")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     SPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     KEY_BYTES_FIELD_NUMBER: _ClassVar[int]
     PIN_MS_FIELD_NUMBER: _ClassVar[int]
     WHOLE_SPACE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_ONLY_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     space_id: str
     keys: bytes
     key_bytes: int
     pin_ms: int
     whole_space: bool
-    def __init__(self, client_id: _Optional[str] = ..., space_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., key_bytes: _Optional[int] = ..., pin_ms: _Optional[int] = ..., whole_space: bool = ...) -> None: ...
+    memory_only: bool
+    def __init__(self, client_id: _Optional[str] = ..., space_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., key_bytes: _Optional[int] = ..., pin_ms: _Optional[int] = ..., whole_space: bool = ..., memory_only: bool = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("pages", "lease_id", "disk_pages")
