@@ -7,7 +7,13 @@ on an empty directory, timed to its first answered Lookup (a miss): the interpre
 the sockets. What a kept cache adds is the difference; the daemon's own adoption time (Stats
 ``kept.adopt_seconds``) is printed beside it.
 
+With ``--tier disk`` the cache is the disk tier's instead (--disk-cache in ``--dir``, a real disk,
+host memory not kept): the pages are written behind to disk in-process, and the daemon started on
+the directory serves them from disk (its index adopted at start); ``--cold`` drops the kernel's
+page cache before each start (root), as after a reboot.
+
 Run: python benchmarks/bench_restart.py [--sizes 1 4 16] [--runs 3] [--plot docs/plots/restart.png]
+     python benchmarks/bench_restart.py --tier disk --dir /var/tmp [--cold] [--sizes 1 4 16]
 """
 
 from __future__ import annotations
@@ -64,15 +70,60 @@ def fill(path: str, capacity: int, nbytes: int) -> int:
     return stored
 
 
-def start_to_answer(path: str, capacity: int, want: int, sock_dir: str) -> tuple[float, float]:
-    """Launches a daemon on ``path``; seconds until a Lookup of the first keys hits ``want`` of
-    them, and the adoption seconds it reports."""
+DISK_HOST = 256 << 20  # host memory of the disk tier's daemon
+
+
+def fill_disk(path: str, disk_size: int, nbytes: int) -> int:
+    """Stores ``nbytes`` of pages in the disk tier at ``path`` (written behind from a small host
+    memory, as a daemon's Puts are); returns the pages on disk."""
+
+    async def run() -> int:
+        core = KVCore(DISK_HOST, disk_cache=path, disk_size=disk_size)
+        try:
+            c, disk = core.cache, core.disk
+            space = SpaceKey(f"uid:{os.getuid()}", MODEL, LAYOUT, torch.float16, PAGE, LAYERS, 1, 1)
+            part = c.part(c.space(space), PartKey(0, 0, 0, LAYERS, PAGE_BYTES))
+            arena = core.arena.view(torch.uint8).numpy()
+            n = nbytes // PAGE_BYTES
+            every, stored = keys(n), 0
+            for start in range(0, n, 128):  # 32 MiB a Put
+                while disk.queued_bytes > DISK_HOST // 4:
+                    await asyncio.sleep(0.001)
+                plan = c.prepare_put(part, every[start : start + 128])
+                for off in plan.offsets.tolist():
+                    arena[off : off + PAGE_BYTES] = (off >> 18) & 0xFF
+                ids = plan.page_ids.copy()
+                stored += len(ids)
+                c.complete_put(plan, True)
+                disk.demote(part, ids)
+            while disk.queued_bytes or disk.counters.written_pages + disk.counters.skipped_pages < stored:
+                await asyncio.sleep(0.01)
+            return disk.counters.written_pages
+        finally:
+            await core.close()
+
+    return asyncio.run(run())
+
+
+def drop_page_cache() -> None:
+    """As after a reboot: the kernel's page cache emptied (root), so the disk's records are read."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def start_to_answer(path: str, capacity: int, want: int, sock_dir: str,
+                    disk_size: int = 0) -> tuple[float, float]:
+    """Launches a daemon on ``path`` (its disk tier's, with ``disk_size``); seconds until a Lookup
+    of the first keys hits ``want`` of them, and the adoption seconds it reports."""
     sock = os.path.join(sock_dir, "kv.sock")
     for p in (sock, sock + ".fd"):
         if os.path.exists(p):
             os.unlink(p)
+    where = (["--disk-cache", path, "--disk-size", str(disk_size)] if disk_size
+             else ["--host-memory-dir", path])
     args = [sys.executable, "-m", "kvserver", "--socket", sock, "--host-memory", str(capacity),
-            "--host-memory-dir", path, "--log-level", "ERROR"]
+            *where, "--log-level", "ERROR"]
     t0 = time.perf_counter()
     proc = subprocess.Popen(args, env={**os.environ, "KVSERVER_ADMIN_TOKEN": ADMIN})
     try:
@@ -95,7 +146,8 @@ def start_to_answer(path: str, capacity: int, want: int, sock_dir: str) -> tuple
         with grpc.insecure_channel(f"unix://{sock}") as ch:
             stats = pb_grpc.KVServerStub(ch).Stats(pb.StatsRequest(), timeout=10,
                                                    metadata=(("x-kvserver-admin", ADMIN),))
-        return elapsed, stats.kept.adopt_seconds
+        kept = next((t.kept for t in stats.tiers if t.name == "disk"), None) if disk_size else stats.kept
+        return elapsed, kept.adopt_seconds
     finally:
         proc.terminate()
         proc.wait(30)
@@ -105,25 +157,35 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sizes", type=float, nargs="+", default=[1, 4, 16], help="cached GiB")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--dir", default="/dev/shm", help="where the kept caches are made (tmpfs)")
+    ap.add_argument("--dir", default=None,
+                    help="where the kept caches are made (default /dev/shm; for --tier disk /var/tmp)")
+    ap.add_argument("--tier", choices=("host", "disk"), default="host")
+    ap.add_argument("--cold", action="store_true", help="drop the page cache before each start (root)")
     ap.add_argument("--plot", default=None, help="write a plot here")
     args = ap.parse_args()
+    disk = args.tier == "disk"
+    args.dir = args.dir or ("/var/tmp" if disk else "/dev/shm")
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvrestart-") as sock_dir:
         for size in args.sizes:
             nbytes = int(size * GiB)
-            capacity = nbytes + nbytes // 8 + (64 << 20)
+            capacity = DISK_HOST if disk else nbytes + nbytes // 8 + (64 << 20)
+            disk_size = nbytes + nbytes // 8 + (64 << 20) if disk else 0
             base = os.path.join(args.dir, f"kvbench-restart-empty-{os.getpid()}")
             path = os.path.join(args.dir, f"kvbench-restart-{os.getpid()}")
             try:
                 t = time.perf_counter()
-                pages = fill(path, capacity, nbytes)
+                pages = fill_disk(path, disk_size, nbytes) if disk else fill(path, capacity, nbytes)
                 fill_s = time.perf_counter() - t
                 base_s, hit_s, adopt_s = [], [], []
                 for _ in range(args.runs):  # interleaved: the same machine state for both
                     shutil.rmtree(base, ignore_errors=True)
-                    base_s.append(start_to_answer(base, capacity, 0, sock_dir)[0])
-                    elapsed, adopt = start_to_answer(path, capacity, pages, sock_dir)
+                    if args.cold:
+                        drop_page_cache()
+                    base_s.append(start_to_answer(base, capacity, 0, sock_dir, disk_size)[0])
+                    if args.cold:
+                        drop_page_cache()
+                    elapsed, adopt = start_to_answer(path, capacity, pages, sock_dir, disk_size)
                     hit_s.append(elapsed)
                     adopt_s.append(adopt)
             finally:
@@ -144,7 +206,7 @@ def main() -> None:
 
         fig, ax = plt.subplots(figsize=(6, 4))
         sizes = [r[0] for r in rows]
-        ax.plot(sizes, [r[3] for r in rows], "o-", label="start to serving hits (kept cache)")
+        ax.plot(sizes, [r[3] for r in rows], "o-", label=f"start to serving hits ({args.tier} tier)")
         ax.plot(sizes, [r[2] for r in rows], "s--", label="start to an answer (empty, same run)")
         ax.plot(sizes, [r[4] for r in rows], "^:", label="adoption inside the daemon")
         ax.axhline(2.0, color="grey", lw=0.8, label="2 s target")
@@ -154,7 +216,8 @@ def main() -> None:
         ax.set_xticks(sizes, [f"{s:g}" for s in sizes])
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=8)
-        ax.set_title("Daemon restart with a kept host cache")
+        ax.set_title("Daemon restart with a kept host cache" if not disk else
+                     f"Daemon restart on its disk tier{' (page cache dropped)' if args.cold else ''}")
         fig.tight_layout()
         fig.savefig(args.plot, dpi=100)
         print(f"plot: {args.plot}")

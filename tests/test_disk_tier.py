@@ -156,6 +156,16 @@ def test_a_restarted_daemon_finds_its_disk_pages(daemon_factory, disk_dir):
         written(d, 800)
     d.stop()
     again = daemon_factory(host_memory=24 * MiB, disk_cache=disk_dir, disk_size=128 * MiB)
+    # A scheduler's Lookup of the whole space, before any engine registered again: the disk's
+    # parts answer for it (host memory has none yet).
+    from cache_engine import DTYPE, LAYOUT, MODEL, PAGE
+
+    from kvclient import CacheView
+
+    with CacheView(again.address, model=MODEL, layout=LAYOUT, dtype=DTYPE, page_size=PAGE, num_layers=4,
+                   timeout=5) as view:
+        found = view.lookup(keys)
+        assert (found.pages, found.disk_pages) == (800, 800)
     with CacheEngine(again.address, pages=256) as eng:
         t = tiers(eng)
         assert t["disk"].kept.adopted_pages == 800 and t["disk"].kept.torn_pages == 0

@@ -118,6 +118,10 @@ NOT_RUN = {
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_disk.py --gib 1 --rounds 5"):
         "a benchmark that writes and reads 10 GiB of disk, for figures measured by hand; "
         "tests/test_bench_disk.py runs the same script on 64 MiB",
+    ("docs/performance.md", ".venv/bin/python benchmarks/bench_restart.py --tier disk --cold --sizes 1 4 16 "
+                            "--runs 3 --plot docs/plots/restart-disk.png"):
+        "a benchmark that writes 21 GiB to disk and drops the page cache, for figures measured by hand; "
+        "tests/test_bench_restart_disk.py runs the same script on 64 MiB",
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_release.py --gib 4"):
         "a benchmark that populates 4 GiB twice, for figures measured by hand; tests/test_bench_release.py "
         "runs the same script on a small region",

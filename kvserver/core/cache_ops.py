@@ -23,7 +23,7 @@ from kvserver.core.client_state import ClientSpec, ClientState, check_model_shap
 from kvserver.core.copier import ClientJob, LoadStep
 from kvserver.core.kvcore import KVCore
 from kvserver.core.share import LoopShare
-from kvserver.errors import InvalidArgument, NoCapacity, NotFound, OutOfRange
+from kvserver.errors import InvalidArgument, KVError, NoCapacity, NotFound, OutOfRange
 from kvserver.peers.tenants import TenantBook
 from kvserver.protocol.layout import KVLayout, torch_dtype
 from kvserver.store import (
@@ -162,6 +162,12 @@ class CacheOps:
             target = part.space if req.whole_space else part
         else:
             target = self.cache.space(key)
+        if isinstance(target, Space) and self.disk is not None and not req.memory_only:
+            for part_key in self.disk.part_keys(target.key):  # parts host memory has no page of
+                try:
+                    self.cache.part(target, part_key)
+                except KVError:  # another shape under the same rank: its pages are not this space's
+                    pass
         lower = None if req.memory_only else self.lower
         found = await in_steps(self.kv.share, self.cache.lookup_steps(target, keys, req.pin_ms, lower))
         if self.disk is not None:

@@ -41,7 +41,7 @@ from kvserver.disk.arena import DiskArena
 from kvserver.errors import KVError
 from kvserver.host.kept import FORMAT, KeptDir
 from kvserver.host.regions import REGION_ALIGN, aligned_capacity
-from kvserver.store import GetPlan, Keys, KVCache, Part
+from kvserver.store import GetPlan, Keys, KVCache, Part, PartKey, SpaceKey
 from kvserver.store.keep import Recovery, kept_shape
 from kvserver.store.pages import COMMITTED
 
@@ -161,6 +161,12 @@ class DiskTier:
                 return None
             mine = self.cache.part(space, part.key)
         return mine if mine.key == part.key else None
+
+    def part_keys(self, key: SpaceKey) -> list[PartKey]:
+        """The parts the disk holds of space ``key`` (a whole-space Lookup needs them all, those
+        host memory has no page of included)."""
+        space = None if self._closed else self.cache.find_space(key)
+        return [p.key for p in space.parts.values()] if space is not None else []
 
     def holds(self, part: Part, keys: Keys) -> np.ndarray:
         """Mask of ``keys`` whose pages the disk holds for the host part ``part``; those are made
