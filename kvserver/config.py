@@ -42,31 +42,34 @@ def format_size(n: int) -> str:
     return f"{n} bytes"
 
 
-def parse_host_memory(text: str) -> int:
-    """A size (see ``parse_size``) or a share of the machine's memory, '60%' -> bytes."""
+def _size_or_share(text: str, whole, of: str) -> int:
+    """A size (see ``parse_size``), or a share of ``whole()`` bytes, '60%' -> bytes."""
     m = _SHARE.fullmatch(text)
     if not m:
         return parse_size(text)
     share = float(m.group(1))
     if not 0 < share <= 100:
-        raise ValueError(f"a share of the machine's memory is above 0% and at most 100%, not {text!r}")
-    return int(machine_memory() * share / 100)
+        raise ValueError(f"a share of {of} is above 0% and at most 100%, not {text!r}")
+    return int(whole() * share / 100)
+
+
+def parse_host_memory(text: str) -> int:
+    """A size (see ``parse_size``) or a share of the machine's memory, '60%' -> bytes."""
+    return _size_or_share(text, machine_memory, "the machine's memory")
 
 
 def parse_disk_size(text: str, path: str) -> int:
     """A size (see ``parse_size``) or a share of the size of the file system holding ``path``
     (its nearest existing directory), '25%' -> bytes."""
-    m = _SHARE.fullmatch(text)
-    if not m:
-        return parse_size(text)
-    share = float(m.group(1))
-    if not 0 < share <= 100:
-        raise ValueError(f"a share of the disk is above 0% and at most 100%, not {text!r}")
-    where = os.path.abspath(path)
-    while not os.path.isdir(where):
-        where = os.path.dirname(where)
-    st = os.statvfs(where)
-    return int(st.f_blocks * st.f_frsize * share / 100)
+
+    def file_system() -> int:
+        where = os.path.abspath(path)
+        while not os.path.isdir(where):
+            where = os.path.dirname(where)
+        st = os.statvfs(where)
+        return st.f_blocks * st.f_frsize
+
+    return _size_or_share(text, file_system, "the disk")
 
 
 _ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[\w.-]*):(\d{1,5})")

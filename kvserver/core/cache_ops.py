@@ -390,7 +390,7 @@ class CacheOps:
         Get loads fewer. Returns the host pages of the hit, held (the caller lets them go once
         its Get holds them), so that another part's read back does not evict them."""
         pages = self.cache.pages
-        _, in_host, writing, on_disk = await in_steps(self.kv.share, self._tiers_of(part, keys))
+        in_host, writing, on_disk = await in_steps(self.kv.share, self._tiers_of(part, keys))
         m = leading(in_host | on_disk)  # (a page a Put is writing, and not on disk, ends the hit)
         need = np.flatnonzero(~(in_host | writing)[:m])
         if len(need):
@@ -413,8 +413,8 @@ class CacheOps:
         return ids
 
     def _tiers_of(self, part: Part, keys: Keys) -> Generator[None, None, tuple[np.ndarray, ...]]:
-        """Per key, up to the first one neither tier holds, a step of keys at a time: (host page
-        id, in host memory, being written there, on disk)."""
+        """Per key, up to the first one neither tier holds, a step of keys at a time: (in host
+        memory, being written there, on disk)."""
         disk, pages = self.disk, self.cache.pages
         assert disk is not None
         out: list[tuple[np.ndarray, ...]] = []
@@ -426,11 +426,11 @@ class CacheOps:
             state = pages.state[ids]
             in_host, writing = (ids >= 0) & (state == COMMITTED), (ids >= 0) & (state == WRITING)
             on_disk = disk.holds(part, step)
-            out.append((ids, in_host, writing, on_disk))
+            out.append((in_host, writing, on_disk))
             if leading(in_host | on_disk) < len(step):
                 break
         if not out:
-            return np.empty(0, np.int64), *(np.zeros(0, bool) for _ in range(3))
+            return tuple(np.zeros(0, bool) for _ in range(3))
         return tuple(np.concatenate(cols) for cols in zip(*out, strict=True))
 
     async def _read_back(self, part: Part, keys: Keys, deadline: float) -> None:

@@ -194,23 +194,13 @@ class KeptDir:
     def mapping(self, name: str, nbytes: int) -> mmap.mmap:
         """The file ``name`` of ``nbytes`` mapped shared: as found if adopting (it must have that
         size), else emptied first. Its blocks are sparse until ``allocate`` takes them."""
-        if name in self._fds:
-            raise ValueError(f"{name} is mapped already")
-        fd = self._open(name)
-        self._fds[name] = fd
-        size = os.fstat(fd).st_size
-        if self.adopting and size != nbytes:
-            raise KeptDirError(f"{os.path.join(self.path, name)} is {size} bytes, not {nbytes}: changed "
-                               "by something other than the daemon")
-        if not self.adopting:
-            os.ftruncate(fd, 0)
-            os.ftruncate(fd, nbytes)
-        mm = mmap.mmap(fd, max(1, nbytes), flags=mmap.MAP_SHARED)
+        mm = mmap.mmap(self.file(name, nbytes), max(1, nbytes), flags=mmap.MAP_SHARED)
         self._maps.append(mm)
         return mm
 
     def file(self, name: str, nbytes: int) -> int:
-        """The file ``name`` of ``nbytes``, open (see ``mapping``; read and written by the caller)."""
+        """The file ``name`` of ``nbytes``, open: as found if adopting (it must have that size),
+        else emptied first (sparse). ``mapping`` maps one; the disk tier reads and writes one."""
         if name in self._fds:
             raise ValueError(f"{name} is open already")
         fd = self._open(name)
