@@ -6,6 +6,7 @@
 #
 #   docker build -t kvserver .
 #   docker build --build-arg KVSERVER_EXTRAS=cuda -t kvserver .      # + the `cuda` extra (cupy-cuda12x)
+#   docker build --build-arg KVSERVER_EXTRAS=cuda,cluster -t kvserver .   # + Mooncake Store (cluster tier)
 #   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu -t kvserver:cpu .
 FROM python:3.11-slim
 
@@ -18,6 +19,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# libibverbs1: Mooncake Store's client (the `cluster` extra) loads it at import, for TCP too.
+RUN apt-get update && apt-get install -y --no-install-recommends libibverbs1 \
+    && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /src
 # Only what the wheel is built from: the project files (README.md if present) and the package folders

@@ -372,7 +372,7 @@ class ClientCore:
         return Op("Lookup", lambda r: pb.LookupRequest(client_id=r.client_id, keys=data, key_bytes=width,
                                                        pin_ms=pin_ms, whole_space=whole_space,
                                                        memory_only=memory_only),
-                  lambda resp: LookupResult(resp.pages, resp.lease_id, resp.disk_pages), LookupResult(0),
+                  LookupResult.from_wire, LookupResult(0),
                   cache=True, timeout=timeout)
 
     def put(self, keys: Keys, device_pages: msg.Indices, ready_event, key_bytes: int = KEY_BYTES) -> Op:

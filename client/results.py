@@ -9,16 +9,29 @@ from dataclasses import dataclass
 class LookupResult:
     """``pages``: how many leading keys are stored; ``lease_id``: the pin taken on them (with
     ``pin_ms``), for ``release`` or a ``get``; ``disk_pages``: of the pages, those only the
-    daemon's disk tier holds (a get reads them from disk first; they are not pinned)."""
+    daemon's disk tier holds (a get reads them from disk first; they are not pinned);
+    ``cluster_pages``: those after the node's own, that only the cluster tier holds (a get pulls
+    them from other nodes first; not pinned, and a miss if their node is gone meanwhile)."""
 
     pages: int
     lease_id: str = ""
     disk_pages: int = 0
+    cluster_pages: int = 0
 
     @property
     def host_pages(self) -> int:
         """Of the pages, those in the daemon's host memory."""
-        return self.pages - self.disk_pages
+        return self.pages - self.disk_pages - self.cluster_pages
+
+    @classmethod
+    def from_wire(cls, resp) -> LookupResult:
+        """From a LookupResponse."""
+        return cls(resp.pages, resp.lease_id, resp.disk_pages, resp.cluster_pages)
+
+    @property
+    def away_pages(self) -> int:
+        """Of the pages, those a get must first bring into host memory (disk or cluster)."""
+        return self.disk_pages + self.cluster_pages
 
 
 @dataclass(frozen=True, slots=True)

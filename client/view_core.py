@@ -79,7 +79,7 @@ class ViewCore:
         data, width, _ = packed(keys, key_bytes)
         return ViewOp("Lookup", lambda sid: pb.LookupRequest(space_id=sid, keys=data, key_bytes=width,
                                                              pin_ms=pin_ms),
-                      lambda resp: LookupResult(resp.pages, resp.lease_id, resp.disk_pages), LookupResult(0))
+                      LookupResult.from_wire, LookupResult(0))
 
     def release(self, lease_ids: str | Sequence[str]) -> ViewOp:
         # Leases of a space the daemon forgot are gone with it: nothing to retry.

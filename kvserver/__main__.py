@@ -9,7 +9,8 @@ import sys
 
 import uvloop
 
-from kvserver.config import ServerConfig, parse_disk_size, parse_host_memory
+from kvserver.cluster import check_installed
+from kvserver.config import ServerConfig, parse_cluster_segment, parse_disk_size, parse_host_memory
 from kvserver.host.arena import HostMemoryError
 from kvserver.peers.tenants import TenantBook, parse_quota
 from kvserver.protocol.paths import default_socket
@@ -51,6 +52,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 10%%)")
     p.add_argument("--disk-threads", type=int, default=_env("DISK_THREADS", "8"),
                    help="worker threads of the disk tier's reads and writes (default 8)")
+    p.add_argument("--cluster-master", default=_env("CLUSTER_MASTER"),
+                   help="HOST:PORT of a Mooncake Store master: join its cluster, storing pages there "
+                        "and reading other nodes' pages on a local miss (default: no cluster; needs "
+                        "the 'cluster' extra; Mooncake authenticates nothing: a private network only)")
+    p.add_argument("--cluster-metadata", default=_env("CLUSTER_METADATA", "P2PHANDSHAKE"),
+                   help="the cluster's metadata service: P2PHANDSHAKE (default) or the master's "
+                        "http://HOST:PORT/metadata")
+    p.add_argument("--cluster-host", default=_env("CLUSTER_HOST"),
+                   help="this node's address as other nodes reach it (default: the local address "
+                        "of the route to the master)")
+    p.add_argument("--cluster-segment", default=_env("CLUSTER_SEGMENT", "25%"),
+                   help="memory this node contributes to the cluster: a size or a share of "
+                        "--host-memory (default 25%%)")
+    p.add_argument("--cluster-protocol", default=_env("CLUSTER_PROTOCOL", "tcp"), choices=("tcp", "rdma"),
+                   help="the transfer engine's protocol: tcp (default; rdma is refused for now, see "
+                        "docs/design.md)")
+    p.add_argument("--cluster-timeout-ms", type=float, default=_env("CLUSTER_TIMEOUT_MS", "1000"),
+                   help="longest wait for the cluster in a Lookup or a Get: past it the pages are "
+                        "misses (default 1000)")
     p.add_argument("--copy-threads", type=int, default=_env("COPY_THREADS", "2"),
                    help="copy worker threads (default 2): loads go first, and a large job's pieces "
                         "run on every idle worker")
@@ -134,6 +154,13 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         disk_size=parse_disk_size(args.disk_size, args.disk_cache) if args.disk_cache else 0,
         disk_size_share=args.disk_size.strip().endswith("%"),
         disk_threads=args.disk_threads,
+        cluster_master=args.cluster_master or None,
+        cluster_metadata=args.cluster_metadata,
+        cluster_host=args.cluster_host or None,
+        cluster_segment=(parse_cluster_segment(args.cluster_segment, parse_host_memory(args.host_memory))
+                         if args.cluster_master else 0),
+        cluster_protocol=args.cluster_protocol,
+        cluster_timeout=args.cluster_timeout_ms / 1000,
         copy_threads=args.copy_threads,
         torch_threads=args.torch_threads,
         shutdown_grace=args.shutdown_grace,
@@ -155,6 +182,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         metrics_listen=args.metrics_listen,
         metrics_per_space=args.metrics_per_space,
     )
+    if config.cluster_master:
+        check_installed()
     # Checked here, so that a bad quota or tokens file stops the daemon with a clear message.
     parse_quota(config.tenant_quota, config.host_memory)
     if config.tenant_tokens:

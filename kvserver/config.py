@@ -72,6 +72,11 @@ def parse_disk_size(text: str, path: str) -> int:
     return _size_or_share(text, file_system, "the disk")
 
 
+def parse_cluster_segment(text: str, host_memory: int) -> int:
+    """A size (see ``parse_size``) or a share of host memory, '25%' -> bytes."""
+    return _size_or_share(text, lambda: host_memory, "host memory")
+
+
 _ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[\w.-]*):(\d{1,5})")
 
 
@@ -98,6 +103,12 @@ class ServerConfig:
     disk_size: int = 0  # bytes of it
     disk_size_share: bool = False  # disk_size came from a share of the file system (see DiskTier)
     disk_threads: int = 8  # its I/O threads, as many for reads: checks run while others wait on I/O
+    cluster_master: str | None = None  # HOST:PORT of a Mooncake Store master; None: no cluster tier
+    cluster_metadata: str = "P2PHANDSHAKE"  # or the master's http://HOST:PORT/metadata
+    cluster_host: str | None = None  # this node's address for peers; None: the route to the master's
+    cluster_segment: int = 0  # bytes this node contributes to the cluster
+    cluster_protocol: str = "tcp"
+    cluster_timeout: float = 1.0  # seconds a Lookup or Get waits for the cluster
     copy_threads: int = 2  # copy workers: loads first, a large job's pieces on all (kvserver.copies.workers)
     torch_threads: int = 0  # 0 leaves torch's default
     shutdown_grace: float = 5.0
@@ -132,6 +143,23 @@ class ServerConfig:
             raise ValueError("--disk-cache and --host-memory-dir must be two directories")
         if self.disk_threads < 1:
             raise ValueError("disk threads must be at least 1")
+        if self.cluster_master is not None:
+            m = _ADDRESS.fullmatch(self.cluster_master)
+            if not m or not m.group(1) or not 0 < int(m.group(2)) <= 65535:
+                raise ValueError(f"--cluster-master {self.cluster_master!r} is not HOST:PORT")
+            if self.cluster_segment < 1 << 20:
+                raise ValueError("the cluster segment must be at least 1MiB (--cluster-segment)")
+            if not 0 < self.cluster_timeout <= 60:
+                raise ValueError("the cluster timeout must be in (0, 60000] ms")
+            if self.cluster_protocol == "rdma":
+                raise ValueError("--cluster-protocol rdma is not supported yet: RDMA registration would pin "
+                                 "the whole host arena, and the arena gives freed pages back to the kernel, "
+                                 "which a registered range must not do (docs/design.md); use tcp")
+            if self.cluster_protocol != "tcp":
+                raise ValueError("--cluster-protocol is tcp")
+            if not (self.cluster_metadata == "P2PHANDSHAKE" or self.cluster_metadata.startswith("http://")
+                    or self.cluster_metadata.startswith("etcd://")):
+                raise ValueError("--cluster-metadata is P2PHANDSHAKE, http://HOST:PORT/metadata or etcd://...")
         if self.shutdown_grace < 0:
             raise ValueError("shutdown grace must not be negative")
         if not 0 <= self.progress_interval <= 1:

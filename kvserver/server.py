@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from kvserver.api.auth import TokenAuth
 from kvserver.api.metrics import Metrics
 from kvserver.api.servicer import KVServicer, add_to_server
+from kvserver.cluster import MooncakeClient, local_address
 from kvserver.config import ServerConfig
 from kvserver.core.cache_ops import expire_leases
 from kvserver.core.kvcore import KVCore
@@ -32,6 +33,15 @@ from kvserver.v1 import kvserver_pb2 as pb
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVServer"].full_name
+
+
+def cluster_client(config: ServerConfig) -> MooncakeClient | None:
+    """The cluster store's client the configuration asks for (not joined yet), or None."""
+    if not config.cluster_master:
+        return None
+    host = config.cluster_host or local_address(config.cluster_master)
+    return MooncakeClient(config.cluster_master, config.cluster_metadata, host, config.cluster_segment,
+                          config.cluster_protocol)
 
 
 class ListenError(RuntimeError):
@@ -79,6 +89,8 @@ class Daemon:
             disk_size=config.disk_size,
             disk_size_share=config.disk_size_share,
             disk_threads=config.disk_threads,
+            cluster=cluster_client(config),
+            cluster_timeout=config.cluster_timeout,
         )
         self._stop_leases = asyncio.Event()
         self._leases: asyncio.Task | None = None

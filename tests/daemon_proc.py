@@ -20,8 +20,10 @@ ADMIN = (("x-kvserver-admin", ADMIN_TOKEN),)
 class DaemonProcess:
     """``stats()`` carries the admin token the daemon is started with, so it lists every client."""
 
-    def __init__(self, socket: str, *args: str, host_memory: str = "1GiB") -> None:
+    def __init__(self, socket: str, *args: str, host_memory: str = "1GiB",
+                 prefix: tuple[str, ...] = ()) -> None:
         self.socket = socket
+        self.prefix = list(prefix)  # a command the daemon runs under, e.g. ip netns exec NS
         self.address = f"unix://{socket}"
         self.args = ["--socket", socket, "--host-memory", host_memory, "--log-level", "WARNING", *args]
         self.proc: subprocess.Popen | None = None
@@ -30,7 +32,7 @@ class DaemonProcess:
     def start(self) -> None:
         if os.path.exists(self.socket):
             os.unlink(self.socket)
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvserver", *self.args],
+        self.proc = subprocess.Popen([*self.prefix, sys.executable, "-m", "kvserver", *self.args],
                                      env={**os.environ, "KVSERVER_ADMIN_TOKEN": ADMIN_TOKEN})
         deadline = time.monotonic() + 30
         while not os.path.exists(self.socket):

@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "suites" / "multiturn.py"
 CONFIGS = ["recompute", "host-inprocess", "kvserver-index", "dp2-recompute", "dp2-kvserver-cache",
            "dp2-cache-restart", "dp2-cache-restart-kept", "dp2-small-host", "dp2-small-host-disk",
-           "dp2-small-host-disk-restart"]
+           "dp2-small-host-disk-restart", "nodes2-own-cache", "nodes2-cluster"]
 POSITIVE = ["prompt_tokens", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "throughput_rps",
             "throughput_prompt_tps", "makespan_s", "busy_s"]
 
@@ -71,6 +71,16 @@ def test_quick_run_reports_every_configuration(tmp_path) -> None:
     assert result["checks"]["dp2-cache-restart"]["adopted_pages"] == 0
     for name in ("dp2-cache-restart", "dp2-cache-restart-kept", "dp2-small-host", "dp2-small-host-disk",
                  "dp2-small-host-disk-restart"):
+        assert result["checks"][name]["pages_wrong"] == 0 and result["checks"][name]["pages_checked"] > 0
+
+    # Two nodes, requests at random: with the cluster tier a history computed on either node is a
+    # hit on both; each node alone finds only its own (the CI run installs Mooncake Store).
+    assert hit["nodes2-cluster"] > hit["nodes2-own-cache"]
+    assert hit["nodes2-cluster"] == hit["dp2-kvserver-cache"]  # as one node-wide cache would
+    nodes = result["checks"]["nodes2-cluster"]
+    assert nodes["cluster_published_pages"] > 0 and nodes["cluster_pulled_pages"] > 0
+    assert nodes["cluster_get_errors"] == 0
+    for name in ("nodes2-own-cache", "nodes2-cluster"):
         assert result["checks"][name]["pages_wrong"] == 0 and result["checks"][name]["pages_checked"] > 0
 
     model = result["model"]

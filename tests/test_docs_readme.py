@@ -73,12 +73,19 @@ RUN = {
     ("docs/integrations.md", "vllm serve Qwen/Qwen2.5-0.5B-Instruct "
                              "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' \\"):
         "vllm-serve-layerwise",
+    # Run by tests/test_cluster_netns.py: the master line on a veth end that is 10.0.0.1, the daemon
+    # line on the other end's node (its own network namespace; skipped where none can be made).
+    ("docs/integrations.md", "mooncake_master --rpc_address=10.0.0.1 --rpc_port=50051 --client_ttl=5 &"):
+        "cluster-nodes",
     # Run by tests/test_api_metrics.py (the daemon line as written, then the curl line against it).
     ("docs/metrics.md", "kvserver --metrics-listen 127.0.0.1:9400"): "metrics-daemon",
     ("docs/metrics.md", "curl -s http://127.0.0.1:9400/metrics | grep '^kvserver_clients'"): "metrics-curl",
 }
 # Blocks not run here, and why.
 NOT_RUN = {
+    ("docs/integrations.md", "apt-get install -y libibverbs1 && pip install 'kvserver[cluster]'"):
+        "installs system and PyPI packages; scripts/test.sh installs the same "
+        "(scripts/install_cluster_deps.sh, the cluster extra) before the suite, whose cluster tests use them",
     ("README.md", "from kvclient import CudaKVPool"):
         "the CUDA pool needs a GPU and CuPy (docs/gpu-check.md is the check for a GPU machine)",
     ("docs/gpu-check.md", "echo /.whl/ >> .git/info/exclude"):
@@ -115,6 +122,9 @@ NOT_RUN = {
      ".venv/bin/python benchmarks/bench_restart.py --sizes 1 4 16 --runs 3 --plot docs/plots/restart.png"):
         "a benchmark that fills 21 GiB of tmpfs, for figures measured by hand; "
         "tests/test_bench_restart.py runs the same script on 64 MiB",
+    ("docs/performance.md", ".venv/bin/python benchmarks/bench_cluster.py --mib 256 --rounds 5"):
+        "a benchmark that moves 6 GiB through a Mooncake cluster on loopback, for figures measured by "
+        "hand; tests/test_bench_cluster.py runs the same script on 8 MiB",
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_disk.py --gib 1 --rounds 5"):
         "a benchmark that writes and reads 10 GiB of disk, for figures measured by hand; "
         "tests/test_bench_disk.py runs the same script on 64 MiB",
@@ -363,7 +373,7 @@ def test_running_the_daemon_block(env, start, home):
         for d in ours:
             shutil.rmtree(d, ignore_errors=True)
     unix = f"unix://{expected_socket(env)}"
-    assert listened == [unix, unix, unix, unix, unix, f"127.0.0.1:{TCP_PORT}"]
+    assert listened == [unix, unix, unix, unix, unix, unix, f"127.0.0.1:{TCP_PORT}"]
     token = home / ".config" / "kvserver" / "token"
     assert stat.S_IMODE(token.stat().st_mode) == 0o600
     assert len(token.read_text().strip()) >= 32

@@ -327,6 +327,21 @@ MAIN_CASES = {
     "unknown-flag": (["--frobnicate"], {}, "unrecognized arguments: --frobnicate"),
     "bad-int-env": ([], {"KVSERVER_COPY_THREADS": "lots"}, "invalid int value: 'lots'"),
     "bad-float-env": ([], {"KVSERVER_SHUTDOWN_GRACE": "soon"}, "invalid float value: 'soon'"),
+    "cluster-master-no-port": (["--cluster-master", "mooncake"], {},
+                               "--cluster-master 'mooncake' is not HOST:PORT"),
+    "cluster-master-env-no-host": ([], {"KVSERVER_CLUSTER_MASTER": ":50051"}, "is not HOST:PORT"),
+    "cluster-segment-tiny": (["--cluster-master", "10.0.0.1:50051", "--cluster-segment", "4KiB"], {},
+                             "the cluster segment must be at least 1MiB"),
+    "cluster-segment-share": (["--cluster-master", "10.0.0.1:50051", "--cluster-segment", "200%"], {},
+                              "a share of host memory is above 0% and at most 100%, not '200%'"),
+    "cluster-timeout-zero": (["--cluster-master", "10.0.0.1:50051", "--cluster-timeout-ms", "0"], {},
+                             "the cluster timeout must be in (0, 60000] ms"),
+    "cluster-metadata": (["--cluster-master", "10.0.0.1:50051", "--cluster-metadata", "redis://x"], {},
+                         "--cluster-metadata is P2PHANDSHAKE, http://HOST:PORT/metadata or etcd://"),
+    "cluster-protocol": (["--cluster-master", "10.0.0.1:50051", "--cluster-protocol", "udp"], {},
+                         "invalid choice: 'udp'"),
+    "cluster-rdma": (["--cluster-master", "10.0.0.1:50051", "--cluster-protocol", "rdma"], {},
+                     "--cluster-protocol rdma is not supported yet"),
 }
 MAIN_GAPS: set[str] = set()
 

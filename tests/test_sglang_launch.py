@@ -217,7 +217,8 @@ def test_every_launch_command_is_run_here_and_parsed_by_sglang():
     assert {RUN.get(key) for key in launching} == LAUNCH_MODES, "a launch_server block not run here"
     ran_elsewhere = {mode for (doc, _), mode in RUN.items()
                      if doc == DOC and not mode.startswith("vllm-")} - RUN_HERE  # vllm-*: test_vllm_serve.py
-    assert ran_elsewhere == {"sglang-daemon"}  # test_docs_readme.py::test_integrations_daemon_block
+    # test_docs_readme.py::test_integrations_daemon_block; test_cluster_netns.py (the cluster's nodes)
+    assert ran_elsewhere == {"sglang-daemon", "cluster-nodes"}
     for key in launching:
         (argv,) = launch_commands(doc_blocks[key])
         server_args = parse(argv)

@@ -144,6 +144,21 @@ def test_daemon_command_parses(services):
     assert services["kvserver"]["ipc"] == "host"
 
 
+def test_the_cluster_profile_has_a_master_and_a_peer_daemon_and_the_daemon_joins_when_told(services):
+    assert services["mooncake-master"]["profiles"] == services["kvserver-peer"]["profiles"] == ["cluster"]
+    master = services["mooncake-master"]["command"]
+    assert master[0] == "mooncake_master" and "--rpc_port=50051" in master
+    assert services["mooncake-master"]["image"] == services["kvserver"]["image"]  # the extra's binary
+    assert "cluster" in services["kvserver"]["build"]["args"]["KVSERVER_EXTRAS"].split(",")
+    peer = daemon_config(services["kvserver-peer"])
+    assert peer.cluster_master == "mooncake-master:50051" and peer.host_memory_dir is None
+    assert mounts(services["kvserver-peer"]) == {"kvserver-peer-socket": "/run/kvserver"}
+    assert daemon_config(services["kvserver"]).cluster_master is None  # off unless asked
+    joined = load({"KVSERVER_CLUSTER_MASTER": "mooncake-master:50051"})["services"]["kvserver"]
+    assert daemon_config(joined).cluster_master == peer.cluster_master
+    assert "libibverbs1" in DOCKERFILE.read_text()
+
+
 def test_an_empty_host_memory_dir_turns_keeping_off():
     config = daemon_config(load({"KVSERVER_HOST_MEMORY_DIR": ""})["services"]["kvserver"])
     assert config.host_memory_dir is None

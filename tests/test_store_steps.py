@@ -42,9 +42,9 @@ def test_a_large_request_yields_between_steps_and_answers_the_same(small_steps):
     assert yields == N // 16 and len(plan.positions) == N and plan.positions.tolist() == list(range(N))
     cache.complete_put(plan, True)
     yields, got = steps_of(cache.lookup_steps(part, keys(N)))
-    assert yields == N // 16 and got == (N, "", 0)
+    assert yields == N // 16 and got == (N, "", 0, 0)
     mixed = Keys.of([*(k.to_bytes(16, "little") for k in range(40)), b"missing".ljust(16, b"\0")])
-    assert steps_of(cache.lookup_steps(part, mixed)) == (2, (40, "", 0))  # stops at the first miss
+    assert steps_of(cache.lookup_steps(part, mixed)) == (2, (40, "", 0, 0))  # stops at the first miss
     yields, plan = steps_of(cache.prepare_get_steps(part, keys(N)))
     assert yields == N // 16 and plan.pages == N and len(plan.offsets) == N
     cache.complete_get(plan, True)
@@ -56,7 +56,7 @@ def test_a_pinned_lookup_pins_every_step_under_one_lease(small_steps):
     cache, _, _ = make_cache(capacity=64 * MiB)
     part = one_part(cache, page_bytes=4096)
     put(cache, part, keys(N))
-    n, lease, _ = run_steps(cache.lookup_steps(part, keys(N), pin_ms=1000))
+    n, lease = run_steps(cache.lookup_steps(part, keys(N), pin_ms=1000))[:2]
     assert n == N and len(cache.leases.leases) == 1 and int(cache.pages.pins.sum()) == N
     assert cache.release("t", [lease]) == 1 and int(cache.pages.pins.sum()) == 0
 
@@ -97,7 +97,7 @@ def test_a_pin_runs_from_the_answer_not_from_the_lookups_first_step(small_steps)
     next(steps)  # the first step pinned its pages under the lease
     clock.now += 1.0  # past pin_ms
     assert cache.expire_leases() == 0  # as the daemon's expiry task would run between two steps
-    n, lease, _ = run_steps(steps)
+    n, lease = run_steps(steps)[:2]
     assert n == N and lease in cache.leases.leases and int(cache.pages.pins.sum()) == N
     clock.now += 0.002
     assert cache.expire_leases() == 1 and int(cache.pages.pins.sum()) == 0

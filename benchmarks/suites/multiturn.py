@@ -1,7 +1,7 @@
 """Multi-turn serving (after SGLang's bench_multiturn): C clients x R rounds, each round a client's
 history grows by an answer (A tokens) and a new question (Q tokens); requests arrive as a Poisson
 process; the device KV pool holds about a quarter of all histories, so a returning client's prefix
-is still on the device, found in a host tier, or recomputed. Ten configurations see the same trace:
+is still on the device, found in a host tier, or recomputed. Twelve configurations see the same trace:
 
 - recompute:          one engine, device pool with LRU prefix reuse, nothing below it;
 - host-inprocess:     one engine with a host pool in its own process (kvserver.copies.transfer's kernel);
@@ -17,6 +17,11 @@ is still on the device, found in a host tier, or recomputed. Ten configurations 
 - dp2-small-host-disk: the same with the disk tier (--disk-cache): evicted pages are read back;
 - dp2-small-host-disk-restart: the same, SIGKILLed and started again halfway (host memory not
                       kept): the restarted daemon finds the histories on disk.
+- nodes2-own-cache:   two nodes (two daemons), one replica each, requests placed at random: each
+                      replica finds only what its own node's cache holds;
+- nodes2-cluster:     the same two nodes sharing a Mooncake Store cluster (--cluster-master): a
+                      history computed on either node is a hit on both (left out where the
+                      'cluster' extra is not installed).
 
 Compute is modelled, data movement is real: prefill time comes from a small Llama (built from a
 config, nothing downloaded) timed on this machine at start-up and fitted (_multiturn_model); the
@@ -65,6 +70,7 @@ import torch  # noqa: E402
 from _multiturn_dp import CacheReplica, RemoteReplica, serve_dp  # noqa: E402
 from _multiturn_kv import DevicePool, Geometry  # noqa: E402
 from _multiturn_model import ModelConfig, Timing, prefill_seconds  # noqa: E402
+from _multiturn_nodes import cluster_available, serve_nodes  # noqa: E402
 from _multiturn_sim import Workload, figures, timeline, trace  # noqa: E402
 from _multiturn_sweep import sizes_for, sweep  # noqa: E402
 from _multiturn_tiers import IndexHost, InProcessHost, geometry_note, serve_single  # noqa: E402
@@ -76,6 +82,7 @@ NAME = "multiturn"
 CONFIGS = ["recompute", "host-inprocess", "kvserver-index", "dp2-recompute", "dp2-kvserver-cache",
            "dp2-cache-restart", "dp2-cache-restart-kept", "dp2-small-host", "dp2-small-host-disk",
            "dp2-small-host-disk-restart"]
+NODE_CONFIGS = ["nodes2-own-cache", "nodes2-cluster"]  # with Mooncake Store installed
 RESTARTED = ("dp2-cache-restart", "dp2-cache-restart-kept", "dp2-small-host-disk-restart")
 # The daemon is SIGKILLed and started again before this share of the trace (the two restart rows).
 RESTART_AT = 0.5
@@ -144,6 +151,7 @@ def run(args: argparse.Namespace, progress) -> dict:
     budget_mib = math.ceil((host_bytes + cache_share + 2 * geom.page_bytes) / (1 << 20)) + 8
     keys = _client_keys(w, cfg.vocab)
 
+    configs = CONFIGS + (NODE_CONFIGS if cluster_available() else [])
     records: dict[str, list] = {}
     checks: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="kv-multiturn-") as tmp:
@@ -156,7 +164,7 @@ def run(args: argparse.Namespace, progress) -> dict:
             model = None if args.quick else timing.result()  # timed alone in a full run
             daemon = DaemonProcess(socket, host_memory=f"{budget_mib}MiB")
             remote.start()
-            bar = progress(total=len(reqs) * len(CONFIGS), desc=NAME)
+            bar = progress(total=len(reqs) * len(configs), desc=NAME)
             dev = DevicePool(geom, dev_pages, w.seed)
             try:
                 records["recompute"] = serve_single(w, reqs, dev, None, bar)
@@ -199,6 +207,10 @@ def run(args: argparse.Namespace, progress) -> dict:
                 records[name], checks[name] = serve_own(w, reqs, geom, dev_pages, keys, small_mib, bar,
                                                         disk=disk, disk_dir=args.multiturn_disk_dir,
                                                         restart=again)
+            if "nodes2-cluster" in configs:
+                for name, cluster in (("nodes2-own-cache", False), ("nodes2-cluster", True)):
+                    records[name], checks[name] = serve_nodes(w, reqs, geom, dev_pages, keys, budget_mib,
+                                                              bar, cluster=cluster)
             bar.close()
             if model is None:
                 model = timing.result()
@@ -216,8 +228,8 @@ def run(args: argparse.Namespace, progress) -> dict:
         rate = args.multiturn_load * len(reqs) / service
     results = {}
     half = int(len(reqs) * RESTART_AT)
-    for name in CONFIGS:
-        tl = timeline(reqs, records[name], rate, prefill, 2 if name.startswith("dp2") else 1)
+    for name in configs:
+        tl = timeline(reqs, records[name], rate, prefill, 2 if name.startswith(("dp2", "nodes2")) else 1)
         results[name] = figures(reqs, records[name], tl)
         after = records[name][half:]  # the requests after the restart, in the restart rows
         prompt = sum(r.prompt_tokens for r in after)
@@ -392,6 +404,16 @@ def summary(result: dict) -> str:
                  f"(it found {sr['disk_adopted_pages']} pages on disk at the restart) against "
                  f"{cfgs['dp2-small-host-disk']['hit_rate_second_half']:.3f} with no restart and "
                  f"{cfgs['dp2-cache-restart']['hit_rate_second_half']:.3f} for a daemon with neither.")
+    if "nodes2-cluster" in cfgs:
+        cc = ck["nodes2-cluster"]
+        lines.append("")
+        lines.append("Two nodes, requests placed at random: "
+                     + ", ".join(f"{n} hit rate {cfgs[n]['hit_rate']:.3f} (TTFT p50 "
+                                 f"{cfgs[n]['ttft_p50_s'] * 1e3:.1f} ms, "
+                                 f"p99 {cfgs[n]['ttft_p99_s'] * 1e3:.1f} ms)"
+                                 for n in ("nodes2-own-cache", "nodes2-cluster", "dp2-kvserver-cache"))
+                     + f"; the cluster tier stored {cc['cluster_published_pages']} pages and pulled "
+                     f"{cc['cluster_pulled_pages']} across the nodes ({cc['cluster_get_errors']} failed).")
     lines += ["", "Per-call transfer time (median ms) by size, same device pages:", "",
               "| pages | KiB | in-process write | in-process load | index Write | index Load | cache Put | "
               "cache Get |", "|---|---|---|---|---|---|---|---|"]

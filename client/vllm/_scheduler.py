@@ -55,7 +55,7 @@ class _Hit:
 
     pages: int
     leases: tuple[str, ...] = ()
-    disk: int = 0  # of the pages, those the daemon's disk tier holds only (read back before loading)
+    disk: int = 0  # of the pages, those the daemon holds only on disk or in the cluster (brought first)
 
 
 @dataclass
@@ -109,7 +109,8 @@ class SchedulerSide:
                              f"drop \"load\": \"{load}\"")
         self.async_loads = load == "async"
         # "auto": a hit held in the daemon's host memory loads with the step (sync); one the daemon
-        # reads back from its disk tier first loads asynchronously, so no step waits on a disk.
+        # reads back from its disk tier or pulls from the cluster first loads asynchronously, so no
+        # step waits on a disk or a network.
         self.auto_loads = load == "auto"
         # Lookups (async mode) and releases run here, off the scheduler's thread.
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvserver-lookup")
@@ -173,7 +174,7 @@ class SchedulerSide:
                 break
             leases[g.index] = found.lease_id
             h = min(h, found.pages)
-            disk = max(disk, found.disk_pages)
+            disk = max(disk, found.away_pages)
         found_all = not windows
         for _ in range(self.WINDOW_TRIES if windows and h else 0):
             found_all, h = self._windows(keys, h, windows, leases)

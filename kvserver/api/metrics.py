@@ -168,7 +168,9 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 
 
 _TIER_GAUGES = (
-    ("kvserver_tier_capacity_bytes", "The tier's capacity (host memory, --disk-size).", "capacity_bytes"),
+    ("kvserver_tier_capacity_bytes",
+     "The tier's capacity (host memory, --disk-size, the cluster segment this node contributes).",
+     "capacity_bytes"),
     ("kvserver_tier_pages", "Pages the tier stores.", "pages"),
     ("kvserver_tier_bytes", "Bytes of the pages the tier stores.", "bytes"),
 )
@@ -189,6 +191,24 @@ _DISK_COUNTERS = (
      "bad_checks"),
 )
 
+_CLUSTER_COUNTERS = (
+    ("kvserver_cluster_published_pages", "Pages this node stored in the cluster.", "written_pages"),
+    ("kvserver_cluster_published_bytes", "Bytes this node stored in the cluster.", "written_bytes"),
+    ("kvserver_cluster_present_pages", "Pages not stored: the cluster held them already.", "present_pages"),
+    ("kvserver_cluster_pulled_pages", "Pages pulled from the cluster into host memory.", "promoted_pages"),
+    ("kvserver_cluster_pulled_bytes", "Bytes pulled from the cluster into host memory.", "promoted_bytes"),
+    ("kvserver_cluster_skipped_pages",
+     "Pages not stored in the cluster: queue full, not joined, or the store not answering.", "skipped_pages"),
+    ("kvserver_cluster_put_errors", "Pages whose put to the cluster failed.", "write_errors"),
+    ("kvserver_cluster_get_errors", "Pages whose pull from the cluster failed: misses.", "read_errors"),
+    ("kvserver_cluster_breaker_trips", "Times the cluster store stopped answering (breaker opened).",
+     "breaker_trips"),
+    ("kvserver_cluster_timeouts", "Cluster calls past their deadline: misses.", "timeouts"),
+    ("kvserver_cluster_busy", "Cluster calls refused with every worker thread busy: misses.", "busy"),
+    ("kvserver_cluster_quarantined_pages",
+     "Pages of failed pulls kept out of use a while (the transfer may still land).", "quarantined_pages"),
+)
+
 
 def _tier_families(tiers: list[TierStat]) -> Iterator[Metric]:
     for kind, table in ((GaugeMetricFamily, _TIER_GAUGES), (CounterMetricFamily, _TIER_COUNTERS)):
@@ -197,6 +217,13 @@ def _tier_families(tiers: list[TierStat]) -> Iterator[Metric]:
             for t in tiers:
                 family.add_metric((t.name,), getattr(t, attr))
             yield family
+    cluster = next((t for t in tiers if t.name == "cluster"), None)
+    if cluster is not None:
+        for name, doc, attr in _CLUSTER_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=getattr(cluster, attr))
+        yield _gauge("kvserver_cluster_available",
+                     "1 if this node has joined the cluster and its store answers, else 0.",
+                     1 if cluster.available else 0)
     disk = next((t for t in tiers if t.name == "disk"), None)
     if disk is None:
         return

@@ -331,7 +331,8 @@ class KVServicer(pb_grpc.KVServerServicer):
     @_abort_on_error
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         found = await self.cache.lookup(request)
-        return pb.LookupResponse(pages=found.pages, lease_id=found.lease_id, disk_pages=found.lower)
+        return pb.LookupResponse(pages=found.pages, lease_id=found.lease_id, disk_pages=found.lower,
+                                 cluster_pages=found.cluster)
 
     @_abort_on_error
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
@@ -467,7 +468,9 @@ def _tiers(core: KVCore, admin: bool) -> list[pb.TierStats]:
             bytes=t.bytes, hits=t.hits, evicted_pages=t.evicted_pages, written_pages=t.written_pages,
             written_bytes=t.written_bytes, promoted_pages=t.promoted_pages, promoted_bytes=t.promoted_bytes,
             skipped_pages=t.skipped_pages, write_errors=t.write_errors, read_errors=t.read_errors,
-            bad_checks=t.bad_checks, direct_io=t.direct_io)
+            bad_checks=t.bad_checks, direct_io=t.direct_io, present_pages=t.present_pages,
+            joined=t.joined, available=t.available, breaker_trips=t.breaker_trips, timeouts=t.timeouts,
+            busy=t.busy, quarantined_pages=t.quarantined_pages)
         if t.recovery is not None:
             msg.kept.CopyFrom(_kept(t.recovery, admin))
         out.append(msg)

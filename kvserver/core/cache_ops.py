@@ -13,11 +13,12 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import numpy as np
 
+from kvserver.cluster.tier import QUARANTINE_SECONDS
 from kvserver.copies import transfer
 from kvserver.core.client_state import ClientSpec, ClientState, check_model_shape
 from kvserver.core.copier import ClientJob, LoadStep
@@ -105,6 +106,7 @@ class CacheOps:
         self._ids_of: dict[SpaceKey, str] = {}
         self._put_settled: asyncio.Future[None] | None = None  # done when a Put's copy settles next
         self.disk = kv.disk  # the tier under the host cache, or None
+        self.cluster = kv.cluster  # the tier shared with other nodes, or None
         self.lower = self.disk.holds if self.disk is not None else None
 
     # ---- who is asking ----------------------------------------------------------------------
@@ -172,6 +174,16 @@ class CacheOps:
         found = await in_steps(self.kv.share, self.cache.lookup_steps(target, keys, req.pin_ms, lower))
         if self.disk is not None:
             self.disk.counters.hits += found.lower
+        if self.cluster is not None and not req.memory_only and found.pages < len(keys):
+            # The rest of the prefix, from the cluster: one batched question, within its deadline.
+            if isinstance(target, Part):
+                parts = [target]
+            else:
+                full = len(target.parts) == target.key.num_parts
+                parts = list(target.parts.values()) if full else []
+            more = await self.cluster.count(parts, keys[found.pages:])
+            if more:
+                found = found._replace(pages=found.pages + more, cluster=more)
         return found
 
     def release(self, req: pb.ReleaseRequest) -> int:
@@ -267,6 +279,8 @@ class CacheOps:
         self.cache.complete_put(plan, ok)
         if ok and self.disk is not None:  # written behind to disk, where it outlives its eviction
             self.disk.demote(plan.part, ids)
+        if ok and self.cluster is not None:  # written through to the cluster, for other nodes
+            self.cluster.publish(plan.part, ids)
         self._written()
 
     def _written(self) -> None:
@@ -348,7 +362,8 @@ class CacheOps:
         part = self._part(client)
         held: list[np.ndarray] = []
         try:
-            if self.disk is not None:  # pages on disk only are read back into host memory first
+            if self.disk is not None or self.cluster is not None:
+                # Pages on disk only, or in the cluster only, are read into host memory first.
                 for first, end, _ in bounds:
                     held.append(await self._promote(part, keys[first:end], deadline))
             plans = await in_steps(self.kv.share, self._prepare_parts(part, keys, bounds))
@@ -384,11 +399,12 @@ class CacheOps:
                 complete(False)
 
     async def _promote(self, part: Part, keys: Keys, deadline: float) -> np.ndarray:
-        """Reads into host pages the pages of the leading keys stored that only the disk holds;
-        waits for pages being read back meanwhile (another Get of the same pages: an MLA model's
-        ranks). A page that cannot be read whole and checked, or in time, ends the hit there: the
-        Get loads fewer. Returns the host pages of the hit, held (the caller lets them go once
-        its Get holds them), so that another part's read back does not evict them."""
+        """Reads into host pages the pages of the leading keys stored that only the disk holds,
+        then (once those are all in) the pages after them that only the cluster holds; waits for
+        pages being read back meanwhile (another Get of the same pages: an MLA model's ranks). A
+        page that cannot be read whole and checked, or in time, ends the hit there: the Get loads
+        fewer. Returns the host pages of the hit, held (the caller lets them go once its Get
+        holds them), so that another part's read back does not evict them."""
         pages = self.cache.pages
         in_host, writing, on_disk = await in_steps(self.kv.share, self._tiers_of(part, keys))
         m = leading(in_host | on_disk)  # (a page a Put is writing, and not on disk, ends the hit)
@@ -401,8 +417,19 @@ class CacheOps:
                 await self._read_back(part, keys.take(need), deadline)
             finally:
                 pages.hold(held, -1)
+        until = deadline
+        if (m < len(keys) and self.cluster is not None and self.cluster.ready
+                and (not len(need) or bool((pages.find(part.gid, keys[:m]) >= 0).all()))):
+            held = self._held_hit(part, keys[:m])  # not evicted to make room for the cluster's
+            try:
+                more, until = await self._pull(part, keys[m:], deadline)
+                m += more
+            except Exception:  # the cluster is best effort: whatever fails there is a miss
+                logger.exception("pulling pages from the cluster failed")
+            finally:
+                pages.hold(held, -1)
         if self.cache.writing(part, keys[:m]):
-            await self._until_written(part, keys[:m], deadline)
+            await self._until_written(part, keys[:m], until)
         return self._held_hit(part, keys[:m])
 
     def _held_hit(self, part: Part, keys: Keys) -> np.ndarray:
@@ -416,7 +443,6 @@ class CacheOps:
         """Per key, up to the first one neither tier holds, a step of keys at a time: (in host
         memory, being written there, on disk)."""
         disk, pages = self.disk, self.cache.pages
-        assert disk is not None
         out: list[tuple[np.ndarray, ...]] = []
         for start in range(0, len(keys), STEP_KEYS):
             if start:
@@ -425,13 +451,57 @@ class CacheOps:
             ids = pages.find(part.gid, step)
             state = pages.state[ids]
             in_host, writing = (ids >= 0) & (state == COMMITTED), (ids >= 0) & (state == WRITING)
-            on_disk = disk.holds(part, step)
+            on_disk = disk.holds(part, step) if disk is not None else np.zeros(len(step), bool)
             out.append((in_host, writing, on_disk))
             if leading(in_host | on_disk) < len(step):
                 break
         if not out:
             return tuple(np.zeros(0, bool) for _ in range(3))
         return tuple(np.concatenate(cols) for cols in zip(*out, strict=True))
+
+    async def _pull(self, part: Part, keys: Keys, deadline: float) -> tuple[int, float]:
+        """Reads the leading pages of ``keys`` that the cluster holds into new host pages of
+        ``part``, the whole of it within one cluster deadline (the tier's timeout, or the Get's
+        ``deadline`` if sooner). Returns (n, that deadline): the leading keys the Get may count on,
+        those stored, pulled, or being written by another Get meanwhile (waited for until then);
+        if this pull is not over in time, only those before its first page. Pages whose transfer
+        is not over stay being written until it is; those whose transfer failed stay out of use
+        for ``QUARANTINE_SECONDS`` more (Mooncake stops waiting, not the transfer)."""
+        cluster = self.cluster
+        assert cluster is not None
+        loop = asyncio.get_running_loop()
+        until = cluster.deadline(deadline)
+        n = await cluster.count([part], keys, until, hits=False)
+        if not n or loop.time() >= until:
+            return 0, until
+        hplan = await in_steps(self.kv.share, self.cache.prepare_put_steps(part, keys[:n]))
+        n -= hplan.dropped
+        if not len(hplan.page_ids):
+            self.cache.complete_put(hplan, True)
+            return n, until
+        first_own = int(hplan.positions[0])
+        done: asyncio.Future[None] = loop.create_future()
+
+        def settled(ok: np.ndarray, unsafe: np.ndarray) -> None:  # once the transfer is over
+            if unsafe.any():
+                kept = replace(hplan, page_ids=hplan.page_ids[unsafe])
+                hplan.page_ids, ok = hplan.page_ids[~unsafe], ok[~unsafe]
+                loop.call_later(QUARANTINE_SECONDS, self._unquarantine, kept)
+            self.cache.complete_put(hplan, ok)
+            self._written()
+            if not done.done():
+                done.set_result(None)
+
+        await cluster.pull(part, keys[:n].take(hplan.positions), hplan.offsets, until, settled)
+        if not done.done():
+            logger.warning("pulling %d pages from the cluster is past its deadline", len(hplan.positions))
+            return first_own, until
+        return n, until
+
+    def _unquarantine(self, plan: PutPlan) -> None:
+        """Frees the pages of a failed pull once its transfer can no longer land."""
+        self.cache.complete_put(plan, False)
+        self._written()
 
     async def _read_back(self, part: Part, keys: Keys, deadline: float) -> None:
         """Reads the disk's pages of ``keys`` (all on disk) into new host pages of ``part``, within

@@ -16,6 +16,7 @@ from collections import Counter
 import numpy as np
 import torch
 
+from kvserver.cluster import ClusterTier, MooncakeClient
 from kvserver.config import format_size
 from kvserver.copies import transfer
 from kvserver.core import epochs
@@ -64,6 +65,8 @@ class KVCore:
         disk_size: int = 0,
         disk_threads: int = 8,
         disk_size_share: bool = False,
+        cluster: MooncakeClient | None = None,
+        cluster_timeout: float = 1.0,
     ) -> None:
         self.recovery: Recovery | None = None  # what a kept cache's start found (None: not kept)
         self._kept: KeptDir | None = None
@@ -76,6 +79,12 @@ class KVCore:
         if disk_cache:
             self.disk = self._build_disk(disk_cache, disk_size, disk_threads, tenant_quota, quotas,
                                          disk_size_share)
+        # The cluster tier (--cluster-master): other nodes' pages on a local miss, joined in the background.
+        self.cluster: ClusterTier | None = None
+        if cluster is not None:
+            self.cluster = ClusterTier(cluster, self.cache, lambda: self.arena.address, self.arena.capacity,
+                                       timeout=cluster_timeout)
+            logger.info("%s", self.cluster.describe())
         self.max_clients = max_clients
         self.max_clients_per_tenant = max_clients_per_tenant
         self._registering_by_tenant: Counter[str] = Counter()  # registrations under way, by tenant
@@ -583,6 +592,8 @@ class KVCore:
         """Starts what runs beside the calls (the disk tier's writer). On the daemon's loop."""
         if self.disk is not None:
             self.disk.start()
+        if self.cluster is not None:
+            self.cluster.start()
 
     async def close(self) -> None:
         while self._in_threads:  # a registration or a pool close in a worker thread uses the arena
@@ -596,6 +607,8 @@ class KVCore:
         self.copier.shutdown()
         if self.disk is not None:  # its reads and writes use the arena
             await self.disk.close()
+        if self.cluster is not None:  # so do its transfers
+            await self.cluster.close()
         self.slab_pinner.close()  # after every copy, before the memory it pinned goes
         self.arena.close()
         if self._kept is not None:  # the cache stays in its files for the next start

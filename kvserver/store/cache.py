@@ -45,11 +45,12 @@ Lower = Callable[[Part, Keys], np.ndarray]  # which of a part's keys a lower tie
 
 class Found(NamedTuple):
     """What a Lookup found: ``pages`` leading keys, pinned under ``lease_id`` if asked, of which
-    ``lower`` only in the tier below."""
+    ``lower`` only in the tier below, and ``cluster`` only in the cluster (after the others)."""
 
     pages: int
     lease_id: str
     lower: int = 0
+    cluster: int = 0
 
 
 class KVCache:

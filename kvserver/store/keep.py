@@ -77,7 +77,7 @@ def kept_shape(capacity: int, kind: str = "host") -> dict[str, int | str]:
     return {**shape, "capacity": capacity, "pages": max_pages(capacity), "slab_record": SLAB_RECORD.itemsize}
 
 
-def _space_json(key: SpaceKey) -> dict[str, Any]:
+def space_json(key: SpaceKey) -> dict[str, Any]:
     lay = key.layout
     return {"tenant": key.tenant, "model": key.model, "weights": key.weights,
             "layout": [lay.is_mla, lay.num_heads, lay.head_dim, lay.rope_dim],
@@ -97,7 +97,7 @@ def _space_of(d: dict[str, Any]) -> SpaceKey:
 
 def _line(part: Part) -> str:
     k = part.key
-    return json.dumps({"gid": part.gid, "space": _space_json(part.space.key),
+    return json.dumps({"gid": part.gid, "space": space_json(part.space.key),
                        "part": [k.tp_shard, k.pp_rank, k.start_layer, k.end_layer, k.page_bytes]}) + "\n"
 
 

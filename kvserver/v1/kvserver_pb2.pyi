@@ -318,14 +318,16 @@ class LookupRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., space_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., key_bytes: _Optional[int] = ..., pin_ms: _Optional[int] = ..., whole_space: bool = ..., memory_only: bool = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("pages", "lease_id", "disk_pages")
+    __slots__ = ("pages", "lease_id", "disk_pages", "cluster_pages")
     PAGES_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     DISK_PAGES_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_PAGES_FIELD_NUMBER: _ClassVar[int]
     pages: int
     lease_id: str
     disk_pages: int
-    def __init__(self, pages: _Optional[int] = ..., lease_id: _Optional[str] = ..., disk_pages: _Optional[int] = ...) -> None: ...
+    cluster_pages: int
+    def __init__(self, pages: _Optional[int] = ..., lease_id: _Optional[str] = ..., disk_pages: _Optional[int] = ..., cluster_pages: _Optional[int] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("client_id", "keys", "key_bytes", "device_pages", "ready_event", "timeout_ms")
@@ -494,7 +496,7 @@ class StatsResponse(_message.Message):
     def __init__(self, capacity_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_clients: _Optional[int] = ..., transfers: _Optional[_Union[TransferCounters, _Mapping]] = ..., clients: _Optional[_Iterable[_Union[ClientStats, _Mapping]]] = ..., reclaimed_clients: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., spaces: _Optional[_Iterable[_Union[SpaceStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., kept: _Optional[_Union[KeptCache, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "capacity_bytes", "slab_bytes", "pages", "bytes", "hits", "evicted_pages", "written_pages", "written_bytes", "promoted_pages", "promoted_bytes", "skipped_pages", "write_errors", "read_errors", "bad_checks", "direct_io", "kept")
+    __slots__ = ("name", "capacity_bytes", "slab_bytes", "pages", "bytes", "hits", "evicted_pages", "written_pages", "written_bytes", "promoted_pages", "promoted_bytes", "skipped_pages", "write_errors", "read_errors", "bad_checks", "direct_io", "kept", "present_pages", "joined", "available", "breaker_trips", "timeouts", "busy", "quarantined_pages")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     SLAB_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -512,6 +514,13 @@ class TierStats(_message.Message):
     BAD_CHECKS_FIELD_NUMBER: _ClassVar[int]
     DIRECT_IO_FIELD_NUMBER: _ClassVar[int]
     KEPT_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    JOINED_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    BREAKER_TRIPS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_PAGES_FIELD_NUMBER: _ClassVar[int]
     name: str
     capacity_bytes: int
     slab_bytes: int
@@ -529,7 +538,14 @@ class TierStats(_message.Message):
     bad_checks: int
     direct_io: bool
     kept: KeptCache
-    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., slab_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., written_pages: _Optional[int] = ..., written_bytes: _Optional[int] = ..., promoted_pages: _Optional[int] = ..., promoted_bytes: _Optional[int] = ..., skipped_pages: _Optional[int] = ..., write_errors: _Optional[int] = ..., read_errors: _Optional[int] = ..., bad_checks: _Optional[int] = ..., direct_io: bool = ..., kept: _Optional[_Union[KeptCache, _Mapping]] = ...) -> None: ...
+    present_pages: int
+    joined: bool
+    available: bool
+    breaker_trips: int
+    timeouts: int
+    busy: int
+    quarantined_pages: int
+    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., slab_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., written_pages: _Optional[int] = ..., written_bytes: _Optional[int] = ..., promoted_pages: _Optional[int] = ..., promoted_bytes: _Optional[int] = ..., skipped_pages: _Optional[int] = ..., write_errors: _Optional[int] = ..., read_errors: _Optional[int] = ..., bad_checks: _Optional[int] = ..., direct_io: bool = ..., kept: _Optional[_Union[KeptCache, _Mapping]] = ..., present_pages: _Optional[int] = ..., joined: bool = ..., available: bool = ..., breaker_trips: _Optional[int] = ..., timeouts: _Optional[int] = ..., busy: _Optional[int] = ..., quarantined_pages: _Optional[int] = ...) -> None: ...
 
 class KeptCache(_message.Message):
     __slots__ = ("dir", "adopted_pages", "adopted_bytes", "adopt_seconds", "torn_pages", "dropped_pages", "evicted_pages", "reason")

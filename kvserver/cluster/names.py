@@ -1,0 +1,43 @@
+"""The names of the node-wide cache's pages in the cluster store.
+
+A page is one part of one space (``kvserver.store.spaces``) under one key; every daemon of the
+cluster must name it alike, and no two different pages alike. A name is
+``kvs1/<tenant>/<part digest>/<key>``: the tenant as written (escaped), so that an operator can
+list and remove a tenant's objects; a 128-bit BLAKE2b digest of the part's full description (the
+space's fields, the weights' identity among them, the TP shard, PP stage, layer range and page
+bytes, in one canonical JSON form); and the key as the index keeps it: up to 16 bytes in hex, a
+wider key as its 16-byte digest, marked by its length. The names are built in the worker thread
+that makes the call, never on the event loop.
+
+Primitives: ``part_prefix`` and ``names``.
+"""
+
+from __future__ import annotations
+
+import json
+from hashlib import blake2b
+from urllib.parse import quote
+
+import numpy as np
+
+from kvserver.store import Keys, Part
+from kvserver.store.keep import space_json
+
+VERSION = "kvs1"  # a new layout of names (or of a page's bytes) takes a new version
+
+
+def part_prefix(part: Part) -> str:
+    """``kvs1/<tenant>/<part digest>/``: what every page name of ``part`` starts with."""
+    k = part.key
+    record = json.dumps({"space": space_json(part.space.key),
+                         "part": [k.tp_shard, k.pp_rank, k.start_layer, k.end_layer, k.page_bytes]},
+                        sort_keys=True, separators=(",", ":"))
+    digest = blake2b(record.encode(), digest_size=16, person=b"kvserver-part").hexdigest()
+    return f"{VERSION}/{quote(part.space.key.tenant, safe='')}/{digest}/"
+
+
+def names(prefix: str, keys: Keys) -> list[str]:
+    """The cluster names of ``keys`` of the part whose prefix is ``prefix``."""
+    raw = keys.words.view(np.uint8).reshape(len(keys), 16)
+    return [prefix + (row[:n].tobytes().hex() if n <= 16 else f"{row.tobytes().hex()}.{n}")
+            for row, n in zip(raw, keys.lens.tolist(), strict=True)]

@@ -1,0 +1,309 @@
+"""The cluster tier (--cluster-master): a real Mooncake Store master and two real daemons on
+loopback, engines over shared memory on each. A prefix one node stores is a bit-exact hit on the
+other; local pages always win; a space (tenant, model, weights) never sees another's pages; a dead
+master or a dead node costs misses within the deadline, never a stall, and the nodes re-join."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from cache_engine import CacheEngine, scattered
+from daemon_proc import DaemonProcess
+from mooncake_master import MooncakeMaster, free_port, needs_mooncake
+
+PAGE_BYTES = 32 * 1024  # CacheEngine's pages
+
+
+def keys_of(prefix: str, n: int) -> list[bytes]:
+    return [f"{prefix}-{i:05d}".encode() for i in range(n)]
+
+
+def cluster_stat(d: DaemonProcess):
+    return next(t for t in d.stats().tiers if t.name == "cluster")
+
+
+def node(tmp_path, name: str, master: MooncakeMaster, *extra: str) -> DaemonProcess:
+    d = DaemonProcess(str(tmp_path / f"{name}.sock"), "--cluster-master", master.address,
+                      "--cluster-timeout-ms", "1000", *extra, host_memory="256MiB")
+    d.wait_for(lambda s: any(t.name == "cluster" and t.joined for t in s.tiers), 20)
+    return d
+
+
+def store(eng: CacheEngine, keys: list[bytes]) -> None:
+    for i in range(0, len(keys), 100):
+        chunk = keys[i : i + 100]
+        pages = np.arange(len(chunk))
+        eng.fill(chunk, pages)
+        r = eng.put(chunk, pages)
+        assert r.stored + r.present == len(chunk)
+
+
+def published(d: DaemonProcess, n: int, timeout: float = 20) -> None:
+    d.wait_for(lambda s: next(t for t in s.tiers if t.name == "cluster").written_pages
+               + next(t for t in s.tiers if t.name == "cluster").present_pages >= n, timeout)
+
+
+def load(eng: CacheEngine, keys: list[bytes], rng) -> int:
+    pages = scattered(rng, len(keys), eng.num_pages)
+    eng.wipe()
+    n = eng.get(keys, pages)
+    assert eng.wrong(keys[:n], pages[:n]) == [], "a page came back with other bytes"
+    assert eng.zero(pages[n:]), "a page past the loaded prefix was written"
+    return n
+
+
+@pytest.fixture
+def master(tmp_path):
+    needs_mooncake()
+    m = MooncakeMaster()
+    yield m
+    m.kill()
+
+
+@pytest.fixture
+def nodes(tmp_path, master):
+    made = [node(tmp_path, "a", master)]
+    made.append(node(tmp_path, "b", master, "--metrics-listen", f"127.0.0.1:{free_port()}"))
+    yield made
+    for d in made:
+        d.kill()
+
+
+def test_a_prefix_stored_on_one_node_is_a_bit_exact_hit_on_the_other(nodes):
+    a, b = nodes
+    rng = np.random.default_rng(1)
+    keys = keys_of("shared", 300)
+    with CacheEngine(a.address, pages=400) as ea, CacheEngine(b.address, pages=400) as eb:
+        store(ea, keys)
+        published(a, 300)
+        assert cluster_stat(a).written_bytes == 300 * PAGE_BYTES
+        # B stored the first 100 itself: they are its own hit, the cluster gives the rest.
+        store(eb, keys[:100])
+        found = eb.lookup(keys)
+        assert (found.pages, found.cluster_pages, found.host_pages) == (300, 200, 100)
+        assert load(eb, keys, rng) == 300
+        c = cluster_stat(b)
+        assert c.promoted_pages == 200 and c.promoted_bytes == 200 * PAGE_BYTES, c
+        assert c.read_errors == 0 and c.hits == 200
+        # B's host memory holds them now: the cluster is not asked again.
+        found = eb.lookup(keys)
+        assert (found.pages, found.cluster_pages) == (300, 0)
+        assert cluster_stat(b).hits == 200
+        # B stored its 100 first: the cluster had them (first writer wins, no second copy).
+        published(b, 100)
+        assert cluster_stat(b).written_pages == 0 and cluster_stat(b).present_pages == 100
+    from test_api_metrics import scrape, value
+
+    c = cluster_stat(b)
+    m = scrape(int(b.args[b.args.index("--metrics-listen") + 1].rsplit(":", 1)[1]))
+    assert value(m, "kvserver_cluster_pulled_pages_total") == c.promoted_pages == 200
+    assert value(m, "kvserver_cluster_pulled_bytes_total") == 200 * PAGE_BYTES
+    assert value(m, "kvserver_cluster_present_pages_total") == 100
+    assert value(m, "kvserver_tier_hits_total", tier="cluster") == c.hits == 200
+    assert value(m, "kvserver_tier_capacity_bytes", tier="cluster") == 64 << 20  # 25% of 256 MiB
+    assert value(m, "kvserver_cluster_available") == 1
+    for sample in ("published_pages", "skipped_pages", "put_errors", "get_errors", "breaker_trips",
+                   "timeouts", "busy", "quarantined_pages"):
+        assert value(m, f"kvserver_cluster_{sample}_total") == 0, sample
+
+
+def test_the_cluster_tells_spaces_apart(nodes):
+    a, b = nodes
+    keys = keys_of("space", 50)
+    with CacheEngine(a.address, pages=64, weights="sha256:aaaa") as ea:
+        store(ea, keys)
+        published(a, 50)
+    with CacheEngine(b.address, pages=64, weights="sha256:bbbb") as other, \
+            CacheEngine(b.address, pages=64, model="another-model", weights="sha256:aaaa") as model, \
+            CacheEngine(b.address, pages=64, start=0, end=2, num_layers=4, pp_size=2,
+                        weights="sha256:aaaa") as stage:
+        assert other.lookup(keys).pages == 0  # other weights
+        assert model.lookup(keys).pages == 0  # another model
+        assert stage.lookup(keys).pages == 0  # another part (a PP stage's layers)
+    with CacheEngine(b.address, pages=64, weights="sha256:aaaa") as same:
+        assert same.lookup(keys).cluster_pages == 50
+
+
+def test_a_dead_master_costs_misses_within_the_deadline_and_the_nodes_rejoin(nodes, master):
+    a, b = nodes
+    rng = np.random.default_rng(2)
+    mine, theirs = keys_of("mine", 100), keys_of("theirs", 100)
+    with CacheEngine(a.address, pages=128) as ea, CacheEngine(b.address, pages=128) as eb:
+        store(ea, theirs)
+        published(a, 100)
+        store(eb, mine)
+        master.kill()
+        worst = 0.0
+        for _ in range(5):
+            t0 = time.monotonic()
+            found = eb.lookup(theirs)
+            worst = max(worst, time.monotonic() - t0)
+            assert found.pages == 0
+        assert eb.lookup(mine).pages == 100  # local hits are served throughout
+        t0 = time.monotonic()
+        n = load(eb, theirs, rng)
+        worst = max(worst, time.monotonic() - t0)
+        assert n == 0
+        assert worst < 1.5, f"a call waited {worst:.2f} s on a dead master"
+        assert load(eb, mine, rng) == 100
+        # The loop answers small calls at once meanwhile.
+        lag = max(_timed(lambda: b.stats()) for _ in range(20))
+        assert lag < 0.25, f"Stats took {lag:.3f} s with the master down"
+        c = cluster_stat(b)
+        assert not c.available and c.breaker_trips >= 1
+        # Pages stored while the master is down are not queued for seconds: skipped.
+        store(ea, keys_of("down", 50))
+        a.wait_for(lambda s: next(t for t in s.tiers if t.name == "cluster").skipped_pages
+                   + next(t for t in s.tiers if t.name == "cluster").write_errors >= 50, 15)
+        # The master comes back (empty: it forgot every object); both nodes answer again.
+        master.restart()
+        for d in (a, b):
+            d.wait_for(lambda s: next(t for t in s.tiers if t.name == "cluster").available, 30)
+        tries: list[list[bytes]] = []
+        _until(lambda: _stored_anew(ea, a, tries), 30)
+        again = tries[-1]
+        assert eb.lookup(again).cluster_pages == 60
+        assert load(eb, again, rng) == 60
+
+
+def test_a_hung_master_costs_misses_within_the_deadline_never_a_stall(nodes, master):
+    a, b = nodes
+    rng = np.random.default_rng(5)
+    theirs = keys_of("hung", 50)
+    with CacheEngine(a.address, pages=64) as ea, CacheEngine(b.address, pages=64) as eb:
+        store(ea, theirs)
+        published(a, 50)
+        os.kill(master.proc.pid, signal.SIGSTOP)  # it answers nothing: Mooncake's calls wait 30 s
+        try:
+            t0 = time.monotonic()
+            assert eb.lookup(theirs).pages == 0
+            assert time.monotonic() - t0 < 1.5
+            t0 = time.monotonic()
+            assert load(eb, theirs, rng) == 0
+            assert time.monotonic() - t0 < 1.5
+            store(ea, keys_of("meanwhile", 20))  # puts go on locally
+            assert ea.lookup(keys_of("meanwhile", 20)).pages == 20
+            lag = max(_timed(lambda: b.stats()) for _ in range(20))
+            assert lag < 0.25, f"Stats took {lag:.3f} s with the master hung"
+            c = cluster_stat(b)
+            assert c.timeouts >= 1 and c.breaker_trips >= 1 and not c.available
+        finally:
+            os.kill(master.proc.pid, signal.SIGCONT)
+        b.wait_for(lambda s: next(t for t in s.tiers if t.name == "cluster").available, 60)
+        assert eb.lookup(theirs).cluster_pages == 50
+        assert load(eb, theirs, rng) == 50
+
+
+def test_a_stalled_peer_costs_a_get_its_cluster_pages_not_its_local_hit(nodes):
+    """A peer that stops answering mid-way (SIGSTOP: its sockets accept, nothing comes back) while
+    the master answers: the Get loads its local prefix within the cluster's deadline, its pulled
+    pages stay being written until the transfer ends, and the breaker stays closed (a slow peer
+    is not a dead store)."""
+    a, b = nodes
+    rng = np.random.default_rng(7)
+    keys = keys_of("stalled", 150)
+    with CacheEngine(a.address, pages=160) as ea, CacheEngine(b.address, pages=160) as eb:
+        store(ea, keys[50:])
+        published(a, 100)
+        store(eb, keys[:50])
+        assert eb.lookup(keys).cluster_pages == 100
+        os.kill(a.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            n = load(eb, keys, rng)
+            took = time.monotonic() - t0
+            assert n == 50 and took < 2.0, (n, took)  # the local hit, within the deadline
+            lag = max(_timed(lambda: b.stats()) for _ in range(20))
+            assert lag < 0.25, f"Stats took {lag:.3f} s with a peer stalled"
+            c = cluster_stat(b)
+            assert c.timeouts >= 1 and c.breaker_trips == 0 and c.available
+        finally:
+            os.kill(a.pid, signal.SIGCONT)
+        # The transfer ends once the peer answers: then the pages count (or were never used).
+        _until(lambda: load(eb, keys, rng) == 150, 30)
+
+
+def test_a_dead_node_s_pages_are_misses_within_the_deadline(nodes):
+    a, b = nodes
+    rng = np.random.default_rng(3)
+    keys = keys_of("gone", 100)
+    with CacheEngine(b.address, pages=128) as eb:
+        with CacheEngine(a.address, pages=128) as ea:
+            store(ea, keys)
+            published(a, 100)
+        a.kill()
+        t0 = time.monotonic()
+        n = load(eb, keys, rng)
+        took = time.monotonic() - t0
+        assert n == 0 and took < 1.5, (n, took)
+        c = cluster_stat(b)
+        assert c.read_errors >= 1 or c.timeouts >= 1
+        # A transfer that failed may still land (Mooncake stops waiting, not the transfer): its
+        # pages are kept out of use, not freed for the next Put.
+        assert c.quarantined_pages == c.read_errors
+        # After the master's client TTL, the dead node's pages are not even counted any more.
+        _until(lambda: eb.lookup(keys).pages == 0, 15)
+        assert cluster_stat(b).available  # a dead peer is not a dead store
+        store(eb, keys_of("alive", 10))
+        assert eb.lookup(keys_of("alive", 10)).pages == 10
+
+
+def test_a_daemon_started_before_its_master_serves_at_once_and_joins_when_it_comes(tmp_path):
+    needs_mooncake()
+    ports = (free_port(), free_port(), free_port())
+    d = DaemonProcess(str(tmp_path / "early.sock"), "--cluster-master", f"127.0.0.1:{ports[0]}",
+                      host_memory="128MiB")
+    master = None
+    try:
+        with CacheEngine(d.address, pages=32) as eng:
+            keys = keys_of("early", 20)
+            store(eng, keys)  # the node serves its own cache meanwhile
+            assert eng.lookup(keys).pages == 20
+            # Mooncake's join retries an absent master for minutes holding the interpreter's lock:
+            # the daemon's loop answers small calls at once all the while.
+            lag = max(_timed(lambda: d.stats()) for _ in range(30))
+            assert lag < 0.25, f"Stats took {lag:.3f} s while the master was absent"
+            assert not cluster_stat(d).joined
+            master = MooncakeMaster(ports=ports)
+            d.wait_for(lambda s: any(t.name == "cluster" and t.available for t in s.tiers), 20)
+            more = keys_of("later", 20)
+            store(eng, more)
+            published(d, 20)
+        t0 = time.monotonic()
+        assert d.stop() == 0 and time.monotonic() - t0 < 8
+    finally:
+        if d.proc.poll() is None:
+            d.kill()
+        if master is not None:
+            master.kill()
+
+
+def _timed(fn) -> float:
+    t0 = time.monotonic()
+    fn()
+    return time.monotonic() - t0
+
+
+def _until(pred, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "not reached in time"
+        time.sleep(0.1)
+
+
+def _stored_anew(eng: CacheEngine, d: DaemonProcess, tries: list[list[bytes]]) -> bool:
+    """Stores 60 new keys (a restarted master forgot everything, and its first puts may fail);
+    whether the cluster took all of them."""
+    before = cluster_stat(d).written_pages
+    tries.append(keys_of(f"again{len(tries)}", 60))
+    store(eng, tries[-1])
+    deadline = time.monotonic() + 3
+    while cluster_stat(d).written_pages - before < 60:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
