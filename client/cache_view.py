@@ -18,7 +18,7 @@ from kvclient._transport.channel import CHANNEL_OPTIONS
 from kvclient._transport.fd_socket import ticket_for
 from kvclient.errors import KVClientError, from_rpc_error
 from kvclient.keys import KEY_BYTES, Keys
-from kvclient.results import LookupResult
+from kvclient.results import EventsResult, LookupResult
 from kvclient.view_core import RETRY, ViewCore, ViewOp
 from kvserver.protocol.layout import KVLayout
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
@@ -91,6 +91,12 @@ class CacheView(_ViewShell):
         ``pin_ms`` pins them under the returned lease."""
         return self._run(self._core.lookup(keys, pin_ms, key_bytes))
 
+    def events(self, log_id: str = "", after_seq: int = 0, *, max_keys: int = 0) -> EventsResult:
+        """KV events of the space since the last read (``log_id`` and ``next_seq`` of the last
+        answer; the first read starts the space's log and returns none). While the daemon is
+        away: none, to read again from the same place."""
+        return self._run(self._core.events(log_id, after_seq, max_keys))
+
     def ping(self) -> bool:
         """True if the daemon answers: the space opened again (within the view's timeout)."""
         try:
@@ -153,6 +159,9 @@ class AsyncCacheView(_ViewShell):
 
     async def lookup(self, keys: Keys, *, pin_ms: int = 0, key_bytes: int = KEY_BYTES) -> LookupResult:
         return await self._run(self._core.lookup(keys, pin_ms, key_bytes))
+
+    async def events(self, log_id: str = "", after_seq: int = 0, *, max_keys: int = 0) -> EventsResult:
+        return await self._run(self._core.events(log_id, after_seq, max_keys))
 
     async def release(self, lease_ids: str | Sequence[str]) -> int:
         return await self._run(self._core.release(lease_ids))

@@ -43,3 +43,34 @@ class PutResult:
     present: int = 0
     dropped: int = 0
     bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class KVEvent:
+    """Keys every part of a space gained (``removed`` False) or lost in one tier of the node's
+    cache: ``medium`` "CPU" or "STORAGE", ``locality`` "LOCAL" or "REMOTE" (vLLM's names)."""
+
+    seq: int
+    ts: float
+    removed: bool
+    medium: str
+    locality: str
+    keys: tuple[bytes, ...]
+    unnamed: int = 0  # keys whose bytes the daemon no longer knew
+
+
+@dataclass(frozen=True, slots=True)
+class EventsResult:
+    """What an ``events`` read returned: read again with ``log_id`` and ``next_seq``; ``gap``:
+    events were dropped before these (the reader fell behind)."""
+
+    log_id: str = ""
+    next_seq: int = 0
+    events: tuple[KVEvent, ...] = ()
+    gap: bool = False
+
+    @classmethod
+    def from_wire(cls, resp) -> EventsResult:
+        return cls(resp.log_id, resp.next_seq,
+                   tuple(KVEvent(e.seq, e.ts, e.removed, e.medium, e.locality, tuple(e.keys), e.unnamed)
+                         for e in resp.events), resp.gap)

@@ -20,7 +20,7 @@ from kvclient._transport.channel import target
 from kvclient.core import call_metadata, lease_list, packed
 from kvclient.errors import KVClientError
 from kvclient.keys import KEY_BYTES, Keys
-from kvclient.results import LookupResult
+from kvclient.results import EventsResult, LookupResult
 from kvserver.protocol.layout import KVLayout, wire_dtype
 from kvserver.v1 import kvserver_pb2 as pb
 
@@ -80,6 +80,13 @@ class ViewCore:
         return ViewOp("Lookup", lambda sid: pb.LookupRequest(space_id=sid, keys=data, key_bytes=width,
                                                              pin_ms=pin_ms),
                       LookupResult.from_wire, LookupResult(0))
+
+    def events(self, log_id: str, after_seq: int, max_keys: int = 0) -> ViewOp:
+        """The space's KV events after ``after_seq`` of log ``log_id`` (a miss: none, the same
+        place to read from)."""
+        return ViewOp("Events", lambda sid: pb.EventsRequest(space_id=sid, log_id=log_id,
+                                                             after_seq=after_seq, max_keys=max_keys),
+                      EventsResult.from_wire, EventsResult(log_id, after_seq))
 
     def release(self, lease_ids: str | Sequence[str]) -> ViewOp:
         # Leases of a space the daemon forgot are gone with it: nothing to retry.

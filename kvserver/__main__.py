@@ -11,6 +11,7 @@ import uvloop
 
 from kvserver.cluster import check_installed
 from kvserver.config import ServerConfig, parse_cluster_segment, parse_disk_size, parse_host_memory
+from kvserver.events.publisher import check_events_installed
 from kvserver.host.arena import HostMemoryError
 from kvserver.peers.tenants import TenantBook, parse_quota
 from kvserver.protocol.paths import default_socket
@@ -71,6 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster-timeout-ms", type=float, default=_env("CLUSTER_TIMEOUT_MS", "1000"),
                    help="longest wait for the cluster in a Lookup or a Get: past it the pages are "
                         "misses (default 1000)")
+    p.add_argument("--kv-events-endpoint", default=_env("KV_EVENTS_ENDPOINT"),
+                   help="publish every space's KV events (stores and removals per tier) on this ZMQ PUB "
+                        "address in vLLM's schema, one topic per space, e.g. tcp://*:5557 (default "
+                        "off; needs the 'events' extra)")
+    p.add_argument("--kv-events-replay-endpoint", default=_env("KV_EVENTS_REPLAY_ENDPOINT"),
+                   help="a ZMQ ROUTER address where subscribers ask for missed batches, e.g. tcp://*:5558")
+    p.add_argument("--kv-events-hashes", default=_env("KV_EVENTS_HASHES", "int"), choices=("int", "bytes"),
+                   help="block hashes in the published events: int (vLLM's default, "
+                        "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1) or bytes (default int)")
     p.add_argument("--copy-threads", type=int, default=_env("COPY_THREADS", "2"),
                    help="copy worker threads (default 2): loads go first, and a large job's pieces "
                         "run on every idle worker")
@@ -161,6 +171,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                          if args.cluster_master else 0),
         cluster_protocol=args.cluster_protocol,
         cluster_timeout=args.cluster_timeout_ms / 1000,
+        kv_events_endpoint=args.kv_events_endpoint or None,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint or None,
+        kv_events_int_hashes=args.kv_events_hashes == "int",
         copy_threads=args.copy_threads,
         torch_threads=args.torch_threads,
         shutdown_grace=args.shutdown_grace,
@@ -184,6 +197,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
     if config.cluster_master:
         check_installed()
+    if config.kv_events_endpoint:
+        check_events_installed()
     # Checked here, so that a bad quota or tokens file stops the daemon with a clear message.
     parse_quota(config.tenant_quota, config.host_memory)
     if config.tenant_tokens:

@@ -109,6 +109,9 @@ class ServerConfig:
     cluster_segment: int = 0  # bytes this node contributes to the cluster
     cluster_protocol: str = "tcp"
     cluster_timeout: float = 1.0  # seconds a Lookup or Get waits for the cluster
+    kv_events_endpoint: str | None = None  # ZMQ PUB address of the daemon's KV events; None: off
+    kv_events_replay_endpoint: str | None = None  # ZMQ ROUTER address for replays
+    kv_events_int_hashes: bool = True  # block hashes as vLLM's default: 64-bit integers of the keys
     copy_threads: int = 2  # copy workers: loads first, a large job's pieces on all (kvserver.copies.workers)
     torch_threads: int = 0  # 0 leaves torch's default
     shutdown_grace: float = 5.0
@@ -160,6 +163,13 @@ class ServerConfig:
             if not (self.cluster_metadata == "P2PHANDSHAKE" or self.cluster_metadata.startswith("http://")
                     or self.cluster_metadata.startswith("etcd://")):
                 raise ValueError("--cluster-metadata is P2PHANDSHAKE, http://HOST:PORT/metadata or etcd://...")
+        for name, ep in (("--kv-events-endpoint", self.kv_events_endpoint),
+                         ("--kv-events-replay-endpoint", self.kv_events_replay_endpoint)):
+            if ep is not None and not re.fullmatch(r"(tcp://[^\s]+:\d+|ipc://[^\s]+|inproc://[^\s]+)", ep):
+                raise ValueError(f"{name} {ep!r} is not a ZMQ address (tcp://*:5557, tcp://HOST:PORT, "
+                                 "ipc://PATH)")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
         if self.shutdown_grace < 0:
             raise ValueError("shutdown grace must not be negative")
         if not 0 <= self.progress_interval <= 1:

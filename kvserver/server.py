@@ -23,6 +23,7 @@ from kvserver.config import ServerConfig
 from kvserver.core.cache_ops import expire_leases
 from kvserver.core.kvcore import KVCore
 from kvserver.core.liveness import Reaper
+from kvserver.events.publisher import ZmqPublisher
 from kvserver.media.cuda.waits import set_wait_seconds
 from kvserver.peers.fd_socket import PeerSocket
 from kvserver.peers.tenants import TenantBook, parse_quota
@@ -73,6 +74,16 @@ class Daemon:
         capacity = config.host_memory
         tokens = config.tenant_tokens
         self.tenants = TenantBook.load(tokens, capacity) if tokens else TenantBook()
+        # The daemon's own KV event publisher (--kv-events-endpoint): every space, every tier.
+        self.kv_events: ZmqPublisher | None = None
+        if config.kv_events_endpoint:
+            try:
+                self.kv_events = ZmqPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint,
+                                              config.kv_events_int_hashes)
+            except Exception as exc:  # a taken port: the daemon does not start with half its setup
+                raise ListenError(f"cannot publish KV events on {config.kv_events_endpoint}: {exc}") from None
+            logger.info("KV events on %s, replays on %s", self.kv_events.endpoint,
+                        self.kv_events.replay_endpoint or "none")
         self.core = KVCore(
             config.host_memory,
             config.copy_threads,
@@ -91,6 +102,7 @@ class Daemon:
             disk_threads=config.disk_threads,
             cluster=cluster_client(config),
             cluster_timeout=config.cluster_timeout,
+            event_publish=self.kv_events.record if self.kv_events is not None else None,
         )
         self._stop_leases = asyncio.Event()
         self._leases: asyncio.Task | None = None
@@ -204,6 +216,8 @@ class Daemon:
         if self.peer_socket is not None:
             await self.peer_socket.stop()
         await self.core.close()
+        if self.kv_events is not None:  # what was recorded until now goes out first
+            self.kv_events.close()
         logger.info("kvserver stopped")
 
 

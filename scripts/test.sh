@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Installs kvserver with its test and cluster extras into ./.venv (and SGLang's and vLLM's code, for
+# Installs kvserver with its test, cluster and events extras into ./.venv (and SGLang's and vLLM's code, for
 # the integration tests), runs the linter and the whole suite, then checks what a user installs: the
 # built wheel, in a fresh virtual environment (scripts/check_wheel.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install_cluster_deps.sh  # libibverbs1, which Mooncake Store's client loads (the cluster tier)
-scripts/install.sh test,cluster
+scripts/install.sh test,cluster,events
 scripts/install_sglang.sh  # SGLang 0.5.23 without its dependencies, for the integration tests
 scripts/install_vllm.sh  # vLLM 0.33.0's Python code without its dependencies (after SGLang's packages)
 .venv/bin/ruff check .

@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "suites" / "multiturn.py"
 CONFIGS = ["recompute", "host-inprocess", "kvserver-index", "dp2-recompute", "dp2-kvserver-cache",
            "dp2-cache-restart", "dp2-cache-restart-kept", "dp2-small-host", "dp2-small-host-disk",
-           "dp2-small-host-disk-restart", "nodes2-own-cache", "nodes2-cluster"]
+           "dp2-small-host-disk-restart", "nodes2-own-cache", "nodes2-router", "nodes2-cluster"]
 POSITIVE = ["prompt_tokens", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "throughput_rps",
             "throughput_prompt_tps", "makespan_s", "busy_s"]
 
@@ -80,7 +80,11 @@ def test_quick_run_reports_every_configuration(tmp_path) -> None:
     nodes = result["checks"]["nodes2-cluster"]
     assert nodes["cluster_published_pages"] > 0 and nodes["cluster_pulled_pages"] > 0
     assert nodes["cluster_get_errors"] == 0
-    for name in ("nodes2-own-cache", "nodes2-cluster"):
+    # A router that follows the nodes' KV events sends a returning client where its history is.
+    assert hit["nodes2-router"] > hit["nodes2-own-cache"]
+    assert result["checks"]["nodes2-router"]["router_events"] > 0
+    assert result["checks"]["nodes2-router"]["placed_off_the_trace"] > 0
+    for name in ("nodes2-own-cache", "nodes2-router", "nodes2-cluster"):
         assert result["checks"][name]["pages_wrong"] == 0 and result["checks"][name]["pages_checked"] > 0
 
     model = result["model"]

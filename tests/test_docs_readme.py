@@ -71,6 +71,10 @@ RUN = {
     ("docs/integrations.md", "vllm serve Qwen/Qwen2.5-0.5B-Instruct --data-parallel-size 2 \\"):
         "vllm-serve-dp",
     ("docs/integrations.md", "vllm serve Qwen/Qwen2.5-0.5B-Instruct "
+                             "--kv-events-config '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+                             "\"endpoint\": \"tcp://*:5557\"}' \\"):
+        "vllm-serve-events",
+    ("docs/integrations.md", "vllm serve Qwen/Qwen2.5-0.5B-Instruct "
                              "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' \\"):
         "vllm-serve-layerwise",
     # Run by tests/test_cluster_netns.py: the master line on a veth end that is 10.0.0.1, the daemon
@@ -373,7 +377,7 @@ def test_running_the_daemon_block(env, start, home):
         for d in ours:
             shutil.rmtree(d, ignore_errors=True)
     unix = f"unix://{expected_socket(env)}"
-    assert listened == [unix, unix, unix, unix, unix, unix, f"127.0.0.1:{TCP_PORT}"]
+    assert listened == [unix, unix, unix, unix, unix, unix, unix, f"127.0.0.1:{TCP_PORT}"]
     token = home / ".config" / "kvserver" / "token"
     assert stat.S_IMODE(token.stat().st_mode) == 0o600
     assert len(token.read_text().strip()) >= 32

@@ -36,7 +36,7 @@ DOC = "docs/integrations.md"
 SERVE = ["vllm", "serve"]
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 DOCUMENTED_ADDRESS = "unix:///run/kvserver/kvserver.sock"
-SERVE_MODES = {"vllm-serve", "vllm-serve-dp", "vllm-serve-layerwise"}
+SERVE_MODES = {"vllm-serve", "vllm-serve-dp", "vllm-serve-layerwise", "vllm-serve-events"}
 # The kv-transfer-config every documented command gives, besides its extra config.
 TRANSFER = {"kv_connector": "KVServerConnector", "kv_connector_module_path": "kvclient.vllm.connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
@@ -66,6 +66,7 @@ for name, argv in json.load(sys.stdin):
         out[name] = {"error": f"{type(exc).__name__}: {exc}"}
         continue
     ktc = args.kv_transfer_config
+    kve = getattr(args, "kv_events_config", None)
     mode = getattr(args.compilation_config, "cudagraph_mode", None)
     out[name] = {
         "subparser": args.subparser,
@@ -73,6 +74,7 @@ for name, argv in json.load(sys.stdin):
         "data_parallel_size": args.data_parallel_size,
         "kv_transfer_config": None if ktc is None else dataclasses.asdict(ktc),
         "cudagraph_mode": None if mode is None else getattr(mode, "name", str(mode)),
+        "kv_events_config": None if kve is None else dataclasses.asdict(kve),
     }
 print(json.dumps(out, default=str))
 """
@@ -187,6 +189,15 @@ def test_the_commands_differ_only_where_the_document_says(parsed):
     assert layerwise["cudagraph_mode"] == "PIECEWISE"
     assert documented("vllm-serve-dp") == [*SERVE, MODEL, "--data-parallel-size", "2",
                                           *documented("vllm-serve")[3:]]
+    # The events command: the plain one plus vLLM's own KV events, which the connector's feed
+    # follows (its KV events reach the router through vLLM's publisher).
+    events = ok(parsed, "vllm-serve-events")
+    kve = events["kv_events_config"]
+    assert kve["enable_kv_cache_events"] is True and kve["publisher"] == "zmq"
+    assert kve["endpoint"] == "tcp://*:5557"
+    same = [{k: v for k, v in r["kv_transfer_config"].items() if k != "engine_id"} for r in (events, plain)]
+    assert same[0] == same[1]  # (engine_id: a new uuid at each parse)
+    assert plain["kv_events_config"] is None or not plain["kv_events_config"]["enable_kv_cache_events"]
 
 
 def test_a_malformed_json_or_unknown_flag_fails_the_parse(parsed):

@@ -154,10 +154,12 @@ class RemoteReplica:
 
 
 def serve_dp(w: Workload, reqs: list[Request], replicas, pages: int, keys: list[list[bytes]] | None,
-             bar, restart: tuple[int, Callable[[], None]] | None = None) -> list[Record]:
+             bar, restart: tuple[int, Callable[[], None]] | None = None,
+             place: Callable[[Request], int] | None = None) -> list[Record]:
     """Trace order; ``replicas`` None: recompute only on two replicas (the baseline of the DP rows).
     ``restart``: (i, fn): ``fn`` runs before request i (a daemon restart; it returns once the
-    replicas are registered again)."""
+    replicas are registered again). ``place``: which replica serves a request (a router); default
+    the trace's random pick (``Request.replica``); the records say which (``Record.replica``)."""
     lrus = [PrefixLRU(pages), PrefixLRU(pages)]
     out = []
     pb = w.page
@@ -165,14 +167,15 @@ def serve_dp(w: Workload, reqs: list[Request], replicas, pages: int, keys: list[
         if restart is not None and i == restart[0]:
             restart[1]()
         c, prompt, total = req.client, w.prompt_pages(req.round), w.total_pages(req.round)
-        lru = lrus[req.replica]
+        where = place(req) if place is not None else req.replica
+        lru = lrus[where]
         d = lru.count(c)
         lru.make_room(total - d, keep=c)
         slots = lru.extend(c, total - d)
-        rec = Record(prompt_tokens=prompt * pb, device_hit=d * pb, host_hit=0, computed=0)
+        rec = Record(prompt_tokens=prompt * pb, device_hit=d * pb, host_hit=0, computed=0, replica=where)
         hit = d
         if replicas is not None:
-            rep = replicas[req.replica]
+            rep = replicas[where]
             got, rec.load_s = rep.get(c, d, b"".join(keys[c][d:prompt]), slots[: prompt - d])
             hit = d + got
             rec.loaded_bytes = got * rep_page_bytes(replicas)

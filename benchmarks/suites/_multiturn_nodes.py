@@ -14,6 +14,7 @@ import tempfile
 import time
 
 from _multiturn_dp import CacheReplica, RemoteReplica, serve_dp
+from _multiturn_router import EventRouter
 from daemon_proc import DaemonProcess
 from mooncake_master import MooncakeMaster, master_binary
 
@@ -31,10 +32,12 @@ def _cluster(d: DaemonProcess):
 
 
 def serve_nodes(w, reqs, geom, dev_pages: int, keys, budget_mib: int, bar, *,
-                cluster: bool) -> tuple[list, dict]:
-    """The dp2 trace with replica 0 on node A and replica 1 on node B (random placement), each
-    node's daemon of ``budget_mib``; ``cluster``: the daemons share a Mooncake Store cluster whose
-    segments (as large as host memory, each) hold every history."""
+                cluster: bool, router: bool = False) -> tuple[list, dict]:
+    """The dp2 trace with replica 0 on node A and replica 1 on node B, each node's daemon of
+    ``budget_mib``; requests placed at random, or with ``router`` by a router that follows the
+    nodes' KV events (``EventRouter``: to the node holding the longest prefix); ``cluster``: the
+    daemons share a Mooncake Store cluster whose segments (as large as host memory, each) hold
+    every history."""
     with tempfile.TemporaryDirectory(prefix="kv-multiturn-nodes-") as tmp:
         master = MooncakeMaster() if cluster else None
         nodes: list[DaemonProcess] = []
@@ -55,10 +58,20 @@ def serve_nodes(w, reqs, geom, dev_pages: int, keys, budget_mib: int, bar, *,
             remote = RemoteReplica(nodes[1].address, geom, dev_pages, w.seed, spawn=True)
             local = CacheReplica(nodes[0].address, geom, dev_pages, w.seed)
             remote.wait_ready()
-            records = serve_dp(w, reqs, [local, remote], dev_pages, keys, bar)
+            place = None
+            if router:
+                events_router = EventRouter([d.address for d in nodes], geom)
+                prompt_keys = lambda req: keys[req.client][: w.prompt_pages(req.round)]  # noqa: E731
+                place = lambda req: events_router.place(prompt_keys(req), req.replica)  # noqa: E731
+            records = serve_dp(w, reqs, [local, remote], dev_pages, keys, bar, place=place)
             ch = [local.checks(), remote.checks()]
             checks = {"pages_checked": sum(c[0] for c in ch), "pages_wrong": sum(c[1] for c in ch),
                       "pages_dropped": sum(c[2] for c in ch)}
+            if router:
+                checks["router_events"] = events_router.events
+                checks["placed_off_the_trace"] = sum(r.replica != q.replica for r, q in zip(records, reqs,
+                                                                                          strict=True))
+                events_router.close()
             if master is not None:
                 tiers = [_cluster(d) for d in nodes]
                 checks.update(cluster_published_pages=sum(t.written_pages for t in tiers),

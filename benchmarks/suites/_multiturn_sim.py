@@ -113,6 +113,7 @@ class Record:
     write_s: float = 0.0  # device -> host after it (write-through)
     loaded_bytes: int = 0
     written_bytes: int = 0
+    replica: int | None = None  # the replica that served it (DP rows; None: the trace's pick)
 
     @property
     def hit(self) -> int:
@@ -138,7 +139,7 @@ def timeline(reqs: list[Request], records: list[Record], rate: float, prefill, r
     tl = Timeline(engine_busy_s=[0.0] * replicas)
     for req, rec in zip(reqs, records, strict=True):
         arrival = req.unit_arrival / rate
-        eng = req.replica if replicas > 1 else 0
+        eng = (req.replica if rec.replica is None else rec.replica) if replicas > 1 else 0
         start = max(free[eng], arrival, client_ready.get(req.client, 0.0))
         first_token = start + rec.load_s + prefill(rec.computed, rec.hit)
         done = first_token + rec.write_s

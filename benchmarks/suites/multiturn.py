@@ -1,7 +1,7 @@
 """Multi-turn serving (after SGLang's bench_multiturn): C clients x R rounds, each round a client's
 history grows by an answer (A tokens) and a new question (Q tokens); requests arrive as a Poisson
 process; the device KV pool holds about a quarter of all histories, so a returning client's prefix
-is still on the device, found in a host tier, or recomputed. Twelve configurations see the same trace:
+is still on the device, found in a host tier, or recomputed. Thirteen configurations see the same trace:
 
 - recompute:          one engine, device pool with LRU prefix reuse, nothing below it;
 - host-inprocess:     one engine with a host pool in its own process (kvserver.copies.transfer's kernel);
@@ -19,9 +19,11 @@ is still on the device, found in a host tier, or recomputed. Twelve configuratio
                       kept): the restarted daemon finds the histories on disk.
 - nodes2-own-cache:   two nodes (two daemons), one replica each, requests placed at random: each
                       replica finds only what its own node's cache holds;
+- nodes2-router:      the same two nodes, each request placed by a router that follows the nodes'
+                      KV events (the daemons' Events call) on the node holding the longest prefix;
 - nodes2-cluster:     the same two nodes sharing a Mooncake Store cluster (--cluster-master): a
-                      history computed on either node is a hit on both (left out where the
-                      'cluster' extra is not installed).
+                      history computed on either node is a hit on both (the node rows are left
+                      out where the 'cluster' extra is not installed).
 
 Compute is modelled, data movement is real: prefill time comes from a small Llama (built from a
 config, nothing downloaded) timed on this machine at start-up and fitted (_multiturn_model); the
@@ -82,7 +84,7 @@ NAME = "multiturn"
 CONFIGS = ["recompute", "host-inprocess", "kvserver-index", "dp2-recompute", "dp2-kvserver-cache",
            "dp2-cache-restart", "dp2-cache-restart-kept", "dp2-small-host", "dp2-small-host-disk",
            "dp2-small-host-disk-restart"]
-NODE_CONFIGS = ["nodes2-own-cache", "nodes2-cluster"]  # with Mooncake Store installed
+NODE_CONFIGS = ["nodes2-own-cache", "nodes2-router", "nodes2-cluster"]  # with Mooncake Store installed
 RESTARTED = ("dp2-cache-restart", "dp2-cache-restart-kept", "dp2-small-host-disk-restart")
 # The daemon is SIGKILLed and started again before this share of the trace (the two restart rows).
 RESTART_AT = 0.5
@@ -208,9 +210,11 @@ def run(args: argparse.Namespace, progress) -> dict:
                                                         disk=disk, disk_dir=args.multiturn_disk_dir,
                                                         restart=again)
             if "nodes2-cluster" in configs:
-                for name, cluster in (("nodes2-own-cache", False), ("nodes2-cluster", True)):
+                rows = (("nodes2-own-cache", False, False), ("nodes2-router", False, True),
+                        ("nodes2-cluster", True, False))
+                for name, cluster, router in rows:
                     records[name], checks[name] = serve_nodes(w, reqs, geom, dev_pages, keys, budget_mib,
-                                                              bar, cluster=cluster)
+                                                              bar, cluster=cluster, router=router)
             bar.close()
             if model is None:
                 model = timing.result()
@@ -407,13 +411,16 @@ def summary(result: dict) -> str:
     if "nodes2-cluster" in cfgs:
         cc = ck["nodes2-cluster"]
         lines.append("")
-        lines.append("Two nodes, requests placed at random: "
+        lines.append("Two nodes (requests placed at random but by nodes2-router): "
                      + ", ".join(f"{n} hit rate {cfgs[n]['hit_rate']:.3f} (TTFT p50 "
                                  f"{cfgs[n]['ttft_p50_s'] * 1e3:.1f} ms, "
                                  f"p99 {cfgs[n]['ttft_p99_s'] * 1e3:.1f} ms)"
-                                 for n in ("nodes2-own-cache", "nodes2-cluster", "dp2-kvserver-cache"))
+                                 for n in ("nodes2-own-cache", "nodes2-router", "nodes2-cluster",
+                                           "dp2-kvserver-cache"))
                      + f"; the cluster tier stored {cc['cluster_published_pages']} pages and pulled "
-                     f"{cc['cluster_pulled_pages']} across the nodes ({cc['cluster_get_errors']} failed).")
+                     f"{cc['cluster_pulled_pages']} across the nodes ({cc['cluster_get_errors']} failed); "
+                     f"the router placed {ck['nodes2-router']['placed_off_the_trace']} requests off the "
+                     f"random pick, from {ck['nodes2-router']['router_events']} events.")
     lines += ["", "Per-call transfer time (median ms) by size, same device pages:", "",
               "| pages | KiB | in-process write | in-process load | index Write | index Load | cache Put | "
               "cache Get |", "|---|---|---|---|---|---|---|---|"]

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from kvclient.away import AwayGate
 from kvclient.cache_view import CacheView
 from kvclient.results import LookupResult
+from kvclient.vllm._events import EventFeed
 from kvclient.vllm._meta import KVServerConnectorMetadata, KVServerWorkerMeta, LoadJob, SaveJob
 from kvclient.vllm._space import Group, Space, block_keys, hashed_blocks
 
@@ -80,10 +81,18 @@ class _Req:
     tainted_from: int | None = None  # its first block read from, or computed on, a failed load
 
 
+def _view(g: Group, cfg: dict) -> CacheView:
+    """A view of group ``g``'s space on the daemon."""
+    return CacheView(cfg.get("address"), model=g.space.model, layout=g.space.layout, dtype=g.space.dtype,
+                     page_size=g.space.page_size, num_layers=g.space.num_layers, tp_size=g.space.tp_size,
+                     pp_size=g.space.pp_size, timeout=float(cfg.get("lookup_timeout_s", 1.0)),
+                     token=cfg.get("token"), tenant_token=cfg.get("tenant_token"), weights=g.space.weights)
+
+
 class SchedulerSide:
     def __init__(self, groups: Space | tuple[Group, ...], cfg: dict, enabled: bool,
                  block_ids: Callable[[str], tuple[list[int], ...]], *, loads: bool = True,
-                 saves: bool = True) -> None:
+                 saves: bool = True, events: bool = False) -> None:
         if isinstance(groups, Space):  # one full-attention group
             groups = (Group(index=0, space=groups, layer_names=()),)
         self.groups = groups
@@ -115,13 +124,7 @@ class SchedulerSide:
         # Lookups (async mode) and releases run here, off the scheduler's thread.
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvserver-lookup")
         self._block_ids = block_ids
-        self.views = [CacheView(cfg.get("address"), model=g.space.model, layout=g.space.layout,
-                                dtype=g.space.dtype, page_size=g.space.page_size,
-                                num_layers=g.space.num_layers,
-                                tp_size=g.space.tp_size, pp_size=g.space.pp_size,
-                                timeout=float(cfg.get("lookup_timeout_s", 1.0)), token=cfg.get("token"),
-                                tenant_token=cfg.get("tenant_token"), weights=g.space.weights)
-                      for g in groups]
+        self.views = [_view(g, cfg) for g in groups]
         self.view = self.views[0]
         self._reqs: dict[str, _Req] = {}
         # Blocks whose KV is not known good, by vLLM block id: those of loads not yet reported
@@ -141,6 +144,18 @@ class SchedulerSide:
         # After one lookup that failed, lookups miss without asking until a probe (off this
         # thread) finds the daemon answering: a stuck daemon costs the scheduler one bounded wait.
         self.away = AwayGate(self.view.ping, name="kvserver-vllm-probe")
+        # KV events of the node's cache for this engine's router (vLLM's KV events on).
+        self.events: EventFeed | None = None
+        if events and enabled and bool(cfg.get("kv_events", True)):
+            # Views of its own: its calls never count against the lookups' (the away gate).
+            interval = max(10.0, float(cfg.get("events_interval_ms", 100))) / 1000
+            self.events = EventFeed([_view(g, cfg) for g in groups], [g.index for g in groups],
+                                    self.block_size, interval)
+
+    def take_events(self) -> list:
+        """The node cache's KV events for this engine since the last call (vLLM's own event
+        types); none unless vLLM's KV events are on."""
+        return self.events.take() if self.events is not None else []
 
     # ---- lookup ----------------------------------------------------------------------------
 
@@ -517,6 +532,8 @@ class SchedulerSide:
                     del self._dependents[owner]
 
     def shutdown(self) -> None:
+        if self.events is not None:
+            self.events.close()
         for st in self._reqs.values():
             self._release_all(st.leases)
         self._reqs.clear()

@@ -36,9 +36,11 @@ other daemon failure is a miss or a block not stored.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -74,8 +76,10 @@ class KVServerConnector(KVConnectorBase_V1, SupportsHMA):
                                "mid-step) fails its requests; set \"kv_load_failure_policy\": \"recompute\" "
                                "in --kv-transfer-config to have vLLM recompute those blocks", policy)
             ktc = vllm_config.kv_transfer_config
+            kve = getattr(vllm_config, "kv_events_config", None)
             self._scheduler = SchedulerSide(groups, cfg, enabled, self._request_block_ids,
-                                            loads=bool(ktc.is_kv_consumer), saves=bool(ktc.is_kv_producer))
+                                            loads=bool(ktc.is_kv_consumer), saves=bool(ktc.is_kv_producer),
+                                            events=bool(kve is not None and kve.enable_kv_cache_events))
         else:
             self._worker = WorkerSide(groups, cfg, enabled)
 
@@ -108,6 +112,9 @@ class KVServerConnector(KVConnectorBase_V1, SupportsHMA):
         self, request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, tuple(block_ids))
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self._scheduler.take_events() if self._scheduler is not None else ()
 
     # ---- worker side -----------------------------------------------------------------------
 

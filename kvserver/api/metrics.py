@@ -39,7 +39,7 @@ LAG_INTERVAL = 0.05
 LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # RPCs timed by kvserver_operation_duration_seconds (Session is a long-lived stream: not timed).
 OPERATIONS = ("Register", "Unregister", "Alloc", "Free", "Write", "Load", "Stats", "OpenSpace",
-              "Lookup", "Release", "Put", "Get")
+              "Lookup", "Release", "Put", "Get", "Events")
 DIRECTIONS = ("write", "load", "put", "get")  # device->host, host->device, device->cache, cache->device
 LANES = ("grpc", "ring")  # how the request reached the daemon: gRPC, or the lane's ring (docs/lane.md)
 SCRAPE_TIMEOUT = 5.0  # seconds a scrape waits for the daemon's loop

@@ -335,6 +335,17 @@ class KVServicer(pb_grpc.KVServerServicer):
                                  cluster_pages=found.cluster)
 
     @_abort_on_error
+    async def Events(self, request: pb.EventsRequest, context) -> pb.EventsResponse:
+        log_id, events, next_seq, gap = self.cache.events(request)
+        out = []
+        for ev in events:
+            named = ev.keys.as_bytes()
+            keys = [k for k in named if k is not None]
+            out.append(pb.KVEvent(seq=ev.seq, ts=ev.ts, removed=not ev.stored, medium=ev.medium,
+                                  locality=ev.locality, keys=keys, unnamed=len(named) - len(keys)))
+        return pb.EventsResponse(log_id=log_id, events=out, next_seq=next_seq, gap=gap)
+
+    @_abort_on_error
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         return pb.ReleaseResponse(released=self.cache.release(request))
 

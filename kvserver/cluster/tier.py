@@ -106,6 +106,9 @@ class ClusterTier:
         self._moving: set[asyncio.Future] = set()  # pulls and puts: they use arena pages
         self._closed = False
         self._lock = threading.Lock()  # between closing and a join that ends meanwhile
+        # Told of pages this node stored in the cluster (KV events: the cluster's evictions are
+        # its master's, and not observed here).
+        self.on_published: Callable[[Part, Keys], None] | None = None
 
     @property
     def ready(self) -> bool:
@@ -343,18 +346,19 @@ class ClusterTier:
         addresses = (self.host.pages.offset[ids].astype(np.int64) + self._base()).tolist()
         epoch = self.breaker.epoch
 
-        def store() -> tuple[int, int, int, list[int], float]:
+        def store() -> tuple[int, int, int, list[int], list[int], float]:
             t0 = time.perf_counter()
             all_names = names(prefix, keys)
             there = self.client.exists(all_names)
             if len(there) != len(all_names) or min(there, default=0) < 0:  # no answer: no put
-                return 0, 0, len(all_names), list(there), time.perf_counter() - t0
+                return 0, 0, len(all_names), list(there), [], time.perf_counter() - t0
             todo = [i for i, c in enumerate(there) if c != 1]
             codes: list[int] = []
             if todo:
                 codes = self.client.put([all_names[i] for i in todo], [addresses[i] for i in todo], nbytes)
-            stored = sum(1 for c in codes if c == 0)
-            return stored, len(there) - len(todo), len(todo) - stored, codes, time.perf_counter() - t0
+            new = [i for i, c in zip(todo, codes, strict=False) if c == 0]
+            stored = len(new)
+            return stored, len(there) - len(todo), len(todo) - stored, codes, new, time.perf_counter() - t0
 
         fut = loop.run_in_executor(self._put_pool, store)
         self._moving.add(fut)
@@ -368,7 +372,9 @@ class ClusterTier:
                     logger.warning("storing %d pages in the cluster failed: %s", len(ids),
                                    None if f.cancelled() else f.exception())
                     return
-                stored, present, failed, codes, seconds = f.result()
+                stored, present, failed, codes, new, seconds = f.result()
+                if new and self.on_published is not None:  # the cluster holds them now
+                    self.on_published(part, keys.take(np.asarray(new, np.int64)))
                 c.published_pages += stored
                 c.published_bytes += stored * nbytes
                 c.present_pages += present

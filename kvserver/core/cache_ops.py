@@ -25,6 +25,8 @@ from kvserver.core.copier import ClientJob, LoadStep
 from kvserver.core.kvcore import KVCore
 from kvserver.core.share import LoopShare
 from kvserver.errors import InvalidArgument, KVError, NoCapacity, NotFound, OutOfRange
+from kvserver.events import LoggedEvent
+from kvserver.events.book import MAX_READ_KEYS
 from kvserver.peers.tenants import TenantBook
 from kvserver.protocol.layout import KVLayout, torch_dtype
 from kvserver.store import (
@@ -185,6 +187,14 @@ class CacheOps:
             if more:
                 found = found._replace(pages=found.pages + more, cluster=more)
         return found
+
+    def events(self, req: pb.EventsRequest) -> tuple[str, list[LoggedEvent], int, bool]:
+        """The events of the caller's space after ``req.after_seq`` (``EventBook.read``)."""
+        _, client, key = self._target(req.client_id, req.space_id)
+        if client is not None:
+            key = space_key(client.tenant, client.spec)
+        assert key is not None
+        return self.kv.events.read(key, req.log_id, req.after_seq, req.max_keys or MAX_READ_KEYS)
 
     def release(self, req: pb.ReleaseRequest) -> int:
         tenant, _, _ = self._target(req.client_id, req.space_id)

@@ -12,6 +12,7 @@ import os
 import secrets
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -25,13 +26,14 @@ from kvserver.core.copier import ClientJob, Copier, wait_until
 from kvserver.core.share import LoopShare
 from kvserver.disk import DiskTier
 from kvserver.errors import InvalidArgument, NoCapacity, UnknownClient, shown
+from kvserver.events import CPU, LOCAL, REMOTE, STORAGE, EventBook
 from kvserver.host.arena import HostArena, aligned_capacity
 from kvserver.host.kept import KeptDir, KeptDirError
 from kvserver.host.pages import PageAllocator
 from kvserver.media import ShmAccess, SlabPinner, open_pool
 from kvserver.peers.tenants import tenant_of
 from kvserver.peers.tickets import TicketBook
-from kvserver.store import KVCache
+from kvserver.store import Keys, KVCache, SpaceKey
 from kvserver.store.keep import Recovery, kept_shape
 from kvserver.store.pages import MIN_PAGE_BYTES
 from kvserver.v1 import kvserver_pb2 as pb
@@ -67,6 +69,7 @@ class KVCore:
         disk_size_share: bool = False,
         cluster: MooncakeClient | None = None,
         cluster_timeout: float = 1.0,
+        event_publish: Callable[[SpaceKey, bool, str, str, Keys, float], None] | None = None,
     ) -> None:
         self.recovery: Recovery | None = None  # what a kept cache's start found (None: not kept)
         self._kept: KeptDir | None = None
@@ -85,6 +88,20 @@ class KVCore:
             self.cluster = ClusterTier(cluster, self.cache, lambda: self.arena.address, self.arena.capacity,
                                        timeout=cluster_timeout)
             logger.info("%s", self.cluster.describe())
+        # KV events: what each space gains and loses in each tier, for engines' connectors to
+        # read (Events) and for the daemon's own publisher (--kv-events-endpoint).
+        self.events = EventBook(event_publish)
+        self.cache.on_complete.append(self.events.listener(CPU, LOCAL))
+        if self.disk is not None:
+            self.disk.cache.on_complete.append(self.events.listener(STORAGE, LOCAL))
+        if self.cluster is not None:
+            # Only a space of one part: the cluster's copies are not counted across parts, and a
+            # key one TP rank stored is no hit for the whole engine.
+            def published(part, keys) -> None:
+                if part.space.key.num_parts == 1:
+                    self.events.record(part.space.key, True, CPU, REMOTE, keys)
+
+            self.cluster.on_published = published
         self.max_clients = max_clients
         self.max_clients_per_tenant = max_clients_per_tenant
         self._registering_by_tenant: Counter[str] = Counter()  # registrations under way, by tenant

@@ -69,6 +69,10 @@ class KVCache:
         self.leases = LeaseTable(self.pages, max_leases_per_tenant, clock, arena=arena,
                                  make_room=self._room_to_book)
         self.tenants = Tenants(arena.capacity, default_quota, quotas)
+        # Listeners of keys becoming complete in a space (held by every part: stored True) and
+        # ceasing to be (stored False): KV events (kvserver.events). Called on the loop, with
+        # keys that carry wide keys' bytes.
+        self.on_complete: list[Callable[[bool, Space, Keys], None]] = []
         self.on_slab_added = self.slabs.on_slab_added
         self.on_slab_removed = self.slabs.on_slab_removed
         self._spaces: dict[SpaceKey, Space] = {}
@@ -133,7 +137,7 @@ class KVCache:
             p.tenant[chunk] = tenant.tid
             p.index.insert(chunk, gid, keys)
             part.pages += len(chunk)
-            part.space.complete.added(keys)
+            self._tell(True, part.space, keys, part.space.complete.added(keys))
             for c in (part.space.counters, tenant.counters):
                 c.pages += len(chunk)
                 c.bytes += len(chunk) * part.key.page_bytes
@@ -396,7 +400,8 @@ class KVCache:
         if len(good):
             self.pages.commit(good)
             self.pages.touch(good)
-            plan.part.space.complete.added(self.pages.keys_of(good))
+            keys = self.pages.keys_of(good)
+            self._tell(True, plan.part.space, keys, plan.part.space.complete.added(keys))
         if len(bad):
             self._drop(bad, evicted=False)
 
@@ -533,6 +538,15 @@ class KVCache:
         self._drop(held, release_empty=False)
         self.slabs.release([sid])
 
+    def _tell(self, stored: bool, space: Space, keys: Keys, changed: np.ndarray) -> None:
+        if self.on_complete and changed.any():
+            keys = keys if changed.all() else keys.take(np.flatnonzero(changed))
+            for listener in self.on_complete:
+                try:
+                    listener(stored, space, keys)
+                except Exception:  # a listener never leaves the index half changed
+                    logger.exception("a listener of the %s failed", self.what)
+
     def _drop(self, ids: np.ndarray, evicted: bool = True, release_empty: bool = True) -> list[int]:
         """Frees pages (committed, or being written for a failed Put): their keys leave their
         parts' indexes and their bytes their counters. Returns the slabs they belong to."""
@@ -544,7 +558,8 @@ class KVCache:
         for gid, chunk in zip(uniq.tolist(), np.split(ids[order], starts[1:]), strict=True):
             part = self._parts[gid]
             committed = chunk[self.pages.state[chunk] == COMMITTED]
-            part.space.complete.removed(self.pages.keys_of(committed))
+            keys = self.pages.keys_of(committed)
+            self._tell(False, part.space, keys, part.space.complete.removed(keys))
             part.pages -= len(chunk)
             tenant = self.tenants.get(part.space.key.tenant)
             for c in (part.space.counters, tenant.counters):

@@ -47,12 +47,14 @@ class PartCounts:
         return self.held[ids]
 
     def remove(self, space: int, keys: Keys) -> np.ndarray:
-        """Counts one part less for each key (distinct, each counted); returns the old counts."""
-        ids = self.index.find(space, keys)
-        ids = ids[ids >= 0]
-        old = self.held[ids].copy()
+        """Counts one part less for each key (distinct, each counted); returns the old counts, in
+        key order (0 for a key not counted)."""
+        found = self.index.find(space, keys)
+        ids = found[found >= 0]
+        old = np.zeros(len(keys), np.int32)
+        old[found >= 0] = self.held[ids]
         self.held[ids] -= 1
-        gone = ids[old == 1]
+        gone = ids[self.held[ids] == 0]
         self.index.remove(gone)
         self._ids.give(gone)
         return old
@@ -65,16 +67,22 @@ class CompleteCount:
         self.space = counts.new_space()
         self.value = 0  # keys held committed by every part
 
-    def added(self, keys: Keys) -> None:
-        """``keys`` were committed in one part (each once)."""
+    def added(self, keys: Keys) -> np.ndarray:
+        """``keys`` were committed in one part (each once); returns the mask of those now held by
+        every part (complete)."""
         if self.num_parts == 1 or not len(keys):
             self.value += len(keys)
-            return
-        self.value += int(np.count_nonzero(self.counts.add(self.space, keys) == self.num_parts))
+            return np.ones(len(keys), bool)
+        now = self.counts.add(self.space, keys) == self.num_parts
+        self.value += int(np.count_nonzero(now))
+        return now
 
-    def removed(self, keys: Keys) -> None:
-        """``keys``, committed in one part, left it (each once)."""
+    def removed(self, keys: Keys) -> np.ndarray:
+        """``keys``, committed in one part, left it (each once); returns the mask of those that
+        were complete until then."""
         if self.num_parts == 1 or not len(keys):
             self.value -= len(keys)
-            return
-        self.value -= int(np.count_nonzero(self.counts.remove(self.space, keys) == self.num_parts))
+            return np.ones(len(keys), bool)
+        was = self.counts.remove(self.space, keys) == self.num_parts
+        self.value -= int(np.count_nonzero(was))
+        return was

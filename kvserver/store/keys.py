@@ -4,7 +4,9 @@ A key of up to 16 bytes is kept whole, zero-padded into two 64-bit words, with i
 (so ``b"a"`` and ``b"a\\x00"`` stay different keys). A wider key (up to 64 bytes) is kept as its
 16-byte BLAKE2b digest, marked by its length: keys are themselves digests of token prefixes, and a
 collision of a 128-bit digest is out of reach, even for a tenant choosing its own keys (and a
-tenant's keys only ever name its own pages).
+tenant's keys only ever name its own pages). Wide keys also carry their bytes (``raw``, a view of
+the request where it can be), which the page table keeps beside the digest so that KV events can
+name a page by the engine's own key (``kvserver.events``).
 
 Primitives: ``Keys`` (``unpack`` a request's packed field, at once or in steps, ``of`` a list of
 keys, slices, ``take``, ``firsts`` and ``distinct``) and ``leading`` (length of a mask's leading
@@ -32,13 +34,15 @@ def _digests(rows: Sequence[bytes]) -> bytes:
 
 
 class Keys:
-    """``n`` keys: ``words`` (n, 2) uint64 and ``lens`` (n,) uint8."""
+    """``n`` keys: ``words`` (n, 2) uint64 and ``lens`` (n,) uint8; ``raw`` (n, w) uint8, the
+    bytes of wide keys (row i's first ``lens[i]`` bytes), or None where they are not known."""
 
-    __slots__ = ("words", "lens")
+    __slots__ = ("words", "lens", "raw")
 
-    def __init__(self, words: np.ndarray, lens: np.ndarray) -> None:
+    def __init__(self, words: np.ndarray, lens: np.ndarray, raw: np.ndarray | None = None) -> None:
         self.words = words
         self.lens = lens
+        self.raw = raw
 
     @classmethod
     def unpack(cls, packed: bytes, key_bytes: int, max_keys: int) -> Keys:
@@ -74,7 +78,8 @@ class Keys:
                 words[start:end] = np.frombuffer(_digests(rows), np.uint64).reshape(-1, 2)
                 if end < n:
                     yield
-        return cls(words.reshape(n, 2), np.full(n, key_bytes, np.uint8))
+        wide = raw if key_bytes > WORD_BYTES else None
+        return cls(words.reshape(n, 2), np.full(n, key_bytes, np.uint8), wide)
 
     @classmethod
     def of(cls, keys: Sequence[bytes]) -> Keys:
@@ -85,16 +90,48 @@ class Keys:
             raise InvalidArgument(f"keys must be 1 to {MAX_KEY_BYTES} bytes long")
         rows = [k if len(k) <= WORD_BYTES else _digests([k]) for k in keys]
         words = np.array(rows, dtype=f"S{WORD_BYTES}").view(np.uint64) if rows else np.empty(0, np.uint64)
-        return cls(words.reshape(len(keys), 2), lens.astype(np.uint8))
+        raw = None
+        if len(keys) and lens.max() > WORD_BYTES:
+            raw = np.zeros((len(keys), int(lens.max())), np.uint8)
+            for i, k in enumerate(keys):
+                if len(k) > WORD_BYTES:
+                    raw[i, : len(k)] = np.frombuffer(k, np.uint8)
+        return cls(words.reshape(len(keys), 2), lens.astype(np.uint8), raw)
 
     def __len__(self) -> int:
         return len(self.lens)
 
     def __getitem__(self, sl: slice) -> Keys:
-        return Keys(self.words[sl], self.lens[sl])
+        return Keys(self.words[sl], self.lens[sl], None if self.raw is None else self.raw[sl])
 
     def take(self, positions: np.ndarray) -> Keys:
-        return Keys(self.words[positions], self.lens[positions])
+        return Keys(self.words[positions], self.lens[positions],
+                    None if self.raw is None else self.raw[positions])
+
+    def copy(self) -> Keys:
+        """Keys that own their arrays (no view of a request)."""
+        return Keys(self.words.copy(), self.lens.copy(), None if self.raw is None else self.raw.copy())
+
+    def as_bytes(self) -> list[bytes | None]:
+        """Each key's bytes: whole up to 16 bytes; a wider one from ``raw``, None where unknown
+        (a page adopted from a kept cache keeps no wide key's bytes). One pass per key length."""
+        n = len(self)
+        out: list[bytes | None] = [None] * n
+        words = self.words.view(np.uint8).reshape(n, WORD_BYTES)
+        for length in np.unique(self.lens).tolist():
+            at = np.flatnonzero(self.lens == length)
+            if length <= WORD_BYTES:
+                rows = words[at, :length]
+            elif self.raw is not None and self.raw.shape[1] >= length:
+                known = self.raw[at, :length].any(axis=1)
+                at = at[known]
+                rows = self.raw[at, :length]
+            else:
+                continue
+            flat = np.ascontiguousarray(rows).tobytes()
+            for j, i in enumerate(at.tolist()):
+                out[i] = flat[j * length : (j + 1) * length]
+        return out
 
     @overload
     def firsts(self, ranks: Literal[False] = False) -> np.ndarray: ...

@@ -20,7 +20,7 @@ from kvserver.host.arena import BOOK_ALLOWANCE
 from kvserver.host.kept import KeptDir
 from kvserver.store.index import BYTES_PER_ENTRY, KeyIndex
 from kvserver.store.index import KEPT as INDEX_KEPT
-from kvserver.store.keys import Keys
+from kvserver.store.keys import MAX_KEY_BYTES, WORD_BYTES, Keys
 from kvserver.store.lazy import lazy_zeros
 from kvserver.store.stack import IdPool
 
@@ -79,6 +79,9 @@ class PageTable:
         self.sum = (kept.array("pages.sum", capacity, np.uint32) if kept and sums
                     else lazy_zeros(capacity if sums else 1, np.uint32))
         self.index = KeyIndex(capacity, kept)
+        # The bytes of keys wider than 16 bytes (the index keeps their digest), for KV events:
+        # committed as written, 64 bytes a page that has such a key; not kept across restarts.
+        self.wide = lazy_zeros(capacity * MAX_KEY_BYTES, np.uint8).reshape(capacity, MAX_KEY_BYTES)
         if kept is not None and not self._allocate_range(capacity - 1, capacity):
             # Lookups index the tables with -1 for a miss: the last item is read, and a read of a
             # hole in a shared tmpfs mapping takes memory (SIGBUS if there is none): it has it now.
@@ -200,9 +203,23 @@ class PageTable:
     def set_keys(self, ids: np.ndarray, part: int, keys: Keys) -> None:
         """Files free pages under their keys in ``part`` (keys distinct and absent from it)."""
         self.index.insert(ids, part, keys)
+        wide = keys.lens > WORD_BYTES
+        if wide.any():  # a wide key's bytes, or zeros where unknown (rows of narrow keys are not read)
+            rows = ids[wide]
+            if keys.raw is None:
+                self.wide[rows] = 0
+            else:
+                w = keys.raw.shape[1]
+                self.wide[rows, :w] = keys.raw[wide]
+                self.wide[rows, w:] = 0
 
     def keys_of(self, ids: np.ndarray) -> Keys:
-        return self.index.keys_of(ids)
+        keys = self.index.keys_of(ids)
+        if len(keys):
+            longest = int(keys.lens.max())
+            if longest > WORD_BYTES:
+                keys.raw = self.wide[ids, :longest]
+        return keys
 
     def clear(self, ids: np.ndarray) -> None:
         """Makes pages free: no key, no part, no stamp."""

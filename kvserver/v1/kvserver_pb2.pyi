@@ -329,6 +329,50 @@ class LookupResponse(_message.Message):
     cluster_pages: int
     def __init__(self, pages: _Optional[int] = ..., lease_id: _Optional[str] = ..., disk_pages: _Optional[int] = ..., cluster_pages: _Optional[int] = ...) -> None: ...
 
+class EventsRequest(_message.Message):
+    __slots__ = ("client_id", "space_id", "log_id", "after_seq", "max_keys")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    LOG_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    MAX_KEYS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    space_id: str
+    log_id: str
+    after_seq: int
+    max_keys: int
+    def __init__(self, client_id: _Optional[str] = ..., space_id: _Optional[str] = ..., log_id: _Optional[str] = ..., after_seq: _Optional[int] = ..., max_keys: _Optional[int] = ...) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("seq", "ts", "removed", "medium", "locality", "keys", "unnamed")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TS_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    LOCALITY_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    UNNAMED_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    ts: float
+    removed: bool
+    medium: str
+    locality: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    unnamed: int
+    def __init__(self, seq: _Optional[int] = ..., ts: _Optional[float] = ..., removed: bool = ..., medium: _Optional[str] = ..., locality: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., unnamed: _Optional[int] = ...) -> None: ...
+
+class EventsResponse(_message.Message):
+    __slots__ = ("log_id", "events", "next_seq", "gap")
+    LOG_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    GAP_FIELD_NUMBER: _ClassVar[int]
+    log_id: str
+    events: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    next_seq: int
+    gap: bool
+    def __init__(self, log_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., next_seq: _Optional[int] = ..., gap: bool = ...) -> None: ...
+
 class PutRequest(_message.Message):
     __slots__ = ("client_id", "keys", "key_bytes", "device_pages", "ready_event", "timeout_ms")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]

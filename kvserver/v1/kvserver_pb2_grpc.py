@@ -69,6 +69,11 @@ class KVServerStub(object):
                 request_serializer=kvserver_dot_v1_dot_kvserver__pb2.LookupRequest.SerializeToString,
                 response_deserializer=kvserver_dot_v1_dot_kvserver__pb2.LookupResponse.FromString,
                 )
+        self.Events = channel.unary_unary(
+                '/kvserver.v1.KVServer/Events',
+                request_serializer=kvserver_dot_v1_dot_kvserver__pb2.EventsRequest.SerializeToString,
+                response_deserializer=kvserver_dot_v1_dot_kvserver__pb2.EventsResponse.FromString,
+                )
         self.Put = channel.unary_unary(
                 '/kvserver.v1.KVServer/Put',
                 request_serializer=kvserver_dot_v1_dot_kvserver__pb2.PutRequest.SerializeToString,
@@ -170,6 +175,15 @@ class KVServerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Events(self, request, context):
+        """KV events of a space: which keys every part of it gained (stored) or lost (removed) in each
+        tier of the node's cache since the last read, for an engine's connector to publish to its
+        router. The first read of a space starts its log (and returns no event).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Put(self, request, context):
         """Offload into the cache: stores the pages of keys not yet stored, skips the others.
         """
@@ -248,6 +262,11 @@ def add_KVServerServicer_to_server(servicer, server):
                     servicer.Lookup,
                     request_deserializer=kvserver_dot_v1_dot_kvserver__pb2.LookupRequest.FromString,
                     response_serializer=kvserver_dot_v1_dot_kvserver__pb2.LookupResponse.SerializeToString,
+            ),
+            'Events': grpc.unary_unary_rpc_method_handler(
+                    servicer.Events,
+                    request_deserializer=kvserver_dot_v1_dot_kvserver__pb2.EventsRequest.FromString,
+                    response_serializer=kvserver_dot_v1_dot_kvserver__pb2.EventsResponse.SerializeToString,
             ),
             'Put': grpc.unary_unary_rpc_method_handler(
                     servicer.Put,
@@ -458,6 +477,23 @@ class KVServer(object):
         return grpc.experimental.unary_unary(request, target, '/kvserver.v1.KVServer/Lookup',
             kvserver_dot_v1_dot_kvserver__pb2.LookupRequest.SerializeToString,
             kvserver_dot_v1_dot_kvserver__pb2.LookupResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Events(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/kvserver.v1.KVServer/Events',
+            kvserver_dot_v1_dot_kvserver__pb2.EventsRequest.SerializeToString,
+            kvserver_dot_v1_dot_kvserver__pb2.EventsResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
