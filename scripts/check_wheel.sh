@@ -68,6 +68,9 @@ assert not missing, f"the installed wheel lacks {missing}"
 # and this one does not: they are checked to be in the wheel, and found there, but not imported.
 # The packages themselves (kvclient.sglang, kvclient.vllm) import without their engine.
 needs_engine = [n for n in installed if n.startswith(("kvclient.sglang.", "kvclient.vllm."))]
+# So do the modules of an extra this environment is without: the publisher's schema (msgspec, the
+# `events` extra). The cluster tier imports Mooncake (the `cluster` extra) only once configured.
+needs_engine += ["kvserver.events.schema"]
 for name in installed:
     if name in needs_engine:
         spec = importlib.util.find_spec(name)
@@ -79,7 +82,7 @@ assert importlib.util.find_spec("cupy") is None and "cupy" not in sys.modules
 if shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]):
     assert "kvserver.copies._kvcopy" in installed, "the wheel has no compiled copy kernel"
 print(f"imported {len(installed) - len(needs_engine)} modules from the wheel, without CuPy; "
-      f"found {len(needs_engine)} that need an engine: {needs_engine}")
+      f"found {len(needs_engine)} that need an engine or an extra: {needs_engine}")
 EOF
 "$work/venv/bin/kvserver" --help > /dev/null
 
