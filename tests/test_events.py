@@ -6,7 +6,6 @@ daemons, real engines over shared memory."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import msgspec
@@ -15,6 +14,7 @@ import pytest
 import vllm_env
 import zmq
 from cache_engine import DTYPE, LAYOUT, MODEL, PAGE, CacheEngine
+from mooncake_master import free_port
 
 from kvclient import CacheView
 from kvserver.events import book
@@ -22,12 +22,6 @@ from kvserver.events.publisher import space_topic
 from kvserver.store import SpaceKey
 
 MiB = 1 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wide(prefix: int, n: int) -> list[bytes]:

@@ -6,7 +6,6 @@ Scheduler and publisher, a real daemon. Skipped where scripts/install_vllm.sh ha
 
 from __future__ import annotations
 
-import socket
 import time
 
 import msgspec
@@ -20,6 +19,7 @@ if not vllm_env.vllm_installed():
 
 import vllm_engine  # noqa: E402
 from cache_engine import CacheEngine  # noqa: E402
+from mooncake_master import free_port  # noqa: E402
 
 PROMPT = [(11 * i) % 500 + 5 for i in range(70)]  # 4 whole blocks
 
@@ -39,12 +39,6 @@ def daemon(daemon_factory):
 @pytest.fixture()
 def vcfg(daemon):
     return vllm_engine.config(daemon.address)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_the_connector_publishes_the_node_caches_events_through_vllms_publisher(vcfg, daemon):

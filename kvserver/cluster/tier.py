@@ -402,15 +402,12 @@ class ClusterTier:
     async def _join(self) -> None:
         """Joins the cluster, trying again while it cannot. A join blocks its thread for as long
         as Mooncake retries an absent master (minutes): it runs in a thread of its own that the
-        daemon's exit does not wait for, and a daemon closed meanwhile leaves the cluster there."""
-        loop = asyncio.get_running_loop()
+        daemon's exit does not wait for (one of the question threads: no question is asked before
+        the tier has joined), and a daemon closed meanwhile leaves the cluster there."""
         wait = JOIN_RETRY
         while not self._closed:
-            fut: asyncio.Future[bool] = loop.create_future()
-            threading.Thread(target=self._join_thread, args=(loop, fut), daemon=True,
-                             name="kvserver-cluster-join").start()
             try:
-                await fut
+                await self._ask_threads.submit(self._join_once)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -426,29 +423,13 @@ class ClusterTier:
                         self.client.hostname)
             return
 
-    def _join_thread(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> None:
-        error: BaseException | None = None
-        try:
-            self.client.join(self._base(), self._arena_bytes)
-            with self._lock:
-                if self._closed:  # the daemon closed meanwhile: nothing else will leave
-                    self.client.close()
-                    error = RuntimeError("the daemon is closing")
-        except BaseException as exc:
-            error = exc
-
-        def settle() -> None:
-            if fut.done():
-                return
-            if error is None:
-                fut.set_result(True)
-            else:
-                fut.set_exception(error)
-
-        try:
-            loop.call_soon_threadsafe(settle)
-        except RuntimeError:  # the loop is closed: the daemon is gone
-            pass
+    def _join_once(self) -> None:
+        """In a question thread: joins the cluster; if the daemon closed meanwhile, leaves it."""
+        self.client.join(self._base(), self._arena_bytes)
+        with self._lock:
+            if self._closed:  # nothing else will leave
+                self.client.close()
+                raise RuntimeError("the daemon is closing")
 
     def _start_probe(self) -> None:
         probing = any(t.get_name() == "cluster-probe" and not t.done() for t in self._tasks)

@@ -117,7 +117,6 @@ class EventBook:
         self._keys = 0  # keys all logs hold
         self._publish = publish
         self._clock = clock
-        self.recorded = 0  # keys recorded in logs
         self.gaps = 0  # reads that found events dropped before them
 
     def listener(self, medium: str, locality: str) -> Callable[[bool, Space, Keys], None]:
@@ -144,7 +143,6 @@ class EventBook:
         before = log.keys
         log.append(stored, medium, locality, keys, ts)
         self._keys += log.keys - before
-        self.recorded += len(keys)
         if self._keys > MAX_TOTAL_KEYS:  # the fullest logs give way first
             for other in sorted(self._logs.values(), key=lambda x: -x.keys):
                 self._keys -= other.trim(other.keys // 2)
@@ -196,7 +194,3 @@ class EventBook:
         last = out[-1].seq if out else max(after_seq, first - 1)
         log.served = max(log.served, last)
         return log.id, out, last, gap
-
-    def forget(self, space: SpaceKey) -> None:
-        """The space is gone: its log too."""
-        self._drop(space)
