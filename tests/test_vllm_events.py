@@ -41,6 +41,13 @@ def vcfg(daemon):
     return vllm_engine.config(daemon.address)
 
 
+def wait_connected(monitor, timeout: float = 10) -> None:
+    from zmq.utils.monitor import recv_monitor_message
+
+    assert monitor.poll(int(timeout * 1000)), "vLLM's publisher never connected"
+    assert recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+
+
 def test_the_connector_publishes_the_node_caches_events_through_vllms_publisher(vcfg, daemon):
     from vllm.config.kv_events import KVEventsConfig
     from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
@@ -53,6 +60,7 @@ def test_the_connector_publishes_the_node_caches_events_through_vllms_publisher(
     port = free_port()
     sub.bind(f"tcp://127.0.0.1:{port}")  # vLLM's publisher connects to an address without '*'
     sub.setsockopt(zmq.SUBSCRIBE, b"")
+    monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
     gen = vllm_engine.engines(vcfg, daemon.address)
     make = next(gen)
@@ -63,8 +71,13 @@ def test_the_connector_publishes_the_node_caches_events_through_vllms_publisher(
             a = make("events", settings={"events_interval_ms": 20})
         finally:
             vcfg.kv_events_config = None
-        assert a.connector._scheduler.events is not None
-        time.sleep(0.3)  # the feed's first read starts the space's log; the publisher connects
+        feed = a.connector._scheduler.events
+        assert feed is not None
+        deadline = time.monotonic() + 10  # the feed's first read starts the space's log
+        while not all(log_id for log_id, _ in feed._where) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert all(log_id for log_id, _ in feed._where), "the feed never read the daemon's events"
+        wait_connected(monitor)  # vLLM's publisher has connected: nothing it sends is lost
         b = make("events")  # another engine of the same model, its events off
         b.add("b1", PROMPT, max_tokens=1)
         keys = block_keys(b.scheduler.requests["b1"], 1)
@@ -98,7 +111,7 @@ def test_the_connector_publishes_the_node_caches_events_through_vllms_publisher(
                 filler.fill(ks, np.arange(128))
                 filler.put(ks, np.arange(128))
         assert heard(BlockRemoved) == expected
-        assert a.connector._scheduler.events.dropped_keys == 0
+        assert feed.dropped_keys == 0
     finally:
         gen.close()
         ctx.destroy(linger=0)
