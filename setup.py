@@ -19,5 +19,8 @@ setup(
     ext_modules=[
         Extension("kvserver.copies._kvcopy", ["kvserver/copies/csrc/kvcopy.c"], extra_compile_args=["-O3"],
                   optional=True),
+        Extension("kvserver.lane._kvlane", ["kvserver/lane/csrc/kvlane.c"],
+                  depends=["kvserver/lane/csrc/request.h"], extra_compile_args=["-O2", "-Wall"],
+                  optional=True),
     ],
 )

@@ -29,6 +29,13 @@ class Registration:
     layer_events: tuple[bytes, ...] = ()  # CUDA pools: [slot * layers + local layer]
 
 
+def index_array(values: Indices) -> np.ndarray:
+    """The indices as one flat int64 array (a copy only where the input is not one already)."""
+    if isinstance(values, torch.Tensor):
+        return values.detach().reshape(-1).to("cpu", torch.int64).numpy()
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
 def ids(values: Indices) -> list[int]:
     if isinstance(values, torch.Tensor):
         return values.reshape(-1).tolist()

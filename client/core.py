@@ -24,6 +24,7 @@ from kvclient.cuda_events import LayerEvents, event_handle
 from kvclient.errors import KVClientError
 from kvclient.keys import KEY_BYTES, Keys, pack_keys
 from kvclient.results import LookupResult, PutResult
+from kvserver.protocol import lane_request
 from kvserver.v1 import kvserver_pb2 as pb
 
 logger = logging.getLogger("kvclient")
@@ -239,8 +240,9 @@ class ClientCore:
 
     # ---- calls and their failures -----------------------------------------------------------
 
-    def start(self, op: Op) -> Call | Missed:
-        """What to send for ``op`` now, or its miss (the registration is known lost)."""
+    def start(self, op: Op, build: bool = True) -> Call | Missed:
+        """What to send for ``op`` now, or its miss (the registration is known lost). ``build``
+        False: the shell sends ``op.packed()`` and builds the request only if it must."""
         if not op.registered:
             return Call(op, None, op.build(None), self.timeout)
         reg = self.registration
@@ -248,9 +250,10 @@ class ClientCore:
             raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "register() first")
         if not self.connected:
             return Missed(self.disconnected(op.miss))
-        return Call(op, reg, op.build(reg), op.timeout or (self.job_deadline if op.job else self.timeout))
+        return Call(op, reg, op.build(reg) if build else None,
+                    op.timeout or (self.job_deadline if op.job else self.timeout))
 
-    def start_stream(self, op: StreamOp) -> Call | Missed:
+    def start_stream(self, op: StreamOp, build: bool = True) -> Call | Missed:
         """A Load or Get to send now (with its layers and CUDA layer events), or the layers of a
         missed handle."""
         reg = self.registration
@@ -263,7 +266,7 @@ class ClientCore:
         if reg.layer_events:
             opened = self._layer_events(reg)
             events = {g: opened.event(op.event_slot, g - reg.start_layer) for g in layers}
-        return Call(op, reg, op.build(reg), self.job_deadline, layers, events)
+        return Call(op, reg, op.build(reg) if build else None, self.job_deadline, layers, events)
 
     def disconnected(self, on_miss):
         """A call while the registration is lost: a miss, or (not resilient) an error."""
@@ -338,22 +341,26 @@ class ClientCore:
 
     def write(self, host_indices: msg.Indices, device_indices: msg.Indices, layers: Iterable[int] | None,
               ready_event) -> Op:
-        host, dev, lay, ready = (msg.ids(host_indices), msg.ids(device_indices), msg.layer_list(layers),
-                                 _ready(ready_event))
-        return Op("Write", lambda r: pb.WriteRequest(client_id=r.client_id, host_indices=host,
-                                                     device_indices=dev, layers=lay, ready_event=ready,
-                                                     timeout_ms=self.timeout_ms),
-                  lambda resp: resp.bytes, 0, job=True)
+        host, dev, lay, ready = (msg.index_array(host_indices), msg.index_array(device_indices),
+                                 msg.layer_list(layers), _ready(ready_event))
+        return Op("Write", lambda r: pb.WriteRequest(client_id=r.client_id, host_indices=host.tolist(),
+                                                     device_indices=dev.tolist(), layers=lay,
+                                                     ready_event=ready, timeout_ms=self.timeout_ms),
+                  lambda resp: resp.bytes, 0, job=True,
+                  packed=lambda r: lane_request.pack(lane_request.KIND_WRITE, host, dev, lay, r.page_size,
+                                                     self.timeout_ms, 0, ready))
 
     def load(self, host_indices: msg.Indices, device_indices: msg.Indices, layers: Iterable[int] | None,
              event_slot: int, ready_event) -> StreamOp:
-        host, dev, lay, ready = (msg.ids(host_indices), msg.ids(device_indices), msg.layer_list(layers),
-                                 _ready(ready_event))
-        return StreamOp("Load", lambda r: pb.LoadRequest(client_id=r.client_id, host_indices=host,
-                                                         device_indices=dev, layers=lay,
+        host, dev, lay, ready = (msg.index_array(host_indices), msg.index_array(device_indices),
+                                 msg.layer_list(layers), _ready(ready_event))
+        return StreamOp("Load", lambda r: pb.LoadRequest(client_id=r.client_id, host_indices=host.tolist(),
+                                                         device_indices=dev.tolist(), layers=lay,
                                                          event_slot=event_slot, ready_event=ready,
                                                          timeout_ms=self.timeout_ms),
-                        lay, event_slot)
+                        lay, event_slot,
+                        packed=lambda r: lane_request.pack(lane_request.KIND_LOAD, host, dev, lay,
+                                                           r.page_size, self.timeout_ms, event_slot, ready))
 
     def available_size(self) -> Op:
         def read(resp: pb.StatsResponse) -> int:

@@ -76,18 +76,29 @@ class KVClient(CoreShell):
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
 
+    def _packed(self, lane: ClientLane | None, op: Op | StreamOp) -> bytes | None:
+        """The call's request in the lane's binary format, if it goes on the lane so (then no
+        protobuf request is built)."""
+        reg = self._core.registration
+        if lane is None or lane.request_format < 1 or op.packed is None or reg is None or lane.reg is not reg:
+            return None
+        return op.packed(reg)
+
     def _run(self, op: Op):
-        call = self._core.start(op)
+        lane = self._lane
+        packed = self._packed(lane, op)
+        call = self._core.start(op, build=packed is None)
         if isinstance(call, Missed):
             return call.value
-        lane = self._lane
         got = None
         try:
-            if lane is not None and op.rpc in LANE_UNARY and lane.reg is call.reg:
-                got = lane.unary(op.rpc, call.request.SerializeToString(), call.timeout)
+            if packed is not None and lane.reg is call.reg:
+                got = lane.unary(op.rpc + "B", packed, call.timeout)
+            elif lane is not None and op.rpc in LANE_UNARY and lane.reg is call.reg:
+                got = lane.unary(op.rpc, self._request(call).SerializeToString(), call.timeout)
             if got is not None:
                 return op.read(LANE_UNARY[op.rpc].FromString(got))
-            resp = getattr(self._stub, op.rpc)(call.request, timeout=call.timeout,
+            resp = getattr(self._stub, op.rpc)(self._request(call), timeout=call.timeout,
                                                metadata=self._core.metadata)
         except grpc.RpcError as exc:
             error = from_rpc_error(exc)
@@ -102,22 +113,34 @@ class KVClient(CoreShell):
         raise error from None
 
     def _stream(self, op: StreamOp) -> LoadHandle:
-        call = self._core.start_stream(op)
+        lane = self._lane
+        packed = self._packed(lane, op) if op.lane else None
+        call = self._core.start_stream(op, build=packed is None)
         if isinstance(call, Missed):
             return LoadHandle.miss(call.value, get=op.get)
         handle = LoadHandle(call.layers, get=op.get)
         handle.events = call.events
         handle._on_error = lambda error: self._stream_failed(call, handle, error)
-        lane = self._lane
         if lane is not None and op.lane and lane.reg is call.reg:
-            source = lane.stream(op.rpc, call.request.SerializeToString(), call.timeout)
+            if packed is not None:
+                source = lane.stream(op.rpc + "B", packed, call.timeout)
+            else:
+                source = lane.stream(op.rpc, self._request(call).SerializeToString(), call.timeout)
             if source is not None:
                 source.handle = handle
                 handle._source = source
                 return handle
-        stream = getattr(self._stub, op.rpc)(call.request, timeout=call.timeout, metadata=self._core.metadata)
+        stream = getattr(self._stub, op.rpc)(self._request(call), timeout=call.timeout,
+                                             metadata=self._core.metadata)
         self._loaders.submit(handle._consume, stream)
         return handle
+
+    @staticmethod
+    def _request(call: Call):
+        """The call's protobuf request, built now if the lane's binary format was meant."""
+        if call.request is None:
+            call.request = call.op.build(call.reg)
+        return call.request
 
     def _stream_failed(self, call: Call, handle: LoadHandle, error: KVClientError) -> bool:
         # Reported to the engine only once the daemon said the copy is dead, or was made to.
@@ -194,8 +217,8 @@ class KVClient(CoreShell):
         lane = ClientLane()
         try:
             ticket = ticket_for(self.target, lane.daemon_fds(), self.timeout)
-            self._stub.OpenLane(pb.OpenLaneRequest(client_id=reg.client_id, peer_ticket=ticket),
-                                timeout=self.timeout, metadata=self._core.metadata)
+            opened = self._stub.OpenLane(pb.OpenLaneRequest(client_id=reg.client_id, peer_ticket=ticket),
+                                         timeout=self.timeout, metadata=self._core.metadata)
         except (grpc.RpcError, KVClientError, ValueError) as exc:  # ValueError: closed meanwhile
             lane.close()
             code = exc.code() if isinstance(exc, grpc.RpcError) else getattr(exc, "code", None)
@@ -207,6 +230,7 @@ class KVClient(CoreShell):
         finally:
             lane.handed_over()
         lane.reg = reg
+        lane.request_format = opened.request_format
         old, self._lane = self._lane, lane
         if old is not None:
             old.close()

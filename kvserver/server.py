@@ -216,6 +216,8 @@ class Daemon:
         if self.peer_socket is not None:
             await self.peer_socket.stop()
         await self.core.close()
+        if self.servicer.plane is not None:  # every lane and gate is gone: its thread ends
+            self.servicer.plane.stop()
         if self.kv_events is not None:  # what was recorded until now goes out first
             self.kv_events.close()
         logger.info("kvserver stopped")

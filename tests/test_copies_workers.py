@@ -264,8 +264,12 @@ def test_a_small_load_overtakes_a_large_offload(socket_dir, monkeypatch):
     big_layout = KVLayout.mha(8, 128)  # 2 KiB a token and part
     tokens = 16384  # x 2 KiB x (K, V): 64 MiB
     try:
-        with ShmKVPool(big_layout, torch.float16, 1, tokens) as pool, KVClient(d.address) as big, \
-                ShmKVPool(big_layout, torch.float16, 1, 64) as small_pool, KVClient(d.address) as small:
+        # On gRPC: these are the copy workers' copies (the lane's go to the compiled data plane,
+        # whose own order tests/test_dataplane.py checks).
+        with ShmKVPool(big_layout, torch.float16, 1, tokens) as pool, \
+                KVClient(d.address, lane="grpc") as big, \
+                ShmKVPool(big_layout, torch.float16, 1, 64) as small_pool, \
+                KVClient(d.address, lane="grpc") as small:
             big.register(model="big", pool=pool, start_layer=0, end_layer=1, num_layers=1,
                          host_tokens=tokens, page_size=16)
             small.register(model="small", pool=small_pool, start_layer=0, end_layer=1, num_layers=1,
@@ -304,7 +308,7 @@ def test_a_load_after_a_write_of_the_same_pages_reads_what_it_stored(socket_dir)
     write of the same host pages, a load reads what that write stores."""
     d = DaemonThread(ServerConfig(socket=f"{socket_dir}/kv.sock", host_memory=64 << 20, copy_threads=1))
     try:
-        with ShmKVPool(WIDE, torch.float16, LAYERS, 2 * POOL) as pool, KVClient(d.address) as c:
+        with ShmKVPool(WIDE, torch.float16, LAYERS, 2 * POOL) as pool, KVClient(d.address, lane="grpc") as c:
             c.register(model="m", pool=pool, start_layer=0, end_layer=LAYERS, num_layers=LAYERS,
                        host_tokens=POOL, page_size=16)
             a, b = torch.arange(POOL), torch.arange(POOL, 2 * POOL)  # 512 KiB each: never inline
@@ -362,7 +366,10 @@ def test_a_load_stopped_between_pieces_lands_no_later_layer(socket_dir, monkeypa
     monkeypatch.setattr(transfer.RowCopier, "copy", slow_at_layer_1)
     d = DaemonThread(ServerConfig(socket=f"{socket_dir}/kv.sock", host_memory=64 << 20, copy_threads=1))
     try:
-        with ShmKVPool(WIDE, torch.float16, LAYERS, POOL) as pool, KVClient(d.address, timeout=0.5) as c:
+        # On gRPC: the copy workers' pieces (the plane's own stop at a layer boundary is
+        # tests/test_dataplane.py's).
+        with ShmKVPool(WIDE, torch.float16, LAYERS, POOL) as pool, \
+                KVClient(d.address, timeout=0.5, lane="grpc") as c:
             c.register(model="m", pool=pool, start_layer=0, end_layer=LAYERS, num_layers=LAYERS,
                        host_tokens=POOL, page_size=16)
             fill_random(pool, 5)

@@ -112,14 +112,19 @@ def test_shutdown_during_a_write_finishes_it_then_frees(daemon_factory):
 
         t = threading.Thread(target=write)
         t.start()
-        # Stop while the write is in flight: it gets the grace period to finish.
-        while d.run(lambda: d.core.copier.queued) == 0 and t.is_alive():
+        # Stop while the write is in flight (in the copy workers, or on the compiled data plane):
+        # it gets the grace period to finish.
+        def in_flight() -> int:
+            plane = d.core.plane
+            return d.core.copier.queued + (plane.engine.jobs if plane is not None else 0)
+
+        while d.run(in_flight) == 0 and t.is_alive():
             pass
 
         async def stop_now() -> int:
-            in_flight = d.core.copier.queued  # read on the loop, right as the shutdown begins
+            copies = in_flight()  # read on the loop, right as the shutdown begins
             await d.daemon.stop()
-            return in_flight
+            return copies
 
         assert d.call(stop_now()) == 1, "the write was not in flight when the shutdown began"
         d.stop()

@@ -53,14 +53,20 @@ class BusyWorker:
         for _ in range(queue.threads):
             queue.submit_as(True, hold)  # as loads: they take every worker, and writes wait
         started.wait(10)
+        self.plane = daemon.core.plane  # the compiled data plane's copies are held too
+        if self.plane is not None:
+            self.plane.engine.pause(True)
 
     def release(self) -> None:
         self.gate.set()
+        if self.plane is not None:
+            self.plane.engine.pause(False)
         self.daemon.core.copier._executor.submit(lambda: None).result(30)  # the queue has drained
 
 
 def idle(daemon) -> bool:
-    return daemon.run(lambda: all(c.inflight == 0 for c in daemon.core.clients.values()))
+    return daemon.run(lambda: all(c.inflight == 0 and (c.gate is None or c.gate.inflight == 0)
+                                  for c in daemon.core.clients.values()))
 
 
 def test_a_load_reported_missed_never_lands_later(daemon):
@@ -113,8 +119,9 @@ def test_a_write_past_its_deadline_keeps_the_registration_and_its_pages(daemon):
 
 def test_an_unanswered_load_is_reported_after_the_registration_is_replaced(daemon):
     """The daemon alive but unable to answer (its loop held): the client cannot learn that the
-    job is dead, so it ends the registration and registers anew; the daemon holds one region."""
-    with make_pool() as pool, KVClient(daemon.address, timeout=0.5) as client:
+    job is dead, so it ends the registration and registers anew; the daemon holds one region.
+    (On gRPC: a lane call is answered by the compiled data plane while the loop is held, below.)"""
+    with make_pool() as pool, KVClient(daemon.address, timeout=0.5, lane="grpc") as client:
         register(client, pool)
         old = client.client_id
         region = daemon.run(lambda: daemon.core.arena.reserved)
@@ -128,6 +135,32 @@ def test_an_unanswered_load_is_reported_after_the_registration_is_replaced(daemo
         wait_until(lambda: client.connected and client.client_id != old, 30, "the new registration")
         core = daemon.core
         assert daemon.run(lambda: (list(core.clients), core.arena.reserved)) == ([client.client_id], region)
+
+
+def test_a_held_loop_does_not_hold_the_data_planes_answer(daemon):
+    """The daemon's loop held: a lane Load is still served, and one past its deadline (the plane
+    held too) is still answered, by the compiled data plane's own thread."""
+    if daemon.core.plane is None:
+        pytest.skip("the compiled data plane is not built")
+    with make_pool() as pool, KVClient(daemon.address, timeout=0.5) as client:
+        register(client, pool)
+        old = client.client_id
+        dev = torch.arange(1024)
+        host = client.alloc(1024)
+        assert client.write(host_indices=host, device_indices=dev) > 0
+        want = slots(pool, dev)
+        scribble(pool, dev, seed=5)
+        daemon.loop.call_soon_threadsafe(time.sleep, 2.0)  # the daemon's loop stops answering
+        assert client.load(host_indices=host, device_indices=dev).wait(timeout=1.5) > 0
+        assert all(torch.equal(a, b) for a, b in zip(slots(pool, dev), want, strict=True))
+        daemon.core.plane.engine.pause(True)
+        try:
+            handle = client.load(host_indices=host, device_indices=dev)
+            assert handle.wait(timeout=30) == 0 and handle.missed
+            assert handle.confirmed, "the plane did not answer the load it dropped at its deadline"
+        finally:
+            daemon.core.plane.engine.pause(False)
+        assert client.connected and client.client_id == old
 
 
 def test_unregister_stops_a_running_load_at_a_layer_boundary(daemon_factory):

@@ -51,6 +51,7 @@ class ClientLane:
         self.slots = slots
         self.spin = spin
         self.reg: Any = None  # the registration this lane was opened for
+        self.request_format = 0  # the daemon's binary Write/Load format (kvserver.protocol.lane_request)
         self.calls = 0  # requests answered on the lane
         size = R.ring_bytes(slots)
         fd = os.memfd_create("kvclient-lane", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)

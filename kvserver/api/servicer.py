@@ -15,7 +15,7 @@ from google.protobuf.message import DecodeError
 
 from kvserver.api import packed
 from kvserver.api.auth import is_admin
-from kvserver.api.metrics import Metrics
+from kvserver.api.metrics import BUCKETS, Metrics
 from kvserver.api.status import grpc_status
 from kvserver.core.cache_ops import CacheOps, space_from_wire
 from kvserver.core.client_state import ClientState, Counters, public_id
@@ -23,9 +23,11 @@ from kvserver.core.kvcore import OFF_LOOP_INDICES, KVCore
 from kvserver.core.liveness import Reaper
 from kvserver.core.tiers import tier_stats
 from kvserver.errors import GpuStalled, InvalidArgument, KVError, PermissionDenied, Unauthenticated
+from kvserver.lane import plane
 from kvserver.lane.book import LaneBook
+from kvserver.lane.plane import DataPlane
 from kvserver.peers.tenants import TENANT_KEY, TenantBook, tenant_of
-from kvserver.protocol import ring
+from kvserver.protocol import lane_request, ring
 from kvserver.protocol.layout import wire_dtype
 from kvserver.store import CacheCounters, SpaceStat, TenantStat
 from kvserver.store.keep import Recovery
@@ -171,7 +173,16 @@ class KVServicer(pb_grpc.KVServerServicer):
         self.reaper = reaper
         self.admin_token = admin_token
         self.stopping = asyncio.Event()  # set at shutdown: sessions end so the server can drain
-        self.lanes = LaneBook(core, self.run_lane)
+        self.plane = DataPlane(core.copier.progress_interval, BUCKETS) if plane.available() else None
+        core.plane = self.plane
+        core.on_plane_transfers = self._plane_transfers
+        self.lanes = LaneBook(core, self.run_lane, self.plane)
+
+    def _plane_transfers(self, written: int, writes: int, loaded: int, loads: int) -> None:
+        if writes:
+            self.metrics.transfers.add("write", written, "ring", writes)
+        if loads:
+            self.metrics.transfers.add("load", loaded, "ring", loads)
 
     @_abort_on_error
     async def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
@@ -293,6 +304,7 @@ class KVServicer(pb_grpc.KVServerServicer):
             tenant = self.cache.tenants.named(metadata)
         if admin:
             tenant = None  # every tenant's spaces
+        core.harvest_all()  # what the data plane did, in the clients' counters
         spaces, tenants = core.cache.stats(tenant) if admin or tenant is not None else ([], [])
         totals = Counters()
         totals.add(core.totals)
@@ -407,14 +419,22 @@ class KVServicer(pb_grpc.KVServerServicer):
         lane = await self.lanes.open(request.client_id, request.peer_ticket,
                                      self.cache.tenants.named(context.invocation_metadata()))
         return pb.OpenLaneResponse(slots=lane.slots, request_bytes=ring.REQUEST_BYTES,
-                                   response_bytes=ring.RESPONSE_BYTES)
+                                   response_bytes=ring.RESPONSE_BYTES, request_format=lane_request.VERSION)
 
     async def run_lane(self, client_id: str, rpc: str, data: bytes, progress: Callable[[Any], None]) -> bytes:
         """One request that came on ``client_id``'s lane: parsed and run by the code its RPC runs."""
         started = time.perf_counter()
         try:
-            request = _lenient(_LANE_REQUESTS[rpc])(data)
-            _check_parsed(request)
+            if rpc in _BINARY:  # the lane's own format: it names no client, its lane's is meant
+                rpc, kind = _BINARY[rpc]
+                try:
+                    page_size = self.core.client(client_id).spec.page_size
+                    request = lane_request.parse(data, kind, client_id, page_size)
+                except ValueError as exc:
+                    raise InvalidArgument(f"malformed {rpc} request on the lane: {exc}") from None
+            else:
+                request = _lenient(_LANE_REQUESTS[rpc])(data)
+                _check_parsed(request)
             if request.client_id != client_id:
                 if request.client_id not in self.core.clients:  # unknown: answered as the RPC would
                     self.core.client(request.client_id)
@@ -441,6 +461,7 @@ class KVServicer(pb_grpc.KVServerServicer):
             self.metrics.observe(rpc, started)
 
 
+_BINARY = {"WriteB": ("Write", lane_request.KIND_WRITE), "LoadB": ("Load", lane_request.KIND_LOAD)}
 _LANE_REQUESTS = {"Write": pb.WriteRequest, "Load": pb.LoadRequest, "Put": pb.PutRequest,
                   "Get": pb.GetRequest}
 

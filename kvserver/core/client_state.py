@@ -143,6 +143,9 @@ class ClientState:
     cache_table: BufferTable | None = None  # its part's page layout for cache jobs, made on first use
     order: JobOrder | None = None  # which of its copies wait for which (copies.order), made on first copy
     lane: Any = None  # its kvserver.lane.server.Lane, if it opened one; closed on release
+    # Its gate on the compiled data plane (kvserver.lane.plane), if its lane is served there: the
+    # plane's copies of its pages, counted apart from ``busy``/``inflight``; closed on release.
+    gate: Any = None
 
     @property
     def capacity_tokens(self) -> int:

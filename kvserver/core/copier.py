@@ -25,6 +25,7 @@ call is answered once the GPU is done with it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import AsyncIterator, Callable
@@ -43,6 +44,7 @@ from kvserver.media.base import INLINE
 
 # Copies up to this size run on the event loop when the worker is idle (~50 us at memcpy speed).
 INLINE_COPY_BYTES = 256 << 10
+PLANE_POLL_SECONDS = 0.0005  # how often a copy waiting on the data plane's copies looks again
 # Threads that wait for enqueued device copies (one per copy in flight, sleeping in the driver).
 DEVICE_WAITERS = 64
 
@@ -91,11 +93,16 @@ class Copier:
         return self._executor.depth()
 
     async def write(self, job: ClientJob) -> int:
-        fut = self._submit(job, False, None)
+        gate = await _after_plane(job.client)
         try:
-            await _until_done(fut, job)
+            fut = self._submit(job, False, None)
+            try:
+                await _until_done(fut, job)
+            finally:
+                job.client.jobs.discard(job)
         finally:
-            job.client.jobs.discard(job)
+            if gate is not None:
+                gate.py_exit()
         nbytes = job.bytes_per_layer * len(job.local_layers)
         job.client.counters.bytes_written += nbytes
         job.client.counters.write_ops += 1
@@ -108,6 +115,16 @@ class Copier:
         back): each message costs both processes CPU time, which on a busy node comes out of
         the copy. A step covers every layer landed since the previous one.
         """
+        gate = await _after_plane(job.client)
+        try:
+            async with contextlib.aclosing(self._load(job)) as steps:
+                async for step in steps:
+                    yield step
+        finally:
+            if gate is not None:
+                gate.py_exit()
+
+    async def _load(self, job: ClientJob) -> AsyncIterator[LoadStep]:
         loop = asyncio.get_running_loop()
         changed = asyncio.Event()
         signal = LayerSignal(self.progress_interval, len(job.local_layers))
@@ -238,6 +255,24 @@ class Copier:
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True)  # enqueued CUDA copies have their waiters by now
         self._waiters.shutdown(wait=True)
+
+
+async def _after_plane(client: ClientState):
+    """For a client whose lane the compiled data plane serves: counts this copy as the loop's (the
+    plane then hands the client's new requests here, behind it) and waits for the plane's copies
+    of the client to end, so that the client's copies keep their order. Returns the gate to
+    ``py_exit()`` once the copy is over."""
+    gate = client.gate
+    if gate is None:
+        return None
+    if gate.py_enter():
+        try:
+            while gate.inflight:
+                await asyncio.sleep(PLANE_POLL_SECONDS)
+        except BaseException:
+            gate.py_exit()
+            raise
+    return gate
 
 
 def _settle(job: ClientJob, cf: Future, loop: asyncio.AbstractEventLoop) -> None:

@@ -13,6 +13,7 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,6 +48,7 @@ LIMIT_FLAG = "--max-pages-per-client, KVSERVER_MAX_PAGES_PER_CLIENT"
 # A Free of more host indices is checked in a worker thread (numpy releases the GIL), so the event
 # loop keeps serving other engines meanwhile; 4 Mi indices take ~0.1 s to check.
 OFF_LOOP_INDICES = 1 << 16
+PLANE_POLL_SECONDS = 0.0005  # how often a Free waiting on the data plane's copies looks again
 
 
 class KVCore:
@@ -121,6 +123,10 @@ class KVCore:
         # an Unregister of one, or of any client sharing one of those allocations, says so.
         self._quarantined: dict[str, frozenset[bytes]] = {}
         self.tickets: TicketBook | None = None  # the fd socket's (server.py); None without a Unix socket
+        # The compiled data plane (kvserver.lane.plane.DataPlane), set by the servicer where it
+        # runs; its transfers reach the metrics through on_plane_transfers(written, loaded).
+        self.plane: Any = None
+        self.on_plane_transfers: Callable[[int, int, int, int], None] | None = None  # bytes, ops, bytes, ops
 
     def _build(self, host_memory: int, tenant_quota: int, quotas: dict[str, int],
                kept: KeptDir | None = None) -> None:
@@ -452,6 +458,9 @@ class KVCore:
         client_id = client.client_id
         for job in list(client.jobs):  # queued ones are dropped, running ones end at a layer boundary
             job.stop("released")
+        if client.gate is not None and self.plane is not None:
+            await self.plane.close_gate(client.gate)  # its copies there end at a layer boundary
+            self.harvest(client)
         lane, client.lane = client.lane, None
         if lane is not None:  # its handlers are cancelled and awaited, then its ring unmapped
             await lane.close()
@@ -555,10 +564,42 @@ class KVCore:
             # A copy still reads or writes these pages: free them once it is done (and still ours).
             await wait_until(client, lambda: not client.busy[pages].any())
             client = self.client(client_id)
-            client.pages.free(pages)
+            client.pages.check_owned(pages)
+        gate = client.gate
+        if gate is not None:
+            # The data plane checks and marks pages under the gate's lock: they are freed under it,
+            # once none of its copies uses them.
+            while not gate.lock_if_idle(pages):
+                await asyncio.sleep(PLANE_POLL_SECONDS)
+                client = self.client(client_id)
+                client.pages.check_owned(pages)
+            try:
+                client.pages.free(pages, checked=True)
+            finally:
+                gate.unlock()
         else:
             client.pages.free(pages, checked=True)
         return pages.size * client.spec.page_size
+
+    def harvest(self, client: ClientState) -> None:
+        """Adds what the data plane did for ``client`` since the last harvest to its counters (and
+        its last call to its lease)."""
+        if client.gate is None:
+            return
+        written, writes, loaded, loads, served, last_ns = client.gate.take_counters()
+        c = client.counters
+        c.bytes_written += written
+        c.write_ops += writes
+        c.bytes_loaded += loaded
+        c.load_ops += loads
+        if last_ns:
+            client.last_seen = max(client.last_seen, last_ns / 1e9)
+        if self.on_plane_transfers is not None and (writes or loads):
+            self.on_plane_transfers(written, writes, loaded, loads)
+
+    def harvest_all(self) -> None:
+        for client in list(self.clients.values()):
+            self.harvest(client)
 
     # ---- transfers ------------------------------------------------------------------------
 

@@ -56,6 +56,8 @@ class Reaper:
             if now - client.session_ended_at >= self.grace:
                 return f"session ended {now - client.session_ended_at:.1f} s ago"
             return None
+        if now - client.last_seen >= self.lease and client.gate is not None:
+            self.core.harvest(client)  # its data-plane calls renew its lease too
         if now - client.last_seen >= self.lease:
             return f"no session and no call for {now - client.last_seen:.1f} s"
         return None

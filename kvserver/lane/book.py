@@ -14,6 +14,7 @@ from typing import Any
 from kvserver.core.client_state import public_id
 from kvserver.core.kvcore import KVCore
 from kvserver.errors import FailedPrecondition, NoCapacity, PermissionDenied
+from kvserver.lane.plane import DataPlane
 from kvserver.lane.server import Lane, open_ring
 from kvserver.peers.tenants import tenant_of
 
@@ -26,17 +27,22 @@ MAX_LANE_FDS_PER_UID = 4096
 
 class LaneBook:
     def __init__(self, core: KVCore,
-                 run: Callable[[str, str, bytes, Callable[[Any], None]], Awaitable[bytes]]) -> None:
+                 run: Callable[[str, str, bytes, Callable[[Any], None]], Awaitable[bytes]],
+                 plane: DataPlane | None = None) -> None:
         self.core = core
         self.run = run
+        self.plane = plane  # the compiled data plane (kvserver.lane.plane), if it runs
         self.lanes: set[Lane] = set()
         self.max_fds_per_uid = MAX_LANE_FDS_PER_UID
         self._fds_per_uid: Counter[int] = Counter()
 
     async def drain(self, grace: float) -> None:
         """At shutdown: every lane finishes what it runs within ``grace`` and takes nothing new."""
-        if self.lanes:
-            await asyncio.gather(*(lane.drain(grace) for lane in list(self.lanes)))
+        waits = [lane.drain(grace) for lane in list(self.lanes)]
+        if self.plane is not None:
+            waits.append(self.plane.drain(grace))
+        if waits:
+            await asyncio.gather(*waits)
 
     async def open(self, client_id: str, peer_ticket: str, named_tenant: str | None) -> Lane:
         tickets = self.core.tickets
@@ -63,9 +69,14 @@ class LaneBook:
             ticket.close_off_loop()  # a peer's memfd may be the last reference to many pages
             raise
         ticket.fds = []  # the lane owns them now
-        lane = Lane(client_id, ring, submit, done, functools.partial(self.run, client_id))
+        gate = None
+        if self.plane is not None:
+            gate = self.plane.gate_for(client, self.core.max_request_indices)
+        on_served = gate.py_exit if gate is not None else None
+        lane = Lane(client_id, ring, submit, done, functools.partial(self.run, client_id), on_served)
         client.lane = lane
-        lane.start()
+        client.gate = gate
+        lane.start(self.plane, gate)
         self.lanes.add(lane)
         fds = 1 + len(done)
         self._fds_per_uid[uid] += fds
@@ -77,5 +88,6 @@ class LaneBook:
                 del self._fds_per_uid[uid]
 
         lane.on_close = closed
-        logger.info("lane of %d slots opened for %s", lane.slots, public_id(client_id))
+        logger.info("lane of %d slots opened for %s (%s)", lane.slots, public_id(client_id),
+                    "compiled data plane" if gate is not None else "served on the event loop")
         return lane

@@ -1,6 +1,8 @@
 """The daemon's half of the data-plane fast lane: one ``Lane`` per registration that opened one.
 
-A lane watches its submit doorbell on the event loop (``add_reader``). Each wake-up drains the
+Where the compiled data plane runs (kvserver.lane.plane), its thread watches the doorbell and
+serves binary Writes and Loads itself; what it hands over comes to ``take`` and is served below.
+Else a lane watches its submit doorbell on the event loop (``add_reader``). Each wake-up drains the
 doorbell (at most ``MAX_DRAIN`` messages) and looks once at every slot the lane is not already
 serving: a SUBMITTED one has its request copied into private memory, is marked TAKEN and served by
 a task that runs the very code the gRPC RPC runs (``run``). So a lane has at most ``slots``
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import fcntl
 import logging
 import os
@@ -101,7 +104,7 @@ def open_ring(fds: list[int]) -> tuple[ShmMapping, socket.socket, list[socket.so
 
 class Lane:
     def __init__(self, client_id: str, ring: ShmMapping, submit: socket.socket, done: list[socket.socket],
-                 run: Runner) -> None:
+                 run: Runner, on_served: Callable[[], None] | None = None) -> None:
         self.client_id = client_id
         self.slots = len(done)
         self._mm = ring.mm
@@ -114,16 +117,62 @@ class Lane:
         self._closed = False
         self.served = 0
         self.on_close: Callable[[Lane], None] | None = None
+        # The compiled data plane watching this lane (kvserver.lane.plane), if any: it reads the
+        # doorbell and hands over, through take(), what it does not serve itself. on_served is
+        # called once for each of those handed-over requests when it has ended.
+        self._plane: Any = None
+        self._handle = 0
+        self._on_served = on_served
 
-    def start(self) -> None:
+    @property
+    def ring_address(self) -> int:
+        """Where the ring is mapped (valid until close unmaps it; no export of it is kept)."""
+        view = ctypes.c_char.from_buffer(self._mm)
+        try:
+            return ctypes.addressof(view)
+        finally:
+            del view
+
+    @property
+    def submit_fd(self) -> int:
+        return self._submit.fileno()
+
+    @property
+    def done_fds(self) -> list[int]:
+        return [s.fileno() for s in self._done]
+
+    def start(self, plane: Any = None, gate: Any = None) -> None:
         self._submit.setblocking(False)
+        if plane is not None and gate is not None:
+            self._plane = plane
+            self._handle = plane.add(self, gate)
+            self._watching = True
+            return
         asyncio.get_running_loop().add_reader(self._submit.fileno(), self._doorbell)
         self._watching = True
 
     def _unwatch(self) -> None:
         if self._watching:
             self._watching = False
-            asyncio.get_running_loop().remove_reader(self._submit.fileno())
+            if self._plane is not None:
+                self._plane.remove(self, self._handle)
+            else:
+                asyncio.get_running_loop().remove_reader(self._submit.fileno())
+
+    def take(self, i: int) -> None:
+        """Serves slot ``i``, which the plane marked TAKEN and handed over."""
+        if self._closed or self._tasks[i] is not None:
+            self._served_elsewhere()
+            return
+        off = R.slot_offset(i)
+        mm = self._mm
+        rpc, seq, n = R.CALL.unpack_from(mm, off + R.RPC_AT)
+        data = bytes(mm[off + R.REQUEST_AT: off + R.REQUEST_AT + min(n, R.REQUEST_BYTES)])  # private copy
+        self._tasks[i] = asyncio.ensure_future(self._serve(i, rpc, seq, n, data))
+
+    def _served_elsewhere(self) -> None:
+        if self._on_served is not None:
+            self._on_served()
 
     def _doorbell(self) -> None:
         for _ in range(MAX_DRAIN):
@@ -181,13 +230,19 @@ class Lane:
                 raise KVError(f"a {len(response)}-byte response does not fit a slot")
         except asyncio.CancelledError:
             self._tasks[i] = None
+            if self._plane is not None:
+                self._served_elsewhere()
             raise
         except Exception as exc:
             status, text = status_of(exc)
             code, message, response = int(status), text.encode()[: R.ERROR_BYTES], b""
             ended = not isinstance(exc, GpuStalled)
+        if self._plane is not None:
+            self._served_elsewhere()
         if self._closed:
             return
+        if self._plane is not None:
+            self._plane.release_slot(self._handle, i)  # before DONE: the next request is the plane's
         flags = R.FLAG_JOB_ENDED if ended else 0
         if final is not None:
             R.PROGRESS.pack_into(mm, off + R.PROGRESS_AT, final.layers_done, final.last_layer, final.bytes,
@@ -203,7 +258,7 @@ class Lane:
         self._tasks[i] = None
         self.served += 1
         self._ring_done(i)
-        if self._watching:
+        if self._watching and self._plane is None:
             self._scan()  # a request submitted while this slot's neighbours were all busy
 
     def _ring_done(self, i: int) -> None:
@@ -212,8 +267,10 @@ class Lane:
 
     async def drain(self, grace: float) -> None:
         """At shutdown: takes no new request, and gives those running up to ``grace`` seconds to
-        finish (as the gRPC server gives its calls); ``close`` ends what is left."""
-        self._unwatch()
+        finish (as the gRPC server gives its calls); ``close`` ends what is left. (The plane's
+        own copies get the grace from ``DataPlane.drain``.)"""
+        if self._plane is None:
+            self._unwatch()
         tasks = [t for t in self._tasks if t is not None]
         if tasks:
             await asyncio.wait(tasks, timeout=grace)

@@ -81,6 +81,12 @@ class DevicePool(ABC):
     def check_request(self, ready_event: bytes, event_slot: int) -> None:
         """Raises InvalidArgument if a copy request's event fields do not fit this medium."""
 
+    def plane_buffers(self) -> tuple[list[int], int] | None:
+        """Where the compiled data plane may copy this pool's tokens by itself (kvserver.lane.plane):
+        the address of token 0 of every (layer, part) buffer, layer-major, and the bytes between
+        tokens, shared by all; None where it may not (its copies then run on the event loop's side)."""
+        return None
+
     @abstractmethod
     def check_sizes(self) -> None:
         """Raises if the pool's memory shrank under the daemon since it was opened."""

@@ -99,6 +99,16 @@ class ShmDevicePool(DevicePool):
     def check_cache_rows(self) -> None:
         """The CPU reaches the cache's slabs as any arena memory: nothing to check."""
 
+    def plane_buffers(self) -> tuple[list[int], int] | None:
+        """Plain buffers of one token stride, every object a sealed descriptor: a named object may
+        shrink under the mapping, which only the loop's size check before each copy catches."""
+        table = self.token_table
+        if table is None or table.geometry is not None or table.row_stride is None:
+            return None
+        if any(m.fd >= 0 for m in self.mappings):
+            return None
+        return [int(b) for b in table.bases.reshape(-1)], table.row_stride
+
     def check_sizes(self) -> None:
         """Named objects can shrink under the mapping; sealed fds cannot (their fd is -1)."""
         for m in self.mappings:

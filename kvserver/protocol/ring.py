@@ -8,7 +8,8 @@ of exactly ``ring_bytes(slots)`` bytes:
                    response_bytes u32, error_bytes u32, then zeros
     slot i at HEADER_BYTES + i * SLOT_BYTES:
       0  state u32          FREE -> SUBMITTED (client) -> TAKEN (daemon) -> DONE (daemon) -> FREE (client)
-      4  rpc u32            RPC_WRITE, RPC_LOAD, RPC_PUT, RPC_GET
+      4  rpc u32            RPC_WRITE, RPC_LOAD, RPC_PUT, RPC_GET (protobuf requests), RPC_WRITE_B,
+                            RPC_LOAD_B (the binary format of kvserver.protocol.lane_request)
       8  seq u64            the client's; the daemon echoes it in done_seq with DONE
       16 request_len u32    bytes of the serialized request at REQUEST_AT
       20 code u32           final gRPC status code (0: OK), valid once DONE
@@ -51,9 +52,13 @@ DEFAULT_SLOTS = 8
 
 FREE, SUBMITTED, TAKEN, DONE = 0, 1, 2, 3
 RPC_WRITE, RPC_LOAD, RPC_PUT, RPC_GET = 1, 2, 3, 4
-RPC_NAMES = {RPC_WRITE: "Write", RPC_LOAD: "Load", RPC_PUT: "Put", RPC_GET: "Get"}
+# Write and Load in the lane's binary request format (kvserver.protocol.lane_request): what the
+# compiled data plane serves (docs/design.md); the daemon answers them as it answers Write and Load.
+RPC_WRITE_B, RPC_LOAD_B = 5, 6
+RPC_NAMES = {RPC_WRITE: "Write", RPC_LOAD: "Load", RPC_PUT: "Put", RPC_GET: "Get", RPC_WRITE_B: "WriteB",
+             RPC_LOAD_B: "LoadB"}
 RPC_IDS = {v: k for k, v in RPC_NAMES.items()}
-STREAMS = frozenset({"Load", "Get"})
+STREAMS = frozenset({"Load", "Get", "LoadB"})
 
 FLAG_DONE = 1
 FLAG_JOB_ENDED = 2

@@ -1,0 +1,1193 @@
+/* The compiled data plane: serves the fast lane's binary Write and Load (request.h) on its own
+ * thread, without the GIL and without the event loop (docs/design.md, "The data plane").
+ *
+ * One Engine per daemon runs one thread. It watches every lane's submit doorbell with epoll; a
+ * wake-up drains the doorbell and looks once at each slot it is not already serving. A SUBMITTED
+ * slot is marked TAKEN and its request copied out of the ring. A binary Write or Load that
+ * kv_accept() finds certainly valid, for a registration whose Gate is open and which has no copy
+ * running on the Python side, becomes a job here: its host pages are checked as allocated and
+ * marked busy under the Gate's lock (the lock Free takes), and it is copied in pieces of at most
+ * PIECE_BYTES, loads before writes (a load waits only for the earlier writes of its registration
+ * that touch its pages or slots, as kvserver/copies/order.py orders them), publishing each
+ * load's per-layer progress in the slot and ringing its done doorbell. Everything else (the
+ * protobuf calls, Put and Get, CUDA pools, any request the check refuses) is handed to Python in
+ * arrival order through a queue and an eventfd, and answered there by the one validation.
+ *
+ * Python changes what the thread uses only through commands that the thread carries out between
+ * pieces and acknowledges (add or remove a lane, close a gate): once remove_lane() returns, the
+ * thread no longer touches that ring or its sockets. A Gate's addresses (host region, device
+ * buffers) stay valid until close_gate() returns; its jobs are stopped there.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "request.h"
+
+/* The ring's layout: kvserver/protocol/ring.py. */
+#define HEADER_BYTES 64
+#define SLOT_HEADER_BYTES 128
+#define REQUEST_BYTES (64 * 1024)
+#define RESPONSE_BYTES 1024
+#define ERROR_BYTES (3 * 1024)
+#define REQUEST_AT SLOT_HEADER_BYTES
+#define RESPONSE_AT (REQUEST_AT + REQUEST_BYTES)
+#define ERROR_AT (RESPONSE_AT + RESPONSE_BYTES)
+#define SLOT_BYTES (ERROR_AT + ERROR_BYTES)
+#define MAX_SLOTS 64
+#define ST_SUBMITTED 1
+#define ST_TAKEN 2
+#define ST_DONE 3
+#define RPC_WRITE_B 5
+#define RPC_LOAD_B 6
+#define FLAG_DONE 1
+#define FLAG_JOB_ENDED 2
+#define MAX_DRAIN 64
+#define PIECE_BYTES (512 * 1024)
+#define MAX_EDGES 32
+
+#define CODE_NOT_FOUND 5
+#define CODE_DEADLINE 4
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* ---- Gate: what the data plane may do for one registration ---------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;       /* busy marks, ownership reads, counters, closed */
+    pthread_mutex_t check_mu; /* the check's scratch marks */
+    int closed;
+    kv_limits lim;
+    PyObject *owned_obj; /* keeps the allocator's bitmap alive */
+    Py_buffer owned_view;
+    int32_t *busy;          /* per page: copies of this plane using it */
+    int32_t *wpages, *wdev; /* per page / device token: unfinished writes touching it */
+    uint32_t generation;
+    char *host_base;      /* the region's first page */
+    int64_t page_bytes;   /* bytes of one host page (every layer and part) */
+    int64_t token_bytes;  /* bytes of one token of one (layer, part) */
+    int32_t parts;
+    char **dev_bases;     /* [layer * parts + part] */
+    int64_t dev_stride;   /* bytes between device tokens */
+    int64_t py_inflight;  /* copies of this registration on the Python side */
+    int64_t c_inflight;   /* jobs of this plane */
+    uint64_t bytes_written, write_ops, bytes_loaded, load_ops, served;
+    int64_t last_call_ns;
+} Gate;
+
+static void gate_dealloc(Gate *g) {
+    pthread_mutex_destroy(&g->mu);
+    pthread_mutex_destroy(&g->check_mu);
+    if (g->owned_obj) {
+        PyBuffer_Release(&g->owned_view);
+        Py_DECREF(g->owned_obj);
+    }
+    free(g->busy);
+    free(g->wpages);
+    free(g->wdev);
+    free(g->lim.page_mark);
+    free(g->lim.dev_mark);
+    free(g->dev_bases);
+    Py_TYPE(g)->tp_free((PyObject *)g);
+}
+
+static int gate_init(Gate *g, PyObject *args, PyObject *kw) {
+    static char *names[] = {"owned", "host_base", "page_bytes", "page_size", "token_bytes", "parts",
+                            "start_layer", "num_layers", "epoch", "dev_tokens", "dev_bases",
+                            "dev_stride", "max_indices", NULL};
+    PyObject *owned, *bases;
+    unsigned long long host_base;
+    long long page_bytes, page_size, token_bytes, epoch, dev_tokens, dev_stride, max_indices;
+    int parts, start_layer, num_layers;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OKLLLiiiLLOLL", names, &owned, &host_base, &page_bytes,
+                                     &page_size, &token_bytes, &parts, &start_layer, &num_layers, &epoch,
+                                     &dev_tokens, &bases, &dev_stride, &max_indices))
+        return -1;
+    if (g->owned_obj) {
+        PyErr_SetString(PyExc_RuntimeError, "a Gate is made once");
+        return -1;
+    }
+    if (page_bytes <= 0 || page_size <= 0 || token_bytes <= 0 || parts <= 0 || num_layers <= 0 ||
+        dev_tokens <= 0 || dev_stride < token_bytes || max_indices <= 0 || start_layer < 0) {
+        PyErr_SetString(PyExc_ValueError, "a gate's geometry must be positive");
+        return -1;
+    }
+    if (PyObject_GetBuffer(owned, &g->owned_view, PyBUF_SIMPLE) < 0)
+        return -1;
+    g->owned_obj = owned;
+    Py_INCREF(owned);
+    int64_t num_pages = g->owned_view.len;
+    Py_ssize_t nb = PySequence_Size(bases);
+    if (nb != (Py_ssize_t)num_layers * parts) {
+        PyErr_SetString(PyExc_ValueError, "dev_bases must hold num_layers * parts addresses");
+        return -1;
+    }
+    g->dev_bases = calloc((size_t)nb, sizeof(char *));
+    g->busy = calloc((size_t)num_pages + 1, sizeof(int32_t));
+    g->wpages = calloc((size_t)num_pages + 1, sizeof(int32_t));
+    g->wdev = calloc((size_t)dev_tokens, sizeof(int32_t));
+    g->lim.page_mark = calloc((size_t)num_pages + 1, sizeof(uint32_t));
+    g->lim.dev_mark = calloc((size_t)dev_tokens, sizeof(uint32_t));
+    if (!g->dev_bases || !g->busy || !g->wpages || !g->wdev || !g->lim.page_mark || !g->lim.dev_mark) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nb; i++) {
+        PyObject *item = PySequence_GetItem(bases, i);
+        if (!item)
+            return -1;
+        unsigned long long a = PyLong_AsUnsignedLongLong(item);
+        Py_DECREF(item);
+        if (PyErr_Occurred())
+            return -1;
+        g->dev_bases[i] = (char *)(uintptr_t)a;
+    }
+    pthread_mutex_init(&g->mu, NULL);
+    pthread_mutex_init(&g->check_mu, NULL);
+    g->lim.epoch = epoch;
+    g->lim.num_pages = num_pages;
+    g->lim.page_size = page_size;
+    g->lim.dev_tokens = dev_tokens;
+    g->lim.max_indices = max_indices;
+    g->lim.start_layer = start_layer;
+    g->lim.num_layers = num_layers;
+    g->lim.owned = (const uint8_t *)g->owned_view.buf;
+    g->lim.generation = &g->generation;
+    g->host_base = (char *)(uintptr_t)host_base;
+    g->page_bytes = page_bytes;
+    g->token_bytes = token_bytes;
+    g->parts = parts;
+    g->dev_stride = dev_stride;
+    if ((int64_t)num_layers * parts * page_size * token_bytes > page_bytes) {
+        PyErr_SetString(PyExc_ValueError, "a host page is smaller than its layers' chunks");
+        return -1;
+    }
+    return 0;
+}
+
+/* Pages as an int64 buffer; -1 on error (set). */
+static int pages_of(PyObject *obj, Py_buffer *view, Gate *g) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    if (view->itemsize != 8) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_TypeError, "pages must be int64");
+        return -1;
+    }
+    const int64_t *p = view->buf;
+    for (Py_ssize_t i = 0; i < view->len / 8; i++)
+        if (p[i] < 0 || p[i] >= g->lim.num_pages) {
+            PyBuffer_Release(view);
+            PyErr_SetString(PyExc_ValueError, "page outside the region");
+            return -1;
+        }
+    return 0;
+}
+
+/* lock_if_idle(pages) -> bool: True with the gate's lock held when no copy of this plane uses any
+ * of the pages (the caller frees them, then calls unlock()); False (not held) otherwise. */
+static PyObject *gate_lock_if_idle(Gate *g, PyObject *arg) {
+    Py_buffer view;
+    if (pages_of(arg, &view, g) < 0)
+        return NULL;
+    const int64_t *p = view.buf;
+    Py_ssize_t n = view.len / 8;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&g->mu);
+    Py_END_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (g->busy[p[i]]) {
+            pthread_mutex_unlock(&g->mu);
+            PyBuffer_Release(&view);
+            Py_RETURN_FALSE;
+        }
+    PyBuffer_Release(&view);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *gate_unlock(Gate *g, PyObject *unused) {
+    pthread_mutex_unlock(&g->mu);
+    Py_RETURN_NONE;
+}
+
+static PyObject *gate_any_busy(Gate *g, PyObject *arg) {
+    Py_buffer view;
+    if (pages_of(arg, &view, g) < 0)
+        return NULL;
+    const int64_t *p = view.buf;
+    int busy = 0;
+    pthread_mutex_lock(&g->mu);
+    for (Py_ssize_t i = 0; i < view.len / 8 && !busy; i++)
+        busy = g->busy[p[i]] != 0;
+    pthread_mutex_unlock(&g->mu);
+    PyBuffer_Release(&view);
+    return PyBool_FromLong(busy);
+}
+
+static PyObject *gate_py_enter(Gate *g, PyObject *unused) {
+    pthread_mutex_lock(&g->mu);
+    g->py_inflight++;
+    int64_t c = g->c_inflight;
+    pthread_mutex_unlock(&g->mu);
+    return PyLong_FromLongLong(c);
+}
+
+static PyObject *gate_py_exit(Gate *g, PyObject *unused) {
+    pthread_mutex_lock(&g->mu);
+    if (g->py_inflight > 0)
+        g->py_inflight--;
+    pthread_mutex_unlock(&g->mu);
+    Py_RETURN_NONE;
+}
+
+/* take_counters() -> (bytes_written, write_ops, bytes_loaded, load_ops, served, last_call_ns),
+ * zeroing all but the last: what this plane did since the last take. */
+static PyObject *gate_take_counters(Gate *g, PyObject *unused) {
+    pthread_mutex_lock(&g->mu);
+    PyObject *r = Py_BuildValue("KKKKKL", g->bytes_written, g->write_ops, g->bytes_loaded, g->load_ops,
+                                g->served, (long long)g->last_call_ns);
+    g->bytes_written = g->write_ops = g->bytes_loaded = g->load_ops = g->served = 0;
+    pthread_mutex_unlock(&g->mu);
+    return r;
+}
+
+static PyObject *gate_get_inflight(Gate *g, void *unused) {
+    pthread_mutex_lock(&g->mu);
+    int64_t c = g->c_inflight;
+    pthread_mutex_unlock(&g->mu);
+    return PyLong_FromLongLong(c);
+}
+
+static PyObject *gate_get_closed(Gate *g, void *unused) {
+    return PyBool_FromLong(g->closed);
+}
+
+/* check(request bytes) -> bool: whether kv_accept() takes it, ownership included (for tests: the
+ * differential check against the Python validation). */
+static PyObject *gate_check(Gate *g, PyObject *arg) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    kv_request r;
+    int ok = 0;
+    int64_t *pages = NULL;
+    int32_t *local = malloc(sizeof(int32_t) * (size_t)g->lim.num_layers);
+    uint32_t nl = 0;
+    pthread_mutex_lock(&g->check_mu);
+    if (local && kv_parse(view.buf, (uint64_t)view.len, &r)) {
+        pages = malloc(sizeof(int64_t) * ((size_t)r.n_pages + 1));
+        if (pages && kv_accept(&r, &g->lim, pages, local, &nl)) {
+            ok = 1;
+            pthread_mutex_lock(&g->mu);
+            for (uint32_t k = 0; k < r.n_pages; k++)
+                if (!g->lim.owned[pages[k]])
+                    ok = 0;
+            pthread_mutex_unlock(&g->mu);
+        }
+    }
+    pthread_mutex_unlock(&g->check_mu);
+    free(pages);
+    free(local);
+    PyBuffer_Release(&view);
+    return PyBool_FromLong(ok);
+}
+
+static PyMethodDef gate_methods[] = {
+    {"lock_if_idle", (PyCFunction)gate_lock_if_idle, METH_O, NULL},
+    {"unlock", (PyCFunction)gate_unlock, METH_NOARGS, NULL},
+    {"any_busy", (PyCFunction)gate_any_busy, METH_O, NULL},
+    {"py_enter", (PyCFunction)gate_py_enter, METH_NOARGS, NULL},
+    {"py_exit", (PyCFunction)gate_py_exit, METH_NOARGS, NULL},
+    {"take_counters", (PyCFunction)gate_take_counters, METH_NOARGS, NULL},
+    {"check", (PyCFunction)gate_check, METH_O, NULL},
+    {NULL},
+};
+
+static PyGetSetDef gate_getset[] = {
+    {"inflight", (getter)gate_get_inflight, NULL, NULL, NULL},
+    {"closed", (getter)gate_get_closed, NULL, NULL, NULL},
+    {NULL},
+};
+
+static PyTypeObject GateType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvserver.lane._kvlane.Gate",
+    .tp_basicsize = sizeof(Gate),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)gate_init,
+    .tp_dealloc = (destructor)gate_dealloc,
+    .tp_methods = gate_methods,
+    .tp_getset = gate_getset,
+};
+
+/* ---- lanes, jobs, the thread ---------------------------------------------------------------- */
+
+typedef struct Lane {
+    int64_t key;
+    char *ring;
+    int slots;
+    int submit_fd;
+    int done_fd[MAX_SLOTS];
+    Gate *gate; /* a reference, given back when the lane is removed */
+    int slot_busy[MAX_SLOTS]; /* taken here: a job, or handed to Python until release_slot() */
+    int watching;
+    struct Lane *next;
+} Lane;
+
+typedef struct {
+    int64_t host_off; /* from the (layer, part) chunk's start in the region */
+    int64_t dev_tok;
+    int64_t ntok;
+} Run;
+
+typedef struct Job {
+    struct Job *next; /* arrival order */
+    Lane *lane;
+    int slot;
+    Gate *gate;
+    int load, dependent;
+    int64_t npages, *pages;
+    int64_t nruns;
+    Run *runs;
+    uint32_t nl;
+    int32_t *local;
+    int64_t arrival_ns, deadline_ns, bytes_per_layer;
+    int released;  /* its gate closed: it ends at its next layer boundary */
+    uint32_t li;   /* layers done */
+    int part;      /* within the current layer */
+    int64_t ri;    /* next run within the current (layer, part) */
+    uint32_t step; /* progress updates published */
+    uint32_t published; /* layers the slot's progress words say */
+    int64_t last_pub_ns;
+    int64_t *devs; /* the job's device tokens, for the write marks */
+    int64_t ndev;
+} Job;
+
+typedef struct {
+    int64_t lane_key;
+    int slot;
+} Handoff;
+
+enum { CMD_NONE, CMD_ADD, CMD_REMOVE, CMD_CLOSE_GATE, CMD_UNWATCH_ALL, CMD_PAUSE, CMD_RESUME, CMD_STOP };
+
+typedef struct {
+    PyObject_HEAD
+    pthread_t thread;
+    int started;
+    int epfd, wake_fd, notify_fd;
+    int paused; /* tests: requests are taken, no copy runs */
+    int64_t progress_interval_ns;
+    Lane *lanes;
+    Job *jobs;
+    int64_t njobs;
+    /* commands: one at a time (call_mu), acknowledged through cmd_cv */
+    pthread_mutex_t call_mu, cmd_mu;
+    pthread_cond_t cmd_cv;
+    int cmd, cmd_done;
+    void *cmd_arg;
+    /* handoffs to Python */
+    pthread_mutex_t hand_mu;
+    Handoff *hand;
+    size_t nhand, caphand;
+    uint64_t handed, served;
+    /* latency histograms, as kvserver_operation_duration_seconds and
+     * kvserver_time_to_first_layer_seconds count them: Write, Load, Load's first layer */
+    pthread_mutex_t stat_mu;
+    int nedges;
+    double edges[MAX_EDGES];
+    uint64_t hist[3][MAX_EDGES + 1];
+    double hsum[3];
+} Engine;
+
+enum { H_WRITE, H_LOAD, H_FIRST };
+
+static void observe(Engine *e, int h, int64_t ns) {
+    double s = (double)ns / 1e9;
+    int b = 0;
+    while (b < e->nedges && s > e->edges[b])
+        b++;
+    pthread_mutex_lock(&e->stat_mu);
+    e->hist[h][b]++;
+    e->hsum[h] += s;
+    pthread_mutex_unlock(&e->stat_mu);
+}
+
+static inline char *slot_at(Lane *l, int i) { return l->ring + HEADER_BYTES + (size_t)i * SLOT_BYTES; }
+
+static inline void put32(char *p, uint32_t v) { memcpy(p, &v, 4); }
+static inline void put64(char *p, uint64_t v) { memcpy(p, &v, 8); }
+static inline uint32_t state_of(char *slot) { return __atomic_load_n((uint32_t *)slot, __ATOMIC_ACQUIRE); }
+static inline void set_state(char *slot, uint32_t s) { __atomic_store_n((uint32_t *)slot, s, __ATOMIC_RELEASE); }
+
+static void ring_done(Lane *l, int i) {
+    (void)!send(l->done_fd[i], "d", 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+}
+
+static void wake(int fd) {
+    uint64_t one = 1;
+    (void)!write(fd, &one, 8);
+}
+
+static void handoff(Engine *e, Lane *l, int i) {
+    pthread_mutex_lock(&l->gate->mu);
+    l->gate->py_inflight++;
+    pthread_mutex_unlock(&l->gate->mu);
+    pthread_mutex_lock(&e->hand_mu);
+    if (e->nhand == e->caphand) {
+        size_t cap = e->caphand ? 2 * e->caphand : 64;
+        Handoff *h = realloc(e->hand, cap * sizeof(Handoff));
+        if (h) {
+            e->hand = h;
+            e->caphand = cap;
+        }
+    }
+    if (e->nhand < e->caphand) {
+        e->hand[e->nhand].lane_key = l->key;
+        e->hand[e->nhand].slot = i;
+        e->nhand++;
+    }
+    e->handed++;
+    pthread_mutex_unlock(&e->hand_mu);
+    wake(e->notify_fd);
+}
+
+static void job_free(Job *j) {
+    free(j->pages);
+    free(j->runs);
+    free(j->local);
+    free(j->devs);
+    free(j);
+}
+
+static int64_t layer_local_bytes(Gate *g) { return g->lim.page_size * g->token_bytes; }
+
+/* Builds a job from an accepted request; NULL if memory ran out (then Python answers). */
+static Job *make_job(Lane *l, int i, const kv_request *r, int64_t *pages, int32_t *local, uint32_t nl,
+                     int64_t arrival) {
+    Gate *g = l->gate;
+    Job *j = calloc(1, sizeof(Job));
+    if (!j)
+        return NULL;
+    int64_t ps = g->lim.page_size;
+    j->lane = l;
+    j->slot = i;
+    j->gate = g;
+    j->load = r->kind == KV_KIND_LOAD;
+    j->npages = r->n_pages;
+    j->pages = pages;
+    j->local = local;
+    j->nl = nl;
+    j->ndev = j->npages * ps;
+    j->devs = malloc(sizeof(int64_t) * (size_t)j->ndev);
+    j->runs = malloc(sizeof(Run) * (size_t)j->ndev);
+    if (!j->devs || !j->runs) {
+        j->pages = NULL;
+        j->local = NULL;
+        job_free(j);
+        return NULL;
+    }
+    int contiguous = g->dev_stride == g->token_bytes;
+    int64_t nr = 0;
+    for (int64_t k = 0; k < j->npages; k++) {
+        for (int64_t t = 0; t < ps; t++) {
+            int64_t d = kv_dev_token(r, ps, k * ps + t);
+            j->devs[k * ps + t] = d;
+            if (t > 0 && contiguous && d == j->runs[nr - 1].dev_tok + j->runs[nr - 1].ntok) {
+                j->runs[nr - 1].ntok++;
+                continue;
+            }
+            j->runs[nr].host_off = pages[k] * g->page_bytes + t * g->token_bytes;
+            j->runs[nr].dev_tok = d;
+            j->runs[nr].ntok = 1;
+            nr++;
+        }
+    }
+    j->nruns = nr;
+    j->bytes_per_layer = j->ndev * g->token_bytes * g->parts;
+    j->arrival_ns = arrival;
+    j->deadline_ns = r->timeout_ms ? arrival + (int64_t)r->timeout_ms * 1000000 : 0;
+    return j;
+}
+
+/* Whether every page and slot of a load is free of unfinished writes (of this plane). */
+static int touches_writes(Job *j) {
+    Gate *g = j->gate;
+    for (int64_t k = 0; k < j->npages; k++)
+        if (g->wpages[j->pages[k]])
+            return 1;
+    for (int64_t k = 0; k < j->ndev; k++)
+        if (g->wdev[j->devs[k]])
+            return 1;
+    return 0;
+}
+
+static void mark_writes(Job *j, int by) {
+    Gate *g = j->gate;
+    for (int64_t k = 0; k < j->npages; k++)
+        g->wpages[j->pages[k]] += by;
+    for (int64_t k = 0; k < j->ndev; k++)
+        g->wdev[j->devs[k]] += by;
+}
+
+/* Tries to serve slot i as a job of this plane: 1 if it became one. */
+static int try_job(Engine *e, Lane *l, int i, uint32_t rpc, uint32_t n) {
+    Gate *g = l->gate;
+    if ((rpc != RPC_WRITE_B && rpc != RPC_LOAD_B) || n > REQUEST_BYTES || g->closed)
+        return 0;
+    int64_t arrival = now_ns();
+    unsigned char *buf = malloc(n ? n : 1);
+    if (!buf)
+        return 0;
+    memcpy(buf, slot_at(l, i) + REQUEST_AT, n); /* a private copy: the peer may scribble */
+    kv_request r;
+    int ok = kv_parse(buf, n, &r) && (r.kind == KV_KIND_WRITE) == (rpc == RPC_WRITE_B);
+    int64_t *pages = NULL;
+    int32_t *local = NULL;
+    uint32_t nl = 0;
+    Job *j = NULL;
+    if (ok) {
+        pages = malloc(sizeof(int64_t) * ((size_t)r.n_pages + 1));
+        local = malloc(sizeof(int32_t) * (size_t)g->lim.num_layers);
+        /* The marks are the gate's scratch, shared with Gate.check (tests) under check_mu. */
+        pthread_mutex_lock(&g->check_mu);
+        ok = pages && local && kv_accept(&r, &g->lim, pages, local, &nl);
+        pthread_mutex_unlock(&g->check_mu);
+    }
+    if (ok)
+        j = make_job(l, i, &r, pages, local, nl, arrival);
+    free(buf);
+    if (!j) {
+        if (!ok) {
+            free(pages);
+            free(local);
+        }
+        return 0;
+    }
+    pthread_mutex_lock(&g->mu);
+    ok = !g->closed && g->py_inflight == 0;
+    for (int64_t k = 0; ok && k < j->npages; k++)
+        ok = g->lim.owned[j->pages[k]] != 0;
+    if (ok) {
+        for (int64_t k = 0; k < j->npages; k++)
+            g->busy[j->pages[k]]++;
+        g->c_inflight++;
+        g->last_call_ns = arrival;
+    }
+    pthread_mutex_unlock(&g->mu);
+    if (!ok) {
+        job_free(j);
+        return 0;
+    }
+    j->dependent = j->load ? touches_writes(j) : 1;
+    if (!j->load)
+        mark_writes(j, 1);
+    Job **tail = &e->jobs;
+    while (*tail)
+        tail = &(*tail)->next;
+    *tail = j;
+    e->njobs++;
+    return 1;
+}
+
+static void scan(Engine *e, Lane *l) {
+    for (int i = 0; i < l->slots; i++) {
+        if (l->slot_busy[i])
+            continue;
+        char *s = slot_at(l, i);
+        if (state_of(s) != ST_SUBMITTED)
+            continue;
+        uint32_t rpc, n;
+        memcpy(&rpc, s + 4, 4);
+        memcpy(&n, s + 16, 4);
+        set_state(s, ST_TAKEN);
+        l->slot_busy[i] = 1;
+        if (!try_job(e, l, i, rpc, n))
+            handoff(e, l, i);
+    }
+}
+
+static void doorbell(Engine *e, Lane *l) {
+    char buf[16];
+    for (int k = 0; k < MAX_DRAIN; k++) {
+        ssize_t got = recv(l->submit_fd, buf, sizeof buf, MSG_DONTWAIT);
+        if (got < 0 && (errno == EAGAIN || errno == EINTR))
+            break;
+        if (got <= 0) { /* the peer closed its end: it is gone; its release cleans up */
+            epoll_ctl(e->epfd, EPOLL_CTL_DEL, l->submit_fd, NULL);
+            l->watching = 0;
+            break;
+        }
+    }
+    scan(e, l);
+}
+
+static void publish_progress(Engine *e, Job *j, uint32_t flags) {
+    char *s = slot_at(j->lane, j->slot);
+    Gate *g = j->gate;
+    uint32_t last = (uint32_t)(g->lim.start_layer + (j->li ? j->local[j->li - 1] : 0));
+    j->step++;
+    put32(s + 32, j->li);
+    put32(s + 36, j->li ? last : 0);
+    put64(s + 40, (uint64_t)j->li * (uint64_t)j->bytes_per_layer);
+    put32(s + 48, 0);
+    put32(s + 52, 0);
+    put32(s + 56, j->step);
+    put32(s + 60, flags);
+    j->published = j->li;
+}
+
+/* Ends a job: its pages are no longer busy, its slot answered (unless its lane is gone: silent). */
+static void finish(Engine *e, Job *j, uint32_t code, const char *message, int answer) {
+    Gate *g = j->gate;
+    int ok = code == 0;
+    if (!j->load)
+        mark_writes(j, -1);
+    pthread_mutex_lock(&g->mu);
+    for (int64_t k = 0; k < j->npages; k++)
+        g->busy[j->pages[k]]--;
+    g->c_inflight--;
+    if (ok && answer) {
+        if (j->load) {
+            g->bytes_loaded += (uint64_t)j->nl * (uint64_t)j->bytes_per_layer;
+            g->load_ops++;
+        } else {
+            g->bytes_written += (uint64_t)j->nl * (uint64_t)j->bytes_per_layer;
+            g->write_ops++;
+        }
+        g->served++;
+    }
+    pthread_mutex_unlock(&g->mu);
+    if (answer) {
+        observe(e, j->load ? H_LOAD : H_WRITE, now_ns() - j->arrival_ns);
+        Lane *l = j->lane;
+        char *s = slot_at(l, j->slot);
+        uint32_t resp_len = 0, msg_len = 0;
+        if (ok && j->load) {
+            publish_progress(e, j, FLAG_DONE | FLAG_JOB_ENDED);
+        } else {
+            if (!ok && j->load && j->li > j->published)
+                publish_progress(e, j, 0); /* the layers that landed, then why it stopped */
+            put32(s + 60, FLAG_JOB_ENDED);
+        }
+        if (ok && !j->load) { /* WriteResponse{bytes}: field 1, varint */
+            uint64_t v = (uint64_t)j->nl * (uint64_t)j->bytes_per_layer;
+            unsigned char *p = (unsigned char *)s + RESPONSE_AT;
+            p[resp_len++] = 0x08;
+            do {
+                unsigned char b = v & 0x7F;
+                v >>= 7;
+                p[resp_len++] = b | (v ? 0x80 : 0);
+            } while (v);
+        }
+        if (message) {
+            msg_len = (uint32_t)strlen(message);
+            if (msg_len > ERROR_BYTES)
+                msg_len = ERROR_BYTES;
+            memcpy(s + ERROR_AT, message, msg_len);
+        }
+        put32(s + 20, code);
+        put32(s + 24, resp_len);
+        put32(s + 28, msg_len);
+        memcpy(s + 64, s + 8, 8); /* done_seq: the seq the client wrote (TAKEN: it is ours) */
+        l->slot_busy[j->slot] = 0;
+        set_state(s, ST_DONE);
+        ring_done(l, j->slot);
+        e->served++;
+    }
+    Job **pp = &e->jobs;
+    while (*pp != j)
+        pp = &(*pp)->next;
+    *pp = j->next;
+    e->njobs--;
+    job_free(j);
+}
+
+static void stop_job(Engine *e, Job *j, const char *reason, uint32_t code, int answer) {
+    char msg[256];
+    snprintf(msg, sizeof msg,
+             "copy stopped because %s: %u of its %u layers were copied, and nothing more of it will be",
+             reason, j->li, j->nl);
+    finish(e, j, code, msg, answer);
+}
+
+static int runnable(Engine *e, Job *j) {
+    for (Job *p = e->jobs; p != j; p = p->next)
+        if (p->gate == j->gate && (j->dependent || p->load))
+            return 0;
+    return 1;
+}
+
+/* One piece of job j: runs of the current (layer, part) up to PIECE_BYTES. */
+static void run_piece(Engine *e, Job *j) {
+    Gate *g = j->gate;
+    int32_t layer = j->local[j->li];
+    int64_t lp = (int64_t)layer * g->parts + j->part;
+    char *host = g->host_base + lp * layer_local_bytes(g);
+    char *dev = g->dev_bases[lp];
+    int64_t budget = PIECE_BYTES, tb = g->token_bytes, stride = g->dev_stride;
+    while (j->ri < j->nruns && budget > 0) {
+        Run *r = &j->runs[j->ri++];
+        size_t nb = (size_t)(r->ntok * tb);
+        char *h = host + r->host_off, *d = dev + r->dev_tok * stride;
+        if (j->load)
+            memcpy(d, h, nb);
+        else
+            memcpy(h, d, nb);
+        budget -= (int64_t)nb;
+    }
+    if (j->ri < j->nruns)
+        return;
+    j->ri = 0;
+    if (++j->part < g->parts)
+        return;
+    j->part = 0;
+    j->li++;
+    if (j->load && j->li == 1)
+        observe(e, H_FIRST, now_ns() - j->arrival_ns);
+    if (j->li == j->nl) {
+        finish(e, j, 0, NULL, 1);
+        return;
+    }
+    if (j->load) {
+        int64_t t = now_ns();
+        if (t - j->last_pub_ns >= e->progress_interval_ns) {
+            publish_progress(e, j, 0);
+            j->last_pub_ns = t;
+            ring_done(j->lane, j->slot);
+        }
+    }
+}
+
+/* Stops jobs whose deadline passed, at a layer boundary; runs one piece of the best job.
+ * Returns whether any job is left. */
+static int work(Engine *e) {
+    int64_t t = 0;
+    for (Job *j = e->jobs, *next; j; j = next) {
+        next = j->next;
+        if (j->part || j->ri)
+            continue; /* a layer is never left half copied */
+        if (j->released) {
+            stop_job(e, j, "its client was unregistered or reclaimed", CODE_NOT_FOUND, 1);
+        } else if (j->deadline_ns) {
+            if (!t)
+                t = now_ns();
+            if (t >= j->deadline_ns)
+                stop_job(e, j, "its timeout_ms passed", CODE_DEADLINE, 1);
+        }
+    }
+    Job *best = NULL;
+    if (e->paused)
+        return e->jobs != NULL;
+    for (Job *j = e->jobs; j && !best; j = j->next)
+        if (j->load && runnable(e, j))
+            best = j;
+    for (Job *j = e->jobs; j && !best; j = j->next)
+        if (runnable(e, j))
+            best = j;
+    if (best)
+        run_piece(e, best);
+    return e->jobs != NULL;
+}
+
+static void remove_lane(Engine *e, Lane *l) {
+    for (Job *j = e->jobs, *next; j; j = next) {
+        next = j->next;
+        if (j->lane == l)
+            finish(e, j, 1, NULL, 0); /* its ring goes now: nothing is written to it */
+    }
+    if (l->watching)
+        epoll_ctl(e->epfd, EPOLL_CTL_DEL, l->submit_fd, NULL);
+    Lane **pp = &e->lanes;
+    while (*pp && *pp != l)
+        pp = &(*pp)->next;
+    if (*pp)
+        *pp = l->next;
+}
+
+static void command(Engine *e) {
+    pthread_mutex_lock(&e->cmd_mu);
+    int cmd = e->cmd;
+    void *arg = e->cmd_arg;
+    pthread_mutex_unlock(&e->cmd_mu);
+    if (cmd == CMD_NONE)
+        return;
+    if (cmd == CMD_ADD) {
+        Lane *l = arg;
+        struct epoll_event ev = {.events = EPOLLIN, .data.ptr = l};
+        l->watching = epoll_ctl(e->epfd, EPOLL_CTL_ADD, l->submit_fd, &ev) == 0;
+        l->next = e->lanes;
+        e->lanes = l;
+        scan(e, l);
+    } else if (cmd == CMD_REMOVE) {
+        remove_lane(e, arg);
+    } else if (cmd == CMD_CLOSE_GATE) {
+        Gate *g = arg;
+        pthread_mutex_lock(&g->mu);
+        g->closed = 1;
+        pthread_mutex_unlock(&g->mu);
+        for (Job *j = e->jobs; j; j = j->next)
+            if (j->gate == g)
+                j->released = 1; /* ends at its next layer boundary: Python waits for inflight 0 */
+    } else if (cmd == CMD_PAUSE || cmd == CMD_RESUME) {
+        e->paused = cmd == CMD_PAUSE;
+    } else if (cmd == CMD_UNWATCH_ALL) {
+        for (Lane *l = e->lanes; l; l = l->next)
+            if (l->watching) {
+                epoll_ctl(e->epfd, EPOLL_CTL_DEL, l->submit_fd, NULL);
+                l->watching = 0;
+            }
+    }
+    pthread_mutex_lock(&e->cmd_mu);
+    e->cmd = CMD_NONE;
+    e->cmd_done = 1;
+    pthread_cond_broadcast(&e->cmd_cv);
+    pthread_mutex_unlock(&e->cmd_mu);
+}
+
+static void *engine_main(void *arg) {
+    Engine *e = arg;
+    struct epoll_event evs[64];
+    for (;;) {
+        /* Held (tests), jobs still meet their deadlines: looked at every millisecond. */
+        int n = epoll_wait(e->epfd, evs, 64, !e->jobs ? -1 : e->paused ? 1 : 0);
+        int stop = 0;
+        for (int k = 0; k < n; k++) {
+            if (evs[k].data.ptr == NULL) {
+                uint64_t v;
+                (void)!read(e->wake_fd, &v, 8);
+                pthread_mutex_lock(&e->cmd_mu);
+                stop = e->cmd == CMD_STOP;
+                pthread_mutex_unlock(&e->cmd_mu);
+                if (!stop)
+                    command(e);
+            } else {
+                Lane *l = evs[k].data.ptr;
+                if (l->watching)
+                    doorbell(e, l);
+            }
+        }
+        if (stop)
+            break;
+        if (e->jobs)
+            work(e);
+    }
+    while (e->jobs)
+        finish(e, e->jobs, 1, NULL, 0);
+    return NULL;
+}
+
+/* Runs a command on the thread and waits for it (the GIL released meanwhile). */
+static void run_command(Engine *e, int cmd, void *arg) {
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&e->call_mu);
+    pthread_mutex_lock(&e->cmd_mu);
+    e->cmd = cmd;
+    e->cmd_arg = arg;
+    e->cmd_done = 0;
+    pthread_mutex_unlock(&e->cmd_mu);
+    wake(e->wake_fd);
+    pthread_mutex_lock(&e->cmd_mu);
+    while (!e->cmd_done)
+        pthread_cond_wait(&e->cmd_cv, &e->cmd_mu);
+    pthread_mutex_unlock(&e->cmd_mu);
+    pthread_mutex_unlock(&e->call_mu);
+    Py_END_ALLOW_THREADS
+}
+
+static int engine_init(Engine *e, PyObject *args, PyObject *kw) {
+    static char *names[] = {"progress_interval", "buckets", NULL};
+    double interval = 0.0;
+    PyObject *buckets = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|dO", names, &interval, &buckets))
+        return -1;
+    if (buckets) {
+        Py_ssize_t n = PySequence_Size(buckets);
+        if (n < 0 || n > MAX_EDGES) {
+            PyErr_SetString(PyExc_ValueError, "at most 32 bucket edges");
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *item = PySequence_GetItem(buckets, i);
+            e->edges[i] = item ? PyFloat_AsDouble(item) : 0;
+            Py_XDECREF(item);
+            if (PyErr_Occurred())
+                return -1;
+        }
+        e->nedges = (int)n;
+    }
+    if (e->started) {
+        PyErr_SetString(PyExc_RuntimeError, "an Engine is made once");
+        return -1;
+    }
+    e->progress_interval_ns = (int64_t)(interval * 1e9);
+    pthread_mutex_init(&e->call_mu, NULL);
+    pthread_mutex_init(&e->cmd_mu, NULL);
+    pthread_mutex_init(&e->hand_mu, NULL);
+    pthread_mutex_init(&e->stat_mu, NULL);
+    pthread_cond_init(&e->cmd_cv, NULL);
+    e->epfd = epoll_create1(EPOLL_CLOEXEC);
+    e->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    e->notify_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (e->epfd < 0 || e->wake_fd < 0 || e->notify_fd < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = NULL};
+    if (epoll_ctl(e->epfd, EPOLL_CTL_ADD, e->wake_fd, &ev) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    if (pthread_create(&e->thread, NULL, engine_main, e) != 0) {
+        PyErr_SetString(PyExc_OSError, "could not start the data plane's thread");
+        return -1;
+    }
+    e->started = 1;
+    return 0;
+}
+
+static PyObject *engine_stop(Engine *e, PyObject *unused) {
+    if (e->started == 1) {
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&e->call_mu);
+        pthread_mutex_lock(&e->cmd_mu);
+        e->cmd = CMD_STOP;
+        pthread_mutex_unlock(&e->cmd_mu);
+        wake(e->wake_fd);
+        pthread_join(e->thread, NULL);
+        pthread_mutex_unlock(&e->call_mu);
+        Py_END_ALLOW_THREADS
+        e->started = 2;
+        while (e->lanes) { /* lanes never removed: their gate references go */
+            Lane *l = e->lanes;
+            e->lanes = l->next;
+            Py_DECREF(l->gate);
+            free(l);
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+static void engine_dealloc(Engine *e) {
+    engine_stop(e, NULL);
+    if (e->epfd > 0)
+        close(e->epfd);
+    if (e->wake_fd > 0)
+        close(e->wake_fd);
+    if (e->notify_fd > 0)
+        close(e->notify_fd);
+    free(e->hand);
+    Py_TYPE(e)->tp_free((PyObject *)e);
+}
+
+/* add_lane(key, gate, ring address, slots, submit fd, done fds) */
+static PyObject *engine_add_lane(Engine *e, PyObject *args) {
+    long long key;
+    Gate *gate;
+    unsigned long long ring;
+    int slots, submit;
+    PyObject *done;
+    if (!PyArg_ParseTuple(args, "LO!KiiO", &key, &GateType, &gate, &ring, &slots, &submit, &done))
+        return NULL;
+    if (e->started != 1) {
+        PyErr_SetString(PyExc_RuntimeError, "the data plane has stopped");
+        return NULL;
+    }
+    if (slots < 1 || slots > MAX_SLOTS || PySequence_Size(done) != slots) {
+        PyErr_SetString(PyExc_ValueError, "a lane has 1 to 64 slots, one done doorbell each");
+        return NULL;
+    }
+    Lane *l = calloc(1, sizeof(Lane));
+    if (!l)
+        return PyErr_NoMemory();
+    for (int i = 0; i < slots; i++) {
+        PyObject *item = PySequence_GetItem(done, i);
+        l->done_fd[i] = item ? (int)PyLong_AsLong(item) : -1;
+        Py_XDECREF(item);
+        if (PyErr_Occurred()) {
+            free(l);
+            return NULL;
+        }
+    }
+    l->key = key;
+    l->ring = (char *)(uintptr_t)ring;
+    l->slots = slots;
+    l->submit_fd = submit;
+    l->gate = gate;
+    Py_INCREF(gate);
+    run_command(e, CMD_ADD, l);
+    return PyLong_FromVoidPtr(l);
+}
+
+static Lane *lane_of(Engine *e, PyObject *handle) {
+    void *p = PyLong_AsVoidPtr(handle);
+    if (!p && PyErr_Occurred())
+        return NULL;
+    for (Lane *l = e->lanes; l; l = l->next)
+        if (l == p)
+            return l;
+    PyErr_SetString(PyExc_KeyError, "no such lane");
+    return NULL;
+}
+
+static PyObject *engine_remove_lane(Engine *e, PyObject *handle) {
+    Lane *l = lane_of(e, handle);
+    if (!l)
+        return NULL;
+    if (e->started == 1)
+        run_command(e, CMD_REMOVE, l);
+    Py_DECREF(l->gate);
+    free(l);
+    Py_RETURN_NONE;
+}
+
+/* release_slot(handle, i): Python answered a handed-off slot (called before it writes DONE). */
+static PyObject *engine_release_slot(Engine *e, PyObject *args) {
+    PyObject *handle;
+    int i;
+    if (!PyArg_ParseTuple(args, "Oi", &handle, &i))
+        return NULL;
+    Lane *l = lane_of(e, handle);
+    if (!l)
+        return NULL;
+    if (i < 0 || i >= l->slots) {
+        PyErr_SetString(PyExc_IndexError, "no such slot");
+        return NULL;
+    }
+    __atomic_store_n(&l->slot_busy[i], 0, __ATOMIC_RELEASE);
+    Py_RETURN_NONE;
+}
+
+static PyObject *engine_close_gate(Engine *e, PyObject *arg) {
+    if (!PyObject_TypeCheck(arg, &GateType)) {
+        PyErr_SetString(PyExc_TypeError, "a Gate");
+        return NULL;
+    }
+    if (e->started == 1)
+        run_command(e, CMD_CLOSE_GATE, arg);
+    else
+        ((Gate *)arg)->closed = 1;
+    Py_RETURN_NONE;
+}
+
+/* pause(bool): tests hold the plane's copies (requests are still taken) and let them go. */
+static PyObject *engine_pause(Engine *e, PyObject *arg) {
+    int on = PyObject_IsTrue(arg);
+    if (on < 0)
+        return NULL;
+    if (e->started == 1)
+        run_command(e, on ? CMD_PAUSE : CMD_RESUME, NULL);
+    Py_RETURN_NONE;
+}
+
+static PyObject *engine_unwatch_all(Engine *e, PyObject *unused) {
+    if (e->started == 1)
+        run_command(e, CMD_UNWATCH_ALL, NULL);
+    Py_RETURN_NONE;
+}
+
+/* take_handoffs() -> [(lane key, slot)], oldest first; drains the notify eventfd. */
+static PyObject *engine_take_handoffs(Engine *e, PyObject *unused) {
+    uint64_t v;
+    (void)!read(e->notify_fd, &v, 8);
+    pthread_mutex_lock(&e->hand_mu);
+    size_t n = e->nhand;
+    Handoff *copy = n ? malloc(n * sizeof(Handoff)) : NULL;
+    if (copy)
+        memcpy(copy, e->hand, n * sizeof(Handoff));
+    if (copy || !n)
+        e->nhand = 0;
+    pthread_mutex_unlock(&e->hand_mu);
+    if (n && !copy)
+        return PyErr_NoMemory();
+    PyObject *out = PyList_New((Py_ssize_t)n);
+    for (size_t k = 0; out && k < n; k++)
+        PyList_SET_ITEM(out, (Py_ssize_t)k, Py_BuildValue("Li", (long long)copy[k].lane_key, copy[k].slot));
+    free(copy);
+    return out;
+}
+
+/* take_histograms() -> [(counts per bucket, +Inf last), sum in seconds] for Write, Load and Load's
+ * first layer, zeroed: what the plane observed since the last take. */
+static PyObject *engine_take_histograms(Engine *e, PyObject *unused) {
+    PyObject *out = PyList_New(3);
+    if (!out)
+        return NULL;
+    pthread_mutex_lock(&e->stat_mu);
+    for (int h = 0; h < 3; h++) {
+        PyObject *counts = PyList_New(e->nedges + 1);
+        for (int b = 0; counts && b <= e->nedges; b++)
+            PyList_SET_ITEM(counts, b, PyLong_FromUnsignedLongLong(e->hist[h][b]));
+        PyList_SET_ITEM(out, h, counts ? Py_BuildValue("(Nd)", counts, e->hsum[h]) : NULL);
+        memset(e->hist[h], 0, sizeof e->hist[h]);
+        e->hsum[h] = 0;
+    }
+    pthread_mutex_unlock(&e->stat_mu);
+    return out;
+}
+
+static PyObject *engine_get_notify_fd(Engine *e, void *unused) { return PyLong_FromLong(e->notify_fd); }
+static PyObject *engine_get_jobs(Engine *e, void *unused) { return PyLong_FromLongLong(e->njobs); }
+static PyObject *engine_get_served(Engine *e, void *unused) { return PyLong_FromUnsignedLongLong(e->served); }
+static PyObject *engine_get_handed(Engine *e, void *unused) { return PyLong_FromUnsignedLongLong(e->handed); }
+
+static PyMethodDef engine_methods[] = {
+    {"add_lane", (PyCFunction)engine_add_lane, METH_VARARGS, NULL},
+    {"remove_lane", (PyCFunction)engine_remove_lane, METH_O, NULL},
+    {"release_slot", (PyCFunction)engine_release_slot, METH_VARARGS, NULL},
+    {"close_gate", (PyCFunction)engine_close_gate, METH_O, NULL},
+    {"unwatch_all", (PyCFunction)engine_unwatch_all, METH_NOARGS, NULL},
+    {"pause", (PyCFunction)engine_pause, METH_O, NULL},
+    {"take_handoffs", (PyCFunction)engine_take_handoffs, METH_NOARGS, NULL},
+    {"take_histograms", (PyCFunction)engine_take_histograms, METH_NOARGS, NULL},
+    {"stop", (PyCFunction)engine_stop, METH_NOARGS, NULL},
+    {NULL},
+};
+
+static PyGetSetDef engine_getset[] = {
+    {"notify_fd", (getter)engine_get_notify_fd, NULL, NULL, NULL},
+    {"jobs", (getter)engine_get_jobs, NULL, NULL, NULL},
+    {"served", (getter)engine_get_served, NULL, NULL, NULL},
+    {"handed", (getter)engine_get_handed, NULL, NULL, NULL},
+    {NULL},
+};
+
+static PyTypeObject EngineType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvserver.lane._kvlane.Engine",
+    .tp_basicsize = sizeof(Engine),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)engine_init,
+    .tp_dealloc = (destructor)engine_dealloc,
+    .tp_methods = engine_methods,
+    .tp_getset = engine_getset,
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kvlane", NULL, -1, NULL};
+
+PyMODINIT_FUNC PyInit__kvlane(void) {
+    if (PyType_Ready(&GateType) < 0 || PyType_Ready(&EngineType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m)
+        return NULL;
+    Py_INCREF(&GateType);
+    Py_INCREF(&EngineType);
+    PyModule_AddObject(m, "Gate", (PyObject *)&GateType);
+    PyModule_AddObject(m, "Engine", (PyObject *)&EngineType);
+    PyModule_AddIntConstant(m, "FORMAT_VERSION", KV_REQ_VERSION);
+    return m;
+}

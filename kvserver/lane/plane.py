@@ -1,0 +1,130 @@
+"""The compiled data plane's Python side: starts its thread, gives it lanes and gates, and serves
+on the event loop what it hands over (kvserver/lane/csrc/kvlane.c; docs/design.md).
+
+A registration gets a ``Gate`` when the plane can copy for it by itself: a shared-memory pool of
+plain buffers (one token stride), all sealed descriptors (no named object that could shrink under
+the mapping). Its lane's binary Writes and Loads are then checked and copied on the plane's thread;
+every other request on the lane comes back here, in arrival order, and runs the code the RPC runs.
+Without the compiled module (a build without a compiler) there is no plane: lanes are served on the
+event loop as before, binary requests included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from kvserver.core.client_state import ClientState
+    from kvserver.lane.server import Lane
+
+try:
+    from kvserver.lane import _kvlane
+except ImportError:  # not compiled: the event loop serves every lane request
+    _kvlane = None
+
+logger = logging.getLogger(__name__)
+
+# KVSERVER_DATA_PLANE=python turns the plane off (the event loop serves every request).
+ENABLED = _kvlane is not None and os.environ.get("KVSERVER_DATA_PLANE", "compiled") != "python"
+POLL_SECONDS = 0.0005  # how often a waiter on the plane's copies looks again
+
+
+def available() -> bool:
+    return ENABLED
+
+
+class DataPlane:
+    def __init__(self, progress_interval: float, buckets: tuple[float, ...] = ()) -> None:
+        assert _kvlane is not None
+        # buckets: the edges of the latency histograms it keeps (kvserver.api.metrics.BUCKETS)
+        self.engine = _kvlane.Engine(progress_interval, list(buckets))
+        self.lanes: dict[int, Lane] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self.engine.notify_fd, self._handoffs)
+
+    def _handoffs(self) -> None:
+        for key, slot in self.engine.take_handoffs():
+            lane = self.lanes.get(key)
+            if lane is None:  # removed meanwhile: the request dies with its lane
+                continue
+            lane.take(slot)
+
+    # ---- gates ---------------------------------------------------------------------------------
+
+    def gate_for(self, client: ClientState, max_indices: int) -> Any | None:
+        """A gate for ``client`` if the plane can copy for it alone; None: the loop serves it."""
+        buffers = client.device.plane_buffers()
+        if buffers is None:
+            return None  # CUDA; blocks, strided heads or mixed strides; named objects
+        bases, stride = buffers
+        spec = client.spec
+        return _kvlane.Gate(
+            owned=client.pages.is_allocated.view(np.uint8), host_base=int(client.host_table.bases[0][0]),
+            page_bytes=spec.page_bytes, page_size=spec.page_size, token_bytes=spec.token_bytes,
+            parts=spec.layout.num_parts, start_layer=spec.layers.start, num_layers=len(spec.layers),
+            epoch=client.epoch, dev_tokens=client.device.num_tokens, dev_bases=bases, dev_stride=stride,
+            max_indices=max_indices)
+
+    async def close_gate(self, gate: Any) -> None:
+        """Stops the gate's copies at their next layer boundary (answered NOT_FOUND, as a released
+        client's are); once this returns, the plane touches none of the client's memory."""
+        self.engine.close_gate(gate)
+        while gate.inflight:
+            await asyncio.sleep(POLL_SECONDS)
+
+    # ---- lanes ---------------------------------------------------------------------------------
+
+    def add(self, lane: Lane, gate: Any) -> int:
+        if self._loop is None:
+            self.start()
+        handle = self.engine.add_lane(id(lane), gate, lane.ring_address, lane.slots, lane.submit_fd,
+                                      lane.done_fds)
+        self.lanes[id(lane)] = lane
+        return handle
+
+    def remove(self, lane: Lane, handle: int) -> None:
+        """Once this returns the plane's thread no longer touches the lane's ring or sockets."""
+        self.lanes.pop(id(lane), None)
+        self.engine.remove_lane(handle)
+
+    def release_slot(self, handle: int, slot: int) -> None:
+        with contextlib.suppress(KeyError):  # removed meanwhile
+            self.engine.release_slot(handle, slot)
+
+    def unwatch_all(self) -> None:
+        self.engine.unwatch_all()
+
+    async def drain(self, grace: float) -> None:
+        """At shutdown: no new request is taken; the copies running get up to ``grace`` s."""
+        self.engine.unwatch_all()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + grace
+        while self.engine.jobs and loop.time() < end:
+            await asyncio.sleep(POLL_SECONDS * 10)
+
+    def stop(self) -> None:
+        if self._loop is not None:
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self.engine.notify_fd)
+        self.engine.stop()
+
+
+async def wait_idle(gate: Any) -> None:
+    """Waits until none of the plane's copies of ``gate`` runs (Python's copies of the same
+    registration then keep their order after them: the plane takes no new one meanwhile)."""
+    while gate.inflight:
+        await asyncio.sleep(POLL_SECONDS)
+
+
+def host_pages_free(gate: Any, pages: np.ndarray) -> bool:
+    return not gate.any_busy(np.ascontiguousarray(pages, dtype=np.int64))
+

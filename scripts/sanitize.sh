@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The compiled code under AddressSanitizer and UndefinedBehaviorSanitizer (a CI job, after the suite):
+#  1. the fuzzer over the lane's request reader and check (tests/fuzz/fuzz_request.c), for
+#     FUZZ_SECONDS (default 30);
+#  2. the C extensions (the copy kernel, the data plane) built with both sanitizers in a copy of
+#     the tree, and the bad-input, lane, data-plane and deadline tests run against them in-process.
+# Any report fails the job (-fno-sanitize-recover: UBSan aborts too). Uses ./.venv (scripts/install.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+flags="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g -O1"
+
+gcc $flags -DKV_STANDALONE -Wall -o "$work/fuzz_request" tests/fuzz/fuzz_request.c
+"$work/fuzz_request" "${FUZZ_SECONDS:-30}"
+
+tar --exclude=./.venv --exclude=./build --exclude='*.so' --exclude=.git -cf - . | tar -xf - -C "$work"
+(cd "$work" && CFLAGS="$flags" LDFLAGS="-fsanitize=address,undefined" \
+    "$root/.venv/bin/python" setup.py -q build_ext --inplace >/dev/null 2>&1)
+asan=$(gcc -print-file-name=libasan.so)
+ubsan=$(gcc -print-file-name=libubsan.so)
+cd "$work"
+# The extensions imported below are these sanitized builds, not the tree's (checked, not assumed).
+LD_PRELOAD="$asan $ubsan" ASAN_OPTIONS=detect_leaks=0 "$root/.venv/bin/python" - <<'PY'
+import os
+from kvserver.copies import _kvcopy
+from kvserver.lane import _kvlane
+for m in (_kvcopy, _kvlane):
+    assert m.__file__.startswith(os.getcwd()), m.__file__
+    assert b"__asan_" in open(m.__file__, "rb").read(), f"{m.__file__} is not built with ASan"
+print("sanitized:", _kvcopy.__file__, _kvlane.__file__)
+PY
+# Python itself is not built with ASan: its arenas and exit-time allocations are not leaks of ours.
+LD_PRELOAD="$asan $ubsan" \
+ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1 \
+UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+KVSERVER_EXPECT_PLANE=1 \
+    "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider -p no:xdist --timeout 300 \
+    tests/test_dataplane.py tests/test_lane.py tests/test_api_bad_input.py tests/test_core_deadlines.py

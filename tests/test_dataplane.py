@@ -1,0 +1,305 @@
+"""The compiled data plane (kvserver/lane/csrc/kvlane.c): the lane's binary Writes and Loads are
+checked and copied on its own thread; everything it does not take is answered by the daemon's one
+validation, so both paths answer alike. Real daemon, real client, real shared memory."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from kvclient import KVClient, KVClientError, KVLayout, ShmKVPool
+from kvserver.core import epochs
+from kvserver.errors import KVError
+from kvserver.protocol import lane_request as LR
+from kvserver.v1 import kvserver_pb2 as pb
+
+LAYERS, START, PAGE, TOKENS = 4, 2, 16, 512
+LAYOUT, DTYPE = KVLayout.mha(2, 32), torch.bfloat16
+
+
+@pytest.fixture
+def plane_daemon(daemon):
+    if daemon.core.plane is None:
+        if os.environ.get("KVSERVER_EXPECT_PLANE"):  # scripts/sanitize.sh: a skip would hide the job
+            pytest.fail("the compiled data plane is not running")
+        pytest.skip("the compiled data plane is not built (or KVSERVER_DATA_PLANE=python)")
+    return daemon
+
+
+def _client(d, pool: ShmKVPool, **kw) -> KVClient:
+    c = KVClient(d.address, timeout=10, resilient=False, **kw)
+    c.register(model="plane", pool=pool, start_layer=START, end_layer=START + LAYERS,
+               num_layers=START + LAYERS + 2, host_tokens=TOKENS, page_size=PAGE)
+    return c
+
+
+def _fill(pool: ShmKVPool, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for layer in pool.buffers:
+        for buf in layer:
+            buf.view(torch.int16).copy_(torch.randint(-30000, 30000, buf.view(torch.int16).shape, generator=g,
+                                                      dtype=torch.int16))
+
+
+def _snapshot(pool: ShmKVPool) -> list[torch.Tensor]:
+    return [buf.view(torch.int16).clone() for layer in pool.buffers for buf in layer]  # bits: NaNs compare
+
+
+def test_binary_calls_are_served_on_the_plane_bit_exact(plane_daemon) -> None:
+    d = plane_daemon
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, _client(d, pool) as c:
+        assert c.lane is not None and c.lane.request_format == LR.VERSION
+        _fill(pool, 1)
+        want = _snapshot(pool)
+        host = c.alloc(TOKENS)
+        dev = torch.randperm(TOKENS)
+        served = d.core.plane.engine.served
+        nbytes = TOKENS * LAYOUT.token_bytes(DTYPE) * 2 * LAYERS
+        assert c.write(host_indices=host, device_indices=dev) == nbytes
+        for buf in (b for layer in pool.buffers for b in layer):
+            buf.zero_()
+        handle = c.load(host_indices=host[: 4 * PAGE], device_indices=dev[: 4 * PAGE],
+                        layers=[START + 1, START + 3])
+        assert handle.wait() > 0 and handle.landed(START + 1) and handle.landed(START + 3)
+        c.load(host_indices=host, device_indices=dev).wait()
+        assert all(torch.equal(a, b) for a, b in zip(_snapshot(pool), want, strict=True))
+        assert d.core.plane.engine.served - served == 3, "the calls did not run on the plane"
+        st = c.stats().clients[0]  # the plane's work is in the client's counters
+        assert st.transfers.write_ops == 1 and st.transfers.load_ops == 2
+
+
+def test_what_the_plane_refuses_is_answered_by_the_one_validation(plane_daemon) -> None:
+    """A request the compiled check does not take goes to the Python validation: the same status
+    and message the gRPC call gets, and nothing changes."""
+    d = plane_daemon
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, _client(d, pool) as c:
+        host = c.alloc(2 * PAGE)
+        dev = torch.arange(2 * PAGE)
+        oor, inv = grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.INVALID_ARGUMENT
+        cases = [
+            (host, torch.arange(TOKENS - 8, TOKENS + 24), None, oor, "outside the device"),
+            (host[:PAGE], dev, None, inv, "16 host indices but 32 device"),
+            (host, dev, [START - 1], oor, "layer 1 is outside this client's layer range"),
+            (host, torch.zeros(2 * PAGE, dtype=torch.int64), None, inv, "same slot"),
+            (host.flip(0), dev, None, inv, "whole, aligned pages"),
+        ]
+        other = host[PAGE:] ^ (1 << 40)  # another registration epoch's host indices
+        cases.append((torch.cat([host[:PAGE], other]), dev, None, grpc.StatusCode.FAILED_PRECONDITION,
+                      "registration epoch"))
+        for h, dv, layers, code, text in cases:
+            for op in ("write", "load"):
+                with pytest.raises(KVClientError) as exc:
+                    if op == "write":
+                        c.write(host_indices=h, device_indices=dv, layers=layers)
+                    else:
+                        c.load(host_indices=h, device_indices=dv, layers=layers).wait()
+                assert exc.value.code == code and text in exc.value.message, (op, exc.value)
+        # a malformed binary request, sent raw
+        with pytest.raises(KVClientError) as exc:
+            c.lane.unary("WriteB", b"KVR1" + b"\0" * 10, 5)
+        assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT and "malformed Write" in exc.value.message
+        assert c.stats().clients[0].transfers.write_ops == 0
+
+
+def test_the_compiled_check_never_takes_what_the_validation_refuses(plane_daemon) -> None:
+    """Differential: random requests, well formed and mutated; whatever Gate.check takes,
+    KVCore.prepare (the one validation) takes too."""
+    d = plane_daemon
+    rnd = random.Random(7)
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, _client(d, pool) as c:
+        host = c.alloc(TOKENS // 2).numpy()
+        c.free(host[-PAGE:].copy())
+        cid = c.client_id
+        client = d.run(lambda: d.core.client(cid))
+        epoch = client.epoch
+
+        def request() -> tuple[np.ndarray, np.ndarray, list[int]]:
+            pages = rnd.randint(1, 6)
+            rows = host.reshape(-1, PAGE)
+            h = np.concatenate([rows[rnd.randrange(len(rows))] for _ in range(pages)])
+            dv = np.array(rnd.sample(range(TOKENS), pages * PAGE), dtype=np.int64)
+            layers = sorted(rnd.sample(range(START, START + LAYERS), rnd.randint(0, 2)))
+            for _ in range(rnd.randint(0, 2)):
+                what = rnd.randrange(6)
+                if what == 0:
+                    h[rnd.randrange(h.size)] += rnd.choice([-1, 1, PAGE, TOKENS])
+                elif what == 1:
+                    dv[rnd.randrange(dv.size)] = rnd.choice([-1, TOKENS, int(dv[0]), 1 << 40])
+                elif what == 2:
+                    layers = layers + [rnd.choice([START - 1, START + LAYERS, START])]
+                elif what == 3:
+                    h[rnd.randrange(h.size)] ^= 1 << (epochs.EPOCH_SHIFT + rnd.randrange(3))
+                elif what == 4:
+                    dv = dv[:-1]
+                else:
+                    h = np.concatenate([h, h[:PAGE]])
+                    dv = np.concatenate([dv, dv[:PAGE] + 1])
+            return h, dv, layers
+
+        taken = refused = 0
+        for _ in range(400):
+            h, dv, layers = request()
+            data = LR.pack(LR.KIND_WRITE, h, dv, layers, PAGE)
+            if data is None:  # not whole pages: sent as protobuf, never seen by the plane
+                continue
+
+            def judge(h=h, dv=dv, layers=layers, data=data) -> tuple[bool, str]:
+                ok = client.gate.check(data)
+                try:
+                    d.core.prepare(cid, h, dv, layers)
+                except KVError as exc:
+                    return ok, str(exc)
+                return ok, ""
+
+            ok, error = d.run(judge)
+            assert not (ok and error), f"the compiled check took {h.tolist()} {dv.tolist()} {layers}: {error}"
+            taken += ok
+            refused += not ok
+        assert taken > 50 and refused > 50  # both sides of the check were exercised
+        assert epoch == client.epoch
+
+
+def test_grpc_and_lane_copies_of_one_client_keep_their_order(plane_daemon) -> None:
+    """A Write on gRPC held in the copy queue, then a Load of the same pages on the lane: the
+    Load reads what the Write stores (the plane hands it to the loop while the Write runs)."""
+    d = plane_daemon
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c:
+        host = c.alloc(TOKENS)  # 512 KiB: queued, never copied inline
+        a, b = torch.arange(TOKENS), torch.arange(TOKENS, 2 * TOKENS)
+        _fill(pool, 4)
+        want = [buf.view(torch.int16)[a].clone() for layer in pool.buffers for buf in layer]
+        queue = d.core.copier._executor
+        gate, started = threading.Event(), threading.Barrier(queue.threads + 1)
+
+        def hold() -> None:
+            started.wait(10)
+            gate.wait(30)
+
+        for _ in range(queue.threads):
+            queue.submit_as(True, hold)
+        started.wait(10)
+        req = pb.WriteRequest(client_id=c.client_id, host_indices=host.tolist(), device_indices=a.tolist())
+        writer = threading.Thread(target=lambda: c._stub.Write(req, timeout=30))  # the same registration
+        try:
+            writer.start()
+            while d.run(lambda: d.core.copier.queued) < 1:  # the Write waits behind the held workers
+                time.sleep(0.001)
+            handle = c.load(host_indices=host, device_indices=b)  # the pages the Write stores
+            time.sleep(0.3)
+            assert not handle.landed(START), "the Load overtook the Write of its pages"
+        finally:
+            gate.set()
+        writer.join(30)
+        assert handle.wait(timeout=30) > 0
+        got = [buf.view(torch.int16)[b] for layer in pool.buffers for buf in layer]
+        assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+
+
+def test_free_waits_for_the_planes_copy_of_its_pages(plane_daemon) -> None:
+    d = plane_daemon
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, _client(d, pool) as c:
+        host = c.alloc(TOKENS)
+        dev = torch.arange(TOKENS)
+        plane = d.core.plane
+        plane.engine.pause(True)
+        try:
+            handle = c.load(host_indices=host, device_indices=dev)
+            freed = {}
+            t = threading.Thread(target=lambda: freed.setdefault("n", c.free(host)))
+            t.start()
+            time.sleep(0.3)
+            assert "n" not in freed, "Free returned while the plane's copy still reads the pages"
+        finally:
+            plane.engine.pause(False)
+        t.join(10)
+        assert handle.wait(timeout=10) > 0 and freed["n"] == TOKENS
+        assert c.alloc(TOKENS).numel() == TOKENS  # the pages came back
+
+
+def test_unregister_stops_the_planes_copies_and_frees_everything(plane_daemon) -> None:
+    d = plane_daemon
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, _client(d, pool) as c:
+        host = c.alloc(TOKENS)
+        dev = torch.arange(TOKENS)
+        d.core.plane.engine.pause(True)
+        try:
+            handle = c.load(host_indices=host, device_indices=dev)
+            time.sleep(0.1)
+            c.unregister()
+        finally:
+            d.core.plane.engine.pause(False)
+        with pytest.raises(KVClientError) as exc:  # stopped, and said so (or the lane closed under it)
+            handle.wait(timeout=10)
+        assert exc.value.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED,
+                                  grpc.StatusCode.UNAVAILABLE), exc.value
+        left = d.run(lambda: (len(d.core.clients), d.core.arena.reserved, d.core.plane.engine.jobs))
+        assert left == (0, 0, 0)
+
+
+def test_on_the_plane_a_small_load_overtakes_a_large_offload(plane_daemon) -> None:
+    """The plane copies loads before writes, in pieces: held while another engine's 64 MiB
+    offload and then a 1-page load queue up, the load ends long before the offload does."""
+    d = plane_daemon
+    big_layout, tokens = KVLayout.mha(8, 128), 16384  # 2 KiB a token and part: 64 MiB
+    with ShmKVPool(big_layout, torch.float16, 1, tokens) as pool, KVClient(d.address) as big, \
+            ShmKVPool(big_layout, torch.float16, 1, 64) as small_pool, KVClient(d.address) as small:
+        big.register(model="big", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=tokens,
+                     page_size=16)
+        small.register(model="small", pool=small_pool, start_layer=0, end_layer=1, num_layers=1,
+                       host_tokens=64, page_size=16)
+        host_small = small.alloc(16)
+        assert small.write(host_indices=host_small, device_indices=torch.arange(16)) > 0
+        host_big = big.alloc(tokens)
+        ended: dict[str, float] = {}
+        engine = d.core.plane.engine
+        engine.pause(True)
+        try:
+            def offload() -> None:
+                big.write(host_indices=host_big, device_indices=torch.arange(tokens))
+                ended["offload"] = time.monotonic()
+
+            t = threading.Thread(target=offload)
+            t.start()
+            while engine.jobs < 1:
+                time.sleep(0.001)
+            handle = small.load(host_indices=host_small, device_indices=torch.arange(16, 32))
+            while engine.jobs < 2:
+                time.sleep(0.001)
+        finally:
+            engine.pause(False)
+        assert handle.wait(timeout=30) > 0
+        ended["load"] = time.monotonic()
+        t.join(60)
+        assert ended["load"] < ended["offload"], "the load waited for the whole offload"
+
+
+def test_on_the_plane_a_load_after_a_write_of_the_same_pages_reads_what_it_stored(plane_daemon) -> None:
+    d = plane_daemon
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c:
+        host = c.alloc(TOKENS)
+        a, b = torch.arange(TOKENS), torch.arange(TOKENS, 2 * TOKENS)
+        _fill(pool, 9)
+        want = [buf.view(torch.int16)[a].clone() for layer in pool.buffers for buf in layer]
+        engine = d.core.plane.engine
+        engine.pause(True)
+        try:
+            t = threading.Thread(target=lambda: c.write(host_indices=host, device_indices=a))
+            t.start()
+            while engine.jobs < 1:
+                time.sleep(0.001)
+            handle = c.load(host_indices=host, device_indices=b)
+            while engine.jobs < 2:
+                time.sleep(0.001)
+        finally:
+            engine.pause(False)
+        t.join(30)
+        assert handle.wait(timeout=30) > 0
+        got = [buf.view(torch.int16)[b] for layer in pool.buffers for buf in layer]
+        assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True)), "the load overtook the write"
