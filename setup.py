@@ -22,5 +22,8 @@ setup(
         Extension("kvserver.lane._kvlane", ["kvserver/lane/csrc/kvlane.c"],
                   depends=["kvserver/lane/csrc/request.h"], extra_compile_args=["-O2", "-Wall"],
                   optional=True),
+        Extension("kvserver.protocol._wire", ["kvserver/protocol/csrc/wire.c"],
+                  depends=["kvserver/lane/csrc/request.h"], extra_compile_args=["-O2", "-Wall"],
+                  optional=True),
     ],
 )

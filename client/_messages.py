@@ -11,6 +11,7 @@ import torch
 from kvclient.cuda_pool import CudaKVPool
 from kvclient.shm_pool import ShmKVPool
 from kvclient.views_pool import KVViewsPool
+from kvserver.protocol import lane_request
 from kvserver.protocol.layout import wire_dtype
 from kvserver.v1 import kvserver_pb2 as pb
 
@@ -34,6 +35,15 @@ def index_array(values: Indices) -> np.ndarray:
     if isinstance(values, torch.Tensor):
         return values.detach().reshape(-1).to("cpu", torch.int64).numpy()
     return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
+def index_source(values: Indices) -> tuple:
+    """(owner, address, count) of the indices as contiguous int64 memory, for the lane's binary
+    request (kvserver.protocol.lane_request.pack_at): a CPU int64 tensor as it is, else a copy."""
+    if isinstance(values, torch.Tensor) and values.dtype is torch.int64 and values.is_cpu \
+            and values.is_contiguous() and not values.requires_grad:
+        return values, values.data_ptr(), values.numel()
+    return lane_request.index_source(index_array(values))
 
 
 def ids(values: Indices) -> list[int]:

@@ -341,26 +341,27 @@ class ClientCore:
 
     def write(self, host_indices: msg.Indices, device_indices: msg.Indices, layers: Iterable[int] | None,
               ready_event) -> Op:
-        host, dev, lay, ready = (msg.index_array(host_indices), msg.index_array(device_indices),
+        host, dev, lay, ready = (msg.index_source(host_indices), msg.index_source(device_indices),
                                  msg.layer_list(layers), _ready(ready_event))
-        return Op("Write", lambda r: pb.WriteRequest(client_id=r.client_id, host_indices=host.tolist(),
-                                                     device_indices=dev.tolist(), layers=lay,
+        return Op("Write", lambda r: pb.WriteRequest(client_id=r.client_id, host_indices=msg.ids(host[0]),
+                                                     device_indices=msg.ids(dev[0]), layers=lay,
                                                      ready_event=ready, timeout_ms=self.timeout_ms),
                   lambda resp: resp.bytes, 0, job=True,
-                  packed=lambda r: lane_request.pack(lane_request.KIND_WRITE, host, dev, lay, r.page_size,
-                                                     self.timeout_ms, 0, ready))
+                  packed=lambda r: lane_request.pack_at(lane_request.KIND_WRITE, host, dev, lay, r.page_size,
+                                                        self.timeout_ms, 0, ready))
 
     def load(self, host_indices: msg.Indices, device_indices: msg.Indices, layers: Iterable[int] | None,
              event_slot: int, ready_event) -> StreamOp:
-        host, dev, lay, ready = (msg.index_array(host_indices), msg.index_array(device_indices),
+        host, dev, lay, ready = (msg.index_source(host_indices), msg.index_source(device_indices),
                                  msg.layer_list(layers), _ready(ready_event))
-        return StreamOp("Load", lambda r: pb.LoadRequest(client_id=r.client_id, host_indices=host.tolist(),
-                                                         device_indices=dev.tolist(), layers=lay,
+        return StreamOp("Load", lambda r: pb.LoadRequest(client_id=r.client_id, host_indices=msg.ids(host[0]),
+                                                         device_indices=msg.ids(dev[0]), layers=lay,
                                                          event_slot=event_slot, ready_event=ready,
                                                          timeout_ms=self.timeout_ms),
                         lay, event_slot,
-                        packed=lambda r: lane_request.pack(lane_request.KIND_LOAD, host, dev, lay,
-                                                           r.page_size, self.timeout_ms, event_slot, ready))
+                        packed=lambda r: lane_request.pack_at(
+                            lane_request.KIND_LOAD, host, dev, lay, r.page_size, self.timeout_ms, event_slot,
+                            ready))
 
     def available_size(self) -> Op:
         def read(resp: pb.StatsResponse) -> int:

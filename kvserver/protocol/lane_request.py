@@ -32,6 +32,11 @@ _I64 = np.dtype("<i8")
 _U32 = np.dtype("<u4")
 _SLOT_MASK = (1 << 36) - 1  # kvserver.core.epochs: the token slot under the epoch bits
 
+try:
+    from kvserver.protocol import _wire
+except ImportError:  # not compiled: pack() below, in numpy
+    _wire = None
+
 
 @dataclass(frozen=True, slots=True)
 class LaneRequest:
@@ -71,6 +76,29 @@ def pack(kind: int, host: np.ndarray, device: np.ndarray, layers: list[int], pag
                        event_slot, len(ready_event), 0)
     return b"".join((head, starts.astype(_I64, copy=False).tobytes(), dev.astype(_I64, copy=False).tobytes(),
                      np.asarray(layers, dtype=_U32).tobytes(), bytes(ready_event)))
+
+
+def pack_at(kind: int, host: tuple, device: tuple, layers: list[int], page_size: int, timeout_ms: int = 0,
+            event_slot: int = 0, ready_event: bytes = b"") -> bytes | None:
+    """``pack`` for index sources ``(owner, address, count)`` of contiguous int64 memory (see
+    ``index_source``), in compiled code where it is built."""
+    if _wire is not None:
+        return _wire.pack(kind, host[1], host[2], device[1], device[2], layers, page_size, timeout_ms,
+                          event_slot, ready_event)
+    return pack(kind, _as_array(host), _as_array(device), layers, page_size, timeout_ms, event_slot,
+                ready_event)
+
+
+def index_source(values: np.ndarray) -> tuple:
+    """(owner, address, count) of a flat int64 numpy array (made contiguous): what ``pack_at``
+    reads; the owner keeps the memory alive."""
+    arr = np.ascontiguousarray(values, dtype=np.int64).reshape(-1)
+    return arr, arr.ctypes.data, arr.size
+
+
+def _as_array(source: tuple) -> np.ndarray:
+    owner = source[0]
+    return owner if isinstance(owner, np.ndarray) else owner.numpy()
 
 
 def parse(data: bytes, kind: int, client_id: str, page_size: int) -> LaneRequest:
