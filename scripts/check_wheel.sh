@@ -80,7 +80,8 @@ for name in installed:
     assert mod.__file__.startswith(venv), f"{name} imported from {mod.__file__}, not from the wheel"
 assert importlib.util.find_spec("cupy") is None and "cupy" not in sys.modules
 if shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]):
-    assert "kvserver.copies._kvcopy" in installed, "the wheel has no compiled copy kernel"
+    for ext in ("kvserver.copies._kvcopy", "kvserver.lane._kvlane", "kvserver.protocol._wire"):
+        assert ext in installed, f"the wheel has no compiled {ext}"
 print(f"imported {len(installed) - len(needs_engine)} modules from the wheel, without CuPy; "
       f"found {len(needs_engine)} that need an engine or an extra: {needs_engine}")
 EOF
@@ -127,6 +128,8 @@ with ShmKVPool(KVLayout.mha(2, 8), torch.bfloat16, num_layers=2, num_tokens=64) 
             for buf in parts:
                 buf.zero_()
         assert client.load(host_indices=host, device_indices=device).wait(timeout=10) > 0
+        # On the fast lane, in its binary format: the installed data plane's calls.
+        assert client.lane is not None and client.lane.request_format == 1 and client.lane.calls == 2
         client.unregister()
     for parts, ref in zip(pool.buffers, want, strict=True):
         for buf, ref_buf in zip(parts, ref, strict=True):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs kvserver with its test, cluster and events extras into ./.venv (and SGLang's and vLLM's code, for
 # the integration tests), runs the linter and the whole suite, then checks what a user installs: the
-# built wheel, in a fresh virtual environment (scripts/check_wheel.sh).
+# built wheel, in a fresh virtual environment (scripts/check_wheel.sh), and the compiled code under
+# the sanitizers (scripts/sanitize.sh; KVSERVER_SKIP_SANITIZE=1 leaves it out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install_cluster_deps.sh  # libibverbs1, which Mooncake Store's client loads (the cluster tier)
@@ -25,3 +26,8 @@ wait "$wheel_pid" || wheel_rc=$?
 cat "$wheel_log"
 [ "$rc" -eq 0 ] || exit "$rc"
 [ "$wheel_rc" -eq 0 ] || { echo "the wheel check failed ($wheel_rc)" >&2; exit "$wheel_rc"; }
+# The compiled code under AddressSanitizer and UndefinedBehaviorSanitizer: the request fuzzer for a
+# bounded time, then the bad-input, lane, data-plane and deadline tests against sanitized builds.
+if [ -z "${KVSERVER_SKIP_SANITIZE:-}" ]; then
+    scripts/sanitize.sh
+fi

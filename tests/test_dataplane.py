@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 import threading
 import time
 
@@ -303,3 +304,108 @@ def test_on_the_plane_a_load_after_a_write_of_the_same_pages_reads_what_it_store
         assert handle.wait(timeout=30) > 0
         got = [buf.view(torch.int16)[b] for layer in pool.buffers for buf in layer]
         assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True)), "the load overtook the write"
+
+
+def _grpc_write(c: KVClient, host, dev) -> threading.Thread:
+    """A Write of ``c``'s registration sent on gRPC from a thread (its outcome in ``t.result``)."""
+    req = pb.WriteRequest(client_id=c.client_id, host_indices=host.tolist(), device_indices=dev.tolist())
+
+    def run() -> None:
+        try:
+            t.result = c._stub.Write(req, timeout=30)
+        except grpc.RpcError as exc:
+            t.result = exc
+
+    t = threading.Thread(target=run)
+    t.result = None
+    t.start()
+    return t
+
+
+def test_a_copy_waiting_for_its_turn_keeps_the_clients_order(plane_daemon) -> None:
+    """A plane Load runs (held); a gRPC Write of pages P waits for its turn; then a lane Load of P
+    is handed to the loop: it waits behind the Write and reads what the Write stored."""
+    d = plane_daemon
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 3 * TOKENS) as pool, _client(d, pool) as c:
+        host = c.alloc(TOKENS)
+        first, rest = host[: TOKENS // 2], host[TOKENS // 2:]
+        a = torch.arange(TOKENS // 2)
+        b = torch.arange(TOKENS, TOKENS + TOKENS // 2)
+        _fill(pool, 11)
+        want = [buf.view(torch.int16)[a].clone() for layer in pool.buffers for buf in layer]
+        engine = d.core.plane.engine
+        engine.pause(True)
+        try:
+            other = torch.arange(2 * TOKENS, 2 * TOKENS + TOKENS // 2)
+            held = c.load(host_indices=rest, device_indices=other)
+            while engine.jobs < 1:
+                time.sleep(0.001)
+            writer = _grpc_write(c, first, a)
+            time.sleep(0.2)  # the Write waits for the plane's Load to end
+            handle = c.load(host_indices=first, device_indices=b)  # handed to the loop, behind the Write
+            time.sleep(0.2)
+        finally:
+            engine.pause(False)
+        writer.join(30)
+        assert not isinstance(writer.result, grpc.RpcError), writer.result
+        assert held.wait(timeout=30) > 0 and handle.wait(timeout=30) > 0
+        got = [buf.view(torch.int16)[b] for layer in pool.buffers for buf in layer]
+        assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True)), "the Load overtook the Write"
+
+
+def test_a_copy_waiting_for_its_turn_never_runs_after_its_client_is_released(plane_daemon) -> None:
+    d = plane_daemon
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c:
+        host = c.alloc(TOKENS)
+        engine = d.core.plane.engine
+        engine.pause(True)
+        try:
+            held = c.load(host_indices=host[:PAGE], device_indices=torch.arange(PAGE))
+            while engine.jobs < 1:
+                time.sleep(0.001)
+            writer = _grpc_write(c, host[PAGE:], torch.arange(TOKENS, 2 * TOKENS - PAGE))
+            time.sleep(0.2)  # waiting for its turn
+            cid = c.client_id
+            unregister = threading.Thread(target=lambda: d.call(d.core.unregister(cid)))
+            unregister.start()
+            time.sleep(0.2)
+        finally:
+            engine.pause(False)
+        unregister.join(30)
+        writer.join(30)
+        assert isinstance(writer.result, grpc.RpcError), "the Write ran for a released client"
+        assert writer.result.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(KVClientError):
+            held.wait(timeout=10)
+        left = d.run(lambda: (len(d.core.clients), d.core.arena.reserved, d.core.plane.engine.jobs))
+        assert left == (0, 0, 0)
+
+
+def test_a_doorbell_rung_without_end_while_the_lane_goes_is_harmless(plane_daemon) -> None:
+    """A peer rings its submit doorbell in a loop while its registration is released, again and
+    again: the plane's thread never touches a lane it was told to forget."""
+    d = plane_daemon
+    for _ in range(5):
+        with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, _client(d, pool) as c:
+            lane = c.lane
+            stop = threading.Event()
+
+            def ring(lane=lane, stop=stop) -> None:
+                while not stop.is_set():
+                    try:
+                        lane._submit.send(b"s", socket.MSG_DONTWAIT)
+                    except OSError:
+                        time.sleep(0)
+
+            t = threading.Thread(target=ring)
+            t.start()
+            time.sleep(0.05)
+            cid = c.client_id
+            d.call(d.core.unregister(cid))
+            stop.set()
+            t.join(10)
+    # the daemon still serves
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, _client(d, pool) as c:
+        host = c.alloc(PAGE)
+        assert c.write(host_indices=host, device_indices=torch.arange(PAGE)) > 0
+        assert d.core.plane.engine.served > 0

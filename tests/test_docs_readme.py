@@ -164,6 +164,8 @@ PARTLY_RUN = {
     "scripts/install.sh && .venv/bin/kvserver": ("reinstalling would rebuild the venv these tests run in",
                                                  ["scripts/install.sh"], ".venv/bin/kvserver"),
     "scripts/test.sh": ("it runs this suite; CI runs it through .ci/run", ["scripts/test.sh"], None),
+    "scripts/sanitize.sh": ("it runs tests of this suite against sanitized builds; scripts/test.sh runs it "
+                            "in CI", ["scripts/sanitize.sh"], None),
 }
 
 def _shm_objects() -> set[str]:

@@ -99,8 +99,9 @@ def check_complete(files: set[str], how: str) -> None:
     missing = sorted(set(present) - files)
     assert not missing, f"the wheel built {how} lacks the engines' integrations {missing}"
     if has_c_compiler():
-        kernels = [f for f in files if f.startswith("kvserver/copies/_kvcopy.") and f.endswith(".so")]
-        assert kernels, f"the wheel built {how} has no compiled copy kernel (kvserver/copies/_kvcopy*.so)"
+        for ext in ("kvserver/copies/_kvcopy.", "kvserver/lane/_kvlane.", "kvserver/protocol/_wire."):
+            built = [f for f in files if f.startswith(ext) and f.endswith(".so")]
+            assert built, f"the wheel built {how} has no compiled {ext}*.so"
     stray = sorted(f for f in files if not f.startswith(tuple(f"{n}/" for n in PACKAGE_DIRS)))
     assert not stray, f"the wheel built {how} ships files outside its packages: {stray}"
 
@@ -128,7 +129,9 @@ def test_sdist_builds_the_same_wheel(tree, tmp_path):
     with tarfile.open(sdist) as tar:
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
         tar.extractall(tmp_path / "unpacked", filter="data")
-    for needed in ("pyproject.toml", "setup.py", "README.md", "kvserver/copies/csrc/kvcopy.c"):
+    for needed in ("pyproject.toml", "setup.py", "README.md", "kvserver/copies/csrc/kvcopy.c",
+                   "kvserver/lane/csrc/kvlane.c", "kvserver/lane/csrc/request.h",
+                   "kvserver/protocol/csrc/wire.c"):
         assert needed in names, f"the sdist lacks {needed}"
     (root,) = (tmp_path / "unpacked").iterdir()
     check_complete(wheel_files(build_wheel(root, tmp_path / "wheel")), "from the sdist")

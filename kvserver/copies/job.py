@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,6 +60,9 @@ class Job:
     load: bool = False
     after: list = field(default_factory=list)
     work: Work | None = None
+    # Its turn among the compiled data plane's copies of its client (kvserver.core.copier.plane_turn),
+    # given back when the job is released.
+    turn: Any = None
 
     def ready(self) -> bool:
         """Whether every earlier job it must follow has ended (or was dropped) in the queue."""

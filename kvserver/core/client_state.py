@@ -146,6 +146,7 @@ class ClientState:
     # Its gate on the compiled data plane (kvserver.lane.plane), if its lane is served there: the
     # plane's copies of its pages, counted apart from ``busy``/``inflight``; closed on release.
     gate: Any = None
+    plane_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # turns among the plane's copies, in order
 
     @property
     def capacity_tokens(self) -> int:

@@ -39,7 +39,8 @@ from kvserver.copies.job import Job
 from kvserver.copies.order import JobOrder
 from kvserver.copies.progress import LayerSignal
 from kvserver.copies.workers import CopyQueue
-from kvserver.core.client_state import ClientState
+from kvserver.core.client_state import ClientState, public_id
+from kvserver.errors import UnknownClient
 from kvserver.media.base import INLINE
 
 # Copies up to this size run on the event loop when the worker is idle (~50 us at memcpy speed).
@@ -93,16 +94,12 @@ class Copier:
         return self._executor.depth()
 
     async def write(self, job: ClientJob) -> int:
-        gate = await _after_plane(job.client)
+        await _take_turn(job)
+        fut = self._submit(job, False, None)  # from here its release ends its turn
         try:
-            fut = self._submit(job, False, None)
-            try:
-                await _until_done(fut, job)
-            finally:
-                job.client.jobs.discard(job)
+            await _until_done(fut, job)
         finally:
-            if gate is not None:
-                gate.py_exit()
+            job.client.jobs.discard(job)
         nbytes = job.bytes_per_layer * len(job.local_layers)
         job.client.counters.bytes_written += nbytes
         job.client.counters.write_ops += 1
@@ -115,16 +112,7 @@ class Copier:
         back): each message costs both processes CPU time, which on a busy node comes out of
         the copy. A step covers every layer landed since the previous one.
         """
-        gate = await _after_plane(job.client)
-        try:
-            async with contextlib.aclosing(self._load(job)) as steps:
-                async for step in steps:
-                    yield step
-        finally:
-            if gate is not None:
-                gate.py_exit()
-
-    async def _load(self, job: ClientJob) -> AsyncIterator[LoadStep]:
+        await _take_turn(job)
         loop = asyncio.get_running_loop()
         changed = asyncio.Event()
         signal = LayerSignal(self.progress_interval, len(job.local_layers))
@@ -243,6 +231,9 @@ class Copier:
     def _release(self, job: ClientJob, signal: LayerSignal | None, queued: bool = False) -> None:
         self.queued -= queued
         client = job.client
+        if job.turn is not None:  # its turn among the data plane's copies ends with it
+            job.turn.py_exit()
+            job.turn = None
         if client.order is not None:
             client.order.finished(job)
         client.busy[job.pages] -= 1
@@ -257,22 +248,50 @@ class Copier:
         self._waiters.shutdown(wait=True)
 
 
-async def _after_plane(client: ClientState):
-    """For a client whose lane the compiled data plane serves: counts this copy as the loop's (the
-    plane then hands the client's new requests here, behind it) and waits for the plane's copies
-    of the client to end, so that the client's copies keep their order. Returns the gate to
-    ``py_exit()`` once the copy is over."""
+class PlaneTurn:
+    """A copy's turn among the data plane's copies of its client (``plane_turn``)."""
+
+    def __init__(self, gate) -> None:
+        self.gate = gate
+        self.held = True
+
+    def take(self):
+        """The job takes the turn over: it ends when the job is released (``Copier._release``)."""
+        self.held = False
+        return self.gate
+
+
+@contextlib.asynccontextmanager
+async def plane_turn(client: ClientState) -> AsyncIterator[PlaneTurn]:
+    """For a client whose lane the compiled data plane serves: this copy counts as the loop's from
+    now on (the plane hands the client's new requests to the loop, behind it), and the body runs
+    once none of the plane's copies of the client runs. Turns are taken in arrival order (one lock
+    per client), and the body checks and admits the job before the next turn begins, so the
+    client's copies keep their order across the two sides. A turn not taken over by a job ends
+    with the body."""
     gate = client.gate
-    if gate is None:
-        return None
-    if gate.py_enter():
+    async with client.plane_lock:
+        gate.py_enter()
+        turn = PlaneTurn(gate)
         try:
             while gate.inflight:
                 await asyncio.sleep(PLANE_POLL_SECONDS)
-        except BaseException:
-            gate.py_exit()
-            raise
-    return gate
+            yield turn
+        finally:
+            if turn.held:
+                gate.py_exit()
+
+
+async def _take_turn(job: ClientJob) -> None:
+    """A job built without its turn (the cache's): takes it now, and refuses to start for a client
+    released meanwhile (its pool may be closed)."""
+    client = job.client
+    if client.gate is None or job.turn is not None:
+        return
+    async with plane_turn(client) as turn:
+        if client.closing:
+            raise UnknownClient(f"client {public_id(client.client_id)} was released while its copy waited")
+        job.turn = turn.take()
 
 
 def _settle(job: ClientJob, cf: Future, loop: asyncio.AbstractEventLoop) -> None:

@@ -23,7 +23,7 @@ from kvserver.config import format_size
 from kvserver.copies import transfer
 from kvserver.core import epochs
 from kvserver.core.client_state import ClientSpec, ClientState, Counters, public_id
-from kvserver.core.copier import ClientJob, Copier, wait_until
+from kvserver.core.copier import ClientJob, Copier, plane_turn, wait_until
 from kvserver.core.share import LoopShare
 from kvserver.disk import DiskTier
 from kvserver.errors import InvalidArgument, NoCapacity, UnknownClient, shown
@@ -448,6 +448,8 @@ class KVCore:
             return client.copies_pending
         client = self.client(client_id)
         client.closing = True
+        if client.gate is not None and self.plane is not None:
+            self.plane.close_gate(client.gate)  # takes no new call of it from now on
         release = asyncio.ensure_future(self._release(client, reason))
         if await _settle(release):
             raise asyncio.CancelledError
@@ -459,7 +461,7 @@ class KVCore:
         for job in list(client.jobs):  # queued ones are dropped, running ones end at a layer boundary
             job.stop("released")
         if client.gate is not None and self.plane is not None:
-            await self.plane.close_gate(client.gate)  # its copies there end at a layer boundary
+            await self.plane.idle(client.gate)  # its copies there end at a layer boundary
             self.harvest(client)
         lane, client.lane = client.lane, None
         if lane is not None:  # its handlers are cancelled and awaited, then its ring unmapped
@@ -567,18 +569,16 @@ class KVCore:
             client.pages.check_owned(pages)
         gate = client.gate
         if gate is not None:
-            # The data plane checks and marks pages under the gate's lock: they are freed under it,
-            # once none of its copies uses them.
-            while not gate.lock_if_idle(pages):
-                await asyncio.sleep(PLANE_POLL_SECONDS)
+            # The data plane checks ownership and marks pages busy under the gate's lock: the pages
+            # leave its view under that lock, once neither its copies nor the loop's use them.
+            while client.busy[pages].any() or not gate.release_if_idle(pages):
+                if client.busy[pages].any():
+                    await wait_until(client, lambda c=client: not c.busy[pages].any())
+                else:
+                    await asyncio.sleep(PLANE_POLL_SECONDS)
                 client = self.client(client_id)
                 client.pages.check_owned(pages)
-            try:
-                client.pages.free(pages, checked=True)
-            finally:
-                gate.unlock()
-        else:
-            client.pages.free(pages, checked=True)
+        client.pages.free(pages, checked=True)
         return pages.size * client.spec.page_size
 
     def harvest(self, client: ClientState) -> None:
@@ -606,9 +606,22 @@ class KVCore:
     async def prepare_job(self, client_id: str, host_indices, device_indices, layers,
                           ready_event: bytes = b"", event_slot: int = 0, timeout_ms: int = 0) -> ClientJob:
         """``prepare``, in a worker thread for a large request (its checks take a good part of a
-        second for millions of indices), re-checked here if the client's pages changed meanwhile."""
-        # The job's deadline counts from the request's arrival, checks included.
-        deadline = self.deadline(timeout_ms)
+        second for millions of indices), re-checked here if the client's pages changed meanwhile.
+        For a client the data plane serves, first its turn (``copier.plane_turn``): the checks see
+        the pages as the copy will."""
+        deadline = self.deadline(timeout_ms)  # counted from the request's arrival, checks included
+        client = self.client(client_id)
+        if client.gate is None:
+            return await self._prepare_job(client_id, host_indices, device_indices, layers, ready_event,
+                                           event_slot, deadline)
+        async with plane_turn(client) as turn:
+            job = await self._prepare_job(client_id, host_indices, device_indices, layers, ready_event,
+                                          event_slot, deadline)
+            job.turn = turn.take()
+            return job
+
+    async def _prepare_job(self, client_id: str, host_indices, device_indices, layers, ready_event: bytes,
+                           event_slot: int, deadline: float) -> ClientJob:
         args = (client_id, host_indices, device_indices, layers, ready_event, event_slot, deadline)
         if len(host_indices) <= OFF_LOOP_INDICES:
             return self.prepare(*args)

@@ -71,7 +71,10 @@ class LaneBook:
         ticket.fds = []  # the lane owns them now
         gate = None
         if self.plane is not None:
-            gate = self.plane.gate_for(client, self.core.max_request_indices)
+            try:
+                gate = self.plane.gate_for(client, self.core.max_request_indices)
+            except Exception:  # its lane is served on the loop, as without a plane
+                logger.exception("the data plane cannot serve %s's lane", public_id(client_id))
         on_served = gate.py_exit if gate is not None else None
         lane = Lane(client_id, ring, submit, done, functools.partial(self.run, client_id), on_served)
         client.lane = lane

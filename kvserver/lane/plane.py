@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -44,7 +45,8 @@ class DataPlane:
         assert _kvlane is not None
         # buckets: the edges of the latency histograms it keeps (kvserver.api.metrics.BUCKETS)
         self.engine = _kvlane.Engine(progress_interval, list(buckets))
-        self.lanes: dict[int, Lane] = {}
+        self.lanes: dict[int, Lane] = {}  # by key: never reused, so a late handoff finds no other lane
+        self._keys = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
@@ -56,7 +58,10 @@ class DataPlane:
             lane = self.lanes.get(key)
             if lane is None:  # removed meanwhile: the request dies with its lane
                 continue
-            lane.take(slot)
+            try:
+                lane.take(slot)
+            except Exception:  # one lane's failure leaves the others' requests served
+                logger.exception("serving a request handed over by the data plane failed")
 
     # ---- gates ---------------------------------------------------------------------------------
 
@@ -74,10 +79,13 @@ class DataPlane:
             epoch=client.epoch, dev_tokens=client.device.num_tokens, dev_bases=bases, dev_stride=stride,
             max_indices=max_indices)
 
-    async def close_gate(self, gate: Any) -> None:
-        """Stops the gate's copies at their next layer boundary (answered NOT_FOUND, as a released
-        client's are); once this returns, the plane touches none of the client's memory."""
+    def close_gate(self, gate: Any) -> None:
+        """The gate takes no new request; its copies stop at their next layer boundary (answered
+        NOT_FOUND, as a released client's are). Returns at once (within a piece)."""
         self.engine.close_gate(gate)
+
+    async def idle(self, gate: Any) -> None:
+        """Once this returns after ``close_gate``, the plane touches none of the client's memory."""
         while gate.inflight:
             await asyncio.sleep(POLL_SECONDS)
 
@@ -86,14 +94,20 @@ class DataPlane:
     def add(self, lane: Lane, gate: Any) -> int:
         if self._loop is None:
             self.start()
-        handle = self.engine.add_lane(id(lane), gate, lane.ring_address, lane.slots, lane.submit_fd,
-                                      lane.done_fds)
-        self.lanes[id(lane)] = lane
+        key = next(self._keys)
+        self.lanes[key] = lane  # first: the thread may hand a request over at once
+        try:
+            handle = self.engine.add_lane(key, gate, lane.ring_address, lane.slots, lane.submit_fd,
+                                          lane.done_fds)
+        except BaseException:
+            del self.lanes[key]
+            raise
+        lane.plane_key = key
         return handle
 
     def remove(self, lane: Lane, handle: int) -> None:
         """Once this returns the plane's thread no longer touches the lane's ring or sockets."""
-        self.lanes.pop(id(lane), None)
+        self.lanes.pop(lane.plane_key, None)
         self.engine.remove_lane(handle)
 
     def release_slot(self, handle: int, slot: int) -> None:
@@ -118,13 +132,4 @@ class DataPlane:
         self.engine.stop()
 
 
-async def wait_idle(gate: Any) -> None:
-    """Waits until none of the plane's copies of ``gate`` runs (Python's copies of the same
-    registration then keep their order after them: the plane takes no new one meanwhile)."""
-    while gate.inflight:
-        await asyncio.sleep(POLL_SECONDS)
-
-
-def host_pages_free(gate: Any, pages: np.ndarray) -> bool:
-    return not gate.any_busy(np.ascontiguousarray(pages, dtype=np.int64))
 

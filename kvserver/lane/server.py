@@ -122,6 +122,7 @@ class Lane:
         # called once for each of those handed-over requests when it has ended.
         self._plane: Any = None
         self._handle = 0
+        self.plane_key = 0  # its key on the plane (never reused)
         self._on_served = on_served
 
     @property
@@ -161,7 +162,11 @@ class Lane:
 
     def take(self, i: int) -> None:
         """Serves slot ``i``, which the plane marked TAKEN and handed over."""
-        if self._closed or self._tasks[i] is not None:
+        if self._closed:  # the slot dies with the lane
+            self._served_elsewhere()
+            return
+        if self._tasks[i] is not None:  # cannot be: the plane hands a slot over once until released
+            logger.error("the data plane handed over slot %d of %s twice", i, self.client_id)
             self._served_elsewhere()
             return
         off = R.slot_offset(i)

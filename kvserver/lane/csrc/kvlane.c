@@ -56,6 +56,7 @@
 #define MAX_EDGES 32
 
 #define CODE_NOT_FOUND 5
+#define CODE_RESOURCE_EXHAUSTED 8
 #define CODE_DEADLINE 4
 
 static int64_t now_ns(void) {
@@ -198,30 +199,27 @@ static int pages_of(PyObject *obj, Py_buffer *view, Gate *g) {
     return 0;
 }
 
-/* lock_if_idle(pages) -> bool: True with the gate's lock held when no copy of this plane uses any
- * of the pages (the caller frees them, then calls unlock()); False (not held) otherwise. */
-static PyObject *gate_lock_if_idle(Gate *g, PyObject *arg) {
+/* release_if_idle(pages) -> bool: when no copy of this plane uses any of the pages, marks them
+ * not allocated (the allocator's own bitmap, under the lock the plane checks it under) and says
+ * True: the caller then frees them in its allocator. False: some are busy, nothing changed. */
+static PyObject *gate_release_if_idle(Gate *g, PyObject *arg) {
     Py_buffer view;
     if (pages_of(arg, &view, g) < 0)
         return NULL;
     const int64_t *p = view.buf;
     Py_ssize_t n = view.len / 8;
+    int idle = 1;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&g->mu);
-    Py_END_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (g->busy[p[i]]) {
-            pthread_mutex_unlock(&g->mu);
-            PyBuffer_Release(&view);
-            Py_RETURN_FALSE;
-        }
-    PyBuffer_Release(&view);
-    Py_RETURN_TRUE;
-}
-
-static PyObject *gate_unlock(Gate *g, PyObject *unused) {
+    for (Py_ssize_t i = 0; i < n && idle; i++)
+        idle = g->busy[p[i]] == 0;
+    if (idle)
+        for (Py_ssize_t i = 0; i < n; i++)
+            ((uint8_t *)g->lim.owned)[p[i]] = 0;
     pthread_mutex_unlock(&g->mu);
-    Py_RETURN_NONE;
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    return PyBool_FromLong(idle);
 }
 
 static PyObject *gate_any_busy(Gate *g, PyObject *arg) {
@@ -273,7 +271,7 @@ static PyObject *gate_get_inflight(Gate *g, void *unused) {
 }
 
 static PyObject *gate_get_closed(Gate *g, void *unused) {
-    return PyBool_FromLong(g->closed);
+    return PyBool_FromLong(__atomic_load_n(&g->closed, __ATOMIC_ACQUIRE));
 }
 
 /* check(request bytes) -> bool: whether kv_accept() takes it, ownership included (for tests: the
@@ -307,8 +305,7 @@ static PyObject *gate_check(Gate *g, PyObject *arg) {
 }
 
 static PyMethodDef gate_methods[] = {
-    {"lock_if_idle", (PyCFunction)gate_lock_if_idle, METH_O, NULL},
-    {"unlock", (PyCFunction)gate_unlock, METH_NOARGS, NULL},
+    {"release_if_idle", (PyCFunction)gate_release_if_idle, METH_O, NULL},
     {"any_busy", (PyCFunction)gate_any_busy, METH_O, NULL},
     {"py_enter", (PyCFunction)gate_py_enter, METH_NOARGS, NULL},
     {"py_exit", (PyCFunction)gate_py_exit, METH_NOARGS, NULL},
@@ -373,8 +370,7 @@ typedef struct Job {
     uint32_t step; /* progress updates published */
     uint32_t published; /* layers the slot's progress words say */
     int64_t last_pub_ns;
-    int64_t *devs; /* the job's device tokens, for the write marks */
-    int64_t ndev;
+    int64_t ndev;  /* device tokens (the runs cover them) */
 } Job;
 
 typedef struct {
@@ -442,10 +438,22 @@ static void wake(int fd) {
     (void)!write(fd, &one, 8);
 }
 
+/* Answers slot i here with an error (the request never ran). */
+static void answer_error(Lane *l, int i, uint32_t code, const char *message) {
+    char *s = slot_at(l, i);
+    uint32_t n = (uint32_t)strlen(message);
+    memcpy(s + ERROR_AT, message, n);
+    put32(s + 60, FLAG_JOB_ENDED);
+    put32(s + 20, code);
+    put32(s + 24, 0);
+    put32(s + 28, n);
+    memcpy(s + 64, s + 8, 8);
+    __atomic_store_n(&l->slot_busy[i], 0, __ATOMIC_RELEASE);
+    set_state(s, ST_DONE);
+    ring_done(l, i);
+}
+
 static void handoff(Engine *e, Lane *l, int i) {
-    pthread_mutex_lock(&l->gate->mu);
-    l->gate->py_inflight++;
-    pthread_mutex_unlock(&l->gate->mu);
     pthread_mutex_lock(&e->hand_mu);
     if (e->nhand == e->caphand) {
         size_t cap = e->caphand ? 2 * e->caphand : 64;
@@ -455,12 +463,22 @@ static void handoff(Engine *e, Lane *l, int i) {
             e->caphand = cap;
         }
     }
-    if (e->nhand < e->caphand) {
+    int room = e->nhand < e->caphand;
+    pthread_mutex_unlock(&e->hand_mu);
+    if (!room) { /* out of memory: said, not dropped */
+        answer_error(l, i, CODE_RESOURCE_EXHAUSTED, "the daemon is out of memory for this request: retry");
+        return;
+    }
+    pthread_mutex_lock(&l->gate->mu);
+    l->gate->py_inflight++;
+    pthread_mutex_unlock(&l->gate->mu);
+    pthread_mutex_lock(&e->hand_mu);
+    if (e->nhand < e->caphand) { /* only this thread adds: the room found above is still there */
         e->hand[e->nhand].lane_key = l->key;
         e->hand[e->nhand].slot = i;
         e->nhand++;
     }
-    e->handed++;
+    __atomic_add_fetch(&e->handed, 1, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&e->hand_mu);
     wake(e->notify_fd);
 }
@@ -469,7 +487,6 @@ static void job_free(Job *j) {
     free(j->pages);
     free(j->runs);
     free(j->local);
-    free(j->devs);
     free(j);
 }
 
@@ -480,8 +497,11 @@ static Job *make_job(Lane *l, int i, const kv_request *r, int64_t *pages, int32_
                      int64_t arrival) {
     Gate *g = l->gate;
     Job *j = calloc(1, sizeof(Job));
-    if (!j)
+    if (!j) {
+        free(pages);
+        free(local);
         return NULL;
+    }
     int64_t ps = g->lim.page_size;
     j->lane = l;
     j->slot = i;
@@ -492,20 +512,23 @@ static Job *make_job(Lane *l, int i, const kv_request *r, int64_t *pages, int32_
     j->local = local;
     j->nl = nl;
     j->ndev = j->npages * ps;
-    j->devs = malloc(sizeof(int64_t) * (size_t)j->ndev);
-    j->runs = malloc(sizeof(Run) * (size_t)j->ndev);
-    if (!j->devs || !j->runs) {
-        j->pages = NULL;
-        j->local = NULL;
-        job_free(j);
-        return NULL;
-    }
+    /* Runs of consecutive device tokens within a page: counted first, so that a request of whole
+     * device pages costs one run a page, not one a token. */
     int contiguous = g->dev_stride == g->token_bytes;
     int64_t nr = 0;
+    for (int64_t k = 0; k < j->npages; k++)
+        for (int64_t t = 0; t < ps; t++)
+            if (t == 0 || !contiguous || kv_dev_token(r, ps, k * ps + t) != kv_dev_token(r, ps, k * ps + t - 1) + 1)
+                nr++;
+    j->runs = malloc(sizeof(Run) * (size_t)nr);
+    if (!j->runs) {
+        job_free(j); /* pages and local with it */
+        return NULL;
+    }
+    nr = 0;
     for (int64_t k = 0; k < j->npages; k++) {
         for (int64_t t = 0; t < ps; t++) {
             int64_t d = kv_dev_token(r, ps, k * ps + t);
-            j->devs[k * ps + t] = d;
             if (t > 0 && contiguous && d == j->runs[nr - 1].dev_tok + j->runs[nr - 1].ntok) {
                 j->runs[nr - 1].ntok++;
                 continue;
@@ -529,9 +552,10 @@ static int touches_writes(Job *j) {
     for (int64_t k = 0; k < j->npages; k++)
         if (g->wpages[j->pages[k]])
             return 1;
-    for (int64_t k = 0; k < j->ndev; k++)
-        if (g->wdev[j->devs[k]])
-            return 1;
+    for (int64_t k = 0; k < j->nruns; k++)
+        for (int64_t t = j->runs[k].dev_tok; t < j->runs[k].dev_tok + j->runs[k].ntok; t++)
+            if (g->wdev[t])
+                return 1;
     return 0;
 }
 
@@ -539,14 +563,15 @@ static void mark_writes(Job *j, int by) {
     Gate *g = j->gate;
     for (int64_t k = 0; k < j->npages; k++)
         g->wpages[j->pages[k]] += by;
-    for (int64_t k = 0; k < j->ndev; k++)
-        g->wdev[j->devs[k]] += by;
+    for (int64_t k = 0; k < j->nruns; k++)
+        for (int64_t t = j->runs[k].dev_tok; t < j->runs[k].dev_tok + j->runs[k].ntok; t++)
+            g->wdev[t] += by;
 }
 
 /* Tries to serve slot i as a job of this plane: 1 if it became one. */
 static int try_job(Engine *e, Lane *l, int i, uint32_t rpc, uint32_t n) {
     Gate *g = l->gate;
-    if ((rpc != RPC_WRITE_B && rpc != RPC_LOAD_B) || n > REQUEST_BYTES || g->closed)
+    if ((rpc != RPC_WRITE_B && rpc != RPC_LOAD_B) || n > REQUEST_BYTES || __atomic_load_n(&g->closed, __ATOMIC_ACQUIRE))
         return 0;
     int64_t arrival = now_ns();
     unsigned char *buf = malloc(n ? n : 1);
@@ -568,7 +593,7 @@ static int try_job(Engine *e, Lane *l, int i, uint32_t rpc, uint32_t n) {
         pthread_mutex_unlock(&g->check_mu);
     }
     if (ok)
-        j = make_job(l, i, &r, pages, local, nl, arrival);
+        j = make_job(l, i, &r, pages, local, nl, arrival); /* owns pages and local, freed or not */
     free(buf);
     if (!j) {
         if (!ok) {
@@ -599,13 +624,13 @@ static int try_job(Engine *e, Lane *l, int i, uint32_t rpc, uint32_t n) {
     while (*tail)
         tail = &(*tail)->next;
     *tail = j;
-    e->njobs++;
+    __atomic_add_fetch(&e->njobs, 1, __ATOMIC_RELAXED);
     return 1;
 }
 
 static void scan(Engine *e, Lane *l) {
     for (int i = 0; i < l->slots; i++) {
-        if (l->slot_busy[i])
+        if (__atomic_load_n(&l->slot_busy[i], __ATOMIC_ACQUIRE))
             continue;
         char *s = slot_at(l, i);
         if (state_of(s) != ST_SUBMITTED)
@@ -703,16 +728,16 @@ static void finish(Engine *e, Job *j, uint32_t code, const char *message, int an
         put32(s + 24, resp_len);
         put32(s + 28, msg_len);
         memcpy(s + 64, s + 8, 8); /* done_seq: the seq the client wrote (TAKEN: it is ours) */
-        l->slot_busy[j->slot] = 0;
+        __atomic_store_n(&l->slot_busy[j->slot], 0, __ATOMIC_RELEASE);
         set_state(s, ST_DONE);
         ring_done(l, j->slot);
-        e->served++;
+        __atomic_add_fetch(&e->served, 1, __ATOMIC_RELAXED);
     }
     Job **pp = &e->jobs;
     while (*pp != j)
         pp = &(*pp)->next;
     *pp = j->next;
-    e->njobs--;
+    __atomic_sub_fetch(&e->njobs, 1, __ATOMIC_RELAXED);
     job_free(j);
 }
 
@@ -792,6 +817,11 @@ static int work(Engine *e) {
     Job *best = NULL;
     if (e->paused)
         return e->jobs != NULL;
+    /* A job to stop (released, past its deadline) finishes its layer first, whatever else waits:
+     * a release or a deadline is never held up by other engines' loads. */
+    for (Job *j = e->jobs; j && !best; j = j->next)
+        if ((j->released || (j->deadline_ns && (t ? t : (t = now_ns())) >= j->deadline_ns)) && runnable(e, j))
+            best = j;
     for (Job *j = e->jobs; j && !best; j = j->next)
         if (j->load && runnable(e, j))
             best = j;
@@ -811,6 +841,7 @@ static void remove_lane(Engine *e, Lane *l) {
     }
     if (l->watching)
         epoll_ctl(e->epfd, EPOLL_CTL_DEL, l->submit_fd, NULL);
+    l->watching = 0;
     Lane **pp = &e->lanes;
     while (*pp && *pp != l)
         pp = &(*pp)->next;
@@ -837,7 +868,7 @@ static void command(Engine *e) {
     } else if (cmd == CMD_CLOSE_GATE) {
         Gate *g = arg;
         pthread_mutex_lock(&g->mu);
-        g->closed = 1;
+        __atomic_store_n(&g->closed, 1, __ATOMIC_RELEASE);
         pthread_mutex_unlock(&g->mu);
         for (Job *j = e->jobs; j; j = j->next)
             if (j->gate == g)
@@ -864,21 +895,25 @@ static void *engine_main(void *arg) {
     for (;;) {
         /* Held (tests), jobs still meet their deadlines: looked at every millisecond. */
         int n = epoll_wait(e->epfd, evs, 64, !e->jobs ? -1 : e->paused ? 1 : 0);
-        int stop = 0;
+        int stop = 0, woken = 0;
+        /* Lanes first: a command may remove (and its caller free) a lane of this same batch. */
         for (int k = 0; k < n; k++) {
             if (evs[k].data.ptr == NULL) {
-                uint64_t v;
-                (void)!read(e->wake_fd, &v, 8);
-                pthread_mutex_lock(&e->cmd_mu);
-                stop = e->cmd == CMD_STOP;
-                pthread_mutex_unlock(&e->cmd_mu);
-                if (!stop)
-                    command(e);
+                woken = 1;
             } else {
                 Lane *l = evs[k].data.ptr;
                 if (l->watching)
                     doorbell(e, l);
             }
+        }
+        if (woken) {
+            uint64_t v;
+            (void)!read(e->wake_fd, &v, 8);
+            pthread_mutex_lock(&e->cmd_mu);
+            stop = e->cmd == CMD_STOP;
+            pthread_mutex_unlock(&e->cmd_mu);
+            if (!stop)
+                command(e);
         }
         if (stop)
             break;
@@ -1079,7 +1114,7 @@ static PyObject *engine_close_gate(Engine *e, PyObject *arg) {
     if (e->started == 1)
         run_command(e, CMD_CLOSE_GATE, arg);
     else
-        ((Gate *)arg)->closed = 1;
+        __atomic_store_n(&((Gate *)arg)->closed, 1, __ATOMIC_RELEASE);
     Py_RETURN_NONE;
 }
 
@@ -1140,9 +1175,15 @@ static PyObject *engine_take_histograms(Engine *e, PyObject *unused) {
 }
 
 static PyObject *engine_get_notify_fd(Engine *e, void *unused) { return PyLong_FromLong(e->notify_fd); }
-static PyObject *engine_get_jobs(Engine *e, void *unused) { return PyLong_FromLongLong(e->njobs); }
-static PyObject *engine_get_served(Engine *e, void *unused) { return PyLong_FromUnsignedLongLong(e->served); }
-static PyObject *engine_get_handed(Engine *e, void *unused) { return PyLong_FromUnsignedLongLong(e->handed); }
+static PyObject *engine_get_jobs(Engine *e, void *unused) {
+    return PyLong_FromLongLong(__atomic_load_n(&e->njobs, __ATOMIC_RELAXED));
+}
+static PyObject *engine_get_served(Engine *e, void *unused) {
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->served, __ATOMIC_RELAXED));
+}
+static PyObject *engine_get_handed(Engine *e, void *unused) {
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->handed, __ATOMIC_RELAXED));
+}
 
 static PyMethodDef engine_methods[] = {
     {"add_lane", (PyCFunction)engine_add_lane, METH_VARARGS, NULL},

@@ -84,12 +84,13 @@ static PyObject *pack(PyObject *self, PyObject *args) {
     }
     for (Py_ssize_t i = 0; i < nl; i++, p += 4) {
         long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
-        if (v < 0 || v > UINT32_MAX) {
+        if (v < 0 || v > UINT32_MAX) { /* not a layer id this format carries: the protobuf request does */
             Py_CLEAR(out);
-            if (!PyErr_Occurred()) {
-                out = Py_None;
-                Py_INCREF(out);
-            }
+            if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_OverflowError))
+                goto done;
+            PyErr_Clear();
+            out = Py_None;
+            Py_INCREF(out);
             goto done;
         }
         uint32_t u = (uint32_t)v;
