@@ -5,7 +5,12 @@
   daemon and this process spent per round trip (from /proc: what a loaded machine's scheduler
   does not hide); beside it a bare grpc.aio unary call (Stats) on the same socket;
 - bulk: a ``--mib``-sized (every layer) Write and Load on each lane, median of ``--repeats``,
-  against the same copy done in this process with the daemon's copy plan (``kvserver.copies.transfer``).
+  against the same copy done in this process with the daemon's copy plan (``kvserver.copies.transfer``),
+  with the ratio (in-process time / lane time: 1.00x is as fast as in-process).
+
+Targets (docs/performance.md, "The compiled data plane"): ring round trip p50 <= 100 us and
+p99 <= 300 us; per round trip daemon CPU <= 50 us and engine CPU <= 30 us; 16 MiB >= 0.95x and
+64 MiB >= 0.98x of in-process.
 
 Run: python benchmarks/bench_lane.py
 """
@@ -164,9 +169,15 @@ def main() -> None:
                             t = time.perf_counter()
                             fn()
                             times[k].append(time.perf_counter() - t)
+                    base = {"write": statistics.median(times["in-process write"]),
+                            "load": statistics.median(times["in-process load"])}
                     for k, ts in times.items():
                         m = statistics.median(ts)
-                        rows.append((f"{mib} MiB {k}", f"{m * 1e3:8.2f} ms   {nbytes / m / 1e9:6.2f} GB/s"))
+                        ratio = ""
+                        if not k.startswith("in-process"):
+                            ratio = f"   {base[k.split()[-1]] / m:5.2f}x in-process"
+                        speed = f"{m * 1e3:8.2f} ms   {nbytes / m / 1e9:6.2f} GB/s{ratio}"
+                        rows.append((f"{mib} MiB {k}", speed))
                 served = (ring.lane.calls if ring.lane is not None else 0) - served
                 for c, _ in clients.values():
                     c.unregister()

@@ -404,8 +404,10 @@ def test_a_doorbell_rung_without_end_while_the_lane_goes_is_harmless(plane_daemo
             d.call(d.core.unregister(cid))
             stop.set()
             t.join(10)
-    # the daemon still serves
+    # the daemon still serves, on the plane
     with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, _client(d, pool) as c:
         host = c.alloc(PAGE)
+        served = d.core.plane.engine.served
+        assert c.lane is not None and c.lane.request_format == LR.VERSION
         assert c.write(host_indices=host, device_indices=torch.arange(PAGE)) > 0
-        assert d.core.plane.engine.served > 0
+        assert d.core.plane.engine.served == served + 1, (d.core.plane.engine.handed, c.lane.calls)

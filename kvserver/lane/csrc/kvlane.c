@@ -729,9 +729,9 @@ static void finish(Engine *e, Job *j, uint32_t code, const char *message, int an
         put32(s + 28, msg_len);
         memcpy(s + 64, s + 8, 8); /* done_seq: the seq the client wrote (TAKEN: it is ours) */
         __atomic_store_n(&l->slot_busy[j->slot], 0, __ATOMIC_RELEASE);
+        __atomic_add_fetch(&e->served, 1, __ATOMIC_RELAXED); /* counted before the client can see it */
         set_state(s, ST_DONE);
         ring_done(l, j->slot);
-        __atomic_add_fetch(&e->served, 1, __ATOMIC_RELAXED);
     }
     Job **pp = &e->jobs;
     while (*pp != j)
