@@ -147,10 +147,11 @@ NOT_RUN = {
         "measured by hand; tests/test_bench_hostile.py runs the same script in 3 s phases",
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_priority.py"):
         "a benchmark of about a minute with a 1 GiB offloader engine, for figures measured by hand; "
-        "tests/test_copies_workers.py holds the same order (a small load's copy before a queued offload's)",
-    ("docs/performance.md", ".venv/bin/python benchmarks/bench_lane.py"):
-        "a benchmark of about half a minute, for figures measured by hand; tests/test_lane.py runs "
-        "the same lane calls",
+        "tests/test_copies_workers.py and tests/test_dataplane.py hold the same order (a small load's copy "
+        "before a queued offload's)",
+    ("docs/performance.md", ".venv/bin/python benchmarks/bench_lane.py --trips 2000 --mib 16 64 --repeats 9"):
+        "a benchmark of about a minute, for figures measured by hand; tests/test_lane.py and "
+        "tests/test_dataplane.py run the same lane calls",
     ("docs/lane.md", ".venv/bin/python benchmarks/bench_lane.py"):
         "a benchmark of about half a minute, for figures measured by hand; tests/test_lane.py runs "
         "the same lane calls",
