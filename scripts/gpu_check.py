@@ -195,12 +195,13 @@ def engine(address: str, kind: str, start: int, end: int, num_layers: int, page_
             page_bytes = nbytes // pages
             one_pinned = torch.empty(page_bytes, dtype=torch.uint8, pin_memory=True)
             one_gpu = torch.empty(page_bytes, dtype=torch.uint8, device=dev)
-            trips, copies = [], []
+            trips, copies, engine_cpu = [], [], 0.0
             for _ in range(LANE_TRIPS):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 client.write(host_indices=one_host, device_indices=one_dev)
                 client.load(host_indices=one_host, device_indices=one_dev, event_slot=1).wait()
                 trips.append(time.perf_counter() - t0)
+                engine_cpu += time.process_time() - c0
                 t0 = time.perf_counter()
                 one_gpu.copy_(one_pinned, non_blocking=True)
                 one_pinned.copy_(one_gpu, non_blocking=True)
@@ -213,6 +214,10 @@ def engine(address: str, kind: str, start: int, end: int, num_layers: int, page_
                 "p50": round(trips[len(trips) // 2] * 1e6, 1),
                 "p99": round(trips[int(len(trips) * 0.99)] * 1e6, 1),
                 "pinned_memcpy_p50": round(copies[len(copies) // 2] * 1e6, 1),
+                # the engine's CPU per round trip, and the lane's request format (1: binary; a
+                # CUDA pool's requests are served by the daemon's loop, not its compiled data plane)
+                "engine_cpu_us": round(engine_cpu / LANE_TRIPS * 1e6, 1),
+                "request_format": client.lane.request_format if client.lane is not None else 0,
             }
         result["bytes"] = nbytes
         result["lane"] = "ring" if client.lane is not None else "grpc"
