@@ -76,7 +76,10 @@ def test_quick_run_reports_every_configuration(tmp_path) -> None:
     # Two nodes, requests at random: with the cluster tier a history computed on either node is a
     # hit on both; each node alone finds only its own (the CI run installs Mooncake Store).
     assert hit["nodes2-cluster"] > hit["nodes2-own-cache"]
-    assert hit["nodes2-cluster"] == hit["dp2-kvserver-cache"]  # as one node-wide cache would
+    # As one node-wide cache would, but for the write-through's lag: a page reaches the cluster a
+    # moment after its Put, and a request on the other node meanwhile misses it (a request or two
+    # of a quick run).
+    assert hit["dp2-kvserver-cache"] - 0.1 <= hit["nodes2-cluster"] <= hit["dp2-kvserver-cache"]
     nodes = result["checks"]["nodes2-cluster"]
     assert nodes["cluster_published_pages"] > 0 and nodes["cluster_pulled_pages"] > 0
     assert nodes["cluster_get_errors"] == 0

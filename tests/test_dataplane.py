@@ -411,3 +411,44 @@ def test_a_doorbell_rung_without_end_while_the_lane_goes_is_harmless(plane_daemo
         assert c.lane is not None and c.lane.request_format == LR.VERSION
         assert c.write(host_indices=host, device_indices=torch.arange(PAGE)) > 0
         assert d.core.plane.engine.served == served + 1, (d.core.plane.engine.handed, c.lane.calls)
+
+
+def test_a_free_is_not_starved_by_a_stream_of_the_planes_copies(plane_daemon) -> None:
+    """Four engine threads load pages P on the lane back to back while a Free of P comes on gRPC:
+    the Free ends, with every page, well before the loads would stop by themselves, and the loads
+    after it are refused. (While a Free waits, the plane hands the client's new requests to the
+    loop, so that a stream of them cannot hold the pages busy for good; this machine's engine
+    threads leave gaps between loads either way.)"""
+    d = plane_daemon
+    threads = 4
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, threads * TOKENS) as pool, _client(d, pool) as c:
+        host = c.alloc(TOKENS)
+        c.write(host_indices=host, device_indices=torch.arange(TOKENS))
+        stop, loaded = threading.Event(), [0]
+
+        def loads(k: int) -> None:
+            dev = torch.arange(k * TOKENS, (k + 1) * TOKENS)
+            while not stop.is_set():
+                try:
+                    c.load(host_indices=host, device_indices=dev).wait(timeout=10)
+                except KVClientError:  # the pages are freed
+                    return
+                loaded[0] += 1
+
+        ts = [threading.Thread(target=loads, args=(k,)) for k in range(threads)]
+        for t in ts:
+            t.start()
+        stopper = threading.Timer(8, stop.set)  # the loads end by themselves after 8 s
+        stopper.start()
+        try:
+            while loaded[0] < 20:
+                time.sleep(0.001)
+            t0 = time.monotonic()
+            resp = c._stub.Free(pb.FreeRequest(client_id=c.client_id, host_indices=host.tolist()), timeout=30)
+            waited = time.monotonic() - t0
+        finally:
+            stop.set()
+            stopper.cancel()
+            for t in ts:
+                t.join(30)
+        assert resp.freed_tokens == TOKENS and waited < 4, waited

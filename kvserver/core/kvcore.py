@@ -570,14 +570,20 @@ class KVCore:
         gate = client.gate
         if gate is not None:
             # The data plane checks ownership and marks pages busy under the gate's lock: the pages
-            # leave its view under that lock, once neither its copies nor the loop's use them.
-            while client.busy[pages].any() or not gate.release_if_idle(pages):
-                if client.busy[pages].any():
-                    await wait_until(client, lambda c=client: not c.busy[pages].any())
-                else:
-                    await asyncio.sleep(PLANE_POLL_SECONDS)
-                client = self.client(client_id)
-                client.pages.check_owned(pages)
+            # leave its view under that lock, once neither its copies nor the loop's use them. Its
+            # new requests of the client go to the loop meanwhile, so that a stream of them cannot
+            # keep the pages busy for good.
+            gate.py_enter()
+            try:
+                while client.busy[pages].any() or not gate.release_if_idle(pages):
+                    if client.busy[pages].any():
+                        await wait_until(client, lambda c=client: not c.busy[pages].any())
+                    else:
+                        await asyncio.sleep(PLANE_POLL_SECONDS)
+                    client = self.client(client_id)
+                    client.pages.check_owned(pages)
+            finally:
+                gate.py_exit()
         client.pages.free(pages, checked=True)
         return pages.size * client.spec.page_size
 

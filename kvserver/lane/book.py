@@ -70,16 +70,24 @@ class LaneBook:
             raise
         ticket.fds = []  # the lane owns them now
         gate = None
-        if self.plane is not None:
+        # With copies of the client already running on the loop (a concurrent gRPC call), they hold
+        # no turn the plane would see: its lane is served on the loop, which orders them all.
+        if self.plane is not None and not client.inflight:
             try:
                 gate = self.plane.gate_for(client, self.core.max_request_indices)
             except Exception:  # its lane is served on the loop, as without a plane
                 logger.exception("the data plane cannot serve %s's lane", public_id(client_id))
         on_served = gate.py_exit if gate is not None else None
         lane = Lane(client_id, ring, submit, done, functools.partial(self.run, client_id), on_served)
+        try:
+            lane.start(self.plane, gate)
+        except BaseException:
+            ring.close()
+            for s in (submit, *done):
+                s.close()
+            raise
         client.lane = lane
         client.gate = gate
-        lane.start(self.plane, gate)
         self.lanes.add(lane)
         fds = 1 + len(done)
         self._fds_per_uid[uid] += fds

@@ -60,8 +60,9 @@ class DataPlane:
                 continue
             try:
                 lane.take(slot)
-            except Exception:  # one lane's failure leaves the others' requests served
+            except Exception:  # answered INTERNAL; the other requests are served
                 logger.exception("serving a request handed over by the data plane failed")
+                lane.refuse(slot, "the daemon failed to take this request: see its log")
 
     # ---- gates ---------------------------------------------------------------------------------
 
@@ -81,7 +82,8 @@ class DataPlane:
 
     def close_gate(self, gate: Any) -> None:
         """The gate takes no new request; its copies stop at their next layer boundary (answered
-        NOT_FOUND, as a released client's are). Returns at once (within a piece)."""
+        NOT_FOUND, as a released client's are). Returns once the plane's thread has taken the
+        command: after the piece and the doorbells it is handling."""
         self.engine.close_gate(gate)
 
     async def idle(self, gate: Any) -> None:

@@ -23,7 +23,7 @@ import stat
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvserver.errors import FailedPrecondition, GpuStalled, InvalidArgument, KVError, status_of
+from kvserver.errors import Code, FailedPrecondition, GpuStalled, InvalidArgument, KVError, status_of
 from kvserver.protocol import ring as R
 from kvserver.protocol.shared_memory import ShmMapping, map_sealed_fd
 
@@ -174,6 +174,23 @@ class Lane:
         rpc, seq, n = R.CALL.unpack_from(mm, off + R.RPC_AT)
         data = bytes(mm[off + R.REQUEST_AT: off + R.REQUEST_AT + min(n, R.REQUEST_BYTES)])  # private copy
         self._tasks[i] = asyncio.ensure_future(self._serve(i, rpc, seq, n, data))
+
+    def refuse(self, i: int, message: str) -> None:
+        """Answers handed-over slot ``i`` with INTERNAL, never having run it."""
+        self._served_elsewhere()
+        if self._closed:
+            return
+        off = R.slot_offset(i)
+        mm = self._mm
+        seq = R.CALL.unpack_from(mm, off + R.RPC_AT)[1]
+        self._plane.release_slot(self._handle, i)
+        text = message.encode()[: R.ERROR_BYTES]
+        R.U32.pack_into(mm, off + R.PROGRESS_AT + 28, R.FLAG_JOB_ENDED)
+        mm[off + R.ERROR_AT: off + R.ERROR_AT + len(text)] = text
+        R.RESULT.pack_into(mm, off + R.CODE_AT, int(Code.INTERNAL), 0, len(text))
+        R.DONE_SEQ.pack_into(mm, off + R.DONE_SEQ_AT, seq)
+        R.U32.pack_into(mm, off + R.STATE, R.DONE)
+        self._ring_done(i)
 
     def _served_elsewhere(self) -> None:
         if self._on_served is not None:

@@ -127,7 +127,7 @@ static int gate_init(Gate *g, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_ValueError, "a gate's geometry must be positive");
         return -1;
     }
-    if (PyObject_GetBuffer(owned, &g->owned_view, PyBUF_SIMPLE) < 0)
+    if (PyObject_GetBuffer(owned, &g->owned_view, PyBUF_WRITABLE) < 0) /* release_if_idle writes it */
         return -1;
     g->owned_obj = owned;
     Py_INCREF(owned);
@@ -1140,18 +1140,25 @@ static PyObject *engine_take_handoffs(Engine *e, PyObject *unused) {
     (void)!read(e->notify_fd, &v, 8);
     pthread_mutex_lock(&e->hand_mu);
     size_t n = e->nhand;
-    Handoff *copy = n ? malloc(n * sizeof(Handoff)) : NULL;
-    if (copy)
-        memcpy(copy, e->hand, n * sizeof(Handoff));
-    if (copy || !n)
-        e->nhand = 0;
     pthread_mutex_unlock(&e->hand_mu);
-    if (n && !copy)
-        return PyErr_NoMemory();
+    /* Built before the queue is emptied: out of memory, the handoffs stay for the next call. Only
+     * the plane's thread adds to the queue, at its end, so the first n entries stay as they are. */
     PyObject *out = PyList_New((Py_ssize_t)n);
-    for (size_t k = 0; out && k < n; k++)
-        PyList_SET_ITEM(out, (Py_ssize_t)k, Py_BuildValue("Li", (long long)copy[k].lane_key, copy[k].slot));
-    free(copy);
+    if (!out)
+        return NULL;
+    pthread_mutex_lock(&e->hand_mu);
+    for (size_t k = 0; k < n; k++) {
+        PyObject *item = Py_BuildValue("Li", (long long)e->hand[k].lane_key, e->hand[k].slot);
+        if (!item) {
+            pthread_mutex_unlock(&e->hand_mu);
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, (Py_ssize_t)k, item);
+    }
+    memmove(e->hand, e->hand + n, (e->nhand - n) * sizeof(Handoff));
+    e->nhand -= n;
+    pthread_mutex_unlock(&e->hand_mu);
     return out;
 }
 
