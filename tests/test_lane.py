@@ -283,6 +283,15 @@ def lane_maps(d: DaemonProcess) -> list[str]:
     return [m for m in d.shm_maps() if "kvclient-lane" in m]
 
 
+def all_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is stopped (state T in /proc)."""
+    states = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/stat") as f:
+            states.append(f.read().rsplit(")", 1)[1].split()[0])
+    return all(s == "T" for s in states)
+
+
 def test_the_lane_is_freed_and_reopened_with_its_registration(socket_dir: str) -> None:
     """Unregister and a killed engine free the daemon's half; a daemon killed mid-call wakes the
     waiting call (a miss, before its deadline); the restarted daemon gets a new lane."""
@@ -314,6 +323,9 @@ def test_the_lane_is_freed_and_reopened_with_its_registration(socket_dir: str) -
             host, dev = client.alloc(16), torch.arange(16)
             assert client.write(host_indices=host, device_indices=dev) > 0 and first.calls == 1
             os.kill(d.pid, signal.SIGSTOP)  # the call waits on a daemon that answers nothing
+            # The stop reaches every thread only once the thread the kernel gave the signal runs;
+            # until then another (the data plane's) may still answer: wait until all are stopped.
+            wait_until(lambda: all_stopped(d.pid), 10, "every thread of the daemon to stop")
             got: list = []
             writer = threading.Thread(target=lambda: got.append(
                 (client.write(host_indices=host, device_indices=dev), time.monotonic())))
@@ -323,8 +335,7 @@ def test_the_lane_is_freed_and_reopened_with_its_registration(socket_dir: str) -
             d.kill()
             writer.join(client._core.job_deadline + 5)
             assert not writer.is_alive(), "the call hung on a dead daemon"
-            # a miss, as on gRPC (what the lane said, should it not be)
-            assert got[0][0] == 0 and client.misses >= 1, (got, killed, first.calls, first.closed)
+            assert got[0][0] == 0 and client.misses >= 1  # a miss, as on gRPC
             assert got[0][1] - killed < client._core.job_deadline  # woken by the daemon's death
             d.start()
             wait_until(lambda: client.connected and client.lane is not None and client.lane is not first,
