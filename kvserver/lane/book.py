@@ -38,6 +38,11 @@ class LaneBook:
 
     async def drain(self, grace: float) -> None:
         """At shutdown: every lane finishes what it runs within ``grace`` and takes nothing new."""
+        if self.plane is not None:
+            # First no new request, and what the plane handed over until now taken: the lanes'
+            # drains below then wait for all of it.
+            self.plane.unwatch_all()
+            self.plane.take_handoffs()
         waits = [lane.drain(grace) for lane in list(self.lanes)]
         if self.plane is not None:
             waits.append(self.plane.drain(grace))

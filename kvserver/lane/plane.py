@@ -53,6 +53,10 @@ class DataPlane:
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self.engine.notify_fd, self._handoffs)
 
+    def take_handoffs(self) -> None:
+        """Serves what the plane handed over until now (the loop's reader does it as it comes)."""
+        self._handoffs()
+
     def _handoffs(self) -> None:
         for key, slot in self.engine.take_handoffs():
             lane = self.lanes.get(key)

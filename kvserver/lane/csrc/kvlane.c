@@ -670,8 +670,10 @@ static void publish_progress(Engine *e, Job *j, uint32_t flags) {
     put64(s + 40, (uint64_t)j->li * (uint64_t)j->bytes_per_layer);
     put32(s + 48, 0);
     put32(s + 52, 0);
-    put32(s + 56, j->step);
     put32(s + 60, flags);
+    /* The layer's bytes and the words above before the step a reader watches (x86 keeps store
+     * order anyway; a weakly ordered CPU needs the fence, and the reader an acquire: docs/lane.md). */
+    __atomic_store_n((uint32_t *)(s + 56), j->step, __ATOMIC_RELEASE);
     j->published = j->li;
 }
 
