@@ -1158,7 +1158,8 @@ static PyObject *engine_take_handoffs(Engine *e, PyObject *unused) {
         }
         PyList_SET_ITEM(out, (Py_ssize_t)k, item);
     }
-    memmove(e->hand, e->hand + n, (e->nhand - n) * sizeof(Handoff));
+    if (n && e->nhand > n) /* never with a NULL queue: nothing was ever handed over */
+        memmove(e->hand, e->hand + n, (e->nhand - n) * sizeof(Handoff));
     e->nhand -= n;
     pthread_mutex_unlock(&e->hand_mu);
     return out;
