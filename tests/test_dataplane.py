@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from test_core_deadlines import BusyWorker
 
 from kvclient import KVClient, KVClientError, KVLayout, ShmKVPool
 from kvserver.core import epochs
@@ -176,16 +177,7 @@ def test_grpc_and_lane_copies_of_one_client_keep_their_order(plane_daemon) -> No
         a, b = torch.arange(TOKENS), torch.arange(TOKENS, 2 * TOKENS)
         _fill(pool, 4)
         want = [buf.view(torch.int16)[a].clone() for layer in pool.buffers for buf in layer]
-        queue = d.core.copier._executor
-        gate, started = threading.Event(), threading.Barrier(queue.threads + 1)
-
-        def hold() -> None:
-            started.wait(10)
-            gate.wait(30)
-
-        for _ in range(queue.threads):
-            queue.submit_as(True, hold)
-        started.wait(10)
+        busy = BusyWorker(d)  # the copy workers (and the plane) held
         req = pb.WriteRequest(client_id=c.client_id, host_indices=host.tolist(), device_indices=a.tolist())
         writer = threading.Thread(target=lambda: c._stub.Write(req, timeout=30))  # the same registration
         try:
@@ -196,7 +188,7 @@ def test_grpc_and_lane_copies_of_one_client_keep_their_order(plane_daemon) -> No
             time.sleep(0.3)
             assert not handle.landed(START), "the Load overtook the Write of its pages"
         finally:
-            gate.set()
+            busy.release()
         writer.join(30)
         assert handle.wait(timeout=30) > 0
         got = [buf.view(torch.int16)[b] for layer in pool.buffers for buf in layer]

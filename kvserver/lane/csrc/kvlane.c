@@ -222,20 +222,6 @@ static PyObject *gate_release_if_idle(Gate *g, PyObject *arg) {
     return PyBool_FromLong(idle);
 }
 
-static PyObject *gate_any_busy(Gate *g, PyObject *arg) {
-    Py_buffer view;
-    if (pages_of(arg, &view, g) < 0)
-        return NULL;
-    const int64_t *p = view.buf;
-    int busy = 0;
-    pthread_mutex_lock(&g->mu);
-    for (Py_ssize_t i = 0; i < view.len / 8 && !busy; i++)
-        busy = g->busy[p[i]] != 0;
-    pthread_mutex_unlock(&g->mu);
-    PyBuffer_Release(&view);
-    return PyBool_FromLong(busy);
-}
-
 static PyObject *gate_py_enter(Gate *g, PyObject *unused) {
     pthread_mutex_lock(&g->mu);
     g->py_inflight++;
@@ -306,7 +292,6 @@ static PyObject *gate_check(Gate *g, PyObject *arg) {
 
 static PyMethodDef gate_methods[] = {
     {"release_if_idle", (PyCFunction)gate_release_if_idle, METH_O, NULL},
-    {"any_busy", (PyCFunction)gate_any_busy, METH_O, NULL},
     {"py_enter", (PyCFunction)gate_py_enter, METH_NOARGS, NULL},
     {"py_exit", (PyCFunction)gate_py_exit, METH_NOARGS, NULL},
     {"take_counters", (PyCFunction)gate_take_counters, METH_NOARGS, NULL},
