@@ -18,7 +18,12 @@ ratio is daemon GB/s / Mooncake GB/s; every page is checked against the bytes st
 Get once more (a local hit then) times the load into the device pool alone: what the daemon path
 does beyond the pull.
 
-Run: python benchmarks/bench_cluster.py [--mib 256] [--page-mib 1] [--rounds 3]
+Two more paths, in the same rounds, say what an engine running its own Mooncake client would pay
+to have the same pages in its pool: ``batch_get_into`` and then the copy into the pool (numpy, in
+this process); and the same in ``--pieces`` calls, each piece's copy in a thread while the next
+piece is pulled (a pull and a load overlapped).
+
+Run: python benchmarks/bench_cluster.py [--mib 256] [--page-mib 1] [--rounds 3] [--pieces 8]
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -95,11 +101,12 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=256, help="MiB of pages in one set (default 256)")
     ap.add_argument("--page-mib", type=int, default=1, help="page size in MiB (default 1)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--pieces", type=int, default=8, help="calls of the overlapped path (default 8)")
     args = ap.parse_args()
     layers = args.page_mib * MiB // (PAGE * LAYOUT.token_bytes(torch.bfloat16) * 2)
     page_bytes = PAGE * LAYOUT.token_bytes(torch.bfloat16) * 2 * layers
     n = args.mib * MiB // page_bytes
-    sets = 2 * args.rounds + 2  # a warm-up set for each path, then two a round
+    sets = 4 * args.rounds + 2  # a warm-up set for each path, then four a round
     set_bytes = n * page_bytes
     segment = sets * set_bytes * 5 // 4 + 64 * MiB  # the master evicts past 90% full
     master = MooncakeMaster()
@@ -165,21 +172,45 @@ def main() -> None:
                         assert np.array_equal(raw, truth[la][q]), "a page came back with other bytes"
                 return took
 
-            def via_mooncake(ks: list[bytes]) -> float:
+            chunk = PAGE * LAYOUT.token_bytes(torch.bfloat16)
+            by_page = scratch.reshape(n, layers, 2, chunk)
+            pool_rows = [[raw.reshape(n, chunk) for raw in layer] for layer in views]
+            copier = ThreadPoolExecutor(1)
+
+            def to_pool(lo: int, hi: int) -> None:  # host pages lo..hi into device pages lo..hi
+                for la, layer in enumerate(pool_rows):
+                    for q, rows in enumerate(layer):
+                        rows[lo:hi] = by_page[lo:hi, la, q]
+
+            def via_mooncake(ks: list[bytes], load: bool = False, pieces: int = 1) -> float:
+                """batch_get_into the set in ``pieces`` calls; ``load``: and copy each piece into
+                the pool, in a thread while the next piece is pulled."""
                 scratch[:] = 0
+                if load:
+                    for layer in views:
+                        for raw in layer:
+                            raw[:] = 0
                 ns = names(prefix, Keys.of(ks))  # what the daemon asks for: the same objects
+                bounds = np.linspace(0, n, pieces + 1).astype(int)
                 t0 = time.perf_counter()
-                got = tier.client.get(ns, addrs, page_bytes)
+                copies = []
+                for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+                    got = tier.client.get(ns[lo:hi], addrs[lo:hi], page_bytes)
+                    assert all(g == page_bytes for g in got), sorted(set(got))
+                    if load:
+                        copies.append(copier.submit(to_pool, lo, hi))
+                for c in copies:
+                    c.result()
                 took = time.perf_counter() - t0
-                assert all(g == page_bytes for g in got), sorted(set(got))
                 # Page i of the set holds device page i's bytes, laid out as a host page.
-                chunk = PAGE * LAYOUT.token_bytes(torch.bfloat16)
                 for i in (0, n - 1):
-                    got = scratch[i * page_bytes : (i + 1) * page_bytes].reshape(layers, 2, chunk)
+                    got = by_page[i]
                     for la in (0, layers - 1):
                         for q in range(2):
                             want = truth[la][q].reshape(-1)[i * chunk : (i + 1) * chunk]
                             assert np.array_equal(got[la, q], want), "a page came back with other bytes"
+                            if load:
+                                assert np.array_equal(pool_rows[la][q][i], want), "a page was not loaded"
                 return took
 
             via_daemon(keysets[0])  # warm-up: B's arena pages and the buffer faulted, the paths warm
@@ -187,27 +218,42 @@ def main() -> None:
             client = next(iter(core.clients.values()))
             space = core.cache.find_space(space_key(client.tenant, client.spec))
             prefix = part_prefix(next(iter(space.parts.values())))
-            via_mooncake(keysets[1])
-            ours, theirs, loads = [], [], []
+            via_mooncake(keysets[1], True)
+            ours, theirs, loads, own, overlapped = [], [], [], [], []
             for r in range(args.rounds):
-                d_set, m_set = keysets[2 + 2 * r], keysets[3 + 2 * r]
-                steps = [(ours, via_daemon, d_set), (theirs, via_mooncake, m_set)]
-                for out, fn, ks in steps if r % 2 == 0 else steps[::-1]:
+                sets_r = keysets[2 + 4 * r : 6 + 4 * r]
+                steps = [(ours, via_daemon), (theirs, via_mooncake),
+                         (own, lambda ks: via_mooncake(ks, True)),
+                         (overlapped, lambda ks: via_mooncake(ks, True, args.pieces))]
+                for (out, fn), ks in zip(steps if r % 2 == 0 else steps[::-1], sets_r, strict=True):
                     out.append(set_bytes / fn(ks) / 1e9)
                 # The same Get again: a local hit now, the load into the device pool alone.
+                d_set = sets_r[0 if r % 2 == 0 else 3]
                 loads.append(set_bytes / via_daemon(d_set) / 1e9)
                 print(f"round {r}: daemon {ours[-1]:.2f} GB/s, mooncake {theirs[-1]:.2f} GB/s, "
-                      f"ratio {ours[-1] / theirs[-1]:.2f}; the load alone {loads[-1]:.2f} GB/s")
+                      f"ratio {ours[-1] / theirs[-1]:.2f}; the load alone {loads[-1]:.2f} GB/s; "
+                      f"mooncake + copy {own[-1]:.2f}, in {args.pieces} overlapped {overlapped[-1]:.2f} GB/s")
             c = tier.counters
             print(f"\n| path | GB/s (median of {args.rounds}) |\n|---|---|")
             print(f"| Get through daemon B (cluster pull + load to the device pool) | "
                   f"{statistics.median(ours):.2f} |")
             print(f"| Mooncake batch_get_into in the same process | {statistics.median(theirs):.2f} |")
             print(f"| the same Get again, a local hit (the load alone) | {statistics.median(loads):.2f} |")
-            ratios = [o / t for o, t in zip(ours, theirs, strict=True)]
-            print(f"\nratio daemon / mooncake: median {statistics.median(ratios):.2f} "
-                  f"(rounds {', '.join(f'{x:.2f}' for x in ratios)}); B pulled {c.pulled_pages} pages, "
-                  f"{c.get_errors} errors")
+            print(f"| batch_get_into, then the copy into the pool, in-process | "
+                  f"{statistics.median(own):.2f} |")
+            print(f"| the same in {args.pieces} calls, each copy overlapping the next pull | "
+                  f"{statistics.median(overlapped):.2f} |")
+
+            def ratio(name: str, a: list[float], b: list[float]) -> None:
+                rs = [x / y for x, y in zip(a, b, strict=True)]
+                each = ", ".join(f"{x:.2f}" for x in rs)
+                print(f"ratio {name}: median {statistics.median(rs):.2f} (rounds {each})")
+
+            print()
+            ratio("daemon / mooncake", ours, theirs)
+            ratio("daemon / (mooncake + copy)", ours, own)
+            ratio("overlapped / (mooncake + copy)", overlapped, own)
+            print(f"B pulled {c.pulled_pages} pages, {c.get_errors} errors")
             eb.unregister()
     finally:
         if node_b is not None:

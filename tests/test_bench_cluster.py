@@ -20,8 +20,11 @@ def test_bench_cluster_prints_the_daemon_path_beside_mooncake_s_own():
                          cwd=REPO, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
     rounds = re.findall(r"round \d: daemon ([\d.]+) GB/s, mooncake ([\d.]+) GB/s, ratio ([\d.]+); "
-                        r"the load alone ([\d.]+) GB/s", run.stdout)
+                        r"the load alone ([\d.]+) GB/s; mooncake \+ copy ([\d.]+), "
+                        r"in 8 overlapped ([\d.]+) GB/s", run.stdout)
     assert len(rounds) == 2 and all(float(v) > 0 for r in rounds for v in r), run.stdout
-    m = re.search(r"ratio daemon / mooncake: median [\d.]+ .*; B pulled (\d+) pages, (\d+) errors",
-                  run.stdout)
+    for name in ("daemon / mooncake", "daemon / (mooncake + copy)", "overlapped / (mooncake + copy)"):
+        pattern = rf"ratio {re.escape(name)}: median [\d.]+ \(rounds [\d.]+, [\d.]+\)"
+        assert re.search(pattern, run.stdout), run.stdout
+    m = re.search(r"B pulled (\d+) pages, (\d+) errors", run.stdout)
     assert m and int(m.group(1)) == 8 * 3 and m.group(2) == "0", run.stdout  # a warm-up Get, two rounds
