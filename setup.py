@@ -1,4 +1,4 @@
-"""Finds the packages and builds the one C extension; everything else is in pyproject.toml.
+"""Finds the packages and builds the C extensions; everything else is in pyproject.toml.
 
 Packages are found, not listed: kvserver and every subpackage under kvserver/, and kvclient with
 any subpackage from client/ (pyproject.toml maps the name to the folder). A new subpackage ships
@@ -18,6 +18,9 @@ setup(
     packages=packages(),
     ext_modules=[
         Extension("kvserver.copies._kvcopy", ["kvserver/copies/csrc/kvcopy.c"], extra_compile_args=["-O3"],
+                  optional=True),
+        Extension("kvserver.store._kvindex", ["kvserver/store/csrc/index.c"],
+                  depends=["kvserver/store/csrc/index.h"], extra_compile_args=["-O2", "-Wall"],
                   optional=True),
         Extension("kvserver.lane._kvlane", ["kvserver/lane/csrc/kvlane.c"],
                   depends=["kvserver/lane/csrc/request.h"], extra_compile_args=["-O2", "-Wall"],

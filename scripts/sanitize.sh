@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The compiled code under AddressSanitizer and UndefinedBehaviorSanitizer (a CI job, after the suite):
-#  1. the fuzzer over the lane's request reader and check (tests/fuzz/fuzz_request.c), for
-#     FUZZ_SECONDS (default 30);
-#  2. the C extensions (the copy kernel, the data plane) built with both sanitizers in a copy of
-#     the tree, and the bad-input, lane, data-plane and deadline tests run against them in-process.
+#  1. the fuzzers over the lane's request reader and check (tests/fuzz/fuzz_request.c) and over
+#     the key index's walk (tests/fuzz/fuzz_index.c), for FUZZ_SECONDS each (default 30 and 15);
+#  2. the C extensions (the copy kernel, the data plane, the index walk) built with both sanitizers
+#     in a copy of the tree, and the bad-input, lane, data-plane, deadline and index tests run
+#     against them in-process.
 # Any report fails the job (-fno-sanitize-recover: UBSan aborts too). Uses ./.venv (scripts/install.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +15,8 @@ flags="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-po
 
 gcc $flags -DKV_STANDALONE -Wall -o "$work/fuzz_request" tests/fuzz/fuzz_request.c
 "$work/fuzz_request" "${FUZZ_SECONDS:-30}"
+gcc $flags -DKV_STANDALONE -Wall -o "$work/fuzz_index" tests/fuzz/fuzz_index.c
+"$work/fuzz_index" "${FUZZ_SECONDS:-15}"
 
 tar --exclude=./.venv --exclude=./build --exclude='*.so' --exclude=.git -cf - . | tar -xf - -C "$work"
 (cd "$work" && CFLAGS="$flags" LDFLAGS="-fsanitize=address,undefined" \
@@ -26,10 +29,11 @@ LD_PRELOAD="$asan $ubsan" ASAN_OPTIONS=detect_leaks=0 "$root/.venv/bin/python" -
 import os
 from kvserver.copies import _kvcopy
 from kvserver.lane import _kvlane
-for m in (_kvcopy, _kvlane):
+from kvserver.store import _kvindex
+for m in (_kvcopy, _kvlane, _kvindex):
     assert m.__file__.startswith(os.getcwd()), m.__file__
     assert b"__asan_" in open(m.__file__, "rb").read(), f"{m.__file__} is not built with ASan"
-print("sanitized:", _kvcopy.__file__, _kvlane.__file__)
+print("sanitized:", _kvcopy.__file__, _kvlane.__file__, _kvindex.__file__)
 PY
 # Python itself is not built with ASan: its arenas and exit-time allocations are not leaks of ours.
 LD_PRELOAD="$asan $ubsan" \
@@ -37,4 +41,5 @@ ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1 \
 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 KVSERVER_EXPECT_PLANE=1 \
     "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider -p no:xdist --timeout 300 \
-    tests/test_dataplane.py tests/test_lane.py tests/test_api_bad_input.py tests/test_core_deadlines.py
+    tests/test_dataplane.py tests/test_lane.py tests/test_api_bad_input.py tests/test_core_deadlines.py \
+    tests/test_store_index.py

@@ -26,8 +26,9 @@ wait "$wheel_pid" || wheel_rc=$?
 cat "$wheel_log"
 [ "$rc" -eq 0 ] || exit "$rc"
 [ "$wheel_rc" -eq 0 ] || { echo "the wheel check failed ($wheel_rc)" >&2; exit "$wheel_rc"; }
-# The compiled code under AddressSanitizer and UndefinedBehaviorSanitizer: the request fuzzer for a
-# bounded time, then the bad-input, lane, data-plane and deadline tests against sanitized builds.
+# The compiled code under AddressSanitizer and UndefinedBehaviorSanitizer: the request and index
+# fuzzers for a bounded time, then the bad-input, lane, data-plane, deadline and index tests
+# against sanitized builds.
 if [ -z "${KVSERVER_SKIP_SANITIZE:-}" ]; then
     scripts/sanitize.sh
 fi

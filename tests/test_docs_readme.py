@@ -50,6 +50,7 @@ RUN = {
     ("README.md", "S=/run/kvserver/kvserver.sock"): "grpcurl",
     ("README.md", "scripts/test.sh"): "development",
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_store.py"): "store-bench",
+    ("docs/performance.md", ".venv/bin/python benchmarks/bench_lookup.py"): "lookup-bench",
     ("docs/integrations.md", "mkdir -p ~/.config/kvserver"): "sglang-daemon",
     # Run by tests/test_sglang_launch.py (SGLang's own parser and classes; skipped without SGLang).
     ("docs/integrations.md",
@@ -430,6 +431,15 @@ def test_store_benchmark_block(env):
     rows = [line.split() for line in res.stdout.splitlines() if line.startswith(("lookup", "prepare"))]
     assert len(rows) == 12, res.stdout  # six operations at 1k and 64k keys, each with its dict ratio
     assert all(float(row[-1]) > 0 for row in rows), res.stdout
+
+
+def test_lookup_benchmark_block(env):
+    res = subprocess.run(["bash", "-e", "-c", block("lookup-bench")], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    rows = [line.split() for line in res.stdout.splitlines() if line.startswith(("engine", "scheduler"))]
+    assert [row[3] for row in rows] == ["1024", "1024", "65536", "65536"], res.stdout  # who (2 words), keys
+    assert "target: a Lookup of 1k keys in the daemon ≤ 50 µs" in res.stdout, res.stdout
 
 
 def test_grpcurl_block(env, start, home, tmp_path):

@@ -99,7 +99,8 @@ def check_complete(files: set[str], how: str) -> None:
     missing = sorted(set(present) - files)
     assert not missing, f"the wheel built {how} lacks the engines' integrations {missing}"
     if has_c_compiler():
-        for ext in ("kvserver/copies/_kvcopy.", "kvserver/lane/_kvlane.", "kvserver/protocol/_wire."):
+        for ext in ("kvserver/copies/_kvcopy.", "kvserver/lane/_kvlane.", "kvserver/protocol/_wire.",
+                    "kvserver/store/_kvindex."):
             built = [f for f in files if f.startswith(ext) and f.endswith(".so")]
             assert built, f"the wheel built {how} has no compiled {ext}*.so"
     stray = sorted(f for f in files if not f.startswith(tuple(f"{n}/" for n in PACKAGE_DIRS)))
@@ -131,7 +132,8 @@ def test_sdist_builds_the_same_wheel(tree, tmp_path):
         tar.extractall(tmp_path / "unpacked", filter="data")
     for needed in ("pyproject.toml", "setup.py", "README.md", "kvserver/copies/csrc/kvcopy.c",
                    "kvserver/lane/csrc/kvlane.c", "kvserver/lane/csrc/request.h",
-                   "kvserver/protocol/csrc/wire.c"):
+                   "kvserver/protocol/csrc/wire.c", "kvserver/store/csrc/index.c",
+                   "kvserver/store/csrc/index.h"):
         assert needed in names, f"the sdist lacks {needed}"
     (root,) = (tmp_path / "unpacked").iterdir()
     check_complete(wheel_files(build_wheel(root, tmp_path / "wheel")), "from the sdist")

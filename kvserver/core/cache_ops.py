@@ -114,11 +114,13 @@ class CacheOps:
     # ---- who is asking ----------------------------------------------------------------------
 
     def _part(self, client: ClientState) -> Part:
-        spec = client.spec
-        space = self.cache.space(space_key(client.tenant, spec))
-        shard = 0 if spec.layout.is_mla else spec.tp_rank
-        key = PartKey(shard, spec.pp_rank, spec.layers.start, spec.layers.end, spec.page_bytes)
-        return self.cache.part(space, key)
+        if client.part_keys is None:  # a registration's tenant and spec never change
+            spec = client.spec
+            shard = 0 if spec.layout.is_mla else spec.tp_rank
+            part = PartKey(shard, spec.pp_rank, spec.layers.start, spec.layers.end, spec.page_bytes)
+            client.part_keys = (space_key(client.tenant, spec), part)
+        space, part = client.part_keys
+        return self.cache.part(self.cache.space(space), part)
 
     def open_space(self, space: SpaceKey) -> str:
         self.cache.space(space)  # the tenant's space limit applies here too
@@ -557,17 +559,22 @@ async def in_steps(share: LoopShare, steps: Generator[None, None, T]) -> T:
     """Runs a cache operation's steps (``kvserver.store.steps``), letting the event loop serve
     others between two (``LoopShare.between_steps``); a caller cancelled meanwhile closes it,
     which undoes what it did."""
-    with share.long():
+    try:
+        started = time.perf_counter()
         try:
+            next(steps)
+        except StopIteration as done:  # one step: the loop was never let go, nothing to count
+            return done.value
+        with share.long():
             while True:
+                await share.between_steps(time.perf_counter() - started)
                 started = time.perf_counter()
                 try:
                     next(steps)
                 except StopIteration as done:
                     return done.value
-                await share.between_steps(time.perf_counter() - started)
-        finally:
-            steps.close()
+    finally:
+        steps.close()
 
 
 async def expire_leases(cache: KVCache, stop: asyncio.Event, period: float = 1.0) -> None:

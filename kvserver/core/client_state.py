@@ -141,6 +141,7 @@ class ClientState:
     peer: PeerCred | None = None
     tenant: str = "anonymous"  # whose cached pages it sees (kvserver.peers.tenants)
     cache_table: BufferTable | None = None  # its part's page layout for cache jobs, made on first use
+    part_keys: Any = None  # (SpaceKey, PartKey) of its part of the cache, made on first use
     order: JobOrder | None = None  # which of its copies wait for which (copies.order), made on first copy
     lane: Any = None  # its kvserver.lane.server.Lane, if it opened one; closed on release
     # Its gate on the compiled data plane (kvserver.lane.plane), if its lane is served there: the

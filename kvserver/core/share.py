@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-from collections.abc import Iterator
 
 MAX_WAIT = 0.02  # the longest a long operation waits for short calls between two of its steps
 
@@ -37,40 +36,22 @@ class LoopShare:
         return self._quiet
 
     def _add(self, n: int) -> None:
-        self.calls += n
-        quiet = self._event()
-        if self.calls:
-            quiet.clear()
-        else:
-            quiet.set()
+        was = self.calls
+        self.calls = was + n
+        if self._quiet is not None and (not was) != (not self.calls):  # only a change is told
+            if self.calls:
+                self._quiet.clear()
+            else:
+                self._quiet.set()
 
-    @contextlib.contextmanager
-    def call(self) -> Iterator[None]:
+    def call(self) -> _Call:
         """A call in flight while the block runs (a handler, from its request to its answer)."""
-        self._add(1)
-        token = _counted.set(True)
-        try:
-            yield
-        finally:
-            self._add(-1)  # first: a streaming handler closed from another context still counts out
-            with contextlib.suppress(ValueError):
-                _counted.reset(token)
+        return _Call(self)
 
-    @contextlib.contextmanager
-    def long(self) -> Iterator[None]:
+    def long(self) -> _Long:
         """The block runs steps: the call running it is not a short one meanwhile (it does not
         wait for itself, and others do not wait for it)."""
-        if not _counted.get():
-            yield
-            return
-        self._add(-1)
-        token = _counted.set(False)
-        try:
-            yield
-        finally:
-            self._add(1)
-            with contextlib.suppress(ValueError):
-                _counted.reset(token)
+        return _Long(self)
 
     async def between_steps(self, spent: float) -> None:
         """Lets the loop serve others after a step that took ``spent`` seconds: one pass, and while
@@ -80,3 +61,42 @@ class LoopShare:
             return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._event().wait(), min(spent, MAX_WAIT))
+
+
+class _Call:
+    """``LoopShare.call``'s block (a class, not a generator: it runs around every handler)."""
+
+    __slots__ = ("share", "token")
+
+    def __init__(self, share: LoopShare) -> None:
+        self.share = share
+
+    def __enter__(self) -> None:
+        self.share._add(1)
+        self.token = _counted.set(True)
+
+    def __exit__(self, *exc: object) -> None:
+        self.share._add(-1)  # first: a streaming handler closed from another context still counts out
+        with contextlib.suppress(ValueError):
+            _counted.reset(self.token)
+
+
+class _Long:
+    """``LoopShare.long``'s block."""
+
+    __slots__ = ("share", "token")
+
+    def __init__(self, share: LoopShare) -> None:
+        self.share = share
+        self.token: contextvars.Token | None = None
+
+    def __enter__(self) -> None:
+        if _counted.get():
+            self.share._add(-1)
+            self.token = _counted.set(False)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.token is not None:
+            self.share._add(1)
+            with contextlib.suppress(ValueError):
+                _counted.reset(self.token)

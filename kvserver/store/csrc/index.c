@@ -1,0 +1,92 @@
+/* kvserver.store._kvindex: the key index's lookups in C (index.h), called by KeyIndex.find with
+ * the index's own arrays. Every array is taken through the buffer protocol, its type, alignment and
+ * length checked against the others before a key is looked up. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#include "index.h"
+
+typedef struct {
+    Py_buffer v;
+    int held;
+} view;
+
+/* Takes obj's buffer as an aligned, C-contiguous array of `kind` items: 'i' and 'u' signed and
+ * unsigned integers of `itemsize` bytes (the struct module's codes numpy gives them). */
+static int take(PyObject *obj, view *out, char kind, Py_ssize_t itemsize, int writable, const char *name) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, &out->v, flags) < 0)
+        return 0;
+    out->held = 1;
+    const char *f = out->v.format ? out->v.format : "B";
+    if (*f == '@' || *f == '=' || *f == '<')
+        f++;
+    char code = f[0] && !f[1] ? f[0] : 0;
+    int ok = out->v.itemsize == itemsize && !((uintptr_t)out->v.buf % (uintptr_t)itemsize);
+    if (kind == 'u')
+        ok &= itemsize == 1 ? code == 'B' : itemsize == 4 ? code == 'I' : code == 'L' || code == 'Q';
+    else
+        ok &= itemsize == 4 ? code == 'i' : code == 'l' || code == 'q';
+    if (!ok) {
+        PyErr_Format(PyExc_ValueError, "%s: not an aligned array of %zd-byte %s integers", name, itemsize,
+                     kind == 'u' ? "unsigned" : "signed");
+        return 0;
+    }
+    return 1;
+}
+
+/* find(out, words, lens, owner, w0, w1, elens, eowner, next, head, nhead, level, split, s0, s1, s2)
+ *   out: int64[n] (written), words: uint64[n, 2], lens: uint8[n]: the keys asked about;
+ *   w0, w1: uint64[cap], elens: uint8[cap], eowner, next: int32[cap], head: int32[>= nhead]:
+ *   the index's tables; level, split: its linear-hashing state; s0, s1, s2: its seeds. */
+static PyObject *find(PyObject *self, PyObject *args) {
+    PyObject *objs[9];
+    int owner;
+    Py_ssize_t nhead;
+    unsigned long long level, split, s0, s1, s2;
+    if (!PyArg_ParseTuple(args, "OOOiOOOOOOnKKKKK", &objs[0], &objs[1], &objs[2], &owner, &objs[3],
+                          &objs[4], &objs[5], &objs[6], &objs[7], &objs[8], &nhead, &level, &split, &s0,
+                          &s1, &s2))
+        return NULL;
+    static const Py_ssize_t size[9] = {8, 8, 1, 8, 8, 1, 4, 4, 4};
+    static const char kind[9] = {'i', 'u', 'u', 'u', 'u', 'u', 'i', 'i', 'i'};
+    static const char *names[9] = {"out", "words", "lens", "w0", "w1", "elens", "eowner", "next", "head"};
+    view v[9] = {{{0}}};
+    PyObject *result = NULL;
+    for (int i = 0; i < 9; i++)
+        if (!take(objs[i], &v[i], kind[i], size[i], i == 0, names[i]))
+            goto done;
+    Py_ssize_t n = v[0].v.len / 8, cap = v[3].v.len / 8;
+    if (v[1].v.len != 16 * n || v[2].v.len != n) {
+        PyErr_SetString(PyExc_ValueError, "out, words and lens must hold the same keys");
+        goto done;
+    }
+    if (v[4].v.len != 8 * cap || v[5].v.len != cap || v[6].v.len != 4 * cap || v[7].v.len != 4 * cap) {
+        PyErr_SetString(PyExc_ValueError, "the index's entry tables must be of one length");
+        goto done;
+    }
+    if (nhead < 0 || nhead > v[8].v.len / 4 || level == 0 || (level & (level - 1)) || split > level) {
+        PyErr_SetString(PyExc_ValueError, "the index's buckets are not consistent");
+        goto done;
+    }
+    kv_index ix = {v[3].v.buf, v[4].v.buf, v[5].v.buf, v[6].v.buf, v[7].v.buf, v[8].v.buf,
+                   cap, nhead, level, split, s0, s1, s2};
+    kv_index_find(&ix, v[1].v.buf, v[2].v.buf, n, owner, v[0].v.buf);
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    for (int i = 0; i < 9; i++)
+        if (v[i].held)
+            PyBuffer_Release(&v[i].v);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"find", find, METH_VARARGS, "Entry ids of keys under an owner in the index's tables, -1 where absent."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kvindex", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__kvindex(void) { return PyModule_Create(&module); }

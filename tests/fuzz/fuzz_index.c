@@ -1,0 +1,149 @@
+/* Fuzzes the key index's compiled walk (kvserver/store/csrc/index.h): from the input's bytes, a
+ * table of up to 64 entries (keys from a small alphabet, so that they collide), its buckets in any
+ * state of a round of splits, each entry filed at the head of its bucket's chain as the index files
+ * them; then, when the input says so, links overwritten with the input's values (out of the table,
+ * into cycles). Whatever the table, every walk reads inside its arrays (exact-size allocations,
+ * under AddressSanitizer) and ends (an alarm fails a walk that does not); a hit is always an
+ * entry holding exactly the key asked for; on a table that is not corrupt, the walk finds every
+ * filed entry and nothing else. A corrupt case may also give the walk fewer buckets than the
+ * table's (a copy of the heads of exactly that many), so that a bucket past them is never read.
+ * The expected answers are filed with the walk's own hash: that it is the numpy index's hash is
+ * tests/test_store_index.py's to check.
+ *
+ * With clang's libFuzzer (-fsanitize=fuzzer) LLVMFuzzerTestOneInput is its entry; built without it
+ * (gcc, -DKV_STANDALONE), main() feeds random inputs for the given seconds. scripts/sanitize.sh
+ * runs it. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "../../kvserver/store/csrc/index.h"
+
+typedef struct {
+    const uint8_t *p;
+    size_t left;
+} input;
+
+static uint64_t take(input *in, int bytes) {
+    uint64_t v = 0;
+    for (int i = 0; i < bytes && in->left; i++, in->left--)
+        v |= (uint64_t)*in->p++ << (8 * i);
+    return v;
+}
+
+static void check_one(const uint8_t *data, size_t size) {
+    input in = {data, size};
+    int64_t cap = 1 + (int64_t)(take(&in, 1) % 64);
+    uint64_t level = 1ull << (take(&in, 1) % 5);
+    uint64_t split = take(&in, 1) % (level + 1);
+    int corrupt = (int)(take(&in, 1) & 1);
+    int64_t nhead = (int64_t)(level + split);
+    uint64_t *w0 = malloc(8 * cap), *w1 = malloc(8 * cap);
+    uint8_t *lens = malloc(cap);
+    int32_t *owner = malloc(4 * cap), *next = malloc(4 * cap), *head = malloc(4 * nhead);
+    uint8_t *filed = calloc(cap, 1);
+    kv_index ix = {w0, w1, lens, owner, next, head, cap, nhead, level, split,
+                   take(&in, 8), take(&in, 8), take(&in, 8) | 1};
+    for (int64_t b = 0; b < nhead; b++)
+        head[b] = -1;
+    for (int64_t i = 0; i < cap; i++) {
+        uint64_t k = take(&in, 1);
+        w0[i] = k % 7;
+        w1[i] = (k >> 3) % 3;
+        lens[i] = (uint8_t)(1 + (k >> 5) % 3 * 21);
+        owner[i] = (int32_t)(take(&in, 1) % 3);
+        next[i] = -1;
+        int dup = 0;  /* the index files a key once per owner */
+        for (int64_t j = 0; j < i; j++)
+            dup |= filed[j] && w0[j] == w0[i] && w1[j] == w1[i] && lens[j] == lens[i] && owner[j] == owner[i];
+        if (dup) {
+            owner[i] = -1;  /* as a removed entry: its owner is -1 */
+            continue;
+        }
+        int64_t b = kv_index_bucket(&ix, kv_index_hash(&ix, w0[i], w1[i], lens[i], owner[i]));
+        if (b >= nhead)
+            abort();  /* a filed key's bucket is always one in use */
+        next[i] = head[b];
+        head[b] = (int32_t)i;
+        filed[i] = 1;
+    }
+    int32_t *heads = head;
+    if (corrupt) {
+        while (in.left >= 6) {
+            uint64_t at = take(&in, 1), how = take(&in, 1);
+            /* Half the links point inside the table (cycles, self-loops), half anywhere. */
+            int32_t v = how & 1 ? (int32_t)(how >> 1) % (int32_t)(cap + 2) - 1 : (int32_t)take(&in, 4);
+            if (at & 1)
+                head[(at >> 1) % nhead] = v;
+            else
+                next[(at >> 1) % cap] = v;
+        }
+        if (in.left == 1 || in.left == 3) {  /* fewer buckets than the table's, in an exact copy */
+            ix.nhead = (int64_t)(take(&in, 1) % (uint64_t)nhead);
+            heads = malloc(4 * (ix.nhead ? ix.nhead : 1));
+            memcpy(heads, head, 4 * ix.nhead);
+            ix.head = heads;
+        }
+    }
+    for (int64_t i = 0; i < cap + 8; i++) {
+        /* Every entry's key, under its owner and another, and keys of the alphabet beyond them. */
+        uint64_t a = i < cap ? w0[i] : (uint64_t)i % 7, c = i < cap ? w1[i] : (uint64_t)i % 3;
+        uint8_t len = i < cap ? lens[i] : 1;
+        for (int32_t o = 0; o < 3; o++) {
+            int64_t got = kv_index_find_one(&ix, a, c, len, o);
+            if (got != -1 && (got < 0 || got >= cap || w0[got] != a || w1[got] != c || lens[got] != len ||
+                              owner[got] != o))
+                abort();
+            if (!corrupt) {
+                int64_t want = -1;
+                for (int64_t j = 0; j < cap; j++)
+                    if (filed[j] && w0[j] == a && w1[j] == c && lens[j] == len && owner[j] == o)
+                        want = j;
+                if (got != want)
+                    abort();
+            }
+        }
+    }
+    if (heads != head)
+        free(heads);
+    free(w0), free(w1), free(lens), free(owner), free(next), free(head), free(filed);
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    check_one(data, size);
+    return 0;
+}
+
+#ifdef KV_STANDALONE
+static uint64_t rng = 88172645463325252ull;
+static uint64_t next_random(void) {
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return rng;
+}
+
+int main(int argc, char **argv) {
+    double seconds = argc > 1 ? atof(argv[1]) : 10;
+    static uint8_t buf[512];
+    time_t end = time(NULL) + (time_t)seconds;
+    uint64_t runs = 0;
+    while (time(NULL) < end) {
+        alarm(10); /* a thousand inputs take milliseconds: a walk that never ends is killed */
+        for (int k = 0; k < 1000; k++) {
+            size_t len = next_random() % sizeof buf;
+            for (size_t i = 0; i < len; i++)
+                buf[i] = (uint8_t)next_random();
+            uint8_t *exact = malloc(len ? len : 1); /* a read past the input is a heap overflow */
+            memcpy(exact, buf, len);
+            check_one(exact, len);
+            free(exact);
+            runs++;
+        }
+    }
+    printf("fuzz_index: %llu inputs in %.0f s, no fault\n", (unsigned long long)runs, seconds);
+    return 0;
+}
+#endif
