@@ -1,9 +1,12 @@
 """The data-plane fast lane (docs/lane.md) against the gRPC lane, on one daemon subprocess.
 
 - round trip: a 1-page (``--page-size`` tokens), 1-layer Write then a Load of it, waited to its
-  end, ``--trips`` times on each lane (interleaved in blocks), p50 and p99, and the CPU time the
-  daemon and this process spent per round trip (from /proc: what a loaded machine's scheduler
-  does not hide); beside it a bare grpc.aio unary call (Stats) on the same socket;
+  end, ``--trips`` times on each lane, p50 and p99, and the CPU time the daemon and this process
+  spent per round trip (from /proc: what a loaded machine's scheduler does not hide); beside it a
+  bare grpc.aio unary call (Stats) on the same socket. Each lane's trips run by themselves, one
+  lane after the other: between blocks of another lane's calls (gRPC keeps threads busy for a
+  while after a call) the CPUs would not go idle, and an idle CPU's wake-up is part of what a
+  lone engine pays (tens of microseconds on a virtual machine);
 - bulk: a ``--mib``-sized (every layer) Write and Load on each lane, median of ``--repeats``,
   against the same copy done in this process with the daemon's copy plan (``kvserver.copies.transfer``),
   with the ratio (in-process time / lane time: 1.00x is as fast as in-process).
@@ -102,36 +105,45 @@ def main() -> None:
                                num_layers=args.layers, host_tokens=2 * most, page_size=p)
                     host[name] = c.alloc(2 * most)
                 assert ring.lane is not None, "the ring lane did not open"
-                # ---- round trips, interleaved in blocks of 100 -----------------------------
+                # ---- round trips, a lane at a time, in blocks of 100 -----------------------
                 dev = torch.arange(p)
-                trips: dict[str, list[float]] = {"ring": [], "grpc": []}
                 for name, (c, _) in clients.items():  # warm-up
                     for _ in range(50):
                         c.write(host_indices=host[name][:p], device_indices=dev, layers=[0])
                         c.load(host_indices=host[name][:p], device_indices=dev, layers=[0]).wait()
-                cpu = {name: [0.0, 0.0] for name in clients}  # CPU seconds: daemon, this process
-                for _ in range(max(1, args.trips // 100)):
-                    for name, (c, _) in clients.items():
-                        h = host[name][:p]
-                        before = cpu_seconds(daemon.pid), cpu_seconds(os.getpid())
-                        for _ in range(100):
-                            t = time.perf_counter()
-                            c.write(host_indices=h, device_indices=dev, layers=[0])
-                            c.load(host_indices=h, device_indices=dev, layers=[0]).wait()
-                            trips[name].append(time.perf_counter() - t)
-                        cpu[name][0] += cpu_seconds(daemon.pid) - before[0]
-                        cpu[name][1] += cpu_seconds(os.getpid()) - before[1]
+                # Each lane by itself (see the docstring), then the ring's blocks between blocks
+                # of gRPC calls (a neighbour's traffic keeping the CPUs awake).
+                order = [("ring lane", ["ring"]), ("grpc lane", ["grpc"]),
+                         ("ring lane between gRPC calls", ["grpc", "ring"])]
+                trips: dict[str, list[float]] = {label: [] for label, _ in order}
+                cpu = {label: [0.0, 0.0] for label, _ in order}  # CPU seconds: daemon, this process
+                for label, names in order:
+                    time.sleep(0.2)  # what the last calls left running settles first
+                    for _ in range(max(1, args.trips // 100)):
+                        for name in names:
+                            c, timed = clients[name][0], name == names[-1]
+                            h = host[name][:p]
+                            before = cpu_seconds(daemon.pid), cpu_seconds(os.getpid())
+                            for _ in range(100):
+                                t = time.perf_counter()
+                                c.write(host_indices=h, device_indices=dev, layers=[0])
+                                c.load(host_indices=h, device_indices=dev, layers=[0]).wait()
+                                if timed:
+                                    trips[label].append(time.perf_counter() - t)
+                            if timed:
+                                cpu[label][0] += cpu_seconds(daemon.pid) - before[0]
+                                cpu[label][1] += cpu_seconds(os.getpid()) - before[1]
                 bare = bare_unary(f"unix://{socket}", args.trips)
-                for name, ts in (("ring lane write+load", trips["ring"]),
-                                 ("grpc lane write+load", trips["grpc"]), ("bare grpc.aio Stats", bare)):
+                for name, ts in [*((f"{label} write+load", trips[label]) for label, _ in order),
+                                 ("bare grpc.aio Stats", bare)]:
                     rows.append((f"{name} (1 page, 1 layer)",
                                  f"p50 {pct(ts, 0.5) * 1e6:8.1f} us   p99 {pct(ts, 0.99) * 1e6:8.1f} us"
                                  f"   n={len(ts)}"))
-                for name in clients:
-                    n = len(trips[name])
-                    rows.append((f"{name} lane CPU per round trip",
-                                 f"daemon {cpu[name][0] / n * 1e6:6.0f} us   "
-                                 f"engine {cpu[name][1] / n * 1e6:6.0f} us"))
+                for label, _ in order:
+                    n = len(trips[label])
+                    rows.append((f"{label} CPU per round trip",
+                                 f"daemon {cpu[label][0] / n * 1e6:6.0f} us   "
+                                 f"engine {cpu[label][1] / n * 1e6:6.0f} us"))
                 served = ring.lane.calls if ring.lane is not None else 0
                 # ---- bulk --------------------------------------------------------------------
                 for mib in args.mib:

@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds in-flight calls get on SIGTERM (default 5)")
     p.add_argument("--progress-interval-ms", type=float, default=_env("PROGRESS_INTERVAL_MS", "1"),
                    help="least time between load progress messages; 0 sends one per layer (default 1)")
+    p.add_argument("--plane-spin-us", type=float, default=_env("PLANE_SPIN_US", "50"),
+                   help="after a fast-lane request or copy, how long the data plane's thread looks for the "
+                        "next one before it sleeps; 0 never spins (default 50)")
     p.add_argument("--lease-seconds", type=float, default=_env("LEASE_SECONDS", "30"),
                    help="a client without a Session is reclaimed this long after its last call (default 30)")
     p.add_argument("--reclaim-grace-seconds", type=float, default=_env("RECLAIM_GRACE_SECONDS", "1"),
@@ -178,6 +181,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         torch_threads=args.torch_threads,
         shutdown_grace=args.shutdown_grace,
         progress_interval=args.progress_interval_ms / 1000,
+        plane_spin=args.plane_spin_us / 1e6,
         lease=args.lease_seconds,
         reclaim_grace=args.reclaim_grace_seconds,
         max_clients=args.max_clients,

@@ -116,6 +116,7 @@ class ServerConfig:
     torch_threads: int = 0  # 0 leaves torch's default
     shutdown_grace: float = 5.0
     progress_interval: float = 0.001  # seconds between load progress messages (the last always goes)
+    plane_spin: float = 50e-6  # seconds the data plane's thread looks for the next request before it sleeps
     lease: float = 30.0  # seconds a client without a Session survives after its last call
     reclaim_grace: float = 1.0  # seconds after a Session ends before the client is reclaimed
     max_clients: int = 1024
@@ -174,6 +175,8 @@ class ServerConfig:
             raise ValueError("shutdown grace must not be negative")
         if not 0 <= self.progress_interval <= 1:
             raise ValueError("progress interval must be between 0 and 1000 ms")
+        if not 0 <= self.plane_spin <= 0.01:
+            raise ValueError("plane spin must be between 0 and 10000 µs")
         if self.listen is not None and not re.fullmatch(r"\[?[\w.:-]*\]?:\d+", self.listen):
             raise ValueError(f"listen address {self.listen!r} is not host:port")
         if self.listen is not None and not self.token and not self.insecure_tcp:

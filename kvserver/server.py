@@ -124,7 +124,8 @@ class Daemon:
         self.server = grpc.aio.server(options=opts, interceptors=interceptors)
         # Its registry is this daemon's own; served over HTTP only with --metrics-listen.
         self.metrics = Metrics(self.core, per_space=config.metrics_per_space)
-        self.servicer = KVServicer(self.core, self.reaper, config.admin_token, self.tenants, self.metrics)
+        self.servicer = KVServicer(self.core, self.reaper, config.admin_token, self.tenants, self.metrics,
+                                   plane_spin=config.plane_spin)
         add_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

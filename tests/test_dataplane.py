@@ -444,3 +444,50 @@ def test_a_free_is_not_starved_by_a_stream_of_the_planes_copies(plane_daemon) ->
             for t in ts:
                 t.join(30)
         assert resp.freed_tokens == TOKENS and waited < 4, waited
+
+
+@pytest.mark.parametrize("spin", [0.0, 0.005])
+def test_the_plane_serves_whether_its_thread_spins_or_sleeps(socket_dir, spin) -> None:
+    """``--plane-spin-us``: 0 sleeps in epoll_wait at once after each request; 5 ms keeps looking
+    (yielding) across the engine's next call. Either way every call is served on the plane,
+    bit exact, and a call after a long pause (the spin long over) wakes the thread."""
+    from conftest import DaemonThread
+
+    from kvserver.config import ServerConfig
+
+    d = DaemonThread(ServerConfig(socket=os.path.join(socket_dir, "spin.sock"), host_memory=64 << 20,
+                                  plane_spin=spin))
+    try:
+        if d.core.plane is None:
+            pytest.skip("the compiled data plane is not built (or KVSERVER_DATA_PLANE=python)")
+        with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, _client(d, pool) as c:
+            _fill(pool, 7)
+            want = _snapshot(pool)
+            host = c.alloc(TOKENS)
+            dev = torch.randperm(TOKENS)
+            served = d.core.plane.engine.served
+            for i in range(20):
+                if i == 10:
+                    time.sleep(0.05)
+                c.write(host_indices=host[:PAGE], device_indices=dev[:PAGE])
+                c.load(host_indices=host[:PAGE], device_indices=dev[:PAGE]).wait()
+            c.write(host_indices=host, device_indices=dev)
+            for buf in (b for layer in pool.buffers for b in layer):
+                buf.zero_()
+            c.load(host_indices=host, device_indices=dev).wait()
+            assert all(torch.equal(a, b) for a, b in zip(_snapshot(pool), want, strict=True))
+            assert d.core.plane.engine.served - served == 42, "the calls did not run on the plane"
+    finally:
+        d.stop()
+
+
+def test_a_spin_out_of_bounds_is_refused() -> None:
+    from kvserver.config import ServerConfig
+    from kvserver.lane import plane
+
+    with pytest.raises(ValueError, match="plane spin"):
+        ServerConfig(socket="/tmp/unused.sock", plane_spin=0.02)
+    if plane._kvlane is None:
+        pytest.skip("the compiled data plane is not built")
+    with pytest.raises(ValueError, match="spin must be between 0 and 10 ms"):
+        plane._kvlane.Engine(0.0, [], -1.0)

@@ -42,8 +42,9 @@ from kvserver.v1 import kvserver_pb2 as pb
 logger = logging.getLogger("kvclient")
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-# How long a waiter polls its slot's words before it blocks on the doorbell (see docs/lane.md).
-SPIN_SECONDS = float(os.environ.get("KVCLIENT_LANE_SPIN_US", "0")) / 1e6
+# How long a waiter polls its slot's words before it blocks on the doorbell (see docs/lane.md): a
+# small call's answer usually comes sooner than a sleeping thread wakes up.
+SPIN_SECONDS = float(os.environ.get("KVCLIENT_LANE_SPIN_US", "30")) / 1e6
 # _CLOSED: the daemon closed its end (it is gone, or released the registration: its jobs are
 # dead). _CUT: this client shut the lane while the call ran (close, unregister): the daemon may
 # still copy, so the call ends as a cancelled one, unconfirmed, as a gRPC call would.
@@ -227,6 +228,7 @@ class ClientLane:
             while time.monotonic() < until:
                 if ready():
                     return _OPEN
+                os.sched_yield()  # whatever else is runnable on this CPU goes first
         sock = self._done[i]
         # Closed without wake (the registration was lost), the call still runs to the daemon's
         # answer: only the socket's end says the daemon is gone.

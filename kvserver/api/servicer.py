@@ -166,14 +166,16 @@ def _tenant_stats(st: TenantStat) -> pb.TenantStats:
 
 class KVServicer(pb_grpc.KVServerServicer):
     def __init__(self, core: KVCore, reaper: Reaper, admin_token: str | None = None,
-                 tenants: TenantBook | None = None, metrics: Metrics | None = None) -> None:
+                 tenants: TenantBook | None = None, metrics: Metrics | None = None,
+                 plane_spin: float = 0.0) -> None:
         self.core = core
         self.metrics = metrics or Metrics(core)  # histograms and transfer counters, observed here
         self.cache = CacheOps(core, tenants)
         self.reaper = reaper
         self.admin_token = admin_token
         self.stopping = asyncio.Event()  # set at shutdown: sessions end so the server can drain
-        self.plane = DataPlane(core.copier.progress_interval, BUCKETS) if plane.available() else None
+        self.plane = (DataPlane(core.copier.progress_interval, BUCKETS, plane_spin) if plane.available()
+                      else None)
         core.plane = self.plane
         core.on_plane_transfers = self._plane_transfers
         self.lanes = LaneBook(core, self.run_lane, self.plane)

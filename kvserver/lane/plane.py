@@ -41,10 +41,11 @@ def available() -> bool:
 
 
 class DataPlane:
-    def __init__(self, progress_interval: float, buckets: tuple[float, ...] = ()) -> None:
+    def __init__(self, progress_interval: float, buckets: tuple[float, ...] = (), spin: float = 0.0) -> None:
         assert _kvlane is not None
-        # buckets: the edges of the latency histograms it keeps (kvserver.api.metrics.BUCKETS)
-        self.engine = _kvlane.Engine(progress_interval, list(buckets))
+        # buckets: the edges of the latency histograms it keeps (kvserver.api.metrics.BUCKETS);
+        # spin: seconds its thread looks again after a request or a copy before it sleeps
+        self.engine = _kvlane.Engine(progress_interval, list(buckets), spin)
         self.lanes: dict[int, Lane] = {}  # by key: never reused, so a late handoff finds no other lane
         self._keys = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None
