@@ -48,6 +48,22 @@ def wait_connected(monitor, timeout: float = 10) -> None:
     assert recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
 
 
+def wait_subscribed(publisher, sub, timeout: float = 10) -> None:
+    """ZMQ's slow joiner: a PUB drops what it sends until the SUB's subscription has reached it,
+    which may be after the handshake (a loaded machine). Empty batches go out through vLLM's
+    publisher until one arrives; those still on their way decode to no events."""
+    from vllm.distributed.kv_events import KVEventBatch
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        publisher.publish(KVEventBatch(ts=time.time(), events=[]))
+        if sub.poll(50):
+            while sub.poll(0):
+                sub.recv_multipart()
+            return
+    raise AssertionError("nothing vLLM's publisher sent reached the subscriber")
+
+
 def test_the_connector_publishes_the_node_caches_events_through_vllms_publisher(vcfg, daemon):
     from vllm.config.kv_events import KVEventsConfig
     from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
@@ -77,13 +93,23 @@ def test_the_connector_publishes_the_node_caches_events_through_vllms_publisher(
         while not all(log_id for log_id, _ in feed._where) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert all(log_id for log_id, _ in feed._where), "the feed never read the daemon's events"
-        wait_connected(monitor)  # vLLM's publisher has connected: nothing it sends is lost
+        wait_connected(monitor)  # vLLM's publisher has connected
+        wait_subscribed(a.scheduler.kv_event_publisher, sub)  # and nothing it sends is lost
         b = make("events")  # another engine of the same model, its events off
         b.add("b1", PROMPT, max_tokens=1)
         keys = block_keys(b.scheduler.requests["b1"], 1)
         expected = {maybe_convert_block_hash(k) for k in keys}
         assert len(expected) == 4
         b.run()
+
+        def stored() -> int:
+            return daemon.run(lambda: sum(s.counters.pages for s in daemon.core.cache._spaces.values()
+                                          if s.key.model == "events"))
+
+        deadline = time.monotonic() + 10
+        while stored() < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert stored() >= 4, f"engine B's blocks were not stored ({stored()} pages)"
 
         def heard(kind, medium: str = "CPU") -> set:
             got: set = set()
@@ -98,7 +124,9 @@ def test_the_connector_publishes_the_node_caches_events_through_vllms_publisher(
                             got |= set(ev.block_hashes) & expected
             return got
 
-        assert heard(BlockStored) == expected  # B's blocks, under A's identity
+        got = heard(BlockStored)
+        assert got == expected, (f"heard {len(got)} of B's blocks; the feed: read to {feed._where}, "
+                                 f"{feed.gaps} gaps, {feed.dropped_keys} keys dropped")  # under A's identity
         # Another model's pages of the same size fill host memory: the least recently used of
         # that size go first, B's among them (evictions engine A did not cause).
         page = daemon.run(lambda: next(p.key.page_bytes for s in daemon.core.cache._spaces.values()

@@ -44,11 +44,25 @@ logger = logging.getLogger("kvclient")
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 # How long a waiter polls its slot's words before it blocks on the doorbell (see docs/lane.md): a
 # small call's answer usually comes sooner than a sleeping thread wakes up.
-SPIN_SECONDS = float(os.environ.get("KVCLIENT_LANE_SPIN_US", "30")) / 1e6
+def _spin_seconds() -> float:
+    text = os.environ.get("KVCLIENT_LANE_SPIN_US", "30")
+    try:
+        us = float(text)
+    except ValueError:
+        us = -1.0
+    if not 0 <= us <= 10_000:
+        logger.warning("KVCLIENT_LANE_SPIN_US=%r is not a number of microseconds in [0, 10000]; "
+                       "using 30", text)
+        us = 30.0
+    return us / 1e6
+
+
+SPIN_SECONDS = _spin_seconds()
 # _CLOSED: the daemon closed its end (it is gone, or released the registration: its jobs are
 # dead). _CUT: this client shut the lane while the call ran (close, unregister): the daemon may
 # still copy, so the call ends as a cancelled one, unconfirmed, as a gRPC call would.
 _OPEN, _CLOSED, _TIMEOUT, _CUT = 0, 1, 2, 3
+_STEP_AT = R.PROGRESS_AT + 24  # the progress words' step counter (R.PROGRESS: its sixth word)
 
 
 class ClientLane:
@@ -191,10 +205,19 @@ class ClientLane:
                 self._free.append(i)
         return [src for i, src in self._streams.items() if self._state(i) == R.DONE]
 
+    # The state and step words are read first, with an acquire load where the compiled module is
+    # built (docs/lane.md, "Memory order"): what is read of the slot after them is as new.
+
     def _state(self, i: int) -> int:
+        if _wire is not None:
+            return _wire.word(self._address, i, R.STATE)
         return R.U32.unpack_from(self._mm, R.slot_offset(i) + R.STATE)[0]
 
     def _progress(self, i: int) -> tuple[int, ...]:
+        if _wire is not None:
+            step = _wire.word(self._address, i, _STEP_AT)
+            words = R.PROGRESS.unpack_from(self._mm, R.slot_offset(i) + R.PROGRESS_AT)
+            return (*words[:5], step, words[6])
         return R.PROGRESS.unpack_from(self._mm, R.slot_offset(i) + R.PROGRESS_AT)
 
     def _result(self, i: int) -> tuple[int, bytes, str, int]:
@@ -241,11 +264,11 @@ class ClientLane:
             events = self._polls[i].poll(max(1, math.ceil(left * 1000)))
             if not events:
                 continue
-            # One message a wake-up (a system call less than draining to EAGAIN): one left over
-            # makes the next poll return at once, and is read then.
+            # Drained to EAGAIN: calls answered during a spin left their messages unread.
             try:
-                if not sock.recv(16, socket.MSG_DONTWAIT):
-                    return self._ended()  # end of file
+                while True:
+                    if not sock.recv(16, socket.MSG_DONTWAIT):
+                        return self._ended()  # end of file
             except (BlockingIOError, InterruptedError):
                 pass
             except OSError:

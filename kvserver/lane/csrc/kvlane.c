@@ -888,11 +888,12 @@ static void *engine_main(void *arg) {
     for (;;) {
         /* Held (tests), jobs still meet their deadlines: looked at every millisecond. */
         int timeout = e->jobs ? (e->paused ? 1 : 0) : -1;
-        if (timeout < 0 && spin_until && now_ns() < spin_until) {
-            timeout = 0;
+        int spinning = timeout < 0 && spin_until && now_ns() < spin_until;
+        int n = epoll_wait(e->epfd, evs, 64, spinning ? 0 : timeout);
+        if (spinning && n == 0) {
             sched_yield();  /* a spinning thread lets whatever else is runnable on its CPU go first */
+            continue;
         }
-        int n = epoll_wait(e->epfd, evs, 64, timeout);
         int stop = 0, woken = 0;
         /* Lanes first: a command may remove (and its caller free) a lane of this same batch. */
         for (int k = 0; k < n; k++) {

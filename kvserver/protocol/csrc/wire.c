@@ -129,9 +129,26 @@ static PyObject *submit(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* word(ring, slot, offset): the slot's 32-bit word at offset (in its 128-byte header), read with
+ * an acquire load, so that what the caller reads of the slot after it is at least as new (the
+ * daemon stores the state and step words with release stores, after what they publish). */
+static PyObject *word(PyObject *self, PyObject *args) {
+    unsigned long long ring;
+    int slot, offset;
+    if (!PyArg_ParseTuple(args, "Kii", &ring, &slot, &offset))
+        return NULL;
+    if (slot < 0 || slot >= 64 || offset < 0 || offset > 124 || offset % 4) {
+        PyErr_SetString(PyExc_ValueError, "no such slot, or not a word of its header");
+        return NULL;
+    }
+    char *s = (char *)(uintptr_t)ring + HEADER_BYTES + (size_t)slot * SLOT_BYTES;
+    return PyLong_FromUnsignedLong(__atomic_load_n((uint32_t *)(s + offset), __ATOMIC_ACQUIRE));
+}
+
 static PyMethodDef methods[] = {
     {"pack", pack, METH_VARARGS, NULL},
     {"submit", submit, METH_VARARGS, NULL},
+    {"word", word, METH_VARARGS, NULL},
     {NULL},
 };
 
