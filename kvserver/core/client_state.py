@@ -17,6 +17,7 @@ from kvserver.host.pages import PageAllocator
 from kvserver.media.base import DevicePool
 from kvserver.peers.tickets import PeerCred
 from kvserver.protocol.layout import KVLayout, LayerRange, torch_dtype
+from kvserver.store import PartKey, SpaceKey
 from kvserver.v1 import kvserver_pb2 as pb
 
 MAX_PARALLEL = 4096  # TP and PP sizes a model (a registration's, a space's) may name
@@ -141,7 +142,7 @@ class ClientState:
     peer: PeerCred | None = None
     tenant: str = "anonymous"  # whose cached pages it sees (kvserver.peers.tenants)
     cache_table: BufferTable | None = None  # its part's page layout for cache jobs, made on first use
-    part_keys: Any = None  # (SpaceKey, PartKey) of its part of the cache, made on first use
+    part_keys: tuple[SpaceKey, PartKey] | None = None  # its part of the cache, made on first use
     order: JobOrder | None = None  # which of its copies wait for which (copies.order), made on first copy
     lane: Any = None  # its kvserver.lane.server.Lane, if it opened one; closed on release
     # Its gate on the compiled data plane (kvserver.lane.plane), if its lane is served there: the

@@ -267,25 +267,19 @@ class KVCache:
             while n < total:
                 step = keys[n : n + STEP_KEYS]
                 m, found = len(step), []
-                here = np.ones(len(step), bool) if lower is not None else None
                 for part in parts:
                     ids = self.pages.find(part.gid, step[:m])
                     mine = (ids >= 0) & (self.pages.state[ids] == COMMITTED)
-                    if lower is None:
-                        m = leading(mine)
-                    else:
-                        assert here is not None
-                        here[: len(mine)] &= mine
-                        m = leading(mine | lower(part, step[:m]))
+                    m = leading(mine if lower is None else mine | lower(part, step[:m]))
                     found.append((ids, mine))
-                # Each part's own pages in memory (pinned), whatever the other parts hold where
-                # (without a tier below, the leading ``m`` of each are all its own).
+                # Each part's own pages in memory (pinned), whatever the other parts hold where;
+                # without a tier below, the leading ``m`` of every part are all its own.
                 if lower is None:
                     got = [ids[:m] for ids, _ in found]
                 else:
-                    assert here is not None
                     got = [ids[:m][mine[:m]] for ids, mine in found]
-                    below += m - int(np.count_nonzero(here[:m]))
+                    here = np.logical_and.reduce([mine[:m] for _, mine in found])
+                    below += m - int(np.count_nonzero(here))
                 # A pin refused for the tenant's limits: the lease so far ends. Pages the tier
                 # below holds are not pinned (the Get that follows reads them back).
                 if pin_ms and any(len(g) for g in got):
