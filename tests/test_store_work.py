@@ -3,15 +3,14 @@ counts, never every page of the table. The page table's arrays are watched: any 
 over them records how many elements it went over; a Put that evicts must stay far below the table.
 
 Also: the per-slab counts of what keeps pages (pins, readers, pages being written) always equal
-what the pages say, and the key index gives the same answers as a dict through inserts, removals
-and splits."""
+what the pages say, and a removed key leaves its neighbours in its chain (the index against a dict
+through inserts, removals and splits: test_store_index.py)."""
 
 from __future__ import annotations
 
 import random
 
 import numpy as np
-import pytest
 from store_support import K, MiB, make_cache, one_part, part_of, put, space_key
 
 from kvserver.store import Keys
@@ -138,37 +137,6 @@ def test_the_slabs_counts_of_what_holds_their_pages_match_the_pages():
     clock.now += 100
     cache.expire_leases()
     assert all(cache.pages.slab_holds[s] == 0 for s in cache.slabs.slabs)
-
-
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_the_key_index_answers_as_a_dict_through_inserts_removals_and_splits(seed):
-    rng = random.Random(seed)
-    index = KeyIndex(1 << 14)
-    model: dict[tuple[int, bytes], int] = {}
-    free = list(range(1 << 14))
-    rng.shuffle(free)
-    for _ in range(300):
-        if rng.random() < 0.55 and free:
-            owner = rng.randrange(3)
-            n = min(len(free), rng.randrange(1, 200))
-            keys = []
-            while len(keys) < n:
-                k = rng.randbytes(rng.choice([1, 8, 16]))
-                if (owner, k) not in model and k not in keys:
-                    keys.append(k)
-            ids = np.array([free.pop() for _ in keys], np.int64)
-            index.insert(ids, owner, Keys.of(keys))
-            model.update({(owner, k): int(i) for k, i in zip(keys, ids, strict=True)})
-        elif model:
-            gone = rng.sample(sorted(model), min(len(model), rng.randrange(1, 300)))
-            ids = [model.pop(g) for g in gone]
-            index.remove(np.array(ids, np.int64))
-            free += ids  # entry ids are used again, as page ids are
-        for owner in range(3):
-            probe = [k for (o, k) in model if o == owner][:500] + [rng.randbytes(8) for _ in range(20)]
-            got = index.find(owner, Keys.of(probe)).tolist()
-            assert got == [model.get((owner, k), -1) for k in probe]
-    assert index.count == len(model)
 
 
 def test_a_removed_key_leaves_its_neighbours_in_the_chain():
