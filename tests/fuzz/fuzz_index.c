@@ -117,13 +117,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 }
 
 #ifdef KV_STANDALONE
-static uint64_t rng = 88172645463325252ull;
-static uint64_t next_random(void) {
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return rng;
-}
+#include "xorshift.h"
 
 int main(int argc, char **argv) {
     double seconds = argc > 1 ? atof(argv[1]) : 10;

@@ -71,17 +71,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 }
 
 #ifdef KV_STANDALONE
-static uint64_t rng = 88172645463325252ull;
-static uint64_t next(void) {
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return rng;
-}
+#include "xorshift.h"
 
 static size_t seed(uint8_t *buf, size_t cap) {
-    uint32_t pages = 1 + next() % 4, layers = next() % 3, runs = next() % 2;
-    uint32_t kind = 1 + next() % 2, ndev = runs ? pages : pages * PAGE;
+    uint32_t pages = 1 + next_random() % 4, layers = next_random() % 3, runs = next_random() % 2;
+    uint32_t kind = 1 + next_random() % 2, ndev = runs ? pages : pages * PAGE;
     size_t len = KV_REQ_HEADER + 8 * (size_t)pages + 8 * (size_t)ndev + 4 * layers;
     if (len > cap)
         return 0;
@@ -95,7 +89,7 @@ static size_t seed(uint8_t *buf, size_t cap) {
         p += 8;
     }
     for (uint32_t i = 0; i < ndev; i++) {
-        int64_t v = runs ? (int64_t)(next() % 4) * 64 + i * PAGE : (int64_t)(next() % 8) * 32 + i;
+        int64_t v = runs ? (int64_t)(next_random() % 4) * 64 + i * PAGE : (int64_t)(next_random() % 8) * 32 + i;
         memcpy(p, &v, 8);
         p += 8;
     }
@@ -116,29 +110,29 @@ int main(int argc, char **argv) {
     while (time(NULL) < end) {
         for (int k = 0; k < 1000; k++) {
             size_t len = seed(buf, sizeof buf);
-            int muts = (int)(next() % 4);
+            int muts = (int)(next_random() % 4);
             for (int m = 0; m < muts && len; m++) {
-                switch (next() % 5) {
-                case 0: buf[next() % len] ^= (uint8_t)(1u << (next() % 8)); break;
+                switch (next_random() % 5) {
+                case 0: buf[next_random() % len] ^= (uint8_t)(1u << (next_random() % 8)); break;
                 case 1: {
-                    size_t at = next() % len;
-                    int64_t v = edges[next() % (sizeof edges / sizeof *edges)];
+                    size_t at = next_random() % len;
+                    int64_t v = edges[next_random() % (sizeof edges / sizeof *edges)];
                     memcpy(buf + at, &v, at + 8 <= len ? 8 : len - at);
                     break;
                 }
-                case 2: len = next() % (len + 1); break;
+                case 2: len = next_random() % (len + 1); break;
                 case 3: {
-                    size_t more = next() % 64;
+                    size_t more = next_random() % 64;
                     if (len + more <= sizeof buf) {
                         for (size_t i = 0; i < more; i++)
-                            buf[len + i] = (uint8_t)next();
+                            buf[len + i] = (uint8_t)next_random();
                         len += more;
                     }
                     break;
                 }
                 default: {
-                    uint32_t v = (uint32_t)next() % 32;
-                    memcpy(buf + 8 + 4 * (next() % 8), &v, 4);
+                    uint32_t v = (uint32_t)next_random() % 32;
+                    memcpy(buf + 8 + 4 * (next_random() % 8), &v, 4);
                 }
                 }
             }
