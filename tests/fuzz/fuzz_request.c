@@ -2,7 +2,7 @@
  * bytes, kv_parse/kv_accept read only inside the request and the registration's tables, and what
  * kv_accept takes is valid: whole owned-range pages of this epoch, each once; device tokens in
  * the pool, each once; layers ascending inside the range. Built with AddressSanitizer and
- * UndefinedBehaviorSanitizer by scripts/fuzz.sh, which runs it for a bounded time.
+ * UndefinedBehaviorSanitizer by scripts/sanitize.sh, which runs it for a bounded time.
  *
  * With clang's libFuzzer (-fsanitize=fuzzer) LLVMFuzzerTestOneInput is its entry; built without
  * it (gcc, -DKV_STANDALONE), main() mutates well-formed seeds at random: bit flips, overwritten
