@@ -25,7 +25,10 @@ class LoadHandle:
         self._part_pages: list[int] = []  # a Get with parts: each part's
         self.parts = 0  # a Get with parts: how many (set by get_parts)
         self._on_error = on_error  # True: the error is a miss, not raised
-        self._cond = threading.Condition()
+        # What the handle's state is read and changed under; a Condition over it is made only once
+        # a thread must sleep (most lane loads are waited for by one thread, which never sleeps).
+        self._lock = threading.RLock()
+        self._cond: threading.Condition | None = None
         self._last_layer = -1
         self._done = False
         self._bytes = 0
@@ -38,6 +41,7 @@ class LoadHandle:
         self.events: dict[int, object] = {}  # CUDA pools: global layer -> torch.cuda.Event
         self._source = None  # on the lane: its kvclient._transport.lane.LaneStream, pumped by waiters
         self._pumping = False
+        self._sleepers = 0  # threads in self._cond.wait: a notification with none to wake is skipped
 
     @classmethod
     def miss(cls, layers: list[int], *, get: bool = False) -> LoadHandle:
@@ -46,16 +50,22 @@ class LoadHandle:
         return handle
 
     def _apply(self, progress: pb.LoadProgress) -> None:
-        with self._cond:
+        self._update(progress.pages, progress.part_pages, progress.events_recorded, progress.layers_done,
+                     progress.last_layer, progress.bytes, progress.done)
+
+    def _update(self, pages: int, part_pages, recorded: bool, layers_done: int, last_layer: int, nbytes: int,
+                done: bool) -> None:
+        """One progress message's words (a LoadProgress, or the lane slot's progress words)."""
+        with self._lock:
             if self._pages is None:
-                self._pages = progress.pages
-                self._part_pages = list(progress.part_pages)
-            self._recorded = self._recorded or progress.events_recorded
-            if progress.layers_done:
-                self._last_layer = progress.last_layer
-            self._bytes = progress.bytes
-            self._done = progress.done
-            self._cond.notify_all()
+                self._pages = pages
+                self._part_pages = list(part_pages)
+            self._recorded = self._recorded or recorded
+            if layers_done:
+                self._last_layer = last_layer
+            self._bytes = nbytes
+            self._done = done
+            self._notify()
 
     def _consume(self, stream: Iterable[pb.LoadProgress]) -> None:
         try:
@@ -72,11 +82,29 @@ class LoadHandle:
 
     def _fail(self, error: KVClientError) -> None:
         missed = self._on_error is not None and self._on_error(error)
-        with self._cond:
+        with self._lock:
             if missed:
                 self.missed = True
             else:
                 self._error = error
+            self._notify()
+
+    def _sleep(self, predicate: Callable[[], bool] | None, timeout: float | None) -> bool:
+        """``Condition.wait_for`` (or ``wait`` without a predicate), counted in ``_sleepers`` (the
+        lock held)."""
+        if self._cond is None:
+            self._cond = threading.Condition(self._lock)
+        self._sleepers += 1
+        try:
+            if predicate is None:
+                return self._cond.wait(timeout)
+            return self._cond.wait_for(predicate, timeout)
+        finally:
+            self._sleepers -= 1
+
+    def _notify(self) -> None:
+        """Wakes the sleepers (the lock held)."""
+        if self._sleepers:
             self._cond.notify_all()
 
     def _wait_for(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
@@ -84,7 +112,7 @@ class LoadHandle:
         the handle: one waiter at a time pumps the slot's progress, the others wait for its news."""
         src = self._source
         if src is None or src.finished:
-            return self._cond.wait_for(predicate, timeout)
+            return self._sleep(predicate, timeout)
         end = None if timeout is None else time.monotonic() + timeout
         while True:
             if predicate():
@@ -93,22 +121,22 @@ class LoadHandle:
             if left is not None and left <= 0:
                 return False
             if src.finished:
-                return self._cond.wait_for(predicate, left)
+                return self._sleep(predicate, left)
             if self._pumping:
-                self._cond.wait(left)
+                self._sleep(None, left)
                 continue
             self._pumping = True
-            self._cond.release()
+            self._lock.release()
             try:
                 src.pump(self, left)
             finally:
-                self._cond.acquire()
+                self._lock.acquire()
                 self._pumping = False
-                self._cond.notify_all()
+                self._notify()
 
     def _drive(self) -> None:
         """Reads what the lane has for this handle now, without waiting."""
-        with self._cond:
+        with self._lock:
             self._pump_now()
 
     def _pump_now(self) -> None:
@@ -116,13 +144,13 @@ class LoadHandle:
         if src is None or src.finished or self._pumping:
             return
         self._pumping = True
-        self._cond.release()
+        self._lock.release()
         try:
             src.pump(self, 0.0)
         finally:
-            self._cond.acquire()
+            self._lock.acquire()
             self._pumping = False
-            self._cond.notify_all()
+            self._notify()
 
     def _check(self) -> None:
         if self._error is not None:
@@ -131,12 +159,12 @@ class LoadHandle:
     def ended(self) -> bool:
         """True once the load ended (every layer landed, or it missed or failed); never waits:
         on the lane it reads what has arrived for this handle."""
-        with self._cond:
+        with self._lock:
             self._pump_now()
             return self._done or self.missed or self._error is not None
 
     def landed(self, layer_id: int) -> bool:
-        with self._cond:
+        with self._lock:
             self._pump_now()
             self._check()
             return self._last_layer >= layer_id
@@ -144,7 +172,7 @@ class LoadHandle:
     def wait_layer(self, layer_id: int, timeout: float | None = None) -> bool:
         if layer_id not in self.layers:
             raise ValueError(f"layer {layer_id} is not part of this load")
-        with self._cond:
+        with self._lock:
             ok = self._wait_for(
                 lambda: self._error is not None or self.missed or self._done or self._last_layer >= layer_id,
                 timeout,
@@ -157,7 +185,7 @@ class LoadHandle:
     def wait_recorded(self, timeout: float | None = None) -> bool:
         """CUDA pools: blocks until the daemon has recorded this load's layer events (one message,
         sent before the copies finish); False if the load missed."""
-        with self._cond:
+        with self._lock:
             ok = self._wait_for(
                 lambda: self._error is not None or self.missed or self._recorded or self._done, timeout
             )
@@ -182,7 +210,7 @@ class LoadHandle:
 
     def pages(self, timeout: float | None = None) -> int:
         """Blocks until the first message: how many leading pages this Get loads (0 on a miss)."""
-        with self._cond:
+        with self._lock:
             ok = self._wait_for(
                 lambda: self._error is not None or self.missed or self._pages is not None or self._done,
                 timeout,
@@ -195,12 +223,12 @@ class LoadHandle:
     def part_pages(self, timeout: float | None = None) -> list[int]:
         """A Get with parts: as ``pages``, each part's stored prefix (all 0 on a miss)."""
         self.pages(timeout)
-        with self._cond:
+        with self._lock:
             return [0] * self.parts if self.missed else list(self._part_pages)
 
     def wait(self, timeout: float | None = None) -> int:
         """Waits for every layer; returns the bytes copied (0 if the load missed)."""
-        with self._cond:
+        with self._lock:
             ok = self._wait_for(lambda: self._error is not None or self.missed or self._done, timeout)
             self._check()
             if not ok:

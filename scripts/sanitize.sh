@@ -2,9 +2,9 @@
 # The compiled code under AddressSanitizer and UndefinedBehaviorSanitizer (a CI job, after the suite):
 #  1. the fuzzers over the lane's request reader and check (tests/fuzz/fuzz_request.c) and over
 #     the key index's walk (tests/fuzz/fuzz_index.c), for FUZZ_SECONDS each (default 30 and 15);
-#  2. the C extensions (the copy kernel, the data plane, the index walk) built with both sanitizers
-#     in a copy of the tree, and the bad-input, lane, data-plane, deadline and index tests run
-#     against them in-process.
+#  2. the C extensions (the copy kernel, the data plane, the index walk, the client's lane calls)
+#     built with both sanitizers in a copy of the tree, and the bad-input, lane, doorbell,
+#     data-plane, deadline and index tests run against them in-process.
 # Any report fails the job (-fno-sanitize-recover: UBSan aborts too). Uses ./.venv (scripts/install.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,11 +29,12 @@ LD_PRELOAD="$asan $ubsan" ASAN_OPTIONS=detect_leaks=0 "$root/.venv/bin/python" -
 import os
 from kvserver.copies import _kvcopy
 from kvserver.lane import _kvlane
+from kvserver.protocol import _wire
 from kvserver.store import _kvindex
-for m in (_kvcopy, _kvlane, _kvindex):
+for m in (_kvcopy, _kvlane, _kvindex, _wire):
     assert m.__file__.startswith(os.getcwd()), m.__file__
     assert b"__asan_" in open(m.__file__, "rb").read(), f"{m.__file__} is not built with ASan"
-print("sanitized:", _kvcopy.__file__, _kvlane.__file__, _kvindex.__file__)
+print("sanitized:", _kvcopy.__file__, _kvlane.__file__, _kvindex.__file__, _wire.__file__)
 PY
 # Python itself is not built with ASan: its arenas and exit-time allocations are not leaks of ours.
 LD_PRELOAD="$asan $ubsan" \
@@ -41,5 +42,5 @@ ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1 \
 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 KVSERVER_EXPECT_PLANE=1 \
     "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider -p no:xdist --timeout 300 \
-    tests/test_dataplane.py tests/test_lane.py tests/test_api_bad_input.py tests/test_core_deadlines.py \
-    tests/test_store_index.py
+    tests/test_dataplane.py tests/test_lane.py tests/test_lane_doorbells.py tests/test_api_bad_input.py \
+    tests/test_core_deadlines.py tests/test_store_index.py

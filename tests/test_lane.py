@@ -120,7 +120,8 @@ class RawRing:
         os.ftruncate(fd, R.ring_bytes(slots))
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
         self.mm = mmap.mmap(fd, R.ring_bytes(slots))
-        self.mm[: R.HEADER.size] = R.header(slots)
+        header = R.header(slots)
+        self.mm[: len(header)] = header
         self.submit, submit_peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(slots)]
         self.done = [a for a, _ in pairs]
@@ -217,7 +218,11 @@ def test_a_hostile_ring_hurts_only_itself(daemon) -> None:
             assert ring.answer(6)[0] == inv and "not carried by the lane" in ring.answer(6)[1]
             assert ring.state(4) == 0xDEADBEEF  # ignored
             # The slots stay DONE (never freed): resubmitting one is ignored until the peer frees it.
-            assert bytes(ring.mm[: R.HEADER.size]) == R.header(8)  # the daemon wrote no header
+            # Of the header the daemon writes only its awake word (docs/lane.md, "Ringing only a sleeper").
+            head = R.header(8)
+            assert bytes(ring.mm[: len(head)]) == head
+            assert R.U32.unpack_from(ring.mm, R.AWAKE_AT)[0] in (0, 1)
+            assert not any(ring.mm[R.AWAKE_AT + 4: R.HEADER_BYTES])
             assert not any(ring.mm[R.slot_offset(7): R.ring_bytes(8)])  # nor any slot it was not asked to
             # Meanwhile another engine is served on its own lane.
             round_trip(engine, pool)

@@ -1,10 +1,13 @@
 """The client's half of the data-plane fast lane (docs/lane.md; the layout is kvserver.protocol.ring).
 
 ``ClientLane`` makes the sealed ring and the doorbells, and carries one Write, Load, Put or Get
-per slot: the serialized request goes into a free slot, the submit doorbell rings the daemon, and
-the caller's thread waits on its slot's done doorbell (poll with the call's deadline, after a
-short spin on the slot's words). A request too large for a slot, or a call that finds every slot
-busy, takes the gRPC path instead (the caller's choice: ``unary``/``stream`` answer None).
+per slot: the serialized request goes into a free slot, the submit doorbell rings the daemon
+(unless its data plane says it is awake), and the caller's thread waits on its slot's done
+doorbell (poll with the call's deadline, after a short spin on the slot's words; with the compiled
+module, ``kvserver.protocol._wire``, in one call without the GIL, and rung only while it sleeps:
+docs/lane.md, "Ringing only a sleeper"). A request too large for a slot, or a call that finds
+every slot busy, takes the gRPC path instead (the caller's choice: ``unary``/``stream`` answer
+None).
 
 A slot whose call gave up (its deadline) stays the daemon's until the daemon marks it DONE; it is
 taken back by a later call. When the daemon closes its ends (it stopped, died, or released the
@@ -25,7 +28,6 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -37,7 +39,6 @@ try:
     from kvserver.protocol import _wire
 except ImportError:  # not compiled: the slot is written from Python
     _wire = None
-from kvserver.v1 import kvserver_pb2 as pb
 
 logger = logging.getLogger("kvclient")
 
@@ -74,6 +75,7 @@ class ClientLane:
         self.reg: Any = None  # the registration this lane was opened for
         self.request_format = 0  # the daemon's binary Write/Load format (kvserver.protocol.lane_request)
         self.calls = 0  # requests answered on the lane
+        self._c = _wire  # the compiled calls, if built (fixed for the lane's life: its header says so)
         size = R.ring_bytes(slots)
         fd = os.memfd_create("kvclient-lane", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
         try:
@@ -83,7 +85,10 @@ class ClientLane:
         except BaseException:
             os.close(fd)
             raise
-        self._mm[: R.HEADER.size] = R.header(slots)
+        # Quiet: the compiled wait stores a slot's waiting word before it sleeps, so the daemon
+        # rings a done doorbell only for a sleeper (the Python wait does not: it is rung always).
+        header = R.header(slots, R.FEATURE_QUIET_DONE if self._c is not None else 0)
+        self._mm[: len(header)] = header
         view = ctypes.c_char.from_buffer(self._mm)
         self._address = ctypes.addressof(view)  # valid while the mapping is: until _release
         del view  # no export may outlive this line, or the mapping could not be closed
@@ -134,24 +139,17 @@ class ClientLane:
         i = self._begin(rpc, data)
         if i is None:
             return None
-        try:
-            deadline = time.monotonic() + timeout
-            while True:
-                got = self._wait(i, deadline, lambda: self._state(i) == R.DONE)
-                if self._state(i) == R.DONE:
-                    code, response, message, flags = self._result(i)
-                    self._give_back(i)
-                    if code:
-                        raise _error(code, message, flags)
-                    return response
-                if got in (_CLOSED, _CUT):
-                    self._abandon(i)
-                    raise _unavailable() if got == _CLOSED else _cut()
-                if got == _TIMEOUT:
-                    self._abandon(i)
-                    raise KVClientError(grpc.StatusCode.DEADLINE_EXCEEDED, "lane call deadline exceeded")
-        finally:
-            self._leave()
+        got = self._wait(i, time.monotonic() + timeout)
+        if self._state(i) == R.DONE:  # answered (even if the daemon closed its end after)
+            code, response, message, flags = self._result(i)
+            self._end(i, done=True)
+            if code:
+                raise _error(code, message, flags)
+            return response
+        self._end(i, done=False)
+        if got == _TIMEOUT:
+            raise KVClientError(grpc.StatusCode.DEADLINE_EXCEEDED, "lane call deadline exceeded")
+        raise _unavailable() if got == _CLOSED else _cut()
 
     def stream(self, rpc: str, data: bytes, timeout: float) -> LaneStream | None:
         """Load or Get on the lane: its progress source for a LoadHandle; None: take gRPC."""
@@ -161,29 +159,33 @@ class ClientLane:
         src = LaneStream(self, i, time.monotonic() + timeout)
         with self._lock:
             self._streams[i] = src
-        self._leave()
+            self._users -= 1  # the stream holds the slot now; its pumps count as users
         return src
 
     def _begin(self, rpc: str, data: bytes) -> int | None:
+        """A free slot, the request in it and the daemon rung; None: no room (take gRPC). The
+        caller counts as a user of the lane until ``_end`` (or ``stream`` hands the slot over)."""
         if len(data) > R.REQUEST_BYTES:
             return None
         with self._lock:
             if self.closed:
                 return None
-            if not self._free:
+            i = self._free.pop() if self._free else None
+            if i is None:
                 finished = self._reclaim()
             else:
-                finished = []
-        for src in finished:  # streams nobody waits for: read their end, so their slots come back
-            if src.handle is not None:
-                src.handle._drive()
-        with self._lock:
-            if self.closed or not self._free:
-                return None
-            i = self._free.pop()
-            self._users += 1
-        if _wire is not None:  # the same, in one compiled call
-            _wire.submit(self._address, i, R.RPC_IDS[rpc], next(self._seq), data, self._submit.fileno())
+                self._users += 1
+        if i is None:
+            for src in finished:  # streams nobody waits for: read their end, so their slots come back
+                if src.handle is not None:
+                    src.handle._drive()
+            with self._lock:
+                if self.closed or not self._free:
+                    return None
+                i = self._free.pop()
+                self._users += 1
+        if self._c is not None:  # the same, in one compiled call
+            self._c.submit(self._address, i, R.RPC_IDS[rpc], next(self._seq), data, self._submit.fileno())
             return i
         off = R.slot_offset(i)
         mm = self._mm
@@ -209,18 +211,22 @@ class ClientLane:
     # built (docs/lane.md, "Memory order"): what is read of the slot after them is as new.
 
     def _state(self, i: int) -> int:
-        if _wire is not None:
-            return _wire.word(self._address, i, R.STATE)
+        if self._c is not None:
+            return self._c.word(self._address, i, R.STATE)
         return R.U32.unpack_from(self._mm, R.slot_offset(i) + R.STATE)[0]
 
     def _progress(self, i: int) -> tuple[int, ...]:
-        if _wire is not None:
-            step = _wire.word(self._address, i, _STEP_AT)
-            words = R.PROGRESS.unpack_from(self._mm, R.slot_offset(i) + R.PROGRESS_AT)
-            return (*words[:5], step, words[6])
-        return R.PROGRESS.unpack_from(self._mm, R.slot_offset(i) + R.PROGRESS_AT)
+        """(state, layers_done, last_layer, bytes, events_recorded, pages, step, flags)."""
+        if self._c is not None:
+            return self._c.progress(self._address, i)
+        off = R.slot_offset(i)
+        return (R.U32.unpack_from(self._mm, off + R.STATE)[0],
+                *R.PROGRESS.unpack_from(self._mm, off + R.PROGRESS_AT))
 
     def _result(self, i: int) -> tuple[int, bytes, str, int]:
+        if self._c is not None:
+            code, response, message, flags = self._c.result(self._address, i)
+            return code, response, message.decode(errors="replace"), flags
         off = R.slot_offset(i)
         mm = self._mm
         code, n, m = R.RESULT.unpack_from(mm, off + R.CODE_AT)
@@ -229,23 +235,33 @@ class ClientLane:
         message = bytes(mm[off + R.ERROR_AT: off + R.ERROR_AT + min(m, R.ERROR_BYTES)])
         return code, response, message.decode(errors="replace"), flags
 
-    def _give_back(self, i: int) -> None:
+    def _end(self, i: int, done: bool) -> None:
+        """A call's user leaves: ``done``, its slot comes back (the daemon answered); else it is
+        abandoned (still the daemon's) and taken back once the daemon marks it DONE."""
         with self._lock:
             self._streams.pop(i, None)
-            self.calls += 1
-            if not self.closed:
-                R.U32.pack_into(self._mm, R.slot_offset(i) + R.STATE, R.FREE)
-                self._free.append(i)
-        self._maybe_release()
+            self._users -= 1
+            if done:
+                self.calls += 1
+                if not self.closed:
+                    R.U32.pack_into(self._mm, R.slot_offset(i) + R.STATE, R.FREE)
+                    self._free.append(i)
+            else:
+                self._abandoned.add(i)
+            last = self.closed and self._users == 0 and not self._streams
+        if last:
+            self._release()
 
-    def _abandon(self, i: int) -> None:
-        with self._lock:
-            self._streams.pop(i, None)
-            self._abandoned.add(i)
-        self._maybe_release()
+    def _wait(self, i: int, deadline: float, step: int = -1) -> int:
+        """Until the slot is DONE (or, ``step`` >= 0, its step word moved past ``step``), its
+        doorbell reads end of file, or ``deadline``: _OPEN, _CLOSED / _CUT, or _TIMEOUT."""
+        if self._c is not None:
+            got = self._c.wait(self._address, i, self._done[i].fileno(), step, self.spin, deadline)
+            return self._ended() if got == _CLOSED else got
 
-    def _wait(self, i: int, deadline: float, ready: Callable[[], bool]) -> int:
-        """Until ``ready()``, the slot's doorbell rings, the lane closes, or ``deadline``."""
+        def ready() -> bool:
+            return self._state(i) == R.DONE or (step >= 0 and self._progress(i)[6] != step)
+
         if self.spin:
             until = min(deadline, time.monotonic() + self.spin)
             while time.monotonic() < until:
@@ -276,11 +292,6 @@ class ClientLane:
 
     def _ended(self) -> int:
         return _CUT if self._cut else _CLOSED
-
-    def _leave(self) -> None:
-        with self._lock:
-            self._users -= 1
-        self._maybe_release()
 
     def _maybe_release(self) -> None:
         with self._lock:
@@ -339,38 +350,45 @@ class LaneStream:
                 handle._fail(_unavailable())
                 return
             lane._users += 1
+        ended = False
         try:
             end = self.deadline if timeout is None else min(self.deadline, time.monotonic() + timeout)
-            got = lane._wait(i, end, lambda: lane._state(i) == R.DONE or lane._progress(i)[5] != self.step)
-            done = lane._state(i) == R.DONE
+            got = lane._wait(i, end, self.step)
             words = lane._progress(i)
-            if words[5] != self.step or done:
-                self.step = words[5]
-                handle._apply(_message(words))
+            if words[0] != R.DONE and words[7] & R.FLAG_DONE and got == _OPEN:
+                # The last step is published just before DONE and the status: the handle ends
+                # with them, and its slot comes back before its waiter returns.
+                got = lane._wait(i, end)
+                words = lane._progress(i)
+            state, layers_done, last_layer, nbytes, recorded, pages, step, flags = words
+            done = state == R.DONE
+            if step != self.step or done:
+                self.step = step
+                # Done once the slot is: its status is known then (its layers count before).
+                handle._update(pages, (), bool(recorded), layers_done, last_layer, nbytes,
+                               done and bool(flags & R.FLAG_DONE))
             if done:
                 code, _, message, flags = lane._result(i)
-                self.finished = True
-                lane._give_back(i)
+                error = None
                 if code:
-                    handle._fail(_error(code, message, flags))
+                    error = _error(code, message, flags)
                 elif not flags & R.FLAG_DONE:
-                    handle._fail(KVClientError(grpc.StatusCode.INTERNAL, "load ended before the last layer"))
+                    error = KVClientError(grpc.StatusCode.INTERNAL, "load ended before the last layer")
             elif got in (_CLOSED, _CUT):
-                self.finished = True
-                lane._abandon(i)
-                handle._fail(_unavailable() if got == _CLOSED else _cut())
+                error = _unavailable() if got == _CLOSED else _cut()
             elif time.monotonic() >= self.deadline:
-                self.finished = True
-                lane._abandon(i)
-                handle._fail(KVClientError(grpc.StatusCode.DEADLINE_EXCEEDED, "lane call deadline exceeded"))
+                error = KVClientError(grpc.StatusCode.DEADLINE_EXCEEDED, "lane call deadline exceeded")
+            else:
+                return
+            self.finished = ended = True
+            lane._end(i, done)
+            if error is not None:
+                handle._fail(error)
         finally:
-            lane._leave()
-
-
-def _message(words: tuple[int, ...]) -> pb.LoadProgress:
-    layers_done, last_layer, nbytes, recorded, pages, _, flags = words
-    return pb.LoadProgress(last_layer=last_layer, layers_done=layers_done, done=bool(flags & R.FLAG_DONE),
-                           bytes=nbytes, events_recorded=bool(recorded), pages=pages)
+            if not ended:
+                with lane._lock:
+                    lane._users -= 1
+                lane._maybe_release()
 
 
 def _error(code: int, message: str, flags: int) -> KVClientError:

@@ -105,7 +105,7 @@ class DataPlane:
         self.lanes[key] = lane  # first: the thread may hand a request over at once
         try:
             handle = self.engine.add_lane(key, gate, lane.ring_address, lane.slots, lane.submit_fd,
-                                          lane.done_fds)
+                                          lane.done_fds, lane.quiet_done)
         except BaseException:
             del self.lanes[key]
             raise

@@ -56,6 +56,12 @@ def _check_doorbell(fd: int, what: str) -> socket.socket:
     return sock
 
 
+def ring_features(ring: ShmMapping) -> int:
+    """The features word of an opened ring's header (R.FEATURE_*): read once, when the lane is
+    added; what the client writes there later is not read again."""
+    return R.U32.unpack_from(ring.mm, R.FEATURES_AT)[0]
+
+
 def open_ring(fds: list[int]) -> tuple[ShmMapping, socket.socket, list[socket.socket]]:
     """Checks and takes over a ticket's descriptors: (ring, submit doorbell, done doorbells). The
     caller keeps ``fds`` and closes them if this raises; on success they belong to the results
@@ -124,6 +130,8 @@ class Lane:
         self._handle = 0
         self.plane_key = 0  # its key on the plane (never reused)
         self._on_served = on_served
+        # Read once: the data plane rings this ring's done doorbells only for a sleeping client.
+        self.quiet_done = bool(ring_features(ring) & R.FEATURE_QUIET_DONE)
 
     @property
     def ring_address(self) -> int:

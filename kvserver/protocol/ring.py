@@ -5,7 +5,10 @@ The ring is one memfd, made by the client and sealed (F_SEAL_SHRINK | F_SEAL_GRO
 of exactly ``ring_bytes(slots)`` bytes:
 
     header (64 B): magic b"KVL1", version u32, slots u32, slot_bytes u32, request_bytes u32,
-                   response_bytes u32, error_bytes u32, then zeros
+                   response_bytes u32, error_bytes u32,
+                   28 features u32 (the client's, read once by the daemon: FEATURE_QUIET_DONE),
+                   32 awake u32 (the daemon's: nonzero while its data plane looks at the slots
+                   without being rung, so a submit need not ring), then zeros
     slot i at HEADER_BYTES + i * SLOT_BYTES:
       0  state u32          FREE -> SUBMITTED (client) -> TAKEN (daemon) -> DONE (daemon) -> FREE (client)
       4  rpc u32            RPC_WRITE, RPC_LOAD, RPC_PUT, RPC_GET (protobuf requests), RPC_WRITE_B,
@@ -23,7 +26,9 @@ of exactly ``ring_bytes(slots)`` bytes:
       56 step u32           incremented by the daemon after each progress update
       60 flags u32          FLAG_DONE: the progress says done; FLAG_JOB_ENDED: the job is dead
       64 done_seq u64
-      72 (zeros up to REQUEST_AT)
+      72 waiting u32        the client's: nonzero while it sleeps on the slot's done doorbell (a
+                            FEATURE_QUIET_DONE ring's daemon rings that doorbell only then)
+      76 (zeros up to REQUEST_AT)
       REQUEST_AT  request bytes  (REQUEST_BYTES)
       RESPONSE_AT response bytes (RESPONSE_BYTES)
       ERROR_AT    status message (ERROR_BYTES)
@@ -33,6 +38,9 @@ MSG_DONTWAIT, a per-call flag, whereas an eventfd's O_NONBLOCK lives in the open
 that the peer shares and may clear (a blocking eventfd read or write would stall the daemon's
 event loop). One pair rings the daemon ("submit"); one pair per slot rings the client ("done").
 A closed end reads as end-of-file on the other: a dead daemon wakes every waiting client at once.
+Neither side rings a peer that is known awake (docs/lane.md, "Ringing only a sleeper"): a submit skips the
+submit doorbell while the header's awake word is set, and a quiet ring's slot is rung done only
+while its waiting word is set; each side stores its own word, fences, then reads the other's.
 
 The daemon copies a request out of the ring before parsing it, bounds every length it reads there,
 and computes every address from these constants, never from the ring.
@@ -62,6 +70,12 @@ STREAMS = frozenset({"Load", "Get", "LoadB"})
 
 FLAG_DONE = 1
 FLAG_JOB_ENDED = 2
+# The ring header's features word: what the client does beyond version 1's protocol (the daemon
+# ignores bits it does not know). QUIET_DONE: the client stores a slot's waiting word before it
+# sleeps on the slot's done doorbell, so the daemon need ring it only then.
+FEATURES_AT = 28
+FEATURE_QUIET_DONE = 1
+AWAKE_AT = 32
 
 # Offsets inside a slot.
 STATE = 0
@@ -73,6 +87,7 @@ PROGRESS = struct.Struct("<IIQIIII")  # layers_done, last_layer, bytes, events_r
 PROGRESS_AT = 32
 DONE_SEQ = struct.Struct("<Q")
 DONE_SEQ_AT = 64
+WAITING_AT = 72
 U32 = struct.Struct("<I")
 
 SLOT_HEADER_BYTES = 128
@@ -93,5 +108,6 @@ def slot_offset(i: int) -> int:
     return HEADER_BYTES + i * SLOT_BYTES
 
 
-def header(slots: int) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, slots, SLOT_BYTES, REQUEST_BYTES, RESPONSE_BYTES, ERROR_BYTES)
+def header(slots: int, features: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, slots, SLOT_BYTES, REQUEST_BYTES, RESPONSE_BYTES,
+                       ERROR_BYTES) + U32.pack(features)

@@ -45,6 +45,8 @@
 #define ERROR_AT (RESPONSE_AT + RESPONSE_BYTES)
 #define SLOT_BYTES (ERROR_AT + ERROR_BYTES)
 #define MAX_SLOTS 64
+#define AWAKE_AT 32    /* ring header: nonzero while this thread looks at the slots unrung */
+#define WAITING_AT 72  /* slot header: the client sleeps on the slot's done doorbell (quiet lanes) */
 #define ST_SUBMITTED 1
 #define ST_TAKEN 2
 #define ST_DONE 3
@@ -328,6 +330,7 @@ typedef struct Lane {
     Gate *gate; /* a reference, given back when the lane is removed */
     int slot_busy[MAX_SLOTS]; /* taken here: a job, or handed to Python until release_slot() */
     int watching;
+    int quiet; /* the client said (FEATURE_QUIET_DONE) it sets WAITING_AT before it sleeps */
     struct Lane *next;
 } Lane;
 
@@ -374,6 +377,7 @@ typedef struct {
     int paused; /* tests: requests are taken, no copy runs */
     int64_t progress_interval_ns;
     int64_t spin_ns;  /* after a request or a job, how long it looks again before it sleeps */
+    int awake;        /* the lanes' AWAKE_AT words say 1: clients submit without ringing */
     Lane *lanes;
     Job *jobs;
     int64_t njobs;
@@ -416,7 +420,17 @@ static inline void put64(char *p, uint64_t v) { memcpy(p, &v, 8); }
 static inline uint32_t state_of(char *slot) { return __atomic_load_n((uint32_t *)slot, __ATOMIC_ACQUIRE); }
 static inline void set_state(char *slot, uint32_t s) { __atomic_store_n((uint32_t *)slot, s, __ATOMIC_RELEASE); }
 
+/* Rings slot i's done doorbell after its state or step word was stored; on a quiet lane only if
+ * the client sleeps on it. The client stores its waiting word, then looks at those words, then
+ * sleeps; this thread stored them, then looks at the waiting word: with a full fence on each side
+ * one of the two sees the other's store (docs/lane.md, "Ringing only a sleeper"). The word is the
+ * client's to change: one that lies only misses its own wake-ups. */
 static void ring_done(Lane *l, int i) {
+    if (l->quiet) {
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);
+        if (!__atomic_load_n((uint32_t *)(slot_at(l, i) + WAITING_AT), __ATOMIC_RELAXED))
+            return;
+    }
     (void)!send(l->done_fd[i], "d", 1, MSG_DONTWAIT | MSG_NOSIGNAL);
 }
 
@@ -615,7 +629,9 @@ static int try_job(Engine *e, Lane *l, int i, uint32_t rpc, uint32_t n) {
     return 1;
 }
 
-static void scan(Engine *e, Lane *l) {
+/* Takes the lane's SUBMITTED slots; returns how many. */
+static int scan(Engine *e, Lane *l) {
+    int took = 0;
     for (int i = 0; i < l->slots; i++) {
         if (__atomic_load_n(&l->slot_busy[i], __ATOMIC_ACQUIRE))
             continue;
@@ -627,9 +643,27 @@ static void scan(Engine *e, Lane *l) {
         memcpy(&n, s + 16, 4);
         set_state(s, ST_TAKEN);
         l->slot_busy[i] = 1;
+        took++;
         if (!try_job(e, l, i, rpc, n))
             handoff(e, l, i);
     }
+    return took;
+}
+
+/* Every watched lane's SUBMITTED slots, rung or not. */
+static int scan_all(Engine *e) {
+    int took = 0;
+    for (Lane *l = e->lanes; l; l = l->next)
+        if (l->watching)
+            took += scan(e, l);
+    return took;
+}
+
+/* Tells every lane's clients whether this thread looks at their slots without being rung. */
+static void set_awake(Engine *e, int awake) {
+    for (Lane *l = e->lanes; l; l = l->next)
+        __atomic_store_n((uint32_t *)(l->ring + AWAKE_AT), (uint32_t)awake, __ATOMIC_RELAXED);
+    e->awake = awake;
 }
 
 static void doorbell(Engine *e, Lane *l) {
@@ -851,6 +885,8 @@ static void command(Engine *e) {
         l->watching = epoll_ctl(e->epfd, EPOLL_CTL_ADD, l->submit_fd, &ev) == 0;
         l->next = e->lanes;
         e->lanes = l;
+        __atomic_store_n((uint32_t *)(l->ring + AWAKE_AT), (uint32_t)e->awake, __ATOMIC_RELAXED);
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);
         scan(e, l);
     } else if (cmd == CMD_REMOVE) {
         remove_lane(e, arg);
@@ -889,8 +925,25 @@ static void *engine_main(void *arg) {
         /* Held (tests), jobs still meet their deadlines: looked at every millisecond. */
         int timeout = e->jobs ? (e->paused ? 1 : 0) : -1;
         int spinning = timeout < 0 && spin_until && now_ns() < spin_until;
+        /* While the thread looks again without sleeping it says so in every ring, and clients
+         * skip the doorbell: it finds their slots by looking. Before it sleeps it takes that back,
+         * then looks once more: a client that read "awake" just before stored its slot's state
+         * first, and a full fence on each side makes one of the two see the other. */
+        int looking = timeout >= 0 || spinning;
+        if (looking != e->awake) {
+            set_awake(e, looking);
+            if (!looking) {
+                __atomic_thread_fence(__ATOMIC_SEQ_CST);
+                if (scan_all(e)) {
+                    if (e->spin_ns)
+                        spin_until = now_ns() + e->spin_ns;
+                    continue;
+                }
+            }
+        }
         int n = epoll_wait(e->epfd, evs, 64, spinning ? 0 : timeout);
-        if (spinning && n == 0) {
+        int took = looking ? scan_all(e) : 0;
+        if (spinning && n == 0 && !took) {
             sched_yield();  /* a spinning thread lets whatever else is runnable on its CPU go first */
             continue;
         }
@@ -905,7 +958,7 @@ static void *engine_main(void *arg) {
                     doorbell(e, l);
             }
         }
-        if ((n > 0 || e->jobs) && e->spin_ns)
+        if ((n > 0 || took || e->jobs) && e->spin_ns)
             spin_until = now_ns() + e->spin_ns;
         if (woken) {
             uint64_t v;
@@ -1034,14 +1087,15 @@ static void engine_dealloc(Engine *e) {
     Py_TYPE(e)->tp_free((PyObject *)e);
 }
 
-/* add_lane(key, gate, ring address, slots, submit fd, done fds) */
+/* add_lane(key, gate, ring address, slots, submit fd, done fds, quiet=False): quiet, the client
+ * sets a slot's waiting word before it sleeps on its done doorbell (ring.FEATURE_QUIET_DONE). */
 static PyObject *engine_add_lane(Engine *e, PyObject *args) {
     long long key;
     Gate *gate;
     unsigned long long ring;
-    int slots, submit;
+    int slots, submit, quiet = 0;
     PyObject *done;
-    if (!PyArg_ParseTuple(args, "LO!KiiO", &key, &GateType, &gate, &ring, &slots, &submit, &done))
+    if (!PyArg_ParseTuple(args, "LO!KiiO|p", &key, &GateType, &gate, &ring, &slots, &submit, &done, &quiet))
         return NULL;
     if (e->started != 1) {
         PyErr_SetString(PyExc_RuntimeError, "the data plane has stopped");
@@ -1067,6 +1121,7 @@ static PyObject *engine_add_lane(Engine *e, PyObject *args) {
     l->ring = (char *)(uintptr_t)ring;
     l->slots = slots;
     l->submit_fd = submit;
+    l->quiet = quiet;
     l->gate = gate;
     Py_INCREF(gate);
     run_command(e, CMD_ADD, l);

@@ -9,13 +9,32 @@
  *   and dev_addr are the addresses of the caller's own contiguous int64 arrays (it keeps them alive
  *   for the call); layers is a sequence of ints.
  * submit(ring_addr, slot, rpc, seq, data, fd): writes data into the slot's request area, its rpc,
- *   seq and length, clears its progress words, marks it SUBMITTED (release order) and rings fd.
+ *   seq and length, clears its progress words, marks it SUBMITTED (release order) and rings fd,
+ *   unless the ring's awake word says the daemon's data plane looks at the slots unrung.
+ * wait(ring_addr, slot, fd, step, spin, deadline) -> 0 (ready), 1 (fd's end of file: the daemon
+ *   closed its end, or this client shut it), 2 (deadline passed). Ready: the slot is DONE or, with
+ *   step >= 0, its step word is not step. With the GIL released, it looks at the slot's words for
+ *   up to spin seconds (yielding the CPU between looks), then polls fd, the slot's done doorbell,
+ *   until deadline (time.monotonic()'s clock), draining it on each wake; the slot's waiting word
+ *   says so meanwhile (a quiet ring's daemon rings only then). A signal runs its Python handler;
+ *   an exception there is raised.
+ * word(ring_addr, slot, offset): one 32-bit word of the slot's header, read with an acquire load.
+ * progress(ring_addr, slot) -> (state, layers_done, last_layer, bytes, events_recorded, pages,
+ *   step, flags): state and step read with acquire loads, before the words they publish.
+ * result(ring_addr, slot) -> (code, response, message, flags) of a DONE slot, lengths bounded by
+ *   the areas they lie in (the daemon's numbers are not trusted to stay inside the slot).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <poll.h>
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <time.h>
 
 #include "../../lane/csrc/request.h"
 
@@ -23,6 +42,33 @@
 #define SLOT_BYTES (128 + 64 * 1024 + 1024 + 3 * 1024)
 #define REQUEST_AT 128
 #define REQUEST_BYTES (64 * 1024)
+#define RESPONSE_AT (REQUEST_AT + REQUEST_BYTES)
+#define RESPONSE_BYTES 1024
+#define ERROR_AT (RESPONSE_AT + RESPONSE_BYTES)
+#define ERROR_BYTES (3 * 1024)
+#define ST_DONE 3u
+#define STEP_AT 56
+#define WAITING_AT 72 /* slot header: the client sleeps on the done doorbell */
+#define AWAKE_AT 32   /* ring header: the daemon looks at the slots unrung */
+
+static char *slot_at(unsigned long long ring, int slot) {
+    return (char *)(uintptr_t)ring + HEADER_BYTES + (size_t)slot * SLOT_BYTES;
+}
+
+static int bad_slot(int slot) {
+    if (slot >= 0 && slot < 64)
+        return 0;
+    PyErr_SetString(PyExc_ValueError, "no such slot");
+    return 1;
+}
+
+static inline uint32_t acquire32(const char *p) { return __atomic_load_n((const uint32_t *)p, __ATOMIC_ACQUIRE); }
+
+static inline uint32_t get32(const char *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
 
 static PyObject *pack(PyObject *self, PyObject *args) {
     unsigned int kind, timeout_ms, event_slot;
@@ -116,7 +162,7 @@ static PyObject *submit(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "no such slot, or a request larger than a slot");
         return NULL;
     }
-    char *s = (char *)(uintptr_t)ring + HEADER_BYTES + (size_t)slot * SLOT_BYTES;
+    char *s = slot_at(ring, slot);
     uint32_t n = (uint32_t)data.len;
     memcpy(s + REQUEST_AT, data.buf, (size_t)data.len);
     PyBuffer_Release(&data);
@@ -125,7 +171,11 @@ static PyObject *submit(PyObject *self, PyObject *args) {
     memcpy(s + 16, &n, 4);
     memset(s + 32, 0, 32); /* progress words: nothing of the last call */
     __atomic_store_n((uint32_t *)s, 1u /* SUBMITTED */, __ATOMIC_RELEASE);
-    (void)!send(fd, "s", 1, MSG_DONTWAIT | MSG_NOSIGNAL); /* full: the daemon has doorbells to read */
+    /* The daemon clears its awake word, fences, then looks at the slots once more before it
+     * sleeps: with this fence, it sees SUBMITTED there or this sees the word cleared and rings. */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (!__atomic_load_n((uint32_t *)((char *)(uintptr_t)ring + AWAKE_AT), __ATOMIC_RELAXED))
+        (void)!send(fd, "s", 1, MSG_DONTWAIT | MSG_NOSIGNAL); /* full: the daemon has doorbells to read */
     Py_RETURN_NONE;
 }
 
@@ -141,14 +191,155 @@ static PyObject *word(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "no such slot, or not a word of its header");
         return NULL;
     }
-    char *s = (char *)(uintptr_t)ring + HEADER_BYTES + (size_t)slot * SLOT_BYTES;
+    char *s = slot_at(ring, slot);
     return PyLong_FromUnsignedLong(__atomic_load_n((uint32_t *)(s + offset), __ATOMIC_ACQUIRE));
+}
+
+static double monotonic(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static inline int slot_ready(const char *s, long long step) {
+    if (acquire32(s) == ST_DONE)
+        return 1;
+    return step >= 0 && acquire32(s + STEP_AT) != (uint32_t)step;
+}
+
+/* Reads the doorbell's messages to EAGAIN: 1 at its end of file (or an error), else 0. */
+static int drain(int fd) {
+    char buf[16];
+    for (;;) {
+        ssize_t r = recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+        if (r > 0)
+            continue;
+        if (r == 0)
+            return 1;
+        if (errno == EINTR)
+            continue;
+        return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : 1;
+    }
+}
+
+static PyObject *wait_slot(PyObject *self, PyObject *args) {
+    unsigned long long ring;
+    int slot, fd;
+    long long step;
+    double spin, deadline;
+    if (!PyArg_ParseTuple(args, "KiiLdd", &ring, &slot, &fd, &step, &spin, &deadline))
+        return NULL;
+    if (bad_slot(slot))
+        return NULL;
+    if (!(spin >= 0 && spin <= 0.01) || isnan(deadline)) {
+        PyErr_SetString(PyExc_ValueError, "spin must be between 0 and 10 ms, and the deadline a time");
+        return NULL;
+    }
+    char *s = slot_at(ring, slot);
+    uint32_t *waiting = (uint32_t *)(s + WAITING_AT);
+    int got = -1;
+    if (spin > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        double until = monotonic() + spin;
+        if (until > deadline)
+            until = deadline;
+        for (;;) {
+            if (slot_ready(s, step)) {
+                got = 0;
+                break;
+            }
+            if (monotonic() >= until)
+                break;
+            sched_yield(); /* whatever else is runnable on this CPU goes first */
+        }
+        Py_END_ALLOW_THREADS
+    }
+    while (got < 0) {
+        if (slot_ready(s, step)) {
+            got = 0;
+            break;
+        }
+        double left = deadline - monotonic();
+        if (left <= 0) {
+            got = 2;
+            break;
+        }
+        if (fd < 0) { /* no doorbell left to wait on: closed */
+            got = 1;
+            break;
+        }
+        double ms = ceil(left * 1000);
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        int n = 0, err = 0, ended = 0;
+        /* Said before the last look: the daemon stores the slot's words, fences, then reads this
+         * word to decide whether to ring; one of the two sees the other's store. */
+        __atomic_store_n(waiting, 1u, __ATOMIC_RELAXED);
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);
+        if (!slot_ready(s, step)) {
+            Py_BEGIN_ALLOW_THREADS
+            n = poll(&p, 1, ms > INT_MAX ? INT_MAX : (ms < 1 ? 1 : (int)ms));
+            err = errno;
+            if (n > 0)
+                ended = drain(fd);
+            Py_END_ALLOW_THREADS
+        }
+        __atomic_store_n(waiting, 0u, __ATOMIC_RELAXED);
+        if (n < 0) {
+            if (err != EINTR) {
+                got = 1;
+                break;
+            }
+            if (PyErr_CheckSignals())
+                return NULL;
+            continue;
+        }
+        if (ended && !slot_ready(s, step))
+            got = 1;
+    }
+    return PyLong_FromLong(got);
+}
+
+static PyObject *progress(PyObject *self, PyObject *args) {
+    unsigned long long ring;
+    int slot;
+    if (!PyArg_ParseTuple(args, "Ki", &ring, &slot))
+        return NULL;
+    if (bad_slot(slot))
+        return NULL;
+    const char *s = slot_at(ring, slot);
+    uint32_t state = acquire32(s), step = acquire32(s + STEP_AT);
+    uint64_t nbytes;
+    memcpy(&nbytes, s + 40, 8);
+    return Py_BuildValue("(kkkKkkkk)", (unsigned long)state, (unsigned long)get32(s + 32),
+                         (unsigned long)get32(s + 36), (unsigned long long)nbytes, (unsigned long)get32(s + 48),
+                         (unsigned long)get32(s + 52), (unsigned long)step, (unsigned long)get32(s + 60));
+}
+
+static PyObject *result(PyObject *self, PyObject *args) {
+    unsigned long long ring;
+    int slot;
+    if (!PyArg_ParseTuple(args, "Ki", &ring, &slot))
+        return NULL;
+    if (bad_slot(slot))
+        return NULL;
+    const char *s = slot_at(ring, slot);
+    (void)acquire32(s); /* what the state published */
+    uint32_t code = get32(s + 20), n = get32(s + 24), m = get32(s + 28);
+    if (n > RESPONSE_BYTES)
+        n = RESPONSE_BYTES;
+    if (m > ERROR_BYTES)
+        m = ERROR_BYTES;
+    return Py_BuildValue("(ky#y#k)", (unsigned long)code, s + RESPONSE_AT, (Py_ssize_t)n, s + ERROR_AT,
+                         (Py_ssize_t)m, (unsigned long)get32(s + 60));
 }
 
 static PyMethodDef methods[] = {
     {"pack", pack, METH_VARARGS, NULL},
     {"submit", submit, METH_VARARGS, NULL},
     {"word", word, METH_VARARGS, NULL},
+    {"wait", wait_slot, METH_VARARGS, NULL},
+    {"progress", progress, METH_VARARGS, NULL},
+    {"result", result, METH_VARARGS, NULL},
     {NULL},
 };
 

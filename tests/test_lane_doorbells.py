@@ -1,0 +1,193 @@
+"""The fast lane's doorbells are rung only for a peer that sleeps (docs/lane.md, "Ringing only a sleeper"): a
+submit skips the submit doorbell while the data plane says it is awake, and the plane rings a quiet
+ring's done doorbell only while the client says it waits there. No wake-up is lost when both sides
+go to sleep at once, and a client without the compiled calls (rung always) is served alike. Real
+daemon, real client, real shared memory."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+import torch
+from checks import wait_until
+from conftest import DaemonThread
+
+from kvclient import KVClient, KVLayout, ShmKVPool
+from kvclient._transport import lane as lane_mod
+from kvserver.config import ServerConfig
+from kvserver.protocol import lane_request
+from kvserver.protocol import ring as R
+
+wire = pytest.importorskip("kvserver.protocol._wire", reason="the compiled client calls are not built")
+
+LAYERS, PAGE, TOKENS = 2, 16, 256
+LAYOUT, DTYPE = KVLayout.mha(2, 32), torch.bfloat16
+
+
+def plane_daemon(socket_dir: str, spin: float) -> DaemonThread:
+    d = DaemonThread(ServerConfig(socket=os.path.join(socket_dir, f"bells{spin}.sock"), host_memory=64 << 20,
+                                  plane_spin=spin))
+    if d.core.plane is None:
+        d.stop()
+        if os.environ.get("KVSERVER_EXPECT_PLANE"):  # scripts/sanitize.sh: a skip would hide the job
+            pytest.fail("the compiled data plane is not running")
+        pytest.skip("the compiled data plane is not built (or KVSERVER_DATA_PLANE=python)")
+    return d
+
+
+def client(d: DaemonThread, pool: ShmKVPool) -> KVClient:
+    c = KVClient(d.address, timeout=5, resilient=False)
+    c.register(model="bells", pool=pool, start_layer=0, end_layer=LAYERS, num_layers=LAYERS,
+               host_tokens=TOKENS, page_size=PAGE)
+    assert c.lane is not None
+    return c
+
+
+def awake(lane: lane_mod.ClientLane) -> int:
+    return R.U32.unpack_from(lane._mm, R.AWAKE_AT)[0]
+
+
+def pending(sock: socket.socket) -> int:
+    """Messages waiting on a doorbell end, read now."""
+    n = 0
+    try:
+        while sock.recv(16, socket.MSG_DONTWAIT):
+            n += 1
+    except BlockingIOError:
+        pass
+    return n
+
+
+def test_a_submit_rings_only_a_daemon_that_sleeps() -> None:
+    lane = lane_mod.ClientLane(slots=2)
+    try:
+        assert R.U32.unpack_from(lane._mm, R.FEATURES_AT)[0] == R.FEATURE_QUIET_DONE
+        daemon_end = socket.socket(fileno=os.dup(lane.daemon_fds()[1]))
+        daemon_end.setblocking(False)
+        R.U32.pack_into(lane._mm, R.AWAKE_AT, 1)
+        assert lane._begin("WriteB", b"x") is not None
+        assert pending(daemon_end) == 0  # awake: it finds the slot by looking
+        R.U32.pack_into(lane._mm, R.AWAKE_AT, 0)
+        assert lane._begin("WriteB", b"y") is not None
+        assert pending(daemon_end) == 1  # asleep: rung
+        assert lane._state(0) == lane._state(1) == R.SUBMITTED
+        daemon_end.close()
+    finally:
+        lane.close()
+
+
+def test_the_plane_says_it_is_awake_while_it_spins_and_then_sleeps(socket_dir) -> None:
+    d = plane_daemon(socket_dir, 0.005)  # looks for 5 ms after each request
+    try:
+        with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, client(d, pool) as c:
+            host, dev = c.alloc(PAGE), torch.arange(PAGE)
+            seen = 0
+            for _ in range(50):  # read just after an answer: within the 5 ms (a slow CI may miss some)
+                c.write(host_indices=host, device_indices=dev)
+                seen += awake(c.lane)
+            assert seen > 0, "the plane never said it was awake just after answering"
+            wait_until(lambda: awake(c.lane) == 0, 2, "the plane to say it sleeps once its spin ran out")
+            served = d.core.plane.engine.served
+            c.write(host_indices=host, device_indices=dev)  # rung: it wakes
+            assert d.core.plane.engine.served == served + 1
+    finally:
+        d.stop()
+
+
+def test_a_quiet_ring_is_rung_only_for_a_client_that_sleeps(socket_dir, monkeypatch) -> None:
+    d = plane_daemon(socket_dir, 0.0)
+    try:
+        with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, client(d, pool) as c:
+            host, dev = c.alloc(PAGE), torch.arange(PAGE)
+            c.lane.spin = 0.01  # it waits by looking, for up to 10 ms: never in poll
+            for _ in range(20):
+                c.write(host_indices=host, device_indices=dev)
+            assert sum(pending(s) for s in c.lane._done) == 0
+            c.lane.spin = 0.0  # it sleeps at once: rung (else each call would wait for its deadline)
+            t = time.monotonic()
+            for _ in range(20):
+                c.write(host_indices=host, device_indices=dev)
+            assert time.monotonic() - t < 2.0
+            assert sum(pending(s) for s in c.lane._done) == 0  # drained as it woke
+        # A lane whose client waits in Python is rung for every answer.
+        monkeypatch.setattr(lane_mod, "_wire", None)
+        with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, client(d, pool) as c:
+            assert R.U32.unpack_from(c.lane._mm, R.FEATURES_AT)[0] == 0
+            host, dev = c.alloc(PAGE), torch.arange(PAGE)
+            c.lane.spin = 0.01
+            for _ in range(5):
+                c.write(host_indices=host, device_indices=dev)
+            assert sum(pending(s) for s in c.lane._done) == 5
+    finally:
+        d.stop()
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_the_client_without_its_compiled_calls_is_served_alike(socket_dir, monkeypatch, compiled) -> None:
+    if not compiled:
+        monkeypatch.setattr(lane_mod, "_wire", None)
+        monkeypatch.setattr(lane_request, "_wire", None)
+    d = plane_daemon(socket_dir, 0.0001)
+    try:
+        with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, client(d, pool) as c:
+            assert (c.lane._c is not None) == compiled
+            g = torch.Generator().manual_seed(3)
+            for layer in pool.buffers:
+                for buf in layer:
+                    buf.view(torch.int16).copy_(torch.randint(-30000, 30000, buf.shape, generator=g,
+                                                              dtype=torch.int16))
+            want = [buf.view(torch.int16).clone() for layer in pool.buffers for buf in layer]
+            host, dev = c.alloc(TOKENS // 2), torch.randperm(TOKENS)[: TOKENS // 2]
+            served = d.core.plane.engine.served
+            assert c.write(host_indices=host, device_indices=dev) > 0
+            for layer in pool.buffers:
+                for buf in layer:
+                    buf[dev] = 0
+            handle = c.load(host_indices=host, device_indices=dev)
+            assert handle.wait_layer(0) and handle.wait() > 0
+            got = [buf.view(torch.int16) for layer in pool.buffers for buf in layer]
+            assert all(bool((a == b).all()) for a, b in zip(got, want, strict=True))
+            assert d.core.plane.engine.served == served + 2 and c.lane.calls == 2
+    finally:
+        d.stop()
+
+
+@pytest.mark.parametrize("plane_spin,client_spin", [(0.0, 0.0), (0.000002, 0.0), (0.000002, 0.000002),
+                                                    (0.00005, 0.000001)])
+def test_no_wake_up_is_lost_when_both_sides_go_to_sleep(socket_dir, plane_spin, client_spin) -> None:
+    """Spins of a few microseconds put both sides at the edge of sleep on almost every call; two
+    engines at once make the plane change its word while the other's call is in flight. A lost
+    wake-up would hold a call to its 5 s deadline (DEADLINE_EXCEEDED)."""
+    d = plane_daemon(socket_dir, plane_spin)
+    errors: list[BaseException] = []
+    slowest = [0.0, 0.0]
+
+    def engine(k: int, pool: ShmKVPool) -> None:
+        try:
+            with client(d, pool) as c:
+                c.lane.spin = client_spin
+                host, dev = c.alloc(PAGE), torch.arange(PAGE)
+                for _ in range(400):
+                    t = time.monotonic()
+                    c.write(host_indices=host, device_indices=dev, layers=[0])
+                    c.load(host_indices=host, device_indices=dev).wait()
+                    slowest[k] = max(slowest[k], time.monotonic() - t)
+                assert c.lane.calls == 800
+        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+            errors.append(exc)
+
+    try:
+        with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as a, ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as b:
+            threads = [threading.Thread(target=engine, args=(k, p)) for k, p in enumerate((a, b))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+        assert not errors, errors
+        assert max(slowest) < 2.0, slowest  # nothing waited for a deadline, or near one
+    finally:
+        d.stop()
