@@ -191,3 +191,11 @@ def test_no_wake_up_is_lost_when_both_sides_go_to_sleep(socket_dir, plane_spin, 
         assert max(slowest) < 2.0, slowest  # nothing waited for a deadline, or near one
     finally:
         d.stop()
+
+
+@pytest.mark.parametrize("text,want", [("0", 0.0), ("150", 150e-6), ("10000", 0.01), ("-1", 30e-6),
+                                       ("10001", 30e-6), ("fast", 30e-6), ("nan", 30e-6)])
+def test_a_spin_from_the_environment_is_checked(monkeypatch, caplog, text, want) -> None:
+    monkeypatch.setenv("KVCLIENT_LANE_SPIN_US", text)
+    assert lane_mod._spin_seconds("KVCLIENT_LANE_SPIN_US", 30) == pytest.approx(want)
+    assert ("is not a number of microseconds" in caplog.text) == (want == 30e-6)

@@ -43,22 +43,24 @@ except ImportError:  # not compiled: the slot is written from Python
 logger = logging.getLogger("kvclient")
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-# How long a waiter polls its slot's words before it blocks on the doorbell (see docs/lane.md): a
-# small call's answer usually comes sooner than a sleeping thread wakes up.
-def _spin_seconds() -> float:
-    text = os.environ.get("KVCLIENT_LANE_SPIN_US", "30")
+# How long a waiter looks at its slot's words before it blocks on the doorbell (docs/lane.md,
+# "Waiting"): a small call's answer usually comes sooner than a sleeping thread wakes up. A Load's
+# or Get's waiter looks longer: its layers come at the pace of the copy, one every few tens of
+# microseconds for a small load, and a waiter asleep between two pays a wake-up for each.
+def _spin_seconds(name: str, default: int) -> float:
+    text = os.environ.get(name, str(default))
     try:
         us = float(text)
     except ValueError:
         us = -1.0
     if not 0 <= us <= 10_000:
-        logger.warning("KVCLIENT_LANE_SPIN_US=%r is not a number of microseconds in [0, 10000]; "
-                       "using 30", text)
-        us = 30.0
+        logger.warning("%s=%r is not a number of microseconds in [0, 10000]; using %d", name, text, default)
+        us = float(default)
     return us / 1e6
 
 
-SPIN_SECONDS = _spin_seconds()
+SPIN_SECONDS = _spin_seconds("KVCLIENT_LANE_SPIN_US", 30)
+LOAD_SPIN_SECONDS = _spin_seconds("KVCLIENT_LANE_LOAD_SPIN_US", 200)
 # _CLOSED: the daemon closed its end (it is gone, or released the registration: its jobs are
 # dead). _CUT: this client shut the lane while the call ran (close, unregister): the daemon may
 # still copy, so the call ends as a cancelled one, unconfirmed, as a gRPC call would.
@@ -67,11 +69,13 @@ _STEP_AT = R.PROGRESS_AT + 24  # the progress words' step counter (R.PROGRESS: i
 
 
 class ClientLane:
-    def __init__(self, slots: int = R.DEFAULT_SLOTS, spin: float = SPIN_SECONDS) -> None:
+    def __init__(self, slots: int = R.DEFAULT_SLOTS, spin: float = SPIN_SECONDS,
+                 load_spin: float = LOAD_SPIN_SECONDS) -> None:
         if not 1 <= slots <= R.MAX_SLOTS:
             raise ValueError(f"slots must be in [1, {R.MAX_SLOTS}]")
         self.slots = slots
-        self.spin = spin
+        self.spin = spin  # a Write's or Put's wait
+        self.load_spin = load_spin  # a Load's or Get's, for each of its steps
         self.reg: Any = None  # the registration this lane was opened for
         self.request_format = 0  # the daemon's binary Write/Load format (kvserver.protocol.lane_request)
         self.calls = 0  # requests answered on the lane
@@ -252,18 +256,20 @@ class ClientLane:
         if last:
             self._release()
 
-    def _wait(self, i: int, deadline: float, step: int = -1) -> int:
+    def _wait(self, i: int, deadline: float, step: int = -1, spin: float | None = None) -> int:
         """Until the slot is DONE (or, ``step`` >= 0, its step word moved past ``step``), its
-        doorbell reads end of file, or ``deadline``: _OPEN, _CLOSED / _CUT, or _TIMEOUT."""
+        doorbell reads end of file, or ``deadline``: _OPEN, _CLOSED / _CUT, or _TIMEOUT. Looks
+        at the words for ``spin`` seconds (default ``self.spin``) before it sleeps."""
+        spin = self.spin if spin is None else spin
         if self._c is not None:
-            got = self._c.wait(self._address, i, self._done[i].fileno(), step, self.spin, deadline)
+            got = self._c.wait(self._address, i, self._done[i].fileno(), step, spin, deadline)
             return self._ended() if got == _CLOSED else got
 
         def ready() -> bool:
             return self._state(i) == R.DONE or (step >= 0 and self._progress(i)[6] != step)
 
-        if self.spin:
-            until = min(deadline, time.monotonic() + self.spin)
+        if spin:
+            until = min(deadline, time.monotonic() + spin)
             while time.monotonic() < until:
                 if ready():
                     return _OPEN
@@ -353,12 +359,12 @@ class LaneStream:
         ended = False
         try:
             end = self.deadline if timeout is None else min(self.deadline, time.monotonic() + timeout)
-            got = lane._wait(i, end, self.step)
+            got = lane._wait(i, end, self.step, lane.load_spin)
             words = lane._progress(i)
             if words[0] != R.DONE and words[7] & R.FLAG_DONE and got == _OPEN:
                 # The last step is published just before DONE and the status: the handle ends
                 # with them, and its slot comes back before its waiter returns.
-                got = lane._wait(i, end)
+                got = lane._wait(i, end, -1, lane.load_spin)
                 words = lane._progress(i)
             state, layers_done, last_layer, nbytes, recorded, pages, step, flags = words
             done = state == R.DONE

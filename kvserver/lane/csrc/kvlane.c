@@ -2,16 +2,19 @@
  * thread, without the GIL and without the event loop (docs/design.md, "The data plane").
  *
  * One Engine per daemon runs one thread. It watches every lane's submit doorbell with epoll; a
- * wake-up drains the doorbell and looks once at each slot it is not already serving. A SUBMITTED
- * slot is marked TAKEN and its request copied out of the ring. A binary Write or Load that
- * kv_accept() finds certainly valid, for a registration whose Gate is open and which has no copy
- * running on the Python side, becomes a job here: its host pages are checked as allocated and
- * marked busy under the Gate's lock (the lock Free takes), and it is copied in pieces of at most
- * PIECE_BYTES, loads before writes (a load waits only for the earlier writes of its registration
- * that touch its pages or slots, as kvserver/copies/order.py orders them), publishing each
- * load's per-layer progress in the slot and ringing its done doorbell. Everything else (the
- * protobuf calls, Put and Get, CUDA pools, any request the check refuses) is handed to Python in
- * arrival order through a queue and an eventfd, and answered there by the one validation.
+ * wake-up drains the doorbell and looks once at each slot it is not already serving. While it
+ * looks again without sleeping (a copy running, or its spin) it says so in every ring's awake
+ * word and looks at every slot itself, so that clients need not ring (docs/lane.md, "Ringing
+ * only a sleeper"). A SUBMITTED slot is marked TAKEN and its request copied out of the ring. A
+ * binary Write or Load that kv_accept() finds certainly valid, for a registration whose Gate is
+ * open and which has no copy running on the Python side, becomes a job here: its host pages are
+ * checked as allocated and marked busy under the Gate's lock (the lock Free takes), and it is
+ * copied in pieces of at most PIECE_BYTES, loads before writes (a load waits only for the earlier
+ * writes of its registration that touch its pages or slots, as kvserver/copies/order.py orders
+ * them), publishing each load's per-layer progress in the slot and ringing its done doorbell (on
+ * a quiet ring only for a client that sleeps there). Everything else (the protobuf calls, Put and
+ * Get, CUDA pools, any request the check refuses) is handed to Python in arrival order through a
+ * queue and an eventfd, and answered there by the one validation.
  *
  * Python changes what the thread uses only through commands that the thread carries out between
  * pieces and acknowledges (add or remove a lane, close a gate): once remove_lane() returns, the
