@@ -153,7 +153,8 @@ def main() -> None:
                     d = torch.randperm(pool_tokens // p)[: tokens // p]
                     dev_idx = (d[:, None] * p + torch.arange(p)).reshape(-1)
                     chunk = p * layout.token_bytes(dtype) // 8
-                    local = torch.zeros(tokens // p * 2, args.layers, 2, chunk, dtype=torch.int64)
+                    # Laid out as the daemon's host region (layer first), as the transfer suite's baseline.
+                    local = torch.zeros(args.layers, 2, tokens // p * 2, chunk, dtype=torch.int64)
                     hp = torch.randperm(tokens // p * 2)[: tokens // p]
                     plan = transfer.make_plan(hp.numpy(), dev_idx.numpy(), p, pool_tokens // p)
                     bufs = ring_pool.buffers
@@ -163,7 +164,7 @@ def main() -> None:
                     def planned(to_device: bool, views=views, toks=toks, local=local, plan=plan) -> None:
                         for layer in range(args.layers):
                             for part in range(2):
-                                transfer.copy_part(plan, local[:, layer, part], views[layer][part],
+                                transfer.copy_part(plan, local[layer, part], views[layer][part],
                                                    toks[layer][part], to_device)
 
                     fns = {"in-process write": lambda planned=planned: planned(False),
@@ -203,8 +204,8 @@ def main() -> None:
         print(f"{name:<{width}}   {value}")
     plane_spin = os.environ.get("KVSERVER_PLANE_SPIN_US", "50")
     print(f"(ring lane: {served} bulk calls answered on the ring; spins: the plane's {plane_spin} us, "
-          f"the client's {lane.SPIN_SECONDS * 1e6:.0f} us; CPU between gRPC calls includes what each "
-          "gRPC block left running)")
+          f"the client's {lane.SPIN_SECONDS * 1e6:.0f} us ({lane.LOAD_SPIN_SECONDS * 1e6:.0f} us for a "
+          "load's layer); CPU between gRPC calls includes what each gRPC block left running)")
 
 
 if __name__ == "__main__":
