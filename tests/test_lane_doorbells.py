@@ -199,3 +199,16 @@ def test_a_spin_from_the_environment_is_checked(monkeypatch, caplog, text, want)
     monkeypatch.setenv("KVCLIENT_LANE_SPIN_US", text)
     assert lane_mod._spin_seconds("KVCLIENT_LANE_SPIN_US", 30) == pytest.approx(want)
     assert ("is not a number of microseconds" in caplog.text) == (want == 30e-6)
+
+
+def test_a_load_s_waiter_spins_long_only_while_its_steps_come_fast() -> None:
+    lane = lane_mod.ClientLane(slots=1, spin=30e-6, load_spin=200e-6)
+    try:
+        src = lane_mod.LaneStream(lane, 0, time.monotonic() + 5)
+        assert src.spin() == 200e-6  # the first layer: no pace known yet
+        src.gap = 40e-6  # a small load's layers
+        assert src.spin() == 200e-6
+        src.gap = 400e-6  # a large load's: looking that long between them costs the copy
+        assert src.spin() == 30e-6
+    finally:
+        lane.close()

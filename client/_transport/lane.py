@@ -344,6 +344,17 @@ class LaneStream:
         self.step = 0
         self.finished = False
         self.handle: Any = None  # the LoadHandle it feeds
+        # When the last new step was seen, and the time a step took then: a waiter looks for the
+        # next step for the lane's load spin only while steps come that fast (a small load's
+        # layers); a large load's layers take longer than any spin, and its waiter sleeps at once
+        # after the lane's short spin (spinning there costs the copy itself on a small machine).
+        self.step_at: float | None = None
+        self.gap: float | None = None
+
+    def spin(self) -> float:
+        """How long the next wait looks at the slot before it sleeps (see ``gap``)."""
+        lane = self.lane
+        return lane.load_spin if self.gap is None or self.gap <= lane.load_spin else lane.spin
 
     def pump(self, handle: Any, timeout: float | None) -> None:
         """Waits up to ``timeout`` (None: the call's deadline) for news and hands it to ``handle``."""
@@ -359,16 +370,22 @@ class LaneStream:
         ended = False
         try:
             end = self.deadline if timeout is None else min(self.deadline, time.monotonic() + timeout)
-            got = lane._wait(i, end, self.step, lane.load_spin)
+            spin = self.spin()
+            got = lane._wait(i, end, self.step, spin)
             words = lane._progress(i)
             if words[0] != R.DONE and words[7] & R.FLAG_DONE and got == _OPEN:
                 # The last step is published just before DONE and the status: the handle ends
                 # with them, and its slot comes back before its waiter returns.
-                got = lane._wait(i, end, -1, lane.load_spin)
+                got = lane._wait(i, end, -1, spin)
                 words = lane._progress(i)
             state, layers_done, last_layer, nbytes, recorded, pages, step, flags = words
             done = state == R.DONE
             if step != self.step or done:
+                if step != self.step:
+                    now = time.monotonic()
+                    if self.step_at is not None:
+                        self.gap = (now - self.step_at) / ((step - self.step) & 0xFFFFFFFF or 1)
+                    self.step_at = now
                 self.step = step
                 # Done once the slot is: its status is known then (its layers count before).
                 handle._update(pages, (), bool(recorded), layers_done, last_layer, nbytes,
