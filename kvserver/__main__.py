@@ -89,9 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-grace", type=float, default=_env("SHUTDOWN_GRACE", "5"),
                    help="seconds in-flight calls get on SIGTERM (default 5)")
     p.add_argument("--progress-interval-ms", type=float, default=_env("PROGRESS_INTERVAL_MS", "1"),
-                   help="least time between load progress messages (gRPC, and lane calls the loop "
-                        "serves); 0 sends one per layer (default 1). The compiled data plane publishes "
-                        "every layer")
+                   help="least time between load progress messages, or on the compiled data plane "
+                        "between wake-ups of a sleeping waiter (it updates the progress words every "
+                        "layer); 0: one per layer (default 1)")
     p.add_argument("--plane-spin-us", type=float, default=_env("PLANE_SPIN_US", "50"),
                    help="after a fast-lane request or copy, how long the data plane's thread looks for the "
                         "next one before it sleeps; 0 never spins (default 50)")

@@ -28,9 +28,9 @@ LAYERS, PAGE, TOKENS = 2, 16, 256
 LAYOUT, DTYPE = KVLayout.mha(2, 32), torch.bfloat16
 
 
-def plane_daemon(socket_dir: str, spin: float) -> DaemonThread:
-    d = DaemonThread(ServerConfig(socket=os.path.join(socket_dir, f"bells{spin}.sock"), host_memory=64 << 20,
-                                  plane_spin=spin))
+def plane_daemon(socket_dir: str, spin: float, host_memory: int = 64 << 20) -> DaemonThread:
+    d = DaemonThread(ServerConfig(socket=os.path.join(socket_dir, f"bells{spin}.sock"),
+                                  host_memory=host_memory, plane_spin=spin))
     if d.core.plane is None:
         d.stop()
         if os.environ.get("KVSERVER_EXPECT_PLANE"):  # scripts/sanitize.sh: a skip would hide the job
@@ -81,13 +81,16 @@ def test_a_submit_rings_only_a_daemon_that_sleeps() -> None:
 
 
 def test_the_plane_says_it_is_awake_while_it_spins_and_then_sleeps(socket_dir) -> None:
-    d = plane_daemon(socket_dir, 0.005)  # looks for 5 ms after each request
+    d = plane_daemon(socket_dir, 0.01)  # looks for 10 ms after each request
     try:
         with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, client(d, pool) as c:
             host, dev = c.alloc(PAGE), torch.arange(PAGE)
             seen = 0
-            for _ in range(50):  # read just after an answer: within the 5 ms (a slow CI may miss some)
+            for _ in range(50):  # looked for within 5 ms of an answer (a busy CI may miss some)
                 c.write(host_indices=host, device_indices=dev)
+                until = time.monotonic() + 0.005
+                while not awake(c.lane) and time.monotonic() < until:
+                    pass
                 seen += awake(c.lane)
             assert seen > 0, "the plane never said it was awake just after answering"
             wait_until(lambda: awake(c.lane) == 0, 2, "the plane to say it sleeps once its spin ran out")
@@ -212,3 +215,65 @@ def test_a_load_s_waiter_spins_long_only_while_its_steps_come_fast() -> None:
         assert src.spin() == 30e-6
     finally:
         lane.close()
+
+
+def test_a_call_whose_wait_raises_gives_its_slot_up_and_the_lane_still_closes() -> None:
+    lane = lane_mod.ClientLane(slots=1, spin=0.02)  # a spin the compiled wait refuses: it raises
+    with pytest.raises(ValueError, match="spin"):
+        lane.unary("WriteB", b"x", 1.0)
+    assert lane._users == 0 and lane._abandoned == {0}  # the daemon may still answer it
+    lane.close()
+    assert lane._released
+
+
+def test_a_signal_during_the_spin_runs_its_handler_before_the_wait_sleeps() -> None:
+    import signal
+
+    class Alarm(Exception):
+        pass
+
+    def raise_alarm(signum, frame):
+        raise Alarm
+
+    lane = lane_mod.ClientLane(slots=1, spin=0.005)  # no daemon: the slot is never answered
+    old = signal.signal(signal.SIGALRM, raise_alarm)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.001)  # lands during the 5 ms spin
+        t = time.monotonic()
+        with pytest.raises(Alarm):
+            lane.unary("WriteB", b"x", 5.0)
+        assert time.monotonic() - t < 1.0, "the handler waited for the call's deadline"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        lane.close()
+
+
+def test_the_plane_looks_unrung_only_at_a_few_lanes(socket_dir) -> None:
+    """Past 256 watched slots (33 lanes of 8) a look at every slot would be long: the plane stops
+    saying it is awake, and everyone rings; below it again, it says so again."""
+    d = plane_daemon(socket_dir, 0.005, host_memory=80 << 20)  # a 2 MiB region each
+    clients: list[KVClient] = []
+    try:
+        with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool:
+            for _ in range(33):
+                clients.append(client(d, pool))
+            c = clients[0]
+            host, dev = c.alloc(PAGE), torch.arange(PAGE)
+
+            def seen_awake() -> int:
+                n = 0
+                for _ in range(30):
+                    c.write(host_indices=host, device_indices=dev)
+                    n += awake(c.lane)
+                return n
+
+            assert seen_awake() == 0
+            for other in clients[-2:]:
+                other.close()
+            del clients[-2:]
+            wait_until(lambda: seen_awake() > 0, 10, "the plane to look unrung again at 31 lanes")
+    finally:
+        for c in clients:
+            c.close()
+        d.stop()

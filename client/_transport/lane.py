@@ -143,7 +143,11 @@ class ClientLane:
         i = self._begin(rpc, data)
         if i is None:
             return None
-        got = self._wait(i, time.monotonic() + timeout)
+        try:
+            got = self._wait(i, time.monotonic() + timeout)
+        except BaseException:  # a signal's handler raised: the daemon may still answer the slot
+            self._end(i, done=False)
+            raise
         if self._state(i) == R.DONE:  # answered (even if the daemon closed its end after)
             code, response, message, flags = self._result(i)
             self._end(i, done=True)
@@ -362,11 +366,14 @@ class LaneStream:
             return
         lane, i = self.lane, self.slot
         with lane._lock:
-            if lane._released:
+            released = lane._released
+            if released:
                 self.finished = True
-                handle._fail(_unavailable())
-                return
-            lane._users += 1
+            else:
+                lane._users += 1
+        if released:  # failed outside the lane's lock: the handle's error path may call the daemon
+            handle._fail(_unavailable())
+            return
         ended = False
         try:
             end = self.deadline if timeout is None else min(self.deadline, time.monotonic() + timeout)

@@ -174,9 +174,10 @@ class KVServicer(pb_grpc.KVServerServicer):
         self.reaper = reaper
         self.admin_token = admin_token
         self.stopping = asyncio.Event()  # set at shutdown: sessions end so the server can drain
-        # The plane publishes every layer (progress interval 0): its progress is words in the ring,
-        # rung only for a waiter that sleeps, not a message that wakes the loop (docs/lane.md).
-        self.plane = DataPlane(0.0, BUCKETS, plane_spin) if plane.available() else None
+        # The plane publishes every layer's progress words; the interval paces only the doorbell
+        # that wakes a sleeping waiter (docs/lane.md, "Ringing only a sleeper").
+        self.plane = (DataPlane(core.copier.progress_interval, BUCKETS, plane_spin) if plane.available()
+                      else None)
         core.plane = self.plane
         core.on_plane_transfers = self._plane_transfers
         self.lanes = LaneBook(core, self.run_lane, self.plane)

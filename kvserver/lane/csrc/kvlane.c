@@ -3,9 +3,9 @@
  *
  * One Engine per daemon runs one thread. It watches every lane's submit doorbell with epoll; a
  * wake-up drains the doorbell and looks once at each slot it is not already serving. While it
- * looks again without sleeping (a copy running, or its spin) it says so in every ring's awake
- * word and looks at every slot itself, so that clients need not ring (docs/lane.md, "Ringing
- * only a sleeper"). A SUBMITTED slot is marked TAKEN and its request copied out of the ring. A
+ * spins with no copy to run (and few lanes: AWAKE_MAX_SLOTS) it says so in every ring's awake word
+ * and looks at every slot itself, so that clients need not ring (docs/lane.md, "Ringing only a
+ * sleeper"). A SUBMITTED slot is marked TAKEN and its request copied out of the ring. A
  * binary Write or Load that kv_accept() finds certainly valid, for a registration whose Gate is
  * open and which has no copy running on the Python side, becomes a job here: its host pages are
  * checked as allocated and marked busy under the Gate's lock (the lock Free takes), and it is
@@ -60,6 +60,10 @@
 #define MAX_DRAIN 64
 #define PIECE_BYTES (512 * 1024)
 #define MAX_EDGES 32
+/* The thread says it is awake (and looks at slots unrung) only while it spins with no copy to run,
+ * and only while the watched lanes have at most this many slots: a look at every slot is a cache
+ * and TLB miss each (a slot is 68 KiB), and a node of many idle lanes would make each look long. */
+#define AWAKE_MAX_SLOTS 256
 
 #define CODE_NOT_FOUND 5
 #define CODE_RESOURCE_EXHAUSTED 8
@@ -381,6 +385,7 @@ typedef struct {
     int64_t progress_interval_ns;
     int64_t spin_ns;  /* after a request or a job, how long it looks again before it sleeps */
     int awake;        /* the lanes' AWAKE_AT words say 1: clients submit without ringing */
+    int watched_slots; /* the slots of the lanes whose doorbells it watches */
     Lane *lanes;
     Job *jobs;
     int64_t njobs;
@@ -669,6 +674,14 @@ static void set_awake(Engine *e, int awake) {
     e->awake = awake;
 }
 
+static void unwatch(Engine *e, Lane *l) {
+    if (!l->watching)
+        return;
+    epoll_ctl(e->epfd, EPOLL_CTL_DEL, l->submit_fd, NULL);
+    l->watching = 0;
+    e->watched_slots -= l->slots;
+}
+
 static void doorbell(Engine *e, Lane *l) {
     char buf[16];
     for (int k = 0; k < MAX_DRAIN; k++) {
@@ -676,8 +689,7 @@ static void doorbell(Engine *e, Lane *l) {
         if (got < 0 && (errno == EAGAIN || errno == EINTR))
             break;
         if (got <= 0) { /* the peer closed its end: it is gone; its release cleans up */
-            epoll_ctl(e->epfd, EPOLL_CTL_DEL, l->submit_fd, NULL);
-            l->watching = 0;
+            unwatch(e, l);
             break;
         }
     }
@@ -814,9 +826,12 @@ static void run_piece(Engine *e, Job *j) {
         return;
     }
     if (j->load) {
+        /* Every layer's words (a few stores: a spinning waiter sees each layer land); the
+         * doorbell that wakes a sleeping waiter at most once per progress interval (each costs
+         * this thread a system call and the engine a wake-up), and always at the end. */
+        publish_progress(e, j, 0);
         int64_t t = now_ns();
         if (t - j->last_pub_ns >= e->progress_interval_ns) {
-            publish_progress(e, j, 0);
             j->last_pub_ns = t;
             ring_done(j->lane, j->slot);
         }
@@ -865,9 +880,7 @@ static void remove_lane(Engine *e, Lane *l) {
         if (j->lane == l)
             finish(e, j, 1, NULL, 0); /* its ring goes now: nothing is written to it */
     }
-    if (l->watching)
-        epoll_ctl(e->epfd, EPOLL_CTL_DEL, l->submit_fd, NULL);
-    l->watching = 0;
+    unwatch(e, l);
     Lane **pp = &e->lanes;
     while (*pp && *pp != l)
         pp = &(*pp)->next;
@@ -886,6 +899,8 @@ static void command(Engine *e) {
         Lane *l = arg;
         struct epoll_event ev = {.events = EPOLLIN, .data.ptr = l};
         l->watching = epoll_ctl(e->epfd, EPOLL_CTL_ADD, l->submit_fd, &ev) == 0;
+        if (l->watching)
+            e->watched_slots += l->slots;
         l->next = e->lanes;
         e->lanes = l;
         __atomic_store_n((uint32_t *)(l->ring + AWAKE_AT), (uint32_t)e->awake, __ATOMIC_RELAXED);
@@ -905,10 +920,7 @@ static void command(Engine *e) {
         e->paused = cmd == CMD_PAUSE;
     } else if (cmd == CMD_UNWATCH_ALL) {
         for (Lane *l = e->lanes; l; l = l->next)
-            if (l->watching) {
-                epoll_ctl(e->epfd, EPOLL_CTL_DEL, l->submit_fd, NULL);
-                l->watching = 0;
-            }
+            unwatch(e, l);
     }
     pthread_mutex_lock(&e->cmd_mu);
     e->cmd = CMD_NONE;
@@ -928,11 +940,12 @@ static void *engine_main(void *arg) {
         /* Held (tests), jobs still meet their deadlines: looked at every millisecond. */
         int timeout = e->jobs ? (e->paused ? 1 : 0) : -1;
         int spinning = timeout < 0 && spin_until && now_ns() < spin_until;
-        /* While the thread looks again without sleeping it says so in every ring, and clients
-         * skip the doorbell: it finds their slots by looking. Before it sleeps it takes that back,
-         * then looks once more: a client that read "awake" just before stored its slot's state
-         * first, and a full fence on each side makes one of the two see the other. */
-        int looking = timeout >= 0 || spinning;
+        /* While the thread spins it says so in every ring, and clients skip the doorbell: it
+         * finds their slots by looking. Before it sleeps or copies (between pieces it reads the
+         * doorbells: one system call, however many lanes) it takes that back, then looks once
+         * more: a client that read "awake" just before stored its slot's state first, and a full
+         * fence on each side makes one of the two see the other. */
+        int looking = spinning && e->watched_slots <= AWAKE_MAX_SLOTS;
         if (looking != e->awake) {
             set_awake(e, looking);
             if (!looking) {

@@ -55,8 +55,11 @@ static char *slot_at(unsigned long long ring, int slot) {
     return (char *)(uintptr_t)ring + HEADER_BYTES + (size_t)slot * SLOT_BYTES;
 }
 
-static int bad_slot(int slot) {
-    if (slot >= 0 && slot < 64)
+/* Whether slot is not one of the ring's (its header's slot count: the caller's own ring). */
+static int bad_slot(unsigned long long ring, int slot) {
+    uint32_t slots;
+    memcpy(&slots, (const char *)(uintptr_t)ring + 8, 4);
+    if (slot >= 0 && slot < 64 && (uint32_t)slot < slots)
         return 0;
     PyErr_SetString(PyExc_ValueError, "no such slot");
     return 1;
@@ -157,9 +160,10 @@ static PyObject *submit(PyObject *self, PyObject *args) {
     Py_buffer data;
     if (!PyArg_ParseTuple(args, "KiIKy*i", &ring, &slot, &rpc, &seq, &data, &fd))
         return NULL;
-    if (slot < 0 || slot >= 64 || data.len > REQUEST_BYTES) {
+    if (bad_slot(ring, slot) || data.len > REQUEST_BYTES) {
         PyBuffer_Release(&data);
-        PyErr_SetString(PyExc_ValueError, "no such slot, or a request larger than a slot");
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "a request larger than a slot");
         return NULL;
     }
     char *s = slot_at(ring, slot);
@@ -187,8 +191,10 @@ static PyObject *word(PyObject *self, PyObject *args) {
     int slot, offset;
     if (!PyArg_ParseTuple(args, "Kii", &ring, &slot, &offset))
         return NULL;
-    if (slot < 0 || slot >= 64 || offset < 0 || offset > 124 || offset % 4) {
-        PyErr_SetString(PyExc_ValueError, "no such slot, or not a word of its header");
+    if (bad_slot(ring, slot))
+        return NULL;
+    if (offset < 0 || offset > 124 || offset % 4) {
+        PyErr_SetString(PyExc_ValueError, "not a word of the slot's header");
         return NULL;
     }
     char *s = slot_at(ring, slot);
@@ -229,7 +235,7 @@ static PyObject *wait_slot(PyObject *self, PyObject *args) {
     double spin, deadline;
     if (!PyArg_ParseTuple(args, "KiiLdd", &ring, &slot, &fd, &step, &spin, &deadline))
         return NULL;
-    if (bad_slot(slot))
+    if (bad_slot(ring, slot))
         return NULL;
     if (!(spin >= 0 && spin <= 0.01) || isnan(deadline)) {
         PyErr_SetString(PyExc_ValueError, "spin must be between 0 and 10 ms, and the deadline a time");
@@ -268,6 +274,8 @@ static PyObject *wait_slot(PyObject *self, PyObject *args) {
             got = 1;
             break;
         }
+        if (PyErr_CheckSignals()) /* one that came during the spin: its handler runs now */
+            return NULL;
         double ms = ceil(left * 1000);
         struct pollfd p = {.fd = fd, .events = POLLIN};
         int n = 0, err = 0, ended = 0;
@@ -304,7 +312,7 @@ static PyObject *progress(PyObject *self, PyObject *args) {
     int slot;
     if (!PyArg_ParseTuple(args, "Ki", &ring, &slot))
         return NULL;
-    if (bad_slot(slot))
+    if (bad_slot(ring, slot))
         return NULL;
     const char *s = slot_at(ring, slot);
     uint32_t state = acquire32(s), step = acquire32(s + STEP_AT);
@@ -320,7 +328,7 @@ static PyObject *result(PyObject *self, PyObject *args) {
     int slot;
     if (!PyArg_ParseTuple(args, "Ki", &ring, &slot))
         return NULL;
-    if (bad_slot(slot))
+    if (bad_slot(ring, slot))
         return NULL;
     const char *s = slot_at(ring, slot);
     (void)acquire32(s); /* what the state published */
