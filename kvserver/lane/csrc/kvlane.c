@@ -11,8 +11,9 @@
  * checked as allocated and marked busy under the Gate's lock (the lock Free takes), and it is
  * copied in pieces of at most PIECE_BYTES, loads before writes (a load waits only for the earlier
  * writes of its registration that touch its pages or slots, as kvserver/copies/order.py orders
- * them), publishing each load's per-layer progress in the slot and ringing its done doorbell (on
- * a quiet ring only for a client that sleeps there). Everything else (the protobuf calls, Put and
+ * them), publishing each load's per-layer progress in the slot and ringing its done doorbell (at
+ * most once per progress interval before the end, and on a quiet ring only for a client that
+ * sleeps there). Everything else (the protobuf calls, Put and
  * Get, CUDA pools, any request the check refuses) is handed to Python in arrival order through a
  * queue and an eventfd, and answered there by the one validation.
  *
