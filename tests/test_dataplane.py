@@ -204,6 +204,13 @@ def test_free_waits_for_the_planes_copy_of_its_pages(plane_daemon) -> None:
         plane.engine.pause(True)
         try:
             handle = c.load(host_indices=host, device_indices=dev)
+            # Taken by the plane first (held there): a Free that reaches the loop before the plane
+            # has seen the load frees the pages, and the load is refused; lane and gRPC calls
+            # keep no order between them that the daemon has not seen.
+            deadline = time.monotonic() + 10
+            while plane.engine.jobs < 1 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert plane.engine.jobs == 1
             freed = {}
             t = threading.Thread(target=lambda: freed.setdefault("n", c.free(host)))
             t.start()
