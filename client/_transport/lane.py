@@ -65,7 +65,6 @@ LOAD_SPIN_SECONDS = _spin_seconds("KVCLIENT_LANE_LOAD_SPIN_US", 200)
 # dead). _CUT: this client shut the lane while the call ran (close, unregister): the daemon may
 # still copy, so the call ends as a cancelled one, unconfirmed, as a gRPC call would.
 _OPEN, _CLOSED, _TIMEOUT, _CUT = 0, 1, 2, 3
-_STEP_AT = R.PROGRESS_AT + 24  # the progress words' step counter (R.PROGRESS: its sixth word)
 
 
 class ClientLane:

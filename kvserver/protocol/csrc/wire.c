@@ -307,14 +307,19 @@ static PyObject *wait_slot(PyObject *self, PyObject *args) {
     return PyLong_FromLong(got);
 }
 
-static PyObject *progress(PyObject *self, PyObject *args) {
+/* The slot that args (ring_addr, slot) name; NULL with an exception set. */
+static const char *slot_of_args(PyObject *args) {
     unsigned long long ring;
     int slot;
-    if (!PyArg_ParseTuple(args, "Ki", &ring, &slot))
+    if (!PyArg_ParseTuple(args, "Ki", &ring, &slot) || bad_slot(ring, slot))
         return NULL;
-    if (bad_slot(ring, slot))
+    return slot_at(ring, slot);
+}
+
+static PyObject *progress(PyObject *self, PyObject *args) {
+    const char *s = slot_of_args(args);
+    if (!s)
         return NULL;
-    const char *s = slot_at(ring, slot);
     uint32_t state = acquire32(s), step = acquire32(s + STEP_AT);
     uint64_t nbytes;
     memcpy(&nbytes, s + 40, 8);
@@ -324,13 +329,9 @@ static PyObject *progress(PyObject *self, PyObject *args) {
 }
 
 static PyObject *result(PyObject *self, PyObject *args) {
-    unsigned long long ring;
-    int slot;
-    if (!PyArg_ParseTuple(args, "Ki", &ring, &slot))
+    const char *s = slot_of_args(args);
+    if (!s)
         return NULL;
-    if (bad_slot(ring, slot))
-        return NULL;
-    const char *s = slot_at(ring, slot);
     (void)acquire32(s); /* what the state published */
     uint32_t code = get32(s + 20), n = get32(s + 24), m = get32(s + 28);
     if (n > RESPONSE_BYTES)
