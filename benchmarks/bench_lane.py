@@ -3,7 +3,9 @@
 - round trip: a 1-page (``--page-size`` tokens), 1-layer Write then a Load of it, waited to its
   end, ``--trips`` times on each lane, p50 and p99, and the CPU time the daemon and this process
   spent per round trip (from /proc: what a loaded machine's scheduler does not hide); beside it a
-  bare grpc.aio unary call (Stats) on the same socket. Each lane's trips run by themselves, one
+  bare grpc.aio unary call (Stats) on the same socket; then, on the ring lane, a 1-page, 1-layer
+  Get of a stored key and a Put of a key already stored (the cache's calls, which the event loop
+  serves, not the data plane: docs/design.md), each timed alone. Each lane's trips run by themselves, one
   lane after the other: between blocks of another lane's calls (gRPC keeps threads busy for a
   while after a call) the CPUs would not go idle, and an idle CPU's wake-up is part of what a
   lone engine pays (tens of microseconds on a virtual machine);
@@ -89,7 +91,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dtype, layout, p = torch.bfloat16, KVLayout.mha(8, 128), args.page_size
     token_bytes = layout.token_bytes(dtype) * layout.num_parts * args.layers
-    most = max(args.mib) * (1 << 20) // token_bytes // p * p
+    most = max(max(args.mib, default=0) * (1 << 20) // token_bytes // p * p, 4 * p)
     pool_tokens = 2 * most
     rows: list[tuple[str, str]] = []
     with tempfile.TemporaryDirectory(prefix="kvlane-") as tmp:
@@ -135,6 +137,36 @@ def main() -> None:
                                 cpu[label][0] += cpu_seconds(daemon.pid) - before[0]
                                 cpu[label][1] += cpu_seconds(os.getpid()) - before[1]
                 bare = bare_unary(f"unix://{socket}", args.trips)
+                # ---- the cache's calls on the ring lane ------------------------------------
+                key, page = os.urandom(16), torch.tensor([0])
+                cache_rows: list[tuple[str, str]] = []
+                assert ring.put([key], page).stored == 1
+
+                def get() -> None:
+                    handle = ring.get([key], page, layers=[0])
+                    handle.wait()
+                    assert handle.pages() == 1, "the stored key was not found"
+
+                def put() -> None:
+                    assert ring.put([key], page).present == 1
+
+                for label, fn in [("ring lane Get, 1 page, 1 layer", get),
+                                  ("ring lane Put of a stored key", put)]:
+                    for _ in range(50):
+                        fn()
+                    time.sleep(0.2)
+                    ts = []
+                    before = cpu_seconds(daemon.pid), cpu_seconds(os.getpid())
+                    for _ in range(args.trips):
+                        t = time.perf_counter()
+                        fn()
+                        ts.append(time.perf_counter() - t)
+                    used = cpu_seconds(daemon.pid) - before[0], cpu_seconds(os.getpid()) - before[1]
+                    n = len(ts)
+                    cache_rows.append((label, f"p50 {pct(ts, 0.5) * 1e6:8.1f} us   "
+                                              f"p99 {pct(ts, 0.99) * 1e6:8.1f} us"
+                                              f"   n={n}   CPU per call: daemon {used[0] / n * 1e6:5.0f} us"
+                                              f"   engine {used[1] / n * 1e6:5.0f} us"))
                 for name, ts in [*((f"{label} write+load", trips[label]) for label, _ in order),
                                  ("bare grpc.aio Stats", bare)]:
                     rows.append((f"{name} (1 page, 1 layer)",
@@ -145,6 +177,7 @@ def main() -> None:
                     rows.append((f"{label} CPU per round trip",
                                  f"daemon {cpu[label][0] / n * 1e6:6.0f} us   "
                                  f"engine {cpu[label][1] / n * 1e6:6.0f} us"))
+                rows += cache_rows
                 served = ring.lane.calls if ring.lane is not None else 0
                 # ---- bulk --------------------------------------------------------------------
                 for mib in args.mib:

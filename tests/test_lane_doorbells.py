@@ -217,6 +217,32 @@ def test_a_load_s_waiter_spins_long_only_while_its_steps_come_fast() -> None:
         lane.close()
 
 
+def test_a_stream_the_event_loop_serves_waits_for_its_first_step_with_the_short_spin(socket_dir) -> None:
+    # A Get is served on the daemon's event loop: its first step comes hundreds of microseconds
+    # later, and a long spin would cost the engine that much CPU for nothing.
+    lane = lane_mod.ClientLane(slots=1, spin=30e-6, load_spin=200e-6)
+    try:
+        get = lane_mod.LaneStream(lane, 0, time.monotonic() + 5, on_plane=False)
+        assert get.spin() == 30e-6
+        get.gap = 40e-6  # its steps turn out to come fast: it looks longer for them
+        assert get.spin() == 200e-6
+        assert lane_mod.LaneStream(lane, 0, time.monotonic() + 5).spin() == 200e-6
+    finally:
+        lane.close()
+    d = plane_daemon(socket_dir, 50e-6)
+    try:
+        with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, client(d, pool) as c:
+            pool.buffers[0][0].view(torch.int16)[:PAGE] = 7
+            assert c.put([b"k" * 16], torch.tensor([0])).stored == 1
+            handle = c.get([b"k" * 16], torch.tensor([1]))
+            assert handle._source is not None and handle._source.spin() == c.lane.spin < c.lane.load_spin
+            handle.wait()
+            assert handle.pages() == 1
+            assert (pool.buffers[0][0].view(torch.int16)[PAGE:2 * PAGE] == 7).all()
+    finally:
+        d.stop()
+
+
 def test_a_call_whose_wait_raises_gives_its_slot_up_and_the_lane_still_closes() -> None:
     lane = lane_mod.ClientLane(slots=1, spin=0.02)  # a spin the compiled wait refuses: it raises
     with pytest.raises(ValueError, match="spin"):

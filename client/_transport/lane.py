@@ -163,7 +163,7 @@ class ClientLane:
         i = self._begin(rpc, data)
         if i is None:
             return None
-        src = LaneStream(self, i, time.monotonic() + timeout)
+        src = LaneStream(self, i, time.monotonic() + timeout, on_plane=rpc in R.PLANE_STREAMS)
         with self._lock:
             self._streams[i] = src
             self._users -= 1  # the stream holds the slot now; its pumps count as users
@@ -340,7 +340,7 @@ class ClientLane:
 class LaneStream:
     """The progress of one Load or Get in a slot, pumped by the LoadHandle's waiters."""
 
-    def __init__(self, lane: ClientLane, slot: int, deadline: float) -> None:
+    def __init__(self, lane: ClientLane, slot: int, deadline: float, on_plane: bool = True) -> None:
         self.lane = lane
         self.slot = slot
         self.deadline = deadline
@@ -351,8 +351,11 @@ class LaneStream:
         # next step for the lane's load spin only while steps come that fast (a small load's
         # layers); a large load's layers take longer than any spin, and its waiter sleeps at once
         # after the lane's short spin (spinning there costs the copy itself on a small machine).
+        # Before its first step, a request only the daemon's event loop serves (a Get, a Load
+        # in protobuf: ``on_plane`` False) is taken as slow: its first step comes after hundreds of
+        # microseconds of Python, and looking for it all that time would cost the engine as much.
         self.step_at: float | None = None
-        self.gap: float | None = None
+        self.gap: float | None = None if on_plane else math.inf
 
     def spin(self) -> float:
         """How long the next wait looks at the slot before it sleeps (see ``gap``)."""

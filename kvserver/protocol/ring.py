@@ -67,6 +67,7 @@ RPC_NAMES = {RPC_WRITE: "Write", RPC_LOAD: "Load", RPC_PUT: "Put", RPC_GET: "Get
              RPC_LOAD_B: "LoadB"}
 RPC_IDS = {v: k for k, v in RPC_NAMES.items()}
 STREAMS = frozenset({"Load", "Get", "LoadB"})
+PLANE_STREAMS = frozenset({"LoadB"})  # the streams the compiled data plane may serve (docs/design.md)
 
 FLAG_DONE = 1
 FLAG_JOB_ENDED = 2
