@@ -2,9 +2,9 @@
 # The compiled code under AddressSanitizer and UndefinedBehaviorSanitizer (a CI job, after the suite):
 #  1. the fuzzers over the lane's request reader and check (tests/fuzz/fuzz_request.c) and over
 #     the key index's walk (tests/fuzz/fuzz_index.c), for FUZZ_SECONDS each (default 30 and 15);
-#  2. the C extensions (the copy kernel, the data plane, the index walk, the client's lane calls)
-#     built with both sanitizers in a copy of the tree, and the bad-input, lane, doorbell,
-#     data-plane, deadline and index tests run against them in-process.
+#  2. the C extensions (the copy kernel, the data plane, the index walk and key digests, the
+#     client's lane calls) built with both sanitizers in a copy of the tree, and the bad-input,
+#     lane, doorbell, data-plane, deadline, index and digest tests run against them in-process.
 # Any report fails the job (-fno-sanitize-recover: UBSan aborts too). Uses ./.venv (scripts/install.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,4 +43,4 @@ UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 KVSERVER_EXPECT_PLANE=1 \
     "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider -p no:xdist --timeout 300 \
     tests/test_dataplane.py tests/test_lane.py tests/test_lane_doorbells.py tests/test_api_bad_input.py \
-    tests/test_core_deadlines.py tests/test_store_index.py
+    tests/test_core_deadlines.py tests/test_store_index.py tests/test_store_digest.py

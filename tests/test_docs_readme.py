@@ -438,8 +438,11 @@ def test_lookup_benchmark_block(env):
                          text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     rows = [line.split() for line in res.stdout.splitlines() if line.startswith(("engine", "scheduler"))]
-    assert [row[3] for row in rows] == ["1024", "1024", "65536", "65536"], res.stdout  # who (2 words), keys
-    assert "target: a Lookup of 1k keys in the daemon ≤ 50 µs" in res.stdout, res.stdout
+    # who (2 words), key bytes, keys
+    assert [(row[3], row[4]) for row in rows] == [
+        (width, n) for width in ("16", "32") for n in ("1024", "1024", "65536", "65536")], res.stdout
+    for width in (16, 32):
+        assert f"target: a Lookup of 1k keys of {width} bytes in the daemon ≤ 50 µs" in res.stdout, res.stdout
 
 
 def test_grpcurl_block(env, start, home, tmp_path):

@@ -1,10 +1,12 @@
 /* kvserver.store._kvindex: the key index's lookups in C (index.h), called by KeyIndex.find with
- * the index's own arrays. Every array is taken through the buffer protocol, its type, alignment and
- * length checked against the others before a key is looked up. */
+ * the index's own arrays, and the digests of wide keys (digest.h), called by Keys.unpack. Every
+ * array is taken through the buffer protocol, its type, alignment and length checked against the
+ * others before a key is read. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 
+#include "digest.h"
 #include "index.h"
 
 typedef struct {
@@ -82,8 +84,47 @@ done:
     return result;
 }
 
+/* digests(out, packed, key_bytes)
+ *   packed: n keys of key_bytes (1 to 128) bytes each, back to back; out: uint64[n, 2] (written),
+ *   each key's 16-byte digest (digest.h). Large batches run without the GIL. */
+static PyObject *digests(PyObject *self, PyObject *args) {
+    PyObject *out_obj;
+    Py_buffer in;
+    Py_ssize_t key_bytes;
+    if (!PyArg_ParseTuple(args, "Oy*n", &out_obj, &in, &key_bytes))
+        return NULL;
+    view out = {{0}};
+    PyObject *result = NULL;
+    if (!take(out_obj, &out, 'u', 8, 1, "out"))
+        goto done;
+    if (key_bytes < 1 || key_bytes > KV_DIGEST_MAX_INPUT) {
+        PyErr_Format(PyExc_ValueError, "key_bytes must be in [1, %d], got %zd", KV_DIGEST_MAX_INPUT, key_bytes);
+        goto done;
+    }
+    Py_ssize_t n = in.len / key_bytes;
+    if (in.len != n * key_bytes || out.v.len != n * KV_DIGEST_BYTES) {
+        PyErr_SetString(PyExc_ValueError, "packed must hold whole keys, and out a digest for each");
+        goto done;
+    }
+    if (n >= 1024) {
+        Py_BEGIN_ALLOW_THREADS
+        kv_digests(in.buf, (size_t)key_bytes, (size_t)n, out.v.buf);
+        Py_END_ALLOW_THREADS
+    } else {
+        kv_digests(in.buf, (size_t)key_bytes, (size_t)n, out.v.buf);
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    if (out.held)
+        PyBuffer_Release(&out.v);
+    PyBuffer_Release(&in);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"find", find, METH_VARARGS, "Entry ids of keys under an owner in the index's tables, -1 where absent."},
+    {"digests", digests, METH_VARARGS, "The 16-byte digests of wide keys (BLAKE2b, as keys.py's)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,0 +1,79 @@
+"""The compiled digests of wide keys (``store/csrc/digest.h``) against hashlib's BLAKE2b, the
+digest a wide key is kept as (``store/keys.py``): the same bytes for every length and count (the
+vector paths take keys four and eight at a time, the scalar one the rest), and arguments checked
+before a byte is read."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+import pytest
+
+from kvserver.store import keys as store_keys
+from kvserver.store.keys import Keys
+from kvserver.store.steps import STEP_KEYS
+
+_kvindex = pytest.importorskip("kvserver.store._kvindex", reason="the compiled index is not built")
+
+
+def reference(packed: bytes, key_bytes: int) -> bytes:
+    rows = (packed[i : i + key_bytes] for i in range(0, len(packed), key_bytes))
+    return b"".join(hashlib.blake2b(r, digest_size=16, person=b"kvserver-key").digest() for r in rows)
+
+
+@pytest.mark.parametrize("key_bytes", [1, 8, 16, 17, 24, 31, 32, 33, 48, 63, 64, 65, 100, 127, 128])
+def test_digests_are_hashlib_s_for_every_length_and_count(key_bytes) -> None:
+    for n in [*range(21), 300, 1027]:  # 1027: the batch that runs without the GIL
+        packed = os.urandom(n * key_bytes)
+        out = np.empty((n, 2), np.uint64)
+        _kvindex.digests(out, packed, key_bytes)
+        assert out.tobytes() == reference(packed, key_bytes), (key_bytes, n)
+
+
+def test_a_memoryview_of_a_larger_request_is_read_only_where_it_points() -> None:
+    blob = os.urandom(40 * 32 + 7)
+    view = memoryview(blob)[7 : 7 + 40 * 32]
+    out = np.empty((40, 2), np.uint64)
+    _kvindex.digests(out, view, 32)
+    assert out.tobytes() == reference(bytes(view), 32)
+
+
+@pytest.mark.parametrize("key_bytes", [17, 32, 64])
+def test_keys_unpack_the_same_with_and_without_the_compiled_digests(monkeypatch, key_bytes) -> None:
+    packed = os.urandom((2 * STEP_KEYS + 5) * key_bytes)  # several steps
+    compiled = Keys.unpack(packed, key_bytes, 1 << 20)
+    monkeypatch.setattr(store_keys, "_compiled_digests", None)
+    plain = Keys.unpack(packed, key_bytes, 1 << 20)
+    assert np.array_equal(compiled.words, plain.words)
+    assert np.array_equal(compiled.lens, plain.lens)
+    assert np.array_equal(compiled.raw, plain.raw)
+    assert compiled.words.tobytes() == reference(packed, key_bytes)
+
+
+@pytest.mark.parametrize("args, error", [
+    ((np.empty((1, 2), np.uint64), b"x" * 32, 0), "key_bytes"),
+    ((np.empty((1, 2), np.uint64), b"x" * 129, 129), "key_bytes"),
+    ((np.empty((1, 2), np.uint64), b"x" * 33, 32), "whole keys"),
+    ((np.empty((2, 2), np.uint64), b"x" * 32, 32), "a digest for each"),
+    ((np.empty((1, 1), np.uint64), b"x" * 32, 32), "a digest for each"),
+    ((np.empty((1, 4), np.int32), b"x" * 32, 32), "unsigned"),
+    ((np.empty((1, 2), np.float64), b"x" * 32, 32), "unsigned"),
+    ((np.empty((4, 2), np.uint64)[::2], b"x" * 64, 32), "contiguous"),
+])
+def test_bad_arguments_are_refused_before_anything_is_written(args, error) -> None:
+    out = args[0]
+    before = out.tobytes()
+    with pytest.raises((ValueError, BufferError), match=error):
+        _kvindex.digests(*args)
+    assert out.tobytes() == before
+
+
+def test_a_read_only_output_or_a_non_buffer_input_is_refused() -> None:
+    out = np.empty((1, 2), np.uint64)
+    out.flags.writeable = False
+    with pytest.raises((ValueError, BufferError)):
+        _kvindex.digests(out, b"x" * 32, 32)
+    with pytest.raises(TypeError):
+        _kvindex.digests(np.empty((1, 2), np.uint64), [0] * 32, 32)
