@@ -94,6 +94,8 @@ def main() -> None:
     most = max(max(args.mib, default=0) * (1 << 20) // token_bytes // p * p, 4 * p)
     pool_tokens = 2 * most
     rows: list[tuple[str, str]] = []
+    # (target, measured, "<=" or ">=", bound, unit) for the data plane's targets, printed last
+    checks: list[tuple[str, float, str, float, str]] = []
     with tempfile.TemporaryDirectory(prefix="kvlane-") as tmp:
         socket = os.path.join(tmp, "kv.sock")
         daemon = start_daemon(socket, f"{6 * most * token_bytes // (1 << 20) + 64}MiB")
@@ -172,6 +174,13 @@ def main() -> None:
                     rows.append((f"{name} (1 page, 1 layer)",
                                  f"p50 {pct(ts, 0.5) * 1e6:8.1f} us   p99 {pct(ts, 0.99) * 1e6:8.1f} us"
                                  f"   n={len(ts)}"))
+                alone, n_alone = trips["ring lane"], len(trips["ring lane"])
+                checks += [("ring round trip p50, alone", pct(alone, 0.5) * 1e6, "<=", 100, "us"),
+                           ("ring round trip p99, alone", pct(alone, 0.99) * 1e6, "<=", 300, "us"),
+                           ("daemon CPU per round trip, alone", cpu["ring lane"][0] / n_alone * 1e6, "<=", 50,
+                            "us"),
+                           ("engine CPU per round trip, alone", cpu["ring lane"][1] / n_alone * 1e6, "<=", 30,
+                            "us")]
                 for label, _ in order:
                     n = len(trips[label])
                     rows.append((f"{label} CPU per round trip",
@@ -223,6 +232,10 @@ def main() -> None:
                         ratio = ""
                         if not k.startswith("in-process"):
                             ratio = f"   {base[k.split()[-1]] / m:5.2f}x in-process"
+                        if k.startswith("ring lane") and mib >= 16:
+                            kind = k.split()[-1]
+                            checks.append((f"{mib} MiB {kind} vs in-process", base[kind] / m, ">=",
+                                           0.95 if mib < 64 else 0.98, "x"))
                         speed = f"{m * 1e3:8.2f} ms   {nbytes / m / 1e9:6.2f} GB/s{ratio}"
                         rows.append((f"{mib} MiB {k}", speed))
                 served = (ring.lane.calls if ring.lane is not None else 0) - served
@@ -239,6 +252,13 @@ def main() -> None:
     print(f"(ring lane: {served} bulk calls answered on the ring; spins: the plane's {plane_spin} us, "
           f"the client's {lane.SPIN_SECONDS * 1e6:.0f} us ({lane.LOAD_SPIN_SECONDS * 1e6:.0f} us for a "
           "load's layer); CPU between gRPC calls includes what each gRPC block left running)")
+    print("\ntargets of the data plane (docs/performance.md; the bulk ratios against this script's "
+          "baseline, copy_part per layer and part; the transfer suite's is the one-call copy_job):")
+    for name, value, op, bound, unit in checks:
+        met = value <= bound if op == "<=" else value >= bound
+        shown = f"{value:.1f} {unit}" if unit == "us" else f"{value:.2f}{unit}"
+        print(f"  {name:<36} {shown:>10}   target {op} {bound:g}{' ' if unit == 'us' else ''}{unit}: "
+              f"{'met' if met else 'not met'}")
 
 
 if __name__ == "__main__":

@@ -151,11 +151,11 @@ NOT_RUN = {
         "tests/test_copies_workers.py and tests/test_dataplane.py hold the same order (a small load's copy "
         "before a queued offload's)",
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_lane.py --trips 2000 --mib 16 64 --repeats 9"):
-        "a benchmark of about a minute, for figures measured by hand; tests/test_lane.py and "
-        "tests/test_dataplane.py run the same lane calls",
+        "a benchmark of about a minute, for figures measured by hand; tests/test_bench_lane.py runs the "
+        "same script on small sizes",
     ("docs/lane.md", ".venv/bin/python benchmarks/bench_lane.py"):
-        "a benchmark of about half a minute, for figures measured by hand; tests/test_lane.py runs "
-        "the same lane calls",
+        "a benchmark of about half a minute, for figures measured by hand; tests/test_bench_lane.py "
+        "runs the same script on small sizes",
     ("docs/integrations.md", 'python -m pip install "grpcio>=1.62.3" "protobuf>=4.25.1"'):
         "installs into SGLang's own environment; tests/test_ship_compose.py checks that Dockerfile.sglang "
         "runs these same two installs on SGLang's image",

@@ -1,0 +1,36 @@
+"""benchmarks/bench_lane.py runs end to end on small sizes: the ring and gRPC lanes' round trips,
+the cache's Get and Put on the ring lane, bulk writes and loads against the same copy in-process,
+and the data plane's targets, each a measured figure with its verdict. The figures are the
+benchmark's, not this test's."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_lane_prints_every_row_and_the_targets() -> None:
+    script = os.path.join(ROOT, "benchmarks", "bench_lane.py")
+    res = subprocess.run([sys.executable, script, "--trips", "100", "--mib", "16", "--repeats", "1",
+                          "--layers", "4"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = res.stdout
+    assert res.returncode == 0, out + res.stderr[-4000:]
+    trip = r"\s+p50\s+[\d.]+ us\s+p99\s+[\d.]+ us\s+n=100"
+    for label in ("ring lane", "grpc lane", "ring lane between gRPC calls"):
+        assert re.search(rf"^{label} write\+load \(1 page, 1 layer\){trip}$", out, re.M), out
+    for label in ("ring lane Get, 1 page, 1 layer", "ring lane Put of a stored key"):
+        cpu = r"\s+CPU per call: daemon\s+\d+ us\s+engine\s+\d+ us"
+        assert re.search(rf"^{label}{trip}{cpu}$", out, re.M), out
+    for who in ("in-process", "ring lane", "grpc lane"):
+        for kind in ("write", "load"):
+            assert re.search(rf"^16 MiB {who} {kind}\s+[\d.]+ ms\s+[\d.]+ GB/s", out, re.M), out
+    targets = re.findall(r"^  (.+?)\s+([\d.]+) ?(us|x)\s+target (<=|>=) [\d.]+ ?(?:us|x): (met|not met)$",
+                         out, re.M)
+    assert [t[0] for t in targets] == [
+        "ring round trip p50, alone", "ring round trip p99, alone", "daemon CPU per round trip, alone",
+        "engine CPU per round trip, alone", "16 MiB write vs in-process", "16 MiB load vs in-process"], out
+    assert re.search(r"^\(ring lane: [1-9]\d* bulk calls answered on the ring", out, re.M), out
