@@ -1,7 +1,7 @@
 """The compiled digests of wide keys (``store/csrc/digest.h``) against hashlib's BLAKE2b, the
-digest a wide key is kept as (``store/keys.py``): the same bytes for every length and count (the
-vector paths take keys four and eight at a time, the scalar one the rest), and arguments checked
-before a byte is read."""
+digest a wide key is kept as (``store/keys.py``): the same bytes for every length and count, on
+every path this CPU has (the vector paths take keys eight or four at a time, the scalar one the
+rest), and arguments checked before a byte is read."""
 
 from __future__ import annotations
 
@@ -23,13 +23,27 @@ def reference(packed: bytes, key_bytes: int) -> bytes:
     return b"".join(hashlib.blake2b(r, digest_size=16, person=b"kvserver-key").digest() for r in rows)
 
 
+PATHS = [0, 1, 4, 8]  # the widest the CPU has; scalar; AVX2; AVX-512
+
+
+@pytest.mark.parametrize("lanes", PATHS)
 @pytest.mark.parametrize("key_bytes", [1, 8, 16, 17, 24, 31, 32, 33, 48, 63, 64, 65, 100, 127, 128])
-def test_digests_are_hashlib_s_for_every_length_and_count(key_bytes) -> None:
-    for n in [*range(21), 300, 1027]:  # 1027: the batch that runs without the GIL
+def test_digests_are_hashlib_s_for_every_length_and_count(key_bytes, lanes) -> None:
+    if lanes and not _kvindex.digest_lanes() & lanes:
+        pytest.skip(f"this CPU has no {lanes}-key digest path")
+    for n in [*range(21), 300, 1027]:
         packed = os.urandom(n * key_bytes)
         out = np.empty((n, 2), np.uint64)
-        _kvindex.digests(out, packed, key_bytes)
-        assert out.tobytes() == reference(packed, key_bytes), (key_bytes, n)
+        _kvindex.digests(out, packed, key_bytes, lanes)
+        assert out.tobytes() == reference(packed, key_bytes), (key_bytes, n, lanes)
+
+
+def test_a_path_the_cpu_lacks_is_refused() -> None:
+    have = _kvindex.digest_lanes()
+    assert have & 1
+    for lanes in (2, 3, 16, -1, *(w for w in (4, 8) if not have & w)):
+        with pytest.raises(ValueError, match="lanes"):
+            _kvindex.digests(np.empty((1, 2), np.uint64), b"x" * 32, 32, lanes)
 
 
 def test_a_memoryview_of_a_larger_request_is_read_only_where_it_points() -> None:

@@ -351,9 +351,11 @@ class LaneStream:
         # next step for the lane's load spin only while steps come that fast (a small load's
         # layers); a large load's layers take longer than any spin, and its waiter sleeps at once
         # after the lane's short spin (spinning there costs the copy itself on a small machine).
-        # Before its first step, a request only the daemon's event loop serves (a Get, a Load
-        # in protobuf: ``on_plane`` False) is taken as slow: its first step comes after hundreds of
-        # microseconds of Python, and looking for it all that time would cost the engine as much.
+        # A request only the daemon's event loop serves (a Get, a Load in protobuf: ``on_plane``
+        # False) is taken as slow until its steps show their pace (from its second step on): its
+        # first step comes after hundreds of microseconds of Python, and looking for it all that
+        # time would cost the engine as much; the loop's later steps come at most once per
+        # progress interval (1 ms by default).
         self.step_at: float | None = None
         self.gap: float | None = None if on_plane else math.inf
 

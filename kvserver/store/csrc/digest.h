@@ -226,16 +226,32 @@ __attribute__((target("avx512f"))) static void kv_digest8(const uint64_t init[8]
 #undef KV_G8
 #endif
 
-/* n keys of len bytes each, back to back; out: n digests, back to back. */
-static inline void kv_digests(const uint8_t *in, size_t len, size_t n, uint8_t *out) {
+/* The paths this CPU has, as a mask of their widths in keys: 1 (scalar), 4 (AVX2), 8 (AVX-512F). */
+static inline int kv_digest_lanes(void) {
+    int lanes = 1;
+#ifdef KV_DIGEST_VECTORS
+    if (__builtin_cpu_supports("avx2"))
+        lanes |= 4;
+    if (__builtin_cpu_supports("avx512f"))
+        lanes |= 8;
+#endif
+    return lanes;
+}
+
+/* n keys of len bytes each, back to back; out: n digests, back to back. lanes: 0, the widest
+ * path the CPU has; else that path (1, 4 or 8; the caller checked the CPU has it). */
+static inline void kv_digests(const uint8_t *in, size_t len, size_t n, uint8_t *out, int lanes) {
     uint64_t init[8];
     kv_digest_init(init);
+    int have = kv_digest_lanes();
+    if (!lanes)
+        lanes = have & 8 ? 8 : have & 4 ? 4 : 1;
     size_t i = 0;
 #ifdef KV_DIGEST_VECTORS
-    if (__builtin_cpu_supports("avx512f"))
+    if (lanes == 8 && (have & 8))
         for (; i + 8 <= n; i += 8)
             kv_digest8(init, in + i * len, len, out + i * KV_DIGEST_BYTES);
-    if (__builtin_cpu_supports("avx2"))
+    if (lanes >= 4 && (have & 4))
         for (; i + 4 <= n; i += 4)
             kv_digest4(init, in + i * len, len, out + i * KV_DIGEST_BYTES);
 #endif

@@ -84,14 +84,18 @@ done:
     return result;
 }
 
-/* digests(out, packed, key_bytes)
+/* digests(out, packed, key_bytes, lanes=0)
  *   packed: n keys of key_bytes (1 to 128) bytes each, back to back; out: uint64[n, 2] (written),
- *   each key's 16-byte digest (digest.h). Large batches run without the GIL. */
+ *   each key's 16-byte digest (digest.h). lanes: 0 picks the widest path the CPU has; 1, 4 or 8
+ *   force the scalar, AVX2 or AVX-512 path (tests; refused where the CPU lacks it).
+ *   The GIL is kept: a step of keys takes tens of microseconds, and a thread that gives the GIL
+ *   up on the event loop may wait a whole switch interval (5 ms) to get it back. */
 static PyObject *digests(PyObject *self, PyObject *args) {
     PyObject *out_obj;
     Py_buffer in;
     Py_ssize_t key_bytes;
-    if (!PyArg_ParseTuple(args, "Oy*n", &out_obj, &in, &key_bytes))
+    int lanes = 0;
+    if (!PyArg_ParseTuple(args, "Oy*n|i", &out_obj, &in, &key_bytes, &lanes))
         return NULL;
     view out = {{0}};
     PyObject *result = NULL;
@@ -102,17 +106,16 @@ static PyObject *digests(PyObject *self, PyObject *args) {
         goto done;
     }
     Py_ssize_t n = in.len / key_bytes;
-    if (in.len != n * key_bytes || out.v.len != n * KV_DIGEST_BYTES) {
+    if (in.len != n * key_bytes || n > PY_SSIZE_T_MAX / KV_DIGEST_BYTES || out.v.len != n * KV_DIGEST_BYTES) {
         PyErr_SetString(PyExc_ValueError, "packed must hold whole keys, and out a digest for each");
         goto done;
     }
-    if (n >= 1024) {
-        Py_BEGIN_ALLOW_THREADS
-        kv_digests(in.buf, (size_t)key_bytes, (size_t)n, out.v.buf);
-        Py_END_ALLOW_THREADS
-    } else {
-        kv_digests(in.buf, (size_t)key_bytes, (size_t)n, out.v.buf);
+    if (lanes && ((lanes != 1 && lanes != 4 && lanes != 8) || !(kv_digest_lanes() & lanes))) {
+        PyErr_Format(PyExc_ValueError, "lanes must be 0 or a path this CPU has (%d), got %d", kv_digest_lanes(),
+                     lanes);
+        goto done;
     }
+    kv_digests(in.buf, (size_t)key_bytes, (size_t)n, out.v.buf, lanes);
     result = Py_None;
     Py_INCREF(result);
 done:
@@ -122,9 +125,13 @@ done:
     return result;
 }
 
+/* digest_lanes(): the paths this CPU has, as a mask of their widths (1 | 4 | 8). */
+static PyObject *digest_lanes(PyObject *self, PyObject *unused) { return PyLong_FromLong(kv_digest_lanes()); }
+
 static PyMethodDef methods[] = {
     {"find", find, METH_VARARGS, "Entry ids of keys under an owner in the index's tables, -1 where absent."},
     {"digests", digests, METH_VARARGS, "The 16-byte digests of wide keys (BLAKE2b, as keys.py's)."},
+    {"digest_lanes", digest_lanes, METH_NOARGS, "The digest paths this CPU has: a mask of 1, 4 and 8."},
     {NULL, NULL, 0, NULL},
 };
 
