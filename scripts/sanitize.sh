@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The compiled code under AddressSanitizer and UndefinedBehaviorSanitizer (a CI job, after the suite):
 #  1. the fuzzers over the lane's request reader and check (tests/fuzz/fuzz_request.c) and over
-#     the key index's walk (tests/fuzz/fuzz_index.c), for FUZZ_SECONDS each (default 30 and 15);
+#     the key index's walk and key digests (tests/fuzz/fuzz_index.c), for FUZZ_SECONDS each
+#     (default 30 and 15);
 #  2. the C extensions (the copy kernel, the data plane, the index walk and key digests, the
 #     client's lane calls) built with both sanitizers in a copy of the tree, and the bad-input,
 #     lane, doorbell, data-plane, deadline, index and digest tests run against them in-process.

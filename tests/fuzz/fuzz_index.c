@@ -10,6 +10,11 @@
  * The expected answers are filed with the walk's own hash: that it is the numpy index's hash is
  * tests/test_store_index.py's to check.
  *
+ * The same input also names a batch of wide keys (up to 19, of 1 to 128 bytes: digest.h): each path
+ * this CPU has (scalar, AVX2, AVX-512) digests them from an exact-size copy into an exact-size
+ * output, and all give the same bytes (that they are hashlib's is tests/test_store_digest.py's to
+ * check).
+ *
  * With clang's libFuzzer (-fsanitize=fuzzer) LLVMFuzzerTestOneInput is its entry; built without it
  * (gcc, -DKV_STANDALONE), main() feeds random inputs for the given seconds. scripts/sanitize.sh
  * runs it. */
@@ -19,6 +24,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../../kvserver/store/csrc/digest.h"
 #include "../../kvserver/store/csrc/index.h"
 
 typedef struct {
@@ -111,8 +117,29 @@ static void check_one(const uint8_t *data, size_t size) {
     free(w0), free(w1), free(lens), free(owner), free(next), free(head), free(filed);
 }
 
+static void check_digests(const uint8_t *data, size_t size) {
+    input in = {data, size};
+    size_t len = 1 + (size_t)(take(&in, 1) % KV_DIGEST_MAX_INPUT);
+    size_t n = (size_t)(take(&in, 1) % 20);
+    uint8_t *keys = malloc(n * len > 0 ? n * len : 1);
+    for (size_t i = 0; i < n * len; i++)
+        keys[i] = (uint8_t)take(&in, 1); /* zeros once the input runs out */
+    uint8_t *want = malloc(n ? n * KV_DIGEST_BYTES : 1), *got = malloc(n ? n * KV_DIGEST_BYTES : 1);
+    kv_digests(keys, len, n, want, 1);
+    int have = kv_digest_lanes();
+    for (int lanes = 4; lanes <= 8; lanes *= 2) {
+        if (!(have & lanes))
+            continue;
+        kv_digests(keys, len, n, got, lanes);
+        if (n && memcmp(want, got, n * KV_DIGEST_BYTES))
+            abort();
+    }
+    free(keys), free(want), free(got);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     check_one(data, size);
+    check_digests(data, size);
     return 0;
 }
 
@@ -133,6 +160,7 @@ int main(int argc, char **argv) {
             uint8_t *exact = malloc(len ? len : 1); /* a read past the input is a heap overflow */
             memcpy(exact, buf, len);
             check_one(exact, len);
+            check_digests(exact, len);
             free(exact);
             runs++;
         }
