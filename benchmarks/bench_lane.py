@@ -4,8 +4,9 @@
   end, ``--trips`` times on each lane, p50 and p99, and the CPU time the daemon and this process
   spent per round trip (from /proc: what a loaded machine's scheduler does not hide); beside it a
   bare grpc.aio unary call (Stats) on the same socket; then, on the ring lane, a 1-page, 1-layer
-  Get of a stored key and a Put of a key already stored (the cache's calls, which the event loop
-  serves, not the data plane: docs/design.md), each timed alone. Each lane's trips run by themselves, one
+  Get of a stored key, a Put of a key already stored and a Lookup of it (the cache's calls, which
+  the event loop serves, not the data plane: docs/design.md), and the same Lookup on gRPC, each
+  timed alone. Each lane's trips run by themselves, one
   lane after the other: between blocks of another lane's calls (gRPC keeps threads busy for a
   while after a call) the CPUs would not go idle, and an idle CPU's wake-up is part of what a
   lone engine pays (tens of microseconds on a virtual machine);
@@ -152,8 +153,13 @@ def main() -> None:
                 def put() -> None:
                     assert ring.put([key], page).present == 1
 
+                def lookup(c: KVClient) -> None:
+                    assert c.lookup([key]).pages == 1
+
                 for label, fn in [("ring lane Get, 1 page, 1 layer", get),
-                                  ("ring lane Put of a stored key", put)]:
+                                  ("ring lane Put of a stored key", put),
+                                  ("ring lane Lookup of a stored key", lambda: lookup(ring)),
+                                  ("grpc lane Lookup of a stored key", lambda: lookup(plain))]:
                     for _ in range(50):
                         fn()
                     time.sleep(0.2)

@@ -32,13 +32,14 @@ from kvclient.load_handle import LoadHandle
 from kvclient.results import LookupResult, PutResult
 from kvclient.shm_pool import ShmKVPool
 from kvclient.views_pool import KVViewsPool
+from kvserver.protocol import ring as R
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
 # The unary calls the fast lane carries, with their response messages.
-LANE_UNARY = {"Write": pb.WriteResponse, "Put": pb.PutResponse}
+LANE_UNARY = {"Write": pb.WriteResponse, "Put": pb.PutResponse, "Lookup": pb.LookupResponse}
 
 
 class KVClient(CoreShell):
@@ -59,7 +60,7 @@ class KVClient(CoreShell):
             raise ValueError(f"lane must be 'auto' or 'grpc', not {lane!r}")
         self._core = ClientCore(address, timeout=timeout, token=token, resilient=resilient,
                                 tenant_token=tenant_token)
-        # "auto": Write, Load, Put and Get take the fast lane (docs/lane.md) once it is open.
+        # "auto": Write, Load, Put, Get and Lookup take the fast lane (docs/lane.md) once it is open.
         self.lane_mode = lane
         self._lane: ClientLane | None = None
         self._lane_refused = False
@@ -94,7 +95,7 @@ class KVClient(CoreShell):
         try:
             if packed is not None and lane.reg is call.reg:
                 got = lane.unary(op.rpc + "B", packed, call.timeout)
-            elif lane is not None and op.rpc in LANE_UNARY and lane.reg is call.reg:
+            elif lane is not None and op.rpc in LANE_UNARY and lane.reg is call.reg and lane.serves(op.rpc):
                 got = lane.unary(op.rpc, self._request(call).SerializeToString(), call.timeout)
             if got is not None:
                 return op.read(LANE_UNARY[op.rpc].FromString(got))
@@ -224,13 +225,14 @@ class KVClient(CoreShell):
             code = exc.code() if isinstance(exc, grpc.RpcError) else getattr(exc, "code", None)
             log = logger.debug if self._lane_refused else logger.info
             self._lane_refused = True
-            log("kvserver lane not opened (%s): Write, Load, Put and Get stay on gRPC",
+            log("kvserver lane not opened (%s): Write, Load, Put, Get and Lookup stay on gRPC",
                 code.name if code is not None else exc)
             return
         finally:
             lane.handed_over()
         lane.reg = reg
         lane.request_format = opened.request_format
+        lane.rpc_mask = opened.rpc_mask or R.OLD_RPC_MASK
         old, self._lane = self._lane, lane
         if old is not None:
             old.close()

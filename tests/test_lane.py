@@ -108,6 +108,25 @@ def test_put_and_get_on_the_ring(daemon) -> None:
     assert (ops(daemon, "put", "ring"), ops(daemon, "get", "ring")) == (before[0] + 1, before[1] + 1)
 
 
+def test_lookup_on_the_ring_answers_as_grpc(daemon) -> None:
+    keys = page_keys(range(3 * PAGE), PAGE)
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, KVClient(daemon.address) as client:
+        register(client, pool, host_tokens=0)
+        lane = client.lane
+        assert lane is not None and lane.rpc_mask == R.RPC_MASK and lane.serves("Lookup")
+        assert client.put(keys[:32], [0, 1]).stored == 2
+        calls = lane.calls
+        found = client.lookup(keys, pin_ms=5000)
+        assert (found.pages, len(found.lease_id)) == (2, 32)
+        assert lane.calls == calls + 1
+        assert client.release([found.lease_id]) == 1  # the lease the lane's Lookup made is the daemon's
+        assert client.lookup(keys[32:]).pages == 0 and lane.calls == calls + 2
+        # A daemon older than rpc_mask serves no Lookup on the lane: the call takes gRPC, same answer.
+        lane.rpc_mask = R.OLD_RPC_MASK
+        assert client.lookup(keys).pages == 2 and lane.calls == calls + 2
+        client.unregister()
+
+
 # ---- a raw peer: its own ring, written by hand -----------------------------------------------------
 
 
@@ -233,6 +252,39 @@ def test_a_hostile_ring_hurts_only_itself(daemon) -> None:
                 pass
         finally:
             ring.close()
+
+
+def test_a_lookup_on_a_ring_is_its_own_registration_s(daemon) -> None:
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as raw_pool, \
+            ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, \
+            KVClient(daemon.address, lane="grpc") as raw_client, KVClient(daemon.address) as engine:
+        raw_reg = register(raw_client, raw_pool, host_tokens=0)
+        register(engine, pool, host_tokens=0)
+        keys = page_keys(range(PAGE), PAGE)
+        assert engine.put(keys, [0]).stored == 1
+        ring = RawRing(daemon.address, raw_reg.client_id)
+        try:
+            mine = pb.LookupRequest(client_id=raw_reg.client_id, keys=keys, key_bytes=16)
+            ring.put(0, R.RPC_LOOKUP, pb.LookupRequest(space_id="f" * 32, keys=keys, key_bytes=16)
+                     .SerializeToString())
+            ring.put(1, R.RPC_LOOKUP, pb.LookupRequest(client_id=engine.client_id, keys=mine.keys,
+                                                       key_bytes=16).SerializeToString())
+            ring.put(2, R.RPC_LOOKUP, mine.SerializeToString())
+            assert ring.ring() == 1
+            wait_until(lambda: all(ring.state(i) == R.DONE for i in range(3)), 10, "the ring's answers")
+            code, message = ring.answer(0)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "no space_id" in message
+            assert ring.answer(1)[0] == grpc.StatusCode.PERMISSION_DENIED
+            assert ring.answer(2)[0] == grpc.StatusCode.OK
+            off = R.slot_offset(2)
+            _, n, _ = R.RESULT.unpack_from(ring.mm, off + R.CODE_AT)
+            # The page the other engine stored: the same model, rank and layers, so the same part.
+            found = pb.LookupResponse.FromString(bytes(ring.mm[off + R.RESPONSE_AT: off + R.RESPONSE_AT + n]))
+            assert found.pages == engine.lookup(keys).pages == 1
+        finally:
+            ring.close()
+        raw_client.unregister()
+        engine.unregister()
 
 
 # Another process (torch-free, so it starts fast) opening a lane on a client id it learned.

@@ -1,7 +1,7 @@
 """The client's half of the data-plane fast lane (docs/lane.md; the layout is kvserver.protocol.ring).
 
-``ClientLane`` makes the sealed ring and the doorbells, and carries one Write, Load, Put or Get
-per slot: the serialized request goes into a free slot, the submit doorbell rings the daemon
+``ClientLane`` makes the sealed ring and the doorbells, and carries one Write, Load, Put, Get or
+Lookup per slot: the serialized request goes into a free slot, the submit doorbell rings the daemon
 (unless its data plane says it is awake), and the caller's thread waits on its slot's done
 doorbell (poll with the call's deadline, after a short spin on the slot's words; with the compiled
 module, ``kvserver.protocol._wire``, in one call without the GIL, and rung only while it sleeps:
@@ -77,6 +77,7 @@ class ClientLane:
         self.load_spin = load_spin  # a Load's or Get's, for each of its steps
         self.reg: Any = None  # the registration this lane was opened for
         self.request_format = 0  # the daemon's binary Write/Load format (kvserver.protocol.lane_request)
+        self.rpc_mask = R.OLD_RPC_MASK  # the rpc ids the daemon serves (OpenLaneResponse.rpc_mask)
         self.calls = 0  # requests answered on the lane
         self._c = _wire  # the compiled calls, if built (fixed for the lane's life: its header says so)
         size = R.ring_bytes(slots)
@@ -136,8 +137,12 @@ class ClientLane:
 
     # ---- calls -----------------------------------------------------------------------------------
 
+    def serves(self, rpc: str) -> bool:
+        """Whether the daemon that opened this lane serves ``rpc`` on it."""
+        return bool(self.rpc_mask >> R.RPC_IDS[rpc] & 1)
+
     def unary(self, rpc: str, data: bytes, timeout: float) -> bytes | None:
-        """Write or Put on the lane: the response bytes; None: not sent (take gRPC). Raises
+        """Write, Put or Lookup on the lane: the response bytes; None: not sent (take gRPC). Raises
         KVClientError with the daemon's status, or UNAVAILABLE / DEADLINE_EXCEEDED."""
         i = self._begin(rpc, data)
         if i is None:

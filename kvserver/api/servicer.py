@@ -346,6 +346,9 @@ class KVServicer(pb_grpc.KVServerServicer):
 
     @_abort_on_error
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
+        return await self._lookup(request)
+
+    async def _lookup(self, request: pb.LookupRequest) -> pb.LookupResponse:
         found = await self.cache.lookup(request)
         return pb.LookupResponse(pages=found.pages, lease_id=found.lease_id, disk_pages=found.lower,
                                  cluster_pages=found.cluster)
@@ -423,7 +426,8 @@ class KVServicer(pb_grpc.KVServerServicer):
         lane = await self.lanes.open(request.client_id, request.peer_ticket,
                                      self.cache.tenants.named(context.invocation_metadata()))
         return pb.OpenLaneResponse(slots=lane.slots, request_bytes=ring.REQUEST_BYTES,
-                                   response_bytes=ring.RESPONSE_BYTES, request_format=lane_request.VERSION)
+                                   response_bytes=ring.RESPONSE_BYTES, request_format=lane_request.VERSION,
+                                   rpc_mask=ring.RPC_MASK)
 
     async def run_lane(self, client_id: str, rpc: str, data: bytes, progress: Callable[[Any], None]) -> bytes:
         """One request that came on ``client_id``'s lane: parsed and run by the code its RPC runs."""
@@ -439,6 +443,8 @@ class KVServicer(pb_grpc.KVServerServicer):
             else:
                 request = _lenient(_LANE_REQUESTS[rpc])(data)
                 _check_parsed(request)
+            if rpc == "Lookup" and request.space_id:
+                raise InvalidArgument("a Lookup on a lane is its engine's: it names no space_id")
             if request.client_id != client_id:
                 if request.client_id not in self.core.clients:  # unknown: answered as the RPC would
                     self.core.client(request.client_id)
@@ -452,6 +458,8 @@ class KVServicer(pb_grpc.KVServerServicer):
                     return (await self._write(request, "ring")).SerializeToString()
                 if rpc == "Put":
                     return (await self._put(request, "ring")).SerializeToString()
+                if rpc == "Lookup":
+                    return (await self._lookup(request)).SerializeToString()
                 steps = self._load if rpc == "Load" else self._get
                 async with contextlib.aclosing(steps(request, "ring", started)) as stream:
                     async for message in stream:
@@ -467,7 +475,7 @@ class KVServicer(pb_grpc.KVServerServicer):
 
 _BINARY = {"WriteB": ("Write", lane_request.KIND_WRITE), "LoadB": ("Load", lane_request.KIND_LOAD)}
 _LANE_REQUESTS = {"Write": pb.WriteRequest, "Load": pb.LoadRequest, "Put": pb.PutRequest,
-                  "Get": pb.GetRequest}
+                  "Get": pb.GetRequest, "Lookup": pb.LookupRequest}
 
 
 def _serialize(response: Any) -> bytes:

@@ -63,9 +63,15 @@ RPC_WRITE, RPC_LOAD, RPC_PUT, RPC_GET = 1, 2, 3, 4
 # Write and Load in the lane's binary request format (kvserver.protocol.lane_request): what the
 # compiled data plane serves (docs/design.md); the daemon answers them as it answers Write and Load.
 RPC_WRITE_B, RPC_LOAD_B = 5, 6
+# Lookup of the engine's own part (no space_id): served on the event loop, as its RPC is.
+RPC_LOOKUP = 7
 RPC_NAMES = {RPC_WRITE: "Write", RPC_LOAD: "Load", RPC_PUT: "Put", RPC_GET: "Get", RPC_WRITE_B: "WriteB",
-             RPC_LOAD_B: "LoadB"}
+             RPC_LOAD_B: "LoadB", RPC_LOOKUP: "Lookup"}
 RPC_IDS = {v: k for k, v in RPC_NAMES.items()}
+# OpenLaneResponse.rpc_mask: bit i for each id i the daemon serves. A daemon older than the field
+# sends 0 and serves ids 1 to 4 (and 5 and 6 where its request_format is 1).
+RPC_MASK = sum(1 << i for i in RPC_NAMES)
+OLD_RPC_MASK = sum(1 << i for i in (RPC_WRITE, RPC_LOAD, RPC_PUT, RPC_GET, RPC_WRITE_B, RPC_LOAD_B))
 STREAMS = frozenset({"Load", "Get", "LoadB"})
 PLANE_STREAMS = frozenset({"LoadB"})  # the streams the compiled data plane may serve (docs/design.md)
 
