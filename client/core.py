@@ -377,9 +377,11 @@ class ClientCore:
     def lookup(self, keys: Keys, pin_ms: int, whole_space: bool, key_bytes: int = KEY_BYTES,
                timeout: float | None = None, memory_only: bool = False) -> Op:
         data, width, _ = packed(keys, key_bytes)
+        # Its bound travels in the request too: on the fast lane no gRPC deadline ends it.
+        timeout_ms = max(1, int((timeout or self.timeout) * 1000))
         return Op("Lookup", lambda r: pb.LookupRequest(client_id=r.client_id, keys=data, key_bytes=width,
                                                        pin_ms=pin_ms, whole_space=whole_space,
-                                                       memory_only=memory_only),
+                                                       memory_only=memory_only, timeout_ms=timeout_ms),
                   LookupResult.from_wire, LookupResult(0),
                   cache=True, timeout=timeout)
 

@@ -78,6 +78,12 @@ class Unimplemented(KVError):
     code = Code.UNIMPLEMENTED
 
 
+class DeadlineExceeded(KVError):
+    """A call past its own ``timeout_ms`` (not a copy's: ``JobStopped``)."""
+
+    code = Code.DEADLINE_EXCEEDED
+
+
 class JobStopped(KVError):
     """A copy stopped at a layer boundary before its last layer: nothing more of it is copied.
     Its code says why: its deadline passed, its call ended, or its client was released."""

@@ -84,7 +84,9 @@ def test_lookup_request_and_answer(pool):
     call = core.start(core.lookup(split_keys(KEYS), pin_ms=250, whole_space=True))
     assert isinstance(call, Call) and call.timeout == core.timeout
     assert call.request == pb.LookupRequest(client_id="cid-1", keys=KEYS, key_bytes=16, pin_ms=250,
-                                            whole_space=True)
+                                            whole_space=True, timeout_ms=int(core.timeout * 1000))
+    # Its own bound, where given, travels too (the fast lane has no gRPC deadline to end it).
+    assert core.start(core.lookup(split_keys(KEYS), 0, False, timeout=0.25)).request.timeout_ms == 250
     assert call.op.read(pb.LookupResponse(pages=3, lease_id="L")) == LookupResult(3, "L")
     assert call.op.miss == LookupResult(0)
     wide = core.start(core.lookup([b"a" * 32, b"b" * 32], 0, False)).request

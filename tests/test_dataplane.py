@@ -4,6 +4,7 @@ validation, so both paths answer alike. Real daemon, real client, real shared me
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import socket
@@ -75,6 +76,37 @@ def test_binary_calls_are_served_on_the_plane_bit_exact(plane_daemon) -> None:
         assert d.core.plane.engine.served - served == 3, "the calls did not run on the plane"
         st = c.stats().clients[0]  # the plane's work is in the client's counters
         assert st.transfers.write_ops == 1 and st.transfers.load_ops == 2
+
+
+def test_a_lookup_on_the_lane_keeps_no_copy_of_its_registration_off_the_plane(plane_daemon) -> None:
+    """The loop serves a lane's Lookup; it copies nothing, so the registration's Writes and Loads
+    meanwhile stay the plane's (a request the loop serves for it otherwise holds them off)."""
+    d = plane_daemon
+    ops = d.daemon.servicer.cache
+    real, entered, go = ops.lookup, threading.Event(), threading.Event()
+
+    async def held(req):
+        entered.set()
+        while not go.is_set():
+            await asyncio.sleep(0.005)
+        return await real(req)
+
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, _client(d, pool) as c:
+        host, dev = c.alloc(PAGE), torch.arange(PAGE)
+        ops.lookup = held
+        looker = threading.Thread(target=lambda: c.lookup([b"k" * 16]))
+        try:
+            looker.start()
+            assert entered.wait(5), "the Lookup did not reach the daemon"
+            served = d.core.plane.engine.served
+            for _ in range(5):
+                c.write(host_indices=host, device_indices=dev)
+            c.load(host_indices=host, device_indices=dev).wait()
+            assert d.core.plane.engine.served - served == 6, "the copies went to the loop"
+        finally:
+            go.set()
+            looker.join(10)
+            ops.lookup = real
 
 
 def test_what_the_plane_refuses_is_answered_by_the_one_validation(plane_daemon) -> None:

@@ -5,6 +5,7 @@ daemon) frees it on both sides."""
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import mmap
 import os
@@ -124,6 +125,48 @@ def test_lookup_on_the_ring_answers_as_grpc(daemon) -> None:
         # A daemon older than rpc_mask serves no Lookup on the lane: the call takes gRPC, same answer.
         lane.rpc_mask = R.OLD_RPC_MASK
         assert client.lookup(keys).pages == 2 and lane.calls == calls + 2
+        client.unregister()
+
+
+def test_a_daemon_that_names_no_rpc_mask_gets_lookups_on_grpc(daemon, monkeypatch) -> None:
+    monkeypatch.setattr(R, "RPC_MASK", 0)  # what a daemon older than the field answers
+    keys = page_keys(range(PAGE), PAGE)
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, KVClient(daemon.address) as client:
+        register(client, pool, host_tokens=0)
+        lane = client.lane
+        assert lane is not None and lane.rpc_mask == R.OLD_RPC_MASK and not lane.serves("Lookup")
+        assert client.put(keys, [0]).stored == 1 and lane.calls == 1  # the rest is on the lane
+        assert client.lookup(keys).pages == 1 and lane.calls == 1
+        client.unregister()
+
+
+def test_a_lookup_given_up_on_the_ring_ends_and_takes_no_lease(daemon) -> None:
+    """On the lane no gRPC deadline ends a Lookup: its timeout_ms does, before it pins anything."""
+    keys = page_keys(range(PAGE), PAGE)
+    ops = daemon.daemon.servicer.cache
+    real, seen = ops.lookup, []
+
+    async def late(req):  # the Lookup waits (as behind a slow tier) before it looks
+        seen.append(req.timeout_ms)
+        await asyncio.sleep(1.0)
+        return await real(req)
+
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, KVClient(daemon.address) as client:
+        register(client, pool, host_tokens=0)
+        assert client.put(keys, [0]).stored == 1
+        ops.lookup = late
+        try:
+            lane, misses = client.lane, client.misses
+            assert client.lookup(keys, pin_ms=30_000, timeout=0.2).pages == 0  # a miss: best effort
+            assert seen == [200] and client.misses == misses + 1
+            # The daemon ended it at its timeout (the slot is answered, if the client gave up first),
+            # and it took no lease, not even once the wait it was in is over.
+            wait_until(lambda: all(lane._state(i) == R.DONE for i in lane._abandoned), 5, "the answer")
+            time.sleep(1.0)
+            assert daemon.run(lambda: len(daemon.core.cache.leases.leases)) == 0
+        finally:
+            ops.lookup = real
+        assert client.lookup(keys, pin_ms=1000).pages == 1
         client.unregister()
 
 

@@ -22,7 +22,14 @@ from kvserver.core.client_state import ClientState, Counters, public_id
 from kvserver.core.kvcore import OFF_LOOP_INDICES, KVCore
 from kvserver.core.liveness import Reaper
 from kvserver.core.tiers import tier_stats
-from kvserver.errors import GpuStalled, InvalidArgument, KVError, PermissionDenied, Unauthenticated
+from kvserver.errors import (
+    DeadlineExceeded,
+    GpuStalled,
+    InvalidArgument,
+    KVError,
+    PermissionDenied,
+    Unauthenticated,
+)
 from kvserver.lane import plane
 from kvserver.lane.book import LaneBook
 from kvserver.lane.plane import DataPlane
@@ -349,7 +356,15 @@ class KVServicer(pb_grpc.KVServerServicer):
         return await self._lookup(request)
 
     async def _lookup(self, request: pb.LookupRequest) -> pb.LookupResponse:
-        found = await self.cache.lookup(request)
+        if request.timeout_ms:  # a Lookup given up ends its lease (CacheOps.lookup)
+            try:
+                async with asyncio.timeout(request.timeout_ms / 1000):
+                    found = await self.cache.lookup(request)
+            except TimeoutError:
+                raise DeadlineExceeded(f"the Lookup took longer than its timeout_ms "
+                                       f"{request.timeout_ms}") from None
+        else:
+            found = await self.cache.lookup(request)
         return pb.LookupResponse(pages=found.pages, lease_id=found.lease_id, disk_pages=found.lower,
                                  cluster_pages=found.cluster)
 

@@ -158,7 +158,7 @@ class CacheOps:
     # ---- Lookup and Release -----------------------------------------------------------------
 
     async def lookup(self, req: pb.LookupRequest) -> Found:
-        _, client, key = self._target(req.client_id, req.space_id)
+        tenant, client, key = self._target(req.client_id, req.space_id)
         if req.pin_ms > MAX_PIN_MS:
             raise InvalidArgument(f"pin_ms is {req.pin_ms}; at most {MAX_PIN_MS}")
         keys = await in_steps(self.kv.share, Keys.unpack_steps(req.keys, req.key_bytes, self._max_keys))
@@ -185,7 +185,12 @@ class CacheOps:
             else:
                 full = len(target.parts) == target.key.num_parts
                 parts = list(target.parts.values()) if full else []
-            more = await self.cluster.count(parts, keys[found.pages:])
+            try:
+                more = await self.cluster.count(parts, keys[found.pages:])
+            except BaseException:  # given up (its deadline, a cancelled call): its lease ends too
+                if found.lease_id:
+                    self.cache.release(tenant, [found.lease_id])
+                raise
             if more:
                 found = found._replace(pages=found.pages + more, cluster=more)
         return found

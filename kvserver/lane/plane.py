@@ -59,15 +59,15 @@ class DataPlane:
         self._handoffs()
 
     def _handoffs(self) -> None:
-        for key, slot in self.engine.take_handoffs():
+        for key, slot, counted in self.engine.take_handoffs():
             lane = self.lanes.get(key)
             if lane is None:  # removed meanwhile: the request dies with its lane
                 continue
             try:
-                lane.take(slot)
+                lane.take(slot, counted)
             except Exception:  # answered INTERNAL; the other requests are served
                 logger.exception("serving a request handed over by the data plane failed")
-                lane.refuse(slot, "the daemon failed to take this request: see its log")
+                lane.refuse(slot, "the daemon failed to take this request: see its log", counted)
 
     # ---- gates ---------------------------------------------------------------------------------
 

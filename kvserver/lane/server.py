@@ -125,8 +125,10 @@ class Lane:
         self.on_close: Callable[[Lane], None] | None = None
         # The compiled data plane watching this lane (kvserver.lane.plane), if any: it reads the
         # doorbell and hands over, through take(), what it does not serve itself. on_served is
-        # called once for each of those handed-over requests when it has ended.
+        # called once for each of those handed-over requests that the plane counted (all but a
+        # Lookup: it copies nothing) when it has ended.
         self._plane: Any = None
+        self._counted = [False] * self.slots  # per handed-over slot: on_served is owed at its end
         self._handle = 0
         self.plane_key = 0  # its key on the plane (never reused)
         self._on_served = on_served
@@ -168,24 +170,26 @@ class Lane:
             else:
                 asyncio.get_running_loop().remove_reader(self._submit.fileno())
 
-    def take(self, i: int) -> None:
-        """Serves slot ``i``, which the plane marked TAKEN and handed over."""
+    def take(self, i: int, counted: bool = True) -> None:
+        """Serves slot ``i``, which the plane marked TAKEN and handed over (``counted``: in the
+        gate's count of the loop's requests, which on_served gives back at its end)."""
         if self._closed:  # the slot dies with the lane
-            self._served_elsewhere()
+            self._served_elsewhere(counted)
             return
         if self._tasks[i] is not None:  # cannot be: the plane hands a slot over once until released
             logger.error("the data plane handed over slot %d of %s twice", i, self.client_id)
-            self._served_elsewhere()
+            self._served_elsewhere(counted)
             return
+        self._counted[i] = counted
         off = R.slot_offset(i)
         mm = self._mm
         rpc, seq, n = R.CALL.unpack_from(mm, off + R.RPC_AT)
         data = bytes(mm[off + R.REQUEST_AT: off + R.REQUEST_AT + min(n, R.REQUEST_BYTES)])  # private copy
         self._tasks[i] = asyncio.ensure_future(self._serve(i, rpc, seq, n, data))
 
-    def refuse(self, i: int, message: str) -> None:
+    def refuse(self, i: int, message: str, counted: bool = True) -> None:
         """Answers handed-over slot ``i`` with INTERNAL, never having run it."""
-        self._served_elsewhere()
+        self._served_elsewhere(counted)
         if self._closed:
             return
         off = R.slot_offset(i)
@@ -200,8 +204,8 @@ class Lane:
         R.U32.pack_into(mm, off + R.STATE, R.DONE)
         self._ring_done(i)
 
-    def _served_elsewhere(self) -> None:
-        if self._on_served is not None:
+    def _served_elsewhere(self, counted: bool) -> None:
+        if counted and self._on_served is not None:
             self._on_served()
 
     def _doorbell(self) -> None:
@@ -261,14 +265,14 @@ class Lane:
         except asyncio.CancelledError:
             self._tasks[i] = None
             if self._plane is not None:
-                self._served_elsewhere()
+                self._served_elsewhere(self._counted[i])
             raise
         except Exception as exc:
             status, text = status_of(exc)
             code, message, response = int(status), text.encode()[: R.ERROR_BYTES], b""
             ended = not isinstance(exc, GpuStalled)
         if self._plane is not None:
-            self._served_elsewhere()
+            self._served_elsewhere(self._counted[i])
         if self._closed:
             return
         if self._plane is not None:

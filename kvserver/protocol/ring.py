@@ -11,12 +11,12 @@ of exactly ``ring_bytes(slots)`` bytes:
                    without being rung, so a submit need not ring), then zeros
     slot i at HEADER_BYTES + i * SLOT_BYTES:
       0  state u32          FREE -> SUBMITTED (client) -> TAKEN (daemon) -> DONE (daemon) -> FREE (client)
-      4  rpc u32            RPC_WRITE, RPC_LOAD, RPC_PUT, RPC_GET (protobuf requests), RPC_WRITE_B,
-                            RPC_LOAD_B (the binary format of kvserver.protocol.lane_request)
+      4  rpc u32            RPC_WRITE, RPC_LOAD, RPC_PUT, RPC_GET, RPC_LOOKUP (protobuf requests),
+                            RPC_WRITE_B, RPC_LOAD_B (the binary format of kvserver.protocol.lane_request)
       8  seq u64            the client's; the daemon echoes it in done_seq with DONE
       16 request_len u32    bytes of the serialized request at REQUEST_AT
       20 code u32           final gRPC status code (0: OK), valid once DONE
-      24 response_len u32   bytes of the serialized response at RESPONSE_AT (Write, Put)
+      24 response_len u32   bytes of the serialized response at RESPONSE_AT (Write, Put, Lookup)
       28 error_len u32      bytes of the UTF-8 status message at ERROR_AT
       32 layers_done u32    Load/Get progress, as LoadProgress says it
       36 last_layer u32

@@ -300,7 +300,7 @@ class OpenSpaceResponse(_message.Message):
     def __init__(self, space_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("client_id", "space_id", "keys", "key_bytes", "pin_ms", "whole_space", "memory_only")
+    __slots__ = ("client_id", "space_id", "keys", "key_bytes", "pin_ms", "whole_space", "memory_only", "timeout_ms")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     SPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -308,6 +308,7 @@ class LookupRequest(_message.Message):
     PIN_MS_FIELD_NUMBER: _ClassVar[int]
     WHOLE_SPACE_FIELD_NUMBER: _ClassVar[int]
     MEMORY_ONLY_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     space_id: str
     keys: bytes
@@ -315,7 +316,8 @@ class LookupRequest(_message.Message):
     pin_ms: int
     whole_space: bool
     memory_only: bool
-    def __init__(self, client_id: _Optional[str] = ..., space_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., key_bytes: _Optional[int] = ..., pin_ms: _Optional[int] = ..., whole_space: bool = ..., memory_only: bool = ...) -> None: ...
+    timeout_ms: int
+    def __init__(self, client_id: _Optional[str] = ..., space_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., key_bytes: _Optional[int] = ..., pin_ms: _Optional[int] = ..., whole_space: bool = ..., memory_only: bool = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("pages", "lease_id", "disk_pages", "cluster_pages")

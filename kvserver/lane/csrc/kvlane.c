@@ -56,6 +56,7 @@
 #define ST_DONE 3
 #define RPC_WRITE_B 5
 #define RPC_LOAD_B 6
+#define RPC_LOOKUP 7 /* handed to the loop; copies nothing */
 #define FLAG_DONE 1
 #define FLAG_JOB_ENDED 2
 #define MAX_DRAIN 64
@@ -373,6 +374,7 @@ typedef struct Job {
 typedef struct {
     int64_t lane_key;
     int slot;
+    int counted; /* in its gate's py_inflight: every request but a Lookup (it copies nothing) */
 } Handoff;
 
 enum { CMD_NONE, CMD_ADD, CMD_REMOVE, CMD_CLOSE_GATE, CMD_UNWATCH_ALL, CMD_PAUSE, CMD_RESUME, CMD_STOP };
@@ -463,7 +465,10 @@ static void answer_error(Lane *l, int i, uint32_t code, const char *message) {
     ring_done(l, i);
 }
 
-static void handoff(Engine *e, Lane *l, int i) {
+static void handoff(Engine *e, Lane *l, int i, uint32_t rpc) {
+    /* A request the loop serves keeps the plane from the registration's copies until it ends (the
+     * two never copy for one registration at once): all but a Lookup, which copies nothing. */
+    int counted = rpc != RPC_LOOKUP;
     pthread_mutex_lock(&e->hand_mu);
     if (e->nhand == e->caphand) {
         size_t cap = e->caphand ? 2 * e->caphand : 64;
@@ -479,13 +484,16 @@ static void handoff(Engine *e, Lane *l, int i) {
         answer_error(l, i, CODE_RESOURCE_EXHAUSTED, "the daemon is out of memory for this request: retry");
         return;
     }
-    pthread_mutex_lock(&l->gate->mu);
-    l->gate->py_inflight++;
-    pthread_mutex_unlock(&l->gate->mu);
+    if (counted) {
+        pthread_mutex_lock(&l->gate->mu);
+        l->gate->py_inflight++;
+        pthread_mutex_unlock(&l->gate->mu);
+    }
     pthread_mutex_lock(&e->hand_mu);
     if (e->nhand < e->caphand) { /* only this thread adds: the room found above is still there */
         e->hand[e->nhand].lane_key = l->key;
         e->hand[e->nhand].slot = i;
+        e->hand[e->nhand].counted = counted;
         e->nhand++;
     }
     __atomic_add_fetch(&e->handed, 1, __ATOMIC_RELAXED);
@@ -654,7 +662,7 @@ static int scan(Engine *e, Lane *l) {
         l->slot_busy[i] = 1;
         took++;
         if (!try_job(e, l, i, rpc, n))
-            handoff(e, l, i);
+            handoff(e, l, i, rpc);
     }
     return took;
 }
@@ -1212,7 +1220,8 @@ static PyObject *engine_unwatch_all(Engine *e, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-/* take_handoffs() -> [(lane key, slot)], oldest first; drains the notify eventfd. */
+/* take_handoffs() -> [(lane key, slot, counted)], oldest first; drains the notify eventfd.
+ * counted: the request is in its gate's py_inflight until Python's py_exit for it. */
 static PyObject *engine_take_handoffs(Engine *e, PyObject *unused) {
     uint64_t v;
     (void)!read(e->notify_fd, &v, 8);
@@ -1226,7 +1235,8 @@ static PyObject *engine_take_handoffs(Engine *e, PyObject *unused) {
         return NULL;
     pthread_mutex_lock(&e->hand_mu);
     for (size_t k = 0; k < n; k++) {
-        PyObject *item = Py_BuildValue("Li", (long long)e->hand[k].lane_key, e->hand[k].slot);
+        PyObject *item = Py_BuildValue("LiO", (long long)e->hand[k].lane_key, e->hand[k].slot,
+                                       e->hand[k].counted ? Py_True : Py_False);
         if (!item) {
             pthread_mutex_unlock(&e->hand_mu);
             Py_DECREF(out);
