@@ -33,8 +33,6 @@ static const uint8_t kv_blake2b_sigma[12][16] = {
     {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
 };
 
-static inline uint64_t kv_rotr64(uint64_t x, int n) { return (x >> n) | (x << (64 - n)); }
-
 static inline uint64_t kv_load64(const uint8_t *p) {
     uint64_t x;
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
@@ -47,17 +45,33 @@ static inline uint64_t kv_load64(const uint8_t *p) {
     return x;
 }
 
-#define KV_G(a, b, c, d, x, y)          \
-    do {                                \
-        v[a] = v[a] + v[b] + (x);       \
-        v[d] = kv_rotr64(v[d] ^ v[a], 32); \
-        v[c] = v[c] + v[d];             \
-        v[b] = kv_rotr64(v[b] ^ v[c], 24); \
-        v[a] = v[a] + v[b] + (y);       \
-        v[d] = kv_rotr64(v[d] ^ v[a], 16); \
-        v[c] = v[c] + v[d];             \
-        v[b] = kv_rotr64(v[b] ^ v[c], 63); \
+/* The compression of one (last) block, on v[16] and m[16] of one key each (uint64_t) or of a
+ * vector of keys each, ROT(x, n) rotating right by n. Macros, not functions: inside a vector path
+ * below everything must be that path's own code. */
+#define KV_ROT(x, n) (((x) >> (n)) | ((x) << (64 - (n))))
+#define KV_G(ROT, a, b, c, d, x, y)    \
+    do {                               \
+        v[a] = v[a] + v[b] + (x);      \
+        v[d] = ROT(v[d] ^ v[a], 32);   \
+        v[c] = v[c] + v[d];            \
+        v[b] = ROT(v[b] ^ v[c], 24);   \
+        v[a] = v[a] + v[b] + (y);      \
+        v[d] = ROT(v[d] ^ v[a], 16);   \
+        v[c] = v[c] + v[d];            \
+        v[b] = ROT(v[b] ^ v[c], 63);   \
     } while (0)
+#define KV_ROUNDS(ROT)                                             \
+    for (int r = 0; r < 12; r++) {                                 \
+        const uint8_t *s = kv_blake2b_sigma[r];                    \
+        KV_G(ROT, 0, 4, 8, 12, m[s[0]], m[s[1]]);                  \
+        KV_G(ROT, 1, 5, 9, 13, m[s[2]], m[s[3]]);                  \
+        KV_G(ROT, 2, 6, 10, 14, m[s[4]], m[s[5]]);                 \
+        KV_G(ROT, 3, 7, 11, 15, m[s[6]], m[s[7]]);                 \
+        KV_G(ROT, 0, 5, 10, 15, m[s[8]], m[s[9]]);                 \
+        KV_G(ROT, 1, 6, 11, 12, m[s[10]], m[s[11]]);               \
+        KV_G(ROT, 2, 7, 8, 13, m[s[12]], m[s[13]]);                \
+        KV_G(ROT, 3, 4, 9, 14, m[s[14]], m[s[15]]);                \
+    }
 
 /* The state after the parameter block: 16-byte digest, no key, fanout and depth 1, and the
  * personalization (16 bytes, zero-padded). The same for every key. */
@@ -84,17 +98,7 @@ static inline void kv_digest(const uint64_t init[8], const uint8_t *in, size_t l
     }
     v[12] ^= (uint64_t)len; /* bytes compressed so far (the high counter word stays 0) */
     v[14] = ~v[14];         /* the last block */
-    for (int r = 0; r < 12; r++) {
-        const uint8_t *s = kv_blake2b_sigma[r];
-        KV_G(0, 4, 8, 12, m[s[0]], m[s[1]]);
-        KV_G(1, 5, 9, 13, m[s[2]], m[s[3]]);
-        KV_G(2, 6, 10, 14, m[s[4]], m[s[5]]);
-        KV_G(3, 7, 11, 15, m[s[6]], m[s[7]]);
-        KV_G(0, 5, 10, 15, m[s[8]], m[s[9]]);
-        KV_G(1, 6, 11, 12, m[s[10]], m[s[11]]);
-        KV_G(2, 7, 8, 13, m[s[12]], m[s[13]]);
-        KV_G(3, 4, 9, 14, m[s[14]], m[s[15]]);
-    }
+    KV_ROUNDS(KV_ROT)
     for (int i = 0; i < 2; i++) {
         uint64_t w = init[i] ^ v[i] ^ v[i + 8];
         for (int b = 0; b < 8; b++)
@@ -104,126 +108,58 @@ static inline void kv_digest(const uint64_t init[8], const uint8_t *in, size_t l
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define KV_DIGEST_VECTORS 1
-/* Where the CPU has them, several keys of one length are digested at once with vector
- * instructions, one key a lane (GCC's vector extensions). Each function alone is compiled for its
- * instruction set (chosen when called), so everything in it is macros or its own code.
- *
- * Four keys at once in AVX2's 256-bit vectors: about twice the scalar rate. The rotations by whole
- * bytes are byte shuffles within each lane. */
+/* Where the CPU has them, N keys of one length are digested at once with vector instructions,
+ * one key a lane (GCC's vector extensions): kv_digest's steps on vectors of type VT. Each path is
+ * compiled alone for its instruction set (chosen when called). */
+#define KV_DIGEST_VECTOR(NAME, TARGET, VT, N, ROT)                                                     \
+    __attribute__((target(TARGET))) static void NAME(const uint64_t init[8], const uint8_t *in,       \
+                                                     size_t len, uint8_t *out) {                       \
+        VT m[16], v[16];                                                                               \
+        uint8_t block[N][128] = {{0}};                                                                 \
+        for (int k = 0; k < N; k++)                                                                    \
+            memcpy(block[k], in + k * len, len);                                                       \
+        for (int i = 0; i < 16; i++) {                                                                 \
+            uint64_t w[N];                                                                             \
+            for (int k = 0; k < N; k++)                                                                \
+                w[k] = kv_load64(block[k] + 8 * i);                                                    \
+            memcpy(&m[i], w, sizeof w);                                                                \
+        }                                                                                              \
+        for (int i = 0; i < 8; i++) {                                                                  \
+            v[i] = (VT){0} + init[i];                                                                  \
+            v[i + 8] = (VT){0} + kv_blake2b_iv[i];                                                     \
+        }                                                                                              \
+        v[12] ^= (uint64_t)len;                                                                        \
+        v[14] = ~v[14];                                                                                \
+        KV_ROUNDS(ROT)                                                                                 \
+        for (int i = 0; i < 2; i++) {                                                                  \
+            VT w = v[i] ^ v[i + 8] ^ init[i];                                                          \
+            for (int k = 0; k < N; k++) {                                                              \
+                uint64_t x = w[k];                                                                     \
+                memcpy(out + KV_DIGEST_BYTES * k + 8 * i, &x, 8); /* x86: little endian */             \
+            }                                                                                          \
+        }                                                                                              \
+    }
+
+/* AVX2, four keys in 256-bit vectors (about twice the scalar rate): its rotations by whole bytes
+ * are byte shuffles within each lane, faster there than two shifts. */
 typedef uint64_t kv_v4 __attribute__((vector_size(32)));
 typedef uint8_t kv_b32 __attribute__((vector_size(32)));
-
 #define KV_LANE(n, o) (o) + (n) % 8, (o) + ((n) + 1) % 8, (o) + ((n) + 2) % 8, (o) + ((n) + 3) % 8, \
                       (o) + ((n) + 4) % 8, (o) + ((n) + 5) % 8, (o) + ((n) + 6) % 8, (o) + ((n) + 7) % 8
-#define KV_ROTB(x, n) ((kv_v4)__builtin_shuffle((kv_b32)(x), (kv_b32){KV_LANE(n, 0), KV_LANE(n, 8), \
-                                                                    KV_LANE(n, 16), KV_LANE(n, 24)}))
-#define KV_G4(a, b, c, d, x, y)                              \
-    do {                                                     \
-        v[a] = v[a] + v[b] + (x);                            \
-        v[d] = KV_ROTB(v[d] ^ v[a], 4);                      \
-        v[c] = v[c] + v[d];                                  \
-        v[b] = KV_ROTB(v[b] ^ v[c], 3);                      \
-        v[a] = v[a] + v[b] + (y);                            \
-        v[d] = KV_ROTB(v[d] ^ v[a], 2);                      \
-        v[c] = v[c] + v[d];                                  \
-        v[b] = ((v[b] ^ v[c]) >> 63) | ((v[b] ^ v[c]) << 1); \
-    } while (0)
+#define KV_ROT4(x, n)                                                                                   \
+    ((n) % 8 ? KV_ROT(x, n)                                                                             \
+             : (kv_v4)__builtin_shuffle((kv_b32)(x), (kv_b32){KV_LANE((n) / 8, 0), KV_LANE((n) / 8, 8), \
+                                                              KV_LANE((n) / 8, 16), KV_LANE((n) / 8, 24)}))
+KV_DIGEST_VECTOR(kv_digest4, "avx2", kv_v4, 4, KV_ROT4)
 
-__attribute__((target("avx2"))) static void kv_digest4(const uint64_t init[8], const uint8_t *in, size_t len,
-                                                       uint8_t *out) {
-    kv_v4 m[16], v[16];
-    uint8_t block[4][128] = {{0}};
-    for (int k = 0; k < 4; k++)
-        memcpy(block[k], in + k * len, len);
-    for (int i = 0; i < 16; i++)
-        m[i] = (kv_v4){kv_load64(block[0] + 8 * i), kv_load64(block[1] + 8 * i), kv_load64(block[2] + 8 * i),
-                       kv_load64(block[3] + 8 * i)};
-    for (int i = 0; i < 8; i++) {
-        v[i] = (kv_v4){init[i], init[i], init[i], init[i]};
-        v[i + 8] = (kv_v4){kv_blake2b_iv[i], kv_blake2b_iv[i], kv_blake2b_iv[i], kv_blake2b_iv[i]};
-    }
-    v[12] ^= (uint64_t)len;
-    v[14] = ~v[14];
-    for (int r = 0; r < 12; r++) {
-        const uint8_t *s = kv_blake2b_sigma[r];
-        KV_G4(0, 4, 8, 12, m[s[0]], m[s[1]]);
-        KV_G4(1, 5, 9, 13, m[s[2]], m[s[3]]);
-        KV_G4(2, 6, 10, 14, m[s[4]], m[s[5]]);
-        KV_G4(3, 7, 11, 15, m[s[6]], m[s[7]]);
-        KV_G4(0, 5, 10, 15, m[s[8]], m[s[9]]);
-        KV_G4(1, 6, 11, 12, m[s[10]], m[s[11]]);
-        KV_G4(2, 7, 8, 13, m[s[12]], m[s[13]]);
-        KV_G4(3, 4, 9, 14, m[s[14]], m[s[15]]);
-    }
-    for (int i = 0; i < 2; i++) {
-        kv_v4 w = v[i] ^ v[i + 8];
-        for (int k = 0; k < 4; k++) {
-            uint64_t x = init[i] ^ w[k];
-            memcpy(out + KV_DIGEST_BYTES * k + 8 * i, &x, 8); /* x86: little endian */
-        }
-    }
-}
-
-/* Eight keys at once, one a lane of AVX-512's 512-bit vectors, where the CPU has AVX-512F: its
- * rotate instruction does each rotation in one step (about three times the scalar rate). */
+/* AVX-512F, eight keys in 512-bit vectors (about three times the scalar rate): its rotate
+ * instruction does each rotation in one step. */
 typedef uint64_t kv_v8 __attribute__((vector_size(64)));
-#define KV_R8(x, n) (((x) >> (n)) | ((x) << (64 - (n))))
-#define KV_G8(a, b, c, d, x, y)        \
-    do {                               \
-        v[a] = v[a] + v[b] + (x);      \
-        v[d] = KV_R8(v[d] ^ v[a], 32); \
-        v[c] = v[c] + v[d];            \
-        v[b] = KV_R8(v[b] ^ v[c], 24); \
-        v[a] = v[a] + v[b] + (y);      \
-        v[d] = KV_R8(v[d] ^ v[a], 16); \
-        v[c] = v[c] + v[d];            \
-        v[b] = KV_R8(v[b] ^ v[c], 63); \
-    } while (0)
-
-__attribute__((target("avx512f"))) static void kv_digest8(const uint64_t init[8], const uint8_t *in, size_t len,
-                                                          uint8_t *out) {
-    kv_v8 m[16], v[16];
-    uint8_t block[8][128] = {{0}};
-    for (int k = 0; k < 8; k++)
-        memcpy(block[k], in + k * len, len);
-    for (int i = 0; i < 16; i++) {
-        uint64_t w[8];
-        for (int k = 0; k < 8; k++)
-            w[k] = kv_load64(block[k] + 8 * i);
-        m[i] = (kv_v8){w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]};
-    }
-    for (int i = 0; i < 8; i++) {
-        uint64_t h = init[i], c = kv_blake2b_iv[i];
-        v[i] = (kv_v8){h, h, h, h, h, h, h, h};
-        v[i + 8] = (kv_v8){c, c, c, c, c, c, c, c};
-    }
-    v[12] ^= (uint64_t)len;
-    v[14] = ~v[14];
-    for (int r = 0; r < 12; r++) {
-        const uint8_t *s = kv_blake2b_sigma[r];
-        KV_G8(0, 4, 8, 12, m[s[0]], m[s[1]]);
-        KV_G8(1, 5, 9, 13, m[s[2]], m[s[3]]);
-        KV_G8(2, 6, 10, 14, m[s[4]], m[s[5]]);
-        KV_G8(3, 7, 11, 15, m[s[6]], m[s[7]]);
-        KV_G8(0, 5, 10, 15, m[s[8]], m[s[9]]);
-        KV_G8(1, 6, 11, 12, m[s[10]], m[s[11]]);
-        KV_G8(2, 7, 8, 13, m[s[12]], m[s[13]]);
-        KV_G8(3, 4, 9, 14, m[s[14]], m[s[15]]);
-    }
-    for (int i = 0; i < 2; i++) {
-        kv_v8 w = v[i] ^ v[i + 8];
-        for (int k = 0; k < 8; k++) {
-            uint64_t x = init[i] ^ w[k];
-            memcpy(out + KV_DIGEST_BYTES * k + 8 * i, &x, 8);
-        }
-    }
-}
+KV_DIGEST_VECTOR(kv_digest8, "avx512f", kv_v8, 8, KV_ROT)
 
 #undef KV_LANE
-#undef KV_ROTB
-#undef KV_G4
-#undef KV_R8
-#undef KV_G8
+#undef KV_ROT4
+#undef KV_DIGEST_VECTOR
 #endif
 
 /* The paths this CPU has, as a mask of their widths in keys: 1 (scalar), 4 (AVX2), 8 (AVX-512F). */
@@ -260,5 +196,7 @@ static inline void kv_digests(const uint8_t *in, size_t len, size_t n, uint8_t *
 }
 
 #undef KV_G
+#undef KV_ROT
+#undef KV_ROUNDS
 
 #endif
