@@ -125,8 +125,8 @@ class Lane:
         self.on_close: Callable[[Lane], None] | None = None
         # The compiled data plane watching this lane (kvserver.lane.plane), if any: it reads the
         # doorbell and hands over, through take(), what it does not serve itself. on_served is
-        # called once for each of those handed-over requests that the plane counted (all but a
-        # Lookup: it copies nothing) when it has ended.
+        # called once for each of those handed-over requests that the plane counted (the copies:
+        # a Lookup holds none of the registration's copies off) when it has ended.
         self._plane: Any = None
         self._counted = [False] * self.slots  # per handed-over slot: on_served is owed at its end
         self._handle = 0

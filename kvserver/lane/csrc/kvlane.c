@@ -56,7 +56,7 @@
 #define ST_DONE 3
 #define RPC_WRITE_B 5
 #define RPC_LOAD_B 6
-#define RPC_LOOKUP 7 /* handed to the loop; copies nothing */
+#define RPC_COPIES_LAST 6 /* ids 1 to 6 name copies (Write, Load, Put, Get and the binary two: ring.py) */
 #define FLAG_DONE 1
 #define FLAG_JOB_ENDED 2
 #define MAX_DRAIN 64
@@ -374,7 +374,7 @@ typedef struct Job {
 typedef struct {
     int64_t lane_key;
     int slot;
-    int counted; /* in its gate's py_inflight: every request but a Lookup (it copies nothing) */
+    int counted; /* in its gate's py_inflight: a copy (handoff()) */
 } Handoff;
 
 enum { CMD_NONE, CMD_ADD, CMD_REMOVE, CMD_CLOSE_GATE, CMD_UNWATCH_ALL, CMD_PAUSE, CMD_RESUME, CMD_STOP };
@@ -466,9 +466,10 @@ static void answer_error(Lane *l, int i, uint32_t code, const char *message) {
 }
 
 static void handoff(Engine *e, Lane *l, int i, uint32_t rpc) {
-    /* A request the loop serves keeps the plane from the registration's copies until it ends (the
-     * two never copy for one registration at once): all but a Lookup, which copies nothing. */
-    int counted = rpc != RPC_LOOKUP;
+    /* A copy the loop serves keeps the plane from the registration's copies until it ends (the
+     * two never copy for one registration at once); a request that copies nothing (a Lookup, an
+     * id no one knows) holds nothing off. */
+    int counted = rpc >= 1 && rpc <= RPC_COPIES_LAST;
     pthread_mutex_lock(&e->hand_mu);
     if (e->nhand == e->caphand) {
         size_t cap = e->caphand ? 2 * e->caphand : 64;
