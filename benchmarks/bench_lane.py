@@ -5,11 +5,11 @@
   spent per round trip (from /proc: what a loaded machine's scheduler does not hide); beside it a
   bare grpc.aio unary call (Stats) on the same socket; then, on the ring lane, a 1-page, 1-layer
   Get of a stored key, a Put of a key already stored and a Lookup of it (the cache's calls, which
-  the event loop serves, not the data plane: docs/design.md), and the same Lookup on gRPC, each
-  timed alone. Each lane's trips run by themselves, one
-  lane after the other: between blocks of another lane's calls (gRPC keeps threads busy for a
-  while after a call) the CPUs would not go idle, and an idle CPU's wake-up is part of what a
-  lone engine pays (tens of microseconds on a virtual machine);
+  the event loop serves, not the data plane: docs/design.md), and the same Lookup on gRPC, then a
+  scheduler's Lookup of it (``CacheView``) on its space's lane and on gRPC, each timed alone. Each
+  lane's trips run by themselves, one lane after the other: between blocks of another lane's calls
+  (gRPC keeps threads busy for a while after a call) the CPUs would not go idle, and an idle CPU's
+  wake-up is part of what a lone engine pays (tens of microseconds on a virtual machine);
 - bulk: a ``--mib``-sized (every layer) Write and Load on each lane, median of ``--repeats``,
   against the same copy done in this process with the daemon's copy plan (``kvserver.copies.transfer``),
   with the ratio (in-process time / lane time: 1.00x is as fast as in-process).
@@ -35,7 +35,7 @@ import time
 import grpc
 import torch
 
-from kvclient import KVClient, KVLayout, ShmKVPool
+from kvclient import CacheView, KVClient, KVLayout, ShmKVPool
 from kvclient._transport import lane
 from kvserver.copies import transfer
 from kvserver.v1 import kvserver_pb2 as pb
@@ -153,13 +153,17 @@ def main() -> None:
                 def put() -> None:
                     assert ring.put([key], page).present == 1
 
-                def lookup(c: KVClient) -> None:
-                    assert c.lookup([key]).pages == 1
+                def lookup(c: KVClient | CacheView) -> None:
+                    assert c.lookup(key).pages == 1
 
+                views = [CacheView(socket, model="bench", layout=layout, dtype=dtype, page_size=p,
+                                   num_layers=args.layers, lane=mode) for mode in ("auto", "grpc")]
                 for label, fn in [("ring lane Get, 1 page, 1 layer", get),
                                   ("ring lane Put of a stored key", put),
                                   ("ring lane Lookup of a stored key", lambda: lookup(ring)),
-                                  ("grpc lane Lookup of a stored key", lambda: lookup(plain))]:
+                                  ("grpc lane Lookup of a stored key", lambda: lookup(plain)),
+                                  ("space lane Lookup (CacheView) of a stored key", lambda: lookup(views[0])),
+                                  ("grpc Lookup (CacheView) of a stored key", lambda: lookup(views[1]))]:
                     for _ in range(50):
                         fn()
                     time.sleep(0.2)
@@ -175,6 +179,9 @@ def main() -> None:
                                               f"p99 {pct(ts, 0.99) * 1e6:8.1f} us"
                                               f"   n={n}   CPU per call: daemon {used[0] / n * 1e6:5.0f} us"
                                               f"   engine {used[1] / n * 1e6:5.0f} us"))
+                assert views[0].lane is not None and views[0].lane.calls > args.trips, "no space lane"
+                for v in views:
+                    v.close()
                 for name, ts in [*((f"{label} write+load", trips[label]) for label, _ in order),
                                  ("bare grpc.aio Stats", bare)]:
                     rows.append((f"{name} (1 page, 1 layer)",

@@ -2,7 +2,9 @@
 space, without a pool (``ViewCore`` plans; these shells send).
 
 The space is opened (``OpenSpace``) on the first call, with a peer ticket on a Unix socket so
-that the daemon knows the caller's uid; ``space_id`` and ``tenant`` are "" until then.
+that the daemon knows the caller's uid; ``space_id`` and ``tenant`` are "" until then. The
+synchronous view's Lookups then take the space's fast lane where the daemon gives one
+(``kvclient.view_lane``); the asyncio view's stay on gRPC.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import torch
 
 from kvclient._transport.channel import CHANNEL_OPTIONS
 from kvclient._transport.fd_socket import ticket_for
+from kvclient._transport.lane import ClientLane
 from kvclient.errors import KVClientError, from_rpc_error
 from kvclient.keys import KEY_BYTES, Keys
 from kvclient.results import EventsResult, LookupResult
 from kvclient.view_core import RETRY, ViewCore, ViewOp
+from kvclient.view_lane import ViewLane
 from kvserver.protocol.layout import KVLayout
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
@@ -46,16 +50,27 @@ class _ViewShell:
 
 
 class CacheView(_ViewShell):
-    """``lookup`` answers for the whole space (a page counts once every part of it is cached)."""
+    """``lookup`` answers for the whole space (a page counts once every part of it is cached).
+    ``lane="auto"``: on a Unix socket the Lookups take the space's fast lane (``kvclient.view_lane``),
+    opened on the first one; ``"grpc"``: every call is a gRPC call."""
 
     def __init__(self, address: str | None = None, *, model: str, layout: KVLayout, dtype: torch.dtype,
                  page_size: int, num_layers: int, tp_size: int = 1, pp_size: int = 1, timeout: float = 5.0,
-                 token: str | None = None, tenant_token: str | None = None, weights: str = "") -> None:
+                 token: str | None = None, tenant_token: str | None = None, weights: str = "",
+                 lane: str = "auto") -> None:
+        if lane not in ("auto", "grpc"):
+            raise ValueError(f"lane must be 'auto' or 'grpc', not {lane!r}")
         self._core = ViewCore(address, model=model, layout=layout, dtype=dtype, page_size=page_size,
                               num_layers=num_layers, tp_size=tp_size, pp_size=pp_size, timeout=timeout,
                               token=token, tenant_token=tenant_token, weights=weights)
         self._channel = grpc.insecure_channel(self._core.target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVServerStub(self._channel)
+        self._lane = ViewLane(self._core.target, self._core.metadata, enabled=lane == "auto")
+
+    @property
+    def lane(self) -> ClientLane | None:
+        """The space's open fast lane, or None (the Lookups take gRPC)."""
+        return self._lane.lane
 
     def open(self, timeout: float | None = None) -> str:
         """Opens the space (raising on failure); returns its id. The peer ticket and the call
@@ -74,8 +89,11 @@ class CacheView(_ViewShell):
         while True:
             try:
                 space_id = self._core.space_id or self.open(_left(deadline))
-                resp = getattr(self._stub, op.rpc)(op.build(space_id), timeout=_left(deadline),
-                                                   metadata=self._core.metadata)
+                request = op.build(space_id)
+                resp = self._lane.lookup(self._stub, request, deadline) if op.rpc == "Lookup" else None
+                if resp is None:
+                    resp = getattr(self._stub, op.rpc)(request, timeout=_left(deadline),
+                                                       metadata=self._core.metadata)
             except grpc.RpcError as exc:
                 error = from_rpc_error(exc)
             except KVClientError as exc:
@@ -109,6 +127,7 @@ class CacheView(_ViewShell):
         return self._run(self._core.release(lease_ids))
 
     def close(self) -> None:
+        self._lane.close()
         self._channel.close()
 
     def __enter__(self) -> CacheView:

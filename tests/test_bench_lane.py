@@ -1,7 +1,7 @@
 """benchmarks/bench_lane.py runs end to end on small sizes: the ring and gRPC lanes' round trips,
-the cache's Get, Put and Lookup on the ring lane (and the Lookup on gRPC), bulk writes and loads
-against the same copy in-process, and the data plane's targets, each a measured figure with its
-verdict. The figures are the benchmark's, not this test's."""
+the cache's Get, Put and Lookup on the ring lane (and the Lookup on gRPC), a scheduler's Lookup on
+its space's lane and on gRPC, bulk writes and loads against the same copy in-process, and the data
+plane's targets, each a measured figure with its verdict. The figures are the benchmark's, not this test's."""
 
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ def test_bench_lane_prints_every_row_and_the_targets() -> None:
     for label in ("ring lane", "grpc lane", "ring lane between gRPC calls"):
         assert re.search(rf"^{label} write\+load \(1 page, 1 layer\){trip}$", out, re.M), out
     for label in ("ring lane Get, 1 page, 1 layer", "ring lane Put of a stored key",
-                  "ring lane Lookup of a stored key", "grpc lane Lookup of a stored key"):
+                  "ring lane Lookup of a stored key", "grpc lane Lookup of a stored key",
+                  r"space lane Lookup \(CacheView\) of a stored key",
+                  r"grpc Lookup \(CacheView\) of a stored key"):
         cpu = r"\s+CPU per call: daemon\s+\d+ us\s+engine\s+\d+ us"
         assert re.search(rf"^{label}{trip}{cpu}$", out, re.M), out
     for who in ("in-process", "ring lane", "grpc lane"):

@@ -176,7 +176,8 @@ def test_a_lookup_given_up_on_the_ring_ends_and_takes_no_lease(daemon) -> None:
 class RawRing:
     """A lane made without the library: the ring, the doorbells, and OpenLane."""
 
-    def __init__(self, address: str, client_id: str, slots: int = 8) -> None:
+    def __init__(self, address: str, client_id: str = "", slots: int = 8, *, space_id: str = "",
+                 metadata: tuple = ()) -> None:
         self.slots = slots
         fd = os.memfd_create("raw-lane", os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, R.ring_bytes(slots))
@@ -188,13 +189,19 @@ class RawRing:
         pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(slots)]
         self.done = [a for a, _ in pairs]
         peer = [fd, submit_peer.fileno()] + [b.fileno() for _, b in pairs]
-        with grpc.insecure_channel(address) as ch:
-            pb_grpc.KVServerStub(ch).OpenLane(
-                pb.OpenLaneRequest(client_id=client_id, peer_ticket=ticket_for(address, peer)), timeout=5)
-        os.close(fd)
-        submit_peer.close()
-        for _, b in pairs:
-            b.close()
+        try:
+            with grpc.insecure_channel(address) as ch:
+                pb_grpc.KVServerStub(ch).OpenLane(
+                    pb.OpenLaneRequest(client_id=client_id, space_id=space_id,
+                                       peer_ticket=ticket_for(address, peer)), timeout=5, metadata=metadata)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            os.close(fd)
+            submit_peer.close()
+            for _, b in pairs:
+                b.close()
 
     def put(self, i: int, rpc: int, data: bytes, length: int | None = None, state: int = R.SUBMITTED) -> None:
         off = R.slot_offset(i)

@@ -187,7 +187,7 @@ class KVServicer(pb_grpc.KVServerServicer):
                       else None)
         core.plane = self.plane
         core.on_plane_transfers = self._plane_transfers
-        self.lanes = LaneBook(core, self.run_lane, self.plane)
+        self.lanes = LaneBook(core, self.run_lane, self.plane, self.run_space_lane)
 
     def _plane_transfers(self, written: int, writes: int, loaded: int, loads: int) -> None:
         if writes:
@@ -438,11 +438,43 @@ class KVServicer(pb_grpc.KVServerServicer):
 
     @_abort_on_error
     async def OpenLane(self, request: pb.OpenLaneRequest, context) -> pb.OpenLaneResponse:
-        lane = await self.lanes.open(request.client_id, request.peer_ticket,
-                                     self.cache.tenants.named(context.invocation_metadata()))
+        named = self.cache.tenants.named(context.invocation_metadata())
+        if request.space_id:
+            if request.client_id:
+                raise InvalidArgument("give exactly one of client_id (an engine's lane) and space_id "
+                                      "(a scheduler's lane of a space)")
+            lane = await self.lanes.open_space(request.space_id, request.peer_ticket, named,
+                                               self.cache.space_tenant)
+            return pb.OpenLaneResponse(slots=lane.slots, request_bytes=ring.REQUEST_BYTES,
+                                       response_bytes=ring.RESPONSE_BYTES, rpc_mask=ring.SPACE_RPC_MASK)
+        lane = await self.lanes.open(request.client_id, request.peer_ticket, named)
         return pb.OpenLaneResponse(slots=lane.slots, request_bytes=ring.REQUEST_BYTES,
                                    response_bytes=ring.RESPONSE_BYTES, request_format=lane_request.VERSION,
                                    rpc_mask=ring.RPC_MASK)
+
+    async def run_space_lane(self, space_id: str, rpc: str, data: bytes,
+                             progress: Callable[[Any], None]) -> bytes:
+        """One request that came on ``space_id``'s lane: a Lookup of that space, run by the code
+        the Lookup RPC runs."""
+        started = time.perf_counter()
+        try:
+            if rpc != "Lookup":
+                raise InvalidArgument(f"a space's lane carries only Lookups, not {rpc}")
+            request = _lenient(pb.LookupRequest)(data)
+            _check_parsed(request)
+            if request.client_id:
+                raise InvalidArgument("a Lookup on a space's lane is the space's: it names no client_id")
+            if request.space_id != space_id:
+                raise PermissionDenied("a space's lane carries only the Lookups of the space it was "
+                                       "opened for")
+            with self.core.share.call():
+                return (await self._lookup(request)).SerializeToString()
+        except Exception as exc:
+            if not isinstance(exc, KVError):
+                logger.exception("Lookup on a space's lane failed")
+            raise
+        finally:
+            self.metrics.observe("Lookup", started)
 
     async def run_lane(self, client_id: str, rpc: str, data: bytes, progress: Callable[[Any], None]) -> bytes:
         """One request that came on ``client_id``'s lane: parsed and run by the code its RPC runs."""

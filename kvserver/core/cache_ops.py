@@ -140,6 +140,10 @@ class CacheOps:
         if len(self._space_ids) >= MAX_SPACE_IDS:
             raise NoCapacity(f"the daemon holds {MAX_SPACE_IDS} space handles; none is free")
 
+    def space_tenant(self, space_id: str) -> str:
+        """The tenant of an open space's id; NotFound for an id this daemon does not know."""
+        return self._space(space_id).tenant
+
     def _space(self, space_id: str) -> SpaceKey:
         key = self._space_ids.get(space_id)
         if key is None:

@@ -1,6 +1,8 @@
-"""Opening lanes (the OpenLane RPC's checks): a lane belongs to one registration, and only the
-process that registered it may open it. Its release (Unregister, reclaim, replacement, daemon
-stop) closes the lane: ``KVCore._release`` awaits ``ClientState.lane.close()``."""
+"""Opening lanes (the OpenLane RPC's checks). A registration's lane belongs to it, and only the
+process that registered it may open it; its release (Unregister, reclaim, replacement, daemon
+stop) closes the lane: ``KVCore._release`` awaits ``ClientState.lane.close()``. A space's lane
+(a scheduler's Lookups, ``open_space``) belongs to no registration: any process of the space's
+tenant may open one, and it closes when that process closes its end, or at the daemon's stop."""
 
 from __future__ import annotations
 
@@ -20,17 +22,25 @@ from kvserver.peers.tenants import tenant_of
 
 logger = logging.getLogger(__name__)
 
+# run(client_id or space_id, rpc name, request bytes, progress callback) -> response bytes
+Runner = Callable[[str, str, bytes, Callable[[Any], None]], Awaitable[bytes]]
+
 
 # Descriptors (doorbell sockets: 1 + one per slot) the open lanes of one uid hold together.
 MAX_LANE_FDS_PER_UID = 4096
+# Space lanes (schedulers' Lookups) one uid may hold open: no registration bounds them.
+MAX_SPACE_LANES_PER_UID = 64
 
 
 class LaneBook:
-    def __init__(self, core: KVCore,
-                 run: Callable[[str, str, bytes, Callable[[Any], None]], Awaitable[bytes]],
-                 plane: DataPlane | None = None) -> None:
+    def __init__(self, core: KVCore, run: Runner, plane: DataPlane | None = None,
+                 run_space: Runner | None = None) -> None:
         self.core = core
-        self.run = run
+        self.run = run  # run(client_id, rpc, request bytes, progress): a registration's lane request
+        self.run_space = run_space  # run_space(space_id, ...): a space lane's request
+        self.space_lanes: set[Lane] = set()
+        self.max_space_lanes_per_uid = MAX_SPACE_LANES_PER_UID
+        self._space_lanes_per_uid: Counter[int] = Counter()
         self.plane = plane  # the compiled data plane (kvserver.lane.plane), if it runs
         self.lanes: set[Lane] = set()
         self.max_fds_per_uid = MAX_LANE_FDS_PER_UID
@@ -48,12 +58,11 @@ class LaneBook:
             waits.append(self.plane.drain(grace))
         if waits:
             await asyncio.gather(*waits)
+        # No release closes a space's lane: the stop does, once its Lookups had their grace.
+        await asyncio.gather(*(lane.close() for lane in list(self.space_lanes)))
 
     async def open(self, client_id: str, peer_ticket: str, named_tenant: str | None) -> Lane:
-        tickets = self.core.tickets
-        if tickets is None:
-            raise FailedPrecondition("this daemon has no Unix socket: lanes need its fd socket")
-        ticket = tickets.redeem(peer_ticket)  # spent whatever happens next
+        ticket = self._redeem(peer_ticket)
         try:
             client = self.core.client(client_id)
             peer = client.peer
@@ -63,13 +72,7 @@ class LaneBook:
                 raise PermissionDenied("a lane is opened with the tenant of its registration")
             if client.lane is not None:
                 raise FailedPrecondition("this registration has a lane open already")
-            uid, held = ticket.peer.uid, self._fds_per_uid[ticket.peer.uid]
-            if held + len(ticket.fds) - 1 > self.max_fds_per_uid:  # the ring's own fd is closed
-                raise NoCapacity(
-                    f"uid {uid}'s lanes hold {held} descriptors; this one would pass the most one uid's "
-                    f"lanes may hold ({self.max_fds_per_uid}): its calls go over gRPC"
-                )
-            ring, submit, done = open_ring(ticket.fds)
+            ring, submit, done = self._take_ring(ticket)
         except BaseException:
             ticket.close_off_loop()  # a peer's memfd may be the last reference to many pages
             raise
@@ -83,7 +86,72 @@ class LaneBook:
             except Exception:  # its lane is served on the loop, as without a plane
                 logger.exception("the data plane cannot serve %s's lane", public_id(client_id))
         on_served = gate.py_exit if gate is not None else None
-        lane = Lane(client_id, ring, submit, done, functools.partial(self.run, client_id), on_served)
+        lane = Lane(public_id(client_id), ring, submit, done, functools.partial(self.run, client_id),
+                    on_served)
+        self._start(lane, ring, submit, done, ticket.peer.uid, gate)
+        client.lane = lane
+        client.gate = gate
+        logger.info("lane of %d slots opened for %s (%s)", lane.slots, public_id(client_id),
+                    "compiled data plane" if gate is not None else "served on the event loop")
+        return lane
+
+    async def open_space(self, space_id: str, peer_ticket: str, named_tenant: str | None,
+                         space_tenant: Callable[[str], str]) -> Lane:
+        """A scheduler's lane of a KV space: opened by a process of the space's tenant
+        (``space_tenant(space_id)``: the space's tenant, or NotFound), it carries only Lookups of
+        that space, served on the loop (``run_space``), and closes itself when the process closes
+        its end of the submit doorbell (it died, or closed the view) or at the daemon's stop."""
+        ticket = self._redeem(peer_ticket)
+        try:
+            if self.run_space is None:
+                raise FailedPrecondition("this daemon serves no space's lane")
+            tenant = space_tenant(space_id)
+            if tenant_of(named_tenant, ticket.peer) != tenant:
+                raise PermissionDenied("a space's lane is opened by a process of the space's tenant")
+            uid = ticket.peer.uid
+            if self._space_lanes_per_uid[uid] >= self.max_space_lanes_per_uid:
+                raise NoCapacity(f"uid {uid} has {self._space_lanes_per_uid[uid]} space lanes open, the most "
+                                 f"one uid may ({self.max_space_lanes_per_uid}): its Lookups go over gRPC")
+            ring, submit, done = self._take_ring(ticket)
+        except BaseException:
+            ticket.close_off_loop()
+            raise
+        ticket.fds = []
+        owner = f"space {public_id(space_id)}"
+        lane = Lane(owner, ring, submit, done, functools.partial(self.run_space, space_id),
+                    close_when_gone=True)
+
+        def closed() -> None:
+            self.space_lanes.discard(lane)
+            self._space_lanes_per_uid[uid] -= 1
+            if self._space_lanes_per_uid[uid] <= 0:
+                del self._space_lanes_per_uid[uid]
+
+        self._start(lane, ring, submit, done, uid, None, closed)
+        self._space_lanes_per_uid[uid] += 1
+        self.space_lanes.add(lane)
+        logger.info("lane of %d slots opened for %s (its Lookups, on the event loop)", lane.slots, owner)
+        return lane
+
+    def _redeem(self, peer_ticket: str) -> Any:
+        tickets = self.core.tickets
+        if tickets is None:
+            raise FailedPrecondition("this daemon has no Unix socket: lanes need its fd socket")
+        return tickets.redeem(peer_ticket)  # spent whatever happens next
+
+    def _take_ring(self, ticket: Any) -> tuple[Any, Any, list[Any]]:
+        """The ticket's ring and doorbells, checked, within its uid's descriptor budget."""
+        uid, held = ticket.peer.uid, self._fds_per_uid[ticket.peer.uid]
+        if held + len(ticket.fds) - 1 > self.max_fds_per_uid:  # the ring's own fd is closed
+            raise NoCapacity(
+                f"uid {uid}'s lanes hold {held} descriptors; this one would pass the most one uid's "
+                f"lanes may hold ({self.max_fds_per_uid}): its calls go over gRPC"
+            )
+        return open_ring(ticket.fds)
+
+    def _start(self, lane: Lane, ring: Any, submit: Any, done: list[Any], uid: int, gate: Any,
+               also: Callable[[], None] | None = None) -> None:
+        """Starts serving ``lane`` and books its descriptors; ``also`` runs when it closes."""
         try:
             lane.start(self.plane, gate)
         except BaseException:
@@ -91,8 +159,6 @@ class LaneBook:
             for s in (submit, *done):
                 s.close()
             raise
-        client.lane = lane
-        client.gate = gate
         self.lanes.add(lane)
         fds = 1 + len(done)
         self._fds_per_uid[uid] += fds
@@ -102,8 +168,7 @@ class LaneBook:
             self._fds_per_uid[uid] -= fds
             if self._fds_per_uid[uid] <= 0:
                 del self._fds_per_uid[uid]
+            if also is not None:
+                also()
 
         lane.on_close = closed
-        logger.info("lane of %d slots opened for %s (%s)", lane.slots, public_id(client_id),
-                    "compiled data plane" if gate is not None else "served on the event loop")
-        return lane

@@ -1,4 +1,5 @@
-"""The daemon's half of the data-plane fast lane: one ``Lane`` per registration that opened one.
+"""The daemon's half of the data-plane fast lane: one ``Lane`` per registration that opened one,
+and per scheduler's lane of a KV space (its Lookups: ``LaneBook.open_space``).
 
 Where the compiled data plane runs (kvserver.lane.plane), its thread watches the doorbell and
 serves binary Writes and Loads itself; what it hands over comes to ``take`` and is served below.
@@ -109,9 +110,16 @@ def open_ring(fds: list[int]) -> tuple[ShmMapping, socket.socket, list[socket.so
 
 
 class Lane:
-    def __init__(self, client_id: str, ring: ShmMapping, submit: socket.socket, done: list[socket.socket],
-                 run: Runner, on_served: Callable[[], None] | None = None) -> None:
-        self.client_id = client_id
+    """``owner``: what logs name the lane by. ``close_when_gone``: the lane closes itself when its
+    peer closes its end of the submit doorbell (a space's lane, which no registration's release
+    closes); a registration's lane is closed by that release."""
+
+    def __init__(self, owner: str, ring: ShmMapping, submit: socket.socket, done: list[socket.socket],
+                 run: Runner, on_served: Callable[[], None] | None = None, *,
+                 close_when_gone: bool = False) -> None:
+        self.owner = owner
+        self.close_when_gone = close_when_gone
+        self._closing: asyncio.Task | None = None
         self.slots = len(done)
         self._mm = ring.mm
         self._ring = ring
@@ -177,7 +185,7 @@ class Lane:
             self._served_elsewhere(counted)
             return
         if self._tasks[i] is not None:  # cannot be: the plane hands a slot over once until released
-            logger.error("the data plane handed over slot %d of %s twice", i, self.client_id)
+            logger.error("the data plane handed over slot %d of %s twice", i, self.owner)
             self._served_elsewhere(counted)
             return
         self._counted[i] = counted
@@ -218,6 +226,10 @@ class Lane:
                 data = b""
             if not data:  # the peer closed its end: it is gone; the release cleans up
                 self._unwatch()
+                if self.close_when_gone and self._closing is None:  # no release will: it closes itself
+                    logger.info("lane of %s closed: its peer closed its end", self.owner)
+                    self._closing = asyncio.ensure_future(self.close())
+                    return
                 break
         self._scan()
 

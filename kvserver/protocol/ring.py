@@ -72,6 +72,8 @@ RPC_IDS = {v: k for k, v in RPC_NAMES.items()}
 # sends 0 and serves ids 1 to 4 (and 5 and 6 where its request_format is 1).
 RPC_MASK = sum(1 << i for i in RPC_NAMES)
 OLD_RPC_MASK = sum(1 << i for i in (RPC_WRITE, RPC_LOAD, RPC_PUT, RPC_GET, RPC_WRITE_B, RPC_LOAD_B))
+# What a space's lane (a scheduler's, opened with OpenLaneRequest.space_id) carries: its Lookups.
+SPACE_RPC_MASK = 1 << RPC_LOOKUP
 STREAMS = frozenset({"Load", "Get", "LoadB"})
 PLANE_STREAMS = frozenset({"LoadB"})  # the streams the compiled data plane may serve (docs/design.md)
 

@@ -660,12 +660,14 @@ class TenantStats(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., counters: _Optional[_Union[CacheCounters, _Mapping]] = ..., quota_bytes: _Optional[int] = ...) -> None: ...
 
 class OpenLaneRequest(_message.Message):
-    __slots__ = ("client_id", "peer_ticket")
+    __slots__ = ("client_id", "peer_ticket", "space_id")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_TICKET_FIELD_NUMBER: _ClassVar[int]
+    SPACE_ID_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     peer_ticket: str
-    def __init__(self, client_id: _Optional[str] = ..., peer_ticket: _Optional[str] = ...) -> None: ...
+    space_id: str
+    def __init__(self, client_id: _Optional[str] = ..., peer_ticket: _Optional[str] = ..., space_id: _Optional[str] = ...) -> None: ...
 
 class OpenLaneResponse(_message.Message):
     __slots__ = ("slots", "request_bytes", "response_bytes", "request_format", "rpc_mask")

@@ -1,0 +1,187 @@
+"""A scheduler's lane of a KV space (docs/lane.md, "A space's lane") against the real daemon: a
+CacheView's Lookups take it and answer as gRPC does; only a process of the space's tenant opens
+one, for a space the daemon knows; it carries only that space's Lookups; it closes when its
+process closes its end or dies, and at the daemon's stop, and the view opens a new one for the
+space it opens again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import grpc
+import pytest
+import torch
+from checks import error_of, wait_until
+from daemon_proc import DaemonProcess
+from test_lane import RawRing, lane_maps
+
+from kvclient import CacheView, KVClient, KVLayout, ShmKVPool
+from kvclient.keys import page_keys
+from kvserver.protocol import ring as R
+from kvserver.v1 import kvserver_pb2 as pb
+
+LAYOUT, DTYPE, LAYERS, PAGE, TOKENS = KVLayout.mha(2, 8), torch.float16, 4, 16, 256
+MODEL = "view-lane"
+KEYS = page_keys(range(3 * PAGE), PAGE)  # three 16-byte keys
+
+
+def view(address: str, **kw) -> CacheView:
+    return CacheView(address, model=MODEL, layout=LAYOUT, dtype=DTYPE, page_size=PAGE, num_layers=LAYERS,
+                     **kw)
+
+
+def store_two(engine: KVClient, pool: ShmKVPool) -> None:
+    engine.register(model=MODEL, pool=pool, start_layer=0, end_layer=LAYERS, num_layers=LAYERS, host_tokens=0,
+                    page_size=PAGE)
+    assert engine.put(KEYS[:32], [0, 1]).stored == 2
+
+
+def books(daemon) -> tuple[int, dict, dict]:
+    lanes = daemon.daemon.servicer.lanes
+    return daemon.run(lambda: (len(lanes.space_lanes), dict(lanes._fds_per_uid),
+                               dict(lanes._space_lanes_per_uid)))
+
+
+def test_a_views_lookups_take_its_spaces_lane_and_answer_as_grpc(daemon) -> None:
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, KVClient(daemon.address) as engine, \
+            view(daemon.address) as v, view(daemon.address, lane="grpc") as g:
+        store_two(engine, pool)
+        _, engine_fds, _ = books(daemon)
+        assert v.lane is None  # opened on the first Lookup
+        found = v.lookup(KEYS, pin_ms=5000)
+        lane = v.lane
+        assert lane is not None and lane.calls == 1 and lane.rpc_mask == R.SPACE_RPC_MASK
+        assert (found.pages, len(found.lease_id)) == (2, 32)
+        assert g.lookup(KEYS).pages == 2 and g.lane is None  # the same answer on gRPC
+        assert v.release(found.lease_id) == 1  # the lease the lane's Lookup took is the daemon's
+        assert v.lookup(KEYS[32:]).pages == 0 and v.lookup(KEYS[16:]).pages == 1 and lane.calls == 3
+        uid = os.getuid()
+        assert books(daemon) == (1, {uid: engine_fds[uid] + 1 + 2}, {uid: 1})
+        v.close()  # its end closes: the daemon closes the lane and gives its descriptors back
+        wait_until(lambda: books(daemon) == (0, engine_fds, {}), 10, "the space lane's close")
+        engine.unregister()
+
+
+def test_a_spaces_lane_carries_only_its_spaces_lookups(daemon) -> None:
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, KVClient(daemon.address) as engine, \
+            view(daemon.address, lane="grpc") as v:
+        store_two(engine, pool)
+        sid = v.open()
+        ring = RawRing(daemon.address, space_id=sid, slots=6)
+        try:
+            lookup = pb.LookupRequest(space_id=sid, keys=KEYS, key_bytes=16)
+            ring.put(0, R.RPC_WRITE_B, b"\x00" * 64)  # not a Lookup
+            ring.put(1, R.RPC_LOOKUP, pb.LookupRequest(space_id="f" * 32, keys=KEYS, key_bytes=16)
+                     .SerializeToString())  # another space's
+            ring.put(2, R.RPC_LOOKUP, pb.LookupRequest(client_id=engine.client_id, keys=KEYS, key_bytes=16)
+                     .SerializeToString())  # an engine's
+            ring.put(3, R.RPC_LOOKUP, b"\xff" * 40)  # not a LookupRequest
+            ring.put(4, 99, lookup.SerializeToString())  # no such rpc
+            ring.put(5, R.RPC_LOOKUP, lookup.SerializeToString())
+            assert ring.ring() == 1
+            wait_until(lambda: all(ring.state(i) == R.DONE for i in range(6)), 10, "the ring's answers")
+            inv = grpc.StatusCode.INVALID_ARGUMENT
+            assert ring.answer(0) == (inv, "a space's lane carries only Lookups, not WriteB")
+            assert ring.answer(1)[0] == grpc.StatusCode.PERMISSION_DENIED
+            assert ring.answer(2)[0] == inv and "no client_id" in ring.answer(2)[1]
+            assert ring.answer(3)[0] == inv and "LookupRequest" in ring.answer(3)[1]
+            assert ring.answer(4) == (inv, "unknown lane rpc id 99")
+            assert ring.answer(5)[0] == grpc.StatusCode.OK
+            off = R.slot_offset(5)
+            _, n, _ = R.RESULT.unpack_from(ring.mm, off + R.CODE_AT)
+            found = pb.LookupResponse.FromString(bytes(ring.mm[off + R.RESPONSE_AT: off + R.RESPONSE_AT + n]))
+            assert found.pages == 2
+            assert books(daemon)[0] == 1
+        finally:
+            ring.close()  # the peer's end closes: the daemon closes the lane
+        wait_until(lambda: books(daemon)[0] == 0 and books(daemon)[2] == {}, 10, "the raw lane's close")
+        engine.unregister()
+
+
+def test_a_spaces_lane_is_its_tenants_and_for_a_space_the_daemon_knows(daemon_factory, tmp_path) -> None:
+    tokens = tmp_path / "tenants"
+    tokens.write_text("other tok-other-0123456789\n")
+    d = daemon_factory(tenant_tokens=str(tokens))
+    other = (("x-kvserver-tenant", "tok-other-0123456789"),)
+    with view(d.address, lane="grpc") as mine, \
+            view(d.address, lane="grpc", tenant_token=other[0][1]) as theirs:
+        sid, their_sid = mine.open(), theirs.open()
+        assert sid != their_sid and theirs.tenant == "other"
+        code, message = error_of(lambda: RawRing(d.address, space_id=their_sid))
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "tenant" in message
+        assert error_of(lambda: RawRing(d.address, space_id="0" * 32))[0] == grpc.StatusCode.NOT_FOUND
+        code, message = error_of(lambda: RawRing(d.address, "1" * 32, space_id=sid))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "exactly one" in message
+        ring = RawRing(d.address, space_id=their_sid, metadata=other)  # with the tenant's token: its own
+        ring.close()
+        ring = RawRing(d.address, space_id=sid)
+        ring.close()
+    wait_until(lambda: books(d) == (0, {}, {}), 10, "every space lane's close")
+
+
+def test_space_lanes_are_capped_per_uid_and_a_refused_view_stays_on_grpc(daemon) -> None:
+    lanes = daemon.daemon.servicer.lanes
+    daemon.run(lambda: setattr(lanes, "max_space_lanes_per_uid", 1))
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, KVClient(daemon.address) as engine, \
+            view(daemon.address) as first, view(daemon.address) as second:
+        store_two(engine, pool)
+        assert first.lookup(KEYS).pages == 2 and first.lane is not None
+        for _ in range(3):  # refused once: the view asks no more for this space id
+            assert second.lookup(KEYS).pages == 2
+        assert second.lane is None and second._lane.refusals == 1 and second.misses == 0
+        first.close()
+        wait_until(lambda: books(daemon)[0] == 0, 10, "the first view's lane to close")
+        engine.unregister()
+
+
+# A scheduler's process (kvclient imports torch: it takes a few seconds to start).
+SCHEDULER = f"""
+import sys, time, torch
+from kvclient import CacheView, KVLayout
+v = CacheView(sys.argv[1], model="{MODEL}", layout=KVLayout.mha(2, 8), dtype=torch.float16, page_size={PAGE},
+              num_layers={LAYERS})
+v.lookup(b"k" * 16)
+print("ready" if v.lane is not None else "no lane", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_spaces_lane_closes_with_its_process_and_is_opened_again_after_a_restart(socket_dir: str) -> None:
+    d = DaemonProcess(os.path.join(socket_dir, "kv.sock"))
+    try:
+        base = d.num_fds()
+        sched = subprocess.Popen([sys.executable, "-c", SCHEDULER, d.address], stdout=subprocess.PIPE,
+                                 text=True)
+        try:
+            assert sched.stdout.readline().strip() == "ready"
+            assert len(lane_maps(d)) == 1 and d.num_fds() >= base + 1 + 2  # its doorbells (and gRPC's)
+            sched.send_signal(signal.SIGKILL)
+            sched.wait(30)
+        finally:
+            sched.kill()
+            sched.stdout.close()
+        wait_until(lambda: not lane_maps(d) and d.num_fds() <= base, 10, "the dead scheduler's lane to close")
+
+        with view(d.address, timeout=2.0) as v:
+            assert v.lookup(KEYS).pages == 0
+            first, sid = v.lane, v.space_id
+            assert first is not None and first.calls == 1
+            d.stop()  # the stop closes the lane: the view's next Lookup takes gRPC
+            d.start()
+            # The new daemon forgot the space: the view opens it again, and a lane for its new id.
+            assert v.lookup(KEYS).pages == 0 and v.misses == 0
+            assert v.space_id != sid and v.lane is not None and v.lane is not first and v.lane.calls == 1
+            assert len(lane_maps(d)) == 1
+    finally:
+        d.stop()
+
+
+@pytest.mark.parametrize("mode", ["auto", "grpc"])
+def test_a_view_takes_only_auto_or_grpc(mode: str) -> None:
+    v = view("unix:///nonexistent/kv.sock", lane=mode)
+    v.close()
+    with pytest.raises(ValueError, match="lane must be"):
+        view("unix:///nonexistent/kv.sock", lane="ring")
