@@ -65,7 +65,8 @@ class CacheView(_ViewShell):
                               token=token, tenant_token=tenant_token, weights=weights)
         self._channel = grpc.insecure_channel(self._core.target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVServerStub(self._channel)
-        self._lane = ViewLane(self._core.target, self._core.metadata, enabled=lane == "auto")
+        self._lane = ViewLane(self._core.target, self._core.metadata, lambda: self._core.space_id,
+                              enabled=lane == "auto")
 
     @property
     def lane(self) -> ClientLane | None:

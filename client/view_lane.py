@@ -5,15 +5,17 @@ the ring and doorbells, then ``OpenLane`` naming the space id) and sends every L
 0.2 ms on the daemon's event loop where a gRPC call costs about 1 ms, most of that the scheduler's
 own CPU. The lane belongs to the space id it was opened for: a view that opens its space again (the
 daemon restarted and forgot the id) opens a lane for the new id. Where no lane can be had (a TCP
-target, a daemon that does not know space lanes, too many of them for this uid) the Lookups stay on
-gRPC until the space is opened again. Events and Releases always take gRPC.
+target, a daemon that does not know space lanes, too many of them for this uid) the Lookups take
+gRPC, and the view asks again 30 s later. Events and Releases always take gRPC.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -26,24 +28,47 @@ from kvserver.v1 import kvserver_pb2 as pb
 logger = logging.getLogger("kvclient")
 
 # A scheduler asks one Lookup at a time; the spare slot serves a call while an abandoned one (its
-# deadline passed) is still the daemon's.
+# deadline passed) is still the daemon's. The daemon takes at most 4 on a space's lane.
 SLOTS = 2
+# After a refusal (or a failed open) the view asks for a lane again only this much later.
+RETRY_SECONDS = 30.0
+# OpenLane's own bound: at most half the first Lookup's time, and never more than this.
+OPEN_SECONDS = 1.0
+# The daemon is told to end a Lookup this much before the view gives up on it (a quarter of the
+# time at most), so that its answer, with or without a lease, comes before the view stops waiting:
+# a lease the view never saw would pin its pages until pin_ms.
+MARGIN_SECONDS = 0.02
+MAX_TIMEOUT_MS = 0xFFFFFFFF
+
+
+def daemon_timeout_ms(left: float) -> int:
+    """The ``timeout_ms`` to send with a Lookup the view waits ``left`` seconds for."""
+    bound = left - min(MARGIN_SECONDS, left / 4)
+    if not bound < MAX_TIMEOUT_MS / 1000:  # also inf and nan
+        return MAX_TIMEOUT_MS
+    return max(1, int(bound * 1000))
 
 
 class ViewLane:
-    def __init__(self, target: str, metadata: Any, enabled: bool = True) -> None:
+    """``current()`` is the view's space id now: a lane is opened only for it, so a thread holding
+    an id the view has since replaced never closes the lane of the new one."""
+
+    def __init__(self, target: str, metadata: Any, current: Callable[[], str], enabled: bool = True) -> None:
         self.enabled = enabled and target.startswith("unix") and fd_socket_path(target) is not None
         self._target = target
         self._metadata = metadata
-        self._lane: ClientLane | None = None
-        self._space = ""  # the space id the lane, or the refusal of one, is for
+        self._current = current
+        # (lane or None, the space id it or its refusal is for, when it was refused): one
+        # attribute, so that a reader without the lock sees one state, never half of two.
+        self._held: tuple[ClientLane | None, str, float] = (None, "", -math.inf)
         self._lock = threading.Lock()
+        self._opening = False
         self._closed = False
         self.refusals = 0
 
     @property
     def lane(self) -> ClientLane | None:
-        return self._lane
+        return self._held[0]
 
     def lookup(self, stub, request: pb.LookupRequest, deadline: float) -> pb.LookupResponse | None:
         """``request`` (naming its space) answered on the space's lane; None: not sent, take gRPC.
@@ -52,48 +77,70 @@ class ViewLane:
         if lane is None:
             return None
         left = max(0.001, deadline - time.monotonic())
-        request.timeout_ms = max(1, int(left * 1000))  # no gRPC deadline ends a lane call: the daemon ends it
+        request.timeout_ms = daemon_timeout_ms(left)  # no gRPC deadline ends a lane call
         try:
             got = lane.unary("Lookup", request.SerializeToString(), left)
         except KVClientError as exc:
-            if exc.code != grpc.StatusCode.UNAVAILABLE:
+            if exc.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.PERMISSION_DENIED,
+                                grpc.StatusCode.CANCELLED):
                 raise
-            # The daemon closed its end (it stopped): this call goes on gRPC, which says whether
-            # another daemon answers now; the next Lookup asks for a lane again.
+            # The daemon closed its end (it stopped), the lane is not this space's any more (the
+            # view opened it again meanwhile), or another thread closed it: this call goes on
+            # gRPC, which says how things stand; a later Lookup asks for a lane again.
             self._drop(lane)
             return None
         return None if got is None else pb.LookupResponse.FromString(got)
 
     def _for(self, stub, space_id: str, deadline: float) -> ClientLane | None:
-        lane = self._lane
-        if lane is not None and self._space == space_id and not lane.closed:
-            return lane
-        if not self.enabled or self._closed or (lane is None and self._space == space_id):
-            return None  # refused for this space id: gRPC until the space is opened again
+        lane, space, refused_at = self._held
+        if space == space_id:
+            if lane is not None and not lane.closed:
+                return lane
+            if lane is None and time.monotonic() - refused_at < RETRY_SECONDS:
+                return None  # refused for this space id a moment ago: gRPC
+        if not self.enabled or self._closed:
+            return None
         with self._lock:
-            if self._closed:
-                return None
-            if self._space != space_id or (self._lane is not None and self._lane.closed):
-                self._replace(None, "")
-                self._replace(self._open(stub, space_id, deadline), space_id)
-            return self._lane
+            if self._opening or self._closed or space_id != self._current():
+                return None  # another thread opens one, or the id is stale: this call takes gRPC
+            self._opening = True
+        new = old = None
+        try:
+            new = self._open(stub, space_id, deadline)
+        finally:
+            with self._lock:
+                self._opening = False
+                stale = self._closed or space_id != self._current()  # closed, or reopened meanwhile
+                if not stale:
+                    old = self._held[0]
+                    self._held = (new, space_id, -math.inf if new is not None else time.monotonic())
+            if stale and new is not None:
+                new.close()
+                new = None
+            if old is not None and old is not new:
+                old.close()
+        return new
 
     def _open(self, stub, space_id: str, deadline: float) -> ClientLane | None:
-        lane = ClientLane(SLOTS)
+        lane = None
         try:
-            ticket = ticket_for(self._target, lane.daemon_fds(), max(0.001, deadline - time.monotonic()))
+            lane = ClientLane(SLOTS)
+            bound = min(OPEN_SECONDS, max(0.001, (deadline - time.monotonic()) / 2))
+            ticket = ticket_for(self._target, lane.daemon_fds(), bound)
             opened = stub.OpenLane(pb.OpenLaneRequest(space_id=space_id, peer_ticket=ticket),
-                                   timeout=max(0.001, deadline - time.monotonic()), metadata=self._metadata)
+                                   timeout=bound, metadata=self._metadata)
         except (grpc.RpcError, KVClientError, OSError, ValueError) as exc:
-            lane.close()
+            if lane is not None:
+                lane.close()
             code = exc.code() if isinstance(exc, grpc.RpcError) else getattr(exc, "code", None)
             (logger.debug if self.refusals else logger.info)(
-                "kvserver space lane not opened (%s): the view's Lookups stay on gRPC",
-                code.name if code is not None else exc)
+                "kvserver space lane not opened (%s): the view's Lookups take gRPC",
+                code.name if isinstance(code, grpc.StatusCode) else exc)
             self.refusals += 1
             return None
         finally:
-            lane.handed_over()
+            if lane is not None:
+                lane.handed_over()
         lane.rpc_mask = opened.rpc_mask
         if not lane.serves("Lookup"):  # a daemon that opened something else: not ours to use
             lane.close()
@@ -101,18 +148,15 @@ class ViewLane:
             return None
         return lane
 
-    def _replace(self, lane: ClientLane | None, space_id: str) -> None:
-        old, self._lane, self._space = self._lane, lane, space_id
-        if old is not None:
-            old.close()
-
     def _drop(self, lane: ClientLane) -> None:
         with self._lock:
-            if self._lane is lane:
-                self._lane, self._space = None, ""
+            if self._held[0] is lane:
+                self._held = (None, "", -math.inf)
         lane.close()
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            self._replace(None, "")
+            lane, self._held = self._held[0], (None, "", -math.inf)
+        if lane is not None:
+            lane.close()

@@ -78,6 +78,12 @@ class Unimplemented(KVError):
     code = Code.UNIMPLEMENTED
 
 
+class Unavailable(KVError):
+    """The daemon cannot take the call now (it is stopping)."""
+
+    code = Code.UNAVAILABLE
+
+
 class DeadlineExceeded(KVError):
     """A call past its own ``timeout_ms`` (not a copy's: ``JobStopped``)."""
 

@@ -18,7 +18,7 @@ from checks import error_of, wait_until
 from daemon_proc import DaemonProcess
 from test_lane import RawRing, lane_maps
 
-from kvclient import CacheView, KVClient, KVLayout, ShmKVPool
+from kvclient import CacheView, KVClient, KVLayout, ShmKVPool, view_lane
 from kvclient.keys import page_keys
 from kvserver.protocol import ring as R
 from kvserver.v1 import kvserver_pb2 as pb
@@ -70,7 +70,9 @@ def test_a_spaces_lane_carries_only_its_spaces_lookups(daemon) -> None:
             view(daemon.address, lane="grpc") as v:
         store_two(engine, pool)
         sid = v.open()
-        ring = RawRing(daemon.address, space_id=sid, slots=6)
+        code, message = error_of(lambda: RawRing(daemon.address, space_id=sid, slots=5))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "at most 4 slots" in message
+        ring = RawRing(daemon.address, space_id=sid, slots=4)
         try:
             lookup = pb.LookupRequest(space_id=sid, keys=KEYS, key_bytes=16)
             ring.put(0, R.RPC_WRITE_B, b"\x00" * 64)  # not a Lookup
@@ -79,18 +81,20 @@ def test_a_spaces_lane_carries_only_its_spaces_lookups(daemon) -> None:
             ring.put(2, R.RPC_LOOKUP, pb.LookupRequest(client_id=engine.client_id, keys=KEYS, key_bytes=16)
                      .SerializeToString())  # an engine's
             ring.put(3, R.RPC_LOOKUP, b"\xff" * 40)  # not a LookupRequest
-            ring.put(4, 99, lookup.SerializeToString())  # no such rpc
-            ring.put(5, R.RPC_LOOKUP, lookup.SerializeToString())
             assert ring.ring() == 1
-            wait_until(lambda: all(ring.state(i) == R.DONE for i in range(6)), 10, "the ring's answers")
+            wait_until(lambda: all(ring.state(i) == R.DONE for i in range(4)), 10, "the ring's answers")
             inv = grpc.StatusCode.INVALID_ARGUMENT
             assert ring.answer(0) == (inv, "a space's lane carries only Lookups, not WriteB")
             assert ring.answer(1)[0] == grpc.StatusCode.PERMISSION_DENIED
             assert ring.answer(2)[0] == inv and "no client_id" in ring.answer(2)[1]
             assert ring.answer(3)[0] == inv and "LookupRequest" in ring.answer(3)[1]
-            assert ring.answer(4) == (inv, "unknown lane rpc id 99")
-            assert ring.answer(5)[0] == grpc.StatusCode.OK
-            off = R.slot_offset(5)
+            ring.put(0, 99, lookup.SerializeToString())  # no such rpc
+            ring.put(1, R.RPC_LOOKUP, lookup.SerializeToString())
+            assert ring.ring() == 1
+            wait_until(lambda: all(ring.state(i) == R.DONE for i in range(2)), 10, "the ring's answers")
+            assert ring.answer(0) == (inv, "unknown lane rpc id 99")
+            assert ring.answer(1)[0] == grpc.StatusCode.OK
+            off = R.slot_offset(1)
             _, n, _ = R.RESULT.unpack_from(ring.mm, off + R.CODE_AT)
             found = pb.LookupResponse.FromString(bytes(ring.mm[off + R.RESPONSE_AT: off + R.RESPONSE_AT + n]))
             assert found.pages == 2
@@ -110,19 +114,34 @@ def test_a_spaces_lane_is_its_tenants_and_for_a_space_the_daemon_knows(daemon_fa
             view(d.address, lane="grpc", tenant_token=other[0][1]) as theirs:
         sid, their_sid = mine.open(), theirs.open()
         assert sid != their_sid and theirs.tenant == "other"
+        fds = len(os.listdir("/proc/self/fd"))  # the daemon runs in this process
         code, message = error_of(lambda: RawRing(d.address, space_id=their_sid))
         assert code == grpc.StatusCode.PERMISSION_DENIED and "tenant" in message
         assert error_of(lambda: RawRing(d.address, space_id="0" * 32))[0] == grpc.StatusCode.NOT_FOUND
         code, message = error_of(lambda: RawRing(d.address, "1" * 32, space_id=sid))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "exactly one" in message
-        ring = RawRing(d.address, space_id=their_sid, metadata=other)  # with the tenant's token: its own
+        # Every refused ticket's descriptors are closed, not kept until the ticket's expiry.
+        wait_until(lambda: len(os.listdir("/proc/self/fd")) <= fds, 10, "the refused tickets' descriptors")
+        ring = RawRing(d.address, slots=2, space_id=their_sid, metadata=other)  # the tenant's token: its own
         ring.close()
-        ring = RawRing(d.address, space_id=sid)
+        ring = RawRing(d.address, slots=2, space_id=sid)
         ring.close()
     wait_until(lambda: books(d) == (0, {}, {}), 10, "every space lane's close")
 
 
-def test_space_lanes_are_capped_per_uid_and_a_refused_view_stays_on_grpc(daemon) -> None:
+def test_the_daemons_stop_closes_its_space_lanes_and_opens_no_more(daemon_factory) -> None:
+    d = daemon_factory()
+    with view(d.address, timeout=2.0) as v:
+        assert v.lookup(KEYS).pages == 0 and v.lane is not None
+        lanes = d.daemon.servicer.lanes
+        assert books(d)[0] == 1
+        d.stop()
+        assert lanes.stopping and not lanes.space_lanes and not lanes._space_lanes_per_uid
+        assert v.lookup(KEYS).pages == 0 and v.misses == 1  # the daemon is gone: a miss
+        assert v.lane is None
+
+
+def test_space_lanes_are_capped_per_uid_and_a_refused_view_stays_on_grpc(daemon, monkeypatch) -> None:
     lanes = daemon.daemon.servicer.lanes
     daemon.run(lambda: setattr(lanes, "max_space_lanes_per_uid", 1))
     with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, KVClient(daemon.address) as engine, \
@@ -134,7 +153,39 @@ def test_space_lanes_are_capped_per_uid_and_a_refused_view_stays_on_grpc(daemon)
         assert second.lane is None and second._lane.refusals == 1 and second.misses == 0
         first.close()
         wait_until(lambda: books(daemon)[0] == 0, 10, "the first view's lane to close")
+        monkeypatch.setattr(view_lane, "RETRY_SECONDS", 0.0)  # it asks again once the pause is over
+        assert second.lookup(KEYS).pages == 2 and second.lane is not None and second.lane.calls == 1
         engine.unregister()
+
+
+# A process that opens a space's lane whose first done doorbell is its own end of the submit pair:
+# the daemon then holds both ends, and no end-of-file ever comes. It exits at once.
+BOTH_ENDS = """
+import fcntl, os, socket, sys, grpc
+from kvserver.protocol import ring as R
+from kvserver.protocol.fd_socket import request_ticket
+from kvserver.v1 import kvserver_pb2 as pb, kvserver_pb2_grpc as pb_grpc
+fd = os.memfd_create("kvclient-lane", os.MFD_ALLOW_SEALING)
+os.ftruncate(fd, R.ring_bytes(2))
+os.pwrite(fd, R.header(2), 0)
+fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+done = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+fds = [fd, theirs.fileno(), mine.fileno(), done[1].fileno()]
+ticket = request_ticket(sys.argv[1][len("unix://"):] + ".fd", fds)
+with grpc.insecure_channel(sys.argv[1]) as ch:
+    pb_grpc.KVServerStub(ch).OpenLane(pb.OpenLaneRequest(space_id=sys.argv[2], peer_ticket=ticket), timeout=5)
+print("opened", flush=True)
+"""
+
+
+def test_a_spaces_lane_closes_when_its_process_exits_though_its_doorbell_lives_on(daemon) -> None:
+    with view(daemon.address, lane="grpc") as v:
+        sid = v.open()
+        out = subprocess.run([sys.executable, "-c", BOTH_ENDS, daemon.address, sid], check=True,
+                             capture_output=True, text=True, timeout=60).stdout.split()
+        assert out == ["opened"]
+        wait_until(lambda: books(daemon) == (0, {}, {}), 10, "the exited process's lane to close")
 
 
 # A scheduler's process (kvclient imports torch: it takes a few seconds to start).
@@ -177,6 +228,13 @@ def test_a_spaces_lane_closes_with_its_process_and_is_opened_again_after_a_resta
             assert len(lane_maps(d)) == 1
     finally:
         d.stop()
+
+
+def test_the_daemon_is_told_to_end_a_lookup_before_the_view_gives_up() -> None:
+    assert view_lane.daemon_timeout_ms(5.0) == 4980  # 20 ms before
+    assert view_lane.daemon_timeout_ms(0.04) == 30  # a quarter of a short wait
+    assert view_lane.daemon_timeout_ms(0.0001) == 1
+    assert view_lane.daemon_timeout_ms(float("inf")) == view_lane.daemon_timeout_ms(1e12) == 0xFFFFFFFF
 
 
 @pytest.mark.parametrize("mode", ["auto", "grpc"])

@@ -441,6 +441,7 @@ class KVServicer(pb_grpc.KVServerServicer):
         named = self.cache.tenants.named(context.invocation_metadata())
         if request.space_id:
             if request.client_id:
+                self.lanes.spend(request.peer_ticket)
                 raise InvalidArgument("give exactly one of client_id (an engine's lane) and space_id "
                                       "(a scheduler's lane of a space)")
             lane = await self.lanes.open_space(request.space_id, request.peer_ticket, named,

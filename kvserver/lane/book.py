@@ -9,13 +9,21 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvserver.core.client_state import public_id
 from kvserver.core.kvcore import KVCore
-from kvserver.errors import FailedPrecondition, NoCapacity, PermissionDenied
+from kvserver.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    KVError,
+    NoCapacity,
+    PermissionDenied,
+    Unavailable,
+)
 from kvserver.lane.plane import DataPlane
 from kvserver.lane.server import Lane, open_ring
 from kvserver.peers.tenants import tenant_of
@@ -28,8 +36,21 @@ Runner = Callable[[str, str, bytes, Callable[[Any], None]], Awaitable[bytes]]
 
 # Descriptors (doorbell sockets: 1 + one per slot) the open lanes of one uid hold together.
 MAX_LANE_FDS_PER_UID = 4096
-# Space lanes (schedulers' Lookups) one uid may hold open: no registration bounds them.
-MAX_SPACE_LANES_PER_UID = 64
+# Space lanes (schedulers' Lookups): no registration bounds them, so one uid may hold at most
+# MAX_SPACE_LANES_PER_UID, the daemon MAX_SPACE_LANES, each of at most MAX_SPACE_LANE_SLOTS slots.
+MAX_SPACE_LANES_PER_UID = 16
+MAX_SPACE_LANES = 256
+MAX_SPACE_LANE_SLOTS = 4
+
+
+def _pidfd(pid: int) -> int:
+    """A pidfd of the process (readable once it exits); -1 where the kernel has none."""
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        raise FailedPrecondition("the process that asked for the lane has exited") from None
+    except OSError:  # no pidfd (Linux < 5.3, a pid not seen here): end-of-file alone closes the lane
+        return -1
 
 
 class LaneBook:
@@ -40,6 +61,8 @@ class LaneBook:
         self.run_space = run_space  # run_space(space_id, ...): a space lane's request
         self.space_lanes: set[Lane] = set()
         self.max_space_lanes_per_uid = MAX_SPACE_LANES_PER_UID
+        self.max_space_lanes = MAX_SPACE_LANES
+        self.stopping = False  # set by drain: no lane opens any more
         self._space_lanes_per_uid: Counter[int] = Counter()
         self.plane = plane  # the compiled data plane (kvserver.lane.plane), if it runs
         self.lanes: set[Lane] = set()
@@ -48,6 +71,7 @@ class LaneBook:
 
     async def drain(self, grace: float) -> None:
         """At shutdown: every lane finishes what it runs within ``grace`` and takes nothing new."""
+        self.stopping = True
         if self.plane is not None:
             # First no new request, and what the plane handed over until now taken: the lanes'
             # drains below then wait for all of it.
@@ -99,8 +123,8 @@ class LaneBook:
                          space_tenant: Callable[[str], str]) -> Lane:
         """A scheduler's lane of a KV space: opened by a process of the space's tenant
         (``space_tenant(space_id)``: the space's tenant, or NotFound), it carries only Lookups of
-        that space, served on the loop (``run_space``), and closes itself when the process closes
-        its end of the submit doorbell (it died, or closed the view) or at the daemon's stop."""
+        that space, served on the loop (``run_space``), and closes itself when the process exits or
+        closes its end of the submit doorbell (it closed the view), or at the daemon's stop."""
         ticket = self._redeem(peer_ticket)
         try:
             if self.run_space is None:
@@ -112,14 +136,28 @@ class LaneBook:
             if self._space_lanes_per_uid[uid] >= self.max_space_lanes_per_uid:
                 raise NoCapacity(f"uid {uid} has {self._space_lanes_per_uid[uid]} space lanes open, the most "
                                  f"one uid may ({self.max_space_lanes_per_uid}): its Lookups go over gRPC")
-            ring, submit, done = self._take_ring(ticket)
+            if len(self.space_lanes) >= self.max_space_lanes:
+                raise NoCapacity(f"the daemon has {len(self.space_lanes)} space lanes open, the most it "
+                                 "holds: the Lookups go over gRPC")
+            if len(ticket.fds) - 2 > MAX_SPACE_LANE_SLOTS:
+                raise InvalidArgument(f"a space's lane has at most {MAX_SPACE_LANE_SLOTS} slots; "
+                                      f"{len(ticket.fds) - 2} doorbells sent")
+            # Its process's end: the lane closes when the process exits, even if the doorbell's
+            # other end lives on (handed back to the daemon, or held by a child it forked).
+            gone = _pidfd(ticket.peer.pid)
+            try:
+                ring, submit, done = self._take_ring(ticket)
+            except BaseException:
+                if gone >= 0:
+                    os.close(gone)
+                raise
         except BaseException:
             ticket.close_off_loop()
             raise
         ticket.fds = []
         owner = f"space {public_id(space_id)}"
         lane = Lane(owner, ring, submit, done, functools.partial(self.run_space, space_id),
-                    close_when_gone=True)
+                    close_when_gone=True, peer_gone_fd=gone)
 
         def closed() -> None:
             self.space_lanes.discard(lane)
@@ -127,13 +165,30 @@ class LaneBook:
             if self._space_lanes_per_uid[uid] <= 0:
                 del self._space_lanes_per_uid[uid]
 
-        self._start(lane, ring, submit, done, uid, None, closed)
+        try:
+            self._start(lane, ring, submit, done, uid, None, closed)
+        except BaseException:
+            if gone >= 0:
+                os.close(gone)
+            raise
         self._space_lanes_per_uid[uid] += 1
         self.space_lanes.add(lane)
         logger.info("lane of %d slots opened for %s (its Lookups, on the event loop)", lane.slots, owner)
         return lane
 
+    def spend(self, peer_ticket: str) -> None:
+        """Redeems and drops a ticket whose request is refused before it is read: its
+        descriptors go now, not at the ticket's expiry."""
+        tickets = self.core.tickets
+        if tickets is not None and peer_ticket:
+            try:
+                tickets.redeem(peer_ticket).close_off_loop()
+            except KVError:  # unknown or spent: nothing held
+                pass
+
     def _redeem(self, peer_ticket: str) -> Any:
+        if self.stopping:
+            raise Unavailable("the daemon is stopping: it opens no lane")
         tickets = self.core.tickets
         if tickets is None:
             raise FailedPrecondition("this daemon has no Unix socket: lanes need its fd socket")

@@ -111,15 +111,19 @@ def open_ring(fds: list[int]) -> tuple[ShmMapping, socket.socket, list[socket.so
 
 class Lane:
     """``owner``: what logs name the lane by. ``close_when_gone``: the lane closes itself when its
-    peer closes its end of the submit doorbell (a space's lane, which no registration's release
-    closes); a registration's lane is closed by that release."""
+    peer closes its end of the submit doorbell, or when the process ``peer_gone_fd`` (a pidfd the
+    lane owns; -1: none) exits (a space's lane, which no registration's release closes); a
+    registration's lane is closed by that release. A space's lane drains at most ``slots + 1``
+    doorbell messages a wake-up."""
 
     def __init__(self, owner: str, ring: ShmMapping, submit: socket.socket, done: list[socket.socket],
                  run: Runner, on_served: Callable[[], None] | None = None, *,
-                 close_when_gone: bool = False) -> None:
+                 close_when_gone: bool = False, peer_gone_fd: int = -1) -> None:
         self.owner = owner
         self.close_when_gone = close_when_gone
         self._closing: asyncio.Task | None = None
+        self._gone_fd = peer_gone_fd
+        self._max_drain = len(done) + 1 if close_when_gone else MAX_DRAIN
         self.slots = len(done)
         self._mm = ring.mm
         self._ring = ring
@@ -167,8 +171,24 @@ class Lane:
             self._handle = plane.add(self, gate)
             self._watching = True
             return
-        asyncio.get_running_loop().add_reader(self._submit.fileno(), self._doorbell)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self._submit.fileno(), self._doorbell)
         self._watching = True
+        if self._gone_fd >= 0:
+            try:
+                loop.add_reader(self._gone_fd, self._gone, "its process exited")
+            except BaseException:
+                self._unwatch()
+                raise
+
+    def _gone(self, why: str) -> None:
+        """The peer is gone (``close_when_gone``): the lane closes itself, no release will."""
+        self._unwatch()
+        if self._gone_fd >= 0:
+            asyncio.get_running_loop().remove_reader(self._gone_fd)
+        if self._closing is None and not self._closed:
+            logger.info("lane of %s closed: %s", self.owner, why)
+            self._closing = asyncio.ensure_future(self.close())
 
     def _unwatch(self) -> None:
         if self._watching:
@@ -217,7 +237,7 @@ class Lane:
             self._on_served()
 
     def _doorbell(self) -> None:
-        for _ in range(MAX_DRAIN):
+        for _ in range(self._max_drain):
             try:
                 data = self._submit.recv(16, socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
@@ -225,11 +245,10 @@ class Lane:
             except OSError:
                 data = b""
             if not data:  # the peer closed its end: it is gone; the release cleans up
-                self._unwatch()
-                if self.close_when_gone and self._closing is None:  # no release will: it closes itself
-                    logger.info("lane of %s closed: its peer closed its end", self.owner)
-                    self._closing = asyncio.ensure_future(self.close())
+                if self.close_when_gone:
+                    self._gone("its peer closed its end")
                     return
+                self._unwatch()
                 break
         self._scan()
 
@@ -337,4 +356,9 @@ class Lane:
             await asyncio.gather(*tasks, return_exceptions=True)
         for s in (self._submit, *self._done):
             s.close()
+        if self._gone_fd >= 0:
+            with contextlib.suppress(ValueError, RuntimeError):  # not watched (the plane's), or no loop
+                asyncio.get_running_loop().remove_reader(self._gone_fd)
+            os.close(self._gone_fd)
+            self._gone_fd = -1
         self._ring.close()
