@@ -15,6 +15,7 @@ from google.protobuf.message import DecodeError
 
 from kvserver.api import packed
 from kvserver.api.auth import is_admin
+from kvserver.api.eager import bounded
 from kvserver.api.metrics import BUCKETS, Metrics
 from kvserver.api.status import grpc_status
 from kvserver.core.cache_ops import CacheOps, space_from_wire
@@ -357,9 +358,8 @@ class KVServicer(pb_grpc.KVServerServicer):
 
     async def _lookup(self, request: pb.LookupRequest) -> pb.LookupResponse:
         if request.timeout_ms:  # a Lookup given up ends its lease (CacheOps.lookup)
-            try:
-                async with asyncio.timeout(request.timeout_ms / 1000):
-                    found = await self.cache.lookup(request)
+            try:  # a timer only for a Lookup that waits (kvserver.api.eager)
+                found = await bounded(self.cache.lookup(request), request.timeout_ms / 1000)
             except TimeoutError:
                 raise DeadlineExceeded(f"the Lookup took longer than its timeout_ms "
                                        f"{request.timeout_ms}") from None

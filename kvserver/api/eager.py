@@ -1,0 +1,62 @@
+"""Runs a call's coroutine at once, and bounds it in time only if it has to wait.
+
+A Lookup is answered without waiting nearly always (one step of the index, no cluster tier), yet
+bounding it with ``asyncio.timeout`` arms and cancels a loop timer each time: 5–20 µs of the event
+loop per call, a tenth of a lane Lookup's whole cost. ``bounded`` runs the coroutine's first step
+itself; if that step returns, no timer was needed. If the coroutine waits, the rest of it runs
+under ``asyncio.timeout`` for what is left of the bound, counted from the call's start, exactly as
+if the whole call had been under it (a timeout can only end a coroutine where it waits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine, Generator
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def _resume(coro: Coroutine[Any, Any, T], waiting: Any) -> Generator[Any, Any, T]:
+    """Goes on with a started coroutine that yielded ``waiting`` to its task, as ``yield from``
+    would have: what the task sends or throws (a cancellation) goes to the coroutine."""
+    while True:
+        try:
+            sent = yield waiting
+        except BaseException as exc:
+            try:
+                waiting = coro.throw(exc)
+            except StopIteration as done:
+                return done.value
+        else:
+            try:
+                waiting = coro.send(sent)
+            except StopIteration as done:
+                return done.value
+
+
+class _Started:
+    def __init__(self, coro: Coroutine[Any, Any, T], waiting: Any) -> None:
+        self._coro = coro
+        self._waiting = waiting
+
+    def __await__(self) -> Generator[Any, Any, T]:
+        return _resume(self._coro, self._waiting)
+
+
+async def bounded(coro: Coroutine[Any, Any, T], seconds: float | None) -> T:
+    """``await coro`` within ``seconds`` of now (None: no bound); TimeoutError past it, as
+    ``asyncio.timeout`` raises. No timer is armed unless the coroutine waits."""
+    if seconds is None:
+        return await coro
+    started = asyncio.get_running_loop().time()
+    try:
+        waiting = coro.send(None)
+    except StopIteration as done:  # answered without waiting
+        return done.value
+    rest = _Started(coro, waiting)
+    try:
+        async with asyncio.timeout_at(started + seconds):
+            return await rest
+    finally:
+        coro.close()  # a no-op once it has returned or raised
