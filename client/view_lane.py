@@ -125,10 +125,11 @@ class ViewLane:
         lane = None
         try:
             lane = ClientLane(SLOTS)
-            bound = min(OPEN_SECONDS, max(0.001, (deadline - time.monotonic()) / 2))
-            ticket = ticket_for(self._target, lane.daemon_fds(), bound)
+            # The ticket and OpenLane together: half the first Lookup's time at most.
+            until = time.monotonic() + min(OPEN_SECONDS, max(0.001, (deadline - time.monotonic()) / 2))
+            ticket = ticket_for(self._target, lane.daemon_fds(), max(0.001, until - time.monotonic()))
             opened = stub.OpenLane(pb.OpenLaneRequest(space_id=space_id, peer_ticket=ticket),
-                                   timeout=bound, metadata=self._metadata)
+                                   timeout=max(0.001, until - time.monotonic()), metadata=self._metadata)
         except (grpc.RpcError, KVClientError, OSError, ValueError) as exc:
             if lane is not None:
                 lane.close()

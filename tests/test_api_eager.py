@@ -80,14 +80,44 @@ def test_the_bound_counts_from_the_calls_start_and_ends_the_call_where_it_waits(
             cleaned.append("finally")  # e.g. a lease taken so far ends here
 
     async def main() -> float:
-        t = time.monotonic()
+        start = asyncio.get_running_loop().time()
         with pytest.raises(TimeoutError):
             await eager.bounded(slow(), 0.2)
-        return time.monotonic() - t
+        return start
 
-    took = run(main())
-    assert 0.19 <= took < 0.3, took  # 0.2 s in all, not 0.2 s after the 0.15 s of work
-    assert cleaned == ["finally"] and len(timers) == 1
+    start = run(main())
+    # The timer is set for 0.2 s after the call began, not 0.2 s after the 0.15 s of work.
+    assert len(timers) == 1 and start + 0.2 <= timers[0] < start + 0.3  # wrong: start + 0.35 or later
+    assert cleaned == ["finally"]
+
+
+def test_a_call_cancelled_in_its_first_step_is_cancelled_not_timed_out(timers) -> None:
+    async def cancels_itself() -> None:
+        asyncio.current_task().cancel()  # as a peer's cancel arriving during the step
+        time.sleep(0.15)  # and past the bound before its first wait
+        await asyncio.sleep(5)
+
+    async def main() -> None:
+        with pytest.raises(asyncio.CancelledError):
+            await eager.bounded(cancels_itself(), 0.05)
+
+    async def outer() -> None:
+        task = asyncio.ensure_future(main())
+        await task
+
+    run(outer())
+    assert timers == []
+
+
+def test_the_call_runs_in_its_callers_task() -> None:
+    async def whose() -> asyncio.Task | None:
+        await asyncio.sleep(0)
+        return asyncio.current_task()
+
+    async def main() -> bool:
+        return await eager.bounded(whose(), 5.0) is asyncio.current_task()
+
+    assert run(main())
 
 
 def test_a_cancelled_call_is_cancelled_where_it_waits_and_cleans_up() -> None:

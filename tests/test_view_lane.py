@@ -131,10 +131,16 @@ def test_a_spaces_lane_is_its_tenants_and_for_a_space_the_daemon_knows(daemon_fa
 
 def test_the_daemons_stop_closes_its_space_lanes_and_opens_no_more(daemon_factory) -> None:
     d = daemon_factory()
-    with view(d.address, timeout=2.0) as v:
+    with view(d.address, timeout=2.0) as v, view(d.address, lane="grpc") as late:
         assert v.lookup(KEYS).pages == 0 and v.lane is not None
         lanes = d.daemon.servicer.lanes
         assert books(d)[0] == 1
+        sid = late.open()
+        d.run(lambda: setattr(lanes, "stopping", True))  # as drain sets it, first thing
+        fds = len(os.listdir("/proc/self/fd"))
+        code, message = error_of(lambda: RawRing(d.address, slots=2, space_id=sid))
+        assert code == grpc.StatusCode.UNAVAILABLE and "stopping" in message
+        wait_until(lambda: len(os.listdir("/proc/self/fd")) <= fds, 10, "the refused ticket's descriptors")
         d.stop()
         assert lanes.stopping and not lanes.space_lanes and not lanes._space_lanes_per_uid
         assert v.lookup(KEYS).pages == 0 and v.misses == 1  # the daemon is gone: a miss

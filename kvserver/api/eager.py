@@ -21,18 +21,20 @@ def _resume(coro: Coroutine[Any, Any, T], waiting: Any) -> Generator[Any, Any, T
     """Goes on with a started coroutine that yielded ``waiting`` to its task, as ``yield from``
     would have: what the task sends or throws (a cancellation) goes to the coroutine."""
     while True:
+        thrown: BaseException | None = None
         try:
             sent = yield waiting
+        except GeneratorExit:
+            coro.close()
+            raise
         except BaseException as exc:
-            try:
-                waiting = coro.throw(exc)
-            except StopIteration as done:
-                return done.value
-        else:
-            try:
-                waiting = coro.send(sent)
-            except StopIteration as done:
-                return done.value
+            thrown = exc  # thrown below, outside this handler: no false __context__ on what it raises
+        try:
+            waiting = coro.send(sent) if thrown is None else coro.throw(thrown)
+        except StopIteration as done:
+            return done.value
+        finally:
+            thrown = None
 
 
 class _Started:
@@ -50,12 +52,18 @@ async def bounded(coro: Coroutine[Any, Any, T], seconds: float | None) -> T:
     if seconds is None:
         return await coro
     started = asyncio.get_running_loop().time()
+    task = asyncio.current_task()
+    cancelling = task.cancelling() if task is not None else 0
     try:
         waiting = coro.send(None)
     except StopIteration as done:  # answered without waiting
         return done.value
     rest = _Started(coro, waiting)
     try:
+        if task is not None and task.cancelling() > cancelling:
+            # Cancelled during its first step: the cancellation ends it where it waits, as it
+            # would under asyncio.timeout (entered now, the timeout would take it for its own).
+            return await rest
         async with asyncio.timeout_at(started + seconds):
             return await rest
     finally:

@@ -352,13 +352,20 @@ class Lane:
         tasks = [t for t in self._tasks if t is not None]
         for t in tasks:
             t.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
-        for s in (self._submit, *self._done):
-            s.close()
-        if self._gone_fd >= 0:
-            with contextlib.suppress(ValueError, RuntimeError):  # not watched (the plane's), or no loop
-                asyncio.get_running_loop().remove_reader(self._gone_fd)
-            os.close(self._gone_fd)
-            self._gone_fd = -1
-        self._ring.close()
+        try:
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+        finally:  # also when this close is itself cancelled: nothing would close them later
+            for s in (self._submit, *self._done):
+                s.close()
+            if self._gone_fd >= 0:
+                with contextlib.suppress(ValueError, RuntimeError):  # not watched, or no loop
+                    asyncio.get_running_loop().remove_reader(self._gone_fd)
+                os.close(self._gone_fd)
+                self._gone_fd = -1
+            self._ring.close()
+
+    @property
+    def closing(self) -> asyncio.Task | None:
+        """The close the lane began itself (its peer went), if it did."""
+        return self._closing
