@@ -88,7 +88,8 @@ def test_kill_9_storms_lose_no_confirmed_page_and_serve_no_torn_one(socket_dir, 
                 ready += 1
             assert time.monotonic() < deadline, "engines did not start"
         restarts = []
-        for _ in range(ROUNDS):
+        # Host memory alone takes half the rounds: the disk variant runs the same storm over it whole.
+        for _ in range(ROUNDS if more else max(1, ROUNDS // 2)):
             before = list(per_engine)
             time.sleep(float(rng.uniform(0.3, 0.8)))  # the storm runs
             d.kill()
@@ -129,7 +130,7 @@ def test_kill_9_storms_lose_no_confirmed_page_and_serve_no_torn_one(socket_dir, 
     for idx, r in results.items():
         assert r["wrong"] == 0, f"engine {idx} loaded wrong bytes: {r}"
         assert r["hit_pages"] > 0 and r["confirmed"] > 0, r
-    print(f"{ROUNDS} kills, {len(confirmed)} confirmed pages, all found; restart to socket "
+    print(f"{len(restarts)} kills, {len(confirmed)} confirmed pages, all found; restart to socket "
           f"{min(restarts):.2f}-{max(restarts):.2f} s")
 
 
