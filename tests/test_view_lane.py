@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import grpc
 import pytest
@@ -161,6 +162,44 @@ def test_space_lanes_are_capped_per_uid_and_a_refused_view_stays_on_grpc(daemon,
         wait_until(lambda: books(daemon)[0] == 0, 10, "the first view's lane to close")
         monkeypatch.setattr(view_lane, "RETRY_SECONDS", 0.0)  # it asks again once the pause is over
         assert second.lookup(KEYS).pages == 2 and second.lane is not None and second.lane.calls == 1
+        engine.unregister()
+
+
+def test_the_daemon_caps_its_space_lanes_whatever_the_uid(daemon) -> None:
+    lanes = daemon.daemon.servicer.lanes
+    daemon.run(lambda: setattr(lanes, "max_space_lanes", 1))
+    with view(daemon.address) as first, view(daemon.address) as second:
+        assert first.lookup(KEYS).pages == 0 and first.lane is not None
+        assert second.lookup(KEYS).pages == 0 and second.lane is None and second._lane.refusals == 1
+        sid = second.space_id
+        code, message = error_of(lambda: RawRing(daemon.address, slots=2, space_id=sid))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "space lanes open" in message
+
+
+def test_threads_share_a_views_lane(daemon) -> None:
+    """Lookups from several threads at once, the lane opened by whichever comes first: every
+    answer right, one lane in the daemon, and the view's calls on it once it is open."""
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, KVClient(daemon.address) as engine, \
+            view(daemon.address) as v:
+        store_two(engine, pool)
+        answers: list[int] = []
+        errors: list[BaseException] = []
+
+        def ask() -> None:
+            try:
+                for _ in range(50):
+                    answers.append(v.lookup(KEYS).pages)
+            except BaseException as exc:  # noqa: BLE001 (reported below)
+                errors.append(exc)
+
+        threads = [threading.Thread(target=ask) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        assert answers == [2] * 200 and v.misses == 0
+        assert v.lane is not None and v.lane.calls >= 100 and books(daemon)[0] == 1
         engine.unregister()
 
 
