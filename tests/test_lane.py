@@ -337,22 +337,25 @@ def test_a_lookup_on_a_ring_is_its_own_registration_s(daemon) -> None:
         engine.unregister()
 
 
-# Another process (torch-free, so it starts fast) opening a lane on a client id it learned.
-ATTEMPT = """
+# Another process (torch-free, so it starts fast) opening a lane of one slot and printing OK or
+# the status: argv address, "client_id" or "space_id", the id, and "both-ends" to send its own end
+# of the submit pair as the done doorbell (the daemon then holds both ends: no end-of-file comes).
+OPEN_LANE = """
 import fcntl, os, socket, sys, grpc
 from kvserver.protocol import ring as R
 from kvserver.protocol.fd_socket import request_ticket
 from kvserver.v1 import kvserver_pb2 as pb, kvserver_pb2_grpc as pb_grpc
+address, field, value = sys.argv[1:4]
 fd = os.memfd_create("other-lane", os.MFD_ALLOW_SEALING)
 os.ftruncate(fd, R.ring_bytes(1))
 os.pwrite(fd, R.header(1), 0)
 fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2)]
-ticket = request_ticket(sys.argv[1][len("unix://"):] + ".fd", [fd] + [b.fileno() for _, b in pairs])
-with grpc.insecure_channel(sys.argv[1]) as ch:
+submit, done = (socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2))
+fds = [fd, submit[1].fileno(), (submit[0] if sys.argv[4:] == ["both-ends"] else done[1]).fileno()]
+ticket = request_ticket(address[len("unix://"):] + ".fd", fds)
+with grpc.insecure_channel(address) as ch:
     try:
-        pb_grpc.KVServerStub(ch).OpenLane(pb.OpenLaneRequest(client_id=sys.argv[2], peer_ticket=ticket),
-                                          timeout=5)
+        pb_grpc.KVServerStub(ch).OpenLane(pb.OpenLaneRequest(peer_ticket=ticket, **{field: value}), timeout=5)
         print("OK")
     except grpc.RpcError as exc:
         print(exc.code().name)
@@ -362,8 +365,8 @@ with grpc.insecure_channel(sys.argv[1]) as ch:
 def test_only_the_registering_process_opens_its_lane(daemon) -> None:
     with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, KVClient(daemon.address, lane="grpc") as client:
         reg = register(client, pool)
-        out = subprocess.run([sys.executable, "-c", ATTEMPT, daemon.address, reg.client_id], check=True,
-                             capture_output=True, text=True, timeout=60).stdout.split()
+        out = subprocess.run([sys.executable, "-c", OPEN_LANE, daemon.address, "client_id", reg.client_id],
+                             check=True, capture_output=True, text=True, timeout=60).stdout.split()
         assert out == ["PERMISSION_DENIED"]
         with pytest.raises(grpc.RpcError) as err:
             RawRing(daemon.address, "f" * 32)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from checks import error_of, wait_until
 from daemon_proc import DaemonProcess
-from test_lane import RawRing, lane_maps
+from test_lane import OPEN_LANE, RawRing, lane_maps
 
 from kvclient import CacheView, KVClient, KVLayout, ShmKVPool, view_lane
 from kvclient.keys import page_keys
@@ -203,33 +203,14 @@ def test_threads_share_a_views_lane(daemon) -> None:
         engine.unregister()
 
 
-# A process that opens a space's lane whose first done doorbell is its own end of the submit pair:
-# the daemon then holds both ends, and no end-of-file ever comes. It exits at once.
-BOTH_ENDS = """
-import fcntl, os, socket, sys, grpc
-from kvserver.protocol import ring as R
-from kvserver.protocol.fd_socket import request_ticket
-from kvserver.v1 import kvserver_pb2 as pb, kvserver_pb2_grpc as pb_grpc
-fd = os.memfd_create("kvclient-lane", os.MFD_ALLOW_SEALING)
-os.ftruncate(fd, R.ring_bytes(2))
-os.pwrite(fd, R.header(2), 0)
-fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-done = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-fds = [fd, theirs.fileno(), mine.fileno(), done[1].fileno()]
-ticket = request_ticket(sys.argv[1][len("unix://"):] + ".fd", fds)
-with grpc.insecure_channel(sys.argv[1]) as ch:
-    pb_grpc.KVServerStub(ch).OpenLane(pb.OpenLaneRequest(space_id=sys.argv[2], peer_ticket=ticket), timeout=5)
-print("opened", flush=True)
-"""
-
-
 def test_a_spaces_lane_closes_when_its_process_exits_though_its_doorbell_lives_on(daemon) -> None:
     with view(daemon.address, lane="grpc") as v:
         sid = v.open()
-        out = subprocess.run([sys.executable, "-c", BOTH_ENDS, daemon.address, sid], check=True,
-                             capture_output=True, text=True, timeout=60).stdout.split()
-        assert out == ["opened"]
+        # Its done doorbell is its own end of the submit pair: the daemon holds both ends, and no
+        # end-of-file comes when the process exits (at once).
+        out = subprocess.run([sys.executable, "-c", OPEN_LANE, daemon.address, "space_id", sid, "both-ends"],
+                             check=True, capture_output=True, text=True, timeout=60).stdout.split()
+        assert out == ["OK"]
         wait_until(lambda: books(daemon) == (0, {}, {}), 10, "the exited process's lane to close")
 
 
