@@ -6,6 +6,7 @@ space it opens again."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -163,6 +164,36 @@ def test_space_lanes_are_capped_per_uid_and_a_refused_view_stays_on_grpc(daemon,
         monkeypatch.setattr(view_lane, "RETRY_SECONDS", 0.0)  # it asks again once the pause is over
         assert second.lookup(KEYS).pages == 2 and second.lane is not None and second.lane.calls == 1
         engine.unregister()
+
+
+def test_a_close_during_the_lanes_own_close_waits_for_it_to_end(daemon, monkeypatch) -> None:
+    """The lane closes itself when its peer goes; a Lookup it cancels takes 0.5 s to end. A close
+    meanwhile (the daemon's stop) returns only once everything is released."""
+    ops = daemon.daemon.servicer.cache
+    real, started = ops.lookup, []
+
+    async def slow_to_cancel(req):
+        started.append(1)
+        try:
+            await asyncio.sleep(30)
+        finally:
+            await asyncio.shield(asyncio.sleep(0.5))  # its cleanup outlasts the cancellation
+        return await real(req)
+
+    lanes = daemon.daemon.servicer.lanes
+    with view(daemon.address, lane="grpc") as v:
+        sid = v.open()
+        ring = RawRing(daemon.address, slots=2, space_id=sid)
+        (lane,) = daemon.run(lambda: list(lanes.space_lanes))
+        monkeypatch.setattr(ops, "lookup", slow_to_cancel)
+        ring.put(0, R.RPC_LOOKUP, pb.LookupRequest(space_id=sid, keys=KEYS, key_bytes=16).SerializeToString())
+        assert ring.ring() == 1
+        wait_until(lambda: started, 10, "the Lookup to start")
+        ring.close()  # the peer goes: the lane begins its own close
+        wait_until(lambda: daemon.run(lambda: lane._closed), 10, "the lane's own close to begin")
+        assert daemon.run(lambda: lane in lanes.space_lanes)  # not closed yet: its Lookup is ending
+        daemon.call(lane.close())
+        assert daemon.run(lambda: lane._ended.done() and lane not in lanes.space_lanes)
 
 
 def test_the_daemon_caps_its_space_lanes_whatever_the_uid(daemon) -> None:

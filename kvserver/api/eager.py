@@ -11,12 +11,14 @@ if the whole call had been under it (a timeout can only end a coroutine where it
 from __future__ import annotations
 
 import asyncio
+import types
 from collections.abc import Coroutine, Generator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 
+@types.coroutine
 def _resume(coro: Coroutine[Any, Any, T], waiting: Any) -> Generator[Any, Any, T]:
     """Goes on with a started coroutine that yielded ``waiting`` to its task, as ``yield from``
     would have: what the task sends or throws (a cancellation) goes to the coroutine."""
@@ -33,17 +35,6 @@ def _resume(coro: Coroutine[Any, Any, T], waiting: Any) -> Generator[Any, Any, T
             waiting = coro.send(sent) if thrown is None else coro.throw(thrown)
         except StopIteration as done:
             return done.value
-        finally:
-            thrown = None
-
-
-class _Started:
-    def __init__(self, coro: Coroutine[Any, Any, T], waiting: Any) -> None:
-        self._coro = coro
-        self._waiting = waiting
-
-    def __await__(self) -> Generator[Any, Any, T]:
-        return _resume(self._coro, self._waiting)
 
 
 async def bounded(coro: Coroutine[Any, Any, T], seconds: float | None) -> T:
@@ -58,7 +49,7 @@ async def bounded(coro: Coroutine[Any, Any, T], seconds: float | None) -> T:
         waiting = coro.send(None)
     except StopIteration as done:  # answered without waiting
         return done.value
-    rest = _Started(coro, waiting)
+    rest = _resume(coro, waiting)
     try:
         if task is not None and task.cancelling() > cancelling:
             # Cancelled during its first step: the cancellation ends it where it waits, as it

@@ -60,7 +60,6 @@ class LaneBook:
         self.run = run  # run(client_id, rpc, request bytes, progress): a registration's lane request
         self.run_space = run_space  # run_space(space_id, ...): a space lane's request
         self.space_lanes: set[Lane] = set()
-        self._closing_space_lanes: set[Lane] = set()  # closing themselves (their peer gone)
         self.max_space_lanes_per_uid = MAX_SPACE_LANES_PER_UID
         self.max_space_lanes = MAX_SPACE_LANES
         self.stopping = False  # set by drain: no lane opens any more
@@ -83,11 +82,9 @@ class LaneBook:
             waits.append(self.plane.drain(grace))
         if waits:
             await asyncio.gather(*waits)
-        # No release closes a space's lane: the stop does, once its Lookups had their grace (and
-        # waits for those that began closing themselves, their peer gone).
-        await asyncio.gather(*(lane.close() for lane in list(self.space_lanes)),
-                             *(lane.closing for lane in list(self._closing_space_lanes) if lane.closing),
-                             return_exceptions=True)
+        # No release closes a space's lane: the stop does, once its Lookups had their grace (a
+        # lane already closing itself, its peer gone, stays in space_lanes until it has closed).
+        await asyncio.gather(*(lane.close() for lane in list(self.space_lanes)), return_exceptions=True)
 
     async def open(self, client_id: str, peer_ticket: str, named_tenant: str | None) -> Lane:
         ticket = self._redeem(peer_ticket)
@@ -164,10 +161,6 @@ class LaneBook:
                     close_when_gone=True, peer_gone_fd=gone)
 
         def closed() -> None:
-            self.space_lanes.discard(lane)
-            if lane.closing is not None:  # closing itself: the stop waits for it (drain)
-                self._closing_space_lanes.add(lane)
-                lane.closing.add_done_callback(lambda _: self._closing_space_lanes.discard(lane))
             self._space_lanes_per_uid[uid] -= 1
             if self._space_lanes_per_uid[uid] <= 0:
                 del self._space_lanes_per_uid[uid]
@@ -180,6 +173,7 @@ class LaneBook:
             raise
         self._space_lanes_per_uid[uid] += 1
         self.space_lanes.add(lane)
+        lane.on_closed = self.space_lanes.discard
         logger.info("lane of %d slots opened for %s (its Lookups, on the event loop)", lane.slots, owner)
         return lane
 

@@ -134,7 +134,9 @@ class Lane:
         self._watching = False
         self._closed = False
         self.served = 0
-        self.on_close: Callable[[Lane], None] | None = None
+        self.on_close: Callable[[Lane], None] | None = None  # when its close begins
+        self.on_closed: Callable[[Lane], None] | None = None  # when its close has ended
+        self._ended: asyncio.Future | None = None  # done once close has released everything
         # The compiled data plane watching this lane (kvserver.lane.plane), if any: it reads the
         # doorbell and hands over, through take(), what it does not serve itself. on_served is
         # called once for each of those handed-over requests that the plane counted (the copies:
@@ -342,10 +344,14 @@ class Lane:
 
     async def close(self) -> None:
         """Stops serving: no more requests are taken, running ones are cancelled and awaited,
-        then the ring is unmapped and the doorbells closed (the client's waiters see them close)."""
+        then the ring is unmapped and the doorbells closed (the client's waiters see them close).
+        A close while another runs (the lane's own, its peer gone) waits for that one to end."""
         if self._closed:
+            if self._ended is not None:
+                await asyncio.shield(self._ended)
             return
         self._closed = True
+        self._ended = asyncio.get_running_loop().create_future()
         if self.on_close is not None:
             self.on_close(self)
         self._unwatch()
@@ -364,8 +370,6 @@ class Lane:
                 os.close(self._gone_fd)
                 self._gone_fd = -1
             self._ring.close()
-
-    @property
-    def closing(self) -> asyncio.Task | None:
-        """The close the lane began itself (its peer went), if it did."""
-        return self._closing
+            self._ended.set_result(None)
+            if self.on_closed is not None:
+                self.on_closed(self)
