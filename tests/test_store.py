@@ -33,6 +33,26 @@ def test_keys_unpack():
         Keys.unpack(b"abcd", 1, 3)
 
 
+@pytest.mark.parametrize("n", [0, 1, 2, 8, 64, 65, 300])
+def test_keys_firsts_and_ranks_as_a_dict_says_with_and_without_repeats(n):
+    """Either way ``firsts`` answers (a set's check for a few keys, a sort for more, and the sort
+    after a few keys that repeat): first positions ascending, and each key's rank among them."""
+    rng = np.random.default_rng(n)
+    for repeats in (False, True):
+        pool = [rng.bytes(int(w)) for w in rng.choice([1, 8, 16, 17, 32], size=max(1, n))]
+        names = [pool[int(i)] for i in rng.integers(0, max(1, n // 3), n)] if repeats else pool[:n]
+        if not repeats:
+            names = list(dict.fromkeys(names))  # distinct, whatever the draw
+        first: dict[bytes, int] = {}
+        for i, k in enumerate(names):
+            first.setdefault(k, i)
+        want = sorted(first.values())
+        firsts, rank = Keys.of(names).firsts(ranks=True)
+        assert firsts.tolist() == want and firsts.dtype == np.int64
+        assert rank.tolist() == [want.index(first[k]) for k in names]
+        assert Keys.of(names).firsts().tolist() == want
+
+
 def test_fill_touch_evict_lru():
     cache, _, _ = make_cache()
     part = one_part(cache)

@@ -115,3 +115,88 @@ def test_arrays_that_do_not_agree_are_refused(kvindex):
             kvindex.find(*args)
     with pytest.raises(BufferError):  # the answer's array must be writable
         kvindex.find(bytes(16), *good[1:])
+
+
+def _chains(ix: KeyIndex) -> list[set[int]]:
+    """Each bucket's chain as a set, checked to end and to hold each entry once."""
+    out = []
+    for b in range(ix.buckets):
+        seen: set[int] = set()
+        cur = int(ix.head[b])
+        while cur >= 0:
+            assert cur not in seen and len(seen) <= ix.count, "a chain that loops"
+            seen.add(cur)
+            cur = int(ix.next[cur])
+        out.append(seen)
+    return out
+
+
+@pytest.mark.parametrize("seed", [5, 6, 7])
+def test_compiled_changes_leave_the_tables_as_numpys_do(kvindex, seed):
+    """Inserts (with their splits) and removals in C and in numpy, on twin indexes with the same
+    seeds: after every change the same state, the same chains (as sets: the order within a chain
+    is no one's business) holding every live entry once and no removed one, the same answers."""
+    rng = random.Random(seed)
+    c, py = KeyIndex(1 << 12), KeyIndex(1 << 12)
+    py._c = None
+    py._s0, py._s1, py._s2 = c._s0, c._s1, c._s2
+    model: dict[tuple[int, bytes], int] = {}
+    free = list(range(1 << 12))
+    rng.shuffle(free)
+    for step in range(120):
+        if rng.random() < 0.6 and free:
+            owner = rng.randrange(3)
+            n = min(len(free), rng.randrange(1, 120))
+            keys: list[bytes] = []
+            while len(keys) < n:
+                k = rng.randbytes(rng.choice([1, 8, 16, 32]))
+                if (owner, k) not in model and k not in keys:
+                    keys.append(k)
+            ids = np.array([free.pop() for _ in keys], np.int64)
+            for ix in (c, py):
+                ix.insert(ids, owner, Keys.of(keys))
+            model.update({(owner, k): int(i) for k, i in zip(keys, ids, strict=True)})
+        elif model:
+            gone = rng.sample(sorted(model), min(len(model), rng.randrange(1, 150)))
+            ids = [model.pop(g) for g in gone]
+            for ix in (c, py):
+                ix.remove(np.array(ids, np.int64))
+            free += ids
+        assert (c.count, c.buckets, c.level, c.split) == (py.count, py.buckets, py.level, py.split) == (
+            len(model), c.buckets, c.level, c.split)
+        chains = _chains(c)
+        assert chains == _chains(py), f"step {step}: the chains differ"
+        live = set(model.values())
+        assert set().union(*chains) == live and sum(map(len, chains)) == len(live)
+        assert (c.owner == py.owner).all()
+        for owner in range(3):
+            probe = [k for (o, k) in sorted(model) if o == owner][:200] + [rng.randbytes(8)]
+            want = [model.get((owner, k), -1) for k in probe]
+            assert c.find(owner, Keys.of(probe)).tolist() == want == py.find(owner, Keys.of(probe)).tolist()
+    assert c.level > 64, "the changes never split a round of buckets"
+
+
+def test_compiled_changes_refuse_what_does_not_fit_before_writing(kvindex):
+    ix = KeyIndex(64)
+    ix.insert(np.arange(3), 0, Keys.of([b"a", b"b", b"c"]))
+    before = ix.next.copy(), ix.head.copy(), ix.owner.copy()
+    state = ix._state()
+    for ids, why in [(np.array([0, 64]), "outside"), (np.array([-1]), "outside"),
+                     (np.array([0.0]), "aligned")]:
+        with pytest.raises(ValueError, match=why):
+            kvindex.unlink(ids, *state)
+        with pytest.raises(ValueError, match=why):
+            kvindex.link(ids, *state)
+    bad_state = list(state)
+    bad_state[6] = ix.buckets + 1  # nhead is not level + split
+    with pytest.raises(ValueError, match="not consistent"):
+        kvindex.unlink(np.array([0]), *bad_state)
+    short = list(state)
+    short[5] = ix.head[: ix.buckets]  # no room for one more bucket
+    with pytest.raises(ValueError, match="no room"):
+        kvindex.split(10 * ix.buckets, 2, *short)
+    with pytest.raises(ValueError, match="one length"):
+        kvindex.link(np.array([0]), ix.w0[:10], *state[1:])
+    assert all((a == b).all() for a, b in zip(before, (ix.next, ix.head, ix.owner), strict=True))
+    assert kvindex.unlink(np.array([1]), *state) == 1
+    assert ix.find(0, Keys.of([b"a", b"b", b"c"])).tolist() == [0, -1, 2]

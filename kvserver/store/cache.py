@@ -557,9 +557,13 @@ class KVCache:
         if not len(ids):
             return []
         gids = self.pages.part[ids]
-        order = np.argsort(gids, kind="stable")
-        uniq, starts = np.unique(gids[order], return_index=True)
-        for gid, chunk in zip(uniq.tolist(), np.split(ids[order], starts[1:]), strict=True):
+        if (gids == gids[0]).all():  # one part (a Put's eviction, mostly): no grouping to do
+            groups = [(int(gids[0]), ids)]
+        else:
+            order = np.argsort(gids, kind="stable")
+            uniq, starts = np.unique(gids[order], return_index=True)
+            groups = zip(uniq.tolist(), np.split(ids[order], starts[1:]), strict=True)
+        for gid, chunk in groups:
             part = self._parts[gid]
             committed = chunk[self.pages.state[chunk] == COMMITTED]
             keys = self.pages.keys_of(committed)

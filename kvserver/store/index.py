@@ -12,8 +12,10 @@ Every call costs work in proportion to the keys it names, never to the index's s
   added entries / 2, so no call ever rehashes the whole table;
 - a removal walks and relinks only the chains of the buckets it touched.
 
-Lookups run in C where the package was built with a compiler (``kvserver.store._kvindex``, the
-same hash and chains walked key by key over these arrays, about 10 ns a key), else in numpy.
+Lookups and changes run in C where the package was built with a compiler (``kvserver.store._kvindex``:
+the same hash and chains, walked and relinked key by key over these arrays, about 10 ns a key),
+else in numpy (each call a few numpy steps, whatever the keys: what a large batch wants, though a
+Put of a few pages pays tens of microseconds for them).
 
 Primitives: ``KeyIndex`` (``find``, ``insert``, ``remove``, ``keys_of``) and ``BYTES_PER_ENTRY``.
 """
@@ -63,6 +65,12 @@ class KeyIndex:
         self.count = 0
         seeds = np.frombuffer(secrets.token_bytes(24), np.uint64)
         self._s0, self._s1, self._s2 = seeds[0], seeds[1], seeds[2] | np.uint64(1)
+        self._c = _kvindex  # None: every call in numpy (a build without a compiler; tests)
+
+    def _state(self) -> tuple:
+        """The tables and state the compiled calls take after their first argument(s)."""
+        return (self.w0, self.w1, self.lens, self.owner, self.next, self.head, self.buckets, self.level,
+                self.split, int(self._s0), int(self._s1), int(self._s2))
 
     # Hashing and addressing
 
@@ -94,10 +102,10 @@ class KeyIndex:
         n = len(keys)
         if not n or not self.count:
             return np.full(n, -1, np.int64)
-        if _kvindex is None:
+        if self._c is None:
             return self.find_arrays(owner, keys)
         out = np.empty(n, np.int64)
-        _kvindex.find(out, np.ascontiguousarray(keys.words), np.ascontiguousarray(keys.lens), owner,
+        self._c.find(out, np.ascontiguousarray(keys.words), np.ascontiguousarray(keys.lens), owner,
                       self.w0, self.w1, self.lens, self.owner, self.next, self.head, self.buckets,
                       self.level, self.split, int(self._s0), int(self._s1), int(self._s2))
         return out
@@ -133,14 +141,23 @@ class KeyIndex:
             return
         self.w0[ids], self.w1[ids], self.lens[ids] = keys.words[:, 0], keys.words[:, 1], keys.lens
         self.owner[ids] = owner
-        self._link(ids, self._buckets_of(ids))
         self.count += len(ids)
+        if self._c is not None:
+            self._c.link(np.ascontiguousarray(ids, np.int64), *self._state())
+            if self.count > LOAD * self.buckets:
+                self.buckets, self.level, self.split = self._c.split(self.count, LOAD, *self._state())
+            return
+        self._link(ids, self._buckets_of(ids))
         self._split_to_load()
 
     def remove(self, ids: np.ndarray) -> None:
         """Takes entries ``ids`` (each in the index, each once) out of it: the chains of their
         buckets are walked once, all at once, and relinked around them (no rehash, no sort)."""
         if not len(ids):
+            return
+        if self._c is not None:
+            self._c.unlink(np.ascontiguousarray(ids, np.int64), *self._state())
+            self.count -= len(ids)
             return
         buckets = np.sort(self._buckets_of(ids))
         buckets = buckets[np.r_[True, buckets[1:] != buckets[:-1]]]  # distinct, by a sort

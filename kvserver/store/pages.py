@@ -173,6 +173,8 @@ class PageTable:
 
     def hold(self, ids: np.ndarray, n: int = 1) -> None:
         """Marks pages as being read (ids may repeat: each occurrence counts); ``n`` -1 undoes."""
+        if not len(ids):
+            return
         np.add.at(self.readers, ids, n)
         np.add.at(self.slab_holds, self.slab[ids], n)
 

@@ -10,6 +10,9 @@
  * The expected answers are filed with the walk's own hash: that it is the numpy index's hash is
  * tests/test_store_index.py's to check.
  *
+ * The same input also drives the changes (inserts, removals, splits: check_changes below) on
+ * exact-size tables, against a model of which entries are live.
+ *
  * The same input also names a batch of wide keys (up to 19, of 1 to 128 bytes: digest.h): each path
  * this CPU has (scalar, AVX2, AVX-512) digests them from an exact-size copy into an exact-size
  * output, and all give the same bytes (that they are hashlib's is tests/test_store_digest.py's to
@@ -117,6 +120,85 @@ static void check_one(const uint8_t *data, size_t size) {
     free(w0), free(w1), free(lens), free(owner), free(next), free(head), free(filed);
 }
 
+/* The changes (index.h's link, unlink and split): from the input's bytes, a sequence of inserts and
+ * removals of entries (keys from a small alphabet, three owners) on exact-size tables, each
+ * insert followed by the splits it calls for, the head table sometimes one bucket short of them
+ * (then the split is refused and nothing moves). After every change: every live entry is on its
+ * bucket's chain once, no chain holds a removed entry or loops, and a walk finds exactly the live
+ * entries. */
+static void check_changes(const uint8_t *data, size_t size) {
+    input in = {data, size};
+    int64_t cap = 1 + (int64_t)(take(&in, 1) % 64);
+    int64_t load = 1 + (int64_t)(take(&in, 1) % 3);
+    int64_t first = 1 + (int64_t)(take(&in, 1) % 4); /* a power of two: 1, 2, 4 or 8 buckets */
+    first = 1LL << (first - 1);
+    int64_t head_cap = first + cap / load + 1 - (int64_t)(take(&in, 1) % 2);
+    uint64_t *w0 = calloc(cap, 8), *w1 = calloc(cap, 8);
+    uint8_t *lens = calloc(cap, 1);
+    int32_t *owner = malloc(4 * cap), *next = malloc(4 * cap), *head = malloc(4 * head_cap);
+    uint8_t *live = calloc(cap, 1);
+    int64_t count = 0;
+    for (int64_t i = 0; i < cap; i++)
+        owner[i] = -1, next[i] = -1;
+    for (int64_t b = 0; b < head_cap; b++)
+        head[b] = -1;
+    kv_index_rw w = {w0, w1, lens, owner, next, head, cap, first, head_cap, (uint64_t)first, 0,
+                     take(&in, 8), take(&in, 8), take(&in, 8) | 1};
+    while (in.left >= 2) {
+        int64_t id = (int64_t)(take(&in, 1) % (uint64_t)cap);
+        uint64_t k = take(&in, 1);
+        if (live[id]) {
+            if (!kv_index_unlink(&w, id))
+                abort(); /* a live entry is always on its chain */
+            live[id] = 0;
+            count--;
+        } else {
+            w0[id] = k % 5, w1[id] = (k >> 3) % 2, lens[id] = (uint8_t)(1 + (k >> 4) % 2 * 15);
+            owner[id] = (int32_t)((k >> 5) % 3);
+            int dup = 0; /* a key is filed once per owner */
+            for (int64_t j = 0; j < cap; j++)
+                dup |= live[j] && w0[j] == w0[id] && w1[j] == w1[id] && lens[j] == lens[id] && owner[j] == owner[id];
+            if (dup) {
+                owner[id] = -1;
+                continue;
+            }
+            if (!kv_index_link(&w, id))
+                abort(); /* the state is consistent: its bucket is in use */
+            live[id] = 1;
+            count++;
+            kv_index_rw before = w;
+            if (!kv_index_split_to(&w, count, load)) {
+                if (w.nhead != before.nhead || w.level != before.level || w.split != before.split)
+                    abort(); /* a refused split moves nothing */
+                if (w.nhead + 1 <= w.head_cap && count <= load * (w.nhead + 1))
+                    abort(); /* refused only when the table is too short */
+            }
+        }
+        if ((uint64_t)w.nhead != w.level + w.split || w.nhead > head_cap)
+            abort();
+        /* Every chain ends, within the table, and holds only live entries, each once. */
+        uint8_t *seen = calloc(cap, 1);
+        int64_t reached = 0;
+        for (int64_t b = 0; b < w.nhead; b++)
+            for (int32_t cur = head[b]; cur >= 0; cur = next[cur]) {
+                if (cur >= cap || seen[cur] || !live[cur] || kv_index_entry_bucket(&w, cur) != b)
+                    abort();
+                seen[cur] = 1;
+                reached++;
+            }
+        if (reached != count)
+            abort();
+        free(seen);
+        kv_index r = kv_index_ro(&w);
+        for (int64_t i = 0; i < cap; i++) {
+            int64_t got = kv_index_find_one(&r, w0[i], w1[i], lens[i], owner[i] < 0 ? 0 : owner[i]);
+            if (live[i] ? got != i : (got >= 0 && !live[got]))
+                abort();
+        }
+    }
+    free(w0), free(w1), free(lens), free(owner), free(next), free(head), free(live);
+}
+
 static void check_digests(const uint8_t *data, size_t size) {
     input in = {data, size};
     size_t len = 1 + (size_t)(take(&in, 1) % KV_DIGEST_MAX_INPUT);
@@ -139,6 +221,7 @@ static void check_digests(const uint8_t *data, size_t size) {
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     check_one(data, size);
+    check_changes(data, size);
     check_digests(data, size);
     return 0;
 }
@@ -160,6 +243,7 @@ int main(int argc, char **argv) {
             uint8_t *exact = malloc(len ? len : 1); /* a read past the input is a heap overflow */
             memcpy(exact, buf, len);
             check_one(exact, len);
+            check_changes(exact, len);
             check_digests(exact, len);
             free(exact);
             runs++;

@@ -1,7 +1,7 @@
-/* kvserver.store._kvindex: the key index's lookups in C (index.h), called by KeyIndex.find with
- * the index's own arrays, and the digests of wide keys (digest.h), called by Keys.unpack. Every
- * array is taken through the buffer protocol, its type, alignment and length checked against the
- * others before a key is read. */
+/* kvserver.store._kvindex: the key index's lookups and changes in C (index.h), called by
+ * KeyIndex.find, insert and remove with the index's own arrays, and the digests of wide keys
+ * (digest.h), called by Keys.unpack. Every array is taken through the buffer protocol, its type,
+ * alignment and length checked against the others before a key is read or an entry changed. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -84,6 +84,132 @@ done:
     return result;
 }
 
+/* The index's tables for a change: w0, w1, elens, eowner, next, head (writable) and its state,
+ * checked as find checks them, and the head table's length as the room for splits. */
+static int rw_tables(PyObject **objs, view *v, Py_ssize_t nhead, unsigned long long level,
+                     unsigned long long split, unsigned long long s0, unsigned long long s1,
+                     unsigned long long s2, kv_index_rw *w) {
+    static const Py_ssize_t size[6] = {8, 8, 1, 4, 4, 4};
+    static const char kind[6] = {'u', 'u', 'u', 'i', 'i', 'i'};
+    static const char *names[6] = {"w0", "w1", "elens", "eowner", "next", "head"};
+    for (int i = 0; i < 6; i++)
+        if (!take(objs[i], &v[i], kind[i], size[i], 1, names[i]))
+            return 0;
+    Py_ssize_t cap = v[0].v.len / 8;
+    if (v[1].v.len != 8 * cap || v[2].v.len != cap || v[3].v.len != 4 * cap || v[4].v.len != 4 * cap ||
+        cap > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "the index's entry tables must be of one length");
+        return 0;
+    }
+    if (nhead < 0 || nhead > v[5].v.len / 4 || level == 0 || (level & (level - 1)) || split > level ||
+        (unsigned long long)nhead != level + split) {
+        PyErr_SetString(PyExc_ValueError, "the index's buckets are not consistent");
+        return 0;
+    }
+    kv_index_rw t = {v[0].v.buf, v[1].v.buf, v[2].v.buf, v[3].v.buf, v[4].v.buf, v[5].v.buf,
+                     cap, nhead, v[5].v.len / 4, level, split, s0, s1, s2};
+    *w = t;
+    return 1;
+}
+
+/* Entry ids as int64[n], each in [0, cap): checked before any is used. */
+static int entry_ids(PyObject *obj, view *v, const kv_index_rw *w) {
+    if (!take(obj, v, 'i', 8, 0, "ids"))
+        return 0;
+    const int64_t *ids = v->v.buf;
+    for (Py_ssize_t i = 0; i < v->v.len / 8; i++)
+        if (ids[i] < 0 || ids[i] >= w->cap) {
+            PyErr_Format(PyExc_ValueError, "entry id %lld is outside the index's %lld entries",
+                         (long long)ids[i], (long long)w->cap);
+            return 0;
+        }
+    return 1;
+}
+
+/* link(ids, w0, w1, elens, eowner, next, head, nhead, level, split, s0, s1, s2)
+ *   files entries ids (their keys and owners already written, none of them filed) at the heads of
+ *   their buckets' chains (KeyIndex.insert; the split that may follow is split()). */
+static PyObject *link_(PyObject *self, PyObject *args) {
+    PyObject *objs[7];
+    Py_ssize_t nhead;
+    unsigned long long level, split, s0, s1, s2;
+    if (!PyArg_ParseTuple(args, "OOOOOOOnKKKKK", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
+                          &objs[6], &nhead, &level, &split, &s0, &s1, &s2))
+        return NULL;
+    view v[7] = {{{0}}};
+    kv_index_rw w;
+    PyObject *result = NULL;
+    if (!rw_tables(objs + 1, v + 1, nhead, level, split, s0, s1, s2, &w) || !entry_ids(objs[0], &v[0], &w))
+        goto done;
+    const int64_t *ids = v[0].v.buf;
+    for (Py_ssize_t i = 0; i < v[0].v.len / 8; i++)
+        kv_index_link(&w, ids[i]); /* always a bucket in use: the state was checked */
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    for (int i = 0; i < 7; i++)
+        if (v[i].held)
+            PyBuffer_Release(&v[i].v);
+    return result;
+}
+
+/* unlink(ids, w0, w1, elens, eowner, next, head, nhead, level, split, s0, s1, s2) -> int
+ *   takes entries ids out of their chains and marks them gone (KeyIndex.remove); returns how many
+ *   of them their chains held (all, in a consistent index). */
+static PyObject *unlink_(PyObject *self, PyObject *args) {
+    PyObject *objs[7];
+    Py_ssize_t nhead;
+    unsigned long long level, split, s0, s1, s2;
+    if (!PyArg_ParseTuple(args, "OOOOOOOnKKKKK", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
+                          &objs[6], &nhead, &level, &split, &s0, &s1, &s2))
+        return NULL;
+    view v[7] = {{{0}}};
+    kv_index_rw w;
+    PyObject *result = NULL;
+    if (!rw_tables(objs + 1, v + 1, nhead, level, split, s0, s1, s2, &w) || !entry_ids(objs[0], &v[0], &w))
+        goto done;
+    const int64_t *ids = v[0].v.buf;
+    long long found = 0;
+    for (Py_ssize_t i = 0; i < v[0].v.len / 8; i++)
+        found += kv_index_unlink(&w, ids[i]);
+    result = PyLong_FromLongLong(found);
+done:
+    for (int i = 0; i < 7; i++)
+        if (v[i].held)
+            PyBuffer_Release(&v[i].v);
+    return result;
+}
+
+/* split(count, load, w0, w1, elens, eowner, next, head, nhead, level, split, s0, s1, s2)
+ *   -> (nhead, level, split): buckets split until count entries average at most load a bucket. */
+static PyObject *split_(PyObject *self, PyObject *args) {
+    PyObject *objs[6];
+    Py_ssize_t nhead, count, load;
+    unsigned long long level, split, s0, s1, s2;
+    if (!PyArg_ParseTuple(args, "nnOOOOOOnKKKKK", &count, &load, &objs[0], &objs[1], &objs[2], &objs[3],
+                          &objs[4], &objs[5], &nhead, &level, &split, &s0, &s1, &s2))
+        return NULL;
+    view v[6] = {{{0}}};
+    kv_index_rw w;
+    PyObject *result = NULL;
+    if (!rw_tables(objs, v, nhead, level, split, s0, s1, s2, &w))
+        goto done;
+    if (count < 0 || load < 1) {
+        PyErr_SetString(PyExc_ValueError, "count must be >= 0 and load >= 1");
+        goto done;
+    }
+    if (!kv_index_split_to(&w, count, load)) {
+        PyErr_SetString(PyExc_ValueError, "the head table has no room for the buckets the entries need");
+        goto done;
+    }
+    result = Py_BuildValue("nKK", (Py_ssize_t)w.nhead, (unsigned long long)w.level, (unsigned long long)w.split);
+done:
+    for (int i = 0; i < 6; i++)
+        if (v[i].held)
+            PyBuffer_Release(&v[i].v);
+    return result;
+}
+
 /* digests(out, packed, key_bytes, lanes=0)
  *   packed: n keys of key_bytes (1 to 128) bytes each, back to back; out: uint64[n, 2] (written),
  *   each key's 16-byte digest (digest.h). lanes: 0 picks the widest path the CPU has; 1, 4 or 8
@@ -130,6 +256,9 @@ static PyObject *digest_lanes(PyObject *self, PyObject *unused) { return PyLong_
 
 static PyMethodDef methods[] = {
     {"find", find, METH_VARARGS, "Entry ids of keys under an owner in the index's tables, -1 where absent."},
+    {"link", link_, METH_VARARGS, "Files entries at the heads of their buckets' chains."},
+    {"unlink", unlink_, METH_VARARGS, "Takes entries out of their chains and marks them gone."},
+    {"split", split_, METH_VARARGS, "Splits buckets until the entries average at most load a bucket."},
     {"digests", digests, METH_VARARGS, "The 16-byte digests of wide keys (BLAKE2b, as keys.py's)."},
     {"digest_lanes", digest_lanes, METH_NOARGS, "The digest paths this CPU has: a mask of 1, 4 and 8."},
     {NULL, NULL, 0, NULL},
