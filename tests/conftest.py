@@ -79,6 +79,16 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 
 
 @pytest.fixture
+def plane_daemon(daemon: DaemonThread) -> DaemonThread:
+    """The in-process daemon, where its compiled data plane runs (else the test is skipped)."""
+    if daemon.core.plane is None:
+        if os.environ.get("KVSERVER_EXPECT_PLANE"):  # scripts/sanitize.sh: a skip would hide the job
+            pytest.fail("the compiled data plane is not running")
+        pytest.skip("the compiled data plane is not built (or KVSERVER_DATA_PLANE=python)")
+    return daemon
+
+
+@pytest.fixture
 def daemon_factory(socket_dir: str):
     """Builds in-process daemons with other settings: daemon_factory(lease=0.5, ...)."""
     made: list[DaemonThread] = []

@@ -27,15 +27,6 @@ LAYERS, START, PAGE, TOKENS = 4, 2, 16, 512
 LAYOUT, DTYPE = KVLayout.mha(2, 32), torch.bfloat16
 
 
-@pytest.fixture
-def plane_daemon(daemon):
-    if daemon.core.plane is None:
-        if os.environ.get("KVSERVER_EXPECT_PLANE"):  # scripts/sanitize.sh: a skip would hide the job
-            pytest.fail("the compiled data plane is not running")
-        pytest.skip("the compiled data plane is not built (or KVSERVER_DATA_PLANE=python)")
-    return daemon
-
-
 def _client(d, pool: ShmKVPool, **kw) -> KVClient:
     c = KVClient(d.address, timeout=10, resilient=False, **kw)
     c.register(model="plane", pool=pool, start_layer=START, end_layer=START + LAYERS,

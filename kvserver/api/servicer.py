@@ -187,6 +187,9 @@ class KVServicer(pb_grpc.KVServerServicer):
         self.plane = (DataPlane(core.copier.progress_interval, BUCKETS, plane_spin) if plane.available()
                       else None)
         core.plane = self.plane
+        if self.plane is not None:  # the cache's copies of its registrations run there too
+            core.copier.plane = self.plane
+            core.copier.arena_span = (core.arena.address, core.arena.capacity)
         core.on_plane_transfers = self._plane_transfers
         self.lanes = LaneBook(core, self.run_lane, self.plane, self.run_space_lane)
 

@@ -124,6 +124,10 @@ class CopyQueue(Executor):
         with self._cond:
             self._cond.notify_all()
 
+    def recheck(self) -> None:
+        """A copy that ran elsewhere (the data plane's thread) ended: work held behind it may go."""
+        self._wake()
+
     def depth(self) -> tuple[int, int]:
         """Jobs with pieces not handed to a worker yet: (loads, writes)."""
         with self._cond:

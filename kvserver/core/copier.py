@@ -31,10 +31,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from kvserver.copies import transfer
+from kvserver.copies import transfer, workers
 from kvserver.copies.job import Job
 from kvserver.copies.order import JobOrder
 from kvserver.copies.progress import LayerSignal
@@ -86,6 +87,10 @@ class Copier:
     def __init__(self, copy_threads: int = 1, progress_interval: float = 0.0) -> None:
         self.progress_interval = progress_interval
         self.queued = 0  # copies handed to the worker and not yet released
+        # The compiled data plane (kvserver.lane.plane.DataPlane), where it runs, and the arena's
+        # (address, bytes): a cache copy of a client whose plane turn it holds is copied there.
+        self.plane: Any = None
+        self.arena_span: tuple[int, int] = (0, 0)
         self._executor = CopyQueue(copy_threads)
         self._waiters = ThreadPoolExecutor(DEVICE_WAITERS, thread_name_prefix="kvdev-wait")
 
@@ -201,7 +206,8 @@ class Copier:
             return fut
         self.queued += 1
         try:
-            cf = client.device.start(job, to_device, signal, self._executor, self._waiters)
+            cf = client.device.start(job, to_device, signal, self._executor, self._waiters,
+                                     self._on_plane(job, to_device))
         except BaseException:
             self._release(job, None, True)  # the caller releases the signal: it never started
             client.jobs.discard(job)
@@ -227,6 +233,24 @@ class Copier:
 
         cf.add_done_callback(lambda f: loop.call_soon_threadsafe(finish, f))
         return fut
+
+    def _on_plane(self, job: ClientJob, to_device: bool) -> Callable | None:
+        """Where the medium may have the job copied by the data plane's thread, in C: a job that
+        holds its client's plane turn (``job.turn``) and waits for no earlier copy, unless the copy
+        workers would split it (``_splits``). The medium calls it with (job, to_device, signal);
+        it answers None where the plane does not take the job (host rows other than cache pages,
+        a closed gate)."""
+        if self.plane is None or job.turn is None or not job.ready() or self._splits(job, to_device):
+            return None
+        gate, span, recheck = job.turn, self.arena_span, self._executor.recheck
+        return lambda j, load, signal: self.plane.copy(gate, j, load, signal, span, recheck)
+
+    def _splits(self, job: ClientJob, to_device: bool) -> bool:
+        """Whether the copy workers would split the job's layers over all of them (a large load):
+        then they copy it sooner than the plane's one thread does."""
+        big = workers.PARALLEL_BYTES
+        return (to_device and big is not None and self._executor.threads > 1
+                and job.bytes_per_layer * len(job.local_layers) >= big)
 
     def _release(self, job: ClientJob, signal: LayerSignal | None, queued: bool = False) -> None:
         self.queued -= queued

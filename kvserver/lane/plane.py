@@ -5,6 +5,9 @@ A registration gets a ``Gate`` when the plane can copy for it by itself: a share
 plain buffers (one token stride), all sealed descriptors (no named object that could shrink under
 the mapping). Its lane's binary Writes and Loads are then checked and copied on the plane's thread;
 every other request on the lane comes back here, in arrival order, and runs the code the RPC runs.
+The cache's copies of such a registration (a Put's, a Get's), planned on the loop, are copied on
+the plane's thread too (``copy``): no piece of them goes through Python, and their end comes back
+on the same eventfd as the handoffs.
 Without the compiled module (a build without a compiler) there is no plane: lanes are served on the
 event loop as before, binary requests included.
 """
@@ -16,11 +19,18 @@ import contextlib
 import itertools
 import logging
 import os
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvserver.copies.workers import Work
+from kvserver.errors import JobStopped
+
 if TYPE_CHECKING:
+    from kvserver.copies.job import Job
+    from kvserver.copies.progress import LayerSignal
     from kvserver.core.client_state import ClientState
     from kvserver.lane.server import Lane
 
@@ -49,6 +59,11 @@ class DataPlane:
         self.lanes: dict[int, Lane] = {}  # by key: never reused, so a late handoff finds no other lane
         self._keys = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None
+        # The loop's copies on the plane's thread, by ticket: what each needs until its end is taken
+        # (its future, its job, whose stop word and progress the thread reads and writes, its gate).
+        self._copies: dict[int, tuple[Future, Job, Any, Callable[[], None]]] = {}
+        self._tickets = itertools.count(1)
+        self.copies = 0  # the loop's copies it has taken
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -59,6 +74,8 @@ class DataPlane:
         self._handoffs()
 
     def _handoffs(self) -> None:
+        for ticket, status, layers in self.engine.take_completions():
+            self._ended(ticket, status, layers)
         for key, slot, counted in self.engine.take_handoffs():
             lane = self.lanes.get(key)
             if lane is None:  # removed meanwhile: the request dies with its lane
@@ -68,6 +85,59 @@ class DataPlane:
             except Exception:  # answered INTERNAL; the other requests are served
                 logger.exception("serving a request handed over by the data plane failed")
                 lane.refuse(slot, "the daemon failed to take this request: see its log", counted)
+
+    # ---- the loop's copies ----------------------------------------------------------------------
+
+    def copy(self, gate: Any, job: Job, to_device: bool, signal: LayerSignal | None, host: tuple[int, int],
+             ended: Callable[[], None]) -> Future | None:
+        """Runs ``job``, a cache copy the loop planned and ordered for the registration whose
+        plane turn it holds (``gate``), on the plane's thread; ``host``: (address, bytes) of the
+        arena its offsets are in. The future is running at once (a stop goes through the job's
+        stop word, read at layer boundaries) and is settled on the loop, after ``ended()`` is
+        called (work held behind the job may go). None: the plane does not take it (a closed gate,
+        host rows not laid out as cache pages are), and the caller copies it as before."""
+        table, plan = job.host_table, job.plan
+        if table is None or table.row_stride != 1 or table.geometry is not None:
+            return None
+        bases = table.bases.reshape(-1).astype(np.int64)
+        stride = int(bases[1] - bases[0]) if len(bases) > 1 else plan.page_size * table.row_bytes
+        if stride < plan.page_size * table.row_bytes or not np.array_equal(
+                bases, bases[0] + stride * np.arange(len(bases), dtype=np.int64)):
+            return None
+        address, size = host
+        tokens = plan.device_rows.astype(np.int64)
+        if plan.device_paged:  # a page's tokens, one row each: the plane merges them into runs
+            tokens = (tokens[:, None] * plan.page_size + np.arange(plan.page_size)).reshape(-1)
+        ticket = next(self._tickets)
+        fut: Future = Future()
+        fut.set_running_or_notify_cancel()  # never dropped unstarted: a stop is the stop word's
+        taken = self.engine.submit_copy(
+            ticket, gate, to_device, address, stride, size - (int(bases[0]) - address),
+            np.ascontiguousarray(plan.host_pages, np.int64), np.ascontiguousarray(tokens),
+            np.asarray(job.local_layers, np.int64), job.stop_word,
+            signal.counter if signal is not None else None, signal.fd if signal is not None else -1,
+            signal.interval if signal is not None else 0.0)
+        if not taken:
+            return None
+        job.work = Work(to_device, 0, lambda _: None, future=fut)  # what later copies of it wait on
+        self._copies[ticket] = (fut, job, gate, ended)
+        self.copies += 1
+        return fut
+
+    def _ended(self, ticket: int, status: int, layers: int) -> None:
+        entry = self._copies.pop(ticket, None)
+        if entry is None:
+            return
+        fut, job, _, ended = entry
+        job.work.ended = True
+        ended()
+        if status == 0:
+            fut.set_result(None)
+        elif status == 1 or job.stop_reason:
+            fut.set_exception(job.stopped(layers))
+        else:  # its gate closed (the client is going), or the plane stopped
+            fut.set_exception(JobStopped("released" if status == 2 else "cancelled", layers,
+                                         len(job.local_layers)))
 
     # ---- gates ---------------------------------------------------------------------------------
 
@@ -93,7 +163,7 @@ class DataPlane:
 
     async def idle(self, gate: Any) -> None:
         """Once this returns after ``close_gate``, the plane touches none of the client's memory."""
-        while gate.inflight:
+        while gate.inflight or gate.x_inflight:
             await asyncio.sleep(POLL_SECONDS)
 
     # ---- lanes ---------------------------------------------------------------------------------

@@ -104,14 +104,16 @@ class DevicePool(ABC):
 
     @abstractmethod
     def start(self, job: Job, to_device: bool, signal: LayerSignal | None, executor: Executor,
-              waiters: Executor) -> Future[None]:
+              waiters: Executor, plane: Callable | None = None) -> Future[None]:
         """Starts a copy job: host to device for a load, else device to host. The returned future
         completes once the medium is done with every byte of the job (raising ``JobStopped`` if
         the job was stopped first, or the copy's error). ``executor`` is the copy workers' queue
         (``kvserver.copies.workers``: loads first, jobs in pieces) or ``INLINE``; ``waiters`` may
         hold threads that only wait for a device. A job dropped from the queue shows as a
         cancelled future; ``job.queued`` is what ``job.stop`` may cancel. ``signal`` (loads) gets
-        every landed layer."""
+        every landed layer. ``plane``, where given, may run the job on the compiled data plane's
+        thread instead (``plane(job, to_device, signal)``: its future, or None if it does not
+        take the job); a medium the plane cannot copy for ignores it."""
 
     @abstractmethod
     def close(self) -> Future | None:

@@ -115,7 +115,12 @@ class ShmDevicePool(DevicePool):
             m.check_size()
 
     def start(self, job: Job, to_device: bool, signal: LayerSignal | None, executor: Executor,
-              waiters: Executor) -> Future[None]:
+              waiters: Executor, plane: Callable | None = None) -> Future[None]:
+        if plane is not None:  # the data plane's thread copies it, in C, where it takes the job
+            fut = plane(job, to_device, signal)
+            if fut is not None:
+                job.queued = fut  # running: a stop is the job's stop word, read between layers
+                return fut
         table = self.page_table if job.plan.device_paged else self.token_table
         count = transfer.row_count(job.plan, job.host, table)
         if count is None:  # no compiled kernel, or buffers of different strides: torch, one piece

@@ -98,6 +98,7 @@ typedef struct {
     int64_t dev_stride;   /* bytes between device tokens */
     int64_t py_inflight;  /* copies of this registration on the Python side */
     int64_t c_inflight;   /* jobs of this plane */
+    int64_t x_inflight;   /* the loop's copies this plane runs for it (submit_copy) */
     uint64_t bytes_written, write_ops, bytes_loaded, load_ops, served;
     int64_t last_call_ns;
 } Gate;
@@ -268,6 +269,13 @@ static PyObject *gate_get_inflight(Gate *g, void *unused) {
     return PyLong_FromLongLong(c);
 }
 
+static PyObject *gate_get_x_inflight(Gate *g, void *unused) {
+    pthread_mutex_lock(&g->mu);
+    int64_t c = g->x_inflight;
+    pthread_mutex_unlock(&g->mu);
+    return PyLong_FromLongLong(c);
+}
+
 static PyObject *gate_get_closed(Gate *g, void *unused) {
     return PyBool_FromLong(__atomic_load_n(&g->closed, __ATOMIC_ACQUIRE));
 }
@@ -313,6 +321,7 @@ static PyMethodDef gate_methods[] = {
 
 static PyGetSetDef gate_getset[] = {
     {"inflight", (getter)gate_get_inflight, NULL, NULL, NULL},
+    {"x_inflight", (getter)gate_get_x_inflight, NULL, NULL, NULL},
     {"closed", (getter)gate_get_closed, NULL, NULL, NULL},
     {NULL},
 };
@@ -369,7 +378,25 @@ typedef struct Job {
     uint32_t published; /* layers the slot's progress words say */
     int64_t last_pub_ns;
     int64_t ndev;  /* device tokens (the runs cover them) */
+    char *host;        /* where the host rows' (layer 0, part 0) chunk starts */
+    int64_t lp_stride; /* bytes from one (layer, part) chunk of the host rows to the next */
+    /* The loop's copies (submit_copy): no slot; its stop word is read at layer boundaries, a
+     * load's layers go to its progress word and eventfd, and its end is posted back (Done). */
+    int ext;
+    uint64_t ticket;
+    int64_t *progress;
+    int signal_fd;
+    int64_t interval_ns;
+    const int64_t *stop;
 } Job;
+
+typedef struct {
+    uint64_t ticket;
+    int status; /* DONE_OK, DONE_STOPPED (its stop word), DONE_RELEASED (its gate closed), DONE_HALTED */
+    uint32_t layers;
+} Done;
+
+enum { DONE_OK, DONE_STOPPED, DONE_RELEASED, DONE_HALTED };
 
 typedef struct {
     int64_t lane_key;
@@ -402,6 +429,13 @@ typedef struct {
     Handoff *hand;
     size_t nhand, caphand;
     uint64_t handed, served;
+    /* the loop's copies: submitted (in_mu) until the thread takes them; their ends, under hand_mu,
+     * with room kept for every copy not yet posted (so a post never needs memory) */
+    pthread_mutex_t in_mu;
+    Job *incoming;
+    int nincoming;
+    Done *done;
+    size_t ndone, capdone, unposted;
     /* latency histograms, as kvserver_operation_duration_seconds and
      * kvserver_time_to_first_layer_seconds count them: Write, Load, Load's first layer */
     pthread_mutex_t stat_mu;
@@ -560,6 +594,8 @@ static Job *make_job(Lane *l, int i, const kv_request *r, int64_t *pages, int32_
     }
     j->nruns = nr;
     j->bytes_per_layer = j->ndev * g->token_bytes * g->parts;
+    j->host = g->host_base;
+    j->lp_stride = layer_local_bytes(g);
     j->arrival_ns = arrival;
     j->deadline_ns = r->timeout_ms ? arrival + (int64_t)r->timeout_ms * 1000000 : 0;
     return j;
@@ -723,8 +759,51 @@ static void publish_progress(Engine *e, Job *j, uint32_t flags) {
     j->published = j->li;
 }
 
+/* An ext load's layer landed: its progress word, then its eventfd (at most once an interval, and
+ * always for the last layer), as the copy kernel signals a LayerSignal. */
+static void ext_layer(Job *j) {
+    if (!j->progress)
+        return;
+    __atomic_store_n(j->progress, (int64_t)j->li, __ATOMIC_RELEASE);
+    int64_t t = now_ns();
+    if (j->signal_fd >= 0 && (j->li == j->nl || t - j->last_pub_ns >= j->interval_ns)) {
+        j->last_pub_ns = t;
+        wake(j->signal_fd);
+    }
+}
+
+static void unlink_job(Engine *e, Job *j) {
+    Job **pp = &e->jobs;
+    while (*pp != j)
+        pp = &(*pp)->next;
+    *pp = j->next;
+    __atomic_sub_fetch(&e->njobs, 1, __ATOMIC_RELAXED);
+    job_free(j);
+}
+
+/* Ends one of the loop's copies: posted back with how it ended and how many layers landed. */
+static void finish_ext(Engine *e, Job *j, int status) {
+    Gate *g = j->gate;
+    pthread_mutex_lock(&g->mu);
+    g->x_inflight--;
+    pthread_mutex_unlock(&g->mu);
+    pthread_mutex_lock(&e->hand_mu);
+    e->done[e->ndone].ticket = j->ticket; /* room kept at submit_copy */
+    e->done[e->ndone].status = status;
+    e->done[e->ndone].layers = j->li;
+    e->ndone++;
+    e->unposted--;
+    pthread_mutex_unlock(&e->hand_mu);
+    unlink_job(e, j);
+    wake(e->notify_fd);
+}
+
 /* Ends a job: its pages are no longer busy, its slot answered (unless its lane is gone: silent). */
 static void finish(Engine *e, Job *j, uint32_t code, const char *message, int answer) {
+    if (j->ext) {
+        finish_ext(e, j, code == 0 ? DONE_OK : DONE_HALTED);
+        return;
+    }
     Gate *g = j->gate;
     int ok = code == 0;
     if (!j->load)
@@ -781,12 +860,7 @@ static void finish(Engine *e, Job *j, uint32_t code, const char *message, int an
         set_state(s, ST_DONE);
         ring_done(l, j->slot);
     }
-    Job **pp = &e->jobs;
-    while (*pp != j)
-        pp = &(*pp)->next;
-    *pp = j->next;
-    __atomic_sub_fetch(&e->njobs, 1, __ATOMIC_RELAXED);
-    job_free(j);
+    unlink_job(e, j);
 }
 
 static void stop_job(Engine *e, Job *j, const char *reason, uint32_t code, int answer) {
@@ -809,7 +883,7 @@ static void run_piece(Engine *e, Job *j) {
     Gate *g = j->gate;
     int32_t layer = j->local[j->li];
     int64_t lp = (int64_t)layer * g->parts + j->part;
-    char *host = g->host_base + lp * layer_local_bytes(g);
+    char *host = j->host + lp * j->lp_stride;
     char *dev = g->dev_bases[lp];
     int64_t budget = PIECE_BYTES, tb = g->token_bytes, stride = g->dev_stride;
     while (j->ri < j->nruns && budget > 0) {
@@ -829,6 +903,12 @@ static void run_piece(Engine *e, Job *j) {
         return;
     j->part = 0;
     j->li++;
+    if (j->ext) {
+        ext_layer(j);
+        if (j->li == j->nl)
+            finish(e, j, 0, NULL, 1);
+        return;
+    }
     if (j->load && j->li == 1)
         observe(e, H_FIRST, now_ns() - j->arrival_ns);
     if (j->li == j->nl) {
@@ -856,6 +936,15 @@ static int work(Engine *e) {
         next = j->next;
         if (j->part || j->ri)
             continue; /* a layer is never left half copied */
+        if (j->ext) { /* its gate's close may have come before the job joined: read it here */
+            if (j->released || __atomic_load_n(&j->gate->closed, __ATOMIC_ACQUIRE))
+                finish_ext(e, j, DONE_RELEASED);
+            else if (__atomic_load_n(j->stop, __ATOMIC_RELAXED))
+                finish_ext(e, j, DONE_STOPPED);
+            else if (j->li == j->nl) /* no layers asked for */
+                finish_ext(e, j, DONE_OK);
+            continue;
+        }
         if (j->released) {
             stop_job(e, j, "its client was unregistered or reclaimed", CODE_NOT_FOUND, 1);
         } else if (j->deadline_ns) {
@@ -939,6 +1028,21 @@ static void command(Engine *e) {
     pthread_mutex_unlock(&e->cmd_mu);
 }
 
+/* The loop's copies submitted since the last look join the jobs, in submission order. */
+static void take_incoming(Engine *e) {
+    if (!__atomic_load_n(&e->nincoming, __ATOMIC_ACQUIRE))
+        return;
+    pthread_mutex_lock(&e->in_mu);
+    Job *in = e->incoming;
+    e->incoming = NULL;
+    __atomic_store_n(&e->nincoming, 0, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&e->in_mu);
+    Job **tail = &e->jobs;
+    while (*tail)
+        tail = &(*tail)->next;
+    *tail = in;
+}
+
 static void *engine_main(void *arg) {
     Engine *e = arg;
     struct epoll_event evs[64];
@@ -995,11 +1099,13 @@ static void *engine_main(void *arg) {
             if (!stop)
                 command(e);
         }
+        take_incoming(e);
         if (stop)
             break;
         if (e->jobs)
             work(e);
     }
+    take_incoming(e);
     while (e->jobs)
         finish(e, e->jobs, 1, NULL, 0);
     return NULL;
@@ -1057,6 +1163,7 @@ static int engine_init(Engine *e, PyObject *args, PyObject *kw) {
     pthread_mutex_init(&e->call_mu, NULL);
     pthread_mutex_init(&e->cmd_mu, NULL);
     pthread_mutex_init(&e->hand_mu, NULL);
+    pthread_mutex_init(&e->in_mu, NULL);
     pthread_mutex_init(&e->stat_mu, NULL);
     pthread_cond_init(&e->cmd_cv, NULL);
     e->epfd = epoll_create1(EPOLL_CLOEXEC);
@@ -1110,6 +1217,7 @@ static void engine_dealloc(Engine *e) {
     if (e->notify_fd > 0)
         close(e->notify_fd);
     free(e->hand);
+    free(e->done);
     Py_TYPE(e)->tp_free((PyObject *)e);
 }
 
@@ -1252,6 +1360,214 @@ static PyObject *engine_take_handoffs(Engine *e, PyObject *unused) {
     return out;
 }
 
+/* An int64 array's buffer (writable if asked), at least `least` items, aligned; 0 on error (set). */
+static int int64s(PyObject *obj, Py_buffer *v, int writable, Py_ssize_t least, const char *name) {
+    if (PyObject_GetBuffer(obj, v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return 0;
+    const char *f = v->format ? v->format : "B";
+    if (*f == '@' || *f == '=' || *f == '<')
+        f++;
+    if (v->itemsize != 8 || (f[0] != 'l' && f[0] != 'q') || f[1] || (uintptr_t)v->buf % 8 || v->len / 8 < least) {
+        PyBuffer_Release(v);
+        PyErr_Format(PyExc_ValueError, "%s: not an aligned int64 array of %zd or more", name, least);
+        return 0;
+    }
+    return 1;
+}
+
+/* submit_copy(ticket, gate, load, host_base, lp_stride, host_limit, offsets, tokens, layers, stop,
+ *             progress=None, signal_fd=-1, interval=0.0) -> bool
+ * One of the loop's copies, run by this plane's thread among its own (the loop has ordered it
+ * among the registration's copies and holds its turn: no job of the gate's lane runs meanwhile).
+ * Host rows: page k's (layer, part) chunk at host_base + offsets[k] + (layer * parts + part) *
+ * lp_stride, its tokens token_bytes apart; device rows: tokens[k * page_size + t] of the gate's
+ * buffers; layers: the registration's local layer indices, copied in that order. Every offset's
+ * chunks must lie inside [host_base, host_base + host_limit), every token and layer inside the
+ * gate's, or nothing is submitted (ValueError). stop (int64[1]) is read at layer boundaries;
+ * progress (int64[1], loads) is stored after each layer and signal_fd bumped at most once an
+ * interval and at the end. Its end is posted back (take_completions) under ticket. False: the
+ * gate is closed (nothing submitted). The arrays must outlive the copy: the caller keeps them
+ * until its completion is taken. */
+static PyObject *engine_submit_copy(Engine *e, PyObject *args, PyObject *kw) {
+    static char *names[] = {"ticket", "gate", "load", "host_base", "lp_stride", "host_limit", "offsets",
+                            "tokens", "layers", "stop", "progress", "signal_fd", "interval", NULL};
+    unsigned long long ticket, host_base;
+    Gate *g;
+    int load, signal_fd = -1;
+    long long lp_stride, host_limit;
+    PyObject *offsets_obj, *tokens_obj, *layers_obj, *stop_obj, *progress_obj = Py_None;
+    double interval = 0.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KO!pKLLOOOO|Oid", names, &ticket, &GateType, &g, &load,
+                                     &host_base, &lp_stride, &host_limit, &offsets_obj, &tokens_obj,
+                                     &layers_obj, &stop_obj, &progress_obj, &signal_fd, &interval))
+        return NULL;
+    if (e->started != 1) {
+        PyErr_SetString(PyExc_RuntimeError, "the data plane has stopped");
+        return NULL;
+    }
+    Py_buffer off = {0}, tok = {0}, lay = {0}, stop = {0}, prog = {0};
+    int have_off = 0, have_tok = 0, have_lay = 0, have_stop = 0, have_prog = 0;
+    PyObject *result = NULL;
+    Job *j = NULL;
+    int64_t ps = g->lim.page_size, tb = g->token_bytes;
+    if (!(have_off = int64s(offsets_obj, &off, 0, 0, "offsets")) ||
+        !(have_tok = int64s(tokens_obj, &tok, 0, 0, "tokens")) ||
+        !(have_lay = int64s(layers_obj, &lay, 0, 0, "layers")) ||
+        !(have_stop = int64s(stop_obj, &stop, 0, 1, "stop")) ||
+        (progress_obj != Py_None && !(have_prog = int64s(progress_obj, &prog, 1, 1, "progress"))))
+        goto done;
+    int64_t npages = off.len / 8, nl = lay.len / 8;
+    const int64_t *offs = off.buf, *toks = tok.buf, *lays = lay.buf;
+    int64_t chunks = (int64_t)g->lim.num_layers * g->parts;
+    if (tok.len / 8 != npages * ps) {
+        PyErr_SetString(PyExc_ValueError, "tokens must hold page_size tokens for every offset");
+        goto done;
+    }
+    if (lp_stride < ps * tb || host_limit < 0 || lp_stride > host_limit || host_base + (unsigned long long)host_limit < host_base) {
+        PyErr_SetString(PyExc_ValueError, "a host chunk must hold a page's tokens, inside the host span");
+        goto done;
+    }
+    for (int64_t k = 0; k < npages; k++) /* every chunk of the page: offset + chunks * lp_stride <= limit */
+        if (offs[k] < 0 || offs[k] > host_limit || (host_limit - offs[k]) / lp_stride < chunks) {
+            PyErr_Format(PyExc_ValueError, "host offset %lld: its chunks are outside the host span", (long long)offs[k]);
+            goto done;
+        }
+    for (int64_t k = 0; k < npages * ps; k++)
+        if (toks[k] < 0 || toks[k] >= g->lim.dev_tokens) {
+            PyErr_Format(PyExc_ValueError, "device token %lld is outside the pool's %lld", (long long)toks[k],
+                         (long long)g->lim.dev_tokens);
+            goto done;
+        }
+    for (int64_t k = 0; k < nl; k++)
+        if (lays[k] < 0 || lays[k] >= g->lim.num_layers) {
+            PyErr_Format(PyExc_ValueError, "local layer %lld is outside the registration's %d", (long long)lays[k],
+                         g->lim.num_layers);
+            goto done;
+        }
+    j = calloc(1, sizeof(Job));
+    if (j)
+        j->local = malloc(sizeof(int32_t) * (size_t)(nl ? nl : 1));
+    int contiguous = g->dev_stride == tb;
+    int64_t nr = 0;
+    for (int64_t k = 0; k < npages * ps; k++)
+        if (k % ps == 0 || !contiguous || toks[k] != toks[k - 1] + 1)
+            nr++;
+    if (j && j->local)
+        j->runs = malloc(sizeof(Run) * (size_t)(nr ? nr : 1));
+    if (!j || !j->local || !j->runs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    nr = 0;
+    for (int64_t k = 0; k < npages * ps; k++) {
+        int64_t t = k % ps;
+        if (t > 0 && contiguous && toks[k] == j->runs[nr - 1].dev_tok + j->runs[nr - 1].ntok) {
+            j->runs[nr - 1].ntok++;
+            continue;
+        }
+        j->runs[nr].host_off = offs[k / ps] + t * tb;
+        j->runs[nr].dev_tok = toks[k];
+        j->runs[nr].ntok = 1;
+        nr++;
+    }
+    for (int64_t k = 0; k < nl; k++)
+        j->local[k] = (int32_t)lays[k];
+    j->nruns = nr;
+    j->nl = (uint32_t)nl;
+    j->gate = g;
+    j->load = load;
+    j->ndev = npages * ps;
+    j->bytes_per_layer = j->ndev * tb * g->parts;
+    j->host = (char *)(uintptr_t)host_base;
+    j->lp_stride = lp_stride;
+    j->ext = 1;
+    j->ticket = ticket;
+    j->progress = have_prog ? prog.buf : NULL;
+    j->signal_fd = signal_fd;
+    j->interval_ns = (int64_t)(interval * 1e9);
+    j->stop = stop.buf;
+    j->arrival_ns = now_ns();
+    pthread_mutex_lock(&e->hand_mu); /* room for its completion, kept until it is posted */
+    int room = 1;
+    if (e->capdone < e->ndone + e->unposted + 1) {
+        size_t cap = 2 * (e->ndone + e->unposted + 1) + 16;
+        Done *d = realloc(e->done, cap * sizeof(Done));
+        if (d) {
+            e->done = d;
+            e->capdone = cap;
+        } else {
+            room = 0;
+        }
+    }
+    if (room)
+        e->unposted++;
+    pthread_mutex_unlock(&e->hand_mu);
+    if (!room) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    pthread_mutex_lock(&g->mu);
+    int open = !g->closed;
+    if (open)
+        g->x_inflight++;
+    pthread_mutex_unlock(&g->mu);
+    if (!open) {
+        pthread_mutex_lock(&e->hand_mu);
+        e->unposted--;
+        pthread_mutex_unlock(&e->hand_mu);
+        result = Py_False;
+        Py_INCREF(result);
+        goto done;
+    }
+    __atomic_add_fetch(&e->njobs, 1, __ATOMIC_RELAXED);
+    pthread_mutex_lock(&e->in_mu);
+    Job **tail = &e->incoming;
+    while (*tail)
+        tail = &(*tail)->next;
+    *tail = j;
+    __atomic_store_n(&e->nincoming, 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&e->in_mu);
+    j = NULL;
+    wake(e->wake_fd);
+    result = Py_True;
+    Py_INCREF(result);
+done:
+    if (j)
+        job_free(j);
+    if (have_off)
+        PyBuffer_Release(&off);
+    if (have_tok)
+        PyBuffer_Release(&tok);
+    if (have_lay)
+        PyBuffer_Release(&lay);
+    if (have_stop)
+        PyBuffer_Release(&stop);
+    if (have_prog)
+        PyBuffer_Release(&prog);
+    return result;
+}
+
+/* take_completions() -> [(ticket, status, layers done)]: the loop's copies that ended, in the order
+ * they ended; status 0 done, 1 stopped by its stop word, 2 its gate closed, 3 the plane stopped. */
+static PyObject *engine_take_completions(Engine *e, PyObject *unused) {
+    pthread_mutex_lock(&e->hand_mu);
+    size_t n = e->ndone;
+    PyObject *out = PyList_New((Py_ssize_t)n);
+    for (size_t k = 0; out && k < n; k++) {
+        PyObject *item = Py_BuildValue("KiI", (unsigned long long)e->done[k].ticket, e->done[k].status,
+                                       e->done[k].layers);
+        if (!item) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, (Py_ssize_t)k, item);
+    }
+    if (out)
+        e->ndone = 0;
+    pthread_mutex_unlock(&e->hand_mu);
+    return out;
+}
+
 /* take_histograms() -> [(counts per bucket, +Inf last), sum in seconds] for Write, Load and Load's
  * first layer, zeroed: what the plane observed since the last take. */
 static PyObject *engine_take_histograms(Engine *e, PyObject *unused) {
@@ -1290,6 +1606,8 @@ static PyMethodDef engine_methods[] = {
     {"unwatch_all", (PyCFunction)engine_unwatch_all, METH_NOARGS, NULL},
     {"pause", (PyCFunction)engine_pause, METH_O, NULL},
     {"take_handoffs", (PyCFunction)engine_take_handoffs, METH_NOARGS, NULL},
+    {"submit_copy", (PyCFunction)(void (*)(void))engine_submit_copy, METH_VARARGS | METH_KEYWORDS, NULL},
+    {"take_completions", (PyCFunction)engine_take_completions, METH_NOARGS, NULL},
     {"take_histograms", (PyCFunction)engine_take_histograms, METH_NOARGS, NULL},
     {"stop", (PyCFunction)engine_stop, METH_NOARGS, NULL},
     {NULL},

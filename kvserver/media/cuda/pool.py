@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -273,7 +274,7 @@ class CudaDevicePool(DevicePool):
             rt.streamWaitEvent(self.stream.ptr, event, 0)
 
     def start(self, job: Job, to_device: bool, signal: LayerSignal | None, executor: Executor,
-              waiters: Executor) -> Future[None]:
+              waiters: Executor, plane: Callable | None = None) -> Future[None]:
         """The copy worker enqueues the copy (and says a load's events are recorded), then hands
         the waiting to a waiter thread; the future completes when the GPU has done the copy."""
         done: Future[None] = Future()

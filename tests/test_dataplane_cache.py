@@ -1,0 +1,173 @@
+"""The cache's copies on the compiled data plane: a Put's and a Get's copy, planned and ordered on
+the event loop, run on the plane's thread (``DataPlane.copy``) for a registration the plane serves.
+Bit exact both ways; a stop (the deadline) and a release end them at a layer boundary and free
+what they held; later copies of the client that must follow one wait for its end; what
+``submit_copy`` is given is checked whole before anything is submitted. Real daemon, real client,
+real shared memory."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from test_dataplane import DTYPE, LAYERS, LAYOUT, PAGE, START, TOKENS, _client, _fill
+
+from kvclient import KVClient, KVClientError, ShmKVPool
+from kvserver.store.pages import WRITING
+
+PAGES = TOKENS // PAGE  # 32 pages of 16 KiB: 512 KiB, never copied inline on the loop
+
+
+def _keys(tag: str, n: int = PAGES) -> list[bytes]:
+    return [f"{tag}-{i:08d}".encode().ljust(16, b".") for i in range(n)]
+
+
+def _pages_of(pool: ShmKVPool, pages: torch.Tensor) -> list[torch.Tensor]:
+    tokens = (pages[:, None] * PAGE + torch.arange(PAGE)).reshape(-1)
+    return [buf.view(torch.int16)[tokens].clone() for layer in pool.buffers for buf in layer]
+
+
+def test_a_put_and_a_get_are_copied_on_the_plane_bit_exact(plane_daemon) -> None:
+    d = plane_daemon
+    plane = d.core.plane
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c:
+        _fill(pool, 21)
+        src, dst = torch.randperm(PAGES), torch.arange(PAGES, 2 * PAGES)
+        want = _pages_of(pool, src)
+        copies = plane.copies
+        assert c.put(_keys("a"), src).stored == PAGES
+        for layer in pool.buffers:
+            for buf in layer:
+                buf.zero_()
+        handle = c.get(_keys("a"), dst)
+        assert handle.pages(timeout=10) == PAGES and handle.wait(timeout=10) > 0
+        assert all(torch.equal(x, y) for x, y in zip(_pages_of(pool, dst), want, strict=True))
+        # Some layers (384 KiB: still not copied inline): those asked for land, the others are left alone.
+        for layer in pool.buffers:
+            for buf in layer:
+                buf.zero_()
+        handle = c.get(_keys("a"), dst, layers=[START, START + 1, START + 3])
+        assert handle.wait(timeout=10) > 0 and handle.landed(START + 3)
+        got = _pages_of(pool, dst)
+        for i, (x, y) in enumerate(zip(got, want, strict=True)):
+            layer = i // 2
+            assert torch.equal(x, y) if layer in (0, 1, 3) else not x.any()
+        assert plane.copies - copies == 3, "the cache's copies did not run on the plane"
+        gate = d.run(lambda: d.core.client(c.client_id).gate)
+        assert (plane.engine.jobs, gate.x_inflight) == (0, 0)
+
+
+def test_a_stopped_put_frees_its_pages_and_a_released_client_s_copy_ends(plane_daemon) -> None:
+    """Held on the plane, a Put past its deadline ends at a layer boundary (DEADLINE_EXCEEDED) and
+    stores nothing; a Get whose client is unregistered meanwhile ends too, and nothing is left."""
+    d = plane_daemon
+    engine = d.core.plane.engine
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c, \
+            KVClient(d.address, timeout=0.5, resilient=False) as hasty:
+        hasty.register(model="plane", pool=pool, start_layer=START, end_layer=START + LAYERS,
+                       num_layers=START + LAYERS + 2, host_tokens=TOKENS, page_size=PAGE)
+        _fill(pool, 22)
+        engine.pause(True)
+        try:
+            with pytest.raises(KVClientError) as exc:
+                hasty.put(_keys("late"), torch.arange(PAGES))
+        finally:
+            engine.pause(False)
+        assert exc.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, exc.value
+        deadline = time.monotonic() + 10
+        while engine.jobs and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert c.lookup(_keys("late")).pages == 0  # nothing half written is found
+        hasty.unregister()
+        assert c.put(_keys("ok"), torch.arange(PAGES)).stored == PAGES
+        engine.pause(True)
+        try:
+            handle = c.get(_keys("ok"), torch.arange(PAGES, 2 * PAGES))
+            assert handle.pages(timeout=10) == PAGES
+            while engine.jobs < 1:
+                time.sleep(0.001)
+            cid = c.client_id
+            gone = threading.Thread(target=lambda: d.call(d.core.unregister(cid)))
+            gone.start()
+            time.sleep(0.2)
+        finally:
+            engine.pause(False)
+        gone.join(30)
+        with pytest.raises(KVClientError):
+            handle.wait(timeout=10)
+    assert d.run(lambda: (len(d.core.clients), engine.jobs)) == (0, 0)
+    pages = d.run(lambda: d.core.cache.pages)  # no page read, written or held any more
+    assert not pages.readers.any() and not pages.slab_holds.any() and not (pages.state == WRITING).any()
+
+
+def test_a_load_behind_a_put_on_the_plane_waits_for_it(plane_daemon) -> None:
+    """A Put held on the plane reads device pages P; a Load into P, handed to the loop meanwhile
+    (the Put's call holds the plane's turn), waits in the copy queue until the Put's copy ends:
+    the Put stores P as it was, and P then holds what the Load brought."""
+    d = plane_daemon
+    engine = d.core.plane.engine
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c:
+        _fill(pool, 23)
+        p = torch.arange(PAGES)
+        tokens = torch.arange(TOKENS)
+        before = _pages_of(pool, p)
+        host = c.alloc(TOKENS)
+        other = torch.arange(TOKENS, 2 * TOKENS)
+        assert c.write(host_indices=host, device_indices=other) > 0  # the Load brings these bytes
+        loaded = _pages_of(pool, torch.arange(PAGES, 2 * PAGES))
+        engine.pause(True)
+        result: dict = {}
+        try:
+            putter = threading.Thread(target=lambda: result.setdefault("put", c.put(_keys("p"), p)))
+            putter.start()
+            while engine.jobs < 1:
+                time.sleep(0.001)
+            handle = c.load(host_indices=host, device_indices=tokens)
+            time.sleep(0.3)
+            assert not handle.landed(START), "the Load overtook the Put reading its pages"
+        finally:
+            engine.pause(False)
+        putter.join(30)
+        assert result["put"].stored == PAGES and handle.wait(timeout=30) > 0
+        assert all(torch.equal(x, y) for x, y in zip(_pages_of(pool, p), loaded, strict=True))
+        for layer in pool.buffers:
+            for buf in layer:
+                buf.zero_()
+        assert c.get(_keys("p"), p).wait(timeout=10) > 0
+        assert all(torch.equal(x, y) for x, y in zip(_pages_of(pool, p), before, strict=True))
+
+
+def test_submit_copy_checks_everything_before_it_submits(plane_daemon) -> None:
+    d = plane_daemon
+    plane = d.core.plane
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, _client(d, pool) as c:
+        gate = d.run(lambda: d.core.client(c.client_id).gate)
+        address, size = d.core.copier.arena_span
+        chunk = PAGE * LAYOUT.token_bytes(DTYPE)
+        stop = np.zeros(1, np.int64)
+        ok = dict(ticket=1 << 40, gate=gate, load=False, host_base=address, lp_stride=chunk, host_limit=size,
+                  offsets=np.zeros(1, np.int64), tokens=np.arange(PAGE, dtype=np.int64),
+                  layers=np.arange(LAYERS, dtype=np.int64), stop=np.ones(1, np.int64))
+        last = size - LAYERS * 2 * chunk
+        for change, why in [({"offsets": np.array([-1])}, "outside the host span"),
+                            ({"offsets": np.array([last + 1])}, "outside the host span"),
+                            ({"tokens": np.arange(PAGE, dtype=np.int64) + TOKENS - 1}, "outside the pool"),
+                            ({"tokens": np.arange(PAGE - 1, dtype=np.int64)}, "page_size tokens"),
+                            ({"layers": np.array([LAYERS])}, "outside the registration"),
+                            ({"layers": np.array([-1])}, "outside the registration"),
+                            ({"lp_stride": chunk - 1}, "hold a page"),
+                            ({"stop": np.zeros(0, np.int64)}, "int64 array"),
+                            ({"offsets": np.zeros(1, np.int32)}, "int64 array")]:
+            with pytest.raises(ValueError, match=why):
+                plane.engine.submit_copy(**{**ok, **change})
+        assert d.run(lambda: (gate.x_inflight, plane.engine.jobs)) == (0, 0)
+        # The last offset that fits is taken; its stop word already set, it copies nothing.
+        assert plane.engine.submit_copy(**{**ok, "offsets": np.array([last]), "stop": stop + 1})
+        deadline = time.monotonic() + 10
+        while gate.x_inflight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (gate.x_inflight, plane.engine.jobs) == (0, 0)
