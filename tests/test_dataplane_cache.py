@@ -171,3 +171,100 @@ def test_submit_copy_checks_everything_before_it_submits(plane_daemon) -> None:
         while gate.x_inflight and time.monotonic() < deadline:
             time.sleep(0.01)
         assert (gate.x_inflight, plane.engine.jobs) == (0, 0)
+
+
+def test_a_copy_that_ends_while_the_loop_takes_what_the_plane_posted_is_never_left_unseen() -> None:
+    """The loop's reader takes the plane's handoffs and copy ends in one pass. A copy that ends
+    during that pass is either taken by it or rings the eventfd again, whichever moment it ends
+    at: here one ends right as the pass takes the ends (the worst moment: it used to be taken by
+    nobody, its Put or Get waiting forever)."""
+    import select
+    import types
+    from concurrent.futures import Future
+
+    from kvserver.lane.plane import DataPlane, _kvlane
+
+    if _kvlane is None:
+        pytest.skip("the compiled data plane is not built")
+    ps, tb, parts, nl, tokens = 4, 64, 2, 2, 256
+    dev = [np.zeros(tokens * tb, np.uint8) for _ in range(nl * parts)]
+    arena = np.zeros(1 << 20, np.uint8)
+    plane = DataPlane(0.0)
+    gate = _kvlane.Gate(owned=np.ones(8, np.uint8), host_base=arena.ctypes.data,
+                        page_bytes=nl * parts * ps * tb, page_size=ps, token_bytes=tb, parts=parts,
+                        start_layer=0, num_layers=nl, epoch=1, dev_tokens=tokens,
+                        dev_bases=[d.ctypes.data for d in dev], dev_stride=tb, max_indices=1024)
+    futures: dict[int, Future] = {}
+
+    def submit(ticket: int) -> None:
+        job = types.SimpleNamespace(work=types.SimpleNamespace(ended=False), stop_reason="",
+                                    stop_word=np.zeros(1, np.int64), local_layers=list(range(nl)))
+        fut: Future = Future()
+        fut.set_running_or_notify_cancel()
+        futures[ticket] = fut
+        plane._copies[ticket] = (fut, job, gate, None, lambda: None)
+        assert plane.engine.submit_copy(ticket, gate, False, arena.ctypes.data, ps * tb, arena.size,
+                                        np.zeros(1, np.int64), np.arange(ps, dtype=np.int64),
+                                        np.arange(nl, dtype=np.int64), job.stop_word)
+
+    class EndsMidPass:
+        """The engine, but a second copy ends while the pass takes what the first one posted."""
+
+        def __init__(self, engine) -> None:
+            self.engine, self.once = engine, True
+
+        def __getattr__(self, name: str):
+            return getattr(self.engine, name)
+
+        def take_completions(self):
+            got = self.engine.take_completions()
+            if self.once:
+                self.once = False
+                submit(2)
+                deadline = time.monotonic() + 10
+                while gate.x_inflight and time.monotonic() < deadline:  # posted, its eventfd rung
+                    time.sleep(0.001)
+            return got
+
+    try:
+        submit(1)
+        assert select.select([plane.engine.notify_fd], [], [], 10)[0], "the first copy never ended"
+        plane.engine = EndsMidPass(plane.engine)
+        plane._handoffs()  # the reader's pass
+        assert futures[1].done()
+        if not futures[2].done():  # not taken by that pass: then the eventfd says so
+            assert select.select([plane.engine.notify_fd], [], [], 1)[0], "a copy's end was left unseen"
+            plane._handoffs()
+        assert futures[2].done() and futures[2].exception() is None
+    finally:
+        plane.engine = getattr(plane.engine, "engine", plane.engine)
+        plane.stop()
+
+
+def test_the_plane_s_stop_settles_the_copies_it_still_held() -> None:
+    import types
+    from concurrent.futures import Future
+
+    from kvserver.errors import JobStopped
+    from kvserver.lane.plane import DataPlane, _kvlane
+
+    if _kvlane is None:
+        pytest.skip("the compiled data plane is not built")
+    dev = np.zeros(64 * 64, np.uint8)
+    arena = np.zeros(1 << 16, np.uint8)
+    plane = DataPlane(0.0)
+    gate = _kvlane.Gate(owned=np.ones(4, np.uint8), host_base=arena.ctypes.data, page_bytes=4 * 64,
+                        page_size=4, token_bytes=64, parts=1, start_layer=0, num_layers=1, epoch=1,
+                        dev_tokens=64, dev_bases=[dev.ctypes.data], dev_stride=64, max_indices=64)
+    plane.engine.pause(True)  # held: still on the thread when it stops
+    job = types.SimpleNamespace(work=types.SimpleNamespace(ended=False), stop_reason="",
+                                stop_word=np.zeros(1, np.int64), local_layers=[0])
+    fut: Future = Future()
+    fut.set_running_or_notify_cancel()
+    plane._copies[7] = (fut, job, gate, None, lambda: None)
+    assert plane.engine.submit_copy(7, gate, True, arena.ctypes.data, 4 * 64, arena.size,
+                                    np.zeros(1, np.int64), np.arange(4, dtype=np.int64),
+                                    np.zeros(1, np.int64), job.stop_word)
+    plane.stop()
+    assert fut.done() and isinstance(fut.exception(), JobStopped) and job.work.ended
+    assert gate.x_inflight == 0

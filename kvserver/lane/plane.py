@@ -61,7 +61,7 @@ class DataPlane:
         self._loop: asyncio.AbstractEventLoop | None = None
         # The loop's copies on the plane's thread, by ticket: what each needs until its end is taken
         # (its future, its job, whose stop word and progress the thread reads and writes, its gate).
-        self._copies: dict[int, tuple[Future, Job, Any, Callable[[], None]]] = {}
+        self._copies: dict[int, tuple[Future, Job, Any, LayerSignal | None, Callable[[], None]]] = {}
         self._tickets = itertools.count(1)
         self.copies = 0  # the loop's copies it has taken
 
@@ -74,9 +74,12 @@ class DataPlane:
         self._handoffs()
 
     def _handoffs(self) -> None:
+        # take_handoffs drains the eventfd first: whatever the thread posts after that rings it
+        # again, so neither a handoff nor a copy's end is ever left for a wake-up that never comes.
+        handed = self.engine.take_handoffs()
         for ticket, status, layers in self.engine.take_completions():
             self._ended(ticket, status, layers)
-        for key, slot, counted in self.engine.take_handoffs():
+        for key, slot, counted in handed:
             lane = self.lanes.get(key)
             if lane is None:  # removed meanwhile: the request dies with its lane
                 continue
@@ -105,22 +108,32 @@ class DataPlane:
                 bases, bases[0] + stride * np.arange(len(bases), dtype=np.int64)):
             return None
         address, size = host
+        base = int(bases[0])  # the offsets count from here: the arena's start, as cache_table lays it
+        if not address <= base <= address + size:
+            return None
         tokens = plan.device_rows.astype(np.int64)
         if plan.device_paged:  # a page's tokens, one row each: the plane merges them into runs
             tokens = (tokens[:, None] * plan.page_size + np.arange(plan.page_size)).reshape(-1)
         ticket = next(self._tickets)
         fut: Future = Future()
         fut.set_running_or_notify_cancel()  # never dropped unstarted: a stop is the stop word's
-        taken = self.engine.submit_copy(
-            ticket, gate, to_device, address, stride, size - (int(bases[0]) - address),
-            np.ascontiguousarray(plan.host_pages, np.int64), np.ascontiguousarray(tokens),
-            np.asarray(job.local_layers, np.int64), job.stop_word,
-            signal.counter if signal is not None else None, signal.fd if signal is not None else -1,
-            signal.interval if signal is not None else 0.0)
+        # Held here from before the thread may see them until their end is taken: the job (its
+        # stop word), the signal (its counter and fd) and the gate the thread reads and writes.
+        self._copies[ticket] = (fut, job, gate, signal, ended)
+        try:
+            taken = self.engine.submit_copy(
+                ticket, gate, to_device, base, stride, address + size - base,
+                np.ascontiguousarray(plan.host_pages, np.int64), np.ascontiguousarray(tokens),
+                np.asarray(job.local_layers, np.int64), job.stop_word,
+                signal.counter if signal is not None else None, signal.fd if signal is not None else -1,
+                signal.interval if signal is not None else 0.0)
+        except (ValueError, MemoryError, RuntimeError):  # not taken: the copy workers run it
+            logger.exception("the data plane refused a cache copy; the copy workers run it")
+            taken = False
         if not taken:
+            del self._copies[ticket]
             return None
         job.work = Work(to_device, 0, lambda _: None, future=fut)  # what later copies of it wait on
-        self._copies[ticket] = (fut, job, gate, ended)
         self.copies += 1
         return fut
 
@@ -128,7 +141,7 @@ class DataPlane:
         entry = self._copies.pop(ticket, None)
         if entry is None:
             return
-        fut, job, _, ended = entry
+        fut, job, _, _, ended = entry
         job.work.ended = True
         ended()
         if status == 0:
@@ -207,6 +220,10 @@ class DataPlane:
             with contextlib.suppress(Exception):
                 self._loop.remove_reader(self.engine.notify_fd)
         self.engine.stop()
+        # The loop's copies still on the thread ended with it (posted as halted): settled here,
+        # since the reader is gone.
+        for ticket, status, layers in self.engine.take_completions():
+            self._ended(ticket, status, layers)
 
 
 
