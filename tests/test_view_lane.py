@@ -7,6 +7,7 @@ space it opens again."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from kvclient import CacheView, KVClient, KVLayout, ShmKVPool, view_lane
 from kvclient.keys import page_keys
 from kvserver.protocol import ring as R
 from kvserver.v1 import kvserver_pb2 as pb
+from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
 LAYOUT, DTYPE, LAYERS, PAGE, TOKENS = KVLayout.mha(2, 8), torch.float16, 4, 16, 256
 MODEL = "view-lane"
@@ -252,6 +254,44 @@ def test_a_spaces_lane_closes_when_its_process_exits_though_its_doorbell_lives_o
                              check=True, capture_output=True, text=True, timeout=60).stdout.split()
         assert out == ["OK"]
         wait_until(lambda: books(daemon) == (0, {}, {}), 10, "the exited process's lane to close")
+
+
+# A process that takes a ticket for a space's lane (the ring, both ends of the submit doorbell,
+# so that its exit brings no end-of-file) and exits without redeeming it.
+TICKET = """
+import fcntl, os, socket, sys
+from kvserver.protocol import ring as R
+from kvserver.protocol.fd_socket import request_ticket
+fd = os.memfd_create("ticket-lane", os.MFD_ALLOW_SEALING)
+os.ftruncate(fd, R.ring_bytes(1))
+os.pwrite(fd, R.header(1), 0)
+fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+print(request_ticket(sys.argv[1][len("unix://"):] + ".fd", [fd, b.fileno(), a.fileno()]))
+"""
+
+
+def test_a_space_lane_watches_the_process_that_connected_not_whoever_has_its_pid_now(daemon) -> None:
+    """The ticket's process exits before its lane is opened, and its pid names another, live
+    process by then (here this one, as a pid reused would): the lane is refused, not opened for a
+    process that never asked for it and kept open as long as that one lives. The daemon watches
+    the process that connected to its fd socket (a pidfd taken then), not a pid."""
+    with view(daemon.address, lane="grpc") as v:
+        sid = v.open()
+        ticket = subprocess.run([sys.executable, "-c", TICKET, daemon.address], check=True,
+                                capture_output=True, text=True, timeout=60).stdout.strip()
+        book = daemon.core.tickets
+
+        def reuse() -> None:
+            held = book._tickets[ticket]
+            held.peer = dataclasses.replace(held.peer, pid=os.getpid())
+
+        daemon.run(reuse)
+        with grpc.insecure_channel(daemon.address) as ch:
+            code, message = error_of(lambda: pb_grpc.KVServerStub(ch).OpenLane(
+                pb.OpenLaneRequest(space_id=sid, peer_ticket=ticket), timeout=5))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "exited" in message, (code, message)
+        assert books(daemon) == (0, {}, {})
 
 
 # A scheduler's process (kvclient imports torch: it takes a few seconds to start).

@@ -10,6 +10,7 @@ import asyncio
 import functools
 import logging
 import os
+import select
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -43,14 +44,22 @@ MAX_SPACE_LANES = 256
 MAX_SPACE_LANE_SLOTS = 4
 
 
-def _pidfd(pid: int) -> int:
-    """A pidfd of the process (readable once it exits); -1 where the kernel has none."""
-    try:
-        return os.pidfd_open(pid)
-    except ProcessLookupError:
-        raise FailedPrecondition("the process that asked for the lane has exited") from None
-    except OSError:  # no pidfd (Linux < 5.3, a pid not seen here): end-of-file alone closes the lane
-        return -1
+def _pidfd(ticket: Any) -> int:
+    """A pidfd of the ticket's process (readable once it exits): the one taken when it connected
+    to the fd socket, else one opened now; -1 where the kernel has none (end-of-file alone then
+    closes the lane). Refused if that process has exited already."""
+    fd = ticket.take_pidfd()
+    if fd < 0:
+        try:
+            fd = os.pidfd_open(ticket.peer.pid)
+        except ProcessLookupError:
+            raise FailedPrecondition("the process that asked for the lane has exited") from None
+        except OSError:  # no pidfd (Linux < 5.3, a pid not seen here)
+            return -1
+    if select.select([fd], [], [], 0)[0]:  # readable: it has exited (its pid may name another now)
+        os.close(fd)
+        raise FailedPrecondition("the process that asked for the lane has exited")
+    return fd
 
 
 class LaneBook:
@@ -126,7 +135,7 @@ class LaneBook:
         (``space_tenant(space_id)``: the space's tenant, or NotFound), it carries only Lookups of
         that space, served on the loop (``run_space``), and closes itself when the process exits or
         closes its end of the submit doorbell (it closed the view), or at the daemon's stop."""
-        ticket = self._redeem(peer_ticket)
+        ticket = self._redeem(peer_ticket, pidfd=True)
         try:
             if self.run_space is None:
                 raise FailedPrecondition("this daemon serves no space's lane")
@@ -145,7 +154,7 @@ class LaneBook:
                                       f"{len(ticket.fds) - 2} doorbells sent")
             # Its process's end: the lane closes when the process exits, even if the doorbell's
             # other end lives on (handed back to the daemon, or held by a child it forked).
-            gone = _pidfd(ticket.peer.pid)
+            gone = _pidfd(ticket)
             try:
                 ring, submit, done = self._take_ring(ticket)
             except BaseException:
@@ -187,14 +196,14 @@ class LaneBook:
             except KVError:  # unknown or spent: nothing held
                 pass
 
-    def _redeem(self, peer_ticket: str) -> Any:
+    def _redeem(self, peer_ticket: str, pidfd: bool = False) -> Any:
         if self.stopping:
             self.spend(peer_ticket)
             raise Unavailable("the daemon is stopping: it opens no lane")
         tickets = self.core.tickets
         if tickets is None:
             raise FailedPrecondition("this daemon has no Unix socket: lanes need its fd socket")
-        return tickets.redeem(peer_ticket)  # spent whatever happens next
+        return tickets.redeem(peer_ticket, pidfd)  # spent whatever happens next
 
     def _take_ring(self, ticket: Any) -> tuple[Any, Any, list[Any]]:
         """The ticket's ring and doorbells, checked, within its uid's descriptor budget."""

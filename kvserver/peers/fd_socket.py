@@ -37,6 +37,23 @@ MAX_CONNS = 64
 MAX_CONNS_PER_UID = 8
 _CMSG_SPACE = socket.CMSG_SPACE(FDS_PER_MESSAGE * 4)
 _PEERCRED = struct.Struct("3i")
+# SO_PEERPIDFD (Linux 6.5): a pidfd of the process that connected, which a pid reused after it
+# exits never names; where the kernel lacks it, pidfd_open of its pid right at the accept.
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
+
+
+def _peer_pidfd(conn: socket.socket, pid: int) -> int:
+    """A pidfd of the process on the other end of ``conn`` (close-on-exec); -1 where none can be
+    had (no pidfds in this kernel, a pid this namespace does not see)."""
+    try:
+        fd = conn.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    except OSError:
+        try:
+            return os.pidfd_open(pid)  # close-on-exec already
+        except OSError:
+            return -1
+    os.set_inheritable(fd, False)
+    return fd
 
 
 class PeerSocket:
@@ -106,7 +123,7 @@ class PeerSocket:
                 conn.close()
                 continue
             self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
-            task = asyncio.get_running_loop().create_task(self._serve(conn, peer))
+            task = asyncio.get_running_loop().create_task(self._serve(conn, peer, _peer_pidfd(conn, pid)))
             self._serving.add(task)
             task.add_done_callback(lambda t, uid=uid: self._served(t, uid))
 
@@ -116,14 +133,14 @@ class PeerSocket:
         if not self._per_uid[uid]:
             del self._per_uid[uid]
 
-    async def _serve(self, conn: socket.socket, peer: PeerCred) -> None:
+    async def _serve(self, conn: socket.socket, peer: PeerCred, pidfd: int = -1) -> None:
         fds: list[int] = []
         reply: bytes | None = None
         try:
             async with asyncio.timeout(self.conn_seconds):
                 await self._receive(conn, fds)
-            reply = b"T" + self.tickets.issue(peer, fds).encode()
-            fds = []  # the ticket owns them now
+            reply = b"T" + self.tickets.issue(peer, fds, pidfd).encode()
+            fds, pidfd = [], -1  # the ticket owns them now
         except TimeoutError:
             reply = _error(InvalidArgument(f"the message did not arrive within {self.conn_seconds} s"))
         except KVError as exc:
@@ -134,6 +151,8 @@ class PeerSocket:
             logger.exception("fd socket connection from pid %d failed", peer.pid)
         finally:
             close_off_loop(fds)  # a refused peer's descriptors: maybe the last hold on a big memfd
+            if pidfd >= 0:
+                os.close(pidfd)
             if reply is not None:
                 _reply(conn, reply)
             conn.close()

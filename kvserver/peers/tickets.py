@@ -120,9 +120,23 @@ class Ticket:
     peer: PeerCred
     fds: list[int]
     expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
+    # A pidfd of the process that connected to the fd socket (-1: none), taken at the connection:
+    # unlike its pid, it never names another process, whatever runs between then and the redeem.
+    pidfd: int = -1
+
+    def take_pidfd(self) -> int:
+        """The pidfd, the caller's to close from now on (-1: none)."""
+        fd, self.pidfd = self.pidfd, -1
+        return fd
+
+    def drop_pidfd(self) -> None:
+        fd = self.take_pidfd()
+        if fd >= 0:
+            os.close(fd)
 
     def close(self) -> None:
         """Closes every descriptor the ticket holds, here (idempotent): at shutdown only."""
+        self.drop_pidfd()
         fds, self.fds = self.fds, []
         for fd in fds:
             close_peer_fd(fd)
@@ -131,6 +145,7 @@ class Ticket:
         """Closes the ticket's descriptors once a pool is open: those it maps (by index) here,
         since its mappings hold their memory and closing them frees nothing; the others on the
         closer threads, since one of them may be the last hold on a large memfd."""
+        self.drop_pidfd()
         fds, self.fds = self.fds, []
         for i, fd in enumerate(fds):
             if i in mapped:
@@ -138,6 +153,7 @@ class Ticket:
         close_off_loop([fd for i, fd in enumerate(fds) if i not in mapped])
 
     def close_off_loop(self) -> None:
+        self.drop_pidfd()
         fds, self.fds = self.fds, []
         close_off_loop(fds)
 
@@ -159,9 +175,9 @@ class TicketBook:
     def __len__(self) -> int:
         return len(self._tickets)
 
-    def issue(self, peer: PeerCred, fds: list[int]) -> str:
-        """A new ticket holding ``fds``: the book owns them once it returns (if it raises, they
-        stay the caller's to close)."""
+    def issue(self, peer: PeerCred, fds: list[int], pidfd: int = -1) -> str:
+        """A new ticket holding ``fds`` and the peer's ``pidfd``: the book owns them once it
+        returns (if it raises, they stay the caller's to close)."""
         if self._per_uid[peer.uid] >= self.max_per_uid:
             raise NoCapacity(
                 f"uid {peer.uid} already holds {self.max_per_uid} unredeemed tickets; "
@@ -175,7 +191,7 @@ class TicketBook:
                 f"{self.max_fds}): register with them or let them expire"
             )
         key = secrets.token_hex(16)
-        ticket = Ticket(peer, list(fds))
+        ticket = Ticket(peer, list(fds), pidfd=pidfd)
         self._tickets[key] = ticket
         self._per_uid[peer.uid] += 1
         self._fds_per_uid[peer.uid] += n
@@ -183,8 +199,9 @@ class TicketBook:
         ticket.expiry = asyncio.get_running_loop().call_later(self.ttl, self._expire, key)
         return key
 
-    def redeem(self, key: str) -> Ticket:
-        """The ticket, removed from the book: the caller closes its fds once done with them."""
+    def redeem(self, key: str, pidfd: bool = False) -> Ticket:
+        """The ticket, removed from the book: the caller closes its fds once done with them.
+        Its pidfd is closed here unless the caller asks for it (``pidfd``: then ``take_pidfd``)."""
         ticket = self._tickets.get(key) if key else None
         if ticket is None:
             raise PermissionDenied(
@@ -192,6 +209,8 @@ class TicketBook:
                 "fd socket right before each Register"
             )
         self._drop(key)
+        if not pidfd:
+            ticket.drop_pidfd()
         return ticket
 
     def _drop(self, key: str) -> Ticket:
