@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_dataplane import DTYPE, LAYERS, LAYOUT, PAGE, START, TOKENS, _client, _fill
 
-from kvclient import KVClient, KVClientError, ShmKVPool
+from kvclient import KVClient, KVClientError, KVLayout, ShmKVPool
 from kvserver.store.pages import WRITING
 
 PAGES = TOKENS // PAGE  # 32 pages of 16 KiB: 512 KiB, never copied inline on the loop
@@ -268,3 +268,47 @@ def test_the_plane_s_stop_settles_the_copies_it_still_held() -> None:
     plane.stop()
     assert fut.done() and isinstance(fut.exception(), JobStopped) and job.work.ended
     assert gate.x_inflight == 0
+
+
+def test_another_engine_s_small_write_takes_its_turn_beside_a_large_put(plane_daemon) -> None:
+    """The plane's writes take turns a piece each: held while one engine's 64 MiB Put (a cache
+    copy on the plane) and then another engine's 1-page Write queue up, the Write ends long before
+    the Put does, as it would beside another engine's large offload."""
+    d = plane_daemon
+    big_layout, tokens = KVLayout.mha(8, 128), 16384  # 2 KiB a token and part: 64 MiB
+    with ShmKVPool(big_layout, torch.float16, 1, tokens) as pool, KVClient(d.address) as big, \
+            ShmKVPool(big_layout, torch.float16, 1, 64) as small_pool, KVClient(d.address) as small:
+        big.register(model="big", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=0,
+                     page_size=16)
+        small.register(model="small", pool=small_pool, start_layer=0, end_layer=1, num_layers=1,
+                       host_tokens=64, page_size=16)
+        host_small = small.alloc(16)
+        ended: dict[str, float] = {}
+        engine = d.core.plane.engine
+        copies = d.core.plane.copies
+        engine.pause(True)
+        try:
+            def put() -> None:
+                assert big.put(_keys("big", tokens // 16), torch.arange(tokens // 16)).stored == tokens // 16
+                ended["put"] = time.monotonic()
+
+            t = threading.Thread(target=put)
+            t.start()
+            while engine.jobs < 1:
+                time.sleep(0.001)
+            def write() -> None:
+                small.write(host_indices=host_small, device_indices=torch.arange(16))
+                ended["write"] = time.monotonic()
+
+            writer = threading.Thread(target=write)
+            writer.start()
+            while engine.jobs < 2:
+                time.sleep(0.001)
+        finally:
+            start = time.monotonic()
+            engine.pause(False)
+        writer.join(30)
+        t.join(60)
+        assert d.core.plane.copies - copies == 1, "the Put's copy did not run on the plane"
+        # Behind the whole Put, the Write would end about when the Put's copy does.
+        assert ended["write"] - start < (ended["put"] - start) / 2, ("the Write waited", ended, start)

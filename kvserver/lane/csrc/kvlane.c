@@ -383,6 +383,7 @@ typedef struct Job {
     /* The loop's copies (submit_copy): no slot; its stop word is read at layer boundaries, a
      * load's layers go to its progress word and eventfd, and its end is posted back (Done). */
     int ext;
+    uint64_t seq; /* its place in the plane's arrival order (writes take turns by it) */
     uint64_t ticket;
     int64_t *progress;
     int signal_fd;
@@ -431,6 +432,7 @@ typedef struct {
     uint64_t handed, served;
     /* the loop's copies: submitted (in_mu) until the thread takes them; their ends, under hand_mu,
      * with room kept for every copy not yet posted (so a post never needs memory) */
+    uint64_t next_seq, last_write; /* the arrival order; the write that last copied a piece */
     pthread_mutex_t in_mu;
     Job *incoming;
     int nincoming;
@@ -679,6 +681,7 @@ static int try_job(Engine *e, Lane *l, int i, uint32_t rpc, uint32_t n) {
     while (*tail)
         tail = &(*tail)->next;
     *tail = j;
+    j->seq = ++e->next_seq;
     __atomic_add_fetch(&e->njobs, 1, __ATOMIC_RELAXED);
     return 1;
 }
@@ -960,14 +963,28 @@ static int work(Engine *e) {
     /* A job to stop (released, past its deadline) finishes its layer first, whatever else waits:
      * a release or a deadline is never held up by other engines' loads. */
     for (Job *j = e->jobs; j && !best; j = j->next)
-        if ((j->released || (j->deadline_ns && (t ? t : (t = now_ns())) >= j->deadline_ns)) && runnable(e, j))
+        if ((j->released || (j->deadline_ns && (t ? t : (t = now_ns())) >= j->deadline_ns) ||
+             (j->ext && __atomic_load_n(j->stop, __ATOMIC_RELAXED))) && runnable(e, j))
             best = j;
     for (Job *j = e->jobs; j && !best; j = j->next)
         if (j->load && runnable(e, j))
             best = j;
+    /* Writes take turns, a piece each, in arrival order from the one after the write that last
+     * copied (the list is in arrival order): a large offload or Put of one engine never holds
+     * another engine's write until it ends. A registration's own copies keep their order
+     * (runnable()). */
+    Job *first = NULL;
     for (Job *j = e->jobs; j && !best; j = j->next)
-        if (runnable(e, j))
-            best = j;
+        if (runnable(e, j)) {
+            if (!first)
+                first = j;
+            if (j->seq > e->last_write)
+                best = j;
+        }
+    if (!best)
+        best = first;
+    if (best && !best->load)
+        e->last_write = best->seq;
     if (best)
         run_piece(e, best);
     return e->jobs != NULL;
@@ -1041,6 +1058,8 @@ static void take_incoming(Engine *e) {
     while (*tail)
         tail = &(*tail)->next;
     *tail = in;
+    for (; in; in = in->next)
+        in->seq = ++e->next_seq;
 }
 
 static void *engine_main(void *arg) {
