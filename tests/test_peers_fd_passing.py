@@ -573,11 +573,14 @@ def test_descriptors_held_by_one_uids_tickets_are_capped(daemon) -> None:
     fd, mapping = create_memfd("kvtest-fdcap", 4096)
     mapping.close()
     try:
-        held = [get_ticket(fd_path(daemon), [fd] * MAX_FDS) for _ in range(per_uid // MAX_FDS)]
-        assert daemon.run(lambda: daemon.core.tickets.num_fds) == per_uid
-        with pytest.raises(KVClientError) as err:
-            get_ticket(fd_path(daemon), [fd])
+        held: list[str] = []
+        with pytest.raises(KVClientError) as err:  # tickets of MAX_FDS until the budget refuses one
+            while len(held) <= per_uid // MAX_FDS:
+                held.append(get_ticket(fd_path(daemon), [fd] * MAX_FDS))
         assert err.value.code == C.RESOURCE_EXHAUSTED and "too many descriptors" in err.value.message
+        # Each ticket counts its descriptors and the pidfd of its process (where the kernel has one).
+        assert per_uid - (MAX_FDS + 1) < daemon.run(lambda: daemon.core.tickets.num_fds) <= per_uid
+        assert len(held) >= per_uid // (MAX_FDS + 1)
         assert daemon.run(lambda: daemon.core.tickets.max_fds) >= per_uid  # the daemon-wide budget
         with ShmKVPool(LAYOUT, torch.float16, 2, 256) as pool:  # redeemed (here refused): room again
             error_of(lambda: stub_of(daemon).Register(pool_request(pool, held[0]), timeout=TIMEOUT))

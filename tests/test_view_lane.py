@@ -349,3 +349,45 @@ def test_a_view_takes_only_auto_or_grpc(mode: str) -> None:
     v.close()
     with pytest.raises(ValueError, match="lane must be"):
         view("unix:///nonexistent/kv.sock", lane="ring")
+
+
+def test_the_pidfd_check_takes_any_descriptor_number_and_closes_what_it_refuses() -> None:
+    """A daemon holding many descriptors hands out pidfds past 1024 (where select() cannot look):
+    the check still answers, and a pidfd of an exited process, or a ticket whose process was gone
+    at the fd socket, is refused with nothing left open."""
+    import resource
+    import types
+
+    from kvserver.errors import FailedPrecondition
+    from kvserver.lane import book
+    from kvserver.peers.tickets import PEER_GONE
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 1600:
+        pytest.skip("cannot have descriptors past 1500 here")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1600), hard))
+    try:
+        def ticket(fd: int) -> types.SimpleNamespace:
+            t = types.SimpleNamespace(pidfd=fd, peer=types.SimpleNamespace(pid=os.getpid()))
+            t.take_pidfd = lambda: (t.pidfd, setattr(t, "pidfd", -1))[0]
+            return t
+
+        def high(pid: int, at: int) -> int:
+            fd = os.pidfd_open(pid)
+            os.dup2(fd, at)
+            os.close(fd)
+            return at
+
+        assert book._pidfd(ticket(high(os.getpid(), 1500))) == 1500
+        os.close(1500)
+        child = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone = high(child.pid, 1501)
+        child.wait(30)
+        with pytest.raises(FailedPrecondition, match="exited"):
+            book._pidfd(ticket(gone))
+        with pytest.raises(OSError):
+            os.fstat(1501)  # closed
+        with pytest.raises(FailedPrecondition, match="exited"):
+            book._pidfd(ticket(PEER_GONE))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

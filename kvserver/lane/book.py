@@ -28,6 +28,7 @@ from kvserver.errors import (
 from kvserver.lane.plane import DataPlane
 from kvserver.lane.server import Lane, open_ring
 from kvserver.peers.tenants import tenant_of
+from kvserver.peers.tickets import PEER_GONE
 
 logger = logging.getLogger(__name__)
 
@@ -49,14 +50,23 @@ def _pidfd(ticket: Any) -> int:
     to the fd socket, else one opened now; -1 where the kernel has none (end-of-file alone then
     closes the lane). Refused if that process has exited already."""
     fd = ticket.take_pidfd()
-    if fd < 0:
+    if fd == PEER_GONE:
+        raise FailedPrecondition("the process that asked for the lane has exited")
+    if fd < 0:  # this kernel gave no pidfd of the peer: one of its pid, now
         try:
             fd = os.pidfd_open(ticket.peer.pid)
         except ProcessLookupError:
             raise FailedPrecondition("the process that asked for the lane has exited") from None
         except OSError:  # no pidfd (Linux < 5.3, a pid not seen here)
             return -1
-    if select.select([fd], [], [], 0)[0]:  # readable: it has exited (its pid may name another now)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        exited = bool(poller.poll(0))  # readable: it has exited (its pid may name another now)
+    except BaseException:
+        os.close(fd)
+        raise
+    if exited:
         os.close(fd)
         raise FailedPrecondition("the process that asked for the lane has exited")
     return fd

@@ -78,7 +78,10 @@ class DataPlane:
         # again, so neither a handoff nor a copy's end is ever left for a wake-up that never comes.
         handed = self.engine.take_handoffs()
         for ticket, status, layers in self.engine.take_completions():
-            self._ended(ticket, status, layers)
+            try:
+                self._ended(ticket, status, layers)
+            except Exception:  # the other ends, and the handoffs, are served all the same
+                logger.exception("settling a copy the data plane ended failed")
         for key, slot, counted in handed:
             lane = self.lanes.get(key)
             if lane is None:  # removed meanwhile: the request dies with its lane
@@ -127,9 +130,12 @@ class DataPlane:
                 np.asarray(job.local_layers, np.int64), job.stop_word,
                 signal.counter if signal is not None else None, signal.fd if signal is not None else -1,
                 signal.interval if signal is not None else 0.0)
-        except (ValueError, MemoryError, RuntimeError):  # not taken: the copy workers run it
-            logger.exception("the data plane refused a cache copy; the copy workers run it")
+        except (MemoryError, RuntimeError):  # no room, or the plane stopped: the copy workers run it
+            logger.exception("the data plane could not take a cache copy; the copy workers run it")
             taken = False
+        except BaseException:  # its checks refused it (ValueError): an inconsistency, copied nowhere
+            del self._copies[ticket]
+            raise
         if not taken:
             del self._copies[ticket]
             return None

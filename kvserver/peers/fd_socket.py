@@ -27,7 +27,7 @@ import stat
 import struct
 
 from kvserver.errors import InvalidArgument, KVError, NoCapacity
-from kvserver.peers.tickets import PeerCred, TicketBook, close_off_loop
+from kvserver.peers.tickets import PEER_GONE, PeerCred, TicketBook, close_off_loop
 from kvserver.protocol.fd_socket import FDS_PER_MESSAGE, HEADER, MAGIC, MAX_FDS, MORE
 
 logger = logging.getLogger(__name__)
@@ -42,16 +42,34 @@ _PEERCRED = struct.Struct("3i")
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
 
 
+def _is_pidfd(fd: int) -> bool:
+    try:
+        name = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return False
+    return name == "anon_inode:[pidfd]" or name.startswith("pidfd:")
+
+
 def _peer_pidfd(conn: socket.socket, pid: int) -> int:
-    """A pidfd of the process on the other end of ``conn`` (close-on-exec); -1 where none can be
-    had (no pidfds in this kernel, a pid this namespace does not see)."""
+    """A pidfd of the process on the other end of ``conn`` (close-on-exec), or ``PEER_GONE`` where
+    that process was gone already, or -1 where this kernel gives none (the lane then opens a pidfd
+    by pid when the ticket is redeemed, as before pidfds of peers)."""
     try:
         fd = conn.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
-    except OSError:
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.ESRCH):  # the kernel has it: the peer was reaped
+            return PEER_GONE
+        if exc.errno != errno.ENOPROTOOPT:
+            return -1
         try:
             return os.pidfd_open(pid)  # close-on-exec already
+        except ProcessLookupError:
+            return PEER_GONE
         except OSError:
             return -1
+    if not _is_pidfd(fd):  # an option 77 that means something else here: not ours to keep
+        os.close(fd)
+        return -1
     os.set_inheritable(fd, False)
     return fd
 
@@ -123,7 +141,7 @@ class PeerSocket:
                 conn.close()
                 continue
             self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
-            task = asyncio.get_running_loop().create_task(self._serve(conn, peer, _peer_pidfd(conn, pid)))
+            task = asyncio.get_running_loop().create_task(self._serve(conn, peer))
             self._serving.add(task)
             task.add_done_callback(lambda t, uid=uid: self._served(t, uid))
 
@@ -133,10 +151,12 @@ class PeerSocket:
         if not self._per_uid[uid]:
             del self._per_uid[uid]
 
-    async def _serve(self, conn: socket.socket, peer: PeerCred, pidfd: int = -1) -> None:
+    async def _serve(self, conn: socket.socket, peer: PeerCred) -> None:
         fds: list[int] = []
         reply: bytes | None = None
+        pidfd = -1
         try:
+            pidfd = _peer_pidfd(conn, peer.pid)  # here: a task cancelled before it runs holds none
             async with asyncio.timeout(self.conn_seconds):
                 await self._receive(conn, fds)
             reply = b"T" + self.tickets.issue(peer, fds, pidfd).encode()

@@ -106,6 +106,10 @@ def close_off_loop(fds: list[int]) -> None:
         _CLOSER.close(list(fds))
 
 
+# Ticket.pidfd where the fd socket found the peer gone already (it exited before its ticket).
+PEER_GONE = -2
+
+
 @dataclass(frozen=True, slots=True)
 class PeerCred:
     """The engine process on the other end of the fd socket, from SO_PEERCRED."""
@@ -120,12 +124,14 @@ class Ticket:
     peer: PeerCred
     fds: list[int]
     expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
-    # A pidfd of the process that connected to the fd socket (-1: none), taken at the connection:
-    # unlike its pid, it never names another process, whatever runs between then and the redeem.
+    # A pidfd of the process that connected to the fd socket, taken at the connection: unlike its
+    # pid, it never names another process, whatever runs between then and the redeem. -1: none
+    # (no pidfds of peers in this kernel); PEER_GONE: that process was gone already.
     pidfd: int = -1
+    held: int = 0  # descriptors it counts against the book's budgets (its fds and pidfd)
 
     def take_pidfd(self) -> int:
-        """The pidfd, the caller's to close from now on (-1: none)."""
+        """The pidfd, the caller's to close from now on (-1: none; PEER_GONE)."""
         fd, self.pidfd = self.pidfd, -1
         return fd
 
@@ -183,7 +189,7 @@ class TicketBook:
                 f"uid {peer.uid} already holds {self.max_per_uid} unredeemed tickets; "
                 "register with them or let them expire"
             )
-        n = len(fds)
+        n = len(fds) + (pidfd >= 0)
         if self._fds_per_uid[peer.uid] + n > self.max_fds_per_uid or self.num_fds + n > self.max_fds:
             raise NoCapacity(
                 f"too many descriptors held by unredeemed tickets ({self._fds_per_uid[peer.uid]} of uid "
@@ -191,7 +197,7 @@ class TicketBook:
                 f"{self.max_fds}): register with them or let them expire"
             )
         key = secrets.token_hex(16)
-        ticket = Ticket(peer, list(fds), pidfd=pidfd)
+        ticket = Ticket(peer, list(fds), pidfd=pidfd, held=n)
         self._tickets[key] = ticket
         self._per_uid[peer.uid] += 1
         self._fds_per_uid[peer.uid] += n
@@ -217,8 +223,8 @@ class TicketBook:
         ticket = self._tickets.pop(key)
         uid = ticket.peer.uid
         self._per_uid[uid] -= 1
-        self._fds_per_uid[uid] -= len(ticket.fds)
-        self.num_fds -= len(ticket.fds)
+        self._fds_per_uid[uid] -= ticket.held
+        self.num_fds -= ticket.held
         if not self._per_uid[uid]:
             del self._per_uid[uid], self._fds_per_uid[uid]
         if ticket.expiry is not None:
