@@ -303,6 +303,43 @@ def test_on_the_plane_a_small_load_overtakes_a_large_offload(plane_daemon) -> No
         assert ended["load"] < ended["offload"], "the load waited for the whole offload"
 
 
+def test_on_the_plane_a_stream_of_loads_never_starves_a_write(plane_daemon) -> None:
+    """Loads go first, but a write waiting behind eight load pieces in a row gets the next one:
+    held while one engine's 64 MiB load (128 pieces) and then another engine's 1-page write queue
+    up, the write ends long before the load does."""
+    d = plane_daemon
+    big_layout, tokens = KVLayout.mha(8, 128), 16384  # 2 KiB a token and part: 64 MiB
+    with ShmKVPool(big_layout, torch.float16, 1, tokens) as pool, KVClient(d.address) as big, \
+            ShmKVPool(big_layout, torch.float16, 1, 64) as small_pool, KVClient(d.address) as small:
+        big.register(model="big", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=tokens,
+                     page_size=16)
+        small.register(model="small", pool=small_pool, start_layer=0, end_layer=1, num_layers=1,
+                       host_tokens=64, page_size=16)
+        host_small, host_big = small.alloc(16), big.alloc(tokens)
+        ended: dict[str, float] = {}
+        engine = d.core.plane.engine
+        engine.pause(True)
+        try:
+            def write() -> None:
+                small.write(host_indices=host_small, device_indices=torch.arange(16))
+                ended["write"] = time.monotonic()
+
+            handle = big.load(host_indices=host_big, device_indices=torch.arange(tokens))
+            while engine.jobs < 1:
+                time.sleep(0.001)
+            writer = threading.Thread(target=write)
+            writer.start()
+            while engine.jobs < 2:
+                time.sleep(0.001)
+        finally:
+            start = time.monotonic()
+            engine.pause(False)
+        assert handle.wait(timeout=30) > 0
+        ended["load"] = time.monotonic()
+        writer.join(30)
+        assert ended["write"] - start < (ended["load"] - start) / 2, ("the write waited", ended, start)
+
+
 def test_on_the_plane_a_load_after_a_write_of_the_same_pages_reads_what_it_stored(plane_daemon) -> None:
     d = plane_daemon
     with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c:

@@ -61,6 +61,7 @@
 #define FLAG_JOB_ENDED 2
 #define MAX_DRAIN 64
 #define PIECE_BYTES (512 * 1024)
+#define WRITE_EVERY 8 /* load pieces in a row a waiting write lets go first (copies/workers.py's) */
 #define MAX_EDGES 32
 /* The thread says it is awake (and looks at slots unrung) only while it spins with no copy to run,
  * and only while the watched lanes have at most this many slots: a look at every slot is a cache
@@ -433,6 +434,7 @@ typedef struct {
     /* the loop's copies: submitted (in_mu) until the thread takes them; their ends, under hand_mu,
      * with room kept for every copy not yet posted (so a post never needs memory) */
     uint64_t next_seq, last_write; /* the arrival order; the write that last copied a piece */
+    int loads_in_a_row;            /* load pieces run in a row while a write waited */
     pthread_mutex_t in_mu;
     Job *incoming;
     int nincoming;
@@ -966,7 +968,10 @@ static int work(Engine *e) {
         if ((j->released || (j->deadline_ns && (t ? t : (t = now_ns())) >= j->deadline_ns) ||
              (j->ext && __atomic_load_n(j->stop, __ATOMIC_RELAXED))) && runnable(e, j))
             best = j;
-    for (Job *j = e->jobs; j && !best; j = j->next)
+    /* Loads first, but not for ever: after WRITE_EVERY load pieces in a row while a write waited,
+     * a write's piece (as the copy workers do), so a stream of loads never starves an offload. */
+    int write_turn = e->loads_in_a_row >= WRITE_EVERY;
+    for (Job *j = e->jobs; j && !best && !write_turn; j = j->next)
         if (j->load && runnable(e, j))
             best = j;
     /* Writes take turns, a piece each, in arrival order from the one after the write that last
@@ -975,7 +980,7 @@ static int work(Engine *e) {
      * (runnable()). */
     Job *first = NULL;
     for (Job *j = e->jobs; j && !best; j = j->next)
-        if (runnable(e, j)) {
+        if (!j->load && runnable(e, j)) {
             if (!first)
                 first = j;
             if (j->seq > e->last_write)
@@ -983,10 +988,21 @@ static int work(Engine *e) {
         }
     if (!best)
         best = first;
-    if (best && !best->load)
+    for (Job *j = e->jobs; j && !best; j = j->next) /* a write's turn, and no write to take */
+        if (j->load && runnable(e, j))
+            best = j;
+    if (!best)
+        return e->jobs != NULL;
+    if (best->load) {
+        int waiting = 0;
+        for (Job *j = e->jobs; j && !waiting; j = j->next)
+            waiting = !j->load && runnable(e, j);
+        e->loads_in_a_row = waiting ? e->loads_in_a_row + 1 : 0;
+    } else {
+        e->loads_in_a_row = 0;
         e->last_write = best->seq;
-    if (best)
-        run_piece(e, best);
+    }
+    run_piece(e, best);
     return e->jobs != NULL;
 }
 
