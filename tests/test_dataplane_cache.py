@@ -312,3 +312,9 @@ def test_another_engine_s_small_write_takes_its_turn_beside_a_large_put(plane_da
         assert d.core.plane.copies - copies == 1, "the Put's copy did not run on the plane"
         # Behind the whole Put, the Write would end about when the Put's copy does.
         assert ended["write"] - start < (ended["put"] - start) / 2, ("the Write waited", ended, start)
+        # A Get of 64 MiB goes to the copy workers (split over both cores), one of 32 MiB to the plane.
+        pages = torch.arange(tokens // 16)
+        assert big.get(_keys("big", tokens // 16), pages).wait(timeout=30) > 0
+        assert d.core.plane.copies - copies == 1
+        assert big.get(_keys("big", tokens // 32), pages[: tokens // 32]).wait(timeout=30) > 0
+        assert d.core.plane.copies - copies == 2
