@@ -304,9 +304,9 @@ def test_on_the_plane_a_small_load_overtakes_a_large_offload(plane_daemon) -> No
 
 
 def test_on_the_plane_a_stream_of_loads_never_starves_a_write(plane_daemon) -> None:
-    """Loads go first, but a write waiting behind eight load pieces in a row gets the next one:
-    held while one engine's 64 MiB load (128 pieces) and then another engine's 1-page write queue
-    up, the write ends long before the load does."""
+    """Loads go first, but a write waiting behind 16 MiB of loads in a row gets the next piece:
+    held while one engine's 64 MiB load and then another engine's 1-page write queue up, the write
+    takes a turn and ends before the load does."""
     d = plane_daemon
     big_layout, tokens = KVLayout.mha(8, 128), 16384  # 2 KiB a token and part: 64 MiB
     with ShmKVPool(big_layout, torch.float16, 1, tokens) as pool, KVClient(d.address) as big, \
@@ -318,6 +318,7 @@ def test_on_the_plane_a_stream_of_loads_never_starves_a_write(plane_daemon) -> N
         host_small, host_big = small.alloc(16), big.alloc(tokens)
         ended: dict[str, float] = {}
         engine = d.core.plane.engine
+        turns = engine.write_turns
         engine.pause(True)
         try:
             def write() -> None:
@@ -337,7 +338,40 @@ def test_on_the_plane_a_stream_of_loads_never_starves_a_write(plane_daemon) -> N
         assert handle.wait(timeout=30) > 0
         ended["load"] = time.monotonic()
         writer.join(30)
-        assert ended["write"] - start < (ended["load"] - start) / 2, ("the write waited", ended, start)
+        # Its turn came after 16 MiB of the load's 64: a write piece ran while the load waited.
+        assert engine.write_turns > turns and ended["write"] < ended["load"], (ended, start)
+
+
+def test_on_the_plane_a_small_load_of_many_layers_lets_no_waiting_write_in(plane_daemon) -> None:
+    """A write's turn comes after 16 MiB of loads in a row, not after a count of pieces: a 2 MiB
+    load of 32 layers (64 pieces of one (layer, part) each) queued behind another engine's held
+    64 MiB offload runs whole before any piece of it."""
+    d = plane_daemon
+    big_layout, tokens = KVLayout.mha(8, 128), 16384  # 2 KiB a token and part: 64 MiB
+    with ShmKVPool(big_layout, torch.float16, 1, tokens) as pool, KVClient(d.address) as big, \
+            ShmKVPool(big_layout, torch.float16, 32, 64) as small_pool, KVClient(d.address) as small:
+        big.register(model="big", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=tokens,
+                     page_size=16)
+        small.register(model="small", pool=small_pool, start_layer=0, end_layer=32, num_layers=32,
+                       host_tokens=64, page_size=16)
+        host_small, host_big = small.alloc(16), big.alloc(tokens)
+        engine = d.core.plane.engine
+        turns = engine.write_turns
+        engine.pause(True)
+        try:
+            offload = threading.Thread(target=lambda: big.write(host_indices=host_big,
+                                                                device_indices=torch.arange(tokens)))
+            offload.start()
+            while engine.jobs < 1:
+                time.sleep(0.001)
+            handle = small.load(host_indices=host_small, device_indices=torch.arange(16))
+            while engine.jobs < 2:
+                time.sleep(0.001)
+        finally:
+            engine.pause(False)
+        assert handle.wait(timeout=30) > 0
+        offload.join(30)
+        assert engine.write_turns == turns, "a write piece ran in the middle of a 2 MiB load"
 
 
 def test_on_the_plane_a_load_after_a_write_of_the_same_pages_reads_what_it_stored(plane_daemon) -> None:

@@ -61,7 +61,10 @@
 #define FLAG_JOB_ENDED 2
 #define MAX_DRAIN 64
 #define PIECE_BYTES (512 * 1024)
-#define WRITE_EVERY 8 /* load pieces in a row a waiting write lets go first (copies/workers.py's) */
+/* Bytes of loads copied in a row while a write waited, after which the write gets a piece: the copy
+ * workers' WRITE_EVERY pieces of CHUNK_BYTES (copies/workers.py), 16 MiB. A piece here is at most
+ * one (layer, part) of a job, so a count of pieces would let a write into a small load. */
+#define WRITE_EVERY_BYTES (16LL << 20)
 #define MAX_EDGES 32
 /* The thread says it is awake (and looks at slots unrung) only while it spins with no copy to run,
  * and only while the watched lanes have at most this many slots: a look at every slot is a cache
@@ -434,7 +437,8 @@ typedef struct {
     /* the loop's copies: submitted (in_mu) until the thread takes them; their ends, under hand_mu,
      * with room kept for every copy not yet posted (so a post never needs memory) */
     uint64_t next_seq, last_write; /* the arrival order; the write that last copied a piece */
-    int loads_in_a_row;            /* load pieces run in a row while a write waited */
+    int64_t loads_in_a_row;        /* bytes of loads copied in a row while a write waited */
+    uint64_t write_turns;          /* write pieces run ahead of waiting loads (WRITE_EVERY_BYTES) */
     pthread_mutex_t in_mu;
     Job *incoming;
     int nincoming;
@@ -883,8 +887,8 @@ static int runnable(Engine *e, Job *j) {
     return 1;
 }
 
-/* One piece of job j: runs of the current (layer, part) up to PIECE_BYTES. */
-static void run_piece(Engine *e, Job *j) {
+/* One piece of job j: runs of the current (layer, part) up to PIECE_BYTES; returns its bytes. */
+static int64_t run_piece(Engine *e, Job *j) {
     Gate *g = j->gate;
     int32_t layer = j->local[j->li];
     int64_t lp = (int64_t)layer * g->parts + j->part;
@@ -901,24 +905,25 @@ static void run_piece(Engine *e, Job *j) {
             memcpy(h, d, nb);
         budget -= (int64_t)nb;
     }
+    int64_t copied = PIECE_BYTES - budget;
     if (j->ri < j->nruns)
-        return;
+        return copied;
     j->ri = 0;
     if (++j->part < g->parts)
-        return;
+        return copied;
     j->part = 0;
     j->li++;
     if (j->ext) {
         ext_layer(j);
         if (j->li == j->nl)
             finish(e, j, 0, NULL, 1);
-        return;
+        return copied;
     }
     if (j->load && j->li == 1)
         observe(e, H_FIRST, now_ns() - j->arrival_ns);
     if (j->li == j->nl) {
         finish(e, j, 0, NULL, 1);
-        return;
+        return copied;
     }
     if (j->load) {
         /* Every layer's words (a few stores: a spinning waiter sees each layer land); the
@@ -931,6 +936,7 @@ static void run_piece(Engine *e, Job *j) {
             ring_done(j->lane, j->slot);
         }
     }
+    return copied;
 }
 
 /* Stops jobs whose deadline passed, at a layer boundary; runs one piece of the best job.
@@ -968,9 +974,10 @@ static int work(Engine *e) {
         if ((j->released || (j->deadline_ns && (t ? t : (t = now_ns())) >= j->deadline_ns) ||
              (j->ext && __atomic_load_n(j->stop, __ATOMIC_RELAXED))) && runnable(e, j))
             best = j;
-    /* Loads first, but not for ever: after WRITE_EVERY load pieces in a row while a write waited,
-     * a write's piece (as the copy workers do), so a stream of loads never starves an offload. */
-    int write_turn = e->loads_in_a_row >= WRITE_EVERY;
+    /* Loads first, but not for ever: after WRITE_EVERY_BYTES of loads in a row while a write
+     * waited, a write's piece (as the copy workers do), so a stream of loads never starves an
+     * offload. */
+    int write_turn = e->loads_in_a_row >= WRITE_EVERY_BYTES;
     for (Job *j = e->jobs; j && !best && !write_turn; j = j->next)
         if (j->load && runnable(e, j))
             best = j;
@@ -993,16 +1000,16 @@ static int work(Engine *e) {
             best = j;
     if (!best)
         return e->jobs != NULL;
-    if (best->load) {
-        int waiting = 0;
+    int load = best->load, waiting = 0;
+    if (!load && write_turn)
+        __atomic_add_fetch(&e->write_turns, 1, __ATOMIC_RELAXED);
+    if (load)
         for (Job *j = e->jobs; j && !waiting; j = j->next)
             waiting = !j->load && runnable(e, j);
-        e->loads_in_a_row = waiting ? e->loads_in_a_row + 1 : 0;
-    } else {
-        e->loads_in_a_row = 0;
+    else
         e->last_write = best->seq;
-    }
-    run_piece(e, best);
+    int64_t copied = run_piece(e, best); /* best may be gone after it */
+    e->loads_in_a_row = load && waiting ? e->loads_in_a_row + copied : 0;
     return e->jobs != NULL;
 }
 
@@ -1629,6 +1636,9 @@ static PyObject *engine_get_jobs(Engine *e, void *unused) {
 static PyObject *engine_get_served(Engine *e, void *unused) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->served, __ATOMIC_RELAXED));
 }
+static PyObject *engine_get_write_turns(Engine *e, void *unused) {
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->write_turns, __ATOMIC_RELAXED));
+}
 static PyObject *engine_get_handed(Engine *e, void *unused) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->handed, __ATOMIC_RELAXED));
 }
@@ -1653,6 +1663,7 @@ static PyGetSetDef engine_getset[] = {
     {"jobs", (getter)engine_get_jobs, NULL, NULL, NULL},
     {"served", (getter)engine_get_served, NULL, NULL, NULL},
     {"handed", (getter)engine_get_handed, NULL, NULL, NULL},
+    {"write_turns", (getter)engine_get_write_turns, NULL, NULL, NULL},
     {NULL},
 };
 
