@@ -342,6 +342,42 @@ def test_on_the_plane_a_stream_of_loads_never_starves_a_write(plane_daemon) -> N
         assert engine.write_turns > turns and ended["write"] < ended["load"], (ended, start)
 
 
+def test_on_the_plane_a_write_of_many_layers_is_not_starved_by_a_long_load(plane_daemon) -> None:
+    """A write's turn is counted in bytes too: another engine's 1-page write of 32 layers (64
+    pieces of one (layer, part) each, 2 MiB) queued behind a held 64 MiB load ends before the load
+    does (it used to get one piece per 16 MiB of loads: 4 of its 64 before the load ended)."""
+    d = plane_daemon
+    big_layout, tokens = KVLayout.mha(8, 128), 16384  # 2 KiB a token and part: 64 MiB
+    with ShmKVPool(big_layout, torch.float16, 1, tokens) as pool, KVClient(d.address) as big, \
+            ShmKVPool(big_layout, torch.float16, 32, 64) as small_pool, KVClient(d.address) as small:
+        big.register(model="big", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=tokens,
+                     page_size=16)
+        small.register(model="small", pool=small_pool, start_layer=0, end_layer=32, num_layers=32,
+                       host_tokens=64, page_size=16)
+        host_small, host_big = small.alloc(16), big.alloc(tokens)
+        ended: dict[str, float] = {}
+        engine = d.core.plane.engine
+        engine.pause(True)
+        try:
+            def write() -> None:
+                small.write(host_indices=host_small, device_indices=torch.arange(16))
+                ended["write"] = time.monotonic()
+
+            handle = big.load(host_indices=host_big, device_indices=torch.arange(tokens))
+            while engine.jobs < 1:
+                time.sleep(0.001)
+            writer = threading.Thread(target=write)
+            writer.start()
+            while engine.jobs < 2:
+                time.sleep(0.001)
+        finally:
+            engine.pause(False)
+        assert handle.wait(timeout=30) > 0
+        ended["load"] = time.monotonic()
+        writer.join(30)
+        assert ended["write"] < ended["load"], ended
+
+
 def test_on_the_plane_a_small_load_of_many_layers_lets_no_waiting_write_in(plane_daemon) -> None:
     """A write's turn comes after 16 MiB of loads in a row, not after a count of pieces: a 2 MiB
     load of 32 layers (64 pieces of one (layer, part) each) queued behind another engine's held

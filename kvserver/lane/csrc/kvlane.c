@@ -65,6 +65,7 @@
  * workers' WRITE_EVERY pieces of CHUNK_BYTES (copies/workers.py), 16 MiB. A piece here is at most
  * one (layer, part) of a job, so a count of pieces would let a write into a small load. */
 #define WRITE_EVERY_BYTES (16LL << 20)
+#define WRITE_TURN_BYTES (2LL << 20) /* what writes then copy before loads go first again */
 #define MAX_EDGES 32
 /* The thread says it is awake (and looks at slots unrung) only while it spins with no copy to run,
  * and only while the watched lanes have at most this many slots: a look at every slot is a cache
@@ -438,6 +439,7 @@ typedef struct {
      * with room kept for every copy not yet posted (so a post never needs memory) */
     uint64_t next_seq, last_write; /* the arrival order; the write that last copied a piece */
     int64_t loads_in_a_row;        /* bytes of loads copied in a row while a write waited */
+    int64_t write_credit;          /* bytes the waiting writes may still copy ahead of loads */
     uint64_t write_turns;          /* write pieces run ahead of waiting loads (WRITE_EVERY_BYTES) */
     pthread_mutex_t in_mu;
     Job *incoming;
@@ -975,9 +977,9 @@ static int work(Engine *e) {
              (j->ext && __atomic_load_n(j->stop, __ATOMIC_RELAXED))) && runnable(e, j))
             best = j;
     /* Loads first, but not for ever: after WRITE_EVERY_BYTES of loads in a row while a write
-     * waited, a write's piece (as the copy workers do), so a stream of loads never starves an
-     * offload. */
-    int write_turn = e->loads_in_a_row >= WRITE_EVERY_BYTES;
+     * waited, writes get WRITE_TURN_BYTES (as the copy workers give a write a 2 MiB piece after
+     * eight of loads), so a stream of loads never starves an offload, however many layers it has. */
+    int write_turn = e->write_credit > 0;
     for (Job *j = e->jobs; j && !best && !write_turn; j = j->next)
         if (j->load && runnable(e, j))
             best = j;
@@ -1000,16 +1002,28 @@ static int work(Engine *e) {
             best = j;
     if (!best)
         return e->jobs != NULL;
-    int load = best->load, waiting = 0;
-    if (!load && write_turn)
-        __atomic_add_fetch(&e->write_turns, 1, __ATOMIC_RELAXED);
-    if (load)
-        for (Job *j = e->jobs; j && !waiting; j = j->next)
-            waiting = !j->load && runnable(e, j);
-    else
+    int load = best->load, writes_wait = 0, loads_wait = 0; /* runnable, besides best */
+    for (Job *j = e->jobs; j && !(load ? writes_wait : loads_wait); j = j->next)
+        if (j != best && j->load != load && runnable(e, j))
+            *(j->load ? &loads_wait : &writes_wait) = 1;
+    if (!load) {
         e->last_write = best->seq;
+        if (write_turn && loads_wait) /* a piece run ahead of a load: counted for the tests */
+            __atomic_add_fetch(&e->write_turns, 1, __ATOMIC_RELAXED);
+    }
     int64_t copied = run_piece(e, best); /* best may be gone after it */
-    e->loads_in_a_row = load && waiting ? e->loads_in_a_row + copied : 0;
+    if (load && writes_wait) {
+        e->loads_in_a_row += copied;
+        if (e->loads_in_a_row >= WRITE_EVERY_BYTES) {
+            e->loads_in_a_row = 0;
+            e->write_credit = WRITE_TURN_BYTES;
+        }
+    } else if (!load && loads_wait && write_turn) {
+        e->write_credit -= copied; /* the writes' turn, spent piece by piece */
+    } else { /* nothing waited on the other side: nothing is owed either way */
+        e->loads_in_a_row = 0;
+        e->write_credit = 0;
+    }
     return e->jobs != NULL;
 }
 
