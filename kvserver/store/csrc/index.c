@@ -126,10 +126,13 @@ static int entry_ids(PyObject *obj, view *v, const kv_index_rw *w) {
     return 1;
 }
 
-/* link(ids, w0, w1, elens, eowner, next, head, nhead, level, split, s0, s1, s2)
+/* link(ids, w0, w1, elens, eowner, next, head, nhead, level, split, s0, s1, s2) -> int
  *   files entries ids (their keys and owners already written, none of them filed) at the heads of
- *   their buckets' chains (KeyIndex.insert; the split that may follow is split()). */
-static PyObject *link_(PyObject *self, PyObject *args) {
+ *   their buckets' chains (KeyIndex.insert; the split that may follow is split()).
+ * unlink(the same) -> int
+ *   takes entries ids out of their chains and marks them gone (KeyIndex.remove).
+ * Both return how many of the ids they filed or found (all, in a consistent index). */
+static PyObject *change(PyObject *args, int (*one)(kv_index_rw *, int64_t)) {
     PyObject *objs[7];
     Py_ssize_t nhead;
     unsigned long long level, split, s0, s1, s2;
@@ -142,10 +145,10 @@ static PyObject *link_(PyObject *self, PyObject *args) {
     if (!rw_tables(objs + 1, v + 1, nhead, level, split, s0, s1, s2, &w) || !entry_ids(objs[0], &v[0], &w))
         goto done;
     const int64_t *ids = v[0].v.buf;
+    long long n = 0;
     for (Py_ssize_t i = 0; i < v[0].v.len / 8; i++)
-        kv_index_link(&w, ids[i]); /* always a bucket in use: the state was checked */
-    result = Py_None;
-    Py_INCREF(result);
+        n += one(&w, ids[i]);
+    result = PyLong_FromLongLong(n);
 done:
     for (int i = 0; i < 7; i++)
         if (v[i].held)
@@ -153,32 +156,8 @@ done:
     return result;
 }
 
-/* unlink(ids, w0, w1, elens, eowner, next, head, nhead, level, split, s0, s1, s2) -> int
- *   takes entries ids out of their chains and marks them gone (KeyIndex.remove); returns how many
- *   of them their chains held (all, in a consistent index). */
-static PyObject *unlink_(PyObject *self, PyObject *args) {
-    PyObject *objs[7];
-    Py_ssize_t nhead;
-    unsigned long long level, split, s0, s1, s2;
-    if (!PyArg_ParseTuple(args, "OOOOOOOnKKKKK", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
-                          &objs[6], &nhead, &level, &split, &s0, &s1, &s2))
-        return NULL;
-    view v[7] = {{{0}}};
-    kv_index_rw w;
-    PyObject *result = NULL;
-    if (!rw_tables(objs + 1, v + 1, nhead, level, split, s0, s1, s2, &w) || !entry_ids(objs[0], &v[0], &w))
-        goto done;
-    const int64_t *ids = v[0].v.buf;
-    long long found = 0;
-    for (Py_ssize_t i = 0; i < v[0].v.len / 8; i++)
-        found += kv_index_unlink(&w, ids[i]);
-    result = PyLong_FromLongLong(found);
-done:
-    for (int i = 0; i < 7; i++)
-        if (v[i].held)
-            PyBuffer_Release(&v[i].v);
-    return result;
-}
+static PyObject *link_(PyObject *self, PyObject *args) { return change(args, kv_index_link); }
+static PyObject *unlink_(PyObject *self, PyObject *args) { return change(args, kv_index_unlink); }
 
 /* split(count, load, w0, w1, elens, eowner, next, head, nhead, level, split, s0, s1, s2)
  *   -> (nhead, level, split): buckets split until count entries average at most load a bucket. */
