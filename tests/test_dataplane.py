@@ -5,11 +5,13 @@ validation, so both paths answer alike. Real daemon, real client, real shared me
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 import grpc
 import numpy as np
@@ -266,80 +268,93 @@ def test_unregister_stops_the_planes_copies_and_frees_everything(plane_daemon) -
         assert left == (0, 0, 0)
 
 
+BIG_LAYOUT, BIG_TOKENS = KVLayout.mha(8, 128), 16384  # 2 KiB a token and part: 64 MiB in one layer
+
+
+@contextlib.contextmanager
+def two_engines(d, small_layers: int = 1, big_host: bool = True) -> Iterator[tuple[KVClient, KVClient]]:
+    """Two engines on the daemon, registered: a big one (one layer of 64 MiB, and a region as
+    large where ``big_host``) and a small one (64 tokens of ``small_layers`` layers)."""
+    with ShmKVPool(BIG_LAYOUT, torch.float16, 1, BIG_TOKENS) as pool, KVClient(d.address) as big, \
+            ShmKVPool(BIG_LAYOUT, torch.float16, small_layers, 64) as small_pool, \
+            KVClient(d.address) as small:
+        big.register(model="big", pool=pool, start_layer=0, end_layer=1, num_layers=1,
+                     host_tokens=BIG_TOKENS if big_host else 0, page_size=16)
+        small.register(model="small", pool=small_pool, start_layer=0, end_layer=small_layers,
+                       num_layers=small_layers, host_tokens=64, page_size=16)
+        yield big, small
+
+
+def held_in_order(engine, *calls: Callable[[], object]) -> float:
+    """With the plane held, starts each call (a ``timed`` starter) once the plane holds the copies
+    of the ones before; then lets the plane go, and returns when it did."""
+    engine.pause(True)
+    try:
+        for n, call in enumerate(calls, 1):
+            call()
+            while engine.jobs < n:
+                time.sleep(0.001)
+    finally:
+        start = time.monotonic()
+        engine.pause(False)
+    return start
+
+
+def timed(ended: dict[str, float], name: str, fn: Callable[[], object]) -> Callable[[], threading.Thread]:
+    """A starter of ``fn`` in a thread that notes in ``ended[name]`` when ``fn`` returned."""
+    def run() -> None:
+        fn()
+        ended[name] = time.monotonic()
+
+    def start() -> threading.Thread:
+        t = threading.Thread(target=run)
+        t.start()
+        ended.setdefault("threads", []).append(t)
+        return t
+
+    return start
+
+
+def joined(ended: dict) -> dict[str, float]:
+    for t in ended.pop("threads", []):
+        t.join(60)
+    return ended
+
+
 def test_on_the_plane_a_small_load_overtakes_a_large_offload(plane_daemon) -> None:
     """The plane copies loads before writes, in pieces: held while another engine's 64 MiB
     offload and then a 1-page load queue up, the load ends long before the offload does."""
     d = plane_daemon
-    big_layout, tokens = KVLayout.mha(8, 128), 16384  # 2 KiB a token and part: 64 MiB
-    with ShmKVPool(big_layout, torch.float16, 1, tokens) as pool, KVClient(d.address) as big, \
-            ShmKVPool(big_layout, torch.float16, 1, 64) as small_pool, KVClient(d.address) as small:
-        big.register(model="big", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=tokens,
-                     page_size=16)
-        small.register(model="small", pool=small_pool, start_layer=0, end_layer=1, num_layers=1,
-                       host_tokens=64, page_size=16)
-        host_small = small.alloc(16)
+    with two_engines(d) as (big, small):
+        host_small, host_big = small.alloc(16), big.alloc(BIG_TOKENS)
         assert small.write(host_indices=host_small, device_indices=torch.arange(16)) > 0
-        host_big = big.alloc(tokens)
-        ended: dict[str, float] = {}
-        engine = d.core.plane.engine
-        engine.pause(True)
-        try:
-            def offload() -> None:
-                big.write(host_indices=host_big, device_indices=torch.arange(tokens))
-                ended["offload"] = time.monotonic()
-
-            t = threading.Thread(target=offload)
-            t.start()
-            while engine.jobs < 1:
-                time.sleep(0.001)
-            handle = small.load(host_indices=host_small, device_indices=torch.arange(16, 32))
-            while engine.jobs < 2:
-                time.sleep(0.001)
-        finally:
-            engine.pause(False)
-        assert handle.wait(timeout=30) > 0
-        ended["load"] = time.monotonic()
-        t.join(60)
+        ended: dict = {}
+        held_in_order(d.core.plane.engine,
+                      timed(ended, "offload", lambda: big.write(host_indices=host_big,
+                                                                device_indices=torch.arange(BIG_TOKENS))),
+                      timed(ended, "load", lambda: small.load(host_indices=host_small,
+                                                              device_indices=torch.arange(16, 32)).wait(30)))
+        ended = joined(ended)
         assert ended["load"] < ended["offload"], "the load waited for the whole offload"
 
 
 def test_on_the_plane_a_stream_of_loads_never_starves_a_write(plane_daemon) -> None:
-    """Loads go first, but a write waiting behind 16 MiB of loads in a row gets the next piece:
-    held while one engine's 64 MiB load and then another engine's 1-page write queue up, the write
-    takes a turn and ends before the load does."""
+    """Loads go first, but a write waiting behind 16 MiB of loads in a row gets a turn: held while
+    one engine's 64 MiB load and then another engine's 1-page write queue up, the write takes a
+    turn and ends before the load does."""
     d = plane_daemon
-    big_layout, tokens = KVLayout.mha(8, 128), 16384  # 2 KiB a token and part: 64 MiB
-    with ShmKVPool(big_layout, torch.float16, 1, tokens) as pool, KVClient(d.address) as big, \
-            ShmKVPool(big_layout, torch.float16, 1, 64) as small_pool, KVClient(d.address) as small:
-        big.register(model="big", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=tokens,
-                     page_size=16)
-        small.register(model="small", pool=small_pool, start_layer=0, end_layer=1, num_layers=1,
-                       host_tokens=64, page_size=16)
-        host_small, host_big = small.alloc(16), big.alloc(tokens)
-        ended: dict[str, float] = {}
+    with two_engines(d) as (big, small):
+        host_small, host_big = small.alloc(16), big.alloc(BIG_TOKENS)
         engine = d.core.plane.engine
-        turns = engine.write_turns
-        engine.pause(True)
-        try:
-            def write() -> None:
-                small.write(host_indices=host_small, device_indices=torch.arange(16))
-                ended["write"] = time.monotonic()
-
-            handle = big.load(host_indices=host_big, device_indices=torch.arange(tokens))
-            while engine.jobs < 1:
-                time.sleep(0.001)
-            writer = threading.Thread(target=write)
-            writer.start()
-            while engine.jobs < 2:
-                time.sleep(0.001)
-        finally:
-            start = time.monotonic()
-            engine.pause(False)
-        assert handle.wait(timeout=30) > 0
-        ended["load"] = time.monotonic()
-        writer.join(30)
+        turns, ended = engine.write_turns, {}
+        held_in_order(engine,
+                      timed(ended, "load", lambda: big.load(host_indices=host_big,
+                                                            device_indices=torch.arange(BIG_TOKENS)).wait(30)),
+                      timed(ended, "write", lambda: small.write(host_indices=host_small,
+                                                                device_indices=torch.arange(16))))
+        ended = joined(ended)
         # Its turn came after 16 MiB of the load's 64: a write piece ran while the load waited.
-        assert engine.write_turns > turns and ended["write"] < ended["load"], (ended, start)
+        assert engine.write_turns > turns and ended["write"] < ended["load"], ended
 
 
 def test_on_the_plane_a_write_of_many_layers_is_not_starved_by_a_long_load(plane_daemon) -> None:
@@ -347,34 +362,15 @@ def test_on_the_plane_a_write_of_many_layers_is_not_starved_by_a_long_load(plane
     pieces of one (layer, part) each, 2 MiB) queued behind a held 64 MiB load ends before the load
     does (it used to get one piece per 16 MiB of loads: 4 of its 64 before the load ended)."""
     d = plane_daemon
-    big_layout, tokens = KVLayout.mha(8, 128), 16384  # 2 KiB a token and part: 64 MiB
-    with ShmKVPool(big_layout, torch.float16, 1, tokens) as pool, KVClient(d.address) as big, \
-            ShmKVPool(big_layout, torch.float16, 32, 64) as small_pool, KVClient(d.address) as small:
-        big.register(model="big", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=tokens,
-                     page_size=16)
-        small.register(model="small", pool=small_pool, start_layer=0, end_layer=32, num_layers=32,
-                       host_tokens=64, page_size=16)
-        host_small, host_big = small.alloc(16), big.alloc(tokens)
-        ended: dict[str, float] = {}
-        engine = d.core.plane.engine
-        engine.pause(True)
-        try:
-            def write() -> None:
-                small.write(host_indices=host_small, device_indices=torch.arange(16))
-                ended["write"] = time.monotonic()
-
-            handle = big.load(host_indices=host_big, device_indices=torch.arange(tokens))
-            while engine.jobs < 1:
-                time.sleep(0.001)
-            writer = threading.Thread(target=write)
-            writer.start()
-            while engine.jobs < 2:
-                time.sleep(0.001)
-        finally:
-            engine.pause(False)
-        assert handle.wait(timeout=30) > 0
-        ended["load"] = time.monotonic()
-        writer.join(30)
+    with two_engines(d, small_layers=32) as (big, small):
+        host_small, host_big = small.alloc(16), big.alloc(BIG_TOKENS)
+        ended: dict = {}
+        held_in_order(d.core.plane.engine,
+                      timed(ended, "load", lambda: big.load(host_indices=host_big,
+                                                            device_indices=torch.arange(BIG_TOKENS)).wait(30)),
+                      timed(ended, "write", lambda: small.write(host_indices=host_small,
+                                                                device_indices=torch.arange(16))))
+        ended = joined(ended)
         assert ended["write"] < ended["load"], ended
 
 
@@ -383,30 +379,17 @@ def test_on_the_plane_a_small_load_of_many_layers_lets_no_waiting_write_in(plane
     load of 32 layers (64 pieces of one (layer, part) each) queued behind another engine's held
     64 MiB offload runs whole before any piece of it."""
     d = plane_daemon
-    big_layout, tokens = KVLayout.mha(8, 128), 16384  # 2 KiB a token and part: 64 MiB
-    with ShmKVPool(big_layout, torch.float16, 1, tokens) as pool, KVClient(d.address) as big, \
-            ShmKVPool(big_layout, torch.float16, 32, 64) as small_pool, KVClient(d.address) as small:
-        big.register(model="big", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=tokens,
-                     page_size=16)
-        small.register(model="small", pool=small_pool, start_layer=0, end_layer=32, num_layers=32,
-                       host_tokens=64, page_size=16)
-        host_small, host_big = small.alloc(16), big.alloc(tokens)
+    with two_engines(d, small_layers=32) as (big, small):
+        host_small, host_big = small.alloc(16), big.alloc(BIG_TOKENS)
         engine = d.core.plane.engine
-        turns = engine.write_turns
-        engine.pause(True)
-        try:
-            offload = threading.Thread(target=lambda: big.write(host_indices=host_big,
-                                                                device_indices=torch.arange(tokens)))
-            offload.start()
-            while engine.jobs < 1:
-                time.sleep(0.001)
-            handle = small.load(host_indices=host_small, device_indices=torch.arange(16))
-            while engine.jobs < 2:
-                time.sleep(0.001)
-        finally:
-            engine.pause(False)
-        assert handle.wait(timeout=30) > 0
-        offload.join(30)
+        turns, ended = engine.write_turns, {}
+        held_in_order(engine,
+                      timed(ended, "offload", lambda: big.write(host_indices=host_big,
+                                                                device_indices=torch.arange(BIG_TOKENS))),
+                      timed(ended, "load", lambda: small.load(host_indices=host_small,
+                                                              device_indices=torch.arange(16)).wait(30)))
+        ended = joined(ended)
+        assert {"offload", "load"} <= ended.keys()
         assert engine.write_turns == turns, "a write piece ran in the middle of a 2 MiB load"
 
 

@@ -14,9 +14,23 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from test_dataplane import DTYPE, LAYERS, LAYOUT, PAGE, START, TOKENS, _client, _fill
+from test_dataplane import (
+    BIG_TOKENS,
+    DTYPE,
+    LAYERS,
+    LAYOUT,
+    PAGE,
+    START,
+    TOKENS,
+    _client,
+    _fill,
+    held_in_order,
+    joined,
+    timed,
+    two_engines,
+)
 
-from kvclient import KVClient, KVClientError, KVLayout, ShmKVPool
+from kvclient import KVClient, KVClientError, ShmKVPool
 from kvserver.store.pages import WRITING
 
 PAGES = TOKENS // PAGE  # 32 pages of 16 KiB: 512 KiB, never copied inline on the loop
@@ -275,46 +289,22 @@ def test_another_engine_s_small_write_takes_its_turn_beside_a_large_put(plane_da
     copy on the plane) and then another engine's 1-page Write queue up, the Write ends long before
     the Put does, as it would beside another engine's large offload."""
     d = plane_daemon
-    big_layout, tokens = KVLayout.mha(8, 128), 16384  # 2 KiB a token and part: 64 MiB
-    with ShmKVPool(big_layout, torch.float16, 1, tokens) as pool, KVClient(d.address) as big, \
-            ShmKVPool(big_layout, torch.float16, 1, 64) as small_pool, KVClient(d.address) as small:
-        big.register(model="big", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=0,
-                     page_size=16)
-        small.register(model="small", pool=small_pool, start_layer=0, end_layer=1, num_layers=1,
-                       host_tokens=64, page_size=16)
+    pages = torch.arange(BIG_TOKENS // 16)
+    with two_engines(d, big_host=False) as (big, small):
         host_small = small.alloc(16)
-        ended: dict[str, float] = {}
-        engine = d.core.plane.engine
-        copies = d.core.plane.copies
-        engine.pause(True)
-        try:
-            def put() -> None:
-                assert big.put(_keys("big", tokens // 16), torch.arange(tokens // 16)).stored == tokens // 16
-                ended["put"] = time.monotonic()
-
-            t = threading.Thread(target=put)
-            t.start()
-            while engine.jobs < 1:
-                time.sleep(0.001)
-            def write() -> None:
-                small.write(host_indices=host_small, device_indices=torch.arange(16))
-                ended["write"] = time.monotonic()
-
-            writer = threading.Thread(target=write)
-            writer.start()
-            while engine.jobs < 2:
-                time.sleep(0.001)
-        finally:
-            start = time.monotonic()
-            engine.pause(False)
-        writer.join(30)
-        t.join(60)
+        copies, ended, put = d.core.plane.copies, {}, {}
+        start = held_in_order(
+            d.core.plane.engine,
+            timed(ended, "put", lambda: put.setdefault("r", big.put(_keys("big", len(pages)), pages))),
+            timed(ended, "write", lambda: small.write(host_indices=host_small,
+                                                      device_indices=torch.arange(16))))
+        ended = joined(ended)
+        assert put["r"].stored == len(pages)
         assert d.core.plane.copies - copies == 1, "the Put's copy did not run on the plane"
         # Behind the whole Put, the Write would end about when the Put's copy does.
         assert ended["write"] - start < (ended["put"] - start) / 2, ("the Write waited", ended, start)
         # A Get of 64 MiB goes to the copy workers (split over both cores), one of 32 MiB to the plane.
-        pages = torch.arange(tokens // 16)
-        assert big.get(_keys("big", tokens // 16), pages).wait(timeout=30) > 0
+        assert big.get(_keys("big", len(pages)), pages).wait(timeout=30) > 0
         assert d.core.plane.copies - copies == 1
-        assert big.get(_keys("big", tokens // 32), pages[: tokens // 32]).wait(timeout=30) > 0
+        assert big.get(_keys("big", len(pages) // 2), pages[: len(pages) // 2]).wait(timeout=30) > 0
         assert d.core.plane.copies - copies == 2
