@@ -216,11 +216,15 @@ def main() -> None:
                     views = [[b.view(torch.int64).view(-1, chunk) for b in layer] for layer in bufs]
                     toks = [[b.view(torch.int64).view(pool_tokens, -1) for b in layer] for layer in bufs]
 
-                    def planned(to_device: bool, views=views, toks=toks, local=local, plan=plan) -> None:
+                    job_bytes = local[:, :, : tokens // p].numel() * 8
+
+                    def planned(to_device: bool, views=views, toks=toks, local=local, plan=plan,
+                                job_bytes=job_bytes) -> None:
+                        stream = transfer.streams(to_device, job_bytes)  # as the daemon copies it
                         for layer in range(args.layers):
                             for part in range(2):
                                 transfer.copy_part(plan, local[layer, part], views[layer][part],
-                                                   toks[layer][part], to_device)
+                                                   toks[layer][part], to_device, stream)
 
                     fns = {"in-process write": lambda planned=planned: planned(False),
                            "in-process load": lambda planned=planned: planned(True)}

@@ -106,10 +106,11 @@ def main() -> None:
                         host[hp, layer, part] = dev_views[layer][part][dev_pages]
 
         def planned(to_device: bool) -> None:
+            stream = transfer.streams(to_device, nbytes)  # as the daemon copies such a job
             for layer in range(args.layers):
                 for part in range(parts):
                     transfer.copy_part(plan, host[:, layer, part], dev_views[layer][part],
-                                       tok_views[layer][part], to_device)
+                                       tok_views[layer][part], to_device, stream)
 
         src = torch.empty(nbytes, dtype=torch.uint8)
         dst = torch.empty_like(src)

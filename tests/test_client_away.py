@@ -12,17 +12,25 @@ from kvclient.away import AwayGate
 def test_the_gate_closes_on_a_failure_and_opens_at_the_first_answer():
     answers = iter([False, False, True])
     callers = []
+    held = threading.Event()
 
     def probe() -> bool:
         callers.append(threading.current_thread().name)
+        held.wait(10)  # the first probe is held until the caller has shown it does not wait for it
         return next(answers)
 
     gate = AwayGate(probe, first=0.01, cap=0.04)
     assert gate.open
-    t = time.monotonic()
     gate.failed()
-    assert not gate.open and time.monotonic() - t < 0.01  # the caller does not wait for a probe
-    gate.failed()  # again while probing: still one probe thread
+    assert not gate.open
+    deadline = time.monotonic() + 5
+    while not callers and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert callers, "no probe ran"
+    t = time.monotonic()
+    gate.failed()  # again while the held probe runs: still one probe thread, and no wait for it
+    assert not gate.open and time.monotonic() - t < 5, "the caller waited for the probe"
+    held.set()
     deadline = time.monotonic() + 5
     while not gate.open and time.monotonic() < deadline:
         time.sleep(0.005)

@@ -24,9 +24,19 @@ from kvserver.copies.geometry import Geometry
 from kvserver.errors import InvalidArgument, OutOfRange, Unimplemented
 
 try:
-    from kvserver.copies._kvcopy import copy_layers, copy_rows
+    # STREAM_MIN_JOB: from this many bytes a job's rows are copied with streaming stores (stream.h)
+    from kvserver.copies._kvcopy import STREAM_MIN_JOB, copy_layers, copy_rows
+    from kvserver.copies._kvcopy import streams as _streams
 except ImportError:  # not compiled (e.g. run from a source tree): torch fallback below
-    copy_layers = copy_rows = None
+    copy_layers = copy_rows = _streams = None
+    STREAM_MIN_JOB = 0
+
+
+def streams(to_device: bool, job_bytes: int) -> bool:
+    """Whether the kernel copies a job with streaming stores (stream.h's kv_streams): every write
+    to host memory, and loads of ``STREAM_MIN_JOB`` bytes or more. The whole job's size decides,
+    though a piece of it copies less."""
+    return _streams is not None and _streams(to_device, job_bytes)  # the data plane's own rule
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,9 +186,10 @@ def make_plan(
 
 
 def copy_part(plan: CopyPlan, host: torch.Tensor, device_pages: torch.Tensor | None,
-              device_tokens: torch.Tensor, to_device: bool) -> None:
+              device_tokens: torch.Tensor, to_device: bool, stream: bool = False) -> None:
     """Copies one (layer, part). ``host`` is [region_pages, page_size*elems]; device views are
-    [pages, page_size*elems] and [tokens, elems]."""
+    [pages, page_size*elems] and [tokens, elems]. ``stream``: copied with streaming stores, as the
+    daemon copies a job where ``streams`` says so."""
     if plan.host_pages.size == 0:
         return
     dev = device_pages if plan.device_paged else device_tokens
@@ -190,10 +201,10 @@ def copy_part(plan: CopyPlan, host: torch.Tensor, device_pages: torch.Tensor | N
     host_off, dev_off = plan.offsets(host.stride(0) * w, dev.stride(0) * w, row_bytes)
     if to_device:
         copy_rows(dev.data_ptr(), dev_off.ctypes.data, host.data_ptr(), host_off.ctypes.data,
-                  dev_off.size, row_bytes)
+                  dev_off.size, row_bytes, stream)
     else:
         copy_rows(host.data_ptr(), host_off.ctypes.data, dev.data_ptr(), dev_off.ctypes.data,
-                  dev_off.size, row_bytes)
+                  dev_off.size, row_bytes, stream)
 
 
 def copy_part_at(plan: CopyPlan, host: BufferTable, layer: int, part: int, device_pages: torch.Tensor | None,
@@ -268,6 +279,7 @@ class RowCopier:
         self.parts = host.bases.shape[1]
         self.count = rows.count
         self.row_bytes = rows.row_bytes
+        self.stream = streams(to_device, rows.count * rows.row_bytes * host_bases.size)
         if to_device:
             self._keep = (dev_bases, host_bases, rows.device, rows.host)
         else:
@@ -290,7 +302,7 @@ class RowCopier:
                            self.parts, self._dst_off + r0 * 8, self._src_off + r0 * 8, r1 - r0,
                            self.row_bytes, 0 if progress is None else progress.ctypes.data, eventfd,
                            int(signal_interval * 1e9), 0 if stop is None else stop.ctypes.data,
-                           progress_base)
+                           progress_base, self.stream)
 
 
 def copy_job(plan: CopyPlan, layers: np.ndarray, host: BufferTable, device: BufferTable,

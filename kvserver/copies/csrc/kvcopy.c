@@ -1,10 +1,10 @@
 /* One-pass scattered row copies for the daemon's host <-> shared-memory transfers.
  *
- * copy_rows(dst, dst_offsets, src, src_offsets, n, row_bytes) copies n rows of row_bytes each,
- * row i from src + src_offsets[i] to dst + dst_offsets[i].
+ * copy_rows(dst, dst_offsets, src, src_offsets, n, row_bytes[, stream]) copies n rows of row_bytes
+ * each, row i from src + src_offsets[i] to dst + dst_offsets[i] (streamed as copy_layers does).
  *
  * copy_layers(dst_bases, src_bases, num_buffers, parts, dst_offsets, src_offsets, n, row_bytes,
- *             progress, eventfd, signal_interval_ns, stop, progress_base) does the same for
+ *             progress, eventfd, signal_interval_ns, stop, progress_base, stream) does the same for
  * num_buffers (layer, part) buffer pairs, whose base addresses are arrays of uint64, with the same
  * row offsets in each. After each group of `parts` buffers (one layer) it stores progress_base +
  * the number of layers done in *progress (if not 0; a job copied in pieces passes the layers its
@@ -12,7 +12,9 @@
  * since the last signal, and always after the last layer. An event loop can so stream per-layer
  * progress while this thread copies without ever taking the GIL, woken at most once an interval.
  * Before each layer it reads *stop (if not 0): once another thread has set it, the copy ends at
- * that layer boundary. It returns the number of layers copied.
+ * that layer boundary. It returns the number of layers copied. With stream set (a job of
+ * STREAM_MIN_JOB bytes or more, of which this call may be a piece) rows are copied with streaming
+ * stores, fenced before each progress store and before it returns (stream.h).
  *
  * page_sums(base, offsets, n, nbytes, seeds, out) writes into out[i] (uint32) the CRC-32C of the
  * nbytes at base + offsets[i], started from seeds[i]: the disk tier's check of a page's bytes. It
@@ -29,6 +31,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "stream.h"
+
 static int64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -36,15 +40,16 @@ static int64_t now_ns(void) {
 }
 
 static void copy_n(char *d, const int64_t *doff, const char *s, const int64_t *soff, Py_ssize_t n,
-                   size_t row_bytes) {
+                   size_t row_bytes, int stream) {
     for (Py_ssize_t i = 0; i < n; i++)
-        memcpy(d + doff[i], s + soff[i], row_bytes);
+        kv_copy(d + doff[i], s + soff[i], row_bytes, stream);
 }
 
 static PyObject *copy_rows(PyObject *self, PyObject *args) {
     unsigned long long dst, dst_offsets, src, src_offsets;
     Py_ssize_t n, row_bytes;
-    if (!PyArg_ParseTuple(args, "KKKKnn", &dst, &dst_offsets, &src, &src_offsets, &n, &row_bytes))
+    int stream = 0;
+    if (!PyArg_ParseTuple(args, "KKKKnn|p", &dst, &dst_offsets, &src, &src_offsets, &n, &row_bytes, &stream))
         return NULL;
     if (n < 0 || row_bytes < 0) {
         PyErr_SetString(PyExc_ValueError, "n and row_bytes must not be negative");
@@ -55,7 +60,8 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
     const int64_t *doff = (const int64_t *)(uintptr_t)dst_offsets;
     const int64_t *soff = (const int64_t *)(uintptr_t)src_offsets;
     Py_BEGIN_ALLOW_THREADS
-    copy_n(d, doff, s, soff, n, (size_t)row_bytes);
+    copy_n(d, doff, s, soff, n, (size_t)row_bytes, stream);
+    kv_copy_fence(stream);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -65,9 +71,10 @@ static PyObject *copy_layers(PyObject *self, PyObject *args) {
     Py_ssize_t num_buffers, parts, n, row_bytes;
     int efd;
     long long interval_ns = 0, base = 0;
-    if (!PyArg_ParseTuple(args, "KKnnKKnnKi|LKL", &dst_bases, &src_bases, &num_buffers, &parts,
+    int stream = 0;
+    if (!PyArg_ParseTuple(args, "KKnnKKnnKi|LKLp", &dst_bases, &src_bases, &num_buffers, &parts,
                           &dst_offsets, &src_offsets, &n, &row_bytes, &progress, &efd, &interval_ns,
-                          &stop_word, &base))
+                          &stop_word, &base, &stream))
         return NULL;
     if (num_buffers < 0 || parts <= 0 || n < 0 || row_bytes < 0 || num_buffers % parts) {
         PyErr_SetString(PyExc_ValueError, "bad buffer, part or row counts");
@@ -86,8 +93,10 @@ static PyObject *copy_layers(PyObject *self, PyObject *args) {
     for (Py_ssize_t b = 0; b < num_buffers; b++) {
         if (b % parts == 0 && stop && __atomic_load_n(stop, __ATOMIC_ACQUIRE))
             break;
-        copy_n((char *)(uintptr_t)db[b], doff, (const char *)(uintptr_t)sb[b], soff, n, (size_t)row_bytes);
+        copy_n((char *)(uintptr_t)db[b], doff, (const char *)(uintptr_t)sb[b], soff, n, (size_t)row_bytes,
+               stream);
         if ((b + 1) % parts == 0) {
+            kv_copy_fence(stream); /* the layer's bytes are there before its progress says so */
             layers = (b + 1) / parts;
             if (done)
                 __atomic_store_n(done, (int64_t)(base + (b + 1) / parts), __ATOMIC_RELEASE);
@@ -100,6 +109,7 @@ static PyObject *copy_layers(PyObject *self, PyObject *args) {
             }
         }
     }
+    kv_copy_fence(stream); /* and before the caller hears the call is over (a stop mid-layer too) */
     Py_END_ALLOW_THREADS
     if (failed)
         return PyErr_SetFromErrno(PyExc_OSError);
@@ -185,9 +195,18 @@ static PyObject *crc32c_bytes(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLong(c);
 }
 
+static PyObject *streams(PyObject *self, PyObject *args) {
+    int load;
+    long long job_bytes;
+    if (!PyArg_ParseTuple(args, "pL", &load, &job_bytes))
+        return NULL;
+    return PyBool_FromLong(kv_streams(load, job_bytes));
+}
+
 static PyMethodDef methods[] = {
     {"copy_rows", copy_rows, METH_VARARGS, "Copy n rows between scattered byte offsets."},
     {"copy_layers", copy_layers, METH_VARARGS, "copy_rows over many buffers, with per-layer progress."},
+    {"streams", streams, METH_VARARGS, "Whether a job (load, bytes) is copied with streaming stores."},
     {"page_sums", page_sums, METH_VARARGS, "CRC-32C of n pages at scattered offsets, each from its seed."},
     {"crc32c", crc32c_bytes, METH_VARARGS, "CRC-32C of a bytes-like object, from a seed."},
     {NULL, NULL, 0, NULL},
@@ -201,5 +220,10 @@ PyMODINIT_FUNC PyInit__kvcopy(void) {
     __builtin_cpu_init();
     have_hw_crc = __builtin_cpu_supports("sse4.2");
 #endif
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddObject(m, "STREAM_MIN_JOB", PyLong_FromLongLong(KV_STREAM_MIN_JOB)) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -36,6 +36,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../../copies/csrc/stream.h"
 #include "request.h"
 
 /* The ring's layout: kvserver/protocol/ring.py. */
@@ -394,6 +395,7 @@ typedef struct Job {
     int signal_fd;
     int64_t interval_ns;
     const int64_t *stop;
+    int stream; /* streaming stores (stream.h): a write, or a load of KV_STREAM_MIN_JOB bytes or more */
 } Job;
 
 typedef struct {
@@ -604,6 +606,7 @@ static Job *make_job(Lane *l, int i, const kv_request *r, int64_t *pages, int32_
     }
     j->nruns = nr;
     j->bytes_per_layer = j->ndev * g->token_bytes * g->parts;
+    j->stream = kv_streams(j->load, j->bytes_per_layer * (int64_t)j->nl);
     j->host = g->host_base;
     j->lp_stride = layer_local_bytes(g);
     j->arrival_ns = arrival;
@@ -902,11 +905,12 @@ static int64_t run_piece(Engine *e, Job *j) {
         size_t nb = (size_t)(r->ntok * tb);
         char *h = host + r->host_off, *d = dev + r->dev_tok * stride;
         if (j->load)
-            memcpy(d, h, nb);
+            kv_copy(d, h, nb, j->stream);
         else
-            memcpy(h, d, nb);
+            kv_copy(h, d, nb, j->stream);
         budget -= (int64_t)nb;
     }
+    kv_copy_fence(j->stream); /* before any progress, end or answer can say the bytes are there */
     int64_t copied = PIECE_BYTES - budget;
     if (j->ri < j->nruns)
         return copied;
@@ -1534,6 +1538,7 @@ static PyObject *engine_submit_copy(Engine *e, PyObject *args, PyObject *kw) {
     j->load = load;
     j->ndev = npages * ps;
     j->bytes_per_layer = j->ndev * tb * g->parts;
+    j->stream = kv_streams(j->load, j->bytes_per_layer * (int64_t)j->nl);
     j->host = (char *)(uintptr_t)host_base;
     j->lp_stride = lp_stride;
     j->ext = 1;
