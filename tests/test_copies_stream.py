@@ -11,6 +11,8 @@ import pytest
 from kvserver.copies import transfer
 
 pytestmark = pytest.mark.skipif(transfer.copy_layers is None, reason="the copy kernel is not built")
+never = pytest.mark.skipif(transfer.copy_layers is not None and not transfer.streams(False, 1),
+                           reason="a build that never streams (CFLAGS=-DKV_NO_STREAM)")
 
 
 def copy(dst: np.ndarray, src: np.ndarray, dst_off: np.ndarray, src_off: np.ndarray, row_bytes: int,
@@ -54,6 +56,7 @@ def test_streamed_rows_are_the_bytes_memcpy_writes_and_nothing_else(row_bytes):
     assert np.array_equal(one[:per], want[:per])
 
 
+@never
 def test_writes_stream_and_loads_from_the_kernels_threshold():
     """RowCopier decides for the whole job, whose pieces may each be smaller: a write (device to
     host) always, a load from STREAM_MIN_JOB bytes."""

@@ -396,14 +396,14 @@ from kvserver.server import serve
 
 async def main():
     task = asyncio.ensure_future(serve(ServerConfig(socket=sys.argv[1], host_memory=64 << 20)))
-    deadline = time.monotonic() + 20
-    while not gc.get_freeze_count():  # in 3.11 it walks the frozen objects: 20 ms a call
+    deadline = time.monotonic() + 60
+    while not os.path.exists(sys.argv[1]):
         assert not task.done() and time.monotonic() < deadline, "the daemon did not start"
         await asyncio.sleep(0.01)
     t0 = time.thread_time()  # this thread's CPU: a busy machine's waits are not counted
     gc.collect()
     took = time.thread_time() - t0
-    print(gc.get_freeze_count(), took, flush=True)  # the count walks the frozen: not timed
+    print(gc.get_freeze_count(), took, flush=True)  # (3.11's count walks the frozen: not timed)
     os.kill(os.getpid(), signal.SIGTERM)
     await task
 
@@ -413,11 +413,11 @@ uvloop.run(main())
 
 def test_what_the_start_made_is_kept_out_of_the_collector(socket_dir):
     """A full collection over the daemon's modules (torch's and grpc's: some 180k objects) took 75 ms
-    of the event loop, every engine's calls stalled behind it: the start's objects are frozen once
-    it is done, and a collection then walks only what the daemon made since."""
+    of the event loop, every engine's calls stalled behind it: what the imports made is frozen
+    before the daemon starts, and a collection then walks only the daemon's own objects."""
     proc = subprocess.run([sys.executable, "-c", FROZEN_CHILD, os.path.join(socket_dir, "gc.sock")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     frozen, took = proc.stdout.split()
-    assert int(frozen) > 50_000, proc.stdout
+    assert int(frozen) > 50_000, f"only {frozen} objects were frozen once the daemon listened"
     assert float(took) < 0.01, f"a full collection took {float(took) * 1e3:.1f} ms"
