@@ -393,6 +393,30 @@ def test_on_the_plane_a_small_load_of_many_layers_lets_no_waiting_write_in(plane
         assert engine.write_turns == turns, "a write piece ran in the middle of a 2 MiB load"
 
 
+def test_on_the_plane_a_registrations_load_never_overtakes_its_earlier_load(plane_daemon) -> None:
+    """A load may overtake its registration's earlier writes of other pages, never its earlier
+    loads: a load held behind a write of its pages holds a later load of other pages too, which so
+    ends after the write (the plane marks what may run in one pass over its jobs)."""
+    d = plane_daemon
+    with two_engines(d) as (big, _):
+        host = big.alloc(BIG_TOKENS)
+        n = BIG_TOKENS
+        engine = d.core.plane.engine
+        ended: dict = {}
+        held_in_order(
+            engine,
+            timed(ended, "write", lambda: big.write(host_indices=host[:16], device_indices=torch.arange(16))),
+            # 64 MiB that reads the write's host pages: held behind it.
+            timed(ended, "load1", lambda: big.load(host_indices=host[: n - 32],
+                                                   device_indices=torch.arange(16, n - 16)).wait(30)),
+            # Nothing of the write's: free to overtake it, not the load before it.
+            timed(ended, "load2", lambda: big.load(host_indices=host[n - 16:],
+                                                   device_indices=torch.arange(n - 16, n)).wait(30)))
+        ended = joined(ended)
+        assert {"write", "load1", "load2"} <= ended.keys()
+        assert ended["write"] < ended["load2"], "a load overtook its registration's earlier load"
+
+
 def test_on_the_plane_a_load_after_a_write_of_the_same_pages_reads_what_it_stored(plane_daemon) -> None:
     d = plane_daemon
     with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c:

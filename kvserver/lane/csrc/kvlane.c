@@ -107,6 +107,9 @@ typedef struct {
     int64_t x_inflight;   /* the loop's copies this plane runs for it (submit_copy) */
     uint64_t bytes_written, write_ops, bytes_loaded, load_ops, served;
     int64_t last_call_ns;
+    /* The plane thread's alone: what ``work()``'s pass over the jobs has seen of this gate so far. */
+    uint64_t order_pass;
+    int order_any, order_loads;
 } Gate;
 
 static void gate_dealloc(Gate *g) {
@@ -396,6 +399,7 @@ typedef struct Job {
     int64_t interval_ns;
     const int64_t *stop;
     int stream; /* streaming stores (stream.h): a write, or a load of KV_STREAM_MIN_JOB bytes or more */
+    int can_run; /* set by mark_runnable(): no earlier job of its gate holds it back */
 } Job;
 
 typedef struct {
@@ -440,6 +444,7 @@ typedef struct {
     /* the loop's copies: submitted (in_mu) until the thread takes them; their ends, under hand_mu,
      * with room kept for every copy not yet posted (so a post never needs memory) */
     uint64_t next_seq, last_write; /* the arrival order; the write that last copied a piece */
+    uint64_t order_pass;           /* mark_runnable()'s passes */
     int64_t loads_in_a_row;        /* bytes of loads copied in a row while a write waited */
     int64_t write_credit;          /* bytes the waiting writes may still copy ahead of loads */
     uint64_t write_turns;          /* write pieces run ahead of waiting loads (WRITE_EVERY_BYTES) */
@@ -885,12 +890,26 @@ static void stop_job(Engine *e, Job *j, const char *reason, uint32_t code, int a
     finish(e, j, code, msg, answer);
 }
 
-static int runnable(Engine *e, Job *j) {
-    for (Job *p = e->jobs; p != j; p = p->next)
-        if (p->gate == j->gate && (j->dependent || p->load))
-            return 0;
-    return 1;
+/* A registration's own copies keep their order: a job may run only if no earlier job of its gate
+ * holds it back, that is any earlier one for a job that depends on its writes (every write, and a
+ * load touching their pages), else an earlier load. One pass in arrival order marks every job, so
+ * a piece costs O(jobs), not a scan of the earlier jobs for each one (O(jobs^2) with many engines'
+ * rings full). */
+static void mark_runnable(Engine *e) {
+    uint64_t pass = ++e->order_pass;
+    for (Job *j = e->jobs; j; j = j->next) {
+        Gate *g = j->gate;
+        if (g->order_pass != pass) {
+            g->order_pass = pass;
+            g->order_any = g->order_loads = 0;
+        }
+        j->can_run = !(j->dependent ? g->order_any : g->order_loads);
+        g->order_any = 1;
+        if (j->load)
+            g->order_loads = 1;
+    }
 }
+
 
 /* One piece of job j: runs of the current (layer, part) up to PIECE_BYTES; returns its bytes. */
 static int64_t run_piece(Engine *e, Job *j) {
@@ -974,26 +993,27 @@ static int work(Engine *e) {
     Job *best = NULL;
     if (e->paused)
         return e->jobs != NULL;
+    mark_runnable(e); /* after the stops above, which may have ended jobs */
     /* A job to stop (released, past its deadline) finishes its layer first, whatever else waits:
      * a release or a deadline is never held up by other engines' loads. */
     for (Job *j = e->jobs; j && !best; j = j->next)
         if ((j->released || (j->deadline_ns && (t ? t : (t = now_ns())) >= j->deadline_ns) ||
-             (j->ext && __atomic_load_n(j->stop, __ATOMIC_RELAXED))) && runnable(e, j))
+             (j->ext && __atomic_load_n(j->stop, __ATOMIC_RELAXED))) && j->can_run)
             best = j;
     /* Loads first, but not for ever: after WRITE_EVERY_BYTES of loads in a row while a write
      * waited, writes get WRITE_TURN_BYTES (as the copy workers give a write a 2 MiB piece after
      * eight of loads), so a stream of loads never starves an offload, however many layers it has. */
     int write_turn = e->write_credit > 0;
     for (Job *j = e->jobs; j && !best && !write_turn; j = j->next)
-        if (j->load && runnable(e, j))
+        if (j->load && j->can_run)
             best = j;
     /* Writes take turns, a piece each, in arrival order from the one after the write that last
      * copied (the list is in arrival order): a large offload or Put of one engine never holds
      * another engine's write until it ends. A registration's own copies keep their order
-     * (runnable()). */
+     * (mark_runnable()). */
     Job *first = NULL;
     for (Job *j = e->jobs; j && !best; j = j->next)
-        if (!j->load && runnable(e, j)) {
+        if (!j->load && j->can_run) {
             if (!first)
                 first = j;
             if (j->seq > e->last_write)
@@ -1002,13 +1022,13 @@ static int work(Engine *e) {
     if (!best)
         best = first;
     for (Job *j = e->jobs; j && !best; j = j->next) /* a write's turn, and no write to take */
-        if (j->load && runnable(e, j))
+        if (j->load && j->can_run)
             best = j;
     if (!best)
         return e->jobs != NULL;
     int load = best->load, writes_wait = 0, loads_wait = 0; /* runnable, besides best */
     for (Job *j = e->jobs; j && !(load ? writes_wait : loads_wait); j = j->next)
-        if (j != best && j->load != load && runnable(e, j))
+        if (j != best && j->load != load && j->can_run)
             *(j->load ? &loads_wait : &writes_wait) = 1;
     if (!load) {
         e->last_write = best->seq;
