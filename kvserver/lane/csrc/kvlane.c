@@ -444,7 +444,6 @@ typedef struct {
     /* the loop's copies: submitted (in_mu) until the thread takes them; their ends, under hand_mu,
      * with room kept for every copy not yet posted (so a post never needs memory) */
     uint64_t next_seq, last_write; /* the arrival order; the write that last copied a piece */
-    uint64_t order_pass;           /* mark_runnable()'s passes */
     int64_t loads_in_a_row;        /* bytes of loads copied in a row while a write waited */
     int64_t write_credit;          /* bytes the waiting writes may still copy ahead of loads */
     uint64_t write_turns;          /* write pieces run ahead of waiting loads (WRITE_EVERY_BYTES) */
@@ -895,8 +894,10 @@ static void stop_job(Engine *e, Job *j, const char *reason, uint32_t code, int a
  * load touching their pages), else an earlier load. One pass in arrival order marks every job, so
  * a piece costs O(jobs), not a scan of the earlier jobs for each one (O(jobs^2) with many engines'
  * rings full). */
+static uint64_t order_passes; /* every engine's: a gate's marks are never taken for another pass's */
+
 static void mark_runnable(Engine *e) {
-    uint64_t pass = ++e->order_pass;
+    uint64_t pass = __atomic_add_fetch(&order_passes, 1, __ATOMIC_RELAXED);
     for (Job *j = e->jobs; j; j = j->next) {
         Gate *g = j->gate;
         if (g->order_pass != pass) {
