@@ -894,7 +894,10 @@ static void stop_job(Engine *e, Job *j, const char *reason, uint32_t code, int a
  * load touching their pages), else an earlier load. One pass in arrival order marks every job, so
  * a piece costs O(jobs), not a scan of the earlier jobs for each one (O(jobs^2) with many engines'
  * rings full). */
-static uint64_t order_passes; /* every engine's: a gate's marks are never taken for another pass's */
+/* Counted across engines: a gate's marks are never read for another pass's. (A gate belongs to one
+ * engine, whose thread alone reads and writes them; two engines' threads on one gate would race,
+ * as on its write marks.) */
+static uint64_t order_passes;
 
 static void mark_runnable(Engine *e) {
     uint64_t pass = __atomic_add_fetch(&order_passes, 1, __ATOMIC_RELAXED);
