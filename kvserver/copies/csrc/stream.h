@@ -5,8 +5,9 @@
  * cache full of lines nobody will read soon (the event loop's own data is evicted with them).
  * glibc streams only single copies above about 3/4 of the cache; a job is thousands of rows, each
  * under that. Streaming stores skip the read for ownership and bypass the caches: on a 2-core EPYC
- * VM scattered 32 KiB rows copied at 1.1-1.6x the speed of memcpy, from 1 MiB to 256 MiB
- * (benchmarks/bench_stream.py).
+ * VM scattered 32 KiB rows copied at 1.13-2.15x the speed of memcpy, from 1 MiB to 256 MiB, in one
+ * process (benchmarks/bench_stream.py); through the daemon, whose data plane copied at that machine's
+ * copy bandwidth already, nothing changed measurably (docs/performance.md, "Streaming stores").
  *
  * Which jobs stream (kv_streams): every write (device -> host: nothing reads the host copy until a
  * later load), and loads of KV_STREAM_MIN_JOB bytes or more (a smaller load may still be in the

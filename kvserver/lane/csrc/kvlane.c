@@ -889,16 +889,16 @@ static void stop_job(Engine *e, Job *j, const char *reason, uint32_t code, int a
     finish(e, j, code, msg, answer);
 }
 
+/* mark_runnable's passes, counted across engines: a gate's marks are never read for another pass's.
+ * (A gate belongs to one engine, whose thread alone reads and writes them; two engines' threads on
+ * one gate would race, as on its write marks.) */
+static uint64_t order_passes;
+
 /* A registration's own copies keep their order: a job may run only if no earlier job of its gate
  * holds it back, that is any earlier one for a job that depends on its writes (every write, and a
  * load touching their pages), else an earlier load. One pass in arrival order marks every job, so
  * a piece costs O(jobs), not a scan of the earlier jobs for each one (O(jobs^2) with many engines'
  * rings full). */
-/* Counted across engines: a gate's marks are never read for another pass's. (A gate belongs to one
- * engine, whose thread alone reads and writes them; two engines' threads on one gate would race,
- * as on its write marks.) */
-static uint64_t order_passes;
-
 static void mark_runnable(Engine *e) {
     uint64_t pass = __atomic_add_fetch(&order_passes, 1, __ATOMIC_RELAXED);
     for (Job *j = e->jobs; j; j = j->next) {
@@ -913,7 +913,6 @@ static void mark_runnable(Engine *e) {
             g->order_loads = 1;
     }
 }
-
 
 /* One piece of job j: runs of the current (layer, part) up to PIECE_BYTES; returns its bytes. */
 static int64_t run_piece(Engine *e, Job *j) {
