@@ -200,3 +200,41 @@ def test_compiled_changes_refuse_what_does_not_fit_before_writing(kvindex):
     assert all((a == b).all() for a, b in zip(before, (ix.next, ix.head, ix.owner), strict=True))
     assert kvindex.unlink(np.array([1]), *state) == 1
     assert ix.find(0, Keys.of([b"a", b"b", b"c"])).tolist() == [0, -1, 2]
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_compiled_hold_and_touch_change_the_page_table_as_numpys_do(kvindex, seed):
+    """PageTable.hold and touch in C and in numpy on twin tables: the same readers, slab holds,
+    stamps, slab stamps and tick after every call, repeated ids included; an id or a slab outside
+    the tables is refused with nothing changed."""
+    from kvserver.store.pages import PageTable
+
+    rng = np.random.default_rng(seed)
+    c, py = PageTable(4096), PageTable(4096)
+    py._c = None
+    for t in (c, py):
+        t.slab[:4096] = np.arange(4096) // 300
+        t.new_slab(13)
+    for _ in range(200):
+        ids = rng.integers(0, 4096, rng.integers(0, 40)).astype(np.int64)
+        if rng.random() < 0.5:
+            by = int(rng.choice([1, -1, 3]))
+            for t in (c, py):
+                t.hold(ids, by)
+        else:
+            for t in (c, py):
+                t.touch(ids)
+        for name in ("readers", "stamp"):
+            assert np.array_equal(getattr(c, name), getattr(py, name)), name
+        assert np.array_equal(c.slab_holds, py.slab_holds) and np.array_equal(c.slab_stamp, py.slab_stamp)
+        assert c._tick == py._tick
+    before = (c.readers.copy(), c.slab_holds.copy(), c.stamp.copy(), c._tick)
+    for bad in ([1, 4096], [-1], [2, 5]):
+        if bad == [2, 5]:
+            c.slab[5] = 99  # a slab id past slab_holds
+        with pytest.raises(ValueError):
+            c.hold(np.array(bad, np.int64))
+        with pytest.raises(ValueError):
+            c.touch(np.array(bad, np.int64))
+    assert np.array_equal(c.readers, before[0]) and np.array_equal(c.slab_holds, before[1])
+    assert np.array_equal(c.stamp, before[2]) and c._tick == before[3]

@@ -33,7 +33,8 @@ from kvserver.errors import (
 )
 from kvserver.lane import plane
 from kvserver.lane.book import LaneBook
-from kvserver.lane.plane import DataPlane
+from kvserver.lane.plane import Answer, DataPlane
+from kvserver.lane.server import Lane
 from kvserver.peers.tenants import TENANT_KEY, TenantBook, tenant_of
 from kvserver.protocol import lane_request, ring
 from kvserver.protocol.layout import wire_dtype
@@ -191,7 +192,7 @@ class KVServicer(pb_grpc.KVServerServicer):
             core.copier.plane = self.plane
             core.copier.arena_span = (core.arena.address, core.arena.capacity)
         core.on_plane_transfers = self._plane_transfers
-        self.lanes = LaneBook(core, self.run_lane, self.plane, self.run_space_lane)
+        self.lanes = LaneBook(core, self.run_lane, self.plane, self.run_space_lane, self.fast_lane_get)
 
     def _plane_transfers(self, written: int, writes: int, loaded: int, loads: int) -> None:
         if writes:
@@ -479,6 +480,33 @@ class KVServicer(pb_grpc.KVServerServicer):
             raise
         finally:
             self.metrics.observe("Lookup", started)
+
+    def fast_lane_get(self, client_id: str, lane: Lane, slot: int, data: bytes, counted: bool) -> bool:
+        """A Get handed over by the data plane, served at once where the plane can copy it and
+        answer its slot (``CacheOps.get_on_plane``: the checks and plan the RPC runs, then no task,
+        no step, no progress message of the loop's). False: ``run_lane`` serves it (nothing was
+        changed): whatever that path would refuse, or serve otherwise, comes back to it."""
+        started, arrival = time.perf_counter(), time.monotonic_ns()
+        request = _lenient(pb.GetRequest)(data)
+        if isinstance(request, MalformedRequest) or request.client_id != client_id:
+            return False
+
+        def answer(found: int) -> Answer:  # the plane says found at once, then copies
+            return Answer(lane.plane_handle, slot, found, request.timeout_ms, arrival)
+
+        def ended(ok: bool, moved: int) -> None:  # the plane answered the slot; its latency with it
+            if ok:
+                self.metrics.transfers.add("get", moved, "ring")
+            lane.answered(counted)
+
+        found = self.cache.get_on_plane(request, answer, ended)
+        if found is None:
+            return False
+        if found == 0:  # nothing to copy: answered here, as the RPC's one message
+            lane.answer_none_found(slot)
+            lane.answered(counted)
+            self.metrics.observe("Get", started)
+        return True
 
     async def run_lane(self, client_id: str, rpc: str, data: bytes, progress: Callable[[Any], None]) -> bytes:
         """One request that came on ``client_id``'s lane: parsed and run by the code its RPC runs."""

@@ -125,8 +125,13 @@ class CopyQueue(Executor):
             self._cond.notify_all()
 
     def recheck(self) -> None:
-        """A copy that ran elsewhere (the data plane's thread) ended: work held behind it may go."""
-        self._wake()
+        """A copy that ran elsewhere (the data plane's thread) ended: work held behind it may go.
+        With nothing queued no worker is woken: each would wake only to take the GIL from the
+        event loop and find nothing (on a 2-core machine that made every numpy call of the loop's
+        several times slower, the loop taking the GIL back after each)."""
+        with self._cond:
+            if self._loads or self._writes:
+                self._cond.notify_all()
 
     def depth(self) -> tuple[int, int]:
         """Jobs with pieces not handed to a worker yet: (loads, writes)."""

@@ -12,9 +12,10 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator, Callable, Generator
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -219,6 +220,10 @@ class CacheOps:
                        ready_event: bytes, event_slot: int) -> tuple[Keys, np.ndarray]:
         keys = await in_steps(self.kv.share, Keys.unpack_steps(packed, key_bytes, self._max_keys))
         self.kv.client(client.client_id)  # still registered after the steps (its pool still open)
+        return keys, self._checked_pages(client, keys, device_pages, ready_event, event_slot)
+
+    def _checked_pages(self, client: ClientState, keys: Keys, device_pages, ready_event: bytes,
+                       event_slot: int) -> np.ndarray:
         pages = transfer.as_indices(device_pages, "device page")
         if pages.size != len(keys):
             raise InvalidArgument(f"{len(keys)} keys but {pages.size} device pages; they must pair up")
@@ -233,7 +238,7 @@ class CacheOps:
             if transfer.has_repeats(pages):
                 raise InvalidArgument("device pages name the same page more than once")
         device.check_sizes()
-        return keys, pages
+        return pages
 
     def _job(self, client: ClientState, offsets: np.ndarray, device_pages: np.ndarray,
              local_layers: list[int],
@@ -418,6 +423,59 @@ class CacheOps:
         finally:
             if not job.submitted:  # it never reached the medium, so nothing will settle it
                 complete(False)
+
+    def get_on_plane(self, req: pb.GetRequest, answer: Callable[[int], Any | None],
+                     ended: Callable[[bool, int], None]) -> int | None:
+        """``get`` for a request the data plane can copy and answer by itself, all of it now, on
+        the loop: the same checks and plan, then the copy handed to the plane with
+        ``answer(found)`` (the ``Answer`` of its slot; the caller has said ``found`` there),
+        and ``ended(ok, bytes)`` called on the loop once it is over and its pages are let go
+        (also if what comes before it raises: it is what gives the request back to its lane).
+        Returns the pages found (0: nothing to copy, nothing running), or None where this is not
+        such a Get (nothing changed: ``get`` serves it): one whose client copies elsewhere
+        meanwhile, with tiers to read back from, events, leases or parts, more keys than a step
+        holds, or any the checks refuse (``get`` gives the error)."""
+        if (req.parts or req.lease_id or req.ready_event or req.event_slot or self.disk is not None
+                or self.cluster is not None or len(req.keys) > STEP_KEYS * max(1, req.key_bytes)):
+            return None
+        client = self.kv.clients.get(req.client_id)
+        if client is None or client.closing or client.gate is None:
+            return None
+        try:
+            keys = Keys.unpack(req.keys, req.key_bytes, self._max_keys)
+            pages = self._checked_pages(client, keys, req.device_pages, b"", 0)
+            local_layers = client.spec.layers.select(req.layers)
+        except KVError:
+            return None
+        self.kv.client(client.client_id)  # its lease, renewed as every call renews it
+        plan = self.cache.prepare_get(self._part(client), keys)
+        if not plan.pages:
+            self.cache.complete_get(plan, True)
+            return 0
+        try:
+            job = self._job(client, plan.offsets, pages[:plan.pages], local_layers, b"", 0, 0.0)
+            fut = self.kv.copier.answer(job, answer(plan.pages))
+        except BaseException:
+            self.cache.complete_get(plan, False)
+            raise
+        if fut is None:
+            self.cache.complete_get(plan, False)
+            return None
+        nbytes = job.bytes_per_layer * len(local_layers)
+
+        def settle(f: Future) -> None:  # on the loop, where the plane's ends are taken
+            ok = f.exception() is None
+            try:
+                self.kv.copier.answered(job)
+                self.cache.complete_get(plan, ok)
+                if ok:
+                    client.counters.bytes_loaded += nbytes
+                    client.counters.load_ops += 1
+            finally:
+                ended(ok, nbytes if ok else 0)
+
+        fut.add_done_callback(settle)
+        return plan.pages
 
     async def _promote(self, part: Part, keys: Keys, deadline: float) -> np.ndarray:
         """Reads into host pages the pages of the leading keys stored that only the disk holds,

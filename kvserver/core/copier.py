@@ -238,6 +238,45 @@ class Copier:
         cf.add_done_callback(lambda f: loop.call_soon_threadsafe(finish, f))
         return fut
 
+    def answer(self, job: ClientJob, answer: Any) -> Future | None:
+        """Has the data plane's thread copy ``job``, a load the loop planned (a Get's), and answer
+        the lane slot ``answer`` names (``kvserver.lane.plane.Answer``) as it answers its own
+        Loads, with no task or step of the loop in between. Only while nothing else of the client
+        is in flight (no copy of the loop's or the plane's, no other request handed over: so
+        nothing is to be ordered behind) and where the plane would copy the job whole (not one the
+        copy workers split). None: not taken, nothing changed. Else the future settles on the
+        loop once the copy has ended; ``answered`` then ends the job."""
+        client = job.client
+        gate = client.gate
+        if (self.plane is None or gate is None or client.inflight or gate.inflight or gate.x_inflight
+                or gate.py_inflight != 1 or self._splits(job, True)):
+            return None
+        if client.order is None:
+            client.order = JobOrder(client.busy.size, client.device.num_tokens, client.spec.page_size)
+        job.after = client.order.admit(job, True)  # none: nothing is in flight
+        client.inflight += 1
+        client.jobs.add(job)
+        try:
+            fut = self.plane.copy(gate, job, True, None, self.arena_span, self._executor.recheck, answer)
+        except BaseException:
+            self.answered(job)
+            raise
+        if fut is None:
+            self.answered(job)
+            return None
+        job.submitted = True
+        return fut
+
+    def answered(self, job: ClientJob) -> None:
+        """``answer``'s job is over: later copies of its client need not wait for it."""
+        client = job.client
+        if client.order is not None:
+            client.order.finished(job)
+        client.inflight -= 1
+        client.jobs.discard(job)
+        client.changed.set()
+        client.changed = asyncio.Event()
+
     def _on_plane(self, job: ClientJob, to_device: bool) -> Callable | None:
         """Where the medium may have the job copied by the data plane's thread, in C: a job that
         holds its client's plane turn (``job.turn``) and waits for no earlier copy, unless the copy

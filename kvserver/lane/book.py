@@ -74,9 +74,12 @@ def _pidfd(ticket: Any) -> int:
 
 class LaneBook:
     def __init__(self, core: KVCore, run: Runner, plane: DataPlane | None = None,
-                 run_space: Runner | None = None) -> None:
+                 run_space: Runner | None = None, fast: Callable[..., bool] | None = None) -> None:
         self.core = core
         self.run = run  # run(client_id, rpc, request bytes, progress): a registration's lane request
+        # fast(client_id, lane, slot, request bytes, counted): a Get the data plane copies and
+        # answers, served without a task (server.FastGet), for the lanes the plane serves
+        self.fast = fast
         self.run_space = run_space  # run_space(space_id, ...): a space lane's request
         self.space_lanes: set[Lane] = set()
         self.max_space_lanes_per_uid = MAX_SPACE_LANES_PER_UID
@@ -130,8 +133,9 @@ class LaneBook:
             except Exception:  # its lane is served on the loop, as without a plane
                 logger.exception("the data plane cannot serve %s's lane", public_id(client_id))
         on_served = gate.py_exit if gate is not None else None
+        fast = functools.partial(self.fast, client_id) if gate is not None and self.fast is not None else None
         lane = Lane(public_id(client_id), ring, submit, done, functools.partial(self.run, client_id),
-                    on_served)
+                    on_served, fast=fast)
         self._start(lane, ring, submit, done, ticket.peer.uid, gate)
         client.lane = lane
         client.gate = gate

@@ -21,7 +21,7 @@ import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -44,10 +44,23 @@ logger = logging.getLogger(__name__)
 # KVSERVER_DATA_PLANE=python turns the plane off (the event loop serves every request).
 ENABLED = _kvlane is not None and os.environ.get("KVSERVER_DATA_PLANE", "compiled") != "python"
 POLL_SECONDS = 0.0005  # how often a waiter on the plane's copies looks again
+MAX_KEPT_TABLES = 4096  # host tables whose rows _host_rows keeps (one a client)
 
 
 def available() -> bool:
     return ENABLED
+
+
+class Answer(NamedTuple):
+    """The lane slot a loop's copy answers (``DataPlane.copy``): the lane's handle on the plane, the
+    slot, the pages word it says (a Get's hit), the request's timeout_ms and when it arrived
+    (``time.monotonic_ns()``: its latency is counted from there)."""
+
+    lane: int
+    slot: int
+    found: int
+    timeout_ms: int
+    arrival_ns: int
 
 
 class DataPlane:
@@ -63,7 +76,9 @@ class DataPlane:
         # (its future, its job, whose stop word and progress the thread reads and writes, its gate).
         self._copies: dict[int, tuple[Future, Job, Any, LayerSignal | None, Callable[[], None]]] = {}
         self._tickets = itertools.count(1)
+        self._rows: dict[int, tuple[Any, tuple[int, int], tuple[int, int, int] | None]] = {}  # _host_rows
         self.copies = 0  # the loop's copies it has taken
+        self.answered = 0  # of those, the ones that answered their lane slot (a Get's: Answer)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -95,25 +110,20 @@ class DataPlane:
     # ---- the loop's copies ----------------------------------------------------------------------
 
     def copy(self, gate: Any, job: Job, to_device: bool, signal: LayerSignal | None, host: tuple[int, int],
-             ended: Callable[[], None]) -> Future | None:
+             ended: Callable[[], None], answer: Answer | None = None) -> Future | None:
         """Runs ``job``, a cache copy the loop planned and ordered for the registration whose
         plane turn it holds (``gate``), on the plane's thread; ``host``: (address, bytes) of the
         arena its offsets are in. The future is running at once (a stop goes through the job's
         stop word, read at layer boundaries) and is settled on the loop, after ``ended()`` is
         called (work held behind the job may go). None: the plane does not take it (a closed gate,
-        host rows not laid out as cache pages are), and the caller copies it as before."""
-        table, plan = job.host_table, job.plan
-        if table is None or table.row_stride != 1 or table.geometry is not None:
+        host rows not laid out as cache pages are), and the caller copies it as before.
+        ``answer``: the copy (a load) also answers a lane slot handed over to the loop, as the
+        plane answers its own Loads (``Answer``; ``_kvlane``'s submit_copy)."""
+        plan = job.plan
+        rows = self._host_rows(job, host)
+        if rows is None:
             return None
-        bases = table.bases.reshape(-1).astype(np.int64)
-        stride = int(bases[1] - bases[0]) if len(bases) > 1 else plan.page_size * table.row_bytes
-        if stride < plan.page_size * table.row_bytes or not np.array_equal(
-                bases, bases[0] + stride * np.arange(len(bases), dtype=np.int64)):
-            return None
-        address, size = host
-        base = int(bases[0])  # the offsets count from here: the arena's start, as cache_table lays it
-        if not address <= base <= address + size:
-            return None
+        base, stride, limit = rows
         tokens = plan.device_rows.astype(np.int64)
         if plan.device_paged:  # a page's tokens, one row each: the plane merges them into runs
             tokens = (tokens[:, None] * plan.page_size + np.arange(plan.page_size)).reshape(-1)
@@ -125,11 +135,12 @@ class DataPlane:
         self._copies[ticket] = (fut, job, gate, signal, ended)
         try:
             taken = self.engine.submit_copy(
-                ticket, gate, to_device, base, stride, address + size - base,
+                ticket, gate, to_device, base, stride, limit,
                 np.ascontiguousarray(plan.host_pages, np.int64), np.ascontiguousarray(tokens),
                 np.asarray(job.local_layers, np.int64), job.stop_word,
                 signal.counter if signal is not None else None, signal.fd if signal is not None else -1,
-                signal.interval if signal is not None else 0.0)
+                signal.interval if signal is not None else 0.0,
+                **({} if answer is None else answer._asdict()))
         except (MemoryError, RuntimeError):  # no room, or the plane stopped: the copy workers run it
             logger.exception("the data plane could not take a cache copy; the copy workers run it")
             taken = False
@@ -141,7 +152,33 @@ class DataPlane:
             return None
         job.work = Work(to_device, 0, lambda _: None, future=fut)  # what later copies of it wait on
         self.copies += 1
+        self.answered += answer is not None
         return fut
+
+    def _host_rows(self, job: Job, host: tuple[int, int]) -> tuple[int, int, int] | None:
+        """(base, stride, limit) of the job's host rows, cache pages in the arena ``host``: page
+        chunks ``stride`` bytes apart from ``base``, within ``limit`` bytes of it; None where they
+        are laid out otherwise. Kept per table (a client's cache table lives as long as it)."""
+        table = job.host_table
+        if table is None:
+            return None
+        known = self._rows.get(id(table))
+        if known is not None and known[0] is table and known[1] == host:
+            return known[2]
+        rows = None
+        page = job.plan.page_size * table.row_bytes
+        if table.row_stride == 1 and table.geometry is None:
+            bases = table.bases.reshape(-1).astype(np.int64)
+            stride = int(bases[1] - bases[0]) if len(bases) > 1 else page
+            address, size = host
+            base = int(bases[0])  # the offsets count from here: the arena's start, as cache_table lays it
+            if (stride >= page and address <= base <= address + size and np.array_equal(
+                    bases, bases[0] + stride * np.arange(len(bases), dtype=np.int64))):
+                rows = (base, stride, address + size - base)
+        if len(self._rows) >= MAX_KEPT_TABLES:
+            self._rows.clear()
+        self._rows[id(table)] = (table, host, rows)  # the table held: its id is not reused meanwhile
+        return rows
 
     def _ended(self, ticket: int, status: int, layers: int) -> None:
         entry = self._copies.pop(ticket, None)

@@ -285,6 +285,13 @@ static PyObject *gate_get_x_inflight(Gate *g, void *unused) {
     return PyLong_FromLongLong(c);
 }
 
+static PyObject *gate_get_py_inflight(Gate *g, void *unused) {
+    pthread_mutex_lock(&g->mu);
+    int64_t c = g->py_inflight;
+    pthread_mutex_unlock(&g->mu);
+    return PyLong_FromLongLong(c);
+}
+
 static PyObject *gate_get_closed(Gate *g, void *unused) {
     return PyBool_FromLong(__atomic_load_n(&g->closed, __ATOMIC_ACQUIRE));
 }
@@ -331,6 +338,7 @@ static PyMethodDef gate_methods[] = {
 static PyGetSetDef gate_getset[] = {
     {"inflight", (getter)gate_get_inflight, NULL, NULL, NULL},
     {"x_inflight", (getter)gate_get_x_inflight, NULL, NULL, NULL},
+    {"py_inflight", (getter)gate_get_py_inflight, NULL, NULL, NULL},
     {"closed", (getter)gate_get_closed, NULL, NULL, NULL},
     {NULL},
 };
@@ -398,9 +406,17 @@ typedef struct Job {
     int signal_fd;
     int64_t interval_ns;
     const int64_t *stop;
+    /* A loop's copy that also answers its lane slot (submit_copy's lane and slot: a Get the loop
+     * planned): its layers and end are published in the slot as a plane Load's are, with `found`
+     * in the pages word, and its end is posted back as every loop's copy's is. */
+    int answers;
+    uint32_t found;
     int stream; /* streaming stores (stream.h): a write, or a load of KV_STREAM_MIN_JOB bytes or more */
     int can_run; /* set by mark_runnable(): no earlier job of its gate holds it back */
 } Job;
+
+/* The latency histograms the plane keeps: Write, Load, Load's first layer, Get, Get's first layer. */
+enum { H_WRITE, H_LOAD, H_FIRST, H_GET, H_GET_FIRST, H_KINDS };
 
 typedef struct {
     uint64_t ticket;
@@ -453,15 +469,13 @@ typedef struct {
     Done *done;
     size_t ndone, capdone, unposted;
     /* latency histograms, as kvserver_operation_duration_seconds and
-     * kvserver_time_to_first_layer_seconds count them: Write, Load, Load's first layer */
+     * kvserver_time_to_first_layer_seconds count them (H_WRITE...) */
     pthread_mutex_t stat_mu;
     int nedges;
     double edges[MAX_EDGES];
-    uint64_t hist[3][MAX_EDGES + 1];
-    double hsum[3];
+    uint64_t hist[H_KINDS][MAX_EDGES + 1];
+    double hsum[H_KINDS];
 } Engine;
-
-enum { H_WRITE, H_LOAD, H_FIRST };
 
 static void observe(Engine *e, int h, int64_t ns) {
     double s = (double)ns / 1e9;
@@ -769,7 +783,7 @@ static void publish_progress(Engine *e, Job *j, uint32_t flags) {
     put32(s + 36, j->li ? last : 0);
     put64(s + 40, (uint64_t)j->li * (uint64_t)j->bytes_per_layer);
     put32(s + 48, 0);
-    put32(s + 52, 0);
+    put32(s + 52, j->found);
     put32(s + 60, flags);
     /* The layer's bytes and the words above before the step a reader watches (x86 keeps store
      * order anyway; a weakly ordered CPU needs the fence, and the reader an acquire: docs/lane.md). */
@@ -816,14 +830,22 @@ static void finish_ext(Engine *e, Job *j, int status) {
     wake(e->notify_fd);
 }
 
+static void answer_slot(Engine *e, Job *j, uint32_t code, const char *message);
+
 /* Ends a job: its pages are no longer busy, its slot answered (unless its lane is gone: silent). */
 static void finish(Engine *e, Job *j, uint32_t code, const char *message, int answer) {
-    if (j->ext) {
+    if (j->ext && !j->answers) {
         finish_ext(e, j, code == 0 ? DONE_OK : DONE_HALTED);
         return;
     }
     Gate *g = j->gate;
     int ok = code == 0;
+    if (j->ext) { /* an answering copy of the loop's: its slot, then its end posted back */
+        if (answer)
+            answer_slot(e, j, code, message);
+        finish_ext(e, j, ok ? DONE_OK : (j->released ? DONE_RELEASED : DONE_HALTED));
+        return;
+    }
     if (!j->load)
         mark_writes(j, -1);
     pthread_mutex_lock(&g->mu);
@@ -841,44 +863,49 @@ static void finish(Engine *e, Job *j, uint32_t code, const char *message, int an
         g->served++;
     }
     pthread_mutex_unlock(&g->mu);
-    if (answer) {
-        observe(e, j->load ? H_LOAD : H_WRITE, now_ns() - j->arrival_ns);
-        Lane *l = j->lane;
-        char *s = slot_at(l, j->slot);
-        uint32_t resp_len = 0, msg_len = 0;
-        if (ok && j->load) {
-            publish_progress(e, j, FLAG_DONE | FLAG_JOB_ENDED);
-        } else {
-            if (!ok && j->load && j->li > j->published)
-                publish_progress(e, j, 0); /* the layers that landed, then why it stopped */
-            put32(s + 60, FLAG_JOB_ENDED);
-        }
-        if (ok && !j->load) { /* WriteResponse{bytes}: field 1, varint */
-            uint64_t v = (uint64_t)j->nl * (uint64_t)j->bytes_per_layer;
-            unsigned char *p = (unsigned char *)s + RESPONSE_AT;
-            p[resp_len++] = 0x08;
-            do {
-                unsigned char b = v & 0x7F;
-                v >>= 7;
-                p[resp_len++] = b | (v ? 0x80 : 0);
-            } while (v);
-        }
-        if (message) {
-            msg_len = (uint32_t)strlen(message);
-            if (msg_len > ERROR_BYTES)
-                msg_len = ERROR_BYTES;
-            memcpy(s + ERROR_AT, message, msg_len);
-        }
-        put32(s + 20, code);
-        put32(s + 24, resp_len);
-        put32(s + 28, msg_len);
-        memcpy(s + 64, s + 8, 8); /* done_seq: the seq the client wrote (TAKEN: it is ours) */
-        __atomic_store_n(&l->slot_busy[j->slot], 0, __ATOMIC_RELEASE);
-        __atomic_add_fetch(&e->served, 1, __ATOMIC_RELAXED); /* counted before the client can see it */
-        set_state(s, ST_DONE);
-        ring_done(l, j->slot);
-    }
+    if (answer)
+        answer_slot(e, j, code, message);
     unlink_job(e, j);
+}
+
+/* Answers a job's slot: a load's layers and DONE, or its status and message. */
+static void answer_slot(Engine *e, Job *j, uint32_t code, const char *message) {
+    int ok = code == 0;
+    observe(e, j->answers ? H_GET : j->load ? H_LOAD : H_WRITE, now_ns() - j->arrival_ns);
+    Lane *l = j->lane;
+    char *s = slot_at(l, j->slot);
+    uint32_t resp_len = 0, msg_len = 0;
+    if (ok && j->load) {
+        publish_progress(e, j, FLAG_DONE | FLAG_JOB_ENDED);
+    } else {
+        if (!ok && j->load && j->li > j->published)
+            publish_progress(e, j, 0); /* the layers that landed, then why it stopped */
+        put32(s + 60, FLAG_JOB_ENDED);
+    }
+    if (ok && !j->load) { /* WriteResponse{bytes}: field 1, varint */
+        uint64_t v = (uint64_t)j->nl * (uint64_t)j->bytes_per_layer;
+        unsigned char *p = (unsigned char *)s + RESPONSE_AT;
+        p[resp_len++] = 0x08;
+        do {
+            unsigned char b = v & 0x7F;
+            v >>= 7;
+            p[resp_len++] = b | (v ? 0x80 : 0);
+        } while (v);
+    }
+    if (message) {
+        msg_len = (uint32_t)strlen(message);
+        if (msg_len > ERROR_BYTES)
+            msg_len = ERROR_BYTES;
+        memcpy(s + ERROR_AT, message, msg_len);
+    }
+    put32(s + 20, code);
+    put32(s + 24, resp_len);
+    put32(s + 28, msg_len);
+    memcpy(s + 64, s + 8, 8); /* done_seq: the seq the client wrote (TAKEN: it is ours) */
+    __atomic_store_n(&l->slot_busy[j->slot], 0, __ATOMIC_RELEASE);
+    __atomic_add_fetch(&e->served, 1, __ATOMIC_RELAXED); /* counted before the client can see it */
+    set_state(s, ST_DONE);
+    ring_done(l, j->slot);
 }
 
 static void stop_job(Engine *e, Job *j, const char *reason, uint32_t code, int answer) {
@@ -941,14 +968,14 @@ static int64_t run_piece(Engine *e, Job *j) {
         return copied;
     j->part = 0;
     j->li++;
-    if (j->ext) {
+    if (j->ext && !j->answers) {
         ext_layer(j);
         if (j->li == j->nl)
             finish(e, j, 0, NULL, 1);
         return copied;
     }
     if (j->load && j->li == 1)
-        observe(e, H_FIRST, now_ns() - j->arrival_ns);
+        observe(e, j->answers ? H_GET_FIRST : H_FIRST, now_ns() - j->arrival_ns);
     if (j->li == j->nl) {
         finish(e, j, 0, NULL, 1);
         return copied;
@@ -975,6 +1002,22 @@ static int work(Engine *e) {
         next = j->next;
         if (j->part || j->ri)
             continue; /* a layer is never left half copied */
+        if (j->answers) { /* its gate's close may have come before the job joined: read it here */
+            /* Its stop word is set only by its client's release (no call waits on it to cancel). */
+            if (j->released || __atomic_load_n(&j->gate->closed, __ATOMIC_ACQUIRE) ||
+                __atomic_load_n(j->stop, __ATOMIC_RELAXED)) {
+                j->released = 1;
+                stop_job(e, j, "its client was unregistered or reclaimed", CODE_NOT_FOUND, 1);
+            } else if (j->li == j->nl) {
+                finish(e, j, 0, NULL, 1);
+            } else if (j->deadline_ns) {
+                if (!t)
+                    t = now_ns();
+                if (t >= j->deadline_ns)
+                    stop_job(e, j, "its timeout_ms passed", CODE_DEADLINE, 1);
+            }
+            continue;
+        }
         if (j->ext) { /* its gate's close may have come before the job joined: read it here */
             if (j->released || __atomic_load_n(&j->gate->closed, __ATOMIC_ACQUIRE))
                 finish_ext(e, j, DONE_RELEASED);
@@ -1068,6 +1111,8 @@ static void remove_lane(Engine *e, Lane *l) {
         *pp = l->next;
 }
 
+static void take_incoming(Engine *e);
+
 static void command(Engine *e) {
     pthread_mutex_lock(&e->cmd_mu);
     int cmd = e->cmd;
@@ -1087,6 +1132,7 @@ static void command(Engine *e) {
         __atomic_thread_fence(__ATOMIC_SEQ_CST);
         scan(e, l);
     } else if (cmd == CMD_REMOVE) {
+        take_incoming(e); /* an answering copy submitted for this lane is ended with it */
         remove_lane(e, arg);
     } else if (cmd == CMD_CLOSE_GATE) {
         Gate *g = arg;
@@ -1470,23 +1516,46 @@ static int int64s(PyObject *obj, Py_buffer *v, int writable, Py_ssize_t least, c
  * progress (int64[1], loads) is stored after each layer and signal_fd bumped at most once an
  * interval and at the end. Its end is posted back (take_completions) under ticket. False: the
  * gate is closed (nothing submitted). The arrays must outlive the copy: the caller keeps them
- * until its completion is taken. */
+ * until its completion is taken.
+ * lane=None, slot=-1, found=0, timeout_ms=0, arrival_ns=0: with a lane (its handle, of this gate),
+ * the copy is a load that answers `slot`, a request the lane handed over whose slot is still
+ * busy: step 1 (no layer yet) is published there at once, then its layers and end as a plane
+ * Load's are, `found` in the pages word,
+ * the status and message of a stop too (its gate closed: NOT_FOUND; `timeout_ms` after
+ * `arrival_ns`, CLOCK_MONOTONIC, else now: DEADLINE_EXCEEDED; its stop word, which only its
+ * client's release sets: NOT_FOUND too), and the
+ * slot given back; its latencies go to the Get histograms. */
 static PyObject *engine_submit_copy(Engine *e, PyObject *args, PyObject *kw) {
     static char *names[] = {"ticket", "gate", "load", "host_base", "lp_stride", "host_limit", "offsets",
-                            "tokens", "layers", "stop", "progress", "signal_fd", "interval", NULL};
+                            "tokens", "layers", "stop", "progress", "signal_fd", "interval", "lane", "slot",
+                            "found", "timeout_ms", "arrival_ns", NULL};
     unsigned long long ticket, host_base;
     Gate *g;
-    int load, signal_fd = -1;
-    long long lp_stride, host_limit;
-    PyObject *offsets_obj, *tokens_obj, *layers_obj, *stop_obj, *progress_obj = Py_None;
+    int load, signal_fd = -1, slot = -1;
+    long long lp_stride, host_limit, arrival = 0;
+    unsigned int found = 0, timeout_ms = 0;
+    PyObject *offsets_obj, *tokens_obj, *layers_obj, *stop_obj, *progress_obj = Py_None, *lane_obj = Py_None;
     double interval = 0.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "KO!pKLLOOOO|Oid", names, &ticket, &GateType, &g, &load,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KO!pKLLOOOO|OidOiIIL", names, &ticket, &GateType, &g, &load,
                                      &host_base, &lp_stride, &host_limit, &offsets_obj, &tokens_obj,
-                                     &layers_obj, &stop_obj, &progress_obj, &signal_fd, &interval))
+                                     &layers_obj, &stop_obj, &progress_obj, &signal_fd, &interval, &lane_obj,
+                                     &slot, &found, &timeout_ms, &arrival))
         return NULL;
     if (e->started != 1) {
         PyErr_SetString(PyExc_RuntimeError, "the data plane has stopped");
         return NULL;
+    }
+    /* An answering copy: a load that answers slot `slot` of lane `lane` (handed over to the loop,
+     * its slot still the plane's), which must be this gate's. */
+    Lane *answer_lane = NULL;
+    if (lane_obj != Py_None) {
+        if (!(answer_lane = lane_of(e, lane_obj)))
+            return NULL;
+        if (!load || answer_lane->gate != g || slot < 0 || slot >= answer_lane->slots ||
+            !__atomic_load_n(&answer_lane->slot_busy[slot], __ATOMIC_ACQUIRE)) {
+            PyErr_SetString(PyExc_ValueError, "an answering copy is a load of a slot its gate's lane handed over");
+            return NULL;
+        }
     }
     Py_buffer off = {0}, tok = {0}, lay = {0}, stop = {0}, prog = {0};
     int have_off = 0, have_tok = 0, have_lay = 0, have_stop = 0, have_prog = 0;
@@ -1570,7 +1639,14 @@ static PyObject *engine_submit_copy(Engine *e, PyObject *args, PyObject *kw) {
     j->signal_fd = signal_fd;
     j->interval_ns = (int64_t)(interval * 1e9);
     j->stop = stop.buf;
-    j->arrival_ns = now_ns();
+    j->arrival_ns = arrival > 0 ? arrival : now_ns();
+    if (answer_lane) {
+        j->answers = 1;
+        j->lane = answer_lane;
+        j->slot = slot;
+        j->found = found;
+        j->deadline_ns = timeout_ms ? j->arrival_ns + (int64_t)timeout_ms * 1000000 : 0;
+    }
     pthread_mutex_lock(&e->hand_mu); /* room for its completion, kept until it is posted */
     int room = 1;
     if (e->capdone < e->ndone + e->unposted + 1) {
@@ -1602,6 +1678,10 @@ static PyObject *engine_submit_copy(Engine *e, PyObject *args, PyObject *kw) {
         result = Py_False;
         Py_INCREF(result);
         goto done;
+    }
+    if (j->answers) { /* step 1, the pages found, before any layer: the RPC's first message */
+        publish_progress(e, j, 0);
+        ring_done(j->lane, j->slot);
     }
     __atomic_add_fetch(&e->njobs, 1, __ATOMIC_RELAXED);
     pthread_mutex_lock(&e->in_mu);
@@ -1652,14 +1732,14 @@ static PyObject *engine_take_completions(Engine *e, PyObject *unused) {
     return out;
 }
 
-/* take_histograms() -> [(counts per bucket, +Inf last), sum in seconds] for Write, Load and Load's
- * first layer, zeroed: what the plane observed since the last take. */
+/* take_histograms() -> [(counts per bucket, +Inf last), sum in seconds] for Write, Load, Load's
+ * first layer, Get and Get's first layer, zeroed: what the plane observed since the last take. */
 static PyObject *engine_take_histograms(Engine *e, PyObject *unused) {
-    PyObject *out = PyList_New(3);
+    PyObject *out = PyList_New(H_KINDS);
     if (!out)
         return NULL;
     pthread_mutex_lock(&e->stat_mu);
-    for (int h = 0; h < 3; h++) {
+    for (int h = 0; h < H_KINDS; h++) {
         PyObject *counts = PyList_New(e->nedges + 1);
         for (int b = 0; counts && b <= e->nedges; b++)
             PyList_SET_ITEM(counts, b, PyLong_FromUnsignedLongLong(e->hist[h][b]));

@@ -1,6 +1,6 @@
 /* kvserver.store._kvindex: the key index's lookups and changes in C (index.h), called by
- * KeyIndex.find, insert and remove with the index's own arrays, and the digests of wide keys
- * (digest.h), called by Keys.unpack. Every array is taken through the buffer protocol, its type,
+ * KeyIndex.find, insert and remove with the index's own arrays, the digests of wide keys
+ * (digest.h), called by Keys.unpack, and the page table's hold and touch (PageTable's). Every array is taken through the buffer protocol, its type,
  * alignment and length checked against the others before a key is read or an entry changed. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -233,7 +233,94 @@ done:
 /* digest_lanes(): the paths this CPU has, as a mask of their widths (1 | 4 | 8). */
 static PyObject *digest_lanes(PyObject *self, PyObject *unused) { return PyLong_FromLong(kv_digest_lanes()); }
 
+/* hold(counts, slab, slab_holds, ids, n): counts[id] += n and slab_holds[slab[id]] += n for each id
+ *   (repeats count each time), as PageTable.hold's np.add.at pair. counts, slab: int32[pages];
+ *   slab_holds: int64[slabs]; ids: int64. Every id and slab id is checked first: out of its table,
+ *   nothing is changed (ValueError). */
+static PyObject *hold(PyObject *self, PyObject *args) {
+    PyObject *objs[4];
+    long long by;
+    if (!PyArg_ParseTuple(args, "OOOOL", &objs[0], &objs[1], &objs[2], &objs[3], &by))
+        return NULL;
+    static const Py_ssize_t size[4] = {4, 4, 8, 8};
+    static const char *names[4] = {"counts", "slab", "slab_holds", "ids"};
+    view v[4] = {{{0}}};
+    PyObject *result = NULL;
+    for (int i = 0; i < 4; i++)
+        if (!take(objs[i], &v[i], 'i', size[i], i == 0 || i == 2, names[i]))
+            goto done;
+    Py_ssize_t pages = v[0].v.len / 4, slabs = v[2].v.len / 8, n = v[3].v.len / 8;
+    int32_t *counts = v[0].v.buf;
+    const int32_t *slab = v[1].v.buf;
+    int64_t *holds = v[2].v.buf;
+    const int64_t *ids = v[3].v.buf;
+    if (v[1].v.len / 4 < pages) {
+        PyErr_SetString(PyExc_ValueError, "slab must have an entry for every page");
+        goto done;
+    }
+    for (Py_ssize_t k = 0; k < n; k++)
+        if (ids[k] < 0 || ids[k] >= pages || slab[ids[k]] < 0 || slab[ids[k]] >= slabs) {
+            PyErr_Format(PyExc_ValueError, "page id %lld, or its slab, is outside the tables", (long long)ids[k]);
+            goto done;
+        }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        counts[ids[k]] += (int32_t)by;
+        holds[slab[ids[k]]] += by;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    for (int i = 0; i < 4; i++)
+        if (v[i].held)
+            PyBuffer_Release(&v[i].v);
+    return result;
+}
+
+/* touch(stamp, slab, slab_stamp, ids, tick) -> tick + len(ids): stamp[ids[k]] = tick + len - k (the
+ *   first id the most recent) and slab_stamp[slab[id]] raised to it, as PageTable.touch's numpy.
+ *   stamp, slab_stamp: int64; slab: int32; ids: int64; checked as hold checks them. */
+static PyObject *touch(PyObject *self, PyObject *args) {
+    PyObject *objs[4];
+    long long tick;
+    if (!PyArg_ParseTuple(args, "OOOOL", &objs[0], &objs[1], &objs[2], &objs[3], &tick))
+        return NULL;
+    static const Py_ssize_t size[4] = {8, 4, 8, 8};
+    static const char *names[4] = {"stamp", "slab", "slab_stamp", "ids"};
+    view v[4] = {{{0}}};
+    PyObject *result = NULL;
+    for (int i = 0; i < 4; i++)
+        if (!take(objs[i], &v[i], 'i', size[i], i == 0 || i == 2, names[i]))
+            goto done;
+    Py_ssize_t pages = v[0].v.len / 8, slabs = v[2].v.len / 8, n = v[3].v.len / 8;
+    int64_t *stamp = v[0].v.buf, *slab_stamp = v[2].v.buf;
+    const int32_t *slab = v[1].v.buf;
+    const int64_t *ids = v[3].v.buf;
+    if (v[1].v.len / 4 < pages) {
+        PyErr_SetString(PyExc_ValueError, "slab must have an entry for every page");
+        goto done;
+    }
+    for (Py_ssize_t k = 0; k < n; k++)
+        if (ids[k] < 0 || ids[k] >= pages || slab[ids[k]] < 0 || slab[ids[k]] >= slabs) {
+            PyErr_Format(PyExc_ValueError, "page id %lld, or its slab, is outside the tables", (long long)ids[k]);
+            goto done;
+        }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        int64_t t = tick + (int64_t)(n - k);
+        stamp[ids[k]] = t;
+        if (slab_stamp[slab[ids[k]]] < t)
+            slab_stamp[slab[ids[k]]] = t;
+    }
+    result = PyLong_FromLongLong(tick + (long long)n);
+done:
+    for (int i = 0; i < 4; i++)
+        if (v[i].held)
+            PyBuffer_Release(&v[i].v);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"hold", hold, METH_VARARGS, "Adds n to the counts of pages, and of their slabs' holds."},
+    {"touch", touch, METH_VARARGS, "Stamps pages as used, in order, and their slabs with them."},
     {"find", find, METH_VARARGS, "Entry ids of keys under an owner in the index's tables, -1 where absent."},
     {"link", link_, METH_VARARGS, "Files entries at the heads of their buckets' chains."},
     {"unlink", unlink_, METH_VARARGS, "Takes entries out of their chains and marks them gone."},

@@ -1,0 +1,189 @@
+"""A Get on the lane of a registration the data plane serves, served without a task: the event
+loop checks and plans it where the plane hands it over (the RPC's own checks and plan) and the
+plane's thread copies it and answers its slot (``CacheOps.get_on_plane``, ``DataPlane.copy`` with
+an ``Answer``). The same answers as the gRPC Get, bit exact; never ahead of an earlier copy of the
+registration; its deadline, its client's release and a lane closing mid-copy end it and let its
+pages go. Real daemon, real client, real shared memory."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from test_dataplane import DTYPE, LAYERS, LAYOUT, PAGE, START, TOKENS, _client, _fill
+from test_dataplane_cache import PAGES, _keys, _pages_of
+
+from kvclient import KVClient, KVClientError, ShmKVPool
+
+
+def _zero(pool: ShmKVPool) -> None:
+    for layer in pool.buffers:
+        for buf in layer:
+            buf.zero_()
+
+
+def _readers(d) -> tuple[int, int]:
+    pages = d.run(lambda: d.core.cache.pages)
+    return int(pages.readers.sum()), int(pages.slab_holds.sum())
+
+
+def test_a_lane_get_is_answered_by_the_plane_as_the_rpc_answers_it(plane_daemon) -> None:
+    d = plane_daemon
+    plane = d.core.plane
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c, \
+            KVClient(d.address, timeout=10, resilient=False, lane="grpc") as g:
+        g.register(model="plane", pool=pool, start_layer=START, end_layer=START + LAYERS,
+                   num_layers=START + LAYERS + 2, host_tokens=TOKENS, page_size=PAGE)
+        assert c.lane is not None
+        _fill(pool, 31)
+        src, dst = torch.randperm(PAGES), torch.arange(PAGES, 2 * PAGES)
+        want = _pages_of(pool, src)
+        assert c.put(_keys("g")[:20], src[:20]).stored == 20
+        answered = plane.answered
+        _zero(pool)
+        handle = c.get(_keys("g"), dst)  # 20 of 32 stored: the leading 20 load
+        assert handle.pages(timeout=10) == 20 and handle.wait(timeout=10) > 0
+        assert plane.answered == answered + 1, "the Get did not take the plane's path"
+        got = _pages_of(pool, dst[:20])
+        assert all(torch.equal(x, y) for x, y in zip(got, _pages_of_want(want, 20), strict=True))
+        assert not any(x.any() for x in _pages_of(pool, dst[20:])), "a page past the hit was written"
+        # The same request over gRPC: the same pages, the same bytes.
+        _zero(pool)
+        other = g.get(_keys("g"), dst)
+        assert other.pages(timeout=10) == 20 and other.wait(timeout=10) > 0
+        assert all(torch.equal(x, y) for x, y in zip(_pages_of(pool, dst[:20]), got, strict=True))
+        # Some layers: those asked for land, the others are left alone.
+        _zero(pool)
+        handle = c.get(_keys("g")[:20], dst[:20], layers=[START + 1, START + 3])
+        assert handle.wait(timeout=10) > 0 and handle.landed(START + 3)
+        for i, (x, y) in enumerate(zip(_pages_of(pool, dst[:20]), got, strict=True)):
+            assert torch.equal(x, y) if i // 2 in (1, 3) else not x.any()
+        # Nothing stored: no page, done at once; and a key of another width stores nothing either.
+        miss = c.get([b"never-stored-key"], dst[:1])
+        assert miss.pages(timeout=10) == 0 and miss.wait(timeout=10) == 0
+        assert plane.answered == answered + 2
+        # What the checks refuse comes back with the RPC's status, the request untouched.
+        with pytest.raises(KVClientError) as exc:
+            c.get(_keys("g")[:2], torch.tensor([1, 1])).wait(timeout=10)
+        assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT, exc.value
+        with pytest.raises(KVClientError) as exc:
+            c.get(_keys("g")[:1], torch.tensor([10_000])).wait(timeout=10)
+        assert exc.value.code == grpc.StatusCode.OUT_OF_RANGE, exc.value
+    assert _readers(d) == (0, 0), "a page is still held as being read"
+
+
+def _pages_of_want(want: list[torch.Tensor], n: int) -> list[torch.Tensor]:
+    # want holds the first put's pages, per (layer, part) buffer, page after page: the first n pages.
+    return [w[: n * PAGE] for w in want]
+
+
+def test_a_lane_get_never_overtakes_an_earlier_write_of_its_device_pages(plane_daemon) -> None:
+    """A Write of device pages P queued on the held plane, then a Get into P: the Get is not served
+    ahead of it (its path is taken only with nothing of the client in flight), so the Write stores
+    P as it was before the Get brought other bytes."""
+    d = plane_daemon
+    engine, plane = d.core.plane.engine, d.core.plane
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c:
+        _fill(pool, 32)
+        p = torch.arange(PAGES)
+        assert c.put(_keys("w"), torch.arange(PAGES, 2 * PAGES)).stored == PAGES  # other bytes
+        before = _pages_of(pool, p)
+        host = c.alloc(TOKENS)
+        answered = plane.answered
+        result: dict = {}
+        engine.pause(True)
+        try:
+            writer = threading.Thread(target=lambda: result.setdefault(
+                "write", c.write(host_indices=host, device_indices=torch.arange(TOKENS))))
+            writer.start()
+            while engine.jobs < 1:
+                time.sleep(0.001)
+            handle = c.get(_keys("w"), p)
+            time.sleep(0.2)
+            assert not handle.landed(START), "the Get overtook the Write reading its pages"
+        finally:
+            engine.pause(False)
+        writer.join(30)
+        assert result["write"] > 0 and handle.wait(timeout=30) > 0
+        assert plane.answered == answered, "the Get took the plane's path with a copy in flight"
+        _zero(pool)
+        assert c.load(host_indices=host, device_indices=torch.arange(TOKENS)).wait(timeout=10) > 0
+        assert all(torch.equal(x, y) for x, y in zip(_pages_of(pool, p), before, strict=True))
+        # Nothing in flight any more: the next Get takes the plane's path again.
+        assert c.get(_keys("w"), p).wait(timeout=10) > 0 and plane.answered == answered + 1
+
+
+def test_a_lane_get_past_its_deadline_or_released_ends_and_lets_its_pages_go(plane_daemon) -> None:
+    d = plane_daemon
+    engine, plane = d.core.plane.engine, d.core.plane
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c, \
+            KVClient(d.address, timeout=0.3, resilient=False) as hasty:
+        hasty.register(model="plane", pool=pool, start_layer=START, end_layer=START + LAYERS,
+                       num_layers=START + LAYERS + 2, host_tokens=TOKENS, page_size=PAGE)
+        _fill(pool, 33)
+        assert c.put(_keys("d"), torch.arange(PAGES)).stored == PAGES
+        answered = plane.answered
+        engine.pause(True)
+        try:
+            late = hasty.get(_keys("d"), torch.arange(PAGES, 2 * PAGES))
+            assert late.pages(timeout=5) == PAGES  # said before the copy, which the plane holds
+            _until(lambda: plane.answered == answered + 1 and _readers(d)[0] == PAGES)
+            time.sleep(0.5)
+        finally:
+            engine.pause(False)
+        with pytest.raises(KVClientError) as exc:
+            late.wait(timeout=10)
+        assert exc.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, exc.value
+        _until(lambda: _readers(d) == (0, 0))
+        hasty.unregister()
+        # Released mid-copy: NOT_FOUND, and its pages are let go.
+        engine.pause(True)
+        try:
+            handle = c.get(_keys("d"), torch.arange(PAGES, 2 * PAGES))
+            assert handle.pages(timeout=5) == PAGES
+            _until(lambda: plane.answered == answered + 2)
+            cid = c.client_id
+            gone = threading.Thread(target=lambda: d.call(d.core.unregister(cid)))
+            gone.start()
+            time.sleep(0.2)
+        finally:
+            engine.pause(False)
+        gone.join(30)
+        with pytest.raises(KVClientError) as exc:
+            handle.wait(timeout=10)
+        assert exc.value.code == grpc.StatusCode.NOT_FOUND, exc.value
+    _until(lambda: _readers(d) == (0, 0))
+    assert d.run(lambda: (len(d.core.clients), engine.jobs)) == (0, 0)
+
+
+def test_a_lane_closed_mid_get_ends_its_copy_and_lets_its_pages_go(plane_daemon) -> None:
+    """The engine's lane goes (its process closed its end) while the plane holds its Get's copy:
+    the copy ends with the lane, nothing is written to its ring, and the pages are let go."""
+    d = plane_daemon
+    engine, plane = d.core.plane.engine, d.core.plane
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c:
+        _fill(pool, 34)
+        assert c.put(_keys("l"), torch.arange(PAGES)).stored == PAGES
+        answered = plane.answered
+        engine.pause(True)
+        try:
+            handle = c.get(_keys("l"), torch.arange(PAGES, 2 * PAGES))
+            assert handle.pages(timeout=5) == PAGES
+            _until(lambda: plane.answered == answered + 1)
+            lane = d.run(lambda: d.core.client(c.client_id).lane)
+            d.call(lane.close())
+        finally:
+            engine.pause(False)
+        _until(lambda: d.run(lambda: engine.jobs) == 0 and _readers(d) == (0, 0))
+        with pytest.raises(KVClientError):
+            handle.wait(timeout=10)
+
+
+def _until(cond, seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < deadline, "not reached in time"
+        time.sleep(0.01)
