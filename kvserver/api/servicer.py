@@ -18,7 +18,7 @@ from kvserver.api.auth import is_admin
 from kvserver.api.eager import bounded
 from kvserver.api.metrics import BUCKETS, Metrics
 from kvserver.api.status import grpc_status
-from kvserver.core.cache_ops import CacheOps, space_from_wire
+from kvserver.core.cache_ops import CacheOps, PutOutcome, space_from_wire
 from kvserver.core.client_state import ClientState, Counters, public_id
 from kvserver.core.kvcore import OFF_LOOP_INDICES, KVCore
 from kvserver.core.liveness import Reaper
@@ -30,6 +30,7 @@ from kvserver.errors import (
     KVError,
     PermissionDenied,
     Unauthenticated,
+    status_of,
 )
 from kvserver.lane import plane
 from kvserver.lane.book import LaneBook
@@ -192,7 +193,7 @@ class KVServicer(pb_grpc.KVServerServicer):
             core.copier.plane = self.plane
             core.copier.arena_span = (core.arena.address, core.arena.capacity)
         core.on_plane_transfers = self._plane_transfers
-        self.lanes = LaneBook(core, self.run_lane, self.plane, self.run_space_lane, self.fast_lane_get)
+        self.lanes = LaneBook(core, self.run_lane, self.plane, self.run_space_lane, self.fast_lane)
 
     def _plane_transfers(self, written: int, writes: int, loaded: int, loads: int) -> None:
         if writes:
@@ -481,15 +482,22 @@ class KVServicer(pb_grpc.KVServerServicer):
         finally:
             self.metrics.observe("Lookup", started)
 
-    def fast_lane_get(self, client_id: str, lane: Lane, slot: int, data: bytes, counted: bool) -> bool:
-        """A Get handed over by the data plane, served at once where the plane can copy it and
-        answer its slot (``CacheOps.get_on_plane``: the checks and plan the RPC runs, then no task,
-        no step, no progress message of the loop's). False: ``run_lane`` serves it (nothing was
-        changed): whatever that path would refuse, or serve otherwise, comes back to it."""
-        started, arrival = time.perf_counter(), time.monotonic_ns()
+    def fast_lane(self, client_id: str, lane: Lane, slot: int, rpc: int, data: bytes, counted: bool) -> bool:
+        """A Get or Put handed over by the data plane, served without a task where the plane can
+        copy it while nothing else of its client is in flight (``CacheOps.get_on_plane``,
+        ``put_on_plane``: the checks and plan the RPC runs, then no task, no step, no progress
+        message of the loop's). False: ``run_lane`` serves it (nothing was changed): whatever that
+        path would refuse, or serve otherwise, comes back to it."""
+        started = time.perf_counter()
+        if rpc == ring.RPC_PUT:
+            request = _lenient(pb.PutRequest)(data)
+            if isinstance(request, MalformedRequest) or request.client_id != client_id:
+                return False
+            return self._fast_put(request, lane, slot, counted, started)
         request = _lenient(pb.GetRequest)(data)
         if isinstance(request, MalformedRequest) or request.client_id != client_id:
             return False
+        arrival = time.monotonic_ns()
 
         def answer(found: int) -> Answer:  # the plane says found at once, then copies
             return Answer(lane.plane_handle, slot, found, request.timeout_ms, arrival)
@@ -506,6 +514,27 @@ class KVServicer(pb_grpc.KVServerServicer):
             lane.answer_none_found(slot)
             lane.answered(counted)
             self.metrics.observe("Get", started)
+        return True
+
+    def _fast_put(self, request: pb.PutRequest, lane: Lane, slot: int, counted: bool, started: float) -> bool:
+        def answer(got: PutOutcome | None, error: BaseException | None) -> None:
+            if got is not None:
+                if got.stored:  # a copy ran (as Stats counts: a Put of nothing new copies nothing)
+                    self.metrics.transfers.add("put", got.bytes, "ring")
+                response = pb.PutResponse(stored=got.stored, present=got.present, dropped=got.dropped,
+                                          bytes=got.bytes).SerializeToString()
+                lane.answer_now(slot, response)
+            else:
+                code, text = status_of(error)
+                lane.answer_now(slot, b"", int(code), text)
+            lane.answered(counted)
+            self.metrics.observe("Put", started)
+
+        got = self.cache.put_on_plane(request, answer)
+        if got is None:
+            return False
+        if got is not True:  # nothing to copy: answered now
+            answer(got, None)
         return True
 
     async def run_lane(self, client_id: str, rpc: str, data: bytes, progress: Callable[[Any], None]) -> bytes:

@@ -424,22 +424,23 @@ class CacheOps:
             if not job.submitted:  # it never reached the medium, so nothing will settle it
                 complete(False)
 
-    def get_on_plane(self, req: pb.GetRequest, answer: Callable[[int], Any | None],
+    def get_on_plane(self, req: pb.GetRequest, answer: Callable[[int], Any],
                      ended: Callable[[bool, int], None]) -> int | None:
-        """``get`` for a request the data plane can copy and answer by itself, all of it now, on
+        """``get`` for a lane Get the data plane can copy and answer by itself, all of it now, on
         the loop: the same checks and plan, then the copy handed to the plane with
-        ``answer(found)`` (the ``Answer`` of its slot; the caller has said ``found`` there),
-        and ``ended(ok, bytes)`` called on the loop once it is over and its pages are let go
-        (also if what comes before it raises: it is what gives the request back to its lane).
+        ``answer(found)`` (the ``Answer`` of its slot: the plane says ``found`` there at once),
+        and ``ended(ok, bytes)`` called on the loop once it is over and its pages are let go.
         Returns the pages found (0: nothing to copy, nothing running), or None where this is not
-        such a Get (nothing changed: ``get`` serves it): one whose client copies elsewhere
-        meanwhile, with tiers to read back from, events, leases or parts, more keys than a step
-        holds, or any the checks refuse (``get`` gives the error)."""
+        such a Get, decided before anything is changed (``get`` serves it): a client not
+        ``Copier.alone``, tiers to read back from, events, leases or parts, more keys than a step
+        holds, a load the copy workers would split, or anything the checks refuse (``get`` gives
+        the error)."""
         if (req.parts or req.lease_id or req.ready_event or req.event_slot or self.disk is not None
                 or self.cluster is not None or len(req.keys) > STEP_KEYS * max(1, req.key_bytes)):
             return None
+        copier = self.kv.copier
         client = self.kv.clients.get(req.client_id)
-        if client is None or client.closing or client.gate is None:
+        if client is None or client.closing or not copier.alone(client):
             return None
         try:
             keys = Keys.unpack(req.keys, req.key_bytes, self._max_keys)
@@ -447,6 +448,10 @@ class CacheOps:
             local_layers = client.spec.layers.select(req.layers)
         except KVError:
             return None
+        spec = client.spec
+        if copier.splits(len(keys) * spec.page_size * spec.token_bytes * spec.layout.num_parts
+                         * len(local_layers), True):
+            return None  # (were every key found)
         self.kv.client(client.client_id)  # its lease, renewed as every call renews it
         plan = self.cache.prepare_get(self._part(client), keys)
         if not plan.pages:
@@ -454,11 +459,11 @@ class CacheOps:
             return 0
         try:
             job = self._job(client, plan.offsets, pages[:plan.pages], local_layers, b"", 0, 0.0)
-            fut = self.kv.copier.answer(job, answer(plan.pages))
+            fut = copier.run_alone(job, True, answer(plan.pages))
         except BaseException:
             self.cache.complete_get(plan, False)
             raise
-        if fut is None:
+        if fut is None:  # the plane refused it after all (stopping, out of memory): the task serves it
             self.cache.complete_get(plan, False)
             return None
         nbytes = job.bytes_per_layer * len(local_layers)
@@ -466,7 +471,7 @@ class CacheOps:
         def settle(f: Future) -> None:  # on the loop, where the plane's ends are taken
             ok = f.exception() is None
             try:
-                self.kv.copier.answered(job)
+                copier.ended_alone(job)
                 self.cache.complete_get(plan, ok)
                 if ok:
                     client.counters.bytes_loaded += nbytes
@@ -476,6 +481,68 @@ class CacheOps:
 
         fut.add_done_callback(settle)
         return plan.pages
+
+    def put_on_plane(self, req: pb.PutRequest,
+                     ended: Callable[[PutOutcome | None, BaseException | None], None],
+                     ) -> PutOutcome | bool | None:
+        """``put`` for a lane Put the data plane can copy while the loop does nothing else for it:
+        the same checks and plan (``prepare_put``), its copy handed to the plane, and its pages
+        committed (or freed) when the copy ends, with the tiers' hooks (``_settled``). Returns the
+        outcome at once when nothing is to be copied; True when the copy runs, and
+        ``ended(outcome, None)``, or ``ended(None, error)`` for a copy stopped, follows on the
+        loop once it is committed; None where this is not such a Put, decided before anything is
+        changed (``put`` serves it): a client not ``Copier.alone``, a ready event, keys another
+        Put is writing (``put`` waits for those), more keys than a step holds, or anything the
+        checks refuse."""
+        if req.ready_event or len(req.keys) > STEP_KEYS * max(1, req.key_bytes):
+            return None
+        copier = self.kv.copier
+        client = self.kv.clients.get(req.client_id)
+        if client is None or client.closing or not copier.alone(client):
+            return None
+        try:
+            keys = Keys.unpack(req.keys, req.key_bytes, self._max_keys)
+            pages = self._checked_pages(client, keys, req.device_pages, b"", 0)
+        except KVError:
+            return None
+        part = self._part(client)
+        if self.cache.writing(part, keys):
+            return None
+        self.kv.client(client.client_id)  # its lease, renewed as every call renews it
+        plan = self.cache.prepare_put(part, keys)
+        n = plan.positions.size
+        if n == 0:
+            self.cache.complete_put(plan, True)
+            return PutOutcome(0, plan.present, plan.dropped, 0)
+        try:
+            job = self._job(client, plan.offsets, pages[plan.positions], client.spec.layers.select([]),
+                            b"", 0, self.kv.deadline(req.timeout_ms))
+            fut = copier.run_alone(job, False)
+        except BaseException:
+            self.cache.complete_put(plan, False)
+            raise
+        if fut is None:  # the plane refused it after all (stopping, out of memory): the task serves it
+            self.cache.complete_put(plan, False)
+            return None
+        loop = asyncio.get_running_loop()
+        timer = loop.call_at(job.deadline, job.stop, "deadline") if job.deadline > 0 else None
+        nbytes = job.bytes_per_layer * len(job.local_layers)
+
+        def settle(f: Future) -> None:  # on the loop, where the plane's ends are taken
+            if timer is not None:
+                timer.cancel()
+            error = f.exception()
+            try:
+                copier.ended_alone(job)
+                self._settled(plan, error is None)
+                if error is None:
+                    client.counters.bytes_written += nbytes
+                    client.counters.write_ops += 1
+            finally:
+                ended(PutOutcome(n, plan.present, plan.dropped, nbytes) if error is None else None, error)
+
+        fut.add_done_callback(settle)
+        return True
 
     async def _promote(self, part: Part, keys: Keys, deadline: float) -> np.ndarray:
         """Reads into host pages the pages of the leading keys stored that only the disk holds,

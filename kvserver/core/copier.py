@@ -95,6 +95,7 @@ class Copier:
         # (address, bytes): a cache copy of a client whose plane turn it holds is copied there.
         self.plane: Any = None
         self.arena_span: tuple[int, int] = (0, 0)
+        self.alone_copies = 0  # copies run_alone handed to the data plane
         self._executor = CopyQueue(copy_threads)
         self._waiters = ThreadPoolExecutor(DEVICE_WAITERS, thread_name_prefix="kvdev-wait")
 
@@ -238,37 +239,45 @@ class Copier:
         cf.add_done_callback(lambda f: loop.call_soon_threadsafe(finish, f))
         return fut
 
-    def answer(self, job: ClientJob, answer: Any) -> Future | None:
-        """Has the data plane's thread copy ``job``, a load the loop planned (a Get's), and answer
-        the lane slot ``answer`` names (``kvserver.lane.plane.Answer``) as it answers its own
-        Loads, with no task or step of the loop in between. Only while nothing else of the client
-        is in flight (no copy of the loop's or the plane's, no other request handed over: so
-        nothing is to be ordered behind) and where the plane would copy the job whole (not one the
-        copy workers split). None: not taken, nothing changed. Else the future settles on the
-        loop once the copy has ended; ``answered`` then ends the job."""
-        client = job.client
+    def alone(self, client: ClientState) -> bool:
+        """Whether nothing of ``client`` is in flight besides the one request the data plane handed
+        over to the loop: no copy of the loop's or the plane's, no other handed-over request. A
+        copy started then has nothing to be ordered behind (``run_alone``)."""
         gate = client.gate
-        if (self.plane is None or gate is None or client.inflight or gate.inflight or gate.x_inflight
-                or gate.py_inflight != 1 or self._splits(job, True)):
+        return (self.plane is not None and gate is not None and not client.inflight and not gate.inflight
+                and not gate.x_inflight and gate.py_inflight == 1)
+
+    def run_alone(self, job: ClientJob, to_device: bool, answer: Any = None) -> Future | None:
+        """Has the data plane's thread copy ``job``, which the loop planned for a request the plane
+        handed over (a Get's load, a Put's write), with no task or step of the loop in between;
+        ``answer`` (a load's): the plane also answers the lane slot it names
+        (``kvserver.lane.plane.Answer``) as it answers its own Loads. Only while the client is
+        ``alone`` and where the plane would copy the job whole (not a load the copy workers
+        split). None: not taken, nothing changed. Else the future settles on the loop once the
+        copy has ended; ``ended_alone`` then ends the job."""
+        client = job.client
+        if not self.alone(client) or self._splits(job, to_device):
             return None
         if client.order is None:
             client.order = JobOrder(client.busy.size, client.device.num_tokens, client.spec.page_size)
-        job.after = client.order.admit(job, True)  # none: nothing is in flight
+        job.after = client.order.admit(job, to_device)  # none: nothing is in flight
         client.inflight += 1
         client.jobs.add(job)
         try:
-            fut = self.plane.copy(gate, job, True, None, self.arena_span, self._executor.recheck, answer)
+            fut = self.plane.copy(client.gate, job, to_device, None, self.arena_span, self._executor.recheck,
+                                  answer)
         except BaseException:
-            self.answered(job)
+            self.ended_alone(job)
             raise
         if fut is None:
-            self.answered(job)
+            self.ended_alone(job)
             return None
         job.submitted = True
+        self.alone_copies += 1
         return fut
 
-    def answered(self, job: ClientJob) -> None:
-        """``answer``'s job is over: later copies of its client need not wait for it."""
+    def ended_alone(self, job: ClientJob) -> None:
+        """``run_alone``'s job is over: later copies of its client need not wait for it."""
         client = job.client
         if client.order is not None:
             client.order.finished(job)
@@ -289,11 +298,14 @@ class Copier:
         return lambda j, load, signal: self.plane.copy(gate, j, load, signal, span, recheck)
 
     def _splits(self, job: ClientJob, to_device: bool) -> bool:
-        """Whether the copy workers, splitting the job's layers over all of them, copy it sooner
+        return self.splits(job.bytes_per_layer * len(job.local_layers), to_device)
+
+    def splits(self, nbytes: int, to_device: bool) -> bool:
+        """Whether the copy workers, splitting a copy of ``nbytes`` over all of them, copy it sooner
         than the plane's one thread does: a load of ``SPLIT_LOAD_BYTES`` or more."""
         big = workers.PARALLEL_BYTES
         return (to_device and big is not None and self._executor.threads > 1
-                and job.bytes_per_layer * len(job.local_layers) >= max(big, SPLIT_LOAD_BYTES))
+                and nbytes >= max(big, SPLIT_LOAD_BYTES))
 
     def _release(self, job: ClientJob, signal: LayerSignal | None, queued: bool = False) -> None:
         self.queued -= queued

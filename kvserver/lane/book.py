@@ -77,8 +77,8 @@ class LaneBook:
                  run_space: Runner | None = None, fast: Callable[..., bool] | None = None) -> None:
         self.core = core
         self.run = run  # run(client_id, rpc, request bytes, progress): a registration's lane request
-        # fast(client_id, lane, slot, request bytes, counted): a Get the data plane copies and
-        # answers, served without a task (server.FastGet), for the lanes the plane serves
+        # fast(client_id, lane, slot, rpc id, request bytes, counted): a Get or Put the data plane
+        # copies, served without a task (server.Fast), for the lanes the plane serves
         self.fast = fast
         self.run_space = run_space  # run_space(space_id, ...): a space lane's request
         self.space_lanes: set[Lane] = set()

@@ -35,10 +35,10 @@ _REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 # run(rpc name, request bytes, progress callback) -> response bytes; raises as the RPC would.
 Runner = Callable[[str, bytes, Callable[[Any], None]], Awaitable[bytes]]
-# fast(lane, slot, request bytes, counted) -> True: a handed-over Get served at once, without a task
-# (the data plane copies it and answers its slot, or the lane answers it now: ``Lane.answered``
+# fast(lane, slot, rpc id, request bytes, counted) -> True: a handed-over Get or Put served
+# without a task (the data plane copies it; it or the loop answers the slot: ``Lane.answered``
 # follows either way); False: not one for that path, nothing was changed, ``take`` serves it.
-FastGet = Callable[["Lane", int, bytes, bool], bool]
+Fast = Callable[["Lane", int, int, bytes, bool], bool]
 
 
 def _check_doorbell(fd: int, what: str) -> socket.socket:
@@ -122,7 +122,7 @@ class Lane:
 
     def __init__(self, owner: str, ring: ShmMapping, submit: socket.socket, done: list[socket.socket],
                  run: Runner, on_served: Callable[[], None] | None = None, *,
-                 close_when_gone: bool = False, peer_gone_fd: int = -1, fast: FastGet | None = None) -> None:
+                 close_when_gone: bool = False, peer_gone_fd: int = -1, fast: Fast | None = None) -> None:
         self.owner = owner
         self.close_when_gone = close_when_gone
         self._closing: asyncio.Task | None = None
@@ -220,15 +220,16 @@ class Lane:
         mm = self._mm
         rpc, seq, n = R.CALL.unpack_from(mm, off + R.RPC_AT)
         data = bytes(mm[off + R.REQUEST_AT: off + R.REQUEST_AT + min(n, R.REQUEST_BYTES)])  # private copy
-        if rpc == R.RPC_GET and self._fast is not None and n <= R.REQUEST_BYTES:
+        if (rpc == R.RPC_GET or rpc == R.RPC_PUT) and self._fast is not None and n <= R.REQUEST_BYTES:
             try:
-                if self._fast(self, i, data, counted):
+                if self._fast(self, i, rpc, data, counted):
                     return
-            except Exception:  # FastGet changes nothing before it says True: the task serves it
-                logger.exception("the plane's Get path failed on %s; the event loop serves it", self.owner)
+            except Exception:  # Fast changes nothing before it says True: the task serves it
+                logger.exception("the plane's Get or Put path failed on %s; the event loop serves it",
+                                 self.owner)
         self._tasks[i] = asyncio.ensure_future(self._serve(i, rpc, seq, n, data))
 
-    # ---- a Get served without a task (FastGet) -----------------------------------------------
+    # ---- a Get or Put served without a task (Fast) -------------------------------------------
 
     @property
     def plane_handle(self) -> int:
@@ -237,18 +238,34 @@ class Lane:
 
     def answer_none_found(self, i: int) -> None:
         """Answers handed-over Get ``i`` that found no page: done, as ``_serve`` ends one."""
+        self._answer(i, R.FLAG_JOB_ENDED | R.FLAG_DONE, b"", 0, "")
+
+    def answer_now(self, i: int, response: bytes, code: int = 0, message: str = "") -> None:
+        """Answers handed-over unary request ``i`` (a Put) with ``response``, or ``code`` and
+        ``message``, as ``_serve`` ends one (nothing is written to a closed lane's ring)."""
+        self._answer(i, R.FLAG_JOB_ENDED, response[: R.RESPONSE_BYTES], code, message)
+
+    def _answer(self, i: int, flags: int, response: bytes, code: int, message: str) -> None:
+        if self._closed:
+            return
         off = R.slot_offset(i)
         mm = self._mm
         seq = R.CALL.unpack_from(mm, off + R.RPC_AT)[1]
+        text = message.encode()[: R.ERROR_BYTES]
         self._plane.release_slot(self._handle, i)
-        R.PROGRESS.pack_into(mm, off + R.PROGRESS_AT, 0, 0, 0, 0, 0, 1, R.FLAG_JOB_ENDED | R.FLAG_DONE)
-        R.RESULT.pack_into(mm, off + R.CODE_AT, 0, 0, 0)
+        if flags & R.FLAG_DONE:
+            R.PROGRESS.pack_into(mm, off + R.PROGRESS_AT, 0, 0, 0, 0, 0, 1, flags)
+        else:
+            R.U32.pack_into(mm, off + R.PROGRESS_AT + 28, flags)
+        mm[off + R.RESPONSE_AT: off + R.RESPONSE_AT + len(response)] = response
+        mm[off + R.ERROR_AT: off + R.ERROR_AT + len(text)] = text
+        R.RESULT.pack_into(mm, off + R.CODE_AT, code, len(response), len(text))
         R.DONE_SEQ.pack_into(mm, off + R.DONE_SEQ_AT, seq)
         R.U32.pack_into(mm, off + R.STATE, R.DONE)
         self._ring_done(i)
 
     def answered(self, counted: bool) -> None:
-        """A Get served through ``FastGet`` has ended (its slot answered, or its lane gone)."""
+        """A Get or Put served through ``Fast`` has ended (its slot answered, or its lane gone)."""
         self.served += 1
         self._served_elsewhere(counted)
 

@@ -1,9 +1,11 @@
-"""A Get on the lane of a registration the data plane serves, served without a task: the event
-loop checks and plans it where the plane hands it over (the RPC's own checks and plan) and the
-plane's thread copies it and answers its slot (``CacheOps.get_on_plane``, ``DataPlane.copy`` with
-an ``Answer``). The same answers as the gRPC Get, bit exact; never ahead of an earlier copy of the
-registration; its deadline, its client's release and a lane closing mid-copy end it and let its
-pages go. Real daemon, real client, real shared memory."""
+"""A Get or Put on the lane of a registration the data plane serves, served without a task while
+nothing else of its client is in flight: the event loop checks and plans it where the plane hands
+it over (the RPC's own checks and plan) and the plane's thread copies it; a Get's copy also
+answers its slot (``CacheOps.get_on_plane``, ``DataPlane.copy`` with an ``Answer``), a Put is
+answered by the loop once its pages are committed (``put_on_plane``). The same answers as the
+gRPC calls, bit exact; never ahead of an earlier copy of the registration; a deadline, the
+client's release and a lane closing mid-copy end it and let its pages go. Real daemon, real
+client, real shared memory."""
 
 from __future__ import annotations
 
@@ -187,3 +189,65 @@ def _until(cond, seconds: float = 10) -> None:
     while not cond():
         assert time.monotonic() < deadline, "not reached in time"
         time.sleep(0.01)
+
+
+def test_a_lane_put_is_copied_alone_and_committed_before_its_answer(plane_daemon) -> None:
+    """New keys: stored, committed (a Lookup right after finds them) and bit exact; the same keys
+    again: present, nothing copied; some new, some stored: the same counts as a gRPC Put gives."""
+    d = plane_daemon
+    copier = d.core.copier
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c, \
+            KVClient(d.address, timeout=10, resilient=False, lane="grpc") as g:
+        g.register(model="plane", pool=pool, start_layer=START, end_layer=START + LAYERS,
+                   num_layers=START + LAYERS + 2, host_tokens=TOKENS, page_size=PAGE)
+        _fill(pool, 35)
+        src = torch.randperm(PAGES)
+        want = _pages_of(pool, src)
+        alone = copier.alone_copies
+        got = c.put(_keys("p"), src)
+        assert (got.stored, got.present, got.dropped) == (PAGES, 0, 0) and got.bytes > 0
+        assert copier.alone_copies == alone + 1, "the Put did not take the plane's path alone"
+        assert c.lookup(_keys("p")).pages == PAGES  # committed before the answer
+        again = c.put(_keys("p"), src)
+        assert (again.stored, again.present, again.bytes) == (0, PAGES, 0)
+        assert copier.alone_copies == alone + 1  # nothing to copy
+        dst = torch.arange(PAGES, 2 * PAGES)
+        _zero(pool)
+        assert g.get(_keys("p"), dst).wait(timeout=10) > 0
+        assert all(torch.equal(x, y) for x, y in zip(_pages_of(pool, dst), want, strict=True))
+        # Half new, half stored: the same counts on both lanes (each Put its own new keys).
+        mixed = _keys("p")[:8] + _keys("q")[:8]
+        on_lane = c.put(mixed, torch.arange(16))
+        on_grpc = g.put(_keys("p")[:8] + _keys("r")[:8], torch.arange(16))
+        assert (on_lane.stored, on_lane.present) == (on_grpc.stored, on_grpc.present) == (8, 8)
+        assert copier.alone_copies == alone + 2
+        with pytest.raises(KVClientError) as exc:
+            c.put(_keys("s")[:2], torch.tensor([3, 3]))
+        assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT, exc.value
+        assert c.lookup(_keys("s")[:2]).pages == 0
+    assert _readers(d) == (0, 0)
+
+
+def test_a_lane_put_past_its_deadline_stores_nothing_and_the_next_one_goes_alone(plane_daemon) -> None:
+    d = plane_daemon
+    engine, copier = d.core.plane.engine, d.core.copier
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c, \
+            KVClient(d.address, timeout=0.3, resilient=False) as hasty:
+        hasty.register(model="plane", pool=pool, start_layer=START, end_layer=START + LAYERS,
+                       num_layers=START + LAYERS + 2, host_tokens=TOKENS, page_size=PAGE)
+        _fill(pool, 36)
+        alone = copier.alone_copies
+        engine.pause(True)
+        try:
+            with pytest.raises(KVClientError) as exc:
+                hasty.put(_keys("t"), torch.arange(PAGES))
+        finally:
+            engine.pause(False)
+        assert exc.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, exc.value
+        assert copier.alone_copies == alone + 1
+        _until(lambda: d.run(lambda: engine.jobs) == 0)
+        assert c.lookup(_keys("t")).pages == 0  # nothing half written is found
+        got = hasty.put(_keys("t"), torch.arange(PAGES))  # its count was given back: alone again
+        assert got.stored == PAGES and copier.alone_copies == alone + 2
+        hasty.unregister()
+    assert _readers(d) == (0, 0)
