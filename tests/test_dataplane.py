@@ -86,7 +86,8 @@ def test_a_lookup_on_the_lane_keeps_no_copy_of_its_registration_off_the_plane(pl
 
     with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, _client(d, pool) as c:
         host, dev = c.alloc(PAGE), torch.arange(PAGE)
-        ops.lookup = held
+        real_now = ops.lookup_now
+        ops.lookup, ops.lookup_now = held, lambda req: None  # one that waits: a task serves it
         looker = threading.Thread(target=lambda: c.lookup([b"k" * 16]))
         try:
             looker.start()
@@ -99,7 +100,7 @@ def test_a_lookup_on_the_lane_keeps_no_copy_of_its_registration_off_the_plane(pl
         finally:
             go.set()
             looker.join(10)
-            ops.lookup = real
+            ops.lookup, ops.lookup_now = real, real_now
 
 
 def test_what_the_plane_refuses_is_answered_by_the_one_validation(plane_daemon) -> None:

@@ -9,6 +9,7 @@ client, real shared memory."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -77,6 +78,11 @@ def test_a_lane_get_is_answered_by_the_plane_as_the_rpc_answers_it(plane_daemon)
     assert _readers(d) == (0, 0), "a page is still held as being read"
 
 
+def _misses(d) -> int:
+    tenant = f"uid:{os.getuid()}"
+    return d.run(lambda: d.core.cache.tenants.get(tenant).counters.misses)
+
+
 def _pages_of_want(want: list[torch.Tensor], n: int) -> list[torch.Tensor]:
     # want holds the first put's pages, per (layer, part) buffer, page after page: the first n pages.
     return [w[: n * PAGE] for w in want]
@@ -103,17 +109,20 @@ def test_a_lane_get_never_overtakes_an_earlier_write_of_its_device_pages(plane_d
             writer.start()
             while engine.jobs < 1:
                 time.sleep(0.001)
-            handle = c.get(_keys("w"), p)
+            misses = _misses(d)
+            handle = c.get(_keys("w")[:28] + _keys("x")[:4], p)  # 4 misses, counted once
             time.sleep(0.2)
             assert not handle.landed(START), "the Get overtook the Write reading its pages"
         finally:
             engine.pause(False)
         writer.join(30)
-        assert result["write"] > 0 and handle.wait(timeout=30) > 0
+        assert result["write"] > 0 and handle.wait(timeout=30) > 0 and handle.pages() == 28
         assert plane.answered == answered, "the Get took the plane's path with a copy in flight"
+        assert _misses(d) == misses + 4, "the Get's misses were counted twice"
         _zero(pool)
         assert c.load(host_indices=host, device_indices=torch.arange(TOKENS)).wait(timeout=10) > 0
         assert all(torch.equal(x, y) for x, y in zip(_pages_of(pool, p), before, strict=True))
+        assert c.put(_keys("w")[28:], p[28:]).present == 4  # (the Get did not store)
         # Nothing in flight any more: the next Get takes the plane's path again.
         assert c.get(_keys("w"), p).wait(timeout=10) > 0 and plane.answered == answered + 1
 
@@ -250,4 +259,31 @@ def test_a_lane_put_past_its_deadline_stores_nothing_and_the_next_one_goes_alone
         got = hasty.put(_keys("t"), torch.arange(PAGES))  # its count was given back: alone again
         assert got.stored == PAGES and copier.alone_copies == alone + 2
         hasty.unregister()
+    assert _readers(d) == (0, 0)
+
+
+def test_a_lane_lookup_is_answered_at_once_as_the_rpc_answers_it(plane_daemon) -> None:
+    """A Lookup on the lane runs whole where the plane hands it over: the same pages as the gRPC
+    Lookup (a prefix, a miss), a lease that pins what it found (a Get names it), and a refusal
+    (pin_ms past its bound) with the RPC's status."""
+    d = plane_daemon
+    ops = d.daemon.servicer.cache
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c, \
+            KVClient(d.address, timeout=10, resilient=False, lane="grpc") as g:
+        g.register(model="plane", pool=pool, start_layer=START, end_layer=START + LAYERS,
+                   num_layers=START + LAYERS + 2, host_tokens=TOKENS, page_size=PAGE)
+        _fill(pool, 37)
+        assert c.put(_keys("k")[:12], torch.arange(12)).stored == 12
+        now = ops.lookups_now
+        for keys in (_keys("k"), _keys("k")[:5], _keys("nope")[:3], []):
+            assert c.lookup(keys).pages == g.lookup(keys).pages
+        assert ops.lookups_now == now + 4, "the lane's Lookups did not run at once"
+        pinned = c.lookup(_keys("k"), pin_ms=30_000)
+        assert pinned.pages == 12 and pinned.lease_id
+        assert d.run(lambda: len(d.core.cache.leases.leases)) == 1
+        assert c.get(_keys("k")[:12], torch.arange(12, 24), lease_id=pinned.lease_id).wait(timeout=10) > 0
+        c.release([pinned.lease_id])
+        with pytest.raises(KVClientError) as exc:
+            c.lookup(_keys("k"), pin_ms=10**9)
+        assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT, exc.value
     assert _readers(d) == (0, 0)

@@ -486,9 +486,24 @@ class KVServicer(pb_grpc.KVServerServicer):
         """A Get or Put handed over by the data plane, served without a task where the plane can
         copy it while nothing else of its client is in flight (``CacheOps.get_on_plane``,
         ``put_on_plane``: the checks and plan the RPC runs, then no task, no step, no progress
-        message of the loop's). False: ``run_lane`` serves it (nothing was changed): whatever that
-        path would refuse, or serve otherwise, comes back to it."""
+        message of the loop's); a Lookup that runs whole at once (``lookup_now``). False:
+        ``run_lane`` serves it (nothing was changed): whatever that path would refuse, or serve
+        otherwise, comes back to it."""
         started = time.perf_counter()
+        if rpc == ring.RPC_LOOKUP:
+            request = _lenient(pb.LookupRequest)(data)
+            if (isinstance(request, MalformedRequest) or request.client_id != client_id
+                    or request.space_id):
+                return False
+            found = self.cache.lookup_now(request)
+            if found is None:
+                return False
+            lane.answer_now(slot, pb.LookupResponse(pages=found.pages, lease_id=found.lease_id,
+                                                    disk_pages=found.lower,
+                                                    cluster_pages=found.cluster).SerializeToString())
+            lane.answered(counted)
+            self.metrics.observe("Lookup", started)
+            return True
         if rpc == ring.RPC_PUT:
             request = _lenient(pb.PutRequest)(data)
             if isinstance(request, MalformedRequest) or request.client_id != client_id:

@@ -45,7 +45,7 @@ from kvserver.store import (
 )
 from kvserver.store.keys import leading
 from kvserver.store.pages import COMMITTED, WRITING
-from kvserver.store.steps import STEP_KEYS
+from kvserver.store.steps import STEP_KEYS, run_steps
 from kvserver.v1 import kvserver_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -111,6 +111,7 @@ class CacheOps:
         self.disk = kv.disk  # the tier under the host cache, or None
         self.cluster = kv.cluster  # the tier shared with other nodes, or None
         self.lower = self.disk.holds if self.disk is not None else None
+        self.lookups_now = 0  # lane Lookups served without a task (lookup_now)
 
     # ---- who is asking ----------------------------------------------------------------------
 
@@ -167,18 +168,7 @@ class CacheOps:
         if req.pin_ms > MAX_PIN_MS:
             raise InvalidArgument(f"pin_ms is {req.pin_ms}; at most {MAX_PIN_MS}")
         keys = await in_steps(self.kv.share, Keys.unpack_steps(req.keys, req.key_bytes, self._max_keys))
-        target: Part | Space
-        if client is not None:
-            part = self._part(client)
-            target = part.space if req.whole_space else part
-        else:
-            target = self.cache.space(key)
-        if isinstance(target, Space) and self.disk is not None and not req.memory_only:
-            for part_key in self.disk.part_keys(target.key):  # parts host memory has no page of
-                try:
-                    self.cache.part(target, part_key)
-                except KVError:  # another shape under the same rank: its pages are not this space's
-                    pass
+        target = self._lookup_target(client, key, req)
         lower = None if req.memory_only else self.lower
         found = await in_steps(self.kv.share, self.cache.lookup_steps(target, keys, req.pin_ms, lower))
         if self.disk is not None:
@@ -198,6 +188,44 @@ class CacheOps:
                 raise
             if more:
                 found = found._replace(pages=found.pages + more, cluster=more)
+        return found
+
+    def _lookup_target(self, client: ClientState | None, key: SpaceKey | None,
+                       req: pb.LookupRequest) -> Part | Space:
+        target: Part | Space
+        if client is not None:
+            part = self._part(client)
+            target = part.space if req.whole_space else part
+        else:
+            target = self.cache.space(key)
+        if isinstance(target, Space) and self.disk is not None and not req.memory_only:
+            for part_key in self.disk.part_keys(target.key):  # parts host memory has no page of
+                try:
+                    self.cache.part(target, part_key)
+                except KVError:  # another shape under the same rank: its pages are not this space's
+                    pass
+        return target
+
+    def lookup_now(self, req: pb.LookupRequest) -> Found | None:
+        """``lookup`` all of it now, for a lane Lookup served without a task: the same checks and
+        steps, run at once. None where it is not one that runs whole at once, or where the checks
+        refuse it (``lookup`` serves it, and gives the error): more keys than a step holds, a
+        cluster to ask."""
+        if self.cluster is not None or len(req.keys) > STEP_KEYS * max(1, req.key_bytes):
+            return None
+        try:
+            tenant, client, key = self._target(req.client_id, req.space_id)
+            if req.pin_ms > MAX_PIN_MS:
+                return None
+            keys = Keys.unpack(req.keys, req.key_bytes, self._max_keys)
+            target = self._lookup_target(client, key, req)
+            lower = None if req.memory_only else self.lower
+            found = run_steps(self.cache.lookup_steps(target, keys, req.pin_ms, lower))
+        except KVError:
+            return None
+        if self.disk is not None:
+            self.disk.counters.hits += found.lower
+        self.lookups_now += 1
         return found
 
     def events(self, req: pb.EventsRequest) -> tuple[str, list[LoggedEvent], int, bool]:
@@ -249,10 +277,13 @@ class CacheOps:
         else:
             tokens = (device_pages[:, None] * p + np.arange(p, dtype=np.int64)).reshape(-1)
             plan = transfer.CopyPlan(offsets, tokens, False, p)
+        return ClientJob(client, plan, local_layers, np.empty(0, dtype=np.int64), bytes(ready_event),
+                         event_slot, deadline, host_table=self._cache_table(client))
+
+    def _cache_table(self, client: ClientState) -> transfer.BufferTable:
         if client.cache_table is None:
             client.cache_table = cache_table(self.kv.arena.address, client.spec)
-        return ClientJob(client, plan, local_layers, np.empty(0, dtype=np.int64), bytes(ready_event),
-                         event_slot, deadline, host_table=client.cache_table)
+        return client.cache_table
 
     async def put(self, req: pb.PutRequest) -> PutOutcome:
         client = self.kv.client(req.client_id)
@@ -450,8 +481,9 @@ class CacheOps:
             return None
         spec = client.spec
         if copier.splits(len(keys) * spec.page_size * spec.token_bytes * spec.layout.num_parts
-                         * len(local_layers), True):
-            return None  # (were every key found)
+                         * len(local_layers), True) or not copier.takes_rows(self._cache_table(client),
+                                                                               spec.page_size):
+            return None  # (the split: were every key found)
         self.kv.client(client.client_id)  # its lease, renewed as every call renews it
         plan = self.cache.prepare_get(self._part(client), keys)
         if not plan.pages:
@@ -463,7 +495,7 @@ class CacheOps:
         except BaseException:
             self.cache.complete_get(plan, False)
             raise
-        if fut is None:  # the plane refused it after all (stopping, out of memory): the task serves it
+        if fut is None:  # the plane refused it after all (stopping): the task serves it, planned again
             self.cache.complete_get(plan, False)
             return None
         nbytes = job.bytes_per_layer * len(local_layers)
@@ -472,12 +504,14 @@ class CacheOps:
             ok = f.exception() is None
             try:
                 copier.ended_alone(job)
-                self.cache.complete_get(plan, ok)
-                if ok:
-                    client.counters.bytes_loaded += nbytes
-                    client.counters.load_ops += 1
             finally:
-                ended(ok, nbytes if ok else 0)
+                try:
+                    self.cache.complete_get(plan, ok)  # whatever else fails, the pages go
+                    if ok:
+                        client.counters.bytes_loaded += nbytes
+                        client.counters.load_ops += 1
+                finally:
+                    ended(ok, nbytes if ok else 0)
 
         fut.add_done_callback(settle)
         return plan.pages
@@ -504,6 +538,8 @@ class CacheOps:
             keys = Keys.unpack(req.keys, req.key_bytes, self._max_keys)
             pages = self._checked_pages(client, keys, req.device_pages, b"", 0)
         except KVError:
+            return None
+        if not copier.takes_rows(self._cache_table(client), client.spec.page_size):
             return None
         part = self._part(client)
         if self.cache.writing(part, keys):
@@ -534,12 +570,14 @@ class CacheOps:
             error = f.exception()
             try:
                 copier.ended_alone(job)
-                self._settled(plan, error is None)
-                if error is None:
-                    client.counters.bytes_written += nbytes
-                    client.counters.write_ops += 1
             finally:
-                ended(PutOutcome(n, plan.present, plan.dropped, nbytes) if error is None else None, error)
+                try:
+                    self._settled(plan, error is None)  # whatever else fails, the pages are settled
+                    if error is None:
+                        client.counters.bytes_written += nbytes
+                        client.counters.write_ops += 1
+                finally:
+                    ended(PutOutcome(n, plan.present, plan.dropped, nbytes) if error is None else None, error)
 
         fut.add_done_callback(settle)
         return True

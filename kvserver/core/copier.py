@@ -247,6 +247,10 @@ class Copier:
         return (self.plane is not None and gate is not None and not client.inflight and not gate.inflight
                 and not gate.x_inflight and gate.py_inflight == 1)
 
+    def takes_rows(self, table: Any, page_size: int) -> bool:
+        """Whether the data plane copies host rows laid out as ``table`` (a client's cache table)."""
+        return self.plane is not None and self.plane.host_rows(table, page_size, self.arena_span) is not None
+
     def run_alone(self, job: ClientJob, to_device: bool, answer: Any = None) -> Future | None:
         """Has the data plane's thread copy ``job``, which the loop planned for a request the plane
         handed over (a Get's load, a Put's write), with no task or step of the loop in between;

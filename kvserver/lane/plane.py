@@ -76,7 +76,7 @@ class DataPlane:
         # (its future, its job, whose stop word and progress the thread reads and writes, its gate).
         self._copies: dict[int, tuple[Future, Job, Any, LayerSignal | None, Callable[[], None]]] = {}
         self._tickets = itertools.count(1)
-        self._rows: dict[int, tuple[Any, tuple[int, int], tuple[int, int, int] | None]] = {}  # _host_rows
+        self._rows: dict[int, tuple[Any, Any, tuple[int, int, int] | None]] = {}  # host_rows
         self.copies = 0  # the loop's copies it has taken
         self.answered = 0  # of those, the ones that answered their lane slot (a Get's: Answer)
 
@@ -120,7 +120,7 @@ class DataPlane:
         ``answer``: the copy (a load) also answers a lane slot handed over to the loop, as the
         plane answers its own Loads (``Answer``; ``_kvlane``'s submit_copy)."""
         plan = job.plan
-        rows = self._host_rows(job, host)
+        rows = self.host_rows(job.host_table, plan.page_size, host)
         if rows is None:
             return None
         base, stride, limit = rows
@@ -155,18 +155,18 @@ class DataPlane:
         self.answered += answer is not None
         return fut
 
-    def _host_rows(self, job: Job, host: tuple[int, int]) -> tuple[int, int, int] | None:
-        """(base, stride, limit) of the job's host rows, cache pages in the arena ``host``: page
-        chunks ``stride`` bytes apart from ``base``, within ``limit`` bytes of it; None where they
-        are laid out otherwise. Kept per table (a client's cache table lives as long as it)."""
-        table = job.host_table
+    def host_rows(self, table: Any, page_size: int, host: tuple[int, int]) -> tuple[int, int, int] | None:
+        """(base, stride, limit) of a copy's host rows, cache pages of ``page_size`` tokens in the
+        arena ``host`` (``table``: the job's host table): page chunks ``stride`` bytes apart from
+        ``base``, within ``limit`` bytes of it; None where they are laid out otherwise (the plane
+        does not take the copy). Kept per table (a client's cache table lives as long as it)."""
         if table is None:
             return None
         known = self._rows.get(id(table))
-        if known is not None and known[0] is table and known[1] == host:
+        if known is not None and known[0] is table and known[1] == (host, page_size):
             return known[2]
         rows = None
-        page = job.plan.page_size * table.row_bytes
+        page = page_size * table.row_bytes
         if table.row_stride == 1 and table.geometry is None:
             bases = table.bases.reshape(-1).astype(np.int64)
             stride = int(bases[1] - bases[0]) if len(bases) > 1 else page
@@ -177,7 +177,7 @@ class DataPlane:
                 rows = (base, stride, address + size - base)
         if len(self._rows) >= MAX_KEPT_TABLES:
             self._rows.clear()
-        self._rows[id(table)] = (table, host, rows)  # the table held: its id is not reused meanwhile
+        self._rows[id(table)] = (table, (host, page_size), rows)  # held: its id is not reused meanwhile
         return rows
 
     def _ended(self, ticket: int, status: int, layers: int) -> None:

@@ -35,10 +35,12 @@ _REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 # run(rpc name, request bytes, progress callback) -> response bytes; raises as the RPC would.
 Runner = Callable[[str, bytes, Callable[[Any], None]], Awaitable[bytes]]
-# fast(lane, slot, rpc id, request bytes, counted) -> True: a handed-over Get or Put served
-# without a task (the data plane copies it; it or the loop answers the slot: ``Lane.answered``
-# follows either way); False: not one for that path, nothing was changed, ``take`` serves it.
+# fast(lane, slot, rpc id, request bytes, counted) -> True: a handed-over Get, Put or Lookup served
+# without a task (the data plane copies a Get or Put; it or the loop answers the slot:
+# ``Lane.answered`` follows either way); False: not one for that path, nothing was changed,
+# ``take`` serves it.
 Fast = Callable[["Lane", int, int, bytes, bool], bool]
+_FAST = frozenset((R.RPC_GET, R.RPC_PUT, R.RPC_LOOKUP))  # what take() offers it
 
 
 def _check_doorbell(fd: int, what: str) -> socket.socket:
@@ -220,7 +222,7 @@ class Lane:
         mm = self._mm
         rpc, seq, n = R.CALL.unpack_from(mm, off + R.RPC_AT)
         data = bytes(mm[off + R.REQUEST_AT: off + R.REQUEST_AT + min(n, R.REQUEST_BYTES)])  # private copy
-        if (rpc == R.RPC_GET or rpc == R.RPC_PUT) and self._fast is not None and n <= R.REQUEST_BYTES:
+        if rpc in _FAST and self._fast is not None and n <= R.REQUEST_BYTES:
             try:
                 if self._fast(self, i, rpc, data, counted):
                     return
