@@ -14,6 +14,7 @@ import torch
 from kvclient import KVClient, KVClientError, KVLayout, ShmKVPool
 from kvclient.keys import page_keys
 from kvserver.core import copier
+from kvserver.core.cache_ops import CacheOps
 from kvserver.media.shm import ShmDevicePool
 from kvserver.store.pages import WRITING
 from kvserver.v1 import kvserver_pb2 as pb
@@ -85,6 +86,13 @@ def test_a_put_of_keys_another_put_is_writing_counts_them_only_once_stored(daemo
         return failing
 
     monkeypatch.setattr(ShmDevicePool, "start", first_fails_late)
+    real_put_on_plane = CacheOps.put_on_plane
+
+    def first_on_the_loop(self, req, ended):  # where the first Put's failure is made: the loop's copy
+        return None if req.client_id == engine.client_id else real_put_on_plane(self, req, ended)
+
+    # (The second Put, on its own lane, finds keys being written: it is not taken without a task.)
+    monkeypatch.setattr(CacheOps, "put_on_plane", first_on_the_loop)
     keys = page_keys(range(2000, 2000 + 2 * PAGE), PAGE)
     cache = daemon.core.cache
     with ShmKVPool(KVLayout.mha(2, 8), torch.float16, 2, 8 * PAGE) as pool, \
