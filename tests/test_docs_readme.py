@@ -123,6 +123,9 @@ NOT_RUN = {
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_cache.py --repeats 20"):
         "a benchmark of daemon subprocesses for figures measured by hand; test_bench_cache.py runs "
         "the same script with --quick",
+    ("docs/performance.md", ".venv/bin/python benchmarks/bench_cache.py --sizes 16,64 --repeats 20"):
+        "a benchmark of daemon subprocesses (with bench_lane.py after it), for figures measured by hand; "
+        "test_bench_cache.py and test_bench_lane.py run the same scripts on small sizes",
     ("docs/performance.md",
      ".venv/bin/python benchmarks/bench_restart.py --sizes 1 4 16 --runs 3 --plot docs/plots/restart.png"):
         "a benchmark that fills 21 GiB of tmpfs, for figures measured by hand; "
