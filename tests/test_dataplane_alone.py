@@ -9,6 +9,7 @@ client, real shared memory."""
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -287,3 +288,25 @@ def test_a_lane_lookup_is_answered_at_once_as_the_rpc_answers_it(plane_daemon) -
             c.lookup(_keys("k"), pin_ms=10**9)
         assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT, exc.value
     assert _readers(d) == (0, 0)
+
+
+def test_a_call_whose_part_is_refused_is_answered_by_the_task_path_quietly(plane_daemon, caplog) -> None:
+    """A registration whose layers clash with its space's part (another range under the same PP
+    stage) has every Put and Get refused FAILED_PRECONDITION: the path without a task leaves it to
+    the RPC's code, which words the error, and logs nothing about it."""
+    d = plane_daemon
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c, \
+            ShmKVPool(LAYOUT, DTYPE, LAYERS - 1, 2 * TOKENS) as fewer, \
+            KVClient(d.address, timeout=10, resilient=False) as clash:
+        assert c.put(_keys("c")[:2], torch.arange(2)).stored == 2
+        clash.register(model="plane", pool=fewer, start_layer=START, end_layer=START + LAYERS - 1,
+                       num_layers=START + LAYERS + 2, host_tokens=TOKENS, page_size=PAGE)
+        caplog.clear()
+        caplog.set_level(logging.ERROR, logger="kvserver")
+        for call in (lambda: clash.put(_keys("c")[:2], torch.arange(2)),
+                     lambda: clash.get(_keys("c")[:2], torch.arange(2, 4)).wait(timeout=10)):
+            with pytest.raises(KVClientError) as exc:
+                call()
+            assert exc.value.code == grpc.StatusCode.FAILED_PRECONDITION, exc.value
+        assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+        clash.unregister()

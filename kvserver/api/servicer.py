@@ -498,11 +498,10 @@ class KVServicer(pb_grpc.KVServerServicer):
             found = self.cache.lookup_now(request)
             if found is None:
                 return False
-            lane.answer_now(slot, pb.LookupResponse(pages=found.pages, lease_id=found.lease_id,
-                                                    disk_pages=found.lower,
-                                                    cluster_pages=found.cluster).SerializeToString())
-            lane.answered(counted)
-            self.metrics.observe("Lookup", started)
+            response = pb.LookupResponse(pages=found.pages, lease_id=found.lease_id, disk_pages=found.lower,
+                                         cluster_pages=found.cluster).SerializeToString()
+            lane.answer_now(slot, counted, response)
+            self._observe("Lookup", started)
             return True
         if rpc == ring.RPC_PUT:
             request = _lenient(pb.PutRequest)(data)
@@ -518,34 +517,50 @@ class KVServicer(pb_grpc.KVServerServicer):
             return Answer(lane.plane_handle, slot, found, request.timeout_ms, arrival)
 
         def ended(ok: bool, moved: int) -> None:  # the plane answered the slot; its latency with it
+            lane.answered(counted)
             if ok:
                 self.metrics.transfers.add("get", moved, "ring")
-            lane.answered(counted)
 
-        found = self.cache.get_on_plane(request, answer, ended)
+        try:
+            found = self.cache.get_on_plane(request, answer, ended)
+        except KVError as exc:  # past its checks: this path's answer
+            code, text = status_of(exc)
+            lane.answer_now(slot, counted, b"", int(code), text)
+            self._observe("Get", started)
+            return True
         if found is None:
             return False
         if found == 0:  # nothing to copy: answered here, as the RPC's one message
-            lane.answer_none_found(slot)
-            lane.answered(counted)
-            self.metrics.observe("Get", started)
+            lane.answer_none_found(slot, counted)
+            self._observe("Get", started)
         return True
+
+    def _observe(self, op: str, started: float) -> None:
+        """A request served without a task is answered: nothing after it may raise into ``Lane.take``
+        (which would serve it again)."""
+        try:
+            self.metrics.observe(op, started)
+        except Exception:
+            logger.exception("observing a %s served without a task failed", op)
 
     def _fast_put(self, request: pb.PutRequest, lane: Lane, slot: int, counted: bool, started: float) -> bool:
         def answer(got: PutOutcome | None, error: BaseException | None) -> None:
             if got is not None:
-                if got.stored:  # a copy ran (as Stats counts: a Put of nothing new copies nothing)
-                    self.metrics.transfers.add("put", got.bytes, "ring")
                 response = pb.PutResponse(stored=got.stored, present=got.present, dropped=got.dropped,
                                           bytes=got.bytes).SerializeToString()
-                lane.answer_now(slot, response)
+                lane.answer_now(slot, counted, response)
+                if got.stored:  # a copy ran (as Stats counts: a Put of nothing new copies nothing)
+                    self.metrics.transfers.add("put", got.bytes, "ring")
             else:
                 code, text = status_of(error)
-                lane.answer_now(slot, b"", int(code), text)
-            lane.answered(counted)
-            self.metrics.observe("Put", started)
+                lane.answer_now(slot, counted, b"", int(code), text)
+            self._observe("Put", started)
 
-        got = self.cache.put_on_plane(request, answer)
+        try:
+            got = self.cache.put_on_plane(request, answer)
+        except KVError as exc:  # past its checks: this path's answer
+            answer(None, exc)
+            return True
         if got is None:
             return False
         if got is not True:  # nothing to copy: answered now

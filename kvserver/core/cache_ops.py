@@ -25,7 +25,7 @@ from kvserver.core.client_state import ClientSpec, ClientState, check_model_shap
 from kvserver.core.copier import ClientJob, LoadStep
 from kvserver.core.kvcore import KVCore
 from kvserver.core.share import LoopShare
-from kvserver.errors import InvalidArgument, KVError, NoCapacity, NotFound, OutOfRange
+from kvserver.errors import InvalidArgument, KVError, NoCapacity, NotFound, OutOfRange, Unavailable
 from kvserver.events import LoggedEvent
 from kvserver.events.book import MAX_READ_KEYS
 from kvserver.peers.tenants import TenantBook
@@ -56,6 +56,7 @@ MAX_SPACE_IDS = 1 << 16  # space handles the daemon keeps (one per tenant and sp
 # loop, so a request is bounded to what the loop can do in a small fraction of a second.
 MAX_CACHE_KEYS = 1 << 17
 MAX_GET_PARTS = 1024  # Gets in one GetRequest (GetRequest.parts)
+_PLANE_REFUSED = "the data plane did not take the copy (the daemon is stopping, or out of memory): retry"
 
 
 @dataclass(frozen=True, slots=True)
@@ -465,7 +466,8 @@ class CacheOps:
         such a Get, decided before anything is changed (``get`` serves it): a client not
         ``Copier.alone``, tiers to read back from, events, leases or parts, more keys than a step
         holds, a load the copy workers would split, or anything the checks refuse (``get`` gives
-        the error)."""
+        the error). Past that point it is this path's: a KVError raised then is its answer
+        (``Unavailable`` if the plane does not take the copy after all)."""
         if (req.parts or req.lease_id or req.ready_event or req.event_slot or self.disk is not None
                 or self.cluster is not None or len(req.keys) > STEP_KEYS * max(1, req.key_bytes)):
             return None
@@ -484,8 +486,12 @@ class CacheOps:
                          * len(local_layers), True) or not copier.takes_rows(self._cache_table(client),
                                                                                spec.page_size):
             return None  # (the split: were every key found)
+        try:
+            part = self._part(client)
+        except KVError:
+            return None
         self.kv.client(client.client_id)  # its lease, renewed as every call renews it
-        plan = self.cache.prepare_get(self._part(client), keys)
+        plan = self.cache.prepare_get(part, keys)
         if not plan.pages:
             self.cache.complete_get(plan, True)
             return 0
@@ -495,9 +501,9 @@ class CacheOps:
         except BaseException:
             self.cache.complete_get(plan, False)
             raise
-        if fut is None:  # the plane refused it after all (stopping): the task serves it, planned again
+        if fut is None:  # the plane refused it after all (stopping, out of memory)
             self.cache.complete_get(plan, False)
-            return None
+            raise Unavailable(_PLANE_REFUSED)
         nbytes = job.bytes_per_layer * len(local_layers)
 
         def settle(f: Future) -> None:  # on the loop, where the plane's ends are taken
@@ -527,7 +533,7 @@ class CacheOps:
         loop once it is committed; None where this is not such a Put, decided before anything is
         changed (``put`` serves it): a client not ``Copier.alone``, a ready event, keys another
         Put is writing (``put`` waits for those), more keys than a step holds, or anything the
-        checks refuse."""
+        checks refuse. Past that point it is this path's: a KVError raised then is its answer."""
         if req.ready_event or len(req.keys) > STEP_KEYS * max(1, req.key_bytes):
             return None
         copier = self.kv.copier
@@ -541,7 +547,10 @@ class CacheOps:
             return None
         if not copier.takes_rows(self._cache_table(client), client.spec.page_size):
             return None
-        part = self._part(client)
+        try:
+            part = self._part(client)
+        except KVError:
+            return None
         if self.cache.writing(part, keys):
             return None
         self.kv.client(client.client_id)  # its lease, renewed as every call renews it
@@ -557,9 +566,9 @@ class CacheOps:
         except BaseException:
             self.cache.complete_put(plan, False)
             raise
-        if fut is None:  # the plane refused it after all (stopping, out of memory): the task serves it
+        if fut is None:  # the plane refused it after all (stopping, out of memory)
             self.cache.complete_put(plan, False)
-            return None
+            raise Unavailable(_PLANE_REFUSED)
         loop = asyncio.get_running_loop()
         timer = loop.call_at(job.deadline, job.stop, "deadline") if job.deadline > 0 else None
         nbytes = job.bytes_per_layer * len(job.local_layers)

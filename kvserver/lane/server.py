@@ -238,16 +238,18 @@ class Lane:
         """This lane's handle on the data plane (0: none)."""
         return self._handle
 
-    def answer_none_found(self, i: int) -> None:
+    def answer_none_found(self, i: int, counted: bool) -> None:
         """Answers handed-over Get ``i`` that found no page: done, as ``_serve`` ends one."""
-        self._answer(i, R.FLAG_JOB_ENDED | R.FLAG_DONE, b"", 0, "")
+        self._answer(i, counted, R.FLAG_JOB_ENDED | R.FLAG_DONE, b"", 0, "")
 
-    def answer_now(self, i: int, response: bytes, code: int = 0, message: str = "") -> None:
-        """Answers handed-over unary request ``i`` (a Put) with ``response``, or ``code`` and
-        ``message``, as ``_serve`` ends one (nothing is written to a closed lane's ring)."""
-        self._answer(i, R.FLAG_JOB_ENDED, response[: R.RESPONSE_BYTES], code, message)
+    def answer_now(self, i: int, counted: bool, response: bytes, code: int = 0, message: str = "") -> None:
+        """Answers handed-over request ``i`` (a Put, a Lookup, a failed Get) with ``response``, or
+        ``code`` and ``message``, as ``_serve`` ends one: its count given back first, then the slot
+        (nothing is written to a closed lane's ring)."""
+        self._answer(i, counted, R.FLAG_JOB_ENDED, response[: R.RESPONSE_BYTES], code, message)
 
-    def _answer(self, i: int, flags: int, response: bytes, code: int, message: str) -> None:
+    def _answer(self, i: int, counted: bool, flags: int, response: bytes, code: int, message: str) -> None:
+        self.answered(counted)
         if self._closed:
             return
         off = R.slot_offset(i)
@@ -267,7 +269,7 @@ class Lane:
         self._ring_done(i)
 
     def answered(self, counted: bool) -> None:
-        """A Get or Put served through ``Fast`` has ended (its slot answered, or its lane gone)."""
+        """A request served through ``Fast`` has ended (its slot answered, or its lane gone)."""
         self.served += 1
         self._served_elsewhere(counted)
 
