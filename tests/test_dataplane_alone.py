@@ -90,9 +90,10 @@ def _pages_of_want(want: list[torch.Tensor], n: int) -> list[torch.Tensor]:
 
 
 def test_a_lane_get_never_overtakes_an_earlier_write_of_its_device_pages(plane_daemon) -> None:
-    """A Write of device pages P queued on the held plane, then a Get into P: the Get is not served
-    ahead of it (its path is taken only with nothing of the client in flight), so the Write stores
-    P as it was before the Get brought other bytes."""
+    """A Write of device pages P queued on the held plane, then a Get into P: the Get's copy, taken
+    by the plane, runs after the Write (after every earlier job of its gate), so the Write stores
+    P as it was before the Get brought other bytes; a Put behind a copy of the plane's goes to
+    the task path, which waits for it."""
     d = plane_daemon
     engine, plane = d.core.plane.engine, d.core.plane
     with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c:
@@ -118,14 +119,30 @@ def test_a_lane_get_never_overtakes_an_earlier_write_of_its_device_pages(plane_d
             engine.pause(False)
         writer.join(30)
         assert result["write"] > 0 and handle.wait(timeout=30) > 0 and handle.pages() == 28
-        assert plane.answered == answered, "the Get took the plane's path with a copy in flight"
+        assert plane.answered == answered + 1, "the Get did not go to the plane behind its Write"
         assert _misses(d) == misses + 4, "the Get's misses were counted twice"
         _zero(pool)
         assert c.load(host_indices=host, device_indices=torch.arange(TOKENS)).wait(timeout=10) > 0
         assert all(torch.equal(x, y) for x, y in zip(_pages_of(pool, p), before, strict=True))
         assert c.put(_keys("w")[28:], p[28:]).present == 4  # (the Get did not store)
-        # Nothing in flight any more: the next Get takes the plane's path again.
-        assert c.get(_keys("w"), p).wait(timeout=10) > 0 and plane.answered == answered + 1
+        assert c.get(_keys("w"), p).wait(timeout=10) > 0 and plane.answered == answered + 2
+        # A Put behind a Write of the plane's: not alone, the task path orders it.
+        alone = d.core.copier.alone_copies
+        engine.pause(True)
+        try:
+            writer = threading.Thread(target=c.write, kwargs=dict(host_indices=host,
+                                                                  device_indices=torch.arange(TOKENS)))
+            writer.start()
+            while engine.jobs < 1:
+                time.sleep(0.001)
+            putter = threading.Thread(target=lambda: result.setdefault("put", c.put(_keys("z"), p)))
+            putter.start()
+            time.sleep(0.2)
+        finally:
+            engine.pause(False)
+        writer.join(30)
+        putter.join(30)
+        assert result["put"].stored == PAGES and d.core.copier.alone_copies == alone
 
 
 def test_a_lane_get_past_its_deadline_or_released_ends_and_lets_its_pages_go(plane_daemon) -> None:

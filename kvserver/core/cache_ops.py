@@ -473,7 +473,7 @@ class CacheOps:
             return None
         copier = self.kv.copier
         client = self.kv.clients.get(req.client_id)
-        if client is None or client.closing or not copier.alone(client):
+        if client is None or client.closing or not copier.alone(client, answers=True):
             return None
         try:
             keys = Keys.unpack(req.keys, req.key_bytes, self._max_keys)

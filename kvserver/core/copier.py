@@ -239,13 +239,15 @@ class Copier:
         cf.add_done_callback(lambda f: loop.call_soon_threadsafe(finish, f))
         return fut
 
-    def alone(self, client: ClientState) -> bool:
+    def alone(self, client: ClientState, answers: bool = False) -> bool:
         """Whether nothing of ``client`` is in flight besides the one request the data plane handed
         over to the loop: no copy of the loop's or the plane's, no other handed-over request. A
-        copy started then has nothing to be ordered behind (``run_alone``)."""
+        copy started then has nothing to be ordered behind (``run_alone``). ``answers``: for a
+        copy that answers its slot (a Get's), which the plane runs after all of the gate's earlier
+        jobs, the plane's own copies of the client may still be running."""
         gate = client.gate
-        return (self.plane is not None and gate is not None and not client.inflight and not gate.inflight
-                and not gate.x_inflight and gate.py_inflight == 1)
+        return (self.plane is not None and gate is not None and not client.inflight
+                and (answers or not gate.inflight) and not gate.x_inflight and gate.py_inflight == 1)
 
     def takes_rows(self, table: Any, page_size: int) -> bool:
         """Whether the data plane copies host rows laid out as ``table`` (a client's cache table)."""
@@ -260,7 +262,7 @@ class Copier:
         split). None: not taken, nothing changed. Else the future settles on the loop once the
         copy has ended; ``ended_alone`` then ends the job."""
         client = job.client
-        if not self.alone(client) or self._splits(job, to_device):
+        if not self.alone(client, answer is not None) or self._splits(job, to_device):
             return None
         if client.order is None:
             client.order = JobOrder(client.busy.size, client.device.num_tokens, client.spec.page_size)

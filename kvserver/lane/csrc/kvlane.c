@@ -1519,7 +1519,7 @@ static int int64s(PyObject *obj, Py_buffer *v, int writable, Py_ssize_t least, c
  * until its completion is taken.
  * lane=None, slot=-1, found=0, timeout_ms=0, arrival_ns=0: with a lane (its handle, of this gate),
  * the copy is a load that answers `slot`, a request the lane handed over whose slot is still
- * busy: step 1 (no layer yet) is published there at once, then its layers and end as a plane
+ * busy, and runs after every earlier job of the gate: step 1 (no layer yet) is published there at once, then its layers and end as a plane
  * Load's are, `found` in the pages word,
  * the status and message of a stop too (its gate closed: NOT_FOUND; `timeout_ms` after
  * `arrival_ns`, CLOCK_MONOTONIC, else now: DEADLINE_EXCEEDED; its stop word, which only its
@@ -1646,6 +1646,9 @@ static PyObject *engine_submit_copy(Engine *e, PyObject *args, PyObject *kw) {
         j->slot = slot;
         j->found = found;
         j->deadline_ns = timeout_ms ? j->arrival_ns + (int64_t)timeout_ms * 1000000 : 0;
+        /* Behind every earlier job of its gate (the plane's own may still run: the loop took it
+         * with nothing else of the client in flight but those), as a Load touching their pages. */
+        j->dependent = 1;
     }
     pthread_mutex_lock(&e->hand_mu); /* room for its completion, kept until it is posted */
     int room = 1;
