@@ -61,7 +61,9 @@ def test_a_views_lookups_take_its_spaces_lane_and_answer_as_grpc(daemon) -> None
         assert (found.pages, len(found.lease_id)) == (2, 32)
         assert g.lookup(KEYS).pages == 2 and g.lane is None  # the same answer on gRPC
         assert v.release(found.lease_id) == 1  # the lease the lane's Lookup took is the daemon's
+        now = daemon.daemon.servicer.cache.lookups_now
         assert v.lookup(KEYS[32:]).pages == 0 and v.lookup(KEYS[16:]).pages == 1 and lane.calls == 3
+        assert daemon.daemon.servicer.cache.lookups_now == now + 2  # run at once, without a task
         uid = os.getuid()
         assert books(daemon) == (1, {uid: engine_fds[uid] + 1 + 2}, {uid: 1})
         v.close()  # its end closes: the daemon closes the lane and gives its descriptors back
@@ -188,6 +190,7 @@ def test_a_close_during_the_lanes_own_close_waits_for_it_to_end(daemon, monkeypa
         ring = RawRing(daemon.address, slots=2, space_id=sid)
         (lane,) = daemon.run(lambda: list(lanes.space_lanes))
         monkeypatch.setattr(ops, "lookup", slow_to_cancel)
+        monkeypatch.setattr(ops, "lookup_now", lambda req: None)  # one that waits: a task serves it
         ring.put(0, R.RPC_LOOKUP, pb.LookupRequest(space_id=sid, keys=KEYS, key_bytes=16).SerializeToString())
         assert ring.ring() == 1
         wait_until(lambda: started, 10, "the Lookup to start")

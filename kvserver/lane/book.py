@@ -74,12 +74,16 @@ def _pidfd(ticket: Any) -> int:
 
 class LaneBook:
     def __init__(self, core: KVCore, run: Runner, plane: DataPlane | None = None,
-                 run_space: Runner | None = None, fast: Callable[..., bool] | None = None) -> None:
+                 run_space: Runner | None = None, fast: Callable[..., bool] | None = None,
+                 fast_space: Callable[..., bool] | None = None) -> None:
         self.core = core
         self.run = run  # run(client_id, rpc, request bytes, progress): a registration's lane request
         # fast(client_id, lane, slot, rpc id, request bytes, counted): a Get or Put the data plane
         # copies, served without a task (server.Fast), for the lanes the plane serves
         self.fast = fast
+        # fast_space(space_id, lane, slot, rpc id, request bytes, counted): a space lane's Lookup
+        # served without a task (server.Fast)
+        self.fast_space = fast_space
         self.run_space = run_space  # run_space(space_id, ...): a space lane's request
         self.space_lanes: set[Lane] = set()
         self.max_space_lanes_per_uid = MAX_SPACE_LANES_PER_UID
@@ -180,8 +184,9 @@ class LaneBook:
             raise
         ticket.fds = []
         owner = f"space {public_id(space_id)}"
+        fast = functools.partial(self.fast_space, space_id) if self.fast_space is not None else None
         lane = Lane(owner, ring, submit, done, functools.partial(self.run_space, space_id),
-                    close_when_gone=True, peer_gone_fd=gone)
+                    close_when_gone=True, peer_gone_fd=gone, fast=fast)
 
         def closed() -> None:
             self._space_lanes_per_uid[uid] -= 1
