@@ -327,3 +327,39 @@ def test_a_call_whose_part_is_refused_is_answered_by_the_task_path_quietly(plane
             assert exc.value.code == grpc.StatusCode.FAILED_PRECONDITION, exc.value
         assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
         clash.unregister()
+
+
+def test_after_a_get_the_plane_takes_the_next_call_without_waiting_for_the_loop(plane_daemon) -> None:
+    """The plane gives a Get's count back as soon as it holds the Get's copy: the engine's next
+    binary Load is the plane's even while the event loop has not yet settled the Get (held busy
+    here for 1.5 s), and lands after the Get."""
+    d = plane_daemon
+    engine, plane = d.core.plane.engine, d.core.plane
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c:
+        _fill(pool, 38)
+        host = c.alloc(TOKENS)
+        assert c.write(host_indices=host, device_indices=torch.arange(TOKENS, 2 * TOKENS)) > 0
+        assert c.put(_keys("n"), torch.arange(PAGES)).stored == PAGES
+        loaded = _pages_of(pool, torch.arange(PAGES, 2 * PAGES))
+        answered, result = plane.answered, {}
+        engine.pause(True)
+        try:
+            getter = threading.Thread(target=lambda: result.setdefault(
+                "get", c.get(_keys("n"), torch.arange(PAGES)).wait(timeout=10)))
+            getter.start()
+            _until(lambda: plane.answered == answered + 1)
+            d.loop.call_soon_threadsafe(time.sleep, 1.5)  # the loop is busy from here
+            time.sleep(0.05)
+            held = time.monotonic()
+        finally:
+            engine.pause(False)
+        getter.join(10)
+        served = engine.served
+        assert result["get"] > 0 and c.load(host_indices=host, device_indices=torch.arange(TOKENS)).wait(
+            timeout=10) > 0
+        took = time.monotonic() - held
+        assert engine.served == served + 1 and took < 1.0, f"the Load waited {took:.2f} s for the loop"
+        got = _pages_of(pool, torch.arange(PAGES))
+        assert all(torch.equal(x, y) for x, y in zip(got, loaded, strict=True)), "the Load ran before the Get"
+        time.sleep(1.5)
+    _until(lambda: _readers(d) == (0, 0))

@@ -508,10 +508,10 @@ class KVServicer(pb_grpc.KVServerServicer):
         arrival = time.monotonic_ns()
 
         def answer(found: int) -> Answer:  # the plane says found at once, then copies
-            return Answer(lane.plane_handle, slot, found, request.timeout_ms, arrival)
+            return Answer(lane.plane_handle, slot, found, request.timeout_ms, arrival, counted)
 
-        def ended(ok: bool, moved: int) -> None:  # the plane answered the slot; its latency with it
-            lane.answered(counted)
+        def ended(ok: bool, moved: int) -> None:  # the plane answered the slot and gave its count back
+            lane.answered(False)
             if ok:
                 self.metrics.transfers.add("get", moved, "ring")
 

@@ -53,14 +53,16 @@ def available() -> bool:
 
 class Answer(NamedTuple):
     """The lane slot a loop's copy answers (``DataPlane.copy``): the lane's handle on the plane, the
-    slot, the pages word it says (a Get's hit), the request's timeout_ms and when it arrived
-    (``time.monotonic_ns()``: its latency is counted from there)."""
+    slot, the pages word it says (a Get's hit), the request's timeout_ms, when it arrived
+    (``time.monotonic_ns()``: its latency is counted from there), and whether its handoff counted
+    it in the gate's Python copies (the plane gives that count back once it holds the copy)."""
 
     lane: int
     slot: int
     found: int
     timeout_ms: int
     arrival_ns: int
+    counted: bool
 
 
 class DataPlane:

@@ -410,6 +410,7 @@ typedef struct Job {
      * planned): its layers and end are published in the slot as a plane Load's are, with `found`
      * in the pages word, and its end is posted back as every loop's copy's is. */
     int answers;
+    int counted; /* its request's count in the gate's py_inflight, given back as it joins the jobs */
     uint32_t found;
     int stream; /* streaming stores (stream.h): a write, or a load of KV_STREAM_MIN_JOB bytes or more */
     int can_run; /* set by mark_runnable(): no earlier job of its gate holds it back */
@@ -1168,8 +1169,21 @@ static void take_incoming(Engine *e) {
     while (*tail)
         tail = &(*tail)->next;
     *tail = in;
-    for (; in; in = in->next)
+    for (; in; in = in->next) {
         in->seq = ++e->next_seq;
+        if (in->counted) {
+            /* An answering copy's request was counted in its gate's py_inflight when it was handed
+             * over, which keeps the gate's new requests off the plane. Given back here, on this
+             * thread, once the copy is among the jobs: a request taken after this runs behind it
+             * (mark_runnable), so the plane takes them again without waiting for the loop to
+             * settle the copy's end. */
+            pthread_mutex_lock(&in->gate->mu);
+            if (in->gate->py_inflight > 0)
+                in->gate->py_inflight--;
+            pthread_mutex_unlock(&in->gate->mu);
+            in->counted = 0;
+        }
+    }
 }
 
 static void *engine_main(void *arg) {
@@ -1523,23 +1537,24 @@ static int int64s(PyObject *obj, Py_buffer *v, int writable, Py_ssize_t least, c
  * Load's are, `found` in the pages word,
  * the status and message of a stop too (its gate closed: NOT_FOUND; `timeout_ms` after
  * `arrival_ns`, CLOCK_MONOTONIC, else now: DEADLINE_EXCEEDED; its stop word, which only its
- * client's release sets: NOT_FOUND too), and the
+ * client's release sets: NOT_FOUND too); `counted`: the request holds one count of the gate's
+ * py_inflight (a handed-over copy), which the plane gives back once the copy joins its jobs; and the
  * slot given back; its latencies go to the Get histograms. */
 static PyObject *engine_submit_copy(Engine *e, PyObject *args, PyObject *kw) {
     static char *names[] = {"ticket", "gate", "load", "host_base", "lp_stride", "host_limit", "offsets",
                             "tokens", "layers", "stop", "progress", "signal_fd", "interval", "lane", "slot",
-                            "found", "timeout_ms", "arrival_ns", NULL};
+                            "found", "timeout_ms", "arrival_ns", "counted", NULL};
     unsigned long long ticket, host_base;
     Gate *g;
-    int load, signal_fd = -1, slot = -1;
+    int load, signal_fd = -1, slot = -1, counted = 0;
     long long lp_stride, host_limit, arrival = 0;
     unsigned int found = 0, timeout_ms = 0;
     PyObject *offsets_obj, *tokens_obj, *layers_obj, *stop_obj, *progress_obj = Py_None, *lane_obj = Py_None;
     double interval = 0.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "KO!pKLLOOOO|OidOiIIL", names, &ticket, &GateType, &g, &load,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KO!pKLLOOOO|OidOiIILp", names, &ticket, &GateType, &g, &load,
                                      &host_base, &lp_stride, &host_limit, &offsets_obj, &tokens_obj,
                                      &layers_obj, &stop_obj, &progress_obj, &signal_fd, &interval, &lane_obj,
-                                     &slot, &found, &timeout_ms, &arrival))
+                                     &slot, &found, &timeout_ms, &arrival, &counted))
         return NULL;
     if (e->started != 1) {
         PyErr_SetString(PyExc_RuntimeError, "the data plane has stopped");
@@ -1645,6 +1660,7 @@ static PyObject *engine_submit_copy(Engine *e, PyObject *args, PyObject *kw) {
         j->lane = answer_lane;
         j->slot = slot;
         j->found = found;
+        j->counted = counted;
         j->deadline_ns = timeout_ms ? j->arrival_ns + (int64_t)timeout_ms * 1000000 : 0;
         /* Behind every earlier job of its gate (the plane's own may still run: the loop took it
          * with nothing else of the client in flight but those), as a Load touching their pages. */
