@@ -122,6 +122,7 @@ class KVCore:
         # Released clients whose GPU work may still run, with the IPC allocations it may touch:
         # an Unregister of one, or of any client sharing one of those allocations, says so.
         self._quarantined: dict[str, frozenset[bytes]] = {}
+        self._releasing: dict[str, ClientState] = {}  # out of the table, their release not yet ended
         self.tickets: TicketBook | None = None  # the fd socket's (server.py); None without a Unix socket
         # The compiled data plane (kvserver.lane.plane.DataPlane), set by the servicer where it
         # runs; its transfers reach the metrics through on_plane_transfers(written, loaded).
@@ -440,7 +441,8 @@ class KVCore:
         copies of it may still run on the GPU (its pool was quarantined)."""
         if client_id in self._quarantined:  # released, but its GPU work may still run
             return True
-        client = self.clients.get(client_id)
+        # (out of the table already, its pool closing: still being released)
+        client = self.clients.get(client_id) or self._releasing.get(client_id)
         if client is not None and client.closing:
             # Being released already (another Unregister, a reclaim): answer once it is done, so
             # that an answer always means every job of the client is dead or quarantined.
@@ -467,6 +469,7 @@ class KVCore:
         if lane is not None:  # its handlers are cancelled and awaited, then its ring unmapped
             await lane.close()
         await wait_until(client, lambda: client.inflight == 0)
+        self._releasing[client_id] = client  # until gone: an Unregister meanwhile waits for the end
         del self.clients[client_id]
         self.totals.add(client.counters)
         client.host_views = []
@@ -493,6 +496,7 @@ class KVCore:
                     self._quarantined.pop(client_id, None)
 
                 held.add_done_callback(lambda _: loop.call_soon_threadsafe(drained))
+            self._releasing.pop(client_id, None)
             client.gone.set()
         logger.info("%s %s (%d host bytes released)", reason, public_id(client_id), client.region_bytes)
 
