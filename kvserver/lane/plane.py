@@ -7,7 +7,8 @@ the mapping). Its lane's binary Writes and Loads are then checked and copied on 
 every other request on the lane comes back here, in arrival order, and runs the code the RPC runs.
 The cache's copies of such a registration (a Put's, a Get's), planned on the loop, are copied on
 the plane's thread too (``copy``): no piece of them goes through Python, and their end comes back
-on the same eventfd as the handoffs.
+on the same eventfd as the handoffs. A lane Get served without a task (``Answer``) has its copy
+answer its slot there too.
 Without the compiled module (a build without a compiler) there is no plane: lanes are served on the
 event loop as before, binary requests included.
 """

@@ -6,9 +6,11 @@ serves binary Writes and Loads itself; what it hands over comes to ``take`` and 
 Else a lane watches its submit doorbell on the event loop (``add_reader``). Each wake-up drains the
 doorbell (at most ``MAX_DRAIN`` messages) and looks once at every slot the lane is not already
 serving: a SUBMITTED one has its request copied into private memory, is marked TAKEN and served by
-a task that runs the very code the gRPC RPC runs (``run``). So a lane has at most ``slots``
-requests in flight, and a peer scribbling on its ring or ringing its doorbell without end only
-costs itself bounded work per wake-up. The layout is in ``kvserver.protocol.ring``.
+a task that runs the very code the gRPC RPC runs (``run``), unless ``fast`` serves it at once, with
+the same code's checks and plan and no task (a Get, Put or Lookup it can serve whole: ``Fast``).
+So a lane has at most ``slots`` requests in flight, and a peer scribbling on its ring or ringing
+its doorbell without end only costs itself bounded work per wake-up. The layout is in
+``kvserver.protocol.ring``.
 """
 
 from __future__ import annotations

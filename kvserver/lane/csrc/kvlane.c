@@ -15,7 +15,9 @@
  * most once per progress interval before the end, and on a quiet ring only for a client that
  * sleeps there). Everything else (the protobuf calls, Put and
  * Get, CUDA pools, any request the check refuses) is handed to Python in arrival order through a
- * queue and an eventfd, and answered there by the one validation.
+ * queue and an eventfd, and answered there by the one validation. The loop's copies of a
+ * registration (a Put's, a Get's) come back here to be copied (submit_copy), their ends posted
+ * on the same eventfd; a lane Get's copy also answers its slot here, as a Load's job does.
  *
  * Python changes what the thread uses only through commands that the thread carries out between
  * pieces and acknowledges (add or remove a lane, close a gate): once remove_lane() returns, the
