@@ -233,46 +233,60 @@ done:
 /* digest_lanes(): the paths this CPU has, as a mask of their widths (1 | 4 | 8). */
 static PyObject *digest_lanes(PyObject *self, PyObject *unused) { return PyLong_FromLong(kv_digest_lanes()); }
 
+/* The tables hold and touch take, in this order: a per-page table of `item`-byte signed integers
+ * (written), `slab` (int32, an entry for every page), a per-slab int64 table (written) and the
+ * page ids (int64). Every id, and its slab, is checked inside the tables before anything is
+ * changed; 0 with a Python error if one is not (the views taken so far are released by the caller). */
+static int page_tables(PyObject **objs, Py_ssize_t item, const char *first, const char *per_slab, view *v) {
+    const Py_ssize_t size[4] = {item, 4, 8, 8};
+    const char *names[4] = {first, "slab", per_slab, "ids"};
+    for (int i = 0; i < 4; i++)
+        if (!take(objs[i], &v[i], 'i', size[i], i == 0 || i == 2, names[i]))
+            return 0;
+    Py_ssize_t pages = v[0].v.len / item, slabs = v[2].v.len / 8, n = v[3].v.len / 8;
+    const int32_t *slab = v[1].v.buf;
+    const int64_t *ids = v[3].v.buf;
+    if (v[1].v.len / 4 < pages) {
+        PyErr_SetString(PyExc_ValueError, "slab must have an entry for every page");
+        return 0;
+    }
+    for (Py_ssize_t k = 0; k < n; k++)
+        if (ids[k] < 0 || ids[k] >= pages || slab[ids[k]] < 0 || slab[ids[k]] >= slabs) {
+            PyErr_Format(PyExc_ValueError, "page id %lld, or its slab, is outside the tables", (long long)ids[k]);
+            return 0;
+        }
+    return 1;
+}
+
+static void release_views(view *v, int n) {
+    for (int i = 0; i < n; i++)
+        if (v[i].held)
+            PyBuffer_Release(&v[i].v);
+}
+
 /* hold(counts, slab, slab_holds, ids, n): counts[id] += n and slab_holds[slab[id]] += n for each id
  *   (repeats count each time), as PageTable.hold's np.add.at pair. counts, slab: int32[pages];
- *   slab_holds: int64[slabs]; ids: int64. Every id and slab id is checked first: out of its table,
- *   nothing is changed (ValueError). */
+ *   slab_holds: int64[slabs]; ids: int64. Out of its table (page_tables), nothing is changed. */
 static PyObject *hold(PyObject *self, PyObject *args) {
     PyObject *objs[4];
     long long by;
     if (!PyArg_ParseTuple(args, "OOOOL", &objs[0], &objs[1], &objs[2], &objs[3], &by))
         return NULL;
-    static const Py_ssize_t size[4] = {4, 4, 8, 8};
-    static const char *names[4] = {"counts", "slab", "slab_holds", "ids"};
     view v[4] = {{{0}}};
     PyObject *result = NULL;
-    for (int i = 0; i < 4; i++)
-        if (!take(objs[i], &v[i], 'i', size[i], i == 0 || i == 2, names[i]))
-            goto done;
-    Py_ssize_t pages = v[0].v.len / 4, slabs = v[2].v.len / 8, n = v[3].v.len / 8;
-    int32_t *counts = v[0].v.buf;
-    const int32_t *slab = v[1].v.buf;
-    int64_t *holds = v[2].v.buf;
-    const int64_t *ids = v[3].v.buf;
-    if (v[1].v.len / 4 < pages) {
-        PyErr_SetString(PyExc_ValueError, "slab must have an entry for every page");
-        goto done;
-    }
-    for (Py_ssize_t k = 0; k < n; k++)
-        if (ids[k] < 0 || ids[k] >= pages || slab[ids[k]] < 0 || slab[ids[k]] >= slabs) {
-            PyErr_Format(PyExc_ValueError, "page id %lld, or its slab, is outside the tables", (long long)ids[k]);
-            goto done;
+    if (page_tables(objs, 4, "counts", "slab_holds", v)) {
+        int32_t *counts = v[0].v.buf;
+        const int32_t *slab = v[1].v.buf;
+        int64_t *holds = v[2].v.buf;
+        const int64_t *ids = v[3].v.buf;
+        for (Py_ssize_t k = 0, n = v[3].v.len / 8; k < n; k++) {
+            counts[ids[k]] += (int32_t)by;
+            holds[slab[ids[k]]] += by;
         }
-    for (Py_ssize_t k = 0; k < n; k++) {
-        counts[ids[k]] += (int32_t)by;
-        holds[slab[ids[k]]] += by;
+        result = Py_None;
+        Py_INCREF(result);
     }
-    result = Py_None;
-    Py_INCREF(result);
-done:
-    for (int i = 0; i < 4; i++)
-        if (v[i].held)
-            PyBuffer_Release(&v[i].v);
+    release_views(v, 4);
     return result;
 }
 
@@ -284,37 +298,22 @@ static PyObject *touch(PyObject *self, PyObject *args) {
     long long tick;
     if (!PyArg_ParseTuple(args, "OOOOL", &objs[0], &objs[1], &objs[2], &objs[3], &tick))
         return NULL;
-    static const Py_ssize_t size[4] = {8, 4, 8, 8};
-    static const char *names[4] = {"stamp", "slab", "slab_stamp", "ids"};
     view v[4] = {{{0}}};
     PyObject *result = NULL;
-    for (int i = 0; i < 4; i++)
-        if (!take(objs[i], &v[i], 'i', size[i], i == 0 || i == 2, names[i]))
-            goto done;
-    Py_ssize_t pages = v[0].v.len / 8, slabs = v[2].v.len / 8, n = v[3].v.len / 8;
-    int64_t *stamp = v[0].v.buf, *slab_stamp = v[2].v.buf;
-    const int32_t *slab = v[1].v.buf;
-    const int64_t *ids = v[3].v.buf;
-    if (v[1].v.len / 4 < pages) {
-        PyErr_SetString(PyExc_ValueError, "slab must have an entry for every page");
-        goto done;
-    }
-    for (Py_ssize_t k = 0; k < n; k++)
-        if (ids[k] < 0 || ids[k] >= pages || slab[ids[k]] < 0 || slab[ids[k]] >= slabs) {
-            PyErr_Format(PyExc_ValueError, "page id %lld, or its slab, is outside the tables", (long long)ids[k]);
-            goto done;
+    if (page_tables(objs, 8, "stamp", "slab_stamp", v)) {
+        int64_t *stamp = v[0].v.buf, *slab_stamp = v[2].v.buf;
+        const int32_t *slab = v[1].v.buf;
+        const int64_t *ids = v[3].v.buf;
+        Py_ssize_t n = v[3].v.len / 8;
+        for (Py_ssize_t k = 0; k < n; k++) {
+            int64_t t = tick + (int64_t)(n - k);
+            stamp[ids[k]] = t;
+            if (slab_stamp[slab[ids[k]]] < t)
+                slab_stamp[slab[ids[k]]] = t;
         }
-    for (Py_ssize_t k = 0; k < n; k++) {
-        int64_t t = tick + (int64_t)(n - k);
-        stamp[ids[k]] = t;
-        if (slab_stamp[slab[ids[k]]] < t)
-            slab_stamp[slab[ids[k]]] = t;
+        result = PyLong_FromLongLong(tick + (long long)n);
     }
-    result = PyLong_FromLongLong(tick + (long long)n);
-done:
-    for (int i = 0; i < 4; i++)
-        if (v[i].held)
-            PyBuffer_Release(&v[i].v);
+    release_views(v, 4);
     return result;
 }
 
