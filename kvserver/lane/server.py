@@ -264,12 +264,7 @@ class Lane:
             R.PROGRESS.pack_into(mm, off + R.PROGRESS_AT, 0, 0, 0, 0, 0, 1, flags)
         else:
             R.U32.pack_into(mm, off + R.PROGRESS_AT + 28, flags)
-        mm[off + R.RESPONSE_AT: off + R.RESPONSE_AT + len(response)] = response
-        mm[off + R.ERROR_AT: off + R.ERROR_AT + len(text)] = text
-        R.RESULT.pack_into(mm, off + R.CODE_AT, code, len(response), len(text))
-        R.DONE_SEQ.pack_into(mm, off + R.DONE_SEQ_AT, seq)
-        R.U32.pack_into(mm, off + R.STATE, R.DONE)
-        self._ring_done(i)
+        self._done_with(i, seq, code, response, text)
 
     def answered(self, counted: bool) -> None:
         """A request served through ``Fast`` has ended (its slot answered, or its lane gone)."""
@@ -287,8 +282,17 @@ class Lane:
         self._plane.release_slot(self._handle, i)
         text = message.encode()[: R.ERROR_BYTES]
         R.U32.pack_into(mm, off + R.PROGRESS_AT + 28, R.FLAG_JOB_ENDED)
+        self._done_with(i, seq, int(Code.INTERNAL), b"", text)
+
+    def _done_with(self, i: int, seq: int, code: int, response: bytes, text: bytes) -> None:
+        """Ends slot ``i``'s answer, its progress words already written: the response, the message,
+        the status and ``seq``, then DONE (last: the client reads the rest once it sees it), then
+        its doorbell."""
+        off = R.slot_offset(i)
+        mm = self._mm
+        mm[off + R.RESPONSE_AT: off + R.RESPONSE_AT + len(response)] = response
         mm[off + R.ERROR_AT: off + R.ERROR_AT + len(text)] = text
-        R.RESULT.pack_into(mm, off + R.CODE_AT, int(Code.INTERNAL), 0, len(text))
+        R.RESULT.pack_into(mm, off + R.CODE_AT, code, len(response), len(text))
         R.DONE_SEQ.pack_into(mm, off + R.DONE_SEQ_AT, seq)
         R.U32.pack_into(mm, off + R.STATE, R.DONE)
         self._ring_done(i)
@@ -383,14 +387,9 @@ class Lane:
                                  flags | R.FLAG_DONE)
         else:
             R.U32.pack_into(mm, off + R.PROGRESS_AT + 28, flags)
-        mm[off + R.RESPONSE_AT: off + R.RESPONSE_AT + len(response)] = response
-        mm[off + R.ERROR_AT: off + R.ERROR_AT + len(message)] = message
-        R.RESULT.pack_into(mm, off + R.CODE_AT, code, len(response), len(message))
-        R.DONE_SEQ.pack_into(mm, off + R.DONE_SEQ_AT, seq)
-        R.U32.pack_into(mm, off + R.STATE, R.DONE)
         self._tasks[i] = None
         self.served += 1
-        self._ring_done(i)
+        self._done_with(i, seq, code, response, message)
         if self._watching and self._plane is None:
             self._scan()  # a request submitted while this slot's neighbours were all busy
 
