@@ -234,3 +234,54 @@ def test_a_put_that_evicts_many_slabs_ranks_them_once(monkeypatch):
     assert len(calls) == 1
     small_pages = [s for s in cache.stats()[0] if s.space.model == "m"][0].counters.pages
     assert small_pages == 8 * 32  # the other eight slabs were left alone
+
+
+@pytest.mark.parametrize("key_bytes", [1, 8, 16, 17, 32, 64])
+def test_a_packed_get_finds_and_holds_what_prepare_get_does(key_bytes):
+    """KVCache.prepare_get_packed (the compiled walk, digests and holds in one call: hit.h) against
+    prepare_get of the same keys unpacked, on one cache: the same hit, page ids, offsets, readers,
+    slab holds and misses, for keys committed, being written, held by another tenant's part, absent
+    and repeated; narrow keys zero-padded, wide ones digested. A page whose slab is outside the
+    slab table is refused with nothing held."""
+    rng = np.random.default_rng(key_bytes)
+    cache, _, _ = make_cache()
+    part = one_part(cache, page_bytes=64 * 1024)
+    other = one_part(cache, tenant="u", page_bytes=64 * 1024)
+    if cache.pages.hold_hit(part.gid, b"", 1) is None:
+        pytest.skip("built without a compiler")
+    pool = [rng.integers(0, 3 if key_bytes == 1 else 256, key_bytes, np.uint8).tobytes() for _ in range(40)]
+    pool = list(dict.fromkeys(pool))
+    put(cache, part, pool[:20])
+    put(cache, other, pool[15:30])
+    writing = cache.prepare_put(part, pool[20:24])  # being written: a Get stops there
+    space = part.space
+    for _ in range(200):
+        keys = [pool[i] for i in rng.integers(0, len(pool), rng.integers(0, 12))]
+        if rng.random() < 0.5:  # most Gets ask for a stored prefix first
+            keys = pool[: rng.integers(0, 22)] + keys
+        packed = b"".join(keys)
+        before = (cache.pages.readers.copy(), cache.pages.slab_holds.copy(), space.counters.misses)
+        got = cache.prepare_get_packed(part, packed, key_bytes)
+        held = (cache.pages.readers - before[0], cache.pages.slab_holds - before[1],
+                space.counters.misses - before[2])
+        cache.complete_get(got, True)
+        assert np.array_equal(cache.pages.readers, before[0])
+        assert np.array_equal(cache.pages.slab_holds, before[1])
+        want = cache.prepare_get(part, Keys.unpack(packed, key_bytes, 100))
+        expect = (cache.pages.readers - before[0], cache.pages.slab_holds - before[1],
+                  space.counters.misses - before[2] - held[2])
+        cache.complete_get(want, True)
+        assert got.pages == want.pages and got.lease_id == ""
+        assert got.page_ids.tolist() == want.page_ids.tolist() or not want.pages
+        assert got.offsets.tolist() == want.offsets.tolist()
+        assert np.array_equal(held[0], expect[0]) and np.array_equal(held[1], expect[1])
+        assert held[2] == expect[2] == len(keys) - want.pages
+    assert int(cache.pages.readers.sum()) == 0
+    cache.complete_put(writing, True)
+    ids = cache.pages.find(part.gid, Keys.of(pool[:1]))
+    cache.pages.slab[ids[0]] = len(cache.pages.slab_holds)  # a slab past the slab table
+    before = (cache.pages.readers.copy(), cache.pages.slab_holds.copy())
+    with pytest.raises(ValueError):
+        cache.prepare_get_packed(part, b"".join(pool[1:3] + pool[:1]), key_bytes)
+    assert np.array_equal(cache.pages.readers, before[0])
+    assert np.array_equal(cache.pages.slab_holds, before[1])

@@ -180,7 +180,7 @@ def test_compiled_changes_refuse_what_does_not_fit_before_writing(kvindex):
     ix = KeyIndex(64)
     ix.insert(np.arange(3), 0, Keys.of([b"a", b"b", b"c"]))
     before = ix.next.copy(), ix.head.copy(), ix.owner.copy()
-    state = ix._state()
+    state = ix.tables()
     for ids, why in [(np.array([0, 64]), "outside"), (np.array([-1]), "outside"),
                      (np.array([0.0]), "aligned")]:
         with pytest.raises(ValueError, match=why):

@@ -56,6 +56,7 @@ MAX_SPACE_IDS = 1 << 16  # space handles the daemon keeps (one per tenant and sp
 # loop, so a request is bounded to what the loop can do in a small fraction of a second.
 MAX_CACHE_KEYS = 1 << 17
 MAX_GET_PARTS = 1024  # Gets in one GetRequest (GetRequest.parts)
+_FEW = 8  # device pages a request may name for their checks to run in plain Python
 _PLANE_REFUSED = "the data plane did not take the copy (the daemon is stopping, or out of memory): retry"
 
 
@@ -249,22 +250,27 @@ class CacheOps:
                        ready_event: bytes, event_slot: int) -> tuple[Keys, np.ndarray]:
         keys = await in_steps(self.kv.share, Keys.unpack_steps(packed, key_bytes, self._max_keys))
         self.kv.client(client.client_id)  # still registered after the steps (its pool still open)
-        return keys, self._checked_pages(client, keys, device_pages, ready_event, event_slot)
+        return keys, self._checked_pages(client, len(keys), device_pages, ready_event, event_slot)
 
-    def _checked_pages(self, client: ClientState, keys: Keys, device_pages, ready_event: bytes,
+    def _checked_pages(self, client: ClientState, n: int, device_pages, ready_event: bytes,
                        event_slot: int) -> np.ndarray:
+        """The device pages of ``n`` keys, checked against the client's pool."""
         pages = transfer.as_indices(device_pages, "device page")
-        if pages.size != len(keys):
-            raise InvalidArgument(f"{len(keys)} keys but {pages.size} device pages; they must pair up")
+        if pages.size != n:
+            raise InvalidArgument(f"{n} keys but {pages.size} device pages; they must pair up")
         device = client.device
         device.check_request(ready_event, event_slot)
         device.check_cache_rows()
-        if pages.size:
-            lo, hi = int(pages.min()), int(pages.max())
+        if n:
+            if n <= _FEW:  # a few pages: plain Python is several times cheaper than numpy's calls
+                few = pages.tolist()
+                lo, hi, repeats = min(few), max(few), len(set(few)) < n
+            else:
+                lo, hi, repeats = int(pages.min()), int(pages.max()), None
             if lo < 0 or hi >= device.num_pages:
                 raise OutOfRange(f"device page {lo if lo < 0 else hi} is outside the device pool of "
                                  f"{device.num_pages} pages ({device.num_tokens} tokens)")
-            if transfer.has_repeats(pages):
+            if repeats if repeats is not None else transfer.has_repeats(pages):
                 raise InvalidArgument("device pages name the same page more than once")
         device.check_sizes()
         return pages
@@ -475,14 +481,19 @@ class CacheOps:
         client = self.kv.clients.get(req.client_id)
         if client is None or client.closing or not copier.alone(client, answers=True):
             return None
+        key_bytes, packed = req.key_bytes, req.keys
+        if not 1 <= key_bytes <= MAX_KEY_BYTES or len(packed) % key_bytes:
+            return None  # (get words it)
+        n = len(packed) // key_bytes
+        if n > self._max_keys:
+            return None
         try:
-            keys = Keys.unpack(req.keys, req.key_bytes, self._max_keys)
-            pages = self._checked_pages(client, keys, req.device_pages, b"", 0)
+            pages = self._checked_pages(client, n, req.device_pages, b"", 0)
             local_layers = client.spec.layers.select(req.layers)
         except KVError:
             return None
         spec = client.spec
-        if copier.splits(len(keys) * spec.page_size * spec.token_bytes * spec.layout.num_parts
+        if copier.splits(n * spec.page_size * spec.token_bytes * spec.layout.num_parts
                          * len(local_layers), True) or not copier.takes_rows(self._cache_table(client),
                                                                                spec.page_size):
             return None  # (the split: were every key found)
@@ -491,7 +502,9 @@ class CacheOps:
         except KVError:
             return None
         self.kv.client(client.client_id)  # its lease, renewed as every call renews it
-        plan = self.cache.prepare_get(part, keys)
+        plan = self.cache.prepare_get_packed(part, packed, key_bytes)
+        if plan is None:  # no compiled index
+            plan = self.cache.prepare_get(part, Keys.unpack(packed, key_bytes, self._max_keys))
         if not plan.pages:
             self.cache.complete_get(plan, True)
             return 0
@@ -542,7 +555,7 @@ class CacheOps:
             return None
         try:
             keys = Keys.unpack(req.keys, req.key_bytes, self._max_keys)
-            pages = self._checked_pages(client, keys, req.device_pages, b"", 0)
+            pages = self._checked_pages(client, len(keys), req.device_pages, b"", 0)
         except KVError:
             return None
         if not copier.takes_rows(self._cache_table(client), client.spec.page_size):

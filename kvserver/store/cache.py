@@ -495,6 +495,22 @@ class KVCache:
         lease = lease_id if lease_id and self.leases.holds(lease_id, tenant.name) else ""
         return GetPlan(part, n, self.pages.offset[ids], lease, ids)
 
+    def prepare_get_packed(self, part: Part, packed: bytes, key_bytes: int) -> GetPlan | None:
+        """``prepare_get`` of at most ``STEP_KEYS`` keys as a request packs them (``key_bytes``
+        each, 1 to ``MAX_KEY_BYTES``, whole keys: the caller checks), without a lease: the walk,
+        digests and holds in one compiled call (``PageTable.hold_hit``). None where the package
+        has no compiled index (``prepare_get`` then)."""
+        space = self._live(part.space)
+        got = self.pages.hold_hit(part.gid, packed, key_bytes)
+        if got is None:
+            return None
+        ids, offsets = got
+        misses = len(packed) // key_bytes - len(ids)
+        if misses:
+            space.counters.misses += misses
+            self.tenants.get(space.key.tenant).counters.misses += misses
+        return GetPlan(part, len(ids), offsets, "", ids)
+
     def complete_get(self, plan: GetPlan, ok: bool) -> None:
         ids, plan.page_ids = plan.page_ids, plan.page_ids[:0]
         self.pages.hold(ids, -1)

@@ -67,7 +67,7 @@ class KeyIndex:
         self._s0, self._s1, self._s2 = seeds[0], seeds[1], seeds[2] | np.uint64(1)
         self._c = _kvindex  # None: every call in numpy (a build without a compiler; tests)
 
-    def _state(self) -> tuple:
+    def tables(self) -> tuple:
         """The tables and state the compiled calls take after their first argument(s)."""
         return (self.w0, self.w1, self.lens, self.owner, self.next, self.head, self.buckets, self.level,
                 self.split, int(self._s0), int(self._s1), int(self._s2))
@@ -143,9 +143,9 @@ class KeyIndex:
         self.owner[ids] = owner
         self.count += len(ids)
         if self._c is not None:
-            self._c.link(np.ascontiguousarray(ids, np.int64), *self._state())
+            self._c.link(np.ascontiguousarray(ids, np.int64), *self.tables())
             if self.count > LOAD * self.buckets:
-                self.buckets, self.level, self.split = self._c.split(self.count, LOAD, *self._state())
+                self.buckets, self.level, self.split = self._c.split(self.count, LOAD, *self.tables())
             return
         self._link(ids, self._buckets_of(ids))
         self._split_to_load()
@@ -156,7 +156,7 @@ class KeyIndex:
         if not len(ids):
             return
         if self._c is not None:
-            self._c.unlink(np.ascontiguousarray(ids, np.int64), *self._state())
+            self._c.unlink(np.ascontiguousarray(ids, np.int64), *self.tables())
             self.count -= len(ids)
             return
         buckets = np.sort(self._buckets_of(ids))

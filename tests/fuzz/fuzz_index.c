@@ -10,6 +10,11 @@
  * The expected answers are filed with the walk's own hash: that it is the numpy index's hash is
  * tests/test_store_index.py's to check.
  *
+ * The same walk then serves a Get's hit (hit.h) over exact-size page tables of up to cap + 1 pages
+ * (fewer than the entries too) and up to 4 slabs, their states and slabs from the input: the hit
+ * reads only inside them, and is -1 (a page or slab outside them) or the leading keys that
+ * find_one files with a committed page in its slab table, their ids and offsets.
+ *
  * The same input also drives the changes (inserts, removals, splits: check_changes below) on
  * exact-size tables, against a model of which entries are live.
  *
@@ -28,6 +33,7 @@
 #include <unistd.h>
 
 #include "../../kvserver/store/csrc/digest.h"
+#include "../../kvserver/store/csrc/hit.h"
 #include "../../kvserver/store/csrc/index.h"
 
 typedef struct {
@@ -40,6 +46,55 @@ static uint64_t take(input *in, int bytes) {
     for (int i = 0; i < bytes && in->left; i++, in->left--)
         v |= (uint64_t)*in->p++ << (8 * i);
     return v;
+}
+
+/* hit.h's walk over the index `ix`, for keys of one length from the entries' alphabet. */
+static void check_hit(const kv_index *ix, input *in) {
+    int64_t npages = (int64_t)(take(in, 1) % (uint64_t)(ix->cap + 2)), nslabs = (int64_t)(take(in, 1) % 5);
+    int8_t *state = malloc(npages ? npages : 1);
+    int64_t *offset = malloc(8 * (npages ? npages : 1));
+    int32_t *slab = malloc(4 * (npages ? npages : 1));
+    for (int64_t i = 0; i < npages; i++) {
+        uint64_t v = take(in, 1);
+        state[i] = (int8_t)(v % 4);
+        slab[i] = (int32_t)((v >> 2) % 6) - 1; /* -1 to 4: some outside the slab table */
+        offset[i] = (int64_t)i << 20;
+    }
+    kv_pages pg = {state, offset, slab, npages, nslabs};
+    int64_t n = (int64_t)(take(in, 1) % 9);
+    uint8_t len = (uint8_t)(1 + take(in, 1) % 3 * 21);
+    int32_t o = (int32_t)(take(in, 1) % 3);
+    uint64_t *words = malloc(16 * (n ? n : 1));
+    int64_t *ids = malloc(8 * (n ? n : 1)), *offs = malloc(8 * (n ? n : 1));
+    for (int64_t k = 0; k < n; k++) {
+        uint64_t v = take(in, 1);
+        words[2 * k] = v % 7;
+        words[2 * k + 1] = (v >> 3) % 3;
+    }
+    int64_t m = kv_hit_prefix(ix, &pg, words, len, n, o, ids, offs);
+    if (m < -1 || m > n)
+        abort();
+    int64_t want = n, bad = 0;  /* the same walk, key by key */
+    for (int64_t k = 0; k < n; k++) {
+        int64_t id = kv_index_find_one(ix, words[2 * k], words[2 * k + 1], len, o);
+        if (id < 0) {
+            want = k;
+            break;
+        }
+        if (id >= npages || slab[id] < 0 || slab[id] >= nslabs) {
+            bad = 1;
+            break;
+        }
+        if (state[id] != KV_COMMITTED) {
+            want = k;
+            break;
+        }
+        if (m >= 0 && k < m && (ids[k] != id || offs[k] != offset[id]))
+            abort();
+    }
+    if (bad ? m != -1 : m != want)
+        abort();
+    free(state), free(offset), free(slab), free(words), free(ids), free(offs);
 }
 
 static void check_one(const uint8_t *data, size_t size) {
@@ -115,6 +170,7 @@ static void check_one(const uint8_t *data, size_t size) {
             }
         }
     }
+    check_hit(&ix, &in);
     if (heads != head)
         free(heads);
     free(w0), free(w1), free(lens), free(owner), free(next), free(head), free(filed);

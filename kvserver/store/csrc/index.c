@@ -1,12 +1,14 @@
 /* kvserver.store._kvindex: the key index's lookups and changes in C (index.h), called by
  * KeyIndex.find, insert and remove with the index's own arrays, the digests of wide keys
- * (digest.h), called by Keys.unpack, and the page table's hold and touch (PageTable's). Every array is taken through the buffer protocol, its type,
+ * (digest.h), called by Keys.unpack, the page table's hold and touch (PageTable's), and a Get's
+ * hit from its packed keys to its held pages in one call (hit.h, PageTable.hold_hit). Every array is taken through the buffer protocol, its type,
  * alignment and length checked against the others before a key is read or an entry changed. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 
 #include "digest.h"
+#include "hit.h"
 #include "index.h"
 
 typedef struct {
@@ -29,7 +31,7 @@ static int take(PyObject *obj, view *out, char kind, Py_ssize_t itemsize, int wr
     if (kind == 'u')
         ok &= itemsize == 1 ? code == 'B' : itemsize == 4 ? code == 'I' : code == 'L' || code == 'Q';
     else
-        ok &= itemsize == 4 ? code == 'i' : code == 'l' || code == 'q';
+        ok &= itemsize == 1 ? code == 'b' : itemsize == 4 ? code == 'i' : code == 'l' || code == 'q';
     if (!ok) {
         PyErr_Format(PyExc_ValueError, "%s: not an aligned array of %zd-byte %s integers", name, itemsize,
                      kind == 'u' ? "unsigned" : "signed");
@@ -317,7 +319,91 @@ static PyObject *touch(PyObject *self, PyObject *args) {
     return result;
 }
 
+
+/* hit(ids, offsets, packed, key_bytes, owner, w0, w1, elens, eowner, next, head, nhead, level, split,
+ *     s0, s1, s2, state, offset, readers, slab, slab_holds) -> m
+ *   KVCache.prepare_get's walk and holds for the keys packed in `packed` (key_bytes each, 1 to 64):
+ *   the leading m of them filed under `owner` with a committed page (hit.h), their page ids and
+ *   offsets written to ids[:m] and offsets[:m] (int64, one entry a key), and each of those pages
+ *   held once (readers and its slab's slab_holds, as PageTable.hold). The index's tables and state
+ *   as find takes them; state: int8, offset: int64, readers, slab: int32, one entry a page each;
+ *   slab_holds: int64, one a slab. Nothing is changed unless every table is consistent (else
+ *   ValueError), every page of the hit included. */
+static PyObject *hit(PyObject *self, PyObject *args) {
+    PyObject *objs[13];
+    Py_buffer in;
+    Py_ssize_t key_bytes, nhead;
+    int owner;
+    unsigned long long level, split, s0, s1, s2;
+    if (!PyArg_ParseTuple(args, "OOy*niOOOOOOnKKKKKOOOOO", &objs[0], &objs[1], &in, &key_bytes, &owner,
+                          &objs[2], &objs[3], &objs[4], &objs[5], &objs[6], &objs[7], &nhead, &level, &split,
+                          &s0, &s1, &s2, &objs[8], &objs[9], &objs[10], &objs[11], &objs[12]))
+        return NULL;
+    static const Py_ssize_t size[13] = {8, 8, 8, 8, 1, 4, 4, 4, 1, 8, 4, 4, 8};
+    static const char kind[13] = {'i', 'i', 'u', 'u', 'u', 'i', 'i', 'i', 'i', 'i', 'i', 'i', 'i'};
+    static const char *names[13] = {"ids", "offsets", "w0", "w1", "elens", "eowner", "next", "head",
+                                    "state", "offset", "readers", "slab", "slab_holds"};
+    view v[13] = {{{0}}};
+    uint64_t *words = NULL;
+    PyObject *result = NULL;
+    for (int i = 0; i < 13; i++)
+        if (!take(objs[i], &v[i], kind[i], size[i], i < 2 || i == 10 || i == 12, names[i]))
+            goto done;
+    if (key_bytes < 1 || key_bytes > 64 || in.len % key_bytes) {
+        PyErr_SetString(PyExc_ValueError, "packed must hold whole keys of 1 to 64 bytes");
+        goto done;
+    }
+    Py_ssize_t n = in.len / key_bytes, cap = v[2].v.len / 8, npages = v[8].v.len;
+    if (v[0].v.len != 8 * n || v[1].v.len != 8 * n) {
+        PyErr_SetString(PyExc_ValueError, "ids and offsets must have an entry for every key");
+        goto done;
+    }
+    if (v[3].v.len != 8 * cap || v[4].v.len != cap || v[5].v.len != 4 * cap || v[6].v.len != 4 * cap ||
+        nhead < 0 || nhead > v[7].v.len / 4 || level == 0 || (level & (level - 1)) || split > level) {
+        PyErr_SetString(PyExc_ValueError, "the index's tables are not consistent");
+        goto done;
+    }
+    if (v[9].v.len != 8 * npages || v[10].v.len != 4 * npages || v[11].v.len != 4 * npages) {
+        PyErr_SetString(PyExc_ValueError, "the page tables must be of one length");
+        goto done;
+    }
+    words = PyMem_Malloc(n ? (size_t)n * 16 : 16);
+    if (!words) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const uint8_t *keys = in.buf;
+    if (key_bytes > KV_WORD_BYTES)
+        kv_digests(keys, (size_t)key_bytes, (size_t)n, (uint8_t *)words, 0);
+    else
+        for (Py_ssize_t k = 0; k < n; k++)
+            kv_key_words(keys + k * key_bytes, key_bytes, words + 2 * k);
+    kv_index ix = {v[2].v.buf, v[3].v.buf, v[4].v.buf, v[5].v.buf, v[6].v.buf, v[7].v.buf,
+                   cap, nhead, level, split, s0, s1, s2};
+    kv_pages pg = {v[8].v.buf, v[9].v.buf, v[11].v.buf, npages, v[12].v.len / 8};
+    int64_t *ids = v[0].v.buf;
+    int64_t m = kv_hit_prefix(&ix, &pg, words, (uint8_t)key_bytes, n, owner, ids, v[1].v.buf);
+    if (m < 0) {
+        PyErr_SetString(PyExc_ValueError, "the index names a page outside the page tables");
+        goto done;
+    }
+    int32_t *readers = v[10].v.buf;
+    const int32_t *slab = v[11].v.buf;
+    int64_t *holds = v[12].v.buf;
+    for (int64_t k = 0; k < m; k++) { /* every id and slab checked inside the tables by the walk */
+        readers[ids[k]] += 1;
+        holds[slab[ids[k]]] += 1;
+    }
+    result = PyLong_FromLongLong(m);
+done:
+    PyMem_Free(words);
+    release_views(v, 13);
+    PyBuffer_Release(&in);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"hit", hit, METH_VARARGS, "A Get's leading stored keys, from its packed keys, their pages held."},
     {"hold", hold, METH_VARARGS, "Adds n to the counts of pages, and of their slabs' holds."},
     {"touch", touch, METH_VARARGS, "Stamps pages as used, in order, and their slabs with them."},
     {"find", find, METH_VARARGS, "Entry ids of keys under an owner in the index's tables, -1 where absent."},
