@@ -17,8 +17,10 @@ import time
 import grpc
 import pytest
 import torch
+from checks import wait_until
 from test_dataplane import DTYPE, LAYERS, LAYOUT, PAGE, START, TOKENS, _client, _fill
 from test_dataplane_cache import PAGES, _keys, _pages_of
+from test_lane_doorbells import pending
 
 from kvclient import KVClient, KVClientError, ShmKVPool
 
@@ -363,3 +365,49 @@ def test_after_a_get_the_plane_takes_the_next_call_without_waiting_for_the_loop(
         assert all(torch.equal(x, y) for x, y in zip(got, loaded, strict=True)), "the Load ran before the Get"
         time.sleep(1.5)
     _until(lambda: _readers(d) == (0, 0))
+
+
+def test_a_small_get_rings_a_sleeping_engine_once_and_a_large_one_for_its_first_step(
+        plane_daemon, monkeypatch) -> None:
+    """An answering copy of at most 1 MiB publishes its first step (the pages found) without a
+    ring: a sleeping engine is woken once, at its end, not also for its first step and layer. A
+    larger one rings for its first step, so that an engine asleep learns its hit before the layers
+    land. The engine is made to look asleep (its slots' waiting words set before the loop plans
+    the Get) and never waits: the rings are counted on its doorbells once the Get is done."""
+    from kvserver.core.cache_ops import CacheOps
+    from kvserver.protocol import ring as R
+
+    d = plane_daemon
+    tokens = 4096
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, tokens) as pool, \
+            KVClient(d.address, timeout=10, resilient=False) as c:
+        c.register(model="plane", pool=pool, start_layer=START, end_layer=START + LAYERS,
+                   num_layers=START + LAYERS + 2, host_tokens=tokens, page_size=PAGE)
+        lane = c.lane
+        assert lane is not None and lane._c is not None
+        pages = tokens // PAGE  # 256 pages of 16 KiB: 4 MiB
+        assert c.put(_keys("r", pages), torch.arange(pages)).stored == pages
+        original = CacheOps.get_on_plane
+
+        def asleep(self, req, answer, ended):  # on the loop, before the first step is published
+            for i in range(lane.slots):
+                R.U32.pack_into(lane._mm, R.slot_offset(i) + R.WAITING_AT, 1)
+            return original(self, req, answer, ended)
+
+        monkeypatch.setattr(CacheOps, "get_on_plane", asleep)
+        answered = d.core.plane.answered
+        for n, most in ((1, 1), (8, 1), (pages, None)):
+            handle = c.get(_keys("r", n), torch.arange(n))
+            slot = handle._source.slot
+            at = R.slot_offset(slot)
+            wait_until(lambda at=at: R.U32.unpack_from(lane._mm, at)[0] == R.DONE, 10, "the Get")
+            rings = pending(lane._done[slot])
+            if most is not None:
+                assert rings == most, f"a Get of {n} pages rang {rings} times"
+            else:
+                assert rings >= 2, "a large Get did not ring for its first step"
+            for i in range(lane.slots):
+                R.U32.pack_into(lane._mm, R.slot_offset(i) + R.WAITING_AT, 0)
+            assert handle.wait(timeout=10) > 0 and handle.pages() == n
+        assert d.core.plane.answered == answered + 3
+    assert _readers(d) == (0, 0)

@@ -70,6 +70,11 @@
 #define WRITE_EVERY_BYTES (16LL << 20)
 #define WRITE_TURN_BYTES (2LL << 20) /* what writes then copy before loads go first again */
 #define MAX_EDGES 32
+/* An answering copy of at most this many bytes publishes its first step (the pages found) at
+ * once without ringing, and rings a sleeping waiter next a progress interval later or at its end,
+ * which comes within a few hundred microseconds: one wake-up of the engine for a small Get, not
+ * one for its first step, one for its first layer and one for its end. */
+#define QUIET_FIRST_BYTES (1LL << 20)
 /* The thread says it is awake (and looks at slots unrung) only while it spins with no copy to run,
  * and only while the watched lanes have at most this many slots: a look at every slot is a cache
  * and TLB miss each (a slot is 68 KiB), and a node of many idle lanes would make each look long. */
@@ -1702,7 +1707,10 @@ static PyObject *engine_submit_copy(Engine *e, PyObject *args, PyObject *kw) {
     }
     if (j->answers) { /* step 1, the pages found, before any layer: the RPC's first message */
         publish_progress(e, j, 0);
-        ring_done(j->lane, j->slot);
+        if (j->bytes_per_layer * (int64_t)j->nl > QUIET_FIRST_BYTES)
+            ring_done(j->lane, j->slot);
+        else /* as if rung now: a sleeper's next ring is a progress interval away, or the end */
+            j->last_pub_ns = now_ns();
     }
     __atomic_add_fetch(&e->njobs, 1, __ATOMIC_RELAXED);
     pthread_mutex_lock(&e->in_mu);
