@@ -127,9 +127,9 @@ class DataPlane:
         if rows is None:
             return None
         base, stride, limit = rows
-        tokens = plan.device_rows.astype(np.int64)
-        if plan.device_paged:  # a page's tokens, one row each: the plane merges them into runs
-            tokens = (tokens[:, None] * plan.page_size + np.arange(plan.page_size)).reshape(-1)
+        # Device pages (the plane takes each page's tokens in order) or tokens; the plane merges
+        # consecutive tokens into runs.
+        tokens = np.ascontiguousarray(plan.device_rows, np.int64)
         ticket = next(self._tickets)
         fut: Future = Future()
         fut.set_running_or_notify_cancel()  # never dropped unstarted: a stop is the stop word's
@@ -139,11 +139,11 @@ class DataPlane:
         try:
             taken = self.engine.submit_copy(
                 ticket, gate, to_device, base, stride, limit,
-                np.ascontiguousarray(plan.host_pages, np.int64), np.ascontiguousarray(tokens),
+                np.ascontiguousarray(plan.host_pages, np.int64), tokens,
                 np.asarray(job.local_layers, np.int64), job.stop_word,
                 signal.counter if signal is not None else None, signal.fd if signal is not None else -1,
                 signal.interval if signal is not None else 0.0,
-                **({} if answer is None else answer._asdict()))
+                *((None, -1, 0, 0, 0, False) if answer is None else answer), paged=plan.device_paged)
         except (MemoryError, RuntimeError):  # no room, or the plane stopped: the copy workers run it
             logger.exception("the data plane could not take a cache copy; the copy workers run it")
             taken = False

@@ -70,10 +70,11 @@
 #define WRITE_EVERY_BYTES (16LL << 20)
 #define WRITE_TURN_BYTES (2LL << 20) /* what writes then copy before loads go first again */
 #define MAX_EDGES 32
-/* An answering copy of at most this many bytes publishes its first step (the pages found) at
- * once without ringing, and rings a sleeping waiter next a progress interval later or at its end,
- * which comes within a few hundred microseconds: one wake-up of the engine for a small Get, not
- * one for its first step, one for its first layer and one for its end. */
+/* An answering copy of at most this many bytes, submitted while the plane has no other job (so it
+ * runs at once), publishes its first step (the pages found) without ringing, and rings a sleeping
+ * waiter next a progress interval later or at its end, which comes within a few hundred
+ * microseconds: one wake-up of the engine for a small Get, not one for its first step, one for
+ * its first layer and one for its end. */
 #define QUIET_FIRST_BYTES (1LL << 20)
 /* The thread says it is awake (and looks at slots unrung) only while it spins with no copy to run,
  * and only while the watched lanes have at most this many slots: a look at every slot is a cache
@@ -1538,6 +1539,8 @@ static int int64s(PyObject *obj, Py_buffer *v, int writable, Py_ssize_t least, c
  * interval and at the end. Its end is posted back (take_completions) under ticket. False: the
  * gate is closed (nothing submitted). The arrays must outlive the copy: the caller keeps them
  * until its completion is taken.
+ * paged=False: tokens holds one device page for every offset instead (its page_size tokens in
+ * order), each inside the gate's whole pages.
  * lane=None, slot=-1, found=0, timeout_ms=0, arrival_ns=0: with a lane (its handle, of this gate),
  * the copy is a load that answers `slot`, a request the lane handed over whose slot is still
  * busy, and runs after every earlier job of the gate: step 1 (no layer yet) is published there at once, then its layers and end as a plane
@@ -1550,18 +1553,18 @@ static int int64s(PyObject *obj, Py_buffer *v, int writable, Py_ssize_t least, c
 static PyObject *engine_submit_copy(Engine *e, PyObject *args, PyObject *kw) {
     static char *names[] = {"ticket", "gate", "load", "host_base", "lp_stride", "host_limit", "offsets",
                             "tokens", "layers", "stop", "progress", "signal_fd", "interval", "lane", "slot",
-                            "found", "timeout_ms", "arrival_ns", "counted", NULL};
+                            "found", "timeout_ms", "arrival_ns", "counted", "paged", NULL};
     unsigned long long ticket, host_base;
     Gate *g;
-    int load, signal_fd = -1, slot = -1, counted = 0;
+    int load, signal_fd = -1, slot = -1, counted = 0, paged = 0;
     long long lp_stride, host_limit, arrival = 0;
     unsigned int found = 0, timeout_ms = 0;
     PyObject *offsets_obj, *tokens_obj, *layers_obj, *stop_obj, *progress_obj = Py_None, *lane_obj = Py_None;
     double interval = 0.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "KO!pKLLOOOO|OidOiIILp", names, &ticket, &GateType, &g, &load,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KO!pKLLOOOO|OidOiIILpp", names, &ticket, &GateType, &g, &load,
                                      &host_base, &lp_stride, &host_limit, &offsets_obj, &tokens_obj,
                                      &layers_obj, &stop_obj, &progress_obj, &signal_fd, &interval, &lane_obj,
-                                     &slot, &found, &timeout_ms, &arrival, &counted))
+                                     &slot, &found, &timeout_ms, &arrival, &counted, &paged))
         return NULL;
     if (e->started != 1) {
         PyErr_SetString(PyExc_RuntimeError, "the data plane has stopped");
@@ -1593,8 +1596,11 @@ static PyObject *engine_submit_copy(Engine *e, PyObject *args, PyObject *kw) {
     int64_t npages = off.len / 8, nl = lay.len / 8;
     const int64_t *offs = off.buf, *toks = tok.buf, *lays = lay.buf;
     int64_t chunks = (int64_t)g->lim.num_layers * g->parts;
-    if (tok.len / 8 != npages * ps) {
-        PyErr_SetString(PyExc_ValueError, "tokens must hold page_size tokens for every offset");
+    /* paged: tokens holds a device page for every offset, its page_size tokens in order. */
+#define TOKEN_AT(k) (paged ? toks[(k) / ps] * ps + (k) % ps : toks[k])
+    if (tok.len / 8 != (paged ? npages : npages * ps)) {
+        PyErr_SetString(PyExc_ValueError, paged ? "tokens must hold a device page for every offset"
+                                                : "tokens must hold page_size tokens for every offset");
         goto done;
     }
     if (lp_stride < ps * tb || host_limit < 0 || lp_stride > host_limit || host_base + (unsigned long long)host_limit < host_base) {
@@ -1606,10 +1612,10 @@ static PyObject *engine_submit_copy(Engine *e, PyObject *args, PyObject *kw) {
             PyErr_Format(PyExc_ValueError, "host offset %lld: its chunks are outside the host span", (long long)offs[k]);
             goto done;
         }
-    for (int64_t k = 0; k < npages * ps; k++)
-        if (toks[k] < 0 || toks[k] >= g->lim.dev_tokens) {
-            PyErr_Format(PyExc_ValueError, "device token %lld is outside the pool's %lld", (long long)toks[k],
-                         (long long)g->lim.dev_tokens);
+    for (int64_t k = 0; k < (paged ? npages : npages * ps); k++) /* a page: all of its tokens */
+        if (toks[k] < 0 || (paged ? toks[k] >= g->lim.dev_tokens / ps : toks[k] >= g->lim.dev_tokens)) {
+            PyErr_Format(PyExc_ValueError, "device %s %lld is outside the pool's %lld tokens",
+                         paged ? "page" : "token", (long long)toks[k], (long long)g->lim.dev_tokens);
             goto done;
         }
     for (int64_t k = 0; k < nl; k++)
@@ -1624,7 +1630,7 @@ static PyObject *engine_submit_copy(Engine *e, PyObject *args, PyObject *kw) {
     int contiguous = g->dev_stride == tb;
     int64_t nr = 0;
     for (int64_t k = 0; k < npages * ps; k++)
-        if (k % ps == 0 || !contiguous || toks[k] != toks[k - 1] + 1)
+        if (k % ps == 0 || !contiguous || TOKEN_AT(k) != TOKEN_AT(k - 1) + 1)
             nr++;
     if (j && j->local)
         j->runs = malloc(sizeof(Run) * (size_t)(nr ? nr : 1));
@@ -1635,15 +1641,16 @@ static PyObject *engine_submit_copy(Engine *e, PyObject *args, PyObject *kw) {
     nr = 0;
     for (int64_t k = 0; k < npages * ps; k++) {
         int64_t t = k % ps;
-        if (t > 0 && contiguous && toks[k] == j->runs[nr - 1].dev_tok + j->runs[nr - 1].ntok) {
+        if (t > 0 && contiguous && TOKEN_AT(k) == j->runs[nr - 1].dev_tok + j->runs[nr - 1].ntok) {
             j->runs[nr - 1].ntok++;
             continue;
         }
         j->runs[nr].host_off = offs[k / ps] + t * tb;
-        j->runs[nr].dev_tok = toks[k];
+        j->runs[nr].dev_tok = TOKEN_AT(k);
         j->runs[nr].ntok = 1;
         nr++;
     }
+#undef TOKEN_AT
     for (int64_t k = 0; k < nl; k++)
         j->local[k] = (int32_t)lays[k];
     j->nruns = nr;
@@ -1707,7 +1714,8 @@ static PyObject *engine_submit_copy(Engine *e, PyObject *args, PyObject *kw) {
     }
     if (j->answers) { /* step 1, the pages found, before any layer: the RPC's first message */
         publish_progress(e, j, 0);
-        if (j->bytes_per_layer * (int64_t)j->nl > QUIET_FIRST_BYTES)
+        if (j->bytes_per_layer * (int64_t)j->nl > QUIET_FIRST_BYTES ||
+            __atomic_load_n(&e->njobs, __ATOMIC_RELAXED) || __atomic_load_n(&e->paused, __ATOMIC_RELAXED))
             ring_done(j->lane, j->slot);
         else /* as if rung now: a sleeper's next ring is a progress interval away, or the end */
             j->last_pub_ns = now_ns();
