@@ -3,6 +3,8 @@ leases. Arena of 8 MiB in 2 MiB slabs of two 1 MiB pages: the cache holds eight 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from store_support import PAGE, K, MiB, make_cache, offsets_ok, one_part, part_of, put, space_key, stored
@@ -285,3 +287,51 @@ def test_a_packed_get_finds_and_holds_what_prepare_get_does(key_bytes):
         cache.prepare_get_packed(part, b"".join(pool[1:3] + pool[:1]), key_bytes)
     assert np.array_equal(cache.pages.readers, before[0])
     assert np.array_equal(cache.pages.slab_holds, before[1])
+
+
+@pytest.mark.parametrize("key_bytes", [4, 16, 32])
+def test_a_put_of_keys_all_stored_is_counted_as_prepare_put_counts_it(key_bytes):
+    """KVCache.prepare_put_present (one compiled walk, nothing held or taken) answers only a Put
+    whose every key the part has committed, repeats included, with prepare_put's plan and counters
+    for it; a key absent, being written or stored only in another part leaves it to prepare_put
+    (None), with nothing counted or changed."""
+    cache, _, _ = make_cache()
+    part = one_part(cache, page_bytes=64 * 1024)
+    other = one_part(cache, tenant="u", page_bytes=64 * 1024)
+    if cache.pages.hold_hit(part.gid, b"", 1, hold=False) is None:
+        pytest.skip("built without a compiler")
+    keys = [bytes([i]) * key_bytes for i in range(1, 9)]
+    put(cache, part, keys[:5])
+    put(cache, other, keys[5:7])
+    writing = cache.prepare_put(part, keys[7:8])
+    space, tenant = part.space, cache.tenants.get("t")
+
+    def state():
+        return (cache.pages.readers.copy(), cache.pages.slab_holds.copy(), cache.pages.state.copy(),
+                dataclasses.astuple(space.counters), dataclasses.astuple(tenant.counters))
+
+    def same(a, b):
+        return all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
+                   for x, y in zip(a, b, strict=True))
+
+    for ask in ([0, 1, 2], [4, 0, 4, 1], [3]):
+        chosen = [keys[i] for i in ask]
+        before = state()
+        got = cache.prepare_put_present(part, b"".join(chosen), key_bytes)
+        after = state()
+        assert got is not None and (got.present, got.dropped, got.positions.size, got.page_ids.size) == (
+            len(ask), 0, 0, 0)
+        cache.complete_put(got, True)
+        want = cache.prepare_put(part, chosen)
+        cache.complete_put(want, True)
+        assert (want.present, want.dropped, want.positions.size) == (len(ask), 0, 0)
+        counted = [np.subtract(b, a) for a, b in zip(before[3:], after[3:], strict=True)]
+        again = [np.subtract(b, a) for a, b in zip(after[3:], state()[3:], strict=True)]
+        assert all(np.array_equal(x, y) for x, y in zip(counted, again, strict=True)), "counted otherwise"
+        assert same(before[:3], after[:3]), "a page was held or changed"
+    for ask in ([0, 5], [5], [0, 7], [7], [2, 3, 4, 0, 1, 6]):  # absent, another part's, being written
+        before = state()
+        assert cache.prepare_put_present(part, b"".join(keys[i] for i in ask), key_bytes) is None
+        assert same(before, state())
+    cache.complete_put(writing, True)
+    assert cache.prepare_put_present(part, keys[7], key_bytes) is not None

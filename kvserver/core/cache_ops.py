@@ -553,9 +553,13 @@ class CacheOps:
         client = self.kv.clients.get(req.client_id)
         if client is None or client.closing or not copier.alone(client):
             return None
+        key_bytes, packed = req.key_bytes, req.keys
+        if not 1 <= key_bytes <= MAX_KEY_BYTES or len(packed) % key_bytes:
+            return None  # (put words it)
+        if len(packed) // key_bytes > self._max_keys:
+            return None
         try:
-            keys = Keys.unpack(req.keys, req.key_bytes, self._max_keys)
-            pages = self._checked_pages(client, len(keys), req.device_pages, b"", 0)
+            pages = self._checked_pages(client, len(packed) // key_bytes, req.device_pages, b"", 0)
         except KVError:
             return None
         if not copier.takes_rows(self._cache_table(client), client.spec.page_size):
@@ -564,9 +568,13 @@ class CacheOps:
             part = self._part(client)
         except KVError:
             return None
+        self.kv.client(client.client_id)  # its lease, renewed as every call renews it
+        stored = self.cache.prepare_put_present(part, packed, key_bytes)
+        if stored is not None:  # every key stored already: nothing taken, nothing to copy
+            return PutOutcome(0, stored.present, 0, 0)
+        keys = Keys.unpack(packed, key_bytes, self._max_keys)
         if self.cache.writing(part, keys):
             return None
-        self.kv.client(client.client_id)  # its lease, renewed as every call renews it
         plan = self.cache.prepare_put(part, keys)
         n = plan.positions.size
         if n == 0:

@@ -386,6 +386,24 @@ class KVCache:
             c.dropped += dropped
         return PutPlan(part, stored, self.pages.offset[new], present, dropped, new, waiting)
 
+    def prepare_put_present(self, part: Part, packed: bytes, key_bytes: int) -> PutPlan | None:
+        """``prepare_put`` of at most ``STEP_KEYS`` keys packed as a request packs them (checked
+        by the caller) where the part has every one of them stored already: nothing to take or
+        copy, each key counted present, from one compiled walk (``PageTable.hold_hit``). None
+        where a key is not stored (or is being written), or the package has no compiled index:
+        ``prepare_put`` then."""
+        space = self._live(part.space)
+        n = len(packed) // key_bytes
+        got = self.pages.hold_hit(part.gid, packed, key_bytes, hold=False)
+        if got is None or len(got[0]) < n:
+            return None
+        page_bytes = part.key.page_bytes
+        for c in (space.counters, self.tenants.get(space.key.tenant).counters):
+            c.dedup_pages += n
+            c.dedup_bytes += n * page_bytes
+        none = np.empty(0, np.int64)
+        return PutPlan(part, none, none.copy(), n, 0, none.copy(), none.copy())
+
     def writing(self, part: Part, keys: Keys) -> bool:
         """True if a Put is still writing any of ``keys`` into the part."""
         ids = self.pages.find(part.gid, keys)

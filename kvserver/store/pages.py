@@ -185,17 +185,18 @@ class PageTable:
         np.add.at(self.readers, ids, n)
         np.add.at(self.slab_holds, self.slab[ids], n)
 
-    def hold_hit(self, part: int, packed: bytes, key_bytes: int) -> tuple[np.ndarray, np.ndarray] | None:
+    def hold_hit(self, part: int, packed: bytes, key_bytes: int,
+                 hold: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
         """The page ids and offsets of the leading keys packed in ``packed`` (``key_bytes`` each,
-        checked by the caller) that ``part`` has committed, those pages held (``hold``): what
-        ``find``, the state check and ``hold`` give, in one compiled call (digests included).
-        None in a build without a compiler (the caller takes those steps)."""
+        checked by the caller) that ``part`` has committed, those pages held (``hold``; not with
+        ``hold`` False): what ``find``, the state check and ``hold`` give, in one compiled call
+        (digests included). None in a build without a compiler (the caller takes those steps)."""
         if self._c is None or self.index._c is None:
             return None
         n = len(packed) // key_bytes
         ids, offsets = np.empty(n, np.int64), np.empty(n, np.int64)
         m = self._c.hit(ids, offsets, packed, key_bytes, part, *self.index.tables(), self.state, self.offset,
-                        self.readers, self.slab, self.slab_holds)
+                        self.readers, self.slab, self.slab_holds, hold)
         return ids[:m], offsets[:m]
 
     def pin(self, ids: np.ndarray, n: int = 1) -> None:

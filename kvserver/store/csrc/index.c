@@ -321,11 +321,12 @@ static PyObject *touch(PyObject *self, PyObject *args) {
 
 
 /* hit(ids, offsets, packed, key_bytes, owner, w0, w1, elens, eowner, next, head, nhead, level, split,
- *     s0, s1, s2, state, offset, readers, slab, slab_holds) -> m
+ *     s0, s1, s2, state, offset, readers, slab, slab_holds, hold=True) -> m
  *   KVCache.prepare_get's walk and holds for the keys packed in `packed` (key_bytes each, 1 to 64):
  *   the leading m of them filed under `owner` with a committed page (hit.h), their page ids and
  *   offsets written to ids[:m] and offsets[:m] (int64, one entry a key), and each of those pages
- *   held once (readers and its slab's slab_holds, as PageTable.hold). The index's tables and state
+ *   held once (readers and its slab's slab_holds, as PageTable.hold; not with hold False: a Put's
+ *   check that its keys are all stored already). The index's tables and state
  *   as find takes them; state: int8, offset: int64, readers, slab: int32, one entry a page each;
  *   slab_holds: int64, one a slab. Nothing is changed unless every table is consistent (else
  *   ValueError), every page of the hit included. */
@@ -335,9 +336,10 @@ static PyObject *hit(PyObject *self, PyObject *args) {
     Py_ssize_t key_bytes, nhead;
     int owner;
     unsigned long long level, split, s0, s1, s2;
-    if (!PyArg_ParseTuple(args, "OOy*niOOOOOOnKKKKKOOOOO", &objs[0], &objs[1], &in, &key_bytes, &owner,
+    int hold = 1;
+    if (!PyArg_ParseTuple(args, "OOy*niOOOOOOnKKKKKOOOOO|p", &objs[0], &objs[1], &in, &key_bytes, &owner,
                           &objs[2], &objs[3], &objs[4], &objs[5], &objs[6], &objs[7], &nhead, &level, &split,
-                          &s0, &s1, &s2, &objs[8], &objs[9], &objs[10], &objs[11], &objs[12]))
+                          &s0, &s1, &s2, &objs[8], &objs[9], &objs[10], &objs[11], &objs[12], &hold))
         return NULL;
     static const Py_ssize_t size[13] = {8, 8, 8, 8, 1, 4, 4, 4, 1, 8, 4, 4, 8};
     static const char kind[13] = {'i', 'i', 'u', 'u', 'u', 'i', 'i', 'i', 'i', 'i', 'i', 'i', 'i'};
@@ -390,7 +392,7 @@ static PyObject *hit(PyObject *self, PyObject *args) {
     int32_t *readers = v[10].v.buf;
     const int32_t *slab = v[11].v.buf;
     int64_t *holds = v[12].v.buf;
-    for (int64_t k = 0; k < m; k++) { /* every id and slab checked inside the tables by the walk */
+    for (int64_t k = 0; k < m && hold; k++) { /* every id and slab checked inside the tables by the walk */
         readers[ids[k]] += 1;
         holds[slab[ids[k]]] += 1;
     }
