@@ -11,6 +11,7 @@ from store_support import PAGE, K, MiB, make_cache, offsets_ok, one_part, part_o
 
 from kvserver.errors import InvalidArgument, NoCapacity
 from kvserver.store import MAX_PIN_MS, Keys
+from kvserver.store.steps import run_steps
 
 
 def _same(a: Keys, b: Keys) -> bool:
@@ -335,3 +336,46 @@ def test_a_put_of_keys_all_stored_is_counted_as_prepare_put_counts_it(key_bytes)
         assert same(before, state())
     cache.complete_put(writing, True)
     assert cache.prepare_put_present(part, keys[7], key_bytes) is not None
+
+
+@pytest.mark.parametrize("key_bytes", [2, 16, 40])
+def test_a_packed_lookup_finds_counts_and_touches_as_lookup_steps_does(key_bytes):
+    """KVCache.lookup_packed (one compiled walk, nothing held) against lookup_steps of the same
+    keys, for a part and for a space of one part: the same pages found, the same hits and misses,
+    the found pages touched in the same order (the first the most recent), nothing held. A space
+    of several parts is left to lookup_steps (None)."""
+    cache, _, _ = make_cache()
+    part = one_part(cache, page_bytes=64 * 1024)
+    if cache.pages.hold_hit(part.gid, b"", 1, hold=False) is None:
+        pytest.skip("built without a compiler")
+    rng = np.random.default_rng(key_bytes)
+    keys = [bytes([i]) * key_bytes for i in range(1, 30)]
+    put(cache, part, keys[:20])
+    writing = cache.prepare_put(part, keys[20:22])
+    space = part.space
+    p = cache.pages
+    for _ in range(60):
+        ask = [keys[i] for i in rng.integers(0, len(keys), rng.integers(0, 10))]
+        if rng.random() < 0.6:
+            ask = keys[: rng.integers(0, 23)] + ask
+        packed = b"".join(ask)
+        for target in (part, space):
+            before = (space.counters.hits, space.counters.misses, p.readers.copy(), p.slab_holds.copy())
+            got = cache.lookup_packed(target, packed, key_bytes)
+            mid = (space.counters.hits, space.counters.misses)
+            ids = p.find(part.gid, Keys.unpack(packed, key_bytes, 100))[: got.pages]
+            stamps = p.stamp[ids].copy()
+            want = run_steps(cache.lookup_steps(target, Keys.unpack(packed, key_bytes, 100)))
+            assert (got.pages, got.lease_id, got.lower) == (want.pages, "", 0)
+            counted = (mid[0] - before[0], mid[1] - before[1])
+            again = (space.counters.hits - mid[0], space.counters.misses - mid[1])
+            assert counted == again == (got.pages, len(ask) - got.pages)
+            # the same order of recency: the first key the most recent, as lookup_steps leaves it
+            order = np.argsort(-stamps, kind="stable")
+            assert np.array_equal(order, np.argsort(-p.stamp[ids], kind="stable"))
+            assert np.array_equal(p.readers, before[2]) and np.array_equal(p.slab_holds, before[3])
+    cache.complete_put(writing, True)
+    tp = cache.space(space_key("t", tp=2))
+    part_of(cache, tp, 0, page_bytes=64 * 1024)
+    part_of(cache, tp, 1, page_bytes=64 * 1024)
+    assert cache.lookup_packed(tp, keys[0], key_bytes) is None

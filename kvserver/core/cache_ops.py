@@ -217,12 +217,18 @@ class CacheOps:
             return None
         try:
             tenant, client, key = self._target(req.client_id, req.space_id)
-            if req.pin_ms > MAX_PIN_MS:
-                return None
-            keys = Keys.unpack(req.keys, req.key_bytes, self._max_keys)
+            key_bytes, packed = req.key_bytes, req.keys
+            if (req.pin_ms > MAX_PIN_MS or not 1 <= key_bytes <= MAX_KEY_BYTES or len(packed) % key_bytes
+                    or len(packed) // key_bytes > self._max_keys):
+                return None  # (lookup words it)
             target = self._lookup_target(client, key, req)
             lower = None if req.memory_only else self.lower
-            found = run_steps(self.cache.lookup_steps(target, keys, req.pin_ms, lower))
+            found = None
+            if not req.pin_ms and lower is None:  # no lease, no tier below: one compiled walk
+                found = self.cache.lookup_packed(target, packed, key_bytes)
+            if found is None:
+                keys = Keys.unpack(packed, key_bytes, self._max_keys)
+                found = run_steps(self.cache.lookup_steps(target, keys, req.pin_ms, lower))
         except KVError:
             return None
         if self.disk is not None:

@@ -311,6 +311,30 @@ class KVCache:
             self.pages.touch(np.concatenate([got[j] for got in counted]))
         return Found(n, lease_id, below)
 
+    def lookup_packed(self, target: Part | Space, packed: bytes, key_bytes: int) -> Found | None:
+        """``lookup_steps`` without a lease or a tier below, of at most ``STEP_KEYS`` keys packed
+        as a request packs them (checked by the caller), for a part or a space of one part: the
+        walk in one compiled call (``PageTable.hold_hit``, nothing held), the same counters and
+        touch. None for a space of several parts, or where the package has no compiled index
+        (``lookup_steps`` then)."""
+        if isinstance(target, Part):
+            part = target
+        elif target.key.num_parts == 1 and len(target.parts) == 1:
+            part = next(iter(target.parts.values()))
+        else:
+            return None
+        space = self._live(part.space)
+        got = self.pages.hold_hit(part.gid, packed, key_bytes, hold=False)
+        if got is None:
+            return None
+        ids = got[0]
+        n, asked = len(ids), len(packed) // key_bytes
+        for c in (space.counters, self.tenants.get(space.key.tenant).counters):
+            c.hits += n
+            c.misses += asked - n
+        self.pages.touch(ids)
+        return Found(n, "")
+
     # Put
 
     def prepare_put(self, part: Part, keys: Keys | Sequence[bytes]) -> PutPlan:
