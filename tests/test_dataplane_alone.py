@@ -411,3 +411,61 @@ def test_a_small_get_rings_a_sleeping_engine_once_and_a_large_one_for_its_first_
             assert handle.wait(timeout=10) > 0 and handle.pages() == n
         assert d.core.plane.answered == answered + 3
     assert _readers(d) == (0, 0)
+
+
+def test_a_small_lane_get_is_copied_and_answered_on_the_loop_where_its_gate_is_idle(
+        plane_daemon, monkeypatch) -> None:
+    """A Get of at most 256 KiB (INLINE_COPY_BYTES) whose registration has no copy on the plane is
+    copied and answered where the loop plans it (``DataPlane.copy``'s now): the same bytes as the
+    gRPC Get; a larger one goes to the plane's thread. Past its timeout by the time the loop plans
+    it, it is answered DEADLINE_EXCEEDED with nothing written, nothing counted as loaded and its
+    pages let go; a Get right after it goes the same way again."""
+    from kvserver.core.cache_ops import CacheOps
+
+    d = plane_daemon
+    plane = d.core.plane
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c, \
+            KVClient(d.address, timeout=10, resilient=False, lane="grpc") as g, \
+            KVClient(d.address, timeout=0.1, resilient=False) as hasty:
+        for other in (g, hasty):
+            other.register(model="plane", pool=pool, start_layer=START, end_layer=START + LAYERS,
+                           num_layers=START + LAYERS + 2, host_tokens=TOKENS, page_size=PAGE)
+        _fill(pool, 41)
+        src, dst = torch.randperm(PAGES), torch.arange(PAGES, 2 * PAGES)
+        want = _pages_of(pool, src)
+        assert c.put(_keys("n")[:20], src[:20]).stored == 20
+        now, answered = plane.now, plane.answered
+        _zero(pool)
+        handle = c.get(_keys("n")[:4], dst[:4])  # 4 pages of 16 KiB
+        assert handle.wait(timeout=10) > 0 and handle.pages() == 4
+        assert (plane.now, plane.answered) == (now + 1, answered + 1), "not copied on the loop"
+        got = _pages_of(pool, dst[:4])
+        assert all(torch.equal(x, y) for x, y in zip(got, _pages_of_want(want, 4), strict=True))
+        _zero(pool)
+        assert g.get(_keys("n")[:4], dst[:4]).wait(timeout=10) > 0
+        assert all(torch.equal(x, y) for x, y in zip(_pages_of(pool, dst[:4]), got, strict=True))
+        handle = c.get(_keys("n")[:20], dst[:20])  # 320 KiB: the plane's thread copies it
+        assert handle.wait(timeout=10) > 0 and handle.pages() == 20
+        assert (plane.now, plane.answered) == (now + 1, answered + 2)
+        # Past its timeout when the loop gets to it: answered, not copied.
+        loaded = d.run(lambda: d.core.clients[hasty.client_id].counters.bytes_loaded)
+        original = CacheOps.get_on_plane
+
+        def slow(self, req, answer, ended):
+            time.sleep(0.15)
+            return original(self, req, answer, ended)
+
+        monkeypatch.setattr(CacheOps, "get_on_plane", slow)
+        _zero(pool)
+        late = hasty.get(_keys("n")[:2], dst[:2])
+        with pytest.raises(KVClientError) as exc:
+            late.wait(timeout=5)
+        assert exc.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, exc.value
+        _until(lambda: plane.now == now + 2)
+        _until(lambda: _readers(d) == (0, 0))
+        assert not any(x.any() for x in _pages_of(pool, dst[:2])), "a Get past its timeout wrote"
+        assert d.run(lambda: d.core.clients[hasty.client_id].counters.bytes_loaded) == loaded
+        monkeypatch.setattr(CacheOps, "get_on_plane", original)
+        handle = c.get(_keys("n")[:2], dst[:2])
+        assert handle.wait(timeout=10) > 0 and plane.now == now + 3
+    assert _readers(d) == (0, 0)

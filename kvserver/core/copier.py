@@ -260,7 +260,8 @@ class Copier:
         (``kvserver.lane.plane.Answer``) as it answers its own Loads. Only while the client is
         ``alone`` and where the plane would copy the job whole (not a load the copy workers
         split). None: not taken, nothing changed. Else the future settles on the loop once the
-        copy has ended; ``ended_alone`` then ends the job."""
+        copy has ended (done on return for a small answering copy the loop copied at once:
+        ``DataPlane.copy``'s ``now``); ``ended_alone`` then ends the job."""
         client = job.client
         if not self.alone(client, answer is not None) or self._splits(job, to_device):
             return None
@@ -269,9 +270,12 @@ class Copier:
         job.after = client.order.admit(job, to_device)  # none: nothing is in flight
         client.inflight += 1
         client.jobs.add(job)
+        # A small answering copy is copied here at once where its gate has no copy on the plane:
+        # less than waking the plane's thread and taking its end back (as small copies run inline).
+        now = answer is not None and job.bytes_per_layer * len(job.local_layers) <= INLINE_COPY_BYTES
         try:
             fut = self.plane.copy(client.gate, job, to_device, None, self.arena_span, self._executor.recheck,
-                                  answer)
+                                  answer, now)
         except BaseException:
             self.ended_alone(job)
             raise

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from kvserver.copies.workers import Work
-from kvserver.errors import JobStopped
+from kvserver.errors import Code, JobStopped
 
 if TYPE_CHECKING:
     from kvserver.copies.job import Job
@@ -82,6 +82,7 @@ class DataPlane:
         self._rows: dict[int, tuple[Any, Any, tuple[int, int, int] | None]] = {}  # host_rows
         self.copies = 0  # the loop's copies it has taken
         self.answered = 0  # of those, the ones that answered their lane slot (a Get's: Answer)
+        self.now = 0  # of those, the ones copied and answered on the loop at once (``copy``'s now)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -113,7 +114,7 @@ class DataPlane:
     # ---- the loop's copies ----------------------------------------------------------------------
 
     def copy(self, gate: Any, job: Job, to_device: bool, signal: LayerSignal | None, host: tuple[int, int],
-             ended: Callable[[], None], answer: Answer | None = None) -> Future | None:
+             ended: Callable[[], None], answer: Answer | None = None, now: bool = False) -> Future | None:
         """Runs ``job``, a cache copy the loop planned and ordered for the registration whose
         plane turn it holds (``gate``), on the plane's thread; ``host``: (address, bytes) of the
         arena its offsets are in. The future is running at once (a stop goes through the job's
@@ -121,7 +122,9 @@ class DataPlane:
         called (work held behind the job may go). None: the plane does not take it (a closed gate,
         host rows not laid out as cache pages are), and the caller copies it as before.
         ``answer``: the copy (a load) also answers a lane slot handed over to the loop, as the
-        plane answers its own Loads (``Answer``; ``_kvlane``'s submit_copy)."""
+        plane answers its own Loads (``Answer``; ``_kvlane``'s submit_copy). ``now`` (with an
+        ``answer``): a small copy is copied and answered right here, on the loop, where its gate
+        has no copy in flight on the plane (its future is done on return); else as above."""
         plan = job.plan
         rows = self.host_rows(job.host_table, plan.page_size, host)
         if rows is None:
@@ -130,17 +133,34 @@ class DataPlane:
         # Device pages (the plane takes each page's tokens in order) or tokens; the plane merges
         # consecutive tokens into runs.
         tokens = np.ascontiguousarray(plan.device_rows, np.int64)
-        ticket = next(self._tickets)
+        host_pages = np.ascontiguousarray(plan.host_pages, np.int64)
+        layers = np.asarray(job.local_layers, np.int64)
         fut: Future = Future()
         fut.set_running_or_notify_cancel()  # never dropped unstarted: a stop is the stop word's
+        code = -1
+        if now and answer is not None:
+            code = self._copy_now(gate, job, base, stride, limit, host_pages, tokens, layers, answer)
+        if code >= 0:  # copied and answered (or stopped before any byte: its status answered)
+            job.work = Work(to_device, 0, lambda _: None, future=fut)
+            job.work.ended = True
+            ended()
+            if code == 0:
+                fut.set_result(None)
+            else:
+                reason = "released" if code == Code.NOT_FOUND else "deadline"
+                fut.set_exception(JobStopped(reason, 0, len(job.local_layers)))
+            self.copies += 1
+            self.answered += 1
+            self.now += 1
+            return fut
+        ticket = next(self._tickets)
         # Held here from before the thread may see them until their end is taken: the job (its
         # stop word), the signal (its counter and fd) and the gate the thread reads and writes.
         self._copies[ticket] = (fut, job, gate, signal, ended)
         try:
             taken = self.engine.submit_copy(
                 ticket, gate, to_device, base, stride, limit,
-                np.ascontiguousarray(plan.host_pages, np.int64), tokens,
-                np.asarray(job.local_layers, np.int64), job.stop_word,
+                host_pages, tokens, layers, job.stop_word,
                 signal.counter if signal is not None else None, signal.fd if signal is not None else -1,
                 signal.interval if signal is not None else 0.0,
                 *((None, -1, 0, 0, 0, False) if answer is None else answer), paged=plan.device_paged)
@@ -157,6 +177,16 @@ class DataPlane:
         self.copies += 1
         self.answered += answer is not None
         return fut
+
+    def _copy_now(self, gate: Any, job: Job, base: int, stride: int, limit: int, host_pages: np.ndarray,
+                  tokens: np.ndarray, layers: np.ndarray, answer: Answer) -> int:
+        """submit_copy's ``now``: the status the copy's slot was answered with, -1 if not copied."""
+        try:
+            return self.engine.submit_copy(0, gate, True, base, stride, limit, host_pages, tokens, layers,
+                                           job.stop_word, None, -1, 0.0, *answer, paged=job.plan.device_paged,
+                                           now=True)
+        except (MemoryError, RuntimeError):  # the plane stopped: the queued submission says so
+            return -1
 
     def host_rows(self, table: Any, page_size: int, host: tuple[int, int]) -> tuple[int, int, int] | None:
         """(base, stride, limit) of a copy's host rows, cache pages of ``page_size`` tokens in the

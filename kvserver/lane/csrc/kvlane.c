@@ -1526,6 +1526,62 @@ static int int64s(PyObject *obj, Py_buffer *v, int writable, Py_ssize_t least, c
     return 1;
 }
 
+/* An answering copy run whole on the calling thread (submit_copy's now: a small Get while its gate
+ * has no other copy, which the plane then starts none of: the request's count keeps them off),
+ * answered as the plane answers it: its layers in order, then DONE (or NOT_FOUND for a client
+ * released, DEADLINE_EXCEEDED past its timeout, decided before any byte moves). */
+/* Its request's count in the gate's py_inflight, given back once no byte of it is left to copy
+ * and before its answer: the engine's next call, which may come as soon as it sees the answer, is
+ * then the plane's. */
+static void give_back(Job *j) {
+    if (!j->counted)
+        return;
+    pthread_mutex_lock(&j->gate->mu);
+    if (j->gate->py_inflight > 0)
+        j->gate->py_inflight--;
+    pthread_mutex_unlock(&j->gate->mu);
+    j->counted = 0;
+}
+
+static uint32_t copy_now(Engine *e, Job *j) {
+    Gate *g = j->gate;
+    char msg[256];
+    const char *reason = NULL;
+    uint32_t code = 0;
+    if (__atomic_load_n(j->stop, __ATOMIC_RELAXED)) {
+        reason = "its client was unregistered or reclaimed";
+        code = CODE_NOT_FOUND;
+    } else if (j->deadline_ns && now_ns() >= j->deadline_ns) {
+        reason = "its timeout_ms passed";
+        code = CODE_DEADLINE;
+    }
+    if (reason) {
+        snprintf(msg, sizeof msg,
+                 "copy stopped because %s: 0 of its %u layers were copied, and nothing more of it will be",
+                 reason, j->nl);
+        give_back(j);
+        answer_slot(e, j, code, msg);
+        return code;
+    }
+    int64_t tb = g->token_bytes, stride = g->dev_stride;
+    for (; j->li < j->nl; j->li++) {
+        for (int part = 0; part < g->parts; part++) {
+            int64_t lp = (int64_t)j->local[j->li] * g->parts + part;
+            char *host = j->host + lp * j->lp_stride, *dev = g->dev_bases[lp];
+            for (int64_t k = 0; k < j->nruns; k++) {
+                Run *r = &j->runs[k];
+                kv_copy(dev + r->dev_tok * stride, host + r->host_off, (size_t)(r->ntok * tb), j->stream);
+            }
+        }
+        kv_copy_fence(j->stream);
+        if (j->li == 0)
+            observe(e, H_GET_FIRST, now_ns() - j->arrival_ns);
+    }
+    give_back(j);
+    answer_slot(e, j, 0, NULL);
+    return 0;
+}
+
 /* submit_copy(ticket, gate, load, host_base, lp_stride, host_limit, offsets, tokens, layers, stop,
  *             progress=None, signal_fd=-1, interval=0.0) -> bool
  * One of the loop's copies, run by this plane's thread among its own (the loop has ordered it
@@ -1541,6 +1597,12 @@ static int int64s(PyObject *obj, Py_buffer *v, int writable, Py_ssize_t least, c
  * until its completion is taken.
  * paged=False: tokens holds one device page for every offset instead (its page_size tokens in
  * order), each inside the gate's whole pages.
+ * now=False: an answering copy is copied and answered here, on the calling thread, before this
+ * returns the status it answered (0 done; NOT_FOUND for a released client, DEADLINE_EXCEEDED past
+ * its timeout: nothing copied), with nothing posted back (the caller ends it); -1 (nothing done)
+ * unless its gate is open and has no copy in flight on the plane (its own or the loop's) and the
+ * plane is not paused: the caller then submits it. For small copies, which cost less than a
+ * wake-up of the plane's thread and of the loop for their end.
  * lane=None, slot=-1, found=0, timeout_ms=0, arrival_ns=0: with a lane (its handle, of this gate),
  * the copy is a load that answers `slot`, a request the lane handed over whose slot is still
  * busy, and runs after every earlier job of the gate: step 1 (no layer yet) is published there at once, then its layers and end as a plane
@@ -1553,18 +1615,18 @@ static int int64s(PyObject *obj, Py_buffer *v, int writable, Py_ssize_t least, c
 static PyObject *engine_submit_copy(Engine *e, PyObject *args, PyObject *kw) {
     static char *names[] = {"ticket", "gate", "load", "host_base", "lp_stride", "host_limit", "offsets",
                             "tokens", "layers", "stop", "progress", "signal_fd", "interval", "lane", "slot",
-                            "found", "timeout_ms", "arrival_ns", "counted", "paged", NULL};
+                            "found", "timeout_ms", "arrival_ns", "counted", "paged", "now", NULL};
     unsigned long long ticket, host_base;
     Gate *g;
-    int load, signal_fd = -1, slot = -1, counted = 0, paged = 0;
+    int load, signal_fd = -1, slot = -1, counted = 0, paged = 0, now = 0;
     long long lp_stride, host_limit, arrival = 0;
     unsigned int found = 0, timeout_ms = 0;
     PyObject *offsets_obj, *tokens_obj, *layers_obj, *stop_obj, *progress_obj = Py_None, *lane_obj = Py_None;
     double interval = 0.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "KO!pKLLOOOO|OidOiIILpp", names, &ticket, &GateType, &g, &load,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KO!pKLLOOOO|OidOiIILppp", names, &ticket, &GateType, &g, &load,
                                      &host_base, &lp_stride, &host_limit, &offsets_obj, &tokens_obj,
                                      &layers_obj, &stop_obj, &progress_obj, &signal_fd, &interval, &lane_obj,
-                                     &slot, &found, &timeout_ms, &arrival, &counted, &paged))
+                                     &slot, &found, &timeout_ms, &arrival, &counted, &paged, &now))
         return NULL;
     if (e->started != 1) {
         PyErr_SetString(PyExc_RuntimeError, "the data plane has stopped");
@@ -1679,6 +1741,26 @@ static PyObject *engine_submit_copy(Engine *e, PyObject *args, PyObject *kw) {
         /* Behind every earlier job of its gate (the plane's own may still run: the loop took it
          * with nothing else of the client in flight but those), as a Load touching their pages. */
         j->dependent = 1;
+    }
+    if (now) { /* copied here, now, or not at all (False: the caller submits it) */
+        if (!j->answers) {
+            PyErr_SetString(PyExc_ValueError, "only an answering copy is copied now");
+            goto done;
+        }
+        pthread_mutex_lock(&g->mu);
+        int idle = !g->closed && !g->c_inflight && !g->x_inflight && !__atomic_load_n(&e->paused, __ATOMIC_RELAXED);
+        if (idle)
+            g->x_inflight++;
+        pthread_mutex_unlock(&g->mu);
+        uint32_t code = 0;
+        if (idle) {
+            code = copy_now(e, j);
+            pthread_mutex_lock(&g->mu);
+            g->x_inflight--;
+            pthread_mutex_unlock(&g->mu);
+        }
+        result = PyLong_FromLong(idle ? (long)code : -1L);
+        goto done;
     }
     pthread_mutex_lock(&e->hand_mu); /* room for its completion, kept until it is posted */
     int room = 1;
