@@ -395,8 +395,10 @@ def test_a_small_get_rings_a_sleeping_engine_once_and_a_large_one_for_its_first_
             return original(self, req, answer, ended)
 
         monkeypatch.setattr(CacheOps, "get_on_plane", asleep)
-        answered = d.core.plane.answered
-        for n, most in ((1, 1), (8, 1), (pages, None)):
+        answered, now = d.core.plane.answered, d.core.plane.now
+        # 1 and 8 pages (16 and 128 KiB): copied where the loop plans them; 32 (512 KiB): by the
+        # plane's thread, its first step unrung; 256 (4 MiB): its first step rung.
+        for n, most in ((1, 1), (8, 1), (32, 1), (pages, None)):
             handle = c.get(_keys("r", n), torch.arange(n))
             slot = handle._source.slot
             at = R.slot_offset(slot)
@@ -409,7 +411,7 @@ def test_a_small_get_rings_a_sleeping_engine_once_and_a_large_one_for_its_first_
             for i in range(lane.slots):
                 R.U32.pack_into(lane._mm, R.slot_offset(i) + R.WAITING_AT, 0)
             assert handle.wait(timeout=10) > 0 and handle.pages() == n
-        assert d.core.plane.answered == answered + 3
+        assert d.core.plane.answered == answered + 4 and d.core.plane.now == now + 2
     assert _readers(d) == (0, 0)
 
 

@@ -574,13 +574,14 @@ class CacheOps:
             part = self._part(client)
         except KVError:
             return None
-        self.kv.client(client.client_id)  # its lease, renewed as every call renews it
         stored = self.cache.prepare_put_present(part, packed, key_bytes)
         if stored is not None:  # every key stored already: nothing taken, nothing to copy
+            self.kv.client(client.client_id)  # its lease, renewed as every call renews it
             return PutOutcome(0, stored.present, 0, 0)
         keys = Keys.unpack(packed, key_bytes, self._max_keys)
         if self.cache.writing(part, keys):
             return None
+        self.kv.client(client.client_id)
         plan = self.cache.prepare_put(part, keys)
         n = plan.positions.size
         if n == 0:

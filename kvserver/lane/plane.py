@@ -137,21 +137,28 @@ class DataPlane:
         layers = np.asarray(job.local_layers, np.int64)
         fut: Future = Future()
         fut.set_running_or_notify_cancel()  # never dropped unstarted: a stop is the stop word's
+        # Counted before the thread (or the call below) can answer the slot, so that whoever
+        # sees the answer sees the count; taken back if the copy is not taken.
+        self.copies += 1
+        self.answered += answer is not None
         code = -1
         if now and answer is not None:
+            self.now += 1
             code = self._copy_now(gate, job, base, stride, limit, host_pages, tokens, layers, answer)
+            self.now -= code < 0
         if code >= 0:  # copied and answered (or stopped before any byte: its status answered)
-            job.work = Work(to_device, 0, lambda _: None, future=fut)
-            job.work.ended = True
-            ended()
+            # The slot is answered: from here nothing may raise (the loop would serve it again).
+            try:
+                job.work = Work(to_device, 0, lambda _: None, future=fut)
+                job.work.ended = True
+                ended()
+            except Exception:
+                logger.exception("ending a copy the loop made at once failed")
             if code == 0:
                 fut.set_result(None)
             else:
                 reason = "released" if code == Code.NOT_FOUND else "deadline"
                 fut.set_exception(JobStopped(reason, 0, len(job.local_layers)))
-            self.copies += 1
-            self.answered += 1
-            self.now += 1
             return fut
         ticket = next(self._tickets)
         # Held here from before the thread may see them until their end is taken: the job (its
@@ -169,13 +176,15 @@ class DataPlane:
             taken = False
         except BaseException:  # its checks refused it (ValueError): an inconsistency, copied nowhere
             del self._copies[ticket]
+            self.copies -= 1
+            self.answered -= answer is not None
             raise
         if not taken:
             del self._copies[ticket]
+            self.copies -= 1
+            self.answered -= answer is not None
             return None
         job.work = Work(to_device, 0, lambda _: None, future=fut)  # what later copies of it wait on
-        self.copies += 1
-        self.answered += answer is not None
         return fut
 
     def _copy_now(self, gate: Any, job: Job, base: int, stride: int, limit: int, host_pages: np.ndarray,

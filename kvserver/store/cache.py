@@ -416,11 +416,11 @@ class KVCache:
         copy, each key counted present, from one compiled walk (``PageTable.hold_hit``). None
         where a key is not stored (or is being written), or the package has no compiled index:
         ``prepare_put`` then."""
-        space = self._live(part.space)
         n = len(packed) // key_bytes
         got = self.pages.hold_hit(part.gid, packed, key_bytes, hold=False)
         if got is None or len(got[0]) < n:
             return None
+        space = self._live(part.space)
         page_bytes = part.key.page_bytes
         for c in (space.counters, self.tenants.get(space.key.tenant).counters):
             c.dedup_pages += n

@@ -1748,7 +1748,10 @@ static PyObject *engine_submit_copy(Engine *e, PyObject *args, PyObject *kw) {
             goto done;
         }
         pthread_mutex_lock(&g->mu);
-        int idle = !g->closed && !g->c_inflight && !g->x_inflight && !__atomic_load_n(&e->paused, __ATOMIC_RELAXED);
+        /* Its request's count (counted) is what keeps the plane from starting the gate's copies
+         * meanwhile: without it, never copied here. */
+        int idle = counted && g->py_inflight > 0 && !g->closed && !g->c_inflight && !g->x_inflight &&
+                   !__atomic_load_n(&e->paused, __ATOMIC_RELAXED);
         if (idle)
             g->x_inflight++;
         pthread_mutex_unlock(&g->mu);
