@@ -425,8 +425,7 @@ class KVCache:
         for c in (space.counters, self.tenants.get(space.key.tenant).counters):
             c.dedup_pages += n
             c.dedup_bytes += n * page_bytes
-        none = np.empty(0, np.int64)
-        return PutPlan(part, none, none.copy(), n, 0, none.copy(), none.copy())
+        return PutPlan(part, np.empty(0, np.int64), np.empty(0, np.int64), n, 0)
 
     def writing(self, part: Part, keys: Keys) -> bool:
         """True if a Put is still writing any of ``keys`` into the part."""

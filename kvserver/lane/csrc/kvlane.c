@@ -951,14 +951,16 @@ static void mark_runnable(Engine *e) {
 }
 
 /* One piece of job j: runs of the current (layer, part) up to PIECE_BYTES; returns its bytes. */
-static int64_t run_piece(Engine *e, Job *j) {
+/* Copies job j's runs of its current (layer, part) from run j->ri on, until `budget` bytes are
+ * copied or none is left, and fences them (before any progress, end or answer can say the bytes
+ * are there); returns the bytes copied. */
+static int64_t copy_runs(Job *j, int64_t budget) {
     Gate *g = j->gate;
-    int32_t layer = j->local[j->li];
-    int64_t lp = (int64_t)layer * g->parts + j->part;
+    int64_t lp = (int64_t)j->local[j->li] * g->parts + j->part;
     char *host = j->host + lp * j->lp_stride;
     char *dev = g->dev_bases[lp];
-    int64_t budget = PIECE_BYTES, tb = g->token_bytes, stride = g->dev_stride;
-    while (j->ri < j->nruns && budget > 0) {
+    int64_t left = budget, tb = g->token_bytes, stride = g->dev_stride;
+    while (j->ri < j->nruns && left > 0) {
         Run *r = &j->runs[j->ri++];
         size_t nb = (size_t)(r->ntok * tb);
         char *h = host + r->host_off, *d = dev + r->dev_tok * stride;
@@ -966,10 +968,15 @@ static int64_t run_piece(Engine *e, Job *j) {
             kv_copy(d, h, nb, j->stream);
         else
             kv_copy(h, d, nb, j->stream);
-        budget -= (int64_t)nb;
+        left -= (int64_t)nb;
     }
-    kv_copy_fence(j->stream); /* before any progress, end or answer can say the bytes are there */
-    int64_t copied = PIECE_BYTES - budget;
+    kv_copy_fence(j->stream);
+    return budget - left;
+}
+
+static int64_t run_piece(Engine *e, Job *j) {
+    Gate *g = j->gate;
+    int64_t copied = copy_runs(j, PIECE_BYTES);
     if (j->ri < j->nruns)
         return copied;
     j->ri = 0;
@@ -1526,10 +1533,6 @@ static int int64s(PyObject *obj, Py_buffer *v, int writable, Py_ssize_t least, c
     return 1;
 }
 
-/* An answering copy run whole on the calling thread (submit_copy's now: a small Get while its gate
- * has no other copy, which the plane then starts none of: the request's count keeps them off),
- * answered as the plane answers it: its layers in order, then DONE (or NOT_FOUND for a client
- * released, DEADLINE_EXCEEDED past its timeout, decided before any byte moves). */
 /* Its request's count in the gate's py_inflight, given back once no byte of it is left to copy
  * and before its answer: the engine's next call, which may come as soon as it sees the answer, is
  * then the plane's. */
@@ -1543,6 +1546,11 @@ static void give_back(Job *j) {
     j->counted = 0;
 }
 
+/* An answering copy run whole on the calling thread (submit_copy's now: a small Get while its gate
+ * has no other copy, which the plane then starts none of: the request's count keeps them off),
+ * answered as the plane answers it: its layers in order, then DONE (or NOT_FOUND for a client
+ * released, DEADLINE_EXCEEDED past its timeout, decided before any byte moves). Returns the
+ * status it answered. */
 static uint32_t copy_now(Engine *e, Job *j) {
     Gate *g = j->gate;
     char msg[256];
@@ -1563,17 +1571,12 @@ static uint32_t copy_now(Engine *e, Job *j) {
         answer_slot(e, j, code, msg);
         return code;
     }
-    int64_t tb = g->token_bytes, stride = g->dev_stride;
     for (; j->li < j->nl; j->li++) {
-        for (int part = 0; part < g->parts; part++) {
-            int64_t lp = (int64_t)j->local[j->li] * g->parts + part;
-            char *host = j->host + lp * j->lp_stride, *dev = g->dev_bases[lp];
-            for (int64_t k = 0; k < j->nruns; k++) {
-                Run *r = &j->runs[k];
-                kv_copy(dev + r->dev_tok * stride, host + r->host_off, (size_t)(r->ntok * tb), j->stream);
-            }
+        for (j->part = 0; j->part < g->parts; j->part++) {
+            j->ri = 0;
+            copy_runs(j, INT64_MAX);
         }
-        kv_copy_fence(j->stream);
+        j->part = 0;
         if (j->li == 0)
             observe(e, H_GET_FIRST, now_ns() - j->arrival_ns);
     }

@@ -319,7 +319,6 @@ static PyObject *touch(PyObject *self, PyObject *args) {
     return result;
 }
 
-
 /* hit(ids, offsets, packed, key_bytes, owner, w0, w1, elens, eowner, next, head, nhead, level, split,
  *     s0, s1, s2, state, offset, readers, slab, slab_holds, hold=True) -> m
  *   KVCache.prepare_get's walk and holds for the keys packed in `packed` (key_bytes each, 1 to 64):
