@@ -9,6 +9,16 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH=/tmp/site
 fi
 nvidia-smi -L
+# The compiled modules, built for this machine's Python (a build that fails serves without them).
+if timeout 120 python3 setup.py -q build_ext --inplace > "${OUT:-/tmp}/build.log" 2>&1; then
+  echo "compiled modules built"
+else
+  echo "compiled modules not built (build.log): the daemon serves without them"
+fi
+python3 -c "import importlib as i
+for m in ('kvserver.copies._kvcopy', 'kvserver.store._kvindex', 'kvserver.lane._kvlane', 'kvserver.protocol._wire'):
+    try: i.import_module(m); print(m, 'imports')
+    except ImportError as e: print(m, 'missing:', e)"
 python3 -c "import torch, cupy, grpc, google.protobuf as p; print('torch', torch.__version__, 'cupy', \
 cupy.__version__, 'grpcio', grpc.__version__, 'protobuf', p.__version__)"
 export PYTHONUNBUFFERED=1

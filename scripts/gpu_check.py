@@ -148,20 +148,38 @@ def engine(address: str, kind: str, start: int, end: int, num_layers: int, page_
                 b.view(torch.uint8)[dev_idx.to(dev)] = 0
         del layer, b  # no name may keep a pool buffer alive past step 4
         torch.cuda.synchronize()
-        handle = client.load(host_indices=host, device_indices=dev_idx, event_slot=0)
 
         # 2. layer 0 on the engine's stream right after its event, while later layers still land.
         stream = torch.cuda.Stream()
-        last = handle.events[end - 1]
-        assert handle.stream_wait_layer(start, stream)
-        with torch.cuda.stream(stream):
-            got0 = [b.view(torch.uint8)[dev_idx.to(dev)].clone() for b in buffers[0]]
-            done0 = torch.cuda.Event()
-            done0.record(stream)
-        done0.synchronize()
-        result["layer0_ready_before_last_layer"] = not last.query()
+        dev_idx_gpu = dev_idx.to(dev)
+
+        def layer0(event_slot: int, first: list) -> tuple[dict, list]:
+            """Loads, reads layer 0 on ``stream`` right after its event; when each step came."""
+            t0 = time.perf_counter()
+            handle = client.load(host_indices=host, device_indices=dev_idx, event_slot=event_slot)
+            assert handle.wait_recorded()
+            t1 = time.perf_counter()
+            last = handle.events[end - 1]
+            assert handle.stream_wait_layer(start, stream)
+            with torch.cuda.stream(stream):
+                got0 = [b.view(torch.uint8)[dev_idx_gpu].clone() for b in first]
+                done0 = torch.cuda.Event()
+                done0.record(stream)
+            done0.synchronize()
+            t2 = time.perf_counter()
+            before_last = not last.query()
+            handle.wait()
+            t3 = time.perf_counter()
+            del last, handle
+            return {"before_last_layer": before_last, "ms_until_recorded": round((t1 - t0) * 1e3, 2),
+                    "ms_until_layer0_read": round((t2 - t0) * 1e3, 2),
+                    "ms_until_load_done": round((t3 - t0) * 1e3, 2)}, got0
+
+        # (with the other engine of the model loading at the same time, as in a PP step)
+        timing, got0 = layer0(0, buffers[0])
+        result["layer0_ready_before_last_layer"] = timing["before_last_layer"]
+        result["layer0_timing"] = timing
         result["layer0_exact"] = all(torch.equal(a, b) for a, b in zip(got0, want[0], strict=True))
-        handle.wait()
         torch.cuda.synchronize()
         result["exact"] = all(torch.equal(b.view(torch.uint8)[dev_idx.to(dev)], w)
                               for layer, wl in zip(buffers, want, strict=True)
@@ -189,6 +207,8 @@ def engine(address: str, kind: str, start: int, end: int, num_layers: int, page_
                 "daemon_load_h2d": timed(lambda: client.load(host_indices=host, device_indices=dev_idx,
                                                              event_slot=1).wait()),
             }
+            # The same layer-0 read with this engine alone on the GPU.
+            result["layer0_alone"] = layer0(1, buffers[0])[0]
             # One page on the lane the client took (the fast lane on a Unix socket: docs/lane.md):
             # write + load round trips against a pinned cudaMemcpy of the same page both ways.
             one_host, one_dev = host[:page_size], dev_idx[:page_size]
@@ -229,7 +249,7 @@ def engine(address: str, kind: str, start: int, end: int, num_layers: int, page_
         # (the exports' IPC reference counts are released; otherwise torch holds it back).
         stage("unregister and free")
         pool_bytes = sum(b.untyped_storage().nbytes() for layer in buffers for b in layer)
-        del want, got0, handle, last  # freed first, so that they cannot make up for the pool
+        del want, got0  # freed first, so that they cannot make up for the pool
         gc.collect()
         torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved(dev)
@@ -243,6 +263,34 @@ def engine(address: str, kind: str, start: int, end: int, num_layers: int, page_
         result["error"] = traceback.format_exc()
     result["final"] = True
     out.put(result)
+
+
+def stall_spinner(seconds: float, conn) -> None:
+    """Another engine process's forward work: sends an interprocess event's handle, then, on
+    "go", records it behind a kernel that spins for ``seconds`` (calibrated once the clocks have
+    risen: a spin calibrated at idle clocks ends early), says "spinning", and "done" once it fired."""
+    import torch
+
+    cycles_per_ms = 0.0
+    for _ in range(3):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        torch.cuda._sleep(200_000_000)
+        t1.record()
+        t1.synchronize()
+        cycles_per_ms = max(cycles_per_ms, 200_000_000 / max(t0.elapsed_time(t1), 1e-3))
+    ready = torch.cuda.Event(interprocess=True)
+    side = torch.cuda.Stream()
+    ready.record(side)
+    torch.cuda.synchronize()
+    conn.send(bytes(ready.ipc_handle()))
+    conn.recv()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(int(cycles_per_ms * seconds * 1000))
+        ready.record(side)
+    conn.send("spinning")
+    ready.synchronize()
+    conn.send("done")
 
 
 def safety_engine(address: str, wait_seconds: float, stall_seconds: float, out) -> None:
@@ -315,17 +363,18 @@ def safety_engine(address: str, wait_seconds: float, stall_seconds: float, out) 
         want = [[t.view(torch.uint8)[:256].clone() for t in layer] for layer in pool.buffers]
         torch.cuda.synchronize()
         b.write(host_indices=host_b, device_indices=dev_idx)
-        side = torch.cuda.Stream()
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
-        torch.cuda._sleep(50_000_000)
-        t1.record()
-        t1.synchronize()
-        cycles_per_ms = 50_000_000 / max(t0.elapsed_time(t1), 1e-3)
-        ready = torch.cuda.Event(interprocess=True)
-        with torch.cuda.stream(side):
-            torch.cuda._sleep(int(cycles_per_ms * stall_seconds * 1000))
-            ready.record(side)
+        # The ready event is another engine process's, recorded behind its spinning kernel: a
+        # spin in this process could hold up B's own wipes here (streams of one process can
+        # share a hardware queue), which would say nothing about the daemon.
+        spin_end, spin_far = mp.get_context("spawn").Pipe()
+        spinner = mp.get_context("spawn").Process(target=stall_spinner, args=(stall_seconds, spin_far))
+        spinner.start()
+        if not spin_end.poll(120):
+            raise RuntimeError("the spinning engine did not start within 120 s")
+        ready = spin_end.recv()  # the event's handle
+        spin_end.send("go")
+        if spin_end.recv() != "spinning":
+            raise RuntimeError("the spinning engine did not spin")
         stall: dict = {}
         result["stall"] = stall
 
@@ -338,22 +387,34 @@ def safety_engine(address: str, wait_seconds: float, stall_seconds: float, out) 
                 stall["a_code"], stall["a_message"] = exc.code.name, exc.message[:300]
             stall["a_seconds"] = round(time.monotonic() - start, 2)
 
+        spin_started = time.monotonic()
         writer = threading.Thread(target=stalled_write)
         writer.start()
-        loads, exact = 0, True
+        loads, exact, wipe_s, load_s = 0, True, [], []
+        work = torch.cuda.Stream()  # B's own stream: nothing it waits for is behind the spin
         while writer.is_alive():
-            for layer in pool.buffers:
-                for t in layer:
-                    t.view(torch.uint8)[:256] = 0
-            # This stream only: a device-wide synchronize would wait for the spinning kernel.
-            torch.cuda.current_stream().synchronize()
+            w0 = time.monotonic()
+            with torch.cuda.stream(work):
+                for layer in pool.buffers:
+                    for t in layer:
+                        t.view(torch.uint8)[:256] = 0
+            work.synchronize()  # this stream only: the device-wide one would wait for the spin
+            w1 = time.monotonic()
             b.load(host_indices=host_b, device_indices=dev_idx).wait()
-            exact &= all(torch.equal(t.view(torch.uint8)[:256], w)
-                         for layer, wl in zip(pool.buffers, want, strict=True)
-                         for t, w in zip(layer, wl, strict=True))
+            w2 = time.monotonic()
+            with torch.cuda.stream(work):
+                exact &= all(torch.equal(t.view(torch.uint8)[:256], w)
+                             for layer, wl in zip(pool.buffers, want, strict=True)
+                             for t, w in zip(layer, wl, strict=True))
+            wipe_s.append(w1 - w0)
+            load_s.append(w2 - w1)
             loads += 1
         writer.join()
         stall["b_loads_during_stall"], stall["b_exact"] = loads, exact
+        # where B's time went: a load held up by A's stall shows here, apart from the check's own
+        stall["b_wipe_seconds_max"] = round(max(wipe_s, default=0.0), 4)
+        stall["b_load_seconds_max"] = round(max(load_s, default=0.0), 4)
+        stall["b_load_seconds_median"] = round(sorted(load_s)[len(load_s) // 2], 4) if load_s else None
         stalled_at = time.monotonic()
 
         def a_gone() -> bool:
@@ -367,6 +428,9 @@ def safety_engine(address: str, wait_seconds: float, stall_seconds: float, out) 
             time.sleep(0.1)
         stall["a_reclaimed"] = a_gone()
         stall["held_while_stalled"] = b.stats(all_clients=True).reserved_bytes > reserved_b
+        # the hold is looked at while the spin still runs, or the look proves nothing
+        stall["spin_running_at_check"] = not spin_end.poll()  # it says "done" once the event fired
+        stall["seconds_since_spin_start"] = round(time.monotonic() - spin_started, 2)
         a.close()
         while time.monotonic() - stalled_at < stall_seconds + 10:
             if b.stats(all_clients=True).reserved_bytes == reserved_b:
@@ -376,9 +440,11 @@ def safety_engine(address: str, wait_seconds: float, stall_seconds: float, out) 
         stall["quarantine_seconds"] = round(time.monotonic() - stalled_at, 1)
         b.unregister()
         b.close()
+        spinner.join(stall_seconds + 30)
         result["ok"] = bool(result["oversized_span_refused"] and stall["a_code"] == "DEADLINE_EXCEEDED"
                             and stall["a_seconds"] < wait_seconds + 3 and loads >= 1 and exact
                             and stall["a_reclaimed"] and stall["held_while_stalled"]
+                            and stall["spin_running_at_check"]
                             and stall["quarantine_released"])
     except BaseException:
         result["error"] = traceback.format_exc()

@@ -8,26 +8,40 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 
 from kvserver.errors import FailedPrecondition
 
 logger = logging.getLogger(__name__)
 
+# One look at a time: registrations arriving together (off the event loop, each on its own
+# thread) all wait for the first look's answer. CuPy's ``cuda.is_available()`` is not used: it
+# says False to a second caller while the first is still starting the driver.
+_probe_lock = threading.Lock()
+
 
 @functools.cache
-def _probe() -> tuple[object | None, str]:
+def _probe_once() -> tuple[object | None, str]:
     try:
         import cupy
     except ImportError as exc:
         return None, f"CuPy is not installed ({exc}); install kvserver[cuda]"
     try:
-        if not cupy.cuda.is_available():
-            return None, "no CUDA driver or GPU is visible to the daemon"
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # CUDARuntimeError and friends, without importing their types
+        if "no CUDA-capable device" in str(exc) or "cudaErrorNoDevice" in str(exc):
+            return None, "no CUDA driver or GPU is visible to the daemon"
         return None, f"CUDA is not usable: {exc}"
+    if count < 1:
+        return None, "no CUDA driver or GPU is visible to the daemon"
     logger.info("CUDA available: %d device(s)", count)
     return cupy, ""
+
+
+def _probe() -> tuple[object | None, str]:
+    """(CuPy, "") where this daemon can use CUDA, else (None, why); looked at once."""
+    with _probe_lock:
+        return _probe_once()
 
 
 def require_cuda():
