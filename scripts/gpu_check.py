@@ -1,7 +1,6 @@
 """One-shot GPU check of the CUDA IPC path: correctness, per-layer events, bandwidth.
 
-Run on a machine with one CUDA GPU, from the repository root (sized for under 5 minutes; not yet
-timed, since it has not run on a GPU):
+Run on a machine with one CUDA GPU, from the repository root (100-117 s on an H200, 2026-12-04):
 
     python scripts/gpu_check.py [--quick]
 
@@ -99,7 +98,7 @@ _use_source_tree()
 
 
 def engine(address: str, kind: str, start: int, end: int, num_layers: int, page_size: int,
-           num_tokens: int, transfer_tokens: int, bench_rounds: int, out, bench_lock) -> None:
+           num_tokens: int, transfer_tokens: int, bench_rounds: int, out, bench_lock, barrier=None) -> None:
     """One engine process: a CUDA pool for layers [start, end), checks, and timings. It reports
     each stage as it starts, so a hang is reported with where it happened."""
     result = {"kind": kind, "range": [start, end], "page_size": page_size}
@@ -176,6 +175,8 @@ def engine(address: str, kind: str, start: int, end: int, num_layers: int, page_
                     "ms_until_load_done": round((t3 - t0) * 1e3, 2)}, got0
 
         # (with the other engine of the model loading at the same time, as in a PP step)
+        if barrier is not None:
+            barrier.wait(120)
         timing, got0 = layer0(0, buffers[0])
         result["layer0_ready_before_last_layer"] = timing["before_last_layer"]
         result["layer0_timing"] = timing
@@ -185,7 +186,10 @@ def engine(address: str, kind: str, start: int, end: int, num_layers: int, page_
                               for layer, wl in zip(buffers, want, strict=True)
                               for b, w in zip(layer, wl, strict=True))
 
-        # 3. bandwidth: daemon write and load vs a contiguous pinned copy of the same bytes.
+        # 3. bandwidth: daemon write and load vs a contiguous pinned copy of the same bytes, one
+        # engine at a time, once both are done with the steps above.
+        if barrier is not None:
+            barrier.wait(120)
         stage("bandwidth")
         pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         gpu = torch.empty(nbytes, dtype=torch.uint8, device=dev)
@@ -261,6 +265,8 @@ def engine(address: str, kind: str, start: int, end: int, num_layers: int, page_
         client.close()
     except BaseException:
         result["error"] = traceback.format_exc()
+        if barrier is not None:
+            barrier.abort()  # the other engine stops waiting for this one at once
     result["final"] = True
     out.put(result)
 
@@ -367,13 +373,15 @@ def safety_engine(address: str, wait_seconds: float, stall_seconds: float, out) 
         # spin in this process could hold up B's own wipes here (streams of one process can
         # share a hardware queue), which would say nothing about the daemon.
         spin_end, spin_far = mp.get_context("spawn").Pipe()
-        spinner = mp.get_context("spawn").Process(target=stall_spinner, args=(stall_seconds, spin_far))
+        spinner = mp.get_context("spawn").Process(target=stall_spinner, args=(stall_seconds, spin_far),
+                                                  daemon=True)
         spinner.start()
+        spin_far.close()  # the spinner's end only: if it dies, a read here ends at once
         if not spin_end.poll(120):
             raise RuntimeError("the spinning engine did not start within 120 s")
         ready = spin_end.recv()  # the event's handle
         spin_end.send("go")
-        if spin_end.recv() != "spinning":
+        if not spin_end.poll(60) or spin_end.recv() != "spinning":
             raise RuntimeError("the spinning engine did not spin")
         stall: dict = {}
         result["stall"] = stall
@@ -429,7 +437,8 @@ def safety_engine(address: str, wait_seconds: float, stall_seconds: float, out) 
         stall["a_reclaimed"] = a_gone()
         stall["held_while_stalled"] = b.stats(all_clients=True).reserved_bytes > reserved_b
         # the hold is looked at while the spin still runs, or the look proves nothing
-        stall["spin_running_at_check"] = not spin_end.poll()  # it says "done" once the event fired
+        # it says "done" once the event fired (a dead spinner is not spinning either)
+        stall["spin_running_at_check"] = spinner.is_alive() and not spin_end.poll()
         stall["seconds_since_spin_start"] = round(time.monotonic() - spin_started, 2)
         a.close()
         while time.monotonic() - stalled_at < stall_seconds + 10:
@@ -690,8 +699,12 @@ def run_plan(ctx, address: str, kind: str, page: int, rounds: int, deadline: flo
     have not finished by ``deadline``, and RuntimeError if one dies without a result."""
     out, bench_lock = ctx.Queue(), ctx.Lock()
     ranges = [(0, 16), (16, 32)]
+    # The two engines start their first loads together and begin the one-at-a-time section only
+    # once both are past them (``engine``'s barrier; a stand-in target has none).
+    kwargs = {} if target is not None else {"barrier": ctx.Barrier(len(ranges))}
     procs = {r: ctx.Process(target=target or engine, args=(address, kind, *r, 32, page, 65536,
-                                                 16384 if page > 1 else 4096, rounds, out, bench_lock))
+                                                 16384 if page > 1 else 4096, rounds, out, bench_lock),
+                            kwargs=kwargs)
              for r in ranges}
     for p in procs.values():
         p.start()
