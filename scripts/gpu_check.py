@@ -176,6 +176,7 @@ def engine(address: str, kind: str, start: int, end: int, num_layers: int, page_
 
         # (with the other engine of the model loading at the same time, as in a PP step)
         if barrier is not None:
+            stage("wait for the other engine, then load")
             barrier.wait(120)
         timing, got0 = layer0(0, buffers[0])
         result["layer0_ready_before_last_layer"] = timing["before_last_layer"]
@@ -189,6 +190,7 @@ def engine(address: str, kind: str, start: int, end: int, num_layers: int, page_
         # 3. bandwidth: daemon write and load vs a contiguous pinned copy of the same bytes, one
         # engine at a time, once both are done with the steps above.
         if barrier is not None:
+            stage("wait for the other engine to be past its first load")
             barrier.wait(120)
         stage("bandwidth")
         pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

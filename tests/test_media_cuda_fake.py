@@ -96,15 +96,12 @@ def test_cuda_round_trip_events_and_release(daemon, fake, page_size, path, token
         names = [c[0] for c in rt.calls]
         assert names.index("streamWaitEvent") < names.index(path), "copied before the engine was ready"
         # The write's own completion event (blocking sync, not interprocess), recorded after the
-        # copies, waited on (polled once by the copy worker's quick wait, once by the wait), then
-        # destroyed.
-        assert names[-5:] == ["eventCreateWithFlags", "eventRecord", "eventQuery", "eventQuery",
-                              "eventDestroy"]
-        assert rt.calls[-5][1] == 1 | 2
-        assert rt.calls[-4][1] == rt.calls[-3][1] == rt.calls[-2][1] == rt.calls[-1][1]
+        # copies, waited on, then destroyed.
+        assert names[-4:] == ["eventCreateWithFlags", "eventRecord", "eventQuery", "eventDestroy"]
+        assert rt.calls[-4][1] == 1 | 2 and rt.calls[-3][1] == rt.calls[-2][1] == rt.calls[-1][1]
         # Every copy and record on the registration's own non-blocking stream, never the legacy
         # default one.
-        stream = rt.calls[-4][2]
+        stream = rt.calls[-3][2]
         assert stream != 0 and ("Stream", stream, True) in create_calls
         assert all(c[-1] == stream for c in rt.calls if c[0] in ("kernel", "memcpyAsync", "eventRecord"))
         kv[:] = 0
@@ -1164,50 +1161,3 @@ def test_the_unregister_of_a_stalled_client_ends(daemon_factory, fake):
             assert [c[0] for c in rt.calls].count("hostUnregister") == 1
     finally:
         rt.fire(hung)
-
-
-def test_a_small_copy_is_settled_by_its_copy_worker_and_a_slow_or_large_one_by_a_waiter(daemon, fake,
-                                                                                        monkeypatch):
-    """A copy of at most QUICK_WAIT_BYTES whose events complete at once is waited for by the copy
-    worker that enqueued it (no hand-off to a waiter thread); one whose events do not complete
-    within the quick wait, or a larger one, goes to a waiter thread as before. Each is exact."""
-    from kvserver.media.cuda import pool as cuda_pool_module
-
-    rt = fake.cuda.runtime
-    waited_on: list[str] = []
-    real_wait = cuda_pool_module.CudaDevicePool.wait
-
-    def seen_wait(self, pending, signal):  # observes the thread; the wait itself is the real one
-        waited_on.append(threading.current_thread().name)
-        return real_wait(self, pending, signal)
-
-    monkeypatch.setattr(cuda_pool_module.CudaDevicePool, "wait", seen_wait)
-    refs, kv, _ = cuda_pool(fake, 2, 64)  # 256 B a token and part: 64 tokens of 4 layers are 128 KiB
-    with grpc.insecure_channel(daemon.address) as ch:
-        stub = ticketing_stub(ch, daemon.address)
-        c = register(stub, refs, 2, 64, 16)
-        host = list(stub.Alloc(pb.AllocRequest(client_id=c.client_id, num_tokens=64)).host_indices)
-
-        def round_trip(value: int) -> None:
-            kv[:] = value
-            stub.Write(pb.WriteRequest(client_id=c.client_id, host_indices=host,
-                                       device_indices=list(range(64))), timeout=10)
-            kv[:] = 0
-            steps = list(stub.Load(pb.LoadRequest(client_id=c.client_id, host_indices=host,
-                                                  device_indices=list(range(64))), timeout=10))
-            assert steps[-1].done and steps[-1].layers_done == LAYERS
-            assert (kv[:, :, :64] == value).all() and (kv[:, :, 64:] == 0).all()
-
-        round_trip(3)
-        assert [name.startswith("kvcopy") for name in waited_on] == [True, True], waited_on
-
-        waited_on.clear()  # a write whose event completes only after the quick wait: a waiter's
-        gate = gate_gpu(rt, monkeypatch)
-        threading.Timer(0.2, gate.set).start()
-        round_trip(4)  # (the load after it, its gate open, is quick again)
-        assert [name.startswith("kvdev-wait") for name in waited_on] == [True, False], waited_on
-
-        waited_on.clear()  # larger than the quick wait's bound: a waiter's, however quick
-        monkeypatch.setattr(cuda_pool_module, "QUICK_WAIT_BYTES", 64 << 10)
-        round_trip(5)
-        assert [name.startswith("kvdev-wait") for name in waited_on] == [True, True], waited_on

@@ -64,12 +64,6 @@ MAX_EVENT_SLOTS = 16
 # a new event per step must not grow the daemon's set without bound.
 MAX_OPENED_EVENTS = 64
 KERNEL_MAX_BLOCKS = 128  # with 8 warps each: ~1000 rows in flight, about one block per SM on H100/H200
-# A copy of at most QUICK_WAIT_BYTES is waited for by the copy worker that enqueued it, polling
-# its last event without sleeping for at most QUICK_WAIT_SECONDS, before it is handed to a
-# waiter thread. On an H200 a one-page copy is done on the GPU 14-35 us after it is enqueued,
-# while the hand-off to a waiter thread took 51-120 us (docs/performance.md, "On a GPU").
-QUICK_WAIT_BYTES = 1 << 20
-QUICK_WAIT_SECONDS = 100e-6
 
 _open_lock = threading.Lock()
 # (device, raw handle) -> [base pointer, users, bytes from the base to the allocation's real end]
@@ -288,7 +282,6 @@ class CudaDevicePool(DevicePool):
         # busy until the GPU is really done with them.
         done.set_running_or_notify_cancel()
         layers = np.asarray(job.local_layers, dtype=np.int64)
-        small = job.bytes_per_layer * len(job.local_layers) <= QUICK_WAIT_BYTES
 
         def fail(exc: BaseException) -> None:
             if isinstance(exc, GpuStalled):  # given up on: its copies may still run on the GPU
@@ -311,10 +304,7 @@ class CudaDevicePool(DevicePool):
                                        job.event_slot, cache_rows=job.host_table is not None)
                 if signal is not None and pending.failed is None:
                     signal.mark_recorded()
-                if small and pending.failed is None and self._done_soon(pending):
-                    wait(pending)  # every event has completed: reported and settled from here
-                else:
-                    waiters.submit(wait, pending)  # a failed launch is drained there too
+                waiters.submit(wait, pending)  # a failed launch is drained there too
             except BaseException as exc:
                 fail(exc)
 
@@ -384,24 +374,6 @@ class CudaDevicePool(DevicePool):
                                "(--cuda-wait-seconds)")
                     raise self._stalled() from exc
                 raise
-
-    def _done_soon(self, pending: Pending) -> bool:
-        """Whether the last of ``pending``'s events (recorded after all the others, on one stream)
-        completes within QUICK_WAIT_SECONDS, polled without sleeping. Any error is left to
-        ``wait``, which reports it."""
-        if not pending.events:
-            return False
-        rt = self.cupy.cuda.runtime
-        last = pending.events[-1]
-        until = time.monotonic() + QUICK_WAIT_SECONDS
-        try:
-            with self.device():
-                while rt.eventQuery(last) != 0:
-                    if time.monotonic() >= until:
-                        return False
-        except Exception:
-            return False
-        return True
 
     def _job_copier(self, copy_plan, layers: np.ndarray, host_table, to_device: bool, host_to_device: int):
         """The copier of one job: rows of whole device pages where the plan allows, else of tokens.
