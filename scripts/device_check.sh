@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check on a lent GPU machine (see docs/gpu-check.md): installs wheels carried in .whl/
-# (packages that machine lacks), then runs scripts/gpu_check.py; the JSON report goes to $OUT too.
+# (packages that machine lacks), then runs scripts/gpu_check.py (its JSON report goes to $OUT too)
+# and scripts/gpu_hops.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -23,4 +24,8 @@ python3 -c "import torch, cupy, grpc, google.protobuf as p; print('torch', torch
 cupy.__version__, 'grpcio', grpc.__version__, 'protobuf', p.__version__)"
 export PYTHONUNBUFFERED=1
 python3 scripts/gpu_check.py "$@" | tee "${OUT:-/tmp}/gpu_check.json"
-exit "${PIPESTATUS[0]}"
+check=${PIPESTATUS[0]}
+# Then where a one-page round trip's time goes (about 15 s; its report is $OUT/hops.json). It
+# does not change the check's exit status.
+timeout 120 python3 scripts/gpu_hops.py || echo "gpu_hops.py failed (exit $?)"
+exit "$check"
