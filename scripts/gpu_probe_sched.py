@@ -134,6 +134,22 @@ def e_spinner(conn, seconds):
     conn.send(time.monotonic() - t)
 
 
+def _tiny_kernel_seconds(cp, stream, x, n: int = 20) -> list[float]:
+    """Seconds from launching a one-element-a-thread kernel on ``stream`` until its event is done
+    (spinning on the event), ``n`` times, sorted."""
+    lat = []
+    for _ in range(n):
+        t1 = time.monotonic()
+        with stream:
+            x += 1
+            e = cp.cuda.Event(disable_timing=True)
+            e.record(stream)
+        while not e.done:
+            pass
+        lat.append(time.monotonic() - t1)
+    return sorted(lat)
+
+
 def d_false_dep(conn, nstreams):
     import cupy as cp
     import torch  # noqa: F401
@@ -161,34 +177,14 @@ def d_false_dep(conn, nstreams):
     while time.monotonic() - t < 0.3 and not all(e.done for e in done_ev):
         time.sleep(0.001)
     n_done = sum(e.done for e in done_ev)
-    # Q3: tiny kernel latency on a fresh stream while E's spin runs
+    # Q3: tiny kernel latency on a fresh stream while E's spin runs, then once it has ended
     s3 = cp.cuda.Stream(non_blocking=True)
-    lat = []
-    for _ in range(20):
-        t1 = time.monotonic()
-        with s3:
-            xs[0] += 1
-            e = cp.cuda.Event(disable_timing=True)
-            e.record(s3)
-        while not e.done:
-            pass
-        lat.append(time.monotonic() - t1)
-    lat.sort()
+    lat = _tiny_kernel_seconds(cp, s3, xs[0])
     conn.send({"streams": nstreams, "done_within_0.3s": n_done,
                "tiny_kernel_us_during_spin_p50": round(lat[10] * 1e6, 1),
                "tiny_kernel_us_during_spin_max": round(lat[-1] * 1e6, 1)})
     a.synchronize()
-    lat = []
-    for _ in range(20):
-        t1 = time.monotonic()
-        with s3:
-            xs[0] += 1
-            e = cp.cuda.Event(disable_timing=True)
-            e.record(s3)
-        while not e.done:
-            pass
-        lat.append(time.monotonic() - t1)
-    lat.sort()
+    lat = _tiny_kernel_seconds(cp, s3, xs[0])
     conn.send({"tiny_kernel_us_idle_p50": round(lat[10] * 1e6, 1)})
 
 
