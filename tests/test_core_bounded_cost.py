@@ -4,7 +4,8 @@ the limits allow are served in bounded time and memory while other engines' call
 
 The cost tests run the daemon as a subprocess (its memory is read from /proc) and a second engine
 as a probe process calling Stats back to back; the probe's longest call while a step runs is how
-long that step held other engines.
+long that step held other engines (or, where the machine's load would blur that, the daemon's own
+event-loop lag).
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ import torch
 from checks import error_of, mappings_of
 from conftest import DaemonThread
 from daemon_proc import DaemonProcess
+from mooncake_master import free_port
 
 from kvclient import KVClient, KVLayout, ShmKVPool
 from kvclient._messages import register_request
 from kvclient._transport.fd_socket import ticketed
+from kvserver.api.metrics import LAG_INTERVAL
 from kvserver.config import ServerConfig
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
@@ -36,6 +39,7 @@ C = grpc.StatusCode
 BIG_MESSAGES = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 MOST_INDICES = 1 << 22  # the default --max-request-indices
 HELD = 0.5  # seconds another engine's call may wait on this 2-core VM, generously
+LATE = (0.05, 0.1, HELD)  # the loop-lag histogram's bounds a test prints how often the loop passed
 
 PROBE = r"""
 import json, select, sys, time
@@ -248,10 +252,25 @@ def test_register_of_the_most_pages_is_bounded_and_others_are_served(node) -> No
         pool.close()
 
 
-def test_alloc_and_free_of_the_largest_request_are_fast(node) -> None:
-    """A stall the operation causes shows in every attempt; a probe delayed by a busy machine (the
-    other test worker, the wheel check) in one: up to three attempts, each with a fresh probe."""
-    d, probe = node
+def _loop_lag_over(port: int, seconds: float) -> int:
+    """How many times the daemon's event loop ran its lag timer more than ``seconds`` late so far
+    (kvserver_event_loop_lag_seconds: time in which it served no engine)."""
+    from test_api_metrics import scrape, value
+
+    metrics = scrape(port)
+    return int(value(metrics, "kvserver_event_loop_lag_seconds_count")
+               - value(metrics, "kvserver_event_loop_lag_seconds_bucket", le=str(seconds)))
+
+
+def test_alloc_and_free_of_the_largest_request_are_fast(socket_dir: str) -> None:
+    """Alloc and Free of 4 Mi tokens are served in bounded time, and the daemon's event loop is not
+    held meanwhile. That is read from the daemon's own loop-lag histogram: another engine's call
+    (the probe) also waits for a CPU on this 2-core VM, where the test, the daemon's threads and
+    the other test worker share two, and that wait is the machine's, not the daemon's. A slow
+    attempt is retried (up to three): a stall the operations cause shows in every one."""
+    port = free_port()
+    d = DaemonProcess(os.path.join(socket_dir, "kv.sock"), "--metrics-listen", f"127.0.0.1:{port}",
+                      host_memory="1088MiB")
     pool = _tiny_pool(64)
     attempts = []
     try:
@@ -259,9 +278,11 @@ def test_alloc_and_free_of_the_largest_request_are_fast(node) -> None:
             stub = pb_grpc.KVServerStub(ch)
             reg = stub.Register(_request(d, pool, MOST_INDICES, 1), timeout=120)
             assert reg.host_tokens == MOST_INDICES
-            for attempt in range(3):
-                p = probe if attempt == 0 else Probe(d.address)
+            for _ in range(3):
+                probe = Probe(d.address)
                 try:
+                    time.sleep(2 * LAG_INTERVAL)  # the timer observes what came before
+                    before = {t: _loop_lag_over(port, t) for t in LATE}
                     alloc = pb.AllocRequest(client_id=reg.client_id, num_tokens=MOST_INDICES)
                     got, a0, a1 = _timed(lambda: stub.Alloc(alloc, timeout=120))  # noqa: B023
                     assert len(got.host_indices) == MOST_INDICES
@@ -270,19 +291,23 @@ def test_alloc_and_free_of_the_largest_request_are_fast(node) -> None:
                     assert freed.freed_tokens == MOST_INDICES
                     stats = stub.Stats(pb.StatsRequest(client_id=reg.client_id), timeout=30).clients[0]
                     assert stats.used_tokens == 0
-                    held = (p.longest_during(a0, a1), p.longest_during(f0, f1))
+                    time.sleep(2 * LAG_INTERVAL)
+                    lags = {t: _loop_lag_over(port, t) - before[t] for t in LATE}
+                    late = lags[HELD]
+                    held = max(probe.longest_during(a0, a1), probe.longest_during(f0, f1))
                 finally:
-                    if attempt:
-                        p.close()
-                attempts.append((a1 - a0, f1 - f0, *held))
-                print(f"Alloc {a1 - a0:.3f} s (Stats held {held[0] * 1e3:.1f} ms), "
-                      f"Free {f1 - f0:.3f} s (Stats held {held[1] * 1e3:.1f} ms)")
-                if a1 - a0 < 2.0 and f1 - f0 < 2.0 and max(held) < HELD:
+                    probe.close()
+                attempts.append((a1 - a0, f1 - f0, late, held))
+                print(f"Alloc {a1 - a0:.3f} s, Free {f1 - f0:.3f} s; the loop's timer late by over "
+                      + ", ".join(f"{t} s {n} times" for t, n in lags.items())
+                      + f"; another engine's Stats waited up to {held * 1e3:.1f} ms")
+                if a1 - a0 < 2.0 and f1 - f0 < 2.0 and late == 0:
                     return
-        pytest.fail(f"Alloc and Free of 4 Mi tokens (s), and the longest Stats waited meanwhile, in "
-                    f"each attempt: {attempts}")
+        pytest.fail(f"Alloc and Free of 4 Mi tokens (s), the times the loop ran over {HELD} s late, and "
+                    f"the longest another engine's Stats waited (s), in each attempt: {attempts}")
     finally:
         pool.close()
+        d.stop()
 
 
 # ---- finding 9: host indices cannot alias across epochs -------------------------------------------------

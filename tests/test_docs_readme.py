@@ -120,6 +120,8 @@ NOT_RUN = {
      ".venv/bin/python benchmarks/bench_control.py --host-memory 64MiB --rank 1 --page-size 1"):
         "a benchmark of daemon subprocesses for figures measured by hand; test_core_bounded_cost.py holds "
         "the same Register, Alloc and Free cases to their bounds",
+    ("docs/performance.md", ".venv/bin/python -m pytest -q -s tests/test_core_bounded_cost.py -k largest"):
+        "one test of the suite, which the suite runs; the line shows the figures it prints",
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_cache.py --repeats 20"):
         "a benchmark of daemon subprocesses for figures measured by hand; test_bench_cache.py runs "
         "the same script with --quick",

@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvserver.api import packed
+from kvserver.api import packed, wire
 from kvserver.api.auth import is_admin
 from kvserver.api.eager import bounded
 from kvserver.api.metrics import BUCKETS, Metrics
@@ -65,8 +65,16 @@ class MalformedRequest:
         self.error = error
 
 
+# Requests whose index lists may run to millions: a large one is parsed off the loop (api/wire.py).
+_PARSED_OFF_LOOP = (pb.FreeRequest, pb.WriteRequest, pb.LoadRequest)
+
+
 def _lenient(message_cls: Any) -> Callable[[bytes], Any]:
+    large = message_cls in _PARSED_OFF_LOOP
+
     def parse(data: bytes) -> Any:
+        if large and len(data) >= wire.LARGE_REQUEST_BYTES:
+            return wire.Unparsed(message_cls, data)
         try:
             return message_cls.FromString(data)
         except DecodeError as exc:
@@ -80,12 +88,25 @@ def _check_parsed(request: Any) -> None:
         raise InvalidArgument(f"request is not a valid {request.type_name}: {request.error}")
 
 
+async def _parsed(request: Any) -> Any:
+    """``request``, parsed in a worker thread if it came too large to parse on the loop; raises
+    InvalidArgument for one that did not parse."""
+    if not isinstance(request, wire.Unparsed):
+        _check_parsed(request)
+        return request
+    try:
+        return await asyncio.to_thread(wire.parse_large, request)
+    except DecodeError as exc:
+        raise InvalidArgument(
+            f"request is not a valid {request.message_cls.DESCRIPTOR.full_name}: {exc}") from None
+
+
 def _abort_on_error(fn: Callable) -> Callable:
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         started = time.perf_counter()
         try:
-            _check_parsed(request)
+            request = await _parsed(request)
             with self.core.share.call():  # short calls run between a long one's steps (core/share.py)
                 return await fn(self, request, context)
         except KVError as exc:
@@ -262,7 +283,7 @@ class KVServicer(pb_grpc.KVServerServicer):
         started = time.perf_counter()
         try:
             context.set_trailing_metadata(JOB_ENDED)
-            _check_parsed(request)
+            request = await _parsed(request)
             with self.core.share.call():
                 async for progress in self._load(request, "grpc", started):
                     yield progress
@@ -595,8 +616,7 @@ class KVServicer(pb_grpc.KVServerServicer):
                 except ValueError as exc:
                     raise InvalidArgument(f"malformed {rpc} request on the lane: {exc}") from None
             else:
-                request = _lenient(_LANE_REQUESTS[rpc])(data)
-                _check_parsed(request)
+                request = await _parsed(_lenient(_LANE_REQUESTS[rpc])(data))
             if rpc == "Lookup" and request.space_id:
                 raise InvalidArgument("a Lookup on a lane is its engine's: it names no space_id")
             if request.client_id != client_id:
