@@ -11,7 +11,9 @@ while these run, each in its own process, as fast as the daemon answers them (--
 - pinned Lookups: whole-space Lookups of 128 Ki stored keys pinning them for 60 s, then Release;
 - a large region: Register of a 256 MiB region, a Write populating all of it, Unregister;
 - descriptors: tickets of 253 memfds each (accepted, never redeemed) and of 253 TCP sockets
-  (refused), back to back.
+  (refused), back to back;
+- large messages: a 62 MiB RegisterRequest of six million buffer references (refused unparsed)
+  and a Free of 4 Mi indices naming no registration (read, then refused), in turn, over gRPC.
 A Register or a pin the budget refuses (the other attackers hold the memory) counts as a round,
 as an engine would try again.
 A third phase runs as many processes that only spin on the CPU, sending nothing: what the victim
@@ -34,6 +36,7 @@ import tempfile
 import time
 import urllib.request
 
+import grpc
 import numpy as np
 import torch
 
@@ -44,6 +47,7 @@ from daemon_proc import DaemonProcess  # noqa: E402
 from kvclient import KVClient, KVClientError, KVLayout, ShmKVPool  # noqa: E402
 from kvclient._transport.fd_socket import fd_socket_path  # noqa: E402
 from kvserver.protocol.fd_socket import FDS_PER_MESSAGE, TicketRefused, request_ticket  # noqa: E402
+from kvserver.v1 import kvserver_pb2 as pb  # noqa: E402
 
 MAX_KEYS = 1 << 17
 PAGE = 64  # tokens a page: with MLA rank 1 fp8, the smallest page the daemon takes (64 bytes)
@@ -163,8 +167,30 @@ def _descriptors(address: str, stop, ready) -> int:
     return rounds
 
 
+def _large_messages(address: str, stop, ready) -> int:
+    rounds = 0
+    part = pb.BufferRef(offset=0, token_stride=64)
+    part.shm.name = "none"
+    register = pb.RegisterRequest(model="bomb")
+    register.device_pool.layers.extend([pb.LayerBuffers(parts=[part] * 1000)] * 6000)
+    free = pb.FreeRequest(client_id="none", host_indices=np.arange(1 << 22) | (1 << 36))
+    calls = [("Register", register.SerializeToString()), ("Free", free.SerializeToString())]
+    with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
+        methods = [(ch.unary_unary(f"/kvserver.v1.KVServer/{name}"), data) for name, data in calls]
+        ready()
+        while not stop.is_set():
+            call, data = methods[rounds % len(methods)]
+            try:
+                call(data, timeout=60)
+            except grpc.RpcError as exc:
+                if exc.code() not in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND):
+                    raise
+            rounds += 1
+    return rounds
+
+
 ATTACKS = {"tiny pages": _tiny_register, "evicting Puts": _evicting_puts, "pinned Lookups": _pinned_lookups,
-           "large region": _large_region, "descriptors": _descriptors}
+           "large region": _large_region, "descriptors": _descriptors, "large messages": _large_messages}
 
 
 def _spin(stop) -> None:
@@ -177,7 +203,7 @@ def _spin(stop) -> None:
 def _attack(name: str, address: str, stop, out) -> None:
     try:
         out.put((name, ATTACKS[name](address, stop, lambda: out.put((name, None, ""))), ""))
-    except (KVClientError, OSError, RuntimeError) as exc:
+    except (KVClientError, OSError, RuntimeError, grpc.RpcError) as exc:
         out.put((name, -1, f"{type(exc).__name__}: {exc}"))
 
 

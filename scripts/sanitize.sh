@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The compiled code under AddressSanitizer and UndefinedBehaviorSanitizer (a CI job, after the suite):
-#  1. the fuzzers over the lane's request reader and check (tests/fuzz/fuzz_request.c) and over
-#     the key index's walk and key digests (tests/fuzz/fuzz_index.c), for FUZZ_SECONDS each
-#     (default 30 and 15);
+#  1. the fuzzers over the lane's request reader and check (tests/fuzz/fuzz_request.c), over
+#     the key index's walk and key digests (tests/fuzz/fuzz_index.c) and over a large request's
+#     packed varint decoder (tests/fuzz/fuzz_varint.c), for FUZZ_SECONDS each (default 30, 15, 10);
 #  2. the C extensions (the copy kernel, the data plane, the index walk and key digests, the
-#     client's lane calls) built with both sanitizers in a copy of the tree, and the bad-input,
-#     lane, doorbell, data-plane, deadline, index and digest tests run against them in-process.
+#     client's lane calls, the varint decoder) built with both sanitizers in a copy of the tree,
+#     and the bad-input, lane, doorbell, data-plane, deadline, index, digest and large-request
+#     tests run against them in-process.
 # Any report fails the job (-fno-sanitize-recover: UBSan aborts too). Uses ./.venv (scripts/install.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +19,8 @@ gcc $flags -DKV_STANDALONE -Wall -o "$work/fuzz_request" tests/fuzz/fuzz_request
 "$work/fuzz_request" "${FUZZ_SECONDS:-30}"
 gcc $flags -DKV_STANDALONE -Wall -o "$work/fuzz_index" tests/fuzz/fuzz_index.c
 "$work/fuzz_index" "${FUZZ_SECONDS:-15}"
+gcc $flags -DKV_STANDALONE -Wall -o "$work/fuzz_varint" tests/fuzz/fuzz_varint.c
+"$work/fuzz_varint" "${FUZZ_SECONDS:-10}"
 
 tar --exclude=./.venv --exclude=./build --exclude='*.so' --exclude=.git -cf - . | tar -xf - -C "$work"
 (cd "$work" && CFLAGS="$flags" LDFLAGS="-fsanitize=address,undefined" \
@@ -28,14 +31,15 @@ cd "$work"
 # The extensions imported below are these sanitized builds, not the tree's (checked, not assumed).
 LD_PRELOAD="$asan $ubsan" ASAN_OPTIONS=detect_leaks=0 "$root/.venv/bin/python" - <<'PY'
 import os
+from kvserver.api import _packed
 from kvserver.copies import _kvcopy
 from kvserver.lane import _kvlane
 from kvserver.protocol import _wire
 from kvserver.store import _kvindex
-for m in (_kvcopy, _kvlane, _kvindex, _wire):
+for m in (_kvcopy, _kvlane, _kvindex, _wire, _packed):
     assert m.__file__.startswith(os.getcwd()), m.__file__
     assert b"__asan_" in open(m.__file__, "rb").read(), f"{m.__file__} is not built with ASan"
-print("sanitized:", _kvcopy.__file__, _kvlane.__file__, _kvindex.__file__, _wire.__file__)
+print("sanitized:", _kvcopy.__file__, _kvlane.__file__, _kvindex.__file__, _wire.__file__, _packed.__file__)
 PY
 # Python itself is not built with ASan: its arenas and exit-time allocations are not leaks of ours.
 LD_PRELOAD="$asan $ubsan" \
@@ -44,4 +48,5 @@ UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 KVSERVER_EXPECT_PLANE=1 \
     "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider -p no:xdist --timeout 300 \
     tests/test_dataplane.py tests/test_dataplane_cache.py tests/test_dataplane_alone.py tests/test_lane.py tests/test_lane_doorbells.py tests/test_api_bad_input.py \
-    tests/test_core_deadlines.py tests/test_store_index.py tests/test_store_digest.py tests/test_copies_stream.py
+    tests/test_core_deadlines.py tests/test_store_index.py tests/test_store_digest.py tests/test_copies_stream.py \
+    tests/test_api_wire.py

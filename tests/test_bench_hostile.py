@@ -19,5 +19,6 @@ def test_bench_hostile_prints_both_phases_and_every_attack():
     assert len(re.findall(r"p99 [\d.]+ ms; loop lag p99 <= [\d.]+ ms", run.stdout)) == 2, run.stdout
     assert "victim p99 ratio hostile / idle" in run.stdout, run.stdout
     rounds = dict(re.findall(r"  ([a-zA-Z ]+): (-?\d+) rounds", run.stdout))
-    assert set(rounds) == {"tiny pages", "evicting Puts", "pinned Lookups", "large region", "descriptors"}
+    assert set(rounds) == {"tiny pages", "evicting Puts", "pinned Lookups", "large region", "descriptors",
+                           "large messages"}
     assert all(int(n) >= 0 for n in rounds.values()), run.stdout  # none stopped on an error

@@ -65,15 +65,12 @@ class MalformedRequest:
         self.error = error
 
 
-# Requests whose index lists may run to millions: a large one is parsed off the loop (api/wire.py).
-_PARSED_OFF_LOOP = (pb.FreeRequest, pb.WriteRequest, pb.LoadRequest)
-
-
-def _lenient(message_cls: Any) -> Callable[[bytes], Any]:
-    large = message_cls in _PARSED_OFF_LOOP
+def _lenient(message_cls: Any, defer: bool = False) -> Callable[[bytes], Any]:
+    """A request parser that never raises; ``defer``: a large request's bytes are kept for
+    ``_parsed`` to read off the event loop (api/wire.py)."""
 
     def parse(data: bytes) -> Any:
-        if large and len(data) >= wire.LARGE_REQUEST_BYTES:
+        if defer and len(data) >= wire.LARGE_REQUEST_BYTES:
             return wire.Unparsed(message_cls, data)
         try:
             return message_cls.FromString(data)
@@ -89,13 +86,13 @@ def _check_parsed(request: Any) -> None:
 
 
 async def _parsed(request: Any) -> Any:
-    """``request``, parsed in a worker thread if it came too large to parse on the loop; raises
-    InvalidArgument for one that did not parse."""
+    """``request``, read off the event loop if it came large (api/wire.py); raises InvalidArgument
+    for one that is not a valid message, or what api/wire.py refuses."""
     if not isinstance(request, wire.Unparsed):
         _check_parsed(request)
         return request
     try:
-        return await asyncio.to_thread(wire.parse_large, request)
+        return await wire.parse_off_loop(request)
     except DecodeError as exc:
         raise InvalidArgument(
             f"request is not a valid {request.message_cls.DESCRIPTOR.full_name}: {exc}") from None
@@ -313,7 +310,7 @@ class KVServicer(pb_grpc.KVServerServicer):
 
     async def Session(self, request: pb.SessionRequest, context) -> AsyncIterator[pb.SessionEvent]:
         try:
-            _check_parsed(request)
+            request = await _parsed(request)
             client = self.core.client(request.client_id)
         except Exception as exc:
             await context.abort(*grpc_status(exc))
@@ -425,7 +422,7 @@ class KVServicer(pb_grpc.KVServerServicer):
         started = time.perf_counter()
         try:
             context.set_trailing_metadata(JOB_ENDED)
-            _check_parsed(request)
+            request = await _parsed(request)
             with self.core.share.call():
                 async for progress in self._get(request, "grpc", started):
                     yield progress
@@ -616,7 +613,7 @@ class KVServicer(pb_grpc.KVServerServicer):
                 except ValueError as exc:
                     raise InvalidArgument(f"malformed {rpc} request on the lane: {exc}") from None
             else:
-                request = await _parsed(_lenient(_LANE_REQUESTS[rpc])(data))
+                request = await _parsed(_lenient(_LANE_REQUESTS[rpc], defer=True)(data))
             if rpc == "Lookup" and request.space_id:
                 raise InvalidArgument("a Lookup on a lane is its engine's: it names no space_id")
             if request.client_id != client_id:
@@ -670,7 +667,7 @@ def add_to_server(servicer: KVServicer, server: Any) -> None:
         )
         handlers[method.name] = make(
             getattr(servicer, method.name),
-            request_deserializer=_lenient(request_cls),
+            request_deserializer=_lenient(request_cls, defer=True),
             response_serializer=_serialize,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
