@@ -81,7 +81,7 @@ for name in installed:
 assert importlib.util.find_spec("cupy") is None and "cupy" not in sys.modules
 if shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]):
     for ext in ("kvserver.copies._kvcopy", "kvserver.lane._kvlane", "kvserver.protocol._wire",
-                "kvserver.store._kvindex"):
+                "kvserver.store._kvindex", "kvserver.api._packed"):
         assert ext in installed, f"the wheel has no compiled {ext}"
 print(f"imported {len(installed) - len(needs_engine)} modules from the wheel, without CuPy; "
       f"found {len(needs_engine)} that need an engine or an extra: {needs_engine}")
