@@ -1,4 +1,4 @@
-"""Large requests read without holding the event loop.
+"""Large requests read without protobuf's parse holding the event loop.
 
 grpc.aio runs a method's request deserializer on the event loop, and protobuf's parser holds the
 GIL for the whole parse, in a worker thread too: measured on this project's 2-core VM, a loop
@@ -20,10 +20,10 @@ than a bounded part:
   one more field;
 - its top-level ``bytes`` fields (a Put's keys) are taken out and copied once; ``bytes`` inside a
   sub-message without sub-messages of its own (a Get's parts, walked too) cost protobuf a copy;
-- everything else (strings, which protobuf checks as UTF-8, numbers, other lists, sub-messages,
-  each counted ``MESSAGE_COST`` bytes more, whole where they hold sub-messages) may take at most
-  ``MOST_OTHER_BYTES``: a request with more is refused (RESOURCE_EXHAUSTED) before protobuf sees
-  it;
+- everything else (strings, which protobuf checks as UTF-8, numbers, other lists, sub-messages:
+  a top-level one without sub-messages of its own counted ``MESSAGE_COST`` bytes more, others by
+  their bytes) may take at most ``MOST_OTHER_BYTES``: a request with more is refused
+  (RESOURCE_EXHAUSTED) before protobuf sees it;
 - the message less its index lists and top-level bytes is then parsed by protobuf, which decides
   what is malformed.
 """
