@@ -23,8 +23,7 @@ static int64_t plain(const uint8_t *in, size_t n, uint64_t *out, size_t cap) {
     for (size_t i = 0; i < n; i++) {
         if (len == 10)
             return -2;
-        if (len < 10)
-            v |= (len * 7 < 64) ? (uint64_t)(in[i] & 0x7F) << (len * 7) : 0;
+        v |= (uint64_t)(in[i] & 0x7F) << (len * 7); /* len <= 9: a shift of at most 63 */
         len++;
         if (in[i] < 0x80) {
             if (k >= cap)
