@@ -12,17 +12,16 @@ Run: python benchmarks/bench_release.py [--gib 4]
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 import tempfile
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 from conftest import DaemonThread  # noqa: E402
+from loop_lag import lag_during  # noqa: E402
 
 from kvclient import KVClient, KVLayout, ShmKVPool  # noqa: E402
 from kvserver.config import ServerConfig  # noqa: E402
@@ -30,29 +29,6 @@ from kvserver.config import ServerConfig  # noqa: E402
 GiB = 1 << 30
 LAYOUT = KVLayout.mha(8, 128)  # 8 KiB a token over 2 layers, fp16
 TOKEN_BYTES = LAYOUT.token_bytes(torch.float16) * LAYOUT.num_parts * 2
-
-
-async def lag_during(work) -> tuple[float, float]:
-    """(the loop's longest lateness, the work's own time) while ``work()`` is awaited."""
-    loop = asyncio.get_running_loop()
-    lags: list[float] = []
-    stop = asyncio.Event()
-
-    async def ticker() -> None:
-        while not stop.is_set():
-            t = loop.time()
-            await asyncio.sleep(0.002)
-            lags.append(loop.time() - t - 0.002)
-
-    task = asyncio.ensure_future(ticker())
-    await asyncio.sleep(0.05)
-    started = time.perf_counter()
-    await work()
-    took = time.perf_counter() - started
-    await asyncio.sleep(0.05)
-    stop.set()
-    await task
-    return max(lags), took
 
 
 def main() -> None:
