@@ -30,10 +30,12 @@ def test_a_page_name_is_the_same_on_every_node_and_its_parts_are_all_named():
     p = part()
     (name,) = names(part_prefix(p), Keys.of([b"abc"]))
     assert name == part_prefix(part()) + "616263"  # another process's Part of the same space and layers
-    assert name.startswith("kvs1/t/") and len(name.split("/")[2]) == 32
-    # A key kept as its digest names the digest and the key's length.
-    wide = names(part_prefix(p), Keys.of([b"x" * 32]))[0].rsplit("/", 1)[1]
-    assert wide.endswith(".32") and len(wide) == 32 + 3
+    assert name.startswith("kvs2/t/") and len(name.split("/")[2]) == 32
+    # A key of 32 bytes (SGLang's, vLLM's) names itself; a wider one, kept as its digest, names the
+    # digest and the key's length.
+    assert names(part_prefix(p), Keys.of([b"x" * 32]))[0].rsplit("/", 1)[1] == "78" * 32
+    wide = names(part_prefix(p), Keys.of([b"x" * 33]))[0].rsplit("/", 1)[1]
+    assert wide.endswith(".33") and len(wide) == 32 + 3
 
 
 @pytest.mark.parametrize("other", [
@@ -47,8 +49,9 @@ def test_any_field_of_the_space_or_part_changes_every_name(other):
 
 def test_keys_that_differ_only_in_length_or_padding_have_distinct_names():
     prefix = part_prefix(part())
-    got = names(prefix, Keys.of([b"a", b"a\x00", b"a" * 16, b"a" * 17, b"\xff" * 64]))
-    assert len(set(got)) == 5
+    got = names(prefix, Keys.of([b"a", b"a\x00", b"a" * 16, b"a" * 17, b"a" * 32, b"a" * 32 + b"\x00",
+                                 b"\xff" * 64]))
+    assert len(set(got)) == 7
 
 
 def test_tenant_names_are_escaped_into_one_path_segment():

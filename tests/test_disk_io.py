@@ -56,11 +56,10 @@ def test_page_sums_match_one_crc_per_page(arena):
 
 
 def test_seeds_differ_by_key_and_by_part():
-    w0 = np.array([1, 1, 2], np.uint64)
-    w1 = np.array([5, 5, 5], np.uint64)
-    lens = np.array([16, 15, 16], np.uint8)
-    a, b = io.seeds(w0, w1, lens, 0), io.seeds(w0, w1, lens, 1)
-    assert len(set(a.tolist())) == 3 and (a != b).all()
+    words = np.array([[1, 5, 0, 0], [1, 5, 0, 0], [2, 5, 0, 0], [1, 5, 0, 9], [1, 5, 9, 0]], np.uint64)
+    lens = np.array([16, 15, 16, 32, 32], np.uint8)
+    a, b = io.seeds(words, lens, 0), io.seeds(words, lens, 1)
+    assert len(set(a.tolist())) == 5 and (a != b).all()
 
 
 @pytest.mark.parametrize("direct", [True, False])

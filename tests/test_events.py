@@ -25,7 +25,7 @@ MiB = 1 << 20
 
 
 def wide(prefix: int, n: int) -> list[bytes]:
-    """32-byte keys, as vLLM's sha256 block hashes are (the index keeps only their digest)."""
+    """32-byte keys, as vLLM's sha256 block hashes are (kept whole in the index)."""
     return [prefix.to_bytes(2, "big") + i.to_bytes(4, "big") + bytes(26) for i in range(n)]
 
 

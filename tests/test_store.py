@@ -24,7 +24,7 @@ def test_keys_unpack():
     assert _same(zeros, Keys.of([b"a\x00", b"\x00\x00"]))  # trailing zeros kept
     assert not _same(zeros[:1], Keys.of([b"a"]))  # a key and its zero-padded form differ
     assert len(Keys.unpack(b"", 16, 1)) == 0
-    wide = bytes(range(40)) + bytes(range(1, 41))  # wider than 16 bytes: kept as digests
+    wide = bytes(range(40)) + bytes(range(1, 41))  # wider than 32 bytes: kept as digests
     assert _same(Keys.unpack(wide, 40, 2), Keys.of([wide[:40], wide[40:]]))
     assert Keys.unpack(wide, 40, 2).distinct() and not Keys.unpack(wide[:40] * 2, 40, 2).distinct()
     assert Keys.unpack(b"abcabd", 2, 3).firsts().tolist() == [0, 1, 2]
@@ -42,7 +42,12 @@ def test_keys_firsts_and_ranks_as_a_dict_says_with_and_without_repeats(n):
     after a few keys that repeat): first positions ascending, and each key's rank among them."""
     rng = np.random.default_rng(n)
     for repeats in (False, True):
-        pool = [rng.bytes(int(w)) for w in rng.choice([1, 8, 16, 17, 32], size=max(1, n))]
+        pool = [rng.bytes(int(w)) for w in rng.choice([1, 8, 16, 17, 32, 48], size=max(1, n))]
+        # Keys of 17 to 32 bytes that share their first 16 (they differ only in words the sort
+        # must not skip), and keys of one width past 32 bytes beside short ones.
+        stem = rng.bytes(16)
+        pool = [stem + bytes(8) + i.to_bytes(8, "little") for i in range(max(1, n // 4))] + pool
+        rng.shuffle(pool)
         names = [pool[int(i)] for i in rng.integers(0, max(1, n // 3), n)] if repeats else pool[:n]
         if not repeats:
             names = list(dict.fromkeys(names))  # distinct, whatever the draw
@@ -290,6 +295,32 @@ def test_a_packed_get_finds_and_holds_what_prepare_get_does(key_bytes):
         cache.prepare_get_packed(part, b"".join(pool[1:3] + pool[:1]), key_bytes)
     assert np.array_equal(cache.pages.readers, before[0])
     assert np.array_equal(cache.pages.slab_holds, before[1])
+
+
+@pytest.mark.parametrize("key_bytes", [16, 32, 33, 48])
+def test_a_packed_get_of_many_keys_walks_them_in_blocks_as_prepare_get_does(key_bytes):
+    """The compiled hit walks (and digests, past 32 bytes) a request's keys 64 at a time, as far as
+    its stored prefix goes: a prefix that ends on either side of a block's edge, or runs through
+    every key of several blocks, is found as prepare_get finds it."""
+    cache, _, _ = make_cache(32 * MiB)
+    part = one_part(cache, page_bytes=4096)
+    if cache.pages.hold_hit(part.gid, b"", 1) is None:
+        pytest.skip("built without a compiler")
+    rng = np.random.default_rng(key_bytes)
+    keys = list(dict.fromkeys(rng.integers(0, 256, key_bytes, np.uint8).tobytes() for _ in range(300)))
+    stored = 200
+    put(cache, part, keys[:stored])
+    for end in (0, 1, 63, 64, 65, 127, 128, 129, 199, 200):
+        asked = keys[:end] + keys[stored : stored + 5] + keys[:3]  # then misses, then stored keys again
+        packed = b"".join(asked)
+        got = cache.prepare_get_packed(part, packed, key_bytes)
+        want = cache.prepare_get(part, Keys.unpack(packed, key_bytes, 1000))
+        assert got.pages == want.pages == end
+        assert got.page_ids.tolist() == want.page_ids.tolist()
+        assert got.offsets.tolist() == want.offsets.tolist()
+        cache.complete_get(got, True)
+        cache.complete_get(want, True)
+    assert int(cache.pages.readers.sum()) == 0
 
 
 @pytest.mark.parametrize("key_bytes", [4, 16, 32])

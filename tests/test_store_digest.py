@@ -1,7 +1,8 @@
 """The compiled digests of wide keys (``store/csrc/digest.h``) against hashlib's BLAKE2b, the
-digest a wide key is kept as (``store/keys.py``): the same bytes for every length and count, on
-every path this CPU has (the vector paths take keys eight or four at a time, the scalar one the
-rest), and arguments checked before a byte is read."""
+digest a key of more than 32 bytes is kept as (``store/keys.py``): the same bytes for every
+length and count, on every path this CPU has (the vector paths take keys eight or four at a time,
+the scalar one the rest), and arguments checked before a byte is read; a request's keys as the
+index keeps them (``_kvindex.words``) the same as numpy's and hashlib's."""
 
 from __future__ import annotations
 
@@ -54,16 +55,29 @@ def test_a_memoryview_of_a_larger_request_is_read_only_where_it_points() -> None
     assert out.tobytes() == reference(bytes(view), 32)
 
 
-@pytest.mark.parametrize("key_bytes", [17, 32, 64])
-def test_keys_unpack_the_same_with_and_without_the_compiled_digests(monkeypatch, key_bytes) -> None:
+def kept_words(packed: bytes, key_bytes: int) -> bytes:
+    """The index's 32 bytes a key: the key itself up to 32 bytes, else its digest; zero-padded."""
+    rows = [packed[i : i + key_bytes] for i in range(0, len(packed), key_bytes)]
+    if key_bytes > 32:
+        rows = [reference(r, key_bytes) for r in rows]
+    return b"".join(r.ljust(32, b"\0") for r in rows)
+
+
+@pytest.mark.parametrize("key_bytes", [1, 7, 8, 16, 17, 31, 32, 33, 64])
+def test_keys_unpack_the_same_with_and_without_the_compiled_path(monkeypatch, key_bytes) -> None:
     packed = os.urandom((2 * STEP_KEYS + 5) * key_bytes)  # several steps
     compiled = Keys.unpack(packed, key_bytes, 1 << 20)
-    monkeypatch.setattr(store_keys, "_compiled_digests", None)
+    monkeypatch.setattr(store_keys, "_compiled_words", None)
     plain = Keys.unpack(packed, key_bytes, 1 << 20)
     assert np.array_equal(compiled.words, plain.words)
     assert np.array_equal(compiled.lens, plain.lens)
-    assert np.array_equal(compiled.raw, plain.raw)
-    assert compiled.words.tobytes() == reference(packed, key_bytes)
+    if key_bytes > 32:
+        assert np.array_equal(compiled.raw, plain.raw)
+    else:  # kept whole: the words are the key
+        assert compiled.raw is None and plain.raw is None
+    assert compiled.words.tobytes() == kept_words(packed, key_bytes)
+    assert Keys.of([packed[i : i + key_bytes] for i in range(0, 40 * key_bytes, key_bytes)]).words.tobytes() \
+        == kept_words(packed[: 40 * key_bytes], key_bytes)
 
 
 @pytest.mark.parametrize("args, error", [
@@ -91,3 +105,23 @@ def test_a_read_only_output_or_a_non_buffer_input_is_refused() -> None:
         _kvindex.digests(out, b"x" * 32, 32)
     with pytest.raises(TypeError):
         _kvindex.digests(np.empty((1, 2), np.uint64), [0] * 32, 32)
+
+
+@pytest.mark.parametrize("args, error", [
+    ((np.empty((1, 4), np.uint64), b"x" * 32, 0), "key_bytes"),
+    ((np.empty((1, 4), np.uint64), b"x" * 65, 65), "key_bytes"),
+    ((np.empty((1, 4), np.uint64), b"x" * 33, 32), "whole keys"),
+    ((np.empty((2, 4), np.uint64), b"x" * 32, 32), "the words of each"),
+    ((np.empty((1, 2), np.uint64), b"x" * 32, 32), "the words of each"),
+    ((np.empty((1, 5), np.uint64), b"x" * 16, 16), "the words of each"),
+    ((np.empty((1, 4), np.int64), b"x" * 32, 32), "unsigned"),
+    ((np.empty((4, 4), np.uint64)[::2], b"x" * 64, 32), "contiguous"),
+])
+def test_words_refuses_bad_arguments_before_anything_is_written(args, error) -> None:
+    """``_kvindex.words`` (a request's keys as the index keeps them, ``Keys.unpack``'s compiled
+    path): an output of the wrong size, type or layout, or keys that are not whole, write nothing."""
+    out = args[0]
+    before = out.tobytes()
+    with pytest.raises((ValueError, BufferError), match=error):
+        _kvindex.words(*args)
+    assert out.tobytes() == before

@@ -26,9 +26,7 @@ def kvindex():
 
 def _walk(ix: KeyIndex, owner: int, keys: Keys, kv) -> np.ndarray:
     out = np.empty(len(keys), np.int64)
-    kv.find(out, np.ascontiguousarray(keys.words), np.ascontiguousarray(keys.lens), owner, ix.w0, ix.w1,
-            ix.lens, ix.owner, ix.next, ix.head, ix.buckets, ix.level, ix.split, int(ix._s0), int(ix._s1),
-            int(ix._s2))
+    kv.find(out, np.ascontiguousarray(keys.words), np.ascontiguousarray(keys.lens), owner, *ix.tables())
     return out
 
 
@@ -44,8 +42,8 @@ def test_both_walks_answer_as_a_dict_through_inserts_removals_and_splits(seed):
             owner = rng.randrange(5)
             n = min(len(free), rng.randrange(1, 150))
             keys: list[bytes] = []
-            while len(keys) < n:  # narrow keys, 16-byte keys, and wide ones (kept as digests)
-                k = rng.randbytes(rng.choice([1, 3, 8, 16, 17, 32, 64]))
+            while len(keys) < n:  # keys kept whole (up to 32 bytes) and wide ones (kept as digests)
+                k = rng.randbytes(rng.choice([1, 3, 8, 16, 17, 31, 32, 33, 64]))
                 if (owner, k) not in model and k not in keys:
                     keys.append(k)
             ids = np.array([free.pop() for _ in keys], np.int64)
@@ -98,15 +96,15 @@ def test_arrays_that_do_not_agree_are_refused(kvindex):
     ix.insert(np.arange(2), 0, keys)
     out = np.empty(2, np.int64)
     words, lens = np.ascontiguousarray(keys.words), keys.lens
-    seeds = int(ix._s0), int(ix._s1), int(ix._s2)
-    good = [out, words, lens, 0, ix.w0, ix.w1, ix.lens, ix.owner, ix.next, ix.head, ix.buckets, ix.level,
-            ix.split, *seeds]
+    good = [out, words, lens, 0, *ix.tables()]
     kvindex.find(*good)
     assert out.tolist() == [0, 1]
     for at, bad, why in [(0, np.empty(3, np.int64), "same keys"), (2, lens[:1], "same keys"),
-                         (5, ix.w1[:10], "one length"), (8, ix.next[:10], "one length"),
-                         (10, len(ix.head) + 1, "not consistent"), (11, 48, "not consistent"),
-                         (12, ix.level + 1, "not consistent"), (0, np.empty(2, np.float64), "aligned"),
+                         (1, words[:, :2].copy(), "same keys"), (4, ix.words[:10], "one length"),
+                         (4, ix.words[:, :2].copy(), "one length"), (5, ix.lens[:10], "one length"),
+                         (7, ix.next[:10], "one length"),
+                         (9, len(ix.head) + 1, "not consistent"), (10, 48, "not consistent"),
+                         (11, ix.level + 1, "not consistent"), (0, np.empty(2, np.float64), "aligned"),
                          (1, np.ascontiguousarray(keys.words).view(np.uint8), "aligned"),
                          (0, np.empty(17, np.uint8)[1:].view(np.int64), "aligned")]:
         args = list(good)
@@ -139,7 +137,7 @@ def test_compiled_changes_leave_the_tables_as_numpys_do(kvindex, seed):
     rng = random.Random(seed)
     c, py = KeyIndex(1 << 12), KeyIndex(1 << 12)
     py._c = None
-    py._s0, py._s1, py._s2 = c._s0, c._s1, c._s2
+    py._seeds, py._seed_ints = c._seeds, c._seed_ints
     model: dict[tuple[int, bytes], int] = {}
     free = list(range(1 << 12))
     rng.shuffle(free)
@@ -149,7 +147,7 @@ def test_compiled_changes_leave_the_tables_as_numpys_do(kvindex, seed):
             n = min(len(free), rng.randrange(1, 120))
             keys: list[bytes] = []
             while len(keys) < n:
-                k = rng.randbytes(rng.choice([1, 8, 16, 32]))
+                k = rng.randbytes(rng.choice([1, 8, 16, 24, 32, 48]))
                 if (owner, k) not in model and k not in keys:
                     keys.append(k)
             ids = np.array([free.pop() for _ in keys], np.int64)
@@ -188,15 +186,15 @@ def test_compiled_changes_refuse_what_does_not_fit_before_writing(kvindex):
         with pytest.raises(ValueError, match=why):
             kvindex.link(ids, *state)
     bad_state = list(state)
-    bad_state[6] = ix.buckets + 1  # nhead is not level + split
+    bad_state[5] = ix.buckets + 1  # nhead is not level + split
     with pytest.raises(ValueError, match="not consistent"):
         kvindex.unlink(np.array([0]), *bad_state)
     short = list(state)
-    short[5] = ix.head[: ix.buckets]  # no room for one more bucket
+    short[4] = ix.head[: ix.buckets]  # no room for one more bucket
     with pytest.raises(ValueError, match="no room"):
         kvindex.split(10 * ix.buckets, 2, *short)
     with pytest.raises(ValueError, match="one length"):
-        kvindex.link(np.array([0]), ix.w0[:10], *state[1:])
+        kvindex.link(np.array([0]), ix.words[:10], *state[1:])
     assert all((a == b).all() for a, b in zip(before, (ix.next, ix.head, ix.owner), strict=True))
     assert kvindex.unlink(np.array([1]), *state) == 1
     assert ix.find(0, Keys.of([b"a", b"b", b"c"])).tolist() == [0, -1, 2]

@@ -23,6 +23,7 @@ import torch
 
 from kvserver.core.kvcore import KVCore
 from kvserver.protocol.layout import KVLayout
+from kvserver.store.keys import Keys
 from kvserver.store.spaces import PartKey, SpaceKey
 
 MB = 1 << 20
@@ -212,6 +213,38 @@ def test_a_killed_daemons_pages_are_adopted_bit_exact_and_torn_ones_never(kept_d
     assert found(core, part, stored + torn) == (105, True)
 
 
+def test_keys_of_up_to_32_bytes_come_back_whole_after_a_kill_and_wider_ones_as_digests(kept_dir):
+    """SGLang's and vLLM's 32-byte keys are kept whole in the index's files: after a kill the
+    adopted pages are found by them and still name them (what KV events report); a 48-byte key is
+    kept as its digest: found, but its bytes are not kept."""
+    k32, k48 = keys_of(b"x" * 28, 20), keys_of(b"y" * 44, 20)
+
+    in_child(store, kept_dir, k32 + k48)
+    core = KVCore(64 * MB, host_memory_dir=kept_dir)
+    assert core.recovery.adopted_pages == 40 and core.recovery.dropped == 0
+    part = part_of(core)
+    assert found(core, part, k32) == (20, True) and found(core, part, k48) == (20, True)
+    ids = core.cache.pages.find(part.gid, Keys.of(k32 + k48))
+    assert (ids >= 0).all()
+    assert core.cache.pages.keys_of(ids).as_bytes() == k32 + [None] * 20
+
+
+def test_every_kept_table_has_its_memory_for_every_id_handed_out(kept_dir):
+    """The files' memory is taken ahead for the ids handed out (a write into a hole of a full
+    tmpfs is a SIGBUS): every kept table, a key's four index words included, has it."""
+    core = KVCore(64 * MB, host_memory_dir=kept_dir)
+    put(core, part_of(core), keys_of(b"a" * 28, 10))
+    pages = core.cache.pages
+    tables = [(f"pages.{n}", getattr(pages, n)) for n in pages.kept_names]
+    tables += [(f"index.{n}", getattr(pages.index, n)) for n in ("words", "lens", "owner")]
+    assert 0 < pages.high <= pages._allocated
+    for name, table in tables:
+        per_id = table.nbytes // len(table)
+        taken = os.stat(os.path.join(kept_dir, name)).st_blocks * 512  # fallocated, written or not
+        assert taken >= pages._allocated * per_id, name
+    asyncio.run(core.close())
+
+
 def test_a_stopped_daemon_keeps_its_cache_and_the_next_adopts_it_again(kept_dir):
     keys = keys_of(b"k", 50)
     core = KVCore(64 * MB, host_memory_dir=kept_dir)
@@ -292,6 +325,25 @@ def test_files_of_another_format_or_shape_start_empty_and_say_why(kept_dir, capl
     assert core.recovery.reason == ""
 
 
+def test_the_files_of_an_earlier_format_are_removed_with_it(kept_dir):
+    """A directory of format 1 (a key in two word files, index.w0 and index.w1) is not adopted, and
+    the files this format no longer maps are removed: their memory goes back to tmpfs."""
+    in_child(store, kept_dir, keys_of(b"f", 10))
+    header = os.path.join(kept_dir, "format.json")
+    with open(header) as f:
+        shape = json.load(f)
+    with open(header, "w") as f:
+        json.dump({**shape, "format": 1}, f)
+    for name in ("index.w0", "index.w1"):
+        with open(os.path.join(kept_dir, name), "wb") as f:
+            f.write(os.urandom(1 << 16))
+    core = KVCore(64 * MB, host_memory_dir=kept_dir)
+    assert "format 1" in core.recovery.reason and core.recovery.adopted_pages == 0
+    assert not {"index.w0", "index.w1"} & set(os.listdir(kept_dir))
+    assert "index.words" in os.listdir(kept_dir)
+    asyncio.run(core.close())
+
+
 def test_a_truncated_file_is_started_over_and_the_daemon_serves(kept_dir, caplog):
     keys = keys_of(b"t", 10)
 
@@ -325,6 +377,27 @@ def test_records_that_disagree_are_dropped_and_the_rest_adopted(kept_dir):
     part = part_of(core, page_bytes=page)
     assert found(core, part, a)[0] == 0
     assert found(core, part, b) == (8, True)
+
+
+def test_an_entry_whose_words_run_past_its_key_is_not_adopted(kept_dir):
+    """Every key the index files is zero past its bytes (or past its digest, for a key over 32
+    bytes): an entry in the files that is not was written by something else, and its page is
+    dropped; the rest are adopted."""
+    short, k32, k48 = keys_of(b"s", 4), keys_of(b"x" * 28, 4), keys_of(b"y" * 44, 4)
+
+    in_child(store, kept_dir, short + k32 + k48)
+    words = np.memmap(os.path.join(kept_dir, "index.words"), dtype=np.uint8, mode="r+")
+    lens = np.memmap(os.path.join(kept_dir, "index.lens"), dtype=np.uint8, mode="r")
+    for length, byte in ((5, 5), (48, 16)):  # a short key's padding; a 48-byte key past its digest
+        entry = int(np.flatnonzero(lens == length)[0])
+        words[entry * 32 + byte] = 1
+    words.flush()
+    del words, lens
+    core = KVCore(64 * MB, host_memory_dir=kept_dir)
+    assert core.recovery.adopted_pages == 10 and core.recovery.dropped == 2
+    part = part_of(core)
+    assert found(core, part, k32) == (4, True)
+    assert sum(found(core, part, [k])[0] for k in short + k48) == 6
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="changing a directory's owner needs root")

@@ -104,7 +104,7 @@ def test_a_pin_runs_from_the_answer_not_from_the_lookups_first_step(small_steps)
 
 
 def test_wide_keys_are_digested_in_steps(monkeypatch):
-    """Keys wider than 16 bytes are kept as digests, one hash call each: a request of them is
+    """Keys wider than 32 bytes are kept as digests, one hash call each: a request of them is
     unpacked in steps (the event loop free between two), to the same keys as at once."""
     import kvserver.store.keys as keys_module
 

@@ -2,10 +2,10 @@
 
 A page is one part of one space (``kvserver.store.spaces``) under one key; every daemon of the
 cluster must name it alike, and no two different pages alike. A name is
-``kvs1/<tenant>/<part digest>/<key>``: the tenant as written (escaped), so that an operator can
+``kvs2/<tenant>/<part digest>/<key>``: the tenant as written (escaped), so that an operator can
 list and remove a tenant's objects; a 128-bit BLAKE2b digest of the part's full description (the
 space's fields, the weights' identity among them, the TP shard, PP stage, layer range and page
-bytes, in one canonical JSON form); and the key as the index keeps it: up to 16 bytes in hex, a
+bytes, in one canonical JSON form); and the key as the index keeps it: up to 32 bytes in hex, a
 wider key as its 16-byte digest, marked by its length. The names are built in the worker thread
 that makes the call, never on the event loop.
 
@@ -22,12 +22,14 @@ import numpy as np
 
 from kvserver.store import Keys, Part
 from kvserver.store.keep import space_json
+from kvserver.store.keys import DIGEST_BYTES, WORD_BYTES
 
-VERSION = "kvs1"  # a new layout of names (or of a page's bytes) takes a new version
+VERSION = "kvs2"  # a new layout of names (or of a page's bytes) takes a new version (2: keys
+# of 17 to 32 bytes named by their bytes, not their digest)
 
 
 def part_prefix(part: Part) -> str:
-    """``kvs1/<tenant>/<part digest>/``: what every page name of ``part`` starts with."""
+    """``kvs2/<tenant>/<part digest>/``: what every page name of ``part`` starts with."""
     k = part.key
     record = json.dumps({"space": space_json(part.space.key),
                          "part": [k.tp_shard, k.pp_rank, k.start_layer, k.end_layer, k.page_bytes]},
@@ -38,6 +40,7 @@ def part_prefix(part: Part) -> str:
 
 def names(prefix: str, keys: Keys) -> list[str]:
     """The cluster names of ``keys`` of the part whose prefix is ``prefix``."""
-    raw = keys.words.view(np.uint8).reshape(len(keys), 16)
-    return [prefix + (row[:n].tobytes().hex() if n <= 16 else f"{row.tobytes().hex()}.{n}")
+    raw = keys.words.view(np.uint8).reshape(len(keys), WORD_BYTES)
+    return [prefix + (row[:n].tobytes().hex() if n <= WORD_BYTES
+                      else f"{row[:DIGEST_BYTES].tobytes().hex()}.{n}")
             for row, n in zip(raw, keys.lens.tolist(), strict=True)]

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvserver.cluster.breaker import Breaker
-from kvserver.cluster.names import names, part_prefix
+from kvserver.cluster.names import VERSION, names, part_prefix
 from kvserver.cluster.store import NOT_FOUND, RPC_FAILED, RPC_TIMEOUT, JoinError, MooncakeClient
 from kvserver.cluster.threads import DaemonThreads
 from kvserver.config import format_size
@@ -50,7 +50,7 @@ MAX_QUEUED_SHARE = 0.25  # of host memory, at most, held by pages waiting to be 
 BATCH_BYTES = 16 << 20  # pages of one put call, at most
 MAX_COUNT_NAMES = 16384  # names one question asks about (all parts of a whole-space Lookup)
 QUARANTINE_SECONDS = 120.0  # a failed pull's pages stay unused this long (Mooncake waits 60 s)
-PROBE_NAME = "kvs1/.probe"
+PROBE_NAME = f"{VERSION}/.probe"
 JOIN_RETRY = 2.0  # seconds between two tries to join, doubled after a failed setup (up to a minute)
 _STORE_DOWN = (RPC_FAILED, RPC_TIMEOUT)
 

@@ -169,13 +169,21 @@ class CacheOps:
         tenant, client, key = self._target(req.client_id, req.space_id)
         if req.pin_ms > MAX_PIN_MS:
             raise InvalidArgument(f"pin_ms is {req.pin_ms}; at most {MAX_PIN_MS}")
-        keys = await in_steps(self.kv.share, Keys.unpack_steps(req.keys, req.key_bytes, self._max_keys))
-        target = self._lookup_target(client, key, req)
-        lower = None if req.memory_only else self.lower
-        found = await in_steps(self.kv.share, self.cache.lookup_steps(target, keys, req.pin_ms, lower))
-        if self.disk is not None:
-            self.disk.counters.hits += found.lower
-        if self.cluster is not None and not req.memory_only and found.pages < len(keys):
+        packed = self._lookup_packed(req, client, key)  # one compiled walk, where it can be
+        keys: Keys | None = None
+        if packed is not None:
+            found, target = packed
+        else:
+            keys = await in_steps(self.kv.share, Keys.unpack_steps(req.keys, req.key_bytes, self._max_keys))
+            target = self._lookup_target(client, key, req)
+            lower = None if req.memory_only else self.lower
+            found = await in_steps(self.kv.share, self.cache.lookup_steps(target, keys, req.pin_ms, lower))
+            if self.disk is not None:
+                self.disk.counters.hits += found.lower
+        asked = len(keys) if keys is not None else len(req.keys) // req.key_bytes
+        if self.cluster is not None and not req.memory_only and found.pages < asked:
+            if keys is None:
+                keys = Keys.unpack(req.keys, req.key_bytes, self._max_keys)
             # The rest of the prefix, from the cluster: one batched question, within its deadline.
             if isinstance(target, Part):
                 parts = [target]
@@ -208,6 +216,21 @@ class CacheOps:
                     pass
         return target
 
+    def _lookup_packed(self, req: pb.LookupRequest, client: ClientState | None,
+                       key: SpaceKey | None) -> tuple[Found, Part | Space] | None:
+        """A Lookup without a lease or a tier below, of at most a step of keys, for a part or a space
+        of one part, as one compiled walk from its packed keys (``KVCache.lookup_packed``: the same
+        hits, counters and touch as its steps): what it found, and its target. None where it is not
+        one, or where the keys' checks refuse it (the steps give the error)."""
+        key_bytes, packed = req.key_bytes, req.keys
+        if (req.pin_ms or (self.lower is not None and not req.memory_only)
+                or not 1 <= key_bytes <= MAX_KEY_BYTES or len(packed) % key_bytes
+                or len(packed) > STEP_KEYS * key_bytes or len(packed) // key_bytes > self._max_keys):
+            return None
+        target = self._lookup_target(client, key, req)
+        found = self.cache.lookup_packed(target, packed, key_bytes)
+        return None if found is None else (found, target)
+
     def lookup_now(self, req: pb.LookupRequest) -> Found | None:
         """``lookup`` all of it now, for a lane Lookup served without a task: the same checks and
         steps, run at once. None where it is not one that runs whole at once, or where the checks
@@ -221,12 +244,12 @@ class CacheOps:
             if (req.pin_ms > MAX_PIN_MS or not 1 <= key_bytes <= MAX_KEY_BYTES or len(packed) % key_bytes
                     or len(packed) // key_bytes > self._max_keys):
                 return None  # (lookup words it)
-            target = self._lookup_target(client, key, req)
-            lower = None if req.memory_only else self.lower
-            found = None
-            if not req.pin_ms and lower is None:  # no lease, no tier below: one compiled walk
-                found = self.cache.lookup_packed(target, packed, key_bytes)
-            if found is None:
+            done = self._lookup_packed(req, client, key)
+            if done is not None:
+                found = done[0]
+            else:
+                target = self._lookup_target(client, key, req)
+                lower = None if req.memory_only else self.lower
                 keys = Keys.unpack(packed, key_bytes, self._max_keys)
                 found = run_steps(self.cache.lookup_steps(target, keys, req.pin_ms, lower))
         except KVError:

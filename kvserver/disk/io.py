@@ -41,10 +41,14 @@ for _name in ("pread", "pwrite"):
     _fn.restype = ctypes.c_ssize_t
 
 
-def seeds(w0: np.ndarray, w1: np.ndarray, lens: np.ndarray, part: int) -> np.ndarray:
-    """Each page's check seed: its key (two words and a length) and its part's number, mixed."""
+def seeds(words: np.ndarray, lens: np.ndarray, part: int) -> np.ndarray:
+    """Each page's check seed: its key (its words, (n, 4), and its length) and its part's number,
+    mixed."""
     with np.errstate(over="ignore"):
-        h = (w0.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) ^ w1.astype(np.uint64)
+        w = words.astype(np.uint64)
+        h = (w[:, 0] * np.uint64(0x9E3779B97F4A7C15)) ^ w[:, 1]
+        h = (h * np.uint64(0x9E3779B97F4A7C15)) ^ w[:, 2]
+        h = (h * np.uint64(0x9E3779B97F4A7C15)) ^ w[:, 3]
         h ^= (lens.astype(np.uint64) << np.uint64(56)) ^ (np.uint64(part) * np.uint64(0xC2B2AE3D27D4EB4F))
         h ^= h >> np.uint64(29)
         h *= np.uint64(0xBF58476D1CE4E5B9)

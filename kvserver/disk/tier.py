@@ -317,8 +317,7 @@ class DiskTier:
             return None
         src = ids[plan.positions]
         nbytes = part.key.page_bytes
-        seed = io.seeds(keys.words[plan.positions, 0], keys.words[plan.positions, 1],
-                        keys.lens[plan.positions], mine.gid)
+        seed = io.seeds(keys.words[plan.positions], keys.lens[plan.positions], mine.gid)
         fd, direct, base = self.arena.fd, self.arena.direct_fd, self._base()
         host_off, disk_off = self.host.pages.offset[src], plan.offsets
 
@@ -401,8 +400,7 @@ class DiskTier:
             raise RuntimeError("the disk cache is closing")
         ids = plan.page_ids[positions]
         nbytes = plan.part.key.page_bytes
-        seed = io.seeds(keys.words[positions, 0], keys.words[positions, 1], keys.lens[positions],
-                        plan.part.gid)
+        seed = io.seeds(keys.words[positions], keys.lens[positions], plan.part.gid)
         fd, direct, base = self.arena.fd, self.arena.direct_fd, self._base()
         disk_off, expected = self.cache.pages.offset[ids], self.cache.pages.sum[ids].copy()
 

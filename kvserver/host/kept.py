@@ -37,7 +37,10 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1  # bumped whenever a kept file's meaning changes
+FORMAT = 2  # bumped whenever a kept file's meaning changes (2: keys of up to 32 bytes kept whole)
+# Files an earlier format kept that this one no longer maps: removed with what is not adopted, so
+# that their memory (tmpfs) or disk goes back (format 1 kept a key in two word files).
+RETIRED = ("index.w0", "index.w1")
 HEADER = "format.json"
 NOTHING = "no kept cache was found"
 LOCK = "lock"
@@ -133,6 +136,7 @@ class KeptDir:
             self.found = self.reason != NOTHING  # there was a kept cache, adopted or not
             if not self.adopting:
                 self._remove(HEADER)  # first: a kill from here on leaves nothing to adopt
+                self._remove_retired()
         except BaseException:
             self.close()
             raise
@@ -146,6 +150,7 @@ class KeptDir:
         again) and starts as if the directory held nothing."""
         self.unseal()
         self._unmap()
+        self._remove_retired()
         self.adopting, self.reason = False, reason
 
     # Files
@@ -164,6 +169,10 @@ class KeptDir:
             os.unlink(name, dir_fd=self._dir)
         except FileNotFoundError:
             pass
+
+    def _remove_retired(self) -> None:
+        for name in RETIRED:
+            self._remove(name)
 
     def _read_header(self) -> tuple[bool, str]:
         try:

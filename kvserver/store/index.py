@@ -1,8 +1,9 @@
 """A compact hash index of keys, held in numpy arrays: (owner, key) -> entry id.
 
-Entries are numbered by their user (the cache numbers them by page id); each holds its key's two
-words, its length, its owner (a part or a space) and the next entry of its bucket's chain, 25 bytes
-in all, and the buckets hold one int32 for every two entries. No Python object is kept per key.
+Entries are numbered by their user (the cache numbers them by page id); each holds its key's four
+words (``keys.WORDS``), its length, its owner (a part or a space) and the next entry of its
+bucket's chain, 41 bytes in all, and the buckets hold one int32 for every two entries. No Python
+object is kept per key.
 
 Every call costs work in proportion to the keys it names, never to the index's size:
 - lookups walk the chains of all the keys at once, one numpy step per chain link; chains stay short
@@ -27,7 +28,7 @@ import secrets
 import numpy as np
 
 from kvserver.host.kept import KeptDir
-from kvserver.store.keys import Keys
+from kvserver.store.keys import WORDS, Keys
 from kvserver.store.lazy import lazy_zeros
 
 try:
@@ -37,8 +38,8 @@ except ImportError:  # built without a compiler: the numpy walk
 
 LOAD = 2  # entries per bucket, on average, before a bucket splits
 _FIRST_BUCKETS = 64
-KEPT = ("w0", "w1", "lens", "owner")  # the tables a kept index keeps in files
-BYTES_PER_ENTRY = 8 + 8 + 1 + 4 + 4 + 4 * 2 // LOAD  # words, length, owner, chain; buckets (at most 2x)
+KEPT = ("words", "lens", "owner")  # the tables a kept index keeps in files
+BYTES_PER_ENTRY = 8 * WORDS + 1 + 4 + 4 + 4 * 2 // LOAD  # words, length, owner, chain; buckets (at most 2x)
 
 _M1 = np.uint64(0xFF51AFD7ED558CCD)
 _M2 = np.uint64(0xC4CEB9FE1A85EC53)
@@ -48,12 +49,12 @@ class KeyIndex:
     def __init__(self, capacity: int = 1024, kept: KeptDir | None = None) -> None:
         # Sized for ``capacity`` entries at once, committed as used (``lazy_zeros``): no call ever
         # copies the index to grow it. ``kept``: the entries (not the chains) are kept in its files,
-        # "index.w0" and so on (KEPT), so that a restarted daemon finds its keys again.
-        def table(name: str, dtype: type) -> np.ndarray:
-            return kept.array(f"index.{name}", capacity, dtype) if kept else lazy_zeros(capacity, dtype)
+        # "index.words" and so on (KEPT), so that a restarted daemon finds its keys again.
+        def table(name: str, dtype: type, per: int = 1) -> np.ndarray:
+            n = capacity * per
+            return kept.array(f"index.{name}", n, dtype) if kept else lazy_zeros(n, dtype)
 
-        self.w0 = table("w0", np.uint64)
-        self.w1 = table("w1", np.uint64)
+        self.words = table("words", np.uint64, WORDS).reshape(capacity, WORDS)
         self.lens = table("lens", np.uint8)
         self.owner = table("owner", np.int32)
         self.next = lazy_zeros(capacity, np.int32)
@@ -63,23 +64,30 @@ class KeyIndex:
         self.level = _FIRST_BUCKETS  # buckets at the start of this round of splits (a power of 2)
         self.split = 0  # buckets of this round split so far
         self.count = 0
-        seeds = np.frombuffer(secrets.token_bytes(24), np.uint64)
-        self._s0, self._s1, self._s2 = seeds[0], seeds[1], seeds[2] | np.uint64(1)
+        seeds = np.frombuffer(secrets.token_bytes(40), np.uint64).copy()
+        seeds[4] |= np.uint64(1)
+        self._seeds = seeds  # w0..w3's and the (owner, length) multiplier, odd
+        self._seed_ints = tuple(int(x) for x in seeds)
         self._c = _kvindex  # None: every call in numpy (a build without a compiler; tests)
 
     def tables(self) -> tuple:
         """The tables and state the compiled calls take after their first argument(s)."""
-        return (self.w0, self.w1, self.lens, self.owner, self.next, self.head, self.buckets, self.level,
-                self.split, int(self._s0), int(self._s1), int(self._s2))
+        return (self.words, self.lens, self.owner, self.next, self.head, self.buckets, self.level,
+                self.split, self._seed_ints)
 
     # Hashing and addressing
 
-    def _hash(self, w0: np.ndarray, w1: np.ndarray, lens: np.ndarray, owner: np.ndarray) -> np.ndarray:
-        h = (w0 ^ self._s0) * _M1
+    def _hash(self, words: np.ndarray, lens: np.ndarray, owner: np.ndarray) -> np.ndarray:
+        s = self._seeds
+        h = (words[:, 0] ^ s[0]) * _M1
         h ^= h >> np.uint64(31)
-        h += (w1 ^ self._s1) * _M2
+        h += (words[:, 1] ^ s[1]) * _M2
         h ^= h >> np.uint64(29)
-        h += (owner.astype(np.uint64) << np.uint64(8) | lens.astype(np.uint64)) * self._s2
+        h += (words[:, 2] ^ s[2]) * _M1
+        h ^= h >> np.uint64(31)
+        h += (words[:, 3] ^ s[3]) * _M2
+        h ^= h >> np.uint64(29)
+        h += (owner.astype(np.uint64) << np.uint64(8) | lens.astype(np.uint64)) * s[4]
         h ^= h >> np.uint64(32)
         h *= _M1
         h ^= h >> np.uint64(33)
@@ -93,7 +101,7 @@ class KeyIndex:
         return b.astype(np.int64)
 
     def _buckets_of(self, ids: np.ndarray) -> np.ndarray:
-        return self._bucket(self._hash(self.w0[ids], self.w1[ids], self.lens[ids], self.owner[ids]))
+        return self._bucket(self._hash(self.words[ids], self.lens[ids], self.owner[ids]))
 
     # Lookups
 
@@ -106,8 +114,7 @@ class KeyIndex:
             return self.find_arrays(owner, keys)
         out = np.empty(n, np.int64)
         self._c.find(out, np.ascontiguousarray(keys.words), np.ascontiguousarray(keys.lens), owner,
-                      self.w0, self.w1, self.lens, self.owner, self.next, self.head, self.buckets,
-                      self.level, self.split, int(self._s0), int(self._s1), int(self._s2))
+                      *self.tables())
         return out
 
     def find_arrays(self, owner: int, keys: Keys) -> np.ndarray:
@@ -116,21 +123,21 @@ class KeyIndex:
         out = np.full(n, -1, np.int64)
         if not n or not self.count:
             return out
-        w0, w1, lens = keys.words[:, 0], keys.words[:, 1], keys.lens
-        cur = self.head[self._bucket(self._hash(w0, w1, lens, np.full(n, owner, np.int32)))].astype(np.int64)
+        words, lens = keys.words, keys.lens
+        cur = self.head[self._bucket(self._hash(words, lens, np.full(n, owner, np.int32)))].astype(np.int64)
         pos = np.arange(n)
         while True:
             live = cur >= 0
             pos, cur = pos[live], cur[live]
             if not len(cur):
                 return out
-            hit = ((self.w0[cur] == w0[pos]) & (self.w1[cur] == w1[pos]) & (self.lens[cur] == lens[pos])
+            hit = ((self.words[cur] == words[pos]).all(axis=1) & (self.lens[cur] == lens[pos])
                    & (self.owner[cur] == owner))
             out[pos[hit]] = cur[hit]
             pos, cur = pos[~hit], self.next[cur[~hit]].astype(np.int64)
 
     def keys_of(self, ids: np.ndarray) -> Keys:
-        return Keys(np.stack([self.w0[ids], self.w1[ids]], axis=1), self.lens[ids])
+        return Keys(self.words[ids], self.lens[ids])
 
     # Changes
 
@@ -139,7 +146,7 @@ class KeyIndex:
         and absent for their owner."""
         if not len(ids):
             return
-        self.w0[ids], self.w1[ids], self.lens[ids] = keys.words[:, 0], keys.words[:, 1], keys.lens
+        self.words[ids], self.lens[ids] = keys.words, keys.lens
         self.owner[ids] = owner
         self.count += len(ids)
         if self._c is not None:

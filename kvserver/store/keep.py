@@ -35,7 +35,7 @@ from kvserver.errors import KVError, NoCapacity
 from kvserver.host.arena import REGION_ALIGN
 from kvserver.host.kept import KeptDir
 from kvserver.protocol.layout import KVLayout
-from kvserver.store.keys import MAX_KEY_BYTES
+from kvserver.store.keys import DIGEST_BYTES, MAX_KEY_BYTES, WORD_BYTES
 from kvserver.store.pages import COMMITTED, MAX_SLAB_PAGES, MIN_PAGE_BYTES, UNUSED, WRITING, max_pages
 from kvserver.store.spaces import Part, PartKey, SpaceKey
 
@@ -205,6 +205,23 @@ def _sane_slabs(keep: Keep, capacity: int) -> np.ndarray:
     return sids[~overlap]
 
 
+def _padded(words: np.ndarray, ids: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Whether each entry's key words are zero past its key (up to 32 bytes) or past its digest
+    (a wider key), as every key the index files is: an entry that is not was not written by a
+    daemon, and is not adopted (another key's page could otherwise pass for it). In chunks: a few
+    MiB of temporaries at a time, whatever the table."""
+    out = np.empty(len(ids), bool)
+    col = np.arange(WORD_BYTES)
+    for start in range(0, len(ids), 1 << 16):
+        at = ids[start : start + (1 << 16)]
+        n = lens[start : start + (1 << 16)].astype(np.int64)
+        used = np.where(n > WORD_BYTES, DIGEST_BYTES, n)
+        rows = words[at].view(np.uint8).reshape(len(at), WORD_BYTES)
+        out[start : start + len(at)] = ~((rows != 0) & (col >= used[:, None])).any(axis=1)
+    return out
+
+
+
 def _adopt(cache: Any, keep: Keep, rec: Recovery) -> None:
     p, slabs, arena = cache.pages, keep.slabs, cache.arena
     top = min(p.size, keep.kept.extent("pages.state"))
@@ -242,7 +259,7 @@ def _adopt(cache: Any, keep: Keep, rec: Recovery) -> None:
     cids, csid = ids[com], sid_of[com]
     owners, lens = p.index.owner[cids].astype(np.int64), p.index.lens[cids]
     at = np.minimum(np.searchsorted(gids, owners), max(len(gids) - 1, 0))
-    good = (lens >= 1) & (lens <= MAX_KEY_BYTES)
+    good = (lens >= 1) & (lens <= MAX_KEY_BYTES) & _padded(p.index.words, cids, lens)
     if len(gids):
         good &= (gids[at] == owners) & (part_bytes[at] == slabs["page_bytes"][csid])
     else:
@@ -254,13 +271,13 @@ def _adopt(cache: Any, keep: Keep, rec: Recovery) -> None:
     good &= ~np.isin(csid, mixed)
     # One page per key of a part (the index's invariant): later duplicates go.
     g = np.flatnonzero(good)
-    w0, w1 = p.index.w0[cids[g]], p.index.w1[cids[g]]
-    order = np.lexsort((lens[g], w1, w0, owners[g]))
+    words = p.index.words[cids[g]]
+    order = np.lexsort((lens[g], *(words[:, i] for i in range(words.shape[1] - 1, -1, -1)), owners[g]))
     same = np.zeros(len(g), bool)
     if len(g) > 1:
         o = order
-        same[o[1:]] = ((owners[g][o[1:]] == owners[g][o[:-1]]) & (w0[o[1:]] == w0[o[:-1]])
-                       & (w1[o[1:]] == w1[o[:-1]]) & (lens[g][o[1:]] == lens[g][o[:-1]]))
+        same[o[1:]] = ((owners[g][o[1:]] == owners[g][o[:-1]]) & (words[o[1:]] == words[o[:-1]]).all(axis=1)
+                       & (lens[g][o[1:]] == lens[g][o[:-1]]))
     good[g[same]] = False
     # The parts of the pages left, under their numbers (parts without pages are forgotten).
     parts, lines = {}, []

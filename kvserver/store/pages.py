@@ -80,7 +80,7 @@ class PageTable:
                     else lazy_zeros(capacity if sums else 1, np.uint32))
         self.index = KeyIndex(capacity, kept)
         self._c = _kvindex  # hold and touch in C; None: in numpy (a build without a compiler; tests)
-        # The bytes of keys wider than 16 bytes (the index keeps their digest), for KV events:
+        # The bytes of keys wider than 32 bytes (the index keeps their digest), for KV events:
         # committed as written, 64 bytes a page that has such a key; not kept across restarts.
         self.wide = lazy_zeros(capacity * MAX_KEY_BYTES, np.uint8).reshape(capacity, MAX_KEY_BYTES)
         if kept is not None and not self._allocate_range(capacity - 1, capacity):
@@ -114,7 +114,7 @@ class PageTable:
         tables = [(f"pages.{n}", getattr(self, n)) for n in self.kept_names]
         tables += [(f"index.{n}", getattr(self.index, n)) for n in INDEX_KEPT]
         for name, table in tables:
-            size = table.itemsize
+            size = table.nbytes // len(table)  # bytes an id: a key's words are a row of four
             if not self.kept.allocate(name, start * size, (end - start) * size):
                 return False
         return True

@@ -7,6 +7,7 @@
  * entry holding exactly the key asked for; on a table that is not corrupt, the walk finds every
  * filed entry and nothing else. A corrupt case may also give the walk fewer buckets than the
  * table's (a copy of the heads of exactly that many), so that a bucket past them is never read.
+ * The batched walk (kv_index_find, its reads overlapped across keys) must give find_one's answers.
  * The expected answers are filed with the walk's own hash: that it is the numpy index's hash is
  * tests/test_store_index.py's to check.
  *
@@ -17,6 +18,9 @@
  *
  * The same input also drives the changes (inserts, removals, splits: check_changes below) on
  * exact-size tables, against a model of which entries are live.
+ *
+ * The same input also names a request's keys (up to 70, of 1 to 64 bytes): kv_keys_words gives each
+ * whole and zero-padded up to 32 bytes, else its digest zero-padded.
  *
  * The same input also names a batch of wide keys (up to 19, of 1 to 128 bytes: digest.h): each path
  * this CPU has (scalar, AVX2, AVX-512) digests them from an exact-size copy into an exact-size
@@ -48,6 +52,15 @@ static uint64_t take(input *in, int bytes) {
     return v;
 }
 
+/* A key of the small alphabet the tables are filled from (so that keys collide), its four words
+ * from one byte: every word takes part, the third and fourth as a 32-byte key's would. */
+static void alphabet_key(uint64_t k, uint64_t w[KV_KEY_WORDS]) {
+    w[0] = k % 7;
+    w[1] = (k >> 3) % 3;
+    w[2] = (k >> 5) & 1;
+    w[3] = (k >> 6) & 1;
+}
+
 /* hit.h's walk over the index `ix`, for keys of one length from the entries' alphabet. */
 static void check_hit(const kv_index *ix, input *in) {
     int64_t npages = (int64_t)(take(in, 1) % (uint64_t)(ix->cap + 2)), nslabs = (int64_t)(take(in, 1) % 5);
@@ -64,19 +77,16 @@ static void check_hit(const kv_index *ix, input *in) {
     int64_t n = (int64_t)(take(in, 1) % 9);
     uint8_t len = (uint8_t)(1 + take(in, 1) % 3 * 21);
     int32_t o = (int32_t)(take(in, 1) % 3);
-    uint64_t *words = malloc(16 * (n ? n : 1));
+    uint64_t *words = malloc(8 * KV_KEY_WORDS * (n ? n : 1));
     int64_t *ids = malloc(8 * (n ? n : 1)), *offs = malloc(8 * (n ? n : 1));
-    for (int64_t k = 0; k < n; k++) {
-        uint64_t v = take(in, 1);
-        words[2 * k] = v % 7;
-        words[2 * k + 1] = (v >> 3) % 3;
-    }
+    for (int64_t k = 0; k < n; k++)
+        alphabet_key(take(in, 1), words + KV_KEY_WORDS * k);
     int64_t m = kv_hit_prefix(ix, &pg, words, len, n, o, ids, offs);
     if (m < -1 || m > n)
         abort();
     int64_t want = n, bad = 0;  /* the same walk, key by key */
     for (int64_t k = 0; k < n; k++) {
-        int64_t id = kv_index_find_one(ix, words[2 * k], words[2 * k + 1], len, o);
+        int64_t id = kv_index_find_one(ix, words + KV_KEY_WORDS * k, len, o);
         if (id < 0) {
             want = k;
             break;
@@ -104,29 +114,29 @@ static void check_one(const uint8_t *data, size_t size) {
     uint64_t split = take(&in, 1) % (level + 1);
     int corrupt = (int)(take(&in, 1) & 1);
     int64_t nhead = (int64_t)(level + split);
-    uint64_t *w0 = malloc(8 * cap), *w1 = malloc(8 * cap);
+    uint64_t *words = malloc(8 * KV_KEY_WORDS * cap);
     uint8_t *lens = malloc(cap);
     int32_t *owner = malloc(4 * cap), *next = malloc(4 * cap), *head = malloc(4 * nhead);
     uint8_t *filed = calloc(cap, 1);
-    kv_index ix = {w0, w1, lens, owner, next, head, cap, nhead, level, split,
-                   take(&in, 8), take(&in, 8), take(&in, 8) | 1};
+    kv_index ix = {words, lens, owner, next, head, cap, nhead, level, split,
+                   {take(&in, 8), take(&in, 8), take(&in, 8), take(&in, 8), take(&in, 8) | 1}};
     for (int64_t b = 0; b < nhead; b++)
         head[b] = -1;
     for (int64_t i = 0; i < cap; i++) {
-        uint64_t k = take(&in, 1);
-        w0[i] = k % 7;
-        w1[i] = (k >> 3) % 3;
-        lens[i] = (uint8_t)(1 + (k >> 5) % 3 * 21);
+        uint64_t k = take(&in, 1), *wi = words + KV_KEY_WORDS * i;
+        alphabet_key(k, wi);
+        lens[i] = (uint8_t)(1 + take(&in, 1) % 3 * 21);
         owner[i] = (int32_t)(take(&in, 1) % 3);
         next[i] = -1;
         int dup = 0;  /* the index files a key once per owner */
         for (int64_t j = 0; j < i; j++)
-            dup |= filed[j] && w0[j] == w0[i] && w1[j] == w1[i] && lens[j] == lens[i] && owner[j] == owner[i];
+            dup |= filed[j] && kv_same_key(words + KV_KEY_WORDS * j, wi) && lens[j] == lens[i] &&
+                   owner[j] == owner[i];
         if (dup) {
             owner[i] = -1;  /* as a removed entry: its owner is -1 */
             continue;
         }
-        int64_t b = kv_index_bucket(&ix, kv_index_hash(&ix, w0[i], w1[i], lens[i], owner[i]));
+        int64_t b = kv_index_bucket(&ix, kv_index_hash(ix.s, wi, lens[i], owner[i]));
         if (b >= nhead)
             abort();  /* a filed key's bucket is always one in use */
         next[i] = head[b];
@@ -151,19 +161,45 @@ static void check_one(const uint8_t *data, size_t size) {
             ix.head = heads;
         }
     }
+    /* The batched walk (kv_index_find: reads overlapped across keys) answers as find_one does, with
+     * a length per key and with one length for all. */
+    int64_t nq = cap + 8;
+    uint64_t *qwords = malloc(8 * KV_KEY_WORDS * nq);
+    uint8_t *qlens = malloc(nq);
+    int64_t *qout = malloc(8 * nq), *qsame = malloc(8 * nq);
+    for (int64_t i = 0; i < nq; i++) {
+        if (i < cap)
+            memcpy(qwords + KV_KEY_WORDS * i, words + KV_KEY_WORDS * i, 8 * KV_KEY_WORDS);
+        else
+            alphabet_key((uint64_t)i * 37, qwords + KV_KEY_WORDS * i);
+        qlens[i] = i < cap ? lens[i] : 1;
+    }
+    for (int32_t o = 0; o < 3; o++) {
+        kv_index_find(&ix, qwords, qlens, 0, nq, o, qout);
+        kv_index_find(&ix, qwords, NULL, 22, nq, o, qsame);
+        for (int64_t i = 0; i < nq; i++)
+            if (qout[i] != kv_index_find_one(&ix, qwords + KV_KEY_WORDS * i, qlens[i], o) ||
+                qsame[i] != kv_index_find_one(&ix, qwords + KV_KEY_WORDS * i, 22, o))
+                abort();
+    }
+    free(qwords), free(qlens), free(qout), free(qsame);
     for (int64_t i = 0; i < cap + 8; i++) {
         /* Every entry's key, under its owner and another, and keys of the alphabet beyond them. */
-        uint64_t a = i < cap ? w0[i] : (uint64_t)i % 7, c = i < cap ? w1[i] : (uint64_t)i % 3;
+        uint64_t key[KV_KEY_WORDS];
+        if (i < cap)
+            memcpy(key, words + KV_KEY_WORDS * i, sizeof key);
+        else
+            alphabet_key((uint64_t)i * 37, key);
         uint8_t len = i < cap ? lens[i] : 1;
         for (int32_t o = 0; o < 3; o++) {
-            int64_t got = kv_index_find_one(&ix, a, c, len, o);
-            if (got != -1 && (got < 0 || got >= cap || w0[got] != a || w1[got] != c || lens[got] != len ||
-                              owner[got] != o))
+            int64_t got = kv_index_find_one(&ix, key, len, o);
+            if (got != -1 && (got < 0 || got >= cap || !kv_same_key(words + KV_KEY_WORDS * got, key) ||
+                              lens[got] != len || owner[got] != o))
                 abort();
             if (!corrupt) {
                 int64_t want = -1;
                 for (int64_t j = 0; j < cap; j++)
-                    if (filed[j] && w0[j] == a && w1[j] == c && lens[j] == len && owner[j] == o)
+                    if (filed[j] && kv_same_key(words + KV_KEY_WORDS * j, key) && lens[j] == len && owner[j] == o)
                         want = j;
                 if (got != want)
                     abort();
@@ -175,7 +211,7 @@ static void check_one(const uint8_t *data, size_t size) {
     check_hit(&ix, &hit_in);
     if (heads != head)
         free(heads);
-    free(w0), free(w1), free(lens), free(owner), free(next), free(head), free(filed);
+    free(words), free(lens), free(owner), free(next), free(head), free(filed);
 }
 
 /* The changes (index.h's link, unlink and split): from the input's bytes, a sequence of inserts and
@@ -191,7 +227,7 @@ static void check_changes(const uint8_t *data, size_t size) {
     int64_t first = 1 + (int64_t)(take(&in, 1) % 4); /* a power of two: 1, 2, 4 or 8 buckets */
     first = 1LL << (first - 1);
     int64_t head_cap = first + cap / load + 1 - (int64_t)(take(&in, 1) % 2);
-    uint64_t *w0 = calloc(cap, 8), *w1 = calloc(cap, 8);
+    uint64_t *words = calloc(cap, 8 * KV_KEY_WORDS);
     uint8_t *lens = calloc(cap, 1);
     int32_t *owner = malloc(4 * cap), *next = malloc(4 * cap), *head = malloc(4 * head_cap);
     uint8_t *live = calloc(cap, 1);
@@ -200,8 +236,8 @@ static void check_changes(const uint8_t *data, size_t size) {
         owner[i] = -1, next[i] = -1;
     for (int64_t b = 0; b < head_cap; b++)
         head[b] = -1;
-    kv_index_rw w = {w0, w1, lens, owner, next, head, cap, first, head_cap, (uint64_t)first, 0,
-                     take(&in, 8), take(&in, 8), take(&in, 8) | 1};
+    kv_index_rw w = {words, lens, owner, next, head, cap, first, head_cap, (uint64_t)first, 0,
+                     {take(&in, 8), take(&in, 8), take(&in, 8), take(&in, 8), take(&in, 8) | 1}};
     while (in.left >= 2) {
         int64_t id = (int64_t)(take(&in, 1) % (uint64_t)cap);
         uint64_t k = take(&in, 1);
@@ -211,11 +247,14 @@ static void check_changes(const uint8_t *data, size_t size) {
             live[id] = 0;
             count--;
         } else {
-            w0[id] = k % 5, w1[id] = (k >> 3) % 2, lens[id] = (uint8_t)(1 + (k >> 4) % 2 * 15);
+            uint64_t *wi = words + KV_KEY_WORDS * id;
+            alphabet_key(k, wi);
+            lens[id] = (uint8_t)(1 + (k >> 4) % 2 * 15);
             owner[id] = (int32_t)((k >> 5) % 3);
             int dup = 0; /* a key is filed once per owner */
             for (int64_t j = 0; j < cap; j++)
-                dup |= live[j] && w0[j] == w0[id] && w1[j] == w1[id] && lens[j] == lens[id] && owner[j] == owner[id];
+                dup |= live[j] && kv_same_key(words + KV_KEY_WORDS * j, wi) && lens[j] == lens[id] &&
+                       owner[j] == owner[id];
             if (dup) {
                 owner[id] = -1;
                 continue;
@@ -249,12 +288,12 @@ static void check_changes(const uint8_t *data, size_t size) {
         free(seen);
         kv_index r = kv_index_ro(&w);
         for (int64_t i = 0; i < cap; i++) {
-            int64_t got = kv_index_find_one(&r, w0[i], w1[i], lens[i], owner[i] < 0 ? 0 : owner[i]);
+            int64_t got = kv_index_find_one(&r, words + KV_KEY_WORDS * i, lens[i], owner[i] < 0 ? 0 : owner[i]);
             if (live[i] ? got != i : (got >= 0 && !live[got]))
                 abort();
         }
     }
-    free(w0), free(w1), free(lens), free(owner), free(next), free(head), free(live);
+    free(words), free(lens), free(owner), free(next), free(head), free(live);
 }
 
 static void check_digests(const uint8_t *data, size_t size) {
@@ -277,10 +316,34 @@ static void check_digests(const uint8_t *data, size_t size) {
     free(keys), free(want), free(got);
 }
 
+/* A request's keys as the index keeps them (hit.h's kv_keys_words), up to 70 keys of 1 to 64
+ * bytes (more than one block of digests), from an exact-size copy into an exact-size output: each
+ * key whole and zero-padded up to 32 bytes, else its digest (one key at a time) zero-padded. */
+static void check_words(const uint8_t *data, size_t size) {
+    input in = {data, size};
+    int64_t len = 1 + (int64_t)(take(&in, 1) % 64), n = (int64_t)(take(&in, 1) % 71);
+    uint8_t *keys = malloc(n * len > 0 ? (size_t)(n * len) : 1);
+    for (int64_t i = 0; i < n * len; i++)
+        keys[i] = (uint8_t)take(&in, 1);
+    uint64_t *words = malloc(n ? (size_t)n * KV_WORD_BYTES : 1);
+    kv_keys_words(keys, len, n, words);
+    for (int64_t k = 0; k < n; k++) {
+        uint8_t want[KV_WORD_BYTES] = {0};
+        if (len <= KV_WORD_BYTES)
+            memcpy(want, keys + k * len, (size_t)len);
+        else
+            kv_digests(keys + k * len, (size_t)len, 1, want, 1);
+        if (memcmp(want, words + KV_KEY_WORDS * k, KV_WORD_BYTES))
+            abort();
+    }
+    free(keys), free(words);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     check_one(data, size);
     check_changes(data, size);
     check_digests(data, size);
+    check_words(data, size);
     return 0;
 }
 
@@ -303,6 +366,7 @@ int main(int argc, char **argv) {
             check_one(exact, len);
             check_changes(exact, len);
             check_digests(exact, len);
+            check_words(exact, len);
             free(exact);
             runs++;
         }

@@ -1,4 +1,4 @@
-/* The digest a wide cache key (17 to 64 bytes) is kept as: BLAKE2b (RFC 7693) with a 16-byte
+/* The digest a wide cache key (33 to 64 bytes) is kept as: BLAKE2b (RFC 7693) with a 16-byte
  * output, no key, and the personalization "kvserver-key", the same bytes as Python's
  * hashlib.blake2b(key, digest_size=16, person=b"kvserver-key") (kvserver/store/keys.py).
  *

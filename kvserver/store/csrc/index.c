@@ -1,8 +1,10 @@
 /* kvserver.store._kvindex: the key index's lookups and changes in C (index.h), called by
- * KeyIndex.find, insert and remove with the index's own arrays, the digests of wide keys
- * (digest.h), called by Keys.unpack, the page table's hold and touch (PageTable's), and a Get's
- * hit from its packed keys to its held pages in one call (hit.h, PageTable.hold_hit). Every array is taken through the buffer protocol, its type,
- * alignment and length checked against the others before a key is read or an entry changed. */
+ * KeyIndex.find, insert and remove with the index's own arrays; a request's keys as the index
+ * keeps them (hit.h's kv_keys_words: padded, or past 32 bytes digested as digest.h does), called
+ * by Keys.unpack; the digests alone (for tests); the page table's hold and touch (PageTable's);
+ * and a Get's hit from its packed keys to its held pages in one call (hit.h,
+ * PageTable.hold_hit). Every array is taken through the buffer protocol, its type, alignment and
+ * length checked against the others before a key is read or an entry changed. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -40,76 +42,76 @@ static int take(PyObject *obj, view *out, char kind, Py_ssize_t itemsize, int wr
     return 1;
 }
 
-/* find(out, words, lens, owner, w0, w1, elens, eowner, next, head, nhead, level, split, s0, s1, s2)
- *   out: int64[n] (written), words: uint64[n, 2], lens: uint8[n]: the keys asked about;
- *   w0, w1: uint64[cap], elens: uint8[cap], eowner, next: int32[cap], head: int32[>= nhead]:
- *   the index's tables; level, split: its linear-hashing state; s0, s1, s2: its seeds. */
+/* find(out, words, lens, owner, ewords, elens, eowner, next, head, nhead, level, split, seeds)
+ *   out: int64[n] (written), words: uint64[n, KV_KEY_WORDS], lens: uint8[n]: the keys asked about;
+ *   ewords: uint64[cap, KV_KEY_WORDS], elens: uint8[cap], eowner, next: int32[cap], head:
+ *   int32[>= nhead]: the index's tables; level, split: its linear-hashing state; seeds: its five
+ *   hash seeds (a tuple). */
 static PyObject *find(PyObject *self, PyObject *args) {
-    PyObject *objs[9];
+    PyObject *objs[8];
     int owner;
     Py_ssize_t nhead;
-    unsigned long long level, split, s0, s1, s2;
-    if (!PyArg_ParseTuple(args, "OOOiOOOOOOnKKKKK", &objs[0], &objs[1], &objs[2], &owner, &objs[3],
-                          &objs[4], &objs[5], &objs[6], &objs[7], &objs[8], &nhead, &level, &split, &s0,
-                          &s1, &s2))
+    unsigned long long level, split, s[5];
+    if (!PyArg_ParseTuple(args, "OOOiOOOOOnKK(KKKKK)", &objs[0], &objs[1], &objs[2], &owner, &objs[3],
+                          &objs[4], &objs[5], &objs[6], &objs[7], &nhead, &level, &split, &s[0], &s[1],
+                          &s[2], &s[3], &s[4]))
         return NULL;
-    static const Py_ssize_t size[9] = {8, 8, 1, 8, 8, 1, 4, 4, 4};
-    static const char kind[9] = {'i', 'u', 'u', 'u', 'u', 'u', 'i', 'i', 'i'};
-    static const char *names[9] = {"out", "words", "lens", "w0", "w1", "elens", "eowner", "next", "head"};
-    view v[9] = {{{0}}};
+    static const Py_ssize_t size[8] = {8, 8, 1, 8, 1, 4, 4, 4};
+    static const char kind[8] = {'i', 'u', 'u', 'u', 'u', 'i', 'i', 'i'};
+    static const char *names[8] = {"out", "words", "lens", "ewords", "elens", "eowner", "next", "head"};
+    view v[8] = {{{0}}};
     PyObject *result = NULL;
-    for (int i = 0; i < 9; i++)
+    for (int i = 0; i < 8; i++)
         if (!take(objs[i], &v[i], kind[i], size[i], i == 0, names[i]))
             goto done;
-    Py_ssize_t n = v[0].v.len / 8, cap = v[3].v.len / 8;
-    if (v[1].v.len != 16 * n || v[2].v.len != n) {
+    Py_ssize_t n = v[0].v.len / 8, cap = v[4].v.len;
+    if (v[1].v.len != 8 * KV_KEY_WORDS * n || v[2].v.len != n) {
         PyErr_SetString(PyExc_ValueError, "out, words and lens must hold the same keys");
         goto done;
     }
-    if (v[4].v.len != 8 * cap || v[5].v.len != cap || v[6].v.len != 4 * cap || v[7].v.len != 4 * cap) {
+    if (v[3].v.len != 8 * KV_KEY_WORDS * cap || v[5].v.len != 4 * cap || v[6].v.len != 4 * cap) {
         PyErr_SetString(PyExc_ValueError, "the index's entry tables must be of one length");
         goto done;
     }
-    if (nhead < 0 || nhead > v[8].v.len / 4 || level == 0 || (level & (level - 1)) || split > level) {
+    if (nhead < 0 || nhead > v[7].v.len / 4 || level == 0 || (level & (level - 1)) || split > level) {
         PyErr_SetString(PyExc_ValueError, "the index's buckets are not consistent");
         goto done;
     }
-    kv_index ix = {v[3].v.buf, v[4].v.buf, v[5].v.buf, v[6].v.buf, v[7].v.buf, v[8].v.buf,
-                   cap, nhead, level, split, s0, s1, s2};
-    kv_index_find(&ix, v[1].v.buf, v[2].v.buf, n, owner, v[0].v.buf);
+    kv_index ix = {v[3].v.buf, v[4].v.buf, v[5].v.buf, v[6].v.buf, v[7].v.buf, cap, nhead, level, split,
+                   {s[0], s[1], s[2], s[3], s[4]}};
+    kv_index_find(&ix, v[1].v.buf, v[2].v.buf, 0, n, owner, v[0].v.buf);
     result = Py_None;
     Py_INCREF(result);
 done:
-    for (int i = 0; i < 9; i++)
+    for (int i = 0; i < 8; i++)
         if (v[i].held)
             PyBuffer_Release(&v[i].v);
     return result;
 }
 
-/* The index's tables for a change: w0, w1, elens, eowner, next, head (writable) and its state,
+/* The index's tables for a change: ewords, elens, eowner, next, head (writable) and its state,
  * checked as find checks them, and the head table's length as the room for splits. */
 static int rw_tables(PyObject **objs, view *v, Py_ssize_t nhead, unsigned long long level,
-                     unsigned long long split, unsigned long long s0, unsigned long long s1,
-                     unsigned long long s2, kv_index_rw *w) {
-    static const Py_ssize_t size[6] = {8, 8, 1, 4, 4, 4};
-    static const char kind[6] = {'u', 'u', 'u', 'i', 'i', 'i'};
-    static const char *names[6] = {"w0", "w1", "elens", "eowner", "next", "head"};
-    for (int i = 0; i < 6; i++)
+                     unsigned long long split, const unsigned long long s[5], kv_index_rw *w) {
+    static const Py_ssize_t size[5] = {8, 1, 4, 4, 4};
+    static const char kind[5] = {'u', 'u', 'i', 'i', 'i'};
+    static const char *names[5] = {"ewords", "elens", "eowner", "next", "head"};
+    for (int i = 0; i < 5; i++)
         if (!take(objs[i], &v[i], kind[i], size[i], 1, names[i]))
             return 0;
-    Py_ssize_t cap = v[0].v.len / 8;
-    if (v[1].v.len != 8 * cap || v[2].v.len != cap || v[3].v.len != 4 * cap || v[4].v.len != 4 * cap ||
+    Py_ssize_t cap = v[1].v.len;
+    if (v[0].v.len != 8 * KV_KEY_WORDS * cap || v[2].v.len != 4 * cap || v[3].v.len != 4 * cap ||
         cap > INT32_MAX) {
         PyErr_SetString(PyExc_ValueError, "the index's entry tables must be of one length");
         return 0;
     }
-    if (nhead < 0 || nhead > v[5].v.len / 4 || level == 0 || (level & (level - 1)) || split > level ||
+    if (nhead < 0 || nhead > v[4].v.len / 4 || level == 0 || (level & (level - 1)) || split > level ||
         (unsigned long long)nhead != level + split) {
         PyErr_SetString(PyExc_ValueError, "the index's buckets are not consistent");
         return 0;
     }
-    kv_index_rw t = {v[0].v.buf, v[1].v.buf, v[2].v.buf, v[3].v.buf, v[4].v.buf, v[5].v.buf,
-                     cap, nhead, v[5].v.len / 4, level, split, s0, s1, s2};
+    kv_index_rw t = {v[0].v.buf, v[1].v.buf, v[2].v.buf, v[3].v.buf, v[4].v.buf, cap, nhead, v[4].v.len / 4,
+                     level, split, {s[0], s[1], s[2], s[3], s[4]}};
     *w = t;
     return 1;
 }
@@ -128,23 +130,23 @@ static int entry_ids(PyObject *obj, view *v, const kv_index_rw *w) {
     return 1;
 }
 
-/* link(ids, w0, w1, elens, eowner, next, head, nhead, level, split, s0, s1, s2) -> int
+/* link(ids, ewords, elens, eowner, next, head, nhead, level, split, seeds) -> int
  *   files entries ids (their keys and owners already written, none of them filed) at the heads of
  *   their buckets' chains (KeyIndex.insert; the split that may follow is split()).
  * unlink(the same) -> int
  *   takes entries ids out of their chains and marks them gone (KeyIndex.remove).
  * Both return how many of the ids they filed or found (all, in a consistent index). */
 static PyObject *change(PyObject *args, int (*one)(kv_index_rw *, int64_t)) {
-    PyObject *objs[7];
+    PyObject *objs[6];
     Py_ssize_t nhead;
-    unsigned long long level, split, s0, s1, s2;
-    if (!PyArg_ParseTuple(args, "OOOOOOOnKKKKK", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
-                          &objs[6], &nhead, &level, &split, &s0, &s1, &s2))
+    unsigned long long level, split, s[5];
+    if (!PyArg_ParseTuple(args, "OOOOOOnKK(KKKKK)", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4],
+                          &objs[5], &nhead, &level, &split, &s[0], &s[1], &s[2], &s[3], &s[4]))
         return NULL;
-    view v[7] = {{{0}}};
+    view v[6] = {{{0}}};
     kv_index_rw w;
     PyObject *result = NULL;
-    if (!rw_tables(objs + 1, v + 1, nhead, level, split, s0, s1, s2, &w) || !entry_ids(objs[0], &v[0], &w))
+    if (!rw_tables(objs + 1, v + 1, nhead, level, split, s, &w) || !entry_ids(objs[0], &v[0], &w))
         goto done;
     const int64_t *ids = v[0].v.buf;
     long long n = 0;
@@ -152,7 +154,7 @@ static PyObject *change(PyObject *args, int (*one)(kv_index_rw *, int64_t)) {
         n += one(&w, ids[i]);
     result = PyLong_FromLongLong(n);
 done:
-    for (int i = 0; i < 7; i++)
+    for (int i = 0; i < 6; i++)
         if (v[i].held)
             PyBuffer_Release(&v[i].v);
     return result;
@@ -161,19 +163,19 @@ done:
 static PyObject *link_(PyObject *self, PyObject *args) { return change(args, kv_index_link); }
 static PyObject *unlink_(PyObject *self, PyObject *args) { return change(args, kv_index_unlink); }
 
-/* split(count, load, w0, w1, elens, eowner, next, head, nhead, level, split, s0, s1, s2)
+/* split(count, load, ewords, elens, eowner, next, head, nhead, level, split, seeds)
  *   -> (nhead, level, split): buckets split until count entries average at most load a bucket. */
 static PyObject *split_(PyObject *self, PyObject *args) {
-    PyObject *objs[6];
+    PyObject *objs[5];
     Py_ssize_t nhead, count, load;
-    unsigned long long level, split, s0, s1, s2;
-    if (!PyArg_ParseTuple(args, "nnOOOOOOnKKKKK", &count, &load, &objs[0], &objs[1], &objs[2], &objs[3],
-                          &objs[4], &objs[5], &nhead, &level, &split, &s0, &s1, &s2))
+    unsigned long long level, split, s[5];
+    if (!PyArg_ParseTuple(args, "nnOOOOOnKK(KKKKK)", &count, &load, &objs[0], &objs[1], &objs[2], &objs[3],
+                          &objs[4], &nhead, &level, &split, &s[0], &s[1], &s[2], &s[3], &s[4]))
         return NULL;
-    view v[6] = {{{0}}};
+    view v[5] = {{{0}}};
     kv_index_rw w;
     PyObject *result = NULL;
-    if (!rw_tables(objs, v, nhead, level, split, s0, s1, s2, &w))
+    if (!rw_tables(objs, v, nhead, level, split, s, &w))
         goto done;
     if (count < 0 || load < 1) {
         PyErr_SetString(PyExc_ValueError, "count must be >= 0 and load >= 1");
@@ -185,7 +187,7 @@ static PyObject *split_(PyObject *self, PyObject *args) {
     }
     result = Py_BuildValue("nKK", (Py_ssize_t)w.nhead, (unsigned long long)w.level, (unsigned long long)w.split);
 done:
-    for (int i = 0; i < 6; i++)
+    for (int i = 0; i < 5; i++)
         if (v[i].held)
             PyBuffer_Release(&v[i].v);
     return result;
@@ -223,6 +225,39 @@ static PyObject *digests(PyObject *self, PyObject *args) {
         goto done;
     }
     kv_digests(in.buf, (size_t)key_bytes, (size_t)n, out.v.buf, lanes);
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    if (out.held)
+        PyBuffer_Release(&out.v);
+    PyBuffer_Release(&in);
+    return result;
+}
+
+/* words(out, packed, key_bytes)
+ *   packed: n keys of key_bytes (1 to 64) bytes each, back to back; out: uint64[n, KV_KEY_WORDS]
+ *   (written), each key as the index keeps it (hit.h's kv_keys_words): whole and zero-padded up to
+ *   32 bytes, else its digest, zero-padded. Checked before a byte is read. */
+static PyObject *words_(PyObject *self, PyObject *args) {
+    PyObject *out_obj;
+    Py_buffer in;
+    Py_ssize_t key_bytes;
+    if (!PyArg_ParseTuple(args, "Oy*n", &out_obj, &in, &key_bytes))
+        return NULL;
+    view out = {{0}};
+    PyObject *result = NULL;
+    if (!take(out_obj, &out, 'u', 8, 1, "out"))
+        goto done;
+    if (key_bytes < 1 || key_bytes > 64) {
+        PyErr_Format(PyExc_ValueError, "key_bytes must be in [1, 64], got %zd", key_bytes);
+        goto done;
+    }
+    Py_ssize_t n = in.len / key_bytes;
+    if (in.len != n * key_bytes || out.v.len / (8 * KV_KEY_WORDS) != n || out.v.len % (8 * KV_KEY_WORDS)) {
+        PyErr_SetString(PyExc_ValueError, "packed must hold whole keys, and out the words of each");
+        goto done;
+    }
+    kv_keys_words(in.buf, key_bytes, n, out.v.buf);
     result = Py_None;
     Py_INCREF(result);
 done:
@@ -319,86 +354,89 @@ static PyObject *touch(PyObject *self, PyObject *args) {
     return result;
 }
 
-/* hit(ids, offsets, packed, key_bytes, owner, w0, w1, elens, eowner, next, head, nhead, level, split,
- *     s0, s1, s2, state, offset, readers, slab, slab_holds, hold=True) -> m
+/* hit(ids, offsets, packed, key_bytes, owner, ewords, elens, eowner, next, head, nhead, level, split,
+ *     seeds, state, offset, readers, slab, slab_holds, hold=True) -> m
  *   KVCache.prepare_get's walk and holds for the keys packed in `packed` (key_bytes each, 1 to 64):
  *   the leading m of them filed under `owner` with a committed page (hit.h), their page ids and
- *   offsets written to ids[:m] and offsets[:m] (int64, one entry a key), and each of those pages
+ *   offsets in ids[:m] and offsets[:m] (int64, one entry a key; what follows m in them means
+ *   nothing), and each of those pages
  *   held once (readers and its slab's slab_holds, as PageTable.hold; not with hold False: a Put's
  *   check that its keys are all stored already). The index's tables and state
  *   as find takes them; state: int8, offset: int64, readers, slab: int32, one entry a page each;
  *   slab_holds: int64, one a slab. Nothing is changed unless every table is consistent (else
- *   ValueError), every page of the hit included. */
+ *   ValueError), every page of the hit included. The keys are taken 64 at a time (padded, or
+ *   digested past KV_WORD_BYTES, then looked up): a walk that ends early reads no key past the
+ *   64 it ended in. */
 static PyObject *hit(PyObject *self, PyObject *args) {
-    PyObject *objs[13];
+    PyObject *objs[12];
     Py_buffer in;
     Py_ssize_t key_bytes, nhead;
     int owner;
-    unsigned long long level, split, s0, s1, s2;
+    unsigned long long level, split, s[5];
     int hold = 1;
-    if (!PyArg_ParseTuple(args, "OOy*niOOOOOOnKKKKKOOOOO|p", &objs[0], &objs[1], &in, &key_bytes, &owner,
-                          &objs[2], &objs[3], &objs[4], &objs[5], &objs[6], &objs[7], &nhead, &level, &split,
-                          &s0, &s1, &s2, &objs[8], &objs[9], &objs[10], &objs[11], &objs[12], &hold))
+    if (!PyArg_ParseTuple(args, "OOy*niOOOOOnKK(KKKKK)OOOOO|p", &objs[0], &objs[1], &in, &key_bytes, &owner,
+                          &objs[2], &objs[3], &objs[4], &objs[5], &objs[6], &nhead, &level, &split, &s[0],
+                          &s[1], &s[2], &s[3], &s[4], &objs[7], &objs[8], &objs[9], &objs[10], &objs[11],
+                          &hold))
         return NULL;
-    static const Py_ssize_t size[13] = {8, 8, 8, 8, 1, 4, 4, 4, 1, 8, 4, 4, 8};
-    static const char kind[13] = {'i', 'i', 'u', 'u', 'u', 'i', 'i', 'i', 'i', 'i', 'i', 'i', 'i'};
-    static const char *names[13] = {"ids", "offsets", "w0", "w1", "elens", "eowner", "next", "head",
+    static const Py_ssize_t size[12] = {8, 8, 8, 1, 4, 4, 4, 1, 8, 4, 4, 8};
+    static const char kind[12] = {'i', 'i', 'u', 'u', 'i', 'i', 'i', 'i', 'i', 'i', 'i', 'i'};
+    static const char *names[12] = {"ids", "offsets", "ewords", "elens", "eowner", "next", "head",
                                     "state", "offset", "readers", "slab", "slab_holds"};
-    view v[13] = {{{0}}};
-    uint64_t *words = NULL;
+    view v[12] = {{{0}}};
     PyObject *result = NULL;
-    for (int i = 0; i < 13; i++)
-        if (!take(objs[i], &v[i], kind[i], size[i], i < 2 || i == 10 || i == 12, names[i]))
+    for (int i = 0; i < 12; i++)
+        if (!take(objs[i], &v[i], kind[i], size[i], i < 2 || i == 9 || i == 11, names[i]))
             goto done;
     if (key_bytes < 1 || key_bytes > 64 || in.len % key_bytes) {
         PyErr_SetString(PyExc_ValueError, "packed must hold whole keys of 1 to 64 bytes");
         goto done;
     }
-    Py_ssize_t n = in.len / key_bytes, cap = v[2].v.len / 8, npages = v[8].v.len;
+    Py_ssize_t n = in.len / key_bytes, cap = v[3].v.len, npages = v[7].v.len;
     if (v[0].v.len != 8 * n || v[1].v.len != 8 * n) {
         PyErr_SetString(PyExc_ValueError, "ids and offsets must have an entry for every key");
         goto done;
     }
-    if (v[3].v.len != 8 * cap || v[4].v.len != cap || v[5].v.len != 4 * cap || v[6].v.len != 4 * cap ||
-        nhead < 0 || nhead > v[7].v.len / 4 || level == 0 || (level & (level - 1)) || split > level) {
+    if (v[2].v.len != 8 * KV_KEY_WORDS * cap || v[4].v.len != 4 * cap || v[5].v.len != 4 * cap ||
+        nhead < 0 || nhead > v[6].v.len / 4 || level == 0 || (level & (level - 1)) || split > level) {
         PyErr_SetString(PyExc_ValueError, "the index's tables are not consistent");
         goto done;
     }
-    if (v[9].v.len != 8 * npages || v[10].v.len != 4 * npages || v[11].v.len != 4 * npages) {
+    if (v[8].v.len != 8 * npages || v[9].v.len != 4 * npages || v[10].v.len != 4 * npages) {
         PyErr_SetString(PyExc_ValueError, "the page tables must be of one length");
         goto done;
     }
-    words = PyMem_Malloc(n ? (size_t)n * 16 : 16);
-    if (!words) {
-        PyErr_NoMemory();
-        goto done;
-    }
+    kv_index ix = {v[2].v.buf, v[3].v.buf, v[4].v.buf, v[5].v.buf, v[6].v.buf, cap, nhead, level, split,
+                   {s[0], s[1], s[2], s[3], s[4]}};
+    kv_pages pg = {v[7].v.buf, v[8].v.buf, v[10].v.buf, npages, v[11].v.len / 8};
+    int64_t *ids = v[0].v.buf, *offsets = v[1].v.buf;
     const uint8_t *keys = in.buf;
-    if (key_bytes > KV_WORD_BYTES)
-        kv_digests(keys, (size_t)key_bytes, (size_t)n, (uint8_t *)words, 0);
-    else
-        for (Py_ssize_t k = 0; k < n; k++)
-            kv_key_words(keys + k * key_bytes, key_bytes, words + 2 * k);
-    kv_index ix = {v[2].v.buf, v[3].v.buf, v[4].v.buf, v[5].v.buf, v[6].v.buf, v[7].v.buf,
-                   cap, nhead, level, split, s0, s1, s2};
-    kv_pages pg = {v[8].v.buf, v[9].v.buf, v[11].v.buf, npages, v[12].v.len / 8};
-    int64_t *ids = v[0].v.buf;
-    int64_t m = kv_hit_prefix(&ix, &pg, words, (uint8_t)key_bytes, n, owner, ids, v[1].v.buf);
-    if (m < 0) {
-        PyErr_SetString(PyExc_ValueError, "the index names a page outside the page tables");
-        goto done;
+    int64_t m = 0;
+    enum { BLOCK = 64 }; /* keys a step: their words on the stack */
+    uint64_t words[BLOCK * KV_KEY_WORDS];
+    for (Py_ssize_t at = 0; at < n;) {
+        Py_ssize_t k = n - at < BLOCK ? n - at : BLOCK;
+        kv_keys_words(keys + at * key_bytes, key_bytes, k, words);
+        int64_t got = kv_hit_prefix(&ix, &pg, words, (uint8_t)key_bytes, k, owner, ids + at, offsets + at);
+        if (got < 0) {
+            PyErr_SetString(PyExc_ValueError, "the index names a page outside the page tables");
+            goto done;
+        }
+        m += got;
+        if (got < k)
+            break;
+        at += k;
     }
-    int32_t *readers = v[10].v.buf;
-    const int32_t *slab = v[11].v.buf;
-    int64_t *holds = v[12].v.buf;
+    int32_t *readers = v[9].v.buf;
+    const int32_t *slab = v[10].v.buf;
+    int64_t *holds = v[11].v.buf;
     for (int64_t k = 0; k < m && hold; k++) { /* every id and slab checked inside the tables by the walk */
         readers[ids[k]] += 1;
         holds[slab[ids[k]]] += 1;
     }
     result = PyLong_FromLongLong(m);
 done:
-    PyMem_Free(words);
-    release_views(v, 13);
+    release_views(v, 12);
     PyBuffer_Release(&in);
     return result;
 }
@@ -412,6 +450,7 @@ static PyMethodDef methods[] = {
     {"unlink", unlink_, METH_VARARGS, "Takes entries out of their chains and marks them gone."},
     {"split", split_, METH_VARARGS, "Splits buckets until the entries average at most load a bucket."},
     {"digests", digests, METH_VARARGS, "The 16-byte digests of wide keys (BLAKE2b, as keys.py's)."},
+    {"words", words_, METH_VARARGS, "Keys as the index keeps them: whole up to 32 bytes, else their digests."},
     {"digest_lanes", digest_lanes, METH_NOARGS, "The digest paths this CPU has: a mask of 1, 4 and 8."},
     {NULL, NULL, 0, NULL},
 };

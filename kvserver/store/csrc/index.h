@@ -2,8 +2,8 @@
  * buckets (linear hashing: `level` buckets a round, the first `split` of them split), the same
  * chains. Shared by the extension (index.c) and the fuzzer (tests/fuzz/fuzz_index.c).
  *
- * The tables are the index's numpy arrays, read as they are: w0, w1, lens, owner and next per
- * entry (`cap` of each), head per bucket (`nhead`). A walk never trusts a link: an entry id out of
+ * The tables are the index's numpy arrays, read as they are: words (KV_KEY_WORDS a key), lens, owner
+ * and next per entry (`cap` of each), head per bucket (`nhead`). A walk never trusts a link: an entry id out of
  * [0, cap) or a chain longer than `cap` links ends it as a miss, so even a corrupt table is read
  * only inside its arrays and every walk ends. */
 #ifndef KV_INDEX_H
@@ -13,22 +13,26 @@
 
 #define KV_M1 0xFF51AFD7ED558CCDULL
 #define KV_M2 0xC4CEB9FE1A85EC53ULL
+#define KV_KEY_WORDS 4 /* a key as the index keeps it: 32 bytes (keys.py's WORD_BYTES) */
 
 typedef struct {
-    const uint64_t *w0, *w1;
+    const uint64_t *words; /* KV_KEY_WORDS an entry */
     const uint8_t *lens;
     const int32_t *owner, *next, *head;
     int64_t cap, nhead;
-    uint64_t level, split, s0, s1, s2;
+    uint64_t level, split, s[5];
 } kv_index;
 
-static inline uint64_t kv_index_hash(const kv_index *ix, uint64_t w0, uint64_t w1, uint8_t len,
-                                     int32_t owner) {
-    uint64_t h = (w0 ^ ix->s0) * KV_M1;
+static inline uint64_t kv_index_hash(const uint64_t s[5], const uint64_t *w, uint8_t len, int32_t owner) {
+    uint64_t h = (w[0] ^ s[0]) * KV_M1;
     h ^= h >> 31;
-    h += (w1 ^ ix->s1) * KV_M2;
+    h += (w[1] ^ s[1]) * KV_M2;
     h ^= h >> 29;
-    h += (((uint64_t)(int64_t)owner << 8) | len) * ix->s2;
+    h += (w[2] ^ s[2]) * KV_M1;
+    h ^= h >> 31;
+    h += (w[3] ^ s[3]) * KV_M2;
+    h ^= h >> 29;
+    h += (((uint64_t)(int64_t)owner << 8) | len) * s[4];
     h ^= h >> 32;
     h *= KV_M1;
     h ^= h >> 33;
@@ -42,26 +46,60 @@ static inline int64_t kv_index_bucket(const kv_index *ix, uint64_t h) {
     return (int64_t)b;
 }
 
-/* The entry id of the key (w0, w1, len) under `owner`, or -1. */
-static inline int64_t kv_index_find_one(const kv_index *ix, uint64_t w0, uint64_t w1, uint8_t len,
-                                        int32_t owner) {
-    int64_t b = kv_index_bucket(ix, kv_index_hash(ix, w0, w1, len, owner));
-    if (b < 0 || b >= ix->nhead)
-        return -1;
-    int64_t cur = ix->head[b];
+static inline int kv_same_key(const uint64_t *a, const uint64_t *b) {
+    return ((a[0] ^ b[0]) | (a[1] ^ b[1]) | (a[2] ^ b[2]) | (a[3] ^ b[3])) == 0;
+}
+
+/* The entry of the chain starting at `cur` holding the key (w, len) under `owner`, or -1. */
+static inline int64_t kv_index_walk(const kv_index *ix, int64_t cur, const uint64_t *w, uint8_t len,
+                                    int32_t owner) {
     for (int64_t steps = 0; cur >= 0 && cur < ix->cap && steps < ix->cap; steps++) {
-        if (ix->w0[cur] == w0 && ix->w1[cur] == w1 && ix->lens[cur] == len && ix->owner[cur] == owner)
+        if (kv_same_key(ix->words + KV_KEY_WORDS * cur, w) && ix->lens[cur] == len && ix->owner[cur] == owner)
             return cur;
         cur = ix->next[cur];
     }
     return -1;
 }
 
-/* kv_index_find_one for n keys (words: n rows of two words), into out. */
-static inline void kv_index_find(const kv_index *ix, const uint64_t *words, const uint8_t *lens,
+/* The entry id of the key (its KV_KEY_WORDS words at w, len) under `owner`, or -1. */
+static inline int64_t kv_index_find_one(const kv_index *ix, const uint64_t *w, uint8_t len, int32_t owner) {
+    int64_t b = kv_index_bucket(ix, kv_index_hash(ix->s, w, len, owner));
+    if (b < 0 || b >= ix->nhead)
+        return -1;
+    return kv_index_walk(ix, ix->head[b], w, len, owner);
+}
+
+/* kv_index_find_one for n keys (words: n rows of KV_KEY_WORDS words; lens: their lengths, or NULL
+ * where all are `len` bytes long), into out: the same answers,
+ * its table reads (each a cache miss in a large index) overlapped across keys: key i + 2D's bucket
+ * head is fetched ahead, then key i + D's first chain entry, while key i's chain is walked. Only
+ * addresses inside the tables are fetched. */
+static inline void kv_index_find(const kv_index *ix, const uint64_t *words, const uint8_t *lens, uint8_t len,
                                  int64_t n, int32_t owner, int64_t *out) {
-    for (int64_t i = 0; i < n; i++)
-        out[i] = kv_index_find_one(ix, words[2 * i], words[2 * i + 1], lens[i], owner);
+    enum { D = 8, RING = 32 }; /* RING > 2D, a power of two */
+    int64_t slot[RING];        /* per key ahead: its bucket, then its chain's first entry (-1: none) */
+    for (int64_t i = -2 * D; i < n; i++) {
+        int64_t k = i + 2 * D;
+        if (k < n) {
+            int64_t b = kv_index_bucket(ix, kv_index_hash(ix->s, words + KV_KEY_WORDS * k, lens ? lens[k] : len,
+                                                          owner));
+            slot[k % RING] = b >= 0 && b < ix->nhead ? b : -1;
+            if (slot[k % RING] >= 0)
+                __builtin_prefetch(ix->head + b);
+        }
+        k = i + D;
+        if (k >= 0 && k < n) {
+            int64_t cur = slot[k % RING] >= 0 ? ix->head[slot[k % RING]] : -1;
+            slot[k % RING] = cur;
+            if (cur >= 0 && cur < ix->cap) {
+                __builtin_prefetch(ix->words + KV_KEY_WORDS * cur);
+                __builtin_prefetch(ix->lens + cur);
+                __builtin_prefetch(ix->owner + cur);
+            }
+        }
+        if (i >= 0)
+            out[i] = kv_index_walk(ix, slot[i % RING], words + KV_KEY_WORDS * i, lens ? lens[i] : len, owner);
+    }
 }
 
 /* ---- Changes: index.py's insert, remove and split, on the same tables -------------------------
@@ -70,24 +108,24 @@ static inline void kv_index_find(const kv_index *ix, const uint64_t *words, cons
  * as a walk checks it. */
 
 typedef struct {
-    uint64_t *w0, *w1;
+    uint64_t *words;  /* KV_KEY_WORDS an entry */
     uint8_t *lens;
     int32_t *owner, *next, *head;
     int64_t cap;      /* entries in each entry table */
     int64_t nhead;    /* buckets in use: level + split */
     int64_t head_cap; /* buckets the head table has room for */
-    uint64_t level, split, s0, s1, s2;
+    uint64_t level, split, s[5];
 } kv_index_rw;
 
 static inline kv_index kv_index_ro(const kv_index_rw *w) {
-    kv_index r = {w->w0, w->w1, w->lens, w->owner, w->next, w->head, w->cap, w->nhead,
-                  w->level, w->split, w->s0, w->s1, w->s2};
+    kv_index r = {w->words, w->lens, w->owner, w->next, w->head, w->cap, w->nhead, w->level, w->split,
+                  {w->s[0], w->s[1], w->s[2], w->s[3], w->s[4]}};
     return r;
 }
 
 static inline int64_t kv_index_entry_bucket(const kv_index_rw *w, int64_t id) {
     kv_index r = kv_index_ro(w);
-    return kv_index_bucket(&r, kv_index_hash(&r, w->w0[id], w->w1[id], w->lens[id], w->owner[id]));
+    return kv_index_bucket(&r, kv_index_hash(w->s, w->words + KV_KEY_WORDS * id, w->lens[id], w->owner[id]));
 }
 
 /* Files entry `id` (its key and owner already in the tables) at the head of its bucket's chain.
