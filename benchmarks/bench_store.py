@@ -1,6 +1,8 @@
 """Bookkeeping costs of the cache index (no copying): lookup of 1k and 64k keys in one part and in
-a space of 3 PP parts, and prepare/complete of Put and Get per page, each against a bare dict
-lookup of the same keys measured in the same run (the ratio says how close to C speed it stays).
+a space of 3 PP parts (and, for 1k keys, as the compiled walk from packed keys a Lookup without a
+lease takes: ``KVCache.lookup_packed``), and prepare/complete of Put and Get per page, each
+against a bare dict lookup of the same keys measured in the same run (the ratio says how close to
+C speed it stays).
 The index is given the keys as a request brings them (packed, unpacked once outside the timing),
 the dict a list of the same keys.
 Run: python benchmarks/bench_store.py [--rounds 7]
@@ -18,6 +20,7 @@ import torch
 from kvserver.host.arena import HostArena
 from kvserver.protocol.layout import KVLayout
 from kvserver.store import Keys, KVCache, PartKey, SpaceKey
+from kvserver.store.steps import STEP_KEYS
 
 PAGE_BYTES = 256
 
@@ -71,6 +74,10 @@ def main() -> None:
                 cache.prepare_put(parts[0], ks), True),
             "prepare+complete get": get_cycle,
         }
+        if n <= STEP_KEYS:  # one compiled walk a part from the packed keys (a Lookup with no lease)
+            raw = packed[: 16 * n]
+            rows["lookup (part), packed walk"] = lambda raw=raw: cache.lookup_packed(parts[0], raw, 16)
+            rows["lookup (3-part space), packed walk"] = lambda raw=raw: cache.lookup_packed(space, raw, 16)
         for name, fn in rows.items():
             t = best(fn, args.rounds)
             print(f"{name:<34}{n:>7}{t * 1e3:>9.3f}ms{t / n * 1e9:>8.0f}ns"

@@ -441,7 +441,9 @@ def test_store_benchmark_block(env):
                          text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     rows = [line.split() for line in res.stdout.splitlines() if line.startswith(("lookup", "prepare"))]
-    assert len(rows) == 12, res.stdout  # six operations at 1k and 64k keys, each with its dict ratio
+    # six operations at 1k and 64k keys, and the two packed walks at 1k, each with its dict ratio
+    assert len(rows) == 14, res.stdout
+    assert sum("packed" in row for row in rows) == 2, res.stdout
     assert all(float(row[-1]) > 0 for row in rows), res.stdout
 
 

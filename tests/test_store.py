@@ -375,8 +375,7 @@ def test_a_put_of_keys_all_stored_is_counted_as_prepare_put_counts_it(key_bytes)
 def test_a_packed_lookup_finds_counts_and_touches_as_lookup_steps_does(key_bytes):
     """KVCache.lookup_packed (one compiled walk, nothing held) against lookup_steps of the same
     keys, for a part and for a space of one part: the same pages found, the same hits and misses,
-    the found pages touched in the same order (the first the most recent), nothing held. A space
-    of several parts is left to lookup_steps (None)."""
+    the found pages touched in the same order (the first the most recent), nothing held."""
     cache, _, _ = make_cache()
     part = one_part(cache, page_bytes=64 * 1024)
     if cache.pages.hold_hit(part.gid, b"", 1, hold=False) is None:
@@ -408,7 +407,45 @@ def test_a_packed_lookup_finds_counts_and_touches_as_lookup_steps_does(key_bytes
             assert np.array_equal(order, np.argsort(-p.stamp[ids], kind="stable"))
             assert np.array_equal(p.readers, before[2]) and np.array_equal(p.slab_holds, before[3])
     cache.complete_put(writing, True)
+
+
+@pytest.mark.parametrize("key_bytes", [16, 32, 40])
+def test_a_packed_lookup_of_a_space_of_several_parts_answers_as_lookup_steps_does(key_bytes):
+    """A whole-space Lookup of a TP group (two parts) as one compiled walk a part: the leading keys
+    every part holds, the same counters, each part's found pages touched in key order as
+    lookup_steps touches them, nothing held; a space with a part missing finds nothing."""
+    cache, _, _ = make_cache(32 * MiB)
     tp = cache.space(space_key("t", tp=2))
-    part_of(cache, tp, 0, page_bytes=64 * 1024)
-    part_of(cache, tp, 1, page_bytes=64 * 1024)
-    assert cache.lookup_packed(tp, keys[0], key_bytes) is None
+    a = part_of(cache, tp, 0, page_bytes=64 * 1024)
+    if cache.pages.hold_hit(a.gid, b"", 1, hold=False) is None:
+        pytest.skip("built without a compiler")
+    rng = np.random.default_rng(key_bytes)
+    keys = [rng.bytes(key_bytes) for _ in range(40)]
+    assert cache.lookup_packed(tp, b"".join(keys[:5]), key_bytes).pages == 0  # part 1 not there yet
+    b = part_of(cache, tp, 1, page_bytes=64 * 1024)
+    put(cache, a, keys[:30])
+    put(cache, b, keys[:12] + keys[14:25])  # b misses keys 12 and 13
+    both = set(keys[:12] + keys[14:25])
+    p = cache.pages
+    for _ in range(40):
+        ask = keys[: rng.integers(0, 32)] + [keys[i] for i in rng.integers(0, 40, rng.integers(0, 6))]
+        packed = b"".join(ask)
+        before = (tp.counters.hits, tp.counters.misses, p.readers.copy(), p.slab_holds.copy())
+        stamp0 = p.stamp.copy()
+        got = cache.lookup_packed(tp, packed, key_bytes)
+        mid = (tp.counters.hits, tp.counters.misses)
+        parsed = Keys.unpack(packed, key_bytes, 100)
+        ids = [p.find(part.gid, parsed)[: got.pages] for part in (a, b)]
+        untouched = np.ones(len(p.stamp), bool)
+        untouched[np.concatenate(ids)] = False
+        assert np.array_equal(p.stamp[untouched], stamp0[untouched]), "a page past the answer was touched"
+        stamps = [p.stamp[i].copy() for i in ids]
+        want = run_steps(cache.lookup_steps(tp, parsed))
+        held = [k in both for k in ask] + [False]
+        assert (got.pages, got.lease_id) == (want.pages, "") == (held.index(False), "")
+        again = (tp.counters.hits - mid[0], tp.counters.misses - mid[1])
+        assert (mid[0] - before[0], mid[1] - before[1]) == again == (got.pages, len(ask) - got.pages)
+        for i, st in zip(ids, stamps, strict=True):  # each part's pages in the same recency order
+            assert (i >= 0).all()
+            assert np.array_equal(np.argsort(-st, kind="stable"), np.argsort(-p.stamp[i], kind="stable"))
+        assert np.array_equal(p.readers, before[2]) and np.array_equal(p.slab_holds, before[3])

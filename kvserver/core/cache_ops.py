@@ -218,10 +218,10 @@ class CacheOps:
 
     def _lookup_packed(self, req: pb.LookupRequest, client: ClientState | None,
                        key: SpaceKey | None) -> tuple[Found, Part | Space] | None:
-        """A Lookup without a lease or a tier below, of at most a step of keys, for a part or a space
-        of one part, as one compiled walk from its packed keys (``KVCache.lookup_packed``: the same
-        hits, counters and touch as its steps): what it found, and its target. None where it is not
-        one, or where the keys' checks refuse it (the steps give the error)."""
+        """A Lookup without a lease or a tier below, of at most a step of keys, as compiled walks from
+        its packed keys, one a part of its target (``KVCache.lookup_packed``: the same hits,
+        counters and touch as its steps): what it found, and its target. None where it is not one,
+        or where the keys' checks refuse it (the steps give the error)."""
         key_bytes, packed = req.key_bytes, req.keys
         if (req.pin_ms or (self.lower is not None and not req.memory_only)
                 or not 1 <= key_bytes <= MAX_KEY_BYTES or len(packed) % key_bytes

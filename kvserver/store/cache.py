@@ -313,26 +313,32 @@ class KVCache:
 
     def lookup_packed(self, target: Part | Space, packed: bytes, key_bytes: int) -> Found | None:
         """``lookup_steps`` without a lease or a tier below, of at most ``STEP_KEYS`` keys packed
-        as a request packs them (checked by the caller), for a part or a space of one part: the
-        walk in one compiled call (``PageTable.hold_hit``, nothing held), the same counters and
-        touch. None for a space of several parts, or where the package has no compiled index
-        (``lookup_steps`` then)."""
+        as a request packs them (checked by the caller), for a part or a whole space (every part
+        of a space of several, a TP or PP group's): one compiled walk a part (``PageTable.hold_hit``,
+        nothing held), each over the keys every part before it holds; the same leading pages, the
+        same counters and the same touches, part by part. None where the package has no compiled
+        index (``lookup_steps`` then)."""
         if isinstance(target, Part):
-            part = target
-        elif target.key.num_parts == 1 and len(target.parts) == 1:
-            part = next(iter(target.parts.values()))
+            space, parts = target.space, [target]
         else:
-            return None
-        space = self._live(part.space)
-        got = self.pages.hold_hit(part.gid, packed, key_bytes, hold=False)
-        if got is None:
-            return None
-        ids = got[0]
-        n, asked = len(ids), len(packed) // key_bytes
+            space = target
+            parts = list(space.parts.values()) if len(space.parts) == space.key.num_parts else []
+        space = self._live(space)
+        asked = m = len(packed) // key_bytes
+        view = memoryview(packed)
+        found: list[np.ndarray] = []
+        for part in parts:
+            got = self.pages.hold_hit(part.gid, view[: m * key_bytes], key_bytes, hold=False)
+            if got is None:  # no compiled index (the first part says so: nothing done yet)
+                return None
+            found.append(got[0])
+            m = min(m, len(got[0]))
+        n = m if parts else 0
         for c in (space.counters, self.tenants.get(space.key.tenant).counters):
             c.hits += n
             c.misses += asked - n
-        self.pages.touch(ids)
+        for ids in found:
+            self.pages.touch(ids[:n])
         return Found(n, "")
 
     # Put
