@@ -193,6 +193,25 @@ done:
     return result;
 }
 
+/* The checks digests() and words() share, made before a byte is read or written: out (its view
+ * taken into `out`) an aligned uint64 array of `per_key` bytes for each of the n keys of key_bytes
+ * (1 to max_bytes) bytes packed in `in`. n, or -1 with a Python error. */
+static Py_ssize_t packed_keys(PyObject *out_obj, view *out, const Py_buffer *in, Py_ssize_t key_bytes,
+                              Py_ssize_t max_bytes, Py_ssize_t per_key, const char *each) {
+    if (!take(out_obj, out, 'u', 8, 1, "out"))
+        return -1;
+    if (key_bytes < 1 || key_bytes > max_bytes) {
+        PyErr_Format(PyExc_ValueError, "key_bytes must be in [1, %zd], got %zd", max_bytes, key_bytes);
+        return -1;
+    }
+    Py_ssize_t n = in->len / key_bytes;
+    if (in->len != n * key_bytes || out->v.len % per_key || out->v.len / per_key != n) {
+        PyErr_Format(PyExc_ValueError, "packed must hold whole keys, and out %s for each", each);
+        return -1;
+    }
+    return n;
+}
+
 /* digests(out, packed, key_bytes, lanes=0)
  *   packed: n keys of key_bytes (1 to 128) bytes each, back to back; out: uint64[n, 2] (written),
  *   each key's 16-byte digest (digest.h). lanes: 0 picks the widest path the CPU has; 1, 4 or 8
@@ -208,17 +227,9 @@ static PyObject *digests(PyObject *self, PyObject *args) {
         return NULL;
     view out = {{0}};
     PyObject *result = NULL;
-    if (!take(out_obj, &out, 'u', 8, 1, "out"))
+    Py_ssize_t n = packed_keys(out_obj, &out, &in, key_bytes, KV_DIGEST_MAX_INPUT, KV_DIGEST_BYTES, "a digest");
+    if (n < 0)
         goto done;
-    if (key_bytes < 1 || key_bytes > KV_DIGEST_MAX_INPUT) {
-        PyErr_Format(PyExc_ValueError, "key_bytes must be in [1, %d], got %zd", KV_DIGEST_MAX_INPUT, key_bytes);
-        goto done;
-    }
-    Py_ssize_t n = in.len / key_bytes;
-    if (in.len != n * key_bytes || n > PY_SSIZE_T_MAX / KV_DIGEST_BYTES || out.v.len != n * KV_DIGEST_BYTES) {
-        PyErr_SetString(PyExc_ValueError, "packed must hold whole keys, and out a digest for each");
-        goto done;
-    }
     if (lanes && ((lanes != 1 && lanes != 4 && lanes != 8) || !(kv_digest_lanes() & lanes))) {
         PyErr_Format(PyExc_ValueError, "lanes must be 0 or a path this CPU has (%d), got %d", kv_digest_lanes(),
                      lanes);
@@ -237,7 +248,7 @@ done:
 /* words(out, packed, key_bytes)
  *   packed: n keys of key_bytes (1 to 64) bytes each, back to back; out: uint64[n, KV_KEY_WORDS]
  *   (written), each key as the index keeps it (hit.h's kv_keys_words): whole and zero-padded up to
- *   32 bytes, else its digest, zero-padded. Checked before a byte is read. */
+ *   32 bytes, else its digest, zero-padded. */
 static PyObject *words_(PyObject *self, PyObject *args) {
     PyObject *out_obj;
     Py_buffer in;
@@ -246,21 +257,12 @@ static PyObject *words_(PyObject *self, PyObject *args) {
         return NULL;
     view out = {{0}};
     PyObject *result = NULL;
-    if (!take(out_obj, &out, 'u', 8, 1, "out"))
-        goto done;
-    if (key_bytes < 1 || key_bytes > 64) {
-        PyErr_Format(PyExc_ValueError, "key_bytes must be in [1, 64], got %zd", key_bytes);
-        goto done;
+    Py_ssize_t n = packed_keys(out_obj, &out, &in, key_bytes, 64, KV_WORD_BYTES, "the words");
+    if (n >= 0) {
+        kv_keys_words(in.buf, key_bytes, n, out.v.buf);
+        result = Py_None;
+        Py_INCREF(result);
     }
-    Py_ssize_t n = in.len / key_bytes;
-    if (in.len != n * key_bytes || out.v.len / (8 * KV_KEY_WORDS) != n || out.v.len % (8 * KV_KEY_WORDS)) {
-        PyErr_SetString(PyExc_ValueError, "packed must hold whole keys, and out the words of each");
-        goto done;
-    }
-    kv_keys_words(in.buf, key_bytes, n, out.v.buf);
-    result = Py_None;
-    Py_INCREF(result);
-done:
     if (out.held)
         PyBuffer_Release(&out.v);
     PyBuffer_Release(&in);
