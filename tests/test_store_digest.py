@@ -80,48 +80,39 @@ def test_keys_unpack_the_same_with_and_without_the_compiled_path(monkeypatch, ke
         == kept_words(packed[: 40 * key_bytes], key_bytes)
 
 
-@pytest.mark.parametrize("args, error", [
-    ((np.empty((1, 2), np.uint64), b"x" * 32, 0), "key_bytes"),
-    ((np.empty((1, 2), np.uint64), b"x" * 129, 129), "key_bytes"),
-    ((np.empty((1, 2), np.uint64), b"x" * 33, 32), "whole keys"),
-    ((np.empty((2, 2), np.uint64), b"x" * 32, 32), "a digest for each"),
-    ((np.empty((1, 1), np.uint64), b"x" * 32, 32), "a digest for each"),
-    ((np.empty((1, 4), np.int32), b"x" * 32, 32), "unsigned"),
-    ((np.empty((1, 2), np.float64), b"x" * 32, 32), "unsigned"),
-    ((np.empty((4, 2), np.uint64)[::2], b"x" * 64, 32), "contiguous"),
+@pytest.mark.parametrize("call, args, error", [
+    ("digests", (np.empty((1, 2), np.uint64), b"x" * 32, 0), "key_bytes"),
+    ("digests", (np.empty((1, 2), np.uint64), b"x" * 129, 129), "key_bytes"),
+    ("digests", (np.empty((1, 2), np.uint64), b"x" * 33, 32), "whole keys"),
+    ("digests", (np.empty((2, 2), np.uint64), b"x" * 32, 32), "a digest for each"),
+    ("digests", (np.empty((1, 1), np.uint64), b"x" * 32, 32), "a digest for each"),
+    ("digests", (np.empty((1, 4), np.int32), b"x" * 32, 32), "unsigned"),
+    ("digests", (np.empty((1, 2), np.float64), b"x" * 32, 32), "unsigned"),
+    ("digests", (np.empty((4, 2), np.uint64)[::2], b"x" * 64, 32), "contiguous"),
+    # words: a request's keys as the index keeps them (Keys.unpack's compiled path)
+    ("words", (np.empty((1, 4), np.uint64), b"x" * 32, 0), "key_bytes"),
+    ("words", (np.empty((1, 4), np.uint64), b"x" * 65, 65), "key_bytes"),
+    ("words", (np.empty((1, 4), np.uint64), b"x" * 33, 32), "whole keys"),
+    ("words", (np.empty((2, 4), np.uint64), b"x" * 32, 32), "the words for each"),
+    ("words", (np.empty((1, 2), np.uint64), b"x" * 32, 32), "the words for each"),
+    ("words", (np.empty((1, 5), np.uint64), b"x" * 16, 16), "the words for each"),
+    ("words", (np.empty((1, 4), np.int64), b"x" * 32, 32), "unsigned"),
+    ("words", (np.empty((4, 4), np.uint64)[::2], b"x" * 64, 32), "contiguous"),
 ])
-def test_bad_arguments_are_refused_before_anything_is_written(args, error) -> None:
+def test_bad_arguments_are_refused_before_anything_is_written(call, args, error) -> None:
+    """An output of the wrong size, type or layout, or keys that are not whole: nothing written."""
     out = args[0]
     before = out.tobytes()
     with pytest.raises((ValueError, BufferError), match=error):
-        _kvindex.digests(*args)
+        getattr(_kvindex, call)(*args)
     assert out.tobytes() == before
 
 
-def test_a_read_only_output_or_a_non_buffer_input_is_refused() -> None:
-    out = np.empty((1, 2), np.uint64)
+@pytest.mark.parametrize("call, words", [("digests", 2), ("words", 4)])
+def test_a_read_only_output_or_a_non_buffer_input_is_refused(call, words) -> None:
+    out = np.empty((1, words), np.uint64)
     out.flags.writeable = False
     with pytest.raises((ValueError, BufferError)):
-        _kvindex.digests(out, b"x" * 32, 32)
+        getattr(_kvindex, call)(out, b"x" * 32, 32)
     with pytest.raises(TypeError):
-        _kvindex.digests(np.empty((1, 2), np.uint64), [0] * 32, 32)
-
-
-@pytest.mark.parametrize("args, error", [
-    ((np.empty((1, 4), np.uint64), b"x" * 32, 0), "key_bytes"),
-    ((np.empty((1, 4), np.uint64), b"x" * 65, 65), "key_bytes"),
-    ((np.empty((1, 4), np.uint64), b"x" * 33, 32), "whole keys"),
-    ((np.empty((2, 4), np.uint64), b"x" * 32, 32), "the words of each"),
-    ((np.empty((1, 2), np.uint64), b"x" * 32, 32), "the words of each"),
-    ((np.empty((1, 5), np.uint64), b"x" * 16, 16), "the words of each"),
-    ((np.empty((1, 4), np.int64), b"x" * 32, 32), "unsigned"),
-    ((np.empty((4, 4), np.uint64)[::2], b"x" * 64, 32), "contiguous"),
-])
-def test_words_refuses_bad_arguments_before_anything_is_written(args, error) -> None:
-    """``_kvindex.words`` (a request's keys as the index keeps them, ``Keys.unpack``'s compiled
-    path): an output of the wrong size, type or layout, or keys that are not whole, write nothing."""
-    out = args[0]
-    before = out.tobytes()
-    with pytest.raises((ValueError, BufferError), match=error):
-        _kvindex.words(*args)
-    assert out.tobytes() == before
+        getattr(_kvindex, call)(np.empty((1, words), np.uint64), [0] * 32, 32)
