@@ -137,7 +137,7 @@ def test_compiled_changes_leave_the_tables_as_numpys_do(kvindex, seed):
     rng = random.Random(seed)
     c, py = KeyIndex(1 << 12), KeyIndex(1 << 12)
     py._c = None
-    py._seeds, py._seed_ints = c._seeds, c._seed_ints
+    py._seeds = c._seeds
     model: dict[tuple[int, bytes], int] = {}
     free = list(range(1 << 12))
     rng.shuffle(free)

@@ -64,21 +64,20 @@ class KeyIndex:
         self.level = _FIRST_BUCKETS  # buckets at the start of this round of splits (a power of 2)
         self.split = 0  # buckets of this round split so far
         self.count = 0
-        seeds = np.frombuffer(secrets.token_bytes(40), np.uint64).copy()
-        seeds[4] |= np.uint64(1)
-        self._seeds = seeds  # w0..w3's and the (owner, length) multiplier, odd
-        self._seed_ints = tuple(int(x) for x in seeds)
+        seeds = [int.from_bytes(secrets.token_bytes(8), "little") for _ in range(5)]
+        seeds[4] |= 1
+        self._seeds = tuple(seeds)  # the four words' and the (owner, length) multiplier, odd
         self._c = _kvindex  # None: every call in numpy (a build without a compiler; tests)
 
     def tables(self) -> tuple:
         """The tables and state the compiled calls take after their first argument(s)."""
         return (self.words, self.lens, self.owner, self.next, self.head, self.buckets, self.level,
-                self.split, self._seed_ints)
+                self.split, self._seeds)
 
     # Hashing and addressing
 
     def _hash(self, words: np.ndarray, lens: np.ndarray, owner: np.ndarray) -> np.ndarray:
-        s = self._seeds
+        s = np.array(self._seeds, np.uint64)
         h = (words[:, 0] ^ s[0]) * _M1
         h ^= h >> np.uint64(31)
         h += (words[:, 1] ^ s[1]) * _M2
