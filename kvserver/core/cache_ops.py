@@ -240,19 +240,17 @@ class CacheOps:
             return None
         try:
             tenant, client, key = self._target(req.client_id, req.space_id)
-            key_bytes, packed = req.key_bytes, req.keys
-            if (req.pin_ms > MAX_PIN_MS or not 1 <= key_bytes <= MAX_KEY_BYTES or len(packed) % key_bytes
-                    or len(packed) // key_bytes > self._max_keys):
+            if req.pin_ms > MAX_PIN_MS:
                 return None  # (lookup words it)
-            done = self._lookup_packed(req, client, key)
+            done = self._lookup_packed(req, client, key)  # it checks the keys first
             if done is not None:
                 found = done[0]
-            else:
+            else:  # the keys checked before the target is taken: a refused one changes nothing
+                keys = Keys.unpack(req.keys, req.key_bytes, self._max_keys)
                 target = self._lookup_target(client, key, req)
                 lower = None if req.memory_only else self.lower
-                keys = Keys.unpack(packed, key_bytes, self._max_keys)
                 found = run_steps(self.cache.lookup_steps(target, keys, req.pin_ms, lower))
-        except KVError:
+        except KVError:  # refused: ``lookup`` serves it, and gives the error
             return None
         if self.disk is not None:
             self.disk.counters.hits += found.lower
