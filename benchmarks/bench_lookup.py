@@ -52,7 +52,6 @@ async def timed(daemon: Daemon, raw: bytes, n: int, rounds: int, compiled: bool)
     serialized answer; each must find all ``n``. Not ``compiled``: the daemon's page table and
     index take their numpy paths, and keys are digested with hashlib (a build without a compiler)."""
     pages = daemon.servicer.cache.cache.pages
-    walk, index._kvindex = index._kvindex, index._kvindex if compiled else None
     words = store_keys._compiled_words
     store_keys._compiled_words = words if compiled else None
     pages_c, index_c = pages._c, pages.index._c
@@ -68,7 +67,6 @@ async def timed(daemon: Daemon, raw: bytes, n: int, rounds: int, compiled: bool)
             assert resp.pages == n, f"a Lookup found {resp.pages} of {n} stored keys"
         return out
     finally:
-        index._kvindex = walk
         store_keys._compiled_words = words
         pages._c, pages.index._c = pages_c, index_c
 

@@ -221,7 +221,6 @@ def _padded(words: np.ndarray, ids: np.ndarray, lens: np.ndarray) -> np.ndarray:
     return out
 
 
-
 def _adopt(cache: Any, keep: Keep, rec: Recovery) -> None:
     p, slabs, arena = cache.pages, keep.slabs, cache.arena
     top = min(p.size, keep.kept.extent("pages.state"))

@@ -2,9 +2,9 @@
  * KVCache.prepare_get finds them (kvserver/store/cache.py), from the keys' bytes as the request
  * packs them. Shared by the extension (index.c) and the fuzzer (tests/fuzz/fuzz_index.c).
  *
- * A key of up to 32 bytes is its four words, zero-padded (keys.py); a wider one its 16-byte digest
- * (digest.h), zero-padded alike. Each key is looked up under the part (index.h); the hit runs while the key is filed
- * and its page committed. Every page id the index gives is checked inside the page tables, and its
+ * A key of up to 32 bytes is its four words, zero-padded (keys.py); a wider one its 16-byte
+ * digest (digest.h), zero-padded alike. Each key is looked up under the part (index.h); the hit
+ * runs while the key is filed and its page committed. Every page id the index gives is checked inside the page tables, and its
  * slab inside the slab table, before it is read: a page out of them ends the walk as a corrupt
  * table (-1), never a read outside them. */
 #ifndef KV_HIT_H
