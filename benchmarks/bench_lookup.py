@@ -131,7 +131,7 @@ def main() -> None:
                                          space_id=view.space_id, keys=packed, key_bytes=width))):
                         raw = req.SerializeToString()
                         assert on_loop(daemon.servicer.Lookup(req, None)).pages == n
-                        rounds = args.rounds if n <= 1024 else max(5, args.rounds // 20)
+                        rounds = args.rounds if n <= 1024 else max(6, args.rounds * 1024 // n)
                         got = {True: [], False: []}
                         for i in range(4):  # alternating, in blocks
                             compiled = i % 2 == 0

@@ -284,8 +284,8 @@ def test_a_lane_put_past_its_deadline_stores_nothing_and_the_next_one_goes_alone
 
 def test_a_lane_lookup_is_answered_at_once_as_the_rpc_answers_it(plane_daemon) -> None:
     """A Lookup on the lane runs whole where the plane hands it over: the same pages as the gRPC
-    Lookup (a prefix, a miss), a lease that pins what it found (a Get names it), and a refusal
-    (pin_ms past its bound) with the RPC's status."""
+    Lookup (a prefix, a miss, one of more keys than a numpy step takes), a lease that pins what it
+    found (a Get names it), and a refusal (pin_ms past its bound) with the RPC's status."""
     d = plane_daemon
     ops = d.daemon.servicer.cache
     with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c, \
@@ -295,9 +295,12 @@ def test_a_lane_lookup_is_answered_at_once_as_the_rpc_answers_it(plane_daemon) -
         _fill(pool, 37)
         assert c.put(_keys("k")[:12], torch.arange(12)).stored == 12
         now = ops.lookups_now
-        for keys in (_keys("k"), _keys("k")[:5], _keys("nope")[:3], []):
+        # 3000 keys (more than a step of the numpy walk, one of the compiled walk's): a slot's
+        # 48 000 bytes; 5000 (80 000 bytes) go on gRPC, stepped
+        for keys in (_keys("k"), _keys("k")[:5], _keys("nope")[:3], [], _keys("k", 3000)):
             assert c.lookup(keys).pages == g.lookup(keys).pages
-        assert ops.lookups_now == now + 4, "the lane's Lookups did not run at once"
+        assert ops.lookups_now == now + 5, "the lane's Lookups did not run at once"
+        assert c.lookup(_keys("k", 5000)).pages == 12 and ops.lookups_now == now + 5
         pinned = c.lookup(_keys("k"), pin_ms=30_000)
         assert pinned.pages == 12 and pinned.lease_id
         assert d.run(lambda: len(d.core.cache.leases.leases)) == 1

@@ -4,8 +4,9 @@ given up between two steps leaves nothing behind (no pin, no page being written 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-from store_support import MiB, make_cache, one_part, put
+from store_support import MiB, make_cache, one_part, part_of, put, space_key
 
 import kvserver.store.cache as cache_module
 from kvserver.store import Keys
@@ -114,3 +115,53 @@ def test_wide_keys_are_digested_in_steps(monkeypatch):
     whole = Keys.unpack(packed, 40, N)
     assert yields == N // 16 and (stepped.words == whole.words).all() and (stepped.lens == whole.lens).all()
     assert steps_of(Keys.unpack_steps(packed[: 16 * N], 16, N))[0] == 0  # 16 bytes: one numpy pass
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_a_packed_lookup_walks_in_steps_and_answers_as_lookup_steps(monkeypatch, parts):
+    """KVCache.lookup_packed_steps walks PACKED_STEP_PAIRS (key, part) pairs a step (never fewer
+    keys than STEP_KEYS), yields between two, changes nothing before its last step (a Lookup given
+    up midway counted and touched nothing), and answers what lookup_steps answers: a hit that ends
+    inside a step, at a step's end, or runs to the last key, for a part and for a space of two."""
+    monkeypatch.setattr(cache_module, "STEP_KEYS", 4)
+    monkeypatch.setattr(cache_module, "PACKED_STEP_PAIRS", 16)
+    cache, _, _ = make_cache(capacity=64 * MiB)
+    if not cache.pages.compiled:
+        pytest.skip("built without a compiler")
+    space = cache.space(space_key("t", tp=parts))
+    members = [part_of(cache, space, shard, page_bytes=4096) for shard in range(parts)]
+    stored = [i.to_bytes(16, "little") for i in range(N)]
+    for i, part in enumerate(members):  # the last part misses key 70: a space's hit ends there
+        put(cache, part, [k for j, k in enumerate(stored) if not (i == parts - 1 and parts > 1 and j == 70)])
+    step = 16 // parts
+    assert cache.packed_step_keys(space) == step and cache.packed_step_keys(members[0]) == 16
+    hit = 70 if parts > 1 else N
+    p = cache.pages
+    for asked, want in [(N, hit), (5 * step, 5 * step), (5 * step + 3, 5 * step + 3), (0, 0)]:
+        packed = b"".join(stored[:asked])
+        for extra in ([], [b"\xff" * 16]):  # a miss after the keys asked
+            packed_more = packed + b"".join(extra)
+            n_keys = asked + len(extra)
+            before = (space.counters.hits, space.counters.misses, p.stamp.copy())
+            yields, got = steps_of(cache.lookup_packed_steps(space, packed_more, 16))
+            want = min(want, asked)
+            assert got == (want, "", 0, 0)
+            # a step a yield until the one where the hit ends (or the last)
+            assert yields == (want // step if want < n_keys else max(0, -(-n_keys // step) - 1))
+            counted = (space.counters.hits - before[0], space.counters.misses - before[1])
+            assert counted == (want, n_keys - want)
+            ids = [p.find(part.gid, Keys.unpack(packed_more, 16, N + 1))[:want] for part in members]
+            stamps = [p.stamp[i].copy() for i in ids]
+            mid = (space.counters.hits, space.counters.misses)
+            assert run_steps(cache.lookup_steps(space, Keys.unpack(packed_more, 16, N + 1))) == got
+            for i, part_ids in enumerate(ids):  # the same order of recency as lookup_steps leaves
+                order = np.argsort(-stamps[i], kind="stable")
+                assert np.array_equal(order, np.argsort(-p.stamp[part_ids], kind="stable"))
+            assert (space.counters.hits - mid[0], space.counters.misses - mid[1]) == (want, n_keys - want)
+    # given up after its first step: nothing counted, nothing touched
+    before = (space.counters.hits, space.counters.misses, p.stamp.copy())
+    gen = cache.lookup_packed_steps(space, b"".join(stored), 16)
+    next(gen)
+    gen.close()
+    assert (space.counters.hits, space.counters.misses) == before[:2]
+    assert np.array_equal(p.stamp, before[2])

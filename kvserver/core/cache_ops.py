@@ -169,10 +169,11 @@ class CacheOps:
         tenant, client, key = self._target(req.client_id, req.space_id)
         if req.pin_ms > MAX_PIN_MS:
             raise InvalidArgument(f"pin_ms is {req.pin_ms}; at most {MAX_PIN_MS}")
-        packed = self._lookup_packed(req, client, key)  # one compiled walk, where it can be
+        packed = self._lookup_packed(req, client, key)  # compiled walks, where they can be
         keys: Keys | None = None
         if packed is not None:
-            found, target = packed
+            steps, target = packed
+            found = await in_steps(self.kv.share, steps)
         else:
             keys = await in_steps(self.kv.share, Keys.unpack_steps(req.keys, req.key_bytes, self._max_keys))
             target = self._lookup_target(client, key, req)
@@ -216,27 +217,28 @@ class CacheOps:
                     pass
         return target
 
-    def _lookup_packed(self, req: pb.LookupRequest, client: ClientState | None,
-                       key: SpaceKey | None) -> tuple[Found, Part | Space] | None:
-        """A Lookup without a lease or a tier below, of at most a step of keys, as compiled walks from
-        its packed keys, one a part of its target (``KVCache.lookup_packed``: the same hits,
-        counters and touch as its steps): what it found, and its target. None where it is not one,
-        or where the keys' checks refuse it (the steps give the error)."""
+    def _lookup_packed(self, req: pb.LookupRequest, client: ClientState | None, key: SpaceKey | None,
+                       ) -> tuple[Generator[None, None, Found], Part | Space] | None:
+        """A Lookup without a lease or a tier below as compiled walks from its packed keys, one a
+        part of its target, in steps (``KVCache.lookup_packed_steps``: the same hits, counters and
+        touch as ``lookup_steps``): its steps, not started yet, and its target. None where it is
+        not one, or where the keys' checks refuse it (``lookup_steps``' path gives the error)."""
         key_bytes, packed = req.key_bytes, req.keys
         if (req.pin_ms or (self.lower is not None and not req.memory_only)
                 or not 1 <= key_bytes <= MAX_KEY_BYTES or len(packed) % key_bytes
-                or len(packed) > STEP_KEYS * key_bytes or len(packed) // key_bytes > self._max_keys):
+                or len(packed) // key_bytes > self._max_keys or not self.cache.pages.compiled):
             return None
-        target = self._lookup_target(client, key, req)
-        found = self.cache.lookup_packed(target, packed, key_bytes)
-        return None if found is None else (found, target)
+        target = self._lookup_target(client, key, req)  # (no tier below here: it changes nothing)
+        steps = self.cache.lookup_packed_steps(target, packed, key_bytes)
+        return None if steps is None else (steps, target)
 
     def lookup_now(self, req: pb.LookupRequest) -> Found | None:
         """``lookup`` all of it now, for a lane Lookup served without a task: the same checks and
-        steps, run at once. None where it is not one that runs whole at once, or where the checks
-        refuse it (``lookup`` serves it, and gives the error): more keys than a step holds, a
-        cluster to ask."""
-        if self.cluster is not None or len(req.keys) > STEP_KEYS * max(1, req.key_bytes):
+        steps, run at once where they are one step (``KVCache.packed_step_keys`` keys of a compiled
+        walk, else ``STEP_KEYS``). None where it is not one that runs whole at once, or where the
+        checks refuse it (``lookup`` serves it, and gives the error): more keys than a step holds,
+        a cluster to ask."""
+        if self.cluster is not None:
             return None
         try:
             tenant, client, key = self._target(req.client_id, req.space_id)
@@ -244,8 +246,14 @@ class CacheOps:
                 return None  # (lookup words it)
             done = self._lookup_packed(req, client, key)  # it checks the keys first
             if done is not None:
-                found = done[0]
+                steps, target = done
+                if len(req.keys) // req.key_bytes > self.cache.packed_step_keys(target):
+                    steps.close()  # (never started: nothing changed)
+                    return None
+                found = run_steps(steps)
             else:  # the keys checked before the target is taken: a refused one changes nothing
+                if len(req.keys) > STEP_KEYS * max(1, req.key_bytes):
+                    return None
                 keys = Keys.unpack(req.keys, req.key_bytes, self._max_keys)
                 target = self._lookup_target(client, key, req)
                 lower = None if req.memory_only else self.lower

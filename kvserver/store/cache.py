@@ -40,6 +40,10 @@ MAX_PIN_MS = 60_000
 # of a space of many parts it examines fewer keys (a shorter hit is a correct answer, and the work
 # on the event loop no longer grows with parts x keys).
 MAX_LOOKUP_PAIRS = 1 << 20
+# (key, part) pairs one step of a compiled Lookup walks (``lookup_packed_steps``): 20-30 ns a pair
+# on the 2-core VM of docs/performance.md (about 70 ns for keys over 32 bytes, digested as it
+# goes), so a step costs the event loop no more than a numpy step of STEP_KEYS keys (about 0.3 ms).
+PACKED_STEP_PAIRS = 4 * STEP_KEYS
 Lower = Callable[[Part, Keys], np.ndarray]  # which of a part's keys a lower tier holds (bool mask)
 
 
@@ -246,12 +250,7 @@ class KVCache:
         keys = as_keys(keys)
         if not 0 <= pin_ms <= MAX_PIN_MS:
             raise InvalidArgument(f"pin_ms must be between 0 and {MAX_PIN_MS}, got {pin_ms}")
-        if isinstance(target, Part):
-            space, parts = target.space, [target]
-        else:
-            space = target
-            full = len(space.parts) == space.key.num_parts
-            parts = list(space.parts.values()) if full else []
+        space, parts = self._parts_of(target)
         space = self._live(space)
         tenant = self.tenants.get(space.key.tenant)
         if pin_ms and keys:
@@ -312,33 +311,66 @@ class KVCache:
         return Found(n, lease_id, below)
 
     def lookup_packed(self, target: Part | Space, packed: bytes, key_bytes: int) -> Found | None:
-        """``lookup_steps`` without a lease or a tier below, of at most ``STEP_KEYS`` keys packed
-        as a request packs them (checked by the caller), for a part or a whole space (every part
-        of a space of several, a TP or PP group's): one compiled walk a part (``PageTable.hold_hit``,
-        nothing held), each over the keys every part before it holds; the same leading pages, the
-        same counters and the same touches, part by part. None where the package has no compiled
-        index (``lookup_steps`` then)."""
+        """``lookup_packed_steps`` run to its end at once; None without a compiled index."""
+        steps = self.lookup_packed_steps(target, packed, key_bytes)
+        return None if steps is None else run_steps(steps)
+
+    def lookup_packed_steps(self, target: Part | Space, packed: bytes,
+                            key_bytes: int) -> Generator[None, None, Found] | None:
+        """``lookup_steps`` without a lease or a tier below, of keys packed as a request packs them
+        (checked by the caller), for a part or a whole space (every part of a space of several, a
+        TP or PP group's): compiled walks from the packed keys (``PageTable.hold_hit``, nothing
+        held), each part's over the keys every part before it holds, in steps of
+        ``packed_step_keys(target)`` keys; the same leading pages, the same counters and the same
+        touches as ``lookup_steps``. Nothing changes until its last step. None where the package has
+        no compiled index (``lookup_steps`` then)."""
+        if not self.pages.compiled:
+            return None
+        return self._lookup_packed(target, packed, key_bytes)
+
+    def packed_step_keys(self, target: Part | Space) -> int:
+        """Keys one step of ``lookup_packed_steps`` walks: at most ``PACKED_STEP_PAIRS`` (key, part)
+        pairs, and never fewer keys than a step of ``lookup_steps``."""
+        return max(STEP_KEYS, PACKED_STEP_PAIRS // max(1, len(self._parts_of(target)[1])))
+
+    def _parts_of(self, target: Part | Space) -> tuple[Space, list[Part]]:
+        """The space of a Lookup's target and the parts it looks in: a part, or every part of a
+        space that has them all (none of one that does not: it holds no whole page)."""
         if isinstance(target, Part):
-            space, parts = target.space, [target]
-        else:
-            space = target
-            parts = list(space.parts.values()) if len(space.parts) == space.key.num_parts else []
+            return target.space, [target]
+        full = len(target.parts) == target.key.num_parts
+        return target, list(target.parts.values()) if full else []
+
+    def _lookup_packed(self, target: Part | Space, packed: bytes,
+                       key_bytes: int) -> Generator[None, None, Found]:
+        space, parts = self._parts_of(target)
         space = self._live(space)
-        asked = m = len(packed) // key_bytes
+        step_keys = self.packed_step_keys(target)
+        asked = len(packed) // key_bytes
+        total = min(asked, max(1, MAX_LOOKUP_PAIRS // len(parts))) if parts else 0
         view = memoryview(packed)
-        found: list[np.ndarray] = []
-        for part in parts:
-            got = self.pages.hold_hit(part.gid, view[: m * key_bytes], key_bytes, hold=False)
-            if got is None:  # no compiled index (the first part says so: nothing done yet)
-                return None
-            found.append(got[0])
-            m = min(m, len(got[0]))
-        n = m if parts else 0
+        n = 0
+        counted: list[list[np.ndarray]] = []  # per step, per part: the page ids found
+        while n < total:
+            end = min(total, n + step_keys)
+            m, found = end - n, []
+            for part in parts:
+                got = self.pages.hold_hit(part.gid, view[n * key_bytes: (n + m) * key_bytes], key_bytes,
+                                          hold=False)
+                assert got is not None  # (compiled: checked before the first step)
+                found.append(got[0])
+                m = min(m, len(got[0]))
+            counted.append([ids[:m] for ids in found])
+            n += m
+            if n < end or n == total:
+                break
+            yield
         for c in (space.counters, self.tenants.get(space.key.tenant).counters):
             c.hits += n
             c.misses += asked - n
-        for ids in found:
-            self.pages.touch(ids[:n])
+        # Touched once at the end, in key order (as lookup_steps touches them).
+        for j in range(len(parts) if counted else 0):
+            self.pages.touch(np.concatenate([got[j] for got in counted]))
         return Found(n, "")
 
     # Put

@@ -185,13 +185,18 @@ class PageTable:
         np.add.at(self.readers, ids, n)
         np.add.at(self.slab_holds, self.slab[ids], n)
 
+    @property
+    def compiled(self) -> bool:
+        """Whether ``hold_hit`` walks in C (False in a build without a compiler)."""
+        return self._c is not None and self.index._c is not None
+
     def hold_hit(self, part: int, packed: bytes, key_bytes: int,
                  hold: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
         """The page ids and offsets of the leading keys packed in ``packed`` (``key_bytes`` each,
         checked by the caller) that ``part`` has committed, those pages held (``hold``; not with
         ``hold`` False): what ``find``, the state check and ``hold`` give, in one compiled call
         (digests included). None in a build without a compiler (the caller takes those steps)."""
-        if self._c is None or self.index._c is None:
+        if not self.compiled:
             return None
         n = len(packed) // key_bytes
         ids, offsets = np.empty(n, np.int64), np.empty(n, np.int64)
