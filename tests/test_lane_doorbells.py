@@ -26,6 +26,7 @@ wire = pytest.importorskip("kvserver.protocol._wire", reason="the compiled clien
 
 LAYERS, PAGE, TOKENS = 2, 16, 256
 LAYOUT, DTYPE = KVLayout.mha(2, 32), torch.bfloat16
+KEY = b"quiet-ring-key".ljust(16, b".")
 
 
 def plane_daemon(socket_dir: str, spin: float, host_memory: int = 64 << 20) -> DaemonThread:
@@ -102,6 +103,9 @@ def test_the_plane_says_it_is_awake_while_it_spins_and_then_sleeps(socket_dir) -
 
 
 def test_a_quiet_ring_is_rung_only_for_a_client_that_sleeps(socket_dir, monkeypatch) -> None:
+    """Whoever answers (the plane, or the event loop a request was handed over to), a quiet ring's
+    done doorbell is rung only for a client asleep on it; a ring whose client waits in Python is
+    rung for every answer."""
     d = plane_daemon(socket_dir, 0.0)
     try:
         with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, client(d, pool) as c:
@@ -109,6 +113,12 @@ def test_a_quiet_ring_is_rung_only_for_a_client_that_sleeps(socket_dir, monkeypa
             c.lane.spin = 0.01  # it waits by looking, for up to 10 ms: never in poll
             for _ in range(20):
                 c.write(host_indices=host, device_indices=dev)
+            assert sum(pending(s) for s in c.lane._done) == 0
+            # The event loop's answers (the cache's calls, which the plane hands over) alike.
+            assert c.put([KEY], torch.tensor([0])).stored == 1
+            for _ in range(10):
+                assert c.lookup([KEY]).pages == 1
+                assert c.put([KEY], torch.tensor([1])).present == 1
             assert sum(pending(s) for s in c.lane._done) == 0
             c.lane.spin = 0.0  # it sleeps at once: rung (else each call would wait for its deadline)
             t = time.monotonic()
@@ -124,7 +134,9 @@ def test_a_quiet_ring_is_rung_only_for_a_client_that_sleeps(socket_dir, monkeypa
             c.lane.spin = 0.01
             for _ in range(5):
                 c.write(host_indices=host, device_indices=dev)
-            assert sum(pending(s) for s in c.lane._done) == 5
+            for _ in range(3):
+                assert c.lookup([KEY]).pages == 1
+            assert sum(pending(s) for s in c.lane._done) == 8
     finally:
         d.stop()
 

@@ -22,7 +22,7 @@ import numpy as np
 from kvserver.cluster.tier import QUARANTINE_SECONDS
 from kvserver.copies import transfer
 from kvserver.core.client_state import ClientSpec, ClientState, check_model_shape
-from kvserver.core.copier import ClientJob, LoadStep
+from kvserver.core.copier import INLINE_COPY_BYTES, ClientJob, LoadStep
 from kvserver.core.kvcore import KVCore
 from kvserver.core.share import LoopShare
 from kvserver.errors import InvalidArgument, KVError, NoCapacity, NotFound, OutOfRange, Unavailable
@@ -169,11 +169,14 @@ class CacheOps:
         tenant, client, key = self._target(req.client_id, req.space_id)
         if req.pin_ms > MAX_PIN_MS:
             raise InvalidArgument(f"pin_ms is {req.pin_ms}; at most {MAX_PIN_MS}")
-        packed = self._lookup_packed(req, client, key)  # compiled walks, where they can be
+        target = self._packed_target(req, client, key)  # compiled walks, where they can be
         keys: Keys | None = None
-        if packed is not None:
-            steps, target = packed
-            found = await in_steps(self.kv.share, steps)
+        if target is not None:
+            if self._one_packed_step(req, target):
+                found = self.cache.lookup_packed(target, req.keys, req.key_bytes)
+            else:
+                found = await in_steps(self.kv.share, self.cache.lookup_packed_steps(target, req.keys,
+                                                                                     req.key_bytes))
         else:
             keys = await in_steps(self.kv.share, Keys.unpack_steps(req.keys, req.key_bytes, self._max_keys))
             target = self._lookup_target(client, key, req)
@@ -217,20 +220,23 @@ class CacheOps:
                     pass
         return target
 
-    def _lookup_packed(self, req: pb.LookupRequest, client: ClientState | None, key: SpaceKey | None,
-                       ) -> tuple[Generator[None, None, Found], Part | Space] | None:
-        """A Lookup without a lease or a tier below as compiled walks from its packed keys, one a
-        part of its target, in steps (``KVCache.lookup_packed_steps``: the same hits, counters and
-        touch as ``lookup_steps``): its steps, not started yet, and its target. None where it is
-        not one, or where the keys' checks refuse it (``lookup_steps``' path gives the error)."""
+    def _packed_target(self, req: pb.LookupRequest, client: ClientState | None,
+                       key: SpaceKey | None) -> Part | Space | None:
+        """The target of a Lookup that compiled walks from its packed keys can answer (no lease,
+        no tier below: ``KVCache.lookup_packed_steps``, the same hits, counters and touch as
+        ``lookup_steps``), its keys checked; None where it is not one, or where the keys' checks
+        refuse it (``lookup_steps``' path gives the error)."""
         key_bytes, packed = req.key_bytes, req.keys
         if (req.pin_ms or (self.lower is not None and not req.memory_only)
                 or not 1 <= key_bytes <= MAX_KEY_BYTES or len(packed) % key_bytes
                 or len(packed) // key_bytes > self._max_keys or not self.cache.pages.compiled):
             return None
-        target = self._lookup_target(client, key, req)  # (no tier below here: it changes nothing)
-        steps = self.cache.lookup_packed_steps(target, packed, key_bytes)
-        return None if steps is None else (steps, target)
+        return self._lookup_target(client, key, req)  # (no tier below here: it changes nothing)
+
+    def _one_packed_step(self, req: pb.LookupRequest, target: Part | Space) -> bool:
+        """Whether a Lookup's compiled walk is one step (``KVCache.packed_step_keys``)."""
+        n = len(req.keys) // req.key_bytes
+        return n <= STEP_KEYS or n <= self.cache.packed_step_keys(target)
 
     def lookup_now(self, req: pb.LookupRequest) -> Found | None:
         """``lookup`` all of it now, for a lane Lookup served without a task: the same checks and
@@ -244,14 +250,13 @@ class CacheOps:
             tenant, client, key = self._target(req.client_id, req.space_id)
             if req.pin_ms > MAX_PIN_MS:
                 return None  # (lookup words it)
-            done = self._lookup_packed(req, client, key)  # it checks the keys first
-            if done is not None:
-                steps, target = done
-                if len(req.keys) // req.key_bytes > self.cache.packed_step_keys(target):
-                    steps.close()  # (never started: nothing changed)
-                    return None
-                found = run_steps(steps)
-            else:  # the keys checked before the target is taken: a refused one changes nothing
+            target = self._packed_target(req, client, key)  # it checks the keys first
+            found = None
+            if target is not None:
+                if not self._one_packed_step(req, target):
+                    return None  # more than a step: ``lookup`` walks it in steps
+                found = self.cache.lookup_packed(target, req.keys, req.key_bytes)
+            if found is None:  # the keys checked before the target is taken: a refused one changes nothing
                 if len(req.keys) > STEP_KEYS * max(1, req.key_bytes):
                     return None
                 keys = Keys.unpack(req.keys, req.key_bytes, self._max_keys)
@@ -289,16 +294,23 @@ class CacheOps:
 
     def _checked_pages(self, client: ClientState, n: int, device_pages, ready_event: bytes,
                        event_slot: int) -> np.ndarray:
-        """The device pages of ``n`` keys, checked against the client's pool."""
-        pages = transfer.as_indices(device_pages, "device page")
+        """The device pages of ``n`` keys (a request's repeated field, or an array), checked against
+        the client's pool."""
+        few: list[int] | None = None
+        if n <= _FEW and len(device_pages) == n:
+            # A few pages: plain Python is several times cheaper than numpy's calls (reading a
+            # protobuf field into an array among them).
+            few = [int(page) for page in device_pages]
+            pages = np.array(few, np.int64)
+        else:
+            pages = transfer.as_indices(device_pages, "device page")
         if pages.size != n:
             raise InvalidArgument(f"{n} keys but {pages.size} device pages; they must pair up")
         device = client.device
         device.check_request(ready_event, event_slot)
         device.check_cache_rows()
         if n:
-            if n <= _FEW:  # a few pages: plain Python is several times cheaper than numpy's calls
-                few = pages.tolist()
+            if few is not None:
                 lo, hi, repeats = min(few), max(few), len(set(few)) < n
             else:
                 lo, hi, repeats = int(pages.min()), int(pages.max()), None
@@ -543,16 +555,33 @@ class CacheOps:
         if not plan.pages:
             self.cache.complete_get(plan, True)
             return 0
+        nbytes = plan.pages * spec.page_size * spec.token_bytes * spec.layout.num_parts * len(local_layers)
         try:
-            job = self._job(client, plan.offsets, pages[:plan.pages], local_layers, b"", 0, 0.0)
-            fut = copier.run_alone(job, True, answer(plan.pages))
+            code = -1
+            if nbytes <= INLINE_COPY_BYTES:  # copied and answered now, with no job (``Copier.copy_now``)
+                code = copier.copy_now(client, plan.offsets, pages[:plan.pages], local_layers,
+                                       self._cache_table(client), answer(plan.pages))
+            if code < 0:
+                job = self._job(client, plan.offsets, pages[:plan.pages], local_layers, b"", 0, 0.0)
+                fut = copier.run_alone(job, True, answer(plan.pages))
         except BaseException:
             self.cache.complete_get(plan, False)
             raise
+        if code >= 0:  # answered: nothing may raise from here (the loop would serve it again)
+            try:
+                try:
+                    self.cache.complete_get(plan, code == 0)  # whatever else fails, the pages go
+                    if code == 0:
+                        client.counters.bytes_loaded += nbytes
+                        client.counters.load_ops += 1
+                finally:
+                    ended(code == 0, nbytes if code == 0 else 0)
+            except Exception:
+                logger.exception("settling a Get copied at once failed")
+            return plan.pages
         if fut is None:  # the plane refused it after all (stopping, out of memory)
             self.cache.complete_get(plan, False)
             raise Unavailable(_PLANE_REFUSED)
-        nbytes = job.bytes_per_layer * len(local_layers)
 
         def settle(f: Future) -> None:  # on the loop, where the plane's ends are taken
             ok = f.exception() is None

@@ -286,6 +286,20 @@ class Copier:
         self.alone_copies += 1
         return fut
 
+    def copy_now(self, client: ClientState, offsets: np.ndarray, device_pages: np.ndarray,
+                 local_layers: list[int], host_table: Any, answer: Any) -> int:
+        """A small answering copy (a lane Get's: ``INLINE_COPY_BYTES`` at most) for a client
+        ``alone``, copied and answered right here by the data plane's code
+        (``DataPlane.copy_now``), with no job, order or future: nothing else of the client is in
+        flight, and the copy is over on return. The status its slot was answered with; -1: not
+        copied, nothing changed (``run_alone`` then)."""
+        if self.plane is None or not self.alone(client, True):
+            return -1
+        code = self.plane.copy_now(client.gate, host_table, client.spec.page_size, self.arena_span, offsets,
+                                   device_pages, np.array(local_layers, np.int64), answer)
+        self.alone_copies += code >= 0
+        return code
+
     def ended_alone(self, job: ClientJob) -> None:
         """``run_alone``'s job is over: later copies of its client need not wait for it."""
         client = job.client

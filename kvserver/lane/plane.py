@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 ENABLED = _kvlane is not None and os.environ.get("KVSERVER_DATA_PLANE", "compiled") != "python"
 POLL_SECONDS = 0.0005  # how often a waiter on the plane's copies looks again
 MAX_KEPT_TABLES = 4096  # host tables whose rows _host_rows keeps (one a client)
+# The stop word of a copy made at once (``copy_now``): nothing can stop it while it runs on the loop.
+_NO_STOP = np.zeros(1, np.int64)
 
 
 def available() -> bool:
@@ -187,6 +189,30 @@ class DataPlane:
         job.work = Work(to_device, 0, lambda _: None, future=fut)  # what later copies of it wait on
         return fut
 
+    def copy_now(self, gate: Any, table: Any, page_size: int, host: tuple[int, int], offsets: np.ndarray,
+                 device_pages: np.ndarray, layers: np.ndarray, answer: Answer) -> int:
+        """A small answering copy (a lane Get's) of cache pages at ``offsets`` of the arena ``host``
+        (``table``: the client's cache table) into whole ``device_pages``, of the registration's
+        local ``layers``, copied and answered here, on the loop, by the plane's own code
+        (``submit_copy``'s now), with no job: for a registration nothing else of which is in
+        flight on the loop (``Copier.alone``), so that nothing is to be ordered or settled later.
+        The status its slot was answered with; -1: not copied, nothing changed (its gate has a copy
+        on the plane, or its host rows are not cache pages): ``copy`` then."""
+        rows = self.host_rows(table, page_size, host)
+        if rows is None:
+            return -1
+        base, stride, limit = rows
+        try:
+            code = self.engine.submit_copy(0, gate, True, base, stride, limit, offsets, device_pages, layers,
+                                           _NO_STOP, None, -1, 0.0, *answer, paged=True, now=True)
+        except (MemoryError, RuntimeError):  # the plane stopped: its submission would say so
+            return -1
+        if code >= 0:
+            self.copies += 1
+            self.answered += 1
+            self.now += 1
+        return code
+
     def _copy_now(self, gate: Any, job: Job, base: int, stride: int, limit: int, host_pages: np.ndarray,
                   tokens: np.ndarray, layers: np.ndarray, answer: Answer) -> int:
         """submit_copy's ``now``: the status the copy's slot was answered with, -1 if not copied."""
@@ -285,9 +311,16 @@ class DataPlane:
         self.lanes.pop(lane.plane_key, None)
         self.engine.remove_lane(handle)
 
-    def release_slot(self, handle: int, slot: int) -> None:
-        with contextlib.suppress(KeyError):  # removed meanwhile
-            self.engine.release_slot(handle, slot)
+    def finish_slot(self, handle: int, slot: int, seq: int, code: int, response: bytes,
+                    message: bytes) -> bool:
+        """Ends the loop's answer of handed-off ``slot`` in C (``_kvlane``'s finish_slot: the
+        response, the status, the slot given back, DONE, and the doorbell rung only for a client
+        asleep on a quiet lane). False: the lane was removed meanwhile (nothing written)."""
+        try:
+            self.engine.finish_slot(handle, slot, seq, code, response, message)
+        except KeyError:
+            return False
+        return True
 
     def unwatch_all(self) -> None:
         self.engine.unwatch_all()

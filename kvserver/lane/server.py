@@ -258,8 +258,6 @@ class Lane:
         mm = self._mm
         seq = R.CALL.unpack_from(mm, off + R.RPC_AT)[1]
         text = message.encode()[: R.ERROR_BYTES]
-        if self._plane is not None:
-            self._plane.release_slot(self._handle, i)
         if flags & R.FLAG_DONE:
             R.PROGRESS.pack_into(mm, off + R.PROGRESS_AT, 0, 0, 0, 0, 0, 1, flags)
         else:
@@ -279,7 +277,6 @@ class Lane:
         off = R.slot_offset(i)
         mm = self._mm
         seq = R.CALL.unpack_from(mm, off + R.RPC_AT)[1]
-        self._plane.release_slot(self._handle, i)
         text = message.encode()[: R.ERROR_BYTES]
         R.U32.pack_into(mm, off + R.PROGRESS_AT + 28, R.FLAG_JOB_ENDED)
         self._done_with(i, seq, int(Code.INTERNAL), b"", text)
@@ -287,7 +284,13 @@ class Lane:
     def _done_with(self, i: int, seq: int, code: int, response: bytes, text: bytes) -> None:
         """Ends slot ``i``'s answer, its progress words already written: the response, the message,
         the status and ``seq``, then DONE (last: the client reads the rest once it sees it), then
-        its doorbell."""
+        its doorbell. A slot the data plane handed over is given back to it before DONE (the
+        client's next request in it is the plane's), all of it in one compiled call that rings
+        the doorbell only for a client asleep on a quiet lane (docs/lane.md, "Ringing only a
+        sleeper")."""
+        if self._plane is not None:
+            self._plane.finish_slot(self._handle, i, seq, code, response, text)
+            return
         off = R.slot_offset(i)
         mm = self._mm
         mm[off + R.RESPONSE_AT: off + R.RESPONSE_AT + len(response)] = response
@@ -378,8 +381,6 @@ class Lane:
             self._served_elsewhere(self._counted[i])
         if self._closed:
             return
-        if self._plane is not None:
-            self._plane.release_slot(self._handle, i)  # before DONE: the next request is the plane's
         flags = R.FLAG_JOB_ENDED if ended else 0
         if final is not None:
             R.PROGRESS.pack_into(mm, off + R.PROGRESS_AT, final.layers_done, final.last_layer, final.bytes,

@@ -311,9 +311,19 @@ class KVCache:
         return Found(n, lease_id, below)
 
     def lookup_packed(self, target: Part | Space, packed: bytes, key_bytes: int) -> Found | None:
-        """``lookup_packed_steps`` run to its end at once; None without a compiled index."""
-        steps = self.lookup_packed_steps(target, packed, key_bytes)
-        return None if steps is None else run_steps(steps)
+        """``lookup_packed_steps`` all at once, each part's keys in one walk (a lane Lookup of one
+        step); None where the package has no compiled index."""
+        if not self.pages.compiled:
+            return None
+        space, parts, asked, total = self._packed_bounds(target, packed, key_bytes)
+        found = self._walk_packed(parts, memoryview(packed), key_bytes, 0, total)
+        n = len(found[0]) if found else 0
+        for c in (space.counters, self.tenants.get(space.key.tenant).counters):
+            c.hits += n
+            c.misses += asked - n
+        for ids in found:  # in key order: the first key the most recent
+            self.pages.touch(ids)
+        return Found(n, "")
 
     def lookup_packed_steps(self, target: Part | Space, packed: bytes,
                             key_bytes: int) -> Generator[None, None, Found] | None:
@@ -343,35 +353,49 @@ class KVCache:
 
     def _lookup_packed(self, target: Part | Space, packed: bytes,
                        key_bytes: int) -> Generator[None, None, Found]:
-        space, parts = self._parts_of(target)
-        space = self._live(space)
+        space, parts, asked, total = self._packed_bounds(target, packed, key_bytes)
         step_keys = self.packed_step_keys(target)
-        asked = len(packed) // key_bytes
-        total = min(asked, max(1, MAX_LOOKUP_PAIRS // len(parts))) if parts else 0
         view = memoryview(packed)
         n = 0
         counted: list[list[np.ndarray]] = []  # per step, per part: the page ids found
         while n < total:
             end = min(total, n + step_keys)
-            m, found = end - n, []
-            for part in parts:
-                got = self.pages.hold_hit(part.gid, view[n * key_bytes: (n + m) * key_bytes], key_bytes,
-                                          hold=False)
-                assert got is not None  # (compiled: checked before the first step)
-                found.append(got[0])
-                m = min(m, len(got[0]))
-            counted.append([ids[:m] for ids in found])
-            n += m
+            counted.append(self._walk_packed(parts, view, key_bytes, n, end))
+            n += len(counted[-1][0])
             if n < end or n == total:
                 break
             yield
         for c in (space.counters, self.tenants.get(space.key.tenant).counters):
             c.hits += n
             c.misses += asked - n
-        # Touched once at the end, in key order (as lookup_steps touches them).
-        for j in range(len(parts) if counted else 0):
-            self.pages.touch(np.concatenate([got[j] for got in counted]))
+        # Touched once at the end, each part's pages in key order (as lookup_steps touches them).
+        for ids in zip(*counted, strict=True):
+            self.pages.touch(np.concatenate(ids))
         return Found(n, "")
+
+    def _packed_bounds(self, target: Part | Space, packed: bytes,
+                       key_bytes: int) -> tuple[Space, list[Part], int, int]:
+        """A packed Lookup's space (live), parts, keys asked, and keys it walks (as ``lookup_steps``
+        bounds a space of many parts)."""
+        space, parts = self._parts_of(target)
+        asked = len(packed) // key_bytes
+        total = min(asked, max(1, MAX_LOOKUP_PAIRS // len(parts))) if parts else 0
+        return self._live(space), parts, asked, total
+
+    def _walk_packed(self, parts: list[Part], view: memoryview, key_bytes: int, start: int,
+                     end: int) -> list[np.ndarray]:
+        """Each part's page ids of the leading keys ``start``..``end`` every part holds, each part
+        walking only the keys the parts before it hold (nothing held)."""
+        m, found = end - start, []
+        if m <= 0:
+            return []
+        for part in parts:
+            got = self.pages.hold_hit(part.gid, view[start * key_bytes: (start + m) * key_bytes], key_bytes,
+                                      hold=False)
+            assert got is not None  # (compiled: checked before)
+            found.append(got[0])
+            m = min(m, len(got[0]))
+        return [ids[:m] for ids in found]
 
     # Put
 

@@ -371,7 +371,7 @@ typedef struct Lane {
     int submit_fd;
     int done_fd[MAX_SLOTS];
     Gate *gate; /* a reference, given back when the lane is removed */
-    int slot_busy[MAX_SLOTS]; /* taken here: a job, or handed to Python until release_slot() */
+    int slot_busy[MAX_SLOTS]; /* taken here: a job, or handed to Python until finish_slot() */
     int watching;
     int quiet; /* the client said (FEATURE_QUIET_DONE) it sets WAITING_AT before it sleeps */
     struct Lane *next;
@@ -1442,21 +1442,45 @@ static PyObject *engine_remove_lane(Engine *e, PyObject *handle) {
     Py_RETURN_NONE;
 }
 
-/* release_slot(handle, i): Python answered a handed-off slot (called before it writes DONE). */
-static PyObject *engine_release_slot(Engine *e, PyObject *args) {
+/* finish_slot(handle, i, seq, code, response, message): the loop's answer of handed-off slot i, its
+ * progress words already stored (Python writes those): the response and the message, each cut to
+ * its room in the slot, the status, seq, the slot given back to the plane, DONE, then its doorbell,
+ * rung on a quiet lane only for a client asleep on it (as the plane's own answers ring). */
+static PyObject *engine_finish_slot(Engine *e, PyObject *args) {
     PyObject *handle;
     int i;
-    if (!PyArg_ParseTuple(args, "Oi", &handle, &i))
+    unsigned long long seq;
+    unsigned int code;
+    Py_buffer resp, msg;
+    if (!PyArg_ParseTuple(args, "OiKIy*y*", &handle, &i, &seq, &code, &resp, &msg))
         return NULL;
+    PyObject *result = NULL;
     Lane *l = lane_of(e, handle);
     if (!l)
-        return NULL;
+        goto done;
     if (i < 0 || i >= l->slots) {
         PyErr_SetString(PyExc_IndexError, "no such slot");
-        return NULL;
+        goto done;
     }
+    char *s = slot_at(l, i);
+    uint32_t n = resp.len < RESPONSE_BYTES ? (uint32_t)resp.len : RESPONSE_BYTES;
+    uint32_t m = msg.len < ERROR_BYTES ? (uint32_t)msg.len : ERROR_BYTES;
+    memcpy(s + RESPONSE_AT, resp.buf, n);
+    memcpy(s + ERROR_AT, msg.buf, m);
+    put32(s + 20, code);
+    put32(s + 24, n);
+    put32(s + 28, m);
+    uint64_t q = seq;
+    memcpy(s + 64, &q, 8);
     __atomic_store_n(&l->slot_busy[i], 0, __ATOMIC_RELEASE);
-    Py_RETURN_NONE;
+    set_state(s, ST_DONE);
+    ring_done(l, i);
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&resp);
+    PyBuffer_Release(&msg);
+    return result;
 }
 
 static PyObject *engine_close_gate(Engine *e, PyObject *arg) {
@@ -1893,7 +1917,7 @@ static PyObject *engine_get_handed(Engine *e, void *unused) {
 static PyMethodDef engine_methods[] = {
     {"add_lane", (PyCFunction)engine_add_lane, METH_VARARGS, NULL},
     {"remove_lane", (PyCFunction)engine_remove_lane, METH_O, NULL},
-    {"release_slot", (PyCFunction)engine_release_slot, METH_VARARGS, NULL},
+    {"finish_slot", (PyCFunction)engine_finish_slot, METH_VARARGS, NULL},
     {"close_gate", (PyCFunction)engine_close_gate, METH_O, NULL},
     {"unwatch_all", (PyCFunction)engine_unwatch_all, METH_NOARGS, NULL},
     {"pause", (PyCFunction)engine_pause, METH_O, NULL},
