@@ -165,6 +165,13 @@ NOT_RUN = {
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_stream.py --repeats 30"):
         "a benchmark that copies up to 256 MiB 60 times a size, for figures measured by hand; "
         "tests/test_bench_stream.py runs the same script on 1 and 4 MiB",
+    ("docs/performance.md", ".venv/bin/python benchmarks/bench_lane.py --trips 2000 --mib"):
+        "a benchmark of about 20 seconds (no bulk transfers), for figures measured by hand; "
+        "tests/test_bench_lane.py runs the same script on small sizes",
+    ("docs/performance.md", ".venv/bin/python benchmarks/bench_lookup.py --rounds 1000 --keys "
+                            "1024,2048,4096,8192,65536 --key-bytes 16,32"):
+        "the lookup-bench block's script with more sizes and rounds (about half a minute), for figures "
+        "measured by hand; test_lookup_benchmark_block runs it with its defaults",
     ("docs/lane.md", ".venv/bin/python benchmarks/bench_lane.py"):
         "a benchmark of about half a minute, for figures measured by hand; tests/test_bench_lane.py "
         "runs the same script on small sizes",
