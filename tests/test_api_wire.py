@@ -8,6 +8,7 @@ Free is read."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import threading
 
@@ -162,7 +163,11 @@ def test_a_loop_timer_stays_on_time_while_a_large_free_is_read(decoder: str) -> 
               f"protobuf in a thread: {their_took * 1e3:.0f} ms, late by up to {their_late * 1e3:.1f} ms")
         # The C decoder: a decode that held the GIL would hold the loop its 26-30 ms. numpy's: its
         # allocations hold the GIL (for tens of ms under the sanitizers' malloc), its steps do not.
-        bound = 0.005 if decoder == "compiled" else their_late / 2
+        # Under the sanitizers (scripts/sanitize.sh) everything is slower: in a CI run the C decoder
+        # read it in 130-155 ms with the timer 9-11 ms late, while protobuf's parse held it
+        # 129-178 ms; the bound there is a quarter of protobuf's.
+        sanitized = "libasan" in os.environ.get("LD_PRELOAD", "")
+        bound = (their_late / 4 if sanitized else 0.005) if decoder == "compiled" else their_late / 2
         if late < bound:
             return
     pytest.fail(f"a loop timer ran {late * 1e3:.1f} ms late while a 4 Mi-index Free was read "

@@ -426,9 +426,18 @@ def test_a_small_lane_get_is_copied_and_answered_on_the_loop_where_its_gate_is_i
     it, it is answered DEADLINE_EXCEEDED with nothing written, nothing counted as loaded and its
     pages let go; a Get right after it goes the same way again."""
     from kvserver.core.cache_ops import CacheOps
+    from kvserver.core.copier import Copier
 
     d = plane_daemon
     plane = d.core.plane
+    jobs = []  # the copies that took a job (run_alone): a small Get makes none
+    run_alone = Copier.run_alone
+
+    def counted(self, job, *args, **kw):
+        jobs.append(job)
+        return run_alone(self, job, *args, **kw)
+
+    monkeypatch.setattr(Copier, "run_alone", counted)
     with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c, \
             KVClient(d.address, timeout=10, resilient=False, lane="grpc") as g, \
             KVClient(d.address, timeout=0.1, resilient=False) as hasty:
@@ -440,10 +449,12 @@ def test_a_small_lane_get_is_copied_and_answered_on_the_loop_where_its_gate_is_i
         want = _pages_of(pool, src)
         assert c.put(_keys("n")[:20], src[:20]).stored == 20
         now, answered = plane.now, plane.answered
+        jobs.clear()  # (the Put's)
         _zero(pool)
         handle = c.get(_keys("n")[:4], dst[:4])  # 4 pages of 16 KiB
         assert handle.wait(timeout=10) > 0 and handle.pages() == 4
         assert (plane.now, plane.answered) == (now + 1, answered + 1), "not copied on the loop"
+        assert not jobs, "the small Get took a job"
         got = _pages_of(pool, dst[:4])
         assert all(torch.equal(x, y) for x, y in zip(got, _pages_of_want(want, 4), strict=True))
         _zero(pool)
@@ -452,6 +463,7 @@ def test_a_small_lane_get_is_copied_and_answered_on_the_loop_where_its_gate_is_i
         handle = c.get(_keys("n")[:20], dst[:20])  # 320 KiB: the plane's thread copies it
         assert handle.wait(timeout=10) > 0 and handle.pages() == 20
         assert (plane.now, plane.answered) == (now + 1, answered + 2)
+        assert len(jobs) == 1  # the plane's thread copies it: a job
         # Past its timeout when the loop gets to it: answered, not copied.
         loaded = d.run(lambda: d.core.clients[hasty.client_id].counters.bytes_loaded)
         original = CacheOps.get_on_plane

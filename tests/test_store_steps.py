@@ -122,7 +122,8 @@ def test_a_packed_lookup_walks_in_steps_and_answers_as_lookup_steps(monkeypatch,
     """KVCache.lookup_packed_steps walks PACKED_STEP_PAIRS (key, part) pairs a step (never fewer
     keys than STEP_KEYS), yields between two, changes nothing before its last step (a Lookup given
     up midway counted and touched nothing), and answers what lookup_steps answers: a hit that ends
-    inside a step, at a step's end, or runs to the last key, for a part and for a space of two."""
+    inside a step, at a step's end, or runs to the last key, for a space of one part and of two, and
+    for a part; a space of several parts bounded by MAX_LOOKUP_PAIRS alike, a part never."""
     monkeypatch.setattr(cache_module, "STEP_KEYS", 4)
     monkeypatch.setattr(cache_module, "PACKED_STEP_PAIRS", 16)
     cache, _, _ = make_cache(capacity=64 * MiB)
@@ -142,7 +143,7 @@ def test_a_packed_lookup_walks_in_steps_and_answers_as_lookup_steps(monkeypatch,
         for extra in ([], [b"\xff" * 16]):  # a miss after the keys asked
             packed_more = packed + b"".join(extra)
             n_keys = asked + len(extra)
-            before = (space.counters.hits, space.counters.misses, p.stamp.copy())
+            before = (space.counters.hits, space.counters.misses)
             yields, got = steps_of(cache.lookup_packed_steps(space, packed_more, 16))
             want = min(want, asked)
             assert got == (want, "", 0, 0)
@@ -158,6 +159,15 @@ def test_a_packed_lookup_walks_in_steps_and_answers_as_lookup_steps(monkeypatch,
                 order = np.argsort(-stamps[i], kind="stable")
                 assert np.array_equal(order, np.argsort(-p.stamp[part_ids], kind="stable"))
             assert (space.counters.hits - mid[0], space.counters.misses - mid[1]) == (want, n_keys - want)
+    # A part's own Lookup walks every key; a space of several parts is bounded as lookup_steps
+    # bounds it (MAX_LOOKUP_PAIRS); at once or in steps alike.
+    monkeypatch.setattr(cache_module, "MAX_LOOKUP_PAIRS", 60)
+    packed = b"".join(stored)
+    for target in (members[0], space):
+        want = run_steps(cache.lookup_steps(target, Keys.unpack(packed, 16, N + 1)))
+        assert want.pages == (30 if parts > 1 and target is space else N)
+        assert run_steps(cache.lookup_packed_steps(target, packed, 16)) == want
+        assert cache.lookup_packed(target, packed, 16) == want
     # given up after its first step: nothing counted, nothing touched
     before = (space.counters.hits, space.counters.misses, p.stamp.copy())
     gen = cache.lookup_packed_steps(space, b"".join(stored), 16)

@@ -189,11 +189,7 @@ class CacheOps:
             if keys is None:
                 keys = Keys.unpack(req.keys, req.key_bytes, self._max_keys)
             # The rest of the prefix, from the cluster: one batched question, within its deadline.
-            if isinstance(target, Part):
-                parts = [target]
-            else:
-                full = len(target.parts) == target.key.num_parts
-                parts = list(target.parts.values()) if full else []
+            parts = self.cache.parts_of(target)[1]
             try:
                 more = await self.cluster.count(parts, keys[found.pages:])
             except BaseException:  # given up (its deadline, a cancelled call): its lease ends too
@@ -234,7 +230,8 @@ class CacheOps:
         return self._lookup_target(client, key, req)  # (no tier below here: it changes nothing)
 
     def _one_packed_step(self, req: pb.LookupRequest, target: Part | Space) -> bool:
-        """Whether a Lookup's compiled walk is one step (``KVCache.packed_step_keys``)."""
+        """Whether a Lookup's compiled walk is one step (``KVCache.packed_step_keys``, never fewer
+        than ``STEP_KEYS`` keys: asked first, as nearly every Lookup is that short)."""
         n = len(req.keys) // req.key_bytes
         return n <= STEP_KEYS or n <= self.cache.packed_step_keys(target)
 
@@ -512,9 +509,11 @@ class CacheOps:
     def get_on_plane(self, req: pb.GetRequest, answer: Callable[[int], Any],
                      ended: Callable[[bool, int], None]) -> int | None:
         """``get`` for a lane Get the data plane can copy and answer by itself, all of it now, on
-        the loop: the same checks and plan, then the copy handed to the plane with
-        ``answer(found)`` (the ``Answer`` of its slot: the plane says ``found`` there at once),
-        and ``ended(ok, bytes)`` called on the loop once it is over and its pages are let go.
+        the loop: the same checks and plan, then the copy, with ``answer(found)`` (the ``Answer``
+        of its slot: the plane's code says ``found`` there at once), made right here with no job
+        where it is small and the plane runs no copy of the client (``Copier.copy_now``), else
+        handed to the plane's thread; ``ended(ok, bytes)`` is called on the loop once it is over
+        and its pages are let go.
         Returns the pages found (0: nothing to copy, nothing running), or None where this is not
         such a Get, decided before anything is changed (``get`` serves it): a client not
         ``Copier.alone``, tiers to read back from, events, leases or parts, more keys than a step
@@ -556,6 +555,16 @@ class CacheOps:
             self.cache.complete_get(plan, True)
             return 0
         nbytes = plan.pages * spec.page_size * spec.token_bytes * spec.layout.num_parts * len(local_layers)
+
+        def finish(ok: bool) -> None:  # the copy is over: its pages go, then its ending
+            try:
+                self.cache.complete_get(plan, ok)  # whatever else fails, the pages go
+                if ok:
+                    client.counters.bytes_loaded += nbytes
+                    client.counters.load_ops += 1
+            finally:
+                ended(ok, nbytes if ok else 0)
+
         try:
             code = -1
             if nbytes <= INLINE_COPY_BYTES:  # copied and answered now, with no job (``Copier.copy_now``)
@@ -563,19 +572,13 @@ class CacheOps:
                                        self._cache_table(client), answer(plan.pages))
             if code < 0:
                 job = self._job(client, plan.offsets, pages[:plan.pages], local_layers, b"", 0, 0.0)
-                fut = copier.run_alone(job, True, answer(plan.pages))
+                fut = copier.run_alone(job, True, answer(plan.pages), now=False)
         except BaseException:
             self.cache.complete_get(plan, False)
             raise
         if code >= 0:  # answered: nothing may raise from here (the loop would serve it again)
             try:
-                try:
-                    self.cache.complete_get(plan, code == 0)  # whatever else fails, the pages go
-                    if code == 0:
-                        client.counters.bytes_loaded += nbytes
-                        client.counters.load_ops += 1
-                finally:
-                    ended(code == 0, nbytes if code == 0 else 0)
+                finish(code == 0)
             except Exception:
                 logger.exception("settling a Get copied at once failed")
             return plan.pages
@@ -584,17 +587,10 @@ class CacheOps:
             raise Unavailable(_PLANE_REFUSED)
 
         def settle(f: Future) -> None:  # on the loop, where the plane's ends are taken
-            ok = f.exception() is None
             try:
                 copier.ended_alone(job)
             finally:
-                try:
-                    self.cache.complete_get(plan, ok)  # whatever else fails, the pages go
-                    if ok:
-                        client.counters.bytes_loaded += nbytes
-                        client.counters.load_ops += 1
-                finally:
-                    ended(ok, nbytes if ok else 0)
+                finish(f.exception() is None)
 
         fut.add_done_callback(settle)
         return plan.pages

@@ -43,7 +43,9 @@ except ImportError:  # not compiled: the event loop serves every lane request
 logger = logging.getLogger(__name__)
 
 # KVSERVER_DATA_PLANE=python turns the plane off (the event loop serves every request).
-ENABLED = _kvlane is not None and os.environ.get("KVSERVER_DATA_PLANE", "compiled") != "python"
+# An extension built from older sources (no finish_slot) is not used: every lane runs on the loop.
+ENABLED = (_kvlane is not None and hasattr(_kvlane.Engine, "finish_slot")
+           and os.environ.get("KVSERVER_DATA_PLANE", "compiled") != "python")
 POLL_SECONDS = 0.0005  # how often a waiter on the plane's copies looks again
 MAX_KEPT_TABLES = 4096  # host tables whose rows _host_rows keeps (one a client)
 # The stop word of a copy made at once (``copy_now``): nothing can stop it while it runs on the loop.
@@ -202,15 +204,22 @@ class DataPlane:
         if rows is None:
             return -1
         base, stride, limit = rows
+        # Counted before the call can answer the slot (whoever sees the answer sees the count),
+        # taken back if it is not copied.
+        self.copies += 1
+        self.answered += 1
+        self.now += 1
+        code = -1
         try:
             code = self.engine.submit_copy(0, gate, True, base, stride, limit, offsets, device_pages, layers,
                                            _NO_STOP, None, -1, 0.0, *answer, paged=True, now=True)
         except (MemoryError, RuntimeError):  # the plane stopped: its submission would say so
-            return -1
-        if code >= 0:
-            self.copies += 1
-            self.answered += 1
-            self.now += 1
+            code = -1
+        finally:
+            if code < 0:  # (a ValueError, an inconsistency, too: nothing was copied)
+                self.copies -= 1
+                self.answered -= 1
+                self.now -= 1
         return code
 
     def _copy_now(self, gate: Any, job: Job, base: int, stride: int, limit: int, host_pages: np.ndarray,
@@ -312,15 +321,12 @@ class DataPlane:
         self.engine.remove_lane(handle)
 
     def finish_slot(self, handle: int, slot: int, seq: int, code: int, response: bytes,
-                    message: bytes) -> bool:
+                    message: bytes) -> None:
         """Ends the loop's answer of handed-off ``slot`` in C (``_kvlane``'s finish_slot: the
         response, the status, the slot given back, DONE, and the doorbell rung only for a client
-        asleep on a quiet lane). False: the lane was removed meanwhile (nothing written)."""
-        try:
+        asleep on a quiet lane); nothing is written to a lane removed meanwhile (it is closing)."""
+        with contextlib.suppress(KeyError):
             self.engine.finish_slot(handle, slot, seq, code, response, message)
-        except KeyError:
-            return False
-        return True
 
     def unwatch_all(self) -> None:
         self.engine.unwatch_all()

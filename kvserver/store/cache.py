@@ -250,7 +250,7 @@ class KVCache:
         keys = as_keys(keys)
         if not 0 <= pin_ms <= MAX_PIN_MS:
             raise InvalidArgument(f"pin_ms must be between 0 and {MAX_PIN_MS}, got {pin_ms}")
-        space, parts = self._parts_of(target)
+        space, parts = self.parts_of(target)
         space = self._live(space)
         tenant = self.tenants.get(space.key.tenant)
         if pin_ms and keys:
@@ -311,19 +311,13 @@ class KVCache:
         return Found(n, lease_id, below)
 
     def lookup_packed(self, target: Part | Space, packed: bytes, key_bytes: int) -> Found | None:
-        """``lookup_packed_steps`` all at once, each part's keys in one walk (a lane Lookup of one
-        step); None where the package has no compiled index."""
+        """``lookup_packed_steps`` all at once, each part's keys in one walk (a Lookup of one
+        step: ``packed_step_keys``); None where the package has no compiled index."""
         if not self.pages.compiled:
             return None
         space, parts, asked, total = self._packed_bounds(target, packed, key_bytes)
         found = self._walk_packed(parts, memoryview(packed), key_bytes, 0, total)
-        n = len(found[0]) if found else 0
-        for c in (space.counters, self.tenants.get(space.key.tenant).counters):
-            c.hits += n
-            c.misses += asked - n
-        for ids in found:  # in key order: the first key the most recent
-            self.pages.touch(ids)
-        return Found(n, "")
+        return self._found_packed(space, asked, found)
 
     def lookup_packed_steps(self, target: Part | Space, packed: bytes,
                             key_bytes: int) -> Generator[None, None, Found] | None:
@@ -341,9 +335,9 @@ class KVCache:
     def packed_step_keys(self, target: Part | Space) -> int:
         """Keys one step of ``lookup_packed_steps`` walks: at most ``PACKED_STEP_PAIRS`` (key, part)
         pairs, and never fewer keys than a step of ``lookup_steps``."""
-        return max(STEP_KEYS, PACKED_STEP_PAIRS // max(1, len(self._parts_of(target)[1])))
+        return max(STEP_KEYS, PACKED_STEP_PAIRS // max(1, len(self.parts_of(target)[1])))
 
-    def _parts_of(self, target: Part | Space) -> tuple[Space, list[Part]]:
+    def parts_of(self, target: Part | Space) -> tuple[Space, list[Part]]:
         """The space of a Lookup's target and the parts it looks in: a part, or every part of a
         space that has them all (none of one that does not: it holds no whole page)."""
         if isinstance(target, Part):
@@ -365,21 +359,29 @@ class KVCache:
             if n < end or n == total:
                 break
             yield
+        return self._found_packed(space, asked, [np.concatenate(ids) for ids in zip(*counted, strict=True)])
+
+    def _found_packed(self, space: Space, asked: int, found: list[np.ndarray]) -> Found:
+        """A packed Lookup's end, ``found`` each part's pages of the leading keys every part holds:
+        its hits and misses counted, each part's pages touched once, in key order (the first key
+        the most recent, as ``lookup_steps`` touches them)."""
+        n = len(found[0]) if found else 0
         for c in (space.counters, self.tenants.get(space.key.tenant).counters):
             c.hits += n
             c.misses += asked - n
-        # Touched once at the end, each part's pages in key order (as lookup_steps touches them).
-        for ids in zip(*counted, strict=True):
-            self.pages.touch(np.concatenate(ids))
+        for ids in found:
+            self.pages.touch(ids)
         return Found(n, "")
 
     def _packed_bounds(self, target: Part | Space, packed: bytes,
                        key_bytes: int) -> tuple[Space, list[Part], int, int]:
         """A packed Lookup's space (live), parts, keys asked, and keys it walks (as ``lookup_steps``
         bounds a space of many parts)."""
-        space, parts = self._parts_of(target)
+        space, parts = self.parts_of(target)
         asked = len(packed) // key_bytes
-        total = min(asked, max(1, MAX_LOOKUP_PAIRS // len(parts))) if parts else 0
+        total = min(asked, max(1, MAX_LOOKUP_PAIRS // len(parts))) if len(parts) > 1 else asked
+        if not parts:
+            total = 0
         return self._live(space), parts, asked, total
 
     def _walk_packed(self, parts: list[Part], view: memoryview, key_bytes: int, start: int,
