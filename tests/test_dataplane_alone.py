@@ -486,3 +486,31 @@ def test_a_small_lane_get_is_copied_and_answered_on_the_loop_where_its_gate_is_i
         handle = c.get(_keys("n")[:2], dst[:2])
         assert handle.wait(timeout=10) > 0 and plane.now == now + 3
     assert _readers(d) == (0, 0)
+
+
+def test_a_request_the_loop_fails_to_take_is_answered_internal_and_its_slot_serves_again(
+        plane_daemon, monkeypatch, caplog) -> None:
+    """A handed-over request whose taking fails (a bug) is answered INTERNAL (``Lane.refuse``),
+    and its slot is given back to the plane with the answer: the same slot serves again at once."""
+    from kvserver.lane.server import Lane
+
+    d = plane_daemon
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c:
+        assert c.put(_keys("t")[:2], torch.arange(2)).stored == 2
+        take = Lane.take
+
+        def broken(self, i, counted=True):
+            raise RuntimeError("taking it failed")
+
+        monkeypatch.setattr(Lane, "take", broken)
+        caplog.set_level(logging.ERROR, logger="kvserver")
+        with pytest.raises(KVClientError) as exc:
+            c.lookup(_keys("t")[:2])
+        assert exc.value.code == grpc.StatusCode.INTERNAL, exc.value
+        assert "failed to take" in str(exc.value)
+        monkeypatch.setattr(Lane, "take", take)
+        t = time.monotonic()
+        for _ in range(3):  # the freed slot is the one taken next
+            assert c.lookup(_keys("t")[:2]).pages == 2
+        assert time.monotonic() - t < 2, "the refused slot was not given back to the plane"
+    assert _readers(d) == (0, 0)
