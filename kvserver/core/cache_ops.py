@@ -572,7 +572,7 @@ class CacheOps:
                                        self._cache_table(client), answer(plan.pages))
             if code < 0:
                 job = self._job(client, plan.offsets, pages[:plan.pages], local_layers, b"", 0, 0.0)
-                fut = copier.run_alone(job, True, answer(plan.pages), now=False)
+                fut = copier.run_alone(job, True, answer(plan.pages))
         except BaseException:
             self.cache.complete_get(plan, False)
             raise

@@ -253,17 +253,15 @@ class Copier:
         """Whether the data plane copies host rows laid out as ``table`` (a client's cache table)."""
         return self.plane is not None and self.plane.host_rows(table, page_size, self.arena_span) is not None
 
-    def run_alone(self, job: ClientJob, to_device: bool, answer: Any = None,
-                  now: bool = True) -> Future | None:
+    def run_alone(self, job: ClientJob, to_device: bool, answer: Any = None) -> Future | None:
         """Has the data plane's thread copy ``job``, which the loop planned for a request the plane
         handed over (a Get's load, a Put's write), with no task or step of the loop in between;
         ``answer`` (a load's): the plane also answers the lane slot it names
         (``kvserver.lane.plane.Answer``) as it answers its own Loads. Only while the client is
         ``alone`` and where the plane would copy the job whole (not a load the copy workers
         split). None: not taken, nothing changed. Else the future settles on the loop once the
-        copy has ended (done on return for a small answering copy the loop copied at once:
-        ``DataPlane.copy``'s ``now``; not tried with ``now`` False, where ``copy_now`` just found
-        it could not be); ``ended_alone`` then ends the job."""
+        copy has ended; ``ended_alone`` then ends the job. (A small answering copy is made at once
+        by ``copy_now``, with no job; this path takes those it could not make.)"""
         client = job.client
         if not self.alone(client, answer is not None) or self._splits(job, to_device):
             return None
@@ -272,12 +270,9 @@ class Copier:
         job.after = client.order.admit(job, to_device)  # none: nothing is in flight
         client.inflight += 1
         client.jobs.add(job)
-        # A small answering copy is copied here at once where its gate has no copy on the plane:
-        # less than waking the plane's thread and taking its end back (as small copies run inline).
-        now = now and answer is not None and job.bytes_per_layer * len(job.local_layers) <= INLINE_COPY_BYTES
         try:
             fut = self.plane.copy(client.gate, job, to_device, None, self.arena_span, self._executor.recheck,
-                                  answer, now)
+                                  answer)
         except BaseException:
             self.ended_alone(job)
             raise
@@ -295,7 +290,7 @@ class Copier:
         (``DataPlane.copy_now``), with no job, order or future: nothing of the loop's for the
         client is in flight, the plane has no copy of it running (else it is not copied here), and
         the copy is over on return. The status its slot was answered with; -1: not copied,
-        nothing changed (``run_alone`` then, with ``now`` False)."""
+        nothing changed (``run_alone`` then)."""
         if not self.alone(client, True):
             return -1
         code = self.plane.copy_now(client.gate, host_table, client.spec.page_size, self.arena_span, offsets,

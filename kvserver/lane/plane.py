@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from kvserver.copies.workers import Work
-from kvserver.errors import Code, JobStopped
+from kvserver.errors import JobStopped
 
 if TYPE_CHECKING:
     from kvserver.copies.job import Job
@@ -86,7 +86,7 @@ class DataPlane:
         self._rows: dict[int, tuple[Any, Any, tuple[int, int, int] | None]] = {}  # host_rows
         self.copies = 0  # the loop's copies it has taken
         self.answered = 0  # of those, the ones that answered their lane slot (a Get's: Answer)
-        self.now = 0  # of those, the ones copied and answered on the loop at once (``copy``'s now)
+        self.now = 0  # of those, the ones copied and answered on the loop at once (``copy_now``)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -118,7 +118,7 @@ class DataPlane:
     # ---- the loop's copies ----------------------------------------------------------------------
 
     def copy(self, gate: Any, job: Job, to_device: bool, signal: LayerSignal | None, host: tuple[int, int],
-             ended: Callable[[], None], answer: Answer | None = None, now: bool = False) -> Future | None:
+             ended: Callable[[], None], answer: Answer | None = None) -> Future | None:
         """Runs ``job``, a cache copy the loop planned and ordered for the registration whose
         plane turn it holds (``gate``), on the plane's thread; ``host``: (address, bytes) of the
         arena its offsets are in. The future is running at once (a stop goes through the job's
@@ -126,9 +126,8 @@ class DataPlane:
         called (work held behind the job may go). None: the plane does not take it (a closed gate,
         host rows not laid out as cache pages are), and the caller copies it as before.
         ``answer``: the copy (a load) also answers a lane slot handed over to the loop, as the
-        plane answers its own Loads (``Answer``; ``_kvlane``'s submit_copy). ``now`` (with an
-        ``answer``): a small copy is copied and answered right here, on the loop, where its gate
-        has no copy in flight on the plane (its future is done on return); else as above."""
+        plane answers its own Loads (``Answer``; ``_kvlane``'s submit_copy). (A small answering
+        copy is made at once, on the loop, by ``copy_now``.)"""
         plan = job.plan
         rows = self.host_rows(job.host_table, plan.page_size, host)
         if rows is None:
@@ -141,29 +140,10 @@ class DataPlane:
         layers = np.asarray(job.local_layers, np.int64)
         fut: Future = Future()
         fut.set_running_or_notify_cancel()  # never dropped unstarted: a stop is the stop word's
-        # Counted before the thread (or the call below) can answer the slot, so that whoever
-        # sees the answer sees the count; taken back if the copy is not taken.
+        # Counted before the thread can answer the slot, so that whoever sees the answer sees the
+        # count; taken back if the copy is not taken.
         self.copies += 1
         self.answered += answer is not None
-        code = -1
-        if now and answer is not None:
-            self.now += 1
-            code = self._copy_now(gate, job, base, stride, limit, host_pages, tokens, layers, answer)
-            self.now -= code < 0
-        if code >= 0:  # copied and answered (or stopped before any byte: its status answered)
-            # The slot is answered: from here nothing may raise (the loop would serve it again).
-            try:
-                job.work = Work(to_device, 0, lambda _: None, future=fut)
-                job.work.ended = True
-                ended()
-            except Exception:
-                logger.exception("ending a copy the loop made at once failed")
-            if code == 0:
-                fut.set_result(None)
-            else:
-                reason = "released" if code == Code.NOT_FOUND else "deadline"
-                fut.set_exception(JobStopped(reason, 0, len(job.local_layers)))
-            return fut
         ticket = next(self._tickets)
         # Held here from before the thread may see them until their end is taken: the job (its
         # stop word), the signal (its counter and fd) and the gate the thread reads and writes.
@@ -221,16 +201,6 @@ class DataPlane:
                 self.answered -= 1
                 self.now -= 1
         return code
-
-    def _copy_now(self, gate: Any, job: Job, base: int, stride: int, limit: int, host_pages: np.ndarray,
-                  tokens: np.ndarray, layers: np.ndarray, answer: Answer) -> int:
-        """submit_copy's ``now``: the status the copy's slot was answered with, -1 if not copied."""
-        try:
-            return self.engine.submit_copy(0, gate, True, base, stride, limit, host_pages, tokens, layers,
-                                           job.stop_word, None, -1, 0.0, *answer, paged=job.plan.device_paged,
-                                           now=True)
-        except (MemoryError, RuntimeError):  # the plane stopped: the queued submission says so
-            return -1
 
     def host_rows(self, table: Any, page_size: int, host: tuple[int, int]) -> tuple[int, int, int] | None:
         """(base, stride, limit) of a copy's host rows, cache pages of ``page_size`` tokens in the
