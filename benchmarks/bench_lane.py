@@ -9,7 +9,9 @@
   scheduler's Lookup of it (``CacheView``) on its space's lane and on gRPC, each timed alone. Each
   lane's trips run by themselves, one lane after the other: between blocks of another lane's calls
   (gRPC keeps threads busy for a while after a call) the CPUs would not go idle, and an idle CPU's
-  wake-up is part of what a lone engine pays (tens of microseconds on a virtual machine);
+  wake-up is part of what a lone engine pays (tens of microseconds on a virtual machine); and the
+  ring lane's round trip once every 2 ms, as between an engine's forward passes, the data plane
+  asleep when each call comes (docs/lane.md, "Ringing ahead");
 - bulk: a ``--mib``-sized (every layer) Write and Load on each lane, median of ``--repeats``,
   against the same copy done in this process with the daemon's copy plan (``kvserver.copies.transfer``),
   with the ratio (in-process time / lane time: 1.00x is as fast as in-process).
@@ -139,6 +141,18 @@ def main() -> None:
                             if timed:
                                 cpu[label][0] += cpu_seconds(daemon.pid) - before[0]
                                 cpu[label][1] += cpu_seconds(os.getpid()) - before[1]
+                # One round trip every 2 ms, as between an engine's forward passes: the data
+                # plane's spin (50 us) has run out before each, and it sleeps when the call comes.
+                spaced: list[float] = []
+                time.sleep(0.2)
+                before = cpu_seconds(daemon.pid), cpu_seconds(os.getpid())
+                for _ in range(max(1, args.trips // 4)):
+                    time.sleep(0.002)
+                    t = time.perf_counter()
+                    ring.write(host_indices=host["ring"][:p], device_indices=dev, layers=[0])
+                    ring.load(host_indices=host["ring"][:p], device_indices=dev, layers=[0]).wait()
+                    spaced.append(time.perf_counter() - t)
+                spaced_cpu = cpu_seconds(daemon.pid) - before[0], cpu_seconds(os.getpid()) - before[1]
                 bare = bare_unary(f"unix://{socket}", args.trips)
                 # ---- the cache's calls on the ring lane ------------------------------------
                 key, page = os.urandom(16), torch.tensor([0])
@@ -183,6 +197,7 @@ def main() -> None:
                 for v in views:
                     v.close()
                 for name, ts in [*((f"{label} write+load", trips[label]) for label, _ in order),
+                                 ("ring lane write+load, one every 2 ms,", spaced),
                                  ("bare grpc.aio Stats", bare)]:
                     rows.append((f"{name} (1 page, 1 layer)",
                                  f"p50 {pct(ts, 0.5) * 1e6:8.1f} us   p99 {pct(ts, 0.99) * 1e6:8.1f} us"
@@ -199,6 +214,9 @@ def main() -> None:
                     rows.append((f"{label} CPU per round trip",
                                  f"daemon {cpu[label][0] / n * 1e6:6.0f} us   "
                                  f"engine {cpu[label][1] / n * 1e6:6.0f} us"))
+                rows.append(("ring lane, one every 2 ms, CPU per round trip",
+                             f"daemon {spaced_cpu[0] / len(spaced) * 1e6:6.0f} us   "
+                             f"engine {spaced_cpu[1] / len(spaced) * 1e6:6.0f} us"))
                 rows += cache_rows
                 served = ring.lane.calls if ring.lane is not None else 0
                 # ---- bulk --------------------------------------------------------------------

@@ -113,6 +113,12 @@ class KVClient(CoreShell):
             return op.miss
         raise error from None
 
+    def _nudge(self) -> None:
+        """Wakes the daemon's data plane, if it sleeps, while this call builds its request."""
+        lane = self._lane
+        if lane is not None:
+            lane.nudge()
+
     def _stream(self, op: StreamOp) -> LoadHandle:
         lane = self._lane
         packed = self._packed(lane, op) if op.lane else None
@@ -348,6 +354,7 @@ class KVClient(CoreShell):
         CUDA pools: ``ready_event`` (an interprocess torch.cuda.Event the engine recorded after
         writing the KV) makes the daemon's copy wait for it on the GPU.
         Returns the bytes written, 0 on a miss (resilient mode)."""
+        self._nudge()
         return self._run(self._core.write(host_indices, device_indices, layers, ready_event))
 
     def load(
@@ -357,6 +364,7 @@ class KVClient(CoreShell):
         """Starts a layer-by-layer load and returns at once. CUDA pools: the load records the
         layer events of ``event_slot`` (``handle.stream_wait_layer``); ``ready_event`` makes the
         daemon wait for the engine before overwriting the device slots."""
+        self._nudge()
         return self._stream(self._core.load(host_indices, device_indices, layers, event_slot, ready_event))
 
     def available_size(self) -> int:
@@ -378,6 +386,7 @@ class KVClient(CoreShell):
         of ``key_bytes`` each, or a sequence of equal-length bytes. ``timeout``: this call's
         bound, if not the client's. ``memory_only``: only pages in the daemon's host memory count
         (not those its disk tier holds)."""
+        self._nudge()
         return self._run(self._core.lookup(keys, pin_ms, whole_space, key_bytes, timeout, memory_only))
 
     def ping(self, timeout: float | None = None) -> bool:
@@ -392,6 +401,7 @@ class KVClient(CoreShell):
     def put(self, keys: Keys, device_pages: msg.Indices, *, ready_event=None,
             key_bytes: int = KEY_BYTES) -> PutResult:
         """Stores device page ``device_pages[i]`` under key i, for keys not cached yet."""
+        self._nudge()
         return self._run(self._core.put(keys, device_pages, ready_event, key_bytes))
 
     def get(self, keys: Keys, device_pages: msg.Indices, *, layers: Iterable[int] | None = None,
@@ -400,6 +410,7 @@ class KVClient(CoreShell):
         """Starts loading the longest cached prefix of ``keys`` into ``device_pages``, layer by
         layer as ``load``; ``handle.pages()`` says how many pages that is. ``lease_id`` (from a
         pinning ``lookup``) is ended once the get is done."""
+        self._nudge()
         return self._stream(self._core.get(keys, device_pages, layers, event_slot, ready_event, lease_id,
                                            key_bytes))
 

@@ -288,11 +288,13 @@ def test_a_hostile_ring_hurts_only_itself(daemon) -> None:
             assert ring.answer(6)[0] == inv and "not carried by the lane" in ring.answer(6)[1]
             assert ring.state(4) == 0xDEADBEEF  # ignored
             # The slots stay DONE (never freed): resubmitting one is ignored until the peer frees it.
-            # Of the header the daemon writes only its awake word (docs/lane.md, "Ringing only a sleeper").
+            # Of the header the daemon writes only its awake and plane words (docs/lane.md, "Ringing
+            # only a sleeper" and "Ringing ahead").
             head = R.header(8)
             assert bytes(ring.mm[: len(head)]) == head
             assert R.U32.unpack_from(ring.mm, R.AWAKE_AT)[0] in (0, 1)
-            assert not any(ring.mm[R.AWAKE_AT + 4: R.HEADER_BYTES])
+            assert R.U32.unpack_from(ring.mm, R.PLANE_AT)[0] in (0, 1)
+            assert not any(ring.mm[R.PLANE_AT + 4: R.HEADER_BYTES])
             assert not any(ring.mm[R.slot_offset(7): R.ring_bytes(8)])  # nor any slot it was not asked to
             # Meanwhile another engine is served on its own lane.
             round_trip(engine, pool)

@@ -26,6 +26,7 @@ import mmap
 import os
 import select
 import socket
+import struct
 import threading
 import time
 from typing import Any
@@ -61,6 +62,15 @@ def _spin_seconds(name: str, default: int) -> float:
 
 SPIN_SECONDS = _spin_seconds("KVCLIENT_LANE_SPIN_US", 30)
 LOAD_SPIN_SECONDS = _spin_seconds("KVCLIENT_LANE_LOAD_SPIN_US", 200)
+# A Write the daemon's data plane copies for longer than NAP_MIN_SECONDS (as its last writes on
+# this lane say: each answer carries the plane's time on it) is waited for asleep until
+# NAP_LEAD_SECONDS before its expected end, then looked at (docs/lane.md, "Napping through a long
+# write"): the waiter is awake when the answer lands instead of paying a wake-up after it. The lead
+# covers a timer's lateness (the kernel's default 50 us of timer slack, then the wake-up itself);
+# 0 turns napping off.
+NAP_LEAD_SECONDS = _spin_seconds("KVCLIENT_LANE_NAP_LEAD_US", 100)
+NAP_MIN_SECONDS = 300e-6
+_COUNTS = struct.Struct("<III")  # a binary request's n_pages, n_dev, n_layers (lane_request.HEADER at 12)
 # _CLOSED: the daemon closed its end (it is gone, or released the registration: its jobs are
 # dead). _CUT: this client shut the lane while the call ran (close, unregister): the daemon may
 # still copy, so the call ends as a cancelled one, unconfirmed, as a gRPC call would.
@@ -75,6 +85,10 @@ class ClientLane:
         self.slots = slots
         self.spin = spin  # a Write's or Put's wait
         self.load_spin = load_spin  # a Load's or Get's, for each of its steps
+        self.nap_lead = NAP_LEAD_SECONDS
+        # Seconds the data plane took per (page, layer) of this lane's writes, learned from their
+        # answers; None until one answered.
+        self.write_pace: float | None = None
         self.reg: Any = None  # the registration this lane was opened for
         self.request_format = 0  # the daemon's binary Write/Load format (kvserver.protocol.lane_request)
         self.rpc_mask = R.OLD_RPC_MASK  # the rpc ids the daemon serves (OpenLaneResponse.rpc_mask)
@@ -147,13 +161,18 @@ class ClientLane:
         i = self._begin(rpc, data)
         if i is None:
             return None
+        units = self._write_units(data) if rpc == "WriteB" else 0
         try:
-            got = self._wait(i, time.monotonic() + timeout)
+            now = time.monotonic()
+            nap, spin = self._nap(now, units)
+            got = self._wait(i, now + timeout, spin=spin, nap=nap)
         except BaseException:  # a signal's handler raised: the daemon may still answer the slot
             self._end(i, done=False)
             raise
         if self._state(i) == R.DONE:  # answered (even if the daemon closed its end after)
             code, response, message, flags = self._result(i)
+            if units and not code and self._c is not None:
+                self._learn(units, self._c.word(self._address, i, R.BUSY_AT))
             self._end(i, done=True)
             if code:
                 raise _error(code, message, flags)
@@ -162,6 +181,47 @@ class ClientLane:
         if got == _TIMEOUT:
             raise KVClientError(grpc.StatusCode.DEADLINE_EXCEEDED, "lane call deadline exceeded")
         raise _unavailable() if got == _CLOSED else _cut()
+
+    def nudge(self) -> None:
+        """Rings the daemon's data plane ahead of a call if it sleeps, so that it is awake when the
+        request lands: its wake-up then passes while this thread builds the request."""
+        with self._lock:  # not closed: the ring is mapped and the doorbell open
+            if self.closed:
+                return
+            if self._c is not None:
+                self._c.nudge(self._address, self._submit.fileno())
+            elif R.U32.unpack_from(self._mm, R.PLANE_AT)[0] \
+                    and not R.U32.unpack_from(self._mm, R.AWAKE_AT)[0]:
+                with contextlib.suppress(OSError):
+                    self._submit.send(b"s", socket.MSG_DONTWAIT)
+
+    def _write_units(self, data: bytes) -> int:
+        """(pages x layers) of a binary Write: what its copy's length grows with."""
+        reg = self.reg
+        if reg is None or len(data) < 24:
+            return 0
+        pages, _, layers = _COUNTS.unpack_from(data, 12)
+        return pages * (layers or reg.end_layer - reg.start_layer)
+
+    def _nap(self, now: float, units: int) -> tuple[float, float | None]:
+        """(nap until, spin after it) for a Write of ``units``: (0, None), no nap, unless its
+        expected copy is long enough for a timer to wake this thread before it ends."""
+        pace, lead = self.write_pace, self.nap_lead
+        if not units or pace is None or not lead:
+            return 0.0, None
+        expect = units * pace
+        if expect < max(NAP_MIN_SECONDS, 2 * lead):
+            return 0.0, None
+        # Looked at for the lead and an eighth of the copy (its pace varies by a few percent), but
+        # not for longer than five leads: past that a wake-up costs less than the spin.
+        return now + expect - lead, min(0.01, 5 * lead, lead + expect / 8)
+
+    def _learn(self, units: int, busy_us: int) -> None:
+        if busy_us <= 0:
+            return  # not copied by the data plane
+        pace = busy_us * 1e-6 / units
+        old = self.write_pace
+        self.write_pace = pace if old is None else 0.75 * old + 0.25 * pace
 
     def stream(self, rpc: str, data: bytes, timeout: float) -> LaneStream | None:
         """Load or Get on the lane: its progress source for a LoadHandle; None: take gRPC."""
@@ -264,13 +324,18 @@ class ClientLane:
         if last:
             self._release()
 
-    def _wait(self, i: int, deadline: float, step: int = -1, spin: float | None = None) -> int:
+    def _wait(self, i: int, deadline: float, step: int = -1, spin: float | None = None,
+              nap: float = 0.0) -> int:
         """Until the slot is DONE (or, ``step`` >= 0, its step word moved past ``step``), its
         doorbell reads end of file, or ``deadline``: _OPEN, _CLOSED / _CUT, or _TIMEOUT. Looks
-        at the words for ``spin`` seconds (default ``self.spin``) before it sleeps."""
+        at the words for ``spin`` seconds (default ``self.spin``) before it sleeps; with ``nap``
+        (a time.monotonic() time) it sleeps until then first, unless rung (compiled wait only)."""
         spin = self.spin if spin is None else spin
         if self._c is not None:
-            got = self._c.wait(self._address, i, self._done[i].fileno(), step, spin, deadline)
+            if nap:
+                got = self._c.wait(self._address, i, self._done[i].fileno(), step, spin, deadline, nap)
+            else:
+                got = self._c.wait(self._address, i, self._done[i].fileno(), step, spin, deadline)
             return self._ended() if got == _CLOSED else got
 
         def ready() -> bool:

@@ -8,7 +8,10 @@ of exactly ``ring_bytes(slots)`` bytes:
                    response_bytes u32, error_bytes u32,
                    28 features u32 (the client's, read once by the daemon: FEATURE_QUIET_DONE),
                    32 awake u32 (the daemon's: nonzero while its data plane looks at the slots
-                   without being rung, so a submit need not ring), then zeros
+                   without being rung, so a submit need not ring),
+                   36 plane u32 (the daemon's: nonzero while its data plane reads the submit
+                   doorbell, so a client may ring it ahead of a call: docs/lane.md, "Ringing
+                   ahead"), then zeros
     slot i at HEADER_BYTES + i * SLOT_BYTES:
       0  state u32          FREE -> SUBMITTED (client) -> TAKEN (daemon) -> DONE (daemon) -> FREE (client)
       4  rpc u32            RPC_WRITE, RPC_LOAD, RPC_PUT, RPC_GET, RPC_LOOKUP (protobuf requests),
@@ -28,7 +31,10 @@ of exactly ``ring_bytes(slots)`` bytes:
       64 done_seq u64
       72 waiting u32        the client's: nonzero while it sleeps on the slot's done doorbell (a
                             FEATURE_QUIET_DONE ring's daemon rings that doorbell only then)
-      76 (zeros up to REQUEST_AT)
+      76 (zero)
+      80 busy_us u32        the daemon's data plane's time on the call, from taking it to its
+                            answer, in microseconds (0: not the plane's); the client clears it
+      84 (zeros up to REQUEST_AT)
       REQUEST_AT  request bytes  (REQUEST_BYTES)
       RESPONSE_AT response bytes (RESPONSE_BYTES)
       ERROR_AT    status message (ERROR_BYTES)
@@ -85,6 +91,7 @@ FLAG_JOB_ENDED = 2
 FEATURES_AT = 28
 FEATURE_QUIET_DONE = 1
 AWAKE_AT = 32
+PLANE_AT = 36
 
 # Offsets inside a slot.
 STATE = 0
@@ -97,6 +104,7 @@ PROGRESS_AT = 32
 DONE_SEQ = struct.Struct("<Q")
 DONE_SEQ_AT = 64
 WAITING_AT = 72
+BUSY_AT = 80
 U32 = struct.Struct("<I")
 
 SLOT_HEADER_BYTES = 128

@@ -53,7 +53,9 @@
 #define SLOT_BYTES (ERROR_AT + ERROR_BYTES)
 #define MAX_SLOTS 64
 #define AWAKE_AT 32    /* ring header: nonzero while this thread looks at the slots unrung */
+#define PLANE_AT 36    /* ring header: nonzero while this thread reads the ring's submit doorbell */
 #define WAITING_AT 72  /* slot header: the client sleeps on the slot's done doorbell (quiet lanes) */
+#define BUSY_AT 80     /* slot header: this thread's time on the call, in microseconds */
 #define ST_SUBMITTED 1
 #define ST_TAKEN 2
 #define ST_DONE 3
@@ -766,6 +768,7 @@ static void unwatch(Engine *e, Lane *l) {
         return;
     epoll_ctl(e->epfd, EPOLL_CTL_DEL, l->submit_fd, NULL);
     l->watching = 0;
+    __atomic_store_n((uint32_t *)(l->ring + PLANE_AT), 0u, __ATOMIC_RELAXED); /* a nudge reaches no one */
     e->watched_slots -= l->slots;
 }
 
@@ -880,9 +883,14 @@ static void finish(Engine *e, Job *j, uint32_t code, const char *message, int an
 /* Answers a job's slot: a load's layers and DONE, or its status and message. */
 static void answer_slot(Engine *e, Job *j, uint32_t code, const char *message) {
     int ok = code == 0;
-    observe(e, j->answers ? H_GET : j->load ? H_LOAD : H_WRITE, now_ns() - j->arrival_ns);
+    int64_t took = now_ns() - j->arrival_ns;
+    observe(e, j->answers ? H_GET : j->load ? H_LOAD : H_WRITE, took);
     Lane *l = j->lane;
     char *s = slot_at(l, j->slot);
+    /* What the copy took here, without either side's wake-ups: the client's estimate of its next
+     * call's length (docs/lane.md, "Napping through a long write"). */
+    int64_t us = took / 1000;
+    put32(s + BUSY_AT, us < 0 ? 0u : us > (int64_t)UINT32_MAX ? UINT32_MAX : (uint32_t)us);
     uint32_t resp_len = 0, msg_len = 0;
     if (ok && j->load) {
         publish_progress(e, j, FLAG_DONE | FLAG_JOB_ENDED);
@@ -1140,8 +1148,12 @@ static void command(Engine *e) {
         Lane *l = arg;
         struct epoll_event ev = {.events = EPOLLIN, .data.ptr = l};
         l->watching = epoll_ctl(e->epfd, EPOLL_CTL_ADD, l->submit_fd, &ev) == 0;
-        if (l->watching)
+        if (l->watching) {
             e->watched_slots += l->slots;
+            /* The client may ring ahead of a call (a nudge), so that this thread is awake when the
+             * request lands: a wake-up it would otherwise wait for after writing it. */
+            __atomic_store_n((uint32_t *)(l->ring + PLANE_AT), 1u, __ATOMIC_RELAXED);
+        }
         l->next = e->lanes;
         e->lanes = l;
         __atomic_store_n((uint32_t *)(l->ring + AWAKE_AT), (uint32_t)e->awake, __ATOMIC_RELAXED);

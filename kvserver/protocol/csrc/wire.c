@@ -11,13 +11,17 @@
  * submit(ring_addr, slot, rpc, seq, data, fd): writes data into the slot's request area, its rpc,
  *   seq and length, clears its progress words, marks it SUBMITTED (release order) and rings fd,
  *   unless the ring's awake word says the daemon's data plane looks at the slots unrung.
- * wait(ring_addr, slot, fd, step, spin, deadline) -> 0 (ready), 1 (fd's end of file: the daemon
- *   closed its end, or this client shut it), 2 (deadline passed). Ready: the slot is DONE or, with
- *   step >= 0, its step word is not step. With the GIL released, it looks at the slot's words for
- *   up to spin seconds (yielding the CPU between looks), then polls fd, the slot's done doorbell,
- *   until deadline (time.monotonic()'s clock), draining it on each wake; the slot's waiting word
- *   says so meanwhile (a quiet ring's daemon rings only then). A signal runs its Python handler;
- *   an exception there is raised.
+ * nudge(ring_addr, fd) -> whether it rang: rings fd (the submit doorbell) if the ring's plane word
+ *   says the daemon's data plane reads that doorbell and its awake word says the plane sleeps, so
+ *   that it wakes while the caller builds its request (docs/lane.md, "Ringing ahead").
+ * wait(ring_addr, slot, fd, step, spin, deadline[, nap]) -> 0 (ready), 1 (fd's end of file: the
+ *   daemon closed its end, or this client shut it), 2 (deadline passed). Ready: the slot is DONE
+ *   or, with step >= 0, its step word is not step. With the GIL released, it sleeps on fd until
+ *   nap (a time on time.monotonic()'s clock; 0: no nap) unless rung or ready first, then looks at
+ *   the slot's words for up to spin seconds (yielding the CPU between looks), then polls fd, the
+ *   slot's done doorbell, until deadline, draining it on each wake; the slot's waiting word says
+ *   it sleeps meanwhile (a quiet ring's daemon rings only then). A signal runs its Python
+ *   handler; an exception there is raised.
  * word(ring_addr, slot, offset): one 32-bit word of the slot's header, read with an acquire load.
  * progress(ring_addr, slot) -> (state, layers_done, last_layer, bytes, events_recorded, pages,
  *   step, flags): state and step read with acquire loads, before the words they publish.
@@ -50,6 +54,8 @@
 #define STEP_AT 56
 #define WAITING_AT 72 /* slot header: the client sleeps on the done doorbell */
 #define AWAKE_AT 32   /* ring header: the daemon looks at the slots unrung */
+#define PLANE_AT 36   /* ring header: the daemon's data plane reads the submit doorbell */
+#define BUSY_AT 80    /* slot header: the data plane's time on the call (microseconds) */
 
 static char *slot_at(unsigned long long ring, int slot) {
     return (char *)(uintptr_t)ring + HEADER_BYTES + (size_t)slot * SLOT_BYTES;
@@ -174,6 +180,7 @@ static PyObject *submit(PyObject *self, PyObject *args) {
     memcpy(s + 8, &seq, 8);
     memcpy(s + 16, &n, 4);
     memset(s + 32, 0, 32); /* progress words: nothing of the last call */
+    memset(s + BUSY_AT, 0, 4);
     __atomic_store_n((uint32_t *)s, 1u /* SUBMITTED */, __ATOMIC_RELEASE);
     /* The daemon clears its awake word, fences, then looks at the slots once more before it
      * sleeps: with this fence, it sees SUBMITTED there or this sees the word cleared and rings. */
@@ -181,6 +188,19 @@ static PyObject *submit(PyObject *self, PyObject *args) {
     if (!__atomic_load_n((uint32_t *)((char *)(uintptr_t)ring + AWAKE_AT), __ATOMIC_RELAXED))
         (void)!send(fd, "s", 1, MSG_DONTWAIT | MSG_NOSIGNAL); /* full: the daemon has doorbells to read */
     Py_RETURN_NONE;
+}
+
+static PyObject *nudge(PyObject *self, PyObject *args) {
+    unsigned long long ring;
+    int fd;
+    if (!PyArg_ParseTuple(args, "Ki", &ring, &fd))
+        return NULL;
+    const char *h = (const char *)(uintptr_t)ring;
+    if (!__atomic_load_n((const uint32_t *)(h + PLANE_AT), __ATOMIC_RELAXED) ||
+        __atomic_load_n((const uint32_t *)(h + AWAKE_AT), __ATOMIC_RELAXED))
+        Py_RETURN_FALSE;
+    (void)!send(fd, "s", 1, MSG_DONTWAIT | MSG_NOSIGNAL); /* full: the daemon has doorbells to read */
+    Py_RETURN_TRUE;
 }
 
 /* word(ring, slot, offset): the slot's 32-bit word at offset (in its 128-byte header), read with
@@ -232,19 +252,53 @@ static PyObject *wait_slot(PyObject *self, PyObject *args) {
     unsigned long long ring;
     int slot, fd;
     long long step;
-    double spin, deadline;
-    if (!PyArg_ParseTuple(args, "KiiLdd", &ring, &slot, &fd, &step, &spin, &deadline))
+    double spin, deadline, nap = 0;
+    if (!PyArg_ParseTuple(args, "KiiLdd|d", &ring, &slot, &fd, &step, &spin, &deadline, &nap))
         return NULL;
     if (bad_slot(ring, slot))
         return NULL;
-    if (!(spin >= 0 && spin <= 0.01) || isnan(deadline)) {
+    if (!(spin >= 0 && spin <= 0.01) || isnan(deadline) || isnan(nap)) {
         PyErr_SetString(PyExc_ValueError, "spin must be between 0 and 10 ms, and the deadline a time");
         return NULL;
     }
     char *s = slot_at(ring, slot);
     uint32_t *waiting = (uint32_t *)(s + WAITING_AT);
     int got = -1;
-    if (spin > 0) {
+    if (nap > deadline)
+        nap = deadline;
+    while (got < 0 && fd >= 0) { /* the nap: asleep, rung if the answer comes first */
+        double left = nap - monotonic();
+        if (left <= 0)
+            break;
+        struct timespec ts = {.tv_sec = (time_t)left, .tv_nsec = (long)((left - (double)(time_t)left) * 1e9)};
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        int n = 0, err = 0, ended = 0;
+        __atomic_store_n(waiting, 1u, __ATOMIC_RELAXED); /* as below: stored, fenced, then a look */
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);
+        if (!slot_ready(s, step)) {
+            Py_BEGIN_ALLOW_THREADS
+            n = ppoll(&p, 1, &ts, NULL);
+            err = errno;
+            if (n > 0)
+                ended = drain(fd);
+            Py_END_ALLOW_THREADS
+        }
+        __atomic_store_n(waiting, 0u, __ATOMIC_RELAXED);
+        if (slot_ready(s, step)) {
+            got = 0;
+        } else if (ended) {
+            got = 1;
+        } else if (n < 0) {
+            if (err != EINTR) {
+                got = 1;
+            } else if (PyErr_CheckSignals()) {
+                return NULL;
+            }
+        } else if (n == 0) {
+            break; /* napped: look from now on */
+        }
+    }
+    if (got < 0 && spin > 0) {
         Py_BEGIN_ALLOW_THREADS
         double until = monotonic() + spin;
         if (until > deadline)
@@ -345,6 +399,7 @@ static PyObject *result(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"pack", pack, METH_VARARGS, NULL},
     {"submit", submit, METH_VARARGS, NULL},
+    {"nudge", nudge, METH_VARARGS, NULL},
     {"word", word, METH_VARARGS, NULL},
     {"wait", wait_slot, METH_VARARGS, NULL},
     {"progress", progress, METH_VARARGS, NULL},

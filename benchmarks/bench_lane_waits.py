@@ -1,0 +1,153 @@
+"""How a lane call's waits shape a large transfer: ringing ahead and napping through a Write.
+
+A ``--mib`` Write and Load (every layer) of scattered pages through a daemon subprocess on the
+fast lane, against the same copy in this process (the daemon's plan and kernel, ``copy_job``, into
+a layer-first host buffer, as the transfer suite's baseline), in the transfer suite's order each
+round: a memcpy of the transfer's size (the caches emptied, as an engine's own work would), the
+in-process write and load, the daemon's write and load. Four ways of waiting, one per round in
+turn, so that the machine's drift hits all alike (docs/lane.md):
+
+- ``nudge+nap``: the client's defaults, a ring ahead of each call (``ClientLane.nudge``) and a nap
+  through a Write whose copy it expects to be long;
+- ``nudge``: no nap (``KVCLIENT_LANE_NAP_LEAD_US=0``);
+- ``nap``: no ring ahead;
+- ``neither``: the client as before both.
+
+For each: the median over its rounds of the in-process time / the daemon's time of the same round
+(1.00x: as fast as in-process), and the CPU time this thread spent per daemon Write (what a Write
+costs the engine's thread, spins included).
+
+Run: python benchmarks/bench_lane_waits.py [--rounds 400] [--page-sizes 16 64] [--layouts mha mla]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from kvclient import KVClient, KVLayout, ShmKVPool
+from kvserver.copies import transfer
+
+LAYOUTS = {"mha": KVLayout.mha(8, 128), "mla": KVLayout.mla(512, 64)}
+MODES = (("nudge+nap", True, True), ("nudge", True, False), ("nap", False, True), ("neither", False, False))
+WARMUP = 8
+
+
+def start_daemon(socket: str, host_memory: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "kvserver", "--socket", socket, "--host-memory",
+                             host_memory, "--log-level", "WARNING"])
+    deadline = time.monotonic() + 30
+    while not os.path.exists(socket):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("daemon did not start")
+        time.sleep(0.05)
+    return proc
+
+
+def case(client: KVClient, lay: str, page: int, mib: int, layers: int, rounds: int) -> list[str]:
+    layout, dtype = LAYOUTS[lay], torch.bfloat16
+    parts = layout.num_parts
+    token_bytes = layout.token_bytes(dtype) * parts * layers
+    pages = max(1, (mib << 20) // token_bytes // page)
+    tokens, pool_tokens = pages * page, 2 * pages * page
+    g = torch.Generator().manual_seed(0)
+    with ShmKVPool(layout, dtype, layers, pool_tokens) as pool:
+        for layer in pool.buffers:
+            for buf in layer:
+                buf.view(torch.int16).random_(generator=g)
+        dev_pages = torch.randperm(pool_tokens // page, generator=g)[:pages]
+        dev = (dev_pages[:, None] * page + torch.arange(page)).reshape(-1)
+        hp = torch.randperm(pages, generator=g)
+        chunk = page * layout.token_bytes(dtype) // 8
+        host = torch.zeros(layers, parts, pages, chunk, dtype=torch.int64)
+        views = [[b.view(torch.int64).view(-1, chunk) for b in layer] for layer in pool.buffers]
+        plan = transfer.make_plan(hp.numpy(), dev.numpy(), page, pool_tokens // page)
+        host_table = transfer.BufferTable(
+            bases=np.array([[host[la, pa, 0].data_ptr() for pa in range(parts)] for la in range(layers)],
+                           dtype=np.uint64),
+            row_stride=chunk * 8, row_bytes=chunk * 8)
+        dev_table = transfer.BufferTable.of(views)
+        every = np.arange(layers, dtype=np.int64)
+        if transfer.copy_job(plan, every, host_table, dev_table, False) is None:
+            raise SystemExit("the copy kernel is not built: no in-process baseline")
+        nbytes = tokens * token_bytes
+        src = torch.ones(nbytes, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        client.register(model=f"waits-{lay}-{page}", pool=pool, start_layer=0, end_layer=layers,
+                        num_layers=layers, host_tokens=tokens, page_size=page)
+        try:
+            lane = client.lane
+            if lane is None:
+                raise SystemExit("the fast lane did not open")
+            lead, nudge = lane.nap_lead, lane.nudge
+            host_idx = client.alloc(tokens).view(-1, page)[hp].reshape(-1)
+            got: dict[str, tuple[list[float], list[float], list[float]]] = {m[0]: ([], [], []) for m in MODES}
+            for r in range(-WARMUP, rounds):
+                name, ahead, nap = MODES[r % len(MODES)]
+                lane.nudge = nudge if ahead else (lambda: None)
+                lane.nap_lead = lead if nap else 0.0
+                dst.copy_(src)
+                t = time.perf_counter()
+                transfer.copy_job(plan, every, host_table, dev_table, False)
+                in_write = time.perf_counter() - t
+                t = time.perf_counter()
+                transfer.copy_job(plan, every, host_table, dev_table, True)
+                in_load = time.perf_counter() - t
+                c = time.thread_time()
+                t = time.perf_counter()
+                client.write(host_indices=host_idx, device_indices=dev)
+                write = time.perf_counter() - t
+                cpu = time.thread_time() - c
+                t = time.perf_counter()
+                client.load(host_indices=host_idx, device_indices=dev).wait()
+                load = time.perf_counter() - t
+                if r >= 0:
+                    w, ld, cp = got[name]
+                    w.append(in_write / write)
+                    ld.append(in_load / load)
+                    cp.append(cpu)
+        finally:
+            client.unregister()
+    out = []
+    for name, (w, ld, cp) in got.items():
+        out.append(f"| {lay.upper()} | {page} | {nbytes / (1 << 20):.1f} MiB | {name} | "
+                   f"{statistics.median(w):.3f}x | {statistics.median(ld):.3f}x | "
+                   f"{statistics.median(cp) * 1e6:.0f} us | {len(w)} |")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mib", type=int, default=16)
+    ap.add_argument("--page-sizes", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=["mha", "mla"])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=400, help="rounds per case, shared by the four modes")
+    args = ap.parse_args()
+    torch.set_num_threads(1)  # the daemon's kernel runs one thread too
+    rows = ["| layout | page | transfer | waits | write vs in-process | load vs in-process "
+            "| engine thread CPU per write (median) | rounds |", "|---|---|---|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory(prefix="kvwaits-") as tmp:
+        socket = os.path.join(tmp, "kv.sock")
+        daemon = start_daemon(socket, f"{2 * args.mib + 64}MiB")
+        try:
+            with KVClient(socket, timeout=60) as client:
+                for lay in args.layouts:
+                    for page in args.page_sizes:
+                        rows += case(client, lay, page, args.mib, args.layers, args.rounds)
+        finally:
+            daemon.terminate()
+            daemon.wait(30)
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""A lane call rings a sleeping data plane ahead of its request, and a long Write naps until just
+before its expected end (docs/lane.md, "Ringing ahead" and "Napping through a long write"). Real
+daemon, real client, real shared memory; the compiled wait is driven directly on a client's own
+ring where a daemon's timing cannot be chosen."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+import torch
+from checks import wait_until
+from conftest import DaemonThread
+from test_lane_doorbells import DTYPE, LAYERS, LAYOUT, PAGE, TOKENS, awake, client, pending, plane_daemon
+
+from kvclient import KVClient, ShmKVPool
+from kvclient._transport import lane as lane_mod
+from kvserver.config import ServerConfig
+from kvserver.protocol import ring as R
+
+wire = pytest.importorskip("kvserver.protocol._wire", reason="the compiled client calls are not built")
+
+
+def plane_word(lane: lane_mod.ClientLane) -> int:
+    return R.U32.unpack_from(lane._mm, R.PLANE_AT)[0]
+
+
+def busy_word(lane: lane_mod.ClientLane, slot: int) -> int:
+    return R.U32.unpack_from(lane._mm, R.slot_offset(slot) + R.BUSY_AT)[0]
+
+
+def daemon_end(lane: lane_mod.ClientLane, which: int) -> socket.socket:
+    """The daemon's end of doorbell ``which`` (0: submit, 1 + i: slot i's done), as the daemon holds it."""
+    s = socket.socket(fileno=os.dup(lane.daemon_fds()[1 + which]))
+    s.setblocking(False)
+    return s
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_nudge_rings_only_a_plane_that_reads_the_doorbell_and_sleeps(compiled, monkeypatch) -> None:
+    lane = lane_mod.ClientLane(slots=2)
+    if not compiled:
+        monkeypatch.setattr(lane, "_c", None)
+    try:
+        end = daemon_end(lane, 0)
+        lane.nudge()
+        assert pending(end) == 0  # no plane reads it (a daemon without one: the loop would scan)
+        R.U32.pack_into(lane._mm, R.PLANE_AT, 1)
+        R.U32.pack_into(lane._mm, R.AWAKE_AT, 1)
+        lane.nudge()
+        assert pending(end) == 0  # the plane looks at the slots already
+        R.U32.pack_into(lane._mm, R.AWAKE_AT, 0)
+        lane.nudge()
+        assert pending(end) == 1  # asleep: rung
+        lane.close()
+        lane.nudge()  # closed: nothing, and no error
+        end.close()
+    finally:
+        lane.close()
+
+
+def test_the_plane_says_it_reads_a_lane_and_wakes_for_a_nudge(socket_dir) -> None:
+    d = plane_daemon(socket_dir, 0.01)  # looks for 10 ms after each doorbell
+    try:
+        with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, client(d, pool) as c:
+            lane = c.lane
+            assert plane_word(lane) == 1
+            seen = 0
+            for _ in range(20):  # looked for within 5 ms of the nudge (a busy CI may miss some)
+                wait_until(lambda: awake(lane) == 0, 2, "the plane to sleep")
+                lane.nudge()  # it wakes, then looks at the slots for its spin
+                until = time.monotonic() + 0.005
+                while not awake(lane) and time.monotonic() < until:
+                    pass
+                seen += awake(lane)
+            assert seen > 0, "the plane never woke for a nudge"
+            host, dev = c.alloc(PAGE), torch.arange(PAGE)
+            c.write(host_indices=host, device_indices=dev)  # a nudged call is served as any other
+            assert d.core.plane.engine.served >= 1
+    finally:
+        d.stop()
+
+
+def test_the_plane_unwatching_a_lane_clears_its_plane_word(socket_dir) -> None:
+    d = plane_daemon(socket_dir, 0.0)
+    try:
+        with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, client(d, pool) as c:
+            assert plane_word(c.lane) == 1
+            d.core.plane.engine.unwatch_all()
+            assert plane_word(c.lane) == 0
+    finally:
+        d.stop()
+
+
+def test_a_plane_write_says_how_long_it_took_and_the_client_learns_its_pace(socket_dir) -> None:
+    d = plane_daemon(socket_dir, 0.0)
+    try:
+        with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, client(d, pool) as c:
+            lane = c.lane
+            host, dev = c.alloc(4 * PAGE), torch.arange(4 * PAGE)
+            assert lane.write_pace is None
+            for _ in range(3):
+                c.write(host_indices=host, device_indices=dev)
+            busy = [busy_word(lane, i) for i in range(lane.slots)]
+            assert max(busy) > 0  # microseconds, of at least one slot's last write
+            assert lane.write_pace is not None and 0 < lane.write_pace < 1.0 / (4 * LAYERS)
+            # A Lookup's slot (the event loop's answer) says nothing: the submit cleared the word.
+            for i in range(lane.slots):
+                R.U32.pack_into(lane._mm, R.slot_offset(i) + R.BUSY_AT, 12345)
+            c.lookup([b"k" * 16])
+            assert 12345 in [busy_word(lane, i) for i in range(lane.slots)]
+            assert 0 in [busy_word(lane, i) for i in range(lane.slots)]
+    finally:
+        d.stop()
+
+
+def test_a_write_naps_only_when_its_expected_copy_is_long() -> None:
+    lane = lane_mod.ClientLane(slots=1)
+    try:
+        lane.reg = type("Reg", (), {"start_layer": 4, "end_layer": 8})()
+        data = lane_mod._COUNTS.pack(3, 3, 0).rjust(24, b"\0") + b"\0" * 16  # 3 pages, every layer
+        units = lane._write_units(data)
+        assert units == 3 * 4
+        assert lane._nap(100.0, units) == (0.0, None)  # nothing learned yet
+        lane._learn(units, 0)
+        assert lane.write_pace is None  # 0: not the plane's copy
+        lane._learn(units, 12_000)  # 12 ms for 12 (page, layer)s
+        assert lane.write_pace == pytest.approx(1e-3)
+        nap, spin = lane._nap(100.0, units)
+        assert nap == pytest.approx(100.0 + 12e-3 - lane.nap_lead)
+        assert spin == pytest.approx(min(5 * lane.nap_lead, lane.nap_lead + 12e-3 / 8))
+        lane.nap_lead = 1e-3
+        assert lane._nap(100.0, units)[1] == pytest.approx(1e-3 + 12e-3 / 8)  # under five leads
+        lane.nap_lead = lane_mod.NAP_LEAD_SECONDS
+        pace, lane.write_pace = lane.write_pace, 2.5e-4
+        assert lane._nap(100.0, 1) == (0.0, None)  # 250 us: under NAP_MIN_SECONDS, it spins
+        lane.nap_lead, lane.write_pace = 2e-4, 3.5e-4
+        assert lane._nap(100.0, 1) == (0.0, None)  # 350 us: under two leads
+        assert lane._nap(100.0, 2)[0] == pytest.approx(100.0 + 7e-4 - 2e-4)
+        lane.nap_lead, lane.write_pace = lane_mod.NAP_LEAD_SECONDS, pace
+        lane._learn(units, 24_000)
+        assert lane.write_pace == pytest.approx(0.75e-3 + 0.25 * 2e-3)
+        lane.nap_lead = 0.0
+        assert lane._nap(100.0, units) == (0.0, None)  # napping off
+    finally:
+        lane.close()
+
+
+def _answer_later(lane: lane_mod.ClientLane, slot: int, after: float, ring: bool) -> threading.Thread:
+    """Marks ``slot`` DONE ``after`` seconds from now, ringing its done doorbell only if the client
+    says it sleeps there and ``ring`` (as the daemon's plane does on a quiet ring)."""
+    end = daemon_end(lane, 1 + slot)
+
+    def run() -> None:
+        time.sleep(after)
+        R.U32.pack_into(lane._mm, R.slot_offset(slot) + R.STATE, R.DONE)
+        if ring and R.U32.unpack_from(lane._mm, R.slot_offset(slot) + R.WAITING_AT)[0]:
+            end.send(b"d")
+        end.close()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _submitted(lane: lane_mod.ClientLane) -> int:
+    i = lane._begin("WriteB", b"x")
+    assert i is not None
+    return i
+
+
+def test_a_napping_wait_wakes_when_rung_before_its_nap_ends() -> None:
+    lane = lane_mod.ClientLane(slots=1)
+    try:
+        i = _submitted(lane)
+        t0 = time.monotonic()
+        t = _answer_later(lane, i, 0.02, ring=True)
+        got = lane._wait(i, t0 + 5, spin=0.0, nap=t0 + 2)
+        took = time.monotonic() - t0
+        t.join()
+        assert got == lane_mod._OPEN and lane._state(i) == R.DONE
+        assert took < 1.0, f"a rung nap should end at the answer, not at its end ({took:.3f} s)"
+        assert R.U32.unpack_from(lane._mm, R.slot_offset(i) + R.WAITING_AT)[0] == 0
+    finally:
+        lane.close()
+
+
+def test_a_napping_wait_looks_when_its_nap_ends() -> None:
+    """An answer stored unrung (as the plane does for a client that says it looks) is seen once
+    the nap ends; a wait that slept on the doorbell instead would reach its deadline."""
+    lane = lane_mod.ClientLane(slots=1)
+    try:
+        i = _submitted(lane)
+        t0 = time.monotonic()
+        t = _answer_later(lane, i, 0.02, ring=False)
+        got = lane._wait(i, t0 + 3, spin=0.01, nap=t0 + 0.06)
+        took = time.monotonic() - t0
+        t.join()
+        assert got == lane_mod._OPEN and lane._state(i) == R.DONE
+        assert 0.055 <= took < 2.0, took
+    finally:
+        lane.close()
+
+
+def test_a_nap_never_outlasts_the_deadline_and_ends_at_a_closed_doorbell() -> None:
+    lane = lane_mod.ClientLane(slots=1)
+    try:
+        i = _submitted(lane)
+        t0 = time.monotonic()
+        got = lane._wait(i, t0 + 0.05, spin=0.0, nap=t0 + 30)
+        assert got == lane_mod._TIMEOUT and time.monotonic() - t0 < 5
+        end = daemon_end(lane, 1 + i)
+        lane.handed_over()  # only the daemon's end (here: ours) keeps the doorbell open
+        threading.Timer(0.02, end.close).start()
+        t0 = time.monotonic()
+        got = lane._wait(i, t0 + 30, spin=0.0, nap=t0 + 20)
+        assert got in (lane_mod._CLOSED, lane_mod._CUT) and time.monotonic() - t0 < 5
+    finally:
+        lane.close()
+
+
+def test_long_writes_nap_and_are_answered_alike(socket_dir, monkeypatch) -> None:
+    """With a learned pace, a Write long enough naps (asleep on its doorbell, so the plane rings it
+    if it ends first) and gets the same answer; a lead of 0 never naps."""
+    d = plane_daemon(socket_dir, 0.0, host_memory=256 << 20)
+    tokens = 64 * PAGE
+    try:
+        with ShmKVPool(LAYOUT, DTYPE, LAYERS, tokens) as pool:
+            c = KVClient(d.address, timeout=5, resilient=False)
+            c.register(model="naps", pool=pool, start_layer=0, end_layer=LAYERS, num_layers=LAYERS,
+                       host_tokens=tokens, page_size=PAGE)
+            with c:
+                lane = c.lane
+                host, dev = c.alloc(tokens), torch.arange(tokens)
+                pool.buffers[0][0].view(torch.int16).random_()
+                naps = []
+                real = lane._wait
+
+                def wait(i, deadline, step=-1, spin=None, nap=0.0):
+                    naps.append(nap)
+                    return real(i, deadline, step, spin, nap)
+
+                monkeypatch.setattr(lane, "_wait", wait)
+                nbytes = c.write(host_indices=host, device_indices=dev)
+                assert naps == [0.0]  # nothing learned yet
+                lane.write_pace = 1.0  # a second per (page, layer): a long nap, rung at the answer
+                lane.nap_lead = 1e-4
+                t0 = time.monotonic()
+                assert c.write(host_indices=host, device_indices=dev) == nbytes
+                assert naps[-1] > t0 + 10 and time.monotonic() - t0 < 5
+                assert lane.write_pace < 1.0  # learned from the answer
+                lane.nap_lead = 0.0
+                assert c.write(host_indices=host, device_indices=dev) == nbytes
+                assert naps[-1] == 0.0
+                back = torch.zeros_like(pool.buffers[0][0])
+                pool.buffers[0][0].copy_(back)
+                c.load(host_indices=host, device_indices=dev).wait()
+                assert pool.buffers[0][0].view(torch.int16).any()  # what was written came back
+    finally:
+        d.stop()
+
+
+def test_a_daemon_without_the_plane_does_not_invite_nudges(socket_dir, monkeypatch) -> None:
+    """Its event loop reads the doorbell: a nudge there would only make it scan the slots."""
+    from kvserver.lane import plane
+
+    monkeypatch.setattr(plane, "ENABLED", False)  # as KVSERVER_DATA_PLANE=python at the daemon's start
+    d = DaemonThread(ServerConfig(socket=os.path.join(socket_dir, "noplane.sock"), host_memory=64 << 20))
+    try:
+        assert d.core.plane is None
+        with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, client(d, pool) as c:
+            assert plane_word(c.lane) == 0
+            host, dev = c.alloc(PAGE), torch.arange(PAGE)
+            assert c.write(host_indices=host, device_indices=dev) > 0
+            assert busy_word(c.lane, 0) == 0 and c.lane.write_pace is None  # no plane, no pace
+    finally:
+        d.stop()
