@@ -149,15 +149,18 @@ def test_a_write_naps_only_when_its_expected_copy_is_long() -> None:
         lane.close()
 
 
-def _answer_later(lane: lane_mod.ClientLane, slot: int, after: float, ring: bool) -> threading.Thread:
-    """Marks ``slot`` DONE ``after`` seconds from now, ringing its done doorbell only if the client
-    says it sleeps there and ``ring`` (as the daemon's plane does on a quiet ring)."""
+def _answer_when_asleep(lane: lane_mod.ClientLane, slot: int, ring: bool) -> threading.Thread:
+    """Marks ``slot`` DONE once its client says it sleeps there (its waiting word), then rings its
+    done doorbell if ``ring`` (as the daemon's plane does for a sleeper) or leaves it unrung."""
     end = daemon_end(lane, 1 + slot)
+    waiting = R.slot_offset(slot) + R.WAITING_AT
 
     def run() -> None:
-        time.sleep(after)
+        deadline = time.monotonic() + 30
+        while not R.U32.unpack_from(lane._mm, waiting)[0] and time.monotonic() < deadline:
+            time.sleep(0.001)
         R.U32.pack_into(lane._mm, R.slot_offset(slot) + R.STATE, R.DONE)
-        if ring and R.U32.unpack_from(lane._mm, R.slot_offset(slot) + R.WAITING_AT)[0]:
+        if ring:
             end.send(b"d")
         end.close()
 
@@ -176,31 +179,32 @@ def test_a_napping_wait_wakes_when_rung_before_its_nap_ends() -> None:
     lane = lane_mod.ClientLane(slots=1)
     try:
         i = _submitted(lane)
+        t = _answer_when_asleep(lane, i, ring=True)
         t0 = time.monotonic()
-        t = _answer_later(lane, i, 0.02, ring=True)
-        got = lane._wait(i, t0 + 5, spin=0.0, nap=t0 + 2)
+        got = lane._wait(i, t0 + 60, spin=0.0, nap=t0 + 30)
         took = time.monotonic() - t0
         t.join()
         assert got == lane_mod._OPEN and lane._state(i) == R.DONE
-        assert took < 1.0, f"a rung nap should end at the answer, not at its end ({took:.3f} s)"
+        assert took < 20, f"a rung nap should end at the answer, not at its end ({took:.3f} s)"
         assert R.U32.unpack_from(lane._mm, R.slot_offset(i) + R.WAITING_AT)[0] == 0
     finally:
         lane.close()
 
 
 def test_a_napping_wait_looks_when_its_nap_ends() -> None:
-    """An answer stored unrung (as the plane does for a client that says it looks) is seen once
-    the nap ends; a wait that slept on the doorbell instead would reach its deadline."""
+    """An answer stored unrung while the client naps (as the plane leaves one for a client that
+    says it looks) is seen once the nap ends; a wait that slept on the doorbell instead would
+    reach its deadline."""
     lane = lane_mod.ClientLane(slots=1)
     try:
         i = _submitted(lane)
+        t = _answer_when_asleep(lane, i, ring=False)
         t0 = time.monotonic()
-        t = _answer_later(lane, i, 0.02, ring=False)
-        got = lane._wait(i, t0 + 3, spin=0.01, nap=t0 + 0.06)
+        got = lane._wait(i, t0 + 30, spin=0.01, nap=t0 + 0.3)
         took = time.monotonic() - t0
         t.join()
         assert got == lane_mod._OPEN and lane._state(i) == R.DONE
-        assert 0.055 <= took < 2.0, took
+        assert 0.29 <= took < 10, took
     finally:
         lane.close()
 
@@ -278,3 +282,4 @@ def test_a_daemon_without_the_plane_does_not_invite_nudges(socket_dir, monkeypat
             assert busy_word(c.lane, 0) == 0 and c.lane.write_pace is None  # no plane, no pace
     finally:
         d.stop()
+

@@ -264,6 +264,7 @@ class ClientLane:
         mm[off + R.REQUEST_AT: off + R.REQUEST_AT + len(data)] = data
         R.CALL.pack_into(mm, off + R.RPC_AT, R.RPC_IDS[rpc], next(self._seq), len(data))
         R.PROGRESS.pack_into(mm, off + R.PROGRESS_AT, 0, 0, 0, 0, 0, 0, 0)  # nothing of the last call
+        R.U32.pack_into(mm, off + R.BUSY_AT, 0)
         R.U32.pack_into(mm, off + R.STATE, R.SUBMITTED)
         with contextlib.suppress(OSError):  # full (the daemon has doorbells to read) or closed (it is gone)
             self._submit.send(b"s", socket.MSG_DONTWAIT)

@@ -887,10 +887,12 @@ static void answer_slot(Engine *e, Job *j, uint32_t code, const char *message) {
     observe(e, j->answers ? H_GET : j->load ? H_LOAD : H_WRITE, took);
     Lane *l = j->lane;
     char *s = slot_at(l, j->slot);
-    /* What the copy took here, without either side's wake-ups: the client's estimate of its next
-     * call's length (docs/lane.md, "Napping through a long write"). */
+    /* This thread's time on the call, from taking the request to this answer (its turns behind
+     * other copies included), without either side's wake-ups: what the client expects its next
+     * Write to take (docs/lane.md, "Napping through a long write"). At least 1: 0 says "not the
+     * plane's". */
     int64_t us = took / 1000;
-    put32(s + BUSY_AT, us < 0 ? 0u : us > (int64_t)UINT32_MAX ? UINT32_MAX : (uint32_t)us);
+    put32(s + BUSY_AT, us < 1 ? 1u : us > (int64_t)UINT32_MAX ? UINT32_MAX : (uint32_t)us);
     uint32_t resp_len = 0, msg_len = 0;
     if (ok && j->load) {
         publish_progress(e, j, FLAG_DONE | FLAG_JOB_ENDED);
@@ -1278,6 +1280,10 @@ static void *engine_main(void *arg) {
     take_incoming(e);
     while (e->jobs)
         finish(e, e->jobs, 1, NULL, 0);
+    /* Stopped: no ring says this thread looks at its slots or reads its doorbell any more. */
+    set_awake(e, 0);
+    for (Lane *l = e->lanes; l; l = l->next)
+        unwatch(e, l);
     return NULL;
 }
 

@@ -257,8 +257,8 @@ static PyObject *wait_slot(PyObject *self, PyObject *args) {
         return NULL;
     if (bad_slot(ring, slot))
         return NULL;
-    if (!(spin >= 0 && spin <= 0.01) || isnan(deadline) || isnan(nap)) {
-        PyErr_SetString(PyExc_ValueError, "spin must be between 0 and 10 ms, and the deadline a time");
+    if (!(spin >= 0 && spin <= 0.01) || isnan(deadline) || !isfinite(nap)) {
+        PyErr_SetString(PyExc_ValueError, "spin must be between 0 and 10 ms, and the deadline and nap times");
         return NULL;
     }
     char *s = slot_at(ring, slot);
