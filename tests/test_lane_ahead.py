@@ -48,11 +48,10 @@ def test_a_nudge_rings_only_a_plane_that_reads_the_doorbell_and_sleeps(compiled,
         end = daemon_end(lane, 0)
         lane.nudge()
         assert pending(end) == 0  # no plane reads it (a daemon without one: the loop would scan)
-        R.U32.pack_into(lane._mm, R.PLANE_AT, 1)
-        R.U32.pack_into(lane._mm, R.AWAKE_AT, 1)
+        R.U32.pack_into(lane._mm, R.PLANE_AT, R.PLANE_RUNNING)
         lane.nudge()
-        assert pending(end) == 0  # the plane looks at the slots already
-        R.U32.pack_into(lane._mm, R.AWAKE_AT, 0)
+        assert pending(end) == 0  # it runs (copies, looks, serves): it reads the doorbell anyway
+        R.U32.pack_into(lane._mm, R.PLANE_AT, R.PLANE_ASLEEP)
         lane.nudge()
         assert pending(end) == 1  # asleep: rung
         lane.close()
@@ -67,19 +66,30 @@ def test_the_plane_says_it_reads_a_lane_and_wakes_for_a_nudge(socket_dir) -> Non
     try:
         with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, client(d, pool) as c:
             lane = c.lane
-            assert plane_word(lane) == 1
+            assert plane_word(lane) in (R.PLANE_ASLEEP, R.PLANE_RUNNING)
             seen = 0
             for _ in range(20):  # looked for within 5 ms of the nudge (a busy CI may miss some)
-                wait_until(lambda: awake(lane) == 0, 2, "the plane to sleep")
+                wait_until(lambda: plane_word(lane) == R.PLANE_ASLEEP, 2, "the plane to sleep")
+                assert awake(lane) == 0
                 lane.nudge()  # it wakes, then looks at the slots for its spin
                 until = time.monotonic() + 0.005
                 while not awake(lane) and time.monotonic() < until:
                     pass
-                seen += awake(lane)
+                seen += awake(lane) and plane_word(lane) == R.PLANE_RUNNING
             assert seen > 0, "the plane never woke for a nudge"
+            wait_until(lambda: plane_word(lane) == R.PLANE_ASLEEP, 2, "the plane to sleep again")
             host, dev = c.alloc(PAGE), torch.arange(PAGE)
             c.write(host_indices=host, device_indices=dev)  # a nudged call is served as any other
             assert d.core.plane.engine.served >= 1
+            # Calls back to back find it running, and ring nothing ahead.
+            rung = []
+            real = wire.nudge
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(lane, "_c", _Nudges(real, rung))
+                for _ in range(20):
+                    c.write(host_indices=host, device_indices=dev)
+                    c.load(host_indices=host, device_indices=dev).wait()
+            assert len(rung) == 40 and sum(rung) <= 4, rung  # the first, and a rare late one
     finally:
         d.stop()
 
@@ -88,7 +98,7 @@ def test_the_plane_unwatching_a_lane_clears_its_plane_word(socket_dir) -> None:
     d = plane_daemon(socket_dir, 0.0)
     try:
         with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, client(d, pool) as c:
-            assert plane_word(c.lane) == 1
+            assert plane_word(c.lane) in (R.PLANE_ASLEEP, R.PLANE_RUNNING)
             d.core.plane.engine.unwatch_all()
             assert plane_word(c.lane) == 0
     finally:
@@ -283,3 +293,18 @@ def test_a_daemon_without_the_plane_does_not_invite_nudges(socket_dir, monkeypat
     finally:
         d.stop()
 
+
+
+class _Nudges:
+    """The compiled calls, with what each nudge rang recorded."""
+
+    def __init__(self, real, rung: list) -> None:
+        self._real, self._rung = real, rung
+
+    def nudge(self, address: int, fd: int) -> bool:
+        got = self._real(address, fd)
+        self._rung.append(got)
+        return got
+
+    def __getattr__(self, name: str):
+        return getattr(wire, name)

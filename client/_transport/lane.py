@@ -190,8 +190,7 @@ class ClientLane:
                 return
             if self._c is not None:
                 self._c.nudge(self._address, self._submit.fileno())
-            elif R.U32.unpack_from(self._mm, R.PLANE_AT)[0] \
-                    and not R.U32.unpack_from(self._mm, R.AWAKE_AT)[0]:
+            elif R.U32.unpack_from(self._mm, R.PLANE_AT)[0] == R.PLANE_ASLEEP:
                 with contextlib.suppress(OSError):
                     self._submit.send(b"s", socket.MSG_DONTWAIT)
 

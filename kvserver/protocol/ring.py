@@ -10,8 +10,8 @@ of exactly ``ring_bytes(slots)`` bytes:
                    32 awake u32 (the daemon's: nonzero while its data plane looks at the slots
                    without being rung, so a submit need not ring),
                    36 plane u32 (the daemon's: nonzero while its data plane reads the submit
-                   doorbell, so a client may ring it ahead of a call: docs/lane.md, "Ringing
-                   ahead"), then zeros
+                   doorbell, PLANE_ASLEEP while it sleeps, so that a client rings it ahead of a
+                   call, PLANE_RUNNING while it runs: docs/lane.md, "Ringing ahead"), then zeros
     slot i at HEADER_BYTES + i * SLOT_BYTES:
       0  state u32          FREE -> SUBMITTED (client) -> TAKEN (daemon) -> DONE (daemon) -> FREE (client)
       4  rpc u32            RPC_WRITE, RPC_LOAD, RPC_PUT, RPC_GET, RPC_LOOKUP (protobuf requests),
@@ -92,6 +92,7 @@ FEATURES_AT = 28
 FEATURE_QUIET_DONE = 1
 AWAKE_AT = 32
 PLANE_AT = 36
+PLANE_ASLEEP, PLANE_RUNNING = 1, 2
 
 # Offsets inside a slot.
 STATE = 0

@@ -53,7 +53,9 @@
 #define SLOT_BYTES (ERROR_AT + ERROR_BYTES)
 #define MAX_SLOTS 64
 #define AWAKE_AT 32    /* ring header: nonzero while this thread looks at the slots unrung */
-#define PLANE_AT 36    /* ring header: nonzero while this thread reads the ring's submit doorbell */
+#define PLANE_AT 36    /* ring header: this thread reads the ring's submit doorbell: PLANE_* */
+#define PLANE_ASLEEP 1  /* ... and sleeps in epoll_wait: a ring ahead of a call wakes it */
+#define PLANE_RUNNING 2 /* ... and runs (copies, spins, serves): a ring ahead is not needed */
 #define WAITING_AT 72  /* slot header: the client sleeps on the slot's done doorbell (quiet lanes) */
 #define BUSY_AT 80     /* slot header: this thread's time on the call, in microseconds */
 #define ST_SUBMITTED 1
@@ -454,6 +456,7 @@ typedef struct {
     int64_t progress_interval_ns;
     int64_t spin_ns;  /* after a request or a job, how long it looks again before it sleeps */
     int awake;        /* the lanes' AWAKE_AT words say 1: clients submit without ringing */
+    uint32_t plane_state; /* what the watched lanes' PLANE_AT words say: PLANE_ASLEEP or PLANE_RUNNING */
     int watched_slots; /* the slots of the lanes whose doorbells it watches */
     Lane *lanes;
     Job *jobs;
@@ -761,6 +764,16 @@ static void set_awake(Engine *e, int awake) {
     for (Lane *l = e->lanes; l; l = l->next)
         __atomic_store_n((uint32_t *)(l->ring + AWAKE_AT), (uint32_t)awake, __ATOMIC_RELAXED);
     e->awake = awake;
+}
+
+/* The plane words of the watched lanes (asleep or running: PLANE_*), on a change. */
+static void set_plane(Engine *e, uint32_t state) {
+    if (e->plane_state == state)
+        return;
+    for (Lane *l = e->lanes; l; l = l->next)
+        if (l->watching)
+            __atomic_store_n((uint32_t *)(l->ring + PLANE_AT), state, __ATOMIC_RELAXED);
+    e->plane_state = state;
 }
 
 static void unwatch(Engine *e, Lane *l) {
@@ -1154,7 +1167,7 @@ static void command(Engine *e) {
             e->watched_slots += l->slots;
             /* The client may ring ahead of a call (a nudge), so that this thread is awake when the
              * request lands: a wake-up it would otherwise wait for after writing it. */
-            __atomic_store_n((uint32_t *)(l->ring + PLANE_AT), 1u, __ATOMIC_RELAXED);
+            __atomic_store_n((uint32_t *)(l->ring + PLANE_AT), PLANE_RUNNING, __ATOMIC_RELAXED);
         }
         l->next = e->lanes;
         e->lanes = l;
@@ -1243,7 +1256,14 @@ static void *engine_main(void *arg) {
                 }
             }
         }
+        /* Before a sleep (not a look, nor a held copy's 1 ms wait) the lanes' plane words say
+         * so, and a client rings ahead of its next call (docs/lane.md, "Ringing ahead"). */
+        int sleeps = !spinning && timeout < 0;
+        if (sleeps)
+            set_plane(e, PLANE_ASLEEP);
         int n = epoll_wait(e->epfd, evs, 64, spinning ? 0 : timeout);
+        if (sleeps)
+            set_plane(e, PLANE_RUNNING);
         int took = looking ? scan_all(e) : 0;
         if (spinning && n == 0 && !took) {
             sched_yield();  /* a spinning thread lets whatever else is runnable on its CPU go first */

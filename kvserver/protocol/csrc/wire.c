@@ -12,8 +12,8 @@
  *   seq and length, clears its progress words, marks it SUBMITTED (release order) and rings fd,
  *   unless the ring's awake word says the daemon's data plane looks at the slots unrung.
  * nudge(ring_addr, fd) -> whether it rang: rings fd (the submit doorbell) if the ring's plane word
- *   says the daemon's data plane reads that doorbell and its awake word says the plane sleeps, so
- *   that it wakes while the caller builds its request (docs/lane.md, "Ringing ahead").
+ *   says the daemon's data plane reads that doorbell and sleeps, so that it wakes while the caller
+ *   builds its request (docs/lane.md, "Ringing ahead").
  * wait(ring_addr, slot, fd, step, spin, deadline[, nap]) -> 0 (ready), 1 (fd's end of file: the
  *   daemon closed its end, or this client shut it), 2 (deadline passed). Ready: the slot is DONE
  *   or, with step >= 0, its step word is not step. With the GIL released, it sleeps on fd until
@@ -54,7 +54,8 @@
 #define STEP_AT 56
 #define WAITING_AT 72 /* slot header: the client sleeps on the done doorbell */
 #define AWAKE_AT 32   /* ring header: the daemon looks at the slots unrung */
-#define PLANE_AT 36   /* ring header: the daemon's data plane reads the submit doorbell */
+#define PLANE_AT 36   /* ring header: the daemon's data plane reads the submit doorbell: */
+#define PLANE_ASLEEP 1 /* ... and sleeps (2: it runs) */
 #define BUSY_AT 80    /* slot header: the data plane's time on the call (microseconds) */
 
 static char *slot_at(unsigned long long ring, int slot) {
@@ -196,8 +197,7 @@ static PyObject *nudge(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "Ki", &ring, &fd))
         return NULL;
     const char *h = (const char *)(uintptr_t)ring;
-    if (!__atomic_load_n((const uint32_t *)(h + PLANE_AT), __ATOMIC_RELAXED) ||
-        __atomic_load_n((const uint32_t *)(h + AWAKE_AT), __ATOMIC_RELAXED))
+    if (__atomic_load_n((const uint32_t *)(h + PLANE_AT), __ATOMIC_RELAXED) != PLANE_ASLEEP)
         Py_RETURN_FALSE;
     (void)!send(fd, "s", 1, MSG_DONTWAIT | MSG_NOSIGNAL); /* full: the daemon has doorbells to read */
     Py_RETURN_TRUE;
