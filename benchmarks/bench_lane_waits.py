@@ -1,11 +1,11 @@
 """How a lane call's waits shape a large transfer: ringing ahead and napping through a Write.
 
 A ``--mib`` Write and Load (every layer) of scattered pages through a daemon subprocess on the
-fast lane, against the same copy in this process (the daemon's plan and kernel, ``copy_job``, into
-a layer-first host buffer, as the transfer suite's baseline), in the transfer suite's order each
-round: a memcpy of the transfer's size (the caches emptied, as an engine's own work would), the
-in-process write and load, the daemon's write and load. Four ways of waiting, one per round in
-turn, so that the machine's drift hits all alike (docs/lane.md):
+fast lane, against the same copy in this process (the transfer suite's baseline,
+``suites.transfer.InProcess``: the daemon's plan and kernel into a layer-first host buffer), in the
+transfer suite's order each round: a memcpy of the transfer's size (the caches emptied, as an
+engine's own work would), the in-process write and load, the daemon's write and load. Four ways
+of waiting, one per round in turn, so that the machine's drift hits all alike (docs/lane.md):
 
 - ``nudge+nap``: the client's defaults, a ring ahead of each call (``ClientLane.nudge``) and a nap
   through a Write whose copy it expects to be long;
@@ -25,13 +25,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
-import numpy as np
 import torch
+from bench_lane import start_daemon  # benchmarks/ is this script's directory
+from suites.transfer import InProcess
 
 from kvclient import KVClient, KVLayout, ShmKVPool
 from kvserver.copies import transfer
@@ -41,18 +40,9 @@ MODES = (("nudge+nap", True, True), ("nudge", True, False), ("nap", False, True)
 WARMUP = 8
 
 
-def start_daemon(socket: str, host_memory: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "kvserver", "--socket", socket, "--host-memory",
-                             host_memory, "--log-level", "WARNING"])
-    deadline = time.monotonic() + 30
-    while not os.path.exists(socket):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("daemon did not start")
-        time.sleep(0.05)
-    return proc
-
-
 def case(client: KVClient, lay: str, page: int, mib: int, layers: int, rounds: int) -> list[str]:
+    if transfer.copy_rows is None:
+        raise SystemExit("the copy kernel is not built: no in-process baseline")
     layout, dtype = LAYOUTS[lay], torch.bfloat16
     parts = layout.num_parts
     token_bytes = layout.token_bytes(dtype) * parts * layers
@@ -63,21 +53,7 @@ def case(client: KVClient, lay: str, page: int, mib: int, layers: int, rounds: i
         for layer in pool.buffers:
             for buf in layer:
                 buf.view(torch.int16).random_(generator=g)
-        dev_pages = torch.randperm(pool_tokens // page, generator=g)[:pages]
-        dev = (dev_pages[:, None] * page + torch.arange(page)).reshape(-1)
-        hp = torch.randperm(pages, generator=g)
-        chunk = page * layout.token_bytes(dtype) // 8
-        host = torch.zeros(layers, parts, pages, chunk, dtype=torch.int64)
-        views = [[b.view(torch.int64).view(-1, chunk) for b in layer] for layer in pool.buffers]
-        plan = transfer.make_plan(hp.numpy(), dev.numpy(), page, pool_tokens // page)
-        host_table = transfer.BufferTable(
-            bases=np.array([[host[la, pa, 0].data_ptr() for pa in range(parts)] for la in range(layers)],
-                           dtype=np.uint64),
-            row_stride=chunk * 8, row_bytes=chunk * 8)
-        dev_table = transfer.BufferTable.of(views)
-        every = np.arange(layers, dtype=np.int64)
-        if transfer.copy_job(plan, every, host_table, dev_table, False) is None:
-            raise SystemExit("the copy kernel is not built: no in-process baseline")
+        base = InProcess(pool, page, pages, g)
         nbytes = tokens * token_bytes
         src = torch.ones(nbytes, dtype=torch.uint8)
         dst = torch.empty_like(src)
@@ -88,7 +64,8 @@ def case(client: KVClient, lay: str, page: int, mib: int, layers: int, rounds: i
             if lane is None:
                 raise SystemExit("the fast lane did not open")
             lead, nudge = lane.nap_lead, lane.nudge
-            host_idx = client.alloc(tokens).view(-1, page)[hp].reshape(-1)
+            host_idx = client.alloc(tokens).view(-1, page)[base.hp].reshape(-1)
+            dev = base.dev
             got: dict[str, tuple[list[float], list[float], list[float]]] = {m[0]: ([], [], []) for m in MODES}
             for r in range(-WARMUP, rounds):
                 name, ahead, nap = MODES[r % len(MODES)]
@@ -96,10 +73,10 @@ def case(client: KVClient, lay: str, page: int, mib: int, layers: int, rounds: i
                 lane.nap_lead = lead if nap else 0.0
                 dst.copy_(src)
                 t = time.perf_counter()
-                transfer.copy_job(plan, every, host_table, dev_table, False)
+                base.copy(False)
                 in_write = time.perf_counter() - t
                 t = time.perf_counter()
-                transfer.copy_job(plan, every, host_table, dev_table, True)
+                base.copy(True)
                 in_load = time.perf_counter() - t
                 c = time.thread_time()
                 t = time.perf_counter()

@@ -93,6 +93,46 @@ def run(args: argparse.Namespace, progress) -> dict:
     return {"params": p, "daemon_flags": common.daemon_flags(d), "rows": rows, "skipped": skipped}
 
 
+class InProcess:
+    """The baseline: ``pages`` pages of a pool scattered over it (``dev``: their device tokens) and
+    the same copy done in this process with the daemon's plan and kernel (``make_plan`` +
+    ``copy_job``) into a host buffer laid out as the daemon's region, its pages in the order ``hp``
+    (layer first; a page-first one writes ~8% faster at 16 MiB here, not the same copy:
+    docs/performance.md). What an engine gets by copying itself."""
+
+    def __init__(self, pool: ShmKVPool, page_size: int, pages: int, g: torch.Generator) -> None:
+        layers, parts, pool_pages = pool.num_layers, pool.layout.num_parts, pool.num_tokens // page_size
+        self.dev_pages = torch.randperm(pool_pages, generator=g)[:pages]
+        self.dev = (self.dev_pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+        self.hp = torch.randperm(pages, generator=g)
+        # int64 words per (layer, part) of a page
+        self.chunk = chunk = page_size * pool.layout.token_bytes(pool.dtype) // 8
+        self.host = host = torch.zeros(layers, parts, pages, chunk, dtype=torch.int64)
+        self._views = [[b.view(torch.int64).view(-1, chunk) for b in layer] for layer in pool.buffers]
+        self._tokens = [[b.view(torch.int64).view(pool.num_tokens, -1) for b in layer]
+                        for layer in pool.buffers]
+        self._plan = transfer.make_plan(self.hp.numpy(), self.dev.numpy(), page_size, pool_pages)
+        self._host_table = transfer.BufferTable(
+            bases=np.array([[host[la, pa, 0].data_ptr() for pa in range(parts)] for la in range(layers)],
+                           dtype=np.uint64),
+            row_stride=chunk * 8, row_bytes=chunk * 8)
+        self._dev_table = transfer.BufferTable.of(self._views)
+        self._layers = np.arange(layers, dtype=np.int64)
+
+    def copy(self, to_device: bool) -> None:
+        if transfer.copy_job(self._plan, self._layers, self._host_table, self._dev_table, to_device) is None:
+            # No compiled kernel: per (layer, part), as the daemon falls back.
+            for la in range(len(self._views)):
+                for pa in range(len(self._views[la])):
+                    transfer.copy_part(self._plan, self.host[la, pa], self._views[la][pa],
+                                       self._tokens[la][pa], to_device)
+
+    def holds_the_pool_pages(self) -> bool:
+        """Whether the host buffer holds the pool's pages (after a write), in the order ``hp``."""
+        want = np.stack([np.stack([v[self.dev_pages].numpy() for v in views], 1) for views in self._views], 1)
+        return np.array_equal(self.host.permute(2, 0, 1, 3)[self.hp].numpy(), want)
+
+
 def _case(client: KVClient, lay: str, page_size: int, nominal: int, p: dict) -> dict:
     layout, _ = LAYOUTS[lay]
     layers, parts = p["layers"], layout.num_parts
@@ -114,31 +154,8 @@ def _case(client: KVClient, lay: str, page_size: int, nominal: int, p: dict) -> 
                     buf.view(torch.int16).random_(generator=g)
                 else:
                     buf.view(torch.int16).fill_(1)  # first touch outside the timings
-        dev_pages = torch.randperm(pool_tokens // page_size, generator=g)[:pages]
-        dev = (dev_pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
-        hp = torch.randperm(pages, generator=g)
-
-        # In-process: the daemon's plan and kernel between the pool and a host copy laid out as the
-        # daemon's region (layer first; a page-first one writes ~8% faster at 16 MiB here, not the
-        # same copy: docs/performance.md).
-        chunk = page_size * layout.token_bytes(DTYPE) // 8  # int64 words per (layer, part) of a page
-        host = torch.zeros(layers, parts, pages, chunk, dtype=torch.int64)
-        dev_views = [[b.view(torch.int64).view(-1, chunk) for b in layer] for layer in pool.buffers]
-        tok_views = [[b.view(torch.int64).view(pool_tokens, -1) for b in layer] for layer in pool.buffers]
-        plan = transfer.make_plan(hp.numpy(), dev.numpy(), page_size, pool_tokens // page_size)
-        host_table = transfer.BufferTable(
-            bases=np.array([[host[la, pa, 0].data_ptr() for pa in range(parts)] for la in range(layers)],
-                           dtype=np.uint64),
-            row_stride=chunk * 8, row_bytes=chunk * 8)
-        dev_table = transfer.BufferTable.of(dev_views)
-        all_layers = np.arange(layers, dtype=np.int64)
-
-        def planned(to_device: bool) -> None:
-            if transfer.copy_job(plan, all_layers, host_table, dev_table, to_device) is None:
-                for la in range(layers):  # no compiled kernel: per (layer, part), as the daemon falls back
-                    for pa in range(parts):
-                        transfer.copy_part(plan, host[la, pa], dev_views[la][pa], tok_views[la][pa],
-                                           to_device)
+        base = InProcess(pool, page_size, pages, g)
+        dev, hp = base.dev, base.hp
 
         src = torch.empty(nbytes, dtype=torch.uint8)
         dst = torch.empty_like(src)
@@ -151,20 +168,17 @@ def _case(client: KVClient, lay: str, page_size: int, nominal: int, p: dict) -> 
             host_idx = all_host.view(-1, page_size)[hp].reshape(-1)
             times = common.interleaved({
                 "memcpy": lambda: dst.copy_(src),
-                "in-process write": lambda: planned(False),
-                "in-process load": lambda: planned(True),
+                "in-process write": lambda: base.copy(False),
+                "in-process load": lambda: base.copy(True),
                 "daemon write": lambda: client.write(host_indices=host_idx, device_indices=dev),
                 "daemon load": lambda: client.load(host_indices=host_idx, device_indices=dev).wait(),
             }, repeats)
         finally:
             client.unregister()
-        if check:
-            want = np.stack([np.stack([dev_views[la][pa][dev_pages].numpy() for pa in range(parts)], 1)
-                             for la in range(layers)], 1)
-            if not np.array_equal(host.permute(2, 0, 1, 3)[hp].numpy(), want):
-                raise AssertionError(f"in-process copy is wrong ({lay}, page {page_size}, {nbytes} B)")
+        if check and not base.holds_the_pool_pages():
+            raise AssertionError(f"in-process copy is wrong ({lay}, page {page_size}, {nbytes} B)")
     out = {**head, "bytes": nbytes, "tokens": tokens, "pages": pages,
-           "page_chunk_bytes": chunk * 8, "repeats": repeats, "checked": check, "methods": {}}
+           "page_chunk_bytes": base.chunk * 8, "repeats": repeats, "checked": check, "methods": {}}
     for name, ts in times.items():
         s = common.stats_of(ts)
         out["methods"][name] = {**s, "gb_per_s": nbytes / s["median_s"] / 1e9, "times_s": ts}
