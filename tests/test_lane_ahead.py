@@ -222,6 +222,34 @@ def test_a_napping_wait_looks_when_its_nap_ends() -> None:
         lane.close()
 
 
+def test_a_signal_during_a_nap_runs_its_handler_and_one_that_raises_ends_the_wait() -> None:
+    import signal
+
+    class Alarm(Exception):
+        pass
+
+    calls = []
+
+    def handler(signum, frame):
+        calls.append(time.monotonic())
+        if len(calls) > 1:
+            raise Alarm
+
+    lane = lane_mod.ClientLane(slots=1)  # no daemon: the slot is never answered
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        i = _submitted(lane)
+        signal.setitimer(signal.ITIMER_REAL, 0.02, 0.02)  # twice during the nap: the second raises
+        t0 = time.monotonic()
+        with pytest.raises(Alarm):
+            lane._wait(i, t0 + 30, spin=0.0, nap=t0 + 20)
+        assert len(calls) == 2 and time.monotonic() - t0 < 10, "the nap outlived its signals"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        lane.close()
+
+
 def test_a_nap_never_outlasts_the_deadline_and_ends_at_a_closed_doorbell() -> None:
     lane = lane_mod.ClientLane(slots=1)
     try:

@@ -31,7 +31,6 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
-#include <limits.h>
 #include <math.h>
 #include <poll.h>
 #include <sched.h>
@@ -248,6 +247,33 @@ static int drain(int fd) {
     }
 }
 
+/* Sleeps on fd, the slot's done doorbell, for up to `left` seconds unless the slot is ready, and
+ * drains it if rung. The slot's waiting word says so meanwhile: stored, fenced, then a last look
+ * (the daemon stores the slot's words, fences, then reads this word to decide whether to ring; one
+ * of the two sees the other's store). Returns ppoll's result (0 if it did not sleep), with *err
+ * its errno and *ended whether the doorbell read end of file. */
+static int sleep_on(char *s, long long step, int fd, double left, int *err, int *ended) {
+    uint32_t *waiting = (uint32_t *)(s + WAITING_AT);
+    if (left > 3600)
+        left = 3600; /* a far (or infinite) deadline: the caller sleeps again */
+    struct timespec ts = {.tv_sec = (time_t)left, .tv_nsec = (long)((left - (double)(time_t)left) * 1e9)};
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    int n = 0;
+    *err = *ended = 0;
+    __atomic_store_n(waiting, 1u, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (!slot_ready(s, step)) {
+        Py_BEGIN_ALLOW_THREADS
+        n = ppoll(&p, 1, &ts, NULL);
+        *err = errno;
+        if (n > 0)
+            *ended = drain(fd);
+        Py_END_ALLOW_THREADS
+    }
+    __atomic_store_n(waiting, 0u, __ATOMIC_RELAXED);
+    return n;
+}
+
 static PyObject *wait_slot(PyObject *self, PyObject *args) {
     unsigned long long ring;
     int slot, fd;
@@ -262,41 +288,22 @@ static PyObject *wait_slot(PyObject *self, PyObject *args) {
         return NULL;
     }
     char *s = slot_at(ring, slot);
-    uint32_t *waiting = (uint32_t *)(s + WAITING_AT);
-    int got = -1;
+    int got = -1, n, err, ended;
     if (nap > deadline)
         nap = deadline;
     while (got < 0 && fd >= 0) { /* the nap: asleep, rung if the answer comes first */
         double left = nap - monotonic();
         if (left <= 0)
             break;
-        struct timespec ts = {.tv_sec = (time_t)left, .tv_nsec = (long)((left - (double)(time_t)left) * 1e9)};
-        struct pollfd p = {.fd = fd, .events = POLLIN};
-        int n = 0, err = 0, ended = 0;
-        __atomic_store_n(waiting, 1u, __ATOMIC_RELAXED); /* as below: stored, fenced, then a look */
-        __atomic_thread_fence(__ATOMIC_SEQ_CST);
-        if (!slot_ready(s, step)) {
-            Py_BEGIN_ALLOW_THREADS
-            n = ppoll(&p, 1, &ts, NULL);
-            err = errno;
-            if (n > 0)
-                ended = drain(fd);
-            Py_END_ALLOW_THREADS
-        }
-        __atomic_store_n(waiting, 0u, __ATOMIC_RELAXED);
-        if (slot_ready(s, step)) {
+        n = sleep_on(s, step, fd, left, &err, &ended);
+        if (slot_ready(s, step))
             got = 0;
-        } else if (ended) {
+        else if (ended || (n < 0 && err != EINTR))
             got = 1;
-        } else if (n < 0) {
-            if (err != EINTR) {
-                got = 1;
-            } else if (PyErr_CheckSignals()) {
-                return NULL;
-            }
-        } else if (n == 0) {
+        else if (n < 0 && PyErr_CheckSignals())
+            return NULL;
+        else if (n == 0)
             break; /* napped: look from now on */
-        }
     }
     if (got < 0 && spin > 0) {
         Py_BEGIN_ALLOW_THREADS
@@ -330,31 +337,13 @@ static PyObject *wait_slot(PyObject *self, PyObject *args) {
         }
         if (PyErr_CheckSignals()) /* one that came during the spin: its handler runs now */
             return NULL;
-        double ms = ceil(left * 1000);
-        struct pollfd p = {.fd = fd, .events = POLLIN};
-        int n = 0, err = 0, ended = 0;
-        /* Said before the last look: the daemon stores the slot's words, fences, then reads this
-         * word to decide whether to ring; one of the two sees the other's store. */
-        __atomic_store_n(waiting, 1u, __ATOMIC_RELAXED);
-        __atomic_thread_fence(__ATOMIC_SEQ_CST);
-        if (!slot_ready(s, step)) {
-            Py_BEGIN_ALLOW_THREADS
-            n = poll(&p, 1, ms > INT_MAX ? INT_MAX : (ms < 1 ? 1 : (int)ms));
-            err = errno;
-            if (n > 0)
-                ended = drain(fd);
-            Py_END_ALLOW_THREADS
+        n = sleep_on(s, step, fd, left, &err, &ended);
+        if (n < 0 && err != EINTR) {
+            got = 1;
+            break;
         }
-        __atomic_store_n(waiting, 0u, __ATOMIC_RELAXED);
-        if (n < 0) {
-            if (err != EINTR) {
-                got = 1;
-                break;
-            }
-            if (PyErr_CheckSignals())
-                return NULL;
-            continue;
-        }
+        if (n < 0 && PyErr_CheckSignals())
+            return NULL;
         if (ended && !slot_ready(s, step))
             got = 1;
     }
