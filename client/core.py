@@ -262,11 +262,15 @@ class ClientCore:
         layers = op.layers or list(range(reg.start_layer, reg.end_layer))
         if not self.connected:
             return Missed(self.disconnected(layers))
-        events = {}
-        if reg.layer_events:
-            opened = self._layer_events(reg)
-            events = {g: opened.event(op.event_slot, g - reg.start_layer) for g in layers}
-        return Call(op, reg, op.build(reg) if build else None, self.job_deadline, layers, events)
+        return Call(op, reg, op.build(reg) if build else None, self.job_deadline, layers,
+                    self.layer_events(reg, layers, op.event_slot))
+
+    def layer_events(self, reg: msg.Registration, layers: list[int], event_slot: int) -> dict[int, object]:
+        """CUDA pools: global layer -> the event of ``event_slot`` a load of ``layers`` records."""
+        if not reg.layer_events:
+            return {}
+        opened = self._layer_events(reg)
+        return {g: opened.event(event_slot, g - reg.start_layer) for g in layers}
 
     def disconnected(self, on_miss):
         """A call while the registration is lost: a miss, or (not resilient) an error."""
@@ -349,6 +353,21 @@ class ClientCore:
                   lambda resp: resp.bytes, 0, job=True,
                   packed=lambda r: lane_request.pack_at(lane_request.KIND_WRITE, host, dev, lay, r.page_size,
                                                         self.timeout_ms, 0, ready))
+
+    def write_packed(self, reg: msg.Registration, host_indices: msg.Indices, device_indices: msg.Indices,
+                     layers: Iterable[int] | None, ready_event) -> bytes | None:
+        """``write``'s request in the lane's binary format for ``reg``, built at once (no Op)."""
+        return lane_request.pack_at(lane_request.KIND_WRITE, msg.index_source(host_indices),
+                                    msg.index_source(device_indices), msg.layer_list(layers), reg.page_size,
+                                    self.timeout_ms, 0, _ready(ready_event))
+
+    def load_packed(self, reg: msg.Registration, host_indices: msg.Indices, device_indices: msg.Indices,
+                    layers: list[int], event_slot: int, ready_event) -> bytes | None:
+        """``load``'s request in the lane's binary format for ``reg``, built at once (no StreamOp);
+        ``layers`` as ``msg.layer_list`` gives them."""
+        return lane_request.pack_at(lane_request.KIND_LOAD, msg.index_source(host_indices),
+                                    msg.index_source(device_indices), layers, reg.page_size, self.timeout_ms,
+                                    event_slot, _ready(ready_event))
 
     def load(self, host_indices: msg.Indices, device_indices: msg.Indices, layers: Iterable[int] | None,
              event_slot: int, ready_event) -> StreamOp:

@@ -107,11 +107,34 @@ class KVClient(CoreShell):
             error = exc
         else:
             return op.read(resp)
+        return self._failed(call, error)
+
+    def _failed(self, call: Call, error: KVClientError):
+        """A unary call failed: its miss, or ``error`` raised (a Write or Put the daemon did not
+        say is dead is confirmed stopped first)."""
         if self._core.unconfirmed(call, error):
             self._confirm_stopped(call.reg)
         if self._is_miss(error, call.reg, call.op.cache):
-            return op.miss
+            return call.op.miss
         raise error from None
+
+    def _write_on_lane(self, lane: ClientLane, host_indices: msg.Indices, device_indices: msg.Indices,
+                       layers: Iterable[int] | None, ready_event) -> int | None:
+        """A Write in the lane's binary format, without the Op a call is planned as (none is made
+        unless it fails): bytes written, or the miss; None: not sent so (``_run`` takes it)."""
+        core = self._core
+        reg = core.registration
+        if lane.reg is not reg or lane.request_format < 1 or not core.connected:
+            return None
+        data = core.write_packed(reg, host_indices, device_indices, layers, ready_event)
+        if data is None:
+            return None
+        try:
+            got = lane.unary("WriteB", data, core.job_deadline)
+        except KVClientError as error:
+            op = core.write(host_indices, device_indices, layers, ready_event)
+            return self._failed(Call(op, reg, None, core.job_deadline), error)
+        return None if got is None else pb.WriteResponse.FromString(got).bytes
 
     def _nudge(self) -> None:
         """Wakes the daemon's data plane, if it sleeps, while this call builds its request."""
@@ -140,6 +163,34 @@ class KVClient(CoreShell):
         stream = getattr(self._stub, op.rpc)(self._request(call), timeout=call.timeout,
                                              metadata=self._core.metadata)
         self._loaders.submit(handle._consume, stream)
+        return handle
+
+    def _load_on_lane(self, lane: ClientLane, host_indices: msg.Indices, device_indices: msg.Indices,
+                      layers: Iterable[int] | None, event_slot: int, ready_event) -> LoadHandle | None:
+        """A Load in the lane's binary format, without the StreamOp a call is planned as (one is
+        made only if it fails); None: not sent so (``_stream`` takes it)."""
+        core = self._core
+        reg = core.registration
+        if lane.reg is not reg or lane.request_format < 1 or not core.connected:
+            return None
+        lay = msg.layer_list(layers)
+        data = core.load_packed(reg, host_indices, device_indices, lay, event_slot, ready_event)
+        if data is None:
+            return None
+        handle = LoadHandle(lay or list(range(reg.start_layer, reg.end_layer)))
+        handle.events = core.layer_events(reg, handle.layers, event_slot)
+        deadline = core.job_deadline
+        source = lane.stream("LoadB", data, deadline)
+        if source is None:
+            return None
+
+        def failed(error: KVClientError) -> bool:
+            op = core.load(host_indices, device_indices, layers, event_slot, ready_event)
+            return self._stream_failed(Call(op, reg, None, deadline), handle, error)
+
+        handle._on_error = failed
+        source.handle = handle
+        handle._source = source
         return handle
 
     @staticmethod
@@ -354,7 +405,12 @@ class KVClient(CoreShell):
         CUDA pools: ``ready_event`` (an interprocess torch.cuda.Event the engine recorded after
         writing the KV) makes the daemon's copy wait for it on the GPU.
         Returns the bytes written, 0 on a miss (resilient mode)."""
-        self._nudge()
+        lane = self._lane
+        if lane is not None:
+            lane.nudge()
+            written = self._write_on_lane(lane, host_indices, device_indices, layers, ready_event)
+            if written is not None:
+                return written
         return self._run(self._core.write(host_indices, device_indices, layers, ready_event))
 
     def load(
@@ -364,7 +420,12 @@ class KVClient(CoreShell):
         """Starts a layer-by-layer load and returns at once. CUDA pools: the load records the
         layer events of ``event_slot`` (``handle.stream_wait_layer``); ``ready_event`` makes the
         daemon wait for the engine before overwriting the device slots."""
-        self._nudge()
+        lane = self._lane
+        if lane is not None:
+            lane.nudge()
+            handle = self._load_on_lane(lane, host_indices, device_indices, layers, event_slot, ready_event)
+            if handle is not None:
+                return handle
         return self._stream(self._core.load(host_indices, device_indices, layers, event_slot, ready_event))
 
     def available_size(self) -> int:

@@ -282,13 +282,17 @@ def test_long_writes_nap_and_are_answered_alike(socket_dir, monkeypatch) -> None
                 host, dev = c.alloc(tokens), torch.arange(tokens)
                 pool.buffers[0][0].view(torch.int16).random_()
                 naps = []
-                real = lane._wait
+                real = lane._c
 
-                def wait(i, deadline, step=-1, spin=None, nap=0.0):
-                    naps.append(nap)
-                    return real(i, deadline, step, spin, nap)
+                class Recording:  # the compiled calls, with each unary call's nap recorded
+                    def __getattr__(self, name):
+                        return getattr(real, name)
 
-                monkeypatch.setattr(lane, "_wait", wait)
+                    def call(self, *args):
+                        naps.append(args[9])
+                        return real.call(*args)
+
+                monkeypatch.setattr(lane, "_c", Recording())
                 nbytes = c.write(host_indices=host, device_indices=dev)
                 assert naps == [0.0]  # nothing learned yet
                 lane.write_pace = 1.0  # a second per (page, layer): a long nap, rung at the answer

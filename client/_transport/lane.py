@@ -114,6 +114,9 @@ class ClientLane:
         self._submit, submit_peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(slots)]
         self._done = [p[0] for p in pairs]
+        # Their numbers, for the compiled calls: open until _release, which no call outlives.
+        self._submit_fd = self._submit.fileno()
+        self._done_fds = [s.fileno() for s in self._done]
         self._peer: list[socket.socket] | None = [submit_peer] + [p[1] for p in pairs]
         for s in self._done:
             s.setblocking(False)
@@ -158,26 +161,35 @@ class ClientLane:
     def unary(self, rpc: str, data: bytes, timeout: float) -> bytes | None:
         """Write, Put or Lookup on the lane: the response bytes; None: not sent (take gRPC). Raises
         KVClientError with the daemon's status, or UNAVAILABLE / DEADLINE_EXCEEDED."""
-        i = self._begin(rpc, data)
+        i = self._take(data)
         if i is None:
             return None
         units = self._write_units(data) if rpc == "WriteB" else 0
+        now = time.monotonic()
+        nap, spin = self._nap(now, units)
         try:
-            now = time.monotonic()
-            nap, spin = self._nap(now, units)
-            got = self._wait(i, now + timeout, spin=spin, nap=nap)
+            if self._c is not None:  # submitted, waited for and read in one compiled call
+                got = self._c.call(self._address, i, R.RPC_IDS[rpc], next(self._seq), data, self._submit_fd,
+                                   self._done_fds[i], self.spin if spin is None else spin, now + timeout, nap)
+            else:
+                self._put(i, rpc, data)
+                got = self._wait(i, now + timeout, spin=spin, nap=nap)
+                if self._state(i) == R.DONE:  # answered (even if the daemon closed its end after)
+                    got = (*self._result(i), 0)
         except BaseException:  # a signal's handler raised: the daemon may still answer the slot
             self._end(i, done=False)
             raise
-        if self._state(i) == R.DONE:  # answered (even if the daemon closed its end after)
-            code, response, message, flags = self._result(i)
-            if units and not code and self._c is not None:
-                self._learn(units, self._c.word(self._address, i, R.BUSY_AT))
+        if type(got) is tuple:
+            code, response, message, flags, busy = got
+            if units and not code:
+                self._learn(units, busy)
             self._end(i, done=True)
             if code:
                 raise _error(code, message, flags)
             return response
         self._end(i, done=False)
+        if got == _CLOSED:
+            got = self._ended()
         if got == _TIMEOUT:
             raise KVClientError(grpc.StatusCode.DEADLINE_EXCEEDED, "lane call deadline exceeded")
         raise _unavailable() if got == _CLOSED else _cut()
@@ -189,7 +201,7 @@ class ClientLane:
             if self.closed:
                 return
             if self._c is not None:
-                self._c.nudge(self._address, self._submit.fileno())
+                self._c.nudge(self._address, self._submit_fd)
             elif R.U32.unpack_from(self._mm, R.PLANE_AT)[0] == R.PLANE_ASLEEP:
                 with contextlib.suppress(OSError):
                     self._submit.send(b"s", socket.MSG_DONTWAIT)
@@ -236,6 +248,13 @@ class ClientLane:
     def _begin(self, rpc: str, data: bytes) -> int | None:
         """A free slot, the request in it and the daemon rung; None: no room (take gRPC). The
         caller counts as a user of the lane until ``_end`` (or ``stream`` hands the slot over)."""
+        i = self._take(data)
+        if i is not None:
+            self._put(i, rpc, data)
+        return i
+
+    def _take(self, data: bytes) -> int | None:
+        """A free slot for ``data``, its caller counted as a user of the lane; None: no room."""
         if len(data) > R.REQUEST_BYTES:
             return None
         with self._lock:
@@ -255,9 +274,13 @@ class ClientLane:
                     return None
                 i = self._free.pop()
                 self._users += 1
+        return i
+
+    def _put(self, i: int, rpc: str, data: bytes) -> None:
+        """The request into slot ``i``, marked SUBMITTED, and the daemon rung."""
         if self._c is not None:  # the same, in one compiled call
-            self._c.submit(self._address, i, R.RPC_IDS[rpc], next(self._seq), data, self._submit.fileno())
-            return i
+            self._c.submit(self._address, i, R.RPC_IDS[rpc], next(self._seq), data, self._submit_fd)
+            return
         off = R.slot_offset(i)
         mm = self._mm
         mm[off + R.REQUEST_AT: off + R.REQUEST_AT + len(data)] = data
@@ -267,7 +290,6 @@ class ClientLane:
         R.U32.pack_into(mm, off + R.STATE, R.SUBMITTED)
         with contextlib.suppress(OSError):  # full (the daemon has doorbells to read) or closed (it is gone)
             self._submit.send(b"s", socket.MSG_DONTWAIT)
-        return i
 
     def _reclaim(self) -> list[LaneStream]:
         """Takes back the slots given up on that the daemon has finished; returns the streams it
@@ -333,9 +355,9 @@ class ClientLane:
         spin = self.spin if spin is None else spin
         if self._c is not None:
             if nap:
-                got = self._c.wait(self._address, i, self._done[i].fileno(), step, spin, deadline, nap)
+                got = self._c.wait(self._address, i, self._done_fds[i], step, spin, deadline, nap)
             else:
-                got = self._c.wait(self._address, i, self._done[i].fileno(), step, spin, deadline)
+                got = self._c.wait(self._address, i, self._done_fds[i], step, spin, deadline)
             return self._ended() if got == _CLOSED else got
 
         def ready() -> bool:
@@ -495,7 +517,9 @@ class LaneStream:
                 lane._maybe_release()
 
 
-def _error(code: int, message: str, flags: int) -> KVClientError:
+def _error(code: int, message: str | bytes, flags: int) -> KVClientError:
+    if isinstance(message, bytes):
+        message = message.decode(errors="replace")
     status = _CODES.get(code, grpc.StatusCode.UNKNOWN)
     return KVClientError(status, message, bool(flags & R.FLAG_JOB_ENDED))
 
