@@ -11,7 +11,8 @@
   (gRPC keeps threads busy for a while after a call) the CPUs would not go idle, and an idle CPU's
   wake-up is part of what a lone engine pays (tens of microseconds on a virtual machine); and the
   ring lane's round trip once every 2 ms, as between an engine's forward passes, the data plane
-  asleep when each call comes (docs/lane.md, "Ringing ahead");
+  asleep when each call comes (docs/lane.md, "Ringing ahead"), and once right after a 32 MiB
+  memcpy each (an engine's own work emptying the caches: docs/lane.md, "One compiled call");
 - bulk: a ``--mib``-sized (every layer) Write and Load on each lane, median of ``--repeats``,
   against the same copy done in this process with the daemon's copy plan (``kvserver.copies.transfer``),
   with the ratio (in-process time / lane time: 1.00x is as fast as in-process).
@@ -153,6 +154,21 @@ def main() -> None:
                     ring.load(host_indices=host["ring"][:p], device_indices=dev, layers=[0]).wait()
                     spaced.append(time.perf_counter() - t)
                 spaced_cpu = cpu_seconds(daemon.pid) - before[0], cpu_seconds(os.getpid()) - before[1]
+                # One round trip right after a 32 MiB memcpy, as after an engine's own work: its
+                # caches (and the kernel's) emptied, the data plane asleep. The engine's CPU is this
+                # thread's, around the calls only (the memcpy is not the call's).
+                flush = torch.ones(32 << 20, dtype=torch.uint8), torch.empty(32 << 20, dtype=torch.uint8)
+                cold: list[float] = []
+                cold_engine, before_daemon = 0.0, cpu_seconds(daemon.pid)
+                for _ in range(max(1, args.trips // 4)):
+                    flush[1].copy_(flush[0])
+                    c0, t = time.thread_time(), time.perf_counter()
+                    ring.write(host_indices=host["ring"][:p], device_indices=dev, layers=[0])
+                    ring.load(host_indices=host["ring"][:p], device_indices=dev, layers=[0]).wait()
+                    cold.append(time.perf_counter() - t)
+                    cold_engine += time.thread_time() - c0
+                cold_daemon = cpu_seconds(daemon.pid) - before_daemon
+                del flush
                 bare = bare_unary(f"unix://{socket}", args.trips)
                 # ---- the cache's calls on the ring lane ------------------------------------
                 key, page = os.urandom(16), torch.tensor([0])
@@ -198,6 +214,7 @@ def main() -> None:
                     v.close()
                 for name, ts in [*((f"{label} write+load", trips[label]) for label, _ in order),
                                  ("ring lane write+load, one every 2 ms,", spaced),
+                                 ("ring lane write+load, each after a 32 MiB memcpy,", cold),
                                  ("bare grpc.aio Stats", bare)]:
                     rows.append((f"{name} (1 page, 1 layer)",
                                  f"p50 {pct(ts, 0.5) * 1e6:8.1f} us   p99 {pct(ts, 0.99) * 1e6:8.1f} us"
@@ -217,6 +234,9 @@ def main() -> None:
                 rows.append(("ring lane, one every 2 ms, CPU per round trip",
                              f"daemon {spaced_cpu[0] / len(spaced) * 1e6:6.0f} us   "
                              f"engine {spaced_cpu[1] / len(spaced) * 1e6:6.0f} us"))
+                rows.append(("ring lane, each after a 32 MiB memcpy, CPU per round trip",
+                             f"daemon {cold_daemon / len(cold) * 1e6:6.0f} us   "
+                             f"engine thread {cold_engine / len(cold) * 1e6:6.1f} us"))
                 rows += cache_rows
                 served = ring.lane.calls if ring.lane is not None else 0
                 # ---- bulk --------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""benchmarks/bench_lane.py runs end to end on small sizes: the ring and gRPC lanes' round trips,
+"""benchmarks/bench_lane.py runs end to end on small sizes: the ring and gRPC lanes' round trips
+(on the ring also spaced 2 ms apart and each after a 32 MiB memcpy),
 the cache's Get, Put and Lookup on the ring lane (and the Lookup on gRPC), a scheduler's Lookup on
 its space's lane and on gRPC, bulk writes and loads against the same copy in-process, and the data
 plane's targets, each a measured figure with its verdict. The figures are the benchmark's, not this test's."""
@@ -22,6 +23,11 @@ def test_bench_lane_prints_every_row_and_the_targets() -> None:
     trip = r"\s+p50\s+[\d.]+ us\s+p99\s+[\d.]+ us\s+n=100"
     for label in ("ring lane", "grpc lane", "ring lane between gRPC calls"):
         assert re.search(rf"^{label} write\+load \(1 page, 1 layer\){trip}$", out, re.M), out
+    spaced = r"\s+p50\s+[\d.]+ us\s+p99\s+[\d.]+ us\s+n=25"
+    for label in ("one every 2 ms,", "each after a 32 MiB memcpy,"):
+        assert re.search(rf"^ring lane write\+load, {label} \(1 page, 1 layer\){spaced}$", out, re.M), out
+    assert re.search(r"^ring lane, each after a 32 MiB memcpy, CPU per round trip\s+daemon\s+\d+ us"
+                     r"\s+engine thread\s+[\d.]+ us$", out, re.M), out
     for label in ("ring lane Get, 1 page, 1 layer", "ring lane Put of a stored key",
                   "ring lane Lookup of a stored key", "grpc lane Lookup of a stored key",
                   r"space lane Lookup \(CacheView\) of a stored key",
