@@ -108,6 +108,22 @@ def test_the_plane_unwatching_a_lane_clears_its_plane_word(socket_dir) -> None:
         d.stop()
 
 
+def test_the_plane_thread_clears_its_words_as_it_stops(socket_dir) -> None:
+    """Stopped with a lane still watched (the daemon's shutdown, after its drain), the thread's
+    last act says so in that lane: no plane reads it, none looks at its slots."""
+    d = plane_daemon(socket_dir, 0.01)  # looks for 10 ms after each call: the words are set
+    try:
+        with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, client(d, pool) as c:
+            lane = c.lane
+            host, dev = c.alloc(PAGE), torch.arange(PAGE)
+            c.write(host_indices=host, device_indices=dev)
+            assert plane_word(lane) in (R.PLANE_ASLEEP, R.PLANE_RUNNING)
+            d.core.plane.stop()
+            assert plane_word(lane) == 0 and awake(lane) == 0
+    finally:
+        d.stop()
+
+
 def test_a_plane_write_says_how_long_it_took_and_the_client_learns_its_pace(socket_dir) -> None:
     d = plane_daemon(socket_dir, 0.0)
     try:

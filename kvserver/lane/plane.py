@@ -87,6 +87,7 @@ class DataPlane:
         self.copies = 0  # the loop's copies it has taken
         self.answered = 0  # of those, the ones that answered their lane slot (a Get's: Answer)
         self.now = 0  # of those, the ones copied and answered on the loop at once (``copy_now``)
+        self.stopped = False
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -286,9 +287,11 @@ class DataPlane:
         return handle
 
     def remove(self, lane: Lane, handle: int) -> None:
-        """Once this returns the plane's thread no longer touches the lane's ring or sockets."""
+        """Once this returns the plane's thread no longer touches the lane's ring or sockets (a
+        stopped plane's thread has ended, and let go of every lane it had)."""
         self.lanes.pop(lane.plane_key, None)
-        self.engine.remove_lane(handle)
+        if not self.stopped:
+            self.engine.remove_lane(handle)
 
     def finish_slot(self, handle: int, slot: int, seq: int, code: int, response: bytes,
                     message: bytes) -> None:
@@ -314,6 +317,7 @@ class DataPlane:
             with contextlib.suppress(Exception):
                 self._loop.remove_reader(self.engine.notify_fd)
         self.engine.stop()
+        self.stopped = True
         # The loop's copies still on the thread ended with it (posted as halted): settled here,
         # since the reader is gone.
         for ticket, status, layers in self.engine.take_completions():
