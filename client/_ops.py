@@ -27,8 +27,6 @@ class Op:
     job: bool = False
     cache: bool = False  # a call on the node-wide cache: best effort (see ClientCore.judge)
     timeout: float | None = None  # the call's own bound, if shorter than the client's (a lookup)
-    # The request in the lane's binary format for a registration; None where it has none.
-    packed: Callable[[Registration], bytes | None] | None = None
 
 
 @dataclass(slots=True)
@@ -43,8 +41,6 @@ class StreamOp:
     get: bool = False
     job: bool = True
     lane: bool = True  # False: gRPC only (a Get with parts: the lane's progress words have no room)
-    # The request in the lane's binary format for a registration; None where it has none.
-    packed: Callable[[Registration], bytes | None] | None = None
 
     @property
     def cache(self) -> bool:

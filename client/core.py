@@ -59,6 +59,17 @@ def _ready(event) -> bytes:
     return b"" if event is None else event_handle(event)
 
 
+def _sent_already(_reg) -> None:
+    raise AssertionError("a failed lane call's op is never sent")
+
+
+# What a Write or Load sent on the lane in its binary format is judged by if it fails (a copy job,
+# missing with 0 bytes: ``KVClient._failed``), without its arguments, which its failure must not
+# touch again; ``write`` and ``load`` plan their ops with the same.
+LANE_WRITE = Op("Write", _sent_already, _sent_already, 0, job=True)
+LANE_LOAD = StreamOp("Load", _sent_already, [], job=True)
+
+
 class ClientCore:
     def __init__(self, address: str | None, *, timeout: float, token: str | None, resilient: bool,
                  tenant_token: str | None = None) -> None:
@@ -240,9 +251,8 @@ class ClientCore:
 
     # ---- calls and their failures -----------------------------------------------------------
 
-    def start(self, op: Op, build: bool = True) -> Call | Missed:
-        """What to send for ``op`` now, or its miss (the registration is known lost). ``build``
-        False: the shell sends ``op.packed()`` and builds the request only if it must."""
+    def start(self, op: Op) -> Call | Missed:
+        """What to send for ``op`` now, or its miss (the registration is known lost)."""
         if not op.registered:
             return Call(op, None, op.build(None), self.timeout)
         reg = self.registration
@@ -250,10 +260,9 @@ class ClientCore:
             raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "register() first")
         if not self.connected:
             return Missed(self.disconnected(op.miss))
-        return Call(op, reg, op.build(reg) if build else None,
-                    op.timeout or (self.job_deadline if op.job else self.timeout))
+        return Call(op, reg, op.build(reg), op.timeout or (self.job_deadline if op.job else self.timeout))
 
-    def start_stream(self, op: StreamOp, build: bool = True) -> Call | Missed:
+    def start_stream(self, op: StreamOp) -> Call | Missed:
         """A Load or Get to send now (with its layers and CUDA layer events), or the layers of a
         missed handle."""
         reg = self.registration
@@ -262,8 +271,8 @@ class ClientCore:
         layers = op.layers or list(range(reg.start_layer, reg.end_layer))
         if not self.connected:
             return Missed(self.disconnected(layers))
-        return Call(op, reg, op.build(reg) if build else None, self.job_deadline, layers,
-                    self.layer_events(reg, layers, op.event_slot))
+        events = self.layer_events(reg, layers, op.event_slot)
+        return Call(op, reg, op.build(reg), self.job_deadline, layers, events)
 
     def layer_events(self, reg: msg.Registration, layers: list[int], event_slot: int) -> dict[int, object]:
         """CUDA pools: global layer -> the event of ``event_slot`` a load of ``layers`` records."""
@@ -345,42 +354,43 @@ class ClientCore:
 
     def write(self, host_indices: msg.Indices, device_indices: msg.Indices, layers: Iterable[int] | None,
               ready_event) -> Op:
-        host, dev, lay, ready = (msg.index_source(host_indices), msg.index_source(device_indices),
-                                 msg.layer_list(layers), _ready(ready_event))
-        return Op("Write", lambda r: pb.WriteRequest(client_id=r.client_id, host_indices=msg.ids(host[0]),
-                                                     device_indices=msg.ids(dev[0]), layers=lay,
-                                                     ready_event=ready, timeout_ms=self.timeout_ms),
-                  lambda resp: resp.bytes, 0, job=True,
-                  packed=lambda r: lane_request.pack_at(lane_request.KIND_WRITE, host, dev, lay, r.page_size,
-                                                        self.timeout_ms, 0, ready))
-
-    def write_packed(self, reg: msg.Registration, host_indices: msg.Indices, device_indices: msg.Indices,
-                     layers: Iterable[int] | None, ready_event) -> bytes | None:
-        """``write``'s request in the lane's binary format for ``reg``, built at once (no Op)."""
-        return lane_request.pack_at(lane_request.KIND_WRITE, msg.index_source(host_indices),
-                                    msg.index_source(device_indices), msg.layer_list(layers), reg.page_size,
-                                    self.timeout_ms, 0, _ready(ready_event))
-
-    def load_packed(self, reg: msg.Registration, host_indices: msg.Indices, device_indices: msg.Indices,
-                    layers: list[int], event_slot: int, ready_event) -> bytes | None:
-        """``load``'s request in the lane's binary format for ``reg``, built at once (no StreamOp);
-        ``layers`` as ``msg.layer_list`` gives them."""
-        return lane_request.pack_at(lane_request.KIND_LOAD, msg.index_source(host_indices),
-                                    msg.index_source(device_indices), layers, reg.page_size, self.timeout_ms,
-                                    event_slot, _ready(ready_event))
+        """A Write as a protobuf request (the shell first tries ``write_packed`` on the lane)."""
+        host, dev = msg.ids(msg.index_array(host_indices)), msg.ids(msg.index_array(device_indices))
+        lay, ready = msg.layer_list(layers), _ready(ready_event)
+        return Op("Write", lambda r: pb.WriteRequest(client_id=r.client_id, host_indices=host,
+                                                     device_indices=dev, layers=lay, ready_event=ready,
+                                                     timeout_ms=self.timeout_ms),
+                  lambda resp: resp.bytes, LANE_WRITE.miss, job=LANE_WRITE.job)
 
     def load(self, host_indices: msg.Indices, device_indices: msg.Indices, layers: Iterable[int] | None,
              event_slot: int, ready_event) -> StreamOp:
-        host, dev, lay, ready = (msg.index_source(host_indices), msg.index_source(device_indices),
-                                 msg.layer_list(layers), _ready(ready_event))
-        return StreamOp("Load", lambda r: pb.LoadRequest(client_id=r.client_id, host_indices=msg.ids(host[0]),
-                                                         device_indices=msg.ids(dev[0]), layers=lay,
-                                                         event_slot=event_slot, ready_event=ready,
-                                                         timeout_ms=self.timeout_ms),
-                        lay, event_slot,
-                        packed=lambda r: lane_request.pack_at(
-                            lane_request.KIND_LOAD, host, dev, lay, r.page_size, self.timeout_ms, event_slot,
-                            ready))
+        """A Load as a protobuf request (the shell first tries ``load_packed`` on the lane)."""
+        host, dev = msg.ids(msg.index_array(host_indices)), msg.ids(msg.index_array(device_indices))
+        lay, ready = msg.layer_list(layers), _ready(ready_event)
+        def build(r: msg.Registration) -> pb.LoadRequest:
+            return pb.LoadRequest(client_id=r.client_id, host_indices=host, device_indices=dev, layers=lay,
+                                  event_slot=event_slot, ready_event=ready, timeout_ms=self.timeout_ms)
+
+        return StreamOp("Load", build, lay, event_slot, job=LANE_LOAD.job)
+
+    def write_packed(self, reg: msg.Registration, host_indices: msg.Indices, device_indices: msg.Indices,
+                     layers: list[int], ready_event) -> bytes | None:
+        """A Write's request in the lane's binary format for ``reg``, or None where it has none
+        (indices that are not whole pages: ``write``'s protobuf request carries those); ``layers``
+        as ``msg.layer_list`` gives them."""
+        return self._packed(lane_request.KIND_WRITE, reg, host_indices, device_indices, layers, 0,
+                            ready_event)
+
+    def load_packed(self, reg: msg.Registration, host_indices: msg.Indices, device_indices: msg.Indices,
+                    layers: list[int], event_slot: int, ready_event) -> bytes | None:
+        """``write_packed`` for a Load."""
+        return self._packed(lane_request.KIND_LOAD, reg, host_indices, device_indices, layers, event_slot,
+                            ready_event)
+
+    def _packed(self, kind: int, reg: msg.Registration, host_indices: msg.Indices,
+                device_indices: msg.Indices, layers: list[int], event_slot: int, ready_event) -> bytes | None:
+        return lane_request.pack_at(kind, msg.index_source(host_indices), msg.index_source(device_indices),
+                                    layers, reg.page_size, self.timeout_ms, event_slot, _ready(ready_event))
 
     def available_size(self) -> Op:
         def read(resp: pb.StatsResponse) -> int:

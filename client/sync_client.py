@@ -24,7 +24,7 @@ from kvclient._shell import CoreShell
 from kvclient._transport.channel import CHANNEL_OPTIONS
 from kvclient._transport.fd_socket import fd_socket_path, ticket_for, ticketed
 from kvclient._transport.lane import ClientLane
-from kvclient.core import ClientCore
+from kvclient.core import LANE_LOAD, LANE_WRITE, ClientCore
 from kvclient.cuda_pool import CudaKVPool
 from kvclient.errors import KVClientError, from_rpc_error
 from kvclient.keys import KEY_BYTES, Keys
@@ -77,29 +77,20 @@ class KVClient(CoreShell):
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
 
-    def _packed(self, lane: ClientLane | None, op: Op | StreamOp) -> bytes | None:
-        """The call's request in the lane's binary format, if it goes on the lane so (then no
-        protobuf request is built)."""
-        reg = self._core.registration
-        if lane is None or lane.request_format < 1 or op.packed is None or reg is None or lane.reg is not reg:
-            return None
-        return op.packed(reg)
-
     def _run(self, op: Op):
+        """A unary call planned as ``op``: on the lane (its protobuf request) where it is open for
+        the registration and carries the call, else on gRPC."""
         lane = self._lane
-        packed = self._packed(lane, op)
-        call = self._core.start(op, build=packed is None)
+        call = self._core.start(op)
         if isinstance(call, Missed):
             return call.value
         got = None
         try:
-            if packed is not None and lane.reg is call.reg:
-                got = lane.unary(op.rpc + "B", packed, call.timeout)
-            elif lane is not None and op.rpc in LANE_UNARY and lane.reg is call.reg and lane.serves(op.rpc):
-                got = lane.unary(op.rpc, self._request(call).SerializeToString(), call.timeout)
+            if lane is not None and op.rpc in LANE_UNARY and lane.reg is call.reg and lane.serves(op.rpc):
+                got = lane.unary(op.rpc, call.request.SerializeToString(), call.timeout)
             if got is not None:
                 return op.read(LANE_UNARY[op.rpc].FromString(got))
-            resp = getattr(self._stub, op.rpc)(self._request(call), timeout=call.timeout,
+            resp = getattr(self._stub, op.rpc)(call.request, timeout=call.timeout,
                                                metadata=self._core.metadata)
         except grpc.RpcError as exc:
             error = from_rpc_error(exc)
@@ -118,22 +109,26 @@ class KVClient(CoreShell):
             return call.op.miss
         raise error from None
 
+    def _binary_lane(self, lane: ClientLane, reg: msg.Registration | None) -> bool:
+        """Whether ``lane`` takes the binary Write and Load of ``reg``, the live registration."""
+        return reg is not None and lane.reg is reg and lane.request_format >= 1 and self._core.connected
+
     def _write_on_lane(self, lane: ClientLane, host_indices: msg.Indices, device_indices: msg.Indices,
-                       layers: Iterable[int] | None, ready_event) -> int | None:
-        """A Write in the lane's binary format, without the Op a call is planned as (none is made
-        unless it fails): bytes written, or the miss; None: not sent so (``_run`` takes it)."""
+                       layers: list[int], ready_event) -> int | None:
+        """A Write in the lane's binary format, packed from its arguments without planning an Op:
+        bytes written, or its miss; None: not sent so (the protobuf request carries it)."""
         core = self._core
         reg = core.registration
-        if lane.reg is not reg or lane.request_format < 1 or not core.connected:
+        if not self._binary_lane(lane, reg):
             return None
         data = core.write_packed(reg, host_indices, device_indices, layers, ready_event)
         if data is None:
             return None
+        deadline = core.job_deadline
         try:
-            got = lane.unary("WriteB", data, core.job_deadline)
+            got = lane.unary("WriteB", data, deadline)
         except KVClientError as error:
-            op = core.write(host_indices, device_indices, layers, ready_event)
-            return self._failed(Call(op, reg, None, core.job_deadline), error)
+            return self._failed(Call(LANE_WRITE, reg, None, deadline), error)
         return None if got is None else pb.WriteResponse.FromString(got).bytes
 
     def _nudge(self) -> None:
@@ -143,62 +138,47 @@ class KVClient(CoreShell):
             lane.nudge()
 
     def _stream(self, op: StreamOp) -> LoadHandle:
+        """A Load or Get planned as ``op``: on the lane (its protobuf request) where it is open for
+        the registration and carries the call, else on gRPC."""
         lane = self._lane
-        packed = self._packed(lane, op) if op.lane else None
-        call = self._core.start_stream(op, build=packed is None)
+        call = self._core.start_stream(op)
         if isinstance(call, Missed):
             return LoadHandle.miss(call.value, get=op.get)
         handle = LoadHandle(call.layers, get=op.get)
         handle.events = call.events
         handle._on_error = lambda error: self._stream_failed(call, handle, error)
         if lane is not None and op.lane and lane.reg is call.reg:
-            if packed is not None:
-                source = lane.stream(op.rpc + "B", packed, call.timeout)
-            else:
-                source = lane.stream(op.rpc, self._request(call).SerializeToString(), call.timeout)
+            source = lane.stream(op.rpc, call.request.SerializeToString(), call.timeout)
             if source is not None:
                 source.handle = handle
                 handle._source = source
                 return handle
-        stream = getattr(self._stub, op.rpc)(self._request(call), timeout=call.timeout,
-                                             metadata=self._core.metadata)
+        stream = getattr(self._stub, op.rpc)(call.request, timeout=call.timeout, metadata=self._core.metadata)
         self._loaders.submit(handle._consume, stream)
         return handle
 
     def _load_on_lane(self, lane: ClientLane, host_indices: msg.Indices, device_indices: msg.Indices,
-                      layers: Iterable[int] | None, event_slot: int, ready_event) -> LoadHandle | None:
-        """A Load in the lane's binary format, without the StreamOp a call is planned as (one is
-        made only if it fails); None: not sent so (``_stream`` takes it)."""
+                      layers: list[int], event_slot: int, ready_event) -> LoadHandle | None:
+        """A Load in the lane's binary format, packed from its arguments without planning a
+        StreamOp; None: not sent so (the protobuf request carries it)."""
         core = self._core
         reg = core.registration
-        if lane.reg is not reg or lane.request_format < 1 or not core.connected:
+        if not self._binary_lane(lane, reg):
             return None
-        lay = msg.layer_list(layers)
-        data = core.load_packed(reg, host_indices, device_indices, lay, event_slot, ready_event)
+        data = core.load_packed(reg, host_indices, device_indices, layers, event_slot, ready_event)
         if data is None:
             return None
-        handle = LoadHandle(lay or list(range(reg.start_layer, reg.end_layer)))
+        handle = LoadHandle(layers or list(range(reg.start_layer, reg.end_layer)))
         handle.events = core.layer_events(reg, handle.layers, event_slot)
         deadline = core.job_deadline
         source = lane.stream("LoadB", data, deadline)
         if source is None:
             return None
-
-        def failed(error: KVClientError) -> bool:
-            op = core.load(host_indices, device_indices, layers, event_slot, ready_event)
-            return self._stream_failed(Call(op, reg, None, deadline), handle, error)
-
-        handle._on_error = failed
+        call = Call(LANE_LOAD, reg, None, deadline)
+        handle._on_error = lambda error: self._stream_failed(call, handle, error)
         source.handle = handle
         handle._source = source
         return handle
-
-    @staticmethod
-    def _request(call: Call):
-        """The call's protobuf request, built now if the lane's binary format was meant."""
-        if call.request is None:
-            call.request = call.op.build(call.reg)
-        return call.request
 
     def _stream_failed(self, call: Call, handle: LoadHandle, error: KVClientError) -> bool:
         # Reported to the engine only once the daemon said the copy is dead, or was made to.
@@ -408,6 +388,8 @@ class KVClient(CoreShell):
         lane = self._lane
         if lane is not None:
             lane.nudge()
+        layers = msg.layer_list(layers)  # a list: an iterator would be spent by the lane's attempt
+        if lane is not None:
             written = self._write_on_lane(lane, host_indices, device_indices, layers, ready_event)
             if written is not None:
                 return written
@@ -423,6 +405,8 @@ class KVClient(CoreShell):
         lane = self._lane
         if lane is not None:
             lane.nudge()
+        layers = msg.layer_list(layers)
+        if lane is not None:
             handle = self._load_on_lane(lane, host_indices, device_indices, layers, event_slot, ready_event)
             if handle is not None:
                 return handle

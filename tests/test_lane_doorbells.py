@@ -255,11 +255,16 @@ def test_a_stream_the_event_loop_serves_waits_for_its_first_step_with_the_short_
         d.stop()
 
 
-def test_a_call_whose_wait_raises_gives_its_slot_up_and_the_lane_still_closes() -> None:
-    lane = lane_mod.ClientLane(slots=1, spin=0.02)  # a spin the compiled wait refuses: it raises
+def test_a_call_refused_before_its_submit_gives_its_slot_back_and_the_lane_still_closes() -> None:
+    """Never submitted, the slot is not the daemon's: it comes back at once, not abandoned."""
+    with pytest.raises(ValueError, match="spin"):
+        lane_mod.ClientLane(slots=1, spin=0.02)
+    lane = lane_mod.ClientLane(slots=1)
+    lane.spin = 0.02  # set after: a spin the compiled wait refuses, before the slot is touched
     with pytest.raises(ValueError, match="spin"):
         lane.unary("WriteB", b"x", 1.0)
-    assert lane._users == 0 and lane._abandoned == {0}  # the daemon may still answer it
+    assert lane._users == 0 and lane._free == [0] and not lane._abandoned
+    assert R.U32.unpack_from(lane._mm, R.slot_offset(0) + R.STATE)[0] == R.FREE
     lane.close()
     assert lane._released
 

@@ -43,6 +43,12 @@ except ImportError:  # not compiled: the slot is written from Python
 
 logger = logging.getLogger("kvclient")
 
+# A module built from older sources lacks some of these: the slot is then written from Python.
+WIRE_CALLS = ("submit", "nudge", "word", "wait", "progress", "result", "call")
+if _wire is not None and not all(hasattr(_wire, name) for name in WIRE_CALLS):
+    logger.warning("kvserver.protocol._wire is older than this client (rebuild it): lane calls run in Python")
+    _wire = None
+
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 # How long a waiter looks at its slot's words before it blocks on the doorbell (docs/lane.md,
 # "Waiting"): a small call's answer usually comes sooner than a sleeping thread wakes up. A Load's
@@ -82,6 +88,8 @@ class ClientLane:
                  load_spin: float = LOAD_SPIN_SECONDS) -> None:
         if not 1 <= slots <= R.MAX_SLOTS:
             raise ValueError(f"slots must be in [1, {R.MAX_SLOTS}]")
+        if not (0 <= spin <= 0.01 and 0 <= load_spin <= 0.01):
+            raise ValueError("spin and load_spin must be between 0 and 10 ms")
         self.slots = slots
         self.spin = spin  # a Write's or Put's wait
         self.load_spin = load_spin  # a Load's or Get's, for each of its steps
@@ -161,12 +169,12 @@ class ClientLane:
     def unary(self, rpc: str, data: bytes, timeout: float) -> bytes | None:
         """Write, Put or Lookup on the lane: the response bytes; None: not sent (take gRPC). Raises
         KVClientError with the daemon's status, or UNAVAILABLE / DEADLINE_EXCEEDED."""
-        i = self._take(data)
-        if i is None:
-            return None
         units = self._write_units(data) if rpc == "WriteB" else 0
         now = time.monotonic()
         nap, spin = self._nap(now, units)
+        i = self._take(data)
+        if i is None:
+            return None
         try:
             if self._c is not None:  # submitted, waited for and read in one compiled call
                 got = self._c.call(self._address, i, R.RPC_IDS[rpc], next(self._seq), data, self._submit_fd,
@@ -176,7 +184,7 @@ class ClientLane:
                 got = self._wait(i, now + timeout, spin=spin, nap=nap)
                 if self._state(i) == R.DONE:  # answered (even if the daemon closed its end after)
                     got = (*self._result(i), 0)
-        except BaseException:  # a signal's handler raised: the daemon may still answer the slot
+        except BaseException:  # a signal's handler raised (or the call was refused): see _end
             self._end(i, done=False)
             raise
         if type(got) is tuple:
@@ -250,7 +258,11 @@ class ClientLane:
         caller counts as a user of the lane until ``_end`` (or ``stream`` hands the slot over)."""
         i = self._take(data)
         if i is not None:
-            self._put(i, rpc, data)
+            try:
+                self._put(i, rpc, data)
+            except BaseException:
+                self._end(i, done=False)
+                raise
         return i
 
     def _take(self, data: bytes) -> int | None:
@@ -331,7 +343,8 @@ class ClientLane:
 
     def _end(self, i: int, done: bool) -> None:
         """A call's user leaves: ``done``, its slot comes back (the daemon answered); else it is
-        abandoned (still the daemon's) and taken back once the daemon marks it DONE."""
+        abandoned (still the daemon's) and taken back once the daemon marks it DONE, unless it
+        was never submitted (still FREE: the call failed before its submit), which comes back now."""
         with self._lock:
             self._streams.pop(i, None)
             self._users -= 1
@@ -339,6 +352,9 @@ class ClientLane:
                 self.calls += 1
                 if not self.closed:
                     R.U32.pack_into(self._mm, R.slot_offset(i) + R.STATE, R.FREE)
+                    self._free.append(i)
+            elif self._state(i) == R.FREE:  # only this client stores SUBMITTED, and it did not
+                if not self.closed:
                     self._free.append(i)
             else:
                 self._abandoned.add(i)
