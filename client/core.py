@@ -355,21 +355,23 @@ class ClientCore:
     def write(self, host_indices: msg.Indices, device_indices: msg.Indices, layers: Iterable[int] | None,
               ready_event) -> Op:
         """A Write as a protobuf request (the shell first tries ``write_packed`` on the lane)."""
-        host, dev = msg.ids(msg.index_array(host_indices)), msg.ids(msg.index_array(device_indices))
+        host, dev = msg.index_array(host_indices), msg.index_array(device_indices)
         lay, ready = msg.layer_list(layers), _ready(ready_event)
-        return Op("Write", lambda r: pb.WriteRequest(client_id=r.client_id, host_indices=host,
-                                                     device_indices=dev, layers=lay, ready_event=ready,
-                                                     timeout_ms=self.timeout_ms),
+        return Op("Write", lambda r: pb.WriteRequest(client_id=r.client_id, host_indices=msg.ids(host),
+                                                     device_indices=msg.ids(dev), layers=lay,
+                                                     ready_event=ready, timeout_ms=self.timeout_ms),
                   lambda resp: resp.bytes, LANE_WRITE.miss, job=LANE_WRITE.job)
 
     def load(self, host_indices: msg.Indices, device_indices: msg.Indices, layers: Iterable[int] | None,
              event_slot: int, ready_event) -> StreamOp:
         """A Load as a protobuf request (the shell first tries ``load_packed`` on the lane)."""
-        host, dev = msg.ids(msg.index_array(host_indices)), msg.ids(msg.index_array(device_indices))
+        host, dev = msg.index_array(host_indices), msg.index_array(device_indices)
         lay, ready = msg.layer_list(layers), _ready(ready_event)
+
         def build(r: msg.Registration) -> pb.LoadRequest:
-            return pb.LoadRequest(client_id=r.client_id, host_indices=host, device_indices=dev, layers=lay,
-                                  event_slot=event_slot, ready_event=ready, timeout_ms=self.timeout_ms)
+            return pb.LoadRequest(client_id=r.client_id, host_indices=msg.ids(host),
+                                  device_indices=msg.ids(dev), layers=lay, event_slot=event_slot,
+                                  ready_event=ready, timeout_ms=self.timeout_ms)
 
         return StreamOp("Load", build, lay, event_slot, job=LANE_LOAD.job)
 

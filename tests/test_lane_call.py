@@ -172,6 +172,22 @@ def test_a_signal_that_raises_during_a_unary_call_abandons_its_slot() -> None:
         lane.close()
 
 
+def test_a_stream_whose_submit_raises_gives_its_slot_back_and_the_lane_still_closes(monkeypatch) -> None:
+    class Interrupted(Exception):
+        pass
+
+    def interrupted(*args):
+        raise Interrupted
+
+    lane = lane_mod.ClientLane(slots=1)
+    monkeypatch.setattr(lane, "_put", interrupted)  # as a signal's handler raising before the submit
+    with pytest.raises(Interrupted):
+        lane.stream("LoadB", b"x", 1.0)
+    assert lane._free == [0] and not lane._abandoned and not lane._streams and lane._users == 0
+    lane.close()
+    assert lane._released
+
+
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
 def test_lane_writes_and_loads_plan_no_op(socket_dir, monkeypatch, compiled) -> None:
     """A Write or Load sent on the lane builds neither its Op nor its protobuf request, whether

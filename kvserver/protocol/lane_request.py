@@ -36,6 +36,8 @@ try:
     from kvserver.protocol import _wire
 except ImportError:  # not compiled: pack() below, in numpy
     _wire = None
+if _wire is not None and not hasattr(_wire, "pack"):  # built from older sources
+    _wire = None
 
 
 @dataclass(frozen=True, slots=True)
