@@ -109,11 +109,12 @@ class KVClient(CoreShell):
             return call.op.miss
         raise error from None
 
-    def _binary_lane(self, lane: ClientLane, reg: msg.Registration | None) -> bool:
+    def _binary_lane(self, lane: ClientLane | None, reg: msg.Registration | None) -> bool:
         """Whether ``lane`` takes the binary Write and Load of ``reg``, the live registration."""
-        return reg is not None and lane.reg is reg and lane.request_format >= 1 and self._core.connected
+        return (lane is not None and reg is not None and lane.reg is reg and lane.request_format >= 1
+                and self._core.connected)
 
-    def _write_on_lane(self, lane: ClientLane, host_indices: msg.Indices, device_indices: msg.Indices,
+    def _write_on_lane(self, lane: ClientLane | None, host_indices: msg.Indices, device_indices: msg.Indices,
                        layers: list[int], ready_event) -> int | None:
         """A Write in the lane's binary format, packed from its arguments without planning an Op:
         bytes written, or its miss; None: not sent so (the protobuf request carries it)."""
@@ -131,11 +132,13 @@ class KVClient(CoreShell):
             return self._failed(Call(LANE_WRITE, reg, None, deadline), error)
         return None if got is None else pb.WriteResponse.FromString(got).bytes
 
-    def _nudge(self) -> None:
-        """Wakes the daemon's data plane, if it sleeps, while this call builds its request."""
+    def _nudge(self) -> ClientLane | None:
+        """Wakes the daemon's data plane, if it sleeps, while this call builds its request; the
+        lane the call then takes, if one is open."""
         lane = self._lane
         if lane is not None:
             lane.nudge()
+        return lane
 
     def _stream(self, op: StreamOp) -> LoadHandle:
         """A Load or Get planned as ``op``: on the lane (its protobuf request) where it is open for
@@ -157,7 +160,7 @@ class KVClient(CoreShell):
         self._loaders.submit(handle._consume, stream)
         return handle
 
-    def _load_on_lane(self, lane: ClientLane, host_indices: msg.Indices, device_indices: msg.Indices,
+    def _load_on_lane(self, lane: ClientLane | None, host_indices: msg.Indices, device_indices: msg.Indices,
                       layers: list[int], event_slot: int, ready_event) -> LoadHandle | None:
         """A Load in the lane's binary format, packed from its arguments without planning a
         StreamOp; None: not sent so (the protobuf request carries it)."""
@@ -174,8 +177,8 @@ class KVClient(CoreShell):
         source = lane.stream("LoadB", data, deadline)
         if source is None:
             return None
-        call = Call(LANE_LOAD, reg, None, deadline)
-        handle._on_error = lambda error: self._stream_failed(call, handle, error)
+        handle._on_error = lambda error: self._stream_failed(Call(LANE_LOAD, reg, None, deadline), handle,
+                                                             error)
         source.handle = handle
         handle._source = source
         return handle
@@ -385,14 +388,11 @@ class KVClient(CoreShell):
         CUDA pools: ``ready_event`` (an interprocess torch.cuda.Event the engine recorded after
         writing the KV) makes the daemon's copy wait for it on the GPU.
         Returns the bytes written, 0 on a miss (resilient mode)."""
-        lane = self._lane
-        if lane is not None:
-            lane.nudge()
+        lane = self._nudge()
         layers = msg.layer_list(layers)  # a list: an iterator would be spent by the lane's attempt
-        if lane is not None:
-            written = self._write_on_lane(lane, host_indices, device_indices, layers, ready_event)
-            if written is not None:
-                return written
+        written = self._write_on_lane(lane, host_indices, device_indices, layers, ready_event)
+        if written is not None:
+            return written
         return self._run(self._core.write(host_indices, device_indices, layers, ready_event))
 
     def load(
@@ -402,14 +402,11 @@ class KVClient(CoreShell):
         """Starts a layer-by-layer load and returns at once. CUDA pools: the load records the
         layer events of ``event_slot`` (``handle.stream_wait_layer``); ``ready_event`` makes the
         daemon wait for the engine before overwriting the device slots."""
-        lane = self._lane
-        if lane is not None:
-            lane.nudge()
+        lane = self._nudge()
         layers = msg.layer_list(layers)
-        if lane is not None:
-            handle = self._load_on_lane(lane, host_indices, device_indices, layers, event_slot, ready_event)
-            if handle is not None:
-                return handle
+        handle = self._load_on_lane(lane, host_indices, device_indices, layers, event_slot, ready_event)
+        if handle is not None:
+            return handle
         return self._stream(self._core.load(host_indices, device_indices, layers, event_slot, ready_event))
 
     def available_size(self) -> int:

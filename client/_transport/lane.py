@@ -370,10 +370,7 @@ class ClientLane:
         (a time.monotonic() time) it sleeps until then first, unless rung (compiled wait only)."""
         spin = self.spin if spin is None else spin
         if self._c is not None:
-            if nap:
-                got = self._c.wait(self._address, i, self._done_fds[i], step, spin, deadline, nap)
-            else:
-                got = self._c.wait(self._address, i, self._done_fds[i], step, spin, deadline)
+            got = self._c.wait(self._address, i, self._done_fds[i], step, spin, deadline, nap)
             return self._ended() if got == _CLOSED else got
 
         def ready() -> bool:

@@ -184,10 +184,9 @@ static void put_request(unsigned long long ring, char *s, uint32_t rpc, uint64_t
 }
 
 /* Whether data fits a slot's request area; else ValueError. */
-static int fits(Py_buffer *data) {
+static int fits(const Py_buffer *data) {
     if (data->len <= REQUEST_BYTES)
         return 1;
-    PyBuffer_Release(data);
     PyErr_SetString(PyExc_ValueError, "a request larger than a slot");
     return 0;
 }
@@ -200,12 +199,10 @@ static PyObject *submit(PyObject *self, PyObject *args) {
     Py_buffer data;
     if (!PyArg_ParseTuple(args, "KiIKy*i", &ring, &slot, &rpc, &seq, &data, &fd))
         return NULL;
-    if (bad_slot(ring, slot)) {
+    if (bad_slot(ring, slot) || !fits(&data)) {
         PyBuffer_Release(&data);
         return NULL;
     }
-    if (!fits(&data))
-        return NULL;
     put_request(ring, slot_at(ring, slot), rpc, seq, &data, fd);
     PyBuffer_Release(&data);
     Py_RETURN_NONE;
@@ -359,7 +356,6 @@ static int wait_for(char *s, int fd, long long step, double spin, double deadlin
     return got;
 }
 
-
 /* Whether the wait's times are ones wait() takes; else ValueError. */
 static int good_times(double spin, double deadline, double nap) {
     if (spin >= 0 && spin <= 0.01 && !isnan(deadline) && isfinite(nap))
@@ -435,12 +431,10 @@ static PyObject *call(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KiIKy*iiddd", &ring, &slot, &rpc, &seq, &data, &submit_fd, &done_fd, &spin,
                           &deadline, &nap))
         return NULL;
-    if (bad_slot(ring, slot) || !good_times(spin, deadline, nap)) {
+    if (bad_slot(ring, slot) || !good_times(spin, deadline, nap) || !fits(&data)) {
         PyBuffer_Release(&data);
         return NULL;
     }
-    if (!fits(&data))
-        return NULL;
     char *s = slot_at(ring, slot);
     put_request(ring, s, rpc, seq, &data, submit_fd);
     PyBuffer_Release(&data);
