@@ -178,17 +178,39 @@ def test_a_write_naps_only_when_its_expected_copy_is_long() -> None:
         lane.close()
 
 
-def _answer_when_asleep(lane: lane_mod.ClientLane, slot: int, ring: bool) -> threading.Thread:
-    """Marks ``slot`` DONE once its client says it sleeps there (its waiting word), then rings its
-    done doorbell if ``ring`` (as the daemon's plane does for a sleeper) or leaves it unrung."""
+def word(lane: lane_mod.ClientLane, slot: int, at: int) -> int:
+    return R.U32.unpack_from(lane._mm, R.slot_offset(slot) + at)[0]
+
+
+def answer(lane: lane_mod.ClientLane, slot: int, code: int = 0, response: bytes = b"", message: bytes = b"",
+           busy: int = 0, flags: int = 0, ring: bool | None = True, after: float = 0.0,
+           rang: list[bool] | None = None, when_asleep: bool = False) -> threading.Thread:
+    """Answers ``slot`` as the daemon would once it is SUBMITTED (``when_asleep``: once its caller
+    says it sleeps there, its waiting word): its result, busy and flags words, DONE (release order
+    is moot in one process), then its done doorbell if ``ring``; ``ring`` None: only if the caller
+    sleeps by then, as a quiet lane's daemon does, noted in ``rang``."""
     end = daemon_end(lane, 1 + slot)
-    waiting = R.slot_offset(slot) + R.WAITING_AT
+    off = R.slot_offset(slot)
 
     def run() -> None:
+        nonlocal ring
         deadline = time.monotonic() + 30
-        while not R.U32.unpack_from(lane._mm, waiting)[0] and time.monotonic() < deadline:
-            time.sleep(0.001)
-        R.U32.pack_into(lane._mm, R.slot_offset(slot) + R.STATE, R.DONE)
+        while time.monotonic() < deadline:
+            if word(lane, slot, R.WAITING_AT) if when_asleep else word(lane, slot, R.STATE) == R.SUBMITTED:
+                break
+            time.sleep(0.0005)
+        time.sleep(after)
+        mm = lane._mm
+        mm[off + R.RESPONSE_AT: off + R.RESPONSE_AT + len(response)] = response
+        mm[off + R.ERROR_AT: off + R.ERROR_AT + len(message)] = message
+        R.RESULT.pack_into(mm, off + R.CODE_AT, code, len(response), len(message))
+        R.U32.pack_into(mm, off + R.PROGRESS_AT + 28, flags)
+        R.U32.pack_into(mm, off + R.BUSY_AT, busy)
+        R.U32.pack_into(mm, off + R.STATE, R.DONE)
+        if ring is None:
+            ring = bool(word(lane, slot, R.WAITING_AT))
+        if rang is not None:
+            rang.append(ring)
         if ring:
             end.send(b"d")
         end.close()
@@ -208,7 +230,7 @@ def test_a_napping_wait_wakes_when_rung_before_its_nap_ends() -> None:
     lane = lane_mod.ClientLane(slots=1)
     try:
         i = _submitted(lane)
-        t = _answer_when_asleep(lane, i, ring=True)
+        t = answer(lane, i, ring=True, when_asleep=True)
         t0 = time.monotonic()
         got = lane._wait(i, t0 + 60, spin=0.0, nap=t0 + 30)
         took = time.monotonic() - t0
@@ -227,7 +249,7 @@ def test_a_napping_wait_looks_when_its_nap_ends() -> None:
     lane = lane_mod.ClientLane(slots=1)
     try:
         i = _submitted(lane)
-        t = _answer_when_asleep(lane, i, ring=False)
+        t = answer(lane, i, ring=False, when_asleep=True)
         t0 = time.monotonic()
         got = lane._wait(i, t0 + 30, spin=0.01, nap=t0 + 0.3)
         took = time.monotonic() - t0

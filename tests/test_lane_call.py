@@ -13,7 +13,7 @@ import grpc
 import pytest
 import torch
 from checks import wait_until
-from test_lane_ahead import daemon_end
+from test_lane_ahead import answer, daemon_end, word
 from test_lane_doorbells import DTYPE, LAYERS, LAYOUT, PAGE, TOKENS, client, plane_daemon
 
 from kvclient import KVClient, KVClientError, ShmKVPool
@@ -24,46 +24,6 @@ from kvserver.protocol import ring as R
 wire = pytest.importorskip("kvserver.protocol._wire", reason="the compiled client calls are not built")
 
 WRITE_B = R.RPC_IDS["WriteB"]
-
-
-def word(lane: lane_mod.ClientLane, slot: int, at: int) -> int:
-    return R.U32.unpack_from(lane._mm, R.slot_offset(slot) + at)[0]
-
-
-def answer(lane: lane_mod.ClientLane, slot: int, code: int = 0, response: bytes = b"", message: bytes = b"",
-           busy: int = 0, flags: int = 0, ring: bool | None = True, after: float = 0.0,
-           rang: list[bool] | None = None) -> threading.Thread:
-    """Answers ``slot`` as the daemon would once it is SUBMITTED: its result, busy and flags words,
-    DONE (release order is moot in one process), then its done doorbell if ``ring``; ``ring``
-    None: only if the caller sleeps by then (its waiting word), as a quiet lane's daemon does,
-    noted in ``rang``."""
-    end = daemon_end(lane, 1 + slot)
-    off = R.slot_offset(slot)
-
-    def run() -> None:
-        nonlocal ring
-        deadline = time.monotonic() + 30
-        while word(lane, slot, R.STATE) != R.SUBMITTED and time.monotonic() < deadline:
-            time.sleep(0.0005)
-        time.sleep(after)
-        mm = lane._mm
-        mm[off + R.RESPONSE_AT: off + R.RESPONSE_AT + len(response)] = response
-        mm[off + R.ERROR_AT: off + R.ERROR_AT + len(message)] = message
-        R.RESULT.pack_into(mm, off + R.CODE_AT, code, len(response), len(message))
-        R.U32.pack_into(mm, off + R.PROGRESS_AT + 28, flags)
-        R.U32.pack_into(mm, off + R.BUSY_AT, busy)
-        R.U32.pack_into(mm, off + R.STATE, R.DONE)
-        if ring is None:
-            ring = bool(word(lane, slot, R.WAITING_AT))
-        if rang is not None:
-            rang.append(ring)
-        if ring:
-            end.send(b"d")
-        end.close()
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
 
 
 def test_one_call_submits_waits_and_reads_the_answer() -> None:
