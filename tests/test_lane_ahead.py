@@ -170,8 +170,18 @@ def test_a_write_naps_only_when_its_expected_copy_is_long() -> None:
         assert lane._nap(100.0, 1) == (0.0, None)  # 350 us: under two leads
         assert lane._nap(100.0, 2)[0] == pytest.approx(100.0 + 7e-4 - 2e-4)
         lane.nap_lead, lane.write_pace = lane_mod.NAP_LEAD_SECONDS, pace
+        # The estimate is the least of the last PACE_WRITES paces: a slow copy does not lengthen
+        # the next nap, a faster one shortens it at once, and a slow spell takes over once the fast
+        # pace is that many answers old.
         lane._learn(units, 24_000)
-        assert lane.write_pace == pytest.approx(0.75e-3 + 0.25 * 2e-3)
+        assert lane.write_pace == pytest.approx(1e-3)
+        lane._learn(units, 6_000)
+        assert lane.write_pace == pytest.approx(0.5e-3)
+        for _ in range(lane_mod.PACE_WRITES - 1):
+            lane._learn(units, 24_000)
+        assert lane.write_pace == pytest.approx(0.5e-3)
+        lane._learn(units, 18_000)
+        assert lane.write_pace == pytest.approx(1.5e-3)
         lane.nap_lead = 0.0
         assert lane._nap(100.0, units) == (0.0, None)  # napping off
     finally:

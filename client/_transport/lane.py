@@ -16,6 +16,7 @@ registration), every waiter wakes with UNAVAILABLE, as a gRPC call would.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import fcntl
@@ -76,6 +77,7 @@ LOAD_SPIN_SECONDS = _spin_seconds("KVCLIENT_LANE_LOAD_SPIN_US", 200)
 # 0 turns napping off.
 NAP_LEAD_SECONDS = _spin_seconds("KVCLIENT_LANE_NAP_LEAD_US", 100)
 NAP_MIN_SECONDS = 300e-6
+PACE_WRITES = 8  # the answers a lane's write pace is the least of
 _COUNTS = struct.Struct("<III")  # a binary request's n_pages, n_dev, n_layers (lane_request.HEADER at 12)
 # _CLOSED: the daemon closed its end (it is gone, or released the registration: its jobs are
 # dead). _CUT: this client shut the lane while the call ran (close, unregister): the daemon may
@@ -94,9 +96,10 @@ class ClientLane:
         self.spin = spin  # a Write's or Put's wait
         self.load_spin = load_spin  # a Load's or Get's, for each of its steps
         self.nap_lead = NAP_LEAD_SECONDS
-        # Seconds the data plane took per (page, layer) of this lane's writes, learned from their
-        # answers; None until one answered.
+        # Seconds the data plane took per (page, layer) of this lane's writes: the least of the
+        # last PACE_WRITES answers' (_learn); None until one answered.
         self.write_pace: float | None = None
+        self._paces: collections.deque[float] = collections.deque(maxlen=PACE_WRITES)
         self.reg: Any = None  # the registration this lane was opened for
         self.request_format = 0  # the daemon's binary Write/Load format (kvserver.protocol.lane_request)
         self.rpc_mask = R.OLD_RPC_MASK  # the rpc ids the daemon serves (OpenLaneResponse.rpc_mask)
@@ -236,11 +239,14 @@ class ClientLane:
         return now + expect - lead, min(0.01, 5 * lead, lead + expect / 8)
 
     def _learn(self, units: int, busy_us: int) -> None:
+        """Keeps the plane's pace of this Write (``busy_us`` for ``units``): the nap's estimate is the
+        least of the last few. A nap that ends before the answer costs a few percent of the copy in
+        spin; one that ends after costs a wake-up, so the estimate errs early: an average (pulled up
+        by the odd slow copy on a busy machine) woke the client after the answer in many Writes."""
         if busy_us <= 0:
             return  # not copied by the data plane
-        pace = busy_us * 1e-6 / units
-        old = self.write_pace
-        self.write_pace = pace if old is None else 0.75 * old + 0.25 * pace
+        self._paces.append(busy_us * 1e-6 / units)
+        self.write_pace = min(self._paces)
 
     def stream(self, rpc: str, data: bytes, timeout: float) -> LaneStream | None:
         """Load or Get on the lane: its progress source for a LoadHandle; None: take gRPC."""
