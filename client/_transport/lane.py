@@ -35,20 +35,15 @@ from typing import Any
 import grpc
 
 from kvclient.errors import KVClientError
+from kvserver.protocol import compiled
 from kvserver.protocol import ring as R
+from kvserver.protocol.lane_request import WIRE_ABI
 
-try:
-    from kvserver.protocol import _wire
-except ImportError:  # not compiled: the slot is written from Python
-    _wire = None
+# The compiled calls (csrc/wire.c); None where not built, or built from other sources (its ABI):
+# the slot is then written from Python.
+_wire = compiled.extension("kvserver.protocol._wire", WIRE_ABI)
 
 logger = logging.getLogger("kvclient")
-
-# A module built from older sources lacks some of these: the slot is then written from Python.
-WIRE_CALLS = ("submit", "nudge", "word", "wait", "progress", "result", "call")
-if _wire is not None and not all(hasattr(_wire, name) for name in WIRE_CALLS):
-    logger.warning("kvserver.protocol._wire is older than this client (rebuild it): lane calls run in Python")
-    _wire = None
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 # How long a waiter looks at its slot's words before it blocks on the doorbell (docs/lane.md,

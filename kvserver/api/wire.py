@@ -39,11 +39,11 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from kvserver.errors import InvalidArgument, NoCapacity
+from kvserver.protocol import compiled
 
-try:  # the packed lists' decoder in C (csrc/varint.h), without the GIL
-    from kvserver.api import _packed as _compiled
-except ImportError:  # a build without a compiler: numpy's array operations, slower
-    _compiled = None
+# The packed lists' decoder in C (csrc/varint.h), without the GIL; None where not built (no
+# compiler) or built from other sources (its ABI): numpy's array operations, slower.
+_compiled = compiled.extension("kvserver.api._packed", 1)
 
 # Requests at least this long are read off the loop (FromString of 256 KiB of indices: ~0.5 ms).
 LARGE_REQUEST_BYTES = 1 << 18

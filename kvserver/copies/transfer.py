@@ -22,12 +22,18 @@ import torch
 
 from kvserver.copies.geometry import Geometry
 from kvserver.errors import InvalidArgument, OutOfRange, Unimplemented
+from kvserver.protocol import compiled
 
-try:
+KVCOPY_ABI = 1  # csrc/kvcopy.c's ABI, which this module and the disk tier call
+
+# The copy kernel (csrc/kvcopy.c); None where not built (e.g. run from a source tree without a
+# build) or built from other sources (its ABI): torch's indexing below.
+_kvcopy = compiled.extension("kvserver.copies._kvcopy", KVCOPY_ABI)
+if _kvcopy is not None:
     # STREAM_MIN_JOB: from this many bytes a job's rows are copied with streaming stores (stream.h)
-    from kvserver.copies._kvcopy import STREAM_MIN_JOB, copy_layers, copy_rows
-    from kvserver.copies._kvcopy import streams as _streams
-except ImportError:  # not compiled (e.g. run from a source tree): torch fallback below
+    STREAM_MIN_JOB, copy_layers, copy_rows, _streams = (_kvcopy.STREAM_MIN_JOB, _kvcopy.copy_layers,
+                                                        _kvcopy.copy_rows, _kvcopy.streams)
+else:
     copy_layers = copy_rows = _streams = None
     STREAM_MIN_JOB = 0
 

@@ -24,12 +24,14 @@ import os
 
 import numpy as np
 
+from kvserver.copies.transfer import KVCOPY_ABI
 from kvserver.errors import Unimplemented
+from kvserver.protocol import compiled
 
-try:
-    from kvserver.copies._kvcopy import page_sums
-except ImportError:  # not compiled: the disk tier is refused at start
-    page_sums = None
+# The copy kernel's page checksums; None where it is not built (or built from other sources: its
+# ABI): the disk tier is refused at start.
+_kvcopy = compiled.extension("kvserver.copies._kvcopy", KVCOPY_ABI)
+page_sums = None if _kvcopy is None else _kvcopy.page_sums
 
 BLOCK = 4096  # direct I/O's alignment: offsets, sizes and addresses in whole blocks
 MAX_RUN = 16 << 20  # bytes of one call, at most

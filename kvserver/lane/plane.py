@@ -28,6 +28,7 @@ import numpy as np
 
 from kvserver.copies.workers import Work
 from kvserver.errors import JobStopped
+from kvserver.protocol import compiled
 
 if TYPE_CHECKING:
     from kvserver.copies.job import Job
@@ -35,17 +36,14 @@ if TYPE_CHECKING:
     from kvserver.core.client_state import ClientState
     from kvserver.lane.server import Lane
 
-try:
-    from kvserver.lane import _kvlane
-except ImportError:  # not compiled: the event loop serves every lane request
-    _kvlane = None
+# The compiled plane (csrc/kvlane.c); None where not built, or built from other sources (its ABI):
+# the event loop then serves every lane request.
+_kvlane = compiled.extension("kvserver.lane._kvlane", 1)
 
 logger = logging.getLogger(__name__)
 
 # KVSERVER_DATA_PLANE=python turns the plane off (the event loop serves every request).
-# An extension built from older sources (no finish_slot) is not used: every lane runs on the loop.
-ENABLED = (_kvlane is not None and hasattr(_kvlane.Engine, "finish_slot")
-           and os.environ.get("KVSERVER_DATA_PLANE", "compiled") != "python")
+ENABLED = _kvlane is not None and os.environ.get("KVSERVER_DATA_PLANE", "compiled") != "python"
 POLL_SECONDS = 0.0005  # how often a waiter on the plane's copies looks again
 MAX_KEPT_TABLES = 4096  # host tables whose rows _host_rows keeps (one a client)
 # The stop word of a copy made at once (``copy_now``): nothing can stop it while it runs on the loop.

@@ -5,6 +5,7 @@ memory as both ends map it, CUDA IPC handles and device identities, and the defa
 The client library (kvclient) imports only this package, ``kvserver.v1`` and ``kvserver.errors``
 of kvserver; nothing here imports the daemon.
 
-Owns: ``layout``, ``ring``, ``fd_socket``, ``shared_memory``, ``cuda_ipc`` and ``paths``.
+Owns: ``layout``, ``ring``, ``fd_socket``, ``shared_memory``, ``cuda_ipc``, ``paths`` and
+``compiled`` (which of the package's C extensions match their sources).
 May import: ``errors`` and ``v1``.
 """

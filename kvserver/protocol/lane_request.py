@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvserver.protocol import compiled
+
 MAGIC = b"KVR1"
 VERSION = 1
 KIND_WRITE, KIND_LOAD = 1, 2
@@ -32,12 +34,9 @@ _I64 = np.dtype("<i8")
 _U32 = np.dtype("<u4")
 _SLOT_MASK = (1 << 36) - 1  # kvserver.core.epochs: the token slot under the epoch bits
 
-try:
-    from kvserver.protocol import _wire
-except ImportError:  # not compiled: pack() below, in numpy
-    _wire = None
-if _wire is not None and not hasattr(_wire, "pack"):  # built from older sources
-    _wire = None
+WIRE_ABI = 1  # csrc/wire.c's ABI, which this module and the client's lane call
+# None where not built or built from other sources: pack() below, in numpy.
+_wire = compiled.extension("kvserver.protocol._wire", WIRE_ABI)
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,13 +28,13 @@ import secrets
 import numpy as np
 
 from kvserver.host.kept import KeptDir
-from kvserver.store.keys import WORDS, Keys
+from kvserver.protocol import compiled
+from kvserver.store.keys import KVINDEX_ABI, WORDS, Keys
 from kvserver.store.lazy import lazy_zeros
 
-try:
-    from kvserver.store import _kvindex
-except ImportError:  # built without a compiler: the numpy walk
-    _kvindex = None
+# The compiled walk (csrc/index.c); None where not built (no compiler) or built from other
+# sources (its ABI): the numpy walk.
+_kvindex = compiled.extension("kvserver.store._kvindex", KVINDEX_ABI)
 
 LOAD = 2  # entries per bucket, on average, before a bucket splits
 _FIRST_BUCKETS = 64

@@ -23,6 +23,7 @@ from typing import Literal, overload
 import numpy as np
 
 from kvserver.errors import InvalidArgument, NoCapacity
+from kvserver.protocol import compiled
 from kvserver.store.steps import STEP_KEYS, run_steps
 
 MAX_KEY_BYTES = 64
@@ -33,11 +34,12 @@ SMALL = 64  # up to this many keys, ``firsts`` first asks a set whether they are
 _PERSON = b"kvserver-key"
 
 
-try:  # a request's keys as the index keeps them, in one call: padded, or digested as hashlib
-    # does (``store/csrc/hit.h``, ``store/csrc/digest.h``)
-    from kvserver.store._kvindex import words as _compiled_words
-except ImportError:  # built without a compiler
-    _compiled_words = None
+KVINDEX_ABI = 1  # csrc/index.c's ABI, which this module and the index call
+# A request's keys as the index keeps them, in one call: padded, or digested as hashlib does
+# (``store/csrc/hit.h``, ``store/csrc/digest.h``); None where the index is not built (no
+# compiler) or built from other sources (its ABI).
+_kvindex = compiled.extension("kvserver.store._kvindex", KVINDEX_ABI)
+_compiled_words = None if _kvindex is None else _kvindex.words
 
 
 def _digests(rows: Sequence[bytes]) -> bytes:

@@ -55,4 +55,15 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_packed", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__packed(void) { return PyModule_Create(&module); }
+/* What the Python callers pass and get back (kvserver/protocol/compiled.py): raised with any change
+ * to it, as is the number the callers name (kvserver/api/wire.py). */
+#define ABI 1
+
+PyMODINIT_FUNC PyInit__packed(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "ABI", ABI) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

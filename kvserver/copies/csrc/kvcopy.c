@@ -214,6 +214,10 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kvcopy", NULL, -1, methods};
 
+/* What the Python callers pass and get back (kvserver/protocol/compiled.py): raised with any change
+ * to it, as is the number the callers name (KVCOPY_ABI in kvserver/copies/transfer.py). */
+#define ABI 1
+
 PyMODINIT_FUNC PyInit__kvcopy(void) {
     crc_table_init();
 #if defined(__x86_64__)
@@ -221,7 +225,8 @@ PyMODINIT_FUNC PyInit__kvcopy(void) {
     have_hw_crc = __builtin_cpu_supports("sse4.2");
 #endif
     PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddObject(m, "STREAM_MIN_JOB", PyLong_FromLongLong(KV_STREAM_MIN_JOB)) < 0) {
+    if (m && (PyModule_AddObject(m, "STREAM_MIN_JOB", PyLong_FromLongLong(KV_STREAM_MIN_JOB)) < 0 ||
+              PyModule_AddIntConstant(m, "ABI", ABI) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -1990,6 +1990,10 @@ static PyTypeObject EngineType = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kvlane", NULL, -1, NULL};
 
+/* What the Python callers pass and get back (kvserver/protocol/compiled.py): raised with any change
+ * to it, as is the number the callers name (kvserver/lane/plane.py). */
+#define ABI 1
+
 PyMODINIT_FUNC PyInit__kvlane(void) {
     if (PyType_Ready(&GateType) < 0 || PyType_Ready(&EngineType) < 0)
         return NULL;
@@ -2000,6 +2004,10 @@ PyMODINIT_FUNC PyInit__kvlane(void) {
     Py_INCREF(&EngineType);
     PyModule_AddObject(m, "Gate", (PyObject *)&GateType);
     PyModule_AddObject(m, "Engine", (PyObject *)&EngineType);
-    PyModule_AddIntConstant(m, "FORMAT_VERSION", KV_REQ_VERSION);
+    if (PyModule_AddIntConstant(m, "FORMAT_VERSION", KV_REQ_VERSION) < 0 ||
+        PyModule_AddIntConstant(m, "ABI", ABI) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     return m;
 }
