@@ -5,7 +5,17 @@ any subpackage from client/ (pyproject.toml maps the name to the folder). A new 
 without an edit here; tests/test_ship_wheel.py checks that every module of the tree is in the wheel.
 """
 
+import importlib.util
+
 from setuptools import Extension, find_packages, setup
+
+# The extensions' sources and their digest (kvserver/protocol/compiled.py), loaded by path: the
+# package is not importable before it is built.
+_spec = importlib.util.spec_from_file_location("kvserver_compiled", "kvserver/protocol/compiled.py")
+compiled = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compiled)
+
+FLAGS = {"kvserver.copies._kvcopy": ["-O3"]}  # the others: -O2 -Wall
 
 
 def packages() -> list[str]:
@@ -14,24 +24,15 @@ def packages() -> list[str]:
     return server + ["kvclient" + name.removeprefix("client") for name in client]
 
 
+def extension(name: str) -> Extension:
+    """``name`` built from its entry in compiled.SOURCES, their digest compiled in as KV_SOURCES."""
+    files = compiled.SOURCES[name]
+    return Extension(name, [files[0]], depends=list(files[1:]),
+                     define_macros=[("KV_SOURCES", f'"{compiled.digest(".", files)}"')],
+                     extra_compile_args=FLAGS.get(name, ["-O2", "-Wall"]), optional=True)
+
+
 setup(
     packages=packages(),
-    ext_modules=[
-        Extension("kvserver.copies._kvcopy", ["kvserver/copies/csrc/kvcopy.c"],
-                  depends=["kvserver/copies/csrc/stream.h"], extra_compile_args=["-O3"], optional=True),
-        Extension("kvserver.store._kvindex", ["kvserver/store/csrc/index.c"],
-                  depends=["kvserver/store/csrc/index.h", "kvserver/store/csrc/digest.h",
-                           "kvserver/store/csrc/hit.h"],
-                  extra_compile_args=["-O2", "-Wall"],
-                  optional=True),
-        Extension("kvserver.lane._kvlane", ["kvserver/lane/csrc/kvlane.c"],
-                  depends=["kvserver/lane/csrc/request.h", "kvserver/copies/csrc/stream.h"],
-                  extra_compile_args=["-O2", "-Wall"], optional=True),
-        Extension("kvserver.api._packed", ["kvserver/api/csrc/packed.c"],
-                  depends=["kvserver/api/csrc/varint.h"], extra_compile_args=["-O2", "-Wall"],
-                  optional=True),
-        Extension("kvserver.protocol._wire", ["kvserver/protocol/csrc/wire.c"],
-                  depends=["kvserver/lane/csrc/request.h"], extra_compile_args=["-O2", "-Wall"],
-                  optional=True),
-    ],
+    ext_modules=[extension(name) for name in compiled.SOURCES],
 )

@@ -83,7 +83,7 @@ if shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]):
     for ext in ("kvserver.copies._kvcopy", "kvserver.lane._kvlane", "kvserver.protocol._wire",
                 "kvserver.store._kvindex", "kvserver.api._packed"):
         assert ext in installed, f"the wheel has no compiled {ext}"
-    # ... each built from the wheel's own sources (its ABI, kvserver.protocol.compiled): taken.
+    # ... each built by the wheel, with the digest of its sources (kvserver.protocol.compiled): taken.
     for holder, attr in (("kvserver.copies.transfer", "_kvcopy"), ("kvserver.lane.plane", "_kvlane"),
                          ("kvserver.protocol.lane_request", "_wire"), ("kvclient._transport.lane", "_wire"),
                          ("kvserver.store.index", "_kvindex"), ("kvserver.api.wire", "_compiled")):

@@ -1,6 +1,6 @@
 """The C extensions are taken only if built from the sources beside them (kvserver.protocol.compiled):
-each exports ABI, and its caller names the number it was written for. A build that matches is used
-by every caller; a stale one (another ABI, or none) is not, and the daemon and the client serve
+each carries the digest of the files it was built from. A build of this tree's sources is used by
+every caller; a stale one (another digest, or none) is not, and the daemon and the client serve
 through their fallbacks, with the same answers."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -34,33 +35,57 @@ def _callers() -> dict[str, list[tuple[str, str]]]:
 
 
 def test_every_extension_of_this_build_is_taken_by_each_of_its_callers() -> None:
+    assert set(_callers()) == set(compiled.SOURCES)
     for name, holders in _callers().items():
         try:
             module = importlib.import_module(name)
         except ImportError:
             continue  # a build without a compiler: the fallbacks' own tests cover it
-        assert isinstance(module.ABI, int) and module.ABI >= 1, name
+        assert module.SOURCES == compiled.digest(ROOT, compiled.SOURCES[name]), name
         for holder, attr in holders:
-            # A caller whose number differs from its source's would run its fallback here, slower
-            # and silently but for one log line: a change to one side without the other.
             assert getattr(importlib.import_module(holder), attr) is module, (name, holder)
 
 
-def test_a_module_of_another_abi_or_none_is_not_taken_and_the_log_says_why(tmp_path, monkeypatch,
-                                                                             caplog) -> None:
-    (tmp_path / "kvtest_built.py").write_text("ABI = 3\n")
-    (tmp_path / "kvtest_unnumbered.py").write_text("def call():\n    pass\n")
+def test_the_sources_named_for_each_extension_are_every_file_it_includes() -> None:
+    # A header left out of an entry would change the C code without changing its digest.
+    for name, files in compiled.SOURCES.items():
+        named = {os.path.normpath(f) for f in files}
+        todo, seen = [files[0]], set()
+        while todo:
+            path = todo.pop()
+            seen.add(path)
+            with open(os.path.join(ROOT, path)) as f:
+                for inc in re.findall(r'^#include "([^"]+)"', f.read(), re.M):
+                    dep = os.path.normpath(os.path.join(os.path.dirname(path), inc))
+                    if dep not in seen:
+                        todo.append(dep)
+        assert seen == named, name
+
+
+def test_a_build_of_other_sources_or_of_none_is_not_taken_and_the_log_says_why(tmp_path, monkeypatch,
+                                                                                caplog) -> None:
+    src = tmp_path / "kvtest.c"
+    src.write_text("int x;\n")
+    monkeypatch.setitem(compiled.SOURCES, "kvtest_built", ("kvtest.c",))
+    monkeypatch.setitem(compiled.SOURCES, "kvtest_unmarked", ("kvtest.c",))
+    built = compiled.digest(str(tmp_path), ("kvtest.c",))
+    (tmp_path / "kvtest_built.py").write_text(f"SOURCES = {built!r}\n")
+    (tmp_path / "kvtest_unmarked.py").write_text("def call():\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with caplog.at_level(logging.WARNING, logger="kvserver.protocol.compiled"):
-        assert compiled.extension("kvtest_built", 3).ABI == 3
+        assert compiled.extension("kvtest_built", str(tmp_path)).SOURCES == built
+        assert compiled.extension("kvtest_built", str(tmp_path / "installed")).SOURCES == built  # no sources
         assert not caplog.records
-        assert compiled.extension("kvtest_built", 4) is None
-        assert compiled.extension("kvtest_unnumbered", 1) is None
-        assert compiled.extension("kvtest_not_built_at_all", 1) is None  # no compiler: no warning
+        assert compiled.extension("kvtest_unmarked", str(tmp_path)) is None
+        assert compiled.extension("kvtest_unmarked", str(tmp_path / "installed")) is None
+        src.write_text("int x, y;\n")  # the tree moved on; the build did not
+        assert compiled.extension("kvtest_built", str(tmp_path)) is None
+        monkeypatch.setitem(compiled.SOURCES, "kvtest_absent", ("kvtest.c",))
+        assert compiled.extension("kvtest_absent", str(tmp_path)) is None  # never built: no warning
     messages = [r.getMessage() for r in caplog.records]
-    assert len(messages) == 2
-    assert "kvtest_built was built from other sources (ABI 3; this code needs 4)" in messages[0]
-    assert "kvtest_unnumbered was built from other sources (ABI None; this code needs 1)" in messages[1]
+    assert len(messages) == 3, messages
+    assert f"kvtest_built was built from other sources than {tmp_path} (digest {built})" in messages[2]
+    assert "kvtest_unmarked was built from other sources" in messages[0]
     assert all("rebuilt" in m for m in messages)
 
 
@@ -68,7 +93,7 @@ STALE = textwrap.dedent("""
     import logging, os, sys, types
     import torch
 
-    class Stale(types.ModuleType):  # a build of older sources: an ABI of 0, and calls never to be made
+    class Stale(types.ModuleType):  # a build of older sources, whose calls are never to be made
         def __getattr__(self, name):
             if name.startswith("__"):
                 raise AttributeError(name)
@@ -76,7 +101,7 @@ STALE = textwrap.dedent("""
 
     for name in sys.argv[2:]:
         module = Stale(name)
-        module.ABI = 0
+        module.SOURCES = "0" * 16  # the digest of no sources of this tree
         sys.modules[name] = module
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(name)s %(message)s")
 
@@ -126,8 +151,8 @@ def test_a_daemon_and_client_with_stale_extensions_serve_through_their_fallbacks
                          text=True, timeout=120, cwd=ROOT, env=env)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert "SERVED" in res.stdout
-    for name in names:  # each stale extension is named in the log, once for each module that asked
-        assert f"{name} was built from other sources (ABI 0;" in res.stdout, name
+    for name, holders in _callers().items():  # named in the log once for each module that asked
+        assert res.stdout.count(f"{name} was built from other sources") == len(holders), name
 
 
 if __name__ == "__main__":

@@ -37,11 +37,10 @@ import grpc
 from kvclient.errors import KVClientError
 from kvserver.protocol import compiled
 from kvserver.protocol import ring as R
-from kvserver.protocol.lane_request import WIRE_ABI
 
-# The compiled calls (csrc/wire.c); None where not built, or built from other sources (its ABI):
-# the slot is then written from Python.
-_wire = compiled.extension("kvserver.protocol._wire", WIRE_ABI)
+# The compiled calls (csrc/wire.c); None where not built, or built from other sources: the slot is
+# then written from Python.
+_wire = compiled.extension("kvserver.protocol._wire")
 
 logger = logging.getLogger("kvclient")
 

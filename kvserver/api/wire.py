@@ -42,8 +42,8 @@ from kvserver.errors import InvalidArgument, NoCapacity
 from kvserver.protocol import compiled
 
 # The packed lists' decoder in C (csrc/varint.h), without the GIL; None where not built (no
-# compiler) or built from other sources (its ABI): numpy's array operations, slower.
-_compiled = compiled.extension("kvserver.api._packed", 1)
+# compiler) or built from other sources: numpy's array operations, slower.
+_compiled = compiled.extension("kvserver.api._packed")
 
 # Requests at least this long are read off the loop (FromString of 256 KiB of indices: ~0.5 ms).
 LARGE_REQUEST_BYTES = 1 << 18

@@ -24,11 +24,9 @@ from kvserver.copies.geometry import Geometry
 from kvserver.errors import InvalidArgument, OutOfRange, Unimplemented
 from kvserver.protocol import compiled
 
-KVCOPY_ABI = 1  # csrc/kvcopy.c's ABI, which this module and the disk tier call
-
 # The copy kernel (csrc/kvcopy.c); None where not built (e.g. run from a source tree without a
-# build) or built from other sources (its ABI): torch's indexing below.
-_kvcopy = compiled.extension("kvserver.copies._kvcopy", KVCOPY_ABI)
+# build) or built from other sources: torch's indexing below.
+_kvcopy = compiled.extension("kvserver.copies._kvcopy")
 if _kvcopy is not None:
     # STREAM_MIN_JOB: from this many bytes a job's rows are copied with streaming stores (stream.h)
     STREAM_MIN_JOB, copy_layers, copy_rows, _streams = (_kvcopy.STREAM_MIN_JOB, _kvcopy.copy_layers,

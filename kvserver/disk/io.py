@@ -24,13 +24,12 @@ import os
 
 import numpy as np
 
-from kvserver.copies.transfer import KVCOPY_ABI
 from kvserver.errors import Unimplemented
 from kvserver.protocol import compiled
 
-# The copy kernel's page checksums; None where it is not built (or built from other sources: its
-# ABI): the disk tier is refused at start.
-_kvcopy = compiled.extension("kvserver.copies._kvcopy", KVCOPY_ABI)
+# The copy kernel's page checksums; None where it is not built (or built from other sources): the
+# disk tier is refused at start.
+_kvcopy = compiled.extension("kvserver.copies._kvcopy")
 page_sums = None if _kvcopy is None else _kvcopy.page_sums
 
 BLOCK = 4096  # direct I/O's alignment: offsets, sizes and addresses in whole blocks

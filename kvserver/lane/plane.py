@@ -36,9 +36,9 @@ if TYPE_CHECKING:
     from kvserver.core.client_state import ClientState
     from kvserver.lane.server import Lane
 
-# The compiled plane (csrc/kvlane.c); None where not built, or built from other sources (its ABI):
-# the event loop then serves every lane request.
-_kvlane = compiled.extension("kvserver.lane._kvlane", 1)
+# The compiled plane (csrc/kvlane.c); None where not built, or built from other sources: the event
+# loop then serves every lane request.
+_kvlane = compiled.extension("kvserver.lane._kvlane")
 
 logger = logging.getLogger(__name__)
 

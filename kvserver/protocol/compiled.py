@@ -1,31 +1,63 @@
 """The package's C extensions, each taken only if it was built from the sources beside it.
 
-Every extension exports ``ABI``, a number its source raises with any change to what its Python
-callers pass it or get back, and each caller names the number it was written for. An extension
-built before such a change (a source tree updated without a rebuild) reports another number and
-is not used: its caller runs its own fallback (numpy, torch or Python: slower, the same answers)
-and the log says why, instead of calling a function whose arguments have changed.
+``SOURCES`` names each extension's files; setup.py builds every extension from its entry, with
+the digest of those files compiled in (``SOURCES``, a module constant of the extension). Where the
+files are beside the package (a source tree), an extension whose digest is not theirs was built
+from other sources (a tree updated without a rebuild) and is not used: its caller runs the
+fallback of a build without a compiler (numpy, torch or Python, slower; the features that need an
+extension refused, as the node-wide cache and the disk tier need ``_kvcopy``), and the log says
+to rebuild, instead of running stale C code or calling a function whose arguments have changed.
+An installed wheel carries no sources, and its extensions are the ones built with it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import logging
+import os
 from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
+# Each extension and the files it is built from: its C source first, then every header it includes.
+SOURCES: dict[str, tuple[str, ...]] = {
+    "kvserver.copies._kvcopy": ("kvserver/copies/csrc/kvcopy.c", "kvserver/copies/csrc/stream.h"),
+    "kvserver.store._kvindex": ("kvserver/store/csrc/index.c", "kvserver/store/csrc/index.h",
+                                "kvserver/store/csrc/digest.h", "kvserver/store/csrc/hit.h"),
+    "kvserver.lane._kvlane": ("kvserver/lane/csrc/kvlane.c", "kvserver/lane/csrc/request.h",
+                              "kvserver/copies/csrc/stream.h"),
+    "kvserver.api._packed": ("kvserver/api/csrc/packed.c", "kvserver/api/csrc/varint.h"),
+    "kvserver.protocol._wire": ("kvserver/protocol/csrc/wire.c", "kvserver/lane/csrc/request.h"),
+}
+# The folder that holds the kvserver package: a source tree's root, or site-packages.
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-def extension(name: str, abi: int) -> ModuleType | None:
-    """The extension module ``name`` if it is built and its ``ABI`` is ``abi``; else None."""
+
+def digest(root: str, files: tuple[str, ...]) -> str:
+    """The digest of ``files`` (paths relative to ``root``), names and contents."""
+    h = hashlib.sha256()
+    for name in files:
+        with open(os.path.join(root, name), "rb") as f:
+            h.update(name.encode() + b"\0" + f.read() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def extension(name: str, root: str = ROOT) -> ModuleType | None:
+    """The extension module ``name`` if it is built and, where its sources are under ``root``,
+    built from them; else None (logged, but for an extension that was never built)."""
     try:
         module = importlib.import_module(name)
     except ImportError:  # not built (no compiler): the fallback, as documented by each caller
         return None
-    built = getattr(module, "ABI", None)
-    if built != abi:
-        logger.warning("%s was built from other sources (ABI %s; this code needs %d): its slower "
-                       "fallback runs until it is rebuilt (pip install ., or python setup.py build_ext "
-                       "--inplace in a source tree)", name, built, abi)
-        return None
-    return module
+    built = getattr(module, "SOURCES", None)
+    files = SOURCES[name]
+    if all(os.path.isfile(os.path.join(root, f)) for f in files):
+        if built == digest(root, files):
+            return module
+    elif built:  # an installed build: its sources are not shipped
+        return module
+    logger.warning("%s was built from other sources than %s (digest %s): its fallback runs until it "
+                   "is rebuilt (pip install ., or python setup.py build_ext --inplace in a source tree)",
+                   name, root, built)
+    return None

@@ -34,9 +34,9 @@ _I64 = np.dtype("<i8")
 _U32 = np.dtype("<u4")
 _SLOT_MASK = (1 << 36) - 1  # kvserver.core.epochs: the token slot under the epoch bits
 
-WIRE_ABI = 1  # csrc/wire.c's ABI, which this module and the client's lane call
-# None where not built or built from other sources: pack() below, in numpy.
-_wire = compiled.extension("kvserver.protocol._wire", WIRE_ABI)
+# The compiled pack (csrc/wire.c); None where not built or built from other sources: pack() below,
+# in numpy.
+_wire = compiled.extension("kvserver.protocol._wire")
 
 
 @dataclass(frozen=True, slots=True)

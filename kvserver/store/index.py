@@ -29,12 +29,12 @@ import numpy as np
 
 from kvserver.host.kept import KeptDir
 from kvserver.protocol import compiled
-from kvserver.store.keys import KVINDEX_ABI, WORDS, Keys
+from kvserver.store.keys import WORDS, Keys
 from kvserver.store.lazy import lazy_zeros
 
 # The compiled walk (csrc/index.c); None where not built (no compiler) or built from other
-# sources (its ABI): the numpy walk.
-_kvindex = compiled.extension("kvserver.store._kvindex", KVINDEX_ABI)
+# sources: the numpy walk.
+_kvindex = compiled.extension("kvserver.store._kvindex")
 
 LOAD = 2  # entries per bucket, on average, before a bucket splits
 _FIRST_BUCKETS = 64

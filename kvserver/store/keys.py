@@ -34,11 +34,10 @@ SMALL = 64  # up to this many keys, ``firsts`` first asks a set whether they are
 _PERSON = b"kvserver-key"
 
 
-KVINDEX_ABI = 1  # csrc/index.c's ABI, which this module and the index call
 # A request's keys as the index keeps them, in one call: padded, or digested as hashlib does
 # (``store/csrc/hit.h``, ``store/csrc/digest.h``); None where the index is not built (no
-# compiler) or built from other sources (its ABI).
-_kvindex = compiled.extension("kvserver.store._kvindex", KVINDEX_ABI)
+# compiler) or built from other sources.
+_kvindex = compiled.extension("kvserver.store._kvindex")
 _compiled_words = None if _kvindex is None else _kvindex.words
 
 

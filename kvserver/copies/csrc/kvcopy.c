@@ -214,9 +214,11 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kvcopy", NULL, -1, methods};
 
-/* What the Python callers pass and get back (kvserver/protocol/compiled.py): raised with any change
- * to it, as is the number the callers name (KVCOPY_ABI in kvserver/copies/transfer.py). */
-#define ABI 1
+/* The digest of the sources this was built from (setup.py, kvserver/protocol/compiled.py): its
+ * callers take it only if it is the digest of the sources beside it. */
+#ifndef KV_SOURCES
+#define KV_SOURCES "" /* built without setup.py: the digest of no sources */
+#endif
 
 PyMODINIT_FUNC PyInit__kvcopy(void) {
     crc_table_init();
@@ -226,7 +228,7 @@ PyMODINIT_FUNC PyInit__kvcopy(void) {
 #endif
     PyObject *m = PyModule_Create(&module);
     if (m && (PyModule_AddObject(m, "STREAM_MIN_JOB", PyLong_FromLongLong(KV_STREAM_MIN_JOB)) < 0 ||
-              PyModule_AddIntConstant(m, "ABI", ABI) < 0)) {
+              PyModule_AddStringConstant(m, "SOURCES", KV_SOURCES) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

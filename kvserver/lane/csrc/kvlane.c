@@ -1990,9 +1990,11 @@ static PyTypeObject EngineType = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kvlane", NULL, -1, NULL};
 
-/* What the Python callers pass and get back (kvserver/protocol/compiled.py): raised with any change
- * to it, as is the number the callers name (kvserver/lane/plane.py). */
-#define ABI 1
+/* The digest of the sources this was built from (setup.py, kvserver/protocol/compiled.py): its
+ * callers take it only if it is the digest of the sources beside it. */
+#ifndef KV_SOURCES
+#define KV_SOURCES "" /* built without setup.py: the digest of no sources */
+#endif
 
 PyMODINIT_FUNC PyInit__kvlane(void) {
     if (PyType_Ready(&GateType) < 0 || PyType_Ready(&EngineType) < 0)
@@ -2005,7 +2007,7 @@ PyMODINIT_FUNC PyInit__kvlane(void) {
     PyModule_AddObject(m, "Gate", (PyObject *)&GateType);
     PyModule_AddObject(m, "Engine", (PyObject *)&EngineType);
     if (PyModule_AddIntConstant(m, "FORMAT_VERSION", KV_REQ_VERSION) < 0 ||
-        PyModule_AddIntConstant(m, "ABI", ABI) < 0) {
+        PyModule_AddStringConstant(m, "SOURCES", KV_SOURCES) < 0) {
         Py_DECREF(m);
         return NULL;
     }
