@@ -19,8 +19,10 @@ Each way keeps its own learnt pace. For each: the median over its rounds of the 
 the daemon's time of the same round (1.00x: as fast as in-process); the CPU time this thread spent
 per daemon Write (what a Write costs the engine's thread, spins included); the median of the
 Write's time beyond the data plane's own time on it (the answer's busy word: the client's Python,
-the submit and the wait's wake-up); and in how many Writes the nap outlasted the plane's time (the
-client then asleep at the answer, woken by its doorbell).
+the submit and the wait's wake-up); and in how many Writes the client was asleep at the answer,
+woken by its doorbell: its nap outlasted the plane's time on the Write, or the spin after the nap
+ran out before it. (The plane's time starts when it takes the request, a little after the nap
+starts: a nap a few microseconds longer than that time may still have ended first.)
 
 Run: python benchmarks/bench_lane_waits.py [--rounds 400] [--page-sizes 16 64] [--layouts mha mla]
 """
@@ -39,7 +41,6 @@ from bench_lane import start_daemon  # benchmarks/ is this script's directory
 from suites.transfer import InProcess
 
 from kvclient import KVClient, KVLayout, ShmKVPool
-from kvclient._transport import lane as lane_mod
 from kvserver.copies import transfer
 
 LAYOUTS = {"mha": KVLayout.mha(8, 128), "mla": KVLayout.mla(512, 64)}
@@ -90,8 +91,10 @@ def case(client: KVClient, lay: str, page: int, mib: int, layers: int, rounds: i
                 lane.nudge = nudge if ahead else (lambda: None)
                 lane.nap_lead = lead if nap else 0.0
                 lane.write_pace, lane._paces = paces[name]
-                expect = units * lane.write_pace if lane.write_pace is not None else 0.0
-                napped = nap and expect >= max(lane_mod.NAP_MIN_SECONDS, 2 * lead)
+                # The nap and the spin after it as the client computes them for this Write.
+                now = time.monotonic()
+                nap_until, nap_spin = lane._nap(now, units)
+                nap_len = nap_until - now
                 answer.clear()
                 dst.copy_(src)
                 t = time.perf_counter()
@@ -121,7 +124,9 @@ def case(client: KVClient, lay: str, page: int, mib: int, layers: int, rounds: i
                     cp.append(cpu)
                     if busy > 0:
                         beyond.append(write - busy)
-                        late.append(napped and expect - lead > busy)
+                        # Asleep at the answer: the nap outlasted the plane's time on the Write,
+                        # or the spin after it ran out first.
+                        late.append(nap_spin is not None and (nap_len > busy or busy > nap_len + nap_spin))
         finally:
             lane._learn = learn
             client.unregister()
@@ -147,7 +152,7 @@ def main() -> None:
     torch.set_num_threads(1)  # the daemon's kernel runs one thread too
     rows = ["| layout | page | transfer | waits | write vs in-process | load vs in-process "
             "| engine thread CPU per write (median) | write beyond the plane's time (median) "
-            "| naps past the plane's time | rounds |", "|---|---|---|---|---|---|---|---|---|---|"]
+            "| asleep at the answer | rounds |", "|---|---|---|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory(prefix="kvwaits-") as tmp:
         socket = os.path.join(tmp, "kv.sock")
         daemon = start_daemon(socket, f"{2 * args.mib + 64}MiB")

@@ -1,7 +1,7 @@
 """benchmarks/bench_lane_waits.py runs end to end on small sizes: a row for each case and way of
 waiting, with both ratios against the in-process copy, the engine thread's CPU per Write, the Write's
-time beyond the data plane's and the naps that outlasted it. The figures are the benchmark's, not
-this test's."""
+time beyond the data plane's and the Writes whose client slept at the answer. The figures are the
+benchmark's, not this test's."""
 
 from __future__ import annotations
 
@@ -28,12 +28,14 @@ def test_bench_lane_waits_prints_every_way_of_waiting_for_each_case() -> None:
     napping = ("nudge+nap", "nudge+nap, mean pace", "nap")
     rows = re.findall(r"^\| (MHA|MLA) \| 16 \| ([\d.]+) MiB \| "
                       r"(nudge\+nap(?:, mean pace)?|nudge|nap|neither) \| ([\d.]+)x "
-                      r"\| ([\d.]+)x \| (\d+) us \| (-?\d+) us \| (\d of 2|-) \| 2 \|$",
+                      r"\| ([\d.]+)x \| (\d+) us \| (-?\d+|nan) us \| (\d of \d|-) \| 2 \|$",
                       res.stdout, re.M)
     expected = [(lay, mode) for lay in ("MHA", "MLA") for mode in modes]
     assert [(r[0], r[2]) for r in rows] == expected, res.stdout
-    for _, size, mode, write, load, cpu, beyond, past in rows:
+    for _, size, mode, write, load, cpu, beyond, asleep in rows:
         assert 0 < float(size) <= 1 and float(write) > 0 and float(load) > 0 and int(cpu) > 0
-        assert int(beyond) > 0  # the client's own Python at least: the plane answered every Write
-        # A Write of 4 layers of 1 MiB is expected under NAP_MIN_SECONDS: none naps, so none is late.
-        assert past == ("0 of 2" if mode in napping else "-")
+        # Beyond the plane's time: the client's own Python at least (nan: the loop answered, as a
+        # busy machine's plane may leave a Write to it).
+        assert beyond == "nan" or int(beyond) > 0
+        assert (asleep != "-") == (mode in napping)  # counted only where the client naps
+    assert any(r[6] != "nan" for r in rows)  # the plane answered
