@@ -27,7 +27,8 @@ def packages() -> list[str]:
 def extension(name: str) -> Extension:
     """``name`` built from its entry in compiled.SOURCES, their digest compiled in as KV_SOURCES."""
     files = compiled.SOURCES[name]
-    return Extension(name, [files[0]], depends=list(files[1:]),
+    # compiled.py too: a change to the table changes the digest, and must rebuild.
+    return Extension(name, [files[0]], depends=[*files[1:], "kvserver/protocol/compiled.py"],
                      define_macros=[("KV_SOURCES", f'"{compiled.digest(".", files)}"')],
                      extra_compile_args=FLAGS.get(name, ["-O2", "-Wall"]), optional=True)
 

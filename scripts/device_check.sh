@@ -16,10 +16,9 @@ if timeout 120 python3 setup.py -q build_ext --inplace > "${OUT:-/tmp}/build.log
 else
   echo "compiled modules not built (build.log): the daemon serves without them"
 fi
-python3 -c "import importlib as i
-for m in ('kvserver.copies._kvcopy', 'kvserver.store._kvindex', 'kvserver.lane._kvlane', 'kvserver.protocol._wire'):
-    try: i.import_module(m); print(m, 'imports')
-    except ImportError as e: print(m, 'missing:', e)"
+python3 -c "from kvserver.protocol import compiled
+for m in compiled.SOURCES:  # taken: built, and from these sources (its digest)
+    print(m, 'taken' if compiled.extension(m) is not None else 'not taken: missing or stale (build.log)')"
 python3 -c "import torch, cupy, grpc, google.protobuf as p; print('torch', torch.__version__, 'cupy', \
 cupy.__version__, 'grpcio', grpc.__version__, 'protobuf', p.__version__)"
 export PYTHONUNBUFFERED=1

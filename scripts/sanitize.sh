@@ -39,6 +39,9 @@ from kvserver.store import _kvindex
 for m in (_kvcopy, _kvlane, _kvindex, _wire, _packed):
     assert m.__file__.startswith(os.getcwd()), m.__file__
     assert b"__asan_" in open(m.__file__, "rb").read(), f"{m.__file__} is not built with ASan"
+from kvserver.protocol import compiled  # and each is taken: built from these sources (its digest)
+for name in compiled.SOURCES:
+    assert compiled.extension(name) is not None, f"{name} would not be used"
 print("sanitized:", _kvcopy.__file__, _kvlane.__file__, _kvindex.__file__, _wire.__file__, _packed.__file__)
 PY
 # Python itself is not built with ASan: its arenas and exit-time allocations are not leaks of ours.

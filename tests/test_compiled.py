@@ -55,7 +55,7 @@ def test_the_sources_named_for_each_extension_are_every_file_it_includes() -> No
             path = todo.pop()
             seen.add(path)
             with open(os.path.join(ROOT, path)) as f:
-                for inc in re.findall(r'^#include "([^"]+)"', f.read(), re.M):
+                for inc in re.findall(r'^\s*#\s*include\s*"([^"]+)"', f.read(), re.M):
                     dep = os.path.normpath(os.path.join(os.path.dirname(path), inc))
                     if dep not in seen:
                         todo.append(dep)
@@ -74,18 +74,23 @@ def test_a_build_of_other_sources_or_of_none_is_not_taken_and_the_log_says_why(t
     monkeypatch.syspath_prepend(str(tmp_path))
     with caplog.at_level(logging.WARNING, logger="kvserver.protocol.compiled"):
         assert compiled.extension("kvtest_built", str(tmp_path)).SOURCES == built
-        assert compiled.extension("kvtest_built", str(tmp_path / "installed")).SOURCES == built  # no sources
+        elsewhere = str(tmp_path / "elsewhere")  # no sources beside the package to compare with
+        assert compiled.extension("kvtest_built", elsewhere).SOURCES == built
         assert not caplog.records
         assert compiled.extension("kvtest_unmarked", str(tmp_path)) is None
-        assert compiled.extension("kvtest_unmarked", str(tmp_path / "installed")) is None
+        assert compiled.extension("kvtest_unmarked", elsewhere) is None
+        monkeypatch.setitem(compiled.SOURCES, "kvtest_built", ("kvtest.c", "kvtest.h"))
+        assert compiled.extension("kvtest_built", str(tmp_path)) is None  # a header missing: not these
+        monkeypatch.setitem(compiled.SOURCES, "kvtest_built", ("kvtest.c",))
         src.write_text("int x, y;\n")  # the tree moved on; the build did not
         assert compiled.extension("kvtest_built", str(tmp_path)) is None
         monkeypatch.setitem(compiled.SOURCES, "kvtest_absent", ("kvtest.c",))
         assert compiled.extension("kvtest_absent", str(tmp_path)) is None  # never built: no warning
     messages = [r.getMessage() for r in caplog.records]
-    assert len(messages) == 3, messages
-    assert f"kvtest_built was built from other sources than {tmp_path} (digest {built})" in messages[2]
+    assert len(messages) == 4, messages
     assert "kvtest_unmarked was built from other sources" in messages[0]
+    assert "kvtest_built was built from other sources" in messages[2]
+    assert f"kvtest_built was built from other sources than {tmp_path} (digest {built})" in messages[3]
     assert all("rebuilt" in m for m in messages)
 
 

@@ -228,9 +228,9 @@ class ClientLane:
         expect = units * pace
         if expect < max(NAP_MIN_SECONDS, 2 * lead):
             return 0.0, None
-        # Looked at for the lead and an eighth of the copy (the least recent pace is early by the
-        # spread of the copies' times, a few percent of a copy on a quiet machine), but not for
-        # longer than five leads: past that a wake-up costs less than the spin.
+        # Looked at for the lead and an eighth of the copy (the least of the recent paces is early
+        # by the spread of the copies' times, a few percent of a copy on a quiet machine), but not
+        # for longer than five leads: past that a wake-up costs less than the spin.
         return now + expect - lead, min(0.01, 5 * lead, lead + expect / 8)
 
     def _learn(self, units: int, busy_us: int) -> None:

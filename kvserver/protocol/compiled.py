@@ -2,12 +2,13 @@
 
 ``SOURCES`` names each extension's files; setup.py builds every extension from its entry, with
 the digest of those files compiled in (``SOURCES``, a module constant of the extension). Where the
-files are beside the package (a source tree), an extension whose digest is not theirs was built
-from other sources (a tree updated without a rebuild) and is not used: its caller runs the
-fallback of a build without a compiler (numpy, torch or Python, slower; the features that need an
-extension refused, as the node-wide cache and the disk tier need ``_kvcopy``), and the log says
-to rebuild, instead of running stale C code or calling a function whose arguments have changed.
-An installed wheel carries no sources, and its extensions are the ones built with it.
+files are beside the package (a source tree, or an installed package, which ships them), an
+extension whose digest is not theirs was built from other sources (a tree updated without a
+rebuild) and is not used: its caller runs the fallback of a build without a compiler (numpy,
+torch or Python, slower; the features that need an extension refused, as the node-wide cache and
+the disk tier need ``_kvcopy``), and the log says to rebuild, instead of running stale C code or
+calling a function whose arguments have changed. Where none of them is there, any build that
+carries a digest is taken.
 """
 
 from __future__ import annotations
@@ -52,12 +53,17 @@ def extension(name: str, root: str = ROOT) -> ModuleType | None:
         return None
     built = getattr(module, "SOURCES", None)
     files = SOURCES[name]
-    if all(os.path.isfile(os.path.join(root, f)) for f in files):
-        if built == digest(root, files):
+    present = [os.path.isfile(os.path.join(root, f)) for f in files]
+    if not any(present):  # no sources to compare with: any build that carries a digest
+        if built:
             return module
-    elif built:  # an installed build: its sources are not shipped
-        return module
+    elif all(present):
+        try:
+            if built == digest(root, files):
+                return module
+        except OSError as e:  # unreadable: nothing shows the build is of these sources
+            logger.warning("%s: cannot read its sources (%s)", name, e)
     logger.warning("%s was built from other sources than %s (digest %s): its fallback runs until it "
-                   "is rebuilt (pip install ., or python setup.py build_ext --inplace in a source tree)",
-                   name, root, built)
+                   "is rebuilt (python setup.py build_ext --inplace in a source tree, or install the "
+                   "package again)", name, root, built)
     return None
