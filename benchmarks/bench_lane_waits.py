@@ -19,11 +19,10 @@ Each way keeps its own learnt pace. For each: the median over its rounds of the 
 the daemon's time of the same round (1.00x: as fast as in-process); the CPU time this thread spent
 per daemon Write (what a Write costs the engine's thread, spins included); the median of the
 Write's time beyond the data plane's own time on it (the answer's busy word: the client's Python,
-the submit and the wait's wake-up); and in how many Writes the client was asleep at the answer,
-woken by its doorbell: its nap outlasted the plane's time on the Write, or the spin after the nap
-ran out before it: an estimate, from the nap and spin the client computes against the plane's time
-(the nap's timer fires 70-110 us late on a virtual machine, and the plane's time starts after the
-submit, so the real windows are shifted by up to about 100 us).
+the submit and the wait's wake-up); and in how many Writes the client was asleep when the answer
+came, as the compiled call reports it (``ClientLane.woken``: the answer found on waking, from the
+doorbell or the nap's timer, not while looking): a nap that outlasted the copy, a spin after the
+nap that ran out before it, or (without a nap) a copy longer than the 30 us spin.
 
 Run: python benchmarks/bench_lane_waits.py [--rounds 400] [--page-sizes 16 64] [--layouts mha mla]
 """
@@ -94,11 +93,8 @@ def case(client: KVClient, lay: str, page: int, mib: int, layers: int, rounds: i
                 lane.nudge = nudge if ahead else (lambda: None)
                 lane.nap_lead = lead if nap else 0.0
                 lane.write_pace, lane._paces = paces[name]
-                # The nap and the spin after it as the client computes them for this Write.
-                now = time.monotonic()
-                nap_until, nap_spin = lane._nap(now, units)
-                nap_len = nap_until - now
                 answer.clear()
+                woken = lane.woken
                 dst.copy_(src)
                 t = time.perf_counter()
                 base.copy(False)
@@ -111,6 +107,7 @@ def case(client: KVClient, lay: str, page: int, mib: int, layers: int, rounds: i
                 client.write(host_indices=host_idx, device_indices=dev)
                 write = time.perf_counter() - t
                 cpu = time.thread_time() - c
+                slept = lane.woken - woken
                 busy = answer[0] * 1e-6 if answer else float("nan")  # 0 if the loop served it
                 if rule == "mean" and answer and answer[0] > 0:
                     old = paces[name][0]
@@ -127,15 +124,13 @@ def case(client: KVClient, lay: str, page: int, mib: int, layers: int, rounds: i
                     cp.append(cpu)
                     if busy > 0:
                         beyond.append(write - busy)
-                        # Asleep at the answer: the nap outlasted the plane's time on the Write,
-                        # or the spin after it ran out first.
-                        late.append(nap_spin is not None and (nap_len > busy or busy > nap_len + nap_spin))
+                        late.append(slept)
         finally:
             lane._learn = learn
             client.unregister()
     out = []
     for name, (w, ld, cp, beyond, late) in got.items():
-        past = f"{sum(late)} of {len(late)}" if any(m[0] == name and m[2] for m in MODES) else "-"
+        past = f"{sum(late)} of {len(late)}"
         extra = statistics.median(beyond) * 1e6 if beyond else float("nan")
         out.append(f"| {lay.upper()} | {page} | {nbytes / (1 << 20):.1f} MiB | {name} | "
                    f"{statistics.median(w):.3f}x | {statistics.median(ld):.3f}x | "

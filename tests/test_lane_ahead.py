@@ -345,9 +345,10 @@ def test_long_writes_nap_and_are_answered_alike(socket_dir, monkeypatch) -> None
                 assert naps == [0.0]  # nothing learned yet
                 lane.write_pace = 1.0  # a second per (page, layer): a long nap, rung at the answer
                 lane.nap_lead = 1e-4
-                t0 = time.monotonic()
+                t0, woken = time.monotonic(), lane.woken
                 assert c.write(host_indices=host, device_indices=dev) == nbytes
                 assert naps[-1] > t0 + 10 and time.monotonic() - t0 < 5
+                assert lane.woken == woken + 1  # asleep in its nap when the answer came
                 assert lane.write_pace < 1.0  # learned from the answer
                 lane.nap_lead = 0.0
                 assert c.write(host_indices=host, device_indices=dev) == nbytes

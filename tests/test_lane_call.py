@@ -35,7 +35,7 @@ def test_one_call_submits_waits_and_reads_the_answer() -> None:
         got = wire.call(lane._address, 1, WRITE_B, 77, b"request", lane._submit_fd, lane._done_fds[1], 0.0,
                         time.monotonic() + 30, 0.0)
         t.join()
-        assert got == (0, b"\x08\x40", b"", R.FLAG_DONE, 1234)
+        assert got == (0, b"\x08\x40", b"", R.FLAG_DONE, 1234, 1)  # asleep (no spin) when it came
         off = R.slot_offset(1)
         assert R.CALL.unpack_from(lane._mm, off + R.RPC_AT) == (WRITE_B, 77, 7)
         assert bytes(lane._mm[off + R.REQUEST_AT: off + R.REQUEST_AT + 7]) == b"request"
@@ -59,7 +59,8 @@ def test_one_call_answers_an_error_unrung_and_ends_at_its_deadline_or_a_closed_d
             got = wire.call(lane._address, 0, WRITE_B, seq, b"x", lane._submit_fd, lane._done_fds[0], 0.01,
                             t0 + 20, 0.0)
             t.join()
-            assert got == (5, b"", b"no such pages", 0, 0) and time.monotonic() - t0 < 10
+            # Slept: it was asleep when the answer came (rung), not looking (seen unrung).
+            assert got == (5, b"", b"no such pages", 0, 0, int(rang[-1])) and time.monotonic() - t0 < 10
             R.U32.pack_into(lane._mm, R.slot_offset(0) + R.STATE, R.FREE)
             if not rang[-1]:
                 break

@@ -94,6 +94,9 @@ class ClientLane:
         # last PACE_WRITES answers' (_learn); None until one answered.
         self.write_pace: float | None = None
         self._paces: collections.deque[float] = collections.deque(maxlen=PACE_WRITES)
+        # Unary calls whose thread was asleep when the answer came (woken by the doorbell or the
+        # nap's timer, not found while looking), as the compiled call reports them.
+        self.woken = 0
         self.reg: Any = None  # the registration this lane was opened for
         self.request_format = 0  # the daemon's binary Write/Load format (kvserver.protocol.lane_request)
         self.rpc_mask = R.OLD_RPC_MASK  # the rpc ids the daemon serves (OpenLaneResponse.rpc_mask)
@@ -180,12 +183,13 @@ class ClientLane:
                 self._put(i, rpc, data)
                 got = self._wait(i, now + timeout, spin=spin, nap=nap)
                 if self._state(i) == R.DONE:  # answered (even if the daemon closed its end after)
-                    got = (*self._result(i), 0)
+                    got = (*self._result(i), 0, 0)  # busy unknown; the Python wait counts no sleep
         except BaseException:  # a signal's handler raised (or the call was refused): see _end
             self._end(i, done=False)
             raise
         if type(got) is tuple:
-            code, response, message, flags, busy = got
+            code, response, message, flags, busy, slept = got
+            self.woken += slept
             if units and not code:
                 self._learn(units, busy)
             self._end(i, done=True)

@@ -29,8 +29,9 @@
  *   the areas they lie in (the daemon's numbers are not trusted to stay inside the slot).
  * call(ring_addr, slot, rpc, seq, data, submit_fd, done_fd, spin, deadline, nap) -> a unary call
  *   whole: submit(), wait() on done_fd (step -1; nap 0: none), then (code, response, message,
- *   flags, busy) if the slot is DONE, busy being the data plane's microseconds on it (0: not the
- *   plane's), else wait()'s 1 or 2. One call, so that a Write or Lookup on a cold cache runs a few
+ *   flags, busy, slept) if the slot is DONE, busy being the data plane's microseconds on it (0: not
+ *   the plane's) and slept 1 if the caller was asleep when the answer came (found on waking from
+ *   the doorbell or the nap's timer, not while looking), else wait()'s 1 or 2. One call, so that a Write or Lookup on a cold cache runs a few
  *   Python frames fewer on the engine's thread.
  */
 #define PY_SSIZE_T_CLEAN
@@ -292,9 +293,11 @@ static int sleep_on(char *s, long long step, int fd, double left, int *err, int 
     return n;
 }
 
-/* Waits for the slot as wait() says: 0, 1 or 2, or -1 with a signal handler's exception set. */
-static int wait_for(char *s, int fd, long long step, double spin, double deadline, double nap) {
-    int got = -1, n, err, ended;
+/* Waits for the slot as wait() says: 0, 1 or 2, or -1 with a signal handler's exception set.
+ * *slept (if given) says whether a ready slot was found on waking from a sleep (the doorbell or
+ * the nap's timer) rather than while looking: the caller was asleep when its answer came. */
+static int wait_for(char *s, int fd, long long step, double spin, double deadline, double nap, int *slept) {
+    int got = -1, n, err, ended, woke = 0;
     if (nap > deadline)
         nap = deadline;
     while (got < 0 && fd >= 0) { /* the nap: asleep, rung if the answer comes first */
@@ -302,6 +305,7 @@ static int wait_for(char *s, int fd, long long step, double spin, double deadlin
         if (left <= 0)
             break;
         n = sleep_on(s, step, fd, left, &err, &ended);
+        woke = 1;
         if (slot_ready(s, step))
             got = 0;
         else if (ended || (n < 0 && err != EINTR))
@@ -312,6 +316,7 @@ static int wait_for(char *s, int fd, long long step, double spin, double deadlin
             break; /* napped: look from now on */
     }
     if (got < 0 && spin > 0) {
+        woke = 0;
         Py_BEGIN_ALLOW_THREADS
         double until = monotonic() + spin;
         if (until > deadline)
@@ -344,6 +349,7 @@ static int wait_for(char *s, int fd, long long step, double spin, double deadlin
         if (PyErr_CheckSignals()) /* one that came during the spin: its handler runs now */
             return -1;
         n = sleep_on(s, step, fd, left, &err, &ended);
+        woke = 1;
         if (n < 0 && err != EINTR) {
             got = 1;
             break;
@@ -353,6 +359,8 @@ static int wait_for(char *s, int fd, long long step, double spin, double deadlin
         if (ended && !slot_ready(s, step))
             got = 1;
     }
+    if (slept)
+        *slept = got == 0 && woke;
     return got;
 }
 
@@ -373,7 +381,7 @@ static PyObject *wait_slot(PyObject *self, PyObject *args) {
         return NULL;
     if (bad_slot(ring, slot) || !good_times(spin, deadline, nap))
         return NULL;
-    int got = wait_for(slot_at(ring, slot), fd, step, spin, deadline, nap);
+    int got = wait_for(slot_at(ring, slot), fd, step, spin, deadline, nap, NULL);
     return got < 0 ? NULL : PyLong_FromLong(got);
 }
 
@@ -398,30 +406,31 @@ static PyObject *progress(PyObject *self, PyObject *args) {
                          (unsigned long)get32(s + 52), (unsigned long)step, (unsigned long)get32(s + 60));
 }
 
-/* (code, response, message, flags, busy) of a DONE slot, lengths bounded by the areas they lie in
- * (the daemon's numbers are not trusted to stay inside the slot); with_busy 0 leaves busy out. */
-static PyObject *answer_of(const char *s, int with_busy) {
+/* (code, response, message, flags) of a DONE slot, lengths bounded by the areas they lie in (the
+ * daemon's numbers are not trusted to stay inside the slot); slept >= 0 adds busy and slept. */
+static PyObject *answer_of(const char *s, int slept) {
     (void)acquire32(s); /* what the state published */
     uint32_t code = get32(s + 20), n = get32(s + 24), m = get32(s + 28);
     if (n > RESPONSE_BYTES)
         n = RESPONSE_BYTES;
     if (m > ERROR_BYTES)
         m = ERROR_BYTES;
-    if (with_busy)
-        return Py_BuildValue("(ky#y#kk)", (unsigned long)code, s + RESPONSE_AT, (Py_ssize_t)n, s + ERROR_AT,
-                             (Py_ssize_t)m, (unsigned long)get32(s + 60), (unsigned long)get32(s + BUSY_AT));
+    if (slept >= 0)
+        return Py_BuildValue("(ky#y#kki)", (unsigned long)code, s + RESPONSE_AT, (Py_ssize_t)n, s + ERROR_AT,
+                             (Py_ssize_t)m, (unsigned long)get32(s + 60), (unsigned long)get32(s + BUSY_AT),
+                             slept);
     return Py_BuildValue("(ky#y#k)", (unsigned long)code, s + RESPONSE_AT, (Py_ssize_t)n, s + ERROR_AT,
                          (Py_ssize_t)m, (unsigned long)get32(s + 60));
 }
 
 static PyObject *result(PyObject *self, PyObject *args) {
     const char *s = slot_of_args(args);
-    return s ? answer_of(s, 0) : NULL;
+    return s ? answer_of(s, -1) : NULL;
 }
 
 /* call(ring, slot, rpc, seq, data, submit_fd, done_fd, spin, deadline, nap): submit() then wait()
- * (step -1) in one call; the slot's answer (code, response, message, flags, busy) once it is DONE
- * (even if the doorbell closed after), else wait()'s 1 or 2. */
+ * (step -1) in one call; the slot's answer (code, response, message, flags, busy, slept) once it
+ * is DONE (even if the doorbell closed after), else wait()'s 1 or 2. */
 static PyObject *call(PyObject *self, PyObject *args) {
     unsigned long long ring, seq;
     int slot, submit_fd, done_fd;
@@ -438,11 +447,12 @@ static PyObject *call(PyObject *self, PyObject *args) {
     char *s = slot_at(ring, slot);
     put_request(ring, s, rpc, seq, &data, submit_fd);
     PyBuffer_Release(&data);
-    int got = wait_for(s, done_fd, -1, spin, deadline, nap);
+    int slept = 0;
+    int got = wait_for(s, done_fd, -1, spin, deadline, nap, &slept);
     if (got < 0)
         return NULL;
     if (acquire32(s) == ST_DONE)
-        return answer_of(s, 1);
+        return answer_of(s, slept);
     return PyLong_FromLong(got);
 }
 
