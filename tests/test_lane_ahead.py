@@ -345,8 +345,24 @@ def test_long_writes_nap_and_are_answered_alike(socket_dir, monkeypatch) -> None
                 assert naps == [0.0]  # nothing learned yet
                 lane.write_pace = 1.0  # a second per (page, layer): a long nap, rung at the answer
                 lane.nap_lead = 1e-4
+                # The plane holds its copy until the client sleeps in its nap (its waiting word):
+                # the answer then comes while it sleeps, and the call says so.
+                engine = d.core.plane.engine
+                engine.pause(True)
+
+                def release() -> None:
+                    wait_until(lambda: any(word(lane, i, R.WAITING_AT) for i in range(lane.slots)), 10,
+                               "the client napping")
+                    engine.pause(False)
+
+                releaser = threading.Thread(target=release)
                 t0, woken = time.monotonic(), lane.woken
-                assert c.write(host_indices=host, device_indices=dev) == nbytes
+                releaser.start()
+                try:
+                    assert c.write(host_indices=host, device_indices=dev) == nbytes
+                finally:
+                    engine.pause(False)
+                    releaser.join()
                 assert naps[-1] > t0 + 10 and time.monotonic() - t0 < 5
                 assert lane.woken == woken + 1  # asleep in its nap when the answer came
                 assert lane.write_pace < 1.0  # learned from the answer

@@ -95,7 +95,8 @@ class ClientLane:
         self.write_pace: float | None = None
         self._paces: collections.deque[float] = collections.deque(maxlen=PACE_WRITES)
         # Unary calls whose thread was asleep when the answer came (woken by the doorbell or the
-        # nap's timer, not found while looking), as the compiled call reports them.
+        # nap's timer, not found while looking), as the compiled call reports them (the Python
+        # wait, where _wire is not built, counts none).
         self.woken = 0
         self.reg: Any = None  # the registration this lane was opened for
         self.request_format = 0  # the daemon's binary Write/Load format (kvserver.protocol.lane_request)
@@ -189,7 +190,9 @@ class ClientLane:
             raise
         if type(got) is tuple:
             code, response, message, flags, busy, slept = got
-            self.woken += slept
+            if slept:
+                with self._lock:
+                    self.woken += 1
             if units and not code:
                 self._learn(units, busy)
             self._end(i, done=True)

@@ -31,8 +31,8 @@
  *   whole: submit(), wait() on done_fd (step -1; nap 0: none), then (code, response, message,
  *   flags, busy, slept) if the slot is DONE, busy being the data plane's microseconds on it (0: not
  *   the plane's) and slept 1 if the caller was asleep when the answer came (found on waking from
- *   the doorbell or the nap's timer, not while looking), else wait()'s 1 or 2. One call, so that a Write or Lookup on a cold cache runs a few
- *   Python frames fewer on the engine's thread.
+ *   the doorbell or the nap's timer, not while looking), else wait()'s 1 or 2. One call, so that a
+ *   Write or Lookup on a cold cache runs a few Python frames fewer on the engine's thread.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -270,18 +270,20 @@ static int drain(int fd) {
  * drains it if rung. The slot's waiting word says so meanwhile: stored, fenced, then a last look
  * (the daemon stores the slot's words, fences, then reads this word to decide whether to ring; one
  * of the two sees the other's store). Returns ppoll's result (0 if it did not sleep), with *err
- * its errno and *ended whether the doorbell read end of file. */
-static int sleep_on(char *s, long long step, int fd, double left, int *err, int *ended) {
+ * its errno, *ended whether the doorbell read end of file and *slept whether it slept at all (not
+ * if the last look found the slot ready). */
+static int sleep_on(char *s, long long step, int fd, double left, int *err, int *ended, int *slept) {
     uint32_t *waiting = (uint32_t *)(s + WAITING_AT);
     if (left > 3600)
         left = 3600; /* a far (or infinite) deadline: the caller sleeps again */
     struct timespec ts = {.tv_sec = (time_t)left, .tv_nsec = (long)((left - (double)(time_t)left) * 1e9)};
     struct pollfd p = {.fd = fd, .events = POLLIN};
     int n = 0;
-    *err = *ended = 0;
+    *err = *ended = *slept = 0;
     __atomic_store_n(waiting, 1u, __ATOMIC_RELAXED);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     if (!slot_ready(s, step)) {
+        *slept = 1;
         Py_BEGIN_ALLOW_THREADS
         n = ppoll(&p, 1, &ts, NULL);
         *err = errno;
@@ -304,8 +306,7 @@ static int wait_for(char *s, int fd, long long step, double spin, double deadlin
         double left = nap - monotonic();
         if (left <= 0)
             break;
-        n = sleep_on(s, step, fd, left, &err, &ended);
-        woke = 1;
+        n = sleep_on(s, step, fd, left, &err, &ended, &woke);
         if (slot_ready(s, step))
             got = 0;
         else if (ended || (n < 0 && err != EINTR))
@@ -315,8 +316,9 @@ static int wait_for(char *s, int fd, long long step, double spin, double deadlin
         else if (n == 0)
             break; /* napped: look from now on */
     }
+    if (got < 0)
+        woke = 0; /* napped (or no nap): what follows first looks */
     if (got < 0 && spin > 0) {
-        woke = 0;
         Py_BEGIN_ALLOW_THREADS
         double until = monotonic() + spin;
         if (until > deadline)
@@ -348,8 +350,7 @@ static int wait_for(char *s, int fd, long long step, double spin, double deadlin
         }
         if (PyErr_CheckSignals()) /* one that came during the spin: its handler runs now */
             return -1;
-        n = sleep_on(s, step, fd, left, &err, &ended);
-        woke = 1;
+        n = sleep_on(s, step, fd, left, &err, &ended, &woke);
         if (n < 0 && err != EINTR) {
             got = 1;
             break;
