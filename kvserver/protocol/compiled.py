@@ -13,6 +13,7 @@ carries a digest is taken.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import logging
@@ -22,14 +23,15 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 # Each extension and the files it is built from: its C source first, then every header it includes.
+_S = "kvserver/protocol/csrc/sources.h"  # every extension's SOURCES constant
 SOURCES: dict[str, tuple[str, ...]] = {
-    "kvserver.copies._kvcopy": ("kvserver/copies/csrc/kvcopy.c", "kvserver/copies/csrc/stream.h"),
+    "kvserver.copies._kvcopy": ("kvserver/copies/csrc/kvcopy.c", "kvserver/copies/csrc/stream.h", _S),
     "kvserver.store._kvindex": ("kvserver/store/csrc/index.c", "kvserver/store/csrc/index.h",
-                                "kvserver/store/csrc/digest.h", "kvserver/store/csrc/hit.h"),
-    "kvserver.lane._kvlane": ("kvserver/lane/csrc/kvlane.c", "kvserver/lane/csrc/request.h",
-                              "kvserver/copies/csrc/stream.h"),
-    "kvserver.api._packed": ("kvserver/api/csrc/packed.c", "kvserver/api/csrc/varint.h"),
-    "kvserver.protocol._wire": ("kvserver/protocol/csrc/wire.c", "kvserver/lane/csrc/request.h"),
+                                "kvserver/store/csrc/digest.h", "kvserver/store/csrc/hit.h", _S),
+    "kvserver.lane._kvlane": ("kvserver/lane/csrc/kvlane.c", "kvserver/copies/csrc/stream.h",
+                              "kvserver/lane/csrc/request.h", _S),
+    "kvserver.api._packed": ("kvserver/api/csrc/packed.c", "kvserver/api/csrc/varint.h", _S),
+    "kvserver.protocol._wire": ("kvserver/protocol/csrc/wire.c", "kvserver/lane/csrc/request.h", _S),
 }
 # The folder that holds the kvserver package: a source tree's root, or site-packages.
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,9 +46,16 @@ def digest(root: str, files: tuple[str, ...]) -> str:
     return h.hexdigest()[:16]
 
 
-def extension(name: str, root: str = ROOT) -> ModuleType | None:
-    """The extension module ``name`` if it is built and, where its sources are under ``root``,
-    built from them; else None (logged, but for an extension that was never built)."""
+@functools.cache
+def extension(name: str) -> ModuleType | None:
+    """The extension module ``name`` if it is built and, where its sources are beside the package,
+    built from them; else None (logged once, but for an extension that was never built). Each of
+    its callers asks here: the check and its warning happen once a process."""
+    return check(name, ROOT)
+
+
+def check(name: str, root: str) -> ModuleType | None:
+    """``extension``'s check, against the sources under ``root``."""
     try:
         module = importlib.import_module(name)
     except ImportError:  # not built (no compiler): the fallback, as documented by each caller

@@ -9,6 +9,7 @@
 #include <Python.h>
 
 #include "varint.h"
+#include "../../protocol/csrc/sources.h"
 
 static PyObject *count(PyObject *self, PyObject *args) {
     Py_buffer in;
@@ -55,17 +56,4 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_packed", NULL, -1, methods};
 
-/* The digest of the sources this was built from (setup.py, kvserver/protocol/compiled.py): its
- * callers take it only if it is the digest of the sources beside it. */
-#ifndef KV_SOURCES
-#define KV_SOURCES "" /* built without setup.py: the digest of no sources */
-#endif
-
-PyMODINIT_FUNC PyInit__packed(void) {
-    PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddStringConstant(m, "SOURCES", KV_SOURCES) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
-}
+PyMODINIT_FUNC PyInit__packed(void) { return kv_with_sources(PyModule_Create(&module)); }

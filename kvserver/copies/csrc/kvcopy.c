@@ -32,6 +32,7 @@
 #include <unistd.h>
 
 #include "stream.h"
+#include "../../protocol/csrc/sources.h"
 
 static int64_t now_ns(void) {
     struct timespec ts;
@@ -214,21 +215,14 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kvcopy", NULL, -1, methods};
 
-/* The digest of the sources this was built from (setup.py, kvserver/protocol/compiled.py): its
- * callers take it only if it is the digest of the sources beside it. */
-#ifndef KV_SOURCES
-#define KV_SOURCES "" /* built without setup.py: the digest of no sources */
-#endif
-
 PyMODINIT_FUNC PyInit__kvcopy(void) {
     crc_table_init();
 #if defined(__x86_64__)
     __builtin_cpu_init();
     have_hw_crc = __builtin_cpu_supports("sse4.2");
 #endif
-    PyObject *m = PyModule_Create(&module);
-    if (m && (PyModule_AddObject(m, "STREAM_MIN_JOB", PyLong_FromLongLong(KV_STREAM_MIN_JOB)) < 0 ||
-              PyModule_AddStringConstant(m, "SOURCES", KV_SOURCES) < 0)) {
+    PyObject *m = kv_with_sources(PyModule_Create(&module));
+    if (m && PyModule_AddIntConstant(m, "STREAM_MIN_JOB", KV_STREAM_MIN_JOB) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -40,6 +40,7 @@
 
 #include "../../copies/csrc/stream.h"
 #include "request.h"
+#include "../../protocol/csrc/sources.h"
 
 /* The ring's layout: kvserver/protocol/ring.py. */
 #define HEADER_BYTES 64
@@ -1990,24 +1991,17 @@ static PyTypeObject EngineType = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kvlane", NULL, -1, NULL};
 
-/* The digest of the sources this was built from (setup.py, kvserver/protocol/compiled.py): its
- * callers take it only if it is the digest of the sources beside it. */
-#ifndef KV_SOURCES
-#define KV_SOURCES "" /* built without setup.py: the digest of no sources */
-#endif
-
 PyMODINIT_FUNC PyInit__kvlane(void) {
     if (PyType_Ready(&GateType) < 0 || PyType_Ready(&EngineType) < 0)
         return NULL;
-    PyObject *m = PyModule_Create(&module);
+    PyObject *m = kv_with_sources(PyModule_Create(&module));
     if (!m)
         return NULL;
     Py_INCREF(&GateType);
     Py_INCREF(&EngineType);
     PyModule_AddObject(m, "Gate", (PyObject *)&GateType);
     PyModule_AddObject(m, "Engine", (PyObject *)&EngineType);
-    if (PyModule_AddIntConstant(m, "FORMAT_VERSION", KV_REQ_VERSION) < 0 ||
-        PyModule_AddStringConstant(m, "SOURCES", KV_SOURCES) < 0) {
+    if (PyModule_AddIntConstant(m, "FORMAT_VERSION", KV_REQ_VERSION) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -46,6 +46,7 @@
 #include <time.h>
 
 #include "../../lane/csrc/request.h"
+#include "sources.h"
 
 #define HEADER_BYTES 64
 #define SLOT_BYTES (128 + 64 * 1024 + 1024 + 3 * 1024)
@@ -471,17 +472,4 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_wire", NULL, -1, methods};
 
-/* The digest of the sources this was built from (setup.py, kvserver/protocol/compiled.py): its
- * callers take it only if it is the digest of the sources beside it. */
-#ifndef KV_SOURCES
-#define KV_SOURCES "" /* built without setup.py: the digest of no sources */
-#endif
-
-PyMODINIT_FUNC PyInit__wire(void) {
-    PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddStringConstant(m, "SOURCES", KV_SOURCES) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
-}
+PyMODINIT_FUNC PyInit__wire(void) { return kv_with_sources(PyModule_Create(&module)); }
