@@ -29,6 +29,10 @@ class Registration:
     epoch: int
     layer_events: tuple[bytes, ...] = ()  # CUDA pools: [slot * layers + local layer]
 
+    def load_layers(self, layers: list[int]) -> list[int]:
+        """The global layers a Load of ``layers`` (``layer_list``'s; [] for all) lands."""
+        return layers or list(range(self.start_layer, self.end_layer))
+
 
 def index_array(values: Indices) -> np.ndarray:
     """The indices as one flat int64 array (a copy only where the input is not one already)."""

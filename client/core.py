@@ -268,7 +268,7 @@ class ClientCore:
         reg = self.registration
         if reg is None:
             raise KVClientError(grpc.StatusCode.FAILED_PRECONDITION, "register() first")
-        layers = op.layers or list(range(reg.start_layer, reg.end_layer))
+        layers = reg.load_layers(op.layers)
         if not self.connected:
             return Missed(self.disconnected(layers))
         events = self.layer_events(reg, layers, op.event_slot)

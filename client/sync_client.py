@@ -171,7 +171,7 @@ class KVClient(CoreShell):
         data = core.load_packed(reg, host_indices, device_indices, layers, event_slot, ready_event)
         if data is None:
             return None
-        handle = LoadHandle(layers or list(range(reg.start_layer, reg.end_layer)))
+        handle = LoadHandle(reg.load_layers(layers))
         handle.events = core.layer_events(reg, handle.layers, event_slot)
         deadline = core.job_deadline
         source = lane.stream("LoadB", data, deadline)
