@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The compiled code under AddressSanitizer and UndefinedBehaviorSanitizer (a CI job, after the suite):
-#  1. the fuzzers over the lane's request reader and check (tests/fuzz/fuzz_request.c), over
-#     the key index's walk and key digests (tests/fuzz/fuzz_index.c) and over a large request's
-#     packed varint decoder (tests/fuzz/fuzz_varint.c), for FUZZ_SECONDS each (default 30, 15, 10);
+#  1. the fuzzers over the lane's request reader and check (tests/fuzz/fuzz_request.c), over the
+#     data plane's Get reader and check (tests/fuzz/fuzz_get.c), over the key index's walk and key
+#     digests (tests/fuzz/fuzz_index.c) and over a large request's packed varint decoder
+#     (tests/fuzz/fuzz_varint.c), for FUZZ_SECONDS each (default 30, 15, 15, 10);
 #  2. the C extensions (the copy kernel, the data plane, the index walk and key digests, the
 #     client's lane calls, the varint decoder) built with both sanitizers in a copy of the tree,
 #     and the bad-input, lane, doorbell, data-plane, deadline, index, digest and large-request
@@ -17,6 +18,8 @@ flags="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-po
 
 gcc $flags -DKV_STANDALONE -Wall -o "$work/fuzz_request" tests/fuzz/fuzz_request.c
 "$work/fuzz_request" "${FUZZ_SECONDS:-30}"
+gcc $flags -DKV_STANDALONE -Wall -o "$work/fuzz_get" tests/fuzz/fuzz_get.c
+"$work/fuzz_get" "${FUZZ_SECONDS:-15}"
 gcc $flags -DKV_STANDALONE -Wall -o "$work/fuzz_index" tests/fuzz/fuzz_index.c
 "$work/fuzz_index" "${FUZZ_SECONDS:-15}"
 gcc $flags -DKV_STANDALONE -Wall -o "$work/fuzz_varint" tests/fuzz/fuzz_varint.c
@@ -50,6 +53,6 @@ ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1 \
 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 KVSERVER_EXPECT_PLANE=1 \
     "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider -p no:xdist --timeout 300 \
-    tests/test_dataplane.py tests/test_dataplane_cache.py tests/test_dataplane_alone.py tests/test_lane.py tests/test_lane_doorbells.py tests/test_lane_ahead.py tests/test_lane_call.py tests/test_api_bad_input.py \
+    tests/test_dataplane.py tests/test_dataplane_cache.py tests/test_dataplane_alone.py tests/test_dataplane_gets.py tests/test_lane.py tests/test_lane_doorbells.py tests/test_lane_ahead.py tests/test_lane_call.py tests/test_api_bad_input.py \
     tests/test_core_deadlines.py tests/test_store_index.py tests/test_store_digest.py tests/test_copies_stream.py \
     tests/test_api_wire.py

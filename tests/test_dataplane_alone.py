@@ -5,7 +5,8 @@ answers its slot (``CacheOps.get_on_plane``, ``DataPlane.copy`` with an ``Answer
 answered by the loop once its pages are committed (``put_on_plane``). The same answers as the
 gRPC calls, bit exact; never ahead of an earlier copy of the registration; a deadline, the
 client's release and a lane closing mid-copy end it and let its pages go. Real daemon, real
-client, real shared memory."""
+client, real shared memory. The plane's thread serving a Get whole (test_dataplane_gets.py) is off
+here: these are the Gets it hands over (the first of each client, and any it does not take)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ from test_dataplane_cache import PAGES, _keys, _pages_of
 from test_lane_doorbells import pending
 
 from kvclient import KVClient, KVClientError, ShmKVPool
+
+
+@pytest.fixture(autouse=True)
+def _gets_on_the_loop(monkeypatch) -> None:
+    monkeypatch.setattr("kvserver.lane.plane.GETS", False)
 
 
 def _zero(pool: ShmKVPool) -> None:

@@ -333,7 +333,7 @@ def test_a_reads_back_hold_on_the_hit_never_lands_on_ids_reused_meanwhile(tmp_pa
             ops = CacheOps(core)
             held = await ops._promote(part, keys, 0.0)
             if held is not None:  # the Get lets its hit go once its own marks hold it
-                c.pages.hold(held, -1)
+                c.hold(held, -1)
             p = c.pages
             assert int(p.readers.min()) == 0 and int(p.slab_holds.min()) == 0
         finally:

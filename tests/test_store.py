@@ -255,7 +255,7 @@ def test_a_packed_get_finds_and_holds_what_prepare_get_does(key_bytes):
     cache, _, _ = make_cache()
     part = one_part(cache, page_bytes=64 * 1024)
     other = one_part(cache, tenant="u", page_bytes=64 * 1024)
-    if cache.pages.hold_hit(part.gid, b"", 1) is None:
+    if cache.pages.hold_hit(part.gid, b"", 1, hold=False) is None:
         pytest.skip("built without a compiler")
     pool = [rng.integers(0, 256, key_bytes, np.uint8).tobytes() for _ in range(40)]
     pool = list(dict.fromkeys(pool))
@@ -304,7 +304,7 @@ def test_a_packed_get_of_many_keys_walks_them_in_blocks_as_prepare_get_does(key_
     every key of several blocks, is found as prepare_get finds it."""
     cache, _, _ = make_cache(32 * MiB)
     part = one_part(cache, page_bytes=4096)
-    if cache.pages.hold_hit(part.gid, b"", 1) is None:
+    if cache.pages.hold_hit(part.gid, b"", 1, hold=False) is None:
         pytest.skip("built without a compiler")
     rng = np.random.default_rng(key_bytes)
     keys = list(dict.fromkeys(rng.integers(0, 256, key_bytes, np.uint8).tobytes() for _ in range(300)))

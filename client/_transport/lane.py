@@ -98,6 +98,11 @@ class ClientLane:
         # nap's timer, not found while looking), as the compiled call reports them (the Python
         # wait, where _wire is not built, counts none).
         self.woken = 0
+        # Whether the daemon's data plane has answered a Get here (its time on the call is in the
+        # slot): its Gets' first step then comes at once, and their waiters look for it as a
+        # LoadB's do, instead of sleeping for a step that the event loop takes hundreds of
+        # microseconds to send.
+        self.plane_gets = False
         self.reg: Any = None  # the registration this lane was opened for
         self.request_format = 0  # the daemon's binary Write/Load format (kvserver.protocol.lane_request)
         self.rpc_mask = R.OLD_RPC_MASK  # the rpc ids the daemon serves (OpenLaneResponse.rpc_mask)
@@ -255,7 +260,9 @@ class ClientLane:
         i = self._begin(rpc, data)
         if i is None:
             return None
-        src = LaneStream(self, i, time.monotonic() + timeout, on_plane=rpc in R.PLANE_STREAMS)
+        get = rpc == "Get"
+        src = LaneStream(self, i, time.monotonic() + timeout,
+                         on_plane=rpc in R.PLANE_STREAMS or (get and self.plane_gets), get=get)
         with self._lock:
             self._streams[i] = src
             self._users -= 1  # the stream holds the slot now; its pumps count as users
@@ -336,6 +343,12 @@ class ClientLane:
         off = R.slot_offset(i)
         return (R.U32.unpack_from(self._mm, off + R.STATE)[0],
                 *R.PROGRESS.unpack_from(self._mm, off + R.PROGRESS_AT))
+
+    def _busy(self, i: int) -> int:
+        """The data plane's time on slot ``i``'s call, in microseconds (0: not the plane's)."""
+        if self._c is not None:
+            return self._c.word(self._address, i, R.BUSY_AT)
+        return R.U32.unpack_from(self._mm, R.slot_offset(i) + R.BUSY_AT)[0]
 
     def _result(self, i: int) -> tuple[int, bytes, str, int]:
         if self._c is not None:
@@ -453,8 +466,10 @@ class ClientLane:
 class LaneStream:
     """The progress of one Load or Get in a slot, pumped by the LoadHandle's waiters."""
 
-    def __init__(self, lane: ClientLane, slot: int, deadline: float, on_plane: bool = True) -> None:
+    def __init__(self, lane: ClientLane, slot: int, deadline: float, on_plane: bool = True,
+                 get: bool = False) -> None:
         self.lane = lane
+        self.get = get
         self.slot = slot
         self.deadline = deadline
         self.step = 0
@@ -516,6 +531,8 @@ class LaneStream:
                                done and bool(flags & R.FLAG_DONE))
             if done:
                 code, _, message, flags = lane._result(i)
+                if self.get and not lane.plane_gets and lane._busy(i):
+                    lane.plane_gets = True
                 error = None
                 if code:
                     error = _error(code, message, flags)

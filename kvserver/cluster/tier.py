@@ -283,14 +283,14 @@ class ClusterTier:
             ids = ids[: max(room, 0)]
             if not len(ids):
                 return
-        self.host.pages.hold(ids)
+        self.host.hold(ids)
         self._queue.append((part, ids.copy(), self.host.pages.keys_of(ids)))
         self._queued_bytes += len(ids) * page
         if self._wake is not None:
             self._wake.set()
 
     def _unqueue(self, part: Part, ids: np.ndarray) -> None:
-        self.host.pages.hold(ids, -1)
+        self.host.hold(ids, -1)
         self._queued_bytes -= len(ids) * part.key.page_bytes
 
     def _drop_queue(self) -> None:

@@ -9,6 +9,7 @@ job's ``on_settled``), not when its call ends: a copy the daemon could not stop 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import secrets
 import time
@@ -114,6 +115,12 @@ class CacheOps:
         self.cluster = kv.cluster  # the tier shared with other nodes, or None
         self.lower = self.disk.holds if self.disk is not None else None
         self.lookups_now = 0  # lane Lookups served without a task (lookup_now)
+        # Lane Gets served whole on the data plane's thread (``_serve_on_plane``): each gate's token
+        # -> its client id and cache part, for their ends (``plane_get_ended``); the bytes of each
+        # one done, for the transfer metrics.
+        self._plane_gets: dict[int, tuple[str, Part]] = {}
+        self._plane_tokens = itertools.count(1)
+        self.on_plane_get: Callable[[int], None] | None = None
 
     # ---- who is asking ----------------------------------------------------------------------
 
@@ -477,7 +484,7 @@ class CacheOps:
             plans = await in_steps(self.kv.share, self._prepare_parts(part, keys, bounds))
         finally:
             for ids in held:  # the Get's own marks hold them now
-                self.cache.pages.hold(ids, -1)
+                self.cache.hold(ids, -1)
 
         def complete(ok: bool) -> None:
             for plan in plans:
@@ -551,6 +558,8 @@ class CacheOps:
         plan = self.cache.prepare_get_packed(part, packed, key_bytes)
         if plan is None:  # no compiled index
             plan = self.cache.prepare_get(part, Keys.unpack(packed, key_bytes, self._max_keys))
+        else:
+            self._serve_on_plane(client, part)
         if not plan.pages:
             self.cache.complete_get(plan, True)
             return 0
@@ -594,6 +603,44 @@ class CacheOps:
 
         fut.add_done_callback(settle)
         return plan.pages
+
+    def _serve_on_plane(self, client: ClientState, part: Part) -> None:
+        """From now on ``client``'s lane Gets that ``get_on_plane`` would serve are served whole on
+        the data plane's thread, which reads the same request, runs the same checks (those of the
+        registration, which never change, have just passed here), walks the same index and copies
+        the same pages (docs/design.md, "A Get on the data plane"); whatever it does not take it
+        hands over, as ever. Once a client, where the plane serves Gets (``DataPlane.serve_gets``:
+        no tier below or beside the host cache) and copies its cache table's rows."""
+        copier, gate = self.kv.copier, client.gate
+        plane = copier.plane
+        if plane is None or plane.cache is None or gate is None or gate.cache_gid >= 0:
+            return
+        rows = plane.host_rows(self._cache_table(client), client.spec.page_size, copier.arena_span)
+        if rows is None or rows[0] != self.kv.arena.address:
+            return
+        if len(self._plane_gets) >= 64 and len(self._plane_gets) >= 2 * len(self.kv.clients):
+            live = {c for c in self.kv.clients}  # ends of a client gone are settled without it
+            self._plane_gets = {t: e for t, e in self._plane_gets.items() if e[0] in live}
+        token = next(self._plane_tokens)
+        self._plane_gets[token] = (client.client_id, part)
+        gate.set_cache(part.gid, token, client.client_id.encode(), rows[1], min(self._max_keys, STEP_KEYS),
+                       copier.split_load_bytes())
+
+    def plane_get_ended(self, token: int, gid: int, ids: bytes, found: int, misses: int, status: int,
+                        layers: int, nbytes: int) -> None:
+        """A Get the plane served whole has ended (``_kvlane``'s take_gets): its pages are let go and
+        made recent, its misses counted, and, done, its client's counters and the metrics kept,
+        as ``get_on_plane`` settles the Gets it plans."""
+        entry = self._plane_gets.get(token)
+        part = entry[1] if entry is not None and entry[1].gid == gid else None
+        self.cache.settle_get(np.frombuffer(ids, np.int64), part, misses)
+        if status == 0 and found and entry is not None:
+            client = self.kv.clients.get(entry[0])
+            if client is not None:
+                client.counters.bytes_loaded += nbytes
+                client.counters.load_ops += 1
+            if self.on_plane_get is not None:
+                self.on_plane_get(nbytes)
 
     def put_on_plane(self, req: pb.PutRequest,
                      ended: Callable[[PutOutcome | None, BaseException | None], None],
@@ -691,7 +738,7 @@ class CacheOps:
             try:
                 await self._read_back(part, keys.take(need), deadline)
             finally:
-                pages.hold(held, -1)
+                self.cache.hold(held, -1)
         until = deadline
         if (m < len(keys) and self.cluster is not None and self.cluster.ready
                 and (not len(need) or bool((pages.find(part.gid, keys[:m]) >= 0).all()))):
@@ -702,16 +749,17 @@ class CacheOps:
             except Exception:  # the cluster is best effort: whatever fails there is a miss
                 logger.exception("pulling pages from the cluster failed")
             finally:
-                pages.hold(held, -1)
+                self.cache.hold(held, -1)
         if self.cache.writing(part, keys[:m]):
             await self._until_written(part, keys[:m], until)
         return self._held_hit(part, keys[:m])
 
     def _held_hit(self, part: Part, keys: Keys) -> np.ndarray:
         """The part's host pages of ``keys`` that are stored now, held once more."""
-        ids = self.cache.pages.find(part.gid, keys)
-        ids = ids[(ids >= 0) & (self.cache.pages.state[ids] == COMMITTED)]
-        self.cache.pages.hold(ids)
+        with self.cache.lock:
+            ids = self.cache.pages.find(part.gid, keys)
+            ids = ids[(ids >= 0) & (self.cache.pages.state[ids] == COMMITTED)]
+            self.cache.pages.hold(ids)
         return ids
 
     def _tiers_of(self, part: Part, keys: Keys) -> Generator[None, None, tuple[np.ndarray, ...]]:

@@ -325,9 +325,15 @@ class Copier:
     def splits(self, nbytes: int, to_device: bool) -> bool:
         """Whether the copy workers, splitting a copy of ``nbytes`` over all of them, copy it sooner
         than the plane's one thread does: a load of ``SPLIT_LOAD_BYTES`` or more."""
+        least = self.split_load_bytes()
+        return to_device and least > 0 and nbytes >= least
+
+    def split_load_bytes(self) -> int:
+        """The bytes from which the copy workers split a load (``splits``); 0: they never do."""
         big = workers.PARALLEL_BYTES
-        return (to_device and big is not None and self._executor.threads > 1
-                and nbytes >= max(big, SPLIT_LOAD_BYTES))
+        if big is None or self._executor.threads <= 1:
+            return 0
+        return max(big, SPLIT_LOAD_BYTES)
 
     def _release(self, job: ClientJob, signal: LayerSignal | None, queued: bool = False) -> None:
         self.queued -= queued

@@ -596,6 +596,8 @@ class KVCore:
         its last call to its lease)."""
         if client.gate is None:
             return
+        if self.plane is not None:  # the Gets it served whole, ended but not yet settled
+            self.plane.settle_gets()
         written, writes, loaded, loads, served, last_ns = client.gate.take_counters()
         c = client.counters
         c.bytes_written += written

@@ -201,13 +201,13 @@ class DiskTier:
         self._wake.set()
 
     def _enqueue(self, part: Part, ids: np.ndarray, keys: Keys) -> None:
-        self.host.pages.hold(ids)
+        self.host.hold(ids)
         self._queue.append((part, ids, keys))
         self._queued_bytes += len(ids) * part.key.page_bytes
 
     def _unqueue(self, part: Part, ids: np.ndarray) -> None:
         """Host pages queued are written (or given up): they may be evicted again."""
-        self.host.pages.hold(ids, -1)
+        self.host.hold(ids, -1)
         self._queued_bytes -= len(ids) * part.key.page_bytes
         if self._backlog and self._wake is not None:
             self._wake.set()

@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 # KVSERVER_DATA_PLANE=python turns the plane off (the event loop serves every request).
 ENABLED = _kvlane is not None and os.environ.get("KVSERVER_DATA_PLANE", "compiled") != "python"
+# KVSERVER_PLANE_GETS=0 keeps lane Gets on the event loop (the plane still copies them there).
+GETS = os.environ.get("KVSERVER_PLANE_GETS", "1") != "0"
 POLL_SECONDS = 0.0005  # how often a waiter on the plane's copies looks again
 MAX_KEPT_TABLES = 4096  # host tables whose rows _host_rows keeps (one a client)
 # The stop word of a copy made at once (``copy_now``): nothing can stop it while it runs on the loop.
@@ -86,6 +88,11 @@ class DataPlane:
         self.answered = 0  # of those, the ones that answered their lane slot (a Get's: Answer)
         self.now = 0  # of those, the ones copied and answered on the loop at once (``copy_now``)
         self.stopped = False
+        # Lane Gets served whole on the plane's thread (``serve_gets``): the cache it walks, and who
+        # settles their ends on the loop.
+        self.cache: Any = None
+        self._cache_lock: Any = None
+        self._get_ended: Callable[..., None] | None = None
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -104,6 +111,7 @@ class DataPlane:
                 self._ended(ticket, status, layers)
             except Exception:  # the other ends, and the handoffs, are served all the same
                 logger.exception("settling a copy the data plane ended failed")
+        self.settle_gets()
         for key, slot, counted in handed:
             lane = self.lanes.get(key)
             if lane is None:  # removed meanwhile: the request dies with its lane
@@ -113,6 +121,44 @@ class DataPlane:
             except Exception:  # answered INTERNAL; the other requests are served
                 logger.exception("serving a request handed over by the data plane failed")
                 lane.refuse(slot, "the daemon failed to take this request: see its log", counted)
+
+    # ---- lane Gets served whole on the plane ----------------------------------------------------
+
+    def serve_gets(self, cache: Any, address: int, nbytes: int, ended: Callable[..., None]) -> None:
+        """Has the plane's thread serve lane Gets whole (docs/design.md, "A Get on the data plane")
+        from ``cache`` (a KVCache in the arena at ``address``, ``nbytes``) for the gates given a
+        part (``Gate.set_cache``): it walks the index and holds the pages under the cache's lock
+        (attached here: from now on the loop's changes take the plane's lock), copies them and
+        answers the slot; ``ended(token, gid, ids, found, misses, status, layers, bytes)`` settles
+        each on the loop (its pages let go, its counters kept). Once, before any gate is given a
+        part."""
+        c = _kvlane.Cache(address, nbytes)
+        lock = cache.lock
+        lock.attach(c)
+        with lock:
+            pages = cache.pages
+            c.set_tables(*pages.index.tables(), pages.state, pages.offset, pages.readers, pages.slab,
+                         pages.slab_holds)
+            pages.on_slabs = c.set_slabs
+            pages.index.on_state = c.set_index
+        self.engine.set_cache(c)
+        self.cache, self._cache_lock, self._get_ended = c, lock, ended
+
+    def settle_gets(self) -> None:
+        """Settles the Gets the plane served whole that have ended (the loop's reader does it as
+        they end; a harvest of the counters first, so that Stats counts every Get answered)."""
+        if self._get_ended is None:
+            return
+        for end in self.engine.take_gets():
+            try:
+                self._get_ended(*end)
+            except Exception:  # the others are settled all the same
+                logger.exception("settling a Get the data plane served failed")
+
+    @property
+    def plane_gets(self) -> int:
+        """Lane Gets the plane's thread has served whole (taken, found or not)."""
+        return self.engine.plane_gets
 
     # ---- the loop's copies ----------------------------------------------------------------------
 
@@ -314,12 +360,16 @@ class DataPlane:
         if self._loop is not None:
             with contextlib.suppress(Exception):
                 self._loop.remove_reader(self.engine.notify_fd)
+        if self.cache is not None:  # no Get walks the cache any more
+            with self._cache_lock:
+                self.cache.close()
         self.engine.stop()
         self.stopped = True
         # The loop's copies still on the thread ended with it (posted as halted): settled here,
-        # since the reader is gone.
+        # since the reader is gone; so are its Gets (their pages let go).
         for ticket, status, layers in self.engine.take_completions():
             self._ended(ticket, status, layers)
+        self.settle_gets()
 
 
 

@@ -29,7 +29,9 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "kvserver.store._kvindex": ("kvserver/store/csrc/index.c", "kvserver/store/csrc/index.h",
                                 "kvserver/store/csrc/digest.h", "kvserver/store/csrc/hit.h", _S),
     "kvserver.lane._kvlane": ("kvserver/lane/csrc/kvlane.c", "kvserver/copies/csrc/stream.h",
-                              "kvserver/lane/csrc/request.h", _S),
+                              "kvserver/lane/csrc/request.h", "kvserver/lane/csrc/get.h",
+                              "kvserver/lane/csrc/cache.h", "kvserver/store/csrc/hit.h",
+                              "kvserver/store/csrc/index.h", "kvserver/store/csrc/digest.h", _S),
     "kvserver.api._packed": ("kvserver/api/csrc/packed.c", "kvserver/api/csrc/varint.h", _S),
     "kvserver.protocol._wire": ("kvserver/protocol/csrc/wire.c", "kvserver/lane/csrc/request.h", _S),
 }

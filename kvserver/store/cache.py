@@ -8,12 +8,13 @@ gRPC: the daemon calls it on its event loop and copies bytes to and from the off
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import weakref
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import replace
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
@@ -25,6 +26,7 @@ from kvserver.store.eviction import EvictionQueue, lru_slabs
 from kvserver.store.keep import Keep, Recovery, adopt
 from kvserver.store.keys import Keys, as_keys, leading
 from kvserver.store.leases import LeaseTable
+from kvserver.store.lock import CacheLock
 from kvserver.store.pages import COMMITTED, WRITING, PageTable, max_pages
 from kvserver.store.plans import GetPlan, PutPlan
 from kvserver.store.quotas import Tenant, Tenants
@@ -34,6 +36,7 @@ from kvserver.store.stats import SpaceStat, TenantStat
 from kvserver.store.steps import STEP_KEYS, run_steps
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_PIN_MS = 60_000
 # (key, part) pairs one Lookup examines: a whole-space Lookup looks at the keys in every part, so
@@ -45,6 +48,38 @@ MAX_LOOKUP_PAIRS = 1 << 20
 # goes), so a step costs the event loop no more than a numpy step of STEP_KEYS keys (about 0.3 ms).
 PACKED_STEP_PAIRS = 4 * STEP_KEYS
 Lower = Callable[[Part, Keys], np.ndarray]  # which of a part's keys a lower tier holds (bool mask)
+
+
+def _locked(method):
+    """The method runs under the cache's lock (kvserver.store.lock)."""
+    @functools.wraps(method)
+    def run(self, *args, **kw):
+        with self.lock:
+            return method(self, *args, **kw)
+    return run
+
+
+def _locked_steps(method):
+    """The generator method's steps each run under the cache's lock, which no yield holds."""
+    @functools.wraps(method)
+    def run(self, *args, **kw):
+        return _steps_under(self.lock, method(self, *args, **kw))
+    return run
+
+
+def _steps_under(lock: CacheLock, steps: Generator[None, None, T]) -> Generator[None, None, T]:
+    try:
+        while True:
+            with lock:
+                try:
+                    next(steps)
+                except StopIteration as stop:
+                    return stop.value
+            yield
+    except BaseException:  # given up between two steps: what its steps hold is let go under the lock
+        with lock:
+            steps.close()
+        raise
 
 
 class Found(NamedTuple):
@@ -68,6 +103,9 @@ class KVCache:
         self.max_spaces_per_tenant = max_spaces_per_tenant
         kept = arena.kept  # a kept arena keeps the cache's records beside it (kvserver.store.keep)
         self.pages = PageTable(max_pages(arena.capacity), kept, sums)
+        # Held around every change of the pages and the index (kvserver.store.lock): the data plane
+        # walks and holds pages for a Get under it.
+        self.lock = self.pages.lock = CacheLock()
         self.part_counts = PartCounts(self.pages.size)
         self.slabs = SlabPool(arena, self.pages, slab_bytes)
         self.leases = LeaseTable(self.pages, max_leases_per_tenant, clock, arena=arena,
@@ -89,6 +127,7 @@ class KVCache:
         self._adopting = False
         self.keep = self.slabs.keep = Keep(kept, arena.capacity) if kept else None
 
+    @_locked
     def adopt(self) -> Recovery | None:
         """Takes back what a kept cache's files hold (None if the cache is not kept): call once,
         before anything else, with the slab hooks in place."""
@@ -111,6 +150,7 @@ class KVCache:
         """New parts are numbered from ``gid`` on (a kept cache's numbers are never reused)."""
         self._next_gid = max(self._next_gid, gid)
 
+    @_locked
     def trim_to_quotas(self) -> int:
         """Evicts each tenant's least recently used slabs while it holds more than its quota (a
         kept cache adopted under smaller quotas); returns the pages evicted."""
@@ -125,6 +165,7 @@ class KVCache:
                 evicted += before - tenant.counters.pages
         return evicted
 
+    @_locked
     def adopt_pages(self, ids: np.ndarray) -> None:
         """Kept committed pages, in adopted slabs, back in their parts' indexes and counters."""
         if not len(ids):
@@ -240,6 +281,7 @@ class KVCache:
         found = run_steps(self.lookup_steps(target, keys, pin_ms))
         return found.pages, found.lease_id
 
+    @_locked_steps
     def lookup_steps(self, target: Part | Space, keys: Keys | Sequence[bytes], pin_ms: int = 0,
                      lower: Lower | None = None) -> Generator[None, None, Found]:
         """``lookup`` in steps of at most ``STEP_KEYS`` keys, yielding between them so that the
@@ -431,6 +473,7 @@ class KVCache:
                 c.dropped += rest
         return PutPlan.merged(part, plans, rest)
 
+    @_locked
     def _prepare_put(self, part: Part, keys: Keys) -> PutPlan:
         space = self._live(part.space)
         tenant = self.tenants.get(space.key.tenant)
@@ -496,6 +539,7 @@ class KVCache:
         ids = self.pages.find(part.gid, keys)
         return bool((self.pages.state[ids[ids >= 0]] == WRITING).any())
 
+    @_locked
     def complete_put(self, plan: PutPlan, ok: bool | np.ndarray) -> None:
         """Commits the plan's new pages, or frees them if the copy failed; ``ok`` a mask over
         them: commits those it marks and frees the others."""
@@ -514,6 +558,7 @@ class KVCache:
         if len(bad):
             self._drop(bad, evicted=False)
 
+    @_locked
     def discard(self, ids: np.ndarray) -> None:
         """Frees committed pages found bad (a check of their bytes failed): they are no longer
         found, and count as neither stored nor evicted. A page another read or a pin still holds
@@ -571,6 +616,7 @@ class KVCache:
         """The longest stored prefix of ``keys``, marked as being read (see ``prepare_get_steps``)."""
         return run_steps(self.prepare_get_steps(part, keys, lease_id))
 
+    @_locked_steps
     def prepare_get_steps(self, part: Part, keys: Keys | Sequence[bytes],
                           lease_id: str = "") -> Generator[None, None, GetPlan]:
         """``prepare_get`` in steps of at most ``STEP_KEYS`` keys; each step marks its pages as
@@ -600,6 +646,7 @@ class KVCache:
         lease = lease_id if lease_id and self.leases.holds(lease_id, tenant.name) else ""
         return GetPlan(part, n, self.pages.offset[ids], lease, ids)
 
+    @_locked
     def prepare_get_packed(self, part: Part, packed: bytes, key_bytes: int) -> GetPlan | None:
         """``prepare_get`` of at most ``STEP_KEYS`` keys as a request packs them (``key_bytes``
         each, 1 to ``MAX_KEY_BYTES``, whole keys: the caller checks), without a lease: the walk,
@@ -616,6 +663,19 @@ class KVCache:
             self.tenants.get(space.key.tenant).counters.misses += misses
         return GetPlan(part, len(ids), offsets, "", ids)
 
+    @_locked
+    def settle_get(self, ids: np.ndarray, part: Part | None, misses: int) -> None:
+        """The end of a Get the data plane walked and held itself (kvserver/lane/csrc/cache.h):
+        ``complete_get`` of its pages ``ids``, and its ``misses`` counted in ``part``'s space, as
+        ``prepare_get_packed`` counts a Get's (none where its part is unknown)."""
+        self.pages.hold(ids, -1)
+        self.pages.touch(ids)
+        if part is not None and misses:
+            space = self._live(part.space)
+            space.counters.misses += misses
+            self.tenants.get(space.key.tenant).counters.misses += misses
+
+    @_locked
     def complete_get(self, plan: GetPlan, ok: bool) -> None:
         ids, plan.page_ids = plan.page_ids, plan.page_ids[:0]
         self.pages.hold(ids, -1)
@@ -624,16 +684,24 @@ class KVCache:
             self.leases.end_part(plan.lease_id, plan.part.space.key.tenant, plan.part.gid)
             plan.lease_id = ""
 
+    @_locked
+    def hold(self, ids: np.ndarray, n: int = 1) -> None:
+        """``PageTable.hold`` under the cache's lock: marks pages as being read (``n`` -1 undoes)."""
+        self.pages.hold(ids, n)
+
     # Leases
 
+    @_locked
     def release(self, tenant: str, lease_ids: Sequence[str]) -> int:
         return self.leases.release(tenant, lease_ids)
 
+    @_locked
     def expire_leases(self) -> int:
         return self.leases.expire()
 
     # Eviction
 
+    @_locked
     def make_room(self, nbytes: int) -> bool:
         """Evicts whole slabs, least recently used first, none holding a pinned, read or written
         page, until the arena has a free range of ``nbytes``; True if it then has one."""

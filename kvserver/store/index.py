@@ -24,6 +24,7 @@ Primitives: ``KeyIndex`` (``find``, ``insert``, ``remove``, ``keys_of``) and ``B
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 
 import numpy as np
 
@@ -68,6 +69,9 @@ class KeyIndex:
         seeds[4] |= 1
         self._seeds = tuple(seeds)  # the four words' and the (owner, length) multiplier, odd
         self._c = _kvindex  # None: every call in numpy (a build without a compiler; tests)
+        # Told of the bucket counters (buckets, level, split) after an insert changed them (the
+        # data plane's copy of them: kvserver/lane/csrc/cache.h). Changes run under the cache's lock.
+        self.on_state: Callable[[int, int, int], None] | None = None
 
     def tables(self) -> tuple:
         """The tables and state the compiled calls take after their first argument(s)."""
@@ -152,9 +156,11 @@ class KeyIndex:
             self._c.link(np.ascontiguousarray(ids, np.int64), *self.tables())
             if self.count > LOAD * self.buckets:
                 self.buckets, self.level, self.split = self._c.split(self.count, LOAD, *self.tables())
-            return
-        self._link(ids, self._buckets_of(ids))
-        self._split_to_load()
+        else:
+            self._link(ids, self._buckets_of(ids))
+            self._split_to_load()
+        if self.on_state is not None:
+            self.on_state(self.buckets, self.level, self.split)
 
     def remove(self, ids: np.ndarray) -> None:
         """Takes entries ``ids`` (each in the index, each once) out of it: the chains of their

@@ -14,6 +14,8 @@ slabs, never one over the pages.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from kvserver.host.arena import BOOK_ALLOWANCE
@@ -22,6 +24,7 @@ from kvserver.store.index import BYTES_PER_ENTRY, KeyIndex, _kvindex
 from kvserver.store.index import KEPT as INDEX_KEPT
 from kvserver.store.keys import MAX_KEY_BYTES, WORD_BYTES, Keys
 from kvserver.store.lazy import lazy_zeros
+from kvserver.store.lock import CacheLock
 from kvserver.store.stack import IdPool
 
 UNUSED = 0  # id not in any slab
@@ -89,6 +92,14 @@ class PageTable:
             raise OSError(f"no room in {kept.path} for the page records")
         self.slab_stamp = np.zeros(64, np.int64)  # per slab id: the newest stamp of its pages
         self.slab_holds = np.zeros(64, np.int64)  # per slab id: pins + readers + pages being written
+        # The cache's lock (kvserver.store.lock), which every change below checks is held (None: a
+        # table of its own, as tests make); and who is told of a new slab_holds array (the plane).
+        self.lock: CacheLock | None = None
+        self.on_slabs: Callable[[np.ndarray], None] | None = None
+
+    def _locked(self) -> None:
+        if self.lock is not None:
+            self.lock.check()
 
     def take(self, n: int) -> np.ndarray | None:
         """``n`` unused page ids, ascending where possible; None if the table has fewer left (or,
@@ -121,6 +132,7 @@ class PageTable:
 
     def give(self, ids: np.ndarray) -> None:
         """Page ids of a released slab go back to the spare ids."""
+        self._locked()
         self.state[ids] = UNUSED
         self._ids.give(ids)
 
@@ -163,6 +175,7 @@ class PageTable:
 
     def new_slab(self, sid: int) -> None:
         """A slab id starts (again): not used yet."""
+        self._locked()
         if sid >= len(self.slab_stamp):
             size = max(2 * len(self.slab_stamp), sid + 1)
             for name in ("slab_stamp", "slab_holds"):
@@ -170,6 +183,8 @@ class PageTable:
                 old = getattr(self, name)
                 grown[: len(old)] = old
                 setattr(self, name, grown)
+            if self.on_slabs is not None:
+                self.on_slabs(self.slab_holds)
         self.slab_stamp[sid] = 0
         self.slab_holds[sid] = 0
 
@@ -179,6 +194,7 @@ class PageTable:
         """Marks pages as being read (ids may repeat: each occurrence counts); ``n`` -1 undoes."""
         if not len(ids):
             return
+        self._locked()
         if self._c is not None:  # the same in C: two np.add.at cost ~10 us on a busy loop, this ~1
             self._c.hold(self.readers, self.slab, self.slab_holds, np.ascontiguousarray(ids, np.int64), n)
             return
@@ -198,6 +214,8 @@ class PageTable:
         (digests included). None in a build without a compiler (the caller takes those steps)."""
         if not self.compiled:
             return None
+        if hold:
+            self._locked()
         n = len(packed) // key_bytes
         ids, offsets = np.empty(n, np.int64), np.empty(n, np.int64)
         m = self._c.hit(ids, offsets, packed, key_bytes, part, *self.index.tables(), self.state, self.offset,
@@ -207,16 +225,19 @@ class PageTable:
     def pin(self, ids: np.ndarray, n: int = 1) -> None:
         """Pins pages once more (each occurrence: a lease's steps may pin a page twice); ``n`` -1
         unpins."""
+        self._locked()
         np.add.at(self.pins, ids, n)
         np.add.at(self.slab_holds, self.slab[ids], n)
 
     def write(self, ids: np.ndarray) -> None:
         """Free pages start being written: invisible to lookups, never evicted."""
+        self._locked()
         self.state[ids] = WRITING
         np.add.at(self.slab_holds, self.slab[ids], 1)
 
     def commit(self, ids: np.ndarray) -> None:
         """Pages being written are stored."""
+        self._locked()
         self.state[ids] = COMMITTED
         np.add.at(self.slab_holds, self.slab[ids], -1)
 
@@ -230,6 +251,7 @@ class PageTable:
 
     def set_keys(self, ids: np.ndarray, part: int, keys: Keys) -> None:
         """Files free pages under their keys in ``part`` (keys distinct and absent from it)."""
+        self._locked()
         self.index.insert(ids, part, keys)
         wide = keys.lens > WORD_BYTES
         if wide.any():  # a wide key's bytes, or zeros where unknown (rows of narrow keys are not read)
@@ -251,6 +273,7 @@ class PageTable:
 
     def clear(self, ids: np.ndarray) -> None:
         """Makes pages free: no key, no part, no stamp."""
+        self._locked()
         self.index.remove(ids[self.part[ids] >= 0])
         written = ids[self.state[ids] == WRITING]
         np.add.at(self.slab_holds, self.slab[written], -1)

@@ -13,11 +13,15 @@
  * writes of its registration that touch its pages or slots, as kvserver/copies/order.py orders
  * them), publishing each load's per-layer progress in the slot and ringing its done doorbell (at
  * most once per progress interval before the end, and on a quiet ring only for a client that
- * sleeps there). Everything else (the protobuf calls, Put and
- * Get, CUDA pools, any request the check refuses) is handed to Python in arrival order through a
- * queue and an eventfd, and answered there by the one validation. The loop's copies of a
- * registration (a Put's, a Get's) come back here to be copied (submit_copy), their ends posted
- * on the same eventfd; a lane Get's copy also answers its slot here, as a Load's job does.
+ * sleeps there). A lane Get (protobuf) of a registration whose Gate knows its cache part
+ * (set_cache) is served whole here too (try_get): read and checked (get.h), its keys walked in the
+ * cache's index and its pages held under the cache's lock, which this thread only tries (cache.h),
+ * copied as a Load is, its end posted back with the pages it held (take_gets). Everything else
+ * (the other protobuf calls, Put, CUDA pools, any request the check refuses) is handed to Python
+ * in arrival order through a queue and an eventfd, and answered there by the one validation. The
+ * loop's copies of a registration (a Put's, a Get's) come back here to be copied (submit_copy),
+ * their ends posted on the same eventfd; a lane Get's copy also answers its slot here, as a Load's
+ * job does.
  *
  * Python changes what the thread uses only through commands that the thread carries out between
  * pieces and acknowledges (add or remove a lane, close a gate): once remove_lane() returns, the
@@ -39,6 +43,8 @@
 #include <unistd.h>
 
 #include "../../copies/csrc/stream.h"
+#include "cache.h"
+#include "get.h"
 #include "request.h"
 #include "../../protocol/csrc/sources.h"
 
@@ -62,6 +68,7 @@
 #define ST_SUBMITTED 1
 #define ST_TAKEN 2
 #define ST_DONE 3
+#define RPC_GET 4
 #define RPC_WRITE_B 5
 #define RPC_LOAD_B 6
 #define RPC_COPIES_LAST 6 /* ids 1 to 6 name copies (Write, Load, Put, Get and the binary two: ring.py) */
@@ -123,6 +130,14 @@ typedef struct {
     /* The plane thread's alone: what ``work()``'s pass over the jobs has seen of this gate so far. */
     uint64_t order_pass;
     int order_any, order_loads;
+    /* Gets served whole on the plane (set_cache): its cache part (-1: none, every Get is the loop's),
+     * the loop's name for it in their ends, its client id, its cache pages' (layer, part) chunk
+     * stride, the most keys a Get may have, and the bytes from which the copy workers split a load
+     * (0: never). */
+    int32_t cache_gid;
+    int64_t cache_token, cache_lp_stride, cache_max_keys, cache_split_bytes;
+    char *client_id;
+    uint64_t client_id_len;
 } Gate;
 
 static void gate_dealloc(Gate *g) {
@@ -138,6 +153,7 @@ static void gate_dealloc(Gate *g) {
     free(g->lim.page_mark);
     free(g->lim.dev_mark);
     free(g->dev_bases);
+    free(g->client_id);
     Py_TYPE(g)->tp_free((PyObject *)g);
 }
 
@@ -194,6 +210,7 @@ static int gate_init(Gate *g, PyObject *args, PyObject *kw) {
     }
     pthread_mutex_init(&g->mu, NULL);
     pthread_mutex_init(&g->check_mu, NULL);
+    g->cache_gid = -1;
     g->lim.epoch = epoch;
     g->lim.num_pages = num_pages;
     g->lim.page_size = page_size;
@@ -339,7 +356,46 @@ static PyObject *gate_check(Gate *g, PyObject *arg) {
     return PyBool_FromLong(ok);
 }
 
+/* set_cache(gid, token, client_id, lp_stride, max_keys, split_bytes): this registration's lane Gets
+ * may be served whole on the plane from now on (once; the loop has found that its checks all pass
+ * but the request's own): its cache part `gid`, `token` in their ends (take_gets), its client id
+ * (bytes), its cache pages' (layer, part) chunk stride, the most keys a Get may have there, and
+ * the load bytes from which the copy workers split a copy (0: never; such a Get is the loop's). */
+static PyObject *gate_set_cache(Gate *g, PyObject *args) {
+    int gid;
+    long long token, lp_stride, max_keys, split_bytes;
+    Py_buffer id;
+    if (!PyArg_ParseTuple(args, "iLy*LLL", &gid, &token, &id, &lp_stride, &max_keys, &split_bytes))
+        return NULL;
+    int ok = gid >= 0 && lp_stride >= g->lim.page_size * g->token_bytes && max_keys > 0 && split_bytes >= 0;
+    if (ok && __atomic_load_n(&g->cache_gid, __ATOMIC_ACQUIRE) < 0) {
+        g->client_id = malloc((size_t)id.len + 1);
+        if (!g->client_id) {
+            PyBuffer_Release(&id);
+            return PyErr_NoMemory();
+        }
+        memcpy(g->client_id, id.buf, (size_t)id.len);
+        g->client_id_len = (uint64_t)id.len;
+        g->cache_token = token;
+        g->cache_lp_stride = lp_stride;
+        g->cache_max_keys = max_keys;
+        g->cache_split_bytes = split_bytes;
+        __atomic_store_n(&g->cache_gid, gid, __ATOMIC_RELEASE); /* last: the plane reads it first */
+    }
+    PyBuffer_Release(&id);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "a cache part, a chunk stride of a page's tokens and a positive key limit");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *gate_get_cache_gid(Gate *g, void *unused) {
+    return PyLong_FromLong(__atomic_load_n(&g->cache_gid, __ATOMIC_ACQUIRE));
+}
+
 static PyMethodDef gate_methods[] = {
+    {"set_cache", (PyCFunction)gate_set_cache, METH_VARARGS, NULL},
     {"release_if_idle", (PyCFunction)gate_release_if_idle, METH_O, NULL},
     {"py_enter", (PyCFunction)gate_py_enter, METH_NOARGS, NULL},
     {"py_exit", (PyCFunction)gate_py_exit, METH_NOARGS, NULL},
@@ -353,6 +409,7 @@ static PyGetSetDef gate_getset[] = {
     {"x_inflight", (getter)gate_get_x_inflight, NULL, NULL, NULL},
     {"py_inflight", (getter)gate_get_py_inflight, NULL, NULL, NULL},
     {"closed", (getter)gate_get_closed, NULL, NULL, NULL},
+    {"cache_gid", (getter)gate_get_cache_gid, NULL, NULL, NULL},
     {NULL},
 };
 
@@ -427,6 +484,10 @@ typedef struct Job {
     uint32_t found;
     int stream; /* streaming stores (stream.h): a write, or a load of KV_STREAM_MIN_JOB bytes or more */
     int can_run; /* set by mark_runnable(): no earlier job of its gate holds it back */
+    /* A Get the plane serves whole (try_get): an answering load whose host rows are cache pages it
+     * holds, ids[0..found); its end goes back to the loop with them (GetEnd), which lets them go. */
+    int get;
+    int64_t *ids, misses;
 } Job;
 
 /* The latency histograms the plane keeps: Write, Load, Load's first layer, Get, Get's first layer. */
@@ -445,6 +506,16 @@ typedef struct {
     int slot;
     int counted; /* in its gate's py_inflight: a copy (handoff()) */
 } Handoff;
+
+/* The end of a Get the plane served whole: what the loop settles (take_gets): its pages' holds and
+ * LRU touch, the misses, the bytes. ids is the job's, handed over. */
+typedef struct {
+    int64_t token, found, misses, nbytes;
+    int64_t *ids;
+    int32_t gid;
+    int status; /* DONE_OK, DONE_RELEASED (its gate closed), DONE_HALTED (a deadline, the plane stopped) */
+    uint32_t layers;
+} GetEnd;
 
 enum { CMD_NONE, CMD_ADD, CMD_REMOVE, CMD_CLOSE_GATE, CMD_UNWATCH_ALL, CMD_PAUSE, CMD_RESUME, CMD_STOP };
 
@@ -483,6 +554,12 @@ typedef struct {
     int nincoming;
     Done *done;
     size_t ndone, capdone, unposted;
+    /* Gets served whole here (set_cache): the cache they walk, and their ends, under hand_mu, with
+     * room kept for every one not yet posted */
+    Cache *cache;
+    GetEnd *gets;
+    size_t ngets, capgets, unposted_gets;
+    uint64_t plane_gets; /* Gets served whole here, counted as they are taken */
     /* latency histograms, as kvserver_operation_duration_seconds and
      * kvserver_time_to_first_layer_seconds count them (H_WRITE...) */
     pthread_mutex_t stat_mu;
@@ -582,6 +659,7 @@ static void handoff(Engine *e, Lane *l, int i, uint32_t rpc) {
 }
 
 static void job_free(Job *j) {
+    free(j->ids);
     free(j->pages);
     free(j->runs);
     free(j->local);
@@ -730,6 +808,193 @@ static int try_job(Engine *e, Lane *l, int i, uint32_t rpc, uint32_t n) {
     return 1;
 }
 
+static void publish_progress(Engine *e, Job *j, uint32_t flags);
+static void answer_slot(Engine *e, Job *j, uint32_t code, const char *message);
+static const int64_t never_stopped = 0; /* the stop word of a Get served here: its gate's close stops it */
+
+/* Room for one more GetEnd, kept until it is posted; 0: out of memory. */
+static int reserve_get_end(Engine *e) {
+    pthread_mutex_lock(&e->hand_mu);
+    int room = 1;
+    if (e->capgets < e->ngets + e->unposted_gets + 1) {
+        size_t cap = 2 * (e->ngets + e->unposted_gets + 1) + 16;
+        GetEnd *d = realloc(e->gets, cap * sizeof(GetEnd));
+        if (d) {
+            e->gets = d;
+            e->capgets = cap;
+        } else {
+            room = 0;
+        }
+    }
+    if (room)
+        e->unposted_gets++;
+    pthread_mutex_unlock(&e->hand_mu);
+    return room;
+}
+
+static void unreserve_get_end(Engine *e) {
+    pthread_mutex_lock(&e->hand_mu);
+    e->unposted_gets--;
+    pthread_mutex_unlock(&e->hand_mu);
+}
+
+/* A Get served here has ended: its end posted back (its ids with it: the loop lets the pages go),
+ * the gate's count of its jobs given back. */
+static void post_get_end(Engine *e, Job *j, int status) {
+    Gate *g = j->gate;
+    pthread_mutex_lock(&e->hand_mu);
+    GetEnd *d = &e->gets[e->ngets++]; /* room kept by reserve_get_end */
+    d->token = g->cache_token;
+    d->gid = g->cache_gid;
+    d->found = j->found;
+    d->misses = j->misses;
+    d->ids = j->ids;
+    d->status = status;
+    d->layers = j->li;
+    d->nbytes = status == DONE_OK ? (int64_t)j->nl * j->bytes_per_layer : 0;
+    e->unposted_gets--;
+    pthread_mutex_unlock(&e->hand_mu);
+    j->ids = NULL;
+    pthread_mutex_lock(&g->mu);
+    g->c_inflight--;
+    pthread_mutex_unlock(&g->mu);
+    wake(e->notify_fd);
+}
+
+/* Tries to serve slot i, a lane Get (protobuf), whole on this thread: read and checked (get.h), its
+ * keys walked in the cache and their pages held (cache.h), then copied as a Load is, answering the
+ * slot with the pages found. 1 if it did (or answered a Get that found nothing); 0: the loop's. */
+static int try_get(Engine *e, Lane *l, int i, uint32_t n) {
+    Gate *g = l->gate;
+    Cache *c = e->cache;
+    int32_t gid = __atomic_load_n(&g->cache_gid, __ATOMIC_ACQUIRE);
+    if (!c || gid < 0 || n > REQUEST_BYTES || __atomic_load_n(&g->closed, __ATOMIC_ACQUIRE))
+        return 0;
+    int64_t arrival = now_ns(), ps = g->lim.page_size, tb = g->token_bytes;
+    unsigned char *buf = malloc(n ? n : 1);
+    int64_t *dev = malloc(sizeof(int64_t) * (size_t)g->cache_max_keys);
+    int32_t *local = malloc(sizeof(int32_t) * (size_t)g->lim.num_layers);
+    uint64_t *words = NULL;
+    int64_t *ids = NULL, *offs = NULL, nkeys = 0, m = -1;
+    uint32_t nl = 0;
+    Job *j = NULL;
+    int ok = buf && dev && local, reserved = 0, counted = 0;
+    kv_get q;
+    if (ok) {
+        memcpy(buf, slot_at(l, i) + REQUEST_AT, n); /* a private copy: the peer may scribble */
+        kv_get_limits gl = {g->client_id, g->client_id_len, g->cache_max_keys};
+        pthread_mutex_lock(&g->check_mu);
+        ok = kv_get_parse(buf, n, &q) && kv_get_accept(&q, &g->lim, &gl, dev, local, &nkeys, &nl);
+        pthread_mutex_unlock(&g->check_mu);
+    }
+    int64_t bytes_per_layer = nkeys * ps * tb * g->parts;
+    if (ok && g->cache_split_bytes && bytes_per_layer * (int64_t)nl >= g->cache_split_bytes)
+        ok = 0; /* were every key found, the copy workers would split it: the loop's */
+    if (ok) { /* the words before the lock: a digest of wide keys takes a while */
+        words = malloc(sizeof(uint64_t) * KV_KEY_WORDS * (size_t)nkeys);
+        ids = malloc(sizeof(int64_t) * (size_t)nkeys);
+        offs = malloc(sizeof(int64_t) * (size_t)nkeys);
+        j = calloc(1, sizeof(Job));
+        ok = words && ids && offs && j && (reserved = reserve_get_end(e));
+    }
+    if (ok) {
+        kv_keys_words(q.keys, (int64_t)q.key_bytes, nkeys, words);
+        pthread_mutex_lock(&g->mu);
+        ok = counted = !g->closed && g->py_inflight == 0;
+        if (ok) {
+            g->c_inflight++;
+            g->last_call_ns = arrival;
+        }
+        pthread_mutex_unlock(&g->mu);
+    }
+    if (ok) {
+        m = cache_walk_hold(c, words, (uint8_t)q.key_bytes, nkeys, gid, (int64_t)g->lim.num_layers * g->parts,
+                            g->cache_lp_stride, ids, offs);
+        ok = m >= 0;
+    }
+    int64_t nr = 0;
+    Run *runs = NULL;
+    if (ok && m > 0) { /* a run a page where the device's tokens are contiguous, else a token */
+        int contiguous = g->dev_stride == tb;
+        runs = malloc(sizeof(Run) * (size_t)(contiguous ? m : m * ps));
+        for (int64_t k = 0; runs && k < m; k++)
+            for (int64_t t = 0; t < (contiguous ? 1 : ps); t++, nr++)
+                runs[nr] = (Run){offs[k] + t * tb, dev[k] * ps + t, contiguous ? ps : 1};
+        if (!runs) /* out of memory after the holds: the pages go back with its end, the loop answers */
+            ok = 0;
+    }
+    free(buf);
+    free(words);
+    free(offs);
+    free(dev);
+    if (!ok) {
+        if (m > 0) { /* held already: its pages go back with its end, unanswered, and the loop serves it */
+            j->get = 1;
+            j->gate = g;
+            j->ids = ids;
+            j->found = (uint32_t)m;
+            j->local = local;
+            post_get_end(e, j, DONE_HALTED);
+            job_free(j);
+            handoff(e, l, i, RPC_GET);
+            return 1;
+        }
+        if (counted) {
+            pthread_mutex_lock(&g->mu);
+            g->c_inflight--;
+            pthread_mutex_unlock(&g->mu);
+        }
+        if (reserved)
+            unreserve_get_end(e);
+        free(ids);
+        free(local);
+        free(j);
+        return 0;
+    }
+    j->lane = l;
+    j->slot = i;
+    j->gate = g;
+    j->load = j->answers = j->get = 1;
+    j->dependent = 1; /* behind every earlier job of its gate, as the loop's answering copies */
+    j->ids = ids;
+    j->found = (uint32_t)m;
+    j->misses = nkeys - m;
+    j->local = local;
+    j->nl = nl;
+    j->runs = runs;
+    j->nruns = nr;
+    j->ndev = m * ps;
+    j->bytes_per_layer = m * ps * tb * g->parts;
+    j->stream = kv_streams(1, j->bytes_per_layer * (int64_t)nl);
+    j->host = c->arena;
+    j->lp_stride = g->cache_lp_stride;
+    j->stop = &never_stopped;
+    j->arrival_ns = arrival;
+    j->deadline_ns = q.timeout_ms ? arrival + (int64_t)q.timeout_ms * 1000000 : 0;
+    __atomic_add_fetch(&e->plane_gets, 1, __ATOMIC_RELAXED);
+    if (m == 0) { /* nothing found: answered now, as the loop answers one */
+        j->nl = 0;
+        answer_slot(e, j, 0, NULL);
+        post_get_end(e, j, DONE_OK);
+        job_free(j);
+        return 1;
+    }
+    /* Step 1, the pages found, before any layer (the RPC's first message); rung only for a copy that
+     * takes a while or waits behind others, as the loop's answering copies are. */
+    publish_progress(e, j, 0);
+    if (j->bytes_per_layer * (int64_t)j->nl > QUIET_FIRST_BYTES || e->jobs || e->paused)
+        ring_done(l, i);
+    else
+        j->last_pub_ns = now_ns();
+    Job **tail = &e->jobs;
+    while (*tail)
+        tail = &(*tail)->next;
+    *tail = j;
+    j->seq = ++e->next_seq;
+    __atomic_add_fetch(&e->njobs, 1, __ATOMIC_RELAXED);
+    return 1;
+}
+
 /* Takes the lane's SUBMITTED slots; returns how many. */
 static int scan(Engine *e, Lane *l) {
     int took = 0;
@@ -745,7 +1010,7 @@ static int scan(Engine *e, Lane *l) {
         set_state(s, ST_TAKEN);
         l->slot_busy[i] = 1;
         took++;
-        if (!try_job(e, l, i, rpc, n))
+        if (!try_job(e, l, i, rpc, n) && !(rpc == RPC_GET && try_get(e, l, i, n)))
             handoff(e, l, i, rpc);
     }
     return took;
@@ -860,6 +1125,13 @@ static void answer_slot(Engine *e, Job *j, uint32_t code, const char *message);
 
 /* Ends a job: its pages are no longer busy, its slot answered (unless its lane is gone: silent). */
 static void finish(Engine *e, Job *j, uint32_t code, const char *message, int answer) {
+    if (j->get) { /* a Get served here: its slot, then its end posted back with its pages */
+        if (answer)
+            answer_slot(e, j, code, message);
+        post_get_end(e, j, code == 0 ? DONE_OK : j->released ? DONE_RELEASED : DONE_HALTED);
+        unlink_job(e, j);
+        return;
+    }
     if (j->ext && !j->answers) {
         finish_ext(e, j, code == 0 ? DONE_OK : DONE_HALTED);
         return;
@@ -1416,6 +1688,10 @@ static void engine_dealloc(Engine *e) {
         close(e->notify_fd);
     free(e->hand);
     free(e->done);
+    for (size_t k = 0; k < e->ngets; k++)
+        free(e->gets[k].ids);
+    free(e->gets);
+    Py_XDECREF(e->cache);
     Py_TYPE(e)->tp_free((PyObject *)e);
 }
 
@@ -1921,6 +2197,51 @@ static PyObject *engine_take_completions(Engine *e, PyObject *unused) {
     return out;
 }
 
+/* set_cache(cache): the node-wide cache whose Gets this plane may serve whole, for the gates given a
+ * part (Gate.set_cache). Once, before any gate is. */
+static PyObject *engine_set_cache(Engine *e, PyObject *arg) {
+    if (!PyObject_TypeCheck(arg, &CacheType)) {
+        PyErr_SetString(PyExc_TypeError, "a Cache");
+        return NULL;
+    }
+    if (e->cache) {
+        PyErr_SetString(PyExc_RuntimeError, "the plane's cache is set once");
+        return NULL;
+    }
+    Py_INCREF(arg);
+    __atomic_store_n(&e->cache, (Cache *)arg, __ATOMIC_RELEASE);
+    Py_RETURN_NONE;
+}
+
+/* take_gets() -> [(token, gid, ids, found, misses, status, layers, bytes)]: the Gets served whole on
+ * the plane that ended, in the order they ended: the gate's token and cache part, the page ids it
+ * held (int64 bytes: the loop lets them go), the pages found and the keys missed, status 0 done,
+ * 2 its gate closed, 3 stopped otherwise (a deadline, the plane stopped, handed to the loop after
+ * all), the layers copied and the bytes (done only). */
+static PyObject *engine_take_gets(Engine *e, PyObject *unused) {
+    pthread_mutex_lock(&e->hand_mu);
+    size_t n = e->ngets;
+    PyObject *out = PyList_New((Py_ssize_t)n);
+    for (size_t k = 0; out && k < n; k++) {
+        GetEnd *d = &e->gets[k];
+        PyObject *item = Py_BuildValue("Liy#LLiIL", (long long)d->token, d->gid, (const char *)d->ids,
+                                       (Py_ssize_t)(d->ids ? 8 * d->found : 0), (long long)d->found,
+                                       (long long)d->misses, d->status, d->layers, (long long)d->nbytes);
+        if (!item) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, (Py_ssize_t)k, item);
+    }
+    if (out) {
+        for (size_t k = 0; k < n; k++)
+            free(e->gets[k].ids);
+        e->ngets = 0;
+    }
+    pthread_mutex_unlock(&e->hand_mu);
+    return out;
+}
+
 /* take_histograms() -> [(counts per bucket, +Inf last), sum in seconds] for Write, Load, Load's
  * first layer, Get and Get's first layer, zeroed: what the plane observed since the last take. */
 static PyObject *engine_take_histograms(Engine *e, PyObject *unused) {
@@ -1950,6 +2271,9 @@ static PyObject *engine_get_served(Engine *e, void *unused) {
 static PyObject *engine_get_write_turns(Engine *e, void *unused) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->write_turns, __ATOMIC_RELAXED));
 }
+static PyObject *engine_get_plane_gets(Engine *e, void *unused) {
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->plane_gets, __ATOMIC_RELAXED));
+}
 static PyObject *engine_get_handed(Engine *e, void *unused) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->handed, __ATOMIC_RELAXED));
 }
@@ -1964,6 +2288,8 @@ static PyMethodDef engine_methods[] = {
     {"take_handoffs", (PyCFunction)engine_take_handoffs, METH_NOARGS, NULL},
     {"submit_copy", (PyCFunction)(void (*)(void))engine_submit_copy, METH_VARARGS | METH_KEYWORDS, NULL},
     {"take_completions", (PyCFunction)engine_take_completions, METH_NOARGS, NULL},
+    {"set_cache", (PyCFunction)engine_set_cache, METH_O, NULL},
+    {"take_gets", (PyCFunction)engine_take_gets, METH_NOARGS, NULL},
     {"take_histograms", (PyCFunction)engine_take_histograms, METH_NOARGS, NULL},
     {"stop", (PyCFunction)engine_stop, METH_NOARGS, NULL},
     {NULL},
@@ -1974,6 +2300,7 @@ static PyGetSetDef engine_getset[] = {
     {"jobs", (getter)engine_get_jobs, NULL, NULL, NULL},
     {"served", (getter)engine_get_served, NULL, NULL, NULL},
     {"handed", (getter)engine_get_handed, NULL, NULL, NULL},
+    {"plane_gets", (getter)engine_get_plane_gets, NULL, NULL, NULL},
     {"write_turns", (getter)engine_get_write_turns, NULL, NULL, NULL},
     {NULL},
 };
@@ -1992,7 +2319,7 @@ static PyTypeObject EngineType = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kvlane", NULL, -1, NULL};
 
 PyMODINIT_FUNC PyInit__kvlane(void) {
-    if (PyType_Ready(&GateType) < 0 || PyType_Ready(&EngineType) < 0)
+    if (PyType_Ready(&GateType) < 0 || PyType_Ready(&EngineType) < 0 || PyType_Ready(&CacheType) < 0)
         return NULL;
     PyObject *m = kv_with_sources(PyModule_Create(&module));
     if (!m)
@@ -2001,6 +2328,8 @@ PyMODINIT_FUNC PyInit__kvlane(void) {
     Py_INCREF(&EngineType);
     PyModule_AddObject(m, "Gate", (PyObject *)&GateType);
     PyModule_AddObject(m, "Engine", (PyObject *)&EngineType);
+    Py_INCREF(&CacheType);
+    PyModule_AddObject(m, "Cache", (PyObject *)&CacheType);
     if (PyModule_AddIntConstant(m, "FORMAT_VERSION", KV_REQ_VERSION) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -1,0 +1,254 @@
+/* The node-wide cache as the data plane's thread sees it: the one lock that the event loop holds
+ * around every change of the cache's index and pages (kvserver/store/lock.py), and the tables a Get
+ * walks and holds pages in (kvserver/store/pages.py, index.py), read where the loop keeps them
+ * (docs/design.md, "A Get on the data plane").
+ *
+ * The loop takes the lock (lock(), blocking, for as long as one of its cache operations runs); the
+ * plane only tries it, for one walk and its holds, and hands the Get to the loop when it is taken.
+ * The tables never move (they are sized for every page the arena can hold), except the per-slab
+ * counts, which grow by reallocation: the loop gives their new array (set_slabs) and the index's
+ * bucket counters as they change (set_index), always with the lock held. */
+#ifndef KVLANE_CACHE_H
+#define KVLANE_CACHE_H
+
+#include <Python.h>
+#include <pthread.h>
+#include <stdint.h>
+
+#include "../../store/csrc/hit.h"
+
+enum { CT_WORDS, CT_LENS, CT_OWNER, CT_NEXT, CT_HEAD, CT_STATE, CT_OFFSET, CT_READERS, CT_SLAB, CT_SLAB_HOLDS, CT_N };
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    int held;   /* the loop holds mu (lock() until unlock()) */
+    int open;   /* Gets may be served on the plane: tables given, the daemon not stopping */
+    Py_buffer v[CT_N];
+    int have[CT_N];
+    kv_index ix;
+    kv_pages pg;
+    int32_t *readers;
+    int64_t *slab_holds;
+    char *arena;         /* where page offsets count from */
+    int64_t arena_bytes; /* every page's chunks lie inside it */
+} Cache;
+
+static void cache_release_view(Cache *c, int i) {
+    if (c->have[i]) {
+        PyBuffer_Release(&c->v[i]);
+        c->have[i] = 0;
+    }
+}
+
+static void cache_dealloc(Cache *c) {
+    for (int i = 0; i < CT_N; i++)
+        cache_release_view(c, i);
+    pthread_mutex_destroy(&c->mu);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+/* Cache(arena_address, arena_bytes) */
+static int cache_init(Cache *c, PyObject *args, PyObject *kw) {
+    static char *names[] = {"arena_address", "arena_bytes", NULL};
+    unsigned long long arena;
+    long long nbytes;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KL", names, &arena, &nbytes))
+        return -1;
+    if (c->arena) {
+        PyErr_SetString(PyExc_RuntimeError, "a Cache is made once");
+        return -1;
+    }
+    if (!arena || nbytes <= 0) {
+        PyErr_SetString(PyExc_ValueError, "the arena must have an address and a size");
+        return -1;
+    }
+    pthread_mutex_init(&c->mu, NULL);
+    c->arena = (char *)(uintptr_t)arena;
+    c->arena_bytes = nbytes;
+    return 0;
+}
+
+static int cache_held(Cache *c) {
+    if (!c->held)
+        PyErr_SetString(PyExc_RuntimeError, "the cache's tables change only under its lock");
+    return c->held;
+}
+
+/* lock(): the loop's side, blocking (without the GIL while the plane holds it for a walk). */
+static PyObject *cache_lock(Cache *c, PyObject *unused) {
+    if (pthread_mutex_trylock(&c->mu) != 0) {
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&c->mu);
+        Py_END_ALLOW_THREADS
+    }
+    c->held = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *cache_unlock(Cache *c, PyObject *unused) {
+    if (!cache_held(c))
+        return NULL;
+    c->held = 0;
+    pthread_mutex_unlock(&c->mu);
+    Py_RETURN_NONE;
+}
+
+static int cache_take(Cache *c, int i, PyObject *obj, Py_ssize_t itemsize, int writable, const char *name) {
+    Py_buffer v;
+    if (PyObject_GetBuffer(obj, &v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return 0;
+    if (v.itemsize != itemsize || v.len % itemsize) {
+        PyBuffer_Release(&v);
+        PyErr_Format(PyExc_ValueError, "%s: items of %zd bytes expected", name, itemsize);
+        return 0;
+    }
+    cache_release_view(c, i);
+    c->v[i] = v;
+    c->have[i] = 1;
+    return 1;
+}
+
+/* The index's bucket counters: nhead buckets in use, level, split (KeyIndex's). */
+static int cache_index_state(Cache *c, Py_ssize_t nhead, unsigned long long level, unsigned long long split) {
+    if (nhead < 0 || nhead > c->v[CT_HEAD].len / 4 || level == 0 || (level & (level - 1)) || split > level ||
+        (Py_ssize_t)(level + split) > c->v[CT_HEAD].len / 4) {
+        PyErr_SetString(PyExc_ValueError, "the index's bucket counters are not consistent with its tables");
+        return 0;
+    }
+    c->ix.nhead = nhead;
+    c->ix.level = level;
+    c->ix.split = split;
+    return 1;
+}
+
+/* set_tables(words, lens, owner, next, head, nhead, level, split, seeds, state, offset, readers,
+ *            slab, slab_holds): the index's tables and counters as KeyIndex.tables() gives them,
+ * then the page tables (int8 state, int64 offset, int32 readers and slab, one a page; int64
+ * slab_holds, one a slab). With the lock held. */
+static PyObject *cache_set_tables(Cache *c, PyObject *args) {
+    PyObject *o[CT_N];
+    Py_ssize_t nhead;
+    unsigned long long level, split, s[5];
+    if (!PyArg_ParseTuple(args, "OOOOOnKK(KKKKK)OOOOO", &o[CT_WORDS], &o[CT_LENS], &o[CT_OWNER], &o[CT_NEXT],
+                          &o[CT_HEAD], &nhead, &level, &split, &s[0], &s[1], &s[2], &s[3], &s[4], &o[CT_STATE],
+                          &o[CT_OFFSET], &o[CT_READERS], &o[CT_SLAB], &o[CT_SLAB_HOLDS]))
+        return NULL;
+    if (!cache_held(c))
+        return NULL;
+    static const Py_ssize_t size[CT_N] = {8, 1, 4, 4, 4, 1, 8, 4, 4, 8};
+    static const char *names[CT_N] = {"words", "lens", "owner", "next", "head", "state", "offset", "readers",
+                                      "slab", "slab_holds"};
+    c->open = 0;
+    for (int i = 0; i < CT_N; i++)
+        if (!cache_take(c, i, o[i], size[i], i == CT_READERS || i == CT_SLAB_HOLDS, names[i]))
+            return NULL;
+    Py_ssize_t cap = c->v[CT_LENS].len, npages = c->v[CT_STATE].len;
+    if (c->v[CT_WORDS].len != 8 * KV_KEY_WORDS * cap || c->v[CT_OWNER].len != 4 * cap ||
+        c->v[CT_NEXT].len != 4 * cap || c->v[CT_OFFSET].len != 8 * npages || c->v[CT_READERS].len != 4 * npages ||
+        c->v[CT_SLAB].len != 4 * npages) {
+        PyErr_SetString(PyExc_ValueError, "the cache's tables are not of one length");
+        return NULL;
+    }
+    c->ix = (kv_index){c->v[CT_WORDS].buf, c->v[CT_LENS].buf, c->v[CT_OWNER].buf, c->v[CT_NEXT].buf,
+                       c->v[CT_HEAD].buf, cap, 0, 1, 0, {s[0], s[1], s[2], s[3], s[4]}};
+    if (!cache_index_state(c, nhead, level, split))
+        return NULL;
+    c->pg = (kv_pages){c->v[CT_STATE].buf, c->v[CT_OFFSET].buf, c->v[CT_SLAB].buf, npages,
+                       c->v[CT_SLAB_HOLDS].len / 8};
+    c->readers = c->v[CT_READERS].buf;
+    c->slab_holds = c->v[CT_SLAB_HOLDS].buf;
+    c->open = 1;
+    Py_RETURN_NONE;
+}
+
+/* set_index(nhead, level, split): the index's bucket counters after an insert split buckets. */
+static PyObject *cache_set_index(Cache *c, PyObject *args) {
+    Py_ssize_t nhead;
+    unsigned long long level, split;
+    if (!PyArg_ParseTuple(args, "nKK", &nhead, &level, &split) || !cache_held(c))
+        return NULL;
+    if (!c->have[CT_HEAD] || !cache_index_state(c, nhead, level, split)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "set_tables first");
+        c->open = 0;
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* set_slabs(slab_holds): the per-slab holds' array, grown (int64, one a slab). */
+static PyObject *cache_set_slabs(Cache *c, PyObject *arg) {
+    if (!cache_held(c))
+        return NULL;
+    if (!cache_take(c, CT_SLAB_HOLDS, arg, 8, 1, "slab_holds")) {
+        c->open = 0;
+        return NULL;
+    }
+    c->slab_holds = c->v[CT_SLAB_HOLDS].buf;
+    c->pg.nslabs = c->v[CT_SLAB_HOLDS].len / 8;
+    Py_RETURN_NONE;
+}
+
+/* close(): no Get is walked on the plane from now on (the daemon stops). */
+static PyObject *cache_close(Cache *c, PyObject *unused) {
+    if (!cache_held(c))
+        return NULL;
+    c->open = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *cache_get_open(Cache *c, void *unused) { return PyBool_FromLong(c->open); }
+static PyObject *cache_get_held(Cache *c, void *unused) { return PyBool_FromLong(c->held); }
+
+static PyMethodDef cache_methods[] = {
+    {"lock", (PyCFunction)cache_lock, METH_NOARGS, NULL},
+    {"unlock", (PyCFunction)cache_unlock, METH_NOARGS, NULL},
+    {"set_tables", (PyCFunction)cache_set_tables, METH_VARARGS, NULL},
+    {"set_index", (PyCFunction)cache_set_index, METH_VARARGS, NULL},
+    {"set_slabs", (PyCFunction)cache_set_slabs, METH_O, NULL},
+    {"close", (PyCFunction)cache_close, METH_NOARGS, NULL},
+    {NULL},
+};
+
+static PyGetSetDef cache_getset[] = {
+    {"open", (getter)cache_get_open, NULL, NULL, NULL},
+    {"held", (getter)cache_get_held, NULL, NULL, NULL},
+    {NULL},
+};
+
+static PyTypeObject CacheType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvserver.lane._kvlane.Cache",
+    .tp_basicsize = sizeof(Cache),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)cache_init,
+    .tp_dealloc = (destructor)cache_dealloc,
+    .tp_methods = cache_methods,
+    .tp_getset = cache_getset,
+};
+
+/* The plane's side, for one Get: the leading keys (their words) filed under `owner` with a committed
+ * page whose chunks lie inside the arena, those pages held (as PageTable.hold); ids[0..m) and
+ * offsets[0..m). -1: the lock is the loop's, the cache is closed, or a table is corrupt: nothing
+ * held, the loop serves the Get. `chunks` (layer, part) chunks of `lp_stride` bytes a page. */
+static int64_t cache_walk_hold(Cache *c, const uint64_t *words, uint8_t len, int64_t n, int32_t owner,
+                               int64_t chunks, int64_t lp_stride, int64_t *ids, int64_t *offsets) {
+    if (pthread_mutex_trylock(&c->mu) != 0)
+        return -1;
+    int64_t m = -1;
+    if (c->open) {
+        m = kv_hit_prefix(&c->ix, &c->pg, words, len, n, owner, ids, offsets);
+        for (int64_t k = 0; k < m; k++)
+            if (offsets[k] < 0 || offsets[k] > c->arena_bytes || (c->arena_bytes - offsets[k]) / lp_stride < chunks)
+                m = -1;
+        for (int64_t k = 0; k < m; k++) { /* every id and slab checked inside the tables by the walk */
+            c->readers[ids[k]] += 1;
+            c->slab_holds[c->pg.slab[ids[k]]] += 1;
+        }
+    }
+    pthread_mutex_unlock(&c->mu);
+    return m;
+}
+
+#endif

@@ -1,0 +1,253 @@
+"""A lane Get served whole on the data plane's thread: its request read in C, its keys walked in the
+cache's index and its pages held under the cache's lock, copied and answered there, its end settled
+on the event loop (docs/design.md, "A Get on the data plane"). The same answers as the gRPC Get, bit
+exact; whatever the plane does not take (a bad request, a lock the loop holds) is the loop's, with
+the loop's answer; a page the plane holds is never evicted under it; a deadline, a release and a
+closing lane end it and let its pages go. Real daemon, real client, real shared memory."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from test_dataplane import DTYPE, LAYERS, LAYOUT, PAGE, START, TOKENS, _client, _fill
+from test_dataplane_alone import _readers, _until, _zero
+from test_dataplane_cache import PAGES, _keys, _pages_of
+
+from kvclient import KVClient, KVClientError, ShmKVPool
+from kvclient.load_handle import LoadHandle
+from kvserver.store.lock import CacheLock
+from kvserver.store.pages import PageTable
+from kvserver.v1 import kvserver_pb2 as pb
+
+
+def _warm(c: KVClient, tag: str) -> None:
+    """A client's first Get is the loop's, which gives its gate a cache part: later ones are the plane's."""
+    assert c.get([f"warm-{tag}".encode().ljust(16, b".")], torch.arange(1)).wait(timeout=10) == 0
+
+
+def _served(d) -> int:
+    return d.core.plane.plane_gets
+
+
+def test_a_lane_get_is_served_whole_by_the_plane_as_the_rpc_serves_it(plane_daemon) -> None:
+    d = plane_daemon
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c, \
+            KVClient(d.address, timeout=10, resilient=False, lane="grpc") as g:
+        g.register(model="plane", pool=pool, start_layer=START, end_layer=START + LAYERS,
+                   num_layers=START + LAYERS + 2, host_tokens=TOKENS, page_size=PAGE)
+        _fill(pool, 41)
+        src, dst = torch.randperm(PAGES), torch.arange(PAGES, 2 * PAGES)
+        want = _pages_of(pool, src[:20])
+        assert c.put(_keys("g")[:20], src[:20]).stored == 20
+        _warm(c, "a")
+        _zero(pool)
+        served, before = _served(d), c.stats().clients[0].transfers
+        handle = c.get(_keys("g"), dst)  # 20 of 32 stored: the leading 20 load
+        assert handle.pages(timeout=10) == 20 and handle.wait(timeout=10) > 0
+        assert _served(d) == served + 1, "the Get was not served whole on the plane"
+        got = _pages_of(pool, dst[:20])
+        assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+        assert not any(x.any() for x in _pages_of(pool, dst[20:])), "a page past the hit was written"
+        _until(lambda: _readers(d) == (0, 0))  # its end settled on the loop: the holds went
+        after = c.stats().clients[0].transfers
+        loaded = (after.load_ops - before.load_ops, after.bytes_loaded - before.bytes_loaded)
+        assert loaded == (1, 20 * 16 * 1024)
+        # The gRPC Get of the same keys: the same pages, the same bytes.
+        _zero(pool)
+        assert g.get(_keys("g"), dst).wait(timeout=10) > 0
+        assert all(torch.equal(x, y) for x, y in zip(_pages_of(pool, dst[:20]), got, strict=True))
+        # Some layers: those asked for land, the others are left alone.
+        _zero(pool)
+        handle = c.get(_keys("g")[:20], dst[:20], layers=[START + 1, START + 3])
+        assert handle.wait(timeout=10) > 0 and handle.landed(START + 3)
+        for i, (x, y) in enumerate(zip(_pages_of(pool, dst[:20]), got, strict=True)):
+            assert torch.equal(x, y) if i // 2 in (1, 3) else not x.any()
+        # Nothing stored: no page, done at once, the misses counted as the loop counts them.
+        misses = c.stats().spaces[0].counters.misses if c.stats().spaces else 0
+        miss = c.get([b"never-stored-key"] * 1 + [b"never-stored-2.."], dst[:2])
+        assert miss.pages(timeout=10) == 0 and miss.wait(timeout=10) == 0
+        assert _served(d) == served + 3
+        _until(lambda: d.run(lambda: sum(s.counters.misses for s in d.core.cache.stats()[0])) >= misses + 2)
+        # The client learnt that its Gets are the plane's: their first step is looked for, not slept on.
+        assert c.lane.plane_gets
+
+
+def test_what_the_plane_does_not_take_the_loop_answers_as_the_rpc_does(plane_daemon) -> None:
+    """Bad Gets (a device page outside the pool or named twice, keys of no whole width, a layer
+    outside the range) are handed to the loop, which answers them as the gRPC call does; a Get
+    naming another client is the loop's too."""
+    d = plane_daemon
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c, \
+            KVClient(d.address, timeout=10, resilient=False, lane="grpc") as g:
+        g.register(model="plane", pool=pool, start_layer=START, end_layer=START + LAYERS,
+                   num_layers=START + LAYERS + 2, host_tokens=TOKENS, page_size=PAGE)
+        _fill(pool, 42)
+        assert c.put(_keys("b")[:4], torch.arange(4)).stored == 4
+        _warm(c, "b")
+        served = _served(d)
+        cases = [
+            dict(keys=_keys("b")[:2], device_pages=torch.tensor([0, 10_000])),
+            dict(keys=_keys("b")[:2], device_pages=torch.tensor([3, 3])),
+            dict(keys=_keys("b")[:2], device_pages=torch.tensor([-1, 3])),
+            dict(keys=_keys("b")[:2], device_pages=torch.tensor([1])),
+            dict(keys=_keys("b")[:2], device_pages=torch.tensor([1, 2]), layers=[START + LAYERS]),
+            dict(keys=_keys("b")[:2], device_pages=torch.tensor([1, 2]), layers=[START + 1, START]),
+        ]
+        for case in cases:
+            got = []
+            for client in (c, g):
+                try:
+                    client.get(case["keys"], case["device_pages"], layers=case.get("layers")).wait(timeout=10)
+                    got.append(None)
+                except KVClientError as exc:
+                    got.append((exc.code, exc.message))
+            assert got[0] == got[1], (case, got)
+        assert _served(d) == served, "the plane took a Get its checks should refuse"
+        # A well formed Get in the plane's form, on this lane, naming another registration: the
+        # loop's, which refuses it; nothing of the other registration is read or written.
+        req = pb.GetRequest(client_id=g.client_id, keys=b"".join(_keys("b")[:1]), key_bytes=16,
+                            device_pages=[5])
+        source = c.lane.stream("Get", req.SerializeToString(), 10)
+        handle = LoadHandle(list(range(START, START + LAYERS)), get=True)
+        source.handle, handle._source = handle, source
+        with pytest.raises(KVClientError) as exc:
+            handle.wait(timeout=10)
+        assert exc.value.code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT), \
+            exc.value
+        assert _served(d) == served
+        _until(lambda: _readers(d) == (0, 0))
+
+
+def test_a_get_finding_the_lock_taken_is_served_by_the_loop(plane_daemon) -> None:
+    d = plane_daemon
+    lock = d.core.cache.lock
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c:
+        _fill(pool, 43)
+        src = torch.randperm(PAGES)
+        want = _pages_of(pool, src)
+        assert c.put(_keys("k"), src).stored == PAGES
+        _warm(c, "k")
+        served = _served(d)
+        d.run(lock.__enter__)  # the loop holds it, as through a change: the plane only tries it
+        result: dict = {}
+        getter = threading.Thread(target=lambda: result.setdefault(
+            "n", c.get(_keys("k"), torch.arange(PAGES, 2 * PAGES)).wait(timeout=20)))
+        getter.start()
+        try:
+            getter.join(30)  # handed over: the loop (which holds the lock) serves it
+        finally:
+            d.run(lambda: lock.__exit__(None, None, None))
+        assert result["n"] > 0 and _served(d) == served, "the plane walked a cache whose lock it did not hold"
+        got = _pages_of(pool, torch.arange(PAGES, 2 * PAGES))
+        assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+        _until(lambda: _readers(d) == (0, 0))
+
+
+def test_a_page_the_plane_holds_is_never_evicted_under_it(daemon_factory) -> None:
+    """One slab's quota: while the plane holds a Get's pages (its copy held back), Puts that fill
+    the tenant's slab evict everything else but them; the Get then copies the bytes it found."""
+    d = daemon_factory(tenant_quota=str(8 << 20))
+    if d.core.plane is None:
+        pytest.skip("the compiled data plane is not built (or KVSERVER_DATA_PLANE=python)")
+    engine = d.core.plane.engine
+    slab_pages = (8 << 20) // (16 * 1024)
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c, \
+            KVClient(d.address, timeout=0.3, resilient=False) as hasty:
+        hasty.register(model="plane", pool=pool, start_layer=START, end_layer=START + LAYERS,
+                       num_layers=START + LAYERS + 2, host_tokens=TOKENS, page_size=PAGE)
+        _fill(pool, 44)
+        src = torch.randperm(PAGES)
+        want = _pages_of(pool, src)
+        assert c.put(_keys("h"), src).stored == PAGES  # the least recently used of the slab
+        for k in range(slab_pages // PAGES - 1):  # the rest of it
+            assert c.put(_keys(f"f{k}"), torch.arange(PAGES)).stored == PAGES
+        assert c.put(_keys("over"), torch.arange(PAGES)).stored == PAGES  # the quota binds: evicts
+        assert c.lookup(_keys("h")).pages == 0 and c.lookup(_keys("f0")).pages == PAGES
+        _fill(pool, 45)
+        want = _pages_of(pool, src)
+        assert c.put(_keys("h"), src).stored == PAGES  # again: the newest, then made the oldest
+        for k in range(slab_pages // PAGES - 1):
+            c.lookup(_keys(f"f{k}"))
+        assert c.lookup(_keys("over")).pages == PAGES
+        _warm(c, "h")
+        served = _served(d)
+        engine.pause(True)
+        try:
+            handle = c.get(_keys("h"), torch.arange(PAGES, 2 * PAGES))
+            assert handle.pages(timeout=5) == PAGES  # found and held; its copy waits
+            assert _served(d) == served + 1 and _readers(d)[0] == PAGES
+            # A Put that must evict (its copy held back too, and stopped at its deadline): the
+            # least recently used pages go, but not those the plane holds.
+            with pytest.raises(KVClientError):
+                hasty.put(_keys("new"), torch.arange(PAGES, 2 * PAGES))
+            assert c.lookup(_keys("h")).pages == PAGES, "a page the plane held was evicted"
+        finally:
+            engine.pause(False)
+        assert handle.wait(timeout=10) > 0
+        got = _pages_of(pool, torch.arange(PAGES, 2 * PAGES))
+        assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True)), "the Get copied other bytes"
+        _until(lambda: _readers(d) == (0, 0))
+
+
+def test_a_plane_get_past_its_deadline_or_released_lets_its_pages_go(plane_daemon) -> None:
+    d = plane_daemon
+    engine = d.core.plane.engine
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c, \
+            KVClient(d.address, timeout=0.3, resilient=False) as hasty:
+        hasty.register(model="plane", pool=pool, start_layer=START, end_layer=START + LAYERS,
+                       num_layers=START + LAYERS + 2, host_tokens=TOKENS, page_size=PAGE)
+        _fill(pool, 45)
+        assert c.put(_keys("d"), torch.arange(PAGES)).stored == PAGES
+        _warm(hasty, "d1")
+        _warm(c, "d2")
+        served = _served(d)
+        engine.pause(True)
+        try:
+            late = hasty.get(_keys("d"), torch.arange(PAGES, 2 * PAGES))
+            assert late.pages(timeout=5) == PAGES
+            assert _served(d) == served + 1
+            time.sleep(0.5)
+        finally:
+            engine.pause(False)
+        with pytest.raises(KVClientError) as exc:
+            late.wait(timeout=10)
+        assert exc.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, exc.value
+        _until(lambda: _readers(d) == (0, 0))
+        hasty.unregister()
+        engine.pause(True)
+        try:
+            handle = c.get(_keys("d"), torch.arange(PAGES, 2 * PAGES))
+            assert handle.pages(timeout=5) == PAGES and _served(d) == served + 2
+            cid = c.client_id
+            gone = threading.Thread(target=lambda: d.call(d.core.unregister(cid)))
+            gone.start()
+            time.sleep(0.2)
+        finally:
+            engine.pause(False)
+        gone.join(30)
+        with pytest.raises(KVClientError) as exc:
+            handle.wait(timeout=10)
+        assert exc.value.code == grpc.StatusCode.NOT_FOUND, exc.value
+    _until(lambda: _readers(d) == (0, 0))
+    assert d.run(lambda: (len(d.core.clients), d.core.plane.engine.jobs)) == (0, 0)
+
+
+def test_the_pages_and_index_change_only_under_the_cache_lock() -> None:
+    """Every change the plane's walk reads checks the lock: a path that forgets it raises."""
+    table = PageTable(1 << 10)
+    table.lock = CacheLock()
+    ids = table.take(4)
+    with pytest.raises(RuntimeError, match="outside its lock"):
+        table.write(ids)
+    with table.lock:
+        table.write(ids)
+        table.commit(ids)
+        table.hold(ids)
+    with pytest.raises(RuntimeError, match="outside its lock"):
+        table.hold(ids, -1)
+    assert int(np.sum(table.readers)) == 4
