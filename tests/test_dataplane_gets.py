@@ -67,12 +67,16 @@ def test_a_lane_get_is_served_whole_by_the_plane_as_the_rpc_serves_it(plane_daem
         assert handle.wait(timeout=10) > 0 and handle.landed(START + 3)
         for i, (x, y) in enumerate(zip(_pages_of(pool, dst[:20]), got, strict=True)):
             assert torch.equal(x, y) if i // 2 in (1, 3) else not x.any()
-        # Nothing stored: no page, done at once, the misses counted as the loop counts them.
-        misses = c.stats().spaces[0].counters.misses if c.stats().spaces else 0
-        miss = c.get([b"never-stored-key"] * 1 + [b"never-stored-2.."], dst[:2])
+        # Nothing stored: no page, done at once, the misses counted as the loop counts them (and
+        # settled before a Stats that follows the answer).
+        def misses() -> int:
+            return sum(s.counters.misses for s in c.stats().spaces)
+
+        before_misses = misses()
+        miss = c.get([b"never-stored-key", b"never-stored-2.."], dst[:2])
         assert miss.pages(timeout=10) == 0 and miss.wait(timeout=10) == 0
         assert _served(d) == served + 3
-        _until(lambda: d.run(lambda: sum(s.counters.misses for s in d.core.cache.stats()[0])) >= misses + 2)
+        assert misses() == before_misses + 2
         # The client learnt that its Gets are the plane's: their first step is looked for, not slept on.
         assert c.lane.plane_gets
 
@@ -132,7 +136,7 @@ def test_a_get_finding_the_lock_taken_is_served_by_the_loop(plane_daemon) -> Non
         want = _pages_of(pool, src)
         assert c.put(_keys("k"), src).stored == PAGES
         _warm(c, "k")
-        served = _served(d)
+        served, handed = _served(d), d.core.plane.engine.handed
         d.run(lock.__enter__)  # the loop holds it, as through a change: the plane only tries it
         result: dict = {}
         getter = threading.Thread(target=lambda: result.setdefault(
@@ -143,8 +147,12 @@ def test_a_get_finding_the_lock_taken_is_served_by_the_loop(plane_daemon) -> Non
         finally:
             d.run(lambda: lock.__exit__(None, None, None))
         assert result["n"] > 0 and _served(d) == served, "the plane walked a cache whose lock it did not hold"
+        assert d.core.plane.engine.handed == handed + 1
         got = _pages_of(pool, torch.arange(PAGES, 2 * PAGES))
         assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+        # The lock free again, the next Get is the plane's.
+        assert c.get(_keys("k"), torch.arange(PAGES, 2 * PAGES)).wait(timeout=10) > 0
+        assert _served(d) == served + 1
         _until(lambda: _readers(d) == (0, 0))
 
 
@@ -224,9 +232,10 @@ def test_a_plane_get_past_its_deadline_or_released_lets_its_pages_go(plane_daemo
             handle = c.get(_keys("d"), torch.arange(PAGES, 2 * PAGES))
             assert handle.pages(timeout=5) == PAGES and _served(d) == served + 2
             cid = c.client_id
+            gate = d.run(lambda: d.core.client(cid).gate)
             gone = threading.Thread(target=lambda: d.call(d.core.unregister(cid)))
             gone.start()
-            time.sleep(0.2)
+            _until(lambda: gate.closed)  # its copy stops at the next layer boundary
         finally:
             engine.pause(False)
         gone.join(30)
@@ -251,3 +260,74 @@ def test_the_pages_and_index_change_only_under_the_cache_lock() -> None:
     with pytest.raises(RuntimeError, match="outside its lock"):
         table.hold(ids, -1)
     assert int(np.sum(table.readers)) == 4
+
+
+def test_a_lane_closed_mid_get_ends_the_plane_s_copy_and_lets_its_pages_go(plane_daemon) -> None:
+    d = plane_daemon
+    engine = d.core.plane.engine
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c:
+        _fill(pool, 46)
+        assert c.put(_keys("l"), torch.arange(PAGES)).stored == PAGES
+        _warm(c, "l")
+        served = _served(d)
+        engine.pause(True)
+        try:
+            handle = c.get(_keys("l"), torch.arange(PAGES, 2 * PAGES))
+            assert handle.pages(timeout=5) == PAGES and _served(d) == served + 1
+            assert _readers(d)[0] == PAGES
+            lane = d.run(lambda: d.core.client(c.client_id).lane)
+            d.call(lane.close())  # the plane lets go of the ring: the job ends with it, unanswered
+        finally:
+            engine.pause(False)
+        _until(lambda: _readers(d) == (0, 0) and engine.jobs == 0)
+
+
+def test_what_the_plane_s_get_check_takes_the_loop_takes_alike(plane_daemon) -> None:
+    """Differential: hundreds of random and mutated GetRequests; whatever the plane's reader and
+    check take (``Gate.check_get``), protobuf parses to the same request and the loop's checks
+    take too."""
+    d = plane_daemon
+    rng = np.random.default_rng(7)
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c:
+        _warm(c, "x")
+        client = d.run(lambda: d.core.client(c.client_id))
+        gate = client.gate
+        assert gate.cache_gid >= 0
+        base = pb.GetRequest(client_id=c.client_id, keys=b"".join(_keys("x")[:3]), key_bytes=16,
+                             device_pages=[1, 5, 9], layers=[START, START + 2], timeout_ms=100)
+        plain = base.SerializeToString()
+        # Forms protobuf reads otherwise or refuses: an over-long tag (6 bytes: refused), a field
+        # twice (the last wins), an unpacked repeated field, an unknown field (skipped).
+        crafted = [b"\x8a\x80\x80\x80\x80\x00" + plain[1:], plain + plain[:2 + len(c.client_id)],
+                   plain + b"\x20\x07", plain + b"\x58\x01"]
+        taken = 0
+        for k in range(600 + len(crafted)):
+            data = bytearray(crafted[k - 600] if k >= 600 else plain)
+            for _ in range(int(rng.integers(0, 4)) if k < 600 else 0):
+                at = int(rng.integers(0, len(data)))
+                op = int(rng.integers(0, 4))
+                if op == 0:
+                    data[at] ^= 1 << int(rng.integers(0, 8))
+                elif op == 1:
+                    data[at] = int(rng.choice([0, 1, 0x7F, 0x80, 0xFF, 0x0A, 0x12, 0x22, 0x2A]))
+                elif op == 2:
+                    del data[at:]
+                else:
+                    data[at:at] = bytes(rng.integers(0, 256, int(rng.integers(1, 12)), dtype=np.uint8))
+                if not data:
+                    break
+            if not gate.check_get(bytes(data)):
+                continue
+            assert k < 600, f"the plane took a form it must hand over: {bytes(data)!r}"
+            taken += 1
+            parsed = pb.GetRequest.FromString(bytes(data))  # protobuf reads what the plane read
+            assert parsed.client_id == c.client_id and not parsed.parts and not parsed.lease_id
+            assert not parsed.ready_event and not parsed.event_slot
+            n = len(parsed.keys) // parsed.key_bytes
+            assert 1 <= parsed.key_bytes <= 64 and n * parsed.key_bytes == len(parsed.keys) and n >= 1
+            pages = list(parsed.device_pages)
+            assert len(pages) == n == len(set(pages)) and all(0 <= p < 2 * TOKENS // PAGE for p in pages)
+            layers = list(parsed.layers)
+            assert layers == sorted(set(layers)) and all(START <= x < START + LAYERS for x in layers)
+            d.run(lambda parsed=parsed: client.spec.layers.select(parsed.layers))  # the loop's layer check
+        assert taken > 50, taken

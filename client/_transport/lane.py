@@ -98,10 +98,9 @@ class ClientLane:
         # nap's timer, not found while looking), as the compiled call reports them (the Python
         # wait, where _wire is not built, counts none).
         self.woken = 0
-        # Whether the daemon's data plane has answered a Get here (its time on the call is in the
-        # slot): its Gets' first step then comes at once, and their waiters look for it as a
-        # LoadB's do, instead of sleeping for a step that the event loop takes hundreds of
-        # microseconds to send.
+        # Whether the daemon's data plane has served a Get here whole (its answer's FLAG_PLANE_GET):
+        # its Gets' first step then comes at once, and their waiters look for it as a LoadB's do,
+        # instead of sleeping for a step that the event loop takes hundreds of microseconds to send.
         self.plane_gets = False
         self.reg: Any = None  # the registration this lane was opened for
         self.request_format = 0  # the daemon's binary Write/Load format (kvserver.protocol.lane_request)
@@ -344,12 +343,6 @@ class ClientLane:
         return (R.U32.unpack_from(self._mm, off + R.STATE)[0],
                 *R.PROGRESS.unpack_from(self._mm, off + R.PROGRESS_AT))
 
-    def _busy(self, i: int) -> int:
-        """The data plane's time on slot ``i``'s call, in microseconds (0: not the plane's)."""
-        if self._c is not None:
-            return self._c.word(self._address, i, R.BUSY_AT)
-        return R.U32.unpack_from(self._mm, R.slot_offset(i) + R.BUSY_AT)[0]
-
     def _result(self, i: int) -> tuple[int, bytes, str, int]:
         if self._c is not None:
             code, response, message, flags = self._c.result(self._address, i)
@@ -531,7 +524,7 @@ class LaneStream:
                                done and bool(flags & R.FLAG_DONE))
             if done:
                 code, _, message, flags = lane._result(i)
-                if self.get and not lane.plane_gets and lane._busy(i):
+                if self.get and flags & R.FLAG_PLANE_GET:
                     lane.plane_gets = True
                 error = None
                 if code:

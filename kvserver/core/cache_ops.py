@@ -118,7 +118,7 @@ class CacheOps:
         # Lane Gets served whole on the data plane's thread (``_serve_on_plane``): each gate's token
         # -> its client id and cache part, for their ends (``plane_get_ended``); the bytes of each
         # one done, for the transfer metrics.
-        self._plane_gets: dict[int, tuple[str, Part]] = {}
+        self._plane_gets: dict[int, tuple[str, Part, Any]] = {}
         self._plane_tokens = itertools.count(1)
         self.on_plane_get: Callable[[int], None] | None = None
 
@@ -555,11 +555,11 @@ class CacheOps:
         except KVError:
             return None
         self.kv.client(client.client_id)  # its lease, renewed as every call renews it
+        if self.cache.pages.compiled:  # (before anything is held: nothing to undo if it raises)
+            self._serve_on_plane(client, part)
         plan = self.cache.prepare_get_packed(part, packed, key_bytes)
         if plan is None:  # no compiled index
             plan = self.cache.prepare_get(part, Keys.unpack(packed, key_bytes, self._max_keys))
-        else:
-            self._serve_on_plane(client, part)
         if not plan.pages:
             self.cache.complete_get(plan, True)
             return 0
@@ -619,10 +619,15 @@ class CacheOps:
         if rows is None or rows[0] != self.kv.arena.address:
             return
         if len(self._plane_gets) >= 64 and len(self._plane_gets) >= 2 * len(self.kv.clients):
-            live = {c for c in self.kv.clients}  # ends of a client gone are settled without it
-            self._plane_gets = {t: e for t, e in self._plane_gets.items() if e[0] in live}
+            # Those of clients gone with no Get in flight on their (closed) gates: their ends have
+            # all been posted, and are settled here before they go.
+            clients = self.kv.clients
+            done = [t for t, e in self._plane_gets.items() if e[0] not in clients and not e[2].inflight]
+            plane.settle_gets()
+            for t in done:
+                del self._plane_gets[t]
         token = next(self._plane_tokens)
-        self._plane_gets[token] = (client.client_id, part)
+        self._plane_gets[token] = (client.client_id, part, gate)
         gate.set_cache(part.gid, token, client.client_id.encode(), rows[1], min(self._max_keys, STEP_KEYS),
                        copier.split_load_bytes())
 

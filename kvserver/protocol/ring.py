@@ -27,7 +27,8 @@ of exactly ``ring_bytes(slots)`` bytes:
       48 events_recorded u32
       52 pages u32          Get: the stored prefix
       56 step u32           incremented by the daemon after each progress update
-      60 flags u32          FLAG_DONE: the progress says done; FLAG_JOB_ENDED: the job is dead
+      60 flags u32          FLAG_DONE: the progress says done; FLAG_JOB_ENDED: the job is dead;
+                            FLAG_PLANE_GET: a Get the data plane served whole
       64 done_seq u64
       72 waiting u32        the client's: nonzero while it sleeps on the slot's done doorbell (a
                             FEATURE_QUIET_DONE ring's daemon rings that doorbell only then)
@@ -85,6 +86,7 @@ PLANE_STREAMS = frozenset({"LoadB"})  # the streams the compiled data plane may 
 
 FLAG_DONE = 1
 FLAG_JOB_ENDED = 2
+FLAG_PLANE_GET = 4  # a Get the daemon's data plane served whole: the lane's next Gets will be too
 # The ring header's features word: what the client does beyond version 1's protocol (the daemon
 # ignores bits it does not know). QUIET_DONE: the client stores a slot's waiting word before it
 # sleeps on the slot's done doorbell, so the daemon need ring it only then.

@@ -64,8 +64,8 @@ static inline int kv_get_parse(const unsigned char *buf, uint64_t len, kv_get *q
     const unsigned char *p = buf, *end = buf + len;
     uint32_t seen = 0;
     while (p < end) {
-        uint64_t tag, v;
-        if (!kv_varint(&p, end, &tag))
+        uint64_t v, tag = *p++;
+        if (tag & 0x80) /* every field here has a one-byte tag (protobuf refuses tags of over 5 bytes) */
             return 0;
         uint64_t field = tag >> 3, wire = tag & 7;
         if (field < 1 || field > 9 || (seen >> field & 1))

@@ -74,6 +74,7 @@
 #define RPC_COPIES_LAST 6 /* ids 1 to 6 name copies (Write, Load, Put, Get and the binary two: ring.py) */
 #define FLAG_DONE 1
 #define FLAG_JOB_ENDED 2
+#define FLAG_PLANE_GET 4 /* a Get this thread served whole (try_get): its client's next ones will be too */
 #define MAX_DRAIN 64
 #define PIECE_BYTES (512 * 1024)
 /* Bytes of loads copied in a row while a write waited, after which the write gets a piece: the copy
@@ -390,12 +391,38 @@ static PyObject *gate_set_cache(Gate *g, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* check_get(request bytes) -> bool: whether try_get would read and take this lane Get (its reader
+ * and check, get.h; the cache part set: for tests, the differential check against protobuf and
+ * the loop's checks). */
+static PyObject *gate_check_get(Gate *g, PyObject *arg) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    int ok = 0;
+    if (__atomic_load_n(&g->cache_gid, __ATOMIC_ACQUIRE) >= 0) {
+        int64_t *dev = malloc(sizeof(int64_t) * (size_t)g->cache_max_keys), n = 0;
+        int32_t *local = malloc(sizeof(int32_t) * (size_t)g->lim.num_layers);
+        uint32_t nl = 0;
+        kv_get q;
+        kv_get_limits gl = {g->client_id, g->client_id_len, g->cache_max_keys};
+        pthread_mutex_lock(&g->check_mu);
+        ok = dev && local && kv_get_parse(view.buf, (uint64_t)view.len, &q) &&
+             kv_get_accept(&q, &g->lim, &gl, dev, local, &n, &nl);
+        pthread_mutex_unlock(&g->check_mu);
+        free(dev);
+        free(local);
+    }
+    PyBuffer_Release(&view);
+    return PyBool_FromLong(ok);
+}
+
 static PyObject *gate_get_cache_gid(Gate *g, void *unused) {
     return PyLong_FromLong(__atomic_load_n(&g->cache_gid, __ATOMIC_ACQUIRE));
 }
 
 static PyMethodDef gate_methods[] = {
     {"set_cache", (PyCFunction)gate_set_cache, METH_VARARGS, NULL},
+    {"check_get", (PyCFunction)gate_check_get, METH_O, NULL},
     {"release_if_idle", (PyCFunction)gate_release_if_idle, METH_O, NULL},
     {"py_enter", (PyCFunction)gate_py_enter, METH_NOARGS, NULL},
     {"py_exit", (PyCFunction)gate_py_exit, METH_NOARGS, NULL},
@@ -974,8 +1001,8 @@ static int try_get(Engine *e, Lane *l, int i, uint32_t n) {
     __atomic_add_fetch(&e->plane_gets, 1, __ATOMIC_RELAXED);
     if (m == 0) { /* nothing found: answered now, as the loop answers one */
         j->nl = 0;
-        answer_slot(e, j, 0, NULL);
         post_get_end(e, j, DONE_OK);
+        answer_slot(e, j, 0, NULL);
         job_free(j);
         return 1;
     }
@@ -1125,10 +1152,11 @@ static void answer_slot(Engine *e, Job *j, uint32_t code, const char *message);
 
 /* Ends a job: its pages are no longer busy, its slot answered (unless its lane is gone: silent). */
 static void finish(Engine *e, Job *j, uint32_t code, const char *message, int answer) {
-    if (j->get) { /* a Get served here: its slot, then its end posted back with its pages */
+    if (j->get) { /* a Get served here: its end posted back with its pages, then its slot answered
+                   * (a Stats after the answer settles it: its counters are there) */
+        post_get_end(e, j, code == 0 ? DONE_OK : j->released ? DONE_RELEASED : DONE_HALTED);
         if (answer)
             answer_slot(e, j, code, message);
-        post_get_end(e, j, code == 0 ? DONE_OK : j->released ? DONE_RELEASED : DONE_HALTED);
         unlink_job(e, j);
         return;
     }
@@ -1186,6 +1214,11 @@ static void answer_slot(Engine *e, Job *j, uint32_t code, const char *message) {
         if (!ok && j->load && j->li > j->published)
             publish_progress(e, j, 0); /* the layers that landed, then why it stopped */
         put32(s + 60, FLAG_JOB_ENDED);
+    }
+    if (j->get) { /* said in its flags, which the client reads once it sees DONE */
+        uint32_t flags;
+        memcpy(&flags, s + 60, 4);
+        put32(s + 60, flags | FLAG_PLANE_GET);
     }
     if (ok && !j->load) { /* WriteResponse{bytes}: field 1, varint */
         uint64_t v = (uint64_t)j->nl * (uint64_t)j->bytes_per_layer;
