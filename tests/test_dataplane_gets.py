@@ -331,3 +331,112 @@ def test_what_the_plane_s_get_check_takes_the_loop_takes_alike(plane_daemon) -> 
             assert layers == sorted(set(layers)) and all(START <= x < START + LAYERS for x in layers)
             d.run(lambda parsed=parsed: client.spec.layers.select(parsed.layers))  # the loop's layer check
         assert taken > 50, taken
+
+
+def test_an_engine_s_lookup_is_served_whole_by_the_plane_as_the_rpc_serves_it(plane_daemon) -> None:
+    """An engine's Lookup of its own part, walked and answered on the plane's thread: the pages the
+    gRPC Lookup finds, the same hits and misses counted, the pages made the most recent; a Lookup
+    that pins, asks the whole space, or that the checks refuse is the loop's, answered alike."""
+    d = plane_daemon
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c, \
+            KVClient(d.address, timeout=10, resilient=False, lane="grpc") as g:
+        g.register(model="plane", pool=pool, start_layer=START, end_layer=START + LAYERS,
+                   num_layers=START + LAYERS + 2, host_tokens=TOKENS, page_size=PAGE)
+        _fill(pool, 47)
+        assert c.put(_keys("q")[:20], torch.arange(20)).stored == 20
+        assert c.lookup(_keys("q")[:1]).pages == 1  # the first is the loop's: it gives the gate its part
+
+        def counts(client: KVClient) -> tuple[int, int]:
+            spaces = client.stats().spaces
+            return sum(s.counters.hits for s in spaces), sum(s.counters.misses for s in spaces)
+
+        lookups = d.core.plane.plane_lookups
+        for keys in (_keys("q"), _keys("q")[:20], _keys("z")[:3], _keys("q")[5:9]):
+            before = counts(c)
+            found = c.lookup(keys).pages
+            lane = counts(c)
+            assert found == g.lookup(keys).pages
+            grpc_counts = counts(g)
+            on_lane = (lane[0] - before[0], lane[1] - before[1])
+            assert on_lane == (grpc_counts[0] - lane[0], grpc_counts[1] - lane[1])
+        assert d.core.plane.plane_lookups == lookups + 4, "the Lookups were not served whole on the plane"
+        # The pages it found are the most recent: the first key's page the newest of all.
+        assert c.lookup(_keys("q")[3:6]).pages == 3 and d.core.plane.plane_lookups == lookups + 5
+        stamps = d.run(lambda: (d.core.plane.settle_gets(), _stamps(d, _keys("q")[:20]))[1])
+        assert int(np.argmax(stamps)) == 3
+        assert stamps[3] > stamps[4] > stamps[5] > max(np.delete(stamps, [3, 4, 5]))
+        # More than 127 pages: a two-byte count in the answer.
+        for k in range(3):
+            assert c.put(_keys(f"m{k}", 60), torch.arange(60)).stored == 60
+        many = [key for k in range(3) for key in _keys(f"m{k}", 60)]
+        assert c.lookup(many).pages == 180 == g.lookup(many).pages
+        assert d.core.plane.plane_lookups == lookups + 6
+        # The loop's: a pin (its lease), the whole space, keys of no width the check takes.
+        lookups = d.core.plane.plane_lookups
+        pinned = c.lookup(_keys("q")[:4], pin_ms=500)
+        assert pinned.pages == 4 and pinned.lease_id
+        c.release(pinned.lease_id)
+        assert c.lookup(_keys("q"), whole_space=True).pages == 20
+        wide = [k * 5 for k in _keys("q")[:2]]  # 80 bytes: wider than the index takes
+        answers = []
+        for client in (c, g):
+            try:
+                answers.append(client.lookup(wide, key_bytes=80).pages)
+            except KVClientError as exc:
+                answers.append((exc.code, exc.message))
+        assert answers[0] == answers[1], answers
+        assert d.core.plane.plane_lookups == lookups
+
+
+def _stamps(d, keys: list[bytes]) -> np.ndarray:
+    """The LRU stamps of the pages of ``keys`` (all stored) in their one part."""
+    from kvserver.store.keys import as_keys
+    cache = d.core.cache
+    (part,) = [p for s in cache._spaces.values() for p in s.parts.values()]
+    ids = cache.pages.find(part.gid, as_keys(keys))
+    assert (ids >= 0).all()
+    return cache.pages.stamp[ids].copy()
+
+
+def test_what_the_plane_s_lookup_check_takes_the_loop_takes_alike(plane_daemon) -> None:
+    """Differential, as for a Get: whatever the plane's Lookup reader and check take
+    (``Gate.check_lookup``), protobuf parses to an engine's plain Lookup of its own part, within
+    the keys the loop walks at once."""
+    d = plane_daemon
+    rng = np.random.default_rng(11)
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c:
+        assert c.lookup(_keys("y")[:1]).pages == 0
+        gate = d.run(lambda: d.core.client(c.client_id).gate)
+        assert gate.cache_gid >= 0
+        plain = pb.LookupRequest(client_id=c.client_id, keys=b"".join(_keys("y")[:3]), key_bytes=16,
+                                 timeout_ms=50).SerializeToString()
+        crafted = [b"\x8a\x80\x80\x80\x80\x00" + plain[1:], plain + plain[:2 + len(c.client_id)],
+                   plain + b"\x28\x01", plain + b"\x30\x01", plain + b"\x12\x01s", plain + b"\x48\x01",
+                   pb.LookupRequest(client_id=c.client_id, keys=b"k" * 130, key_bytes=65).SerializeToString()]
+        taken = 0
+        for k in range(600 + len(crafted)):
+            data = bytearray(crafted[k - 600] if k >= 600 else plain)
+            for _ in range(int(rng.integers(0, 4)) if k < 600 else 0):
+                at = int(rng.integers(0, len(data)))
+                op = int(rng.integers(0, 4))
+                if op == 0:
+                    data[at] ^= 1 << int(rng.integers(0, 8))
+                elif op == 1:
+                    data[at] = int(rng.choice([0, 1, 0x7F, 0x80, 0xFF, 0x0A, 0x12, 0x1A, 0x20, 0x28, 0x30]))
+                elif op == 2:
+                    del data[at:]
+                else:
+                    data[at:at] = bytes(rng.integers(0, 256, int(rng.integers(1, 12)), dtype=np.uint8))
+                if not data:
+                    break
+            if not gate.check_lookup(bytes(data)):
+                continue
+            assert k < 600, f"the plane took a form it must hand over: {bytes(data)!r}"
+            taken += 1
+            parsed = pb.LookupRequest.FromString(bytes(data))
+            assert parsed.client_id == c.client_id and not parsed.space_id
+            assert not parsed.pin_ms and not parsed.whole_space
+            n = len(parsed.keys) // parsed.key_bytes
+            assert 1 <= parsed.key_bytes <= 64 and n * parsed.key_bytes == len(parsed.keys) and n >= 1
+            assert n <= 1024
+        assert taken > 50, taken

@@ -114,7 +114,7 @@ class CacheOps:
         self.disk = kv.disk  # the tier under the host cache, or None
         self.cluster = kv.cluster  # the tier shared with other nodes, or None
         self.lower = self.disk.holds if self.disk is not None else None
-        self.lookups_now = 0  # lane Lookups served without a task (lookup_now)
+        self.lookups_now = 0  # lane Lookups the loop served without a task (lookup_now; not the plane's)
         # Lane Gets served whole on the data plane's thread (``_serve_on_plane``): each gate's token
         # -> its client id and cache part, for their ends (``plane_get_ended``); the bytes of each
         # one done, for the transfer metrics.
@@ -256,6 +256,8 @@ class CacheOps:
                 return None  # (lookup words it)
             target = self._packed_target(req, client, key)  # it checks the keys first
             found = None
+            if client is not None and isinstance(target, Part) and not req.pin_ms:
+                self._serve_on_plane(client, target)  # (the plane takes its next ones)
             if target is not None:
                 if not self._one_packed_step(req, target):
                     return None  # more than a step: ``lookup`` walks it in steps
@@ -605,18 +607,26 @@ class CacheOps:
         return plan.pages
 
     def _serve_on_plane(self, client: ClientState, part: Part) -> None:
-        """From now on ``client``'s lane Gets that ``get_on_plane`` would serve are served whole on
-        the data plane's thread, which reads the same request, runs the same checks (those of the
-        registration, which never change, have just passed here), walks the same index and copies
-        the same pages (docs/design.md, "A Get on the data plane"); whatever it does not take it
-        hands over, as ever. Once a client, where the plane serves Gets (``DataPlane.serve_gets``:
-        no tier below or beside the host cache) and copies its cache table's rows."""
+        """From now on ``client``'s lane Gets that ``get_on_plane`` would serve, and its Lookups of
+        ``part`` that ``lookup_now`` would, are served whole on the data plane's thread, which
+        reads the same request, runs the same checks (those of the registration, which never
+        change, run here first), walks the same index and copies the same pages (docs/design.md,
+        "A Get on the data plane"); whatever it does not take it hands over, as ever. Once a
+        client, where the plane serves Gets (``DataPlane.serve_gets``: no tier below or beside the
+        host cache) and copies its cache table's rows."""
         copier, gate = self.kv.copier, client.gate
         plane = copier.plane
         if plane is None or plane.cache is None or gate is None or gate.cache_gid >= 0:
             return
         rows = plane.host_rows(self._cache_table(client), client.spec.page_size, copier.arena_span)
         if rows is None or rows[0] != self.kv.arena.address:
+            return
+        device = client.device
+        try:  # the registration's own checks of a Get (``_checked_pages``), which never change
+            device.check_request(b"", 0)
+            device.check_cache_rows()
+            device.check_sizes()
+        except KVError:
             return
         if len(self._plane_gets) >= 64 and len(self._plane_gets) >= 2 * len(self.kv.clients):
             # Those of clients gone with no Get in flight on their (closed) gates: their ends have
@@ -632,12 +642,16 @@ class CacheOps:
                        copier.split_load_bytes())
 
     def plane_get_ended(self, token: int, gid: int, ids: bytes, found: int, misses: int, status: int,
-                        layers: int, nbytes: int) -> None:
+                        layers: int, nbytes: int, held: bool = True) -> None:
         """A Get the plane served whole has ended (``_kvlane``'s take_gets): its pages are let go and
         made recent, its misses counted, and, done, its client's counters and the metrics kept,
-        as ``get_on_plane`` settles the Gets it plans."""
+        as ``get_on_plane`` settles the Gets it plans. Not ``held``: a Lookup's, whose pages are
+        made recent and whose hits and misses are counted, as ``lookup_now`` does."""
         entry = self._plane_gets.get(token)
         part = entry[1] if entry is not None and entry[1].gid == gid else None
+        if not held:
+            self.cache.settle_lookup(np.frombuffer(ids, np.int64), gid, part, found, misses)
+            return
         self.cache.settle_get(np.frombuffer(ids, np.int64), part, misses)
         if status == 0 and found and entry is not None:
             client = self.kv.clients.get(entry[0])

@@ -44,7 +44,8 @@ logger = logging.getLogger(__name__)
 
 # KVSERVER_DATA_PLANE=python turns the plane off (the event loop serves every request).
 ENABLED = _kvlane is not None and os.environ.get("KVSERVER_DATA_PLANE", "compiled") != "python"
-# KVSERVER_PLANE_GETS=0 keeps lane Gets on the event loop (the plane still copies them there).
+# KVSERVER_PLANE_GETS=0 keeps lane Gets and an engine's Lookups on the event loop (the plane still
+# copies the Gets there).
 GETS = os.environ.get("KVSERVER_PLANE_GETS", "1") != "0"
 POLL_SECONDS = 0.0005  # how often a waiter on the plane's copies looks again
 MAX_KEPT_TABLES = 4096  # host tables whose rows _host_rows keeps (one a client)
@@ -129,9 +130,10 @@ class DataPlane:
         from ``cache`` (a KVCache in the arena at ``address``, ``nbytes``) for the gates given a
         part (``Gate.set_cache``): it walks the index and holds the pages under the cache's lock
         (attached here: from now on the loop's changes take the plane's lock), copies them and
-        answers the slot; ``ended(token, gid, ids, found, misses, status, layers, bytes)`` settles
-        each on the loop (its pages let go, its counters kept). Once, before any gate is given a
-        part."""
+        answers the slot; and the engines' Lookups of their own part, which it walks and answers;
+        ``ended(token, gid, ids, found, misses, status, layers, bytes, held)`` settles each on the
+        loop (a Get's pages let go, the pages made recent, the counters kept). Once, before any
+        gate is given a part."""
         c = _kvlane.Cache(address, nbytes)
         lock = cache.lock
         lock.attach(c)
@@ -159,6 +161,11 @@ class DataPlane:
     def plane_gets(self) -> int:
         """Lane Gets the plane's thread has served whole (taken, found or not)."""
         return self.engine.plane_gets
+
+    @property
+    def plane_lookups(self) -> int:
+        """An engine's lane Lookups of its own part the plane's thread has served whole."""
+        return self.engine.plane_lookups
 
     # ---- the loop's copies ----------------------------------------------------------------------
 

@@ -676,6 +676,22 @@ class KVCache:
             self.tenants.get(space.key.tenant).counters.misses += misses
 
     @_locked
+    def settle_lookup(self, ids: np.ndarray, gid: int, part: Part | None, found: int, misses: int) -> None:
+        """The end of a Lookup the data plane walked itself (in part ``gid``): its pages ``ids``
+        made recent (the first the most recent) and its hits and misses counted in ``part``'s
+        space, as ``lookup_packed`` does (none where its part is unknown). A Lookup holds nothing:
+        a page evicted since its walk is not touched (nor one that took its id meanwhile)."""
+        p = self.pages
+        if len(ids):
+            ids = ids[(p.state[ids] == COMMITTED) & (p.part[ids] == gid)]
+        p.touch(ids)
+        if part is not None and (found or misses):
+            space = self._live(part.space)
+            for c in (space.counters, self.tenants.get(space.key.tenant).counters):
+                c.hits += found
+                c.misses += misses
+
+    @_locked
     def complete_get(self, plan: GetPlan, ok: bool) -> None:
         ids, plan.page_ids = plan.page_ids, plan.page_ids[:0]
         self.pages.hold(ids, -1)

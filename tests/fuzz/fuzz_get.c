@@ -1,8 +1,10 @@
-/* Fuzzes the data plane's reader and check of a lane Get (kvserver/lane/csrc/get.h): whatever the
- * bytes, kv_get_parse/kv_get_accept read only inside the request and the registration's marks,
- * and what kv_get_accept takes is valid: this registration's client id, 1 to MAX_KEYS whole keys
- * of 1 to 64 bytes, a distinct device page inside the pool for each, layers ascending inside the
- * range. Built with AddressSanitizer and UndefinedBehaviorSanitizer by scripts/sanitize.sh.
+/* Fuzzes the data plane's reader and check of a lane Get and of an engine's Lookup
+ * (kvserver/lane/csrc/get.h): whatever the bytes, kv_get_parse/kv_get_accept and
+ * kv_lookup_parse/kv_lookup_accept read only inside the request and the registration's marks, and
+ * what the checks take is valid: this registration's client id, 1 to MAX_KEYS whole keys of 1 to
+ * 64 bytes; for a Get, a distinct device page inside the pool for each and layers ascending
+ * inside the range. Built with AddressSanitizer and UndefinedBehaviorSanitizer by
+ * scripts/sanitize.sh.
  *
  * With clang's libFuzzer (-fsanitize=fuzzer) LLVMFuzzerTestOneInput is its entry; built without
  * it (gcc, -DKV_STANDALONE), main() mutates well-formed GetRequests at random: bit flips, bytes
@@ -23,7 +25,24 @@ static const char ID[] = "client-0123456789abcdef";
 static uint8_t owned[1];
 static uint32_t page_mark[1], dev_mark[DEV], generation;
 
+static void check_lookup(const uint8_t *data, size_t size) {
+    kv_get_limits gl = {ID, sizeof ID - 1, MAX_KEYS};
+    kv_lookup q;
+    int64_t n = 0;
+    if (!kv_lookup_parse(data, size, &q))
+        return;
+    if ((q.keys && (q.keys < data || q.keys + q.keys_len > data + size)) ||
+        (q.client_id && (q.client_id < data || q.client_id + q.client_id_len > data + size)))
+        abort();
+    if (!kv_lookup_accept(&q, &gl, &n))
+        return;
+    if (q.client_id_len != sizeof ID - 1 || memcmp(q.client_id, ID, sizeof ID - 1) || q.key_bytes < 1 ||
+        q.key_bytes > KV_GET_MAX_KEY_BYTES || n < 1 || n > MAX_KEYS || (uint64_t)n * q.key_bytes != q.keys_len)
+        abort();
+}
+
 static void check_one(const uint8_t *data, size_t size) {
+    check_lookup(data, size);
     kv_limits lim = {0, 0, PAGE, DEV, 1 << 20, START, LAYERS, owned, page_mark, dev_mark, &generation};
     kv_get_limits gl = {ID, sizeof ID - 1, MAX_KEYS};
     kv_get q;
@@ -77,8 +96,33 @@ static size_t put_bytes(uint8_t *p, int field, const uint8_t *data, size_t len) 
     return n + len;
 }
 
+/* A LookupRequest as an engine sends it (client id, keys, key_bytes, timeout_ms, memory_only). */
+static size_t seed_lookup(uint8_t *buf) {
+    uint8_t keys[16 * 8];
+    uint32_t nkeys = 1 + next_random() % 8, width = (uint32_t[]){1, 16, 32, 48, 64}[next_random() % 5];
+    if (width * nkeys > sizeof keys)
+        nkeys = sizeof keys / width;
+    for (size_t i = 0; i < width * nkeys; i++)
+        keys[i] = (uint8_t)next_random();
+    size_t len = put_bytes(buf, 1, (const uint8_t *)ID, sizeof ID - 1);
+    len += put_bytes(buf + len, 3, keys, width * nkeys);
+    len += put_varint(buf + len, 4 << 3);
+    len += put_varint(buf + len, width);
+    if (next_random() % 2) {
+        len += put_varint(buf + len, 8 << 3);
+        len += put_varint(buf + len, next_random() % 5000);
+    }
+    if (next_random() % 4 == 0) {
+        len += put_varint(buf + len, 7 << 3);
+        len += put_varint(buf + len, 1);
+    }
+    return len;
+}
+
 /* A GetRequest as the client sends it, its fields in a random order. */
 static size_t seed(uint8_t *buf) {
+    if (next_random() % 3 == 0)
+        return seed_lookup(buf);
     uint8_t keys[16 * 8], devs[10 * 8], lays[8];
     uint32_t nkeys = 1 + next_random() % 8, width = (uint32_t[]){1, 16, 32, 48, 64}[next_random() % 5];
     if (width * nkeys > sizeof keys)
@@ -144,7 +188,9 @@ int main(int argc, char **argv) {
             int64_t dev[MAX_KEYS], n;
             int32_t local[LAYERS];
             uint32_t nl;
-            if (kv_get_parse(exact, len, &q) && kv_get_accept(&q, &lim, &gl, dev, local, &n, &nl))
+            kv_lookup lq;
+            if ((kv_get_parse(exact, len, &q) && kv_get_accept(&q, &lim, &gl, dev, local, &n, &nl)) ||
+                (kv_lookup_parse(exact, len, &lq) && kv_lookup_accept(&lq, &gl, &n)))
                 accepted++;
             check_one(exact, len);
             free(exact);

@@ -229,11 +229,12 @@ static PyTypeObject CacheType = {
 };
 
 /* The plane's side, for one Get: the leading keys (their words) filed under `owner` with a committed
- * page whose chunks lie inside the arena, those pages held (as PageTable.hold); ids[0..m) and
- * offsets[0..m). -1: the lock is the loop's, the cache is closed, or a table is corrupt: nothing
- * held, the loop serves the Get. `chunks` (layer, part) chunks of `lp_stride` bytes a page. */
+ * page whose chunks lie inside the arena, those pages held (as PageTable.hold; not with hold 0, a
+ * Lookup's walk); ids[0..m) and offsets[0..m). -1: the lock is the loop's, the cache is closed, or
+ * a table is corrupt: nothing held, the loop serves the call. `chunks` (layer, part) chunks of
+ * `lp_stride` bytes a page. */
 static int64_t cache_walk_hold(Cache *c, const uint64_t *words, uint8_t len, int64_t n, int32_t owner,
-                               int64_t chunks, int64_t lp_stride, int64_t *ids, int64_t *offsets) {
+                               int64_t chunks, int64_t lp_stride, int64_t *ids, int64_t *offsets, int hold) {
     if (pthread_mutex_trylock(&c->mu) != 0)
         return -1;
     int64_t m = -1;
@@ -242,7 +243,7 @@ static int64_t cache_walk_hold(Cache *c, const uint64_t *words, uint8_t len, int
         for (int64_t k = 0; k < m; k++)
             if (offsets[k] < 0 || offsets[k] > c->arena_bytes || (c->arena_bytes - offsets[k]) / lp_stride < chunks)
                 m = -1;
-        for (int64_t k = 0; k < m; k++) { /* every id and slab checked inside the tables by the walk */
+        for (int64_t k = 0; k < m && hold; k++) { /* every id and slab checked inside the tables by the walk */
             c->readers[ids[k]] += 1;
             c->slab_holds[c->pg.slab[ids[k]]] += 1;
         }

@@ -1,7 +1,8 @@
 /* A lane Get (the protobuf GetRequest of rpc id 4, as the client sends it) read in C, and the check
  * that decides whether the data plane may serve it whole: walk the cache's index, hold the pages,
- * copy them and answer (docs/design.md, "A Get on the data plane"). Shared by the daemon's
- * extension (kvlane.c) and the fuzzer (tests/fuzz/fuzz_request.c). No Python here.
+ * copy them and answer (docs/design.md, "A Get on the data plane"); likewise an engine's Lookup of
+ * its own part (LookupRequest, rpc id 7), which walks and answers. Shared by the daemon's
+ * extension (kvlane.c) and the fuzzer (tests/fuzz/fuzz_get.c). No Python here.
  *
  * The reader takes only the plainest form of the message: each field at most once, with its own
  * wire type, nothing it does not know, no event, ready event, lease or parts (a Get that names one
@@ -101,6 +102,54 @@ static inline int kv_get_parse(const unsigned char *buf, uint64_t len, kv_get *q
     return 1;
 }
 
+typedef struct {
+    const unsigned char *client_id, *keys;
+    uint64_t client_id_len, keys_len, key_bytes;
+} kv_lookup;
+
+/* Reads a LookupRequest (fields: 1 client_id, 2 space_id, 3 keys, 4 key_bytes, 5 pin_ms,
+ * 6 whole_space, 7 memory_only, 8 timeout_ms). 1: in the plain form of an engine's Lookup of its
+ * own part: each field at most once, with a one-byte tag and its own wire type, nothing unknown,
+ * no space id, no pin, not the whole space. (memory_only and timeout_ms change nothing for a walk
+ * of host memory that runs at once: read, not kept.) */
+static inline int kv_lookup_parse(const unsigned char *buf, uint64_t len, kv_lookup *q) {
+    memset(q, 0, sizeof *q);
+    const unsigned char *p = buf, *end = buf + len;
+    uint32_t seen = 0;
+    while (p < end) {
+        uint64_t v, tag = *p++;
+        if (tag & 0x80)
+            return 0;
+        uint64_t field = tag >> 3, wire = tag & 7;
+        if (field < 1 || field > 8 || (seen >> field & 1))
+            return 0;
+        seen |= 1u << field;
+        int bytes = field <= 3;
+        if (wire != (bytes ? 2u : 0u) || !kv_varint(&p, end, &v))
+            return 0;
+        if (!bytes) {
+            if (v > UINT32_MAX || ((field == 5 || field == 6) && v))
+                return 0;
+            if (field == 4)
+                q->key_bytes = v;
+            continue;
+        }
+        if (v > (uint64_t)(end - p))
+            return 0;
+        if (field == 1) {
+            q->client_id = p;
+            q->client_id_len = v;
+        } else if (field == 3) {
+            q->keys = p;
+            q->keys_len = v;
+        } else if (v) { /* 2: space_id */
+            return 0;
+        }
+        p += v;
+    }
+    return 1;
+}
+
 /* What the check needs of the registration beyond kv_limits (its marks, layers, pool): */
 typedef struct {
     const char *client_id; /* the lane's registration: a Get must name it */
@@ -162,6 +211,21 @@ static inline int kv_get_accept(const kv_get *q, const kv_limits *lim, const kv_
         }
         *n_local = (uint32_t)nl;
     }
+    *n_keys = n;
+    return 1;
+}
+
+/* 1 if the Lookup is certainly valid for the registration: its own client id, 1 to max_keys whole
+ * keys of 1 to KV_GET_MAX_KEY_BYTES bytes (*n_keys of them). */
+static inline int kv_lookup_accept(const kv_lookup *q, const kv_get_limits *gl, int64_t *n_keys) {
+    if (q->client_id_len != gl->client_id_len ||
+        (gl->client_id_len && memcmp(q->client_id, gl->client_id, (size_t)gl->client_id_len)))
+        return 0;
+    if (q->key_bytes < 1 || q->key_bytes > KV_GET_MAX_KEY_BYTES || q->keys_len % q->key_bytes)
+        return 0;
+    int64_t n = (int64_t)(q->keys_len / q->key_bytes);
+    if (n < 1 || n > gl->max_keys)
+        return 0;
     *n_keys = n;
     return 1;
 }

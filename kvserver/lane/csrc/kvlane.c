@@ -16,7 +16,8 @@
  * sleeps there). A lane Get (protobuf) of a registration whose Gate knows its cache part
  * (set_cache) is served whole here too (try_get): read and checked (get.h), its keys walked in the
  * cache's index and its pages held under the cache's lock, which this thread only tries (cache.h),
- * copied as a Load is, its end posted back with the pages it held (take_gets). Everything else
+ * copied as a Load is, its end posted back with the pages it held (take_gets); and so is the
+ * engine's Lookup of that part (try_lookup), walked and answered, nothing held. Everything else
  * (the other protobuf calls, Put, CUDA pools, any request the check refuses) is handed to Python
  * in arrival order through a queue and an eventfd, and answered there by the one validation. The
  * loop's copies of a registration (a Put's, a Get's) come back here to be copied (submit_copy),
@@ -69,6 +70,7 @@
 #define ST_TAKEN 2
 #define ST_DONE 3
 #define RPC_GET 4
+#define RPC_LOOKUP 7
 #define RPC_WRITE_B 5
 #define RPC_LOAD_B 6
 #define RPC_COPIES_LAST 6 /* ids 1 to 6 name copies (Write, Load, Put, Get and the binary two: ring.py) */
@@ -416,6 +418,22 @@ static PyObject *gate_check_get(Gate *g, PyObject *arg) {
     return PyBool_FromLong(ok);
 }
 
+/* check_lookup(request bytes) -> bool: whether try_lookup would read and take this Lookup (tests). */
+static PyObject *gate_check_lookup(Gate *g, PyObject *arg) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    int ok = 0;
+    if (__atomic_load_n(&g->cache_gid, __ATOMIC_ACQUIRE) >= 0) {
+        kv_lookup q;
+        int64_t n = 0;
+        kv_get_limits gl = {g->client_id, g->client_id_len, g->cache_max_keys};
+        ok = kv_lookup_parse(view.buf, (uint64_t)view.len, &q) && kv_lookup_accept(&q, &gl, &n);
+    }
+    PyBuffer_Release(&view);
+    return PyBool_FromLong(ok);
+}
+
 static PyObject *gate_get_cache_gid(Gate *g, void *unused) {
     return PyLong_FromLong(__atomic_load_n(&g->cache_gid, __ATOMIC_ACQUIRE));
 }
@@ -423,6 +441,7 @@ static PyObject *gate_get_cache_gid(Gate *g, void *unused) {
 static PyMethodDef gate_methods[] = {
     {"set_cache", (PyCFunction)gate_set_cache, METH_VARARGS, NULL},
     {"check_get", (PyCFunction)gate_check_get, METH_O, NULL},
+    {"check_lookup", (PyCFunction)gate_check_lookup, METH_O, NULL},
     {"release_if_idle", (PyCFunction)gate_release_if_idle, METH_O, NULL},
     {"py_enter", (PyCFunction)gate_py_enter, METH_NOARGS, NULL},
     {"py_exit", (PyCFunction)gate_py_exit, METH_NOARGS, NULL},
@@ -517,8 +536,9 @@ typedef struct Job {
     int64_t *ids, misses;
 } Job;
 
-/* The latency histograms the plane keeps: Write, Load, Load's first layer, Get, Get's first layer. */
-enum { H_WRITE, H_LOAD, H_FIRST, H_GET, H_GET_FIRST, H_KINDS };
+/* The latency histograms the plane keeps: Write, Load, Load's first layer, Get, Get's first layer,
+ * Lookup. */
+enum { H_WRITE, H_LOAD, H_FIRST, H_GET, H_GET_FIRST, H_LOOKUP, H_KINDS };
 
 typedef struct {
     uint64_t ticket;
@@ -542,6 +562,7 @@ typedef struct {
     int32_t gid;
     int status; /* DONE_OK, DONE_RELEASED (its gate closed), DONE_HALTED (a deadline, the plane stopped) */
     uint32_t layers;
+    int held; /* a Get's: its pages are held; 0: a Lookup's, whose pages the loop only makes recent */
 } GetEnd;
 
 enum { CMD_NONE, CMD_ADD, CMD_REMOVE, CMD_CLOSE_GATE, CMD_UNWATCH_ALL, CMD_PAUSE, CMD_RESUME, CMD_STOP };
@@ -586,7 +607,8 @@ typedef struct {
     Cache *cache;
     GetEnd *gets;
     size_t ngets, capgets, unposted_gets;
-    uint64_t plane_gets; /* Gets served whole here, counted as they are taken */
+    uint64_t plane_gets;    /* Gets served whole here, counted as they are taken */
+    uint64_t plane_lookups; /* Lookups likewise */
     /* latency histograms, as kvserver_operation_duration_seconds and
      * kvserver_time_to_first_layer_seconds count them (H_WRITE...) */
     pthread_mutex_t stat_mu;
@@ -879,6 +901,7 @@ static void post_get_end(Engine *e, Job *j, int status) {
     d->status = status;
     d->layers = j->li;
     d->nbytes = status == DONE_OK ? (int64_t)j->nl * j->bytes_per_layer : 0;
+    d->held = j->get; /* a Get's pages are held; a Lookup's (try_lookup) are not */
     e->unposted_gets--;
     pthread_mutex_unlock(&e->hand_mu);
     j->ids = NULL;
@@ -936,7 +959,7 @@ static int try_get(Engine *e, Lane *l, int i, uint32_t n) {
     }
     if (ok) {
         m = cache_walk_hold(c, words, (uint8_t)q.key_bytes, nkeys, gid, (int64_t)g->lim.num_layers * g->parts,
-                            g->cache_lp_stride, ids, offs);
+                            g->cache_lp_stride, ids, offs, 1);
         ok = m >= 0;
     }
     int64_t nr = 0;
@@ -1022,6 +1045,90 @@ static int try_get(Engine *e, Lane *l, int i, uint32_t n) {
     return 1;
 }
 
+/* Answers unary call i (its response, status OK) as the loop's Lane.answer_now does. */
+static void answer_unary(Engine *e, Lane *l, int i, const unsigned char *response, uint32_t len, int64_t arrival) {
+    char *s = slot_at(l, i);
+    int64_t us = (now_ns() - arrival) / 1000;
+    put32(s + BUSY_AT, us < 1 ? 1u : us > (int64_t)UINT32_MAX ? UINT32_MAX : (uint32_t)us);
+    memcpy(s + RESPONSE_AT, response, len);
+    put32(s + 60, FLAG_JOB_ENDED);
+    put32(s + 20, 0);
+    put32(s + 24, len);
+    put32(s + 28, 0);
+    memcpy(s + 64, s + 8, 8); /* done_seq: the seq the client wrote (TAKEN: it is ours) */
+    __atomic_store_n(&l->slot_busy[i], 0, __ATOMIC_RELEASE);
+    __atomic_add_fetch(&e->served, 1, __ATOMIC_RELAXED);
+    set_state(s, ST_DONE);
+    ring_done(l, i);
+}
+
+/* Tries to serve slot i, an engine's Lookup of its own part (protobuf), whole on this thread: read
+ * and checked (get.h), its keys walked in the cache (nothing held) and answered with the pages
+ * found; its end posted back (the loop makes them recent and counts the hits and misses). 1 if it
+ * did; 0: the loop's. It copies nothing, so it waits for nothing of its registration. */
+static int try_lookup(Engine *e, Lane *l, int i, uint32_t n) {
+    Gate *g = l->gate;
+    Cache *c = e->cache;
+    int32_t gid = __atomic_load_n(&g->cache_gid, __ATOMIC_ACQUIRE);
+    if (!c || gid < 0 || n > REQUEST_BYTES || __atomic_load_n(&g->closed, __ATOMIC_ACQUIRE))
+        return 0;
+    int64_t arrival = now_ns(), nkeys = 0, m = -1;
+    unsigned char *buf = malloc(n ? n : 1);
+    kv_lookup q;
+    kv_get_limits gl = {g->client_id, g->client_id_len, g->cache_max_keys};
+    int ok = buf != NULL;
+    if (ok) {
+        memcpy(buf, slot_at(l, i) + REQUEST_AT, n); /* a private copy: the peer may scribble */
+        ok = kv_lookup_parse(buf, n, &q) && kv_lookup_accept(&q, &gl, &nkeys);
+    }
+    uint64_t *words = ok ? malloc(sizeof(uint64_t) * KV_KEY_WORDS * (size_t)nkeys) : NULL;
+    int64_t *ids = ok ? malloc(sizeof(int64_t) * (size_t)nkeys) : NULL;
+    int64_t *offs = ok ? malloc(sizeof(int64_t) * (size_t)nkeys) : NULL;
+    Job *j = ok ? calloc(1, sizeof(Job)) : NULL;
+    ok = ok && words && ids && offs && j && reserve_get_end(e);
+    if (ok) {
+        kv_keys_words(q.keys, (int64_t)q.key_bytes, nkeys, words);
+        m = cache_walk_hold(c, words, (uint8_t)q.key_bytes, nkeys, gid, (int64_t)g->lim.num_layers * g->parts,
+                            g->cache_lp_stride, ids, offs, 0);
+        if (m < 0)
+            unreserve_get_end(e);
+        ok = m >= 0;
+    }
+    free(buf);
+    free(words);
+    free(offs);
+    if (!ok) {
+        free(ids);
+        free(j);
+        return 0;
+    }
+    pthread_mutex_lock(&g->mu);
+    g->last_call_ns = arrival; /* its lease renewed, as every call renews it */
+    g->c_inflight++;           /* (given back as its end is posted) */
+    pthread_mutex_unlock(&g->mu);
+    j->gate = g;
+    j->ids = ids;
+    j->found = (uint32_t)m;
+    j->misses = nkeys - m;
+    post_get_end(e, j, DONE_OK); /* before the answer: a Stats after it counts the hits */
+    job_free(j);
+    unsigned char resp[16];
+    uint32_t len = 0;
+    if (m) { /* LookupResponse{pages}: field 1, varint (nothing at all for 0, as protobuf writes it) */
+        uint64_t v = (uint64_t)m;
+        resp[len++] = 0x08;
+        do {
+            unsigned char b = v & 0x7F;
+            v >>= 7;
+            resp[len++] = b | (v ? 0x80 : 0);
+        } while (v);
+    }
+    observe(e, H_LOOKUP, now_ns() - arrival);
+    __atomic_add_fetch(&e->plane_lookups, 1, __ATOMIC_RELAXED);
+    answer_unary(e, l, i, resp, len, arrival);
+    return 1;
+}
+
 /* Takes the lane's SUBMITTED slots; returns how many. */
 static int scan(Engine *e, Lane *l) {
     int took = 0;
@@ -1037,7 +1144,8 @@ static int scan(Engine *e, Lane *l) {
         set_state(s, ST_TAKEN);
         l->slot_busy[i] = 1;
         took++;
-        if (!try_job(e, l, i, rpc, n) && !(rpc == RPC_GET && try_get(e, l, i, n)))
+        if (!try_job(e, l, i, rpc, n) && !(rpc == RPC_GET && try_get(e, l, i, n)) &&
+            !(rpc == RPC_LOOKUP && try_lookup(e, l, i, n)))
             handoff(e, l, i, rpc);
     }
     return took;
@@ -2246,20 +2354,22 @@ static PyObject *engine_set_cache(Engine *e, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-/* take_gets() -> [(token, gid, ids, found, misses, status, layers, bytes)]: the Gets served whole on
- * the plane that ended, in the order they ended: the gate's token and cache part, the page ids it
- * held (int64 bytes: the loop lets them go), the pages found and the keys missed, status 0 done,
- * 2 its gate closed, 3 stopped otherwise (a deadline, the plane stopped, handed to the loop after
- * all), the layers copied and the bytes (done only). */
+/* take_gets() -> [(token, gid, ids, found, misses, status, layers, bytes, held)]: the Gets (and
+ * Lookups) served whole on the plane that ended, in the order they ended: the gate's token and
+ * cache part, the page ids found (int64 bytes; held: a Get's, which the loop lets go; not held: a
+ * Lookup's), the pages found and the keys missed, status 0 done, 2 its gate closed, 3 stopped
+ * otherwise (a deadline, the plane stopped, handed to the loop after all), the layers copied and
+ * the bytes (done only). */
 static PyObject *engine_take_gets(Engine *e, PyObject *unused) {
     pthread_mutex_lock(&e->hand_mu);
     size_t n = e->ngets;
     PyObject *out = PyList_New((Py_ssize_t)n);
     for (size_t k = 0; out && k < n; k++) {
         GetEnd *d = &e->gets[k];
-        PyObject *item = Py_BuildValue("Liy#LLiIL", (long long)d->token, d->gid, (const char *)d->ids,
+        PyObject *item = Py_BuildValue("Liy#LLiILN", (long long)d->token, d->gid, (const char *)d->ids,
                                        (Py_ssize_t)(d->ids ? 8 * d->found : 0), (long long)d->found,
-                                       (long long)d->misses, d->status, d->layers, (long long)d->nbytes);
+                                       (long long)d->misses, d->status, d->layers, (long long)d->nbytes,
+                                       PyBool_FromLong(d->held));
         if (!item) {
             Py_CLEAR(out);
             break;
@@ -2276,7 +2386,8 @@ static PyObject *engine_take_gets(Engine *e, PyObject *unused) {
 }
 
 /* take_histograms() -> [(counts per bucket, +Inf last), sum in seconds] for Write, Load, Load's
- * first layer, Get and Get's first layer, zeroed: what the plane observed since the last take. */
+ * first layer, Get, Get's first layer and Lookup, zeroed: what the plane observed since the last
+ * take. */
 static PyObject *engine_take_histograms(Engine *e, PyObject *unused) {
     PyObject *out = PyList_New(H_KINDS);
     if (!out)
@@ -2307,6 +2418,9 @@ static PyObject *engine_get_write_turns(Engine *e, void *unused) {
 static PyObject *engine_get_plane_gets(Engine *e, void *unused) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->plane_gets, __ATOMIC_RELAXED));
 }
+static PyObject *engine_get_plane_lookups(Engine *e, void *unused) {
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->plane_lookups, __ATOMIC_RELAXED));
+}
 static PyObject *engine_get_handed(Engine *e, void *unused) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->handed, __ATOMIC_RELAXED));
 }
@@ -2334,6 +2448,7 @@ static PyGetSetDef engine_getset[] = {
     {"served", (getter)engine_get_served, NULL, NULL, NULL},
     {"handed", (getter)engine_get_handed, NULL, NULL, NULL},
     {"plane_gets", (getter)engine_get_plane_gets, NULL, NULL, NULL},
+    {"plane_lookups", (getter)engine_get_plane_lookups, NULL, NULL, NULL},
     {"write_turns", (getter)engine_get_write_turns, NULL, NULL, NULL},
     {NULL},
 };
