@@ -440,3 +440,51 @@ def test_what_the_plane_s_lookup_check_takes_the_loop_takes_alike(plane_daemon) 
             assert 1 <= parsed.key_bytes <= 64 and n * parsed.key_bytes == len(parsed.keys) and n >= 1
             assert n <= 1024
         assert taken > 50, taken
+
+
+def test_a_put_of_keys_all_stored_is_answered_by_the_plane_as_the_rpc_answers_it(plane_daemon) -> None:
+    """A Put whose keys are all stored copies nothing: the plane answers it (present, counted so);
+    one with a key not stored, or a device page the checks refuse, is the loop's, answered alike."""
+    d = plane_daemon
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c, \
+            KVClient(d.address, timeout=10, resilient=False, lane="grpc") as g:
+        g.register(model="plane", pool=pool, start_layer=START, end_layer=START + LAYERS,
+                   num_layers=START + LAYERS + 2, host_tokens=TOKENS, page_size=PAGE)
+        _fill(pool, 48)
+        assert c.put(_keys("p")[:8], torch.arange(8)).stored == 8  # the loop's: gives the gate its part
+
+        def dedup(client: KVClient) -> tuple[int, int]:
+            spaces = client.stats().spaces
+            return sum(s.counters.dedup_pages for s in spaces), sum(s.counters.dedup_bytes for s in spaces)
+
+        puts = d.core.plane.plane_puts
+        for keys in (_keys("p")[:8], _keys("p")[2:5], [_keys("p")[1]] * 2):
+            before = dedup(c)
+            lane = c.put(keys, torch.arange(8, 8 + len(keys)))
+            mid = dedup(c)
+            rpc = g.put(keys, torch.arange(8, 8 + len(keys)))
+            after = dedup(g)
+            outcome = (lane.stored, lane.present, lane.dropped, lane.bytes)
+            assert outcome == (rpc.stored, rpc.present, rpc.dropped, rpc.bytes) == (0, len(keys), 0, 0)
+            counted = (mid[0] - before[0], mid[1] - before[1])
+            assert counted == (after[0] - mid[0], after[1] - mid[1]) != (0, 0)
+        assert d.core.plane.plane_puts == puts + 3, "the Puts were not answered on the plane"
+        # The loop's: a key not stored yet (it takes a page), a device page outside the pool.
+        got = c.put(_keys("p")[:9], torch.arange(9))
+        assert (got.stored, got.present) == (1, 8)
+        answers = []
+        for client in (c, g):
+            try:
+                client.put(_keys("p")[:2], torch.tensor([0, 10_000]))
+                answers.append(None)
+            except KVClientError as exc:
+                answers.append((exc.code, exc.message))
+        assert answers[0] == answers[1] and answers[0] is not None, answers
+        assert d.core.plane.plane_puts == puts + 3
+        gate = d.run(lambda: d.core.client(c.client_id).gate)
+        plain = pb.PutRequest(client_id=c.client_id, keys=b"".join(_keys("p")[:3]), key_bytes=16,
+                              device_pages=[1, 2, 3], timeout_ms=50).SerializeToString()
+        assert gate.check_put(plain)
+        for bad in (plain + b"\x2a\x01e", plain + b"\x20\x05", b"\x8a\x80\x80\x80\x80\x00" + plain[1:],
+                    plain + b"\x38\x01"):
+            assert not gate.check_put(bad), bad  # a ready event, an unpacked page, an over-long tag, field 7

@@ -136,7 +136,8 @@ def test_a_plane_write_says_how_long_it_took_and_the_client_learns_its_pace(sock
             busy = [busy_word(lane, i) for i in range(lane.slots)]
             assert max(busy) > 0  # microseconds, of at least one slot's last write
             assert lane.write_pace is not None and 0 < lane.write_pace < 1.0 / (4 * LAYERS)
-            # A Lookup's slot (the event loop's answer) says nothing: the submit cleared the word.
+            # A Lookup's slot (the client's first, which the event loop answers: the plane serves the
+            # next ones) says nothing: the submit cleared the word.
             for i in range(lane.slots):
                 R.U32.pack_into(lane._mm, R.slot_offset(i) + R.BUSY_AT, 12345)
             c.lookup([b"k" * 16])

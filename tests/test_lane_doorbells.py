@@ -114,7 +114,8 @@ def test_a_quiet_ring_is_rung_only_for_a_client_that_sleeps(socket_dir, monkeypa
             for _ in range(20):
                 c.write(host_indices=host, device_indices=dev)
             assert sum(pending(s) for s in c.lane._done) == 0
-            # The event loop's answers (the cache's calls, which the plane hands over) alike.
+            # The event loop's answers (a Put, which the plane hands over; the first Lookup, after
+            # which the plane serves them itself) alike.
             assert c.put([KEY], torch.tensor([0])).stored == 1
             for _ in range(10):
                 assert c.lookup([KEY]).pages == 1

@@ -413,13 +413,14 @@ class Metrics:
         if plane is None:
             return
         (writes, w_sum), (loads, l_sum), (firsts, f_sum), (gets, g_sum), (get_firsts, gf_sum), \
-            (lookups, k_sum) = plane.engine.take_histograms()
+            (lookups, k_sum), (puts, p_sum) = plane.engine.take_histograms()
         _add_counts(self._duration["Write"], writes, w_sum)
         _add_counts(self._duration["Load"], loads, l_sum)
         _add_counts(self._first_layer["Load"], firsts, f_sum)
         _add_counts(self._duration["Get"], gets, g_sum)  # the Gets whose copy answered their slot
         _add_counts(self._first_layer["Get"], get_firsts, gf_sum)
         _add_counts(self._duration["Lookup"], lookups, k_sum)  # an engine's, served whole there
+        _add_counts(self._duration["Put"], puts, p_sum)  # of keys all stored already, likewise
 
     def serve(self, address: str) -> str:
         """Starts /metrics on ``address`` (HOST:PORT); returns its URL. Call on the daemon's loop."""

@@ -58,6 +58,7 @@ MAX_SPACE_IDS = 1 << 16  # space handles the daemon keeps (one per tenant and sp
 MAX_CACHE_KEYS = 1 << 17
 MAX_GET_PARTS = 1024  # Gets in one GetRequest (GetRequest.parts)
 _FEW = 8  # device pages a request may name for their checks to run in plain Python
+_END_LOOKUP, _END_PUT = 1, 2  # the kinds of the data plane's ends besides a Get's (take_gets)
 _PLANE_REFUSED = "the data plane did not take the copy (the daemon is stopping, or out of memory): retry"
 
 
@@ -642,15 +643,20 @@ class CacheOps:
                        copier.split_load_bytes())
 
     def plane_get_ended(self, token: int, gid: int, ids: bytes, found: int, misses: int, status: int,
-                        layers: int, nbytes: int, held: bool = True) -> None:
+                        layers: int, nbytes: int, kind: int = 0) -> None:
         """A Get the plane served whole has ended (``_kvlane``'s take_gets): its pages are let go and
         made recent, its misses counted, and, done, its client's counters and the metrics kept,
-        as ``get_on_plane`` settles the Gets it plans. Not ``held``: a Lookup's, whose pages are
-        made recent and whose hits and misses are counted, as ``lookup_now`` does."""
+        as ``get_on_plane`` settles the Gets it plans. ``kind`` 1: a Lookup's, whose pages are made
+        recent and whose hits and misses are counted, as ``lookup_now`` does; 2: a Put's whose keys
+        were all stored, counted present, as ``put_on_plane`` counts one."""
         entry = self._plane_gets.get(token)
         part = entry[1] if entry is not None and entry[1].gid == gid else None
-        if not held:
+        if kind == _END_LOOKUP:
             self.cache.settle_lookup(np.frombuffer(ids, np.int64), gid, part, found, misses)
+            return
+        if kind == _END_PUT:
+            if part is not None:
+                self.cache.count_present(part, found)
             return
         self.cache.settle_get(np.frombuffer(ids, np.int64), part, misses)
         if status == 0 and found and entry is not None:
@@ -694,6 +700,8 @@ class CacheOps:
             part = self._part(client)
         except KVError:
             return None
+        if self.cache.pages.compiled:  # (the plane answers its next such Puts itself)
+            self._serve_on_plane(client, part)
         stored = self.cache.prepare_put_present(part, packed, key_bytes)
         if stored is not None:  # every key stored already: nothing taken, nothing to copy
             self.kv.client(client.client_id)  # its lease, renewed as every call renews it

@@ -44,8 +44,8 @@ logger = logging.getLogger(__name__)
 
 # KVSERVER_DATA_PLANE=python turns the plane off (the event loop serves every request).
 ENABLED = _kvlane is not None and os.environ.get("KVSERVER_DATA_PLANE", "compiled") != "python"
-# KVSERVER_PLANE_GETS=0 keeps lane Gets and an engine's Lookups on the event loop (the plane still
-# copies the Gets there).
+# KVSERVER_PLANE_GETS=0 keeps lane Gets, an engine's Lookups and its Puts of stored keys on the
+# event loop (the plane still copies the Gets there).
 GETS = os.environ.get("KVSERVER_PLANE_GETS", "1") != "0"
 POLL_SECONDS = 0.0005  # how often a waiter on the plane's copies looks again
 MAX_KEPT_TABLES = 4096  # host tables whose rows _host_rows keeps (one a client)
@@ -166,6 +166,11 @@ class DataPlane:
     def plane_lookups(self) -> int:
         """An engine's lane Lookups of its own part the plane's thread has served whole."""
         return self.engine.plane_lookups
+
+    @property
+    def plane_puts(self) -> int:
+        """Lane Puts of keys all stored already that the plane's thread has answered whole."""
+        return self.engine.plane_puts
 
     # ---- the loop's copies ----------------------------------------------------------------------
 

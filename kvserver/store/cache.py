@@ -671,9 +671,7 @@ class KVCache:
         self.pages.hold(ids, -1)
         self.pages.touch(ids)
         if part is not None and misses:
-            space = self._live(part.space)
-            space.counters.misses += misses
-            self.tenants.get(space.key.tenant).counters.misses += misses
+            self._count(part, 0, misses)
 
     @_locked
     def settle_lookup(self, ids: np.ndarray, gid: int, part: Part | None, found: int, misses: int) -> None:
@@ -686,10 +684,24 @@ class KVCache:
             ids = ids[(p.state[ids] == COMMITTED) & (p.part[ids] == gid)]
         p.touch(ids)
         if part is not None and (found or misses):
-            space = self._live(part.space)
-            for c in (space.counters, self.tenants.get(space.key.tenant).counters):
-                c.hits += found
-                c.misses += misses
+            self._count(part, found, misses)
+
+    def count_present(self, part: Part, n: int) -> None:
+        """A Put of ``n`` keys that the data plane found all stored (nothing taken or copied):
+        counted present, as ``prepare_put_present`` counts them."""
+        space, page_bytes = part.space, part.key.page_bytes
+        for c in (space.counters, self.tenants.get(space.key.tenant).counters):
+            c.dedup_pages += n
+            c.dedup_bytes += n * page_bytes
+
+    def _count(self, part: Part, hits: int, misses: int) -> None:
+        """A settled call's hits and misses in its space and tenant. A space dropped while empty
+        is not registered again for them (that would pass the tenant's limit of spaces, which the
+        loop's own path would have refused): its counters count on, unseen until it is used."""
+        space = part.space
+        for c in (space.counters, self.tenants.get(space.key.tenant).counters):
+            c.hits += hits
+            c.misses += misses
 
     @_locked
     def complete_get(self, plan: GetPlan, ok: bool) -> None:

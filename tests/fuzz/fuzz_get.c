@@ -1,6 +1,7 @@
-/* Fuzzes the data plane's reader and check of a lane Get and of an engine's Lookup
- * (kvserver/lane/csrc/get.h): whatever the bytes, kv_get_parse/kv_get_accept and
- * kv_lookup_parse/kv_lookup_accept read only inside the request and the registration's marks, and
+/* Fuzzes the data plane's reader and check of a lane Get, of an engine's Lookup and of a Put
+ * (kvserver/lane/csrc/get.h): whatever the bytes, kv_get_parse/kv_get_accept,
+ * kv_lookup_parse/kv_lookup_accept and kv_put_parse read only inside the request and the
+ * registration's marks, and
  * what the checks take is valid: this registration's client id, 1 to MAX_KEYS whole keys of 1 to
  * 64 bytes; for a Get, a distinct device page inside the pool for each and layers ascending
  * inside the range. Built with AddressSanitizer and UndefinedBehaviorSanitizer by
@@ -41,8 +42,32 @@ static void check_lookup(const uint8_t *data, size_t size) {
         abort();
 }
 
+static void check_put(const uint8_t *data, size_t size) {
+    kv_limits lim = {0, 0, PAGE, DEV, 1 << 20, START, LAYERS, owned, page_mark, dev_mark, &generation};
+    kv_get_limits gl = {ID, sizeof ID - 1, MAX_KEYS};
+    kv_get q;
+    int64_t dev[MAX_KEYS], n = 0;
+    int32_t local[LAYERS];
+    uint32_t nl = 0;
+    if (!kv_put_parse(data, size, &q))
+        return;
+    if (q.layers || (q.keys && (q.keys < data || q.keys + q.keys_len > data + size)) ||
+        (q.dev && (q.dev < data || q.dev + q.dev_len > data + size)))
+        abort();
+    if (!kv_get_accept(&q, &lim, &gl, dev, local, &n, &nl))
+        return;
+    static uint8_t seen[DEV / PAGE];
+    memset(seen, 0, sizeof seen);
+    for (int64_t k = 0; k < n; k++)
+        if (dev[k] < 0 || dev[k] >= DEV / PAGE || seen[dev[k]]++)
+            abort();
+    if (n < 1 || n > MAX_KEYS || (uint64_t)n * q.key_bytes != q.keys_len || nl != LAYERS)
+        abort();
+}
+
 static void check_one(const uint8_t *data, size_t size) {
     check_lookup(data, size);
+    check_put(data, size);
     kv_limits lim = {0, 0, PAGE, DEV, 1 << 20, START, LAYERS, owned, page_mark, dev_mark, &generation};
     kv_get_limits gl = {ID, sizeof ID - 1, MAX_KEYS};
     kv_get q;
@@ -119,10 +144,36 @@ static size_t seed_lookup(uint8_t *buf) {
     return len;
 }
 
+/* A PutRequest as the client sends it (client id, keys, key_bytes, device pages, timeout_ms). */
+static size_t seed_put(uint8_t *buf) {
+    uint8_t keys[16 * 8], devs[10 * 8];
+    uint32_t nkeys = 1 + next_random() % 8, width = (uint32_t[]){1, 16, 32, 48, 64}[next_random() % 5];
+    if (width * nkeys > sizeof keys)
+        nkeys = sizeof keys / width;
+    for (size_t i = 0; i < width * nkeys; i++)
+        keys[i] = (uint8_t)next_random();
+    size_t nd = 0;
+    for (uint32_t k = 0; k < nkeys; k++)
+        nd += put_varint(devs + nd, (next_random() % 4) * 16 + k);
+    size_t len = put_bytes(buf, 1, (const uint8_t *)ID, sizeof ID - 1);
+    len += put_bytes(buf + len, 2, keys, width * nkeys);
+    len += put_varint(buf + len, 3 << 3);
+    len += put_varint(buf + len, width);
+    len += put_bytes(buf + len, 4, devs, nd);
+    if (next_random() % 2) {
+        len += put_varint(buf + len, 6 << 3);
+        len += put_varint(buf + len, next_random() % 5000);
+    }
+    return len;
+}
+
 /* A GetRequest as the client sends it, its fields in a random order. */
 static size_t seed(uint8_t *buf) {
-    if (next_random() % 3 == 0)
+    uint32_t which = next_random() % 4;
+    if (which == 0)
         return seed_lookup(buf);
+    if (which == 1)
+        return seed_put(buf);
     uint8_t keys[16 * 8], devs[10 * 8], lays[8];
     uint32_t nkeys = 1 + next_random() % 8, width = (uint32_t[]){1, 16, 32, 48, 64}[next_random() % 5];
     if (width * nkeys > sizeof keys)
@@ -190,7 +241,8 @@ int main(int argc, char **argv) {
             uint32_t nl;
             kv_lookup lq;
             if ((kv_get_parse(exact, len, &q) && kv_get_accept(&q, &lim, &gl, dev, local, &n, &nl)) ||
-                (kv_lookup_parse(exact, len, &lq) && kv_lookup_accept(&lq, &gl, &n)))
+                (kv_lookup_parse(exact, len, &lq) && kv_lookup_accept(&lq, &gl, &n)) ||
+                (kv_put_parse(exact, len, &q) && kv_get_accept(&q, &lim, &gl, dev, local, &n, &nl)))
                 accepted++;
             check_one(exact, len);
             free(exact);

@@ -150,6 +150,48 @@ static inline int kv_lookup_parse(const unsigned char *buf, uint64_t len, kv_loo
     return 1;
 }
 
+/* Reads a PutRequest (fields: 1 client_id, 2 keys, 3 key_bytes, 4 device_pages, 5 ready_event,
+ * 6 timeout_ms) into a kv_get with no layers, so that kv_get_accept checks it as a Get of its keys
+ * into its device pages: 1 if it is in the plain form (as a Get's, no ready event). */
+static inline int kv_put_parse(const unsigned char *buf, uint64_t len, kv_get *q) {
+    memset(q, 0, sizeof *q);
+    const unsigned char *p = buf, *end = buf + len;
+    uint32_t seen = 0;
+    while (p < end) {
+        uint64_t v, tag = *p++;
+        if (tag & 0x80)
+            return 0;
+        uint64_t field = tag >> 3, wire = tag & 7;
+        if (field < 1 || field > 6 || (seen >> field & 1))
+            return 0;
+        seen |= 1u << field;
+        int bytes = field == 1 || field == 2 || field == 4 || field == 5;
+        if (wire != (bytes ? 2u : 0u) || !kv_varint(&p, end, &v))
+            return 0;
+        if (!bytes) {
+            if (v > UINT32_MAX)
+                return 0;
+            if (field == 3)
+                q->key_bytes = v;
+            else
+                q->timeout_ms = v;
+            continue;
+        }
+        if (v > (uint64_t)(end - p))
+            return 0;
+        switch (field) {
+        case 1: q->client_id = p; q->client_id_len = v; break;
+        case 2: q->keys = p; q->keys_len = v; break;
+        case 4: q->dev = p; q->dev_len = v; break;
+        default: /* 5 ready_event */
+            if (v)
+                return 0;
+        }
+        p += v;
+    }
+    return 1;
+}
+
 /* What the check needs of the registration beyond kv_limits (its marks, layers, pool): */
 typedef struct {
     const char *client_id; /* the lane's registration: a Get must name it */

@@ -69,6 +69,7 @@
 #define ST_SUBMITTED 1
 #define ST_TAKEN 2
 #define ST_DONE 3
+#define RPC_PUT 3
 #define RPC_GET 4
 #define RPC_LOOKUP 7
 #define RPC_WRITE_B 5
@@ -434,6 +435,30 @@ static PyObject *gate_check_lookup(Gate *g, PyObject *arg) {
     return PyBool_FromLong(ok);
 }
 
+/* check_put(request bytes) -> bool: whether try_lookup would read and check this Put (tests; it
+ * then serves it only if every key is stored). */
+static PyObject *gate_check_put(Gate *g, PyObject *arg) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    int ok = 0;
+    if (__atomic_load_n(&g->cache_gid, __ATOMIC_ACQUIRE) >= 0) {
+        int64_t *dev = malloc(sizeof(int64_t) * (size_t)g->cache_max_keys), n = 0;
+        int32_t *local = malloc(sizeof(int32_t) * (size_t)g->lim.num_layers);
+        uint32_t nl = 0;
+        kv_get q;
+        kv_get_limits gl = {g->client_id, g->client_id_len, g->cache_max_keys};
+        pthread_mutex_lock(&g->check_mu);
+        ok = dev && local && kv_put_parse(view.buf, (uint64_t)view.len, &q) &&
+             kv_get_accept(&q, &g->lim, &gl, dev, local, &n, &nl);
+        pthread_mutex_unlock(&g->check_mu);
+        free(dev);
+        free(local);
+    }
+    PyBuffer_Release(&view);
+    return PyBool_FromLong(ok);
+}
+
 static PyObject *gate_get_cache_gid(Gate *g, void *unused) {
     return PyLong_FromLong(__atomic_load_n(&g->cache_gid, __ATOMIC_ACQUIRE));
 }
@@ -442,6 +467,7 @@ static PyMethodDef gate_methods[] = {
     {"set_cache", (PyCFunction)gate_set_cache, METH_VARARGS, NULL},
     {"check_get", (PyCFunction)gate_check_get, METH_O, NULL},
     {"check_lookup", (PyCFunction)gate_check_lookup, METH_O, NULL},
+    {"check_put", (PyCFunction)gate_check_put, METH_O, NULL},
     {"release_if_idle", (PyCFunction)gate_release_if_idle, METH_O, NULL},
     {"py_enter", (PyCFunction)gate_py_enter, METH_NOARGS, NULL},
     {"py_exit", (PyCFunction)gate_py_exit, METH_NOARGS, NULL},
@@ -534,11 +560,12 @@ typedef struct Job {
      * holds, ids[0..found); its end goes back to the loop with them (GetEnd), which lets them go. */
     int get;
     int64_t *ids, misses;
+    int end_kind; /* not a Get: what its end is (END_LOOKUP, END_PUT: try_lookup) */
 } Job;
 
 /* The latency histograms the plane keeps: Write, Load, Load's first layer, Get, Get's first layer,
- * Lookup. */
-enum { H_WRITE, H_LOAD, H_FIRST, H_GET, H_GET_FIRST, H_LOOKUP, H_KINDS };
+ * Lookup, Put (of keys all stored already). */
+enum { H_WRITE, H_LOAD, H_FIRST, H_GET, H_GET_FIRST, H_LOOKUP, H_PUT, H_KINDS };
 
 typedef struct {
     uint64_t ticket;
@@ -562,8 +589,10 @@ typedef struct {
     int32_t gid;
     int status; /* DONE_OK, DONE_RELEASED (its gate closed), DONE_HALTED (a deadline, the plane stopped) */
     uint32_t layers;
-    int held; /* a Get's: its pages are held; 0: a Lookup's, whose pages the loop only makes recent */
+    int kind; /* END_GET (its pages are held), END_LOOKUP (made recent), END_PUT (all present) */
 } GetEnd;
+
+enum { END_GET, END_LOOKUP, END_PUT };
 
 enum { CMD_NONE, CMD_ADD, CMD_REMOVE, CMD_CLOSE_GATE, CMD_UNWATCH_ALL, CMD_PAUSE, CMD_RESUME, CMD_STOP };
 
@@ -609,6 +638,7 @@ typedef struct {
     size_t ngets, capgets, unposted_gets;
     uint64_t plane_gets;    /* Gets served whole here, counted as they are taken */
     uint64_t plane_lookups; /* Lookups likewise */
+    uint64_t plane_puts;    /* Puts of keys all stored already, likewise */
     /* latency histograms, as kvserver_operation_duration_seconds and
      * kvserver_time_to_first_layer_seconds count them (H_WRITE...) */
     pthread_mutex_t stat_mu;
@@ -901,7 +931,7 @@ static void post_get_end(Engine *e, Job *j, int status) {
     d->status = status;
     d->layers = j->li;
     d->nbytes = status == DONE_OK ? (int64_t)j->nl * j->bytes_per_layer : 0;
-    d->held = j->get; /* a Get's pages are held; a Lookup's (try_lookup) are not */
+    d->kind = j->get ? END_GET : j->end_kind; /* a Get's pages are held; the others' are not */
     e->unposted_gets--;
     pthread_mutex_unlock(&e->hand_mu);
     j->ids = NULL;
@@ -1065,8 +1095,11 @@ static void answer_unary(Engine *e, Lane *l, int i, const unsigned char *respons
 /* Tries to serve slot i, an engine's Lookup of its own part (protobuf), whole on this thread: read
  * and checked (get.h), its keys walked in the cache (nothing held) and answered with the pages
  * found; its end posted back (the loop makes them recent and counts the hits and misses). 1 if it
- * did; 0: the loop's. It copies nothing, so it waits for nothing of its registration. */
-static int try_lookup(Engine *e, Lane *l, int i, uint32_t n) {
+ * did; 0: the loop's. It copies nothing, so it waits for nothing of its registration.
+ * put: slot i is a Put (protobuf) instead, served here only if every one of its keys is stored
+ * already (nothing to take or copy: answered present, its end counting them as the loop does);
+ * read and checked as a Get of its keys into its device pages. */
+static int try_lookup(Engine *e, Lane *l, int i, uint32_t n, int put) {
     Gate *g = l->gate;
     Cache *c = e->cache;
     int32_t gid = __atomic_load_n(&g->cache_gid, __ATOMIC_ACQUIRE);
@@ -1075,11 +1108,25 @@ static int try_lookup(Engine *e, Lane *l, int i, uint32_t n) {
     int64_t arrival = now_ns(), nkeys = 0, m = -1;
     unsigned char *buf = malloc(n ? n : 1);
     kv_lookup q;
+    kv_get pq;
     kv_get_limits gl = {g->client_id, g->client_id_len, g->cache_max_keys};
     int ok = buf != NULL;
     if (ok) {
         memcpy(buf, slot_at(l, i) + REQUEST_AT, n); /* a private copy: the peer may scribble */
-        ok = kv_lookup_parse(buf, n, &q) && kv_lookup_accept(&q, &gl, &nkeys);
+        if (put) {
+            int64_t *dev = malloc(sizeof(int64_t) * (size_t)g->cache_max_keys);
+            int32_t *local = malloc(sizeof(int32_t) * (size_t)g->lim.num_layers);
+            uint32_t nl = 0;
+            pthread_mutex_lock(&g->check_mu);
+            ok = dev && local && kv_put_parse(buf, n, &pq) && kv_get_accept(&pq, &g->lim, &gl, dev, local, &nkeys, &nl);
+            pthread_mutex_unlock(&g->check_mu);
+            free(dev);
+            free(local);
+            q.keys = pq.keys;
+            q.key_bytes = pq.key_bytes;
+        } else {
+            ok = kv_lookup_parse(buf, n, &q) && kv_lookup_accept(&q, &gl, &nkeys);
+        }
     }
     uint64_t *words = ok ? malloc(sizeof(uint64_t) * KV_KEY_WORDS * (size_t)nkeys) : NULL;
     int64_t *ids = ok ? malloc(sizeof(int64_t) * (size_t)nkeys) : NULL;
@@ -1090,9 +1137,9 @@ static int try_lookup(Engine *e, Lane *l, int i, uint32_t n) {
         kv_keys_words(q.keys, (int64_t)q.key_bytes, nkeys, words);
         m = cache_walk_hold(c, words, (uint8_t)q.key_bytes, nkeys, gid, (int64_t)g->lim.num_layers * g->parts,
                             g->cache_lp_stride, ids, offs, 0);
-        if (m < 0)
+        ok = m >= 0 && (!put || m == nkeys); /* a Put of a key not stored is the loop's: it takes pages */
+        if (!ok)
             unreserve_get_end(e);
-        ok = m >= 0;
     }
     free(buf);
     free(words);
@@ -1110,21 +1157,23 @@ static int try_lookup(Engine *e, Lane *l, int i, uint32_t n) {
     j->ids = ids;
     j->found = (uint32_t)m;
     j->misses = nkeys - m;
+    j->end_kind = put ? END_PUT : END_LOOKUP;
     post_get_end(e, j, DONE_OK); /* before the answer: a Stats after it counts the hits */
     job_free(j);
     unsigned char resp[16];
     uint32_t len = 0;
-    if (m) { /* LookupResponse{pages}: field 1, varint (nothing at all for 0, as protobuf writes it) */
+    if (m) { /* LookupResponse{pages}: field 1, varint (nothing at all for 0, as protobuf writes it);
+              * PutResponse{present}: field 2 */
         uint64_t v = (uint64_t)m;
-        resp[len++] = 0x08;
+        resp[len++] = put ? 0x10 : 0x08;
         do {
             unsigned char b = v & 0x7F;
             v >>= 7;
             resp[len++] = b | (v ? 0x80 : 0);
         } while (v);
     }
-    observe(e, H_LOOKUP, now_ns() - arrival);
-    __atomic_add_fetch(&e->plane_lookups, 1, __ATOMIC_RELAXED);
+    observe(e, put ? H_PUT : H_LOOKUP, now_ns() - arrival);
+    __atomic_add_fetch(put ? &e->plane_puts : &e->plane_lookups, 1, __ATOMIC_RELAXED);
     answer_unary(e, l, i, resp, len, arrival);
     return 1;
 }
@@ -1145,7 +1194,7 @@ static int scan(Engine *e, Lane *l) {
         l->slot_busy[i] = 1;
         took++;
         if (!try_job(e, l, i, rpc, n) && !(rpc == RPC_GET && try_get(e, l, i, n)) &&
-            !(rpc == RPC_LOOKUP && try_lookup(e, l, i, n)))
+            !((rpc == RPC_LOOKUP || rpc == RPC_PUT) && try_lookup(e, l, i, n, rpc == RPC_PUT)))
             handoff(e, l, i, rpc);
     }
     return took;
@@ -2354,22 +2403,22 @@ static PyObject *engine_set_cache(Engine *e, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-/* take_gets() -> [(token, gid, ids, found, misses, status, layers, bytes, held)]: the Gets (and
- * Lookups) served whole on the plane that ended, in the order they ended: the gate's token and
- * cache part, the page ids found (int64 bytes; held: a Get's, which the loop lets go; not held: a
- * Lookup's), the pages found and the keys missed, status 0 done, 2 its gate closed, 3 stopped
- * otherwise (a deadline, the plane stopped, handed to the loop after all), the layers copied and
- * the bytes (done only). */
+/* take_gets() -> [(token, gid, ids, found, misses, status, layers, bytes, kind)]: the Gets (and
+ * Lookups, and Puts of keys all stored) served whole on the plane that ended, in the order they
+ * ended: the gate's token and cache part, the page ids found (int64 bytes: a Get's are held, which
+ * the loop lets go), the pages found and the keys missed, status 0 done, 2 its gate closed, 3
+ * stopped otherwise (a deadline, the plane stopped, handed to the loop after all), the layers
+ * copied and the bytes (done only), kind 0 a Get, 1 a Lookup, 2 a Put. */
 static PyObject *engine_take_gets(Engine *e, PyObject *unused) {
     pthread_mutex_lock(&e->hand_mu);
     size_t n = e->ngets;
     PyObject *out = PyList_New((Py_ssize_t)n);
     for (size_t k = 0; out && k < n; k++) {
         GetEnd *d = &e->gets[k];
-        PyObject *item = Py_BuildValue("Liy#LLiILN", (long long)d->token, d->gid, (const char *)d->ids,
+        PyObject *item = Py_BuildValue("Liy#LLiILi", (long long)d->token, d->gid, (const char *)d->ids,
                                        (Py_ssize_t)(d->ids ? 8 * d->found : 0), (long long)d->found,
                                        (long long)d->misses, d->status, d->layers, (long long)d->nbytes,
-                                       PyBool_FromLong(d->held));
+                                       d->kind);
         if (!item) {
             Py_CLEAR(out);
             break;
@@ -2421,6 +2470,9 @@ static PyObject *engine_get_plane_gets(Engine *e, void *unused) {
 static PyObject *engine_get_plane_lookups(Engine *e, void *unused) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->plane_lookups, __ATOMIC_RELAXED));
 }
+static PyObject *engine_get_plane_puts(Engine *e, void *unused) {
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->plane_puts, __ATOMIC_RELAXED));
+}
 static PyObject *engine_get_handed(Engine *e, void *unused) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->handed, __ATOMIC_RELAXED));
 }
@@ -2449,6 +2501,7 @@ static PyGetSetDef engine_getset[] = {
     {"handed", (getter)engine_get_handed, NULL, NULL, NULL},
     {"plane_gets", (getter)engine_get_plane_gets, NULL, NULL, NULL},
     {"plane_lookups", (getter)engine_get_plane_lookups, NULL, NULL, NULL},
+    {"plane_puts", (getter)engine_get_plane_puts, NULL, NULL, NULL},
     {"write_turns", (getter)engine_get_write_turns, NULL, NULL, NULL},
     {NULL},
 };
