@@ -453,9 +453,11 @@ def test_a_put_of_keys_all_stored_is_answered_by_the_plane_as_the_rpc_answers_it
         _fill(pool, 48)
         assert c.put(_keys("p")[:8], torch.arange(8)).stored == 8  # the loop's: gives the gate its part
 
-        def dedup(client: KVClient) -> tuple[int, int]:
-            spaces = client.stats().spaces
-            return sum(s.counters.dedup_pages for s in spaces), sum(s.counters.dedup_bytes for s in spaces)
+        def dedup(client: KVClient) -> tuple[int, int, int]:
+            stats = client.stats()
+            return (sum(s.counters.dedup_pages for s in stats.spaces),
+                    sum(s.counters.dedup_bytes for s in stats.spaces),
+                    sum(t.counters.dedup_pages for t in stats.tenants))
 
         puts = d.core.plane.plane_puts
         for keys in (_keys("p")[:8], _keys("p")[2:5], [_keys("p")[1]] * 2):
@@ -466,8 +468,8 @@ def test_a_put_of_keys_all_stored_is_answered_by_the_plane_as_the_rpc_answers_it
             after = dedup(g)
             outcome = (lane.stored, lane.present, lane.dropped, lane.bytes)
             assert outcome == (rpc.stored, rpc.present, rpc.dropped, rpc.bytes) == (0, len(keys), 0, 0)
-            counted = (mid[0] - before[0], mid[1] - before[1])
-            assert counted == (after[0] - mid[0], after[1] - mid[1]) != (0, 0)
+            counted = tuple(m - b for m, b in zip(mid, before, strict=True))
+            assert counted == tuple(a - m for a, m in zip(after, mid, strict=True)) != (0, 0, 0)
         assert d.core.plane.plane_puts == puts + 3, "the Puts were not answered on the plane"
         # The loop's: a key not stored yet (it takes a page), a device page outside the pool.
         got = c.put(_keys("p")[:9], torch.arange(9))
@@ -485,6 +487,9 @@ def test_a_put_of_keys_all_stored_is_answered_by_the_plane_as_the_rpc_answers_it
         plain = pb.PutRequest(client_id=c.client_id, keys=b"".join(_keys("p")[:3]), key_bytes=16,
                               device_pages=[1, 2, 3], timeout_ms=50).SerializeToString()
         assert gate.check_put(plain)
-        for bad in (plain + b"\x2a\x01e", plain + b"\x20\x05", b"\x8a\x80\x80\x80\x80\x00" + plain[1:],
+        unpacked = pb.PutRequest(client_id=c.client_id, keys=_keys("p")[0], key_bytes=16).SerializeToString()
+        assert not gate.check_put(unpacked)  # no device page
+        for bad in (plain + b"\x2a\x01e", unpacked + b"\x20\x05", b"\x8a\x80\x80\x80\x80\x00" + plain[1:],
                     plain + b"\x38\x01"):
             assert not gate.check_put(bad), bad  # a ready event, an unpacked page, an over-long tag, field 7
+        assert pb.PutRequest.FromString(unpacked + b"\x20\x05").device_pages == [5]  # (protobuf reads it)

@@ -686,6 +686,7 @@ class KVCache:
         if part is not None and (found or misses):
             self._count(part, found, misses)
 
+    @_locked
     def count_present(self, part: Part, n: int) -> None:
         """A Put of ``n`` keys that the data plane found all stored (nothing taken or copied):
         counted present, as ``prepare_put_present`` counts them."""

@@ -52,7 +52,8 @@ static void check_put(const uint8_t *data, size_t size) {
     if (!kv_put_parse(data, size, &q))
         return;
     if (q.layers || (q.keys && (q.keys < data || q.keys + q.keys_len > data + size)) ||
-        (q.dev && (q.dev < data || q.dev + q.dev_len > data + size)))
+        (q.dev && (q.dev < data || q.dev + q.dev_len > data + size)) ||
+        (q.client_id && (q.client_id < data || q.client_id + q.client_id_len > data + size)))
         abort();
     if (!kv_get_accept(&q, &lim, &gl, dev, local, &n, &nl))
         return;

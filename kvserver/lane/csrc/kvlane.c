@@ -1122,8 +1122,10 @@ static int try_lookup(Engine *e, Lane *l, int i, uint32_t n, int put) {
             pthread_mutex_unlock(&g->check_mu);
             free(dev);
             free(local);
-            q.keys = pq.keys;
-            q.key_bytes = pq.key_bytes;
+            if (ok) { /* the walk reads its keys as a Lookup's */
+                q.keys = pq.keys;
+                q.key_bytes = pq.key_bytes;
+            }
         } else {
             ok = kv_lookup_parse(buf, n, &q) && kv_lookup_accept(&q, &gl, &nkeys);
         }
