@@ -20,6 +20,7 @@ from test_dataplane_cache import PAGES, _keys, _pages_of
 
 from kvclient import KVClient, KVClientError, ShmKVPool
 from kvclient.load_handle import LoadHandle
+from kvserver.protocol import ring
 from kvserver.store.lock import CacheLock
 from kvserver.store.pages import PageTable
 from kvserver.v1 import kvserver_pb2 as pb
@@ -32,6 +33,36 @@ def _warm(c: KVClient, tag: str) -> None:
 
 def _served(d) -> int:
     return d.core.plane.plane_gets
+
+
+def _taken(gate, rpc: int, plain: bytes, crafted: list[bytes], seed: int) -> list[bytes]:
+    """Of 600 random mutations of ``plain`` (bit flips, bytes set to edge values or tags, cuts,
+    inserted bytes), the requests the plane's reader and check take (``Gate.check_call``); none
+    of ``crafted``, forms protobuf reads otherwise or refuses, may be taken."""
+    rng = np.random.default_rng(seed)
+    edges = [0, 1, 0x7F, 0x80, 0xFF, 0x0A, 0x12, 0x1A, 0x20, 0x22, 0x28, 0x2A, 0x30]
+    taken = []
+    for _ in range(600):
+        data = bytearray(plain)
+        for _ in range(int(rng.integers(0, 4))):
+            at = int(rng.integers(0, len(data)))
+            op = int(rng.integers(0, 4))
+            if op == 0:
+                data[at] ^= 1 << int(rng.integers(0, 8))
+            elif op == 1:
+                data[at] = int(rng.choice(edges))
+            elif op == 2:
+                del data[at:]
+            else:
+                data[at:at] = bytes(rng.integers(0, 256, int(rng.integers(1, 12)), dtype=np.uint8))
+            if not data:
+                break
+        if gate.check_call(rpc, bytes(data)):
+            taken.append(bytes(data))
+    for form in crafted:
+        assert not gate.check_call(rpc, form), f"the plane took a form it must hand over: {form!r}"
+    assert len(taken) > 50, len(taken)
+    return taken
 
 
 def test_a_lane_get_is_served_whole_by_the_plane_as_the_rpc_serves_it(plane_daemon) -> None:
@@ -284,10 +315,9 @@ def test_a_lane_closed_mid_get_ends_the_plane_s_copy_and_lets_its_pages_go(plane
 
 def test_what_the_plane_s_get_check_takes_the_loop_takes_alike(plane_daemon) -> None:
     """Differential: hundreds of random and mutated GetRequests; whatever the plane's reader and
-    check take (``Gate.check_get``), protobuf parses to the same request and the loop's checks
+    check take (``Gate.check_call``), protobuf parses to the same request and the loop's checks
     take too."""
     d = plane_daemon
-    rng = np.random.default_rng(7)
     with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c:
         _warm(c, "x")
         client = d.run(lambda: d.core.client(c.client_id))
@@ -300,27 +330,8 @@ def test_what_the_plane_s_get_check_takes_the_loop_takes_alike(plane_daemon) -> 
         # twice (the last wins), an unpacked repeated field, an unknown field (skipped).
         crafted = [b"\x8a\x80\x80\x80\x80\x00" + plain[1:], plain + plain[:2 + len(c.client_id)],
                    plain + b"\x20\x07", plain + b"\x58\x01"]
-        taken = 0
-        for k in range(600 + len(crafted)):
-            data = bytearray(crafted[k - 600] if k >= 600 else plain)
-            for _ in range(int(rng.integers(0, 4)) if k < 600 else 0):
-                at = int(rng.integers(0, len(data)))
-                op = int(rng.integers(0, 4))
-                if op == 0:
-                    data[at] ^= 1 << int(rng.integers(0, 8))
-                elif op == 1:
-                    data[at] = int(rng.choice([0, 1, 0x7F, 0x80, 0xFF, 0x0A, 0x12, 0x22, 0x2A]))
-                elif op == 2:
-                    del data[at:]
-                else:
-                    data[at:at] = bytes(rng.integers(0, 256, int(rng.integers(1, 12)), dtype=np.uint8))
-                if not data:
-                    break
-            if not gate.check_get(bytes(data)):
-                continue
-            assert k < 600, f"the plane took a form it must hand over: {bytes(data)!r}"
-            taken += 1
-            parsed = pb.GetRequest.FromString(bytes(data))  # protobuf reads what the plane read
+        for data in _taken(gate, ring.RPC_GET, plain, crafted, 7):
+            parsed = pb.GetRequest.FromString(data)  # protobuf reads what the plane read
             assert parsed.client_id == c.client_id and not parsed.parts and not parsed.lease_id
             assert not parsed.ready_event and not parsed.event_slot
             n = len(parsed.keys) // parsed.key_bytes
@@ -330,7 +341,6 @@ def test_what_the_plane_s_get_check_takes_the_loop_takes_alike(plane_daemon) -> 
             layers = list(parsed.layers)
             assert layers == sorted(set(layers)) and all(START <= x < START + LAYERS for x in layers)
             d.run(lambda parsed=parsed: client.spec.layers.select(parsed.layers))  # the loop's layer check
-        assert taken > 50, taken
 
 
 def test_an_engine_s_lookup_is_served_whole_by_the_plane_as_the_rpc_serves_it(plane_daemon) -> None:
@@ -400,10 +410,9 @@ def _stamps(d, keys: list[bytes]) -> np.ndarray:
 
 def test_what_the_plane_s_lookup_check_takes_the_loop_takes_alike(plane_daemon) -> None:
     """Differential, as for a Get: whatever the plane's Lookup reader and check take
-    (``Gate.check_lookup``), protobuf parses to an engine's plain Lookup of its own part, within
+    (``Gate.check_call``), protobuf parses to an engine's plain Lookup of its own part, within
     the keys the loop walks at once."""
     d = plane_daemon
-    rng = np.random.default_rng(11)
     with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c:
         assert c.lookup(_keys("y")[:1]).pages == 0
         gate = d.run(lambda: d.core.client(c.client_id).gate)
@@ -413,33 +422,13 @@ def test_what_the_plane_s_lookup_check_takes_the_loop_takes_alike(plane_daemon) 
         crafted = [b"\x8a\x80\x80\x80\x80\x00" + plain[1:], plain + plain[:2 + len(c.client_id)],
                    plain + b"\x28\x01", plain + b"\x30\x01", plain + b"\x12\x01s", plain + b"\x48\x01",
                    pb.LookupRequest(client_id=c.client_id, keys=b"k" * 130, key_bytes=65).SerializeToString()]
-        taken = 0
-        for k in range(600 + len(crafted)):
-            data = bytearray(crafted[k - 600] if k >= 600 else plain)
-            for _ in range(int(rng.integers(0, 4)) if k < 600 else 0):
-                at = int(rng.integers(0, len(data)))
-                op = int(rng.integers(0, 4))
-                if op == 0:
-                    data[at] ^= 1 << int(rng.integers(0, 8))
-                elif op == 1:
-                    data[at] = int(rng.choice([0, 1, 0x7F, 0x80, 0xFF, 0x0A, 0x12, 0x1A, 0x20, 0x28, 0x30]))
-                elif op == 2:
-                    del data[at:]
-                else:
-                    data[at:at] = bytes(rng.integers(0, 256, int(rng.integers(1, 12)), dtype=np.uint8))
-                if not data:
-                    break
-            if not gate.check_lookup(bytes(data)):
-                continue
-            assert k < 600, f"the plane took a form it must hand over: {bytes(data)!r}"
-            taken += 1
-            parsed = pb.LookupRequest.FromString(bytes(data))
+        for data in _taken(gate, ring.RPC_LOOKUP, plain, crafted, 11):
+            parsed = pb.LookupRequest.FromString(data)
             assert parsed.client_id == c.client_id and not parsed.space_id
             assert not parsed.pin_ms and not parsed.whole_space
             n = len(parsed.keys) // parsed.key_bytes
             assert 1 <= parsed.key_bytes <= 64 and n * parsed.key_bytes == len(parsed.keys) and n >= 1
             assert n <= 1024
-        assert taken > 50, taken
 
 
 def test_a_put_of_keys_all_stored_is_answered_by_the_plane_as_the_rpc_answers_it(plane_daemon) -> None:
@@ -486,10 +475,17 @@ def test_a_put_of_keys_all_stored_is_answered_by_the_plane_as_the_rpc_answers_it
         gate = d.run(lambda: d.core.client(c.client_id).gate)
         plain = pb.PutRequest(client_id=c.client_id, keys=b"".join(_keys("p")[:3]), key_bytes=16,
                               device_pages=[1, 2, 3], timeout_ms=50).SerializeToString()
-        assert gate.check_put(plain)
         unpacked = pb.PutRequest(client_id=c.client_id, keys=_keys("p")[0], key_bytes=16).SerializeToString()
-        assert not gate.check_put(unpacked)  # no device page
-        for bad in (plain + b"\x2a\x01e", unpacked + b"\x20\x05", b"\x8a\x80\x80\x80\x80\x00" + plain[1:],
-                    plain + b"\x38\x01"):
-            assert not gate.check_put(bad), bad  # a ready event, an unpacked page, an over-long tag, field 7
         assert pb.PutRequest.FromString(unpacked + b"\x20\x05").device_pages == [5]  # (protobuf reads it)
+        # Differential: what the plane's check takes, protobuf parses to a plain Put whose device
+        # pages the loop's checks take. Never: no device page, a ready event, an unpacked page, an
+        # over-long tag, an unknown field.
+        crafted = [unpacked, plain + b"\x2a\x01e", unpacked + b"\x20\x05",
+                   b"\x8a\x80\x80\x80\x80\x00" + plain[1:], plain + b"\x38\x01"]
+        for data in _taken(gate, ring.RPC_PUT, plain, crafted, 13):
+            parsed = pb.PutRequest.FromString(data)
+            assert parsed.client_id == c.client_id and not parsed.ready_event
+            n = len(parsed.keys) // parsed.key_bytes
+            assert 1 <= parsed.key_bytes <= 64 and n * parsed.key_bytes == len(parsed.keys) and 1 <= n <= 1024
+            pages = list(parsed.device_pages)
+            assert len(pages) == n == len(set(pages)) and all(0 <= p < 2 * TOKENS // PAGE for p in pages)

@@ -26,76 +26,62 @@ static const char ID[] = "client-0123456789abcdef";
 static uint8_t owned[1];
 static uint32_t page_mark[1], dev_mark[DEV], generation;
 
+/* Whether [p, p + len) lies inside the input (or p is NULL: the field is absent). */
+static int inside(const unsigned char *p, uint64_t len, const uint8_t *data, size_t size) {
+    return !p || (p >= data && len <= (uint64_t)(data + size - p));
+}
+
+/* What an accepted call must be: this client's id, 1 to MAX_KEYS whole keys of 1 to 64 bytes. */
+static void check_keys(const unsigned char *id, uint64_t id_len, uint64_t key_bytes, uint64_t keys_len, int64_t n) {
+    if (id_len != sizeof ID - 1 || memcmp(id, ID, sizeof ID - 1) || key_bytes < 1 || key_bytes > KV_GET_MAX_KEY_BYTES ||
+        n < 1 || n > MAX_KEYS || (uint64_t)n * key_bytes != keys_len)
+        abort();
+}
+
 static void check_lookup(const uint8_t *data, size_t size) {
     kv_get_limits gl = {ID, sizeof ID - 1, MAX_KEYS};
     kv_lookup q;
     int64_t n = 0;
     if (!kv_lookup_parse(data, size, &q))
         return;
-    if ((q.keys && (q.keys < data || q.keys + q.keys_len > data + size)) ||
-        (q.client_id && (q.client_id < data || q.client_id + q.client_id_len > data + size)))
+    if (!inside(q.keys, q.keys_len, data, size) || !inside(q.client_id, q.client_id_len, data, size))
         abort();
-    if (!kv_lookup_accept(&q, &gl, &n))
-        return;
-    if (q.client_id_len != sizeof ID - 1 || memcmp(q.client_id, ID, sizeof ID - 1) || q.key_bytes < 1 ||
-        q.key_bytes > KV_GET_MAX_KEY_BYTES || n < 1 || n > MAX_KEYS || (uint64_t)n * q.key_bytes != q.keys_len)
-        abort();
+    if (kv_lookup_accept(&q, &gl, &n))
+        check_keys(q.client_id, q.client_id_len, q.key_bytes, q.keys_len, n);
 }
 
-static void check_put(const uint8_t *data, size_t size) {
+/* A Get (put 0) or a Put (put 1, read as a Get of its keys with no layers). */
+static void check_get(const uint8_t *data, size_t size, int put) {
     kv_limits lim = {0, 0, PAGE, DEV, 1 << 20, START, LAYERS, owned, page_mark, dev_mark, &generation};
     kv_get_limits gl = {ID, sizeof ID - 1, MAX_KEYS};
     kv_get q;
     int64_t dev[MAX_KEYS], n = 0;
     int32_t local[LAYERS];
     uint32_t nl = 0;
-    if (!kv_put_parse(data, size, &q))
+    if (!(put ? kv_put_parse(data, size, &q) : kv_get_parse(data, size, &q)))
         return;
-    if (q.layers || (q.keys && (q.keys < data || q.keys + q.keys_len > data + size)) ||
-        (q.dev && (q.dev < data || q.dev + q.dev_len > data + size)) ||
-        (q.client_id && (q.client_id < data || q.client_id + q.client_id_len > data + size)))
+    if ((put && q.layers) || !inside(q.keys, q.keys_len, data, size) || !inside(q.dev, q.dev_len, data, size) ||
+        !inside(q.layers, q.layers_len, data, size) || !inside(q.client_id, q.client_id_len, data, size))
         abort();
     if (!kv_get_accept(&q, &lim, &gl, dev, local, &n, &nl))
         return;
+    check_keys(q.client_id, q.client_id_len, q.key_bytes, q.keys_len, n);
     static uint8_t seen[DEV / PAGE];
     memset(seen, 0, sizeof seen);
     for (int64_t k = 0; k < n; k++)
         if (dev[k] < 0 || dev[k] >= DEV / PAGE || seen[dev[k]]++)
             abort();
-    if (n < 1 || n > MAX_KEYS || (uint64_t)n * q.key_bytes != q.keys_len || nl != LAYERS)
-        abort();
-}
-
-static void check_one(const uint8_t *data, size_t size) {
-    check_lookup(data, size);
-    check_put(data, size);
-    kv_limits lim = {0, 0, PAGE, DEV, 1 << 20, START, LAYERS, owned, page_mark, dev_mark, &generation};
-    kv_get_limits gl = {ID, sizeof ID - 1, MAX_KEYS};
-    kv_get q;
-    int64_t dev[MAX_KEYS], n = 0;
-    int32_t local[LAYERS];
-    uint32_t nl = 0;
-    if (!kv_get_parse(data, size, &q))
-        return;
-    if ((q.keys && (q.keys < data || q.keys + q.keys_len > data + size)) ||
-        (q.dev && (q.dev < data || q.dev + q.dev_len > data + size)) ||
-        (q.layers && (q.layers < data || q.layers + q.layers_len > data + size)))
-        abort();
-    if (!kv_get_accept(&q, &lim, &gl, dev, local, &n, &nl))
-        return;
-    if (q.client_id_len != sizeof ID - 1 || memcmp(q.client_id, ID, sizeof ID - 1) || q.key_bytes < 1 ||
-        q.key_bytes > KV_GET_MAX_KEY_BYTES || n < 1 || n > MAX_KEYS || (uint64_t)n * q.key_bytes != q.keys_len)
-        abort();
-    static uint8_t seen[DEV / PAGE];
-    memset(seen, 0, sizeof seen);
-    for (int64_t k = 0; k < n; k++)
-        if (dev[k] < 0 || dev[k] >= DEV / PAGE || seen[dev[k]]++)
-            abort();
-    if (nl == 0 || nl > LAYERS)
+    if (nl == 0 || nl > LAYERS || (put && nl != LAYERS))
         abort();
     for (uint32_t i = 0; i < nl; i++)
         if (local[i] < 0 || local[i] >= LAYERS || (i && local[i] <= local[i - 1]))
             abort();
+}
+
+static void check_one(const uint8_t *data, size_t size) {
+    check_lookup(data, size);
+    check_get(data, size, 1);
+    check_get(data, size, 0);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {

@@ -57,48 +57,56 @@ static inline int64_t kv_varints(const unsigned char *p, uint64_t len) {
     return n;
 }
 
-/* Reads a GetRequest (fields: 1 client_id, 2 keys, 3 key_bytes, 4 device_pages, 5 layers,
- * 6 event_slot, 7 ready_event, 8 timeout_ms, 9 lease_id, 10 parts). 1: it is in the plain form
- * above (event_slot, ready_event and lease_id absent or empty). */
-static inline int kv_get_parse(const unsigned char *buf, uint64_t len, kv_get *q) {
-    memset(q, 0, sizeof *q);
+/* A message's fields as the readers below take them. */
+typedef struct {
+    const unsigned char *p; /* bytes: where they start (NULL: absent) */
+    uint64_t v;             /* bytes: their length; varint: its value (0: absent) */
+} kv_pb_field;
+
+/* Reads `buf` as a message whose field f is kinds[f]: 'v' a varint, 'b' bytes, '-' none it takes
+ * (kinds[0] too); fields past strlen(kinds) are not taken either. 1 if each comes at most once,
+ * with a one-byte tag (every field here has one; protobuf refuses tags of over 5 bytes) and its
+ * own wire type, every length inside the message and every varint at most UINT32_MAX (each is a
+ * uint32 or a bool here); fields[f] (room for strlen(kinds)) then holds field f. */
+static inline int kv_pb_read(const unsigned char *buf, uint64_t len, const char *kinds, kv_pb_field *fields) {
+    const uint64_t nf = strlen(kinds);
+    memset(fields, 0, sizeof *fields * (size_t)nf);
     const unsigned char *p = buf, *end = buf + len;
     uint32_t seen = 0;
     while (p < end) {
         uint64_t v, tag = *p++;
-        if (tag & 0x80) /* every field here has a one-byte tag (protobuf refuses tags of over 5 bytes) */
+        if (tag & 0x80)
             return 0;
         uint64_t field = tag >> 3, wire = tag & 7;
-        if (field < 1 || field > 9 || (seen >> field & 1))
+        if (field < 1 || field >= nf || kinds[field] == '-' || (seen >> field & 1))
             return 0;
         seen |= 1u << field;
-        int bytes = field == 1 || field == 2 || field == 4 || field == 5 || field == 7 || field == 9;
+        int bytes = kinds[field] == 'b';
         if (wire != (bytes ? 2u : 0u) || !kv_varint(&p, end, &v))
             return 0;
         if (!bytes) {
             if (v > UINT32_MAX)
                 return 0;
-            if (field == 3)
-                q->key_bytes = v;
-            else if (field == 8)
-                q->timeout_ms = v;
-            else if (v) /* 6: event_slot */
-                return 0;
+            fields[field].v = v;
             continue;
         }
         if (v > (uint64_t)(end - p))
             return 0;
-        switch (field) {
-        case 1: q->client_id = p; q->client_id_len = v; break;
-        case 2: q->keys = p; q->keys_len = v; break;
-        case 4: q->dev = p; q->dev_len = v; break;
-        case 5: q->layers = p; q->layers_len = v; break;
-        default: /* 7 ready_event, 9 lease_id */
-            if (v)
-                return 0;
-        }
+        fields[field] = (kv_pb_field){p, v};
         p += v;
     }
+    return 1;
+}
+
+/* Reads a GetRequest (fields: 1 client_id, 2 keys, 3 key_bytes, 4 device_pages, 5 layers,
+ * 6 event_slot, 7 ready_event, 8 timeout_ms, 9 lease_id, 10 parts). 1: it is in the plain form
+ * above (event_slot, ready_event and lease_id absent or empty, no parts). */
+static inline int kv_get_parse(const unsigned char *buf, uint64_t len, kv_get *q) {
+    kv_pb_field f[10];
+    memset(q, 0, sizeof *q);
+    if (!kv_pb_read(buf, len, "-bbvbbvbvb", f) || f[6].v || f[7].v || f[9].v)
+        return 0;
+    *q = (kv_get){f[1].p, f[2].p, f[4].p, f[5].p, f[1].v, f[2].v, f[4].v, f[5].v, f[3].v, f[8].v};
     return 1;
 }
 
@@ -109,86 +117,26 @@ typedef struct {
 
 /* Reads a LookupRequest (fields: 1 client_id, 2 space_id, 3 keys, 4 key_bytes, 5 pin_ms,
  * 6 whole_space, 7 memory_only, 8 timeout_ms). 1: in the plain form of an engine's Lookup of its
- * own part: each field at most once, with a one-byte tag and its own wire type, nothing unknown,
- * no space id, no pin, not the whole space. (memory_only and timeout_ms change nothing for a walk
- * of host memory that runs at once: read, not kept.) */
+ * own part: no space id, no pin, not the whole space. (memory_only and timeout_ms change nothing
+ * for a walk of host memory that runs at once: read, not kept.) */
 static inline int kv_lookup_parse(const unsigned char *buf, uint64_t len, kv_lookup *q) {
+    kv_pb_field f[9];
     memset(q, 0, sizeof *q);
-    const unsigned char *p = buf, *end = buf + len;
-    uint32_t seen = 0;
-    while (p < end) {
-        uint64_t v, tag = *p++;
-        if (tag & 0x80)
-            return 0;
-        uint64_t field = tag >> 3, wire = tag & 7;
-        if (field < 1 || field > 8 || (seen >> field & 1))
-            return 0;
-        seen |= 1u << field;
-        int bytes = field <= 3;
-        if (wire != (bytes ? 2u : 0u) || !kv_varint(&p, end, &v))
-            return 0;
-        if (!bytes) {
-            if (v > UINT32_MAX || ((field == 5 || field == 6) && v))
-                return 0;
-            if (field == 4)
-                q->key_bytes = v;
-            continue;
-        }
-        if (v > (uint64_t)(end - p))
-            return 0;
-        if (field == 1) {
-            q->client_id = p;
-            q->client_id_len = v;
-        } else if (field == 3) {
-            q->keys = p;
-            q->keys_len = v;
-        } else if (v) { /* 2: space_id */
-            return 0;
-        }
-        p += v;
-    }
+    if (!kv_pb_read(buf, len, "-bbbvvvvv", f) || f[2].v || f[5].v || f[6].v)
+        return 0;
+    *q = (kv_lookup){f[1].p, f[3].p, f[1].v, f[3].v, f[4].v};
     return 1;
 }
 
 /* Reads a PutRequest (fields: 1 client_id, 2 keys, 3 key_bytes, 4 device_pages, 5 ready_event,
  * 6 timeout_ms) into a kv_get with no layers, so that kv_get_accept checks it as a Get of its keys
- * into its device pages: 1 if it is in the plain form (as a Get's, no ready event). */
+ * into its device pages: 1 if it is in the plain form (no ready event). */
 static inline int kv_put_parse(const unsigned char *buf, uint64_t len, kv_get *q) {
+    kv_pb_field f[7];
     memset(q, 0, sizeof *q);
-    const unsigned char *p = buf, *end = buf + len;
-    uint32_t seen = 0;
-    while (p < end) {
-        uint64_t v, tag = *p++;
-        if (tag & 0x80)
-            return 0;
-        uint64_t field = tag >> 3, wire = tag & 7;
-        if (field < 1 || field > 6 || (seen >> field & 1))
-            return 0;
-        seen |= 1u << field;
-        int bytes = field == 1 || field == 2 || field == 4 || field == 5;
-        if (wire != (bytes ? 2u : 0u) || !kv_varint(&p, end, &v))
-            return 0;
-        if (!bytes) {
-            if (v > UINT32_MAX)
-                return 0;
-            if (field == 3)
-                q->key_bytes = v;
-            else
-                q->timeout_ms = v;
-            continue;
-        }
-        if (v > (uint64_t)(end - p))
-            return 0;
-        switch (field) {
-        case 1: q->client_id = p; q->client_id_len = v; break;
-        case 2: q->keys = p; q->keys_len = v; break;
-        case 4: q->dev = p; q->dev_len = v; break;
-        default: /* 5 ready_event */
-            if (v)
-                return 0;
-        }
-        p += v;
-    }
+    if (!kv_pb_read(buf, len, "-bbvbbv", f) || f[5].v)
+        return 0;
+    *q = (kv_get){f[1].p, f[2].p, f[4].p, NULL, f[1].v, f[2].v, f[4].v, 0, f[3].v, f[6].v};
     return 1;
 }
 
@@ -218,12 +166,7 @@ static inline int kv_get_accept(const kv_get *q, const kv_limits *lim, const kv_
     int64_t nl = q->layers_len ? kv_varints(q->layers, q->layers_len) : 0;
     if (nl < 0 || nl > lim->num_layers)
         return 0;
-    uint32_t gen = ++*lim->generation;
-    if (gen == 0) { /* wrapped: clear the marks once */
-        memset(lim->page_mark, 0, sizeof(uint32_t) * (size_t)lim->num_pages);
-        memset(lim->dev_mark, 0, sizeof(uint32_t) * (size_t)lim->dev_tokens);
-        gen = *lim->generation = 1;
-    }
+    uint32_t gen = kv_next_generation(lim);
     const int64_t dev_pages = lim->dev_tokens / ps;
     const unsigned char *p = q->dev, *end = q->dev + q->dev_len;
     for (int64_t k = 0; k < n; k++) {

@@ -17,7 +17,7 @@
  * (set_cache) is served whole here too (try_get): read and checked (get.h), its keys walked in the
  * cache's index and its pages held under the cache's lock, which this thread only tries (cache.h),
  * copied as a Load is, its end posted back with the pages it held (take_gets); and so is the
- * engine's Lookup of that part (try_lookup), walked and answered, nothing held. Everything else
+ * engine's Lookup of that part (try_answer), walked and answered, nothing held. Everything else
  * (the other protobuf calls, Put, CUDA pools, any request the check refuses) is handed to Python
  * in arrival order through a queue and an eventfd, and answered there by the one validation. The
  * loop's copies of a registration (a Put's, a Get's) come back here to be copied (submit_copy),
@@ -394,64 +394,57 @@ static PyObject *gate_set_cache(Gate *g, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* check_get(request bytes) -> bool: whether try_get would read and take this lane Get (its reader
- * and check, get.h; the cache part set: for tests, the differential check against protobuf and
- * the loop's checks). */
-static PyObject *gate_check_get(Gate *g, PyObject *arg) {
-    Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
-        return NULL;
-    int ok = 0;
-    if (__atomic_load_n(&g->cache_gid, __ATOMIC_ACQUIRE) >= 0) {
-        int64_t *dev = malloc(sizeof(int64_t) * (size_t)g->cache_max_keys), n = 0;
-        int32_t *local = malloc(sizeof(int32_t) * (size_t)g->lim.num_layers);
-        uint32_t nl = 0;
-        kv_get q;
-        kv_get_limits gl = {g->client_id, g->client_id_len, g->cache_max_keys};
-        pthread_mutex_lock(&g->check_mu);
-        ok = dev && local && kv_get_parse(view.buf, (uint64_t)view.len, &q) &&
-             kv_get_accept(&q, &g->lim, &gl, dev, local, &n, &nl);
-        pthread_mutex_unlock(&g->check_mu);
-        free(dev);
-        free(local);
-    }
-    PyBuffer_Release(&view);
-    return PyBool_FromLong(ok);
-}
+/* A cache call the plane serves whole, as read and checked (check_cache_call). */
+typedef struct {
+    const unsigned char *keys; /* inside the request */
+    uint64_t key_bytes, timeout_ms;
+    int64_t nkeys;
+    uint32_t nl; /* a Get's layers (local[0..nl)) */
+} cache_call;
 
-/* check_lookup(request bytes) -> bool: whether try_lookup would read and take this Lookup (tests). */
-static PyObject *gate_check_lookup(Gate *g, PyObject *arg) {
-    Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
-        return NULL;
-    int ok = 0;
-    if (__atomic_load_n(&g->cache_gid, __ATOMIC_ACQUIRE) >= 0) {
+/* Reads and checks `buf` (n bytes), a Get, Lookup or Put of rpc id `rpc` on the gate's lane, as
+ * try_get and try_answer serve them (get.h): 1 if it is certainly valid for the gate's part; a
+ * Get's and a Put's device pages into dev (room for cache_max_keys), a Get's local layers into
+ * local (room for num_layers). The gate must have its part (set_cache). */
+static int check_cache_call(Gate *g, uint32_t rpc, const unsigned char *buf, uint64_t n, cache_call *out,
+                            int64_t *dev, int32_t *local) {
+    kv_get_limits gl = {g->client_id, g->client_id_len, g->cache_max_keys};
+    memset(out, 0, sizeof *out);
+    if (rpc == RPC_LOOKUP) {
         kv_lookup q;
-        int64_t n = 0;
-        kv_get_limits gl = {g->client_id, g->client_id_len, g->cache_max_keys};
-        ok = kv_lookup_parse(view.buf, (uint64_t)view.len, &q) && kv_lookup_accept(&q, &gl, &n);
+        if (!kv_lookup_parse(buf, n, &q) || !kv_lookup_accept(&q, &gl, &out->nkeys))
+            return 0;
+        out->keys = q.keys;
+        out->key_bytes = q.key_bytes;
+        return 1;
     }
-    PyBuffer_Release(&view);
-    return PyBool_FromLong(ok);
+    kv_get q;
+    if (!(rpc == RPC_GET ? kv_get_parse(buf, n, &q) : rpc == RPC_PUT && kv_put_parse(buf, n, &q)))
+        return 0;
+    pthread_mutex_lock(&g->check_mu); /* the marks are the gate's scratch */
+    int ok = kv_get_accept(&q, &g->lim, &gl, dev, local, &out->nkeys, &out->nl);
+    pthread_mutex_unlock(&g->check_mu);
+    out->keys = q.keys;
+    out->key_bytes = q.key_bytes;
+    out->timeout_ms = q.timeout_ms;
+    return ok;
 }
 
-/* check_put(request bytes) -> bool: whether try_lookup would read and check this Put (tests; it
- * then serves it only if every key is stored). */
-static PyObject *gate_check_put(Gate *g, PyObject *arg) {
+/* check_call(rpc, request bytes) -> bool: whether the plane would read and take this lane Get,
+ * Lookup or Put (check_cache_call; a Put it then serves only if every key is stored): for tests,
+ * the differential checks against protobuf and the loop's checks. False until the gate has its
+ * part. */
+static PyObject *gate_check_call(Gate *g, PyObject *args) {
+    unsigned int rpc;
     Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
+    if (!PyArg_ParseTuple(args, "Iy*", &rpc, &view))
         return NULL;
     int ok = 0;
     if (__atomic_load_n(&g->cache_gid, __ATOMIC_ACQUIRE) >= 0) {
-        int64_t *dev = malloc(sizeof(int64_t) * (size_t)g->cache_max_keys), n = 0;
+        int64_t *dev = malloc(sizeof(int64_t) * (size_t)g->cache_max_keys);
         int32_t *local = malloc(sizeof(int32_t) * (size_t)g->lim.num_layers);
-        uint32_t nl = 0;
-        kv_get q;
-        kv_get_limits gl = {g->client_id, g->client_id_len, g->cache_max_keys};
-        pthread_mutex_lock(&g->check_mu);
-        ok = dev && local && kv_put_parse(view.buf, (uint64_t)view.len, &q) &&
-             kv_get_accept(&q, &g->lim, &gl, dev, local, &n, &nl);
-        pthread_mutex_unlock(&g->check_mu);
+        cache_call call;
+        ok = dev && local && check_cache_call(g, rpc, view.buf, (uint64_t)view.len, &call, dev, local);
         free(dev);
         free(local);
     }
@@ -465,9 +458,7 @@ static PyObject *gate_get_cache_gid(Gate *g, void *unused) {
 
 static PyMethodDef gate_methods[] = {
     {"set_cache", (PyCFunction)gate_set_cache, METH_VARARGS, NULL},
-    {"check_get", (PyCFunction)gate_check_get, METH_O, NULL},
-    {"check_lookup", (PyCFunction)gate_check_lookup, METH_O, NULL},
-    {"check_put", (PyCFunction)gate_check_put, METH_O, NULL},
+    {"check_call", (PyCFunction)gate_check_call, METH_VARARGS, NULL},
     {"release_if_idle", (PyCFunction)gate_release_if_idle, METH_O, NULL},
     {"py_enter", (PyCFunction)gate_py_enter, METH_NOARGS, NULL},
     {"py_exit", (PyCFunction)gate_py_exit, METH_NOARGS, NULL},
@@ -560,7 +551,7 @@ typedef struct Job {
      * holds, ids[0..found); its end goes back to the loop with them (GetEnd), which lets them go. */
     int get;
     int64_t *ids, misses;
-    int end_kind; /* not a Get: what its end is (END_LOOKUP, END_PUT: try_lookup) */
+    int end_kind; /* not a Get: what its end is (END_LOOKUP, END_PUT: try_answer) */
 } Job;
 
 /* The latency histograms the plane keeps: Write, Load, Load's first layer, Get, Get's first layer,
@@ -662,6 +653,17 @@ static void observe(Engine *e, int h, int64_t ns) {
 static inline char *slot_at(Lane *l, int i) { return l->ring + HEADER_BYTES + (size_t)i * SLOT_BYTES; }
 
 static inline void put32(char *p, uint32_t v) { memcpy(p, &v, 4); }
+/* A protobuf varint field (its one-byte tag, then v) at p: its length (at most 11 bytes). */
+static uint32_t pb_varint_field(unsigned char *p, unsigned char tag, uint64_t v) {
+    uint32_t n = 0;
+    p[n++] = tag;
+    do {
+        unsigned char b = v & 0x7F;
+        v >>= 7;
+        p[n++] = b | (v ? 0x80 : 0);
+    } while (v);
+    return n;
+}
 static inline void put64(char *p, uint64_t v) { memcpy(p, &v, 8); }
 static inline uint32_t state_of(char *slot) { return __atomic_load_n((uint32_t *)slot, __ATOMIC_ACQUIRE); }
 static inline void set_state(char *slot, uint32_t s) { __atomic_store_n((uint32_t *)slot, s, __ATOMIC_RELEASE); }
@@ -955,18 +957,16 @@ static int try_get(Engine *e, Lane *l, int i, uint32_t n) {
     int64_t *dev = malloc(sizeof(int64_t) * (size_t)g->cache_max_keys);
     int32_t *local = malloc(sizeof(int32_t) * (size_t)g->lim.num_layers);
     uint64_t *words = NULL;
-    int64_t *ids = NULL, *offs = NULL, nkeys = 0, m = -1;
-    uint32_t nl = 0;
+    int64_t *ids = NULL, *offs = NULL, m = -1;
     Job *j = NULL;
     int ok = buf && dev && local, reserved = 0, counted = 0;
-    kv_get q;
+    cache_call q = {0};
     if (ok) {
         memcpy(buf, slot_at(l, i) + REQUEST_AT, n); /* a private copy: the peer may scribble */
-        kv_get_limits gl = {g->client_id, g->client_id_len, g->cache_max_keys};
-        pthread_mutex_lock(&g->check_mu);
-        ok = kv_get_parse(buf, n, &q) && kv_get_accept(&q, &g->lim, &gl, dev, local, &nkeys, &nl);
-        pthread_mutex_unlock(&g->check_mu);
+        ok = check_cache_call(g, RPC_GET, buf, n, &q, dev, local);
     }
+    int64_t nkeys = q.nkeys;
+    uint32_t nl = q.nl;
     int64_t bytes_per_layer = nkeys * ps * tb * g->parts;
     if (ok && g->cache_split_bytes && bytes_per_layer * (int64_t)nl >= g->cache_split_bytes)
         ok = 0; /* were every key found, the copy workers would split it: the loop's */
@@ -1092,44 +1092,33 @@ static void answer_unary(Engine *e, Lane *l, int i, const unsigned char *respons
     ring_done(l, i);
 }
 
-/* Tries to serve slot i, an engine's Lookup of its own part (protobuf), whole on this thread: read
+/* Tries to answer slot i, an engine's Lookup of its own part (protobuf), whole on this thread: read
  * and checked (get.h), its keys walked in the cache (nothing held) and answered with the pages
  * found; its end posted back (the loop makes them recent and counts the hits and misses). 1 if it
  * did; 0: the loop's. It copies nothing, so it waits for nothing of its registration.
  * put: slot i is a Put (protobuf) instead, served here only if every one of its keys is stored
  * already (nothing to take or copy: answered present, its end counting them as the loop does);
  * read and checked as a Get of its keys into its device pages. */
-static int try_lookup(Engine *e, Lane *l, int i, uint32_t n, int put) {
+static int try_answer(Engine *e, Lane *l, int i, uint32_t n, int put) {
     Gate *g = l->gate;
     Cache *c = e->cache;
     int32_t gid = __atomic_load_n(&g->cache_gid, __ATOMIC_ACQUIRE);
     if (!c || gid < 0 || n > REQUEST_BYTES || __atomic_load_n(&g->closed, __ATOMIC_ACQUIRE))
         return 0;
-    int64_t arrival = now_ns(), nkeys = 0, m = -1;
+    int64_t arrival = now_ns(), m = -1;
     unsigned char *buf = malloc(n ? n : 1);
-    kv_lookup q;
-    kv_get pq;
-    kv_get_limits gl = {g->client_id, g->client_id_len, g->cache_max_keys};
-    int ok = buf != NULL;
+    /* A Put's device pages are checked as the loop checks them, though nothing is copied to them. */
+    int64_t *dev = put ? malloc(sizeof(int64_t) * (size_t)g->cache_max_keys) : NULL;
+    int32_t *local = put ? malloc(sizeof(int32_t) * (size_t)g->lim.num_layers) : NULL;
+    cache_call q = {0};
+    int ok = buf && (!put || (dev && local));
     if (ok) {
         memcpy(buf, slot_at(l, i) + REQUEST_AT, n); /* a private copy: the peer may scribble */
-        if (put) {
-            int64_t *dev = malloc(sizeof(int64_t) * (size_t)g->cache_max_keys);
-            int32_t *local = malloc(sizeof(int32_t) * (size_t)g->lim.num_layers);
-            uint32_t nl = 0;
-            pthread_mutex_lock(&g->check_mu);
-            ok = dev && local && kv_put_parse(buf, n, &pq) && kv_get_accept(&pq, &g->lim, &gl, dev, local, &nkeys, &nl);
-            pthread_mutex_unlock(&g->check_mu);
-            free(dev);
-            free(local);
-            if (ok) { /* the walk reads its keys as a Lookup's */
-                q.keys = pq.keys;
-                q.key_bytes = pq.key_bytes;
-            }
-        } else {
-            ok = kv_lookup_parse(buf, n, &q) && kv_lookup_accept(&q, &gl, &nkeys);
-        }
+        ok = check_cache_call(g, put ? RPC_PUT : RPC_LOOKUP, buf, n, &q, dev, local);
     }
+    free(dev);
+    free(local);
+    int64_t nkeys = q.nkeys;
     uint64_t *words = ok ? malloc(sizeof(uint64_t) * KV_KEY_WORDS * (size_t)nkeys) : NULL;
     int64_t *ids = ok ? malloc(sizeof(int64_t) * (size_t)nkeys) : NULL;
     int64_t *offs = ok ? malloc(sizeof(int64_t) * (size_t)nkeys) : NULL;
@@ -1164,16 +1153,8 @@ static int try_lookup(Engine *e, Lane *l, int i, uint32_t n, int put) {
     job_free(j);
     unsigned char resp[16];
     uint32_t len = 0;
-    if (m) { /* LookupResponse{pages}: field 1, varint (nothing at all for 0, as protobuf writes it);
-              * PutResponse{present}: field 2 */
-        uint64_t v = (uint64_t)m;
-        resp[len++] = put ? 0x10 : 0x08;
-        do {
-            unsigned char b = v & 0x7F;
-            v >>= 7;
-            resp[len++] = b | (v ? 0x80 : 0);
-        } while (v);
-    }
+    if (m) /* LookupResponse{pages}: field 1; PutResponse{present}: field 2 (nothing for 0, as protobuf writes it) */
+        len = pb_varint_field(resp, put ? 0x10 : 0x08, (uint64_t)m);
     observe(e, put ? H_PUT : H_LOOKUP, now_ns() - arrival);
     __atomic_add_fetch(put ? &e->plane_puts : &e->plane_lookups, 1, __ATOMIC_RELAXED);
     answer_unary(e, l, i, resp, len, arrival);
@@ -1196,7 +1177,7 @@ static int scan(Engine *e, Lane *l) {
         l->slot_busy[i] = 1;
         took++;
         if (!try_job(e, l, i, rpc, n) && !(rpc == RPC_GET && try_get(e, l, i, n)) &&
-            !((rpc == RPC_LOOKUP || rpc == RPC_PUT) && try_lookup(e, l, i, n, rpc == RPC_PUT)))
+            !((rpc == RPC_LOOKUP || rpc == RPC_PUT) && try_answer(e, l, i, n, rpc == RPC_PUT)))
             handoff(e, l, i, rpc);
     }
     return took;
@@ -1379,16 +1360,9 @@ static void answer_slot(Engine *e, Job *j, uint32_t code, const char *message) {
         memcpy(&flags, s + 60, 4);
         put32(s + 60, flags | FLAG_PLANE_GET);
     }
-    if (ok && !j->load) { /* WriteResponse{bytes}: field 1, varint */
-        uint64_t v = (uint64_t)j->nl * (uint64_t)j->bytes_per_layer;
-        unsigned char *p = (unsigned char *)s + RESPONSE_AT;
-        p[resp_len++] = 0x08;
-        do {
-            unsigned char b = v & 0x7F;
-            v >>= 7;
-            p[resp_len++] = b | (v ? 0x80 : 0);
-        } while (v);
-    }
+    if (ok && !j->load) /* WriteResponse{bytes}: field 1 */
+        resp_len = pb_varint_field((unsigned char *)s + RESPONSE_AT, 0x08,
+                                   (uint64_t)j->nl * (uint64_t)j->bytes_per_layer);
     if (message) {
         msg_len = (uint32_t)strlen(message);
         if (msg_len > ERROR_BYTES)

@@ -58,6 +58,17 @@ static inline int64_t kv_i64(const unsigned char *p) {
     return v;
 }
 
+/* A new check's mark: marks of older checks read as unset (all cleared once when it wraps). */
+static inline uint32_t kv_next_generation(const kv_limits *lim) {
+    uint32_t gen = ++*lim->generation;
+    if (gen == 0) {
+        memset(lim->page_mark, 0, sizeof(uint32_t) * (size_t)lim->num_pages);
+        memset(lim->dev_mark, 0, sizeof(uint32_t) * (size_t)lim->dev_tokens);
+        gen = *lim->generation = 1;
+    }
+    return gen;
+}
+
 /* Parses the header and bounds every array by `len`. 1: well formed. */
 static inline int kv_parse(const unsigned char *buf, uint64_t len, kv_request *r) {
     if (len < KV_REQ_HEADER || kv_u32(buf) != KV_REQ_MAGIC)
@@ -107,12 +118,7 @@ static inline int kv_accept(const kv_request *r, const kv_limits *lim, int64_t *
         return 0;
     if (ntok > (uint64_t)lim->max_indices || r->n_layers > (uint32_t)lim->num_layers)
         return 0;
-    uint32_t gen = ++*lim->generation;
-    if (gen == 0) { /* wrapped: clear the marks once */
-        memset(lim->page_mark, 0, sizeof(uint32_t) * (size_t)lim->num_pages);
-        memset(lim->dev_mark, 0, sizeof(uint32_t) * (size_t)lim->dev_tokens);
-        gen = *lim->generation = 1;
-    }
+    uint32_t gen = kv_next_generation(lim);
     for (uint32_t k = 0; k < r->n_pages; k++) {
         int64_t h = kv_i64(r->host + 8 * (uint64_t)k);
         if (h < 0 || (h >> KV_EPOCH_SHIFT) != lim->epoch)
