@@ -5,14 +5,16 @@
   spent per round trip (from /proc: what a loaded machine's scheduler does not hide); beside it a
   bare grpc.aio unary call (Stats) on the same socket; then, on the ring lane, a 1-page, 1-layer
   Get of a stored key, a Put of a key already stored and a Lookup of it (the cache's calls, which
-  the event loop serves, not the data plane: docs/design.md), and the same Lookup on gRPC, then a
-  scheduler's Lookup of it (``CacheView``) on its space's lane and on gRPC, each timed alone. Each
-  lane's trips run by themselves, one lane after the other: between blocks of another lane's calls
-  (gRPC keeps threads busy for a while after a call) the CPUs would not go idle, and an idle CPU's
-  wake-up is part of what a lone engine pays (tens of microseconds on a virtual machine); and the
-  ring lane's round trip once every 2 ms, as between an engine's forward passes, the data plane
-  asleep when each call comes (docs/lane.md, "Ringing ahead"), and once right after a 32 MiB
-  memcpy each (an engine's own work emptying the caches: docs/lane.md, "One compiled call");
+  the data plane serves whole: docs/design.md, "A Get on the data plane"; with ``--disk-cache``,
+  in a daemon with a disk tier, where it serves those host memory holds all of), and the same
+  Lookup on gRPC, then a scheduler's Lookup of it (``CacheView``) on its space's lane and on
+  gRPC, each timed alone. Each lane's trips run by themselves, one lane after the other: between
+  blocks of another lane's calls (gRPC keeps threads busy for a while after a call) the CPUs would
+  not go idle, and an idle CPU's wake-up is part of what a lone engine pays (tens of microseconds
+  on a virtual machine); and the ring lane's round trip once every 2 ms, as between an engine's
+  forward passes, the data plane asleep when each call comes (docs/lane.md, "Ringing ahead"), and
+  once right after a 32 MiB memcpy each (an engine's own work emptying the caches: docs/lane.md,
+  "One compiled call");
 - bulk: a ``--mib``-sized (every layer) Write and Load on each lane, median of ``--repeats``,
   against the same copy done in this process with the daemon's copy plan (``kvserver.copies.transfer``),
   with the ratio (in-process time / lane time: 1.00x is as fast as in-process).
@@ -45,9 +47,9 @@ from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
 
-def start_daemon(socket: str, host_memory: str) -> subprocess.Popen:
+def start_daemon(socket: str, host_memory: str, *extra: str) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "kvserver", "--socket", socket, "--host-memory",
-                             host_memory, "--log-level", "WARNING"])
+                             host_memory, "--log-level", "WARNING", *extra])
     deadline = time.monotonic() + 30
     while not os.path.exists(socket):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -91,6 +93,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--mib", type=int, nargs="*", default=[16, 64])
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--disk-cache", action="store_true",
+                    help="the daemon with a disk tier (in the run's temporary directory): its data plane "
+                         "serves only the cache calls whose every key host memory holds")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dtype, layout, p = torch.bfloat16, KVLayout.mha(8, 128), args.page_size
@@ -102,11 +107,14 @@ def main() -> None:
     checks: list[tuple[str, float, str, float, str]] = []
     with tempfile.TemporaryDirectory(prefix="kvlane-") as tmp:
         socket = os.path.join(tmp, "kv.sock")
-        daemon = start_daemon(socket, f"{6 * most * token_bytes // (1 << 20) + 64}MiB")
+        tier = ["--disk-cache", os.path.join(tmp, "disk"), "--disk-size", "256MiB"] if args.disk_cache else []
+        daemon = start_daemon(socket, f"{6 * most * token_bytes // (1 << 20) + 64}MiB", *tier)
         try:
             with ShmKVPool(layout, dtype, args.layers, pool_tokens) as ring_pool, \
                     ShmKVPool(layout, dtype, args.layers, pool_tokens) as grpc_pool, \
                     KVClient(socket) as ring, KVClient(socket, lane="grpc") as plain:
+                if args.disk_cache:  # (a daemon that cannot make its disk tier serves without one)
+                    assert any(t.name == "disk" for t in ring.stats(True).tiers), "no disk tier"
                 clients = {"ring": (ring, ring_pool), "grpc": (plain, grpc_pool)}
                 host = {}
                 for name, (c, pool) in clients.items():
@@ -210,6 +218,11 @@ def main() -> None:
                                               f"   n={n}   CPU per call: daemon {used[0] / n * 1e6:5.0f} us"
                                               f"   engine {used[1] / n * 1e6:5.0f} us"))
                 assert views[0].lane is not None and views[0].lane.calls > args.trips, "no space lane"
+                # (each Get's answer says which served it: docs/lane.md; -1, a client that counts none)
+                on_plane = getattr(ring.lane, "gets_on_plane", -1)
+                on_loop = getattr(ring.lane, "gets_on_loop", 0)
+                cache_rows.append(("ring lane Gets served whole on the data plane",
+                                   f"{on_plane} of {on_plane + on_loop}"))
                 for v in views:
                     v.close()
                 for name, ts in [*((f"{label} write+load", trips[label]) for label, _ in order),

@@ -58,7 +58,7 @@ class CacheEngine:
                  tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
                  model: str = MODEL, tenant_token: str | None = None, resilient: bool = False,
                  rank_salt: bool = True, host_tokens: int | None = None, weights: str = "",
-                 timeout: float = 5.0) -> None:
+                 timeout: float = 5.0, lane: str = "auto") -> None:
         self.start, self.end, self.page_size, self.num_pages = start, end, page_size, pages
         self.layout, self.dtype = layout, dtype
         # Each TP rank of an MHA model holds its own heads: its bytes differ from the other ranks'.
@@ -67,7 +67,8 @@ class CacheEngine:
         self.raw = [[b.view(torch.uint8).numpy().reshape(pages, -1) for b in layer]
                     for layer in self.pool.buffers]
         self.page_bytes = page_size * layout.token_bytes(dtype) * layout.num_parts * (end - start)
-        self.client = KVClient(address, tenant_token=tenant_token, resilient=resilient, timeout=timeout)
+        self.client = KVClient(address, tenant_token=tenant_token, resilient=resilient, timeout=timeout,
+                               lane=lane)
         try:
             self.client.register(model=model, pool=self.pool, start_layer=start, end_layer=end,
                                  num_layers=num_layers or end, host_tokens=host_tokens or page_size,

@@ -11,7 +11,14 @@ import re
 import subprocess
 import sys
 
+from kvserver.lane import plane
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# How many of the benchmark's lane Gets the daemon's data plane serves whole here: some (of
+# thousands back to back, a walk that meets the loop holding the cache's lock is the loop's), none
+# in a build without a compiler, nor with KVSERVER_DATA_PLANE=python or KVSERVER_PLANE_GETS=0,
+# which the benchmark inherits.
+PLANE_GETS = r"[1-9]\d* of \d+" if plane.available() and plane.GETS else r"0 of \d+"
 
 
 def test_bench_lane_prints_every_row_and_the_targets() -> None:
@@ -43,3 +50,16 @@ def test_bench_lane_prints_every_row_and_the_targets() -> None:
         "ring round trip p50, alone", "ring round trip p99, alone", "daemon CPU per round trip, alone",
         "engine CPU per round trip, alone", "16 MiB write vs in-process", "16 MiB load vs in-process"], out
     assert re.search(r"^\(ring lane: [1-9]\d* bulk calls answered on the ring", out, re.M), out
+    assert re.search(rf"^ring lane Gets served whole on the data plane\s+{PLANE_GETS}$", out, re.M), out
+
+
+def test_bench_lane_with_a_disk_tier_times_the_cache_calls_the_plane_serves() -> None:
+    """``--disk-cache``: the same calls in a daemon with a disk tier, whose data plane serves the
+    Gets whose every key host memory holds (the benchmark's one stored key)."""
+    script = os.path.join(ROOT, "benchmarks", "bench_lane.py")
+    res = subprocess.run([sys.executable, script, "--trips", "100", "--mib", "--layers", "4", "--disk-cache"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = res.stdout
+    assert res.returncode == 0, out + res.stderr[-4000:]
+    assert re.search(r"^ring lane Get, 1 page, 1 layer\s+p50\s+[\d.]+ us", out, re.M), out
+    assert re.search(rf"^ring lane Gets served whole on the data plane\s+{PLANE_GETS}$", out, re.M), out

@@ -15,6 +15,8 @@ from cache_engine import CacheEngine, scattered
 from daemon_proc import DaemonProcess
 from mooncake_master import MooncakeMaster, free_port, needs_mooncake
 
+from kvserver.lane import plane
+
 PAGE_BYTES = 32 * 1024  # CacheEngine's pages
 
 
@@ -89,9 +91,15 @@ def test_a_prefix_stored_on_one_node_is_a_bit_exact_hit_on_the_other(nodes):
         c = cluster_stat(b)
         assert c.promoted_pages == 200 and c.promoted_bytes == 200 * PAGE_BYTES, c
         assert c.read_errors == 0 and c.hits == 200
-        # B's host memory holds them now: the cluster is not asked again.
+        # B's host memory holds them now: the cluster is not asked again. B's data plane serves
+        # such a Get whole; the one that pulled from the cluster was its event loop's.
         found = eb.lookup(keys)
         assert (found.pages, found.cluster_pages) == (300, 0)
+        assert cluster_stat(b).hits == 200
+        lane = eb.client.lane
+        assert lane.gets_on_plane == 0
+        assert load(eb, keys, rng) == 300
+        assert lane.gets_on_plane == (1 if plane.available() and plane.GETS else 0)
         assert cluster_stat(b).hits == 200
         # B stored its 100 first: the cluster had them (first writer wins, no second copy).
         published(b, 100)

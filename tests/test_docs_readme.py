@@ -175,6 +175,9 @@ NOT_RUN = {
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_lane.py --trips 2000 --mib"):
         "a benchmark of about 20 seconds (no bulk transfers), for figures measured by hand; "
         "tests/test_bench_lane.py runs the same script on small sizes",
+    ("docs/performance.md", ".venv/bin/python benchmarks/bench_lane.py --trips 2000 --mib --disk-cache"):
+        "the same benchmark with a disk tier (about 20 seconds), for figures measured by hand; "
+        "tests/test_bench_lane.py runs it with --disk-cache on small sizes",
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_lookup.py --rounds 1000 --keys "
                             "1024,2048,4096,8192,65536 --key-bytes 16,32"):
         "the lookup-bench block's script with more sizes and rounds (about half a minute), for figures "

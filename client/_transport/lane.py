@@ -63,6 +63,10 @@ def _spin_seconds(name: str, default: int) -> float:
 
 SPIN_SECONDS = _spin_seconds("KVCLIENT_LANE_SPIN_US", 30)
 LOAD_SPIN_SECONDS = _spin_seconds("KVCLIENT_LANE_LOAD_SPIN_US", 200)
+# Gets in a row the daemon's event loop served, not its data plane, after which the lane's next
+# Get sleeps first (``ClientLane.plane_gets``): one alone (a walk that met the loop holding the
+# cache's lock) says little of the next.
+LOOP_GETS_TO_SLEEP = 2
 # A Write the daemon's data plane copies for longer than NAP_MIN_SECONDS (as its last writes on
 # this lane say: each answer carries the plane's time on it) is waited for asleep until
 # NAP_LEAD_SECONDS before its expected end, then looked at (docs/lane.md, "Napping through a long
@@ -98,10 +102,16 @@ class ClientLane:
         # nap's timer, not found while looking), as the compiled call reports them (the Python
         # wait, where _wire is not built, counts none).
         self.woken = 0
-        # Whether the daemon's data plane has served a Get here whole (its answer's FLAG_PLANE_GET):
-        # its Gets' first step then comes at once, and their waiters look for it as a LoadB's do,
-        # instead of sleeping for a step that the event loop takes hundreds of microseconds to send.
+        # Whether the daemon's data plane serves this lane's Gets whole, as their answers say
+        # (FLAG_PLANE_GET; ``note_get``): a Get's first step then comes at once, and its waiter
+        # looks for it as a LoadB's does, instead of sleeping for a step that the event loop takes
+        # hundreds of microseconds to send. LOOP_GETS_TO_SLEEP Gets in a row that the loop served
+        # (those the plane handed over: in a daemon with a disk or cluster tier, those with a key
+        # host memory lacks) make the next ones sleep first, until the plane serves one again.
         self.plane_gets = False
+        self.gets_on_plane = 0  # Gets answered here that the data plane served whole
+        self.gets_on_loop = 0  # and those the event loop served
+        self._loop_run = 0  # the loop's, in a row
         self.reg: Any = None  # the registration this lane was opened for
         self.request_format = 0  # the daemon's binary Write/Load format (kvserver.protocol.lane_request)
         self.rpc_mask = R.OLD_RPC_MASK  # the rpc ids the daemon serves (OpenLaneResponse.rpc_mask)
@@ -335,6 +345,19 @@ class ClientLane:
             return self._c.word(self._address, i, R.STATE)
         return R.U32.unpack_from(self._mm, R.slot_offset(i) + R.STATE)[0]
 
+    def note_get(self, on_plane: bool) -> None:
+        """A Get answered here, served whole on the daemon's data plane or not: how the next ones
+        are waited for (``plane_gets``)."""
+        if on_plane:
+            self.gets_on_plane += 1
+            self._loop_run = 0
+            self.plane_gets = True
+        else:
+            self.gets_on_loop += 1
+            self._loop_run += 1
+            if self._loop_run >= LOOP_GETS_TO_SLEEP:
+                self.plane_gets = False
+
     def _progress(self, i: int) -> tuple[int, ...]:
         """(state, layers_done, last_layer, bytes, events_recorded, pages, step, flags)."""
         if self._c is not None:
@@ -524,8 +547,8 @@ class LaneStream:
                                done and bool(flags & R.FLAG_DONE))
             if done:
                 code, _, message, flags = lane._result(i)
-                if self.get and flags & R.FLAG_PLANE_GET:
-                    lane.plane_gets = True
+                if self.get and not code:
+                    lane.note_get(bool(flags & R.FLAG_PLANE_GET))
                 error = None
                 if code:
                     error = _error(code, message, flags)

@@ -210,10 +210,10 @@ class KVServicer(pb_grpc.KVServerServicer):
         if self.plane is not None:  # the cache's copies of its registrations run there too
             core.copier.plane = self.plane
             core.copier.arena_span = (core.arena.address, core.arena.capacity)
-            if self.cache.disk is None and self.cache.cluster is None and plane.GETS:
-                # and its lane Gets, whole, where no tier may have to read a miss back
+            if plane.GETS:  # and its lane Gets, whole; with a tier, only those host memory holds
+                tiered = self.cache.disk is not None or self.cache.cluster is not None
                 self.plane.serve_gets(core.cache, core.arena.address, core.arena.capacity,
-                                      self.cache.plane_get_ended)
+                                      self.cache.plane_get_ended, whole=tiered)
                 self.cache.on_plane_get = self._plane_get
         core.on_plane_transfers = self._plane_transfers
         self.lanes = LaneBook(core, self.run_lane, self.plane, self.run_space_lane, self.fast_lane,

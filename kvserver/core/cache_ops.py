@@ -58,7 +58,9 @@ MAX_SPACE_IDS = 1 << 16  # space handles the daemon keeps (one per tenant and sp
 MAX_CACHE_KEYS = 1 << 17
 MAX_GET_PARTS = 1024  # Gets in one GetRequest (GetRequest.parts)
 _FEW = 8  # device pages a request may name for their checks to run in plain Python
-_END_LOOKUP, _END_PUT = 1, 2  # the kinds of the data plane's ends besides a Get's (take_gets)
+# The kinds of the data plane's ends besides a Get's (take_gets): a Lookup, a Put of stored keys,
+# a Lookup of host memory only (memory_only: no tier's copies made recent).
+_END_LOOKUP, _END_PUT, _END_LOOKUP_HOST = 1, 2, 3
 _PLANE_REFUSED = "the data plane did not take the copy (the daemon is stopping, or out of memory): retry"
 
 
@@ -249,16 +251,17 @@ class CacheOps:
         walk, else ``STEP_KEYS``). None where it is not one that runs whole at once, or where the
         checks refuse it (``lookup`` serves it, and gives the error): more keys than a step holds,
         a cluster to ask."""
-        if self.cluster is not None:
-            return None
         try:
             tenant, client, key = self._target(req.client_id, req.space_id)
             if req.pin_ms > MAX_PIN_MS:
                 return None  # (lookup words it)
+            if (client is not None and not req.whole_space and not req.pin_ms and self._plane_pending(client)
+                    and self._keys_fit(req.keys, req.key_bytes)):
+                self._serve_on_plane(client)  # (the plane takes its next ones)
+            if self.cluster is not None:
+                return None  # ``lookup`` asks it for what host memory and the disk miss
             target = self._packed_target(req, client, key)  # it checks the keys first
             found = None
-            if client is not None and isinstance(target, Part) and not req.pin_ms:
-                self._serve_on_plane(client, target)  # (the plane takes its next ones)
             if target is not None:
                 if not self._one_packed_step(req, target):
                     return None  # more than a step: ``lookup`` walks it in steps
@@ -530,19 +533,18 @@ class CacheOps:
         holds, a load the copy workers would split, or anything the checks refuse (``get`` gives
         the error). Past that point it is this path's: a KVError raised then is its answer
         (``Unavailable`` if the plane does not take the copy after all)."""
-        if (req.parts or req.lease_id or req.ready_event or req.event_slot or self.disk is not None
-                or self.cluster is not None or len(req.keys) > STEP_KEYS * max(1, req.key_bytes)):
+        if (req.parts or req.lease_id or req.ready_event or req.event_slot
+                or len(req.keys) > STEP_KEYS * max(1, req.key_bytes)):
             return None
         copier = self.kv.copier
         client = self.kv.clients.get(req.client_id)
         if client is None or client.closing or not copier.alone(client, answers=True):
             return None
+        tiered = self.disk is not None or self.cluster is not None
+        if (tiered and not self._plane_pending(client)) or not self._keys_fit(req.keys, req.key_bytes):
+            return None  # (``get`` serves it, and words a refusal)
         key_bytes, packed = req.key_bytes, req.keys
-        if not 1 <= key_bytes <= MAX_KEY_BYTES or len(packed) % key_bytes:
-            return None  # (get words it)
         n = len(packed) // key_bytes
-        if n > self._max_keys:
-            return None
         try:
             pages = self._checked_pages(client, n, req.device_pages, b"", 0)
             local_layers = client.spec.layers.select(req.layers)
@@ -557,9 +559,10 @@ class CacheOps:
             part = self._part(client)
         except KVError:
             return None
+        self._serve_on_plane(client, part)  # (before anything is held: nothing to undo if it raises)
+        if tiered:
+            return None  # a miss may be read back: ``get``'s (the plane takes the whole hits)
         self.kv.client(client.client_id)  # its lease, renewed as every call renews it
-        if self.cache.pages.compiled:  # (before anything is held: nothing to undo if it raises)
-            self._serve_on_plane(client, part)
         plan = self.cache.prepare_get_packed(part, packed, key_bytes)
         if plan is None:  # no compiled index
             plan = self.cache.prepare_get(part, Keys.unpack(packed, key_bytes, self._max_keys))
@@ -607,20 +610,37 @@ class CacheOps:
         fut.add_done_callback(settle)
         return plan.pages
 
-    def _serve_on_plane(self, client: ClientState, part: Part) -> None:
+    def _plane_pending(self, client: ClientState) -> bool:
+        """Whether the data plane serves cache calls (``DataPlane.serve_gets``) and ``client``'s
+        gate is yet to be given its part (``_serve_on_plane``)."""
+        plane, gate = self.kv.copier.plane, client.gate
+        return (plane is not None and plane.cache is not None and gate is not None and gate.cache_gid < 0
+                and not client.off_plane and self.cache.pages.compiled)
+
+    def _keys_fit(self, packed: bytes, key_bytes: int) -> bool:
+        """Whether ``packed`` is whole keys of a width the cache takes, no more than a request may
+        carry (a path that serves only such calls hands the others over: their checks word why)."""
+        return (1 <= key_bytes <= MAX_KEY_BYTES and not len(packed) % key_bytes
+                and len(packed) // key_bytes <= self._max_keys)
+
+    def _serve_on_plane(self, client: ClientState, part: Part | None = None) -> None:
         """From now on ``client``'s lane Gets that ``get_on_plane`` would serve, and its Lookups of
-        ``part`` that ``lookup_now`` would, are served whole on the data plane's thread, which
-        reads the same request, runs the same checks (those of the registration, which never
-        change, run here first), walks the same index and copies the same pages (docs/design.md,
-        "A Get on the data plane"); whatever it does not take it hands over, as ever. Once a
-        client, where the plane serves Gets (``DataPlane.serve_gets``: no tier below or beside the
-        host cache) and copies its cache table's rows."""
+        its ``part`` (``_part``) that ``lookup_now`` would, are served whole on the data plane's
+        thread, which reads the same request, runs the same checks (those of the registration,
+        which never change, run here first), walks the same index and copies the same pages
+        (docs/design.md, "A Get on the data plane"); whatever it does not take it hands over, as
+        ever. With a disk or cluster tier, only the calls whose every key host memory holds
+        (``DataPlane.serve_gets``' whole): a miss is the loop's, which reads it back or asks the
+        cluster. Once a client, where the plane serves Gets and copies its cache table's rows."""
+        if not self._plane_pending(client):
+            return
         copier, gate = self.kv.copier, client.gate
         plane = copier.plane
-        if plane is None or plane.cache is None or gate is None or gate.cache_gid >= 0:
-            return
+        if part is None:
+            part = self._part(client)
         rows = plane.host_rows(self._cache_table(client), client.spec.page_size, copier.arena_span)
         if rows is None or rows[0] != self.kv.arena.address:
+            client.off_plane = True  # (its rows never change: not asked again)
             return
         device = client.device
         try:  # the registration's own checks of a Get (``_checked_pages``), which never change
@@ -628,6 +648,7 @@ class CacheOps:
             device.check_cache_rows()
             device.check_sizes()
         except KVError:
+            client.off_plane = True
             return
         if len(self._plane_gets) >= 64 and len(self._plane_gets) >= 2 * len(self.kv.clients):
             # Those of clients gone with no Get in flight on their (closed) gates: their ends have
@@ -647,18 +668,28 @@ class CacheOps:
         """A Get the plane served whole has ended (``_kvlane``'s take_gets): its pages are let go and
         made recent, its misses counted, and, done, its client's counters and the metrics kept,
         as ``get_on_plane`` settles the Gets it plans. ``kind`` 1: a Lookup's, whose pages are made
-        recent and whose hits and misses are counted, as ``lookup_now`` does; 2: a Put's whose keys
-        were all stored, counted present, as ``put_on_plane`` counts one."""
+        recent and whose hits and misses are counted, as ``lookup_now`` does (3: one of host memory
+        only, ``memory_only``); 2: a Put's whose keys were all stored, counted present, as
+        ``put_on_plane`` counts one. With a disk tier, a Get's and a Lookup's (not one of host
+        memory only) also make the disk's copies recent (``_touch_below``)."""
         entry = self._plane_gets.get(token)
         part = entry[1] if entry is not None and entry[1].gid == gid else None
-        if kind == _END_LOOKUP:
-            self.cache.settle_lookup(np.frombuffer(ids, np.int64), gid, part, found, misses)
-            return
         if kind == _END_PUT:
             if part is not None:
                 self.cache.count_present(part, found)
             return
-        self.cache.settle_get(np.frombuffer(ids, np.int64), part, misses)
+        pages = np.frombuffer(ids, np.int64)
+        if kind != _END_LOOKUP_HOST and self.disk is not None:
+            # First, outside the cache's lock (a Get's pages are still held): the plane's next call,
+            # which comes about now, finds the lock free more often.
+            try:
+                self._touch_below(part, pages)
+            except Exception:  # only the disk's order is at stake: the holds go all the same
+                logger.exception("making the disk's copies of a hit recent failed")
+        if kind in (_END_LOOKUP, _END_LOOKUP_HOST):
+            self.cache.settle_lookup(pages, gid, part, found, misses)
+            return
+        self.cache.settle_get(pages, part, misses)
         if status == 0 and found and entry is not None:
             client = self.kv.clients.get(entry[0])
             if client is not None:
@@ -666,6 +697,18 @@ class CacheOps:
                 client.counters.load_ops += 1
             if self.on_plane_get is not None:
                 self.on_plane_get(nbytes)
+
+    def _touch_below(self, part: Part | None, ids: np.ndarray) -> None:
+        """A Get's or Lookup's whole hit the plane served in a daemon with a disk tier: the disk's
+        copies of its pages made its most recent, as the loop's walk of the same keys makes them
+        (``DiskTier.holds``), so that pages kept hot in host memory keep their disk copies too.
+        Pages gone from the part since the walk (a Lookup holds none) are skipped."""
+        if self.disk is None or part is None or not len(ids):
+            return
+        p = self.cache.pages
+        ids = ids[(p.state[ids] == COMMITTED) & (p.part[ids] == part.gid)]
+        if len(ids):
+            self.disk.holds(part, p.keys_of(ids))
 
     def put_on_plane(self, req: pb.PutRequest,
                      ended: Callable[[PutOutcome | None, BaseException | None], None],
@@ -686,10 +729,8 @@ class CacheOps:
         if client is None or client.closing or not copier.alone(client):
             return None
         key_bytes, packed = req.key_bytes, req.keys
-        if not 1 <= key_bytes <= MAX_KEY_BYTES or len(packed) % key_bytes:
+        if not self._keys_fit(packed, key_bytes):
             return None  # (put words it)
-        if len(packed) // key_bytes > self._max_keys:
-            return None
         try:
             pages = self._checked_pages(client, len(packed) // key_bytes, req.device_pages, b"", 0)
         except KVError:
@@ -700,8 +741,7 @@ class CacheOps:
             part = self._part(client)
         except KVError:
             return None
-        if self.cache.pages.compiled:  # (the plane answers its next such Puts itself)
-            self._serve_on_plane(client, part)
+        self._serve_on_plane(client, part)  # (the plane answers its next such Puts itself)
         stored = self.cache.prepare_put_present(part, packed, key_bytes)
         if stored is not None:  # every key stored already: nothing taken, nothing to copy
             self.kv.client(client.client_id)  # its lease, renewed as every call renews it

@@ -148,6 +148,9 @@ class ClientState:
     # Its gate on the compiled data plane (kvserver.lane.plane), if its lane is served there: the
     # plane's copies of its pages, counted apart from ``busy``/``inflight``; closed on release.
     gate: Any = None
+    # The plane cannot serve its cache calls whole (``CacheOps._serve_on_plane`` found its rows or
+    # its pool's checks refused, which never change): not asked again.
+    off_plane: bool = False
     plane_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # turns among the plane's copies, in order
 
     @property

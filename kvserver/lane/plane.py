@@ -125,16 +125,18 @@ class DataPlane:
 
     # ---- lane Gets served whole on the plane ----------------------------------------------------
 
-    def serve_gets(self, cache: Any, address: int, nbytes: int, ended: Callable[..., None]) -> None:
+    def serve_gets(self, cache: Any, address: int, nbytes: int, ended: Callable[..., None],
+                   whole: bool = False) -> None:
         """Has the plane's thread serve lane Gets whole (docs/design.md, "A Get on the data plane")
         from ``cache`` (a KVCache in the arena at ``address``, ``nbytes``) for the gates given a
         part (``Gate.set_cache``): it walks the index and holds the pages under the cache's lock
         (attached here: from now on the loop's changes take the plane's lock), copies them and
         answers the slot; and the engines' Lookups of their own part, which it walks and answers;
         ``ended(token, gid, ids, found, misses, status, layers, bytes, held)`` settles each on the
-        loop (a Get's pages let go, the pages made recent, the counters kept). Once, before any
-        gate is given a part."""
-        c = _kvlane.Cache(address, nbytes)
+        loop (a Get's pages let go, the pages made recent, the counters kept). ``whole``: only the
+        calls whose every key host memory holds, the others handed to the loop (a daemon with a
+        disk or cluster tier, which may hold the rest). Once, before any gate is given a part."""
+        c = _kvlane.Cache(address, nbytes, whole)
         lock = cache.lock
         lock.attach(c)
         with lock:

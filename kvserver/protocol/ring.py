@@ -86,7 +86,7 @@ PLANE_STREAMS = frozenset({"LoadB"})  # the streams the compiled data plane may 
 
 FLAG_DONE = 1
 FLAG_JOB_ENDED = 2
-FLAG_PLANE_GET = 4  # a Get the daemon's data plane served whole: the lane's next Gets will be too
+FLAG_PLANE_GET = 4  # a Get the daemon's data plane served whole: the lane's next one likely is too
 # The ring header's features word: what the client does beyond version 1's protocol (the daemon
 # ignores bits it does not know). QUIET_DONE: the client stores a slot's waiting word before it
 # sleeps on the slot's done doorbell, so the daemon need ring it only then.

@@ -2,9 +2,10 @@
 
 The data plane's thread serves a lane Get whole where it can (docs/design.md, "A Get on the data
 plane"): it walks the index and holds the pages it found, then copies them. It does so under this
-lock, which it only *tries* (a Get finding it taken goes to the loop). The loop takes it, blocking,
-around each of the cache's operations that change what that walk reads (the index's chains and
-bucket counters, the pages' states, offsets and holds) or that decide on holds read meanwhile
+lock, which it only *tries*, for a few microseconds (a Get finding it taken that long goes to the
+loop). The loop takes it, blocking, around each of the cache's operations that change what that
+walk reads (the index's chains and bucket counters, the pages' states, offsets and holds) or that
+decide on holds read meanwhile
 (eviction: a page or slab found not held is dropped in the same hold of the lock, so a hold the
 plane took before is seen and one it would take after waits).
 

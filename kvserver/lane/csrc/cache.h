@@ -4,7 +4,8 @@
  * (docs/design.md, "A Get on the data plane").
  *
  * The loop takes the lock (lock(), blocking, for as long as one of its cache operations runs); the
- * plane only tries it, for one walk and its holds, and hands the Get to the loop when it is taken.
+ * plane only tries it, for at most CACHE_LOCK_WAIT_NS, for one walk and its holds, and hands the Get
+ * to the loop when it stays taken.
  * The tables never move (they are sized for every page the arena can hold), except the per-slab
  * counts, which grow by reallocation: the loop gives their new array (set_slabs) and the index's
  * bucket counters as they change (set_index), always with the lock held. */
@@ -13,7 +14,9 @@
 
 #include <Python.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
+#include <time.h>
 
 #include "../../store/csrc/hit.h"
 
@@ -32,6 +35,7 @@ typedef struct {
     int64_t *slab_holds;
     char *arena;         /* where page offsets count from */
     int64_t arena_bytes; /* every page's chunks lie inside it */
+    int whole;           /* only whole hits: a tier below or beside may hold what host memory misses */
 } Cache;
 
 static void cache_release_view(Cache *c, int i) {
@@ -48,12 +52,16 @@ static void cache_dealloc(Cache *c) {
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
 
-/* Cache(arena_address, arena_bytes) */
+/* Cache(arena_address, arena_bytes, whole=False): whole, the plane serves only the calls whose
+ * every key host memory holds (a daemon with a disk or cluster tier, where the loop reads a miss
+ * back or asks the cluster), and a Lookup of host memory only (memory_only), which asks no tier:
+ * any other is handed to the loop, nothing held. */
 static int cache_init(Cache *c, PyObject *args, PyObject *kw) {
-    static char *names[] = {"arena_address", "arena_bytes", NULL};
+    static char *names[] = {"arena_address", "arena_bytes", "whole", NULL};
     unsigned long long arena;
     long long nbytes;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "KL", names, &arena, &nbytes))
+    int whole = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KL|p", names, &arena, &nbytes, &whole))
         return -1;
     if (c->arena) {
         PyErr_SetString(PyExc_RuntimeError, "a Cache is made once");
@@ -66,6 +74,7 @@ static int cache_init(Cache *c, PyObject *args, PyObject *kw) {
     pthread_mutex_init(&c->mu, NULL);
     c->arena = (char *)(uintptr_t)arena;
     c->arena_bytes = nbytes;
+    c->whole = whole;
     return 0;
 }
 
@@ -200,6 +209,7 @@ static PyObject *cache_close(Cache *c, PyObject *unused) {
 
 static PyObject *cache_get_open(Cache *c, void *unused) { return PyBool_FromLong(c->open); }
 static PyObject *cache_get_held(Cache *c, void *unused) { return PyBool_FromLong(c->held); }
+static PyObject *cache_get_whole(Cache *c, void *unused) { return PyBool_FromLong(c->whole); }
 
 static PyMethodDef cache_methods[] = {
     {"lock", (PyCFunction)cache_lock, METH_NOARGS, NULL},
@@ -214,6 +224,7 @@ static PyMethodDef cache_methods[] = {
 static PyGetSetDef cache_getset[] = {
     {"open", (getter)cache_get_open, NULL, NULL, NULL},
     {"held", (getter)cache_get_held, NULL, NULL, NULL},
+    {"whole", (getter)cache_get_whole, NULL, NULL, NULL},
     {NULL},
 };
 
@@ -230,12 +241,37 @@ static PyTypeObject CacheType = {
 
 /* The plane's side, for one Get: the leading keys (their words) filed under `owner` with a committed
  * page whose chunks lie inside the arena, those pages held (as PageTable.hold; not with hold 0, a
- * Lookup's walk); ids[0..m) and offsets[0..m). -1: the lock is the loop's, the cache is closed, or
- * a table is corrupt: nothing held, the loop serves the call. `chunks` (layer, part) chunks of
- * `lp_stride` bytes a page. */
+ * Lookup's walk); ids[0..m) and offsets[0..m). -1: the lock is the loop's (cache_try_lock), the
+ * cache is closed, a table is corrupt, or (`whole`: the call counts on a tier below or beside host memory, as in a
+ * whole-hits cache) a key is missed: nothing held, the loop serves the call. `chunks` (layer,
+ * part) chunks of `lp_stride` bytes a page. */
+/* The most the plane waits for the lock the loop holds before it hands a call over: the loop's
+ * settle of the plane's last call, which it takes as the engine's next one comes, holds it for
+ * microseconds, and a call handed over costs the loop's whole path (a hundred microseconds and
+ * more); the loop's longer holds (a step of a large Put) are handed over after this. */
+#define CACHE_LOCK_WAIT_NS 20000
+
+/* Takes the lock within CACHE_LOCK_WAIT_NS, yielding the CPU at every try; 0 if it did not. */
+static int cache_try_lock(Cache *c) {
+    if (pthread_mutex_trylock(&c->mu) == 0)
+        return 1;
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    int64_t until = (int64_t)t.tv_sec * 1000000000 + t.tv_nsec + CACHE_LOCK_WAIT_NS, now;
+    do {
+        sched_yield();
+        if (pthread_mutex_trylock(&c->mu) == 0)
+            return 1;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        now = (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+    } while (now < until);
+    return 0;
+}
+
 static int64_t cache_walk_hold(Cache *c, const uint64_t *words, uint8_t len, int64_t n, int32_t owner,
-                               int64_t chunks, int64_t lp_stride, int64_t *ids, int64_t *offsets, int hold) {
-    if (pthread_mutex_trylock(&c->mu) != 0)
+                               int64_t chunks, int64_t lp_stride, int64_t *ids, int64_t *offsets, int hold,
+                               int whole) {
+    if (!cache_try_lock(c))
         return -1;
     int64_t m = -1;
     if (c->open) {
@@ -243,6 +279,8 @@ static int64_t cache_walk_hold(Cache *c, const uint64_t *words, uint8_t len, int
         for (int64_t k = 0; k < m; k++)
             if (offsets[k] < 0 || offsets[k] > c->arena_bytes || (c->arena_bytes - offsets[k]) / lp_stride < chunks)
                 m = -1;
+        if (whole && m < n) /* a tier may hold the rest: the loop reads it back, or asks */
+            m = -1;
         for (int64_t k = 0; k < m && hold; k++) { /* every id and slab checked inside the tables by the walk */
             c->readers[ids[k]] += 1;
             c->slab_holds[c->pg.slab[ids[k]]] += 1;

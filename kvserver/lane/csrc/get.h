@@ -113,18 +113,19 @@ static inline int kv_get_parse(const unsigned char *buf, uint64_t len, kv_get *q
 typedef struct {
     const unsigned char *client_id, *keys;
     uint64_t client_id_len, keys_len, key_bytes;
+    uint64_t memory_only; /* host memory's pages only: its end makes no tier's copies recent */
 } kv_lookup;
 
 /* Reads a LookupRequest (fields: 1 client_id, 2 space_id, 3 keys, 4 key_bytes, 5 pin_ms,
  * 6 whole_space, 7 memory_only, 8 timeout_ms). 1: in the plain form of an engine's Lookup of its
- * own part: no space id, no pin, not the whole space. (memory_only and timeout_ms change nothing
- * for a walk of host memory that runs at once: read, not kept.) */
+ * own part: no space id, no pin, not the whole space. (timeout_ms changes nothing for a walk of
+ * host memory that runs at once: read, not kept. memory_only changes only the end: kept.) */
 static inline int kv_lookup_parse(const unsigned char *buf, uint64_t len, kv_lookup *q) {
     kv_pb_field f[9];
     memset(q, 0, sizeof *q);
     if (!kv_pb_read(buf, len, "-bbbvvvvv", f) || f[2].v || f[5].v || f[6].v)
         return 0;
-    *q = (kv_lookup){f[1].p, f[3].p, f[1].v, f[3].v, f[4].v};
+    *q = (kv_lookup){f[1].p, f[3].p, f[1].v, f[3].v, f[4].v, f[7].v};
     return 1;
 }
 

@@ -15,8 +15,9 @@
  * most once per progress interval before the end, and on a quiet ring only for a client that
  * sleeps there). A lane Get (protobuf) of a registration whose Gate knows its cache part
  * (set_cache) is served whole here too (try_get): read and checked (get.h), its keys walked in the
- * cache's index and its pages held under the cache's lock, which this thread only tries (cache.h),
- * copied as a Load is, its end posted back with the pages it held (take_gets); and so is the
+ * cache's index and its pages held under the cache's lock, which this thread only tries for a few
+ * microseconds (cache.h), copied as a Load is, its end posted back with the pages it held
+ * (take_gets); and so is the
  * engine's Lookup of that part (try_answer), walked and answered, nothing held. Everything else
  * (the other protobuf calls, Put, CUDA pools, any request the check refuses) is handed to Python
  * in arrival order through a queue and an eventfd, and answered there by the one validation. The
@@ -77,7 +78,7 @@
 #define RPC_COPIES_LAST 6 /* ids 1 to 6 name copies (Write, Load, Put, Get and the binary two: ring.py) */
 #define FLAG_DONE 1
 #define FLAG_JOB_ENDED 2
-#define FLAG_PLANE_GET 4 /* a Get this thread served whole (try_get): its client's next ones will be too */
+#define FLAG_PLANE_GET 4 /* a Get this thread served whole (try_get): its client's next one likely is too */
 #define MAX_DRAIN 64
 #define PIECE_BYTES (512 * 1024)
 /* Bytes of loads copied in a row while a write waited, after which the write gets a piece: the copy
@@ -399,7 +400,8 @@ typedef struct {
     const unsigned char *keys; /* inside the request */
     uint64_t key_bytes, timeout_ms;
     int64_t nkeys;
-    uint32_t nl; /* a Get's layers (local[0..nl)) */
+    uint32_t nl;     /* a Get's layers (local[0..nl)) */
+    int memory_only; /* a Lookup of host memory's pages only */
 } cache_call;
 
 /* Reads and checks `buf` (n bytes), a Get, Lookup or Put of rpc id `rpc` on the gate's lane, as
@@ -416,6 +418,7 @@ static int check_cache_call(Gate *g, uint32_t rpc, const unsigned char *buf, uin
             return 0;
         out->keys = q.keys;
         out->key_bytes = q.key_bytes;
+        out->memory_only = q.memory_only != 0;
         return 1;
     }
     kv_get q;
@@ -551,7 +554,7 @@ typedef struct Job {
      * holds, ids[0..found); its end goes back to the loop with them (GetEnd), which lets them go. */
     int get;
     int64_t *ids, misses;
-    int end_kind; /* not a Get: what its end is (END_LOOKUP, END_PUT: try_answer) */
+    int end_kind; /* not a Get: what its end is (END_LOOKUP, END_PUT, END_LOOKUP_HOST: try_answer) */
 } Job;
 
 /* The latency histograms the plane keeps: Write, Load, Load's first layer, Get, Get's first layer,
@@ -580,10 +583,11 @@ typedef struct {
     int32_t gid;
     int status; /* DONE_OK, DONE_RELEASED (its gate closed), DONE_HALTED (a deadline, the plane stopped) */
     uint32_t layers;
-    int kind; /* END_GET (its pages are held), END_LOOKUP (made recent), END_PUT (all present) */
+    int kind; /* END_GET (its pages are held), END_LOOKUP (made recent), END_PUT (all present),
+               * END_LOOKUP_HOST (a Lookup of host memory only: made recent, no tier's copies) */
 } GetEnd;
 
-enum { END_GET, END_LOOKUP, END_PUT };
+enum { END_GET, END_LOOKUP, END_PUT, END_LOOKUP_HOST };
 
 enum { CMD_NONE, CMD_ADD, CMD_REMOVE, CMD_CLOSE_GATE, CMD_UNWATCH_ALL, CMD_PAUSE, CMD_RESUME, CMD_STOP };
 
@@ -989,7 +993,7 @@ static int try_get(Engine *e, Lane *l, int i, uint32_t n) {
     }
     if (ok) {
         m = cache_walk_hold(c, words, (uint8_t)q.key_bytes, nkeys, gid, (int64_t)g->lim.num_layers * g->parts,
-                            g->cache_lp_stride, ids, offs, 1);
+                            g->cache_lp_stride, ids, offs, 1, c->whole);
         ok = m >= 0;
     }
     int64_t nr = 0;
@@ -1126,8 +1130,9 @@ static int try_answer(Engine *e, Lane *l, int i, uint32_t n, int put) {
     ok = ok && words && ids && offs && j && reserve_get_end(e);
     if (ok) {
         kv_keys_words(q.keys, (int64_t)q.key_bytes, nkeys, words);
+        /* A Lookup of host memory only asks no tier: its partial hit is whole too */
         m = cache_walk_hold(c, words, (uint8_t)q.key_bytes, nkeys, gid, (int64_t)g->lim.num_layers * g->parts,
-                            g->cache_lp_stride, ids, offs, 0);
+                            g->cache_lp_stride, ids, offs, 0, c->whole && !q.memory_only);
         ok = m >= 0 && (!put || m == nkeys); /* a Put of a key not stored is the loop's: it takes pages */
         if (!ok)
             unreserve_get_end(e);
@@ -1148,7 +1153,7 @@ static int try_answer(Engine *e, Lane *l, int i, uint32_t n, int put) {
     j->ids = ids;
     j->found = (uint32_t)m;
     j->misses = nkeys - m;
-    j->end_kind = put ? END_PUT : END_LOOKUP;
+    j->end_kind = put ? END_PUT : q.memory_only ? END_LOOKUP_HOST : END_LOOKUP;
     post_get_end(e, j, DONE_OK); /* before the answer: a Stats after it counts the hits */
     job_free(j);
     unsigned char resp[16];
@@ -2384,7 +2389,8 @@ static PyObject *engine_set_cache(Engine *e, PyObject *arg) {
  * ended: the gate's token and cache part, the page ids found (int64 bytes: a Get's are held, which
  * the loop lets go), the pages found and the keys missed, status 0 done, 2 its gate closed, 3
  * stopped otherwise (a deadline, the plane stopped, handed to the loop after all), the layers
- * copied and the bytes (done only), kind 0 a Get, 1 a Lookup, 2 a Put. */
+ * copied and the bytes (done only), kind 0 a Get, 1 a Lookup, 2 a Put, 3 a Lookup of host memory
+ * only (memory_only). */
 static PyObject *engine_take_gets(Engine *e, PyObject *unused) {
     pthread_mutex_lock(&e->hand_mu);
     size_t n = e->ngets;
