@@ -109,7 +109,7 @@ class ClientLane:
         # (those the plane handed over: in a daemon with a disk or cluster tier, those with a key
         # host memory lacks) make the next ones sleep first, until the plane serves one again.
         self.plane_gets = False
-        self.gets_on_plane = 0  # Gets answered here that the data plane served whole
+        self.gets_on_plane = 0  # Gets answered here (without an error) that the data plane served whole
         self.gets_on_loop = 0  # and those the event loop served
         self._loop_run = 0  # the loop's, in a row
         self.reg: Any = None  # the registration this lane was opened for
@@ -347,16 +347,17 @@ class ClientLane:
 
     def note_get(self, on_plane: bool) -> None:
         """A Get answered here, served whole on the daemon's data plane or not: how the next ones
-        are waited for (``plane_gets``)."""
-        if on_plane:
-            self.gets_on_plane += 1
-            self._loop_run = 0
-            self.plane_gets = True
-        else:
-            self.gets_on_loop += 1
-            self._loop_run += 1
-            if self._loop_run >= LOOP_GETS_TO_SLEEP:
-                self.plane_gets = False
+        are waited for (``plane_gets``). (Gets of several threads may end at once.)"""
+        with self._lock:
+            if on_plane:
+                self.gets_on_plane += 1
+                self._loop_run = 0
+                self.plane_gets = True
+            else:
+                self.gets_on_loop += 1
+                self._loop_run += 1
+                if self._loop_run >= LOOP_GETS_TO_SLEEP:
+                    self.plane_gets = False
 
     def _progress(self, i: int) -> tuple[int, ...]:
         """(state, layers_done, last_layer, bytes, events_recorded, pages, step, flags)."""

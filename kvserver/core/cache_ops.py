@@ -679,7 +679,8 @@ class CacheOps:
                 self.cache.count_present(part, found)
             return
         pages = np.frombuffer(ids, np.int64)
-        if kind != _END_LOOKUP_HOST and self.disk is not None:
+        if kind != _END_LOOKUP_HOST and status == 0 and self.disk is not None:
+            # (Not a Get's the plane handed over after all: the loop's walk touches them itself.)
             # First, outside the cache's lock (a Get's pages are still held): the plane's next call,
             # which comes about now, finds the lock free more often.
             try:

@@ -36,6 +36,7 @@ typedef struct {
     char *arena;         /* where page offsets count from */
     int64_t arena_bytes; /* every page's chunks lie inside it */
     int whole;           /* only whole hits: a tier below or beside may hold what host memory misses */
+    int64_t missed_ns;   /* when the plane last waited out CACHE_LOCK_WAIT_NS (its thread's alone) */
 } Cache;
 
 static void cache_release_view(Cache *c, int i) {
@@ -248,23 +249,34 @@ static PyTypeObject CacheType = {
 /* The most the plane waits for the lock the loop holds before it hands a call over: the loop's
  * settle of the plane's last call, which it takes as the engine's next one comes, holds it for
  * microseconds, and a call handed over costs the loop's whole path (a hundred microseconds and
- * more); the loop's longer holds (a step of a large Put) are handed over after this. */
+ * more); the loop's longer holds (a step of a large Put) are handed over after this. Within
+ * CACHE_LOCK_LONG_NS of a wait that ran out, the loop is likely still in that long hold: the calls
+ * then try the lock once, so that a queue of them does not keep the thread (and the other lanes'
+ * copies) waiting one after another. */
 #define CACHE_LOCK_WAIT_NS 20000
+#define CACHE_LOCK_LONG_NS 200000
 
-/* Takes the lock within CACHE_LOCK_WAIT_NS, yielding the CPU at every try; 0 if it did not. */
+static int64_t cache_now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* Takes the lock within CACHE_LOCK_WAIT_NS (none, soon after a wait ran out), yielding the CPU at
+ * every try; 0 if it did not. The plane's thread alone calls it. */
 static int cache_try_lock(Cache *c) {
     if (pthread_mutex_trylock(&c->mu) == 0)
         return 1;
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    int64_t until = (int64_t)t.tv_sec * 1000000000 + t.tv_nsec + CACHE_LOCK_WAIT_NS, now;
+    int64_t now = cache_now_ns(), until = now + CACHE_LOCK_WAIT_NS;
+    if (c->missed_ns && now - c->missed_ns < CACHE_LOCK_LONG_NS)
+        return 0;
     do {
         sched_yield();
         if (pthread_mutex_trylock(&c->mu) == 0)
             return 1;
-        clock_gettime(CLOCK_MONOTONIC, &t);
-        now = (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+        now = cache_now_ns();
     } while (now < until);
+    c->missed_ns = now;
     return 0;
 }
 
