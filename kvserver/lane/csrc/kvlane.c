@@ -897,24 +897,30 @@ static void publish_progress(Engine *e, Job *j, uint32_t flags);
 static void answer_slot(Engine *e, Job *j, uint32_t code, const char *message);
 static const int64_t never_stopped = 0; /* the stop word of a Get served here: its gate's close stops it */
 
-/* Room for one more GetEnd, kept until it is posted; 0: out of memory. */
-static int reserve_get_end(Engine *e) {
+/* Room for one more item of `size` bytes in the array *items (of *cap, *n posted), kept until it
+ * is posted (*unposted counts those kept); 0: out of memory. All of them hand_mu's, which it takes. */
+static int reserve_room(Engine *e, void **items, size_t *cap, const size_t *n, size_t *unposted, size_t size) {
     pthread_mutex_lock(&e->hand_mu);
     int room = 1;
-    if (e->capgets < e->ngets + e->unposted_gets + 1) {
-        size_t cap = 2 * (e->ngets + e->unposted_gets + 1) + 16;
-        GetEnd *d = realloc(e->gets, cap * sizeof(GetEnd));
+    if (*cap < *n + *unposted + 1) {
+        size_t more = 2 * (*n + *unposted + 1) + 16;
+        void *d = realloc(*items, more * size);
         if (d) {
-            e->gets = d;
-            e->capgets = cap;
+            *items = d;
+            *cap = more;
         } else {
             room = 0;
         }
     }
     if (room)
-        e->unposted_gets++;
+        (*unposted)++;
     pthread_mutex_unlock(&e->hand_mu);
     return room;
+}
+
+/* Room for one more GetEnd, kept until it is posted; 0: out of memory. */
+static int reserve_get_end(Engine *e) {
+    return reserve_room(e, (void **)&e->gets, &e->capgets, &e->ngets, &e->unposted_gets, sizeof(GetEnd));
 }
 
 static void unreserve_get_end(Engine *e) {
@@ -2279,22 +2285,8 @@ static PyObject *engine_submit_copy(Engine *e, PyObject *args, PyObject *kw) {
         result = PyLong_FromLong(idle ? (long)code : -1L);
         goto done;
     }
-    pthread_mutex_lock(&e->hand_mu); /* room for its completion, kept until it is posted */
-    int room = 1;
-    if (e->capdone < e->ndone + e->unposted + 1) {
-        size_t cap = 2 * (e->ndone + e->unposted + 1) + 16;
-        Done *d = realloc(e->done, cap * sizeof(Done));
-        if (d) {
-            e->done = d;
-            e->capdone = cap;
-        } else {
-            room = 0;
-        }
-    }
-    if (room)
-        e->unposted++;
-    pthread_mutex_unlock(&e->hand_mu);
-    if (!room) {
+    /* room for its completion, kept until it is posted */
+    if (!reserve_room(e, (void **)&e->done, &e->capdone, &e->ndone, &e->unposted, sizeof(Done))) {
         PyErr_NoMemory();
         goto done;
     }
