@@ -124,6 +124,16 @@ class CacheEngine:
         handle.wait(timeout=30)
         return n
 
+    def load_checked(self, keys: list[bytes], rng: np.random.Generator) -> int:
+        """Loads the stored prefix of ``keys`` into scattered wiped device pages; asserts every
+        loaded byte is the key's and no page past the prefix was written; returns the pages loaded."""
+        pages = scattered(rng, len(keys), self.num_pages)
+        self.wipe()
+        n = self.get(keys, pages)
+        assert self.wrong(keys[:n], pages[:n]) == [], "a page came back with other bytes"
+        assert self.zero(pages[n:]), "a page past the loaded prefix was written"
+        return n
+
     def lookup(self, keys: list[bytes], **kw):
         return self.client.lookup(keys, **kw)
 

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from cache_engine import CacheEngine, scattered
+from cache_engine import CacheEngine
 from daemon_proc import DaemonProcess
 from mooncake_master import MooncakeMaster, free_port, needs_mooncake
 
@@ -49,15 +49,6 @@ def published(d: DaemonProcess, n: int, timeout: float = 20) -> None:
                + next(t for t in s.tiers if t.name == "cluster").present_pages >= n, timeout)
 
 
-def load(eng: CacheEngine, keys: list[bytes], rng) -> int:
-    pages = scattered(rng, len(keys), eng.num_pages)
-    eng.wipe()
-    n = eng.get(keys, pages)
-    assert eng.wrong(keys[:n], pages[:n]) == [], "a page came back with other bytes"
-    assert eng.zero(pages[n:]), "a page past the loaded prefix was written"
-    return n
-
-
 @pytest.fixture
 def master(tmp_path):
     needs_mooncake()
@@ -87,7 +78,7 @@ def test_a_prefix_stored_on_one_node_is_a_bit_exact_hit_on_the_other(nodes):
         store(eb, keys[:100])
         found = eb.lookup(keys)
         assert (found.pages, found.cluster_pages, found.host_pages) == (300, 200, 100)
-        assert load(eb, keys, rng) == 300
+        assert eb.load_checked(keys, rng) == 300
         c = cluster_stat(b)
         assert c.promoted_pages == 200 and c.promoted_bytes == 200 * PAGE_BYTES, c
         assert c.read_errors == 0 and c.hits == 200
@@ -98,7 +89,7 @@ def test_a_prefix_stored_on_one_node_is_a_bit_exact_hit_on_the_other(nodes):
         assert cluster_stat(b).hits == 200
         lane = eb.client.lane
         assert lane.gets_on_plane == 0
-        assert load(eb, keys, rng) == 300
+        assert eb.load_checked(keys, rng) == 300
         assert lane.gets_on_plane == (1 if plane.available() and plane.GETS else 0)
         assert cluster_stat(b).hits == 200
         # B stored its 100 first: the cluster had them (first writer wins, no second copy).
@@ -153,11 +144,11 @@ def test_a_dead_master_costs_misses_within_the_deadline_and_the_nodes_rejoin(nod
             assert found.pages == 0
         assert eb.lookup(mine).pages == 100  # local hits are served throughout
         t0 = time.monotonic()
-        n = load(eb, theirs, rng)
+        n = eb.load_checked(theirs, rng)
         worst = max(worst, time.monotonic() - t0)
         assert n == 0
         assert worst < 1.5, f"a call waited {worst:.2f} s on a dead master"
-        assert load(eb, mine, rng) == 100
+        assert eb.load_checked(mine, rng) == 100
         # The loop answers small calls at once meanwhile.
         lag = max(_timed(lambda: b.stats()) for _ in range(20))
         assert lag < 0.25, f"Stats took {lag:.3f} s with the master down"
@@ -175,7 +166,7 @@ def test_a_dead_master_costs_misses_within_the_deadline_and_the_nodes_rejoin(nod
         _until(lambda: _stored_anew(ea, a, tries), 30)
         again = tries[-1]
         assert eb.lookup(again).cluster_pages == 60
-        assert load(eb, again, rng) == 60
+        assert eb.load_checked(again, rng) == 60
 
 
 def test_a_hung_master_costs_misses_within_the_deadline_never_a_stall(nodes, master):
@@ -191,7 +182,7 @@ def test_a_hung_master_costs_misses_within_the_deadline_never_a_stall(nodes, mas
             assert eb.lookup(theirs).pages == 0
             assert time.monotonic() - t0 < 1.5
             t0 = time.monotonic()
-            assert load(eb, theirs, rng) == 0
+            assert eb.load_checked(theirs, rng) == 0
             assert time.monotonic() - t0 < 1.5
             store(ea, keys_of("meanwhile", 20))  # puts go on locally
             assert ea.lookup(keys_of("meanwhile", 20)).pages == 20
@@ -203,7 +194,7 @@ def test_a_hung_master_costs_misses_within_the_deadline_never_a_stall(nodes, mas
             os.kill(master.proc.pid, signal.SIGCONT)
         b.wait_for(lambda s: next(t for t in s.tiers if t.name == "cluster").available, 60)
         assert eb.lookup(theirs).cluster_pages == 50
-        assert load(eb, theirs, rng) == 50
+        assert eb.load_checked(theirs, rng) == 50
 
 
 def test_a_stalled_peer_costs_a_get_its_cluster_pages_not_its_local_hit(nodes):
@@ -222,7 +213,7 @@ def test_a_stalled_peer_costs_a_get_its_cluster_pages_not_its_local_hit(nodes):
         os.kill(a.pid, signal.SIGSTOP)
         try:
             t0 = time.monotonic()
-            n = load(eb, keys, rng)
+            n = eb.load_checked(keys, rng)
             took = time.monotonic() - t0
             assert n == 50 and took < 2.0, (n, took)  # the local hit, within the deadline
             lag = max(_timed(lambda: b.stats()) for _ in range(20))
@@ -232,7 +223,7 @@ def test_a_stalled_peer_costs_a_get_its_cluster_pages_not_its_local_hit(nodes):
         finally:
             os.kill(a.pid, signal.SIGCONT)
         # The transfer ends once the peer answers: then the pages count (or were never used).
-        _until(lambda: load(eb, keys, rng) == 150, 30)
+        _until(lambda: eb.load_checked(keys, rng) == 150, 30)
 
 
 def test_a_dead_node_s_pages_are_misses_within_the_deadline(nodes):
@@ -245,7 +236,7 @@ def test_a_dead_node_s_pages_are_misses_within_the_deadline(nodes):
             published(a, 100)
         a.kill()
         t0 = time.monotonic()
-        n = load(eb, keys, rng)
+        n = eb.load_checked(keys, rng)
         took = time.monotonic() - t0
         assert n == 0 and took < 1.5, (n, took)
         c = cluster_stat(b)

@@ -46,9 +46,7 @@ def test_a_lane_get_is_answered_by_the_plane_as_the_rpc_answers_it(plane_daemon)
     d = plane_daemon
     plane = d.core.plane
     with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c, \
-            KVClient(d.address, timeout=10, resilient=False, lane="grpc") as g:
-        g.register(model="plane", pool=pool, start_layer=START, end_layer=START + LAYERS,
-                   num_layers=START + LAYERS + 2, host_tokens=TOKENS, page_size=PAGE)
+            _client(d, pool, lane="grpc") as g:
         assert c.lane is not None
         _fill(pool, 31)
         src, dst = torch.randperm(PAGES), torch.arange(PAGES, 2 * PAGES)
@@ -232,9 +230,7 @@ def test_a_lane_put_is_copied_alone_and_committed_before_its_answer(plane_daemon
     d = plane_daemon
     copier = d.core.copier
     with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c, \
-            KVClient(d.address, timeout=10, resilient=False, lane="grpc") as g:
-        g.register(model="plane", pool=pool, start_layer=START, end_layer=START + LAYERS,
-                   num_layers=START + LAYERS + 2, host_tokens=TOKENS, page_size=PAGE)
+            _client(d, pool, lane="grpc") as g:
         _fill(pool, 35)
         src = torch.randperm(PAGES)
         want = _pages_of(pool, src)
@@ -295,9 +291,7 @@ def test_a_lane_lookup_is_answered_at_once_as_the_rpc_answers_it(plane_daemon) -
     d = plane_daemon
     ops = d.daemon.servicer.cache
     with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c, \
-            KVClient(d.address, timeout=10, resilient=False, lane="grpc") as g:
-        g.register(model="plane", pool=pool, start_layer=START, end_layer=START + LAYERS,
-                   num_layers=START + LAYERS + 2, host_tokens=TOKENS, page_size=PAGE)
+            _client(d, pool, lane="grpc") as g:
         _fill(pool, 37)
         assert c.put(_keys("k")[:12], torch.arange(12)).stored == 12
         now = ops.lookups_now

@@ -68,9 +68,7 @@ def _taken(gate, rpc: int, plain: bytes, crafted: list[bytes], seed: int) -> lis
 def test_a_lane_get_is_served_whole_by_the_plane_as_the_rpc_serves_it(plane_daemon) -> None:
     d = plane_daemon
     with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c, \
-            KVClient(d.address, timeout=10, resilient=False, lane="grpc") as g:
-        g.register(model="plane", pool=pool, start_layer=START, end_layer=START + LAYERS,
-                   num_layers=START + LAYERS + 2, host_tokens=TOKENS, page_size=PAGE)
+            _client(d, pool, lane="grpc") as g:
         _fill(pool, 41)
         src, dst = torch.randperm(PAGES), torch.arange(PAGES, 2 * PAGES)
         want = _pages_of(pool, src[:20])
@@ -118,9 +116,7 @@ def test_what_the_plane_does_not_take_the_loop_answers_as_the_rpc_does(plane_dae
     naming another client is the loop's too."""
     d = plane_daemon
     with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c, \
-            KVClient(d.address, timeout=10, resilient=False, lane="grpc") as g:
-        g.register(model="plane", pool=pool, start_layer=START, end_layer=START + LAYERS,
-                   num_layers=START + LAYERS + 2, host_tokens=TOKENS, page_size=PAGE)
+            _client(d, pool, lane="grpc") as g:
         _fill(pool, 42)
         assert c.put(_keys("b")[:4], torch.arange(4)).stored == 4
         _warm(c, "b")
@@ -349,9 +345,7 @@ def test_an_engine_s_lookup_is_served_whole_by_the_plane_as_the_rpc_serves_it(pl
     that pins, asks the whole space, or that the checks refuse is the loop's, answered alike."""
     d = plane_daemon
     with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c, \
-            KVClient(d.address, timeout=10, resilient=False, lane="grpc") as g:
-        g.register(model="plane", pool=pool, start_layer=START, end_layer=START + LAYERS,
-                   num_layers=START + LAYERS + 2, host_tokens=TOKENS, page_size=PAGE)
+            _client(d, pool, lane="grpc") as g:
         _fill(pool, 47)
         assert c.put(_keys("q")[:20], torch.arange(20)).stored == 20
         assert c.lookup(_keys("q")[:1]).pages == 1  # the first is the loop's: it gives the gate its part
@@ -436,9 +430,7 @@ def test_a_put_of_keys_all_stored_is_answered_by_the_plane_as_the_rpc_answers_it
     one with a key not stored, or a device page the checks refuse, is the loop's, answered alike."""
     d = plane_daemon
     with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c, \
-            KVClient(d.address, timeout=10, resilient=False, lane="grpc") as g:
-        g.register(model="plane", pool=pool, start_layer=START, end_layer=START + LAYERS,
-                   num_layers=START + LAYERS + 2, host_tokens=TOKENS, page_size=PAGE)
+            _client(d, pool, lane="grpc") as g:
         _fill(pool, 48)
         assert c.put(_keys("p")[:8], torch.arange(8)).stored == 8  # the loop's: gives the gate its part
 

@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 import pytest
-from cache_engine import CacheEngine, scattered
+from cache_engine import CacheEngine
 from test_dataplane_alone import _readers, _until
 from test_disk_tier import MiB, keys_of, store, tiers, written
 
@@ -32,15 +32,6 @@ def tiered(daemon_factory, tmp_path):
 def _counts(d) -> tuple[int, int, int]:
     p = d.core.plane
     return p.plane_gets, p.plane_lookups, p.plane_puts
-
-
-def _load(eng: CacheEngine, keys: list[bytes], rng) -> int:
-    pages = scattered(rng, len(keys), eng.num_pages)
-    eng.wipe()
-    n = eng.get(keys, pages)
-    assert eng.wrong(keys[:n], pages[:n]) == [], "a page came back with other bytes"
-    assert eng.zero(pages[n:]), "a page past the loaded prefix was written"
-    return n
 
 
 def _ledger(eng: CacheEngine) -> np.ndarray:
@@ -77,7 +68,7 @@ def _settled(eng: CacheEngine) -> None:
 def _host_hits(eng: CacheEngine, keys: list[bytes], rng) -> None:
     """A Get, a Lookup, a Lookup of host memory only and a Put of ``keys``, all in host memory."""
     _settled(eng)
-    assert _load(eng, keys, rng) == len(keys)
+    assert eng.load_checked(keys, rng) == len(keys)
     _settled(eng)
     found = eng.lookup(keys)
     assert (found.pages, found.disk_pages) == (len(keys), 0)
@@ -130,8 +121,8 @@ def test_with_a_disk_tier_the_plane_serves_host_hits_and_the_loop_reads_the_rest
         found = eng.lookup(old[:50])
         assert (found.pages, found.disk_pages) == (50, 50)
         assert eng.lookup(new[:5] + [b"neverstore"] + new[5:8]).pages == 5
-        assert _load(eng, old[:50], rng) == 50
-        assert _load(eng, new[:5] + [b"neverstore"], rng) == 5
+        assert eng.load_checked(old[:50], rng) == 50
+        assert eng.load_checked(new[:5] + [b"neverstore"], rng) == 5
         lane = eng.client.lane
         assert (lane.gets_on_plane, lane.gets_on_loop) == (1, 2)
         assert not lane.plane_gets  # two in a row the loop's: the next Get sleeps first
@@ -143,7 +134,7 @@ def test_with_a_disk_tier_the_plane_serves_host_hits_and_the_loop_reads_the_rest
         # Read back, they are host memory's now: the plane serves them.
         written(d, 0)  # (the new key's write behind is over: the loop takes the cache's lock no more)
         _settled(eng)
-        assert _load(eng, old[:50], rng) == 50
+        assert eng.load_checked(old[:50], rng) == 50
         _settled(eng)
         assert eng.lookup(old[:50]).disk_pages == 0
         assert _counts(d)[:2] == (counts[0] + 1, counts[1] + 1)
