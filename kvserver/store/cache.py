@@ -342,9 +342,7 @@ class KVCache:
             raise
         if lease_id:
             self.leases.start(lease_id, pin_ms)
-        for c in (space.counters, tenant.counters):
-            c.hits += n
-            c.misses += asked - n
+        self._count(space, n, asked - n)
         # Touched once at the end, in key order, so that the first key is the most recent. Pages
         # a step found unpinned may have gone since; a stamp on a page that changed only moves it
         # in the LRU order.
@@ -408,9 +406,7 @@ class KVCache:
         its hits and misses counted, each part's pages touched once, in key order (the first key
         the most recent, as ``lookup_steps`` touches them)."""
         n = len(found[0]) if found else 0
-        for c in (space.counters, self.tenants.get(space.key.tenant).counters):
-            c.hits += n
-            c.misses += asked - n
+        self._count(space, n, asked - n)
         for ids in found:
             self.pages.touch(ids)
         return Found(n, "")
@@ -527,11 +523,7 @@ class KVCache:
         got = self.pages.hold_hit(part.gid, packed, key_bytes, hold=False)
         if got is None or len(got[0]) < n:
             return None
-        space = self._live(part.space)
-        page_bytes = part.key.page_bytes
-        for c in (space.counters, self.tenants.get(space.key.tenant).counters):
-            c.dedup_pages += n
-            c.dedup_bytes += n * page_bytes
+        self._count_present(self._live(part.space), n, part.key.page_bytes)
         return PutPlan(part, np.empty(0, np.int64), np.empty(0, np.int64), n, 0)
 
     def writing(self, part: Part, keys: Keys) -> bool:
@@ -641,8 +633,7 @@ class KVCache:
                 self.pages.hold(ids, -1)
             raise
         ids = np.concatenate(got) if got else np.empty(0, np.int64)
-        for c in (space.counters, tenant.counters):
-            c.misses += len(keys) - n
+        self._count(space, 0, len(keys) - n)
         lease = lease_id if lease_id and self.leases.holds(lease_id, tenant.name) else ""
         return GetPlan(part, n, self.pages.offset[ids], lease, ids)
 
@@ -671,7 +662,7 @@ class KVCache:
         self.pages.hold(ids, -1)
         self.pages.touch(ids)
         if part is not None and misses:
-            self._count(part, 0, misses)
+            self._count(part.space, 0, misses)
 
     @_locked
     def settle_lookup(self, ids: np.ndarray, gid: int, part: Part | None, found: int, misses: int) -> None:
@@ -684,25 +675,29 @@ class KVCache:
             ids = ids[(p.state[ids] == COMMITTED) & (p.part[ids] == gid)]
         p.touch(ids)
         if part is not None and (found or misses):
-            self._count(part, found, misses)
+            self._count(part.space, found, misses)
 
     @_locked
     def count_present(self, part: Part, n: int) -> None:
         """A Put of ``n`` keys that the data plane found all stored (nothing taken or copied):
-        counted present, as ``prepare_put_present`` counts them."""
-        space, page_bytes = part.space, part.key.page_bytes
-        for c in (space.counters, self.tenants.get(space.key.tenant).counters):
-            c.dedup_pages += n
-            c.dedup_bytes += n * page_bytes
+        counted present, as ``prepare_put_present`` counts them. (Its space, as a settled call's,
+        ``_count``: not registered again if it was dropped while empty.)"""
+        self._count_present(part.space, n, part.key.page_bytes)
 
-    def _count(self, part: Part, hits: int, misses: int) -> None:
-        """A settled call's hits and misses in its space and tenant. A space dropped while empty
-        is not registered again for them (that would pass the tenant's limit of spaces, which the
-        loop's own path would have refused): its counters count on, unseen until it is used."""
-        space = part.space
+    def _count(self, space: Space, hits: int, misses: int) -> None:
+        """A call's hits and misses in its space and tenant. The plane's calls, settled after
+        the answer, count in their part's space as it is: one dropped while empty is not
+        registered again for them (that would pass the tenant's limit of spaces, which the loop's
+        own path would have refused), its counters count on, unseen until it is used."""
         for c in (space.counters, self.tenants.get(space.key.tenant).counters):
             c.hits += hits
             c.misses += misses
+
+    def _count_present(self, space: Space, n: int, page_bytes: int) -> None:
+        """A Put's ``n`` keys found stored already (pages of ``page_bytes``), in its space and tenant."""
+        for c in (space.counters, self.tenants.get(space.key.tenant).counters):
+            c.dedup_pages += n
+            c.dedup_bytes += n * page_bytes
 
     @_locked
     def complete_get(self, plan: GetPlan, ok: bool) -> None:
