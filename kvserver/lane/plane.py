@@ -132,7 +132,7 @@ class DataPlane:
         part (``Gate.set_cache``): it walks the index and holds the pages under the cache's lock
         (attached here: from now on the loop's changes take the plane's lock), copies them and
         answers the slot; and the engines' Lookups of their own part, which it walks and answers;
-        ``ended(token, gid, ids, found, misses, status, layers, bytes, held)`` settles each on the
+        ``ended(token, gid, ids, found, misses, status, layers, bytes, kind)`` settles each on the
         loop (a Get's pages let go, the pages made recent, the counters kept). ``whole``: only the
         calls whose every key host memory holds, the others handed to the loop (a daemon with a
         disk or cluster tier, which may hold the rest). Once, before any gate is given a part."""

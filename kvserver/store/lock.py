@@ -5,9 +5,8 @@ plane"): it walks the index and holds the pages it found, then copies them. It d
 lock, which it only *tries*, for a few microseconds (a Get finding it taken that long goes to the
 loop). The loop takes it, blocking, around each of the cache's operations that change what that
 walk reads (the index's chains and bucket counters, the pages' states, offsets and holds) or that
-decide on holds read meanwhile
-(eviction: a page or slab found not held is dropped in the same hold of the lock, so a hold the
-plane took before is seen and one it would take after waits).
+decide on holds read meanwhile (eviction: a page or slab found not held is dropped in the same
+hold of the lock, so a hold the plane took before is seen and one it would take after waits).
 
 Primitives: ``CacheLock``: a context manager for the loop (re-entrant: an operation that calls
 another takes it once), ``attach`` (the plane's C lock: until then the lock only counts, so that a
@@ -32,10 +31,6 @@ class CacheLock:
         if self.depth:
             raise RuntimeError("the cache's lock is attached only while it is not held")
         self._c = c
-
-    @property
-    def attached(self) -> Any:
-        return self._c
 
     def __enter__(self) -> CacheLock:
         if not self.depth and self._c is not None:

@@ -97,7 +97,7 @@ class PageTable:
         self.lock: CacheLock | None = None
         self.on_slabs: Callable[[np.ndarray], None] | None = None
 
-    def _locked(self) -> None:
+    def _check_locked(self) -> None:
         if self.lock is not None:
             self.lock.check()
 
@@ -132,7 +132,7 @@ class PageTable:
 
     def give(self, ids: np.ndarray) -> None:
         """Page ids of a released slab go back to the spare ids."""
-        self._locked()
+        self._check_locked()
         self.state[ids] = UNUSED
         self._ids.give(ids)
 
@@ -175,7 +175,7 @@ class PageTable:
 
     def new_slab(self, sid: int) -> None:
         """A slab id starts (again): not used yet."""
-        self._locked()
+        self._check_locked()
         if sid >= len(self.slab_stamp):
             size = max(2 * len(self.slab_stamp), sid + 1)
             for name in ("slab_stamp", "slab_holds"):
@@ -194,7 +194,7 @@ class PageTable:
         """Marks pages as being read (ids may repeat: each occurrence counts); ``n`` -1 undoes."""
         if not len(ids):
             return
-        self._locked()
+        self._check_locked()
         if self._c is not None:  # the same in C: two np.add.at cost ~10 us on a busy loop, this ~1
             self._c.hold(self.readers, self.slab, self.slab_holds, np.ascontiguousarray(ids, np.int64), n)
             return
@@ -215,7 +215,7 @@ class PageTable:
         if not self.compiled:
             return None
         if hold:
-            self._locked()
+            self._check_locked()
         n = len(packed) // key_bytes
         ids, offsets = np.empty(n, np.int64), np.empty(n, np.int64)
         m = self._c.hit(ids, offsets, packed, key_bytes, part, *self.index.tables(), self.state, self.offset,
@@ -225,19 +225,19 @@ class PageTable:
     def pin(self, ids: np.ndarray, n: int = 1) -> None:
         """Pins pages once more (each occurrence: a lease's steps may pin a page twice); ``n`` -1
         unpins."""
-        self._locked()
+        self._check_locked()
         np.add.at(self.pins, ids, n)
         np.add.at(self.slab_holds, self.slab[ids], n)
 
     def write(self, ids: np.ndarray) -> None:
         """Free pages start being written: invisible to lookups, never evicted."""
-        self._locked()
+        self._check_locked()
         self.state[ids] = WRITING
         np.add.at(self.slab_holds, self.slab[ids], 1)
 
     def commit(self, ids: np.ndarray) -> None:
         """Pages being written are stored."""
-        self._locked()
+        self._check_locked()
         self.state[ids] = COMMITTED
         np.add.at(self.slab_holds, self.slab[ids], -1)
 
@@ -251,7 +251,7 @@ class PageTable:
 
     def set_keys(self, ids: np.ndarray, part: int, keys: Keys) -> None:
         """Files free pages under their keys in ``part`` (keys distinct and absent from it)."""
-        self._locked()
+        self._check_locked()
         self.index.insert(ids, part, keys)
         wide = keys.lens > WORD_BYTES
         if wide.any():  # a wide key's bytes, or zeros where unknown (rows of narrow keys are not read)
@@ -273,7 +273,7 @@ class PageTable:
 
     def clear(self, ids: np.ndarray) -> None:
         """Makes pages free: no key, no part, no stamp."""
-        self._locked()
+        self._check_locked()
         self.index.remove(ids[self.part[ids] >= 0])
         written = ids[self.state[ids] == WRITING]
         np.add.at(self.slab_holds, self.slab[written], -1)
