@@ -8,7 +8,8 @@
   the data plane serves whole: docs/design.md, "A Get on the data plane"; with ``--disk-cache``,
   in a daemon with a disk tier, where it serves those host memory holds all of), and the same
   Lookup on gRPC, then a scheduler's Lookup of it (``CacheView``) on its space's lane and on
-  gRPC, each timed alone. Each lane's trips run by themselves, one lane after the other: between
+  gRPC, and of a prompt's 128 pages in a space of two PP stages (every part walked), each timed
+  alone. Each lane's trips run by themselves, one lane after the other: between
   blocks of another lane's calls (gRPC keeps threads busy for a while after a call) the CPUs would
   not go idle, and an idle CPU's wake-up is part of what a lone engine pays (tens of microseconds
   on a virtual machine); and the ring lane's round trip once every 2 ms, as between an engine's
@@ -46,6 +47,7 @@ from kvserver.copies import transfer
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
+PROMPT_PAGES = 128  # the pages of the prompt a scheduler looks up in a space of two PP stages
 
 def start_daemon(socket: str, host_memory: str, *extra: str) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "kvserver", "--socket", socket, "--host-memory",
@@ -196,12 +198,31 @@ def main() -> None:
 
                 views = [CacheView(socket, model="bench", layout=layout, dtype=dtype, page_size=p,
                                    num_layers=args.layers, lane=mode) for mode in ("auto", "grpc")]
+                # A space of two PP stages (two engines, a layer each) holding a prompt's 128 pages:
+                # a scheduler's Lookup of all of them, every part walked.
+                prompt = [os.urandom(16) for _ in range(PROMPT_PAGES)]
+                stage_pools = [ShmKVPool(layout, dtype, 1, PROMPT_PAGES * p) for _ in range(2)]
+                stages = [KVClient(socket) for _ in range(2)]
+                for rank, (c, pool) in enumerate(zip(stages, stage_pools, strict=True)):
+                    c.register(model="bench-pp", pool=pool, start_layer=rank, end_layer=rank + 1,
+                               num_layers=2, host_tokens=0, page_size=p, pp_rank=rank, pp_size=2)
+                    assert c.put(prompt, torch.arange(PROMPT_PAGES)).stored == PROMPT_PAGES
+                staged = [CacheView(socket, model="bench-pp", layout=layout, dtype=dtype, page_size=p,
+                                    num_layers=2, pp_size=2, lane=mode) for mode in ("auto", "grpc")]
+
+                def lookup_prompt(v: CacheView) -> None:
+                    assert v.lookup(prompt).pages == PROMPT_PAGES
+
                 for label, fn in [("ring lane Get, 1 page, 1 layer", get),
                                   ("ring lane Put of a stored key", put),
                                   ("ring lane Lookup of a stored key", lambda: lookup(ring)),
                                   ("grpc lane Lookup of a stored key", lambda: lookup(plain)),
                                   ("space lane Lookup (CacheView) of a stored key", lambda: lookup(views[0])),
-                                  ("grpc Lookup (CacheView) of a stored key", lambda: lookup(views[1]))]:
+                                  ("grpc Lookup (CacheView) of a stored key", lambda: lookup(views[1])),
+                                  (f"space lane Lookup (CacheView) of {PROMPT_PAGES} keys, 2 PP stages",
+                                   lambda: lookup_prompt(staged[0])),
+                                  (f"grpc Lookup (CacheView) of {PROMPT_PAGES} keys, 2 PP stages",
+                                   lambda: lookup_prompt(staged[1]))]:
                     for _ in range(50):
                         fn()
                     time.sleep(0.2)
@@ -223,8 +244,11 @@ def main() -> None:
                 on_loop = getattr(ring.lane, "gets_on_loop", 0)
                 cache_rows.append(("ring lane Gets served whole on the data plane",
                                    f"{on_plane} of {on_plane + on_loop}"))
-                for v in views:
+                for v in views + staged:
                     v.close()
+                for c, pool in zip(stages, stage_pools, strict=True):
+                    c.close()
+                    pool.close()
                 for name, ts in [*((f"{label} write+load", trips[label]) for label, _ in order),
                                  ("ring lane write+load, one every 2 ms,", spaced),
                                  ("ring lane write+load, each after a 32 MiB memcpy,", cold),

@@ -10,10 +10,11 @@ import os
 
 import numpy as np
 import pytest
-from cache_engine import CacheEngine
+from cache_engine import DTYPE, LAYOUT, MODEL, PAGE, CacheEngine
 from test_dataplane_alone import _readers, _until
 from test_disk_tier import MiB, keys_of, store, tiers, written
 
+from kvclient import CacheView
 from kvserver.lane import plane
 from kvserver.store.keys import as_keys
 
@@ -140,3 +141,33 @@ def test_with_a_disk_tier_the_plane_serves_host_hits_and_the_loop_reads_the_rest
         assert _counts(d)[:2] == (counts[0] + 1, counts[1] + 1)
         assert lane.plane_gets
     _until(lambda: _readers(d) == (0, 0))  # every hold let go, the plane's and the loop's
+
+
+def test_with_a_disk_tier_the_plane_answers_a_schedulers_lookups_of_host_hits(tiered) -> None:
+    """A scheduler's Lookups of the whole space on its space's lane, in a daemon with a disk tier:
+    those whose every key host memory holds are answered on the plane, counted as gRPC counts
+    them, their disk copies made recent; one of keys on disk only is the loop's, which counts them."""
+    d = tiered
+    space = dict(model=MODEL, layout=LAYOUT, dtype=DTYPE, page_size=PAGE, num_layers=4)
+    with CacheEngine(d.address, pages=256) as eng, CacheView(d.address, **space) as v, \
+            CacheView(d.address, lane="grpc", **space) as g:
+        old, new = keys_of("old", 600), keys_of("new", 300)
+        store(eng, old, d=d)
+        store(eng, new, d=d)
+        written(d, 900)
+        assert v.lookup(new[:1]).pages == 1  # the loop's: it gives the lane's gate the space's parts
+        _settled(eng)
+        space_lookups = d.core.plane.plane_space_lookups
+        stamps, before = _disk_stamps(d, new[:40]), _ledger(eng)
+        found = v.lookup(new[:40])
+        assert (found.pages, found.disk_pages) == (40, 0)
+        assert d.core.plane.plane_space_lookups == space_lookups + 1, "host memory held every key"
+        on_plane, mid = _disk_stamps(d, new[:40]), _ledger(eng)
+        assert (on_plane > stamps).all(), "the plane's hits left their disk copies stale"
+        assert g.lookup(new[:40]).pages == 40
+        assert (_disk_stamps(d, new[:40]) > on_plane).all()
+        assert list(mid - before) == list(_ledger(eng) - mid), "the plane counted otherwise than the loop"
+        # On disk only: the loop's, which counts the disk's pages.
+        found = v.lookup(old[:50])
+        assert (found.pages, found.disk_pages) == (50, 50)
+        assert d.core.plane.plane_space_lookups == space_lookups + 1

@@ -558,12 +558,16 @@ class KVServicer(pb_grpc.KVServerServicer):
     def fast_space_lane(self, space_id: str, lane: Lane, slot: int, rpc: int, data: bytes,
                         counted: bool) -> bool:
         """A Lookup on ``space_id``'s lane (a scheduler's) served without a task, as ``fast_lane``
-        serves an engine's; False: ``run_space_lane`` serves it, and words what it refuses."""
+        serves an engine's; False: ``run_space_lane`` serves it, and words what it refuses. Once
+        the space has all its parts, the data plane answers the lane's next ones itself
+        (``CacheOps.serve_space_on_plane``)."""
         started = time.perf_counter()
         request = _lenient(pb.LookupRequest)(data)
         if (rpc != ring.RPC_LOOKUP or isinstance(request, MalformedRequest) or request.client_id
                 or request.space_id != space_id):
             return False
+        if lane.gate is not None and lane.gate.cache_gid < 0:  # the plane answers the next ones
+            self.cache.serve_space_on_plane(space_id, lane.gate)
         return self._lookup_now(request, lane, slot, counted, started)
 
     def _lookup_now(self, request: pb.LookupRequest, lane: Lane, slot: int, counted: bool,

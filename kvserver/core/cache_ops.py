@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Generator
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -44,6 +44,7 @@ from kvserver.store import (
     Space,
     SpaceKey,
 )
+from kvserver.store.cache import MAX_LOOKUP_PAIRS
 from kvserver.store.keys import leading
 from kvserver.store.pages import COMMITTED, WRITING
 from kvserver.store.steps import STEP_KEYS, run_steps
@@ -62,6 +63,18 @@ _FEW = 8  # device pages a request may name for their checks to run in plain Pyt
 # a Lookup of host memory only (memory_only: no tier's copies made recent).
 _END_LOOKUP, _END_PUT, _END_LOOKUP_HOST = 1, 2, 3
 _PLANE_REFUSED = "the data plane did not take the copy (the daemon is stopping, or out of memory): retry"
+
+
+class PlaneCalls(NamedTuple):
+    """Whose calls a gate given a token serves on the data plane (``_serve_on_plane``,
+    ``serve_space_on_plane``): a registration's, in its part; or a scheduler's Lookups of a whole
+    space on the space's lane (``space``: ``owner`` is the space id, ``parts`` every part, whose
+    references keep the same Space object, with the same parts, for as long as the gate serves)."""
+
+    owner: str
+    parts: tuple[Part, ...]
+    gate: Any
+    space: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,10 +131,11 @@ class CacheOps:
         self.cluster = kv.cluster  # the tier shared with other nodes, or None
         self.lower = self.disk.holds if self.disk is not None else None
         self.lookups_now = 0  # lane Lookups the loop served without a task (lookup_now; not the plane's)
-        # Lane Gets served whole on the data plane's thread (``_serve_on_plane``): each gate's token
-        # -> its client id and cache part, for their ends (``plane_get_ended``); the bytes of each
-        # one done, for the transfer metrics.
-        self._plane_gets: dict[int, tuple[str, Part, Any]] = {}
+        # Lane calls served whole on the data plane's thread (``_serve_on_plane``,
+        # ``serve_space_on_plane``): each gate's token -> whose they are, for their ends
+        # (``plane_get_ended``); the bytes of each Get done, for the transfer metrics.
+        self._plane_gets: dict[int, PlaneCalls] = {}
+        self._plane_kept = 0  # tokens kept by the last prune (``_prune_plane_calls``)
         self._plane_tokens = itertools.count(1)
         self.on_plane_get: Callable[[int], None] | None = None
 
@@ -148,9 +162,15 @@ class CacheOps:
         return sid
 
     def _forget_empty_ids(self) -> None:
+        forgotten: set[str] = set()
         for sid, key in list(self._space_ids.items()):
             if self.cache.find_space(key) is None:
                 del self._space_ids[sid], self._ids_of[key]
+                forgotten.add(sid)
+        plane = self.kv.copier.plane
+        for calls in self._plane_gets.values():
+            if calls.space and calls.owner in forgotten and plane is not None:
+                plane.close_gate(calls.gate)  # its lane's Lookups are the loop's: NotFound, as gRPC's
         if len(self._space_ids) >= MAX_SPACE_IDS:
             raise NoCapacity(f"the daemon holds {MAX_SPACE_IDS} space handles; none is free")
 
@@ -650,18 +670,56 @@ class CacheOps:
         except KVError:
             client.off_plane = True
             return
-        if len(self._plane_gets) >= 64 and len(self._plane_gets) >= 2 * len(self.kv.clients):
-            # Those of clients gone with no Get in flight on their (closed) gates: their ends have
-            # all been posted, and are settled here before they go.
-            clients = self.kv.clients
-            done = [t for t, e in self._plane_gets.items() if e[0] not in clients and not e[2].inflight]
-            plane.settle_gets()
-            for t in done:
-                del self._plane_gets[t]
+        self._prune_plane_calls()
         token = next(self._plane_tokens)
-        self._plane_gets[token] = (client.client_id, part, gate)
+        self._plane_gets[token] = PlaneCalls(client.client_id, (part,), gate)
         gate.set_cache(part.gid, token, client.client_id.encode(), rows[1], min(self._max_keys, STEP_KEYS),
                        copier.split_load_bytes())
+
+    def serve_space_on_plane(self, space_id: str, gate: Any) -> None:
+        """From now on the Lookups on ``space_id``'s lane (a scheduler's, of the whole space;
+        ``gate``: the lane's on the data plane, ``DataPlane.space_gate``) that ``lookup_now`` would
+        serve whole are answered on the plane's thread, which reads the same request, runs the same
+        checks and walks each part of the space in turn over the keys the parts before it hold, as
+        ``KVCache.lookup_packed`` does; its end makes the pages recent and counts the hits and
+        misses here (``plane_get_ended``). Only once the space has every part: its parts then never
+        change (a space's parts are only ever added; the reference kept here keeps the same Space
+        object, with the same parts, while the gate serves). Bounded as the loop bounds one step of
+        a whole-space Lookup (``packed_step_keys``, ``MAX_LOOKUP_PAIRS``). With a disk or cluster
+        tier, only the Lookups whose every key host memory holds, as for an engine's."""
+        plane = self.kv.copier.plane
+        if (gate is None or plane is None or plane.cache is None or gate.cache_gid >= 0 or gate.closed
+                or not self.cache.pages.compiled):
+            return
+        key = self._space_ids.get(space_id)
+        space = self.cache.find_space(key) if key is not None else None
+        if space is None:
+            return
+        parts = self.cache.parts_of(space)[1]
+        if not parts:  # not every part yet: none holds a whole page
+            return
+        max_keys = min(self._max_keys, self.cache.packed_step_keys(space), MAX_LOOKUP_PAIRS // len(parts))
+        if max_keys < 1:
+            return
+        self._prune_plane_calls()
+        token = next(self._plane_tokens)
+        self._plane_gets[token] = PlaneCalls(space_id, tuple(parts), gate, space=True)
+        gids = np.array([p.gid for p in parts], np.int32).tobytes()
+        gate.set_space(token, space_id.encode(), gids, max_keys)
+
+    def _prune_plane_calls(self) -> None:
+        """Forgets the tokens of gates that serve no more (a client gone, a space's lane closed)
+        with no call in flight on them: their ends have all been posted, and are settled here
+        before they go. Amortized: once the table has doubled since the last prune."""
+        if len(self._plane_gets) < max(64, 2 * self._plane_kept):
+            return
+        clients = self.kv.clients
+        done = [t for t, c in self._plane_gets.items()
+                if (c.gate.closed or (not c.space and c.owner not in clients)) and not c.gate.inflight]
+        self.kv.copier.plane.settle_gets()
+        for t in done:
+            del self._plane_gets[t]
+        self._plane_kept = len(self._plane_gets)
 
     def plane_get_ended(self, token: int, gid: int, ids: bytes, found: int, misses: int, status: int,
                         layers: int, nbytes: int, kind: int = 0) -> None:
@@ -673,7 +731,10 @@ class CacheOps:
         ``put_on_plane`` counts one. With a disk tier, a Get's and a Lookup's (not one of host
         memory only) also make the disk's copies recent (``_touch_below``)."""
         entry = self._plane_gets.get(token)
-        part = entry[1] if entry is not None and entry[1].gid == gid else None
+        if entry is not None and entry.space:
+            self._space_lookup_ended(entry, ids, found, misses, kind)
+            return
+        part = entry.parts[0] if entry is not None and entry.parts[0].gid == gid else None
         if kind == _END_PUT:
             if part is not None:
                 self.cache.count_present(part, found)
@@ -688,7 +749,7 @@ class CacheOps:
             except Exception:  # only the disk's order is at stake: the holds go all the same
                 logger.exception("making the disk's copies of a hit recent failed")
         if kind in (_END_LOOKUP, _END_LOOKUP_HOST):
-            self.cache.settle_lookup(pages, gid, part, found, misses)
+            self.cache.settle_lookup([(gid, pages)], part.space if part is not None else None, found, misses)
             return
         self.cache.settle_get(pages, part, misses)
         if status == 0 and found and entry is not None:
@@ -698,6 +759,22 @@ class CacheOps:
                 client.counters.load_ops += 1
             if self.on_plane_get is not None:
                 self.on_plane_get(nbytes)
+
+    def _space_lookup_ended(self, calls: PlaneCalls, ids: bytes, found: int, misses: int, kind: int) -> None:
+        """A scheduler's Lookup of a whole space the plane answered: ``ids`` each part's pages of
+        the ``found`` leading keys, part after part; made recent in each part in turn and counted
+        once in the space, as ``KVCache.lookup_packed`` ends one, and (not one of host memory only)
+        the disk's copies made recent too, as the loop's walk with a disk tier does."""
+        parts = calls.parts
+        pages = np.frombuffer(ids, np.int64).reshape(len(parts), found)
+        if kind != _END_LOOKUP_HOST and self.disk is not None:
+            try:
+                for part, got in zip(parts, pages, strict=True):
+                    self._touch_below(part, got)
+            except Exception:
+                logger.exception("making the disk's copies of a hit recent failed")
+        self.cache.settle_lookup([(part.gid, got) for part, got in zip(parts, pages, strict=True)],
+                                 parts[0].space, found, misses)
 
     def _touch_below(self, part: Part | None, ids: np.ndarray) -> None:
         """A Get's or Lookup's whole hit the plane served in a daemon with a disk tier: the disk's

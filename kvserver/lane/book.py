@@ -187,14 +187,22 @@ class LaneBook:
         fast = functools.partial(self.fast_space, space_id) if self.fast_space is not None else None
         lane = Lane(owner, ring, submit, done, functools.partial(self.run_space, space_id),
                     close_when_gone=True, peer_gone_fd=gone, fast=fast)
+        gate = None
+        if self.plane is not None and fast is not None:
+            try:  # the plane answers its Lookups once the space has all its parts (CacheOps)
+                gate = self.plane.space_gate()
+            except Exception:  # its lane is served on the loop, as without a plane
+                logger.exception("the data plane cannot serve %s's lane", owner)
 
         def closed() -> None:
+            if gate is not None:  # it answers nothing more (its Lookups' ends are let go)
+                self.plane.close_gate(gate)
             self._space_lanes_per_uid[uid] -= 1
             if self._space_lanes_per_uid[uid] <= 0:
                 del self._space_lanes_per_uid[uid]
 
         try:
-            self._start(lane, ring, submit, done, uid, None, closed)
+            self._start(lane, ring, submit, done, uid, gate, closed)
         except BaseException:
             if gone >= 0:
                 os.close(gone)
@@ -202,7 +210,8 @@ class LaneBook:
         self._space_lanes_per_uid[uid] += 1
         self.space_lanes.add(lane)
         lane.on_closed = self.space_lanes.discard
-        logger.info("lane of %d slots opened for %s (its Lookups, on the event loop)", lane.slots, owner)
+        logger.info("lane of %d slots opened for %s (its Lookups, %s)", lane.slots, owner,
+                    "compiled data plane" if gate is not None else "on the event loop")
         return lane
 
     def spend(self, peer_ticket: str) -> None:

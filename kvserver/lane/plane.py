@@ -117,6 +117,9 @@ class DataPlane:
             lane = self.lanes.get(key)
             if lane is None:  # removed meanwhile: the request dies with its lane
                 continue
+            if slot < 0:  # a space's lane whose peer closed its end of the doorbell
+                lane.peer_closed()
+                continue
             try:
                 lane.take(slot, counted)
             except Exception:  # answered INTERNAL; the other requests are served
@@ -166,8 +169,14 @@ class DataPlane:
 
     @property
     def plane_lookups(self) -> int:
-        """An engine's lane Lookups of its own part the plane's thread has served whole."""
+        """Lane Lookups the plane's thread has served whole: an engine's of its own part, and a
+        scheduler's of its whole space on the space's lane (``plane_space_lookups``)."""
         return self.engine.plane_lookups
+
+    @property
+    def plane_space_lookups(self) -> int:
+        """A scheduler's Lookups of its whole space the plane's thread has answered on its lane."""
+        return self.engine.plane_space_lookups
 
     @property
     def plane_puts(self) -> int:
@@ -316,6 +325,13 @@ class DataPlane:
             parts=spec.layout.num_parts, start_layer=spec.layers.start, num_layers=len(spec.layers),
             epoch=client.epoch, dev_tokens=client.device.num_tokens, dev_bases=bases, dev_stride=stride,
             max_indices=max_indices)
+
+    def space_gate(self) -> Any | None:
+        """A gate for a scheduler's lane of one KV space where the plane serves cache calls
+        (``serve_gets``): the plane watches the lane and answers its Lookups of the whole space
+        once the loop gives the gate the space's parts (``Gate.set_space``; ``CacheOps``), handing
+        the others over; None: the loop serves the lane."""
+        return _kvlane.space_gate() if self.cache is not None and not self.stopped else None
 
     def close_gate(self, gate: Any) -> None:
         """The gate takes no new request; its copies stop at their next layer boundary (answered

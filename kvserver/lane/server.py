@@ -154,6 +154,7 @@ class Lane:
         self._counted = [False] * self.slots  # per handed-over slot: on_served is owed at its end
         self._handle = 0
         self.plane_key = 0  # its key on the plane (never reused)
+        self.gate: Any = None  # its gate there
         self._on_served = on_served
         # Read once: the data plane rings this ring's done doorbells only for a sleeping client.
         self.quiet_done = bool(ring_features(ring) & R.FEATURE_QUIET_DONE)
@@ -177,13 +178,13 @@ class Lane:
 
     def start(self, plane: Any = None, gate: Any = None) -> None:
         self._submit.setblocking(False)
+        loop = asyncio.get_running_loop()
         if plane is not None and gate is not None:
             self._plane = plane
+            self.gate = gate
             self._handle = plane.add(self, gate)
-            self._watching = True
-            return
-        loop = asyncio.get_running_loop()
-        loop.add_reader(self._submit.fileno(), self._doorbell)
+        else:
+            loop.add_reader(self._submit.fileno(), self._doorbell)
         self._watching = True
         if self._gone_fd >= 0:
             try:
@@ -191,6 +192,12 @@ class Lane:
             except BaseException:
                 self._unwatch()
                 raise
+
+    def peer_closed(self) -> None:
+        """The plane saw the peer close its end of the submit doorbell (a space's lane: it
+        closes itself, as ``_doorbell`` closes one the loop watches)."""
+        if self.close_when_gone:
+            self._gone("its peer closed its end")
 
     def _gone(self, why: str) -> None:
         """The peer is gone (``close_when_gone``): the lane closes itself, no release will."""

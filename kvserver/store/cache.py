@@ -665,17 +665,20 @@ class KVCache:
             self._count(part.space, 0, misses)
 
     @_locked
-    def settle_lookup(self, ids: np.ndarray, gid: int, part: Part | None, found: int, misses: int) -> None:
-        """The end of a Lookup the data plane walked itself (in part ``gid``): its pages ``ids``
-        made recent (the first the most recent) and its hits and misses counted in ``part``'s
-        space, as ``lookup_packed`` does (none where its part is unknown). A Lookup holds nothing:
-        a page evicted since its walk is not touched (nor one that took its id meanwhile)."""
+    def settle_lookup(self, walked: Sequence[tuple[int, np.ndarray]], space: Space | None, found: int,
+                      misses: int) -> None:
+        """The end of a Lookup the data plane walked itself, in each part ``gid`` of ``walked``
+        (one, or each of a whole space's) in turn: its pages ``ids`` there made recent (the first
+        the most recent) and its hits and misses counted in ``space``, as ``lookup_packed`` does
+        (none where it is unknown). A Lookup holds nothing: a page evicted since its walk is not
+        touched (nor one that took its id meanwhile)."""
         p = self.pages
-        if len(ids):
-            ids = ids[(p.state[ids] == COMMITTED) & (p.part[ids] == gid)]
-        p.touch(ids)
-        if part is not None and (found or misses):
-            self._count(part.space, found, misses)
+        for gid, ids in walked:
+            if len(ids):
+                ids = ids[(p.state[ids] == COMMITTED) & (p.part[ids] == gid)]
+            p.touch(ids)
+        if space is not None and (found or misses):
+            self._count(space, found, misses)
 
     @_locked
     def count_present(self, part: Part, n: int) -> None:

@@ -1,10 +1,10 @@
-/* Fuzzes the data plane's reader and check of a lane Get, of an engine's Lookup and of a Put
- * (kvserver/lane/csrc/get.h): whatever the bytes, kv_get_parse/kv_get_accept,
- * kv_lookup_parse/kv_lookup_accept and kv_put_parse read only inside the request and the
- * registration's marks, and
- * what the checks take is valid: this registration's client id, 1 to MAX_KEYS whole keys of 1 to
- * 64 bytes; for a Get, a distinct device page inside the pool for each and layers ascending
- * inside the range. Built with AddressSanitizer and UndefinedBehaviorSanitizer by
+/* Fuzzes the data plane's reader and check of a lane Get, of an engine's Lookup, of a scheduler's
+ * Lookup of a whole space and of a Put (kvserver/lane/csrc/get.h): whatever the bytes,
+ * kv_get_parse/kv_get_accept, kv_lookup_parse/kv_lookup_accept/kv_space_lookup_accept and
+ * kv_put_parse read only inside the request and the registration's marks, and
+ * what the checks take is valid: this registration's client id (a space's Lookup: no client id,
+ * the lane's space id), no pin, 1 to MAX_KEYS whole keys of 1 to 64 bytes; for a Get, a distinct
+ * device page inside the pool for each and layers ascending inside the range. Built with AddressSanitizer and UndefinedBehaviorSanitizer by
  * scripts/sanitize.sh.
  *
  * With clang's libFuzzer (-fsanitize=fuzzer) LLVMFuzzerTestOneInput is its entry; built without
@@ -22,6 +22,7 @@
 #define START 3
 #define MAX_KEYS 40
 static const char ID[] = "client-0123456789abcdef";
+static const char SID[] = "0123456789abcdef0123456789abcdef"; /* a space's lane's id */
 
 static uint8_t owned[1];
 static uint32_t page_mark[1], dev_mark[DEV], generation;
@@ -44,10 +45,21 @@ static void check_lookup(const uint8_t *data, size_t size) {
     int64_t n = 0;
     if (!kv_lookup_parse(data, size, &q))
         return;
-    if (!inside(q.keys, q.keys_len, data, size) || !inside(q.client_id, q.client_id_len, data, size))
+    if (!inside(q.keys, q.keys_len, data, size) || !inside(q.client_id, q.client_id_len, data, size) ||
+        !inside(q.space_id, q.space_id_len, data, size))
         abort();
-    if (kv_lookup_accept(&q, &gl, &n))
+    if (kv_lookup_accept(&q, &gl, &n)) {
         check_keys(q.client_id, q.client_id_len, q.key_bytes, q.keys_len, n);
+        if (q.space_id_len || q.whole_space || q.pin_ms)
+            abort();
+    }
+    kv_get_limits sl = {SID, sizeof SID - 1, MAX_KEYS};
+    if (kv_space_lookup_accept(&q, &sl, &n)) {
+        check_keys((const unsigned char *)ID, sizeof ID - 1, q.key_bytes, q.keys_len, n);
+        if (q.client_id_len || q.pin_ms || q.space_id_len != sizeof SID - 1 ||
+            memcmp(q.space_id, SID, sizeof SID - 1))
+            abort();
+    }
 }
 
 /* A Get (put 0) or a Put (put 1, read as a Get of its keys with no layers). */
@@ -108,7 +120,8 @@ static size_t put_bytes(uint8_t *p, int field, const uint8_t *data, size_t len) 
     return n + len;
 }
 
-/* A LookupRequest as an engine sends it (client id, keys, key_bytes, timeout_ms, memory_only). */
+/* A LookupRequest as an engine sends it (client id, keys, key_bytes, timeout_ms, memory_only), or
+ * as a scheduler sends it on its space's lane (its space id for the client id). */
 static size_t seed_lookup(uint8_t *buf) {
     uint8_t keys[16 * 8];
     uint32_t nkeys = 1 + next_random() % 8, width = (uint32_t[]){1, 16, 32, 48, 64}[next_random() % 5];
@@ -116,7 +129,8 @@ static size_t seed_lookup(uint8_t *buf) {
         nkeys = sizeof keys / width;
     for (size_t i = 0; i < width * nkeys; i++)
         keys[i] = (uint8_t)next_random();
-    size_t len = put_bytes(buf, 1, (const uint8_t *)ID, sizeof ID - 1);
+    size_t len = next_random() % 2 ? put_bytes(buf, 1, (const uint8_t *)ID, sizeof ID - 1)
+                                   : put_bytes(buf, 2, (const uint8_t *)SID, sizeof SID - 1);
     len += put_bytes(buf + len, 3, keys, width * nkeys);
     len += put_varint(buf + len, 4 << 3);
     len += put_varint(buf + len, width);
@@ -226,9 +240,11 @@ int main(int argc, char **argv) {
             int64_t dev[MAX_KEYS], n;
             int32_t local[LAYERS];
             uint32_t nl;
+            kv_get_limits sl = {SID, sizeof SID - 1, MAX_KEYS};
             kv_lookup lq;
             if ((kv_get_parse(exact, len, &q) && kv_get_accept(&q, &lim, &gl, dev, local, &n, &nl)) ||
-                (kv_lookup_parse(exact, len, &lq) && kv_lookup_accept(&lq, &gl, &n)) ||
+                (kv_lookup_parse(exact, len, &lq) &&
+                 (kv_lookup_accept(&lq, &gl, &n) || kv_space_lookup_accept(&lq, &sl, &n))) ||
                 (kv_put_parse(exact, len, &q) && kv_get_accept(&q, &lim, &gl, dev, local, &n, &nl)))
                 accepted++;
             check_one(exact, len);

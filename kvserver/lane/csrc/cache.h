@@ -302,4 +302,24 @@ static int64_t cache_walk_hold(Cache *c, const uint64_t *words, uint8_t len, int
     return m;
 }
 
+/* The plane's side, for a scheduler's Lookup of a whole space: the leading keys every one of the
+ * space's nparts parts (gids) holds, walked as KVCache.lookup_packed walks them, each part over
+ * the keys the parts before it hold, nothing held; part k's page ids into ids[k * m .. (k + 1) * m)
+ * for the m it returns (ids: room for nparts * n; offsets: scratch of n). -1 as cache_walk_hold:
+ * the lock is the loop's, the cache is closed, a table is corrupt, or (`whole`) a key is missed. */
+static int64_t cache_walk_space(Cache *c, const uint64_t *words, uint8_t len, int64_t n, const int32_t *gids,
+                                int32_t nparts, int64_t *ids, int64_t *offsets, int whole) {
+    if (!cache_try_lock(c))
+        return -1;
+    int64_t m = c->open ? n : -1;
+    for (int32_t k = 0; k < nparts && m > 0; k++)
+        m = kv_hit_prefix(&c->ix, &c->pg, words, len, m, gids[k], ids + (int64_t)k * n, offsets);
+    pthread_mutex_unlock(&c->mu);
+    if (whole && m < n) /* a tier may hold the rest: the loop reads it back, or asks */
+        return -1;
+    for (int32_t k = 1; k < nparts && m > 0; k++) /* packed: part k's first m, after part k - 1's */
+        memmove(ids + (int64_t)k * m, ids + (int64_t)k * n, sizeof(int64_t) * (size_t)m);
+    return m;
+}
+
 #endif

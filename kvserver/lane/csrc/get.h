@@ -1,7 +1,8 @@
 /* A lane Get (the protobuf GetRequest of rpc id 4, as the client sends it) read in C, and the check
  * that decides whether the data plane may serve it whole: walk the cache's index, hold the pages,
  * copy them and answer (docs/design.md, "A Get on the data plane"); likewise an engine's Lookup of
- * its own part (LookupRequest, rpc id 7), which walks and answers. Shared by the daemon's
+ * its own part (LookupRequest, rpc id 7), which walks and answers, and a scheduler's Lookup of a
+ * whole space on its space's lane. Shared by the daemon's
  * extension (kvlane.c) and the fuzzer (tests/fuzz/fuzz_get.c). No Python here.
  *
  * The reader takes only the plainest form of the message: each field at most once, with its own
@@ -111,21 +112,22 @@ static inline int kv_get_parse(const unsigned char *buf, uint64_t len, kv_get *q
 }
 
 typedef struct {
-    const unsigned char *client_id, *keys;
-    uint64_t client_id_len, keys_len, key_bytes;
+    const unsigned char *client_id, *space_id, *keys;
+    uint64_t client_id_len, space_id_len, keys_len, key_bytes;
+    uint64_t pin_ms, whole_space;
     uint64_t memory_only; /* host memory's pages only: its end makes no tier's copies recent */
 } kv_lookup;
 
 /* Reads a LookupRequest (fields: 1 client_id, 2 space_id, 3 keys, 4 key_bytes, 5 pin_ms,
- * 6 whole_space, 7 memory_only, 8 timeout_ms). 1: in the plain form of an engine's Lookup of its
- * own part: no space id, no pin, not the whole space. (timeout_ms changes nothing for a walk of
- * host memory that runs at once: read, not kept. memory_only changes only the end: kept.) */
+ * 6 whole_space, 7 memory_only, 8 timeout_ms) in the plain form above. Whose it is, an engine's
+ * or a scheduler's, the accepts below decide. (timeout_ms changes nothing for a walk of host memory
+ * that runs at once: read, not kept. memory_only changes only the end: kept.) */
 static inline int kv_lookup_parse(const unsigned char *buf, uint64_t len, kv_lookup *q) {
     kv_pb_field f[9];
     memset(q, 0, sizeof *q);
-    if (!kv_pb_read(buf, len, "-bbbvvvvv", f) || f[2].v || f[5].v || f[6].v)
+    if (!kv_pb_read(buf, len, "-bbbvvvvv", f))
         return 0;
-    *q = (kv_lookup){f[1].p, f[3].p, f[1].v, f[3].v, f[4].v, f[7].v};
+    *q = (kv_lookup){f[1].p, f[2].p, f[3].p, f[1].v, f[2].v, f[3].v, f[4].v, f[5].v, f[6].v, f[7].v};
     return 1;
 }
 
@@ -201,19 +203,34 @@ static inline int kv_get_accept(const kv_get *q, const kv_limits *lim, const kv_
     return 1;
 }
 
-/* 1 if the Lookup is certainly valid for the registration: its own client id, 1 to max_keys whole
- * keys of 1 to KV_GET_MAX_KEY_BYTES bytes (*n_keys of them). */
-static inline int kv_lookup_accept(const kv_lookup *q, const kv_get_limits *gl, int64_t *n_keys) {
-    if (q->client_id_len != gl->client_id_len ||
-        (gl->client_id_len && memcmp(q->client_id, gl->client_id, (size_t)gl->client_id_len)))
-        return 0;
-    if (q->key_bytes < 1 || q->key_bytes > KV_GET_MAX_KEY_BYTES || q->keys_len % q->key_bytes)
+/* 1 to max_keys whole keys of 1 to KV_GET_MAX_KEY_BYTES bytes (*n_keys of them), no pin. */
+static inline int kv_lookup_keys(const kv_lookup *q, int64_t max_keys, int64_t *n_keys) {
+    if (q->pin_ms || q->key_bytes < 1 || q->key_bytes > KV_GET_MAX_KEY_BYTES || q->keys_len % q->key_bytes)
         return 0;
     int64_t n = (int64_t)(q->keys_len / q->key_bytes);
-    if (n < 1 || n > gl->max_keys)
+    if (n < 1 || n > max_keys)
         return 0;
     *n_keys = n;
     return 1;
+}
+
+/* 1 if the Lookup is certainly valid for the registration: an engine's Lookup of its own part
+ * (its own client id, no space id, not the whole space, no pin), with kv_lookup_keys' keys. */
+static inline int kv_lookup_accept(const kv_lookup *q, const kv_get_limits *gl, int64_t *n_keys) {
+    if (q->client_id_len != gl->client_id_len || q->space_id_len || q->whole_space ||
+        (gl->client_id_len && memcmp(q->client_id, gl->client_id, (size_t)gl->client_id_len)))
+        return 0;
+    return kv_lookup_keys(q, gl->max_keys, n_keys);
+}
+
+/* 1 if the Lookup is certainly valid on a space's lane (a scheduler's Lookup of the whole space):
+ * no client id, the lane's space id (gl's client_id), no pin (whole_space changes nothing for a
+ * space), with kv_lookup_keys' keys. */
+static inline int kv_space_lookup_accept(const kv_lookup *q, const kv_get_limits *gl, int64_t *n_keys) {
+    if (q->client_id_len || !gl->client_id_len || q->space_id_len != gl->client_id_len ||
+        memcmp(q->space_id, gl->client_id, (size_t)gl->client_id_len))
+        return 0;
+    return kv_lookup_keys(q, gl->max_keys, n_keys);
 }
 
 #endif

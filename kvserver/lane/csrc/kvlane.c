@@ -143,6 +143,12 @@ typedef struct {
     int64_t cache_token, cache_lp_stride, cache_max_keys, cache_split_bytes;
     char *client_id;
     uint64_t client_id_len;
+    /* A space's gate (space_gate()): its lane carries a scheduler's Lookups of one whole space
+     * (client_id holds the space id), walked in each of its nparts parts, space_gids (set_space;
+     * cache_gid is the first); no pool, no copy, nothing else of this plane's. */
+    int space;
+    int32_t *space_gids;
+    int32_t nparts;
 } Gate;
 
 static void gate_dealloc(Gate *g) {
@@ -159,6 +165,7 @@ static void gate_dealloc(Gate *g) {
     free(g->lim.dev_mark);
     free(g->dev_bases);
     free(g->client_id);
+    free(g->space_gids);
     Py_TYPE(g)->tp_free((PyObject *)g);
 }
 
@@ -174,7 +181,7 @@ static int gate_init(Gate *g, PyObject *args, PyObject *kw) {
                                      &page_size, &token_bytes, &parts, &start_layer, &num_layers, &epoch,
                                      &dev_tokens, &bases, &dev_stride, &max_indices))
         return -1;
-    if (g->owned_obj) {
+    if (g->owned_obj || g->space) {
         PyErr_SetString(PyExc_RuntimeError, "a Gate is made once");
         return -1;
     }
@@ -239,6 +246,10 @@ static int gate_init(Gate *g, PyObject *args, PyObject *kw) {
 
 /* Pages as an int64 buffer; -1 on error (set). */
 static int pages_of(PyObject *obj, Py_buffer *view, Gate *g) {
+    if (g->space) {
+        PyErr_SetString(PyExc_TypeError, "a space's gate has no pages");
+        return -1;
+    }
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
         return -1;
     if (view->itemsize != 8) {
@@ -335,6 +346,8 @@ static PyObject *gate_get_closed(Gate *g, void *unused) {
  * differential check against the Python validation). */
 static PyObject *gate_check(Gate *g, PyObject *arg) {
     Py_buffer view;
+    if (g->space)
+        Py_RETURN_FALSE; /* it takes no Write or Load */
     if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
         return NULL;
     kv_request r;
@@ -372,7 +385,8 @@ static PyObject *gate_set_cache(Gate *g, PyObject *args) {
     Py_buffer id;
     if (!PyArg_ParseTuple(args, "iLy*LLL", &gid, &token, &id, &lp_stride, &max_keys, &split_bytes))
         return NULL;
-    int ok = gid >= 0 && lp_stride >= g->lim.page_size * g->token_bytes && max_keys > 0 && split_bytes >= 0;
+    int ok = !g->space && gid >= 0 && lp_stride >= g->lim.page_size * g->token_bytes && max_keys > 0 &&
+             split_bytes >= 0;
     if (ok && __atomic_load_n(&g->cache_gid, __ATOMIC_ACQUIRE) < 0) {
         g->client_id = malloc((size_t)id.len + 1);
         if (!g->client_id) {
@@ -390,6 +404,48 @@ static PyObject *gate_set_cache(Gate *g, PyObject *args) {
     PyBuffer_Release(&id);
     if (!ok) {
         PyErr_SetString(PyExc_ValueError, "a cache part, a chunk stride of a page's tokens and a positive key limit");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* set_space(token, space_id, gids, max_keys) on a space's gate: its lane's Lookups of the space
+ * `space_id` (bytes) may be answered on the plane from now on (once; the loop has found that the
+ * space has every part, which it then keeps): walked in the parts `gids` (int32 ids, in the loop's
+ * order of them), `token` in their ends (take_gets), at most max_keys keys a Lookup. */
+static PyObject *gate_set_space(Gate *g, PyObject *args) {
+    long long token, max_keys;
+    Py_buffer id, gids;
+    if (!PyArg_ParseTuple(args, "Ly*y*L", &token, &id, &gids, &max_keys))
+        return NULL;
+    Py_ssize_t n = gids.len / 4;
+    int ok = g->space && id.len > 0 && gids.len % 4 == 0 && n >= 1 && n <= INT32_MAX && max_keys > 0;
+    for (Py_ssize_t k = 0; ok && k < n; k++)
+        ok = ((const int32_t *)gids.buf)[k] >= 0;
+    if (ok && __atomic_load_n(&g->cache_gid, __ATOMIC_ACQUIRE) < 0) {
+        g->client_id = malloc((size_t)id.len);
+        g->space_gids = malloc((size_t)gids.len);
+        if (!g->client_id || !g->space_gids) {
+            free(g->client_id);
+            free(g->space_gids);
+            g->client_id = NULL;
+            g->space_gids = NULL;
+            PyBuffer_Release(&id);
+            PyBuffer_Release(&gids);
+            return PyErr_NoMemory();
+        }
+        memcpy(g->client_id, id.buf, (size_t)id.len);
+        memcpy(g->space_gids, gids.buf, (size_t)gids.len);
+        g->client_id_len = (uint64_t)id.len;
+        g->nparts = (int32_t)n;
+        g->cache_token = token;
+        g->cache_max_keys = max_keys;
+        __atomic_store_n(&g->cache_gid, g->space_gids[0], __ATOMIC_RELEASE); /* last: the plane reads it first */
+    }
+    PyBuffer_Release(&id);
+    PyBuffer_Release(&gids);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "a space's gate takes its space id, its parts' ids and a positive key limit");
         return NULL;
     }
     Py_RETURN_NONE;
@@ -414,7 +470,8 @@ static int check_cache_call(Gate *g, uint32_t rpc, const unsigned char *buf, uin
     memset(out, 0, sizeof *out);
     if (rpc == RPC_LOOKUP) {
         kv_lookup q;
-        if (!kv_lookup_parse(buf, n, &q) || !kv_lookup_accept(&q, &gl, &out->nkeys))
+        if (!kv_lookup_parse(buf, n, &q) ||
+            !(g->space ? kv_space_lookup_accept(&q, &gl, &out->nkeys) : kv_lookup_accept(&q, &gl, &out->nkeys)))
             return 0;
         out->keys = q.keys;
         out->key_bytes = q.key_bytes;
@@ -422,7 +479,7 @@ static int check_cache_call(Gate *g, uint32_t rpc, const unsigned char *buf, uin
         return 1;
     }
     kv_get q;
-    if (!(rpc == RPC_GET ? kv_get_parse(buf, n, &q) : rpc == RPC_PUT && kv_put_parse(buf, n, &q)))
+    if (g->space || !(rpc == RPC_GET ? kv_get_parse(buf, n, &q) : rpc == RPC_PUT && kv_put_parse(buf, n, &q)))
         return 0;
     pthread_mutex_lock(&g->check_mu); /* the marks are the gate's scratch */
     int ok = kv_get_accept(&q, &g->lim, &gl, dev, local, &out->nkeys, &out->nl);
@@ -445,7 +502,7 @@ static PyObject *gate_check_call(Gate *g, PyObject *args) {
     int ok = 0;
     if (__atomic_load_n(&g->cache_gid, __ATOMIC_ACQUIRE) >= 0) {
         int64_t *dev = malloc(sizeof(int64_t) * (size_t)g->cache_max_keys);
-        int32_t *local = malloc(sizeof(int32_t) * (size_t)g->lim.num_layers);
+        int32_t *local = malloc(sizeof(int32_t) * (size_t)(g->lim.num_layers ? g->lim.num_layers : 1));
         cache_call call;
         ok = dev && local && check_cache_call(g, rpc, view.buf, (uint64_t)view.len, &call, dev, local);
         free(dev);
@@ -455,12 +512,15 @@ static PyObject *gate_check_call(Gate *g, PyObject *args) {
     return PyBool_FromLong(ok);
 }
 
+static PyObject *gate_get_space(Gate *g, void *unused) { return PyBool_FromLong(g->space); }
+
 static PyObject *gate_get_cache_gid(Gate *g, void *unused) {
     return PyLong_FromLong(__atomic_load_n(&g->cache_gid, __ATOMIC_ACQUIRE));
 }
 
 static PyMethodDef gate_methods[] = {
     {"set_cache", (PyCFunction)gate_set_cache, METH_VARARGS, NULL},
+    {"set_space", (PyCFunction)gate_set_space, METH_VARARGS, NULL},
     {"check_call", (PyCFunction)gate_check_call, METH_VARARGS, NULL},
     {"release_if_idle", (PyCFunction)gate_release_if_idle, METH_O, NULL},
     {"py_enter", (PyCFunction)gate_py_enter, METH_NOARGS, NULL},
@@ -476,6 +536,7 @@ static PyGetSetDef gate_getset[] = {
     {"py_inflight", (getter)gate_get_py_inflight, NULL, NULL, NULL},
     {"closed", (getter)gate_get_closed, NULL, NULL, NULL},
     {"cache_gid", (getter)gate_get_cache_gid, NULL, NULL, NULL},
+    {"space", (getter)gate_get_space, NULL, NULL, NULL},
     {NULL},
 };
 
@@ -579,7 +640,7 @@ typedef struct {
  * LRU touch, the misses, the bytes. ids is the job's, handed over. */
 typedef struct {
     int64_t token, found, misses, nbytes;
-    int64_t *ids;
+    int64_t *ids, nids; /* found of them; a space's Lookup: found of each part, part after part */
     int32_t gid;
     int status; /* DONE_OK, DONE_RELEASED (its gate closed), DONE_HALTED (a deadline, the plane stopped) */
     uint32_t layers;
@@ -632,7 +693,8 @@ typedef struct {
     GetEnd *gets;
     size_t ngets, capgets, unposted_gets;
     uint64_t plane_gets;    /* Gets served whole here, counted as they are taken */
-    uint64_t plane_lookups; /* Lookups likewise */
+    uint64_t plane_lookups; /* Lookups likewise (a space's among them) */
+    uint64_t plane_space_lookups; /* of those, a scheduler's of a whole space (its space's lane) */
     uint64_t plane_puts;    /* Puts of keys all stored already, likewise */
     /* latency histograms, as kvserver_operation_duration_seconds and
      * kvserver_time_to_first_layer_seconds count them (H_WRITE...) */
@@ -706,11 +768,13 @@ static void answer_error(Lane *l, int i, uint32_t code, const char *message) {
     ring_done(l, i);
 }
 
+/* Hands slot i of the lane over to the loop (Lane.take); slot -1: the peer of a space's lane has
+ * closed its end of the submit doorbell (Lane.peer_closed). */
 static void handoff(Engine *e, Lane *l, int i, uint32_t rpc) {
     /* A copy the loop serves keeps the plane from the registration's copies until it ends (the
      * two never copy for one registration at once); a request that copies nothing (a Lookup, an
      * id no one knows) holds nothing off. */
-    int counted = rpc >= 1 && rpc <= RPC_COPIES_LAST;
+    int counted = !l->gate->space && rpc >= 1 && rpc <= RPC_COPIES_LAST; /* a space's lane copies nothing */
     pthread_mutex_lock(&e->hand_mu);
     if (e->nhand == e->caphand) {
         size_t cap = e->caphand ? 2 * e->caphand : 64;
@@ -722,8 +786,9 @@ static void handoff(Engine *e, Lane *l, int i, uint32_t rpc) {
     }
     int room = e->nhand < e->caphand;
     pthread_mutex_unlock(&e->hand_mu);
-    if (!room) { /* out of memory: said, not dropped */
-        answer_error(l, i, CODE_RESOURCE_EXHAUSTED, "the daemon is out of memory for this request: retry");
+    if (!room) { /* out of memory: said, not dropped (a peer gone: its process's exit is watched too) */
+        if (i >= 0)
+            answer_error(l, i, CODE_RESOURCE_EXHAUSTED, "the daemon is out of memory for this request: retry");
         return;
     }
     if (counted) {
@@ -940,6 +1005,7 @@ static void post_get_end(Engine *e, Job *j, int status) {
     d->found = j->found;
     d->misses = j->misses;
     d->ids = j->ids;
+    d->nids = (int64_t)j->found * (g->space ? g->nparts : 1);
     d->status = status;
     d->layers = j->li;
     d->nbytes = status == DONE_OK ? (int64_t)j->nl * j->bytes_per_layer : 0;
@@ -1105,7 +1171,9 @@ static void answer_unary(Engine *e, Lane *l, int i, const unsigned char *respons
 /* Tries to answer slot i, an engine's Lookup of its own part (protobuf), whole on this thread: read
  * and checked (get.h), its keys walked in the cache (nothing held) and answered with the pages
  * found; its end posted back (the loop makes them recent and counts the hits and misses). 1 if it
- * did; 0: the loop's. It copies nothing, so it waits for nothing of its registration.
+ * did; 0: the loop's. It copies nothing, so it waits for nothing of its registration. On a space's
+ * gate, a scheduler's Lookup of the whole space, walked in each of its parts (cache_walk_space),
+ * its end posted with every part's pages.
  * put: slot i is a Put (protobuf) instead, served here only if every one of its keys is stored
  * already (nothing to take or copy: answered present, its end counting them as the loop does);
  * read and checked as a Get of its keys into its device pages. */
@@ -1128,17 +1196,21 @@ static int try_answer(Engine *e, Lane *l, int i, uint32_t n, int put) {
     }
     free(dev);
     free(local);
-    int64_t nkeys = q.nkeys;
+    int64_t nkeys = q.nkeys, nparts = g->space ? g->nparts : 1; /* (the loop bounds nkeys * nparts) */
     uint64_t *words = ok ? malloc(sizeof(uint64_t) * KV_KEY_WORDS * (size_t)nkeys) : NULL;
-    int64_t *ids = ok ? malloc(sizeof(int64_t) * (size_t)nkeys) : NULL;
+    int64_t *ids = ok ? malloc(sizeof(int64_t) * (size_t)(nkeys * nparts)) : NULL;
     int64_t *offs = ok ? malloc(sizeof(int64_t) * (size_t)nkeys) : NULL;
     Job *j = ok ? calloc(1, sizeof(Job)) : NULL;
     ok = ok && words && ids && offs && j && reserve_get_end(e);
     if (ok) {
         kv_keys_words(q.keys, (int64_t)q.key_bytes, nkeys, words);
         /* A Lookup of host memory only asks no tier: its partial hit is whole too */
-        m = cache_walk_hold(c, words, (uint8_t)q.key_bytes, nkeys, gid, (int64_t)g->lim.num_layers * g->parts,
-                            g->cache_lp_stride, ids, offs, 0, c->whole && !q.memory_only);
+        int whole = c->whole && !q.memory_only;
+        if (g->space)
+            m = cache_walk_space(c, words, (uint8_t)q.key_bytes, nkeys, g->space_gids, g->nparts, ids, offs, whole);
+        else
+            m = cache_walk_hold(c, words, (uint8_t)q.key_bytes, nkeys, gid, (int64_t)g->lim.num_layers * g->parts,
+                                g->cache_lp_stride, ids, offs, 0, whole);
         ok = m >= 0 && (!put || m == nkeys); /* a Put of a key not stored is the loop's: it takes pages */
         if (!ok)
             unreserve_get_end(e);
@@ -1168,6 +1240,8 @@ static int try_answer(Engine *e, Lane *l, int i, uint32_t n, int put) {
         len = pb_varint_field(resp, put ? 0x10 : 0x08, (uint64_t)m);
     observe(e, put ? H_PUT : H_LOOKUP, now_ns() - arrival);
     __atomic_add_fetch(put ? &e->plane_puts : &e->plane_lookups, 1, __ATOMIC_RELAXED);
+    if (g->space)
+        __atomic_add_fetch(&e->plane_space_lookups, 1, __ATOMIC_RELAXED);
     answer_unary(e, l, i, resp, len, arrival);
     return 1;
 }
@@ -1187,6 +1261,11 @@ static int scan(Engine *e, Lane *l) {
         set_state(s, ST_TAKEN);
         l->slot_busy[i] = 1;
         took++;
+        if (l->gate->space) { /* a space's lane: its Lookups only; the loop refuses anything else */
+            if (!(rpc == RPC_LOOKUP && try_answer(e, l, i, n, 0)))
+                handoff(e, l, i, rpc);
+            continue;
+        }
         if (!try_job(e, l, i, rpc, n) && !(rpc == RPC_GET && try_get(e, l, i, n)) &&
             !((rpc == RPC_LOOKUP || rpc == RPC_PUT) && try_answer(e, l, i, n, rpc == RPC_PUT)))
             handoff(e, l, i, rpc);
@@ -1237,6 +1316,8 @@ static void doorbell(Engine *e, Lane *l) {
             break;
         if (got <= 0) { /* the peer closed its end: it is gone; its release cleans up */
             unwatch(e, l);
+            if (l->gate->space) /* no release closes a space's lane: the loop is told (slot -1) */
+                handoff(e, l, -1, 0);
             break;
         }
     }
@@ -2152,6 +2233,10 @@ static PyObject *engine_submit_copy(Engine *e, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_RuntimeError, "the data plane has stopped");
         return NULL;
     }
+    if (g->space) {
+        PyErr_SetString(PyExc_ValueError, "a space's gate copies nothing");
+        return NULL;
+    }
     /* An answering copy: a load that answers slot `slot` of lane `lane` (handed over to the loop,
      * its slot still the plane's), which must be this gate's. */
     Lane *answer_lane = NULL;
@@ -2390,7 +2475,7 @@ static PyObject *engine_take_gets(Engine *e, PyObject *unused) {
     for (size_t k = 0; out && k < n; k++) {
         GetEnd *d = &e->gets[k];
         PyObject *item = Py_BuildValue("Liy#LLiILi", (long long)d->token, d->gid, (const char *)d->ids,
-                                       (Py_ssize_t)(d->ids ? 8 * d->found : 0), (long long)d->found,
+                                       (Py_ssize_t)(d->ids ? 8 * d->nids : 0), (long long)d->found,
                                        (long long)d->misses, d->status, d->layers, (long long)d->nbytes,
                                        d->kind);
         if (!item) {
@@ -2444,6 +2529,10 @@ static PyObject *engine_get_plane_gets(Engine *e, void *unused) {
 static PyObject *engine_get_plane_lookups(Engine *e, void *unused) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->plane_lookups, __ATOMIC_RELAXED));
 }
+
+static PyObject *engine_get_plane_space_lookups(Engine *e, void *unused) {
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->plane_space_lookups, __ATOMIC_RELAXED));
+}
 static PyObject *engine_get_plane_puts(Engine *e, void *unused) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->plane_puts, __ATOMIC_RELAXED));
 }
@@ -2475,6 +2564,7 @@ static PyGetSetDef engine_getset[] = {
     {"handed", (getter)engine_get_handed, NULL, NULL, NULL},
     {"plane_gets", (getter)engine_get_plane_gets, NULL, NULL, NULL},
     {"plane_lookups", (getter)engine_get_plane_lookups, NULL, NULL, NULL},
+    {"plane_space_lookups", (getter)engine_get_plane_space_lookups, NULL, NULL, NULL},
     {"plane_puts", (getter)engine_get_plane_puts, NULL, NULL, NULL},
     {"write_turns", (getter)engine_get_write_turns, NULL, NULL, NULL},
     {NULL},
@@ -2491,7 +2581,26 @@ static PyTypeObject EngineType = {
     .tp_getset = engine_getset,
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kvlane", NULL, -1, NULL};
+/* space_gate() -> Gate: the gate of a scheduler's lane of one KV space (Gate.space): it answers
+ * that space's Lookups once set_space gives it the space's parts, and hands every other request
+ * to the loop. */
+static PyObject *module_space_gate(PyObject *mod, PyObject *unused) {
+    Gate *g = (Gate *)PyType_GenericNew(&GateType, NULL, NULL);
+    if (!g)
+        return NULL;
+    pthread_mutex_init(&g->mu, NULL);
+    pthread_mutex_init(&g->check_mu, NULL);
+    g->cache_gid = -1;
+    g->space = 1;
+    return (PyObject *)g;
+}
+
+static PyMethodDef module_methods[] = {
+    {"space_gate", module_space_gate, METH_NOARGS, NULL},
+    {NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kvlane", NULL, -1, module_methods};
 
 PyMODINIT_FUNC PyInit__kvlane(void) {
     if (PyType_Ready(&GateType) < 0 || PyType_Ready(&EngineType) < 0 || PyType_Ready(&CacheType) < 0)

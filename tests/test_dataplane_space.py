@@ -1,0 +1,228 @@
+"""A scheduler's Lookups of a whole space on its space's lane, answered on the compiled data
+plane's thread (docs/design.md, "A Get on the data plane"), against the real daemon with two real
+engines, the two PP stages of one space: the same pages, counters and LRU touches as the gRPC
+Lookup; the loop's until the space has every part, and for whatever the plane's check does not
+take; the check differential against protobuf; a forgotten space id handed back to the loop."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import torch
+from checks import wait_until
+from test_dataplane_gets import _taken
+from test_lane import RawRing
+
+from kvclient import CacheView, KVClient, KVLayout, ShmKVPool
+from kvserver.core import cache_ops
+from kvserver.protocol import ring as R
+from kvserver.store.keys import as_keys
+from kvserver.v1 import kvserver_pb2 as pb
+
+LAYOUT, DTYPE, PAGE, TOKENS, LAYERS = KVLayout.mha(2, 32), torch.bfloat16, 16, 512, 4
+MODEL = "plane-space"
+
+
+def _keys(tag: str, n: int = 24) -> list[bytes]:
+    return [f"{tag}-{i:08d}".encode().ljust(16, b".") for i in range(n)]
+
+
+def _stage(d, pool: ShmKVPool, rank: int, model: str = MODEL) -> KVClient:
+    """The engine of PP stage ``rank`` of two (layers [2 rank, 2 rank + 2) of 4)."""
+    c = KVClient(d.address, timeout=10, resilient=False)
+    c.register(model=model, pool=pool, start_layer=2 * rank, end_layer=2 * rank + 2, num_layers=LAYERS,
+               host_tokens=TOKENS, page_size=PAGE, pp_rank=rank, pp_size=2)
+    return c
+
+
+def _view(d, model: str = MODEL, **kw) -> CacheView:
+    return CacheView(d.address, model=model, layout=LAYOUT, dtype=DTYPE, page_size=PAGE, num_layers=LAYERS,
+                     pp_size=2, **kw)
+
+
+@contextlib.contextmanager
+def _space(d) -> Iterator[tuple[KVClient, KVClient, CacheView, CacheView]]:
+    """Both stages of the space, a view on its lane and one on gRPC."""
+    with ShmKVPool(LAYOUT, DTYPE, 2, TOKENS) as p0, ShmKVPool(LAYOUT, DTYPE, 2, TOKENS) as p1, \
+            _stage(d, p0, 0) as a, _stage(d, p1, 1) as b, _view(d) as v, _view(d, lane="grpc") as g:
+        yield a, b, v, g
+
+
+def _counts(c: KVClient) -> tuple[int, int]:
+    spaces = c.stats().spaces
+    return sum(s.counters.hits for s in spaces), sum(s.counters.misses for s in spaces)
+
+
+def _gate(d):
+    """The gate of the daemon's one space lane."""
+    return d.run(lambda: next(iter(d.daemon.servicer.lanes.space_lanes)).gate)
+
+
+def _space_lookups(d) -> int:
+    return d.core.plane.plane_space_lookups
+
+
+def _stamps(d, keys: list[bytes]) -> list[np.ndarray]:
+    """Each part's LRU stamps of the pages of ``keys`` (all stored in every part)."""
+    cache = d.core.cache
+    (space,) = [s for s in cache._spaces.values() if s.key.model == MODEL]
+    out = []
+    for part in space.parts.values():
+        ids = cache.pages.find(part.gid, as_keys(keys))
+        assert (ids >= 0).all()
+        out.append(cache.pages.stamp[ids].copy())
+    return out
+
+
+def test_a_whole_space_lookup_is_answered_by_the_plane_as_grpc_answers_it(plane_daemon) -> None:
+    """Stage 0 holds 20 keys, stage 1 the first 12: the whole space holds 12. The view's Lookups on
+    its lane, once the loop has given the lane's gate the space's parts, are answered on the
+    plane's thread: the pages the gRPC Lookup finds, the same hits and misses counted, each part's
+    pages made the most recent; a pin and a Lookup of more keys than a step walks are the loop's."""
+    d = plane_daemon
+    with _space(d) as (a, b, v, g):
+        q = _keys("q")
+        assert a.put(q[:20], torch.arange(20)).stored == 20
+        assert b.put(q[:12], torch.arange(12)).stored == 12
+        before = _space_lookups(d)
+        assert v.lookup(q[:1]).pages == 1  # the loop's: it gives the lane's gate the space's parts
+        assert _space_lookups(d) == before
+        gate = _gate(d)
+        assert gate is not None and gate.space and gate.cache_gid >= 0
+        for keys, pages in ((q, 12), (q[:12], 12), (q[:20], 12), (_keys("z")[:3], 0), (q[5:9], 4),
+                            (q[10:16], 2), (q[12:14], 0)):
+            was = _counts(a)
+            found = v.lookup(keys).pages
+            on_lane = _counts(a)
+            assert found == g.lookup(keys).pages == pages
+            on_grpc = _counts(a)
+            lane_counted = (on_lane[0] - was[0], on_lane[1] - was[1])
+            assert lane_counted == (on_grpc[0] - on_lane[0], on_grpc[1] - on_lane[1])
+        assert _space_lookups(d) == before + 7, "the Lookups were not answered on the plane"
+        # The pages it found are the most recent in each part, the first key's the newest.
+        assert v.lookup(q[3:6]).pages == 3 and _space_lookups(d) == before + 8
+        for stamps in d.run(lambda: (d.core.plane.settle_gets(), _stamps(d, q[:12]))[1]):
+            assert int(np.argmax(stamps)) == 3
+            assert stamps[3] > stamps[4] > stamps[5] > max(np.delete(stamps, [3, 4, 5]))
+        # The loop's: a pin (its lease), more keys than one step of a whole-space Lookup walks.
+        pinned = v.lookup(q[:4], pin_ms=500)
+        assert pinned.pages == 4 and pinned.lease_id
+        assert v.release(pinned.lease_id) == 1
+        many = q[:12] + _keys("m", 2048)
+        assert v.lookup(many).pages == 12 == g.lookup(many).pages
+        assert _space_lookups(d) == before + 8
+        a.unregister()
+        b.unregister()
+
+
+def test_until_the_space_has_every_part_its_lookups_are_the_loops(plane_daemon) -> None:
+    """With one stage registered the space holds no whole page: the loop answers 0 and gives the
+    gate nothing; once the other stage has its part the plane answers."""
+    d = plane_daemon
+    q = _keys("p")
+    with ShmKVPool(LAYOUT, DTYPE, 2, TOKENS) as p0, ShmKVPool(LAYOUT, DTYPE, 2, TOKENS) as p1, \
+            _stage(d, p0, 0) as a, _view(d) as v:
+        assert a.put(q[:8], torch.arange(8)).stored == 8
+        before = _space_lookups(d)
+        assert v.lookup(q).pages == 0 and v.lookup(q).pages == 0
+        assert _space_lookups(d) == before
+        gate = _gate(d)
+        assert gate.cache_gid < 0
+        with _stage(d, p1, 1) as b:
+            assert b.put(q[:5], torch.arange(5)).stored == 5
+            assert v.lookup(q).pages == 5  # the loop's, which gives the gate the parts
+            assert v.lookup(q).pages == 5 and v.lookup(q[6:]).pages == 0
+            assert _space_lookups(d) == before + 2
+            b.unregister()
+        a.unregister()
+
+
+def test_what_the_plane_s_space_lookup_check_takes_the_loop_takes_alike(plane_daemon) -> None:
+    """Differential: whatever a space's gate takes (``Gate.check_call``), protobuf parses to that
+    space's Lookup with no client id and no pin, within the keys one step walks; and on a raw
+    ring whose gate has the space's parts, every request the plane hands over is answered by the
+    loop as before (tests/test_view_lane.py has the same requests on a gate without them)."""
+    d = plane_daemon
+    with _space(d) as (a, b, v, g):
+        assert a.put(_keys("y")[:3], torch.arange(3)).stored == 3
+        assert b.put(_keys("y")[:2], torch.arange(2)).stored == 2
+        sid = v.open()
+        ring = RawRing(d.address, space_id=sid, slots=4)
+        try:
+            keys = b"".join(_keys("y")[:3])
+            lookup = pb.LookupRequest(space_id=sid, keys=keys, key_bytes=16, timeout_ms=50)
+            lookup = lookup.SerializeToString()
+            ring.put(0, R.RPC_LOOKUP, lookup)
+            assert ring.ring() == 1
+            lane = d.run(lambda: next(iter(d.daemon.servicer.lanes.space_lanes)))
+            gate = lane.gate
+            assert gate is not None and gate.space
+            wait_until(lambda: ring.state(0) == R.DONE, 10, "the first Lookup's answer")
+            assert gate.cache_gid >= 0  # the loop's answer gave the gate the space's parts
+            crafted = [
+                lookup + pb.LookupRequest(client_id=a.client_id).SerializeToString(),  # an engine's id too
+                pb.LookupRequest(space_id="f" * len(sid), keys=keys, key_bytes=16).SerializeToString(),
+                lookup + b"\x28\x01",  # a pin
+                lookup + b"\x48\x01",  # a field it does not know
+                lookup + lookup[:2 + len(sid)],  # the space id twice
+                pb.LookupRequest(space_id=sid, keys=b"k" * 130, key_bytes=65).SerializeToString(),
+                pb.LookupRequest(space_id=sid, keys=b"k" * 16 * 2049, key_bytes=16).SerializeToString(),
+            ]
+            for data in _taken(gate, R.RPC_LOOKUP, lookup, crafted, 13):
+                parsed = pb.LookupRequest.FromString(data)
+                assert parsed.space_id == sid and not parsed.client_id and not parsed.pin_ms
+                n = len(parsed.keys) // parsed.key_bytes
+                assert 1 <= parsed.key_bytes <= 64 and n * parsed.key_bytes == len(parsed.keys) and n >= 1
+                assert n <= 2048  # one step of a 2-part space's Lookup
+            before = _space_lookups(d)
+            ring.put(0, R.RPC_WRITE_B, b"\x00" * 64)  # not a Lookup
+            ring.put(1, R.RPC_LOOKUP, crafted[1])  # another space's
+            ring.put(2, R.RPC_LOOKUP, pb.LookupRequest(client_id=a.client_id, keys=keys, key_bytes=16)
+                     .SerializeToString())  # an engine's
+            ring.put(3, R.RPC_GET, b"\xff" * 40)  # not a Lookup, nor anything
+            assert ring.ring() == 1
+            wait_until(lambda: all(ring.state(i) == R.DONE for i in range(4)), 10, "the ring's answers")
+            inv = grpc.StatusCode.INVALID_ARGUMENT
+            assert ring.answer(0) == (inv, "a space's lane carries only Lookups, not WriteB")
+            assert ring.answer(1)[0] == grpc.StatusCode.PERMISSION_DENIED
+            assert ring.answer(2)[0] == inv and "no client_id" in ring.answer(2)[1]
+            assert ring.answer(3) == (inv, "a space's lane carries only Lookups, not Get")
+            assert _space_lookups(d) == before
+        finally:
+            ring.close()
+        a.unregister()
+        b.unregister()
+
+
+def test_a_forgotten_space_id_s_lane_is_handed_back_to_the_loop(plane_daemon, monkeypatch) -> None:
+    """The daemon forgets the ids of spaces dropped while empty when it holds too many: the lane of
+    such an id is the loop's from then on (NOT_FOUND, as gRPC answers; the view opens its space
+    again), never answered on the plane for an id the daemon no longer knows."""
+    d = plane_daemon
+    monkeypatch.setattr(cache_ops, "MAX_SPACE_IDS", 2)
+    with ShmKVPool(LAYOUT, DTYPE, 2, TOKENS) as p0, ShmKVPool(LAYOUT, DTYPE, 2, TOKENS) as p1, \
+            _stage(d, p0, 0) as a, _stage(d, p1, 1) as b, _view(d) as v:
+        q = _keys("f")
+        assert a.lookup(q).pages == 0 and b.lookup(q).pages == 0  # both parts: an empty, whole space
+        assert v.lookup(q).pages == 0 and v.lookup(q).pages == 0
+        lane = d.run(lambda: next(iter(d.daemon.servicer.lanes.space_lanes)))
+        assert lane.gate.cache_gid >= 0
+        first = v.open()
+        # One space a tenant: another space's use drops this empty one, and a third view's open
+        # passes the ids' bound, which forgets the dropped space's id.
+        d.run(lambda: setattr(d.core.cache, "max_spaces_per_tenant", 1))
+        with ShmKVPool(LAYOUT, DTYPE, 2, TOKENS) as p2, _stage(d, p2, 0, model="other") as o, \
+                _view(d, model="other", lane="grpc") as w, _view(d, model="third", lane="grpc") as t:
+            assert o.lookup(q).pages == 0
+            w.open()
+            t.open()
+            assert lane.gate.closed, "the forgotten id's gate still answers"
+            before = _space_lookups(d)
+            assert v.lookup(q).pages == 0  # NOT_FOUND on the old lane: the view opens its space again
+            assert v.open() != first and _space_lookups(d) == before
+            o.unregister()
+        a.unregister()
+        b.unregister()
