@@ -7,10 +7,12 @@ take; the check differential against protobuf; a forgotten space id handed back 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 
 import grpc
 import numpy as np
+import pytest
 import torch
 from checks import wait_until
 from test_dataplane_gets import _taken
@@ -226,3 +228,95 @@ def test_a_forgotten_space_id_s_lane_is_handed_back_to_the_loop(plane_daemon, mo
             o.unregister()
         a.unregister()
         b.unregister()
+
+
+def test_a_space_gate_takes_only_its_spaces_lookups_and_is_given_its_parts_once() -> None:
+    """A space's gate has no pool: it takes no Write, Load, Get or Put, copies nothing and has no
+    pages to free; it is given a space's parts once (a registration's gate never is), within the
+    bounds on its ids and keys; an engine's gate takes no space."""
+    from kvserver.lane.plane import _kvlane
+
+    if _kvlane is None:
+        pytest.skip("the compiled data plane is not built")
+    gate = _kvlane.space_gate()
+    assert gate.space and gate.cache_gid == -1 and not gate.closed
+    sid = b"0123456789abcdef0123456789abcdef"
+    lookup = pb.LookupRequest(space_id=sid.decode(), keys=b"k" * 32, key_bytes=16).SerializeToString()
+    assert not gate.check_call(R.RPC_LOOKUP, lookup)  # no parts yet
+    for bad in [(1, b"", np.int32([3]).tobytes(), 8),  # no space id
+                (1, sid, b"", 8),  # no part
+                (1, sid, b"\x00" * 5, 8),  # not int32 ids
+                (1, sid, np.int32([3, -1]).tobytes(), 8),  # a negative id
+                (1, sid, np.int32([3]).tobytes(), 0),  # no key
+                (1, sid, np.int32([3, 4]).tobytes(), 1 << 20)]:  # more pairs than the plane walks
+        with pytest.raises(ValueError):
+            gate.set_space(*bad)
+    assert gate.cache_gid == -1
+    gate.set_space(7, sid, np.int32([3, 4]).tobytes(), 8)
+    gate.set_space(8, sid, np.int32([5]).tobytes(), 8)  # once: the first parts stay
+    assert gate.cache_gid == 3
+    assert gate.check_call(R.RPC_LOOKUP, lookup)
+    assert not gate.check_call(R.RPC_LOOKUP, lookup + b"\x28\x01")  # a pin
+    assert not gate.check_call(R.RPC_LOOKUP, pb.LookupRequest(
+        space_id=sid.decode(), keys=b"k" * 16 * 9, key_bytes=16).SerializeToString())  # more keys than 8
+    get = pb.GetRequest(keys=b"k" * 16, key_bytes=16, device_pages=[0]).SerializeToString()
+    put = pb.PutRequest(keys=b"k" * 16, key_bytes=16, device_pages=[0]).SerializeToString()
+    assert not gate.check_call(R.RPC_GET, get) and not gate.check_call(R.RPC_PUT, put)
+    assert not gate.check(b"\x00" * 64)  # no Write or Load
+    with pytest.raises(TypeError):
+        gate.release_if_idle(np.int64([0]))
+    with pytest.raises(ValueError):
+        gate.set_cache(3, 1, b"client", 1 << 20, 8, 0)
+    pool = dict(owned=np.ones(4, np.uint8), host_base=1, page_bytes=64, page_size=1, token_bytes=1,
+                parts=1, start_layer=0, num_layers=1, epoch=1, dev_tokens=4, dev_bases=[1], dev_stride=1,
+                max_indices=8)
+    with pytest.raises(RuntimeError):
+        gate.__init__(**pool)
+    engine_gate = _kvlane.Gate(**pool)
+    assert not engine_gate.space
+    with pytest.raises(ValueError):
+        engine_gate.set_space(1, sid, np.int32([3]).tobytes(), 8)
+
+
+def test_closing_the_view_closes_its_lane_and_the_lane_s_gate(plane_daemon) -> None:
+    """The plane watches the lane's doorbell: the view closing its end is told to the loop, which
+    closes the lane (its descriptors given back) and its gate."""
+    d = plane_daemon
+    with _space(d) as (a, b, v, g):
+        q = _keys("c")
+        assert a.put(q[:4], torch.arange(4)).stored == 4 and b.put(q[:4], torch.arange(4)).stored == 4
+        assert v.lookup(q).pages == 4 and v.lookup(q).pages == 4
+        gate = _gate(d)
+        assert gate.cache_gid >= 0 and not gate.closed
+        v.close()
+        lanes = d.daemon.servicer.lanes
+        wait_until(lambda: d.run(lambda: len(lanes.space_lanes)) == 0, 10, "the lane's close")
+        assert gate.closed
+        a.unregister()
+        b.unregister()
+
+
+def test_the_plane_hands_lookups_to_the_loop_once_256_ends_wait_for_it(plane_daemon) -> None:
+    """The loop settles the ends of the calls the plane answers: while it is busy, a scheduler
+    calling back to back gets 256 answers from the plane, then its next Lookup goes to the loop
+    (answered once the loop is free, which settles the 256 first), never a queue of ends without
+    bound for one wake-up of the loop."""
+    d = plane_daemon
+    with _space(d) as (a, b, v, g):
+        q = _keys("b")[:4]
+        assert a.put(q, torch.arange(4)).stored == 4 and b.put(q, torch.arange(4)).stored == 4
+        assert v.lookup(q).pages == 4 and v.lookup(q).pages == 4  # the gate has the parts
+        a.stats()  # (the loop has settled those)
+        before = _space_lookups(d)
+        d.loop.call_soon_threadsafe(time.sleep, 1.0)  # the loop busy for a second
+        time.sleep(0.05)
+        counts, took = [], []
+        for _ in range(300):
+            counts.append(_space_lookups(d))
+            t = time.perf_counter()
+            assert v.lookup(q).pages == 4
+            took.append(time.perf_counter() - t)
+        slow = [i for i, s in enumerate(took) if s > 0.3]
+        assert slow, "no Lookup waited for the loop"
+        assert counts[slow[0]] == before + 256, counts[slow[0]] - before
+        assert _space_lookups(d) >= before + 256

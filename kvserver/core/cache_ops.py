@@ -44,7 +44,7 @@ from kvserver.store import (
     Space,
     SpaceKey,
 )
-from kvserver.store.cache import MAX_LOOKUP_PAIRS
+from kvserver.store.cache import PACKED_STEP_PAIRS
 from kvserver.store.keys import leading
 from kvserver.store.pages import COMMITTED, WRITING
 from kvserver.store.steps import STEP_KEYS, run_steps
@@ -62,6 +62,10 @@ _FEW = 8  # device pages a request may name for their checks to run in plain Pyt
 # The kinds of the data plane's ends besides a Get's (take_gets): a Lookup, a Put of stored keys,
 # a Lookup of host memory only (memory_only: no tier's copies made recent).
 _END_LOOKUP, _END_PUT, _END_LOOKUP_HOST = 1, 2, 3
+# The most (key, part) pairs a whole-space Lookup the data plane answers walks, all under one hold
+# of the cache's lock (the loop's own step of one walks up to STEP_KEYS keys of every part): a space
+# of up to 8 parts, a step's keys; more parts, fewer keys (a longer one is the loop's, in steps).
+PLANE_SPACE_PAIRS = 2 * PACKED_STEP_PAIRS
 _PLANE_REFUSED = "the data plane did not take the copy (the daemon is stopping, or out of memory): retry"
 
 
@@ -684,8 +688,9 @@ class CacheOps:
         ``KVCache.lookup_packed`` does; its end makes the pages recent and counts the hits and
         misses here (``plane_get_ended``). Only once the space has every part: its parts then never
         change (a space's parts are only ever added; the reference kept here keeps the same Space
-        object, with the same parts, while the gate serves). Bounded as the loop bounds one step of
-        a whole-space Lookup (``packed_step_keys``, ``MAX_LOOKUP_PAIRS``). With a disk or cluster
+        object, with the same parts, while the gate serves). At most one step of the loop's
+        whole-space Lookup (``packed_step_keys``) and ``PLANE_SPACE_PAIRS`` (key, part) pairs, all
+        walked under one hold of the cache's lock. With a disk or cluster
         tier, only the Lookups whose every key host memory holds, as for an engine's."""
         plane = self.kv.copier.plane
         if (gate is None or plane is None or plane.cache is None or gate.cache_gid >= 0 or gate.closed
@@ -698,8 +703,8 @@ class CacheOps:
         parts = self.cache.parts_of(space)[1]
         if not parts:  # not every part yet: none holds a whole page
             return
-        max_keys = min(self._max_keys, self.cache.packed_step_keys(space), MAX_LOOKUP_PAIRS // len(parts))
-        if max_keys < 1:
+        max_keys = min(self._max_keys, self.cache.packed_step_keys(space), PLANE_SPACE_PAIRS // len(parts))
+        if max_keys < 1:  # (a space of more parts than that: its Lookups stay the loop's)
             return
         self._prune_plane_calls()
         token = next(self._plane_tokens)

@@ -118,7 +118,10 @@ class DataPlane:
             if lane is None:  # removed meanwhile: the request dies with its lane
                 continue
             if slot < 0:  # a space's lane whose peer closed its end of the doorbell
-                lane.peer_closed()
+                try:
+                    lane.peer_closed()
+                except Exception:  # the other handoffs are served all the same
+                    logger.exception("closing a space's lane whose peer left failed")
                 continue
             try:
                 lane.take(slot, counted)

@@ -213,6 +213,9 @@ class Lane:
             self._watching = False
             if self._plane is not None:
                 self._plane.remove(self, self._handle)
+                # Its handle names freed memory now, which a lane opened later may reuse: an
+                # answer still to come (a lane closing itself, not closed yet) finds no lane.
+                self._handle = 0
             else:
                 asyncio.get_running_loop().remove_reader(self._submit.fileno())
 

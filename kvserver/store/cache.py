@@ -664,14 +664,16 @@ class KVCache:
         if part is not None and misses:
             self._count(part.space, 0, misses)
 
-    @_locked
     def settle_lookup(self, walked: Sequence[tuple[int, np.ndarray]], space: Space | None, found: int,
                       misses: int) -> None:
         """The end of a Lookup the data plane walked itself, in each part ``gid`` of ``walked``
         (one, or each of a whole space's) in turn: its pages ``ids`` there made recent (the first
         the most recent) and its hits and misses counted in ``space``, as ``lookup_packed`` does
         (none where it is unknown). A Lookup holds nothing: a page evicted since its walk is not
-        touched (nor one that took its id meanwhile)."""
+        touched (nor one that took its id meanwhile). Without the cache's lock: it changes only
+        the pages' and slabs' stamps and the counters, which the plane's walk never reads (the
+        loop, the only other reader, runs this itself), so the plane's next call, which comes
+        about now, does not wait on it."""
         p = self.pages
         for gid, ids in walked:
             if len(ids):
@@ -680,10 +682,10 @@ class KVCache:
         if space is not None and (found or misses):
             self._count(space, found, misses)
 
-    @_locked
     def count_present(self, part: Part, n: int) -> None:
         """A Put of ``n`` keys that the data plane found all stored (nothing taken or copied):
-        counted present, as ``prepare_put_present`` counts them. (Its space, as a settled call's,
+        counted present, as ``prepare_put_present`` counts them (counters only: without the lock,
+        as ``settle_lookup``). (Its space, as a settled call's,
         ``_count``: not registered again if it was dropped while empty.)"""
         self._count_present(part.space, n, part.key.page_bytes)
 

@@ -409,6 +409,9 @@ static PyObject *gate_set_cache(Gate *g, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* The most (key, part) pairs a space's Lookup may walk here (the loop bounds them tighter). */
+#define SPACE_MAX_PAIRS (1 << 20)
+
 /* set_space(token, space_id, gids, max_keys) on a space's gate: its lane's Lookups of the space
  * `space_id` (bytes) may be answered on the plane from now on (once; the loop has found that the
  * space has every part, which it then keeps): walked in the parts `gids` (int32 ids, in the loop's
@@ -419,7 +422,8 @@ static PyObject *gate_set_space(Gate *g, PyObject *args) {
     if (!PyArg_ParseTuple(args, "Ly*y*L", &token, &id, &gids, &max_keys))
         return NULL;
     Py_ssize_t n = gids.len / 4;
-    int ok = g->space && id.len > 0 && gids.len % 4 == 0 && n >= 1 && n <= INT32_MAX && max_keys > 0;
+    int ok = g->space && id.len > 0 && gids.len % 4 == 0 && n >= 1 && n <= SPACE_MAX_PAIRS && max_keys > 0 &&
+             max_keys <= SPACE_MAX_PAIRS / n;
     for (Py_ssize_t k = 0; ok && k < n; k++)
         ok = ((const int32_t *)gids.buf)[k] >= 0;
     if (ok && __atomic_load_n(&g->cache_gid, __ATOMIC_ACQUIRE) < 0) {
@@ -983,9 +987,18 @@ static int reserve_room(Engine *e, void **items, size_t *cap, const size_t *n, s
     return room;
 }
 
-/* Room for one more GetEnd, kept until it is posted; 0: out of memory. */
+/* The most ends of calls served here that the loop has yet to settle: past it, a call is handed to
+ * the loop (which settles as it serves), so that a client calling back to back never leaves the
+ * loop more ends to settle at one wake-up than this. */
+#define MAX_UNSETTLED_ENDS 256
+
+/* Room for one more GetEnd, kept until it is posted; 0: out of memory, or MAX_UNSETTLED_ENDS
+ * waiting for the loop already. */
 static int reserve_get_end(Engine *e) {
-    return reserve_room(e, (void **)&e->gets, &e->capgets, &e->ngets, &e->unposted_gets, sizeof(GetEnd));
+    pthread_mutex_lock(&e->hand_mu);
+    int full = e->ngets + e->unposted_gets >= MAX_UNSETTLED_ENDS;
+    pthread_mutex_unlock(&e->hand_mu);
+    return !full && reserve_room(e, (void **)&e->gets, &e->capgets, &e->ngets, &e->unposted_gets, sizeof(GetEnd));
 }
 
 static void unreserve_get_end(Engine *e) {
