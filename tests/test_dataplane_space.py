@@ -7,6 +7,7 @@ take; the check differential against protobuf; a forgotten space id handed back 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator
 
@@ -308,15 +309,16 @@ def test_the_plane_hands_lookups_to_the_loop_once_256_ends_wait_for_it(plane_dae
         assert v.lookup(q).pages == 4 and v.lookup(q).pages == 4  # the gate has the parts
         a.stats()  # (the loop has settled those)
         before = _space_lookups(d)
-        d.loop.call_soon_threadsafe(time.sleep, 1.0)  # the loop busy for a second
-        time.sleep(0.05)
+        busy = threading.Event()
+        d.loop.call_soon_threadsafe(lambda: (busy.set(), time.sleep(2.0)))  # the loop busy for 2 s
+        assert busy.wait(5)
         counts, took = [], []
         for _ in range(300):
             counts.append(_space_lookups(d))
             t = time.perf_counter()
             assert v.lookup(q).pages == 4
             took.append(time.perf_counter() - t)
-        slow = [i for i, s in enumerate(took) if s > 0.3]
+        slow = [i for i, s in enumerate(took) if s > 0.5]
         assert slow, "no Lookup waited for the loop"
         assert counts[slow[0]] == before + 256, counts[slow[0]] - before
         assert _space_lookups(d) >= before + 256

@@ -200,13 +200,16 @@ class Lane:
             self._gone("its peer closed its end")
 
     def _gone(self, why: str) -> None:
-        """The peer is gone (``close_when_gone``): the lane closes itself, no release will."""
-        self._unwatch()
-        if self._gone_fd >= 0:
-            asyncio.get_running_loop().remove_reader(self._gone_fd)
-        if self._closing is None and not self._closed:
-            logger.info("lane of %s closed: %s", self.owner, why)
-            self._closing = asyncio.ensure_future(self.close())
+        """The peer is gone (``close_when_gone``): the lane closes itself, no release will (and
+        it is closed even if letting go of its doorbells fails: its close lets go of the rest)."""
+        try:
+            self._unwatch()
+            if self._gone_fd >= 0:
+                asyncio.get_running_loop().remove_reader(self._gone_fd)
+        finally:
+            if self._closing is None and not self._closed:
+                logger.info("lane of %s closed: %s", self.owner, why)
+                self._closing = asyncio.ensure_future(self.close())
 
     def _unwatch(self) -> None:
         if self._watching:

@@ -993,10 +993,10 @@ static int reserve_room(Engine *e, void **items, size_t *cap, const size_t *n, s
 #define MAX_UNSETTLED_ENDS 256
 
 /* Room for one more GetEnd, kept until it is posted; 0: out of memory, or MAX_UNSETTLED_ENDS
- * waiting for the loop already. */
+ * posted already and waiting for the loop (the Gets still copying, not posted yet, do not count). */
 static int reserve_get_end(Engine *e) {
     pthread_mutex_lock(&e->hand_mu);
-    int full = e->ngets + e->unposted_gets >= MAX_UNSETTLED_ENDS;
+    int full = e->ngets >= MAX_UNSETTLED_ENDS;
     pthread_mutex_unlock(&e->hand_mu);
     return !full && reserve_room(e, (void **)&e->gets, &e->capgets, &e->ngets, &e->unposted_gets, sizeof(GetEnd));
 }
