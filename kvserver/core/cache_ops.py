@@ -690,8 +690,8 @@ class CacheOps:
         change (a space's parts are only ever added; the reference kept here keeps the same Space
         object, with the same parts, while the gate serves). At most one step of the loop's
         whole-space Lookup (``packed_step_keys``) and ``PLANE_SPACE_PAIRS`` (key, part) pairs, all
-        walked under one hold of the cache's lock. With a disk or cluster
-        tier, only the Lookups whose every key host memory holds, as for an engine's."""
+        walked under one hold of the cache's lock. With a disk or cluster tier, only the Lookups
+        whose every key host memory holds, as for an engine's."""
         plane = self.kv.copier.plane
         if (gate is None or plane is None or plane.cache is None or gate.cache_gid >= 0 or gate.closed
                 or not self.cache.pages.compiled):

@@ -1209,7 +1209,7 @@ static int try_answer(Engine *e, Lane *l, int i, uint32_t n, int put) {
     }
     free(dev);
     free(local);
-    int64_t nkeys = q.nkeys, nparts = g->space ? g->nparts : 1; /* (the loop bounds nkeys * nparts) */
+    int64_t nkeys = q.nkeys, nparts = g->space ? g->nparts : 1; /* (set_space bounds nkeys * nparts) */
     uint64_t *words = ok ? malloc(sizeof(uint64_t) * KV_KEY_WORDS * (size_t)nkeys) : NULL;
     int64_t *ids = ok ? malloc(sizeof(int64_t) * (size_t)(nkeys * nparts)) : NULL;
     int64_t *offs = ok ? malloc(sizeof(int64_t) * (size_t)nkeys) : NULL;
