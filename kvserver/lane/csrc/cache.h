@@ -256,7 +256,8 @@ static PyTypeObject CacheType = {
 #define CACHE_LOCK_WAIT_NS 20000
 #define CACHE_LOCK_LONG_NS 200000
 
-static int64_t cache_now_ns(void) {
+/* The monotonic clock in nanoseconds: the plane's one clock (kvlane.c's too). */
+static int64_t now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
@@ -267,14 +268,14 @@ static int64_t cache_now_ns(void) {
 static int cache_try_lock(Cache *c) {
     if (pthread_mutex_trylock(&c->mu) == 0)
         return 1;
-    int64_t now = cache_now_ns(), until = now + CACHE_LOCK_WAIT_NS;
+    int64_t now = now_ns(), until = now + CACHE_LOCK_WAIT_NS;
     if (c->missed_ns && now - c->missed_ns < CACHE_LOCK_LONG_NS)
         return 0;
     do {
         sched_yield();
         if (pthread_mutex_trylock(&c->mu) == 0)
             return 1;
-        now = cache_now_ns();
+        now = now_ns();
     } while (now < until);
     c->missed_ns = now;
     return 0;

@@ -102,12 +102,6 @@
 #define CODE_RESOURCE_EXHAUSTED 8
 #define CODE_DEADLINE 4
 
-static int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
 /* ---- Gate: what the data plane may do for one registration ---------------------------------- */
 
 typedef struct {
