@@ -76,6 +76,25 @@ def test_a_views_lookups_take_its_spaces_lane_and_answer_as_grpc(daemon) -> None
         engine.unregister()
 
 
+def refused_on_a_space_lane(ring: RawRing, engine_id: str, keys: bytes) -> None:
+    """On a space's lane of 4 slots: a Write, another space's Lookup, an engine's Lookup and bytes
+    that are no LookupRequest, each answered as the loop answers them (the same whether or not the
+    data plane watches the lane, and whether or not its gate has the space's parts)."""
+    ring.put(0, R.RPC_WRITE_B, b"\x00" * 64)  # not a Lookup
+    ring.put(1, R.RPC_LOOKUP, pb.LookupRequest(space_id="f" * 32, keys=keys, key_bytes=16)
+             .SerializeToString())  # another space's
+    ring.put(2, R.RPC_LOOKUP, pb.LookupRequest(client_id=engine_id, keys=keys, key_bytes=16)
+             .SerializeToString())  # an engine's
+    ring.put(3, R.RPC_LOOKUP, b"\xff" * 40)  # not a LookupRequest
+    assert ring.ring() == 1
+    wait_until(lambda: all(ring.state(i) == R.DONE for i in range(4)), 10, "the ring's answers")
+    inv = grpc.StatusCode.INVALID_ARGUMENT
+    assert ring.answer(0) == (inv, "a space's lane carries only Lookups, not WriteB")
+    assert ring.answer(1)[0] == grpc.StatusCode.PERMISSION_DENIED
+    assert ring.answer(2)[0] == inv and "no client_id" in ring.answer(2)[1]
+    assert ring.answer(3)[0] == inv and "LookupRequest" in ring.answer(3)[1]
+
+
 def test_a_spaces_lane_carries_only_its_spaces_lookups(daemon) -> None:
     with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, KVClient(daemon.address) as engine, \
             view(daemon.address, lane="grpc") as v:
@@ -86,19 +105,8 @@ def test_a_spaces_lane_carries_only_its_spaces_lookups(daemon) -> None:
         ring = RawRing(daemon.address, space_id=sid, slots=4)
         try:
             lookup = pb.LookupRequest(space_id=sid, keys=KEYS, key_bytes=16)
-            ring.put(0, R.RPC_WRITE_B, b"\x00" * 64)  # not a Lookup
-            ring.put(1, R.RPC_LOOKUP, pb.LookupRequest(space_id="f" * 32, keys=KEYS, key_bytes=16)
-                     .SerializeToString())  # another space's
-            ring.put(2, R.RPC_LOOKUP, pb.LookupRequest(client_id=engine.client_id, keys=KEYS, key_bytes=16)
-                     .SerializeToString())  # an engine's
-            ring.put(3, R.RPC_LOOKUP, b"\xff" * 40)  # not a LookupRequest
-            assert ring.ring() == 1
-            wait_until(lambda: all(ring.state(i) == R.DONE for i in range(4)), 10, "the ring's answers")
+            refused_on_a_space_lane(ring, engine.client_id, KEYS)
             inv = grpc.StatusCode.INVALID_ARGUMENT
-            assert ring.answer(0) == (inv, "a space's lane carries only Lookups, not WriteB")
-            assert ring.answer(1)[0] == grpc.StatusCode.PERMISSION_DENIED
-            assert ring.answer(2)[0] == inv and "no client_id" in ring.answer(2)[1]
-            assert ring.answer(3)[0] == inv and "LookupRequest" in ring.answer(3)[1]
             ring.put(0, 99, lookup.SerializeToString())  # no such rpc
             ring.put(1, R.RPC_LOOKUP, lookup.SerializeToString())
             assert ring.ring() == 1
