@@ -566,8 +566,7 @@ class KVServicer(pb_grpc.KVServerServicer):
         if (rpc != ring.RPC_LOOKUP or isinstance(request, MalformedRequest) or request.client_id
                 or request.space_id != space_id):
             return False
-        if lane.gate is not None and lane.gate.cache_gid < 0:  # the plane answers the next ones
-            self.cache.serve_space_on_plane(space_id, lane.gate)
+        self.cache.serve_space_on_plane(space_id, lane.gate)  # (it answers the next ones, once it can)
         return self._lookup_now(request, lane, slot, counted, started)
 
     def _lookup_now(self, request: pb.LookupRequest, lane: Lane, slot: int, counted: bool,
