@@ -247,7 +247,7 @@ static PyTypeObject CacheType = {
  * whole-hits cache) a key is missed: nothing held, the loop serves the call. `chunks` (layer,
  * part) chunks of `lp_stride` bytes a page. */
 /* The most the plane waits for the lock the loop holds before it hands a call over: the loop's
- * settle of the plane's last call, which it takes as the engine's next one comes, holds it for
+ * settle of the plane's last Get, which it takes as the engine's next one comes, holds it for
  * microseconds, and a call handed over costs the loop's whole path (a hundred microseconds and
  * more); the loop's longer holds (a step of a large Put) are handed over after this. Within
  * CACHE_LOCK_LONG_NS of a wait that ran out, the loop is likely still in that long hold: the calls
