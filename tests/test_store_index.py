@@ -236,3 +236,29 @@ def test_compiled_hold_and_touch_change_the_page_table_as_numpys_do(kvindex, see
             c.touch(np.array(bad, np.int64))
     assert np.array_equal(c.readers, before[0]) and np.array_equal(c.slab_holds, before[1])
     assert np.array_equal(c.stamp, before[2]) and c._tick == before[3]
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_fit_splits_ahead_for_entries_filed_elsewhere_and_the_count_is_one_shared_item(compiled):
+    """The data plane files a Put's keys itself (never splitting) and counts them in the index's
+    one shared item: ``fit(n)`` splits the buckets ahead for n more entries, and ``fit()`` after
+    entries were counted there, as ``insert`` splits after its own; the walks find every key
+    either way."""
+    if compiled and index._kvindex is None:
+        pytest.skip("the compiled index walk is not built (no compiler)")
+    ix = KeyIndex(1 << 12)
+    if not compiled:
+        ix._c = None
+    assert ix.counter.shape == (1,) and ix.count == 0
+    ix.fit(1000)
+    assert ix.buckets * index.LOAD >= 1000
+    buckets = ix.buckets
+    keys = Keys.of([i.to_bytes(8, "little") for i in range(1000)])
+    ix.insert(np.arange(1000, dtype=np.int64), 3, keys)
+    assert ix.buckets == buckets, "the room was made ahead"
+    ix.counter[0] += 500  # as the plane counts what it files (here: counted only)
+    assert ix.count == 1500
+    ix.fit()
+    assert ix.buckets * index.LOAD >= 1500
+    assert ix.find(3, keys).tolist() == list(range(1000))
+    assert ix.find_arrays(3, keys).tolist() == list(range(1000))

@@ -213,14 +213,18 @@ class KVServicer(pb_grpc.KVServerServicer):
             if plane.GETS:  # and its lane Gets, whole; with a tier, only those host memory holds
                 tiered = self.cache.disk is not None or self.cache.cluster is not None
                 self.plane.serve_gets(core.cache, core.arena.address, core.arena.capacity,
-                                      self.cache.plane_get_ended, whole=tiered)
+                                      self.cache.plane_calls_ended, whole=tiered)
                 self.cache.on_plane_get = self._plane_get
+                self.cache.on_plane_put = self._plane_put
         core.on_plane_transfers = self._plane_transfers
         self.lanes = LaneBook(core, self.run_lane, self.plane, self.run_space_lane, self.fast_lane,
                               self.fast_space_lane)
 
     def _plane_get(self, nbytes: int) -> None:
         self.metrics.transfers.add("get", nbytes, "ring")
+
+    def _plane_put(self, nbytes: int, puts: int) -> None:
+        self.metrics.transfers.add("put", nbytes, "ring", puts)
 
     def _plane_transfers(self, written: int, writes: int, loaded: int, loads: int) -> None:
         if writes:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Generator
@@ -60,8 +61,17 @@ MAX_CACHE_KEYS = 1 << 17
 MAX_GET_PARTS = 1024  # Gets in one GetRequest (GetRequest.parts)
 _FEW = 8  # device pages a request may name for their checks to run in plain Python
 # The kinds of the data plane's ends besides a Get's (take_gets): a Lookup, a Put of stored keys,
-# a Lookup of host memory only (memory_only: no tier's copies made recent).
-_END_LOOKUP, _END_PUT, _END_LOOKUP_HOST = 1, 2, 3
+# a Lookup of host memory only (memory_only: no tier's copies made recent), a Put the plane stored.
+_END_LOOKUP, _END_PUT, _END_LOOKUP_HOST, _END_STORE = 1, 2, 3, 4
+# The free cache pages set aside for the Puts the data plane stores whole (``_refill``), per size
+# class (a tenant's pages of one size: its TP ranks', its PP stages' of equal layers): at most
+# STASH_BYTES bytes, a 32nd of host memory and a 16th of the tenant's quota, shared among the
+# class's registrations that Put, each at most STASH_PAGES pages. A Put of more keys than a
+# registration's share is the loop's, as before.
+# KVSERVER_PLANE_PUTS=0 sets no page aside: every Put of new pages is the loop's (the plane still
+# copies it), as before the plane stored them.
+STASH_PAGES = 256 if os.environ.get("KVSERVER_PLANE_PUTS", "1") != "0" else 0
+STASH_BYTES = 32 << 20
 # The most (key, part) pairs a whole-space Lookup the data plane answers walks, all under one hold
 # of the cache's lock (the loop's own step of one walks up to STEP_KEYS keys of every part): a space
 # of up to 8 parts, a step's keys; more parts, fewer keys (a longer one is the loop's, in steps).
@@ -142,6 +152,13 @@ class CacheOps:
         self._plane_kept = 0  # tokens kept by the last prune (``_prune_plane_calls``)
         self._plane_tokens = itertools.count(1)
         self.on_plane_get: Callable[[int], None] | None = None
+        self.on_plane_put: Callable[[int, int], None] | None = None  # bytes, Puts
+        # The registrations that Put on the plane (token -> size class) and how many of each
+        # class: a class's stash is shared among them (``_stash_pages``).
+        self._stashers: dict[int, tuple[int, int]] = {}
+        self._stash_shares: dict[tuple[int, int], int] = {}
+        kv.on_gate_closed = self._gate_closed
+        self.cache.on_reclaim = self._reclaim
 
     # ---- who is asking ----------------------------------------------------------------------
 
@@ -679,6 +696,98 @@ class CacheOps:
         self._plane_gets[token] = PlaneCalls(client.client_id, (part,), gate)
         gate.set_cache(part.gid, token, client.client_id.encode(), rows[1], min(self._max_keys, STEP_KEYS),
                        copier.split_load_bytes())
+        client.plane_token = token
+
+    def _class_of(self, part: Part) -> tuple[int, int]:
+        return self.cache.tenants.get(part.space.key.tenant).tid, part.key.page_bytes
+
+    def _stash_pages(self, part: Part) -> int:
+        """How many free pages the stash of a registration of ``part`` holds when full: its share
+        of its size class's (``STASH_BYTES``, a 32nd of host memory, a 16th of its tenant's quota,
+        among the class's registrations that Put: ``_stashers``)."""
+        page_bytes = part.key.page_bytes
+        quota = self.cache.tenants.get(part.space.key.tenant).quota
+        nbytes = min(STASH_BYTES, self.kv.arena.capacity // 32, quota // 16 if quota else STASH_BYTES)
+        share = max(1, self._stash_shares.get(self._class_of(part), 0))
+        return min(STASH_PAGES, nbytes // page_bytes // share)
+
+    def _stasher(self, client: ClientState) -> PlaneCalls | None:
+        """The plane's entry of a registration that Puts on its lane, counted among its class's
+        stashers from its first Put (a registration that never Puts, a decode engine's, gets no
+        stash); None where the plane does not serve its cache calls."""
+        calls = self._plane_gets.get(client.plane_token)
+        if calls is None or calls.space or calls.gate.closed:
+            return None
+        if client.plane_token not in self._stashers:
+            cls = self._class_of(calls.parts[0])
+            self._stashers[client.plane_token] = cls
+            self._stash_shares[cls] = self._stash_shares.get(cls, 0) + 1
+        return calls
+
+    def _unstasher(self, token: int) -> None:
+        cls = self._stashers.pop(token, None)
+        if cls is not None:
+            self._stash_shares[cls] -= 1
+            if not self._stash_shares[cls]:
+                del self._stash_shares[cls]
+
+    def _refill(self, calls: PlaneCalls, evict: bool, used: int = 0) -> None:
+        """Fills the stash of a registration's gate (``DataPlane.stash``): the free pages the plane
+        takes for the keys a Put stores (docs/design.md, "A Put on the data plane"), once it holds
+        less than half (or than twice the ``used`` pages the Puts just settled took: the next may
+        come before the loop settles these). Not at every Put: each fill takes the cache's lock for
+        the time of its evictions, and a Put that finds the lock taken goes to the loop. From free
+        memory (slabs grown within the tenant's quota); evicting as a Put would (``evict``: to
+        replace the pages the plane's Puts took; or once a Put that the full stash would have held
+        found it short) only while the plane's Puts use it, so that a cache whose Puts are the
+        loop's keeps every page it would keep without one. None for a closed gate."""
+        plane, gate = self.kv.copier.plane, calls.gate
+        if calls.space or plane is None or plane.cache is None or gate.closed:
+            return
+        full = self._stash_pages(calls.parts[0])
+        if gate.stashed > full:  # (its share fell: another registration of its class Puts too)
+            with self.cache.lock:
+                ids = plane.unstash(gate)
+                plane.stash(gate, ids[:full], full)
+                self.cache.free_stash(ids[full:])
+        if gate.stashed >= max(-(-full // 2), min(full, 2 * used)) and not gate.stash_short:
+            return
+        with self.cache.lock:
+            want = full - gate.stashed
+            ids = self.cache.take_stash(calls.parts[0], want, evict or gate.stash_short) if want > 0 else ()
+            if len(ids):
+                try:
+                    plane.stash(gate, ids, full)
+                except BaseException:
+                    self.cache.free_stash(ids)
+                    raise
+
+    def _reclaim(self, cls: tuple[int, int] | None) -> list[int]:
+        """The stashes of the registrations whose pages are of size class ``cls`` (tenant id,
+        page bytes; every one: None) given back, with the cache's lock held (``KVCache.on_reclaim``:
+        before the loop evicts for itself); returns the slabs their pages were in (kept, even
+        empty: the caller releases or uses them). Their plane fills them again as it uses them
+        (``_refill``)."""
+        plane = self.kv.copier.plane
+        if plane is None or plane.cache is None:
+            return []
+        sids: list[int] = []
+        for token, got in self._stashers.items():
+            calls = self._plane_gets.get(token)
+            if calls is None or not calls.gate.stashed or (cls is not None and got != cls):
+                continue
+            sids += self.cache.free_stash(plane.unstash(calls.gate), release_empty=False)
+        return sids
+
+    def _gate_closed(self, client: ClientState) -> None:
+        """A client's gate closed (its release): the pages set aside for its Puts go back. (Those
+        its Puts still copy come back with their ends: ``_stored``.)"""
+        plane = self.kv.copier.plane
+        self._unstasher(client.plane_token)
+        if plane is None or plane.cache is None or client.gate is None or client.gate.space:
+            return
+        with self.cache.lock:
+            self.cache.free_stash(plane.unstash(client.gate))
 
     def serve_space_on_plane(self, space_id: str, gate: Any) -> None:
         """From now on the Lookups on ``space_id``'s lane (a scheduler's, of the whole space;
@@ -721,10 +830,45 @@ class CacheOps:
         clients = self.kv.clients
         done = [t for t, c in self._plane_gets.items()
                 if (c.gate.closed or (not c.space and c.owner not in clients)) and not c.gate.inflight]
-        self.kv.copier.plane.settle_gets()
+        plane = self.kv.copier.plane
+        plane.settle_gets()
         for t in done:
-            del self._plane_gets[t]
+            calls = self._plane_gets.pop(t)
+            self._unstasher(t)
+            if calls.gate.stashed:  # (its release's give-back failed: logged there)
+                with self.cache.lock:
+                    self.cache.free_stash(plane.unstash(calls.gate))
         self._plane_kept = len(self._plane_gets)
+
+    def plane_calls_ended(self, ends: list[tuple]) -> None:
+        """The calls the plane served whole that ended since the last look (``_kvlane``'s
+        take_gets), each settled by ``plane_get_ended``; but the Puts it stored, a registration's
+        all at once (``_stored``): a client storing page after page leaves the loop a batch of
+        them to settle at each wake-up, for the cost of one."""
+        stores: dict[int, list] = {}
+        for end in ends:
+            try:
+                if end[8] == _END_STORE:
+                    token, _, ids, found, misses, status, _, nbytes, _ = end
+                    got = stores.setdefault(token, [end[1], [], [], 0, 0, 0])
+                    pages = np.frombuffer(ids, np.int64)
+                    got[1].append(pages[:found])
+                    got[2].append(pages[found:])
+                    got[3] += misses  # (its keys found stored: none for a Put the loop serves anew)
+                    if status == 0 and found:  # a copy stored pages (as the loop counts one)
+                        got[4] += nbytes
+                        got[5] += 1
+                    continue
+                self.plane_get_ended(*end)
+            except Exception:  # the others are settled all the same
+                logger.exception("settling a call the data plane served failed")
+        for token, (gid, filed, rest, present, nbytes, puts) in stores.items():
+            entry = self._plane_gets.get(token)
+            part = entry.parts[0] if entry is not None and entry.parts[0].gid == gid else None
+            try:
+                self._stored(entry, part, np.concatenate(filed), np.concatenate(rest), present, nbytes, puts)
+            except Exception:
+                logger.exception("settling the Puts the data plane stored failed")
 
     def plane_get_ended(self, token: int, gid: int, ids: bytes, found: int, misses: int, status: int,
                         layers: int, nbytes: int, kind: int = 0) -> None:
@@ -740,6 +884,11 @@ class CacheOps:
             self._space_lookup_ended(entry, ids, found, misses, kind)
             return
         part = entry.parts[0] if entry is not None and entry.parts[0].gid == gid else None
+        if kind == _END_STORE:
+            pages = np.frombuffer(ids, np.int64)
+            done = int(status == 0 and found > 0)
+            self._stored(entry, part, pages[:found], pages[found:], misses, nbytes * done, done)
+            return
         if kind == _END_PUT:
             if part is not None:
                 self.cache.count_present(part, found)
@@ -764,6 +913,54 @@ class CacheOps:
                 client.counters.load_ops += 1
             if self.on_plane_get is not None:
                 self.on_plane_get(nbytes)
+
+    def _stored(self, entry: PlaneCalls | None, part: Part | None, filed: np.ndarray, rest: np.ndarray,
+                present: int, nbytes: int, puts: int) -> None:
+        """Puts the plane stored for one registration have ended (``END_STORE``): their pages
+        ``filed``, filed under its part and held, are settled as ``put_on_plane`` settles a Put's
+        (``settle_stored``, then the tiers' hooks, its client's counters and the metrics), with
+        ``present`` keys found stored already and ``puts`` Puts done of ``nbytes``; the pages of its
+        gate's stash they did not file (``rest``: keys stored meanwhile, or a Put stopped or handed
+        to the loop) go back to the stash, or are freed once the gate is closed; and the stash is
+        filled again."""
+        plane = self.kv.copier.plane
+        try:
+            if part is None:  # (never: an entry goes only once its gate has nothing in flight)
+                if len(filed):  # their holds go, so that eviction can take them
+                    logger.error("Puts the data plane stored ended for a part the daemon does not know")
+                    with self.cache.lock:
+                        self.cache.pages.hold(filed, -1)
+                return
+            if len(filed) or present:
+                self.cache.settle_stored(part, filed, present)
+            if len(filed):
+                if self.disk is not None:  # written behind to disk, where it outlives its eviction
+                    self.disk.demote(part, filed)
+                if self.cluster is not None:  # written through to the cluster, for other nodes
+                    self.cluster.publish(part, filed)
+            client = self.kv.clients.get(entry.owner) if entry is not None and puts else None
+            if client is not None:
+                client.counters.bytes_written += nbytes
+                client.counters.write_ops += puts
+            if puts and self.on_plane_put is not None:
+                self.on_plane_put(nbytes, puts)
+        finally:
+            if len(rest):
+                with self.cache.lock:
+                    if entry is None or entry.gate.closed or plane is None:
+                        self.cache.free_stash(rest)
+                    else:  # back to the stash, up to its size (a fill may have come meanwhile)
+                        full = self._stash_pages(entry.parts[0])
+                        back = rest[: max(0, full - entry.gate.stashed)]
+                        self.cache.free_stash(rest[len(back):])
+                        try:
+                            if len(back):
+                                plane.stash(entry.gate, back, full)
+                        except BaseException:
+                            self.cache.free_stash(back)
+                            raise
+        if entry is not None:
+            self._refill(entry, len(filed) > 0, len(filed) // max(1, puts))
 
     def _space_lookup_ended(self, calls: PlaneCalls, ids: bytes, found: int, misses: int, kind: int) -> None:
         """A scheduler's Lookup of a whole space the plane answered: ``ids`` each part's pages of
@@ -828,15 +1025,19 @@ class CacheOps:
         stored = self.cache.prepare_put_present(part, packed, key_bytes)
         if stored is not None:  # every key stored already: nothing taken, nothing to copy
             self.kv.client(client.client_id)  # its lease, renewed as every call renews it
+            self._refilled(client, 0)
             return PutOutcome(0, stored.present, 0, 0)
         keys = Keys.unpack(packed, key_bytes, self._max_keys)
         if self.cache.writing(part, keys):
             return None
         self.kv.client(client.client_id)
-        plan = self.cache.prepare_put(part, keys)
+        # A Put the plane would have stored (handed over for a passing reason) leaves the stash
+        # alone: it evicts as the stash's next fill would.
+        plan = self.cache.prepare_put(part, keys, "first" if len(keys) > self._stash_pages(part) else "last")
         n = plan.positions.size
         if n == 0:
             self.cache.complete_put(plan, True)
+            self._refilled(client, 0)
             return PutOutcome(0, plan.present, plan.dropped, 0)
         try:
             job = self._job(client, plan.offsets, pages[plan.positions], client.spec.layers.select([]),
@@ -866,9 +1067,24 @@ class CacheOps:
                         client.counters.write_ops += 1
                 finally:
                     ended(PutOutcome(n, plan.present, plan.dropped, nbytes) if error is None else None, error)
+                    self._refilled(client, len(keys))
 
         fut.add_done_callback(settle)
         return True
+
+    def _refilled(self, client: ClientState, keys: int) -> None:
+        """After a lane Put the loop served (the first of a registration, whose gate had no part
+        yet, among them): its registration's stash filled again (``_refill``), made at its first
+        Put; evicting as a Put would where the plane would have stored this one (new keys, no
+        more than a full stash: handed over for a passing reason, the lock the loop's, a copy of
+        the loop's, the gate new), from free memory otherwise."""
+        calls = self._stasher(client)
+        if calls is None:
+            return
+        try:
+            self._refill(calls, 0 < keys <= self._stash_pages(calls.parts[0]))
+        except Exception:  # the stash stays short: the plane hands the next Puts over, as now
+            logger.exception("filling the pages set aside for the data plane's Puts failed")
 
     async def _promote(self, part: Part, keys: Keys, deadline: float) -> np.ndarray:
         """Reads into host pages the pages of the leading keys stored that only the disk holds,

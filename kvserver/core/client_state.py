@@ -151,6 +151,7 @@ class ClientState:
     # The plane cannot serve its cache calls whole (``CacheOps._serve_on_plane`` found its rows or
     # its pool's checks refused, which never change): not asked again.
     off_plane: bool = False
+    plane_token: int = 0  # the token its cache calls on the plane end with (CacheOps._serve_on_plane)
     plane_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # turns among the plane's copies, in order
 
     @property

@@ -128,6 +128,9 @@ class KVCore:
         # runs; its transfers reach the metrics through on_plane_transfers(written, loaded).
         self.plane: Any = None
         self.on_plane_transfers: Callable[[int, int, int, int], None] | None = None  # bytes, ops, bytes, ops
+        # Told of a client whose gate closed (its release): the cache pages set aside for its
+        # Puts go back (CacheOps._gate_closed).
+        self.on_gate_closed: Callable[[ClientState], None] | None = None
 
     def _build(self, host_memory: int, tenant_quota: int, quotas: dict[str, int],
                kept: KeptDir | None = None) -> None:
@@ -452,6 +455,11 @@ class KVCore:
         client.closing = True
         if client.gate is not None and self.plane is not None:
             self.plane.close_gate(client.gate)  # takes no new call of it from now on
+            if self.on_gate_closed is not None:
+                try:
+                    self.on_gate_closed(client)
+                except Exception:  # the release goes on: the pages are the cache's to find again
+                    logger.exception("giving back the cache pages set aside for a client's Puts failed")
         release = asyncio.ensure_future(self._release(client, reason))
         if await _settle(release):
             raise asyncio.CancelledError

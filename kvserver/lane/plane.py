@@ -44,8 +44,9 @@ logger = logging.getLogger(__name__)
 
 # KVSERVER_DATA_PLANE=python turns the plane off (the event loop serves every request).
 ENABLED = _kvlane is not None and os.environ.get("KVSERVER_DATA_PLANE", "compiled") != "python"
-# KVSERVER_PLANE_GETS=0 keeps lane Gets, an engine's Lookups and its Puts of stored keys on the
-# event loop (the plane still copies the Gets there).
+# KVSERVER_PLANE_GETS=0 keeps lane Gets, an engine's Lookups and its Puts on the event loop (the
+# plane still copies them there; KVSERVER_PLANE_PUTS=0, kvserver.core.cache_ops: only the Puts of
+# new keys).
 GETS = os.environ.get("KVSERVER_PLANE_GETS", "1") != "0"
 POLL_SECONDS = 0.0005  # how often a waiter on the plane's copies looks again
 MAX_KEPT_TABLES = 4096  # host tables whose rows _host_rows keeps (one a client)
@@ -105,7 +106,9 @@ class DataPlane:
 
     def _handoffs(self) -> None:
         # take_handoffs drains the eventfd first: whatever the thread posts after that rings it
-        # again, so neither a handoff nor a copy's end is ever left for a wake-up that never comes.
+        # again (an end of a call it served, only the first one the loop has not taken: the ends
+        # are taken after the drain, in settle_gets), so nothing is left for a wake-up that never
+        # comes.
         handed = self.engine.take_handoffs()
         for ticket, status, layers in self.engine.take_completions():
             try:
@@ -138,8 +141,9 @@ class DataPlane:
         part (``Gate.set_cache``): it walks the index and holds the pages under the cache's lock
         (attached here: from now on the loop's changes take the plane's lock), copies them and
         answers the slot; and the engines' Lookups of their own part, which it walks and answers;
-        ``ended(token, gid, ids, found, misses, status, layers, bytes, kind)`` settles each on the
-        loop (a Get's pages let go, the pages made recent, the counters kept). ``whole``: only the
+        ``ended([(token, gid, ids, found, misses, status, layers, bytes, kind), ...])`` settles
+        them on the loop, all that ended since the last (a Get's pages let go, the pages made
+        recent, the counters kept). ``whole``: only the
         calls whose every key host memory holds, the others handed to the loop (a daemon with a
         disk or cluster tier, which may hold the rest). Once, before any gate is given a part."""
         c = _kvlane.Cache(address, nbytes, whole)
@@ -148,7 +152,7 @@ class DataPlane:
         with lock:
             pages = cache.pages
             c.set_tables(*pages.index.tables(), pages.state, pages.offset, pages.readers, pages.slab,
-                         pages.slab_holds)
+                         pages.slab_holds, pages.part, pages.index.counter)
             pages.on_slabs = c.set_slabs
             pages.index.on_state = c.set_index
         self.engine.set_cache(c)
@@ -159,11 +163,9 @@ class DataPlane:
         they end; a harvest of the counters first, so that Stats counts every Get answered)."""
         if self._get_ended is None:
             return
-        for end in self.engine.take_gets():
-            try:
-                self._get_ended(*end)
-            except Exception:  # the others are settled all the same
-                logger.exception("settling a Get the data plane served failed")
+        ends = self.engine.take_gets()
+        if ends:
+            self._get_ended(ends)
 
     @property
     def plane_gets(self) -> int:
@@ -185,6 +187,23 @@ class DataPlane:
     def plane_puts(self) -> int:
         """Lane Puts of keys all stored already that the plane's thread has answered whole."""
         return self.engine.plane_puts
+
+    @property
+    def plane_stores(self) -> int:
+        """Lane Puts that stored pages the plane's thread copied and filed itself (from its gate's
+        stash: ``stash``)."""
+        return self.engine.plane_stores
+
+    def stash(self, gate: Any, ids: np.ndarray, full: int) -> None:
+        """Sets free cache pages ``ids`` aside for ``gate``'s Puts, which the plane's thread then
+        stores whole (docs/design.md, "A Put on the data plane"): pages being written, in no part,
+        of the gate's tenant; ``full``: the pages its stash is kept at (``Gate.stash_short`` says a
+        Put of at most that many found it short). With the cache's lock held."""
+        self.engine.stash(gate, np.ascontiguousarray(ids, np.int64), full)
+
+    def unstash(self, gate: Any) -> np.ndarray:
+        """The pages of ``gate``'s stash, taken out of it. With the cache's lock held."""
+        return np.frombuffer(self.engine.unstash(gate), np.int64).copy()
 
     # ---- the loop's copies ----------------------------------------------------------------------
 

@@ -123,6 +123,11 @@ class KVCache:
         self._dropped: weakref.WeakValueDictionary[SpaceKey, Space] = weakref.WeakValueDictionary()
         self._parts: dict[int, Part] = {}
         self._queues: dict[tuple[int, int], EvictionQueue] = {}  # per size class (tenant, page bytes)
+        # Gives back the free pages set aside for the data plane's Puts (``take_stash``): those of
+        # one size class (tenant id, page bytes), or every one (None), freed (their slabs kept,
+        # even empty), and says the slabs they were in; called with the lock held before the loop
+        # evicts for itself, so that the stashes cost a stored page its place as little as can be.
+        self.on_reclaim: Callable[[tuple[int, int] | None], list[int]] | None = None
         self._next_gid = 0
         self._adopting = False
         self.keep = self.slabs.keep = Keep(kept, arena.capacity) if kept else None
@@ -439,20 +444,24 @@ class KVCache:
 
     # Put
 
-    def prepare_put(self, part: Part, keys: Keys | Sequence[bytes]) -> PutPlan:
+    def prepare_put(self, part: Part, keys: Keys | Sequence[bytes], reclaim: str = "first") -> PutPlan:
         """Takes pages for the keys the part does not hold (see ``prepare_put_steps``)."""
-        return run_steps(self.prepare_put_steps(part, keys))
+        return run_steps(self.prepare_put_steps(part, keys, reclaim))
 
-    def prepare_put_steps(self, part: Part, keys: Keys | Sequence[bytes]) -> Generator[None, None, PutPlan]:
+    def prepare_put_steps(self, part: Part, keys: Keys | Sequence[bytes],
+                          reclaim: str = "first") -> Generator[None, None, PutPlan]:
         """``prepare_put`` in steps of at most ``STEP_KEYS`` keys. Once a step cannot store all of
         its keys the budget is full: the keys after it are dropped whole, so that what is stored
-        is a prefix. A Put given up midway frees what its steps took."""
+        is a prefix. A Put given up midway frees what its steps took. ``reclaim``: when the data
+        plane's stashes are given back for it (``_allocate``): "first", before anything is
+        evicted; "last", for a Put the plane would have stored, only where evicting is not
+        enough (it evicts as the stash's next fill would, and the stash stays)."""
         keys = as_keys(keys)
         plans: list[tuple[int, PutPlan]] = []
         start = 0
         try:
             while start < len(keys):
-                plan = self._prepare_put(part, keys[start : start + STEP_KEYS])
+                plan = self._prepare_put(part, keys[start : start + STEP_KEYS], reclaim)
                 plans.append((start, plan))
                 start += STEP_KEYS
                 if plan.dropped or start >= len(keys):
@@ -470,7 +479,7 @@ class KVCache:
         return PutPlan.merged(part, plans, rest)
 
     @_locked
-    def _prepare_put(self, part: Part, keys: Keys) -> PutPlan:
+    def _prepare_put(self, part: Part, keys: Keys, reclaim: str = "first") -> PutPlan:
         space = self._live(part.space)
         tenant = self.tenants.get(space.key.tenant)
         page_bytes = part.key.page_bytes
@@ -486,7 +495,7 @@ class KVCache:
             held = ids[ids >= 0]
             self.pages.hold(held)  # the present pages are not evicted for this Put
             try:
-                new = self._allocate(tenant, page_bytes, len(positions))
+                new = self._allocate(tenant, page_bytes, len(positions), reclaim=reclaim)
             finally:
                 self.pages.hold(held, -1)
             stored = positions[: len(new)]
@@ -526,6 +535,61 @@ class KVCache:
         self._count_present(self._live(part.space), n, part.key.page_bytes)
         return PutPlan(part, np.empty(0, np.int64), np.empty(0, np.int64), n, 0)
 
+    @_locked
+    def take_stash(self, part: Part, want: int, evict: bool) -> np.ndarray:
+        """Up to ``want`` free pages of the part's size set aside for the Puts the data plane
+        stores itself (``DataPlane.stash``; docs/design.md, "A Put on the data plane"): free pages
+        and slabs grown within the tenant's quota, or (``evict``) taken as a Put takes pages
+        (``_allocate``: its own least recently used pages first); marked being written (never
+        evicted, in no part, found by no walk) and the tenant's; the index's buckets split ahead
+        for them to be filed (``KeyIndex.fit``). No other stash is given back for them."""
+        tenant = self.tenants.get(part.space.key.tenant)
+        ids = self._allocate(tenant, part.key.page_bytes, want, evict=evict, reclaim="never")
+        if len(ids):
+            self.pages.write(ids)
+            self.pages.tenant[ids] = tenant.tid
+            self.pages.index.fit(len(ids))
+        return ids
+
+    @_locked
+    def free_stash(self, ids: np.ndarray, release_empty: bool = True) -> list[int]:
+        """Pages set aside by ``take_stash`` and never filed, back among the free ones (their slabs
+        released where left empty, unless told not to); returns the slabs they were in."""
+        if not len(ids):
+            return []
+        self.pages.clear(ids)
+        return self.slabs.give(ids, release_empty=release_empty)
+
+    def settle_stored(self, part: Part, ids: np.ndarray, present: int) -> None:
+        """The end of a Put the data plane stored itself: its pages ``ids``, which the plane filed
+        under ``part``, committed and held (kvserver/lane/csrc/cache.h, ``cache_store``), are
+        counted, made recent, told to the listeners (KV events) and let go, as ``complete_put``
+        commits a Put's pages; ``present`` of its keys were stored already. The index's buckets
+        then split for the keys the plane filed (``KeyIndex.fit``). Only the holds and the split
+        take the cache's lock: the rest changes what the plane never reads (stamps, counters, the
+        listeners' state), and nothing evicts the pages while they are held; so the plane's next
+        call, which comes about now, seldom waits on it."""
+        space = self._live(part.space)
+        tenant = self.tenants.get(space.key.tenant)
+        n, page_bytes = len(ids), part.key.page_bytes
+        part.pages += n
+        for c in (space.counters, tenant.counters):
+            c.pages += n
+            c.bytes += n * page_bytes
+            c.dedup_pages += present
+            c.dedup_bytes += present * page_bytes
+        p = self.pages
+        try:
+            if n:
+                p.touch(ids)
+                keys = p.keys_of(ids)
+                self._tell(True, space, keys, space.complete.added(keys))
+        finally:
+            with self.lock:
+                if n:
+                    p.hold(ids, -1)
+                p.index.fit()
+
     def writing(self, part: Part, keys: Keys) -> bool:
         """True if a Put is still writing any of ``keys`` into the part."""
         ids = self.pages.find(part.gid, keys)
@@ -559,11 +623,26 @@ class KVCache:
         ids = ids[(p.state[ids] == COMMITTED) & (p.readers[ids] == 0) & (p.pins[ids] == 0)]
         self._drop(ids, evicted=False)
 
-    def _allocate(self, tenant: Tenant, page_bytes: int, want: int) -> np.ndarray:
+    def _reclaim(self, cls: tuple[int, int] | None, keep: tuple[int, int] | None = None) -> list[int]:
+        """The data plane's stashes of ``cls`` (every one: None) given back (``on_reclaim``); the
+        slabs left empty released at once, but those of class ``keep`` (about to be used): the
+        slabs of ``keep`` they were in are returned."""
+        sids = self.on_reclaim(cls) if self.on_reclaim is not None else []
+        if not sids:
+            return []
+        mine = [s for s in set(sids) if s in self.slabs.slabs and self.slabs.slabs[s].cls == keep]
+        self.slabs.release_empty(set(sids) - set(mine))
+        return mine
+
+    def _allocate(self, tenant: Tenant, page_bytes: int, want: int, evict: bool = True,
+                  reclaim: str = "first") -> np.ndarray:
         """Up to ``want`` free pages of ``page_bytes`` in the tenant's slabs. It grows the class by
-        whole slabs while the tenant's quota and the arena allow; short of that it evicts the
-        tenant's own least recently used pages of the class, then whole slabs, least recently used
-        first: the tenant's own when its quota binds, anyone's when the arena is full."""
+        whole slabs while the tenant's quota and the arena allow; short of that it takes back the
+        data plane's stashes of the class (``reclaim`` "first"), then (``evict``) evicts the
+        tenant's own least recently used pages of the class (then the stashes, "last"), then
+        whole slabs (every stash given back first: a stash's pages keep their slabs; "never":
+        none), least recently used first: the tenant's own when its quota binds, anyone's when
+        the arena is full."""
         cls, quota = (tenant.tid, page_bytes), tenant.quota
         n = self.slabs.fitting(page_bytes, quota)
         if not n:
@@ -582,11 +661,20 @@ class KVCache:
         under_quota = grow()
         kept: list[int] = []  # slabs emptied here, reused before being released
         short = want - self.slabs.free_count(cls)
+        if short > 0 and reclaim == "first":
+            kept += self._reclaim(cls, cls)
+            short = want - self.slabs.free_count(cls)
+        if short > 0 and not evict:
+            return self.slabs.take(cls, want)
         if short > 0:  # the class's own least recently used pages, from its queue
             queue = self._queues.setdefault(cls, EvictionQueue())
             old = queue.pop(self.pages, lambda: self.slabs.pages_of(cls), tenant.tid, page_bytes, short)
             kept += self._drop(old, release_empty=False)
+        if self.slabs.free_count(cls) < want and reclaim == "last":
+            kept += self._reclaim(cls, cls)
         if self.slabs.free_count(cls) < want:
+            if reclaim != "never":
+                kept += self._reclaim(None, cls)
             # Other slabs, least recently used first, ranked once: evicting one slab changes no
             # other slab's pages, so the order holds for the whole Put (ranking again per slab made
             # a Put that evicts many slabs quadratic in the cache's pages).
@@ -736,6 +824,9 @@ class KVCache:
         page, until the arena has a free range of ``nbytes``; True if it then has one."""
         if self.arena.largest_free() >= nbytes:
             return True
+        self._reclaim(None)  # (their slabs released where left empty)
+        if self.arena.largest_free() >= nbytes:
+            return True
         for sid in lru_slabs(self.pages, self.slabs.slabs).tolist():
             self._evict_slab(sid)
             if self.arena.largest_free() >= nbytes:
@@ -747,6 +838,8 @@ class KVCache:
         the arena can book ``nbytes`` more bytes of bookkeeping (a full cache's new pins)."""
         self.pages.hold(spare)  # busy: their slabs are not evicted
         try:
+            if not self.arena.can_book(nbytes):
+                self._reclaim(None)
             for sid in lru_slabs(self.pages, self.slabs.slabs).tolist():
                 if self.arena.can_book(nbytes):
                     return

@@ -64,7 +64,9 @@ class KeyIndex:
         self.buckets = _FIRST_BUCKETS  # in use: self.head[:self.buckets]
         self.level = _FIRST_BUCKETS  # buckets at the start of this round of splits (a power of 2)
         self.split = 0  # buckets of this round split so far
-        self.count = 0
+        # Entries filed: one item, so that the data plane's thread, which files a Put's keys itself
+        # (kvserver/lane/csrc/cache.h, cache_store), counts them where the loop does.
+        self.counter = np.zeros(1, np.int64)
         seeds = [int.from_bytes(secrets.token_bytes(8), "little") for _ in range(5)]
         seeds[4] |= 1
         self._seeds = tuple(seeds)  # the four words' and the (owner, length) multiplier, odd
@@ -72,6 +74,14 @@ class KeyIndex:
         # Told of the bucket counters (buckets, level, split) after an insert changed them (the
         # data plane's copy of them: kvserver/lane/csrc/cache.h). Changes run under the cache's lock.
         self.on_state: Callable[[int, int, int], None] | None = None
+
+    @property
+    def count(self) -> int:
+        return int(self.counter[0])
+
+    @count.setter
+    def count(self, n: int) -> None:
+        self.counter[0] = n
 
     def tables(self) -> tuple:
         """The tables and state the compiled calls take after their first argument(s)."""
@@ -154,11 +164,20 @@ class KeyIndex:
         self.count += len(ids)
         if self._c is not None:
             self._c.link(np.ascontiguousarray(ids, np.int64), *self.tables())
-            if self.count > LOAD * self.buckets:
-                self.buckets, self.level, self.split = self._c.split(self.count, LOAD, *self.tables())
         else:
             self._link(ids, self._buckets_of(ids))
-            self._split_to_load()
+        self.fit()
+
+    def fit(self, more: int = 0) -> None:
+        """Splits buckets until the entries, and ``more`` to come, average at most ``LOAD`` a
+        bucket: after an insert, and ahead of the entries the data plane's thread files itself
+        (which never splits: its chains are longer until this runs, never wrong)."""
+        if self.count + more <= LOAD * self.buckets:
+            return
+        if self._c is not None:
+            self.buckets, self.level, self.split = self._c.split(self.count + more, LOAD, *self.tables())
+        else:
+            self._split_to_load(self.count + more)
         if self.on_state is not None:
             self.on_state(self.buckets, self.level, self.split)
 
@@ -223,10 +242,10 @@ class KeyIndex:
         last[:-1] = b[1:] != b[:-1]
         self.head[b[last]] = e[last]
 
-    def _split_to_load(self) -> None:
-        """Splits buckets, in order, until they average at most ``LOAD`` entries."""
-        while self.count > LOAD * self.buckets:
-            k = min(-(-self.count // LOAD) - self.buckets, self.level - self.split)
+    def _split_to_load(self, count: int) -> None:
+        """Splits buckets, in order, until ``count`` entries average at most ``LOAD`` a bucket."""
+        while count > LOAD * self.buckets:
+            k = min(-(-count // LOAD) - self.buckets, self.level - self.split)
             lo = self.split
             moved = self._members(np.arange(lo, lo + k))
             self.head[lo : lo + k] = -1

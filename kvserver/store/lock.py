@@ -1,11 +1,13 @@
 """The cache's one lock: held by the event loop around every change of the key index and the pages.
 
 The data plane's thread serves a lane Get whole where it can (docs/design.md, "A Get on the data
-plane"): it walks the index and holds the pages it found, then copies them. It does so under this
-lock, which it only *tries*, for a few microseconds (a Get finding it taken that long goes to the
-loop). The loop takes it, blocking, around each of the cache's operations that change what that
-walk reads (the index's chains and bucket counters, the pages' states, offsets and holds) or that
-decide on holds read meanwhile (eviction: a page or slab found not held is dropped in the same
+plane"): it walks the index and holds the pages it found, then copies them; and stores a lane Put
+into pages the loop set aside for it, filing its keys (index entries and chains, the pages' parts,
+states and holds, the index's count: "A Put on the data plane"). It does so under this lock, which
+it only *tries*, for a few microseconds (a call finding it taken that long goes to the loop). The
+loop takes it, blocking, around each of the cache's operations that change what that walk reads
+(the index's chains and bucket counters, the pages' states, offsets and holds) or that decide on
+holds read meanwhile (eviction: a page or slab found not held is dropped in the same
 hold of the lock, so a hold the plane took before is seen and one it would take after waits).
 
 Primitives: ``CacheLock``: a context manager for the loop (re-entrant: an operation that calls

@@ -1,7 +1,8 @@
 /* The node-wide cache as the data plane's thread sees it: the one lock that the event loop holds
  * around every change of the cache's index and pages (kvserver/store/lock.py), and the tables a Get
  * walks and holds pages in (kvserver/store/pages.py, index.py), read where the loop keeps them
- * (docs/design.md, "A Get on the data plane").
+ * (docs/design.md, "A Get on the data plane"), and a Put it stores files its keys in
+ * (cache_store: "A Put on the data plane"), under that lock.
  *
  * The loop takes the lock (lock(), blocking, for as long as one of its cache operations runs); the
  * plane only tries it, for at most CACHE_LOCK_WAIT_NS, for one walk and its holds, and hands the Get
@@ -20,7 +21,8 @@
 
 #include "../../store/csrc/hit.h"
 
-enum { CT_WORDS, CT_LENS, CT_OWNER, CT_NEXT, CT_HEAD, CT_STATE, CT_OFFSET, CT_READERS, CT_SLAB, CT_SLAB_HOLDS, CT_N };
+enum { CT_WORDS, CT_LENS, CT_OWNER, CT_NEXT, CT_HEAD, CT_STATE, CT_OFFSET, CT_READERS, CT_SLAB, CT_SLAB_HOLDS,
+       CT_PART, CT_COUNT, CT_N };
 
 typedef struct {
     PyObject_HEAD
@@ -33,6 +35,8 @@ typedef struct {
     kv_pages pg;
     int32_t *readers;
     int64_t *slab_holds;
+    int32_t *part;       /* per page: its part (pages.part), set as a Put stored here files it */
+    int64_t *count;      /* the index's entries (KeyIndex.count's one item) */
     char *arena;         /* where page offsets count from */
     int64_t arena_bytes; /* every page's chunks lie inside it */
     int whole;           /* only whole hits: a tier below or beside may hold what host memory misses */
@@ -133,30 +137,32 @@ static int cache_index_state(Cache *c, Py_ssize_t nhead, unsigned long long leve
 }
 
 /* set_tables(words, lens, owner, next, head, nhead, level, split, seeds, state, offset, readers,
- *            slab, slab_holds): the index's tables and counters as KeyIndex.tables() gives them,
- * then the page tables (int8 state, int64 offset, int32 readers and slab, one a page; int64
- * slab_holds, one a slab). With the lock held. */
+ *            slab, slab_holds, part, count): the index's tables and counters as KeyIndex.tables()
+ * gives them, then the page tables (int8 state, int64 offset, int32 readers and slab, one a page;
+ * int64 slab_holds, one a slab; int32 part, one a page) and the index's count of entries (int64,
+ * one item). The index's tables, the states, parts and holds are written here too: a Put the plane
+ * stores files its keys (cache_store). With the lock held. */
 static PyObject *cache_set_tables(Cache *c, PyObject *args) {
     PyObject *o[CT_N];
     Py_ssize_t nhead;
     unsigned long long level, split, s[5];
-    if (!PyArg_ParseTuple(args, "OOOOOnKK(KKKKK)OOOOO", &o[CT_WORDS], &o[CT_LENS], &o[CT_OWNER], &o[CT_NEXT],
+    if (!PyArg_ParseTuple(args, "OOOOOnKK(KKKKK)OOOOOOO", &o[CT_WORDS], &o[CT_LENS], &o[CT_OWNER], &o[CT_NEXT],
                           &o[CT_HEAD], &nhead, &level, &split, &s[0], &s[1], &s[2], &s[3], &s[4], &o[CT_STATE],
-                          &o[CT_OFFSET], &o[CT_READERS], &o[CT_SLAB], &o[CT_SLAB_HOLDS]))
+                          &o[CT_OFFSET], &o[CT_READERS], &o[CT_SLAB], &o[CT_SLAB_HOLDS], &o[CT_PART], &o[CT_COUNT]))
         return NULL;
     if (!cache_held(c))
         return NULL;
-    static const Py_ssize_t size[CT_N] = {8, 1, 4, 4, 4, 1, 8, 4, 4, 8};
+    static const Py_ssize_t size[CT_N] = {8, 1, 4, 4, 4, 1, 8, 4, 4, 8, 4, 8};
     static const char *names[CT_N] = {"words", "lens", "owner", "next", "head", "state", "offset", "readers",
-                                      "slab", "slab_holds"};
+                                      "slab", "slab_holds", "part", "count"};
     c->open = 0;
-    for (int i = 0; i < CT_N; i++)
-        if (!cache_take(c, i, o[i], size[i], i == CT_READERS || i == CT_SLAB_HOLDS, names[i]))
+    for (int i = 0; i < CT_N; i++) /* written by a Put stored here (cache_store) but offsets and slabs */
+        if (!cache_take(c, i, o[i], size[i], i != CT_OFFSET && i != CT_SLAB, names[i]))
             return NULL;
     Py_ssize_t cap = c->v[CT_LENS].len, npages = c->v[CT_STATE].len;
     if (c->v[CT_WORDS].len != 8 * KV_KEY_WORDS * cap || c->v[CT_OWNER].len != 4 * cap ||
         c->v[CT_NEXT].len != 4 * cap || c->v[CT_OFFSET].len != 8 * npages || c->v[CT_READERS].len != 4 * npages ||
-        c->v[CT_SLAB].len != 4 * npages) {
+        c->v[CT_SLAB].len != 4 * npages || c->v[CT_PART].len != 4 * npages || c->v[CT_COUNT].len != 8) {
         PyErr_SetString(PyExc_ValueError, "the cache's tables are not of one length");
         return NULL;
     }
@@ -168,6 +174,8 @@ static PyObject *cache_set_tables(Cache *c, PyObject *args) {
                        c->v[CT_SLAB_HOLDS].len / 8};
     c->readers = c->v[CT_READERS].buf;
     c->slab_holds = c->v[CT_SLAB_HOLDS].buf;
+    c->part = c->v[CT_PART].buf;
+    c->count = c->v[CT_COUNT].buf;
     c->open = 1;
     Py_RETURN_NONE;
 }
@@ -321,6 +329,40 @@ static int64_t cache_walk_space(Cache *c, const uint64_t *words, uint8_t len, in
     for (int32_t k = 1; k < nparts && m > 0; k++) /* packed: part k's first m, after part k - 1's */
         memmove(ids + (int64_t)k * m, ids + (int64_t)k * n, sizeof(int64_t) * (size_t)m);
     return m;
+}
+
+/* The plane's side, for a Put whose pages it copied (kvlane.c's finish_put): with the lock held
+ * and the cache open, files key (words w, `len` bytes) under part `owner` at page `id`, one of the
+ * pages the loop gave its gate (Engine.stash: being written, in no part, inside the tables),
+ * unless the part holds the key already (stored meanwhile by another Put, or an earlier key of the
+ * same Put was the same; the caller has made sure none is being written): 1 filed, 0 held already,
+ * -1 not filed (a bucket outside the counters: never, with set_index's checks). The page is filed
+ * as the loop's Put files one (KeyIndex.insert, PageTable.commit): its entry whole before it is
+ * linked (so a walk of the loop's that takes no lock, as a Lookup's settle, finds it whole or not
+ * at all), its state last (so a kept record is committed only once whole), and held once (as a Get
+ * holds its pages: its slab's hold of a page being written becomes a reader's), so that nothing
+ * evicts it before the loop settles it (counts it, makes it recent, lets it go:
+ * CacheOps._stored, KVCache.settle_stored). The index may pass its load until the loop's next
+ * change splits its buckets (KeyIndex.fit): a chain is longer meanwhile, never wrong. */
+static int cache_store(Cache *c, int64_t id, const uint64_t *w, uint8_t len, int32_t owner) {
+    if (kv_index_find_one(&c->ix, w, len, owner) >= 0)
+        return 0;
+    kv_index_rw rw = {(uint64_t *)c->ix.words, (uint8_t *)c->ix.lens, (int32_t *)c->ix.owner, (int32_t *)c->ix.next,
+                      (int32_t *)c->ix.head, c->ix.cap, c->ix.nhead, c->v[CT_HEAD].len / 4, c->ix.level, c->ix.split,
+                      {c->ix.s[0], c->ix.s[1], c->ix.s[2], c->ix.s[3], c->ix.s[4]}};
+    memcpy(rw.words + KV_KEY_WORDS * id, w, KV_WORD_BYTES);
+    rw.lens[id] = len;
+    rw.owner[id] = owner;
+    __atomic_thread_fence(__ATOMIC_RELEASE); /* the entry whole before any chain reaches it */
+    if (!kv_index_link(&rw, id)) {
+        rw.owner[id] = -1;
+        return -1;
+    }
+    c->part[id] = owner;
+    c->readers[id] += 1;
+    __atomic_store_n((int8_t *)&c->pg.state[id], (int8_t)KV_COMMITTED, __ATOMIC_RELEASE);
+    *c->count += 1;
+    return 1;
 }
 
 #endif

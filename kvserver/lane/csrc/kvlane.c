@@ -143,6 +143,12 @@ typedef struct {
     int space;
     int32_t *space_gids;
     int32_t nparts;
+    /* Free cache pages the loop set aside for this registration's Puts (Engine.stash): being
+     * written, in no part, its tenant's; a Put of keys its part lacks takes them here (try_put).
+     * The cache's lock guards them (the loop's stash and unstash, the plane's take). */
+    int64_t *stash, nstash, capstash;
+    int64_t stash_full; /* the pages the loop keeps it at (stash()) */
+    int stash_short;    /* a Put a full stash would have held found it short (the loop fills it then) */
 } Gate;
 
 static void gate_dealloc(Gate *g) {
@@ -160,6 +166,7 @@ static void gate_dealloc(Gate *g) {
     free(g->dev_bases);
     free(g->client_id);
     free(g->space_gids);
+    free(g->stash);
     Py_TYPE(g)->tp_free((PyObject *)g);
 }
 
@@ -489,7 +496,8 @@ static int check_cache_call(Gate *g, uint32_t rpc, const unsigned char *buf, uin
 }
 
 /* check_call(rpc, request bytes) -> bool: whether the plane would read and take this lane Get,
- * Lookup or Put (check_cache_call; a Put it then serves only if every key is stored): for tests,
+ * Lookup or Put (check_cache_call; a Put it then serves if its stash holds pages for the keys not
+ * stored: try_put): for tests,
  * the differential checks against protobuf and the loop's checks. False until the gate has its
  * part. */
 static PyObject *gate_check_call(Gate *g, PyObject *args) {
@@ -511,6 +519,16 @@ static PyObject *gate_check_call(Gate *g, PyObject *args) {
 }
 
 static PyObject *gate_get_space(Gate *g, void *unused) { return PyBool_FromLong(g->space); }
+
+/* Pages in the gate's stash (read without the cache's lock: a count the plane may be lowering). */
+static PyObject *gate_get_stashed(Gate *g, void *unused) {
+    return PyLong_FromLongLong(__atomic_load_n(&g->nstash, __ATOMIC_RELAXED));
+}
+
+/* Whether a Put that a full stash would have held found it short since the last stash(). */
+static PyObject *gate_get_stash_short(Gate *g, void *unused) {
+    return PyBool_FromLong(__atomic_load_n(&g->stash_short, __ATOMIC_RELAXED));
+}
 
 static PyObject *gate_get_cache_gid(Gate *g, void *unused) {
     return PyLong_FromLong(__atomic_load_n(&g->cache_gid, __ATOMIC_ACQUIRE));
@@ -535,6 +553,8 @@ static PyGetSetDef gate_getset[] = {
     {"closed", (getter)gate_get_closed, NULL, NULL, NULL},
     {"cache_gid", (getter)gate_get_cache_gid, NULL, NULL, NULL},
     {"space", (getter)gate_get_space, NULL, NULL, NULL},
+    {"stashed", (getter)gate_get_stashed, NULL, NULL, NULL},
+    {"stash_short", (getter)gate_get_stash_short, NULL, NULL, NULL},
     {NULL},
 };
 
@@ -614,10 +634,17 @@ typedef struct Job {
     int get;
     int64_t *ids, misses;
     int end_kind; /* not a Get: what its end is (END_LOOKUP, END_PUT, END_LOOKUP_HOST: try_answer) */
+    /* A Put the plane stores (try_put): a write into the stash's pages ids[0..nids) of the keys
+     * its part lacked (words, KV_KEY_WORDS a key, key_len bytes each), `misses` the keys present
+     * already; filed under the part once copied (finish_put). */
+    int store;
+    int64_t nids;
+    uint64_t *words;
+    uint8_t key_len;
 } Job;
 
 /* The latency histograms the plane keeps: Write, Load, Load's first layer, Get, Get's first layer,
- * Lookup, Put (of keys all stored already). */
+ * Lookup, Put (of keys all stored already, or stored here). */
 enum { H_WRITE, H_LOAD, H_FIRST, H_GET, H_GET_FIRST, H_LOOKUP, H_PUT, H_KINDS };
 
 typedef struct {
@@ -643,10 +670,12 @@ typedef struct {
     int status; /* DONE_OK, DONE_RELEASED (its gate closed), DONE_HALTED (a deadline, the plane stopped) */
     uint32_t layers;
     int kind; /* END_GET (its pages are held), END_LOOKUP (made recent), END_PUT (all present),
-               * END_LOOKUP_HOST (a Lookup of host memory only: made recent, no tier's copies) */
+               * END_LOOKUP_HOST (a Lookup of host memory only: made recent, no tier's copies),
+               * END_STORE (a Put stored here: ids[0..found) filed and held, ids[found..nids) the
+               * stash's pages it did not file, `misses` its keys present already) */
 } GetEnd;
 
-enum { END_GET, END_LOOKUP, END_PUT, END_LOOKUP_HOST };
+enum { END_GET, END_LOOKUP, END_PUT, END_LOOKUP_HOST, END_STORE };
 
 enum { CMD_NONE, CMD_ADD, CMD_REMOVE, CMD_CLOSE_GATE, CMD_UNWATCH_ALL, CMD_PAUSE, CMD_RESUME, CMD_STOP };
 
@@ -694,6 +723,7 @@ typedef struct {
     uint64_t plane_lookups; /* Lookups likewise (a space's among them) */
     uint64_t plane_space_lookups; /* of those, a scheduler's of a whole space (its space's lane) */
     uint64_t plane_puts;    /* Puts of keys all stored already, likewise */
+    uint64_t plane_stores;  /* Puts that stored pages here (try_put), counted as they are answered */
     /* latency histograms, as kvserver_operation_duration_seconds and
      * kvserver_time_to_first_layer_seconds count them (H_WRITE...) */
     pthread_mutex_t stat_mu;
@@ -807,6 +837,7 @@ static void handoff(Engine *e, Lane *l, int i, uint32_t rpc) {
 }
 
 static void job_free(Job *j) {
+    free(j->words);
     free(j->ids);
     free(j->pages);
     free(j->runs);
@@ -1002,28 +1033,32 @@ static void unreserve_get_end(Engine *e) {
 }
 
 /* A Get served here has ended: its end posted back (its ids with it: the loop lets the pages go),
- * the gate's count of its jobs given back. */
+ * the gate's count of its jobs given back. The loop is woken by the first end it has not taken
+ * (it takes every one posted by then, take_gets, after it drained the eventfd): ends posted while
+ * it settles earlier ones wait for it without a wake-up each, and are settled together. */
 static void post_get_end(Engine *e, Job *j, int status) {
     Gate *g = j->gate;
     pthread_mutex_lock(&e->hand_mu);
+    int first = e->ngets == 0;
     GetEnd *d = &e->gets[e->ngets++]; /* room kept by reserve_get_end */
     d->token = g->cache_token;
     d->gid = g->cache_gid;
     d->found = j->found;
     d->misses = j->misses;
     d->ids = j->ids;
-    d->nids = (int64_t)j->found * (g->space ? g->nparts : 1);
+    d->nids = j->store ? j->nids : (int64_t)j->found * (g->space ? g->nparts : 1);
     d->status = status;
     d->layers = j->li;
     d->nbytes = status == DONE_OK ? (int64_t)j->nl * j->bytes_per_layer : 0;
-    d->kind = j->get ? END_GET : j->end_kind; /* a Get's pages are held; the others' are not */
+    d->kind = j->get ? END_GET : j->store ? END_STORE : j->end_kind; /* a Get's pages are held; a Lookup's not */
     e->unposted_gets--;
     pthread_mutex_unlock(&e->hand_mu);
     j->ids = NULL;
     pthread_mutex_lock(&g->mu);
     g->c_inflight--;
     pthread_mutex_unlock(&g->mu);
-    wake(e->notify_fd);
+    if (first)
+        wake(e->notify_fd);
 }
 
 /* Tries to serve slot i, a lane Get (protobuf), whole on this thread: read and checked (get.h), its
@@ -1180,11 +1215,8 @@ static void answer_unary(Engine *e, Lane *l, int i, const unsigned char *respons
  * found; its end posted back (the loop makes them recent and counts the hits and misses). 1 if it
  * did; 0: the loop's. It copies nothing, so it waits for nothing of its registration. On a space's
  * gate, a scheduler's Lookup of the whole space, walked in each of its parts (cache_walk_space),
- * its end posted with every part's pages.
- * put: slot i is a Put (protobuf) instead, served here only if every one of its keys is stored
- * already (nothing to take or copy: answered present, its end counting them as the loop does);
- * read and checked as a Get of its keys into its device pages. */
-static int try_answer(Engine *e, Lane *l, int i, uint32_t n, int put) {
+ * its end posted with every part's pages. */
+static int try_answer(Engine *e, Lane *l, int i, uint32_t n) {
     Gate *g = l->gate;
     Cache *c = e->cache;
     int32_t gid = __atomic_load_n(&g->cache_gid, __ATOMIC_ACQUIRE);
@@ -1192,17 +1224,12 @@ static int try_answer(Engine *e, Lane *l, int i, uint32_t n, int put) {
         return 0;
     int64_t arrival = now_ns(), m = -1;
     unsigned char *buf = malloc(n ? n : 1);
-    /* A Put's device pages are checked as the loop checks them, though nothing is copied to them. */
-    int64_t *dev = put ? malloc(sizeof(int64_t) * (size_t)g->cache_max_keys) : NULL;
-    int32_t *local = put ? malloc(sizeof(int32_t) * (size_t)g->lim.num_layers) : NULL;
     cache_call q = {0};
-    int ok = buf && (!put || (dev && local));
+    int ok = buf != NULL;
     if (ok) {
         memcpy(buf, slot_at(l, i) + REQUEST_AT, n); /* a private copy: the peer may scribble */
-        ok = check_cache_call(g, put ? RPC_PUT : RPC_LOOKUP, buf, n, &q, dev, local);
+        ok = check_cache_call(g, RPC_LOOKUP, buf, n, &q, NULL, NULL);
     }
-    free(dev);
-    free(local);
     int64_t nkeys = q.nkeys, nparts = g->space ? g->nparts : 1; /* (set_space bounds nkeys * nparts) */
     uint64_t *words = ok ? malloc(sizeof(uint64_t) * KV_KEY_WORDS * (size_t)nkeys) : NULL;
     int64_t *ids = ok ? malloc(sizeof(int64_t) * (size_t)(nkeys * nparts)) : NULL;
@@ -1218,7 +1245,7 @@ static int try_answer(Engine *e, Lane *l, int i, uint32_t n, int put) {
         else
             m = cache_walk_hold(c, words, (uint8_t)q.key_bytes, nkeys, gid, (int64_t)g->lim.num_layers * g->parts,
                                 g->cache_lp_stride, ids, offs, 0, whole);
-        ok = m >= 0 && (!put || m == nkeys); /* a Put of a key not stored is the loop's: it takes pages */
+        ok = m >= 0;
         if (!ok)
             unreserve_get_end(e);
     }
@@ -1238,18 +1265,187 @@ static int try_answer(Engine *e, Lane *l, int i, uint32_t n, int put) {
     j->ids = ids;
     j->found = (uint32_t)m;
     j->misses = nkeys - m;
-    j->end_kind = put ? END_PUT : q.memory_only ? END_LOOKUP_HOST : END_LOOKUP;
+    j->end_kind = q.memory_only ? END_LOOKUP_HOST : END_LOOKUP;
     post_get_end(e, j, DONE_OK); /* before the answer: a Stats after it counts the hits */
     job_free(j);
     unsigned char resp[16];
     uint32_t len = 0;
-    if (m) /* LookupResponse{pages}: field 1; PutResponse{present}: field 2 (nothing for 0, as protobuf writes it) */
-        len = pb_varint_field(resp, put ? 0x10 : 0x08, (uint64_t)m);
-    observe(e, put ? H_PUT : H_LOOKUP, now_ns() - arrival);
-    __atomic_add_fetch(put ? &e->plane_puts : &e->plane_lookups, 1, __ATOMIC_RELAXED);
+    if (m) /* LookupResponse{pages}: field 1 (nothing for 0, as protobuf writes it) */
+        len = pb_varint_field(resp, 0x08, (uint64_t)m);
+    observe(e, H_LOOKUP, now_ns() - arrival);
+    __atomic_add_fetch(&e->plane_lookups, 1, __ATOMIC_RELAXED);
     if (g->space)
         __atomic_add_fetch(&e->plane_space_lookups, 1, __ATOMIC_RELAXED);
     answer_unary(e, l, i, resp, len, arrival);
+    return 1;
+}
+
+/* PutResponse{stored, present, dropped, bytes} (fields 1 to 4; none of 0, as protobuf writes them)
+ * at p: its length (at most 44 bytes). */
+static uint32_t put_response(unsigned char *p, int64_t stored, int64_t present, int64_t dropped, int64_t nbytes) {
+    uint32_t len = 0;
+    if (stored)
+        len += pb_varint_field(p + len, 0x08, (uint64_t)stored);
+    if (present)
+        len += pb_varint_field(p + len, 0x10, (uint64_t)present);
+    if (dropped)
+        len += pb_varint_field(p + len, 0x18, (uint64_t)dropped);
+    if (nbytes)
+        len += pb_varint_field(p + len, 0x20, (uint64_t)nbytes);
+    return len;
+}
+
+/* Tries to serve slot i, a lane Put (protobuf), whole on this thread: read and checked as a Get of
+ * its keys into its device pages (get.h), its keys walked in the gate's part under the cache's lock.
+ * Every key stored already: answered present at once, its end counting them (END_PUT). Keys the
+ * part lacks, as many as the gate's stash has pages (Engine.stash): those pages taken from it under
+ * the same hold of the lock, and the keys' device pages copied into them as a write job of the gate
+ * (loads first, writes in turns, after the registration's earlier copies), then filed under the part
+ * and answered (finish_put). 0: the loop's, nothing taken: a key another Put is still writing (the
+ * loop waits for it), a key of over 32 bytes (its bytes are the loop's to keep, for KV events), a
+ * stash too small, a copy of the registration on the loop's side, the lock the loop's, or anything
+ * the check refuses. */
+static int try_put(Engine *e, Lane *l, int i, uint32_t n) {
+    Gate *g = l->gate;
+    Cache *c = e->cache;
+    int32_t gid = __atomic_load_n(&g->cache_gid, __ATOMIC_ACQUIRE);
+    if (!c || gid < 0 || g->space || n > REQUEST_BYTES || __atomic_load_n(&g->closed, __ATOMIC_ACQUIRE))
+        return 0;
+    int64_t arrival = now_ns(), ps = g->lim.page_size, tb = g->token_bytes;
+    int64_t chunks = (int64_t)g->lim.num_layers * g->parts, lp = g->cache_lp_stride;
+    unsigned char *buf = malloc(n ? n : 1);
+    int64_t *dev = malloc(sizeof(int64_t) * (size_t)g->cache_max_keys);
+    int32_t *local = malloc(sizeof(int32_t) * (size_t)g->lim.num_layers);
+    cache_call q = {0};
+    int ok = buf && dev && local;
+    if (ok) {
+        memcpy(buf, slot_at(l, i) + REQUEST_AT, n); /* a private copy: the peer may scribble */
+        ok = check_cache_call(g, RPC_PUT, buf, n, &q, dev, local);
+    }
+    int64_t nkeys = ok ? q.nkeys : 0, present = 0, missing = 0;
+    int contiguous = g->dev_stride == tb;
+    uint64_t *words = ok ? malloc(sizeof(uint64_t) * KV_KEY_WORDS * (size_t)nkeys) : NULL, *mwords = NULL;
+    int64_t *found = ok ? malloc(sizeof(int64_t) * (size_t)nkeys) : NULL, *taken = NULL;
+    Run *runs = NULL;
+    Job *j = ok ? calloc(1, sizeof(Job)) : NULL;
+    int reserved = 0;
+    ok = ok && words && found && j && (reserved = reserve_get_end(e));
+    if (ok)
+        kv_keys_words(q.keys, (int64_t)q.key_bytes, nkeys, words);
+    free(buf);
+    int64_t nr = 0;
+    if (ok && cache_try_lock(c)) {
+        ok = c->open;
+        if (ok)
+            kv_index_find(&c->ix, words, NULL, (uint8_t)q.key_bytes, nkeys, gid, found);
+        for (int64_t k = 0; ok && k < nkeys; k++) {
+            int64_t id = found[k];
+            if (id < 0)
+                missing++;
+            else if (id >= c->pg.npages || c->pg.state[id] != KV_COMMITTED)
+                ok = 0; /* being written by another Put (or a corrupt table): the loop's */
+            else
+                present++;
+        }
+        if (ok && missing) {
+            ok = q.key_bytes <= KV_WORD_BYTES && missing <= g->nstash;
+            if (q.key_bytes <= KV_WORD_BYTES && missing > g->nstash && missing <= g->stash_full)
+                g->stash_short = 1; /* (a Put the plane would have stored: the loop fills the stash then) */
+            if (ok) { /* the copy's memory before any page is taken: nothing can fail after that */
+                mwords = malloc(sizeof(uint64_t) * KV_KEY_WORDS * (size_t)missing);
+                taken = malloc(sizeof(int64_t) * (size_t)missing);
+                runs = malloc(sizeof(Run) * (size_t)(contiguous ? missing : missing * ps));
+                ok = mwords && taken && runs;
+            }
+            for (int64_t k = 0; ok && k < missing; k++) { /* (the loop gave them: checked all the same) */
+                int64_t id = g->stash[g->nstash - 1 - k], off = id >= 0 && id < c->pg.npages ? c->pg.offset[id] : -1;
+                ok = off >= 0 && off <= c->arena_bytes && (c->arena_bytes - off) / lp >= chunks;
+            }
+            if (ok) { /* the registration's copies keep their order: none may be the loop's */
+                pthread_mutex_lock(&g->mu);
+                ok = !g->closed && g->py_inflight == 0;
+                if (ok) {
+                    g->c_inflight++;
+                    g->last_call_ns = arrival;
+                }
+                pthread_mutex_unlock(&g->mu);
+            }
+            for (int64_t k = 0, m = 0; ok && k < nkeys; k++) {
+                if (found[k] >= 0)
+                    continue;
+                int64_t id = g->stash[--g->nstash], off = c->pg.offset[id];
+                taken[m] = id;
+                memcpy(mwords + KV_KEY_WORDS * m, words + KV_KEY_WORDS * k, KV_WORD_BYTES);
+                for (int64_t t = 0; t < (contiguous ? 1 : ps); t++, nr++)
+                    runs[nr] = (Run){off + t * tb, dev[k] * ps + t, contiguous ? ps : 1};
+                m++;
+            }
+        }
+        pthread_mutex_unlock(&c->mu);
+    } else {
+        ok = 0;
+    }
+    free(words);
+    free(found);
+    free(dev);
+    if (!ok) {
+        if (reserved)
+            unreserve_get_end(e);
+        free(mwords);
+        free(taken);
+        free(runs);
+        free(local);
+        free(j);
+        return 0;
+    }
+    j->gate = g;
+    j->misses = present;
+    j->arrival_ns = arrival;
+    if (!missing) { /* every key stored already: nothing taken or copied, answered present now */
+        pthread_mutex_lock(&g->mu);
+        g->last_call_ns = arrival; /* its lease renewed, as every call renews it */
+        g->c_inflight++;           /* (given back as its end is posted) */
+        pthread_mutex_unlock(&g->mu);
+        j->found = (uint32_t)present;
+        j->end_kind = END_PUT;
+        post_get_end(e, j, DONE_OK); /* before the answer: a Stats after it counts them */
+        job_free(j);
+        free(mwords);
+        free(taken);
+        free(runs);
+        free(local);
+        unsigned char resp[48];
+        observe(e, H_PUT, now_ns() - arrival);
+        __atomic_add_fetch(&e->plane_puts, 1, __ATOMIC_RELAXED);
+        answer_unary(e, l, i, resp, put_response(resp, 0, present, 0, 0), arrival);
+        return 1;
+    }
+    j->lane = l;
+    j->slot = i;
+    j->dependent = 1; /* a write: behind every earlier job of its gate */
+    j->store = 1;
+    j->ids = taken;
+    j->nids = missing;
+    j->words = mwords;
+    j->key_len = (uint8_t)q.key_bytes;
+    j->local = local;
+    j->nl = q.nl; /* every layer of the registration (a Put names none) */
+    j->runs = runs;
+    j->nruns = nr;
+    j->ndev = missing * ps;
+    j->bytes_per_layer = missing * ps * tb * g->parts;
+    j->stream = kv_streams(0, j->bytes_per_layer * (int64_t)j->nl);
+    j->host = c->arena;
+    j->lp_stride = lp;
+    j->stop = &never_stopped;
+    j->deadline_ns = q.timeout_ms ? arrival + (int64_t)q.timeout_ms * 1000000 : 0;
+    mark_writes(j, 1); /* a later Load into these device pages waits for this copy */
+    Job **tail = &e->jobs;
+    while (*tail)
+        tail = &(*tail)->next;
+    *tail = j;
+    j->seq = ++e->next_seq;
+    __atomic_add_fetch(&e->njobs, 1, __ATOMIC_RELAXED);
     return 1;
 }
 
@@ -1269,12 +1465,12 @@ static int scan(Engine *e, Lane *l) {
         l->slot_busy[i] = 1;
         took++;
         if (l->gate->space) { /* a space's lane: its Lookups only; the loop refuses anything else */
-            if (!(rpc == RPC_LOOKUP && try_answer(e, l, i, n, 0)))
+            if (!(rpc == RPC_LOOKUP && try_answer(e, l, i, n)))
                 handoff(e, l, i, rpc);
             continue;
         }
         if (!try_job(e, l, i, rpc, n) && !(rpc == RPC_GET && try_get(e, l, i, n)) &&
-            !((rpc == RPC_LOOKUP || rpc == RPC_PUT) && try_answer(e, l, i, n, rpc == RPC_PUT)))
+            !(rpc == RPC_LOOKUP && try_answer(e, l, i, n)) && !(rpc == RPC_PUT && try_put(e, l, i, n)))
             handoff(e, l, i, rpc);
     }
     return took;
@@ -1389,8 +1585,67 @@ static void finish_ext(Engine *e, Job *j, int status) {
 
 static void answer_slot(Engine *e, Job *j, uint32_t code, const char *message);
 
+/* Ends a Put the plane stores (try_put). Copied (code 0): under the cache's lock, each key filed
+ * under the part in the stash page it was copied into (cache_store), unless the part holds it by
+ * now (counted present: another Put stored it meanwhile, or it came twice); its end posted with the
+ * pages filed first and the others after (the loop settles the ones, gives the others back to the
+ * stash), then its slot answered. The lock the loop's for longer than the plane waits, the cache
+ * closed, or one of its keys being written by another Put by now (the loop's, which waits for that
+ * copy, and stores the key itself if it fails: a Put says present only of what is or will be
+ * stored): nothing filed, and the slot handed to the loop, which serves the Put anew. Stopped (a
+ * deadline, its gate closed) or its lane gone: nothing filed, its end posted, its slot answered
+ * with why (unless its lane is gone). */
+static void finish_put(Engine *e, Job *j, uint32_t code, const char *message, int answer) {
+    Gate *g = j->gate;
+    Cache *c = e->cache;
+    int64_t stored = 0, present = j->misses, dropped = 0, filed = 0;
+    mark_writes(j, -1);
+    if (code == 0 && answer && cache_try_lock(c)) {
+        filed = c->open;
+        for (int64_t k = 0; filed && k < j->nids; k++) { /* a key being written: all of it the loop's */
+            int64_t f = kv_index_find_one(&c->ix, j->words + KV_KEY_WORDS * k, j->key_len, g->cache_gid);
+            filed = f < 0 || (f < c->pg.npages && c->pg.state[f] == KV_COMMITTED);
+        }
+        for (int64_t k = 0; filed && k < j->nids; k++) {
+            int got = cache_store(c, j->ids[k], j->words + KV_KEY_WORDS * k, j->key_len, g->cache_gid);
+            if (got <= 0) {
+                *(got == 0 ? &present : &dropped) += 1;
+                continue;
+            }
+            int64_t id = j->ids[stored]; /* the filed first: ids[0..stored) */
+            j->ids[stored++] = j->ids[k];
+            j->ids[k] = id;
+        }
+        pthread_mutex_unlock(&c->mu);
+    }
+    int handed = !filed && code == 0 && answer;
+    j->found = (uint32_t)stored;
+    j->misses = handed ? 0 : present; /* counted present by its end, unless the loop serves it anew */
+    j->bytes_per_layer = stored * g->lim.page_size * g->token_bytes * g->parts;
+    Lane *l = j->lane;
+    int slot = j->slot;
+    int64_t arrival = j->arrival_ns;
+    post_get_end(e, j, filed ? DONE_OK : j->released ? DONE_RELEASED : DONE_HALTED);
+    if (filed) {
+        unsigned char resp[48];
+        uint32_t len = put_response(resp, stored, present, dropped, (int64_t)j->nl * j->bytes_per_layer);
+        observe(e, H_PUT, now_ns() - arrival);
+        __atomic_add_fetch(&e->plane_stores, 1, __ATOMIC_RELAXED);
+        answer_unary(e, l, slot, resp, len, arrival);
+    } else if (handed) {
+        handoff(e, l, slot, RPC_PUT);
+    } else if (answer) {
+        answer_slot(e, j, code, message);
+    }
+    unlink_job(e, j);
+}
+
 /* Ends a job: its pages are no longer busy, its slot answered (unless its lane is gone: silent). */
 static void finish(Engine *e, Job *j, uint32_t code, const char *message, int answer) {
+    if (j->store) {
+        finish_put(e, j, code, message, answer);
+        return;
+    }
     if (j->get) { /* a Get served here: its end posted back with its pages, then its slot answered
                    * (a Stats after the answer settles it: its counters are there) */
         post_get_end(e, j, code == 0 ? DONE_OK : j->released ? DONE_RELEASED : DONE_HALTED);
@@ -1437,7 +1692,7 @@ static void finish(Engine *e, Job *j, uint32_t code, const char *message, int an
 static void answer_slot(Engine *e, Job *j, uint32_t code, const char *message) {
     int ok = code == 0;
     int64_t took = now_ns() - j->arrival_ns;
-    observe(e, j->answers ? H_GET : j->load ? H_LOAD : H_WRITE, took);
+    observe(e, j->answers ? H_GET : j->store ? H_PUT : j->load ? H_LOAD : H_WRITE, took);
     Lane *l = j->lane;
     char *s = slot_at(l, j->slot);
     /* This thread's time on the call, from taking the request to this answer (its turns behind
@@ -2468,13 +2723,94 @@ static PyObject *engine_set_cache(Engine *e, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* stash(gate, ids, full): free cache pages (int64 ids) the loop set aside for the gate's Puts
+ * (try_put): each being written, in no part, of the gate's tenant, inside the tables; appended to
+ * its stash, which the loop keeps at `full` pages (a Put of at most that many that finds it short
+ * says so: stash_short, cleared here). With the cache's lock held, on a gate given its part
+ * (set_cache), not closed. */
+static PyObject *engine_stash(Engine *e, PyObject *args) {
+    PyObject *go;
+    Py_buffer v;
+    long long full;
+    if (!PyArg_ParseTuple(args, "O!y*L", &GateType, &go, &v, &full))
+        return NULL;
+    Gate *g = (Gate *)go;
+    Cache *c = e->cache;
+    PyObject *r = NULL;
+    if (!c || !c->open) {
+        PyErr_SetString(PyExc_RuntimeError, "the plane serves no cache");
+        goto done;
+    }
+    if (!cache_held(c))
+        goto done;
+    if (v.len % 8 || g->space || __atomic_load_n(&g->cache_gid, __ATOMIC_ACQUIRE) < 0 ||
+        __atomic_load_n(&g->closed, __ATOMIC_ACQUIRE)) {
+        PyErr_SetString(PyExc_ValueError, "int64 page ids, for an open gate given its part");
+        goto done;
+    }
+    const int64_t *ids = v.buf;
+    int64_t n = v.len / 8;
+    for (int64_t k = 0; k < n; k++)
+        if (ids[k] < 0 || ids[k] >= c->pg.npages || c->pg.state[ids[k]] != 2 || c->part[ids[k]] != -1) {
+            PyErr_SetString(PyExc_ValueError, "a stash takes pages being written and in no part");
+            goto done;
+        }
+    /* No page twice (two keys would be filed in it): against the stash and one another. A stash
+     * is a few hundred pages; the loop's own bookkeeping keeps a page out of two gates' stashes. */
+    for (int64_t k = 0; k < n; k++)
+        for (int64_t m = 0; m < g->nstash + k; m++)
+            if ((m < g->nstash ? g->stash[m] : ids[m - g->nstash]) == ids[k]) {
+                PyErr_SetString(PyExc_ValueError, "a page is set aside once");
+                goto done;
+            }
+    if (g->nstash + n > g->capstash) {
+        int64_t cap = 2 * (g->nstash + n) + 16;
+        int64_t *more = realloc(g->stash, sizeof(int64_t) * (size_t)cap);
+        if (!more) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        g->stash = more;
+        g->capstash = cap;
+    }
+    memcpy(g->stash + g->nstash, ids, sizeof(int64_t) * (size_t)n);
+    g->nstash += n;
+    g->stash_full = full > 0 ? full : 0;
+    g->stash_short = 0;
+    r = Py_None;
+    Py_INCREF(r);
+done:
+    PyBuffer_Release(&v);
+    return r;
+}
+
+/* unstash(gate) -> bytes: the gate's stash (int64 ids), emptied. With the cache's lock held. */
+static PyObject *engine_unstash(Engine *e, PyObject *arg) {
+    if (!PyObject_TypeCheck(arg, &GateType)) {
+        PyErr_SetString(PyExc_TypeError, "a Gate");
+        return NULL;
+    }
+    Gate *g = (Gate *)arg;
+    if (!e->cache) {
+        PyErr_SetString(PyExc_RuntimeError, "the plane serves no cache");
+        return NULL;
+    }
+    if (!cache_held(e->cache))
+        return NULL;
+    PyObject *r = PyBytes_FromStringAndSize((const char *)g->stash, (Py_ssize_t)(8 * g->nstash));
+    if (r)
+        g->nstash = 0;
+    return r;
+}
+
 /* take_gets() -> [(token, gid, ids, found, misses, status, layers, bytes, kind)]: the Gets (and
  * Lookups, and Puts of keys all stored) served whole on the plane that ended, in the order they
  * ended: the gate's token and cache part, the page ids found (int64 bytes: a Get's are held, which
  * the loop lets go), the pages found and the keys missed, status 0 done, 2 its gate closed, 3
  * stopped otherwise (a deadline, the plane stopped, handed to the loop after all), the layers
  * copied and the bytes (done only), kind 0 a Get, 1 a Lookup, 2 a Put, 3 a Lookup of host memory
- * only (memory_only). */
+ * only (memory_only), 4 a Put that stored pages (END_STORE: its first `found` ids filed and held,
+ * the rest its stash's pages back, `misses` its keys present). */
 static PyObject *engine_take_gets(Engine *e, PyObject *unused) {
     pthread_mutex_lock(&e->hand_mu);
     size_t n = e->ngets;
@@ -2543,6 +2879,9 @@ static PyObject *engine_get_plane_space_lookups(Engine *e, void *unused) {
 static PyObject *engine_get_plane_puts(Engine *e, void *unused) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->plane_puts, __ATOMIC_RELAXED));
 }
+static PyObject *engine_get_plane_stores(Engine *e, void *unused) {
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->plane_stores, __ATOMIC_RELAXED));
+}
 static PyObject *engine_get_handed(Engine *e, void *unused) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->handed, __ATOMIC_RELAXED));
 }
@@ -2559,6 +2898,8 @@ static PyMethodDef engine_methods[] = {
     {"take_completions", (PyCFunction)engine_take_completions, METH_NOARGS, NULL},
     {"set_cache", (PyCFunction)engine_set_cache, METH_O, NULL},
     {"take_gets", (PyCFunction)engine_take_gets, METH_NOARGS, NULL},
+    {"stash", (PyCFunction)engine_stash, METH_VARARGS, NULL},
+    {"unstash", (PyCFunction)engine_unstash, METH_O, NULL},
     {"take_histograms", (PyCFunction)engine_take_histograms, METH_NOARGS, NULL},
     {"stop", (PyCFunction)engine_stop, METH_NOARGS, NULL},
     {NULL},
@@ -2573,6 +2914,7 @@ static PyGetSetDef engine_getset[] = {
     {"plane_lookups", (getter)engine_get_plane_lookups, NULL, NULL, NULL},
     {"plane_space_lookups", (getter)engine_get_plane_space_lookups, NULL, NULL, NULL},
     {"plane_puts", (getter)engine_get_plane_puts, NULL, NULL, NULL},
+    {"plane_stores", (getter)engine_get_plane_stores, NULL, NULL, NULL},
     {"write_turns", (getter)engine_get_write_turns, NULL, NULL, NULL},
     {NULL},
 };
