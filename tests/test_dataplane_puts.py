@@ -317,7 +317,8 @@ def test_the_registrations_of_one_size_class_share_its_stash_and_one_that_never_
         plane_daemon, monkeypatch) -> None:
     """Two TP ranks of one model (one tenant, pages of one size): the pages set aside for their
     Puts are the class's (here 2 MiB: 128 pages), halved between them, not each its own; a
-    registration that only Gets and Looks up sets none aside."""
+    registration that only Gets and Looks up sets none aside, nor one whose keys the plane never
+    stores (over 32 bytes)."""
     monkeypatch.setattr(cache_ops, "STASH_BYTES", 2 << 20)
     d = plane_daemon
     with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as p0, ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as p1, \
@@ -343,6 +344,11 @@ def test_the_registrations_of_one_size_class_share_its_stash_and_one_that_never_
             assert reader.lookup(_keys("s0", 1)).pages == 0
             assert reader.get(_keys("s0", 1), torch.arange(1)).wait(timeout=10) == 0
             assert _gate(d, reader).stashed == 0, "a registration that never Puts set pages aside"
+            wide = [k.ljust(48, b"w") for k in _keys("s4", 2)]  # keys the plane never stores itself
+            assert reader.put(wide, torch.arange(2)).stored == 2
+            assert reader.put(wide, torch.arange(2)).present == 2
+            _settled(d)
+            assert _gate(d, reader).stashed == 0, "a registration whose Puts are the loop's set some aside"
         finally:
             for c in ranks + [reader]:
                 c.close()

@@ -46,7 +46,7 @@ from kvserver.store import (
     SpaceKey,
 )
 from kvserver.store.cache import PACKED_STEP_PAIRS
-from kvserver.store.keys import leading
+from kvserver.store.keys import WORD_BYTES, leading
 from kvserver.store.pages import COMMITTED, WRITING
 from kvserver.store.steps import STEP_KEYS, run_steps
 from kvserver.v1 import kvserver_pb2 as pb
@@ -722,7 +722,27 @@ class CacheOps:
             cls = self._class_of(calls.parts[0])
             self._stashers[client.plane_token] = cls
             self._stash_shares[cls] = self._stash_shares.get(cls, 0) + 1
+            for token, got in self._stashers.items():  # the others' shares are smaller now
+                other = self._plane_gets.get(token)
+                if got == cls and other is not None and token != client.plane_token:
+                    self._trim(other)
         return calls
+
+    def _trim(self, calls: PlaneCalls) -> None:
+        """A registration's stash down to its share of its class's (``_stash_pages``), the rest
+        freed."""
+        plane, gate = self.kv.copier.plane, calls.gate
+        full = self._stash_pages(calls.parts[0])
+        if gate.stashed <= full or gate.closed:
+            return
+        with self.cache.lock:
+            ids = plane.unstash(gate)
+            try:
+                plane.stash(gate, ids[:full], full)
+            except BaseException:
+                self.cache.free_stash(ids)
+                raise
+            self.cache.free_stash(ids[full:])
 
     def _unstasher(self, token: int) -> None:
         cls = self._stashers.pop(token, None)
@@ -745,36 +765,33 @@ class CacheOps:
         if calls.space or plane is None or plane.cache is None or gate.closed:
             return
         full = self._stash_pages(calls.parts[0])
-        if gate.stashed > full:  # (its share fell: another registration of its class Puts too)
-            with self.cache.lock:
-                ids = plane.unstash(gate)
-                plane.stash(gate, ids[:full], full)
-                self.cache.free_stash(ids[full:])
+        self._trim(calls)
         if gate.stashed >= max(-(-full // 2), min(full, 2 * used)) and not gate.stash_short:
             return
         with self.cache.lock:
             want = full - gate.stashed
-            ids = self.cache.take_stash(calls.parts[0], want, evict or gate.stash_short) if want > 0 else ()
-            if len(ids):
-                try:
-                    plane.stash(gate, ids, full)
-                except BaseException:
-                    self.cache.free_stash(ids)
-                    raise
+            ids = (self.cache.take_stash(calls.parts[0], want, evict or gate.stash_short) if want > 0
+                   else np.empty(0, np.int64))
+            try:  # (none taken: the plane is told its size all the same, for stash_short)
+                plane.stash(gate, ids, full)
+            except BaseException:
+                self.cache.free_stash(ids)
+                raise
 
-    def _reclaim(self, cls: tuple[int, int] | None) -> list[int]:
+    def _reclaim(self, cls: tuple[int, int | None] | None) -> list[int]:
         """The stashes of the registrations whose pages are of size class ``cls`` (tenant id,
-        page bytes; every one: None) given back, with the cache's lock held (``KVCache.on_reclaim``:
-        before the loop evicts for itself); returns the slabs their pages were in (kept, even
-        empty: the caller releases or uses them). Their plane fills them again as it uses them
-        (``_refill``)."""
+        page bytes; a tenant's of every size: page bytes None; every one: None) given back, with
+        the cache's lock held (``KVCache.on_reclaim``: before the loop evicts for itself); returns
+        the slabs their pages were in (kept, even empty: the caller releases or uses them). Their
+        plane fills them again as it uses them (``_refill``)."""
         plane = self.kv.copier.plane
         if plane is None or plane.cache is None:
             return []
         sids: list[int] = []
         for token, got in self._stashers.items():
             calls = self._plane_gets.get(token)
-            if calls is None or not calls.gate.stashed or (cls is not None and got != cls):
+            if (calls is None or not calls.gate.stashed or
+                    (cls is not None and (got[0] != cls[0] or cls[1] not in (None, got[1])))):
                 continue
             sids += self.cache.free_stash(plane.unstash(calls.gate), release_empty=False)
         return sids
@@ -1022,22 +1039,27 @@ class CacheOps:
         except KVError:
             return None
         self._serve_on_plane(client, part)  # (the plane answers its next such Puts itself)
+        # Keys of over 32 bytes: the plane never stores them (the loop keeps their bytes, for KV
+        # events): their registration gets no stash.
+        narrow = key_bytes <= WORD_BYTES
         stored = self.cache.prepare_put_present(part, packed, key_bytes)
         if stored is not None:  # every key stored already: nothing taken, nothing to copy
             self.kv.client(client.client_id)  # its lease, renewed as every call renews it
-            self._refilled(client, 0)
+            if narrow:
+                self._refilled(client)
             return PutOutcome(0, stored.present, 0, 0)
         keys = Keys.unpack(packed, key_bytes, self._max_keys)
         if self.cache.writing(part, keys):
             return None
         self.kv.client(client.client_id)
-        # A Put the plane would have stored (handed over for a passing reason) leaves the stash
-        # alone: it evicts as the stash's next fill would.
-        plan = self.cache.prepare_put(part, keys, "first" if len(keys) > self._stash_pages(part) else "last")
+        # A Put whose new pages the plane would have stored (handed over for a passing reason)
+        # leaves the stash alone: it evicts as the stash's next fill would.
+        plan = self.cache.prepare_put(part, keys, self._stash_pages(part) if narrow else -1)
         n = plan.positions.size
         if n == 0:
             self.cache.complete_put(plan, True)
-            self._refilled(client, 0)
+            if narrow:
+                self._refilled(client)
             return PutOutcome(0, plan.present, plan.dropped, 0)
         try:
             job = self._job(client, plan.offsets, pages[plan.positions], client.spec.layers.select([]),
@@ -1067,22 +1089,22 @@ class CacheOps:
                         client.counters.write_ops += 1
                 finally:
                     ended(PutOutcome(n, plan.present, plan.dropped, nbytes) if error is None else None, error)
-                    self._refilled(client, len(keys))
+                    if narrow:
+                        self._refilled(client)
 
         fut.add_done_callback(settle)
         return True
 
-    def _refilled(self, client: ClientState, keys: int) -> None:
+    def _refilled(self, client: ClientState) -> None:
         """After a lane Put the loop served (the first of a registration, whose gate had no part
         yet, among them): its registration's stash filled again (``_refill``), made at its first
-        Put; evicting as a Put would where the plane would have stored this one (new keys, no
-        more than a full stash: handed over for a passing reason, the lock the loop's, a copy of
-        the loop's, the gate new), from free memory otherwise."""
+        Put; from free memory, evicting as a Put would only once a Put the full stash would have
+        held found it short (``Gate.stash_short``)."""
         calls = self._stasher(client)
         if calls is None:
             return
         try:
-            self._refill(calls, 0 < keys <= self._stash_pages(calls.parts[0]))
+            self._refill(calls, False)
         except Exception:  # the stash stays short: the plane hands the next Puts over, as now
             logger.exception("filling the pages set aside for the data plane's Puts failed")
 

@@ -127,7 +127,7 @@ class KVCache:
         # one size class (tenant id, page bytes), or every one (None), freed (their slabs kept,
         # even empty), and says the slabs they were in; called with the lock held before the loop
         # evicts for itself, so that the stashes cost a stored page its place as little as can be.
-        self.on_reclaim: Callable[[tuple[int, int] | None], list[int]] | None = None
+        self.on_reclaim: Callable[[tuple[int, int | None] | None], list[int]] | None = None
         self._next_gid = 0
         self._adopting = False
         self.keep = self.slabs.keep = Keep(kept, arena.capacity) if kept else None
@@ -444,24 +444,24 @@ class KVCache:
 
     # Put
 
-    def prepare_put(self, part: Part, keys: Keys | Sequence[bytes], reclaim: str = "first") -> PutPlan:
+    def prepare_put(self, part: Part, keys: Keys | Sequence[bytes], plane_pages: int = -1) -> PutPlan:
         """Takes pages for the keys the part does not hold (see ``prepare_put_steps``)."""
-        return run_steps(self.prepare_put_steps(part, keys, reclaim))
+        return run_steps(self.prepare_put_steps(part, keys, plane_pages))
 
     def prepare_put_steps(self, part: Part, keys: Keys | Sequence[bytes],
-                          reclaim: str = "first") -> Generator[None, None, PutPlan]:
+                          plane_pages: int = -1) -> Generator[None, None, PutPlan]:
         """``prepare_put`` in steps of at most ``STEP_KEYS`` keys. Once a step cannot store all of
         its keys the budget is full: the keys after it are dropped whole, so that what is stored
-        is a prefix. A Put given up midway frees what its steps took. ``reclaim``: when the data
-        plane's stashes are given back for it (``_allocate``): "first", before anything is
-        evicted; "last", for a Put the plane would have stored, only where evicting is not
-        enough (it evicts as the stash's next fill would, and the stash stays)."""
+        is a prefix. A Put given up midway frees what its steps took. The data plane's stashes are
+        given back for it (``_allocate``) before anything is evicted, but for a Put of at most
+        ``plane_pages`` new pages (one the plane would have stored: its registration's stash's
+        size), which evicts first, as the stash's next fill would, and leaves the stash."""
         keys = as_keys(keys)
         plans: list[tuple[int, PutPlan]] = []
         start = 0
         try:
             while start < len(keys):
-                plan = self._prepare_put(part, keys[start : start + STEP_KEYS], reclaim)
+                plan = self._prepare_put(part, keys[start : start + STEP_KEYS], plane_pages)
                 plans.append((start, plan))
                 start += STEP_KEYS
                 if plan.dropped or start >= len(keys):
@@ -479,7 +479,7 @@ class KVCache:
         return PutPlan.merged(part, plans, rest)
 
     @_locked
-    def _prepare_put(self, part: Part, keys: Keys, reclaim: str = "first") -> PutPlan:
+    def _prepare_put(self, part: Part, keys: Keys, plane_pages: int = -1) -> PutPlan:
         space = self._live(part.space)
         tenant = self.tenants.get(space.key.tenant)
         page_bytes = part.key.page_bytes
@@ -495,6 +495,7 @@ class KVCache:
             held = ids[ids >= 0]
             self.pages.hold(held)  # the present pages are not evicted for this Put
             try:
+                reclaim = "last" if len(positions) <= plane_pages else "first"
                 new = self._allocate(tenant, page_bytes, len(positions), reclaim=reclaim)
             finally:
                 self.pages.hold(held, -1)
@@ -623,10 +624,11 @@ class KVCache:
         ids = ids[(p.state[ids] == COMMITTED) & (p.readers[ids] == 0) & (p.pins[ids] == 0)]
         self._drop(ids, evicted=False)
 
-    def _reclaim(self, cls: tuple[int, int] | None, keep: tuple[int, int] | None = None) -> list[int]:
-        """The data plane's stashes of ``cls`` (every one: None) given back (``on_reclaim``); the
-        slabs left empty released at once, but those of class ``keep`` (about to be used): the
-        slabs of ``keep`` they were in are returned."""
+    def _reclaim(self, cls: tuple[int, int | None] | None, keep: tuple[int, int] | None = None) -> list[int]:
+        """The data plane's stashes of ``cls`` (a tenant's pages of a size, of any size with None
+        for it, or every one: None) given back (``on_reclaim``); the slabs left empty released at
+        once, but those of class ``keep`` (about to be used): the slabs of ``keep`` they were in
+        are returned."""
         sids = self.on_reclaim(cls) if self.on_reclaim is not None else []
         if not sids:
             return []
@@ -672,9 +674,12 @@ class KVCache:
             kept += self._drop(old, release_empty=False)
         if self.slabs.free_count(cls) < want and reclaim == "last":
             kept += self._reclaim(cls, cls)
+        if self.slabs.free_count(cls) < want and reclaim != "never":
+            # Every stash the slabs below may be taken from: anyone's while the arena is full,
+            # the tenant's own when its quota binds (then no other tenant's memory is its).
+            kept += self._reclaim(None if under_quota else (tenant.tid, None), cls)
+            under_quota = grow()  # (the slabs they left empty were released)
         if self.slabs.free_count(cls) < want:
-            if reclaim != "never":
-                kept += self._reclaim(None, cls)
             # Other slabs, least recently used first, ranked once: evicting one slab changes no
             # other slab's pages, so the order holds for the whole Put (ranking again per slab made
             # a Put that evicts many slabs quadratic in the cache's pages).

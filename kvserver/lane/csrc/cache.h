@@ -162,7 +162,8 @@ static PyObject *cache_set_tables(Cache *c, PyObject *args) {
     Py_ssize_t cap = c->v[CT_LENS].len, npages = c->v[CT_STATE].len;
     if (c->v[CT_WORDS].len != 8 * KV_KEY_WORDS * cap || c->v[CT_OWNER].len != 4 * cap ||
         c->v[CT_NEXT].len != 4 * cap || c->v[CT_OFFSET].len != 8 * npages || c->v[CT_READERS].len != 4 * npages ||
-        c->v[CT_SLAB].len != 4 * npages || c->v[CT_PART].len != 4 * npages || c->v[CT_COUNT].len != 8) {
+        c->v[CT_SLAB].len != 4 * npages || c->v[CT_PART].len != 4 * npages || c->v[CT_COUNT].len != 8 ||
+        cap < npages) { /* (a page's id is its index entry's: a Put filed here writes both) */
         PyErr_SetString(PyExc_ValueError, "the cache's tables are not of one length");
         return NULL;
     }

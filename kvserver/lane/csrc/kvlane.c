@@ -2723,11 +2723,16 @@ static PyObject *engine_set_cache(Engine *e, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static int cmp_i64(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
 /* stash(gate, ids, full): free cache pages (int64 ids) the loop set aside for the gate's Puts
  * (try_put): each being written, in no part, of the gate's tenant, inside the tables; appended to
  * its stash, which the loop keeps at `full` pages (a Put of at most that many that finds it short
- * says so: stash_short, cleared here). With the cache's lock held, on a gate given its part
- * (set_cache), not closed. */
+ * says so: stash_short, cleared here once it holds that many; ids may be empty, to say `full`).
+ * With the cache's lock held, on a gate given its part (set_cache), not closed. */
 static PyObject *engine_stash(Engine *e, PyObject *args) {
     PyObject *go;
     Py_buffer v;
@@ -2755,14 +2760,25 @@ static PyObject *engine_stash(Engine *e, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "a stash takes pages being written and in no part");
             goto done;
         }
-    /* No page twice (two keys would be filed in it): against the stash and one another. A stash
-     * is a few hundred pages; the loop's own bookkeeping keeps a page out of two gates' stashes. */
-    for (int64_t k = 0; k < n; k++)
-        for (int64_t m = 0; m < g->nstash + k; m++)
-            if ((m < g->nstash ? g->stash[m] : ids[m - g->nstash]) == ids[k]) {
-                PyErr_SetString(PyExc_ValueError, "a page is set aside once");
-                goto done;
-            }
+    /* No page twice (two keys would be filed in it): against the stash and one another, sorted
+     * (the loop's own bookkeeping keeps a page out of two gates' stashes). */
+    int64_t m = g->nstash + n;
+    int64_t *all = malloc(sizeof(int64_t) * (size_t)(m ? m : 1));
+    if (!all) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    memcpy(all, g->stash, sizeof(int64_t) * (size_t)g->nstash);
+    memcpy(all + g->nstash, ids, sizeof(int64_t) * (size_t)n);
+    qsort(all, (size_t)m, sizeof(int64_t), cmp_i64);
+    int twice = 0;
+    for (int64_t k = 1; k < m && !twice; k++)
+        twice = all[k] == all[k - 1];
+    free(all);
+    if (twice) {
+        PyErr_SetString(PyExc_ValueError, "a page is set aside once");
+        goto done;
+    }
     if (g->nstash + n > g->capstash) {
         int64_t cap = 2 * (g->nstash + n) + 16;
         int64_t *more = realloc(g->stash, sizeof(int64_t) * (size_t)cap);
@@ -2776,7 +2792,8 @@ static PyObject *engine_stash(Engine *e, PyObject *args) {
     memcpy(g->stash + g->nstash, ids, sizeof(int64_t) * (size_t)n);
     g->nstash += n;
     g->stash_full = full > 0 ? full : 0;
-    g->stash_short = 0;
+    if (g->nstash >= g->stash_full) /* (a return of a few pages leaves a short stash short) */
+        g->stash_short = 0;
     r = Py_None;
     Py_INCREF(r);
 done:
