@@ -2768,8 +2768,10 @@ static PyObject *engine_stash(Engine *e, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    memcpy(all, g->stash, sizeof(int64_t) * (size_t)g->nstash);
-    memcpy(all + g->nstash, ids, sizeof(int64_t) * (size_t)n);
+    if (g->nstash) /* (a stash never given a page has no array yet) */
+        memcpy(all, g->stash, sizeof(int64_t) * (size_t)g->nstash);
+    if (n)
+        memcpy(all + g->nstash, ids, sizeof(int64_t) * (size_t)n);
     qsort(all, (size_t)m, sizeof(int64_t), cmp_i64);
     int twice = 0;
     for (int64_t k = 1; k < m && !twice; k++)
@@ -2789,8 +2791,10 @@ static PyObject *engine_stash(Engine *e, PyObject *args) {
         g->stash = more;
         g->capstash = cap;
     }
-    memcpy(g->stash + g->nstash, ids, sizeof(int64_t) * (size_t)n);
-    g->nstash += n;
+    if (n) {
+        memcpy(g->stash + g->nstash, ids, sizeof(int64_t) * (size_t)n);
+        g->nstash += n;
+    }
     g->stash_full = full > 0 ? full : 0;
     if (g->nstash >= g->stash_full) /* (a return of a few pages leaves a short stash short) */
         g->stash_short = 0;
