@@ -926,6 +926,30 @@ static void mark_writes(Job *j, int by) {
             g->wdev[t] += by;
 }
 
+/* Job j joins the jobs, last in arrival order. */
+static void enqueue(Engine *e, Job *j) {
+    Job **tail = &e->jobs;
+    while (*tail)
+        tail = &(*tail)->next;
+    *tail = j;
+    j->seq = ++e->next_seq;
+    __atomic_add_fetch(&e->njobs, 1, __ATOMIC_RELAXED);
+}
+
+/* A call of the gate's that copies takes its turn here (try_get, try_put): 1 if the gate is open
+ * and no copy of its registration is the loop's (its copies keep their order); then it counts
+ * among the gate's jobs and renews the registration's lease. */
+static int take_turn(Gate *g, int64_t arrival) {
+    pthread_mutex_lock(&g->mu);
+    int ok = !g->closed && g->py_inflight == 0;
+    if (ok) {
+        g->c_inflight++;
+        g->last_call_ns = arrival;
+    }
+    pthread_mutex_unlock(&g->mu);
+    return ok;
+}
+
 /* Tries to serve slot i as a job of this plane: 1 if it became one. */
 static int try_job(Engine *e, Lane *l, int i, uint32_t rpc, uint32_t n) {
     Gate *g = l->gate;
@@ -978,12 +1002,7 @@ static int try_job(Engine *e, Lane *l, int i, uint32_t rpc, uint32_t n) {
     j->dependent = j->load ? touches_writes(j) : 1;
     if (!j->load)
         mark_writes(j, 1);
-    Job **tail = &e->jobs;
-    while (*tail)
-        tail = &(*tail)->next;
-    *tail = j;
-    j->seq = ++e->next_seq;
-    __atomic_add_fetch(&e->njobs, 1, __ATOMIC_RELAXED);
+    enqueue(e, j);
     return 1;
 }
 
@@ -1061,6 +1080,27 @@ static void post_get_end(Engine *e, Job *j, int status) {
         wake(e->notify_fd);
 }
 
+/* The runs of a cache page at arena offset `off` and device page `dev` (`ps` tokens of `tb` bytes a
+ * (layer, part)): one where the device's tokens are contiguous, else one a token; their count. */
+static int64_t page_runs(Run *runs, int64_t off, int64_t dev, int64_t ps, int64_t tb, int contiguous) {
+    for (int64_t t = 0; t < (contiguous ? 1 : ps); t++)
+        runs[t] = (Run){off + t * tb, dev * ps + t, contiguous ? ps : 1};
+    return contiguous ? 1 : ps;
+}
+
+/* The end of a call walked here that copies nothing (a Lookup, a Put of keys all stored), posted
+ * at once: its registration's lease renewed, as every call renews it, and the end counted among
+ * the gate's jobs until it is posted; job j freed. */
+static void post_walked(Engine *e, Job *j, int64_t arrival) {
+    Gate *g = j->gate;
+    pthread_mutex_lock(&g->mu);
+    g->last_call_ns = arrival;
+    g->c_inflight++;
+    pthread_mutex_unlock(&g->mu);
+    post_get_end(e, j, DONE_OK);
+    job_free(j);
+}
+
 /* Tries to serve slot i, a lane Get (protobuf), whole on this thread: read and checked (get.h), its
  * keys walked in the cache and their pages held (cache.h), then copied as a Load is, answering the
  * slot with the pages found. 1 if it did (or answered a Get that found nothing); 0: the loop's. */
@@ -1097,13 +1137,7 @@ static int try_get(Engine *e, Lane *l, int i, uint32_t n) {
     }
     if (ok) {
         kv_keys_words(q.keys, (int64_t)q.key_bytes, nkeys, words);
-        pthread_mutex_lock(&g->mu);
-        ok = counted = !g->closed && g->py_inflight == 0;
-        if (ok) {
-            g->c_inflight++;
-            g->last_call_ns = arrival;
-        }
-        pthread_mutex_unlock(&g->mu);
+        ok = counted = take_turn(g, arrival);
     }
     if (ok) {
         m = cache_walk_hold(c, words, (uint8_t)q.key_bytes, nkeys, gid, (int64_t)g->lim.num_layers * g->parts,
@@ -1116,8 +1150,7 @@ static int try_get(Engine *e, Lane *l, int i, uint32_t n) {
         int contiguous = g->dev_stride == tb;
         runs = malloc(sizeof(Run) * (size_t)(contiguous ? m : m * ps));
         for (int64_t k = 0; runs && k < m; k++)
-            for (int64_t t = 0; t < (contiguous ? 1 : ps); t++, nr++)
-                runs[nr] = (Run){offs[k] + t * tb, dev[k] * ps + t, contiguous ? ps : 1};
+            nr += page_runs(runs + nr, offs[k], dev[k], ps, tb, contiguous);
         if (!runs) /* out of memory after the holds: the pages go back with its end, the loop answers */
             ok = 0;
     }
@@ -1184,12 +1217,7 @@ static int try_get(Engine *e, Lane *l, int i, uint32_t n) {
         ring_done(l, i);
     else
         j->last_pub_ns = now_ns();
-    Job **tail = &e->jobs;
-    while (*tail)
-        tail = &(*tail)->next;
-    *tail = j;
-    j->seq = ++e->next_seq;
-    __atomic_add_fetch(&e->njobs, 1, __ATOMIC_RELAXED);
+    enqueue(e, j);
     return 1;
 }
 
@@ -1257,17 +1285,12 @@ static int try_answer(Engine *e, Lane *l, int i, uint32_t n) {
         free(j);
         return 0;
     }
-    pthread_mutex_lock(&g->mu);
-    g->last_call_ns = arrival; /* its lease renewed, as every call renews it */
-    g->c_inflight++;           /* (given back as its end is posted) */
-    pthread_mutex_unlock(&g->mu);
     j->gate = g;
     j->ids = ids;
     j->found = (uint32_t)m;
     j->misses = nkeys - m;
     j->end_kind = q.memory_only ? END_LOOKUP_HOST : END_LOOKUP;
-    post_get_end(e, j, DONE_OK); /* before the answer: a Stats after it counts the hits */
-    job_free(j);
+    post_walked(e, j, arrival); /* before the answer: a Stats after it counts the hits */
     unsigned char resp[16];
     uint32_t len = 0;
     if (m) /* LookupResponse{pages}: field 1 (nothing for 0, as protobuf writes it) */
@@ -1361,23 +1384,14 @@ static int try_put(Engine *e, Lane *l, int i, uint32_t n) {
                 int64_t id = g->stash[g->nstash - 1 - k], off = id >= 0 && id < c->pg.npages ? c->pg.offset[id] : -1;
                 ok = off >= 0 && off <= c->arena_bytes && (c->arena_bytes - off) / lp >= chunks;
             }
-            if (ok) { /* the registration's copies keep their order: none may be the loop's */
-                pthread_mutex_lock(&g->mu);
-                ok = !g->closed && g->py_inflight == 0;
-                if (ok) {
-                    g->c_inflight++;
-                    g->last_call_ns = arrival;
-                }
-                pthread_mutex_unlock(&g->mu);
-            }
+            ok = ok && take_turn(g, arrival);
             for (int64_t k = 0, m = 0; ok && k < nkeys; k++) {
                 if (found[k] >= 0)
                     continue;
                 int64_t id = g->stash[--g->nstash], off = c->pg.offset[id];
                 taken[m] = id;
                 memcpy(mwords + KV_KEY_WORDS * m, words + KV_KEY_WORDS * k, KV_WORD_BYTES);
-                for (int64_t t = 0; t < (contiguous ? 1 : ps); t++, nr++)
-                    runs[nr] = (Run){off + t * tb, dev[k] * ps + t, contiguous ? ps : 1};
+                nr += page_runs(runs + nr, off, dev[k], ps, tb, contiguous);
                 m++;
             }
         }
@@ -1402,17 +1416,9 @@ static int try_put(Engine *e, Lane *l, int i, uint32_t n) {
     j->misses = present;
     j->arrival_ns = arrival;
     if (!missing) { /* every key stored already: nothing taken or copied, answered present now */
-        pthread_mutex_lock(&g->mu);
-        g->last_call_ns = arrival; /* its lease renewed, as every call renews it */
-        g->c_inflight++;           /* (given back as its end is posted) */
-        pthread_mutex_unlock(&g->mu);
         j->found = (uint32_t)present;
         j->end_kind = END_PUT;
-        post_get_end(e, j, DONE_OK); /* before the answer: a Stats after it counts them */
-        job_free(j);
-        free(mwords);
-        free(taken);
-        free(runs);
+        post_walked(e, j, arrival); /* before the answer: a Stats after it counts them */
         free(local);
         unsigned char resp[48];
         observe(e, H_PUT, now_ns() - arrival);
@@ -1440,12 +1446,7 @@ static int try_put(Engine *e, Lane *l, int i, uint32_t n) {
     j->stop = &never_stopped;
     j->deadline_ns = q.timeout_ms ? arrival + (int64_t)q.timeout_ms * 1000000 : 0;
     mark_writes(j, 1); /* a later Load into these device pages waits for this copy */
-    Job **tail = &e->jobs;
-    while (*tail)
-        tail = &(*tail)->next;
-    *tail = j;
-    j->seq = ++e->next_seq;
-    __atomic_add_fetch(&e->njobs, 1, __ATOMIC_RELAXED);
+    enqueue(e, j);
     return 1;
 }
 
