@@ -153,10 +153,9 @@ class CacheOps:
         self._plane_tokens = itertools.count(1)
         self.on_plane_get: Callable[[int], None] | None = None
         self.on_plane_put: Callable[[int, int], None] | None = None  # bytes, Puts
-        # The registrations that Put on the plane (token -> size class) and how many of each
-        # class: a class's stash is shared among them (``_stash_pages``).
+        # The registrations that Put on the plane (token -> size class): a class's stash is
+        # shared among them (``_stash_pages``).
         self._stashers: dict[int, tuple[int, int]] = {}
-        self._stash_shares: dict[tuple[int, int], int] = {}
         kv.on_gate_closed = self._gate_closed
         self.cache.on_reclaim = self._reclaim
 
@@ -708,7 +707,8 @@ class CacheOps:
         page_bytes = part.key.page_bytes
         quota = self.cache.tenants.get(part.space.key.tenant).quota
         nbytes = min(STASH_BYTES, self.kv.arena.capacity // 32, quota // 16 if quota else STASH_BYTES)
-        share = max(1, self._stash_shares.get(self._class_of(part), 0))
+        cls = self._class_of(part)
+        share = max(1, sum(got == cls for got in self._stashers.values()))  # (a node's few engines)
         return min(STASH_PAGES, nbytes // page_bytes // share)
 
     def _stasher(self, client: ClientState) -> PlaneCalls | None:
@@ -721,7 +721,6 @@ class CacheOps:
         if client.plane_token not in self._stashers:
             cls = self._class_of(calls.parts[0])
             self._stashers[client.plane_token] = cls
-            self._stash_shares[cls] = self._stash_shares.get(cls, 0) + 1
             for token, got in self._stashers.items():  # the others' shares are smaller now
                 other = self._plane_gets.get(token)
                 if got == cls and other is not None and token != client.plane_token:
@@ -743,13 +742,6 @@ class CacheOps:
                 self.cache.free_stash(ids)
                 raise
             self.cache.free_stash(ids[full:])
-
-    def _unstasher(self, token: int) -> None:
-        cls = self._stashers.pop(token, None)
-        if cls is not None:
-            self._stash_shares[cls] -= 1
-            if not self._stash_shares[cls]:
-                del self._stash_shares[cls]
 
     def _refill(self, calls: PlaneCalls, evict: bool, used: int = 0) -> None:
         """Fills the stash of a registration's gate (``DataPlane.stash``): the free pages the plane
@@ -800,7 +792,7 @@ class CacheOps:
         """A client's gate closed (its release): the pages set aside for its Puts go back. (Those
         its Puts still copy come back with their ends: ``_stored``.)"""
         plane = self.kv.copier.plane
-        self._unstasher(client.plane_token)
+        self._stashers.pop(client.plane_token, None)
         if plane is None or plane.cache is None or client.gate is None or client.gate.space:
             return
         with self.cache.lock:
@@ -851,7 +843,7 @@ class CacheOps:
         plane.settle_gets()
         for t in done:
             calls = self._plane_gets.pop(t)
-            self._unstasher(t)
+            self._stashers.pop(t, None)
             if calls.gate.stashed:  # (its release's give-back failed: logged there)
                 with self.cache.lock:
                     self.cache.free_stash(plane.unstash(calls.gate))
@@ -894,18 +886,14 @@ class CacheOps:
         as ``get_on_plane`` settles the Gets it plans. ``kind`` 1: a Lookup's, whose pages are made
         recent and whose hits and misses are counted, as ``lookup_now`` does (3: one of host memory
         only, ``memory_only``); 2: a Put's whose keys were all stored, counted present, as
-        ``put_on_plane`` counts one. With a disk tier, a Get's and a Lookup's (not one of host
-        memory only) also make the disk's copies recent (``_touch_below``)."""
+        ``put_on_plane`` counts one (4, a Put the plane stored, is ``plane_calls_ended``'s). With a
+        disk tier, a Get's and a Lookup's (not one of host memory only) also make the disk's copies
+        recent (``_touch_below``)."""
         entry = self._plane_gets.get(token)
         if entry is not None and entry.space:
             self._space_lookup_ended(entry, ids, found, misses, kind)
             return
         part = entry.parts[0] if entry is not None and entry.parts[0].gid == gid else None
-        if kind == _END_STORE:
-            pages = np.frombuffer(ids, np.int64)
-            done = int(status == 0 and found > 0)
-            self._stored(entry, part, pages[:found], pages[found:], misses, nbytes * done, done)
-            return
         if kind == _END_PUT:
             if part is not None:
                 self.cache.count_present(part, found)
