@@ -241,7 +241,8 @@ def engine(address: str, kind: str, start: int, end: int, num_layers: int, page_
                 "p99": round(trips[int(len(trips) * 0.99)] * 1e6, 1),
                 "pinned_memcpy_p50": round(copies[len(copies) // 2] * 1e6, 1),
                 # the engine's CPU per round trip, and the lane's request format (1: binary; a
-                # CUDA pool's requests are served by the daemon's loop, not its compiled data plane)
+                # CUDA pool's requests are served by the daemon's loop unless it runs with
+                # --plane-cuda: then by its compiled data plane, report["plane_cuda"])
                 "engine_cpu_us": round(engine_cpu / LANE_TRIPS * 1e6, 1),
                 "request_format": client.lane.request_format if client.lane is not None else 0,
             }
@@ -882,17 +883,23 @@ def main() -> int:
                     help="only the checks that need no GPU: imports, daemon start and health")
     ap.add_argument("--host-memory", default=None,
                     help="the daemon's host memory (default 24GiB for the check, 1GiB for --preflight)")
+    ap.add_argument("--plane-cuda", action="store_true",
+                    help="the daemon's compiled data plane puts CUDA pools' lane Writes and Loads on the "
+                         "GPU's stream itself (KVSERVER_PLANE_CUDA=1), as it will by default once "
+                         "proven here")
     ap.add_argument("--deadline", type=float, default=360,
                     help="seconds for the whole check; engines still running then are killed and reported")
     args = ap.parse_args()
     host_memory = args.host_memory or ("1GiB" if args.preflight else "24GiB")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    if args.plane_cuda:
+        env["KVSERVER_PLANE_CUDA"] = "1"
     tmp = tempfile.mkdtemp(prefix="kvgpu-")
     socket = os.path.join(tmp, "kv.sock")
     daemon = subprocess.Popen([sys.executable, "-m", "kvserver", "--socket", socket,
                                "--host-memory", host_memory, "--progress-interval-ms", "0",
                                "--cuda-wait-seconds", str(CUDA_WAIT_SECONDS)], env=env)
-    report: dict = {"checks": [], "ok": True}
+    report: dict = {"checks": [], "ok": True, "plane_cuda": env.get("KVSERVER_PLANE_CUDA") == "1"}
     started = time.monotonic()
     deadline = started + args.deadline
     try:

@@ -7,7 +7,7 @@
 #  2. the C extensions (the copy kernel, the data plane, the index walk and key digests, the
 #     client's lane calls, the varint decoder) built with both sanitizers in a copy of the tree,
 #     and the bad-input, lane, doorbell, data-plane, deadline, index, digest and large-request
-#     tests run against them in-process.
+#     tests (a CUDA pool's too, on the CuPy and driver stand-in) run against them in-process.
 # Any report fails the job (-fno-sanitize-recover: UBSan aborts too). Uses ./.venv (scripts/install.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -53,6 +53,6 @@ ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1 \
 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 KVSERVER_EXPECT_PLANE=1 \
     "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider -p no:xdist --timeout 300 \
-    tests/test_dataplane.py tests/test_dataplane_cache.py tests/test_dataplane_alone.py tests/test_dataplane_gets.py tests/test_dataplane_tiers.py tests/test_dataplane_space.py tests/test_dataplane_puts.py tests/test_lane.py tests/test_lane_doorbells.py tests/test_lane_ahead.py tests/test_lane_call.py tests/test_api_bad_input.py \
+    tests/test_dataplane.py tests/test_dataplane_cache.py tests/test_dataplane_alone.py tests/test_dataplane_gets.py tests/test_dataplane_tiers.py tests/test_dataplane_space.py tests/test_dataplane_puts.py tests/test_dataplane_cuda.py tests/test_lane.py tests/test_lane_doorbells.py tests/test_lane_ahead.py tests/test_lane_call.py tests/test_api_bad_input.py \
     tests/test_core_deadlines.py tests/test_store_index.py tests/test_store_digest.py tests/test_copies_stream.py \
     tests/test_api_wire.py

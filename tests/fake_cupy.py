@@ -312,6 +312,81 @@ class FakeCupy:
         self.RawKernel = lambda source, name: RecordingKernel(runtime, source, name)
 
 
+ILLEGAL_ADDRESS = 700  # CUDA_ERROR_ILLEGAL_ADDRESS: what a copy outside reachable memory gets here
+_RESULT = ctypes.c_int
+_PTR = ctypes.c_void_p
+_U64 = ctypes.c_uint64
+
+
+class FakeDriver:
+    """The driver's entry points the compiled data plane calls (kvserver/lane/csrc/cuda.h), over
+    the stand-in runtime: C callbacks (ctypes) into ``FakeRuntime``, so the plane's copies, waits
+    and records land in the same streams, events and call log as the loop's. The plane's thread
+    takes the GIL for each call: slow, and only for tests. A call that fails (a copy out of reach)
+    returns its CUresult, as the driver would, and is kept in ``errors``."""
+
+    CONTEXT = 0xC0
+
+    def __init__(self, runtime: FakeRuntime) -> None:
+        self.runtime = runtime
+        self.errors: list[BaseException] = []
+        self.fail_copy_after: int | None = None  # the copies that succeed before every next one fails
+        rt = runtime
+
+        def guarded(fn, code=1):
+            def call(*args):
+                try:
+                    return fn(*args)
+                except BaseException as exc:  # noqa: BLE001 - reported as a CUresult, as a driver would
+                    self.errors.append(exc)
+                    return code
+            return call
+
+        def ctx_set_current(ctx):
+            if ctx != self.CONTEXT:
+                raise RuntimeError(f"cuCtxSetCurrent of an unknown context {ctx}")
+            return 0
+
+        def memcpy_async(dst, src, size, stream):
+            if self.fail_copy_after is not None:
+                if self.fail_copy_after <= 0:
+                    return ILLEGAL_ADDRESS
+                self.fail_copy_after -= 1
+            rt.memcpyAsync(dst, src, size, 4, stream or 0)
+            return 0
+
+        def stream_wait_event(stream, event, flags):
+            rt.streamWaitEvent(stream or 0, event or 0, flags)
+            return 0
+
+        def event_record(event, stream):
+            rt.eventRecord(event or 0, stream or 0)
+            return 0
+
+        def event_create(out, flags):
+            out[0] = rt.eventCreateWithFlags(flags)
+            return 0
+
+        def event_destroy(event):
+            rt.eventDestroy(event or 0)
+            return 0
+
+        types_ = [
+            (ctypes.CFUNCTYPE(_RESULT, _PTR), ctx_set_current),
+            (ctypes.CFUNCTYPE(_RESULT, _U64, _U64, ctypes.c_size_t, _PTR), memcpy_async),
+            (ctypes.CFUNCTYPE(_RESULT, _PTR, _PTR, ctypes.c_uint), stream_wait_event),
+            (ctypes.CFUNCTYPE(_RESULT, _PTR, _PTR), event_record),
+            (ctypes.CFUNCTYPE(_RESULT, _PTR), lambda event: rt.eventQuery(event or 0)),
+            (ctypes.CFUNCTYPE(_RESULT, ctypes.POINTER(_PTR), ctypes.c_uint), event_create),
+            (ctypes.CFUNCTYPE(_RESULT, _PTR), event_destroy),
+        ]
+        code = {memcpy_async: ILLEGAL_ADDRESS}
+        self._callbacks = [kind(guarded(fn, code.get(fn, 1))) for kind, fn in types_]  # kept alive
+
+    def entry_points(self) -> tuple[int, ...]:
+        return tuple(ctypes.cast(cb, ctypes.c_void_p).value for cb in self._callbacks)
+
+
 def make_fake_cupy() -> FakeCupy:
     return FakeCupy()
 
@@ -325,4 +400,8 @@ def install(monkeypatch) -> FakeCupy:
     cupy = make_fake_cupy()
     monkeypatch.setattr(cuda, "require_cuda", lambda: cupy)
     monkeypatch.setattr(driver, "allocation_range", cupy.cuda.runtime.address_range)
+    # The plane's driver calls (used only where a test turns the plane's CUDA copies on: plane=True).
+    cupy.driver = FakeDriver(cupy.cuda.runtime)
+    monkeypatch.setattr(driver, "plane_entry_points", cupy.driver.entry_points)
+    monkeypatch.setattr(driver, "current_context", lambda: FakeDriver.CONTEXT)
     return cupy

@@ -676,6 +676,9 @@ class CacheOps:
             return
         copier, gate = self.kv.copier, client.gate
         plane = copier.plane
+        if gate.cuda:  # a CUDA pool's cache copies are the loop's (the copy kernel, from pinned slabs)
+            client.off_plane = True
+            return
         if part is None:
             part = self._part(client)
         rows = plane.host_rows(self._cache_table(client), client.spec.page_size, copier.arena_span)

@@ -246,7 +246,7 @@ class Copier:
         copy that answers its slot (a Get's), which the plane runs after all of the gate's earlier
         jobs, the plane's own copies of the client may still be running."""
         gate = client.gate
-        return (self.plane is not None and gate is not None and not client.inflight
+        return (self.plane is not None and gate is not None and not gate.cuda and not client.inflight
                 and (answers or not gate.inflight) and not gate.x_inflight and gate.py_inflight == 1)
 
     def takes_rows(self, table: Any, page_size: int) -> bool:
@@ -314,7 +314,8 @@ class Copier:
         workers would split it (``_splits``). The medium calls it with (job, to_device, signal);
         it answers None where the plane does not take the job (host rows other than cache pages,
         a closed gate)."""
-        if self.plane is None or job.turn is None or not job.ready() or self._splits(job, to_device):
+        if (self.plane is None or job.turn is None or not job.ready() or self._splits(job, to_device)
+                or job.turn.cuda):  # a CUDA pool's copies of the loop's are the GPU's (the medium's)
             return None
         gate, span, recheck = job.turn, self.arena_span, self._executor.recheck
         return lambda j, load, signal: self.plane.copy(gate, j, load, signal, span, recheck)

@@ -47,7 +47,7 @@ class Reaper:
         """Why the client is to be reclaimed now, or None."""
         if client.closing:
             return None
-        failed = client.device.failed
+        failed = client.device.failed or client.device.plane_failed()
         if failed:
             return failed
         if client.sessions:

@@ -338,15 +338,17 @@ class DataPlane:
         """A gate for ``client`` if the plane can copy for it alone; None: the loop serves it."""
         buffers = client.device.plane_buffers()
         if buffers is None:
-            return None  # CUDA; blocks, strided heads or mixed strides; named objects
+            return None  # blocks, strided heads, mixed strides; named objects; CUDA (KVSERVER_PLANE_CUDA=0)
         bases, stride = buffers
         spec = client.spec
-        return _kvlane.Gate(
+        gate = _kvlane.Gate(
             owned=client.pages.is_allocated.view(np.uint8), host_base=int(client.host_table.bases[0][0]),
             page_bytes=spec.page_bytes, page_size=spec.page_size, token_bytes=spec.token_bytes,
             parts=spec.layout.num_parts, start_layer=spec.layers.start, num_layers=len(spec.layers),
             epoch=client.epoch, dev_tokens=client.device.num_tokens, dev_bases=bases, dev_stride=stride,
             max_indices=max_indices)
+        client.device.plane_setup(gate)  # a CUDA pool's stream, events and driver
+        return gate
 
     def space_gate(self) -> Any | None:
         """A gate for a scheduler's lane of one KV space where the plane serves cache calls

@@ -87,6 +87,15 @@ class DevicePool(ABC):
         tokens, shared by all; None where it may not (its copies then run on the event loop's side)."""
         return None
 
+    def plane_setup(self, gate) -> None:  # noqa: B027 - shared memory needs nothing; CUDA overrides it
+        """Gives the plane's new gate for this pool what only the medium knows (a CUDA pool's
+        stream, events and driver); nothing for shared memory."""
+
+    def plane_failed(self) -> str | None:
+        """Why the plane gave up this pool's copies (a CUDA pool's stalled GPU work), latched as
+        the pool's failure; None."""
+        return None
+
     @abstractmethod
     def check_sizes(self) -> None:
         """Raises if the pool's memory shrank under the daemon since it was opened."""

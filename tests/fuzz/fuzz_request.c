@@ -23,8 +23,13 @@
 static uint8_t owned[PAGES];
 static uint32_t page_mark[PAGES], dev_mark[DEV], generation;
 
-static void check_one(const uint8_t *data, size_t size) {
-    kv_limits lim = {EPOCH, PAGES, PAGE, DEV, 1 << 20, START, LAYERS, owned, page_mark, dev_mark, &generation};
+#define CUDA_SLOTS 3 /* a CUDA pool's limits: event slots 0..2, a 64-byte ready event */
+
+/* One request against a shared-memory pool's limits (cuda 0: no event slot but 0, no ready event)
+ * or a CUDA pool's. */
+static void check_with(const uint8_t *data, size_t size, int cuda) {
+    kv_limits lim = {EPOCH, PAGES, PAGE, DEV, 1 << 20, START, LAYERS, owned, page_mark, dev_mark, &generation,
+                     cuda ? CUDA_SLOTS - 1 : 0, cuda ? 64 : 0};
     kv_request r;
     if (!kv_parse(data, size, &r))
         return;
@@ -35,7 +40,11 @@ static void check_one(const uint8_t *data, size_t size) {
     uint32_t nl = 0;
     if (kv_accept(&r, &lim, pages, local, &nl)) {
         uint64_t ntok = (uint64_t)r.n_pages * PAGE;
-        if (r.n_pages == 0 || r.ready_len || r.event_slot || r.n_dev != ((r.flags & KV_DEV_RUNS) ? r.n_pages : ntok))
+        if (r.n_pages == 0 || r.n_dev != ((r.flags & KV_DEV_RUNS) ? r.n_pages : ntok))
+            abort();
+        if (cuda ? ((r.ready_len && r.ready_len != 64) || r.event_slot >= CUDA_SLOTS) : (r.ready_len || r.event_slot))
+            abort();
+        if (r.ready + r.ready_len != data + size) /* the ready event is the request's last bytes */
             abort();
         for (uint32_t k = 0; k < r.n_pages; k++) {
             if (pages[k] < 0 || pages[k] >= PAGES)
@@ -63,6 +72,11 @@ static void check_one(const uint8_t *data, size_t size) {
     free(pages);
 }
 
+static void check_one(const uint8_t *data, size_t size) {
+    check_with(data, size, 0);
+    check_with(data, size, 1);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     for (int p = 0; p < PAGES; p++)
         owned[p] = p % 3 != 0;
@@ -76,11 +90,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 static size_t seed(uint8_t *buf, size_t cap) {
     uint32_t pages = 1 + next_random() % 4, layers = next_random() % 3, runs = next_random() % 2;
     uint32_t kind = 1 + next_random() % 2, ndev = runs ? pages : pages * PAGE;
-    size_t len = KV_REQ_HEADER + 8 * (size_t)pages + 8 * (size_t)ndev + 4 * layers;
+    /* A CUDA pool's requests: an event slot, and a ready event (its 64 bytes last). */
+    uint32_t slot = next_random() % 4 == 0 ? next_random() % 4 : 0, ready = next_random() % 3 == 0 ? 64 : 0;
+    size_t len = KV_REQ_HEADER + 8 * (size_t)pages + 8 * (size_t)ndev + 4 * layers + ready;
     if (len > cap)
         return 0;
     uint32_t h[10] = {KV_REQ_MAGIC, KV_REQ_VERSION | (kind << 16), runs ? KV_DEV_RUNS : 0, pages, ndev, layers,
-                      0, 0, 0, 0};
+                      0, slot, ready, 0};
     memcpy(buf, h, sizeof h);
     uint8_t *p = buf + KV_REQ_HEADER;
     for (uint32_t k = 0; k < pages; k++) {
@@ -98,6 +114,8 @@ static size_t seed(uint8_t *buf, size_t cap) {
         memcpy(p, &v, 4);
         p += 4;
     }
+    for (uint32_t i = 0; i < ready; i++)
+        *p++ = (uint8_t)next_random();
     return len;
 }
 

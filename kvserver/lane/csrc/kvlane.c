@@ -38,6 +38,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -46,6 +47,7 @@
 
 #include "../../copies/csrc/stream.h"
 #include "cache.h"
+#include "cuda.h"
 #include "get.h"
 #include "request.h"
 #include "../../protocol/csrc/sources.h"
@@ -149,6 +151,20 @@ typedef struct {
     int64_t *stash, nstash, capstash;
     int64_t stash_full; /* the pages the loop keeps it at (stash()) */
     int stash_short;    /* a Put a full stash would have held found it short (the loop fills it then) */
+    /* A CUDA pool's gate (set_cuda): its Writes and Loads are put on the pool's stream through the
+     * driver's entry points and completed by polling their events ("CUDA jobs" below). */
+    int cuda;
+    kv_cuda_driver cu;
+    void *cu_ctx, *cu_stream;
+    void **cu_events;       /* the layer events: [slot * num_layers + local layer] */
+    int64_t cu_host_shift;  /* added to a host address of the region: the GPU's address of it */
+    int64_t cu_wait_ns;     /* no progress this long: the pool's GPU work is given up on */
+    int64_t cu_max_copies, cu_min_copy_bytes, cu_small_copies; /* which jobs it takes (cuda_takes) */
+    unsigned char (*cu_ready)[64]; /* engines' ready events the loop opened (add_ready), under mu */
+    void **cu_ready_ev;
+    int cu_nready;
+    char cu_failed[256];    /* why its GPU work is given up on (the plane's, set once, under mu) */
+    uint64_t cu_jobs;       /* CUDA jobs the plane took */
 } Gate;
 
 static void gate_dealloc(Gate *g) {
@@ -167,6 +183,9 @@ static void gate_dealloc(Gate *g) {
     free(g->client_id);
     free(g->space_gids);
     free(g->stash);
+    free(g->cu_events);
+    free(g->cu_ready);
+    free(g->cu_ready_ev);
     Py_TYPE(g)->tp_free((PyObject *)g);
 }
 
@@ -386,8 +405,8 @@ static PyObject *gate_set_cache(Gate *g, PyObject *args) {
     Py_buffer id;
     if (!PyArg_ParseTuple(args, "iLy*LLL", &gid, &token, &id, &lp_stride, &max_keys, &split_bytes))
         return NULL;
-    int ok = !g->space && gid >= 0 && lp_stride >= g->lim.page_size * g->token_bytes && max_keys > 0 &&
-             split_bytes >= 0;
+    int ok = !g->space && !__atomic_load_n(&g->cuda, __ATOMIC_ACQUIRE) && gid >= 0 &&
+             lp_stride >= g->lim.page_size * g->token_bytes && max_keys > 0 && split_bytes >= 0;
     if (ok && __atomic_load_n(&g->cache_gid, __ATOMIC_ACQUIRE) < 0) {
         g->client_id = malloc((size_t)id.len + 1);
         if (!g->client_id) {
@@ -534,7 +553,148 @@ static PyObject *gate_get_cache_gid(Gate *g, void *unused) {
     return PyLong_FromLong(__atomic_load_n(&g->cache_gid, __ATOMIC_ACQUIRE));
 }
 
+/* ---- a CUDA pool's gate ----------------------------------------------------------------------- */
+
+#define CU_MAX_READY 16 /* engines' ready events a gate knows: more go to the loop, which opens them */
+
+/* set_cuda(driver, ctx, stream, events, slots, host_shift, wait_seconds, max_copies, min_copy_bytes,
+ * small_copies): this gate's pool is a CUDA pool's, once, before its lane is added: its copies are
+ * the GPU's, put on `stream` (a CUstream of context `ctx`) through `driver` (the addresses of the
+ * KV_CU_ENTRY_POINTS entry points, in kv_cuda_driver's order), a load recording its layers' events
+ * (`events`, slots * num_layers CUevents, slot-major), a write one of its own. `host_shift` turns a
+ * host address of the region into the GPU's; no progress for `wait_seconds` gives the pool's GPU
+ * work up (cuda_failed). A job of more than `max_copies` cuMemcpyAsync, or of more than
+ * `small_copies` with one of fewer than `min_copy_bytes` bytes (the copy kernel's: the loop's), is
+ * handed to the loop. Loads may then name event slots below `slots`, and requests carry a ready
+ * event (64 bytes) the plane waits on if the loop gave it that event (add_ready). */
+static PyObject *gate_set_cuda(Gate *g, PyObject *args) {
+    PyObject *driver, *events;
+    unsigned long long ctx, stream;
+    int slots;
+    long long shift, max_copies, min_copy_bytes, small_copies;
+    double wait;
+    if (!PyArg_ParseTuple(args, "OKKOiLdLLL", &driver, &ctx, &stream, &events, &slots, &shift, &wait,
+                          &max_copies, &min_copy_bytes, &small_copies))
+        return NULL;
+    if (g->space || !g->owned_obj || g->cuda || g->cache_gid >= 0 || g->capstash) {
+        PyErr_SetString(PyExc_RuntimeError, "set_cuda is for a new pool's gate, once, before any cache use");
+        return NULL;
+    }
+    if (slots <= 0 || !(wait > 0) || max_copies <= 0 || min_copy_bytes < 0 || small_copies < 0) {
+        PyErr_SetString(PyExc_ValueError, "set_cuda's slots, wait and copy limits must be positive");
+        return NULL;
+    }
+    if (PySequence_Size(driver) != KV_CU_ENTRY_POINTS) {
+        PyErr_SetString(PyExc_ValueError, "the driver table has one address per entry point");
+        return NULL;
+    }
+    Py_ssize_t ne = PySequence_Size(events);
+    if (ne != (Py_ssize_t)slots * g->lim.num_layers) {
+        PyErr_SetString(PyExc_ValueError, "events must hold slots * num_layers events");
+        return NULL;
+    }
+    void *fn[KV_CU_ENTRY_POINTS];
+    for (int k = 0; k < KV_CU_ENTRY_POINTS; k++) {
+        PyObject *item = PySequence_GetItem(driver, k);
+        if (!item)
+            return NULL;
+        fn[k] = (void *)(uintptr_t)PyLong_AsUnsignedLongLong(item);
+        Py_DECREF(item);
+        if (PyErr_Occurred())
+            return NULL;
+        if (!fn[k]) {
+            PyErr_SetString(PyExc_ValueError, "a driver entry point is NULL");
+            return NULL;
+        }
+    }
+    void **ev = calloc((size_t)ne, sizeof(void *));
+    unsigned char(*ready)[64] = calloc(CU_MAX_READY, 64);
+    void **ready_ev = calloc(CU_MAX_READY, sizeof(void *));
+    if (!ev || !ready || !ready_ev) {
+        free(ev);
+        free(ready);
+        free(ready_ev);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t k = 0; k < ne; k++) {
+        PyObject *item = PySequence_GetItem(events, k);
+        ev[k] = item ? (void *)(uintptr_t)PyLong_AsUnsignedLongLong(item) : NULL;
+        Py_XDECREF(item);
+        if (PyErr_Occurred()) {
+            free(ev);
+            free(ready);
+            free(ready_ev);
+            return NULL;
+        }
+    }
+    memcpy(&g->cu, fn, sizeof fn); /* kv_cuda_driver is KV_CU_ENTRY_POINTS pointers, in this order */
+    g->cu_ctx = (void *)(uintptr_t)ctx;
+    g->cu_stream = (void *)(uintptr_t)stream;
+    g->cu_events = ev;
+    g->cu_ready = ready;
+    g->cu_ready_ev = ready_ev;
+    g->cu_host_shift = shift;
+    g->cu_wait_ns = (int64_t)(wait * 1e9);
+    g->cu_max_copies = max_copies;
+    g->cu_min_copy_bytes = min_copy_bytes;
+    g->cu_small_copies = small_copies;
+    pthread_mutex_lock(&g->check_mu);
+    g->lim.max_event_slot = (uint32_t)slots - 1;
+    g->lim.ready_len = 64;
+    pthread_mutex_unlock(&g->check_mu);
+    __atomic_store_n(&g->cuda, 1, __ATOMIC_RELEASE);
+    Py_RETURN_NONE;
+}
+
+/* add_ready(handle, event) -> bool: the plane may wait on `event` (a CUevent the loop opened from
+ * the engine's IPC `handle`, 64 bytes) for requests naming that handle; False if the gate knows
+ * CU_MAX_READY already (those requests stay the loop's). The event must live until the gate is
+ * closed and idle: the loop keeps every event it gave here open until the pool's release. */
+static PyObject *gate_add_ready(Gate *g, PyObject *args) {
+    Py_buffer handle;
+    unsigned long long event;
+    if (!PyArg_ParseTuple(args, "y*K", &handle, &event))
+        return NULL;
+    int added = 0, ok = g->cuda && handle.len == 64 && event;
+    if (ok) {
+        pthread_mutex_lock(&g->mu);
+        int known = 0;
+        for (int k = 0; k < g->cu_nready && !known; k++)
+            known = memcmp(g->cu_ready[k], handle.buf, 64) == 0;
+        if (!known && g->cu_nready < CU_MAX_READY) {
+            memcpy(g->cu_ready[g->cu_nready], handle.buf, 64);
+            g->cu_ready_ev[g->cu_nready++] = (void *)(uintptr_t)event;
+            added = 1;
+        }
+        pthread_mutex_unlock(&g->mu);
+    }
+    PyBuffer_Release(&handle);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "add_ready is for a CUDA gate: a 64-byte handle and its event");
+        return NULL;
+    }
+    return PyBool_FromLong(added);
+}
+
+static PyObject *gate_get_cuda(Gate *g, void *unused) { return PyBool_FromLong(__atomic_load_n(&g->cuda, __ATOMIC_ACQUIRE)); }
+
+static PyObject *gate_get_cuda_failed(Gate *g, void *unused) {
+    pthread_mutex_lock(&g->mu);
+    char why[sizeof g->cu_failed];
+    memcpy(why, g->cu_failed, sizeof why);
+    pthread_mutex_unlock(&g->mu);
+    if (!why[0])
+        Py_RETURN_NONE;
+    return PyUnicode_DecodeUTF8(why, (Py_ssize_t)strnlen(why, sizeof why), "replace");
+}
+
+static PyObject *gate_get_cuda_jobs(Gate *g, void *unused) {
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&g->cu_jobs, __ATOMIC_RELAXED));
+}
+
 static PyMethodDef gate_methods[] = {
+    {"set_cuda", (PyCFunction)gate_set_cuda, METH_VARARGS, NULL},
+    {"add_ready", (PyCFunction)gate_add_ready, METH_VARARGS, NULL},
     {"set_cache", (PyCFunction)gate_set_cache, METH_VARARGS, NULL},
     {"set_space", (PyCFunction)gate_set_space, METH_VARARGS, NULL},
     {"check_call", (PyCFunction)gate_check_call, METH_VARARGS, NULL},
@@ -555,6 +715,9 @@ static PyGetSetDef gate_getset[] = {
     {"space", (getter)gate_get_space, NULL, NULL, NULL},
     {"stashed", (getter)gate_get_stashed, NULL, NULL, NULL},
     {"stash_short", (getter)gate_get_stash_short, NULL, NULL, NULL},
+    {"cuda", (getter)gate_get_cuda, NULL, NULL, NULL},
+    {"cuda_failed", (getter)gate_get_cuda_failed, NULL, NULL, NULL},
+    {"cuda_jobs", (getter)gate_get_cuda_jobs, NULL, NULL, NULL},
     {NULL},
 };
 
@@ -641,6 +804,16 @@ typedef struct Job {
     int64_t nids;
     uint64_t *words;
     uint8_t key_len;
+    /* A CUDA job (its gate's set_cuda): put on the pool's stream whole as it is taken (cuda_issue),
+     * then its events polled (cuda_poll): a load's layer events of slot cu_slot, a write's cu_done. */
+    int cuda;
+    int cu_quiet;   /* its slot answered already (given up on), or its lane gone: nothing more is written there */
+    int cu_stalled; /* its GPU work given up on: it keeps its pages until its gate closes */
+    int cu_error;   /* the CUresult that failed while it was put on the stream; cu_done is then a marker */
+    uint32_t cu_slot;
+    void *cu_ready, *cu_done;
+    int64_t cu_progress_ns; /* its last progress: nothing for the gate's cu_wait_ns gives it up */
+    uint32_t recorded;      /* slot word 48: a load's layer events are recorded */
 } Job;
 
 /* The latency histograms the plane keeps: Write, Load, Load's first layer, Get, Get's first layer,
@@ -724,6 +897,8 @@ typedef struct {
     uint64_t plane_space_lookups; /* of those, a scheduler's of a whole space (its space's lane) */
     uint64_t plane_puts;    /* Puts of keys all stored already, likewise */
     uint64_t plane_stores;  /* Puts that stored pages here (try_put), counted as they are answered */
+    uint64_t plane_cuda;    /* CUDA pools' Writes and Loads put on their streams here */
+    int64_t cu_progress_ns; /* when a CUDA job was last put on a stream or moved on (its polls' pace) */
     /* latency histograms, as kvserver_operation_duration_seconds and
      * kvserver_time_to_first_layer_seconds count them (H_WRITE...) */
     pthread_mutex_t stat_mu;
@@ -950,6 +1125,37 @@ static int take_turn(Gate *g, int64_t arrival) {
     return ok;
 }
 
+/* Whether the plane takes job j of a CUDA gate (set_cuda), and if so makes it a CUDA job: its
+ * copies few enough to issue one by one (else the loop's copy kernel does them in one launch a
+ * layer), its ready event one the loop opened, and the pool's GPU work not given up on. */
+static int cuda_takes(Gate *g, Job *j, const kv_request *r) {
+    int64_t copies = j->nruns * (int64_t)j->nl * g->parts;
+    if (copies > g->cu_max_copies)
+        return 0;
+    if (copies > g->cu_small_copies)
+        for (int64_t k = 0; k < j->nruns; k++)
+            if (j->runs[k].ntok * g->token_bytes < g->cu_min_copy_bytes)
+                return 0;
+    void *ready = NULL;
+    pthread_mutex_lock(&g->mu);
+    int ok = !g->cu_failed[0];
+    if (ok && r->ready_len) {
+        for (int k = 0; k < g->cu_nready && !ready; k++)
+            if (memcmp(g->cu_ready[k], r->ready, 64) == 0)
+                ready = g->cu_ready_ev[k];
+        ok = ready != NULL;
+    }
+    pthread_mutex_unlock(&g->mu);
+    if (!ok)
+        return 0;
+    j->cuda = 1;
+    j->cu_slot = r->event_slot;
+    j->cu_ready = ready;
+    return 1;
+}
+
+static void cuda_issue(Engine *e, Job *j);
+
 /* Tries to serve slot i as a job of this plane: 1 if it became one. */
 static int try_job(Engine *e, Lane *l, int i, uint32_t rpc, uint32_t n) {
     Gate *g = l->gate;
@@ -976,6 +1182,13 @@ static int try_job(Engine *e, Lane *l, int i, uint32_t rpc, uint32_t n) {
     }
     if (ok)
         j = make_job(l, i, &r, pages, local, nl, arrival); /* owns pages and local, freed or not */
+    if (j && g->cuda && !cuda_takes(g, j, &r)) {
+        job_free(j);
+        j = NULL;
+        ok = 0;
+        pages = NULL; /* freed with the job */
+        local = NULL;
+    }
     free(buf);
     if (!j) {
         if (!ok) {
@@ -1003,6 +1216,8 @@ static int try_job(Engine *e, Lane *l, int i, uint32_t rpc, uint32_t n) {
     if (!j->load)
         mark_writes(j, 1);
     enqueue(e, j);
+    if (j->cuda)
+        cuda_issue(e, j);
     return 1;
 }
 
@@ -1536,7 +1751,7 @@ static void publish_progress(Engine *e, Job *j, uint32_t flags) {
     put32(s + 32, j->li);
     put32(s + 36, j->li ? last : 0);
     put64(s + 40, (uint64_t)j->li * (uint64_t)j->bytes_per_layer);
-    put32(s + 48, 0);
+    put32(s + 48, j->recorded);
     put32(s + 52, j->found);
     put32(s + 60, flags);
     /* The layer's bytes and the words above before the step a reader watches (x86 keeps store
@@ -1641,8 +1856,11 @@ static void finish_put(Engine *e, Job *j, uint32_t code, const char *message, in
     unlink_job(e, j);
 }
 
+static void cuda_forget(Job *j);
+
 /* Ends a job: its pages are no longer busy, its slot answered (unless its lane is gone: silent). */
 static void finish(Engine *e, Job *j, uint32_t code, const char *message, int answer) {
+    cuda_forget(j);
     if (j->store) {
         finish_put(e, j, code, message, answer);
         return;
@@ -1742,6 +1960,199 @@ static void stop_job(Engine *e, Job *j, const char *reason, uint32_t code, int a
     finish(e, j, code, msg, answer);
 }
 
+/* ---- CUDA jobs ------------------------------------------------------------------------------
+ * A CUDA pool's Write or Load (its gate's set_cuda) is put on the pool's stream whole as it is
+ * taken, in arrival order (the stream keeps the registration's order on the GPU): the wait on the
+ * engine's ready event, each (layer, part)'s runs by cuMemcpyAsync, a load's layer event after
+ * each layer, a write's own event at its end. None of these calls waits for the GPU. Its events are
+ * then polled between the plane's other work (cuda_poll): a load's layers are published as they
+ * land, as a copied one's are, and it ends once its last event has. Its pages stay busy until then.
+ * No progress for the gate's cu_wait_ns (--cuda-wait-seconds: an engine's ready event that never
+ * fires) gives the pool's GPU work up: the slot is answered DEADLINE_EXCEEDED, the gate says why
+ * (cuda_failed: the loop fails the pool, whose release waits for its stream or quarantines it),
+ * and the job keeps its pages until the gate closes. A driver error while it is put on the stream
+ * records a marker behind what went there; once the marker has, it ends INTERNAL. */
+
+#define CU_SPIN_NS 100000LL /* a CUDA job's events are looked at back to back this long after progress */
+#define CU_NAP_MAX_NS 1000000LL
+
+static void cuda_give_up(Engine *e, Job *j, const char *why, int rc) {
+    Gate *g = j->gate;
+    char reason[sizeof g->cu_failed];
+    if (rc)
+        snprintf(reason, sizeof reason, "%s (CUresult %d)", why, rc);
+    else
+        snprintf(reason, sizeof reason, "%s", why);
+    pthread_mutex_lock(&g->mu);
+    if (!g->cu_failed[0])
+        memcpy(g->cu_failed, reason, sizeof reason);
+    pthread_mutex_unlock(&g->mu);
+    j->cu_stalled = 1;
+    if (!j->cu_quiet) {
+        char msg[sizeof reason + 128];
+        snprintf(msg, sizeof msg, "this client's GPU work is given up on: %s. The client is failed and "
+                 "reclaimed; register again", reason);
+        answer_slot(e, j, CODE_DEADLINE, msg);
+        j->cu_quiet = 1;
+    }
+    wake(e->notify_fd); /* the loop looks at its gates' failures (and its reaper fails the client) */
+}
+
+/* Puts job j on its gate's stream (see above). */
+static void cuda_issue(Engine *e, Job *j) {
+    Gate *g = j->gate;
+    kv_cuda_driver *cu = &g->cu;
+    void *st = g->cu_stream;
+    int64_t tb = g->token_bytes, stride = g->dev_stride, nlayers = g->lim.num_layers;
+    int rc = cu->ctx_set_current(g->cu_ctx);
+    if (!rc && !j->load)
+        rc = cu->event_create(&j->cu_done, KV_CU_DONE_EVENT_FLAGS);
+    int enqueued = 0; /* whether anything of it may be on the stream */
+    if (!rc && j->cu_ready) {
+        enqueued = 1;
+        rc = cu->stream_wait_event(st, j->cu_ready, 0);
+    }
+    for (uint32_t li = 0; !rc && li < j->nl; li++) {
+        for (int part = 0; !rc && part < g->parts; part++) {
+            int64_t lp = (int64_t)j->local[li] * g->parts + part;
+            uint64_t host = (uint64_t)(uintptr_t)(j->host + lp * j->lp_stride) + (uint64_t)g->cu_host_shift;
+            uint64_t dev = (uint64_t)(uintptr_t)g->dev_bases[lp];
+            for (int64_t k = 0; !rc && k < j->nruns; k++) {
+                const Run *r = &j->runs[k];
+                uint64_t h = host + (uint64_t)r->host_off, d = dev + (uint64_t)(r->dev_tok * stride);
+                enqueued = 1;
+                rc = j->load ? cu->memcpy_async(d, h, (size_t)(r->ntok * tb), st)
+                             : cu->memcpy_async(h, d, (size_t)(r->ntok * tb), st);
+            }
+        }
+        if (!rc && j->load)
+            rc = cu->event_record(g->cu_events[(int64_t)j->cu_slot * nlayers + j->local[li]], st);
+    }
+    if (!rc && !j->load)
+        rc = cu->event_record(j->cu_done, st);
+    int64_t t = now_ns();
+    j->cu_progress_ns = e->cu_progress_ns = t;
+    __atomic_add_fetch(&g->cu_jobs, 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&e->plane_cuda, 1, __ATOMIC_RELAXED);
+    if (!rc) {
+        if (j->load) { /* the engine may now make its compute stream wait on the layer events */
+            j->recorded = 1;
+            publish_progress(e, j, 0);
+            ring_done(j->lane, j->slot);
+        }
+        return;
+    }
+    j->cu_error = rc;
+    if (!enqueued) { /* nothing reached the stream: it ends here */
+        if (j->cu_done)
+            cu->event_destroy(j->cu_done);
+        j->cu_done = NULL;
+        return; /* cuda_poll ends it */
+    }
+    /* A marker behind what went on the stream: the pages are let go only once it has passed. */
+    if (!j->cu_done && cu->event_create(&j->cu_done, KV_CU_DONE_EVENT_FLAGS) != KV_CU_SUCCESS)
+        j->cu_done = NULL;
+    if (j->cu_done && cu->event_record(j->cu_done, st) != KV_CU_SUCCESS) {
+        cu->event_destroy(j->cu_done);
+        j->cu_done = NULL;
+    }
+    if (!j->cu_done)
+        cuda_give_up(e, j, "a copy could not be put on the GPU's stream, nor a marker behind it", rc);
+}
+
+/* An issued CUDA job's events, looked at (see above); it may end here. */
+static void cuda_poll(Engine *e, Job *j, int64_t t) {
+    Gate *g = j->gate;
+    kv_cuda_driver *cu = &g->cu;
+    if (j->cu_stalled)
+        return;
+    if (j->cu_error && !j->cu_done) { /* nothing of it reached the stream */
+        char msg[128];
+        snprintf(msg, sizeof msg, "putting the copy on the GPU's stream failed: CUresult %d", j->cu_error);
+        finish(e, j, 13 /* INTERNAL */, msg, !j->cu_quiet);
+        return;
+    }
+    int rc = cu->ctx_set_current(g->cu_ctx);
+    uint32_t before = j->li;
+    if (!rc && j->cu_done) { /* a write's end, or the marker behind a failed issue */
+        rc = cu->event_query(j->cu_done);
+        if (rc == KV_CU_SUCCESS) {
+            cu->event_destroy(j->cu_done);
+            j->cu_done = NULL;
+            if (j->cu_error) {
+                char msg[128];
+                snprintf(msg, sizeof msg, "putting the copy on the GPU's stream failed: CUresult %d", j->cu_error);
+                finish(e, j, 13 /* INTERNAL */, msg, !j->cu_quiet);
+                return;
+            }
+            j->li = j->nl;
+        }
+    } else if (!rc) {
+        int64_t nlayers = g->lim.num_layers;
+        while (j->li < j->nl &&
+               (rc = cu->event_query(g->cu_events[(int64_t)j->cu_slot * nlayers + j->local[j->li]])) == KV_CU_SUCCESS)
+            j->li++;
+    }
+    if (rc != KV_CU_SUCCESS && rc != KV_CU_NOT_READY) {
+        cuda_give_up(e, j, "looking at its copies' events failed", rc);
+        return;
+    }
+    if (j->li == before) {
+        if (t - j->cu_progress_ns >= g->cu_wait_ns) {
+            char why[160];
+            snprintf(why, sizeof why, "its GPU copies made no progress for %.3g s (--cuda-wait-seconds): an "
+                     "event they wait on, such as the engine's ready event, has not fired", (double)g->cu_wait_ns / 1e9);
+            cuda_give_up(e, j, why, 0);
+        }
+        return;
+    }
+    j->cu_progress_ns = e->cu_progress_ns = t;
+    if (j->load && before == 0)
+        observe(e, H_FIRST, t - j->arrival_ns);
+    if (j->li == j->nl) {
+        finish(e, j, 0, NULL, !j->cu_quiet);
+        return;
+    }
+    if (!j->cu_quiet) {
+        publish_progress(e, j, 0);
+        if (t - j->last_pub_ns >= e->progress_interval_ns) {
+            j->last_pub_ns = t;
+            ring_done(j->lane, j->slot);
+        }
+    }
+}
+
+/* A CUDA job leaves the jobs: its own event, if it still has one, goes (destroying an event
+ * whose record is pending is safe: the driver frees it once it completes). */
+static void cuda_forget(Job *j) {
+    if (j->cuda && j->cu_done) {
+        Gate *g = j->gate;
+        g->cu.ctx_set_current(g->cu_ctx);
+        g->cu.event_destroy(j->cu_done);
+        j->cu_done = NULL;
+    }
+}
+
+/* How long the thread may nap before it looks at the CUDA jobs' events again: 0 while any job
+ * has CPU work (or no CUDA job waits), or soon after the last progress; then a growing part of the
+ * time since, up to CU_NAP_MAX_NS, as the loop's waits on the GPU do (media/cuda/waits.py). */
+static int64_t cuda_nap_ns(Engine *e) {
+    int any = 0;
+    for (Job *j = e->jobs; j; j = j->next) {
+        if (!j->cuda)
+            return 0;
+        if (!j->cu_stalled)
+            any = 1;
+    }
+    if (!any)
+        return CU_NAP_MAX_NS; /* only given-up jobs, held until their gates close */
+    int64_t since = now_ns() - e->cu_progress_ns;
+    if (since < CU_SPIN_NS)
+        return 0;
+    int64_t nap = since / 4;
+    return nap < 20000 ? 20000 : nap > CU_NAP_MAX_NS ? CU_NAP_MAX_NS : nap;
+}
+
 /* mark_runnable's passes, counted across engines: a gate's marks are never read for another pass's.
  * (A gate belongs to one engine, whose thread alone reads and writes them; two engines' threads on
  * one gate would race, as on its write marks.) */
@@ -1760,7 +2171,8 @@ static void mark_runnable(Engine *e) {
             g->order_pass = pass;
             g->order_any = g->order_loads = 0;
         }
-        j->can_run = !(j->dependent ? g->order_any : g->order_loads);
+        /* A CUDA job is on its stream from the start (cuda_issue): the stream keeps its order. */
+        j->can_run = !j->cuda && !(j->dependent ? g->order_any : g->order_loads);
         g->order_any = 1;
         if (j->load)
             g->order_loads = 1;
@@ -1833,6 +2245,16 @@ static int work(Engine *e) {
     int64_t t = 0;
     for (Job *j = e->jobs, *next; j; j = next) {
         next = j->next;
+        if (j->cuda) { /* on the GPU already: its events looked at, or let go with its gate */
+            if (j->released) {
+                stop_job(e, j, "its client was unregistered or reclaimed", CODE_NOT_FOUND, !j->cu_quiet);
+            } else {
+                if (!t)
+                    t = now_ns();
+                cuda_poll(e, j, t);
+            }
+            continue;
+        }
         if (j->part || j->ri)
             continue; /* a layer is never left half copied */
         if (j->answers) { /* its gate's close may have come before the job joined: read it here */
@@ -1933,7 +2355,9 @@ static int work(Engine *e) {
 static void remove_lane(Engine *e, Lane *l) {
     for (Job *j = e->jobs, *next; j; j = next) {
         next = j->next;
-        if (j->lane == l)
+        if (j->lane == l && j->cuda && !j->released)
+            j->cu_quiet = 1; /* on the GPU: it keeps its pages until its events pass; its ring is not written */
+        else if (j->lane == l)
             finish(e, j, 1, NULL, 0); /* its ring goes now: nothing is written to it */
     }
     unwatch(e, l);
@@ -2056,6 +2480,14 @@ static void *engine_main(void *arg) {
         int sleeps = !spinning && timeout < 0;
         if (sleeps)
             set_plane(e, PLANE_ASLEEP);
+        /* Only CUDA jobs, waiting on the GPU: a nap (finer than epoll's milliseconds), woken early
+         * by a doorbell or a command, before their events are looked at again. */
+        int64_t nap = timeout == 0 ? cuda_nap_ns(e) : 0;
+        if (nap > 0) {
+            struct pollfd p = {.fd = e->epfd, .events = POLLIN};
+            struct timespec ts = {.tv_sec = nap / 1000000000LL, .tv_nsec = nap % 1000000000LL};
+            (void)ppoll(&p, 1, &ts, NULL);
+        }
         int n = epoll_wait(e->epfd, evs, 64, spinning ? 0 : timeout);
         if (sleeps)
             set_plane(e, PLANE_RUNNING);
@@ -2496,8 +2928,8 @@ static PyObject *engine_submit_copy(Engine *e, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_RuntimeError, "the data plane has stopped");
         return NULL;
     }
-    if (g->space) {
-        PyErr_SetString(PyExc_ValueError, "a space's gate copies nothing");
+    if (g->space || __atomic_load_n(&g->cuda, __ATOMIC_ACQUIRE)) {
+        PyErr_SetString(PyExc_ValueError, "a space's gate copies nothing, nor does a CUDA pool's for the loop");
         return NULL;
     }
     /* An answering copy: a load that answers slot `slot` of lane `lane` (handed over to the loop,
@@ -2904,6 +3336,9 @@ static PyObject *engine_get_plane_puts(Engine *e, void *unused) {
 static PyObject *engine_get_plane_stores(Engine *e, void *unused) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->plane_stores, __ATOMIC_RELAXED));
 }
+static PyObject *engine_get_plane_cuda(Engine *e, void *unused) {
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->plane_cuda, __ATOMIC_RELAXED));
+}
 static PyObject *engine_get_handed(Engine *e, void *unused) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->handed, __ATOMIC_RELAXED));
 }
@@ -2938,6 +3373,7 @@ static PyGetSetDef engine_getset[] = {
     {"plane_puts", (getter)engine_get_plane_puts, NULL, NULL, NULL},
     {"plane_stores", (getter)engine_get_plane_stores, NULL, NULL, NULL},
     {"write_turns", (getter)engine_get_write_turns, NULL, NULL, NULL},
+    {"plane_cuda", (getter)engine_get_plane_cuda, NULL, NULL, NULL},
     {NULL},
 };
 

@@ -35,6 +35,7 @@
 typedef struct {
     uint32_t kind, flags, n_pages, n_dev, n_layers, timeout_ms, event_slot, ready_len;
     const unsigned char *host, *dev, *layers; /* unaligned little-endian arrays inside the request */
+    const unsigned char *ready;               /* ready_len bytes: a CUDA IPC event handle */
 } kv_request;
 
 /* What the check needs of one registration. owned[p] != 0: page p is allocated to it. */
@@ -44,6 +45,9 @@ typedef struct {
     const uint8_t *owned;
     uint32_t *page_mark, *dev_mark; /* scratch, num_pages and dev_tokens entries */
     uint32_t *generation;           /* bumped per check: marks of older checks read as unset */
+    /* A CUDA pool's (0 for shared memory: no event slot but 0, no ready event): the highest event
+     * slot a load may name, and the length a ready event must have if one is sent. */
+    uint32_t max_event_slot, ready_len;
 } kv_limits;
 
 static inline uint32_t kv_u32(const unsigned char *p) {
@@ -95,6 +99,7 @@ static inline int kv_parse(const unsigned char *buf, uint64_t len, kv_request *r
     r->host = buf + KV_REQ_HEADER;
     r->dev = r->host + 8 * (uint64_t)r->n_pages;
     r->layers = r->dev + 8 * (uint64_t)r->n_dev;
+    r->ready = r->layers + 4 * (uint64_t)r->n_layers;
     return 1;
 }
 
@@ -111,7 +116,8 @@ static inline int64_t kv_dev_token(const kv_request *r, int64_t ps, int64_t t) {
 static inline int kv_accept(const kv_request *r, const kv_limits *lim, int64_t *pages, int32_t *local,
                             uint32_t *n_local) {
     const int64_t ps = lim->page_size;
-    if (r->ready_len || r->event_slot || r->n_pages == 0 || ps <= 0)
+    if ((r->ready_len && r->ready_len != lim->ready_len) || r->event_slot > lim->max_event_slot ||
+        r->n_pages == 0 || ps <= 0)
         return 0;
     const uint64_t ntok = (uint64_t)r->n_pages * (uint64_t)ps;
     if (r->n_dev != ((r->flags & KV_DEV_RUNS) ? (uint64_t)r->n_pages : ntok))

@@ -38,3 +38,27 @@ def allocation_range(ptr: int) -> tuple[int, int]:
         lib.cuGetErrorName(status, ctypes.byref(name))
         raise DriverError(f"cuMemGetAddressRange failed: {(name.value or b'CUresult %d' % status).decode()}")
     return base.value, size.value
+
+
+# The driver's entry points the compiled data plane calls for a CUDA pool's copies, in the order of
+# kv_cuda_driver (kvserver/lane/csrc/cuda.h): libcuda's exported names.
+PLANE_ENTRY_POINTS = ("cuCtxSetCurrent", "cuMemcpyAsync", "cuStreamWaitEvent", "cuEventRecord",
+                      "cuEventQuery", "cuEventCreate", "cuEventDestroy_v2")
+
+
+def plane_entry_points() -> tuple[int, ...]:
+    """The addresses of PLANE_ENTRY_POINTS in libcuda, for ``Gate.set_cuda``."""
+    lib = _libcuda()
+    return tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in PLANE_ENTRY_POINTS)
+
+
+def current_context() -> int:
+    """The calling thread's current CUcontext (cuCtxGetCurrent): inside ``with cupy.cuda.Device(...)``
+    once a runtime call has run there, the device's primary context, which the runtime's streams
+    and events belong to."""
+    lib = _libcuda()
+    ctx = ctypes.c_void_p()
+    status = lib.cuCtxGetCurrent(ctypes.byref(ctx))
+    if status != CUDA_SUCCESS or not ctx.value:
+        raise DriverError(f"cuCtxGetCurrent failed (CUresult {status}) or no context is current")
+    return ctx.value

@@ -9,6 +9,8 @@ GPU check measures.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 DMA_MIN_CHUNK_BYTES = 28 << 10
@@ -16,6 +18,16 @@ DMA_MIN_CHUNK_BYTES = 28 << 10
 # here): past this many per job the issue cost is taken to outweigh DMA's edge, and the kernel
 # (one launch per layer) is used instead. The GPU check's figures are what should set it.
 DMA_MAX_COPIES = 512
+
+
+# The compiled data plane puts a CUDA pool's lane Writes and Loads on the GPU's stream itself, one
+# cuMemcpyAsync a run (kvserver/lane/csrc/kvlane.c, "CUDA jobs"), for jobs of at most
+# DMA_MAX_COPIES copies whose runs are all DMA_MIN_CHUNK_BYTES or more, or of at most
+# PLANE_SMALL_COPIES copies of any size (a call whose cost is its overhead, not the GPU's copy); the
+# others, and every pool with blocks or strided heads, are the loop's (the copy kernel). Off unless
+# KVSERVER_PLANE_CUDA=1 until scripts/gpu_check.py has proven it on a GPU (docs/gpu-check.md).
+PLANE = os.environ.get("KVSERVER_PLANE_CUDA", "0") == "1"
+PLANE_SMALL_COPIES = 64
 
 
 def choose_method(chunk_bytes: int, num_copies: int = 1,

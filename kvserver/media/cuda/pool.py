@@ -136,6 +136,10 @@ class CudaDevicePool(DevicePool):
     slabs: SlabPinner | None = None  # the daemon's cache slabs, pinned once this pool attaches
     # Completes once the pool's resources are released: its GPU work, if any was left, has drained.
     released: Future = field(default_factory=Future)
+    # The compiled data plane's gate, where it puts this pool's lane copies on the stream itself
+    # (plane_setup), and the engines' ready events it was given: kept open until the release.
+    plane_gate: object = None
+    plane_ready: set[bytes] = field(default_factory=set)
 
     @property
     def dtype(self):
@@ -161,6 +165,37 @@ class CudaDevicePool(DevicePool):
     @property
     def records_events(self) -> bool:
         return True
+
+    def plane_buffers(self) -> tuple[list[int], int] | None:
+        """Plain token rows (no blocks, no strided heads), where the plane's CUDA copies are on
+        (``plan.PLANE``): every (layer, part) buffer's device address of token 0, and the stride."""
+        if not plan.PLANE or self.geometry is not None or self.stream is None:
+            return None
+        return [int(b) for b in self.token_bases.reshape(-1)], self.token_stride
+
+    def plane_setup(self, gate) -> None:
+        """Hands the plane's gate what it needs to put this pool's copies on its stream: the driver's
+        entry points, the device's context, the stream, the layer events, the host region's
+        device address and the deadline; then the ready events opened so far."""
+        with self.device():
+            ctx = driver.current_context()
+        gate.set_cuda(driver.plane_entry_points(), ctx, self.stream.ptr, list(self.events), self.event_slots,
+                      self.host_to_device, self.wait_seconds, plan.DMA_MAX_COPIES, plan.DMA_MIN_CHUNK_BYTES,
+                      plan.PLANE_SMALL_COPIES)
+        self.plane_gate = gate
+        with self._events_lock:
+            for handle, event in self.opened_events.items():
+                if gate.add_ready(handle, event):
+                    self.plane_ready.add(handle)
+
+    def plane_failed(self) -> str | None:
+        """Why the plane gave this pool's GPU work up, latched as the pool's own failure; None if
+        it has not."""
+        gate = self.plane_gate
+        why = gate.cuda_failed if gate is not None else None
+        if why and self.failed is None:
+            self._fail(why)
+        return why
 
     def check_request(self, ready_event: bytes, event_slot: int) -> None:
         if event_slot >= self.event_slots:
@@ -266,9 +301,15 @@ class CudaDevicePool(DevicePool):
             event = self.opened_events.get(event_handle)
             if event is None:
                 event = self.opened_events[event_handle] = rt.ipcOpenEventHandle(event_handle)
+                # The plane waits on it from now on, for this handle's requests: kept until the release.
+                if self.plane_gate is not None and self.plane_gate.add_ready(event_handle, event):
+                    self.plane_ready.add(event_handle)
                 if len(self.opened_events) > MAX_OPENED_EVENTS:
-                    # A wait already enqueued keeps what it waits for; destroying is safe.
-                    rt.eventDestroy(self.opened_events.popitem(last=False)[1])
+                    # A wait already enqueued keeps what it waits for; destroying is safe. The
+                    # plane's are not destroyed: it may be putting a wait on one on the stream.
+                    oldest = next((h for h in self.opened_events if h not in self.plane_ready), None)
+                    if oldest is not None:
+                        rt.eventDestroy(self.opened_events.pop(oldest))
             else:
                 self.opened_events.move_to_end(event_handle)
             rt.streamWaitEvent(self.stream.ptr, event, 0)
@@ -330,6 +371,7 @@ class CudaDevicePool(DevicePool):
         stream = self.stream.ptr
         if cache_rows:
             self.check_cache_rows()
+        self.plane_failed()
         host_to_device = 0 if cache_rows else self.host_to_device
         with self._enqueue_lock, self.device(), self.stream:
             if self.failed:

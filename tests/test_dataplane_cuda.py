@@ -1,0 +1,262 @@
+"""A CUDA pool's lane Writes and Loads put on the GPU's stream by the compiled data plane itself
+(kvserver/lane/csrc/kvlane.c, "CUDA jobs"; KVSERVER_PLANE_CUDA=1), on CPU: CuPy and the driver's
+entry points replaced by tests/fake_cupy.py, whose "device memory" is host memory, so each copy
+the plane issues really moves bytes and lands in the same streams, events and call log as the
+loop's. The real daemon, the real client and its lane. What this cannot show (the driver's own
+behaviour, speed) is for scripts/gpu_check.py on a GPU."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import fake_cupy
+import numpy as np
+import pytest
+import torch
+from fake_cupy import UUID
+
+from kvclient import KVClient, KVClientError, KVLayout
+from kvclient.cuda_events import LayerEvents
+from kvserver.media.cuda import plan
+from kvserver.v1 import kvserver_pb2 as pb
+
+LAYERS, TOKENS, PAGE = 4, 256, 16
+HEADS, HEAD_DIM = 2, 128  # 512-byte tokens (fp16): an 8 KiB page chunk
+LAYOUT = KVLayout.mha(HEADS, HEAD_DIM)
+START = 8
+READY = (4242).to_bytes(8, "little") * 8  # the engine's ready event (an IPC handle of the stand-in)
+
+
+class FakeCudaPool:
+    """What the client takes of a CudaKVPool: its layout, dtype and descriptor (the stand-in's
+    exported allocation), and a device for its layer events (opened by handle: see ``events``)."""
+
+    def __init__(self, fake, parts: int = 2) -> None:
+        self.layout, self.dtype = LAYOUT, torch.float16
+        token_bytes = LAYOUT.token_bytes(torch.float16)
+        buffer_bytes = TOKENS * token_bytes
+        handle, mem = fake.cuda.runtime.export(LAYERS * parts * buffer_bytes + 4096)
+        self.refs = pb.DevicePool(num_tokens=TOKENS, layers=[
+            pb.LayerBuffers(parts=[
+                pb.BufferRef(cuda=pb.CudaIpcLocation(ipc_handle=handle, device_uuid=UUID,
+                                                     allocation_size=mem.size),
+                             offset=4096 + (layer * parts + part) * buffer_bytes, token_stride=token_bytes)
+                for part in range(parts)])
+            for layer in range(LAYERS)])
+        self.kv = mem[4096:].reshape(LAYERS, parts, TOKENS, token_bytes)
+        self.buffers = [[torch.empty(0)]]  # the client reads buffers[0][0].device
+
+    def descriptor(self) -> pb.DevicePool:
+        return self.refs
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    cupy = fake_cupy.install(monkeypatch)
+    monkeypatch.setattr(plan, "PLANE", True)
+    # The engine's side of the layer events: their handles stand for them (no torch.cuda here).
+    monkeypatch.setattr(LayerEvents, "event", lambda self, slot, layer: (slot, layer))
+    return cupy
+
+
+def _client(d, pool: FakeCudaPool) -> KVClient:
+    c = KVClient(d.address, timeout=10, resilient=False)
+    c.register(model="gpu", pool=pool, start_layer=START, end_layer=START + LAYERS, num_layers=16,
+               host_tokens=TOKENS, page_size=PAGE, event_slots=2)
+    return c
+
+
+def _pages(rng, n: int) -> list[int]:
+    pages = rng.permutation(TOKENS // PAGE)[:n]
+    return (pages[:, None] * PAGE + np.arange(PAGE)).reshape(-1).tolist()
+
+
+def test_lane_writes_and_loads_of_a_cuda_pool_are_the_planes_bit_exact(plane_daemon, fake) -> None:
+    d, rt = plane_daemon, fake.cuda.runtime
+    pool = FakeCudaPool(fake)
+    rng = np.random.default_rng(5)
+    pool.kv[:] = rng.integers(0, 256, pool.kv.shape, dtype=np.uint8)
+    with _client(d, pool) as c:
+        assert c.lane is not None
+        client = d.core.clients[c.registration.client_id]
+        gate = client.gate
+        assert gate is not None and gate.cuda, "the CUDA pool's lane is not the plane's"
+        host = c.alloc(8 * PAGE)
+        dev = _pages(rng, 8)
+        want = pool.kv[:, :, dev].copy()
+        # The first Write naming a ready event is the loop's, which opens it and hands it to the plane.
+        nbytes = 8 * PAGE * LAYOUT.token_bytes(torch.float16) * 2 * LAYERS
+        assert c.write(host_indices=host, device_indices=dev, ready_event=READY) == nbytes
+        assert gate.cuda_jobs == 0 and READY in client.device.plane_ready
+        pool.kv[:] = rng.integers(0, 256, pool.kv.shape, dtype=np.uint8)  # other bytes for the plane to write
+        want = pool.kv[:, :, dev].copy()
+        rt.calls.clear()
+        assert c.write(host_indices=host, device_indices=dev, ready_event=READY) == nbytes
+        assert gate.cuda_jobs == 1, "the second Write was not the plane's"
+        names = [call[0] for call in rt.calls]
+        # On the stream: the wait on the engine's event, then the copies, then the write's own
+        # event, created first, queried until it passed, then destroyed.
+        assert names[0] == "eventCreateWithFlags" and rt.calls[0][1] == 1 | 2
+        assert names[1] == "streamWaitEvent" and rt.calls[1][1] == fake_cupy.FakeRuntime.opened_id(READY)
+        copies = [call for call in rt.calls if call[0] == "memcpyAsync"]
+        assert len(copies) == 8 * 2 * LAYERS and {call[1] for call in copies} == {PAGE * 512}
+        stream = client.device.stream.ptr
+        assert {call[2] for call in copies} == {stream}
+        assert names.index("eventRecord") > names.index("memcpyAsync") and names[-1] == "eventDestroy"
+        pool.kv[:] = 0
+
+        rt.calls.clear()
+        handle = c.load(host_indices=host, device_indices=dev, event_slot=1)
+        assert handle.wait() > 0
+        assert gate.cuda_jobs == 2
+        assert np.array_equal(pool.kv[:, :, dev], want)
+        assert not pool.kv[:, :, sorted(set(range(TOKENS)) - set(dev))].any()
+        # Slot 1's layer events, each recorded after its layer's copies, in layer order.
+        slot1 = client.device.events[LAYERS:]
+        records = [call[1] for call in rt.calls if call[0] == "eventRecord"]
+        assert records == slot1
+        # A subset of layers: only theirs, and only their events.
+        pool.kv[:] = 0
+        rt.calls.clear()
+        handle = c.load(host_indices=host[:PAGE], device_indices=dev[:PAGE], layers=[START + 1, START + 3])
+        assert handle.wait() > 0 and handle.landed(START + 1) and handle.landed(START + 3)
+        assert [call[1] for call in rt.calls if call[0] == "eventRecord"] == [client.device.events[1],
+                                                                                client.device.events[3]]
+        assert np.array_equal(pool.kv[[1, 3]][:, :, dev[:PAGE]], want[[1, 3]][:, :, :PAGE])
+        assert not pool.kv[[0, 2]].any()
+        # Both sides lay the host pages out alike: what the plane wrote, the loop's copy kernel
+        # loads (scattered tokens: too many copies for the plane) into other device tokens.
+        other = rng.permutation(TOKENS)[: 8 * PAGE].tolist()
+        pool.kv[:] = 0
+        jobs = gate.cuda_jobs
+        c.load(host_indices=host, device_indices=other).wait()
+        assert gate.cuda_jobs == jobs and np.array_equal(pool.kv[:, :, other], want)
+        assert fake.driver.errors == []
+        st = c.stats().clients[0]
+        assert st.transfers.write_ops == 2 and st.transfers.load_ops == 3
+
+
+def test_what_the_plane_does_not_take_of_a_cuda_pool_is_the_loops(plane_daemon, fake) -> None:
+    """Token rows of many small copies (the copy kernel's), and a ready event the loop has not
+    opened, go to the loop, which answers alike."""
+    d, rt = plane_daemon, fake.cuda.runtime
+    pool = FakeCudaPool(fake)
+    rng = np.random.default_rng(6)
+    pool.kv[:] = rng.integers(0, 256, pool.kv.shape, dtype=np.uint8)
+    with _client(d, pool) as c:
+        gate = d.core.clients[c.registration.client_id].gate
+        host = c.alloc(TOKENS)
+        dev = rng.permutation(TOKENS).tolist()  # scattered tokens: 2048 copies of 512 bytes
+        want = pool.kv[:, :, dev].copy()
+        c.write(host_indices=host, device_indices=dev)
+        assert gate.cuda_jobs == 0 and any(call[0] == "kernel" for call in rt.calls)
+        pool.kv[:] = 0
+        c.load(host_indices=host, device_indices=dev).wait()
+        assert gate.cuda_jobs == 0 and np.array_equal(pool.kv[:, :, dev], want)
+        # One page: the plane's (no ready event), then a new ready event: the loop's.
+        c.write(host_indices=host[:PAGE], device_indices=list(range(PAGE)))
+        assert gate.cuda_jobs == 1
+        other = (777).to_bytes(8, "little") * 8
+        c.write(host_indices=host[:PAGE], device_indices=list(range(PAGE)), ready_event=other)
+        assert gate.cuda_jobs == 1
+        c.write(host_indices=host[:PAGE], device_indices=list(range(PAGE)), ready_event=other)
+        assert gate.cuda_jobs == 2
+        # Bad input still gets the one validation's answer: a slot out of range.
+        with pytest.raises(KVClientError, match="event_slot 2"):
+            c.load(host_indices=host[:PAGE], device_indices=list(range(PAGE)), event_slot=2).wait()
+
+
+def test_a_ready_event_that_never_fires_gives_the_pool_up_and_frees_it(daemon_factory, fake) -> None:
+    """No progress for --cuda-wait-seconds: the call is answered DEADLINE_EXCEEDED, the client is
+    failed and reclaimed, and its pool's release waits for the stream (the stand-in's: it drains
+    once the event fires) or quarantines it."""
+    d = daemon_factory(cuda_wait_seconds=0.3, lease=60.0)
+    if d.core.plane is None:
+        pytest.skip("the compiled data plane is not built")
+    rt = fake.cuda.runtime
+    pool = FakeCudaPool(fake)
+    with _client(d, pool) as c:
+        client = d.core.clients[c.registration.client_id]
+        gate = client.gate
+        host = c.alloc(PAGE)
+        c.write(host_indices=host, device_indices=list(range(PAGE)), ready_event=READY)  # opened by the loop
+        rt.hang(READY)
+        t0 = time.monotonic()
+        with pytest.raises(KVClientError) as got:
+            c.write(host_indices=host, device_indices=list(range(PAGE)), ready_event=READY)
+        took = time.monotonic() - t0
+        assert got.value.code.name == "DEADLINE_EXCEEDED" and "given up on" in str(got.value), got.value
+        assert 0.25 < took < 5, took
+        assert gate.cuda_jobs == 1 and "no progress" in gate.cuda_failed
+        deadline = time.monotonic() + 5
+        while c.registration.client_id in d.core.clients and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert c.registration.client_id not in d.core.clients, "the failed client was not reclaimed"
+        threading.Timer(0.2, rt.fire, (READY,)).start()
+        deadline = time.monotonic() + 5
+        while not client.device.released.done() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert client.device.released.done(), "the pool's resources were not released once its stream drained"
+
+
+def test_a_failed_copy_is_reported_once_what_went_on_the_stream_has_passed(plane_daemon, fake) -> None:
+    d = plane_daemon
+    pool = FakeCudaPool(fake)
+    with _client(d, pool) as c:
+        gate = d.core.clients[c.registration.client_id].gate
+        host = c.alloc(2 * PAGE)
+        fake.driver.fail_copy_after = 3
+        with pytest.raises(KVClientError, match="CUresult 700"):
+            c.write(host_indices=host, device_indices=list(range(2 * PAGE)))
+        assert gate.cuda_jobs == 1
+        fake.driver.fail_copy_after = None
+        pool.kv[:] = 9
+        c.write(host_indices=host, device_indices=list(range(2 * PAGE)))  # the pool serves on
+        pool.kv[:] = 0
+        c.load(host_indices=host, device_indices=list(range(2 * PAGE))).wait()
+        assert (pool.kv[:, :, : 2 * PAGE] == 9).all() and gate.cuda_jobs == 3
+
+
+def test_the_compiled_check_of_a_cuda_pool_takes_nothing_the_validation_refuses(plane_daemon, fake) -> None:
+    """Differential, as for shared memory (tests/test_dataplane.py), with a CUDA pool's own fields:
+    its event slots and the ready event's length."""
+    from kvserver.errors import KVError
+    from kvserver.protocol import lane_request as LR
+
+    d = plane_daemon
+    rnd = random.Random(11)
+    pool = FakeCudaPool(fake)
+    with _client(d, pool) as c:
+        host = c.alloc(TOKENS // 2).numpy()
+        cid = c.registration.client_id
+        client = d.core.clients[cid]
+        taken = refused = 0
+        for _ in range(300):
+            pages = rnd.randint(1, 4)
+            rows = host.reshape(-1, PAGE)
+            h = np.concatenate([rows[rnd.randrange(len(rows))] for _ in range(pages)])
+            dv = np.array(rnd.sample(range(TOKENS), pages * PAGE), dtype=np.int64)
+            layers = sorted(rnd.sample(range(START, START + LAYERS), rnd.randint(0, 2)))
+            slot = rnd.choice([0, 0, 1, 2, 3])
+            ready = rnd.choice([b"", READY, READY[:63], READY + b"\x00"])
+            data = LR.pack(rnd.choice([LR.KIND_WRITE, LR.KIND_LOAD]), h, dv, layers, PAGE, event_slot=slot,
+                           ready_event=ready)
+            if data is None:
+                continue
+
+            def judge(h=h, dv=dv, layers=layers, data=data, slot=slot, ready=ready) -> tuple[bool, str]:
+                ok = client.gate.check(data)
+                try:
+                    client.device.check_request(ready, slot)
+                    d.core.prepare(cid, h, dv, layers)
+                except KVError as exc:
+                    return ok, str(exc)
+                return ok, ""
+
+            ok, error = d.run(judge)
+            assert not (ok and error), f"the compiled check took slot {slot}, ready {len(ready)} B: {error}"
+            taken += ok
+            refused += not ok
+        assert taken > 50 and refused > 50
