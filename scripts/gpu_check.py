@@ -60,6 +60,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import re
 import shutil
 import subprocess
 import sys
@@ -896,9 +897,12 @@ def main() -> int:
         env["KVSERVER_PLANE_CUDA"] = "1"
     tmp = tempfile.mkdtemp(prefix="kvgpu-")
     socket = os.path.join(tmp, "kv.sock")
+    # With --plane-cuda the daemon's log is kept, to count what its data plane put on the GPU.
+    log_path = os.path.join(tmp, "daemon.log")
+    log = open(log_path, "w") if args.plane_cuda else None  # noqa: SIM115 - the daemon's, closed by _finish
     daemon = subprocess.Popen([sys.executable, "-m", "kvserver", "--socket", socket,
                                "--host-memory", host_memory, "--progress-interval-ms", "0",
-                               "--cuda-wait-seconds", str(CUDA_WAIT_SECONDS)], env=env)
+                               "--cuda-wait-seconds", str(CUDA_WAIT_SECONDS)], env=env, stderr=log)
     report: dict = {"checks": [], "ok": True, "plane_cuda": env.get("KVSERVER_PLANE_CUDA") == "1"}
     started = time.monotonic()
     deadline = started + args.deadline
@@ -928,10 +932,28 @@ def main() -> int:
                 run_kept(ctx, tmp, env, deadline, report, disk=True)
                 run_sglang(ctx, f"unix://{socket}", deadline, report)
                 run_vllm(ctx, f"unix://{socket}", deadline, report)
+        if args.plane_cuda:  # the plane, not the loop, served the CUDA pools' lane calls
+            report["plane_cuda_calls"] = plane_cuda_calls(log_path)
+            report["ok"] &= report["plane_cuda_calls"] > 0
     except BaseException:
         report["ok"] = False
         report["error"] = traceback.format_exc()
+    if log is not None:
+        log.close()
+        with open(log_path) as f:  # the daemon's log, as it would have gone to the console
+            sys.stderr.write("".join(f.readlines()[-60:]))
     return _finish(report, daemon, tmp, started)
+
+
+def plane_cuda_calls(log_path: str) -> int:
+    """CUDA Writes and Loads the daemon's data plane put on the GPU itself: the sum over the
+    clients it released (kvserver.core.kvcore logs each one's count)."""
+    found = 0
+    with open(log_path) as f:
+        for line in f:
+            m = re.search(r"data plane: (\d+) CUDA Writes and Loads of ", line)
+            found += int(m.group(1)) if m else 0
+    return found
 
 
 def _finish(report: dict, daemon: subprocess.Popen, tmp: str, started: float) -> int:

@@ -403,5 +403,5 @@ def install(monkeypatch) -> FakeCupy:
     # The plane's driver calls (used only where a test turns the plane's CUDA copies on: plane=True).
     cupy.driver = FakeDriver(cupy.cuda.runtime)
     monkeypatch.setattr(driver, "plane_entry_points", cupy.driver.entry_points)
-    monkeypatch.setattr(driver, "current_context", lambda: FakeDriver.CONTEXT)
+    monkeypatch.setattr(driver, "stream_context", lambda stream: FakeDriver.CONTEXT)
     return cupy

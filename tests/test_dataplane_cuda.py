@@ -260,3 +260,108 @@ def test_the_compiled_check_of_a_cuda_pool_takes_nothing_the_validation_refuses(
             taken += ok
             refused += not ok
         assert taken > 50 and refused > 50
+
+
+def test_the_gpu_check_counts_what_the_plane_put_on_the_gpu(plane_daemon, fake, caplog, tmp_path) -> None:
+    """scripts/gpu_check.py --plane-cuda proves the plane served by the count the daemon logs as it
+    releases each CUDA client (its gate's cuda_jobs), parsed from the daemon's log."""
+    import logging
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    import gpu_check
+
+    pool = FakeCudaPool(fake)
+    with caplog.at_level(logging.INFO, logger="kvserver.core.kvcore"):
+        with _client(plane_daemon, pool) as c:
+            host = c.alloc(2 * PAGE)
+            for _ in range(3):
+                c.write(host_indices=host, device_indices=list(range(2 * PAGE)))
+            c.load(host_indices=host, device_indices=list(range(2 * PAGE))).wait()
+            c.unregister()
+    log = tmp_path / "daemon.log"
+    log.write_text("\n".join(f"2026-12-05 INFO {r.name}: {r.getMessage()}" for r in caplog.records) + "\n")
+    assert gpu_check.plane_cuda_calls(str(log)) == 4
+
+
+def test_an_unregister_waits_for_the_gpu_to_finish_the_planes_copies(daemon_factory, fake) -> None:
+    """A released client's CUDA jobs end only once the GPU is done with them (as the loop's do):
+    the release waits for a copy held behind the engine's ready event, which then completes."""
+    d = daemon_factory(cuda_wait_seconds=10.0)
+    if d.core.plane is None:
+        pytest.skip("the compiled data plane is not built")
+    rt = fake.cuda.runtime
+    pool = FakeCudaPool(fake)
+    c = _client(d, pool)
+    try:
+        host = c.alloc(PAGE)
+        c.write(host_indices=host, device_indices=list(range(PAGE)), ready_event=READY)  # opened by the loop
+        gate = d.core.clients[c.registration.client_id].gate
+        rt.hang(READY)
+        results: list = []
+
+        def write() -> None:
+            try:
+                results.append(c.write(host_indices=host, device_indices=list(range(PAGE)),
+                                       ready_event=READY))
+            except KVClientError as exc:
+                results.append(exc)
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        deadline = time.monotonic() + 5
+        while gate.cuda_jobs < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gate.cuda_jobs == 1 and gate.inflight == 1
+        unregister = threading.Thread(target=c.unregister)
+        unregister.start()
+        deadline = time.monotonic() + 5
+        while not gate.closed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gate.closed
+        time.sleep(0.3)
+        assert gate.inflight == 1, "the released client's copy ended while the GPU still held it"
+        assert unregister.is_alive()
+        rt.fire(READY)
+        unregister.join(10)
+        writer.join(10)
+        # (The writer's answer is its client's: an unregister closes the lane under its calls.)
+        assert not unregister.is_alive() and gate.inflight == 0 and results
+    finally:
+        c.close()
+
+
+def test_a_pool_given_up_on_gives_up_its_other_copies_at_once(daemon_factory, fake) -> None:
+    d = daemon_factory(cuda_wait_seconds=1.0, lease=60.0)
+    if d.core.plane is None:
+        pytest.skip("the compiled data plane is not built")
+    rt = fake.cuda.runtime
+    pool = FakeCudaPool(fake)
+    with _client(d, pool) as c:
+        host = c.alloc(2 * PAGE)
+        c.write(host_indices=host, device_indices=list(range(2 * PAGE)), ready_event=READY)
+        rt.hang(READY)
+        ended: dict[str, tuple[float, object]] = {}
+        t0 = time.monotonic()
+
+        def write(name: str, pages: slice) -> None:
+            try:
+                got = c.write(host_indices=host[pages], device_indices=list(range(PAGE)), ready_event=READY)
+            except KVClientError as exc:
+                got = exc
+            ended[name] = (time.monotonic() - t0, got)
+
+        a = threading.Thread(target=write, args=("a", slice(0, PAGE)))
+        a.start()
+        time.sleep(0.6)
+        b = threading.Thread(target=write, args=("b", slice(PAGE, 2 * PAGE)))  # behind a on the stream
+        b.start()
+        a.join(10)
+        b.join(10)
+        rt.fire(READY)
+        for name in "ab":
+            took, got = ended[name]
+            assert isinstance(got, KVClientError) and got.code.name == "DEADLINE_EXCEEDED", (name, got)
+        # b was given up with a (about 1 s in), not a whole deadline after its own start (1.6 s).
+        assert ended["b"][0] < 1.45, ended

@@ -364,7 +364,9 @@ class DataPlane:
         self.engine.close_gate(gate)
 
     async def idle(self, gate: Any) -> None:
-        """Once this returns after ``close_gate``, the plane touches none of the client's memory."""
+        """Once this returns after ``close_gate``, the plane touches none of the client's memory
+        (a CUDA pool's jobs end once the GPU is done with them, or given up on: the pool's close
+        then quarantines what the GPU may still touch)."""
         while gate.inflight or gate.x_inflight:
             await asyncio.sleep(POLL_SECONDS)
 

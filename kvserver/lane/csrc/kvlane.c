@@ -2066,6 +2066,11 @@ static void cuda_poll(Engine *e, Job *j, int64_t t) {
     kv_cuda_driver *cu = &g->cu;
     if (j->cu_stalled)
         return;
+    if (g->cu_failed[0]) { /* another job of the pool was given up on: so is this one, at once (this
+                            * thread alone writes cu_failed) */
+        cuda_give_up(e, j, g->cu_failed, 0);
+        return;
+    }
     if (j->cu_error && !j->cu_done) { /* nothing of it reached the stream */
         char msg[128];
         snprintf(msg, sizeof msg, "putting the copy on the GPU's stream failed: CUresult %d", j->cu_error);
@@ -2245,8 +2250,8 @@ static int work(Engine *e) {
     int64_t t = 0;
     for (Job *j = e->jobs, *next; j; j = next) {
         next = j->next;
-        if (j->cuda) { /* on the GPU already: its events looked at, or let go with its gate */
-            if (j->released) {
+        if (j->cuda) { /* on the GPU already: it ends once the GPU is done with it, or is given up on */
+            if (j->released && j->cu_stalled) {
                 stop_job(e, j, "its client was unregistered or reclaimed", CODE_NOT_FOUND, !j->cu_quiet);
             } else {
                 if (!t)
@@ -2355,8 +2360,12 @@ static int work(Engine *e) {
 static void remove_lane(Engine *e, Lane *l) {
     for (Job *j = e->jobs, *next; j; j = next) {
         next = j->next;
-        if (j->lane == l && j->cuda && !j->released)
-            j->cu_quiet = 1; /* on the GPU: it keeps its pages until its events pass; its ring is not written */
+        if (j->lane == l && j->cuda && !j->released) {
+            /* On the GPU: it keeps its pages until its events pass (or its gate closes, which the
+             * client's release does before it lets the gate go); its ring is not written again. */
+            j->cu_quiet = 1;
+            j->lane = NULL;
+        }
         else if (j->lane == l)
             finish(e, j, 1, NULL, 0); /* its ring goes now: nothing is written to it */
     }

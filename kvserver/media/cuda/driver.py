@@ -52,13 +52,13 @@ def plane_entry_points() -> tuple[int, ...]:
     return tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in PLANE_ENTRY_POINTS)
 
 
-def current_context() -> int:
-    """The calling thread's current CUcontext (cuCtxGetCurrent): inside ``with cupy.cuda.Device(...)``
-    once a runtime call has run there, the device's primary context, which the runtime's streams
-    and events belong to."""
+def stream_context(stream: int) -> int:
+    """The CUcontext a stream belongs to (cuStreamGetCtx): the device's primary context for a
+    runtime stream, which the plane's thread makes current before it calls the driver. Asked of
+    the stream, not of the calling thread, which may have no context current."""
     lib = _libcuda()
     ctx = ctypes.c_void_p()
-    status = lib.cuCtxGetCurrent(ctypes.byref(ctx))
+    status = lib.cuStreamGetCtx(ctypes.c_void_p(stream), ctypes.byref(ctx))
     if status != CUDA_SUCCESS or not ctx.value:
-        raise DriverError(f"cuCtxGetCurrent failed (CUresult {status}) or no context is current")
+        raise DriverError(f"cuStreamGetCtx failed (CUresult {status}) or gave no context")
     return ctx.value

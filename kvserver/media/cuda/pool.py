@@ -177,8 +177,7 @@ class CudaDevicePool(DevicePool):
         """Hands the plane's gate what it needs to put this pool's copies on its stream: the driver's
         entry points, the device's context, the stream, the layer events, the host region's
         device address and the deadline; then the ready events opened so far."""
-        with self.device():
-            ctx = driver.current_context()
+        ctx = driver.stream_context(self.stream.ptr)
         gate.set_cuda(driver.plane_entry_points(), ctx, self.stream.ptr, list(self.events), self.event_slots,
                       self.host_to_device, self.wait_seconds, plan.DMA_MAX_COPIES, plan.DMA_MIN_CHUNK_BYTES,
                       plan.PLANE_SMALL_COPIES)
