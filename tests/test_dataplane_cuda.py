@@ -68,6 +68,15 @@ def _client(d, pool: FakeCudaPool) -> KVClient:
     return c
 
 
+def _released(device, seconds: float = 10.0) -> None:
+    """Waits until a pool's resources are released (a quarantined one's once its stream drained):
+    the stand-in's allocations are opened once per process (``_open``), so none may outlive its test."""
+    deadline = time.monotonic() + seconds
+    while not device.released.done() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert device.released.done(), "the pool's resources were not released"
+
+
 def _pages(rng, n: int) -> list[int]:
     pages = rng.permutation(TOKENS // PAGE)[:n]
     return (pages[:, None] * PAGE + np.arange(PAGE)).reshape(-1).tolist()
@@ -341,6 +350,7 @@ def test_a_pool_given_up_on_gives_up_its_other_copies_at_once(daemon_factory, fa
     with _client(d, pool) as c:
         host = c.alloc(2 * PAGE)
         c.write(host_indices=host, device_indices=list(range(2 * PAGE)), ready_event=READY)
+        device = d.core.clients[c.registration.client_id].device
         rt.hang(READY)
         ended: dict[str, tuple[float, object]] = {}
         t0 = time.monotonic()
@@ -365,3 +375,46 @@ def test_a_pool_given_up_on_gives_up_its_other_copies_at_once(daemon_factory, fa
             assert isinstance(got, KVClientError) and got.code.name == "DEADLINE_EXCEEDED", (name, got)
         # b was given up with a (about 1 s in), not a whole deadline after its own start (1.6 s).
         assert ended["b"][0] < 1.45, ended
+        _released(device)
+
+
+def test_a_stalled_stream_takes_no_more_of_the_planes_calls_than_its_bound(daemon_factory, fake,
+                                                                            monkeypatch) -> None:
+    """Behind an engine's event that never fires, a pool's stream takes no more driver calls from
+    the plane than PLANE_MAX_QUEUED (a full driver queue would hold the plane's thread, for every
+    engine): the next call is the loop's, whose turn waits behind the plane's and fails with it."""
+    monkeypatch.setattr(plan, "PLANE_MAX_QUEUED", 100)  # a write of 8 pages: 8 runs x 4 layers x 2 parts + 2
+    d = daemon_factory(cuda_wait_seconds=1.0, lease=60.0)
+    if d.core.plane is None:
+        pytest.skip("the compiled data plane is not built")
+    rt = fake.cuda.runtime
+    pool = FakeCudaPool(fake)
+    with _client(d, pool) as c:
+        host = c.alloc(16 * PAGE)
+        c.write(host_indices=host[:PAGE], device_indices=list(range(PAGE)), ready_event=READY)
+        gate = d.core.clients[c.registration.client_id].gate
+        device = d.core.clients[c.registration.client_id].device
+        rt.hang(READY)
+        got: dict[str, object] = {}
+
+        def write(name: str, pages: slice) -> None:
+            try:
+                got[name] = c.write(host_indices=host[pages], device_indices=list(range(8 * PAGE)),
+                                    ready_event=READY)
+            except KVClientError as exc:
+                got[name] = exc
+
+        a = threading.Thread(target=write, args=("a", slice(0, 8 * PAGE)))
+        a.start()
+        deadline = time.monotonic() + 5
+        while gate.cuda_jobs < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        b = threading.Thread(target=write, args=("b", slice(8 * PAGE, 16 * PAGE)))
+        b.start()
+        a.join(10)
+        b.join(10)
+        rt.fire(READY)
+        assert gate.cuda_jobs == 1, "the plane put a second job on the stalled stream"
+        for name in "ab":
+            assert isinstance(got[name], KVClientError) and got[name].code.name == "DEADLINE_EXCEEDED", got
+        _released(device)

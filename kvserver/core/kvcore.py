@@ -7,6 +7,7 @@ locks. Checked requests become ``ClientJob``s that ``copier.Copier`` runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -506,7 +507,11 @@ class KVCore:
                     self.arena.release(*region)
                     self._quarantined.pop(client_id, None)
 
-                held.add_done_callback(lambda _: loop.call_soon_threadsafe(drained))
+                def on_held_released(_) -> None:
+                    with contextlib.suppress(RuntimeError):  # a daemon stopped meanwhile: its loop is closed
+                        loop.call_soon_threadsafe(drained)
+
+                held.add_done_callback(on_held_released)
             self._releasing.pop(client_id, None)
             client.gone.set()
         logger.info("%s %s (%d host bytes released)", reason, public_id(client_id), client.region_bytes)

@@ -160,6 +160,10 @@ typedef struct {
     int64_t cu_host_shift;  /* added to a host address of the region: the GPU's address of it */
     int64_t cu_wait_ns;     /* no progress this long: the pool's GPU work is given up on */
     int64_t cu_max_copies, cu_min_copy_bytes, cu_small_copies; /* which jobs it takes (cuda_takes) */
+    /* Driver calls it has on its stream for jobs not ended (the plane thread's alone), and the most
+     * it may: a stream stalled behind an engine's event that never fires fills the driver's queue,
+     * and a call into a full queue waits for room, which would hold this thread for every engine. */
+    int64_t cu_queued, cu_max_queued;
     unsigned char (*cu_ready)[64]; /* engines' ready events the loop opened (add_ready), under mu */
     void **cu_ready_ev;
     int cu_nready;
@@ -556,31 +560,36 @@ static PyObject *gate_get_cache_gid(Gate *g, void *unused) {
 /* ---- a CUDA pool's gate ----------------------------------------------------------------------- */
 
 #define CU_MAX_READY 16 /* engines' ready events a gate knows: more go to the loop, which opens them */
+/* Driver calls the plane may have on all gates' streams for jobs not ended (each gate at most its
+ * set_cuda max_queued): past it, jobs are the loop's, whose copy workers may wait in the driver. */
+#define CU_PLANE_QUEUED_MAX 16384
 
 /* set_cuda(driver, ctx, stream, events, slots, host_shift, wait_seconds, max_copies, min_copy_bytes,
- * small_copies): this gate's pool is a CUDA pool's, once, before its lane is added: its copies are
+ * small_copies, max_queued): this gate's pool is a CUDA pool's, once, before its lane is added: its copies are
  * the GPU's, put on `stream` (a CUstream of context `ctx`) through `driver` (the addresses of the
  * KV_CU_ENTRY_POINTS entry points, in kv_cuda_driver's order), a load recording its layers' events
  * (`events`, slots * num_layers CUevents, slot-major), a write one of its own. `host_shift` turns a
  * host address of the region into the GPU's; no progress for `wait_seconds` gives the pool's GPU
  * work up (cuda_failed). A job of more than `max_copies` cuMemcpyAsync, or of more than
- * `small_copies` with one of fewer than `min_copy_bytes` bytes (the copy kernel's: the loop's), is
+ * `small_copies` with one of fewer than `min_copy_bytes` bytes (the copy kernel's: the loop's), or
+ * one that would put more than `max_queued` driver calls on the stream for jobs not ended, is
  * handed to the loop. Loads may then name event slots below `slots`, and requests carry a ready
  * event (64 bytes) the plane waits on if the loop gave it that event (add_ready). */
 static PyObject *gate_set_cuda(Gate *g, PyObject *args) {
     PyObject *driver, *events;
     unsigned long long ctx, stream;
     int slots;
-    long long shift, max_copies, min_copy_bytes, small_copies;
+    long long shift, max_copies, min_copy_bytes, small_copies, max_queued;
     double wait;
-    if (!PyArg_ParseTuple(args, "OKKOiLdLLL", &driver, &ctx, &stream, &events, &slots, &shift, &wait,
-                          &max_copies, &min_copy_bytes, &small_copies))
+    if (!PyArg_ParseTuple(args, "OKKOiLdLLLL", &driver, &ctx, &stream, &events, &slots, &shift, &wait,
+                          &max_copies, &min_copy_bytes, &small_copies, &max_queued))
         return NULL;
     if (g->space || !g->owned_obj || g->cuda || g->cache_gid >= 0 || g->capstash) {
         PyErr_SetString(PyExc_RuntimeError, "set_cuda is for a new pool's gate, once, before any cache use");
         return NULL;
     }
-    if (slots <= 0 || !(wait > 0) || max_copies <= 0 || min_copy_bytes < 0 || small_copies < 0) {
+    if (slots <= 0 || !(wait > 0) || max_copies <= 0 || min_copy_bytes < 0 || small_copies < 0 ||
+        max_queued <= 0) {
         PyErr_SetString(PyExc_ValueError, "set_cuda's slots, wait and copy limits must be positive");
         return NULL;
     }
@@ -638,6 +647,7 @@ static PyObject *gate_set_cuda(Gate *g, PyObject *args) {
     g->cu_max_copies = max_copies;
     g->cu_min_copy_bytes = min_copy_bytes;
     g->cu_small_copies = small_copies;
+    g->cu_max_queued = max_queued;
     pthread_mutex_lock(&g->check_mu);
     g->lim.max_event_slot = (uint32_t)slots - 1;
     g->lim.ready_len = 64;
@@ -813,6 +823,7 @@ typedef struct Job {
     uint32_t cu_slot;
     void *cu_ready, *cu_done;
     int64_t cu_progress_ns; /* its last progress: nothing for the gate's cu_wait_ns gives it up */
+    int64_t cu_ops;         /* the driver calls it puts on the stream (counted in cu_queued until it ends) */
     uint32_t recorded;      /* slot word 48: a load's layer events are recorded */
 } Job;
 
@@ -899,6 +910,7 @@ typedef struct {
     uint64_t plane_stores;  /* Puts that stored pages here (try_put), counted as they are answered */
     uint64_t plane_cuda;    /* CUDA pools' Writes and Loads put on their streams here */
     int64_t cu_progress_ns; /* when a CUDA job was last put on a stream or moved on (its polls' pace) */
+    int64_t cu_queued;      /* driver calls on every gate's stream for jobs not ended (CU_PLANE_QUEUED_MAX) */
     /* latency histograms, as kvserver_operation_duration_seconds and
      * kvserver_time_to_first_layer_seconds count them (H_WRITE...) */
     pthread_mutex_t stat_mu;
@@ -1128,9 +1140,11 @@ static int take_turn(Gate *g, int64_t arrival) {
 /* Whether the plane takes job j of a CUDA gate (set_cuda), and if so makes it a CUDA job: its
  * copies few enough to issue one by one (else the loop's copy kernel does them in one launch a
  * layer), its ready event one the loop opened, and the pool's GPU work not given up on. */
-static int cuda_takes(Gate *g, Job *j, const kv_request *r) {
+static int cuda_takes(Engine *e, Gate *g, Job *j, const kv_request *r) {
     int64_t copies = j->nruns * (int64_t)j->nl * g->parts;
-    if (copies > g->cu_max_copies)
+    int64_t ops = copies + (j->load ? j->nl : 1) + (r->ready_len ? 1 : 0); /* + records, + the wait */
+    if (copies > g->cu_max_copies || g->cu_queued + ops > g->cu_max_queued ||
+        e->cu_queued + ops > CU_PLANE_QUEUED_MAX)
         return 0;
     if (copies > g->cu_small_copies)
         for (int64_t k = 0; k < j->nruns; k++)
@@ -1150,6 +1164,7 @@ static int cuda_takes(Gate *g, Job *j, const kv_request *r) {
         return 0;
     j->cuda = 1;
     j->cu_slot = r->event_slot;
+    j->cu_ops = ops;
     j->cu_ready = ready;
     return 1;
 }
@@ -1182,7 +1197,7 @@ static int try_job(Engine *e, Lane *l, int i, uint32_t rpc, uint32_t n) {
     }
     if (ok)
         j = make_job(l, i, &r, pages, local, nl, arrival); /* owns pages and local, freed or not */
-    if (j && g->cuda && !cuda_takes(g, j, &r)) {
+    if (j && g->cuda && !cuda_takes(e, g, j, &r)) {
         job_free(j);
         j = NULL;
         ok = 0;
@@ -1856,11 +1871,11 @@ static void finish_put(Engine *e, Job *j, uint32_t code, const char *message, in
     unlink_job(e, j);
 }
 
-static void cuda_forget(Job *j);
+static void cuda_forget(Engine *e, Job *j);
 
 /* Ends a job: its pages are no longer busy, its slot answered (unless its lane is gone: silent). */
 static void finish(Engine *e, Job *j, uint32_t code, const char *message, int answer) {
-    cuda_forget(j);
+    cuda_forget(e, j);
     if (j->store) {
         finish_put(e, j, code, message, answer);
         return;
@@ -2033,6 +2048,8 @@ static void cuda_issue(Engine *e, Job *j) {
     int64_t t = now_ns();
     j->cu_progress_ns = e->cu_progress_ns = t;
     __atomic_add_fetch(&g->cu_jobs, 1, __ATOMIC_RELAXED);
+    g->cu_queued += j->cu_ops; /* counted whole, whatever reached the stream, until it ends */
+    e->cu_queued += j->cu_ops;
     __atomic_add_fetch(&e->plane_cuda, 1, __ATOMIC_RELAXED);
     if (!rc) {
         if (j->load) { /* the engine may now make its compute stream wait on the layer events */
@@ -2129,7 +2146,12 @@ static void cuda_poll(Engine *e, Job *j, int64_t t) {
 
 /* A CUDA job leaves the jobs: its own event, if it still has one, goes (destroying an event
  * whose record is pending is safe: the driver frees it once it completes). */
-static void cuda_forget(Job *j) {
+static void cuda_forget(Engine *e, Job *j) {
+    if (j->cuda) {
+        j->gate->cu_queued -= j->cu_ops;
+        e->cu_queued -= j->cu_ops;
+        j->cu_ops = 0;
+    }
     if (j->cuda && j->cu_done) {
         Gate *g = j->gate;
         g->cu.ctx_set_current(g->cu_ctx);

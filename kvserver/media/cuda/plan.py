@@ -28,6 +28,11 @@ DMA_MAX_COPIES = 512
 # KVSERVER_PLANE_CUDA=1 until scripts/gpu_check.py has proven it on a GPU (docs/gpu-check.md).
 PLANE = os.environ.get("KVSERVER_PLANE_CUDA", "0") == "1"
 PLANE_SMALL_COPIES = 64
+# Driver calls the plane may have on one pool's stream for calls not ended. A stream stalled
+# behind an engine's ready event that never fires fills the driver's queue, and a call into a full
+# queue waits for room: bounded so, the plane's one thread never waits there (the loop's copy
+# workers take what is past it). The driver's queue depth is the GPU check's to measure.
+PLANE_MAX_QUEUED = 2 * DMA_MAX_COPIES
 
 
 def choose_method(chunk_bytes: int, num_copies: int = 1,

@@ -180,7 +180,7 @@ class CudaDevicePool(DevicePool):
         ctx = driver.stream_context(self.stream.ptr)
         gate.set_cuda(driver.plane_entry_points(), ctx, self.stream.ptr, list(self.events), self.event_slots,
                       self.host_to_device, self.wait_seconds, plan.DMA_MAX_COPIES, plan.DMA_MIN_CHUNK_BYTES,
-                      plan.PLANE_SMALL_COPIES)
+                      plan.PLANE_SMALL_COPIES, plan.PLANE_MAX_QUEUED)
         self.plane_gate = gate
         with self._events_lock:
             for handle, event in self.opened_events.items():
