@@ -88,6 +88,13 @@ class FakeRuntime:
                         fn()
             self._cond.notify_all()
 
+    def fire_all(self) -> None:
+        """Every hung event completes (a test's teardown: nothing of it stays queued)."""
+        with self._cond:
+            hung = list(self._hung)
+        for event in hung:
+            self.fire((event - 100_000).to_bytes(8, "little") * 8)
+
     def _defer(self, stream: int, fn) -> bool:
         """Queues ``fn`` behind the hung event its stream waits on; False if the stream runs."""
         with self._cond:

@@ -58,7 +58,10 @@ def fake(monkeypatch):
     monkeypatch.setattr(plan, "PLANE", True)
     # The engine's side of the layer events: their handles stand for them (no torch.cuda here).
     monkeypatch.setattr(LayerEvents, "event", lambda self, slot, layer: (slot, layer))
-    return cupy
+    yield cupy
+    # Nothing stays queued behind an event a failed test left hung: its pool's quarantine drains
+    # and closes its allocations, which the stand-in's handles (the same in every test) would reuse.
+    cupy.cuda.runtime.fire_all()
 
 
 def _client(d, pool: FakeCudaPool) -> KVClient:
@@ -338,6 +341,7 @@ def test_an_unregister_waits_for_the_gpu_to_finish_the_planes_copies(daemon_fact
         # (The writer's answer is its client's: an unregister closes the lane under its calls.)
         assert not unregister.is_alive() and gate.inflight == 0 and results
     finally:
+        rt.fire(READY)
         c.close()
 
 
@@ -373,8 +377,8 @@ def test_a_pool_given_up_on_gives_up_its_other_copies_at_once(daemon_factory, fa
         for name in "ab":
             took, got = ended[name]
             assert isinstance(got, KVClientError) and got.code.name == "DEADLINE_EXCEEDED", (name, got)
-        # b was given up with a (about 1 s in), not a whole deadline after its own start (1.6 s).
-        assert ended["b"][0] < 1.45, ended
+        # b was given up with a, not a whole deadline after its own start (0.6 s after a's).
+        assert ended["b"][0] - ended["a"][0] < 0.35, ended
         _released(device)
 
 

@@ -2010,7 +2010,8 @@ static void cuda_give_up(Engine *e, Job *j, const char *why, int rc) {
         answer_slot(e, j, CODE_DEADLINE, msg);
         j->cu_quiet = 1;
     }
-    wake(e->notify_fd); /* the loop looks at its gates' failures (and its reaper fails the client) */
+    /* The loop learns it from cuda_failed: the reaper's next look at the client (plane_failed)
+     * fails and reclaims it, and a loop's copy of the client waiting for its turn fails at once. */
 }
 
 /* Puts job j on its gate's stream (see above). */
@@ -2382,9 +2383,10 @@ static int work(Engine *e) {
 static void remove_lane(Engine *e, Lane *l) {
     for (Job *j = e->jobs, *next; j; j = next) {
         next = j->next;
-        if (j->lane == l && j->cuda && !j->released) {
-            /* On the GPU: it keeps its pages until its events pass (or its gate closes, which the
-             * client's release does before it lets the gate go); its ring is not written again. */
+        if (j->lane == l && j->cuda) {
+            /* On the GPU: it keeps its pages until its events pass or it is given up on, released
+             * or not; its ring is not written again. Its gate outlives it: the client holds the
+             * gate (ClientState.gate) until its release has seen the gate idle (DataPlane.idle). */
             j->cu_quiet = 1;
             j->lane = NULL;
         }

@@ -244,6 +244,7 @@ class CudaDevicePool(DevicePool):
         at all for a failed pool). If it has not drained, the GPU may still touch the pinned
         region and the mappings: they go to the quarantine, and the returned future completes
         once they are released; until then the caller must keep the host region reserved."""
+        self.plane_failed()  # an Unregister right after the plane gave up, before the reaper's look
         if self.stream is not None:
             limit = 0.0 if self.failed else self.wait_seconds
             with self.device():
