@@ -31,7 +31,7 @@ import types
 import numpy as np
 from kernel_host import HostKernel
 
-from kvserver.media.cuda.kernels import KERNELS
+from kvserver.media.cuda.kernels import KERNELS, SOURCE
 
 UUID_HEX = "1a2b3c4d5e6f7a8b9c0d112233445566"
 UUID = "GPU-1a2b3c4d-5e6f-7a8b-9c0d-112233445566"
@@ -333,6 +333,7 @@ class FakeDriver:
     returns its CUresult, as the driver would, and is kept in ``errors``."""
 
     CONTEXT = 0xC0
+    FUNCTIONS = {0xF8: 8, 0xF4: 4, 0xF2: 2, 0xF1: 1}  # the copy kernel's CUfunction stand-ins, by word
 
     def __init__(self, runtime: FakeRuntime) -> None:
         self.runtime = runtime
@@ -378,6 +379,35 @@ class FakeDriver:
             rt.eventDestroy(event or 0)
             return 0
 
+        kernels: dict[int, RecordingKernel] = {}
+
+        def launch_kernel(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+            # The arguments as the kernel reads them, from the device's view of pinned host memory.
+            word = self.FUNCTIONS[function]
+            p = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+            dst_b, src_b, dst_o, src_o = (_U64.from_address(p[i]).value - rt.device_offset
+                                          for i in (0, 1, 3, 4))
+            count = ctypes.c_int.from_address(p[2]).value
+            n, row_words = (ctypes.c_int64.from_address(p[i]).value for i in (5, 6))
+            for lo, size in ((dst_b, 8 * count), (src_b, 8 * count), (dst_o, 8 * n), (src_o, 8 * n)):
+                rt.check_reach(lo, lo + size, "cuLaunchKernel's arguments")
+
+            def view(address: int, length: int, kind):
+                return np.ctypeslib.as_array((kind * length).from_address(address))
+
+            args = (view(dst_b, count, _U64), view(src_b, count, _U64), np.int32(count),
+                    view(dst_o, n, ctypes.c_int64), view(src_o, n, ctypes.c_int64), np.int64(n),
+                    np.int64(row_words))
+            kernel = kernels.get(word)
+            if kernel is None:
+                kernel = kernels[word] = RecordingKernel(rt, SOURCE, KERNELS[word])
+            rt.current_stream.append(stream or 0)  # the launch's stream, on the plane's thread
+            try:
+                kernel((gx,), (bx,), args)
+            finally:
+                rt.current_stream.pop()
+            return 0
+
         types_ = [
             (ctypes.CFUNCTYPE(_RESULT, _PTR), ctx_set_current),
             (ctypes.CFUNCTYPE(_RESULT, _U64, _U64, ctypes.c_size_t, _PTR), memcpy_async),
@@ -386,6 +416,7 @@ class FakeDriver:
             (ctypes.CFUNCTYPE(_RESULT, _PTR), lambda event: rt.eventQuery(event or 0)),
             (ctypes.CFUNCTYPE(_RESULT, ctypes.POINTER(_PTR), ctypes.c_uint), event_create),
             (ctypes.CFUNCTYPE(_RESULT, _PTR), event_destroy),
+            (ctypes.CFUNCTYPE(_RESULT, _PTR, *[ctypes.c_uint] * 7, _PTR, _PTR, _PTR), launch_kernel),
         ]
         code = {memcpy_async: ILLEGAL_ADDRESS}
         self._callbacks = [kind(guarded(fn, code.get(fn, 1))) for kind, fn in types_]  # kept alive
@@ -411,4 +442,5 @@ def install(monkeypatch) -> FakeCupy:
     cupy.driver = FakeDriver(cupy.cuda.runtime)
     monkeypatch.setattr(driver, "plane_entry_points", cupy.driver.entry_points)
     monkeypatch.setattr(driver, "stream_context", lambda stream: FakeDriver.CONTEXT)
+    monkeypatch.setattr(driver, "kernel_functions", lambda cupy, ordinal: tuple(FakeDriver.FUNCTIONS))
     return cupy

@@ -12,10 +12,12 @@ import threading
 import time
 
 import fake_cupy
+import grpc
 import numpy as np
 import pytest
 import torch
 from fake_cupy import UUID
+from ticketing import ticketing_stub
 
 from kvclient import KVClient, KVClientError, KVLayout
 from kvclient.cuda_events import LayerEvents
@@ -33,9 +35,9 @@ class FakeCudaPool:
     """What the client takes of a CudaKVPool: its layout, dtype and descriptor (the stand-in's
     exported allocation), and a device for its layer events (opened by handle: see ``events``)."""
 
-    def __init__(self, fake, parts: int = 2) -> None:
-        self.layout, self.dtype = LAYOUT, torch.float16
-        token_bytes = LAYOUT.token_bytes(torch.float16)
+    def __init__(self, fake, parts: int = 2, layout: KVLayout = LAYOUT) -> None:
+        self.layout, self.dtype = layout, torch.float16
+        token_bytes = layout.token_bytes(torch.float16)
         buffer_bytes = TOKENS * token_bytes
         handle, mem = fake.cuda.runtime.export(LAYERS * parts * buffer_bytes + 4096)
         self.refs = pb.DevicePool(num_tokens=TOKENS, layers=[
@@ -138,21 +140,82 @@ def test_lane_writes_and_loads_of_a_cuda_pool_are_the_planes_bit_exact(plane_dae
                                                                                 client.device.events[3]]
         assert np.array_equal(pool.kv[[1, 3]][:, :, dev[:PAGE]], want[[1, 3]][:, :, :PAGE])
         assert not pool.kv[[0, 2]].any()
-        # Both sides lay the host pages out alike: what the plane wrote, the loop's copy kernel
-        # loads (scattered tokens: too many copies for the plane) into other device tokens.
+        # Both sides lay the host pages out alike: what the plane wrote, the loop loads (a gRPC
+        # Load) into other device tokens.
         other = rng.permutation(TOKENS)[: 8 * PAGE].tolist()
         pool.kv[:] = 0
         jobs = gate.cuda_jobs
-        c.load(host_indices=host, device_indices=other).wait()
-        assert gate.cuda_jobs == jobs and np.array_equal(pool.kv[:, :, other], want)
+        with grpc.insecure_channel(d.address) as ch:
+            steps = list(ticketing_stub(ch, d.address).Load(pb.LoadRequest(
+                client_id=c.registration.client_id, host_indices=host, device_indices=other), timeout=10))
+        assert steps[-1].done and gate.cuda_jobs == jobs and np.array_equal(pool.kv[:, :, other], want)
         assert fake.driver.errors == []
         st = c.stats().clients[0]
         assert st.transfers.write_ops == 2 and st.transfers.load_ops == 3
 
 
-def test_what_the_plane_does_not_take_of_a_cuda_pool_is_the_loops(plane_daemon, fake) -> None:
-    """Token rows of many small copies (the copy kernel's), and a ready event the loop has not
+def test_many_small_rows_are_the_planes_kernel_launches(plane_daemon, fake) -> None:
+    """Scattered tokens (2048 copies of 512 bytes: past the copies the plane issues one by one) are
+    the copy kernel's, launched by the plane: one launch for a write, one a layer for a load, each
+    layer's event after its launch, on the pool's stream; bit for bit both ways and against the
+    loop's own kernel copy."""
+    d, rt = plane_daemon, fake.cuda.runtime
+    pool = FakeCudaPool(fake)
+    rng = np.random.default_rng(7)
+    pool.kv[:] = rng.integers(0, 256, pool.kv.shape, dtype=np.uint8)
+    with _client(d, pool) as c:
+        client = d.core.clients[c.registration.client_id]
+        gate, stream = client.gate, client.device.stream.ptr
+        host = c.alloc(TOKENS)
+        dev = rng.permutation(TOKENS).tolist()
+        want = pool.kv[:, :, dev].copy()
+        rt.calls.clear()
+        c.write(host_indices=host, device_indices=dev)
+        kernels = [call for call in rt.calls if call[0] == "kernel"]
+        assert gate.cuda_jobs == 1 and len(kernels) == 1
+        assert not any(call[0] == "memcpyAsync" for call in rt.calls)
+        assert kernels[0][1:3] == (2 * LAYERS, TOKENS) and kernels[0][-1] == stream  # all (layer, part)s
+        pool.kv[:] = 0
+        rt.calls.clear()
+        c.load(host_indices=host, device_indices=dev, event_slot=1).wait()
+        names = [call[0] for call in rt.calls if call[0] in ("kernel", "eventRecord")]
+        assert gate.cuda_jobs == 2 and names == ["kernel", "eventRecord"] * LAYERS
+        assert np.array_equal(pool.kv[:, :, dev], want)
+        # The loop's kernel copy (a gRPC Load) reads what the plane's wrote, into other tokens.
+        other = rng.permutation(TOKENS).tolist()
+        pool.kv[:] = 0
+        with grpc.insecure_channel(d.address) as ch:
+            list(ticketing_stub(ch, d.address).Load(pb.LoadRequest(
+                client_id=c.registration.client_id, host_indices=host, device_indices=other), timeout=10))
+        assert gate.cuda_jobs == 2 and np.array_equal(pool.kv[:, :, other], want)
+        assert {call[3] for call in rt.calls if call[0] == "kernel"} == {"kv_copy_rows"}  # 8-byte words
+        assert fake.driver.errors == []
+
+
+def test_the_planes_kernel_takes_the_widest_word_the_rows_allow(plane_daemon, fake) -> None:
+    """Tokens of 6 bytes (1 head of 3 fp16 values): the 2-byte kernel, bit for bit."""
+    d, rt = plane_daemon, fake.cuda.runtime
+    pool = FakeCudaPool(fake, layout=KVLayout.mha(1, 3))
+    rng = np.random.default_rng(8)
+    pool.kv[:] = rng.integers(0, 256, pool.kv.shape, dtype=np.uint8)
+    with _client(d, pool) as c:
+        gate = d.core.clients[c.registration.client_id].gate
+        host = c.alloc(TOKENS)
+        dev = rng.permutation(TOKENS).tolist()
+        want = pool.kv[:, :, dev].copy()
+        rt.calls.clear()
+        c.write(host_indices=host, device_indices=dev)
+        pool.kv[:] = 0
+        c.load(host_indices=host, device_indices=dev).wait()
+        assert gate.cuda_jobs == 2 and np.array_equal(pool.kv[:, :, dev], want)
+        assert {call[3] for call in rt.calls if call[0] == "kernel"} == {"kv_copy_rows_w2"}
+        assert fake.driver.errors == []
+
+
+def test_what_the_plane_does_not_take_of_a_cuda_pool_is_the_loops(plane_daemon, fake, monkeypatch) -> None:
+    """A kernel job whose arguments do not fit the pool's area, and a ready event the loop has not
     opened, go to the loop, which answers alike."""
+    monkeypatch.setattr(plan, "PLANE_ARGS_BYTES", 4096)  # 16 B a token and a (layer, part): 247 tokens
     d, rt = plane_daemon, fake.cuda.runtime
     pool = FakeCudaPool(fake)
     rng = np.random.default_rng(6)
@@ -167,14 +230,16 @@ def test_what_the_plane_does_not_take_of_a_cuda_pool_is_the_loops(plane_daemon, 
         pool.kv[:] = 0
         c.load(host_indices=host, device_indices=dev).wait()
         assert gate.cuda_jobs == 0 and np.array_equal(pool.kv[:, :, dev], want)
+        c.load(host_indices=host[:128], device_indices=dev[:128]).wait()  # fits: the plane's kernel
+        assert gate.cuda_jobs == 1
         # One page: the plane's (no ready event), then a new ready event: the loop's.
         c.write(host_indices=host[:PAGE], device_indices=list(range(PAGE)))
-        assert gate.cuda_jobs == 1
+        assert gate.cuda_jobs == 2
         other = (777).to_bytes(8, "little") * 8
         c.write(host_indices=host[:PAGE], device_indices=list(range(PAGE)), ready_event=other)
-        assert gate.cuda_jobs == 1
-        c.write(host_indices=host[:PAGE], device_indices=list(range(PAGE)), ready_event=other)
         assert gate.cuda_jobs == 2
+        c.write(host_indices=host[:PAGE], device_indices=list(range(PAGE)), ready_event=other)
+        assert gate.cuda_jobs == 3
         # Bad input still gets the one validation's answer: a slot out of range.
         with pytest.raises(KVClientError, match="event_slot 2"):
             c.load(host_indices=host[:PAGE], device_indices=list(range(PAGE)), event_slot=2).wait()
@@ -422,3 +487,59 @@ def test_a_stalled_stream_takes_no_more_of_the_planes_calls_than_its_bound(daemo
         for name in "ab":
             assert isinstance(got[name], KVClientError) and got[name].code.name == "DEADLINE_EXCEEDED", got
         _released(device)
+
+
+def test_the_kernels_argument_area_is_a_ring_reused_once_its_jobs_end(plane_daemon, fake,
+                                                                      monkeypatch) -> None:
+    """Spans of the pool's argument area go back as their jobs end, and are written again only
+    then: round after round of kernel jobs wraps the area, each bit for bit; jobs held behind an
+    engine's event keep theirs, and one that finds no room is the loop's."""
+    monkeypatch.setattr(plan, "PLANE_ARGS_BYTES", 8192)  # 128 tokens, 4 layers x 2 parts: 2176 bytes a job
+    d, rt = plane_daemon, fake.cuda.runtime
+    pool = FakeCudaPool(fake)
+    rng = np.random.default_rng(9)
+    with _client(d, pool) as c:
+        gate = d.core.clients[c.registration.client_id].gate
+        host = c.alloc(TOKENS)
+        for round_ in range(8):
+            pool.kv[:] = rng.integers(0, 256, pool.kv.shape, dtype=np.uint8)
+            dev = rng.permutation(TOKENS)[:128].tolist()
+            hosts = host[(round_ % 2) * 128:(round_ % 2 + 1) * 128]
+            want = pool.kv[:, :, dev].copy()
+            c.write(host_indices=hosts, device_indices=dev)
+            pool.kv[:] = 0
+            c.load(host_indices=hosts, device_indices=dev).wait()
+            assert np.array_equal(pool.kv[:, :, dev], want), round_
+        assert gate.cuda_jobs == 16
+        # Three writes held behind the engine's event hold three spans; a fourth finds no room.
+        c.write(host_indices=host[:PAGE], device_indices=list(range(PAGE)), ready_event=READY)  # opened
+        jobs = gate.cuda_jobs
+        rt.hang(READY)
+        written: list = []
+
+        def write(i: int, dev: list[int]) -> None:
+            written.append(c.write(host_indices=host[(i % 2) * 128:(i % 2 + 1) * 128], device_indices=dev,
+                                   ready_event=READY))
+
+        threads = [threading.Thread(target=write, args=(i, rng.permutation(TOKENS)[:128].tolist()))
+                   for i in range(4)]
+        for t in threads[:3]:
+            t.start()
+        deadline = time.monotonic() + 5
+        while gate.cuda_jobs < jobs + 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gate.cuda_jobs == jobs + 3
+        threads[3].start()  # the loop's: it waits for its turn behind the plane's three
+        time.sleep(0.2)
+        assert gate.cuda_jobs == jobs + 3
+        rt.fire(READY)
+        for t in threads:
+            t.join(10)
+        assert gate.cuda_jobs == jobs + 3 and gate.inflight == 0 and len(written) == 4
+        pool.kv[:] = rng.integers(0, 256, pool.kv.shape, dtype=np.uint8)  # and the ring serves on
+        dev = rng.permutation(TOKENS)[:128].tolist()
+        want = pool.kv[:, :, dev].copy()
+        c.write(host_indices=host[:128], device_indices=dev)
+        pool.kv[:] = 0
+        c.load(host_indices=host[:128], device_indices=dev).wait()
+        assert np.array_equal(pool.kv[:, :, dev], want) and gate.cuda_jobs == jobs + 5

@@ -13,7 +13,7 @@
 #define KV_CU_NOT_READY 600 /* CUDA_ERROR_NOT_READY: cuEventQuery of work not done yet */
 /* cuEventCreate's flags for a write's completion event: CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING */
 #define KV_CU_DONE_EVENT_FLAGS 3u
-#define KV_CU_ENTRY_POINTS 7
+#define KV_CU_ENTRY_POINTS 8
 
 typedef struct {
     int (*ctx_set_current)(void *ctx);                                   /* cuCtxSetCurrent */
@@ -23,6 +23,9 @@ typedef struct {
     int (*event_query)(void *event);                                     /* cuEventQuery */
     int (*event_create)(void **event, unsigned flags);                   /* cuEventCreate */
     int (*event_destroy)(void *event);                                   /* cuEventDestroy_v2 */
+    int (*launch_kernel)(void *function, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                         unsigned bz, unsigned shared_bytes, void *stream, void **params,
+                         void **extra);                                  /* cuLaunchKernel */
 } kv_cuda_driver;
 
 #endif

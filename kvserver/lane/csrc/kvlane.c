@@ -164,6 +164,13 @@ typedef struct {
      * it may: a stream stalled behind an engine's event that never fires fills the driver's queue,
      * and a call into a full queue waits for room, which would hold this thread for every engine. */
     int64_t cu_queued, cu_max_queued;
+    /* The copy kernel (set_cuda_kernels): its CUfunction per word (8, 4, 2, 1 bytes; NULL: none, a
+     * job of many small rows is the loop's), and the pinned, mapped area its arguments go in (the
+     * bases and offsets a job's launches read), a ring handed out in the gate's job order. */
+    void *cu_kernels[4];
+    char *cu_args;
+    int64_t cu_args_bytes, cu_args_shift, cu_args_head, cu_args_tail; /* head, tail: bytes ever handed out / back */
+    int32_t cu_max_blocks, cu_warps;
     unsigned char (*cu_ready)[64]; /* engines' ready events the loop opened (add_ready), under mu */
     void **cu_ready_ev;
     int cu_nready;
@@ -656,6 +663,53 @@ static PyObject *gate_set_cuda(Gate *g, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* set_cuda_kernels(functions, args_host, args_bytes, args_shift, max_blocks, warps): a CUDA gate's
+ * jobs of many small rows (past set_cuda's copy limits) are the copy kernel's launches from now on
+ * (once, after set_cuda and before its lane is added): `functions`, the kernel's CUfunction for a
+ * word of 8, 4, 2 and 1 bytes (media/cuda/kernels.py, loaded for the pool's device); `args_host`,
+ * `args_bytes` bytes of pinned host memory mapped for the device (`args_shift` added to a host
+ * address of it gives the device's), where a job's bases and offsets go; grids of at most
+ * `max_blocks` blocks of `warps` warps. */
+static PyObject *gate_set_cuda_kernels(Gate *g, PyObject *args) {
+    PyObject *functions;
+    unsigned long long host;
+    long long nbytes, shift;
+    int max_blocks, warps;
+    if (!PyArg_ParseTuple(args, "OKLLii", &functions, &host, &nbytes, &shift, &max_blocks, &warps))
+        return NULL;
+    if (!g->cuda || g->cu_kernels[0]) {
+        PyErr_SetString(PyExc_RuntimeError, "set_cuda_kernels is for a CUDA gate, once");
+        return NULL;
+    }
+    if (!host || host % 16 || nbytes < 4096 || nbytes % 16 || max_blocks <= 0 || warps <= 0 || warps > 32 ||
+        PySequence_Size(functions) != 4) {
+        PyErr_SetString(PyExc_ValueError, "set_cuda_kernels takes 4 functions, an aligned area of 4 KiB "
+                        "or more in 16-byte steps, and a positive grid");
+        return NULL;
+    }
+    void *fn[4];
+    for (int k = 0; k < 4; k++) {
+        PyObject *item = PySequence_GetItem(functions, k);
+        if (!item)
+            return NULL;
+        fn[k] = (void *)(uintptr_t)PyLong_AsUnsignedLongLong(item);
+        Py_DECREF(item);
+        if (PyErr_Occurred())
+            return NULL;
+        if (!fn[k]) {
+            PyErr_SetString(PyExc_ValueError, "a kernel function is NULL");
+            return NULL;
+        }
+    }
+    g->cu_args = (char *)(uintptr_t)host;
+    g->cu_args_bytes = nbytes;
+    g->cu_args_shift = shift;
+    g->cu_max_blocks = max_blocks;
+    g->cu_warps = warps;
+    memcpy(g->cu_kernels, fn, sizeof fn); /* last: cuda_takes looks at cu_kernels[0] */
+    Py_RETURN_NONE;
+}
+
 /* add_ready(handle, event) -> bool: the plane may wait on `event` (a CUevent the loop opened from
  * the engine's IPC `handle`, 64 bytes) for requests naming that handle; False if the gate knows
  * CU_MAX_READY already (those requests stay the loop's). The event must live until the gate is
@@ -705,6 +759,7 @@ static PyObject *gate_get_cuda_jobs(Gate *g, void *unused) {
 static PyMethodDef gate_methods[] = {
     {"set_cuda", (PyCFunction)gate_set_cuda, METH_VARARGS, NULL},
     {"add_ready", (PyCFunction)gate_add_ready, METH_VARARGS, NULL},
+    {"set_cuda_kernels", (PyCFunction)gate_set_cuda_kernels, METH_VARARGS, NULL},
     {"set_cache", (PyCFunction)gate_set_cache, METH_VARARGS, NULL},
     {"set_space", (PyCFunction)gate_set_space, METH_VARARGS, NULL},
     {"check_call", (PyCFunction)gate_check_call, METH_VARARGS, NULL},
@@ -824,6 +879,9 @@ typedef struct Job {
     void *cu_ready, *cu_done;
     int64_t cu_progress_ns; /* its last progress: nothing for the gate's cu_wait_ns gives it up */
     int64_t cu_ops;         /* the driver calls it puts on the stream (counted in cu_queued until it ends) */
+    int cu_kernel;          /* its copies are the copy kernel's launches, their arguments in the gate's area */
+    int64_t cu_args_want;            /* the span cuda_takes found room for, padding included */
+    int64_t cu_args_at, cu_args_len; /* its span there once launched: from ring position cu_args_at */
     uint32_t recorded;      /* slot word 48: a load's layer events are recorded */
 } Job;
 
@@ -1142,14 +1200,27 @@ static int take_turn(Gate *g, int64_t arrival) {
  * layer), its ready event one the loop opened, and the pool's GPU work not given up on. */
 static int cuda_takes(Engine *e, Gate *g, Job *j, const kv_request *r) {
     int64_t copies = j->nruns * (int64_t)j->nl * g->parts;
-    int64_t ops = copies + (j->load ? j->nl : 1) + (r->ready_len ? 1 : 0); /* + records, + the wait */
-    if (copies > g->cu_max_copies || g->cu_queued + ops > g->cu_max_queued ||
-        e->cu_queued + ops > CU_PLANE_QUEUED_MAX)
+    int dma = copies <= g->cu_max_copies;
+    if (dma && copies > g->cu_small_copies)
+        for (int64_t k = 0; k < j->nruns && dma; k++)
+            dma = j->runs[k].ntok * g->token_bytes >= g->cu_min_copy_bytes;
+    int64_t ops = (r->ready_len ? 1 : 0) + (j->load ? j->nl : 1); /* the wait, the records */
+    if (dma) {
+        ops += copies;
+    } else { /* the copy kernel's: a launch per layer (a load) or one (a write), token rows */
+        if (!g->cu_kernels[0])
+            return 0;
+        int64_t need = 16 * ((int64_t)j->nl * g->parts + j->ndev); /* bases, offsets: both sides */
+        int64_t pos = g->cu_args_head % g->cu_args_bytes;
+        int64_t pad = pos + need > g->cu_args_bytes ? g->cu_args_bytes - pos : 0; /* a span never wraps */
+        if (g->cu_args_head + pad + need - g->cu_args_tail > g->cu_args_bytes)
+            return 0;
+        j->cu_kernel = 1;
+        j->cu_args_want = pad + need;
+        ops += j->load ? j->nl : 1;
+    }
+    if (g->cu_queued + ops > g->cu_max_queued || e->cu_queued + ops > CU_PLANE_QUEUED_MAX)
         return 0;
-    if (copies > g->cu_small_copies)
-        for (int64_t k = 0; k < j->nruns; k++)
-            if (j->runs[k].ntok * g->token_bytes < g->cu_min_copy_bytes)
-                return 0;
     void *ready = NULL;
     pthread_mutex_lock(&g->mu);
     int ok = !g->cu_failed[0];
@@ -2014,6 +2085,70 @@ static void cuda_give_up(Engine *e, Job *j, const char *why, int rc) {
      * fails and reclaims it, and a loop's copy of the client waiting for its turn fails at once. */
 }
 
+/* A kernel job's launches (cuda_takes gave it a span of the gate's argument area): its bases, one a
+ * (layer, part) for each side, and its token rows' offsets, written into the span; the widest word
+ * dividing the row and every base and offset; then a launch a layer for a load, each followed by
+ * the layer's event, or one launch for a write. *enqueued: whether any launch was made. */
+static int cuda_launch(Gate *g, Job *j, void *st, int *enqueued) {
+    kv_cuda_driver *cu = &g->cu;
+    int64_t tb = g->token_bytes, stride = g->dev_stride, nlayers = g->lim.num_layers;
+    int64_t nlp = (int64_t)j->nl * g->parts, rows = j->ndev;
+    j->cu_args_at = g->cu_args_head;
+    int64_t need = 16 * (nlp + rows), pos = g->cu_args_head % g->cu_args_bytes;
+    if (pos + need > g->cu_args_bytes)
+        pos = 0; /* the padding cuda_takes counted */
+    j->cu_args_len = j->cu_args_want;
+    g->cu_args_head += j->cu_args_len;
+    uint64_t *dst_b = (uint64_t *)(g->cu_args + pos), *src_b = dst_b + nlp;
+    int64_t *dst_o = (int64_t *)(src_b + nlp), *src_o = dst_o + rows;
+    uint64_t acc = (uint64_t)tb;
+    for (uint32_t li = 0; li < j->nl; li++)
+        for (int part = 0; part < g->parts; part++) {
+            int64_t lp = (int64_t)j->local[li] * g->parts + part, at = (int64_t)li * g->parts + part;
+            uint64_t host = (uint64_t)(uintptr_t)(j->host + lp * j->lp_stride) + (uint64_t)g->cu_host_shift;
+            uint64_t dev = (uint64_t)(uintptr_t)g->dev_bases[lp];
+            dst_b[at] = j->load ? dev : host;
+            src_b[at] = j->load ? host : dev;
+            acc |= host | dev;
+        }
+    int64_t row = 0;
+    for (int64_t k = 0; k < j->nruns; k++)
+        for (int64_t t = 0; t < j->runs[k].ntok; t++, row++) {
+            int64_t h = j->runs[k].host_off + t * tb, d = (j->runs[k].dev_tok + t) * stride;
+            dst_o[row] = j->load ? d : h;
+            src_o[row] = j->load ? h : d;
+            acc |= (uint64_t)h | (uint64_t)d;
+        }
+    int word = 8, which = 0;
+    while (word > 1 && (acc & (uint64_t)(word - 1))) {
+        word >>= 1;
+        which++;
+    }
+    void *f = g->cu_kernels[which];
+    /* The area is host memory the kernel reads over the bus: written whole before the launch. */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    long long n = rows, row_words = tb / word;
+    unsigned long long dev_args = (unsigned long long)(uintptr_t)g->cu_args + (unsigned long long)g->cu_args_shift;
+    unsigned long long d_dst_o = dev_args + (unsigned long long)((char *)dst_o - g->cu_args);
+    unsigned long long d_src_o = dev_args + (unsigned long long)((char *)src_o - g->cu_args);
+    int rc = 0;
+    for (uint32_t li = 0; !rc && li < (j->load ? j->nl : 1); li++) {
+        int count = j->load ? g->parts : (int)nlp;
+        int64_t first = j->load ? (int64_t)li * g->parts : 0;
+        unsigned long long d_dst_b = dev_args + (unsigned long long)((char *)(dst_b + first) - g->cu_args);
+        unsigned long long d_src_b = dev_args + (unsigned long long)((char *)(src_b + first) - g->cu_args);
+        int64_t blocks = (rows * count + g->cu_warps - 1) / g->cu_warps;
+        if (blocks > g->cu_max_blocks)
+            blocks = g->cu_max_blocks;
+        void *params[] = {&d_dst_b, &d_src_b, &count, &d_dst_o, &d_src_o, &n, &row_words};
+        *enqueued = 1;
+        rc = cu->launch_kernel(f, (unsigned)blocks, 1, 1, 32u * (unsigned)g->cu_warps, 1, 1, 0, st, params, NULL);
+        if (!rc && j->load)
+            rc = cu->event_record(g->cu_events[(int64_t)j->cu_slot * nlayers + j->local[li]], st);
+    }
+    return rc;
+}
+
 /* Puts job j on its gate's stream (see above). */
 static void cuda_issue(Engine *e, Job *j) {
     Gate *g = j->gate;
@@ -2028,7 +2163,9 @@ static void cuda_issue(Engine *e, Job *j) {
         enqueued = 1;
         rc = cu->stream_wait_event(st, j->cu_ready, 0);
     }
-    for (uint32_t li = 0; !rc && li < j->nl; li++) {
+    if (!rc && j->cu_kernel)
+        rc = cuda_launch(g, j, st, &enqueued);
+    for (uint32_t li = 0; !rc && !j->cu_kernel && li < j->nl; li++) {
         for (int part = 0; !rc && part < g->parts; part++) {
             int64_t lp = (int64_t)j->local[li] * g->parts + part;
             uint64_t host = (uint64_t)(uintptr_t)(j->host + lp * j->lp_stride) + (uint64_t)g->cu_host_shift;
@@ -2152,6 +2289,17 @@ static void cuda_forget(Engine *e, Job *j) {
         j->gate->cu_queued -= j->cu_ops;
         e->cu_queued -= j->cu_ops;
         j->cu_ops = 0;
+    }
+    if (j->cu_kernel && j->cu_args_len) { /* its span goes back: the ring's tail is the oldest span left */
+        Gate *g = j->gate;
+        int64_t tail = g->cu_args_head;
+        for (Job *o = e->jobs; o; o = o->next)
+            if (o != j && o->gate == g && o->cu_kernel && o->cu_args_len) {
+                tail = o->cu_args_at;
+                break;
+            }
+        g->cu_args_tail = tail;
+        j->cu_args_len = 0;
     }
     if (j->cuda && j->cu_done) {
         Gate *g = j->gate;

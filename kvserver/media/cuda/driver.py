@@ -43,7 +43,7 @@ def allocation_range(ptr: int) -> tuple[int, int]:
 # The driver's entry points the compiled data plane calls for a CUDA pool's copies, in the order of
 # kv_cuda_driver (kvserver/lane/csrc/cuda.h): libcuda's exported names.
 PLANE_ENTRY_POINTS = ("cuCtxSetCurrent", "cuMemcpyAsync", "cuStreamWaitEvent", "cuEventRecord",
-                      "cuEventQuery", "cuEventCreate", "cuEventDestroy_v2")
+                      "cuEventQuery", "cuEventCreate", "cuEventDestroy_v2", "cuLaunchKernel")
 
 
 def plane_entry_points() -> tuple[int, ...]:
@@ -62,3 +62,12 @@ def stream_context(stream: int) -> int:
     if status != CUDA_SUCCESS or not ctx.value:
         raise DriverError(f"cuStreamGetCtx failed (CUresult {status}) or gave no context")
     return ctx.value
+
+
+def kernel_functions(cupy, ordinal: int) -> tuple[int, ...]:
+    """The copy kernel's CUfunction for a word of 8, 4, 2 and 1 bytes, loaded for device
+    ``ordinal`` (CuPy compiles and loads each on first use), for ``Gate.set_cuda_kernels``."""
+    from kvserver.media.cuda.kernels import copy_rows_kernel
+
+    with cupy.cuda.Device(ordinal):
+        return tuple(int(copy_rows_kernel(cupy, word).kernel.ptr) for word in (8, 4, 2, 1))

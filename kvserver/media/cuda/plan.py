@@ -33,6 +33,11 @@ PLANE_SMALL_COPIES = 64
 # queue waits for room: bounded so, the plane's one thread never waits there (the loop's copy
 # workers take what is past it). The driver's queue depth is the GPU check's to measure.
 PLANE_MAX_QUEUED = 2 * DMA_MAX_COPIES
+# A job past the DMA limits above is the copy kernel's, launched by the plane too: one launch a layer
+# (a load) or one (a write), token rows, its bases and offsets written into this much pinned host
+# memory of the pool, mapped for the device and handed out as a ring (a job that finds no room is
+# the loop's): 16 bytes a token and a (layer, part).
+PLANE_ARGS_BYTES = 2 << 20
 
 
 def choose_method(chunk_bytes: int, num_copies: int = 1,

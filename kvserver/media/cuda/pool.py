@@ -140,6 +140,7 @@ class CudaDevicePool(DevicePool):
     # (plane_setup), and the engines' ready events it was given: kept open until the release.
     plane_gate: object = None
     plane_ready: set[bytes] = field(default_factory=set)
+    plane_args: np.ndarray | None = None  # the plane's kernel arguments (pinned, mapped; plane_setup)
 
     @property
     def dtype(self):
@@ -181,6 +182,19 @@ class CudaDevicePool(DevicePool):
         gate.set_cuda(driver.plane_entry_points(), ctx, self.stream.ptr, list(self.events), self.event_slots,
                       self.host_to_device, self.wait_seconds, plan.DMA_MAX_COPIES, plan.DMA_MIN_CHUNK_BYTES,
                       plan.PLANE_SMALL_COPIES, plan.PLANE_MAX_QUEUED)
+        # The copy kernel for jobs of many small rows, its arguments in pinned memory the device
+        # reads (released with the pool's other pins).
+        functions = driver.kernel_functions(self.cupy, self.ordinal)
+        args = np.zeros(plan.PLANE_ARGS_BYTES + 64, np.uint8)
+        at = -args.ctypes.data % 64
+        args = args[at:at + plan.PLANE_ARGS_BYTES]
+        rt = self.cupy.cuda.runtime
+        with self.device():
+            pinned = register_host(rt, args.ctypes.data, args.nbytes, HOST_REGISTER_FLAGS)
+            self.pinned.extend(pinned)
+            self.plane_args = args
+            shift = rt.pointerGetAttributes(args.ctypes.data).devicePointer - args.ctypes.data
+        gate.set_cuda_kernels(functions, args.ctypes.data, args.nbytes, shift, KERNEL_MAX_BLOCKS, 8)
         self.plane_gate = gate
         with self._events_lock:
             for handle, event in self.opened_events.items():
