@@ -2298,6 +2298,8 @@ static void cuda_forget(Engine *e, Job *j) {
                 tail = o->cu_args_at;
                 break;
             }
+        if (tail == g->cu_args_head) /* none left: the next span starts at the area's start */
+            tail = g->cu_args_head = 0;
         g->cu_args_tail = tail;
         j->cu_args_len = 0;
     }

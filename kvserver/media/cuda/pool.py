@@ -140,7 +140,9 @@ class CudaDevicePool(DevicePool):
     # (plane_setup), and the engines' ready events it was given: kept open until the release.
     plane_gate: object = None
     plane_ready: set[bytes] = field(default_factory=set)
-    plane_args: np.ndarray | None = None  # the plane's kernel arguments (pinned, mapped; plane_setup)
+    # For the plane's kernel launches (attach_host, where plan.PLANE): the kernel's CUfunction per
+    # word, the pinned area its arguments go in, and that area's device address less its host one.
+    plane_kernels: tuple[tuple[int, ...], np.ndarray, int] | None = None
 
     @property
     def dtype(self):
@@ -182,19 +184,9 @@ class CudaDevicePool(DevicePool):
         gate.set_cuda(driver.plane_entry_points(), ctx, self.stream.ptr, list(self.events), self.event_slots,
                       self.host_to_device, self.wait_seconds, plan.DMA_MAX_COPIES, plan.DMA_MIN_CHUNK_BYTES,
                       plan.PLANE_SMALL_COPIES, plan.PLANE_MAX_QUEUED)
-        # The copy kernel for jobs of many small rows, its arguments in pinned memory the device
-        # reads (released with the pool's other pins).
-        functions = driver.kernel_functions(self.cupy, self.ordinal)
-        args = np.zeros(plan.PLANE_ARGS_BYTES + 64, np.uint8)
-        at = -args.ctypes.data % 64
-        args = args[at:at + plan.PLANE_ARGS_BYTES]
-        rt = self.cupy.cuda.runtime
-        with self.device():
-            pinned = register_host(rt, args.ctypes.data, args.nbytes, HOST_REGISTER_FLAGS)
-            self.pinned.extend(pinned)
-            self.plane_args = args
-            shift = rt.pointerGetAttributes(args.ctypes.data).devicePointer - args.ctypes.data
-        gate.set_cuda_kernels(functions, args.ctypes.data, args.nbytes, shift, KERNEL_MAX_BLOCKS, 8)
+        if self.plane_kernels is not None:  # prepared off the loop (attach_host)
+            functions, args, shift = self.plane_kernels
+            gate.set_cuda_kernels(functions, args.ctypes.data, args.nbytes, shift, KERNEL_MAX_BLOCKS, 8)
         self.plane_gate = gate
         with self._events_lock:
             for handle, event in self.opened_events.items():
@@ -252,6 +244,29 @@ class CudaDevicePool(DevicePool):
                 event = rt.eventCreateWithFlags(EVENT_FLAGS)
                 self.events.append(event)
                 self.event_handles.append(rt.ipcGetEventHandle(event))
+        if plan.PLANE and self.geometry is None:
+            self._plane_kernels()
+
+    def _plane_kernels(self) -> None:
+        """What the plane's kernel launches need (``plane_kernels``), made here, in the
+        registration's worker thread: the kernel's first load compiles it (NVRTC), which the
+        event loop must not wait for. Without it (a failed compile), the plane still copies by DMA
+        and leaves the rest to the loop."""
+        rt = self.cupy.cuda.runtime
+        try:
+            functions = driver.kernel_functions(self.cupy, self.ordinal)
+            args = np.zeros(plan.PLANE_ARGS_BYTES + 64, np.uint8)
+            at = -args.ctypes.data % 64
+            args = args[at:at + plan.PLANE_ARGS_BYTES]
+            with self.device():
+                pinned = register_host(rt, args.ctypes.data, args.nbytes, HOST_REGISTER_FLAGS)
+                self.pinned.extend(pinned)  # released with the pool's other pins
+                shift = rt.pointerGetAttributes(args.ctypes.data).devicePointer - args.ctypes.data
+        except Exception:
+            logger.exception("the data plane cannot launch the copy kernel on device %d: the loop "
+                             "does the copies it would have", self.ordinal)
+            return
+        self.plane_kernels = (functions, args, shift)
 
     def close(self) -> Future | None:
         """Releases everything once the stream has drained (waiting up to ``wait_seconds``; not
