@@ -566,6 +566,25 @@ static PyObject *gate_get_cache_gid(Gate *g, void *unused) {
 
 /* ---- a CUDA pool's gate ----------------------------------------------------------------------- */
 
+/* The n addresses of sequence `seq` into out[]; -1 (set) if one is not an int, or, where `what`
+ * names them, is 0 (NULL). */
+static int addresses(PyObject *seq, void **out, Py_ssize_t n, const char *what) {
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *item = PySequence_GetItem(seq, k);
+        if (!item)
+            return -1;
+        out[k] = (void *)(uintptr_t)PyLong_AsUnsignedLongLong(item);
+        Py_DECREF(item);
+        if (PyErr_Occurred())
+            return -1;
+        if (what && !out[k]) {
+            PyErr_Format(PyExc_ValueError, "%s is NULL", what);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 #define CU_MAX_READY 16 /* engines' ready events a gate knows: more go to the loop, which opens them */
 /* Driver calls the plane may have on all gates' streams for jobs not ended (each gate at most its
  * set_cuda max_queued): past it, jobs are the loop's, whose copy workers may wait in the driver. */
@@ -578,9 +597,9 @@ static PyObject *gate_get_cache_gid(Gate *g, void *unused) {
  * (`events`, slots * num_layers CUevents, slot-major), a write one of its own. `host_shift` turns a
  * host address of the region into the GPU's; no progress for `wait_seconds` gives the pool's GPU
  * work up (cuda_failed). A job of more than `max_copies` cuMemcpyAsync, or of more than
- * `small_copies` with one of fewer than `min_copy_bytes` bytes (the copy kernel's: the loop's), or
- * one that would put more than `max_queued` driver calls on the stream for jobs not ended, is
- * handed to the loop. Loads may then name event slots below `slots`, and requests carry a ready
+ * `small_copies` with one of fewer than `min_copy_bytes` bytes, is the copy kernel's (the loop's
+ * unless set_cuda_kernels); one that would put more than `max_queued` driver calls on the stream
+ * for jobs not ended is the loop's. Loads may then name event slots below `slots`, and requests carry a ready
  * event (64 bytes) the plane waits on if the loop gave it that event (add_ready). */
 static PyObject *gate_set_cuda(Gate *g, PyObject *args) {
     PyObject *driver, *events;
@@ -610,19 +629,8 @@ static PyObject *gate_set_cuda(Gate *g, PyObject *args) {
         return NULL;
     }
     void *fn[KV_CU_ENTRY_POINTS];
-    for (int k = 0; k < KV_CU_ENTRY_POINTS; k++) {
-        PyObject *item = PySequence_GetItem(driver, k);
-        if (!item)
-            return NULL;
-        fn[k] = (void *)(uintptr_t)PyLong_AsUnsignedLongLong(item);
-        Py_DECREF(item);
-        if (PyErr_Occurred())
-            return NULL;
-        if (!fn[k]) {
-            PyErr_SetString(PyExc_ValueError, "a driver entry point is NULL");
-            return NULL;
-        }
-    }
+    if (addresses(driver, fn, KV_CU_ENTRY_POINTS, "a driver entry point") < 0)
+        return NULL;
     void **ev = calloc((size_t)ne, sizeof(void *));
     unsigned char(*ready)[64] = calloc(CU_MAX_READY, 64);
     void **ready_ev = calloc(CU_MAX_READY, sizeof(void *));
@@ -632,16 +640,11 @@ static PyObject *gate_set_cuda(Gate *g, PyObject *args) {
         free(ready_ev);
         return PyErr_NoMemory();
     }
-    for (Py_ssize_t k = 0; k < ne; k++) {
-        PyObject *item = PySequence_GetItem(events, k);
-        ev[k] = item ? (void *)(uintptr_t)PyLong_AsUnsignedLongLong(item) : NULL;
-        Py_XDECREF(item);
-        if (PyErr_Occurred()) {
-            free(ev);
-            free(ready);
-            free(ready_ev);
-            return NULL;
-        }
+    if (addresses(events, ev, ne, NULL) < 0) {
+        free(ev);
+        free(ready);
+        free(ready_ev);
+        return NULL;
     }
     memcpy(&g->cu, fn, sizeof fn); /* kv_cuda_driver is KV_CU_ENTRY_POINTS pointers, in this order */
     g->cu_ctx = (void *)(uintptr_t)ctx;
@@ -688,19 +691,8 @@ static PyObject *gate_set_cuda_kernels(Gate *g, PyObject *args) {
         return NULL;
     }
     void *fn[4];
-    for (int k = 0; k < 4; k++) {
-        PyObject *item = PySequence_GetItem(functions, k);
-        if (!item)
-            return NULL;
-        fn[k] = (void *)(uintptr_t)PyLong_AsUnsignedLongLong(item);
-        Py_DECREF(item);
-        if (PyErr_Occurred())
-            return NULL;
-        if (!fn[k]) {
-            PyErr_SetString(PyExc_ValueError, "a kernel function is NULL");
-            return NULL;
-        }
-    }
+    if (addresses(functions, fn, 4, "a kernel function") < 0)
+        return NULL;
     g->cu_args = (char *)(uintptr_t)host;
     g->cu_args_bytes = nbytes;
     g->cu_args_shift = shift;
@@ -880,8 +872,9 @@ typedef struct Job {
     int64_t cu_progress_ns; /* its last progress: nothing for the gate's cu_wait_ns gives it up */
     int64_t cu_ops;         /* the driver calls it puts on the stream (counted in cu_queued until it ends) */
     int cu_kernel;          /* its copies are the copy kernel's launches, their arguments in the gate's area */
-    int64_t cu_args_want;            /* the span cuda_takes found room for, padding included */
-    int64_t cu_args_at, cu_args_len; /* its span there once launched: from ring position cu_args_at */
+    int64_t cu_args_want, cu_args_pos; /* the span cuda_takes found room for (padding included), where
+                                        * in the area its arguments start */
+    int64_t cu_args_at, cu_args_len;   /* its span once launched: from ring position cu_args_at */
     uint32_t recorded;      /* slot word 48: a load's layer events are recorded */
 } Job;
 
@@ -966,7 +959,6 @@ typedef struct {
     uint64_t plane_space_lookups; /* of those, a scheduler's of a whole space (its space's lane) */
     uint64_t plane_puts;    /* Puts of keys all stored already, likewise */
     uint64_t plane_stores;  /* Puts that stored pages here (try_put), counted as they are answered */
-    uint64_t plane_cuda;    /* CUDA pools' Writes and Loads put on their streams here */
     int64_t cu_progress_ns; /* when a CUDA job was last put on a stream or moved on (its polls' pace) */
     int64_t cu_queued;      /* driver calls on every gate's stream for jobs not ended (CU_PLANE_QUEUED_MAX) */
     /* latency histograms, as kvserver_operation_duration_seconds and
@@ -1196,8 +1188,9 @@ static int take_turn(Gate *g, int64_t arrival) {
 }
 
 /* Whether the plane takes job j of a CUDA gate (set_cuda), and if so makes it a CUDA job: its
- * copies few enough to issue one by one (else the loop's copy kernel does them in one launch a
- * layer), its ready event one the loop opened, and the pool's GPU work not given up on. */
+ * copies few enough to issue one by one, else the copy kernel's (set_cuda_kernels) with room for
+ * its arguments; its driver calls within the queue bounds; its ready event one the loop opened;
+ * and the pool's GPU work not given up on. */
 static int cuda_takes(Engine *e, Gate *g, Job *j, const kv_request *r) {
     int64_t copies = j->nruns * (int64_t)j->nl * g->parts;
     int dma = copies <= g->cu_max_copies;
@@ -1217,6 +1210,7 @@ static int cuda_takes(Engine *e, Gate *g, Job *j, const kv_request *r) {
             return 0;
         j->cu_kernel = 1;
         j->cu_args_want = pad + need;
+        j->cu_args_pos = pad ? 0 : pos; /* nothing else is handed out before it is launched */
         ops += j->load ? j->nl : 1;
     }
     if (g->cu_queued + ops > g->cu_max_queued || e->cu_queued + ops > CU_PLANE_QUEUED_MAX)
@@ -1298,12 +1292,14 @@ static int try_job(Engine *e, Lane *l, int i, uint32_t rpc, uint32_t n) {
         job_free(j);
         return 0;
     }
+    enqueue(e, j);
+    if (j->cuda) { /* its stream orders it: no write marks (a CUDA gate has no other kind of job) */
+        cuda_issue(e, j);
+        return 1;
+    }
     j->dependent = j->load ? touches_writes(j) : 1;
     if (!j->load)
         mark_writes(j, 1);
-    enqueue(e, j);
-    if (j->cuda)
-        cuda_issue(e, j);
     return 1;
 }
 
@@ -1971,7 +1967,7 @@ static void finish(Engine *e, Job *j, uint32_t code, const char *message, int an
         finish_ext(e, j, ok ? DONE_OK : (j->released ? DONE_RELEASED : DONE_HALTED));
         return;
     }
-    if (!j->load)
+    if (!j->load && !j->cuda)
         mark_writes(j, -1);
     pthread_mutex_lock(&g->mu);
     for (int64_t k = 0; k < j->npages; k++)
@@ -2049,7 +2045,8 @@ static void stop_job(Engine *e, Job *j, const char *reason, uint32_t code, int a
 /* ---- CUDA jobs ------------------------------------------------------------------------------
  * A CUDA pool's Write or Load (its gate's set_cuda) is put on the pool's stream whole as it is
  * taken, in arrival order (the stream keeps the registration's order on the GPU): the wait on the
- * engine's ready event, each (layer, part)'s runs by cuMemcpyAsync, a load's layer event after
+ * engine's ready event, each (layer, part)'s runs by cuMemcpyAsync or the copy kernel's launches
+ * (cuda_launch), a load's layer event after
  * each layer, a write's own event at its end. None of these calls waits for the GPU. Its events are
  * then polled between the plane's other work (cuda_poll): a load's layers are published as they
  * land, as a copied one's are, and it ends once its last event has. Its pages stay busy until then.
@@ -2094,12 +2091,9 @@ static int cuda_launch(Gate *g, Job *j, void *st, int *enqueued) {
     int64_t tb = g->token_bytes, stride = g->dev_stride, nlayers = g->lim.num_layers;
     int64_t nlp = (int64_t)j->nl * g->parts, rows = j->ndev;
     j->cu_args_at = g->cu_args_head;
-    int64_t need = 16 * (nlp + rows), pos = g->cu_args_head % g->cu_args_bytes;
-    if (pos + need > g->cu_args_bytes)
-        pos = 0; /* the padding cuda_takes counted */
     j->cu_args_len = j->cu_args_want;
     g->cu_args_head += j->cu_args_len;
-    uint64_t *dst_b = (uint64_t *)(g->cu_args + pos), *src_b = dst_b + nlp;
+    uint64_t *dst_b = (uint64_t *)(g->cu_args + j->cu_args_pos), *src_b = dst_b + nlp;
     int64_t *dst_o = (int64_t *)(src_b + nlp), *src_o = dst_o + rows;
     uint64_t acc = (uint64_t)tb;
     for (uint32_t li = 0; li < j->nl; li++)
@@ -2188,7 +2182,6 @@ static void cuda_issue(Engine *e, Job *j) {
     __atomic_add_fetch(&g->cu_jobs, 1, __ATOMIC_RELAXED);
     g->cu_queued += j->cu_ops; /* counted whole, whatever reached the stream, until it ends */
     e->cu_queued += j->cu_ops;
-    __atomic_add_fetch(&e->plane_cuda, 1, __ATOMIC_RELAXED);
     if (!rc) {
         if (j->load) { /* the engine may now make its compute stream wait on the layer events */
             j->recorded = 1;
@@ -2215,6 +2208,13 @@ static void cuda_issue(Engine *e, Job *j) {
         cuda_give_up(e, j, "a copy could not be put on the GPU's stream, nor a marker behind it", rc);
 }
 
+/* A job a driver call failed to put on the stream ends INTERNAL, once what reached it has passed. */
+static void cuda_end_failed_issue(Engine *e, Job *j) {
+    char msg[128];
+    snprintf(msg, sizeof msg, "putting the copy on the GPU's stream failed: CUresult %d", j->cu_error);
+    finish(e, j, 13 /* INTERNAL */, msg, !j->cu_quiet);
+}
+
 /* An issued CUDA job's events, looked at (see above); it may end here. */
 static void cuda_poll(Engine *e, Job *j, int64_t t) {
     Gate *g = j->gate;
@@ -2227,9 +2227,7 @@ static void cuda_poll(Engine *e, Job *j, int64_t t) {
         return;
     }
     if (j->cu_error && !j->cu_done) { /* nothing of it reached the stream */
-        char msg[128];
-        snprintf(msg, sizeof msg, "putting the copy on the GPU's stream failed: CUresult %d", j->cu_error);
-        finish(e, j, 13 /* INTERNAL */, msg, !j->cu_quiet);
+        cuda_end_failed_issue(e, j);
         return;
     }
     int rc = cu->ctx_set_current(g->cu_ctx);
@@ -2240,9 +2238,7 @@ static void cuda_poll(Engine *e, Job *j, int64_t t) {
             cu->event_destroy(j->cu_done);
             j->cu_done = NULL;
             if (j->cu_error) {
-                char msg[128];
-                snprintf(msg, sizeof msg, "putting the copy on the GPU's stream failed: CUresult %d", j->cu_error);
-                finish(e, j, 13 /* INTERNAL */, msg, !j->cu_quiet);
+                cuda_end_failed_issue(e, j);
                 return;
             }
             j->li = j->nl;
@@ -3519,9 +3515,6 @@ static PyObject *engine_get_plane_puts(Engine *e, void *unused) {
 static PyObject *engine_get_plane_stores(Engine *e, void *unused) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->plane_stores, __ATOMIC_RELAXED));
 }
-static PyObject *engine_get_plane_cuda(Engine *e, void *unused) {
-    return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->plane_cuda, __ATOMIC_RELAXED));
-}
 static PyObject *engine_get_handed(Engine *e, void *unused) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->handed, __ATOMIC_RELAXED));
 }
@@ -3556,7 +3549,6 @@ static PyGetSetDef engine_getset[] = {
     {"plane_puts", (getter)engine_get_plane_puts, NULL, NULL, NULL},
     {"plane_stores", (getter)engine_get_plane_stores, NULL, NULL, NULL},
     {"write_turns", (getter)engine_get_write_turns, NULL, NULL, NULL},
-    {"plane_cuda", (getter)engine_get_plane_cuda, NULL, NULL, NULL},
     {NULL},
 };
 
