@@ -41,7 +41,7 @@ from kvserver.copies.order import JobOrder
 from kvserver.copies.progress import LayerSignal
 from kvserver.copies.workers import CopyQueue
 from kvserver.core.client_state import ClientState, public_id
-from kvserver.errors import GpuStalled, UnknownClient
+from kvserver.errors import UnknownClient
 from kvserver.media.base import INLINE
 
 # Copies up to this size run on the event loop when the worker is idle (~50 us at memcpy speed).
@@ -385,10 +385,7 @@ async def plane_turn(client: ClientState) -> AsyncIterator[PlaneTurn]:
             while gate.inflight:
                 # A CUDA pool's copies the plane gave up on hold their pages until the release:
                 # the loop's copy would wait for them, so it fails as they did.
-                why = client.device.plane_failed()
-                if why:
-                    raise GpuStalled(f"this client's GPU work is given up on: {why}. The client is failed "
-                                     "and reclaimed; register again")
+                client.device.check_plane()
                 await asyncio.sleep(PLANE_POLL_SECONDS)
             yield turn
         finally:

@@ -96,6 +96,10 @@ class DevicePool(ABC):
         the pool's failure; None."""
         return None
 
+    def check_plane(self) -> None:  # noqa: B027 - shared memory has nothing to raise; CUDA overrides it
+        """Raises the pool's failure if the plane gave its copies up (``plane_failed``): a copy of
+        the loop's that would wait behind them fails as they did. Nothing for shared memory."""
+
     @abstractmethod
     def check_sizes(self) -> None:
         """Raises if the pool's memory shrank under the daemon since it was opened."""

@@ -20,12 +20,12 @@ DMA_MIN_CHUNK_BYTES = 28 << 10
 DMA_MAX_COPIES = 512
 
 
-# The compiled data plane puts a CUDA pool's lane Writes and Loads on the GPU's stream itself, one
-# cuMemcpyAsync a run (kvserver/lane/csrc/kvlane.c, "CUDA jobs"), for jobs of at most
+# The compiled data plane puts a CUDA pool's lane Writes and Loads on the GPU's stream itself
+# (kvserver/lane/csrc/kvlane.c, "CUDA jobs"): one cuMemcpyAsync a run for jobs of at most
 # DMA_MAX_COPIES copies whose runs are all DMA_MIN_CHUNK_BYTES or more, or of at most
-# PLANE_SMALL_COPIES copies of any size (a call whose cost is its overhead, not the GPU's copy); the
-# others, and every pool with blocks or strided heads, are the loop's (the copy kernel). Off unless
-# KVSERVER_PLANE_CUDA=1 until scripts/gpu_check.py has proven it on a GPU (docs/gpu-check.md).
+# PLANE_SMALL_COPIES copies of any size (a call whose cost is its overhead, not the GPU's copy);
+# the others by launches of the copy kernel. Pools with blocks or strided heads are the loop's. Off
+# unless KVSERVER_PLANE_CUDA=1 until scripts/gpu_check.py has proven it on a GPU (docs/gpu-check.md).
 PLANE = os.environ.get("KVSERVER_PLANE_CUDA", "0") == "1"
 PLANE_SMALL_COPIES = 64
 # Driver calls the plane may have on one pool's stream for calls not ended. A stream stalled

@@ -202,6 +202,10 @@ class CudaDevicePool(DevicePool):
             self._fail(why)
         return why
 
+    def check_plane(self) -> None:
+        if self.plane_failed():
+            raise self._stalled()
+
     def check_request(self, ready_event: bytes, event_slot: int) -> None:
         if event_slot >= self.event_slots:
             raise InvalidArgument(
