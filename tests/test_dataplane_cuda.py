@@ -76,10 +76,37 @@ def _client(d, pool: FakeCudaPool) -> KVClient:
 def _released(device, seconds: float = 10.0) -> None:
     """Waits until a pool's resources are released (a quarantined one's once its stream drained):
     the stand-in's allocations are opened once per process (``_open``), so none may outlive its test."""
-    deadline = time.monotonic() + seconds
-    while not device.released.done() and time.monotonic() < deadline:
-        time.sleep(0.02)
+    _until(device.released.done, seconds)
     assert device.released.done(), "the pool's resources were not released"
+
+
+def _own_daemon(daemon_factory, **settings):
+    """An in-process daemon of these settings whose compiled data plane runs (else the test is skipped)."""
+    d = daemon_factory(**settings)
+    if d.core.plane is None:
+        pytest.skip("the compiled data plane is not built")
+    return d
+
+
+def _writer(c: KVClient, ended: dict, name: str, t0: float = 0.0, **write) -> threading.Thread:
+    """``c.write(**write)`` in a thread of its own, started: ended[name] is then (seconds from
+    ``t0``, the bytes written or the KVClientError)."""
+    def run() -> None:
+        try:
+            got = c.write(**write)
+        except KVClientError as exc:
+            got = exc
+        ended[name] = (time.monotonic() - t0, got)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def _until(ready, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not ready() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _pages(rng, n: int) -> list[int]:
@@ -249,9 +276,7 @@ def test_a_ready_event_that_never_fires_gives_the_pool_up_and_frees_it(daemon_fa
     """No progress for --cuda-wait-seconds: the call is answered DEADLINE_EXCEEDED, the client is
     failed and reclaimed, and its pool's release waits for the stream (the stand-in's: it drains
     once the event fires) or quarantines it."""
-    d = daemon_factory(cuda_wait_seconds=0.3, lease=60.0)
-    if d.core.plane is None:
-        pytest.skip("the compiled data plane is not built")
+    d = _own_daemon(daemon_factory, cuda_wait_seconds=0.3, lease=60.0)
     rt = fake.cuda.runtime
     pool = FakeCudaPool(fake)
     with _client(d, pool) as c:
@@ -267,15 +292,10 @@ def test_a_ready_event_that_never_fires_gives_the_pool_up_and_frees_it(daemon_fa
         assert got.value.code.name == "DEADLINE_EXCEEDED" and "given up on" in str(got.value), got.value
         assert 0.25 < took < 5, took
         assert gate.cuda_jobs == 1 and "no progress" in gate.cuda_failed
-        deadline = time.monotonic() + 5
-        while c.registration.client_id in d.core.clients and time.monotonic() < deadline:
-            time.sleep(0.02)
+        _until(lambda: c.registration.client_id not in d.core.clients)
         assert c.registration.client_id not in d.core.clients, "the failed client was not reclaimed"
         threading.Timer(0.2, rt.fire, (READY,)).start()
-        deadline = time.monotonic() + 5
-        while not client.device.released.done() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert client.device.released.done(), "the pool's resources were not released once its stream drained"
+        _released(client.device)  # once its stream drained
 
 
 def test_a_failed_copy_is_reported_once_what_went_on_the_stream_has_passed(plane_daemon, fake) -> None:
@@ -365,9 +385,7 @@ def test_the_gpu_check_counts_what_the_plane_put_on_the_gpu(plane_daemon, fake, 
 def test_an_unregister_waits_for_the_gpu_to_finish_the_planes_copies(daemon_factory, fake) -> None:
     """A released client's CUDA jobs end only once the GPU is done with them (as the loop's do):
     the release waits for a copy held behind the engine's ready event, which then completes."""
-    d = daemon_factory(cuda_wait_seconds=10.0)
-    if d.core.plane is None:
-        pytest.skip("the compiled data plane is not built")
+    d = _own_daemon(daemon_factory, cuda_wait_seconds=10.0)
     rt = fake.cuda.runtime
     pool = FakeCudaPool(fake)
     c = _client(d, pool)
@@ -376,26 +394,14 @@ def test_an_unregister_waits_for_the_gpu_to_finish_the_planes_copies(daemon_fact
         c.write(host_indices=host, device_indices=list(range(PAGE)), ready_event=READY)  # opened by the loop
         gate = d.core.clients[c.registration.client_id].gate
         rt.hang(READY)
-        results: list = []
-
-        def write() -> None:
-            try:
-                results.append(c.write(host_indices=host, device_indices=list(range(PAGE)),
-                                       ready_event=READY))
-            except KVClientError as exc:
-                results.append(exc)
-
-        writer = threading.Thread(target=write)
-        writer.start()
-        deadline = time.monotonic() + 5
-        while gate.cuda_jobs < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        ended: dict = {}
+        writer = _writer(c, ended, "w", host_indices=host, device_indices=list(range(PAGE)),
+                         ready_event=READY)
+        _until(lambda: gate.cuda_jobs >= 1)
         assert gate.cuda_jobs == 1 and gate.inflight == 1
         unregister = threading.Thread(target=c.unregister)
         unregister.start()
-        deadline = time.monotonic() + 5
-        while not gate.closed and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _until(lambda: gate.closed)
         assert gate.closed
         time.sleep(0.3)
         assert gate.inflight == 1, "the released client's copy ended while the GPU still held it"
@@ -404,16 +410,14 @@ def test_an_unregister_waits_for_the_gpu_to_finish_the_planes_copies(daemon_fact
         unregister.join(10)
         writer.join(10)
         # (The writer's answer is its client's: an unregister closes the lane under its calls.)
-        assert not unregister.is_alive() and gate.inflight == 0 and results
+        assert not unregister.is_alive() and gate.inflight == 0 and "w" in ended
     finally:
         rt.fire(READY)
         c.close()
 
 
 def test_a_pool_given_up_on_gives_up_its_other_copies_at_once(daemon_factory, fake) -> None:
-    d = daemon_factory(cuda_wait_seconds=1.0, lease=60.0)
-    if d.core.plane is None:
-        pytest.skip("the compiled data plane is not built")
+    d = _own_daemon(daemon_factory, cuda_wait_seconds=1.0, lease=60.0)
     rt = fake.cuda.runtime
     pool = FakeCudaPool(fake)
     with _client(d, pool) as c:
@@ -423,19 +427,11 @@ def test_a_pool_given_up_on_gives_up_its_other_copies_at_once(daemon_factory, fa
         rt.hang(READY)
         ended: dict[str, tuple[float, object]] = {}
         t0 = time.monotonic()
-
-        def write(name: str, pages: slice) -> None:
-            try:
-                got = c.write(host_indices=host[pages], device_indices=list(range(PAGE)), ready_event=READY)
-            except KVClientError as exc:
-                got = exc
-            ended[name] = (time.monotonic() - t0, got)
-
-        a = threading.Thread(target=write, args=("a", slice(0, PAGE)))
-        a.start()
+        a = _writer(c, ended, "a", t0, host_indices=host[:PAGE], device_indices=list(range(PAGE)),
+                    ready_event=READY)
         time.sleep(0.6)
-        b = threading.Thread(target=write, args=("b", slice(PAGE, 2 * PAGE)))  # behind a on the stream
-        b.start()
+        b = _writer(c, ended, "b", t0, host_indices=host[PAGE:], device_indices=list(range(PAGE)),
+                    ready_event=READY)  # behind a on the stream
         a.join(10)
         b.join(10)
         rt.fire(READY)
@@ -453,9 +449,7 @@ def test_a_stalled_stream_takes_no_more_of_the_planes_calls_than_its_bound(daemo
     the plane than PLANE_MAX_QUEUED (a full driver queue would hold the plane's thread, for every
     engine): the next call is the loop's, whose turn waits behind the plane's and fails with it."""
     monkeypatch.setattr(plan, "PLANE_MAX_QUEUED", 100)  # a write of 8 pages: 8 runs x 4 layers x 2 parts + 2
-    d = daemon_factory(cuda_wait_seconds=1.0, lease=60.0)
-    if d.core.plane is None:
-        pytest.skip("the compiled data plane is not built")
+    d = _own_daemon(daemon_factory, cuda_wait_seconds=1.0, lease=60.0)
     rt = fake.cuda.runtime
     pool = FakeCudaPool(fake)
     with _client(d, pool) as c:
@@ -464,28 +458,19 @@ def test_a_stalled_stream_takes_no_more_of_the_planes_calls_than_its_bound(daemo
         gate = d.core.clients[c.registration.client_id].gate
         device = d.core.clients[c.registration.client_id].device
         rt.hang(READY)
-        got: dict[str, object] = {}
-
-        def write(name: str, pages: slice) -> None:
-            try:
-                got[name] = c.write(host_indices=host[pages], device_indices=list(range(8 * PAGE)),
-                                    ready_event=READY)
-            except KVClientError as exc:
-                got[name] = exc
-
-        a = threading.Thread(target=write, args=("a", slice(0, 8 * PAGE)))
-        a.start()
-        deadline = time.monotonic() + 5
-        while gate.cuda_jobs < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        b = threading.Thread(target=write, args=("b", slice(8 * PAGE, 16 * PAGE)))
-        b.start()
+        ended: dict[str, tuple[float, object]] = {}
+        a = _writer(c, ended, "a", host_indices=host[:8 * PAGE], device_indices=list(range(8 * PAGE)),
+                    ready_event=READY)
+        _until(lambda: gate.cuda_jobs >= 1)
+        b = _writer(c, ended, "b", host_indices=host[8 * PAGE:], device_indices=list(range(8 * PAGE)),
+                    ready_event=READY)
         a.join(10)
         b.join(10)
         rt.fire(READY)
         assert gate.cuda_jobs == 1, "the plane put a second job on the stalled stream"
         for name in "ab":
-            assert isinstance(got[name], KVClientError) and got[name].code.name == "DEADLINE_EXCEEDED", got
+            got = ended[name][1]
+            assert isinstance(got, KVClientError) and got.code.name == "DEADLINE_EXCEEDED", ended
         _released(device)
 
 
@@ -515,27 +500,23 @@ def test_the_kernels_argument_area_is_a_ring_reused_once_its_jobs_end(plane_daem
         c.write(host_indices=host[:PAGE], device_indices=list(range(PAGE)), ready_event=READY)  # opened
         jobs = gate.cuda_jobs
         rt.hang(READY)
-        written: list = []
+        ended: dict[str, tuple[float, object]] = {}
 
-        def write(i: int, dev: list[int]) -> None:
-            written.append(c.write(host_indices=host[(i % 2) * 128:(i % 2 + 1) * 128], device_indices=dev,
-                                   ready_event=READY))
+        def write(i: int) -> threading.Thread:
+            return _writer(c, ended, str(i), host_indices=host[(i % 2) * 128:(i % 2 + 1) * 128],
+                           device_indices=rng.permutation(TOKENS)[:128].tolist(), ready_event=READY)
 
-        threads = [threading.Thread(target=write, args=(i, rng.permutation(TOKENS)[:128].tolist()))
-                   for i in range(4)]
-        for t in threads[:3]:
-            t.start()
-        deadline = time.monotonic() + 5
-        while gate.cuda_jobs < jobs + 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        threads = [write(i) for i in range(3)]
+        _until(lambda: gate.cuda_jobs >= jobs + 3)
         assert gate.cuda_jobs == jobs + 3
-        threads[3].start()  # the loop's: it waits for its turn behind the plane's three
+        threads.append(write(3))  # the loop's: it waits for its turn behind the plane's three
         time.sleep(0.2)
         assert gate.cuda_jobs == jobs + 3
         rt.fire(READY)
         for t in threads:
             t.join(10)
-        assert gate.cuda_jobs == jobs + 3 and gate.inflight == 0 and len(written) == 4
+        assert gate.cuda_jobs == jobs + 3 and gate.inflight == 0
+        assert [ended[str(i)][1] for i in range(4)] == [128 * 512 * 2 * LAYERS] * 4, ended
         pool.kv[:] = rng.integers(0, 256, pool.kv.shape, dtype=np.uint8)  # and the ring serves on
         dev = rng.permutation(TOKENS)[:128].tolist()
         want = pool.kv[:, :, dev].copy()
