@@ -1,5 +1,5 @@
 """A CUDA pool's lane Writes and Loads put on the GPU's stream by the compiled data plane itself
-(kvserver/lane/csrc/kvlane.c, "CUDA jobs"; KVSERVER_PLANE_CUDA=1), on CPU: CuPy and the driver's
+(kvserver/lane/csrc/cuda_jobs.h; KVSERVER_PLANE_CUDA=1), on CPU: CuPy and the driver's
 entry points replaced by tests/fake_cupy.py, whose "device memory" is host memory, so each copy
 the plane issues really moves bytes and lands in the same streams, events and call log as the
 loop's. The real daemon, the real client and its lane. What this cannot show (the driver's own

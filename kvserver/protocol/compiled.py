@@ -24,11 +24,15 @@ logger = logging.getLogger(__name__)
 
 # Each extension and the files it is built from: its C source first, then every header it includes.
 _S = "kvserver/protocol/csrc/sources.h"  # every extension's SOURCES constant
+# kvlane.c's parts, which it includes once, in this order
+_LANE_PARTS = tuple(f"kvserver/lane/csrc/{part}.h" for part in (
+    "plane", "gate", "gate_cuda", "jobs", "serve_get", "serve_put", "slots", "cuda_jobs", "work", "thread",
+    "engine", "loop_copies", "engine_cache"))
 SOURCES: dict[str, tuple[str, ...]] = {
     "kvserver.copies._kvcopy": ("kvserver/copies/csrc/kvcopy.c", "kvserver/copies/csrc/stream.h", _S),
     "kvserver.store._kvindex": ("kvserver/store/csrc/index.c", "kvserver/store/csrc/index.h",
                                 "kvserver/store/csrc/digest.h", "kvserver/store/csrc/hit.h", _S),
-    "kvserver.lane._kvlane": ("kvserver/lane/csrc/kvlane.c", "kvserver/copies/csrc/stream.h",
+    "kvserver.lane._kvlane": ("kvserver/lane/csrc/kvlane.c", *_LANE_PARTS, "kvserver/copies/csrc/stream.h",
                               "kvserver/lane/csrc/request.h", "kvserver/lane/csrc/get.h",
                               "kvserver/lane/csrc/cache.h", "kvserver/lane/csrc/cuda.h",
                               "kvserver/store/csrc/hit.h",

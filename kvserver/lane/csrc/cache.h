@@ -332,7 +332,7 @@ static int64_t cache_walk_space(Cache *c, const uint64_t *words, uint8_t len, in
     return m;
 }
 
-/* The plane's side, for a Put whose pages it copied (kvlane.c's finish_put): with the lock held
+/* The plane's side, for a Put whose pages it copied (slots.h's finish_put): with the lock held
  * and the cache open, files key (words w, `len` bytes) under part `owner` at page `id`, one of the
  * pages the loop gave its gate (Engine.stash: being written, in no part, inside the tables),
  * unless the part holds the key already (stored meanwhile by another Put, or an earlier key of the

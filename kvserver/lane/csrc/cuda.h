@@ -1,4 +1,4 @@
-/* The CUDA driver calls the data plane makes for a CUDA pool's copies (kvlane.c, "CUDA jobs"),
+/* The CUDA driver calls the data plane makes for a CUDA pool's copies (cuda_jobs.h),
  * through a table of entry points the daemon hands it at a gate's set_cuda(): libcuda's own on a
  * GPU (kvserver/media/cuda/driver.py), a stand-in's in the tests. No header of CUDA's is needed to
  * build it, and nothing here runs unless a gate was given such a table. The signatures are the

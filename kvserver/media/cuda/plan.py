@@ -21,7 +21,7 @@ DMA_MAX_COPIES = 512
 
 
 # The compiled data plane puts a CUDA pool's lane Writes and Loads on the GPU's stream itself
-# (kvserver/lane/csrc/kvlane.c, "CUDA jobs"): one cuMemcpyAsync a run for jobs of at most
+# (kvserver/lane/csrc/cuda_jobs.h): one cuMemcpyAsync a run for jobs of at most
 # DMA_MAX_COPIES copies whose runs are all DMA_MIN_CHUNK_BYTES or more, or of at most
 # PLANE_SMALL_COPIES copies of any size (a call whose cost is its overhead, not the GPU's copy);
 # the others by launches of the copy kernel. Pools with blocks or strided heads are the loop's. Off
