@@ -384,6 +384,10 @@ def safety_engine(address: str, wait_seconds: float, stall_seconds: float, out) 
         if not spin_end.poll(120):
             raise RuntimeError("the spinning engine did not start within 120 s")
         ready = spin_end.recv()  # the event's handle
+        # A first write naming the event, recorded and passed, before the spin: the loop opens the
+        # event, and A's stalled write is then the data plane's where it puts CUDA copies on the
+        # GPU (--plane-cuda), which must give it up as the loop does.
+        a.write(host_indices=host_a, device_indices=dev_idx, ready_event=ready)
         spin_end.send("go")
         if not spin_end.poll(60) or spin_end.recv() != "spinning":
             raise RuntimeError("the spinning engine did not spin")
@@ -933,8 +937,10 @@ def main() -> int:
                 run_sglang(ctx, f"unix://{socket}", deadline, report)
                 run_vllm(ctx, f"unix://{socket}", deadline, report)
         if args.plane_cuda:  # the plane, not the loop, served the CUDA pools' lane calls
-            report["plane_cuda_calls"] = plane_cuda_calls(log_path)
-            report["ok"] &= report["plane_cuda_calls"] > 0
+            counts = plane_cuda_counts(log_path)
+            report.update({f"plane_cuda_{name}": n for name, n in counts.items()})
+            # by DMA and by the copy kernel, and it gave up the stuck engine's write (step 6)
+            report["ok"] &= all(counts.values())
     except BaseException:
         report["ok"] = False
         report["error"] = traceback.format_exc()
@@ -945,15 +951,21 @@ def main() -> int:
     return _finish(report, daemon, tmp, started)
 
 
-def plane_cuda_calls(log_path: str) -> int:
-    """CUDA Writes and Loads the daemon's data plane put on the GPU itself: the sum over the
-    clients it released (kvserver.core.kvcore logs each one's count)."""
-    found = 0
+def plane_cuda_counts(log_path: str) -> dict[str, int]:
+    """From the daemon's log: the CUDA Writes and Loads its data plane put on the GPU itself
+    (``calls``), those of them by the copy kernel (``kernel_calls``), summed over the clients it
+    released (kvserver.core.kvcore logs each one's), and the pools whose GPU work it gave up on
+    (``give_ups``)."""
+    counts = {"calls": 0, "kernel_calls": 0, "give_ups": 0}
     with open(log_path) as f:
         for line in f:
-            m = re.search(r"data plane: (\d+) CUDA Writes and Loads of ", line)
-            found += int(m.group(1)) if m else 0
-    return found
+            m = re.search(r"data plane: (\d+) CUDA Writes and Loads of .* (\d+) of them by the copy kernel",
+                          line)
+            if m:
+                counts["calls"] += int(m.group(1))
+                counts["kernel_calls"] += int(m.group(2))
+            counts["give_ups"] += "data plane: gave up on the GPU work of a CUDA pool" in line
+    return counts
 
 
 def _finish(report: dict, daemon: subprocess.Popen, tmp: str, started: float) -> int:

@@ -151,7 +151,7 @@ def test_lane_writes_and_loads_of_a_cuda_pool_are_the_planes_bit_exact(plane_dae
         rt.calls.clear()
         handle = c.load(host_indices=host, device_indices=dev, event_slot=1)
         assert handle.wait() > 0
-        assert gate.cuda_jobs == 2
+        assert gate.cuda_jobs == 2 and gate.cuda_kernel_jobs == 0  # by DMA
         assert np.array_equal(pool.kv[:, :, dev], want)
         assert not pool.kv[:, :, sorted(set(range(TOKENS)) - set(dev))].any()
         # Slot 1's layer events, each recorded after its layer's copies, in layer order.
@@ -199,14 +199,14 @@ def test_many_small_rows_are_the_planes_kernel_launches(plane_daemon, fake) -> N
         rt.calls.clear()
         c.write(host_indices=host, device_indices=dev)
         kernels = [call for call in rt.calls if call[0] == "kernel"]
-        assert gate.cuda_jobs == 1 and len(kernels) == 1
+        assert gate.cuda_jobs == 1 and gate.cuda_kernel_jobs == 1 and len(kernels) == 1
         assert not any(call[0] == "memcpyAsync" for call in rt.calls)
         assert kernels[0][1:3] == (2 * LAYERS, TOKENS) and kernels[0][-1] == stream  # all (layer, part)s
         pool.kv[:] = 0
         rt.calls.clear()
         c.load(host_indices=host, device_indices=dev, event_slot=1).wait()
         names = [call[0] for call in rt.calls if call[0] in ("kernel", "eventRecord")]
-        assert gate.cuda_jobs == 2 and names == ["kernel", "eventRecord"] * LAYERS
+        assert gate.cuda_jobs == gate.cuda_kernel_jobs == 2 and names == ["kernel", "eventRecord"] * LAYERS
         assert np.array_equal(pool.kv[:, :, dev], want)
         # The loop's kernel copy (a gRPC Load) reads what the plane's wrote, into other tokens.
         other = rng.permutation(TOKENS).tolist()
@@ -307,13 +307,13 @@ def test_a_failed_copy_is_reported_once_what_went_on_the_stream_has_passed(plane
         fake.driver.fail_copy_after = 3
         with pytest.raises(KVClientError, match="CUresult 700"):
             c.write(host_indices=host, device_indices=list(range(2 * PAGE)))
-        assert gate.cuda_jobs == 1
+        assert gate.cuda_jobs == 0  # counted once on the stream whole
         fake.driver.fail_copy_after = None
         pool.kv[:] = 9
         c.write(host_indices=host, device_indices=list(range(2 * PAGE)))  # the pool serves on
         pool.kv[:] = 0
         c.load(host_indices=host, device_indices=list(range(2 * PAGE))).wait()
-        assert (pool.kv[:, :, : 2 * PAGE] == 9).all() and gate.cuda_jobs == 3
+        assert (pool.kv[:, :, : 2 * PAGE] == 9).all() and gate.cuda_jobs == 2
 
 
 def test_the_compiled_check_of_a_cuda_pool_takes_nothing_the_validation_refuses(plane_daemon, fake) -> None:
@@ -359,9 +359,11 @@ def test_the_compiled_check_of_a_cuda_pool_takes_nothing_the_validation_refuses(
         assert taken > 50 and refused > 50
 
 
-def test_the_gpu_check_counts_what_the_plane_put_on_the_gpu(plane_daemon, fake, caplog, tmp_path) -> None:
-    """scripts/gpu_check.py --plane-cuda proves the plane served by the count the daemon logs as it
-    releases each CUDA client (its gate's cuda_jobs), parsed from the daemon's log."""
+def test_the_gpu_check_counts_what_the_plane_put_on_the_gpu(daemon_factory, fake, caplog, tmp_path) -> None:
+    """scripts/gpu_check.py --plane-cuda proves the plane served, by DMA and by the copy kernel,
+    and gave up a stuck engine's write, by what the daemon logs as it releases each CUDA client
+    (its gate's cuda_jobs and cuda_kernel_jobs) and as it fails a pool the plane gave up on,
+    parsed from the daemon's log."""
     import logging
     import os
     import sys
@@ -369,17 +371,32 @@ def test_the_gpu_check_counts_what_the_plane_put_on_the_gpu(plane_daemon, fake, 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
     import gpu_check
 
+    d = _own_daemon(daemon_factory, cuda_wait_seconds=0.3, lease=60.0)
+    rt = fake.cuda.runtime
     pool = FakeCudaPool(fake)
-    with caplog.at_level(logging.INFO, logger="kvserver.core.kvcore"):
-        with _client(plane_daemon, pool) as c:
-            host = c.alloc(2 * PAGE)
-            for _ in range(3):
-                c.write(host_indices=host, device_indices=list(range(2 * PAGE)))
-            c.load(host_indices=host, device_indices=list(range(2 * PAGE))).wait()
+    with caplog.at_level(logging.INFO):
+        with _client(d, pool) as c:
+            host = c.alloc(TOKENS)
+            for _ in range(3):  # by DMA
+                c.write(host_indices=host[:2 * PAGE], device_indices=list(range(2 * PAGE)))
+            c.load(host_indices=host[:2 * PAGE], device_indices=list(range(2 * PAGE))).wait()
+            dev = np.random.default_rng(3).permutation(TOKENS).tolist()
+            c.write(host_indices=host, device_indices=dev)  # by the copy kernel
+            c.load(host_indices=host, device_indices=dev).wait()
             c.unregister()
+        with _client(d, FakeCudaPool(fake)) as c:  # the stuck engine of the check's step 6
+            client = d.core.clients[c.registration.client_id]
+            host = c.alloc(PAGE)
+            c.write(host_indices=host, device_indices=list(range(PAGE)), ready_event=READY)  # the loop's
+            rt.hang(READY)
+            with pytest.raises(KVClientError, match="given up on"):
+                c.write(host_indices=host, device_indices=list(range(PAGE)), ready_event=READY)
+            _until(lambda: c.registration.client_id not in d.core.clients)
+            rt.fire(READY)
+            _released(client.device)
     log = tmp_path / "daemon.log"
     log.write_text("\n".join(f"2026-12-05 INFO {r.name}: {r.getMessage()}" for r in caplog.records) + "\n")
-    assert gpu_check.plane_cuda_calls(str(log)) == 4
+    assert gpu_check.plane_cuda_counts(str(log)) == {"calls": 7, "kernel_calls": 2, "give_ups": 1}
 
 
 def test_an_unregister_waits_for_the_gpu_to_finish_the_planes_copies(daemon_factory, fake) -> None:
@@ -524,3 +541,43 @@ def test_the_kernels_argument_area_is_a_ring_reused_once_its_jobs_end(plane_daem
         pool.kv[:] = 0
         c.load(host_indices=host[:128], device_indices=dev).wait()
         assert np.array_equal(pool.kv[:, :, dev], want) and gate.cuda_jobs == jobs + 5
+
+
+def test_the_kernels_functions_given_the_plane_outlive_cupys_caches(monkeypatch) -> None:
+    """A CUfunction the plane launches is valid only while its module is loaded, which its CuPy
+    Function keeps: driver.kernel_functions keeps them, whatever CuPy's caches drop (CuPy 13 may
+    drop a module two threads compiled at once), and loads them once per device."""
+    import gc
+    import weakref
+
+    from kvserver.media.cuda import driver, kernels
+
+    made: list[weakref.ref] = []
+
+    class Function:  # unloads its module when it goes
+        def __init__(self) -> None:
+            self.ptr = id(self)
+            made.append(weakref.ref(self))
+
+    class Kernel:
+        def __init__(self, source: str, name: str) -> None:
+            self.name = name
+
+        @property
+        def kernel(self) -> Function:  # as a cache that forgot its module would give it
+            return Function()
+
+    class Cupy:
+        RawKernel = Kernel
+
+        class cuda:  # noqa: N801 - CuPy's name
+            Device = staticmethod(lambda ordinal: threading.Lock())
+
+    monkeypatch.setattr(driver, "_plane_kernels", {})
+    kernels.copy_rows_kernel.cache_clear()
+    cupy = Cupy()
+    got = [driver.kernel_functions(cupy, 3) for _ in range(2)]
+    gc.collect()
+    assert len(made) == 4 and all(ref() is not None for ref in made)
+    assert got[0] == got[1] == tuple(ref().ptr for ref in made)
+    kernels.copy_rows_kernel.cache_clear()

@@ -475,8 +475,9 @@ class KVCore:
             await self.plane.idle(client.gate)  # its copies there end at a layer boundary
             self.harvest(client)
             if client.gate.cuda:  # what the plane put on the GPU itself (scripts/gpu_check.py --plane-cuda)
-                logger.info("data plane: %d CUDA Writes and Loads of %s put on its GPU stream",
-                            client.gate.cuda_jobs, public_id(client_id))
+                logger.info("data plane: %d CUDA Writes and Loads of %s put on its GPU stream, %d of "
+                            "them by the copy kernel", client.gate.cuda_jobs, public_id(client_id),
+                            client.gate.cuda_kernel_jobs)
         lane, client.lane = client.lane, None
         if lane is not None:  # its handlers are cancelled and awaited, then its ring unmapped
             await lane.close()

@@ -136,10 +136,12 @@ static void cuda_issue(Engine *e, Job *j) {
         rc = cu->event_record(j->cu_done, st);
     int64_t t = now_ns();
     j->cu_progress_ns = e->cu_progress_ns = t;
-    __atomic_add_fetch(&g->cu_jobs, 1, __ATOMIC_RELAXED);
     g->cu_queued += j->cu_ops; /* counted whole, whatever reached the stream, until it ends */
     e->cu_queued += j->cu_ops;
     if (!rc) {
+        __atomic_add_fetch(&g->cu_jobs, 1, __ATOMIC_RELAXED);
+        if (j->cu_kernel)
+            __atomic_add_fetch(&g->cu_kernel_jobs, 1, __ATOMIC_RELAXED);
         if (j->load) { /* the engine may now make its compute stream wait on the layer events */
             j->recorded = 1;
             publish_progress(e, j, 0);

@@ -183,3 +183,7 @@ static PyObject *gate_get_cuda_failed(Gate *g, void *unused) {
 static PyObject *gate_get_cuda_jobs(Gate *g, void *unused) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&g->cu_jobs, __ATOMIC_RELAXED));
 }
+
+static PyObject *gate_get_cuda_kernel_jobs(Gate *g, void *unused) {
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&g->cu_kernel_jobs, __ATOMIC_RELAXED));
+}

@@ -102,6 +102,7 @@ static PyGetSetDef gate_getset[] = {
     {"cuda", (getter)gate_get_cuda, NULL, NULL, NULL},
     {"cuda_failed", (getter)gate_get_cuda_failed, NULL, NULL, NULL},
     {"cuda_jobs", (getter)gate_get_cuda_jobs, NULL, NULL, NULL},
+    {"cuda_kernel_jobs", (getter)gate_get_cuda_kernel_jobs, NULL, NULL, NULL},
     {NULL},
 };
 

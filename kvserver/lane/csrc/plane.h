@@ -124,7 +124,8 @@ typedef struct {
     void **cu_ready_ev;
     int cu_nready;
     char cu_failed[256];    /* why its GPU work is given up on (the plane's, set once, under mu) */
-    uint64_t cu_jobs;       /* CUDA jobs the plane took */
+    uint64_t cu_jobs;        /* CUDA jobs the plane put on the stream whole (no driver call failed) */
+    uint64_t cu_kernel_jobs; /* of those, the jobs copied by the copy kernel's launches */
 } Gate;
 
 /* ---- lanes, jobs, the engine ---------------------------------------------------------------- */

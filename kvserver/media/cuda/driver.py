@@ -1,14 +1,16 @@
-"""The one CUDA driver call the daemon makes itself: the real extent of an opened allocation.
+"""What the daemon takes from libcuda itself, through ctypes: the real extent of an opened
+allocation (CuPy's runtime module has no cudaMemGetAddressRange), and what the compiled data plane
+calls the driver with (its entry points, a stream's context, the copy kernel's functions).
 
-CuPy's runtime module has no cudaMemGetAddressRange, so this goes to libcuda directly through
-ctypes. It needs a current context on the calling thread: the runtime's primary context is
-current inside ``with cupy.cuda.Device(...)`` once a runtime call (``ipcOpenMemHandle``) has run.
+``allocation_range`` needs a current context on the calling thread: the runtime's primary context
+is current inside ``with cupy.cuda.Device(...)`` once a runtime call (``ipcOpenMemHandle``) has run.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 
 CUDA_SUCCESS = 0
 
@@ -64,10 +66,22 @@ def stream_context(stream: int) -> int:
     return ctx.value
 
 
+# The copy kernel's functions the plane was given, per device: a CUfunction is valid only while its
+# module is loaded, and a CuPy Function keeps its module; CuPy's own caches do not always (CuPy 13
+# may drop, and so unload, a module two threads compiled at once). Kept for the daemon's life.
+_plane_kernels: dict[int, tuple] = {}
+_plane_kernels_lock = threading.Lock()
+
+
 def kernel_functions(cupy, ordinal: int) -> tuple[int, ...]:
     """The copy kernel's CUfunction for a word of 8, 4, 2 and 1 bytes, loaded for device
     ``ordinal`` (CuPy compiles and loads each on first use), for ``Gate.set_cuda_kernels``."""
     from kvserver.media.cuda.kernels import copy_rows_kernel
 
-    with cupy.cuda.Device(ordinal):
-        return tuple(int(copy_rows_kernel(cupy, word).kernel.ptr) for word in (8, 4, 2, 1))
+    with _plane_kernels_lock:
+        functions = _plane_kernels.get(ordinal)
+        if functions is None:
+            with cupy.cuda.Device(ordinal):
+                functions = tuple(copy_rows_kernel(cupy, word).kernel for word in (8, 4, 2, 1))
+            _plane_kernels[ordinal] = functions
+    return tuple(int(f.ptr) for f in functions)

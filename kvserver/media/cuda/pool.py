@@ -199,6 +199,7 @@ class CudaDevicePool(DevicePool):
         gate = self.plane_gate
         why = gate.cuda_failed if gate is not None else None
         if why and self.failed is None:
+            logger.warning("data plane: gave up on the GPU work of a CUDA pool on device %d", self.ordinal)
             self._fail(why)
         return why
 
