@@ -275,12 +275,9 @@ def engine(address: str, kind: str, start: int, end: int, num_layers: int, page_
     out.put(result)
 
 
-def stall_spinner(seconds: float, conn) -> None:
-    """Another engine process's forward work: sends an interprocess event's handle, then, on
-    "go", records it behind a kernel that spins for ``seconds`` (calibrated once the clocks have
-    risen: a spin calibrated at idle clocks ends early), says "spinning", and "done" once it fired."""
-    import torch
-
+def _spin_cycles_per_ms(torch) -> float:
+    """``torch.cuda._sleep``'s cycles a millisecond, measured once the clocks have risen (a spin
+    calibrated at idle clocks ends early)."""
     cycles_per_ms = 0.0
     for _ in range(3):
         t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -289,6 +286,59 @@ def stall_spinner(seconds: float, conn) -> None:
         t1.record()
         t1.synchronize()
         cycles_per_ms = max(cycles_per_ms, 200_000_000 / max(t0.elapsed_time(t1), 1e-3))
+    return cycles_per_ms
+
+
+def queue_depth_probe(out, spin_seconds: float = 3.0, max_calls: int = 8192) -> None:
+    """How many cuMemcpyAsync calls a stream takes behind work that does not end before a call
+    waits for room: the bound the data plane must stay under (plan.PLANE_MAX_QUEUED), since its one
+    thread must never wait in the driver. Calls of 512 bytes from pinned host memory, as the
+    plane's, on a stream held by a kernel spinning for ``spin_seconds``; a call taking over 20 ms
+    is taken to have waited. Reports the calls taken before it (or that none waited)."""
+    result: dict = {"kind": "queue_depth"}
+    try:
+        import ctypes
+
+        import torch
+
+        cycles_per_ms = _spin_cycles_per_ms(torch)
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuMemcpyAsync.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        lib.cuMemcpyAsync.restype = ctypes.c_int
+        src = torch.zeros(1 << 20, dtype=torch.uint8).pin_memory()
+        dst = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(int(cycles_per_ms * spin_seconds * 1000))
+        d, h, s = dst.data_ptr(), src.data_ptr(), ctypes.c_void_p(stream.cuda_stream)
+        start, slowest, made, waited_at = time.perf_counter(), 0.0, 0, None
+        while made < max_calls and time.perf_counter() - start < spin_seconds / 2:  # the spin holds
+            at = (made % 2048) * 512
+            t0 = time.perf_counter()
+            rc = lib.cuMemcpyAsync(d + at, h + at, 512, s)
+            took = time.perf_counter() - t0
+            if rc:
+                raise RuntimeError(f"cuMemcpyAsync failed (CUresult {rc}) after {made} calls")
+            slowest = max(slowest, took)
+            if took > 0.02:
+                waited_at = made  # the calls the stream took before this one
+                break
+            made += 1
+        stream.synchronize()
+        result.update(ok=True, calls_before_a_wait=waited_at, calls_made=made + (waited_at is not None),
+                      slowest_call_ms=round(slowest * 1e3, 3), spin_seconds=spin_seconds)
+    except Exception:
+        result.update(ok=False, error=traceback.format_exc())
+    out.put(result)
+
+
+def stall_spinner(seconds: float, conn) -> None:
+    """Another engine process's forward work: sends an interprocess event's handle, then, on
+    "go", records it behind a kernel that spins for ``seconds`` (calibrated once the clocks have
+    risen: a spin calibrated at idle clocks ends early), says "spinning", and "done" once it fired."""
+    import torch
+
+    cycles_per_ms = _spin_cycles_per_ms(torch)
     ready = torch.cuda.Event(interprocess=True)
     side = torch.cuda.Stream()
     ready.record(side)
@@ -881,6 +931,22 @@ def run_vllm(ctx, address: str, deadline: float, report: dict, target=None, devi
         report["checks"].append(msg)
 
 
+def run_queue_depth(ctx, deadline: float, target=None) -> dict:
+    """``queue_depth_probe`` in a process of its own, for at most 60 s (a measurement: not
+    part of the check's verdict)."""
+    out = ctx.Queue()
+    proc = ctx.Process(target=target or queue_depth_probe, args=(out,), daemon=True)
+    proc.start()
+    try:
+        return out.get(timeout=max(1.0, min(60.0, deadline - time.monotonic())))
+    except queue.Empty:
+        return {"kind": "queue_depth", "ok": False, "error": "no report within its time"}
+    finally:
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer sizes and rounds")
@@ -937,6 +1003,7 @@ def main() -> int:
                 run_sglang(ctx, f"unix://{socket}", deadline, report)
                 run_vllm(ctx, f"unix://{socket}", deadline, report)
         if args.plane_cuda:  # the plane, not the loop, served the CUDA pools' lane calls
+            report["driver_queue"] = run_queue_depth(ctx, deadline)
             counts = plane_cuda_counts(log_path)
             report.update({f"plane_cuda_{name}": n for name, n in counts.items()})
             # by DMA and by the copy kernel, and it gave up the stuck engine's write (step 6)

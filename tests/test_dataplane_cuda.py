@@ -239,6 +239,33 @@ def test_the_planes_kernel_takes_the_widest_word_the_rows_allow(plane_daemon, fa
         assert fake.driver.errors == []
 
 
+def test_the_planes_dma_jobs_are_at_most_its_own_copy_limit(plane_daemon, fake, monkeypatch) -> None:
+    """Large runs are the plane's DMA up to PLANE_DMA_MAX_COPIES copies a job (its calls are made
+    on its one thread, and count against the queue bound), the copy kernel's past it, though the
+    loop's DMA_MAX_COPIES would allow more."""
+    monkeypatch.setattr(plan, "PLANE_DMA_MAX_COPIES", 16)
+    monkeypatch.setattr(plan, "PLANE_SMALL_COPIES", 0)
+    monkeypatch.setattr(plan, "DMA_MIN_CHUNK_BYTES", PAGE * 512)  # a run is a page's chunk
+    d, rt = plane_daemon, fake.cuda.runtime
+    pool = FakeCudaPool(fake)
+    rng = np.random.default_rng(10)
+    pool.kv[:] = rng.integers(0, 256, pool.kv.shape, dtype=np.uint8)
+    with _client(d, pool) as c:
+        gate = d.core.clients[c.registration.client_id].gate
+        host = c.alloc(TOKENS)
+        for pages, kernel in ((2, False), (4, True)):  # pages x 4 layers x 2 parts copies: 16, then 32
+            dev = _pages(rng, pages)
+            want = pool.kv[:, :, dev].copy()
+            rt.calls.clear()
+            c.write(host_indices=host[:PAGE * pages], device_indices=dev)
+            pool.kv[:, :, dev] = 0
+            c.load(host_indices=host[:PAGE * pages], device_indices=dev).wait()
+            assert np.array_equal(pool.kv[:, :, dev], want), pages
+            names = {call[0] for call in rt.calls}
+            assert ("kernel" in names, "memcpyAsync" in names) == (kernel, not kernel), (pages, names)
+        assert gate.cuda_jobs == 4 and gate.cuda_kernel_jobs == 2
+
+
 def test_what_the_plane_does_not_take_of_a_cuda_pool_is_the_loops(plane_daemon, fake, monkeypatch) -> None:
     """A kernel job whose arguments do not fit the pool's area, and a ready event the loop has not
     opened, go to the loop, which answers alike."""

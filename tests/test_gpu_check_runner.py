@@ -77,6 +77,29 @@ def test_a_dying_engine_is_reported_with_its_stage():
         run(dying_engine, 60)
 
 
+def reporting_probe(out):
+    out.put({"kind": "queue_depth", "ok": True, "calls_before_a_wait": 1000})
+
+
+def hanging_probe(out):
+    time.sleep(120)
+
+
+def test_the_driver_queue_probe_reports_and_is_never_waited_for_past_its_time(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))  # the real probe's module, spawned
+    import gpu_check
+
+    ctx = mp.get_context("spawn")
+    got = gpu_check.run_queue_depth(ctx, time.monotonic() + 60, target=reporting_probe)
+    assert got["calls_before_a_wait"] == 1000
+    t0 = time.monotonic()
+    got = gpu_check.run_queue_depth(ctx, time.monotonic() + 2, target=hanging_probe)
+    assert not got["ok"] and "no report" in got["error"] and time.monotonic() - t0 < 15
+    # Without a GPU, the real probe says why instead of hanging.
+    got = gpu_check.run_queue_depth(ctx, time.monotonic() + 60)
+    assert not got["ok"] and "Traceback" in got["error"]
+
+
 # ---- the vLLM worker-side round's runner ------------------------------------------------------
 
 

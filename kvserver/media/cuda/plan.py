@@ -22,7 +22,7 @@ DMA_MAX_COPIES = 512
 
 # The compiled data plane puts a CUDA pool's lane Writes and Loads on the GPU's stream itself
 # (kvserver/lane/csrc/cuda_jobs.h): one cuMemcpyAsync a run for jobs of at most
-# DMA_MAX_COPIES copies whose runs are all DMA_MIN_CHUNK_BYTES or more, or of at most
+# PLANE_DMA_MAX_COPIES copies whose runs are all DMA_MIN_CHUNK_BYTES or more, or of at most
 # PLANE_SMALL_COPIES copies of any size (a call whose cost is its overhead, not the GPU's copy);
 # the others by launches of the copy kernel. Pools with blocks or strided heads are the loop's. Off
 # unless KVSERVER_PLANE_CUDA=1 until scripts/gpu_check.py has proven it on a GPU (docs/gpu-check.md).
@@ -31,8 +31,14 @@ PLANE_SMALL_COPIES = 64
 # Driver calls the plane may have on one pool's stream for calls not ended. A stream stalled
 # behind an engine's ready event that never fires fills the driver's queue, and a call into a full
 # queue waits for room: bounded so, the plane's one thread never waits there (the loop's copy
-# workers take what is past it). The driver's queue depth is the GPU check's to measure.
-PLANE_MAX_QUEUED = 2 * DMA_MAX_COPIES
+# workers take what is past it). A stream is reported to take about 1000 kernel launches before
+# the next waits (Stack Overflow question 53970187; not measured here): half of that, until the GPU
+# check's probe (queue_depth_probe) measures the driver's depth for the plane's own calls.
+PLANE_MAX_QUEUED = 512
+# The plane's DMA jobs are fewer copies than the loop's: their calls are made on the plane's one
+# thread, a few microseconds each, while every other lane waits, and they count against
+# PLANE_MAX_QUEUED; past this many, one launch of the copy kernel does the job.
+PLANE_DMA_MAX_COPIES = 128
 # A job past the DMA limits above is the copy kernel's, launched by the plane too: one launch a layer
 # (a load) or one (a write), token rows, its bases and offsets written into this much pinned host
 # memory of the pool, mapped for the device and handed out as a ring (a job that finds no room is

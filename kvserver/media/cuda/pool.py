@@ -182,8 +182,8 @@ class CudaDevicePool(DevicePool):
         device address and the deadline; then the ready events opened so far."""
         ctx = driver.stream_context(self.stream.ptr)
         gate.set_cuda(driver.plane_entry_points(), ctx, self.stream.ptr, list(self.events), self.event_slots,
-                      self.host_to_device, self.wait_seconds, plan.DMA_MAX_COPIES, plan.DMA_MIN_CHUNK_BYTES,
-                      plan.PLANE_SMALL_COPIES, plan.PLANE_MAX_QUEUED)
+                      self.host_to_device, self.wait_seconds, plan.PLANE_DMA_MAX_COPIES,
+                      plan.DMA_MIN_CHUNK_BYTES, plan.PLANE_SMALL_COPIES, plan.PLANE_MAX_QUEUED)
         if self.plane_kernels is not None:  # prepared off the loop (attach_host)
             functions, args, shift = self.plane_kernels
             gate.set_cuda_kernels(functions, args.ctypes.data, args.nbytes, shift, KERNEL_MAX_BLOCKS, 8)
