@@ -289,13 +289,15 @@ def _spin_cycles_per_ms(torch) -> float:
     return cycles_per_ms
 
 
-def queue_depth_probe(out, spin_seconds: float = 3.0, max_calls: int = 8192) -> None:
-    """How many cuMemcpyAsync calls a stream takes behind work that does not end before a call
-    waits for room: the bound the data plane must stay under (plan.PLANE_MAX_QUEUED), since its one
-    thread must never wait in the driver. Calls of 512 bytes from pinned host memory, as the
-    plane's, on a stream held by a kernel spinning for ``spin_seconds``; a call taking over 20 ms
-    is taken to have waited. Reports the calls taken before it (or that none waited)."""
-    result: dict = {"kind": "queue_depth"}
+def queue_depth_probe(out, spin_seconds: float = 2.0, max_calls: int = 8192) -> None:
+    """How many driver calls a stream takes behind work that does not end before a call waits for
+    room: the bound the data plane must stay under (plan.PLANE_MAX_QUEUED), since its one thread
+    must never wait in the driver. For each kind of call the plane makes, on a stream of its own
+    held by a kernel spinning for ``spin_seconds``: 512-byte cuMemcpyAsync calls from pinned host
+    memory, kernel launches (a one-cycle ``torch.cuda._sleep``: the runtime's launch, the driver's
+    queue), and cuEventRecord calls. A call taking over 20 ms is taken to have waited; per kind,
+    the calls taken before it (None: none of ``calls_made`` waited, in at most half the spin)."""
+    result: dict = {"kind": "queue_depth", "spin_seconds": spin_seconds}
     try:
         import ctypes
 
@@ -304,29 +306,45 @@ def queue_depth_probe(out, spin_seconds: float = 3.0, max_calls: int = 8192) -> 
         cycles_per_ms = _spin_cycles_per_ms(torch)
         lib = ctypes.CDLL("libcuda.so.1")
         lib.cuMemcpyAsync.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
-        lib.cuMemcpyAsync.restype = ctypes.c_int
+        lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         src = torch.zeros(1 << 20, dtype=torch.uint8).pin_memory()
         dst = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            torch.cuda._sleep(int(cycles_per_ms * spin_seconds * 1000))
-        d, h, s = dst.data_ptr(), src.data_ptr(), ctypes.c_void_p(stream.cuda_stream)
-        start, slowest, made, waited_at = time.perf_counter(), 0.0, 0, None
-        while made < max_calls and time.perf_counter() - start < spin_seconds / 2:  # the spin holds
-            at = (made % 2048) * 512
-            t0 = time.perf_counter()
-            rc = lib.cuMemcpyAsync(d + at, h + at, 512, s)
-            took = time.perf_counter() - t0
-            if rc:
-                raise RuntimeError(f"cuMemcpyAsync failed (CUresult {rc}) after {made} calls")
-            slowest = max(slowest, took)
-            if took > 0.02:
-                waited_at = made  # the calls the stream took before this one
-                break
-            made += 1
-        stream.synchronize()
-        result.update(ok=True, calls_before_a_wait=waited_at, calls_made=made + (waited_at is not None),
-                      slowest_call_ms=round(slowest * 1e3, 3), spin_seconds=spin_seconds)
+        event = torch.cuda.Event()
+        event.record()  # created: torch makes a CUDA event only at its first record
+        torch.cuda.synchronize()
+        d, h, ev = dst.data_ptr(), src.data_ptr(), ctypes.c_void_p(event.cuda_event)
+
+        def memcpy(s, k: int) -> int:
+            return lib.cuMemcpyAsync(d + (k % 2048) * 512, h + (k % 2048) * 512, 512, s)
+
+        def launch(s, k: int) -> int:
+            torch.cuda._sleep(1)  # on the current stream: the probe's
+            return 0
+
+        def record(s, k: int) -> int:
+            return lib.cuEventRecord(ev, s)
+
+        for name, call in (("memcpy", memcpy), ("launch", launch), ("event_record", record)):
+            stream = torch.cuda.Stream()
+            s = ctypes.c_void_p(stream.cuda_stream)
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(int(cycles_per_ms * spin_seconds * 1000))
+                start, slowest, made, waited_at = time.perf_counter(), 0.0, 0, None
+                while made < max_calls and time.perf_counter() - start < spin_seconds / 2:  # the spin holds
+                    t0 = time.perf_counter()
+                    rc = call(s, made)
+                    took = time.perf_counter() - t0
+                    if rc:
+                        raise RuntimeError(f"{name}: CUresult {rc} after {made} calls")
+                    slowest = max(slowest, took)
+                    if took > 0.02:
+                        waited_at = made  # the calls the stream took before this one
+                        break
+                    made += 1
+            stream.synchronize()
+            result[name] = {"calls_before_a_wait": waited_at, "calls_made": made + (waited_at is not None),
+                            "slowest_call_ms": round(slowest * 1e3, 3)}
+        result["ok"] = True
     except Exception:
         result.update(ok=False, error=traceback.format_exc())
     out.put(result)
@@ -937,9 +955,15 @@ def run_queue_depth(ctx, deadline: float, target=None) -> dict:
     out = ctx.Queue()
     proc = ctx.Process(target=target or queue_depth_probe, args=(out,), daemon=True)
     proc.start()
+    until = time.monotonic() + max(1.0, min(60.0, deadline - time.monotonic()))
     try:
-        return out.get(timeout=max(1.0, min(60.0, deadline - time.monotonic())))
-    except queue.Empty:
+        while time.monotonic() < until:
+            try:
+                return out.get(timeout=0.5)
+            except queue.Empty:
+                if not proc.is_alive() and out.empty():
+                    return {"kind": "queue_depth", "ok": False,
+                            "error": f"the probe died (exit {proc.exitcode})"}
         return {"kind": "queue_depth", "ok": False, "error": "no report within its time"}
     finally:
         proc.join(5)

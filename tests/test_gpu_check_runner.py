@@ -11,6 +11,7 @@ import os
 import time
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -85,6 +86,10 @@ def hanging_probe(out):
     time.sleep(120)
 
 
+def dying_probe(out):
+    os._exit(3)
+
+
 def test_the_driver_queue_probe_reports_and_is_never_waited_for_past_its_time(monkeypatch):
     monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))  # the real probe's module, spawned
     import gpu_check
@@ -95,9 +100,15 @@ def test_the_driver_queue_probe_reports_and_is_never_waited_for_past_its_time(mo
     t0 = time.monotonic()
     got = gpu_check.run_queue_depth(ctx, time.monotonic() + 2, target=hanging_probe)
     assert not got["ok"] and "no report" in got["error"] and time.monotonic() - t0 < 15
-    # Without a GPU, the real probe says why instead of hanging.
+    t0 = time.monotonic()
+    got = gpu_check.run_queue_depth(ctx, time.monotonic() + 60, target=dying_probe)
+    assert not got["ok"] and "exit 3" in got["error"] and time.monotonic() - t0 < 15
+    # The real probe: a report on a GPU, and without one the reason instead of a hang.
     got = gpu_check.run_queue_depth(ctx, time.monotonic() + 60)
-    assert not got["ok"] and "Traceback" in got["error"]
+    if torch.cuda.is_available():
+        assert got["ok"] and all("calls_made" in got[k] for k in ("memcpy", "launch", "event_record")), got
+    else:
+        assert not got["ok"] and "Traceback" in got["error"]
 
 
 # ---- the vLLM worker-side round's runner ------------------------------------------------------

@@ -1,17 +1,17 @@
-/* ---- CUDA jobs ------------------------------------------------------------------------------
+/* CUDA jobs. A part of kvlane.c.
+ *
  * A CUDA pool's Write or Load (its gate's set_cuda) is put on the pool's stream whole as it is
  * taken, in arrival order (the stream keeps the registration's order on the GPU): the wait on the
  * engine's ready event, each (layer, part)'s runs by cuMemcpyAsync or the copy kernel's launches
- * (cuda_launch), a load's layer event after
- * each layer, a write's own event at its end. None of these calls waits for the GPU. Its events are
- * then polled between the plane's other work (cuda_poll): a load's layers are published as they
- * land, as a copied one's are, and it ends once its last event has. Its pages stay busy until then.
+ * (cuda_launch), a load's layer event after each layer, a write's own event at its end. None of
+ * these calls waits for the GPU. Its events are then polled between the plane's other work
+ * (cuda_poll): a load's layers are published as they land, as a copied one's are, and it ends
+ * once its last event has. Its pages stay busy until then.
  * No progress for the gate's cu_wait_ns (--cuda-wait-seconds: an engine's ready event that never
  * fires) gives the pool's GPU work up: the slot is answered DEADLINE_EXCEEDED, the gate says why
  * (cuda_failed: the loop fails the pool, whose release waits for its stream or quarantines it),
  * and the job keeps its pages until the gate closes. A driver error while it is put on the stream
- * records a marker behind what went there; once the marker has, it ends INTERNAL. A part of
- * kvlane.c. */
+ * records a marker behind what went there; once the marker has, it ends INTERNAL. */
 
 #define CU_SPIN_NS 100000LL /* a CUDA job's events are looked at back to back this long after progress */
 #define CU_NAP_MAX_NS 1000000LL

@@ -1,5 +1,7 @@
-/* A lane's binary Write or Load taken as a job (try_job): the slot's answers, the hand-off to the
- * loop, a job's pages and write marks, and whether a CUDA gate's job is the plane's. A part of kvlane.c. */
+/* A lane's binary Write or Load taken as a job (try_job): a job's pages and write marks, whether a
+ * CUDA gate's job is the plane's, and what every other part uses of a slot: its words (slot_at,
+ * put32, ring_done, wake), an error's answer, the hand-off to the loop; and the latency histograms'
+ * count (observe). A part of kvlane.c. */
 
 static void observe(Engine *e, int h, int64_t ns) {
     double s = (double)ns / 1e9;

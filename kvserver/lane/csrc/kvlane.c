@@ -22,8 +22,8 @@
  * answered at once where its keys are stored, else copied into pages the loop set aside for it.
  * A CUDA pool's Write or Load (KVSERVER_PLANE_CUDA=1) is put on its stream through the driver's
  * entry points and completed by polling its events. Everything else (the other protobuf calls, a
- * CUDA pool's Gets and Puts, any request the check refuses) is handed to Python in arrival order
- * through a queue and an eventfd, and answered there by the one validation. The
+ * CUDA pool's Gets, Lookups and Puts, any request the check refuses) is handed to Python in
+ * arrival order through a queue and an eventfd, and answered there by the one validation. The
  * loop's copies of a registration (a Put's, a Get's) come back here to be copied (submit_copy),
  * their ends posted on the same eventfd; a lane Get's copy also answers its slot here, as a Load's
  * job does.
@@ -75,6 +75,8 @@
 #include "gate.h"
 #include "gate_cuda.h"
 
+/* The Gate type, here rather than at the end: the Engine's methods (included below) check their
+ * arguments against GateType. */
 static PyMethodDef gate_methods[] = {
     {"set_cuda", (PyCFunction)gate_set_cuda, METH_VARARGS, NULL},
     {"add_ready", (PyCFunction)gate_add_ready, METH_VARARGS, NULL},

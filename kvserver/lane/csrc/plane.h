@@ -101,7 +101,7 @@ typedef struct {
     int64_t stash_full; /* the pages the loop keeps it at (stash()) */
     int stash_short;    /* a Put a full stash would have held found it short (the loop fills it then) */
     /* A CUDA pool's gate (set_cuda): its Writes and Loads are put on the pool's stream through the
-     * driver's entry points and completed by polling their events ("CUDA jobs" below). */
+     * driver's entry points and completed by polling their events (cuda_jobs.h). */
     int cuda;
     kv_cuda_driver cu;
     void *cu_ctx, *cu_stream;

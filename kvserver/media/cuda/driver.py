@@ -1,6 +1,7 @@
 """What the daemon takes from libcuda itself, through ctypes: the real extent of an opened
 allocation (CuPy's runtime module has no cudaMemGetAddressRange), and what the compiled data plane
-calls the driver with (its entry points, a stream's context, the copy kernel's functions).
+calls the driver with (its entry points, a stream's context); and the copy kernel's functions for
+the plane, which CuPy loads.
 
 ``allocation_range`` needs a current context on the calling thread: the runtime's primary context
 is current inside ``with cupy.cuda.Device(...)`` once a runtime call (``ipcOpenMemHandle``) has run.

@@ -33,7 +33,7 @@ PLANE_SMALL_COPIES = 64
 # queue waits for room: bounded so, the plane's one thread never waits there (the loop's copy
 # workers take what is past it). A stream is reported to take about 1000 kernel launches before
 # the next waits (Stack Overflow question 53970187; not measured here): half of that, until the GPU
-# check's probe (queue_depth_probe) measures the driver's depth for the plane's own calls.
+# check's probe (queue_depth_probe) measures the depth for each kind of call the plane makes.
 PLANE_MAX_QUEUED = 512
 # The plane's DMA jobs are fewer copies than the loop's: their calls are made on the plane's one
 # thread, a few microseconds each, while every other lane waits, and they count against

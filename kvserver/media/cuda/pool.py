@@ -132,6 +132,7 @@ class CudaDevicePool(DevicePool):
     _enqueue_lock: threading.Lock = field(default_factory=threading.Lock)
     wait_seconds: float = waits.DEFAULT_WAIT_SECONDS  # no progress this long fails the pool
     failed: str | None = None  # why this pool's GPU work is given up on; the reaper reclaims it
+    _fail_lock: threading.Lock = field(default_factory=threading.Lock)  # failed is set once
     pinned_bytes: int = 0
     slabs: SlabPinner | None = None  # the daemon's cache slabs, pinned once this pool attaches
     # Completes once the pool's resources are released: its GPU work, if any was left, has drained.
@@ -199,8 +200,7 @@ class CudaDevicePool(DevicePool):
         gate = self.plane_gate
         why = gate.cuda_failed if gate is not None else None
         if why and self.failed is None:
-            logger.warning("data plane: gave up on the GPU work of a CUDA pool on device %d", self.ordinal)
-            self._fail(why)
+            self._fail(why, by="data plane: gave up on the GPU work of a CUDA pool")
         return why
 
     def check_plane(self) -> None:
@@ -317,10 +317,13 @@ class CudaDevicePool(DevicePool):
         if not self.released.done():
             self.released.set_result(None)
 
-    def _fail(self, why: str) -> None:
-        if self.failed is None:
+    def _fail(self, why: str, by: str = "CUDA pool failed") -> None:
+        """Latches why this pool's GPU work is given up on, once, and logs it once (as ``by``)."""
+        with self._fail_lock:
+            if self.failed is not None:
+                return
             self.failed = why
-            logger.warning("CUDA pool on device %d failed: %s", self.ordinal, why)
+        logger.warning("%s on device %d: %s", by, self.ordinal, why)
 
     def _stalled(self) -> GpuStalled:
         return GpuStalled(f"this client's GPU work is given up on: {self.failed}. The client is "
