@@ -459,7 +459,7 @@ def safety_engine(address: str, wait_seconds: float, stall_seconds: float, out) 
         spin_end.send("go")
         if not spin_end.poll(60) or spin_end.recv() != "spinning":
             raise RuntimeError("the spinning engine did not spin")
-        stall: dict = {}
+        stall: dict = {"a_public_id": a.registration.client_id[:8] + "..."}  # as the daemon logs it
         result["stall"] = stall
 
         def stalled_write() -> None:
@@ -1028,10 +1028,12 @@ def main() -> int:
                 run_vllm(ctx, f"unix://{socket}", deadline, report)
         if args.plane_cuda:  # the plane, not the loop, served the CUDA pools' lane calls
             report["driver_queue"] = run_queue_depth(ctx, deadline)
-            counts = plane_cuda_counts(log_path)
+            counts, gave_up = plane_cuda_counts(log_path)
             report.update({f"plane_cuda_{name}": n for name, n in counts.items()})
-            # by DMA and by the copy kernel, and it gave up the stuck engine's write (step 6)
-            report["ok"] &= all(counts.values())
+            # by DMA and by the copy kernel, and it gave up the stuck engine's write itself (step 6)
+            stuck = next((c["stall"].get("a_public_id") for c in report["checks"] if "stall" in c), None)
+            report["plane_cuda_gave_up_the_stuck_write"] = stuck is not None and stuck in gave_up
+            report["ok"] &= all(counts.values()) and report["plane_cuda_gave_up_the_stuck_write"]
     except BaseException:
         report["ok"] = False
         report["error"] = traceback.format_exc()
@@ -1042,12 +1044,12 @@ def main() -> int:
     return _finish(report, daemon, tmp, started)
 
 
-def plane_cuda_counts(log_path: str) -> dict[str, int]:
-    """From the daemon's log: the CUDA Writes and Loads its data plane put on the GPU itself
-    (``calls``), those of them by the copy kernel (``kernel_calls``), summed over the clients it
-    released (kvserver.core.kvcore logs each one's), and the pools whose GPU work it gave up on
-    (``give_ups``)."""
-    counts = {"calls": 0, "kernel_calls": 0, "give_ups": 0}
+def plane_cuda_counts(log_path: str) -> tuple[dict[str, int], set[str]]:
+    """From the daemon's log (kvserver.core.kvcore logs each CUDA client's as it releases it): the
+    CUDA Writes and Loads its data plane put on the GPU itself (``calls``) and those of them by the
+    copy kernel (``kernel_calls``), summed over the clients; and the clients whose GPU work the
+    plane gave up on (their public ids: the first 8 hex digits and "...")."""
+    counts, gave_up = {"calls": 0, "kernel_calls": 0}, set()
     with open(log_path) as f:
         for line in f:
             m = re.search(r"data plane: (\d+) CUDA Writes and Loads of .* (\d+) of them by the copy kernel",
@@ -1055,8 +1057,10 @@ def plane_cuda_counts(log_path: str) -> dict[str, int]:
             if m:
                 counts["calls"] += int(m.group(1))
                 counts["kernel_calls"] += int(m.group(2))
-            counts["give_ups"] += "data plane: gave up on the GPU work of a CUDA pool" in line
-    return counts
+            m = re.search(r"data plane: gave up on the GPU work of (\S+): ", line)
+            if m:
+                gave_up.add(m.group(1))
+    return counts, gave_up
 
 
 def _finish(report: dict, daemon: subprocess.Popen, tmp: str, started: float) -> int:

@@ -388,9 +388,8 @@ def test_the_compiled_check_of_a_cuda_pool_takes_nothing_the_validation_refuses(
 
 def test_the_gpu_check_counts_what_the_plane_put_on_the_gpu(daemon_factory, fake, caplog, tmp_path) -> None:
     """scripts/gpu_check.py --plane-cuda proves the plane served, by DMA and by the copy kernel,
-    and gave up a stuck engine's write, by what the daemon logs as it releases each CUDA client
-    (its gate's cuda_jobs and cuda_kernel_jobs) and as it fails a pool the plane gave up on,
-    parsed from the daemon's log."""
+    and gave up the stuck engine's write itself, by what the daemon logs as it releases each CUDA
+    client (its gate's cuda_jobs, cuda_kernel_jobs and cuda_failed), parsed from the daemon's log."""
     import logging
     import os
     import sys
@@ -412,6 +411,7 @@ def test_the_gpu_check_counts_what_the_plane_put_on_the_gpu(daemon_factory, fake
             c.load(host_indices=host, device_indices=dev).wait()
             c.unregister()
         with _client(d, FakeCudaPool(fake)) as c:  # the stuck engine of the check's step 6
+            stuck = c.registration.client_id[:8] + "..."  # as gpu_check's safety engine reports it
             client = d.core.clients[c.registration.client_id]
             host = c.alloc(PAGE)
             c.write(host_indices=host, device_indices=list(range(PAGE)), ready_event=READY)  # the loop's
@@ -421,9 +421,18 @@ def test_the_gpu_check_counts_what_the_plane_put_on_the_gpu(daemon_factory, fake
             _until(lambda: c.registration.client_id not in d.core.clients)
             rt.fire(READY)
             _released(client.device)
+        with _client(d, FakeCudaPool(fake)) as c:  # stuck on the loop: its first write names the event
+            client = d.core.clients[c.registration.client_id]
+            host = c.alloc(PAGE)
+            rt.hang(READY)
+            with pytest.raises(KVClientError, match="given up on"):
+                c.write(host_indices=host, device_indices=list(range(PAGE)), ready_event=READY)
+            _until(lambda: c.registration.client_id not in d.core.clients)
+            rt.fire(READY)
+            _released(client.device)
     log = tmp_path / "daemon.log"
     log.write_text("\n".join(f"2026-12-05 INFO {r.name}: {r.getMessage()}" for r in caplog.records) + "\n")
-    assert gpu_check.plane_cuda_counts(str(log)) == {"calls": 7, "kernel_calls": 2, "give_ups": 1}
+    assert gpu_check.plane_cuda_counts(str(log)) == ({"calls": 7, "kernel_calls": 2}, {stuck})
 
 
 def test_an_unregister_waits_for_the_gpu_to_finish_the_planes_copies(daemon_factory, fake) -> None:

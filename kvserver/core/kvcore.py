@@ -478,6 +478,9 @@ class KVCore:
                 logger.info("data plane: %d CUDA Writes and Loads of %s put on its GPU stream, %d of "
                             "them by the copy kernel", client.gate.cuda_jobs, public_id(client_id),
                             client.gate.cuda_kernel_jobs)
+                if client.gate.cuda_failed:
+                    logger.info("data plane: gave up on the GPU work of %s: %s", public_id(client_id),
+                                client.gate.cuda_failed)
         lane, client.lane = client.lane, None
         if lane is not None:  # its handlers are cancelled and awaited, then its ring unmapped
             await lane.close()

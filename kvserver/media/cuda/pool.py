@@ -200,7 +200,7 @@ class CudaDevicePool(DevicePool):
         gate = self.plane_gate
         why = gate.cuda_failed if gate is not None else None
         if why and self.failed is None:
-            self._fail(why, by="data plane: gave up on the GPU work of a CUDA pool")
+            self._fail(why)
         return why
 
     def check_plane(self) -> None:
@@ -317,13 +317,14 @@ class CudaDevicePool(DevicePool):
         if not self.released.done():
             self.released.set_result(None)
 
-    def _fail(self, why: str, by: str = "CUDA pool failed") -> None:
-        """Latches why this pool's GPU work is given up on, once, and logs it once (as ``by``)."""
+    def _fail(self, why: str) -> None:
+        """Latches why this pool's GPU work is given up on, once (the reaper, the copy workers and a
+        release may all see it), and logs it once."""
         with self._fail_lock:
             if self.failed is not None:
                 return
             self.failed = why
-        logger.warning("%s on device %d: %s", by, self.ordinal, why)
+        logger.warning("CUDA pool on device %d failed: %s", self.ordinal, why)
 
     def _stalled(self) -> GpuStalled:
         return GpuStalled(f"this client's GPU work is given up on: {self.failed}. The client is "
