@@ -959,16 +959,18 @@ def run_queue_depth(ctx, deadline: float, target=None) -> dict:
     try:
         while time.monotonic() < until:
             try:
-                return out.get(timeout=0.5)
+                result = out.get(timeout=0.5)
+                proc.join(5)  # it ends once it reported
+                return result
             except queue.Empty:
                 if not proc.is_alive() and out.empty():
                     return {"kind": "queue_depth", "ok": False,
                             "error": f"the probe died (exit {proc.exitcode})"}
         return {"kind": "queue_depth", "ok": False, "error": "no report within its time"}
     finally:
-        proc.join(5)
-        if proc.is_alive():
+        if proc.is_alive():  # past its time: not waited for
             proc.kill()
+            proc.join(1)
 
 
 def main() -> int:

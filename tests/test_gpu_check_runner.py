@@ -99,7 +99,7 @@ def test_the_driver_queue_probe_reports_and_is_never_waited_for_past_its_time(mo
     assert got["calls_before_a_wait"] == 1000
     t0 = time.monotonic()
     got = gpu_check.run_queue_depth(ctx, time.monotonic() + 2, target=hanging_probe)
-    assert not got["ok"] and "no report" in got["error"] and time.monotonic() - t0 < 15
+    assert not got["ok"] and "no report" in got["error"] and time.monotonic() - t0 < 10
     t0 = time.monotonic()
     got = gpu_check.run_queue_depth(ctx, time.monotonic() + 60, target=dying_probe)
     assert not got["ok"] and "exit 3" in got["error"] and time.monotonic() - t0 < 15
