@@ -109,6 +109,18 @@ def _until(ready, seconds: float = 5.0) -> None:
         time.sleep(0.01)
 
 
+def _scramble(pool: FakeCudaPool, rng) -> None:
+    """New random bytes in every token of the pool's "device" buffers."""
+    pool.kv[:] = rng.integers(0, 256, pool.kv.shape, dtype=np.uint8)
+
+
+def _random_pool(fake, seed: int, **kw) -> tuple[FakeCudaPool, np.random.Generator]:
+    """A pool of random bytes, and the generator that made them."""
+    pool, rng = FakeCudaPool(fake, **kw), np.random.default_rng(seed)
+    _scramble(pool, rng)
+    return pool, rng
+
+
 def _pages(rng, n: int) -> list[int]:
     pages = rng.permutation(TOKENS // PAGE)[:n]
     return (pages[:, None] * PAGE + np.arange(PAGE)).reshape(-1).tolist()
@@ -116,9 +128,7 @@ def _pages(rng, n: int) -> list[int]:
 
 def test_lane_writes_and_loads_of_a_cuda_pool_are_the_planes_bit_exact(plane_daemon, fake) -> None:
     d, rt = plane_daemon, fake.cuda.runtime
-    pool = FakeCudaPool(fake)
-    rng = np.random.default_rng(5)
-    pool.kv[:] = rng.integers(0, 256, pool.kv.shape, dtype=np.uint8)
+    pool, rng = _random_pool(fake, 5)
     with _client(d, pool) as c:
         assert c.lane is not None
         client = d.core.clients[c.registration.client_id]
@@ -131,7 +141,7 @@ def test_lane_writes_and_loads_of_a_cuda_pool_are_the_planes_bit_exact(plane_dae
         nbytes = 8 * PAGE * LAYOUT.token_bytes(torch.float16) * 2 * LAYERS
         assert c.write(host_indices=host, device_indices=dev, ready_event=READY) == nbytes
         assert gate.cuda_jobs == 0 and READY in client.device.plane_ready
-        pool.kv[:] = rng.integers(0, 256, pool.kv.shape, dtype=np.uint8)  # other bytes for the plane to write
+        _scramble(pool, rng)  # other bytes for the plane to write
         want = pool.kv[:, :, dev].copy()
         rt.calls.clear()
         assert c.write(host_indices=host, device_indices=dev, ready_event=READY) == nbytes
@@ -187,9 +197,7 @@ def test_many_small_rows_are_the_planes_kernel_launches(plane_daemon, fake) -> N
     layer's event after its launch, on the pool's stream; bit for bit both ways and against the
     loop's own kernel copy."""
     d, rt = plane_daemon, fake.cuda.runtime
-    pool = FakeCudaPool(fake)
-    rng = np.random.default_rng(7)
-    pool.kv[:] = rng.integers(0, 256, pool.kv.shape, dtype=np.uint8)
+    pool, rng = _random_pool(fake, 7)
     with _client(d, pool) as c:
         client = d.core.clients[c.registration.client_id]
         gate, stream = client.gate, client.device.stream.ptr
@@ -222,9 +230,7 @@ def test_many_small_rows_are_the_planes_kernel_launches(plane_daemon, fake) -> N
 def test_the_planes_kernel_takes_the_widest_word_the_rows_allow(plane_daemon, fake) -> None:
     """Tokens of 6 bytes (1 head of 3 fp16 values): the 2-byte kernel, bit for bit."""
     d, rt = plane_daemon, fake.cuda.runtime
-    pool = FakeCudaPool(fake, layout=KVLayout.mha(1, 3))
-    rng = np.random.default_rng(8)
-    pool.kv[:] = rng.integers(0, 256, pool.kv.shape, dtype=np.uint8)
+    pool, rng = _random_pool(fake, 8, layout=KVLayout.mha(1, 3))
     with _client(d, pool) as c:
         gate = d.core.clients[c.registration.client_id].gate
         host = c.alloc(TOKENS)
@@ -247,9 +253,7 @@ def test_the_planes_dma_jobs_are_at_most_its_own_copy_limit(plane_daemon, fake, 
     monkeypatch.setattr(plan, "PLANE_SMALL_COPIES", 0)
     monkeypatch.setattr(plan, "DMA_MIN_CHUNK_BYTES", PAGE * 512)  # a run is a page's chunk
     d, rt = plane_daemon, fake.cuda.runtime
-    pool = FakeCudaPool(fake)
-    rng = np.random.default_rng(10)
-    pool.kv[:] = rng.integers(0, 256, pool.kv.shape, dtype=np.uint8)
+    pool, rng = _random_pool(fake, 10)
     with _client(d, pool) as c:
         gate = d.core.clients[c.registration.client_id].gate
         host = c.alloc(TOKENS)
@@ -271,9 +275,7 @@ def test_what_the_plane_does_not_take_of_a_cuda_pool_is_the_loops(plane_daemon, 
     opened, go to the loop, which answers alike."""
     monkeypatch.setattr(plan, "PLANE_ARGS_BYTES", 4096)  # 16 B a token and a (layer, part): 247 tokens
     d, rt = plane_daemon, fake.cuda.runtime
-    pool = FakeCudaPool(fake)
-    rng = np.random.default_rng(6)
-    pool.kv[:] = rng.integers(0, 256, pool.kv.shape, dtype=np.uint8)
+    pool, rng = _random_pool(fake, 6)
     with _client(d, pool) as c:
         gate = d.core.clients[c.registration.client_id].gate
         host = c.alloc(TOKENS)
@@ -540,7 +542,7 @@ def test_the_kernels_argument_area_is_a_ring_reused_once_its_jobs_end(plane_daem
         gate = d.core.clients[c.registration.client_id].gate
         host = c.alloc(TOKENS)
         for round_ in range(8):
-            pool.kv[:] = rng.integers(0, 256, pool.kv.shape, dtype=np.uint8)
+            _scramble(pool, rng)
             dev = rng.permutation(TOKENS)[:128].tolist()
             hosts = host[(round_ % 2) * 128:(round_ % 2 + 1) * 128]
             want = pool.kv[:, :, dev].copy()
@@ -570,7 +572,7 @@ def test_the_kernels_argument_area_is_a_ring_reused_once_its_jobs_end(plane_daem
             t.join(10)
         assert gate.cuda_jobs == jobs + 3 and gate.inflight == 0
         assert [ended[str(i)][1] for i in range(4)] == [128 * 512 * 2 * LAYERS] * 4, ended
-        pool.kv[:] = rng.integers(0, 256, pool.kv.shape, dtype=np.uint8)  # and the ring serves on
+        _scramble(pool, rng)  # and the ring serves on
         dev = rng.permutation(TOKENS)[:128].tolist()
         want = pool.kv[:, :, dev].copy()
         c.write(host_indices=host[:128], device_indices=dev)
