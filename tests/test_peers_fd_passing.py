@@ -45,6 +45,7 @@ from kvserver.__main__ import build_parser, config_from_args
 from kvserver.config import ServerConfig
 from kvserver.peers.fd_socket import MAX_CONNS_PER_UID
 from kvserver.protocol.fd_socket import MAX_FDS, fd_socket_path
+from kvserver.protocol import shared_memory
 from kvserver.protocol.shared_memory import SHM_DIR, create_memfd, create_shm, unlink_shm
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
@@ -332,6 +333,36 @@ def test_an_unfit_fd_is_refused_at_register(daemon, make, code, text) -> None:
         assert num_clients(daemon) == 0
         assert daemon.run(lambda: daemon.core.arena.reserved) == 0
     finally:
+        os.close(fd)
+        pool.close()
+
+
+def test_a_pool_shrunk_and_sealed_while_the_daemon_checks_it_is_mapped_at_its_sealed_size(
+        daemon, monkeypatch) -> None:
+    """A peer that sends an unsealed memfd and, as the daemon asks for its seals, truncates it and
+    seals it there: the size the daemon maps and bounds the pool by is the one the seal fixes, so
+    the pool is refused as too small (mapped at its old size, the first copy past the new end would
+    be SIGBUS in the daemon)."""
+    pool = ShmKVPool(LAYOUT, torch.float16, 2, 256)
+    fd = os.memfd_create("kvtest-shrunk", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 1 << 20)
+    real = fcntl.fcntl
+
+    def peer_at_the_seal_check(f: int, cmd: int, *arg):  # the peer's timing, which cannot be forced
+        if cmd == fcntl.F_GET_SEALS and sys._getframe(1).f_code is shared_memory.map_sealed_fd.__code__:
+            os.ftruncate(fd, 4096)
+            real(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        return real(f, cmd, *arg)
+
+    monkeypatch.setattr(shared_memory.fcntl, "fcntl", peer_at_the_seal_check)
+    try:
+        req = pool_request(pool, get_ticket(fd_path(daemon), [fd]))
+        got, message = error_of(lambda: stub_of(daemon).Register(req, timeout=TIMEOUT))
+        assert got == C.INVALID_ARGUMENT and "fd 0 is 4096 bytes but the buffer at offset" in message, \
+            (got, message)
+        assert num_clients(daemon) == 0
+    finally:
+        monkeypatch.undo()
         os.close(fd)
         pool.close()
 

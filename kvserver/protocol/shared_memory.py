@@ -89,17 +89,19 @@ def open_shm(name: str, owner_uid: int) -> ShmMapping:
 
 def map_sealed_fd(fd: int, what: str) -> ShmMapping:
     """Maps a descriptor an engine handed over: a regular (memfd) file open read-write and sealed
-    against shrinking, so no truncation can ever fault a copy. The descriptor stays the caller's."""
+    against shrinking, so no truncation can ever fault a copy. The descriptor stays the caller's.
+    The seals are read before the size: a seal is never taken off, so the size read after it is the
+    one the object keeps (read before, it could be one a peer shrank from before sealing)."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0  # not shared memory that can carry seals (a disk file, a pipe, a closed fd)
     try:
         st = os.fstat(fd)
     except OSError as exc:
         raise InvalidArgument(f"{what} cannot be used: {exc.strerror}") from None
     if not stat.S_ISREG(st.st_mode):
         raise InvalidArgument(f"{what} is not a regular file; send a sealed memfd")
-    try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    except OSError:
-        seals = 0  # not shared memory that can carry seals (a disk file, say)
     if not seals & fcntl.F_SEAL_SHRINK:
         raise FailedPrecondition(
             f"{what} is not sealed against shrinking: create it with memfd_create(MFD_ALLOW_SEALING) "
