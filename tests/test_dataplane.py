@@ -23,6 +23,7 @@ from kvclient import KVClient, KVClientError, KVLayout, ShmKVPool
 from kvserver.core import epochs
 from kvserver.errors import KVError
 from kvserver.protocol import lane_request as LR
+from kvserver.protocol import ring as R
 from kvserver.v1 import kvserver_pb2 as pb
 
 LAYERS, START, PAGE, TOKENS = 4, 2, 16, 512
@@ -134,6 +135,37 @@ def test_what_the_plane_refuses_is_answered_by_the_one_validation(plane_daemon) 
             c.lane.unary("WriteB", b"KVR1" + b"\0" * 10, 5)
         assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT and "malformed Write" in exc.value.message
         assert c.stats().clients[0].transfers.write_ops == 0
+
+
+def test_the_loop_serves_the_call_the_plane_handed_over_not_one_rewritten_since(plane_daemon) -> None:
+    """A peer that rewrites a slot's call id after the plane handed the slot over (a Lookup it
+    refused, which holds no copy of the registration off the plane) cannot have the loop serve a
+    Write there: the loop serves the call the plane read, never reads the id from the ring again."""
+    d = plane_daemon
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, _client(d, pool) as c:
+        host, dev = c.alloc(PAGE), torch.arange(PAGE)
+        lane, core = c.lane, c._core
+        data = core.write_packed(core.registration, host, dev, list(range(START, START + LAYERS)), None)
+        engine, loop_free = d.core.plane.engine, threading.Event()
+        d.loop.call_soon_threadsafe(loop_free.wait, 10)  # the loop takes nothing until it is set
+        try:
+            handed = engine.handed
+            i = lane._take(data)
+            lane._put(i, "Lookup", data)  # not a LookupRequest: the plane hands it over, not counted
+            deadline = time.monotonic() + 5
+            while engine.handed == handed:
+                assert time.monotonic() < deadline, "the plane did not hand the slot over"
+                time.sleep(0.001)
+            off = R.slot_offset(i)
+            _, seq, n = R.CALL.unpack_from(lane._mm, off + R.RPC_AT)
+            R.CALL.pack_into(lane._mm, off + R.RPC_AT, R.RPC_IDS["WriteB"], seq, n)
+        finally:
+            loop_free.set()
+        assert lane._wait(i, time.monotonic() + 10) is not None
+        code, _response, message, _ = lane._result(i)
+        lane._end(i, done=True)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0], (code, message)
+        assert c.stats().clients[0].transfers.write_ops == 0, "the loop served the rewritten Write"
 
 
 def test_the_compiled_check_never_takes_what_the_validation_refuses(plane_daemon) -> None:

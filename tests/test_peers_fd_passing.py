@@ -44,8 +44,8 @@ from kvclient._transport.fd_socket import get_ticket
 from kvserver.__main__ import build_parser, config_from_args
 from kvserver.config import ServerConfig
 from kvserver.peers.fd_socket import MAX_CONNS_PER_UID
-from kvserver.protocol.fd_socket import MAX_FDS, fd_socket_path
 from kvserver.protocol import shared_memory
+from kvserver.protocol.fd_socket import MAX_FDS, fd_socket_path
 from kvserver.protocol.shared_memory import SHM_DIR, create_memfd, create_shm, unlink_shm
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc

@@ -116,7 +116,7 @@ class DataPlane:
             except Exception:  # the other ends, and the handoffs, are served all the same
                 logger.exception("settling a copy the data plane ended failed")
         self.settle_gets()
-        for key, slot, counted in handed:
+        for key, slot, rpc, counted in handed:
             lane = self.lanes.get(key)
             if lane is None:  # removed meanwhile: the request dies with its lane
                 continue
@@ -127,7 +127,7 @@ class DataPlane:
                     logger.exception("closing a space's lane whose peer left failed")
                 continue
             try:
-                lane.take(slot, counted)
+                lane.take(slot, rpc, counted)
             except Exception:  # answered INTERNAL; the other requests are served
                 logger.exception("serving a request handed over by the data plane failed")
                 lane.refuse(slot, "the daemon failed to take this request: see its log", counted)

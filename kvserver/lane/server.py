@@ -222,9 +222,10 @@ class Lane:
             else:
                 asyncio.get_running_loop().remove_reader(self._submit.fileno())
 
-    def take(self, i: int, counted: bool = True) -> None:
-        """Serves slot ``i``, which the plane marked TAKEN and handed over (``counted``: in the
-        gate's count of the loop's requests, which on_served gives back at its end)."""
+    def take(self, i: int, rpc: int, counted: bool = True) -> None:
+        """Serves slot ``i``, which the plane marked TAKEN and handed over as call ``rpc``: the id it
+        read, by which it decided ``counted`` (in the gate's count of the loop's requests, which
+        on_served gives back at its end); the peer may have written another id in the ring since."""
         if self._closed:  # the slot dies with the lane
             self._served_elsewhere(counted)
             return
@@ -235,7 +236,7 @@ class Lane:
         self._counted[i] = counted
         off = R.slot_offset(i)
         mm = self._mm
-        rpc, seq, n = R.CALL.unpack_from(mm, off + R.RPC_AT)
+        _, seq, n = R.CALL.unpack_from(mm, off + R.RPC_AT)
         data = bytes(mm[off + R.REQUEST_AT: off + R.REQUEST_AT + min(n, R.REQUEST_BYTES)])  # private copy
         if rpc in _FAST and self._fast is not None and n <= R.REQUEST_BYTES:
             try:

@@ -229,8 +229,10 @@ static PyObject *engine_unwatch_all(Engine *e, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-/* take_handoffs() -> [(lane key, slot, counted)], oldest first; drains the notify eventfd.
- * counted: the request is in its gate's py_inflight until Python's py_exit for it. */
+/* take_handoffs() -> [(lane key, slot, rpc, counted)], oldest first; drains the notify eventfd.
+ * rpc: the call the plane read from the slot, the one the loop serves (the peer may have written
+ * another there since); counted: the request is in its gate's py_inflight until Python's py_exit
+ * for it. */
 static PyObject *engine_take_handoffs(Engine *e, PyObject *unused) {
     uint64_t v;
     (void)!read(e->notify_fd, &v, 8);
@@ -244,8 +246,8 @@ static PyObject *engine_take_handoffs(Engine *e, PyObject *unused) {
         return NULL;
     pthread_mutex_lock(&e->hand_mu);
     for (size_t k = 0; k < n; k++) {
-        PyObject *item = Py_BuildValue("LiO", (long long)e->hand[k].lane_key, e->hand[k].slot,
-                                       e->hand[k].counted ? Py_True : Py_False);
+        PyObject *item = Py_BuildValue("LiIO", (long long)e->hand[k].lane_key, e->hand[k].slot,
+                                       (unsigned int)e->hand[k].rpc, e->hand[k].counted ? Py_True : Py_False);
         if (!item) {
             pthread_mutex_unlock(&e->hand_mu);
             Py_DECREF(out);

@@ -98,6 +98,7 @@ static void handoff(Engine *e, Lane *l, int i, uint32_t rpc) {
     if (e->nhand < e->caphand) { /* only this thread adds: the room found above is still there */
         e->hand[e->nhand].lane_key = l->key;
         e->hand[e->nhand].slot = i;
+        e->hand[e->nhand].rpc = rpc;
         e->hand[e->nhand].counted = counted;
         e->nhand++;
     }

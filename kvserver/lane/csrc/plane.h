@@ -232,7 +232,8 @@ enum { DONE_OK, DONE_STOPPED, DONE_RELEASED, DONE_HALTED };
 typedef struct {
     int64_t lane_key;
     int slot;
-    int counted; /* in its gate's py_inflight: a copy (handoff()) */
+    uint32_t rpc; /* the call the plane read from the slot, which the loop serves (never read again) */
+    int counted;  /* in its gate's py_inflight: a copy (handoff()) */
 } Handoff;
 
 /* The end of a Get the plane served whole: what the loop settles (take_gets): its pages' holds and
