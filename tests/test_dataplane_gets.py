@@ -21,6 +21,7 @@ from test_dataplane_cache import PAGES, _keys, _pages_of
 from kvclient import KVClient, KVClientError, ShmKVPool
 from kvclient.load_handle import LoadHandle
 from kvserver.core import cache_ops
+from kvserver.lane import plane as plane_mod
 from kvserver.protocol import ring
 from kvserver.store.lock import CacheLock
 from kvserver.store.pages import PageTable
@@ -393,6 +394,37 @@ def test_an_engine_s_lookup_is_served_whole_by_the_plane_as_the_rpc_serves_it(pl
                 answers.append((exc.code, exc.message))
         assert answers[0] == answers[1], answers
         assert d.core.plane.plane_lookups == lookups
+
+
+def test_the_loop_settles_the_plane_s_ends_a_batch_a_turn(plane_daemon, monkeypatch) -> None:
+    """Ends the plane posted while the loop was busy are settled ``SETTLE_BATCH`` a turn of the
+    loop, the rest in the turns after (posting no wake-up of their own), every one of them."""
+    d = plane_daemon
+    monkeypatch.setattr(plane_mod, "SETTLE_BATCH", 2)
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c:
+        assert c.put(_keys("b")[:8], torch.arange(8)).stored == 8
+        assert c.lookup(_keys("b")[:1]).pages == 1  # the loop's: it gives the gate its part
+        d.run(d.core.plane.settle_gets)
+        plane, batches = d.core.plane, []
+        real = plane._get_ended
+
+        def settled(ends: list) -> None:
+            batches.append(len(ends))
+            real(ends)
+
+        monkeypatch.setattr(plane, "_get_ended", settled)
+        lookups, hits = plane.plane_lookups, sum(s.counters.hits for s in c.stats().spaces)
+        loop_free = threading.Event()
+        d.loop.call_soon_threadsafe(loop_free.wait, 10)
+        try:
+            for k in range(5):
+                assert c.lookup(_keys("b")[k: k + 2]).pages == 2
+        finally:
+            loop_free.set()
+        assert plane.plane_lookups == lookups + 5, "the Lookups were not the plane's"
+        _until(lambda: sum(batches) == 5)
+        assert batches == [2, 2, 1], batches
+        assert sum(s.counters.hits for s in c.stats().spaces) == hits + 10
 
 
 def _stamps(d, keys: list[bytes]) -> np.ndarray:

@@ -50,6 +50,11 @@ ENABLED = _kvlane is not None and os.environ.get("KVSERVER_DATA_PLANE", "compile
 GETS = os.environ.get("KVSERVER_PLANE_GETS", "1") != "0"
 POLL_SECONDS = 0.0005  # how often a waiter on the plane's copies looks again
 MAX_KEPT_TABLES = 4096  # host tables whose rows _host_rows keeps (one a client)
+# The most ends of the calls the plane served whole that one turn of the loop settles (take_gets):
+# the rest are settled in the turns after, between the loop's other work. The plane keeps at most
+# 256 ends posted for the loop, but Gets still copying do not count there: many that a deadline
+# stops at once post their ends together.
+SETTLE_BATCH = 256
 # The stop word of a copy made at once (``copy_now``): nothing can stop it while it runs on the loop.
 _NO_STOP = np.zeros(1, np.int64)
 
@@ -115,7 +120,7 @@ class DataPlane:
                 self._ended(ticket, status, layers)
             except Exception:  # the other ends, and the handoffs, are served all the same
                 logger.exception("settling a copy the data plane ended failed")
-        self.settle_gets()
+        self._settle_batch()
         for key, slot, rpc, counted in handed:
             lane = self.lanes.get(key)
             if lane is None:  # removed meanwhile: the request dies with its lane
@@ -159,13 +164,25 @@ class DataPlane:
         self.cache, self._cache_lock, self._get_ended = c, lock, ended
 
     def settle_gets(self) -> None:
-        """Settles the Gets the plane served whole that have ended (the loop's reader does it as
-        they end; a harvest of the counters first, so that Stats counts every Get answered)."""
+        """Settles every Get the plane served whole that has ended (the loop's reader does it as
+        they end, ``SETTLE_BATCH`` a turn; a harvest of the counters first, so that Stats counts
+        every Get answered)."""
+        while self._settle_batch(again=False):
+            pass
+
+    def _settle_batch(self, again: bool = True) -> bool:
+        """Settles the oldest ``SETTLE_BATCH`` ends of the calls the plane served whole; True if
+        there may be more, which (``again``) the loop's next turn settles: the plane posts no
+        wake-up for them, only for an end posted once none is left."""
         if self._get_ended is None:
-            return
-        ends = self.engine.take_gets()
+            return False
+        ends = self.engine.take_gets(SETTLE_BATCH)
         if ends:
             self._get_ended(ends)
+        more = len(ends) == SETTLE_BATCH
+        if more and again and self._loop is not None and not self.stopped:
+            self._loop.call_soon(self._settle_batch)
+        return more
 
     @property
     def plane_gets(self) -> int:

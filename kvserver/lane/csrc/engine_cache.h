@@ -119,17 +119,21 @@ static PyObject *engine_unstash(Engine *e, PyObject *arg) {
     return r;
 }
 
-/* take_gets() -> [(token, gid, ids, found, misses, status, layers, bytes, kind)]: the Gets (and
- * Lookups, and Puts of keys all stored) served whole on the plane that ended, in the order they
- * ended: the gate's token and cache part, the page ids found (int64 bytes: a Get's are held, which
+/* take_gets(most=-1) -> [(token, gid, ids, found, misses, status, layers, bytes, kind)]: the Gets
+ * (and Lookups, and Puts of keys all stored) served whole on the plane that ended, in the order
+ * they ended, the oldest `most` of them (every one: -1; those left are the next call's, and post no
+ * wake-up until every one is taken): the gate's token and cache part, the page ids found (int64 bytes: a Get's are held, which
  * the loop lets go), the pages found and the keys missed, status 0 done, 2 its gate closed, 3
  * stopped otherwise (a deadline, the plane stopped, handed to the loop after all), the layers
  * copied and the bytes (done only), kind 0 a Get, 1 a Lookup, 2 a Put, 3 a Lookup of host memory
  * only (memory_only), 4 a Put that stored pages (END_STORE: its first `found` ids filed and held,
  * the rest its stash's pages back, `misses` its keys present). */
-static PyObject *engine_take_gets(Engine *e, PyObject *unused) {
+static PyObject *engine_take_gets(Engine *e, PyObject *args) {
+    Py_ssize_t most = -1;
+    if (!PyArg_ParseTuple(args, "|n", &most))
+        return NULL;
     pthread_mutex_lock(&e->hand_mu);
-    size_t n = e->ngets;
+    size_t n = most >= 0 && (size_t)most < e->ngets ? (size_t)most : e->ngets;
     PyObject *out = PyList_New((Py_ssize_t)n);
     for (size_t k = 0; out && k < n; k++) {
         GetEnd *d = &e->gets[k];
@@ -146,7 +150,9 @@ static PyObject *engine_take_gets(Engine *e, PyObject *unused) {
     if (out) {
         for (size_t k = 0; k < n; k++)
             free(e->gets[k].ids);
-        e->ngets = 0;
+        if (n < e->ngets) /* (room kept for unposted ends stays past them: reserve_room counts it) */
+            memmove(e->gets, e->gets + n, (e->ngets - n) * sizeof(GetEnd));
+        e->ngets -= n;
     }
     pthread_mutex_unlock(&e->hand_mu);
     return out;

@@ -141,7 +141,7 @@ static PyMethodDef engine_methods[] = {
     {"submit_copy", (PyCFunction)(void (*)(void))engine_submit_copy, METH_VARARGS | METH_KEYWORDS, NULL},
     {"take_completions", (PyCFunction)engine_take_completions, METH_NOARGS, NULL},
     {"set_cache", (PyCFunction)engine_set_cache, METH_O, NULL},
-    {"take_gets", (PyCFunction)engine_take_gets, METH_NOARGS, NULL},
+    {"take_gets", (PyCFunction)engine_take_gets, METH_VARARGS, NULL},
     {"stash", (PyCFunction)engine_stash, METH_VARARGS, NULL},
     {"unstash", (PyCFunction)engine_unstash, METH_O, NULL},
     {"take_histograms", (PyCFunction)engine_take_histograms, METH_NOARGS, NULL},
