@@ -168,6 +168,64 @@ def test_the_loop_serves_the_call_the_plane_handed_over_not_one_rewritten_since(
         assert c.stats().clients[0].transfers.write_ops == 0, "the loop served the rewritten Write"
 
 
+def test_a_command_cuts_the_plane_s_round_of_slots_short_and_every_slot_is_served(plane_daemon) -> None:
+    """The loop waits for each command it gives the plane's thread (a lane added or removed, a gate
+    closed): the thread runs it before it takes another slot, not after a round of every lane's
+    (peers may keep them all full), and takes the slots it left after it: none is left unserved."""
+    d = plane_daemon
+    engine = d.core.plane.engine
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS))
+        clients = [stack.enter_context(_client(d, pool)) for _ in range(6)]
+        keys = [bytes([k]) * 16 for k in range(30)]
+        assert clients[0].put(keys, torch.arange(30)).stored == 30
+        requests = {}
+        for c in clients:
+            assert c.lookup(keys[:1]).pages == 1  # the loop's: it gives the gate its part
+            real = c.lane.unary
+
+            def spy(rpc, data, timeout, real=real, lane=c.lane):
+                requests[lane] = data
+                return real(rpc, data, timeout)
+
+            c.lane.unary = spy
+            assert c.lookup(keys * 34).pages == 1020  # the plane's, as every one below
+            c.lane.unary = real
+        slots = []
+        for c in clients:
+            while (i := c.lane._take(requests[c.lane])) is not None:
+                slots.append((c.lane, i))
+        stop, served = threading.Event(), [0]
+
+        def flood() -> None:
+            for lane, i in slots:
+                lane._put(i, "Lookup", requests[lane])
+            while not stop.is_set():
+                for lane, i in slots:
+                    if lane._state(i) == R.DONE:
+                        served[0] += 1
+                        lane._put(i, "Lookup", requests[lane])
+
+        peer = threading.Thread(target=flood)
+        peer.start()
+        cuts, deadline = engine.command_cuts, time.monotonic() + 10
+        try:
+            while engine.command_cuts == cuts and time.monotonic() < deadline:
+                engine.pause(False)  # a command that changes nothing
+        finally:
+            stop.set()
+            peer.join(10)
+        assert engine.command_cuts > cuts, "no scan was cut short for a command"
+        deadline = time.monotonic() + 10
+        for lane, i in slots:  # every slot submitted is answered, the ones a cut left too
+            while lane._state(i) != R.DONE:
+                assert time.monotonic() < deadline, "a slot left for a command was never served"
+                time.sleep(0.001)
+            assert lane._result(i)[0] == 0
+            lane._end(i, done=True)
+        assert served[0] > len(slots)
+
+
 def test_the_compiled_check_never_takes_what_the_validation_refuses(plane_daemon) -> None:
     """Differential: random requests, well formed and mutated; whatever Gate.check takes,
     KVCore.prepare (the one validation) takes too."""

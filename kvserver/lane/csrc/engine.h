@@ -308,6 +308,10 @@ static PyObject *engine_get_plane_puts(Engine *e, void *unused) {
 static PyObject *engine_get_plane_stores(Engine *e, void *unused) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->plane_stores, __ATOMIC_RELAXED));
 }
+static PyObject *engine_get_command_cuts(Engine *e, void *unused) {
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->cmd_cuts, __ATOMIC_RELAXED));
+}
+
 static PyObject *engine_get_handed(Engine *e, void *unused) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->handed, __ATOMIC_RELAXED));
 }

@@ -154,6 +154,7 @@ static PyGetSetDef engine_getset[] = {
     {"jobs", (getter)engine_get_jobs, NULL, NULL, NULL},
     {"served", (getter)engine_get_served, NULL, NULL, NULL},
     {"handed", (getter)engine_get_handed, NULL, NULL, NULL},
+    {"command_cuts", (getter)engine_get_command_cuts, NULL, NULL, NULL},
     {"plane_gets", (getter)engine_get_plane_gets, NULL, NULL, NULL},
     {"plane_lookups", (getter)engine_get_plane_lookups, NULL, NULL, NULL},
     {"plane_space_lookups", (getter)engine_get_plane_space_lookups, NULL, NULL, NULL},

@@ -273,6 +273,13 @@ typedef struct {
     pthread_cond_t cmd_cv;
     int cmd, cmd_done;
     void *cmd_arg;
+    /* A command waits (set before its wake-up, cleared as it is done): the thread stops taking
+     * slots and reading doorbells until it has run it, so that the loop, which waits for it, never
+     * waits for a round of every lane's slots (cmd_waiting()). Slots it left submitted it takes
+     * after the command (rescan); the doorbells it left unread stay readable. */
+    int cmd_waiting;
+    int rescan;
+    uint64_t cmd_cuts; /* scans cut short for a command (the tests') */
     /* handoffs to Python */
     pthread_mutex_t hand_mu;
     Handoff *hand;
@@ -309,3 +316,6 @@ typedef struct {
     uint64_t hist[H_KINDS][MAX_EDGES + 1];
     double hsum[H_KINDS];
 } Engine;
+
+/* Whether the loop waits for a command of this thread (run_command). */
+static inline int cmd_waiting(Engine *e) { return __atomic_load_n(&e->cmd_waiting, __ATOMIC_ACQUIRE); }

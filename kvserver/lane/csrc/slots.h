@@ -6,6 +6,11 @@
 static int scan(Engine *e, Lane *l) {
     int took = 0;
     for (int i = 0; i < l->slots; i++) {
+        if (cmd_waiting(e)) { /* the loop waits for its command: the rest after it */
+            e->rescan = 1;
+            __atomic_add_fetch(&e->cmd_cuts, 1, __ATOMIC_RELAXED);
+            break;
+        }
         if (__atomic_load_n(&l->slot_busy[i], __ATOMIC_ACQUIRE))
             continue;
         char *s = slot_at(l, i);

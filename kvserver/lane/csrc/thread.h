@@ -67,6 +67,7 @@ static void command(Engine *e) {
     pthread_mutex_lock(&e->cmd_mu);
     e->cmd = CMD_NONE;
     e->cmd_done = 1;
+    __atomic_store_n(&e->cmd_waiting, 0, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&e->cmd_cv);
     pthread_mutex_unlock(&e->cmd_mu);
 }
@@ -109,8 +110,9 @@ static void *engine_main(void *arg) {
      * more than that (tens of microseconds on a virtual machine). */
     int64_t spin_until = 0;
     for (;;) {
-        /* Held (tests), jobs still meet their deadlines: looked at every millisecond. */
-        int timeout = e->jobs ? (e->paused ? 1 : 0) : -1;
+        /* Held (tests), jobs still meet their deadlines: looked at every millisecond. Slots left
+         * submitted for a command: taken at once after it. */
+        int timeout = e->jobs || e->rescan ? (e->paused ? 1 : 0) : -1;
         int spinning = timeout < 0 && spin_until && now_ns() < spin_until;
         /* While the thread spins it says so in every ring, and clients skip the doorbell: it
          * finds their slots by looking. Before it sleeps or copies (between pieces it reads the
@@ -157,7 +159,7 @@ static void *engine_main(void *arg) {
                 woken = 1;
             } else {
                 Lane *l = evs[k].data.ptr;
-                if (l->watching)
+                if (l->watching && !cmd_waiting(e)) /* (else left readable: the next wait's) */
                     doorbell(e, l);
             }
         }
@@ -171,6 +173,10 @@ static void *engine_main(void *arg) {
             pthread_mutex_unlock(&e->cmd_mu);
             if (!stop)
                 command(e);
+        }
+        if (e->rescan && !stop && !cmd_waiting(e)) {
+            e->rescan = 0;
+            took += scan_all(e);
         }
         take_incoming(e);
         if (stop)
@@ -196,6 +202,7 @@ static void run_command(Engine *e, int cmd, void *arg) {
     e->cmd = cmd;
     e->cmd_arg = arg;
     e->cmd_done = 0;
+    __atomic_store_n(&e->cmd_waiting, 1, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&e->cmd_mu);
     wake(e->wake_fd);
     pthread_mutex_lock(&e->cmd_mu);
