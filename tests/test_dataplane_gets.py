@@ -396,11 +396,16 @@ def test_an_engine_s_lookup_is_served_whole_by_the_plane_as_the_rpc_serves_it(pl
         assert d.core.plane.plane_lookups == lookups
 
 
-def test_the_loop_settles_the_plane_s_ends_a_batch_a_turn(plane_daemon, monkeypatch) -> None:
+@pytest.mark.parametrize(("batch", "ids", "want"), [(2, 1 << 16, [2, 2, 1]), (256, 5, [2, 2, 1]),
+                                                   (256, 3, [1, 1, 1, 1, 1]), (256, 0, [1, 1, 1, 1, 1])])
+def test_the_loop_settles_the_plane_s_ends_a_batch_a_turn(plane_daemon, monkeypatch, batch, ids,
+                                                           want) -> None:
     """Ends the plane posted while the loop was busy are settled ``SETTLE_BATCH`` a turn of the
-    loop, the rest in the turns after (posting no wake-up of their own), every one of them."""
+    loop, and past the first no more than carry ``SETTLE_IDS`` page ids, the rest in the turns
+    after (posting no wake-up of their own), every one of them."""
     d = plane_daemon
-    monkeypatch.setattr(plane_mod, "SETTLE_BATCH", 2)
+    monkeypatch.setattr(plane_mod, "SETTLE_BATCH", batch)
+    monkeypatch.setattr(plane_mod, "SETTLE_IDS", ids)
     with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c:
         assert c.put(_keys("b")[:8], torch.arange(8)).stored == 8
         assert c.lookup(_keys("b")[:1]).pages == 1  # the loop's: it gives the gate its part
@@ -423,7 +428,7 @@ def test_the_loop_settles_the_plane_s_ends_a_batch_a_turn(plane_daemon, monkeypa
             loop_free.set()
         assert plane.plane_lookups == lookups + 5, "the Lookups were not the plane's"
         _until(lambda: sum(batches) == 5)
-        assert batches == [2, 2, 1], batches
+        assert batches == want, batches
         assert sum(s.counters.hits for s in c.stats().spaces) == hits + 10
 
 

@@ -50,11 +50,13 @@ ENABLED = _kvlane is not None and os.environ.get("KVSERVER_DATA_PLANE", "compile
 GETS = os.environ.get("KVSERVER_PLANE_GETS", "1") != "0"
 POLL_SECONDS = 0.0005  # how often a waiter on the plane's copies looks again
 MAX_KEPT_TABLES = 4096  # host tables whose rows _host_rows keeps (one a client)
-# The most ends of the calls the plane served whole that one turn of the loop settles (take_gets):
-# the rest are settled in the turns after, between the loop's other work. The plane keeps at most
-# 256 ends posted for the loop, but Gets still copying do not count there: many that a deadline
-# stops at once post their ends together.
+# The most ends of the calls the plane served whole that one turn of the loop settles (take_gets),
+# and the most page ids they carry (past the first: a scheduler's Lookup of a whole space may
+# carry 8 Ki): the rest are settled in the turns after, between the loop's other work. The plane
+# keeps at most 256 ends posted for the loop, but Gets still copying do not count there: many that
+# a deadline stops at once post their ends together.
 SETTLE_BATCH = 256
+SETTLE_IDS = 64 << 10
 # The stop word of a copy made at once (``copy_now``): nothing can stop it while it runs on the loop.
 _NO_STOP = np.zeros(1, np.int64)
 
@@ -171,15 +173,15 @@ class DataPlane:
             pass
 
     def _settle_batch(self, again: bool = True) -> bool:
-        """Settles the oldest ``SETTLE_BATCH`` ends of the calls the plane served whole; True if
-        there may be more, which (``again``) the loop's next turn settles: the plane posts no
-        wake-up for them, only for an end posted once none is left."""
+        """Settles the oldest ends of the calls the plane served whole, ``SETTLE_BATCH`` and
+        ``SETTLE_IDS`` at most; True if there may be more, which (``again``) the loop's next turn
+        settles: the plane posts no wake-up for them, only for an end posted once none is left."""
         if self._get_ended is None:
             return False
-        ends = self.engine.take_gets(SETTLE_BATCH)
+        ends = self.engine.take_gets(SETTLE_BATCH, SETTLE_IDS)
         if ends:
             self._get_ended(ends)
-        more = len(ends) == SETTLE_BATCH
+        more = bool(ends) and self.engine.ends_waiting > 0
         if more and again and self._loop is not None and not self.stopped:
             self._loop.call_soon(self._settle_batch)
         return more

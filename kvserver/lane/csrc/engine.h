@@ -308,6 +308,14 @@ static PyObject *engine_get_plane_puts(Engine *e, void *unused) {
 static PyObject *engine_get_plane_stores(Engine *e, void *unused) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->plane_stores, __ATOMIC_RELAXED));
 }
+/* Ends of the calls served whole posted and not taken yet (take_gets). */
+static PyObject *engine_get_ends_waiting(Engine *e, void *unused) {
+    pthread_mutex_lock(&e->hand_mu);
+    size_t n = e->ngets;
+    pthread_mutex_unlock(&e->hand_mu);
+    return PyLong_FromSize_t(n);
+}
+
 static PyObject *engine_get_command_cuts(Engine *e, void *unused) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->cmd_cuts, __ATOMIC_RELAXED));
 }
