@@ -1,11 +1,14 @@
-"""Checks shared by the bad-input and access tests: hashes, mappings, and the status of a call."""
+"""Checks shared by the bad-input and access tests: hashes, mappings, the status of a call, and an
+event loop held still."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
@@ -75,3 +78,23 @@ class Described:
 
     def __getattr__(self, name):
         return getattr(self._pool, name)
+
+
+@contextlib.contextmanager
+def loop_held(loop, seconds: float = 10) -> Iterator[None]:
+    """The event loop ``loop`` (another thread's) running nothing else until the block ends: held
+    in a callback of its own, which has begun when this enters (an I/O callback ready before it
+    may run first, never one after)."""
+    held, free = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        free.wait(seconds)
+
+    loop.call_soon_threadsafe(hold)
+    try:
+        assert held.wait(seconds), "the loop did not come to the hold"
+        yield
+    finally:
+        free.set()
+

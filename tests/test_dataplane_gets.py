@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from checks import loop_held
 from test_dataplane import DTYPE, LAYERS, LAYOUT, PAGE, START, TOKENS, _client, _fill
 from test_dataplane_alone import _readers, _until, _zero
 from test_dataplane_cache import PAGES, _keys, _pages_of
@@ -419,13 +420,9 @@ def test_the_loop_settles_the_plane_s_ends_a_batch_a_turn(plane_daemon, monkeypa
 
         monkeypatch.setattr(plane, "_get_ended", settled)
         lookups, hits = plane.plane_lookups, sum(s.counters.hits for s in c.stats().spaces)
-        loop_free = threading.Event()
-        d.loop.call_soon_threadsafe(loop_free.wait, 10)
-        try:
+        with loop_held(d.loop):
             for k in range(5):
                 assert c.lookup(_keys("b")[k: k + 2]).pages == 2
-        finally:
-            loop_free.set()
         assert plane.plane_lookups == lookups + 5, "the Lookups were not the plane's"
         _until(lambda: sum(batches) == 5)
         assert batches == want, batches

@@ -51,8 +51,9 @@ GETS = os.environ.get("KVSERVER_PLANE_GETS", "1") != "0"
 POLL_SECONDS = 0.0005  # how often a waiter on the plane's copies looks again
 MAX_KEPT_TABLES = 4096  # host tables whose rows _host_rows keeps (one a client)
 # The most ends of the calls the plane served whole that one turn of the loop settles (take_gets),
-# and the most page ids they carry (past the first: a scheduler's Lookup of a whole space may
-# carry 8 Ki): the rest are settled in the turns after, between the loop's other work. The plane
+# and the most page ids they carry (a scheduler's Lookup of a whole space may carry 8 Ki; the first
+# end is taken whatever it carries): the rest are settled in the turns after, between the loop's
+# other work. The plane
 # keeps at most 256 ends posted for the loop, but Gets still copying do not count there: many that
 # a deadline stops at once post their ends together.
 SETTLE_BATCH = 256
@@ -102,6 +103,7 @@ class DataPlane:
         self.cache: Any = None
         self._cache_lock: Any = None
         self._get_ended: Callable[..., None] | None = None
+        self._settle_soon = False  # a turn of the loop is to settle the ends left (_settle_batch)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -114,8 +116,8 @@ class DataPlane:
     def _handoffs(self) -> None:
         # take_handoffs drains the eventfd first: whatever the thread posts after that rings it
         # again (an end of a call it served, only the first one the loop has not taken: the ends
-        # are taken after the drain, in settle_gets), so nothing is left for a wake-up that never
-        # comes.
+        # are taken after the drain, in _settle_batch, which leaves the rest to its next turns),
+        # so nothing is left for a wake-up that never comes.
         handed = self.engine.take_handoffs()
         for ticket, status, layers in self.engine.take_completions():
             try:
@@ -175,16 +177,25 @@ class DataPlane:
     def _settle_batch(self, again: bool = True) -> bool:
         """Settles the oldest ends of the calls the plane served whole, ``SETTLE_BATCH`` and
         ``SETTLE_IDS`` at most; True if there may be more, which (``again``) the loop's next turn
-        settles: the plane posts no wake-up for them, only for an end posted once none is left."""
+        settles (one turn at a time however often this runs meanwhile, and after a failure too):
+        the plane posts no wake-up for them, only for an end posted once none is left."""
         if self._get_ended is None:
             return False
-        ends = self.engine.take_gets(SETTLE_BATCH, SETTLE_IDS)
-        if ends:
-            self._get_ended(ends)
-        more = bool(ends) and self.engine.ends_waiting > 0
-        if more and again and self._loop is not None and not self.stopped:
-            self._loop.call_soon(self._settle_batch)
+        more = True
+        try:
+            ends = self.engine.take_gets(SETTLE_BATCH, SETTLE_IDS)
+            if ends:
+                self._get_ended(ends)
+            more = bool(ends) and self.engine.ends_waiting > 0
+        finally:
+            if more and again and not self._settle_soon and self._loop is not None and not self.stopped:
+                self._settle_soon = True
+                self._loop.call_soon(self._settle_later)
         return more
+
+    def _settle_later(self) -> None:
+        self._settle_soon = False
+        self._settle_batch()
 
     @property
     def plane_gets(self) -> int:

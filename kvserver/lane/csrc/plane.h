@@ -273,12 +273,16 @@ typedef struct {
     pthread_cond_t cmd_cv;
     int cmd, cmd_done;
     void *cmd_arg;
-    /* A command waits (set before its wake-up, cleared as it is done): the thread stops taking
-     * slots and reading doorbells until it has run it, so that the loop, which waits for it, never
-     * waits for a round of every lane's slots (cmd_waiting()). Slots it left submitted it takes
-     * after the command (rescan); the doorbells it left unread stay readable. */
+    /* A command waits (set before its wake-up, cleared as the thread takes it): the thread stops
+     * taking slots and reading doorbells until it has run it, so that the loop, which waits for
+     * it, never waits for a round of every lane's slots (cmd_waiting()). It takes the slots it
+     * left after the command (rescan), from where it stopped (cut_lane's slot cut_slot: lanes
+     * after it first, then the rest, so that commands in a row starve no lane); the doorbells it
+     * left unread stay readable. */
     int cmd_waiting;
     int rescan;
+    Lane *cut_lane; /* NULL: the first lane (remove_lane moves it past a lane it removes) */
+    int cut_slot;
     uint64_t cmd_cuts; /* scans cut short for a command (the tests') */
     /* handoffs to Python */
     pthread_mutex_t hand_mu;

@@ -2,13 +2,18 @@
  * plane state, a load's progress), and a job's end and answer (finish, answer_slot). A part of
  * kvlane.c. */
 
-/* Takes the lane's SUBMITTED slots; returns how many. */
-static int scan(Engine *e, Lane *l) {
+/* Takes the lane's SUBMITTED slots from `from` up to `to`; returns how many. A command waiting
+ * stops it: the first slot it left is where the rescan after the command begins. */
+static int scan_range(Engine *e, Lane *l, int from, int to) {
     int took = 0;
-    for (int i = 0; i < l->slots; i++) {
+    for (int i = from; i < to; i++) {
         if (cmd_waiting(e)) { /* the loop waits for its command: the rest after it */
-            e->rescan = 1;
-            __atomic_add_fetch(&e->cmd_cuts, 1, __ATOMIC_RELAXED);
+            if (!e->rescan) {
+                e->rescan = 1;
+                e->cut_lane = l;
+                e->cut_slot = i;
+                __atomic_add_fetch(&e->cmd_cuts, 1, __ATOMIC_RELAXED);
+            }
             break;
         }
         if (__atomic_load_n(&l->slot_busy[i], __ATOMIC_ACQUIRE))
@@ -34,12 +39,37 @@ static int scan(Engine *e, Lane *l) {
     return took;
 }
 
+/* Takes the lane's SUBMITTED slots; returns how many. */
+static int scan(Engine *e, Lane *l) { return scan_range(e, l, 0, l->slots); }
+
 /* Every watched lane's SUBMITTED slots, rung or not. */
 static int scan_all(Engine *e) {
     int took = 0;
-    for (Lane *l = e->lanes; l; l = l->next)
+    for (Lane *l = e->lanes; l && !e->rescan; l = l->next)
         if (l->watching)
             took += scan(e, l);
+    return took;
+}
+
+/* After a command, the slots a scan left for it: from the lane and slot it stopped at (watched or
+ * not: a lane whose peer just left is scanned once more, as its last doorbell would), the lanes
+ * after it, then those before it; stopped again by the next command, from where it stops then. */
+static int scan_left(Engine *e) {
+    Lane *cut = e->cut_lane;
+    int from = cut ? e->cut_slot : 0, took = 0;
+    e->rescan = 0;
+    e->cut_lane = NULL;
+    if (!cut)
+        return scan_all(e);
+    took += scan_range(e, cut, from, cut->slots);
+    for (Lane *l = cut->next; l && !e->rescan; l = l->next)
+        if (l->watching)
+            took += scan(e, l);
+    for (Lane *l = e->lanes; l && l != cut && !e->rescan; l = l->next)
+        if (l->watching)
+            took += scan(e, l);
+    if (!e->rescan && from > 0) /* (the cut lane's first slots, last) */
+        took += scan_range(e, cut, 0, from);
     return took;
 }
 

@@ -15,6 +15,10 @@ static void remove_lane(Engine *e, Lane *l) {
             finish(e, j, 1, NULL, 0); /* its ring goes now: nothing is written to it */
     }
     unwatch(e, l);
+    if (e->cut_lane == l) { /* the slots left for a command: from the next lane on */
+        e->cut_lane = l->next;
+        e->cut_slot = 0;
+    }
     Lane **pp = &e->lanes;
     while (*pp && *pp != l)
         pp = &(*pp)->next;
@@ -28,6 +32,9 @@ static void command(Engine *e) {
     pthread_mutex_lock(&e->cmd_mu);
     int cmd = e->cmd;
     void *arg = e->cmd_arg;
+    /* Taken: the scan a command makes (a new lane's) is not cut for it (the next one waits for
+     * call_mu until this one is done). */
+    __atomic_store_n(&e->cmd_waiting, 0, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&e->cmd_mu);
     if (cmd == CMD_NONE)
         return;
@@ -67,7 +74,6 @@ static void command(Engine *e) {
     pthread_mutex_lock(&e->cmd_mu);
     e->cmd = CMD_NONE;
     e->cmd_done = 1;
-    __atomic_store_n(&e->cmd_waiting, 0, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&e->cmd_cv);
     pthread_mutex_unlock(&e->cmd_mu);
 }
@@ -133,7 +139,7 @@ static void *engine_main(void *arg) {
         }
         /* Before a sleep (not a look, nor a held copy's 1 ms wait) the lanes' plane words say
          * so, and a client rings ahead of its next call (docs/lane.md, "Ringing ahead"). */
-        int sleeps = !spinning && timeout < 0;
+        int sleeps = !spinning && timeout < 0 && !cmd_waiting(e);
         if (sleeps)
             set_plane(e, PLANE_ASLEEP);
         /* Only CUDA jobs, waiting on the GPU: a nap (finer than epoll's milliseconds), woken early
@@ -174,10 +180,10 @@ static void *engine_main(void *arg) {
             if (!stop)
                 command(e);
         }
-        if (e->rescan && !stop && !cmd_waiting(e)) {
-            e->rescan = 0;
-            took += scan_all(e);
-        }
+        if (e->rescan && !stop && !cmd_waiting(e))
+            took += scan_left(e);
+        else if (!woken && cmd_waiting(e))
+            sched_yield(); /* its wake-up is on its way: the caller runs first */
         take_incoming(e);
         if (stop)
             break;
