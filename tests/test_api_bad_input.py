@@ -18,11 +18,14 @@ with a peer ticket) and named /dev/shm objects; tests/test_peers_fd_passing.py c
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import os
 import resource
 import secrets
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -678,6 +681,47 @@ def test_bad_register(env: Env, request, mutate, code, text, named: bool) -> Non
     env.reject(code, text, lambda: env.stub.Register(req, timeout=TIMEOUT))
     for name in spare.names():
         assert _mappings_of(name) == [], f"the daemon still maps {name}"
+
+
+def test_a_named_object_under_a_lease_is_refused_without_waiting(env: Env, named_spare: Spare) -> None:
+    """A peer holding a read lease on its object (fcntl F_SETLEASE, as its owner may) would hold the
+    daemon's open of it for writing for the kernel's lease-break-time (45 s), in a worker thread
+    every Register shares: the daemon does not wait, and says why."""
+    name = _extra(named_spare, "small")
+    os.truncate(os.path.join(SHM_DIR, name), 8 * POOL_TOKENS * 32)
+    leased = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_CLOEXEC)
+    old = signal.signal(signal.SIGIO, signal.SIG_IGN)  # the lease's holder is told of a break
+    try:
+        fcntl.fcntl(leased, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+        req = named_spare.request()
+        _set_names(req, name)
+        start = time.monotonic()
+        env.reject(C.FAILED_PRECONDITION, "is under a lease",
+                   lambda: env.stub.Register(req, timeout=TIMEOUT))
+        assert time.monotonic() - start < 5, "the daemon waited for the lease"
+        assert _mappings_of(name) == []
+    finally:
+        os.close(leased)
+        signal.signal(signal.SIGIO, old)
+
+
+def test_a_file_mounted_over_a_named_object_is_refused(env: Env, named_spare: Spare, tmp_path) -> None:
+    """A name in /dev/shm with another file system mounted over it (a FUSE file its owner serves,
+    say, whose pages it could stall or fail under the daemon's copies): refused before it is opened
+    for writing."""
+    name = _extra(named_spare, "empty")
+    src = tmp_path / "elsewhere"
+    src.write_bytes(b"\0" * 8 * POOL_TOKENS * 32)
+    mounted = subprocess.run(["mount", "--bind", str(src), os.path.join(SHM_DIR, name)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot bind-mount here: {mounted.stderr.decode().strip()}")
+    try:
+        req = named_spare.request()
+        _set_names(req, name)
+        env.reject(C.INVALID_ARGUMENT, "is not in /dev/shm's file system",
+                   lambda: env.stub.Register(req, timeout=TIMEOUT))
+    finally:
+        subprocess.run(["umount", os.path.join(SHM_DIR, name)], check=True)
 
 
 @pytest.mark.parametrize("named", [False, True], ids=["memfd", "named"])

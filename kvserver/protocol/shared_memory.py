@@ -58,19 +58,25 @@ class ShmMapping:
 
 def open_shm(name: str, owner_uid: int) -> ShmMapping:
     """Maps an existing named object read-write; the name is checked before anything is opened,
-    and the object must belong to ``owner_uid`` (the caller's), checked on the opened file."""
+    and the object must belong to ``owner_uid`` (the caller's). The daemon (often root) first only
+    finds the object (O_PATH: no open of it, so no lease of another user's broken, no watcher of it
+    told), checks its kind, its owner and that it lies in the shared-memory file system itself (not
+    a file system mounted over the name), then opens that same file read-write without waiting: a
+    lease on it would hold a blocking open for the kernel's lease-break-time (45 s) in a worker
+    thread every Register shares."""
     check_name(name)
     path = os.path.join(SHM_DIR, name)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        found = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         raise NotFound(f"shm object {name!r} does not exist in {SHM_DIR}") from None
-    except PermissionError:
-        raise PermissionDenied(f"shm object {name!r} cannot be opened read-write") from None
     except OSError as exc:
         raise InvalidArgument(f"shm object {name!r} cannot be opened: {exc.strerror}") from None
     try:
-        st = os.fstat(fd)
+        st = os.fstat(found)
+        if stat.S_ISLNK(st.st_mode) or stat.S_ISDIR(st.st_mode):
+            kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "a directory"
+            raise InvalidArgument(f"shm object {name!r} cannot be opened: it is {kind}")
         if not stat.S_ISREG(st.st_mode):
             raise InvalidArgument(f"shm object {name!r} is not a regular shared-memory object")
         if st.st_uid != owner_uid:
@@ -78,6 +84,23 @@ def open_shm(name: str, owner_uid: int) -> ShmMapping:
                 f"shm object {name!r} is owned by uid {st.st_uid}, not by the caller (uid {owner_uid}); "
                 "the daemon maps only named objects that belong to the caller"
             )
+        if st.st_dev != os.stat(SHM_DIR).st_dev:
+            raise InvalidArgument(f"shm object {name!r} is not in {SHM_DIR}'s file system (a mount over it)")
+        try:
+            fd = os.open(f"/proc/self/fd/{found}", os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        except BlockingIOError:
+            raise FailedPrecondition(
+                f"shm object {name!r} is under a lease (fcntl F_SETLEASE) that an open for writing must "
+                "break first: release it and register again"
+            ) from None
+        except PermissionError:
+            raise PermissionDenied(f"shm object {name!r} cannot be opened read-write") from None
+        except OSError as exc:
+            raise InvalidArgument(f"shm object {name!r} cannot be opened: {exc.strerror}") from None
+    finally:
+        os.close(found)
+    try:
+        st = os.fstat(fd)  # the file found above (its descriptor's), whatever the name names now
         if st.st_size == 0:
             raise InvalidArgument(f"shm object {name!r} is empty")
         mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
