@@ -13,7 +13,11 @@ while these run, each in its own process, as fast as the daemon answers them (--
 - descriptors: tickets of 253 memfds each (accepted, never redeemed) and of 253 TCP sockets
   (refused), back to back;
 - large messages: a 62 MiB RegisterRequest of six million buffer references (refused unparsed)
-  and a Free of 4 Mi indices naming no registration (read, then refused), in turn, over gRPC.
+  and a Free of 4 Mi indices naming no registration (read, then refused), in turn, over gRPC;
+- full lanes: 16 registrations whose lanes' slots all hold a Lookup of the most keys a call walks
+  (1024, stored), each slot submitted again the moment it is answered, written into the ring as a
+  peer may (not through the client's calls): the data plane's thread, which also serves the
+  victim's Loads, never runs out of them.
 A Register or a pin the budget refuses (the other attackers hold the memory) counts as a round,
 as an engine would try again.
 A third phase runs as many processes that only spin on the CPU, sending nothing: what the victim
@@ -46,10 +50,13 @@ from daemon_proc import DaemonProcess  # noqa: E402
 
 from kvclient import KVClient, KVClientError, KVLayout, ShmKVPool  # noqa: E402
 from kvclient._transport.fd_socket import fd_socket_path  # noqa: E402
+from kvserver.protocol import ring as R  # noqa: E402
 from kvserver.protocol.fd_socket import FDS_PER_MESSAGE, TicketRefused, request_ticket  # noqa: E402
 from kvserver.v1 import kvserver_pb2 as pb  # noqa: E402
 
 MAX_KEYS = 1 << 17
+LANE_KEYS = 1024  # the most keys the data plane walks for one lane call
+LANES = 16
 PAGE = 64  # tokens a page: with MLA rank 1 fp8, the smallest page the daemon takes (64 bytes)
 LAG_METRIC = "kvserver_event_loop_lag_seconds_bucket"
 
@@ -196,8 +203,50 @@ def _large_messages(address: str, stop, ready) -> int:
     return rounds
 
 
+def _full_lanes(address: str, stop, ready) -> int:
+    rounds = 0
+    keys = os.urandom(16 * LANE_KEYS)
+    with ShmKVPool(KVLayout.mla(1, 0), torch.float8_e4m3fn, 1, LANE_KEYS * PAGE) as pool:
+        clients = [KVClient(address, resilient=False) for _ in range(LANES)]
+        try:
+            requests = {}
+            for c in clients:
+                c.register(model="lanes", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=0,
+                           page_size=PAGE)
+                _tried(c.put, keys, list(range(LANE_KEYS)))
+                lane, real = c.lane, c.lane.unary
+
+                def kept(rpc, data, timeout, real=real, lane=lane):  # the request, as the client packs it
+                    requests[lane] = data
+                    return real(rpc, data, timeout)
+
+                lane.unary = kept
+                c.lookup(keys)  # (the first is the loop's: it gives the registration its part)
+                lane.unary = real
+            slots = [(lane, i) for lane in requests
+                     for i in iter(lambda lane=lane: lane._take(requests[lane]), None)]
+            ready()
+            for lane, i in slots:
+                lane._put(i, "Lookup", requests[lane])
+            while not stop.is_set():
+                for lane, i in slots:
+                    if lane._state(i) == R.DONE:
+                        rounds += 1
+                        lane._put(i, "Lookup", requests[lane])
+            for lane, i in slots:  # the last answers read, so that the lanes close cleanly
+                end = time.monotonic() + 10
+                while lane._state(i) != R.DONE and time.monotonic() < end:
+                    time.sleep(0.001)
+                lane._end(i, done=True)
+        finally:
+            for c in clients:
+                c.close()
+    return rounds
+
+
 ATTACKS = {"tiny pages": _tiny_register, "evicting Puts": _evicting_puts, "pinned Lookups": _pinned_lookups,
-           "large region": _large_region, "descriptors": _descriptors, "large messages": _large_messages}
+           "large region": _large_region, "descriptors": _descriptors, "large messages": _large_messages,
+           "full lanes": _full_lanes}
 
 
 def _spin(stop) -> None:

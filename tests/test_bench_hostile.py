@@ -20,5 +20,5 @@ def test_bench_hostile_prints_both_phases_and_every_attack():
     assert "victim p99 ratio hostile / idle" in run.stdout, run.stdout
     rounds = dict(re.findall(r"  ([a-zA-Z ]+): (-?\d+) rounds", run.stdout))
     assert set(rounds) == {"tiny pages", "evicting Puts", "pinned Lookups", "large region", "descriptors",
-                           "large messages"}
+                           "large messages", "full lanes"}
     assert all(int(n) >= 0 for n in rounds.values()), run.stdout  # none stopped on an error
