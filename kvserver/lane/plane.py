@@ -53,9 +53,8 @@ MAX_KEPT_TABLES = 4096  # host tables whose rows _host_rows keeps (one a client)
 # The most ends of the calls the plane served whole that one turn of the loop settles (take_gets),
 # and the most page ids they carry (a scheduler's Lookup of a whole space may carry 8 Ki; the first
 # end is taken whatever it carries): the rest are settled in the turns after, between the loop's
-# other work. The plane
-# keeps at most 256 ends posted for the loop, but Gets still copying do not count there: many that
-# a deadline stops at once post their ends together.
+# other work. The plane keeps at most 256 ends posted for the loop, but Gets still copying do not
+# count there: many that a deadline stops at once post their ends together.
 SETTLE_BATCH = 256
 SETTLE_IDS = 64 << 10
 # The stop word of a copy made at once (``copy_now``): nothing can stop it while it runs on the loop.

@@ -121,14 +121,15 @@ static PyObject *engine_unstash(Engine *e, PyObject *arg) {
 
 /* take_gets(most=-1, most_ids=-1) -> [(token, gid, ids, found, misses, status, layers, bytes,
  * kind)]: the Gets (and Lookups, and Puts of keys all stored) served whole on the plane that
- * ended, in the order they ended: the oldest `most` of them, and no more than carry `most_ids`
- * page ids in all, but the first whatever it carries (-1: no bound; those left are the next call's, and post no wake-up
- * until every one is taken). Each: the gate's token and cache part, the page ids found (int64
- * bytes: a Get's are held, which the loop lets go), the pages found and the keys missed, status 0 done, 2 its gate closed, 3
- * stopped otherwise (a deadline, the plane stopped, handed to the loop after all), the layers
- * copied and the bytes (done only), kind 0 a Get, 1 a Lookup, 2 a Put, 3 a Lookup of host memory
- * only (memory_only), 4 a Put that stored pages (END_STORE: its first `found` ids filed and held,
- * the rest its stash's pages back, `misses` its keys present). */
+ * ended, in the order they ended: the oldest `most` of them, carrying at most `most_ids` page ids
+ * in all, the first taken whatever it carries (-1: no bound). Those left are the next call's, and
+ * post no wake-up until every one is taken. Each: the gate's token and cache part, the page ids
+ * found (int64 bytes: a Get's are held, which the loop lets go), the pages found and the keys
+ * missed, status 0 done, 2 its gate closed, 3 stopped otherwise (a deadline, the plane stopped,
+ * handed to the loop after all), the layers copied and the bytes (done only), kind 0 a Get, 1 a
+ * Lookup, 2 a Put, 3 a Lookup of host memory only (memory_only), 4 a Put that stored pages
+ * (END_STORE: its first `found` ids filed and held, the rest its stash's pages back, `misses` its
+ * keys present). */
 static PyObject *engine_take_gets(Engine *e, PyObject *args) {
     Py_ssize_t most = -1, most_ids = -1;
     if (!PyArg_ParseTuple(args, "|nn", &most, &most_ids))
