@@ -388,6 +388,17 @@ def test_the_compiled_check_of_a_cuda_pool_takes_nothing_the_validation_refuses(
         assert taken > 50 and refused > 50
 
 
+def _stuck_write_given_up(d, rt, c: KVClient, host, client) -> None:
+    """A write of ``c`` whose ready event never fires is given up on, its client released; the
+    event fired after that, its device let go."""
+    rt.hang(READY)
+    with pytest.raises(KVClientError, match="given up on"):
+        c.write(host_indices=host, device_indices=list(range(PAGE)), ready_event=READY)
+    _until(lambda: c.registration.client_id not in d.core.clients)
+    rt.fire(READY)
+    _released(client.device)
+
+
 def test_the_gpu_check_counts_what_the_plane_put_on_the_gpu(daemon_factory, fake, caplog, tmp_path) -> None:
     """scripts/gpu_check.py --plane-cuda proves the plane served, by DMA and by the copy kernel,
     and gave up the stuck engine's write itself, by what the daemon logs as it releases each CUDA
@@ -417,21 +428,10 @@ def test_the_gpu_check_counts_what_the_plane_put_on_the_gpu(daemon_factory, fake
             client = d.core.clients[c.registration.client_id]
             host = c.alloc(PAGE)
             c.write(host_indices=host, device_indices=list(range(PAGE)), ready_event=READY)  # the loop's
-            rt.hang(READY)
-            with pytest.raises(KVClientError, match="given up on"):
-                c.write(host_indices=host, device_indices=list(range(PAGE)), ready_event=READY)
-            _until(lambda: c.registration.client_id not in d.core.clients)
-            rt.fire(READY)
-            _released(client.device)
+            _stuck_write_given_up(d, rt, c, host, client)
         with _client(d, FakeCudaPool(fake)) as c:  # stuck on the loop: its first write names the event
             client = d.core.clients[c.registration.client_id]
-            host = c.alloc(PAGE)
-            rt.hang(READY)
-            with pytest.raises(KVClientError, match="given up on"):
-                c.write(host_indices=host, device_indices=list(range(PAGE)), ready_event=READY)
-            _until(lambda: c.registration.client_id not in d.core.clients)
-            rt.fire(READY)
-            _released(client.device)
+            _stuck_write_given_up(d, rt, c, c.alloc(PAGE), client)
     log = tmp_path / "daemon.log"
     log.write_text("\n".join(f"2026-12-05 INFO {r.name}: {r.getMessage()}" for r in caplog.records) + "\n")
     assert gpu_check.plane_cuda_counts(str(log)) == ({"calls": 7, "kernel_calls": 2}, {stuck})
