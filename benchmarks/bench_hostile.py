@@ -214,6 +214,8 @@ def _full_lanes(address: str, stop, ready) -> int:
                 c.register(model="lanes", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=0,
                            page_size=PAGE)
                 _tried(c.put, keys, list(range(LANE_KEYS)))
+                if c.lane is None:
+                    raise RuntimeError("a registration got no lane (its opening failed): gRPC only")
                 lane, real = c.lane, c.lane.unary
 
                 def kept(rpc, data, timeout, real=real, lane=lane):  # the request, as the client packs it
@@ -233,11 +235,16 @@ def _full_lanes(address: str, stop, ready) -> int:
                     if lane._state(i) == R.DONE:
                         rounds += 1
                         lane._put(i, "Lookup", requests[lane])
-            for lane, i in slots:  # the last answers read, so that the lanes close cleanly
-                end = time.monotonic() + 10
+            # The last answers read, so that the lanes close cleanly; one that never comes is said.
+            end, unanswered = time.monotonic() + 30, 0
+            for lane, i in slots:
                 while lane._state(i) != R.DONE and time.monotonic() < end:
                     time.sleep(0.001)
-                lane._end(i, done=True)
+                answered = lane._state(i) == R.DONE
+                unanswered += not answered
+                lane._end(i, done=answered)
+            if unanswered:
+                raise RuntimeError(f"{unanswered} of {len(slots)} lane Lookups were never answered")
         finally:
             for c in clients:
                 c.close()
@@ -259,7 +266,7 @@ def _spin(stop) -> None:
 def _attack(name: str, address: str, stop, out) -> None:
     try:
         out.put((name, ATTACKS[name](address, stop, lambda: out.put((name, None, ""))), ""))
-    except (KVClientError, OSError, RuntimeError, grpc.RpcError) as exc:
+    except Exception as exc:  # said, whatever it is: the main process waits for every attack's word
         out.put((name, -1, f"{type(exc).__name__}: {exc}"))
 
 
