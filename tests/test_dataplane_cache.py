@@ -31,6 +31,7 @@ from test_dataplane import (
 )
 
 from kvclient import KVClient, KVClientError, ShmKVPool
+from kvserver.copies import transfer
 from kvserver.store.pages import WRITING
 
 PAGES = TOKENS // PAGE  # 32 pages of 16 KiB: 512 KiB, never copied inline on the loop
@@ -73,6 +74,42 @@ def test_a_put_and_a_get_are_copied_on_the_plane_bit_exact(plane_daemon) -> None
         assert plane.copies + plane.plane_gets - copies == 3, "the cache's copies did not run on the plane"
         gate = d.run(lambda: d.core.client(c.client_id).gate)
         assert (plane.engine.jobs, gate.x_inflight) == (0, 0)
+
+
+def test_a_pool_with_room_between_its_tokens_is_copied_on_the_plane_from_its_pages(plane_daemon,
+                                                                                  monkeypatch) -> None:
+    """A pool with padding between its tokens has no page rows: the cache's copies of it are planned
+    from its pages alone, never as tokens (the largest Put names 8 Mi of them, a pass over which
+    held the loop for hundreds of ms), and the plane copies each page's tokens apart, bit exact,
+    never writing the padding."""
+    d = plane_daemon
+    plane = d.core.plane
+    device_rows = transfer.CopyPlan.device_rows
+
+    def watched(plan: transfer.CopyPlan) -> np.ndarray:
+        assert not plan.of_pages, "a cache copy's tokens were made"
+        return device_rows.fget(plan)
+
+    monkeypatch.setattr(transfer.CopyPlan, "device_rows", property(watched))
+    pad = 3 * DTYPE.itemsize
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS, token_padding=pad) as pool, _client(d, pool) as c:
+        assert d.run(lambda: d.core.client(c.client_id).gate) is not None, "the plane does not serve it"
+        _fill(pool, 41)
+        src = torch.cat([torch.arange(8, 16), torch.arange(8), torch.arange(16, PAGES).flip(0)])
+        dst = torch.arange(PAGES, 2 * PAGES)
+        want = _pages_of(pool, src)
+        copies, gets = plane.copies, plane.plane_gets
+        assert c.put(_keys("pad"), src).stored == PAGES
+        for layer in pool.buffers:
+            for buf in layer:
+                buf.zero_()
+        handle = c.get(_keys("pad"), dst)
+        assert handle.pages(timeout=10) == PAGES and handle.wait(timeout=10) > 0
+        assert all(torch.equal(x, y) for x, y in zip(_pages_of(pool, dst), want, strict=True))
+        assert plane.copies - copies == 1, "the Put's copy was not the loop's on the plane"
+        assert plane.copies + plane.plane_gets - copies - gets == 2, "the Get did not run on the plane"
+        rows = np.frombuffer(pool._shm.mm, np.uint8).reshape(-1, pool.token_stride).copy()
+        assert not rows[:, pool.token_stride - pad:].any(), "the padding between tokens was written"
 
 
 def test_a_stopped_put_frees_its_pages_and_a_released_client_s_copy_ends(plane_daemon) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
 from kvserver.config import ServerConfig, parse_size
-from kvserver.copies import transfer
+from kvserver.copies import order, transfer
 from kvserver.errors import FailedPrecondition, InvalidArgument, LayerOutOfRange, NoCapacity, OutOfRange
 from kvserver.host.arena import REGION_ALIGN, HostArena
 from kvserver.host.pages import PageAllocator
@@ -127,6 +129,14 @@ def test_plan_picks_pages_or_tokens():
     # Strided pool (no page view), or whole pages past the last full device page: token rows.
     assert not transfer.make_plan(np.array([0]), np.arange(4), p, num_device_pages=None).device_paged
     assert not transfer.make_plan(np.array([0]), np.arange(8, 12), p, num_device_pages=2).device_paged
+    # A cache copy of whole pages of a pool copied by tokens: the pages kept, for the order of the
+    # client's copies and the data plane; their tokens made only when a copy asks for them.
+    plan = transfer.CopyPlan(np.array([2, 0]), np.array([3, 1]), False, p, of_pages=True)
+    assert "tokens" not in plan._offsets and plan.device_pages.tolist() == [3, 1]
+    assert order.device_pages(SimpleNamespace(plan=plan)).tolist() == [3, 1] and "tokens" not in plan._offsets
+    assert not plan.device_paged and plan.device_rows.tolist() == [12, 13, 14, 15, 4, 5, 6, 7]
+    tokens = transfer.make_plan(np.array([2]), np.array([7, 3, 9, 1]), p, num_device_pages=100)
+    assert tokens.device_pages is None
 
 
 def test_check_device_tokens():

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 def device_pages(job: Job) -> np.ndarray:
     """The device pages a job's copy reads or writes (repeats possible)."""
     plan = job.plan
-    return plan.device_rows if plan.device_paged else plan.device_rows // plan.page_size
+    pages = plan.device_pages
+    return pages if pages is not None else plan.device_rows // plan.page_size
 
 
 class JobOrder:

@@ -68,11 +68,34 @@ class BufferTable:
 @dataclass(frozen=True, slots=True)
 class CopyPlan:
     host_pages: np.ndarray  # int64 page ids in the client's region
-    device_rows: np.ndarray  # int64 device page ids if device_paged, else device token ids
-    device_paged: bool
+    # int64 device page ids if device_paged or of_pages, else device token ids
+    rows: np.ndarray
+    device_paged: bool  # copied as rows of whole device pages (the pool's pages are contiguous)
     page_size: int
-    # Byte offsets of every row, per (host page stride, device row stride, row bytes).
+    # The rows are whole device pages of a pool copied by tokens (a cache copy's): their tokens
+    # (device_rows) are made only if a copy asks for them, and the order of a client's copies and
+    # the data plane take the pages, one entry a page (the largest Put names 8 Mi tokens).
+    of_pages: bool = False
+    # Byte offsets of every row, per (host page stride, device row stride, row bytes); the tokens
+    # of a plan of pages, under "tokens".
     _offsets: dict = field(default_factory=dict)
+
+    @property
+    def device_rows(self) -> np.ndarray:
+        """int64 device page ids if device_paged, else device token ids."""
+        if not self.of_pages:
+            return self.rows
+        got = self._offsets.get("tokens")
+        if got is None:
+            p = self.page_size
+            got = (self.rows[:, None] * p + np.arange(p, dtype=np.int64)).reshape(-1)
+            self._offsets["tokens"] = got
+        return got
+
+    @property
+    def device_pages(self) -> np.ndarray | None:
+        """The whole device pages the copy names, in order; None for a copy of tokens."""
+        return self.rows if self.device_paged or self.of_pages else None
 
     @property
     def num_tokens(self) -> int:
@@ -183,7 +206,7 @@ def make_plan(
     rows = device_tokens if dev_pages is None else dev_pages
     return CopyPlan(
         host_pages=np.ascontiguousarray(host_pages, dtype=np.int64),
-        device_rows=np.ascontiguousarray(rows, dtype=np.int64),
+        rows=np.ascontiguousarray(rows, dtype=np.int64),
         device_paged=dev_pages is not None,
         page_size=page_size,
     )

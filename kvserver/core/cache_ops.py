@@ -375,12 +375,8 @@ class CacheOps:
     def _job(self, client: ClientState, offsets: np.ndarray, device_pages: np.ndarray,
              local_layers: list[int],
              ready_event: bytes, event_slot: int, deadline: float) -> ClientJob:
-        p = client.spec.page_size
-        if client.device.paged:
-            plan = transfer.CopyPlan(offsets, device_pages, True, p)
-        else:
-            tokens = (device_pages[:, None] * p + np.arange(p, dtype=np.int64)).reshape(-1)
-            plan = transfer.CopyPlan(offsets, tokens, False, p)
+        paged = client.device.paged
+        plan = transfer.CopyPlan(offsets, device_pages, paged, client.spec.page_size, of_pages=not paged)
         return ClientJob(client, plan, local_layers, np.empty(0, dtype=np.int64), bytes(ready_event),
                          event_slot, deadline, host_table=self._cache_table(client))
 

@@ -254,7 +254,8 @@ class DataPlane:
         base, stride, limit = rows
         # Device pages (the plane takes each page's tokens in order) or tokens; the plane merges
         # consecutive tokens into runs.
-        tokens = np.ascontiguousarray(plan.device_rows, np.int64)
+        pages = plan.device_pages
+        tokens = np.ascontiguousarray(plan.device_rows if pages is None else pages, np.int64)
         host_pages = np.ascontiguousarray(plan.host_pages, np.int64)
         layers = np.asarray(job.local_layers, np.int64)
         fut: Future = Future()
@@ -273,7 +274,7 @@ class DataPlane:
                 host_pages, tokens, layers, job.stop_word,
                 signal.counter if signal is not None else None, signal.fd if signal is not None else -1,
                 signal.interval if signal is not None else 0.0,
-                *((None, -1, 0, 0, 0, False) if answer is None else answer), paged=plan.device_paged)
+                *((None, -1, 0, 0, 0, False) if answer is None else answer), paged=pages is not None)
         except (MemoryError, RuntimeError):  # no room, or the plane stopped: the copy workers run it
             logger.exception("the data plane could not take a cache copy; the copy workers run it")
             taken = False

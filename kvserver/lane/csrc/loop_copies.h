@@ -68,6 +68,35 @@ static uint32_t copy_now(Engine *e, Job *j) {
     return 0;
 }
 
+/* The runs of a copy's rows, counted (runs NULL) or written, in page order: page k's token t is
+ * device token toks[k * ps + t] (paged: toks[k] * ps + t), its host row at offs[k] + t * tb; a
+ * page's consecutive device tokens are one run. A paged copy is one run a page, planned without a
+ * look at its tokens: the largest Put costs the loop a pass over its pages, not over its tokens. */
+static int64_t plan_runs(Run *runs, const int64_t *offs, const int64_t *toks, int64_t npages, int64_t ps,
+                         int64_t tb, int paged) {
+    int64_t nr = 0;
+    if (paged) {
+        if (runs)
+            for (int64_t k = 0; k < npages; k++)
+                runs[k] = (Run){.host_off = offs[k], .dev_tok = toks[k] * ps, .ntok = ps};
+        return npages;
+    }
+    for (int64_t k = 0; k < npages; k++) {
+        const int64_t *row = toks + k * ps;
+        for (int64_t t = 0; t < ps; t++) {
+            if (t > 0 && row[t] == row[t - 1] + 1) {
+                if (runs)
+                    runs[nr - 1].ntok++;
+                continue;
+            }
+            if (runs)
+                runs[nr] = (Run){.host_off = offs[k] + t * tb, .dev_tok = row[t], .ntok = 1};
+            nr++;
+        }
+    }
+    return nr;
+}
+
 /* submit_copy(ticket, gate, load, host_base, lp_stride, host_limit, offsets, tokens, layers, stop,
  *             progress=None, signal_fd=-1, interval=0.0) -> bool
  * One of the loop's copies, run by this plane's thread among its own (the loop has ordered it
@@ -149,7 +178,6 @@ static PyObject *engine_submit_copy(Engine *e, PyObject *args, PyObject *kw) {
     const int64_t *offs = off.buf, *toks = tok.buf, *lays = lay.buf;
     int64_t chunks = (int64_t)g->lim.num_layers * g->parts;
     /* paged: tokens holds a device page for every offset, its page_size tokens in order. */
-#define TOKEN_AT(k) (paged ? toks[(k) / ps] * ps + (k) % ps : toks[k])
     if (tok.len / 8 != (paged ? npages : npages * ps)) {
         PyErr_SetString(PyExc_ValueError, paged ? "tokens must hold a device page for every offset"
                                                 : "tokens must hold page_size tokens for every offset");
@@ -179,30 +207,14 @@ static PyObject *engine_submit_copy(Engine *e, PyObject *args, PyObject *kw) {
     j = calloc(1, sizeof(Job));
     if (j)
         j->local = malloc(sizeof(int32_t) * (size_t)(nl ? nl : 1));
-    int contiguous = g->dev_stride == tb;
-    int64_t nr = 0;
-    for (int64_t k = 0; k < npages * ps; k++)
-        if (k % ps == 0 || !contiguous || TOKEN_AT(k) != TOKEN_AT(k - 1) + 1)
-            nr++;
+    int64_t nr = plan_runs(NULL, offs, toks, npages, ps, tb, paged);
     if (j && j->local)
         j->runs = malloc(sizeof(Run) * (size_t)(nr ? nr : 1));
     if (!j || !j->local || !j->runs) {
         PyErr_NoMemory();
         goto done;
     }
-    nr = 0;
-    for (int64_t k = 0; k < npages * ps; k++) {
-        int64_t t = k % ps;
-        if (t > 0 && contiguous && TOKEN_AT(k) == j->runs[nr - 1].dev_tok + j->runs[nr - 1].ntok) {
-            j->runs[nr - 1].ntok++;
-            continue;
-        }
-        j->runs[nr].host_off = offs[k / ps] + t * tb;
-        j->runs[nr].dev_tok = TOKEN_AT(k);
-        j->runs[nr].ntok = 1;
-        nr++;
-    }
-#undef TOKEN_AT
+    plan_runs(j->runs, offs, toks, npages, ps, tb, paged);
     for (int64_t k = 0; k < nl; k++)
         j->local[k] = (int32_t)lays[k];
     j->nruns = nr;

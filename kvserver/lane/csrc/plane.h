@@ -143,6 +143,8 @@ typedef struct Lane {
     struct Lane *next;
 } Lane;
 
+/* A run: ntok consecutive device tokens from dev_tok (each dev_stride bytes apart) and their host
+ * rows, one after another from host_off. */
 typedef struct {
     int64_t host_off; /* from the (layer, part) chunk's start in the region */
     int64_t dev_tok;

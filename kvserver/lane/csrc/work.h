@@ -27,7 +27,6 @@ static void mark_runnable(Engine *e) {
     }
 }
 
-/* One piece of job j: runs of the current (layer, part) up to PIECE_BYTES; returns its bytes. */
 /* Copies job j's runs of its current (layer, part) from run j->ri on, until `budget` bytes are
  * copied or none is left, and fences them (before any progress, end or answer can say the bytes
  * are there); returns the bytes copied. */
@@ -41,10 +40,18 @@ static int64_t copy_runs(Job *j, int64_t budget) {
         Run *r = &j->runs[j->ri++];
         size_t nb = (size_t)(r->ntok * tb);
         char *h = host + r->host_off, *d = dev + r->dev_tok * stride;
-        if (j->load)
-            kv_copy(d, h, nb, j->stream);
-        else
-            kv_copy(h, d, nb, j->stream);
+        if (stride == tb) {
+            if (j->load)
+                kv_copy(d, h, nb, j->stream);
+            else
+                kv_copy(h, d, nb, j->stream);
+        } else { /* a pool with room between its tokens: the run's tokens one by one */
+            for (int64_t t = 0; t < r->ntok; t++, h += tb, d += stride)
+                if (j->load)
+                    kv_copy(d, h, (size_t)tb, j->stream);
+                else
+                    kv_copy(h, d, (size_t)tb, j->stream);
+        }
         left -= (int64_t)nb;
     }
     kv_copy_fence(j->stream);
