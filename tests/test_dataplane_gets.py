@@ -371,7 +371,7 @@ def test_an_engine_s_lookup_is_served_whole_by_the_plane_as_the_rpc_serves_it(pl
         assert d.core.plane.plane_lookups == lookups + 4, "the Lookups were not served whole on the plane"
         # The pages it found are the most recent: the first key's page the newest of all.
         assert c.lookup(_keys("q")[3:6]).pages == 3 and d.core.plane.plane_lookups == lookups + 5
-        stamps = d.run(lambda: (d.core.plane.settle_gets(), _stamps(d, _keys("q")[:20]))[1])
+        stamps = d.run(lambda: (d.core.plane.settle_gets(), _stamps(d.core.cache, _keys("q")[:20]))[1])
         assert int(np.argmax(stamps)) == 3
         assert stamps[3] > stamps[4] > stamps[5] > max(np.delete(stamps, [3, 4, 5]))
         # More than 127 pages: a two-byte count in the answer.
@@ -401,15 +401,15 @@ def test_an_engine_s_lookup_is_served_whole_by_the_plane_as_the_rpc_serves_it(pl
                                                    (256, 3, [1, 1, 1, 1, 1]), (256, 0, [1, 1, 1, 1, 1])])
 def test_the_loop_settles_the_plane_s_ends_a_batch_a_turn(plane_daemon, monkeypatch, batch, ids,
                                                            want) -> None:
-    """Ends the plane posted while the loop was busy are settled ``SETTLE_BATCH`` a turn of the
-    loop, and past the first no more than carry ``SETTLE_IDS`` page ids, the rest in the turns
-    after (posting no wake-up of their own), every one of them."""
+    """Ends the plane posted while the loop was busy (Gets', whose pages it let go) are settled
+    ``SETTLE_BATCH`` a turn of the loop, and past the first no more than carry ``SETTLE_IDS`` page
+    ids, the rest in the turns after (posting no wake-up of their own), every one of them."""
     d = plane_daemon
     monkeypatch.setattr(plane_mod, "SETTLE_BATCH", batch)
     monkeypatch.setattr(plane_mod, "SETTLE_IDS", ids)
     with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c:
         assert c.put(_keys("b")[:8], torch.arange(8)).stored == 8
-        assert c.lookup(_keys("b")[:1]).pages == 1  # the loop's: it gives the gate its part
+        assert c.get(_keys("b")[:1], torch.arange(8, 9)).wait(timeout=10) > 0  # gives the gate its part
         d.run(d.core.plane.settle_gets)
         plane, batches = d.core.plane, []
         real = plane._get_ended
@@ -419,20 +419,52 @@ def test_the_loop_settles_the_plane_s_ends_a_batch_a_turn(plane_daemon, monkeypa
             real(ends)
 
         monkeypatch.setattr(plane, "_get_ended", settled)
-        lookups, hits = plane.plane_lookups, sum(s.counters.hits for s in c.stats().spaces)
+        gets = plane.plane_gets
         with loop_held(d.loop):
             for k in range(5):
-                assert c.lookup(_keys("b")[k: k + 2]).pages == 2
-        assert plane.plane_lookups == lookups + 5, "the Lookups were not the plane's"
+                handle = c.get(_keys("b")[k: k + 2], torch.arange(8 + 2 * k, 10 + 2 * k))
+                assert handle.pages(timeout=10) == 2 and handle.wait(timeout=10) > 0
+        assert plane.plane_gets == gets + 5, "the Gets were not the plane's"
         _until(lambda: sum(batches) == 5)
         assert batches == want, batches
-        assert sum(s.counters.hits for s in c.stats().spaces) == hits + 10
+        pages = d.run(lambda: d.core.cache.pages)
+        assert not pages.readers.any(), "a Get's pages were not let go"
 
 
-def _stamps(d, keys: list[bytes]) -> np.ndarray:
-    """The LRU stamps of the pages of ``keys`` (all stored) in their one part."""
+def test_a_lookup_the_plane_answers_leaves_the_loop_nothing_to_settle(plane_daemon) -> None:
+    """In a cache with no tier below host memory, an engine's Lookup the plane answers makes its
+    pages recent in its walk and counts its hits and misses in the gate: with the loop held
+    throughout, the pages are the most recent already, the first key's the newest, and no end waits
+    for the loop (so none is handed to it for want of room); a Stats then counts every hit and
+    miss."""
+    d = plane_daemon
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c:
+        assert c.put(_keys("r")[:20], torch.arange(20)).stored == 20
+        assert c.lookup(_keys("r")[:1]).pages == 1  # the first is the loop's: it gives the gate its part
+        plane = d.core.plane
+        d.run(plane.settle_gets)
+        spaces = c.stats().spaces
+        hits, misses = sum(s.counters.hits for s in spaces), sum(s.counters.misses for s in spaces)
+        lookups, ends = plane.plane_lookups, plane.engine.ends_waiting
+        with loop_held(d.loop):
+            for k in (9, 6, 3):  # keys k.. k + 2 of those stored, then two missed
+                assert c.lookup(_keys("r")[k: k + 3]).pages == 3
+            assert c.lookup([_keys("r")[0], b"missing".ljust(16, b".")]).pages == 1
+            assert c.lookup([b"gone".ljust(16, b".")]).pages == 0
+            assert plane.plane_lookups == lookups + 5, "the Lookups were not the plane's"
+            assert plane.engine.ends_waiting == ends == 0, "a Lookup left the loop an end to settle"
+            stamps = _stamps(d.core.cache, _keys("r")[:20])
+        assert int(np.argmax(stamps)) == 0  # the last Lookup's first key: the newest of all
+        assert stamps[0] > stamps[3] > stamps[4] > stamps[5] > stamps[6] > stamps[7] > stamps[8] > stamps[9]
+        assert stamps[9] > stamps[10] > stamps[11] > max(np.delete(stamps, [0, 3, 4, 5, 6, 7, 8, 9, 10, 11]))
+        spaces = c.stats().spaces
+        assert sum(s.counters.hits for s in spaces) - hits == 10
+        assert sum(s.counters.misses for s in spaces) - misses == 2
+
+
+def _stamps(cache, keys: list[bytes]) -> np.ndarray:
+    """The LRU stamps of the pages of ``keys`` (all stored) in their one part of ``cache``."""
     from kvserver.store.keys import as_keys
-    cache = d.core.cache
     (part,) = [p for s in cache._spaces.values() for p in s.parts.values()]
     ids = cache.pages.find(part.gid, as_keys(keys))
     assert (ids >= 0).all()

@@ -157,6 +157,7 @@ class CacheOps:
         # shared among them (``_stash_pages``).
         self._stashers: dict[int, tuple[int, int]] = {}
         kv.on_gate_closed = self._gate_closed
+        kv.on_plane_lookups = self.plane_lookups_counted
         self.cache.on_reclaim = self._reclaim
 
     # ---- who is asking ----------------------------------------------------------------------
@@ -787,6 +788,15 @@ class CacheOps:
             sids += self.cache.free_stash(plane.unstash(calls.gate), release_empty=False)
         return sids
 
+    def plane_lookups_counted(self, client: ClientState, hits: int, misses: int) -> None:
+        """``hits`` and ``misses`` of ``client``'s Lookups of its part that the plane answered and
+        settled itself (their pages made recent in its walk: ``_kvlane``'s try_answer), counted in
+        the part's space and tenant as ``lookup_now`` counts them."""
+        entry = self._plane_gets.get(client.plane_token)
+        part = entry.parts[0] if entry is not None else self.cache.part_of(client.gate.cache_gid)
+        if part is not None:
+            self.cache.settle_lookup((), part.space, hits, misses)
+
     def _gate_closed(self, client: ClientState) -> None:
         """A client's gate closed (its release): the pages set aside for its Puts go back. (Those
         its Puts still copy come back with their ends: ``_stored``.)"""
@@ -842,6 +852,10 @@ class CacheOps:
         plane.settle_gets()
         for t in done:
             calls = self._plane_gets.pop(t)
+            if not calls.space:  # what its last Lookups counted after its client's last harvest
+                hits, misses = calls.gate.take_lookups()
+                if hits or misses:
+                    self.cache.settle_lookup((), calls.parts[0].space, hits, misses)
             self._stashers.pop(t, None)
             if calls.gate.stashed:  # (its release's give-back failed: logged there)
                 with self.cache.lock:

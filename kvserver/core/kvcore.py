@@ -132,6 +132,10 @@ class KVCore:
         # Told of a client whose gate closed (its release): the cache pages set aside for its
         # Puts go back (CacheOps._gate_closed).
         self.on_gate_closed: Callable[[ClientState], None] | None = None
+        # Told, at a harvest, of the hits and misses of a client's Lookups that the plane answered
+        # and settled itself (Gate.take_lookups): counted in its part's space and tenant
+        # (CacheOps.plane_lookups_counted).
+        self.on_plane_lookups: Callable[[ClientState, int, int], None] | None = None
 
     def _build(self, host_memory: int, tenant_quota: int, quotas: dict[str, int],
                kept: KeptDir | None = None) -> None:
@@ -613,12 +617,15 @@ class KVCore:
 
     def harvest(self, client: ClientState) -> None:
         """Adds what the data plane did for ``client`` since the last harvest to its counters (and
-        its last call to its lease)."""
+        its last call to its lease), and its Lookups' hits and misses to its space's."""
         if client.gate is None:
             return
         if self.plane is not None:  # the Gets it served whole, ended but not yet settled
             self.plane.settle_gets()
         written, writes, loaded, loads, served, last_ns = client.gate.take_counters()
+        hits, misses = client.gate.take_lookups()
+        if (hits or misses) and self.on_plane_lookups is not None:
+            self.on_plane_lookups(client, hits, misses)
         c = client.counters
         c.bytes_written += written
         c.write_ops += writes

@@ -160,7 +160,8 @@ class DataPlane:
         with lock:
             pages = cache.pages
             c.set_tables(*pages.index.tables(), pages.state, pages.offset, pages.readers, pages.slab,
-                         pages.slab_holds, pages.part, pages.index.counter)
+                         pages.slab_holds, pages.part, pages.index.counter, pages.stamp, pages.slab_stamp,
+                         pages.ticks)
             pages.on_slabs = c.set_slabs
             pages.index.on_state = c.set_index
         self.engine.set_cache(c)

@@ -72,7 +72,9 @@ class PageTable:
         # ``sums``: a check of each page's bytes is kept too (``sum``, the disk tier's CRC-32C).
         self.size = capacity  # the most page ids there can be
         self._ids = IdPool(capacity)
-        self._tick = 0
+        # The recency tick: the stamp the last page made recent has (one item, which the data
+        # plane's thread raises too, as it makes the pages of a Lookup it walks recent).
+        self.ticks = np.zeros(1, np.int64)
         self.kept = kept
         self._allocated = 0  # ids whose kept records have their memory
         for name, dtype in _ARRAYS.items():
@@ -93,9 +95,10 @@ class PageTable:
         self.slab_stamp = np.zeros(64, np.int64)  # per slab id: the newest stamp of its pages
         self.slab_holds = np.zeros(64, np.int64)  # per slab id: pins + readers + pages being written
         # The cache's lock (kvserver.store.lock), which every change below checks is held (None: a
-        # table of its own, as tests make); and who is told of a new slab_holds array (the plane).
+        # table of its own, as tests make); and who is told of new slab_holds and slab_stamp arrays
+        # (the plane).
         self.lock: CacheLock | None = None
-        self.on_slabs: Callable[[np.ndarray], None] | None = None
+        self.on_slabs: Callable[[np.ndarray, np.ndarray], None] | None = None
 
     def _check_locked(self) -> None:
         if self.lock is not None:
@@ -148,7 +151,7 @@ class PageTable:
         committed = np.flatnonzero(self.state[:n] == COMMITTED)
         ranked = committed[np.argsort(self.stamp[committed], kind="stable")]
         self.stamp[ranked] = np.arange(1, len(ranked) + 1, dtype=np.int64)
-        self._tick = len(ranked) + 1
+        self.ticks[0] = len(ranked) + 1
         np.maximum.at(self.slab_stamp, self.slab[committed], self.stamp[committed])
 
     @property
@@ -162,16 +165,18 @@ class PageTable:
         return self._ids.in_use
 
     def touch(self, ids: np.ndarray) -> None:
-        """Marks pages used, in key order: the first is made the most recently used."""
+        """Marks pages used, in key order: the first is made the most recently used. (In C, the
+        tick taken at once, as the data plane's thread takes it: ``kv_touch``.)"""
         n = len(ids)
         if n and self._c is not None:
             ids = np.ascontiguousarray(ids, np.int64)
-            self._tick = self._c.touch(self.stamp, self.slab, self.slab_stamp, ids, self._tick)
-        elif n:
-            stamps = np.arange(self._tick + n, self._tick, -1, dtype=np.int64)
+            self._c.touch(self.stamp, self.slab, self.slab_stamp, ids, self.ticks)
+        elif n:  # (no plane without the compiled modules: nothing else raises the tick)
+            tick = int(self.ticks[0])
+            stamps = np.arange(tick + n, tick, -1, dtype=np.int64)
             self.stamp[ids] = stamps
             np.maximum.at(self.slab_stamp, self.slab[ids], stamps)  # its slabs' recency, kept as it goes
-            self._tick += n
+            self.ticks[0] = tick + n
 
     def new_slab(self, sid: int) -> None:
         """A slab id starts (again): not used yet."""
@@ -184,7 +189,7 @@ class PageTable:
                 grown[: len(old)] = old
                 setattr(self, name, grown)
             if self.on_slabs is not None:
-                self.on_slabs(self.slab_holds)
+                self.on_slabs(self.slab_holds, self.slab_stamp)
         self.slab_stamp[sid] = 0
         self.slab_holds[sid] = 0
 

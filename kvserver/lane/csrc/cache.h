@@ -22,7 +22,7 @@
 #include "../../store/csrc/hit.h"
 
 enum { CT_WORDS, CT_LENS, CT_OWNER, CT_NEXT, CT_HEAD, CT_STATE, CT_OFFSET, CT_READERS, CT_SLAB, CT_SLAB_HOLDS,
-       CT_PART, CT_COUNT, CT_N };
+       CT_PART, CT_COUNT, CT_STAMP, CT_SLAB_STAMP, CT_TICKS, CT_N };
 
 typedef struct {
     PyObject_HEAD
@@ -37,6 +37,9 @@ typedef struct {
     int64_t *slab_holds;
     int32_t *part;       /* per page: its part (pages.part), set as a Put stored here files it */
     int64_t *count;      /* the index's entries (KeyIndex.count's one item) */
+    int64_t *stamp;      /* per page: its recency (pages.stamp), which a Lookup walked here sets */
+    int64_t *slab_stamp; /* per slab: its pages' newest stamp (pages.slab_stamp), nslabs of them */
+    int64_t *ticks;      /* the recency tick (pages.ticks' one item), shared with the loop's touch */
     char *arena;         /* where page offsets count from */
     int64_t arena_bytes; /* every page's chunks lie inside it */
     int whole;           /* only whole hits: a tier below or beside may hold what host memory misses */
@@ -137,24 +140,27 @@ static int cache_index_state(Cache *c, Py_ssize_t nhead, unsigned long long leve
 }
 
 /* set_tables(words, lens, owner, next, head, nhead, level, split, seeds, state, offset, readers,
- *            slab, slab_holds, part, count): the index's tables and counters as KeyIndex.tables()
- * gives them, then the page tables (int8 state, int64 offset, int32 readers and slab, one a page;
- * int64 slab_holds, one a slab; int32 part, one a page) and the index's count of entries (int64,
- * one item). The index's tables, the states, parts and holds are written here too: a Put the plane
- * stores files its keys (cache_store). With the lock held. */
+ *            slab, slab_holds, part, count, stamp, slab_stamp, ticks): the index's tables and counters as
+ * KeyIndex.tables() gives them, then the page tables (int8 state, int64 offset, int32 readers and
+ * slab, one a page; int64 slab_holds, one a slab; int32 part, one a page), the index's count of
+ * entries (int64, one item) and the pages' recency (int64 stamp, one a page; int64 slab_stamp, one
+ * a slab; the tick, int64, one item). The index's tables, the states, parts and holds are written
+ * here too: a Put the plane stores files its keys (cache_store); and the stamps and the tick: a
+ * Lookup the plane walks makes its pages recent (cache_walk_hold). With the lock held. */
 static PyObject *cache_set_tables(Cache *c, PyObject *args) {
     PyObject *o[CT_N];
     Py_ssize_t nhead;
     unsigned long long level, split, s[5];
-    if (!PyArg_ParseTuple(args, "OOOOOnKK(KKKKK)OOOOOOO", &o[CT_WORDS], &o[CT_LENS], &o[CT_OWNER], &o[CT_NEXT],
+    if (!PyArg_ParseTuple(args, "OOOOOnKK(KKKKK)OOOOOOOOOO", &o[CT_WORDS], &o[CT_LENS], &o[CT_OWNER], &o[CT_NEXT],
                           &o[CT_HEAD], &nhead, &level, &split, &s[0], &s[1], &s[2], &s[3], &s[4], &o[CT_STATE],
-                          &o[CT_OFFSET], &o[CT_READERS], &o[CT_SLAB], &o[CT_SLAB_HOLDS], &o[CT_PART], &o[CT_COUNT]))
+                          &o[CT_OFFSET], &o[CT_READERS], &o[CT_SLAB], &o[CT_SLAB_HOLDS], &o[CT_PART], &o[CT_COUNT],
+                          &o[CT_STAMP], &o[CT_SLAB_STAMP], &o[CT_TICKS]))
         return NULL;
     if (!cache_held(c))
         return NULL;
-    static const Py_ssize_t size[CT_N] = {8, 1, 4, 4, 4, 1, 8, 4, 4, 8, 4, 8};
+    static const Py_ssize_t size[CT_N] = {8, 1, 4, 4, 4, 1, 8, 4, 4, 8, 4, 8, 8, 8, 8};
     static const char *names[CT_N] = {"words", "lens", "owner", "next", "head", "state", "offset", "readers",
-                                      "slab", "slab_holds", "part", "count"};
+                                      "slab", "slab_holds", "part", "count", "stamp", "slab_stamp", "ticks"};
     c->open = 0;
     for (int i = 0; i < CT_N; i++) /* written by a Put stored here (cache_store) but offsets and slabs */
         if (!cache_take(c, i, o[i], size[i], i != CT_OFFSET && i != CT_SLAB, names[i]))
@@ -163,7 +169,8 @@ static PyObject *cache_set_tables(Cache *c, PyObject *args) {
     if (c->v[CT_WORDS].len != 8 * KV_KEY_WORDS * cap || c->v[CT_OWNER].len != 4 * cap ||
         c->v[CT_NEXT].len != 4 * cap || c->v[CT_OFFSET].len != 8 * npages || c->v[CT_READERS].len != 4 * npages ||
         c->v[CT_SLAB].len != 4 * npages || c->v[CT_PART].len != 4 * npages || c->v[CT_COUNT].len != 8 ||
-        cap < npages) { /* (a page's id is its index entry's: a Put filed here writes both) */
+        c->v[CT_STAMP].len != 8 * npages || c->v[CT_SLAB_STAMP].len != c->v[CT_SLAB_HOLDS].len ||
+        c->v[CT_TICKS].len != 8 || cap < npages) { /* (a page's id is its index entry's: a Put filed here writes both) */
         PyErr_SetString(PyExc_ValueError, "the cache's tables are not of one length");
         return NULL;
     }
@@ -177,6 +184,9 @@ static PyObject *cache_set_tables(Cache *c, PyObject *args) {
     c->slab_holds = c->v[CT_SLAB_HOLDS].buf;
     c->part = c->v[CT_PART].buf;
     c->count = c->v[CT_COUNT].buf;
+    c->stamp = c->v[CT_STAMP].buf;
+    c->slab_stamp = c->v[CT_SLAB_STAMP].buf;
+    c->ticks = c->v[CT_TICKS].buf;
     c->open = 1;
     Py_RETURN_NONE;
 }
@@ -196,15 +206,24 @@ static PyObject *cache_set_index(Cache *c, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* set_slabs(slab_holds): the per-slab holds' array, grown (int64, one a slab). */
-static PyObject *cache_set_slabs(Cache *c, PyObject *arg) {
-    if (!cache_held(c))
+/* set_slabs(slab_holds, slab_stamp): the per-slab arrays, grown (int64, one a slab, as many of
+ * each). */
+static PyObject *cache_set_slabs(Cache *c, PyObject *args) {
+    PyObject *holds, *stamps;
+    if (!PyArg_ParseTuple(args, "OO", &holds, &stamps) || !cache_held(c))
         return NULL;
-    if (!cache_take(c, CT_SLAB_HOLDS, arg, 8, 1, "slab_holds")) {
+    if (!cache_take(c, CT_SLAB_HOLDS, holds, 8, 1, "slab_holds") ||
+        !cache_take(c, CT_SLAB_STAMP, stamps, 8, 1, "slab_stamp")) {
+        c->open = 0;
+        return NULL;
+    }
+    if (c->v[CT_SLAB_STAMP].len != c->v[CT_SLAB_HOLDS].len) {
+        PyErr_SetString(PyExc_ValueError, "slab_holds and slab_stamp must have an entry for every slab");
         c->open = 0;
         return NULL;
     }
     c->slab_holds = c->v[CT_SLAB_HOLDS].buf;
+    c->slab_stamp = c->v[CT_SLAB_STAMP].buf;
     c->pg.nslabs = c->v[CT_SLAB_HOLDS].len / 8;
     Py_RETURN_NONE;
 }
@@ -226,7 +245,7 @@ static PyMethodDef cache_methods[] = {
     {"unlock", (PyCFunction)cache_unlock, METH_NOARGS, NULL},
     {"set_tables", (PyCFunction)cache_set_tables, METH_VARARGS, NULL},
     {"set_index", (PyCFunction)cache_set_index, METH_VARARGS, NULL},
-    {"set_slabs", (PyCFunction)cache_set_slabs, METH_O, NULL},
+    {"set_slabs", (PyCFunction)cache_set_slabs, METH_VARARGS, NULL},
     {"close", (PyCFunction)cache_close, METH_NOARGS, NULL},
     {NULL},
 };
@@ -251,7 +270,8 @@ static PyTypeObject CacheType = {
 
 /* The plane's side, for one Get: the leading keys (their words) filed under `owner` with a committed
  * page whose chunks lie inside the arena, those pages held (as PageTable.hold; not with hold 0, a
- * Lookup's walk); ids[0..m) and offsets[0..m). -1: the lock is the loop's (cache_try_lock), the
+ * Lookup's walk, whose pages `touch` makes recent here, as the loop's Lookup does: kv_touch);
+ * ids[0..m) and offsets[0..m). -1: the lock is the loop's (cache_try_lock), the
  * cache is closed, a table is corrupt, or (`whole`: the call counts on a tier below or beside host memory, as in a
  * whole-hits cache) a key is missed: nothing held, the loop serves the call. `chunks` (layer,
  * part) chunks of `lp_stride` bytes a page. */
@@ -292,7 +312,7 @@ static int cache_try_lock(Cache *c) {
 
 static int64_t cache_walk_hold(Cache *c, const uint64_t *words, uint8_t len, int64_t n, int32_t owner,
                                int64_t chunks, int64_t lp_stride, int64_t *ids, int64_t *offsets, int hold,
-                               int whole) {
+                               int whole, int touch) {
     if (!cache_try_lock(c))
         return -1;
     int64_t m = -1;
@@ -307,6 +327,8 @@ static int64_t cache_walk_hold(Cache *c, const uint64_t *words, uint8_t len, int
             c->readers[ids[k]] += 1;
             c->slab_holds[c->pg.slab[ids[k]]] += 1;
         }
+        if (touch && !hold && m > 0)
+            kv_touch(c->stamp, c->pg.slab, c->slab_stamp, ids, m, c->ticks);
     }
     pthread_mutex_unlock(&c->mu);
     return m;

@@ -171,6 +171,18 @@ static PyObject *gate_take_counters(Gate *g, PyObject *unused) {
     return r;
 }
 
+/* take_lookups() -> (hits, misses): those of the Lookups the plane answered and settled itself
+ * (serve_get.h's try_answer) since the last take, zeroed: the loop counts them in the gate's
+ * part's space and tenant. */
+static PyObject *gate_take_lookups(Gate *g, PyObject *unused) {
+    pthread_mutex_lock(&g->mu);
+    PyObject *r = Py_BuildValue("KK", (unsigned long long)g->lookup_hits, (unsigned long long)g->lookup_misses);
+    if (r)
+        g->lookup_hits = g->lookup_misses = 0;
+    pthread_mutex_unlock(&g->mu);
+    return r;
+}
+
 static PyObject *gate_get_inflight(Gate *g, void *unused) {
     pthread_mutex_lock(&g->mu);
     int64_t c = g->c_inflight;

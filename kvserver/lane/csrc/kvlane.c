@@ -88,6 +88,7 @@ static PyMethodDef gate_methods[] = {
     {"py_enter", (PyCFunction)gate_py_enter, METH_NOARGS, NULL},
     {"py_exit", (PyCFunction)gate_py_exit, METH_NOARGS, NULL},
     {"take_counters", (PyCFunction)gate_take_counters, METH_NOARGS, NULL},
+    {"take_lookups", (PyCFunction)gate_take_lookups, METH_NOARGS, NULL},
     {"check", (PyCFunction)gate_check, METH_O, NULL},
     {NULL},
 };

@@ -32,6 +32,10 @@
 #define FLAG_PLANE_GET 4 /* a Get this thread served whole (try_get): its client's next one likely is too */
 #define MAX_DRAIN 64
 #define PIECE_BYTES (512 * 1024)
+/* The thread's turns of the lanes (slots.h's lanes_turn): each pending lane's credit a turn, in
+ * request bytes, and what a call costs besides its request's bytes. */
+#define LANE_QUANTUM 1024
+#define CALL_COST 64
 /* Bytes of loads copied in a row while a write waited, after which the write gets a piece: the copy
  * workers' WRITE_EVERY pieces of CHUNK_BYTES (copies/workers.py), 16 MiB. A piece here is at most
  * one (layer, part) of a job, so a count of pieces would let a write into a small load. */
@@ -76,6 +80,7 @@ typedef struct {
     int64_t c_inflight;   /* jobs of this plane */
     int64_t x_inflight;   /* the loop's copies this plane runs for it (submit_copy) */
     uint64_t bytes_written, write_ops, bytes_loaded, load_ops, served;
+    uint64_t lookup_hits, lookup_misses; /* of the Lookups answered and settled here (take_lookups) */
     int64_t last_call_ns;
     /* The plane thread's alone: what ``work()``'s pass over the jobs has seen of this gate so far. */
     uint64_t order_pass;
@@ -140,6 +145,9 @@ typedef struct Lane {
     int slot_busy[MAX_SLOTS]; /* taken here: a job, or handed to Python until finish_slot() */
     int watching;
     int quiet; /* the client said (FEATURE_QUIET_DONE) it sets WAITING_AT before it sleeps */
+    int pending; /* it may have SUBMITTED slots: looked at in the thread's turns (lanes_turn) */
+    int cursor;  /* the slot its next turn looks at first: the one after the last it took */
+    int64_t credit; /* what its next calls may cost in the thread's turns (lanes_turn), in bytes */
     struct Lane *next;
 } Lane;
 
@@ -276,16 +284,13 @@ typedef struct {
     int cmd, cmd_done;
     void *cmd_arg;
     /* A command waits (set before its wake-up, cleared as the thread takes it): the thread stops
-     * taking slots and reading doorbells until it has run it, so that the loop, which waits for
-     * it, never waits for a round of every lane's slots (cmd_waiting()). It takes the slots it
-     * left after the command (rescan), from where it stopped (cut_lane's slot cut_slot: lanes
-     * after it first, then the rest, so that commands in a row starve no lane); the doorbells it
-     * left unread stay readable. */
+     * its turn of the lanes at the next lane, and reads no doorbell, until it has run it, so that
+     * the loop, which waits for it, never waits for a turn of every lane (cmd_waiting()). The
+     * lanes it left are still pending; the next turn starts at the one it stopped at. */
     int cmd_waiting;
-    int rescan;
-    Lane *cut_lane; /* NULL: the first lane (remove_lane moves it past a lane it removes) */
-    int cut_slot;
-    uint64_t cmd_cuts; /* scans cut short for a command (the tests') */
+    int npending;   /* lanes pending (Lane.pending) */
+    Lane *turn_at;  /* where the next turn starts (NULL: the first lane; remove_lane moves it on) */
+    uint64_t cmd_cuts; /* turns cut short for a command (the tests') */
     /* handoffs to Python */
     pthread_mutex_t hand_mu;
     Handoff *hand;

@@ -136,7 +136,7 @@ static int try_get(Engine *e, Lane *l, int i, uint32_t n) {
     }
     if (ok) {
         m = cache_walk_hold(c, words, (uint8_t)q.key_bytes, nkeys, gid, (int64_t)g->lim.num_layers * g->parts,
-                            g->cache_lp_stride, ids, offs, 1, c->whole);
+                            g->cache_lp_stride, ids, offs, 1, c->whole, 0);
         ok = m >= 0;
     }
     int64_t nr = 0;
@@ -235,10 +235,16 @@ static void answer_unary(Engine *e, Lane *l, int i, const unsigned char *respons
 
 /* Tries to answer slot i, an engine's Lookup of its own part (protobuf), whole on this thread: read
  * and checked (get.h), its keys walked in the cache (nothing held) and answered with the pages
- * found; its end posted back (the loop makes them recent and counts the hits and misses). 1 if it
- * did; 0: the loop's. It copies nothing, so it waits for nothing of its registration. On a space's
- * gate, a scheduler's Lookup of the whole space, walked in each of its parts (cache_walk_space),
- * its end posted with every part's pages. */
+ * found. 1 if it did; 0: the loop's. It copies nothing, so it waits for nothing of its
+ * registration. In a cache with no tier below or beside host memory (or of host memory only,
+ * which asks none), it leaves the loop nothing to settle: its pages are made recent in the walk,
+ * under the cache's lock, and its hits and misses are counted in its gate (Gate.take_lookups,
+ * which the loop harvests with the gate's transfers: before a Stats, a scrape, a release), so that
+ * however fast engines look up, a Lookup costs the loop nothing and none is handed to the loop for
+ * want of room for its end. Else (a tier's copies are made recent by the loop too,
+ * CacheOps._touch_below) its end is posted back, and the loop makes them recent and counts the
+ * hits and misses; as is a scheduler's Lookup of the whole space on a space's gate, walked in each
+ * of its parts (cache_walk_space), its end posted with every part's pages. */
 static int try_answer(Engine *e, Lane *l, int i, uint32_t n) {
     Gate *g = l->gate;
     Cache *c = e->cache;
@@ -254,38 +260,47 @@ static int try_answer(Engine *e, Lane *l, int i, uint32_t n) {
         ok = check_cache_call(g, RPC_LOOKUP, buf, n, &q, NULL, NULL);
     }
     int64_t nkeys = q.nkeys, nparts = g->space ? g->nparts : 1; /* (set_space bounds nkeys * nparts) */
+    /* A Lookup of host memory only asks no tier: its partial hit is whole too */
+    int whole = c->whole && !q.memory_only, here = !g->space && !whole;
     uint64_t *words = ok ? malloc(sizeof(uint64_t) * KV_KEY_WORDS * (size_t)nkeys) : NULL;
     int64_t *ids = ok ? malloc(sizeof(int64_t) * (size_t)(nkeys * nparts)) : NULL;
     int64_t *offs = ok ? malloc(sizeof(int64_t) * (size_t)nkeys) : NULL;
-    Job *j = ok ? calloc(1, sizeof(Job)) : NULL;
-    ok = ok && words && ids && offs && j && reserve_get_end(e);
+    Job *j = ok && !here ? calloc(1, sizeof(Job)) : NULL;
+    ok = ok && words && ids && offs && (here || (j && reserve_get_end(e)));
     if (ok) {
         kv_keys_words(q.keys, (int64_t)q.key_bytes, nkeys, words);
-        /* A Lookup of host memory only asks no tier: its partial hit is whole too */
-        int whole = c->whole && !q.memory_only;
         if (g->space)
             m = cache_walk_space(c, words, (uint8_t)q.key_bytes, nkeys, g->space_gids, g->nparts, ids, offs, whole);
         else
             m = cache_walk_hold(c, words, (uint8_t)q.key_bytes, nkeys, gid, (int64_t)g->lim.num_layers * g->parts,
-                                g->cache_lp_stride, ids, offs, 0, whole);
+                                g->cache_lp_stride, ids, offs, 0, whole, here);
         ok = m >= 0;
-        if (!ok)
+        if (!ok && !here)
             unreserve_get_end(e);
     }
     free(buf);
     free(words);
     free(offs);
-    if (!ok) {
+    if (!ok || here) {
         free(ids);
         free(j);
-        return 0;
     }
-    j->gate = g;
-    j->ids = ids;
-    j->found = (uint32_t)m;
-    j->misses = nkeys - m;
-    j->end_kind = q.memory_only ? END_LOOKUP_HOST : END_LOOKUP;
-    post_walked(e, j, arrival); /* before the answer: a Stats after it counts the hits */
+    if (!ok)
+        return 0;
+    if (here) { /* before the answer, so that a Stats after it counts the hits; its lease renewed */
+        pthread_mutex_lock(&g->mu);
+        g->last_call_ns = arrival;
+        g->lookup_hits += (uint64_t)m;
+        g->lookup_misses += (uint64_t)(nkeys - m);
+        pthread_mutex_unlock(&g->mu);
+    } else {
+        j->gate = g;
+        j->ids = ids;
+        j->found = (uint32_t)m;
+        j->misses = nkeys - m;
+        j->end_kind = q.memory_only ? END_LOOKUP_HOST : END_LOOKUP;
+        post_walked(e, j, arrival); /* before the answer: a Stats after it counts the hits */
+    }
     unsigned char resp[16];
     uint32_t len = 0;
     if (m) /* LookupResponse{pages}: field 1 (nothing for 0, as protobuf writes it) */

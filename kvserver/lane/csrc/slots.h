@@ -1,76 +1,114 @@
-/* A lane's slots: taking what was submitted (scan, doorbell), the words a client reads (awake,
+/* A lane's slots: taking what was submitted (lanes_turn, doorbell), the words a client reads (awake,
  * plane state, a load's progress), and a job's end and answer (finish, answer_slot). A part of
  * kvlane.c. */
 
-/* Takes the lane's SUBMITTED slots from `from` up to `to`; returns how many. A command waiting
- * stops it: the first slot it left is where the rescan after the command begins. */
-static int scan_range(Engine *e, Lane *l, int from, int to) {
-    int took = 0;
-    for (int i = from; i < to; i++) {
-        if (cmd_waiting(e)) { /* the loop waits for its command: the rest after it */
-            if (!e->rescan) {
-                e->rescan = 1;
-                e->cut_lane = l;
-                e->cut_slot = i;
-                __atomic_add_fetch(&e->cmd_cuts, 1, __ATOMIC_RELAXED);
-            }
-            break;
-        }
-        if (__atomic_load_n(&l->slot_busy[i], __ATOMIC_ACQUIRE))
-            continue;
-        char *s = slot_at(l, i);
-        if (state_of(s) != ST_SUBMITTED)
-            continue;
-        uint32_t rpc, n;
-        memcpy(&rpc, s + 4, 4);
-        memcpy(&n, s + 16, 4);
-        set_state(s, ST_TAKEN);
-        l->slot_busy[i] = 1;
-        took++;
-        if (l->gate->space) { /* a space's lane: its Lookups only; the loop refuses anything else */
-            if (!(rpc == RPC_LOOKUP && try_answer(e, l, i, n)))
-                handoff(e, l, i, rpc);
-            continue;
-        }
-        if (!try_job(e, l, i, rpc, n) && !(rpc == RPC_GET && try_get(e, l, i, n)) &&
-            !(rpc == RPC_LOOKUP && try_answer(e, l, i, n)) && !(rpc == RPC_PUT && try_put(e, l, i, n)))
+/* Takes slot i of lane l if it is SUBMITTED (and not busy here): served on this thread, or handed
+ * to the loop. 1 if it took it, *cost its share of the lane's credit (lanes_turn). */
+static int take_slot(Engine *e, Lane *l, int i, int64_t *cost) {
+    if (__atomic_load_n(&l->slot_busy[i], __ATOMIC_ACQUIRE))
+        return 0;
+    char *s = slot_at(l, i);
+    if (state_of(s) != ST_SUBMITTED)
+        return 0;
+    uint32_t rpc, n;
+    memcpy(&rpc, s + 4, 4);
+    memcpy(&n, s + 16, 4);
+    set_state(s, ST_TAKEN);
+    l->slot_busy[i] = 1;
+    *cost = CALL_COST + (int64_t)n;
+    if (l->gate->space) { /* a space's lane: its Lookups only; the loop refuses anything else */
+        if (!(rpc == RPC_LOOKUP && try_answer(e, l, i, n)))
             handoff(e, l, i, rpc);
+        return 1;
+    }
+    if (!try_job(e, l, i, rpc, n) && !(rpc == RPC_GET && try_get(e, l, i, n)) &&
+        !(rpc == RPC_LOOKUP && try_answer(e, l, i, n)) && !(rpc == RPC_PUT && try_put(e, l, i, n)))
+        handoff(e, l, i, rpc);
+    return 1;
+}
+
+/* Takes lane l's next SUBMITTED slot, from its cursor on round its ring; 1 if it took one. */
+static int take_next(Engine *e, Lane *l, int64_t *cost) {
+    for (int k = 0; k < l->slots; k++) {
+        int i = (l->cursor + k) % l->slots;
+        if (take_slot(e, l, i, cost)) {
+            l->cursor = (i + 1) % l->slots;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Lane l may have SUBMITTED slots (its doorbell rang, it was added, the thread looks at every
+ * lane while it is awake): looked at in the turns to come, until one finds none. */
+static void pend(Engine *e, Lane *l) {
+    if (!l->pending) {
+        l->pending = 1;
+        e->npending++;
+    }
+}
+
+static void unpend(Engine *e, Lane *l) {
+    if (l->pending) {
+        l->pending = 0;
+        e->npending--;
+    }
+}
+
+/* One turn of the pending lanes, each given LANE_QUANTUM more credit (up to LANE_QUANTUM) and,
+ * while it has any, its next SUBMITTED slot taken, for that call's cost (its request's bytes and
+ * CALL_COST): deficit round robin, in request bytes. A lane with nothing submitted is pending no
+ * longer (its debt kept). The thread reads its doorbells and runs a piece of the copies between
+ * two turns. So a lane of small calls (a Load or Get of a few pages: tens of bytes) is served every
+ * turn, and one of large calls (a Lookup of 1024 keys: 16 KiB) one turn in sixteen: a peer that
+ * keeps every slot of many lanes full of those delays another lane's call by about one of its
+ * calls, not one of each lane, nor all of their slots; alone, it is served at once (a turn that
+ * took nothing for want of credit gives every pending lane the turns' credit it lacked at once).
+ * A turn starts at the lane after where the last one started, and a waiting command cuts it at
+ * the next lane, the next turn starting there: no lane waits on the others' order, nor on commands
+ * in a row. Returns how many it took. */
+static int lanes_turn(Engine *e) {
+    Lane *start = e->turn_at ? e->turn_at : e->lanes, *l = start;
+    int took = 0, owing = 0;
+    int64_t best = INT64_MIN, cost = 0;
+    if (!start || !e->npending)
+        return 0;
+    do {
+        if (l->pending) {
+            if (cmd_waiting(e)) { /* the loop waits for its command: the rest after it */
+                e->turn_at = l;
+                __atomic_add_fetch(&e->cmd_cuts, 1, __ATOMIC_RELAXED);
+                return took;
+            }
+            l->credit = l->credit > 0 ? LANE_QUANTUM : l->credit + LANE_QUANTUM;
+            if (l->credit <= 0) {
+                owing = 1;
+                best = l->credit > best ? l->credit : best;
+            } else if (take_next(e, l, &cost)) {
+                l->credit -= cost;
+                took++;
+            } else {
+                unpend(e, l);
+            }
+        }
+        l = l->next ? l->next : e->lanes;
+    } while (l != start);
+    e->turn_at = start->next;
+    if (!took && owing) { /* the turns it would take any of them to be served, given at once */
+        int64_t turns = -best / LANE_QUANTUM;
+        for (l = e->lanes; l; l = l->next)
+            if (l->pending && l->credit <= 0)
+                l->credit += turns * LANE_QUANTUM;
     }
     return took;
 }
 
-/* Takes the lane's SUBMITTED slots; returns how many. */
-static int scan(Engine *e, Lane *l) { return scan_range(e, l, 0, l->slots); }
-
-/* Every watched lane's SUBMITTED slots, rung or not. */
-static int scan_all(Engine *e) {
-    int took = 0;
-    for (Lane *l = e->lanes; l && !e->rescan; l = l->next)
+/* Every watched lane pending, rung or not (the thread is awake: clients do not ring), then a turn. */
+static int look_at_all(Engine *e) {
+    for (Lane *l = e->lanes; l; l = l->next)
         if (l->watching)
-            took += scan(e, l);
-    return took;
-}
-
-/* After a command, the slots a scan left for it: from the lane and slot it stopped at (watched or
- * not: a lane whose peer just left is scanned once more, as its last doorbell would), the lanes
- * after it, then those before it; stopped again by the next command, from where it stops then. */
-static int scan_left(Engine *e) {
-    Lane *cut = e->cut_lane;
-    int from = cut ? e->cut_slot : 0, took = 0;
-    e->rescan = 0;
-    e->cut_lane = NULL;
-    if (!cut)
-        return scan_all(e);
-    took += scan_range(e, cut, from, cut->slots);
-    for (Lane *l = cut->next; l && !e->rescan; l = l->next)
-        if (l->watching)
-            took += scan(e, l);
-    for (Lane *l = e->lanes; l && l != cut && !e->rescan; l = l->next)
-        if (l->watching)
-            took += scan(e, l);
-    if (!e->rescan && from > 0) /* (the cut lane's first slots, last) */
-        took += scan_range(e, cut, 0, from);
-    return took;
+            pend(e, l);
+    return lanes_turn(e);
 }
 
 /* Tells every lane's clients whether this thread looks at their slots without being rung. */
@@ -112,7 +150,7 @@ static void doorbell(Engine *e, Lane *l) {
             break;
         }
     }
-    scan(e, l);
+    pend(e, l);
 }
 
 static void publish_progress(Engine *e, Job *j, uint32_t flags) {

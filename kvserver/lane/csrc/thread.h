@@ -15,10 +15,9 @@ static void remove_lane(Engine *e, Lane *l) {
             finish(e, j, 1, NULL, 0); /* its ring goes now: nothing is written to it */
     }
     unwatch(e, l);
-    if (e->cut_lane == l) { /* the slots left for a command: from the next lane on */
-        e->cut_lane = l->next;
-        e->cut_slot = 0;
-    }
+    unpend(e, l);
+    if (e->turn_at == l) /* the next turn: from the next lane on */
+        e->turn_at = l->next;
     Lane **pp = &e->lanes;
     while (*pp && *pp != l)
         pp = &(*pp)->next;
@@ -32,8 +31,8 @@ static void command(Engine *e) {
     pthread_mutex_lock(&e->cmd_mu);
     int cmd = e->cmd;
     void *arg = e->cmd_arg;
-    /* Taken: the scan a command makes (a new lane's) is not cut for it (the next one waits for
-     * call_mu until this one is done). */
+    /* Taken: the turn after it is not cut for it (the next one waits for call_mu until this one is
+     * done). */
     __atomic_store_n(&e->cmd_waiting, 0, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&e->cmd_mu);
     if (cmd == CMD_NONE)
@@ -53,7 +52,7 @@ static void command(Engine *e) {
         e->lanes = l;
         __atomic_store_n((uint32_t *)(l->ring + AWAKE_AT), (uint32_t)e->awake, __ATOMIC_RELAXED);
         __atomic_thread_fence(__ATOMIC_SEQ_CST);
-        scan(e, l);
+        pend(e, l); /* its slots submitted before it was watched: the next turn's */
     } else if (cmd == CMD_REMOVE) {
         take_incoming(e); /* an answering copy submitted for this lane is ended with it */
         remove_lane(e, arg);
@@ -116,9 +115,9 @@ static void *engine_main(void *arg) {
      * more than that (tens of microseconds on a virtual machine). */
     int64_t spin_until = 0;
     for (;;) {
-        /* Held (tests), jobs still meet their deadlines: looked at every millisecond. Slots left
-         * submitted for a command: taken at once after it. */
-        int timeout = e->jobs || e->rescan ? (e->paused ? 1 : 0) : -1;
+        /* Held (tests), jobs still meet their deadlines: looked at every millisecond. Lanes still
+         * pending (a turn took a slot of theirs, or was cut for a command): taken at once. */
+        int timeout = e->jobs || e->npending ? (e->paused ? 1 : 0) : -1;
         int spinning = timeout < 0 && spin_until && now_ns() < spin_until;
         /* While the thread spins it says so in every ring, and clients skip the doorbell: it
          * finds their slots by looking. Before it sleeps or copies (between pieces it reads the
@@ -130,7 +129,7 @@ static void *engine_main(void *arg) {
             set_awake(e, looking);
             if (!looking) {
                 __atomic_thread_fence(__ATOMIC_SEQ_CST);
-                if (scan_all(e)) {
+                if (look_at_all(e)) {
                     if (e->spin_ns)
                         spin_until = now_ns() + e->spin_ns;
                     continue;
@@ -153,7 +152,7 @@ static void *engine_main(void *arg) {
         int n = epoll_wait(e->epfd, evs, 64, spinning ? 0 : timeout);
         if (sleeps)
             set_plane(e, PLANE_RUNNING);
-        int took = looking ? scan_all(e) : 0;
+        int took = looking ? look_at_all(e) : 0;
         if (spinning && n == 0 && !took) {
             sched_yield();  /* a spinning thread lets whatever else is runnable on its CPU go first */
             continue;
@@ -169,8 +168,6 @@ static void *engine_main(void *arg) {
                     doorbell(e, l);
             }
         }
-        if ((n > 0 || took || e->jobs) && e->spin_ns)
-            spin_until = now_ns() + e->spin_ns;
         if (woken) {
             uint64_t v;
             (void)!read(e->wake_fd, &v, 8);
@@ -180,10 +177,14 @@ static void *engine_main(void *arg) {
             if (!stop)
                 command(e);
         }
-        if (e->rescan && !stop && !cmd_waiting(e))
-            took += scan_left(e);
-        else if (!woken && cmd_waiting(e))
+        if (!stop && !cmd_waiting(e)) {
+            if (!looking || n > 0) /* (looking, the turn was look_at_all's: one turn a piece) */
+                took += lanes_turn(e);
+        } else if (!woken && cmd_waiting(e)) {
             sched_yield(); /* its wake-up is on its way: the caller runs first */
+        }
+        if ((n > 0 || took || e->jobs) && e->spin_ns)
+            spin_until = now_ns() + e->spin_ns;
         take_incoming(e);
         if (stop)
             break;

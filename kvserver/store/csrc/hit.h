@@ -88,4 +88,24 @@ static inline int64_t kv_hit_prefix(const kv_index *ix, const kv_pages *pg, cons
     return n;
 }
 
+/* Pages ids[0..n) used, in key order: the first made the most recent. The recency tick (ticks[0])
+ * is raised by n at once and the pages stamped tick + n .. tick + 1, each page's slab raised to its
+ * page's stamp (PageTable.touch). The loop's touch and the data plane's (a Lookup it walks, under
+ * the cache's lock, which a touch of the loop's need not hold) may run at once: the tick is taken
+ * atomically, so no two touches share a stamp, and a stamp or a slab's raise lost to the other's
+ * (the same page, at the same moment) costs only the order of two equally recent pages, which
+ * eviction reads under the lock. Every id and its slab checked inside the tables by the caller
+ * (slab_stamp: nslabs entries). */
+static inline void kv_touch(int64_t *stamp, const int32_t *slab, int64_t *slab_stamp, const int64_t *ids,
+                            int64_t n, int64_t *ticks) {
+    int64_t tick = __atomic_fetch_add(ticks, n, __ATOMIC_RELAXED);
+    for (int64_t k = 0; k < n; k++) {
+        int64_t t = tick + (n - k), *s = &slab_stamp[slab[ids[k]]];
+        __atomic_store_n(&stamp[ids[k]], t, __ATOMIC_RELAXED);
+        int64_t old = __atomic_load_n(s, __ATOMIC_RELAXED);
+        while (old < t && !__atomic_compare_exchange_n(s, &old, t, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+            ;
+    }
+}
+
 #endif

@@ -330,30 +330,26 @@ static PyObject *hold(PyObject *self, PyObject *args) {
     return result;
 }
 
-/* touch(stamp, slab, slab_stamp, ids, tick) -> tick + len(ids): stamp[ids[k]] = tick + len - k (the
- *   first id the most recent) and slab_stamp[slab[id]] raised to it, as PageTable.touch's numpy.
- *   stamp, slab_stamp: int64; slab: int32; ids: int64; checked as hold checks them. */
+/* touch(stamp, slab, slab_stamp, ids, ticks) -> the tick after: the pages made recent, the first
+ *   the most (kv_touch, as PageTable.touch's numpy), the recency tick ticks[0] (int64[1], shared
+ *   with the data plane's thread) raised by len(ids). stamp, slab_stamp: int64; slab: int32; ids:
+ *   int64; checked as hold checks them. */
 static PyObject *touch(PyObject *self, PyObject *args) {
-    PyObject *objs[4];
-    long long tick;
-    if (!PyArg_ParseTuple(args, "OOOOL", &objs[0], &objs[1], &objs[2], &objs[3], &tick))
+    PyObject *objs[5];
+    if (!PyArg_ParseTuple(args, "OOOOO", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4]))
         return NULL;
-    view v[4] = {{{0}}};
+    view v[5] = {{{0}}};
     PyObject *result = NULL;
-    if (page_tables(objs, 8, "stamp", "slab_stamp", v)) {
-        int64_t *stamp = v[0].v.buf, *slab_stamp = v[2].v.buf;
-        const int32_t *slab = v[1].v.buf;
-        const int64_t *ids = v[3].v.buf;
-        Py_ssize_t n = v[3].v.len / 8;
-        for (Py_ssize_t k = 0; k < n; k++) {
-            int64_t t = tick + (int64_t)(n - k);
-            stamp[ids[k]] = t;
-            if (slab_stamp[slab[ids[k]]] < t)
-                slab_stamp[slab[ids[k]]] = t;
+    if (page_tables(objs, 8, "stamp", "slab_stamp", v) && take(objs[4], &v[4], 'i', 8, 1, "ticks")) {
+        if (v[4].v.len != 8) {
+            PyErr_SetString(PyExc_ValueError, "ticks must be one int64");
+        } else {
+            int64_t *ticks = v[4].v.buf;
+            kv_touch(v[0].v.buf, v[1].v.buf, v[2].v.buf, v[3].v.buf, v[3].v.len / 8, ticks);
+            result = PyLong_FromLongLong(__atomic_load_n(ticks, __ATOMIC_RELAXED));
         }
-        result = PyLong_FromLongLong(tick + (long long)n);
     }
-    release_views(v, 4);
+    release_views(v, 5);
     return result;
 }
 
