@@ -462,6 +462,39 @@ def test_a_lookup_the_plane_answers_leaves_the_loop_nothing_to_settle(plane_daem
         assert sum(s.counters.misses for s in spaces) - misses == 2
 
 
+def test_a_lane_kept_busy_is_taken_no_more_once_the_plane_watches_no_lane(plane_daemon) -> None:
+    """At shutdown the plane takes nothing new (``unwatch_all``, the drain's first step): not even
+    the slots of a lane its engine keeps full, which was pending in the thread's turns then."""
+    d = plane_daemon
+    plane = d.core.plane
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c:
+        assert c.put(_keys("u")[:8], torch.arange(8)).stored == 8
+        assert c.lookup(_keys("u")[:1]).pages == 1  # the first is the loop's: it gives the gate its part
+        stop, answered = threading.Event(), []
+
+        def look() -> None:  # back to back, four at a time on the one lane
+            while not stop.is_set():
+                try:
+                    answered.append(c.lookup(_keys("u")[:4], timeout=1).pages)
+                except KVClientError:
+                    return
+
+        threads = [threading.Thread(target=look) for _ in range(4)]
+        for t in threads:
+            t.start()
+        try:
+            _until(lambda: len(answered) >= 200)
+            plane.engine.unwatch_all()
+            time.sleep(0.05)  # (a call the thread took before it stopped watching is answered)
+            taken = plane.plane_lookups
+            time.sleep(0.5)
+            assert plane.plane_lookups == taken, "the plane took a slot after it stopped watching"
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(10)
+
+
 def _stamps(cache, keys: list[bytes]) -> np.ndarray:
     """The LRU stamps of the pages of ``keys`` (all stored) in their one part of ``cache``."""
     from kvserver.store.keys import as_keys

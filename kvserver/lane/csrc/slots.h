@@ -58,15 +58,15 @@ static void unpend(Engine *e, Lane *l) {
 /* One turn of the pending lanes, each given LANE_QUANTUM more credit (up to LANE_QUANTUM) and,
  * while it has any, its next SUBMITTED slot taken, for that call's cost (its request's bytes and
  * CALL_COST): deficit round robin, in request bytes. A lane with nothing submitted is pending no
- * longer (its debt kept). The thread reads its doorbells and runs a piece of the copies between
+ * longer; one owing credit stays pending until it is served. The thread reads its doorbells and runs a piece of the copies between
  * two turns. So a lane of small calls (a Load or Get of a few pages: tens of bytes) is served every
  * turn, and one of large calls (a Lookup of 1024 keys: 16 KiB) one turn in sixteen: a peer that
  * keeps every slot of many lanes full of those delays another lane's call by about one of its
  * calls, not one of each lane, nor all of their slots; alone, it is served at once (a turn that
  * took nothing for want of credit gives every pending lane the turns' credit it lacked at once).
  * A turn starts at the lane after where the last one started, and a waiting command cuts it at
- * the next lane, the next turn starting there: no lane waits on the others' order, nor on commands
- * in a row. Returns how many it took. */
+ * the next lane once it has taken a slot, the next turn starting there: no lane waits on the
+ * others' order, nor on commands in a row. Returns how many it took. */
 static int lanes_turn(Engine *e) {
     Lane *start = e->turn_at ? e->turn_at : e->lanes, *l = start;
     int took = 0, owing = 0;
@@ -75,7 +75,8 @@ static int lanes_turn(Engine *e) {
         return 0;
     do {
         if (l->pending) {
-            if (cmd_waiting(e)) { /* the loop waits for its command: the rest after it */
+            if (took && cmd_waiting(e)) { /* the loop waits for its command: the rest after it (a turn
+                                             * takes one slot first, so commands in a row stall none) */
                 e->turn_at = l;
                 __atomic_add_fetch(&e->cmd_cuts, 1, __ATOMIC_RELAXED);
                 return took;

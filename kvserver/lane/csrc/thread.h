@@ -66,9 +66,12 @@ static void command(Engine *e) {
                 j->released = 1; /* ends at its next layer boundary: Python waits for inflight 0 */
     } else if (cmd == CMD_PAUSE || cmd == CMD_RESUME) {
         e->paused = cmd == CMD_PAUSE;
-    } else if (cmd == CMD_UNWATCH_ALL) {
-        for (Lane *l = e->lanes; l; l = l->next)
+    } else if (cmd == CMD_UNWATCH_ALL) { /* nothing more taken: pending lanes too */
+        for (Lane *l = e->lanes; l; l = l->next) {
             unwatch(e, l);
+            unpend(e, l);
+        }
+        e->turn_at = NULL;
     }
     pthread_mutex_lock(&e->cmd_mu);
     e->cmd = CMD_NONE;
@@ -116,8 +119,9 @@ static void *engine_main(void *arg) {
     int64_t spin_until = 0;
     for (;;) {
         /* Held (tests), jobs still meet their deadlines: looked at every millisecond. Lanes still
-         * pending (a turn took a slot of theirs, or was cut for a command): taken at once. */
-        int timeout = e->jobs || e->npending ? (e->paused ? 1 : 0) : -1;
+         * pending (a turn took a slot of theirs, or was cut for a command): their next turn at
+         * once, but for a thread awake, which looks at every lane as it spins anyway. */
+        int timeout = e->jobs || (e->npending && !e->awake) ? (e->paused && !e->npending ? 1 : 0) : -1;
         int spinning = timeout < 0 && spin_until && now_ns() < spin_until;
         /* While the thread spins it says so in every ring, and clients skip the doorbell: it
          * finds their slots by looking. Before it sleeps or copies (between pieces it reads the
@@ -136,6 +140,8 @@ static void *engine_main(void *arg) {
                 }
             }
         }
+        if (!looking && e->npending) /* (awake no longer, or never: the turn without a wait) */
+            timeout = 0;
         /* Before a sleep (not a look, nor a held copy's 1 ms wait) the lanes' plane words say
          * so, and a client rings ahead of its next call (docs/lane.md, "Ringing ahead"). */
         int sleeps = !spinning && timeout < 0 && !cmd_waiting(e);
