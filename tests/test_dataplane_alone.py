@@ -20,7 +20,7 @@ import pytest
 import torch
 from checks import wait_until
 from test_dataplane import DTYPE, LAYERS, LAYOUT, PAGE, START, TOKENS, _client, _fill
-from test_dataplane_cache import PAGES, _keys, _pages_of
+from test_dataplane_cache import PAGES, _keys, _pages_of, _zero
 from test_lane_doorbells import pending
 
 from kvclient import KVClient, KVClientError, ShmKVPool
@@ -30,12 +30,6 @@ from kvserver.store.pages import WRITING
 @pytest.fixture(autouse=True)
 def _gets_on_the_loop(monkeypatch) -> None:
     monkeypatch.setattr("kvserver.lane.plane.GETS", False)
-
-
-def _zero(pool: ShmKVPool) -> None:
-    for layer in pool.buffers:
-        for buf in layer:
-            buf.zero_()
 
 
 def _readers(d) -> tuple[int, int]:

@@ -46,25 +46,34 @@ def _pages_of(pool: ShmKVPool, pages: torch.Tensor) -> list[torch.Tensor]:
     return [buf.view(torch.int16)[tokens].clone() for layer in pool.buffers for buf in layer]
 
 
+def _zero(pool: ShmKVPool) -> None:
+    for layer in pool.buffers:
+        for buf in layer:
+            buf.zero_()
+
+
+def _put_then_get(c: KVClient, pool: ShmKVPool, tag: str, src: torch.Tensor, dst: torch.Tensor) -> list:
+    """Stores device pages ``src`` under ``tag``'s keys, wipes the pool, and loads them into ``dst``:
+    bit exact. Returns what ``src`` held (``_pages_of``)."""
+    want = _pages_of(pool, src)
+    assert c.put(_keys(tag), src).stored == PAGES
+    _zero(pool)
+    handle = c.get(_keys(tag), dst)
+    assert handle.pages(timeout=10) == PAGES and handle.wait(timeout=10) > 0
+    assert all(torch.equal(x, y) for x, y in zip(_pages_of(pool, dst), want, strict=True))
+    return want
+
+
 def test_a_put_and_a_get_are_copied_on_the_plane_bit_exact(plane_daemon) -> None:
     d = plane_daemon
     plane = d.core.plane
     with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c:
         _fill(pool, 21)
         src, dst = torch.randperm(PAGES), torch.arange(PAGES, 2 * PAGES)
-        want = _pages_of(pool, src)
         copies = plane.copies + plane.plane_gets  # (a Get after the first is the plane's own)
-        assert c.put(_keys("a"), src).stored == PAGES
-        for layer in pool.buffers:
-            for buf in layer:
-                buf.zero_()
-        handle = c.get(_keys("a"), dst)
-        assert handle.pages(timeout=10) == PAGES and handle.wait(timeout=10) > 0
-        assert all(torch.equal(x, y) for x, y in zip(_pages_of(pool, dst), want, strict=True))
+        want = _put_then_get(c, pool, "a", src, dst)
         # Some layers (384 KiB: still not copied inline): those asked for land, the others are left alone.
-        for layer in pool.buffers:
-            for buf in layer:
-                buf.zero_()
+        _zero(pool)
         handle = c.get(_keys("a"), dst, layers=[START, START + 1, START + 3])
         assert handle.wait(timeout=10) > 0 and handle.landed(START + 3)
         got = _pages_of(pool, dst)
@@ -96,16 +105,8 @@ def test_a_pool_with_room_between_its_tokens_is_copied_on_the_plane_from_its_pag
         assert d.run(lambda: d.core.client(c.client_id).gate) is not None, "the plane does not serve it"
         _fill(pool, 41)
         src = torch.cat([torch.arange(8, 16), torch.arange(8), torch.arange(16, PAGES).flip(0)])
-        dst = torch.arange(PAGES, 2 * PAGES)
-        want = _pages_of(pool, src)
         copies, gets = plane.copies, plane.plane_gets
-        assert c.put(_keys("pad"), src).stored == PAGES
-        for layer in pool.buffers:
-            for buf in layer:
-                buf.zero_()
-        handle = c.get(_keys("pad"), dst)
-        assert handle.pages(timeout=10) == PAGES and handle.wait(timeout=10) > 0
-        assert all(torch.equal(x, y) for x, y in zip(_pages_of(pool, dst), want, strict=True))
+        _put_then_get(c, pool, "pad", src, torch.arange(PAGES, 2 * PAGES))
         assert plane.copies - copies == 1, "the Put's copy was not the loop's on the plane"
         assert plane.copies + plane.plane_gets - copies - gets == 2, "the Get did not run on the plane"
         rows = np.frombuffer(pool._shm.mm, np.uint8).reshape(-1, pool.token_stride).copy()
@@ -185,9 +186,7 @@ def test_a_load_behind_a_put_on_the_plane_waits_for_it(plane_daemon) -> None:
         putter.join(30)
         assert result["put"].stored == PAGES and handle.wait(timeout=30) > 0
         assert all(torch.equal(x, y) for x, y in zip(_pages_of(pool, p), loaded, strict=True))
-        for layer in pool.buffers:
-            for buf in layer:
-                buf.zero_()
+        _zero(pool)
         assert c.get(_keys("p"), p).wait(timeout=10) > 0
         assert all(torch.equal(x, y) for x, y in zip(_pages_of(pool, p), before, strict=True))
 
