@@ -58,8 +58,8 @@ static void unpend(Engine *e, Lane *l) {
 /* One turn of the pending lanes, each given LANE_QUANTUM more credit (up to LANE_QUANTUM) and,
  * while it has any, its next SUBMITTED slot taken, for that call's cost (its request's bytes and
  * CALL_COST): deficit round robin, in request bytes. A lane with nothing submitted is pending no
- * longer; one owing credit stays pending until it is served. The thread reads its doorbells and runs a piece of the copies between
- * two turns. So a lane of small calls (a Load or Get of a few pages: tens of bytes) is served every
+ * longer; one owing credit stays pending until it is served. The thread reads its doorbells and
+ * runs a piece of the copies between two turns. So a lane of small calls (a Load or Get of a few pages: tens of bytes) is served every
  * turn, and one of large calls (a Lookup of 1024 keys: 16 KiB) one turn in sixteen: a peer that
  * keeps every slot of many lanes full of those delays another lane's call by about one of its
  * calls, not one of each lane, nor all of their slots; alone, it is served at once (a turn that
