@@ -462,6 +462,31 @@ def test_a_lookup_the_plane_answers_leaves_the_loop_nothing_to_settle(plane_daem
         assert sum(s.counters.misses for s in spaces) - misses == 2
 
 
+def test_a_lane_owing_its_turns_credit_is_served_without_a_nap(daemon_factory) -> None:
+    """A Lookup of 128 keys costs a lane more than a turn's credit, so the turn after it takes
+    nothing of that lane, which stays pending. The thread then runs its next turn at once: it naps
+    only for CUDA jobs waiting on the GPU, and this daemon has none. (It napped 1 ms there, until a
+    doorbell: the engine's next call, already rung, waited for the nap; every other one of these
+    Lookups took over a millisecond instead of tens of microseconds.) The plane never spins here,
+    so every call rings and finds the thread asleep."""
+    d = daemon_factory(plane_spin=0)
+    if d.core.plane is None:
+        pytest.skip("the compiled data plane is not built (or KVSERVER_DATA_PLANE=python)")
+    engine = d.core.plane.engine
+    keys = [f"owing-{i}".encode().ljust(16, b".") for i in range(128)]
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c:
+        assert c.put(keys[:PAGES], torch.arange(PAGES)).stored == PAGES
+        assert c.lookup(keys[:1]).pages == 1  # the first is the loop's: it gives the gate its part
+        lookups, naps, took = d.core.plane.plane_lookups, engine.naps, []
+        for _ in range(40):
+            t = time.perf_counter()
+            assert c.lookup(keys).pages == PAGES
+            took.append(time.perf_counter() - t)
+        assert d.core.plane.plane_lookups == lookups + 40, "the Lookups were not the plane's"
+        assert engine.naps == naps, f"the thread napped {engine.naps - naps} times with no CUDA job"
+        assert sorted(took)[20] < 0.5e-3 or sum(t > 1e-3 for t in took) < 10, took
+
+
 def test_a_lane_kept_busy_is_taken_no_more_once_the_plane_watches_no_lane(plane_daemon) -> None:
     """At shutdown the plane takes nothing new (``unwatch_all``, the drain's first step): not even
     the slots of a lane its engine keeps full, which was pending in the thread's turns then."""

@@ -267,10 +267,12 @@ static void cuda_forget(Engine *e, Job *j) {
 }
 
 /* How long the thread may nap before it looks at the CUDA jobs' events again: 0 while any job
- * has CPU work (or no CUDA job waits), or soon after the last progress; then a growing part of the
+ * has CPU work (or no job at all), or soon after the last progress; then a growing part of the
  * time since, up to CU_NAP_MAX_NS, as the loop's waits on the GPU do (media/cuda/waits.py). */
 static int64_t cuda_nap_ns(Engine *e) {
     int any = 0;
+    if (!e->jobs)
+        return 0;
     for (Job *j = e->jobs; j; j = j->next) {
         if (!j->cuda)
             return 0;

@@ -320,6 +320,10 @@ static PyObject *engine_get_command_cuts(Engine *e, void *unused) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->cmd_cuts, __ATOMIC_RELAXED));
 }
 
+static PyObject *engine_get_naps(Engine *e, void *unused) {
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->naps, __ATOMIC_RELAXED));
+}
+
 static PyObject *engine_get_handed(Engine *e, void *unused) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->handed, __ATOMIC_RELAXED));
 }

@@ -156,6 +156,7 @@ static PyGetSetDef engine_getset[] = {
     {"served", (getter)engine_get_served, NULL, NULL, NULL},
     {"handed", (getter)engine_get_handed, NULL, NULL, NULL},
     {"command_cuts", (getter)engine_get_command_cuts, NULL, NULL, NULL},
+    {"naps", (getter)engine_get_naps, NULL, NULL, NULL},
     {"ends_waiting", (getter)engine_get_ends_waiting, NULL, NULL, NULL},
     {"plane_gets", (getter)engine_get_plane_gets, NULL, NULL, NULL},
     {"plane_lookups", (getter)engine_get_plane_lookups, NULL, NULL, NULL},

@@ -291,6 +291,7 @@ typedef struct {
     int npending;   /* lanes pending (Lane.pending) */
     Lane *turn_at;  /* where the next turn starts (NULL: the first lane; remove_lane moves it on) */
     uint64_t cmd_cuts; /* turns cut short for a command (the tests') */
+    uint64_t naps;     /* naps taken for CUDA jobs waiting on the GPU (the tests') */
     /* handoffs to Python */
     pthread_mutex_t hand_mu;
     Handoff *hand;

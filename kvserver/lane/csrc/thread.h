@@ -147,10 +147,13 @@ static void *engine_main(void *arg) {
         int sleeps = !spinning && timeout < 0 && !cmd_waiting(e);
         if (sleeps)
             set_plane(e, PLANE_ASLEEP);
-        /* Only CUDA jobs, waiting on the GPU: a nap (finer than epoll's milliseconds), woken early
-         * by a doorbell or a command, before their events are looked at again. */
-        int64_t nap = timeout == 0 ? cuda_nap_ns(e) : 0;
+        /* Only CUDA jobs, waiting on the GPU, and no lane pending: a nap (finer than epoll's
+         * milliseconds), woken early by a doorbell or a command, before their events are looked
+         * at again. A pending lane's turn is not put off: its client rang already (or never will:
+         * the thread was awake), and no doorbell would end the nap for it. */
+        int64_t nap = timeout == 0 && !e->npending ? cuda_nap_ns(e) : 0;
         if (nap > 0) {
+            __atomic_add_fetch(&e->naps, 1, __ATOMIC_RELAXED);
             struct pollfd p = {.fd = e->epfd, .events = POLLIN};
             struct timespec ts = {.tv_sec = nap / 1000000000LL, .tv_nsec = nap % 1000000000LL};
             (void)ppoll(&p, 1, &ts, NULL);
