@@ -49,6 +49,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from daemon_proc import DaemonProcess  # noqa: E402
 
 from kvclient import KVClient, KVClientError, KVLayout, ShmKVPool  # noqa: E402
+from kvclient._transport import lane  # noqa: E402
 from kvclient._transport.fd_socket import fd_socket_path  # noqa: E402
 from kvserver.protocol import ring as R  # noqa: E402
 from kvserver.protocol.fd_socket import FDS_PER_MESSAGE, TicketRefused, request_ticket  # noqa: E402
@@ -290,14 +291,16 @@ def _p99_bucket(before: dict[float, float], after: dict[float, float]) -> tuple[
     return next(le for le, c in counts.items() if c >= 0.99 * total), int(total)
 
 
-def _loads(c: KVClient, host, device, seconds: float) -> np.ndarray:
-    times = []
+def _loads(c: KVClient, host, device, seconds: float) -> tuple[np.ndarray, int]:
+    """The victim's Loads for ``seconds``: each one's time, and the spins of its waits that found the
+    CPU shared meanwhile (``kvclient._transport.lane.crowded``)."""
+    times, shared = [], lane.crowded()[2]
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         t = time.perf_counter()
         c.load(host_indices=host, device_indices=device).wait(timeout=60)
         times.append(time.perf_counter() - t)
-    return np.array(times)
+    return np.array(times), lane.crowded()[2] - shared
 
 
 def _free_port() -> int:
@@ -327,14 +330,14 @@ def main() -> None:
                 victim.write(host_indices=host, device_indices=device)
                 _loads(victim, host, device, 1.0)  # warm
                 lag0 = _lag_buckets(port)
-                idle = _loads(victim, host, device, args.seconds)
+                idle, idle_shared = _loads(victim, host, device, args.seconds)
                 lag1 = _lag_buckets(port)
                 spin_stop = ctx.Event()
                 spinners = [ctx.Process(target=_spin, args=(spin_stop,)) for _ in attacks]
                 for p in spinners:
                     p.start()
                 time.sleep(1.0)
-                busy = _loads(victim, host, device, args.seconds)
+                busy, busy_shared = _loads(victim, host, device, args.seconds)
                 spin_stop.set()
                 for p in spinners:
                     p.join(timeout=60)
@@ -351,7 +354,7 @@ def main() -> None:
                         served[name] = (n, err)
                 time.sleep(1.0)
                 lag2 = _lag_buckets(port)
-                hostile = _loads(victim, host, device, args.seconds)
+                hostile, hostile_shared = _loads(victim, host, device, args.seconds)
                 lag3 = _lag_buckets(port)
                 stop.set()
                 while len(served) < len(procs):
@@ -374,6 +377,8 @@ def main() -> None:
     print(f"  hostile: {len(hostile)} Loads, p50 {h50:.2f} ms, p99 {h99:.2f} ms; "
           f"loop lag p99 <= {hostile_lag * 1e3:g} ms ({hostile_n} ticks)")
     print(f"  victim p99 ratio hostile / idle: {h99 / i99:.2f}; hostile / cpu: {h99 / b99:.2f}")
+    print(f"  the victim's spins that found the CPU shared (idle, cpu, hostile): {idle_shared}, "
+          f"{busy_shared}, {hostile_shared}")
     for name, (n, err) in served.items():
         print(f"  {name}: {n} rounds" + (f" (stopped: {err})" if err else ""))
 

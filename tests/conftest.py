@@ -104,6 +104,21 @@ def daemon_factory(socket_dir: str):
         d.stop()
 
 
+@pytest.fixture
+def spins_kept() -> Iterator[None]:
+    """Lane waits spin as long as they are told, however busy the CPUs (the process's crowded
+    window off: docs/lane.md, "Waiting"), for a test of how a waiter spins, rings or is rung; the
+    window given back after."""
+    from kvclient._transport import lane
+
+    window = lane.crowded()[0]
+    lane.crowded(0)
+    try:
+        yield
+    finally:
+        lane.crowded(window)
+
+
 @pytest.fixture(scope="module")
 def default_socket_lock() -> Iterator[None]:
     """Held by a test module that runs daemons on the node's default socket and TCP port (the

@@ -22,6 +22,7 @@ def _run(attacks: list[str]) -> dict[str, str]:
     assert run.returncode == 0, run.stdout + run.stderr
     assert len(re.findall(r"p99 [\d.]+ ms; loop lag p99 <= [\d.]+ ms", run.stdout)) == 2, run.stdout
     assert "victim p99 ratio hostile / idle" in run.stdout, run.stdout
+    assert re.search(r"found the CPU shared \(idle, cpu, hostile\): \d+, \d+, \d+\n", run.stdout), run.stdout
     rounds = dict(re.findall(r"  ([a-zA-Z ]+): (-?\d+) rounds", run.stdout))
     assert set(rounds) == set(attacks), run.stdout
     assert all(int(n) >= 0 for n in rounds.values()), run.stdout  # none stopped on an error

@@ -22,6 +22,8 @@ from kvclient.core import ClientCore
 from kvserver.protocol import ring as R
 
 wire = pytest.importorskip("kvserver.protocol._wire", reason="the compiled client calls are not built")
+# How a waiter spins, rings and is rung, whatever else the CPUs run meanwhile.
+pytestmark = pytest.mark.usefixtures("spins_kept")
 
 WRITE_B = R.RPC_IDS["WriteB"]
 

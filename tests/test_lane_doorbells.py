@@ -23,6 +23,8 @@ from kvserver.protocol import lane_request
 from kvserver.protocol import ring as R
 
 wire = pytest.importorskip("kvserver.protocol._wire", reason="the compiled client calls are not built")
+# How a waiter spins, rings and is rung, whatever else the CPUs run meanwhile.
+pytestmark = pytest.mark.usefixtures("spins_kept")
 
 LAYERS, PAGE, TOKENS = 2, 16, 256
 LAYOUT, DTYPE = KVLayout.mha(2, 32), torch.bfloat16

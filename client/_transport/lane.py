@@ -25,6 +25,7 @@ import logging
 import math
 import mmap
 import os
+import resource
 import select
 import socket
 import struct
@@ -75,6 +76,70 @@ LOOP_GETS_TO_SLEEP = 2
 # 0 turns napping off.
 NAP_LEAD_SECONDS = _spin_seconds("KVCLIENT_LANE_NAP_LEAD_US", 100)
 NAP_MIN_SECONDS = 300e-6
+# Spins that find the CPU shared (a look more than CROWDED_GAP_SECONDS after the last, another
+# thread having run on the waiter's CPU meanwhile: the yield between them let it): such a spin
+# ends, and CROWDED_STRIKES of them, each within CROWDED_STRIKE_GAP_SECONDS of the last, make this
+# process's waits sleep at once instead of spinning for the crowded window (docs/lane.md,
+# "Waiting"): on a machine with more runnable threads than cores, a spinning waiter takes the CPU
+# from the threads that would answer it, and its answer waits for its next turn on the CPU.
+# KVCLIENT_LANE_CROWDED_MS sets the window; 0 turns this off.
+CROWDED_GAP_SECONDS = 50e-6
+CROWDED_STRIKES = 3
+CROWDED_STRIKE_GAP_SECONDS = 0.05
+
+
+def _crowded_window() -> float:
+    text = os.environ.get("KVCLIENT_LANE_CROWDED_MS", "1000")
+    try:
+        ms = float(text)
+    except ValueError:
+        ms = -1.0
+    if not 0 <= ms <= 60_000:
+        logger.warning("KVCLIENT_LANE_CROWDED_MS=%r is not a number of milliseconds in [0, 60000]; "
+                       "using 1000", text)
+        ms = 1000.0
+    return ms / 1e3
+
+
+def _switches() -> int:
+    """This thread's involuntary context switches so far (a yield that let another thread run
+    counts as one)."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
+
+
+class _Crowded:
+    """The Python waits' crowded window (the compiled waits keep their own: ``_wire.crowded``)."""
+
+    window = _crowded_window()
+    until = 0.0
+    last = -math.inf  # the last spin that found the CPU shared
+    strikes = 0
+    noticed = 0
+
+    @classmethod
+    def note(cls, now: float) -> None:
+        cls.strikes = cls.strikes + 1 if now - cls.last <= CROWDED_STRIKE_GAP_SECONDS else 1
+        cls.last = now
+        cls.noticed += 1
+        if cls.strikes >= CROWDED_STRIKES:
+            cls.until, cls.strikes = now + cls.window, 0
+
+
+if _wire is not None:
+    _wire.crowded(_Crowded.window)
+
+
+def crowded(window: float | None = None) -> tuple[float, float, int]:
+    """(window, seconds left of the current time without spins, spins that found the CPU shared so
+    far) of this process's lane waits; ``window`` (seconds, 0: spins are never cut short) is set
+    first, and the current time without spins ends."""
+    if window is not None:
+        if not 0 <= window <= 3600:
+            raise ValueError("a crowded window of 0 to 3600 seconds")
+        _Crowded.window, _Crowded.until, _Crowded.strikes = window, 0.0, 0
+    if _wire is not None:
+        return _wire.crowded() if window is None else _wire.crowded(window)
+    return _Crowded.window, max(0.0, _Crowded.until - time.monotonic()), _Crowded.noticed
 PACE_WRITES = 8  # the answers a lane's write pace is the least of
 _COUNTS = struct.Struct("<III")  # a binary request's n_pages, n_dev, n_layers (lane_request.HEADER at 12)
 # _CLOSED: the daemon closed its end (it is gone, or released the registration: its jobs are
@@ -414,12 +479,21 @@ class ClientLane:
         def ready() -> bool:
             return self._state(i) == R.DONE or (step >= 0 and self._progress(i)[6] != step)
 
-        if spin:
-            until = min(deadline, time.monotonic() + spin)
-            while time.monotonic() < until:
+        now = time.monotonic()
+        if spin and now >= _Crowded.until:
+            until, last = min(deadline, now + spin), now
+            switched = _switches() if _Crowded.window else 0
+            while True:
                 if ready():
                     return _OPEN
+                now = time.monotonic()
+                if now - last > CROWDED_GAP_SECONDS and _Crowded.window and _switches() > switched:
+                    _Crowded.note(now)  # another thread had this one's CPU
+                    break
+                if now >= until:
+                    break
                 os.sched_yield()  # whatever else is runnable on this CPU goes first
+                last = now
         sock = self._done[i]
         # Closed without wake (the registration was lost), the call still runs to the daemon's
         # answer: only the socket's end says the daemon is gone.

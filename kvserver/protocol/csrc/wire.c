@@ -18,7 +18,8 @@
  *   daemon closed its end, or this client shut it), 2 (deadline passed). Ready: the slot is DONE
  *   or, with step >= 0, its step word is not step. With the GIL released, it sleeps on fd until
  *   nap (a time on time.monotonic()'s clock; 0: no nap) unless rung or ready first, then looks at
- *   the slot's words for up to spin seconds (yielding the CPU between looks), then polls fd, the
+ *   the slot's words for up to spin seconds (yielding the CPU between looks; not while the crowded
+ *   window below runs, and no longer once another thread had the CPU meanwhile), then polls fd, the
  *   slot's done doorbell, until deadline, draining it on each wake; the slot's waiting word says
  *   it sleeps meanwhile (a quiet ring's daemon rings only then). A signal runs its Python
  *   handler; an exception there is raised.
@@ -33,6 +34,8 @@
  *   the plane's) and slept 1 if the caller was asleep when the answer came (found on waking from
  *   the doorbell or the nap's timer, not while looking), else wait()'s 1 or 2. One call, so that a
  *   Write or Lookup on a cold cache runs a few Python frames fewer on the engine's thread.
+ * crowded([window]) -> (window, left, noticed): the crowded window, in which this process's waits
+ *   do not spin (below, "Spins that find the CPU shared").
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -42,6 +45,7 @@
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
 
@@ -246,6 +250,68 @@ static double monotonic(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* Spins that find the CPU shared (docs/lane.md, "Waiting"): a look that comes more than
+ * CROWDED_GAP seconds after the last, another thread having run on this one's CPU meanwhile (the
+ * yield between them handed it over, or the scheduler took it), ends the spin; CROWDED_STRIKES of
+ * them, each within CROWDED_STRIKE_GAP of the last, and for the crowded window (crowded(): 1 s by
+ * default, KVCLIENT_LANE_CROWDED_MS) this process's waits sleep at once instead of spinning:
+ * spinning then takes the CPU from the threads that would answer the call (the daemon's data plane
+ * among them) and from the engine's own, and a spinning waiter's answer waits for its next turn
+ * on the CPU, where a sleeper woken by its doorbell runs at once. One such spin alone (a thread
+ * that woke for a moment beside an idle engine) changes nothing. The first spin after the window
+ * finds out whether the CPU is still shared. */
+#define CROWDED_GAP 50e-6
+#define CROWDED_STRIKES 3
+#define CROWDED_STRIKE_GAP_NS 50000000LL
+static int64_t crowded_window_ns = 1000000000LL; /* 0: spins are never cut short */
+static int64_t crowded_until_ns;                 /* CLOCK_MONOTONIC; every thread's waits read it */
+static int64_t crowded_last_ns;                  /* the last spin that found the CPU shared */
+static int crowded_strikes;                      /* such spins in a row, each soon after the last */
+static uint64_t crowded_noticed;                 /* such spins, since the module was loaded */
+
+static int64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* This thread's involuntary context switches so far (a yield that let another thread run counts
+ * as one); -1 if the count cannot be read. */
+static long switches(void) {
+    struct rusage ru;
+    return getrusage(RUSAGE_THREAD, &ru) == 0 ? ru.ru_nivcsw : -1;
+}
+
+/* Whether a look that came late found the CPU shared: crowded windows are on, and another thread
+ * ran on this one's CPU since `before` (switches()): not an interrupt's or the hypervisor's time,
+ * which sleeping would not give back. */
+static int shared_cpu(long before) {
+    if (!__atomic_load_n(&crowded_window_ns, __ATOMIC_RELAXED) || before < 0)
+        return 0;
+    return switches() > before;
+}
+
+static int crowded_now(void) {
+    return mono_ns() < __atomic_load_n(&crowded_until_ns, __ATOMIC_RELAXED);
+}
+
+/* A spin found the CPU shared. (Threads racing here at once may count one strike too few or
+ * too many: the window then starts a spin sooner or later.) */
+static void note_crowded(void) {
+    int64_t now = mono_ns(), window = __atomic_load_n(&crowded_window_ns, __ATOMIC_RELAXED);
+    int64_t last = __atomic_exchange_n(&crowded_last_ns, now, __ATOMIC_RELAXED);
+    int strikes = 1;
+    if (now - last <= CROWDED_STRIKE_GAP_NS)
+        strikes = __atomic_add_fetch(&crowded_strikes, 1, __ATOMIC_RELAXED);
+    else
+        __atomic_store_n(&crowded_strikes, 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&crowded_noticed, 1, __ATOMIC_RELAXED);
+    if (window > 0 && strikes >= CROWDED_STRIKES) {
+        __atomic_store_n(&crowded_until_ns, now + window, __ATOMIC_RELAXED);
+        __atomic_store_n(&crowded_strikes, 0, __ATOMIC_RELAXED);
+    }
+}
+
 static inline int slot_ready(const char *s, long long step) {
     if (acquire32(s) == ST_DONE)
         return 1;
@@ -319,9 +385,10 @@ static int wait_for(char *s, int fd, long long step, double spin, double deadlin
     }
     if (got < 0)
         woke = 0; /* napped (or no nap): what follows first looks */
-    if (got < 0 && spin > 0) {
+    if (got < 0 && spin > 0 && !crowded_now()) {
         Py_BEGIN_ALLOW_THREADS
-        double until = monotonic() + spin;
+        long switched = __atomic_load_n(&crowded_window_ns, __ATOMIC_RELAXED) ? switches() : -1;
+        double t = monotonic(), last = t, until = t + spin;
         if (until > deadline)
             until = deadline;
         for (;;) {
@@ -329,9 +396,15 @@ static int wait_for(char *s, int fd, long long step, double spin, double deadlin
                 got = 0;
                 break;
             }
-            if (monotonic() >= until)
+            t = monotonic();
+            if (t - last > CROWDED_GAP && shared_cpu(switched)) {
+                note_crowded();
+                break;
+            }
+            if (t >= until)
                 break;
             sched_yield(); /* whatever else is runnable on this CPU goes first */
+            last = t;
         }
         Py_END_ALLOW_THREADS
     }
@@ -458,7 +531,31 @@ static PyObject *call(PyObject *self, PyObject *args) {
     return PyLong_FromLong(got);
 }
 
+/* crowded([window]) -> (window, left, noticed): the seconds CROWDED_STRIKES spins that found the
+ * CPU shared keep this process's waits from spinning (0: spins are never cut short), the seconds
+ * left of the current such time, and the spins that found the CPU shared so far. With window (0
+ * to 3600), it is set first, and the current time without spins ends, its strikes forgotten. */
+static PyObject *crowded(PyObject *self, PyObject *args) {
+    double window = -1;
+    if (!PyArg_ParseTuple(args, "|d", &window))
+        return NULL;
+    if (PyTuple_GET_SIZE(args)) {
+        if (!(window >= 0 && window <= 3600)) {
+            PyErr_SetString(PyExc_ValueError, "a crowded window of 0 to 3600 seconds");
+            return NULL;
+        }
+        __atomic_store_n(&crowded_window_ns, (int64_t)(window * 1e9), __ATOMIC_RELAXED);
+        __atomic_store_n(&crowded_until_ns, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&crowded_strikes, 0, __ATOMIC_RELAXED);
+    }
+    int64_t left = __atomic_load_n(&crowded_until_ns, __ATOMIC_RELAXED) - mono_ns();
+    return Py_BuildValue("(ddK)", (double)__atomic_load_n(&crowded_window_ns, __ATOMIC_RELAXED) * 1e-9,
+                         left > 0 ? (double)left * 1e-9 : 0.0,
+                         (unsigned long long)__atomic_load_n(&crowded_noticed, __ATOMIC_RELAXED));
+}
+
 static PyMethodDef methods[] = {
+    {"crowded", crowded, METH_VARARGS, NULL},
     {"pack", pack, METH_VARARGS, NULL},
     {"submit", submit, METH_VARARGS, NULL},
     {"nudge", nudge, METH_VARARGS, NULL},
