@@ -568,8 +568,9 @@ class KVCache:
         commits a Put's pages; ``present`` of its keys were stored already. The index's buckets
         then split for the keys the plane filed (``KeyIndex.fit``). Only the holds and the split
         take the cache's lock: the rest changes what the plane never reads (stamps, counters, the
-        listeners' state), and nothing evicts the pages while they are held; so the plane's next
-        call, which comes about now, seldom waits on it."""
+        listeners' state; a Lookup the plane walks writes stamps too, by the same atomic
+        ``kv_touch``), and nothing evicts the pages while they are held; so the plane's next call,
+        which comes about now, seldom waits on it."""
         space = self._live(part.space)
         tenant = self.tenants.get(space.key.tenant)
         n, page_bytes = len(ids), part.key.page_bytes
@@ -765,7 +766,8 @@ class KVCache:
         (none where it is unknown). A Lookup holds nothing: a page evicted since its walk is not
         touched (nor one that took its id meanwhile). Without the cache's lock: it changes only
         the pages' and slabs' stamps and the counters, which the plane's walk never reads (the
-        loop, the only other reader, runs this itself), so the plane's next call, which comes
+        loop, the only other reader, runs this itself; an engine's Lookup the plane walks writes
+        the stamps too, by the same atomic ``kv_touch``), so the plane's next call, which comes
         about now, does not wait on it."""
         p = self.pages
         for gid, ids in walked:
