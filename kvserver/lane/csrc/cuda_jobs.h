@@ -124,9 +124,15 @@ static void cuda_issue(Engine *e, Job *j) {
             for (int64_t k = 0; !rc && k < j->nruns; k++) {
                 const Run *r = &j->runs[k];
                 uint64_t h = host + (uint64_t)r->host_off, d = dev + (uint64_t)(r->dev_tok * stride);
-                enqueued = 1;
-                rc = j->load ? cu->memcpy_async(d, h, (size_t)(r->ntok * tb), st)
-                             : cu->memcpy_async(h, d, (size_t)(r->ntok * tb), st);
+                /* A run is one block where the pool's tokens lie back to back; else (the plane
+                 * joins no such run for a CUDA job today: make_job) a copy a token, as copy_runs. */
+                int64_t pieces = stride == tb ? 1 : r->ntok, bytes = stride == tb ? r->ntok * tb : tb;
+                for (int64_t t = 0; !rc && t < pieces; t++) {
+                    uint64_t ht = h + (uint64_t)(t * tb), dt = d + (uint64_t)(t * stride);
+                    enqueued = 1;
+                    rc = j->load ? cu->memcpy_async(dt, ht, (size_t)bytes, st)
+                                 : cu->memcpy_async(ht, dt, (size_t)bytes, st);
+                }
             }
         }
         if (!rc && j->load)

@@ -226,11 +226,15 @@ static int take_turn(Gate *g, int64_t arrival) {
  * its arguments; its driver calls within the queue bounds; its ready event one the loop opened;
  * and the pool's GPU work not given up on. */
 static int cuda_takes(Engine *e, Gate *g, Job *j, const kv_request *r) {
-    int64_t copies = j->nruns * (int64_t)j->nl * g->parts;
+    int packed = g->dev_stride == g->token_bytes; /* else a run is a copy a token (cuda_issue) */
+    int64_t pieces = 0;
+    for (int64_t k = 0; k < j->nruns; k++)
+        pieces += packed ? 1 : j->runs[k].ntok;
+    int64_t copies = pieces * (int64_t)j->nl * g->parts;
     int dma = copies <= g->cu_max_copies;
     if (dma && copies > g->cu_small_copies)
         for (int64_t k = 0; k < j->nruns && dma; k++)
-            dma = j->runs[k].ntok * g->token_bytes >= g->cu_min_copy_bytes;
+            dma = (packed ? j->runs[k].ntok : 1) * g->token_bytes >= g->cu_min_copy_bytes;
     int64_t ops = (r->ready_len ? 1 : 0) + (j->load ? j->nl : 1); /* the wait, the records */
     if (dma) {
         ops += copies;

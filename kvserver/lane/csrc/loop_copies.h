@@ -110,7 +110,7 @@ static int64_t plan_runs(Run *runs, const int64_t *offs, const int64_t *toks, in
  * interval and at the end. Its end is posted back (take_completions) under ticket. False: the
  * gate is closed (nothing submitted). The arrays must outlive the copy: the caller keeps them
  * until its completion is taken.
- * paged=False: tokens holds one device page for every offset instead (its page_size tokens in
+ * paged=True: tokens holds one device page for every offset instead (its page_size tokens in
  * order), each inside the gate's whole pages.
  * now=False: an answering copy is copied and answered here, on the calling thread, before this
  * returns the status it answered (0 done; NOT_FOUND for a released client, DEADLINE_EXCEEDED past
