@@ -482,12 +482,12 @@ class ClientLane:
         now = time.monotonic()
         if spin and now >= _Crowded.until:
             until, last = min(deadline, now + spin), now
-            switched = _switches() if _Crowded.window else 0
+            switched = _switches() if _Crowded.window else -1
             while True:
                 if ready():
                     return _OPEN
                 now = time.monotonic()
-                if now - last > CROWDED_GAP_SECONDS and _Crowded.window and _switches() > switched:
+                if now - last > CROWDED_GAP_SECONDS and switched >= 0 and _switches() > switched:
                     _Crowded.note(now)  # another thread had this one's CPU
                     break
                 if now >= until:
