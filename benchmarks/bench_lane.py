@@ -341,9 +341,11 @@ def main() -> None:
     for name, value in rows:
         print(f"{name:<{width}}   {value}")
     plane_spin = os.environ.get("KVSERVER_PLANE_SPIN_US", "50")
+    window, _, shared = lane.crowded()
     print(f"(ring lane: {served} bulk calls answered on the ring; spins: the plane's {plane_spin} us, "
           f"the client's {lane.SPIN_SECONDS * 1e6:.0f} us ({lane.LOAD_SPIN_SECONDS * 1e6:.0f} us for a "
-          "load's layer); CPU between gRPC calls includes what each gRPC block left running)")
+          f"load's layer), of which {shared} found the CPU shared (three in a row: the waits sleep for "
+          f"{window:g} s); CPU between gRPC calls includes what each gRPC block left running)")
     print("\ntargets of the data plane (docs/performance.md; the bulk ratios against this script's "
           "baseline, copy_part per layer and part; the transfer suite's is the one-call copy_job):")
     for name, value, op, bound, unit in checks:

@@ -50,6 +50,8 @@ def test_bench_lane_prints_every_row_and_the_targets() -> None:
         "ring round trip p50, alone", "ring round trip p99, alone", "daemon CPU per round trip, alone",
         "engine CPU per round trip, alone", "16 MiB write vs in-process", "16 MiB load vs in-process"], out
     assert re.search(r"^\(ring lane: [1-9]\d* bulk calls answered on the ring", out, re.M), out
+    assert re.search(r", of which \d+ found the CPU shared \(three in a row: the waits sleep for 1 s\)",
+                     out), out
     assert re.search(rf"^ring lane Gets served whole on the data plane\s+{PLANE_GETS}$", out, re.M), out
 
 
