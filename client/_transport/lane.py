@@ -50,16 +50,22 @@ SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 # "Waiting"): a small call's answer usually comes sooner than a sleeping thread wakes up. A Load's
 # or Get's waiter looks longer: its layers come at the pace of the copy, one every few tens of
 # microseconds for a small load, and a waiter asleep between two pays a wake-up for each.
-def _spin_seconds(name: str, default: int) -> float:
+def _env_seconds(name: str, default: int, most: int, unit: str, per_second: float) -> float:
+    """Seconds from environment variable ``name``: a number of ``unit`` in [0, most] (``default``,
+    and a warning, if it is not one)."""
     text = os.environ.get(name, str(default))
     try:
-        us = float(text)
+        n = float(text)
     except ValueError:
-        us = -1.0
-    if not 0 <= us <= 10_000:
-        logger.warning("%s=%r is not a number of microseconds in [0, 10000]; using %d", name, text, default)
-        us = float(default)
-    return us / 1e6
+        n = -1.0
+    if not 0 <= n <= most:
+        logger.warning("%s=%r is not a number of %s in [0, %d]; using %d", name, text, unit, most, default)
+        n = float(default)
+    return n / per_second
+
+
+def _spin_seconds(name: str, default: int) -> float:
+    return _env_seconds(name, default, 10_000, "microseconds", 1e6)
 
 
 SPIN_SECONDS = _spin_seconds("KVCLIENT_LANE_SPIN_US", 30)
@@ -89,16 +95,7 @@ CROWDED_STRIKE_GAP_SECONDS = 0.05
 
 
 def _crowded_window() -> float:
-    text = os.environ.get("KVCLIENT_LANE_CROWDED_MS", "1000")
-    try:
-        ms = float(text)
-    except ValueError:
-        ms = -1.0
-    if not 0 <= ms <= 60_000:
-        logger.warning("KVCLIENT_LANE_CROWDED_MS=%r is not a number of milliseconds in [0, 60000]; "
-                       "using 1000", text)
-        ms = 1000.0
-    return ms / 1e3
+    return _env_seconds("KVCLIENT_LANE_CROWDED_MS", 1000, 60_000, "milliseconds", 1e3)
 
 
 def _switches() -> int:
