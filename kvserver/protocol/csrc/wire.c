@@ -244,11 +244,14 @@ static PyObject *word(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLong(__atomic_load_n((uint32_t *)(s + offset), __ATOMIC_ACQUIRE));
 }
 
-static double monotonic(void) {
+static int64_t mono_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
+
+/* time.monotonic()'s clock, in seconds. */
+static double monotonic(void) { return (double)mono_ns() * 1e-9; }
 
 /* Spins that find the CPU shared (docs/lane.md, "Waiting"): a look that comes more than
  * CROWDED_GAP seconds after the last, another thread having run on this one's CPU meanwhile (the
@@ -268,12 +271,6 @@ static int64_t crowded_until_ns;                 /* CLOCK_MONOTONIC; every threa
 static int64_t crowded_last_ns;                  /* the last spin that found the CPU shared */
 static int crowded_strikes;                      /* such spins in a row, each soon after the last */
 static uint64_t crowded_noticed;                 /* such spins, since the module was loaded */
-
-static int64_t mono_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
 
 /* This thread's involuntary context switches so far (a yield that let another thread run counts
  * as one); -1 if the count cannot be read. */
