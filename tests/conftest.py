@@ -72,6 +72,22 @@ def daemon(socket_dir: str) -> Iterator[DaemonThread]:
         d.stop()
 
 
+def pytest_configure(config) -> None:
+    """scripts/sanitize.sh: every process running tests (each xdist worker too) uses the sanitized
+    builds of the extensions, or the job would pass without its sanitizers."""
+    if not os.environ.get("KVSERVER_EXPECT_SANITIZED"):
+        return
+    from kvserver.protocol import compiled
+
+    for name in compiled.SOURCES:
+        module = compiled.extension(name)
+        if module is None:
+            raise pytest.UsageError(f"{name} would not be used")
+        with open(module.__file__, "rb") as f:
+            if b"__asan_" not in f.read():
+                raise pytest.UsageError(f"{module.__file__} is not built with ASan")
+
+
 # Spawned engine processes import their bodies from this folder.
 os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (os.path.dirname(__file__), os.environ.get("PYTHONPATH")) if p

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import grpc
 import numpy as np
@@ -293,9 +293,9 @@ def _pipe() -> int:
 
 
 def _disk_file() -> int:
-    f = tempfile.TemporaryFile()
-    f.truncate(1 << 20)
-    return os.dup(f.fileno())
+    with tempfile.TemporaryFile() as f:
+        f.truncate(1 << 20)
+        return os.dup(f.fileno())
 
 
 def _huge_pages() -> int:
@@ -389,6 +389,14 @@ def _lingering_tcp_socket(seconds: int = 10) -> int:
 
 
 _LINGERING: list[socket.socket] = []
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _lingering_closed() -> Iterator[None]:
+    """The ends ``_lingering_tcp_socket`` keeps open, closed once the module's tests are over."""
+    yield
+    while _LINGERING:
+        _LINGERING.pop().close()
 
 
 def _dev_null() -> int:
