@@ -496,3 +496,72 @@ def test_a_lost_registrations_lane_lets_a_call_in_flight_run_to_the_daemons_answ
             if plane is not None:
                 plane.engine.pause(False)
         assert handle.wait(timeout=30) > 0, "the daemon's answer was not the call's"
+
+
+def _binary_write(pages: int) -> bytes:
+    """A lane WriteB request of ``pages`` host pages and as many device runs, all starting at 0."""
+    from kvserver.protocol import lane_request as L
+
+    starts = bytes(8 * pages)
+    return L.HEADER.pack(L.MAGIC, L.VERSION, L.KIND_WRITE, L.DEV_RUNS, pages, pages, 0, 0, 0, 0, 0) \
+        + starts + starts
+
+
+def test_a_binary_request_naming_too_many_indices_is_refused_before_it_is_expanded(daemon) -> None:
+    """A slot's 64 KiB of page starts name 4093 pages; at 4096 tokens a page that is 16.7 M host and
+    device indices each, 268 MB once expanded. The daemon refuses it (RESOURCE_EXHAUSTED, as
+    ``--max-request-indices`` says) from its counts, before making a single index."""
+    import tracemalloc
+
+    ps = 4096
+    pages = (R.REQUEST_BYTES - 40) // 16
+    with ShmKVPool(KVLayout.mha(1, 8), torch.float16, 1, ps) as pool, \
+            KVClient(daemon.address, lane="grpc") as client:
+        reg = client.register(model="amp", pool=pool, start_layer=0, end_layer=1, num_layers=1,
+                              host_tokens=ps, page_size=ps)
+        ring = RawRing(daemon.address, reg.client_id)
+        tracemalloc.start()
+        try:
+            tracemalloc.reset_peak()
+            ring.put(0, R.RPC_WRITE_B, _binary_write(pages))
+            ring.ring()
+            wait_until(lambda: ring.state(0) == R.DONE, 30, "the answer")
+            peak = tracemalloc.get_traced_memory()[1]
+            code, text = ring.answer(0)
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, text)
+            assert f"{pages * ps} indices in one request" in text, text
+            assert peak < 16 << 20, f"{peak >> 20} MiB allocated to refuse it"
+        finally:
+            tracemalloc.stop()
+            ring.close()
+
+
+def test_a_large_binary_request_is_expanded_off_the_event_loop(daemon, monkeypatch) -> None:
+    """A request of more than 64 Ki indices is expanded on the parse threads, as a large gRPC
+    request is read (api/wire.py), not on the event loop."""
+    from kvserver.protocol import lane_request as L
+
+    ps = 64
+    pages = (R.REQUEST_BYTES - 40) // 16  # 262 Ki indices
+    threads: list[str] = []
+    parse = L.parse
+
+    def spy(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return parse(*args, **kwargs)
+
+    monkeypatch.setattr(L, "parse", spy)
+    with ShmKVPool(KVLayout.mha(1, 8), torch.float16, 1, pages * ps) as pool, \
+            KVClient(daemon.address, lane="grpc") as client:
+        reg = client.register(model="big", pool=pool, start_layer=0, end_layer=1, num_layers=1,
+                              host_tokens=ps, page_size=ps)
+        ring = RawRing(daemon.address, reg.client_id)
+        try:
+            ring.put(0, R.RPC_WRITE_B, _binary_write(pages))
+            ring.ring()
+            wait_until(lambda: ring.state(0) == R.DONE, 30, "the answer")
+            code, text = ring.answer(0)
+            assert code == grpc.StatusCode.FAILED_PRECONDITION, (code, text)  # pages it does not own
+        finally:
+            ring.close()
+    assert threads and all(t.startswith("kvserver-parse") for t in threads), threads

@@ -616,17 +616,26 @@ class KVServicer(pb_grpc.KVServerServicer):
             answer(got, None)
         return True
 
+    async def _binary_request(self, client_id: str, rpc: str, kind: int, data: bytes) -> Any:
+        """A request in the lane's binary format, its indices bounded by its header before they
+        are made (a slot's bytes can name 16 M) and made off the loop when there are many."""
+        try:
+            page_size = self.core.client(client_id).spec.page_size
+            size = lane_request.expanded_size(data, kind, page_size)
+            self.core.check_size(size)
+            if size <= OFF_LOOP_INDICES:
+                return lane_request.parse(data, kind, client_id, page_size)
+            return await wire.off_loop(lane_request.parse, data, kind, client_id, page_size)
+        except ValueError as exc:
+            raise InvalidArgument(f"malformed {rpc} request on the lane: {exc}") from None
+
     async def run_lane(self, client_id: str, rpc: str, data: bytes, progress: Callable[[Any], None]) -> bytes:
         """One request that came on ``client_id``'s lane: parsed and run by the code its RPC runs."""
         started = time.perf_counter()
         try:
             if rpc in _BINARY:  # the lane's own format: it names no client, its lane's is meant
                 rpc, kind = _BINARY[rpc]
-                try:
-                    page_size = self.core.client(client_id).spec.page_size
-                    request = lane_request.parse(data, kind, client_id, page_size)
-                except ValueError as exc:
-                    raise InvalidArgument(f"malformed {rpc} request on the lane: {exc}") from None
+                request = await self._binary_request(client_id, rpc, kind, data)
             else:
                 request = await _parsed(_lenient(_LANE_REQUESTS[rpc], defer=True)(data))
             if rpc == "Lookup" and request.space_id:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -307,6 +308,13 @@ def _packed_numpy(payload: memoryview) -> np.ndarray:
 async def parse_off_loop(request: Unparsed) -> Any:
     """``parse_large(request)`` on the parse threads; NoCapacity if ``MOST_PENDING`` large
     requests are being read already (each holds up to the largest message the daemon takes)."""
+    # The module's parse_large, looked up now (a test may wrap it).
+    return await off_loop(parse_large, request)
+
+
+async def off_loop(read: Callable[..., Any], *args: Any) -> Any:
+    """``read(*args)``, the reading of one large request, on the parse threads; NoCapacity if
+    ``MOST_PENDING`` large requests are being read already."""
     global _executor, _pending
     if _pending >= MOST_PENDING:
         raise NoCapacity(f"{_pending} large requests are being read; send this one again later")
@@ -316,7 +324,6 @@ async def parse_off_loop(request: Unparsed) -> Any:
                 _executor = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="kvserver-parse")
     _pending += 1
     try:
-        # The module's parse_large, looked up now (a test may wrap it).
-        return await asyncio.get_running_loop().run_in_executor(_executor, parse_large, request)
+        return await asyncio.get_running_loop().run_in_executor(_executor, read, *args)
     finally:
         _pending -= 1

@@ -553,14 +553,14 @@ class KVCore:
         return client
 
     def _host_pages(self, client: ClientState, host_indices) -> np.ndarray:
-        self._check_size(len(host_indices))
+        self.check_size(len(host_indices))
         host = transfer.as_indices(host_indices, "host")
         slots = epochs.strip(host, client.epoch, client.pages.num_pages, client.spec.page_size)
         pages = transfer.host_pages_of(slots, client.spec.page_size)
         client.pages.check_owned(pages)
         return pages
 
-    def _check_size(self, n: int) -> None:
+    def check_size(self, n: int) -> None:
         if n > self.max_request_indices:
             raise NoCapacity(
                 f"{n} indices in one request; the limit is {self.max_request_indices}: split it"
@@ -575,7 +575,7 @@ class KVCore:
         p = client.spec.page_size
         num_pages = -(-num_tokens // p)
         if num_pages <= client.pages.num_free:  # else allocate() names the full region
-            self._check_size(num_pages * p)
+            self.check_size(num_pages * p)
         pages = client.pages.allocate(num_pages)
         return epochs.tag(_page_tokens(pages, p), client.epoch)
 
@@ -584,7 +584,7 @@ class KVCore:
         if len(host_indices) <= OFF_LOOP_INDICES:
             pages = self._host_pages(client, host_indices)
         else:
-            self._check_size(len(host_indices))
+            self.check_size(len(host_indices))
             seen = client.pages.version
             pages = await asyncio.to_thread(self._host_pages, client, host_indices)
             client = self.client(client_id)
@@ -664,7 +664,7 @@ class KVCore:
         args = (client_id, host_indices, device_indices, layers, ready_event, event_slot, deadline)
         if len(host_indices) <= OFF_LOOP_INDICES:
             return self.prepare(*args)
-        self._check_size(len(host_indices))
+        self.check_size(len(host_indices))
         seen = self.client(client_id).pages.version
         job = await asyncio.to_thread(self.prepare, *args)
         client = self.client(client_id)  # still registered

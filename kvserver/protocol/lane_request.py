@@ -102,13 +102,13 @@ def _as_array(source: tuple) -> np.ndarray:
     return owner if isinstance(owner, np.ndarray) else owner.numpy()
 
 
-def parse(data: bytes, kind: int, client_id: str, page_size: int) -> LaneRequest:
-    """The request in ``data``, indices expanded; raises ValueError (a malformed request) naming
-    what is wrong."""
+def _header(data: bytes, kind: int) -> tuple:
+    """The header's fields, checked against ``kind`` and the request's length; raises ValueError
+    (a malformed request) naming what is wrong."""
     if len(data) < HEADER.size:
         raise ValueError(f"a {len(data)}-byte lane request is shorter than its {HEADER.size}-byte header")
-    (magic, version, got, flags, n_pages, n_dev, n_layers, timeout_ms, event_slot, ready_len,
-     reserved) = HEADER.unpack_from(data)
+    fields = HEADER.unpack_from(data)
+    magic, version, got, flags, n_pages, n_dev, n_layers, _, _, ready_len, reserved = fields
     if magic != MAGIC or version != VERSION:
         raise ValueError(f"magic {magic!r} version {version}; expected {MAGIC!r} version {VERSION}")
     if got != kind:
@@ -118,6 +118,22 @@ def parse(data: bytes, kind: int, client_id: str, page_size: int) -> LaneRequest
     need = HEADER.size + 8 * n_pages + 8 * n_dev + 4 * n_layers + ready_len
     if need != len(data):
         raise ValueError(f"its counts take {need} bytes; {len(data)} were sent")
+    return fields
+
+
+def expanded_size(data: bytes, kind: int, page_size: int) -> int:
+    """How many indices the larger of the request's two lists names once expanded (a page's
+    start stands for ``page_size`` of them), read from its header alone: what the daemon bounds
+    before ``parse`` makes them. Raises ValueError as ``parse`` does."""
+    _, _, _, flags, n_pages, n_dev, *_ = _header(data, kind)
+    return max(n_pages * page_size, n_dev * page_size if flags & DEV_RUNS else n_dev)
+
+
+def parse(data: bytes, kind: int, client_id: str, page_size: int) -> LaneRequest:
+    """The request in ``data``, indices expanded; raises ValueError (a malformed request) naming
+    what is wrong. The caller bounds ``expanded_size`` first: a slot's bytes can name 16 M."""
+    (_, _, _, flags, n_pages, n_dev, n_layers, timeout_ms, event_slot, ready_len,
+     _) = _header(data, kind)
     at = HEADER.size
     starts = np.frombuffer(data, dtype=_I64, count=n_pages, offset=at).astype(np.int64)
     at += 8 * n_pages
