@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow --listen without a token")
     p.add_argument("--socket-group-access", action="store_true",
                    default=_env("SOCKET_GROUP_ACCESS", "") == "1",
-                   help="socket mode 0660 instead of 0600 (the directory must let the group in too)")
+                   help="socket mode 0660 instead of 0600, and a socket directory the daemon makes 0750 "
+                        "instead of 0700 (one that exists must let the group in too)")
     p.add_argument("--allow-named-shm", action="store_true", default=_env("ALLOW_NAMED_SHM", "") == "1",
                    help="also accept pools in named /dev/shm objects, only ones owned by the caller's "
                         "uid (default: sealed memfds passed over the fd socket only)")

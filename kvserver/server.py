@@ -30,6 +30,7 @@ from kvserver.peers.fd_socket import PeerSocket
 from kvserver.peers.tenants import TenantBook, parse_quota
 from kvserver.peers.tickets import TicketBook, raise_fd_limit
 from kvserver.protocol.fd_socket import fd_socket_path
+from kvserver.protocol.paths import foreign_path
 from kvserver.v1 import kvserver_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -134,6 +135,21 @@ class Daemon:
         )
         self.ports: list[int] = []
 
+    def _make_socket_dir(self, path: str) -> None:
+        """The socket's directory, made if missing (0700, or 0750 with --socket-group-access: the
+        group must be let in too); refused if another user controls it or any directory above it,
+        before and after it is made (that user could swap the sockets in it)."""
+        directory = os.path.dirname(path)
+        for _ in range(2):
+            why = foreign_path(directory)
+            if why is not None:
+                raise ListenError(f"cannot use socket {path}: {why}")
+            if os.path.isdir(directory):
+                return
+            mode = 0o750 if self.config.socket_group_access else 0o700
+            os.makedirs(directory, mode=mode, exist_ok=True)
+            os.chmod(directory, mode)  # (makedirs's mode is masked by the umask)
+
     async def start(self) -> None:
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)
@@ -141,7 +157,7 @@ class Daemon:
         for address in self.config.addresses:
             if address.startswith("unix://"):
                 path = address[len("unix://") :]
-                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+                self._make_socket_dir(path)
                 _check_unix_socket_free(path)
         # The socket is created at bind under the umask: make it owner-only from the first moment.
         old_umask = os.umask(0o177)

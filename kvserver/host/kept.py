@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from kvserver.protocol.paths import foreign_path
+
 logger = logging.getLogger(__name__)
 
 FORMAT = 2  # bumped whenever a kept file's meaning changes (2: keys of up to 32 bytes kept whole)
@@ -60,33 +62,11 @@ def _check_path(path: str) -> None:
     """``path`` (absolute, as given) must not be a link, nor lie below a link another user owns;
     and every directory above it (resolved) must be root's or ours, and writable by no one else
     unless sticky: else another user could swap what is below it."""
-    me = os.geteuid()
-    cur = "/"
-    for comp in path.strip("/").split("/"):
-        cur = os.path.join(cur, comp)
-        try:
-            st = os.lstat(cur)
-        except FileNotFoundError:
-            break
-        if stat.S_ISLNK(st.st_mode):
-            if cur == path:
-                raise KeptDirError(f"{path} is a link: give the directory itself")
-            if st.st_uid not in (0, me):
-                raise KeptDirError(f"{cur} (above {path}) is a link of uid {st.st_uid}: another user "
-                                   "controls where it leads")
-    parent = os.path.realpath(os.path.dirname(path))
-    while not os.path.lexists(parent):  # directories made for it (as the daemon makes them: 0700)
-        parent = os.path.dirname(parent)
-    while True:
-        st = os.lstat(parent)
-        if st.st_uid not in (0, me):
-            raise KeptDirError(f"{parent} (above {path}) belongs to uid {st.st_uid}: another user "
-                               "controls it")
-        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-            raise KeptDirError(f"{parent} (above {path}) is writable by other users and not sticky")
-        if parent == os.path.dirname(parent):
-            return
-        parent = os.path.dirname(parent)
+    if os.path.islink(path):
+        raise KeptDirError(f"{path} is a link: give the directory itself")
+    why = foreign_path(os.path.dirname(path))
+    if why is not None:
+        raise KeptDirError(f"{why} (above {path})")
 
 
 def _check_own(st: os.stat_result, what: str, kind: int) -> None:
