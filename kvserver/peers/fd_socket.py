@@ -18,7 +18,6 @@ import array
 import asyncio
 import contextlib
 import errno
-import fcntl
 import logging
 import os
 import resource
@@ -27,7 +26,15 @@ import stat
 import struct
 
 from kvserver.errors import InvalidArgument, KVError, NoCapacity
-from kvserver.peers.tickets import PEER_GONE, PeerCred, TicketBook, close_off_loop
+from kvserver.peers.tickets import (
+    PEER_GONE,
+    PeerCred,
+    TicketBook,
+    close_off_loop,
+    is_shared_memory,
+    risky_fds,
+    socket_kind,
+)
 from kvserver.protocol.fd_socket import FDS_PER_MESSAGE, HEADER, MAGIC, MAX_FDS, MORE
 
 logger = logging.getLogger(__name__)
@@ -35,6 +42,7 @@ logger = logging.getLogger(__name__)
 CONN_SECONDS = 5.0
 MAX_CONNS = 64
 MAX_CONNS_PER_UID = 8
+MAX_UNCLOSED_PER_UID = 16  # descriptors of files outside shared memory one uid sent, not closed yet
 _CMSG_SPACE = socket.CMSG_SPACE(FDS_PER_MESSAGE * 4)
 _PEERCRED = struct.Struct("3i")
 # SO_PEERPIDFD (Linux 6.5): a pidfd of the process that connected, which a pid reused after it
@@ -140,6 +148,14 @@ class PeerSocket:
                 _reply(conn, _error(NoCapacity("too many fd socket connections at once; try again")))
                 conn.close()
                 continue
+            if risky_fds(uid) >= MAX_UNCLOSED_PER_UID:
+                # Its descriptors in flight are released unread: no close of them waits (only a
+                # close(2) of a FUSE file sends the FLUSH its server may hold).
+                _reply(conn, _error(NoCapacity(
+                    f"{risky_fds(uid)} descriptors this uid sent (files outside shared memory) have not "
+                    "closed yet; no more are taken from it until they have")))
+                conn.close()
+                continue
             self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
             task = asyncio.get_running_loop().create_task(self._serve(conn, peer))
             self._serving.add(task)
@@ -170,7 +186,7 @@ class PeerSocket:
         except Exception:
             logger.exception("fd socket connection from pid %d failed", peer.pid)
         finally:
-            close_off_loop(fds)  # a refused peer's descriptors: maybe the last hold on a big memfd
+            close_off_loop(fds, peer.uid)  # a refused peer's descriptors: maybe the last hold on a big memfd
             if pidfd >= 0:
                 os.close(pidfd)
             if reply is not None:
@@ -248,31 +264,50 @@ def _out_of_descriptors() -> bool:
 def _unusable(fd: int) -> str:
     """Why a peer's descriptor is none a pool or a lane can use ('' if it is one). Checked before a
     ticket keeps it: a descriptor of another kind (a TCP socket set to linger, a file on a slow
-    file system) could block whoever closes it."""
+    file system) could block whoever closes it. Shared memory and sockets are told apart without
+    a call into any file system; another file is looked at (fstat) only where it is the kernel's
+    own (a pipe, an anonymous inode) or its file system is one of this daemon's mounts and not
+    FUSE, whose server (maybe the peer) could leave the call waiting for ever."""
+    if is_shared_memory(fd):
+        return ""
+    kind = socket_kind(fd)
+    if kind is not None:
+        return "" if kind == (socket.AF_UNIX, socket.SOCK_SEQPACKET) else \
+            "a socket other than a Unix SOCK_SEQPACKET one"
+    try:
+        internal = not os.readlink(f"/proc/self/fd/{fd}").startswith("/")  # pipe:[..], anon_inode:..
+    except OSError as exc:
+        return f"unusable ({exc.strerror})"
+    fs = None if internal else file_system(fd)
+    if not internal and fs is None:
+        return "a file on a file system that is not among the daemon's mounts"
+    if fs is not None and fs.startswith("fuse"):
+        return f"a file on a FUSE file system ({fs})"
     try:
         st = os.fstat(fd)
     except OSError as exc:
         return f"unusable ({exc.strerror})"
-    if stat.S_ISREG(st.st_mode):
-        try:
-            fcntl.fcntl(fd, fcntl.F_GET_SEALS)  # only shared memory (shmem, hugetlbfs) takes seals
-        except OSError:
-            return "a regular file outside shared memory"
-        return ""
-    if stat.S_ISSOCK(st.st_mode):
-        try:
-            sock = socket.socket(fileno=fd)
-        except OSError:
-            return "a socket of an unknown kind"
-        try:
-            if sock.family == socket.AF_UNIX and sock.type == socket.SOCK_SEQPACKET:
-                return ""
-            return "a socket other than a Unix SOCK_SEQPACKET one"
-        finally:
-            sock.detach()
-    kinds = [(stat.S_ISFIFO, "a pipe"), (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+    kinds = [(stat.S_ISREG, "a regular file outside shared memory"), (stat.S_ISFIFO, "a pipe"),
+             (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
              (stat.S_ISBLK, "a block device")]
     return next((name for test, name in kinds if test(st.st_mode)), "not a file")
+
+
+def file_system(fd: int) -> str | None:
+    """The type of the file system holding ``fd``'s file ('ext4', 'fuse.sshfs', 'pipefs'...), read
+    from /proc without a call into that file system: its mount id (fdinfo) in this process's
+    mountinfo; None where the mount is not there (one of another mount namespace)."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
+            info = f.read(4096)
+        mnt = next(line.split()[1] for line in info.splitlines() if line.startswith(b"mnt_id:"))
+        with open("/proc/self/mountinfo", "rb") as f:
+            for line in f:
+                if line.split(b" ", 1)[0] == mnt:
+                    return line.split(b" - ", 1)[1].split(b" ", 1)[0].decode(errors="replace")
+    except (OSError, StopIteration, IndexError):
+        pass
+    return None
 
 
 class _Closed(Exception):
@@ -295,14 +330,13 @@ def _error(exc: KVError) -> bytes:
 
 
 def _reply(conn: socket.socket, reply: bytes) -> None:
-    """Answers before the caller closes. Whatever the peer sent that was not read goes first
-    (descriptors closed): a Unix socket closed with unread data resets its peer, which would then
-    lose the answer."""
+    """Answers before the caller closes. Whatever the peer sent that was not read goes first: a
+    Unix socket closed with unread data resets its peer, which would then lose the answer. It is
+    read without room for descriptors, so the kernel releases them without installing them here
+    (no close(2) of them, which for a file on FUSE could wait on its server)."""
     with contextlib.suppress(OSError):
         for _ in range(64):
-            data, anc, _, _ = conn.recvmsg(64, _CMSG_SPACE, socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
-            close_off_loop(_fds_of(anc))
-            if not data and not anc:  # end of stream
+            if not conn.recv(64, socket.MSG_DONTWAIT):  # end of stream
                 break
     with contextlib.suppress(OSError):
         conn.send(reply)

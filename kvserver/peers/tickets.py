@@ -8,13 +8,13 @@ not; one nobody redeems expires and its descriptors are closed. Runs on the even
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 import queue
 import resource
 import secrets
 import socket
-import stat
 import struct
 import threading
 from collections import Counter
@@ -53,20 +53,40 @@ CLOSERS = 2  # threads that close peers' descriptors, apart from every other wor
 _LINGER_OFF = struct.pack("ii", 1, 0)
 
 
-def close_peer_fd(fd: int) -> None:
-    """Closes a descriptor a peer sent, without letting it decide how long that takes: a socket is
-    closed abortively (SO_LINGER 0), never waiting for a linger time the peer chose."""
+def is_shared_memory(fd: int) -> bool:
+    """Whether ``fd`` is a file in shared memory (shmem: a memfd or a tmpfs file; hugetlbfs): the
+    only files that take seals. No call into any file system."""
     try:
-        if stat.S_ISSOCK(os.fstat(fd).st_mode):
-            sock = socket.socket(fileno=fd)
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_OFF)
-            except OSError:
-                pass  # not an option of this kind of socket (Unix sockets never linger)
-            sock.close()
-            return
+        fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError:
-        pass
+        return False
+    return True
+
+
+def socket_kind(fd: int) -> tuple[int, int] | None:
+    """(family, type) of a socket ``fd``, None for anything else. No call into any file system."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        return sock.family, sock.type
+    finally:
+        sock.detach()
+
+
+def close_peer_fd(fd: int) -> None:
+    """Closes a descriptor a peer sent, without letting it decide how long that takes where that
+    can be helped: a socket is closed abortively (SO_LINGER 0), never waiting for a linger time the
+    peer chose. (The close of a file on FUSE waits for its server: see ``close_off_loop``.)"""
+    if socket_kind(fd) is not None:
+        sock = socket.socket(fileno=fd)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_OFF)
+        except OSError:
+            pass  # not an option of this kind of socket (Unix sockets never linger)
+        sock.close()
+        return
     try:
         os.close(fd)
     except OSError:
@@ -78,15 +98,19 @@ class _Closer:
     a large memfd frees all of its pages, and no such close may hold the event loop or the default
     executor that Register's pool opening runs in."""
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int = CLOSERS, name: str = "kvpeer-close") -> None:
         self._queue: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
+        self._most = threads
+        self._name = name
+        self.unclosed = 0  # descriptors queued or being closed
 
     def close(self, fds: list[int]) -> None:
         with self._lock:
-            if len(self._threads) < CLOSERS:
-                thread = threading.Thread(target=self._run, name="kvpeer-close", daemon=True)
+            self.unclosed += len(fds)
+            if len(self._threads) < self._most:
+                thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 thread.start()
                 self._threads.append(thread)
         self._queue.put(fds)
@@ -95,15 +119,39 @@ class _Closer:
         while True:
             for fd in self._queue.get():
                 close_peer_fd(fd)
+                with self._lock:
+                    self.unclosed -= 1
 
 
 _CLOSER = _Closer()
+# Descriptors that are neither shared memory nor sockets (refused ones: a pipe, a file on disk...)
+# are closed on a thread of their sender's uid: close(2) of a file on FUSE sends a FLUSH that its
+# server (maybe the peer itself) can leave unanswered for ever, and the thread waits with it,
+# unkillably. So one uid's such file holds only that uid's closes, never other peers' memfds; and
+# the fd socket takes no more descriptors of a uid with MAX_UNCLOSED_PER_UID of them unclosed.
+_RISKY: dict[int, _Closer] = {}
+_RISKY_LOCK = threading.Lock()
 
 
-def close_off_loop(fds: list[int]) -> None:
-    """Closes ``fds``, descriptors a peer sent, on the closer threads (never the loop's)."""
-    if fds:
-        _CLOSER.close(list(fds))
+def close_off_loop(fds: list[int], uid: int = -1) -> None:
+    """Closes ``fds``, descriptors a peer (of ``uid``, where known) sent, on the closer threads
+    (never the loop's)."""
+    safe = [fd for fd in fds if is_shared_memory(fd) or socket_kind(fd) is not None]
+    if safe:
+        _CLOSER.close(safe)
+    risky = [fd for fd in fds if fd not in safe] if len(safe) < len(fds) else []
+    if risky:
+        with _RISKY_LOCK:
+            closer = _RISKY.get(uid)
+            if closer is None:
+                closer = _RISKY[uid] = _Closer(1, f"kvpeer-close-{uid}")
+        closer.close(risky)
+
+
+def risky_fds(uid: int) -> int:
+    """Descriptors of files outside shared memory that ``uid`` sent and the daemon has not closed."""
+    closer = _RISKY.get(uid)
+    return closer.unclosed if closer is not None else 0
 
 
 # Ticket.pidfd where the fd socket found the peer gone already (it exited before its ticket).
