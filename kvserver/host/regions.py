@@ -60,6 +60,10 @@ class Regions:
         """Bytes that may still be reserved: free, less the booked bytes charged."""
         return self.capacity - self.reserved - self.charged
 
+    def free_ranges(self) -> tuple[list[int], list[int]]:
+        """The free ranges' starts and sizes, in address order (copies)."""
+        return list(self._free_starts), list(self._free_sizes)
+
     def largest_free(self) -> int:
         return min(max(self._free_sizes, default=0), self.available // REGION_ALIGN * REGION_ALIGN)
 

@@ -827,18 +827,56 @@ class KVCache:
 
     @_locked
     def make_room(self, nbytes: int) -> bool:
-        """Evicts whole slabs, least recently used first, none holding a pinned, read or written
-        page, until the arena has a free range of ``nbytes``; True if it then has one."""
+        """Makes the arena a free range of ``nbytes`` by evicting the whole slabs (none holding a
+        pinned, read or written page) of one window of the arena: the window of free ranges and
+        such slabs, side by side, that holds ``nbytes`` for the fewest cached bytes. True if the
+        arena then has the range; where no window holds it, nothing is evicted."""
         if self.arena.largest_free() >= nbytes:
             return True
         self._reclaim(None)  # (their slabs released where left empty)
         if self.arena.largest_free() >= nbytes:
             return True
-        for sid in lru_slabs(self.pages, self.slabs.slabs).tolist():
+        window = self._eviction_window(nbytes)
+        if window is None:
+            return False
+        if not window:  # the space is free, the budget's charged bookkeeping keeps it: slabs give that back
+            window = lru_slabs(self.pages, self.slabs.slabs).tolist()
+        for sid in window:
             self._evict_slab(sid)
             if self.arena.largest_free() >= nbytes:
                 return True
         return False
+
+    def _eviction_window(self, nbytes: int) -> list[int] | None:
+        """The evictable slabs of the cheapest window (see ``make_room``), None if none holds it.
+        Free ranges and evictable slabs are laid out by address; anything else (a client's
+        region, a busy slab) ends a run of them. Vectorised: one pass over slabs and ranges."""
+        sids = lru_slabs(self.pages, self.slabs.slabs)
+        slabs = self.slabs.slabs
+        starts, sizes = self.arena.free_ranges()
+        at = np.array(starts + [slabs[s].offset for s in sids.tolist()], dtype=np.int64)
+        size = np.array(sizes + [slabs[s].nbytes for s in sids.tolist()], dtype=np.int64)
+        cost = np.concatenate([np.zeros(len(starts), np.int64), size[len(starts):]])
+        sid = np.concatenate([np.full(len(starts), -1, np.int64), sids.astype(np.int64)])
+        order = np.argsort(at, kind="stable")
+        at, size, cost, sid = at[order], size[order], cost[order], sid[order]
+        if not len(at):
+            return None
+        run = np.concatenate([[0], np.cumsum(at[1:] != at[:-1] + size[:-1])])  # runs of neighbours
+        end = np.cumsum(size)  # bytes of items 0..i
+        spent = np.cumsum(cost)
+        # For each first item i, the last item j of its run with bytes i..j >= nbytes.
+        want = end - size + nbytes
+        j = np.searchsorted(end, want, side="left")
+        ok = (j < len(at)) & (run[np.minimum(j, len(at) - 1)] == run)
+        if not ok.any():
+            return None
+        first = np.flatnonzero(ok)
+        last = j[ok]
+        price = spent[last] - spent[first] + cost[first]
+        best = int(np.argmin(price))
+        picked = sid[first[best]: last[best] + 1]
+        return picked[picked >= 0].tolist()
 
     def _room_to_book(self, nbytes: int, spare: np.ndarray) -> None:
         """Evicts whole slabs, least recently used first, none holding a page of ``spare``, until
