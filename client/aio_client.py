@@ -17,12 +17,11 @@ import torch
 
 from kvclient import _messages as msg
 from kvclient._ops import Call, Missed, Op, StreamOp
-from kvclient._resilience import Backoff
 from kvclient._shell import CoreShell
 from kvclient._transport.channel import CHANNEL_OPTIONS
 from kvclient._transport.fd_socket import ticketed
 from kvclient.aio_load_handle import AsyncLoadHandle
-from kvclient.core import ClientCore
+from kvclient.core import ClientCore, Reregistration
 from kvclient.cuda_pool import CudaKVPool
 from kvclient.errors import KVClientError, from_rpc_error
 from kvclient.keys import KEY_BYTES, Keys
@@ -159,10 +158,10 @@ class AsyncKVClient(CoreShell):
             self._reconnect = asyncio.get_running_loop().create_task(self._reregister(reg))
 
     async def _reregister(self, old: msg.Registration) -> None:
-        backoff = Backoff()
+        tries = Reregistration()
         try:
             while True:
-                await asyncio.sleep(backoff.next())
+                await asyncio.sleep(tries.next())
                 retry = self._core.retry_request(old)
                 if retry is None:
                     return
@@ -170,9 +169,14 @@ class AsyncKVClient(CoreShell):
                     sent = await asyncio.to_thread(ticketed, self.target, self._core.pool, retry,
                                                    self.timeout)
                     resp = await self._stub.Register(sent, timeout=self.timeout, metadata=self._core.metadata)
-                except (grpc.RpcError, KVClientError):
+                except grpc.RpcError as exc:
+                    tries.failed(exc.code(), exc.details() or "")
                     continue
-                reg = self._core.reregistered(resp, old, backoff.attempt)
+                except KVClientError as exc:  # no peer ticket: the daemon is not back yet
+                    tries.failed(None, exc.message)
+                    continue
+                tries.succeeded()
+                reg = self._core.reregistered(resp, old, tries.attempts)
                 if reg is not None:
                     self._open_session(reg)
                 else:  # unregistered, closed or replaced meanwhile: this one is nobody's

@@ -11,14 +11,24 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 from collections.abc import Iterable, Sequence
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvclient import _messages as msg
 from kvclient._ops import Call, Lost, Missed, Op, StreamOp
-from kvclient._resilience import CACHE_BEST_EFFORT, confirm_grace, is_miss, job_unconfirmed, needs_register
+from kvclient._resilience import (
+    CACHE_BEST_EFFORT,
+    OUTAGE,
+    Backoff,
+    confirm_grace,
+    is_miss,
+    job_unconfirmed,
+    needs_register,
+)
 from kvclient._transport.channel import target
 from kvclient.cuda_events import LayerEvents, event_handle
 from kvclient.errors import KVClientError
@@ -57,6 +67,55 @@ def lease_list(lease_ids: str | Sequence[str]) -> list[str]:
 
 def _ready(event) -> bytes:
     return b"" if event is None else event_handle(event)
+
+
+# A re-registration the daemon answers with a refusal (any status but UNAVAILABLE: it came back
+# with less memory than the grant, say) is asked again after REFUSED_FIRST seconds, doubling to
+# REFUSED_CAP, once it was refused REFUSALS_TO_SLOW times in a row: a refusal costs the daemon the
+# pool's opening and checks, and what makes it grant again (an operator, another engine leaving)
+# comes in seconds, not milliseconds. A daemon that is away again (UNAVAILABLE, no peer ticket)
+# is asked at ``Backoff``'s pace again.
+REFUSALS_TO_SLOW = 3
+REFUSED_FIRST, REFUSED_CAP = 0.5, 4.0
+
+
+class Reregistration:
+    """The pace and the log of one re-registration's attempts (``Backoff`` while the daemon is
+    away; slower once it keeps refusing). A refusal is logged at WARNING, with the daemon's
+    reason, the first time it is seen and whenever its status or reason (digits aside: free bytes
+    change from one refusal to the next) changes; the others at DEBUG."""
+
+    def __init__(self) -> None:
+        self._away = Backoff()
+        self._refused = Backoff(REFUSED_FIRST, REFUSED_CAP)
+        self.attempts = 0  # tries so far
+        self.refusals = 0  # in a row
+        self._said: tuple[grpc.StatusCode, str] | None = None
+
+    def next(self) -> float:
+        """Seconds to wait before the next attempt."""
+        return (self._refused if self.refusals >= REFUSALS_TO_SLOW else self._away).next()
+
+    def failed(self, code: grpc.StatusCode | None, message: str) -> None:
+        """An attempt failed with ``code`` (None: no Register was sent, the daemon's fd socket
+        did not answer) and ``message``."""
+        self.attempts += 1
+        if code is None or code in OUTAGE:
+            self.refusals = 0
+            self._refused.reset()
+            logger.debug("re-registration failed: %s", message if code is None else code.name)
+            return
+        self.refusals += 1
+        said = (code, re.sub(r"\d+", "#", message))
+        if said == self._said:
+            logger.debug("re-registration refused again: %s: %s", code.name, message)
+            return
+        self._said = said
+        logger.warning("kvserver refused the re-registration: %s: %s; writes are dropped and loads miss "
+                       "until it grants one (retrying)", code.name, message)
+
+    def succeeded(self) -> None:
+        self.attempts += 1
 
 
 def _sent_already(_reg) -> None:
@@ -404,6 +463,15 @@ class ClientCore:
     def stats(self, all_clients: bool) -> Op:
         req = pb.StatsRequest(client_id="" if all_clients else self.client_id)
         return Op("Stats", lambda r: req, lambda resp: resp, registered=False)
+
+    def late_release(self, reg: msg.Registration, response: bytes) -> pb.ReleaseRequest | None:
+        """A Lookup's answer (``response``, a LookupResponse's bytes) that came after its caller
+        gave up: the Release of the lease it took, which nobody holds; None if it took none."""
+        try:
+            lease = pb.LookupResponse.FromString(response).lease_id
+        except DecodeError:
+            return None
+        return pb.ReleaseRequest(client_id=reg.client_id, lease_ids=[lease]) if lease else None
 
     def lookup(self, keys: Keys, pin_ms: int, whole_space: bool, key_bytes: int = KEY_BYTES,
                timeout: float | None = None, memory_only: bool = False) -> Op:

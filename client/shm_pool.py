@@ -22,6 +22,20 @@ from kvserver.protocol.layout import KVLayout
 from kvserver.protocol.shared_memory import ShmMapping, create_memfd, create_shm, unlink_shm
 from kvserver.v1 import kvserver_pb2 as pb
 
+VLLM_LAYOUTS = ("flash_attn", "flash_attn_hnd", "flashinfer", "flashinfer_hnd", "mla")
+
+
+def _check_vllm_layout(layout: KVLayout, kind: str, num_tokens: int, block: int, token_padding: int) -> None:
+    """Raises ValueError unless a pool of ``layout`` can be laid out as vLLM's ``kind``."""
+    if kind not in VLLM_LAYOUTS:
+        raise ValueError(f"unknown vLLM layout {kind!r}; one of {sorted(VLLM_LAYOUTS)}")
+    if block < 1:
+        raise ValueError(f"block_size must be at least 1, not {block}")
+    if token_padding or num_tokens % block:
+        raise ValueError("a vLLM layout has no token padding and whole blocks")
+    if (kind == "mla") != layout.is_mla:
+        raise ValueError(f"layout {kind!r} does not fit a {'MLA' if layout.is_mla else 'MHA'} pool")
+
 
 class ShmKVPool:
     def __init__(
@@ -44,7 +58,8 @@ class ShmKVPool:
         H, D], "flashinfer" [blocks, 2, block, H, D], "flash_attn_hnd" [2, blocks, H, block, D],
         "flashinfer_hnd" [blocks, 2, H, block, D], or "mla" [blocks, block, latent]. ``buffers``
         then holds [blocks, block, H, D] views (token t at [t // block, t % block]) and
-        ``layer_tensors`` the layers' own tensors."""
+        ``layer_tensors`` the layers' own tensors. Arguments are checked before anything is
+        created; a construction that fails after leaves no descriptor, mapping or named object."""
         self.layout = layout
         self.dtype = dtype
         self.num_layers = num_layers
@@ -54,24 +69,37 @@ class ShmKVPool:
         token_bytes = layout.token_bytes(dtype)
         if token_padding % dtype.itemsize:
             raise ValueError("token_padding must be a multiple of the dtype size")
+        if vllm_layout is not None:
+            _check_vllm_layout(layout, vllm_layout, num_tokens, block_size, token_padding)
         self.token_stride = token_bytes + token_padding
         self.buffer_bytes = self.token_stride * num_tokens
         size = self.buffer_bytes * num_layers * layout.num_parts
         self._fd = -1
-        if self.named:
-            self._shm: ShmMapping | None = create_shm(self.name, size)
-        else:
-            self._fd, self._shm = create_memfd(self.name, size)
-        flat = torch.frombuffer(self._shm.mm, dtype=torch.uint8).view(dtype)
+        self._shm: ShmMapping | None = None
+        self.buffers: list[list[torch.Tensor]] = []
+        self.layer_tensors: list[torch.Tensor] = []
         self.vllm_layout = vllm_layout
         self._refs: list[list[dict]] | None = None
-        self.layer_tensors: list[torch.Tensor] = []
+        if self.named:
+            self._shm = create_shm(self.name, size)
+        else:
+            self._fd, self._shm = create_memfd(self.name, size)
+        try:
+            self._lay_out(vllm_layout, block_size)
+        except BaseException:
+            self.close()  # (views of the mapping made so far go with this frame)
+            raise
+
+    def _lay_out(self, vllm_layout: str | None, block_size: int) -> None:
+        assert self._shm is not None
+        layout, dtype, num_tokens = self.layout, self.dtype, self.num_tokens
+        flat = torch.frombuffer(self._shm.mm, dtype=torch.uint8).view(dtype)
         if vllm_layout is not None:
-            self._lay_out_as_vllm(flat, vllm_layout, block_size, token_padding)
+            self._lay_out_as_vllm(flat, vllm_layout, block_size)
             return
         stride = self.token_stride // dtype.itemsize
         heads, dim = layout.token_shape
-        self.buffers: list[list[torch.Tensor]] = [
+        self.buffers = [
             [
                 torch.as_strided(
                     flat,
@@ -81,22 +109,16 @@ class ShmKVPool:
                 )
                 for part in range(layout.num_parts)
             ]
-            for layer in range(num_layers)
+            for layer in range(self.num_layers)
         ]
 
-    def _lay_out_as_vllm(self, flat: torch.Tensor, kind: str, block: int, token_padding: int) -> None:
+    def _lay_out_as_vllm(self, flat: torch.Tensor, kind: str, block: int) -> None:
         layout, n = self.layout, self.num_tokens
-        if token_padding or n % block:
-            raise ValueError("a vLLM layout has no token padding and whole blocks")
-        if (kind == "mla") != layout.is_mla:
-            raise ValueError(f"layout {kind!r} does not fit a {'MLA' if layout.is_mla else 'MHA'} pool")
         heads, dim = layout.token_shape
         nb, per_layer = n // block, self.buffer_bytes * layout.num_parts // self.dtype.itemsize
         shapes = {"flash_attn": (2, nb, block, heads, dim), "flashinfer": (nb, 2, block, heads, dim),
                   "flash_attn_hnd": (2, nb, heads, block, dim), "flashinfer_hnd": (nb, 2, heads, block, dim),
                   "mla": (nb, block, heads, dim)}
-        if kind not in shapes:
-            raise ValueError(f"unknown vLLM layout {kind!r}; one of {sorted(shapes)}")
         self.layer_tensors = [flat[i * per_layer:(i + 1) * per_layer].view(shapes[kind])
                               for i in range(self.num_layers)]
 

@@ -9,6 +9,7 @@ sends it, on threads.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Iterable, Sequence
@@ -19,12 +20,11 @@ import torch
 
 from kvclient import _messages as msg
 from kvclient._ops import Call, Missed, Op, StreamOp
-from kvclient._resilience import Backoff
 from kvclient._shell import CoreShell
 from kvclient._transport.channel import CHANNEL_OPTIONS
 from kvclient._transport.fd_socket import fd_socket_path, ticket_for, ticketed
 from kvclient._transport.lane import ClientLane
-from kvclient.core import LANE_LOAD, LANE_WRITE, ClientCore
+from kvclient.core import LANE_LOAD, LANE_WRITE, ClientCore, Reregistration
 from kvclient.cuda_pool import CudaKVPool
 from kvclient.errors import KVClientError, from_rpc_error
 from kvclient.keys import KEY_BYTES, Keys
@@ -63,6 +63,10 @@ class KVClient(CoreShell):
         # "auto": Write, Load, Put, Get and Lookup take the fast lane (docs/lane.md) once it is open.
         self.lane_mode = lane
         self._lane: ClientLane | None = None
+        # Lanes of lost registrations, closed without waking their calls (``_close_lane``): shut
+        # once a registration replaced theirs, or the client closes.
+        self._lost_lanes: list[ClientLane] = []
+        self._lane_lock = threading.Lock()  # over _lane and _lost_lanes (never held across a close)
         self._lane_refused = False
         self._channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVServerStub(self._channel)
@@ -87,7 +91,14 @@ class KVClient(CoreShell):
         got = None
         try:
             if lane is not None and op.rpc in LANE_UNARY and lane.reg is call.reg and lane.serves(op.rpc):
-                got = lane.unary(op.rpc, call.request.SerializeToString(), call.timeout)
+                if op.rpc == "Lookup" and call.request.pin_ms:
+                    # No gRPC deadline ends it, and the daemon's bound starts when its loop takes the
+                    # request: an answer with a lease may come after this call gave up.
+                    got = lane.unary(op.rpc, call.request.SerializeToString(), call.timeout,
+                                     functools.partial(self._release_late, call.reg),
+                                     call.request.pin_ms / 1000)
+                else:
+                    got = lane.unary(op.rpc, call.request.SerializeToString(), call.timeout)
             if got is not None:
                 return op.read(LANE_UNARY[op.rpc].FromString(got))
             resp = getattr(self._stub, op.rpc)(call.request, timeout=call.timeout,
@@ -108,6 +119,20 @@ class KVClient(CoreShell):
         if self._is_miss(error, call.reg, call.op.cache):
             return call.op.miss
         raise error from None
+
+    def _release_late(self, reg: msg.Registration, response: bytes) -> None:
+        """A pinning Lookup's answer that came on the lane after the call gave up (on the lane's
+        watching thread): the lease it took, which nobody holds, is released."""
+        req = self._core.late_release(reg, response)
+        if req is None:
+            return
+        try:
+            self._stub.Release(req, timeout=self.timeout, metadata=self._core.metadata)
+        except (grpc.RpcError, ValueError) as exc:  # ValueError: the channel closed meanwhile
+            logger.debug("releasing the lease of a Lookup given up failed (it ends after its pin_ms): %r",
+                         exc)
+        else:
+            logger.debug("released the lease of a Lookup answered after it was given up")
 
     def _binary_lane(self, lane: ClientLane | None, reg: msg.Registration | None) -> bool:
         """Whether ``lane`` takes the binary Write and Load of ``reg``, the live registration."""
@@ -273,20 +298,44 @@ class KVClient(CoreShell):
         lane.reg = reg
         lane.request_format = opened.request_format
         lane.rpc_mask = opened.rpc_mask or R.OLD_RPC_MASK
-        old, self._lane = self._lane, lane
-        if old is not None:
-            old.close()
-        if self._core.registration is not reg or not self._core.connected:  # lost meanwhile
+        with self._lane_lock:
+            # Only the current registration's lane is installed: another thread may have made a
+            # newer registration (and opened its lane) while this one was opened.
+            current = (not self._closed.is_set() and self._core.registration is reg
+                       and self._core.connected)
+            if current:
+                old, self._lane = self._lane, lane
+                shut, self._lost_lanes = [old, *self._lost_lanes], []  # their registrations replaced
+            else:
+                shut = [lane]
+        for each in shut:
+            if each is not None:
+                each.close()
+        if current and (self._core.registration is not reg or not self._core.connected):  # lost meanwhile
             self._close_lane(reg)
 
     def _close_lane(self, reg: msg.Registration | None = None, wake: bool = True) -> None:
-        """``wake``: calls in flight on it end now (UNAVAILABLE). A lost registration's lane takes
-        no new call but lets those in flight end as the daemon answers them, as on gRPC; the
-        daemon's death ends them at once (its doorbells close)."""
-        lane = self._lane
-        if lane is not None and (reg is None or lane.reg is reg):
-            self._lane = None
+        """The lane (``reg``'s only, if given) taken out of use. ``wake``: calls in flight on it,
+        and the lanes of registrations lost before, end now (cancelled). Else (a lost registration)
+        it takes no new call but lets those in flight end as the daemon answers them, as on gRPC
+        (the daemon's death ends them at once: its doorbells close), and is shut with the next
+        ``wake`` or once a new registration's lane opens."""
+        with self._lane_lock:
+            lane = self._lane
+            if lane is not None and (reg is None or lane.reg is reg):
+                self._lane = None
+            else:
+                lane = None
+            if wake:
+                shut, self._lost_lanes = self._lost_lanes, []
+            else:
+                shut = []
+                if lane is not None:
+                    self._lost_lanes.append(lane)
+        if lane is not None:
             lane.close(wake)
+        for each in shut:
+            each.close()
 
     @property
     def lane(self) -> ClientLane | None:
@@ -323,9 +372,9 @@ class KVClient(CoreShell):
                              name="kvclient-reconnect").start()
 
     def _reconnect(self, old: msg.Registration) -> None:
-        backoff = Backoff()
+        tries = Reregistration()
         try:
-            while not self._closed.wait(backoff.next()):
+            while not self._closed.wait(tries.next()):
                 retry = self._core.retry_request(old)
                 if retry is None:
                     return
@@ -333,12 +382,13 @@ class KVClient(CoreShell):
                     resp = self._stub.Register(ticketed(self.target, self._core.pool, retry, self.timeout),
                                                timeout=self.timeout, metadata=self._core.metadata)
                 except grpc.RpcError as exc:
-                    logger.debug("re-registration failed: %s", exc.code().name)
+                    tries.failed(exc.code(), exc.details() or "")
                     continue
                 except KVClientError as exc:  # no peer ticket: the daemon is not back yet
-                    logger.debug("re-registration failed: %s", exc.message)
+                    tries.failed(None, exc.message)
                     continue
-                reg = self._core.reregistered(resp, old, backoff.attempt)
+                tries.succeeded()
+                reg = self._core.reregistered(resp, old, tries.attempts)
                 if reg is not None:
                     self._open_session(reg)
                     self._open_lane(reg)

@@ -6,11 +6,14 @@ the ring and doorbells, then ``OpenLane`` naming the space id) and sends every L
 own CPU. The lane belongs to the space id it was opened for: a view that opens its space again (the
 daemon restarted and forgot the id) opens a lane for the new id. Where no lane can be had (a TCP
 target, a daemon that does not know space lanes, too many of them for this uid) the Lookups take
-gRPC, and the view asks again 30 s later. Events and Releases always take gRPC.
+gRPC, and the view asks again 30 s later. Events and Releases always take gRPC: so does the
+Release of a lease that a pinning Lookup given up on the lane took after all (its answer came
+after the view stopped waiting), which nobody else holds.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -19,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvclient._transport.fd_socket import fd_socket_path, ticket_for
 from kvclient._transport.lane import ClientLane
@@ -36,8 +40,12 @@ RETRY_SECONDS = 30.0
 OPEN_SECONDS = 1.0
 # The daemon is told to end a Lookup this much before the view gives up on it (a quarter of the
 # time at most), so that its answer, with or without a lease, comes before the view stops waiting:
-# a lease the view never saw would pin its pages until pin_ms.
+# a lease the view never saw would pin its pages until pin_ms. The daemon's bound starts when its
+# loop takes the request, which may be later by more than this (a long Put holds the loop): a
+# pinning Lookup's answer that comes after the view gave up is watched for, and its lease released.
 MARGIN_SECONDS = 0.02
+# The bound of that Release.
+RELEASE_SECONDS = 1.0
 MAX_TIMEOUT_MS = 0xFFFFFFFF
 
 
@@ -78,8 +86,9 @@ class ViewLane:
             return None
         left = max(0.001, deadline - time.monotonic())
         request.timeout_ms = daemon_timeout_ms(left)  # no gRPC deadline ends a lane call
+        late = functools.partial(self._release_late, stub, request.space_id) if request.pin_ms else None
         try:
-            got = lane.unary("Lookup", request.SerializeToString(), left)
+            got = lane.unary("Lookup", request.SerializeToString(), left, late, request.pin_ms / 1000)
         except KVClientError as exc:
             if exc.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.PERMISSION_DENIED,
                                 grpc.StatusCode.CANCELLED):
@@ -90,6 +99,22 @@ class ViewLane:
             self._drop(lane)
             return None
         return None if got is None else pb.LookupResponse.FromString(got)
+
+    def _release_late(self, stub, space_id: str, response: bytes) -> None:
+        """A pinning Lookup's answer that came after the view gave up (on the lane's watching
+        thread): the lease it took, which nobody holds, is released."""
+        try:
+            lease = pb.LookupResponse.FromString(response).lease_id
+        except DecodeError:
+            return
+        if not lease:
+            return
+        try:
+            stub.Release(pb.ReleaseRequest(space_id=space_id, lease_ids=[lease]), timeout=RELEASE_SECONDS,
+                         metadata=self._metadata)
+        except (grpc.RpcError, ValueError) as exc:  # ValueError: the channel closed meanwhile
+            logger.debug("releasing the lease of a Lookup given up failed (it ends after its pin_ms): %r",
+                         exc)
 
     def _for(self, stub, space_id: str, deadline: float) -> ClientLane | None:
         lane, space, refused_at = self._held

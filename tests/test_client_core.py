@@ -396,3 +396,41 @@ def test_async_cache_calls_are_misses_while_the_daemon_is_away(daemon_factory, p
                     await handle.pages(), handle.missed, await client.release("L"), client.misses)
 
     assert asyncio.run(run()) == (False, LookupResult(0), PutResult(dropped=4), 0, True, 0, 4)
+
+
+# ---- re-registration's pace and log, and a late lease --------------------------------------------
+
+
+def test_a_refused_reregistration_is_warned_once_per_status_and_reason_and_slowed(caplog):
+    import logging
+
+    from kvclient import core as core_mod
+
+    caplog.set_level(logging.DEBUG, logger="kvclient")
+    tries = core_mod.Reregistration()
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+    tries.failed(None, "no peer ticket")  # the daemon is not back: DEBUG only
+    tries.failed(C.UNAVAILABLE, "")
+    assert warnings() == [] and tries.refusals == 0
+    for free in (100, 90, 80):  # the same reason, other numbers
+        tries.failed(C.RESOURCE_EXHAUSTED, f"grant of 256 pages refused ({free} free)")
+    assert len(warnings()) == 1 and "RESOURCE_EXHAUSTED" in warnings()[0] and "(100 free)" in warnings()[0]
+    assert tries.refusals == core_mod.REFUSALS_TO_SLOW and tries.attempts == 5
+    assert all(core_mod.REFUSED_FIRST / 2 <= tries.next() <= core_mod.REFUSED_CAP for _ in range(20))
+    tries.failed(C.RESOURCE_EXHAUSTED, "no host memory left for one page")  # another reason
+    tries.failed(C.PERMISSION_DENIED, "not yours")  # another status
+    assert len(warnings()) == 3
+    tries.failed(C.UNAVAILABLE, "")  # away again: the quick pace
+    assert tries.refusals == 0 and tries.next() <= 0.05
+
+
+def test_a_late_lookup_answer_is_released_only_with_a_lease(pool):
+    core = registered(pool)
+    reg = core.registration
+    late = pb.LookupResponse(pages=2, lease_id="L").SerializeToString()
+    assert core.late_release(reg, late) == pb.ReleaseRequest(client_id="cid-1", lease_ids=["L"])
+    assert core.late_release(reg, pb.LookupResponse(pages=2).SerializeToString()) is None
+    assert core.late_release(reg, b"\xff\xff") is None  # not a LookupResponse

@@ -10,8 +10,11 @@ every slot busy, takes the gRPC path instead (the caller's choice: ``unary``/``s
 None).
 
 A slot whose call gave up (its deadline) stays the daemon's until the daemon marks it DONE; it is
-taken back by a later call. When the daemon closes its ends (it stopped, died, or released the
-registration), every waiter wakes with UNAVAILABLE, as a gRPC call would.
+taken back by a later call. A call given up whose answer still matters (a pinning Lookup: the
+daemon, whose bound starts when its loop takes the request, may still answer it in time with a
+lease) is watched by a thread of its own until that answer comes, which hands it on
+(``unary``'s ``late``) and gives the slot back. When the daemon closes its ends (it stopped, died,
+or released the registration), every waiter wakes with UNAVAILABLE, as a gRPC call would.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -213,6 +217,7 @@ class ClientLane:
         self._lock = threading.Lock()
         self._free = list(range(slots))
         self._abandoned: set[int] = set()
+        self._late: set[int] = set()  # abandoned slots a thread watches for their answer (_watch)
         self._streams: dict[int, LaneStream] = {}
         self._seq = itertools.count(1)
         self._users = 0
@@ -243,9 +248,12 @@ class ClientLane:
         """Whether the daemon that opened this lane serves ``rpc`` on it."""
         return bool(self.rpc_mask >> R.RPC_IDS[rpc] & 1)
 
-    def unary(self, rpc: str, data: bytes, timeout: float) -> bytes | None:
+    def unary(self, rpc: str, data: bytes, timeout: float, late: Callable[[bytes], None] | None = None,
+              late_for: float = 0.0) -> bytes | None:
         """Write, Put or Lookup on the lane: the response bytes; None: not sent (take gRPC). Raises
-        KVClientError with the daemon's status, or UNAVAILABLE / DEADLINE_EXCEEDED."""
+        KVClientError with the daemon's status, or UNAVAILABLE / DEADLINE_EXCEEDED. ``late``: a
+        call given up at its deadline is watched for ``timeout + late_for`` seconds more (``_watch``),
+        and an OK answer that comes meanwhile is handed to ``late``, on the watching thread."""
         units = self._write_units(data) if rpc == "WriteB" else 0
         now = time.monotonic()
         nap, spin = self._nap(now, units)
@@ -275,12 +283,56 @@ class ClientLane:
             if code:
                 raise _error(code, message, flags)
             return response
-        self._end(i, done=False)
+        if got == _TIMEOUT and late is not None:
+            self._watch(i, late, time.monotonic() + timeout + late_for)
+        else:
+            self._end(i, done=False)
         if got == _CLOSED:
             got = self._ended()
         if got == _TIMEOUT:
             raise KVClientError(grpc.StatusCode.DEADLINE_EXCEEDED, "lane call deadline exceeded")
         raise _unavailable() if got == _CLOSED else _cut()
+
+    def _watch(self, i: int, late: Callable[[bytes], None], until: float) -> None:
+        """Slot ``i``, given up by its call (whose use of the lane the watch takes over), is
+        abandoned, and a thread waits for its answer until ``until``: an OK one goes to ``late``."""
+        with self._lock:
+            self._abandoned.add(i)
+            self._late.add(i)
+        try:
+            threading.Thread(target=self._await_late, args=(i, late, until), daemon=True,
+                             name="kvclient-lane-late").start()
+        except RuntimeError:  # no thread to be had: abandoned as any other call's slot
+            logger.warning("kvclient: no thread to watch a lane call given up; its late answer is dropped")
+            with self._lock:
+                self._late.discard(i)
+            self._end(i, done=False)
+
+    def _await_late(self, i: int, late: Callable[[bytes], None], until: float) -> None:
+        """``_watch``'s thread: waits for slot ``i``'s answer (the lane shut, or ``until``, end the
+        wait sooner), takes the slot back if it was answered, and hands an OK answer to ``late``."""
+        response = None
+        try:
+            self._wait(i, until)
+        finally:
+            with self._lock:
+                self._late.discard(i)
+                self._users -= 1
+                if i in self._abandoned and self._state(i) == R.DONE:
+                    code, answer, _, _ = self._result(i)
+                    response = None if code else answer
+                    self._abandoned.discard(i)
+                    if not self.closed:
+                        R.U32.pack_into(self._mm, R.slot_offset(i) + R.STATE, R.FREE)
+                        self._free.append(i)
+                last = self.closed and self._users == 0 and not self._streams
+            if last:
+                self._release()
+        if response is not None:
+            try:
+                late(response)
+            except Exception:
+                logger.exception("kvclient: handling a lane call's late answer failed")
 
     def nudge(self) -> None:
         """Rings the daemon's data plane ahead of a call if it sleeps, so that it is awake when the
@@ -391,8 +443,9 @@ class ClientLane:
 
     def _reclaim(self) -> list[LaneStream]:
         """Takes back the slots given up on that the daemon has finished; returns the streams it
-        has finished that nobody has read to their end yet (lock held)."""
-        for i in list(self._abandoned):
+        has finished that nobody has read to their end yet (lock held). A watched slot (``_watch``)
+        is its watcher's to take back."""
+        for i in list(self._abandoned - self._late):
             if self._state(i) == R.DONE:
                 self._abandoned.discard(i)
                 R.U32.pack_into(self._mm, R.slot_offset(i) + R.STATE, R.FREE)
@@ -527,7 +580,9 @@ class ClientLane:
     def close(self, wake: bool = True) -> None:
         """No new calls; memory and sockets go once the last call in flight has ended. ``wake``:
         those calls end now (UNAVAILABLE); else (the registration was lost, but the daemon may
-        still answer, as a gRPC call in flight would be answered) they run to their end."""
+        still answer, as a gRPC call in flight would be answered) they run to their end. A Load or
+        Get keeps the lane until its handle reads its end (or is collected): what landed is known
+        only from the slot."""
         with self._lock:
             if self.closed and not wake:
                 return
