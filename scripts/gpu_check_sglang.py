@@ -6,13 +6,13 @@ stand-in for the four names ``kvclient.sglang.linker`` imports from it into ``sy
 each with SGLang 0.5.23's semantics; ``tests/test_gpu_check_sglang.py`` checks them against the
 real classes. What runs is kvserver's real ``KVServerLinker``, as SGLang drives it:
 
-1. engine A (PP 2 of an 8-layer model: a linker per stage, global layers [0, 4) and [4, 8)) fills
-   its pools; stage 1's "forward" rewrites the pages on its forward stream behind a spinning
-   kernel, and the offload is asked for at once, so only the linker's ready events order the
-   daemon's read. Both stages offload ``PAGES`` scattered pages under chained SHA-256 storage
-   hashes, completions popped as SGLang's ``check_hicache_events`` does;
-2. engine B, stage 1, another pool, whose forward stream still writes the target slots' old
-   contents behind a spinning kernel: ``lookup`` (a hit once every stage holds the pages) →
+1. engine A (an 8-layer model; the linker refuses pipeline parallelism) fills its pool; its
+   "forward" rewrites the pages on its forward stream behind a spinning kernel, and the offload
+   is asked for at once, so only the linker's ready events order the daemon's read. It offloads
+   ``PAGES`` scattered pages under chained SHA-256 storage hashes, completions popped as SGLang's
+   ``check_hicache_events`` does;
+2. engine B, another pool, whose forward stream still writes the target slots' old
+   contents behind a spinning kernel: ``lookup`` →
    ``load`` into other scattered slots → ``start_layer_wise_loading`` → ``counter.set_consumer``
    → the "attention" reads each layer through the pool's ``get_key_buffer(layer_id)`` hook (which
    calls ``wait_until(local)``) on its compute stream and compares it with A's pages there, on
@@ -35,8 +35,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 NUM_LAYERS = 8  # the model's
-STAGES = ((0, 4), (4, 8))  # global layers of PP stages 0 and 1 of 2
-STAGE = STAGES[1]  # the stage whose load is checked
+STAGE = (0, NUM_LAYERS)  # the pool's global layers: the whole model (no PP)
 PAGE = 16
 TOKENS = 4096  # slots per pool, SGLang's padding page excluded
 PAGES = 48
@@ -246,7 +245,7 @@ def storage_hashes(tokens: list[int]) -> list[str]:
     return out
 
 
-def make_linker(address: str, pool: StagePool, forward_stream=None, pp_rank: int = 1):
+def make_linker(address: str, pool: StagePool, forward_stream=None):
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
     from kvclient.sglang.linker import KVServerLinker, share_cpu_pool
@@ -254,10 +253,10 @@ def make_linker(address: str, pool: StagePool, forward_stream=None, pp_rank: int
     if pool.device.type == "cpu":
         share_cpu_pool(pool)
     allocator = types.SimpleNamespace(get_kvcache=lambda: pool)
-    params = types.SimpleNamespace(token_to_kv_pool_allocator=allocator, page_size=PAGE, pp_rank=pp_rank,
-                                   pp_size=2, attn_tp_cache_group=None, tp_cache_group=None)
+    params = types.SimpleNamespace(token_to_kv_pool_allocator=allocator, page_size=PAGE, pp_rank=0,
+                                   pp_size=1, attn_tp_cache_group=None, tp_cache_group=None)
     server_args = types.SimpleNamespace(model_path="check-sglang-linker", served_model_name=None,
-                                        tp_size=1, pp_size=2)
+                                        tp_size=1, pp_size=1)
     linker = KVServerLinker(server_args, params, components={ComponentType.FULL},
                             extra_config={"address": address, "num_layers": NUM_LAYERS,
                                           "model": f"check-sglang-{pool.kind}", "timeout_s": 30.0,
@@ -302,17 +301,13 @@ def run(address: str, kind: str, device: str = "cuda") -> dict:
     result: dict = {"kind": f"sglang-linker-{kind}", "device": dev.type}
     stream_a = torch.cuda.Stream() if cuda else None
     a, b = stage_pool(kind, dev, 1), stage_pool(kind, dev, 2)
-    a0 = stage_pool(kind, dev, 3, STAGES[0])  # A's other stage: under PP a page is a hit once
-    linker_a = make_linker(address, a, stream_a)  # every stage holds it
-    linker_a0 = make_linker(address, a0, None, pp_rank=0)
+    linker_a = make_linker(address, a, stream_a)
     compute = torch.cuda.Stream() if cuda else None
     linker_b = make_linker(address, b, compute)
     extra = [p for p in range(1, pages + 1) if p not in get_pages][:4]
     for page_ids in (put_pages, get_pages, extra):
         slots(page_ids)
     try:
-        stage0 = linker_a0.offload([PoolTransfer(name=PoolName.KV, keys=keys,
-                                                 device_indices=slots(put_pages))])
         # 1. A's "forward" writes the pages on its forward stream; the offload is asked for at
         # once, so only the linker's ready events keep the daemon from reading them too early.
         with (torch.cuda.stream(stream_a) if cuda else _null()):
@@ -327,10 +322,7 @@ def run(address: str, kind: str, device: str = "cuda") -> dict:
         deadline = time.monotonic() + 60
         while linker_a.num_completed_offloads() < 1 and time.monotonic() < deadline:
             time.sleep(0.005)
-        while linker_a0.num_completed_offloads() < 1 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        result["offloaded"] = bool(ok_offload and linker_a.pop_completed_offload()
-                                   and stage0 and linker_a0.pop_completed_offload())
+        result["offloaded"] = bool(ok_offload and linker_a.pop_completed_offload())
         if cuda:
             torch.cuda.synchronize()  # ``want`` is read on other streams below
 
@@ -388,7 +380,6 @@ def run(address: str, kind: str, device: str = "cuda") -> dict:
                                        for r, u in zip(rows(b, local, extra), before[local], strict=True))
     finally:
         linker_a.close()
-        linker_a0.close()
         linker_b.close()
     result["ok"] = bool(result.get("offloaded") and result.get("lookup") == PAGES and result.get("queued")
                         and result.get("finished") and result.get("exact")

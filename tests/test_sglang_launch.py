@@ -7,7 +7,9 @@ extracts blocks, split as bash would, and handed to SGLang's `prepare_server_arg
 fails here. SGLang's own validation of the cache flags (`handle_hicache`) runs on the result. The
 linker commands are then built through SGLang's own factory, over a CPU stand-in for the GPU pool
 (moved into shared memory as tests/test_sglang_linker.py does), against a real daemon; the HiCache
-command's module and class must import and subclass SGLang's HiCacheStorage. The Stats blocks run
+command's module and class must import and subclass SGLang's HiCacheStorage, and the PP command's
+backend (HiCache: the linker refuses PP) is built for each stage as SGLang's cache controller
+builds it and stores and loads a prompt. The Stats blocks run
 as written against the daemon as the document starts it. Skipped where scripts/install_sglang.sh
 has not run.
 """
@@ -15,7 +17,6 @@ has not run.
 from __future__ import annotations
 
 import contextlib
-import copy
 import importlib.util
 import inspect
 import io
@@ -270,39 +271,106 @@ def test_linker_command_builds_kvserver_linker_and_shares_pages(daemon):
         b.close()
 
 
-def test_pp_command_needs_num_layers_on_every_stage_but_the_last(daemon):
+def hicache_stage(server_args, address: str, *, pp_rank: int, extra: dict | None = None):
+    """A PP stage's HiCache backend as SGLang's cache controller builds it from the parsed command:
+    the stage's device pool and a host pool mirroring it, HiCacheController._generate_storage_config
+    with the rank's place in the parallel groups and the parsed extra config (the test daemon's
+    address in place of the documented one), the factory, register_mem_pool_host,
+    on_host_pools_registered. Returns (backend, host pool)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+    from sglang.srt.runtime_context import get_parallel
+
+    if extra is None:
+        extra, *_ = HybridCacheController.parse_storage_backend_extra_config(
+            server_args.hicache_storage_backend_extra_config)
+    extra = dict(extra)
+    assert extra["address"] == DOCUMENTED_ADDRESS
+    extra["address"] = address
+    pp_size = server_args.pp_size
+    dev = sglang_env.stage_pool("mha", NUM_LAYERS, pp_size, pp_rank, size=4 * PAGE,
+                                page_size=server_args.page_size, head_num=KV_HEADS, head_dim=HEAD_DIM)
+    host = sglang_env.host_pool(dev, layout="page_first")
+    controller = SimpleNamespace(mem_pool_device=dev, mem_pool_host=host, storage_host_pool=host,
+                                 enable_storage_metrics=False, get_attn_cp_rank_and_size=lambda: (0, 1))
+    with get_parallel().override(tp_rank=0, tp_size=1, pp_rank=pp_rank, pp_size=pp_size, attn_dcp_size=1,
+                                 attn_dcp_rank=0):
+        config = HiCacheController._generate_storage_config(controller, MODEL, extra)
+    backend = StorageBackendFactory.create_backend("dynamic", config, host)
+    try:
+        backend.register_mem_pool_host(host)
+        backend.on_host_pools_registered()
+    except BaseException:
+        backend.close()
+        raise
+    return backend, host
+
+
+def test_pp_command_runs_the_hicache_backend_on_every_stage(daemon):
+    """The PP command is HiCache's (the linker refuses PP): each stage registers its own layers of
+    the documented num_layers; engine A's stages store a prompt's pages, engine B's stages read
+    them back bit for bit; without num_layers the first stage refuses to start, the last knows
+    the count from its own end."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
     server_args = parse(documented("sglang-linker-pp"))
     validate(server_args)
-    assert server_args.pp_size == 2
-    assert server_args.unified_cache_external_linker_config["linker_extra_config"]["num_layers"] == NUM_LAYERS
-    point_at(server_args, daemon.address)
-    hashes = page_hashes(2000, 2)
-    # Under PP a page is a hit once every stage holds it: both stages store, then both load.
-    stages = [(Engine(server_args, pp_rank=rank), Engine(server_args, pp_rank=rank)) for rank in range(2)]
+    assert server_args.pp_size == 2 and server_args.enable_hierarchical_cache
+    assert not server_args.enable_unified_cache_external_linker
+    extra, *_ = HybridCacheController.parse_storage_backend_extra_config(
+        server_args.hicache_storage_backend_extra_config)
+    assert extra == {"backend_name": "kvserver", "module_path": "kvclient.sglang.storage",
+                     "class_name": "KVServerStorage", "interface_v1": 1, "address": DOCUMENTED_ADDRESS,
+                     "num_layers": NUM_LAYERS}
+    hashes = get_storage_hash_str(list(range(2000, 2000 + 2 * PAGE)), None, page_size=PAGE)
+    slots_a = torch.arange(PAGE, 3 * PAGE)  # host pages 1 and 2
+    slots_b = torch.arange(3 * PAGE, 5 * PAGE)  # host pages 3 and 4
+    built = []
     try:
-        expect = []
         for rank, (first, end) in enumerate(sglang_env.pp_split(NUM_LAYERS, 2)):
-            a = stages[rank][0]
-            assert (a.registered["start_layer"], a.registered["end_layer"]) == (first, end)
-            assert a.registered["num_layers"] == NUM_LAYERS
-            assert (a.registered["pp_rank"], a.registered["pp_size"]) == (rank, 2)
-            expect.append(a.offload(hashes, seed=10 + rank))
-        for rank, (_, b) in enumerate(stages):
-            assert same_bytes(expect[rank], b.load(f"r{rank}", hashes))
+            a, host_a = hicache_stage(server_args, daemon.address, pp_rank=rank)
+            built.append(a)
+            b, host_b = hicache_stage(server_args, daemon.address, pp_rank=rank)
+            built.append(b)
+            reg = a._registrar.kwargs
+            assert (reg["start_layer"], reg["end_layer"], reg["num_layers"]) == (first, end, NUM_LAYERS)
+            assert (reg["pp_rank"], reg["pp_size"]) == (rank, 2)
+            g = torch.Generator().manual_seed(rank)
+            raw = host_a.kv_buffer.view(torch.uint8)
+            raw.copy_(torch.randint(0, 256, raw.shape, generator=g, dtype=torch.uint8))
+            assert a.batch_set_v1(hashes, slots_a) == [True, True]
+            assert b.batch_exists(hashes) == 2
+            assert b.batch_get_v1(hashes, slots_b) == [True, True]
+            # page_first [2, tokens, layers, heads, dim]: the stage's every layer of those tokens.
+            assert torch.equal(host_a.kv_buffer[:, slots_a].view(torch.uint8),
+                               host_b.kv_buffer[:, slots_b].view(torch.uint8))
     finally:
-        for a, b in stages:
-            a.close()
-            b.close()
-    # Without num_layers: the first stage refuses to start, the last knows the count from its end.
-    config = copy.deepcopy(server_args.unified_cache_external_linker_config)
-    del config["linker_extra_config"]["num_layers"]
-    with pytest.raises(ValueError, match="set linker_extra_config.num_layers"):
-        Engine(server_args, pp_rank=0, config=config)
-    last = Engine(server_args, pp_rank=1, config=config)
+        for backend in built:
+            backend.close()
+    without = {k: v for k, v in extra.items() if k != "num_layers"}
+    with pytest.raises(ValueError, match="set extra_config num_layers"):
+        hicache_stage(server_args, daemon.address, pp_rank=0, extra=without)
+    last, _ = hicache_stage(server_args, daemon.address, pp_rank=1, extra=without)
     try:
-        assert last.registered["num_layers"] == NUM_LAYERS
+        assert last._registrar.kwargs["num_layers"] == NUM_LAYERS
     finally:
         last.close()
+
+
+def test_the_linker_refuses_pp_naming_the_hicache_backend(daemon):
+    """SGLang's own parser takes the linker command with --pp-size 2, but every stage's linker
+    refuses to start, naming what serves PP instead."""
+    server_args = parse([*documented("sglang-linker"), "--pp-size", "2"])
+    validate(server_args)
+    point_at(server_args, daemon.address)
+    for rank in (0, 1):
+        with pytest.raises(ValueError, match="pipeline parallelism") as refused:
+            Engine(server_args, pp_rank=rank)
+        assert "--enable-hierarchical-cache" in str(refused.value) and "KVServerStorage" in str(refused.value)
 
 
 def test_dp_replicas_share_and_a_restarted_engine_hits(daemon):

@@ -33,18 +33,19 @@ def _sglang():
     sglang_env.restore()
 
 
-def _engine(daemon_address, kind="mha", *, num_layers=10, pp_size=2, pp_rank=1, dtype=None,
-            pool_class=None, params_overrides=None, **extra):
-    """One SGLang-shaped engine: its stage pool in shared memory, CacheInitParams, and the linker
-    as SGLang's registry builds it (create_unified_cache_linker, then the counter registered on
-    the pool)."""
+def _engine(daemon_address, kind="mha", *, num_layers=10, pp_size=1, pp_rank=0, dtype=None,
+            pool_class=None, params_overrides=None, server_args=None, pool=None, **extra):
+    """One SGLang-shaped engine (one TP rank of it: ``tp_rank``/``tp_size`` in ``extra``): its
+    pool in shared memory, CacheInitParams, and the linker as SGLang's registry builds it
+    (create_unified_cache_linker, then the counter registered on the pool)."""
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
     from sglang.srt.mem_cache.unified_cache.linker_factory import create_unified_cache_linker
 
     from kvclient.sglang.linker import share_cpu_pool
 
-    pool = sglang_env.stage_pool(kind, num_layers, pp_size, pp_rank, size=128, page_size=PAGE,
-                                 dtype=dtype)
+    if pool is None:
+        pool = sglang_env.stage_pool(kind, num_layers, pp_size, pp_rank, size=128, page_size=PAGE,
+                                     dtype=dtype)
     share_cpu_pool(pool)
     if pool_class is not None:  # a subclass of SGLang's pool, holding more than K/V or the latent
         pool.__class__ = pool_class
@@ -55,7 +56,7 @@ def _engine(daemon_address, kind="mha", *, num_layers=10, pp_size=2, pp_rank=1, 
               "linker_extra_config": {"address": daemon_address, "model": "sglang-test",
                                       "num_layers": num_layers, "timeout_s": 2.0,
                                       "load_timeout_s": 10.0, **extra}}
-    linker = create_unified_cache_linker(sglang_env.server_args(pp_size=pp_size), params,
+    linker = create_unified_cache_linker(server_args or sglang_env.server_args(pp_size=pp_size), params,
                                          backend="dynamic", config=config,
                                          components={ComponentType.FULL})
     pool.register_layer_transfer_counter(linker.layer_done_counter)
@@ -157,11 +158,11 @@ def test_contract_real_base_real_signatures(daemon):
         assert type(linker) is KVServerLinker
         assert isinstance(linker.layer_done_counter, LayerWiseLoadCounter)
         assert pool.layer_transfer_counter is linker.layer_done_counter
-        assert linker.layer_done_counter.num_layers == pool.layer_num == 5
-        assert linker.layer_ids == (5, 6, 7, 8, 9)  # from model_layer_ids, global
+        assert linker.layer_done_counter.num_layers == pool.layer_num == 10
+        assert linker.layer_ids == tuple(range(10))  # from model_layer_ids
         reg = linker._register_kwargs
-        assert (reg["start_layer"], reg["end_layer"], reg["num_layers"]) == (5, 10, 10)
-        assert (reg["pp_rank"], reg["pp_size"], reg["tp_rank"], reg["tp_size"]) == (1, 2, 0, 1)
+        assert (reg["start_layer"], reg["end_layer"], reg["num_layers"]) == (0, 10, 10)
+        assert (reg["pp_rank"], reg["pp_size"], reg["tp_rank"], reg["tp_size"]) == (0, 1, 0, 1)
         assert linker.forward_stream is None
         assert len(linker.record_offload_ready()) == 1
     finally:
@@ -187,8 +188,8 @@ def test_a_cpu_pool_outside_shared_memory_is_refused(daemon):
 @pytest.mark.parametrize("kind,dtype", [("mha", None), ("mla", None), ("mha", "fp8")])
 def test_two_engines_share_a_prefix_layer_by_layer(daemon, kind, dtype):
     dtype = torch.float8_e4m3fn if dtype == "fp8" else None
-    a, pool_a, alloc_a = _engine(daemon.address, kind, dtype=dtype, pp_size=1, pp_rank=0)
-    b, pool_b, alloc_b = _engine(daemon.address, kind, dtype=dtype, pp_size=1, pp_rank=0)
+    a, pool_a, alloc_a = _engine(daemon.address, kind, dtype=dtype)
+    b, pool_b, alloc_b = _engine(daemon.address, kind, dtype=dtype)
     if dtype is not None:  # SGLang stores fp8 as uint8; the daemon is told fp8
         assert pool_a.k_buffer[0].dtype == torch.uint8
         assert pool_a.kvserver_shm_pool.dtype == torch.float8_e4m3fn
@@ -254,9 +255,9 @@ def test_two_engines_share_a_prefix_layer_by_layer(daemon, kind, dtype):
 def test_engines_of_other_weights_never_share(daemon):
     """The weights' identity (linker_extra_config weights, else read from the model path) is part
     of the KV space: the same model name with other weights finds nothing."""
-    a, pool_a, alloc_a = _engine(daemon.address, pp_size=1, pp_rank=0, weights="rev-a")
-    b, _, _ = _engine(daemon.address, pp_size=1, pp_rank=0, weights="rev-b")
-    c, _, _ = _engine(daemon.address, pp_size=1, pp_rank=0, weights="rev-a")
+    a, pool_a, alloc_a = _engine(daemon.address, weights="rev-a")
+    b, _, _ = _engine(daemon.address, weights="rev-b")
+    c, _, _ = _engine(daemon.address, weights="rev-a")
     try:
         hashes = _hashes(list(range(2000, 2000 + 3 * PAGE)))
         slots = alloc_a.alloc(3 * PAGE)
@@ -271,7 +272,7 @@ def test_engines_of_other_weights_never_share(daemon):
 
 
 def test_cancel_queued_load_and_reset(daemon):
-    a, pool_a, alloc_a = _engine(daemon.address, pp_size=1, pp_rank=0)
+    a, pool_a, alloc_a = _engine(daemon.address)
     try:
         hashes = _hashes(list(range(2 * PAGE)))
         slots = alloc_a.alloc(2 * PAGE)
@@ -298,8 +299,8 @@ def test_pages_only_the_daemons_disk_holds_are_hits_only_when_asked(daemon_facto
     fall back to a recompute, and a disk page is read back inside it. ``disk_hits`` counts them;
     the load then reads them back, bit-exact."""
     d = daemon_factory(host_memory=64 << 20, disk_cache=str(tmp_path / "disk"), disk_size=256 << 20)
-    a, pool_a, alloc_a = _engine(d.address, pp_size=1, pp_rank=0)
-    b, pool_b, alloc_b = _engine(d.address, pp_size=1, pp_rank=0, disk_hits=True)
+    a, pool_a, alloc_a = _engine(d.address)
+    b, pool_b, alloc_b = _engine(d.address, disk_hits=True)
     try:
         hashes, slots_a = _store(a, pool_a, alloc_a, 700, seed=5)
         expect = _rows(pool_a, slots_a)
@@ -325,8 +326,8 @@ def test_pages_only_the_daemons_disk_holds_are_hits_only_when_asked(daemon_facto
 
 def test_daemon_stopped_mid_request_gives_misses(daemon_factory):
     d = daemon_factory()
-    a, pool_a, alloc_a = _engine(d.address, retry_register_s=0.0, pp_size=1, pp_rank=0)
-    b, pool_b, alloc_b = _engine(d.address, retry_register_s=0.0, pp_size=1, pp_rank=0)
+    a, pool_a, alloc_a = _engine(d.address, retry_register_s=0.0)
+    b, pool_b, alloc_b = _engine(d.address, retry_register_s=0.0)
     try:
         hashes, slots_a = _store(a, pool_a, alloc_a, 500, seed=3)
         assert b.lookup("r", [_kv(keys=hashes)]) == [1, 2]
@@ -403,65 +404,29 @@ def test_no_daemon_at_startup_misses_everything(socket_dir):
         linker.close()
 
 
-@pytest.mark.parametrize("pp_size", [1, 2, 3])
-def test_every_pp_stage_stores_and_loads_its_own_layers(daemon, pp_size):
-    """SGLang's own split (get_pp_indices) of 10 layers: each stage's two engines share a prefix
-    over the stage's global layers; the counter gets the stage's local ids. SGLang does not agree
-    on hits across PP stages (each builds its own batch), so every stage counts a page only once
-    all stages hold it: no stage sees a hit before the last one has stored."""
-    from kvclient.sglang.linker import storage_keys
-
-    ranges = sglang_env.pp_split(10, pp_size)
-    hashes = _hashes(list(range(7 + pp_size, 7 + pp_size + 2 * PAGE)))
-    stages = [(_engine(daemon.address, num_layers=10, pp_size=pp_size, pp_rank=rank),
-               _engine(daemon.address, num_layers=10, pp_size=pp_size, pp_rank=rank))
-              for rank in range(pp_size)]
-    try:
-        stored = []
-        for rank, ((a, pool_a, alloc_a), (b, _, _)) in enumerate(stages):
-            start, end = ranges[rank]
-            assert a.layer_ids == tuple(range(start, end))
-            assert (a._register_kwargs["start_layer"], a._register_kwargs["end_layer"]) == (start, end)
-            assert b.lookup("early", [_kv(keys=hashes)]) == []  # not every stage holds the pages yet
-            slots_a = alloc_a.alloc(2 * PAGE)
-            _fill(pool_a, slots_a, seed=rank)
-            stored.append(_rows(pool_a, slots_a))
-            assert a.offload([_kv(device_indices=slots_a, keys=hashes)]) is True
-            assert _completed(a, 1) == 1 and a.pop_completed_offload() is True
-        for rank, (_, (b, pool_b, alloc_b)) in enumerate(stages):
-            start, end = ranges[rank]
-            slots_b = alloc_b.alloc(2 * PAGE)
-            assert b.lookup("r", [_kv(keys=hashes)]) == [1, 2]
-            assert b.load("r", [_kv(keys=hashes, device_indices=slots_b)]) is True
-            index = b.start_layer_wise_loading()
-            b.layer_done_counter.set_consumer(index)
-            released = []
-            _forward(pool_b, released)
-            assert released == list(range(start, end))
-            assert b.finish_layer_wise_loading(index) is True
-            _assert_same_bytes(stored[rank], _rows(pool_b, slots_b))
-            # A global id outside the stage, sent on the wire, is refused naming the stage's range.
-            wrong = end if end < 10 else start - 1 if start > 0 else 10
-            with pytest.raises(KVClientError) as refused:
-                b.client.get(storage_keys(hashes), [1, 2], layers=[wrong], key_bytes=32).wait(5)
-            assert refused.value.code == grpc.StatusCode.OUT_OF_RANGE
-            assert f"[{start}, {end})" in refused.value.message, refused.value.message
-    finally:
-        for (a, _, _), (b, _, _) in stages:
-            a.close()
-            b.close()
+@pytest.mark.parametrize("pp_rank", [0, 1])
+def test_pipeline_parallelism_is_refused_at_construction_naming_what_to_use(daemon, pp_rank):
+    """SGLang 0.5.23's PP stages each build their own batches, and its linker wrapper agrees on
+    hits and load results over the attention TP group only, never across stages: stages that
+    counted different hits would extend a request by different lengths. So every stage refuses
+    to start, and says what serves PP instead (HiCache with the kvserver storage backend, whose
+    hits and prefetches SGLang reduces over the PP group too)."""
+    with pytest.raises(ValueError, match="pipeline parallelism") as refused:
+        _engine(daemon.address, num_layers=10, pp_size=2, pp_rank=pp_rank)
+    assert "KVServerStorage" in str(refused.value) and "--enable-hierarchical-cache" in str(refused.value)
+    assert not daemon.run(lambda: len(daemon.core.clients)), "a refused stage must not register"
 
 
-def test_a_stage_claiming_another_layer_range_misses_and_says_why(daemon, monkeypatch, caplog):
-    """Two engines of one model disagree on stage 0's layers (SGLANG_PP_LAYER_PARTITION set for
-    one): the first fixes the part's range; the other's calls are refused, which the linker turns
-    into misses, logging once the daemon's reason with both ranges."""
+def test_an_engine_claiming_another_layer_range_misses_and_says_why(daemon, caplog):
+    """Two engines of one model disagree on its layers (one's pool holds 4 of the 10 its
+    num_layers says): the first fixes the part's range; the other's calls are refused, which the
+    linker turns into misses, logging once the daemon's reason with both ranges."""
     hashes = _hashes(list(range(3, 3 + PAGE)))
-    a, pool_a, alloc_a = _engine(daemon.address, num_layers=10, pp_size=2, pp_rank=0)
-    monkeypatch.setenv("SGLANG_PP_LAYER_PARTITION", "4,6")
-    b, pool_b, alloc_b = _engine(daemon.address, num_layers=10, pp_size=2, pp_rank=0)
+    a, pool_a, alloc_a = _engine(daemon.address, num_layers=10)
+    b, pool_b, alloc_b = _engine(daemon.address, num_layers=10,
+                                 pool=sglang_env.mha_pool(layer_num=4, size=128, page_size=PAGE))
     try:
-        assert (a.layer_ids, b.layer_ids) == (tuple(range(0, 5)), tuple(range(0, 4)))
+        assert (a.layer_ids, b.layer_ids) == (tuple(range(0, 10)), tuple(range(0, 4)))
         slots = alloc_a.alloc(PAGE)
         _fill(pool_a, slots, seed=1)
         assert a.offload([_kv(device_indices=slots, keys=hashes)]) is True
@@ -469,11 +434,16 @@ def test_a_stage_claiming_another_layer_range_misses_and_says_why(daemon, monkey
         with caplog.at_level("WARNING"):
             assert b.lookup("r", [_kv(keys=hashes)]) == []
             assert b.lookup("r", [_kv(keys=hashes)]) == []
-        said = [r.getMessage() for r in caplog.records if "[0, 5)" in r.getMessage()]
+        said = [r.getMessage() for r in caplog.records if "[0, 10)" in r.getMessage()]
         assert said and "[0, 4)" in said[0], caplog.text
         from kvclient.sglang.linker import storage_keys
 
         assert a.client.lookup(storage_keys(hashes), key_bytes=32).pages == 1  # its own part: stored
+        # A layer id outside the registered range, sent on the wire, is refused naming the range.
+        with pytest.raises(KVClientError) as refused:
+            a.client.get(storage_keys(hashes), [1], layers=[10], key_bytes=32).wait(5)
+        assert refused.value.code == grpc.StatusCode.OUT_OF_RANGE
+        assert "[0, 10)" in refused.value.message, refused.value.message
     finally:
         a.close()
         b.close()
@@ -561,7 +531,7 @@ def test_reset_drops_the_offloads_it_finds_queued(daemon):
     """SGLang's reset releases every pending offload's node once the linker's reset returns, and
     their slots may then be reused: a queued offload must not Put them afterwards, nor complete
     into the next generation's queue. The one already running finishes first."""
-    a, pool, alloc = _engine(daemon.address, pp_size=1, pp_rank=0)
+    a, pool, alloc = _engine(daemon.address)
     gate, entered, puts = threading.Event(), threading.Event(), []
     real_put = a.client.put
 
@@ -592,8 +562,9 @@ def test_reset_drops_the_offloads_it_finds_queued(daemon):
         stored = [a.client.lookup(storage_keys(keys), key_bytes=32).pages for keys in batches]
         assert stored == [1, 0, 0, 0]
         slots = alloc.alloc(PAGE)
-        assert a.offload([_kv(device_indices=slots, keys=batches[1])]) is True  # after the reset
-        assert _completed(a, 1) == 1 and a.pop_completed_offload() is True
+        assert a.offload([_kv(device_indices=slots, keys=batches[1])]) is True  # after the reset:
+        assert _completed(a, 1) == 1 and a.pop_completed_offload() is False  # queued, stores nothing
+        assert a.client.lookup(storage_keys(batches[1]), key_bytes=32).pages == 0
     finally:
         gate.set()
         a.close()
@@ -603,7 +574,7 @@ def test_leases_of_lookups_that_never_load_are_forgotten_after_their_pin(daemon)
     """A request aborted after its lookup (or refused slots, or missed on another rank) never
     loads: past the pin the daemon has ended its lease, and the linker lets go of it too (its
     time is kept a while, so that a late load of it is refused, then forgotten)."""
-    a, pool, alloc = _engine(daemon.address, pp_size=1, pp_rank=0, lookup_pin_ms=200)
+    a, pool, alloc = _engine(daemon.address, lookup_pin_ms=200)
     try:
         keys = _hashes(list(range(PAGE)))
         slots = alloc.alloc(PAGE)
@@ -632,7 +603,7 @@ def test_a_stopped_daemon_costs_the_scheduler_one_bounded_wait(socket_dir):
     from daemon_proc import DaemonProcess
 
     d = DaemonProcess(os.path.join(socket_dir, "stopped.sock"), host_memory="256MiB")
-    linker, pool, alloc = _engine(d.address, pp_size=1, pp_rank=0, lookup_timeout_s=0.5)
+    linker, pool, alloc = _engine(d.address, lookup_timeout_s=0.5)
     try:
         hashes = _hashes(list(range(700, 700 + 2 * PAGE)))
         slots = alloc.alloc(2 * PAGE)
@@ -663,8 +634,8 @@ def test_a_load_whose_pin_ran_out_is_refused_before_it_starts(daemon_factory):
     one that may fail for want of its pin: once the lookup's pin is gone or nearly so, load()
     answers False and SGLang recomputes those pages instead."""
     d = daemon_factory()
-    a, pool_a, alloc_a = _engine(d.address, pp_size=1, pp_rank=0)
-    b, pool_b, alloc_b = _engine(d.address, pp_size=1, pp_rank=0, lookup_pin_ms=400)
+    a, pool_a, alloc_a = _engine(d.address)
+    b, pool_b, alloc_b = _engine(d.address, lookup_pin_ms=400)
     try:
         hashes, slots_a = _store(a, pool_a, alloc_a, 900, seed=5)
         slots_b = alloc_b.alloc(2 * PAGE)
@@ -678,3 +649,104 @@ def test_a_load_whose_pin_ran_out_is_refused_before_it_starts(daemon_factory):
     finally:
         a.close()
         b.close()
+
+
+def test_a_reset_turns_the_linker_off_for_the_rest_of_the_process(daemon, caplog):
+    """SGLang resets its cache (tree_cache.reset -> linker.reset) when it flushes it, as it does
+    after an in-place weight update (update_weights_from_*, flush_cache true by default). The
+    daemon's pages were computed by the old weights under the same KV space, and nothing on the
+    wire says the weights changed: after a reset the linker finds nothing (so loads nothing) and
+    stores nothing, saying so once at WARNING. Engines that were not reset keep their pages."""
+    from kvclient.sglang.linker import storage_keys
+
+    a, pool_a, alloc_a = _engine(daemon.address)
+    b, pool_b, alloc_b = _engine(daemon.address)
+    try:
+        hashes, _ = _store(b, pool_b, alloc_b, 1200, seed=4)
+        assert b.lookup("before", [_kv(keys=hashes)]) == [1, 2]
+        with caplog.at_level("WARNING", logger="kvclient.sglang"):
+            b.reset()
+            b.reset()
+        said = [r.getMessage() for r in caplog.records if r.name == "kvclient.sglang"]
+        assert len(said) == 1 and "reset" in said[0] and "weights" in said[0], said
+        assert b.lookup("after", [_kv(keys=hashes)]) == []
+        slots = alloc_b.alloc(2 * PAGE)
+        assert b.load("after", [_kv(keys=hashes, device_indices=slots)]) is False
+        assert b.start_layer_wise_loading() == -1
+        # KV computed after the reset is never stored under the old space's keys.
+        fresh = _hashes(list(range(1300, 1300 + 2 * PAGE)))
+        _fill(pool_b, slots, seed=5)
+        assert b.offload([_kv(device_indices=slots, keys=fresh)]) is True  # by the transfers alone
+        assert _completed(b, 1) == 1 and b.pop_completed_offload() is False
+        assert a.client.lookup(storage_keys(fresh), key_bytes=32).pages == 0
+        assert a.lookup("other", [_kv(keys=hashes)]) == [1, 2]  # an engine not reset: its pages
+        assert b.lookup("later", [_kv(keys=hashes)]) == []
+    finally:
+        a.close()
+        b.close()
+
+
+def _tp_engine(address: str, **extra):
+    """Both TP ranks of one engine (tp_size 2: each registers its own part of the space)."""
+    return [_engine(address, tp_rank=rank, tp_size=2, **extra) for rank in (0, 1)]
+
+
+def _load_on_every_rank(ranks, rid: str, hashes) -> tuple[list[bool], list[bool], list]:
+    """SGLang's calls on each rank: load_back's load, the prefill's start, the forward, finish.
+    Returns (each rank's load answer, each rank's finish, each rank's slots)."""
+    queued, landed, slots = [], [], []
+    for linker, _, alloc in ranks:
+        slots.append(alloc.alloc(len(hashes) * PAGE))
+        queued.append(linker.load(rid, [_kv(keys=hashes, device_indices=slots[-1])]))
+    for (linker, pool, _), ok in zip(ranks, queued, strict=True):
+        if not ok:
+            landed.append(True)  # nothing in flight: finish_loads is never entered
+            continue
+        index = linker.start_layer_wise_loading()
+        linker.layer_done_counter.set_consumer(index)
+        _forward(pool, [])
+        landed.append(linker.finish_layer_wise_loading(index))
+    return queued, landed, slots
+
+
+def test_tp_ranks_answer_load_alike_and_a_rank_that_cannot_fails_the_batch_on_all(daemon):
+    """SGLang's wrapper needs load()'s answer to depend on the transfers alone: every TP rank keeps
+    its own in-flight loads and enters finish_loads' MIN all-reduce only with one, and a prefix
+    that grew on some ranks only would be computed differently on the others. So with TP above 1
+    a well-formed load is accepted on every rank; a rank that cannot serve it (its gate closed
+    after a call that failed) fails its batch, and the MIN over the ranks' finish (SGLang's
+    finish_loads) aborts the request on all of them. A rank whose lookup's pin ran out loads
+    anyway: its pages are usually still there, and a refusal there would be a divergence."""
+    writer = _tp_engine(daemon.address)
+    gated = _tp_engine(daemon.address)
+    late = _tp_engine(daemon.address, lookup_pin_ms=400)
+    try:
+        expect = []
+        for rank, (a, pool, alloc) in enumerate(writer):
+            hashes, slots = _store(a, pool, alloc, 1500, seed=10 + rank)
+            expect.append(_rows(pool, slots))
+
+        # 1. One rank's gate is closed (a call of its failed): both accept, the batch fails there.
+        assert [b.lookup("r1", [_kv(keys=hashes)]) for b, _, _ in gated] == [[1, 2], [1, 2]]
+        gated[1][0].away.first = 60.0  # no probe reopens it during the test
+        gated[1][0].away.failed()
+        queued, landed, _ = _load_on_every_rank(gated, "r1", hashes)
+        assert queued == [True, True]
+        assert landed == [True, False] and min(landed) is False  # SGLang aborts r1 on both ranks
+
+        # 2. One rank's pin ran out before its load (its lookup came earlier): both load, bit-exact.
+        b1 = late[1][0]
+        assert b1.lookup("r2", [_kv(keys=hashes)]) == [1, 2]
+        time.sleep(0.25)  # rank 1's pin has less than half its life left; rank 0's is fresh
+        assert late[0][0].lookup("r2", [_kv(keys=hashes)]) == [1, 2]
+        queued, landed, slots = _load_on_every_rank(late, "r2", hashes)
+        assert queued == [True, True] and landed == [True, True]
+        for rank, (_, pool, _) in enumerate(late):
+            _assert_same_bytes(expect[rank], _rows(pool, slots[rank]))
+
+        # 3. Malformed transfers are refused on every rank alike (their answer is the transfers').
+        for b, _, alloc in gated:
+            assert b.load("r3", [_kv(keys=hashes, device_indices=alloc.alloc(2 * PAGE) + 1)]) is False
+    finally:
+        for linker, _, _ in writer + gated + late:
+            linker.close()

@@ -1,8 +1,6 @@
 """KVServerLinker driven through SGLang 0.5.23's own UnifiedRadixCache and
 UnifiedCacheLinkerWrapper, with SGLang's real Req, the way the scheduler calls them, against a real
-daemon. Two engines (stage pp_rank=1 of pp_size=2 over 10 layers, so the pool's local layer ids
-0-4 are the model's global 5-9; where B loads, engine A's stage 0 stores the prompt too, since
-under PP a page is a hit once every stage holds it), each with its own MHA pool in shared memory, allocator,
+daemon. Two engines of 10 layers, each with its own MHA pool in shared memory, allocator,
 ReqToTokenPool and radix cache, the linker built by create_unified_cache_linker and attached as
 SGLang's registry does (init_cache_linker, then the counter registered on the pool).
 
@@ -15,16 +13,17 @@ The scheduler's calls, in its order (scheduler.py, schedule_policy.py, mem_cache
 - batch build: ``batch.hicache_consumer_index = cache.ready_to_load_host_cache()``, then the
   request's row gets ``cache.prefix_device_indices(req)`` and extend slots (prepare_for_extend);
 - forward: ``counter.set_consumer(index)`` (TpModelWorker.set_hicache_consumer), the attention
-  layers' ``pool.get_key_buffer(global_layer_id)``;
+  layers' ``pool.get_key_buffer(layer_id)``;
 - after it: ``cache.finish_external_linker_loads(batch.reqs)``, then ``checkpoint_kv_cache(req,
   cache)`` (cache_unfinished_req's insert; write-through -> wrapper.offload_nodes ->
   linker.offload);
-- every step: ``cache.check_hicache_events()`` (num_completed -> take -> commit).
+- every step: ``cache.check_hicache_events()`` (num_completed -> take -> commit);
+- a cache flush (``Scheduler.flush_cache``, as after an in-place weight update): ``cache.reset()``.
 
 What is not SGLang's own object here, and why (CPU only, no model):
 - No Scheduler, ScheduleBatch or ModelRunner: they need a model, CUDA and a process group. The
   test makes their calls itself, in their order, with the parameters they pass. The forward is
-  a loop over the pool's get_key_buffer for the stage's global layer ids (what the attention
+  a loop over the pool's get_key_buffer for the model's layer ids (what the attention
   backends call); a "prefill" writes random KV into the request's slots where the model would.
 - Slot allocation for a prefill (alloc_for_extend needs a ScheduleBatch): SGLang's own
   ReqToTokenPool.alloc and PagedTokenToKVPoolAllocator.alloc of whole pages, the row written with
@@ -50,7 +49,7 @@ if not sglang_env.sglang_installed():
     pytest.skip("sglang not installed (scripts/install_sglang.sh)", allow_module_level=True)
 
 PAGE = 16
-NUM_LAYERS, PP_SIZE, PP_RANK = 10, 2, 1
+NUM_LAYERS = 10
 MODEL = "sglang-radix-test"
 PROMPT = list(range(2000, 2000 + 3 * PAGE + 5))  # 3 whole pages and a partial one
 STORED_PAGES = 3
@@ -59,7 +58,7 @@ STORED_PAGES = 3
 @pytest.fixture(scope="module", autouse=True)
 def _sglang():
     sglang_env.setup()
-    with sglang_env.runtime_context(sglang_env.server_args(pp_size=PP_SIZE)):
+    with sglang_env.runtime_context(sglang_env.server_args()):
         yield
     sglang_env.restore()
 
@@ -67,7 +66,7 @@ def _sglang():
 @dataclass
 class Engine:
     cache: object  # UnifiedRadixCache
-    pool: object  # MHATokenToKVPool (this stage's layers)
+    pool: object  # MHATokenToKVPool
     params: object  # CacheInitParams
     linker: object  # KVServerLinker
 
@@ -83,21 +82,21 @@ class Engine:
         self.cache.release_host_resources()  # -> wrapper.close -> linker.close
 
 
-def _engine(address: str, pp_rank: int = PP_RANK, **extra) -> Engine:
+def _engine(address: str, **extra) -> Engine:
     """registry.py's order: the tree, the linker from the factory with the tree's components,
     init_cache_linker, the counter registered on the pool."""
     from sglang.srt.mem_cache.unified_cache.linker_factory import create_unified_cache_linker
 
     from kvclient.sglang.linker import KVServerLinker, share_cpu_pool
 
-    pool = sglang_env.stage_pool("mha", NUM_LAYERS, PP_SIZE, pp_rank, size=256, page_size=PAGE)
+    pool = sglang_env.mha_pool(layer_num=NUM_LAYERS, size=256, page_size=PAGE)
     share_cpu_pool(pool)
-    params = sglang_env.cache_init_params(pool, pp_rank=pp_rank, pp_size=PP_SIZE)
+    params = sglang_env.cache_init_params(pool)
     cache = sglang_env.unified_radix_cache(params)
     config = {"linker": "KVServerLinker", "linker_module_path": "kvclient.sglang.linker",
               "linker_extra_config": {"address": address, "model": MODEL, "num_layers": NUM_LAYERS,
                                       "timeout_s": 2.0, "load_timeout_s": 10.0, **extra}}
-    linker = create_unified_cache_linker(sglang_env.server_args(pp_size=PP_SIZE), params,
+    linker = create_unified_cache_linker(sglang_env.server_args(), params,
                                          backend="dynamic", config=config,
                                          components=set(cache.components))
     assert type(linker) is KVServerLinker
@@ -164,15 +163,6 @@ def _drain_offloads(engine: Engine, timeout: float = 10.0) -> None:
     assert not engine.wrapper.pending_offloads, "the offload was never committed"
 
 
-def _stage_zero(address: str, seed: int, **extra) -> Engine:
-    """Engine A's other PP stage, through its own radix cache: under PP a page is a hit only once
-    every stage holds it (the stages do not agree on hits otherwise), so it stores the prompt too."""
-    a0 = _engine(address, pp_rank=0, **extra)
-    _prefill_and_insert(a0, sglang_env.req("a0-0", PROMPT), seed=seed)
-    _drain_offloads(a0)
-    return a0
-
-
 def _counters(engine: Engine):
     """The daemon's cache counters for the model's KV space (CacheCounters)."""
     (space,) = [s for s in engine.linker.client.stats().spaces if s.space.model == MODEL]
@@ -198,7 +188,7 @@ def _admit(engine: Engine, req):
 
 
 def _forward(pool, released: list) -> threading.Thread:
-    """The attention layers of this stage: global ids through the pool's wait hook."""
+    """The attention layers: their ids through the pool's wait hook."""
     def run():
         for layer_id in pool.model_layer_ids:
             pool.get_key_buffer(layer_id)
@@ -251,12 +241,9 @@ def test_an_insert_writes_through_to_the_daemon_and_the_step_commits_it(daemon):
 def test_a_second_engine_loads_the_prefix_through_its_radix_cache(daemon):
     a = _engine(daemon.address)
     b = _engine(daemon.address)
-    a0 = None
     try:
         _, expect = _prefill_and_insert(a, sglang_env.req("a-0", PROMPT), seed=21)
         _drain_offloads(a)
-        assert b.linker.lookup("early", [_kv_lookup(PROMPT)]) == []  # stage 0 holds nothing yet
-        a0 = _stage_zero(daemon.address, seed=22)
         b.allocator.alloc(2 * PAGE)  # another request's pages: B's slots are not A's
 
         req = sglang_env.req("b-0", PROMPT + [7, 8, 9])
@@ -285,8 +272,8 @@ def test_a_second_engine_loads_the_prefix_through_its_radix_cache(daemon):
         counter.set_consumer(index)
         released = []
         _forward(b.pool, released).join(15)
-        assert released == list(range(5, 10))  # the pool was asked for global ids
-        assert waits == list(range(5))  # the counter saw local ones
+        assert released == list(range(NUM_LAYERS))  # the pool was asked for each layer
+        assert waits == list(range(NUM_LAYERS))  # the counter saw each, in order
 
         assert b.cache.finish_external_linker_loads([req]) == []
         assert req.discard_output_reason is None and not req.skip_radix_cache_insert
@@ -301,13 +288,11 @@ def test_a_second_engine_loads_the_prefix_through_its_radix_cache(daemon):
         # stored); the daemon finds every page present and stores nothing twice.
         assert len(b.wrapper.pending_offloads) == 1
         _drain_offloads(b)
-        counters = _counters(b)  # both stages' pages
-        assert (counters.pages, counters.dedup_pages) == (PP_SIZE * STORED_PAGES, STORED_PAGES)
+        counters = _counters(b)
+        assert (counters.pages, counters.dedup_pages) == (STORED_PAGES, STORED_PAGES)
     finally:
         a.close()
         b.close()
-        if a0 is not None:
-            a0.close()
 
 
 # ---- 3. the daemon stops between init_load_back and the forward -----------------------------
@@ -320,11 +305,9 @@ def test_a_load_lost_before_the_forward_aborts_the_request_and_inserts_nothing(d
     d = daemon_factory()
     a = _engine(d.address, retry_register_s=0.0)
     b = _engine(d.address, retry_register_s=0.0)
-    a0 = None
     try:
         _prefill_and_insert(a, sglang_env.req("a-0", PROMPT), seed=31)
         _drain_offloads(a)
-        a0 = _stage_zero(d.address, seed=32, retry_register_s=0.0)
         req = sglang_env.req("b-0", PROMPT + [7, 8, 9])
         promised, (loaded, _) = _admit(b, req)
         assert promised == loaded == STORED_PAGES * PAGE
@@ -349,5 +332,38 @@ def test_a_load_lost_before_the_forward_aborts_the_request_and_inserts_nothing(d
     finally:
         a.close()
         b.close()
-        if a0 is not None:
-            a0.close()
+
+
+# ---- 4. a cache flush (as after an in-place weight update) ------------------------------------
+
+
+def test_after_a_flush_the_engine_loads_nothing_the_daemon_held_and_stores_nothing_new(daemon):
+    """SGLang flushes its cache after an in-place weight update (flush_cache_after_weight_update ->
+    Scheduler.flush_cache -> cache.reset() -> wrapper.reset -> linker.reset). What the daemon holds
+    under the engine's KV space was computed by the old weights: after the flush the engine's
+    admissions find no host hit, and its write-throughs store nothing another engine of the old
+    weights would take as its own. An engine that was not flushed still loads what it stored."""
+    a = _engine(daemon.address)
+    b = _engine(daemon.address)
+    try:
+        _prefill_and_insert(a, sglang_env.req("a-0", PROMPT), seed=41)
+        _drain_offloads(a)
+        assert b.linker.lookup("warm", [_kv_lookup(PROMPT)]) == [1, 2, 3]
+
+        b.cache.reset()  # what flush_cache does on every TP rank, once the engine is idle
+
+        req = sglang_env.req("b-0", PROMPT + [7, 8, 9])
+        promised, (loaded, _) = _admit(b, req)
+        assert (promised, loaded, req.prefix_len) == (0, 0, 0)
+        assert b.wrapper.inflight_load_rids == [] and b.cache.ready_to_load_host_cache() == -1
+        # The new weights' prefill, inserted: its write-through completes without storing.
+        other = [t + 1 for t in PROMPT]
+        _prefill_and_insert(b, sglang_env.req("b-1", other), seed=42)
+        _drain_offloads(b)
+        assert a.linker.lookup("new", [_kv_lookup(other)]) == []
+        assert _stored_pages(a) == STORED_PAGES
+        # A pre-flush reader (engine A, not flushed) still hits its own pages.
+        assert a.linker.lookup("old", [_kv_lookup(PROMPT)]) == [1, 2, 3]
+    finally:
+        a.close()
+        b.close()

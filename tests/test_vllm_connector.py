@@ -489,6 +489,85 @@ def test_refuses_state_caches_and_hybrids_it_cannot_serve(vcfg, monkeypatch):
         KVServerConnector(vcfg, KVConnectorRole.WORKER, groups(full, swa))
 
 
+def test_fp8_kv_caches_are_refused_saying_why(vcfg):
+    """vLLM 0.33 gives every fp8 ``--kv-cache-dtype`` per-tensor scales (KVQuantMode.FP8_PER_TENSOR):
+    the bytes of a page mean nothing without the scales that wrote them, so an fp8 cache is refused
+    at startup, naming the way out."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        get_kv_quant_mode,
+    )
+
+    from kvclient.vllm.connector import KVServerConnector
+
+    for cache_dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        mode = get_kv_quant_mode(cache_dtype)
+        assert mode.name == "FP8_PER_TENSOR"
+        spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.uint8,
+                                 kv_quant_mode=mode)
+        kv_cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                               kv_cache_groups=[KVCacheGroupSpec(list(vllm_engine.LAYERS), spec)])
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+            with pytest.raises(ValueError, match="FP8_PER_TENSOR") as refused:
+                KVServerConnector(vcfg, role, kv_cfg)
+            assert "--kv-cache-dtype auto" in str(refused.value)
+
+
+def test_sleep_mode_is_refused_at_startup(vcfg, monkeypatch):
+    """vLLM's sleep mode frees the KV cache memory the workers registered with the daemon and maps
+    it again on wake-up (gpu_worker.sleep/wake_up, discard): the connector does not follow it, and
+    says so through vLLM's own check, which stops the engine at startup."""
+    from kvclient.vllm.connector import KVServerConnector
+
+    ktc = vcfg.kv_transfer_config
+    assert KVServerConnector.supports_sleep_mode(ktc) is False
+    monkeypatch.setattr(vcfg.model_config, "enable_sleep_mode", True)
+    with pytest.raises(ValueError, match="KVServerConnector does not support sleep mode"):
+        vcfg._verify_kv_transfer_compat()
+
+
+def test_a_cache_reset_stops_loads_and_stores_for_the_rest_of_the_process(engines, server, caplog):
+    """vLLM resets its caches around an in-place weight update: pause_generation(clear_cache=True)
+    -> EngineCore._reset_caches -> Scheduler.reset_prefix_cache(reset_running_requests=True,
+    reset_connector=True) -> the scheduler's connector.reset_cache() (the workers' connectors are
+    never told: they act on the scheduler's metadata). The node cache's pages were computed by the
+    old weights under a KV space whose weights identity does not change, so after it the engine
+    loads nothing from the cache (it does not even look up) and stores nothing there, where engines
+    still on the old weights would take KV of the new ones as theirs. The reset reports success
+    (a False fails vLLM's pause) and says so once at WARNING; engines not reset keep their pages."""
+    a = engines("reset")
+    a.add("before", PROMPT, max_tokens=2)
+    a.run()
+    assert a.finished_sending == {"before"}
+    caplog.set_level(logging.WARNING, logger="kvclient.vllm")
+    assert a.scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True) is True
+    puts: list[int] = []
+    for link in a.worker._worker.links:
+        real = link.client.put
+        link.client.put = lambda *args, _real=real, **kw: puts.append(1) or _real(*args, **kw)
+    lookups, gets = a.count_lookups(), a.count_gets()
+    a.add("after", PROMPT, max_tokens=2)
+    newer = [t + 1 for t in PROMPT]
+    a.add("newer", newer, max_tokens=2)
+    a.run()
+    assert a.admitted["after"] == [0] and a.admitted["newer"] == [0]
+    assert sum(lookups) == 0 and sum(gets) == 0 and not puts
+    assert a.finished_sending == {"before"}  # no Put held a block after the reset
+    assert a.connector.reset_cache() is True  # again: still off, said once
+    said = [r.getMessage() for r in caplog.records if r.name == "kvclient.vllm"]
+    assert len(said) == 1 and "reset" in said[0] and "weights" in said[0], said
+    # Another engine of the space: the pages stored before the reset are still its own.
+    b = engines("reset")
+    b.add("b-old", PROMPT, max_tokens=1)
+    b.add("b-new", newer, max_tokens=1)
+    b.step()
+    assert b.admitted["b-old"] == [64] and b.admitted["b-new"] == [0]
+    b.run()
+
+
 def test_kv_role_producer_only_stores_and_consumer_only_loads(engines, vcfg, monkeypatch):
     monkeypatch.setattr(vcfg.kv_transfer_config, "kv_role", "kv_producer")
     p = engines("roles")

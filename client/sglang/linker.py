@@ -8,8 +8,8 @@
 
 ``linker_extra_config`` (all optional): ``address`` (default: the client's, KVSERVER_ADDRESS),
 ``token``, ``tenant_token``, ``model`` (the KV space's model name; default served_model_name or
-model_path), ``num_layers`` (the model's layer count; needed on every PP stage but the last,
-which knows it from its own end), ``tp_rank``/``tp_size`` (default: from the attention TP group),
+model_path), ``num_layers`` (the space's layer count; default the pool's own, the whole model),
+``tp_rank``/``tp_size`` (default: from the attention TP group),
 ``lookup_pin_ms`` (default 10000: a lookup pins its hit until the load, 0 for no pin),
 ``lookup_timeout_s`` (a lookup on the scheduler's thread, default 1), ``timeout_s`` (each other
 daemon call, default 5), ``load_timeout_s`` (a whole load, default 30),
@@ -20,9 +20,16 @@ its disk tier would read back inside SGLang's load, which cannot fall back to a 
 What SGLang gives, what goes on the wire:
 - The device pool is ``params.token_to_kv_pool_allocator.get_kvcache()``: MHATokenToKVPool
   (``k_buffer``/``v_buffer``) or MLATokenToKVPool (``kv_buffer``), one tensor per **local** layer
-  of ``[size + page_size, heads, dim]``; the stage's global layers are ``model_layer_ids`` (never
-  ``end_layer``, which is inclusive when defaulted and exclusive under PP). The daemon sees global
-  ids; only SGLang's ``layer_done_counter`` gets local ones.
+  of ``[size + page_size, heads, dim]``; its global layers are ``model_layer_ids`` (never
+  ``end_layer``, which is inclusive when defaulted). The daemon sees global ids; only SGLang's
+  ``layer_done_counter`` gets local ones.
+- Pipeline parallelism is refused at construction: SGLang 0.5.23's PP stages each build their own
+  batches and its linker wrapper reduces hits and load results over the attention TP group only,
+  so stages could extend one request by different lengths. Its HiCache, with ``KVServerStorage``
+  (``kvclient.sglang.storage``), reduces its storage hits and prefetches over the PP group too.
+- TP: SGLang intersects the ranks' lookups and MIN-reduces their load results; ``load`` answers
+  by its transfers alone when several ranks decide together (``KVServerLinker.load``), and
+  ``offload`` always does.
 - CUDA tensors are registered as they are (``CudaKVPool``: IPC handles of SGLang's own tensors).
   CPU tensors must already live in shared memory for the daemon to reach them, and a ShmKVPool
   cannot wrap memory torch allocated: ``share_cpu_pool(kvcache)`` rebuilds an SGLang CPU pool's
@@ -33,11 +40,13 @@ What SGLang gives, what goes on the wire:
   failed (the daemon away or stuck), lookups, loads and offloads miss at once while a background
   thread probes the daemon (and registers again if it must), until it answers (``AwayGate``).
 - Every daemon failure (unreachable, restarted, registration lost, a copy that stops) is a miss:
-  ``lookup`` returns [], ``load`` and ``offload`` False, a started load reports False from
-  ``finish_layer_wise_loading`` (SGLang then aborts those requests with 503; the seam has no way
-  back to recomputing a load it already started), an offload's
-  completion False. Configuration errors (a CPU pool not in shared memory, SWA/Mamba
-  components, an unknown layer count) raise at construction.
+  ``lookup`` returns [], ``load`` False (with one TP rank; with several it accepts, as every rank
+  must, and the batch fails), a started load reports False from ``finish_layer_wise_loading``
+  (SGLang then aborts those requests with 503; the seam has no way back to recomputing a load it
+  already started), an offload's completion False. Configuration errors (a CPU pool not in shared
+  memory, SWA/Mamba components, context or pipeline parallelism) raise at construction.
+- ``reset`` (SGLang's cache flush, as after an in-place weight update) turns the cache off for the
+  rest of the process: nothing is loaded or stored after it (``KVServerLinker.reset``).
 """
 
 from __future__ import annotations
@@ -68,6 +77,16 @@ from kvserver.protocol.layout import KVLayout
 logger = logging.getLogger("kvclient.sglang")
 
 SHM_POOL_ATTR = "kvserver_shm_pool"
+
+PP_REFUSED = (
+    "KVServerLinker does not run under pipeline parallelism (--pp-size {pp_size}): SGLang 0.5.23's "
+    "PP stages each build their own batches, and its linker wrapper agrees on hits and load results "
+    "over the attention TP group only, never across stages, so stages could extend a request by "
+    "different lengths. Under PP use SGLang's HiCache with kvserver's storage backend "
+    "(--enable-hierarchical-cache --hicache-storage-backend dynamic, class KVServerStorage in "
+    "kvclient.sglang.storage; SGLang reduces its hits and prefetches over the PP group too), or "
+    "run without --pp-size"
+)
 
 
 class KVServerLoadError(RuntimeError):
@@ -222,6 +241,11 @@ def _group_rank(group) -> tuple[int, int] | None:
     return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
 
 
+def _group_size(group) -> int:
+    ranks = _group_rank(group)
+    return ranks[1] if ranks else 1
+
+
 def _kv_transfer(transfers: list[PoolTransfer]) -> PoolTransfer | None:
     for transfer in transfers:
         if transfer.name == PoolName.KV:
@@ -242,45 +266,43 @@ class KVServerLinker(UnifiedCacheLinker):
         if int(getattr(params, "attn_cp_size", 1) or 1) > 1 or _dcp_size() > 1:
             raise ValueError("KVServerLinker does not store context-parallel KV (attention CP or DCP "
                              "above 1): the ranks hold different tokens of one page")
+        pp_size = max(int(getattr(params, "pp_size", 1) or 1), int(getattr(server_args, "pp_size", 1) or 1))
+        if pp_size > 1:
+            raise ValueError(PP_REFUSED.format(pp_size=pp_size))
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
         self.kvcache = kvcache
         self.page_size = int(params.page_size)
-        self.layer_ids = tuple(int(i) for i in kvcache.model_layer_ids)  # global, this stage's
+        self.layer_ids = tuple(int(i) for i in kvcache.model_layer_ids)  # global ids
         self.layer_done_counter = KVServerLayerCounter(self.layer_ids)
         self.pools = {PoolName.KV: kvcache}
         layout, buffers = pool_layout(kvcache)
         self.cuda = buffers[0][0].device.type == "cuda"
         self.device_pool = _registrable(kvcache, layout, buffers)
 
-        pp_rank = int(getattr(params, "pp_rank", 0) or 0)
-        pp_size = int(getattr(params, "pp_size", 0) or getattr(server_args, "pp_size", 1) or 1)
         start, end = self.layer_ids[0], self.layer_ids[-1] + 1
-        num_layers = cfg.get("num_layers")
-        if num_layers is None:
-            if pp_rank != pp_size - 1:
-                raise ValueError(f"PP stage {pp_rank} of {pp_size} (layers [{start}, {end})) cannot "
-                                 "know the model's layer count: set linker_extra_config.num_layers")
-            num_layers = end
+        num_layers = int(cfg.get("num_layers") or end)
         tp = _group_rank(getattr(params, "attn_tp_cache_group", None)
                          or getattr(params, "tp_cache_group", None))
         tp_rank = int(cfg.get("tp_rank", tp[0] if tp else 0))
         tp_size = int(cfg.get("tp_size", tp[1] if tp else 1))
-        if tp is None and "tp_size" not in cfg and int(getattr(server_args, "tp_size", 1) or 1) > 1:
+        server_tp = int(getattr(server_args, "tp_size", 1) or 1)
+        if tp is None and "tp_size" not in cfg and server_tp > 1:
             raise ValueError("TP > 1 without a TP group in CacheInitParams: set "
                              "linker_extra_config.tp_rank and tp_size")
+        # The ranks SGLang's wrapper reduces a load's verdict over (finish_loads' MIN all-reduce
+        # over the attention TP group, else the TP group). With more than one, load() must answer
+        # by its transfers alone, as every rank has to take the same branch (see load()).
+        self.shared_verdict = max(tp_size, server_tp, _group_size(getattr(params, "tp_cache_group", None)),
+                                  _group_size(getattr(params, "attn_tp_cache_group", None))) > 1
         model = cfg.get("model") or getattr(server_args, "served_model_name", None) or server_args.model_path
         register_kwargs = dict(
             model=str(model), pool=self.device_pool, start_layer=start, end_layer=end,
             num_layers=int(num_layers), host_tokens=0, page_size=self.page_size, tp_rank=tp_rank,
-            tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
+            tp_size=tp_size, pp_rank=0, pp_size=1,
             event_slots=int(cfg.get("event_slots", 8)) if self.cuda else 0,
             weights=sglang_weights(cfg, server_args),
         )
         self.event_slots = register_kwargs["event_slots"]
-        # SGLang agrees on hits across TP ranks (a MIN all-reduce) but not across PP stages, each of
-        # which builds its own batch: under PP every stage asks whether *every* part of the space
-        # holds a page, so all stages count alike (and the pin holds every stage's pages).
-        self.whole_space = pp_size > 1
         self.pin_ms = int(cfg.get("lookup_pin_ms", 10_000))
         self.load_timeout = float(cfg.get("load_timeout_s", 30.0))
         self.retry_register_s = float(cfg.get("retry_register_s", 5.0))
@@ -293,7 +315,8 @@ class KVServerLinker(UnifiedCacheLinker):
         self._lock = threading.Lock()
         self._registrar = Registrar(self.client, self.retry_register_s, register_kwargs)
         self._leases: dict[str, tuple[str, float]] = {}  # rid -> (lease of its lookup, taken at)
-        self._pending: dict[str, tuple[bytes, list[int], str]] = {}  # queued loads
+        # Queued loads: rid -> (keys, device pages, lease, servable: False fails the batch).
+        self._pending: dict[str, tuple[bytes, list[int], str, bool]] = {}
         self._loading: dict[int, threading.Thread] = {}
         self._next_slot = 0
         self._side_stream = None  # CUDA: where the slots-ready event is recorded
@@ -303,6 +326,7 @@ class KVServerLinker(UnifiedCacheLinker):
         self._generation = 0  # bumped by reset: queued offloads of an older one are dropped
         self._idle = threading.Condition(self._lock)
         self._closed = False
+        self._stopped = False  # reset: the cache is off for the rest of the process (see reset())
         # After one call that failed, no call on the scheduler's thread waits until a probe (off
         # that thread: a ping, or the Register the linker still needs) finds the daemon answering.
         self.away = AwayGate(self._probe, name="kvserver-sglang-probe")
@@ -330,7 +354,7 @@ class KVServerLinker(UnifiedCacheLinker):
     def _usable(self) -> bool:
         """Registered and answering, known without a call: the scheduler's thread never waits on
         a Register or on a daemon that did not answer last time."""
-        if self._closed or not self.away.open:
+        if self._closed or self._stopped or not self.away.open:
             return False
         if not self._registrar.registered:
             self.away.failed()  # registration lost (a renew): the probe thread registers
@@ -351,9 +375,8 @@ class KVServerLinker(UnifiedCacheLinker):
         misses = self.client.misses
         try:
             keys = storage_keys(kv.keys)
-            found = self.client.lookup(keys, pin_ms=self.pin_ms, whole_space=self.whole_space,
-                                       key_bytes=KEY_BYTES, timeout=self.lookup_timeout,
-                                       memory_only=not self.disk_hits)
+            found = self.client.lookup(keys, pin_ms=self.pin_ms, key_bytes=KEY_BYTES,
+                                       timeout=self.lookup_timeout, memory_only=not self.disk_hits)
         except Exception as exc:
             logger.warning("kvserver: lookup failed (%s): a miss", exc)
             self.away.failed()
@@ -394,8 +417,23 @@ class KVServerLinker(UnifiedCacheLinker):
         return (first // self.page_size).tolist()
 
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
+        """Queues a Get for the next batch. False for transfers it cannot load (no KV transfer,
+        slots that are not whole pages, keys that are not storage hashes): the same on every rank.
+
+        SGLang's wrapper needs the answer to depend on the transfers alone when several ranks
+        decide together (``shared_verdict``: TP above 1): each rank keeps its own in-flight loads
+        and enters finish_loads' MIN all-reduce only with one, and a prefix that grew on some
+        ranks only would be computed differently on the others. There a rank that cannot serve
+        the load (the daemon away or not answering, the linker reset or closed) still accepts it
+        and fails its batch: ``finish_layer_wise_loading`` answers False, and SGLang's MIN over
+        the ranks aborts the request on every one (HTTP 503). A lookup's pin that ran out is no
+        reason to refuse there: the Get runs, and its pages are usually still stored.
+
+        With one rank its own answer is SGLang's: a load that may fail (the daemon away, or the
+        lookup's pin run out or nearly, so its pages may go before the Get) is refused now, and
+        SGLang recomputes those pages rather than abort the request."""
         kv = _kv_transfer(transfers)
-        if kv is None or not kv.keys or not self._usable():
+        if kv is None or not kv.keys:
             return False
         pages = self._pages(kv)
         if pages is None:
@@ -407,14 +445,25 @@ class KVServerLinker(UnifiedCacheLinker):
             logger.warning("kvserver: load of %s: %s", rid, exc)
             return False
         lease, taken = self._leases.pop(rid, ("", 0.0))
-        if self.pin_ms and taken and self._pin_left(taken) < min(1.0, self.pin_ms / 2000):
+        if not self._usable():
+            if lease:
+                self._release(lease)
+            if not self.shared_verdict:
+                return False
+            logger.warning("kvserver: load of %s accepted as on every TP rank, but this rank cannot serve it "
+                           "(the daemon away, or the linker reset or closed): its batch fails and SGLang "
+                           "aborts the request on every rank", rid)
+            self._pending[rid] = (keys, pages, "", False)
+            return True
+        if not self.shared_verdict and self.pin_ms and taken \
+                and self._pin_left(taken) < min(1.0, self.pin_ms / 2000):
             # SGLang cannot take back a load it started (a failure is a 503): one whose pages may
             # go before its Get (the lookup's pin gone, or nearly) is refused now, and recomputed.
             if lease:
                 self._release(lease)
             logger.info("kvserver: load of %s refused: its lookup's pin has run out; recomputed", rid)
             return False
-        self._pending[rid] = (keys, pages, lease)
+        self._pending[rid] = (keys, pages, lease, True)
         return True
 
     def _pin_left(self, taken: float) -> float:
@@ -428,16 +477,17 @@ class KVServerLinker(UnifiedCacheLinker):
         index = self.layer_done_counter.update_producer()
         ready = self._slots_ready() if self.cuda else None
         gets = []
-        for rid, (keys, pages, lease) in pending.items():
-            slot = 0
-            if self.event_slots:
-                slot, self._next_slot = self._next_slot, (self._next_slot + 1) % self.event_slots
-            try:
-                handle = self.client.get(keys, pages, layers=self.layer_ids, event_slot=slot,
-                                         ready_event=ready, lease_id=lease, key_bytes=KEY_BYTES)
-            except Exception as exc:
-                logger.warning("kvserver: get for %s failed (%s)", rid, exc)
-                handle = None
+        for rid, (keys, pages, lease, servable) in pending.items():
+            handle = None
+            if servable:
+                slot = 0
+                if self.event_slots:
+                    slot, self._next_slot = self._next_slot, (self._next_slot + 1) % self.event_slots
+                try:
+                    handle = self.client.get(keys, pages, layers=self.layer_ids, event_slot=slot,
+                                             ready_event=ready, lease_id=lease, key_bytes=KEY_BYTES)
+                except Exception as exc:
+                    logger.warning("kvserver: get for %s failed (%s)", rid, exc)
             gets.append((rid, len(pages), handle))
         if self.cuda:
             self.layer_done_counter.gpu_waits[index] = [h for _, _, h in gets if h is not None]
@@ -618,7 +668,25 @@ class KVServerLinker(UnifiedCacheLinker):
         self.layer_done_counter.reset()
 
     def reset(self) -> None:
+        """Quiesces every transfer, then turns the cache off for the rest of the process: lookups
+        miss (so nothing loads) and offloads complete False, logged once at WARNING.
+
+        SGLang resets the cache when it flushes it (``Scheduler.flush_cache``), which it does on
+        every TP rank at the same point of its loop, and after an in-place weight update
+        (``update_weights_from_*`` with ``flush_cache``, the default): the daemon's pages were
+        computed by the old weights, under a KV space whose identity (``weights``) does not
+        change, and KV the new weights compute stored there would be taken as theirs by engines
+        still on the old weights. Nothing tells a reset for a weight update from another one, so
+        every reset ends the linker's use of the cache; a restart with a new ``weights`` (or
+        with the new checkpoint's path) uses it again."""
         self._quiesce()
+        if not self._stopped:
+            self._stopped = True
+            logger.warning("kvserver: SGLang reset its cache (a flush, as after an in-place weight update): "
+                           "the linker no longer loads or stores for the rest of this process, since the "
+                           "node cache's pages were computed under this engine's weights identity before "
+                           "the reset; restart the engine (with a new \"weights\" if its weights changed) "
+                           "to use the cache again")
 
     def close(self) -> None:
         if self._closed:

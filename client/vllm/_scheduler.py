@@ -20,13 +20,19 @@ load is reported good; if it failed, the request never stores from that block on
 computed there was computed on wrong KV). Blocks of a failed load stay suspect until the request
 that loaded them has computed them again.
 
-Loads are synchronous by default (the forward waits for them; ``load`` "sync"). With ``load``
-"async", as for every hybrid model, the request waits in vLLM's WAITING_FOR_REMOTE_KVS until the
-workers report its Gets ended (``get_finished``), and vLLM caches its blocks only then: no other
-request ever reads a block still loading. A hybrid model (several KV cache groups: full attention
+By default (``load`` "auto") a hit the daemon holds in host memory loads with the step (the
+forward waits for it, as with ``load`` "sync"), and one its disk tier or the cluster holds in part
+loads asynchronously. An asynchronous load (``load`` "async", and every hybrid model's) makes the
+request wait in vLLM's WAITING_FOR_REMOTE_KVS until the workers report its Gets ended
+(``get_finished``), and vLLM caches its blocks only then: no other request ever reads a block
+still loading. A hybrid model (several KV cache groups: full attention
 and sliding window) is looked up group by group: the full-attention groups' longest common prefix
 h, then each sliding-window group's last blocks below h (the blocks vLLM keeps for a hit of h);
 a hit is h only where every group holds its part, else a miss.
+
+A cache reset (``reset``) turns loads and stores off for the rest of the process. vLLM tells only
+the scheduler's connector; the workers act on the scheduler's metadata alone, so every worker
+(each TP rank and PP stage) stops at the same step.
 """
 
 from __future__ import annotations
@@ -98,7 +104,8 @@ class SchedulerSide:
         self.groups = groups
         self.space = space = groups[0].space
         self.hybrid = len(groups) > 1 or groups[0].window_blocks is not None
-        self.enabled = enabled
+        self.enabled = enabled  # keys shared across processes (keys_shareable): the cache is on
+        self.stopped = False  # a cache reset turned loads and stores off for good (reset())
         self.loads = loads  # kv_role kv_consumer or kv_both
         self.saves = saves  # kv_role kv_producer or kv_both
         self.block_size = space.page_size
@@ -263,8 +270,54 @@ class SchedulerSide:
         st.answer = (found, time.monotonic())
         return found
 
+    @property
+    def active(self) -> bool:
+        """Loads and stores are on: keys shared across processes, and no cache reset since."""
+        return self.enabled and not self.stopped
+
+    def reset(self) -> None:
+        """vLLM reset its caches (``reset_cache``): from now on this engine looks nothing up (so
+        loads nothing) and asks no Put, logged once at WARNING.
+
+        vLLM runs it from ``EngineCore._reset_caches`` (``pause_generation(clear_cache=True)``,
+        as RL loops do around an in-place weight update) and on ``POST
+        /reset_prefix_cache?reset_external=true``. The pages stored before it were computed by
+        the weights the engine had then, under a KV space whose ``weights`` identity cannot
+        change in a running engine; after a weight update loading them would serve KV of other
+        weights, and storing new KV there would hand KV of the new weights to engines still on
+        the old ones. Nothing tells a reset for a weight update from another one, so every reset
+        ends the connector's use of the cache. (Moving to a new identity instead would need every
+        worker to register again mid-run under an identity no other engine, nor a later restart
+        of this one, could ever take by chance.)
+
+        What was already asked of the workers still runs: Puts a step asked for before the reset
+        (of KV the old weights computed, into blocks vLLM holds until they end), loads already
+        started (a reset vLLM reports successful has none: their requests hold blocks), and the
+        hybrid models' ``reused`` lists that keep those Puts from reading given-out blocks. Pins
+        held for requests not yet admitted are released, and the node cache's events are no
+        longer published for this engine."""
+        if self.stopped:
+            return
+        self.stopped = True
+        if self.enabled:
+            logger.warning("kvserver: vLLM reset its caches (reset_prefix_cache with reset_connector, as "
+                           "pause_generation(clear_cache=True) around a weight update does): the connector "
+                           "no longer loads or stores for the rest of this process, since the node cache's "
+                           "pages were computed under this engine's weights identity before the reset; "
+                           "restart the engine (with a new \"weights\" if its weights changed) to use the "
+                           "cache again")
+        for st in self._reqs.values():
+            if st.lookup is not None:  # its pin is released when it answers
+                st.lookup.add_done_callback(self._release_answer)
+                st.lookup = None
+            st.answer = None
+            self._set_leases(st, ())
+        if self.events is not None:
+            self.events.close()
+            self.events = None
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if not self.enabled:
+        if not self.active:
             return 0, False
         rid = request.request_id
         st = self._reqs.get(rid)
@@ -444,9 +497,9 @@ class SchedulerSide:
             st = self._reqs.get(rid)
             if st is not None:  # its blocks went back to vLLM once the workers' Puts read them
                 st.saving = False
-        if self.hybrid and self.enabled:
+        if self.hybrid and self.enabled:  # after a reset too: Puts asked before it may still run
             meta.reused = self._reused(scheduler_output, meta.loads)
-        if not self.enabled or not self.saves:
+        if not self.active or not self.saves:
             return meta
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             st = self._reqs.get(rid)
@@ -512,7 +565,7 @@ class SchedulerSide:
         if st.lookup is not None:  # a lookup still running: its pin is released when it answers
             st.lookup.add_done_callback(self._release_answer)
         self._set_leases(st, ())
-        if self.enabled and self.saves:
+        if self.active and self.saves:
             # Blocks whose KV is written but whose hash came after their step was scheduled
             # (decode tokens under async scheduling): stored by the next step's workers.
             computed = request.num_computed_tokens - int(getattr(request, "num_in_flight_tokens", 0) or 0)

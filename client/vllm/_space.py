@@ -88,7 +88,11 @@ def _check_spec(spec) -> None:
                          f"({', '.join(STORABLE_SPECS)}); not {name}")
     quant = getattr(spec, "kv_quant_mode", None)
     if quant is not None and getattr(quant, "name", str(quant)) != "NONE":
-        raise ValueError(f"KVServerConnector does not store quantised KV with scales ({quant})")
+        # vLLM 0.33 gives every fp8 --kv-cache-dtype per-tensor scales (FP8_PER_TENSOR): a page's
+        # bytes mean nothing without the scales that wrote them.
+        raise ValueError(f"KVServerConnector does not store quantised KV with scales "
+                         f"(kv_quant_mode {getattr(quant, 'name', quant)}: vLLM sets one for every quantised "
+                         "--kv-cache-dtype, fp8 included); serve with --kv-cache-dtype auto")
     # A FullAttentionSpec with a sliding_window or attention_chunk_size (hybrid models with vLLM's
     # hybrid manager off) keeps every block: stored as full attention.
     for attr in ("num_head_slots", "state_content_bytes", "model_version"):
@@ -109,6 +113,8 @@ def _groups(kv_cache_config) -> list:
 
 
 def wire_dtype(spec, vllm_config) -> torch.dtype:
+    """The dtype the daemon is told: the spec's, or for a uint8 cache its fp8 type. (vLLM 0.33
+    gives its fp8 caches scales, which ``_check_spec`` refuses first.)"""
     dtype = spec.dtype
     if dtype == torch.uint8:  # vLLM's fp8 caches are uint8 tensors
         cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "") or "")

@@ -1,6 +1,7 @@
 """The worker-side connector: registers vLLM's per-layer KV cache views with the daemon as they
-lie (``KVViewsPool``: every one of vLLM 0.33's six layouts, no copy), starts one Get per loading
-request before the forward, waits for each layer as attention reaches it, stores the blocks a
+lie (``KVViewsPool``: every one of vLLM 0.33's six layouts, no copy), starts the step's loads
+before the forward (one Get per KV cache group a step, each loading request a part of it:
+``KVClient.get_parts``), waits for each layer as attention reaches it, stores the blocks a
 step filled after its forward (one Put per request, ordered after the forward's KV writes by an
 event on CUDA), and reports failed loads so that vLLM recomputes those blocks.
 

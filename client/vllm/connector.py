@@ -16,9 +16,10 @@ every batch), ``lookup`` ("sync", or
 ``lookup_pin_ms`` (default 10000), ``timeout_s`` (each daemon call, default 5),
 ``load_timeout_s`` (default 30), ``event_slots`` (CUDA: loads in one step, default 16),
 ``retry_register_s`` (default 5), ``tp_rank`` / ``pp_rank`` (only without vLLM's process groups),
-``load`` ("sync", the default: the step's forward waits for its loads; "async": the request waits
-in WAITING_FOR_REMOTE_KVS until its load ended, and vLLM caches its blocks only then; hybrid
-models always load asynchronously).
+``load`` ("auto", the default: "sync" for a hit in the daemon's host memory, "async" for one its
+disk tier or the cluster holds in part; "sync": the step's forward waits for its loads; "async":
+the request waits in WAITING_FOR_REMOTE_KVS until its load ended, and vLLM caches its blocks only
+then; hybrid models always load asynchronously).
 ``kv_role``: "kv_both" loads and stores, "kv_consumer" only loads, "kv_producer" only stores.
 
 Hybrid models (full-attention and sliding-window layers under vLLM's hybrid KV cache manager:
@@ -31,6 +32,10 @@ a restarted engine share). A failed load is reported through ``get_block_ids_wit
 and vLLM recomputes those blocks with ``kv_load_failure_policy`` "recompute" (vLLM's default,
 "fail", fails those requests instead, and the connector warns at startup); every
 other daemon failure is a miss or a block not stored.
+
+A cache reset (``reset_cache``: vLLM's ``reset_prefix_cache(reset_connector=True)``, which
+``pause_generation(clear_cache=True)`` runs around an in-place weight update) turns the connector
+off for the rest of the process; sleep mode is refused at startup (``supports_sleep_mode``).
 """
 
 from __future__ import annotations
@@ -87,6 +92,14 @@ class KVServerConnector(KVConnectorBase_V1, SupportsHMA):
         return tuple(list(ids) for ids in self._kv_cache_manager.get_block_ids(req_id))
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        """False: vLLM then refuses ``--enable-sleep-mode`` at startup. Sleep mode frees the KV
+        cache memory the workers registered with the daemon (their pools are its IPC handles, or
+        shared memory) and maps new memory at wake-up; the registrations would name memory that
+        is gone or reused."""
+        return False
+
+    @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         # wait_for_layer_load runs between attention layers: not inside a full CUDA graph.
         return bool((extra_config or {}).get("layerwise", False))
@@ -112,6 +125,14 @@ class KVServerConnector(KVConnectorBase_V1, SupportsHMA):
         self, request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, tuple(block_ids))
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's cache reset (``Scheduler.reset_connector_cache``, on the scheduler's connector
+        only): the connector stops loading and storing for the rest of the process (logged at
+        WARNING) and answers True, as vLLM's pause needs. See ``SchedulerSide.reset``."""
+        if self._scheduler is not None:
+            self._scheduler.reset()
+        return True
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         return self._scheduler.take_events() if self._scheduler is not None else ()
