@@ -92,6 +92,7 @@ class Snapshot:
     tenants: list  # TenantStat
     recovery: Recovery | None  # what the start found of a kept cache (None: not kept)
     tiers: list[TierStat]
+    kv_events_dropped_keys: int | None = None  # keys the KV event publisher dropped (None: none runs)
 
 
 def snapshot(core: KVCore, transfers: Transfers) -> Snapshot:
@@ -119,6 +120,7 @@ def snapshot(core: KVCore, transfers: Transfers) -> Snapshot:
         tenants=tenants,
         recovery=core.recovery,
         tiers=tier_stats(core),
+        kv_events_dropped_keys=getattr(core.events.publisher, "dropped_keys", None),
     )
 
 
@@ -296,6 +298,11 @@ def _families(s: Snapshot, per_space: bool) -> Iterator[Metric]:
         yield _gauge("kvserver_cache_adopt_dropped_pages",
                      "Kept pages dropped at start because a check failed.", rec.dropped)
     yield from _tier_families(s.tiers)
+    if s.kv_events_dropped_keys is not None:
+        yield CounterMetricFamily("kvserver_kv_events_dropped_keys",
+                                  "Keys whose KV event the daemon's publisher (--kv-events-endpoint) "
+                                  "dropped, its queue full: their spaces' topics got AllBlocksCleared.",
+                                  value=s.kv_events_dropped_keys)
 
     nbytes = CounterMetricFamily("kvserver_transfer_bytes", "Bytes copied, by direction and lane.",
                                  labels=("direction", "lane"))

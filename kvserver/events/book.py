@@ -10,7 +10,9 @@ first (a reader that fell further behind is told of the gap); consecutive change
 share an event. Recording costs a copy of the keys' arrays on the event loop; their bytes are made
 only when read, ``MAX_READ_KEYS`` at a time, and a read finds its place by its seq at once.
 
-Every record goes to the daemon's ZMQ publisher too, when one runs (``publisher``).
+Every record goes to the daemon's ZMQ publisher too, when one runs (``publisher``); the book
+keeps the publisher (the owner of the ``publish`` method it was given) for the metrics to read
+its drop count.
 
 Primitives: ``EventBook`` (``record``, ``read``, ``listener``), ``LoggedEvent``, the mediums
 ``CPU`` and ``STORAGE`` and the localities ``LOCAL`` and ``REMOTE`` (vLLM's names).
@@ -116,6 +118,9 @@ class EventBook:
         self._generation = 0
         self._keys = 0  # keys all logs hold
         self._publish = publish
+        # The publisher whose bound method ``publish`` is (the daemon's ZmqPublisher.record): its
+        # ``dropped_keys`` is the metrics' kvserver_kv_events_dropped_keys_total.
+        self.publisher = getattr(publish, "__self__", None)
         self._clock = clock
         self.gaps = 0  # reads that found events dropped before them
 
