@@ -449,3 +449,22 @@ def test_a_packed_lookup_of_a_space_of_several_parts_answers_as_lookup_steps_doe
             assert (i >= 0).all()
             assert np.array_equal(np.argsort(-st, kind="stable"), np.argsort(-p.stamp[i], kind="stable"))
         assert np.array_equal(p.readers, before[2]) and np.array_equal(p.slab_holds, before[3])
+
+
+def test_leases_released_at_once_leave_no_heap_behind():
+    """Pinning Lookups each released at once (a peer asking ``pin_ms`` 60 s, 10k times a second):
+    the expiry heap is rebuilt from the live leases once it holds twice as many entries and more,
+    not kept until each released lease's time would have passed."""
+    cache, _, _ = make_cache()
+    part = one_part(cache)
+    put(cache, part, K("abc"))
+    for _ in range(5000):
+        _, lease = cache.lookup(part, K("abc"), pin_ms=60_000)
+        assert cache.release("t", [lease]) == 1
+    assert len(cache.leases.leases) == 0
+    assert len(cache.leases._heap) <= 2048
+    _, kept = cache.lookup(part, K("a"), pin_ms=60_000)
+    for _ in range(3000):
+        _, lease = cache.lookup(part, K("abc"), pin_ms=60_000)
+        cache.release("t", [lease])
+    assert kept in cache.leases.leases and any(lease_id == kept for _, lease_id in cache.leases._heap)

@@ -80,6 +80,10 @@ class LeaseTable:
         expires = self.clock() + pin_ms / 1000
         self.leases[lease_id].expires = expires
         heapq.heappush(self._heap, (expires, lease_id))
+        if len(self._heap) > 2 * len(self.leases) + 1024:  # mostly leases ended before their time
+            self._heap = [(lease.expires, i) for i, lease in self.leases.items()
+                          if lease.expires != float("inf")]
+            heapq.heapify(self._heap)
 
     def extend(self, lease_id: str, tenant: str, ids: np.ndarray, distinct: bool = False) -> None:
         """Pins more pages under a lease of the tenant (a lookup's later step), on the same terms
