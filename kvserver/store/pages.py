@@ -230,7 +230,12 @@ class PageTable:
     def pin(self, ids: np.ndarray, n: int = 1) -> None:
         """Pins pages once more (each occurrence: a lease's steps may pin a page twice); ``n`` -1
         unpins."""
+        if not len(ids):
+            return
         self._check_locked()
+        if self._c is not None:  # as hold's: a lease of a million pages is unpinned in ms, not 0.16 s
+            self._c.hold(self.pins, self.slab, self.slab_holds, np.ascontiguousarray(ids, np.int64), n)
+            return
         np.add.at(self.pins, ids, n)
         np.add.at(self.slab_holds, self.slab[ids], n)
 
