@@ -565,3 +565,35 @@ def test_a_large_binary_request_is_expanded_off_the_event_loop(daemon, monkeypat
         finally:
             ring.close()
     assert threads and all(t.startswith("kvserver-parse") for t in threads), threads
+
+
+def _passrights_supported() -> bool:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with a, b:
+        try:
+            a.setsockopt(socket.SOL_SOCKET, 83, 0)  # SO_PASSRIGHTS (Linux 6.16)
+        except OSError:
+            return False
+    return True
+
+
+@pytest.mark.skipif(not _passrights_supported(), reason="the kernel has no SO_PASSRIGHTS")
+def test_a_lanes_doorbells_take_no_descriptors(daemon) -> None:
+    """The daemon's ends of a lane's doorbells refuse descriptors (SO_PASSRIGHTS off): the loop and
+    the data plane read them without a control buffer, and a descriptor dropped there would be
+    released on their thread (for a file on FUSE, maybe waiting on its server)."""
+    import array
+
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, KVClient(daemon.address, lane="grpc") as client:
+        reg = register(client, pool)
+        ring = RawRing(daemon.address, reg.client_id)
+        r, w = os.pipe()
+        try:
+            for end in (ring.submit, *ring.done):
+                with pytest.raises(PermissionError):
+                    end.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [r]))])
+            assert ring.ring() == 1  # a plain ring still goes through
+        finally:
+            os.close(r)
+            os.close(w)
+            ring.close()

@@ -92,8 +92,9 @@ def test_a_descriptor_on_a_stalled_fuse_file_system_holds_nothing_but_itself(fus
     assert peer.returncode == 0, peer.stderr
     answers = json.loads(peer.stdout)
     refused = "INVALID_ARGUMENT descriptor 0 is a file on a FUSE file system (fuse)"
-    assert len(answers) == MAX_UNCLOSED_PER_UID, answers
-    assert all(a.startswith(refused) for a in answers), answers
+    capped = "RESOURCE_EXHAUSTED"  # its descriptors and connections not closed yet reach the cap
+    assert answers[0].startswith(refused) and answers[-1].startswith(capped), answers
+    assert all(a.startswith((refused, capped)) for a in answers), answers
     # The event loop answers at once (no fstat of the peer's file ever waits for its server) ...
     started = time.monotonic()
     d.stats()
@@ -113,7 +114,3 @@ def test_a_descriptor_on_a_stalled_fuse_file_system_holds_nothing_but_itself(fus
     while _fds_to("kvtest-fuse-good", d.pid):
         assert time.monotonic() < deadline, "a refused peer's memfd is still open in the daemon"
         time.sleep(0.01)
-    # The peer itself gets no more connections while that many of its descriptors have not closed.
-    peer = subprocess.run([sys.executable, "-c", PEER, path, fuse_mount, "1"], capture_output=True,
-                          text=True, timeout=60)
-    assert json.loads(peer.stdout)[0].startswith("RESOURCE_EXHAUSTED"), peer.stdout

@@ -28,7 +28,7 @@ from kvserver.errors import (
 from kvserver.lane.plane import DataPlane
 from kvserver.lane.server import Lane, open_ring
 from kvserver.peers.tenants import tenant_of
-from kvserver.peers.tickets import PEER_GONE
+from kvserver.peers.tickets import PEER_GONE, refuse_rights
 
 logger = logging.getLogger(__name__)
 
@@ -241,7 +241,10 @@ class LaneBook:
                 f"uid {uid}'s lanes hold {held} descriptors; this one would pass the most one uid's "
                 f"lanes may hold ({self.max_fds_per_uid}): its calls go over gRPC"
             )
-        return open_ring(ticket.fds)
+        ring, submit, done = open_ring(ticket.fds)
+        for sock in (submit, *done):  # the peer's ends' descriptors never reach the loop or the plane
+            refuse_rights(sock, uid)
+        return ring, submit, done
 
     def _start(self, lane: Lane, ring: Any, submit: Any, done: list[Any], uid: int, gate: Any,
                also: Callable[[], None] | None = None) -> None:

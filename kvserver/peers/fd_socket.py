@@ -14,7 +14,6 @@ connections at once, at most ``MAX_CONNS_PER_UID`` of one uid, so no peer can st
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
 import errno
@@ -31,6 +30,8 @@ from kvserver.peers.tickets import (
     PeerCred,
     TicketBook,
     close_off_loop,
+    drain,
+    fds_of,
     is_shared_memory,
     risky_fds,
     socket_kind,
@@ -141,20 +142,18 @@ class PeerSocket:
                 pid, uid, gid = _PEERCRED.unpack(
                     conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
             except OSError:
-                conn.close()
+                close_off_loop([conn.detach()])
                 continue
             peer = PeerCred(pid, uid, gid)
             if len(self._serving) >= MAX_CONNS or self._per_uid.get(uid, 0) >= MAX_CONNS_PER_UID:
-                _reply(conn, _error(NoCapacity("too many fd socket connections at once; try again")))
-                conn.close()
+                _reply(conn, _error(NoCapacity("too many fd socket connections at once; try again")), uid)
                 continue
             if risky_fds(uid) >= MAX_UNCLOSED_PER_UID:
                 # Its descriptors in flight are released unread: no close of them waits (only a
                 # close(2) of a FUSE file sends the FLUSH its server may hold).
                 _reply(conn, _error(NoCapacity(
                     f"{risky_fds(uid)} descriptors this uid sent (files outside shared memory) have not "
-                    "closed yet; no more are taken from it until they have")))
-                conn.close()
+                    "closed yet; no more are taken from it until they have")), uid)
                 continue
             self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
             task = asyncio.get_running_loop().create_task(self._serve(conn, peer))
@@ -189,9 +188,7 @@ class PeerSocket:
             close_off_loop(fds, peer.uid)  # a refused peer's descriptors: maybe the last hold on a big memfd
             if pidfd >= 0:
                 os.close(pidfd)
-            if reply is not None:
-                _reply(conn, reply)
-            conn.close()
+            _reply(conn, reply, peer.uid)
 
     async def _receive(self, conn: socket.socket, fds: list[int]) -> None:
         """Reads the header and every announced descriptor into ``fds``."""
@@ -220,7 +217,7 @@ class PeerSocket:
             except OSError as exc:
                 raise _Closed from exc
             await _readable(loop, conn)
-        got = _fds_of(anc)
+        got = fds_of(anc)
         fds.extend(got)
         for i, fd in enumerate(got, len(fds) - len(got)):
             why = _unusable(fd)
@@ -314,29 +311,18 @@ class _Closed(Exception):
     """The peer went away mid-message: nothing to answer."""
 
 
-def _fds_of(anc: list[tuple[int, int, bytes]]) -> list[int]:
-    """The descriptors SCM_RIGHTS control messages carried (now open in this process)."""
-    out: list[int] = []
-    for level, kind, payload in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            got = array.array("i")
-            got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
-            out.extend(got)
-    return out
-
-
 def _error(exc: KVError) -> bytes:
     return b"E" + f"{exc.code.name} {exc}".encode()[:1024]
 
 
-def _reply(conn: socket.socket, reply: bytes) -> None:
-    """Answers before the caller closes. Whatever the peer sent that was not read goes first: a
-    Unix socket closed with unread data resets its peer, which would then lose the answer. It is
-    read without room for descriptors, so the kernel releases them without installing them here
-    (no close(2) of them, which for a file on FUSE could wait on its server)."""
-    with contextlib.suppress(OSError):
-        for _ in range(64):
-            if not conn.recv(64, socket.MSG_DONTWAIT):  # end of stream
-                break
-    with contextlib.suppress(OSError):
-        conn.send(reply)
+def _reply(conn: socket.socket, reply: bytes | None, uid: int) -> None:
+    """Answers (if ``reply``) and closes the connection. Whatever the peer (of ``uid``) sent that
+    was not read goes first: a Unix socket closed with unread data resets its peer, which would
+    then lose the answer. Its descriptors are installed and closed on the uid's closer, as is the
+    connection itself (its queue may hold more): released here, a file on FUSE could hold the
+    loop on its server."""
+    drain(conn, uid)
+    if reply is not None:
+        with contextlib.suppress(OSError):
+            conn.send(reply)
+    close_off_loop([conn.detach()], uid)

@@ -7,6 +7,7 @@ not; one nobody redeems expires and its descriptors are closed. Runs on the even
 
 from __future__ import annotations
 
+import array
 import asyncio
 import fcntl
 import logging
@@ -135,8 +136,10 @@ _RISKY_LOCK = threading.Lock()
 
 def close_off_loop(fds: list[int], uid: int = -1) -> None:
     """Closes ``fds``, descriptors a peer (of ``uid``, where known) sent, on the closer threads
-    (never the loop's)."""
-    safe = [fd for fd in fds if is_shared_memory(fd) or socket_kind(fd) is not None]
+    (never the loop's): shared memory on the shared ones, anything else on the uid's own. A
+    socket counts as anything else: the last close of one drops what its queue holds, and a
+    descriptor of a file on FUSE released there may wait on its server (a writeback)."""
+    safe = [fd for fd in fds if is_shared_memory(fd)]
     if safe:
         _CLOSER.close(safe)
     risky = [fd for fd in fds if fd not in safe] if len(safe) < len(fds) else []
@@ -146,6 +149,47 @@ def close_off_loop(fds: list[int], uid: int = -1) -> None:
             if closer is None:
                 closer = _RISKY[uid] = _Closer(1, f"kvpeer-close-{uid}")
         closer.close(risky)
+
+
+SO_PASSRIGHTS = getattr(socket, "SO_PASSRIGHTS", 83)  # Linux 6.16: a socket that takes no descriptors
+_RIGHTS_SPACE = socket.CMSG_SPACE(253 * 4)  # SCM_MAX_FD descriptors
+
+
+def fds_of(anc: list[tuple[int, int, bytes]]) -> list[int]:
+    """The descriptors SCM_RIGHTS control messages carried (now open in this process)."""
+    out: list[int] = []
+    for level, kind, payload in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            got = array.array("i")
+            got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
+            out.extend(got)
+    return out
+
+
+def drain(sock: socket.socket, uid: int, most: int = 64) -> None:
+    """Reads what ``sock`` (a Unix socket a peer of ``uid`` writes to) holds, up to ``most``
+    messages, never blocking, its descriptors installed and closed on the uid's closer: dropping
+    them unread would release them here, and a file on FUSE released may wait on its server."""
+    for _ in range(most):
+        try:
+            data, anc, _, _ = sock.recvmsg(64, _RIGHTS_SPACE, socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
+        except OSError:  # nothing more (EAGAIN), or the socket is gone
+            return
+        close_off_loop(fds_of(anc), uid)
+        if not data and not anc:  # end of stream
+            return
+
+
+def refuse_rights(sock: socket.socket, uid: int) -> None:
+    """A doorbell a peer of ``uid`` handed over takes no descriptors from now on (SO_PASSRIGHTS
+    off: the peer's sendmsg of one fails; where the kernel lacks it, nothing changes), and what it
+    held already is drained (``drain``): the loop and the plane then read and close it without
+    dropping a descriptor there."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_PASSRIGHTS, 0)
+    except OSError:
+        pass
+    drain(sock, uid, most=4096)
 
 
 def risky_fds(uid: int) -> int:
@@ -204,12 +248,12 @@ class Ticket:
         for i, fd in enumerate(fds):
             if i in mapped:
                 close_peer_fd(fd)
-        close_off_loop([fd for i, fd in enumerate(fds) if i not in mapped])
+        close_off_loop([fd for i, fd in enumerate(fds) if i not in mapped], self.peer.uid)
 
     def close_off_loop(self) -> None:
         self.drop_pidfd()
         fds, self.fds = self.fds, []
-        close_off_loop(fds)
+        close_off_loop(fds, self.peer.uid)
 
 
 class TicketBook:
