@@ -33,7 +33,7 @@ def on_disk_only(d, eng: CacheEngine, keys: list[bytes]) -> None:
     """Stores ``keys``, waits for their disk copies, then empties host memory of them."""
     store(eng, keys, d=d)
     written(d, len(keys))
-    d.run(lambda: d.core.cache.make_room(1 << 40))
+    d.run(lambda: d.core.cache.evict_all())
     assert eng.lookup(keys).disk_pages == len(keys)
 
 
@@ -317,7 +317,7 @@ def test_a_reads_back_hold_on_the_hit_never_lands_on_ids_reused_meanwhile(tmp_pa
             disk.demote(part, c.pages.find(part.gid, keys))
             while disk.counters.written_pages < 1100:
                 await asyncio.sleep(0.01)
-            c.make_room(1 << 40)  # host memory empty: everything on disk only
+            c.evict_all()  # host memory empty: everything on disk only
             plan = c.prepare_put(part, keys[:1024])  # the first step's keys in memory again
             c.complete_put(plan, True)
             real = disk.holds
@@ -326,7 +326,7 @@ def test_a_reads_back_hold_on_the_hit_never_lands_on_ids_reused_meanwhile(tmp_pa
             def holds(p, ks):
                 calls[0] += 1
                 if calls[0] == 1 and p is part:  # between the Get's first and second step
-                    c.make_room(1 << 40)  # its first step's pages go, their ids free for the read back
+                    c.evict_all()  # its first step's pages go, their ids free for the read back
                 return real(p, ks)
 
             monkeypatch.setattr(disk, "holds", holds)

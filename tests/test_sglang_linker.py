@@ -308,7 +308,7 @@ def test_pages_only_the_daemons_disk_holds_are_hits_only_when_asked(daemon_facto
         while d.run(lambda: d.core.disk.counters.written_pages) < 2:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        d.run(lambda: d.core.cache.make_room(1 << 40))  # in host memory no more: on disk only
+        d.run(lambda: d.core.cache.evict_all())  # in host memory no more: on disk only
         assert a.lookup("r", [_kv(keys=hashes)]) == []
         assert b.lookup("r", [_kv(keys=hashes)]) == [1, 2]
         slots_b = alloc_b.alloc(2 * PAGE)

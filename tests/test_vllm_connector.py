@@ -243,7 +243,7 @@ def test_a_failed_async_load_is_recomputed_whole_and_what_is_stored_is_right(eng
 
     def evict(engine, so):
         if any(job.req_id == "b1" for job in so.kv_connector_metadata.loads):
-            d.run(lambda: d.core.cache.make_room(1 << 40))  # every unpinned page goes
+            d.run(lambda: d.core.cache.evict_all())  # every unpinned page goes
 
     tokens_b = PROMPT[:32] + [11] * 40
     b = engines("async-fail", address=d.address, before_load=evict,
@@ -277,7 +277,7 @@ def test_a_hit_on_the_daemons_disk_loads_asynchronously_and_one_in_memory_with_t
     while d.run(lambda: d.core.disk.counters.written_pages) < 4:
         assert time.monotonic() < deadline, "the disk tier did not write the prefix"
         time.sleep(0.01)
-    d.run(lambda: d.core.cache.make_room(1 << 40))  # host memory emptied: the prefix is on disk only
+    d.run(lambda: d.core.cache.evict_all())  # host memory emptied: the prefix is on disk only
     b = engines("disk-auto", address=d.address)
     b.add("b1", PROMPT + [9] * 10, max_tokens=1)
     so = b.step()
@@ -602,7 +602,7 @@ def test_blocks_computed_on_a_failed_load_are_not_stored(engines, daemon_factory
 
     def evict(engine, so):
         if any(r.req_id == "b1" for r in so.scheduled_new_reqs):
-            d.run(lambda: d.core.cache.make_room(1 << 40))  # every unpinned page goes
+            d.run(lambda: d.core.cache.evict_all())  # every unpinned page goes
 
     tokens_b = PROMPT[:32] + [11] * 40
     b = engines("poison", address=d.address, settings={"lookup_pin_ms": 0}, before_load=evict)
@@ -635,7 +635,7 @@ def test_a_failed_get_of_several_requests_reports_every_ones_blocks(engines, dae
 
     def evict(engine, so):
         if {job.req_id for job in so.kv_connector_metadata.loads} == set(prompts):
-            d.run(lambda: d.core.cache.make_room(1 << 40))  # every unpinned page goes
+            d.run(lambda: d.core.cache.evict_all())  # every unpinned page goes
 
     b = engines("batch-fail", address=d.address, settings={"lookup_pin_ms": 0}, before_load=evict)
     gets = b.count_gets()
@@ -790,7 +790,7 @@ def test_a_failed_load_never_reaches_the_cache_through_another_requests_local_hi
 
     def evict(engine, so):
         if any(r.req_id == "v" for r in so.scheduled_new_reqs):
-            d.run(lambda: d.core.cache.make_room(1 << 40))  # every unpinned page goes
+            d.run(lambda: d.core.cache.evict_all())  # every unpinned page goes
 
     b = engines("poison-async", address=d.address, settings={"lookup_pin_ms": 0}, before_load=evict)
     b.add("v", PROMPT, max_tokens=4)

@@ -224,7 +224,7 @@ def test_a_failed_load_is_recomputed_whole_and_never_stored(engines, daemon_fact
 
     def evict(engine, so):
         if any(job.req_id == "b" for job in so.kv_connector_metadata.loads):
-            d.run(lambda: d.core.cache.make_room(1 << 40))  # every unpinned page goes
+            d.run(lambda: d.core.cache.evict_all())  # every unpinned page goes
 
     tokens = PROMPT[:64] + [13] * 40
     b = engines("hybrid-fail", address=d.address, settings={"lookup_pin_ms": 0}, before_load=evict)

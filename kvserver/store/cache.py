@@ -827,10 +827,14 @@ class KVCache:
 
     @_locked
     def make_room(self, nbytes: int) -> bool:
-        """Makes the arena a free range of ``nbytes`` by evicting the whole slabs (none holding a
-        pinned, read or written page) of one window of the arena: the window of free ranges and
-        such slabs, side by side, that holds ``nbytes`` for the fewest cached bytes. True if the
-        arena then has the range; where no window holds it, nothing is evicted."""
+        """Makes the arena a free range of ``nbytes`` by evicting whole slabs (none holding a
+        pinned, read or written page), least recently used first, but only those of one window of
+        the arena: free ranges and such slabs side by side that hold ``nbytes``, the window whose
+        most recent slab is the least recent of any window's (evicting least recently used slabs
+        until one range held it would have evicted up to that slab), the fewest cached bytes among
+        those. True if the arena then has the range; where no window holds it, nothing is evicted.
+        Where the budget's charged bookkeeping still keeps the range, least recently used slabs
+        go on being evicted, each giving its pages' bookkeeping back."""
         if self.arena.largest_free() >= nbytes:
             return True
         self._reclaim(None)  # (their slabs released where left empty)
@@ -839,44 +843,68 @@ class KVCache:
         window = self._eviction_window(nbytes)
         if window is None:
             return False
-        if not window:  # the space is free, the budget's charged bookkeeping keeps it: slabs give that back
-            window = lru_slabs(self.pages, self.slabs.slabs).tolist()
         for sid in window:
             self._evict_slab(sid)
+        for sid in lru_slabs(self.pages, self.slabs.slabs).tolist():
             if self.arena.largest_free() >= nbytes:
-                return True
-        return False
+                break
+            self._evict_slab(sid)
+        return self.arena.largest_free() >= nbytes
+
+    @_locked
+    def evict_all(self) -> int:
+        """Evicts every slab none of whose pages is pinned, read or written (what a disk tier
+        holds stays there); returns how many."""
+        self._reclaim(None)
+        sids = lru_slabs(self.pages, self.slabs.slabs).tolist()
+        for sid in sids:
+            self._evict_slab(sid)
+        return len(sids)
 
     def _eviction_window(self, nbytes: int) -> list[int] | None:
-        """The evictable slabs of the cheapest window (see ``make_room``), None if none holds it.
-        Free ranges and evictable slabs are laid out by address; anything else (a client's
-        region, a busy slab) ends a run of them. Vectorised: one pass over slabs and ranges."""
-        sids = lru_slabs(self.pages, self.slabs.slabs)
+        """The evictable slabs of ``make_room``'s window, least recent first; None if none holds
+        ``nbytes``. Free ranges and evictable slabs are laid out by address; anything else (a
+        client's region, a busy slab) ends a run of them. Vectorised: a pass over slabs and
+        ranges for each step of a binary search over how recent a slab may be."""
+        sids = lru_slabs(self.pages, self.slabs.slabs)  # least recent first
         slabs = self.slabs.slabs
         starts, sizes = self.arena.free_ranges()
         at = np.array(starts + [slabs[s].offset for s in sids.tolist()], dtype=np.int64)
         size = np.array(sizes + [slabs[s].nbytes for s in sids.tolist()], dtype=np.int64)
-        cost = np.concatenate([np.zeros(len(starts), np.int64), size[len(starts):]])
-        sid = np.concatenate([np.full(len(starts), -1, np.int64), sids.astype(np.int64)])
+        rank = np.concatenate([np.full(len(starts), -1, np.int64), np.arange(len(sids), dtype=np.int64)])
         order = np.argsort(at, kind="stable")
-        at, size, cost, sid = at[order], size[order], cost[order], sid[order]
-        if not len(at):
+        at, size, rank = at[order], size[order], rank[order]
+
+        def cheapest(limit: int) -> np.ndarray | None:
+            """Ranks of the slabs of the cheapest window of free ranges and slabs of rank below
+            ``limit``, None if no such window holds ``nbytes``."""
+            keep = rank < limit
+            a, n, r = at[keep], size[keep], rank[keep]
+            if not len(a):
+                return None
+            run = np.concatenate([[0], np.cumsum(a[1:] != a[:-1] + n[:-1])])  # runs of neighbours
+            end = np.cumsum(n)  # bytes of items 0..i
+            spent = np.cumsum(np.where(r >= 0, n, 0))
+            j = np.searchsorted(end, end - n + nbytes, side="left")  # the window from i ends at j
+            ok = (j < len(a)) & (run[np.minimum(j, len(a) - 1)] == run)
+            if not ok.any():
+                return None
+            first = np.flatnonzero(ok)
+            last = j[ok]
+            best = int(np.argmin(spent[last] - spent[first - 1].clip(0) * (first > 0)))
+            picked = r[first[best]: last[best] + 1]
+            return np.sort(picked[picked >= 0])
+
+        if cheapest(len(sids)) is None:
             return None
-        run = np.concatenate([[0], np.cumsum(at[1:] != at[:-1] + size[:-1])])  # runs of neighbours
-        end = np.cumsum(size)  # bytes of items 0..i
-        spent = np.cumsum(cost)
-        # For each first item i, the last item j of its run with bytes i..j >= nbytes.
-        want = end - size + nbytes
-        j = np.searchsorted(end, want, side="left")
-        ok = (j < len(at)) & (run[np.minimum(j, len(at) - 1)] == run)
-        if not ok.any():
-            return None
-        first = np.flatnonzero(ok)
-        last = j[ok]
-        price = spent[last] - spent[first] + cost[first]
-        best = int(np.argmin(price))
-        picked = sid[first[best]: last[best] + 1]
-        return picked[picked >= 0].tolist()
+        lo, hi = 0, len(sids)  # the least limit with a window: in (lo - 1, hi]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if cheapest(mid) is None:
+                lo = mid + 1
+            else:
+                hi = mid
+        return sids[cheapest(hi)].tolist()
 
     def _room_to_book(self, nbytes: int, spare: np.ndarray) -> None:
         """Evicts whole slabs, least recently used first, none holding a page of ``spare``, until
