@@ -686,6 +686,20 @@ def test_a_reset_turns_the_linker_off_for_the_rest_of_the_process(daemon, caplog
         b.close()
 
 
+def test_on_reset_keep_lets_a_flush_without_new_weights_keep_the_cache(daemon):
+    """``on_reset`` "keep" (benchmarks' /flush_cache, which never comes with new weights): a reset
+    only quiesces, and the pages stay hits; anything else than "stop" or "keep" is refused."""
+    b, pool_b, alloc_b = _engine(daemon.address, on_reset="keep")
+    try:
+        hashes, _ = _store(b, pool_b, alloc_b, 1400, seed=6)
+        b.reset()
+        assert b.lookup("after", [_kv(keys=hashes)]) == [1, 2]
+    finally:
+        b.close()
+    with pytest.raises(ValueError, match="on_reset"):
+        _engine(daemon.address, on_reset="sometimes")
+
+
 def _tp_engine(address: str, **extra):
     """Both TP ranks of one engine (tp_size 2: each registers its own part of the space)."""
     return [_engine(address, tp_rank=rank, tp_size=2, **extra) for rank in (0, 1)]

@@ -11,6 +11,8 @@
 model_path), ``num_layers`` (the space's layer count; default the pool's own, the whole model),
 ``tp_rank``/``tp_size`` (default: from the attention TP group),
 ``lookup_pin_ms`` (default 10000: a lookup pins its hit until the load, 0 for no pin),
+``on_reset`` ("stop", the default: a cache reset turns the linker off for the rest of the process;
+"keep": it goes on, for flushes that never come with new weights),
 ``lookup_timeout_s`` (a lookup on the scheduler's thread, default 1), ``timeout_s`` (each other
 daemon call, default 5), ``load_timeout_s`` (a whole load, default 30),
 ``event_slots`` (CUDA: loads in flight, default 8), ``retry_register_s`` (default 5),
@@ -310,6 +312,11 @@ class KVServerLinker(UnifiedCacheLinker):
         # A load SGLang started cannot fall back to a recompute (it is an HTTP 503): by default only
         # hits in the daemon's host memory count, never pages its disk tier would read back first.
         self.disk_hits = bool(cfg.get("disk_hits", False))
+        # "stop" (default): a cache reset turns the linker off for good (see reset()); "keep": the
+        # operator knows its flushes never come with new weights (benchmarks' /flush_cache).
+        self.on_reset = str(cfg.get("on_reset", "stop"))
+        if self.on_reset not in ("stop", "keep"):
+            raise ValueError(f"linker_extra_config.on_reset is 'stop' or 'keep', not {self.on_reset!r}")
         self.client = KVClient(cfg.get("address"), timeout=float(cfg.get("timeout_s", 5.0)),
                                token=cfg.get("token"), tenant_token=cfg.get("tenant_token"))
         self._lock = threading.Lock()
@@ -678,15 +685,20 @@ class KVServerLinker(UnifiedCacheLinker):
         change, and KV the new weights compute stored there would be taken as theirs by engines
         still on the old weights. Nothing tells a reset for a weight update from another one, so
         every reset ends the linker's use of the cache; a restart with a new ``weights`` (or
-        with the new checkpoint's path) uses it again."""
+        with the new checkpoint's path) uses it again. ``on_reset`` "keep" (an operator whose
+        flushes never come with new weights: benchmarks' ``/flush_cache``) only quiesces."""
         self._quiesce()
+        if self.on_reset == "keep":
+            logger.info("kvserver: SGLang reset its cache; the linker goes on (on_reset \"keep\")")
+            return
         if not self._stopped:
             self._stopped = True
             logger.warning("kvserver: SGLang reset its cache (a flush, as after an in-place weight update): "
                            "the linker no longer loads or stores for the rest of this process, since the "
                            "node cache's pages were computed under this engine's weights identity before "
                            "the reset; restart the engine (with a new \"weights\" if its weights changed) "
-                           "to use the cache again")
+                           "to use the cache again, or set linker_extra_config.on_reset \"keep\" where "
+                           "flushes never come with new weights (benchmarks' /flush_cache)")
 
     def close(self) -> None:
         if self._closed:
