@@ -304,9 +304,12 @@ class ClientLane:
                              name="kvclient-lane-late").start()
         except RuntimeError:  # no thread to be had: abandoned as any other call's slot
             logger.warning("kvclient: no thread to watch a lane call given up; its late answer is dropped")
-            with self._lock:
+            with self._lock:  # one hold: a _reclaim between would free the slot twice
                 self._late.discard(i)
-            self._end(i, done=False)
+                self._users -= 1
+                last = self.closed and self._users == 0 and not self._streams
+            if last:
+                self._release()
 
     def _await_late(self, i: int, late: Callable[[bytes], None], until: float) -> None:
         """``_watch``'s thread: waits for slot ``i``'s answer (the lane shut, or ``until``, end the
