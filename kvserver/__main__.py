@@ -122,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
                    default=_env("SOCKET_GROUP_ACCESS", "") == "1",
                    help="socket mode 0660 instead of 0600, and a socket directory the daemon makes 0750 "
                         "instead of 0700 (one that exists must let the group in too)")
+    p.add_argument("--shared-socket-dir", action="store_true",
+                   default=_env("SHARED_SOCKET_DIR", "") == "1",
+                   help="listen even where other users may write the socket's directory or one above "
+                        "it (a Kubernetes emptyDir shared by a pod's containers): whoever may write it "
+                        "can put its own sockets in the daemon's place; warned at start")
     p.add_argument("--allow-named-shm", action="store_true", default=_env("ALLOW_NAMED_SHM", "") == "1",
                    help="also accept pools in named /dev/shm objects, only ones owned by the caller's "
                         "uid (default: sealed memfds passed over the fd socket only)")
@@ -195,6 +200,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         admin_token=_read_token(args.admin_token_file, "KVSERVER_ADMIN_TOKEN"),
         insecure_tcp=args.insecure_tcp,
         socket_group_access=args.socket_group_access,
+        shared_socket_dir=args.shared_socket_dir,
         cuda_wait_seconds=args.cuda_wait_seconds,
         allow_named_shm=args.allow_named_shm,
         tenant_quota=args.tenant_quota,

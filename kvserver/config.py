@@ -127,6 +127,7 @@ class ServerConfig:
     admin_token: str | None = None  # as "x-kvserver-admin: <token>" metadata: Stats lists every client
     insecure_tcp: bool = False  # allow --listen without a token
     socket_group_access: bool = False  # socket mode 0660 instead of 0600
+    shared_socket_dir: bool = False  # listen where others may write the socket's directory (warned)
     allow_named_shm: bool = False  # accept named /dev/shm pools (owned by the caller) besides memfds
     max_message_bytes: int = 64 << 20
     cuda_wait_seconds: float = 20.0  # GPU work of a client making no progress this long fails it

@@ -142,8 +142,12 @@ class Daemon:
         directory = os.path.dirname(path)
         for _ in range(2):
             why = foreign_path(directory)
+            if why is not None and not self.config.shared_socket_dir:
+                raise ListenError(f"cannot use socket {path}: {why} (--shared-socket-dir listens there "
+                                  "all the same)")
             if why is not None:
-                raise ListenError(f"cannot use socket {path}: {why}")
+                logger.warning("listening on %s, where %s (--shared-socket-dir): whoever may write there "
+                               "can put its own sockets in the daemon's place", path, why)
             if os.path.isdir(directory):
                 return
             mode = 0o750 if self.config.socket_group_access else 0o700

@@ -57,6 +57,16 @@ def test_the_daemon_refuses_a_socket_directory_others_may_write(socket_dir) -> N
     assert f"{shared} is writable by other users and not sticky" in str(err.value), err.value
 
 
+def test_a_shared_socket_dir_is_used_when_asked_with_a_warning(socket_dir, caplog) -> None:
+    """--shared-socket-dir: a Kubernetes emptyDir (0777, not sticky) that a pod's containers share."""
+    shared = os.path.join(socket_dir, "shared")
+    os.mkdir(shared)
+    os.chmod(shared, 0o777)
+    with caplog.at_level("WARNING", logger="kvserver.server"):
+        _start(os.path.join(shared, "kv.sock"), shared_socket_dir=True)
+    assert f"{shared} is writable by other users and not sticky (--shared-socket-dir)" in caplog.text
+
+
 def test_socket_group_access_makes_a_directory_the_group_may_enter(socket_dir) -> None:
     """--socket-group-access: the socket is 0660, and a directory the daemon makes for it 0750
     (0700 would keep the group out whatever the socket's mode)."""
