@@ -30,10 +30,10 @@ from kvserver.peers.tickets import (
     PeerCred,
     TicketBook,
     close_off_loop,
+    closing_for,
     drain,
     fds_of,
     is_shared_memory,
-    risky_fds,
     socket_kind,
 )
 from kvserver.protocol.fd_socket import FDS_PER_MESSAGE, HEADER, MAGIC, MAX_FDS, MORE
@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 CONN_SECONDS = 5.0
 MAX_CONNS = 64
 MAX_CONNS_PER_UID = 8
-MAX_UNCLOSED_PER_UID = 16  # descriptors of files outside shared memory one uid sent, not closed yet
+STUCK_SECONDS = 1.0  # a uid whose closer is this long in one close gets no connection
 _CMSG_SPACE = socket.CMSG_SPACE(FDS_PER_MESSAGE * 4)
 _PEERCRED = struct.Struct("3i")
 # SO_PEERPIDFD (Linux 6.5): a pidfd of the process that connected, which a pid reused after it
@@ -148,12 +148,12 @@ class PeerSocket:
             if len(self._serving) >= MAX_CONNS or self._per_uid.get(uid, 0) >= MAX_CONNS_PER_UID:
                 _reply(conn, _error(NoCapacity("too many fd socket connections at once; try again")), uid)
                 continue
-            if risky_fds(uid) >= MAX_UNCLOSED_PER_UID:
-                # Its descriptors in flight are released unread: no close of them waits (only a
-                # close(2) of a FUSE file sends the FLUSH its server may hold).
+            if closing_for(uid) >= STUCK_SECONDS:
+                # What it sent queues behind that close (on its own closer): no new connection adds to it.
+                stuck = closing_for(uid)
                 _reply(conn, _error(NoCapacity(
-                    f"{risky_fds(uid)} descriptors this uid sent (files outside shared memory) have not "
-                    "closed yet; no more are taken from it until they have")), uid)
+                    f"a descriptor this uid sent has taken {stuck:.0f} s to close so far (a file on FUSE "
+                    "whose server does not answer?); no more are taken from it until it closes")), uid)
                 continue
             self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
             task = asyncio.get_running_loop().create_task(self._serve(conn, peer))

@@ -18,6 +18,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -105,11 +106,10 @@ class _Closer:
         self._threads: list[threading.Thread] = []
         self._most = threads
         self._name = name
-        self.unclosed = 0  # descriptors queued or being closed
+        self.busy_since: float | None = None  # when its (one) thread began the close under way
 
     def close(self, fds: list[int]) -> None:
         with self._lock:
-            self.unclosed += len(fds)
             if len(self._threads) < self._most:
                 thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 thread.start()
@@ -119,9 +119,9 @@ class _Closer:
     def _run(self) -> None:
         while True:
             for fd in self._queue.get():
+                self.busy_since = time.monotonic()
                 close_peer_fd(fd)
-                with self._lock:
-                    self.unclosed -= 1
+                self.busy_since = None
 
 
 _CLOSER = _Closer()
@@ -129,7 +129,7 @@ _CLOSER = _Closer()
 # are closed on a thread of their sender's uid: close(2) of a file on FUSE sends a FLUSH that its
 # server (maybe the peer itself) can leave unanswered for ever, and the thread waits with it,
 # unkillably. So one uid's such file holds only that uid's closes, never other peers' memfds; and
-# the fd socket takes no more descriptors of a uid with MAX_UNCLOSED_PER_UID of them unclosed.
+# the fd socket takes no more descriptors of a uid whose closer has been in one close too long.
 _RISKY: dict[int, _Closer] = {}
 _RISKY_LOCK = threading.Lock()
 
@@ -192,10 +192,11 @@ def refuse_rights(sock: socket.socket, uid: int) -> None:
     drain(sock, uid, most=4096)
 
 
-def risky_fds(uid: int) -> int:
-    """Descriptors of files outside shared memory that ``uid`` sent and the daemon has not closed."""
+def closing_for(uid: int) -> float:
+    """Seconds the closer of ``uid``'s descriptors has been in the close under way (0: none)."""
     closer = _RISKY.get(uid)
-    return closer.unclosed if closer is not None else 0
+    since = closer.busy_since if closer is not None else None
+    return 0.0 if since is None else time.monotonic() - since
 
 
 # Ticket.pidfd where the fd socket found the peer gone already (it exited before its ticket).
