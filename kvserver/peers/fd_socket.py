@@ -27,6 +27,7 @@ import struct
 from kvserver.errors import InvalidArgument, KVError, NoCapacity
 from kvserver.peers.tickets import (
     PEER_GONE,
+    RIGHTS_SPACE,
     PeerCred,
     TicketBook,
     close_off_loop,
@@ -44,7 +45,6 @@ CONN_SECONDS = 5.0
 MAX_CONNS = 64
 MAX_CONNS_PER_UID = 8
 STUCK_SECONDS = 1.0  # a uid whose closer is this long in one close gets no connection
-_CMSG_SPACE = socket.CMSG_SPACE(FDS_PER_MESSAGE * 4)
 _PEERCRED = struct.Struct("3i")
 # SO_PEERPIDFD (Linux 6.5): a pidfd of the process that connected, which a pid reused after it
 # exits never names; where the kernel lacks it, pidfd_open of its pid right at the accept.
@@ -210,7 +210,7 @@ class PeerSocket:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                data, anc, flags, _ = conn.recvmsg(64, _CMSG_SPACE, socket.MSG_CMSG_CLOEXEC)
+                data, anc, flags, _ = conn.recvmsg(64, RIGHTS_SPACE, socket.MSG_CMSG_CLOEXEC)
                 break
             except (BlockingIOError, InterruptedError):
                 pass

@@ -23,6 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from kvserver.errors import NoCapacity, PermissionDenied
+from kvserver.protocol.fd_socket import FDS_PER_MESSAGE
 
 logger = logging.getLogger(__name__)
 
@@ -125,10 +126,11 @@ class _Closer:
 
 
 _CLOSER = _Closer()
-# Descriptors that are neither shared memory nor sockets (refused ones: a pipe, a file on disk...)
-# are closed on a thread of their sender's uid: close(2) of a file on FUSE sends a FLUSH that its
-# server (maybe the peer itself) can leave unanswered for ever, and the thread waits with it,
-# unkillably. So one uid's such file holds only that uid's closes, never other peers' memfds; and
+# Descriptors other than shared memory (refused ones, sockets: a doorbell, the fd socket's own
+# connections) are closed on a thread of their sender's uid: close(2) of a file on FUSE sends a
+# FLUSH that its server (maybe the peer itself) can leave unanswered for ever, the last close of a
+# socket releases what its queue holds, and the thread waits with it, unkillably. So one uid's
+# such file holds only that uid's closes, never other peers' memfds; and
 # the fd socket takes no more descriptors of a uid whose closer has been in one close too long.
 _RISKY: dict[int, _Closer] = {}
 _RISKY_LOCK = threading.Lock()
@@ -139,10 +141,12 @@ def close_off_loop(fds: list[int], uid: int = -1) -> None:
     (never the loop's): shared memory on the shared ones, anything else on the uid's own. A
     socket counts as anything else: the last close of one drops what its queue holds, and a
     descriptor of a file on FUSE released there may wait on its server (a writeback)."""
-    safe = [fd for fd in fds if is_shared_memory(fd)]
+    safe: list[int] = []
+    risky: list[int] = []
+    for fd in fds:
+        (safe if is_shared_memory(fd) else risky).append(fd)
     if safe:
         _CLOSER.close(safe)
-    risky = [fd for fd in fds if fd not in safe] if len(safe) < len(fds) else []
     if risky:
         with _RISKY_LOCK:
             closer = _RISKY.get(uid)
@@ -152,7 +156,7 @@ def close_off_loop(fds: list[int], uid: int = -1) -> None:
 
 
 SO_PASSRIGHTS = getattr(socket, "SO_PASSRIGHTS", 83)  # Linux 6.16: a socket that takes no descriptors
-_RIGHTS_SPACE = socket.CMSG_SPACE(253 * 4)  # SCM_MAX_FD descriptors
+RIGHTS_SPACE = socket.CMSG_SPACE(FDS_PER_MESSAGE * 4)  # a control buffer for one message's descriptors
 
 
 def fds_of(anc: list[tuple[int, int, bytes]]) -> list[int]:
@@ -172,7 +176,7 @@ def drain(sock: socket.socket, uid: int, most: int = 64) -> None:
     them unread would release them here, and a file on FUSE released may wait on its server."""
     for _ in range(most):
         try:
-            data, anc, _, _ = sock.recvmsg(64, _RIGHTS_SPACE, socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
+            data, anc, _, _ = sock.recvmsg(64, RIGHTS_SPACE, socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
         except OSError:  # nothing more (EAGAIN), or the socket is gone
             return
         close_off_loop(fds_of(anc), uid)
