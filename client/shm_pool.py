@@ -22,7 +22,15 @@ from kvserver.protocol.layout import KVLayout
 from kvserver.protocol.shared_memory import ShmMapping, create_memfd, create_shm, unlink_shm
 from kvserver.v1 import kvserver_pb2 as pb
 
-VLLM_LAYOUTS = ("flash_attn", "flash_attn_hnd", "flashinfer", "flashinfer_hnd", "mla")
+# vLLM's layouts: a layer's tensor shape from (blocks, block size, heads, head size).
+_VLLM_SHAPES = {
+    "flash_attn": lambda nb, block, heads, dim: (2, nb, block, heads, dim),
+    "flash_attn_hnd": lambda nb, block, heads, dim: (2, nb, heads, block, dim),
+    "flashinfer": lambda nb, block, heads, dim: (nb, 2, block, heads, dim),
+    "flashinfer_hnd": lambda nb, block, heads, dim: (nb, 2, heads, block, dim),
+    "mla": lambda nb, block, heads, dim: (nb, block, heads, dim),
+}
+VLLM_LAYOUTS = tuple(_VLLM_SHAPES)
 
 
 def _check_vllm_layout(layout: KVLayout, kind: str, num_tokens: int, block: int, token_padding: int) -> None:
@@ -116,10 +124,8 @@ class ShmKVPool:
         layout, n = self.layout, self.num_tokens
         heads, dim = layout.token_shape
         nb, per_layer = n // block, self.buffer_bytes * layout.num_parts // self.dtype.itemsize
-        shapes = {"flash_attn": (2, nb, block, heads, dim), "flashinfer": (nb, 2, block, heads, dim),
-                  "flash_attn_hnd": (2, nb, heads, block, dim), "flashinfer_hnd": (nb, 2, heads, block, dim),
-                  "mla": (nb, block, heads, dim)}
-        self.layer_tensors = [flat[i * per_layer:(i + 1) * per_layer].view(shapes[kind])
+        shape = _VLLM_SHAPES[kind](nb, block, heads, dim)
+        self.layer_tensors = [flat[i * per_layer:(i + 1) * per_layer].view(shape)
                               for i in range(self.num_layers)]
 
         def part_view(t: torch.Tensor, p: int) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """The client's own leaks and silences, against the real daemon: a pinning Lookup given up on a
 lane leaves no lease behind; a re-registration the daemon keeps refusing is logged; a pool
 refused at construction leaves no memfd or /dev/shm object; a lane opened for a registration
-that was replaced meanwhile never displaces the new one's; an unwaited load keeps no lane open
-after its client closed; a hung daemon's calls end within the bounds docs/reliability.md states."""
+that was replaced meanwhile never displaces the new one's; a hung daemon's calls end within the
+bounds docs/reliability.md states."""
 
 from __future__ import annotations
 
@@ -38,15 +38,6 @@ def register(client: KVClient, pool: ShmKVPool, host_tokens: int = 128, model: s
 
 def leases(daemon: DaemonThread) -> int:
     return daemon.run(lambda: len(daemon.core.cache.leases.leases))
-
-
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-def lane_maps() -> int:
-    with open("/proc/self/maps") as f:
-        return sum("kvclient-lane" in line for line in f)
 
 
 def pool_memfds() -> int:
@@ -212,6 +203,29 @@ def test_a_pool_refused_at_construction_leaves_no_memfd_and_no_named_object(name
     finally:
         if named and os.path.exists(path):
             os.unlink(path)  # (left by a failed check)
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["memfd", "named"])
+def test_a_pool_whose_layout_fails_after_its_memory_is_made_leaves_none(named, monkeypatch) -> None:
+    """A failure past the checks, once the memfd or the /dev/shm object exists (laying the views
+    out): the pool closes what it made before the error goes up."""
+    name = f"kvpool-late-{os.getpid()}" if named else None
+    path = os.path.join(SHM_DIR, name) if named else ""
+
+    def fail(self, *args) -> None:
+        assert self._shm is not None  # made already
+        raise RuntimeError("laying out failed")
+
+    monkeypatch.setattr(ShmKVPool, "_lay_out", fail)
+    before = pool_memfds()
+    try:
+        with pytest.raises(RuntimeError, match="laying out failed"):
+            ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS, name=name, vllm_layout="flash_attn", block_size=16)
+        assert pool_memfds() == before
+        assert not named or not os.path.exists(path)
+    finally:
+        if named and os.path.exists(path):
+            os.unlink(path)
 
 
 def test_a_lane_opened_for_a_registration_replaced_meanwhile_leaves_the_new_ones_lane(daemon) -> None:
