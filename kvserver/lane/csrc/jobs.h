@@ -227,9 +227,9 @@ static int take_turn(Gate *g, int64_t arrival) {
  * and the pool's GPU work not given up on. */
 static int cuda_takes(Engine *e, Gate *g, Job *j, const kv_request *r) {
     int packed = g->dev_stride == g->token_bytes; /* else a run is a copy a token (cuda_issue) */
-    int64_t pieces = 0;
-    for (int64_t k = 0; k < j->nruns; k++)
-        pieces += packed ? 1 : j->runs[k].ntok;
+    int64_t pieces = j->nruns;
+    for (int64_t k = 0; !packed && k < j->nruns; k++) /* (make_job joins no such run today) */
+        pieces += j->runs[k].ntok - 1;
     int64_t copies = pieces * (int64_t)j->nl * g->parts;
     int dma = copies <= g->cu_max_copies;
     if (dma && copies > g->cu_small_copies)
