@@ -409,10 +409,10 @@ def _directory() -> int:
 
 NOT_SHARED_MEMORY = [
     pytest.param(_pipe, "a pipe", id="pipe"),
-    pytest.param(_disk_file, "a regular file outside shared memory", id="disk-file"),
+    pytest.param(_disk_file, "a file outside shared memory", id="disk-file"),
     pytest.param(_lingering_tcp_socket, "a socket other than a Unix SOCK_SEQPACKET one", id="tcp-socket"),
-    pytest.param(_dev_null, "a character device", id="char-device"),
-    pytest.param(_directory, "a directory", id="directory"),
+    pytest.param(_dev_null, "a file outside shared memory", id="char-device"),
+    pytest.param(_directory, "a file outside shared memory", id="directory"),
 ]
 
 

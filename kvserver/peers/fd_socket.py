@@ -21,7 +21,6 @@ import logging
 import os
 import resource
 import socket
-import stat
 import struct
 
 from kvserver.errors import InvalidArgument, KVError, NoCapacity
@@ -261,10 +260,9 @@ def _out_of_descriptors() -> bool:
 def _unusable(fd: int) -> str:
     """Why a peer's descriptor is none a pool or a lane can use ('' if it is one). Checked before a
     ticket keeps it: a descriptor of another kind (a TCP socket set to linger, a file on a slow
-    file system) could block whoever closes it. Shared memory and sockets are told apart without
-    a call into any file system; another file is looked at (fstat) only where it is the kernel's
-    own (a pipe, an anonymous inode) or its file system is one of this daemon's mounts and not
-    FUSE, whose server (maybe the peer) could leave the call waiting for ever."""
+    file system) could block whoever closes it. Nothing here calls into a file system (any user
+    can mount a FUSE one whose server never answers): shared memory is what takes seals, a socket
+    what answers SO_TYPE; anything else is named from its /proc link."""
     if is_shared_memory(fd):
         return ""
     kind = socket_kind(fd)
@@ -272,39 +270,12 @@ def _unusable(fd: int) -> str:
         return "" if kind == (socket.AF_UNIX, socket.SOCK_SEQPACKET) else \
             "a socket other than a Unix SOCK_SEQPACKET one"
     try:
-        internal = not os.readlink(f"/proc/self/fd/{fd}").startswith("/")  # pipe:[..], anon_inode:..
+        link = os.readlink(f"/proc/self/fd/{fd}")
     except OSError as exc:
         return f"unusable ({exc.strerror})"
-    fs = None if internal else file_system(fd)
-    if not internal and fs is None:
-        return "a file on a file system that is not among the daemon's mounts"
-    if fs is not None and fs.startswith("fuse"):
-        return f"a file on a FUSE file system ({fs})"
-    try:
-        st = os.fstat(fd)
-    except OSError as exc:
-        return f"unusable ({exc.strerror})"
-    kinds = [(stat.S_ISREG, "a regular file outside shared memory"), (stat.S_ISFIFO, "a pipe"),
-             (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
-             (stat.S_ISBLK, "a block device")]
-    return next((name for test, name in kinds if test(st.st_mode)), "not a file")
-
-
-def file_system(fd: int) -> str | None:
-    """The type of the file system holding ``fd``'s file ('ext4', 'fuse.sshfs', 'pipefs'...), read
-    from /proc without a call into that file system: its mount id (fdinfo) in this process's
-    mountinfo; None where the mount is not there (one of another mount namespace)."""
-    try:
-        with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
-            info = f.read(4096)
-        mnt = next(line.split()[1] for line in info.splitlines() if line.startswith(b"mnt_id:"))
-        with open("/proc/self/mountinfo", "rb") as f:
-            for line in f:
-                if line.split(b" ", 1)[0] == mnt:
-                    return line.split(b" - ", 1)[1].split(b" ", 1)[0].decode(errors="replace")
-    except (OSError, StopIteration, IndexError):
-        pass
-    return None
+    if link.startswith("pipe:"):
+        return "a pipe"
+    return "a file outside shared memory" if link.startswith("/") else f"not a file ({link.split(':')[0]})"
 
 
 class _Closed(Exception):
