@@ -14,6 +14,7 @@ import grpc
 
 from kvclient.errors import KVClientError
 from kvserver.protocol.fd_socket import TicketRefused, request_ticket
+from kvserver.protocol.fd_socket import fd_socket_path as fd_socket_of
 from kvserver.protocol.paths import default_socket, foreign_path
 from kvserver.v1 import kvserver_pb2 as pb
 
@@ -28,7 +29,7 @@ def fd_socket_path(target: str) -> str | None:
 
 
 def get_ticket(path: str, fds: list[int], timeout: float = 5.0) -> str:
-    if path == default_socket() + ".fd":  # a path any user can make first (/tmp/kvserver-<uid>)
+    if path == fd_socket_of(default_socket()):  # a path any user can make first (/tmp/kvserver-<uid>)
         why = foreign_path(os.path.dirname(path))
         if why is not None:
             raise KVClientError(grpc.StatusCode.PERMISSION_DENIED,

@@ -82,8 +82,11 @@ def close_peer_fd(fd: int) -> None:
     """Closes a descriptor a peer sent, without letting it decide how long that takes where that
     can be helped: a socket is closed abortively (SO_LINGER 0), never waiting for a linger time the
     peer chose. (The close of a file on FUSE waits for its server: see ``close_off_loop``.)"""
-    if socket_kind(fd) is not None:
+    try:
         sock = socket.socket(fileno=fd)
+    except OSError:  # not a socket
+        sock = None
+    if sock is not None:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_OFF)
         except OSError:
@@ -120,7 +123,8 @@ class _Closer:
     def _run(self) -> None:
         while True:
             for fd in self._queue.get():
-                self.busy_since = time.monotonic()
+                if self._most == 1:  # (a uid's: closing_for reads it)
+                    self.busy_since = time.monotonic()
                 close_peer_fd(fd)
                 self.busy_since = None
 
