@@ -294,8 +294,7 @@ class KVServerLinker(UnifiedCacheLinker):
         # The ranks SGLang's wrapper reduces a load's verdict over (finish_loads' MIN all-reduce
         # over the attention TP group, else the TP group). With more than one, load() must answer
         # by its transfers alone, as every rank has to take the same branch (see load()).
-        self.shared_verdict = max(tp_size, server_tp, _group_size(getattr(params, "tp_cache_group", None)),
-                                  _group_size(getattr(params, "attn_tp_cache_group", None))) > 1
+        self.shared_verdict = tp_size > 1
         model = cfg.get("model") or getattr(server_args, "served_model_name", None) or server_args.model_path
         register_kwargs = dict(
             model=str(model), pool=self.device_pool, start_layer=start, end_layer=end,
