@@ -462,7 +462,7 @@ def test_leases_released_at_once_leave_no_heap_behind():
         _, lease = cache.lookup(part, K("abc"), pin_ms=60_000)
         assert cache.release("t", [lease]) == 1
     assert len(cache.leases.leases) == 0
-    assert len(cache.leases._heap) <= 2048
+    assert len(cache.leases._heap) <= 1025  # 2 x the live leases + 1024, past which it is rebuilt
     _, kept = cache.lookup(part, K("a"), pin_ms=60_000)
     for _ in range(3000):
         _, lease = cache.lookup(part, K("abc"), pin_ms=60_000)

@@ -845,10 +845,11 @@ class KVCache:
             return False
         for sid in window:
             self._evict_slab(sid)
-        for sid in lru_slabs(self.pages, self.slabs.slabs).tolist():
-            if self.arena.largest_free() >= nbytes:
-                break
-            self._evict_slab(sid)
+        if self.arena.largest_free() < nbytes:
+            for sid in lru_slabs(self.pages, self.slabs.slabs).tolist():
+                self._evict_slab(sid)
+                if self.arena.largest_free() >= nbytes:
+                    break
         return self.arena.largest_free() >= nbytes
 
     @_locked
@@ -895,16 +896,18 @@ class KVCache:
             picked = r[first[best]: last[best] + 1]
             return np.sort(picked[picked >= 0])
 
-        if cheapest(len(sids)) is None:
+        best = cheapest(len(sids))
+        if best is None:
             return None
-        lo, hi = 0, len(sids)  # the least limit with a window: in (lo - 1, hi]
+        lo, hi = 0, len(sids)  # the least limit with a window: in [lo, hi], ``best`` hi's
         while lo < hi:
             mid = (lo + hi) // 2
-            if cheapest(mid) is None:
+            found = cheapest(mid)
+            if found is None:
                 lo = mid + 1
             else:
-                hi = mid
-        return sids[cheapest(hi)].tolist()
+                hi, best = mid, found
+        return sids[best].tolist()
 
     def _room_to_book(self, nbytes: int, spare: np.ndarray) -> None:
         """Evicts whole slabs, least recently used first, none holding a page of ``spare``, until
