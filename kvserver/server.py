@@ -104,7 +104,7 @@ class Daemon:
             disk_threads=config.disk_threads,
             cluster=cluster_client(config),
             cluster_timeout=config.cluster_timeout,
-            event_publish=self.kv_events.record if self.kv_events is not None else None,
+            event_publisher=self.kv_events,
         )
         self._stop_leases = asyncio.Event()
         self._leases: asyncio.Task | None = None

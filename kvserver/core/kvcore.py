@@ -29,13 +29,14 @@ from kvserver.core.share import LoopShare
 from kvserver.disk import DiskTier
 from kvserver.errors import InvalidArgument, NoCapacity, UnknownClient, shown
 from kvserver.events import CPU, LOCAL, REMOTE, STORAGE, EventBook
+from kvserver.events.book import Publisher
 from kvserver.host.arena import HostArena, aligned_capacity
 from kvserver.host.kept import KeptDir, KeptDirError
 from kvserver.host.pages import PageAllocator
 from kvserver.media import ShmAccess, SlabPinner, open_pool
 from kvserver.peers.tenants import tenant_of
 from kvserver.peers.tickets import TicketBook
-from kvserver.store import Keys, KVCache, SpaceKey
+from kvserver.store import KVCache
 from kvserver.store.keep import Recovery, kept_shape
 from kvserver.store.pages import MIN_PAGE_BYTES
 from kvserver.v1 import kvserver_pb2 as pb
@@ -72,7 +73,7 @@ class KVCore:
         disk_size_share: bool = False,
         cluster: MooncakeClient | None = None,
         cluster_timeout: float = 1.0,
-        event_publish: Callable[[SpaceKey, bool, str, str, Keys, float], None] | None = None,
+        event_publisher: Publisher | None = None,
     ) -> None:
         self.recovery: Recovery | None = None  # what a kept cache's start found (None: not kept)
         self._kept: KeptDir | None = None
@@ -93,7 +94,7 @@ class KVCore:
             logger.info("%s", self.cluster.describe())
         # KV events: what each space gains and loses in each tier, for engines' connectors to
         # read (Events) and for the daemon's own publisher (--kv-events-endpoint).
-        self.events = EventBook(event_publish)
+        self.events = EventBook(event_publisher)
         self.cache.on_complete.append(self.events.listener(CPU, LOCAL))
         if self.disk is not None:
             self.disk.cache.on_complete.append(self.events.listener(STORAGE, LOCAL))

@@ -10,9 +10,8 @@ first (a reader that fell further behind is told of the gap); consecutive change
 share an event. Recording costs a copy of the keys' arrays on the event loop; their bytes are made
 only when read, ``MAX_READ_KEYS`` at a time, and a read finds its place by its seq at once.
 
-Every record goes to the daemon's ZMQ publisher too, when one runs (``publisher``); the book
-keeps the publisher (the owner of the ``publish`` method it was given) for the metrics to read
-its drop count.
+Every record goes to the daemon's ZMQ publisher too, when one runs (``publisher``), whose drop
+count the metrics read there.
 
 Primitives: ``EventBook`` (``record``, ``read``, ``listener``), ``LoggedEvent``, the mediums
 ``CPU`` and ``STORAGE`` and the localities ``LOCAL`` and ``REMOTE`` (vLLM's names).
@@ -26,6 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import islice
+from typing import Protocol
 
 import numpy as np
 
@@ -107,20 +107,26 @@ def concat(a: Keys, b: Keys) -> Keys:
     return Keys(np.concatenate([a.words, b.words]), np.concatenate([a.lens, b.lens]), raw)
 
 
-class EventBook:
-    """The logs of every space read lately; ``publish`` (optional): called with every record
-    (the daemon's ZMQ publisher)."""
+class Publisher(Protocol):
+    """What the book hands every record to (the daemon's ``ZmqPublisher``)."""
 
-    def __init__(self, publish: Callable[[SpaceKey, bool, str, str, Keys, float], None] | None = None,
+    dropped_keys: int
+
+    def record(self, space: SpaceKey, stored: bool, medium: str, locality: str, keys: Keys,
+               ts: float) -> None: ...
+
+
+class EventBook:
+    """The logs of every space read lately; ``publisher`` (optional): given every record (the
+    daemon's ZMQ publisher), and read by the metrics for its drop count."""
+
+    def __init__(self, publisher: Publisher | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.id = secrets.token_hex(8)  # this daemon's logs: a reader of another's starts over
         self._logs: dict[SpaceKey, _Log] = {}
         self._generation = 0
         self._keys = 0  # keys all logs hold
-        self._publish = publish
-        # The publisher whose bound method ``publish`` is (the daemon's ZmqPublisher.record): its
-        # ``dropped_keys`` is the metrics' kvserver_kv_events_dropped_keys_total.
-        self.publisher = getattr(publish, "__self__", None)
+        self.publisher = publisher
         self._clock = clock
         self.gaps = 0  # reads that found events dropped before them
 
@@ -137,8 +143,8 @@ class EventBook:
         if not len(keys):
             return
         ts = time.time()
-        if self._publish is not None:
-            self._publish(space, stored, medium, locality, keys.copy(), ts)
+        if self.publisher is not None:
+            self.publisher.record(space, stored, medium, locality, keys.copy(), ts)
         log = self._logs.get(space)
         if log is None:
             return

@@ -148,7 +148,6 @@ class ZmqPublisher:
         self.dropped = 0  # records dropped for a full queue
         self.dropped_keys = 0  # and their keys
         self._burst = [0, 0, 0.0, 0.0]  # drops not logged yet: records, keys, first and last (monotonic)
-        self.cleared = 0  # AllBlocksCleared sent
         self.sent = 0  # batches sent
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvserver-kv-events", daemon=True)
@@ -281,7 +280,6 @@ class ZmqPublisher:
         try:
             self._pub.send_multipart((topic, self._seq.to_bytes(8, "big"), payload))
             self.sent += 1
-            self.cleared += isinstance(events[0], s.AllBlocksCleared)
         except Exception:
             logger.exception("a KV event batch could not be sent")
 
