@@ -16,7 +16,6 @@ import threading
 from collections.abc import Iterable, Sequence
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from kvclient import _messages as msg
 from kvclient._ops import Call, Lost, Missed, Op, StreamOp
@@ -463,15 +462,6 @@ class ClientCore:
     def stats(self, all_clients: bool) -> Op:
         req = pb.StatsRequest(client_id="" if all_clients else self.client_id)
         return Op("Stats", lambda r: req, lambda resp: resp, registered=False)
-
-    def late_release(self, reg: msg.Registration, response: bytes) -> pb.ReleaseRequest | None:
-        """A Lookup's answer (``response``, a LookupResponse's bytes) that came after its caller
-        gave up: the Release of the lease it took, which nobody holds; None if it took none."""
-        try:
-            lease = pb.LookupResponse.FromString(response).lease_id
-        except DecodeError:
-            return None
-        return pb.ReleaseRequest(client_id=reg.client_id, lease_ids=[lease]) if lease else None
 
     def lookup(self, keys: Keys, pin_ms: int, whole_space: bool, key_bytes: int = KEY_BYTES,
                timeout: float | None = None, memory_only: bool = False) -> Op:

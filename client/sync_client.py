@@ -23,7 +23,7 @@ from kvclient._ops import Call, Missed, Op, StreamOp
 from kvclient._shell import CoreShell
 from kvclient._transport.channel import CHANNEL_OPTIONS
 from kvclient._transport.fd_socket import fd_socket_path, ticket_for, ticketed
-from kvclient._transport.lane import ClientLane
+from kvclient._transport.lane import ClientLane, release_late
 from kvclient.core import LANE_LOAD, LANE_WRITE, ClientCore, Reregistration
 from kvclient.cuda_pool import CudaKVPool
 from kvclient.errors import KVClientError, from_rpc_error
@@ -123,16 +123,7 @@ class KVClient(CoreShell):
     def _release_late(self, reg: msg.Registration, response: bytes) -> None:
         """A pinning Lookup's answer that came on the lane after the call gave up (on the lane's
         watching thread): the lease it took, which nobody holds, is released."""
-        req = self._core.late_release(reg, response)
-        if req is None:
-            return
-        try:
-            self._stub.Release(req, timeout=self.timeout, metadata=self._core.metadata)
-        except (grpc.RpcError, ValueError) as exc:  # ValueError: the channel closed meanwhile
-            logger.debug("releasing the lease of a Lookup given up failed (it ends after its pin_ms): %r",
-                         exc)
-        else:
-            logger.debug("released the lease of a Lookup answered after it was given up")
+        release_late(self._stub, response, self.timeout, self._core.metadata, client_id=reg.client_id)
 
     def _binary_lane(self, lane: ClientLane | None, reg: msg.Registration | None) -> bool:
         """Whether ``lane`` takes the binary Write and Load of ``reg``, the live registration."""

@@ -22,10 +22,9 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from kvclient._transport.fd_socket import fd_socket_path, ticket_for
-from kvclient._transport.lane import ClientLane
+from kvclient._transport.lane import ClientLane, release_late
 from kvclient.errors import KVClientError
 from kvserver.v1 import kvserver_pb2 as pb
 
@@ -103,18 +102,7 @@ class ViewLane:
     def _release_late(self, stub, space_id: str, response: bytes) -> None:
         """A pinning Lookup's answer that came after the view gave up (on the lane's watching
         thread): the lease it took, which nobody holds, is released."""
-        try:
-            lease = pb.LookupResponse.FromString(response).lease_id
-        except DecodeError:
-            return
-        if not lease:
-            return
-        try:
-            stub.Release(pb.ReleaseRequest(space_id=space_id, lease_ids=[lease]), timeout=RELEASE_SECONDS,
-                         metadata=self._metadata)
-        except (grpc.RpcError, ValueError) as exc:  # ValueError: the channel closed meanwhile
-            logger.debug("releasing the lease of a Lookup given up failed (it ends after its pin_ms): %r",
-                         exc)
+        release_late(stub, response, RELEASE_SECONDS, self._metadata, space_id=space_id)
 
     def _for(self, stub, space_id: str, deadline: float) -> ClientLane | None:
         lane, space, refused_at = self._held

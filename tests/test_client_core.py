@@ -427,10 +427,11 @@ def test_a_refused_reregistration_is_warned_once_per_status_and_reason_and_slowe
     assert tries.refusals == 0 and tries.next() <= 0.05
 
 
-def test_a_late_lookup_answer_is_released_only_with_a_lease(pool):
-    core = registered(pool)
-    reg = core.registration
+def test_a_late_lookup_answer_is_released_only_with_a_lease():
+    from kvclient._transport.lane import late_release
+
     late = pb.LookupResponse(pages=2, lease_id="L").SerializeToString()
-    assert core.late_release(reg, late) == pb.ReleaseRequest(client_id="cid-1", lease_ids=["L"])
-    assert core.late_release(reg, pb.LookupResponse(pages=2).SerializeToString()) is None
-    assert core.late_release(reg, b"\xff\xff") is None  # not a LookupResponse
+    assert late_release(late, client_id="cid-1") == pb.ReleaseRequest(client_id="cid-1", lease_ids=["L"])
+    assert late_release(late, space_id="s") == pb.ReleaseRequest(space_id="s", lease_ids=["L"])
+    assert late_release(pb.LookupResponse(pages=2).SerializeToString(), client_id="c") is None
+    assert late_release(b"\xff\xff", client_id="c") is None  # not a LookupResponse

@@ -38,10 +38,12 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvclient.errors import KVClientError
 from kvserver.protocol import compiled
 from kvserver.protocol import ring as R
+from kvserver.v1 import kvserver_pb2 as pb
 
 # The compiled calls (csrc/wire.c); None where not built, or built from other sources: the slot is
 # then written from Python.
@@ -719,3 +721,28 @@ def _unavailable() -> KVClientError:
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def late_release(response: bytes, **owner: str) -> pb.ReleaseRequest | None:
+    """A pinning Lookup's answer (``response``, a LookupResponse's bytes) that came after its
+    caller gave up: the Release of the lease it took, which nobody holds, under ``owner``
+    (``client_id=`` or ``space_id=``); None if it took none."""
+    try:
+        lease = pb.LookupResponse.FromString(response).lease_id
+    except DecodeError:
+        return None
+    return pb.ReleaseRequest(lease_ids=[lease], **owner) if lease else None
+
+
+def release_late(stub: Any, response: bytes, timeout: float, metadata: Any, **owner: str) -> None:
+    """Sends ``late_release``'s Release (on the lane's watching thread: ``unary``'s ``late``)."""
+    req = late_release(response, **owner)
+    if req is None:
+        return
+    try:
+        stub.Release(req, timeout=timeout, metadata=metadata)
+    except (grpc.RpcError, ValueError) as exc:  # ValueError: the channel closed meanwhile
+        logger.debug("releasing the lease of a Lookup given up failed (it ends after its pin_ms): %r", exc)
+    else:
+        logger.debug("released the lease of a Lookup answered after it was given up")
+
