@@ -219,7 +219,6 @@ class ClientLane:
         self._lock = threading.Lock()
         self._free = list(range(slots))
         self._abandoned: set[int] = set()
-        self._late: set[int] = set()  # abandoned slots a thread watches for their answer (_watch)
         self._streams: dict[int, LaneStream] = {}
         self._seq = itertools.count(1)
         self._users = 0
@@ -296,43 +295,28 @@ class ClientLane:
         raise _unavailable() if got == _CLOSED else _cut()
 
     def _watch(self, i: int, late: Callable[[bytes], None], until: float) -> None:
-        """Slot ``i``, given up by its call (whose use of the lane the watch takes over), is
-        abandoned, and a thread waits for its answer until ``until``: an OK one goes to ``late``."""
-        with self._lock:
-            self._abandoned.add(i)
-            self._late.add(i)
+        """Slot ``i``, given up by its call, stays that call's (its use of the lane too) while a
+        thread waits for its answer until ``until``: an OK one goes to ``late``."""
         try:
             threading.Thread(target=self._await_late, args=(i, late, until), daemon=True,
                              name="kvclient-lane-late").start()
         except RuntimeError:  # no thread to be had: abandoned as any other call's slot
             logger.warning("kvclient: no thread to watch a lane call given up; its late answer is dropped")
-            with self._lock:  # one hold: a _reclaim between would free the slot twice
-                self._late.discard(i)
-                self._users -= 1
-                last = self.closed and self._users == 0 and not self._streams
-            if last:
-                self._release()
+            self._end(i, done=False)
 
     def _await_late(self, i: int, late: Callable[[bytes], None], until: float) -> None:
         """``_watch``'s thread: waits for slot ``i``'s answer (the lane shut, or ``until``, end the
-        wait sooner), takes the slot back if it was answered, and hands an OK answer to ``late``."""
+        wait sooner), ends the call as ``unary`` would, and hands an OK answer to ``late``."""
         response = None
+        done = False
         try:
             self._wait(i, until)
+            done = self._state(i) == R.DONE
+            if done:
+                code, answer, _, _ = self._result(i)
+                response = None if code else answer
         finally:
-            with self._lock:
-                self._late.discard(i)
-                self._users -= 1
-                if i in self._abandoned and self._state(i) == R.DONE:
-                    code, answer, _, _ = self._result(i)
-                    response = None if code else answer
-                    self._abandoned.discard(i)
-                    if not self.closed:
-                        R.U32.pack_into(self._mm, R.slot_offset(i) + R.STATE, R.FREE)
-                        self._free.append(i)
-                last = self.closed and self._users == 0 and not self._streams
-            if last:
-                self._release()
+            self._end(i, done=done)
         if response is not None:
             try:
                 late(response)
@@ -448,9 +432,8 @@ class ClientLane:
 
     def _reclaim(self) -> list[LaneStream]:
         """Takes back the slots given up on that the daemon has finished; returns the streams it
-        has finished that nobody has read to their end yet (lock held). A watched slot (``_watch``)
-        is its watcher's to take back."""
-        for i in list(self._abandoned - self._late):
+        has finished that nobody has read to their end yet (lock held)."""
+        for i in list(self._abandoned):
             if self._state(i) == R.DONE:
                 self._abandoned.discard(i)
                 R.U32.pack_into(self._mm, R.slot_offset(i) + R.STATE, R.FREE)
