@@ -307,14 +307,19 @@ class SchedulerSide:
                            "restart the engine (with a new \"weights\" if its weights changed) to use the "
                            "cache again")
         for st in self._reqs.values():
-            if st.lookup is not None:  # its pin is released when it answers
-                st.lookup.add_done_callback(self._release_answer)
-                st.lookup = None
+            self._drop_pins(st)
+            st.lookup = None
             st.answer = None
-            self._set_leases(st, ())
         if self.events is not None:
             self.events.close()
             self.events = None
+
+    def _drop_pins(self, st) -> None:
+        """Releases what the request's lookups pin: the leases held, and a lookup still running's
+        once it answers."""
+        if st.lookup is not None:
+            st.lookup.add_done_callback(self._release_answer)
+        self._set_leases(st, ())
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.active:
@@ -562,9 +567,7 @@ class SchedulerSide:
             self._set_leases(st, ())
             return False, None
         self._forget_loads(st, request, block_ids)
-        if st.lookup is not None:  # a lookup still running: its pin is released when it answers
-            st.lookup.add_done_callback(self._release_answer)
-        self._set_leases(st, ())
+        self._drop_pins(st)
         if self.active and self.saves:
             # Blocks whose KV is written but whose hash came after their step was scheduled
             # (decode tokens under async scheduling): stored by the next step's workers.
