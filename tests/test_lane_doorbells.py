@@ -323,3 +323,39 @@ def test_the_plane_looks_unrung_only_at_a_few_lanes(socket_dir) -> None:
         for c in clients:
             c.close()
         d.stop()
+
+
+def test_a_lane_whose_doorbell_the_plane_cannot_watch_is_refused_and_never_taken() -> None:
+    """epoll refusing a lane's submit doorbell (ENOMEM or ENOSPC on a node at its watch limit, which
+    cannot be made here without starving every other test; a regular file gives EPERM at the same
+    call) made a lane the plane kept but was never rung for: its calls waited for their timeouts.
+    Now the plane takes no such lane and says why, and goes on serving the lanes it can watch."""
+    import errno
+    import tempfile
+
+    import numpy as np
+
+    from kvserver.lane.plane import _kvlane
+
+    if _kvlane is None:
+        pytest.skip("the compiled data plane is not built")
+    engine = _kvlane.Engine(0.0, [], 0.0)
+    gate = _kvlane.space_gate()
+    ring = np.zeros(R.HEADER_BYTES + 2 * R.SLOT_BYTES, np.uint8)
+    pairs = [socket.socketpair() for _ in range(3)]
+    done = [p[0].fileno() for p in pairs[1:]]
+    try:
+        with tempfile.TemporaryFile() as not_pollable:
+            with pytest.raises(OSError) as refused:
+                engine.add_lane(1, gate, ring.ctypes.data, 2, not_pollable.fileno(), done, False)
+        assert refused.value.errno == errno.EPERM
+        assert not ring.any(), "the refused lane's ring was written"
+        with pytest.raises(KeyError):  # not among the plane's lanes
+            engine.remove_lane(1)
+        handle = engine.add_lane(2, gate, ring.ctypes.data, 2, pairs[0][0].fileno(), done, False)
+        engine.remove_lane(handle)
+    finally:
+        engine.stop()
+        for a, b in pairs:
+            a.close()
+            b.close()

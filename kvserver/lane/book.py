@@ -251,10 +251,13 @@ class LaneBook:
         """Starts serving ``lane`` and books its descriptors; ``also`` runs when it closes."""
         try:
             lane.start(self.plane, gate)
-        except BaseException:
+        except BaseException as exc:
             ring.close()
             for s in (submit, *done):
                 s.close()
+            if isinstance(exc, OSError):  # its doorbell cannot be watched (ENOMEM, ENOSPC): never served
+                raise NoCapacity(f"the daemon cannot watch this lane's doorbell ({exc.strerror}): "
+                                 "its calls go over gRPC") from exc
             raise
         self.lanes.add(lane)
         fds = 1 + len(done)

@@ -135,6 +135,12 @@ static PyObject *engine_add_lane(Engine *e, PyObject *args) {
     l->gate = gate;
     Py_INCREF(gate);
     run_command(e, CMD_ADD, l);
+    if (!l->watching) { /* not among the thread's lanes: nothing of it is touched again */
+        errno = l->watch_errno;
+        Py_DECREF(gate);
+        free(l);
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
     return PyLong_FromVoidPtr(l);
 }
 

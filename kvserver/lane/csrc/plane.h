@@ -144,6 +144,7 @@ typedef struct Lane {
     Gate *gate; /* a reference, given back when the lane is removed */
     int slot_busy[MAX_SLOTS]; /* taken here: a job, or handed to Python until finish_slot() */
     int watching;
+    int watch_errno; /* why its doorbell could not be watched (the lane is then refused) */
     int quiet; /* the client said (FEATURE_QUIET_DONE) it sets WAITING_AT before it sleeps */
     int pending; /* it may have SUBMITTED slots: looked at in the thread's turns (lanes_turn) */
     int cursor;  /* the slot its next turn looks at first: the one after the last it took */

@@ -40,19 +40,23 @@ static void command(Engine *e) {
     if (cmd == CMD_ADD) {
         Lane *l = arg;
         struct epoll_event ev = {.events = EPOLLIN, .data.ptr = l};
-        l->watching = epoll_ctl(e->epfd, EPOLL_CTL_ADD, l->submit_fd, &ev) == 0;
-        if (l->watching) {
+        if (epoll_ctl(e->epfd, EPOLL_CTL_ADD, l->submit_fd, &ev) < 0) {
+            /* Never rung, it would be served only while the thread spins: not taken at all, and
+             * engine_add_lane refuses it (its calls go over gRPC). */
+            l->watch_errno = errno ? errno : EIO;
+        } else {
+            l->watching = 1;
             e->watched_slots += l->slots;
             /* The client may ring ahead of a call (a nudge), so that this thread is awake when the
              * request lands: a wake-up it would otherwise wait for after writing it. */
             __atomic_store_n((uint32_t *)(l->ring + PLANE_AT), e->plane_state ? e->plane_state : PLANE_RUNNING,
                              __ATOMIC_RELAXED);
+            l->next = e->lanes;
+            e->lanes = l;
+            __atomic_store_n((uint32_t *)(l->ring + AWAKE_AT), (uint32_t)e->awake, __ATOMIC_RELAXED);
+            __atomic_thread_fence(__ATOMIC_SEQ_CST);
+            pend(e, l); /* its slots submitted before it was watched: the next turn's */
         }
-        l->next = e->lanes;
-        e->lanes = l;
-        __atomic_store_n((uint32_t *)(l->ring + AWAKE_AT), (uint32_t)e->awake, __ATOMIC_RELAXED);
-        __atomic_thread_fence(__ATOMIC_SEQ_CST);
-        pend(e, l); /* its slots submitted before it was watched: the next turn's */
     } else if (cmd == CMD_REMOVE) {
         take_incoming(e); /* an answering copy submitted for this lane is ended with it */
         remove_lane(e, arg);
