@@ -744,3 +744,39 @@ def _still_serves(daemon) -> None:
         assert c.load(host_indices=host, device_indices=torch.arange(16)).wait(10) > 0
         assert bool((pool.buffers[0][0][:16] == 1.5).all())
         c.unregister()
+
+
+def test_a_uids_closer_thread_ends_once_idle_and_a_new_one_closes_what_comes_later(monkeypatch) -> None:
+    """Each uid that sent a descriptor other than shared memory got a closer thread of its own,
+    kept for the daemon's life: one thread per uid ever seen. It now ends after a while with
+    nothing to close, and the next descriptor of that uid starts another."""
+    import threading
+
+    from kvserver.peers import tickets
+
+    monkeypatch.setattr(tickets, "CLOSER_IDLE_SECONDS", 0.2)
+    uid = 54329
+
+    def closers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == f"kvpeer-close-{uid}"]
+
+    for _ in range(2):
+        r, w = os.pipe()
+        tickets.close_off_loop([r, w], uid)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(_fd_open(fd) for fd in (r, w)):
+            time.sleep(0.01)
+        assert not any(_fd_open(fd) for fd in (r, w)), "the uid's closer did not close its pipe"
+        assert closers(), "no closer of the uid's own"
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and (closers() or uid in tickets._RISKY):
+            time.sleep(0.02)
+        assert not closers() and uid not in tickets._RISKY, "the idle closer thread stayed"
+
+
+def _fd_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True

@@ -104,7 +104,9 @@ class _Closer:
     a large memfd frees all of its pages, and no such close may hold the event loop or the default
     executor that Register's pool opening runs in."""
 
-    def __init__(self, threads: int = CLOSERS, name: str = "kvpeer-close") -> None:
+    def __init__(self, threads: int = CLOSERS, name: str = "kvpeer-close", uid: int | None = None) -> None:
+        # uid: a uid's one thread, which ends after CLOSER_IDLE_SECONDS with nothing to close
+        self._uid = uid
         self._queue: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -122,7 +124,19 @@ class _Closer:
 
     def _run(self) -> None:
         while True:
-            for fd in self._queue.get():
+            if self._uid is None:
+                fds = self._queue.get()
+            else:
+                try:
+                    fds = self._queue.get(timeout=CLOSER_IDLE_SECONDS)
+                except queue.Empty:
+                    with _RISKY_LOCK:  # (close_off_loop queues under it: nothing comes in meanwhile)
+                        if self._queue.empty():
+                            if _RISKY.get(self._uid) is self:
+                                del _RISKY[self._uid]
+                            return
+                    continue
+            for fd in fds:
                 if self._most == 1:  # (a uid's: closing_for reads it)
                     self.busy_since = time.monotonic()
                 close_peer_fd(fd)
@@ -130,6 +144,7 @@ class _Closer:
 
 
 _CLOSER = _Closer()
+CLOSER_IDLE_SECONDS = 30.0  # a uid's closer thread ends after this long with nothing to close
 # Descriptors other than shared memory (refused ones, sockets: a doorbell, the fd socket's own
 # connections) are closed on a thread of their sender's uid: close(2) of a file on FUSE sends a
 # FLUSH that its server (maybe the peer itself) can leave unanswered for ever, the last close of a
@@ -155,8 +170,8 @@ def close_off_loop(fds: list[int], uid: int = -1) -> None:
         with _RISKY_LOCK:
             closer = _RISKY.get(uid)
             if closer is None:
-                closer = _RISKY[uid] = _Closer(1, f"kvpeer-close-{uid}")
-        closer.close(risky)
+                closer = _RISKY[uid] = _Closer(1, f"kvpeer-close-{uid}", uid)
+            closer.close(risky)
 
 
 SO_PASSRIGHTS = getattr(socket, "SO_PASSRIGHTS", 83)  # Linux 6.16: a socket that takes no descriptors
