@@ -817,14 +817,22 @@ def test_the_daemon_never_logs_a_client_id(make_daemon, parties, caplog) -> None
     a.call("Unregister", pb.UnregisterRequest(client_id=a.cid))
     b = Party(d.address, seed=2)
     parties.append(b)
+    # A space id is one too: opened, asked, its events read and a lease released.
+    space = pb.KVSpace(model="m", layout=pb.KVLayout(mha=pb.MHALayout(num_heads=2, head_dim=8)),
+                       dtype=pb.DTYPE_FLOAT16, page_size=PAGE, num_layers=LAYERS)
+    sid = b.call("OpenSpace", pb.OpenSpaceRequest(space=space, peer_ticket=get_ticket(
+        fd_socket_path(d.address), []))).space_id
+    found = b.call("Lookup", pb.LookupRequest(space_id=sid, keys=b"k" * 16, key_bytes=16, pin_ms=1000))
+    b.call("Events", pb.EventsRequest(space_id=sid))
+    b.call("Release", pb.ReleaseRequest(space_id=sid, lease_ids=[found.lease_id] if found.lease_id else []))
     deadline = time.monotonic() + 10
     while d.run(lambda: len(d.core.clients)):
         assert time.monotonic() < deadline, "the lease did not run out"
         time.sleep(0.02)
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "registered" in text and "reclaiming" in text and a.cid[:8] in text and b.cid[:8] in text
-    for cid in (a.cid, b.cid):
-        assert cid not in text, "a client id (a bearer capability) was logged whole"
+    for cid in (a.cid, b.cid, sid):
+        assert cid not in text, "a client or space id (a bearer capability) was logged whole"
 
 
 def test_socket_directory_created_owner_only_and_traversable(socket_dir) -> None:
