@@ -8,7 +8,7 @@ import pytest
 from store_support import K, MiB, ids_of, make_cache, one_part, part_of, put, space_key, stored
 
 from kvserver.errors import FailedPrecondition, InvalidArgument, NoCapacity
-from kvserver.store import PartKey
+from kvserver.store import Keys, PartKey
 
 
 def test_mla_tp4_ranks_share_one_part():
@@ -279,6 +279,42 @@ def test_a_tenant_pinning_one_page_per_size_class_is_charged_its_slabs():
     assert stored(cache, victim, "abcdefgh") == "abcdefgh"  # the victim lost nothing
     assert len(put(cache, victim, K("ijkl")).positions) == 4  # and stores into what is left
     assert cache.make_room(4 * MiB) and arena.largest_free() >= 4 * MiB  # evicting the victim's own
+
+
+def test_a_tenants_pins_count_in_its_quota_and_evict_no_other_tenants_pages():
+    """A tenant held to a quota pinned its few pages again and again: each pin's bookkeeping was
+    booked against the whole arena only, and past the arena's free allowance the cache evicted
+    anyone's least recently used slabs for it, another tenant's first (here 11 of the other's 60
+    pages). Its pins now count in what it holds, as its pages' bookkeeping does: past
+    its quota they evict its own slabs only, and with none to evict they are refused."""
+    cache, arena, _ = make_cache(capacity=64 * MiB, quotas={"small": 2 * MiB})
+    big = one_part(cache, "big")  # 1 MiB pages, no quota
+    small = one_part(cache, "small", page_bytes=4096)  # 512 pages fill its quota
+    big_keys = [f"b{i}".encode() for i in range(61)]
+    put(cache, big, big_keys)
+    small_keys = [f"s{i}".encode() for i in range(512)]
+    put(cache, small, small_keys)  # (the arena full: big's least recently used page goes)
+    big_left = int((cache.pages.find(big.gid, Keys.of(big_keys)) >= 0).sum())
+    small_tid = cache.tenants.get("small").tid
+    small_held = cache.slabs.held(small_tid)
+    refused = None
+    for _ in range(4000):
+        try:
+            cache.lookup(small, small_keys, pin_ms=60_000)
+        except NoCapacity as exc:
+            refused = str(exc)
+            break
+    assert refused is not None and "bookkeeping" in refused and "small" in refused, refused
+    # Within its quota a pin's bookkeeping takes the arena's least recently used memory, as a Put's
+    # page would: here what the quota leaves the tenant, less than one of big's slabs.
+    left = int((cache.pages.find(big.gid, Keys.of(big_keys)) >= 0).sum())
+    assert big_left >= 60 and big_left - left <= 1, (big_left, left)
+    assert cache.slabs.held(small_tid, 2 * MiB) <= 2 * MiB
+    assert cache.slabs.held(small_tid) > small_held  # its pins, charged
+    for lease_id in list(cache.leases.leases):  # every pin given back: its charge too
+        cache.release("small", [lease_id])
+    assert cache.slabs.held(small_tid) == small_held
+    assert int(cache.pages.pins.sum()) == 0
 
 
 def test_pins_are_charged_to_the_budget():

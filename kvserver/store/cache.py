@@ -108,8 +108,8 @@ class KVCache:
         self.lock = self.pages.lock = CacheLock()
         self.part_counts = PartCounts(self.pages.size)
         self.slabs = SlabPool(arena, self.pages, slab_bytes)
-        self.leases = LeaseTable(self.pages, max_leases_per_tenant, clock, arena=arena,
-                                 make_room=self._room_to_book)
+        self.leases = LeaseTable(self.pages, max_leases_per_tenant, clock, book=self._book_pins,
+                                 unbook=self._unbook_pins)
         self.tenants = Tenants(arena.capacity, default_quota, quotas)
         # Listeners of keys becoming complete in a space (held by every part: stored True) and
         # ceasing to be (stored False): KV events (kvserver.events). Called on the loop, with
@@ -909,19 +909,44 @@ class KVCache:
                 hi, best = mid, found
         return sids[best].tolist()
 
-    def _room_to_book(self, nbytes: int, spare: np.ndarray) -> None:
-        """Evicts whole slabs, least recently used first, none holding a page of ``spare``, until
-        the arena can book ``nbytes`` more bytes of bookkeeping (a full cache's new pins)."""
-        self.pages.hold(spare)  # busy: their slabs are not evicted
-        try:
-            if not self.arena.can_book(nbytes):
-                self._reclaim(None)
-            for sid in lru_slabs(self.pages, self.slabs.slabs).tolist():
-                if self.arena.can_book(nbytes):
-                    return
-                self._evict_slab(sid)
-        finally:
-            self.pages.hold(spare, -1)
+    def _book_pins(self, name: str, nbytes: int, spare: np.ndarray) -> bool:
+        """Books ``nbytes`` of the bookkeeping of tenant ``name``'s new pins: charged to the arena
+        and to the tenant, as its pages' bookkeeping is (``SlabPool.held``). Short of room it
+        evicts whole slabs, least recently used first, none holding a page of ``spare``, as a
+        Put's pages would: the tenant's own while its quota binds, then anyone's while the arena
+        is full. False, nothing booked, where that is not enough."""
+        tenant = self.tenants.get(name)
+        quota = tenant.quota
+
+        def over_quota() -> bool:
+            return bool(quota) and self.slabs.held(tenant.tid, quota, (0, nbytes)) > quota
+
+        if over_quota() or not self.arena.can_book(nbytes):
+            self.pages.hold(spare)  # busy: their slabs are not evicted
+            try:
+                if over_quota():  # its own memory only: none of another tenant's is its
+                    self._reclaim((tenant.tid, None))
+                    own = [s for (tid, _), ss in self.slabs.of_class.items() if tid == tenant.tid for s in ss]
+                    for sid in lru_slabs(self.pages, own).tolist():
+                        if not over_quota():
+                            break
+                        self._evict_slab(sid)
+                if not over_quota() and not self.arena.can_book(nbytes):
+                    self._reclaim(None)
+                    for sid in lru_slabs(self.pages, self.slabs.slabs).tolist():
+                        if self.arena.can_book(nbytes):
+                            break
+                        self._evict_slab(sid)
+            finally:
+                self.pages.hold(spare, -1)
+        if over_quota() or not self.arena.book(nbytes):
+            return False
+        self.slabs.charge(tenant.tid, nbytes)
+        return True
+
+    def _unbook_pins(self, name: str, nbytes: int) -> None:
+        self.arena.unbook(nbytes)
+        self.slabs.charge(self.tenants.get(name).tid, -nbytes)
 
     def _evict_slab(self, sid: int) -> None:
         slab = self.slabs.slabs[sid]

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvserver.errors import NoCapacity
-from kvserver.host.arena import HostArena
 from kvserver.store.pages import PageTable
 
 # Page pins one tenant's leases may hold together.
 MAX_PINNED_PER_TENANT = 1 << 24
 PIN_BYTES = 12  # a pin's bookkeeping: its page id and part in the lease's arrays, charged to the arena
+# and to its tenant's quota
 
 
 @dataclass(slots=True)
@@ -37,12 +37,14 @@ class Lease:
 
 class LeaseTable:
     def __init__(self, pages: PageTable, max_per_tenant: int, clock: Callable[[], float],
-                 max_pinned_per_tenant: int = MAX_PINNED_PER_TENANT, arena: HostArena | None = None,
-                 make_room: Callable[[int, np.ndarray], None] | None = None) -> None:
+                 max_pinned_per_tenant: int = MAX_PINNED_PER_TENANT,
+                 book: Callable[[str, int, np.ndarray], bool] | None = None,
+                 unbook: Callable[[str, int], None] | None = None) -> None:
         self.pages = pages
-        self.arena = arena
-        # Evicts (sparing the given pages) until the arena can book that many more bytes.
-        self.make_room = make_room
+        # Books a tenant's pins' bookkeeping bytes (evicting, but none of the given pages' slabs,
+        # to make room), False if there is none; and gives them back (KVCache._book_pins).
+        self.book = book
+        self.unbook = unbook
         self.max_per_tenant = max_per_tenant
         self.max_pinned_per_tenant = max_pinned_per_tenant
         self._pinned: dict[str, int] = {}  # page pins the tenant's leases hold
@@ -102,15 +104,11 @@ class LeaseTable:
                 f"tenant {tenant!r} pins {held} pages under its leases; {ids.size} more would pass the "
                 f"most allowed ({self.max_pinned_per_tenant}): release leases or pin fewer pages"
             )
-        nbytes = ids.size * PIN_BYTES
-        if self.arena is not None and not self.arena.book(nbytes):
-            if self.make_room is not None:
-                self.make_room(nbytes, ids)
-            if not self.arena.book(nbytes):
-                raise NoCapacity(
-                    f"no host memory left for the bookkeeping of {ids.size} more pins: release leases "
-                    "or pin fewer pages"
-                )
+        if self.book is not None and not self.book(tenant, ids.size * PIN_BYTES, ids):
+            raise NoCapacity(
+                f"no room in host memory or in tenant {tenant!r}'s quota for the bookkeeping of "
+                f"{ids.size} more pins: release leases or pin fewer pages"
+            )
         self.pages.pin(ids)
         self._pinned[tenant] = held + ids.size
         return ids
@@ -145,8 +143,8 @@ class LeaseTable:
 
     def _unpin(self, tenant: str, ids: np.ndarray) -> None:
         self.pages.pin(ids, -1)
-        if self.arena is not None:
-            self.arena.unbook(ids.size * PIN_BYTES)
+        if self.unbook is not None:
+            self.unbook(tenant, ids.size * PIN_BYTES)
         left = self._pinned.get(tenant, 0) - ids.size
         if left > 0:
             self._pinned[tenant] = left

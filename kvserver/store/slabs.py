@@ -106,6 +106,11 @@ class SlabPool:
         of one more slab) added."""
         return self.cost(self._held.get(tenant, 0) + more[0], self._booked.get(tenant, 0) + more[1], quota)
 
+    def charge(self, tenant: int, booked: int) -> None:
+        """Books (negative: gives back) bookkeeping of the tenant's beside its slabs' pages (its
+        pins), which ``held`` counts as theirs."""
+        self._booked[tenant] = self._booked.get(tenant, 0) + booked
+
     def fitting(self, page_bytes: int, quota: int) -> int:
         """Pages in one slab of the class for a tenant of ``quota`` (0: none): the pool's number,
         fewer if one slab would cost more than the quota, 0 if not even one page fits."""
