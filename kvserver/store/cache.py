@@ -47,6 +47,9 @@ MAX_LOOKUP_PAIRS = 1 << 20
 # on the 2-core VM of docs/performance.md (about 70 ns for keys over 32 bytes, digested as it
 # goes), so a step costs the event loop no more than a numpy step of STEP_KEYS keys (about 0.3 ms).
 PACKED_STEP_PAIRS = 4 * STEP_KEYS
+# Lines a kept catalog may hold past twice the parts that may hold pages before it is written whole
+# again (``Keep.compact``: about 0.7 KB a line).
+CATALOG_SLACK = 1024
 Lower = Callable[[Part, Keys], np.ndarray]  # which of a part's keys a lower tier holds (bool mask)
 
 
@@ -276,6 +279,11 @@ class KVCache:
             self.keep.part_added(part)
         space.parts[(key.tp_shard, key.pp_rank)] = part
         self._parts[part.gid] = part
+        if self.keep is not None and self.keep.catalog_lines > 2 * len(self._parts) + CATALOG_SLACK:
+            # Its lines of parts gone: the parts of the spaces held, and of those dropped while empty
+            # that a Part still holds (one may store again, under its number).
+            dropped = [p for sp in list(self._dropped.values()) for p in sp.parts.values()]
+            self.keep.compact([*self._parts.values(), *dropped])
         return part
 
     # Lookup

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +112,7 @@ class Keep:
         if not kept.allocate("slabs", 0, n * SLAB_RECORD.itemsize):
             raise OSError(f"no room in {kept.path} for {n} slab records")
         self._catalog = -1
+        self.catalog_lines = 0  # lines written since the catalog was last written whole
 
     def slab_added(self, sid: int, offset: int, nbytes: int, page_bytes: int, pages: int) -> None:
         r = self.slabs[sid : sid + 1]
@@ -134,6 +136,19 @@ class Keep:
             os.ftruncate(self._catalog, end)
             raise NoCapacity(f"no room in {self.kept.path} to file a new part of the kept cache "
                              f"({exc.strerror})") from None
+        self.catalog_lines += 1
+
+    def compact(self, parts: Iterable[Part]) -> None:
+        """The catalog written whole again with the lines of ``parts`` only (every part that may
+        hold a page: a line per part made stayed until the next start, so a tenant making spaces
+        without end grew the file without end). A file system without room keeps the old one."""
+        lines = [_line(part) for part in parts]
+        try:
+            self._catalog = self.kept.replace_text(CATALOG, "".join(lines))
+        except OSError as exc:
+            logger.warning("the kept catalog in %s was not compacted: %s", self.kept.path, exc.strerror)
+            return
+        self.catalog_lines = len(lines)
 
     def read_catalog(self) -> dict[int, tuple[SpaceKey, PartKey, str]]:
         """gid -> (space key, part key, its line), of every line that reads whole."""
@@ -153,6 +168,7 @@ class Keep:
         old one stays (its other lines name parts no page refers to: harmless)."""
         try:
             self._catalog = self.kept.replace_text(CATALOG, "".join(lines))
+            self.catalog_lines = len(lines)
         except OSError as exc:
             if not self.kept.adopting:
                 raise
