@@ -345,6 +345,25 @@ def test_files_of_another_format_or_shape_start_empty_and_say_why(kept_dir, capl
     assert core.recovery.reason == ""
 
 
+def test_a_header_or_a_catalog_line_nested_past_the_parsers_depth_is_not_read(kept_dir, caplog):
+    """JSON nested deeper than the parser goes raised RecursionError, which only ValueError was
+    caught around: the daemon stopped at start instead of starting empty (a header) or dropping
+    the line's pages (a catalog line)."""
+    keys = keys_of(b"A", 10)
+    in_child(store, kept_dir, keys)
+    with open(os.path.join(kept_dir, "catalog"), "a") as f:
+        f.write("[" * 100_000 + "\n")
+    core = KVCore(64 * MB, host_memory_dir=kept_dir)
+    assert core.recovery.reason == "" and core.recovery.adopted_pages == 10
+    asyncio.run(core.close())
+    with open(os.path.join(kept_dir, "format.json"), "w") as f:
+        f.write("[" * 100_000)
+    with caplog.at_level(logging.WARNING):
+        core = KVCore(64 * MB, host_memory_dir=kept_dir)
+    assert "cannot be read" in core.recovery.reason and core.recovery.adopted_pages == 0
+    assert found(core, part_of(core), keys) == (0, True)  # and it serves
+
+
 def test_the_files_of_an_earlier_format_are_removed_with_it(kept_dir):
     """A directory of format 1 (a key in two word files, index.w0 and index.w1) is not adopted, and
     the files this format no longer maps are removed: their memory goes back to tmpfs."""

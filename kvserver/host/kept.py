@@ -167,7 +167,7 @@ class KeptDir:
             os.close(fd)
         try:
             found = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # (nested past the parser's depth)
             return False, "its format.json cannot be read"
         if not isinstance(found, dict) or found.get("format") != FORMAT:
             got = found.get("format") if isinstance(found, dict) else None

@@ -159,7 +159,7 @@ class Keep:
                 gid, (shard, pp, start, end, page_bytes) = int(d["gid"]), d["part"]
                 out[gid] = (_space_of(d["space"]), PartKey(int(shard), int(pp), int(start), int(end),
                                                             int(page_bytes)), line + "\n")
-            except (ValueError, KeyError, TypeError, AttributeError):
+            except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
                 continue  # a line cut short by a kill, or not ours: its pages are dropped
         return out
 
