@@ -206,6 +206,23 @@ def put_and_hang(address: str, tokens: np.ndarray, out) -> None:
     time.sleep(120)
 
 
+def put_pin_and_hang(address: str, tokens: np.ndarray, out) -> None:
+    """``put_and_hang``, then a Lookup of its pages pinned for a minute (on whatever lane the
+    client takes), said; then waits to be killed."""
+    try:
+        keys = prompt_keys(tokens)
+        eng = CacheEngine(address)
+        pages = scattered(np.random.default_rng(1), len(keys), eng.num_pages)
+        eng.fill(keys, pages)
+        eng.put(keys, pages)
+        found = eng.client.lookup(keys, pin_ms=60_000)
+        out.put(("pinned", (found.pages, bool(found.lease_id))))
+    except BaseException:
+        out.put(("error", traceback.format_exc()))
+        return
+    time.sleep(120)
+
+
 # ---- another user (run as root: python cache_engine.py UID SOCKET KEYS_HEX) ----------------------
 
 

@@ -132,3 +132,33 @@ def test_unregister_ends_the_session(daemon):
     eng.stub.Unregister(pb.UnregisterRequest(client_id=eng.client_id), timeout=10)
     assert list(eng.session) == []  # the daemon closed the stream cleanly
     eng.drop()
+
+
+def test_a_killed_engines_pinning_leases_end_with_its_reclaim(daemon):
+    """A pinning Lookup's lease was the tenant's only: a killed engine's pins stayed until their
+    pin_ms ran out (up to 60 s), keeping its pages from eviction and the arena from a new region,
+    well past the reclaim of everything else. A lease now ends with the registration that took it."""
+    import numpy as np
+    from cache_engine import put_pin_and_hang
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    tokens = np.random.default_rng(0).integers(0, 50000, 8 * 16)
+    proc = ctx.Process(target=put_pin_and_hang, args=(daemon.address, tokens, out), daemon=True)
+    proc.start()
+    try:
+        kind, payload = out.get(timeout=60)
+        assert kind == "pinned" and payload == (8, True), payload
+        assert daemon.run(lambda: len(daemon.core.cache.leases.leases)) == 1
+        os.kill(proc.pid, signal.SIGKILL)
+        t_kill = time.monotonic()
+        deadline = t_kill + 10
+        while daemon.run(lambda: (len(daemon.core.clients), len(daemon.core.cache.leases.leases),
+                                  int((daemon.core.cache.pages.pins > 0).sum()))) != (0, 0, 0):
+            assert time.monotonic() < deadline, "the dead engine's pins outlived its reclaim"
+            time.sleep(0.02)
+        elapsed = time.monotonic() - t_kill
+        assert elapsed < 2.0, f"its pins ended {elapsed:.2f} s after the kill"
+    finally:
+        proc.kill()
+        proc.join(10)

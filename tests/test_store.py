@@ -186,6 +186,24 @@ def test_leases_pin_until_released_or_expired():
             cache.lookup(part, K("o"), pin_ms=bad)
 
 
+def test_a_registrations_leases_end_with_it_and_no_others():
+    from kvserver.store.cache import run_steps
+
+    cache, _, _ = make_cache()
+    part = one_part(cache)
+    put(cache, part, K("abcd"))
+
+    def pin(keys: str, owner: str) -> str:
+        return run_steps(cache.lookup_steps(part, K(keys), 5000, owner=owner)).lease_id
+
+    mine = [pin("ab", "engine-1"), pin("c", "engine-1")]
+    other, space = pin("d", "engine-2"), pin("a", "")  # another registration's; a space's (no owner)
+    assert cache.release_owned("engine-1") == 2 and cache.release_owned("engine-1") == 0
+    assert cache.release("t", mine) == 0  # ended already
+    assert int(cache.pages.pins.sum()) == 2  # d's and a's
+    assert cache.release("t", [other, space]) == 2 and cache.release_owned("engine-2") == 0
+
+
 def test_get_ends_the_lease_it_names():
     cache, _, _ = make_cache()
     part = one_part(cache)

@@ -232,7 +232,9 @@ class CacheOps:
             keys = await in_steps(self.kv.share, Keys.unpack_steps(req.keys, req.key_bytes, self._max_keys))
             target = self._lookup_target(client, key, req)
             lower = None if req.memory_only else self.lower
-            found = await in_steps(self.kv.share, self.cache.lookup_steps(target, keys, req.pin_ms, lower))
+            owner = client.client_id if client is not None else ""
+            found = await in_steps(self.kv.share,
+                                   self.cache.lookup_steps(target, keys, req.pin_ms, lower, owner))
             if self.disk is not None:
                 self.disk.counters.hits += found.lower
         asked = len(keys) if keys is not None else len(req.keys) // req.key_bytes
@@ -313,7 +315,8 @@ class CacheOps:
                 keys = Keys.unpack(req.keys, req.key_bytes, self._max_keys)
                 target = self._lookup_target(client, key, req)
                 lower = None if req.memory_only else self.lower
-                found = run_steps(self.cache.lookup_steps(target, keys, req.pin_ms, lower))
+                owner = client.client_id if client is not None else ""
+                found = run_steps(self.cache.lookup_steps(target, keys, req.pin_ms, lower, owner))
         except KVError:  # refused: ``lookup`` serves it, and gives the error
             return None
         if self.disk is not None:

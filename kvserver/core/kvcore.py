@@ -492,6 +492,8 @@ class KVCore:
         await wait_until(client, lambda: client.inflight == 0)
         self._releasing[client_id] = client  # until gone: an Unregister meanwhile waits for the end
         del self.clients[client_id]
+        if self.cache.release_owned(client_id):  # its pinning Lookups' leases: no Get of its reads them
+            logger.debug("the leases of %s ended with it", public_id(client_id))
         self.totals.add(client.counters)
         client.host_views = []
         handles = client.device.ipc_allocations

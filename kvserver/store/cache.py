@@ -296,12 +296,13 @@ class KVCache:
 
     @_locked_steps
     def lookup_steps(self, target: Part | Space, keys: Keys | Sequence[bytes], pin_ms: int = 0,
-                     lower: Lower | None = None) -> Generator[None, None, Found]:
+                     lower: Lower | None = None, owner: str = "") -> Generator[None, None, Found]:
         """``lookup`` in steps of at most ``STEP_KEYS`` keys, yielding between them so that the
         daemon's event loop serves others meanwhile. Each step pins what it found before the next
         one runs; a lookup given up midway ends its lease, whose ``pin_ms`` counts from the answer.
         ``lower``: a tier below (the disk's ``holds``); a key it holds counts as found, unpinned,
-        and ``Found.lower`` says how many of the keys found are there only."""
+        and ``Found.lower`` says how many of the keys found are there only. ``owner``: the
+        registration asking, whose release ends its lease (``release_owned``)."""
         keys = as_keys(keys)
         if not 0 <= pin_ms <= MAX_PIN_MS:
             raise InvalidArgument(f"pin_ms must be between 0 and {MAX_PIN_MS}, got {pin_ms}")
@@ -343,7 +344,7 @@ class KVCache:
                         self.leases.extend(lease_id, tenant.name, ids, distinct=distinct)
                     else:
                         # Its time starts at the answer: no expiry ends it between two steps.
-                        lease_id = self.leases.add(tenant.name, ids, None, distinct=distinct)
+                        lease_id = self.leases.add(tenant.name, ids, None, distinct=distinct, owner=owner)
                 counted.append(got)
                 n += m
                 if m < len(step) or n == total:
@@ -826,6 +827,12 @@ class KVCache:
     @_locked
     def release(self, tenant: str, lease_ids: Sequence[str]) -> int:
         return self.leases.release(tenant, lease_ids)
+
+    @_locked
+    def release_owned(self, owner: str) -> int:
+        """Ends the leases registration ``owner`` took (its release: a dead engine's pins go with
+        it, not at their expiry)."""
+        return self.leases.end_owned(owner)
 
     @_locked
     def expire_leases(self) -> int:

@@ -6,7 +6,7 @@ reads only its own part: a Get naming the lease unpins its own part's pages, and
 once no part is left, so the ranks that have not read yet keep their pins.
 
 Primitives: ``Lease`` and ``LeaseTable`` (``add``, ``extend``, ``start``, ``end``, ``end_part``,
-``release``, ``expire``, ``holds``).
+``end_owned``, ``release``, ``expire``, ``holds``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class Lease:
     expires: float
     pages: np.ndarray  # page ids pinned, each once
     parts: np.ndarray  # the part gid of each of those pages
+    owner: str = ""  # the registration that took it (its release ends it); "": a space's
 
 
 class LeaseTable:
@@ -51,6 +52,7 @@ class LeaseTable:
         self.clock = clock
         self.leases: dict[str, Lease] = {}
         self._per_tenant: dict[str, int] = {}
+        self._by_owner: dict[str, set[str]] = {}  # registration -> the leases it took
         self._heap: list[tuple[float, str]] = []
 
     def check(self, tenant: str) -> None:
@@ -63,16 +65,20 @@ class LeaseTable:
                     "release some (Release, or a Get naming them) or let them expire"
                 )
 
-    def add(self, tenant: str, ids: np.ndarray, pin_ms: int | None, distinct: bool = False) -> str:
+    def add(self, tenant: str, ids: np.ndarray, pin_ms: int | None, distinct: bool = False,
+            owner: str = "") -> str:
         """Pins the pages (each once, however often the request named it) until ``pin_ms`` from
         now; returns the new lease id. ``pin_ms`` None: the lease does not expire until ``start``
         gives it its time (a lookup still pinning in steps). ``distinct``: the caller knows no id
-        repeats (deduplicating a million ids costs most of a second)."""
+        repeats (deduplicating a million ids costs most of a second). ``owner``: the registration
+        asking, whose release ends it (``end_owned``)."""
         self.check(tenant)
         ids = self._pin(tenant, ids, distinct)
         lease_id = secrets.token_hex(16)
-        self.leases[lease_id] = Lease(tenant, float("inf"), ids, self.pages.part[ids])
+        self.leases[lease_id] = Lease(tenant, float("inf"), ids, self.pages.part[ids], owner)
         self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
+        if owner:
+            self._by_owner.setdefault(owner, set()).add(lease_id)
         if pin_ms is not None:
             self.start(lease_id, pin_ms)
         return lease_id
@@ -126,7 +132,18 @@ class LeaseTable:
         self._per_tenant[tenant] -= 1
         if not self._per_tenant[tenant]:
             del self._per_tenant[tenant]
+        if lease.owner:
+            owned = self._by_owner[lease.owner]
+            owned.discard(lease_id)
+            if not owned:
+                del self._by_owner[lease.owner]
         return True
+
+    def end_owned(self, owner: str) -> int:
+        """Ends the leases registration ``owner`` took (it is released: no Get of its will read
+        them); returns how many."""
+        return sum(self.end(lease_id, self.leases[lease_id].tenant)
+                   for lease_id in list(self._by_owner.get(owner, ())))
 
     def end_part(self, lease_id: str, tenant: str, part_gid: int) -> None:
         """Unpins the lease's pages of one part (a rank's Get has read them); the lease ends once
