@@ -566,6 +566,29 @@ def test_an_unredeemed_ticket_expires_and_its_fds_are_closed(daemon) -> None:
         assert num_clients(daemon) == 0 and mappings_of(pool.name) == []
 
 
+def test_the_ticket_of_a_process_that_exits_before_its_register_goes_with_it(daemon) -> None:
+    """An engine that got its ticket and died before its Register left its pool's memfd open in
+    the daemon until the ticket's expiry (30 s): a pool of gigabytes, held well past the 2 s a dead
+    engine's memory has. The ticket now watches the pidfd it took of its process and expires when
+    that process exits."""
+    code = (
+        "import sys, torch\n"
+        "from kvclient import KVLayout, ShmKVPool\n"
+        "from kvclient._transport.fd_socket import get_ticket\n"
+        "pool = ShmKVPool(KVLayout.mha(2, 8), torch.float16, 2, 256)\n"
+        "get_ticket(sys.argv[1], pool.fds)\n"
+        "print(pool.name, flush=True)\n"
+    )
+    assert daemon.run(lambda: daemon.core.tickets.ttl) >= 10  # (its expiry is not what ends it)
+    out = subprocess.run([sys.executable, "-c", code, fd_path(daemon)], capture_output=True, text=True,
+                         timeout=60, check=True)
+    exited = time.monotonic()
+    name = out.stdout.strip()
+    wait_until(lambda: fds_to(name) == 0, timeout=5, what="the dead process's ticket closed")
+    assert time.monotonic() - exited < 2
+    assert daemon.run(lambda: len(daemon.core.tickets)) == 0
+
+
 def test_a_ticket_names_only_its_own_peers_fds(daemon) -> None:
     with ShmKVPool(LAYOUT, torch.float16, 2, 256) as a, ShmKVPool(LAYOUT, torch.float16, 2, 256) as b:
         a.unmap()

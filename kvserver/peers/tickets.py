@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import contextlib
 import fcntl
 import logging
 import os
@@ -245,6 +246,7 @@ class Ticket:
     # (no pidfds of peers in this kernel); PEER_GONE: that process was gone already.
     pidfd: int = -1
     held: int = 0  # descriptors it counts against the book's budgets (its fds and pidfd)
+    watched: bool = False  # the book's loop reads its pidfd: it expires when its process exits
 
     def take_pidfd(self) -> int:
         """The pidfd, the caller's to close from now on (-1: none; PEER_GONE)."""
@@ -293,6 +295,7 @@ class TicketBook:
         self._per_uid: Counter[int] = Counter()
         self._fds_per_uid: Counter[int] = Counter()
         self.num_fds = 0  # descriptors held by unredeemed tickets
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop the tickets' timers run on
 
     def __len__(self) -> int:
         return len(self._tickets)
@@ -318,7 +321,14 @@ class TicketBook:
         self._per_uid[peer.uid] += 1
         self._fds_per_uid[peer.uid] += n
         self.num_fds += n
-        ticket.expiry = asyncio.get_running_loop().call_later(self.ttl, self._expire, key)
+        loop = self._loop = asyncio.get_running_loop()
+        ticket.expiry = loop.call_later(self.ttl, self._expire, key)
+        if pidfd >= 0:  # a process gone before its Register: its descriptors (its pool) go now
+            try:
+                loop.add_reader(pidfd, self._expire, key, "its process exited")
+                ticket.watched = True
+            except (OSError, ValueError):  # then at its expiry, as before
+                pass
         return key
 
     def redeem(self, key: str, pidfd: bool = False) -> Ticket:
@@ -345,12 +355,16 @@ class TicketBook:
             del self._per_uid[uid], self._fds_per_uid[uid]
         if ticket.expiry is not None:
             ticket.expiry.cancel()
+        if ticket.watched and self._loop is not None:
+            ticket.watched = False
+            with contextlib.suppress(Exception):  # (a loop closed already: it reads nothing more)
+                self._loop.remove_reader(ticket.pidfd)
         return ticket
 
-    def _expire(self, key: str) -> None:
+    def _expire(self, key: str, why: str = "unredeemed") -> None:
         if key in self._tickets:
             ticket = self._drop(key)
-            logger.info("a ticket of pid %d expired unredeemed; %d fds closed", ticket.peer.pid,
+            logger.info("a ticket of pid %d expired (%s); %d fds closed", ticket.peer.pid, why,
                         len(ticket.fds))
             ticket.close_off_loop()
 
