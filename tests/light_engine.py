@@ -122,3 +122,11 @@ def killed_mid_load(address: str, name: str, ready) -> None:
     for _ in stream:
         pass
     time.sleep(60)
+
+
+def registered_without_session(address: str, name: str, ready) -> None:
+    """Registers (no Session: killed between its Register and its Session), says so, waits to be
+    killed."""
+    eng = LightEngine(address, name, session=False)
+    ready.send(eng.client_id.encode())
+    time.sleep(60)

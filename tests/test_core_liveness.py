@@ -106,6 +106,44 @@ def test_client_without_session_lives_for_its_lease(daemon_factory):
         eng.drop()
 
 
+def test_an_engine_killed_before_its_session_is_reclaimed_within_two_seconds(socket_dir, forkserver):
+    """An engine killed between its Register and its Session kept its registration (its region,
+    its mapping of the pool) for the whole lease (30 s by default). Its ticket's pidfd now stays
+    with the registration, and its process's exit counts as a Session's end."""
+    from light_engine import registered_without_session
+
+    d = DaemonProcess(os.path.join(socket_dir, "kv.sock"))
+    name = f"kvtest-nosession-{secrets.token_hex(4)}"
+    try:
+        parent, child = forkserver.Pipe()
+        proc = forkserver.Process(target=registered_without_session, args=(d.address, name, child))
+        proc.start()
+        assert parent.poll(30), "the engine never registered"
+        parent.recv()
+        assert d.stats().num_clients == 1 and d.stats().clients[0].sessions == 0
+        os.kill(proc.pid, signal.SIGKILL)
+        t_kill = time.monotonic()
+        proc.join(10)
+        d.wait_for(lambda s: s.num_clients == 0 and s.reserved_bytes == 0, timeout=10)
+        elapsed = time.monotonic() - t_kill
+        assert elapsed < 2.0, f"reclaimed after {elapsed:.2f} s"
+        assert not [m for m in d.shm_maps() if name in m], "the dead engine's pool is still mapped"
+    finally:
+        assert d.stop() == 0
+
+
+def test_a_registration_without_session_whose_process_lives_keeps_its_lease(daemon_factory):
+    """The process's exit ends it, not the Session's absence: a live process without a Session
+    keeps its registration for its lease, as before."""
+    d = daemon_factory(lease=30, reclaim_grace=0.2)
+    eng = LightEngine(d.address, f"kvtest-alive-{secrets.token_hex(4)}", session=False)
+    try:
+        time.sleep(0.6)
+        assert d.run(lambda: len(d.core.clients)) == 1
+    finally:
+        eng.drop()
+
+
 def test_new_session_within_grace_keeps_the_registration(daemon_factory):
     d = daemon_factory(reclaim_grace=0.5)
     name = f"kvtest-grace-{secrets.token_hex(4)}"

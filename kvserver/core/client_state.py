@@ -140,6 +140,9 @@ class ClientState:
     copies_pending: bool = False  # released with GPU work that may still run (quarantined)
     # The registering process (pid, uid, gid from its peer ticket); None for a CUDA pool sent without one.
     peer: PeerCred | None = None
+    # A pidfd of that process, from its ticket (-1: none): a registration whose process exited
+    # before it opened a Session is reclaimed as one whose Session ended (liveness.py).
+    pidfd: int = -1
     tenant: str = "anonymous"  # whose cached pages it sees (kvserver.peers.tenants)
     cache_table: BufferTable | None = None  # its part's page layout for cache jobs, made on first use
     part_keys: tuple[SpaceKey, PartKey] | None = None  # its part of the cache, made on first use

@@ -223,7 +223,7 @@ class KVCore:
         # The ticket is spent by this call whatever its outcome from here on; its fds close once
         # the pool is open. Redeemed before anything changes: a bad ticket changes nothing.
         has_socket = self.tickets is not None
-        ticket = self.tickets.redeem(req.peer_ticket) if req.peer_ticket and has_socket else None
+        ticket = self.tickets.redeem(req.peer_ticket, pidfd=True) if req.peer_ticket and has_socket else None
         access = ShmAccess(tuple(ticket.fds) if ticket else (), ticket.peer if ticket else None,
                            self.allow_named_shm, has_socket)
         who = tenant_of(tenant, access.peer)
@@ -253,6 +253,8 @@ class KVCore:
             raise
         else:
             if ticket is not None:
+                pidfd = ticket.take_pidfd()
+                client.pidfd = pidfd if pidfd >= 0 else -1
                 ticket.close_mapped({ref.fd.index for layer in req.device_pool.layers for ref in layer.parts
                                      if ref.HasField("fd")})
             return client
@@ -524,6 +526,9 @@ class KVCore:
 
                 held.add_done_callback(on_held_released)
             self._releasing.pop(client_id, None)
+            if client.pidfd >= 0:
+                os.close(client.pidfd)
+                client.pidfd = -1
             client.gone.set()
         logger.info("%s %s (%d host bytes released)", reason, public_id(client_id), client.region_bytes)
 

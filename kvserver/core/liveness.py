@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import select
 import time
 from collections.abc import AsyncIterator
 
@@ -23,6 +24,11 @@ from kvserver.core.kvcore import KVCore
 from kvserver.errors import UnknownClient
 
 logger = logging.getLogger(__name__)
+
+
+def _exited(pidfd: int) -> bool:
+    """Whether the process of ``pidfd`` has exited (its pidfd reads readable)."""
+    return bool(select.select([pidfd], [], [], 0)[0])
 
 
 class Reaper:
@@ -52,6 +58,8 @@ class Reaper:
             return failed
         if client.sessions:
             return None
+        if client.session_ended_at is None and client.pidfd >= 0 and _exited(client.pidfd):
+            client.session_ended_at = now  # its process is gone: no Session will come
         if client.session_ended_at is not None:
             if now - client.session_ended_at >= self.grace:
                 return f"session ended {now - client.session_ended_at:.1f} s ago"
