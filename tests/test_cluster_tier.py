@@ -76,9 +76,16 @@ def test_a_prefix_stored_on_one_node_is_a_bit_exact_hit_on_the_other(nodes):
         assert cluster_stat(a).written_bytes == 300 * PAGE_BYTES
         # B stored the first 100 itself: they are its own hit, the cluster gives the rest.
         store(eb, keys[:100])
+        before = b.stats().spaces[0].counters
         found = eb.lookup(keys)
         assert (found.pages, found.cluster_pages, found.host_pages) == (300, 200, 100)
+        # The space counts what its Lookups found, wherever (the cluster's 200 were misses), and a
+        # Get's pull is no Put (the 100 it found stored were counted as a Put's dedup).
+        after = b.stats().spaces[0].counters
+        assert (after.hits - before.hits, after.misses - before.misses) == (300, 0), after
         assert eb.load_checked(keys, rng) == 300
+        after = b.stats().spaces[0].counters
+        assert (after.dedup_pages, after.dropped) == (before.dedup_pages, before.dropped), after
         c = cluster_stat(b)
         assert c.promoted_pages == 200 and c.promoted_bytes == 200 * PAGE_BYTES, c
         assert c.read_errors == 0 and c.hits == 200

@@ -250,6 +250,7 @@ class CacheOps:
                     self.cache.release(tenant, [found.lease_id])
                 raise
             if more:
+                self.cache.count_found_below(self.cache.parts_of(target)[0], more)
                 found = found._replace(pages=found.pages + more, cluster=more)
         return found
 
@@ -1189,7 +1190,7 @@ class CacheOps:
         n = await cluster.count([part], keys, until, hits=False)
         if not n or loop.time() >= until:
             return 0, until
-        hplan = await in_steps(self.kv.share, self.cache.prepare_put_steps(part, keys[:n]))
+        hplan = await in_steps(self.kv.share, self.cache.prepare_put_steps(part, keys[:n], counted=False))
         n -= hplan.dropped
         if not len(hplan.page_ids):
             self.cache.complete_put(hplan, True)
@@ -1228,7 +1229,8 @@ class CacheOps:
         if dplan is None:
             return
         try:
-            hplan = await in_steps(self.kv.share, self.cache.prepare_put_steps(part, keys[: dplan.pages]))
+            hplan = await in_steps(self.kv.share,
+                                   self.cache.prepare_put_steps(part, keys[: dplan.pages], counted=False))
         except BaseException:
             disk.finish(dplan)
             self._written()  # its pages were seen being written between its steps

@@ -457,20 +457,22 @@ class KVCache:
         """Takes pages for the keys the part does not hold (see ``prepare_put_steps``)."""
         return run_steps(self.prepare_put_steps(part, keys, plane_pages))
 
-    def prepare_put_steps(self, part: Part, keys: Keys | Sequence[bytes],
-                          plane_pages: int = -1) -> Generator[None, None, PutPlan]:
+    def prepare_put_steps(self, part: Part, keys: Keys | Sequence[bytes], plane_pages: int = -1,
+                          counted: bool = True) -> Generator[None, None, PutPlan]:
         """``prepare_put`` in steps of at most ``STEP_KEYS`` keys. Once a step cannot store all of
         its keys the budget is full: the keys after it are dropped whole, so that what is stored
         is a prefix. A Put given up midway frees what its steps took. The data plane's stashes are
         given back for it (``_allocate``) before anything is evicted, but for a Put of at most
         ``plane_pages`` new pages (one the plane would have stored: its registration's stash's
-        size), which evicts first, as the stash's next fill would, and leaves the stash."""
+        size), which evicts first, as the stash's next fill would, and leaves the stash.
+        ``counted`` False: pages a Get brings up from a tier below, not a Put: its keys found
+        stored or left out are not the space's Put counters' (dedup, dropped)."""
         keys = as_keys(keys)
         plans: list[tuple[int, PutPlan]] = []
         start = 0
         try:
             while start < len(keys):
-                plan = self._prepare_put(part, keys[start : start + STEP_KEYS], plane_pages)
+                plan = self._prepare_put(part, keys[start : start + STEP_KEYS], plane_pages, counted)
                 plans.append((start, plan))
                 start += STEP_KEYS
                 if plan.dropped or start >= len(keys):
@@ -481,14 +483,14 @@ class KVCache:
                 self.complete_put(plan, False)
             raise
         rest = max(0, len(keys) - start)
-        if rest:
+        if rest and counted:
             tenant = self.tenants.get(part.space.key.tenant)
             for c in (part.space.counters, tenant.counters):
                 c.dropped += rest
         return PutPlan.merged(part, plans, rest)
 
     @_locked
-    def _prepare_put(self, part: Part, keys: Keys, plane_pages: int = -1) -> PutPlan:
+    def _prepare_put(self, part: Part, keys: Keys, plane_pages: int = -1, counted: bool = True) -> PutPlan:
         space = self._live(part.space)
         tenant = self.tenants.get(space.key.tenant)
         page_bytes = part.key.page_bytes
@@ -527,9 +529,10 @@ class KVCache:
         for c in (space.counters, tenant.counters):
             c.pages += len(new)
             c.bytes += len(new) * page_bytes
-            c.dedup_pages += present
-            c.dedup_bytes += present * page_bytes
-            c.dropped += dropped
+            if counted:
+                c.dedup_pages += present
+                c.dedup_bytes += present * page_bytes
+                c.dropped += dropped
         return PutPlan(part, stored, self.pages.offset[new], present, dropped, new, waiting)
 
     def prepare_put_present(self, part: Part, packed: bytes, key_bytes: int) -> PutPlan | None:
@@ -801,6 +804,12 @@ class KVCache:
         for c in (space.counters, self.tenants.get(space.key.tenant).counters):
             c.hits += hits
             c.misses += misses
+
+    @_locked
+    def count_found_below(self, space: Space, n: int) -> None:
+        """``n`` pages of a Lookup in ``space`` that a tier below host memory and the disk (the
+        cluster) found, after ``lookup_steps`` counted them missed: hits, not misses."""
+        self._count(space, n, -n)
 
     def _count_present(self, space: Space, n: int, page_bytes: int) -> None:
         """A Put's ``n`` keys found stored already (pages of ``page_bytes``), in its space and tenant."""
