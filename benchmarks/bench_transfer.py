@@ -6,8 +6,9 @@ pool in shared memory. Every figure is measured in the same run:
 - memcpy:      one contiguous copy of the same number of bytes (the machine's copy speed);
 - naive:       the scattered page copy done in this process with plain torch indexing
                (``dst[dev] = src[host]`` per layer and part) on the same page-first host layout;
-- in-process:  the same copy done in this process with the daemon's own copy plan and kernels
-               (``kvserver.copies.transfer``), i.e. what an engine would get by copying itself;
+- in-process:  the same copy done in this process with the daemon's own copy plan and one-call
+               kernel into a buffer laid out as the daemon's region (the transfer suite's
+               ``InProcess``), i.e. what an engine would get by copying itself;
 - daemon:      Write (device -> host) and Load (host -> device, until the last layer landed).
 
 Ratios are daemon / in-process: what going through the daemon costs over copying in the engine.
@@ -31,9 +32,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from suites import common  # noqa: E402
+from suites.transfer import InProcess  # noqa: E402
 
 from kvclient import KVClient, KVLayout, ShmKVPool  # noqa: E402
-from kvserver.copies import transfer  # noqa: E402
 
 
 def start_daemon(socket: str, host_memory: str) -> subprocess.Popen:
@@ -83,9 +84,10 @@ def main() -> None:
         for layer in pool.buffers:
             for buf in layer:
                 buf.view(torch.int16).random_(generator=g)
-        # Scattered, whole pages on both sides.
-        dev_pages = torch.randperm(pool_tokens // args.page_size, generator=g)[:pages]
-        dev = (dev_pages[:, None] * args.page_size + torch.arange(args.page_size)).reshape(-1)
+        # Scattered, whole pages on both sides; the in-process copy is the transfer suite's (the
+        # daemon's plan and one-call kernel, into a buffer laid out as the daemon's region).
+        base = InProcess(pool, args.page_size, pages, g)
+        dev_pages, dev = base.dev_pages, base.dev
 
         # ---- in-process baselines on the same layouts -------------------------------------
         host_pages_total = pages * 2
@@ -94,8 +96,6 @@ def main() -> None:
         host = torch.zeros(host_pages_total, args.layers, parts, chunk, dtype=torch.int64)
         hp = torch.randperm(host_pages_total, generator=g)[:pages]
         dev_views = [[b.view(torch.int64).view(-1, chunk) for b in layer] for layer in pool.buffers]
-        tok_views = [[b.view(torch.int64).view(pool_tokens, -1) for b in layer] for layer in pool.buffers]
-        plan = transfer.make_plan(hp.numpy(), dev.numpy(), args.page_size, pool_tokens // args.page_size)
 
         def naive(to_device: bool) -> None:
             for layer in range(args.layers):
@@ -106,11 +106,7 @@ def main() -> None:
                         host[hp, layer, part] = dev_views[layer][part][dev_pages]
 
         def planned(to_device: bool) -> None:
-            stream = transfer.streams(to_device, nbytes)  # as the daemon copies such a job
-            for layer in range(args.layers):
-                for part in range(parts):
-                    transfer.copy_part(plan, host[:, layer, part], dev_views[layer][part],
-                                       tok_views[layer][part], to_device, stream)
+            base.copy(to_device)
 
         src = torch.empty(nbytes, dtype=torch.uint8)
         dst = torch.empty_like(src)
@@ -125,7 +121,7 @@ def main() -> None:
                                 num_layers=args.layers, host_tokens=2 * tokens,
                                 page_size=args.page_size)
                 all_host = client.alloc(2 * tokens).view(-1, args.page_size)
-                host_idx = all_host[hp].reshape(-1)
+                host_idx = all_host[base.hp].reshape(-1)
                 t = interleaved({
                     "memcpy": lambda: dst.copy_(src),
                     "naive write": lambda: naive(False),
@@ -141,7 +137,8 @@ def main() -> None:
             daemon.wait(timeout=30)
         assert np.array_equal(host[hp].numpy(), np.stack(
             [np.stack([dev_views[la][pa][dev_pages].numpy() for pa in range(parts)], 1)
-             for la in range(args.layers)], 1)), "in-process copy is wrong"
+             for la in range(args.layers)], 1)), "naive copy is wrong"
+        assert base.holds_the_pool_pages(), "in-process copy is wrong"
 
     gbs = lambda t: nbytes / t / 1e9  # noqa: E731
     print(f"transfer: {nbytes / (1 << 20):.1f} MiB = {tokens} tokens in {pages} scattered pages of "
@@ -150,8 +147,8 @@ def main() -> None:
     for name, secs in t.items():
         ratio = ""
         if name.startswith("daemon"):
-            base = t[name.replace("daemon", "in-process")]
-            ratio = f"   {base / secs:5.2f}x in-process"
+            ref = t[name.replace("daemon", "in-process")]
+            ratio = f"   {ref / secs:5.2f}x in-process"
         print(f"{name:<20} {gbs(secs):7.2f} GB/s{ratio}")
 
 
