@@ -200,3 +200,47 @@ def test_a_killed_engines_pinning_leases_end_with_its_reclaim(daemon):
     finally:
         proc.kill()
         proc.join(10)
+
+
+def test_a_registrations_pidfd_past_1024_is_watched_and_a_bad_client_stops_no_others_reclaim(daemon_factory):
+    """The registering process's exit was read with select(), which refuses descriptors past
+    1024: on a daemon holding many peers' descriptors every reaper pass then failed, and neither
+    that client nor any after it was ever reclaimed. Now poll() reads it, and a client whose check
+    fails holds up no other's reclaim."""
+    import resource
+
+    from kvserver.core import liveness
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 2048:
+        pytest.skip("descriptors past 1024 cannot be opened here")
+    if soft < 2048:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (2048, hard))
+    child = os.fork()
+    if child == 0:
+        time.sleep(30)
+        os._exit(0)
+    low = os.pidfd_open(child)
+    high = os.dup2(low, 1500)
+    try:
+        assert not liveness._exited(high)
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        assert liveness._exited(high)
+    finally:
+        os.close(low)
+        os.close(high)
+    d = daemon_factory(lease=0.3, reclaim_grace=0.1)
+    engines = [LightEngine(d.address, f"kvtest-reap-{i}-{secrets.token_hex(4)}", session=False)
+               for i in range(2)]
+    try:
+        first = next(iter(d.run(lambda: list(d.core.clients.values()))))
+        d.run(lambda: setattr(first, "pidfd", "not a descriptor"))  # its check raises
+        deadline = time.monotonic() + 5
+        while d.run(lambda: len(d.core.clients)) > 1:
+            assert time.monotonic() < deadline, "one client's failed check held up the other's reclaim"
+            time.sleep(0.02)
+        d.run(lambda: setattr(first, "pidfd", -1))
+    finally:
+        for eng in engines:
+            eng.drop()

@@ -27,8 +27,11 @@ logger = logging.getLogger(__name__)
 
 
 def _exited(pidfd: int) -> bool:
-    """Whether the process of ``pidfd`` has exited (its pidfd reads readable)."""
-    return bool(select.select([pidfd], [], [], 0)[0])
+    """Whether the process of ``pidfd`` has exited (its pidfd reads readable). ``poll``, not
+    ``select``: a daemon holding many peers' descriptors has pidfds past select's 1024."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 class Reaper:
@@ -77,7 +80,11 @@ class Reaper:
         for client_id, client in list(self.core.clients.items()):
             if client_id in self._reclaims:
                 continue
-            why = self.expired(client, now)
+            try:
+                why = self.expired(client, now)
+            except Exception:  # this client's own: the others are looked at all the same
+                logger.exception("deciding whether client %s is alive failed", public_id(client_id))
+                continue
             if why is not None:
                 logger.warning("reclaiming client %s: %s", public_id(client_id), why)
                 self.core.reclaimed += 1
