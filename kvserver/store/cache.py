@@ -279,11 +279,15 @@ class KVCache:
             self.keep.part_added(part)
         space.parts[(key.tp_shard, key.pp_rank)] = part
         self._parts[part.gid] = part
-        if self.keep is not None and self.keep.catalog_lines > 2 * len(self._parts) + CATALOG_SLACK:
+        keep = self.keep
+        held = len(self._parts)
+        if keep is not None and keep.catalog_lines > 2 * max(held, keep.compacted) + CATALOG_SLACK:
             # Its lines of parts gone: the parts of the spaces held, and of those dropped while empty
-            # that a Part still holds (one may store again, under its number).
+            # that a Part may still hold (one may store again, under its number). Those stay until
+            # the garbage collector finds their cycles; the next compaction waits for the file to
+            # double what this one kept, so that they never make every new part one.
             dropped = [p for sp in list(self._dropped.values()) for p in sp.parts.values()]
-            self.keep.compact([*self._parts.values(), *dropped])
+            keep.compact([*self._parts.values(), *dropped])
         return part
 
     # Lookup

@@ -112,7 +112,8 @@ class Keep:
         if not kept.allocate("slabs", 0, n * SLAB_RECORD.itemsize):
             raise OSError(f"no room in {kept.path} for {n} slab records")
         self._catalog = -1
-        self.catalog_lines = 0  # lines written since the catalog was last written whole
+        self.catalog_lines = 0  # lines in the catalog (written whole, then appended)
+        self.compacted = 0  # lines the last compaction kept
 
     def slab_added(self, sid: int, offset: int, nbytes: int, page_bytes: int, pages: int) -> None:
         r = self.slabs[sid : sid + 1]
@@ -147,8 +148,9 @@ class Keep:
             self._catalog = self.kept.replace_text(CATALOG, "".join(lines))
         except OSError as exc:
             logger.warning("the kept catalog in %s was not compacted: %s", self.kept.path, exc.strerror)
+            self.compacted = self.catalog_lines  # not again before it doubles
             return
-        self.catalog_lines = len(lines)
+        self.catalog_lines = self.compacted = len(lines)
 
     def read_catalog(self) -> dict[int, tuple[SpaceKey, PartKey, str]]:
         """gid -> (space key, part key, its line), of every line that reads whole."""
