@@ -202,6 +202,22 @@ def test_a_registrations_leases_end_with_it_and_no_others():
     assert cache.release("t", mine) == 0  # ended already
     assert int(cache.pages.pins.sum()) == 2  # d's and a's
     assert cache.release("t", [other, space]) == 2 and cache.release_owned("engine-2") == 0
+    # Released while its Lookup pins in steps: the Lookup ends NotFound, pinning nothing (a
+    # KeyError at its next step before).
+    from kvserver.errors import NotFound
+    from kvserver.store.steps import STEP_KEYS
+
+    many = [f"k{i}".encode() for i in range(2 * STEP_KEYS)]
+    cache2, _, _ = make_cache(capacity=64 * MiB)
+    part2 = one_part(cache2, page_bytes=4096)
+    put(cache2, part2, many)
+    steps = cache2.lookup_steps(part2, many, 5000, owner="engine-3")
+    next(steps)  # its first step pinned, under a lease
+    assert cache2.release_owned("engine-3") == 1
+    with pytest.raises(NotFound, match="released"):
+        for _ in steps:
+            pass
+    assert int(cache2.pages.pins.sum()) == 0 and not cache2.leases.leases
 
 
 def test_get_ends_the_lease_it_names():

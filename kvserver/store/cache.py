@@ -18,7 +18,7 @@ from typing import NamedTuple, TypeVar
 
 import numpy as np
 
-from kvserver.errors import FailedPrecondition, InvalidArgument, NoCapacity
+from kvserver.errors import FailedPrecondition, InvalidArgument, NoCapacity, NotFound
 from kvserver.host.regions import Regions
 from kvserver.store.complete import PartCounts
 from kvserver.store.counters import CacheCounters
@@ -345,6 +345,7 @@ class KVCache:
                     # Distinct keys are distinct pages (a page holds one key of one part): no dedup then.
                     ids, distinct = np.concatenate(got), step[:m].distinct()
                     if lease_id:
+                        self._still_held(lease_id, tenant.name)
                         self.leases.extend(lease_id, tenant.name, ids, distinct=distinct)
                     else:
                         # Its time starts at the answer: no expiry ends it between two steps.
@@ -359,6 +360,7 @@ class KVCache:
                 self.leases.end(lease_id, tenant.name)
             raise
         if lease_id:
+            self._still_held(lease_id, tenant.name)
             self.leases.start(lease_id, pin_ms)
         self._count(space, n, asked - n)
         # Touched once at the end, in key order, so that the first key is the most recent. Pages
@@ -840,6 +842,13 @@ class KVCache:
     @_locked
     def release(self, tenant: str, lease_ids: Sequence[str]) -> int:
         return self.leases.release(tenant, lease_ids)
+
+    def _still_held(self, lease_id: str, tenant: str) -> None:
+        """NotFound if the lease a Lookup is pinning under ended between its steps (the
+        registration that asked was released: ``release_owned``)."""
+        if not self.leases.holds(lease_id, tenant):
+            raise NotFound("the Lookup's lease ended while it ran: the registration that asked was "
+                           "released")
 
     @_locked
     def release_owned(self, owner: str) -> int:
