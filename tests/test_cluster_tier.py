@@ -83,6 +83,8 @@ def test_a_prefix_stored_on_one_node_is_a_bit_exact_hit_on_the_other(nodes):
         # Get's pull is no Put (the 100 it found stored were counted as a Put's dedup).
         after = b.stats().spaces[0].counters
         assert (after.hits - before.hits, after.misses - before.misses) == (300, 0), after
+        host = next(t for t in b.stats().tiers if t.name == "host")
+        assert host.hits == after.hits - 200  # the cluster's 200 are its tier's, not host memory's
         assert eb.load_checked(keys, rng) == 300
         after = b.stats().spaces[0].counters
         assert (after.dedup_pages, after.dropped) == (before.dedup_pages, before.dropped), after

@@ -202,7 +202,8 @@ def test_a_killed_engines_pinning_leases_end_with_its_reclaim(daemon):
         proc.join(10)
 
 
-def test_a_registrations_pidfd_past_1024_is_watched_and_a_bad_client_stops_no_others_reclaim(daemon_factory):
+def test_a_registrations_pidfd_past_1024_is_watched_and_a_bad_client_stops_no_others_reclaim(daemon_factory,
+                                                                                             caplog):
     """The registering process's exit was read with select(), which refuses descriptors past
     1024: on a daemon holding many peers' descriptors every reaper pass then failed, and neither
     that client nor any after it was ever reclaimed. Now poll() reads it, and a client whose check
@@ -240,7 +241,45 @@ def test_a_registrations_pidfd_past_1024_is_watched_and_a_bad_client_stops_no_ot
         while d.run(lambda: len(d.core.clients)) > 1:
             assert time.monotonic() < deadline, "one client's failed check held up the other's reclaim"
             time.sleep(0.02)
+        time.sleep(0.3)  # more passes of the reaper: its failure is logged once, not at each
+        failed = [r for r in caplog.records if "deciding whether client" in r.getMessage()]
+        assert len(failed) == 1, len(failed)
         d.run(lambda: setattr(first, "pidfd", -1))
     finally:
         for eng in engines:
             eng.drop()
+
+
+def test_a_pinning_lookup_whose_registration_goes_while_its_keys_are_read_leaves_no_lease(daemon):
+    """A Lookup's keys of more than 32 bytes are read in steps, the loop serving others between
+    them: a registration released then had its leases ended already, and the Lookup then pinned
+    under a new lease of the gone registration, for its whole pin_ms. It now finds the
+    registration gone, as a Put or a Get does, and pins nothing."""
+    import asyncio
+
+    from kvserver.errors import UnknownClient
+
+    eng = LightEngine(daemon.address, f"kvtest-gap-{secrets.token_hex(4)}", session=False)
+    try:
+        keys = [secrets.token_bytes(40) for _ in range(64)]
+        eng.stub.Put(pb.PutRequest(client_id=eng.client_id, keys=b"".join(keys), key_bytes=40,
+                                   device_pages=list(range(64))), timeout=10)
+        more = b"".join(secrets.token_bytes(40) for _ in range(40_000))
+        req = pb.LookupRequest(client_id=eng.client_id, keys=b"".join(keys) + more, key_bytes=40,
+                               pin_ms=60_000)
+        ops = daemon.daemon.servicer.cache
+
+        async def race():
+            lookup = asyncio.ensure_future(ops.lookup(req))
+            await asyncio.sleep(0)  # its keys' first step read
+            await daemon.core.unregister(eng.client_id)
+            try:
+                return await lookup
+            except UnknownClient as exc:
+                return exc
+
+        assert isinstance(daemon.call(race()), UnknownClient)
+        assert daemon.run(lambda: (len(daemon.core.cache.leases.leases),
+                                   int(daemon.core.cache.pages.pins.sum()))) == (0, 0)
+    finally:
+        eng.drop()

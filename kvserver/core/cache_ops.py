@@ -230,6 +230,8 @@ class CacheOps:
                                                                                      req.key_bytes))
         else:
             keys = await in_steps(self.kv.share, Keys.unpack_steps(req.keys, req.key_bytes, self._max_keys))
+            if client is not None:  # still registered after the steps: else its lease would outlive it
+                self.kv.client(client.client_id)
             target = self._lookup_target(client, key, req)
             lower = None if req.memory_only else self.lower
             owner = client.client_id if client is not None else ""

@@ -42,6 +42,7 @@ class Reaper:
         self.tick = max(0.02, min(lease, grace, 1.0) / 10)
         self._task: asyncio.Task | None = None
         self._reclaims: dict[str, asyncio.Task] = {}  # client id -> its reclaim, while it runs
+        self._failed: set[str] = set()  # clients whose check failed (logged once)
 
     @contextlib.asynccontextmanager
     async def session(self, client: ClientState) -> AsyncIterator[None]:
@@ -77,13 +78,17 @@ class Reaper:
         """Starts the reclaim of every expired client, each in its own task; returns them."""
         now = time.monotonic()
         started = []
+        if self._failed:
+            self._failed &= self.core.clients.keys()
         for client_id, client in list(self.core.clients.items()):
             if client_id in self._reclaims:
                 continue
             try:
                 why = self.expired(client, now)
             except Exception:  # this client's own: the others are looked at all the same
-                logger.exception("deciding whether client %s is alive failed", public_id(client_id))
+                if client_id not in self._failed:  # (once: the check runs again every tick)
+                    self._failed.add(client_id)
+                    logger.exception("deciding whether client %s is alive failed", public_id(client_id))
                 continue
             if why is not None:
                 logger.warning("reclaiming client %s: %s", public_id(client_id), why)

@@ -44,7 +44,9 @@ def tier_stats(core: KVCore) -> list[TierStat]:
     """The host tier, then the disk tier and the cluster tier if there are: node-wide totals."""
     cache, disk = core.cache, core.disk
     tenants = [t.counters for t in cache.tenants.by_name.values()]
-    below = disk.counters.hits if disk is not None else 0
+    # A tier's hits are the pages found there and not above: the tenants' count every page found.
+    below = (disk.counters.hits if disk is not None else 0) + (
+        core.cluster.counters.hits if core.cluster is not None else 0)
     host = TierStat("host", core.arena.capacity, cache.bytes, sum(c.pages for c in tenants),
                     sum(c.bytes for c in tenants), max(0, sum(c.hits for c in tenants) - below),
                     sum(c.evictions for c in tenants), recovery=core.recovery)
