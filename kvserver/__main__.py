@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after a fast-lane request or copy, how long the data plane's thread looks for the "
                         "next one before it sleeps; 0 never spins (default 50)")
     p.add_argument("--lease-seconds", type=float, default=_env("LEASE_SECONDS", "30"),
-                   help="a client without a Session is reclaimed this long after its last call (default 30)")
+                   help="a client without a Session is reclaimed this long after its last call, or with "
+                        "the grace once its registering process exited (default 30)")
     p.add_argument("--reclaim-grace-seconds", type=float, default=_env("RECLAIM_GRACE_SECONDS", "1"),
                    help="wait for a new Session this long before reclaiming a client whose session "
                         "ended (default 1)")
