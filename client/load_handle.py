@@ -11,6 +11,10 @@ import grpc
 from kvclient.errors import KVClientError, from_rpc_error
 from kvserver.v1 import kvserver_pb2 as pb
 
+# Longest a waiter for a lane call's end sleeps at once: a waiter for one of its layers that comes
+# meanwhile waits at most this long to take over the pumping (LoadHandle._wait_for).
+END_SLICE = 0.01
+
 
 class LoadHandle:
     """A load in flight. ``wait_layer(i)`` returns True once global layer i has landed, or False
@@ -107,9 +111,12 @@ class LoadHandle:
         if self._sleepers:
             self._cond.notify_all()
 
-    def _wait_for(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
+    def _wait_for(self, predicate: Callable[[], bool], timeout: float | None, end_only: bool = False) -> bool:
         """``Condition.wait_for`` (the condition held). On the lane (``_source``), no thread feeds
-        the handle: one waiter at a time pumps the slot's progress, the others wait for its news."""
+        the handle: one waiter at a time pumps the slot's progress, the others wait for its news.
+        ``end_only``: the waiter needs the call's end, not its steps; it sleeps through them (the
+        daemon does not ring for them), ``END_SLICE`` at a time, so that a waiter for a layer that
+        comes meanwhile takes over the pumping within that."""
         src = self._source
         if src is None or src.finished:
             return self._sleep(predicate, timeout)
@@ -128,7 +135,10 @@ class LoadHandle:
             self._pumping = True
             self._lock.release()
             try:
-                src.pump(self, left)
+                if end_only:
+                    src.pump(self, END_SLICE if left is None else min(left, END_SLICE), True)
+                else:
+                    src.pump(self, left)
             finally:
                 self._lock.acquire()
                 self._pumping = False
@@ -229,7 +239,8 @@ class LoadHandle:
     def wait(self, timeout: float | None = None) -> int:
         """Waits for every layer; returns the bytes copied (0 if the load missed)."""
         with self._lock:
-            ok = self._wait_for(lambda: self._error is not None or self.missed or self._done, timeout)
+            ok = self._wait_for(lambda: self._error is not None or self.missed or self._done, timeout,
+                                end_only=True)
             self._check()
             if not ok:
                 raise TimeoutError(f"load did not finish within {timeout} s")

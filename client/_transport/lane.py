@@ -623,8 +623,9 @@ class LaneStream:
         lane = self.lane
         return lane.load_spin if self.gap is None or self.gap <= lane.load_spin else lane.spin
 
-    def pump(self, handle: Any, timeout: float | None) -> None:
-        """Waits up to ``timeout`` (None: the call's deadline) for news and hands it to ``handle``."""
+    def pump(self, handle: Any, timeout: float | None, end_only: bool = False) -> None:
+        """Waits up to ``timeout`` (None: the call's deadline) for news and hands it to ``handle``;
+        ``end_only``: for the call's end only (the daemon rings for no step meanwhile)."""
         if self.finished:
             return
         lane, i = self.lane, self.slot
@@ -641,7 +642,7 @@ class LaneStream:
         try:
             end = self.deadline if timeout is None else min(self.deadline, time.monotonic() + timeout)
             spin = self.spin()
-            got = lane._wait(i, end, self.step, spin)
+            got = lane._wait(i, end, -1 if end_only else self.step, spin)
             words = lane._progress(i)
             if words[0] != R.DONE and words[7] & R.FLAG_DONE and got == _OPEN:
                 # The last step is published just before DONE and the status: the handle ends

@@ -151,7 +151,7 @@ static void cuda_issue(Engine *e, Job *j) {
         if (j->load) { /* the engine may now make its compute stream wait on the layer events */
             j->recorded = 1;
             publish_progress(e, j, 0);
-            ring_done(j->lane, j->slot);
+            ring_step(j->lane, j->slot);
         }
         return;
     }
@@ -238,7 +238,7 @@ static void cuda_poll(Engine *e, Job *j, int64_t t) {
         publish_progress(e, j, 0);
         if (t - j->last_pub_ns >= e->progress_interval_ns) {
             j->last_pub_ns = t;
-            ring_done(j->lane, j->slot);
+            ring_step(j->lane, j->slot);
         }
     }
 }

@@ -289,7 +289,7 @@ static PyObject *engine_submit_copy(Engine *e, PyObject *args, PyObject *kw) {
         publish_progress(e, j, 0);
         if (j->bytes_per_layer * (int64_t)j->nl > QUIET_FIRST_BYTES ||
             __atomic_load_n(&e->njobs, __ATOMIC_RELAXED) || __atomic_load_n(&e->paused, __ATOMIC_RELAXED))
-            ring_done(j->lane, j->slot);
+            ring_step(j->lane, j->slot);
         else /* as if rung now: a sleeper's next ring is a progress interval away, or the end */
             j->last_pub_ns = now_ns();
     }

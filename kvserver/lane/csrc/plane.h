@@ -17,6 +17,7 @@
 #define PLANE_ASLEEP 1  /* ... and sleeps in epoll_wait: a ring ahead of a call wakes it */
 #define PLANE_RUNNING 2 /* ... and runs (copies, spins, serves): a ring ahead is not needed */
 #define WAITING_AT 72  /* slot header: the client sleeps on the slot's done doorbell (quiet lanes) */
+#define WAIT_END 2     /* ... for the call's end only: a step of it rings no one (ring_step) */
 #define BUSY_AT 80     /* slot header: this thread's time on the call, in microseconds */
 #define ST_SUBMITTED 1
 #define ST_TAKEN 2

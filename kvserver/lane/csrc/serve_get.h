@@ -209,7 +209,7 @@ static int try_get(Engine *e, Lane *l, int i, uint32_t n) {
      * takes a while or waits behind others, as the loop's answering copies are. */
     publish_progress(e, j, 0);
     if (j->bytes_per_layer * (int64_t)j->nl > QUIET_FIRST_BYTES || e->jobs || e->paused)
-        ring_done(l, i);
+        ring_step(l, i);
     else
         j->last_pub_ns = now_ns();
     enqueue(e, j);

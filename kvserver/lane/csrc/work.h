@@ -88,7 +88,7 @@ static int64_t run_piece(Engine *e, Job *j) {
         int64_t t = now_ns();
         if (t - j->last_pub_ns >= e->progress_interval_ns) {
             j->last_pub_ns = t;
-            ring_done(j->lane, j->slot);
+            ring_step(j->lane, j->slot);
         }
     }
     return copied;

@@ -344,7 +344,8 @@ static int sleep_on(char *s, long long step, int fd, double left, int *err, int 
     struct pollfd p = {.fd = fd, .events = POLLIN};
     int n = 0;
     *err = *ended = *slept = 0;
-    __atomic_store_n(waiting, 1u, __ATOMIC_RELAXED);
+    /* 2 (the plane's WAIT_END): for the call's end only, which a step does not ring for */
+    __atomic_store_n(waiting, step < 0 ? 2u : 1u, __ATOMIC_RELAXED);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     if (!slot_ready(s, step)) {
         *slept = 1;
