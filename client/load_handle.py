@@ -12,8 +12,8 @@ from kvclient.errors import KVClientError, from_rpc_error
 from kvserver.v1 import kvserver_pb2 as pb
 
 # Longest a waiter for a lane call's end sleeps at once: a waiter for one of its layers that comes
-# meanwhile waits at most this long to take over the pumping (LoadHandle._wait_for).
-END_SLICE = 0.01
+# meanwhile hears of the steps again at most this long after (LoadHandle._wait_for).
+END_SLICE = 0.002
 
 
 class LoadHandle:
@@ -114,9 +114,9 @@ class LoadHandle:
     def _wait_for(self, predicate: Callable[[], bool], timeout: float | None, end_only: bool = False) -> bool:
         """``Condition.wait_for`` (the condition held). On the lane (``_source``), no thread feeds
         the handle: one waiter at a time pumps the slot's progress, the others wait for its news.
-        ``end_only``: the waiter needs the call's end, not its steps; it sleeps through them (the
-        daemon does not ring for them), ``END_SLICE`` at a time, so that a waiter for a layer that
-        comes meanwhile takes over the pumping within that."""
+        ``end_only``: the waiter needs the call's end, not its steps; while no other thread waits
+        on the handle it sleeps through them (the daemon does not ring for them), ``END_SLICE``
+        at a time, after which it pumps step by step for a waiter of a layer come meanwhile."""
         src = self._source
         if src is None or src.finished:
             return self._sleep(predicate, timeout)
@@ -135,7 +135,7 @@ class LoadHandle:
             self._pumping = True
             self._lock.release()
             try:
-                if end_only:
+                if end_only and not self._sleepers:
                     src.pump(self, END_SLICE if left is None else min(left, END_SLICE), True)
                 else:
                     src.pump(self, left)

@@ -391,5 +391,23 @@ def test_a_waiter_for_a_loads_end_is_rung_at_its_end_only(socket_dir) -> None:
                 waiter.join(10)
                 assert not waiter.is_alive()
                 assert h.wait(timeout=10) > 0 and bool((pool.buffers[0][0].view(torch.uint8) == 7).all())
+            # A waiter for the end, then another thread's for a layer: the steps are rung again
+            # (the first waiter, in slices of END_SLICE, pumps step by step while another waits).
+            d.core.plane.engine.pause(True)
+            try:
+                h = c.load(host_indices=host, device_indices=dev)
+                at = R.slot_offset(h._source.slot) + R.WAITING_AT
+                first = threading.Thread(target=h.wait)
+                first.start()
+                wait_until(lambda: R.U32.unpack_from(c.lane._mm, at)[0] == 2, 5, "the end's waiter asleep")
+                second = threading.Thread(target=lambda: h.wait_layer(0, timeout=10))
+                second.start()
+                wait_until(lambda: R.U32.unpack_from(c.lane._mm, at)[0] == 1, 1,
+                           "a waiter for the steps again once a layer's waiter came")
+            finally:
+                d.core.plane.engine.pause(False)
+            for t in (first, second):
+                t.join(10)
+                assert not t.is_alive()
     finally:
         d.stop()
