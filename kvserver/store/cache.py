@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 import weakref
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Collection, Generator, Mapping, Sequence
 from dataclasses import replace
 from typing import NamedTuple, TypeVar
 
@@ -164,13 +164,10 @@ class KVCache:
         kept cache adopted under smaller quotas); returns the pages evicted."""
         evicted = 0
         for tenant in list(self.tenants.by_name.values()):
-            sids = [s for (tid, _), ss in self.slabs.of_class.items() if tid == tenant.tid for s in ss]
-            for sid in lru_slabs(self.pages, sids).tolist():
-                if not tenant.quota or self.slabs.held(tenant.tid, tenant.quota) <= tenant.quota:
-                    break
-                before = tenant.counters.pages
-                self._evict_slab(sid)
-                evicted += before - tenant.counters.pages
+            before = tenant.counters.pages
+            self._evict_lru(self._tenant_slabs(tenant.tid), lambda t=tenant: not t.quota
+                            or self.slabs.held(t.tid, t.quota) <= t.quota)
+            evicted += before - tenant.counters.pages
         return evicted
 
     @_locked
@@ -882,11 +879,7 @@ class KVCache:
             return False
         for sid in window:
             self._evict_slab(sid)
-        if self.arena.largest_free() < nbytes:
-            for sid in lru_slabs(self.pages, self.slabs.slabs).tolist():
-                self._evict_slab(sid)
-                if self.arena.largest_free() >= nbytes:
-                    break
+        self._evict_lru(self.slabs.slabs, lambda: self.arena.largest_free() >= nbytes)
         return self.arena.largest_free() >= nbytes
 
     @_locked
@@ -963,17 +956,10 @@ class KVCache:
             try:
                 if over_quota():  # its own memory only: none of another tenant's is its
                     self._reclaim((tenant.tid, None))
-                    own = [s for (tid, _), ss in self.slabs.of_class.items() if tid == tenant.tid for s in ss]
-                    for sid in lru_slabs(self.pages, own).tolist():
-                        if not over_quota():
-                            break
-                        self._evict_slab(sid)
+                    self._evict_lru(self._tenant_slabs(tenant.tid), lambda: not over_quota())
                 if not over_quota() and not self.arena.can_book(nbytes):
                     self._reclaim(None)
-                    for sid in lru_slabs(self.pages, self.slabs.slabs).tolist():
-                        if self.arena.can_book(nbytes):
-                            break
-                        self._evict_slab(sid)
+                    self._evict_lru(self.slabs.slabs, lambda: self.arena.can_book(nbytes))
             finally:
                 self.pages.hold(spare, -1)
         if over_quota() or not self.arena.book(nbytes):
@@ -984,6 +970,17 @@ class KVCache:
     def _unbook_pins(self, name: str, nbytes: int) -> None:
         self.arena.unbook(nbytes)
         self.slabs.charge(self.tenants.get(name).tid, -nbytes)
+
+    def _tenant_slabs(self, tid: int) -> list[int]:
+        return [s for (t, _), sids in self.slabs.of_class.items() if t == tid for s in sids]
+
+    def _evict_lru(self, sids: Collection[int], enough: Callable[[], bool]) -> None:
+        """Evicts slabs of ``sids`` (those none of whose pages is pinned, read or written), least
+        recently used first, until ``enough()``."""
+        for sid in lru_slabs(self.pages, sids).tolist():
+            if enough():
+                return
+            self._evict_slab(sid)
 
     def _evict_slab(self, sid: int) -> None:
         slab = self.slabs.slabs[sid]
