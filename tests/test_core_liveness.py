@@ -10,7 +10,7 @@ import time
 
 import pytest
 from daemon_proc import DaemonProcess
-from light_engine import LightEngine, killed_mid_load
+from light_engine import LightEngine, killed_mid_load, registered_without_session
 
 from kvserver.protocol.shared_memory import SHM_DIR
 from kvserver.v1 import kvserver_pb2 as pb
@@ -25,13 +25,25 @@ def forkserver():
     return ctx
 
 
-def start_killable(ctx, address: str, name: str):
+def start_killable(ctx, address: str, name: str, target=killed_mid_load):
+    """An engine process running ``target``; returns once it says it is ready, with what it said."""
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=killed_mid_load, args=(address, name, child))
+    proc = ctx.Process(target=target, args=(address, name, child))
     proc.start()
-    assert parent.poll(30), "engine never started its load"
-    assert parent.recv() == b"loading"
-    return proc
+    assert parent.poll(30), "the engine never got ready"
+    return proc, parent.recv()
+
+
+def kill_and_await_reclaim(d: DaemonProcess, proc, name: str) -> None:
+    """SIGKILLs the engine; the daemon holds nothing of it (no client, no region, no page in use, no
+    mapping of its pool) within 2 s."""
+    os.kill(proc.pid, signal.SIGKILL)
+    t_kill = time.monotonic()
+    proc.join(10)
+    d.wait_for(lambda s: s.num_clients == 0 and s.reserved_bytes == 0 and s.used_bytes == 0, timeout=10)
+    elapsed = time.monotonic() - t_kill
+    assert elapsed < 2.0, f"reclaimed after {elapsed:.2f} s"
+    assert not [m for m in d.shm_maps() if name in m], "the dead engine's pool is still mapped"
 
 
 def test_killed_engine_is_reclaimed_within_two_seconds(socket_dir, forkserver):
@@ -39,16 +51,11 @@ def test_killed_engine_is_reclaimed_within_two_seconds(socket_dir, forkserver):
     d = DaemonProcess(os.path.join(socket_dir, "kv.sock"), "--progress-interval-ms", "0")
     name = f"kvtest-kill-{secrets.token_hex(4)}"
     try:
-        proc = start_killable(forkserver, d.address, name)
+        proc, said = start_killable(forkserver, d.address, name)
+        assert said == b"loading"
         assert d.stats().num_clients == 1 and d.stats().clients[0].sessions == 1
         assert f"/memfd:{name} (deleted)" in d.shm_maps()
-        os.kill(proc.pid, signal.SIGKILL)
-        t_kill = time.monotonic()
-        proc.join(10)
-        d.wait_for(lambda s: s.num_clients == 0 and s.reserved_bytes == 0, timeout=5)
-        elapsed = time.monotonic() - t_kill
-        assert elapsed < 2.0, f"reclaimed after {elapsed:.2f} s"
-        assert not [m for m in d.shm_maps() if name in m], "the dead engine's pool is still mapped"
+        kill_and_await_reclaim(d, proc, name)
         assert d.stats().reclaimed_clients == 1
         assert name not in os.listdir(SHM_DIR)  # a memfd: it went with its last holder
     finally:
@@ -66,13 +73,8 @@ def test_kill_mid_load_loop_releases_everything(socket_dir, forkserver):
         for i in range(KILL_LOOPS):
             name = f"kvtest-loop-{i}-{secrets.token_hex(4)}"
             loads_before = d.stats().transfers.load_ops
-            proc = start_killable(forkserver, d.address, name)
-            os.kill(proc.pid, signal.SIGKILL)
-            t_kill = time.monotonic()
-            proc.join(10)
-            d.wait_for(lambda s: s.num_clients == 0 and s.reserved_bytes == 0 and s.used_bytes == 0,
-                       timeout=5)
-            assert time.monotonic() - t_kill < 2.0
+            proc, _ = start_killable(forkserver, d.address, name)
+            kill_and_await_reclaim(d, proc, name)
             assert d.shm_maps() == [], f"iteration {i}: mappings left: {d.shm_maps()}"
             mid_load += d.stats().transfers.load_ops == loads_before  # the load never finished
             if i == 4:
@@ -110,24 +112,12 @@ def test_an_engine_killed_before_its_session_is_reclaimed_within_two_seconds(soc
     """An engine killed between its Register and its Session kept its registration (its region,
     its mapping of the pool) for the whole lease (30 s by default). Its ticket's pidfd now stays
     with the registration, and its process's exit counts as a Session's end."""
-    from light_engine import registered_without_session
-
     d = DaemonProcess(os.path.join(socket_dir, "kv.sock"))
     name = f"kvtest-nosession-{secrets.token_hex(4)}"
     try:
-        parent, child = forkserver.Pipe()
-        proc = forkserver.Process(target=registered_without_session, args=(d.address, name, child))
-        proc.start()
-        assert parent.poll(30), "the engine never registered"
-        parent.recv()
+        proc, _ = start_killable(forkserver, d.address, name, registered_without_session)
         assert d.stats().num_clients == 1 and d.stats().clients[0].sessions == 0
-        os.kill(proc.pid, signal.SIGKILL)
-        t_kill = time.monotonic()
-        proc.join(10)
-        d.wait_for(lambda s: s.num_clients == 0 and s.reserved_bytes == 0, timeout=10)
-        elapsed = time.monotonic() - t_kill
-        assert elapsed < 2.0, f"reclaimed after {elapsed:.2f} s"
-        assert not [m for m in d.shm_maps() if name in m], "the dead engine's pool is still mapped"
+        kill_and_await_reclaim(d, proc, name)
     finally:
         assert d.stop() == 0
 
