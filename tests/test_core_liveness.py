@@ -200,7 +200,7 @@ def test_a_registrations_pidfd_past_1024_is_watched_and_a_bad_client_stops_no_ot
     fails holds up no other's reclaim."""
     import resource
 
-    from kvserver.core import liveness
+    from kvserver.peers.tickets import process_exited
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard < 2048:
@@ -214,10 +214,10 @@ def test_a_registrations_pidfd_past_1024_is_watched_and_a_bad_client_stops_no_ot
     low = os.pidfd_open(child)
     high = os.dup2(low, 1500)
     try:
-        assert not liveness._exited(high)
+        assert not process_exited(high)
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
-        assert liveness._exited(high)
+        assert process_exited(high)
     finally:
         os.close(low)
         os.close(high)

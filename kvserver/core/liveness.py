@@ -15,23 +15,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import select
 import time
 from collections.abc import AsyncIterator
 
 from kvserver.core.client_state import ClientState, public_id
 from kvserver.core.kvcore import KVCore
 from kvserver.errors import UnknownClient
+from kvserver.peers.tickets import process_exited
 
 logger = logging.getLogger(__name__)
-
-
-def _exited(pidfd: int) -> bool:
-    """Whether the process of ``pidfd`` has exited (its pidfd reads readable). ``poll``, not
-    ``select``: a daemon holding many peers' descriptors has pidfds past select's 1024."""
-    poller = select.poll()
-    poller.register(pidfd, select.POLLIN)
-    return bool(poller.poll(0))
 
 
 class Reaper:
@@ -62,7 +54,7 @@ class Reaper:
             return failed
         if client.sessions:
             return None
-        if client.session_ended_at is None and client.pidfd >= 0 and _exited(client.pidfd):
+        if client.session_ended_at is None and client.pidfd >= 0 and process_exited(client.pidfd):
             client.session_ended_at = now  # its process is gone: no Session will come
         if client.session_ended_at is not None:
             if now - client.session_ended_at >= self.grace:

@@ -10,7 +10,6 @@ import asyncio
 import functools
 import logging
 import os
-import select
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -28,7 +27,7 @@ from kvserver.errors import (
 from kvserver.lane.plane import DataPlane
 from kvserver.lane.server import Lane, open_ring
 from kvserver.peers.tenants import tenant_of
-from kvserver.peers.tickets import PEER_GONE, refuse_rights
+from kvserver.peers.tickets import PEER_GONE, process_exited, refuse_rights
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +59,7 @@ def _pidfd(ticket: Any) -> int:
         except OSError:  # no pidfd (Linux < 5.3, a pid not seen here)
             return -1
     try:
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        exited = bool(poller.poll(0))  # readable: it has exited (its pid may name another now)
+        exited = process_exited(fd)
     except BaseException:
         os.close(fd)
         raise

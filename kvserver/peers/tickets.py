@@ -16,6 +16,7 @@ import os
 import queue
 import resource
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -221,6 +222,15 @@ def closing_for(uid: int) -> float:
     closer = _RISKY.get(uid)
     since = closer.busy_since if closer is not None else None
     return 0.0 if since is None else time.monotonic() - since
+
+
+def process_exited(pidfd: int) -> bool:
+    """Whether the process of ``pidfd`` has exited (its pidfd reads readable; its pid may name
+    another process by now). ``poll``, not ``select``: a daemon holding many peers' descriptors has
+    pidfds past select's 1024."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 # Ticket.pidfd where the fd socket found the peer gone already (it exited before its ticket).
