@@ -106,14 +106,15 @@ class _Closer:
     a large memfd frees all of its pages, and no such close may hold the event loop or the default
     executor that Register's pool opening runs in."""
 
-    def __init__(self, threads: int = CLOSERS, name: str = "kvpeer-close", uid: int | None = None) -> None:
-        # uid: a uid's one thread, which ends after CLOSER_IDLE_SECONDS with nothing to close
+    def __init__(self, uid: int | None = None) -> None:
+        # uid: a uid's one thread (closing_for reads its busy_since), which ends after
+        # CLOSER_IDLE_SECONDS with nothing to close; None: the CLOSERS shared ones, for ever
         self._uid = uid
         self._queue: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
-        self._most = threads
-        self._name = name
+        self._most = CLOSERS if uid is None else 1
+        self._name = "kvpeer-close" if uid is None else f"kvpeer-close-{uid}"
         self.busy_since: float | None = None  # when its (one) thread began the close under way
 
     def close(self, fds: list[int]) -> None:
@@ -139,7 +140,7 @@ class _Closer:
                             return
                     continue
             for fd in fds:
-                if self._most == 1:  # (a uid's: closing_for reads it)
+                if self._uid is not None:
                     self.busy_since = time.monotonic()
                 close_peer_fd(fd)
                 self.busy_since = None
@@ -172,7 +173,7 @@ def close_off_loop(fds: list[int], uid: int = -1) -> None:
         with _RISKY_LOCK:
             closer = _RISKY.get(uid)
             if closer is None:
-                closer = _RISKY[uid] = _Closer(1, f"kvpeer-close-{uid}", uid)
+                closer = _RISKY[uid] = _Closer(uid)
             closer.close(risky)
 
 
