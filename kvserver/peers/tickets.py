@@ -257,7 +257,6 @@ class Ticket:
     # (no pidfds of peers in this kernel); PEER_GONE: that process was gone already.
     pidfd: int = -1
     held: int = 0  # descriptors it counts against the book's budgets (its fds and pidfd)
-    watched: bool = False  # the book's loop reads its pidfd: it expires when its process exits
 
     def take_pidfd(self) -> int:
         """The pidfd, the caller's to close from now on (-1: none; PEER_GONE)."""
@@ -335,11 +334,8 @@ class TicketBook:
         loop = self._loop = asyncio.get_running_loop()
         ticket.expiry = loop.call_later(self.ttl, self._expire, key)
         if pidfd >= 0:  # a process gone before its Register: its descriptors (its pool) go now
-            try:
+            with contextlib.suppress(OSError, ValueError):  # (else at its expiry, as before)
                 loop.add_reader(pidfd, self._expire, key, "its process exited")
-                ticket.watched = True
-            except (OSError, ValueError):  # then at its expiry, as before
-                pass
         return key
 
     def redeem(self, key: str, pidfd: bool = False) -> Ticket:
@@ -366,8 +362,7 @@ class TicketBook:
             del self._per_uid[uid], self._fds_per_uid[uid]
         if ticket.expiry is not None:
             ticket.expiry.cancel()
-        if ticket.watched and self._loop is not None:
-            ticket.watched = False
+        if ticket.pidfd >= 0 and self._loop is not None:  # (the ticket holds it open: no one else's)
             with contextlib.suppress(Exception):  # (a loop closed already: it reads nothing more)
                 self._loop.remove_reader(ticket.pidfd)
         return ticket
