@@ -36,29 +36,23 @@ static inline void set_state(char *slot, uint32_t s) { __atomic_store_n((uint32_
  * the client sleeps on it. The client stores its waiting word, then looks at those words, then
  * sleeps; this thread stored them, then looks at the waiting word: with a full fence on each side
  * one of the two sees the other's store (docs/lane.md, "Ringing only a sleeper"). The word is the
- * client's to change: one that lies only misses its own wake-ups. */
-static void ring_done(Lane *l, int i) {
+ * client's to change: one that lies only misses its own wake-ups. ``step``: for a step of a call
+ * still running (a layer landed, its pages found, its events recorded), which a client sleeping
+ * for the call's end only (its word WAIT_END) is not rung for: each such wake-up would cost a
+ * system call here and a wake-up there for nothing (3% of a 64 MiB load's time on a 2-core VM,
+ * docs/performance.md). */
+static void ring(Lane *l, int i, int step) {
     if (l->quiet) {
         __atomic_thread_fence(__ATOMIC_SEQ_CST);
-        if (!__atomic_load_n((uint32_t *)(slot_at(l, i) + WAITING_AT), __ATOMIC_RELAXED))
+        uint32_t waiting = __atomic_load_n((uint32_t *)(slot_at(l, i) + WAITING_AT), __ATOMIC_RELAXED);
+        if (!waiting || (step && waiting == WAIT_END))
             return;
     }
     (void)!send(l->done_fd[i], "d", 1, MSG_DONTWAIT | MSG_NOSIGNAL);
 }
 
-/* ring_done for a step of a call still running (a layer landed, its pages found, its events
- * recorded): not on a quiet lane whose client sleeps for the call's end only (its waiting word
- * WAIT_END), which each such wake-up would cost a system call here and a wake-up there for
- * nothing (3% of a 64 MiB load's time on a 2-core VM, docs/performance.md). */
-static void ring_step(Lane *l, int i) {
-    if (l->quiet) {
-        __atomic_thread_fence(__ATOMIC_SEQ_CST);
-        uint32_t waiting = __atomic_load_n((uint32_t *)(slot_at(l, i) + WAITING_AT), __ATOMIC_RELAXED);
-        if (!waiting || waiting == WAIT_END)
-            return;
-    }
-    (void)!send(l->done_fd[i], "d", 1, MSG_DONTWAIT | MSG_NOSIGNAL);
-}
+static void ring_done(Lane *l, int i) { ring(l, i, 0); }
+static void ring_step(Lane *l, int i) { ring(l, i, 1); }
 
 static void wake(int fd) {
     uint64_t one = 1;
