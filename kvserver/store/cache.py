@@ -47,8 +47,8 @@ MAX_LOOKUP_PAIRS = 1 << 20
 # on the 2-core VM of docs/performance.md (about 70 ns for keys over 32 bytes, digested as it
 # goes), so a step costs the event loop no more than a numpy step of STEP_KEYS keys (about 0.3 ms).
 PACKED_STEP_PAIRS = 4 * STEP_KEYS
-# Lines a kept catalog may hold past twice the parts that may hold pages before it is written whole
-# again (``Keep.compact``: about 0.7 KB a line).
+# Lines a kept catalog may hold past twice the parts held (or twice what its last compaction kept)
+# before it is written whole again (``Keep.compact``: about 0.7 KB a line).
 CATALOG_SLACK = 1024
 Lower = Callable[[Part, Keys], np.ndarray]  # which of a part's keys a lower tier holds (bool mask)
 
@@ -356,8 +356,7 @@ class KVCache:
             if lease_id:
                 self.leases.end(lease_id, tenant.name)
             raise
-        if lease_id:
-            self._still_held(lease_id, tenant.name)
+        if lease_id:  # (held still: no step ran since the last one looked)
             self.leases.start(lease_id, pin_ms)
         self._count(space, n, asked - n)
         # Touched once at the end, in key order, so that the first key is the most recent. Pages
