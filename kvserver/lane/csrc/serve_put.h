@@ -51,6 +51,16 @@ static int try_put(Engine *e, Lane *l, int i, uint32_t n) {
     Job *j = ok ? calloc(1, sizeof(Job)) : NULL;
     int reserved = 0;
     ok = ok && words && found && j && (reserved = reserve_get_end(e));
+    /* the copy's memory before the lock, for as many missing keys as the stash has pages now (a
+     * stash that grows before the lock is taken leaves the keys past that to the loop) */
+    int64_t cap = ok ? __atomic_load_n(&g->nstash, __ATOMIC_RELAXED) : 0;
+    cap = cap < nkeys ? cap : nkeys;
+    if (ok && cap > 0) {
+        mwords = malloc(sizeof(uint64_t) * KV_KEY_WORDS * (size_t)cap);
+        taken = malloc(sizeof(int64_t) * (size_t)cap);
+        runs = malloc(sizeof(Run) * (size_t)(contiguous ? cap : cap * ps));
+        ok = mwords && taken && runs;
+    }
     if (ok)
         kv_keys_words(q.keys, (int64_t)q.key_bytes, nkeys, words);
     free(buf);
@@ -69,15 +79,9 @@ static int try_put(Engine *e, Lane *l, int i, uint32_t n) {
                 present++;
         }
         if (ok && missing) {
-            ok = q.key_bytes <= KV_WORD_BYTES && missing <= g->nstash;
+            ok = q.key_bytes <= KV_WORD_BYTES && missing <= g->nstash && missing <= cap;
             if (q.key_bytes <= KV_WORD_BYTES && missing > g->nstash && missing <= g->stash_full)
                 g->stash_short = 1; /* (a Put the plane would have stored: the loop fills the stash then) */
-            if (ok) { /* the copy's memory before any page is taken: nothing can fail after that */
-                mwords = malloc(sizeof(uint64_t) * KV_KEY_WORDS * (size_t)missing);
-                taken = malloc(sizeof(int64_t) * (size_t)missing);
-                runs = malloc(sizeof(Run) * (size_t)(contiguous ? missing : missing * ps));
-                ok = mwords && taken && runs;
-            }
             for (int64_t k = 0; ok && k < missing; k++) { /* (the loop gave them: checked all the same) */
                 int64_t id = g->stash[g->nstash - 1 - k], off = id >= 0 && id < c->pg.npages ? c->pg.offset[id] : -1;
                 ok = off >= 0 && off <= c->arena_bytes && (c->arena_bytes - off) / lp >= chunks;
@@ -118,6 +122,9 @@ static int try_put(Engine *e, Lane *l, int i, uint32_t n) {
         j->end_kind = END_PUT;
         post_walked(e, j, arrival); /* before the answer: a Stats after it counts them */
         free(local);
+        free(mwords);
+        free(taken);
+        free(runs);
         unsigned char resp[48];
         observe(e, H_PUT, now_ns() - arrival);
         __atomic_add_fetch(&e->plane_puts, 1, __ATOMIC_RELAXED);
