@@ -237,7 +237,7 @@ class Daemon:
                              self.servicer.lanes.drain(self.config.shutdown_grace))
         if self.peer_socket is not None:
             await self.peer_socket.stop()
-        await self.core.close()
+        await self.core.close(self.config.shutdown_grace)
         if self.servicer.plane is not None:  # every lane and gate is gone: its thread ends
             self.servicer.plane.stop()
         if self.kv_events is not None:  # what was recorded until now goes out first

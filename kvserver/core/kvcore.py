@@ -198,8 +198,9 @@ class KVCore:
                             default_quota=scaled(tenant_quota),
                             quotas={name: scaled(q) for name, q in quotas.items()}, threads=threads,
                             resizable=resizable)
-        except (KeptDirError, OSError, ValueError) as exc:
-            logger.error("no disk cache: %s cannot be used (%s); the cache ends at host memory", path, exc)
+        except Exception as exc:  # (KeptDirError, OSError, ValueError; whatever else its files hold)
+            logger.error("no disk cache: %s cannot be used (%s: %s); the cache ends at host memory", path,
+                         type(exc).__name__, exc)
             return None
         logger.info("%s", disk.describe())
         st = os.statvfs(disk.path)
@@ -713,7 +714,10 @@ class KVCore:
         if self.cluster is not None:
             self.cluster.start()
 
-    async def close(self) -> None:
+    async def close(self, drain: float = 0.0) -> None:
+        """Lets every client go and closes the tiers and the arena. ``drain``: seconds the disk
+        tier may go on writing what it has queued (none where host memory is kept: the next
+        daemon writes what it finds there without a disk copy)."""
         while self._in_threads:  # a registration or a pool close in a worker thread uses the arena
             self._thread_done.clear()
             await self._thread_done.wait()
@@ -724,7 +728,7 @@ class KVCore:
                 await self.unregister(client.client_id)
         self.copier.shutdown()
         if self.disk is not None:  # its reads and writes use the arena
-            await self.disk.close()
+            await self.disk.close(drain if self._kept is None else 0.0)
         if self.cluster is not None:  # so do its transfers
             await self.cluster.close()
         self.slab_pinner.close()  # after every copy, before the memory it pinned goes

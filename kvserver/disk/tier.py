@@ -4,7 +4,9 @@ Every page a Put commits to the host cache is queued to be written to disk as we
 by a writer task whose reads of host memory and writes to the file run in worker threads; a
 queued host page is held (never evicted) until its disk copy is written, so that when the host
 cache evicts a page its disk copy is there: eviction costs no I/O at the moment a Put needs room.
-Past a quarter of host memory queued, pages wait in a backlog, not held, for room in the queue.
+Past a quarter of host memory queued, pages wait in a backlog, not held, for room in the queue;
+a backlog naming more pages than host memory holds (a disk slower than the Puts, or stuck) drops
+its oldest entries, which host memory has evicted or soon will (``skipped``).
 A Lookup counts the keys the disk holds as hits (``holds``); a Get reads those pages back into
 host pages first (``take_steps`` and ``read``, the core's ``_promote``), checking each against the
 check written with it, and then loads them to the device as any host page.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Mapping
@@ -48,6 +51,8 @@ from kvserver.store.pages import COMMITTED
 logger = logging.getLogger(__name__)
 
 MAX_QUEUED_SHARE = 0.25  # of host memory, at most, held by pages waiting for their disk write
+MAX_BACKLOG_SHARE = 1.0  # of host memory, at most, named by pages in the backlog (older: evicted)
+REFILL_ENTRIES = 256  # backlog entries looked at per turn of the writer (a turn of the loop)
 DISK_SLAB_BYTES = 32 << 20  # at most; a small disk has slabs of 1/64 of it
 PIECE_BYTES = 16 << 20  # one worker thread's share of a read or write
 
@@ -59,7 +64,8 @@ class DiskCounters:
     written_bytes: int = 0
     promoted_pages: int = 0  # pages read back into host memory
     promoted_bytes: int = 0
-    skipped_pages: int = 0  # pages with no disk copy: evicted in the backlog, or disk or quota full
+    skipped_pages: int = 0  # pages with no disk copy: evicted or dropped in the backlog, unwritten at a
+    # stop, disk or quota full
     write_errors: int = 0  # pages whose write failed
     read_errors: int = 0  # pages whose read failed (or came short)
     bad_checks: int = 0  # pages read whole whose check did not match: dropped
@@ -78,9 +84,11 @@ class DiskTier:
         if io.page_sums is None:
             raise ValueError("the disk tier needs kvserver's compiled copy kernel (_kvcopy) for its checks")
 
+        # Files of another size are adopted if no larger than their file system (a header changed
+        # by hand, or corrupted, is not taken at its word).
         def same_kind(found: dict[str, Any]) -> bool:
             cap = found.get("capacity")
-            return (resizable and isinstance(cap, int) and cap >= REGION_ALIGN
+            return (resizable and isinstance(cap, int) and REGION_ALIGN <= cap <= _fs_bytes(path)
                     and found == {"format": FORMAT, **kept_shape(cap, "disk")})
 
         # KeptDirError (another uid's directory, a second daemon): the caller goes on without.
@@ -97,6 +105,7 @@ class DiskTier:
                            path, type(exc).__name__, exc)
             try:
                 self.kept.start_over(f"adopting it failed ({type(exc).__name__}: {exc})")
+                capacity = int(self.kept.shape["capacity"])  # (the size asked for, not the one found)
                 self._build(capacity, default_quota, quotas)
             except BaseException:
                 self.kept.close()
@@ -113,6 +122,7 @@ class DiskTier:
         # Host pages to write once the queue has room, not held: a Put's past the queue's bound,
         # and those a kept host cache holds with no disk copy at start.
         self._backlog: deque[tuple[Part, np.ndarray, Keys]] = deque()
+        self._backlog_bytes = 0  # bytes of host pages the backlog names
         self._wake: asyncio.Event | None = None
         self._inflight: set[asyncio.Future] = set()
         self._writer: asyncio.Task | None = None  # ``run``, started by ``start`` or the first ``demote``
@@ -139,7 +149,7 @@ class DiskTier:
     @property
     def queued_bytes(self) -> int:
         """Bytes of host pages waiting for their disk write (or being written), backlog included."""
-        return self._queued_bytes + sum(len(ids) * part.key.page_bytes for part, ids, _ in self._backlog)
+        return self._queued_bytes + self._backlog_bytes
 
     @property
     def direct(self) -> bool:
@@ -193,12 +203,29 @@ class DiskTier:
         keys = self.host.pages.keys_of(ids)
         if self._backlog or (self._queued_bytes
                              and self._queued_bytes + len(ids) * part.key.page_bytes > self._limit()):
-            self._backlog.append((part, ids.copy(), keys))
+            self._to_backlog(part, ids.copy(), keys)
         else:
             self._enqueue(part, ids.copy(), keys)
         self._start_writer()
         assert self._wake is not None
         self._wake.set()
+
+    def _to_backlog(self, part: Part, ids: np.ndarray, keys: Keys) -> None:
+        """Adds host pages to the backlog's end; past ``MAX_BACKLOG_SHARE`` of host memory named
+        there, its oldest entries are dropped (skipped): host memory, which evicts its least
+        recently used pages first, has let those go or will before their turn comes."""
+        self._backlog.append((part, ids, keys))
+        self._backlog_bytes += len(ids) * part.key.page_bytes
+        bound = self.host.arena.capacity * MAX_BACKLOG_SHARE
+        while self._backlog_bytes > bound and len(self._backlog) > 1:
+            self._drop_backlog_head(count=True)
+
+    def _drop_backlog_head(self, count: bool) -> tuple[Part, np.ndarray, Keys]:
+        part, ids, keys = self._backlog.popleft()
+        self._backlog_bytes -= len(ids) * part.key.page_bytes
+        if count:
+            self.counters.skipped_pages += len(ids)
+        return part, ids, keys
 
     def _enqueue(self, part: Part, ids: np.ndarray, keys: Keys) -> None:
         self.host.hold(ids)
@@ -234,7 +261,7 @@ class DiskTier:
                     missing = ~((dids >= 0) & (self.cache.pages.state[dids] == COMMITTED))
                     ids, keys = ids[missing], keys.take(np.flatnonzero(missing))
                 if len(ids):
-                    self._backlog.append((part, ids, keys))
+                    self._to_backlog(part, ids, keys)
             if self._backlog:
                 logger.info("the disk cache copies %d pages of host memory it does not hold yet",
                             sum(len(ids) for _, ids, _ in self._backlog))
@@ -245,20 +272,24 @@ class DiskTier:
             self._wake = asyncio.Event()
             self._writer = asyncio.get_running_loop().create_task(self.run())
 
-    def _refill(self) -> None:
+    def _refill(self) -> bool:
         """Moves backlog pages into the queue while it has room (at least one batch when it is
-        empty); those evicted meanwhile have no disk copy: skipped."""
+        empty); those evicted meanwhile have no disk copy: skipped. Looks at ``REFILL_ENTRIES``
+        entries at most; True if it stopped there, backlog and room left (another turn goes on)."""
         h = self.host
-        while self._backlog:
+        for _ in range(REFILL_ENTRIES):
+            if not self._backlog:
+                return False
             part, ids, keys = self._backlog[0]
             room = int((self._limit() - self._queued_bytes) // part.key.page_bytes)
             if room <= 0:
                 if self._queued_bytes:
-                    return
+                    return False
                 room = 1
-            self._backlog.popleft()
+            self._drop_backlog_head(count=False)
             if len(ids) > room:
                 self._backlog.appendleft((part, ids[room:], keys[room:]))
+                self._backlog_bytes += (len(ids) - room) * part.key.page_bytes
                 ids, keys = ids[:room], keys[:room]
             alive = (h.pages.find(part.gid, keys) == ids) & (h.pages.state[ids] == COMMITTED)
             self.counters.skipped_pages += int(np.count_nonzero(~alive))
@@ -266,15 +297,18 @@ class DiskTier:
                 if not alive.all():
                     ids, keys = ids[alive], keys.take(np.flatnonzero(alive))
                 self._enqueue(part, ids, keys)
+        return bool(self._backlog)
 
     async def run(self) -> None:
         """The writer: writes what is queued, ``threads`` batches at a time, until closed."""
         assert self._wake is not None
         slots = asyncio.Semaphore(self._threads)
         while not self._closed:
-            if self._backlog:
-                self._refill()
+            more = self._refill() if self._backlog else False
             if not self._queue:
+                if more:  # the rest of the backlog at the loop's next turn
+                    await asyncio.sleep(0)
+                    continue
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -450,10 +484,22 @@ class DiskTier:
         nbytes = sum(t.counters.bytes for t in self.cache.tenants.by_name.values())
         return replace(self.counters), pages, nbytes
 
-    async def close(self) -> None:
-        """Stops writing (what is queued is not written) and waits for the I/O under way."""
+    async def close(self, drain: float = 0.0) -> None:
+        """Stops writing and waits for the I/O under way. What is queued or in the backlog is
+        written first for up to ``drain`` seconds; what is left then has no disk copy, logged."""
+        if drain > 0 and self._writer is not None and not self._writer.done():
+            deadline = time.monotonic() + drain
+            while (self._queue or self._backlog or self._queued_bytes) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+        left = sum(len(ids) for _, ids, _ in self._queue) + sum(len(ids) for _, ids, _ in self._backlog)
+        if left:
+            logger.warning("the disk cache stops with %d pages of host memory not written to it "
+                           "(queued or in its backlog%s): they have no disk copy", left,
+                           f", after {drain:g} s of writing them" if drain > 0 else "")
+            self.counters.skipped_pages += left
         self._closed = True
         self._backlog.clear()
+        self._backlog_bytes = 0
         while self._queue:
             part, ids, _ = self._queue.popleft()
             self._unqueue(part, ids)
@@ -499,3 +545,12 @@ def _run(pages: int, fn, *args) -> tuple:
         return fn(*args), None, time.perf_counter() - t0, pages
     except Exception as exc:
         return None, exc, time.perf_counter() - t0, pages
+
+
+def _fs_bytes(path: str) -> int:
+    """The size of the file system that holds directory ``path`` (0 if it cannot be told)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_blocks * st.f_frsize

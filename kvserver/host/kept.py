@@ -92,6 +92,7 @@ class KeptDir:
         adopted too (``shape`` is then the one found)."""
         self.path = os.path.abspath(path)  # not resolved: a link there is refused, not followed
         self.shape = {"format": FORMAT, **shape}
+        self._asked = self.shape  # (``start_over`` goes back to it from one ``accept`` took)
         self._accept = accept
         self._fds: dict[str, int] = {}
         self._maps: list[mmap.mmap] = []
@@ -131,7 +132,7 @@ class KeptDir:
         self.unseal()
         self._unmap()
         self._remove_retired()
-        self.adopting, self.reason = False, reason
+        self.adopting, self.reason, self.shape = False, reason, self._asked
 
     # Files
 
