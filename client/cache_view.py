@@ -84,9 +84,10 @@ class CacheView(_ViewShell):
             raise from_rpc_error(exc) from None
         return self._core.opened(resp)
 
-    def _run(self, op: ViewOp):
+    def _run(self, op: ViewOp, timeout: float | None = None):
         retried = False
-        deadline = time.monotonic() + self._core.timeout  # every step of the call within one bound
+        # every step of the call within one bound: the view's, or the caller's
+        deadline = time.monotonic() + (self._core.timeout if timeout is None else timeout)
         while True:
             try:
                 space_id = self._core.space_id or self.open(_left(deadline))
@@ -105,10 +106,12 @@ class CacheView(_ViewShell):
                 return op.miss
             retried = True
 
-    def lookup(self, keys: Keys, *, pin_ms: int = 0, key_bytes: int = KEY_BYTES) -> LookupResult:
+    def lookup(self, keys: Keys, *, pin_ms: int = 0, key_bytes: int = KEY_BYTES,
+               timeout: float | None = None) -> LookupResult:
         """Leading keys cached in every part of the space (0 while the daemon is away);
-        ``pin_ms`` pins them under the returned lease."""
-        return self._run(self._core.lookup(keys, pin_ms, key_bytes))
+        ``pin_ms`` pins them under the returned lease. ``timeout``: the whole call's bound, if
+        not the view's."""
+        return self._run(self._core.lookup(keys, pin_ms, key_bytes), timeout)
 
     def events(self, log_id: str = "", after_seq: int = 0, *, max_keys: int = 0) -> EventsResult:
         """KV events of the space since the last read (``log_id`` and ``next_seq`` of the last

@@ -813,3 +813,97 @@ def test_a_failed_load_never_reaches_the_cache_through_another_requests_local_hi
     # stored nothing and v nothing, so it misses and computes them.
     assert seen == [0, 1] and c.admitted["c1"] == [0]
     c.run()
+
+
+def test_a_request_preempted_before_its_loads_report_loads_again_only_after_it(engines, server):
+    """With more than two steps in flight (pipeline parallelism under async scheduling), a request
+    admitted with a synchronous load can be preempted and come back before that step's output
+    does. A worker's report names the request, not the load: a second load then would take the
+    first one's report for its own, and store blocks computed on a load nobody confirmed. The
+    request waits for the first report; its second admission loads and everything stored is right."""
+    a = engines("preempt-unreported")
+    a.add("a1", PROMPT, max_tokens=1)  # stores blocks 0-3
+    a.run()
+
+    b = engines("preempt-unreported")
+    b.add("r", PROMPT, max_tokens=3)
+    s = b.scheduler
+    first = s.schedule()  # r admitted with a synchronous load of 64 tokens
+    assert [r.req_id for r in first.scheduled_new_reqs] == ["r"] and first.has_sync_kv_loads
+    out1 = b.execute(first)
+    req, loaded = s.requests["r"], set(b.block_ids("r")[:4])
+    s.running.remove(req)  # preempted before the first step's output came back, as vLLM does it
+    s._preempt_request(req, time.monotonic(), drop_stale_output=s.requires_kv_delivery)
+    s.kv_cache_manager.evict_blocks(loaded)  # its blocks given to whoever preempted it
+    second = s.schedule()
+    assert "r" not in second.scheduled_cached_reqs.resumed_req_ids
+    assert not second.has_sync_kv_loads  # no second load before the first one's report
+    out2 = b.execute(second)
+    s.update_from_output(first, out1)
+    s.update_from_output(second, out2)
+    b.run()
+    assert b.admitted["r"] == [64, 64]  # admitted again once the report came: loaded again
+
+    tokens = full_tokens(PROMPT, 3)
+    seen: list[int] = []
+    c = engines("preempt-unreported", on_layer=check_loaded("c1", tokens, 64, seen))
+    c.add("c1", tokens, max_tokens=1)
+    c.step()
+    assert seen == [0, 1] and c.admitted["c1"][0] >= 64
+    c.run()
+
+
+def test_a_request_that_finishes_in_its_loads_step_stores_what_it_computed(engines, server):
+    """vLLM finishes a request before it hands the connector the step's reports: one that loads a
+    prefix and finishes in that step (max_tokens=1, a stop token) keeps its blocks until its load
+    is reported good, then stores the blocks it computed on it, and vLLM frees them after."""
+    a = engines("finish-in-load")
+    a.add("a1", PROMPT[:64] + [1], max_tokens=1)  # stores blocks 0-3
+    a.run()
+    longer = PROMPT[:64] + [(11 * i) % 400 + 5 for i in range(40)]  # 104 tokens: 6 whole blocks
+    b = engines("finish-in-load")
+    b.add("b1", longer, max_tokens=1)
+    b.run()
+    assert b.admitted["b1"] == [64]
+    assert "b1" in b.finished_sending  # its held blocks went back to vLLM once its Puts ended
+    seen: list[int] = []
+    c = engines("finish-in-load", on_layer=check_loaded("c1", longer, 96, seen))
+    c.add("c1", longer, max_tokens=1)
+    c.step()
+    assert c.admitted["c1"] == [96] and seen == [0, 1]
+    c.run()
+
+
+def test_a_slow_daemon_holds_a_scheduler_step_at_most_lookup_timeout_s_in_all(engines, daemon_factory,
+                                                                             monkeypatch):
+    """Every Lookup answered slowly but within the bound (a daemon whose cluster tier takes its
+    time, say): the step's lookups together wait at most lookup_timeout_s; the requests it had no
+    time for are asked about next step, and each is admitted with its hit, none as a miss."""
+    import asyncio
+
+    from kvserver.core import cache_ops
+
+    d = daemon_factory(host_memory=128 << 20)
+    prompts = {f"r{i}": [t + 3 * i for t in PROMPT] for i in range(5)}
+    a = engines("slow-lookups", address=d.address)
+    for rid, prompt in prompts.items():
+        a.add("a" + rid, prompt, max_tokens=1)
+    a.run()
+
+    real = cache_ops.CacheOps.lookup
+
+    async def slow(self, req):
+        await asyncio.sleep(0.35)
+        return await real(self, req)
+
+    monkeypatch.setattr(cache_ops.CacheOps, "lookup", slow)
+    monkeypatch.setattr(cache_ops.CacheOps, "lookup_now", lambda self, req: None)  # every Lookup slow
+    monkeypatch.setattr(cache_ops.CacheOps, "serve_space_on_plane", lambda self, *a: None)
+    b = engines("slow-lookups", address=d.address, settings={"lookup_timeout_s": 1.0})
+    took = b.time_schedules()
+    for rid, prompt in prompts.items():
+        b.add(rid, prompt, max_tokens=1)
+    b.run()
+    assert max(took) < 1.0 + 0.3, took  # was one 0.35 s wait per request: 1.75 s
+    assert all(b.admitted[rid] == [64] for rid in prompts), b.admitted
+    assert b.connector._scheduler.away.closings == 0

@@ -45,6 +45,9 @@ class KVServerConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveJob] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
     reused: set[int] = field(default_factory=set)  # hybrid: blocks given out (or loaded) this step
+    # Finished requests whose blocks the scheduler held for a load's report: each worker reports
+    # them in finished_sending once this step's Puts of them (if any) ended.
+    finished: set[str] = field(default_factory=set)
 
 
 @dataclass

@@ -10,7 +10,10 @@ request still decodes. A finished request whose last blocks are still being stor
 A request that loads stores nothing more until its load is known good on every worker (their
 step reports, ``KVServerWorkerMeta``): blocks computed on top of a load that failed hold wrong
 KV under the right keys, and a stored page is never overwritten. After a failed load its blocks
-are stored again as vLLM recomputes them.
+are stored again as vLLM recomputes them. One that finishes in its load's step (vLLM finishes
+requests before it hands over the step's reports) keeps its blocks until the report, and stores
+then. One preempted and admitted again before its load's report loads nothing until that report
+(a report names its request, not its load).
 
 The same holds for every other request that reads those blocks. vLLM caches a loading request's
 blocks under their hashes when it allocates them, before they land, so under async scheduling a
@@ -53,6 +56,13 @@ from kvclient.vllm._space import Group, Space, block_keys, hashed_blocks
 logger = logging.getLogger("kvclient.vllm")
 
 NULL_BLOCK = 0  # vLLM's null block (BlockPool.null_block): a sliding window's skipped blocks
+
+
+class _NotYet:
+    """A lookup the step had no time left for: the request is asked about again next step."""
+
+
+NOT_YET = _NotYet()
 
 
 @dataclass(frozen=True)
@@ -110,6 +120,8 @@ class SchedulerSide:
         self.saves = saves  # kv_role kv_producer or kv_both
         self.block_size = space.page_size
         self.pin_ms = int(cfg.get("lookup_pin_ms", 10_000))
+        self.lookup_timeout = float(cfg.get("lookup_timeout_s", 1.0))
+        self._step_deadline: float | None = None  # when this step's synchronous lookups must end
         self.max_loads = int(cfg.get("event_slots", 16))  # a worker's Gets in flight in one step
         mode = str(cfg.get("lookup", "sync"))
         if mode not in ("sync", "async"):
@@ -148,6 +160,12 @@ class SchedulerSide:
         # (CUDA) across steps, so they count against event_slots until they end.
         self._async_loading: set[str] = set()
         self._finish_saves: list[SaveJob] = []
+        # Finished requests whose stores wait for a load's report (their own synchronous load's, or
+        # one their local hit read): request -> (tokens computed, its blocks). vLLM holds their
+        # blocks (request_finished answered True) until the workers report them in
+        # finished_sending, which they do once told (``_released``, the next step's ``finished``).
+        self._held: dict[str, tuple[int, tuple[list[int], ...]]] = {}
+        self._released: set[str] = set()
         # After one lookup that failed, lookups miss without asking until a probe (off this
         # thread) finds the daemon answering: a stuck daemon costs the scheduler one bounded wait.
         self.away = AwayGate(self.view.ping, name="kvserver-vllm-probe")
@@ -166,21 +184,40 @@ class SchedulerSide:
 
     # ---- lookup ----------------------------------------------------------------------------
 
-    def _ask(self, view: CacheView, keys: list[bytes]) -> LookupResult | None:
+    def _step_left(self) -> float | None:
+        """Seconds the scheduler's step may still wait on lookups (synchronous lookups: one
+        ``lookup_timeout_s`` a step, all of them together); None for lookups off its thread."""
+        if self._async:
+            return None
+        now = time.monotonic()
+        if self._step_deadline is None:
+            self._step_deadline = now + self.lookup_timeout
+        return self._step_deadline - now
+
+    def _ask(self, view: CacheView, keys: list[bytes]) -> LookupResult | None | _NotYet:
+        """The view's lookup of ``keys``; None: a miss (the daemon away, slow or refusing, and
+        the away gate closed); ``NOT_YET``: the step's lookup time is spent (asked next step)."""
+        left = self._step_left()
+        if left is not None and left <= 0:
+            return NOT_YET
+        cut = left is not None and left < self.lookup_timeout  # (this call's bound: the step's rest)
         misses = view.misses
         try:
-            found = view.lookup(b"".join(keys), pin_ms=self.pin_ms, key_bytes=len(keys[0]))
+            found = view.lookup(b"".join(keys), pin_ms=self.pin_ms, key_bytes=len(keys[0]), timeout=left)
         except Exception as exc:  # the daemon refused: a miss, never the scheduler's end
             logger.warning("kvserver: lookup failed (%s): a miss", exc)
             found = None
-        if found is None or view.misses > misses:  # away, slow or refusing: no more waits
-            self.away.failed()
+        if found is None or view.misses > misses:
+            if cut:  # on the step's rest of its time: asked again next step with a whole bound
+                return NOT_YET
+            self.away.failed()  # away, slow or refusing: no more waits
             return None
         return found
 
     WINDOW_TRIES = 3  # window checks of one lookup, each below the last one's missing block
 
-    def _lookup(self, keys: list[bytes]) -> _Hit:
+    def _lookup(self, keys: list[bytes]) -> _Hit | None:
+        """The hit every group serves; None: the step's lookup time ran out (ask next step)."""
         if not self.away.open:
             return _Hit(0)
         leases = [""] * len(self.groups)
@@ -188,11 +225,11 @@ class SchedulerSide:
         windows = [g for g in self.groups if g.window_blocks is not None]
         if not full:  # windows only: the first one's stored prefix bounds the hit
             full, windows = windows[:1], windows[1:]
-        h, disk = len(keys), 0
+        h, disk, late = len(keys), 0, False
         for g in full:
             found = self._ask(self.views[g.index], keys[:h]) if h else None
-            if found is None:
-                h = 0
+            if found is None or found is NOT_YET:
+                h, late = 0, found is NOT_YET
                 break
             leases[g.index] = found.lease_id
             h = min(h, found.pages)
@@ -200,18 +237,20 @@ class SchedulerSide:
         found_all = not windows
         for _ in range(self.WINDOW_TRIES if windows and h else 0):
             found_all, h = self._windows(keys, h, windows, leases)
+            if h is None:
+                h, late = 0, True
             if found_all or h == 0:
                 break
         if found_all and h > 0:
             return _Hit(h, tuple(leases), disk)
         self._release_all(tuple(leases))
-        return _Hit(0)
+        return None if late else _Hit(0)
 
     def _windows(self, keys: list[bytes], h: int, windows: list[Group],
-                 leases: list[str]) -> tuple[bool, int]:
+                 leases: list[str]) -> tuple[bool, int | None]:
         """Asks each window group for the blocks vLLM keeps below a hit of ``h``, from ``h`` down:
         (True, h) once they all have them; else (False, the hit to try next: below the first
-        missing block found), and 0 when there is none."""
+        missing block found), and 0 when there is none, None when the step's time ran out."""
         for g in windows:
             if leases[g.index]:  # an earlier try's pin: that try missed
                 self._release(leases[g.index], g.index)
@@ -219,8 +258,8 @@ class SchedulerSide:
         for g in windows:
             ask = keys[max(0, h - g.window_blocks):h][::-1]
             found = self._ask(self.views[g.index], ask)
-            if found is None:
-                return False, 0
+            if found is None or found is NOT_YET:
+                return False, None if found is NOT_YET else 0
             leases[g.index] = found.lease_id
             if found.pages < len(ask):
                 return False, max(0, h - found.pages - 1)
@@ -258,8 +297,8 @@ class SchedulerSide:
             return st.answer[0]
         if not self._async:
             found = self._lookup(keys)
-            if found.leases:  # a miss pins nothing: asked again, it may find what was stored since
-                st.answer = (found, time.monotonic())
+            if found is not None and found.leases:  # a miss pins nothing: asked again, it may find
+                st.answer = (found, time.monotonic())   # what was stored since
             return found
         if st.lookup is None:  # answered at a later step, never this one: the step is not held
             st.lookup = self._pool.submit(self._lookup, keys)
@@ -267,6 +306,7 @@ class SchedulerSide:
         if not st.lookup.done():
             return None
         found, st.lookup = st.lookup.result(), None
+        found = found if found is not None else _Hit(0)  # (no step bound off the scheduler's thread)
         st.answer = (found, time.monotonic())
         return found
 
@@ -344,6 +384,11 @@ class SchedulerSide:
         st.found = min(found.pages, len(keys))
         st.saved = max(st.saved, st.found)
         external = max(0, st.found * self.block_size - num_computed_tokens)
+        if external and rid in self._unreported:
+            # Admitted again (preempted) before the workers reported its last synchronous load, as
+            # with more than two steps in flight: a report names its request, not its load, so a
+            # second load waits for the first one's report (asked again next step, pin kept).
+            return None, False
         if external and self._loading_reqs + len(self._async_loading) >= self.max_loads:
             # This step's loads are full: not a miss (that would recompute the whole prefix), but
             # "ask again next step", its answer and pin kept for then.
@@ -496,8 +541,10 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output) -> KVServerConnectorMetadata:
         meta = KVServerConnectorMetadata(loads=self._loads, saves=self._finish_saves,
-                                         preempted=set(scheduler_output.preempted_req_ids or ()))
-        self._loads, self._finish_saves, self._loading_reqs = [], [], 0
+                                         preempted=set(scheduler_output.preempted_req_ids or ()),
+                                         finished=self._released)
+        self._loads, self._finish_saves, self._loading_reqs, self._released = [], [], 0, set()
+        self._step_deadline = None  # the next step's lookups get their own lookup_timeout_s
         for rid in meta.preempted:
             st = self._reqs.get(rid)
             if st is not None:  # its blocks went back to vLLM once the workers' Puts read them
@@ -527,6 +574,22 @@ class SchedulerSide:
             if rid in self._async_loading:
                 self._async_loading.discard(rid)
                 self._load_done(rid, rid not in failed, asynchronous=True)
+        if self._held:
+            self._settle_held()
+
+    def _settle_held(self) -> None:
+        """Finished requests held for a load's report that came: what they computed is stored
+        (not past a failed load's blocks), and the workers report them once those Puts ended."""
+        for rid, (computed, block_ids) in list(self._held.items()):
+            st = self._reqs[rid]
+            if st.loading_from is not None or st.depends:
+                continue
+            del self._held[rid]
+            del self._reqs[rid]
+            self._forget_loads(st, st.request, block_ids)
+            if self.active and self.saves:
+                self._finish_saves.extend(self._save_jobs(st, computed, block_ids))
+            self._released.add(rid)
 
     def _load_done(self, rid: str, ok: bool, asynchronous: bool = False) -> None:
         st = self._reqs.get(rid)
@@ -558,21 +621,31 @@ class SchedulerSide:
 
     def request_finished(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         """``block_ids``: the request's blocks, one list per KV cache group."""
-        st = self._reqs.pop(request.request_id, None)
+        rid = request.request_id
+        st = self._reqs.get(rid)
         if st is None:
             return False, None
-        if request.request_id in self._async_loading:
+        if rid in self._async_loading:
             # Its Gets still write its blocks: vLLM holds them until the workers report the load
             # (finished_recving), and frees them then. It computed nothing to store.
+            del self._reqs[rid]
             self._set_leases(st, ())
             return False, None
-        self._forget_loads(st, request, block_ids)
         self._drop_pins(st)
+        # Blocks whose KV is written but whose hash came after their step was scheduled (decode
+        # tokens under async scheduling) are stored by the next step's workers.
+        computed = max(0, request.num_computed_tokens - int(getattr(request, "num_in_flight_tokens", 0) or 0))
+        full = min(hashed_blocks(request, self.space.hash_stride), computed // self.block_size)
+        if self.active and self.saves and (st.loading_from is not None or st.depends) and full > st.saved:
+            # Finished in the step of a load whose report comes after this call (vLLM finishes
+            # requests before it hands the connector the step's output), or on a local hit of one:
+            # its blocks are held until the report says whether what it computed can be stored.
+            self._held[rid] = (computed, block_ids)
+            return True, None
+        del self._reqs[rid]
+        self._forget_loads(st, request, block_ids)
         if self.active and self.saves:
-            # Blocks whose KV is written but whose hash came after their step was scheduled
-            # (decode tokens under async scheduling): stored by the next step's workers.
-            computed = request.num_computed_tokens - int(getattr(request, "num_in_flight_tokens", 0) or 0)
-            self._finish_saves.extend(self._save_jobs(st, max(0, computed), block_ids))
+            self._finish_saves.extend(self._save_jobs(st, computed, block_ids))
         return st.saving, None
 
     def _forget_loads(self, st: _Req, request, block_ids: tuple[list[int], ...]) -> None:

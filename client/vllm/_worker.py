@@ -496,6 +496,10 @@ class WorkerSide:
         finished in this step is not reported done before they run (vLLM calls wait_for_save
         after get_finished under speculative decoding)."""
         self._bound = meta
+        if meta is not None and meta.finished:
+            with self._lock:  # finished already: reported once their Puts below (if any) end
+                self._saving |= meta.finished
+                self._finishing |= meta.finished
         if meta is None or not meta.saves:
             return
         with self._lock:
