@@ -11,6 +11,10 @@ import grpc
 from kvclient.errors import KVClientError, from_rpc_error
 from kvserver.v1 import kvserver_pb2 as pb
 
+# An on_error's answer that the outcome comes later, from another thread (LoadHandle._settle): a
+# lane load's failure that the daemon must confirm, which no engine thread waits for.
+LATER = object()
+
 # Longest a waiter for a lane call's end sleeps at once: a waiter for one of its layers that comes
 # meanwhile hears of the steps again at most this long after (LoadHandle._wait_for).
 END_SLICE = 0.002
@@ -86,6 +90,12 @@ class LoadHandle:
 
     def _fail(self, error: KVClientError) -> None:
         missed = self._on_error is not None and self._on_error(error)
+        if missed is LATER:  # until then the load has not ended
+            return
+        self._settle(error, bool(missed))
+
+    def _settle(self, error: KVClientError, missed: bool) -> None:
+        """The load failed: a miss (resilient mode) or ``error``, raised to its waiters."""
         with self._lock:
             if missed:
                 self.missed = True

@@ -13,7 +13,7 @@ import functools
 import logging
 import threading
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 import torch
@@ -28,7 +28,7 @@ from kvclient.core import LANE_LOAD, LANE_WRITE, ClientCore, Reregistration
 from kvclient.cuda_pool import CudaKVPool
 from kvclient.errors import KVClientError, from_rpc_error
 from kvclient.keys import KEY_BYTES, Keys
-from kvclient.load_handle import LoadHandle
+from kvclient.load_handle import LATER, LoadHandle
 from kvclient.results import LookupResult, PutResult
 from kvclient.shm_pool import ShmKVPool
 from kvclient.views_pool import KVViewsPool
@@ -71,6 +71,9 @@ class KVClient(CoreShell):
         self._channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVServerStub(self._channel)
         self._loaders = ThreadPoolExecutor(8, thread_name_prefix="kvclient-load")
+        # The confirming Unregister of each registration whose copy went unanswered (one at a time)
+        self._confirms: dict[str, Future] = {}
+        self._confirm_lock = threading.Lock()
         self._closed = threading.Event()
 
     # ---- I/O --------------------------------------------------------------------------------
@@ -199,11 +202,29 @@ class KVClient(CoreShell):
         handle._source = source
         return handle
 
-    def _stream_failed(self, call: Call, handle: LoadHandle, error: KVClientError) -> bool:
-        # Reported to the engine only once the daemon said the copy is dead, or was made to.
+    def _stream_failed(self, call: Call, handle: LoadHandle, error: KVClientError) -> object:
+        # Reported to the engine only once the daemon said the copy is dead, or was made to. On
+        # the lane the failure is found by whichever engine thread reads the handle (ended(), a
+        # timed wait): the confirmation runs on a loader thread, and the load ends with it.
         if self._core.unconfirmed(call, error):
+            if handle._source is not None:
+                try:
+                    self._loaders.submit(self._confirm_then_settle, call, handle, error)
+                    return LATER
+                except RuntimeError:  # the client is closing: no thread left, so this one
+                    pass
             handle.confirmed = self._confirm_stopped(call.reg)
         return self._is_miss(error, call.reg, call.op.cache)
+
+    def _confirm_then_settle(self, call: Call, handle: LoadHandle, error: KVClientError) -> None:
+        missed = False
+        try:
+            handle.confirmed = self._confirm_stopped(call.reg)
+            missed = self._is_miss(error, call.reg, call.op.cache)
+        except BaseException:
+            logger.exception("kvclient: settling a failed load")
+        finally:
+            handle._settle(error, missed)
 
     def _is_miss(self, error: KVClientError, reg: msg.Registration | None, cache: bool = False) -> bool:
         miss, lose = self._core.judge(error, reg, cache)
@@ -212,16 +233,31 @@ class KVClient(CoreShell):
         return miss
 
     def _confirm_stopped(self, reg: msg.Registration) -> bool:
-        req = self._core.confirm_request(reg)
-        if req is None:
-            return False
+        """Unregisters ``reg``, whose copy got no answer in time, and says whether the daemon
+        confirmed every job of it dead. Once per registration: the calls of it that fail
+        meanwhile or after (loads in flight together) take that one's answer."""
+        with self._confirm_lock:
+            confirming = self._confirms.get(reg.client_id)
+            mine = confirming is None
+            if mine:  # (the answers of registrations given up before are not needed any more)
+                self._confirms = {cid: f for cid, f in self._confirms.items() if not f.done()}
+                confirming = self._confirms[reg.client_id] = Future()
+        if not mine:
+            return confirming.result()
+        confirmed = False
         try:
-            confirmed = self._core.confirmed(self._stub.Unregister(req, timeout=self.timeout,
-                                                                   metadata=self._core.metadata))
-        except grpc.RpcError as exc:
-            confirmed = self._core.confirmed(None, from_rpc_error(exc))
-        self._lost(reg, "a copy outlived its deadline unanswered")
-        return confirmed
+            req = self._core.confirm_request(reg)
+            if req is None:
+                return False
+            try:
+                confirmed = self._core.confirmed(self._stub.Unregister(req, timeout=self.timeout,
+                                                                       metadata=self._core.metadata))
+            except grpc.RpcError as exc:
+                confirmed = self._core.confirmed(None, from_rpc_error(exc))
+            self._lost(reg, "a copy outlived its deadline unanswered")
+            return confirmed
+        finally:
+            confirming.set_result(confirmed)
 
     # ---- registration and liveness --------------------------------------------------------
 
@@ -271,21 +307,25 @@ class KVClient(CoreShell):
         if self.lane_mode != "auto" or fd_socket_path(self.target) is None \
                 or not self.target.startswith("unix") or self._closed.is_set():
             return
-        lane = ClientLane()
+        lane = None
         try:
+            lane = ClientLane()
             ticket = ticket_for(self.target, lane.daemon_fds(), self.timeout)
             opened = self._stub.OpenLane(pb.OpenLaneRequest(client_id=reg.client_id, peer_ticket=ticket),
                                          timeout=self.timeout, metadata=self._core.metadata)
-        except (grpc.RpcError, KVClientError, ValueError) as exc:  # ValueError: closed meanwhile
-            lane.close()
+        # ValueError: closed meanwhile; OSError: no descriptors or memory left for the lane's own
+        except (grpc.RpcError, KVClientError, ValueError, OSError) as exc:
+            if lane is not None:
+                lane.close()
             code = exc.code() if isinstance(exc, grpc.RpcError) else getattr(exc, "code", None)
             log = logger.debug if self._lane_refused else logger.info
             self._lane_refused = True
             log("kvserver lane not opened (%s): Write, Load, Put, Get and Lookup stay on gRPC",
-                code.name if code is not None else exc)
+                code.name if isinstance(code, grpc.StatusCode) else exc)
             return
         finally:
-            lane.handed_over()
+            if lane is not None:
+                lane.handed_over()
         lane.reg = reg
         lane.request_format = opened.request_format
         lane.rpc_mask = opened.rpc_mask or R.OLD_RPC_MASK
@@ -378,13 +418,18 @@ class KVClient(CoreShell):
                 except KVClientError as exc:  # no peer ticket: the daemon is not back yet
                     tries.failed(None, exc.message)
                     continue
+                except ValueError:  # the client closed its channel meanwhile
+                    return
                 tries.succeeded()
                 reg = self._core.reregistered(resp, old, tries.attempts)
-                if reg is not None:
-                    self._open_session(reg)
-                    self._open_lane(reg)
-                else:  # unregistered, closed or replaced meanwhile: this one is nobody's
-                    self._drop_orphan(resp.client_id)
+                try:
+                    if reg is not None:
+                        self._open_session(reg)
+                        self._open_lane(reg)
+                    else:  # unregistered, closed or replaced meanwhile: this one is nobody's
+                        self._drop_orphan(resp.client_id)
+                except ValueError:  # closed meanwhile: the daemon reclaims what it gave
+                    logger.debug("the client closed while it registered again")
                 return
         finally:
             self._core.reconnect_ended(old)
@@ -397,6 +442,8 @@ class KVClient(CoreShell):
                                   metadata=self._core.metadata)
         except grpc.RpcError as exc:
             logger.debug("unregistering a registration nobody uses failed: %s", exc.code().name)
+        except ValueError:  # the client's channel closed: the daemon reclaims it (its lease)
+            logger.debug("unregistering a registration nobody uses: the client is closed")
 
     def unregister(self) -> None:
         reg, session = self._core.unregistering()

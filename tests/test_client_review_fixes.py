@@ -294,3 +294,111 @@ def test_a_hung_daemons_calls_end_within_their_documented_bounds(socket_dir) -> 
         with contextlib.suppress(ProcessLookupError):
             os.kill(d.pid, signal.SIGCONT)
         d.stop()
+
+
+def test_loads_in_flight_on_a_hung_daemon_end_together_and_no_poll_waits(socket_dir) -> None:
+    """Four lane loads in flight when the daemon stops answering: the registration is confirmed
+    stopped once (one Unregister, on a loader thread), every load ends within a Load's documented
+    bound, and an engine thread polling them (ended(), wait(timeout=...)) never waits on that
+    confirmation: it sees "not ended" until it came."""
+    timeout = 1.0
+    d = DaemonProcess(os.path.join(socket_dir, "kv.sock"))
+    try:
+        with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, KVClient(d.address, timeout=timeout) as client:
+            register(client, pool)
+            host, dev = client.alloc(PAGE), torch.arange(PAGE)
+            assert client.write(host_indices=host, device_indices=dev) > 0
+            assert client.lane is not None
+            os.kill(d.pid, signal.SIGSTOP)
+            wait_until(lambda: all_stopped(d.pid), 10, "every thread of the daemon to stop")
+            t0 = time.monotonic()
+            handles = [client.load(host_indices=host, device_indices=dev) for _ in range(4)]
+            polls: list[float] = []
+            while not all(h.ended() for h in handles):  # an engine polling its loads each step
+                for h in handles:
+                    p = time.monotonic()
+                    h.ended()
+                    with contextlib.suppress(TimeoutError):
+                        h.wait(timeout=0.01)
+                    polls.append(time.monotonic() - p)
+                assert time.monotonic() - t0 < 10
+            ended = time.monotonic() - t0
+            assert [h.wait() for h in handles] == [0] * 4 and all(h.missed for h in handles)
+            os.kill(d.pid, signal.SIGCONT)
+            bound = timeout + max(1.0, timeout / 2) + timeout
+            assert ended < bound + 0.5, ended  # was one confirmation after another: 3, 4, 5, 6 s
+            assert max(polls) < 0.3, max(polls)  # was the whole confirmation, on the polling thread
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(d.pid, signal.SIGCONT)
+        d.stop()
+
+
+def _lane_memfds() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:kvclient-lane")
+    return n
+
+
+@contextlib.contextmanager
+def _descriptors_left(n: int):
+    """This process may open only ``n`` more descriptors meanwhile."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + n, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_lane_the_process_has_no_descriptors_for_leaves_the_client_registered_on_grpc(socket_dir):
+    """Near its descriptor limit an engine's Register succeeds and its lane cannot be made: the
+    registration is returned and serves on gRPC, and the half-made lane leaves nothing open."""
+    d = DaemonProcess(os.path.join(socket_dir, "kv.sock"))
+    try:
+        with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, KVClient(d.address, timeout=2.0) as client:
+            client.stats(all_clients=True)  # (the channel's socket made before the limit)
+            before = _lane_memfds()
+            with _descriptors_left(8):
+                reg = register(client, pool)
+            assert reg is not None and client.connected and client.lane is None
+            assert _lane_memfds() == before
+            host, dev = client.alloc(PAGE), torch.arange(PAGE)
+            assert client.write(host_indices=host, device_indices=dev) > 0  # on gRPC
+        for _ in range(3):  # a lane whose socket pairs run out of descriptors midway
+            with _descriptors_left(6), pytest.raises(OSError):
+                lane_mod.ClientLane()
+        assert _lane_memfds() == before
+    finally:
+        d.stop()
+
+
+def test_a_close_while_the_client_registers_again_ends_its_thread_quietly(socket_dir):
+    """The engine closes its client while the re-registration thread waits on a stopped daemon
+    that resumes at that moment: the thread ends without an exception (its channel is closed)."""
+    uncaught: list = []
+    hook, threading.excepthook = threading.excepthook, lambda a: uncaught.append(
+        (a.thread.name if a.thread else "", repr(a.exc_value)))
+    d = DaemonProcess(os.path.join(socket_dir, "kv.sock"))
+    try:
+        with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool:
+            client = KVClient(d.address, timeout=1.0)
+            register(client, pool)
+            host, dev = client.alloc(PAGE), torch.arange(PAGE)
+            os.kill(d.pid, signal.SIGSTOP)
+            wait_until(lambda: all_stopped(d.pid), 10, "every thread of the daemon to stop")
+            assert client.write(host_indices=host, device_indices=dev) == 0 and not client.connected
+            time.sleep(0.3)  # the reconnect thread waits for a peer ticket from the stopped daemon
+            client.close()
+            os.kill(d.pid, signal.SIGCONT)
+            time.sleep(1.5)
+        assert uncaught == []
+    finally:
+        threading.excepthook = hook
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(d.pid, signal.SIGCONT)
+        d.stop()

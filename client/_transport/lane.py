@@ -202,8 +202,20 @@ class ClientLane:
         self._address = ctypes.addressof(view)  # valid while the mapping is: until _release
         del view  # no export may outlive this line, or the mapping could not be closed
         self._ring_fd = fd
-        self._submit, submit_peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(slots)]
+        made: list[socket.socket] = []
+        try:  # (out of descriptors midway: what was made is closed, nothing leaks)
+            self._submit, submit_peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            made += [self._submit, submit_peer]
+            pairs = []
+            for _ in range(slots):
+                pairs.append(socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET))
+                made += pairs[-1]
+        except BaseException:
+            for each in made:
+                each.close()
+            self._mm.close()
+            os.close(fd)
+            raise
         self._done = [p[0] for p in pairs]
         # Their numbers, for the compiled calls: open until _release, which no call outlives.
         self._submit_fd = self._submit.fileno()
