@@ -7,8 +7,10 @@ each KV cache group's space and turns each batch of keys into one vLLM ``BlockSt
 ``BlockRemoved`` carrying the engine's own block hashes (the keys are vLLM's block hashes, in
 vLLM's external form: ``maybe_convert_block_hash``), the medium (``CPU``, ``STORAGE``), the
 locality (``LOCAL``, ``REMOTE`` for the cluster tier) and the group. At most ``MAX_PENDING_KEYS``
-keys wait for ``take_events``; past that the oldest events are dropped and counted: a burst of
-evictions costs the engine bounded memory. The daemon knows no token ids: the events carry none
+keys wait for ``take_events``; past that the oldest events are dropped and counted (``dropped``,
+``dropped_keys``) and logged once a burst of drops is over (drops ``WARN_QUIET_SECONDS`` apart are
+two bursts; a longer one is logged every ``WARN_EVERY_SECONDS``), with the totals since the start:
+a burst of evictions costs the engine bounded memory. The daemon knows no token ids: the events carry none
 (routers match block hashes). Off unless vLLM's KV events are on (``--kv-events-config``
 ``enable_kv_cache_events``) and ``kv_events`` is not false in ``kv_connector_extra_config``.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 
 import grpc
@@ -27,6 +30,8 @@ from kvclient.errors import KVClientError
 logger = logging.getLogger("kvclient.vllm")
 
 MAX_PENDING_KEYS = 1 << 16
+WARN_QUIET_SECONDS = 1.0  # drops this far apart are one burst, logged once it is over
+WARN_EVERY_SECONDS = 30.0  # a longer burst is logged this often
 
 
 class EventFeed:
@@ -43,14 +48,23 @@ class EventFeed:
         self._pending: deque[tuple[int, object]] = deque()  # (keys, event)
         self._pending_keys = 0
         self._lock = threading.Lock()
-        self.dropped_keys = 0  # keys of events dropped for want of room (take_events too rare)
+        self.dropped = 0  # events dropped for want of room (take_events too rare)
+        self.dropped_keys = 0  # and their keys
+        self._burst = [0, 0, 0.0, 0.0]  # drops not logged yet: events, keys, first and last (monotonic)
         self.gaps = 0  # reads that found the daemon's log had dropped events before them
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvserver-kv-events", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._poll_all()
+        finally:
+            self._warn_drops(time.monotonic(), last=True)
+
+    def _poll_all(self) -> None:
         while not self._stop.wait(self.interval):
+            self._warn_drops(time.monotonic())
             for i, view in enumerate(self.views):
                 try:
                     self.poll(i, view)
@@ -94,17 +108,37 @@ class EventFeed:
         with self._lock:
             self._pending.append((len(hashes), event))
             self._pending_keys += len(hashes)
-            dropped = 0
+            events = keys = 0
             while self._pending_keys > MAX_PENDING_KEYS and len(self._pending) > 1:
                 n, _ = self._pending.popleft()
                 self._pending_keys -= n
-                dropped += n
-        if dropped:
-            if not self.dropped_keys:
-                logger.warning("kvserver: KV events waited past %d block hashes (the engine steps too "
-                               "rarely to publish them): the oldest are dropped, the router may hold "
-                               "stale entries", MAX_PENDING_KEYS)
-            self.dropped_keys += dropped
+                events += 1
+                keys += n
+            if events:
+                self.dropped += events
+                self.dropped_keys += keys
+                now = time.monotonic()
+                burst = self._burst
+                if not burst[0]:
+                    burst[2] = now
+                burst[0] += events
+                burst[1] += keys
+                burst[3] = now
+
+    def _warn_drops(self, now: float, last: bool = False) -> None:
+        """Logs the drops of a burst once it is over (and a long one every WARN_EVERY_SECONDS)."""
+        with self._lock:
+            events, keys, first, latest = self._burst
+            if not events or not (last or now - latest >= WARN_QUIET_SECONDS
+                                  or now - first >= WARN_EVERY_SECONDS):
+                return
+            self._burst = [0, 0, 0.0, 0.0]
+            total_events, total_keys = self.dropped, self.dropped_keys
+        logger.warning("kvserver: %d KV events (%d block hashes) dropped in %.1f s: more than %d block "
+                       "hashes waited for the engine to publish them (it steps too rarely), the oldest "
+                       "went; its router may hold stale entries (%d events, %d block hashes dropped "
+                       "since the start)", events, keys, latest - first, MAX_PENDING_KEYS, total_events,
+                       total_keys)
 
     def take(self) -> list:
         """The events read since the last call, oldest first."""

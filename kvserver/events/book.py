@@ -5,10 +5,13 @@ memory, disk, or the cluster: what a Get of that engine's shape could load), and
 one part stops holding it there: the tiers' listeners (``KVCache.on_complete``, the cluster's
 publish results) call ``record``. A log is kept only for a space someone reads (an engine's
 connector polling ``read``), from its first read on, and dropped after ``IDLE_SECONDS`` unread;
-each holds at most ``MAX_LOG_KEYS`` keys and all together ``MAX_TOTAL_KEYS``, the oldest dropped
-first (a reader that fell further behind is told of the gap); consecutive changes of one kind
-share an event. Recording costs a copy of the keys' arrays on the event loop; their bytes are made
-only when read, ``MAX_READ_KEYS`` at a time, and a read finds its place by its seq at once.
+each holds at most ``MAX_LOG_KEYS`` keys in at most ``MAX_LOG_EVENTS`` events, and all together
+``MAX_TOTAL_KEYS`` in ``MAX_TOTAL_EVENTS``, the oldest dropped first (a reader that fell further
+behind is told of the gap): an event costs about 0.45 KB beyond its keys' 33 bytes each, so a log
+of one-key events is bounded by its events, not its keys. Consecutive changes of one kind share an
+event. Recording costs a copy of the keys' arrays on the event loop; their bytes are made only when
+read, ``MAX_READ_KEYS`` at a time, and a read finds its place by its seq at once (an index into the
+log's list, whatever its length).
 
 Every record goes to the daemon's ZMQ publisher too, when one runs (``publisher``), whose drop
 count the metrics read there.
@@ -21,10 +24,8 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import islice
 from typing import Protocol
 
 import numpy as np
@@ -35,6 +36,8 @@ CPU, STORAGE = "CPU", "STORAGE"  # vLLM's kv_offload mediums: host memory (here 
 LOCAL, REMOTE = "LOCAL", "REMOTE"  # relative to the engine: this node, or another node's memory
 MAX_LOG_KEYS = 1 << 17  # keys one space's log holds, at most
 MAX_TOTAL_KEYS = 1 << 20  # keys all logs hold together, at most (the oldest of the fullest log go)
+MAX_LOG_EVENTS = 1 << 13  # events one space's log holds, at most (~0.45 KB each beyond their keys)
+MAX_TOTAL_EVENTS = 1 << 16  # events all logs hold together, at most (~30 MiB beyond their keys)
 MAX_READ_KEYS = 8192  # keys one read returns, at most
 CHUNK_KEYS = 4096  # keys of one logged event, at most (a larger change is logged in chunks)
 IDLE_SECONDS = 120.0  # a log unread this long is dropped
@@ -51,20 +54,25 @@ class LoggedEvent:
 
 
 class _Log:
-    """Events with contiguous seqs (``first_seq`` ..), so a read finds its place at once."""
+    """Events with contiguous seqs (``first_seq`` ..), in a list whose first ``head`` slots are
+    dropped events (compacted once they are half of it), so a read finds its place at once."""
 
     def __init__(self, log_id: str, now: float) -> None:
         self.id = log_id
-        self.events: deque[LoggedEvent] = deque()
+        self._events: list[LoggedEvent | None] = []
+        self._head = 0  # slots before it: dropped events (None)
         self.keys = 0
         self.next_seq = 1
         self.read_at = now
         self.served = 0  # the highest seq a read returned: events up to it are not joined again
 
+    def __len__(self) -> int:
+        return len(self._events) - self._head
+
     def append(self, stored: bool, medium: str, locality: str, keys: Keys, ts: float) -> int:
         """Logs ``keys``; consecutive changes of one kind join the last event while it has room
         (a decode step stores a block or two a Put). Returns the keys logged."""
-        last = self.events[-1] if self.events else None
+        last = self._events[-1] if len(self) else None
         at = 0
         if (last is not None and last.seq > self.served
                 and (last.stored, last.medium, last.locality) == (stored, medium, locality)
@@ -74,24 +82,45 @@ class _Log:
             last.ts = ts
         for start in range(at, len(keys), CHUNK_KEYS):
             chunk = keys[start : start + CHUNK_KEYS].copy()
-            self.events.append(LoggedEvent(self.next_seq, ts, stored, medium, locality, chunk))
+            self._events.append(LoggedEvent(self.next_seq, ts, stored, medium, locality, chunk))
             self.next_seq += 1
         self.keys += len(keys)
-        self.trim(MAX_LOG_KEYS)
+        self.trim(MAX_LOG_KEYS, MAX_LOG_EVENTS)
         return len(keys)
 
-    def trim(self, most: int) -> int:
-        """Drops the oldest events down to ``most`` keys; returns the keys dropped."""
-        dropped = 0
-        while self.keys > most and self.events:
-            n = len(self.events.popleft().keys)
-            self.keys -= n
-            dropped += n
-        return dropped
+    def trim(self, most_keys: int, most_events: int) -> None:
+        """Drops the oldest events down to ``most_keys`` keys and ``most_events`` events."""
+        events = self._events
+        while (self.keys > most_keys or len(self) > most_events) and len(self):
+            ev = events[self._head]
+            assert ev is not None
+            self.keys -= len(ev.keys)
+            events[self._head] = None
+            self._head += 1
+        if self._head and self._head * 2 >= len(events):
+            del events[: self._head]
+            self._head = 0
+
+    def after(self, seq: int, max_keys: int) -> list[LoggedEvent]:
+        """The events after ``seq`` (from the first, if it is before it), up to ``max_keys`` keys
+        (one event at least): found by index, so the cost is the events returned, wherever
+        ``seq`` is in the log."""
+        events = self._events
+        out: list[LoggedEvent] = []
+        total = 0
+        for i in range(self._head + max(0, seq + 1 - self.first_seq), len(events)):
+            ev = events[i]
+            assert ev is not None
+            if out and total + len(ev.keys) > max_keys:
+                break
+            out.append(ev)
+            total += len(ev.keys)
+        return out
 
     @property
     def first_seq(self) -> int:
-        return self.events[0].seq if self.events else self.next_seq
+        first = self._events[self._head] if len(self) else None
+        return first.seq if first is not None else self.next_seq
 
 
 def concat(a: Keys, b: Keys) -> Keys:
@@ -126,6 +155,7 @@ class EventBook:
         self._logs: dict[SpaceKey, _Log] = {}
         self._generation = 0
         self._keys = 0  # keys all logs hold
+        self._events = 0  # and their events
         self.publisher = publisher
         self._clock = clock
         self.gaps = 0  # reads that found events dropped before them
@@ -151,19 +181,32 @@ class EventBook:
         if self._clock() - log.read_at > IDLE_SECONDS:  # nobody reads it any more
             self._drop(space)
             return
-        before = log.keys
+        before = log.keys, len(log)
         log.append(stored, medium, locality, keys, ts)
-        self._keys += log.keys - before
+        self._keys += log.keys - before[0]
+        self._events += len(log) - before[1]
         if self._keys > MAX_TOTAL_KEYS:  # the fullest logs give way first
             for other in sorted(self._logs.values(), key=lambda x: -x.keys):
-                self._keys -= other.trim(other.keys // 2)
+                self._trim(other, other.keys // 2, len(other))
                 if self._keys <= MAX_TOTAL_KEYS:
                     break
+        if self._events > MAX_TOTAL_EVENTS:
+            for other in sorted(self._logs.values(), key=lambda x: -len(x)):
+                self._trim(other, other.keys, len(other) // 2)
+                if self._events <= MAX_TOTAL_EVENTS:
+                    break
+
+    def _trim(self, log: _Log, most_keys: int, most_events: int) -> None:
+        before = log.keys, len(log)
+        log.trim(most_keys, most_events)
+        self._keys -= before[0] - log.keys
+        self._events -= before[1] - len(log)
 
     def _drop(self, space: SpaceKey) -> None:
         log = self._logs.pop(space, None)
         if log is not None:
             self._keys -= log.keys
+            self._events -= len(log)
 
     def sweep(self) -> None:
         """Drops the logs nobody read for ``IDLE_SECONDS``."""
@@ -194,14 +237,7 @@ class EventBook:
         gap = after_seq + 1 < first
         if gap:
             self.gaps += 1
-        out: list[LoggedEvent] = []
-        total = 0
-        max_keys = max(1, min(max_keys, MAX_READ_KEYS))
-        for ev in islice(log.events, max(0, after_seq + 1 - first), None):
-            if out and total + len(ev.keys) > max_keys:
-                break
-            out.append(ev)
-            total += len(ev.keys)
+        out = log.after(after_seq, max(1, min(max_keys, MAX_READ_KEYS)))
         last = out[-1].seq if out else max(after_seq, first - 1)
         log.served = max(log.served, last)
         return log.id, out, last, gap

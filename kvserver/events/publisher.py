@@ -17,8 +17,12 @@ publisher (the vLLM connector's ``take_events``).
 The event loop only queues a record (a copy of the keys' arrays, in chunks of a batch's size); a
 thread turns keys into block hashes as vLLM makes them (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``,
 on by default: the key's bytes as a big-endian integer, its low 64 bits; else the bytes), encodes
-and sends, batching what arrived within ``FLUSH_SECONDS`` per space, at most ``BATCH_BYTES`` of
-block hashes a batch (so the sockets' high-water marks, counted in batches, bound bytes too).
+and sends, batching what arrived within ``FLUSH_SECONDS`` per space, each batch's payload
+``BATCH_BYTES`` at most: its events' own fields (a BlockStored's map is ~125 bytes beyond its
+hashes) are counted with their hashes, so the sockets' high-water marks, counted in batches, bound
+bytes too. Consecutive removals of one medium and locality in a batch share one ``BlockRemoved``
+(a set of hashes: the order of removals has no meaning); stores are never merged (a BlockStored's
+hashes may be read as a chain).
 A record that finds ``MAX_QUEUED_KEYS`` waiting is dropped, never blocking the loop (a record into
 a shorter queue is taken whole, however large); the space's topic then gets vLLM's
 ``AllBlocksCleared`` once what was queued before the drop is out, so a router forgets what it knew
@@ -31,7 +35,9 @@ A replay answer goes out as its peer reads: at most ``REPLAY_HWM`` batches queue
 the rest sent as that queue drains, whole and in order (never cut short: a subscriber applies the
 live batch once its replay ended), a peer's further requests answered in turn; an answer whose
 peer read nothing for ``REPLAY_STALL_SECONDS`` is ended, and at most ``REPLAY_ANSWERS`` peers'
-run at once. Neither socket asks who connects.
+run at once. A replay batch is queued without a copy: every peer's queue refers to the one
+zero-copy frame the replay buffer keeps of it, so silent peers cost ZMQ's bookkeeping of their
+messages, not copies of the buffer. Neither socket asks who connects.
 
 Primitives: ``ZmqPublisher`` (``record``, ``start``, ``close``, ``endpoint``, ``replay_endpoint``)
 and ``space_topic``.
@@ -56,7 +62,9 @@ logger = logging.getLogger(__name__)
 
 FLUSH_SECONDS = 0.05
 MAX_QUEUED_KEYS = 1 << 20  # keys of records waiting for the thread: a record finding this many is dropped
-BATCH_BYTES = 64 << 10  # block hashes' bytes of one batch, at most (msgpack: 9 an int, 2 + a key's bytes)
+BATCH_BYTES = 64 << 10  # a batch's encoded payload, at most (msgpack: 9 an int hash, 2 + a key's bytes)
+BATCH_FRAMING = 64  # of them, the batch's own array, ts and a leading AllBlocksCleared (39 bytes), at most
+EVENT_ROOM = 256  # an event's own fields beyond its hashes (~125 bytes), at most: a chunk fits a batch
 PUB_HWM = 1024  # batches ZMQ queues for one subscriber, at most (64 MiB): past it, it misses batches
 REPLAY_BATCHES = 10_000  # batches kept for replay, at most
 REPLAY_BYTES = 256 << 20  # and their payloads' bytes, at most
@@ -134,13 +142,16 @@ class ZmqPublisher:
             self._replay.bind(replay_endpoint)
             self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self.int_hashes = int_hashes
-        # Keys of one batch, at most: BATCH_BYTES of the widest hashes.
-        self.batch_keys = BATCH_BYTES // (9 if int_hashes else 2 + MAX_KEY_BYTES)
+        # Keys of one chunk of a record: one event of the widest hashes fits an empty batch.
+        self._room = BATCH_BYTES - BATCH_FRAMING  # bytes of a batch's events, at most
+        self.batch_keys = (self._room - EVENT_ROOM) // (9 if int_hashes else 2 + MAX_KEY_BYTES)
+        self._overheads: dict[tuple, int] = {}  # an event's bytes beyond its hashes, by its fields
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._queued_keys = 0  # keys of the records in the queue (the loop adds, the thread takes)
         self._lock = threading.Lock()
         self._voided: set[SpaceKey] = set()  # spaces whose last queued item voids them (the loop's)
-        self._buffer: deque[tuple[int, bytes, bytes]] = deque()  # (seq, topic, payload), seqs in a row
+        # (seq, topic, payload, the payload's zero-copy frame for replays or None), seqs in a row
+        self._buffer: deque[tuple[int, bytes, bytes, object]] = deque()
         self._buffered = 0  # bytes of the payloads kept for replay
         self._answers: dict[bytes, _Answer] = {}  # replay answers under way, by peer
         self._topics: dict[SpaceKey, bytes] = {}  # the spaces published since the start
@@ -188,16 +199,28 @@ class ZmqPublisher:
         for at in range(0, n, step):
             self._queue.put((space, stored, medium, locality, keys[at : at + step], ts))
 
-    def _event(self, space: SpaceKey, stored: bool, medium: str, locality: str, keys: Keys):
-        hashes = [block_hash(k, self.int_hashes) for k in keys.as_bytes() if k is not None]
-        if not hashes:
-            return None
+    def _event(self, space: SpaceKey, stored: bool, medium: str, locality: str, hashes: list):
         s = self._schema
         if stored:
             return s.BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
                                  block_size=space.page_size, lora_id=None, medium=medium, lora_name=None,
                                  locality=locality)
         return s.BlockRemoved(block_hashes=hashes, medium=medium, locality=locality)
+
+    def _hashes_bytes(self, hashes: list) -> int:
+        """What ``hashes`` encode to, at most (msgpack: an int in 9 bytes at most, a key of up to
+        MAX_KEY_BYTES as bin 8: 2 + its bytes)."""
+        return 9 * len(hashes) if self.int_hashes else 2 * len(hashes) + sum(map(len, hashes))
+
+    def _overhead(self, space: SpaceKey, stored: bool, medium: str, locality: str) -> int:
+        """What an event of these fields encodes to beyond its hashes, at most: measured once per
+        fields (its map, its names and values, its hashes' array header up to array 32)."""
+        fields = (stored, medium, locality, space.page_size)
+        n = self._overheads.get(fields)
+        if n is None:
+            empty = self._event(space, stored, medium, locality, [])
+            n = self._overheads[fields] = len(self._encode(empty)) + 4
+        return n
 
     def _run(self) -> None:
         try:
@@ -236,23 +259,33 @@ class ZmqPublisher:
 
     def _take(self, pending: dict[SpaceKey, list], space: SpaceKey, stored: bool, medium: str,
               locality: str, keys: Keys | None, ts: float) -> None:
+        """Adds a record's event to its space's pending batch (``[events, their encoded bytes]``),
+        sending the batch first if the event would take it past ``BATCH_BYTES``."""
+        s = self._schema
         if keys is None:  # records of the space were dropped: its events waiting here are void too
-            pending[space] = [[self._schema.AllBlocksCleared()], 0]
+            pending[space] = [[s.AllBlocksCleared()], 0]  # counted in BATCH_FRAMING
             return
         with self._lock:
             self._queued_keys -= len(keys)
-        ev = self._event(space, stored, medium, locality, keys)
-        if ev is None:
+        hashes = [block_hash(k, self.int_hashes) for k in keys.as_bytes() if k is not None]
+        if not hashes:
             return
-        n = len(ev.block_hashes)
+        size = self._hashes_bytes(hashes)
         batch = pending.get(space)
-        if batch is not None and batch[1] + n > self.batch_keys:  # full: out now
+        if batch is not None and not stored and batch[1] + size <= self._room:
+            last = batch[0][-1]
+            if isinstance(last, s.BlockRemoved) and (last.medium, last.locality) == (medium, locality):
+                last.block_hashes.extend(hashes)  # the same removal of more blocks
+                batch[1] += size
+                return
+        size += self._overhead(space, stored, medium, locality)
+        if batch is not None and batch[1] + size > self._room:  # full: out now
             self._send(space, batch[0])
             batch = None
         if batch is None:
             batch = pending[space] = [[], 0]
-        batch[0].append(ev)
-        batch[1] += n
+        batch[0].append(self._event(space, stored, medium, locality, hashes))
+        batch[1] += size
 
     def _flush(self, pending: dict[SpaceKey, list]) -> None:
         for space, (events, _) in pending.items():
@@ -273,7 +306,9 @@ class ZmqPublisher:
             return
         self._topics[space] = topic
         self._seq += 1
-        self._buffer.append((self._seq, topic, payload))
+        # Replay answers queue this one frame for every peer: references, not copies, of the payload.
+        frame = self._zmq.Frame(payload, copy=False) if self._replay is not None else None
+        self._buffer.append((self._seq, topic, payload, frame))
         self._buffered += len(payload)
         while len(self._buffer) > REPLAY_BATCHES or self._buffered > REPLAY_BYTES:
             self._buffered -= len(self._buffer.popleft()[2])
@@ -350,8 +385,8 @@ class ZmqPublisher:
             if answer.next_seq < oldest:  # gone from the buffer meanwhile (or never there)
                 answer.next_seq = oldest
                 continue
-            seq, topic, payload = buf[answer.next_seq - oldest]
-            self._replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload), flags)
+            seq, topic, _, frame = buf[answer.next_seq - oldest]
+            self._replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), frame), flags)
             answer.next_seq = seq + 1
             answer.moved_at = now
         self._replay.send_multipart((client, b"", b"", END_SEQ, b""), flags)
