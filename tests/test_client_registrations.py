@@ -78,3 +78,35 @@ def test_an_asyncio_call_cancelled_by_close_is_a_miss(daemon):
             return await write
 
     assert asyncio.run(run()) in (0, 16 * 2 * 2 * 2 * 8 * 2)  # a miss, or done before the close
+
+
+def test_a_replacing_registration_that_could_never_fit_leaves_the_one_it_names(daemon):
+    """A re-registration naming the registration it replaces, but asking for more host memory than
+    the daemon could give even with that registration's region and every cached page given back:
+    RESOURCE_EXHAUSTED, and the old registration, its region and its pages stay."""
+    import grpc
+    import pytest
+
+    from kvclient._messages import register_request
+    from kvclient._transport.fd_socket import get_ticket
+    from kvserver.v1 import kvserver_pb2 as pb
+    from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
+
+    with ShmKVPool(KVLayout.mha(2, 8), torch.float16, LAYERS, 256) as pool, \
+            KVClient(daemon.address, resilient=False) as client:
+        reg = register(client, pool)
+        host = client.alloc(64)
+        assert client.write(host_indices=host, device_indices=torch.arange(64)) > 0
+        req = register_request(model="m", pool=pool, start_layer=0, end_layer=LAYERS, num_layers=LAYERS,
+                               host_tokens=1 << 24, page_size=16, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+        req.replaces_client_id = reg.client_id
+        req.peer_ticket = get_ticket(daemon.config.socket + ".fd", pool.fds)
+        with grpc.insecure_channel(daemon.address) as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                pb_grpc.KVServerStub(channel).Register(req, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "stays" in refused.value.details()
+            assert live_ids(daemon) == [reg.client_id]
+            stats = pb_grpc.KVServerStub(channel).Stats(pb.StatsRequest(client_id=reg.client_id), timeout=5)
+            assert stats.clients[0].used_tokens == 64
+        assert client.load(host_indices=host, device_indices=torch.arange(64)).wait() > 0

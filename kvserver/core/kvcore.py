@@ -245,6 +245,16 @@ class KVCore:
                 )
             if replaced is None:  # else its region is not free yet: checked once it is released
                 self._check_fits(spec, least, evict=False)  # before the pool is opened; again once it is
+            elif least * spec.page_bytes > self.arena.available + self.cache.bytes + replaced.region_bytes:
+                # Not even with the old region, and every cached page, given back: refused while the
+                # registration it would replace still stands.
+                raise NoCapacity(
+                    f"not enough host memory: this registration accepts no fewer than "
+                    f"{least * spec.page_size} host tokens ({least * spec.page_bytes} bytes), more than the "
+                    f"{self.arena.available} "
+                    f"bytes free, the {replaced.region_bytes} of the registration it replaces and the "
+                    f"{self.cache.bytes} the cache holds together; the registration it names stays"
+                )
             client = await self._register(req, spec, access, least, most)
             client.peer = access.peer
             client.tenant = who
