@@ -181,3 +181,4 @@ def test_a_header_with_a_capacity_past_its_file_system_starts_over_at_the_size_a
         with caplog.at_level(logging.WARNING):
             assert asyncio.run(start()) == (True, 64 * MiB)
         assert any("starts empty" in r.getMessage() for r in caplog.records)
+

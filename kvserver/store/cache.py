@@ -36,6 +36,8 @@ from kvserver.store.stats import SpaceStat, TenantStat
 from kvserver.store.steps import STEP_KEYS, run_steps
 
 logger = logging.getLogger(__name__)
+
+DROPS_LOG_SECONDS = 60.0  # Puts' dropped pages are logged at most this often
 T = TypeVar("T")
 
 MAX_PIN_MS = 60_000
@@ -102,6 +104,8 @@ class KVCache:
                  sums: bool = False, what: str = "host cache") -> None:
         self.arena = arena
         self.what = what  # the tier, as logs name it
+        self._drops_logged_at = -DROPS_LOG_SECONDS  # (monotonic) when Puts' dropped pages were logged
+        self._drops_unlogged = 0  # pages dropped since
         self.clock = clock
         self.max_spaces_per_tenant = max_spaces_per_tenant
         kept = arena.kept  # a kept arena keeps the cache's records beside it (kvserver.store.keep)
@@ -535,7 +539,27 @@ class KVCache:
                 c.dedup_pages += present
                 c.dedup_bytes += present * page_bytes
                 c.dropped += dropped
+        if dropped and counted:
+            self._log_drops(tenant, page_bytes, dropped)
         return PutPlan(part, stored, self.pages.offset[new], present, dropped, new, waiting)
+
+    def _log_drops(self, tenant: Tenant, page_bytes: int, n: int) -> None:
+        """Puts' pages left unstored are counted (``dropped``) and logged: at once, then at most
+        every ``DROPS_LOG_SECONDS`` with what was dropped meanwhile, and why room was short."""
+        self._drops_unlogged += n
+        now = time.monotonic()
+        if now - self._drops_logged_at < DROPS_LOG_SECONDS:
+            return
+        if not self.slabs.fitting(page_bytes, tenant.quota):
+            why = f"not one slab of {page_bytes}-byte pages fits under tenant {tenant.name}'s quota"
+        elif tenant.quota and tenant.counters.bytes + page_bytes > tenant.quota:
+            why = f"tenant {tenant.name} is at its quota and its pages are pinned or being read"
+        else:
+            why = (f"{self.arena.available} bytes of {self.arena.capacity} are free, the rest in "
+                   f"{self.bytes} bytes of cached pages (pinned or being read) and engines' regions")
+        logger.warning("the %s left %d pages of Puts unstored (%s): Lookups will miss them",
+                       self.what, self._drops_unlogged, why)
+        self._drops_logged_at, self._drops_unlogged = now, 0
 
     def prepare_put_present(self, part: Part, packed: bytes, key_bytes: int) -> PutPlan | None:
         """``prepare_put`` of at most ``STEP_KEYS`` keys packed as a request packs them (checked
