@@ -907,3 +907,32 @@ def test_a_slow_daemon_holds_a_scheduler_step_at_most_lookup_timeout_s_in_all(en
     assert max(took) < 1.0 + 0.3, took  # was one 0.35 s wait per request: 1.75 s
     assert all(b.admitted[rid] == [64] for rid in prompts), b.admitted
     assert b.connector._scheduler.away.closings == 0
+
+
+def test_a_gone_daemon_costs_misses_whatever_lookup_timeout_s_is(engines, socket_dir):
+    """A lookup_timeout_s that is no power-of-two fraction (0.1, 0.2, 0.3 s...): the step's first
+    lookup has the whole bound, and its failure on a daemon that is gone closes the away gate; every
+    waiting request is admitted as a miss, none is held back step after step."""
+    import signal
+
+    from daemon_proc import DaemonProcess
+
+    now = time.monotonic()  # (now + t) - now < t in floats, for t's that depend on the uptime
+    t = next((t for t in (0.2, 0.1, 0.3, 0.15, 0.4, 0.7, 0.05, 0.35) if (now + t) - now < t), 0.2)
+    d = DaemonProcess(os.path.join(socket_dir, "gone.sock"), host_memory="256MiB")
+    try:
+        settings = {"lookup_timeout_s": t, "timeout_s": 1.0, "load_timeout_s": 3.0}
+        a = engines("gone", address=d.address, settings=settings)
+        a.add("a1", PROMPT, max_tokens=1)
+        a.run()
+        b = engines("gone", address=d.address, settings=settings)
+        os.kill(d.proc.pid, signal.SIGKILL)
+        d.proc.wait()
+        for i in range(3):
+            b.add(f"b{i}", [tok + i for tok in PROMPT], max_tokens=1)
+        for _ in range(10):
+            b.step()
+        assert all(b.admitted.get(f"b{i}") == [0] for i in range(3)), (t, b.admitted)
+        assert b.connector._scheduler.away.closings >= 1
+    finally:
+        d.stop()

@@ -197,10 +197,11 @@ class SchedulerSide:
     def _ask(self, view: CacheView, keys: list[bytes]) -> LookupResult | None | _NotYet:
         """The view's lookup of ``keys``; None: a miss (the daemon away, slow or refusing, and
         the away gate closed); ``NOT_YET``: the step's lookup time is spent (asked next step)."""
+        first = self._step_deadline is None  # the step's first lookup has the whole bound
         left = self._step_left()
         if left is not None and left <= 0:
             return NOT_YET
-        cut = left is not None and left < self.lookup_timeout  # (this call's bound: the step's rest)
+        cut = left is not None and not first and left < self.lookup_timeout  # (bound: the step's rest)
         misses = view.misses
         try:
             found = view.lookup(b"".join(keys), pin_ms=self.pin_ms, key_bytes=len(keys[0]), timeout=left)
