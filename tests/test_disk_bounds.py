@@ -182,3 +182,24 @@ def test_a_header_with_a_capacity_past_its_file_system_starts_over_at_the_size_a
             assert asyncio.run(start()) == (True, 64 * MiB)
         assert any("starts empty" in r.getMessage() for r in caplog.records)
 
+
+
+def test_a_stop_counts_the_batch_the_writer_was_taking_disk_pages_for(tmp_path, caplog):
+    """The writer takes a batch's disk pages in steps of keys; a stop between two steps leaves the
+    batch unwritten, and counts and logs it with the rest."""
+    n = 1200  # past one step of keys (1024)
+
+    async def body() -> tuple[int, int]:
+        core = KVCore(160 * MiB, disk_cache=str(tmp_path / "disk"), disk_size=128 * MiB)
+        c, d = core.cache, core.disk
+        part = c.part(c.space(SPACE), PartKey(0, 0, 0, 4, PAGE))
+        assert put(core, part, "x-", n) == n
+        await asyncio.sleep(0)  # the writer took the batch and waits between two steps
+        with caplog.at_level(logging.WARNING, logger="kvserver.disk.tier"):
+            await core.close(0.0)
+        return d.counters.written_pages, d.counters.skipped_pages
+
+    written, skipped = asyncio.run(body())
+    assert written + skipped == n, (written, skipped)
+    if skipped:
+        assert any(f"stops with {skipped} pages" in r.getMessage() for r in caplog.records)

@@ -123,6 +123,7 @@ class DiskTier:
         # and those a kept host cache holds with no disk copy at start.
         self._backlog: deque[tuple[Part, np.ndarray, Keys]] = deque()
         self._backlog_bytes = 0  # bytes of host pages the backlog names
+        self._preparing = 0  # pages of the batches taken from the queue whose disk pages are being taken
         self._wake: asyncio.Event | None = None
         self._inflight: set[asyncio.Future] = set()
         self._writer: asyncio.Task | None = None  # ``run``, started by ``start`` or the first ``demote``
@@ -343,7 +344,11 @@ class DiskTier:
             self.counters.skipped_pages += len(ids)
             self._unqueue(part, ids)
             return None
-        plan = await _stepped(self.cache.prepare_put_steps(mine, keys))
+        self._preparing += len(ids)
+        try:
+            plan = await _stepped(self.cache.prepare_put_steps(mine, keys))
+        finally:
+            self._preparing -= len(ids)
         self.counters.skipped_pages += plan.dropped
         if self._closed or not len(plan.page_ids):
             self.cache.complete_put(plan, not self._closed)
@@ -491,7 +496,8 @@ class DiskTier:
             deadline = time.monotonic() + drain
             while (self._queue or self._backlog or self._queued_bytes) and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
-        left = sum(len(ids) for _, ids, _ in self._queue) + sum(len(ids) for _, ids, _ in self._backlog)
+        left = (sum(len(ids) for _, ids, _ in self._queue) + sum(len(ids) for _, ids, _ in self._backlog)
+                + self._preparing)  # (a batch between its steps sees the tier closed: not written)
         if left:
             logger.warning("the disk cache stops with %d pages of host memory not written to it "
                            "(queued or in its backlog%s): they have no disk copy", left,
