@@ -161,26 +161,76 @@ def _read_token(path: str | None, variable: str = "KVSERVER_TOKEN") -> str | Non
     return os.environ.get(variable) or None
 
 
+# Flags that do something only beside another one: (its dest, the dest of the flag it needs).
+_NEEDS = (
+    ("disk_size", "disk_cache"),
+    ("cluster_segment", "cluster_master"),
+    ("cluster_timeout_ms", "cluster_master"),
+    ("cluster_host", "cluster_master"),
+    ("kv_events_hashes", "kv_events_endpoint"),
+    ("metrics_per_space", "metrics_listen"),
+)
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def given_flags(argv: list[str], args: argparse.Namespace) -> dict[str, str]:
+    """The flags the operator gave, on the command line ``argv`` or as a set KVSERVER_* variable
+    (``args`` is what ``argv`` parsed to), each as its message names it: ``--disk-size`` or
+    ``--disk-size (KVSERVER_DISK_SIZE)``. A default is not given: ``argv`` is parsed again into a
+    namespace whose every name holds a marker, which argparse keeps where ``argv`` names no value (it
+    fills in a default only where a name is missing; defaults set to ``argparse.SUPPRESS`` would not
+    do: Python 3.11 still converts that string with an option's type)."""
+    unset = object()
+    on_line = build_parser().parse_args(argv, argparse.Namespace(**dict.fromkeys(vars(args), unset)))
+    given = {}
+    for dest in vars(args):
+        variable = f"KVSERVER_{dest.upper()}"
+        if getattr(on_line, dest) is not unset:
+            given[dest] = _flag(dest)
+        elif variable in os.environ:
+            given[dest] = f"{_flag(dest)} ({variable})"
+    return given
+
+
+def refuse_lone_flags(argv: list[str], args: argparse.Namespace) -> None:
+    """A flag given without the flag it needs would do nothing: refused (ValueError). One that asks
+    for nothing (an empty value, a switch left off) passes, and a needed flag given empty counts as
+    given: a template such as docker-compose.yml's passes ``--disk-cache ""`` (the tier off) beside
+    ``--disk-size``."""
+    given = given_flags(argv, args)
+    for dest, needs in _NEEDS:
+        value = getattr(args, dest)
+        asks = value is not None and value is not False and value != ""
+        if dest in given and asks and needs not in given:
+            raise ValueError(f"{given[dest]} needs {_flag(needs)}")
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     socket = args.socket
     if socket is None:
         socket = default_socket()
     elif socket.lower() == "none":
         socket = None
+    host_memory = parse_host_memory(args.host_memory)
+    # Read even where their tier is off, so that a malformed value is never passed over.
+    disk_size = parse_disk_size(args.disk_size, args.disk_cache or os.curdir)
+    cluster_segment = parse_cluster_segment(args.cluster_segment, host_memory)
     config = ServerConfig(
         socket=socket,
         listen=args.listen,
-        host_memory=parse_host_memory(args.host_memory),
+        host_memory=host_memory,
         host_memory_dir=args.host_memory_dir or None,
         disk_cache=args.disk_cache or None,
-        disk_size=parse_disk_size(args.disk_size, args.disk_cache) if args.disk_cache else 0,
+        disk_size=disk_size if args.disk_cache else 0,
         disk_size_share=args.disk_size.strip().endswith("%"),
         disk_threads=args.disk_threads,
         cluster_master=args.cluster_master or None,
         cluster_metadata=args.cluster_metadata,
         cluster_host=args.cluster_host or None,
-        cluster_segment=(parse_cluster_segment(args.cluster_segment, parse_host_memory(args.host_memory))
-                         if args.cluster_master else 0),
+        cluster_segment=cluster_segment if args.cluster_master else 0,
         cluster_protocol=args.cluster_protocol,
         cluster_timeout=args.cluster_timeout_ms / 1000,
         kv_events_endpoint=args.kv_events_endpoint or None,
@@ -221,12 +271,15 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
+        refuse_lone_flags(argv, args)
         config = config_from_args(args)
     except ValueError as exc:
         print(f"kvserver: {exc}", file=sys.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -141,6 +142,8 @@ class ServerConfig:
             raise ValueError("host memory must be at least 2MiB")
         if self.copy_threads < 1:
             raise ValueError("copy threads must be at least 1")
+        if self.torch_threads < 0:
+            raise ValueError("torch threads must not be negative (0 leaves torch's default)")
         if self.disk_cache is not None and self.disk_size < 2 << 20:
             raise ValueError("the disk cache must be at least 2MiB (--disk-size)")
         if (self.disk_cache is not None and self.host_memory_dir is not None
@@ -172,21 +175,27 @@ class ServerConfig:
                                  "ipc://PATH)")
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
-        if self.shutdown_grace < 0:
-            raise ValueError("shutdown grace must not be negative")
+        # A NaN time compares False with everything, so it passes a plain `< 0` check and never
+        # elapses (a NaN grace never reclaims a dead engine); an infinite one never elapses either.
+        if not (math.isfinite(self.shutdown_grace) and self.shutdown_grace >= 0):
+            raise ValueError("shutdown grace must not be negative, NaN or infinite")
         if not 0 <= self.progress_interval <= 1:
             raise ValueError("progress interval must be between 0 and 1000 ms")
         if not 0 <= self.plane_spin <= 0.01:
             raise ValueError("plane spin must be between 0 and 10000 µs")
-        if self.listen is not None and not re.fullmatch(r"\[?[\w.:-]*\]?:\d+", self.listen):
-            raise ValueError(f"listen address {self.listen!r} is not host:port")
+        if self.listen is not None:
+            m = re.fullmatch(r"\[?[\w.:-]*\]?:(\d{1,5})", self.listen)
+            if not m or int(m.group(1)) > 65535:  # grpc would bind a larger port modulo 65536
+                raise ValueError(f"listen address {self.listen!r} is not host:port (a port 0..65535)")
         if self.listen is not None and not self.token and not self.insecure_tcp:
             raise ValueError(
                 "listening on TCP needs a token (--token-file or KVSERVER_TOKEN); "
                 "--insecure-tcp runs without one"
             )
-        if self.lease <= 0 or self.reclaim_grace < 0:
-            raise ValueError("lease must be positive and reclaim grace not negative")
+        if not (math.isfinite(self.lease) and self.lease > 0):
+            raise ValueError("lease must be positive and finite")
+        if not (math.isfinite(self.reclaim_grace) and self.reclaim_grace >= 0):
+            raise ValueError("reclaim grace must not be negative, NaN or infinite")
         if min(self.max_clients, self.max_clients_per_tenant, self.max_request_indices,
                self.max_pages_per_client) < 1:
             raise ValueError("client, request and page limits must be at least 1")

@@ -62,7 +62,8 @@ def _check_unix_socket_free(path: str) -> None:
         except OSError as exc:
             if exc.errno in (errno.ENOENT, errno.ECONNREFUSED):
                 return
-            raise ListenError(f"cannot use socket {path}: {exc.strerror}") from None
+            # (an OSError of the socket module, such as a path too long, has no strerror)
+            raise ListenError(f"cannot use socket {path}: {exc.strerror or exc}") from None
     raise ListenError(f"another process is already listening on {path}")
 
 
@@ -140,19 +141,24 @@ class Daemon:
         group must be let in too); refused if another user controls it or any directory above it,
         before and after it is made (that user could swap the sockets in it)."""
         directory = os.path.dirname(path)
-        for _ in range(2):
-            why = foreign_path(directory)
-            if why is not None and not self.config.shared_socket_dir:
-                raise ListenError(f"cannot use socket {path}: {why} (--shared-socket-dir listens there "
-                                  "all the same)")
-            if why is not None:
-                logger.warning("listening on %s, where %s (--shared-socket-dir): whoever may write there "
-                               "can put its own sockets in the daemon's place", path, why)
-            if os.path.isdir(directory):
-                return
-            mode = 0o750 if self.config.socket_group_access else 0o700
-            os.makedirs(directory, mode=mode, exist_ok=True)
-            os.chmod(directory, mode)  # (makedirs's mode is masked by the umask)
+        try:
+            for _ in range(2):
+                why = foreign_path(directory)
+                if why is not None and not self.config.shared_socket_dir:
+                    raise ListenError(f"cannot use socket {path}: {why} (--shared-socket-dir listens there "
+                                      "all the same)")
+                if why is not None:
+                    logger.warning("listening on %s, where %s (--shared-socket-dir): whoever may write "
+                                   "there can put its own sockets in the daemon's place", path, why)
+                if os.path.isdir(directory):
+                    return
+                mode = 0o750 if self.config.socket_group_access else 0o700
+                os.makedirs(directory, mode=mode, exist_ok=True)
+                os.chmod(directory, mode)  # (makedirs's mode is masked by the umask)
+        except OSError as exc:  # a file on the way, a directory that cannot be made there
+            # (makedirs says EEXIST where a file has the directory's name)
+            reason = "not a directory" if exc.errno == errno.EEXIST else exc.strerror or str(exc)
+            raise ListenError(f"cannot use socket {path}: its directory {directory}: {reason}") from None
 
     async def start(self) -> None:
         if self.config.torch_threads:
@@ -168,7 +174,11 @@ class Daemon:
         try:
             # The fd socket first: whoever finds the gRPC socket can register at once.
             if self.peer_socket is not None:
-                self.peer_socket.start()
+                try:
+                    self.peer_socket.start()
+                except OSError as exc:  # its path too long, something other than a socket there
+                    raise ListenError(f"cannot use the fd socket {self.peer_socket.path}: "
+                                      f"{exc.strerror or exc}") from None
                 logger.info("shared-memory pools' descriptors on %s", self.peer_socket.path)
             for address in self.config.addresses:
                 try:

@@ -21,6 +21,7 @@ import logging
 import os
 import resource
 import socket
+import stat
 import struct
 
 from kvserver.errors import InvalidArgument, KVError, NoCapacity
@@ -95,8 +96,17 @@ class PeerSocket:
         self._per_uid: dict[int, int] = {}
 
     def start(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)  # the gRPC socket's check found no live daemon: a crash's leftover
+        """Listens; a socket left at ``path`` (the gRPC socket's check found no live daemon: a
+        crash's leftover) is replaced. Anything else there is kept and refused (OSError)."""
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            pass
+        else:
+            if not stat.S_ISSOCK(st.st_mode):
+                raise FileExistsError(errno.EEXIST, "not a socket (kept: only a socket a stopped daemon "
+                                      "left is replaced)", self.path)
+            os.unlink(self.path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         old_umask = os.umask(0o177)  # owner-only from the first moment, as the gRPC socket
         try:
