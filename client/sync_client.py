@@ -329,6 +329,7 @@ class KVClient(CoreShell):
         lane.reg = reg
         lane.request_format = opened.request_format
         lane.rpc_mask = opened.rpc_mask or R.OLD_RPC_MASK
+        lane.learn_clock(opened.clock_ns)
         with self._lane_lock:
             # Only the current registration's lane is installed: another thread may have made a
             # newer registration (and opened its lane) while this one was opened.

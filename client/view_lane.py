@@ -156,6 +156,7 @@ class ViewLane:
             if lane is not None:
                 lane.handed_over()
         lane.rpc_mask = opened.rpc_mask
+        lane.learn_clock(opened.clock_ns)
         if not lane.serves("Lookup"):  # a daemon that opened something else: not ours to use
             lane.close()
             self.refusals += 1

@@ -183,6 +183,7 @@ class ClientLane:
         self.reg: Any = None  # the registration this lane was opened for
         self.request_format = 0  # the daemon's binary Write/Load format (kvserver.protocol.lane_request)
         self.rpc_mask = R.OLD_RPC_MASK  # the rpc ids the daemon serves (OpenLaneResponse.rpc_mask)
+        self.clock_offset_ns = 0  # the daemon's CLOCK_MONOTONIC less this process's (learn_clock)
         self.calls = 0  # requests answered on the lane
         self._c = _wire  # the compiled calls, if built (fixed for the lane's life: its header says so)
         size = R.ring_bytes(slots)
@@ -261,6 +262,19 @@ class ClientLane:
         """Whether the daemon that opened this lane serves ``rpc`` on it."""
         return bool(self.rpc_mask >> R.RPC_IDS[rpc] & 1)
 
+    def learn_clock(self, daemon_ns: int) -> None:
+        """The daemon's clock at its OpenLane answer (``OpenLaneResponse.clock_ns``): where it
+        differs from this process's CLOCK_MONOTONIC by over a second (another time namespace),
+        calls' expiries are written on the daemon's by that offset (off by the answer's transit
+        at most, which ends a call that much sooner); else on this process's own, the same clock."""
+        offset = daemon_ns - time.monotonic_ns() if daemon_ns else 0
+        self.clock_offset_ns = offset if abs(offset) > 1_000_000_000 else 0
+
+    def _expires(self, deadline: float | None) -> int:
+        """A call's expiry (slot word EXPIRES_AT) for a wait until ``deadline`` (time.monotonic;
+        None: no expiry, 0)."""
+        return 0 if deadline is None else max(1, int(deadline * 1e9) + self.clock_offset_ns)
+
     def unary(self, rpc: str, data: bytes, timeout: float, late: Callable[[bytes], None] | None = None,
               late_for: float = 0.0) -> bytes | None:
         """Write, Put or Lookup on the lane: the response bytes; None: not sent (take gRPC). Raises
@@ -276,9 +290,10 @@ class ClientLane:
         try:
             if self._c is not None:  # submitted, waited for and read in one compiled call
                 got = self._c.call(self._address, i, R.RPC_IDS[rpc], next(self._seq), data, self._submit_fd,
-                                   self._done_fds[i], self.spin if spin is None else spin, now + timeout, nap)
+                                   self._done_fds[i], self.spin if spin is None else spin, now + timeout, nap,
+                                   self._expires(now + timeout))
             else:
-                self._put(i, rpc, data)
+                self._put(i, rpc, data, now + timeout)
                 got = self._wait(i, now + timeout, spin=spin, nap=nap)
                 if self._state(i) == R.DONE:  # answered (even if the daemon closed its end after)
                     got = (*self._result(i), 0, 0)  # busy unknown; the Python wait counts no sleep
@@ -381,24 +396,26 @@ class ClientLane:
 
     def stream(self, rpc: str, data: bytes, timeout: float) -> LaneStream | None:
         """Load or Get on the lane: its progress source for a LoadHandle; None: take gRPC."""
-        i = self._begin(rpc, data)
+        deadline = time.monotonic() + timeout
+        i = self._begin(rpc, data, deadline)
         if i is None:
             return None
         get = rpc == "Get"
-        src = LaneStream(self, i, time.monotonic() + timeout,
+        src = LaneStream(self, i, deadline,
                          on_plane=rpc in R.PLANE_STREAMS or (get and self.plane_gets), get=get)
         with self._lock:
             self._streams[i] = src
             self._users -= 1  # the stream holds the slot now; its pumps count as users
         return src
 
-    def _begin(self, rpc: str, data: bytes) -> int | None:
-        """A free slot, the request in it and the daemon rung; None: no room (take gRPC). The
-        caller counts as a user of the lane until ``_end`` (or ``stream`` hands the slot over)."""
+    def _begin(self, rpc: str, data: bytes, deadline: float | None = None) -> int | None:
+        """A free slot, the request in it (waited for until ``deadline``) and the daemon rung;
+        None: no room (take gRPC). The caller counts as a user of the lane until ``_end`` (or
+        ``stream`` hands the slot over)."""
         i = self._take(data)
         if i is not None:
             try:
-                self._put(i, rpc, data)
+                self._put(i, rpc, data, deadline)
             except BaseException:
                 self._end(i, done=False)
                 raise
@@ -427,10 +444,12 @@ class ClientLane:
                 self._users += 1
         return i
 
-    def _put(self, i: int, rpc: str, data: bytes) -> None:
-        """The request into slot ``i``, marked SUBMITTED, and the daemon rung."""
+    def _put(self, i: int, rpc: str, data: bytes, deadline: float | None = None) -> None:
+        """The request into slot ``i``, expiring at ``deadline`` (time.monotonic; None: never),
+        marked SUBMITTED, and the daemon rung."""
+        expires = self._expires(deadline)
         if self._c is not None:  # the same, in one compiled call
-            self._c.submit(self._address, i, R.RPC_IDS[rpc], next(self._seq), data, self._submit_fd)
+            self._c.submit(self._address, i, R.RPC_IDS[rpc], next(self._seq), data, self._submit_fd, expires)
             return
         off = R.slot_offset(i)
         mm = self._mm
@@ -438,6 +457,7 @@ class ClientLane:
         R.CALL.pack_into(mm, off + R.RPC_AT, R.RPC_IDS[rpc], next(self._seq), len(data))
         R.PROGRESS.pack_into(mm, off + R.PROGRESS_AT, 0, 0, 0, 0, 0, 0, 0)  # nothing of the last call
         R.U32.pack_into(mm, off + R.BUSY_AT, 0)
+        R.U64.pack_into(mm, off + R.EXPIRES_AT, expires)
         R.U32.pack_into(mm, off + R.STATE, R.SUBMITTED)
         with contextlib.suppress(OSError):  # full (the daemon has doorbells to read) or closed (it is gone)
             self._submit.send(b"s", socket.MSG_DONTWAIT)

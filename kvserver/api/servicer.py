@@ -483,11 +483,12 @@ class KVServicer(pb_grpc.KVServerServicer):
             lane = await self.lanes.open_space(request.space_id, request.peer_ticket, named,
                                                self.cache.space_tenant)
             return pb.OpenLaneResponse(slots=lane.slots, request_bytes=ring.REQUEST_BYTES,
-                                       response_bytes=ring.RESPONSE_BYTES, rpc_mask=ring.SPACE_RPC_MASK)
+                                       response_bytes=ring.RESPONSE_BYTES, rpc_mask=ring.SPACE_RPC_MASK,
+                                       clock_ns=time.monotonic_ns())
         lane = await self.lanes.open(request.client_id, request.peer_ticket, named)
         return pb.OpenLaneResponse(slots=lane.slots, request_bytes=ring.REQUEST_BYTES,
                                    response_bytes=ring.RESPONSE_BYTES, request_format=lane_request.VERSION,
-                                   rpc_mask=ring.RPC_MASK)
+                                   rpc_mask=ring.RPC_MASK, clock_ns=time.monotonic_ns())
 
     async def run_space_lane(self, space_id: str, rpc: str, data: bytes,
                              progress: Callable[[Any], None]) -> bytes:

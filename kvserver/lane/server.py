@@ -23,10 +23,19 @@ import logging
 import os
 import socket
 import stat
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvserver.errors import Code, FailedPrecondition, GpuStalled, InvalidArgument, KVError, status_of
+from kvserver.errors import (
+    Code,
+    DeadlineExceeded,
+    FailedPrecondition,
+    GpuStalled,
+    InvalidArgument,
+    KVError,
+    status_of,
+)
 from kvserver.protocol import ring as R
 from kvserver.protocol.shared_memory import ShmMapping, map_sealed_fd
 
@@ -238,7 +247,7 @@ class Lane:
         mm = self._mm
         _, seq, n = R.CALL.unpack_from(mm, off + R.RPC_AT)
         data = bytes(mm[off + R.REQUEST_AT: off + R.REQUEST_AT + min(n, R.REQUEST_BYTES)])  # private copy
-        if rpc in _FAST and self._fast is not None and n <= R.REQUEST_BYTES:
+        if rpc in _FAST and self._fast is not None and n <= R.REQUEST_BYTES and not self._expired(i):
             try:
                 if self._fast(self, i, rpc, data, counted):
                     return
@@ -345,7 +354,8 @@ class Lane:
             rpc, seq, n = R.CALL.unpack_from(mm, off + R.RPC_AT)
             data = bytes(mm[off + R.REQUEST_AT: off + R.REQUEST_AT + min(n, R.REQUEST_BYTES)])  # private copy
             R.U32.pack_into(mm, off + R.STATE, R.TAKEN)
-            if rpc == R.RPC_LOOKUP and self._fast is not None and n <= R.REQUEST_BYTES:
+            fast = rpc == R.RPC_LOOKUP and self._fast is not None and n <= R.REQUEST_BYTES
+            if fast and not self._expired(i):
                 try:  # (a space's lane: its Lookups)
                     if self._fast(self, i, rpc, data, False):
                         continue
@@ -377,6 +387,9 @@ class Lane:
             name = R.RPC_NAMES.get(rpc)
             if name is None:
                 raise InvalidArgument(f"unknown lane rpc id {rpc}")
+            if self._expired(i):
+                raise DeadlineExceeded("the call's client had stopped waiting for it when the daemon took "
+                                       "it: not started")
             if n > R.REQUEST_BYTES:
                 raise InvalidArgument(f"request_len {n} is more than a slot's {R.REQUEST_BYTES} bytes")
             response = await self._run(name, data, progress)
@@ -407,6 +420,12 @@ class Lane:
         self._done_with(i, seq, code, response, message)
         if self._watching and self._plane is None:
             self._scan()  # a request submitted while this slot's neighbours were all busy
+
+    def _expired(self, i: int) -> bool:
+        """Whether slot ``i``'s client stopped waiting before now (its expiry word, on this
+        clock: kvserver.protocol.ring): such a call is answered DEADLINE_EXCEEDED, never run."""
+        expires = R.U64.unpack_from(self._mm, R.slot_offset(i) + R.EXPIRES_AT)[0]
+        return bool(expires) and time.monotonic_ns() >= expires
 
     def _ring_done(self, i: int) -> None:
         with contextlib.suppress(OSError):  # a full queue (the client reads it later) or a gone peer

@@ -35,7 +35,13 @@ of exactly ``ring_bytes(slots)`` bytes:
       76 (zero)
       80 busy_us u32        the daemon's data plane's time on the call, from taking it to its
                             answer, in microseconds (0: not the plane's); the client clears it
-      84 (zeros up to REQUEST_AT)
+      84 (zero)
+      88 expires u64        the client's: when it stops waiting for the call, in nanoseconds of the
+                            daemon's CLOCK_MONOTONIC (OpenLaneResponse.clock_ns); a call the daemon
+                            takes at or after it is answered DEADLINE_EXCEEDED, job ended, and never
+                            started (a daemon stopped past it, then resumed, runs nothing its
+                            clients gave up on). 0: none
+      96 (zeros up to REQUEST_AT)
       REQUEST_AT  request bytes  (REQUEST_BYTES)
       RESPONSE_AT response bytes (RESPONSE_BYTES)
       ERROR_AT    status message (ERROR_BYTES)
@@ -108,6 +114,8 @@ DONE_SEQ = struct.Struct("<Q")
 DONE_SEQ_AT = 64
 WAITING_AT = 72
 BUSY_AT = 80
+EXPIRES_AT = 88
+U64 = struct.Struct("<Q")
 U32 = struct.Struct("<I")
 
 SLOT_HEADER_BYTES = 128

@@ -670,15 +670,17 @@ class OpenLaneRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., peer_ticket: _Optional[str] = ..., space_id: _Optional[str] = ...) -> None: ...
 
 class OpenLaneResponse(_message.Message):
-    __slots__ = ("slots", "request_bytes", "response_bytes", "request_format", "rpc_mask")
+    __slots__ = ("slots", "request_bytes", "response_bytes", "request_format", "rpc_mask", "clock_ns")
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_BYTES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FORMAT_FIELD_NUMBER: _ClassVar[int]
     RPC_MASK_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_NS_FIELD_NUMBER: _ClassVar[int]
     slots: int
     request_bytes: int
     response_bytes: int
     request_format: int
     rpc_mask: int
-    def __init__(self, slots: _Optional[int] = ..., request_bytes: _Optional[int] = ..., response_bytes: _Optional[int] = ..., request_format: _Optional[int] = ..., rpc_mask: _Optional[int] = ...) -> None: ...
+    clock_ns: int
+    def __init__(self, slots: _Optional[int] = ..., request_bytes: _Optional[int] = ..., response_bytes: _Optional[int] = ..., request_format: _Optional[int] = ..., rpc_mask: _Optional[int] = ..., clock_ns: _Optional[int] = ...) -> None: ...

@@ -19,6 +19,7 @@
 #define WAITING_AT 72  /* slot header: the client sleeps on the slot's done doorbell (quiet lanes) */
 #define WAIT_END 2     /* ... for the call's end only: a step of it rings no one (ring_step) */
 #define BUSY_AT 80     /* slot header: this thread's time on the call, in microseconds */
+#define EXPIRES_AT 88  /* slot header: when the client stops waiting (CLOCK_MONOTONIC ns; 0: never) */
 #define ST_SUBMITTED 1
 #define ST_TAKEN 2
 #define ST_DONE 3

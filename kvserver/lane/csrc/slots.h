@@ -3,7 +3,9 @@
  * kvlane.c. */
 
 /* Takes slot i of lane l if it is SUBMITTED (and not busy here): served on this thread, or handed
- * to the loop. 1 if it took it, *cost its share of the lane's credit (lanes_turn). */
+ * to the loop; one its client stopped waiting for before now (its expiry word) is answered
+ * DEADLINE_EXCEEDED here, never started. 1 if it took it, *cost its share of the lane's credit
+ * (lanes_turn). */
 static int take_slot(Engine *e, Lane *l, int i, int64_t *cost) {
     if (__atomic_load_n(&l->slot_busy[i], __ATOMIC_ACQUIRE))
         return 0;
@@ -11,11 +13,18 @@ static int take_slot(Engine *e, Lane *l, int i, int64_t *cost) {
     if (state_of(s) != ST_SUBMITTED)
         return 0;
     uint32_t rpc, n;
+    uint64_t expires;
     memcpy(&rpc, s + 4, 4);
     memcpy(&n, s + 16, 4);
+    memcpy(&expires, s + EXPIRES_AT, 8);
     set_state(s, ST_TAKEN);
     l->slot_busy[i] = 1;
     *cost = CALL_COST + (int64_t)n;
+    if (expires && (uint64_t)now_ns() >= expires) {
+        answer_error(l, i, CODE_DEADLINE,
+                     "the call's client had stopped waiting for it when the daemon took it: not started");
+        return 1;
+    }
     if (l->gate->space) { /* a space's lane: its Lookups only; the loop refuses anything else */
         if (!(rpc == RPC_LOOKUP && try_answer(e, l, i, n)))
             handoff(e, l, i, rpc);

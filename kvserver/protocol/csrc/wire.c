@@ -8,9 +8,10 @@
  *   -> bytes, or None when the host indices are not whole pages of page_size in order. host_addr
  *   and dev_addr are the addresses of the caller's own contiguous int64 arrays (it keeps them alive
  *   for the call); layers is a sequence of ints.
- * submit(ring_addr, slot, rpc, seq, data, fd): writes data into the slot's request area, its rpc,
- *   seq and length, clears its progress words, marks it SUBMITTED (release order) and rings fd,
- *   unless the ring's awake word says the daemon's data plane looks at the slots unrung.
+ * submit(ring_addr, slot, rpc, seq, data, fd[, expires]): writes data into the slot's request area,
+ *   its rpc, seq, length and expiry (ring.py: EXPIRES_AT; 0, the default: none), clears its progress words, marks it
+ *   SUBMITTED (release order) and rings fd, unless the ring's awake word says the daemon's data
+ *   plane looks at the slots unrung.
  * nudge(ring_addr, fd) -> whether it rang: rings fd (the submit doorbell) if the ring's plane word
  *   says the daemon's data plane reads that doorbell and sleeps, so that it wakes while the caller
  *   builds its request (docs/lane.md, "Ringing ahead").
@@ -28,7 +29,7 @@
  *   step, flags): state and step read with acquire loads, before the words they publish.
  * result(ring_addr, slot) -> (code, response, message, flags) of a DONE slot, lengths bounded by
  *   the areas they lie in (the daemon's numbers are not trusted to stay inside the slot).
- * call(ring_addr, slot, rpc, seq, data, submit_fd, done_fd, spin, deadline, nap) -> a unary call
+ * call(ring_addr, slot, rpc, seq, data, submit_fd, done_fd, spin, deadline, nap[, expires]) -> a unary call
  *   whole: submit(), wait() on done_fd (step -1; nap 0: none), then (code, response, message,
  *   flags, busy, slept) if the slot is DONE, busy being the data plane's microseconds on it (0: not
  *   the plane's) and slept 1 if the caller was asleep when the answer came (found on waking from
@@ -67,6 +68,7 @@
 #define PLANE_AT 36   /* ring header: the daemon's data plane reads the submit doorbell: */
 #define PLANE_ASLEEP 1 /* ... and sleeps (2: it runs) */
 #define BUSY_AT 80    /* slot header: the data plane's time on the call (microseconds) */
+#define EXPIRES_AT 88 /* slot header: when the client stops waiting (the daemon's CLOCK_MONOTONIC, ns) */
 
 static char *slot_at(unsigned long long ring, int slot) {
     return (char *)(uintptr_t)ring + HEADER_BYTES + (size_t)slot * SLOT_BYTES;
@@ -169,11 +171,11 @@ done:
     return out;
 }
 
-/* Writes data (at most REQUEST_BYTES) into the slot's request area, its rpc, seq and length, clears
- * its progress and busy words, marks it SUBMITTED (release order) and rings fd unless the daemon
- * looks at the slots unrung. */
+/* Writes data (at most REQUEST_BYTES) into the slot's request area, its rpc, seq, length and expiry,
+ * clears its progress and busy words, marks it SUBMITTED (release order) and rings fd unless the
+ * daemon looks at the slots unrung. */
 static void put_request(unsigned long long ring, char *s, uint32_t rpc, uint64_t seq, const Py_buffer *data,
-                        int fd) {
+                        int fd, uint64_t expires) {
     uint32_t n = (uint32_t)data->len;
     memcpy(s + REQUEST_AT, data->buf, (size_t)data->len);
     memcpy(s + 4, &rpc, 4);
@@ -181,6 +183,7 @@ static void put_request(unsigned long long ring, char *s, uint32_t rpc, uint64_t
     memcpy(s + 16, &n, 4);
     memset(s + 32, 0, 32); /* progress words: nothing of the last call */
     memset(s + BUSY_AT, 0, 4);
+    memcpy(s + EXPIRES_AT, &expires, 8);
     __atomic_store_n((uint32_t *)s, 1u /* SUBMITTED */, __ATOMIC_RELEASE);
     /* The daemon clears its awake word, fences, then looks at the slots once more before it
      * sleeps: with this fence, it sees SUBMITTED there or this sees the word cleared and rings. */
@@ -201,15 +204,15 @@ static PyObject *submit(PyObject *self, PyObject *args) {
     unsigned long long ring;
     int slot, fd;
     unsigned int rpc;
-    unsigned long long seq;
+    unsigned long long seq, expires = 0;
     Py_buffer data;
-    if (!PyArg_ParseTuple(args, "KiIKy*i", &ring, &slot, &rpc, &seq, &data, &fd))
+    if (!PyArg_ParseTuple(args, "KiIKy*i|K", &ring, &slot, &rpc, &seq, &data, &fd, &expires))
         return NULL;
     if (bad_slot(ring, slot) || !fits(&data)) {
         PyBuffer_Release(&data);
         return NULL;
     }
-    put_request(ring, slot_at(ring, slot), rpc, seq, &data, fd);
+    put_request(ring, slot_at(ring, slot), rpc, seq, &data, fd, expires);
     PyBuffer_Release(&data);
     Py_RETURN_NONE;
 }
@@ -501,24 +504,24 @@ static PyObject *result(PyObject *self, PyObject *args) {
     return s ? answer_of(s, -1) : NULL;
 }
 
-/* call(ring, slot, rpc, seq, data, submit_fd, done_fd, spin, deadline, nap): submit() then wait()
+/* call(ring, slot, rpc, seq, data, submit_fd, done_fd, spin, deadline, nap, expires): submit() then wait()
  * (step -1) in one call; the slot's answer (code, response, message, flags, busy, slept) once it
  * is DONE (even if the doorbell closed after), else wait()'s 1 or 2. */
 static PyObject *call(PyObject *self, PyObject *args) {
-    unsigned long long ring, seq;
+    unsigned long long ring, seq, expires = 0;
     int slot, submit_fd, done_fd;
     unsigned int rpc;
     Py_buffer data;
     double spin, deadline, nap;
-    if (!PyArg_ParseTuple(args, "KiIKy*iiddd", &ring, &slot, &rpc, &seq, &data, &submit_fd, &done_fd, &spin,
-                          &deadline, &nap))
+    if (!PyArg_ParseTuple(args, "KiIKy*iiddd|K", &ring, &slot, &rpc, &seq, &data, &submit_fd, &done_fd, &spin,
+                          &deadline, &nap, &expires))
         return NULL;
     if (bad_slot(ring, slot) || !good_times(spin, deadline, nap) || !fits(&data)) {
         PyBuffer_Release(&data);
         return NULL;
     }
     char *s = slot_at(ring, slot);
-    put_request(ring, s, rpc, seq, &data, submit_fd);
+    put_request(ring, s, rpc, seq, &data, submit_fd, expires);
     PyBuffer_Release(&data);
     int slept = 0;
     int got = wait_for(s, done_fd, -1, spin, deadline, nap, &slept);

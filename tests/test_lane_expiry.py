@@ -1,0 +1,78 @@
+"""A lane call its client gave up on is never started (kvserver.protocol.ring, the slot's expiry
+word): a daemon stopped past its clients' deadlines (SIGSTOP, a frozen cgroup, a stalled loop) that
+resumes must not run the Puts, Writes and Loads queued on its lanes meanwhile. Their engines have
+reported them failed and reused their device slots: a late Put would store the slots' new content
+under the old keys, and a late Load would overwrite another request's KV."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+
+import pytest
+import torch
+from checks import wait_until
+from daemon_proc import DaemonProcess
+from test_lane import all_stopped
+
+from kvclient import CacheView, KVClient, KVLayout, ShmKVPool
+from kvclient.keys import page_keys
+
+LAYOUT, DTYPE, LAYERS, PAGE, TOKENS = KVLayout.mha(2, 8), torch.float16, 4, 16, 256
+TIMEOUT = 1.0
+
+
+def fill(pool: ShmKVPool, value: float) -> None:
+    for layer in range(LAYERS):
+        pool.k_buffer(layer).fill_(value)
+        pool.v_buffer(layer).fill_(value)
+
+
+@pytest.mark.parametrize("plane", ["compiled", "python"])
+def test_calls_queued_while_the_daemon_was_stopped_past_their_deadline_never_run(socket_dir, monkeypatch,
+                                                                                  plane) -> None:
+    monkeypatch.setenv("KVSERVER_DATA_PLANE", plane)
+    d = DaemonProcess(os.path.join(socket_dir, "kv.sock"))
+    try:
+        with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, \
+                KVClient(d.address, timeout=TIMEOUT) as client, \
+                CacheView(d.address, model="expiry", layout=LAYOUT, dtype=DTYPE, page_size=PAGE,
+                          num_layers=LAYERS, timeout=5.0) as view:
+            client.register(model="expiry", pool=pool, start_layer=0, end_layer=LAYERS, num_layers=LAYERS,
+                            host_tokens=128, page_size=PAGE)
+            warm = page_keys(range(1000, 1000 + PAGE), PAGE)
+            assert client.put(warm, [0]).stored == 1 and client.lane is not None
+            keys = page_keys(range(PAGE), PAGE)
+            fill(pool, 1.0)
+            os.kill(d.pid, signal.SIGSTOP)
+            wait_until(lambda: all_stopped(d.pid), 10, "every thread of the daemon to stop")
+            assert client.put(keys, [0]).stored == 0  # given up on: a miss
+            fill(pool, 7.0)  # the engine reuses its device slot for other KV
+            os.kill(d.pid, signal.SIGCONT)
+            wait_until(lambda: client.connected, 20, "the engine to register again")
+            time.sleep(0.3)
+            assert view.lookup(keys).pages == 0  # the late Put never ran: nothing stored
+            assert view.lookup(warm).pages == 1
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(d.pid, signal.SIGCONT)
+        d.stop()
+
+
+def test_a_client_in_another_time_namespace_writes_expiries_on_the_daemons_clock() -> None:
+    from kvclient._transport.lane import ClientLane
+
+    lane = ClientLane()
+    try:
+        now = time.monotonic()
+        lane.learn_clock(time.monotonic_ns() + 200_000)  # the same clock, read a moment later
+        assert lane.clock_offset_ns == 0 and abs(lane._expires(now + 1) - int((now + 1) * 1e9)) <= 1
+        lane.learn_clock(time.monotonic_ns() + 3_600 * 10**9)  # an hour ahead: another namespace
+        assert abs(lane.clock_offset_ns - 3_600 * 10**9) < 10**9
+        assert lane._expires(now + 1) - int((now + 1) * 1e9) == lane.clock_offset_ns
+        lane.learn_clock(0)  # a daemon that sends no clock reads no expiry
+        assert lane.clock_offset_ns == 0
+    finally:
+        lane.close()
