@@ -703,3 +703,35 @@ def test_bad_host_indices_and_side_pools_miss(daemon):
         assert a.batch_exists(tagged) == 2
     finally:
         a.close()
+
+
+def test_a_hybrid_models_side_pools_fail_the_attach_and_a_late_one_stops_stores(daemon):
+    """SGLang's hybrid cache controller registers a sliding-window or Mamba pool beside the KV pool:
+    no prefetch of such a model could hit (its side pools are not stored), so the attach fails at
+    startup, as docs/integrations.md says; a side pool added while serving stops the KV stores."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+    dev = _device_pool(num_layers=10)
+    host = sglang_env.host_pool(dev, ratio=1.5)
+    side = sglang_env.host_pool(_device_pool(num_layers=10), ratio=1.5)  # stands for the SWA pool
+    config = _storage_config(dev, host, address=daemon.address)
+    backend = StorageBackendFactory.create_backend("dynamic", config, host)
+    try:
+        backend.register_mem_pool_host(host)  # the hybrid controller's order
+        backend.register_mem_host_pool_v2(host, PoolName.KV)
+        backend.register_mem_host_pool_v2(side, PoolName.SWA)
+        with pytest.raises(ValueError, match="full-attention KV only"):
+            backend.on_host_pools_registered()
+    finally:
+        backend.close()
+
+    a, _ = _engine(daemon.address)
+    try:
+        keys = _hashes(2, seed=77)
+        assert a.batch_set_v1(keys[:1], _slots([1])) == [True]
+        a.register_mem_host_pool_v2(side, PoolName.MAMBA)  # a sidecar added while serving
+        assert a.batch_set_v1(keys[1:], _slots([2])) == [False]
+        assert a.batch_exists(keys) == 1
+    finally:
+        a.close()

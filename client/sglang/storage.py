@@ -323,6 +323,8 @@ class KVServerStorage(HiCacheStorage):
         self._host_view: torch.Tensor | None = None
         self._wire_dtype: torch.dtype | None = None
         self._closed = False
+        self._side_pools: list[str] = []  # host pools beside the KV pool (a hybrid model's)
+        self._pools_known = False  # on_host_pools_registered came
         self._warned: set[str] = set()
         self._metrics_lock = threading.Lock()
         self._metrics: dict[str, list] = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
@@ -374,8 +376,24 @@ class KVServerStorage(HiCacheStorage):
     def register_mem_host_pool_v2(self, host_pool: HostKVCache, host_pool_name):
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         if host_pool is not getattr(self, "mem_pool_host", None) and host_pool_name != PoolName.KV:
-            self._warn_once(f"pool:{host_pool_name}", "kvserver stores the KV pool only; %s is not "
-                            "stored, so requests that need it miss", host_pool_name)
+            self._side_pools.append(str(host_pool_name))
+            if self._pools_known:  # a sidecar added while serving: nothing more is stored
+                self._warn_once(f"pool:{host_pool_name}", "kvserver stores full-attention KV only; "
+                                "the %s pool added now cannot be stored, so no prefetch of this model "
+                                "could hit: its KV pages are no longer stored either", host_pool_name)
+
+    def on_host_pools_registered(self) -> None:
+        """SGLang's pools are all known: a hybrid model's (sliding-window or Mamba state pools
+        beside the KV pool) is refused, failing the attach at startup (docs/integrations.md,
+        "Limits"): no prefetch of it could hit, and its KV pages would only take the node cache's
+        memory from other engines."""
+        super().on_host_pools_registered()
+        self._pools_known = True
+        if self._side_pools:
+            raise ValueError(f"kvserver's HiCache backend stores full-attention KV only; this model also "
+                             f"has {', '.join(self._side_pools)} pools (sliding-window or Mamba state), "
+                             "which it cannot store, so none of its prefetches could hit: run it without "
+                             "--hicache-storage-backend dynamic (kvserver)")
 
     def _ready(self) -> bool:
         """Registered (or registered again now); False: miss. Call with the staging lock held."""
@@ -427,6 +445,8 @@ class KVServerStorage(HiCacheStorage):
         """Stores the host pages at ``host_indices`` under ``keys``: True for each page the cache
         now holds (stored, or already there), False for the rest. An MLA rank that is not the
         storage writer answers True and writes nothing (the writer stores the same pages)."""
+        if self._side_pools:  # a hybrid model's sidecar came while serving: nothing could hit
+            return [False] * len(keys)
         if not self.writer:
             return [True] * len(keys)
         pages = self._pages(keys, host_indices, "set")
