@@ -244,17 +244,19 @@ def test_a_dead_node_s_pages_are_misses_within_the_deadline(nodes):
             store(ea, keys)
             published(a, 100)
         a.kill()
-        t0 = time.monotonic()
-        n = eb.load_checked(keys, rng)
-        took = time.monotonic() - t0
-        assert n == 0 and took < 1.5, (n, took)
+        for _ in range(3):  # until the master's client TTL, it still lists the dead node's pages
+            t0 = time.monotonic()
+            n = eb.load_checked(keys, rng)
+            took = time.monotonic() - t0
+            assert n == 0 and took < 0.5, (n, took)  # a miss at once: it waits on no page of a pull
         c = cluster_stat(b)
         assert c.read_errors >= 1 or c.timeouts >= 1
-        # A transfer that failed may still land (Mooncake stops waiting, not the transfer): its
-        # pages are kept out of use, not freed for the next Put.
-        assert c.quarantined_pages == c.read_errors
-        # After the master's client TTL, the dead node's pages are not even counted any more.
-        _until(lambda: eb.lookup(keys).pages == 0, 15)
+        # A dead peer's transfers fail at once (its sockets refuse): none was left running that
+        # could land later, so their pages are free at once, not kept out of use for minutes
+        # (which evicted the node's own pages and dropped its Puts of those keys).
+        assert c.quarantined_pages == 0
+        store(eb, keys)  # the engine computes the prefix again and stores it here
+        assert eb.lookup(keys, memory_only=True).pages == 100
         assert cluster_stat(b).available  # a dead peer is not a dead store
         store(eb, keys_of("alive", 10))
         assert eb.lookup(keys_of("alive", 10)).pages == 10

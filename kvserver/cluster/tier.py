@@ -14,7 +14,10 @@ Never a stall: every call runs in a worker thread and is waited for only until i
 tier's, or the Get's if sooner); a call past it is a miss, and its pages stay being written until
 its thread returns (Mooncake cannot cancel a transfer); pages of a pull that failed in transfer
 stay out of use for ``QUARANTINE_SECONDS`` more (Mooncake gives up waiting on a transfer after 60 s
-without stopping it). A call refused because every thread is busy is a miss at once. A failure of
+without stopping it): only those of a call that ran ``UNSAFE_AFTER_SECONDS`` or more, and whose
+page failed in a transfer (not a key the store lacks, nor a master that did not answer: no
+transfer then); a dead peer's pages fail in milliseconds and are misses at once. A call
+refused because every thread is busy is a miss at once. A failure of
 the store itself (its master unreachable or not answering) opens a circuit breaker: no call is
 made, every question a miss and the publish queue emptied, until a probe finds the store
 answering again. The tier joins the cluster in the background, again after a failed join; until
@@ -50,6 +53,10 @@ MAX_QUEUED_SHARE = 0.25  # of host memory, at most, held by pages waiting to be 
 BATCH_BYTES = 16 << 20  # pages of one put call, at most
 MAX_COUNT_NAMES = 16384  # names one question asks about (all parts of a whole-space Lookup)
 QUARANTINE_SECONDS = 120.0  # a failed pull's pages stay unused this long (Mooncake waits 60 s)
+# A pull that failed sooner than this gave up waiting on no transfer (Mooncake does after its
+# transfer timeout, 60 s by default): its pages are free at once. A dead peer fails in milliseconds.
+UNSAFE_AFTER_SECONDS = 1.0
+_NO_TRANSFER = (NOT_FOUND, RPC_FAILED, RPC_TIMEOUT)  # no transfer was started: nothing can land
 PROBE_NAME = f"{VERSION}/.probe"
 JOIN_RETRY = 2.0  # seconds between two tries to join, doubled after a failed setup (up to a minute)
 _STORE_DOWN = (RPC_FAILED, RPC_TIMEOUT)
@@ -228,7 +235,9 @@ class ClusterTier:
                     if len(got) == n:
                         codes = np.asarray(got, np.int64)
                         ok = codes == nbytes
-                        unsafe = ~ok & (codes != NOT_FOUND)
+                        # Only a transfer Mooncake stopped waiting on may still land.
+                        unsafe = (~ok & ~np.isin(codes, _NO_TRANSFER) if seconds >= UNSAFE_AFTER_SECONDS
+                                  else nothing.copy())
                     self.counters.get_seconds += seconds
                     if not ok.all():
                         logger.debug("%d of %d cluster pages did not come (%s)", n - int(ok.sum()), n,

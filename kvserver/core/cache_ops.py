@@ -52,6 +52,10 @@ from kvserver.store.steps import STEP_KEYS, run_steps
 from kvserver.v1 import kvserver_pb2 as pb
 
 logger = logging.getLogger(__name__)
+
+# Host memory that pages of failed cluster pulls may hold out of use, at most: past it, a Get's
+# pull from the cluster is a miss until some of them are free again.
+MAX_QUARANTINED_SHARE = 1 / 16
 T = TypeVar("T")
 
 MAX_SPACE_IDS = 1 << 16  # space handles the daemon keeps (one per tenant and space)
@@ -143,6 +147,7 @@ class CacheOps:
         self._put_settled: asyncio.Future[None] | None = None  # done when a Put's copy settles next
         self.disk = kv.disk  # the tier under the host cache, or None
         self.cluster = kv.cluster  # the tier shared with other nodes, or None
+        self._quarantined_bytes = 0  # host pages of failed pulls kept out of use (QUARANTINE_SECONDS)
         self.lower = self.disk.holds if self.disk is not None else None
         self.lookups_now = 0  # lane Lookups the loop served without a task (lookup_now; not the plane's)
         # Lane calls served whole on the data plane's thread (``_serve_on_plane``,
@@ -1189,6 +1194,8 @@ class CacheOps:
         assert cluster is not None
         loop = asyncio.get_running_loop()
         until = cluster.deadline(deadline)
+        if self._quarantined_bytes > self.cache.arena.capacity * MAX_QUARANTINED_SHARE:
+            return 0, until  # failed pulls hold host memory enough: the cluster is a miss a while
         n = await cluster.count([part], keys, until, hits=False)
         if not n or loop.time() >= until:
             return 0, until
@@ -1197,27 +1204,33 @@ class CacheOps:
         if not len(hplan.page_ids):
             self.cache.complete_put(hplan, True)
             return n, until
-        first_own = int(hplan.positions[0])
-        done: asyncio.Future[None] = loop.create_future()
+        positions = hplan.positions
+        first_own = int(positions[0])
+        done: asyncio.Future[int] = loop.create_future()
 
         def settled(ok: np.ndarray, unsafe: np.ndarray) -> None:  # once the transfer is over
+            # The Get counts on the leading keys up to the first page that did not come.
+            arrived = n if ok.all() else int(positions[int(np.argmin(ok))])
             if unsafe.any():
                 kept = replace(hplan, page_ids=hplan.page_ids[unsafe])
                 hplan.page_ids, ok = hplan.page_ids[~unsafe], ok[~unsafe]
-                loop.call_later(QUARANTINE_SECONDS, self._unquarantine, kept)
+                nbytes = len(kept.page_ids) * part.key.page_bytes
+                self._quarantined_bytes += nbytes
+                loop.call_later(QUARANTINE_SECONDS, self._unquarantine, kept, nbytes)
             self.cache.complete_put(hplan, ok)
             self._written()
             if not done.done():
-                done.set_result(None)
+                done.set_result(arrived)
 
-        await cluster.pull(part, keys[:n].take(hplan.positions), hplan.offsets, until, settled)
+        await cluster.pull(part, keys[:n].take(positions), hplan.offsets, until, settled)
         if not done.done():
-            logger.warning("pulling %d pages from the cluster is past its deadline", len(hplan.positions))
+            logger.warning("pulling %d pages from the cluster is past its deadline", len(positions))
             return first_own, until
-        return n, until
+        return done.result(), until
 
-    def _unquarantine(self, plan: PutPlan) -> None:
+    def _unquarantine(self, plan: PutPlan, nbytes: int) -> None:
         """Frees the pages of a failed pull once its transfer can no longer land."""
+        self._quarantined_bytes -= nbytes
         self.cache.complete_put(plan, False)
         self._written()
 
