@@ -206,6 +206,29 @@ def test_a_hung_master_costs_misses_within_the_deadline_never_a_stall(nodes, mas
         assert eb.load_checked(theirs, rng) == 50
 
 
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_a_daemon_stops_within_its_grace_while_its_master_hangs(tmp_path, master, in_flight):
+    """SIGTERM while the master answers nothing (Mooncake's calls wait 30 s, its leaving twice
+    that), with or without a Put's publish in flight: the daemon ends within its grace, not after
+    a minute and a half (past systemd's and Kubernetes' stop timeouts, into a SIGKILL)."""
+    d = node(tmp_path, "stop", master, "--shutdown-grace", "2")
+    try:
+        with CacheEngine(d.address, pages=128) as eng:
+            store(eng, keys_of("before", 100))
+            published(d, 100)
+            os.kill(master.proc.pid, signal.SIGSTOP)
+            if in_flight:
+                store(eng, keys_of("during", 100))  # published while the master hangs
+                time.sleep(0.3)
+        t0 = time.monotonic()
+        assert d.stop() == 0
+        assert time.monotonic() - t0 < 2 + 3, time.monotonic() - t0
+    finally:
+        os.kill(master.proc.pid, signal.SIGCONT)
+        if d.proc.poll() is None:
+            d.kill()
+
+
 def test_a_stalled_peer_costs_a_get_its_cluster_pages_not_its_local_hit(nodes):
     """A peer that stops answering mid-way (SIGSTOP: its sockets accept, nothing comes back) while
     the master answers: the Get loads its local prefix within the cluster's deadline, its pulled
@@ -317,3 +340,33 @@ def _stored_anew(eng: CacheEngine, d: DaemonProcess, tries: list[list[bytes]]) -
             return False
         time.sleep(0.05)
     return True
+
+
+def test_the_join_probe_dies_with_its_daemon(tmp_path, master):
+    """A daemon whose master hangs from the start probes it in a child process; stopped meanwhile,
+    it leaves no child behind retrying the master."""
+
+    def probes() -> list[int]:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except OSError:
+                continue
+            if b"MooncakeDistributedStore" in cmd and master.address.encode() in cmd:
+                found.append(int(pid))
+        return found
+
+    os.kill(master.proc.pid, signal.SIGSTOP)
+    d = DaemonProcess(str(tmp_path / "probe.sock"), "--cluster-master", master.address, host_memory="64MiB")
+    try:
+        _until(lambda: bool(probes()), 10)
+        assert d.stop() == 0
+        _until(lambda: not probes(), 5)
+    finally:
+        os.kill(master.proc.pid, signal.SIGCONT)
+        for pid in probes():
+            os.kill(pid, signal.SIGKILL)
+        if d.proc.poll() is None:
+            d.kill()

@@ -15,6 +15,7 @@ Primitives: ``MooncakeClient`` (``join``, ``exists``, ``put``, ``get``, ``close`
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -34,7 +35,12 @@ PROBE_SECONDS = 5.0
 # Mooncake's setup holds the interpreter's lock for as long as it retries an absent or hung master
 # (a minute and more), which would stop the daemon's event loop: a child process tries it first,
 # with no segment, and exits at once; the daemon's own setup follows only once that one succeeded.
-_PROBE = """import os, sys
+# Run as a child process; it dies with the daemon (PR_SET_PDEATHSIG), which may exit while the
+# child still retries an absent or hung master.
+_PROBE = """import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[6]):  # the daemon exited before the line above
+    os._exit(4)
 from mooncake.store import MooncakeDistributedStore
 host, metadata, protocol, device, master = sys.argv[1:6]
 rc = MooncakeDistributedStore().setup(host, metadata, 0, 1 << 20, protocol, device, master)
@@ -96,7 +102,7 @@ class MooncakeClient:
         """RuntimeError unless a client in a child process can join the cluster within
         ``timeout`` seconds (the master and metadata service answer now)."""
         cmd = [sys.executable, "-c", _PROBE, self.local_host, self.metadata, self.protocol, self.device,
-               self.master]
+               self.master, str(os.getpid())]
         try:
             r = subprocess.run(cmd, timeout=timeout, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:

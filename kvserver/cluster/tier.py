@@ -30,6 +30,7 @@ Primitives: ``ClusterTier`` (``start``, ``deadline``, ``count``, ``pull``, ``pub
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -466,9 +467,12 @@ class ClusterTier:
             else:
                 self.breaker.failed(probe=True)
 
-    async def close(self) -> None:
+    async def close(self, grace: float | None = None) -> bool:
         """Stops publishing (what is queued is not), waits for the pulls and puts under way (not
-        for questions), leaves."""
+        for questions), leaves. ``grace``: seconds to wait for those and for leaving, at most (a
+        hung master holds a Mooncake call 30 s and its leaving twice that); None: as long as they
+        take. False if a transfer may still use host memory then: the caller must not unmap it
+        (the process's exit frees it; the master's client TTL reaps this node's segment)."""
         with self._lock:
             self._closed = True
             joined = self.client.open
@@ -480,14 +484,47 @@ class ClusterTier:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        while self._moving:  # a thread's pages are let go only once it is done
-            await asyncio.shield(asyncio.gather(*list(self._moving), return_exceptions=True))
         loop = asyncio.get_running_loop()
+        end = None if grace is None else loop.time() + grace
+        while self._moving:  # a thread's pages are let go only once it is done
+            left = None if end is None else end - loop.time()
+            if left is not None and left <= 0:
+                logger.warning("the cluster's transfers under way did not end within %.0f s of the stop: "
+                               "leaving them running, and host memory mapped for them", grace)
+                return False
+            await asyncio.wait([asyncio.shield(asyncio.gather(*list(self._moving), return_exceptions=True))],
+                               timeout=left)
+        if joined and end is not None and not await self._answers(max(1.0, end - loop.time())):
+            # Leaving holds the interpreter's lock for as long as Mooncake waits on the master
+            # (twice 30 s when it hangs): the daemon stops without it, as a killed one would.
+            logger.warning("the cluster's master does not answer: this node stops without leaving it, "
+                           "and the master reaps it after its client TTL")
+            return False
         if joined:
             await loop.run_in_executor(self._put_pool, self.client.close)
         self._ask_threads.shutdown()
-        self._pull_pool.shutdown(wait=True)
-        self._put_pool.shutdown(wait=True)
+        self._pull_pool.shutdown(wait=grace is None)
+        self._put_pool.shutdown(wait=grace is None)
+        return True
+
+    async def _answers(self, timeout: float) -> bool:
+        """Whether the store answers a question about one name within ``timeout`` seconds (asked
+        on a thread of its own, which the process's exit does not wait for: Mooncake's calls let
+        the interpreter's lock go while they wait)."""
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[bool] = loop.create_future()
+
+        def ask() -> None:
+            try:
+                ok = self.client.exists([PROBE_NAME])[0] not in _STORE_DOWN
+            except Exception:
+                ok = False
+            with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile: nobody waits)
+                loop.call_soon_threadsafe(lambda: answer.done() or answer.set_result(ok))
+
+        threading.Thread(target=ask, name="kvserver-cluster-ask", daemon=True).start()
+        done, _ = await asyncio.wait([answer], timeout=timeout)
+        return bool(done) and answer.result()
 
     def describe(self) -> str:
         c = self.client

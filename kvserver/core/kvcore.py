@@ -83,6 +83,7 @@ class KVCore:
         else:
             self._build_kept(host_memory_dir, host_memory, tenant_quota, quotas)
         self.disk: DiskTier | None = None  # the disk tier (--disk-cache), under the host cache
+        self.left_running = False  # close() left a cluster call running: the process must end (os._exit)
         if disk_cache:
             self.disk = self._build_disk(disk_cache, disk_size, disk_threads, tenant_quota, quotas,
                                          disk_size_share)
@@ -724,10 +725,12 @@ class KVCore:
         if self.cluster is not None:
             self.cluster.start()
 
-    async def close(self, drain: float = 0.0) -> None:
-        """Lets every client go and closes the tiers and the arena. ``drain``: seconds the disk
-        tier may go on writing what it has queued (none where host memory is kept: the next
-        daemon writes what it finds there without a disk copy)."""
+    async def close(self, grace: float | None = None) -> None:
+        """Lets every client go and closes the tiers and the arena. ``grace`` (the daemon's
+        stop): seconds the disk tier may go on writing what it has queued (none where host
+        memory is kept: the next daemon writes what it finds there without a disk copy), and the
+        cluster tier may wait for its transfers and its leaving; None: no writing, and as long
+        as the cluster's take."""
         while self._in_threads:  # a registration or a pool close in a worker thread uses the arena
             self._thread_done.clear()
             await self._thread_done.wait()
@@ -738,9 +741,13 @@ class KVCore:
                 await self.unregister(client.client_id)
         self.copier.shutdown()
         if self.disk is not None:  # its reads and writes use the arena
-            await self.disk.close(drain if self._kept is None else 0.0)
+            await self.disk.close((grace or 0.0) if self._kept is None else 0.0)
         if self.cluster is not None:  # so do its transfers
-            await self.cluster.close()
+            if not await self.cluster.close(grace):
+                # A transfer may still write host memory, or a Mooncake call still wait on its
+                # master: host memory stays mapped, and the process ends without waiting on them.
+                self.left_running = True
+                return
         self.slab_pinner.close()  # after every copy, before the memory it pinned goes
         self.arena.close()
         if self._kept is not None:  # the cache stays in its files for the next start
