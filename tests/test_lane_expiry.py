@@ -67,12 +67,45 @@ def test_a_client_in_another_time_namespace_writes_expiries_on_the_daemons_clock
     lane = ClientLane()
     try:
         now = time.monotonic()
-        lane.learn_clock(time.monotonic_ns() + 200_000)  # the same clock, read a moment later
+        asked = time.monotonic_ns()
+        # The same clock, the answer read 1.5 s late (a pause of the engine's thread): no offset.
+        lane.learn_clock(asked + 1000, asked, asked + 1_500_000_000)
         assert lane.clock_offset_ns == 0 and abs(lane._expires(now + 1) - int((now + 1) * 1e9)) <= 1
-        lane.learn_clock(time.monotonic_ns() + 3_600 * 10**9)  # an hour ahead: another namespace
-        assert abs(lane.clock_offset_ns - 3_600 * 10**9) < 10**9
+        # Another namespace's clock, an hour ahead: the offset, to half the round trip.
+        lane.learn_clock(asked + 3_600 * 10**9, asked, asked + 2_000_000)
+        assert abs(lane.clock_offset_ns - 3_600 * 10**9) <= 1_000_000
         assert lane._expires(now + 1) - int((now + 1) * 1e9) == lane.clock_offset_ns
-        lane.learn_clock(0)  # a daemon that sends no clock reads no expiry
+        # Even 0.3 s behind (no fixed threshold): the offset.
+        lane.learn_clock(asked - 300_000_000, asked, asked + 2_000_000)
+        assert abs(lane.clock_offset_ns + 301_000_000) <= 1_000_000
+        lane.learn_clock(0, asked, asked + 1)  # a daemon that sends no clock reads no expiry
         assert lane.clock_offset_ns == 0
     finally:
         lane.close()
+
+
+def test_a_lane_opened_slowly_on_the_daemons_own_clock_serves_its_short_calls(socket_dir,
+                                                                              monkeypatch) -> None:
+    """The OpenLane answer read 1.5 s after the daemon stamped it (the engine's thread paused):
+    the client is on the daemon's clock all the same, and its 1 s Lookups are served, not refused."""
+    from kvclient._transport import lane as lane_mod
+
+    real = lane_mod.ClientLane.learn_clock
+
+    def late(self, daemon_ns, asked_ns, answered_ns):
+        time.sleep(1.5)
+        return real(self, daemon_ns, asked_ns, time.monotonic_ns())
+
+    monkeypatch.setattr(lane_mod.ClientLane, "learn_clock", late)
+    d = DaemonProcess(os.path.join(socket_dir, "kv.sock"))
+    try:
+        with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, KVClient(d.address, timeout=TIMEOUT) as client:
+            client.register(model="slow-open", pool=pool, start_layer=0, end_layer=LAYERS, num_layers=LAYERS,
+                            host_tokens=128, page_size=PAGE)
+            keys = page_keys(range(PAGE), PAGE)
+            assert client.put(keys, [0]).stored == 1 and client.lane is not None
+            assert client.lane.clock_offset_ns == 0
+            assert [client.lookup(keys).pages for _ in range(3)] == [1, 1, 1]
+            assert client.misses == 0
+    finally:
+        d.stop()

@@ -262,13 +262,17 @@ class ClientLane:
         """Whether the daemon that opened this lane serves ``rpc`` on it."""
         return bool(self.rpc_mask >> R.RPC_IDS[rpc] & 1)
 
-    def learn_clock(self, daemon_ns: int) -> None:
-        """The daemon's clock at its OpenLane answer (``OpenLaneResponse.clock_ns``): where it
-        differs from this process's CLOCK_MONOTONIC by over a second (another time namespace),
-        calls' expiries are written on the daemon's by that offset (off by the answer's transit
-        at most, which ends a call that much sooner); else on this process's own, the same clock."""
-        offset = daemon_ns - time.monotonic_ns() if daemon_ns else 0
-        self.clock_offset_ns = offset if abs(offset) > 1_000_000_000 else 0
+    def learn_clock(self, daemon_ns: int, asked_ns: int, answered_ns: int) -> None:
+        """The daemon's clock at its OpenLane answer (``OpenLaneResponse.clock_ns``), given this
+        process's CLOCK_MONOTONIC just before the call (``asked_ns``) and just after it: a daemon
+        on the same clock stamped it between the two, so calls' expiries are written on this
+        process's own clock, however long the answer took; else (another time namespace) on the
+        daemon's, by their offset at the call's middle (off by half its round trip at most).
+        0 (a daemon that reads no expiry): no offset."""
+        if not daemon_ns or asked_ns <= daemon_ns <= answered_ns:
+            self.clock_offset_ns = 0
+        else:
+            self.clock_offset_ns = daemon_ns - (asked_ns + answered_ns) // 2
 
     def _expires(self, deadline: float | None) -> int:
         """A call's expiry (slot word EXPIRES_AT) for a wait until ``deadline`` (time.monotonic;
