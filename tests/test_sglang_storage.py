@@ -723,6 +723,8 @@ def test_a_hybrid_models_side_pools_fail_the_attach_and_a_late_one_stops_stores(
         backend.register_mem_host_pool_v2(side, PoolName.SWA)
         with pytest.raises(ValueError, match="full-attention KV only"):
             backend.on_host_pools_registered()
+        # Closed by the refusal itself: SGLang drops the backend of a failed attach unclosed.
+        assert daemon.run(lambda: len(daemon.core.clients)) == 0
     finally:
         backend.close()
 

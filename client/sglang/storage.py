@@ -390,6 +390,7 @@ class KVServerStorage(HiCacheStorage):
         super().on_host_pools_registered()
         self._pools_known = True
         if self._side_pools:
+            self.close()  # (SGLang drops a backend whose attach failed without closing it)
             raise ValueError(f"kvserver's HiCache backend stores full-attention KV only; this model also "
                              f"has {', '.join(self._side_pools)} pools (sliding-window or Mamba state), "
                              "which it cannot store, so none of its prefetches could hit: run it without "
@@ -565,7 +566,7 @@ class KVServerStorage(HiCacheStorage):
     def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> bool:
         """Stores flat page tensors under ``keys``; True if the cache holds them all afterwards."""
-        if not keys:
+        if not keys or self._side_pools:  # (a hybrid model's sidecar came while serving)
             return False
         if not self.writer:
             return True
