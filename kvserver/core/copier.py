@@ -395,8 +395,11 @@ async def plane_turn(client: ClientState) -> AsyncIterator[PlaneTurn]:
 
 async def _take_turn(job: ClientJob) -> None:
     """A job built without its turn (the cache's): takes it now, and refuses to start for a client
-    released meanwhile (its pool may be closed)."""
+    released meanwhile (its pool may be closed): with a gate or without (a client on gRPC alone,
+    whose Get paused at its first message while an Unregister closed its pool)."""
     client = job.client
+    if client.closing:
+        raise UnknownClient(f"client {public_id(client.client_id)} was released while its copy waited")
     if client.gate is None or job.turn is not None:
         return
     async with plane_turn(client) as turn:

@@ -150,6 +150,8 @@ class ShmDevicePool(DevicePool):
                 signal.publish(i + 1)
 
     def close(self) -> None:
+        # The tables hold the mappings' addresses: a copy started after this finds none to use.
+        self.token_table = self.page_table = None
         self.token_views = []
         self.page_views = None
         for m in self.mappings:
