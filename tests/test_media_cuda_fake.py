@@ -1161,3 +1161,85 @@ def test_the_unregister_of_a_stalled_client_ends(daemon_factory, fake):
             assert [c[0] for c in rt.calls].count("hostUnregister") == 1
     finally:
         rt.fire(hung)
+
+
+def test_one_engine_s_stalled_copies_hold_no_other_engine_s_completion(daemon_factory, fake):
+    """Engine A sends 64 Writes behind a ready event that never fires (a hung GPU, or a hostile
+    engine): its waits take one of the daemon's waiter threads, one after another, not all of them,
+    and engine B's load, done on its own stream at once, ends at once, not at A's deadline."""
+    d = daemon_factory(cuda_wait_seconds=4.0)
+    rt = fake.cuda.runtime
+    refs_a, _, _ = cuda_pool(fake, 2, 64)
+    refs_b, kv_b, _ = cuda_pool(fake, 2, 64)
+    hung = (4242).to_bytes(8, "little") * 8
+    rt.hang(hung)
+    try:
+        with grpc.insecure_channel(d.address) as ch:
+            stub = ticketing_stub(ch, d.address)
+            a = register(stub, refs_a, 2, 64, 16)
+            b = register(stub, refs_b, 2, 64, 16)
+            host_a = list(stub.Alloc(pb.AllocRequest(client_id=a.client_id, num_tokens=16)).host_indices)
+            host_b = list(stub.Alloc(pb.AllocRequest(client_id=b.client_id, num_tokens=64)).host_indices)
+            kv_b[:] = 4
+            stub.Write(pb.WriteRequest(client_id=b.client_id, host_indices=host_b,
+                                       device_indices=list(range(64))), timeout=10)
+
+            def a_write():
+                with contextlib.suppress(grpc.RpcError):
+                    stub.Write(pb.WriteRequest(client_id=a.client_id, host_indices=host_a,
+                                               device_indices=list(range(16)), ready_event=hung), timeout=30)
+
+            threads = [threading.Thread(target=a_write) for _ in range(64)]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 10
+            while [c[0] for c in rt.calls].count("streamWaitEvent") < 64 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            kv_b[:] = 0
+            t0 = time.monotonic()
+            list(stub.Load(pb.LoadRequest(client_id=b.client_id, host_indices=host_b,
+                                          device_indices=list(range(64))), timeout=30))
+            took = time.monotonic() - t0
+            assert (kv_b[:, :, :64] == 4).all()
+            for t in threads:
+                t.join(30)
+            assert took < 1.0, f"B's load took {took:.2f} s: it waited for A's deadline"
+    finally:
+        rt.fire_all()
+
+
+def test_a_handle_that_opens_nothing_is_invalid_argument(daemon, fake, monkeypatch):
+    """A stale handle (its engine freed the memory) or bytes that are no handle: the driver refuses
+    to open it, and the Register is refused as the caller's error, not an internal one."""
+    rt = fake.cuda.runtime
+    refs, _, _ = cuda_pool(fake, 2, 64)
+
+    def open_fails(handle, flags=1):
+        raise RuntimeError("cudaErrorInvalidValue: invalid argument")  # CuPy's CUDARuntimeError text
+
+    monkeypatch.setattr(rt, "ipcOpenMemHandle", open_fails)
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = ticketing_stub(ch, daemon.address)
+        with pytest.raises(grpc.RpcError) as err:
+            register(stub, refs, 2, 64, 16)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "opens no allocation" in err.value.details()
+
+
+@pytest.mark.parametrize("forms", [(b"", b"\x02c"), (b"\x02c", b"\x03c")])
+def test_two_buffers_at_the_same_bytes_overlap_whichever_form_their_handle_takes(forms):
+    """The raw 64-byte handle and torch's 66-byte forms name the same allocation: two strided
+    buffers at the same bytes under two forms overlap as under one."""
+    from kvserver.errors import InvalidArgument
+    from kvserver.media.cuda import open_cuda
+    from kvserver.protocol.layout import KVLayout
+
+    handle = bytes(range(64))
+
+    def ref(prefix: bytes):
+        return pb.BufferRef(cuda=pb.CudaIpcLocation(ipc_handle=prefix + handle, device_uuid=UUID,
+                                                    allocation_size=1 << 20),
+                            offset=0, token_stride=128, head_stride=2048)
+
+    with pytest.raises(InvalidArgument, match="overlap in the same memory"):
+        open_cuda([ref(forms[0]), ref(forms[1])], 16, KVLayout.mha(2, 64), torch.float16, 16, 2)

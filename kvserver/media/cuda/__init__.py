@@ -56,7 +56,8 @@ def open_cuda(refs: list[pb.BufferRef], num_tokens: int, layout: KVLayout, kv_dt
             raise InvalidArgument(
                 f"{what}: buffer at {geometry.describe(r)} needs {g.span(num_tokens)[1]} bytes for "
                 f"{num_tokens} tokens, but the allocation is {r.cuda.allocation_size} bytes")
-    geometry.check_no_overlap(geoms, [bytes(r.cuda.ipc_handle).hex() for r in refs], num_tokens,
+    # Grouped by allocation: the handle as CUDA gives it, whichever of its forms the engine sent.
+    geometry.check_no_overlap(geoms, [raw_ipc_handle(r.cuda.ipc_handle).hex() for r in refs], num_tokens,
                               lambda i: f"device_pool buffer {i}", budget)
     strided = not all(g.plain for g in geoms)
     if strided and len({g.shape_key() for g in geoms}) != 1:

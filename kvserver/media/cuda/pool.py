@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
@@ -76,9 +76,17 @@ def _open_allocation(rt, ordinal: int, handle: bytes) -> tuple[int, int]:
     with _open_lock:
         entry = _open.get((ordinal, handle))
         if entry is None:
-            ptr = rt.ipcOpenMemHandle(handle, 1)
+            try:
+                ptr = rt.ipcOpenMemHandle(handle, 1)
+            except Exception as exc:  # (CuPy's CUDARuntimeError) a stale or made-up handle: the caller's
+                raise InvalidArgument(f"the IPC handle opens no allocation on device {ordinal}: "
+                                      f"{exc}") from None
             try:
                 base, size = driver.allocation_range(ptr)
+            except driver.DriverError as exc:
+                rt.ipcCloseMemHandle(ptr)
+                raise InvalidArgument(f"the IPC handle's allocation on device {ordinal} has no range: "
+                                      f"{exc}") from None
             except BaseException:
                 rt.ipcCloseMemHandle(ptr)
                 raise
@@ -137,6 +145,12 @@ class CudaDevicePool(DevicePool):
     slabs: SlabPinner | None = None  # the daemon's cache slabs, pinned once this pool attaches
     # Completes once the pool's resources are released: its GPU work, if any was left, has drained.
     released: Future = field(default_factory=Future)
+    # Its enqueued copies' waits, taken one at a time by one of the daemon's waiter threads (the
+    # stream completes them in order anyway): an engine whose ready event never fires holds one
+    # waiter, never every one, and no other engine's copy waits for a free waiter behind it.
+    _waits: deque = field(default_factory=deque)
+    _waiting: bool = False
+    _waits_lock: threading.Lock = field(default_factory=threading.Lock)
     # The compiled data plane's gate, where it puts this pool's lane copies on the stream itself
     # (plane_setup), and the engines' ready events it was given: kept open until the release.
     plane_gate: object = None
@@ -383,7 +397,7 @@ class CudaDevicePool(DevicePool):
                                        job.event_slot, cache_rows=job.host_table is not None)
                 if signal is not None and pending.failed is None:
                     signal.mark_recorded()
-                waiters.submit(wait, pending)  # a failed launch is drained there too
+                self._wait_in_turn(waiters, wait, pending)  # a failed launch is drained there too
             except BaseException as exc:
                 fail(exc)
 
@@ -473,6 +487,33 @@ class CudaDevicePool(DevicePool):
         if to_device:
             return self._copier(dev_bases, dev_off, host_bases, host_off, row_bytes)
         return self._copier(host_bases, host_off, dev_bases, dev_off, row_bytes)
+
+    def _wait_in_turn(self, waiters: Executor, wait: Callable[[Pending], None], pending: Pending) -> None:
+        """Queues ``wait(pending)`` behind this pool's earlier waits, on one waiter thread at a time."""
+        with self._waits_lock:
+            self._waits.append((wait, pending))
+            if self._waiting:
+                return
+            self._waiting = True
+        try:
+            waiters.submit(self._run_waits)
+        except BaseException:  # (the daemon stopping): this wait is not queued, the caller fails it
+            with self._waits_lock:
+                self._waits.remove((wait, pending))
+                self._waiting = False
+            raise
+
+    def _run_waits(self) -> None:
+        while True:
+            with self._waits_lock:
+                if not self._waits:
+                    self._waiting = False
+                    return
+                wait, pending = self._waits.popleft()
+            try:
+                wait(pending)  # (it settles its job whatever happens)
+            except Exception:
+                logger.exception("waiting for a CUDA copy of device %d failed", self.ordinal)
 
     def wait(self, pending: Pending, signal) -> None:
         """Blocks until the enqueued copy is done, reporting each layer through ``signal`` as its
