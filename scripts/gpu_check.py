@@ -72,6 +72,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA_WAIT_SECONDS = 5  # the daemon's --cuda-wait-seconds in this check
 LANE_TRIPS = 200  # one-page write + load round trips timed per engine (the fast lane)
 STALL_SECONDS = 12  # how long the stalled client's ready event is held back (> CUDA_WAIT_SECONDS)
+# Writes the stalled client sends behind its ready event besides the one timed: more than the
+# daemon's 64 waiter threads, which one stalled pool held all of before its waits went one at a
+# time (B's loads then waited for A's deadline).
+STALL_EXTRA_WRITES = 66
 # The cache round trip: an 8-layer MHA (8 x 128, bf16) model, pools of 4096 tokens, 64 pages of 16
 # tokens stored (32 MiB) and 4 more asked for that were never stored.
 CACHE_LAYERS, CACHE_TOKENS, CACHE_PAGE, CACHE_PAGES, CACHE_EXTRA = 8, 4096, 16, 64, 4
@@ -471,9 +475,23 @@ def safety_engine(address: str, wait_seconds: float, stall_seconds: float, out) 
                 stall["a_code"], stall["a_message"] = exc.code.name, exc.message[:300]
             stall["a_seconds"] = round(time.monotonic() - start, 2)
 
+        def extra_write() -> None:
+            try:
+                a.write(host_indices=host_a, device_indices=dev_idx, ready_event=ready)
+                code = "OK"
+            except KVClientError as exc:
+                code = exc.code.name
+            with extra_lock:
+                extra_codes[code] = extra_codes.get(code, 0) + 1
+
+        extra_codes: dict[str, int] = {}
+        extra_lock = threading.Lock()
         spin_started = time.monotonic()
         writer = threading.Thread(target=stalled_write)
         writer.start()
+        extras = [threading.Thread(target=extra_write, daemon=True) for _ in range(STALL_EXTRA_WRITES)]
+        for t in extras:
+            t.start()
         loads, exact, wipe_s, load_s = 0, True, [], []
         work = torch.cuda.Stream()  # B's own stream: nothing it waits for is behind the spin
         while writer.is_alive():
@@ -494,6 +512,9 @@ def safety_engine(address: str, wait_seconds: float, stall_seconds: float, out) 
             load_s.append(w2 - w1)
             loads += 1
         writer.join()
+        for t in extras:
+            t.join(wait_seconds + 30)
+        stall["a_extra_writes"] = dict(extra_codes)
         stall["b_loads_during_stall"], stall["b_exact"] = loads, exact
         # where B's time went: a load held up by A's stall shows here, apart from the check's own
         stall["b_wipe_seconds_max"] = round(max(wipe_s, default=0.0), 4)
@@ -528,6 +549,7 @@ def safety_engine(address: str, wait_seconds: float, stall_seconds: float, out) 
         spinner.join(stall_seconds + 30)
         result["ok"] = bool(result["oversized_span_refused"] and stall["a_code"] == "DEADLINE_EXCEEDED"
                             and stall["a_seconds"] < wait_seconds + 3 and loads >= 1 and exact
+                            and stall["b_load_seconds_max"] < wait_seconds / 2  # never behind A's waits
                             and stall["a_reclaimed"] and stall["held_while_stalled"]
                             and stall["spin_running_at_check"]
                             and stall["quarantine_released"])
