@@ -255,3 +255,22 @@ def test_cuda_wait_seconds_flag_and_variable(monkeypatch):
     for bad in (0, -1, 1e9):
         with pytest.raises(ValueError, match="CUDA wait seconds"):
             ServerConfig(socket="/tmp/x.sock", cuda_wait_seconds=bad)
+
+
+@pytest.mark.parametrize("case", ["event_slots", "token_strides", "two_devices"])
+def test_descriptions_no_gpu_could_take_are_invalid_on_a_daemon_without_one(case):
+    """Bad input is INVALID_ARGUMENT on any daemon, found before the GPU is looked for (this one
+    has none: it would answer FAILED_PRECONDITION)."""
+    from kvserver.media.cuda import open_cuda
+
+    u1, u2 = "GPU-1a2b3c4d-5e6f-7a8b-9c0d-112233445566", "GPU-ffffffff-5e6f-7a8b-9c0d-112233445566"
+
+    def ref(stride=256, uuid=u1, offset=0):
+        where = pb.CudaIpcLocation(ipc_handle=bytes(range(64)), device_uuid=uuid, allocation_size=1 << 20)
+        return pb.BufferRef(cuda=where, offset=offset, token_stride=stride)
+
+    refs, slots = {"event_slots": ([ref(), ref(offset=1 << 18)], 1000),
+                   "token_strides": ([ref(), ref(512, offset=1 << 18)], 2),
+                   "two_devices": ([ref(), ref(uuid=u2, offset=1 << 18)], 2)}[case]
+    with pytest.raises(InvalidArgument):
+        open_cuda(refs, 64, KVLayout.mha(2, 64), torch.float16, 16, slots)

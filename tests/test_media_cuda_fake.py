@@ -252,6 +252,13 @@ def test_cuda_request_checks(daemon, fake):
         with pytest.raises(grpc.RpcError) as err:
             register(stub, refs, 2, 64, 16)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "must live on one device" in err.value.details()  # (found before any GPU is asked)
+        for layer in refs.layers:  # every buffer on a GPU the daemon cannot see
+            for part in layer.parts:
+                part.cuda.device_uuid = other_uuid
+        with pytest.raises(grpc.RpcError) as err:
+            register(stub, refs, 2, 64, 16)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "not visible to the daemon" in err.value.details()
 
 

@@ -22,6 +22,7 @@ import torch
 
 from kvserver.copies import geometry
 from kvserver.errors import InvalidArgument, Unimplemented
+from kvserver.media.cuda.plan import MAX_EVENT_SLOTS
 from kvserver.media.cuda.runtime import require_cuda
 from kvserver.media.cuda.slabs import SlabPinner
 from kvserver.protocol.cuda_ipc import check_span, normalize_pci_bus_id, normalize_uuid, raw_ipc_handle
@@ -41,6 +42,12 @@ def open_cuda(refs: list[pb.BufferRef], num_tokens: int, layout: KVLayout, kv_dt
     ``slabs``: the daemon's cache slabs, pinned for this pool's device once it attaches."""
     token_bytes = layout.token_bytes(kv_dtype)
     heads, head_bytes = layout.num_heads, layout.head_dim * kv_dtype.itemsize
+    if not 0 <= event_slots <= MAX_EVENT_SLOTS:
+        raise InvalidArgument(f"event_slots must be at most {MAX_EVENT_SLOTS}, got {event_slots}")
+    if len({r.token_stride for r in refs}) > 1:
+        raise InvalidArgument("every buffer of a CUDA pool must have the same token_stride")
+    if len({normalize_uuid(r.cuda.device_uuid) for r in refs if r.cuda.device_uuid}) > 1:
+        raise InvalidArgument("every buffer of a CUDA pool must live on one device")
     geoms = []
     budget = geometry.CheckBudget()
     for i, r in enumerate(refs):

@@ -13,6 +13,8 @@ import os
 
 import numpy as np
 
+MAX_EVENT_SLOTS = 16  # event slots a CUDA pool may ask for (its events: slots x layers)
+
 DMA_MIN_CHUNK_BYTES = 28 << 10
 # Each DMA is one cudaMemcpyAsync issued from Python (a few microseconds each; not yet measured
 # here): past this many per job the issue cost is taken to outweigh DMA's edge, and the kernel

@@ -59,7 +59,7 @@ EVENT_FLAGS = 1 | 2 | 4
 DONE_EVENT_FLAGS = 1 | 2  # a write's completion: BlockingSync | DisableTiming, this process only
 MEMCPY_DEFAULT = 4
 DEFAULT_EVENT_SLOTS = 3
-MAX_EVENT_SLOTS = 16
+MAX_EVENT_SLOTS = plan.MAX_EVENT_SLOTS
 # Engines' ready events opened per client, least recently used closed first: an engine that makes
 # a new event per step must not grow the daemon's set without bound.
 MAX_OPENED_EVENTS = 64
