@@ -267,12 +267,13 @@ class ClientLane:
         process's CLOCK_MONOTONIC just before the call (``asked_ns``) and just after it: a daemon
         on the same clock stamped it between the two, so calls' expiries are written on this
         process's own clock, however long the answer took; else (another time namespace) on the
-        daemon's, by their offset at the call's middle (off by half its round trip at most).
-        0 (a daemon that reads no expiry): no offset."""
+        daemon's, by their offset taken at the call's start: never below the true one (the daemon
+        stamped later), so an expiry comes late by the round trip at most, never early. 0 (a
+        daemon that reads no expiry): no offset."""
         if not daemon_ns or asked_ns <= daemon_ns <= answered_ns:
             self.clock_offset_ns = 0
         else:
-            self.clock_offset_ns = daemon_ns - (asked_ns + answered_ns) // 2
+            self.clock_offset_ns = daemon_ns - asked_ns
 
     def _expires(self, deadline: float | None) -> int:
         """A call's expiry (slot word EXPIRES_AT) for a wait until ``deadline`` (time.monotonic;

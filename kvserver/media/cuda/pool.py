@@ -497,11 +497,8 @@ class CudaDevicePool(DevicePool):
             self._waiting = True
         try:
             waiters.submit(self._run_waits)
-        except BaseException:  # (the daemon stopping): this wait is not queued, the caller fails it
-            with self._waits_lock:
-                self._waits.remove((wait, pending))
-                self._waiting = False
-            raise
+        except RuntimeError:  # the waiters shut down (the daemon stopping): the chain runs here
+            self._run_waits()
 
     def _run_waits(self) -> None:
         while True:
