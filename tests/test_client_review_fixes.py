@@ -348,7 +348,12 @@ def _descriptors_left(n: int):
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + n, hard))
+    used = {int(fd) for fd in os.listdir("/proc/self/fd")}
+    limit, free = 0, 0  # (the limit bounds descriptors' numbers: those free below it are what is left)
+    while free < n:
+        free += limit not in used
+        limit += 1
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
     try:
         yield
     finally:
