@@ -936,3 +936,34 @@ def test_a_gone_daemon_costs_misses_whatever_lookup_timeout_s_is(engines, socket
         assert b.connector._scheduler.away.closings >= 1
     finally:
         d.stop()
+
+
+def test_a_request_that_finishes_on_a_failed_load_stores_nothing_it_computed(engines, daemon_factory, vcfg,
+                                                                            monkeypatch):
+    """With vLLM's kv_load_failure_policy "fail", a request whose load failed is finished (an
+    error) before the connector hears the step's reports: its blocks from the load's first on hold
+    KV that never landed, or was computed on it, and nothing computes them again. None of them is
+    stored (vLLM 0.33 sets the request's computed tokens back to the failed block first, so it is
+    not held for the report either): an engine loading the prompt later computes it."""
+    monkeypatch.setattr(vcfg.kv_transfer_config, "kv_load_failure_policy", "fail")
+    d = daemon_factory(host_memory=64 << 20)
+    a = engines("finish-on-failed", address=d.address)
+    a.add("a1", PROMPT[:64] + [1], max_tokens=1)  # stores blocks 0-3
+    a.run()
+
+    def evict(engine, so):
+        if any(r.req_id == "b1" for r in so.scheduled_new_reqs):
+            d.run(lambda: d.core.cache.evict_all())
+
+    longer = PROMPT[:64] + [(11 * i) % 400 + 5 for i in range(40)]
+    b = engines("finish-on-failed", address=d.address, settings={"lookup_pin_ms": 0}, before_load=evict)
+    b.add("b1", longer, max_tokens=1)
+    b.run()
+    assert b.admitted["b1"] == [64] and len(b.invalid) == 4  # its load failed whole
+    monkeypatch.setattr(vcfg.kv_transfer_config, "kv_load_failure_policy", "recompute")
+    seen: list[int] = []
+    c = engines("finish-on-failed", address=d.address, on_layer=check_loaded("c1", longer, 64, seen))
+    c.add("c1", longer, max_tokens=1)
+    c.step()
+    assert seen == [0, 1] and c.admitted["c1"] == [0]  # nothing of b1's was stored
+    c.run()

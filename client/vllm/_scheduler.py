@@ -586,10 +586,9 @@ class SchedulerSide:
             if st.loading_from is not None or st.depends:
                 continue
             del self._held[rid]
-            del self._reqs[rid]
-            self._forget_loads(st, st.request, block_ids)
-            if self.active and self.saves:
-                self._finish_saves.extend(self._save_jobs(st, computed, block_ids))
+            if st.load_failed:  # its own load failed, and nothing computes those blocks again (vLLM
+                self._taint(st, st.load_first)  # 0.33 sets a failed request's tokens back first)
+            self._finish(st, computed, block_ids)
             self._released.add(rid)
 
     def _load_done(self, rid: str, ok: bool, asynchronous: bool = False) -> None:
@@ -643,11 +642,16 @@ class SchedulerSide:
             # its blocks are held until the report says whether what it computed can be stored.
             self._held[rid] = (computed, block_ids)
             return True, None
-        del self._reqs[rid]
-        self._forget_loads(st, request, block_ids)
+        self._finish(st, computed, block_ids)
+        return st.saving, None
+
+    def _finish(self, st: _Req, computed: int, block_ids: tuple[list[int], ...]) -> None:
+        """The request ends: forgotten, the blocks it computed and has not stored yet stored by
+        the workers' next step (``computed`` tokens, of ``block_ids``)."""
+        del self._reqs[st.request.request_id]
+        self._forget_loads(st, st.request, block_ids)
         if self.active and self.saves:
             self._finish_saves.extend(self._save_jobs(st, computed, block_ids))
-        return st.saving, None
 
     def _forget_loads(self, st: _Req, request, block_ids: tuple[list[int], ...]) -> None:
         """A request ends. Its load's report, if still to come, resolves its blocks then; what it
