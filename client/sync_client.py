@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -312,10 +311,9 @@ class KVClient(CoreShell):
         try:
             lane = ClientLane()
             ticket = ticket_for(self.target, lane.daemon_fds(), self.timeout)
-            asked = time.monotonic_ns()
-            opened = self._stub.OpenLane(pb.OpenLaneRequest(client_id=reg.client_id, peer_ticket=ticket),
-                                         timeout=self.timeout, metadata=self._core.metadata)
-            answered = time.monotonic_ns()
+            opened = lane.opened_by(lambda: self._stub.OpenLane(
+                pb.OpenLaneRequest(client_id=reg.client_id, peer_ticket=ticket), timeout=self.timeout,
+                metadata=self._core.metadata))
         # ValueError: closed meanwhile; OSError: no descriptors or memory left for the lane's own
         except (grpc.RpcError, KVClientError, ValueError, OSError) as exc:
             if lane is not None:
@@ -332,7 +330,6 @@ class KVClient(CoreShell):
         lane.reg = reg
         lane.request_format = opened.request_format
         lane.rpc_mask = opened.rpc_mask or R.OLD_RPC_MASK
-        lane.learn_clock(opened.clock_ns, asked, answered)
         with self._lane_lock:
             # Only the current registration's lane is installed: another thread may have made a
             # newer registration (and opened its lane) while this one was opened.

@@ -141,10 +141,9 @@ class ViewLane:
             # The ticket and OpenLane together: half the first Lookup's time at most.
             until = time.monotonic() + min(OPEN_SECONDS, max(0.001, (deadline - time.monotonic()) / 2))
             ticket = ticket_for(self._target, lane.daemon_fds(), max(0.001, until - time.monotonic()))
-            asked = time.monotonic_ns()
-            opened = stub.OpenLane(pb.OpenLaneRequest(space_id=space_id, peer_ticket=ticket),
-                                   timeout=max(0.001, until - time.monotonic()), metadata=self._metadata)
-            answered = time.monotonic_ns()
+            opened = lane.opened_by(lambda: stub.OpenLane(
+                pb.OpenLaneRequest(space_id=space_id, peer_ticket=ticket),
+                timeout=max(0.001, until - time.monotonic()), metadata=self._metadata))
         except (grpc.RpcError, KVClientError, OSError, ValueError) as exc:
             if lane is not None:
                 lane.close()
@@ -158,7 +157,6 @@ class ViewLane:
             if lane is not None:
                 lane.handed_over()
         lane.rpc_mask = opened.rpc_mask
-        lane.learn_clock(opened.clock_ns, asked, answered)
         if not lane.serves("Lookup"):  # a daemon that opened something else: not ours to use
             lane.close()
             self.refusals += 1

@@ -262,6 +262,13 @@ class ClientLane:
         """Whether the daemon that opened this lane serves ``rpc`` on it."""
         return bool(self.rpc_mask >> R.RPC_IDS[rpc] & 1)
 
+    def opened_by(self, open_lane: Callable[[], Any]) -> Any:
+        """``open_lane()``'s answer (the OpenLane call), its clock learnt (``learn_clock``)."""
+        asked = time.monotonic_ns()
+        opened = open_lane()
+        self.learn_clock(opened.clock_ns, asked, time.monotonic_ns())
+        return opened
+
     def learn_clock(self, daemon_ns: int, asked_ns: int, answered_ns: int) -> None:
         """The daemon's clock at its OpenLane answer (``OpenLaneResponse.clock_ns``), given this
         process's CLOCK_MONOTONIC just before the call (``asked_ns``) and just after it: a daemon
