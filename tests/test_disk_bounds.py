@@ -39,6 +39,11 @@ def stuck_writes(monkeypatch) -> threading.Event:
     return gate
 
 
+def part_of(core: KVCore, space: SpaceKey = SPACE):
+    """The space's one part (all 4 layers, pages of PAGE bytes) in the core's host cache."""
+    return core.cache.part(core.cache.space(space), PartKey(0, 0, 0, 4, PAGE))
+
+
 def put(core: KVCore, part, prefix: str, n: int) -> int:
     """Commits ``n`` new pages in ``part`` and queues them for the disk, as a Put does."""
     c = core.cache
@@ -56,8 +61,8 @@ def test_a_stuck_disk_s_backlog_names_no_more_than_host_memory_holds(tmp_path, m
     async def body() -> None:
         core = KVCore(16 * MiB, disk_cache=str(tmp_path / "disk"), disk_size=128 * MiB)
         try:
-            c, d = core.cache, core.disk
-            part = c.part(c.space(SPACE), PartKey(0, 0, 0, 4, PAGE))
+            d = core.disk
+            part = part_of(core)
             committed = 0
             for r in range(100):  # 100 Puts of 64 pages: 200 MiB through 16 MiB of host memory
                 committed += put(core, part, f"p{r}-", 64)
@@ -86,8 +91,8 @@ def test_a_long_backlog_is_walked_a_bounded_turn_at_a_time(tmp_path, monkeypatch
         core = KVCore(16 * MiB, disk_cache=str(tmp_path / "disk"), disk_size=128 * MiB)
         try:
             c, d = core.cache, core.disk
-            part = c.part(c.space(SPACE), PartKey(0, 0, 0, 4, PAGE))
-            other = c.part(c.space(dataclasses.replace(SPACE, tenant="u")), PartKey(0, 0, 0, 4, PAGE))
+            part = part_of(core)
+            other = part_of(core, dataclasses.replace(SPACE, tenant="u"))
             put(core, other, "first-", 128)  # 4 MiB queued, stuck: the next Puts go to the backlog
             for r in range(200):
                 put(core, part, f"b{r}-", 1)
@@ -124,8 +129,8 @@ def test_a_clean_stop_writes_what_is_queued_within_its_grace(tmp_path, monkeypat
 
     async def fill(drain: float) -> tuple[int, int, int]:
         core = KVCore(16 * MiB, disk_cache=path, disk_size=128 * MiB)
-        c, d = core.cache, core.disk
-        part = c.part(c.space(SPACE), PartKey(0, 0, 0, 4, PAGE))
+        d = core.disk
+        part = part_of(core)
         n = sum([put(core, part, f"s{r}-", 32) for r in range(12)])  # 12 MiB: queue and backlog
         await core.close(drain)
         return n, d.counters.written_pages, d.counters.skipped_pages
@@ -147,8 +152,8 @@ def test_a_stop_without_grace_says_how_many_pages_have_no_disk_copy(tmp_path, mo
 
     async def body() -> tuple[int, int]:
         core = KVCore(16 * MiB, disk_cache=str(tmp_path / "disk"), disk_size=128 * MiB)
-        c, d = core.cache, core.disk
-        part = c.part(c.space(SPACE), PartKey(0, 0, 0, 4, PAGE))
+        d = core.disk
+        part = part_of(core)
         put(core, part, "a-", 64)
         await asyncio.sleep(0.05)  # the writer takes its batches: they wait on the disk
         put(core, part, "b-", 64)
@@ -191,8 +196,8 @@ def test_a_stop_counts_the_batch_the_writer_was_taking_disk_pages_for(tmp_path, 
 
     async def body() -> tuple[int, int]:
         core = KVCore(160 * MiB, disk_cache=str(tmp_path / "disk"), disk_size=128 * MiB)
-        c, d = core.cache, core.disk
-        part = c.part(c.space(SPACE), PartKey(0, 0, 0, 4, PAGE))
+        d = core.disk
+        part = part_of(core)
         assert put(core, part, "x-", n) == n
         await asyncio.sleep(0)  # the writer took the batch and waits between two steps
         with caplog.at_level(logging.WARNING, logger="kvserver.disk.tier"):
