@@ -74,8 +74,10 @@ LANE_TRIPS = 200  # one-page write + load round trips timed per engine (the fast
 STALL_SECONDS = 12  # how long the stalled client's ready event is held back (> CUDA_WAIT_SECONDS)
 # Writes the stalled client sends behind its ready event besides the one timed: more than the
 # daemon's 64 waiter threads, which one stalled pool held all of before its waits went one at a
-# time (B's loads then waited for A's deadline).
-STALL_EXTRA_WRITES = 66
+# time (B's loads then waited for A's deadline); and more driver calls (11 each) than a stream's
+# queue is reported to take (about 1000), which would hold a copy worker in a driver call were
+# the daemon not to keep each stream within plan.MAX_QUEUED (512) calls.
+STALL_EXTRA_WRITES = 100
 # The cache round trip: an 8-layer MHA (8 x 128, bf16) model, pools of 4096 tokens, 64 pages of 16
 # tokens stored (32 MiB) and 4 more asked for that were never stored.
 CACHE_LAYERS, CACHE_TOKENS, CACHE_PAGE, CACHE_PAGES, CACHE_EXTRA = 8, 4096, 16, 64, 4
@@ -475,9 +477,12 @@ def safety_engine(address: str, wait_seconds: float, stall_seconds: float, out) 
                 stall["a_code"], stall["a_message"] = exc.code.name, exc.message[:300]
             stall["a_seconds"] = round(time.monotonic() - start, 2)
 
-        def extra_write() -> None:  # one page each: ~6 driver calls, ~400 for all, below a queue's depth
+        # 16 scattered tokens each: the copy kernel's 11 driver calls (the wait, 4 uploads of 2
+        # calls, the launch, the record), 1100 in all: the last ones wait in the daemon's copy
+        # queue, not in a full driver queue on a copy worker every engine's copies need.
+        def extra_write() -> None:
             try:
-                a.write(host_indices=host_a[:16], device_indices=dev_idx[:16], ready_event=ready)
+                a.write(host_indices=host_a[:16], device_indices=dev_idx[:32:2], ready_event=ready)
                 code = "OK"
             except KVClientError as exc:
                 code = exc.code.name

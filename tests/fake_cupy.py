@@ -18,6 +18,9 @@ events recorded there do not complete, until the test fires that event. ``eventQ
 ``streamQuery`` answer NOT_READY meanwhile, as CuPy's do (they return cudaErrorNotReady rather
 than raise); ``eventSynchronize`` and ``streamSynchronize`` block, as the real ones would for
 good (here they give up after STUCK_SECONDS, so a test that waits on them fails instead of hanging).
+Like the driver's, a stalled stream's queue has a depth (``FakeRuntime.queue_depth``, unbounded
+unless a test sets it): a call past it waits until the stream runs again, as a call into a full
+queue waits for room. ``outstanding`` counts the calls waiting on a stalled stream.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ class FakeRuntime:
         self._hung: set[int] = set()  # engine events (as opened here) that have not fired
         self._stalled: dict[int, tuple[int, list]] = {}  # stream -> (hung event, work behind it)
         self._pending: set[int] = set()  # events recorded behind a hung one
+        self._queued: dict[int, int] = {}  # stalled stream -> calls on it since (its wait included)
+        self.queue_depth: int | None = None  # calls a stalled stream holds before the next one waits
         self.registered: dict[int, int] = {}  # host address -> bytes, while hostRegister'ed
         self.device_offset = 0  # added to a registered host address to give its device address
 
@@ -84,6 +89,7 @@ class FakeRuntime:
             for stream, (waited, work) in list(self._stalled.items()):
                 if waited == event:
                     del self._stalled[stream]
+                    self._queued.pop(stream, None)
                     for fn in work:
                         fn()
             self._cond.notify_all()
@@ -113,7 +119,20 @@ class FakeRuntime:
         return self._current.stack
 
     def _on_stream(self, stream: int, call: str) -> None:
-        self.stream_ops.append((stream, threading.get_ident(), call))
+        """Puts a call on ``stream``: past ``queue_depth`` calls on a stalled stream, waits until it
+        runs again (for at most STUCK_SECONDS, then fails as a stuck wait does)."""
+        with self._cond:
+            if stream in self._stalled:
+                if self.queue_depth is not None and self._queued[stream] >= self.queue_depth:
+                    self._block_until(lambda: stream not in self._stalled, "a call into a full queue")
+                else:
+                    self._queued[stream] += 1
+            self.stream_ops.append((stream, threading.get_ident(), call))
+
+    def outstanding(self, stream: int) -> int:
+        """Calls put on ``stream`` since it stalled, its wait included; 0 while it runs."""
+        with self._cond:
+            return self._queued.get(stream, 0)
 
     def _id(self) -> int:
         with self._lock:
@@ -214,6 +233,7 @@ class FakeRuntime:
         with self._cond:
             if event in self._hung and stream not in self._stalled:
                 self._stalled[stream] = (event, [])
+                self._queued[stream] = 1
 
     def eventCreateWithFlags(self, flags):
         self.calls.append(("eventCreateWithFlags", flags))
@@ -302,6 +322,15 @@ class FakeMemoryPool:
         self.runtime.calls.append(("free_all_blocks", None if stream is None else stream.ptr))
 
 
+def upload(runtime: FakeRuntime, a) -> np.ndarray:
+    """CuPy's asarray of host memory: a copy from a pinned staging buffer on the current stream,
+    then an event recorded behind it (CuPy's pinned pool frees the buffer once it fires)."""
+    stream = runtime.current_stream[-1]
+    runtime._on_stream(stream, "upload")
+    runtime._on_stream(stream, "upload's record")
+    return np.ascontiguousarray(a)
+
+
 class FakeCupy:
     """Hashable, like the cupy module (the daemon caches per-module lookups)."""
 
@@ -314,7 +343,7 @@ class FakeCupy:
             Stream=lambda non_blocking=False: FakeStream(runtime, non_blocking),
             is_available=lambda: True,
         )
-        self.asarray = lambda a: np.ascontiguousarray(a)
+        self.asarray = lambda a: upload(runtime, a)
         self.get_default_memory_pool = lambda: pool
         self.RawKernel = lambda source, name: RecordingKernel(runtime, source, name)
 

@@ -1250,3 +1250,158 @@ def test_two_buffers_at_the_same_bytes_overlap_whichever_form_their_handle_takes
 
     with pytest.raises(InvalidArgument, match="overlap in the same memory"):
         open_cuda([ref(forms[0]), ref(forms[1])], 16, KVLayout.mha(2, 64), torch.float16, 16, 2)
+
+
+def _settled(read, seconds: float = 8.0, still: float = 0.4):
+    """``read()`` once it has not changed for ``still`` seconds (at most ``seconds`` in all)."""
+    deadline = time.monotonic() + seconds
+    last, since = read(), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = read()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= still:
+            break
+    return last
+
+
+@pytest.mark.parametrize(("kind", "page_size", "tokens", "parts"), [
+    ("write", 16, False, 2),  # the copy kernel: its four uploads, one launch, the write's record
+    ("load", 16, False, 2),  # the copy kernel: its uploads, a launch and a record a layer
+    ("write", 64, False, 2),  # DMA: a copy a (layer, part, page), the record
+    ("load", 16, True, 1),  # scattered tokens, one part a layer (MLA)
+])
+def test_a_stalled_stream_never_holds_a_copy_worker(daemon_factory, fake, monkeypatch, kind, page_size,
+                                                     tokens, parts):
+    """Engine A's copies behind a ready event that never fires fill its stream, and a driver call
+    into a full queue waits for room: the copy worker making it, and with it every engine's copies,
+    would wait until the event fires, for good if it never does. The daemon puts at most
+    ``plan.MAX_QUEUED`` calls on a pool's stream for jobs not ended (counted exactly) and holds A's
+    later jobs in its queue: engine B's copies go on at once, and A's held ones go once the event
+    fires, each landing whole."""
+    from kvserver.media.cuda import plan
+
+    monkeypatch.setattr(plan, "MAX_QUEUED", 40, raising=False)
+    d = daemon_factory(cuda_wait_seconds=30.0)  # A is not given up on within the test
+    rt = fake.cuda.runtime
+    rt.queue_depth = 48  # the stand-in driver's: past the daemon's bound
+    heads, head_dim = 2, 128
+    refs_a, kv_a, _ = cuda_pool(fake, heads, head_dim, parts=parts)
+    refs_b, kv_b, _ = cuda_pool(fake, heads, head_dim, parts=parts)
+    hung = (5151).to_bytes(8, "little") * 8
+    rng = np.random.default_rng(page_size + parts)
+    with grpc.insecure_channel(d.address) as ch:
+        stub = ticketing_stub(ch, d.address)
+        a = register(stub, refs_a, heads, head_dim, page_size)
+        b = register(stub, refs_b, heads, head_dim, page_size)
+        n = 2 * page_size
+        host_a = list(stub.Alloc(pb.AllocRequest(client_id=a.client_id, num_tokens=n)).host_indices)
+        host_b = list(stub.Alloc(pb.AllocRequest(client_id=b.client_id, num_tokens=n)).host_indices)
+        dev = rng.permutation(TOKENS)[:n].tolist() if tokens else list(range(n))
+        for kv in (kv_a, kv_b):
+            kv[:] = rng.integers(0, 256, kv.shape, dtype=np.uint8)
+        want_a, want_b = kv_a[:, :, dev].copy(), kv_b[:, :, dev].copy()
+        for reg, host in ((a, host_a), (b, host_b)):  # the host pages hold the pools' rows
+            copy_call(stub, "write", reg.client_id, host, dev, b"")
+        if kind == "load":
+            kv_a[:] = 0
+        stream = d.run(lambda: d.core.clients[a.client_id].device.stream.ptr)
+        rt.hang(hung)
+        calls = []
+        try:
+            calls = [in_thread(lambda: copy_call(stub, kind, a.client_id, host_a, dev, hung))
+                     for _ in range(12)]
+            queued = _settled(lambda: rt.outstanding(stream))
+            assert 0 < queued <= 40, f"{queued} calls on A's stream, past the daemon's bound of 40"
+            assert d.run(lambda: d.core.clients[a.client_id].device.queued_calls) == queued
+            assert any(t.is_alive() for t, _ in calls)  # A's later jobs are held, not failed
+            t0 = time.monotonic()
+            kv_b[:] = 0
+            copy_call(stub, "load", b.client_id, host_b, dev, b"")
+            copy_call(stub, "write", b.client_id, host_b, dev, b"")
+            took = time.monotonic() - t0
+            assert took < 1.0, f"B's load and write took {took:.2f} s behind A's full stream"
+            assert np.array_equal(kv_b[:, :, dev], want_b)
+        finally:
+            rt.fire(hung)
+            for t, _ in calls:
+                t.join(20)
+        assert [out.get("error") for _, out in calls] == [None] * 12
+        assert rt.outstanding(stream) == 0
+        assert d.run(lambda: d.core.clients[a.client_id].device.queued_calls) == 0
+        kv_a[:] = 0
+        copy_call(stub, "load", a.client_id, host_a, dev, b"")
+        assert np.array_equal(kv_a[:, :, dev], want_a)
+
+
+@pytest.mark.parametrize(("kind", "page_size"), [
+    ("plain", 64),  # DMA: a copy a (layer, part, page)
+    ("plain", 1),  # the copy kernel over token rows
+    ("flashinfer", 16),  # blocks, heads side by side: token rows
+    ("flashinfer_hnd", 16),  # blocks, heads apart: a row a (token, head)
+    ("flashinfer_hnd", 1),
+])
+def test_a_job_counts_every_call_it_puts_on_the_stream(daemon, fake, monkeypatch, kind, page_size):
+    """The calls a job is counted for (``job_calls``, held against ``plan.MAX_QUEUED``) are the
+    calls its enqueue puts on the stream, with and without a ready event, for writes and loads of
+    every kind of pool and copy."""
+    from kvserver.media.cuda.pool import CudaDevicePool
+
+    rt = fake.cuda.runtime
+    counted: list[int] = []
+    job_calls = CudaDevicePool.job_calls
+    monkeypatch.setattr(CudaDevicePool, "job_calls", lambda *a: counted.append(job_calls(*a)) or counted[-1])
+    heads, head_dim = 2, 128
+    if kind == "plain":
+        refs, _, _ = cuda_pool(fake, heads, head_dim)
+    else:
+        heads, head_dim = 4, 8
+        refs, _, _ = vllm_cuda_pool(fake, kind, heads, head_dim)
+    ready = (6161).to_bytes(8, "little") * 8
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = ticketing_stub(ch, daemon.address)
+        reg = register(stub, refs, heads, head_dim, page_size)
+        host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=64)).host_indices)
+        stream = daemon.run(lambda: daemon.core.clients[reg.client_id].device.stream.ptr)
+        for call, event in (("write", b""), ("write", ready), ("load", b""), ("load", ready)):
+            before = sum(s == stream for s, _, _ in rt.stream_ops)
+            copy_call(stub, call, reg.client_id, host, list(range(64)), event)
+            made = sum(s == stream for s, _, _ in rt.stream_ops) - before
+            assert made == counted[-1], (call, bool(event), made, counted)
+        assert daemon.run(lambda: daemon.core.clients[reg.client_id].device.queued_calls) == 0
+
+
+def test_jobs_held_for_a_stalled_stream_end_with_its_pool(daemon_factory, fake, monkeypatch):
+    """A stream that never drains: its enqueued writes are given up on at --cuda-wait-seconds and
+    the pool fails; the jobs held for room end with them, as given up on, and put nothing more on
+    the stream."""
+    from kvserver.media.cuda import plan
+
+    monkeypatch.setattr(plan, "MAX_QUEUED", 40)
+    d = daemon_factory(cuda_wait_seconds=WAIT_S)
+    rt = fake.cuda.runtime
+    rt.queue_depth = 48
+    refs, _, _ = cuda_pool(fake, 2, 128)
+    hung = (7171).to_bytes(8, "little") * 8
+    rt.hang(hung)
+    try:
+        with grpc.insecure_channel(d.address) as ch:
+            stub = ticketing_stub(ch, d.address)
+            reg = register(stub, refs, 2, 128, 16)
+            host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=32)).host_indices)
+            stream = d.run(lambda: d.core.clients[reg.client_id].device.stream.ptr)
+            t0 = time.monotonic()
+            calls = [in_thread(lambda: copy_call(stub, "write", reg.client_id, host, list(range(32)), hung))
+                     for _ in range(12)]
+            for t, _ in calls:
+                t.join(WAIT_S + 5)
+            took = time.monotonic() - t0
+            queued = rt.outstanding(stream)
+            assert queued <= 40
+            assert [out["error"].code() for _, out in calls] == [grpc.StatusCode.DEADLINE_EXCEEDED] * 12
+            assert took < WAIT_S + 3, f"the held jobs ended {took:.2f} s after they were sent"
+            time.sleep(0.3)
+            assert rt.outstanding(stream) == queued  # nothing more went on the stream
+    finally:
+        rt.fire(hung)

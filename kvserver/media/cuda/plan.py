@@ -37,6 +37,14 @@ PLANE_SMALL_COPIES = 64
 # the next waits (Stack Overflow question 53970187; not measured here): half of that, until the GPU
 # check's probe (queue_depth_probe) measures the depth for each kind of call the plane makes.
 PLANE_MAX_QUEUED = 512
+# The same bound for the loop's copy workers (kvserver/media/cuda/pool.py): the driver calls one
+# pool's stream may hold for its jobs not ended. A job past it waits in the copy queue, not in a
+# driver call on a worker that every engine's copies need. The plane and the loop never have calls
+# on one stream at once (a loop's copy of a plane client waits for the plane's: plane_turn).
+MAX_QUEUED = 512
+# Host arrays the copy kernel's launches read, uploaded for each job (CuPy's asarray: a copy on the
+# stream and an event recorded behind it, each).
+KERNEL_UPLOADS = 4
 # The plane's DMA jobs are fewer copies than the loop's: their calls are made on the plane's one
 # thread, a few microseconds each, while every other lane waits, and they count against
 # PLANE_MAX_QUEUED; past this many, one launch of the copy kernel does the job.

@@ -116,6 +116,16 @@ class Pending:
 
 
 @dataclass(slots=True)
+class _Room:
+    """A job's driver calls, counted in its pool's ``queued_calls`` from when it is taken for the
+    stream until it ends (``given_back``; a job that ends before it is taken is never counted)."""
+
+    calls: int
+    taken: bool = False
+    given_back: bool = False
+
+
+@dataclass(slots=True)
 class CudaDevicePool(DevicePool):
     cupy: object
     ordinal: int
@@ -158,6 +168,11 @@ class CudaDevicePool(DevicePool):
     # For the plane's kernel launches (attach_host, where plan.PLANE): the kernel's CUfunction per
     # word, the pinned area its arguments go in, and that area's device address less its host one.
     plane_kernels: tuple[tuple[int, ...], np.ndarray, int] | None = None
+    # Driver calls the loop's jobs have on the stream and have not ended (plan.MAX_QUEUED), under
+    # _room_lock; and the copy queue's recheck, which a job held for room waits on.
+    queued_calls: int = 0
+    _room_lock: threading.Lock = field(default_factory=threading.Lock)
+    _recheck: Callable[[], None] | None = None
 
     @property
     def dtype(self):
@@ -339,6 +354,8 @@ class CudaDevicePool(DevicePool):
                 return
             self.failed = why
         logger.warning("CUDA pool on device %d failed: %s", self.ordinal, why)
+        if self._recheck is not None:  # its jobs held for room fail now, putting nothing on the GPU
+            self._recheck()
 
     def _stalled(self) -> GpuStalled:
         return GpuStalled(f"this client's GPU work is given up on: {self.failed}. The client is "
@@ -389,6 +406,9 @@ class CudaDevicePool(DevicePool):
             else:
                 done.set_result(None)
 
+        room = _Room(self.job_calls(job.plan, layers.size, to_device, bool(job.ready_event)))
+        done.add_done_callback(lambda _: self._give_room(room))
+
         def enqueue() -> None:
             try:
                 if job.stopping:  # dropped before anything went on the GPU
@@ -402,12 +422,58 @@ class CudaDevicePool(DevicePool):
                 fail(exc)
 
         # Enqueued on the client's stream only after the earlier copies it must follow
-        # (kvserver/copies/order.py): the stream then keeps that order on the GPU.
-        work = job.work = single(to_device, enqueue, ready=job.ready)
+        # (kvserver/copies/order.py): the stream then keeps that order on the GPU. And only once
+        # the stream has room for its calls: until then it waits in the queue, not in the driver.
+        self._recheck = getattr(executor, "recheck", None)
+        work = job.work = single(to_device, enqueue, ready=lambda: job.ready() and self._take_room(room))
         queued = job.queued = executor.submit_work(work)
         # Stopped while still waiting for the worker: dropped from its queue, nothing enqueued.
         queued.add_done_callback(lambda f: f.cancelled() and done.set_exception(job.stopped(0)))
         return done
+
+    def job_calls(self, copy_plan, num_layers: int, to_device: bool, ready_event: bool) -> int:
+        """The driver calls ``enqueue`` puts on the stream for a job of ``num_layers`` layers: the
+        wait on the engine's ready event, the copies (DMA: one a row, layer and part; the kernel:
+        its uploads and one launch a layer for a load, one for a write), and the records (a load's
+        layer events, a write's completion). The choice of copies is ``_job_copier``'s."""
+        g = self.geometry
+        if g is not None:
+            rows = copy_plan.num_tokens * (1 if g.heads_contiguous else g.heads)
+            row_bytes = g.token_bytes if g.heads_contiguous else g.head_bytes
+        elif copy_plan.device_paged:
+            rows, row_bytes = copy_plan.host_pages.size, self.page_size * self.token_bytes
+        else:
+            rows, row_bytes = copy_plan.num_tokens, self.token_bytes
+        steps = num_layers if to_device else 1
+        copies = rows * num_layers * self.parts
+        if plan.choose_method(row_bytes, copies) == "kernel":
+            copies = 2 * plan.KERNEL_UPLOADS + steps
+        return int(ready_event) + copies + steps
+
+    def _take_room(self, room: _Room) -> bool:
+        """Whether the job may go on the stream now, its calls then counted (the copy queue asks,
+        under its lock, just before it hands the job to a worker). A job always goes on an empty
+        stream, and on a failed pool's (it fails at once, putting nothing there)."""
+        with self._room_lock:
+            if room.taken or room.given_back:
+                return True
+            if self.queued_calls and self.queued_calls + room.calls > plan.MAX_QUEUED and not self.failed:
+                return False
+            room.taken = True
+            self.queued_calls += room.calls
+            return True
+
+    def _give_room(self, room: _Room) -> None:
+        """The job ended (its calls done on the GPU, or given up on, or never made): a job held for
+        room may go."""
+        with self._room_lock:
+            room.given_back = True
+            if not room.taken:
+                return
+            room.taken = False
+            self.queued_calls -= room.calls
+        if self._recheck is not None:
+            self._recheck()
 
     def enqueue(self, copy_plan, layers: np.ndarray, host_table, to_device: bool, ready_event: bytes = b"",
                 event_slot: int = 0, cache_rows: bool = False) -> Pending:
