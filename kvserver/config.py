@@ -78,6 +78,9 @@ def parse_cluster_segment(text: str, host_memory: int) -> int:
     return _size_or_share(text, lambda: host_memory, "host memory")
 
 
+# The most threads a thread-count flag may ask for: torch's count is a C int, and each copy or
+# disk thread is a real one started at the daemon's start.
+MAX_THREADS = 1024
 _ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[\w.-]*):(\d{1,5})")
 
 
@@ -140,17 +143,17 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.host_memory < 2 << 20:
             raise ValueError("host memory must be at least 2MiB")
-        if self.copy_threads < 1:
-            raise ValueError("copy threads must be at least 1")
-        if self.torch_threads < 0:
-            raise ValueError("torch threads must not be negative (0 leaves torch's default)")
+        if not 1 <= self.copy_threads <= MAX_THREADS:
+            raise ValueError(f"copy threads must be between 1 and {MAX_THREADS}")
+        if not 0 <= self.torch_threads <= MAX_THREADS:
+            raise ValueError(f"torch threads must be between 0 (torch's default) and {MAX_THREADS}")
         if self.disk_cache is not None and self.disk_size < 2 << 20:
             raise ValueError("the disk cache must be at least 2MiB (--disk-size)")
         if (self.disk_cache is not None and self.host_memory_dir is not None
                 and os.path.abspath(self.disk_cache) == os.path.abspath(self.host_memory_dir)):
             raise ValueError("--disk-cache and --host-memory-dir must be two directories")
-        if self.disk_threads < 1:
-            raise ValueError("disk threads must be at least 1")
+        if not 1 <= self.disk_threads <= MAX_THREADS:
+            raise ValueError(f"disk threads must be between 1 and {MAX_THREADS}")
         if self.cluster_master is not None:
             m = _ADDRESS.fullmatch(self.cluster_master)
             if not m or not m.group(1) or not 0 < int(m.group(2)) <= 65535:

@@ -118,8 +118,27 @@ def test_finite_times_are_taken(served, socket_dir) -> None:
 def test_negative_torch_threads_are_refused(served, capsys, socket_dir) -> None:
     """torch.set_num_threads(-1) raised at the start, a traceback."""
     line = refused(["--socket", os.path.join(socket_dir, "kv.sock"), "--torch-threads", "-1"], capsys)
-    assert "torch threads must not be negative" in line, line
+    assert "torch threads must be between 0 (torch's default) and 1024" in line, line
     assert not served
+
+
+@pytest.mark.parametrize(("flag", "value", "text"), [
+    ("--torch-threads", "99999999999", "torch threads must be between 0"),  # a C int: an overflow traceback
+    ("--torch-threads", "1025", "torch threads must be between 0"),
+    ("--copy-threads", "100000", "copy threads must be between 1 and 1024"),  # 100000 threads started
+    ("--disk-threads", "5000", "disk threads must be between 1 and 1024"),
+])
+def test_thread_counts_past_1024_are_refused(served, capsys, socket_dir, flag, value, text) -> None:
+    line = refused(["--socket", os.path.join(socket_dir, "kv.sock"), "--disk-cache", socket_dir, flag, value],
+                   capsys)
+    assert text in line, line
+    assert not served
+
+
+def test_thread_counts_up_to_1024_are_taken(served, socket_dir) -> None:
+    assert cli.main(["--socket", os.path.join(socket_dir, "kv.sock"), "--torch-threads", "1024",
+                     "--copy-threads", "1024"]) == 0
+    assert (served[0].torch_threads, served[0].copy_threads) == (1024, 1024)
 
 
 # --- a flag that needs another -------------------------------------------------------------------------
