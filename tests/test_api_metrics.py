@@ -366,3 +366,50 @@ def test_the_docs_curl_line_runs_as_written(tmp_path, default_socket_lock):
         proc.terminate()
         assert proc.wait(timeout=30) == 0
         log.close()
+
+
+def test_a_copy_that_ends_while_its_client_is_released_is_counted_in_stats(daemon_factory):
+    """A 32 MiB Write of one layer on gRPC (a copy stops at a layer's end: this one, once begun, ends
+    whole), its client unregistered while the copy runs: a Write answered OK is
+    counted in Stats' daemon-wide transfers, as in /metrics. Before, the release folded the client's
+    counters into the totals as soon as its copies ended, a loop turn before the Write's own task
+    counted its bytes into the client that was gone: Stats stayed one Write short for good."""
+    import threading
+
+    d = daemon_factory(host_memory=128 << 20, metrics_listen="127.0.0.1:0")
+    port = d.daemon.metrics.port
+    layout, tokens, layers = KVLayout.mha(8, 128), 8192, 1
+    counted = 0
+    with ShmKVPool(layout, DTYPE, layers, tokens) as pool, grpc.insecure_channel(d.address) as ch:
+        stub = pb_grpc.KVServerStub(ch)
+        for _ in range(20):
+            c = KVClient(d.address, lane="grpc", resilient=False)
+            c.register(model="race", pool=pool, start_layer=0, end_layer=layers, num_layers=layers,
+                       host_tokens=tokens, page_size=PAGE)
+            host = c.alloc(tokens)
+            client_id = c._core.registration.client_id
+            out: dict = {}
+
+            def write(c=c, host=host, out=out) -> None:
+                try:
+                    out["bytes"] = c.write(host_indices=host, device_indices=torch.arange(tokens))
+                except Exception as exc:  # its client unregistered before it began
+                    out["error"] = exc
+
+            t = threading.Thread(target=write)
+            t.start()
+            deadline = time.monotonic() + 5
+            while not d.run(lambda: d.core.copier.queued) and t.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            stub.Unregister(pb.UnregisterRequest(client_id=client_id), timeout=10)
+            t.join(10)
+            c.close()
+            counted += bool(out.get("bytes"))
+            stats = stub.Stats(pb.StatsRequest(), timeout=10).transfers
+            metrics = scrape(port)
+            scraped = value(metrics, "kvserver_transfers_total", direction="write", lane="grpc")
+            assert stats.write_ops == scraped == counted
+            assert stats.bytes_written == counted * 32 << 20
+            if counted >= 3:
+                break
+    assert counted >= 3, "no Write ended while its client was released"

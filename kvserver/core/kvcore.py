@@ -509,6 +509,9 @@ class KVCore:
         if self.cache.release_owned(client_id):  # its pinning Lookups' leases: no Get of its reads them
             logger.debug("the leases of %s ended with it", public_id(client_id))
         self.totals.add(client.counters)
+        # A call whose copy ended just now counts its bytes a loop turn or two later, into the
+        # counters it finds then: the daemon's totals from here on, not a client that is gone.
+        client.counters = self.totals
         client.host_views = []
         handles = client.device.ipc_allocations
         held = None  # a CUDA pool's quarantine: the GPU may still touch the host region
