@@ -413,3 +413,35 @@ def test_a_copy_that_ends_while_its_client_is_released_is_counted_in_stats(daemo
             if counted >= 3:
                 break
     assert counted >= 3, "no Write ended while its client was released"
+
+
+def test_scrapes_of_a_held_loop_each_wait_one_scrape_timeout_at_most(daemon_factory, monkeypatch):
+    """The loop held 3.5 s and three scrapes at once: each answers within one SCRAPE_TIMEOUT (here
+    1 s), with kvserver_state_collected 0. Before, they queued on the collector's lock and each
+    waited its own timeout in turn (1, 2 and 3 s; with two Prometheus servers and the default 5 s,
+    one scrape past Prometheus's own 10 s timeout)."""
+    import threading
+
+    from kvserver.api import metrics as metrics_module
+
+    monkeypatch.setattr(metrics_module, "SCRAPE_TIMEOUT", 1.0)
+    d = daemon_factory(metrics_listen="127.0.0.1:0")
+    port = d.daemon.metrics.port
+    d.loop.call_soon_threadsafe(time.sleep, 3.5)
+    time.sleep(0.1)
+    took: dict[int, tuple[float, float]] = {}
+
+    def one(i: int) -> None:
+        t0 = time.monotonic()
+        got = scrape(port)
+        took[i] = (time.monotonic() - t0, value(got, "kvserver_state_collected"))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(v for _, v in took.values()) == [0, 0, 0], took
+    assert max(s for s, _ in took.values()) < 1.8, took
+    time.sleep(2.6)  # the loop answers again: the next scrape reads it
+    assert value(scrape(port), "kvserver_state_collected") == 1

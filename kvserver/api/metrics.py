@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -126,36 +127,47 @@ def snapshot(core: KVCore, transfers: Transfers) -> Snapshot:
 
 class StateCollector:
     """Gauges and counters read from the daemon's state at scrape time, on the daemon's loop.
-    One snapshot runs at a time, and scrapes that waited for it share it (it was taken after
-    they asked); a snapshot the loop did not take in time is cancelled: no pile of scrapes can
-    queue work on the loop."""
+    One snapshot runs at a time: a scrape shares the last one if the loop began it after the
+    scrape asked, else the one under way, and waits for it at most until that one's deadline
+    (``SCRAPE_TIMEOUT`` after it was asked for), so no scrape waits longer, however many come
+    while the loop is held; a snapshot the loop did not take in time is cancelled: no pile of
+    scrapes can queue work on the loop."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
         self._lock = threading.Lock()
-        self._last: tuple[float, Snapshot] | None = None
+        self._last: tuple[float, Snapshot] | None = None  # (when the loop began it, it)
+        self._pending: tuple[Future, float] | None = None  # the snapshot under way, its deadline
 
     def describe(self) -> list[Metric]:
         return []  # nothing to check at registration: the names are this module's own
 
+    async def _timed(self) -> tuple[float, Snapshot]:
+        return time.monotonic(), await self.metrics.snapshot()
+
     def _snapshot(self) -> Snapshot | None:
-        m = self.metrics
         asked = time.monotonic()
-        with self._lock:  # one snapshot at a time; scrapes that waited for it share it
+        with self._lock:
             if self._last is not None and self._last[0] >= asked:
                 return self._last[1]
-            loop = m.loop
-            if loop is None or loop.is_closed() or not loop.is_running():
-                return None
-            fut = asyncio.run_coroutine_threadsafe(m.snapshot(), loop)
-            try:
-                snap = fut.result(timeout=SCRAPE_TIMEOUT)
-            except Exception as exc:  # the loop is stuck or stopping
-                fut.cancel()
+            if self._pending is None or self._pending[0].done():
+                loop = self.metrics.loop
+                if loop is None or loop.is_closed() or not loop.is_running():
+                    return None
+                fut = asyncio.run_coroutine_threadsafe(self._timed(), loop)
+                self._pending = (fut, asked + SCRAPE_TIMEOUT)
+            fut, deadline = self._pending
+        try:
+            began, snap = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        except (Exception, CancelledError) as exc:  # the loop is stuck or stopping (or another
+            # scrape of this snapshot cancelled it at its deadline)
+            if fut.cancel() or not fut.done():
                 logger.warning("metrics scrape could not read the daemon's state: %r", exc)
-                return None
-            self._last = (time.monotonic(), snap)
-            return snap
+            return None
+        with self._lock:
+            if self._last is None or self._last[0] < began:
+                self._last = (began, snap)
+        return snap
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
