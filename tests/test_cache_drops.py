@@ -42,5 +42,53 @@ def test_puts_a_full_cache_leaves_unstored_are_logged_at_once_then_rarely(caplog
         drops = asyncio.run(body())
     assert drops == [64, 64, 64]
     logged = [r.getMessage() for r in caplog.records if "unstored" in r.getMessage()]
-    assert len(logged) == 1 and "left 64 pages of Puts unstored" in logged[0], logged
+    # the first Put's at once; the two others' within the minute after it, at the core's close
+    assert len(logged) == 2 and "left 64 pages of Puts unstored" in logged[0], logged
+    assert "left 128 pages of Puts unstored" in logged[1], logged
     assert "bytes of" in logged[0] and "are free" in logged[0]
+
+
+def _dropping_puts(monkeypatch, window: float, wait: float) -> list[str]:
+    """Three Puts that store nothing, ``DROPS_LOG_SECONDS`` set to ``window``, then ``wait``
+    seconds on the loop and the core's close: the warnings logged."""
+    from kvserver.store import cache as cache_mod
+
+    monkeypatch.setattr(cache_mod, "DROPS_LOG_SECONDS", window)
+    logged: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "unstored" in record.getMessage():
+                logged.append(record.getMessage())
+
+    async def body() -> None:
+        core = KVCore(16 * MiB)
+        try:
+            core.arena.reserve(core.arena.capacity - (1 << 20), commit=False)
+            c = core.cache
+            part = c.part(c.space(SPACE), PartKey(0, 0, 0, 4, PAGE))
+            for r in range(3):
+                c.complete_put(c.prepare_put(part, Keys.of(keys_of(f"w{r}-", 64))), True)
+            await asyncio.sleep(wait)
+        finally:
+            await core.close()
+
+    handler = Catch(logging.WARNING)
+    logging.getLogger(cache_mod.__name__).addHandler(handler)
+    try:
+        asyncio.run(body())
+    finally:
+        logging.getLogger(cache_mod.__name__).removeHandler(handler)
+    return logged
+
+
+def test_drops_after_a_warning_are_logged_once_its_minute_is_over(monkeypatch):
+    """Before, the drops of the minute after a warning were logged only if another drop came after
+    that minute: the 128 pages of the second and third Puts never were."""
+    logged = _dropping_puts(monkeypatch, 0.3, 0.6)
+    assert [m.split(" pages")[0].split("left ")[1] for m in logged] == ["64", "128"], logged
+
+
+def test_drops_not_logged_yet_are_logged_at_the_stop(monkeypatch):
+    logged = _dropping_puts(monkeypatch, 60.0, 0.0)
+    assert [m.split(" pages")[0].split("left ")[1] for m in logged] == ["64", "128"], logged

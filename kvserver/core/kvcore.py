@@ -743,6 +743,7 @@ class KVCore:
             else:
                 await self.unregister(client.client_id)
         self.copier.shutdown()
+        self.cache.log_drops()  # what the last minute's Puts dropped, not logged yet
         if self.disk is not None:  # its reads and writes use the arena
             await self.disk.close((grace or 0.0) if self._kept is None else 0.0)
         if self.cluster is not None:  # so do its transfers

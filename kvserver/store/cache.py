@@ -8,6 +8,7 @@ gRPC: the daemon calls it on its event loop and copies bytes to and from the off
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -106,6 +107,8 @@ class KVCache:
         self.what = what  # the tier, as logs name it
         self._drops_logged_at = -DROPS_LOG_SECONDS  # (monotonic) when Puts' dropped pages were logged
         self._drops_unlogged = 0  # pages dropped since
+        self._drops_last: tuple[Tenant, int] | None = None  # the latest drop's tenant and page size
+        self._drops_timer: asyncio.TimerHandle | None = None  # logs them once the minute is over
         self.clock = clock
         self.max_spaces_per_tenant = max_spaces_per_tenant
         kept = arena.kept  # a kept arena keeps the cache's records beside it (kvserver.store.keep)
@@ -545,11 +548,27 @@ class KVCache:
 
     def _log_drops(self, tenant: Tenant, page_bytes: int, n: int) -> None:
         """Puts' pages left unstored are counted (``dropped``) and logged: at once, then at most
-        every ``DROPS_LOG_SECONDS`` with what was dropped meanwhile, and why room was short."""
+        every ``DROPS_LOG_SECONDS`` with what was dropped meanwhile (a timer logs them once that
+        time is over, and ``log_drops`` at the stop), and why room was short."""
         self._drops_unlogged += n
-        now = time.monotonic()
-        if now - self._drops_logged_at < DROPS_LOG_SECONDS:
+        self._drops_last = (tenant, page_bytes)
+        wait = self._drops_logged_at + DROPS_LOG_SECONDS - time.monotonic()
+        if wait <= 0:
+            self.log_drops()
+        elif self._drops_timer is None:
+            try:
+                self._drops_timer = asyncio.get_running_loop().call_later(wait, self.log_drops)
+            except RuntimeError:  # no loop here (a tool's own cache): the next drop logs them
+                pass
+
+    def log_drops(self) -> None:
+        """Logs the Puts' pages dropped and not logged yet, if any."""
+        if self._drops_timer is not None:
+            self._drops_timer.cancel()
+            self._drops_timer = None
+        if not self._drops_unlogged or self._drops_last is None:
             return
+        tenant, page_bytes = self._drops_last
         if not self.slabs.fitting(page_bytes, tenant.quota):
             why = f"not one slab of {page_bytes}-byte pages fits under tenant {tenant.name}'s quota"
         elif tenant.quota and tenant.counters.bytes + page_bytes > tenant.quota:
@@ -559,7 +578,7 @@ class KVCache:
                    f"{self.bytes} bytes of cached pages (pinned or being read) and engines' regions")
         logger.warning("the %s left %d pages of Puts unstored (%s): Lookups will miss them",
                        self.what, self._drops_unlogged, why)
-        self._drops_logged_at, self._drops_unlogged = now, 0
+        self._drops_logged_at, self._drops_unlogged = time.monotonic(), 0
 
     def prepare_put_present(self, part: Part, packed: bytes, key_bytes: int) -> PutPlan | None:
         """``prepare_put`` of at most ``STEP_KEYS`` keys packed as a request packs them (checked
