@@ -73,7 +73,7 @@ def main() -> None:
     print(f"256 MiB scattered copy, median of {args.repeats}")
     for name, ts in times.items():
         m = statistics.median(ts)
-        print(f"{name:<28} {m * 1e3:7.1f} ms  {256 / 1024 / m:5.2f} GB/s  {m / base:5.2f}x one call")
+        print(f"{name:<28} {m * 1e3:7.1f} ms  {256 / 1024 / m:5.2f} GiB/s  {m / base:5.2f}x one call")
     one_worker.shutdown()
     two_workers.shutdown()
 
