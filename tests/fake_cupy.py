@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import threading
 import time
 import types
@@ -41,6 +42,8 @@ UUID = "GPU-1a2b3c4d-5e6f-7a8b-9c0d-112233445566"
 PCI_BUS_ID = "0000:3B:00.0"  # as cudaDeviceGetPCIBusId spells it
 NOT_READY = 600  # cudaErrorNotReady
 STUCK_SECONDS = 15.0
+_IDS = itertools.count(2)
+OPENED = 1 << 40  # an engine event opened by handle h is event h + OPENED here (never a made id)
 
 
 class _CurrentStream(threading.local):
@@ -59,7 +62,6 @@ class FakeRuntime:
         self._current = _CurrentStream()
         self.uuid_bytes = bytes.fromhex(UUID_HEX)
         self.launch_seconds = 0.0  # how long a kernel launch takes to return
-        self._next = 1
         self._lock = threading.Lock()
         self._cond = threading.Condition()
         self._hung: set[int] = set()  # engine events (as opened here) that have not fired
@@ -74,7 +76,7 @@ class FakeRuntime:
 
     @staticmethod
     def opened_id(handle: bytes) -> int:
-        return int.from_bytes(handle[:8], "little") + 100_000
+        return int.from_bytes(handle[:8], "little") + OPENED
 
     def hang(self, handle: bytes) -> None:
         """The engine's event of this IPC handle will not fire until ``fire``."""
@@ -99,7 +101,7 @@ class FakeRuntime:
         with self._cond:
             hung = list(self._hung)
         for event in hung:
-            self.fire((event - 100_000).to_bytes(8, "little") * 8)
+            self.fire((event - OPENED).to_bytes(8, "little") * 8)
 
     def _defer(self, stream: int, fn) -> bool:
         """Queues ``fn`` behind the hung event its stream waits on; False if the stream runs."""
@@ -135,9 +137,9 @@ class FakeRuntime:
             return self._queued.get(stream, 0)
 
     def _id(self) -> int:
-        with self._lock:
-            self._next += 1
-            return self._next
+        """A new handle, stream or event id, unique in the process: a test's handles never name
+        what an earlier test's daemon may still hold open (a quarantined pool's allocations)."""
+        return next(_IDS)
 
     def export(self, nbytes: int) -> tuple[bytes, np.ndarray]:
         """An engine's cudaMalloc: returns (IPC handle, its memory)."""

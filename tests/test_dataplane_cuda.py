@@ -619,3 +619,63 @@ def test_the_kernels_functions_given_the_plane_outlive_cupys_caches(monkeypatch)
         assert got[0] == got[1] == tuple(ref().ptr for ref in made)
     finally:
         kernels.copy_rows_kernel.cache_clear()  # its cache holds the stand-ins
+
+
+def test_the_plane_takes_nothing_of_a_pool_the_loop_gave_up_on(daemon_factory, fake, monkeypatch):
+    """The loop's writes of engine A, behind a ready event that never fires, are given up on at
+    --cuda-wait-seconds: their calls stay on A's stream, and their plane turns end with them. Before
+    the reaper's next tick closed A's gate, the plane took A's next lane writes onto that stream,
+    past what its own bound counts; with the stand-in's queue depth reached, the plane's thread
+    waited in a driver call and every engine's lane with it. The plane now takes no job of a pool
+    the loop gave up on: those calls are the loop's, which refuses them at once."""
+    from kvserver.core.liveness import Reaper
+
+    monkeypatch.setattr(plan, "MAX_QUEUED", 40)
+    monkeypatch.setattr(plan, "PLANE_MAX_QUEUED", 40)
+    monkeypatch.setattr(Reaper, "reap_once", lambda self: [])  # the window before A is reclaimed
+    d = _own_daemon(daemon_factory, cuda_wait_seconds=1.0, lease=60.0)
+    rt = fake.cuda.runtime
+    rt.queue_depth = 48
+    pool_a, pool_b = FakeCudaPool(fake), FakeCudaPool(fake)
+    with _client(d, pool_a) as a, _client(d, pool_b) as b, grpc.insecure_channel(d.address) as ch:
+        stub = ticketing_stub(ch, d.address)
+        cid = a.registration.client_id
+        host = a.alloc(8 * PAGE)
+        host_b = b.alloc(PAGE)
+        a.write(host_indices=host[:PAGE], device_indices=list(range(PAGE)), ready_event=READY)  # opened
+        device, gate = d.core.clients[cid].device, d.core.clients[cid].gate
+        stream = device.stream.ptr
+        rt.hang(READY)
+        try:
+            codes: list[str] = []
+
+            def loop_write(k: int) -> None:  # on gRPC: the loop's
+                try:
+                    stub.Write(pb.WriteRequest(client_id=cid, host_indices=host[k * PAGE:(k + 1) * PAGE],
+                                               device_indices=list(range(k * PAGE, (k + 1) * PAGE)),
+                                               ready_event=READY), timeout=20)
+                    codes.append("OK")
+                except grpc.RpcError as exc:
+                    codes.append(exc.code().name)
+
+            writers = [threading.Thread(target=loop_write, args=(k,)) for k in range(4)]
+            for t in writers:
+                t.start()
+                time.sleep(0.05)
+            for t in writers:
+                t.join(10)
+            assert codes == ["DEADLINE_EXCEEDED"] * 4 and device.failed
+            left, jobs = rt.outstanding(stream), gate.cuda_jobs
+            ended: dict = {}
+            lane_writes = [_writer(a, ended, f"a{k}", host_indices=host[(4 + k) * PAGE:(5 + k) * PAGE],
+                                   device_indices=list(range((4 + k) * PAGE, (5 + k) * PAGE)),
+                                   ready_event=READY) for k in range(2)]
+            for t in lane_writes:
+                t.join(10)
+            assert gate.cuda_jobs == jobs and rt.outstanding(stream) == left  # nothing more on A's stream
+            assert all(isinstance(v[1], KVClientError) for v in ended.values()), ended
+            t0 = time.monotonic()
+            b.write(host_indices=host_b, device_indices=list(range(PAGE)))
+            assert time.monotonic() - t0 < 1.0
+        finally:
+            rt.fire(READY)

@@ -768,12 +768,13 @@ def test_ready_events_opened_once_and_bounded(daemon, fake):
         opened = [c[1] for c in rt.calls if c[0] == "ipcOpenEventHandle"]
         destroyed = [c[1] for c in rt.calls if c[0] == "eventDestroy"]
         assert len(opened) == 1 + MAX_OPENED_EVENTS + extra
-        # The writes' own completion events are destroyed too; opened ones are 100_000 + id.
-        evicted = sorted(e - 100_000 for e in destroyed if e > 100_000)
+        # The writes' own completion events are destroyed too; opened ones are OPENED + id.
+        evicted = sorted(e - fake_cupy.OPENED for e in destroyed if e > fake_cupy.OPENED)
         assert evicted == [10_000 + i for i in range(extra + 1)]  # the least recently used
         rt.calls.clear()
         stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=10)
-        assert len([c for c in rt.calls if c[0] == "eventDestroy" and c[1] > 100_000]) == MAX_OPENED_EVENTS
+        opened = [c for c in rt.calls if c[0] == "eventDestroy" and c[1] > fake_cupy.OPENED]
+        assert len(opened) == MAX_OPENED_EVENTS
 
 
 @contextlib.contextmanager

@@ -353,7 +353,14 @@ class CudaDevicePool(DevicePool):
             if self.failed is not None:
                 return
             self.failed = why
+            gate = self.plane_gate
         logger.warning("CUDA pool on device %d failed: %s", self.ordinal, why)
+        if gate is not None:
+            # A turn that is never given back: the plane hands every later request of the pool to
+            # the loop, which refuses it at once. The loop's given-up calls may still fill the
+            # stream, and the plane's bound counts only its own (plan.MAX_QUEUED). Set before the
+            # failed jobs end (and give their turns back); the gate closes at the release.
+            gate.py_enter()
         if self._recheck is not None:  # its jobs held for room fail now, putting nothing on the GPU
             self._recheck()
 
