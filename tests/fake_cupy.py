@@ -263,7 +263,7 @@ class FakeRuntime:
     def eventQuery(self, event):
         self.calls.append(("eventQuery", event))
         with self._cond:
-            return NOT_READY if event in self._pending else 0
+            return NOT_READY if event in self._pending or event in self._hung else 0
 
     def eventSynchronize(self, event):
         self.calls.append(("eventSynchronize", event))

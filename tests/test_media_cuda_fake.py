@@ -1406,3 +1406,38 @@ def test_jobs_held_for_a_stalled_stream_end_with_its_pool(daemon_factory, fake, 
             assert rt.outstanding(stream) == queued  # nothing more went on the stream
     finally:
         rt.fire(hung)
+
+
+def test_a_job_past_the_bound_goes_beside_jobs_whose_engine_events_fired(daemon, fake):
+    """Two jobs of 400 calls (a DMA write of many pages, a load of many layers) do not fit the
+    512 calls a stream may hold, but a stream whose engine events have fired drains by itself: a
+    call into its full queue waits for the GPU, not for an engine. So the second job goes beside
+    the first (a healthy engine's jobs overlap as before the bound), unless an event the stream
+    waits on has not fired; a job that fits goes either way."""
+    from kvserver.media.cuda.pool import _Room
+
+    rt = fake.cuda.runtime
+    refs, _, _ = cuda_pool(fake, 2, 128)
+    ready = (8181).to_bytes(8, "little") * 8
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = ticketing_stub(ch, daemon.address)
+        reg = register(stub, refs, 2, 128, 16)
+        host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=16)).host_indices)
+        copy_call(stub, "write", reg.client_id, host, list(range(16)), ready)  # the daemon opens the event
+        pool = daemon.core.clients[reg.client_id].device
+        first, beside = _Room(400, ready), _Room(400)
+        assert pool._take_room(first)  # an empty stream
+        assert pool._take_room(beside)  # the event the first waits on has fired
+        pool._give_room(beside)
+        rt.hang(ready)
+        try:
+            held, small = _Room(400), _Room(100, ready)
+            assert not pool._take_room(held)  # the stream may never drain: the bound holds
+            assert pool._take_room(small)  # 500 calls: within the bound
+            assert pool.queued_calls == 500
+        finally:
+            rt.fire(ready)
+        assert pool._take_room(held)
+        for room in (first, small, held):
+            pool._give_room(room)
+        assert pool.queued_calls == 0 and not pool._on_stream

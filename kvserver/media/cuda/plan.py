@@ -38,9 +38,10 @@ PLANE_SMALL_COPIES = 64
 # check's probe (queue_depth_probe) measures the depth for each kind of call the plane makes.
 PLANE_MAX_QUEUED = 512
 # The same bound for the loop's copy workers (kvserver/media/cuda/pool.py): the driver calls one
-# pool's stream may hold for its jobs not ended. A job past it waits in the copy queue, not in a
-# driver call on a worker that every engine's copies need. The plane and the loop never have calls
-# on one stream at once (a loop's copy of a plane client waits for the plane's: plane_turn).
+# pool's stream may hold for its jobs not ended while an engine event they wait on has not fired.
+# A job past it waits in the copy queue, not in a driver call on a worker that every engine's
+# copies need. The plane and the loop never have calls on one stream at once (a loop's copy of a
+# plane client waits for the plane's: plane_turn; a pool the loop gave up on keeps a turn).
 MAX_QUEUED = 512
 # Host arrays the copy kernel's launches read, uploaded for each job (CuPy's asarray: a copy on the
 # stream and an event recorded behind it, each).

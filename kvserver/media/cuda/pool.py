@@ -115,12 +115,14 @@ class Pending:
     failed: BaseException | None = None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Room:
     """A job's driver calls, counted in its pool's ``queued_calls`` from when it is taken for the
-    stream until it ends (``given_back``; a job that ends before it is taken is never counted)."""
+    stream until it ends (``given_back``; a job that ends before it is taken is never counted),
+    and the engine's ready event it makes the stream wait on (its IPC handle; b"": none)."""
 
     calls: int
+    ready_event: bytes = b""
     taken: bool = False
     given_back: bool = False
 
@@ -171,6 +173,7 @@ class CudaDevicePool(DevicePool):
     # Driver calls the loop's jobs have on the stream and have not ended (plan.MAX_QUEUED), under
     # _room_lock; and the copy queue's recheck, which a job held for room waits on.
     queued_calls: int = 0
+    _on_stream: set = field(default_factory=set)  # the _Rooms taken and not given back
     _room_lock: threading.Lock = field(default_factory=threading.Lock)
     _recheck: Callable[[], None] | None = None
 
@@ -413,7 +416,7 @@ class CudaDevicePool(DevicePool):
             else:
                 done.set_result(None)
 
-        room = _Room(self.job_calls(job.plan, layers.size, to_device, bool(job.ready_event)))
+        room = _Room(self.job_calls(job.plan, layers.size, to_device, bool(job.ready_event)), job.ready_event)
         done.add_done_callback(lambda _: self._give_room(room))
 
         def enqueue() -> None:
@@ -459,16 +462,39 @@ class CudaDevicePool(DevicePool):
 
     def _take_room(self, room: _Room) -> bool:
         """Whether the job may go on the stream now, its calls then counted (the copy queue asks,
-        under its lock, just before it hands the job to a worker). A job always goes on an empty
-        stream, and on a failed pool's (it fails at once, putting nothing there)."""
+        under its lock, just before it hands the job to a worker). A job goes on an empty stream,
+        beside the jobs there while all of them fit ``plan.MAX_QUEUED``, and beside any number
+        once each engine event the jobs there wait on has fired: the stream then drains by itself,
+        and a call into its full queue waits for the GPU, not for an engine. A failed pool's job
+        goes too (it fails at once, putting nothing on the GPU)."""
         with self._room_lock:
             if room.taken or room.given_back:
                 return True
-            if self.queued_calls and self.queued_calls + room.calls > plan.MAX_QUEUED and not self.failed:
+            if (self.queued_calls and self.queued_calls + room.calls > plan.MAX_QUEUED and not self.failed
+                    and not self._waits_fired()):
                 return False
             room.taken = True
             self.queued_calls += room.calls
+            self._on_stream.add(room)
             return True
+
+    def _waits_fired(self) -> bool:
+        """Whether every engine event the jobs on the stream wait on has fired (its latest record
+        is complete, and with it the one the stream waits on, recorded before it); an event no
+        longer open counts as not fired."""
+        handles = {r.ready_event for r in self._on_stream if r.ready_event}
+        if not handles:
+            return True
+        rt = self.cupy.cuda.runtime
+        with self._events_lock:
+            events = [self.opened_events.get(h) for h in handles]
+        if None in events:
+            return False
+        try:
+            with self.device():
+                return all(rt.eventQuery(e) == 0 for e in events)
+        except Exception:  # a failed query says nothing: the bound holds
+            return False
 
     def _give_room(self, room: _Room) -> None:
         """The job ended (its calls done on the GPU, or given up on, or never made): a job held for
@@ -479,6 +505,7 @@ class CudaDevicePool(DevicePool):
                 return
             room.taken = False
             self.queued_calls -= room.calls
+            self._on_stream.discard(room)
         if self._recheck is not None:
             self._recheck()
 
