@@ -7,6 +7,7 @@ module imports no gRPC, so that every layer (the cache index included) may raise
 
 from __future__ import annotations
 
+import errno
 from enum import IntEnum
 
 
@@ -142,4 +143,7 @@ def status_of(exc: BaseException) -> tuple[Code, str]:
     INTERNAL."""
     if isinstance(exc, KVError):
         return exc.code, _clip(str(exc))
+    if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+        # The daemon's shortage, not a fault of the call: another try may find one.
+        return Code.RESOURCE_EXHAUSTED, f"the daemon is out of file descriptors ({exc.strerror}); try again"
     return Code.INTERNAL, _clip(f"internal error: {type(exc).__name__}: {exc}")

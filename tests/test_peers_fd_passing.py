@@ -803,3 +803,45 @@ def _fd_open(fd: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def _cpu_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def test_a_daemon_out_of_descriptors_does_not_spin_on_a_pending_fd_socket_connection(socket_dir) -> None:
+    """The daemon's descriptors all taken (here idle connections to its gRPC socket under a low
+    limit), and one connection left pending on its fd socket: each accept failed with EMFILE, the
+    connection stayed queued, and the loop was called at once to accept it again, a core's worth
+    of CPU and tens of thousands of warnings a second for as long as it stayed. The daemon now
+    waits a while before it accepts again, and says so once."""
+    import resource
+
+    d = DaemonProcess(os.path.join(socket_dir, "kv.sock"), host_memory="64MiB")
+    conns: list[socket.socket] = []
+    try:
+        open_now = len(os.listdir(f"/proc/{d.pid}/fd"))
+        resource.prlimit(d.pid, resource.RLIMIT_NOFILE, (open_now + 24, open_now + 24))
+        for _ in range(40):  # more than it has left: the gRPC server takes them until EMFILE
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(d.socket)
+            conns.append(s)
+        time.sleep(1.0)
+        pending = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pending.connect(fd_socket_path(d.socket))  # queued: the daemon has no descriptor to accept it
+        conns.append(pending)
+        time.sleep(0.5)
+        before = _cpu_ticks(d.pid)
+        time.sleep(2.0)
+        used = (_cpu_ticks(d.pid) - before) / os.sysconf("SC_CLK_TCK")
+        assert used < 0.5, f"the daemon used {used:.2f} s of CPU in 2 s with one connection pending"
+        for s in conns[:-1]:
+            s.close()
+        time.sleep(1.5)
+        assert d.stats().num_clients == 0  # it serves again
+    finally:
+        for s in conns:
+            s.close()
+        d.stop()

@@ -274,3 +274,17 @@ def test_packed_indices_are_the_bytes_protobuf_writes():
     for values in cases:
         expected = pb.AllocResponse(host_indices=values.tolist()).SerializeToString()
         assert wire.packed_int64(1, values) == expected
+
+
+def test_the_daemon_out_of_descriptors_is_resource_exhausted_not_internal() -> None:
+    """A Load's eventfd (or any descriptor the daemon makes) refused with EMFILE or ENFILE is the
+    daemon's shortage: RESOURCE_EXHAUSTED, which says to try again, not INTERNAL."""
+    import errno
+    import os
+
+    from kvserver.errors import Code, status_of
+
+    for number in (errno.EMFILE, errno.ENFILE):
+        code, details = status_of(OSError(number, os.strerror(number)))
+        assert code == Code.RESOURCE_EXHAUSTED and "out of file descriptors" in details, details
+    assert status_of(OSError(errno.EIO, "I/O error"))[0] == Code.INTERNAL

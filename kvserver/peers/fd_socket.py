@@ -45,6 +45,7 @@ CONN_SECONDS = 5.0
 MAX_CONNS = 64
 MAX_CONNS_PER_UID = 8
 STUCK_SECONDS = 1.0  # a uid whose closer is this long in one close gets no connection
+ACCEPT_RETRY_SECONDS = 0.5  # out of descriptors (EMFILE): how long before it accepts again
 _PEERCRED = struct.Struct("3i")
 # SO_PEERPIDFD (Linux 6.5): a pidfd of the process that connected, which a pid reused after it
 # exits never names; where the kernel lacks it, pidfd_open of its pid right at the accept.
@@ -143,8 +144,14 @@ class PeerSocket:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # EMFILE and the like: refuse this one, keep listening
-                logger.warning("fd socket accept failed: %s", exc.strerror)
+            except OSError as exc:  # EMFILE and the like: the connection stays queued
+                # The reader would be called again at once, and fail again, for as long as the
+                # daemon has no descriptor: a core spinning. It listens again a while later.
+                loop = asyncio.get_running_loop()
+                loop.remove_reader(self._sock.fileno())
+                loop.call_later(ACCEPT_RETRY_SECONDS, self._listen_again)
+                logger.warning("fd socket accept failed: %s; accepting again in %g s", exc.strerror,
+                               ACCEPT_RETRY_SECONDS)
                 return
             conn.setblocking(False)
             try:
@@ -168,6 +175,10 @@ class PeerSocket:
             task = asyncio.get_running_loop().create_task(self._serve(conn, peer))
             self._serving.add(task)
             task.add_done_callback(lambda t, uid=uid: self._served(t, uid))
+
+    def _listen_again(self) -> None:
+        if self._sock is not None:
+            asyncio.get_running_loop().add_reader(self._sock.fileno(), self._accept)
 
     def _served(self, task: asyncio.Task, uid: int) -> None:
         self._serving.discard(task)
