@@ -845,3 +845,48 @@ def test_a_daemon_out_of_descriptors_does_not_spin_on_a_pending_fd_socket_connec
         for s in conns:
             s.close()
         d.stop()
+
+
+def _vm_size() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:"))
+
+
+def test_a_huge_sparse_memfd_maps_only_the_pools_pages(daemon) -> None:
+    """A pool's memfd sealed at 16 TiB, sparse (its maker pays nothing for it): the daemon maps
+    the pages its buffers reach, not 16 TiB of address space (eight such Registers filled a 48-bit
+    address space: no other engine could register, nor the daemon start a thread)."""
+    pool = ShmKVPool(LAYOUT, torch.float16, 2, 256)  # its descriptor() names fd 0 of the ticket
+    fd = os.memfd_create("kvtest-sparse", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, 16 << 40)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        before = _vm_size()
+        req = pool_request(pool, get_ticket(fd_path(daemon), [fd]))
+        reg = stub_of(daemon).Register(req, timeout=TIMEOUT)
+        grown = _vm_size() - before
+        assert grown < 1 << 30, f"the daemon's address space grew {grown >> 30} GiB"
+        stub_of(daemon).Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=TIMEOUT)
+    finally:
+        os.close(fd)
+        pool.close()
+
+
+def test_a_lane_ring_past_the_largest_is_refused_unmapped() -> None:
+    """A lane's ring memfd sealed at 16 TiB is refused before it is mapped."""
+    from kvserver.errors import InvalidArgument
+    from kvserver.lane.server import open_ring
+
+    fd = os.memfd_create("kvtest-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        os.ftruncate(fd, 16 << 40)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        before = _vm_size()
+        with pytest.raises(InvalidArgument, match="the lane's ring is 17592186044416 bytes"):
+            open_ring([fd, a.fileno(), b.fileno()])
+        assert _vm_size() - before < 1 << 30
+    finally:
+        os.close(fd)
+        a.close()
+        b.close()

@@ -93,6 +93,13 @@ def open_ring(fds: list[int]) -> tuple[ShmMapping, socket.socket, list[socket.so
     if seals & _REQUIRED_SEALS != _REQUIRED_SEALS:
         raise FailedPrecondition("the lane's ring must be a memfd sealed with F_SEAL_SHRINK, F_SEAL_GROW "
                                  "and F_SEAL_SEAL")
+    try:
+        size = os.fstat(fds[0]).st_size
+    except OSError:
+        size = 0  # map_sealed_fd says why it cannot be used
+    if size > R.ring_bytes(R.MAX_SLOTS):  # refused unmapped: a sparse memfd can be as large as it likes
+        raise InvalidArgument(f"the lane's ring is {size} bytes; {R.MAX_SLOTS} slots take "
+                              f"{R.ring_bytes(R.MAX_SLOTS)}")
     ring = map_sealed_fd(fds[0], "the lane's ring")
     try:
         if ring.size < R.HEADER.size:

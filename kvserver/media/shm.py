@@ -177,14 +177,17 @@ def open_shm_pool(
     geoms = [geometry.of_ref(r, n, heads, head_bytes, f"device_pool buffer {i}", budget)
              for i, r in enumerate(refs)]
     mappings: dict[str, ShmMapping] = {}
+    need: dict[str, int] = {}  # of each object, the bytes its buffers reach: all that is mapped of it
+    for r, g in zip(refs, geoms, strict=True):
+        need[_key(r)] = max(need.get(_key(r), 0), g.span(n)[1])
     try:
         for r, g in zip(refs, geoms, strict=True):
             key = _key(r)
             if key not in mappings:
                 if r.HasField("fd"):
-                    mappings[key] = map_sealed_fd(access.fds[r.fd.index], f"fd {r.fd.index}")
+                    mappings[key] = map_sealed_fd(access.fds[r.fd.index], f"fd {r.fd.index}", need[key])
                 else:
-                    mappings[key] = open_shm(r.shm.name, access.peer.uid)
+                    mappings[key] = open_shm(r.shm.name, access.peer.uid, need[key])
             m = mappings[key]
             end = g.span(n)[1]
             if end > m.size:

@@ -3,6 +3,7 @@ named POSIX objects in /dev/shm (opt-in, with strict name and owner checks)."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
@@ -10,7 +11,7 @@ import re
 import stat
 from dataclasses import dataclass
 
-from kvserver.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, shown
+from kvserver.errors import FailedPrecondition, InvalidArgument, NoCapacity, NotFound, PermissionDenied, shown
 
 SHM_DIR = "/dev/shm"
 # Seals a pool's memfd gets: its size can never change, nor can the seals.
@@ -56,7 +57,17 @@ class ShmMapping:
         self.mm.close()
 
 
-def open_shm(name: str, owner_uid: int) -> ShmMapping:
+def mapped_bytes(size: int, need: int | None) -> int:
+    """What of an object of ``size`` bytes is mapped for a use of its first ``need`` bytes (None:
+    all of it): no more than the pages holding those. An object is as large as its maker likes (a
+    sealed memfd of 64 TiB costs its maker nothing); mapped whole, a few would fill the daemon's
+    address space."""
+    if need is None:
+        return size
+    return min(size, -(-max(need, 1) // mmap.PAGESIZE) * mmap.PAGESIZE)
+
+
+def open_shm(name: str, owner_uid: int, need: int | None = None) -> ShmMapping:
     """Maps an existing named object read-write; the name is checked before anything is opened,
     and the object must belong to ``owner_uid`` (the caller's). The daemon (often root) first only
     finds the object (O_PATH: no open of it, so no lease of another user's broken, no watcher of it
@@ -103,16 +114,18 @@ def open_shm(name: str, owner_uid: int) -> ShmMapping:
         st = os.fstat(fd)  # the file found above (its descriptor's), whatever the name names now
         if st.st_size == 0:
             raise InvalidArgument(f"shm object {name!r} is empty")
-        mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        return ShmMapping(name, st.st_size, mm, fd)
+        size = mapped_bytes(st.st_size, need)
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        return ShmMapping(name, size, mm, fd)
     except BaseException:
         os.close(fd)
         raise
 
 
-def map_sealed_fd(fd: int, what: str) -> ShmMapping:
+def map_sealed_fd(fd: int, what: str, need: int | None = None) -> ShmMapping:
     """Maps a descriptor an engine handed over: a regular (memfd) file open read-write and sealed
-    against shrinking, so no truncation can ever fault a copy. The descriptor stays the caller's.
+    against shrinking, so no truncation can ever fault a copy; of it, the pages holding its first
+    ``need`` bytes (``mapped_bytes``). The descriptor stays the caller's.
     The seals are read before the size: a seal is never taken off, so the size read after it is the
     one the object keeps (read before, it could be one a peer shrank from before sealing)."""
     try:
@@ -141,11 +154,14 @@ def map_sealed_fd(fd: int, what: str) -> ShmMapping:
             f"{what} is huge-page memory ({fs_page} B pages): refused, since a copy into it "
             "faults when the node runs out of huge pages; send an ordinary memfd"
         )
+    size = mapped_bytes(st.st_size, need)
     try:
-        mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as exc:
+        if exc.errno == errno.ENOMEM:  # the daemon's address space, not the caller's descriptor
+            raise NoCapacity(f"{what} cannot be mapped: the daemon is out of address space") from None
         raise InvalidArgument(f"{what} cannot be mapped read-write: {exc.strerror}") from None
-    return ShmMapping(what, st.st_size, mm)
+    return ShmMapping(what, size, mm)
 
 
 def create_memfd(name: str, size: int) -> tuple[int, ShmMapping]:
