@@ -236,10 +236,11 @@ class RawRing:
 
 
 def test_lane_descriptors_are_capped_per_uid(daemon) -> None:
-    """The doorbells of one uid's open lanes are capped (1 + one per slot each): past the cap a
-    lane is refused and the engine's calls go over gRPC, as they would without a lane."""
+    """The descriptors of one uid's open lanes are capped (the ring's mapping's copy of its fd, and
+    1 + one per slot doorbells each): past the cap a lane is refused and the engine's calls go over
+    gRPC, as they would without a lane."""
     lanes = daemon.daemon.servicer.lanes
-    daemon.run(lambda: setattr(lanes, "max_fds_per_uid", 9))  # one lane of the default 8 slots
+    daemon.run(lambda: setattr(lanes, "max_fds_per_uid", 10))  # one lane of the default 8 slots
     with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as a, ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as b, \
             KVClient(daemon.address) as first, KVClient(daemon.address) as second:
         register(first, a)

@@ -890,3 +890,33 @@ def test_a_lane_ring_past_the_largest_is_refused_unmapped() -> None:
         os.close(fd)
         a.close()
         b.close()
+
+
+def test_the_descriptors_one_uids_pools_hold_are_capped(daemon) -> None:
+    """Each memfd of a registered pool keeps one of the daemon's descriptors open (its mapping's
+    copy), for as long as the registration lives; the engine closes its own at once, so it paid
+    nothing for them. One uid's 32 registrations of 623 memfds each took 19,940 of a daemon's 20,000
+    descriptors: no other tenant could register, and the registered engines' Loads failed. One
+    uid's pools now hold at most a quarter of the daemon's limit; the rest is refused, and an
+    Unregister gives them back."""
+    from kvserver.core.kvcore import pool_descriptors
+
+    pools = [ShmKVPool(LAYOUT, torch.float16, 2, 256) for _ in range(2)]
+    try:
+        requests = [pool_request(p, get_ticket(fd_path(daemon), p.fds)) for p in pools]
+        each = pool_descriptors(requests[0].device_pool)
+        assert each >= 1
+        daemon.run(lambda: setattr(daemon.core, "max_pool_fds_per_uid", each))
+        first = stub_of(daemon).Register(requests[0], timeout=TIMEOUT)
+        got, message = error_of(lambda: stub_of(daemon).Register(requests[1], timeout=TIMEOUT))
+        assert got == C.RESOURCE_EXHAUSTED, message
+        assert f"the pools registered by uid {os.getuid()}" in message, message
+        stub_of(daemon).Unregister(pb.UnregisterRequest(client_id=first.client_id), timeout=TIMEOUT)
+        again = pool_request(pools[1], get_ticket(fd_path(daemon), pools[1].fds))
+        second = stub_of(daemon).Register(again, timeout=TIMEOUT)
+        assert daemon.run(lambda: dict(daemon.core._pool_fds)) == {os.getuid(): each}
+        stub_of(daemon).Unregister(pb.UnregisterRequest(client_id=second.client_id), timeout=TIMEOUT)
+        assert daemon.run(lambda: dict(daemon.core._pool_fds)) == {}
+    finally:
+        for p in pools:
+            p.close()

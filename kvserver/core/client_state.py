@@ -144,6 +144,10 @@ class ClientState:
     # before it opened a Session is reclaimed as one whose Session ended (liveness.py).
     pidfd: int = -1
     tenant: str = "anonymous"  # whose cached pages it sees (kvserver.peers.tenants)
+    # The descriptors its pool's mappings hold (kvserver.core.kvcore.pool_descriptors), and whose
+    # count they are in: its uid's, or its tenant's where the call came with no peer.
+    pool_fds: int = 0
+    pool_fds_of: int | str = ""
     cache_table: BufferTable | None = None  # its part's page layout for cache jobs, made on first use
     part_keys: tuple[SpaceKey, PartKey] | None = None  # its part of the cache, made on first use
     order: JobOrder | None = None  # which of its copies wait for which (copies.order), made on first copy

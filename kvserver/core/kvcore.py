@@ -35,7 +35,7 @@ from kvserver.host.kept import KeptDir, KeptDirError
 from kvserver.host.pages import PageAllocator
 from kvserver.media import ShmAccess, SlabPinner, open_pool
 from kvserver.peers.tenants import tenant_of
-from kvserver.peers.tickets import TicketBook
+from kvserver.peers.tickets import TicketBook, fd_budget
 from kvserver.store import KVCache
 from kvserver.store.keep import Recovery, kept_shape
 from kvserver.store.pages import MIN_PAGE_BYTES
@@ -122,6 +122,11 @@ class KVCore:
         self.copier = Copier(copy_threads, progress_interval)
         self.share = LoopShare()  # the loop between long cache steps and short calls (share.py)
         self.allow_named_shm = allow_named_shm
+        # Descriptors the pools' mappings hold, by uid (each mapped memfd keeps one open, a named
+        # object two): at most a quarter of the process's limit for one uid's pools, so that no
+        # peer can take the descriptors every other engine's calls need.
+        self.max_pool_fds_per_uid = fd_budget()
+        self._pool_fds: Counter[int | str] = Counter()
         # Released clients whose GPU work may still run, with the IPC allocations it may touch:
         # an Unregister of one, or of any client sharing one of those allocations, says so.
         self._quarantined: dict[str, frozenset[bytes]] = {}
@@ -232,7 +237,17 @@ class KVCore:
         self._registering += 1
         self._registering_by_tenant[who] += 1
         replaced = None
+        fds_of, fds = access.peer.uid if access.peer is not None else who, pool_descriptors(req.device_pool)
+        booked = 0
         try:
+            if self._pool_fds[fds_of] + fds > self.max_pool_fds_per_uid:
+                raise NoCapacity(
+                    f"the pools registered by uid {fds_of} hold {self._pool_fds[fds_of]} of the daemon's "
+                    f"descriptors; this one's {fds} would pass the most one uid's pools may hold "
+                    f"({self.max_pool_fds_per_uid}): unregister one first, or share memfds between buffers"
+                )
+            self._pool_fds[fds_of] += fds
+            booked = fds
             replaced = self.clients.get(req.replaces_client_id) if req.replaces_client_id else None
             # A registration replacing a live one takes no new place: its old client is counted.
             self._replacing += replaced is not None
@@ -259,7 +274,9 @@ class KVCore:
             client = await self._register(req, spec, access, least, most)
             client.peer = access.peer
             client.tenant = who
+            client.pool_fds, client.pool_fds_of = fds, fds_of
         except BaseException:
+            self._give_pool_fds(fds_of, booked)
             if ticket is not None:  # off the loop: it may hold the last reference to a large memfd
                 ticket.close_off_loop()
             raise
@@ -276,6 +293,11 @@ class KVCore:
             if not self._registering_by_tenant[who]:
                 del self._registering_by_tenant[who]
             self._replacing -= replaced is not None
+
+    def _give_pool_fds(self, of: int | str, n: int) -> None:
+        self._pool_fds[of] -= n
+        if self._pool_fds[of] <= 0:
+            del self._pool_fds[of]
 
     async def _release_replaced(self, client_id: str) -> None:
         """An engine registering again names its previous registration: released first (its
@@ -521,6 +543,8 @@ class KVCore:
             logger.exception("closing the device pool of %s failed; releasing its host memory anyway",
                              public_id(client_id))
         finally:
+            self._give_pool_fds(client.pool_fds_of, client.pool_fds)
+            client.pool_fds = 0
             if held is None:
                 await self._release_region(client.region_offset, client.region_bytes)
                 # Its own copies are dead, but a quarantined client's may still write the same
@@ -756,6 +780,20 @@ class KVCore:
         self.arena.close()
         if self._kept is not None:  # the cache stays in its files for the next start
             self._kept.close()
+
+
+def pool_descriptors(pool: pb.DevicePool) -> int:
+    """The descriptors a pool's mappings keep open while it is registered: one a memfd (the
+    mapping's own copy of it), two a named object (its descriptor, kept to check its size before
+    each copy, and the mapping's)."""
+    fds, names = set(), set()
+    for layer in pool.layers:
+        for ref in layer.parts:
+            if ref.HasField("fd"):
+                fds.add(ref.fd.index)
+            elif ref.HasField("shm"):
+                names.add(ref.shm.name)
+    return len(fds) + 2 * len(names)
 
 
 async def _settle(fut: asyncio.Future) -> bool:

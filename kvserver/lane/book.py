@@ -233,7 +233,7 @@ class LaneBook:
     def _take_ring(self, ticket: Any) -> tuple[Any, Any, list[Any]]:
         """The ticket's ring and doorbells, checked, within its uid's descriptor budget."""
         uid, held = ticket.peer.uid, self._fds_per_uid[ticket.peer.uid]
-        if held + len(ticket.fds) - 1 > self.max_fds_per_uid:  # the ring's own fd is closed
+        if held + len(ticket.fds) > self.max_fds_per_uid:  # the ring's mapping keeps a copy of its fd
             raise NoCapacity(
                 f"uid {uid}'s lanes hold {held} descriptors; this one would pass the most one uid's "
                 f"lanes may hold ({self.max_fds_per_uid}): its calls go over gRPC"
@@ -257,7 +257,7 @@ class LaneBook:
                                  "its calls go over gRPC") from exc
             raise
         self.lanes.add(lane)
-        fds = 1 + len(done)
+        fds = 2 + len(done)  # the ring's mapping's copy of its fd, the doorbells
         self._fds_per_uid[uid] += fds
 
         def closed(lane: Lane) -> None:
