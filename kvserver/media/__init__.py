@@ -16,12 +16,12 @@ from kvserver.errors import InvalidArgument
 from kvserver.media import cuda, shm
 from kvserver.media.base import DevicePool, wide_dtype
 from kvserver.media.cuda import SlabPinner
-from kvserver.media.shm import ShmAccess, ShmDevicePool
+from kvserver.media.shm import ShmAccess, ShmDevicePool, pool_descriptors
 from kvserver.protocol.layout import KVLayout
 from kvserver.v1 import kvserver_pb2 as pb
 
 __all__ = ["MAX_POOL_TOKENS", "DevicePool", "ShmAccess", "ShmDevicePool", "SlabPinner", "open_pool",
-           "wide_dtype"]
+           "pool_descriptors", "wide_dtype"]
 
 MAX_POOL_TOKENS = 1 << 40
 

@@ -366,3 +366,18 @@ def _pieces(job: Job, plan_rows: Callable[[], transfer.JobRows], count: int, tab
 
     return Work(to_device, max(1, groups * split), run, finish, parallel=split > 1,
                 stopping=stopping, ready=job.ready)
+
+
+def pool_descriptors(pool: pb.DevicePool) -> tuple[int, set[int]]:
+    """The descriptors a pool's mappings keep open while it is registered (one a memfd: the
+    mapping's own copy of it; two a named object: its descriptor, kept to check its size before
+    each copy, and the mapping's), and the ticket's descriptors it names."""
+    fds, names = set(), set()
+    for layer in pool.layers:
+        for ref in layer.parts:
+            kind = ref.WhichOneof("location")
+            if kind == "fd":
+                fds.add(ref.fd.index)
+            elif kind == "shm":
+                names.add(ref.shm.name)
+    return len(fds) + 2 * len(names), fds
