@@ -598,3 +598,27 @@ def test_a_lanes_doorbells_take_no_descriptors(daemon) -> None:
             os.close(r)
             os.close(w)
             ring.close()
+
+
+@pytest.mark.parametrize("plane", ["compiled", "python"])
+def test_an_empty_doorbell_message_is_a_ring_not_the_peer_leaving(daemon_factory, monkeypatch, plane) -> None:
+    """A zero-length message on the submit doorbell (SOCK_SEQPACKET carries them) read as the
+    peer's end of file: the lane was no longer watched, and its next calls waited for their
+    deadlines (and cost the engine its registration). The peer's leaving is told by the socket
+    (EPOLLRDHUP, POLLRDHUP), not by an empty read; and where it has left, the lane is still let go."""
+    from kvserver.lane import plane as plane_mod
+
+    if plane == "python":
+        monkeypatch.setattr(plane_mod, "ENABLED", False)
+    elif not plane_mod.ENABLED:
+        pytest.skip("the compiled data plane is not built")
+    d = daemon_factory()
+    assert (d.core.plane is not None) == (plane == "compiled")
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, \
+            KVClient(d.address, timeout=2, resilient=False) as client:
+        register(client, pool)
+        fill(pool, 3)
+        client.lane._submit.send(b"")  # an empty ring, then calls that must be taken
+        time.sleep(0.1)
+        round_trip(client, pool)  # (before: DEADLINE_EXCEEDED, the lane no longer read)
+        assert client.lane is not None and not client.lane.closed

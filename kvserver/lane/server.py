@@ -21,6 +21,7 @@ import ctypes
 import fcntl
 import logging
 import os
+import select
 import socket
 import stat
 import time
@@ -72,6 +73,13 @@ def _check_doorbell(fd: int, what: str) -> socket.socket:
         sock.detach()
         raise
     return sock
+
+
+def _peer_left(sock: socket.socket) -> bool:
+    """Whether the peer of a Unix SOCK_SEQPACKET socket has closed its end (POLLRDHUP or POLLHUP)."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN | select.POLLRDHUP)
+    return any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, ev in poller.poll(0))
 
 
 def ring_features(ring: ShmMapping) -> int:
@@ -341,8 +349,12 @@ class Lane:
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:
-                data = b""
-            if not data:  # the peer closed its end: it is gone; the release cleans up
+                data, gone = b"", True
+            else:
+                # An empty read is the peer's end of file or an empty message (SOCK_SEQPACKET carries
+                # them): the socket says which.
+                gone = not data and _peer_left(self._submit)
+            if gone:  # the peer closed its end: it is gone; the release cleans up
                 if self.close_when_gone:
                     self._gone("its peer closed its end")
                     return

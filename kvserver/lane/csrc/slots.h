@@ -147,18 +147,28 @@ static void unwatch(Engine *e, Lane *l) {
     e->watched_slots -= l->slots;
 }
 
-static void doorbell(Engine *e, Lane *l) {
-    char buf[16];
-    for (int k = 0; k < MAX_DRAIN; k++) {
-        ssize_t got = recv(l->submit_fd, buf, sizeof buf, MSG_DONTWAIT);
-        if (got < 0 && (errno == EAGAIN || errno == EINTR))
-            break;
-        if (got <= 0) { /* the peer closed its end: it is gone; its release cleans up */
-            unwatch(e, l);
-            if (l->gate->space) /* no release closes a space's lane: the loop is told (slot -1) */
-                handoff(e, l, -1, 0);
-            break;
+/* A rung doorbell (``events``: epoll's for its socket). The peer's leaving is told by the socket
+ * (EPOLLRDHUP, EPOLLHUP), never by an empty read: a SOCK_SEQPACKET message may be empty, and read
+ * as an end of file it would leave the lane unwatched, its calls never taken. The messages carry
+ * nothing: up to MAX_DRAIN of them are read in one call, so a peer ringing without end costs this
+ * thread one call a turn, not one a message. */
+static void doorbell(Engine *e, Lane *l, uint32_t events) {
+    if (events & (EPOLLRDHUP | EPOLLHUP | EPOLLERR)) { /* gone; its release cleans up */
+        unwatch(e, l);
+        if (l->gate->space) /* no release closes a space's lane: the loop is told (slot -1) */
+            handoff(e, l, -1, 0);
+    } else {
+        char buf[MAX_DRAIN];
+        struct iovec iov[MAX_DRAIN];
+        struct mmsghdr msgs[MAX_DRAIN];
+        memset(msgs, 0, sizeof msgs);
+        for (int k = 0; k < MAX_DRAIN; k++) {
+            iov[k].iov_base = buf + k;
+            iov[k].iov_len = 1;
+            msgs[k].msg_hdr.msg_iov = iov + k;
+            msgs[k].msg_hdr.msg_iovlen = 1;
         }
+        (void)recvmmsg(l->submit_fd, msgs, MAX_DRAIN, MSG_DONTWAIT, NULL);
     }
     pend(e, l);
 }

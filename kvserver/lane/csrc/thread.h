@@ -39,7 +39,7 @@ static void command(Engine *e) {
         return;
     if (cmd == CMD_ADD) {
         Lane *l = arg;
-        struct epoll_event ev = {.events = EPOLLIN, .data.ptr = l};
+        struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = l};
         if (epoll_ctl(e->epfd, EPOLL_CTL_ADD, l->submit_fd, &ev) < 0) {
             /* Never rung, it would be served only while the thread spins: not taken at all, and
              * engine_add_lane refuses it (its calls go over gRPC). */
@@ -178,7 +178,7 @@ static void *engine_main(void *arg) {
             } else {
                 Lane *l = evs[k].data.ptr;
                 if (l->watching && !cmd_waiting(e)) /* (else left readable: the next wait's) */
-                    doorbell(e, l);
+                    doorbell(e, l, evs[k].events);
             }
         }
         if (woken) {
