@@ -319,7 +319,7 @@ MAIN_CASES = {
     "share-not-a-number": (["--host-memory", "half%"], {}, "cannot read size 'half%'"),
     "share-env-over-100": ([], {"KVSERVER_HOST_MEMORY": "101%"}, "at most 100%, not '101%'"),
     "bad-int-flag": (["--copy-threads", "many"], {}, "argument --copy-threads: invalid int value: 'many'"),
-    "zero-threads": (["--copy-threads", "0"], {}, "copy threads must be at least 1"),
+    "zero-threads": (["--copy-threads", "0"], {}, "copy threads must be between 1 and 1024"),
     "negative-grace": (["--shutdown-grace", "-1"], {}, "shutdown grace must not be negative"),
     "bad-listen": (["--listen", "nohost"], {}, "listen address 'nohost' is not host:port"),
     "tcp-without-token": (["--listen", "127.0.0.1:5555"], {}, "listening on TCP needs a token"),
