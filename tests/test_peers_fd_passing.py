@@ -852,10 +852,12 @@ def _vm_size() -> int:
         return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:"))
 
 
-def test_a_huge_sparse_memfd_maps_only_the_pools_pages(daemon) -> None:
-    """A pool's memfd sealed at 16 TiB, sparse (its maker pays nothing for it): the daemon maps
-    the pages its buffers reach, not 16 TiB of address space (eight such Registers filled a 48-bit
-    address space: no other engine could register, nor the daemon start a thread)."""
+@pytest.mark.parametrize("far", [0, (16 << 40) - (1 << 20)], ids=["at-its-start", "at-its-end"])
+def test_a_huge_sparse_memfd_maps_only_the_pools_pages(daemon, far) -> None:
+    """A pool's memfd sealed at 16 TiB, sparse (its maker pays nothing for it), its buffers at its
+    start or at its end: the daemon maps the pages its buffers reach, not 16 TiB of address space
+    (eight such Registers filled a 48-bit address space: no other engine could register, nor the
+    daemon start a thread; mapped from the object's start, buffers at its end did the same)."""
     pool = ShmKVPool(LAYOUT, torch.float16, 2, 256)  # its descriptor() names fd 0 of the ticket
     fd = os.memfd_create("kvtest-sparse", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
@@ -863,10 +865,57 @@ def test_a_huge_sparse_memfd_maps_only_the_pools_pages(daemon) -> None:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
         before = _vm_size()
         req = pool_request(pool, get_ticket(fd_path(daemon), [fd]))
+        for layer in req.device_pool.layers:
+            for ref in layer.parts:
+                ref.offset += far
         reg = stub_of(daemon).Register(req, timeout=TIMEOUT)
         grown = _vm_size() - before
         assert grown < 1 << 30, f"the daemon's address space grew {grown >> 30} GiB"
         stub_of(daemon).Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=TIMEOUT)
+    finally:
+        os.close(fd)
+        pool.close()
+
+
+def test_buffers_past_an_objects_first_pages_copy_exactly(daemon) -> None:
+    """Buffers 64 MiB, three pages and 64 bytes into their memfd (mapped from the page holding
+    their first byte): a Write then a Load moves every byte of the tokens named, and nothing else."""
+    import mmap
+
+    pool = ShmKVPool(LAYOUT, torch.float16, 2, 256)
+    far = (64 << 20) + 3 * 4096 + 64
+    fd = os.memfd_create("kvtest-far", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        req = pool_request(pool, get_ticket(fd_path(daemon), [fd]))
+        refs = [ref for layer in req.device_pool.layers for ref in layer.parts]
+        end = max(ref.offset + 256 * ref.token_stride for ref in refs)
+        os.ftruncate(fd, far + end + 4096)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        mem = mmap.mmap(fd, far + end + 4096)
+        view = np.frombuffer(mem, dtype=np.uint8)
+        want = np.random.default_rng(5).integers(0, 256, end, dtype=np.uint8)
+        view[far:far + end] = want
+        for ref in refs:
+            ref.offset += far
+        stub = stub_of(daemon)
+        reg = stub.Register(req, timeout=TIMEOUT)
+        host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=64),
+                               timeout=TIMEOUT).host_indices)
+        dev = list(range(64, 128))
+        stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=host, device_indices=dev),
+                   timeout=TIMEOUT)
+        view[far:far + end] = 0
+        list(stub.Load(pb.LoadRequest(client_id=reg.client_id, host_indices=host, device_indices=dev),
+                       timeout=TIMEOUT))
+        got = view[far:far + end].copy()
+        for ref in refs:  # the tokens named came back; every other byte of the pool stayed 0
+            lo, hi = ref.offset - far + 64 * ref.token_stride, ref.offset - far + 128 * ref.token_stride
+            assert np.array_equal(got[lo:hi], want[lo:hi])
+            got[lo:hi] = 0
+        assert not got.any() and not view[:far].any() and not view[far + end:].any()
+        stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=TIMEOUT)
+        del view
+        mem.close()
     finally:
         os.close(fd)
         pool.close()

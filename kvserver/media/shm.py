@@ -177,23 +177,26 @@ def open_shm_pool(
     geoms = [geometry.of_ref(r, n, heads, head_bytes, f"device_pool buffer {i}", budget)
              for i, r in enumerate(refs)]
     mappings: dict[str, ShmMapping] = {}
-    need: dict[str, int] = {}  # of each object, the bytes its buffers reach: all that is mapped of it
+    # Of each object, the bytes its buffers reach, [lowest, highest): all that is mapped of it.
+    spans: dict[str, tuple[int, int]] = {}
     for r, g in zip(refs, geoms, strict=True):
-        need[_key(r)] = max(need.get(_key(r), 0), g.span(n)[1])
+        lo, hi = g.span(n)
+        was = spans.get(_key(r), (lo, hi))
+        spans[_key(r)] = (min(was[0], lo), max(was[1], hi))
     try:
         for r, g in zip(refs, geoms, strict=True):
             key = _key(r)
             if key not in mappings:
                 if r.HasField("fd"):
-                    mappings[key] = map_sealed_fd(access.fds[r.fd.index], f"fd {r.fd.index}", need[key])
+                    mappings[key] = map_sealed_fd(access.fds[r.fd.index], f"fd {r.fd.index}", spans[key])
                 else:
-                    mappings[key] = open_shm(r.shm.name, access.peer.uid, need[key])
+                    mappings[key] = open_shm(r.shm.name, access.peer.uid, spans[key])
             m = mappings[key]
             end = g.span(n)[1]
-            if end > m.size:
+            if end > m.end:
                 what = f"shm object {r.shm.name!r}" if r.HasField("shm") else f"fd {r.fd.index}"
                 raise InvalidArgument(
-                    f"{what} is {m.size} bytes but the buffer at {geometry.describe(r)} "
+                    f"{what} is {m.end} bytes but the buffer at {geometry.describe(r)} "
                     f"needs {end} bytes for {n} tokens"
                 )
         geometry.check_no_overlap(geoms, [_key(r) for r in refs], n, lambda i: f"device_pool buffer {i}",
@@ -203,11 +206,15 @@ def open_shm_pool(
         wide = wide_dtype(token_bytes, *(r.offset for r in refs), *(r.token_stride for r in refs))
         w = wide.itemsize
         flat = {key: torch.frombuffer(m.mm, dtype=wide, count=m.size // w) for key, m in mappings.items()}
+
+        def at(r: pb.BufferRef) -> int:  # its offset in its mapping (which starts at a page of it)
+            return r.offset - mappings[_key(r)].start
+
         elems = token_bytes // w
         parts = layout.num_parts
         token_views = [
             [
-                torch.as_strided(flat[_key(r)], (n, elems), (r.token_stride // w, 1), r.offset // w)
+                torch.as_strided(flat[_key(r)], (n, elems), (r.token_stride // w, 1), at(r) // w)
                 for r in refs[layer * parts : (layer + 1) * parts]
             ]
             for layer in range(num_layers)
@@ -218,7 +225,7 @@ def open_shm_pool(
             page_views = [
                 [
                     torch.as_strided(
-                        flat[_key(r)], (pages, page_size * elems), (page_size * elems, 1), r.offset // w
+                        flat[_key(r)], (pages, page_size * elems), (page_size * elems, 1), at(r) // w
                     )
                     for r in refs[layer * parts : (layer + 1) * parts]
                 ]
@@ -249,7 +256,7 @@ def _strided_pool(refs: list[pb.BufferRef], geoms: list[geometry.Geometry], n: i
         addresses[key] = flat.data_ptr()
         del flat  # the mapping stays open; no export of it may outlive this call
     parts = layout.num_parts
-    bases = np.array([[addresses[_key(r)] + r.offset for r in refs[i : i + parts]]
+    bases = np.array([[addresses[_key(r)] + r.offset - mappings[_key(r)].start for r in refs[i : i + parts]]
                       for i in range(0, len(refs), parts)], dtype=np.uint64)
     g = geoms[0]
     row_bytes = g.token_bytes if g.heads_contiguous else g.head_bytes

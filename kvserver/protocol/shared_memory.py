@@ -31,20 +31,27 @@ def check_name(name: str) -> str:
 
 @dataclass(slots=True)
 class ShmMapping:
-    """A mapped shared-memory object; ``size`` is the object's size when it was mapped."""
+    """A mapped shared-memory object: ``size`` bytes of it mapped from its byte ``start`` (the
+    whole object unless mapped for a span: ``mapped_span``)."""
 
     name: str
     size: int
     mm: mmap.mmap
     fd: int = -1  # named objects: kept open so the object's size can be checked before each copy
+    start: int = 0
+
+    @property
+    def end(self) -> int:
+        """The object's bytes up to the mapping's end: ``start + size``."""
+        return self.start + self.size
 
     def check_size(self) -> None:
         """Raises if the object shrank below what is mapped: touching the lost tail is SIGBUS."""
         if self.fd >= 0:
             now = os.fstat(self.fd).st_size
-            if now < self.size:
+            if now < self.end:
                 raise FailedPrecondition(
-                    f"shm object {self.name!r} shrank from {self.size} to {now} bytes since Register; "
+                    f"shm object {self.name!r} shrank from {self.end} to {now} bytes since Register; "
                     "register the pool again"
                 )
 
@@ -57,17 +64,24 @@ class ShmMapping:
         self.mm.close()
 
 
-def mapped_bytes(size: int, need: int | None) -> int:
-    """What of an object of ``size`` bytes is mapped for a use of its first ``need`` bytes (None:
-    all of it): no more than the pages holding those. An object is as large as its maker likes (a
-    sealed memfd of 64 TiB costs its maker nothing); mapped whole, a few would fill the daemon's
-    address space."""
-    if need is None:
-        return size
-    return min(size, -(-max(need, 1) // mmap.PAGESIZE) * mmap.PAGESIZE)
+def mapped_span(size: int, span: tuple[int, int] | None) -> tuple[int, int]:
+    """(start, length) of what of an object of ``size`` bytes is mapped for a use of its bytes
+    ``span`` = [lo, hi) (None: all of it): no more than the pages holding those. An object is as
+    large as its maker likes (a sealed memfd of 64 TiB costs its maker nothing), with its buffers
+    anywhere in it; mapped whole, or from its start, a few filled the daemon's address space. A
+    span past the object's end maps a page of it (what uses the span is then refused)."""
+    if span is None:
+        return 0, size
+    lo, hi = span
+    page = mmap.ALLOCATIONGRANULARITY
+    start = lo // page * page
+    end = min(size, -(-max(hi, lo + 1) // page) * page)
+    if end <= start:
+        return 0, min(size, page)
+    return start, end - start
 
 
-def open_shm(name: str, owner_uid: int, need: int | None = None) -> ShmMapping:
+def open_shm(name: str, owner_uid: int, span: tuple[int, int] | None = None) -> ShmMapping:
     """Maps an existing named object read-write; the name is checked before anything is opened,
     and the object must belong to ``owner_uid`` (the caller's). The daemon (often root) first only
     finds the object (O_PATH: no open of it, so no lease of another user's broken, no watcher of it
@@ -82,6 +96,7 @@ def open_shm(name: str, owner_uid: int, need: int | None = None) -> ShmMapping:
     except FileNotFoundError:
         raise NotFound(f"shm object {name!r} does not exist in {SHM_DIR}") from None
     except OSError as exc:
+        _daemons_shortage(exc, f"shm object {name!r}")
         raise InvalidArgument(f"shm object {name!r} cannot be opened: {exc.strerror}") from None
     try:
         st = os.fstat(found)
@@ -107,6 +122,7 @@ def open_shm(name: str, owner_uid: int, need: int | None = None) -> ShmMapping:
         except PermissionError:
             raise PermissionDenied(f"shm object {name!r} cannot be opened read-write") from None
         except OSError as exc:
+            _daemons_shortage(exc, f"shm object {name!r}")
             raise InvalidArgument(f"shm object {name!r} cannot be opened: {exc.strerror}") from None
     finally:
         os.close(found)
@@ -114,18 +130,22 @@ def open_shm(name: str, owner_uid: int, need: int | None = None) -> ShmMapping:
         st = os.fstat(fd)  # the file found above (its descriptor's), whatever the name names now
         if st.st_size == 0:
             raise InvalidArgument(f"shm object {name!r} is empty")
-        size = mapped_bytes(st.st_size, need)
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        return ShmMapping(name, size, mm, fd)
+        start, size = mapped_span(st.st_size, span)
+        try:
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+        except OSError as exc:
+            _daemons_shortage(exc, f"shm object {name!r}")
+            raise InvalidArgument(f"shm object {name!r} cannot be mapped: {exc.strerror}") from None
+        return ShmMapping(name, size, mm, fd, start)
     except BaseException:
         os.close(fd)
         raise
 
 
-def map_sealed_fd(fd: int, what: str, need: int | None = None) -> ShmMapping:
+def map_sealed_fd(fd: int, what: str, span: tuple[int, int] | None = None) -> ShmMapping:
     """Maps a descriptor an engine handed over: a regular (memfd) file open read-write and sealed
-    against shrinking, so no truncation can ever fault a copy; of it, the pages holding its first
-    ``need`` bytes (``mapped_bytes``). The descriptor stays the caller's.
+    against shrinking, so no truncation can ever fault a copy; of it, the pages holding its bytes
+    ``span`` (``mapped_span``). The descriptor stays the caller's.
     The seals are read before the size: a seal is never taken off, so the size read after it is the
     one the object keeps (read before, it could be one a peer shrank from before sealing)."""
     try:
@@ -154,14 +174,23 @@ def map_sealed_fd(fd: int, what: str, need: int | None = None) -> ShmMapping:
             f"{what} is huge-page memory ({fs_page} B pages): refused, since a copy into it "
             "faults when the node runs out of huge pages; send an ordinary memfd"
         )
-    size = mapped_bytes(st.st_size, need)
+    start, size = mapped_span(st.st_size, span)
     try:
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
     except OSError as exc:
-        if exc.errno == errno.ENOMEM:  # the daemon's address space, not the caller's descriptor
-            raise NoCapacity(f"{what} cannot be mapped: the daemon is out of address space") from None
+        _daemons_shortage(exc, what)
         raise InvalidArgument(f"{what} cannot be mapped read-write: {exc.strerror}") from None
-    return ShmMapping(what, size, mm)
+    return ShmMapping(what, size, mm, start=start)
+
+
+def _daemons_shortage(exc: OSError, what: str) -> None:
+    """Raises NoCapacity where mapping failed for want of the daemon's own resources (its address
+    space, its descriptors: mmap keeps a copy of the descriptor), not for the caller's object."""
+    if exc.errno == errno.ENOMEM:
+        raise NoCapacity(f"{what} cannot be mapped: the daemon is out of address space") from None
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        raise NoCapacity(f"{what} cannot be mapped: the daemon is out of file descriptors "
+                         f"({exc.strerror}); try again") from None
 
 
 def create_memfd(name: str, size: int) -> tuple[int, ShmMapping]:
