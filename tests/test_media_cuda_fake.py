@@ -1441,3 +1441,82 @@ def test_a_job_past_the_bound_goes_beside_jobs_whose_engine_events_fired(daemon,
         for room in (first, small, held):
             pool._give_room(room)
         assert pool.queued_calls == 0 and not pool._on_stream
+
+
+def _layers_pool(fake, layers: int, heads: int = 1, head_dim: int = 64, tokens: int = 16):
+    """A plain CUDA pool of ``layers`` layers of two parts, ``tokens`` tokens each, in one export."""
+    tb = heads * head_dim * 2
+    buf = tokens * tb
+    handle, mem = fake.cuda.runtime.export(layers * 2 * buf + 4096)
+    return pb.DevicePool(num_tokens=tokens, layers=[pb.LayerBuffers(parts=[
+        pb.BufferRef(cuda=pb.CudaIpcLocation(ipc_handle=b"\x02c" + handle, device_uuid=UUID,
+                                             allocation_size=mem.size),
+                     offset=4096 + (layer * 2 + p) * buf, token_stride=tb) for p in range(2)])
+        for layer in range(layers)])
+
+
+def _register_layers(stub, refs, layers: int, heads: int = 1, head_dim: int = 64):
+    return stub.Register(pb.RegisterRequest(
+        model="gpu", start_layer=0, end_layer=layers, num_layers=layers,
+        layout=pb.KVLayout(mha=pb.MHALayout(num_heads=heads, head_dim=head_dim)), dtype=pb.DTYPE_FLOAT16,
+        page_size=16, device_pool=refs, host_tokens=16, event_slots=1), timeout=30)
+
+
+def test_a_cuda_pool_of_more_layers_than_one_job_may_call_for_is_refused(daemon, fake):
+    """A kernel load makes two calls a layer: a pool of more layers than fit the 512 calls a job
+    may make is refused at Register (before, one load of a 600-layer pool behind a ready event
+    that never fired put 1209 calls on an empty stream and held its copy worker in a driver call
+    for good: the wait that gives a pool up starts only once the enqueue returns)."""
+    from kvserver.media.cuda import plan
+
+    too_many = plan.max_layers() + 1
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = ticketing_stub(ch, daemon.address)
+        with pytest.raises(grpc.RpcError) as err:
+            _register_layers(stub, _layers_pool(fake, too_many), too_many)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"a CUDA pool has at most {plan.max_layers()} layers" in err.value.details()
+
+
+@pytest.mark.parametrize(("heads", "head_dim"), [(1, 64), (8, 128)], ids=["kernel", "dma-sized-rows"])
+def test_the_largest_job_of_the_most_layers_never_holds_a_copy_worker(daemon_factory, fake, heads,
+                                                                       head_dim):
+    """Two pools of the most layers a CUDA pool may have, each loading behind a ready event that
+    never fires, with the stand-in driver's depth at the bound (512 calls): no job passes it, so
+    neither copy worker waits in a driver call, engine B's load goes at once, and both pools are
+    given up on at --cuda-wait-seconds."""
+    from kvserver.media.cuda import plan
+
+    d = daemon_factory(cuda_wait_seconds=1.0, host_memory=256 << 20)  # two copy workers
+    rt = fake.cuda.runtime
+    rt.queue_depth = plan.MAX_QUEUED
+    layers = plan.max_layers()
+    hung = (9191).to_bytes(8, "little") * 8
+    with grpc.insecure_channel(d.address) as ch:
+        stub = ticketing_stub(ch, d.address)
+        regs = [_register_layers(stub, _layers_pool(fake, layers, heads, head_dim), layers, heads, head_dim)
+                for _ in range(2)]
+        b = _register_layers(stub, _layers_pool(fake, 4, heads, head_dim), 4, heads, head_dim)
+        hosts = {r.client_id: list(stub.Alloc(pb.AllocRequest(client_id=r.client_id,
+                                                               num_tokens=16)).host_indices)
+                 for r in (*regs, b)}
+        dev = list(range(16))
+        for r in (*regs, b):
+            copy_call(stub, "write", r.client_id, hosts[r.client_id], dev, b"")
+        rt.hang(hung)
+        loads = []
+        try:
+            loads = [in_thread(lambda r=r: copy_call(stub, "load", r.client_id, hosts[r.client_id], dev,
+                                                     hung)) for r in regs]
+            time.sleep(0.5)
+            for r in regs:
+                stream = d.run(lambda r=r: d.core.clients[r.client_id].device.stream.ptr)
+                assert 0 < rt.outstanding(stream) <= plan.MAX_QUEUED
+            t0 = time.monotonic()
+            copy_call(stub, "load", b.client_id, hosts[b.client_id], dev, b"")
+            assert time.monotonic() - t0 < 1.0, "B's load waited behind a copy worker held in a driver call"
+            for t, _ in loads:
+                t.join(10)
+            assert [out["error"].code() for _, out in loads] == [grpc.StatusCode.DEADLINE_EXCEEDED] * 2
+        finally:
+            rt.fire(hung)

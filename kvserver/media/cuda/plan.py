@@ -46,6 +46,20 @@ MAX_QUEUED = 512
 # Host arrays the copy kernel's launches read, uploaded for each job (CuPy's asarray: a copy on the
 # stream and an event recorded behind it, each).
 KERNEL_UPLOADS = 4
+
+
+def max_layers() -> int:
+    """The most layers a CUDA pool may have: a load by the copy kernel makes two calls a layer
+    (the launch, the record) besides its uploads and its wait, and no one job may make more than
+    ``MAX_QUEUED`` (a job past the driver's depth would wait in a driver call on its own stream,
+    before its wait could give up on it)."""
+    return (MAX_QUEUED - 2 * KERNEL_UPLOADS - 1) // 2
+
+
+def dma_max_copies(num_layers: int, to_device: bool) -> int:
+    """The most DMA copies of a job of ``num_layers`` layers: ``DMA_MAX_COPIES``, and with its
+    wait and its records (a load's, one a layer; a write's one) no more calls than ``MAX_QUEUED``."""
+    return min(DMA_MAX_COPIES, MAX_QUEUED - 1 - (num_layers if to_device else 1))
 # The plane's DMA jobs are fewer copies than the loop's: their calls are made on the plane's one
 # thread, a few microseconds each, while every other lane waits, and they count against
 # PLANE_MAX_QUEUED; past this many, one launch of the copy kernel does the job.
@@ -58,9 +72,10 @@ PLANE_ARGS_BYTES = 2 << 20
 
 
 def choose_method(chunk_bytes: int, num_copies: int = 1,
-                  dma_min_chunk_bytes: int = DMA_MIN_CHUNK_BYTES) -> str:
-    """'dma' for large per-(layer, part) page chunks when there are few of them, else 'kernel'."""
-    if chunk_bytes >= dma_min_chunk_bytes and num_copies <= DMA_MAX_COPIES:
+                  dma_min_chunk_bytes: int = DMA_MIN_CHUNK_BYTES, max_copies: int = DMA_MAX_COPIES) -> str:
+    """'dma' for large per-(layer, part) page chunks when there are few of them (``max_copies``
+    at most), else 'kernel'."""
+    if chunk_bytes >= dma_min_chunk_bytes and num_copies <= max_copies:
         return "dma"
     return "kernel"
 

@@ -456,7 +456,8 @@ class CudaDevicePool(DevicePool):
             rows, row_bytes = copy_plan.num_tokens, self.token_bytes
         steps = num_layers if to_device else 1
         copies = rows * num_layers * self.parts
-        if plan.choose_method(row_bytes, copies) == "kernel":
+        most = plan.dma_max_copies(num_layers, to_device)
+        if plan.choose_method(row_bytes, copies, max_copies=most) == "kernel":
             copies = 2 * plan.KERNEL_UPLOADS + steps
         return int(ready_event) + copies + steps
 
@@ -584,9 +585,10 @@ class CudaDevicePool(DevicePool):
             host_off, dev_off = copy_plan.offsets(host_table.row_stride, dev_stride, row_bytes)
         host_bases = host_table.bases[layers] + np.uint64(host_to_device % (1 << 64))
         dev_bases = self.token_bases[layers]
+        most = plan.dma_max_copies(layers.size, to_device)
         if to_device:
-            return self._copier(dev_bases, dev_off, host_bases, host_off, row_bytes)
-        return self._copier(host_bases, host_off, dev_bases, dev_off, row_bytes)
+            return self._copier(dev_bases, dev_off, host_bases, host_off, row_bytes, most)
+        return self._copier(host_bases, host_off, dev_bases, dev_off, row_bytes, most)
 
     def _wait_in_turn(self, waiters: Executor, wait: Callable[[Pending], None], pending: Pending) -> None:
         """Queues ``wait(pending)`` behind this pool's earlier waits, on one waiter thread at a time."""
@@ -636,12 +638,12 @@ class CudaDevicePool(DevicePool):
                         rt.eventDestroy(event)
 
     def _copier(self, dst_bases: np.ndarray, dst_off: np.ndarray, src_bases: np.ndarray,
-                src_off: np.ndarray, row_bytes: int):
+                src_off: np.ndarray, row_bytes: int, max_copies: int = plan.DMA_MAX_COPIES):
         """A function copying the rows of a slice of layers: one kernel launch (with the widest
-        word the job's alignment allows) for small rows or many copies, DMA for a bounded number
-        of large ones (``plan.choose_method``)."""
+        word the job's alignment allows) for small rows or many copies, DMA for at most
+        ``max_copies`` large ones (``plan.choose_method``)."""
         cp = self.cupy
-        if plan.choose_method(row_bytes, dst_off.size * dst_bases.size) == "kernel":
+        if plan.choose_method(row_bytes, dst_off.size * dst_bases.size, max_copies=max_copies) == "kernel":
             word = plan.word_bytes(row_bytes, dst_bases, src_bases, dst_off, src_off)
             kernel = copy_rows_kernel(cp, word)
             d_dst_off, d_src_off = cp.asarray(dst_off), cp.asarray(src_off)
@@ -682,6 +684,12 @@ def open_cuda_pool(cupy, refs: list[pb.BufferRef], num_tokens: int, token_bytes:
     one shape for every buffer; None for plain token rows."""
     if not 0 <= event_slots <= MAX_EVENT_SLOTS:
         raise InvalidArgument(f"event_slots must be at most {MAX_EVENT_SLOTS}, got {event_slots}")
+    if len(refs) // parts > plan.max_layers():
+        raise InvalidArgument(
+            f"a CUDA pool has at most {plan.max_layers()} layers, got {len(refs) // parts}: a load of more "
+            f"would put more calls on its stream than the {plan.MAX_QUEUED} it may hold; register the "
+            "model's layers in several ranges (pipeline stages)"
+        )
     devices = {(r.cuda.device_uuid, r.cuda.pci_bus_id) for r in refs}
     ordinals = {ordinal_for(cupy, uuid, pci) for uuid, pci in devices}
     if len(ordinals) != 1:
