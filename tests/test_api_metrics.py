@@ -445,3 +445,26 @@ def test_scrapes_of_a_held_loop_each_wait_one_scrape_timeout_at_most(daemon_fact
     assert max(s for s, _ in took.values()) < 1.8, took
     time.sleep(2.6)  # the loop answers again: the next scrape reads it
     assert value(scrape(port), "kvserver_state_collected") == 1
+
+
+def test_a_snapshot_that_fails_is_logged_with_why(daemon_factory, monkeypatch, caplog):
+    """A reader of the daemon's state that raises: the scrape says kvserver_state_collected 0, and
+    the daemon's log says why (before, only a snapshot still pending at its deadline was logged:
+    one that failed was logged nowhere)."""
+    import logging
+
+    from kvserver.api import metrics as metrics_module
+
+    d = daemon_factory(metrics_listen="127.0.0.1:0")
+    port = d.daemon.metrics.port
+    assert value(scrape(port), "kvserver_state_collected") == 1
+
+    def broken(core):
+        raise RuntimeError("a reader of the daemon's state failed")
+
+    monkeypatch.setattr(metrics_module, "tier_stats", broken)
+    with caplog.at_level(logging.WARNING, logger=metrics_module.__name__):
+        assert value(scrape(port), "kvserver_state_collected") == 0
+    failed = [r for r in caplog.records if "could not read the daemon's state" in r.getMessage()]
+    assert failed and failed[0].exc_info, [r.getMessage() for r in caplog.records]
+    assert "a reader of the daemon's state failed" in str(failed[0].exc_info[1])

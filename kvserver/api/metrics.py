@@ -159,10 +159,14 @@ class StateCollector:
             fut, deadline = self._pending
         try:
             began, snap = fut.result(timeout=max(0.0, deadline - time.monotonic()))
-        except (Exception, CancelledError) as exc:  # the loop is stuck or stopping (or another
-            # scrape of this snapshot cancelled it at its deadline)
-            if fut.cancel() or not fut.done():
-                logger.warning("metrics scrape could not read the daemon's state: %r", exc)
+        except (TimeoutError, CancelledError):  # the loop is stuck or stopping (or another scrape of
+            # this snapshot cancelled it at its deadline): said once, by whoever cancels it
+            if fut.cancel():
+                logger.warning("metrics scrape could not read the daemon's state: its loop did not answer "
+                               "within %g s", SCRAPE_TIMEOUT)
+            return None
+        except Exception:  # reading it failed: a fault of the daemon's, said with where it lies
+            logger.exception("metrics scrape could not read the daemon's state")
             return None
         with self._lock:
             if self._last is None or self._last[0] < began:
@@ -172,7 +176,8 @@ class StateCollector:
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
         yield _gauge("kvserver_state_collected",
-                     "1 if this scrape read the daemon's state, 0 if its loop did not answer in time.",
+                     "1 if this scrape read the daemon's state, 0 if it could not (its loop did not "
+                     "answer in time, or reading it failed: the daemon's log says which).",
                      1 if snap is not None else 0)
         if snap is not None:
             yield from _families(snap, self.metrics.per_space)
