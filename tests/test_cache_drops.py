@@ -92,3 +92,36 @@ def test_drops_after_a_warning_are_logged_once_its_minute_is_over(monkeypatch):
 def test_drops_not_logged_yet_are_logged_at_the_stop(monkeypatch):
     logged = _dropping_puts(monkeypatch, 60.0, 0.0)
     assert [m.split(" pages")[0].split("left ")[1] for m in logged] == ["64", "128"], logged
+
+
+def test_the_disk_tiers_drops_not_logged_yet_are_logged_at_the_stop(monkeypatch, tmp_path):
+    """The disk tier's cache logs its Puts' drops as the host cache does: those of the minute after
+    a warning are logged at the stop, not left with a timer on a loop that closes."""
+    from kvserver.store import cache as cache_mod
+
+    logged: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "unstored" in record.getMessage():
+                logged.append(record.getMessage())
+
+    async def body() -> None:
+        core = KVCore(64 * MiB, disk_cache=str(tmp_path), disk_size=128 * MiB)
+        try:
+            dc = core.disk.cache
+            dc.arena.reserve_high(dc.arena.capacity)  # the disk has no room for a slab
+            part = dc.part(dc.space(SPACE), PartKey(0, 0, 0, 4, PAGE))
+            for r in range(3):
+                dc.complete_put(dc.prepare_put(part, Keys.of(keys_of(f"k{r}-", 64))), True)
+        finally:
+            await core.close()
+
+    handler = Catch(logging.WARNING)
+    logging.getLogger(cache_mod.__name__).addHandler(handler)
+    try:
+        asyncio.run(body())
+    finally:
+        logging.getLogger(cache_mod.__name__).removeHandler(handler)
+    assert [m.split(" pages")[0].split("left ")[1] for m in logged] == ["64", "128"], logged
+    assert all("disk" in m for m in logged), logged

@@ -772,6 +772,7 @@ class KVCore:
         self.cache.log_drops()  # what the last minute's Puts dropped, not logged yet
         if self.disk is not None:  # its reads and writes use the arena
             await self.disk.close((grace or 0.0) if self._kept is None else 0.0)
+            self.disk.cache.log_drops()  # its own Puts' drops (its drain's among them), not logged yet
         if self.cluster is not None:  # so do its transfers
             if not await self.cluster.close(grace):
                 # A transfer may still write host memory, or a Mooncake call still wait on its
