@@ -964,7 +964,13 @@ def test_the_descriptors_one_uids_pools_hold_are_capped(daemon) -> None:
         again = pool_request(pools[1], get_ticket(fd_path(daemon), pools[1].fds))
         second = stub_of(daemon).Register(again, timeout=TIMEOUT)
         assert daemon.run(lambda: dict(daemon.core._pool_fds)) == {os.getuid(): each}
-        stub_of(daemon).Unregister(pb.UnregisterRequest(client_id=second.client_id), timeout=TIMEOUT)
+        # The same engine registering again in place of its registration: its old pool's
+        # descriptors are not counted against its new one (they go with the old registration).
+        replacing = pool_request(pools[1], get_ticket(fd_path(daemon), pools[1].fds))
+        replacing.replaces_client_id = second.client_id
+        third = stub_of(daemon).Register(replacing, timeout=TIMEOUT)
+        assert daemon.run(lambda: dict(daemon.core._pool_fds)) == {os.getuid(): each}
+        stub_of(daemon).Unregister(pb.UnregisterRequest(client_id=third.client_id), timeout=TIMEOUT)
         assert daemon.run(lambda: dict(daemon.core._pool_fds)) == {}
     finally:
         for p in pools:

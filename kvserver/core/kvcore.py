@@ -239,19 +239,21 @@ class KVCore:
         replaced = None
         fds_of, booked = access.peer.uid if access.peer is not None else who, 0
         try:
+            replaced = self.clients.get(req.replaces_client_id) if req.replaces_client_id else None
+            # A registration replacing a live one takes no new place: its old client is counted.
+            self._replacing += replaced is not None
             # A walk of every buffer (0.17 s for 65536 layers): off the loop.
             fds, fd_indices = await self._in_thread(pool_descriptors, req.device_pool)
-            if self._pool_fds[fds_of] + fds > self.max_pool_fds_per_uid:
+            held_fds = self._pool_fds[fds_of] - (replaced.pool_fds if replaced is not None
+                                                 and replaced.pool_fds_of == fds_of else 0)
+            if held_fds + fds > self.max_pool_fds_per_uid:
                 raise NoCapacity(
-                    f"the pools registered by uid {fds_of} hold {self._pool_fds[fds_of]} of the daemon's "
-                    f"descriptors; this one's {fds} would pass the most one uid's pools may hold "
+                    f"the pools registered by uid {fds_of} hold {held_fds} of the daemon's descriptors; "
+                    f"this one's {fds} would pass the most one uid's pools may hold "
                     f"({self.max_pool_fds_per_uid}): unregister one first, or share memfds between buffers"
                 )
             self._pool_fds[fds_of] += fds
             booked = fds
-            replaced = self.clients.get(req.replaces_client_id) if req.replaces_client_id else None
-            # A registration replacing a live one takes no new place: its old client is counted.
-            self._replacing += replaced is not None
             if len(self.clients) + self._registering - self._replacing > self.max_clients:
                 raise NoCapacity(f"client limit reached: {self.max_clients} clients are registered")
             held = self._registering_by_tenant[who] + sum(c.tenant == who for c in self.clients.values())
