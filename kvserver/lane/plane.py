@@ -60,8 +60,8 @@ SETTLE_BATCH = 256
 SETTLE_IDS = 64 << 10
 # The most requests the plane handed over that one turn of the loop serves, taken one lane after
 # another (a Lookup served at once costs up to ~100 µs): the rest in the turns after, so that a
-# burst on many lanes (one tenant may hold 256) delays no other engine's call by more than a turn,
-# and a lane with one request is served in the first turn, whatever the others hold.
+# burst on many lanes (one tenant may hold 256) holds the loop a turn at a time, and a lane's
+# request waits for at most one request of each lane queued before it, not for all they hold.
 HANDOFF_BATCH = 64
 # The stop word of a copy made at once (``copy_now``): nothing can stop it while it runs on the loop.
 _NO_STOP = np.zeros(1, np.int64)
