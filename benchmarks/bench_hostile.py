@@ -17,7 +17,9 @@ while these run, each in its own process, as fast as the daemon answers them (--
 - full lanes: 16 registrations whose lanes' slots all hold a Lookup of the most keys a call walks
   (1024, stored), each slot submitted again the moment it is answered, written into the ring as a
   peer may (not through the client's calls): the data plane's thread, which also serves the
-  victim's Loads, never runs out of them.
+  victim's Loads, never runs out of them;
+- doorbell flood: 8 registrations whose lanes' submit doorbells are rung without end, their slots
+  empty (each ring costs the daemon's plane a wake-up and a read, and the peer nothing).
 A Register or a pin the budget refuses (the other attackers hold the memory) counts as a round,
 as an engine would try again.
 A third phase runs as many processes that only spin on the CPU, sending nothing: what the victim
@@ -58,6 +60,7 @@ from kvserver.v1 import kvserver_pb2 as pb  # noqa: E402
 MAX_KEYS = 1 << 17
 LANE_KEYS = 1024  # the most keys the data plane walks for one lane call
 LANES = 16
+FLOOD_LANES = 8
 PAGE = 64  # tokens a page: with MLA rank 1 fp8, the smallest page the daemon takes (64 bytes)
 LAG_METRIC = "kvserver_event_loop_lag_seconds_bucket"
 
@@ -252,9 +255,36 @@ def _full_lanes(address: str, stop, ready) -> int:
     return rounds
 
 
+def _doorbell_flood(address: str, stop, ready) -> int:
+    """Rounds: thousands of rings sent."""
+    sent = 0
+    with ShmKVPool(KVLayout.mla(1, 0), torch.float8_e4m3fn, 1, PAGE) as pool:
+        clients = [KVClient(address, resilient=False) for _ in range(FLOOD_LANES)]
+        try:
+            bells = []
+            for c in clients:
+                c.register(model="flood", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=0,
+                           page_size=PAGE)
+                if c.lane is None:
+                    raise RuntimeError("a registration got no lane (its opening failed): gRPC only")
+                bells.append(c.lane._submit)
+            ready()
+            while not stop.is_set():
+                for bell in bells:
+                    try:
+                        bell.send(b"x", socket.MSG_DONTWAIT)
+                        sent += 1
+                    except BlockingIOError:  # its queue is full: the daemon has rings to read
+                        pass
+        finally:
+            for c in clients:
+                c.close()
+    return sent // 1000
+
+
 ATTACKS = {"tiny pages": _tiny_register, "evicting Puts": _evicting_puts, "pinned Lookups": _pinned_lookups,
            "large region": _large_region, "descriptors": _descriptors, "large messages": _large_messages,
-           "full lanes": _full_lanes}
+           "full lanes": _full_lanes, "doorbell flood": _doorbell_flood}
 
 
 def _spin(stop) -> None:

@@ -30,7 +30,8 @@ def _run(attacks: list[str]) -> dict[str, str]:
 
 
 def test_bench_hostile_prints_both_phases_and_every_attack():
-    """The control path's attacks together, then the data plane's alone (each phase short: the
-    seven at once are the benchmark's to measure, not this test's)."""
+    """The control path's attacks together, then the data plane's, one at a time (each phase short:
+    the eight at once are the benchmark's to measure, not this test's)."""
     _run(CONTROL)
     assert int(_run(["full lanes"])["full lanes"]) > 0
+    assert int(_run(["doorbell flood"])["doorbell flood"]) > 0

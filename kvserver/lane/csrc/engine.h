@@ -326,6 +326,10 @@ static PyObject *engine_get_command_cuts(Engine *e, void *unused) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->cmd_cuts, __ATOMIC_RELAXED));
 }
 
+static PyObject *engine_get_mutes(Engine *e, void *unused) {
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->mutes, __ATOMIC_RELAXED));
+}
+
 static PyObject *engine_get_naps(Engine *e, void *unused) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->naps, __ATOMIC_RELAXED));
 }

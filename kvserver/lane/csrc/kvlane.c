@@ -157,6 +157,7 @@ static PyGetSetDef engine_getset[] = {
     {"handed", (getter)engine_get_handed, NULL, NULL, NULL},
     {"command_cuts", (getter)engine_get_command_cuts, NULL, NULL, NULL},
     {"naps", (getter)engine_get_naps, NULL, NULL, NULL},
+    {"mutes", (getter)engine_get_mutes, NULL, NULL, NULL},
     {"ends_waiting", (getter)engine_get_ends_waiting, NULL, NULL, NULL},
     {"plane_gets", (getter)engine_get_plane_gets, NULL, NULL, NULL},
     {"plane_lookups", (getter)engine_get_plane_lookups, NULL, NULL, NULL},

@@ -33,6 +33,8 @@
 #define FLAG_JOB_ENDED 2
 #define FLAG_PLANE_GET 4 /* a Get this thread served whole (try_get): its client's next one likely is too */
 #define MAX_DRAIN 64
+#define MAX_IDLE_RINGS 256       /* rings without a call taken, before a lane's doorbell is muted */
+#define MUTE_NS 10000000LL      /* and for how long (its calls are then found 10 ms late at most) */
 #define PIECE_BYTES (512 * 1024)
 /* The thread's turns of the lanes (slots.h's lanes_turn): each pending lane's credit a turn, in
  * request bytes, and what a call costs besides its request's bytes. */
@@ -151,6 +153,10 @@ typedef struct Lane {
     int pending; /* it may have SUBMITTED slots: looked at in the thread's turns (lanes_turn) */
     int cursor;  /* the slot its next turn looks at first: the one after the last it took */
     int64_t credit; /* what its next calls may cost in the thread's turns (lanes_turn), in bytes */
+    /* Rings read since its last call taken: a client rings once a call (and at most once ahead of
+     * it), so past MAX_IDLE_RINGS its doorbell is not watched until muted_until (CLOCK_MONOTONIC
+     * ns; 0: watched), and a peer ringing without end costs this thread a wake-up that long. */
+    int64_t idle_rings, muted_until;
     struct Lane *next;
 } Lane;
 
@@ -292,6 +298,8 @@ typedef struct {
      * lanes it left are still pending; the next turn starts at the one it stopped at. */
     int cmd_waiting;
     int npending;   /* lanes pending (Lane.pending) */
+    int nmuted;     /* lanes whose doorbell is muted (Lane.muted_until) */
+    uint64_t mutes; /* doorbells muted for rings without calls (the tests') */
     Lane *turn_at;  /* where the next turn starts (NULL: the first lane; remove_lane moves it on) */
     uint64_t cmd_cuts; /* turns cut short for a command (the tests') */
     uint64_t naps;     /* naps taken for CUDA jobs waiting on the GPU (the tests') */

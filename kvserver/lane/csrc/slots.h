@@ -96,6 +96,7 @@ static int lanes_turn(Engine *e) {
                 best = l->credit > best ? l->credit : best;
             } else if (take_next(e, l, &cost)) {
                 l->credit -= cost;
+                l->idle_rings = 0;
                 took++;
             } else {
                 unpend(e, l);
@@ -143,6 +144,10 @@ static void unwatch(Engine *e, Lane *l) {
         return;
     epoll_ctl(e->epfd, EPOLL_CTL_DEL, l->submit_fd, NULL);
     l->watching = 0;
+    if (l->muted_until) {
+        l->muted_until = 0;
+        e->nmuted--;
+    }
     __atomic_store_n((uint32_t *)(l->ring + PLANE_AT), 0u, __ATOMIC_RELAXED); /* a nudge reaches no one */
     e->watched_slots -= l->slots;
 }
@@ -168,9 +173,42 @@ static void doorbell(Engine *e, Lane *l, uint32_t events) {
             msgs[k].msg_hdr.msg_iov = iov + k;
             msgs[k].msg_hdr.msg_iovlen = 1;
         }
-        (void)recvmmsg(l->submit_fd, msgs, MAX_DRAIN, MSG_DONTWAIT, NULL);
+        int got = recvmmsg(l->submit_fd, msgs, MAX_DRAIN, MSG_DONTWAIT, NULL);
+        if (got > 0 && (l->idle_rings += got) > MAX_IDLE_RINGS && !l->muted_until) {
+            /* Rings without calls: muted a while (the peer's leaving still seen), then looked at. */
+            struct epoll_event ev = {.events = EPOLLRDHUP, .data.ptr = l};
+            if (epoll_ctl(e->epfd, EPOLL_CTL_MOD, l->submit_fd, &ev) == 0) {
+                l->muted_until = now_ns() + MUTE_NS;
+                e->nmuted++;
+                __atomic_add_fetch(&e->mutes, 1, __ATOMIC_RELAXED);
+            }
+        }
     }
     pend(e, l);
+}
+
+/* Watches again the doorbells muted until now or before, their lanes looked at (a call rung while
+ * muted is found so); returns the milliseconds until the next one is due (-1: none muted). */
+static int unmute_due(Engine *e) {
+    if (!e->nmuted)
+        return -1;
+    int64_t now = now_ns(), next = INT64_MAX;
+    for (Lane *l = e->lanes; l; l = l->next) {
+        if (!l->muted_until)
+            continue;
+        if (l->muted_until > now) {
+            next = l->muted_until < next ? l->muted_until : next;
+            continue;
+        }
+        struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = l};
+        if (epoll_ctl(e->epfd, EPOLL_CTL_MOD, l->submit_fd, &ev) == 0 || !l->watching) {
+            l->muted_until = 0;
+            l->idle_rings = 0;
+            e->nmuted--;
+            pend(e, l);
+        }
+    }
+    return next == INT64_MAX ? -1 : (int)((next - now + 999999) / 1000000);
 }
 
 static void publish_progress(Engine *e, Job *j, uint32_t flags) {

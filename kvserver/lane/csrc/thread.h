@@ -162,7 +162,11 @@ static void *engine_main(void *arg) {
             struct timespec ts = {.tv_sec = nap / 1000000000LL, .tv_nsec = nap % 1000000000LL};
             (void)ppoll(&p, 1, &ts, NULL);
         }
-        int n = epoll_wait(e->epfd, evs, 64, spinning ? 0 : timeout);
+        int wait = spinning ? 0 : timeout;
+        int unmute = unmute_due(e); /* a muted doorbell is watched again once due: no wait outlasts it */
+        if (unmute >= 0 && (wait < 0 || unmute < wait))
+            wait = unmute;
+        int n = epoll_wait(e->epfd, evs, 64, wait);
         if (sleeps)
             set_plane(e, PLANE_RUNNING);
         int took = looking ? look_at_all(e) : 0;
