@@ -151,11 +151,14 @@ class KVClient(CoreShell):
             return self._failed(Call(LANE_WRITE, reg, None, deadline), error)
         return None if got is None else pb.WriteResponse.FromString(got).bytes
 
-    def _nudge(self) -> ClientLane | None:
+    def _nudge(self, keys: Keys = b"", key_bytes: int = KEY_BYTES) -> ClientLane | None:
         """Wakes the daemon's data plane, if it sleeps, while this call builds its request; the
-        lane the call then takes, if one is open."""
+        lane the call then takes, if one is open. Not for a call of more ``keys`` than a lane's
+        slot holds, which goes over gRPC: a ring that brings no call is one the plane counts
+        against the lane (it stops watching a doorbell rung hundreds of times without a call)."""
         lane = self._lane
-        if lane is not None:
+        packed = len(keys) if isinstance(keys, bytes | bytearray | memoryview) else len(keys) * key_bytes
+        if lane is not None and packed < R.REQUEST_BYTES:
             lane.nudge()
         return lane
 
@@ -517,7 +520,7 @@ class KVClient(CoreShell):
         of ``key_bytes`` each, or a sequence of equal-length bytes. ``timeout``: this call's
         bound, if not the client's. ``memory_only``: only pages in the daemon's host memory count
         (not those its disk tier holds)."""
-        self._nudge()
+        self._nudge(keys, key_bytes)
         return self._run(self._core.lookup(keys, pin_ms, whole_space, key_bytes, timeout, memory_only))
 
     def ping(self, timeout: float | None = None) -> bool:
@@ -532,7 +535,7 @@ class KVClient(CoreShell):
     def put(self, keys: Keys, device_pages: msg.Indices, *, ready_event=None,
             key_bytes: int = KEY_BYTES) -> PutResult:
         """Stores device page ``device_pages[i]`` under key i, for keys not cached yet."""
-        self._nudge()
+        self._nudge(keys, key_bytes)
         return self._run(self._core.put(keys, device_pages, ready_event, key_bytes))
 
     def get(self, keys: Keys, device_pages: msg.Indices, *, layers: Iterable[int] | None = None,
@@ -541,7 +544,7 @@ class KVClient(CoreShell):
         """Starts loading the longest cached prefix of ``keys`` into ``device_pages``, layer by
         layer as ``load``; ``handle.pages()`` says how many pages that is. ``lease_id`` (from a
         pinning ``lookup``) is ended once the get is done."""
-        self._nudge()
+        self._nudge(keys, key_bytes)
         return self._stream(self._core.get(keys, device_pages, layers, event_slot, ready_event, lease_id,
                                            key_bytes))
 

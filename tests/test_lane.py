@@ -665,3 +665,26 @@ def test_a_doorbell_rung_without_calls_is_muted_and_its_calls_still_served(daemo
             stop.set()
             t.join(5)
         assert engine.mutes > before
+
+
+def test_calls_too_large_for_a_slot_do_not_ring_the_plane(daemon_factory) -> None:
+    """A client rang the plane ahead of every call while it slept (a nudge), then sent a Lookup too
+    large for a slot over gRPC: a ring without a call, which the plane counts against the lane.
+    300 of them (an engine with long prompts) had its doorbell muted, its next lane calls 5-7 ms
+    late. A call of more keys than a slot holds no longer rings."""
+    from kvserver.lane import plane as plane_mod
+
+    if not plane_mod.ENABLED:
+        pytest.skip("the compiled data plane is not built")
+    d = daemon_factory()
+    engine = d.core.plane.engine
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, \
+            KVClient(d.address, timeout=5, resilient=False) as client:
+        register(client, pool)
+        keys = page_keys(range(PAGE * 5000), PAGE)  # 5000 keys: a request larger than a slot
+        mutes, calls = engine.mutes, client.lane.calls
+        for _ in range(300):
+            time.sleep(0.001)  # the plane goes back to sleep between the engine's calls
+            assert client.lookup(keys).pages == 0
+        assert client.lane.calls == calls  # each over gRPC
+        assert engine.mutes == mutes
