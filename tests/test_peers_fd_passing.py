@@ -1004,3 +1004,31 @@ def test_a_registrations_per_layer_work_runs_off_the_event_loop(daemon, monkeypa
         stub_of(daemon).Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=TIMEOUT)
     assert set(seen) == {"views", "walk"}
     assert loop_thread not in seen.values(), "per-layer work of a Register ran on the event loop"
+
+
+def test_buffers_far_apart_in_one_object_are_held_to_the_uids_address_space(daemon) -> None:
+    """Layer 0 at a sealed sparse memfd's start, the last layer at its 16 TiB end: mapped from the
+    first buffer's page to the last's, that was 16 TiB of the daemon's address space again (and a
+    pool of 2^40 tokens spans as much with its buffers side by side). One uid's pools may take at
+    most the node's memory of it: this one is refused before anything is mapped, and a pool that
+    fits is still taken, its bytes counted until its Unregister."""
+    pool = ShmKVPool(LAYOUT, torch.float16, 2, 256)
+    fd = os.memfd_create("kvtest-split", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, 16 << 40)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        req = pool_request(pool, get_ticket(fd_path(daemon), [fd]))
+        req.device_pool.layers[-1].parts[-1].offset = (16 << 40) - (1 << 20)
+        before = _vm_size()
+        got, message = error_of(lambda: stub_of(daemon).Register(req, timeout=TIMEOUT))
+        assert got == C.RESOURCE_EXHAUSTED and "of the daemon's address space" in message, (got, message)
+        assert _vm_size() - before < 1 << 30
+        fitting = pool_request(pool, get_ticket(fd_path(daemon), pool.fds))
+        reg = stub_of(daemon).Register(fitting, timeout=TIMEOUT)
+        pool_bytes = 2 * 256 * LAYOUT.token_bytes(torch.float16)
+        assert daemon.run(lambda: daemon.core._mapped[os.getuid()]) >= pool_bytes
+        stub_of(daemon).Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=TIMEOUT)
+        assert daemon.run(lambda: dict(daemon.core._mapped)) == {}
+    finally:
+        os.close(fd)
+        pool.close()

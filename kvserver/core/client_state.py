@@ -148,6 +148,7 @@ class ClientState:
     # count they are in: its uid's, or its tenant's where the call came with no peer.
     pool_fds: int = 0
     pool_fds_of: int | str = ""
+    mapped_bytes: int = 0  # of the daemon's address space, what its pool's mappings take (its uid's count)
     cache_table: BufferTable | None = None  # its part's page layout for cache jobs, made on first use
     part_keys: tuple[SpaceKey, PartKey] | None = None  # its part of the cache, made on first use
     order: JobOrder | None = None  # which of its copies wait for which (copies.order), made on first copy

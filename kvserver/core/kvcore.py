@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -127,6 +128,13 @@ class KVCore:
         # peer can take the descriptors every other engine's calls need.
         self.max_pool_fds_per_uid = fd_budget()
         self._pool_fds: Counter[int | str] = Counter()
+        # And the address space their mappings take, by uid: at most the node's memory for one
+        # uid's pools (a sealed sparse memfd of 64 TiB costs its maker nothing; eight filled the
+        # daemon's). One uid's shared-memory pools are opened one at a time, each seeing what the
+        # last one took.
+        self.max_mapped_bytes_per_uid = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        self._mapped: Counter[int | str] = Counter()
+        self._map_locks: dict[int | str, list] = {}  # uid -> [its lock, registrations using it]
         # Released clients whose GPU work may still run, with the IPC allocations it may touch:
         # an Unregister of one, or of any client sharing one of those allocations, says so.
         self._quarantined: dict[str, frozenset[bytes]] = {}
@@ -274,7 +282,15 @@ class KVCore:
                     f"bytes free, the {replaced.region_bytes} of the registration it replaces and the "
                     f"{self.cache.bytes} the cache holds together; the registration it names stays"
                 )
-            client = await self._register(req, spec, access, least, most)
+            if fds:  # a shared-memory pool: its mappings take the daemon's address space
+                async with self._map_lock(fds_of):
+                    access = dataclasses.replace(
+                        access, map_budget=self.max_mapped_bytes_per_uid - self._mapped[fds_of])
+                    client = await self._register(req, spec, access, least, most)
+                    client.mapped_bytes = client.device.mapped_bytes
+                    self._mapped[fds_of] += client.mapped_bytes
+            else:
+                client = await self._register(req, spec, access, least, most)
             client.peer = access.peer
             client.tenant = who
             client.pool_fds, client.pool_fds_of = fds, fds_of
@@ -300,6 +316,19 @@ class KVCore:
         self._pool_fds[of] -= n
         if self._pool_fds[of] <= 0:
             del self._pool_fds[of]
+
+    @contextlib.asynccontextmanager
+    async def _map_lock(self, of: int | str):
+        """One shared-memory pool of uid ``of`` opened at a time (its address-space budget)."""
+        entry = self._map_locks.setdefault(of, [asyncio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if not entry[1]:
+                del self._map_locks[of]
 
     async def _release_replaced(self, client_id: str) -> None:
         """An engine registering again names its previous registration: released first (its
@@ -549,6 +578,10 @@ class KVCore:
         finally:
             self._give_pool_fds(client.pool_fds_of, client.pool_fds)
             client.pool_fds = 0
+            self._mapped[client.pool_fds_of] -= client.mapped_bytes
+            if self._mapped[client.pool_fds_of] <= 0:
+                del self._mapped[client.pool_fds_of]
+            client.mapped_bytes = 0
             if held is None:
                 await self._release_region(client.region_offset, client.region_bytes)
                 # Its own copies are dead, but a quarantined client's may still write the same

@@ -67,6 +67,12 @@ class DevicePool(ABC):
         another pool of the same allocation that is still quarantined may write this memory."""
 
     @property
+    def mapped_bytes(self) -> int:
+        """Of the daemon's address space, what the pool's mappings of the engine's memory take
+        (shared-memory pools; a CUDA pool's IPC mappings are the GPU's)."""
+        return 0
+
+    @property
     @abstractmethod
     def inline_ok(self) -> bool:
         """A small copy may run right on the event loop (it is a memcpy of host memory)."""

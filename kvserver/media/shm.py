@@ -4,6 +4,7 @@ stride and token size, so copies move 8-byte words where they can whatever the K
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from collections.abc import Callable
@@ -17,7 +18,7 @@ import torch
 from kvserver.copies import geometry, transfer, workers
 from kvserver.copies.transfer import BufferTable
 from kvserver.copies.workers import Work
-from kvserver.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unimplemented
+from kvserver.errors import FailedPrecondition, InvalidArgument, NoCapacity, PermissionDenied, Unimplemented
 from kvserver.media.base import DevicePool, wide_dtype
 from kvserver.peers.tickets import PeerCred
 from kvserver.protocol.layout import KVLayout
@@ -39,6 +40,9 @@ class ShmAccess:
     peer: PeerCred | None = None
     allow_named: bool = False
     fd_socket: bool = True
+    # Bytes of the daemon's address space the pool's mappings may take (None: no bound): what its
+    # uid's pools have left of theirs.
+    map_budget: int | None = None
 
 
 @dataclass(slots=True)
@@ -51,6 +55,10 @@ class ShmDevicePool(DevicePool):
     token_views: list[list[torch.Tensor]]  # [layer][part] -> [num_tokens, elems]
     page_views: list[list[torch.Tensor]] | None  # [layer][part] -> [num_pages, page_size*elems]
     mappings: list[ShmMapping] = field(default_factory=list)
+
+    @property
+    def mapped_bytes(self) -> int:
+        return sum(m.size for m in self.mappings)
     token_table: BufferTable | None = None
     page_table: BufferTable | None = None
 
@@ -183,6 +191,14 @@ def open_shm_pool(
         lo, hi = g.span(n)
         was = spans.get(_key(r), (lo, hi))
         spans[_key(r)] = (min(was[0], lo), max(was[1], hi))
+    page = mmap.ALLOCATIONGRANULARITY
+    most = sum(-(-hi // page) * page - lo // page * page for lo, hi in spans.values())
+    if access.map_budget is not None and most > access.map_budget:
+        raise NoCapacity(
+            f"this pool's buffers span {most} bytes of the daemon's address space, more than the "
+            f"{max(access.map_budget, 0)} its uid's pools have left of theirs (the node's memory): "
+            "unregister a pool, or pack its buffers closer"
+        )
     try:
         for r, g in zip(refs, geoms, strict=True):
             key = _key(r)
