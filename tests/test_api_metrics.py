@@ -415,7 +415,7 @@ def test_a_copy_that_ends_while_its_client_is_released_is_counted_in_stats(daemo
     assert counted >= 3, "no Write ended while its client was released"
 
 
-def test_scrapes_of_a_held_loop_each_wait_one_scrape_timeout_at_most(daemon_factory, monkeypatch):
+def test_scrapes_of_a_held_loop_each_wait_one_scrape_timeout_at_most(daemon_factory, monkeypatch, caplog):
     """The loop held 3.5 s and three scrapes at once: each answers within one SCRAPE_TIMEOUT (here
     1 s), with kvserver_state_collected 0. Before, they queued on the collector's lock and each
     waited its own timeout in turn (1, 2 and 3 s; with two Prometheus servers and the default 5 s,
@@ -443,6 +443,8 @@ def test_scrapes_of_a_held_loop_each_wait_one_scrape_timeout_at_most(daemon_fact
         t.join(10)
     assert sorted(v for _, v in took.values()) == [0, 0, 0], took
     assert max(s for s, _ in took.values()) < 1.8, took
+    said = [r for r in caplog.records if "its loop did not answer" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]  # one snapshot given up on: said once
     time.sleep(2.6)  # the loop answers again: the next scrape reads it
     assert value(scrape(port), "kvserver_state_collected") == 1
 

@@ -159,9 +159,15 @@ class StateCollector:
             fut, deadline = self._pending
         try:
             began, snap = fut.result(timeout=max(0.0, deadline - time.monotonic()))
-        except (TimeoutError, CancelledError):  # the loop is stuck or stopping (or another scrape of
-            # this snapshot cancelled it at its deadline): said once, by whoever cancels it
-            if fut.cancel():
+        except (TimeoutError, CancelledError) as exc:
+            if fut.done() and not fut.cancelled():  # a reader's own TimeoutError: its failure
+                logger.error("metrics scrape could not read the daemon's state", exc_info=exc)
+                return None
+            # The loop is stuck or stopping (or another scrape of this snapshot cancelled it at its
+            # deadline): said once, by the scrape that cancels it.
+            with self._lock:
+                first = not fut.cancelled() and fut.cancel()
+            if first:
                 logger.warning("metrics scrape could not read the daemon's state: its loop did not answer "
                                "within %g s", SCRAPE_TIMEOUT)
             return None
