@@ -55,12 +55,12 @@ class ShmDevicePool(DevicePool):
     token_views: list[list[torch.Tensor]]  # [layer][part] -> [num_tokens, elems]
     page_views: list[list[torch.Tensor]] | None  # [layer][part] -> [num_pages, page_size*elems]
     mappings: list[ShmMapping] = field(default_factory=list)
+    token_table: BufferTable | None = None
+    page_table: BufferTable | None = None
 
     @property
     def mapped_bytes(self) -> int:
         return sum(m.size for m in self.mappings)
-    token_table: BufferTable | None = None
-    page_table: BufferTable | None = None
 
     def __post_init__(self) -> None:
         if self.token_table is not None:  # a strided pool: its table is given, it has no views
