@@ -976,6 +976,25 @@ def run_vllm(ctx, address: str, deadline: float, report: dict, target=None, devi
         report["checks"].append(msg)
 
 
+def queue_bounds(probe: dict, max_queued: int, plane_max_queued: int) -> dict:
+    """Whether the daemon's bounds on the driver calls one stream holds (the loop's copy workers'
+    ``max_queued``, the plane's ``plane_max_queued``; kvserver/media/cuda/plan.py) stay under the
+    least depth the probe measured for any kind of call: ``fit`` is False where one kind waited at
+    or before a bound (the daemon's thread could then wait in the driver), None where the probe
+    measured nothing, True otherwise."""
+    kinds = [probe.get(k) for k in ("memcpy", "launch", "event_record") if isinstance(probe.get(k), dict)]
+    depths = [k["calls_before_a_wait"] for k in kinds if k.get("calls_before_a_wait") is not None]
+    bound = max(max_queued, plane_max_queued)
+    if not probe.get("ok") or not kinds:
+        fit = None
+    elif depths:
+        fit = min(depths) > bound
+    else:  # no kind waited within its calls: the depth is past them all
+        fit = min(k.get("calls_made", 0) for k in kinds) > bound
+    return {"least_depth": min(depths) if depths else None, "max_queued": max_queued,
+            "plane_max_queued": plane_max_queued, "fit": fit}
+
+
 def run_queue_depth(ctx, deadline: float, target=None) -> dict:
     """``queue_depth_probe`` in a process of its own, for at most 60 s (a measurement: not
     part of the check's verdict)."""
@@ -1055,8 +1074,15 @@ def main() -> int:
                 run_kept(ctx, tmp, env, deadline, report, disk=True)
                 run_sglang(ctx, f"unix://{socket}", deadline, report)
                 run_vllm(ctx, f"unix://{socket}", deadline, report)
+        if args.plane_cuda or not args.quick:
+            # The depth the bounds on one stream's calls must stay under (the loop's and the
+            # plane's): a measurement, and a failure where a bound does not fit under it.
+            from kvserver.media.cuda import plan as cuda_plan
+
+            report["driver_queue"] = dq = run_queue_depth(ctx, deadline)
+            dq["bounds"] = queue_bounds(dq, cuda_plan.MAX_QUEUED, cuda_plan.PLANE_MAX_QUEUED)
+            report["ok"] &= dq["bounds"]["fit"] is not False
         if args.plane_cuda:  # the plane, not the loop, served the CUDA pools' lane calls
-            report["driver_queue"] = run_queue_depth(ctx, deadline)
             counts, gave_up = plane_cuda_counts(log_path)
             report.update({f"plane_cuda_{name}": n for name, n in counts.items()})
             # by DMA and by the copy kernel, and it gave up the stuck engine's write itself (step 6)

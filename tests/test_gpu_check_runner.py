@@ -112,6 +112,28 @@ def test_the_driver_queue_probe_reports_and_is_never_waited_for_past_its_time(mo
         assert not got["ok"] and "Traceback" in got["error"]
 
 
+def test_the_driver_queue_bounds_are_judged_against_the_least_depth_measured(monkeypatch):
+    """The daemon's bounds on one stream's calls (512 for the loop's workers and for the plane)
+    must stay under the least depth the probe measured for any kind of call; where a kind waited
+    at or before them the check fails, and a probe that measured nothing says nothing."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
+    import gpu_check
+
+    def probe(**depths) -> dict:
+        got = {"kind": "queue_depth", "ok": True}
+        for kind in ("memcpy", "launch", "event_record"):
+            d = depths.get(kind, 1024)
+            got[kind] = {"calls_before_a_wait": d, "calls_made": 8192 if d is None else d + 1}
+        return got
+
+    assert gpu_check.queue_bounds(probe(), 512, 512) == {"least_depth": 1024, "max_queued": 512,
+                                                         "plane_max_queued": 512, "fit": True}
+    assert gpu_check.queue_bounds(probe(event_record=500), 512, 512)["fit"] is False
+    assert gpu_check.queue_bounds(probe(launch=512), 512, 256)["fit"] is False  # at the bound: waits
+    assert gpu_check.queue_bounds(probe(memcpy=None, launch=None, event_record=None), 512, 512)["fit"] is True
+    assert gpu_check.queue_bounds({"kind": "queue_depth", "ok": False, "error": "x"}, 512, 512)["fit"] is None
+
+
 # ---- the vLLM worker-side round's runner ------------------------------------------------------
 
 
