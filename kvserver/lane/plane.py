@@ -141,7 +141,13 @@ class DataPlane:
             if queue is None:
                 queue = self._handed[item[0]] = collections.deque()
             queue.append(item)
-        self._serve_handed()
+        # Served by one callback a turn of the loop (never here as well: with the turn's callback
+        # that would be two batches in one turn).
+        if self._loop is None:
+            self._serve_handed()
+        elif self._handed and not self._handed_soon:
+            self._handed_soon = True
+            self._loop.call_soon(self._serve_handed)
 
     def _serve_handed(self, most: int = HANDOFF_BATCH) -> None:
         """Serves at most ``most`` of the requests handed over, one lane's after another's; a
