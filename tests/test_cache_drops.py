@@ -48,18 +48,37 @@ def test_puts_a_full_cache_leaves_unstored_are_logged_at_once_then_rarely(caplog
     assert "bytes of" in logged[0] and "are free" in logged[0]
 
 
-def _dropping_puts(monkeypatch, window: float, wait: float) -> list[str]:
-    """Three Puts that store nothing, ``DROPS_LOG_SECONDS`` set to ``window``, then ``wait``
-    seconds on the loop and the core's close: the warnings logged."""
+def _unstored_warnings(body) -> list[str]:
+    """``asyncio.run(body())``: the cache's warnings of Puts' pages left unstored, as logged."""
     from kvserver.store import cache as cache_mod
 
-    monkeypatch.setattr(cache_mod, "DROPS_LOG_SECONDS", window)
     logged: list[str] = []
 
     class Catch(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             if "unstored" in record.getMessage():
                 logged.append(record.getMessage())
+
+    handler = Catch(logging.WARNING)
+    logging.getLogger(cache_mod.__name__).addHandler(handler)
+    try:
+        asyncio.run(body())
+    finally:
+        logging.getLogger(cache_mod.__name__).removeHandler(handler)
+    return logged
+
+
+def _pages_said(logged: list[str]) -> list[str]:
+    """The page counts the warnings name, in order."""
+    return [m.split(" pages")[0].split("left ")[1] for m in logged]
+
+
+def _dropping_puts(monkeypatch, window: float, wait: float) -> list[str]:
+    """Three Puts that store nothing, ``DROPS_LOG_SECONDS`` set to ``window``, then ``wait``
+    seconds on the loop and the core's close: the warnings logged."""
+    from kvserver.store import cache as cache_mod
+
+    monkeypatch.setattr(cache_mod, "DROPS_LOG_SECONDS", window)
 
     async def body() -> None:
         core = KVCore(16 * MiB)
@@ -73,38 +92,24 @@ def _dropping_puts(monkeypatch, window: float, wait: float) -> list[str]:
         finally:
             await core.close()
 
-    handler = Catch(logging.WARNING)
-    logging.getLogger(cache_mod.__name__).addHandler(handler)
-    try:
-        asyncio.run(body())
-    finally:
-        logging.getLogger(cache_mod.__name__).removeHandler(handler)
-    return logged
+    return _unstored_warnings(body)
 
 
 def test_drops_after_a_warning_are_logged_once_its_minute_is_over(monkeypatch):
     """Before, the drops of the minute after a warning were logged only if another drop came after
     that minute: the 128 pages of the second and third Puts never were."""
     logged = _dropping_puts(monkeypatch, 0.3, 0.6)
-    assert [m.split(" pages")[0].split("left ")[1] for m in logged] == ["64", "128"], logged
+    assert _pages_said(logged) == ["64", "128"], logged
 
 
 def test_drops_not_logged_yet_are_logged_at_the_stop(monkeypatch):
     logged = _dropping_puts(monkeypatch, 60.0, 0.0)
-    assert [m.split(" pages")[0].split("left ")[1] for m in logged] == ["64", "128"], logged
+    assert _pages_said(logged) == ["64", "128"], logged
 
 
-def test_the_disk_tiers_drops_not_logged_yet_are_logged_at_the_stop(monkeypatch, tmp_path):
+def test_the_disk_tiers_drops_not_logged_yet_are_logged_at_the_stop(tmp_path):
     """The disk tier's cache logs its Puts' drops as the host cache does: those of the minute after
     a warning are logged at the stop, not left with a timer on a loop that closes."""
-    from kvserver.store import cache as cache_mod
-
-    logged: list[str] = []
-
-    class Catch(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if "unstored" in record.getMessage():
-                logged.append(record.getMessage())
 
     async def body() -> None:
         core = KVCore(64 * MiB, disk_cache=str(tmp_path), disk_size=128 * MiB)
@@ -117,11 +122,6 @@ def test_the_disk_tiers_drops_not_logged_yet_are_logged_at_the_stop(monkeypatch,
         finally:
             await core.close()
 
-    handler = Catch(logging.WARNING)
-    logging.getLogger(cache_mod.__name__).addHandler(handler)
-    try:
-        asyncio.run(body())
-    finally:
-        logging.getLogger(cache_mod.__name__).removeHandler(handler)
-    assert [m.split(" pages")[0].split("left ")[1] for m in logged] == ["64", "128"], logged
+    logged = _unstored_warnings(body)
+    assert _pages_said(logged) == ["64", "128"], logged
     assert all("disk" in m for m in logged), logged
