@@ -818,3 +818,37 @@ def test_a_burst_of_handed_over_requests_is_served_a_batch_a_loop_turn(plane_dae
     per_turn = collections.Counter(takes)
     assert len(takes) == 256
     assert max(per_turn.values()) <= 64, sorted(per_turn.values())[-5:]  # plane.HANDOFF_BATCH
+
+
+def test_a_handed_over_request_that_raises_leaves_the_others_to_the_next_turn(plane_daemon,
+                                                                             monkeypatch) -> None:
+    """A request whose serving raises (its refusal failing too) ends that turn's batch early: the
+    requests queued behind it are served in the next turn of the loop, not left until the plane
+    hands something else over (on an idle plane, never)."""
+    d = plane_daemon
+    plane = d.core.plane
+    served: list[int] = []
+    pool = ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS)
+    client = _client(d, pool)  # a lane: the plane serves on the loop from then on
+    assert client.lane is not None
+
+    def serve_one(key, slot, rpc, counted):
+        served.append(slot)
+        if slot == 0:
+            raise RuntimeError("a refusal that failed")
+
+    monkeypatch.setattr(plane, "_serve_one", serve_one)
+
+    def queue_and_serve() -> None:
+        plane._handed["lane"] = collections.deque(("lane", i, 0, False) for i in range(3))
+        with contextlib.suppress(RuntimeError):
+            plane._serve_handed()
+
+    d.run(queue_and_serve)
+    deadline = time.monotonic() + 5
+    while len(served) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    monkeypatch.undo()
+    client.close()
+    pool.close()
+    assert served == [0, 1, 2]

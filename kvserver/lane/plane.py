@@ -153,19 +153,21 @@ class DataPlane:
         """Serves at most ``most`` of the requests handed over, one lane's after another's; a
         later turn of the loop serves the rest."""
         self._handed_soon = False
-        for _ in range(most):
-            if not self._handed:
-                return
-            key, queue = next(iter(self._handed.items()))
-            item = queue.popleft()
-            if queue:
-                self._handed.move_to_end(key)
-            else:
-                del self._handed[key]
-            self._serve_one(*item)
-        if self._handed and not self._handed_soon and self._loop is not None:
-            self._handed_soon = True
-            self._loop.call_soon(self._serve_handed)
+        try:
+            for _ in range(most):
+                if not self._handed:
+                    return
+                key, queue = next(iter(self._handed.items()))
+                item = queue.popleft()
+                if queue:
+                    self._handed.move_to_end(key)
+                else:
+                    del self._handed[key]
+                self._serve_one(*item)
+        finally:  # (a request that raised leaves the others to the next turn, not to a next handoff)
+            if self._handed and not self._handed_soon and self._loop is not None:
+                self._handed_soon = True
+                self._loop.call_soon(self._serve_handed)
 
     def _serve_one(self, key: Any, slot: int, rpc: int, counted: bool) -> None:
         lane = self.lanes.get(key)
