@@ -13,7 +13,6 @@ import itertools
 import logging
 import os
 import secrets
-import time
 from collections.abc import AsyncIterator, Callable, Generator
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -26,7 +25,7 @@ from kvserver.copies import transfer
 from kvserver.core.client_state import ClientSpec, ClientState, check_model_shape
 from kvserver.core.copier import INLINE_COPY_BYTES, ClientJob, LoadStep
 from kvserver.core.kvcore import KVCore
-from kvserver.core.share import LoopShare
+from kvserver.core.share import in_steps
 from kvserver.errors import InvalidArgument, KVError, NoCapacity, NotFound, OutOfRange, Unavailable
 from kvserver.events import LoggedEvent
 from kvserver.events.book import MAX_READ_KEYS
@@ -1273,28 +1272,6 @@ class CacheOps:
         except TimeoutError:
             logger.warning("reading %d pages back from the disk cache is past the Get's deadline",
                            len(hplan.positions))
-
-
-async def in_steps(share: LoopShare, steps: Generator[None, None, T]) -> T:
-    """Runs a cache operation's steps (``kvserver.store.steps``), letting the event loop serve
-    others between two (``LoopShare.between_steps``); a caller cancelled meanwhile closes it,
-    which undoes what it did."""
-    try:
-        started = time.perf_counter()
-        try:
-            next(steps)
-        except StopIteration as done:  # one step: the loop was never let go, nothing to count
-            return done.value
-        with share.long():
-            while True:
-                await share.between_steps(time.perf_counter() - started)
-                started = time.perf_counter()
-                try:
-                    next(steps)
-                except StopIteration as done:
-                    return done.value
-    finally:
-        steps.close()
 
 
 async def expire_leases(cache: KVCache, stop: asyncio.Event, period: float = 1.0) -> None:

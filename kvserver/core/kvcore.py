@@ -26,7 +26,7 @@ from kvserver.copies import transfer
 from kvserver.core import epochs
 from kvserver.core.client_state import ClientSpec, ClientState, Counters, public_id
 from kvserver.core.copier import ClientJob, Copier, plane_turn, wait_until
-from kvserver.core.share import LoopShare
+from kvserver.core.share import LoopShare, in_steps
 from kvserver.disk import DiskTier
 from kvserver.errors import InvalidArgument, NoCapacity, UnknownClient, shown
 from kvserver.events import CPU, LOCAL, REMOTE, STORAGE, EventBook
@@ -34,6 +34,7 @@ from kvserver.events.book import Publisher
 from kvserver.host.arena import HostArena, aligned_capacity
 from kvserver.host.kept import KeptDir, KeptDirError
 from kvserver.host.pages import PageAllocator
+from kvserver.host.room import Room
 from kvserver.media import ShmAccess, SlabPinner, open_pool, pool_descriptors
 from kvserver.peers.tenants import tenant_of
 from kvserver.peers.tickets import TicketBook, fd_budget
@@ -52,6 +53,9 @@ LIMIT_FLAG = "--max-pages-per-client, KVSERVER_MAX_PAGES_PER_CLIENT"
 # loop keeps serving other engines meanwhile; 4 Mi indices take ~0.1 s to check.
 OFF_LOOP_INDICES = 1 << 16
 PLANE_POLL_SECONDS = 0.0005  # how often a Free waiting on the data plane's copies looks again
+# Times a Register evicts for its room in steps when other engines' use of the cache stops it, before
+# it makes the rest at once.
+ROOM_TRIES = 3
 
 
 class KVCore:
@@ -409,6 +413,26 @@ class KVCore:
             )
         return fit
 
+    async def _make_room(self, need: int) -> None:
+        """Evicts cached slabs until the arena has a free range of ``need`` bytes, in steps that let
+        the loop serve other engines between two (``KVCache.make_room_steps``), the evicted
+        memory given back to the kernel in a worker thread (~0.09 s a populated GiB). The room
+        made is held until this returns, so that nothing else takes it, and the caller reserves
+        its region with no await in between. Where other engines' use of the cache got in the way
+        (a slab pinned meanwhile), ``_check_fits`` makes the rest of the room at once."""
+        if not need or self.arena.largest_free() >= need or self.arena.available + self.cache.bytes < need:
+            return
+        for _ in range(ROOM_TRIES):
+            room = Room(self.arena)
+            try:
+                made = await in_steps(self.share, self.cache.make_room_steps(need, room))
+                if room.nbytes:
+                    await self._in_thread(room.discard)
+            finally:
+                room.give_back()  # (what no thread discarded is freed here first)
+            if made or self.arena.largest_free() >= need:
+                return
+
     async def _in_thread(self, fn, *args, undo=None):
         """``fn(*args)`` in a worker thread; ``close`` waits for it, since it may use the arena.
         If the caller is cancelled (its RPC ended), the thread still finishes first, and what it
@@ -441,7 +465,8 @@ class KVCore:
             if req.replaces_client_id:  # only now that the new pool has passed every check
                 await self._release_replaced(req.replaces_client_id)
             page_bytes = spec.page_bytes
-            num_pages = min(most, self._check_fits(spec, least))
+            await self._make_room(least * page_bytes)
+            num_pages = min(most, self._check_fits(spec, least))  # (no await since: the room is there)
             offset = self.arena.reserve(num_pages * page_bytes, commit=False)
         except BaseException:
             await self._in_thread(device.close)

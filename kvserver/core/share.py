@@ -9,7 +9,8 @@ as long as its last step took: a short call's turns then find the loop free, and
 still has at least half of the loop however many short calls come.
 
 Primitives: ``LoopShare`` with ``call`` (a call in flight: counted while its handler runs) and
-``between_steps`` (what a long operation awaits between two steps).
+``between_steps`` (what a long operation awaits between two steps); ``in_steps`` (runs an
+operation's steps so).
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import time
+from collections.abc import Generator
+from typing import TypeVar
+
+T = TypeVar("T")
 
 MAX_WAIT = 0.02  # the longest a long operation waits for short calls between two of its steps
 
@@ -100,3 +106,25 @@ class _Long:
             self.share._add(1)
             with contextlib.suppress(ValueError):
                 _counted.reset(self.token)
+
+
+async def in_steps(share: LoopShare, steps: Generator[None, None, T]) -> T:
+    """Runs a cache operation's steps (``kvserver.store.steps``), letting the event loop serve
+    others between two (``LoopShare.between_steps``); a caller cancelled meanwhile closes it,
+    which undoes what it did."""
+    try:
+        started = time.perf_counter()
+        try:
+            next(steps)
+        except StopIteration as done:  # one step: the loop was never let go, nothing to count
+            return done.value
+        with share.long():
+            while True:
+                await share.between_steps(time.perf_counter() - started)
+                started = time.perf_counter()
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    return done.value
+    finally:
+        steps.close()

@@ -31,7 +31,7 @@ import torch
 from kvserver.config import format_size, machine_memory
 from kvserver.errors import NoCapacity
 from kvserver.host.kept import KeptDir
-from kvserver.host.regions import BOOK_ALLOWANCE, REGION_ALIGN, Regions, align_up, aligned_capacity
+from kvserver.host.regions import BOOK_ALLOWANCE, REGION_ALIGN, Regions, aligned_capacity
 
 __all__ = ["BOOK_ALLOWANCE", "REGION_ALIGN", "HostArena", "HostMemoryError", "aligned_capacity"]
 
@@ -110,14 +110,6 @@ class HostArena(Regions):
             err = ctypes.get_errno()
             if err != errno.EINTR:  # (a signal: again)
                 raise OSError(err, f"madvise of {size} bytes at offset {start}: {os.strerror(err)}")
-
-    def discard(self, start: int, nbytes: int) -> None:
-        """Gives the pages of a reserved region back to the kernel (they read as zeros after), in
-        whichever thread calls it: ctypes lets go of the GIL, so a worker thread doing this costs
-        the event loop nothing. The region stays reserved until ``release``."""
-        if nbytes == 0:
-            return
-        self._punch(start, align_up(nbytes, REGION_ALIGN))
 
     def close(self) -> None:
         # Every client's host views are gone by now (clients are unregistered first): torch views

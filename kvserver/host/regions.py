@@ -8,8 +8,9 @@ free allowance of 1/``BOOK_ALLOWANCE`` of it, every booked byte is one byte less
 What backs the regions (memory, a file) is the subclass's: ``_commit`` takes it for a region,
 ``_punch`` frees it.
 
-Primitives: ``Regions`` (``reserve`` / ``reserve_high`` / ``reserve_at`` / ``commit`` / ``release``,
-``book`` / ``unbook``, ``largest_free``, ``discard_free``), ``REGION_ALIGN``, ``BOOK_ALLOWANCE``.
+Primitives: ``Regions`` (``reserve`` / ``reserve_high`` / ``reserve_at`` / ``commit`` / ``discard`` /
+``release``, ``book`` / ``unbook``, ``largest_free``, ``discard_free``), ``REGION_ALIGN``,
+``BOOK_ALLOWANCE``.
 """
 
 from __future__ import annotations
@@ -136,6 +137,14 @@ class Regions:
     def _punch(self, start: int, size: int) -> None:
         """Frees the backing store of [start, start + size): it reads as zeros after."""
         raise NotImplementedError
+
+    def discard(self, start: int, nbytes: int) -> None:
+        """Frees the backing store of a reserved region (it reads as zeros after), in whichever
+        thread calls it: the subclasses' ``_punch`` lets go of the GIL, so a worker thread doing
+        this costs the event loop nothing. The region stays reserved until ``release``."""
+        if nbytes == 0:
+            return
+        self._punch(start, align_up(nbytes, REGION_ALIGN))
 
     def _take(self, start: int, size: int, commit: bool = True) -> None:
         """Takes [start, start + size) out of the free range holding it; with a kept arena, its

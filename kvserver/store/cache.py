@@ -20,7 +20,8 @@ from typing import NamedTuple, TypeVar
 import numpy as np
 
 from kvserver.errors import FailedPrecondition, InvalidArgument, NoCapacity, NotFound
-from kvserver.host.regions import Regions
+from kvserver.host.regions import REGION_ALIGN, Regions
+from kvserver.host.room import Room
 from kvserver.store.complete import PartCounts
 from kvserver.store.counters import CacheCounters
 from kvserver.store.eviction import EvictionQueue, lru_slabs
@@ -31,7 +32,7 @@ from kvserver.store.lock import CacheLock
 from kvserver.store.pages import COMMITTED, WRITING, PageTable, max_pages
 from kvserver.store.plans import GetPlan, PutPlan
 from kvserver.store.quotas import Tenant, Tenants
-from kvserver.store.slabs import SlabPool
+from kvserver.store.slabs import Slab, SlabPool
 from kvserver.store.spaces import Part, PartKey, Space, SpaceKey
 from kvserver.store.stats import SpaceStat, TenantStat
 from kvserver.store.steps import STEP_KEYS, run_steps
@@ -53,6 +54,9 @@ PACKED_STEP_PAIRS = 4 * STEP_KEYS
 # Lines a kept catalog may hold past twice the parts held (or twice what its last compaction kept)
 # before it is written whole again (``Keep.compact``: about 0.7 KB a line).
 CATALOG_SLACK = 1024
+# Pages a step of ``make_room_steps`` evicts: their keys out of the index, about 0.2 us a page on
+# the 2-core VM of docs/performance.md (a slab holds up to MAX_SLAB_PAGES, 32 Ki).
+EVICT_STEP_PAGES = 4 * STEP_KEYS
 Lower = Callable[[Part, Keys], np.ndarray]  # which of a part's keys a lower tier holds (bool mask)
 
 
@@ -919,10 +923,74 @@ class KVCache:
         window = self._eviction_window(nbytes)
         if window is None:
             return False
-        for sid in window:
+        for sid in window[0]:
             self._evict_slab(sid)
         self._evict_lru(self.slabs.slabs, lambda: self.arena.largest_free() >= nbytes)
         return self.arena.largest_free() >= nbytes
+
+    @_locked_steps
+    def make_room_steps(self, nbytes: int, room: Room) -> Generator[None, None, bool]:
+        """``make_room`` in steps of at most ``EVICT_STEP_PAGES`` pages, for a caller that lets
+        others use the cache between two (a Register, on the loop). What it makes is held in
+        ``room``: the window's free ranges at once, each evicted slab's range as it goes, so that
+        nothing else takes them meanwhile; the caller discards the slabs' memory and gives the room
+        back (``Room``) where it reserves its region. The window's slabs are set aside from the
+        start: no Put stores into them or evicts from them. Where the budget's charged bookkeeping
+        would still keep the range once the room is given back, least recently used slabs go on
+        being evicted into the room. False where no window holds ``nbytes``, or a page of the
+        window was pinned or read meanwhile: it stops there, the slabs it did not evict kept."""
+        if self.arena.largest_free() >= nbytes:
+            return True
+        self._reclaim(None)  # (their slabs released where left empty)
+        if self.arena.largest_free() >= nbytes:
+            return True
+        window = self._eviction_window(nbytes)
+        if window is None:
+            return False
+        sids, start, end = window
+        for at, size in zip(*self.arena.free_ranges(), strict=True):
+            if start <= at and at + size <= end:
+                room.hold_free(at, size)
+        aside = [(slab, [self.slabs.set_aside(slab)]) for slab in map(self.slabs.slabs.__getitem__, sids)]
+        try:
+            for slab, cleared in aside:
+                if not (yield from self._evict_slab_steps(slab, room, cleared)):
+                    return False
+
+            def enough() -> bool:  # once the room is given back
+                return (self.arena.available + room.nbytes) // REGION_ALIGN * REGION_ALIGN >= nbytes
+
+            for sid in lru_slabs(self.pages, self.slabs.slabs).tolist() if not enough() else ():
+                slab = self.slabs.slabs.get(sid)
+                if enough():
+                    break
+                if slab is None or self.pages.slab_holds[sid] > 0 or self.pages.slab_leaving[sid]:
+                    continue  # gone, used or set aside since
+                aside.append((slab, [self.slabs.set_aside(slab)]))
+                yield from self._evict_slab_steps(slab, room, aside[-1][1])
+            return enough()
+        finally:
+            for slab, cleared in aside:
+                if self.slabs.slabs.get(slab.sid) is slab:  # (not evicted: kept)
+                    self.slabs.put_back(slab, np.concatenate(cleared))
+
+    def _evict_slab_steps(self, slab: Slab, room: Room,
+                          cleared: list[np.ndarray]) -> Generator[None, None, bool]:
+        """Evicts ``slab`` (set aside) into ``room``, ``EVICT_STEP_PAGES`` of its pages a step, the
+        pages it clears added to ``cleared``. False if a page of it was pinned or read between
+        two steps; True once it is gone (evicted here, or released meanwhile with its range)."""
+        while self.slabs.slabs.get(slab.sid) is slab:
+            if self.pages.slab_holds[slab.sid] > 0:
+                return False
+            held = slab.pages[self.pages.state[slab.pages] == COMMITTED]
+            if not len(held):
+                self.slabs.release([slab.sid], room)
+                break
+            chunk = held[:EVICT_STEP_PAGES]
+            self._drop(chunk, give=False)
+            cleared.append(chunk)
+            yield
+        return True
 
     @_locked
     def evict_all(self) -> int:
@@ -934,11 +1002,12 @@ class KVCache:
             self._evict_slab(sid)
         return len(sids)
 
-    def _eviction_window(self, nbytes: int) -> list[int] | None:
-        """The evictable slabs of ``make_room``'s window, least recent first; None if none holds
-        ``nbytes``. Free ranges and evictable slabs are laid out by address; anything else (a
-        client's region, a busy slab) ends a run of them. Vectorised: a pass over slabs and
-        ranges for each step of a binary search over how recent a slab may be."""
+    def _eviction_window(self, nbytes: int) -> tuple[list[int], int, int] | None:
+        """The evictable slabs of ``make_room``'s window, least recent first, and the window's
+        first and end offsets; None if none holds ``nbytes``. Free ranges and evictable slabs are
+        laid out by address; anything else (a client's region, a busy slab) ends a run of them.
+        Vectorised: a pass over slabs and ranges for each step of a binary search over how recent
+        a slab may be."""
         sids = lru_slabs(self.pages, self.slabs.slabs)  # least recent first
         slabs = self.slabs.slabs
         starts, sizes = self.arena.free_ranges()
@@ -965,8 +1034,9 @@ class KVCache:
             first = np.flatnonzero(ok)
             last = j[ok]
             best = int(np.argmin(spent[last] - spent[first - 1].clip(0) * (first > 0)))
-            picked = r[first[best]: last[best] + 1]
-            return np.sort(picked[picked >= 0])
+            i, j = int(first[best]), int(last[best])
+            picked = r[i: j + 1]
+            return np.sort(picked[picked >= 0]), int(a[i]), int(a[j] + n[j])
 
         best = cheapest(len(sids))
         if best is None:
@@ -979,7 +1049,8 @@ class KVCache:
                 lo = mid + 1
             else:
                 hi, best = mid, found
-        return sids[best].tolist()
+        ranks, start, end = best
+        return sids[ranks].tolist(), start, end
 
     def _book_pins(self, name: str, nbytes: int, spare: np.ndarray) -> bool:
         """Books ``nbytes`` of the bookkeeping of tenant ``name``'s new pins: charged to the arena
@@ -1039,9 +1110,11 @@ class KVCache:
                 except Exception:  # a listener never leaves the index half changed
                     logger.exception("a listener of the %s failed", self.what)
 
-    def _drop(self, ids: np.ndarray, evicted: bool = True, release_empty: bool = True) -> list[int]:
+    def _drop(self, ids: np.ndarray, evicted: bool = True, release_empty: bool = True,
+              give: bool = True) -> list[int]:
         """Frees pages (committed, or being written for a failed Put): their keys leave their
-        parts' indexes and their bytes their counters. Returns the slabs they belong to."""
+        parts' indexes and their bytes their counters. Returns the slabs they belong to (with
+        ``give`` False the pages are left out of their slabs' free lists: none)."""
         if not len(ids):
             return []
         gids = self.pages.part[ids]
@@ -1064,6 +1137,8 @@ class KVCache:
                 if evicted:
                     c.evictions += len(chunk)
         self.pages.clear(ids)
+        if not give:
+            return []
         return self.slabs.give(ids, release_empty=release_empty)
 
     # Stats

@@ -55,7 +55,8 @@ class EvictionQueue:
             ids = self.ids[self.pos : self.pos + 2 * k]
             ok = ((pages.state[ids] == COMMITTED) & (pages.pins[ids] == 0) & (pages.readers[ids] == 0)
                   & (pages.stamp[ids] == self.stamps[self.pos : self.pos + len(ids)])
-                  & (pages.tenant[ids] == tenant) & (pages.nbytes[ids] == page_bytes))
+                  & (pages.tenant[ids] == tenant) & (pages.nbytes[ids] == page_bytes)
+                  & ~pages.slab_leaving[pages.slab[ids]])
             good = np.flatnonzero(ok)[:k]
             out.append(ids[good])
             k -= len(good)
@@ -80,7 +81,8 @@ class EvictionQueue:
         return np.concatenate(window)
 
     def _rank(self, pages: PageTable, ids: np.ndarray, k: int, taken: np.ndarray | None) -> None:
-        ids = ids[(pages.state[ids] == COMMITTED) & (pages.pins[ids] == 0) & (pages.readers[ids] == 0)]
+        ids = ids[(pages.state[ids] == COMMITTED) & (pages.pins[ids] == 0) & (pages.readers[ids] == 0)
+                  & ~pages.slab_leaving[pages.slab[ids]]]
         if taken is not None:  # handed out by this pop already, from the ranking before
             ids = ids[~np.isin(ids, taken)]
         q = min(len(ids), max(k, len(ids) // 8))
@@ -91,9 +93,9 @@ class EvictionQueue:
 
 
 def lru_slabs(pages: PageTable, sids: Collection[int]) -> np.ndarray:
-    """Of slabs ``sids``, those none of whose pages is pinned, read or written, least recently used
-    (by their newest page) first. The table keeps both per slab as pages change: a pass over the
-    slabs, never one over their pages."""
+    """Of slabs ``sids``, those none of whose pages is pinned, read or written (and not being
+    evicted in steps already), least recently used (by their newest page) first. The table keeps
+    these per slab as pages change: a pass over the slabs, never one over their pages."""
     ids = np.fromiter(sids, np.int64, len(sids))
-    ids = ids[~pages.busy_slabs(ids)]
+    ids = ids[~pages.busy_slabs(ids) & ~pages.slab_leaving[ids]]
     return ids[np.argsort(pages.slab_stamp[ids], kind="stable")]

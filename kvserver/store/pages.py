@@ -94,6 +94,9 @@ class PageTable:
             raise OSError(f"no room in {kept.path} for the page records")
         self.slab_stamp = np.zeros(64, np.int64)  # per slab id: the newest stamp of its pages
         self.slab_holds = np.zeros(64, np.int64)  # per slab id: pins + readers + pages being written
+        # Per slab id: being evicted in steps (``KVCache.make_room_steps``): none of its pages is
+        # handed out or evicted by anyone else meanwhile.
+        self.slab_leaving = np.zeros(64, bool)
         # The cache's lock (kvserver.store.lock), which every change below checks is held (None: a
         # table of its own, as tests make); and who is told of new slab_holds and slab_stamp arrays
         # (the plane).
@@ -188,10 +191,14 @@ class PageTable:
                 old = getattr(self, name)
                 grown[: len(old)] = old
                 setattr(self, name, grown)
+            leaving = np.zeros(size, bool)
+            leaving[: len(self.slab_leaving)] = self.slab_leaving
+            self.slab_leaving = leaving
             if self.on_slabs is not None:
                 self.on_slabs(self.slab_holds, self.slab_stamp)
         self.slab_stamp[sid] = 0
         self.slab_holds[sid] = 0
+        self.slab_leaving[sid] = False
 
     # What keeps pages from eviction: every change goes through these, so the slabs' counts hold.
 

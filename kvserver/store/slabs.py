@@ -28,6 +28,7 @@ from kvserver.store.pages import BYTES_PER_PAGE, FREE, MAX_SLAB_PAGES, PageTable
 from kvserver.store.stack import IdStack
 
 if TYPE_CHECKING:
+    from kvserver.host.room import Room
     from kvserver.store.keep import Keep
 
 logger = logging.getLogger(__name__)
@@ -221,8 +222,26 @@ class SlabPool:
         self._nfree[cls] -= len(ids)
         return ids
 
+    def set_aside(self, slab: Slab) -> np.ndarray:
+        """The slab is being evicted in steps: its free pages leave the free lists (returned), and
+        none of its pages is handed out or evicted by anyone else until ``put_back`` or
+        ``release``."""
+        self.pages.slab_leaving[slab.sid] = True
+        self._with_free.get(slab.cls, {}).pop(slab.sid, None)
+        self._nfree[slab.cls] -= slab.free
+        return slab.free_ids.pop(slab.free)
+
+    def put_back(self, slab: Slab, ids: np.ndarray) -> None:
+        """The slab stays after all: ``ids``, its pages cleared meanwhile, go to its free list
+        (with any freed there meanwhile); released if that leaves it empty."""
+        self.pages.slab_leaving[slab.sid] = False
+        ids = np.concatenate([slab.free_ids.pop(slab.free), ids])
+        self.give(ids)
+
     def _push(self, slab: Slab, ids: np.ndarray) -> None:
         slab.free_ids.push(ids)
+        if self.pages.slab_leaving[slab.sid]:  # (counted once it is put back, if it is)
+            return
         with_free = self._with_free.setdefault(slab.cls, {})
         with_free.pop(slab.sid, None)
         with_free[slab.sid] = None
@@ -249,15 +268,18 @@ class SlabPool:
         if empty:
             self.release(empty)
 
-    def release(self, sids: list[int]) -> None:
-        """Gives slabs back to the arena; their pages must all be free."""
+    def release(self, sids: list[int], room: Room | None = None) -> None:
+        """Gives slabs back to the arena; their pages must all be free (or cleared and in no free
+        list). With ``room``, their ranges stay reserved, held there (their bookkeeping goes)."""
         slabs = [self.slabs.pop(s) for s in sids]
         ids = np.concatenate([s.pages for s in slabs])
         for slab in slabs:  # their free lists go with them: nothing else of the class is touched
             if self.keep is not None:
                 self.keep.slab_removed(slab.sid)
             self._with_free[slab.cls].pop(slab.sid, None)
-            self._nfree[slab.cls] -= slab.free
+            if not self.pages.slab_leaving[slab.sid]:
+                self._nfree[slab.cls] -= slab.free
+            self.pages.slab_leaving[slab.sid] = False
         self.pages.give(ids)
         for slab in slabs:
             self.of_class[slab.cls].discard(slab.sid)
@@ -265,7 +287,12 @@ class SlabPool:
             self._booked[slab.tenant] -= len(slab.pages) * BYTES_PER_PAGE
             for hook in self.on_slab_removed:
                 hook(slab.offset, slab.nbytes)
-            self.arena.release(slab.offset, slab.nbytes, booked=len(slab.pages) * BYTES_PER_PAGE)
+            booked = len(slab.pages) * BYTES_PER_PAGE
+            if room is None:
+                self.arena.release(slab.offset, slab.nbytes, booked=booked)
+            else:
+                self.arena.unbook(booked)
+                room.hold_released(slab.offset, slab.nbytes)
             self.bytes -= slab.nbytes
             self._spare_sids.append(slab.sid)
         logger.debug("released %d cache slabs", len(slabs))
