@@ -256,7 +256,7 @@ class KVServicer(pb_grpc.KVServerServicer):
 
     @_abort_on_error
     async def Alloc(self, request: pb.AllocRequest, context) -> pb.AllocResponse:
-        indices = self.core.alloc(request.client_id, request.num_tokens)
+        indices = await self.core.alloc(request.client_id, request.num_tokens)
         # The AllocResponse's wire bytes, encoded with numpy (a message of 4 Mi indices costs ~1 s
         # of GIL to build and serialise); large ones in a worker thread, off the event loop.
         if indices.size > OFF_LOOP_INDICES:
