@@ -5,6 +5,8 @@ evicted memory given back to the kernel off the loop."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import threading
 
@@ -236,9 +238,17 @@ def test_make_room_in_steps_evicts_on_where_the_bookkeeping_still_keeps_the_rang
         put(cache, part, _keys(i * 8192, 8192))
     arena.release(region, 4 * MIB)
     assert max(arena.free_ranges()[1]) >= 8 * MIB > arena.largest_free()  # kept by the bookkeeping
-    room = Room(arena)
+    room, available, slabs = Room(arena), arena.available, len(cache.slabs.slabs)
     steps = cache.make_room_steps(8 * MIB, room)
-    taken = 0
+    next(steps)
+    # The free range the room holds is charged to no one: others' budget is what it was (holding
+    # it as reserved left the arena 2 MiB overdrawn here, and a pinning Lookup evicted whole slabs
+    # at once to pay that back, on the loop).
+    assert arena.available >= available
+    pinned, lease = cache.lookup(part, _keys(7 * 8192, 64), pin_ms=1000)
+    assert pinned == 64
+    assert len(cache.slabs.slabs) == slabs  # the Lookup evicted nothing
+    taken = 1
     while True:
         try:
             next(steps)
@@ -250,63 +260,111 @@ def test_make_room_in_steps_evicts_on_where_the_bookkeeping_still_keeps_the_rang
     room.discard()
     room.give_back()
     assert arena.largest_free() >= 8 * MIB
+    assert cache.release("t", [lease]) == 1  # (leases released)
     assert arena.booked == cache.pages.in_slabs * BYTES_PER_PAGE and arena.reserved == cache.bytes
     _slabs_add_up(cache, 256)
 
 
-def test_a_register_that_needs_the_caches_room_evicts_in_steps_and_frees_off_the_loop(socket_dir,
-                                                                                        monkeypatch):
-    """Engine A's cached pages fill the arena; engine B's Register needs most of it. The cache gave
-    way on the event loop in one go: every evicted slab's keys out of the index and its memory
-    back to the kernel (MADV_DONTNEED) there, 0.3-0.4 s for 390 MIB of 128-byte pages on this VM,
-    every other engine waiting. Now it is evicted in steps, the loop serving others between two,
-    and the memory goes back in a worker thread before B's region takes it: B reads zeros."""
-    monkeypatch.setattr(cache_module, "EVICT_STEP_PAGES", 256)  # several steps to a slab
+LAYOUT, PAGE_TOKENS = KVLayout.mla(256, 0), 32  # 16 KiB pages: 512 to an 8 MiB slab
+
+
+class _Watch:
+    """Where the arena's memory is given back (on the loop or not) and the loop's steps, while on."""
+
+    def __init__(self, d: DaemonThread, monkeypatch) -> None:
+        self.on, self.punches, self.steps = threading.Event(), [], []
+        real_punch, real_between = HostArena._punch, LoopShare.between_steps
+        watch = self
+
+        def punch(arena, start, size):
+            if watch.on.is_set():
+                watch.punches.append(threading.current_thread() is d._thread)
+            return real_punch(arena, start, size)
+
+        async def between_steps(share, spent):
+            if watch.on.is_set():
+                watch.steps.append(spent)
+            return await real_between(share, spent)
+
+        monkeypatch.setattr(HostArena, "_punch", punch)
+        monkeypatch.setattr(LoopShare, "between_steps", between_steps)
+
+
+def _fill(d: DaemonThread, client: KVClient, pool: ShmKVPool) -> int:
+    """80 MiB of 16 KiB pages Put into a 64 MiB arena (full), their bytes 0xAB; what is cached."""
+    client.register(model="m", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=0,
+                    page_size=PAGE_TOKENS)
+    pool.buffers[0][0].view(torch.uint8).fill_(0xAB)
+    for i in range(80):
+        tokens = range(i * 64 * PAGE_TOKENS, (i + 1) * 64 * PAGE_TOKENS)
+        client.put(page_keys(tokens, PAGE_TOKENS), list(range(64)))
+    cached = d.run(lambda: d.core.cache.bytes)
+    assert cached >= 48 * MIB
+    return cached
+
+
+@pytest.fixture
+def small_steps(socket_dir, monkeypatch):
+    """A daemon with a 64 MiB budget whose Registers evict 256 pages a step."""
+    monkeypatch.setattr(cache_module, "EVICT_STEP_PAGES", 256)
     d = DaemonThread(ServerConfig(socket=os.path.join(socket_dir, "kv.sock"), host_memory=64 * MIB))
     try:
-        _register_in_steps(d, monkeypatch)
+        yield d
     finally:
         d.stop()
 
 
-def _register_in_steps(d: DaemonThread, monkeypatch) -> None:
-    punches, steps, registering = [], [], threading.Event()
-    real_punch, real_between = HostArena._punch, LoopShare.between_steps
-
-    def punch(self, start, size):
-        if registering.is_set():
-            punches.append(threading.current_thread() is d._thread)
-        return real_punch(self, start, size)
-
-    async def between_steps(self, spent):
-        if registering.is_set():
-            steps.append(spent)
-        return await real_between(self, spent)
-
-    monkeypatch.setattr(HostArena, "_punch", punch)
-    monkeypatch.setattr(LoopShare, "between_steps", between_steps)
-    layout, page = KVLayout.mla(256, 0), 32  # 16 KiB pages: 512 to an 8 MIB slab
-    with ShmKVPool(layout, torch.bfloat16, num_layers=1, num_tokens=64 * page) as pa, \
-            ShmKVPool(layout, torch.bfloat16, num_layers=1, num_tokens=64) as pb_, \
+def test_a_register_that_needs_the_caches_room_evicts_in_steps_and_frees_off_the_loop(small_steps,
+                                                                                        monkeypatch):
+    """Engine A's cached pages fill the arena; engine B's Register needs most of it. The cache gave
+    way on the event loop in one go: every evicted slab's keys out of the index and its memory
+    back to the kernel (MADV_DONTNEED) there, 0.3-0.4 s for 390 MiB of 128-byte pages on this VM,
+    every other engine waiting. Now it is evicted in steps, the loop serving others between two,
+    and the memory goes back in a worker thread before B's region takes it: B reads zeros."""
+    d = small_steps
+    watch = _Watch(d, monkeypatch)
+    with ShmKVPool(LAYOUT, torch.bfloat16, num_layers=1, num_tokens=64 * PAGE_TOKENS) as pa, \
+            ShmKVPool(LAYOUT, torch.bfloat16, num_layers=1, num_tokens=64) as pb_, \
             KVClient(d.address, timeout=60) as a, KVClient(d.address, timeout=60) as b:
-        a.register(model="m", pool=pa, start_layer=0, end_layer=1, num_layers=1, host_tokens=0,
-                   page_size=page)
-        pa.buffers[0][0].view(torch.uint8).fill_(0xAB)
-        for i in range(80):  # 80 MIB of pages into a 64 MIB arena: full
-            a.put(page_keys(range(i * 64 * page, (i + 1) * 64 * page), page), list(range(64)))
-        cached = d.run(lambda: d.core.cache.bytes)
-        assert cached >= 48 << 20
-        registering.set()
+        cached = _fill(d, a, pa)
+        watch.on.set()
         reg = b.register(model="m", pool=pb_, start_layer=0, end_layer=1, num_layers=1,
-                         host_tokens=(40 << 20) // 512, page_size=1)
-        registering.clear()
-        assert reg.host_tokens == (40 << 20) // 512
-        assert d.run(lambda: d.core.cache.bytes) <= cached - (40 << 20)
-        assert punches and not any(punches), punches  # every slab's memory freed off the loop
-        assert len(steps) >= (40 << 20) // (256 * 16 << 10), len(steps)  # the loop let go between
+                         host_tokens=40 * MIB // 512, page_size=1)
+        watch.on.clear()
+        assert reg.host_tokens == 40 * MIB // 512
+        assert d.run(lambda: d.core.cache.bytes) <= cached - 40 * MIB
+        assert watch.punches and not any(watch.punches), watch.punches  # all off the loop
+        assert len(watch.steps) >= 40 * MIB // (256 * 16 << 10), len(watch.steps)  # the loop let go
         client = d.run(lambda: d.core.clients[reg.client_id])
         view = d.core.arena.view(torch.uint8)
         assert not view[client.region_offset: client.region_offset + client.region_bytes].any()
+
+
+def test_a_register_given_up_while_it_evicts_frees_what_it_evicted_off_the_loop(small_steps, monkeypatch):
+    """The Register's caller goes away between two steps: the slabs evicted so far went back to the
+    kernel on the loop, all at once (the room given back undiscarded); now in a worker thread, as
+    when it goes through. The cache's and the arena's accounting agree after."""
+    d = small_steps
+    watch = _Watch(d, monkeypatch)
+    with ShmKVPool(LAYOUT, torch.bfloat16, num_layers=1, num_tokens=64 * PAGE_TOKENS) as pa, \
+            KVClient(d.address, timeout=60) as a:
+        _fill(d, a, pa)
+
+        async def given_up() -> None:
+            task = asyncio.ensure_future(d.core._make_room(40 * MIB))
+            while len(watch.steps) < 6:  # three slabs evicted
+                await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+        watch.on.set()
+        d.call(given_up())
+        watch.on.clear()
+        assert watch.punches and not any(watch.punches), watch.punches
+        cache, arena = d.core.cache, d.core.arena
+        assert d.run(lambda: (arena.reserved, bool(cache.pages.slab_leaving.any()))) == (cache.bytes, False)
+        assert d.run(lambda: sum(arena.free_ranges()[1])) == arena.capacity - cache.bytes
 
 
 def test_the_spare_page_ids_never_grow_by_copying():

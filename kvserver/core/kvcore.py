@@ -426,10 +426,15 @@ class KVCore:
             room = Room(self.arena)
             try:
                 made = await in_steps(self.share, self.cache.make_room_steps(need, room))
-                if room.nbytes:
-                    await self._in_thread(room.discard)
-            finally:
-                room.give_back()  # (what no thread discarded is freed here first)
+            finally:  # (cancelled too: the thread is waited out, then the cancel goes on)
+                try:
+                    if room.dirty:
+                        await self._in_thread(room.discard)
+                except Exception:
+                    logger.exception("giving back %d bytes of evicted cache in a worker failed",
+                                     room.released)
+                finally:
+                    room.give_back()  # (what no thread discarded is freed here first)
             if made or self.arena.largest_free() >= need:
                 return
 

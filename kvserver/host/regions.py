@@ -9,8 +9,8 @@ What backs the regions (memory, a file) is the subclass's: ``_commit`` takes it 
 ``_punch`` frees it.
 
 Primitives: ``Regions`` (``reserve`` / ``reserve_high`` / ``reserve_at`` / ``commit`` / ``discard`` /
-``release``, ``book`` / ``unbook``, ``largest_free``, ``discard_free``), ``REGION_ALIGN``,
-``BOOK_ALLOWANCE``.
+``release``, ``hold`` / ``unhold``, ``book`` / ``unbook``, ``largest_free``, ``discard_free``),
+``REGION_ALIGN``, ``BOOK_ALLOWANCE``.
 """
 
 from __future__ import annotations
@@ -146,9 +146,10 @@ class Regions:
             return
         self._punch(start, align_up(nbytes, REGION_ALIGN))
 
-    def _take(self, start: int, size: int, commit: bool = True) -> None:
+    def _take(self, start: int, size: int, commit: bool = True, count: bool = True) -> None:
         """Takes [start, start + size) out of the free range holding it; with a kept arena, its
-        memory is taken now (NoCapacity, nothing taken, if the file system has none)."""
+        memory is taken now (NoCapacity, nothing taken, if the file system has none). ``count``
+        False: not reserved either (``hold``)."""
         i = bisect.bisect_right(self._free_starts, start) - 1
         fs, fz = (self._free_starts[i], self._free_sizes[i]) if i >= 0 else (0, 0)
         if not (i >= 0 and fs <= start and start + size <= fs + fz):
@@ -162,7 +163,17 @@ class Regions:
         if fs < start:  # and below it
             self._free_starts.insert(i, fs)
             self._free_sizes.insert(i, start - fs)
-        self.reserved += size
+        if count:
+            self.reserved += size
+
+    def hold(self, start: int, nbytes: int) -> None:
+        """Takes the free range at ``start`` out of the free ranges without reserving it: no one
+        else can reserve it, and the budget is not charged for it (``unhold`` puts it back)."""
+        self._take(start, align_up(nbytes, REGION_ALIGN), commit=False, count=False)
+
+    def unhold(self, start: int, nbytes: int) -> None:
+        """A range ``hold`` took is free again (it held nothing)."""
+        self._give(start, align_up(nbytes, REGION_ALIGN))
 
     def reserve_at(self, start: int, nbytes: int, booked: int = 0) -> None:
         """Reserves the region at ``start`` (aligned; free): a kept cache's slab found again at the
@@ -202,6 +213,10 @@ class Regions:
                     return
                 logger.warning("%s: freeing [%d, %d) failed (%s)", self.what, start, start + size, exc)
         self.reserved -= size
+        self._give(start, size)
+
+    def _give(self, start: int, size: int) -> None:
+        """[start, start + size) joins the free ranges."""
         i = bisect.bisect_left(self._free_starts, start)
         self._free_starts.insert(i, start)
         self._free_sizes.insert(i, size)

@@ -11,7 +11,8 @@ memory back in whichever thread calls it, and ``give_back`` returns every range 
 on the loop, just before the region is reserved there (where ``discard`` did not run, or failed,
 ``release`` frees what is left first).
 
-Primitives: ``Room`` (``hold_free``, ``hold_released``, ``discard``, ``give_back``, ``nbytes``).
+Primitives: ``Room`` (``hold_free``, ``hold_released``, ``discard``, ``give_back``, ``nbytes``,
+``released``, ``dirty``).
 """
 
 from __future__ import annotations
@@ -24,36 +25,53 @@ logger = logging.getLogger(__name__)
 
 
 class Room:
-    """Ranges of ``arena`` held for a region: reserved, and nobody's."""
+    """Ranges of ``arena`` held for a region: nobody's. The free ones it holds are not reserved
+    (the budget is not charged for them: others' use of it goes on as before); the released ones
+    stay reserved, as they were, until given back."""
 
     def __init__(self, arena: Regions) -> None:
         self.arena = arena
-        self._ranges: list[list[int]] = []  # [start, nbytes, clean]: clean ones hold nothing
+        self._free: list[tuple[int, int]] = []  # held free ranges (they hold nothing)
+        self._released: list[list[int]] = []  # [start, nbytes, discarded]
 
     @property
     def nbytes(self) -> int:
-        return sum(n for _, n, _ in self._ranges)
+        """The bytes it holds."""
+        return sum(n for _, n in self._free) + self.released
+
+    @property
+    def released(self) -> int:
+        """The bytes of released ranges it holds: reserved until given back."""
+        return sum(n for _, n, _ in self._released)
+
+    @property
+    def dirty(self) -> bool:
+        """Whether a range it holds still holds what was there (``discard`` frees it)."""
+        return any(not done for _, _, done in self._released)
 
     def hold_free(self, start: int, nbytes: int) -> None:
-        """Takes the free range at ``start`` (free ranges hold nothing: already clean)."""
-        self.arena.reserve_at(start, nbytes)
-        self._ranges.append([start, nbytes, True])
+        """Takes the free range at ``start``."""
+        self.arena.hold(start, nbytes)
+        self._free.append((start, nbytes))
 
     def hold_released(self, start: int, nbytes: int) -> None:
         """Keeps a range its holder let go while still reserved (its bookkeeping given back): what
         it held is still there until ``discard``."""
-        self._ranges.append([start, nbytes, False])
+        self._released.append([start, nbytes, False])
 
     def discard(self) -> None:
-        """Gives the memory of the ranges that held something back (any thread, without the GIL
-        while the kernel works); a failure leaves the rest to ``give_back``."""
-        for r in self._ranges:
+        """Gives the memory of the released ranges back (any thread, without the GIL while the
+        kernel works); a failure leaves the rest to ``give_back``."""
+        for r in self._released:
             if not r[2]:
                 self.arena.discard(r[0], r[1])
                 r[2] = True
 
     def give_back(self) -> None:
         """Every range back among the free ones (the loop; ``discard``, if it ran, is over)."""
-        ranges, self._ranges = self._ranges, []
-        for start, nbytes, clean in ranges:
-            self.arena.release(start, nbytes, discarded=bool(clean))
+        free, self._free = self._free, []
+        released, self._released = self._released, []
+        for start, nbytes in free:
+            self.arena.unhold(start, nbytes)
+        for start, nbytes, discarded in released:
+            self.arena.release(start, nbytes, discarded=bool(discarded))

@@ -957,8 +957,8 @@ class KVCache:
                 if not (yield from self._evict_slab_steps(slab, room, cleared)):
                     return False
 
-            def enough() -> bool:  # once the room is given back
-                return (self.arena.available + room.nbytes) // REGION_ALIGN * REGION_ALIGN >= nbytes
+            def enough() -> bool:  # once the room is given back (its released ranges unreserved)
+                return (self.arena.available + room.released) // REGION_ALIGN * REGION_ALIGN >= nbytes
 
             for sid in lru_slabs(self.pages, self.slabs.slabs).tolist() if not enough() else ():
                 slab = self.slabs.slabs.get(sid)
@@ -983,13 +983,15 @@ class KVCache:
             if self.pages.slab_holds[slab.sid] > 0:
                 return False
             held = slab.pages[self.pages.state[slab.pages] == COMMITTED]
-            if not len(held):
-                self.slabs.release([slab.sid], room)
-                break
             chunk = held[:EVICT_STEP_PAGES]
             self._drop(chunk, give=False)
             cleared.append(chunk)
+            last = len(chunk) == len(held)
+            if last:  # in the same step: never left whole free, for anyone else to release (its
+                self.slabs.release([slab.sid], room)  # memory given back on the loop)
             yield
+            if last:
+                break
         return True
 
     @_locked
