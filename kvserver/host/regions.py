@@ -50,6 +50,7 @@ class Regions:
         self._free_sizes: list[int] = [self.capacity]
         self.reserved = 0
         self.booked = 0  # bytes of bookkeeping kept for the regions' contents (see the module doc)
+        self.claimed = 0  # budget claimed by held ranges (``hold``), not reserved
 
     @property
     def charged(self) -> int:
@@ -58,8 +59,9 @@ class Regions:
 
     @property
     def available(self) -> int:
-        """Bytes that may still be reserved: free, less the booked bytes charged."""
-        return self.capacity - self.reserved - self.charged
+        """Bytes that may still be reserved: free, less the booked bytes charged and the budget
+        held ranges claim."""
+        return self.capacity - self.reserved - self.claimed - self.charged
 
     def free_ranges(self) -> tuple[list[int], list[int]]:
         """The free ranges' starts and sizes, in address order (copies)."""
@@ -70,7 +72,7 @@ class Regions:
 
     def _fits(self, size: int, booked: int) -> bool:
         charged = max(0, self.booked + booked - self.capacity // BOOK_ALLOWANCE)
-        return self.reserved + size + charged <= self.capacity
+        return self.reserved + self.claimed + size + charged <= self.capacity
 
     def can_book(self, nbytes: int) -> bool:
         return self._fits(0, nbytes)
@@ -166,13 +168,21 @@ class Regions:
         if count:
             self.reserved += size
 
-    def hold(self, start: int, nbytes: int) -> None:
+    def hold(self, start: int, nbytes: int, most: int) -> int:
         """Takes the free range at ``start`` out of the free ranges without reserving it: no one
-        else can reserve it, and the budget is not charged for it (``unhold`` puts it back)."""
-        self._take(start, align_up(nbytes, REGION_ALIGN), commit=False, count=False)
+        else can reserve it, and it claims of the budget only what is left of it, up to its size
+        and ``most`` (where the bookkeeping charged keeps most of the free bytes from use, holding
+        them all would overdraw the budget, and others would evict at once to pay it back).
+        Returns that claim, which ``unhold`` gives back with the range."""
+        size = align_up(nbytes, REGION_ALIGN)
+        self._take(start, size, commit=False, count=False)
+        claim = max(0, min(size, self.available, most))
+        self.claimed += claim
+        return claim
 
-    def unhold(self, start: int, nbytes: int) -> None:
-        """A range ``hold`` took is free again (it held nothing)."""
+    def unhold(self, start: int, nbytes: int, claim: int) -> None:
+        """A range ``hold`` took is free again (it held nothing), its claim given back."""
+        self.claimed -= claim
         self._give(start, align_up(nbytes, REGION_ALIGN))
 
     def reserve_at(self, start: int, nbytes: int, booked: int = 0) -> None:

@@ -6,13 +6,15 @@ event loop serving other engines between two. Meanwhile the room it has made mus
 else (a Put growing the cache would take it), and an evicted slab's memory must go back to the
 kernel before the region is handed out, so that the engine never reads what the cache held; that
 takes ~0.09 s a populated GiB (benchmarks/bench_release.py), too long for the loop. So the window's
-free ranges and the evicted slabs' ranges stay reserved in a ``Room``: ``discard`` gives the slabs'
-memory back in whichever thread calls it, and ``give_back`` returns every range to the free ones
+free ranges (out of the free ones, claiming what is left of the budget, up to what the region
+needs) and the
+evicted slabs' ranges (still reserved) stay held in a ``Room``: ``discard`` gives the slabs' memory
+back in whichever thread calls it, and ``give_back`` returns every range to the free ones
 on the loop, just before the region is reserved there (where ``discard`` did not run, or failed,
 ``release`` frees what is left first).
 
 Primitives: ``Room`` (``hold_free``, ``hold_released``, ``discard``, ``give_back``, ``nbytes``,
-``released``, ``dirty``).
+``released``, ``claimed``, ``dirty``).
 """
 
 from __future__ import annotations
@@ -25,19 +27,25 @@ logger = logging.getLogger(__name__)
 
 
 class Room:
-    """Ranges of ``arena`` held for a region: nobody's. The free ones it holds are not reserved
-    (the budget is not charged for them: others' use of it goes on as before); the released ones
-    stay reserved, as they were, until given back."""
+    """Ranges of ``arena`` held for a region of ``need`` bytes: nobody's. The free ones it holds
+    are not reserved, and claim of the budget what was left of it, up to their size and ``need``
+    in all (``Regions.hold``); the released ones stay reserved, as they were, until given back."""
 
-    def __init__(self, arena: Regions) -> None:
+    def __init__(self, arena: Regions, need: int) -> None:
         self.arena = arena
-        self._free: list[tuple[int, int]] = []  # held free ranges (they hold nothing)
+        self.need = need
+        self._free: list[tuple[int, int, int]] = []  # held free ranges (they hold nothing), claims
         self._released: list[list[int]] = []  # [start, nbytes, discarded]
 
     @property
     def nbytes(self) -> int:
         """The bytes it holds."""
-        return sum(n for _, n in self._free) + self.released
+        return sum(n for _, n, _ in self._free) + self.released
+
+    @property
+    def claimed(self) -> int:
+        """The budget its free ranges claim: available again once given back."""
+        return sum(c for _, _, c in self._free)
 
     @property
     def released(self) -> int:
@@ -51,8 +59,7 @@ class Room:
 
     def hold_free(self, start: int, nbytes: int) -> None:
         """Takes the free range at ``start``."""
-        self.arena.hold(start, nbytes)
-        self._free.append((start, nbytes))
+        self._free.append((start, nbytes, self.arena.hold(start, nbytes, self.need - self.claimed)))
 
     def hold_released(self, start: int, nbytes: int) -> None:
         """Keeps a range its holder let go while still reserved (its bookkeeping given back): what
@@ -71,7 +78,7 @@ class Room:
         """Every range back among the free ones (the loop; ``discard``, if it ran, is over)."""
         free, self._free = self._free, []
         released, self._released = self._released, []
-        for start, nbytes in free:
-            self.arena.unhold(start, nbytes)
+        for start, nbytes, claim in free:
+            self.arena.unhold(start, nbytes, claim)
         for start, nbytes, discarded in released:
             self.arena.release(start, nbytes, discarded=bool(discarded))

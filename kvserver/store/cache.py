@@ -957,8 +957,9 @@ class KVCache:
                 if not (yield from self._evict_slab_steps(slab, room, cleared)):
                     return False
 
-            def enough() -> bool:  # once the room is given back (its released ranges unreserved)
-                return (self.arena.available + room.released) // REGION_ALIGN * REGION_ALIGN >= nbytes
+            def enough() -> bool:  # once the room is given back (its ranges unreserved, claims back)
+                back = room.released + room.claimed
+                return (self.arena.available + back) // REGION_ALIGN * REGION_ALIGN >= nbytes
 
             for sid in lru_slabs(self.pages, self.slabs.slabs).tolist() if not enough() else ():
                 slab = self.slabs.slabs.get(sid)
