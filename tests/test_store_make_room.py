@@ -148,7 +148,7 @@ def test_make_room_in_steps_holds_what_it_makes_and_frees_its_memory_on_the_call
     punched = []
     real = arena._punch
     monkeypatch.setattr(arena, "_punch", lambda at, n: punched.append((at, n)) or real(at, n))
-    room = Room(arena, 6 * MIB)
+    room = Room(arena)
     steps = cache.make_room_steps(6 * MIB, room)
     taken = 0
     while True:
@@ -184,7 +184,7 @@ def test_make_room_in_steps_stops_where_a_slab_is_used_meanwhile(monkeypatch):
     it had cleared of that slab go back to its free list (a Put stores into them), and what the
     room holds is given back whole."""
     cache, arena, part, keys = _full_of_small_pages(monkeypatch)
-    room = Room(arena, 6 * MIB)
+    room = Room(arena)
     steps = cache.make_room_steps(6 * MIB, room)
     next(steps)  # PIECE of the least recent slab's pages are out
     left = cache.pages.find(part.gid, keys[0]) >= 0
@@ -212,7 +212,7 @@ def test_make_room_in_steps_given_up_midway_keeps_the_slabs_it_did_not_evict(mon
     reached are the cache's again (their free pages in its lists, evictable), the ones evicted
     whole stay in the room, which gives them back freed."""
     cache, arena, part, keys = _full_of_small_pages(monkeypatch)
-    room = Room(arena, 6 * MIB)
+    room = Room(arena)
     steps = cache.make_room_steps(6 * MIB, room)
     per_slab = 2 * MIB // SMALL // PIECE
     for _ in range(per_slab + 2):  # the first slab evicted, two pieces of the second
@@ -238,7 +238,7 @@ def test_make_room_in_steps_evicts_on_where_the_bookkeeping_still_keeps_the_rang
         put(cache, part, _keys(i * 8192, 8192))
     arena.release(region, 4 * MIB)
     assert max(arena.free_ranges()[1]) >= 8 * MIB > arena.largest_free()  # kept by the bookkeeping
-    room, available, slabs = Room(arena, 8 * MIB), arena.available, len(cache.slabs.slabs)
+    room, available, slabs = Room(arena), arena.available, len(cache.slabs.slabs)
     steps = cache.make_room_steps(8 * MIB, room)
     next(steps)
     # The free range the room holds claims of the budget what was left of it, not its size:
@@ -402,9 +402,9 @@ def test_a_replacing_register_that_cannot_fit_is_refused_while_another_ones_room
             await asyncio.sleep(0.3)
         return await real_between(share, spent)
 
-    def hold_free(room, start, n):
+    def hold_free(room, start, n, most):
         held.set()
-        return real_hold(room, start, n)
+        return real_hold(room, start, n, most)
 
     monkeypatch.setattr(LoopShare, "between_steps", between_steps)
     monkeypatch.setattr(Room, "hold_free", hold_free)
@@ -445,3 +445,33 @@ def test_a_replacing_register_that_cannot_fit_is_refused_while_another_ones_room
             thread.join(30)
             slow.clear()
         assert got["a"] == 40 * MIB // 512
+
+
+def test_a_rooms_free_ranges_claim_only_what_the_windows_slabs_do_not_give(monkeypatch):
+    """A 4 MiB region whose window is a free 2 MiB and an 8 MiB slab: the slab alone gives the
+    region its budget. The free range claimed it as well, so with the pages' bookkeeping charged a
+    pinning Lookup between two steps found no budget and evicted another 8 MiB slab of cached
+    pages for 48 bytes of pins. It claims nothing now, and the Lookup evicts nothing."""
+    monkeypatch.setattr(cache_module, "EVICT_STEP_PAGES", 256)
+    cache, arena, clock = make_cache(capacity=26 * MIB, slab_bytes=8 * MIB)
+    part = one_part(cache, page_bytes=4096)  # 2048 pages a slab: their bookkeeping charged
+    n = 8 * MIB // 4096
+    for i in range(3):
+        clock.now += 1
+        put(cache, part, _keys(i * n, n))
+    clock.now += 1
+    cache.lookup(part, _keys(0, n))
+    cache.lookup(part, _keys(n, n))  # the lowest slab, next to the free 2 MiB, the least recent
+    assert arena.free_ranges() == ([0], [2 * MIB]) and arena.charged > 0
+    room = Room(arena)
+    steps = cache.make_room_steps(4 * MIB, room)
+    next(steps)
+    assert room.claimed == 0 and room.nbytes == 2 * MIB
+    cached = cache.bytes
+    pinned, lease = cache.lookup(part, _keys(8, 4), pin_ms=1000)  # pages of the top slab
+    assert pinned == 4 and cache.bytes == cached  # nothing evicted for the pins
+    for _ in steps:
+        pass
+    room.discard()
+    room.give_back()
+    assert arena.largest_free() >= 4 * MIB and cache.bytes == 16 * MIB

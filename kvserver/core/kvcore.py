@@ -423,7 +423,7 @@ class KVCore:
         if not need or self.arena.largest_free() >= need or self.arena.available + self.cache.bytes < need:
             return
         for _ in range(ROOM_TRIES):
-            room = Room(self.arena, need)
+            room = Room(self.arena)
             try:
                 made = await in_steps(self.share, self.cache.make_room_steps(need, room))
             finally:  # (cancelled too: the thread is waited out, then the cancel goes on)

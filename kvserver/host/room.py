@@ -7,7 +7,7 @@ else (a Put growing the cache would take it), and an evicted slab's memory must 
 kernel before the region is handed out, so that the engine never reads what the cache held; that
 takes ~0.09 s a populated GiB (benchmarks/bench_release.py), too long for the loop. So the window's
 free ranges (out of the free ones, claiming what is left of the budget, up to what the region
-needs) and the
+needs besides the window's slabs) and the
 evicted slabs' ranges (still reserved) stay held in a ``Room``: ``discard`` gives the slabs' memory
 back in whichever thread calls it, and ``give_back`` returns every range to the free ones
 on the loop, just before the region is reserved there (where ``discard`` did not run, or failed,
@@ -27,13 +27,13 @@ logger = logging.getLogger(__name__)
 
 
 class Room:
-    """Ranges of ``arena`` held for a region of ``need`` bytes: nobody's. The free ones it holds
-    are not reserved, and claim of the budget what was left of it, up to their size and ``need``
-    in all (``Regions.hold``); the released ones stay reserved, as they were, until given back."""
+    """Ranges of ``arena`` held for a region: nobody's. The free ones it holds are not reserved,
+    and claim of the budget what was left of it, up to their size and what the holder says the
+    region needs besides (``Regions.hold``); the released ones stay reserved, as they were, until
+    given back."""
 
-    def __init__(self, arena: Regions, need: int) -> None:
+    def __init__(self, arena: Regions) -> None:
         self.arena = arena
-        self.need = need
         self._free: list[tuple[int, int, int]] = []  # held free ranges (they hold nothing), claims
         self._released: list[list[int]] = []  # [start, nbytes, discarded]
 
@@ -57,9 +57,9 @@ class Room:
         """Whether a range it holds still holds what was there (``discard`` frees it)."""
         return any(not done for _, _, done in self._released)
 
-    def hold_free(self, start: int, nbytes: int) -> None:
-        """Takes the free range at ``start``."""
-        self._free.append((start, nbytes, self.arena.hold(start, nbytes, self.need - self.claimed)))
+    def hold_free(self, start: int, nbytes: int, most: int) -> None:
+        """Takes the free range at ``start``, claiming at most ``most`` of the budget."""
+        self._free.append((start, nbytes, self.arena.hold(start, nbytes, max(0, most))))
 
     def hold_released(self, start: int, nbytes: int) -> None:
         """Keeps a range its holder let go while still reserved (its bookkeeping given back): what

@@ -20,7 +20,7 @@ from typing import NamedTuple, TypeVar
 import numpy as np
 
 from kvserver.errors import FailedPrecondition, InvalidArgument, NoCapacity, NotFound
-from kvserver.host.regions import REGION_ALIGN, Regions
+from kvserver.host.regions import REGION_ALIGN, Regions, align_up
 from kvserver.host.room import Room
 from kvserver.store.complete import PartCounts
 from kvserver.store.counters import CacheCounters
@@ -948,9 +948,13 @@ class KVCache:
         if window is None:
             return False
         sids, start, end = window
+        # The budget the region needs besides what the window's slabs give back: what its free
+        # ranges claim, so that others' use of the rest goes on meanwhile.
+        besides = align_up(nbytes, REGION_ALIGN) - sum(align_up(self.slabs.slabs[s].nbytes, REGION_ALIGN)
+                                                       for s in sids)
         for at, size in zip(*self.arena.free_ranges(), strict=True):
             if start <= at and at + size <= end:
-                room.hold_free(at, size)
+                room.hold_free(at, size, besides - room.claimed)
         aside = [(slab, [self.slabs.set_aside(slab)]) for slab in map(self.slabs.slabs.__getitem__, sids)]
         try:
             for slab, cleared in aside:
