@@ -419,7 +419,8 @@ class KVCore:
         memory given back to the kernel in a worker thread (~0.09 s a populated GiB). The room
         made is held until this returns, so that nothing else takes it, and the caller reserves
         its region with no await in between. Where other engines' use of the cache got in the way
-        (a slab pinned meanwhile), ``_check_fits`` makes the rest of the room at once."""
+        (a slab pinned meanwhile) in every one of ``ROOM_TRIES`` tries, ``_check_fits`` makes the
+        rest of the room at once."""
         if not need or self.arena.largest_free() >= need or self.arena.available + self.cache.bytes < need:
             return
         for _ in range(ROOM_TRIES):

@@ -932,9 +932,10 @@ class KVCache:
     def make_room_steps(self, nbytes: int, room: Room) -> Generator[None, None, bool]:
         """``make_room`` in steps of at most ``EVICT_STEP_PAGES`` pages, for a caller that lets
         others use the cache between two (a Register, on the loop). What it makes is held in
-        ``room``: the window's free ranges at once, each evicted slab's range as it goes, so that
-        nothing else takes them meanwhile; the caller discards the slabs' memory and gives the room
-        back (``Room``) where it reserves its region. The window's slabs are set aside from the
+        ``room``: the window's free ranges at once (claiming the budget the window's slabs will not
+        give back), each evicted slab's range as it goes, so that nothing else takes them
+        meanwhile; the caller discards the slabs' memory and gives the room back (``Room``) where
+        it reserves its region. The window's slabs are set aside from the
         start: no Put stores into them or evicts from them. Where the budget's charged bookkeeping
         would still keep the range once the room is given back, least recently used slabs go on
         being evicted into the room. False where no window holds ``nbytes``, or a page of the
