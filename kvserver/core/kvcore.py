@@ -119,9 +119,6 @@ class KVCore:
         self.max_pages_per_client = max_pages_per_client
         self.clients: dict[str, ClientState] = {}
         self._registering = 0  # registrations under way (they may await worker threads)
-        # One registration at a time makes room in the arena and takes its region: another one's
-        # checks would misread the budget a room holds meanwhile (``_make_room``).
-        self._room = asyncio.Lock()
         self._replacing = 0  # of those, the ones replacing a client still registered
         self._in_threads = 0  # registrations and CUDA pool closes in worker threads
         self._thread_done = asyncio.Event()  # set whenever one of those ends
@@ -277,9 +274,6 @@ class KVCore:
                     f"tenant {who} holds {self.max_clients_per_tenant} registrations, its limit "
                     "(--max-clients-per-tenant): unregister one first"
                 )
-            while self._room.locked():  # a room being made: its budget is read right once it is done
-                async with self._room:
-                    pass
             if replaced is None:  # else its region is not free yet: checked once it is released
                 self._check_fits(spec, least, evict=False)  # before the pool is opened; again once it is
             elif least * spec.page_bytes > self.arena.available + self.cache.bytes + replaced.region_bytes:
@@ -477,10 +471,9 @@ class KVCore:
             if req.replaces_client_id:  # only now that the new pool has passed every check
                 await self._release_replaced(req.replaces_client_id)
             page_bytes = spec.page_bytes
-            async with self._room:
-                await self._make_room(least * page_bytes)
-                num_pages = min(most, self._check_fits(spec, least))  # (no await since: the room is there)
-                offset = self.arena.reserve(num_pages * page_bytes, commit=False)
+            await self._make_room(least * page_bytes)
+            num_pages = min(most, self._check_fits(spec, least))  # (no await since: the room is there)
+            offset = self.arena.reserve(num_pages * page_bytes, commit=False)
         except BaseException:
             await self._in_thread(device.close)
             raise
