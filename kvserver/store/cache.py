@@ -915,14 +915,9 @@ class KVCache:
         those. True if the arena then has the range; where no window holds it, nothing is evicted.
         Where the budget's charged bookkeeping still keeps the range, least recently used slabs
         go on being evicted, each giving its pages' bookkeeping back."""
-        if self.arena.largest_free() >= nbytes:
-            return True
-        self._reclaim(None)  # (their slabs released where left empty)
-        if self.arena.largest_free() >= nbytes:
-            return True
-        window = self._eviction_window(nbytes)
-        if window is None:
-            return False
+        window = self._room_window(nbytes)
+        if isinstance(window, bool):
+            return window
         for sid in window[0]:
             self._evict_slab(sid)
         self._evict_lru(self.slabs.slabs, lambda: self.arena.largest_free() >= nbytes)
@@ -940,14 +935,9 @@ class KVCache:
         would still keep the range once the room is given back, least recently used slabs go on
         being evicted into the room. False where no window holds ``nbytes``, or a page of the
         window was pinned or read meanwhile: it stops there, the slabs it did not evict kept."""
-        if self.arena.largest_free() >= nbytes:
-            return True
-        self._reclaim(None)  # (their slabs released where left empty)
-        if self.arena.largest_free() >= nbytes:
-            return True
-        window = self._eviction_window(nbytes)
-        if window is None:
-            return False
+        window = self._room_window(nbytes)
+        if isinstance(window, bool):
+            return window
         sids, start, end = window
         # The budget the region needs besides what the window's slabs give back: what its free
         # ranges claim, so that others' use of the rest goes on meanwhile.
@@ -1009,6 +999,17 @@ class KVCache:
         for sid in sids:
             self._evict_slab(sid)
         return len(sids)
+
+    def _room_window(self, nbytes: int) -> tuple[list[int], int, int] | bool:
+        """What ``make_room`` evicts for ``nbytes``: True where the arena has the range (the data
+        plane's stashes given back first if need be), False where no window holds it, else the
+        window (``_eviction_window``)."""
+        if self.arena.largest_free() >= nbytes:
+            return True
+        self._reclaim(None)  # (their slabs released where left empty)
+        if self.arena.largest_free() >= nbytes:
+            return True
+        return self._eviction_window(nbytes) or False
 
     def _eviction_window(self, nbytes: int) -> tuple[list[int], int, int] | None:
         """The evictable slabs of ``make_room``'s window, least recent first, and the window's

@@ -186,14 +186,11 @@ class PageTable:
         self._check_locked()
         if sid >= len(self.slab_stamp):
             size = max(2 * len(self.slab_stamp), sid + 1)
-            for name in ("slab_stamp", "slab_holds"):
-                grown = np.zeros(size, np.int64)
+            for name in ("slab_stamp", "slab_holds", "slab_leaving"):
                 old = getattr(self, name)
+                grown = np.zeros(size, old.dtype)
                 grown[: len(old)] = old
                 setattr(self, name, grown)
-            leaving = np.zeros(size, bool)
-            leaving[: len(self.slab_leaving)] = self.slab_leaving
-            self.slab_leaving = leaving
             if self.on_slabs is not None:
                 self.on_slabs(self.slab_holds, self.slab_stamp)
         self.slab_stamp[sid] = 0
