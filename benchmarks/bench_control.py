@@ -60,6 +60,11 @@ def probe(address: str, stop, out) -> None:
             pool.close()
 
 
+def longest_call(calls: list[tuple[float, float]], start: float, end: float) -> float:
+    """The longest a probe call waited within [start, end) (a call may span its edges)."""
+    return max((min(t + s, end) - max(t, start) for t, s in calls if t < end and t + s > start), default=0.0)
+
+
 def _hwm(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
@@ -118,9 +123,7 @@ def main() -> None:
     print(f"budget {args.host_memory}, pages of {args.rank * args.page_size} B "
           f"(MLA rank {args.rank}, fp8, 1 layer, page {args.page_size}); daemon peak RSS {hwm >> 20} MiB")
     for name, start, end, what in steps:
-        # The longest a probe call waited within this step (a call may span two steps).
-        held = max((min(t + s, end) - max(t, start) for t, s in calls if t < end and t + s > start),
-                   default=0.0)
+        held = longest_call(calls, start, end)
         print(f"  {name:8s} {end - start:8.3f} s   probe's longest Stats meanwhile {held * 1e3:8.1f} ms"
               f"   {what}")
 

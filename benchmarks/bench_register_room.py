@@ -2,11 +2,12 @@
 
 The daemon runs as a subprocess. Engine A fills the cache with pages of --page-bytes (MLA, bf16, one
 layer), Put after Put, until it holds --fill of the budget; engine B then registers a region of
---frac of what the cache holds, which the cache must give way to (docs/cache.md, "Budget and
-eviction"). Meanwhile a probe process, a third engine, calls Stats back to back. Each run prints the
-Register's wall time, the probe's longest Stats while it ran, and, as the baseline of the same run,
-the probe's longest Stats over an idle window as long as the Register took just before it; the
-ratio is the second over the third. Every run has a fresh daemon. Run:
+--frac of what the cache holds (pages of one 512-byte token), which the cache must give way to
+(docs/cache.md, "Budget and eviction"). Meanwhile a probe process, a third engine, calls Stats back
+to back (bench_control.py's probe). Each run prints the Register's wall time, the probe's longest
+Stats while it ran, and, as the baseline of the same run, the probe's longest Stats over an idle
+window as long as the Register took just before it; the ratio is the second over the third. Every
+run has a fresh daemon. Run:
 python benchmarks/bench_register_room.py [--host-memory 1GiB] [--page-bytes 128 262144] [--runs 3]
 """
 
@@ -26,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
+from bench_control import longest_call, probe  # noqa: E402
 from daemon_proc import DaemonProcess  # noqa: E402
 
 from kvclient import KVLayout, ShmKVPool  # noqa: E402
@@ -51,26 +53,6 @@ def _register(address: str, stub, pool: ShmKVPool, host_tokens: int, page_size: 
                            host_tokens=host_tokens, page_size=page_size, tp_rank=0, tp_size=1,
                            pp_rank=0, pp_size=1)
     return stub.Register(ticketed(address, pool, req), timeout=600)
-
-
-def probe(address: str, stop, out) -> None:
-    """An engine calling Stats back to back; sends (start, seconds) of every call."""
-    with grpc.insecure_channel(address) as ch:
-        stub = pb_grpc.KVServerStub(ch)
-        with ShmKVPool(KVLayout.mha(2, 8), torch.bfloat16, num_layers=1, num_tokens=64) as pool:
-            cid = _register(address, stub, pool, 16, 16).client_id
-            out.send("ready")
-            calls = []
-            while not stop.is_set():
-                t0 = time.monotonic()
-                stub.Stats(pb.StatsRequest(client_id=cid), timeout=120)
-                calls.append((t0, time.monotonic() - t0))
-            out.send(calls)
-
-
-def _longest(calls: list[tuple[float, float]], start: float, end: float) -> float:
-    """The longest a probe call waited within [start, end) (a call may span its edges)."""
-    return max((min(t + s, end) - max(t, start) for t, s in calls if t < end and t + s > start), default=0.0)
 
 
 def one_run(host_memory: int, page_bytes: int, fill: float, frac: float) -> dict:
@@ -117,8 +99,8 @@ def one_run(host_memory: int, page_bytes: int, fill: float, frac: float) -> dict
             d.stop()
     took = r1 - r0
     return {"cached": cached, "left": left, "filled": filled, "granted": reg.host_tokens * TOKEN_BYTES,
-            "took": took, "held": _longest(calls, r0, r1),
-            "idle": _longest(calls, idle0, idle0 + min(took, 1.0))}
+            "took": took, "held": longest_call(calls, r0, r1),
+            "idle": longest_call(calls, idle0, idle0 + min(took, 1.0))}
 
 
 def main() -> None:
