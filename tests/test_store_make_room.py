@@ -20,6 +20,7 @@ from conftest import DaemonThread
 from store_support import make_cache, one_part, put
 
 from kvclient import KVClient, KVLayout, ShmKVPool
+from kvclient.errors import KVClientError
 from kvclient.keys import page_keys
 from kvserver.config import ServerConfig
 from kvserver.core.share import LoopShare
@@ -351,7 +352,7 @@ def test_a_register_given_up_while_it_evicts_frees_what_it_evicted_off_the_loop(
         _fill(d, a, pa)
 
         async def given_up() -> None:
-            task = asyncio.ensure_future(d.core._make_room(40 * MIB))
+            task = asyncio.ensure_future(d.core.rooms.make(40 * MIB))
             while len(watch.steps) < 6:  # three slabs evicted
                 await asyncio.sleep(0)
             task.cancel()
@@ -475,3 +476,112 @@ def test_a_rooms_free_ranges_claim_only_what_the_windows_slabs_do_not_give(monke
     room.discard()
     room.give_back()
     assert arena.largest_free() >= 4 * MIB and cache.bytes == 16 * MIB
+
+
+class _SlowDiscard:
+    """A Register's room held until the test lets its discard go on (the worker thread giving the
+    evicted slabs' memory back: ~0.09 s a populated GiB)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.discarding, self.go = threading.Event(), threading.Event()
+        real = Room.discard
+
+        def discard(room: Room) -> None:
+            self.discarding.set()
+            self.go.wait(20)
+            return real(room)
+
+        monkeypatch.setattr(Room, "discard", discard)
+
+
+def _room_for_a(d: DaemonThread, x: KVClient, c: KVClient, a: KVClient,
+                pools: list[ShmKVPool]) -> tuple[threading.Thread, dict]:
+    """X holds 8 MiB, C's Puts 40 MiB of slabs at the top, 16 MiB free between them; engine A's
+    Register of 36 MiB evicts three slabs into its room, held there (``_SlowDiscard``). Once A's
+    region is reserved, 4 MiB are free and 16 MiB cached."""
+    px, pc, pa = pools
+    x.register(model="m", pool=px, start_layer=0, end_layer=1, num_layers=1,
+               host_tokens=8 * MIB // 512, page_size=PAGE_TOKENS)
+    c.register(model="m", pool=pc, start_layer=0, end_layer=1, num_layers=1, host_tokens=0,
+               page_size=PAGE_TOKENS)
+    for i in range(32):
+        tokens = range(i * 64 * PAGE_TOKENS, (i + 1) * 64 * PAGE_TOKENS)
+        c.put(page_keys(tokens, PAGE_TOKENS), list(range(64)))
+    assert d.run(lambda: d.core.arena.free_ranges()[1]) == [16 * MIB]
+    got: dict = {}
+
+    def register_a() -> None:
+        got["a"] = a.register(model="m", pool=pa, start_layer=0, end_layer=1, num_layers=1,
+                              host_tokens=36 * MIB // 512, page_size=PAGE_TOKENS).host_tokens
+
+    thread = threading.Thread(target=register_a)
+    thread.start()
+    return thread, got
+
+
+def _register_b(b: KVClient, pool: ShmKVPool, mib: int, got: dict) -> threading.Thread:
+    def register_b() -> None:
+        try:
+            got["b"] = b.register(model="m", pool=pool, start_layer=0, end_layer=1, num_layers=1,
+                                  host_tokens=mib * MIB // 512, page_size=PAGE_TOKENS).host_tokens
+        except KVClientError as e:
+            got["b"] = str(e)
+
+    thread = threading.Thread(target=register_b)
+    thread.start()
+    return thread
+
+
+def test_a_register_that_fits_once_another_ones_room_is_given_back_waits_for_it(small_steps, monkeypatch):
+    """Engine B registers 20 MiB while engine A's room is held. Once A's region is reserved, 4 MiB
+    are free and 16 MiB cached beside them, so B fits; but meanwhile A's room splits the arena, and
+    its evicted slabs' budget counts nowhere: B was refused ("no host memory left"), and the same
+    Register went through just after. It waits for A's room now, then makes its own."""
+    d = small_steps
+    slow = _SlowDiscard(monkeypatch)
+    pools = [ShmKVPool(LAYOUT, torch.bfloat16, num_layers=1, num_tokens=n)
+             for n in (64, 64 * PAGE_TOKENS, 64, 64)]
+    try:
+        with KVClient(d.address, timeout=60) as x, KVClient(d.address, timeout=60) as c, \
+                KVClient(d.address, timeout=60) as a, KVClient(d.address, timeout=60) as b:
+            a_thread, got = _room_for_a(d, x, c, a, pools[:3])
+            try:
+                assert slow.discarding.wait(20)
+                b_thread = _register_b(b, pools[3], 20, got)
+                b_thread.join(1.0)
+                assert b_thread.is_alive(), got  # waiting for A's room, not refused
+            finally:
+                slow.go.set()
+                a_thread.join(30)
+            b_thread.join(30)
+            assert got == {"a": 36 * MIB // 512, "b": 20 * MIB // 512}
+    finally:
+        for p in pools:
+            p.close()
+
+
+def test_a_register_that_cannot_fit_even_once_another_ones_room_is_given_back_is_refused_at_once(
+        small_steps, monkeypatch):
+    """B asks 24 MiB, more than A's room will leave (4 MiB free and 16 MiB cached): refused while
+    A's room is still held, without waiting for it."""
+    d = small_steps
+    slow = _SlowDiscard(monkeypatch)
+    pools = [ShmKVPool(LAYOUT, torch.bfloat16, num_layers=1, num_tokens=n)
+             for n in (64, 64 * PAGE_TOKENS, 64, 64)]
+    try:
+        with KVClient(d.address, timeout=60) as x, KVClient(d.address, timeout=60) as c, \
+                KVClient(d.address, timeout=60) as a, KVClient(d.address, timeout=60) as b:
+            a_thread, got = _room_for_a(d, x, c, a, pools[:3])
+            try:
+                assert slow.discarding.wait(20)
+                b_thread = _register_b(b, pools[3], 24, got)
+                b_thread.join(20)
+                assert not b_thread.is_alive() and "not enough host memory" in got["b"], got
+                assert a_thread.is_alive()  # A's room still held
+            finally:
+                slow.go.set()
+                a_thread.join(30)
+            assert got["a"] == 36 * MIB // 512
+    finally:
+        for p in pools:
+            p.close()

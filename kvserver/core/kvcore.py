@@ -26,7 +26,8 @@ from kvserver.copies import transfer
 from kvserver.core import epochs
 from kvserver.core.client_state import ClientSpec, ClientState, Counters, public_id
 from kvserver.core.copier import ClientJob, Copier, plane_turn, wait_until
-from kvserver.core.share import LoopShare, in_steps
+from kvserver.core.rooms import Rooms
+from kvserver.core.share import LoopShare
 from kvserver.disk import DiskTier
 from kvserver.errors import InvalidArgument, NoCapacity, UnknownClient, shown
 from kvserver.events import CPU, LOCAL, REMOTE, STORAGE, EventBook
@@ -34,7 +35,6 @@ from kvserver.events.book import Publisher
 from kvserver.host.arena import HostArena, aligned_capacity
 from kvserver.host.kept import KeptDir, KeptDirError
 from kvserver.host.pages import PageAllocator
-from kvserver.host.room import Room
 from kvserver.media import ShmAccess, SlabPinner, open_pool, pool_descriptors
 from kvserver.peers.tenants import tenant_of
 from kvserver.peers.tickets import TicketBook, fd_budget
@@ -53,9 +53,6 @@ LIMIT_FLAG = "--max-pages-per-client, KVSERVER_MAX_PAGES_PER_CLIENT"
 # loop keeps serving other engines meanwhile; 4 Mi indices take ~0.1 s to check.
 OFF_LOOP_INDICES = 1 << 16
 PLANE_POLL_SECONDS = 0.0005  # how often a Free waiting on the data plane's copies looks again
-# Times a Register evicts for its room in steps when other engines' use of the cache stops it, before
-# it makes the rest at once.
-ROOM_TRIES = 3
 
 
 class KVCore:
@@ -126,6 +123,7 @@ class KVCore:
         self.totals = Counters()  # transfers of clients already gone
         self.copier = Copier(copy_threads, progress_interval)
         self.share = LoopShare()  # the loop between long cache steps and short calls (share.py)
+        self.rooms = Rooms(self.arena, self.cache, self.share, self._in_thread)  # Registers' room (rooms.py)
         self.allow_named_shm = allow_named_shm
         # Descriptors the pools' mappings hold, by uid (each mapped memfd keeps one open, a named
         # object two): at most a quarter of the process's limit for one uid's pools, so that no
@@ -276,7 +274,8 @@ class KVCore:
                 )
             if replaced is None:  # else its region is not free yet: checked once it is released
                 self._check_fits(spec, least, evict=False)  # before the pool is opened; again once it is
-            elif least * spec.page_bytes > self.arena.available + self.cache.bytes + replaced.region_bytes:
+            elif least * spec.page_bytes > (self.arena.available + self.cache.bytes + replaced.region_bytes
+                                            + self.rooms.budget_back()):
                 # Not even with the old region, and every cached page, given back: refused while the
                 # registration it would replace still stands.
                 raise NoCapacity(
@@ -390,7 +389,8 @@ class KVCore:
         need = least * page_bytes
         if least and self.arena.largest_free() < need:
             reclaimable = self.cache.bytes
-            if not evict and self.arena.largest_free() + reclaimable >= need:
+            # (what other Registers' rooms give back beyond their regions: free once they are done)
+            if not evict and self.arena.largest_free() + reclaimable + self.rooms.space_back() >= need:
                 return least
             if evict and self.arena.available + reclaimable >= need:
                 self.cache.make_room(need)
@@ -398,46 +398,22 @@ class KVCore:
         free = self.arena.available
         if least == 0:
             return fit
-        if fit == 0:
+        if fit == 0 and free < page_bytes and not self.rooms.held:
             raise NoCapacity(
                 f"no host memory left for one page of {page_bytes} bytes "
                 f"({free} of {self.arena.capacity} free)"
             )
         if fit < least:
+            held = self.rooms.held
             raise NoCapacity(
                 f"not enough host memory: this registration accepts no fewer than {least * p} host "
                 f"tokens ({least * page_bytes} bytes at {page_bytes // p} bytes a token), but "
                 f"{fit * p} tokens ({fit * page_bytes} bytes) fit in the largest free region, and "
-                f"{free} bytes of {self.arena.capacity} are free; ask for fewer, or set "
-                "min_host_tokens to the least the engine accepts"
+                f"{free} bytes of {self.arena.capacity} are free"
+                + (f" ({held} more held for other registrations under way)" if held else "")
+                + "; ask for fewer, or set min_host_tokens to the least the engine accepts"
             )
         return fit
-
-    async def _make_room(self, need: int) -> None:
-        """Evicts cached slabs until the arena has a free range of ``need`` bytes, in steps that let
-        the loop serve other engines between two (``KVCache.make_room_steps``), the evicted
-        memory given back to the kernel in a worker thread (~0.09 s a populated GiB). The room
-        made is held until this returns, so that nothing else takes it, and the caller reserves
-        its region with no await in between. Where other engines' use of the cache got in the way
-        (a slab pinned meanwhile) in every one of ``ROOM_TRIES`` tries, ``_check_fits`` makes the
-        rest of the room at once."""
-        if not need or self.arena.largest_free() >= need or self.arena.available + self.cache.bytes < need:
-            return
-        for _ in range(ROOM_TRIES):
-            room = Room(self.arena)
-            try:
-                made = await in_steps(self.share, self.cache.make_room_steps(need, room))
-            finally:  # (cancelled too: the thread is waited out, then the cancel goes on)
-                try:
-                    if room.dirty:
-                        await self._in_thread(room.discard)
-                except Exception:
-                    logger.exception("giving back %d bytes of evicted cache in a worker failed",
-                                     room.released)
-                finally:
-                    room.give_back()  # (what no thread discarded is freed here first)
-            if made or self.arena.largest_free() >= need:
-                return
 
     async def _in_thread(self, fn, *args, undo=None):
         """``fn(*args)`` in a worker thread; ``close`` waits for it, since it may use the arena.
@@ -471,7 +447,7 @@ class KVCore:
             if req.replaces_client_id:  # only now that the new pool has passed every check
                 await self._release_replaced(req.replaces_client_id)
             page_bytes = spec.page_bytes
-            await self._make_room(least * page_bytes)
+            await self.rooms.make(least * page_bytes)
             num_pages = min(most, self._check_fits(spec, least))  # (no await since: the room is there)
             offset = self.arena.reserve(num_pages * page_bytes, commit=False)
         except BaseException:
