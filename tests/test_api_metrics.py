@@ -120,6 +120,7 @@ def test_scrape_counts_what_the_engine_did_and_agrees_with_stats(daemon_factory)
         assert value(m, "kvserver_clients") == stats.num_clients == 1
         assert value(m, "kvserver_host_memory_bytes") == stats.capacity_bytes
         assert value(m, "kvserver_host_memory_reserved_bytes") == stats.reserved_bytes
+        assert value(m, "kvserver_host_memory_room_bytes") == stats.room_bytes == 0
         assert value(m, "kvserver_host_memory_used_bytes") == stats.used_bytes == n * TOKEN_BYTES
         assert value(m, "kvserver_cache_slab_bytes") == stats.cache_bytes > 0
         assert value(m, "kvserver_copy_queue_depth") == 0

@@ -585,3 +585,68 @@ def test_a_register_that_cannot_fit_even_once_another_ones_room_is_given_back_is
     finally:
         for p in pools:
             p.close()
+
+
+def test_stats_and_metrics_count_the_room_a_register_holds(small_steps, monkeypatch):
+    """While A's room is held, Stats' reserved_bytes counted its evicted slabs (still reserved) but
+    not the free range it holds, so neither it nor capacity - reserved said what others may take.
+    It counts the room's whole budget now, shown apart as room_bytes (the metrics too)."""
+    from kvserver.api.metrics import Transfers, snapshot
+
+    d = small_steps
+    slow = _SlowDiscard(monkeypatch)
+    pools = [ShmKVPool(LAYOUT, torch.bfloat16, num_layers=1, num_tokens=n)
+             for n in (64, 64 * PAGE_TOKENS, 64)]
+
+    def regions() -> int:
+        return d.run(lambda: sum(c.region_bytes for c in d.core.clients.values()))
+
+    try:
+        with KVClient(d.address, timeout=60) as x, KVClient(d.address, timeout=60) as c, \
+                KVClient(d.address, timeout=60) as a:
+            a_thread, got = _room_for_a(d, x, c, a, pools)
+            try:
+                assert slow.discarding.wait(20)
+                s = c.stats(all_clients=True)
+                assert s.room_bytes == 36 * MIB, s.room_bytes  # a free 12 MiB claimed, 24 evicted
+                assert s.reserved_bytes == regions() + s.cache_bytes + s.room_bytes
+                assert s.capacity_bytes - s.reserved_bytes == d.run(lambda: d.core.arena.available)
+                snap = d.run(lambda: snapshot(d.core, Transfers()))
+                assert (snap.reserved, snap.room_bytes) == (s.reserved_bytes, s.room_bytes)
+            finally:
+                slow.go.set()
+                a_thread.join(30)
+            assert got["a"] == 36 * MIB // 512
+            s = c.stats(all_clients=True)
+            assert s.room_bytes == 0 and s.reserved_bytes == regions() + s.cache_bytes
+    finally:
+        for p in pools:
+            p.close()
+
+
+def test_a_put_dropped_while_a_register_makes_room_says_so(monkeypatch, caplog):
+    """A Put between two steps of a Register's room finds no budget: the room holds it and the
+    window's slabs are set aside. Its warning blamed cached pages "pinned or being read"; none
+    is. It names the room now."""
+    import logging
+
+    monkeypatch.setattr(cache_module, "EVICT_STEP_PAGES", 32)
+    cache, arena, _ = make_cache(capacity=16 * MIB)
+    part = one_part(cache, page_bytes=16 << 10)
+    n = 2 * MIB // (16 << 10)
+    for i in range(8):
+        put(cache, part, _keys(i * n, n))
+    room = Room(arena)
+    steps = cache.make_room_steps(16 * MIB, room)
+    for _ in range(3 * n // 32 + 1):  # three slabs evicted into the room, a piece of the fourth
+        next(steps)
+    with caplog.at_level(logging.WARNING, logger=cache_module.__name__):
+        plan = put(cache, part, _keys(1 << 40, 8))
+        cache.log_drops()
+    assert plan.dropped == 8
+    logged = [r.getMessage() for r in caplog.records if "unstored" in r.getMessage()]
+    assert logged and "held for registrations making room" in logged[-1], logged
+    assert "being evicted for them" in logged[-1] and "pinned" not in logged[-1], logged
+    steps.close()
+    room.discard()
+    room.give_back()

@@ -80,6 +80,7 @@ class Snapshot:
 
     capacity: int
     reserved: int
+    room_bytes: int  # held for registrations making room (in ``reserved`` too)
     used: int
     cache_bytes: int
     clients: int
@@ -107,7 +108,8 @@ def snapshot(core: KVCore, transfers: Transfers) -> Snapshot:
     spaces, tenants = core.cache.stats(None)
     return Snapshot(
         capacity=core.arena.capacity,
-        reserved=core.arena.reserved,
+        reserved=core.arena.reserved + core.arena.claimed,
+        room_bytes=core.arena.held,
         used=sum(c.pages.num_used * c.spec.page_bytes for c in core.clients.values()),
         cache_bytes=core.cache.bytes,
         clients=len(core.clients),
@@ -290,7 +292,11 @@ def _tier_families(tiers: list[TierStat]) -> Iterator[Metric]:
 def _families(s: Snapshot, per_space: bool) -> Iterator[Metric]:
     yield _gauge("kvserver_host_memory_bytes", "Host KV memory budget (--host-memory).", s.capacity)
     yield _gauge("kvserver_host_memory_reserved_bytes",
-                 "Host memory reserved: clients' regions and the node-wide cache's slabs.", s.reserved)
+                 "Host memory reserved: clients' regions, the node-wide cache's slabs and room being made "
+                 "for registrations.", s.reserved)
+    yield _gauge("kvserver_host_memory_room_bytes",
+                 "Host memory held for registrations making room in the cache, until their regions "
+                 "take it (counted in kvserver_host_memory_reserved_bytes too).", s.room_bytes)
     yield _gauge("kvserver_host_memory_used_bytes",
                  "Bytes of allocated pages in clients' regions (Stats used_bytes).", s.used)
     yield _gauge("kvserver_cache_slab_bytes", "Host memory held by the node-wide cache's slabs.",

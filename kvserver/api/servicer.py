@@ -360,7 +360,7 @@ class KVServicer(pb_grpc.KVServerServicer):
             totals.add(c.counters)
         return pb.StatsResponse(
             capacity_bytes=core.arena.capacity,
-            reserved_bytes=core.arena.reserved,
+            reserved_bytes=core.arena.reserved + core.arena.claimed,
             used_bytes=sum(c.pages.num_used * c.spec.page_bytes for c in core.clients.values()),
             num_clients=len(core.clients),
             transfers=_counters(totals),
@@ -371,6 +371,7 @@ class KVServicer(pb_grpc.KVServerServicer):
             tenants=[_tenant_stats(st) for st in tenants],
             kept=_kept(core.recovery, admin),
             tiers=_tiers(core, admin),
+            room_bytes=core.arena.held,
         )
 
     # ---- the node-wide cache ------------------------------------------------------------------

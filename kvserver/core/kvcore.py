@@ -398,19 +398,19 @@ class KVCore:
         free = self.arena.available
         if least == 0:
             return fit
-        if fit == 0 and free < page_bytes and not self.rooms.held:
+        if fit == 0 and free < page_bytes and not self.arena.held:
             raise NoCapacity(
                 f"no host memory left for one page of {page_bytes} bytes "
                 f"({free} of {self.arena.capacity} free)"
             )
         if fit < least:
-            held = self.rooms.held
+            held = self.arena.held
             raise NoCapacity(
                 f"not enough host memory: this registration accepts no fewer than {least * p} host "
                 f"tokens ({least * page_bytes} bytes at {page_bytes // p} bytes a token), but "
                 f"{fit * p} tokens ({fit * page_bytes} bytes) fit in the largest free region, and "
                 f"{free} bytes of {self.arena.capacity} are free"
-                + (f" ({held} more held for other registrations under way)" if held else "")
+                + (f" ({held} more held for registrations making room)" if held else "")
                 + "; ask for fewer, or set min_host_tokens to the least the engine accepts"
             )
         return fit

@@ -9,7 +9,7 @@ that fits once the first is done. ``Rooms`` keeps the rooms in flight and what e
 that such a Register waits for them rather than being refused, and one that fits not even then is
 refused at once (``budget_back``, ``space_back``). A Register that fits, or needs no region, never waits.
 
-Primitives: ``Rooms`` (``make``, ``budget_back``, ``space_back``, ``held``).
+Primitives: ``Rooms`` (``make``, ``budget_back``, ``space_back``).
 """
 
 from __future__ import annotations
@@ -42,11 +42,6 @@ class Rooms:
         self.arena, self.cache, self.share = arena, cache, share
         self._in_thread = in_thread
         self._held: dict[Room, tuple[int, asyncio.Event]] = {}  # room: (bytes it is made for, done)
-
-    @property
-    def held(self) -> int:
-        """Bytes the rooms in flight hold (free ranges and evicted slabs): nobody's meanwhile."""
-        return sum(room.nbytes for room in self._held)
 
     def budget_back(self) -> int:
         """The budget the rooms in flight give back beyond the regions they are made for, once those

@@ -9,7 +9,7 @@ What backs the regions (memory, a file) is the subclass's: ``_commit`` takes it 
 ``_punch`` frees it.
 
 Primitives: ``Regions`` (``reserve`` / ``reserve_high`` / ``reserve_at`` / ``commit`` / ``discard`` /
-``release``, ``hold`` / ``unhold``, ``book`` / ``unbook``, ``largest_free``, ``discard_free``),
+``release``, ``hold`` / ``unhold``, ``held``, ``book`` / ``unbook``, ``largest_free``, ``discard_free``),
 ``REGION_ALIGN``, ``BOOK_ALLOWANCE``.
 """
 
@@ -51,11 +51,20 @@ class Regions:
         self.reserved = 0
         self.booked = 0  # bytes of bookkeeping kept for the regions' contents (see the module doc)
         self.claimed = 0  # budget claimed by held ranges (``hold``), not reserved
+        # Reserved ranges their holder let go, kept for a region in the making (``Room``) until given
+        # back: counted in ``reserved``.
+        self.leaving = 0
 
     @property
     def charged(self) -> int:
         """Booked bytes charged to the budget: those past the free allowance."""
         return max(0, self.booked - self.capacity // BOOK_ALLOWANCE)
+
+    @property
+    def held(self) -> int:
+        """The budget held for regions in the making (``Room``): held free ranges' claims and let-go
+        ranges still reserved."""
+        return self.claimed + self.leaving
 
     @property
     def available(self) -> int:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 
-from kvserver.host.regions import Regions
+from kvserver.host.regions import REGION_ALIGN, Regions, align_up
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,7 @@ class Room:
         """Keeps a range its holder let go while still reserved (its bookkeeping given back): what
         it held is still there until ``discard``."""
         self._released.append([start, nbytes, False])
+        self.arena.leaving += align_up(nbytes, REGION_ALIGN)
 
     def discard(self) -> None:
         """Gives the memory of the released ranges back (any thread, without the GIL while the
@@ -81,4 +82,5 @@ class Room:
         for start, nbytes, claim in free:
             self.arena.unhold(start, nbytes, claim)
         for start, nbytes, discarded in released:
+            self.arena.leaving -= align_up(nbytes, REGION_ALIGN)
             self.arena.release(start, nbytes, discarded=bool(discarded))

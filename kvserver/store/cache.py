@@ -578,8 +578,14 @@ class KVCache:
         elif tenant.quota and tenant.counters.bytes + page_bytes > tenant.quota:
             why = f"tenant {tenant.name} is at its quota and its pages are pinned or being read"
         else:
-            why = (f"{self.arena.available} bytes of {self.arena.capacity} are free, the rest in "
-                   f"{self.bytes} bytes of cached pages (pinned or being read) and engines' regions")
+            why, aside = f"{self.arena.available} bytes of {self.arena.capacity} are free", 0
+            if self.arena.held:  # registrations' rooms: evicted slabs and free ranges, nobody's
+                aside = sum(slab.nbytes for slab in self.slabs.slabs.values()
+                            if self.pages.slab_leaving[slab.sid])
+                why += (f", {self.arena.held} held for registrations making room (and {aside} bytes of "
+                        "cached pages being evicted for them)")
+            why += ", the rest in " + (f"{self.bytes - aside} bytes of cached pages (pinned or being read) "
+                                       "and " if self.bytes > aside else "") + "engines' regions"
         logger.warning("the %s left %d pages of Puts unstored (%s): Lookups will miss them",
                        self.what, self._drops_unlogged, why)
         self._drops_logged_at, self._drops_unlogged = time.monotonic(), 0

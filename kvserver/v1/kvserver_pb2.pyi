@@ -514,7 +514,7 @@ class SessionEvent(_message.Message):
     def __init__(self, epoch: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("capacity_bytes", "reserved_bytes", "used_bytes", "num_clients", "transfers", "clients", "reclaimed_clients", "cache_bytes", "spaces", "tenants", "kept", "tiers")
+    __slots__ = ("capacity_bytes", "reserved_bytes", "used_bytes", "num_clients", "transfers", "clients", "reclaimed_clients", "cache_bytes", "spaces", "tenants", "kept", "tiers", "room_bytes")
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -527,6 +527,7 @@ class StatsResponse(_message.Message):
     TENANTS_FIELD_NUMBER: _ClassVar[int]
     KEPT_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    ROOM_BYTES_FIELD_NUMBER: _ClassVar[int]
     capacity_bytes: int
     reserved_bytes: int
     used_bytes: int
@@ -539,7 +540,8 @@ class StatsResponse(_message.Message):
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
     kept: KeptCache
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
-    def __init__(self, capacity_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_clients: _Optional[int] = ..., transfers: _Optional[_Union[TransferCounters, _Mapping]] = ..., clients: _Optional[_Iterable[_Union[ClientStats, _Mapping]]] = ..., reclaimed_clients: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., spaces: _Optional[_Iterable[_Union[SpaceStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., kept: _Optional[_Union[KeptCache, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ...) -> None: ...
+    room_bytes: int
+    def __init__(self, capacity_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_clients: _Optional[int] = ..., transfers: _Optional[_Union[TransferCounters, _Mapping]] = ..., clients: _Optional[_Iterable[_Union[ClientStats, _Mapping]]] = ..., reclaimed_clients: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., spaces: _Optional[_Iterable[_Union[SpaceStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., kept: _Optional[_Union[KeptCache, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., room_bytes: _Optional[int] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("name", "capacity_bytes", "slab_bytes", "pages", "bytes", "hits", "evicted_pages", "written_pages", "written_bytes", "promoted_pages", "promoted_bytes", "skipped_pages", "write_errors", "read_errors", "bad_checks", "direct_io", "kept", "present_pages", "joined", "available", "breaker_trips", "timeouts", "busy", "quarantined_pages")
