@@ -62,6 +62,8 @@ MAX_SPACE_IDS = 1 << 16  # space handles the daemon keeps (one per tenant and sp
 # loop, so a request is bounded to what the loop can do in a small fraction of a second.
 MAX_CACHE_KEYS = 1 << 17
 MAX_GET_PARTS = 1024  # Gets in one GetRequest (GetRequest.parts)
+# A Put's new pages committed in one step of the loop once their copy is over (``_settled``).
+SETTLE_PAGES = 8192
 _FEW = 8  # device pages a request may name for their checks to run in plain Python
 # The kinds of the data plane's ends besides a Get's (take_gets): a Lookup, a Put of stored keys,
 # a Lookup of host memory only (memory_only: no tier's copies made recent), a Put the plane stored.
@@ -422,12 +424,16 @@ class CacheOps:
             except BaseException:
                 self.cache.complete_put(plan, False)
                 raise
-            job.on_settled = lambda ok: self._settled(plan, ok)
+            settling: list[asyncio.Task | None] = []
+            job.on_settled = lambda ok: settling.append(self._settled(plan, ok))
             try:
                 nbytes = await self.kv.copier.write(job)
             finally:
                 if not job.submitted:  # it never reached the medium, so nothing will settle it
                     self._settled(plan, False)
+            for task in settling:  # its pages committed in steps: answered once they all are
+                if task is not None:
+                    await asyncio.shield(task)
             own = PutOutcome(n, plan.present, plan.dropped, nbytes)
         if not len(waiting):
             return own
@@ -442,7 +448,31 @@ class CacheOps:
         return PutOutcome(own.stored + more.stored, own.present + more.present,
                           own.dropped + more.dropped, own.bytes + more.bytes)
 
-    def _settled(self, plan: PutPlan, ok: bool) -> None:
+    def _settled(self, plan: PutPlan, ok: bool) -> asyncio.Task | None:
+        """A Put's copy is over (``ok``: whole): its new pages are committed, or freed, with the
+        tiers' hooks. Those of a Put of more than ``SETTLE_PAGES`` pages in steps, the loop serving
+        others between two (~0.1 us a page in a space of several parts, whose keys are counted
+        across its parts): the task doing that is returned (the Put answers once it is done;
+        the daemon's close waits for it)."""
+        if len(plan.page_ids) <= SETTLE_PAGES:
+            self._settle(plan, ok)
+            return None
+        return self.kv.in_background(in_steps(self.kv.share, self._settle_steps(plan, ok)))
+
+    def _settle_steps(self, plan: PutPlan, ok: bool) -> Generator[None, None, None]:
+        ids, plan.page_ids = plan.page_ids, plan.page_ids[:0]
+        at = 0
+        try:
+            while at < len(ids):
+                piece, at = ids[at:at + SETTLE_PAGES], at + SETTLE_PAGES
+                self._settle(replace(plan, page_ids=piece), ok)
+                if at < len(ids):
+                    yield
+        finally:  # (closed midway, at the daemon's stop: the rest at once, none left being written)
+            if at < len(ids):
+                self._settle(replace(plan, page_ids=ids[at:]), ok)
+
+    def _settle(self, plan: PutPlan, ok: bool) -> None:
         ids = plan.page_ids
         self.cache.complete_put(plan, ok)
         if ok and self.disk is not None:  # written behind to disk, where it outlives its eviction

@@ -14,7 +14,7 @@ import os
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import numpy as np
@@ -119,6 +119,7 @@ class KVCore:
         self._replacing = 0  # of those, the ones replacing a client still registered
         self._in_threads = 0  # registrations and CUDA pool closes in worker threads
         self._thread_done = asyncio.Event()  # set whenever one of those ends
+        self._background: set[asyncio.Task] = set()  # work that outlives its call (``in_background``)
         self.reclaimed = 0  # clients reclaimed by liveness
         self.totals = Counters()  # transfers of clients already gone
         self.copier = Copier(copy_threads, progress_interval)
@@ -414,6 +415,15 @@ class KVCore:
                 + "; ask for fewer, or set min_host_tokens to the least the engine accepts"
             )
         return fit
+
+    def in_background(self, work: Coroutine[Any, Any, None]) -> asyncio.Task:
+        """Runs ``work`` on the loop whatever becomes of the call that started it (a Put's pages
+        committed in steps); ``close`` waits for it."""
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(_logged)
+        return task
 
     async def _in_thread(self, fn, *args, undo=None):
         """``fn(*args)`` in a worker thread; ``close`` waits for it, since it may use the arena.
@@ -824,6 +834,8 @@ class KVCore:
         memory is kept: the next daemon writes what it finds there without a disk copy), and the
         cluster tier may wait for its transfers and its leaving; None: no writing, and as long
         as the cluster's take."""
+        while self._background:  # a Put's pages being committed in steps
+            await asyncio.wait(set(self._background))
         while self._in_threads:  # a registration or a pool close in a worker thread uses the arena
             self._thread_done.clear()
             await self._thread_done.wait()
@@ -847,6 +859,12 @@ class KVCore:
         self.arena.close()
         if self._kept is not None:  # the cache stays in its files for the next start
             self._kept.close()
+
+
+def _logged(task: asyncio.Task) -> None:
+    """A background task's failure, which no caller may be left to see."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("background work failed", exc_info=task.exception())
 
 
 async def _settle(fut: asyncio.Future) -> bool:
