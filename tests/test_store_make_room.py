@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import os
 import threading
 
@@ -352,7 +353,7 @@ def test_a_register_given_up_while_it_evicts_frees_what_it_evicted_off_the_loop(
         _fill(d, a, pa)
 
         async def given_up() -> None:
-            task = asyncio.ensure_future(d.core.rooms.make(40 * MIB))
+            task = asyncio.ensure_future(d.core.rooms.make(40 * MIB, 40 * MIB))
             while len(watch.steps) < 6:  # three slabs evicted
                 await asyncio.sleep(0)
             task.cancel()
@@ -494,6 +495,27 @@ class _SlowDiscard:
         monkeypatch.setattr(Room, "discard", discard)
 
 
+def _pools(*tokens: int) -> list[ShmKVPool]:
+    return [ShmKVPool(LAYOUT, torch.bfloat16, num_layers=1, num_tokens=n) for n in tokens]
+
+
+def _a_of_another_uid(monkeypatch) -> None:
+    """Engine A (model "a") maps its pool in the turn of another uid than the other engines' (the
+    tests' engines all run as one uid; a CUDA pool takes no such turn): the others' Registers meet
+    A's room itself, not A's turn of their uid."""
+    from kvserver.core.kvcore import KVCore
+
+    uid: contextvars.ContextVar[str | None] = contextvars.ContextVar("uid", default=None)
+    real_register, real_lock = KVCore.register, KVCore._map_lock
+
+    async def register(core, req, *args, **kw):
+        uid.set("a" if req.model == "a" else None)
+        return await real_register(core, req, *args, **kw)
+
+    monkeypatch.setattr(KVCore, "register", register)
+    monkeypatch.setattr(KVCore, "_map_lock", lambda core, of: real_lock(core, uid.get() or of))
+
+
 def _room_for_a(d: DaemonThread, x: KVClient, c: KVClient, a: KVClient,
                 pools: list[ShmKVPool]) -> tuple[threading.Thread, dict]:
     """X holds 8 MiB, C's Puts 40 MiB of slabs at the top, 16 MiB free between them; engine A's
@@ -511,7 +533,7 @@ def _room_for_a(d: DaemonThread, x: KVClient, c: KVClient, a: KVClient,
     got: dict = {}
 
     def register_a() -> None:
-        got["a"] = a.register(model="m", pool=pa, start_layer=0, end_layer=1, num_layers=1,
+        got["a"] = a.register(model="a", pool=pa, start_layer=0, end_layer=1, num_layers=1,
                               host_tokens=36 * MIB // 512, page_size=PAGE_TOKENS).host_tokens
 
     thread = threading.Thread(target=register_a)
@@ -536,20 +558,26 @@ def test_a_register_that_fits_once_another_ones_room_is_given_back_waits_for_it(
     """Engine B registers 20 MiB while engine A's room is held. Once A's region is reserved, 4 MiB
     are free and 16 MiB cached beside them, so B fits; but meanwhile A's room splits the arena, and
     its evicted slabs' budget counts nowhere: B was refused ("no host memory left"), and the same
-    Register went through just after. It waits for A's room now, then makes its own."""
+    Register went through just after. It waits for A's room now, then makes its own; holding
+    nothing meanwhile: engine D, of B's uid, registers for the cache alone while B waits (a wait
+    inside B's turn of its uid mapping a pool held D back until A's room was given back)."""
     d = small_steps
     slow = _SlowDiscard(monkeypatch)
-    pools = [ShmKVPool(LAYOUT, torch.bfloat16, num_layers=1, num_tokens=n)
-             for n in (64, 64 * PAGE_TOKENS, 64, 64)]
+    _a_of_another_uid(monkeypatch)
+    pools = _pools(64, 64 * PAGE_TOKENS, 64, 64, 64)
     try:
         with KVClient(d.address, timeout=60) as x, KVClient(d.address, timeout=60) as c, \
-                KVClient(d.address, timeout=60) as a, KVClient(d.address, timeout=60) as b:
+                KVClient(d.address, timeout=60) as a, KVClient(d.address, timeout=60) as b, \
+                KVClient(d.address, timeout=60) as cache_only:
             a_thread, got = _room_for_a(d, x, c, a, pools[:3])
             try:
                 assert slow.discarding.wait(20)
                 b_thread = _register_b(b, pools[3], 20, got)
                 b_thread.join(1.0)
                 assert b_thread.is_alive(), got  # waiting for A's room, not refused
+                cache_only.register(model="m", pool=pools[4], start_layer=0, end_layer=1, num_layers=1,
+                                    host_tokens=0, page_size=PAGE_TOKENS)
+                assert a_thread.is_alive() and b_thread.is_alive()  # D did not wait for A's room
             finally:
                 slow.go.set()
                 a_thread.join(30)
@@ -566,8 +594,7 @@ def test_a_register_that_cannot_fit_even_once_another_ones_room_is_given_back_is
     A's room is still held, without waiting for it."""
     d = small_steps
     slow = _SlowDiscard(monkeypatch)
-    pools = [ShmKVPool(LAYOUT, torch.bfloat16, num_layers=1, num_tokens=n)
-             for n in (64, 64 * PAGE_TOKENS, 64, 64)]
+    pools = _pools(64, 64 * PAGE_TOKENS, 64, 64)
     try:
         with KVClient(d.address, timeout=60) as x, KVClient(d.address, timeout=60) as c, \
                 KVClient(d.address, timeout=60) as a, KVClient(d.address, timeout=60) as b:
@@ -595,8 +622,7 @@ def test_stats_and_metrics_count_the_room_a_register_holds(small_steps, monkeypa
 
     d = small_steps
     slow = _SlowDiscard(monkeypatch)
-    pools = [ShmKVPool(LAYOUT, torch.bfloat16, num_layers=1, num_tokens=n)
-             for n in (64, 64 * PAGE_TOKENS, 64)]
+    pools = _pools(64, 64 * PAGE_TOKENS, 64)
 
     def regions() -> int:
         return d.run(lambda: sum(c.region_bytes for c in d.core.clients.values()))
@@ -650,3 +676,53 @@ def test_a_put_dropped_while_a_register_makes_room_says_so(monkeypatch, caplog):
     steps.close()
     room.discard()
     room.give_back()
+
+
+def test_a_replacing_register_never_counts_on_what_another_ones_room_may_leave(small_steps, monkeypatch):
+    """Engine R makes room for at least 20 MiB of a region of up to 24 (three 8 MiB slabs evicted);
+    meanwhile W registers again for 8 MiB, naming its 4 MiB registration X. Counting what R's room
+    leaves beyond R's least, W passed the check that keeps X, released X, then found R had taken
+    its most: W refused, X gone. A replacing Register counts no room's leftover: W is refused at
+    once, and X stays."""
+    d = small_steps
+    slow = _SlowDiscard(monkeypatch)
+    pools = _pools(64, 64, 64, 64 * PAGE_TOKENS, 64)
+
+    def register(client: KVClient, pool: ShmKVPool, mib: int, least: int | None = None):
+        return client.register(model="m", pool=pool, start_layer=0, end_layer=1, num_layers=1,
+                               host_tokens=mib * MIB // 512, page_size=PAGE_TOKENS,
+                               min_host_tokens=None if least is None else least * MIB // 512)
+
+    try:
+        with KVClient(d.address, timeout=60) as p, KVClient(d.address, timeout=60) as w, \
+                KVClient(d.address, timeout=60) as z, KVClient(d.address, timeout=60) as c, \
+                KVClient(d.address, timeout=60) as r:
+            register(p, pools[0], 24)
+            x = register(w, pools[1], 4)
+            register(z, pools[2], 36)
+            p.unregister()  # [0, 24) free, X at 24, Z's region above it
+            c.register(model="m", pool=pools[3], start_layer=0, end_layer=1, num_layers=1, host_tokens=0,
+                       page_size=PAGE_TOKENS)
+            for i in range(24):  # three slabs fill [0, 24)
+                tokens = range(i * 64 * PAGE_TOKENS, (i + 1) * 64 * PAGE_TOKENS)
+                c.put(page_keys(tokens, PAGE_TOKENS), list(range(64)))
+            got: dict = {}
+
+            def register_r() -> None:
+                got["r"] = register(r, pools[0], 24, least=20).host_tokens
+
+            r_thread = threading.Thread(target=register_r)
+            r_thread.start()
+            try:
+                assert slow.discarding.wait(20)
+                with pytest.raises(KVClientError, match="the registration it names stays"):
+                    register(w, pools[4], 8)
+                assert x.client_id in d.run(lambda: list(d.core.clients))
+            finally:
+                slow.go.set()
+                r_thread.join(30)
+            assert got["r"] == 24 * MIB // 512
+            assert x.client_id in d.run(lambda: list(d.core.clients))
+    finally:
+        for pool in pools:
+            pool.close()

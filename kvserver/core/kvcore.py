@@ -274,9 +274,11 @@ class KVCore:
                     "(--max-clients-per-tenant): unregister one first"
                 )
             if replaced is None:  # else its region is not free yet: checked once it is released
+                # Other registrations' rooms in flight it would fit beside are waited out first,
+                # holding nothing (its uid's turn to map a pool included).
+                await self.rooms.wait(least * spec.page_bytes)
                 self._check_fits(spec, least, evict=False)  # before the pool is opened; again once it is
-            elif least * spec.page_bytes > (self.arena.available + self.cache.bytes + replaced.region_bytes
-                                            + self.rooms.budget_back()):
+            elif least * spec.page_bytes > self.arena.available + self.cache.bytes + replaced.region_bytes:
                 # Not even with the old region, and every cached page, given back: refused while the
                 # registration it would replace still stands.
                 raise NoCapacity(
@@ -457,7 +459,7 @@ class KVCore:
             if req.replaces_client_id:  # only now that the new pool has passed every check
                 await self._release_replaced(req.replaces_client_id)
             page_bytes = spec.page_bytes
-            await self.rooms.make(least * page_bytes)
+            await self.rooms.make(least * page_bytes, most * page_bytes)
             num_pages = min(most, self._check_fits(spec, least))  # (no await since: the room is there)
             offset = self.arena.reserve(num_pages * page_bytes, commit=False)
         except BaseException:
