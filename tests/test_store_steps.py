@@ -53,6 +53,26 @@ def test_a_large_request_yields_between_steps_and_answers_the_same(small_steps):
     assert (counters.pages, counters.hits, counters.misses) == (N, N + 40, 1)
 
 
+def test_a_stepped_puts_plan_is_the_plan_of_the_put_at_once(monkeypatch):
+    """The steps' plans are gathered as they come (``PutPlans``), not concatenated at the end: the
+    same positions, offsets, pages, present and waiting keys as the Put made in one step."""
+    def plan_of(step_keys: int):
+        monkeypatch.setattr(cache_module, "STEP_KEYS", step_keys)
+        cache, _, _ = make_cache(capacity=64 * MiB)
+        part = one_part(cache, page_bytes=4096)
+        put(cache, part, [i.to_bytes(16, "little") for i in range(10, 30, 3)])  # 7 stored already
+        writing = cache.prepare_put(part, keys(N)[40:50])  # another Put writing these
+        _, plan = steps_of(cache.prepare_put_steps(part, keys(N)))
+        cache.complete_put(writing, True)
+        offsets = {int(o) - int(cache.slabs.slabs[int(cache.pages.slab[i])].offset)
+                   for i, o in zip(plan.page_ids.tolist(), plan.offsets.tolist(), strict=True)}
+        return (plan.positions.tolist(), len(plan.page_ids), plan.present, plan.dropped,
+                plan.waiting.tolist(), sorted(offsets))
+
+    stepped, at_once = plan_of(16), plan_of(1 << 20)
+    assert stepped == at_once and len(at_once[0]) == N - 7 - 10 and at_once[2] == 7, stepped
+
+
 def test_a_pinned_lookup_pins_every_step_under_one_lease(small_steps):
     cache, _, _ = make_cache(capacity=64 * MiB)
     part = one_part(cache, page_bytes=4096)

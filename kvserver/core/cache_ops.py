@@ -63,7 +63,7 @@ MAX_SPACE_IDS = 1 << 16  # space handles the daemon keeps (one per tenant and sp
 MAX_CACHE_KEYS = 1 << 17
 MAX_GET_PARTS = 1024  # Gets in one GetRequest (GetRequest.parts)
 # A Put's new pages committed in one step of the loop once their copy is over (``_settled``).
-SETTLE_PAGES = 8192
+SETTLE_PAGES = 2048
 _FEW = 8  # device pages a request may name for their checks to run in plain Python
 # The kinds of the data plane's ends besides a Get's (take_gets): a Lookup, a Put of stored keys,
 # a Lookup of host memory only (memory_only: no tier's copies made recent), a Put the plane stored.

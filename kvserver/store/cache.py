@@ -30,7 +30,7 @@ from kvserver.store.keys import Keys, as_keys, leading
 from kvserver.store.leases import LeaseTable
 from kvserver.store.lock import CacheLock
 from kvserver.store.pages import COMMITTED, WRITING, PageTable, max_pages
-from kvserver.store.plans import GetPlan, PutPlan
+from kvserver.store.plans import GetPlan, PutPlan, PutPlans
 from kvserver.store.quotas import Tenant, Tenants
 from kvserver.store.slabs import Slab, SlabPool
 from kvserver.store.spaces import Part, PartKey, Space, SpaceKey
@@ -481,18 +481,18 @@ class KVCache:
         ``counted`` False: pages a Get brings up from a tier below, not a Put: its keys found
         stored or left out are not the space's Put counters' (dedup, dropped)."""
         keys = as_keys(keys)
-        plans: list[tuple[int, PutPlan]] = []
+        plans = PutPlans(part, len(keys))
         start = 0
         try:
             while start < len(keys):
                 plan = self._prepare_put(part, keys[start : start + STEP_KEYS], plane_pages, counted)
-                plans.append((start, plan))
+                plans.add(start, plan)
                 start += STEP_KEYS
                 if plan.dropped or start >= len(keys):
                     break
                 yield
         except BaseException:
-            for _, plan in plans:
+            for plan in plans.steps:
                 self.complete_put(plan, False)
             raise
         rest = max(0, len(keys) - start)
@@ -500,7 +500,7 @@ class KVCache:
             tenant = self.tenants.get(part.space.key.tenant)
             for c in (part.space.counters, tenant.counters):
                 c.dropped += rest
-        return PutPlan.merged(part, plans, rest)
+        return plans.plan(rest)
 
     @_locked
     def _prepare_put(self, part: Part, keys: Keys, plane_pages: int = -1, counted: bool = True) -> PutPlan:
