@@ -122,6 +122,9 @@ NOT_RUN = {
         "the same Register, Alloc and Free cases to their bounds",
     ("docs/performance.md", ".venv/bin/python -m pytest -q -s tests/test_core_bounded_cost.py -k largest"):
         "one test of the suite, which the suite runs; the line shows the figures it prints",
+    ("docs/performance.md", ".venv/bin/python benchmarks/bench_large_put.py --puts 4"):
+        "a benchmark of four daemon subprocesses, for figures measured by hand; "
+        "tests/test_bench_large_put.py runs the same script with one Put",
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_register_room.py"):
         "a benchmark of six daemon subprocesses filling 1 GiB each, for figures measured by hand; "
         "tests/test_bench_register_room.py runs the same script on 64 MiB",
