@@ -69,6 +69,11 @@ def one_run(host_memory: int, page_bytes: int, fill: float, frac: float) -> dict
                     ShmKVPool(KVLayout.mla(TOKEN_BYTES // 2, 0), torch.bfloat16, num_layers=1,
                               num_tokens=64) as pb_:
                 stub = pb_grpc.KVServerStub(ch)
+                # The probe registers first: its small region at the bottom of the arena, not in the
+                # middle of the cache's slabs, where it would split the room B's region needs.
+                prober = ctx.Process(target=probe, args=(d.address, stop, theirs))
+                prober.start()
+                assert mine.recv() == "ready"
                 a = _register(d.address, stub, pa, 0, page_size).client_id
                 pa.buffers[0][0].view(torch.uint8).fill_(0xAB)
                 t0, stored, cached = time.monotonic(), 0, -1
@@ -80,9 +85,6 @@ def one_run(host_memory: int, page_bytes: int, fill: float, frac: float) -> dict
                         break
                     stored += per_put
                 filled, cached = time.monotonic() - t0, d.stats().cache_bytes
-                prober = ctx.Process(target=probe, args=(d.address, stop, theirs))
-                prober.start()
-                assert mine.recv() == "ready"
                 time.sleep(1.0)
                 idle0 = time.monotonic()
                 time.sleep(1.0)

@@ -214,13 +214,19 @@ def test_a_large_puts_pages_are_committed_in_steps_before_it_answers(socket_dir,
     from kvserver.store import KVCache
 
     sizes: list[int] = []
-    real = KVCache.complete_put
+    real, real_written = KVCache.complete_put, cache_ops.CacheOps._written
+    wakes = []
 
     def complete_put(cache, plan, ok):
         sizes.append(len(plan.page_ids))
         return real(cache, plan, ok)
 
+    def written(ops):  # Puts waiting on its keys look again: once, not at every step
+        wakes.append(len(sizes))
+        return real_written(ops)
+
     monkeypatch.setattr(KVCache, "complete_put", complete_put)
+    monkeypatch.setattr(cache_ops.CacheOps, "_written", written)
     d = DaemonThread(ServerConfig(socket=os.path.join(socket_dir, "kv.sock"), host_memory=64 * MiB))
     n = 4 * cache_ops.SETTLE_PAGES
     try:
@@ -230,9 +236,70 @@ def test_a_large_puts_pages_are_committed_in_steps_before_it_answers(socket_dir,
                             page_size=2, tp_rank=0, tp_size=4)
             packed = np.arange(n, dtype=np.uint64).repeat(2).tobytes()
             sizes.clear()
+            wakes.clear()
             got = client.put(packed, np.arange(n), key_bytes=16)
             assert got.stored == n, got
             assert max(sizes) <= cache_ops.SETTLE_PAGES and sum(sizes) == n, sizes
+            assert wakes == [len(sizes)], wakes  # (each wake re-checks every waiting Put's keys)
             assert client.lookup(packed, key_bytes=16).pages == n
     finally:
         d.stop()
+
+
+def test_the_daemons_stop_waits_for_a_put_whose_copy_ends_as_its_client_goes(socket_dir, monkeypatch):
+    """The daemon stops while a large Put's copy runs: the copy ends while the stop releases its
+    client, and the Put's pages are committed in steps started then. The stop waited only for the
+    steps started before it released its clients: pages were committed after the tiers and the
+    arena were closed, or left being written. It waits for these too now."""
+    import concurrent.futures as cf
+    import os
+    import threading
+
+    import torch
+    from conftest import DaemonThread
+
+    from kvclient import KVClient, KVLayout, ShmKVPool
+    from kvserver.config import ServerConfig
+    from kvserver.core import cache_ops, kvcore
+    from kvserver.media import shm
+
+    real_start, real_close = shm.ShmDevicePool.start, kvcore.KVCore.close
+    settled_after_close: list[int] = []
+
+    def slow_start(pool, job, to_device, *args, **kw):  # the copy ends 1 s late
+        done, late = real_start(pool, job, to_device, *args, **kw), cf.Future()
+        done.add_done_callback(lambda f: threading.Timer(1.0, lambda: late.set_result(None)).start())
+        return late
+
+    async def close(core, grace=None):
+        await real_close(core, grace)
+        closed.set()
+
+    real_settle = cache_ops.CacheOps._settle
+
+    def settle(ops, plan, ok):
+        if closed.is_set():
+            settled_after_close.append(len(plan.page_ids))
+        return real_settle(ops, plan, ok)
+
+    closed = threading.Event()
+    monkeypatch.setattr(shm.ShmDevicePool, "start", slow_start)
+    monkeypatch.setattr(kvcore.KVCore, "close", close)
+    monkeypatch.setattr(cache_ops.CacheOps, "_settle", settle)
+    n = 64 * cache_ops.SETTLE_PAGES
+    d = DaemonThread(ServerConfig(socket=os.path.join(socket_dir, "kv.sock"), host_memory=256 * MiB,
+                                  shutdown_grace=0.05))
+    with ShmKVPool(KVLayout.mha(1, 64), torch.float16, num_layers=1, num_tokens=2 * n) as pool, \
+            KVClient(d.address, timeout=30, lane="grpc") as client:
+        client.register(model="m", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=0,
+                        page_size=2, tp_rank=0, tp_size=4)
+        put = threading.Thread(target=lambda: client.put(np.arange(n, dtype=np.uint64).repeat(2).tobytes(),
+                                                         np.arange(n), key_bytes=16))
+        put.start()
+        import time
+
+        time.sleep(0.5)
+        d.stop()
+        put.join(30)
+    state = d.core.cache.pages.state
+    assert not np.count_nonzero(state == WRITING) and not settled_after_close, settled_after_close

@@ -9,6 +9,7 @@ job's ``on_settled``), not when its call ends: a copy the daemon could not stop 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -433,7 +434,8 @@ class CacheOps:
                     self._settled(plan, False)
             for task in settling:  # its pages committed in steps: answered once they all are
                 if task is not None:
-                    await asyncio.shield(task)
+                    with contextlib.suppress(Exception):  # (settled all the same: logged there)
+                        await asyncio.shield(task)
             own = PutOutcome(n, plan.present, plan.dropped, nbytes)
         if not len(waiting):
             return own
@@ -455,7 +457,10 @@ class CacheOps:
         across its parts): the task doing that is returned (the Put answers once it is done;
         the daemon's close waits for it)."""
         if len(plan.page_ids) <= SETTLE_PAGES:
-            self._settle(plan, ok)
+            try:
+                self._settle(plan, ok)
+            finally:
+                self._written()
             return None
         return self.kv.in_background(in_steps(self.kv.share, self._settle_steps(plan, ok)))
 
@@ -469,8 +474,11 @@ class CacheOps:
                 if at < len(ids):
                     yield
         finally:  # (closed midway, at the daemon's stop: the rest at once, none left being written)
-            if at < len(ids):
-                self._settle(replace(plan, page_ids=ids[at:]), ok)
+            try:
+                if at < len(ids):
+                    self._settle(replace(plan, page_ids=ids[at:]), ok)
+            finally:  # those waiting on its keys look again once, not at every step
+                self._written()
 
     def _settle(self, plan: PutPlan, ok: bool) -> None:
         ids = plan.page_ids
@@ -479,7 +487,6 @@ class CacheOps:
             self.disk.demote(plan.part, ids)
         if ok and self.cluster is not None:  # written through to the cluster, for other nodes
             self.cluster.publish(plan.part, ids)
-        self._written()
 
     def _written(self) -> None:
         """Pages being written were committed or freed: whoever waits on them looks again."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import logging
 import os
@@ -421,11 +422,20 @@ class KVCore:
     def in_background(self, work: Coroutine[Any, Any, None]) -> asyncio.Task:
         """Runs ``work`` on the loop whatever becomes of the call that started it (a Put's pages
         committed in steps); ``close`` waits for it."""
-        task = asyncio.ensure_future(work)
+        # In a context of its own: not the call's that started it (LoopShare counts a call in its
+        # context; a task inheriting it would take that call's count away once more).
+        task = asyncio.get_running_loop().create_task(work, context=contextvars.Context())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         task.add_done_callback(_logged)
         return task
+
+    async def _background_done(self) -> None:
+        """Returns once no work ``in_background`` started is left (what ends meanwhile may start
+        more: waited for too)."""
+        await asyncio.sleep(0)  # (copies' ends posted to the loop run first)
+        while self._background:
+            await asyncio.wait(set(self._background))
 
     async def _in_thread(self, fn, *args, undo=None):
         """``fn(*args)`` in a worker thread; ``close`` waits for it, since it may use the arena.
@@ -836,8 +846,7 @@ class KVCore:
         memory is kept: the next daemon writes what it finds there without a disk copy), and the
         cluster tier may wait for its transfers and its leaving; None: no writing, and as long
         as the cluster's take."""
-        while self._background:  # a Put's pages being committed in steps
-            await asyncio.wait(set(self._background))
+        await self._background_done()
         while self._in_threads:  # a registration or a pool close in a worker thread uses the arena
             self._thread_done.clear()
             await self._thread_done.wait()
@@ -846,6 +855,7 @@ class KVCore:
                 await client.gone.wait()
             else:
                 await self.unregister(client.client_id)
+        await self._background_done()  # (a Put whose copy ended as its client went commits its pages)
         self.copier.shutdown()
         self.cache.log_drops()  # what the last minute's Puts dropped, not logged yet
         if self.disk is not None:  # its reads and writes use the arena
