@@ -517,7 +517,7 @@ def _a_of_another_uid(monkeypatch) -> None:
 
 
 def _room_for_a(d: DaemonThread, x: KVClient, c: KVClient, a: KVClient,
-                pools: list[ShmKVPool]) -> tuple[threading.Thread, dict]:
+                pools: list[ShmKVPool], most_mib: int = 36) -> tuple[threading.Thread, dict]:
     """X holds 8 MiB, C's Puts 40 MiB of slabs at the top, 16 MiB free between them; engine A's
     Register of 36 MiB evicts three slabs into its room, held there (``_SlowDiscard``). Once A's
     region is reserved, 4 MiB are free and 16 MiB cached."""
@@ -534,7 +534,8 @@ def _room_for_a(d: DaemonThread, x: KVClient, c: KVClient, a: KVClient,
 
     def register_a() -> None:
         got["a"] = a.register(model="a", pool=pa, start_layer=0, end_layer=1, num_layers=1,
-                              host_tokens=36 * MIB // 512, page_size=PAGE_TOKENS).host_tokens
+                              host_tokens=most_mib * MIB // 512, min_host_tokens=36 * MIB // 512,
+                              page_size=PAGE_TOKENS).host_tokens
 
     thread = threading.Thread(target=register_a)
     thread.start()
@@ -726,3 +727,52 @@ def test_a_replacing_register_never_counts_on_what_another_ones_room_may_leave(s
     finally:
         for pool in pools:
             pool.close()
+
+
+def _during_a_room(d: DaemonThread, monkeypatch, most_mib: int, then) -> dict:
+    """``then(b, pool)`` (engine B's Register) while engine A's room is held (A of another uid,
+    accepting 36 MiB of up to ``most_mib``); what A and B got."""
+    slow = _SlowDiscard(monkeypatch)
+    _a_of_another_uid(monkeypatch)
+    pools = _pools(64, 64 * PAGE_TOKENS, 64, 64)
+    try:
+        with KVClient(d.address, timeout=60) as x, KVClient(d.address, timeout=60) as c, \
+                KVClient(d.address, timeout=60) as a, KVClient(d.address, timeout=60) as b:
+            a_thread, got = _room_for_a(d, x, c, a, pools[:3], most_mib)
+            try:
+                assert slow.discarding.wait(20)
+                b_thread = threading.Thread(target=lambda: got.update(b=then(b, pools[3])))
+                b_thread.start()
+                b_thread.join(0.5)
+            finally:
+                slow.go.set()
+                a_thread.join(30)
+            b_thread.join(30)
+            return got
+    finally:
+        for p in pools:
+            p.close()
+
+
+def test_a_rooms_leftover_counts_what_its_register_may_take_not_all_it_asks(small_steps, monkeypatch):
+    """A asks up to 60 MiB, accepting 36; its room holds 40 MiB, all it can take. B asks 12 MiB
+    meanwhile, which fits beside A's 40 (16 MiB stay cached). Counting A's region as its 60 MiB, B
+    was refused at once; A's region is counted as what its room holds now: B waits, then fits."""
+    got = _during_a_room(small_steps, monkeypatch, 60, lambda b, pool: b.register(
+        model="m", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=12 * MIB // 512,
+        page_size=PAGE_TOKENS).host_tokens)
+    assert got == {"a": 40 * MIB // 512, "b": 12 * MIB // 512}, got
+
+
+def test_a_replacing_register_waits_for_another_ones_room_before_it_lets_go(small_steps, monkeypatch):
+    """B, registered for the cache alone, registers again for 20 MiB while A's room is held. It did
+    not wait for A's room: it released its registration, found no window, and was refused. It
+    waits first now, its registration still standing, then fits."""
+    def again(b: KVClient, pool: ShmKVPool) -> int:
+        b.register(model="m", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=0,
+                   page_size=PAGE_TOKENS)
+        return b.register(model="m", pool=pool, start_layer=0, end_layer=1, num_layers=1,
+                          host_tokens=20 * MIB // 512, page_size=PAGE_TOKENS).host_tokens
+
+    got = _during_a_room(small_steps, monkeypatch, 36, again)
+    assert got == {"a": 36 * MIB // 512, "b": 20 * MIB // 512}, got

@@ -274,10 +274,10 @@ class KVCore:
                     f"tenant {who} holds {self.max_clients_per_tenant} registrations, its limit "
                     "(--max-clients-per-tenant): unregister one first"
                 )
+            # Other registrations' rooms in flight it would fit beside are waited out first, holding
+            # nothing (its uid's turn to map a pool, the registration it replaces).
+            await self.rooms.wait(least * spec.page_bytes, replaced.region_bytes if replaced else 0)
             if replaced is None:  # else its region is not free yet: checked once it is released
-                # Other registrations' rooms in flight it would fit beside are waited out first,
-                # holding nothing (its uid's turn to map a pool included).
-                await self.rooms.wait(least * spec.page_bytes)
                 self._check_fits(spec, least, evict=False)  # before the pool is opened; again once it is
             elif least * spec.page_bytes > self.arena.available + self.cache.bytes + replaced.region_bytes:
                 # Not even with the old region, and every cached page, given back: refused while the

@@ -8,10 +8,11 @@ slabs are nobody's, and they split the arena, so a second Register can find no w
 that fits once the first is done. ``Rooms`` keeps the rooms in flight and what each is made for:
 such a Register waits for them first (``wait``), before it takes anything (its pool opened, the
 registration it replaces released, its uid's turn to map a pool), and one that would not fit even
-then does not wait. A Register that fits in a free range, or needs no region, never waits.
+then does not wait. A room begun after that, while its pool opened, is waited for in ``make``. A
+Register that fits in a free range, or needs no region, never waits.
 
-What a room leaves beyond its region counts its Register's region as the most that Register takes
-(``host_tokens``), not the least it accepts: it takes what fits, up to that.
+What a room leaves beyond its region counts its Register's region as all the room holds, from the
+least that Register accepts up to the most it asks (it takes what fits, up to that).
 
 Primitives: ``Rooms`` (``make``, ``wait``, ``budget_back``, ``space_back``).
 """
@@ -45,48 +46,68 @@ class Rooms:
                  in_thread: Callable[[Callable[[], Any]], Awaitable[Any]]) -> None:
         self.arena, self.cache, self.share = arena, cache, share
         self._in_thread = in_thread
-        # room: (the most bytes its Register's region takes, set once it is given back)
-        self._held: dict[Room, tuple[int, asyncio.Event]] = {}
+        # room: (the least and the most bytes its Register's region takes, set once it is given back)
+        self._held: dict[Room, tuple[int, int, asyncio.Event]] = {}
 
     def budget_back(self) -> int:
         """The budget the rooms in flight give back beyond the regions they are made for, once those
-        are reserved: free ranges' claims and evicted slabs' bytes, less the regions. Negative where
-        they have still to evict (from the cache's bytes, which the caller counts already)."""
-        return sum(room.claimed + room.released - most for room, (most, _) in self._held.items())
+        are reserved: free ranges' claims and evicted slabs' bytes, less what the regions take of
+        them (at least what each is made for, at most what its Register takes at most). Negative
+        where they have still to evict (from the cache's bytes, which the caller counts already)."""
+        return sum(_beyond(room.claimed + room.released, need, most)
+                   for room, (need, most, _) in self._held.items())
 
     def space_back(self) -> int:
         """The arena's bytes the rooms in flight leave free beyond their regions once those are
-        reserved: what they hold, less the regions (negative as ``budget_back``)."""
-        return sum(room.nbytes - most for room, (most, _) in self._held.items())
+        reserved: what they hold, less what the regions take of it (as ``budget_back``)."""
+        return sum(_beyond(room.nbytes, need, most) for room, (need, most, _) in self._held.items())
 
-    async def wait(self, need: int) -> None:
+    def _worth_waiting(self, need: int, own: int) -> bool:
+        """Whether a region of ``need`` bytes fits in no free range, and would once the rooms in
+        flight are given back (``own``: bytes the caller gives back besides, its registration's)."""
+        return bool(need and self._held and self.arena.largest_free() < need
+                    and self.arena.available + self.cache.bytes + own + self.budget_back() >= need)
+
+    async def wait(self, need: int, own: int = 0) -> None:
         """Returns once a region of ``need`` bytes need not wait for others' rooms: it fits in a
-        free range, no room is in flight, or it would not fit even once they are given back;
-        else waits for the rooms in flight to be given back, up to ``ROOM_WAITS`` times."""
+        free range, no room is in flight, or it would not fit even once they are given back (with
+        the ``own`` bytes of the registration it replaces); else waits for the rooms in flight to
+        be given back, up to ``ROOM_WAITS`` times."""
         for _ in range(ROOM_WAITS):
-            if not (need and self._held and self.arena.largest_free() < need
-                    and self.arena.available + self.cache.bytes + self.budget_back() >= need):
+            if not self._worth_waiting(need, own):
                 return
-            for _, done in list(self._held.values()):
-                await done.wait()
+            await self._settled()
+
+    async def _settled(self) -> None:
+        for _, _, done in list(self._held.values()):
+            await done.wait()
 
     async def make(self, need: int, most: int) -> None:
         """Evicts cached slabs until the arena has a free range of ``need`` bytes, in steps, the
         evicted memory given back to the kernel in a worker thread (~0.09 s a populated GiB), for a
         region of up to ``most`` bytes. The room made is held until this returns, so that nothing
-        else takes it, and the caller reserves its region with no await in between. Where other
-        engines' use of the cache got in the way (a slab pinned meanwhile) in every one of
-        ``ROOM_TRIES`` tries, the caller makes the rest of the room at once."""
-        if not need or self.arena.largest_free() >= need or self.arena.available + self.cache.bytes < need:
-            return
-        for _ in range(ROOM_TRIES):
-            if await self._try(need, max(need, most)):
+        else takes it, and the caller reserves its region with no await in between. A try that
+        finds no window while others' rooms are in flight that would leave one (a room begun since
+        ``wait``) waits for them once more, up to ``ROOM_WAITS`` times. Where other engines' use
+        of the cache got in the way (a slab pinned meanwhile) in every one of ``ROOM_TRIES``
+        tries, the caller makes the rest of the room at once."""
+        tries = waits = 0
+        while need and self.arena.largest_free() < need:
+            if waits < ROOM_WAITS and self._worth_waiting(need, 0) and (tries or self.arena.available
+                                                                         + self.cache.bytes < need):
+                waits += 1
+                await self._settled()
+            elif tries < ROOM_TRIES and self.arena.available + self.cache.bytes >= need:
+                tries += 1
+                if await self._try(need, max(need, most)):
+                    return
+            else:
                 return
 
     async def _try(self, need: int, most: int) -> bool:
         """One room made in steps, then given back: True if the arena has the range after."""
         room, done = Room(self.arena), asyncio.Event()
-        self._held[room] = (most, done)
+        self._held[room] = (need, most, done)
         try:
             made = await in_steps(self.share, self.cache.make_room_steps(need, room))
         finally:  # (cancelled too: the thread is waited out, then the cancel goes on)
@@ -100,3 +121,9 @@ class Rooms:
                 del self._held[room]
                 done.set()  # (its waiters run once this Register yields: its region reserved by then)
         return made or self.arena.largest_free() >= need
+
+
+def _beyond(held: int, need: int, most: int) -> int:
+    """What a room holding ``held`` bytes leaves beyond a region taking at least ``need`` of them
+    and at most ``most``."""
+    return held - min(max(held, need), most)
