@@ -385,12 +385,15 @@ def test_the_spare_page_ids_never_grow_by_copying():
     assert np.array_equal(np.sort(again), np.arange(1 << 22)) and pool.take(1) is None
 
 
+@pytest.mark.parametrize("mib", [52, 40])
 def test_a_replacing_register_that_cannot_fit_is_refused_while_another_ones_room_is_held(small_steps,
-                                                                                           monkeypatch):
+                                                                                           monkeypatch, mib):
     """Engine A's Register holds the window's free 16 MiB while it evicts. Engine X registers again,
     naming its old registration, asking for more than A leaves. The budget the room holds counted
     as free: X passed the check made before its old registration is released, lost it, and was
-    refused after. The room claims that budget now: X is refused first, its old registration kept."""
+    refused after. The room claims that budget now: X is refused first, its old registration kept.
+    Asking 40 MiB, X fits beside what the cache holds, but not once A's room has evicted what it
+    still has to: counting every cached byte, X let its registration go and was refused after."""
     from kvclient._messages import register_request
     from kvclient._transport.fd_socket import get_ticket
     from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
@@ -435,7 +438,7 @@ def test_a_replacing_register_that_cannot_fit_is_refused_while_another_ones_room
         try:
             assert held.wait(20)
             req = register_request(model="m", pool=px, start_layer=0, end_layer=1, num_layers=1,
-                                   host_tokens=52 * MIB // 512, page_size=PAGE_TOKENS, tp_rank=0, tp_size=1,
+                                   host_tokens=mib * MIB // 512, page_size=PAGE_TOKENS, tp_rank=0, tp_size=1,
                                    pp_rank=0, pp_size=1)
             req.replaces_client_id = old.client_id
             req.peer_ticket = get_ticket(d.config.socket + ".fd", px.fds)
@@ -730,8 +733,8 @@ def test_a_replacing_register_never_counts_on_what_another_ones_room_may_leave(s
 
 
 def _during_a_room(d: DaemonThread, monkeypatch, most_mib: int, then) -> dict:
-    """``then(b, pool)`` (engine B's Register) while engine A's room is held (A of another uid,
-    accepting 36 MiB of up to ``most_mib``); what A and B got."""
+    """``then(b, pool, x)`` (engine B's Register, or X's: X holds 8 MiB) while engine A's room is
+    held (A of another uid, accepting 36 MiB of up to ``most_mib``); what A and B got."""
     slow = _SlowDiscard(monkeypatch)
     _a_of_another_uid(monkeypatch)
     pools = _pools(64, 64 * PAGE_TOKENS, 64, 64)
@@ -741,7 +744,7 @@ def _during_a_room(d: DaemonThread, monkeypatch, most_mib: int, then) -> dict:
             a_thread, got = _room_for_a(d, x, c, a, pools[:3], most_mib)
             try:
                 assert slow.discarding.wait(20)
-                b_thread = threading.Thread(target=lambda: got.update(b=then(b, pools[3])))
+                b_thread = threading.Thread(target=lambda: got.update(b=then(b, pools[3], x)))
                 b_thread.start()
                 b_thread.join(0.5)
             finally:
@@ -758,7 +761,7 @@ def test_a_rooms_leftover_counts_what_its_register_may_take_not_all_it_asks(smal
     """A asks up to 60 MiB, accepting 36; its room holds 40 MiB, all it can take. B asks 12 MiB
     meanwhile, which fits beside A's 40 (16 MiB stay cached). Counting A's region as its 60 MiB, B
     was refused at once; A's region is counted as what its room holds now: B waits, then fits."""
-    got = _during_a_room(small_steps, monkeypatch, 60, lambda b, pool: b.register(
+    got = _during_a_room(small_steps, monkeypatch, 60, lambda b, pool, _: b.register(
         model="m", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=12 * MIB // 512,
         page_size=PAGE_TOKENS).host_tokens)
     assert got == {"a": 40 * MIB // 512, "b": 12 * MIB // 512}, got
@@ -768,7 +771,7 @@ def test_a_replacing_register_waits_for_another_ones_room_before_it_lets_go(smal
     """B, registered for the cache alone, registers again for 20 MiB while A's room is held. It did
     not wait for A's room: it released its registration, found no window, and was refused. It
     waits first now, its registration still standing, then fits."""
-    def again(b: KVClient, pool: ShmKVPool) -> int:
+    def again(b: KVClient, pool: ShmKVPool, _) -> int:
         b.register(model="m", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=0,
                    page_size=PAGE_TOKENS)
         return b.register(model="m", pool=pool, start_layer=0, end_layer=1, num_layers=1,
@@ -776,3 +779,33 @@ def test_a_replacing_register_waits_for_another_ones_room_before_it_lets_go(smal
 
     got = _during_a_room(small_steps, monkeypatch, 36, again)
     assert got == {"a": 36 * MIB // 512, "b": 20 * MIB // 512}, got
+
+
+def test_a_register_that_cannot_fit_beside_what_another_ones_room_spans_does_not_wait(small_steps,
+                                                                                      monkeypatch):
+    """A accepts 36 MiB of up to 60; its room spans 40 MiB (a free range it holds claims only the
+    budget left), all of which A takes. B asks 20 MiB, 4 more than A leaves: counting A's take by
+    the room's claims, B waited for A's room, then was refused. It is refused at once now."""
+    def b_registers(b: KVClient, pool: ShmKVPool, _):
+        try:
+            b.register(model="m", pool=pool, start_layer=0, end_layer=1, num_layers=1,
+                       host_tokens=20 * MIB // 512, page_size=PAGE_TOKENS)
+        except KVClientError as e:
+            return str(e), small_steps.run(lambda: bool(small_steps.core.rooms._held))
+        return "registered", None
+
+    got = _during_a_room(small_steps, monkeypatch, 60, b_registers)
+    assert got["a"] == 40 * MIB // 512 and "not enough host memory" in got["b"][0], got
+    assert got["b"][1] is True, got  # refused while A's room was still held
+
+
+def test_a_register_replacing_one_as_large_needs_no_room_and_never_waits(small_steps, monkeypatch):
+    """X holds 8 MiB and registers again for 8, naming it, while A's room is held: its own region
+    gives it the room. It waited for A's room (3 s with a room of that many GiB)."""
+    def again(_, pool: ShmKVPool, x: KVClient):
+        tokens = x.register(model="m", pool=pool, start_layer=0, end_layer=1, num_layers=1,
+                            host_tokens=8 * MIB // 512, page_size=PAGE_TOKENS).host_tokens
+        return tokens, small_steps.run(lambda: bool(small_steps.core.rooms._held))
+
+    got = _during_a_room(small_steps, monkeypatch, 36, again)
+    assert got == {"a": 36 * MIB // 512, "b": (8 * MIB // 512, True)}, got

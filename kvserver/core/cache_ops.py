@@ -469,8 +469,8 @@ class CacheOps:
         at = 0
         try:
             while at < len(ids):
-                piece, at = ids[at:at + SETTLE_PAGES], at + SETTLE_PAGES
-                self._settle(replace(plan, page_ids=piece), ok)
+                self._settle(replace(plan, page_ids=ids[at:at + SETTLE_PAGES]), ok)
+                at += SETTLE_PAGES  # (after: a piece that raised is tried again below)
                 if at < len(ids):
                     yield
         finally:  # (closed midway, at the daemon's stop: the rest at once, none left being written)

@@ -279,15 +279,19 @@ class KVCore:
             await self.rooms.wait(least * spec.page_bytes, replaced.region_bytes if replaced else 0)
             if replaced is None:  # else its region is not free yet: checked once it is released
                 self._check_fits(spec, least, evict=False)  # before the pool is opened; again once it is
-            elif least * spec.page_bytes > self.arena.available + self.cache.bytes + replaced.region_bytes:
-                # Not even with the old region, and every cached page, given back: refused while the
-                # registration it would replace still stands.
+            elif least * spec.page_bytes > (self.arena.available + self.cache.bytes + replaced.region_bytes
+                                            - (owed := max(0, -self.rooms.budget_back()))):
+                # Not even with the old region, and every cached page (but those other registrations'
+                # rooms still have to evict), given back: refused while the registration it would
+                # replace still stands.
                 raise NoCapacity(
                     f"not enough host memory: this registration accepts no fewer than "
                     f"{least * spec.page_size} host tokens ({least * spec.page_bytes} bytes), more than the "
                     f"{self.arena.available} "
                     f"bytes free, the {replaced.region_bytes} of the registration it replaces and the "
-                    f"{self.cache.bytes} the cache holds together; the registration it names stays"
+                    f"{self.cache.bytes} the cache holds together"
+                    + (f", less the {owed} other registrations' rooms have still to evict" if owed else "")
+                    + "; the registration it names stays"
                 )
             if fds:  # a shared-memory pool: its mappings take the daemon's address space
                 async with self._map_lock(fds_of):
@@ -402,7 +406,7 @@ class KVCore:
         free = self.arena.available
         if least == 0:
             return fit
-        if fit == 0 and free < page_bytes and not self.arena.held:
+        if fit == 0 and free < page_bytes and not self.arena.held and not self.cache.bytes:
             raise NoCapacity(
                 f"no host memory left for one page of {page_bytes} bytes "
                 f"({free} of {self.arena.capacity} free)"
@@ -415,6 +419,8 @@ class KVCore:
                 f"{fit * p} tokens ({fit * page_bytes} bytes) fit in the largest free region, and "
                 f"{free} bytes of {self.arena.capacity} are free"
                 + (f" ({held} more held for registrations making room)" if held else "")
+                + (f", and {self.cache.bytes} bytes of cached pages could not give way (pinned, being "
+                   "read, or not beside a free range that would hold the region)" if self.cache.bytes else "")
                 + "; ask for fewer, or set min_host_tokens to the least the engine accepts"
             )
         return fit

@@ -54,18 +54,20 @@ class Rooms:
         are reserved: free ranges' claims and evicted slabs' bytes, less what the regions take of
         them (at least what each is made for, at most what its Register takes at most). Negative
         where they have still to evict (from the cache's bytes, which the caller counts already)."""
-        return sum(_beyond(room.claimed + room.released, need, most)
+        return sum(room.claimed + room.released - _takes(room.nbytes, need, most)
                    for room, (need, most, _) in self._held.items())
 
     def space_back(self) -> int:
         """The arena's bytes the rooms in flight leave free beyond their regions once those are
         reserved: what they hold, less what the regions take of it (as ``budget_back``)."""
-        return sum(_beyond(room.nbytes, need, most) for room, (need, most, _) in self._held.items())
+        return sum(room.nbytes - _takes(room.nbytes, need, most)
+                   for room, (need, most, _) in self._held.items())
 
     def _worth_waiting(self, need: int, own: int) -> bool:
         """Whether a region of ``need`` bytes fits in no free range, and would once the rooms in
-        flight are given back (``own``: bytes the caller gives back besides, its registration's)."""
-        return bool(need and self._held and self.arena.largest_free() < need
+        flight are given back (``own``: bytes the caller gives back besides, its registration's;
+        a region no larger than those needs no room of anyone's)."""
+        return bool(need > own and self._held and self.arena.largest_free() < need
                     and self.arena.available + self.cache.bytes + own + self.budget_back() >= need)
 
     async def wait(self, need: int, own: int = 0) -> None:
@@ -123,7 +125,7 @@ class Rooms:
         return made or self.arena.largest_free() >= need
 
 
-def _beyond(held: int, need: int, most: int) -> int:
-    """What a room holding ``held`` bytes leaves beyond a region taking at least ``need`` of them
-    and at most ``most``."""
-    return held - min(max(held, need), most)
+def _takes(held: int, need: int, most: int) -> int:
+    """What a region taking at least ``need`` bytes and at most ``most`` takes of a room whose
+    ranges span ``held`` bytes (their budget may be less: a free range claims only what is left)."""
+    return min(max(held, need), most)
