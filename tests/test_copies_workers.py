@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from conftest import DaemonThread
@@ -408,3 +409,42 @@ def test_shutdown_runs_what_is_queued_and_wakes_every_worker():
     t.join(WAIT)
     assert not t.is_alive(), "shutdown hung"
     assert [i for _, i in log] == [0, 1, 2]
+
+
+def test_a_dense_jobs_order_is_the_order_of_its_scattered_marks():
+    """A job of many pages is marked by whole-array adds (``dense_marks``, made off
+    the loop) instead of a scattered update an index: which earlier jobs each job waits for, and
+    the marks left, are the same either way, repeats and loads past writes included."""
+    from types import SimpleNamespace
+
+    from kvserver.copies.order import JobOrder, dense_marks
+
+    rng = np.random.default_rng(3)
+    region, tokens, page = 64, 256, 4
+
+    def job(dense: bool, n: int):
+        pages = rng.integers(0, region, rng.integers(1, 40))
+        rows = rng.integers(0, tokens, len(pages))
+        j = SimpleNamespace(pages=pages, plan=SimpleNamespace(device_pages=None, device_rows=rows,
+                                                               page_size=page), dense=None, load=False, n=n)
+        if dense:
+            j.dense = dense_marks(j, region, tokens, page)
+        return j
+
+    for _ in range(20):
+        plain, dense = JobOrder(region, tokens, page), JobOrder(region, tokens, page)
+        live: list[tuple] = []
+        for n in range(30):
+            if live and rng.random() < 0.3:
+                a, b = live.pop(rng.integers(len(live)))
+                plain.finished(a)
+                dense.finished(b)
+                continue
+            state = rng.bit_generator.state
+            a = job(False, n)
+            rng.bit_generator.state = state
+            b = job(True, n)
+            load = bool(rng.random() < 0.5)
+            assert [x.n for x in plain.admit(a, load)] == [x.n for x in dense.admit(b, load)]
+            live.append((a, b))
+        assert all(np.array_equal(x, y) for x, y in zip(plain._marks(), dense._marks(), strict=True))

@@ -63,6 +63,10 @@ class Job:
     # Its turn among the compiled data plane's copies of its client (kvserver.core.copier.plane_turn),
     # given back when the job is released.
     turn: Any = None
+    # A job of many pages: the region pages and device slots it names, as arrays of 1s made off
+    # the loop (``kvserver.copies.order.dense_marks``), so that its marks on the loop are
+    # whole-array adds, not scattered updates (300 ms for 4 Mi shuffled indices).
+    dense: tuple[np.ndarray, np.ndarray] | None = None
 
     def ready(self) -> bool:
         """Whether every earlier job it must follow has ended (or was dropped) in the queue."""

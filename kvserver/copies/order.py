@@ -31,11 +31,29 @@ def device_pages(job: Job) -> np.ndarray:
     return pages if pages is not None else plan.device_rows // plan.page_size
 
 
+# A job naming more pages than this is marked densely (``dense_marks``): its marks cost the loop a
+# pass over the client's arrays, not a scattered update of one entry a page.
+DENSE_PAGES = 1 << 16
+
+
+def dense_marks(job: Job, region_pages: int, device_tokens: int, page_size: int) -> tuple[np.ndarray,
+                                                                                          np.ndarray]:
+    """Which region pages and device slots ``job`` names, as 1s in arrays as large as the
+    client's: what its scattered marks add (any thread: numpy lets go of the GIL meanwhile)."""
+    def count(ids: np.ndarray, n: int) -> np.ndarray:
+        marks = np.zeros(n, np.int32)
+        marks[ids] = 1
+        return marks
+
+    return count(job.pages, region_pages), count(device_pages(job), -(-device_tokens // page_size))
+
+
 class JobOrder:
     def __init__(self, region_pages: int, device_tokens: int, page_size: int) -> None:
         self._sizes = (region_pages, -(-device_tokens // page_size))
         self.unfinished: list[Job] = []  # arrival order
-        self._written: tuple[np.ndarray, np.ndarray] | None = None  # unfinished writes' pages, slots
+        # Unfinished writes' pages and slots (untouched, they take no memory until written).
+        self._written = (np.zeros(region_pages, dtype=np.int32), np.zeros(self._sizes[1], dtype=np.int32))
         self._writes = 0
 
     def admit(self, job: Job, load: bool) -> list[Job]:
@@ -47,8 +65,12 @@ class JobOrder:
         self.unfinished.append(job)
         if not load:
             pages, slots = self._marks()
-            pages[job.pages] += 1
-            slots[device_pages(job)] += 1
+            if job.dense is not None:
+                pages += job.dense[0]
+                slots += job.dense[1]
+            else:
+                pages[job.pages] += 1
+                slots[device_pages(job)] += 1
             self._writes += 1
         return earlier
 
@@ -60,16 +82,24 @@ class JobOrder:
             return
         if not job.load:
             pages, slots = self._marks()
-            pages[job.pages] -= 1
-            slots[device_pages(job)] -= 1
+            if job.dense is not None:
+                pages -= job.dense[0]
+                slots -= job.dense[1]
+            else:
+                pages[job.pages] -= 1
+                slots[device_pages(job)] -= 1
             self._writes -= 1
 
     def _marks(self) -> tuple[np.ndarray, np.ndarray]:
-        if self._written is None:
-            pages, slots = self._sizes
-            self._written = (np.zeros(pages, dtype=np.int32), np.zeros(slots, dtype=np.int32))
+        return self._written
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """The marks' arrays (for their pages to be faulted in ahead, off the loop)."""
         return self._written
 
     def _touches_writes(self, job: Job) -> bool:
         pages, slots = self._marks()
+        if job.dense is not None:
+            dense_pages, dense_slots = job.dense
+            return bool(np.logical_and(pages, dense_pages).any() or np.logical_and(slots, dense_slots).any())
         return bool(pages[job.pages].any() or slots[device_pages(job)].any())

@@ -187,7 +187,10 @@ class Copier:
         if client.order is None:
             client.order = JobOrder(client.busy.size, client.device.num_tokens, client.spec.page_size)
         job.after = client.order.admit(job, to_device)
-        client.busy[job.pages] += 1  # cache jobs: no pages (the cache marks its own)
+        if job.dense is not None:
+            client.busy += job.dense[0]
+        else:
+            client.busy[job.pages] += 1  # cache jobs: no pages (the cache marks its own)
         client.inflight += 1
         client.jobs.add(job)
         small = job.bytes_per_layer * len(job.local_layers) <= INLINE_COPY_BYTES
@@ -344,7 +347,10 @@ class Copier:
             job.turn = None
         if client.order is not None:
             client.order.finished(job)
-        client.busy[job.pages] -= 1
+        if job.dense is not None:
+            client.busy -= job.dense[0]
+        else:
+            client.busy[job.pages] -= 1
         client.inflight -= 1
         if signal is not None:
             signal.release()

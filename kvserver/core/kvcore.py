@@ -24,6 +24,7 @@ import torch
 from kvserver.cluster import ClusterTier, MooncakeClient
 from kvserver.config import format_size
 from kvserver.copies import transfer
+from kvserver.copies.order import DENSE_PAGES, JobOrder, dense_marks
 from kvserver.core import epochs
 from kvserver.core.client_state import ClientSpec, ClientState, Counters, public_id
 from kvserver.core.copier import ClientJob, Copier, plane_turn, wait_until
@@ -33,7 +34,7 @@ from kvserver.disk import DiskTier
 from kvserver.errors import InvalidArgument, NoCapacity, UnknownClient, shown
 from kvserver.events import CPU, LOCAL, REMOTE, STORAGE, EventBook
 from kvserver.events.book import Publisher
-from kvserver.host.arena import HostArena, aligned_capacity
+from kvserver.host.arena import HostArena, aligned_capacity, populate
 from kvserver.host.kept import KeptDir, KeptDirError
 from kvserver.host.pages import PageAllocator
 from kvserver.media import ShmAccess, SlabPinner, open_pool, pool_descriptors
@@ -806,8 +807,22 @@ class KVCore:
         if len(host_indices) <= OFF_LOOP_INDICES:
             return self.prepare(*args)
         self.check_size(len(host_indices))
-        seen = self.client(client_id).pages.version
-        job = await asyncio.to_thread(self.prepare, *args)
+        client = self.client(client_id)
+        seen = client.pages.version
+        sizes = (client.busy.size, client.device.num_tokens, client.spec.page_size)
+        if client.order is None:
+            client.order = JobOrder(*sizes)
+        marked = (client.busy, *client.order.arrays())
+
+        def prepare() -> ClientJob:
+            job = self.prepare(*args)
+            if len(job.pages) > DENSE_PAGES:  # its marks on the loop: whole-array adds, on arrays
+                job.dense = dense_marks(job, *sizes)  # whose pages are in (no fault on the loop)
+                for array in marked:
+                    populate(array)
+            return job
+
+        job = await asyncio.to_thread(prepare)
         client = self.client(client_id)  # still registered
         if client.pages.version != seen:
             client.pages.check_owned(job.pages)

@@ -26,6 +26,7 @@ import os
 import platform
 import sys
 
+import numpy as np
 import torch
 
 from kvserver.config import format_size, machine_memory
@@ -48,6 +49,22 @@ MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0) or (
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
+
+
+# Faults a range's pages in, writable, without changing what they hold (Linux 5.14 and later).
+MADV_POPULATE_WRITE = 23
+
+
+def populate(array: np.ndarray) -> None:
+    """Faults in the whole pages of ``array`` for writing without changing what it holds, so that
+    its first writes cost whoever makes them no page faults (tens of milliseconds for 16 MiB on
+    this VM). Any thread, while others read or write it; the GIL is let go meanwhile. Where the
+    kernel has no MADV_POPULATE_WRITE, nothing is done."""
+    page = mmap.PAGESIZE
+    start = -(-array.ctypes.data // page) * page
+    end = (array.ctypes.data + array.nbytes) // page * page
+    if end > start:
+        _libc.madvise(start, end - start, MADV_POPULATE_WRITE)
 
 
 class HostMemoryError(ValueError):
