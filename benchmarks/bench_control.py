@@ -5,7 +5,9 @@ fp8, one layer, --page-size tokens per page: --rank x --page-size bytes a page) 
 --host-memory budget holds, then allocates and frees --tokens host tokens in one call each.
 Meanwhile a probe process, registered as a second engine, calls Stats back to back; the report
 gives each step's wall time, the daemon's resident memory, and the probe's longest call while the
-step ran. Run: python benchmarks/bench_control.py [--host-memory 64MiB] [--rank 1] [--page-size 1]
+step ran. With --copies, a Write and a Load of every allocated token (device tokens shuffled) run
+between the Alloc and the Free.
+Run: python benchmarks/bench_control.py [--host-memory 64MiB] [--rank 1] [--page-size 1] [--copies]
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import tempfile
 import time
 
 import grpc
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
@@ -77,6 +80,9 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=1 << 22, help="host tokens in one Alloc and Free")
     ap.add_argument("--daemon-args", default="", help="extra daemon flags, space separated")
+    ap.add_argument("--copies", action="store_true",
+                    help="also a Write and a Load of every allocated token, device tokens shuffled (the pool "
+                         "then holds --tokens tokens)")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="kvctl-") as tmp:
@@ -86,7 +92,8 @@ def main() -> None:
         prober = ctx.Process(target=probe, args=(d.address, stop, theirs))
         prober.start()
         assert mine.recv() == "ready"
-        pool = ShmKVPool(KVLayout.mla(args.rank, 0), torch.float8_e4m3fn, num_layers=1, num_tokens=1024)
+        pool = ShmKVPool(KVLayout.mla(args.rank, 0), torch.float8_e4m3fn, num_layers=1,
+                         num_tokens=args.tokens if args.copies else 1024)
         steps: list[tuple[str, float, float, str]] = []
         try:
             with grpc.insecure_channel(d.address, options=MESSAGE_LIMIT) as ch:
@@ -108,6 +115,18 @@ def main() -> None:
                     t0 = time.monotonic()
                     host = stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=n), timeout=600)
                     steps.append(("Alloc", t0, time.monotonic(), f"{len(host.host_indices)} tokens"))
+                    if args.copies:
+                        dev = np.random.default_rng(0).permutation(len(host.host_indices))
+                        write = pb.WriteRequest(client_id=reg.client_id, host_indices=host.host_indices,
+                                                device_indices=dev)
+                        t0 = time.monotonic()
+                        wrote = stub.Write(write, timeout=600)
+                        steps.append(("Write", t0, time.monotonic(), f"{wrote.bytes} bytes"))
+                        load = pb.LoadRequest(client_id=reg.client_id, host_indices=host.host_indices,
+                                              device_indices=dev)
+                        t0 = time.monotonic()
+                        last = list(stub.Load(load, timeout=600))[-1]
+                        steps.append(("Load", t0, time.monotonic(), f"{last.bytes} bytes"))
                     req = pb.FreeRequest(client_id=reg.client_id, host_indices=host.host_indices)
                     t0 = time.monotonic()
                     freed = stub.Free(req, timeout=600)
