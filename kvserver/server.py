@@ -219,7 +219,8 @@ class Daemon:
                                url, host)
         self.reaper.start()
         self.core.start()
-        self._leases = asyncio.ensure_future(expire_leases(self.core.cache, self._stop_leases))
+        self._leases = asyncio.ensure_future(expire_leases(self.core.cache, self._stop_leases,
+                                                           share=self.core.share))
         self._lag = asyncio.ensure_future(self.metrics.watch_loop())
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -418,7 +418,7 @@ class KVServicer(pb_grpc.KVServerServicer):
 
     @_abort_on_error
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
-        return pb.ReleaseResponse(released=self.cache.release(request))
+        return pb.ReleaseResponse(released=await self.cache.release(request))
 
     @_abort_on_error
     async def Put(self, request: pb.PutRequest, context) -> pb.PutResponse:

@@ -26,7 +26,7 @@ from kvserver.copies import transfer
 from kvserver.core.client_state import ClientSpec, ClientState, check_model_shape
 from kvserver.core.copier import INLINE_COPY_BYTES, ClientJob, LoadStep
 from kvserver.core.kvcore import KVCore
-from kvserver.core.share import in_steps
+from kvserver.core.share import LoopShare, in_steps
 from kvserver.errors import InvalidArgument, KVError, NoCapacity, NotFound, OutOfRange, Unavailable
 from kvserver.events import LoggedEvent
 from kvserver.events.book import MAX_READ_KEYS
@@ -342,11 +342,11 @@ class CacheOps:
         assert key is not None
         return self.kv.events.read(key, req.log_id, req.after_seq, req.max_keys or MAX_READ_KEYS)
 
-    def release(self, req: pb.ReleaseRequest) -> int:
+    async def release(self, req: pb.ReleaseRequest) -> int:
         tenant, _, _ = self._target(req.client_id, req.space_id)
         if len(req.lease_ids) > 4096:
             raise InvalidArgument(f"{len(req.lease_ids)} leases in one Release; at most 4096")
-        return self.cache.release(tenant, list(req.lease_ids))
+        return await in_steps(self.kv.share, self.cache.release_steps(tenant, list(req.lease_ids)))
 
     # ---- Put and Get --------------------------------------------------------------------------
 
@@ -1311,13 +1311,16 @@ class CacheOps:
                            len(hplan.positions))
 
 
-async def expire_leases(cache: KVCache, stop: asyncio.Event, period: float = 1.0) -> None:
-    """Ends expired leases every ``period`` seconds until ``stop`` is set."""
+async def expire_leases(cache: KVCache, stop: asyncio.Event, period: float = 1.0,
+                        share: LoopShare | None = None) -> None:
+    """Ends expired leases every ``period`` seconds until ``stop`` is set (in steps, letting others
+    use the loop between two)."""
+    share = share or LoopShare()
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), period)
         except TimeoutError:
             pass
-        ended = cache.expire_leases()
+        ended = await in_steps(share, cache.expire_leases_steps())
         if ended:
             logger.debug("%d cache leases expired", ended)

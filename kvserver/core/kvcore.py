@@ -29,7 +29,7 @@ from kvserver.core import epochs
 from kvserver.core.client_state import ClientSpec, ClientState, Counters, public_id
 from kvserver.core.copier import ClientJob, Copier, plane_turn, wait_until
 from kvserver.core.rooms import Rooms
-from kvserver.core.share import LoopShare
+from kvserver.core.share import LoopShare, in_steps
 from kvserver.disk import DiskTier
 from kvserver.errors import InvalidArgument, NoCapacity, UnknownClient, shown
 from kvserver.events import CPU, LOCAL, REMOTE, STORAGE, EventBook
@@ -597,7 +597,8 @@ class KVCore:
         await wait_until(client, lambda: client.inflight == 0)
         self._releasing[client_id] = client  # until gone: an Unregister meanwhile waits for the end
         del self.clients[client_id]
-        if self.cache.release_owned(client_id):  # its pinning Lookups' leases: no Get of its reads them
+        # Its pinning Lookups' leases (no Get of its reads them), in steps: the loop serves others.
+        if await in_steps(self.share, self.cache.release_owned_steps(client_id)):
             logger.debug("the leases of %s ended with it", public_id(client_id))
         self.totals.add(client.counters)
         # A call whose copy ended just now counts its bytes a loop turn or two later, into the

@@ -892,6 +892,11 @@ class KVCache:
     def release(self, tenant: str, lease_ids: Sequence[str]) -> int:
         return self.leases.release(tenant, lease_ids)
 
+    @_locked_steps
+    def release_steps(self, tenant: str, lease_ids: Sequence[str]) -> Generator[None, None, int]:
+        """``release`` in steps (``LeaseTable.release_steps``)."""
+        return (yield from self.leases.release_steps(tenant, lease_ids))
+
     def _still_held(self, lease_id: str, tenant: str) -> None:
         """NotFound if the lease a Lookup is pinning under ended between its steps (the
         registration that asked was released: ``release_owned``)."""
@@ -905,9 +910,19 @@ class KVCache:
         it, not at their expiry)."""
         return self.leases.end_owned(owner)
 
+    @_locked_steps
+    def release_owned_steps(self, owner: str) -> Generator[None, None, int]:
+        """``release_owned`` in steps (``LeaseTable.end_owned_steps``)."""
+        return (yield from self.leases.end_owned_steps(owner))
+
     @_locked
     def expire_leases(self) -> int:
         return self.leases.expire()
+
+    @_locked_steps
+    def expire_leases_steps(self) -> Generator[None, None, int]:
+        """``expire_leases`` in steps (``LeaseTable.expire_steps``)."""
+        return (yield from self.leases.expire_steps())
 
     # Eviction
 
