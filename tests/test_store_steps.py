@@ -330,3 +330,45 @@ def test_leases_ending_together_end_in_steps(monkeypatch):
     clock.now += 2
     assert steps_of(cache.expire_leases_steps()) == (4, 10) and not cache.pages.pins.any()
     assert not cache.leases.leases
+
+
+def test_a_stepped_puts_piece_whose_tier_hook_raised_is_not_committed_twice(socket_dir, monkeypatch):
+    """The disk tier's hook raises for the first piece of a stepped Put, after that piece was
+    committed. Retrying the piece committed it twice, taking its slabs' hold counts below zero
+    (a slab then looks idle while a page of it is read). The rest is settled, the piece not again."""
+    import os
+
+    from cache_engine import CacheEngine
+    from conftest import DaemonThread
+
+    from kvserver.config import ServerConfig
+    from kvserver.core import cache_ops
+    from kvserver.disk import tier as disk_tier
+
+    real, calls = disk_tier.DiskTier.demote, []
+
+    def demote(tier, part, ids):
+        calls.append(len(ids))
+        if len(calls) == 1:
+            raise MemoryError("the first piece's hook")
+        return real(tier, part, ids)
+
+    monkeypatch.setattr(disk_tier.DiskTier, "demote", demote)
+    n = 2 * cache_ops.SETTLE_PAGES
+    d = DaemonThread(ServerConfig(socket=os.path.join(socket_dir, "kv.sock"), host_memory=96 * MiB,
+                                  disk_cache=os.path.join(socket_dir, "disk"), disk_size=256 * MiB))
+    try:
+        eng = CacheEngine(d.address, pages=n, end=1, timeout=30)
+        try:
+            keys = [f"k{i:06d}".encode().ljust(16, b".") for i in range(n)]
+            eng.fill(keys, np.arange(n))
+            assert eng.put(keys, np.arange(n)).stored == n
+            assert calls == [cache_ops.SETTLE_PAGES] * 2, calls
+            assert d.run(lambda: int(d.core.cache.pages.slab_holds.min())) >= 0
+            eng.wipe()
+            assert eng.get(keys, np.arange(n)) == n and eng.wrong(keys, np.arange(n)) == []
+        finally:
+            eng.client.close()
+            eng.pool.close()
+    finally:
+        d.stop()

@@ -469,8 +469,8 @@ class CacheOps:
         at = 0
         try:
             while at < len(ids):
-                self._settle(replace(plan, page_ids=ids[at:at + SETTLE_PAGES]), ok)
-                at += SETTLE_PAGES  # (after: a piece that raised is tried again below)
+                piece, at = ids[at:at + SETTLE_PAGES], at + SETTLE_PAGES  # (a piece that raised is
+                self._settle(replace(plan, page_ids=piece), ok)  # not settled twice: its commit came first)
                 if at < len(ids):
                     yield
         finally:  # (closed midway, at the daemon's stop: the rest at once, none left being written)

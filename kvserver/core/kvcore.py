@@ -24,7 +24,7 @@ import torch
 from kvserver.cluster import ClusterTier, MooncakeClient
 from kvserver.config import format_size
 from kvserver.copies import transfer
-from kvserver.copies.order import DENSE_PAGES, JobOrder, dense_marks
+from kvserver.copies.order import JobOrder, dense_marks, dense_pays
 from kvserver.core import epochs
 from kvserver.core.client_state import ClientSpec, ClientState, Counters, public_id
 from kvserver.core.copier import ClientJob, Copier, plane_turn, wait_until
@@ -813,13 +813,13 @@ class KVCore:
         sizes = (client.busy.size, client.device.num_tokens, client.spec.page_size)
         if client.order is None:
             client.order = JobOrder(*sizes)
-        marked = (client.busy, *client.order.arrays())
+        arrays = (client.busy, *client.order.arrays())
 
         def prepare() -> ClientJob:
             job = self.prepare(*args)
-            if len(job.pages) > DENSE_PAGES:  # its marks on the loop: whole-array adds, on arrays
-                job.dense = dense_marks(job, *sizes)  # whose pages are in (no fault on the loop)
-                for array in marked:
+            if dense_pays(job, *sizes):  # its marks on the loop: whole-array adds, on arrays whose
+                job.dense = dense_marks(job, *sizes)  # pages are in (no fault on the loop)
+                for array in arrays:
                     populate(array)
             return job
 
