@@ -597,13 +597,16 @@ class KVCore:
         await wait_until(client, lambda: client.inflight == 0)
         self._releasing[client_id] = client  # until gone: an Unregister meanwhile waits for the end
         del self.clients[client_id]
-        # Its pinning Lookups' leases (no Get of its reads them), in steps: the loop serves others.
-        if await in_steps(self.share, self.cache.release_owned_steps(client_id)):
-            logger.debug("the leases of %s ended with it", public_id(client_id))
         self.totals.add(client.counters)
         # A call whose copy ended just now counts its bytes a loop turn or two later, into the
         # counters it finds then: the daemon's totals from here on, not a client that is gone.
         client.counters = self.totals
+        # Its pinning Lookups' leases (no Get of its reads them), in steps: the loop serves others.
+        try:
+            if await in_steps(self.share, self.cache.release_owned_steps(client_id)):
+                logger.debug("the leases of %s ended with it", public_id(client_id))
+        except Exception:  # (they expire all the same; the release goes on)
+            logger.exception("ending the leases of %s failed", public_id(client_id))
         client.host_views = []
         handles = client.device.ipc_allocations
         held = None  # a CUDA pool's quarantine: the GPU may still touch the host region

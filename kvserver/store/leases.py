@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 import secrets
-from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -152,11 +152,9 @@ class LeaseTable:
         """``end_owned`` in steps of at most ``END_STEP_PINS`` pins (but a lease of more)."""
         return (yield from self._ending((lease_id, "") for lease_id in list(self._by_owner.get(owner, ()))))
 
-    def _ending(self, leases: Iterable[tuple[str, str]],
-                due: float | None = None) -> Generator[None, None, int]:
-        """Ends the (lease id, tenant: "" for any) ``leases`` that still stand (and, with ``due``,
-        still expire by then), yielding between two once ``END_STEP_PINS`` pins were ended since
-        the last yield; returns how many ended."""
+    def _ending(self, leases: Iterable[tuple[str, str]]) -> Generator[None, None, int]:
+        """Ends the (lease id, tenant: "" for any) ``leases`` that still stand, yielding between
+        two once ``END_STEP_PINS`` pins were ended since the last yield; returns how many ended."""
         ended = pins = 0
         for lease_id, tenant in leases:
             lease = self.leases.get(lease_id)
@@ -165,8 +163,8 @@ class LeaseTable:
             if pins and pins + lease.pages.size > END_STEP_PINS:
                 yield
                 pins = 0
-                if self.leases.get(lease_id) is not lease or (due is not None and lease.expires > due):
-                    continue  # (ended, or its pin started again, meanwhile)
+                if self.leases.get(lease_id) is not lease:
+                    continue  # (ended meanwhile)
             pins += lease.pages.size
             ended += self.end(lease_id, lease.tenant)
         return ended
@@ -208,12 +206,16 @@ class LeaseTable:
     def expire_steps(self) -> Generator[None, None, int]:
         """``expire`` in steps of at most ``END_STEP_PINS`` pins (but a lease of more)."""
         now = self.clock()
-
-        def overdue() -> Iterator[tuple[str, str]]:
-            while self._heap and self._heap[0][0] <= now:
-                _, lease_id = heapq.heappop(self._heap)
-                lease = self.leases.get(lease_id)
-                if lease is not None and lease.expires <= now:
-                    yield lease_id, lease.tenant
-
-        return (yield from self._ending(overdue(), now))
+        ended = pins = 0
+        while self._heap and self._heap[0][0] <= now:
+            lease_id = self._heap[0][1]
+            lease = self.leases.get(lease_id)
+            if lease is not None and lease.expires <= now:
+                if pins and pins + lease.pages.size > END_STEP_PINS:
+                    yield  # (before it leaves the heap: a sweep given up here leaves it to the next)
+                    pins = 0
+                    continue
+                pins += lease.pages.size
+                ended += self.end(lease_id, lease.tenant)
+            heapq.heappop(self._heap)  # (ended, or an entry of a lease ended or started again)
+        return ended
