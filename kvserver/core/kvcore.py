@@ -440,7 +440,6 @@ class KVCore:
     async def _background_done(self) -> None:
         """Returns once no work ``in_background`` started is left (what ends meanwhile may start
         more: waited for too)."""
-        await asyncio.sleep(0)  # (copies' ends posted to the loop run first)
         while self._background:
             await asyncio.wait(set(self._background))
 
@@ -875,12 +874,15 @@ class KVCore:
         while self._in_threads:  # a registration or a pool close in a worker thread uses the arena
             self._thread_done.clear()
             await self._thread_done.wait()
-        for client in list(self.clients.values()):
+        clients = list(self.clients.values())
+        for client in clients:
             if client.closing:  # being released by an earlier unregister or reclaim
                 await client.gone.wait()
             else:
                 await self.unregister(client.client_id)
-        await self._background_done()  # (a Put whose copy ended as its client went commits its pages)
+        if clients:  # a Put whose copy ended as its client went commits its pages (its copy's end,
+            await asyncio.sleep(0)  # posted to the loop, runs first)
+            await self._background_done()
         self.copier.shutdown()
         self.cache.log_drops()  # what the last minute's Puts dropped, not logged yet
         if self.disk is not None:  # its reads and writes use the arena
