@@ -447,7 +447,7 @@ def test_a_dense_jobs_order_is_the_order_of_its_scattered_marks():
             load = bool(rng.random() < 0.5)
             assert [x.n for x in plain.admit(a, load)] == [x.n for x in dense.admit(b, load)]
             live.append((a, b))
-        assert all(np.array_equal(x, y) for x, y in zip(plain._marks(), dense._marks(), strict=True))
+        assert all(np.array_equal(x, y) for x, y in zip(plain.arrays(), dense.arrays(), strict=True))
 
 
 def test_only_a_job_of_a_large_share_of_the_clients_pages_is_marked_densely(monkeypatch):

@@ -59,12 +59,23 @@ def dense_marks(job: Job, region_pages: int, device_tokens: int, page_size: int)
     return count(job.pages, region_pages), count(device_pages(job), -(-device_tokens // page_size))
 
 
+def mark(marks: np.ndarray, ids: np.ndarray | None, dense: np.ndarray | None, sign: int) -> None:
+    """Adds (``sign`` 1) or takes back (-1) a job's marks: ``dense`` whole where it has them
+    (``dense_marks``), else one at each of ``ids``."""
+    if dense is None:
+        marks[ids] += sign
+    elif sign > 0:
+        marks += dense
+    else:
+        marks -= dense
+
+
 class JobOrder:
     def __init__(self, region_pages: int, device_tokens: int, page_size: int) -> None:
-        self._sizes = (region_pages, -(-device_tokens // page_size))
         self.unfinished: list[Job] = []  # arrival order
         # Unfinished writes' pages and slots (untouched, they take no memory until written).
-        self._written = (np.zeros(region_pages, dtype=np.int32), np.zeros(self._sizes[1], dtype=np.int32))
+        self._written = (np.zeros(region_pages, dtype=np.int32),
+                         np.zeros(-(-device_tokens // page_size), dtype=np.int32))
         self._writes = 0
 
     def admit(self, job: Job, load: bool) -> list[Job]:
@@ -75,13 +86,7 @@ class JobOrder:
         job.load = load
         self.unfinished.append(job)
         if not load:
-            pages, slots = self._marks()
-            if job.dense is not None:
-                pages += job.dense[0]
-                slots += job.dense[1]
-            else:
-                pages[job.pages] += 1
-                slots[device_pages(job)] += 1
+            self._mark(job, 1)
             self._writes += 1
         return earlier
 
@@ -92,24 +97,22 @@ class JobOrder:
         except ValueError:
             return
         if not job.load:
-            pages, slots = self._marks()
-            if job.dense is not None:
-                pages -= job.dense[0]
-                slots -= job.dense[1]
-            else:
-                pages[job.pages] -= 1
-                slots[device_pages(job)] -= 1
+            self._mark(job, -1)
             self._writes -= 1
 
-    def _marks(self) -> tuple[np.ndarray, np.ndarray]:
-        return self._written
+    def _mark(self, job: Job, sign: int) -> None:
+        pages, slots = self._written
+        dense_pages, dense_slots = job.dense or (None, None)
+        mark(pages, job.pages, dense_pages, sign)
+        mark(slots, device_pages(job) if dense_slots is None else None, dense_slots, sign)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """The marks' arrays (for their pages to be faulted in ahead, off the loop)."""
+        """The marks' arrays: unfinished writes' pages and slots (for their pages to be faulted in
+        ahead, off the loop)."""
         return self._written
 
     def _touches_writes(self, job: Job) -> bool:
-        pages, slots = self._marks()
+        pages, slots = self._written
         if job.dense is not None:
             dense_pages, dense_slots = job.dense
             return bool(np.logical_and(pages, dense_pages).any() or np.logical_and(slots, dense_slots).any())

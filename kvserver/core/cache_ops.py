@@ -453,7 +453,7 @@ class CacheOps:
     def _settled(self, plan: PutPlan, ok: bool) -> asyncio.Task | None:
         """A Put's copy is over (``ok``: whole): its new pages are committed, or freed, with the
         tiers' hooks. Those of a Put of more than ``SETTLE_PAGES`` pages in steps, the loop serving
-        others between two (~0.1 us a page in a space of several parts, whose keys are counted
+        others between two (0.3-0.5 us a page in a space of several parts, whose keys are counted
         across its parts): the task doing that is returned (the Put answers once it is done;
         the daemon's close waits for it)."""
         if len(plan.page_ids) <= SETTLE_PAGES:

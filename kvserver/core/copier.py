@@ -37,7 +37,7 @@ import numpy as np
 
 from kvserver.copies import transfer, workers
 from kvserver.copies.job import Job
-from kvserver.copies.order import JobOrder
+from kvserver.copies.order import JobOrder, mark
 from kvserver.copies.progress import LayerSignal
 from kvserver.copies.workers import CopyQueue
 from kvserver.core.client_state import ClientState, public_id
@@ -187,10 +187,8 @@ class Copier:
         if client.order is None:
             client.order = JobOrder(client.busy.size, client.device.num_tokens, client.spec.page_size)
         job.after = client.order.admit(job, to_device)
-        if job.dense is not None:
-            client.busy += job.dense[0]
-        else:
-            client.busy[job.pages] += 1  # cache jobs: no pages (the cache marks its own)
+        # (cache jobs: no pages, the cache marks its own)
+        mark(client.busy, job.pages, job.dense[0] if job.dense else None, 1)
         client.inflight += 1
         client.jobs.add(job)
         small = job.bytes_per_layer * len(job.local_layers) <= INLINE_COPY_BYTES
@@ -347,10 +345,7 @@ class Copier:
             job.turn = None
         if client.order is not None:
             client.order.finished(job)
-        if job.dense is not None:
-            client.busy -= job.dense[0]
-        else:
-            client.busy[job.pages] -= 1
+        mark(client.busy, job.pages, job.dense[0] if job.dense else None, -1)
         client.inflight -= 1
         if signal is not None:
             signal.release()

@@ -29,7 +29,6 @@ class PutPlan:
     waiting: np.ndarray = field(default_factory=_no_pages)  # positions of keys another Put is writing
 
 
-
 class PutPlans:
     """The plans of a request's steps gathered into one as they come (``add``): each step's part
     written into arrays sized for the whole request, so that ``plan`` copies nothing (a Put of
