@@ -63,6 +63,16 @@ def probe(address: str, stop, out) -> None:
             pool.close()
 
 
+def end_probe(stop, mine, prober) -> list[tuple[float, float]]:
+    """Stops a ``probe`` process (None: never started) and returns its calls."""
+    stop.set()
+    if prober is None:
+        return []
+    calls = mine.recv()
+    prober.join()
+    return calls
+
+
 def longest_call(calls: list[tuple[float, float]], start: float, end: float) -> float:
     """The longest a probe call waited within [start, end) (a call may span its edges)."""
     return max((min(t + s, end) - max(t, start) for t, s in calls if t < end and t + s > start), default=0.0)
@@ -134,9 +144,7 @@ def main() -> None:
                     stub.Unregister(pb.UnregisterRequest(client_id=reg.client_id), timeout=600)
             hwm = _hwm(d.pid)
         finally:
-            stop.set()
-            calls = mine.recv()
-            prober.join()
+            calls = end_probe(stop, mine, prober)
             pool.close()
             d.stop()
     print(f"budget {args.host_memory}, pages of {args.rank * args.page_size} B "

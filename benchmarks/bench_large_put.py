@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
-from bench_control import longest_call, probe  # noqa: E402
+from bench_control import end_probe, longest_call, probe  # noqa: E402
 from daemon_proc import DaemonProcess  # noqa: E402
 
 from kvclient import KVLayout, ShmKVPool  # noqa: E402
@@ -69,10 +69,7 @@ def one_run(host_memory: str, tp: int, puts: int) -> list[dict]:
                     done.append((t0, time.monotonic(), stored))
                 time.sleep(0.2)
         finally:
-            stop.set()
-            calls = mine.recv() if prober is not None else []
-            if prober is not None:
-                prober.join()
+            calls = end_probe(stop, mine, prober)
             d.stop()
     out = []
     for t0, t1, stored in done:

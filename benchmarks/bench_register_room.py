@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
-from bench_control import longest_call, probe  # noqa: E402
+from bench_control import end_probe, longest_call, probe  # noqa: E402
 from daemon_proc import DaemonProcess  # noqa: E402
 
 from kvclient import KVLayout, ShmKVPool  # noqa: E402
@@ -94,10 +94,7 @@ def one_run(host_memory: int, page_bytes: int, fill: float, frac: float) -> dict
                 time.sleep(0.2)
                 left = d.stats().cache_bytes
         finally:
-            stop.set()
-            calls = mine.recv() if prober is not None else []
-            if prober is not None:
-                prober.join()
+            calls = end_probe(stop, mine, prober)
             d.stop()
     took = r1 - r0
     return {"cached": cached, "left": left, "filled": filled, "granted": reg.host_tokens * TOKEN_BYTES,

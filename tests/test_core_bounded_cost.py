@@ -338,10 +338,15 @@ def test_a_region_past_2_36_slots_is_refused(make_daemon) -> None:
 def test_a_large_write_and_load_are_checked_off_the_loop_and_exact(daemon) -> None:
     """More than OFF_LOOP_INDICES indices: the request's checks run in a worker thread (and are
     re-checked on the loop if the pages changed meanwhile); the copy is still bit-exact."""
-    n = 1 << 17
-    with ShmKVPool(KVLayout.mla(64, 0), torch.float8_e4m3fn, num_layers=1, num_tokens=n) as pool, \
-            KVClient(daemon.address, timeout=60) as client:
-        client.register(model="m", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=n)
+    _shuffled_round_trip(daemon, 1 << 17, KVClient(daemon.address, timeout=60))
+
+
+def _shuffled_round_trip(daemon, n: int, client: KVClient, after=None):
+    """A Write of ``n`` random tokens of a fresh registration (MLA rank 64, fp8: 64 B a token) to
+    device tokens in shuffled order, then their Load back: bit-exact. Returns ``after(client
+    id)``, called while it is still registered."""
+    with ShmKVPool(KVLayout.mla(64, 0), torch.float8_e4m3fn, num_layers=1, num_tokens=n) as pool, client:
+        reg = client.register(model="m", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=n)
         raw = pool.buffers[0][0].view(torch.uint8)
         g = torch.Generator().manual_seed(5)
         raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
@@ -351,6 +356,7 @@ def test_a_large_write_and_load_are_checked_off_the_loop_and_exact(daemon) -> No
         raw.zero_()
         assert client.load(host_indices=host, device_indices=dev).wait() == n * 64
         assert torch.equal(raw, want)
+        return after(reg.client_id) if after is not None else None
 
 
 def test_a_large_jobs_marks_are_counted_off_the_loop_and_added_whole(daemon, monkeypatch) -> None:
@@ -373,21 +379,13 @@ def test_a_large_jobs_marks_are_counted_off_the_loop_and_added_whole(daemon, mon
 
     monkeypatch.setattr(order_module.JobOrder, "admit", noting(real_admit))
     monkeypatch.setattr(order_module.JobOrder, "finished", noting(real_finished))
-    n = 1 << 18
-    with ShmKVPool(KVLayout.mla(64, 0), torch.float8_e4m3fn, num_layers=1, num_tokens=n) as pool, \
-            KVClient(daemon.address, timeout=60, lane="grpc") as client:
-        reg = client.register(model="m", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=n)
-        raw = pool.buffers[0][0].view(torch.uint8)
-        g = torch.Generator().manual_seed(6)
-        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
-        want = raw.clone()
-        host, dev = client.alloc(n), torch.randperm(n)
-        assert client.write(host_indices=host, device_indices=dev) == n * 64
-        raw.zero_()
-        assert client.load(host_indices=host, device_indices=dev).wait() == n * 64
-        assert torch.equal(raw, want)
-        c = daemon.run(lambda: daemon.core.clients[reg.client_id])
-        marks = daemon.run(lambda: [int(c.busy.sum())] + [int(a.sum()) for a in c.order.arrays()])
+
+    def marks_left(client_id: str) -> list[int]:
+        c = daemon.run(lambda: daemon.core.clients[client_id])
+        return daemon.run(lambda: [int(c.busy.sum())] + [int(a.sum()) for a in c.order.arrays()])
+
+    client = KVClient(daemon.address, timeout=60, lane="grpc")
+    marks = _shuffled_round_trip(daemon, 1 << 18, client, marks_left)
     assert scattered == [] and not any(marks), (scattered, marks)
 
 
