@@ -1,6 +1,6 @@
 """kill -9 of a daemon that keeps its cache (--host-memory-dir), in the middle of a Put and Get
-storm from several engine processes, 12 times (6 with host memory alone; KVSERVER_KILL_ROUNDS sets
-the 12): after each restart every page a Put confirmed is
+storm from several engine processes, 8 times (4 with host memory alone; KVSERVER_KILL_ROUNDS sets
+the 8): after each restart every page a Put confirmed is
 found again and bit-exact, no engine ever loads a wrong byte, and the engines carry on through
 every restart without one of their own."""
 
@@ -19,7 +19,7 @@ from daemon_proc import DaemonProcess
 from kept_engine import storm_engine
 
 ENGINES = 3
-ROUNDS = int(os.environ.get("KVSERVER_KILL_ROUNDS", "12"))
+ROUNDS = int(os.environ.get("KVSERVER_KILL_ROUNDS", "8"))
 PAGE_SIZE = 4  # tokens a page: 8 KiB pages, so that the rounds of Puts fit the cache whole
 
 
