@@ -8,11 +8,11 @@ static void gate_dealloc(Gate *g) {
         PyBuffer_Release(&g->owned_view);
         Py_DECREF(g->owned_obj);
     }
-    free(g->busy);
-    free(g->wpages);
-    free(g->wdev);
-    free(g->lim.page_mark);
-    free(g->lim.dev_mark);
+    kv_zfree(g->busy, g->page_marks, sizeof(int32_t));
+    kv_zfree(g->wpages, g->page_marks, sizeof(int32_t));
+    kv_zfree(g->wdev, g->dev_marks, sizeof(int32_t));
+    kv_zfree(g->lim.page_mark, g->page_marks, sizeof(uint32_t));
+    kv_zfree(g->lim.dev_mark, g->dev_marks, sizeof(uint32_t));
     free(g->dev_bases);
     free(g->client_id);
     free(g->space_gids);
@@ -55,11 +55,13 @@ static int gate_init(Gate *g, PyObject *args, PyObject *kw) {
         return -1;
     }
     g->dev_bases = calloc((size_t)nb, sizeof(char *));
-    g->busy = calloc((size_t)num_pages + 1, sizeof(int32_t));
-    g->wpages = calloc((size_t)num_pages + 1, sizeof(int32_t));
-    g->wdev = calloc((size_t)dev_tokens, sizeof(int32_t));
-    g->lim.page_mark = calloc((size_t)num_pages + 1, sizeof(uint32_t));
-    g->lim.dev_mark = calloc((size_t)dev_tokens, sizeof(uint32_t));
+    g->page_marks = (size_t)num_pages + 1;
+    g->dev_marks = (size_t)dev_tokens;
+    g->busy = kv_zalloc(g->page_marks, sizeof(int32_t));
+    g->wpages = kv_zalloc(g->page_marks, sizeof(int32_t));
+    g->wdev = kv_zalloc(g->dev_marks, sizeof(int32_t));
+    g->lim.page_mark = kv_zalloc(g->page_marks, sizeof(uint32_t));
+    g->lim.dev_mark = kv_zalloc(g->dev_marks, sizeof(uint32_t));
     if (!g->dev_bases || !g->busy || !g->wpages || !g->wdev || !g->lim.page_mark || !g->lim.dev_mark) {
         PyErr_NoMemory();
         return -1;

@@ -63,6 +63,22 @@
 
 /* ---- Gate: what the data plane may do for one registration ---------------------------------- */
 
+/* Zeroed arrays that grow with a registration (a gate's marks, per page and per device token):
+ * mapped, not allocated, so that making them clears nothing and a page of them costs only when
+ * first touched. calloc serves such a block from the heap once glibc's mmap threshold has risen (a
+ * large free raises it) and clears it there: 80 MiB for a region of 4 Mi pages, under the GIL. */
+static void *kv_zalloc(size_t n, size_t size) {
+    if (n == 0 || size > SIZE_MAX / n)
+        return NULL;
+    void *p = mmap(NULL, n * size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+static void kv_zfree(void *p, size_t n, size_t size) {
+    if (p)
+        munmap(p, n * size);
+}
+
 typedef struct {
     PyObject_HEAD
     pthread_mutex_t mu;       /* busy marks, ownership reads, counters, closed */
@@ -73,6 +89,7 @@ typedef struct {
     Py_buffer owned_view;
     int32_t *busy;          /* per page: copies of this plane using it */
     int32_t *wpages, *wdev; /* per page / device token: unfinished writes touching it */
+    size_t page_marks, dev_marks; /* entries of the per-page and per-token arrays (kv_zalloc'd) */
     uint32_t generation;
     char *host_base;      /* the region's first page */
     int64_t page_bytes;   /* bytes of one host page (every layer and part) */
