@@ -1,13 +1,14 @@
 """Control-path costs of tiny pages: Register, Alloc and Free, and how long they hold other engines.
 
 The daemon runs as a subprocess. One engine registers a pool of tiny pages (MLA of --rank values,
-fp8, one layer, --page-size tokens per page: --rank x --page-size bytes a page) taking what the
---host-memory budget holds, then allocates and frees --tokens host tokens in one call each.
+fp8, --layers layers, --page-size tokens per page: --rank x --page-size x --layers bytes a page)
+taking what the --host-memory budget holds, then allocates and frees --tokens host tokens in one call each.
 Meanwhile a probe process, registered as a second engine, calls Stats back to back; the report
 gives each step's wall time, the daemon's resident memory, and the probe's longest call while the
 step ran. With --copies, a Write and a Load of every allocated token (device tokens shuffled) run
 between the Alloc and the Free.
-Run: python benchmarks/bench_control.py [--host-memory 64MiB] [--rank 1] [--page-size 1] [--copies]
+Run: python benchmarks/bench_control.py [--host-memory 64MiB] [--rank 1] [--page-size 1] [--layers 1]
+[--copies]
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from kvserver.v1 import kvserver_pb2_grpc as pb_grpc  # noqa: E402
 MESSAGE_LIMIT = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 
-def _request(pool: ShmKVPool, host_tokens: int, page_size: int) -> pb.RegisterRequest:
-    req = register_request(model="tiny", pool=pool, start_layer=0, end_layer=1, num_layers=1,
+def _request(pool: ShmKVPool, host_tokens: int, page_size: int, layers: int = 1) -> pb.RegisterRequest:
+    req = register_request(model="tiny", pool=pool, start_layer=0, end_layer=layers, num_layers=layers,
                            host_tokens=host_tokens, page_size=page_size, tp_rank=0, tp_size=1,
                            pp_rank=0, pp_size=1)
     req.min_host_tokens = page_size  # take whatever the budget and the limits allow
@@ -88,6 +89,7 @@ def main() -> None:
     ap.add_argument("--host-memory", default="64MiB")
     ap.add_argument("--rank", type=int, default=1, help="MLA kv_lora_rank (fp8: bytes per token)")
     ap.add_argument("--page-size", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=1, help="the engine's pool's layers (a Register's size)")
     ap.add_argument("--tokens", type=int, default=1 << 22, help="host tokens in one Alloc and Free")
     ap.add_argument("--daemon-args", default="", help="extra daemon flags, space separated")
     ap.add_argument("--copies", action="store_true",
@@ -102,7 +104,7 @@ def main() -> None:
         prober = ctx.Process(target=probe, args=(d.address, stop, theirs))
         prober.start()
         assert mine.recv() == "ready"
-        pool = ShmKVPool(KVLayout.mla(args.rank, 0), torch.float8_e4m3fn, num_layers=1,
+        pool = ShmKVPool(KVLayout.mla(args.rank, 0), torch.float8_e4m3fn, num_layers=args.layers,
                          num_tokens=args.tokens if args.copies else 1024)
         steps: list[tuple[str, float, float, str]] = []
         try:
@@ -111,8 +113,8 @@ def main() -> None:
                 rss0 = d.rss()
                 t0 = time.monotonic()
                 try:
-                    reg = stub.Register(ticketed(d.address, pool, _request(pool, 1 << 40, args.page_size)),
-                                        timeout=600)
+                    req = _request(pool, 1 << 40, args.page_size, args.layers)
+                    reg = stub.Register(ticketed(d.address, pool, req), timeout=600)
                 except grpc.RpcError as exc:
                     steps.append(("Register", t0, time.monotonic(), f"{exc.code().name}: {exc.details()}"))
                     reg = None
@@ -147,8 +149,10 @@ def main() -> None:
             calls = end_probe(stop, mine, prober)
             pool.close()
             d.stop()
-    print(f"budget {args.host_memory}, pages of {args.rank * args.page_size} B "
-          f"(MLA rank {args.rank}, fp8, 1 layer, page {args.page_size}); daemon peak RSS {hwm >> 20} MiB")
+    print(f"budget {args.host_memory}, pages of {args.rank * args.page_size * args.layers} B "
+          f"(MLA rank {args.rank}, fp8, {args.layers} layer{'s' if args.layers > 1 else ''}, "
+          f"page {args.page_size}); "
+          f"daemon peak RSS {hwm >> 20} MiB")
     for name, start, end, what in steps:
         held = longest_call(calls, start, end)
         print(f"  {name:8s} {end - start:8.3f} s   probe's longest Stats meanwhile {held * 1e3:8.1f} ms"

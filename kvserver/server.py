@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 
 import grpc
 import torch
@@ -35,6 +36,12 @@ from kvserver.v1 import kvserver_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
+# The daemon's worker threads run Python (a Register's per-layer views and checks, a Put's settle
+# steps, a large request's parse): each time the event loop wakes while one runs, it waits for the
+# GIL until the worker's switch interval ends, and a call to the daemon takes several wake-ups.
+# Python's default, 5 ms, made a 4096-layer Register hold another engine's Stats 28-40 ms; 1 ms,
+# 10-17 ms (docs/performance.md, "A Register of many layers, and the GIL's turns").
+SWITCH_INTERVAL_S = 0.001
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVServer"].full_name
 
 
@@ -161,6 +168,7 @@ class Daemon:
             raise ListenError(f"cannot use socket {path}: its directory {directory}: {reason}") from None
 
     async def start(self) -> None:
+        sys.setswitchinterval(SWITCH_INTERVAL_S)  # the process's: the loop's and its workers'
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)
         bound = []

@@ -124,6 +124,10 @@ NOT_RUN = {
      ".venv/bin/python benchmarks/bench_control.py --host-memory 1088MiB --rank 64 --page-size 1 --copies"):
         "a benchmark of a daemon subprocess for figures measured by hand; test_core_bounded_cost.py holds "
         "the same Write's marks off the loop",
+    ("docs/performance.md",
+     ".venv/bin/python benchmarks/bench_control.py --layers 4096 --tokens 1024 --host-memory 256MiB"):
+        "a benchmark of a daemon subprocess for figures measured by hand; test_bench_control.py runs "
+        "the same script with --layers",
     ("docs/performance.md", ".venv/bin/python -m pytest -q -s tests/test_core_bounded_cost.py -k largest"):
         "one test of the suite, which the suite runs; the line shows the figures it prints",
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_large_put.py --puts 4"):
