@@ -979,7 +979,7 @@ def test_the_descriptors_one_uids_pools_hold_are_capped(daemon) -> None:
 
 def test_a_registrations_per_layer_work_runs_off_the_event_loop(daemon, monkeypatch) -> None:
     """The region's views (one a layer and part) and the walk of every buffer the pool names are
-    made in a worker thread: for 65536 layers, a legal request, each held the loop 0.17-0.34 s."""
+    made in a worker thread: for 65536 layers, once a legal request, each held the loop 0.17-0.34 s."""
     import threading
 
     from kvserver.core import kvcore
