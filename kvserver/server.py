@@ -79,6 +79,7 @@ class Daemon:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        self._switch_interval: float | None = None  # the process's before the start
         raise_fd_limit()  # mappings, sockets and peers' descriptors: take what the system allows
         set_wait_seconds(config.cuda_wait_seconds)  # for the CUDA pools this daemon opens
         capacity = config.host_memory
@@ -168,7 +169,10 @@ class Daemon:
             raise ListenError(f"cannot use socket {path}: its directory {directory}: {reason}") from None
 
     async def start(self) -> None:
-        sys.setswitchinterval(SWITCH_INTERVAL_S)  # the process's: the loop's and its workers'
+        # The process's, the loop's and its workers' alike; given back at the stop (a daemon in a
+        # process of other work, as in tests).
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)
         bound = []
@@ -261,6 +265,8 @@ class Daemon:
             self.servicer.plane.stop()
         if self.kv_events is not None:  # what was recorded until now goes out first
             self.kv_events.close()
+        if self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
         logger.info("kvserver stopped")
 
 

@@ -657,8 +657,8 @@ REGISTER_CASES = [
     pytest.param(_fields(model=""), INV, "model must be set", id="model-empty"),
     pytest.param(_fields(num_layers=1 << 30), INV, "num_layers 1073741824: at most 4096, 4096 and 4096",
                  id="num-layers-huge"),
-    # A Register's per-layer views and checks are Python objects: 65536 layers took 7 s of worker
-    # time and held the loop 120-145 ms in full collections over them and GIL handoffs.
+    # A Register's per-layer views and checks are Python objects: 65536 layers took 7-8 s of worker
+    # time and held the loop 129-145 ms in full collections over them and GIL handoffs.
     pytest.param(_fields(num_layers=4097), INV, "num_layers 4097: at most 4096, 4096 and 4096",
                  id="num-layers-past-4096"),
     pytest.param(_fields(tp_size=1 << 20), INV, "tp_size 1048576, pp_size 1, num_layers 4: at most",

@@ -46,3 +46,22 @@ def test_the_loop_waits_at_most_a_millisecond_for_a_worker_running_python(daemon
         stop.set()
         worker.join()
     assert late < 0.0025, f"the loop waited {late * 1e3:.2f} ms past a tick at the median"
+
+
+def test_a_stopped_daemon_gives_the_process_its_switch_interval_back(socket_dir) -> None:
+    """A daemon in a process of other work (a test's) leaves the interval as it found it."""
+    from conftest import DaemonThread
+
+    from kvserver.config import ServerConfig
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.004)
+    try:
+        d = DaemonThread(ServerConfig(socket=f"{socket_dir}/kv.sock", host_memory=64 << 20))
+        try:
+            assert sys.getswitchinterval() == SWITCH_INTERVAL_S
+        finally:
+            d.stop()
+        assert sys.getswitchinterval() == 0.004
+    finally:
+        sys.setswitchinterval(before)

@@ -23,7 +23,7 @@ from kvserver.v1 import kvserver_pb2 as pb
 MAX_PARALLEL = 4096  # TP and PP sizes a model (a registration's, a space's) may name
 # Layers a model (a registration's, a space's) may have: 30 times the deepest model served today. A
 # Register's views and checks are Python objects per (layer, part), made in a worker thread: for
-# 65536 layers they took 7 s and held the event loop 120-145 ms (full collections over them).
+# 65536 layers they took 7-8 s and held the event loop 129-145 ms (full collections over them).
 MAX_LAYERS = 4096
 
 

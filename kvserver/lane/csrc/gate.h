@@ -8,11 +8,13 @@ static void gate_dealloc(Gate *g) {
         PyBuffer_Release(&g->owned_view);
         Py_DECREF(g->owned_obj);
     }
-    kv_zfree(g->busy, g->page_marks, sizeof(int32_t));
-    kv_zfree(g->wpages, g->page_marks, sizeof(int32_t));
-    kv_zfree(g->wdev, g->dev_marks, sizeof(int32_t));
-    kv_zfree(g->lim.page_mark, g->page_marks, sizeof(uint32_t));
-    kv_zfree(g->lim.dev_mark, g->dev_marks, sizeof(uint32_t));
+    kv_zbatch marks = {0};
+    kv_zadd(&marks, g->busy, g->page_marks, sizeof(int32_t));
+    kv_zadd(&marks, g->wpages, g->page_marks, sizeof(int32_t));
+    kv_zadd(&marks, g->wdev, g->dev_marks, sizeof(int32_t));
+    kv_zadd(&marks, g->lim.page_mark, g->page_marks, sizeof(uint32_t));
+    kv_zadd(&marks, g->lim.dev_mark, g->dev_marks, sizeof(uint32_t));
+    kv_zfree_batch(&marks);
     free(g->dev_bases);
     free(g->client_id);
     free(g->space_gids);

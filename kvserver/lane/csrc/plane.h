@@ -65,18 +65,83 @@
 
 /* Zeroed arrays that grow with a registration (a gate's marks, per page and per device token):
  * mapped, not allocated, so that making them clears nothing and a page of them costs only when
- * first touched. calloc serves such a block from the heap once glibc's mmap threshold has risen (a
- * large free raises it) and clears it there: 80 MiB for a region of 4 Mi pages, under the GIL. */
+ * first touched. calloc serves a block under glibc's mmap ceiling (32 MiB) from the heap once its
+ * sliding threshold has risen (a large free raises it) and clears it there: 80 MiB for a region of
+ * 4 Mi pages, under the GIL. Under AddressSanitizer they are calloc'd: its guards are around heap
+ * blocks, and mappings side by side would let an overrun of one land in the next unreported. */
+#if defined(__SANITIZE_ADDRESS__)
+#define KV_ZMAPPED 0
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define KV_ZMAPPED 0
+#endif
+#endif
+#ifndef KV_ZMAPPED
+#define KV_ZMAPPED 1
+#endif
+
 static void *kv_zalloc(size_t n, size_t size) {
     if (n == 0 || size > SIZE_MAX / n)
         return NULL;
+    if (!KV_ZMAPPED)
+        return calloc(n, size);
     void *p = mmap(NULL, n * size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     return p == MAP_FAILED ? NULL : p;
 }
 
-static void kv_zfree(void *p, size_t n, size_t size) {
-    if (p)
-        munmap(p, n * size);
+/* Arrays to unmap, handed to a thread of their own: unmapping what a large registration touched
+ * (80 MiB for 4 Mi pages) takes milliseconds, and the last reference to a gate goes on the loop. */
+#define KV_ZMAX 8
+typedef struct {
+    int n;
+    void *p[KV_ZMAX];
+    size_t bytes[KV_ZMAX];
+} kv_zbatch;
+
+static void kv_zunmap_all(kv_zbatch *b) {
+    for (int i = 0; i < b->n; i++)
+        if (b->p[i]) {
+            if (KV_ZMAPPED)
+                munmap(b->p[i], b->bytes[i]);
+            else
+                free(b->p[i]);
+        }
+}
+
+static void kv_zadd(kv_zbatch *b, void *p, size_t n, size_t size) {
+    if (p && b->n < KV_ZMAX) {
+        b->p[b->n] = p;
+        b->bytes[b->n++] = n * size;
+    }
+}
+
+static void *kv_zunmap_thread(void *arg) {
+    kv_zunmap_all(arg);
+    free(arg);
+    return NULL;
+}
+
+/* Frees the batch's arrays: in a detached thread where they are mappings of over 1 MiB in all (or
+ * here if no thread can be made). */
+static void kv_zfree_batch(const kv_zbatch *b) {
+    size_t total = 0;
+    for (int i = 0; i < b->n; i++)
+        total += b->bytes[i];
+    if (KV_ZMAPPED && total > (1u << 20)) {
+        kv_zbatch *copy = malloc(sizeof(*copy));
+        pthread_attr_t attr;
+        pthread_t t;
+        if (copy && pthread_attr_init(&attr) == 0) {
+            *copy = *b;
+            pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+            int rc = pthread_create(&t, &attr, kv_zunmap_thread, copy);
+            pthread_attr_destroy(&attr);
+            if (rc == 0)
+                return;
+        }
+        free(copy);
+    }
+    kv_zunmap_all((kv_zbatch *)b);
 }
 
 typedef struct {
