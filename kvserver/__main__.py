@@ -15,7 +15,7 @@ from kvserver.events.publisher import check_events_installed
 from kvserver.host.arena import HostMemoryError
 from kvserver.peers.tenants import TenantBook, parse_quota
 from kvserver.protocol.paths import default_socket
-from kvserver.server import ListenError, serve
+from kvserver.server import ListenError, end_process, serve
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -298,5 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run() -> None:
+    """The process's entry (the ``kvserver`` command, ``python -m kvserver``): ``main()``, then the
+    process ends at once (``end_process``), without the interpreter's teardown."""
+    end_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

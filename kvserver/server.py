@@ -11,6 +11,8 @@ import os
 import signal
 import socket
 import sys
+import threading
+from typing import NoReturn
 
 import grpc
 import torch
@@ -42,6 +44,32 @@ logger = logging.getLogger(__name__)
 # Python's default, 5 ms, made a 4096-layer Register hold another engine's Stats 28-40 ms; 1 ms,
 # 10-17 ms (docs/performance.md, "A Register of many layers, and the GIL's turns").
 SWITCH_INTERVAL_S = 0.001
+
+
+class _SwitchInterval:
+    """The process's switch interval (the loop's and its workers' alike) at SWITCH_INTERVAL_S while
+    any daemon of the process runs; as it was once none does (a process of other work: tests)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # daemons of one process may run on loops of their own
+        self.daemons = 0
+        self.before = sys.getswitchinterval()
+
+    def take(self) -> None:
+        with self.lock:
+            if self.daemons == 0:
+                self.before = sys.getswitchinterval()
+                sys.setswitchinterval(SWITCH_INTERVAL_S)
+            self.daemons += 1
+
+    def give(self) -> None:
+        with self.lock:
+            self.daemons -= 1
+            if self.daemons == 0:
+                sys.setswitchinterval(self.before)
+
+
+_SWITCH = _SwitchInterval()
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVServer"].full_name
 
 
@@ -79,7 +107,7 @@ class Daemon:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self._switch_interval: float | None = None  # the process's before the start
+        self._switch_taken = False  # holds the process's switch interval at SWITCH_INTERVAL_S
         raise_fd_limit()  # mappings, sockets and peers' descriptors: take what the system allows
         set_wait_seconds(config.cuda_wait_seconds)  # for the CUDA pools this daemon opens
         capacity = config.host_memory
@@ -169,10 +197,16 @@ class Daemon:
             raise ListenError(f"cannot use socket {path}: its directory {directory}: {reason}") from None
 
     async def start(self) -> None:
-        # The process's, the loop's and its workers' alike; given back at the stop (a daemon in a
-        # process of other work, as in tests).
-        self._switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        _SWITCH.take()
+        self._switch_taken = True
+        try:
+            await self._start()
+        except BaseException:
+            self._switch_taken = False
+            _SWITCH.give()
+            raise
+
+    async def _start(self) -> None:
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)
         bound = []
@@ -265,8 +299,9 @@ class Daemon:
             self.servicer.plane.stop()
         if self.kv_events is not None:  # what was recorded until now goes out first
             self.kv_events.close()
-        if self._switch_interval is not None:
-            sys.setswitchinterval(self._switch_interval)
+        if self._switch_taken:
+            self._switch_taken = False
+            _SWITCH.give()
         logger.info("kvserver stopped")
 
 
@@ -286,12 +321,20 @@ async def serve(config: ServerConfig) -> None:
     await stop.wait()
     logger.info("signal received, shutting down")
     await daemon.stop()
-    # Every part of the daemon is closed (its files, its publisher, its tiers): the process ends
-    # here. The interpreter's own teardown (torch's and grpc's modules, its last collections) took
-    # 0.6-0.9 s more of every stop, which a restart waits for; and where Mooncake calls still wait
-    # on a master that does not answer, threads its exit would join, or abort on.
+    if daemon.core.left_running:
+        # Mooncake calls still wait on a master that does not answer (threads its exit would join,
+        # or abort on): the daemon's own state is closed, so the process ends here.
+        end_process(0)
+
+
+def end_process(code: int) -> NoReturn:
+    """Ends the process at once, what it logged and printed written out first: the daemon's files,
+    publisher and tiers are closed by then. The interpreter's own teardown (torch's and grpc's
+    modules, its last collections) took 0.3-0.9 s more of every stop, which a restart waits for.
+    One collection runs first, so that a task dropped with an exception still says so."""
+    gc.collect()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    os._exit(0)
+    os._exit(code)

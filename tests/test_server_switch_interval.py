@@ -11,6 +11,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from kvserver.server import SWITCH_INTERVAL_S
 
 TICK_S = 0.002
@@ -48,20 +50,33 @@ def test_the_loop_waits_at_most_a_millisecond_for_a_worker_running_python(daemon
     assert late < 0.0025, f"the loop waited {late * 1e3:.2f} ms past a tick at the median"
 
 
-def test_a_stopped_daemon_gives_the_process_its_switch_interval_back(socket_dir) -> None:
-    """A daemon in a process of other work (a test's) leaves the interval as it found it."""
+def test_the_process_gets_its_switch_interval_back_once_no_daemon_runs(socket_dir) -> None:
+    """Daemons in a process of other work (a test's) leave the interval as they found it: two whose
+    lives overlap, stopped in the order they started, and one whose start failed."""
     from conftest import DaemonThread
 
     from kvserver.config import ServerConfig
+    from kvserver.server import Daemon, ListenError
 
     before = sys.getswitchinterval()
     sys.setswitchinterval(0.004)
     try:
-        d = DaemonThread(ServerConfig(socket=f"{socket_dir}/kv.sock", host_memory=64 << 20))
+        a = DaemonThread(ServerConfig(socket=f"{socket_dir}/a.sock", host_memory=64 << 20))
         try:
-            assert sys.getswitchinterval() == SWITCH_INTERVAL_S
+            b = DaemonThread(ServerConfig(socket=f"{socket_dir}/b.sock", host_memory=64 << 20))
+            try:
+                assert sys.getswitchinterval() == SWITCH_INTERVAL_S
+            finally:
+                a.stop()
+            assert sys.getswitchinterval() == SWITCH_INTERVAL_S  # b still runs
         finally:
-            d.stop()
+            b.stop()
+        assert sys.getswitchinterval() == 0.004
+        with open(f"{socket_dir}/file", "w"):
+            pass
+        failing = Daemon(ServerConfig(socket=f"{socket_dir}/file/kv.sock", host_memory=64 << 20))
+        with pytest.raises(ListenError):
+            asyncio.run(failing.start())
         assert sys.getswitchinterval() == 0.004
     finally:
         sys.setswitchinterval(before)
