@@ -28,6 +28,7 @@ from kvserver.core.cache_ops import expire_leases
 from kvserver.core.kvcore import KVCore
 from kvserver.core.liveness import Reaper
 from kvserver.events.publisher import ZmqPublisher
+from kvserver.host.heap import keep_freed_heap
 from kvserver.media.cuda.waits import set_wait_seconds
 from kvserver.peers.fd_socket import PeerSocket
 from kvserver.peers.tenants import TenantBook, parse_quota
@@ -312,6 +313,7 @@ async def serve(config: ServerConfig) -> None:
     # the start, so that the daemon's own objects (a kept cache's spaces, a registration taken
     # while it starts) are collected as ever once they are dropped.
     gc.freeze()
+    keep_freed_heap()  # frees never give a burst of memory back at once, on the loop (host/heap.py)
     daemon = Daemon(config)
     await daemon.start()
     stop = asyncio.Event()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvserver.core.share import MAX_WAIT, LoopShare
+from kvserver.core.share import BREATHE_S, LONG_STEP_S, MAX_WAIT, LoopShare
 
 
 async def _timed(coro) -> float:
@@ -16,13 +16,25 @@ async def _timed(coro) -> float:
     return time.perf_counter() - t
 
 
-def test_with_no_call_in_flight_a_step_goes_on_after_one_pass():
+def test_with_no_call_in_flight_a_short_step_goes_on_after_one_pass():
+    async def main():
+        share = LoopShare()
+        with share.long():
+            return await _timed(share.between_steps(LONG_STEP_S / 2))
+    assert asyncio.run(main()) < BREATHE_S
+
+
+def test_with_no_call_in_flight_a_long_step_leaves_the_loop_a_moment():
+    """A call not yet on the loop (grpc's poller thread hands it over, then the loop reads it and
+    starts its handler: a few passes) waited behind each next step: a Release of 128 leases of 128
+    Ki pins, 16 steps of 3-4 ms, held another engine's Stats 25-37 ms; with a moment after each
+    long step, 9-17 ms. The moment is short: the operation goes on well before its step's time."""
     async def main():
         share = LoopShare()
         with share.long():
             return await _timed(share.between_steps(1.0))
-
-    assert asyncio.run(main()) < 0.05
+    waited = asyncio.run(main())
+    assert BREATHE_S * 0.8 <= waited < 0.05, waited
 
 
 def test_a_long_operation_waits_for_a_call_in_flight_until_it_ends():

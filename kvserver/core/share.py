@@ -25,6 +25,8 @@ from typing import TypeVar
 T = TypeVar("T")
 
 MAX_WAIT = 0.02  # the longest a long operation waits for short calls between two of its steps
+LONG_STEP_S = 0.002  # a step this long is followed by a pause of BREATHE_S, calls in flight or not
+BREATHE_S = 0.001
 
 _counted: contextvars.ContextVar[bool] = contextvars.ContextVar("kvserver_call_counted", default=False)
 
@@ -63,7 +65,10 @@ class LoopShare:
         """Lets the loop serve others after a step that took ``spent`` seconds: one pass, and while
         calls are in flight, until none is or ``spent`` (at most ``MAX_WAIT``) has passed."""
         if not self.calls:
-            await asyncio.sleep(0)
+            # A call not yet on the loop (grpc's poller thread hands it over, then the loop reads it
+            # and starts its handler, a few passes) would wait behind each next step: after a long
+            # step, a moment for it to come.
+            await asyncio.sleep(BREATHE_S if spent >= LONG_STEP_S else 0)
             return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._event().wait(), min(spent, MAX_WAIT))
