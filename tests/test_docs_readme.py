@@ -133,6 +133,9 @@ NOT_RUN = {
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_large_put.py --puts 4"):
         "a benchmark of four daemon subprocesses, for figures measured by hand; "
         "tests/test_bench_large_put.py runs the same script with one Put",
+    ("docs/performance.md", ".venv/bin/python benchmarks/bench_leases.py"):
+        "a benchmark of a daemon subprocess taking 16 Mi pins three times, for figures measured by hand; "
+        "tests/test_bench_leases.py runs the same script on small sizes",
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_register_room.py"):
         "a benchmark of six daemon subprocesses filling 1 GiB each, for figures measured by hand; "
         "tests/test_bench_register_room.py runs the same script on 64 MiB",
