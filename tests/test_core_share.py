@@ -21,13 +21,15 @@ def test_with_no_call_in_flight_a_short_step_goes_on_after_one_pass():
         share = LoopShare()
         with share.long():
             return await _timed(share.between_steps(LONG_STEP_S / 2))
-    assert asyncio.run(main()) < BREATHE_S
+    # The best of five: one pass is microseconds, a pause a millisecond; a crowded machine may
+    # preempt any one pass.
+    assert min(asyncio.run(main()) for _ in range(5)) < BREATHE_S / 2
 
 
 def test_with_no_call_in_flight_a_long_step_leaves_the_loop_a_moment():
     """A call not yet on the loop (grpc's poller thread hands it over, then the loop reads it and
     starts its handler: a few passes) waited behind each next step: a Release of 128 leases of 128
-    Ki pins, 16 steps of 3-4 ms, held another engine's Stats 25-37 ms; with a moment after each
+    Ki pins, 16 steps of 3-6 ms, held another engine's Stats 25-37 ms; with a moment after each
     long step, 9-17 ms. The moment is short: the operation goes on well before its step's time."""
     async def main():
         share = LoopShare()

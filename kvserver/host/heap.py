@@ -9,8 +9,10 @@ back whole by the last free, on the event loop: 30-40 ms while no other engine's
 
 The daemon fixes the mmap threshold where it would slide to (blocks of 32 MiB and more are
 mapped, and unmapped alone when freed) and never trims the heap in a free: what its blocks under
-32 MiB free stays with the process for the next ones, up to its peak use. Only glibc has these
-knobs (``mallopt``); elsewhere nothing changes.
+32 MiB free stays with the process for the next ones, up to its peak use. That peak is outside
+the host-memory budget once what it held is given back (a tenant's pins' bookkeeping, booked while
+held: up to 192 MiB a tenant). Only glibc has these knobs (``mallopt``); elsewhere nothing
+changes.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ logger = logging.getLogger(__name__)
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20  # glibc's ceiling for its sliding threshold (DEFAULT_MMAP_THRESHOLD_MAX)
-NEVER_TRIM = (1 << 31) - 1  # mallopt takes an int: past any heap top the daemon's requests make
+NEVER_TRIM = -1  # glibc: "disables trimming completely" (an int past 2 GiB of free heap top would still trim)
 
 
 def keep_freed_heap() -> bool:
