@@ -74,9 +74,11 @@ def test_the_process_gets_its_switch_interval_back_once_no_daemon_runs(socket_di
         assert sys.getswitchinterval() == 0.004
         with open(f"{socket_dir}/file", "w"):
             pass
-        failing = Daemon(ServerConfig(socket=f"{socket_dir}/file/kv.sock", host_memory=64 << 20))
+        async def failing_start() -> None:  # made on a loop: its gRPC server needs one
+            await Daemon(ServerConfig(socket=f"{socket_dir}/file/kv.sock", host_memory=64 << 20)).start()
+
         with pytest.raises(ListenError):
-            asyncio.run(failing.start())
+            asyncio.run(failing_start())
         assert sys.getswitchinterval() == 0.004
     finally:
         sys.setswitchinterval(before)
