@@ -90,7 +90,9 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=1, help="MLA kv_lora_rank (fp8: bytes per token)")
     ap.add_argument("--page-size", type=int, default=1)
     ap.add_argument("--layers", type=int, default=1, help="the engine's pool's layers (a Register's size)")
-    ap.add_argument("--tokens", type=int, default=1 << 22, help="host tokens in one Alloc and Free")
+    ap.add_argument("--tokens", type=int, default=1 << 22,
+                    help="host tokens in one Alloc and Free (the daemon is started taking that many indices "
+                         "a request, above its default of 1 Mi)")
     ap.add_argument("--daemon-args", default="", help="extra daemon flags, space separated")
     ap.add_argument("--copies", action="store_true",
                     help="also a Write and a Load of every allocated token, device tokens shuffled (the pool "
@@ -98,7 +100,8 @@ def main() -> None:
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="kvctl-") as tmp:
-        d = DaemonProcess(os.path.join(tmp, "kv.sock"), "--log-level", "ERROR", *args.daemon_args.split(),
+        d = DaemonProcess(os.path.join(tmp, "kv.sock"), "--log-level", "ERROR",
+                          "--max-request-indices", str(max(args.tokens, 1 << 20)), *args.daemon_args.split(),
                           host_memory=args.host_memory)
         stop, (mine, theirs) = ctx.Event(), ctx.Pipe()
         prober = ctx.Process(target=probe, args=(d.address, stop, theirs))

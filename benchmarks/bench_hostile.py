@@ -12,8 +12,9 @@ while these run, each in its own process, as fast as the daemon answers them (--
 - a large region: Register of a 256 MiB region, a Write populating all of it, Unregister;
 - descriptors: tickets of 253 memfds each (accepted, never redeemed) and of 253 TCP sockets
   (refused), back to back;
-- large messages: a 62 MiB RegisterRequest of six million buffer references (refused unparsed)
-  and a Free of 4 Mi indices naming no registration (read, then refused), in turn, over gRPC;
+- large messages: a RegisterRequest of buffer references as large as the daemon takes (16 MiB at
+  its default --max-request-indices; refused unparsed) and a Free of the most indices it takes
+  (1 Mi, each 9 bytes on the wire) naming no registration (read, then refused), in turn, over gRPC;
 - full lanes: 16 registrations whose lanes' slots all hold a Lookup of the most keys a call walks
   (1024, stored), each slot submitted again the moment it is answered, written into the ring as a
   peer may (not through the client's calls): the data plane's thread, which also serves the
@@ -53,6 +54,8 @@ from daemon_proc import DaemonProcess  # noqa: E402
 from kvclient import KVClient, KVClientError, KVLayout, ShmKVPool  # noqa: E402
 from kvclient._transport import lane  # noqa: E402
 from kvclient._transport.fd_socket import fd_socket_path  # noqa: E402
+from kvserver.api.message_size import request_message_bytes  # noqa: E402
+from kvserver.config import DEFAULT_MAX_REQUEST_INDICES  # noqa: E402
 from kvserver.protocol import ring as R  # noqa: E402
 from kvserver.protocol.fd_socket import FDS_PER_MESSAGE, TicketRefused, request_ticket  # noqa: E402
 from kvserver.v1 import kvserver_pb2 as pb  # noqa: E402
@@ -63,6 +66,11 @@ LANES = 16
 FLOOD_LANES = 8
 PAGE = 64  # tokens a page: with MLA rank 1 fp8, the smallest page the daemon takes (64 bytes)
 LAG_METRIC = "kvserver_event_loop_lag_seconds_bucket"
+# An attacker's calls wait as long as it takes: each is the largest of its kind, sent with every
+# other attack at once on a machine whose cores they all share, and is served late, not refused.
+ATTACK_TIMEOUT = 60.0
+MOST_INDICES = DEFAULT_MAX_REQUEST_INDICES  # the daemon's defaults: the most it takes at once
+MOST_BYTES = request_message_bytes(MOST_INDICES)
 
 
 # ---- the attacks (each in its own process, until ``stop``) ----------------------------------------
@@ -90,7 +98,7 @@ def _tiny_register(address: str, stop, ready) -> int:
     with ShmKVPool(KVLayout.mla(1, 0), torch.float8_e4m3fn, 1, 1024) as pool:
         ready()
         while not stop.is_set():
-            with KVClient(address, resilient=False) as c:
+            with KVClient(address, resilient=False, timeout=ATTACK_TIMEOUT) as c:
                 if _registered(c, model="tiny", pool=pool, start_layer=0, end_layer=1, num_layers=1,
                                host_tokens=1 << 30, min_host_tokens=PAGE, page_size=PAGE):
                     c.unregister()
@@ -101,7 +109,7 @@ def _tiny_register(address: str, stop, ready) -> int:
 def _evicting_puts(address: str, stop, ready) -> int:
     rounds = 0
     pools = [ShmKVPool(KVLayout.mla(r, 0), torch.float8_e4m3fn, 1, MAX_KEYS * PAGE) for r in (1, 2, 3, 4)]
-    clients = [KVClient(address, resilient=False) for _ in pools]
+    clients = [KVClient(address, resilient=False, timeout=ATTACK_TIMEOUT) for _ in pools]
     try:
         for i, (c, pool) in enumerate(zip(clients, pools, strict=True)):
             c.register(model=f"evict{i}", pool=pool, start_layer=0, end_layer=1, num_layers=1,
@@ -123,7 +131,7 @@ def _pinned_lookups(address: str, stop, ready) -> int:
     rounds = 0
     keys = os.urandom(16 * MAX_KEYS)
     with ShmKVPool(KVLayout.mla(1, 0), torch.float8_e4m3fn, 1, MAX_KEYS * PAGE) as pool, \
-            KVClient(address, resilient=False) as c:
+            KVClient(address, resilient=False, timeout=ATTACK_TIMEOUT) as c:
         c.register(model="pin", pool=pool, start_layer=0, end_layer=1, num_layers=1, host_tokens=0,
                    page_size=PAGE)
         c.put(keys, list(range(MAX_KEYS)))
@@ -143,7 +151,7 @@ def _large_region(address: str, stop, ready) -> int:
     with ShmKVPool(layout, torch.float16, 2, 1024) as pool:
         ready()
         while not stop.is_set():
-            with KVClient(address, resilient=False) as c:
+            with KVClient(address, resilient=False, timeout=ATTACK_TIMEOUT) as c:
                 if not _registered(c, model="big", pool=pool, start_layer=0, end_layer=2, num_layers=2,
                                    host_tokens=tokens, page_size=16):
                     rounds += 1
@@ -182,9 +190,11 @@ def _large_messages(address: str, stop, ready) -> int:
     rounds = 0
     part = pb.BufferRef(offset=1, token_stride=2)
     part.shm.name = "x"
+    layer = pb.LayerBuffers(parts=[part] * 1000)
     register = pb.RegisterRequest(model="bomb")
-    register.device_pool.layers.extend([pb.LayerBuffers(parts=[part] * 1000)] * 6000)  # 62 MiB
-    free = pb.FreeRequest(client_id="none", host_indices=np.arange(1 << 22) | (1 << 36))
+    register.device_pool.layers.extend([layer] * ((MOST_BYTES - (64 << 10)) // (layer.ByteSize() + 4)))
+    free = pb.FreeRequest(client_id="none", host_indices=np.arange(MOST_INDICES) | (1 << 62))
+    assert max(register.ByteSize(), free.ByteSize()) <= MOST_BYTES
     # Each answered by the daemon, never refused by this side's channel (RESOURCE_EXHAUSTED too):
     # the Register refused for its size, or, by a daemon that parses it whole, for its lack of a
     # peer ticket; the Free for the registration it names.
@@ -198,7 +208,7 @@ def _large_messages(address: str, stop, ready) -> int:
         while not stop.is_set():
             name, call, data = methods[rounds % len(methods)]
             try:
-                call(data, timeout=60)
+                call(data, timeout=ATTACK_TIMEOUT)
             except grpc.RpcError as exc:
                 got = (exc.code(), exc.details() or "")
                 if not any(got[0] == code and said in got[1] for code, said in answers[name]):
@@ -211,7 +221,7 @@ def _full_lanes(address: str, stop, ready) -> int:
     rounds = 0
     keys = os.urandom(16 * LANE_KEYS)
     with ShmKVPool(KVLayout.mla(1, 0), torch.float8_e4m3fn, 1, LANE_KEYS * PAGE) as pool:
-        clients = [KVClient(address, resilient=False) for _ in range(LANES)]
+        clients = [KVClient(address, resilient=False, timeout=ATTACK_TIMEOUT) for _ in range(LANES)]
         try:
             requests = {}
             for c in clients:
@@ -259,7 +269,7 @@ def _doorbell_flood(address: str, stop, ready) -> int:
     """Rounds: thousands of rings sent."""
     sent = 0
     with ShmKVPool(KVLayout.mla(1, 0), torch.float8_e4m3fn, 1, PAGE) as pool:
-        clients = [KVClient(address, resilient=False) for _ in range(FLOOD_LANES)]
+        clients = [KVClient(address, resilient=False, timeout=ATTACK_TIMEOUT) for _ in range(FLOOD_LANES)]
         try:
             bells = []
             for c in clients:

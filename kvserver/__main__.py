@@ -10,7 +10,13 @@ import sys
 import uvloop
 
 from kvserver.cluster import check_installed
-from kvserver.config import ServerConfig, parse_cluster_segment, parse_disk_size, parse_host_memory
+from kvserver.config import (
+    DEFAULT_MAX_REQUEST_INDICES,
+    ServerConfig,
+    parse_cluster_segment,
+    parse_disk_size,
+    parse_host_memory,
+)
 from kvserver.events.publisher import check_events_installed
 from kvserver.host.arena import HostMemoryError
 from kvserver.peers.tenants import TenantBook, parse_quota
@@ -108,8 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-clients-per-tenant", type=int, default=_env("MAX_CLIENTS_PER_TENANT", "256"),
                    help="most registrations one tenant (a uid, a tenant token, or the anonymous one) "
                         "holds at once, so that no one caller takes every client slot (default 256)")
-    p.add_argument("--max-request-indices", type=int, default=_env("MAX_REQUEST_INDICES", str(1 << 22)),
-                   help="most indices in one request (default 4194304)")
+    p.add_argument("--max-request-indices", type=int,
+                   default=_env("MAX_REQUEST_INDICES", str(DEFAULT_MAX_REQUEST_INDICES)),
+                   help="most indices in one request (default 1048576); gRPC reads requests of up to "
+                        "15 bytes an index")
     p.add_argument("--max-pages-per-client", type=int, default=_env("MAX_PAGES_PER_CLIENT", str(1 << 24)),
                    help="most host pages one registration may hold (default 16777216)")
     p.add_argument("--token-file", default=_env("TOKEN_FILE"),

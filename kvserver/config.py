@@ -11,6 +11,8 @@ _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", re.IGNORECASE)
 
 
+DEFAULT_MAX_REQUEST_INDICES = 1 << 20  # most indices (or keys) in one request
+
 _SHARE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*%\s*")
 
 
@@ -125,7 +127,7 @@ class ServerConfig:
     reclaim_grace: float = 1.0  # seconds after a Session ends before the client is reclaimed
     max_clients: int = 1024
     max_clients_per_tenant: int = 256  # registrations one tenant holds at once
-    max_request_indices: int = 1 << 22
+    max_request_indices: int = DEFAULT_MAX_REQUEST_INDICES
     max_pages_per_client: int = 1 << 24  # x page_size (at most 4096) fits below the epoch bits
     token: str | None = None  # required as "authorization: Bearer <token>" metadata when set
     admin_token: str | None = None  # as "x-kvserver-admin: <token>" metadata: Stats lists every client
@@ -133,7 +135,8 @@ class ServerConfig:
     socket_group_access: bool = False  # socket mode 0660 instead of 0600
     shared_socket_dir: bool = False  # listen where others may write the socket's directory (warned)
     allow_named_shm: bool = False  # accept named /dev/shm pools (owned by the caller) besides memfds
-    max_message_bytes: int = 64 << 20
+    # gRPC's cap on one request; None: the largest a valid request needs (kvserver.api.message_size)
+    max_message_bytes: int | None = None
     cuda_wait_seconds: float = 20.0  # GPU work of a client making no progress this long fails it
     tenant_quota: str = "100%"  # cached bytes one tenant may hold: a size or a share of host_memory
     tenant_tokens: str | None = None  # file of 'name token [quota]' lines (kvserver.peers.tenants)

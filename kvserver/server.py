@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvserver.api.auth import TokenAuth
+from kvserver.api.message_size import SEND_BYTES, request_message_bytes
 from kvserver.api.metrics import Metrics
 from kvserver.api.servicer import KVServicer, add_to_server
 from kvserver.cluster import MooncakeClient, local_address
@@ -155,9 +156,10 @@ class Daemon:
             self.core.tickets = self.peer_socket.tickets
         self.reaper = Reaper(self.core, config.lease, config.reclaim_grace)
         self.health = health.aio.HealthServicer()
+        receive = config.max_message_bytes or request_message_bytes(config.max_request_indices)
         opts = [
-            ("grpc.max_receive_message_length", config.max_message_bytes),
-            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.max_receive_message_length", receive),
+            ("grpc.max_send_message_length", max(receive, SEND_BYTES)),
             ("grpc.so_reuseport", 0),
         ]
         interceptors = [TokenAuth(config.token)] if config.token else []

@@ -38,6 +38,7 @@ from test_api_grpcurl import GRPCURL, GRPCURL_VERSION
 
 from kvclient import KVLayout, ShmKVPool
 from kvclient._messages import register_request
+from kvserver.config import DEFAULT_MAX_REQUEST_INDICES
 from kvserver.protocol.shared_memory import unlink_shm
 from kvserver.v1 import kvserver_pb2 as pb
 
@@ -52,7 +53,7 @@ SERVICE = "kvserver.v1.KVServer"
 INT64_MAX = (1 << 63) - 1
 UINT32_MAX = (1 << 32) - 1
 UINT64_MAX = (1 << 64) - 1
-DEFAULT_REQUEST_LIMIT = 1 << 22
+DEFAULT_REQUEST_LIMIT = DEFAULT_MAX_REQUEST_INDICES
 
 
 def grpcurl_name(code: grpc.StatusCode) -> str:

@@ -130,6 +130,8 @@ NOT_RUN = {
         "the same script with --layers",
     ("docs/performance.md", ".venv/bin/python -m pytest -q -s tests/test_core_bounded_cost.py -k largest"):
         "one test of the suite, which the suite runs; the line shows the figures it prints",
+    ("docs/performance.md", ".venv/bin/python -m pytest -q -s tests/test_api_message_size.py"):
+        "tests of the suite, which the suite runs",
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_large_put.py --puts 4"):
         "a benchmark of four daemon subprocesses, for figures measured by hand; "
         "tests/test_bench_large_put.py runs the same script with one Put",

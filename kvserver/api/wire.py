@@ -3,8 +3,9 @@
 grpc.aio runs a method's request deserializer on the event loop, and protobuf's parser holds the
 GIL for the whole parse, in a worker thread too: measured on this project's 2-core VM, a loop
 timer ran as late as the parse took, ~55 ms for a Free of 4 Mi indices (25 MB) and ~0.6 s for a
-62 MiB RegisterRequest of six million buffer references, which any peer may send (the daemon
-takes messages of up to 64 MiB).
+62 MiB RegisterRequest of six million buffer references, which any peer could send while the
+daemon took messages of up to 64 MiB (it now takes up to the largest valid request, 16 MiB at
+its defaults: kvserver/api/message_size.py).
 
 So a request of ``LARGE_REQUEST_BYTES`` or more, of any method, is kept as it came (``Unparsed``)
 and read by its handler through ``parse_off_loop``, on threads of its own (a peer that sends many

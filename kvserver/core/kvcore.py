@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from kvserver.cluster import ClusterTier, MooncakeClient
-from kvserver.config import format_size
+from kvserver.config import DEFAULT_MAX_REQUEST_INDICES, format_size
 from kvserver.copies import transfer
 from kvserver.copies.order import JobOrder, dense_marks, dense_pays
 from kvserver.core import epochs
@@ -65,7 +65,7 @@ class KVCore:
         progress_interval: float = 0.0,
         max_clients: int = 1024,
         max_clients_per_tenant: int = 256,
-        max_request_indices: int = 1 << 22,
+        max_request_indices: int = DEFAULT_MAX_REQUEST_INDICES,
         max_pages_per_client: int = 1 << 24,
         allow_named_shm: bool = False,
         tenant_quota: int = 0,

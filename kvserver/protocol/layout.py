@@ -11,7 +11,7 @@ from kvserver.errors import InvalidArgument, LayerOutOfRange, shown
 from kvserver.v1 import kvserver_pb2 as pb
 
 # Longest layers list looked at id by id (with array operations) to name an id outside the range;
-# a longer one (a 64 MiB message holds ~60 M) is refused by its length alone.
+# a longer one (a 16 MiB message holds ~16 M) is refused by its length alone.
 MAX_LAYER_IDS = 1 << 20
 
 DTYPE_TO_TORCH: dict[int, torch.dtype] = {
