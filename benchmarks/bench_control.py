@@ -99,9 +99,10 @@ def main() -> None:
                          "then holds --tokens tokens)")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
+    most = max(-(-args.tokens // args.page_size) * args.page_size, 1 << 20)  # an Alloc takes whole pages
     with tempfile.TemporaryDirectory(prefix="kvctl-") as tmp:
         d = DaemonProcess(os.path.join(tmp, "kv.sock"), "--log-level", "ERROR",
-                          "--max-request-indices", str(max(args.tokens, 1 << 20)), *args.daemon_args.split(),
+                          "--max-request-indices", str(most), *args.daemon_args.split(),
                           host_memory=args.host_memory)
         stop, (mine, theirs) = ctx.Event(), ctx.Pipe()
         prober = ctx.Process(target=probe, args=(d.address, stop, theirs))

@@ -23,4 +23,8 @@ def from_rpc_error(exc: grpc.RpcError) -> KVClientError:
     details = exc.details() if hasattr(exc, "details") else str(exc)
     trailers = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
     ended = any(tuple(m) == JOB_ENDED for m in trailers or ())
-    return KVClientError(code or grpc.StatusCode.UNKNOWN, details or "", ended)
+    details = details or ""
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "message larger than max" in details:
+        details += (" (the daemon takes no request larger than the largest valid one under its "
+                    "--max-request-indices, 16 MiB at the default: split the call)")
+    return KVClientError(code or grpc.StatusCode.UNKNOWN, details, ended)

@@ -339,6 +339,8 @@ MAIN_CASES = {
     "share-env-over-100": ([], {"KVSERVER_HOST_MEMORY": "101%"}, "at most 100%, not '101%'"),
     "bad-int-flag": (["--copy-threads", "many"], {}, "argument --copy-threads: invalid int value: 'many'"),
     "zero-threads": (["--copy-threads", "0"], {}, "copy threads must be between 1 and 1024"),
+    "request-indices-over-the-most": (["--max-request-indices", str((1 << 24) + 1)], {},
+                                      "max request indices must be at most 16777216"),
     "negative-grace": (["--shutdown-grace", "-1"], {}, "shutdown grace must not be negative"),
     "bad-listen": (["--listen", "nohost"], {}, "listen address 'nohost' is not host:port"),
     "tcp-without-token": (["--listen", "127.0.0.1:5555"], {}, "listening on TCP needs a token"),

@@ -14,7 +14,7 @@ from kvserver.core.cache_ops import MAX_CACHE_KEYS
 from kvserver.store.keys import MAX_KEY_BYTES
 
 # A Write or Load of n indices: a host index carries its registration's epoch above bit 36 (at
-# most 9 bytes as a varint), a device slot is below 2^36 (at most 6 bytes).
+# most 9 bytes as a varint), a device slot is below 2^40 (the most tokens a pool has: 6 bytes).
 BYTES_PER_INDEX = 9 + 6
 # A Put, Get or Lookup of the most keys: each key and its device page (at most 10 bytes).
 BYTES_PER_KEY = MAX_KEY_BYTES + 10
