@@ -18,9 +18,10 @@ scripts/check_wheel.sh >"$wheel_log" 2>&1 &
 wheel_pid=$!
 trap 'kill "$wheel_pid" 2>/dev/null || true; rm -f "$wheel_log"' EXIT
 # Two workers (the machine's two cores), each running whole files; the modules that run daemons on
-# the node's default socket and port take a lock (tests/conftest.py: default_socket_lock).
+# the node's default socket and port take a lock (tests/conftest.py: default_socket_lock). The log
+# ends with why each skipped test was skipped and the slowest tests (what to make cheaper).
 rc=0
-.venv/bin/python -m pytest -q -n 2 --dist loadfile "$@" || rc=$?
+.venv/bin/python -m pytest -q -n 2 --dist loadfile -rs --durations=25 "$@" || rc=$?
 wheel_rc=0
 wait "$wheel_pid" || wheel_rc=$?
 cat "$wheel_log"
