@@ -24,7 +24,8 @@ def from_rpc_error(exc: grpc.RpcError) -> KVClientError:
     trailers = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
     ended = any(tuple(m) == JOB_ENDED for m in trailers or ())
     details = details or ""
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "message larger than max" in details:
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "SERVER: Received message larger than max" in details:
+        # (the daemon's transport refused the request; not this side's own 64 MiB channel)
         details += (" (the daemon takes no request larger than the largest valid one under its "
                     "--max-request-indices, 16 MiB at the default: split the call)")
     return KVClientError(code or grpc.StatusCode.UNKNOWN, details, ended)

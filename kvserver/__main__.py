@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "holds at once, so that no one caller takes every client slot (default 256)")
     p.add_argument("--max-request-indices", type=int,
                    default=_env("MAX_REQUEST_INDICES", str(DEFAULT_MAX_REQUEST_INDICES)),
-                   help="most indices in one request (default 1048576, at most 16777216); gRPC takes no "
+                   help="most indices in one request (default 1048576, at most 4194304); gRPC takes no "
                         "request larger than the largest valid one (16 MiB at the default)")
     p.add_argument("--max-pages-per-client", type=int, default=_env("MAX_PAGES_PER_CLIENT", str(1 << 24)),
                    help="most host pages one registration may hold (default 16777216)")

@@ -12,9 +12,10 @@ _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", re.IGNORECASE)
 
 
 DEFAULT_MAX_REQUEST_INDICES = 1 << 20  # most indices (or keys) in one request
-# The most an operator may set: gRPC then takes requests of up to 241 MiB (kvserver.api.message_size),
-# each read on the event loop; the client's channel sends at most 64 MiB (about 4 Mi indices).
-MOST_REQUEST_INDICES = 1 << 24
+# The most an operator may set: gRPC then takes requests of up to 61 MiB (kvserver.api.message_size),
+# each read on the event loop. kvclient's channel sends and receives at most 64 MiB: a Write of
+# more indices would not leave the engine, an Alloc's answer of more (9 bytes an index) not reach it.
+MOST_REQUEST_INDICES = 1 << 22
 
 _SHARE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*%\s*")
 
@@ -210,7 +211,7 @@ class ServerConfig:
             raise ValueError("client, request and page limits must be at least 1")
         if self.max_request_indices > MOST_REQUEST_INDICES:
             raise ValueError(f"max request indices must be at most {MOST_REQUEST_INDICES}: a request of "
-                             "more is read whole on the daemon's event loop")
+                             "more is past what a client's channel sends (64 MiB)")
         if self.admin_token is not None and self.admin_token == self.token:
             raise ValueError("the admin token must differ from the client token")
         if not 0 < self.cuda_wait_seconds <= 3600:
