@@ -282,9 +282,9 @@ def test_grpcurl_spare_register_is_valid(env: Env) -> None:
     env.assert_unchanged(before)
 
 
-def test_grpcurl_write_five_million_indices(env: Env, tmp_path) -> None:
-    """5M host and 5M device indices in a JSON file fed to -d @: past the daemon's request limit."""
-    n = 5_000_000
+def test_grpcurl_write_past_the_request_limit(env: Env, tmp_path) -> None:
+    """One index more than the daemon's request limit (host and device) in a JSON file fed to -d @."""
+    n = DEFAULT_REQUEST_LIMIT + 1
     zeros = ",".join(["0"] * n)
     path = tmp_path / "write.json"
     path.write_text(f'{{"client_id":"{env.cid}","host_indices":[{zeros}],"device_indices":[{zeros}]}}')
