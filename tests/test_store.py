@@ -245,7 +245,22 @@ def test_lease_limit_per_tenant():
     assert int(cache.pages.pins.sum()) == 2  # the refused lookup pinned nothing
     clock.now += 2
     assert cache.lookup(part, K("a"), pin_ms=1000)[0] == 1  # expired ones make way
-    assert cache.release("t", leases) == 0
+    # One of them did; the other, expired, is the sweep's to end (or, here, the Release's).
+    assert cache.release("t", leases) == 1
+
+
+def test_a_lookup_at_the_lease_limit_ends_only_the_expired_leases_it_needs():
+    """The Lookup that finds its tenant at the limit ends expired leases on the event loop in one
+    go: as many as make it room, not every lease that ran out (the sweep ends the others in steps)."""
+    cache, _, clock = make_cache(max_leases_per_tenant=8)
+    part = one_part(cache)
+    put(cache, part, K("a"))
+    for _ in range(8):
+        cache.lookup(part, K("a"), pin_ms=1000)
+    clock.now += 2
+    assert cache.lookup(part, K("a"), pin_ms=1000)[0] == 1
+    assert len(cache.leases.leases) == 8  # one expired lease ended for it, seven left to the sweep
+    assert cache.expire_leases() == 7 and int(cache.pages.pins.sum()) == 1
 
 
 def test_touch_order_of_a_get():

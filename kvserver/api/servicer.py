@@ -387,7 +387,7 @@ class KVServicer(pb_grpc.KVServerServicer):
             peer = ticket.peer
         tenant = tenant_of(named, peer)
         space = space_from_wire(tenant, request.space)
-        return pb.OpenSpaceResponse(space_id=self.cache.open_space(space), tenant=tenant)
+        return pb.OpenSpaceResponse(space_id=await self.cache.open_space(space), tenant=tenant)
 
     @_abort_on_error
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
