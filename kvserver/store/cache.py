@@ -318,6 +318,8 @@ class KVCache:
         keys = as_keys(keys)
         if not 0 <= pin_ms <= MAX_PIN_MS:
             raise InvalidArgument(f"pin_ms must be between 0 and {MAX_PIN_MS}, got {pin_ms}")
+        if pin_ms and keys:  # (first: what is read below may change in these steps)
+            yield from self.leases.make_way_steps(self.parts_of(target)[0].key.tenant)
         space, parts = self.parts_of(target)
         space = self._live(space)
         tenant = self.tenants.get(space.key.tenant)
