@@ -240,6 +240,49 @@ def test_a_registrations_pidfd_past_1024_is_watched_and_a_bad_client_stops_no_ot
             eng.drop()
 
 
+def test_a_pinning_lookup_whose_registration_goes_while_its_tenants_expired_leases_end_leaves_no_lease(
+        daemon, monkeypatch):
+    """A pinning Lookup whose tenant holds the most leases ends the expired ones first, in steps,
+    the loop serving others between them: a registration released then must not get a lease
+    taken after its release ended its leases. The Lookup finds it gone and pins nothing."""
+    import asyncio
+    import time
+
+    import kvserver.store.leases as leases_module
+    from kvserver.errors import UnknownClient
+
+    monkeypatch.setattr(leases_module, "END_STEP_PINS", leases_module.LEASE_STEP_PINS)  # a lease a step
+    eng = LightEngine(daemon.address, f"kvtest-gap-{secrets.token_hex(4)}", session=False)
+    try:
+        keys = b"".join(secrets.token_bytes(16) for _ in range(4))
+        eng.stub.Put(pb.PutRequest(client_id=eng.client_id, keys=keys, key_bytes=16,
+                                   device_pages=list(range(4))), timeout=10)
+        daemon.run(lambda: setattr(daemon.core.cache.leases, "max_per_tenant", 4))
+        daemon.run(daemon.daemon._stop_leases.set)  # no sweep: the expired leases are the Lookup's to end
+        time.sleep(0.05)
+        for _ in range(4):
+            eng.stub.Lookup(pb.LookupRequest(client_id=eng.client_id, keys=keys, key_bytes=16, pin_ms=1),
+                            timeout=10)
+        time.sleep(0.01)  # expired
+        req = pb.LookupRequest(client_id=eng.client_id, keys=keys, key_bytes=16, pin_ms=60_000)
+        ops = daemon.daemon.servicer.cache
+
+        async def race():
+            lookup = asyncio.ensure_future(ops.lookup(req))
+            await asyncio.sleep(0)  # the first expired lease ended
+            await daemon.core.unregister(eng.client_id)
+            try:
+                return await lookup
+            except UnknownClient as exc:
+                return exc
+
+        assert isinstance(daemon.call(race()), UnknownClient)
+        assert daemon.run(lambda: (len(daemon.core.cache.leases.leases),
+                                   int(daemon.core.cache.pages.pins.sum()))) == (0, 0)
+    finally:
+        eng.drop()
+
+
 def test_a_pinning_lookup_whose_registration_goes_while_its_keys_are_read_leaves_no_lease(daemon):
     """A Lookup's keys of more than 32 bytes are read in steps, the loop serving others between
     them: a registration released then had its leases ended already, and the Lookup then pinned

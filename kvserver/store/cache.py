@@ -318,8 +318,6 @@ class KVCache:
         keys = as_keys(keys)
         if not 0 <= pin_ms <= MAX_PIN_MS:
             raise InvalidArgument(f"pin_ms must be between 0 and {MAX_PIN_MS}, got {pin_ms}")
-        if pin_ms and keys:  # (first: what is read below may change in these steps)
-            yield from self.leases.make_way_steps(self.parts_of(target)[0].key.tenant)
         space, parts = self.parts_of(target)
         space = self._live(space)
         tenant = self.tenants.get(space.key.tenant)
@@ -916,6 +914,13 @@ class KVCache:
     def release_owned_steps(self, owner: str) -> Generator[None, None, int]:
         """``release_owned`` in steps (``LeaseTable.end_owned_steps``)."""
         return (yield from self.leases.end_owned_steps(owner))
+
+    @_locked_steps
+    def make_way_steps(self, tenant: str) -> Generator[None, None, None]:
+        """Where ``tenant`` holds the most leases, ends every expired one, in steps
+        (``LeaseTable.make_way_steps``): what a pinning Lookup's caller runs before its walk, whose
+        lease check would otherwise end them in one go."""
+        yield from self.leases.make_way_steps(tenant)
 
     @_locked
     def expire_leases(self) -> int:
