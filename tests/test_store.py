@@ -276,6 +276,24 @@ def test_a_tenant_at_the_lease_limit_has_its_expired_leases_ended_in_steps(monke
     assert cache.lookup(part, K("a"), pin_ms=1000)[0] == 1
 
 
+def test_the_lease_check_itself_ends_at_most_one_step_of_expired_leases(monkeypatch):
+    """Leases that expired while a Lookup's caller ended others in steps are not all ended in the
+    check of its walk, in one go: one step there, the caller's next steps the rest."""
+    import kvserver.store.leases as leases_module
+
+    monkeypatch.setattr(leases_module, "END_STEP_PINS", leases_module.LEASE_STEP_PINS)  # a lease a step
+    cache, _, clock = make_cache(max_leases_per_tenant=8)
+    part = one_part(cache)
+    put(cache, part, K("a"))
+    for _ in range(8):
+        cache.lookup(part, K("a"), pin_ms=1000)
+    clock.now += 2
+    assert cache.leases.at_limit("t") and cache.leases.any_expired()
+    with cache.lock:
+        cache.leases.check("t")  # room: one expired lease ended
+    assert len(cache.leases.leases) == 7 and cache.leases.any_expired()
+
+
 def test_one_step_ends_at_most_512_leases_however_few_pins_they_hold():
     """Leases of one pin each: a step bounded by pins alone ended 4096 of them at once (15 ms)."""
     cache, _, clock = make_cache(max_leases_per_tenant=1024)

@@ -249,7 +249,10 @@ class CacheOps:
                                                                                      req.key_bytes))
         else:
             keys = await in_steps(self.kv.share, Keys.unpack_steps(req.keys, req.key_bytes, self._max_keys))
-            if req.pin_ms and len(keys):  # a tenant at its lease limit: its expired leases end first
+            leases = self.cache.leases
+            while req.pin_ms and len(keys) and leases.at_limit(tenant) and leases.any_expired():
+                # A tenant at its lease limit: expired leases end first, in steps (again, for those
+                # that expired while the others ended).
                 await in_steps(self.kv.share, self.cache.make_way_steps(tenant))
             if client is not None:  # still registered after the steps: else its lease would outlive it
                 self.kv.client(client.client_id)

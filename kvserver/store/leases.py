@@ -71,11 +71,22 @@ class LeaseTable:
         if self.at_limit(tenant):
             yield from self.expire_steps()
 
+    def any_expired(self) -> bool:
+        """Whether a lease may have expired and not yet ended (an entry due in the heap)."""
+        return bool(self._heap) and self._heap[0][0] <= self.clock()
+
     def check(self, tenant: str) -> None:
-        """Raises NoCapacity if the tenant cannot take one more lease, after ending expired ones
-        (in one go: the daemon's callers run ``make_way_steps`` first)."""
+        """Raises NoCapacity if the tenant cannot take one more lease, after ending expired ones,
+        at most one step of them here (``make_way_steps``, which the daemon's callers run in
+        steps first: leases that expired meanwhile would otherwise all end in this one)."""
         if self.at_limit(tenant):
-            run_steps(self.make_way_steps(tenant))
+            steps = self.make_way_steps(tenant)
+            try:
+                next(steps)
+            except StopIteration:
+                pass
+            finally:
+                steps.close()
         if self.at_limit(tenant):
             raise NoCapacity(
                 f"tenant {tenant!r} holds {self.max_per_tenant} leases, the most allowed: "
