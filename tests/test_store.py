@@ -294,6 +294,23 @@ def test_the_lease_check_itself_ends_at_most_one_step_of_expired_leases(monkeypa
     assert len(cache.leases.leases) == 7 and cache.leases.any_expired()
 
 
+def test_a_lookup_of_the_store_at_the_lease_limit_has_every_expired_lease_make_way():
+    """The store's own (synchronous) Lookup ends every expired lease before its check, other
+    tenants' ahead of its own too, as before the steps."""
+    cache, _, clock = make_cache(max_leases_per_tenant=600)
+    mine, theirs = one_part(cache), part_of(cache, cache.space(space_key("u")))
+    put(cache, mine, K("a"))
+    put(cache, theirs, K("a"))
+    for _ in range(600):
+        cache.lookup(theirs, K("a"), pin_ms=1000)
+    clock.now += 0.5
+    for _ in range(600):
+        cache.lookup(mine, K("a"), pin_ms=1000)
+    clock.now += 2  # theirs are due first in the heap, more than one step's worth
+    assert cache.lookup(mine, K("a"), pin_ms=1000)[0] == 1
+    assert len(cache.leases.leases) == 1
+
+
 def test_one_step_ends_at_most_512_leases_however_few_pins_they_hold():
     """Leases of one pin each: a step bounded by pins alone ended 4096 of them at once (15 ms)."""
     cache, _, clock = make_cache(max_leases_per_tenant=1024)

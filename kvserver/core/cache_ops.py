@@ -60,6 +60,7 @@ T = TypeVar("T")
 
 MAX_SPACE_IDS = 1 << 16  # space handles the daemon keeps (one per tenant and space)
 FORGET_STEP = 4096  # space handles looked at in one step, once they are MAX_SPACE_IDS
+MAKE_WAY_PASSES = 4  # passes over the expired leases a pinning Lookup at its tenant's limit makes first
 # Keys in one Lookup, Put or Get (2 Mi tokens in pages of 16): their bookkeeping runs on the event
 # loop, so a request is bounded to what the loop can do in a small fraction of a second.
 MAX_CACHE_KEYS = 1 << 17
@@ -249,11 +250,12 @@ class CacheOps:
                                                                                      req.key_bytes))
         else:
             keys = await in_steps(self.kv.share, Keys.unpack_steps(req.keys, req.key_bytes, self._max_keys))
-            leases = self.cache.leases
-            while req.pin_ms and len(keys) and leases.at_limit(tenant) and leases.any_expired():
+            leases, passes = self.cache.leases, MAKE_WAY_PASSES
+            while passes and req.pin_ms and len(keys) and leases.at_limit(tenant) and leases.any_expired():
                 # A tenant at its lease limit: expired leases end first, in steps (again, for those
-                # that expired while the others ended).
+                # that expired while the others ended; a few times at most, as others' keep coming).
                 await in_steps(self.kv.share, self.cache.make_way_steps(tenant))
+                passes -= 1
             if client is not None:  # still registered after the steps: else its lease would outlive it
                 self.kv.client(client.client_id)
             target = self._lookup_target(client, key, req)

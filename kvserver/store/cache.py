@@ -302,7 +302,10 @@ class KVCache:
 
     def lookup(self, target: Part | Space, keys: Keys | Sequence[bytes], pin_ms: int = 0) -> tuple[int, str]:
         """How many leading keys are stored (in every part of a space), pinned under a new lease
-        for ``pin_ms`` if given; see ``lookup_steps``."""
+        for ``pin_ms`` if given (expired leases making way first, all of them: ``make_way_steps``);
+        see ``lookup_steps``."""
+        if pin_ms:
+            run_steps(self.make_way_steps(self.parts_of(target)[0].key.tenant))
         found = run_steps(self.lookup_steps(target, keys, pin_ms))
         return found.pages, found.lease_id
 
