@@ -264,7 +264,7 @@ def test_a_tenant_at_the_lease_limit_has_its_expired_leases_ended_in_steps(monke
     4096 leases of 4 Ki pins held it 57-68 ms); the Lookup then takes its lease."""
     import kvserver.store.leases as leases_module
 
-    monkeypatch.setattr(leases_module, "END_STEP_PINS", leases_module.LEASE_STEP_PINS)  # a lease a step
+    monkeypatch.setattr(leases_module, "END_STEP_PINS", 1)  # a lease a step
     cache, _, clock = make_cache(max_leases_per_tenant=8)
     part = one_part(cache)
     put(cache, part, K("a"))
@@ -281,7 +281,7 @@ def test_the_lease_check_itself_ends_at_most_one_step_of_expired_leases(monkeypa
     check of its walk, in one go: one step there, the caller's next steps the rest."""
     import kvserver.store.leases as leases_module
 
-    monkeypatch.setattr(leases_module, "END_STEP_PINS", leases_module.LEASE_STEP_PINS)  # a lease a step
+    monkeypatch.setattr(leases_module, "END_STEP_PINS", 1)  # a lease a step
     cache, _, clock = make_cache(max_leases_per_tenant=8)
     part = one_part(cache)
     put(cache, part, K("a"))

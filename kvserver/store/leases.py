@@ -27,9 +27,9 @@ MAX_PINNED_PER_TENANT = 1 << 24
 # Pins ended in one step at most, where many leases end at once (a Release, a registration's
 # release, the expiry sweep): 16 Mi pins ended in one go held the event loop 40-90 ms.
 END_STEP_PINS = 1 << 20
-# A lease counts as at least this many pins in a step, so that at most 512 leases end in one
-# (leases of one pin: 4096 took 15 ms in one step).
-LEASE_STEP_PINS = END_STEP_PINS >> 9
+# A lease counts as at least END_STEP_PINS >> LEASE_STEP_SHIFT pins in a step, so that at most 512
+# leases end in one (leases of one pin: 4096 took 15 ms in one step).
+LEASE_STEP_SHIFT = 9
 PIN_BYTES = 12  # a pin's bookkeeping: its page id and part in the lease's arrays, charged to the arena
 # and to its tenant's quota
 
@@ -184,7 +184,7 @@ class LeaseTable:
             lease = self.leases.get(lease_id)
             if lease is None or (tenant and lease.tenant != tenant):
                 continue
-            cost = max(lease.pages.size, LEASE_STEP_PINS)
+            cost = max(lease.pages.size, END_STEP_PINS >> LEASE_STEP_SHIFT)
             if pins and pins + cost > END_STEP_PINS:
                 yield
                 pins = 0
@@ -236,7 +236,7 @@ class LeaseTable:
             lease_id = self._heap[0][1]
             lease = self.leases.get(lease_id)
             if lease is not None and lease.expires <= now:
-                cost = max(lease.pages.size, LEASE_STEP_PINS)
+                cost = max(lease.pages.size, END_STEP_PINS >> LEASE_STEP_SHIFT)
                 if pins and pins + cost > END_STEP_PINS:
                     yield  # (before it leaves the heap: a sweep given up here leaves it to the next)
                     pins = 0
