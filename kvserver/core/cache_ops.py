@@ -211,9 +211,10 @@ class CacheOps:
             # In the same step (a call given up between two leaves no id forgotten with its lane
             # still answered on the plane), the gates of its lanes as they are now:
             plane = self.kv.copier.plane
-            for calls in self._plane_gets.values():
-                if calls.space and calls.owner in forgotten and plane is not None:
-                    plane.close_gate(calls.gate)  # its lane's Lookups are the loop's: NotFound, as gRPC's
+            if forgotten and plane is not None:
+                for calls in self._plane_gets.values():
+                    if calls.space and calls.owner in forgotten:
+                        plane.close_gate(calls.gate)  # its lane's Lookups are the loop's: NotFound, as gRPC's
 
     def space_tenant(self, space_id: str) -> str:
         """The tenant of an open space's id; NotFound for an id this daemon does not know."""
