@@ -272,8 +272,8 @@ def test_alloc_and_free_of_the_largest_request_are_fast(socket_dir: str) -> None
     time, and the daemon's event loop is not held meanwhile. That is read from the daemon's own
     loop-lag histogram: another engine's call (the probe) also waits for a CPU on this 2-core VM,
     where the test, the daemon's threads and the other test worker share two, and that wait is the
-    machine's, not the daemon's. A slow
-    attempt is retried (up to three): a stall the operations cause shows in every one."""
+    machine's, not the daemon's. A slow attempt is retried (up to three): a stall the operations
+    cause shows in every one."""
     port = free_port()
     d = DaemonProcess(os.path.join(socket_dir, "kv.sock"), "--metrics-listen", f"127.0.0.1:{port}",
                       "--max-request-indices", str(MOST_INDICES), host_memory="1088MiB")

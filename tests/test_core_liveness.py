@@ -240,16 +240,37 @@ def test_a_registrations_pidfd_past_1024_is_watched_and_a_bad_client_stops_no_ot
             eng.drop()
 
 
+def _unregistered_during_its_lookup(daemon, eng, req: pb.LookupRequest) -> None:
+    """The engine is unregistered once its pinning Lookup's first step ran: the Lookup finds it
+    gone (UnknownClient) and leaves no lease and no pin."""
+    import asyncio
+
+    from kvserver.errors import UnknownClient
+
+    ops = daemon.daemon.servicer.cache
+
+    async def race():
+        lookup = asyncio.ensure_future(ops.lookup(req))
+        await asyncio.sleep(0)  # its first step ran
+        await daemon.core.unregister(eng.client_id)
+        try:
+            return await lookup
+        except UnknownClient as exc:
+            return exc
+
+    assert isinstance(daemon.call(race()), UnknownClient)
+    assert daemon.run(lambda: (len(daemon.core.cache.leases.leases),
+                               int(daemon.core.cache.pages.pins.sum()))) == (0, 0)
+
+
 def test_a_pinning_lookup_whose_registration_goes_while_its_tenants_expired_leases_end_leaves_no_lease(
         daemon, monkeypatch):
     """A pinning Lookup whose tenant holds the most leases ends the expired ones first, in steps,
     the loop serving others between them: a registration released then must not get a lease
     taken after its release ended its leases. The Lookup finds it gone and pins nothing."""
-    import asyncio
     import time
 
     import kvserver.store.leases as leases_module
-    from kvserver.errors import UnknownClient
 
     monkeypatch.setattr(leases_module, "END_STEP_PINS", 1)  # a lease a step
     eng = LightEngine(daemon.address, f"kvtest-gap-{secrets.token_hex(4)}", session=False)
@@ -265,20 +286,7 @@ def test_a_pinning_lookup_whose_registration_goes_while_its_tenants_expired_leas
                             timeout=10)
         time.sleep(0.01)  # expired
         req = pb.LookupRequest(client_id=eng.client_id, keys=keys, key_bytes=16, pin_ms=60_000)
-        ops = daemon.daemon.servicer.cache
-
-        async def race():
-            lookup = asyncio.ensure_future(ops.lookup(req))
-            await asyncio.sleep(0)  # the first expired lease ended
-            await daemon.core.unregister(eng.client_id)
-            try:
-                return await lookup
-            except UnknownClient as exc:
-                return exc
-
-        assert isinstance(daemon.call(race()), UnknownClient)
-        assert daemon.run(lambda: (len(daemon.core.cache.leases.leases),
-                                   int(daemon.core.cache.pages.pins.sum()))) == (0, 0)
+        _unregistered_during_its_lookup(daemon, eng, req)
     finally:
         eng.drop()
 
@@ -288,9 +296,7 @@ def test_a_pinning_lookup_whose_registration_goes_while_its_keys_are_read_leaves
     them: a registration released then had its leases ended already, and the Lookup then pinned
     under a new lease of the gone registration, for its whole pin_ms. It now finds the
     registration gone, as a Put or a Get does, and pins nothing."""
-    import asyncio
 
-    from kvserver.errors import UnknownClient
 
     eng = LightEngine(daemon.address, f"kvtest-gap-{secrets.token_hex(4)}", session=False)
     try:
@@ -300,19 +306,6 @@ def test_a_pinning_lookup_whose_registration_goes_while_its_keys_are_read_leaves
         more = b"".join(secrets.token_bytes(40) for _ in range(40_000))
         req = pb.LookupRequest(client_id=eng.client_id, keys=b"".join(keys) + more, key_bytes=40,
                                pin_ms=60_000)
-        ops = daemon.daemon.servicer.cache
-
-        async def race():
-            lookup = asyncio.ensure_future(ops.lookup(req))
-            await asyncio.sleep(0)  # its keys' first step read
-            await daemon.core.unregister(eng.client_id)
-            try:
-                return await lookup
-            except UnknownClient as exc:
-                return exc
-
-        assert isinstance(daemon.call(race()), UnknownClient)
-        assert daemon.run(lambda: (len(daemon.core.cache.leases.leases),
-                                   int(daemon.core.cache.pages.pins.sum()))) == (0, 0)
+        _unregistered_during_its_lookup(daemon, eng, req)
     finally:
         eng.drop()
