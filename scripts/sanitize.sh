@@ -65,6 +65,6 @@ ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1 \
 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 KVSERVER_EXPECT_PLANE=1 KVSERVER_EXPECT_SANITIZED=1 \
     "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --timeout 300 \
-    tests/test_dataplane.py tests/test_dataplane_cache.py tests/test_dataplane_alone.py tests/test_dataplane_gets.py tests/test_dataplane_tiers.py tests/test_dataplane_space.py tests/test_dataplane_puts.py tests/test_dataplane_cuda.py tests/test_lane.py tests/test_lane_doorbells.py tests/test_lane_ahead.py tests/test_lane_call.py tests/test_api_bad_input.py \
+    tests/test_dataplane.py tests/test_dataplane_cache.py tests/test_dataplane_alone.py tests/test_dataplane_gets.py tests/test_dataplane_tiers.py tests/test_dataplane_space.py tests/test_dataplane_puts.py tests/test_dataplane_cuda.py tests/test_dataplane_commands.py tests/test_lane.py tests/test_lane_doorbells.py tests/test_lane_ahead.py tests/test_lane_call.py tests/test_api_bad_input.py \
     tests/test_core_deadlines.py tests/test_store_index.py tests/test_store_digest.py tests/test_copies_stream.py \
     tests/test_api_wire.py

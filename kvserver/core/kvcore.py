@@ -15,7 +15,7 @@ import os
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import numpy as np
@@ -563,24 +563,28 @@ class KVCore:
             return client.copies_pending
         client = self.client(client_id)
         client.closing = True
+        gate_closed = None
         if client.gate is not None and self.plane is not None:
-            self.plane.close_gate(client.gate)  # takes no new call of it from now on
+            gate_closed = self.plane.close_gate(client.gate)  # takes no new call of it from now on
             if self.on_gate_closed is not None:
                 try:
                     self.on_gate_closed(client)
                 except Exception:  # the release goes on: the pages are the cache's to find again
                     logger.exception("giving back the cache pages set aside for a client's Puts failed")
-        release = asyncio.ensure_future(self._release(client, reason))
+        release = asyncio.ensure_future(self._release(client, reason, gate_closed))
         if await _settle(release):
             raise asyncio.CancelledError
         release.result()
         return client.copies_pending
 
-    async def _release(self, client: ClientState, reason: str) -> None:
+    async def _release(self, client: ClientState, reason: str, gate_closed: Awaitable[None] | None) -> None:
         client_id = client.client_id
         for job in list(client.jobs):  # queued ones are dropped, running ones end at a layer boundary
             job.stop("released")
         if client.gate is not None and self.plane is not None:
+            if gate_closed is not None:  # the plane's thread has taken the close (off the loop)
+                with contextlib.suppress(Exception):  # logged there: its copies see the gate shut
+                    await gate_closed
             await self.plane.idle(client.gate)  # its copies there end at a layer boundary
             self.harvest(client)
             if client.gate.cuda:  # what the plane put on the GPU itself (scripts/gpu_check.py --plane-cuda)

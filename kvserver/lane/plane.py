@@ -22,7 +22,7 @@ import itertools
 import logging
 import os
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -85,6 +85,11 @@ class Answer(NamedTuple):
     counted: bool
 
 
+def _logged(fut: asyncio.Future) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        logger.error("a command to the data plane's thread failed", exc_info=fut.exception())
+
+
 class DataPlane:
     def __init__(self, progress_interval: float, buckets: tuple[float, ...] = (), spin: float = 0.0) -> None:
         assert _kvlane is not None
@@ -112,6 +117,11 @@ class DataPlane:
         # Requests handed over and not served yet, per lane in arrival order, the lanes in turn.
         self._handed: collections.OrderedDict[Any, collections.deque] = collections.OrderedDict()
         self._handed_soon = False  # a turn of the loop is to serve the rest (_serve_handed)
+        # Where a gate's close and a lane's removal wait for the plane's thread to take them: one
+        # thread, so they run in the order sent. The loop goes on meanwhile: a thread slow to take
+        # a command (no CPU for it, on a busy machine) holds up the release that sent it, not
+        # every engine's calls. (A lane's opening, a pause and a drain still wait on the loop.)
+        self._commands = ThreadPoolExecutor(1, thread_name_prefix="kvserver-plane-commands")
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -433,11 +443,25 @@ class DataPlane:
         the others over; None: the loop serves the lane."""
         return _kvlane.space_gate() if self.cache is not None and not self.stopped else None
 
-    def close_gate(self, gate: Any) -> None:
-        """The gate takes no new request; its copies stop at their next layer boundary (answered
-        NOT_FOUND, as a released client's are). Returns once the plane's thread has taken the
-        command: after the piece and the doorbells it is handling."""
-        self.engine.close_gate(gate)
+    def close_gate(self, gate: Any) -> asyncio.Future:
+        """The gate takes no new request from now on; its copies stop at their next layer
+        boundary (answered NOT_FOUND, as a released client's are). Returns what is done once the
+        plane's thread has taken the close: after the piece and the doorbells it was handling (a
+        caller that needn't wait lets it run: its failure is logged)."""
+        gate.shut()
+        return self._command(self.engine.close_gate, gate)
+
+    def _command(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        """Runs ``fn(*args)``, a command that waits for the plane's thread, on the command
+        thread; done at once where the plane has stopped (its thread takes no command)."""
+        loop = asyncio.get_running_loop()
+        if self.stopped:
+            done = loop.create_future()
+            done.set_result(None)
+            return done
+        fut = asyncio.wrap_future(self._commands.submit(fn, *args), loop=loop)
+        fut.add_done_callback(_logged)
+        return fut
 
     async def idle(self, gate: Any) -> None:
         """Once this returns after ``close_gate``, the plane touches none of the client's memory
@@ -462,11 +486,20 @@ class DataPlane:
         lane.plane_key = key
         return handle
 
-    def remove(self, lane: Lane, handle: int) -> None:
-        """Once this returns the plane's thread no longer touches the lane's ring or sockets (a
-        stopped plane's thread has ended, and let go of every lane it had)."""
+    def remove(self, lane: Lane, handle: int, wait: bool = False) -> asyncio.Future | None:
+        """Takes the lane off the plane: nothing it hands over from now on is served. Once what
+        this returns is done (at once with ``wait``, which waits on the loop: for a lane that
+        never served) the plane's thread no longer touches the lane's ring or sockets (a stopped
+        plane's thread has ended, and let go of every lane it had)."""
         self.lanes.pop(lane.plane_key, None)
-        if not self.stopped:
+        if wait:
+            if not self.stopped:
+                self._remove_lane(handle)
+            return None
+        return self._command(self._remove_lane, handle)
+
+    def _remove_lane(self, handle: int) -> None:
+        with contextlib.suppress(KeyError):  # the plane stopped first: its stop let go of the lane
             self.engine.remove_lane(handle)
 
     def finish_slot(self, handle: int, slot: int, seq: int, code: int, response: bytes,
@@ -497,6 +530,9 @@ class DataPlane:
                 self.cache.close()
         self.engine.stop()
         self.stopped = True
+        # The commands still waiting run nothing now (the thread has ended): the command thread
+        # ends once they have.
+        self._commands.shutdown(wait=True)
         # The loop's copies still on the thread ended with it (posted as halted): settled here,
         # since the reader is gone; so are its Gets (their pages let go).
         for ticket, status, layers in self.engine.take_completions():

@@ -177,6 +177,9 @@ class Lane:
         self._plane: Any = None
         self._counted = [False] * self.slots  # per handed-over slot: on_served is owed at its end
         self._handle = 0
+        # Done once the plane's thread has let go of the ring and the doorbells (DataPlane.remove):
+        # until then close() keeps them.
+        self._removal: asyncio.Future | None = None
         self.plane_key = 0  # its key on the plane (never reused)
         self.gate: Any = None  # its gate there
         self._on_served = on_served
@@ -214,7 +217,7 @@ class Lane:
             try:
                 loop.add_reader(self._gone_fd, self._gone, "its process exited")
             except BaseException:
-                self._unwatch()
+                self._unwatch(wait=True)  # the caller closes the ring and the doorbells at once
                 raise
 
     def peer_closed(self) -> None:
@@ -235,13 +238,14 @@ class Lane:
                 logger.info("lane of %s closed: %s", self.owner, why)
                 self._closing = asyncio.ensure_future(self.close())
 
-    def _unwatch(self) -> None:
+    def _unwatch(self, wait: bool = False) -> None:
         if self._watching:
             self._watching = False
             if self._plane is not None:
-                self._plane.remove(self, self._handle)
-                # Its handle names freed memory now, which a lane opened later may reuse: an
-                # answer still to come (a lane closing itself, not closed yet) finds no lane.
+                self._removal = self._plane.remove(self, self._handle, wait=wait)
+                # Its handle names memory freed once the removal is done, which a lane opened later
+                # may reuse: an answer still to come (a lane closing itself, not closed yet) finds
+                # no lane.
                 self._handle = 0
             else:
                 asyncio.get_running_loop().remove_reader(self._submit.fileno())
@@ -479,7 +483,21 @@ class Lane:
         try:
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
+            if self._removal is not None:  # the plane's thread lets go of the ring first
+                with contextlib.suppress(Exception):  # (logged where it failed)
+                    await asyncio.shield(self._removal)
         finally:  # also when this close is itself cancelled: nothing would close them later
+            removal = self._removal
+            if removal is not None and not removal.done():  # (cancelled) once the thread lets go
+                removal.add_done_callback(lambda _: self._let_go())
+            else:
+                self._let_go()
+
+    def _let_go(self) -> None:
+        """The ring unmapped, the doorbells and the pidfd closed; the close has ended."""
+        if self._ended is None or self._ended.done():
+            return
+        try:
             for s in (self._submit, *self._done):
                 s.close()
             if self._gone_fd >= 0:
@@ -488,6 +506,7 @@ class Lane:
                 os.close(self._gone_fd)
                 self._gone_fd = -1
             self._ring.close()
+        finally:
             self._ended.set_result(None)
             if self.on_closed is not None:
                 self.on_closed(self)

@@ -33,6 +33,7 @@ static int engine_init(Engine *e, PyObject *args, PyObject *kw) {
     e->progress_interval_ns = (int64_t)(interval * 1e9);
     e->spin_ns = (int64_t)(spin * 1e9);
     pthread_mutex_init(&e->call_mu, NULL);
+    pthread_mutex_init(&e->lanes_mu, NULL);
     pthread_mutex_init(&e->cmd_mu, NULL);
     pthread_mutex_init(&e->hand_mu, NULL);
     pthread_mutex_init(&e->in_mu, NULL);
@@ -67,9 +68,11 @@ static PyObject *engine_stop(Engine *e, PyObject *unused) {
         pthread_mutex_unlock(&e->cmd_mu);
         wake(e->wake_fd);
         pthread_join(e->thread, NULL);
+        /* Before call_mu goes: a command waiting for it (on DataPlane's command thread) then runs
+         * nothing, and lets go of nothing of its lane: freed below with the others. */
+        __atomic_store_n(&e->started, 2, __ATOMIC_RELEASE);
         pthread_mutex_unlock(&e->call_mu);
         Py_END_ALLOW_THREADS
-        e->started = 2;
         while (e->lanes) { /* lanes never removed: their gate references go */
             Lane *l = e->lanes;
             e->lanes = l->next;
@@ -107,7 +110,7 @@ static PyObject *engine_add_lane(Engine *e, PyObject *args) {
     PyObject *done;
     if (!PyArg_ParseTuple(args, "LO!KiiO|p", &key, &GateType, &gate, &ring, &slots, &submit, &done, &quiet))
         return NULL;
-    if (e->started != 1) {
+    if (__atomic_load_n(&e->started, __ATOMIC_ACQUIRE) != 1) {
         PyErr_SetString(PyExc_RuntimeError, "the data plane has stopped");
         return NULL;
     }
@@ -134,7 +137,12 @@ static PyObject *engine_add_lane(Engine *e, PyObject *args) {
     l->quiet = quiet;
     l->gate = gate;
     Py_INCREF(gate);
-    run_command(e, CMD_ADD, l);
+    if (!run_command(e, CMD_ADD, l)) { /* the plane stopped meanwhile */
+        Py_DECREF(gate);
+        free(l);
+        PyErr_SetString(PyExc_RuntimeError, "the data plane has stopped");
+        return NULL;
+    }
     if (!l->watching) { /* not among the thread's lanes: nothing of it is touched again */
         errno = l->watch_errno;
         Py_DECREF(gate);
@@ -144,23 +152,32 @@ static PyObject *engine_add_lane(Engine *e, PyObject *args) {
     return PyLong_FromVoidPtr(l);
 }
 
+/* The lane of a handle, while it is among the thread's lanes. Its memory stays while the GIL is
+ * held: only remove_lane and stop free a lane, each with the GIL. */
 static Lane *lane_of(Engine *e, PyObject *handle) {
     void *p = PyLong_AsVoidPtr(handle);
     if (!p && PyErr_Occurred())
         return NULL;
-    for (Lane *l = e->lanes; l; l = l->next)
+    Lane *found = NULL;
+    pthread_mutex_lock(&e->lanes_mu);
+    for (Lane *l = e->lanes; l && !found; l = l->next)
         if (l == p)
-            return l;
-    PyErr_SetString(PyExc_KeyError, "no such lane");
-    return NULL;
+            found = l;
+    pthread_mutex_unlock(&e->lanes_mu);
+    if (!found)
+        PyErr_SetString(PyExc_KeyError, "no such lane");
+    return found;
 }
 
+/* remove_lane(handle): once it returns, the thread touches nothing of the lane (its ring, its
+ * doorbells); the caller may unmap and close them. Waits for the thread (the GIL released): the
+ * daemon calls it on its command thread, not its event loop. */
 static PyObject *engine_remove_lane(Engine *e, PyObject *handle) {
     Lane *l = lane_of(e, handle);
     if (!l)
         return NULL;
-    if (e->started == 1)
-        run_command(e, CMD_REMOVE, l);
+    if (!run_command(e, CMD_REMOVE, l))
+        Py_RETURN_NONE; /* the plane stopped first: the stop let go of its lanes, this one too */
     Py_DECREF(l->gate);
     free(l);
     Py_RETURN_NONE;
@@ -212,9 +229,7 @@ static PyObject *engine_close_gate(Engine *e, PyObject *arg) {
         PyErr_SetString(PyExc_TypeError, "a Gate");
         return NULL;
     }
-    if (e->started == 1)
-        run_command(e, CMD_CLOSE_GATE, arg);
-    else
+    if (!run_command(e, CMD_CLOSE_GATE, arg))
         __atomic_store_n(&((Gate *)arg)->closed, 1, __ATOMIC_RELEASE);
     Py_RETURN_NONE;
 }
@@ -224,14 +239,12 @@ static PyObject *engine_pause(Engine *e, PyObject *arg) {
     int on = PyObject_IsTrue(arg);
     if (on < 0)
         return NULL;
-    if (e->started == 1)
-        run_command(e, on ? CMD_PAUSE : CMD_RESUME, NULL);
+    run_command(e, on ? CMD_PAUSE : CMD_RESUME, NULL);
     Py_RETURN_NONE;
 }
 
 static PyObject *engine_unwatch_all(Engine *e, PyObject *unused) {
-    if (e->started == 1)
-        run_command(e, CMD_UNWATCH_ALL, NULL);
+    run_command(e, CMD_UNWATCH_ALL, NULL);
     Py_RETURN_NONE;
 }
 
@@ -324,6 +337,21 @@ static PyObject *engine_get_ends_waiting(Engine *e, void *unused) {
 
 static PyObject *engine_get_command_cuts(Engine *e, void *unused) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&e->cmd_cuts, __ATOMIC_RELAXED));
+}
+
+static PyObject *engine_get_command_delay_us(Engine *e, void *unused) {
+    return PyLong_FromLongLong(__atomic_load_n(&e->cmd_delay_ns, __ATOMIC_RELAXED) / 1000);
+}
+static int engine_set_command_delay_us(Engine *e, PyObject *v, void *unused) {
+    long long us = v ? PyLong_AsLongLong(v) : 0;
+    if (us == -1 && PyErr_Occurred())
+        return -1;
+    if (us < 0 || us > 10000000) {
+        PyErr_SetString(PyExc_ValueError, "0 to 10 s, in microseconds");
+        return -1;
+    }
+    __atomic_store_n(&e->cmd_delay_ns, (int64_t)us * 1000, __ATOMIC_RELAXED);
+    return 0;
 }
 
 static PyObject *engine_get_mutes(Engine *e, void *unused) {

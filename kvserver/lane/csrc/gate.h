@@ -208,6 +208,17 @@ static PyObject *gate_get_py_inflight(Gate *g, void *unused) {
     return PyLong_FromLongLong(c);
 }
 
+/* shut(): the gate takes no new request from now on (DataPlane.close_gate, on the loop, before
+ * the plane's thread takes the close: that command, after the piece under way, releases the
+ * copies). A copy reads `closed` under the gate's mutex as it is counted (take_turn, try_job);
+ * a request read just before is served as one taken before a close. */
+static PyObject *gate_shut(Gate *g, PyObject *unused) {
+    pthread_mutex_lock(&g->mu);
+    __atomic_store_n(&g->closed, 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&g->mu);
+    Py_RETURN_NONE;
+}
+
 static PyObject *gate_get_closed(Gate *g, void *unused) {
     return PyBool_FromLong(__atomic_load_n(&g->closed, __ATOMIC_ACQUIRE));
 }

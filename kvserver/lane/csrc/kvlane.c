@@ -91,6 +91,7 @@ static PyMethodDef gate_methods[] = {
     {"take_counters", (PyCFunction)gate_take_counters, METH_NOARGS, NULL},
     {"take_lookups", (PyCFunction)gate_take_lookups, METH_NOARGS, NULL},
     {"check", (PyCFunction)gate_check, METH_O, NULL},
+    {"shut", (PyCFunction)gate_shut, METH_NOARGS, NULL},
     {NULL},
 };
 
@@ -157,6 +158,7 @@ static PyGetSetDef engine_getset[] = {
     {"served", (getter)engine_get_served, NULL, NULL, NULL},
     {"handed", (getter)engine_get_handed, NULL, NULL, NULL},
     {"command_cuts", (getter)engine_get_command_cuts, NULL, NULL, NULL},
+    {"command_delay_us", (getter)engine_get_command_delay_us, (setter)engine_set_command_delay_us, NULL, NULL},
     {"naps", (getter)engine_get_naps, NULL, NULL, NULL},
     {"mutes", (getter)engine_get_mutes, NULL, NULL, NULL},
     {"ends_waiting", (getter)engine_get_ends_waiting, NULL, NULL, NULL},

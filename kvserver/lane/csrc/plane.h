@@ -366,10 +366,13 @@ typedef struct {
     int awake;        /* the lanes' AWAKE_AT words say 1: clients submit without ringing */
     uint32_t plane_state; /* what the watched lanes' PLANE_AT words say: PLANE_ASLEEP or PLANE_RUNNING */
     int watched_slots; /* the slots of the lanes whose doorbells it watches */
-    Lane *lanes;
+    Lane *lanes;     /* changed by the thread alone (its commands), under lanes_mu */
+    pthread_mutex_t lanes_mu; /* the lane list read off the thread (lane_of): a command runs while
+                               * the loop goes on (DataPlane's command thread waits for it) */
     Job *jobs;
     int64_t njobs;
-    /* commands: one at a time (call_mu), acknowledged through cmd_cv */
+    /* commands: one at a time (call_mu), acknowledged through cmd_cv; none runs once the thread
+     * stops (started 2, set under call_mu) */
     pthread_mutex_t call_mu, cmd_mu;
     pthread_cond_t cmd_cv;
     int cmd, cmd_done;
@@ -384,6 +387,8 @@ typedef struct {
     uint64_t mutes; /* doorbells muted for rings without calls (the tests') */
     Lane *turn_at;  /* where the next turn starts (NULL: the first lane; remove_lane moves it on) */
     uint64_t cmd_cuts; /* turns cut short for a command (the tests') */
+    int64_t cmd_delay_ns; /* the tests': the thread waits this long before it takes a command, as one
+                           * that gets no CPU for that long */
     uint64_t naps;     /* naps taken for CUDA jobs waiting on the GPU (the tests') */
     /* handoffs to Python */
     pthread_mutex_t hand_mu;

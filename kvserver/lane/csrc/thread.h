@@ -18,16 +18,23 @@ static void remove_lane(Engine *e, Lane *l) {
     unpend(e, l);
     if (e->turn_at == l) /* the next turn: from the next lane on */
         e->turn_at = l->next;
+    pthread_mutex_lock(&e->lanes_mu);
     Lane **pp = &e->lanes;
     while (*pp && *pp != l)
         pp = &(*pp)->next;
     if (*pp)
         *pp = l->next;
+    pthread_mutex_unlock(&e->lanes_mu);
 }
 
 static void take_incoming(Engine *e);
 
 static void command(Engine *e) {
+    int64_t delay = __atomic_load_n(&e->cmd_delay_ns, __ATOMIC_RELAXED);
+    if (delay > 0 && __atomic_load_n(&e->cmd_waiting, __ATOMIC_ACQUIRE)) {
+        struct timespec ts = {.tv_sec = delay / 1000000000LL, .tv_nsec = delay % 1000000000LL};
+        nanosleep(&ts, NULL);
+    }
     pthread_mutex_lock(&e->cmd_mu);
     int cmd = e->cmd;
     void *arg = e->cmd_arg;
@@ -51,8 +58,10 @@ static void command(Engine *e) {
              * request lands: a wake-up it would otherwise wait for after writing it. */
             __atomic_store_n((uint32_t *)(l->ring + PLANE_AT), e->plane_state ? e->plane_state : PLANE_RUNNING,
                              __ATOMIC_RELAXED);
+            pthread_mutex_lock(&e->lanes_mu);
             l->next = e->lanes;
             e->lanes = l;
+            pthread_mutex_unlock(&e->lanes_mu);
             __atomic_store_n((uint32_t *)(l->ring + AWAKE_AT), (uint32_t)e->awake, __ATOMIC_RELAXED);
             __atomic_thread_fence(__ATOMIC_SEQ_CST);
             pend(e, l); /* its slots submitted before it was watched: the next turn's */
@@ -218,10 +227,17 @@ static void *engine_main(void *arg) {
     return NULL;
 }
 
-/* Runs a command on the thread and waits for it (the GIL released meanwhile). */
-static void run_command(Engine *e, int cmd, void *arg) {
+/* Runs a command on the thread and waits for it (the GIL released meanwhile). Returns 0, having
+ * run nothing, once the thread has stopped (or never started). */
+static int run_command(Engine *e, int cmd, void *arg) {
+    int ran = 0;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&e->call_mu);
+    if (__atomic_load_n(&e->started, __ATOMIC_ACQUIRE) != 1) {
+        pthread_mutex_unlock(&e->call_mu);
+        goto out;
+    }
+    ran = 1;
     pthread_mutex_lock(&e->cmd_mu);
     e->cmd = cmd;
     e->cmd_arg = arg;
@@ -234,5 +250,7 @@ static void run_command(Engine *e, int cmd, void *arg) {
         pthread_cond_wait(&e->cmd_cv, &e->cmd_mu);
     pthread_mutex_unlock(&e->cmd_mu);
     pthread_mutex_unlock(&e->call_mu);
+out:
     Py_END_ALLOW_THREADS
+    return ran;
 }

@@ -1,0 +1,95 @@
+"""The loop's commands to the data plane's thread (a gate's close, a lane's removal) are waited for
+off the event loop: a plane's thread that is slow to take one (no CPU for it, on a busy machine)
+holds up the release that sent it, not every other engine's calls. Real daemon, real client, real
+shared memory; the thread's delay is `Engine.command_delay_us`, the stand-in for a thread that gets
+no CPU for that long."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+from checks import wait_until
+from loop_lag import lag_during
+from test_dataplane import LAYERS, LAYOUT, PAGE, TOKENS, _client
+
+from kvclient import ShmKVPool
+
+DELAY_US = 200_000
+
+
+def _held(d) -> int:
+    plane = d.core.plane
+    return len(plane.lanes)
+
+
+def test_an_unregister_does_not_hold_the_loop_while_the_plane_s_thread_is_slow(plane_daemon) -> None:
+    """An Unregister closes its client's gate and removes its lane: two commands, each taken
+    200 ms late. The loop's 2 ms timer stays on time meanwhile, and the release still waits for
+    both (its answer means the plane touches none of the client's memory)."""
+    d = plane_daemon
+    with ShmKVPool(LAYOUT, torch.bfloat16, LAYERS, TOKENS) as pool:
+        c = _client(d, pool)
+        try:
+            assert c.lane is not None and d.run(lambda: _held(d)) == 1
+            host = c.alloc(4 * PAGE)
+            assert c.write(host_indices=host, device_indices=torch.arange(4 * PAGE)) > 0
+            d.core.plane.engine.command_delay_us = DELAY_US
+            lag, took = d.call(lag_during(lambda: asyncio.to_thread(c.unregister)))
+        finally:
+            d.core.plane.engine.command_delay_us = 0
+            c.close()
+    assert took >= 2 * DELAY_US / 1e6, f"the release did not wait for its commands ({took:.3f} s)"
+    assert lag < 0.05, f"the loop was held {lag * 1e3:.0f} ms while the plane's thread was slow"
+    assert d.run(lambda: _held(d)) == 0 and not d.core.clients
+
+
+def test_a_registration_made_while_another_s_commands_wait_is_served_on_the_plane(plane_daemon) -> None:
+    """Another engine registers, opens its lane and copies on the plane while a release's commands
+    wait for the thread: the lane list the loop reads and the thread changes stays whole."""
+    d = plane_daemon
+    with ShmKVPool(LAYOUT, torch.bfloat16, LAYERS, TOKENS) as p0, \
+            ShmKVPool(LAYOUT, torch.bfloat16, LAYERS, TOKENS) as p1:
+        first = _client(d, p0)
+        d.core.plane.engine.command_delay_us = DELAY_US
+        try:
+            gone = d.loop.run_in_executor(None, first.unregister)
+            wait_until(lambda: d.run(lambda: _held(d)) == 0, 5, "the first lane's removal begun")
+            with _client(d, p1) as second:
+                assert second.lane is not None
+                host = second.alloc(4 * PAGE)
+                served = d.core.plane.engine.served
+                assert second.write(host_indices=host, device_indices=torch.arange(4 * PAGE)) > 0
+                assert d.core.plane.engine.served > served, "the second lane's Write was not the plane's"
+                second.unregister()
+            deadline = time.monotonic() + 10
+            while not gone.done() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert gone.done()
+        finally:
+            d.core.plane.engine.command_delay_us = 0
+            first.close()
+    assert d.run(lambda: _held(d)) == 0 and not d.core.clients
+
+
+def test_a_stop_while_a_lane_s_removal_waits_ends_cleanly(daemon_factory) -> None:
+    """The daemon stops while a release waits for its commands: the plane's thread ends, the
+    waiting removal finds the lane gone with it, and nothing hangs or is freed twice."""
+    d = daemon_factory()
+    if d.core.plane is None:
+        import pytest
+
+        pytest.skip("the compiled data plane is not built (or KVSERVER_DATA_PLANE=python)")
+    pool = ShmKVPool(LAYOUT, torch.bfloat16, LAYERS, TOKENS)
+    c = _client(d, pool)
+    try:
+        d.core.plane.engine.command_delay_us = DELAY_US
+        d.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(d.core.unregister(c.client_id)))
+        time.sleep(0.05)
+        started = time.monotonic()
+        d.stop()
+        assert time.monotonic() - started < 10
+    finally:
+        c.close()
+        pool.close()
