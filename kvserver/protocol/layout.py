@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,15 +72,17 @@ class KVLayout:
 
     @classmethod
     def from_wire(cls, msg: pb.KVLayout) -> KVLayout:
+        """The layout a message names: one object for each layout (the daemon keeps one in each
+        of up to 64 Ki space keys, each otherwise one more object for every full collection)."""
         kind = msg.WhichOneof("kind")
         if kind == "mha":
             if msg.mha.num_heads == 0 or msg.mha.head_dim == 0:
                 raise InvalidArgument("layout.mha needs num_heads > 0 and head_dim > 0")
-            return cls.mha(msg.mha.num_heads, msg.mha.head_dim)
+            return _interned(False, msg.mha.num_heads, msg.mha.head_dim)
         if kind == "mla":
             if msg.mla.kv_lora_rank == 0:
                 raise InvalidArgument("layout.mla needs kv_lora_rank > 0")
-            return cls.mla(msg.mla.kv_lora_rank, msg.mla.qk_rope_head_dim)
+            return _interned(True, msg.mla.kv_lora_rank, msg.mla.qk_rope_head_dim)
         raise InvalidArgument("layout must be set to mha or mla")
 
     def to_wire(self) -> pb.KVLayout:
@@ -87,6 +90,11 @@ class KVLayout:
             rank = self.head_dim - self.rope_dim
             return pb.KVLayout(mla=pb.MLALayout(kv_lora_rank=rank, qk_rope_head_dim=self.rope_dim))
         return pb.KVLayout(mha=pb.MHALayout(num_heads=self.num_heads, head_dim=self.head_dim))
+
+
+@functools.lru_cache(maxsize=1024)  # bounded: a peer naming ever new layouts churns it, no more
+def _interned(mla: bool, a: int, b: int) -> KVLayout:
+    return KVLayout.mla(a, b) if mla else KVLayout.mha(a, b)
 
 
 @dataclass(frozen=True, slots=True)
