@@ -584,7 +584,7 @@ class KVCore:
         if client.gate is not None and self.plane is not None:
             if gate_closed is not None:  # the plane's thread has taken the close (off the loop)
                 with contextlib.suppress(Exception):  # logged there: its copies see the gate shut
-                    await gate_closed
+                    await asyncio.shield(gate_closed)  # (a cancel here would unsend it)
             await self.plane.idle(client.gate)  # its copies there end at a layer boundary
             self.harvest(client)
             if client.gate.cuda:  # what the plane put on the GPU itself (scripts/gpu_check.py --plane-cuda)
