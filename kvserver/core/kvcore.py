@@ -450,13 +450,13 @@ class KVCore:
         self._in_threads += 1
         try:
             work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-            if not await _settle(work):
+            if not await settle(work):
                 return work.result()
             if work.exception() is not None:  # nobody else will see it: the caller is gone
                 logger.error("%s failed after its caller was cancelled: %r", fn.__name__, work.exception())
             elif undo is not None:
                 undone = asyncio.ensure_future(asyncio.to_thread(undo, work.result()))
-                await _settle(undone)
+                await settle(undone)
                 if undone.exception() is not None:
                     logger.error("undoing a cancelled %s failed: %r", fn.__name__, undone.exception())
             raise asyncio.CancelledError
@@ -572,7 +572,7 @@ class KVCore:
                 except Exception:  # the release goes on: the pages are the cache's to find again
                     logger.exception("giving back the cache pages set aside for a client's Puts failed")
         release = asyncio.ensure_future(self._release(client, reason, gate_closed))
-        if await _settle(release):
+        if await settle(release):
             raise asyncio.CancelledError
         release.result()
         return client.copies_pending
@@ -910,7 +910,7 @@ def _logged(task: asyncio.Task) -> None:
         logger.error("background work failed", exc_info=task.exception())
 
 
-async def _settle(fut: asyncio.Future) -> bool:
+async def settle(fut: asyncio.Future) -> bool:
     """Waits until ``fut`` is done, through any cancellation of the caller; says whether the
     caller was cancelled meanwhile (threads cannot be stopped, so their work is waited out)."""
     cancelled = False

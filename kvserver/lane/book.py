@@ -23,6 +23,7 @@ from kvserver.errors import (
     NoCapacity,
     PermissionDenied,
     Unavailable,
+    UnknownClient,
 )
 from kvserver.lane.plane import DataPlane
 from kvserver.lane.server import Lane, open_ring
@@ -137,9 +138,24 @@ class LaneBook:
         fast = functools.partial(self.fast, client_id) if gate is not None and self.fast is not None else None
         lane = Lane(public_id(client_id), ring, submit, done, functools.partial(self.run, client_id),
                     on_served, fast=fast)
-        self._start(lane, ring, submit, done, ticket.peer.uid, gate)
+        # Both before its opening, which waits for the plane's thread: another open is refused, a
+        # gRPC copy meanwhile takes its turn through the gate (ordered with the lane's), and a
+        # release meanwhile shuts the gate and closes the lane (which waits for the opening).
         client.lane = lane
         client.gate = gate
+        try:
+            await self._start(lane, ring, submit, done, ticket.peer.uid, gate)
+        except BaseException:
+            if client.lane is lane:
+                client.lane = None
+            if client.gate is gate and not client.closing:  # (a release holds it to close it)
+                client.gate = None
+            raise
+        if client.closing or lane.closing:  # released while it opened: the release closes it
+            if client.lane is lane:
+                client.lane = None
+            await lane.close()
+            raise UnknownClient(f"client {public_id(client_id)} was released while its lane opened")
         logger.info("lane of %d slots opened for %s (%s)", lane.slots, public_id(client_id),
                     "compiled data plane" if gate is not None else "served on the event loop")
         return lane
@@ -198,15 +214,21 @@ class LaneBook:
             if self._space_lanes_per_uid[uid] <= 0:
                 del self._space_lanes_per_uid[uid]
 
-        try:
-            self._start(lane, ring, submit, done, uid, gate, closed)
-        except BaseException:
-            if gone >= 0:
-                os.close(gone)
-            raise
+        # Counted from before its opening, which waits for the plane's thread (the count given
+        # back by its close, or by a failed opening).
         self._space_lanes_per_uid[uid] += 1
         self.space_lanes.add(lane)
         lane.on_closed = self.space_lanes.discard
+        try:
+            await self._start(lane, ring, submit, done, uid, gate, closed)
+        except BaseException:
+            self.space_lanes.discard(lane)
+            if gone >= 0 and not lane.closing:  # (a close, the drain's, lets go of it itself)
+                os.close(gone)
+            raise
+        if self.stopping:  # the drain began while it opened
+            await lane.close()
+            raise Unavailable("the daemon is stopping: it opens no lane")
         logger.info("lane of %d slots opened for %s (its Lookups, %s)", lane.slots, owner,
                     "compiled data plane" if gate is not None else "on the event loop")
         return lane
@@ -243,24 +265,20 @@ class LaneBook:
             refuse_rights(sock, uid)
         return ring, submit, done
 
-    def _start(self, lane: Lane, ring: Any, submit: Any, done: list[Any], uid: int, gate: Any,
-               also: Callable[[], None] | None = None) -> None:
-        """Starts serving ``lane`` and books its descriptors; ``also`` runs when it closes."""
-        try:
-            lane.start(self.plane, gate)
-        except BaseException as exc:
-            ring.close()
-            for s in (submit, *done):
-                s.close()
-            if isinstance(exc, OSError):  # its doorbell cannot be watched (ENOMEM, ENOSPC): never served
-                raise NoCapacity(f"the daemon cannot watch this lane's doorbell ({exc.strerror}): "
-                                 "its calls go over gRPC") from exc
-            raise
+    async def _start(self, lane: Lane, ring: Any, submit: Any, done: list[Any], uid: int, gate: Any,
+                     also: Callable[[], None] | None = None) -> None:
+        """Starts serving ``lane`` and books its descriptors, from before its opening (a close
+        meanwhile gives them back); ``also`` runs when it closes, or when its opening fails."""
         self.lanes.add(lane)
         fds = 2 + len(done)  # the ring's mapping's copy of its fd, the doorbells
         self._fds_per_uid[uid] += fds
+        given_back = False
 
         def closed(lane: Lane) -> None:
+            nonlocal given_back
+            if given_back:
+                return
+            given_back = True
             self.lanes.discard(lane)
             self._fds_per_uid[uid] -= fds
             if self._fds_per_uid[uid] <= 0:
@@ -269,3 +287,14 @@ class LaneBook:
                 also()
 
         lane.on_close = closed
+        try:
+            await lane.start(self.plane, gate)
+        except BaseException as exc:
+            closed(lane)
+            ring.close()
+            for s in (submit, *done):
+                s.close()
+            if isinstance(exc, OSError):  # its doorbell cannot be watched (ENOMEM, ENOSPC): never served
+                raise NoCapacity(f"the daemon cannot watch this lane's doorbell ({exc.strerror}): "
+                                 "its calls go over gRPC") from exc
+            raise

@@ -472,19 +472,35 @@ class DataPlane:
 
     # ---- lanes ---------------------------------------------------------------------------------
 
-    def add(self, lane: Lane, gate: Any) -> int:
+    def add(self, lane: Lane, gate: Any) -> tuple[int, asyncio.Future]:
+        """Puts the lane on the plane's thread: its handle at once (known before the thread
+        hands any request of it over), and what is done once the thread watches its doorbell (on
+        the command thread, behind the closes and removals sent before it): OSError where it
+        cannot (the lane is then not the thread's at all, its handle names nothing), RuntimeError
+        once the plane has stopped."""
+        if self.stopped:
+            raise RuntimeError("the data plane has stopped")
         if self._loop is None:
             self.start()
         key = next(self._keys)
-        self.lanes[key] = lane  # first: the thread may hand a request over at once
-        try:
-            handle = self.engine.add_lane(key, gate, lane.ring_address, lane.slots, lane.submit_fd,
-                                          lane.done_fds, lane.quiet_done)
-        except BaseException:
-            del self.lanes[key]
-            raise
+        handle = self.engine.new_lane(key, gate, lane.ring_address, lane.slots, lane.submit_fd,
+                                      lane.done_fds, lane.quiet_done)
+        self.lanes[key] = lane  # before the thread has it: it may hand a request over at once
         lane.plane_key = key
-        return handle
+        watched = asyncio.wrap_future(self._commands.submit(self._watch, handle))
+
+        def failed(fut: asyncio.Future) -> None:
+            if fut.cancelled() or fut.exception() is not None:
+                self.lanes.pop(key, None)
+
+        watched.add_done_callback(failed)
+        return handle, watched
+
+    def _watch(self, handle: int) -> None:
+        try:
+            self.engine.watch_lane(handle)
+        except KeyError:  # the plane stopped first: the stop freed it
+            raise RuntimeError("the data plane has stopped") from None
 
     def remove(self, lane: Lane, handle: int, wait: bool = False) -> asyncio.Future | None:
         """Takes the lane off the plane: nothing it hands over from now on is served. Once what

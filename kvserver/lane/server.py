@@ -28,6 +28,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from kvserver.core.kvcore import settle
 from kvserver.errors import (
     Code,
     DeadlineExceeded,
@@ -180,6 +181,7 @@ class Lane:
         # Done once the plane's thread has let go of the ring and the doorbells (DataPlane.remove):
         # until then close() keeps them.
         self._removal: asyncio.Future | None = None
+        self._adding: asyncio.Future | None = None  # its opening on the plane (DataPlane.add)
         self.plane_key = 0  # its key on the plane (never reused)
         self.gate: Any = None  # its gate there
         self._on_served = on_served
@@ -203,22 +205,48 @@ class Lane:
     def done_fds(self) -> list[int]:
         return [s.fileno() for s in self._done]
 
-    def start(self, plane: Any = None, gate: Any = None) -> None:
+    async def start(self, plane: Any = None, gate: Any = None) -> None:
+        """Starts serving: on the data plane's thread with ``gate`` (put there off the event loop,
+        ``DataPlane.add``; its error raised: OSError, the thread cannot watch the doorbell), else
+        on the loop. A caller cancelled meanwhile has the opening waited out and undone (the lane
+        off the plane again) before CancelledError: it may let go of the ring and the doorbells.
+        A close meanwhile (its registration's release) waits for the opening, then undoes it."""
         self._submit.setblocking(False)
         loop = asyncio.get_running_loop()
         if plane is not None and gate is not None:
             self._plane = plane
             self.gate = gate
-            self._handle = plane.add(self, gate)
+            handle, adding = plane.add(self, gate)
+            self._handle = handle  # (an answer to a request the plane hands over names the lane by it)
+            self._adding = adding
+            adding.add_done_callback(self._added)  # first: before any waiter of it resumes
+            if await settle(adding):
+                if self._removal is None:
+                    self._unwatch()
+                if self._removal is not None:
+                    await settle(self._removal)
+                raise asyncio.CancelledError
+            adding.result()  # its error, if it failed
         else:
             loop.add_reader(self._submit.fileno(), self._doorbell)
-        self._watching = True
-        if self._gone_fd >= 0:
+            self._watching = True
+        if self._gone_fd >= 0 and not self._closed:
             try:
                 loop.add_reader(self._gone_fd, self._gone, "its process exited")
             except BaseException:
                 self._unwatch(wait=True)  # the caller closes the ring and the doorbells at once
                 raise
+
+    def _added(self, adding: asyncio.Future) -> None:
+        if not adding.cancelled() and adding.exception() is None:
+            self._watching = True
+        else:  # freed: a lane made later may have its address
+            self._handle = 0
+
+    @property
+    def closing(self) -> bool:
+        """Whether its close has begun."""
+        return self._closed
 
     def peer_closed(self) -> None:
         """The plane saw the peer close its end of the submit doorbell (a space's lane: it
@@ -476,22 +504,34 @@ class Lane:
         self._ended = asyncio.get_running_loop().create_future()
         if self.on_close is not None:
             self.on_close(self)
-        self._unwatch()
-        tasks = [t for t in self._tasks if t is not None]
-        for t in tasks:
-            t.cancel()
+        tasks: list[asyncio.Task] = []
         try:
+            if self._adding is not None:  # its opening first: then it comes off the plane again
+                with contextlib.suppress(Exception):  # (failed: it never was on it)
+                    await asyncio.shield(self._adding)
+            self._unwatch()
+            tasks = [t for t in self._tasks if t is not None]
+            for t in tasks:
+                t.cancel()
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
             if self._removal is not None:  # the plane's thread lets go of the ring first
                 with contextlib.suppress(Exception):  # (logged where it failed)
                     await asyncio.shield(self._removal)
         finally:  # also when this close is itself cancelled: nothing would close them later
-            removal = self._removal
-            if removal is not None and not removal.done():  # (cancelled) once the thread lets go
-                removal.add_done_callback(lambda _: self._let_go())
+            if self._adding is not None and not self._adding.done():  # (cancelled) once it opened
+                self._adding.add_done_callback(lambda _: self._off_then_let_go())
             else:
-                self._let_go()
+                self._off_then_let_go()
+
+    def _off_then_let_go(self) -> None:
+        """Lets go of the ring and the doorbells once the plane's thread has (at once if it had)."""
+        self._unwatch()
+        removal = self._removal
+        if removal is not None and not removal.done():
+            removal.add_done_callback(lambda _: self._let_go())
+        else:
+            self._let_go()
 
     def _let_go(self) -> None:
         """The ring unmapped, the doorbells and the pidfd closed; the close has ended."""

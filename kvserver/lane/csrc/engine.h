@@ -79,6 +79,12 @@ static PyObject *engine_stop(Engine *e, PyObject *unused) {
             Py_DECREF(l->gate);
             free(l);
         }
+        while (e->fresh) { /* and those never given to the thread */
+            Lane *l = e->fresh;
+            e->fresh = l->fresh_next;
+            Py_DECREF(l->gate);
+            free(l);
+        }
     }
     Py_RETURN_NONE;
 }
@@ -100,9 +106,11 @@ static void engine_dealloc(Engine *e) {
     Py_TYPE(e)->tp_free((PyObject *)e);
 }
 
-/* add_lane(key, gate, ring address, slots, submit fd, done fds, quiet=False): quiet, the client
- * sets a slot's waiting word before it sleeps on its done doorbell (ring.FEATURE_QUIET_DONE). */
-static PyObject *engine_add_lane(Engine *e, PyObject *args) {
+/* new_lane(key, gate, ring address, slots, submit fd, done fds, quiet=False) -> handle: a lane made,
+ * not yet the thread's (watch_lane gives it): its handle is known before the thread can hand over
+ * any request of it. quiet: the client sets a slot's waiting word before it sleeps on its done
+ * doorbell (ring.FEATURE_QUIET_DONE). */
+static PyObject *engine_new_lane(Engine *e, PyObject *args) {
     long long key;
     Gate *gate;
     unsigned long long ring;
@@ -130,6 +138,11 @@ static PyObject *engine_add_lane(Engine *e, PyObject *args) {
             return NULL;
         }
     }
+    PyObject *handle = PyLong_FromVoidPtr(l);
+    if (!handle) {
+        free(l);
+        return NULL;
+    }
     l->key = key;
     l->ring = (char *)(uintptr_t)ring;
     l->slots = slots;
@@ -137,19 +150,63 @@ static PyObject *engine_add_lane(Engine *e, PyObject *args) {
     l->quiet = quiet;
     l->gate = gate;
     Py_INCREF(gate);
-    if (!run_command(e, CMD_ADD, l)) { /* the plane stopped meanwhile */
-        Py_DECREF(gate);
+    l->fresh_next = e->fresh;
+    e->fresh = l;
+    return handle;
+}
+
+/* watch_lane(handle): the thread watches a lane new_lane made; OSError where it cannot watch its
+ * doorbell, RuntimeError once the plane has stopped: the lane is then freed (its handle names
+ * nothing). Waits for the thread (the GIL released): the daemon calls it on its command thread. */
+static PyObject *engine_watch_lane(Engine *e, PyObject *handle) {
+    void *p = PyLong_AsVoidPtr(handle);
+    if (!p && PyErr_Occurred())
+        return NULL;
+    Lane **pp = &e->fresh;
+    while (*pp && *pp != p)
+        pp = &(*pp)->fresh_next;
+    if (!*pp) {
+        PyErr_SetString(PyExc_KeyError, "no such new lane");
+        return NULL;
+    }
+    Lane *l = *pp;
+    *pp = l->fresh_next; /* the thread's, or freed, from here on */
+    l->fresh_next = NULL;
+    int err = 0;
+    if (!run_command(e, CMD_ADD, l, &err)) { /* the plane stopped first: l was never its */
+        Py_DECREF(l->gate);
         free(l);
         PyErr_SetString(PyExc_RuntimeError, "the data plane has stopped");
         return NULL;
     }
-    if (!l->watching) { /* not among the thread's lanes: nothing of it is touched again */
-        errno = l->watch_errno;
-        Py_DECREF(gate);
+    if (err) { /* not among the thread's lanes: nothing of it is touched again */
+        Py_DECREF(l->gate);
         free(l);
+        errno = err;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    return PyLong_FromVoidPtr(l);
+    /* Among its lanes now, so a stop since (the GIL was another thread's meanwhile) has freed l,
+     * or will once the GIL is its: l is not read again here. */
+    if (__atomic_load_n(&e->started, __ATOMIC_ACQUIRE) != 1) {
+        PyErr_SetString(PyExc_RuntimeError, "the data plane has stopped");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* add_lane(key, gate, ring address, slots, submit fd, done fds, quiet=False) -> handle: new_lane
+ * and watch_lane in one call. */
+static PyObject *engine_add_lane(Engine *e, PyObject *args) {
+    PyObject *handle = engine_new_lane(e, args);
+    if (!handle)
+        return NULL;
+    PyObject *r = engine_watch_lane(e, handle);
+    if (!r) {
+        Py_DECREF(handle);
+        return NULL;
+    }
+    Py_DECREF(r);
+    return handle;
 }
 
 /* The lane of a handle, while it is among the thread's lanes. Its memory stays while the GIL is
@@ -176,7 +233,7 @@ static PyObject *engine_remove_lane(Engine *e, PyObject *handle) {
     Lane *l = lane_of(e, handle);
     if (!l)
         return NULL;
-    if (!run_command(e, CMD_REMOVE, l))
+    if (!run_command(e, CMD_REMOVE, l, NULL))
         Py_RETURN_NONE; /* the plane stopped first: the stop let go of its lanes, this one too */
     Py_DECREF(l->gate);
     free(l);
@@ -229,7 +286,7 @@ static PyObject *engine_close_gate(Engine *e, PyObject *arg) {
         PyErr_SetString(PyExc_TypeError, "a Gate");
         return NULL;
     }
-    if (!run_command(e, CMD_CLOSE_GATE, arg))
+    if (!run_command(e, CMD_CLOSE_GATE, arg, NULL))
         __atomic_store_n(&((Gate *)arg)->closed, 1, __ATOMIC_RELEASE);
     Py_RETURN_NONE;
 }
@@ -239,12 +296,12 @@ static PyObject *engine_pause(Engine *e, PyObject *arg) {
     int on = PyObject_IsTrue(arg);
     if (on < 0)
         return NULL;
-    run_command(e, on ? CMD_PAUSE : CMD_RESUME, NULL);
+    run_command(e, on ? CMD_PAUSE : CMD_RESUME, NULL, NULL);
     Py_RETURN_NONE;
 }
 
 static PyObject *engine_unwatch_all(Engine *e, PyObject *unused) {
-    run_command(e, CMD_UNWATCH_ALL, NULL);
+    run_command(e, CMD_UNWATCH_ALL, NULL, NULL);
     Py_RETURN_NONE;
 }
 

@@ -135,6 +135,8 @@ static PyTypeObject GateType = {
 
 static PyMethodDef engine_methods[] = {
     {"add_lane", (PyCFunction)engine_add_lane, METH_VARARGS, NULL},
+    {"new_lane", (PyCFunction)engine_new_lane, METH_VARARGS, NULL},
+    {"watch_lane", (PyCFunction)engine_watch_lane, METH_O, NULL},
     {"remove_lane", (PyCFunction)engine_remove_lane, METH_O, NULL},
     {"finish_slot", (PyCFunction)engine_finish_slot, METH_VARARGS, NULL},
     {"close_gate", (PyCFunction)engine_close_gate, METH_O, NULL},

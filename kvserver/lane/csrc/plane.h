@@ -228,9 +228,9 @@ typedef struct Lane {
     int submit_fd;
     int done_fd[MAX_SLOTS];
     Gate *gate; /* a reference, given back when the lane is removed */
+    struct Lane *fresh_next; /* among Engine.fresh until watch_lane */
     int slot_busy[MAX_SLOTS]; /* taken here: a job, or handed to Python until finish_slot() */
     int watching;
-    int watch_errno; /* why its doorbell could not be watched (the lane is then refused) */
     int quiet; /* the client said (FEATURE_QUIET_DONE) it sets WAITING_AT before it sleeps */
     int pending; /* it may have SUBMITTED slots: looked at in the thread's turns (lanes_turn) */
     int cursor;  /* the slot its next turn looks at first: the one after the last it took */
@@ -367,6 +367,7 @@ typedef struct {
     uint32_t plane_state; /* what the watched lanes' PLANE_AT words say: PLANE_ASLEEP or PLANE_RUNNING */
     int watched_slots; /* the slots of the lanes whose doorbells it watches */
     Lane *lanes;     /* changed by the thread alone (its commands), under lanes_mu */
+    Lane *fresh;     /* made by new_lane, not yet given to the thread (watch_lane): under the GIL */
     pthread_mutex_t lanes_mu; /* the lane list read off the thread (lane_of): a command runs while
                                * the loop goes on (DataPlane's command thread waits for it) */
     Job *jobs;
@@ -377,6 +378,7 @@ typedef struct {
     pthread_cond_t cmd_cv;
     int cmd, cmd_done;
     void *cmd_arg;
+    int cmd_errno; /* what the command did: an add's errno (0: watched), read under call_mu */
     /* A command waits (set before its wake-up, cleared as the thread takes it): the thread stops
      * its turn of the lanes at the next lane, and reads no doorbell, until it has run it, so that
      * the loop, which waits for it, never waits for a turn of every lane (cmd_waiting()). The

@@ -44,13 +44,14 @@ static void command(Engine *e) {
     pthread_mutex_unlock(&e->cmd_mu);
     if (cmd == CMD_NONE)
         return;
+    int done_errno = 0;
     if (cmd == CMD_ADD) {
         Lane *l = arg;
         struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = l};
         if (epoll_ctl(e->epfd, EPOLL_CTL_ADD, l->submit_fd, &ev) < 0) {
             /* Never rung, it would be served only while the thread spins: not taken at all, and
              * engine_add_lane refuses it (its calls go over gRPC). */
-            l->watch_errno = errno ? errno : EIO;
+            done_errno = errno ? errno : EIO;
         } else {
             l->watching = 1;
             e->watched_slots += l->slots;
@@ -88,6 +89,7 @@ static void command(Engine *e) {
     }
     pthread_mutex_lock(&e->cmd_mu);
     e->cmd = CMD_NONE;
+    e->cmd_errno = done_errno;
     e->cmd_done = 1;
     pthread_cond_broadcast(&e->cmd_cv);
     pthread_mutex_unlock(&e->cmd_mu);
@@ -228,8 +230,9 @@ static void *engine_main(void *arg) {
 }
 
 /* Runs a command on the thread and waits for it (the GIL released meanwhile). Returns 0, having
- * run nothing, once the thread has stopped (or never started). */
-static int run_command(Engine *e, int cmd, void *arg) {
+ * run nothing, once the thread has stopped (or never started); else 1, and the command's errno in
+ * *err if given (an add's: 0, the lane is watched). */
+static int run_command(Engine *e, int cmd, void *arg, int *err) {
     int ran = 0;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&e->call_mu);
@@ -248,6 +251,8 @@ static int run_command(Engine *e, int cmd, void *arg) {
     pthread_mutex_lock(&e->cmd_mu);
     while (!e->cmd_done)
         pthread_cond_wait(&e->cmd_cv, &e->cmd_mu);
+    if (err)
+        *err = e->cmd_errno;
     pthread_mutex_unlock(&e->cmd_mu);
     pthread_mutex_unlock(&e->call_mu);
 out:
