@@ -175,3 +175,29 @@ def test_a_stop_while_a_lane_opens_ends_cleanly(daemon_factory) -> None:
         opener.join(30)
         assert not opener.is_alive() and made
         made[0].close()
+
+
+def test_a_lane_opening_while_the_daemon_drains_is_refused_and_never_served(plane_daemon) -> None:
+    """The daemon's stop begins (the lanes' drain: the plane takes no request from then on) while
+    a lane's opening waits behind another command: the opening is refused (the engine stays on
+    gRPC), and the plane's thread never watches that lane."""
+    d = plane_daemon
+    book = d.daemon.servicer.lanes
+    with ShmKVPool(LAYOUT, torch.bfloat16, LAYERS, TOKENS) as pool:
+        made: list = []
+        d.core.plane._commands.submit(time.sleep, 0.5)  # the command thread busy with an earlier command
+        opener = threading.Thread(target=lambda: made.append(_client(d, pool)))
+        opener.start()
+        wait_until(lambda: d.run(lambda: len(book.lanes)) == 1, 10, "the lane's opening begun")
+        d.call(book.drain(0.05))
+        opener.join(30)
+        c = made[0]
+        try:
+            assert c.lane is None, "a lane opened after the drain began"
+            host = c.alloc(4 * PAGE)
+            served = d.core.plane.engine.served
+            assert c.write(host_indices=host, device_indices=torch.arange(4 * PAGE)) > 0  # over gRPC
+            assert d.core.plane.engine.served == served
+        finally:
+            c.close()
+    assert d.run(lambda: (_held(d), len(book.lanes))) == (0, 0)

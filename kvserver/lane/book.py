@@ -7,6 +7,7 @@ tenant may open one, and it closes when that process closes its end, or at the d
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import logging
 import os
@@ -151,11 +152,14 @@ class LaneBook:
             if client.gate is gate and not client.closing:  # (a release holds it to close it)
                 client.gate = None
             raise
-        if client.closing or lane.closing:  # released while it opened: the release closes it
+        if client.closing or lane.closing:  # released while it opened: its release closes it too
+            await lane.close()
+            raise UnknownClient(f"client {public_id(client_id)} was released while its lane opened")
+        if self.stopping:  # the drain began while it opened: served over gRPC until the stop
             if client.lane is lane:
                 client.lane = None
             await lane.close()
-            raise UnknownClient(f"client {public_id(client_id)} was released while its lane opened")
+            raise Unavailable("the daemon is stopping: it opens no lane")
         logger.info("lane of %d slots opened for %s (%s)", lane.slots, public_id(client_id),
                     "compiled data plane" if gate is not None else "served on the event loop")
         return lane
@@ -223,8 +227,7 @@ class LaneBook:
             await self._start(lane, ring, submit, done, uid, gate, closed)
         except BaseException:
             self.space_lanes.discard(lane)
-            if gone >= 0 and not lane.closing:  # (a close, the drain's, lets go of it itself)
-                os.close(gone)
+            lane.close_gone_fd()  # (once: a close, the drain's, may be letting go of it too)
             raise
         if self.stopping:  # the drain began while it opened
             await lane.close()
@@ -294,6 +297,8 @@ class LaneBook:
             ring.close()
             for s in (submit, *done):
                 s.close()
+            if isinstance(exc, OSError) and exc.errno == errno.ESHUTDOWN:  # behind the stop's unwatch_all
+                raise Unavailable("the daemon is stopping: it opens no lane") from exc
             if isinstance(exc, OSError):  # its doorbell cannot be watched (ENOMEM, ENOSPC): never served
                 raise NoCapacity(f"the daemon cannot watch this lane's doorbell ({exc.strerror}): "
                                  "its calls go over gRPC") from exc

@@ -85,6 +85,35 @@ class Answer(NamedTuple):
     counted: bool
 
 
+class _Settled(asyncio.Future):
+    """A command's end on the loop: it cannot be cancelled (a waiter cancelled meanwhile gets
+    CancelledError, as from ``asyncio.shield``), so that its state is always the command's."""
+
+    def cancel(self, msg: Any = None) -> bool:
+        return False
+
+
+def _on_loop(cf: Future, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+    """A loop future that settles as command ``cf`` ended. Unlike ``asyncio.wrap_future``'s, a
+    cancel neither cancels the command (which may be running: the thread would then keep a lane its
+    caller believes it never got) nor the future (whose end says what the command did)."""
+    fut = _Settled(loop=loop)
+
+    def copy(_: Future) -> None:
+        exc = cf.exception()
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(cf.result())
+
+    def ended(_: Future) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop has closed: no one waits
+            loop.call_soon_threadsafe(copy, cf)
+
+    cf.add_done_callback(ended)
+    return fut
+
+
 def _logged(fut: asyncio.Future) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         logger.error("a command to the data plane's thread failed", exc_info=fut.exception())
@@ -459,7 +488,7 @@ class DataPlane:
             done = loop.create_future()
             done.set_result(None)
             return done
-        fut = asyncio.wrap_future(self._commands.submit(fn, *args), loop=loop)
+        fut = _on_loop(self._commands.submit(fn, *args), loop)
         fut.add_done_callback(_logged)
         return fut
 
@@ -487,7 +516,7 @@ class DataPlane:
                                       lane.done_fds, lane.quiet_done)
         self.lanes[key] = lane  # before the thread has it: it may hand a request over at once
         lane.plane_key = key
-        watched = asyncio.wrap_future(self._commands.submit(self._watch, handle))
+        watched = _on_loop(self._commands.submit(self._watch, handle), asyncio.get_running_loop())
 
         def failed(fut: asyncio.Future) -> None:
             if fut.cancelled() or fut.exception() is not None:

@@ -220,11 +220,8 @@ class Lane:
             self._handle = handle  # (an answer to a request the plane hands over names the lane by it)
             self._adding = adding
             adding.add_done_callback(self._added)  # first: before any waiter of it resumes
-            if await settle(adding):
-                if self._removal is None:
-                    self._unwatch()
-                if self._removal is not None:
-                    await settle(self._removal)
+            if await settle(adding):  # undone as a close undoes it (what it handed over too)
+                await settle(asyncio.ensure_future(self.close()))
                 raise asyncio.CancelledError
             adding.result()  # its error, if it failed
         else:
@@ -236,6 +233,14 @@ class Lane:
             except BaseException:
                 self._unwatch(wait=True)  # the caller closes the ring and the doorbells at once
                 raise
+
+    def close_gone_fd(self) -> None:
+        """Closes the pidfd of its peer's process, once (a failed opening's caller, or its close)."""
+        if self._gone_fd >= 0:
+            with contextlib.suppress(ValueError, RuntimeError):  # not watched, or no loop
+                asyncio.get_running_loop().remove_reader(self._gone_fd)
+            os.close(self._gone_fd)
+            self._gone_fd = -1
 
     def _added(self, adding: asyncio.Future) -> None:
         if not adding.cancelled() and adding.exception() is None:
@@ -540,11 +545,7 @@ class Lane:
         try:
             for s in (self._submit, *self._done):
                 s.close()
-            if self._gone_fd >= 0:
-                with contextlib.suppress(ValueError, RuntimeError):  # not watched, or no loop
-                    asyncio.get_running_loop().remove_reader(self._gone_fd)
-                os.close(self._gone_fd)
-                self._gone_fd = -1
+            self.close_gone_fd()
             self._ring.close()
         finally:
             self._ended.set_result(None)

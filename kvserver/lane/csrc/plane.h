@@ -361,6 +361,7 @@ typedef struct {
     int started;
     int epfd, wake_fd, notify_fd;
     int paused; /* tests: requests are taken, no copy runs */
+    int drained; /* unwatch_all ran (the daemon's stop): no lane is watched from then on */
     int64_t progress_interval_ns;
     int64_t spin_ns;  /* after a request or a job, how long it looks again before it sleeps */
     int awake;        /* the lanes' AWAKE_AT words say 1: clients submit without ringing */

@@ -48,9 +48,11 @@ static void command(Engine *e) {
     if (cmd == CMD_ADD) {
         Lane *l = arg;
         struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = l};
-        if (epoll_ctl(e->epfd, EPOLL_CTL_ADD, l->submit_fd, &ev) < 0) {
+        if (e->drained) { /* an opening that waited behind the stop's unwatch_all: not watched */
+            done_errno = ESHUTDOWN;
+        } else if (epoll_ctl(e->epfd, EPOLL_CTL_ADD, l->submit_fd, &ev) < 0) {
             /* Never rung, it would be served only while the thread spins: not taken at all, and
-             * engine_add_lane refuses it (its calls go over gRPC). */
+             * watch_lane refuses it (its calls go over gRPC). */
             done_errno = errno ? errno : EIO;
         } else {
             l->watching = 1;
@@ -80,7 +82,8 @@ static void command(Engine *e) {
                 j->released = 1; /* ends at its next layer boundary: Python waits for inflight 0 */
     } else if (cmd == CMD_PAUSE || cmd == CMD_RESUME) {
         e->paused = cmd == CMD_PAUSE;
-    } else if (cmd == CMD_UNWATCH_ALL) { /* nothing more taken: pending lanes too */
+    } else if (cmd == CMD_UNWATCH_ALL) { /* nothing more taken: pending lanes too, nor new lanes */
+        e->drained = 1;
         for (Lane *l = e->lanes; l; l = l->next) {
             unwatch(e, l);
             unpend(e, l);
