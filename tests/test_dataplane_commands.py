@@ -201,3 +201,40 @@ def test_a_lane_opening_while_the_daemon_drains_is_refused_and_never_served(plan
         finally:
             c.close()
     assert d.run(lambda: (_held(d), len(book.lanes))) == (0, 0)
+
+
+def test_the_plane_s_thread_watches_no_lane_after_the_stop_s_unwatching() -> None:
+    """After unwatch_all (the daemon's stop) the thread refuses to watch a lane (ESHUTDOWN: an
+    opening that waited behind it), frees it, and new_lane's handle names nothing any more."""
+    import errno
+    import socket
+
+    import numpy as np
+    import pytest
+
+    from kvserver.lane.plane import _kvlane
+    from kvserver.protocol import ring as R
+
+    if _kvlane is None:
+        pytest.skip("the compiled data plane is not built")
+    engine = _kvlane.Engine(0.0, [], 0.0)
+    gate = _kvlane.space_gate()
+    ring = np.zeros(R.HEADER_BYTES + 2 * R.SLOT_BYTES, np.uint8)
+    pairs = [socket.socketpair() for _ in range(3)]
+    done = [p[0].fileno() for p in pairs[1:]]
+    try:
+        handle = engine.new_lane(1, gate, ring.ctypes.data, 2, pairs[0][0].fileno(), done, False)
+        engine.unwatch_all()
+        with pytest.raises(OSError) as refused:
+            engine.watch_lane(handle)
+        assert refused.value.errno == errno.ESHUTDOWN
+        assert not ring.any(), "the refused lane's ring was written"
+        with pytest.raises(KeyError):
+            engine.watch_lane(handle)
+        with pytest.raises(KeyError):
+            engine.remove_lane(handle)
+    finally:
+        engine.stop()
+        for a, b in pairs:
+            a.close()
+            b.close()

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvserver.core.client_state import public_id
-from kvserver.core.kvcore import KVCore
+from kvserver.core.kvcore import KVCore, settle
 from kvserver.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -146,18 +146,23 @@ class LaneBook:
         client.gate = gate
         try:
             await self._start(lane, ring, submit, done, ticket.peer.uid, gate)
-        except BaseException:
+        except BaseException as exc:
+            if client.closing:  # (a release holds the lane and the gate, to close them)
+                if isinstance(exc, Exception):
+                    raise UnknownClient(f"client {public_id(client_id)} was released while its lane "
+                                        "opened") from exc
+                raise
             if client.lane is lane:
                 client.lane = None
-            if client.gate is gate and not client.closing:  # (a release holds it to close it)
+            if client.gate is gate:
+                if lane.was_on_plane and gate is not None:  # its copies there end before it goes
+                    await settle(asyncio.ensure_future(self.plane.idle(gate)))
                 client.gate = None
             raise
         if client.closing or lane.closing:  # released while it opened: its release closes it too
             await lane.close()
             raise UnknownClient(f"client {public_id(client_id)} was released while its lane opened")
-        if self.stopping:  # the drain began while it opened: served over gRPC until the stop
-            if client.lane is lane:
-                client.lane = None
+        if self.stopping:  # the drain began while it opened: over gRPC until the stop's release
             await lane.close()
             raise Unavailable("the daemon is stopping: it opens no lane")
         logger.info("lane of %d slots opened for %s (%s)", lane.slots, public_id(client_id),
@@ -298,6 +303,8 @@ class LaneBook:
             for s in (submit, *done):
                 s.close()
             if isinstance(exc, OSError) and exc.errno == errno.ESHUTDOWN:  # behind the stop's unwatch_all
+                raise Unavailable("the daemon is stopping: it opens no lane") from exc
+            if isinstance(exc, RuntimeError) and self.plane is not None and self.plane.stopped:
                 raise Unavailable("the daemon is stopping: it opens no lane") from exc
             if isinstance(exc, OSError):  # its doorbell cannot be watched (ENOMEM, ENOSPC): never served
                 raise NoCapacity(f"the daemon cannot watch this lane's doorbell ({exc.strerror}): "

@@ -86,8 +86,10 @@ class Answer(NamedTuple):
 
 
 class _Settled(asyncio.Future):
-    """A command's end on the loop: it cannot be cancelled (a waiter cancelled meanwhile gets
-    CancelledError, as from ``asyncio.shield``), so that its state is always the command's."""
+    """A command's end on the loop: it cannot be cancelled, so that its state is always the
+    command's. A task awaiting it directly is cancelled only once the command has ended (and
+    ``wait_for`` waits that long): wait for it through ``asyncio.shield``, ``asyncio.wait`` or
+    ``kvcore.settle``."""
 
     def cancel(self, msg: Any = None) -> bool:
         return False

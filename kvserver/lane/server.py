@@ -221,7 +221,11 @@ class Lane:
             self._adding = adding
             adding.add_done_callback(self._added)  # first: before any waiter of it resumes
             if await settle(adding):  # undone as a close undoes it (what it handed over too)
-                await settle(asyncio.ensure_future(self.close()))
+                closing = asyncio.ensure_future(self.close())
+                await settle(closing)
+                if closing.exception() is not None:
+                    logger.error("closing a lane whose opening was cancelled failed",
+                                 exc_info=closing.exception())
                 raise asyncio.CancelledError
             adding.result()  # its error, if it failed
         else:
@@ -241,6 +245,11 @@ class Lane:
                 asyncio.get_running_loop().remove_reader(self._gone_fd)
             os.close(self._gone_fd)
             self._gone_fd = -1
+
+    @property
+    def was_on_plane(self) -> bool:
+        """Whether the data plane's thread watched it (it may have copied for it)."""
+        return self._adding is not None and self._adding.done() and self._adding.exception() is None
 
     def _added(self, adding: asyncio.Future) -> None:
         if not adding.cancelled() and adding.exception() is None:
