@@ -117,7 +117,7 @@ def _on_loop(cf: Future, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
 
 
 def _logged(fut: asyncio.Future) -> None:
-    if not fut.cancelled() and fut.exception() is not None:
+    if fut.exception() is not None:  # (never cancelled: _Settled)
         logger.error("a command to the data plane's thread failed", exc_info=fut.exception())
 
 
@@ -148,10 +148,11 @@ class DataPlane:
         # Requests handed over and not served yet, per lane in arrival order, the lanes in turn.
         self._handed: collections.OrderedDict[Any, collections.deque] = collections.OrderedDict()
         self._handed_soon = False  # a turn of the loop is to serve the rest (_serve_handed)
-        # Where a gate's close and a lane's removal wait for the plane's thread to take them: one
-        # thread, so they run in the order sent. The loop goes on meanwhile: a thread slow to take
-        # a command (no CPU for it, on a busy machine) holds up the release that sent it, not
-        # every engine's calls. (A lane's opening, a pause and a drain still wait on the loop.)
+        # Where a lane's opening, a gate's close and a lane's removal wait for the plane's thread
+        # to take them: one thread, so they run in the order sent. The loop goes on meanwhile: a
+        # thread slow to take a command (no CPU for it, on a busy machine) holds up the call that
+        # sent it, not every engine's calls. (A pause and the drain's unwatch_all still wait on
+        # the loop.)
         self._commands = ThreadPoolExecutor(1, thread_name_prefix="kvserver-plane-commands")
 
     def start(self) -> None:
@@ -482,16 +483,18 @@ class DataPlane:
         gate.shut()
         return self._command(self.engine.close_gate, gate)
 
-    def _command(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+    def _command(self, fn: Callable[..., Any], *args: Any, logged: bool = True) -> asyncio.Future:
         """Runs ``fn(*args)``, a command that waits for the plane's thread, on the command
-        thread; done at once where the plane has stopped (its thread takes no command)."""
+        thread; done at once where the plane has stopped (its thread takes no command). ``logged``:
+        its failure is logged (for callers that need not wait for it)."""
         loop = asyncio.get_running_loop()
         if self.stopped:
             done = loop.create_future()
             done.set_result(None)
             return done
         fut = _on_loop(self._commands.submit(fn, *args), loop)
-        fut.add_done_callback(_logged)
+        if logged:
+            fut.add_done_callback(_logged)
         return fut
 
     async def idle(self, gate: Any) -> None:
@@ -518,10 +521,10 @@ class DataPlane:
                                       lane.done_fds, lane.quiet_done)
         self.lanes[key] = lane  # before the thread has it: it may hand a request over at once
         lane.plane_key = key
-        watched = _on_loop(self._commands.submit(self._watch, handle), asyncio.get_running_loop())
+        watched = self._command(self._watch, handle, logged=False)  # (its caller raises what failed)
 
         def failed(fut: asyncio.Future) -> None:
-            if fut.cancelled() or fut.exception() is not None:
+            if fut.exception() is not None:  # (never cancelled: _Settled)
                 self.lanes.pop(key, None)
 
         watched.add_done_callback(failed)

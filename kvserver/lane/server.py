@@ -252,7 +252,7 @@ class Lane:
         return self._adding is not None and self._adding.done() and self._adding.exception() is None
 
     def _added(self, adding: asyncio.Future) -> None:
-        if not adding.cancelled() and adding.exception() is None:
+        if adding.exception() is None:  # (never cancelled: DataPlane's command futures)
             self._watching = True
         else:  # freed: a lane made later may have its address
             self._handle = 0
@@ -518,7 +518,6 @@ class Lane:
         self._ended = asyncio.get_running_loop().create_future()
         if self.on_close is not None:
             self.on_close(self)
-        tasks: list[asyncio.Task] = []
         try:
             if self._adding is not None:  # its opening first: then it comes off the plane again
                 with contextlib.suppress(Exception):  # (failed: it never was on it)

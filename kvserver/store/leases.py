@@ -81,12 +81,8 @@ class LeaseTable:
         steps first: leases that expired meanwhile would otherwise all end in this one)."""
         if self.at_limit(tenant):
             steps = self.make_way_steps(tenant)
-            try:
-                next(steps)
-            except StopIteration:
-                pass
-            finally:
-                steps.close()
+            next(steps, None)  # one step at most
+            steps.close()
         if self.at_limit(tenant):
             raise NoCapacity(
                 f"tenant {tenant!r} holds {self.max_per_tenant} leases, the most allowed: "
