@@ -21,8 +21,7 @@ DELAY_US = 200_000
 
 
 def _held(d) -> int:
-    plane = d.core.plane
-    return len(plane.lanes)
+    return len(d.core.plane.lanes)
 
 
 def test_an_unregister_does_not_hold_the_loop_while_the_plane_s_thread_is_slow(plane_daemon) -> None:
@@ -74,14 +73,10 @@ def test_a_registration_made_while_another_s_commands_wait_is_served_on_the_plan
     assert d.run(lambda: _held(d)) == 0 and not d.core.clients
 
 
-def test_a_stop_while_a_lane_s_removal_waits_ends_cleanly(daemon_factory) -> None:
+def test_a_stop_while_a_lane_s_removal_waits_ends_cleanly(plane_daemon) -> None:
     """The daemon stops while a release waits for its commands: the plane's thread ends, the
     waiting removal finds the lane gone with it, and nothing hangs or is freed twice."""
-    d = daemon_factory()
-    if d.core.plane is None:
-        import pytest
-
-        pytest.skip("the compiled data plane is not built (or KVSERVER_DATA_PLANE=python)")
+    d = plane_daemon  # (stopped here: the fixture's stop then finds it stopped)
     pool = ShmKVPool(LAYOUT, torch.bfloat16, LAYERS, TOKENS)
     c = _client(d, pool)
     try:
@@ -153,15 +148,11 @@ def test_a_release_while_the_lane_opens_closes_it_and_the_engine_stays_on_grpc(p
         == (0, 0, {}, [])
 
 
-def test_a_stop_while_a_lane_opens_ends_cleanly(daemon_factory) -> None:
+def test_a_stop_while_a_lane_opens_ends_cleanly(plane_daemon) -> None:
     """The daemon stops while a lane's opening waits for the plane's thread: the stop takes the
     lane with the others (the opening reads nothing of it after: the sanitizers' job checks), the
     engine stays on gRPC, and nothing hangs."""
-    d = daemon_factory()
-    if d.core.plane is None:
-        import pytest
-
-        pytest.skip("the compiled data plane is not built (or KVSERVER_DATA_PLANE=python)")
+    d = plane_daemon  # (stopped here: the fixture's stop then finds it stopped)
     book = d.daemon.servicer.lanes
     with ShmKVPool(LAYOUT, torch.bfloat16, LAYERS, TOKENS) as pool:
         made: list = []
@@ -202,39 +193,3 @@ def test_a_lane_opening_while_the_daemon_drains_is_refused_and_never_served(plan
             c.close()
     assert d.run(lambda: (_held(d), len(book.lanes))) == (0, 0)
 
-
-def test_the_plane_s_thread_watches_no_lane_after_the_stop_s_unwatching() -> None:
-    """After unwatch_all (the daemon's stop) the thread refuses to watch a lane (ESHUTDOWN: an
-    opening that waited behind it), frees it, and new_lane's handle names nothing any more."""
-    import errno
-    import socket
-
-    import numpy as np
-    import pytest
-
-    from kvserver.lane.plane import _kvlane
-    from kvserver.protocol import ring as R
-
-    if _kvlane is None:
-        pytest.skip("the compiled data plane is not built")
-    engine = _kvlane.Engine(0.0, [], 0.0)
-    gate = _kvlane.space_gate()
-    ring = np.zeros(R.HEADER_BYTES + 2 * R.SLOT_BYTES, np.uint8)
-    pairs = [socket.socketpair() for _ in range(3)]
-    done = [p[0].fileno() for p in pairs[1:]]
-    try:
-        handle = engine.new_lane(1, gate, ring.ctypes.data, 2, pairs[0][0].fileno(), done, False)
-        engine.unwatch_all()
-        with pytest.raises(OSError) as refused:
-            engine.watch_lane(handle)
-        assert refused.value.errno == errno.ESHUTDOWN
-        assert not ring.any(), "the refused lane's ring was written"
-        with pytest.raises(KeyError):
-            engine.watch_lane(handle)
-        with pytest.raises(KeyError):
-            engine.remove_lane(handle)
-    finally:
-        engine.stop()
-        for a, b in pairs:
-            a.close()
-            b.close()

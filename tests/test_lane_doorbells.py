@@ -6,11 +6,17 @@ daemon, real client, real shared memory."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import socket
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from checks import wait_until
@@ -325,40 +331,62 @@ def test_the_plane_looks_unrung_only_at_a_few_lanes(socket_dir) -> None:
         d.stop()
 
 
-def test_a_lane_whose_doorbell_the_plane_cannot_watch_is_refused_and_never_taken() -> None:
-    """epoll refusing a lane's submit doorbell (ENOMEM or ENOSPC on a node at its watch limit, which
-    cannot be made here without starving every other test; a regular file gives EPERM at the same
-    call) made a lane the plane kept but was never rung for: its calls waited for their timeouts.
-    Now the plane takes no such lane and says why, and goes on serving the lanes it can watch."""
-    import errno
-    import tempfile
-
-    import numpy as np
-
+@contextlib.contextmanager
+def _bare_engine() -> Iterator[tuple[Any, Any, np.ndarray, int, list[int]]]:
+    """A data plane's engine of its own (no daemon): (engine, a gate, a 2-slot ring, a submit
+    doorbell's fd, its done doorbells' fds); stopped, and the doorbells closed, after."""
     from kvserver.lane.plane import _kvlane
 
     if _kvlane is None:
         pytest.skip("the compiled data plane is not built")
     engine = _kvlane.Engine(0.0, [], 0.0)
-    gate = _kvlane.space_gate()
     ring = np.zeros(R.HEADER_BYTES + 2 * R.SLOT_BYTES, np.uint8)
     pairs = [socket.socketpair() for _ in range(3)]
-    done = [p[0].fileno() for p in pairs[1:]]
     try:
-        with tempfile.TemporaryFile() as not_pollable:
-            with pytest.raises(OSError) as refused:
-                engine.add_lane(1, gate, ring.ctypes.data, 2, not_pollable.fileno(), done, False)
-        assert refused.value.errno == errno.EPERM
-        assert not ring.any(), "the refused lane's ring was written"
-        with pytest.raises(KeyError):  # not among the plane's lanes
-            engine.remove_lane(1)
-        handle = engine.add_lane(2, gate, ring.ctypes.data, 2, pairs[0][0].fileno(), done, False)
-        engine.remove_lane(handle)
+        yield engine, _kvlane.space_gate(), ring, pairs[0][0].fileno(), [p[0].fileno() for p in pairs[1:]]
     finally:
         engine.stop()
         for a, b in pairs:
             a.close()
             b.close()
+
+
+def _add(engine: Any, key: int, gate: Any, ring: np.ndarray, submit: int, done: list[int]) -> int:
+    """A lane made and watched, as DataPlane.add has it (there, watched on its command thread)."""
+    handle = engine.new_lane(key, gate, ring.ctypes.data, 2, submit, done, False)
+    engine.watch_lane(handle)
+    return handle
+
+
+def test_a_lane_whose_doorbell_the_plane_cannot_watch_is_refused_and_never_taken() -> None:
+    """epoll refusing a lane's submit doorbell (ENOMEM or ENOSPC on a node at its watch limit, which
+    cannot be made here without starving every other test; a regular file gives EPERM at the same
+    call) made a lane the plane kept but was never rung for: its calls waited for their timeouts.
+    Now the plane takes no such lane and says why, and goes on serving the lanes it can watch."""
+    with _bare_engine() as (engine, gate, ring, submit, done), tempfile.TemporaryFile() as not_pollable:
+        with pytest.raises(OSError) as refused:
+            _add(engine, 1, gate, ring, not_pollable.fileno(), done)
+        assert refused.value.errno == errno.EPERM
+        assert not ring.any(), "the refused lane's ring was written"
+        with pytest.raises(KeyError):  # not among the plane's lanes
+            engine.remove_lane(1)
+        engine.remove_lane(_add(engine, 2, gate, ring, submit, done))
+
+
+def test_the_plane_s_thread_watches_no_lane_after_the_stop_s_unwatching() -> None:
+    """After unwatch_all (the daemon's stop) the thread refuses to watch a lane (ESHUTDOWN: an
+    opening that waited behind it), frees it, and new_lane's handle names nothing any more."""
+    with _bare_engine() as (engine, gate, ring, submit, done):
+        handle = engine.new_lane(1, gate, ring.ctypes.data, 2, submit, done, False)
+        engine.unwatch_all()
+        with pytest.raises(OSError) as refused:
+            engine.watch_lane(handle)
+        assert refused.value.errno == errno.ESHUTDOWN
+        assert not ring.any(), "the refused lane's ring was written"
+        with pytest.raises(KeyError):
+            engine.watch_lane(handle)
+        with pytest.raises(KeyError):
+            engine.remove_lane(handle)
 
 
 def test_a_waiter_for_a_loads_end_is_rung_at_its_end_only(socket_dir) -> None:

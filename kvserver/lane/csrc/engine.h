@@ -194,21 +194,6 @@ static PyObject *engine_watch_lane(Engine *e, PyObject *handle) {
     Py_RETURN_NONE;
 }
 
-/* add_lane(key, gate, ring address, slots, submit fd, done fds, quiet=False) -> handle: new_lane
- * and watch_lane in one call. */
-static PyObject *engine_add_lane(Engine *e, PyObject *args) {
-    PyObject *handle = engine_new_lane(e, args);
-    if (!handle)
-        return NULL;
-    PyObject *r = engine_watch_lane(e, handle);
-    if (!r) {
-        Py_DECREF(handle);
-        return NULL;
-    }
-    Py_DECREF(r);
-    return handle;
-}
-
 /* The lane of a handle, while it is among the thread's lanes. Its memory stays while the GIL is
  * held: only remove_lane and stop free a lane, each with the GIL. */
 static Lane *lane_of(Engine *e, PyObject *handle) {

@@ -134,7 +134,6 @@ static PyTypeObject GateType = {
 #include "engine_cache.h"
 
 static PyMethodDef engine_methods[] = {
-    {"add_lane", (PyCFunction)engine_add_lane, METH_VARARGS, NULL},
     {"new_lane", (PyCFunction)engine_new_lane, METH_VARARGS, NULL},
     {"watch_lane", (PyCFunction)engine_watch_lane, METH_O, NULL},
     {"remove_lane", (PyCFunction)engine_remove_lane, METH_O, NULL},
