@@ -377,3 +377,17 @@ def test_a_large_put_into_a_space_of_several_parts_splits_its_counts_buckets_ahe
     count.added(Keys.unpack(np.arange(n, dtype=np.uint64).repeat(2).tobytes(), 16, n))
     assert seen and all(entries <= room for entries, room in seen), seen
     assert count.value == 0 and index.count == n
+
+
+def test_a_put_beyond_its_quota_evicts_only_what_its_quota_can_take_from_other_tenants():
+    """A tenant whose Put wants more pages than its quota holds, in an arena full of another
+    tenant's pages, evicts the slabs its quota can still take, not the other tenant's whole cache."""
+    cache, arena, _ = make_cache(capacity=20 * MiB, quotas={"small": 4 * MiB})  # 2 slabs of 2 pages
+    big = one_part(cache, "big")
+    put(cache, big, [b"b%d" % i for i in range(20)])  # the arena full: 10 slabs of big's
+    assert big.pages == 20
+    small = one_part(cache, "small")
+    plan = put(cache, small, [b"s%d" % i for i in range(8)])  # wants 4 slabs, its quota holds 2
+    assert (len(plan.positions), plan.dropped) == (4, 4)
+    assert big.pages == 16 and big.space.counters.evictions == 4
+    assert arena.available < 2 * MiB  # no slab's worth of memory left empty

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from store_support import MiB, make_cache, one_part, part_of, put, space_key
+from store_support import K, MiB, make_cache, one_part, part_of, put, space_key, stored
 
 import kvserver.store.cache as cache_module
 from kvserver.store import Keys
@@ -16,8 +16,12 @@ from kvserver.store.steps import run_steps
 N = 100
 
 
+def raw_keys(n: int, salt: int = 0) -> list[bytes]:
+    return [(i + (salt << 32)).to_bytes(16, "little") for i in range(n)]
+
+
 def keys(n: int, salt: int = 0) -> Keys:
-    return Keys.of([(i + (salt << 32)).to_bytes(16, "little") for i in range(n)])
+    return Keys.of(raw_keys(n, salt))
 
 
 @pytest.fixture
@@ -438,3 +442,42 @@ def test_one_step_ends_at_most_512_leases_however_few_pins_they_hold():
     """Leases of one pin each: a step bounded by pins alone ended 4096 of them at once (15 ms)."""
     cache, _ = _expired_leases(1024, max_leases_per_tenant=1024)
     assert steps_of(cache.expire_leases_steps()) == (1, 1024) and int(cache.pages.pins.sum()) == 0
+
+
+def test_a_put_longer_than_a_step_keeps_the_pages_its_first_steps_found_stored(small_steps):
+    """A Put's later step makes room without evicting the stored pages its earlier steps counted
+    present: with room for one step's pages, Put(A + B) after Put(A) keeps A and drops B."""
+    cache, _, _ = make_cache(capacity=3 * MiB)
+    part = one_part(cache, page_bytes=128 * 1024)  # one 2 MiB slab of 16 pages fits
+    a, b = raw_keys(16), raw_keys(16, salt=1)
+    put(cache, part, a)
+    assert cache.lookup(part, a)[0] == 16
+    plan = put(cache, part, a + b)
+    assert (len(plan.positions), plan.present, plan.dropped) == (0, 16, 16)
+    assert cache.lookup(part, a)[0] == 16 and part.space.counters.evictions == 0
+    assert int(cache.pages.readers.sum()) == 0  # nothing held once the Put is planned
+
+
+def test_a_put_counts_every_key_from_its_first_dropped_one_as_dropped(small_steps):
+    """Dropped keys are the request's last ones, in one step or across steps: a key stored
+    already after the first key left out counts dropped, not present, so that the leading
+    ``n - dropped`` keys are what the part holds (kvclient's SGLang backend reads it so)."""
+    cache, _, _ = make_cache(capacity=4 * MiB)  # four 1 MiB pages
+    part = one_part(cache)
+    put(cache, part, K("cxy"))
+    _, lease = cache.lookup(part, K("cxy"), pin_ms=60_000)  # three of the four pages pinned
+    plan = put(cache, part, K("abc"))  # a stored, b left out, c stored already
+    assert (len(plan.positions), plan.present, plan.dropped) == (1, 0, 2)
+    assert stored(cache, part, "abc") == "ac"
+    counters = part.space.counters
+    assert (counters.dedup_pages, counters.dropped) == (0, 2)
+    cache.release("t", [lease])
+
+    cache, _, _ = make_cache(capacity=3 * MiB)
+    part = one_part(cache, page_bytes=128 * 1024)  # 16 pages fit, a step is 16 keys
+    c = raw_keys(4, salt=2)
+    put(cache, part, c)
+    _, lease = cache.lookup(part, c, pin_ms=60_000)
+    plan = put(cache, part, raw_keys(16) + c)  # room for 12 of n; c after them
+    assert (len(plan.positions), plan.present, plan.dropped) == (12, 0, 8)
+    cache.release("t", [lease])

@@ -486,9 +486,12 @@ class KVCache:
         keys = as_keys(keys)
         plans = PutPlans(part, len(keys))
         start = 0
+        # The pages earlier steps found stored, held until the last step is planned: a later
+        # step's room is never made by evicting them (they are this Put's prefix).
+        kept: list[np.ndarray] | None = [] if len(keys) > STEP_KEYS else None
         try:
             while start < len(keys):
-                plan = self._prepare_put(part, keys[start : start + STEP_KEYS], plane_pages, counted)
+                plan = self._prepare_put(part, keys[start : start + STEP_KEYS], plane_pages, counted, kept)
                 plans.add(start, plan)
                 start += STEP_KEYS
                 if plan.dropped or start >= len(keys):
@@ -498,6 +501,9 @@ class KVCache:
             for plan in plans.steps:
                 self.complete_put(plan, False)
             raise
+        finally:
+            for ids in kept or ():
+                self.hold(ids, -1)
         rest = max(0, len(keys) - start)
         if rest and counted:
             tenant = self.tenants.get(part.space.key.tenant)
@@ -506,7 +512,10 @@ class KVCache:
         return plans.plan(rest)
 
     @_locked
-    def _prepare_put(self, part: Part, keys: Keys, plane_pages: int = -1, counted: bool = True) -> PutPlan:
+    def _prepare_put(self, part: Part, keys: Keys, plane_pages: int = -1, counted: bool = True,
+                     kept: list[np.ndarray] | None = None) -> PutPlan:
+        """A step of ``prepare_put_steps``; the pages it finds stored are held and added to
+        ``kept`` (unless None) for the steps after it."""
         space = self._live(part.space)
         tenant = self.tenants.get(space.key.tenant)
         page_bytes = part.key.page_bytes
@@ -516,8 +525,13 @@ class KVCache:
         waiting = np.flatnonzero(self.pages.state[ids[ids >= 0]] == WRITING)
         if len(waiting):
             waiting = np.flatnonzero(ids >= 0)[waiting]
+        if kept is not None:
+            found = ids[ids >= 0]
+            found = found[self.pages.state[found] == COMMITTED]
+            self.pages.hold(found)
+            kept.append(found)
         if len(missing):
-            firsts, rank = keys.take(missing).firsts(ranks=True)  # of repeated keys the earliest is stored
+            firsts = keys.take(missing).firsts()  # of repeated keys the earliest is stored
             positions = missing[firsts]
             held = ids[ids >= 0]
             self.pages.hold(held)  # the present pages are not evicted for this Put
@@ -529,8 +543,12 @@ class KVCache:
             stored = positions[: len(new)]
             dropped = 0
             if len(new) < len(positions):
-                # Every occurrence of a key left out (a repeat of a stored key is present).
-                dropped = int(np.count_nonzero(rank >= len(new)))
+                # Every key from the first one left out on, whatever it is (one stored already
+                # too): dropped keys are the last ones, and the leading len(keys) - dropped are
+                # what the part holds (the prefix a Lookup finds).
+                first = int(positions[len(new)])
+                dropped = len(keys) - first
+                waiting = waiting[waiting < first]
         else:
             new = stored = np.empty(0, np.int64)
             dropped = 0
@@ -754,12 +772,14 @@ class KVCache:
             # Other slabs, least recently used first, ranked once: evicting one slab changes no
             # other slab's pages, so the order holds for the whole Put (ranking again per slab made
             # a Put that evicts many slabs quadratic in the cache's pages).
-            others = [s for c, sids in self.slabs.of_class.items() if c != cls
-                      and (under_quota or c[0] == tenant.tid) for s in sids]
-            ranked = lru_slabs(self.pages, others)
+            owner = {s: c[0] for c, sids in self.slabs.of_class.items() if c != cls
+                     and (under_quota or c[0] == tenant.tid) for s in sids}
+            ranked = lru_slabs(self.pages, list(owner))
             for sid in ranked.tolist():
+                if not under_quota and owner[sid] != tenant.tid:
+                    continue  # its quota binds now: another tenant's slab would give it nothing
                 self._evict_slab(sid)
-                grow()
+                under_quota = grow() and under_quota
                 if self.slabs.free_count(cls) >= want:
                     break
         new = self.slabs.take(cls, want)
