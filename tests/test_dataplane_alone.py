@@ -522,3 +522,49 @@ def test_a_request_the_loop_fails_to_take_is_answered_internal_and_its_slot_serv
             assert c.lookup(_keys("t")[:2]).pages == 2
         assert time.monotonic() - t < 2, "the refused slot was not given back to the plane"
     assert _readers(d) == (0, 0)
+
+
+@pytest.mark.parametrize("rpc", ["put", "get"])
+def test_a_call_handed_over_after_the_check_does_not_refuse_the_one_planned_before_it(
+        plane_daemon, monkeypatch, rpc) -> None:
+    """The plane hands the registration's next call over while the loop plans this one (an
+    engine putting on one thread and loading on another): this one, found alone when its plan
+    began, is still copied alone, never answered UNAVAILABLE (which made the client give up a
+    live registration and register again). A later call, handed over, counts in the gate's
+    ``py_inflight`` here as the plane's thread counts it."""
+    d = plane_daemon
+    copier = d.core.copier
+    real = copier.run_alone
+
+    def later_call_meanwhile(job, to_device, answer=None):
+        gate = job.client.gate
+        gate.py_enter()  # the plane's thread hands the next call over now
+        try:
+            return real(job, to_device, answer)
+        finally:
+            gate.py_exit()
+
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, 2 * TOKENS) as pool, _client(d, pool) as c:
+        _fill(pool, 37)
+        src = torch.randperm(PAGES)
+        want = _pages_of(pool, src)
+        assert c.put(_keys("w")[:4], src[:4]).stored == 4  # the plane serves the registration
+        monkeypatch.setattr(copier, "run_alone", later_call_meanwhile)
+        monkeypatch.setattr("kvserver.core.cache_ops.INLINE_COPY_BYTES", 0)  # a Get's copy takes a job
+        alone = copier.alone_copies
+        reconnects = c.reconnects
+        if rpc == "put":
+            got = c.put(_keys("h"), src)
+            assert (got.stored, got.present, got.dropped) == (PAGES, 0, 0)
+            assert c.lookup(_keys("h")).pages == PAGES
+        else:
+            assert c.put(_keys("h"), src).stored == PAGES
+            alone = copier.alone_copies
+            dst = torch.arange(PAGES, 2 * PAGES)
+            _zero(pool)
+            handle = c.get(_keys("h"), dst)
+            assert handle.pages(timeout=10) == PAGES and handle.wait(timeout=10) > 0
+            assert all(torch.equal(x, y) for x, y in zip(_pages_of(pool, dst), want, strict=True))
+        assert copier.alone_copies == alone + 1, "the call did not take the plane's path alone"
+        assert c.reconnects == reconnects
+    assert _readers(d) == (0, 0)

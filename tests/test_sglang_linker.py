@@ -384,6 +384,29 @@ def test_daemon_stopped_mid_request_gives_misses(daemon_factory):
         b.close()
 
 
+def test_a_load_after_the_client_knows_its_registration_lost_is_refused(daemon_factory):
+    """The daemon goes after a hit and the client has marked its registration lost before SGLang
+    calls load(): with one rank the load is refused (SGLang recomputes), not accepted and failed
+    (finish_layer_wise_loading False: SGLang aborts the request with 503)."""
+    d = daemon_factory()
+    a, pool_a, alloc_a = _engine(d.address, retry_register_s=0.0)
+    b, pool_b, alloc_b = _engine(d.address, retry_register_s=0.0)
+    try:
+        hashes, _ = _store(a, pool_a, alloc_a, 500, seed=5)
+        assert b.lookup("r", [_kv(keys=hashes)]) == [1, 2]
+        d.stop()
+        deadline = time.monotonic() + 10
+        while b.client.connected and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not b.client.connected, "the client never marked its registration lost"
+        slots_b = alloc_b.alloc(2 * PAGE)
+        assert b.load("r", [_kv(keys=hashes, device_indices=slots_b)]) is False
+        assert b.start_layer_wise_loading() == -1
+    finally:
+        a.close()
+        b.close()
+
+
 def test_no_daemon_at_startup_misses_everything(socket_dir):
     """The engine starts before the daemon: the linker constructs, and every call is a miss."""
     linker, pool, alloc = _engine(f"unix://{socket_dir}/absent.sock", retry_register_s=60.0)

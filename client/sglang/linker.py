@@ -362,8 +362,10 @@ class KVServerLinker(UnifiedCacheLinker):
         a Register or on a daemon that did not answer last time."""
         if self._closed or self._stopped or not self.away.open:
             return False
-        if not self._registrar.registered:
-            self.away.failed()  # registration lost (a renew): the probe thread registers
+        if not self._registrar.registered or not self.client.connected:
+            # Registration lost (a renew, or the client found the daemon gone): the probe thread
+            # registers; a load accepted now would fail and SGLang abort its requests.
+            self.away.failed()
             return False
         return True
 

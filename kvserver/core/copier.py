@@ -240,15 +240,21 @@ class Copier:
         cf.add_done_callback(lambda f: loop.call_soon_threadsafe(finish, f))
         return fut
 
-    def alone(self, client: ClientState, answers: bool = False) -> bool:
+    def alone(self, client: ClientState, answers: bool = False, since: bool = False) -> bool:
         """Whether nothing of ``client`` is in flight besides the one request the data plane handed
         over to the loop: no copy of the loop's or the plane's, no other handed-over request. A
         copy started then has nothing to be ordered behind (``run_alone``). ``answers``: for a
         copy that answers its slot (a Get's), which the plane runs after all of the gate's earlier
-        jobs, the plane's own copies of the client may still be running."""
+        jobs, the plane's own copies of the client may still be running. ``since``: for the copy
+        of a request found alone earlier in the same step of the loop (``run_alone``,
+        ``copy_now``): requests handed over since then may count too. While that request counts
+        in the gate's ``py_inflight`` the plane's thread takes no turn of the registration and
+        hands each of its requests over, all later ones, which the loop orders behind this copy
+        (an engine putting on one thread while it loads on another hands one over meanwhile)."""
         gate = client.gate
         return (self.plane is not None and gate is not None and not gate.cuda and not client.inflight
-                and (answers or not gate.inflight) and not gate.x_inflight and gate.py_inflight == 1)
+                and (answers or not gate.inflight) and not gate.x_inflight
+                and (gate.py_inflight >= 1 if since else gate.py_inflight == 1))
 
     def takes_rows(self, table: Any, page_size: int) -> bool:
         """Whether the data plane copies host rows laid out as ``table`` (a client's cache table)."""
@@ -258,13 +264,14 @@ class Copier:
         """Has the data plane's thread copy ``job``, which the loop planned for a request the plane
         handed over (a Get's load, a Put's write), with no task or step of the loop in between;
         ``answer`` (a load's): the plane also answers the lane slot it names
-        (``kvserver.lane.plane.Answer``) as it answers its own Loads. Only while the client is
-        ``alone`` and where the plane would copy the job whole (not a load the copy workers
-        split). None: not taken, nothing changed. Else the future settles on the loop once the
+        (``kvserver.lane.plane.Answer``) as it answers its own Loads. Only for a request the caller
+        found ``alone`` in this step of the loop, while the client still is (``since``), and where
+        the plane would copy the job whole (not a load the copy workers split). None: not taken,
+        nothing changed. Else the future settles on the loop once the
         copy has ended; ``ended_alone`` then ends the job. (A small answering copy is made at once
         by ``copy_now``, with no job; this path takes those it could not make.)"""
         client = job.client
-        if not self.alone(client, answer is not None) or self._splits(job, to_device):
+        if not self.alone(client, answer is not None, since=True) or self._splits(job, to_device):
             return None
         if client.order is None:
             client.order = JobOrder(client.busy.size, client.device.num_tokens, client.spec.page_size)
@@ -292,7 +299,7 @@ class Copier:
         client is in flight, the plane has no copy of it running (else it is not copied here), and
         the copy is over on return. The status its slot was answered with; -1: not copied,
         nothing changed (``run_alone`` then)."""
-        if not self.alone(client, True):
+        if not self.alone(client, True, since=True):
             return -1
         code = self.plane.copy_now(client.gate, host_table, client.spec.page_size, self.arena_span, offsets,
                                    device_pages, np.array(local_layers, np.int64), answer)
