@@ -116,7 +116,7 @@ def main() -> None:
         a = DaemonProcess(os.path.join(tmp, "a.sock"), "--cluster-master", master.address,
                           "--cluster-segment", f"{segment // MiB}MiB", "--cluster-timeout-ms", "30000",
                           host_memory=f"{(2 * set_bytes) // MiB + 64}MiB")
-        node_b = Node(ServerConfig(socket=os.path.join(tmp, "b.sock"), host_memory=set_bytes + 16 * MiB,
+        node_b = Node(ServerConfig(socket=os.path.join(tmp, "b.sock"), host_memory=4 * set_bytes + 64 * MiB,
                                    cluster_master=master.address, cluster_segment=64 * MiB,
                                    cluster_timeout=30.0))
         tier = node_b.daemon.core.cluster

@@ -258,6 +258,47 @@ def test_a_stalled_peer_costs_a_get_its_cluster_pages_not_its_local_hit(nodes):
         _until(lambda: eb.load_checked(keys, rng) == 150, 30)
 
 
+def test_a_peer_that_stalls_then_dies_takes_a_bounded_share_and_leaves_its_keys_storable(tmp_path, master):
+    """A Get pulls from a peer that stalls (SIGSTOP) and then dies: the pull takes at most a
+    quarter of host memory (pulls under way and failed ones together), so most of the node's own
+    cache stays; its pages, out of use while the dead transfer might still land, are out of their
+    part at once, so the node's engine stores those keys again at once, not after minutes."""
+    a = node(tmp_path, "a", master, "--cluster-segment", "160MiB")  # room for both nodes' pages
+    b = DaemonProcess(str(tmp_path / "b.sock"), "--cluster-master", master.address,
+                      "--cluster-timeout-ms", "1000", "--cluster-segment", "160MiB", host_memory="64MiB")
+    try:
+        b.wait_for(lambda s: any(t.name == "cluster" and t.joined for t in s.tiers), 20)
+        theirs, mine = keys_of("theirs", 1000), keys_of("mine", 1500)  # 31 and 47 MiB of pages
+        with CacheEngine(a.address, pages=256) as ea:
+            for i in range(0, len(theirs), 200):
+                store(ea, theirs[i : i + 200])
+            published(a, 1000, timeout=30)
+        with CacheEngine(b.address, pages=1100, timeout=3.0) as eb:
+            for i in range(0, len(mine), 200):
+                store(eb, mine[i : i + 200])
+            assert eb.lookup(mine, memory_only=True).pages == 1500
+            assert eb.lookup(theirs).cluster_pages == 1000
+            os.kill(a.pid, signal.SIGSTOP)
+            assert eb.get(theirs, np.arange(1000)) == 0  # nothing came within the deadline
+            quarter = (64 << 20) // 4 // PAGE_BYTES
+            assert eb.lookup(mine, memory_only=True).pages >= 1500 - quarter - 8
+            time.sleep(1.5)
+            a.kill()  # its transfers fail now, after Mooncake stopped waiting on them
+            _until(lambda: cluster_stat(b).quarantined_pages > 0, 30)
+            assert cluster_stat(b).quarantined_pages <= quarter
+            rng = np.random.default_rng(11)
+            chunk = theirs[:50]
+            eb.fill(chunk, np.arange(50))
+            t0 = time.monotonic()
+            r = eb.put(chunk, np.arange(50))
+            assert (r.stored, r.dropped) == (50, 0) and time.monotonic() - t0 < 1.0, r
+            assert eb.lookup(chunk, memory_only=True).pages == 50
+            assert eb.load_checked(chunk, rng) == 50
+    finally:
+        for d in (a, b):
+            d.kill()
+
+
 def test_a_dead_node_s_pages_are_misses_within_the_deadline(nodes):
     a, b = nodes
     rng = np.random.default_rng(3)

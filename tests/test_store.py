@@ -7,10 +7,12 @@ import dataclasses
 
 import numpy as np
 import pytest
+import store_support as ss
 from store_support import PAGE, K, MiB, make_cache, offsets_ok, one_part, part_of, put, space_key, stored
 
 from kvserver.errors import InvalidArgument, NoCapacity
 from kvserver.store import MAX_PIN_MS, Keys
+from kvserver.store.pages import WRITING
 from kvserver.store.steps import run_steps
 
 
@@ -502,3 +504,25 @@ def test_leases_released_at_once_leave_no_heap_behind():
         _, lease = cache.lookup(part, K("abc"), pin_ms=60_000)
         cache.release("t", [lease])
     assert kept in cache.leases.leases and any(lease_id == kept for _, lease_id in cache.leases._heap)
+
+
+def test_pages_set_aside_leave_their_part_at_once_and_are_freed_later():
+    """A failed pull's pages, whose transfer may still land: out of their part at once (their keys
+    stored again in other pages), still being written (never taken nor evicted) until freed."""
+    cache, _, _ = make_cache()
+    part = one_part(cache)
+    plan = cache.prepare_put(part, K("ab"))
+    ids = plan.page_ids.copy()
+    cache.set_aside(ids)
+    plan.page_ids = plan.page_ids[:0]  # (as the pull settles it: its other pages only)
+    cache.complete_put(plan, True)
+    assert ss.ids_of(cache, part, "ab") == [-1, -1] and part.pages == 0
+    assert (cache.pages.state[ids] == WRITING).all()
+    put(cache, part, K("abcdef"))  # the keys again, and the rest of the memory: nothing evicted
+    assert stored(cache, part, "abcdef") == "abcdef"
+    assert not set(ss.ids_of(cache, part, "ab")) & set(ids.tolist())
+    assert (cache.pages.state[ids] == WRITING).all() and part.space.counters.evictions == 0
+    cache.free_stash(ids)
+    assert not (cache.pages.state[ids] == WRITING).any()
+    put(cache, part, K("gh"))  # the freed pages serve again
+    assert stored(cache, part, "abcdefgh") == "abcdefgh"

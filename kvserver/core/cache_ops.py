@@ -56,6 +56,10 @@ logger = logging.getLogger(__name__)
 # Host memory that pages of failed cluster pulls may hold out of use, at most: past it, a Get's
 # pull from the cluster is a miss until some of them are free again.
 MAX_QUARANTINED_SHARE = 1 / 16
+# Host memory that pages of cluster pulls under way and of failed ones (out of use) hold together,
+# at most: a Get pulls no more than what that leaves, so that a stalled peer's pulls, which may
+# all end out of use, take at most this much of the node's own cache.
+MAX_PULLING_SHARE = 1 / 4
 T = TypeVar("T")
 
 MAX_SPACE_IDS = 1 << 16  # space handles the daemon keeps (one per tenant and space)
@@ -152,6 +156,7 @@ class CacheOps:
         self.disk = kv.disk  # the tier under the host cache, or None
         self.cluster = kv.cluster  # the tier shared with other nodes, or None
         self._quarantined_bytes = 0  # host pages of failed pulls kept out of use (QUARANTINE_SECONDS)
+        self._pulling_bytes = 0  # host pages taken for pulls from the cluster under way
         self.lower = self.disk.holds if self.disk is not None else None
         self.lookups_now = 0  # lane Lookups the loop served without a task (lookup_now; not the plane's)
         # Lane calls served whole on the data plane's thread (``_serve_on_plane``,
@@ -1254,10 +1259,18 @@ class CacheOps:
         until = cluster.deadline(deadline)
         if self._quarantined_bytes > self.cache.arena.capacity * MAX_QUARANTINED_SHARE:
             return 0, until  # failed pulls hold host memory enough: the cluster is a miss a while
-        n = await cluster.count([part], keys, until, hits=False)
-        if not n or loop.time() >= until:
+        page = part.key.page_bytes
+        if self._pull_room(page) <= 0:
             return 0, until
-        hplan = await in_steps(self.kv.share, self.cache.prepare_put_steps(part, keys[:n], counted=False))
+        n = await cluster.count([part], keys, until, hits=False)
+        n = min(n, self._pull_room(page))  # (other pulls may have begun meanwhile)
+        if n <= 0 or loop.time() >= until:
+            return 0, until
+        self._pulling_bytes += n * page  # this pull's room, held while its pages are taken
+        try:
+            hplan = await in_steps(self.kv.share, self.cache.prepare_put_steps(part, keys[:n], counted=False))
+        finally:
+            self._pulling_bytes -= n * page
         n -= hplan.dropped
         if not len(hplan.page_ids):
             self.cache.complete_put(hplan, True)
@@ -1265,16 +1278,22 @@ class CacheOps:
         positions = hplan.positions
         first_own = int(positions[0])
         done: asyncio.Future[int] = loop.create_future()
+        pulling = len(hplan.page_ids) * page
+        self._pulling_bytes += pulling
 
         def settled(ok: np.ndarray, unsafe: np.ndarray) -> None:  # once the transfer is over
+            self._pulling_bytes -= pulling
             # The Get counts on the leading keys up to the first page that did not come.
             arrived = n if ok.all() else int(positions[int(np.argmin(ok))])
             if unsafe.any():
-                kept = replace(hplan, page_ids=hplan.page_ids[unsafe])
+                # Out of use until the transfer can no longer land, and out of their part now:
+                # a Put or Get of those keys goes on without them meanwhile.
+                aside = hplan.page_ids[unsafe]
                 hplan.page_ids, ok = hplan.page_ids[~unsafe], ok[~unsafe]
-                nbytes = len(kept.page_ids) * part.key.page_bytes
+                self.cache.set_aside(aside)
+                nbytes = len(aside) * page
                 self._quarantined_bytes += nbytes
-                loop.call_later(QUARANTINE_SECONDS, self._unquarantine, kept, nbytes)
+                loop.call_later(QUARANTINE_SECONDS, self._unquarantine, aside, nbytes)
             self.cache.complete_put(hplan, ok)
             self._written()
             if not done.done():
@@ -1286,11 +1305,15 @@ class CacheOps:
             return first_own, until
         return done.result(), until
 
-    def _unquarantine(self, plan: PutPlan, nbytes: int) -> None:
-        """Frees the pages of a failed pull once its transfer can no longer land."""
+    def _pull_room(self, page_bytes: int) -> int:
+        """Pages of ``page_bytes`` a pull from the cluster may take now (``MAX_PULLING_SHARE``)."""
+        share = self.cache.arena.capacity * MAX_PULLING_SHARE
+        return int((share - self._pulling_bytes - self._quarantined_bytes) // page_bytes)
+
+    def _unquarantine(self, ids: np.ndarray, nbytes: int) -> None:
+        """Frees the pages of a failed pull (set aside) once its transfer can no longer land."""
         self._quarantined_bytes -= nbytes
-        self.cache.complete_put(plan, False)
-        self._written()
+        self.cache.free_stash(ids)
 
     async def _read_back(self, part: Part, keys: Keys, deadline: float) -> None:
         """Reads the disk's pages of ``keys`` (all on disk) into new host pages of ``part``, within

@@ -705,6 +705,20 @@ class KVCache:
             self._drop(bad, evicted=False)
 
     @_locked
+    def set_aside(self, ids: np.ndarray) -> None:
+        """Pages being written whose copy may still land though it was given up (a cluster pull
+        whose transfer Mooncake stopped waiting on): they leave their parts at once, counted as a
+        failed Put's pages are, so their keys can be stored again in other pages meanwhile, and
+        stay being written, in no part and never evicted, until ``free_stash`` frees them."""
+        p = self.pages
+        ids = ids[(p.state[ids] == WRITING) & (p.part[ids] >= 0)]
+        if not len(ids):
+            return
+        self._leave_parts(ids, evicted=False)
+        p.index.remove(ids)
+        p.part[ids] = -1
+
+    @_locked
     def discard(self, ids: np.ndarray) -> None:
         """Frees committed pages found bad (a check of their bytes failed): they are no longer
         found, and count as neither stored nor evicted. A page another read or a pin still holds
@@ -1177,6 +1191,15 @@ class KVCache:
         ``give`` False the pages are left out of their slabs' free lists: none)."""
         if not len(ids):
             return []
+        self._leave_parts(ids, evicted)
+        self.pages.clear(ids)
+        if not give:
+            return []
+        return self.slabs.give(ids, release_empty=release_empty)
+
+    def _leave_parts(self, ids: np.ndarray, evicted: bool) -> None:
+        """Pages' keys told gone (KV events: the committed ones) and their bytes out of their
+        parts', spaces' and tenants' counters."""
         gids = self.pages.part[ids]
         if (gids == gids[0]).all():  # one part (a Put's eviction, mostly): no grouping to do
             groups = [(int(gids[0]), ids)]
@@ -1196,10 +1219,6 @@ class KVCache:
                 c.bytes -= len(chunk) * part.key.page_bytes
                 if evicted:
                     c.evictions += len(chunk)
-        self.pages.clear(ids)
-        if not give:
-            return []
-        return self.slabs.give(ids, release_empty=release_empty)
 
     # Stats
 
