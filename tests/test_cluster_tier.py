@@ -206,6 +206,30 @@ def test_a_hung_master_costs_misses_within_the_deadline_never_a_stall(nodes, mas
         assert eb.load_checked(theirs, rng) == 50
 
 
+def test_lookups_shorter_than_the_tiers_timeout_answer_their_local_hit_and_open_the_breaker(nodes, master):
+    """A hung master and Lookups whose timeout_ms is below --cluster-timeout-ms (vLLM's scheduler
+    sends at most 980 ms against the tier's 1000): each answers its local hit within its own
+    timeout, not DEADLINE_EXCEEDED, and the questions left hanging still open the breaker at the
+    tier's timeout, after which Lookups answer at once."""
+    _, b = nodes
+    mine, rest = keys_of("mine", 20), keys_of("rest", 20)
+    with CacheEngine(b.address, pages=64) as eb:
+        store(eb, mine)
+        published(b, 20)
+        os.kill(master.proc.pid, signal.SIGSTOP)
+        try:
+            for _ in range(2):
+                t0 = time.monotonic()
+                assert eb.lookup(mine + rest, timeout=0.9).pages == 20
+                assert time.monotonic() - t0 < 0.9
+            _until(lambda: cluster_stat(b).breaker_trips >= 1, 5)
+            t0 = time.monotonic()
+            assert eb.lookup(mine + rest, timeout=0.9).pages == 20
+            assert time.monotonic() - t0 < 0.2
+        finally:
+            os.kill(master.proc.pid, signal.SIGCONT)
+
+
 @pytest.mark.parametrize("in_flight", [False, True])
 def test_a_daemon_stops_within_its_grace_while_its_master_hangs(tmp_path, master, in_flight):
     """SIGTERM while the master answers nothing (Mooncake's calls wait 30 s, its leaving twice

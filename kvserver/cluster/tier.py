@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -178,18 +179,20 @@ class ClusterTier:
 
         self._asking += 1
         fut = self._ask_threads.submit(ask)
-        fut.add_done_callback(self._asked)
+        # The question itself says whether the store is down, whoever still waits for it (a
+        # Lookup or Get may give up sooner than the tier's timeout): unanswered by then, or its
+        # codes once it ends.
+        overdue = loop.call_at(own, self._overdue, fut, epoch)
+        fut.add_done_callback(functools.partial(self._asked, overdue, epoch))
         try:
             codes = await asyncio.wait_for(asyncio.shield(fut), max(0.0, until - loop.time()))
         except TimeoutError:
             self.counters.timeouts += 1
-            if until >= own - 0.1 * self.timeout:  # the store's own time ran out, not a Get's
-                self._trip(epoch)
             return 0
         except Exception as exc:
             logger.warning("a question to the cluster failed: %s", exc)
             return 0
-        if len(codes) != len(parts) * len(keys) or self._store_down(codes, epoch):
+        if len(codes) != len(parts) * len(keys) or any(c in _STORE_DOWN for c in codes):
             return 0
         there = (np.asarray(codes, np.int64) == 1).reshape(len(parts), len(keys)).all(axis=0)
         m = int(np.argmin(there)) if not there.all() else len(keys)
@@ -197,8 +200,17 @@ class ClusterTier:
             self.counters.hits += m
         return m
 
-    def _asked(self, _: asyncio.Future) -> None:
+    def _overdue(self, fut: asyncio.Future, epoch: int) -> None:
+        """A question still unanswered at the tier's timeout: the store does not answer."""
+        if not fut.done():
+            self._trip(epoch)
+
+    def _asked(self, overdue: asyncio.TimerHandle, epoch: int, fut: asyncio.Future) -> None:
+        """A question ended (on the loop): its codes may say the store is down."""
         self._asking -= 1
+        overdue.cancel()
+        if not fut.cancelled() and fut.exception() is None:
+            self._store_down(fut.result(), epoch)
 
     async def pull(self, part: Part, keys: Keys, host_offsets: np.ndarray, deadline: float,
                    on_settled: Callable[[np.ndarray, np.ndarray], None]) -> None:

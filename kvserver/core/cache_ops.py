@@ -60,6 +60,9 @@ MAX_QUARANTINED_SHARE = 1 / 16
 # at most: a Get pulls no more than what that leaves, so that a stalled peer's pulls, which may
 # all end out of use, take at most this much of the node's own cache.
 MAX_PULLING_SHARE = 1 / 4
+# A Lookup's question to the cluster ends this long (at most a tenth of its timeout_ms) before the
+# Lookup's own timeout: the time to answer with what host memory and the disk found.
+CLUSTER_ANSWER_MARGIN = 0.05
 T = TypeVar("T")
 
 MAX_SPACE_IDS = 1 << 16  # space handles the daemon keeps (one per tenant and space)
@@ -243,6 +246,10 @@ class CacheOps:
     # ---- Lookup and Release -----------------------------------------------------------------
 
     async def lookup(self, req: pb.LookupRequest) -> Found:
+        # The cluster's question ends a little before the Lookup's own timeout (which the servicer
+        # bounds), so that the pages found here are answered, not DEADLINE_EXCEEDED.
+        margin = min(CLUSTER_ANSWER_MARGIN, req.timeout_ms / 10_000)
+        until = self.kv.deadline(req.timeout_ms) - margin if req.timeout_ms else 0.0
         tenant, client, key = self._target(req.client_id, req.space_id)
         if req.pin_ms > MAX_PIN_MS:
             raise InvalidArgument(f"pin_ms is {req.pin_ms}; at most {MAX_PIN_MS}")
@@ -278,7 +285,7 @@ class CacheOps:
             # The rest of the prefix, from the cluster: one batched question, within its deadline.
             parts = self.cache.parts_of(target)[1]
             try:
-                more = await self.cluster.count(parts, keys[found.pages:])
+                more = await self.cluster.count(parts, keys[found.pages:], until)
             except BaseException:  # given up (its deadline, a cancelled call): its lease ends too
                 if found.lease_id:
                     self.cache.release(tenant, [found.lease_id])
