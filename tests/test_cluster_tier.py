@@ -230,6 +230,54 @@ def test_lookups_shorter_than_the_tiers_timeout_answer_their_local_hit_and_open_
             os.kill(master.proc.pid, signal.SIGCONT)
 
 
+_REFUSE_ONE_REGISTRATION = """
+from mooncake.store import MooncakeDistributedStore as _Store
+
+_register, _refused = _Store.register_buffer, []
+
+
+def _register_once_refused(self, address, nbytes):
+    if not _refused:  # as RDMA refuses memory past RLIMIT_MEMLOCK: the rest of the join is real
+        _refused.append(1)
+        return -1
+    return _register(self, address, nbytes)
+
+
+_Store.register_buffer = _register_once_refused
+"""
+
+
+def test_a_join_whose_registration_is_refused_tries_again_without_holding_the_loop(tmp_path, master,
+                                                                                  monkeypatch):
+    """The store refuses to register the host arena once (the master answered, setup worked): the
+    half-joined client is kept and its registration tried again, never closed on the daemon's
+    behalf (Mooncake's close holds the interpreter's lock for seconds: every retry held the loop
+    that long), and the daemon answers small calls at once all the while."""
+    patch = tmp_path / "patch"
+    patch.mkdir()
+    (patch / "sitecustomize.py").write_text(_REFUSE_ONE_REGISTRATION)
+    paths = [str(patch), os.environ.get("PYTHONPATH")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
+    d = DaemonProcess(str(tmp_path / "refused.sock"), "--cluster-master", master.address,
+                      host_memory="128MiB")
+    try:
+        slowest, deadline = 0.0, time.monotonic() + 30
+        while True:
+            t0 = time.monotonic()
+            joined = cluster_stat(d).joined
+            slowest = max(slowest, time.monotonic() - t0)
+            if joined:
+                break
+            assert time.monotonic() < deadline, "the tier never joined"
+            time.sleep(0.02)
+        assert slowest < 0.5, f"a Stats call took {slowest:.2f} s while the tier joined"
+        with CacheEngine(d.address, pages=16) as eng:
+            store(eng, keys_of("joined", 10))
+            published(d, 10)
+    finally:
+        d.kill()
+
+
 @pytest.mark.parametrize("in_flight", [False, True])
 def test_a_daemon_stops_within_its_grace_while_its_master_hangs(tmp_path, master, in_flight):
     """SIGTERM while the master answers nothing (Mooncake's calls wait 30 s, its leaving twice

@@ -96,6 +96,9 @@ class MooncakeClient:
         self.segment_bytes, self.protocol, self.device = segment_bytes, protocol, device
         self._store: Any = None
         self._config: Any = None
+        # Set up, its registration refused: kept for the next try, never closed on the way (its
+        # close holds the interpreter's lock for seconds), closed with the rest by ``close``.
+        self._half: Any = None
         self.hostname = ""  # this client's segment name in the cluster (after ``join``)
 
     def probe(self, timeout: float = PROBE_SECONDS) -> None:
@@ -116,29 +119,29 @@ class MooncakeClient:
         refuses."""
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
-        self.probe()
-        store = MooncakeDistributedStore()
-        rc = store.setup(self.local_host, self.metadata, self.segment_bytes, LOCAL_BUFFER_BYTES,
-                         self.protocol, self.device, self.master)
-        if rc != 0:
-            raise JoinError(f"Mooncake Store setup returned {rc} (master {self.master}, "
-                            f"metadata {self.metadata})", probed=True)
-        try:
-            rc = store.register_buffer(buffer_address, buffer_bytes)
+        store = self._half
+        if store is None:
+            self.probe()
+            store = MooncakeDistributedStore()
+            rc = store.setup(self.local_host, self.metadata, self.segment_bytes, LOCAL_BUFFER_BYTES,
+                             self.protocol, self.device, self.master)
             if rc != 0:
-                raise JoinError(f"Mooncake Store refused to register the host arena ({rc})", probed=True)
-            hostname = store.get_hostname()
-            cfg = ReplicateConfig()
-            cfg.replica_num = 1
-            try:
-                cfg.preferred_segment = hostname  # a put lands in this node's own segment
-            except AttributeError:  # an older wheel: the master places it
-                pass
-        except BaseException:
-            store.close()
-            raise
+                raise JoinError(f"Mooncake Store setup returned {rc} (master {self.master}, "
+                                f"metadata {self.metadata})", probed=True)
+            self._half = store
+        rc = store.register_buffer(buffer_address, buffer_bytes)
+        if rc != 0:
+            raise JoinError(f"Mooncake Store refused to register the host arena ({rc})", probed=True)
+        self._buffer = buffer_address
+        hostname = store.get_hostname()
+        cfg = ReplicateConfig()
+        cfg.replica_num = 1
+        try:
+            cfg.preferred_segment = hostname  # a put lands in this node's own segment
+        except AttributeError:  # an older wheel: the master places it
+            pass
         self.hostname = hostname
-        self._store, self._config, self._buffer = store, cfg, buffer_address
+        self._store, self._config, self._half = store, cfg, None
 
     @property
     def open(self) -> bool:
@@ -166,7 +169,10 @@ class MooncakeClient:
 
     def close(self) -> None:
         store, self._store = self._store, None
+        half, self._half = self._half, None
         if store is None:
+            if half is not None:  # its registration was refused: nothing to unregister
+                half.close()
             return
         try:
             store.unregister_buffer(self._buffer)
