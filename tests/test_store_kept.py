@@ -22,7 +22,12 @@ import pytest
 import torch
 
 from kvserver.core.kvcore import KVCore
+from kvserver.disk.arena import DiskArena
+from kvserver.errors import NoCapacity
+from kvserver.host.kept import KeptDir
+from kvserver.host.regions import aligned_capacity
 from kvserver.protocol.layout import KVLayout
+from kvserver.store.keep import kept_shape
 from kvserver.store.keys import Keys
 from kvserver.store.spaces import PartKey, SpaceKey
 
@@ -816,3 +821,40 @@ def test_a_catalog_kept_as_it_was_sheds_a_line_a_kill_cut_short(tmp_path):
         assert core.recovery.adopted_pages == 18 and core.recovery.dropped == 0
         assert found(core, part_of(core, weights="Y"), keys_of(b"y", 8)) == (8, True)
         asyncio.run(core.close())
+
+
+@contextlib.contextmanager
+def small_ext4(tmp_path, mib: int):
+    """An ext4 file system of ``mib`` MiB on a loop device, mounted for the test (its path),
+    unmounted after; skipped where it cannot be made (not root, no mkfs.ext4, no loop devices)."""
+    image, path = str(tmp_path / "ext4.img"), str(tmp_path / "ext4")
+    os.makedirs(path, exist_ok=True)
+    with open(image, "wb") as f:
+        f.truncate(mib << 20)
+    made = os.geteuid() == 0 and shutil.which("mkfs.ext4") is not None and subprocess.run(
+        ["mkfs.ext4", "-q", "-F", image], capture_output=True).returncode == 0 and subprocess.run(
+        ["mount", "-o", "loop", image, path], capture_output=True).returncode == 0
+    if not made:
+        pytest.skip("an ext4 loop mount needs root, mkfs.ext4 and loop devices")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], check=False)
+
+
+def test_a_region_the_file_system_has_no_room_for_leaves_no_blocks_taken(tmp_path):
+    """ext4 keeps what a posix_fallocate took before it ran out of room: a region refused for
+    want of room gives those blocks back, so the file holds no space outside its regions."""
+    with small_ext4(tmp_path, 64) as mnt:
+        kept = KeptDir(os.path.join(mnt, "disk"), kept_shape(aligned_capacity(256 * MB), "disk"))
+        arena = DiskArena(int(kept.shape["capacity"]), kept)
+        data = os.path.join(mnt, "disk", "data")
+        st = os.statvfs(mnt)
+        free = st.f_bavail * st.f_frsize
+        with pytest.raises(NoCapacity):
+            arena.reserve(free + 16 * MB)  # more than the file system has left
+        assert os.stat(data).st_blocks * 512 < MB, "blocks of a refused region stayed taken"
+        start = arena.reserve(8 * MB)  # a region that fits is taken whole
+        assert os.stat(data).st_blocks * 512 >= 8 * MB
+        arena.release(start, 8 * MB)
+        kept.close()

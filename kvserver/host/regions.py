@@ -140,7 +140,11 @@ class Regions:
         is none); nothing to do for memory committed on first touch. Any thread."""
         size = align_up(nbytes, REGION_ALIGN)
         if size:
-            self._commit(start, size)
+            try:
+                self._commit(start, size)
+            except NoCapacity:  # a file system that took some of it before it ran out keeps that
+                self._punch(start, size)  # (ext4): given back, the range holds nothing yet
+                raise
 
     def _commit(self, start: int, size: int) -> None:
         """Takes the backing store of [start, start + size) (subclasses that have one)."""
