@@ -278,6 +278,26 @@ def test_a_join_whose_registration_is_refused_tries_again_without_holding_the_lo
         d.kill()
 
 
+def test_a_half_joined_client_leaves_the_cluster_with_the_daemon(daemon_factory, master, monkeypatch):
+    """The store refuses every registration of host memory: the client set up for it is kept for
+    the next try, and the daemon's stop closes it (it leaves the cluster), not left to the exit."""
+    from mooncake.store import MooncakeDistributedStore
+
+    closed: list[int] = []
+    close = MooncakeDistributedStore.close
+    monkeypatch.setattr(MooncakeDistributedStore, "register_buffer", lambda self, address, nbytes: -1)
+    monkeypatch.setattr(MooncakeDistributedStore, "close", lambda self: (closed.append(1), close(self))[1])
+    d = daemon_factory(cluster_master=master.address, cluster_segment=64 << 20, host_memory=128 << 20)
+    client = d.core.cluster.client
+    deadline = time.monotonic() + 20
+    while not client.half_open:
+        assert time.monotonic() < deadline, "no join was tried"
+        time.sleep(0.05)
+    assert not d.core.cluster.joined and closed == []  # kept, not closed on the way
+    d.stop()
+    assert closed == [1] and not client.half_open
+
+
 @pytest.mark.parametrize("in_flight", [False, True])
 def test_a_daemon_stops_within_its_grace_while_its_master_hangs(tmp_path, master, in_flight):
     """SIGTERM while the master answers nothing (Mooncake's calls wait 30 s, its leaving twice

@@ -8,6 +8,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +17,7 @@ from kvclient.keys import page_keys
 from kvserver.core import copier
 from kvserver.core.cache_ops import CacheOps
 from kvserver.media.shm import ShmDevicePool
+from kvserver.store.cache import KVCache
 from kvserver.store.pages import WRITING
 from kvserver.v1 import kvserver_pb2 as pb
 
@@ -110,6 +112,53 @@ def test_a_put_of_keys_another_put_is_writing_counts_them_only_once_stored(daemo
             first.result(timeout=10)
     assert (second.stored, second.present, second.dropped) == (2, 0, 0)
     assert engine.lookup(keys).pages == 2
+
+
+def test_a_key_another_put_was_writing_left_out_counts_every_key_after_it_dropped(daemon, engine,
+                                                                                  monkeypatch):
+    """The first Put's copy of k0 fails and the second Put, which waited for it, finds no room to
+    store k0 itself: its dropped keys are still its last ones, every key from k0 on, so that the
+    leading keys less the dropped ones are what the part holds (kvclient's SGLang backend reads
+    it so), though it stored k1 and k2."""
+    monkeypatch.setattr(ShmDevicePool, "inline_ok", property(lambda self: False))
+    real = ShmDevicePool.start
+    started: list[object] = []
+    failed = threading.Event()
+
+    def first_fails_late(self, job, *args):
+        if started:
+            return real(self, job, *args)
+        started.append(job)
+        failing: Future[None] = Future()
+
+        def fail() -> None:
+            failed.set()
+            failing.set_exception(RuntimeError("the copy failed"))
+
+        threading.Timer(0.5, fail).start()
+        return failing
+
+    monkeypatch.setattr(ShmDevicePool, "start", first_fails_late)
+    real_put_on_plane = CacheOps.put_on_plane
+    monkeypatch.setattr(CacheOps, "put_on_plane", lambda self, req, ended: (
+        None if req.client_id == engine.client_id else real_put_on_plane(self, req, ended)))
+    real_allocate = KVCache._allocate
+    monkeypatch.setattr(KVCache, "_allocate", lambda self, *a, **k: np.empty(0, np.int64) if failed.is_set()
+                        else real_allocate(self, *a, **k))  # no room once the first copy failed
+    keys = page_keys(range(5000, 5000 + 3 * PAGE), PAGE)
+    with ShmKVPool(KVLayout.mha(2, 8), torch.float16, 2, 8 * PAGE) as pool, \
+            KVClient(daemon.address, resilient=False) as other, ThreadPoolExecutor(1) as pool_exec:
+        other.register(model="fail", pool=pool, start_layer=0, end_layer=2, num_layers=2, host_tokens=0,
+                       page_size=PAGE)
+        first = pool_exec.submit(engine.put, keys[:16], [0])
+        deadline = time.monotonic() + 10
+        while not started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        second = other.put(keys, [2, 3, 4])
+        with pytest.raises(KVClientError):
+            first.result(timeout=10)
+    assert (second.stored, second.present, second.dropped) == (0, 0, 3)
+    assert engine.lookup(keys).pages == 0 and engine.lookup(keys[16:]).pages == 2
 
 
 @pytest.mark.parametrize("call", ["put", "get"])

@@ -524,23 +524,25 @@ def test_a_request_the_loop_fails_to_take_is_answered_internal_and_its_slot_serv
     assert _readers(d) == (0, 0)
 
 
-@pytest.mark.parametrize("rpc", ["put", "get"])
+@pytest.mark.parametrize("rpc,copy", [("put", "run_alone"), ("get", "run_alone"), ("get", "copy_now")])
 def test_a_call_handed_over_after_the_check_does_not_refuse_the_one_planned_before_it(
-        plane_daemon, monkeypatch, rpc) -> None:
+        plane_daemon, monkeypatch, rpc, copy) -> None:
     """The plane hands the registration's next call over while the loop plans this one (an
     engine putting on one thread and loading on another): this one, found alone when its plan
-    began, is still copied alone, never answered UNAVAILABLE (which made the client give up a
-    live registration and register again). A later call, handed over, counts in the gate's
-    ``py_inflight`` here as the plane's thread counts it."""
+    began, is still copied alone (by a job, or a small Get at once), never answered UNAVAILABLE
+    (which made the client give up a live registration and register again). A later call, handed
+    over, counts in the gate's ``py_inflight`` here as the plane's thread counts it."""
     d = plane_daemon
     copier = d.core.copier
-    real = copier.run_alone
+    real = getattr(copier, copy)
+    handed: list[int] = []
 
-    def later_call_meanwhile(job, to_device, answer=None):
-        gate = job.client.gate
+    def later_call_meanwhile(*args):
+        gate = (args[0].client if copy == "run_alone" else args[0]).gate
         gate.py_enter()  # the plane's thread hands the next call over now
+        handed.append(1)
         try:
-            return real(job, to_device, answer)
+            return real(*args)
         finally:
             gate.py_exit()
 
@@ -549,8 +551,15 @@ def test_a_call_handed_over_after_the_check_does_not_refuse_the_one_planned_befo
         src = torch.randperm(PAGES)
         want = _pages_of(pool, src)
         assert c.put(_keys("w")[:4], src[:4]).stored == 4  # the plane serves the registration
-        monkeypatch.setattr(copier, "run_alone", later_call_meanwhile)
-        monkeypatch.setattr("kvserver.core.cache_ops.INLINE_COPY_BYTES", 0)  # a Get's copy takes a job
+        if rpc == "get":
+            assert c.put(_keys("h"), src).stored == PAGES
+        monkeypatch.setattr(copier, copy, later_call_meanwhile)
+        jobs: list[int] = []
+        if copy == "run_alone":
+            monkeypatch.setattr("kvserver.core.cache_ops.INLINE_COPY_BYTES", 0)  # a Get's copy takes a job
+        else:  # copied at once, not handed to a job after copy_now refused it
+            run_alone = copier.run_alone
+            monkeypatch.setattr(copier, "run_alone", lambda *args: (jobs.append(1), run_alone(*args))[1])
         alone = copier.alone_copies
         reconnects = c.reconnects
         if rpc == "put":
@@ -558,13 +567,14 @@ def test_a_call_handed_over_after_the_check_does_not_refuse_the_one_planned_befo
             assert (got.stored, got.present, got.dropped) == (PAGES, 0, 0)
             assert c.lookup(_keys("h")).pages == PAGES
         else:
-            assert c.put(_keys("h"), src).stored == PAGES
-            alone = copier.alone_copies
-            dst = torch.arange(PAGES, 2 * PAGES)
+            n = PAGES if copy == "run_alone" else 1  # one page: copied at once
+            dst = torch.arange(PAGES, PAGES + n)
             _zero(pool)
-            handle = c.get(_keys("h"), dst)
-            assert handle.pages(timeout=10) == PAGES and handle.wait(timeout=10) > 0
-            assert all(torch.equal(x, y) for x, y in zip(_pages_of(pool, dst), want, strict=True))
+            handle = c.get(_keys("h")[:n], dst)
+            assert handle.pages(timeout=10) == n and handle.wait(timeout=10) > 0
+            got = _pages_of(pool, dst)
+            assert all(torch.equal(x, y) for x, y in zip(got, _pages_of_want(want, n), strict=True))
+        assert handed and not jobs, f"the call was not copied by {copy}"
         assert copier.alone_copies == alone + 1, "the call did not take the plane's path alone"
         assert c.reconnects == reconnects
     assert _readers(d) == (0, 0)

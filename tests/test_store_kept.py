@@ -858,3 +858,23 @@ def test_a_region_the_file_system_has_no_room_for_leaves_no_blocks_taken(tmp_pat
         assert os.stat(data).st_blocks * 512 >= 8 * MB
         arena.release(start, 8 * MB)
         kept.close()
+
+
+def test_a_refused_region_stays_refused_where_its_room_cannot_be_given_back(tmp_path, monkeypatch):
+    """A file system that cannot punch holes: the region's refusal (NoCapacity, which a Put turns
+    into evictions or dropped keys) is what the caller sees, not the failed give-back."""
+    kept = KeptDir(str(tmp_path / "disk"), kept_shape(aligned_capacity(64 * MB), "disk"))
+    arena = DiskArena(int(kept.shape["capacity"]), kept)
+
+    def full(start: int, size: int) -> None:
+        raise NoCapacity("the file system is full")
+
+    def cannot_punch(start: int, size: int) -> None:
+        raise OSError(95, "punching holes is not supported")
+
+    monkeypatch.setattr(arena, "_commit", full)
+    monkeypatch.setattr(arena, "_punch", cannot_punch)
+    with pytest.raises(NoCapacity):
+        arena.reserve(8 * MB)
+    assert arena.reserved == 0
+    kept.close()

@@ -148,9 +148,15 @@ class MooncakeClient:
         """Whether this client has joined and not closed."""
         return self._store is not None
 
+    @property
+    def half_open(self) -> bool:
+        """Whether a client was set up whose registration the store refused (kept for the next
+        try): ``close`` leaves it."""
+        return self._half is not None
+
     def exists(self, names: list[str]) -> list[int]:
-        """Per name: 1 stored, 0 not, negative an error."""
-        return list(self._store.batch_is_exist(names))
+        """Per name: 1 stored, 0 not, negative an error (a half-joined client answers too)."""
+        return list((self._store or self._half).batch_is_exist(names))
 
     def put(self, names: list[str], addresses: list[int], nbytes: int) -> list[int]:
         """Stores each page of ``nbytes`` at its address (in the registered arena) under its

@@ -115,6 +115,7 @@ class ClusterTier:
         self._moving: set[asyncio.Future] = set()  # pulls and puts: they use arena pages
         self._closed = False
         self._lock = threading.Lock()  # between closing and a join that ends meanwhile
+        self._joining = False  # a join is in its thread now (under the lock)
         # Told of pages this node stored in the cluster (KV events: the cluster's evictions are
         # its master's, and not observed here).
         self.on_published: Callable[[Part, Keys], None] | None = None
@@ -446,9 +447,23 @@ class ClusterTier:
             return
 
     def _join_once(self) -> None:
-        """In a question thread: joins the cluster; if the daemon closed meanwhile, leaves it."""
-        self.client.join(self._base(), self._arena_bytes)
+        """In a question thread: joins the cluster; if the daemon closed meanwhile, leaves it
+        (joined, or half-joined: its registration refused)."""
         with self._lock:
+            if self._closed:
+                raise RuntimeError("the daemon is closing")
+            self._joining = True
+        try:
+            self.client.join(self._base(), self._arena_bytes)
+        except BaseException:
+            with self._lock:
+                self._joining = False
+                closed = self._closed
+            if closed:  # ``close`` left it to this thread: nothing else will leave
+                self.client.close()
+            raise
+        with self._lock:
+            self._joining = False
             if self._closed:  # nothing else will leave
                 self.client.close()
                 raise RuntimeError("the daemon is closing")
@@ -487,7 +502,9 @@ class ClusterTier:
         (the process's exit frees it; the master's client TTL reaps this node's segment)."""
         with self._lock:
             self._closed = True
-            joined = self.client.open
+            # A half-joined client (its registration refused) leaves here too, unless a join
+            # of it is under way (that thread leaves it).
+            joined = self.client.open or (self.client.half_open and not self._joining)
         while self._queue:
             part, ids, _ = self._queue.popleft()
             self._unqueue(part, ids)

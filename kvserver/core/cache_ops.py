@@ -478,11 +478,23 @@ class CacheOps:
         if not again:  # what is still not stored (written again by yet another Put) is not counted
             ids = self.cache.pages.find(part.gid, sub)
             present = int(np.count_nonzero(self.cache.pages.state[ids[ids >= 0]] == COMMITTED))
-            return PutOutcome(own.stored, own.present + present, own.dropped + len(waiting) - present,
-                              own.bytes)
-        more = await self._store(client, part, sub, pages[waiting], ready_event, deadline, False)
-        return PutOutcome(own.stored + more.stored, own.present + more.present,
-                          own.dropped + more.dropped, own.bytes + more.bytes)
+            out = PutOutcome(own.stored, own.present + present, own.dropped + len(waiting) - present,
+                             own.bytes)
+        else:
+            more = await self._store(client, part, sub, pages[waiting], ready_event, deadline, False)
+            out = PutOutcome(own.stored + more.stored, own.present + more.present,
+                             own.dropped + more.dropped, own.bytes + more.bytes)
+        return out if out.dropped == own.dropped else self._as_prefix(part, keys, out)
+
+    def _as_prefix(self, part: Part, keys: Keys, out: PutOutcome) -> PutOutcome:
+        """``out`` of a Put some of whose keys another Put was writing, one of which is not stored
+        after all: the keys from where the part's stored prefix ends on count dropped, so that
+        dropped keys are the last ones (the leading ones less them are what the part holds)."""
+        ids = self.cache.pages.find(part.gid, keys)
+        held = leading((ids >= 0) & (self.cache.pages.state[ids] == COMMITTED))
+        dropped = max(out.dropped, len(keys) - held)
+        stored = min(out.stored, len(keys) - dropped)
+        return PutOutcome(stored, len(keys) - dropped - stored, dropped, out.bytes)
 
     def _settled(self, plan: PutPlan, ok: bool) -> asyncio.Task | None:
         """A Put's copy is over (``ok``: whole): its new pages are committed, or freed, with the

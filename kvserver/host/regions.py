@@ -143,7 +143,10 @@ class Regions:
             try:
                 self._commit(start, size)
             except NoCapacity:  # a file system that took some of it before it ran out keeps that
-                self._punch(start, size)  # (ext4): given back, the range holds nothing yet
+                try:  # (ext4): given back, the range holds nothing yet
+                    self._punch(start, size)
+                except OSError as exc:  # (one that cannot punch holes: the refusal stands)
+                    logger.warning("giving back the room a refused region took failed: %s", exc)
                 raise
 
     def _commit(self, start: int, size: int) -> None:
