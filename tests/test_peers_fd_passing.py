@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
@@ -975,6 +976,86 @@ def test_the_descriptors_one_uids_pools_hold_are_capped(daemon) -> None:
     finally:
         for p in pools:
             p.close()
+
+
+def test_a_registration_replacing_its_own_is_not_charged_the_old_ones_mappings(daemon) -> None:
+    """A uid's pools map at most so much of the daemon's address space; the same engine
+    registering again in place of its registration is not charged the old pool's mappings, which
+    go with it (as its descriptors are not), so a uid near its budget can still re-register."""
+    pool = ShmKVPool(LAYOUT, torch.float16, 2, 4096)
+    try:
+        request = pool_request(pool, get_ticket(fd_path(daemon), pool.fds))
+        first = stub_of(daemon).Register(request, timeout=TIMEOUT)
+        mapped = daemon.run(lambda: daemon.core._mapped[os.getuid()])
+        assert mapped > 0
+        daemon.run(lambda: setattr(daemon.core, "max_mapped_bytes_per_uid", mapped + mapped // 2))
+        replacing = pool_request(pool, get_ticket(fd_path(daemon), pool.fds))
+        replacing.replaces_client_id = first.client_id
+        second = stub_of(daemon).Register(replacing, timeout=TIMEOUT)
+        assert daemon.run(lambda: (list(daemon.core.clients), daemon.core._mapped[os.getuid()])) == (
+            [second.client_id], mapped)
+        stub_of(daemon).Unregister(pb.UnregisterRequest(client_id=second.client_id), timeout=TIMEOUT)
+    finally:
+        pool.close()
+
+
+def test_a_register_given_up_while_its_region_is_taken_gives_it_back_off_the_loop(daemon,
+                                                                                  monkeypatch) -> None:
+    """The engine gives up its Register (its deadline) while the region's memory is being taken
+    (a kept arena's fallocate, a CUDA region's pinning: seconds for a large one): the region goes
+    back, its memory to the kernel in a worker thread, never on the event loop (0.13 s a GiB of
+    the loop's, measured, a 4 GiB region's half a second)."""
+    import threading
+
+    arena = daemon.core.arena
+    commit, punch = arena.commit, arena._punch
+    loop_thread = daemon.run(threading.get_ident)
+    punched: list[int] = []
+
+    def slow_commit(start: int, nbytes: int) -> None:
+        commit(start, nbytes)
+        time.sleep(0.5)  # longer than the engine waits
+
+    def recorded_punch(start: int, size: int) -> None:
+        punched.append(threading.get_ident())
+        punch(start, size)
+
+    monkeypatch.setattr(arena, "commit", slow_commit)
+    monkeypatch.setattr(arena, "_punch", recorded_punch)
+    pool = ShmKVPool(LAYOUT, torch.float16, 2, 256)
+    try:
+        request = pool_request(pool, get_ticket(fd_path(daemon), pool.fds))
+        got, _ = error_of(lambda: stub_of(daemon).Register(request, timeout=0.2))
+        assert got == C.DEADLINE_EXCEEDED
+        wait_until(lambda: daemon.run(lambda: (arena.reserved, len(daemon.core.clients))) == (0, 0), 10,
+                   "the region given back")
+        assert punched and loop_thread not in punched, "the region's memory went back on the loop"
+    finally:
+        pool.close()
+
+
+def test_two_registers_replacing_one_registration_leave_one(daemon) -> None:
+    """An engine's Register in place of its registration, sent twice at once (a retry beside the
+    first, its probe's beside its client's): the daemon ends up holding one registration and one
+    region for it, the later one's, never two."""
+    pool = ShmKVPool(LAYOUT, torch.float16, 2, 256)
+    try:
+        request = pool_request(pool, get_ticket(fd_path(daemon), pool.fds))
+        first = stub_of(daemon).Register(request, timeout=TIMEOUT)
+        region = daemon.run(lambda: daemon.core.arena.reserved)
+        requests = []
+        for _ in range(2):
+            r = pool_request(pool, get_ticket(fd_path(daemon), pool.fds))
+            r.replaces_client_id = first.client_id
+            requests.append(r)
+        with ThreadPoolExecutor(2) as ex:
+            answers = list(ex.map(lambda r: stub_of(daemon).Register(r, timeout=TIMEOUT), requests))
+        held = daemon.run(lambda: (list(daemon.core.clients), daemon.core.arena.reserved))
+        assert len(held[0]) == 1 and held[0][0] in {a.client_id for a in answers}, held
+        assert held[1] == region
+        stub_of(daemon).Unregister(pb.UnregisterRequest(client_id=held[0][0]), timeout=TIMEOUT)
+    finally:
+        pool.close()
 
 
 def test_a_registrations_per_layer_work_runs_off_the_event_loop(daemon, monkeypatch) -> None:

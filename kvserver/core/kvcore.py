@@ -55,6 +55,7 @@ LIMIT_FLAG = "--max-pages-per-client, KVSERVER_MAX_PAGES_PER_CLIENT"
 # loop keeps serving other engines meanwhile; 4 Mi indices take ~0.1 s to check.
 OFF_LOOP_INDICES = 1 << 16
 PLANE_POLL_SECONDS = 0.0005  # how often a Free waiting on the data plane's copies looks again
+MAX_SUCCESSORS = 4096  # registrations replaced whose successor is remembered, past which gone ones go
 
 
 class KVCore:
@@ -140,6 +141,9 @@ class KVCore:
         self.max_mapped_bytes_per_uid = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         self._mapped: Counter[int | str] = Counter()
         self._map_locks: dict[int | str, list] = {}  # uid -> [its lock, registrations using it]
+        # A registration replaced -> the one that replaced it; Registers replacing one: [lock, users].
+        self._successors: dict[str, str] = {}
+        self._replace_locks: dict[str, list] = {}
         # Released clients whose GPU work may still run, with the IPC allocations it may touch:
         # an Unregister of one, or of any client sharing one of those allocations, says so.
         self._quarantined: dict[str, frozenset[bytes]] = {}
@@ -232,6 +236,34 @@ class KVCore:
     # ---- registration -------------------------------------------------------------------
 
     async def register(self, req: pb.RegisterRequest, tenant: str | None = None) -> ClientState:
+        """``_register_call``; Registers naming one registration to replace run one at a time, and
+        one that finds it replaced already replaces its successor instead (an engine's retry, or
+        its probe's Register beside its client's), so one engine never holds two registrations."""
+        old = req.replaces_client_id
+        if not old:
+            return await self._register_call(req, tenant)
+        lock = self._replace_locks.setdefault(old, [asyncio.Lock(), 0])
+        lock[1] += 1
+        try:
+            async with lock[0]:
+                now = old
+                for _ in range(len(self._successors)):  # (each at most once: no cycle can hold it)
+                    if now in self.clients or now not in self._successors:
+                        break
+                    now = self._successors[now]
+                if now != old:
+                    req = _replacing(req, now)
+                client = await self._register_call(req, tenant)
+                self._successors[old] = self._successors[now] = client.client_id
+                if len(self._successors) > MAX_SUCCESSORS:  # those of registrations gone are no one's
+                    self._successors = {k: v for k, v in self._successors.items() if v in self.clients}
+                return client
+        finally:
+            lock[1] -= 1
+            if not lock[1]:
+                del self._replace_locks[old]
+
+    async def _register_call(self, req: pb.RegisterRequest, tenant: str | None = None) -> ClientState:
         """Opens the engine's pool and gives it a host region. ``tenant``: the tenant of the
         call's tenant token, if it sent one (else the peer ticket's uid decides). Opening and
         attaching a pool run in a worker thread: for a CUDA pool (CuPy's first import, a CUDA
@@ -296,8 +328,11 @@ class KVCore:
                 )
             if fds:  # a shared-memory pool: its mappings take the daemon's address space
                 async with self._map_lock(fds_of):
-                    access = dataclasses.replace(
-                        access, map_budget=self.max_mapped_bytes_per_uid - self._mapped[fds_of])
+                    # The registration it replaces is let go once this pool is open: its
+                    # mappings are not this one's to pay for (as its descriptors above).
+                    mapped = self._mapped[fds_of] - (replaced.mapped_bytes if replaced is not None
+                                                     and replaced.pool_fds_of == fds_of else 0)
+                    access = dataclasses.replace(access, map_budget=self.max_mapped_bytes_per_uid - mapped)
                     client = await self._register(req, spec, access, least, most)
                     client.mapped_bytes = client.device.mapped_bytes
                     self._mapped[fds_of] += client.mapped_bytes
@@ -495,8 +530,8 @@ class KVCore:
         except BaseException:
             try:
                 await self._in_thread(device.close)
-            finally:
-                self.arena.release(offset, num_pages * page_bytes)
+            finally:  # committed (and pinned) memory goes back to the kernel off the loop
+                await self._release_region(offset, num_pages * page_bytes)
             raise
         client = ClientState(
             client_id=secrets.token_hex(16),
@@ -635,9 +670,9 @@ class KVCore:
                 self._quarantined[client_id] = handles
                 loop, region = asyncio.get_running_loop(), (client.region_offset, client.region_bytes)
 
-                def drained() -> None:
-                    self.arena.release(*region)
+                def drained() -> None:  # its memory back to the kernel off the loop, then the range
                     self._quarantined.pop(client_id, None)
+                    self.in_background(self._release_region(*region))
 
                 def on_held_released(_) -> None:
                     with contextlib.suppress(RuntimeError):  # a daemon stopped meanwhile: its loop is closed
@@ -902,6 +937,14 @@ class KVCore:
         self.arena.close()
         if self._kept is not None:  # the cache stays in its files for the next start
             self._kept.close()
+
+
+def _replacing(req: pb.RegisterRequest, client_id: str) -> pb.RegisterRequest:
+    """``req`` naming ``client_id`` as the registration it replaces."""
+    out = pb.RegisterRequest()
+    out.CopyFrom(req)
+    out.replaces_client_id = client_id
+    return out
 
 
 def _logged(task: asyncio.Task) -> None:
