@@ -506,3 +506,28 @@ def test_an_open_space_at_the_bound_on_space_ids_forgets_them_in_steps(daemon) -
             return
     pytest.fail(f"the loop's timer ran {[round(x * 1e3, 1) for x in lags]} ms late while the ids "
                 "were forgotten")
+
+
+def test_an_open_space_refused_for_want_of_a_handle_opens_nothing(daemon, monkeypatch) -> None:
+    """Every handle is held by a space still registered (none dropped, under the tenant's limit of
+    spaces: none to forget): the OpenSpace is refused (RESOURCE_EXHAUSTED) and registers no space,
+    nor counts one against its tenant's limit."""
+    from store_support import space_key
+
+    from kvserver.core import cache_ops
+    from kvserver.errors import NoCapacity
+
+    monkeypatch.setattr(cache_ops, "MAX_SPACE_IDS", 3)
+    ops, cache = daemon.daemon.servicer.cache, daemon.core.cache
+    cache.max_spaces_per_tenant = 10
+    for i in range(3):
+        daemon.call(ops.open_space(space_key(model=f"held{i}")))
+
+    def state():
+        tenants = {t.name: t.spaces for t in cache.tenants.by_name.values()}
+        return sorted(k.model for k in cache._spaces), tenants
+
+    before = daemon.run(state)
+    with pytest.raises(NoCapacity):
+        daemon.call(ops.open_space(space_key(model="refused")))
+    assert daemon.run(state) == before
