@@ -489,6 +489,21 @@ def test_refuses_state_caches_and_hybrids_it_cannot_serve(vcfg, monkeypatch):
         KVServerConnector(vcfg, KVConnectorRole.WORKER, groups(full, swa))
 
 
+def test_a_speculative_drafters_layers_in_the_targets_group_are_refused_saying_why(vcfg):
+    """vLLM puts an EAGLE or MTP drafter's attention layers in the target's KV cache group, named
+    past the model's layers: the connector refuses them at startup saying why, on both sides (the
+    worker's Register failed with a layer range past the model's)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvclient.vllm.connector import KVServerConnector
+
+    layers = (*vllm_engine.LAYERS, "model.layers.2.self_attn.attn")  # a 2-layer model; 2 is the drafter's
+    kv_cfg = vllm_env.kv_cache_config(BLOCK, 32, num_kv_heads=2, head_size=16, layers=layers)
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ValueError, match="speculative decoding drafter"):
+            KVServerConnector(vcfg, role, kv_cfg)
+
+
 def test_fp8_kv_caches_are_refused_saying_why(vcfg):
     """vLLM 0.33 gives every fp8 ``--kv-cache-dtype`` per-tensor scales (KVQuantMode.FP8_PER_TENSOR):
     the bytes of a page mean nothing without the scales that wrote them, so an fp8 cache is refused
@@ -718,6 +733,60 @@ def test_a_stopped_daemon_costs_the_scheduler_one_bounded_wait(engines, stopped_
     assert max(took) < STALL_SETTINGS["lookup_timeout_s"] + 0.5, took
     assert sum(t > 0.2 for t in took) <= 1, took  # one bounded wait, then none
     assert all(b.admitted[f"b{i}"] == [0] for i in range(6))  # misses, served all the same
+
+
+def test_aborts_of_answered_async_lookups_never_wait_on_a_stopped_daemon(engines, stopped_daemon):
+    """Async lookups that answered with pins for requests vLLM has not asked about again (its
+    budget full): their aborts release those pins off the scheduler's thread, so aborting them
+    while the daemon answers nothing costs the scheduler nothing (it cost lookup_timeout_s each)."""
+    from vllm.v1.request import RequestStatus
+
+    d = stopped_daemon
+    settings = {**STALL_SETTINGS, "lookup": "async"}
+    a = engines("abort", address=d.address, settings=settings)
+    for i in range(4):
+        a.add(f"a{i}", [t + i for t in PROMPT], max_tokens=1)
+    a.run()
+    b = engines("abort", address=d.address, settings=settings)
+    for i in range(4):
+        b.add(f"b{i}", [t + i for t in PROMPT], max_tokens=1)
+    so = b.scheduler.schedule()  # the lookups are asked off the scheduler's thread
+    b.scheduler.update_from_output(so, b.execute(so))
+    reqs = b.connector._scheduler._reqs
+    deadline = time.monotonic() + 10
+    while not all(reqs[f"b{i}"].lookup is not None and reqs[f"b{i}"].lookup.done() for i in range(4)):
+        assert time.monotonic() < deadline, "the lookups never answered"
+        time.sleep(0.01)
+    assert all(reqs[f"b{i}"].lookup.result().leases for i in range(4))  # answered, pinned
+    d.stop_signal()
+    t0 = time.monotonic()
+    b.scheduler.finish_requests([f"b{i}" for i in range(4)], RequestStatus.FINISHED_ABORTED)
+    assert time.monotonic() - t0 < 0.2
+
+
+def test_an_async_lookups_answer_is_kept_no_longer_than_its_pin_from_when_it_was_asked(engines, server):
+    """An async lookup's answer taken steps after the Lookup pinned its pages is not reused past
+    half its pin counted from the Lookup (from when the scheduler took it, a request admitted
+    later loaded under a lease already ended, its pages evictable, and its load failed): a
+    request vLLM admits after that is looked up again."""
+    a = engines("age", address=server.address)
+    a.add("a1", PROMPT, max_tokens=1)
+    a.run()
+    pin = 1000
+    b = engines("age", address=server.address, settings={"lookup": "async", "lookup_pin_ms": pin})
+    req = b.add("b1", PROMPT, max_tokens=1)
+    sch = b.connector._scheduler
+    so = b.scheduler.schedule()  # the Lookup is asked
+    b.scheduler.update_from_output(so, b.execute(so))
+    while not sch._reqs["b1"].lookup.done():
+        time.sleep(0.005)
+    time.sleep(pin / 1000 * 0.6)  # vLLM does not reach the request meanwhile
+    got, _ = sch.get_num_new_matched_tokens(req, 0)  # the answer taken now (vLLM cannot admit yet)
+    assert got == 64
+    got, _ = sch.get_num_new_matched_tokens(req, 0)  # past half its pin from the Lookup: asked again
+    assert got is None and sch._reqs["b1"].lookup is not None
+    b.run()
+    assert not b.invalid
 
 
 def test_puts_to_a_stopped_daemon_free_the_blocks_of_finished_requests_within_their_bound(

@@ -88,7 +88,8 @@ class _Req:
     async_failed: bool = False  # an asynchronous load of it failed: it loads no more, it recomputes
     async_load: bool = False  # its load, if it has one, is asynchronous (vLLM's WAITING_FOR_REMOTE_KVS)
     lookup: Future | None = field(default=None, repr=False)
-    answer: tuple[_Hit, float] | None = None  # async: the last answer and when it came
+    asked: float = 0.0  # when that lookup was asked (time.monotonic)
+    answer: tuple[_Hit, float] | None = None  # the last answer that pins, and when it was asked
     load_end: int = 0  # the index, among its blocks, past the last one its load writes
     load_failed: bool = False  # its load was reported failed: vLLM computes those blocks again
     # Loads this request's local prefix hit reads before they are reported: loading request ->
@@ -285,10 +286,12 @@ class SchedulerSide:
             pass  # it ends by itself at its pin's end
 
     def _release_answer(self, answer: Future) -> None:
+        """The leases of a lookup's answer released, on the pool: a done-callback added to an
+        answer already in runs at once, on the thread that adds it (the scheduler's)."""
         if not answer.cancelled() and answer.exception() is None:
             for g, lease in enumerate(answer.result().leases):
                 if lease:
-                    self._release_now(lease, g)
+                    self._release(lease, g)
 
     def _answer(self, st: _Req, keys: list[bytes]) -> _Hit | None:
         """This request's lookup answer; None: not yet (async mode: vLLM asks again next step).
@@ -303,12 +306,15 @@ class SchedulerSide:
             return found
         if st.lookup is None:  # answered at a later step, never this one: the step is not held
             st.lookup = self._pool.submit(self._lookup, keys)
+            st.asked = time.monotonic()
             return None
         if not st.lookup.done():
             return None
         found, st.lookup = st.lookup.result(), None
         found = found if found is not None else _Hit(0)  # (no step bound off the scheduler's thread)
-        st.answer = (found, time.monotonic())
+        # Its age counted from when it was asked (its pin's start, or before), not from now: an
+        # answer taken steps later is not held past its pin.
+        st.answer = (found, st.asked)
         return found
 
     @property

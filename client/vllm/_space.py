@@ -178,6 +178,14 @@ def read_groups(vllm_config, kv_cache_config) -> tuple[Group, ...]:
         else:
             name = str(model)
             num_layers = int(cfg.get("num_layers") or model_config.get_total_num_hidden_layers())
+            past = [n for n in names if layer_index(n) >= num_layers]
+            if past:
+                raise ValueError(
+                    f"KVServerConnector: the KV cache group holds layers past the model's {num_layers} "
+                    f"({', '.join(past[:3])}): a speculative decoding drafter's (EAGLE, MTP), which vLLM "
+                    "puts in the target's group; the connector does not store a drafter's KV (vLLM's own "
+                    "prefix cache computes a hit's last block again for it, the connector would not): run "
+                    "it without speculative decoding")
         space = Space(model=name, layout=_layout(spec, model_config), dtype=wire_dtype(spec, vllm_config),
                       page_size=block_size, num_layers=num_layers, tp_size=int(par.tensor_parallel_size),
                       pp_size=int(par.pipeline_parallel_size), hash_stride=block_size // hash_block,
