@@ -531,3 +531,19 @@ def test_an_open_space_refused_for_want_of_a_handle_opens_nothing(daemon, monkey
     with pytest.raises(NoCapacity):
         daemon.call(ops.open_space(space_key(model="refused")))
     assert daemon.run(state) == before
+
+
+def test_an_open_space_at_both_bounds_drops_its_tenants_empty_spaces_and_opens(daemon, monkeypatch) -> None:
+    """Every handle held and the tenant at its limit of spaces, all of them empty: the OpenSpace
+    drops the tenant's empty spaces (as its limit does), forgets their handles and opens."""
+    from store_support import space_key
+
+    from kvserver.core import cache_ops
+
+    monkeypatch.setattr(cache_ops, "MAX_SPACE_IDS", 3)
+    ops, cache = daemon.daemon.servicer.cache, daemon.core.cache
+    cache.max_spaces_per_tenant = 3
+    for i in range(3):
+        daemon.call(ops.open_space(space_key(model=f"empty{i}")))
+    assert daemon.call(ops.open_space(space_key(model="new")))
+    assert daemon.run(lambda: sorted(k.model for k in cache._spaces)) == ["new"]

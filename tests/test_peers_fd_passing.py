@@ -15,6 +15,7 @@ daemon opens for its caller.
 from __future__ import annotations
 
 import array
+import asyncio
 import contextlib
 import fcntl
 import hashlib
@@ -1054,6 +1055,46 @@ def test_two_registers_replacing_one_registration_leave_one(daemon) -> None:
         assert len(held[0]) == 1 and held[0][0] in {a.client_id for a in answers}, held
         assert held[1] == region
         stub_of(daemon).Unregister(pb.UnregisterRequest(client_id=held[0][0]), timeout=TIMEOUT)
+    finally:
+        pool.close()
+
+
+def test_registers_naming_a_registration_and_its_successor_leave_one(daemon, monkeypatch) -> None:
+    """X was replaced by Y; a late Register still naming X (a retry that outlived its first
+    answer) and the engine's own naming Y, both at once: they replace the same registration one
+    after the other, and the daemon ends up holding one registration and one region."""
+    pool = ShmKVPool(LAYOUT, torch.float16, 2, 256)
+    try:
+        request = pool_request(pool, get_ticket(fd_path(daemon), pool.fds))
+        x = stub_of(daemon).Register(request, timeout=TIMEOUT)
+        region = daemon.run(lambda: daemon.core.arena.reserved)
+        request = pool_request(pool, get_ticket(fd_path(daemon), pool.fds))
+        request.replaces_client_id = x.client_id
+        y = stub_of(daemon).Register(request, timeout=TIMEOUT)
+        core = daemon.core
+        real = core._register_call
+
+        async def slow(req, tenant=None):  # both in flight at once (a slow pool, a pinning)
+            await asyncio.sleep(0.3)
+            return await real(req, tenant)
+
+        monkeypatch.setattr(core, "_register_call", slow)
+        requests = []
+        for named in (x.client_id, y.client_id):
+            r = pool_request(pool, get_ticket(fd_path(daemon), pool.fds))
+            r.replaces_client_id = named
+            requests.append(r)
+        with ThreadPoolExecutor(2) as ex:
+            list(ex.map(lambda r: stub_of(daemon).Register(r, timeout=TIMEOUT), requests))
+        held = daemon.run(lambda: (list(core.clients), core.arena.reserved))
+        assert len(held[0]) == 1 and held[1] == region, held
+        stub_of(daemon).Unregister(pb.UnregisterRequest(client_id=held[0][0]), timeout=TIMEOUT)
+        # An id no registration had, of the peer's own choosing, is not kept by the daemon.
+        request = pool_request(pool, get_ticket(fd_path(daemon), pool.fds))
+        request.replaces_client_id = "f" * 100_000
+        made = stub_of(daemon).Register(request, timeout=TIMEOUT)
+        assert daemon.run(lambda: "f" * 100_000 not in core._successors)
+        stub_of(daemon).Unregister(pb.UnregisterRequest(client_id=made.client_id), timeout=TIMEOUT)
     finally:
         pool.close()
 

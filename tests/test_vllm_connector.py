@@ -7,6 +7,7 @@ Skipped where scripts/install_vllm.sh has not run.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import os
@@ -494,14 +495,30 @@ def test_a_speculative_drafters_layers_in_the_targets_group_are_refused_saying_w
     past the model's layers: the connector refuses them at startup saying why, on both sides (the
     worker's Register failed with a layer range past the model's)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
 
     from kvclient.vllm.connector import KVServerConnector
 
-    layers = (*vllm_engine.LAYERS, "model.layers.2.self_attn.attn")  # a 2-layer model; 2 is the drafter's
+    drafter = "model.layers.2.self_attn.attn"  # a 2-layer model: 2 is the drafter's
+    layers = (*vllm_engine.LAYERS, drafter)
     kv_cfg = vllm_env.kv_cache_config(BLOCK, 32, num_kv_heads=2, head_size=16, layers=layers)
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
         with pytest.raises(ValueError, match="speculative decoding drafter"):
             KVServerConnector(vcfg, role, kv_cfg)
+    # A hybrid model's groups too (the drafter's layer in its full-attention group).
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    swa = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float16,
+                            sliding_window=128)
+    hybrid = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec([vllm_engine.LAYERS[0], drafter], full),
+        KVCacheGroupSpec([vllm_engine.LAYERS[1]], swa)])
+    with pytest.raises(ValueError, match="speculative decoding drafter"):
+        KVServerConnector(vcfg, KVConnectorRole.SCHEDULER, hybrid)
 
 
 def test_fp8_kv_caches_are_refused_saying_why(vcfg):
@@ -762,6 +779,35 @@ def test_aborts_of_answered_async_lookups_never_wait_on_a_stopped_daemon(engines
     t0 = time.monotonic()
     b.scheduler.finish_requests([f"b{i}" for i in range(4)], RequestStatus.FINISHED_ABORTED)
     assert time.monotonic() - t0 < 0.2
+
+
+def test_a_lookup_answering_while_the_engine_shuts_down_leaves_no_pin(engines, server, monkeypatch,
+                                                                      caplog):
+    """An async lookup still running for a request aborted just before vLLM shuts the scheduler
+    down answers during the shutdown: its pin is released there and then (the pool that releases
+    pins off the scheduler's thread takes nothing more by then), not left to its pin's end."""
+    from vllm.v1.request import RequestStatus
+
+    a = engines("shutdown", address=server.address)
+    a.add("a1", PROMPT, max_tokens=1)
+    a.run()
+    ops = server.daemon.servicer.cache
+    lookup = ops.lookup
+
+    async def slow_lookup(req):
+        await asyncio.sleep(0.3)  # still running when the engine shuts down
+        return await lookup(req)
+
+    monkeypatch.setattr(ops, "lookup", slow_lookup)
+    b = engines("shutdown", address=server.address, settings={"lookup": "async", "lookup_pin_ms": 30_000})
+    b.add("b1", PROMPT, max_tokens=1)
+    so = b.scheduler.schedule()  # the Lookup is asked
+    b.scheduler.update_from_output(so, b.execute(so))
+    b.scheduler.finish_requests(["b1"], RequestStatus.FINISHED_ABORTED)  # its pin: released once it comes
+    with caplog.at_level(logging.ERROR):
+        b.connector.shutdown()
+    assert leases(server) == 0
+    assert "cannot schedule new futures" not in caplog.text
 
 
 def test_an_async_lookups_answer_is_kept_no_longer_than_its_pin_from_when_it_was_asked(engines, server):

@@ -52,6 +52,9 @@ def server():
 def vcfg(server):
     cfg = vllm_engine.config(server.address)
     cfg.model_config.max_model_len = cfg.scheduler_config.max_model_len = 256
+    # The engines of this module have the 4 layers of HYBRID_LAYERS (vllm_env.model_dir()'s config
+    # says 2): the model says so too, as a real hybrid model's does.
+    cfg.model_config.model_arch_config.total_num_hidden_layers = len(vllm_engine.HYBRID_LAYERS)
     return cfg
 
 
@@ -188,12 +191,11 @@ def test_a_window_missing_below_the_full_prefix_steps_the_hit_down(engines, serv
 
 
 def test_a_model_of_windows_only_hits_a_stored_prefix_of_a_longer_prompt(engines, server):
-    four = {"num_layers": 4}  # vllm_env.model_dir()'s config says 2; these engines have 4
-    a = engines("hybrid-windows", windows_only=True, settings=four)
+    a = engines("hybrid-windows", windows_only=True)
     assert [g.kv_cache_spec.sliding_window for g in a.kv_cache_config.kv_cache_groups] == [WINDOW]
     a.add("a", PROMPT, max_tokens=1)
     a.run()
-    b = engines("hybrid-windows", windows_only=True, settings=four)
+    b = engines("hybrid-windows", windows_only=True)
     tokens = PROMPT + [21] * 60  # the stored 9 blocks, then 3 more not stored
     b.add("b", tokens, max_tokens=4)
     until_running(b, "b")

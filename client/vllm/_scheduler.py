@@ -277,7 +277,10 @@ class SchedulerSide:
                 self._release(lease, g)
 
     def _release(self, lease: str, group: int = 0) -> None:
-        self._pool.submit(self._release_now, lease, group)  # never on the scheduler's thread
+        try:
+            self._pool.submit(self._release_now, lease, group)  # never on the scheduler's thread
+        except RuntimeError:  # the pool is shut down (the engine stops): here, then
+            self._release_now(lease, group)
 
     def _release_now(self, lease: str, group: int = 0) -> None:
         try:

@@ -167,6 +167,15 @@ def read_groups(vllm_config, kv_cache_config) -> tuple[Group, ...]:
     if several and int(par.pipeline_parallel_size) > 1:
         raise ValueError("KVServerConnector stores hybrid models (several KV cache groups) without pipeline "
                          "parallelism: a stage knows only its own layers of each group")
+    model_layers = int(cfg.get("num_layers") or model_config.get_total_num_hidden_layers())
+    past = [n for g in groups for n in g.layer_names if layer_index(n) >= model_layers]
+    if past:
+        raise ValueError(
+            f"KVServerConnector: the KV cache groups hold layers past the model's {model_layers} "
+            f"({', '.join(sorted(past)[:3])}): a speculative decoding drafter's (EAGLE, MTP), which vLLM "
+            "puts in the target's group; the connector does not store a drafter's KV (vLLM's own "
+            "prefix cache computes a hit's last block again for it, the connector would not): run "
+            "it without speculative decoding")
     out = []
     for i, g in enumerate(groups):
         spec = g.kv_cache_spec
@@ -177,15 +186,7 @@ def read_groups(vllm_config, kv_cache_config) -> tuple[Group, ...]:
             name, num_layers = f"{model}#kv{i}-{kind}", len(names)
         else:
             name = str(model)
-            num_layers = int(cfg.get("num_layers") or model_config.get_total_num_hidden_layers())
-            past = [n for n in names if layer_index(n) >= num_layers]
-            if past:
-                raise ValueError(
-                    f"KVServerConnector: the KV cache group holds layers past the model's {num_layers} "
-                    f"({', '.join(past[:3])}): a speculative decoding drafter's (EAGLE, MTP), which vLLM "
-                    "puts in the target's group; the connector does not store a drafter's KV (vLLM's own "
-                    "prefix cache computes a hit's last block again for it, the connector would not): run "
-                    "it without speculative decoding")
+            num_layers = model_layers
         space = Space(model=name, layout=_layout(spec, model_config), dtype=wire_dtype(spec, vllm_config),
                       page_size=block_size, num_layers=num_layers, tp_size=int(par.tensor_parallel_size),
                       pp_size=int(par.pipeline_parallel_size), hash_stride=block_size // hash_block,

@@ -189,17 +189,21 @@ class CacheOps:
         return self.cache.part(self.cache.space(space), part)
 
     async def open_space(self, space: SpaceKey) -> str:
-        # A handle for it first, then the space: one refused changes nothing.
-        if space not in self._ids_of and len(self._space_ids) >= MAX_SPACE_IDS:
-            await in_steps(self.kv.share, self._forget_empty_ids_steps())
-            if space not in self._ids_of and len(self._space_ids) >= MAX_SPACE_IDS:
-                raise NoCapacity(f"the daemon holds {MAX_SPACE_IDS} space handles; none is free")
-        self.cache.space(space)  # the tenant's space limit applies here too
-        sid = self._ids_of.get(space)  # (another OpenSpace of it, meanwhile)
+        made = self.cache.find_space(space) is None
+        self.cache.space(space)  # the tenant's space limit applies here too (its empty ones dropped)
+        sid = self._ids_of.get(space)
         if sid is None:
-            sid = secrets.token_hex(16)
-            self._space_ids[sid] = space
-            self._ids_of[space] = sid
+            if len(self._space_ids) >= MAX_SPACE_IDS:
+                await in_steps(self.kv.share, self._forget_empty_ids_steps())
+                sid = self._ids_of.get(space)  # (another OpenSpace of it, meanwhile)
+            if sid is None:
+                if len(self._space_ids) >= MAX_SPACE_IDS:
+                    if made:  # refused: the space it registered goes again (while still empty)
+                        self.cache.drop_if_empty(space)
+                    raise NoCapacity(f"the daemon holds {MAX_SPACE_IDS} space handles; none is free")
+                sid = secrets.token_hex(16)
+                self._space_ids[sid] = space
+                self._ids_of[space] = sid
         return sid
 
     def _forget_empty_ids_steps(self) -> Generator[None, None, None]:

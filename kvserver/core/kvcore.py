@@ -144,6 +144,7 @@ class KVCore:
         # A registration replaced -> the one that replaced it; Registers replacing one: [lock, users].
         self._successors: dict[str, str] = {}
         self._replace_locks: dict[str, list] = {}
+        self._closing = False  # ``close`` has begun
         # Released clients whose GPU work may still run, with the IPC allocations it may touch:
         # an Unregister of one, or of any client sharing one of those allocations, says so.
         self._quarantined: dict[str, frozenset[bytes]] = {}
@@ -239,29 +240,37 @@ class KVCore:
         """``_register_call``; Registers naming one registration to replace run one at a time, and
         one that finds it replaced already replaces its successor instead (an engine's retry, or
         its probe's Register beside its client's), so one engine never holds two registrations."""
-        old = req.replaces_client_id
-        if not old:
+        named = req.replaces_client_id
+        if not named:
             return await self._register_call(req, tenant)
-        lock = self._replace_locks.setdefault(old, [asyncio.Lock(), 0])
-        lock[1] += 1
-        try:
-            async with lock[0]:
-                now = old
-                for _ in range(len(self._successors)):  # (each at most once: no cycle can hold it)
-                    if now in self.clients or now not in self._successors:
-                        break
-                    now = self._successors[now]
-                if now != old:
-                    req = _replacing(req, now)
-                client = await self._register_call(req, tenant)
-                self._successors[old] = self._successors[now] = client.client_id
-                if len(self._successors) > MAX_SUCCESSORS:  # those of registrations gone are no one's
-                    self._successors = {k: v for k, v in self._successors.items() if v in self.clients}
+        while True:
+            now = self._successors.get(named, named)  # (every link points at the latest: one hop)
+            async with self._replace_lock(now):  # the registration it would replace, one at a time
+                if self._successors.get(named, named) != now:
+                    continue  # replaced meanwhile: by the one that holds it now
+                live = now in self.clients
+                client = await self._register_call(req if now == named else _replacing(req, now), tenant)
+                if live:  # (an id no registration had is not kept: the peer chose its bytes)
+                    for k, v in self._successors.items():
+                        if v == now:
+                            self._successors[k] = client.client_id
+                    self._successors[now] = client.client_id
+                    if len(self._successors) > MAX_SUCCESSORS:  # links to registrations gone lead nowhere
+                        self._successors = {k: v for k, v in self._successors.items() if v in self.clients}
                 return client
+
+    @contextlib.asynccontextmanager
+    async def _replace_lock(self, client_id: str):
+        """One Register replacing ``client_id`` at a time."""
+        entry = self._replace_locks.setdefault(client_id, [asyncio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
         finally:
-            lock[1] -= 1
-            if not lock[1]:
-                del self._replace_locks[old]
+            entry[1] -= 1
+            if not entry[1]:
+                del self._replace_locks[client_id]
 
     async def _register_call(self, req: pb.RegisterRequest, tenant: str | None = None) -> ClientState:
         """Opens the engine's pool and gives it a host region. ``tenant``: the tenant of the
@@ -672,7 +681,10 @@ class KVCore:
 
                 def drained() -> None:  # its memory back to the kernel off the loop, then the range
                     self._quarantined.pop(client_id, None)
-                    self.in_background(self._release_region(*region))
+                    if self._closing:  # (the arena is about to go: no thread may use it after)
+                        self.arena.release(*region)
+                    else:
+                        self.in_background(self._release_region(*region))
 
                 def on_held_released(_) -> None:
                     with contextlib.suppress(RuntimeError):  # a daemon stopped meanwhile: its loop is closed
@@ -909,6 +921,7 @@ class KVCore:
         memory is kept: the next daemon writes what it finds there without a disk copy), and the
         cluster tier may wait for its transfers and its leaving; None: no writing, and as long
         as the cluster's take."""
+        self._closing = True
         await self._background_done()
         while self._in_threads:  # a registration or a pool close in a worker thread uses the arena
             self._thread_done.clear()
@@ -933,6 +946,7 @@ class KVCore:
                 # master: host memory stays mapped, and the process ends without waiting on them.
                 self.left_running = True
                 return
+        await self._background_done()  # (a region given back meanwhile, in a worker thread)
         self.slab_pinner.close()  # after every copy, before the memory it pinned goes
         self.arena.close()
         if self._kept is not None:  # the cache stays in its files for the next start

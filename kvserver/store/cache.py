@@ -250,11 +250,21 @@ class KVCache:
     def _drop_empty_spaces(self, tenant: Tenant) -> None:
         empty = [s for s in self._spaces.values() if s.key.tenant == tenant.name and not s.counters.pages]
         for space in empty:
-            del self._spaces[space.key]
-            self._dropped[space.key] = space
-            tenant.spaces -= 1
-            for part in space.parts.values():
-                del self._parts[part.gid]
+            self._drop_space(space, tenant)
+
+    def _drop_space(self, space: Space, tenant: Tenant) -> None:
+        del self._spaces[space.key]
+        self._dropped[space.key] = space
+        tenant.spaces -= 1
+        for part in space.parts.values():
+            del self._parts[part.gid]
+
+    def drop_if_empty(self, key: SpaceKey) -> None:
+        """The space of ``key`` dropped if it holds no page (as at its tenant's limit of spaces):
+        undoes a ``space`` whose call was refused after it."""
+        space = self._spaces.get(key)
+        if space is not None and not space.counters.pages:
+            self._drop_space(space, self.tenants.get(key.tenant))
 
     def part(self, space: Space, key: PartKey, gid: int = -1) -> Part:
         sk = space.key
