@@ -1089,7 +1089,29 @@ def test_registers_naming_a_registration_and_its_successor_leave_one(daemon, mon
         held = daemon.run(lambda: (list(core.clients), core.arena.reserved))
         assert len(held[0]) == 1 and held[1] == region, held
         stub_of(daemon).Unregister(pb.UnregisterRequest(client_id=held[0][0]), timeout=TIMEOUT)
-        # An id no registration had, of the peer's own choosing, is not kept by the daemon.
+        # A registration the daemon no longer holds (it restarted, or reclaimed it), named by the
+        # engine's Register and by its retry at once: one registration is left too.
+        requests = []
+        for _ in range(2):
+            r = pool_request(pool, get_ticket(fd_path(daemon), pool.fds))
+            r.replaces_client_id = "0123456789abcdef" * 2  # (an id of the daemon's form)
+            requests.append(r)
+        with ThreadPoolExecutor(2) as ex:
+            list(ex.map(lambda r: stub_of(daemon).Register(r, timeout=TIMEOUT), requests))
+        held = daemon.run(lambda: (list(core.clients), core.arena.reserved))
+        assert len(held[0]) == 1 and held[1] == region, held
+        stub_of(daemon).Unregister(pb.UnregisterRequest(client_id=held[0][0]), timeout=TIMEOUT)
+        # A line of replacements is remembered up to MAX_SUCCESSORS links, the oldest going first.
+        monkeypatch.setattr("kvserver.core.kvcore.MAX_SUCCESSORS", 2)
+        monkeypatch.setattr(core, "_register_call", real)
+        current = ""
+        for _ in range(4):
+            r = pool_request(pool, get_ticket(fd_path(daemon), pool.fds))
+            r.replaces_client_id = current
+            current = stub_of(daemon).Register(r, timeout=TIMEOUT).client_id
+        assert daemon.run(lambda: (len(core._successors), list(core.clients))) == (2, [current])
+        stub_of(daemon).Unregister(pb.UnregisterRequest(client_id=current), timeout=TIMEOUT)
+        # An id of the peer's own making (not of the daemon's form) is not kept by the daemon.
         request = pool_request(pool, get_ticket(fd_path(daemon), pool.fds))
         request.replaces_client_id = "f" * 100_000
         made = stub_of(daemon).Register(request, timeout=TIMEOUT)

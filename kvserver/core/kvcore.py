@@ -12,6 +12,7 @@ import contextvars
 import dataclasses
 import logging
 import os
+import re
 import secrets
 import time
 from collections import Counter
@@ -55,7 +56,8 @@ LIMIT_FLAG = "--max-pages-per-client, KVSERVER_MAX_PAGES_PER_CLIENT"
 # loop keeps serving other engines meanwhile; 4 Mi indices take ~0.1 s to check.
 OFF_LOOP_INDICES = 1 << 16
 PLANE_POLL_SECONDS = 0.0005  # how often a Free waiting on the data plane's copies looks again
-MAX_SUCCESSORS = 4096  # registrations replaced whose successor is remembered, past which gone ones go
+MAX_SUCCESSORS = 4096  # registrations replaced whose successor is remembered (the oldest go first)
+_CLIENT_ID = re.compile(r"[0-9a-f]{32}")  # what ``secrets.token_hex(16)`` makes
 
 
 class KVCore:
@@ -244,20 +246,29 @@ class KVCore:
         if not named:
             return await self._register_call(req, tenant)
         while True:
-            now = self._successors.get(named, named)  # (every link points at the latest: one hop)
+            now = self._latest(named)
             async with self._replace_lock(now):  # the registration it would replace, one at a time
-                if self._successors.get(named, named) != now:
+                if self._latest(named) != now:
                     continue  # replaced meanwhile: by the one that holds it now
-                live = now in self.clients
                 client = await self._register_call(req if now == named else _replacing(req, now), tenant)
-                if live:  # (an id no registration had is not kept: the peer chose its bytes)
-                    for k, v in self._successors.items():
-                        if v == now:
-                            self._successors[k] = client.client_id
+                # Linked whether it was live or gone (a daemon restarted, a registration reclaimed:
+                # a retry naming it replaces this one), but only an id of the daemon's own form
+                # (not bytes a peer chose); the oldest links go first past MAX_SUCCESSORS.
+                if _CLIENT_ID.fullmatch(now):
                     self._successors[now] = client.client_id
-                    if len(self._successors) > MAX_SUCCESSORS:  # links to registrations gone lead nowhere
-                        self._successors = {k: v for k, v in self._successors.items() if v in self.clients}
+                    while len(self._successors) > MAX_SUCCESSORS:
+                        del self._successors[next(iter(self._successors))]
                 return client
+
+    def _latest(self, client_id: str) -> str:
+        """The registration that replaced ``client_id``, or the one that replaced that, ...: the
+        newest of the line (``client_id`` itself if none replaced it)."""
+        for _ in range(MAX_SUCCESSORS):  # (links only go to newer ids: no cycle)
+            nxt = self._successors.get(client_id)
+            if nxt is None:
+                break
+            client_id = nxt
+        return client_id
 
     @contextlib.asynccontextmanager
     async def _replace_lock(self, client_id: str):
