@@ -247,7 +247,7 @@ class KVCore:
             return await self._register_call(req, tenant)
         while True:
             now = self._latest(named)
-            async with self._replace_lock(now):  # the registration it would replace, one at a time
+            async with _keyed_lock(self._replace_locks, now):  # one Register replacing it at a time
                 if self._latest(named) != now:
                     continue  # replaced meanwhile: by the one that holds it now
                 client = await self._register_call(req if now == named else _replacing(req, now), tenant)
@@ -269,19 +269,6 @@ class KVCore:
                 break
             client_id = nxt
         return client_id
-
-    @contextlib.asynccontextmanager
-    async def _replace_lock(self, client_id: str):
-        """One Register replacing ``client_id`` at a time."""
-        entry = self._replace_locks.setdefault(client_id, [asyncio.Lock(), 0])
-        entry[1] += 1
-        try:
-            async with entry[0]:
-                yield
-        finally:
-            entry[1] -= 1
-            if not entry[1]:
-                del self._replace_locks[client_id]
 
     async def _register_call(self, req: pb.RegisterRequest, tenant: str | None = None) -> ClientState:
         """Opens the engine's pool and gives it a host region. ``tenant``: the tenant of the
@@ -384,18 +371,9 @@ class KVCore:
         if self._pool_fds[of] <= 0:
             del self._pool_fds[of]
 
-    @contextlib.asynccontextmanager
-    async def _map_lock(self, of: int | str):
+    def _map_lock(self, of: int | str) -> contextlib.AbstractAsyncContextManager:
         """One shared-memory pool of uid ``of`` opened at a time (its address-space budget)."""
-        entry = self._map_locks.setdefault(of, [asyncio.Lock(), 0])
-        entry[1] += 1
-        try:
-            async with entry[0]:
-                yield
-        finally:
-            entry[1] -= 1
-            if not entry[1]:
-                del self._map_locks[of]
+        return _keyed_lock(self._map_locks, of)
 
     async def _release_replaced(self, client_id: str) -> None:
         """An engine registering again names its previous registration: released first (its
@@ -962,6 +940,21 @@ class KVCore:
         self.arena.close()
         if self._kept is not None:  # the cache stays in its files for the next start
             self._kept.close()
+
+
+@contextlib.asynccontextmanager
+async def _keyed_lock(locks: dict, key: Any):
+    """The lock of ``key`` among ``locks`` ({key: [lock, holders and waiters]}), held; the entry
+    made on first use and dropped once nobody holds or waits for it."""
+    entry = locks.setdefault(key, [asyncio.Lock(), 0])
+    entry[1] += 1
+    try:
+        async with entry[0]:
+            yield
+    finally:
+        entry[1] -= 1
+        if not entry[1]:
+            del locks[key]
 
 
 def _replacing(req: pb.RegisterRequest, client_id: str) -> pb.RegisterRequest:
