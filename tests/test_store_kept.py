@@ -527,20 +527,31 @@ def test_files_are_the_daemons_own_and_no_one_elses(kept_dir):
 
 
 @contextlib.contextmanager
-def small_tmpfs(tmp_path, size: str):
-    """A tmpfs of ``size`` mounted for the test (its path), unmounted after; the test is skipped
-    where it cannot be mounted (not root, or a container that may not mount)."""
-    path = str(tmp_path / "small")
+def _mounted(path: str, commands: list[list[str]], why: str):
+    """``path`` made and mounted by ``commands`` (run in turn) for the test, unmounted after; the
+    test is skipped (``why``) where one cannot run: not root, a tool missing, a container that
+    may not mount."""
     os.makedirs(path, exist_ok=True)
-    mounted = os.geteuid() == 0 and subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "kvtest", path], capture_output=True
-    ).returncode == 0
-    if not mounted:
-        pytest.skip("mounting a small tmpfs needs root (and a kernel that lets this container mount)")
+
+    def ran(command: list[str]) -> bool:
+        if shutil.which(command[0]) is None:
+            return False
+        return subprocess.run(command, capture_output=True).returncode == 0
+
+    made = os.geteuid() == 0 and all(ran(c) for c in commands)
+    if not made:
+        pytest.skip(why)
     try:
         yield path
     finally:
         subprocess.run(["umount", "-l", path], check=False)
+
+
+def small_tmpfs(tmp_path, size: str):
+    """A tmpfs of ``size`` mounted for the test (its path)."""
+    path = str(tmp_path / "small")
+    return _mounted(path, [["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "kvtest", path]],
+                    "mounting a small tmpfs needs root (and a kernel that lets this container mount)")
 
 
 def test_a_full_file_system_costs_dropped_pages_never_the_daemon(tmp_path):
@@ -823,23 +834,13 @@ def test_a_catalog_kept_as_it_was_sheds_a_line_a_kill_cut_short(tmp_path):
         asyncio.run(core.close())
 
 
-@contextlib.contextmanager
 def small_ext4(tmp_path, mib: int):
-    """An ext4 file system of ``mib`` MiB on a loop device, mounted for the test (its path),
-    unmounted after; skipped where it cannot be made (not root, no mkfs.ext4, no loop devices)."""
+    """An ext4 file system of ``mib`` MiB on a loop device, mounted for the test (its path)."""
     image, path = str(tmp_path / "ext4.img"), str(tmp_path / "ext4")
-    os.makedirs(path, exist_ok=True)
     with open(image, "wb") as f:
         f.truncate(mib << 20)
-    made = os.geteuid() == 0 and shutil.which("mkfs.ext4") is not None and subprocess.run(
-        ["mkfs.ext4", "-q", "-F", image], capture_output=True).returncode == 0 and subprocess.run(
-        ["mount", "-o", "loop", image, path], capture_output=True).returncode == 0
-    if not made:
-        pytest.skip("an ext4 loop mount needs root, mkfs.ext4 and loop devices")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", path], check=False)
+    return _mounted(path, [["mkfs.ext4", "-q", "-F", image], ["mount", "-o", "loop", image, path]],
+                    "an ext4 loop mount needs root, mkfs.ext4 and loop devices")
 
 
 def test_a_region_the_file_system_has_no_room_for_leaves_no_blocks_taken(tmp_path):
