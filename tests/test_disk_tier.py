@@ -183,6 +183,32 @@ def test_other_weights_never_share_a_disk_page(daemon_factory, disk_dir):
         assert eng.get(keys[:100], np.arange(100)) == 0 and eng.zero(np.arange(100))
 
 
+def test_a_part_number_the_catalog_gives_another_part_never_serves_the_first_ones_pages(daemon_factory,
+                                                                                        disk_dir):
+    """A disk page's check is bound to what its part is (its space's key and its own), not to the
+    part's number: records whose number the catalog now gives another part (a number given again
+    after two power cuts lost a catalog line and then the reset of its records, or a changed
+    line) are never served as that part's."""
+    keys = keys_of("gid", 300)
+    d = daemon_factory(host_memory=24 * MiB, disk_cache=disk_dir, disk_size=128 * MiB)
+    with CacheEngine(d.address, pages=256, weights="rev-a") as eng:
+        store(eng, keys, d=d)
+        written(d, 300)
+    d.stop()
+    catalog = os.path.join(disk_dir, "catalog")
+    with open(catalog) as f:
+        text = f.read()
+    assert text.count('"weights": "rev-a"') == 1
+    with open(catalog, "w") as f:
+        f.write(text.replace('"weights": "rev-a"', '"weights": "rev-b"'))
+    again = daemon_factory(host_memory=24 * MiB, disk_cache=disk_dir, disk_size=128 * MiB)
+    with CacheEngine(again.address, pages=256, weights="rev-b") as eng:
+        eng.wipe()
+        assert eng.get(keys[:100], np.arange(100)) == 0 and eng.zero(np.arange(100))
+        t = tiers(eng)
+        assert t["disk"].bad_checks >= 1 and t["disk"].promoted_pages == 0
+
+
 def _evicted_to_disk(d, eng: CacheEngine, keys: list[bytes]) -> int:
     """Stores ``keys`` and more after them until the first keys are on disk only; returns how many
     of the first keys the disk alone holds."""

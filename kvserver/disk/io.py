@@ -6,10 +6,11 @@ calls. Where the file system does direct I/O and a page is whole blocks (its siz
 multiples of ``BLOCK``, as every host page of 4 KiB multiples is), the call bypasses the page cache:
 one copy, straight between the arena and the device. Anything else goes through the page cache.
 
-Every page carries a check, its CRC-32C started from a seed made of its key and its part's number
-(``seeds``): written beside the page's record before the page counts as stored, and compared after
-every read. A page whose bytes are not those its record promises (a write torn by a crash of the
-machine, a file truncated or changed by another process, a device error) is never served.
+Every page carries a check, its CRC-32C started from a seed made of its key and its part's identity
+(``seeds``; ``keep.part_identity``: what the part is, not the number it is filed under): written
+beside the page's record before the page counts as stored, and compared after every read. A page
+whose bytes are not those its record promises (a write torn by a crash of the machine, a file
+truncated or changed by another process, a device error) is never served.
 
 Calls here block: the tier runs them in its worker threads (ctypes lets go of the GIL).
 
@@ -43,8 +44,8 @@ for _name in ("pread", "pwrite"):
 
 
 def seeds(words: np.ndarray, lens: np.ndarray, part: int) -> np.ndarray:
-    """Each page's check seed: its key (its words, (n, 4), and its length) and its part's number,
-    mixed."""
+    """Each page's check seed: its key (its words, (n, 4), and its length) and its part's identity
+    (``keep.part_identity``, 64 bits), mixed."""
     with np.errstate(over="ignore"):
         w = words.astype(np.uint64)
         h = (w[:, 0] * np.uint64(0x9E3779B97F4A7C15)) ^ w[:, 1]

@@ -45,7 +45,7 @@ from kvserver.errors import KVError
 from kvserver.host.kept import FORMAT, KeptDir
 from kvserver.host.regions import REGION_ALIGN, aligned_capacity
 from kvserver.store import GetPlan, Keys, KVCache, Part, PartKey, SpaceKey
-from kvserver.store.keep import Recovery, kept_shape
+from kvserver.store.keep import Recovery, kept_shape, part_identity
 from kvserver.store.pages import COMMITTED
 
 logger = logging.getLogger(__name__)
@@ -356,7 +356,7 @@ class DiskTier:
             return None
         src = ids[plan.positions]
         nbytes = part.key.page_bytes
-        seed = io.seeds(keys.words[plan.positions], keys.lens[plan.positions], mine.gid)
+        seed = io.seeds(keys.words[plan.positions], keys.lens[plan.positions], part_identity(mine))
         fd, direct, base = self.arena.fd, self.arena.direct_fd, self._base()
         host_off, disk_off = self.host.pages.offset[src], plan.offsets
 
@@ -439,7 +439,7 @@ class DiskTier:
             raise RuntimeError("the disk cache is closing")
         ids = plan.page_ids[positions]
         nbytes = plan.part.key.page_bytes
-        seed = io.seeds(keys.words[positions], keys.lens[positions], plan.part.gid)
+        seed = io.seeds(keys.words[positions], keys.lens[positions], part_identity(plan.part))
         fd, direct, base = self.arena.fd, self.arena.direct_fd, self._base()
         disk_off, expected = self.cache.pages.offset[ids], self.cache.pages.sum[ids].copy()
 

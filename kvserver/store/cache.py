@@ -166,7 +166,7 @@ class KVCache:
         return part
 
     def next_gid(self, gid: int) -> None:
-        """New parts are numbered from ``gid`` on (a kept cache's numbers are never reused)."""
+        """New parts are numbered from ``gid`` on (past every number a kept cache's catalog names)."""
         self._next_gid = max(self._next_gid, gid)
 
     @_locked

@@ -3,7 +3,11 @@
 With --host-memory-dir the arena, the page table's records (state, arena offset, slab, recency) and
 the index's entries (key, part) are files (``kvserver.host.kept``); this module keeps the rest: a
 record per slab (``slabs``: where it lies, its page size and count) and the catalog of parts (one
-JSON line per part: its space's key and its own, under the part's number, which is never reused).
+JSON line per part: its space's key and its own, under the part's number). A number is given again
+once no line names it: no committed host record can name it then (a part's line is written before
+its pages, a start drops the lines of parts with no page left), but a power cut may leave disk
+records whose line was lost, so the disk's page checks name the part's identity, not its number
+(``part_identity``).
 
 Why a page found in the files is never a torn one: the cache writes a page's record in the order
 its life goes. A new page is marked being written (WRITING) before its bytes are copied and
@@ -20,6 +24,7 @@ Primitives: ``Keep`` (``slab_added`` / ``slab_removed`` / ``part_added``), ``ado
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -74,7 +79,8 @@ def kept_shape(capacity: int, kind: str = "host") -> dict[str, int | str]:
     """What kept files must have been made for to be adopted by a cache of ``capacity`` bytes
     (``kind``: "host" memory, or "disk" with a check kept per page; a host shape names no kind, as
     before the disk tier, so that its files are adopted across that upgrade)."""
-    shape: dict[str, int | str] = {"kind": kind} if kind != "host" else {}
+    # The disk's page checks are seeded with their part's identity (2), once with its number.
+    shape: dict[str, int | str] = {"kind": kind, "check": 2} if kind != "host" else {}
     return {**shape, "capacity": capacity, "pages": max_pages(capacity), "slab_record": SLAB_RECORD.itemsize}
 
 
@@ -94,6 +100,17 @@ def _space_of(d: dict[str, Any]) -> SpaceKey:
     layout = KVLayout(bool(is_mla), int(heads), int(dim), int(rope))
     return SpaceKey(str(d["tenant"]), str(d["model"]), layout, dtype, int(d["page_size"]),
                     int(d["num_layers"]), int(d["tp_size"]), int(d["pp_size"]), str(d["weights"]))
+
+
+def part_identity(part: Part) -> int:
+    """A 64-bit digest of what ``part`` is (its space's key and its own), never of its number: the
+    disk tier seeds each page's check with it, so that records a number given again (or a changed
+    catalog line) ascribes to another part fail their check instead of serving that part."""
+    k = part.key
+    text = json.dumps({"space": space_json(part.space.key),
+                       "part": [k.tp_shard, k.pp_rank, k.start_layer, k.end_layer, k.page_bytes]},
+                      sort_keys=True)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
 def _line(part: Part) -> str:
