@@ -879,3 +879,37 @@ def test_a_refused_region_stays_refused_where_its_room_cannot_be_given_back(tmp_
         arena.reserve(8 * MB)
     assert arena.reserved == 0
     kept.close()
+
+
+def test_a_host_cache_kept_on_a_disk_outlives_its_daemon_not_its_machine(tmp_path, kept_dir, monkeypatch,
+                                                                         caplog):
+    """Host pages keep no check: their commit order is whole in shared memory, but a file system
+    that writes back may leave the arena and the records from different moments after a power
+    cut. On such a one the files are adopted within one boot only, and the daemon says so at
+    start; on tmpfs (which a reboot empties anyway) nothing changes."""
+    from kvserver.host import kept as kept_mod
+
+    keys = keys_of(b"boot", 20)
+    with small_ext4(tmp_path, 128) as mnt:
+        path = os.path.join(mnt, "kv")
+        with caplog.at_level(logging.WARNING, logger="kvserver.host.kept"):
+            core = KVCore(64 * MB, host_memory_dir=path)
+        assert "not its machine" in caplog.text
+        put(core, part_of(core), keys)
+        asyncio.run(core.close())
+        core = KVCore(64 * MB, host_memory_dir=path)  # a restart of the daemon: adopted
+        assert core.recovery.adopted_pages == 20
+        asyncio.run(core.close())
+        monkeypatch.setattr(kept_mod, "boot_id", lambda: "a-later-boot")  # (a reboot cannot run here)
+        core = KVCore(64 * MB, host_memory_dir=path)
+        assert core.recovery.adopted_pages == 0 and "machine restarted" in core.recovery.reason
+        assert found(core, part_of(core), keys)[0] == 0
+        asyncio.run(core.close())
+    monkeypatch.undo()
+    core = KVCore(64 * MB, host_memory_dir=kept_dir)
+    put(core, part_of(core), keys)
+    asyncio.run(core.close())
+    monkeypatch.setattr(kept_mod, "boot_id", lambda: "a-later-boot")
+    core = KVCore(64 * MB, host_memory_dir=kept_dir)
+    assert core.recovery.adopted_pages == 20 and found(core, part_of(core), keys) == (20, True)
+    asyncio.run(core.close())

@@ -182,7 +182,7 @@ class KVCore:
         they pass every check. Files that cannot be adopted are started over; a directory that
         cannot be used leaves the cache in the daemon's own memory. Either way the daemon serves."""
         try:
-            kept = KeptDir(path, kept_shape(aligned_capacity(host_memory)))
+            kept = KeptDir(path, kept_shape(aligned_capacity(host_memory)), unchecked=True)
         except (KeptDirError, OSError) as exc:
             logger.error("the host cache cannot be kept in %s: %s; it lives in the daemon's own memory "
                          "and ends with it", path, exc)

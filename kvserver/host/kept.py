@@ -52,6 +52,28 @@ _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_
 _libc.fallocate.restype = ctypes.c_int
 FALLOC_FL_KEEP_SIZE = 1
 FALLOC_FL_PUNCH_HOLE = 2
+_libc.fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
+_libc.fstatfs.restype = ctypes.c_int
+# File systems whose files are memory: nothing is written back, a reboot ends them (statfs(2)).
+MEMORY_FILE_SYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs", 0x958458F6: "hugetlbfs"}
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def boot_id() -> str:
+    """This boot of the machine's id ("" where the kernel does not say)."""
+    try:
+        with open(BOOT_ID) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def in_memory(fd: int) -> bool:
+    """Whether the file system of ``fd`` keeps its files in memory only (tmpfs and its kind)."""
+    buf = ctypes.create_string_buffer(256)  # struct statfs: its f_type (a long) first
+    if _libc.fstatfs(fd, buf) != 0:
+        return False
+    return ctypes.c_long.from_buffer(buf).value in MEMORY_FILE_SYSTEMS
 
 
 class KeptDirError(RuntimeError):
@@ -87,9 +109,12 @@ class KeptDir:
     (format, capacity, table lengths) to be adopted; ``adopting`` says whether they were."""
 
     def __init__(self, path: str, shape: dict[str, Any],
-                 accept: Callable[[dict[str, Any]], bool] | None = None) -> None:
+                 accept: Callable[[dict[str, Any]], bool] | None = None, *, unchecked: bool = False) -> None:
         """``accept``: given the header found, of this format, whether files of that shape are
-        adopted too (``shape`` is then the one found)."""
+        adopted too (``shape`` is then the one found). ``unchecked``: the files keep no check of
+        their bytes (the host cache's, whose commit order is whole in shared memory only): on a
+        file system that writes back, where a power cut may leave the arena and the records from
+        different moments, they are adopted within the boot that wrote them only."""
         self.path = os.path.abspath(path)  # not resolved: a link there is refused, not followed
         self.shape = {"format": FORMAT, **shape}
         self._asked = self.shape  # (``start_over`` goes back to it from one ``accept`` took)
@@ -107,6 +132,11 @@ class KeptDir:
         self._dir = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:
             _check_own(os.fstat(self._dir), self.path, stat.S_IFDIR)
+            if unchecked and not in_memory(self._dir):
+                self.shape["boot"] = boot_id()
+                self._asked = self.shape
+                logger.warning("%s is not on tmpfs: the cache kept there outlives its daemon, not its "
+                               "machine (after a reboot it starts empty; its pages keep no check)", self.path)
             self._lock = self._open(LOCK)
             try:
                 fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -173,6 +203,9 @@ class KeptDir:
         if not isinstance(found, dict) or found.get("format") != FORMAT:
             got = found.get("format") if isinstance(found, dict) else None
             return False, f"it is in format {got!r}, which this daemon (format {FORMAT}) does not know"
+        if "boot" in self.shape and found.get("boot") != self.shape["boot"]:
+            return False, ("the machine restarted since it was written (on a file system that writes "
+                           "back, a power cut may have torn what it holds, and its pages keep no check)")
         if found != self.shape and self._accept is not None and self._accept(found):
             self.shape = found
         if found != self.shape:
