@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -178,7 +179,10 @@ class RawRing:
     """A lane made without the library: the ring, the doorbells, and OpenLane."""
 
     def __init__(self, address: str, client_id: str = "", slots: int = 8, *, space_id: str = "",
-                 metadata: tuple = ()) -> None:
+                 metadata: tuple = (), submit_end: socket.socket | None = None,
+                 before_open: Callable[[RawRing], None] | None = None) -> None:
+        """``submit_end``: handed over as the daemon's end of the submit doorbell instead of the
+        pair's; ``before_open``: runs once the doorbells are made, before OpenLane."""
         self.slots = slots
         fd = os.memfd_create("raw-lane", os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, R.ring_bytes(slots))
@@ -189,8 +193,10 @@ class RawRing:
         self.submit, submit_peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(slots)]
         self.done = [a for a, _ in pairs]
-        peer = [fd, submit_peer.fileno()] + [b.fileno() for _, b in pairs]
+        peer = [fd, (submit_end or submit_peer).fileno()] + [b.fileno() for _, b in pairs]
         try:
+            if before_open is not None:
+                before_open(self)
             with grpc.insecure_channel(address) as ch:
                 pb_grpc.KVServerStub(ch).OpenLane(
                     pb.OpenLaneRequest(client_id=client_id, space_id=space_id,
@@ -598,6 +604,62 @@ def test_a_lanes_doorbells_take_no_descriptors(daemon) -> None:
             os.close(r)
             os.close(w)
             ring.close()
+
+
+@pytest.mark.parametrize("kind", ["listening", "unconnected"])
+def test_a_doorbell_that_is_not_one_end_of_a_connected_pair_is_refused(daemon, kind) -> None:
+    """A listening SOCK_SEQPACKET socket handed over as the submit doorbell reads as rung for ever
+    (a connection waits on it) while every read fails: the compiled plane's thread went round a
+    full core's worth, and its mute for doorbells rung without calls never began. A doorbell must
+    be one end of a connected pair, and is checked so before the lane opens."""
+    end = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    knock = None
+    try:
+        if kind == "listening":
+            end.bind(f"\0kvtest-listening-doorbell-{os.getpid()}")
+            end.listen(1)
+            knock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            knock.connect(end.getsockname())  # pending on it: readable from now on
+        with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, \
+                KVClient(daemon.address, lane="grpc") as client:
+            reg = register(client, pool)
+            with pytest.raises(grpc.RpcError) as err:
+                RawRing(daemon.address, reg.client_id, submit_end=end).close()
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+            assert "connected" in err.value.details()
+            round_trip(client, pool)  # the registration serves on
+    finally:
+        end.close()
+        if knock is not None:
+            knock.close()
+
+
+def test_a_doorbell_that_holds_messages_when_its_lane_opens_is_refused_unread(daemon) -> None:
+    """The daemon's end of a doorbell holding messages at OpenLane: each was read on the loop, up
+    to 4096 of them with their descriptors (a root peer's million held the loop 0.95 s). A doorbell
+    must come empty; one that does not is refused, and what it holds is let go with it on its
+    uid's closer thread, never read."""
+    import array
+
+    r, w = os.pipe()
+
+    def fill(ring: RawRing) -> None:
+        for _ in range(16):
+            ring.submit.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [r] * 253))])
+
+    try:
+        with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, \
+                KVClient(daemon.address, lane="grpc") as client:
+            reg = register(client, pool)
+            with pytest.raises(grpc.RpcError) as err:
+                RawRing(daemon.address, reg.client_id, before_open=fill).close()
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+            assert "holds" in err.value.details()
+            round_trip(client, pool)
+            RawRing(daemon.address, reg.client_id).close()  # an empty one opens
+    finally:
+        os.close(r)
+        os.close(w)
 
 
 @pytest.mark.parametrize("plane", ["compiled", "python"])

@@ -29,7 +29,7 @@ from kvserver.errors import (
 from kvserver.lane.plane import DataPlane
 from kvserver.lane.server import Lane, open_ring
 from kvserver.peers.tenants import tenant_of
-from kvserver.peers.tickets import PEER_GONE, process_exited, refuse_rights
+from kvserver.peers.tickets import PEER_GONE, process_exited
 
 logger = logging.getLogger(__name__)
 
@@ -268,10 +268,7 @@ class LaneBook:
                 f"uid {uid}'s lanes hold {held} descriptors; this one would pass the most one uid's "
                 f"lanes may hold ({self.max_fds_per_uid}): its calls go over gRPC"
             )
-        ring, submit, done = open_ring(ticket.fds)
-        for sock in (submit, *done):  # the peer's ends' descriptors never reach the loop or the plane
-            refuse_rights(sock, uid)
-        return ring, submit, done
+        return open_ring(ticket.fds)
 
     async def _start(self, lane: Lane, ring: Any, submit: Any, done: list[Any], uid: int, gate: Any,
                      also: Callable[[], None] | None = None) -> None:

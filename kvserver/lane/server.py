@@ -38,6 +38,7 @@ from kvserver.errors import (
     KVError,
     status_of,
 )
+from kvserver.peers.tickets import refuse_rights
 from kvserver.protocol import ring as R
 from kvserver.protocol.shared_memory import ShmMapping, map_sealed_fd
 
@@ -70,6 +71,19 @@ def _check_doorbell(fd: int, what: str) -> socket.socket:
     try:
         if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_SEQPACKET:
             raise InvalidArgument(f"{what} is not a Unix SOCK_SEQPACKET socket")
+        # A listening socket reads as rung for ever (a connection waits) while every read fails.
+        listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+        try:
+            sock.getpeername()
+        except OSError:
+            listening = listening or -1
+        if listening:
+            raise InvalidArgument(f"{what} is {'listening' if listening > 0 else 'not connected'}: send "
+                                  "one end of a connected SOCK_SEQPACKET socketpair")
+        # Its peer's descriptors never reach the loop or the plane (each reads it unready for them).
+        if not refuse_rights(sock):
+            raise InvalidArgument(f"{what} holds messages (or its peer closed it) before its lane "
+                                  "opens: send one end of a new socketpair")
     except BaseException:
         sock.detach()
         raise

@@ -35,6 +35,7 @@ from kvserver.peers.tickets import (
     drain,
     fds_of,
     is_shared_memory,
+    pending_for,
     socket_kind,
 )
 from kvserver.protocol.fd_socket import FDS_PER_MESSAGE, HEADER, MAGIC, MAX_FDS, MORE
@@ -45,6 +46,9 @@ CONN_SECONDS = 5.0
 MAX_CONNS = 64
 MAX_CONNS_PER_UID = 8
 STUCK_SECONDS = 1.0  # a uid whose closer is this long in one close gets no connection
+MAX_PENDING_CLOSES = 1024  # a uid with this many descriptors waiting on its closer gets no connection
+ACCEPTS_PER_TURN = 16  # connections one wake-up of the loop accepts at most (a flood waits its turn)
+BACKLOG = 1024  # connections the kernel queues (as many as somaxconn allows): an engine's waits there
 ACCEPT_RETRY_SECONDS = 0.5  # out of descriptors (EMFILE): how long before it accepts again
 _PEERCRED = struct.Struct("3i")
 # SO_PEERPIDFD (Linux 6.5): a pidfd of the process that connected, which a pid reused after it
@@ -118,7 +122,7 @@ class PeerSocket:
         finally:
             os.umask(old_umask)
         os.chmod(self.path, self.mode)
-        sock.listen(128)
+        sock.listen(BACKLOG)
         sock.setblocking(False)
         self._sock = sock
         asyncio.get_running_loop().add_reader(sock.fileno(), self._accept)
@@ -139,7 +143,9 @@ class PeerSocket:
     # ---- connections ------------------------------------------------------------------------
 
     def _accept(self) -> None:
-        while self._sock is not None:
+        for _ in range(ACCEPTS_PER_TURN):  # the rest at the loop's next turn: the socket reads ready
+            if self._sock is None:
+                return
             try:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -163,6 +169,13 @@ class PeerSocket:
             peer = PeerCred(pid, uid, gid)
             if len(self._serving) >= MAX_CONNS or self._per_uid.get(uid, 0) >= MAX_CONNS_PER_UID:
                 _reply(conn, _error(NoCapacity("too many fd socket connections at once; try again")), uid)
+                continue
+            if pending_for(uid) >= MAX_PENDING_CLOSES:
+                # Its closer is behind: nothing more of it is read (what the connection holds goes
+                # with it, unread, on that closer) until the closer catches up.
+                _reply(conn, _error(NoCapacity(
+                    f"{pending_for(uid)} descriptors this uid sent are waiting to be closed; no more "
+                    "are taken from it until they are")), uid)
                 continue
             if closing_for(uid) >= STUCK_SECONDS:
                 # What it sent queues behind that close (on its own closer): no new connection adds to it.
@@ -312,8 +325,9 @@ def _reply(conn: socket.socket, reply: bytes | None, uid: int) -> None:
     was not read goes first: a Unix socket closed with unread data resets its peer, which would
     then lose the answer. Its descriptors are installed and closed on the uid's closer, as is the
     connection itself (its queue may hold more): released here, a file on FUSE could hold the
-    loop on its server."""
-    drain(conn, uid)
+    loop on its server. Nothing is read from a uid whose closer is behind."""
+    if pending_for(uid) < MAX_PENDING_CLOSES:
+        drain(conn, uid)
     if reply is not None:
         with contextlib.suppress(OSError):
             conn.send(reply)

@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from kvserver.errors import NoCapacity, PermissionDenied
-from kvserver.protocol.fd_socket import FDS_PER_MESSAGE
+from kvserver.protocol.fd_socket import FDS_PER_MESSAGE, MAX_FDS
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +116,7 @@ class _Closer:
         self._most = CLOSERS if uid is None else 1
         self._name = "kvpeer-close" if uid is None else f"kvpeer-close-{uid}"
         self.busy_since: float | None = None  # when its (one) thread began the close under way
+        self.pending = 0  # descriptors handed to it and not closed yet
 
     def close(self, fds: list[int]) -> None:
         with self._lock:
@@ -123,6 +124,7 @@ class _Closer:
                 thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 thread.start()
                 self._threads.append(thread)
+            self.pending += len(fds)
         self._queue.put(fds)
 
     def _run(self) -> None:
@@ -144,6 +146,8 @@ class _Closer:
                     self.busy_since = time.monotonic()
                 close_peer_fd(fd)
                 self.busy_since = None
+                with self._lock:
+                    self.pending -= 1
 
 
 _CLOSER = _Closer()
@@ -192,30 +196,52 @@ def fds_of(anc: list[tuple[int, int, bytes]]) -> list[int]:
     return out
 
 
+DRAIN_FDS = MAX_FDS  # descriptors a drain takes at most: what one ticket carries
+
+
 def drain(sock: socket.socket, uid: int, most: int = 64) -> None:
     """Reads what ``sock`` (a Unix socket a peer of ``uid`` writes to) holds, up to ``most``
-    messages, never blocking, its descriptors installed and closed on the uid's closer: dropping
-    them unread would release them here, and a file on FUSE released may wait on its server."""
+    messages and ``DRAIN_FDS`` descriptors, never blocking, its descriptors installed and closed
+    on the uid's closer: dropping them unread would release them here, and a file on FUSE
+    released may wait on its server. What is left goes with the socket, closed on that closer."""
+    taken = 0
     for _ in range(most):
+        if taken >= DRAIN_FDS:
+            return
         try:
             data, anc, _, _ = sock.recvmsg(64, RIGHTS_SPACE, socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
         except OSError:  # nothing more (EAGAIN), or the socket is gone
             return
-        close_off_loop(fds_of(anc), uid)
+        fds = fds_of(anc)
+        taken += len(fds)
+        close_off_loop(fds, uid)
         if not data and not anc:  # end of stream
             return
 
 
-def refuse_rights(sock: socket.socket, uid: int) -> None:
-    """A doorbell a peer of ``uid`` handed over takes no descriptors from now on (SO_PASSRIGHTS
-    off: the peer's sendmsg of one fails; where the kernel lacks it, nothing changes), and what it
-    held already is drained (``drain``): the loop and the plane then read and close it without
-    dropping a descriptor there."""
+def refuse_rights(sock: socket.socket) -> bool:
+    """A doorbell a peer handed over takes no descriptors from now on (SO_PASSRIGHTS off: the
+    peer's sendmsg of one fails; where the kernel lacks it, nothing changes); whether it holds
+    nothing yet (no message, and its peer's end open). One that does is not read here: a queue of
+    thousands of messages, each with its descriptors, would hold the loop; it goes with its
+    ticket's descriptors, whose closer thread lets it go. A peek installs no descriptor."""
     try:
         sock.setsockopt(socket.SOL_SOCKET, SO_PASSRIGHTS, 0)
     except OSError:
         pass
-    drain(sock, uid, most=4096)
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def pending_for(uid: int) -> int:
+    """Descriptors of ``uid``'s waiting on its closer (other than shared memory)."""
+    closer = _RISKY.get(uid)
+    return 0 if closer is None else closer.pending
 
 
 def closing_for(uid: int) -> float:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import array
 import socket
 import struct
+import time
 
 MAGIC = b"KVF1"
 HEADER = struct.Struct("<4sI")
@@ -42,9 +43,21 @@ class TicketRefused(Exception):
 def request_ticket(path: str, fds: list[int], timeout: float = 5.0) -> str:
     """The engine's half: sends ``fds`` (the caller keeps its own) and returns the ticket.
     Raises OSError when the socket cannot be reached, TicketRefused when the daemon says no."""
+    deadline = time.monotonic() + timeout
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as s:
         s.settimeout(timeout)
-        s.connect(path)
+        pause = 0.001
+        while True:  # a Unix socket's connect fails at once (EAGAIN) while the daemon's queue is full
+            try:
+                s.connect(path)
+                break
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, 0.05)
+        s.settimeout(max(0.001, deadline - time.monotonic()))
         chunks = [fds[i : i + FDS_PER_MESSAGE] for i in range(0, len(fds), FDS_PER_MESSAGE)] or [[]]
         try:
             for i, chunk in enumerate(chunks):

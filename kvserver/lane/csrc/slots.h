@@ -157,11 +157,15 @@ static void unwatch(Engine *e, Lane *l) {
  * as an end of file it would leave the lane unwatched, its calls never taken. The messages carry
  * nothing: up to MAX_DRAIN of them are read in one call, so a peer ringing without end costs this
  * thread one call a turn, not one a message. */
+static void gone(Engine *e, Lane *l) {
+    unwatch(e, l);
+    if (l->gate->space) /* no release closes a space's lane: the loop is told (slot -1) */
+        handoff(e, l, -1, 0);
+}
+
 static void doorbell(Engine *e, Lane *l, uint32_t events) {
     if (events & (EPOLLRDHUP | EPOLLHUP | EPOLLERR)) { /* gone; its release cleans up */
-        unwatch(e, l);
-        if (l->gate->space) /* no release closes a space's lane: the loop is told (slot -1) */
-            handoff(e, l, -1, 0);
+        gone(e, l);
     } else {
         char buf[MAX_DRAIN];
         struct iovec iov[MAX_DRAIN];
@@ -174,6 +178,13 @@ static void doorbell(Engine *e, Lane *l, uint32_t events) {
             msgs[k].msg_hdr.msg_iovlen = 1;
         }
         int got = recvmmsg(l->submit_fd, msgs, MAX_DRAIN, MSG_DONTWAIT, NULL);
+        if (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+            /* A doorbell that reads as rung but cannot be read (checked at the opening to be one
+             * end of a connected pair: defence in depth) is not watched again: no spinning. */
+            gone(e, l);
+            pend(e, l);
+            return;
+        }
         if (got > 0 && (l->idle_rings += got) > MAX_IDLE_RINGS && !l->muted_until) {
             /* Rings without calls: muted a while (the peer's leaving still seen), then looked at. */
             struct epoll_event ev = {.events = EPOLLRDHUP, .data.ptr = l};
