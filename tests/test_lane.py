@@ -241,6 +241,38 @@ class RawRing:
         self.mm.close()
 
 
+def test_the_planes_bookkeeping_of_one_uids_pools_is_capped(daemon) -> None:
+    """The data plane keeps 8 bytes per device token of a pool it serves (its write marks and a
+    request's scratch), in the daemon's own memory, written as requests name tokens: a pool of a
+    billion one-byte tokens, which its engine never touches, cost the daemon 8 GiB. One uid's
+    pools get the plane up to a share of the node's memory; past it their lanes are served on the
+    loop, which keeps its marks per device page, and the booking is given back at release."""
+    lanes = daemon.daemon.servicer.lanes
+    if daemon.core.plane is None:
+        pytest.skip("the compiled data plane is not built")
+    one = daemon.run(lambda: lanes.max_plane_bytes_per_uid)
+    assert 0 < one <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 16
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as a, ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as b, \
+            KVClient(daemon.address) as first, KVClient(daemon.address) as second:
+        ra = register(first, a)
+        booked = daemon.run(lambda: dict(lanes._plane_bytes_per_uid))
+        cost = booked[os.geteuid()]
+        assert cost >= 8 * TOKENS
+        assert daemon.run(lambda: daemon.core.client(ra.client_id).gate) is not None
+        daemon.run(lambda: setattr(lanes, "max_plane_bytes_per_uid", cost + cost // 2))
+        rb = register(second, b)
+        assert second.lane is not None  # a lane still, on the loop
+        assert daemon.run(lambda: daemon.core.client(rb.client_id).gate) is None
+        round_trip(second, b)
+        first.unregister()
+        assert daemon.run(lambda: dict(lanes._plane_bytes_per_uid)) == {}
+        second.unregister()
+        rc = register(second, b)
+        assert daemon.run(lambda: daemon.core.client(rc.client_id).gate) is not None
+        second.unregister()
+    daemon.run(lambda: setattr(lanes, "max_plane_bytes_per_uid", one))
+
+
 def test_lane_descriptors_are_capped_per_uid(daemon) -> None:
     """The descriptors of one uid's open lanes are capped (the ring's mapping's copy of its fd, and
     1 + one per slot doorbells each): past the cap a lane is refused and the engine's calls go over

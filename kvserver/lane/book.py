@@ -44,6 +44,9 @@ MAX_LANE_FDS_PER_UID = 4096
 MAX_SPACE_LANES_PER_UID = 16
 MAX_SPACE_LANES = 256
 MAX_SPACE_LANE_SLOTS = 4
+# The data plane's bookkeeping of one uid's pools (``DataPlane.gate_bytes``: per device token, in
+# the daemon's memory): a share of the node's memory; past it, a lane is served on the loop.
+MAX_PLANE_BYTES_PER_UID = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 32
 
 
 def _pidfd(ticket: Any) -> int:
@@ -93,6 +96,8 @@ class LaneBook:
         self.lanes: set[Lane] = set()
         self.max_fds_per_uid = MAX_LANE_FDS_PER_UID
         self._fds_per_uid: Counter[int] = Counter()
+        self.max_plane_bytes_per_uid = MAX_PLANE_BYTES_PER_UID
+        self._plane_bytes_per_uid: Counter[int] = Counter()
 
     async def drain(self, grace: float) -> None:
         """At shutdown: every lane finishes what it runs within ``grace`` and takes nothing new."""
@@ -128,13 +133,22 @@ class LaneBook:
             raise
         ticket.fds = []  # the lane owns them now
         gate = None
+        uid, plane_bytes = ticket.peer.uid, 0
         # With copies of the client already running on the loop (a concurrent gRPC call), they hold
         # no turn the plane would see: its lane is served on the loop, which orders them all.
         if self.plane is not None and not client.inflight:
-            try:
-                gate = self.plane.gate_for(client, self.core.max_request_indices)
-            except Exception:  # its lane is served on the loop, as without a plane
-                logger.exception("the data plane cannot serve %s's lane", public_id(client_id))
+            plane_bytes = self.plane.gate_bytes(client)
+            if self._plane_bytes_per_uid[uid] + plane_bytes > self.max_plane_bytes_per_uid:
+                logger.info("%s's lane is served on the event loop: the data plane's bookkeeping of "
+                            "uid %d's pools would pass %d bytes", public_id(client_id), uid,
+                            self.max_plane_bytes_per_uid)
+            else:
+                try:
+                    gate = self.plane.gate_for(client, self.core.max_request_indices)
+                except Exception:  # its lane is served on the loop, as without a plane
+                    logger.exception("the data plane cannot serve %s's lane", public_id(client_id))
+        if gate is None:
+            plane_bytes = 0
         on_served = gate.py_exit if gate is not None else None
         fast = functools.partial(self.fast, client_id) if gate is not None and self.fast is not None else None
         lane = Lane(public_id(client_id), ring, submit, done, functools.partial(self.run, client_id),
@@ -145,7 +159,7 @@ class LaneBook:
         client.lane = lane
         client.gate = gate
         try:
-            await self._start(lane, ring, submit, done, ticket.peer.uid, gate)
+            await self._start(lane, ring, submit, done, uid, gate, plane_bytes=plane_bytes)
         except BaseException as exc:
             if client.closing:  # (a release holds the lane and the gate, to close them)
                 if isinstance(exc, Exception):
@@ -271,12 +285,15 @@ class LaneBook:
         return open_ring(ticket.fds)
 
     async def _start(self, lane: Lane, ring: Any, submit: Any, done: list[Any], uid: int, gate: Any,
-                     also: Callable[[], None] | None = None) -> None:
-        """Starts serving ``lane`` and books its descriptors, from before its opening (a close
-        meanwhile gives them back); ``also`` runs when it closes, or when its opening fails."""
+                     also: Callable[[], None] | None = None, plane_bytes: int = 0) -> None:
+        """Starts serving ``lane`` and books its descriptors (and ``plane_bytes`` of the data
+        plane's bookkeeping), from before its opening (a close meanwhile gives them back); ``also``
+        runs when it closes, or when its opening fails."""
         self.lanes.add(lane)
         fds = 2 + len(done)  # the ring's mapping's copy of its fd, the doorbells
         self._fds_per_uid[uid] += fds
+        if plane_bytes:
+            self._plane_bytes_per_uid[uid] += plane_bytes
         given_back = False
 
         def closed(lane: Lane) -> None:
@@ -288,6 +305,10 @@ class LaneBook:
             self._fds_per_uid[uid] -= fds
             if self._fds_per_uid[uid] <= 0:
                 del self._fds_per_uid[uid]
+            if plane_bytes:
+                self._plane_bytes_per_uid[uid] -= plane_bytes
+                if self._plane_bytes_per_uid[uid] <= 0:
+                    del self._plane_bytes_per_uid[uid]
             if also is not None:
                 also()
 

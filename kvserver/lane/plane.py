@@ -452,6 +452,13 @@ class DataPlane:
 
     # ---- gates ---------------------------------------------------------------------------------
 
+    @staticmethod
+    def gate_bytes(client: ClientState) -> int:
+        """The daemon's own memory a gate for ``client`` may come to hold: 8 bytes per device
+        token (its write marks and a request's scratch: a request names tokens) and 12 per host
+        page, written as requests name them, kept until the gate goes."""
+        return 8 * client.device.num_tokens + 12 * (len(client.pages.is_allocated) + 1)
+
     def gate_for(self, client: ClientState, max_indices: int) -> Any | None:
         """A gate for ``client`` if the plane can copy for it alone; None: the loop serves it."""
         buffers = client.device.plane_buffers()
