@@ -71,6 +71,8 @@ class FakeRuntime:
         self.queue_depth: int | None = None  # calls a stalled stream holds before the next one waits
         self.registered: dict[int, int] = {}  # host address -> bytes, while hostRegister'ed
         self.device_offset = 0  # added to a registered host address to give its device address
+        self.bad_events: set[bytes] = set()  # IPC event handles that open nothing (CuPy raises)
+        self.sticky = 0  # a sticky error's code: every query returns it from now on, as CuPy's do
 
     # ---- events that never fire -----------------------------------------------------------
 
@@ -227,6 +229,8 @@ class FakeRuntime:
     def streamQuery(self, stream):
         self.calls.append(("streamQuery", stream))
         with self._cond:
+            if self.sticky:
+                return self.sticky
             return NOT_READY if stream in self._stalled else 0
 
     def streamWaitEvent(self, stream, event, flags=0):
@@ -249,6 +253,8 @@ class FakeRuntime:
 
     def ipcOpenEventHandle(self, handle):
         self.calls.append(("ipcOpenEventHandle", handle))
+        if handle in self.bad_events:
+            raise RuntimeError("cudaErrorInvalidResourceHandle: invalid resource handle")
         return self.opened_id(handle)
 
     def eventRecord(self, event, stream):
@@ -263,6 +269,8 @@ class FakeRuntime:
     def eventQuery(self, event):
         self.calls.append(("eventQuery", event))
         with self._cond:
+            if self.sticky:
+                return self.sticky
             return NOT_READY if event in self._pending or event in self._hung else 0
 
     def eventSynchronize(self, event):

@@ -739,6 +739,59 @@ def test_exports_kept_while_a_quarantined_copy_may_write_the_pool(daemon_factory
         rt.fire(hung)
 
 
+def test_a_ready_event_handle_that_opens_nothing_is_invalid_argument(daemon, fake):
+    """A 64-byte ready_event CUDA cannot open (stale, made up, another process's gone) is the
+    caller's error, as a memory handle that opens nothing is: INVALID_ARGUMENT, not INTERNAL, and
+    the registration serves on."""
+    refs, _, _ = cuda_pool(fake, 2, 64)
+    bad = (4242).to_bytes(8, "little") * 8
+    fake.cuda.runtime.bad_events.add(bad)
+    with grpc.insecure_channel(daemon.address) as ch:
+        stub = ticketing_stub(ch, daemon.address)
+        reg = register(stub, refs, 2, 64, 16)
+        host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=16)).host_indices)
+        for call in (lambda: stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=host,
+                                                        device_indices=list(range(16)), ready_event=bad),
+                                        timeout=10),
+                     lambda: list(stub.Load(pb.LoadRequest(client_id=reg.client_id, host_indices=host,
+                                                           device_indices=list(range(16)), ready_event=bad),
+                                            timeout=10))):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+            assert "ready_event" in err.value.details()
+        stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=host,
+                                   device_indices=list(range(16))), timeout=10)
+
+
+def test_a_quarantined_pool_is_released_once_its_context_has_a_sticky_error(daemon_factory, fake):
+    """CuPy's streamQuery and eventQuery return a sticky error's code (700, an illegal address)
+    rather than raise, on every call: the quarantine read that as "not drained yet" for ever, and
+    the pool's pins, mappings and host region stayed held for the daemon's life. A failed context
+    runs nothing more: its pool is released, and a wait on it gives up at once."""
+    from kvclient import KVClient
+
+    refs, _, _ = cuda_pool(fake, 2, 64)
+    d = daemon_factory(cuda_wait_seconds=WAIT_S, reclaim_grace=0.1)
+    rt = fake.cuda.runtime
+    hung = (779).to_bytes(8, "little") * 8
+    rt.hang(hung)
+    try:
+        with grpc.insecure_channel(d.address) as ch, KVClient(d.address):
+            stub = ticketing_stub(ch, d.address)
+            reg = register(stub, refs, 2, 64, 16)
+            host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=16)).host_indices)
+            with pytest.raises(grpc.RpcError):  # stalls, then fails the client
+                stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=host,
+                                           device_indices=list(range(16)), ready_event=hung), timeout=20)
+            assert wait_for(lambda: d.run(lambda: bool(d.core._quarantined))), "not quarantined"
+            rt.sticky = 700  # the context fails: the hung copy will never run
+            assert wait_for(lambda: d.run(lambda: not d.core._quarantined), 3.0), "never released"
+    finally:
+        rt.sticky = 0
+        rt.fire(hung)
+
+
 def test_ready_events_opened_once_and_bounded(daemon, fake):
     """An engine that re-records one ready event has it opened once; one that makes a new event
     per step has at most MAX_OPENED_EVENTS open in the daemon, the oldest closed first."""

@@ -314,7 +314,12 @@ class CudaDevicePool(DevicePool):
         if self.stream is not None:
             limit = 0.0 if self.failed else self.wait_seconds
             with self.device():
-                if not waits.until_done(self._stream_query, time.monotonic() + limit):
+                try:
+                    drained = waits.until_done(self._stream_query, time.monotonic() + limit)
+                except waits.CudaFailed as exc:  # released at the quarantine's first look
+                    self._fail(str(exc))
+                    drained = False
+                if not drained:
                     return QUARANTINE.hold(
                         f"CUDA pool on device {self.ordinal} ({self.pinned_bytes} pinned host bytes, "
                         f"{len(self.handles)} IPC mappings; {self.failed or 'its stream had not drained'})",
@@ -326,8 +331,10 @@ class CudaDevicePool(DevicePool):
         return self.cupy.cuda.runtime.streamQuery(self.stream.ptr)
 
     def _drained(self) -> bool:
+        """Whether the stream has drained; CudaFailed where its context has failed (it runs
+        nothing more: the quarantine releases it)."""
         with self.device():
-            return self._stream_query() == 0
+            return waits.done(self._stream_query())
 
     def _release(self) -> None:
         rt = self.cupy.cuda.runtime
@@ -379,7 +386,12 @@ class CudaDevicePool(DevicePool):
         with self._events_lock:
             event = self.opened_events.get(event_handle)
             if event is None:
-                event = self.opened_events[event_handle] = rt.ipcOpenEventHandle(event_handle)
+                try:
+                    event = rt.ipcOpenEventHandle(event_handle)
+                except Exception as exc:  # (CuPy's CUDARuntimeError) stale, made up: the caller's error
+                    raise InvalidArgument(f"the ready_event opens no CUDA event on device {self.ordinal}: "
+                                          f"{exc}") from None
+                self.opened_events[event_handle] = event
                 # The plane waits on it from now on, for this handle's requests: kept until the release.
                 if self.plane_gate is not None and self.plane_gate.add_ready(event_handle, event):
                     self.plane_ready.add(event_handle)
@@ -564,7 +576,12 @@ class CudaDevicePool(DevicePool):
                         return Pending([marker], owned=True, failed=exc)
                     except Exception:
                         rt.eventDestroy(marker)
-                if not waits.until_done(self._stream_query, time.monotonic() + self.wait_seconds):
+                try:
+                    drained = waits.until_done(self._stream_query, time.monotonic() + self.wait_seconds)
+                except waits.CudaFailed as failed:
+                    self._fail(str(failed))
+                    raise self._stalled() from exc
+                if not drained:
                     self._fail(f"a failed job's copies were still on the GPU after {self.wait_seconds:g} s "
                                "(--cuda-wait-seconds)")
                     raise self._stalled() from exc
@@ -622,8 +639,14 @@ class CudaDevicePool(DevicePool):
         with self.device():
             try:
                 for i, event in enumerate(pending.events):
-                    if not waits.until_done(lambda e=event: rt.eventQuery(e),
-                                            time.monotonic() + self.wait_seconds, lambda: bool(self.failed)):
+                    try:
+                        complete = waits.until_done(lambda e=event: rt.eventQuery(e),
+                                                    time.monotonic() + self.wait_seconds,
+                                                    lambda: bool(self.failed))
+                    except waits.CudaFailed as failed:
+                        self._fail(str(failed))
+                        raise self._stalled() from failed
+                    if not complete:
                         self._fail(f"its GPU copies made no progress for {self.wait_seconds:g} s "
                                    "(--cuda-wait-seconds): an event they wait on, such as the engine's "
                                    "ready event, has not fired")
