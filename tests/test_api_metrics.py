@@ -10,6 +10,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -185,6 +186,43 @@ def test_scrape_counts_what_the_engine_did_and_agrees_with_stats(daemon_factory)
         assert _admin_stats(d).reclaimed_clients == 1
     finally:
         eng.drop()
+
+
+def test_copies_the_data_plane_runs_are_counted_in_flight(daemon_factory):
+    """The copy queue gauges count the copy workers' copies, which the loop runs; an engine on its
+    lane has nearly every copy run by the compiled data plane, and a daemon busy with nothing but
+    those read as idle. kvserver_plane_copies_in_flight counts the plane's."""
+    d = daemon_factory(metrics_listen="127.0.0.1:0", host_memory=256 << 20)
+    if d.core.plane is None:
+        pytest.skip("the compiled data plane is not built")
+    port = d.daemon.metrics.port
+    layout, layers, tokens = KVLayout.mha(8, 128), 32, 512  # 128 KiB a token: 64 MiB a Load
+    stop = threading.Event()
+    seen: list[float] = []
+    with ShmKVPool(layout, DTYPE, layers, tokens) as pool, KVClient(d.address) as client:
+        client.register(model="metrics-model", pool=pool, start_layer=0, end_layer=layers,
+                        num_layers=layers, host_tokens=tokens, page_size=PAGE)
+        assert client.lane is not None
+        host, dev = client.alloc(tokens), torch.arange(tokens)
+        client.write(host_indices=host, device_indices=dev)
+
+        def loads() -> None:
+            while not stop.is_set():
+                client.load(host_indices=host, device_indices=dev).wait()
+
+        t = threading.Thread(target=loads, daemon=True)
+        t.start()
+        try:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not any(seen):
+                seen.append(value(scrape(port), "kvserver_plane_copies_in_flight"))
+                time.sleep(0.01)
+        finally:
+            stop.set()
+            t.join(30)
+        assert any(seen), f"{len(seen)} scrapes while 64 MiB Loads ran back to back read 0"
+        assert value(scrape(port), "kvserver_plane_copies_in_flight") == 0
+        client.unregister()
 
 
 def test_the_event_loops_lag_is_a_histogram(daemon_factory):

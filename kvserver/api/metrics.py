@@ -86,6 +86,7 @@ class Snapshot:
     clients: int
     queue_depth: int
     waiting: tuple[int, int]  # jobs with pieces no worker has taken yet: (loads, writes)
+    plane_copies: int  # copies the compiled data plane has taken and not finished
     reclaims: int
     transfer_bytes: dict[tuple[str, str], int]
     transfer_ops: dict[tuple[str, str], int]
@@ -115,6 +116,7 @@ def snapshot(core: KVCore, transfers: Transfers) -> Snapshot:
         clients=len(core.clients),
         queue_depth=core.copier.queued,
         waiting=core.copier.waiting(),
+        plane_copies=sum(c.gate.inflight for c in core.clients.values() if c.gate is not None),
         reclaims=core.reclaimed,
         transfer_bytes=dict(transfers.bytes),
         transfer_ops=dict(transfers.ops),
@@ -302,11 +304,14 @@ def _families(s: Snapshot, per_space: bool) -> Iterator[Metric]:
     yield _gauge("kvserver_cache_slab_bytes", "Host memory held by the node-wide cache's slabs.",
                  s.cache_bytes)
     yield _gauge("kvserver_clients", "Registered clients.", s.clients)
-    yield _gauge("kvserver_copy_queue_depth", "Copies handed to the copy workers and not done yet.",
+    yield _gauge("kvserver_copy_queue_depth", "Copies handed to the copy workers (the event loop's "
+                 "path) and not done yet; the data plane's are kvserver_plane_copies_in_flight.",
                  s.queue_depth)
+    yield _gauge("kvserver_plane_copies_in_flight", "Copies the compiled data plane has taken from "
+                 "engines' lanes and not finished.", s.plane_copies)
     waiting = GaugeMetricFamily("kvserver_copies_waiting",
-                                "Copies with pieces no copy worker has taken yet, by direction.",
-                                labels=("direction",))
+                                "Copies with pieces no copy worker (the event loop's path) has taken "
+                                "yet, by direction.", labels=("direction",))
     waiting.add_metric(("load",), s.waiting[0])
     waiting.add_metric(("write",), s.waiting[1])
     yield waiting
@@ -406,10 +411,13 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_PlaneHarvest(self))  # first: the histograms below then include it
         self.duration = Histogram("kvserver_operation_duration_seconds",
-                                  "Time an RPC took in the daemon, from its arrival to its answer.",
+                                  "Time an RPC took in the daemon, from when it began serving it to its "
+                                  "answer (a wait for the event loop before that is in "
+                                  "kvserver_event_loop_lag_seconds).",
                                   ("op",), buckets=BUCKETS, registry=self.registry)
         self.first_layer = Histogram("kvserver_time_to_first_layer_seconds",
-                                     "Time from a Load or Get's arrival until its first layer landed.",
+                                     "Time from when the daemon began serving a Load or Get until its "
+                                     "first layer landed.",
                                      ("op",), buckets=BUCKETS, registry=self.registry)
         self.loop_lag = Histogram("kvserver_event_loop_lag_seconds",
                                   f"How late the daemon's event loop ran a timer due every {LAG_INTERVAL} s: "
