@@ -542,6 +542,23 @@ def safety_engine(address: str, wait_seconds: float, stall_seconds: float, out) 
         # it says "done" once the event fired (a dead spinner is not spinning either)
         stall["spin_running_at_check"] = spinner.is_alive() and not spin_end.poll()
         stall["seconds_since_spin_start"] = round(time.monotonic() - spin_started, 2)
+        # C: a third client's whole life while A's stream is still held up. Its scattered rows
+        # take CuPy blocks for their offset tables on its stream, which its release frees; a
+        # cudaFree waits for every stream of the device, A's stalled one too: if the release
+        # waits for the spin, other engines' Unregisters do (and CuPy's pool lock with them).
+        c = KVClient(address, timeout=60, resilient=False)
+        register(c, new_pool(3))
+        host_c, dev_c = c.alloc(256), torch.randperm(tokens)[:256]
+        c0 = time.monotonic()
+        c.write(host_indices=host_c, device_indices=dev_c)  # (its blocks' cudaMalloc: as cudaFree?)
+        c1 = time.monotonic()
+        c.load(host_indices=host_c, device_indices=dev_c).wait()
+        stall["c_write_seconds"], stall["c_load_seconds"] = round(c1 - c0, 3), round(time.monotonic() - c1, 3)
+        stall["c_spin_running"] = spinner.is_alive() and not spin_end.poll()
+        u0 = time.monotonic()
+        c.unregister()
+        stall["c_unregister_seconds"] = round(time.monotonic() - u0, 3)
+        c.close()
         a.close()
         while time.monotonic() - stalled_at < stall_seconds + 10:
             if b.stats(all_clients=True).reserved_bytes == reserved_b:
@@ -557,6 +574,8 @@ def safety_engine(address: str, wait_seconds: float, stall_seconds: float, out) 
                             and stall["b_load_seconds_max"] < wait_seconds / 2  # never behind A's waits
                             and stall["a_reclaimed"] and stall["held_while_stalled"]
                             and stall["spin_running_at_check"]
+                            and stall["c_write_seconds"] < 2 and stall["c_load_seconds"] < 2
+                            and (not stall["c_spin_running"] or stall["c_unregister_seconds"] < 2)
                             and stall["quarantine_released"])
     except BaseException:
         result["error"] = traceback.format_exc()
