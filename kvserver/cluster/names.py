@@ -14,14 +14,13 @@ Primitives: ``part_prefix`` and ``names``.
 
 from __future__ import annotations
 
-import json
 from hashlib import blake2b
 from urllib.parse import quote
 
 import numpy as np
 
 from kvserver.store import Keys, Part
-from kvserver.store.keep import space_json
+from kvserver.store.keep import part_record
 from kvserver.store.keys import DIGEST_BYTES, WORD_BYTES
 
 VERSION = "kvs2"  # a new layout of names (or of a page's bytes) takes a new version (2: keys
@@ -30,11 +29,7 @@ VERSION = "kvs2"  # a new layout of names (or of a page's bytes) takes a new ver
 
 def part_prefix(part: Part) -> str:
     """``kvs2/<tenant>/<part digest>/``: what every page name of ``part`` starts with."""
-    k = part.key
-    record = json.dumps({"space": space_json(part.space.key),
-                         "part": [k.tp_shard, k.pp_rank, k.start_layer, k.end_layer, k.page_bytes]},
-                        sort_keys=True, separators=(",", ":"))
-    digest = blake2b(record.encode(), digest_size=16, person=b"kvserver-part").hexdigest()
+    digest = blake2b(part_record(part).encode(), digest_size=16, person=b"kvserver-part").hexdigest()
     return f"{VERSION}/{quote(part.space.key.tenant, safe='')}/{digest}/"
 
 

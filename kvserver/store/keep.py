@@ -102,15 +102,21 @@ def _space_of(d: dict[str, Any]) -> SpaceKey:
                     int(d["num_layers"]), int(d["tp_size"]), int(d["pp_size"]), str(d["weights"]))
 
 
-def part_identity(part: Part) -> int:
-    """A 64-bit digest of what ``part`` is (its space's key and its own), never of its number: the
-    disk tier seeds each page's check with it, so that records a number given again (or a changed
-    catalog line) ascribes to another part fail their check instead of serving that part."""
+def part_record(part: Part) -> str:
+    """What ``part`` is, in one canonical JSON form: its space's fields (the weights' identity
+    among them), its TP shard, PP stage, layer range and page bytes; never its number."""
     k = part.key
-    text = json.dumps({"space": space_json(part.space.key),
+    return json.dumps({"space": space_json(part.space.key),
                        "part": [k.tp_shard, k.pp_rank, k.start_layer, k.end_layer, k.page_bytes]},
-                      sort_keys=True)
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+                      sort_keys=True, separators=(",", ":"))
+
+
+def part_identity(part: Part) -> int:
+    """A 64-bit digest of ``part_record``: the disk tier seeds each page's check with it, so that
+    records a number given again (or a changed catalog line) ascribes to another part fail their
+    check instead of serving that part."""
+    digest = hashlib.blake2b(part_record(part).encode(), digest_size=8, person=b"kvserver-disk")
+    return int.from_bytes(digest.digest(), "little")
 
 
 def _line(part: Part) -> str:
