@@ -188,10 +188,13 @@ def test_scrape_counts_what_the_engine_did_and_agrees_with_stats(daemon_factory)
         eng.drop()
 
 
-def test_copies_the_data_plane_runs_are_counted_in_flight(daemon_factory):
+@pytest.mark.parametrize("op", ["load", "put"])
+def test_copies_the_data_plane_runs_are_counted_in_flight(daemon_factory, op):
     """The copy queue gauges count the copy workers' copies, which the loop runs; an engine on its
     lane has nearly every copy run by the compiled data plane, and a daemon busy with nothing but
-    those read as idle. kvserver_plane_copies_in_flight counts the plane's."""
+    those read as idle. kvserver_plane_copies_in_flight counts the plane's: its own (Loads) and
+    those the loop plans for a call it was handed and the plane's thread runs at once (a Put
+    larger than the plane's stash)."""
     d = daemon_factory(metrics_listen="127.0.0.1:0", host_memory=256 << 20)
     if d.core.plane is None:
         pytest.skip("the compiled data plane is not built")
@@ -205,10 +208,16 @@ def test_copies_the_data_plane_runs_are_counted_in_flight(daemon_factory):
         assert client.lane is not None
         host, dev = client.alloc(tokens), torch.arange(tokens)
         client.write(host_indices=host, device_indices=dev)
+        alone = d.core.copier.alone_copies
 
         def loads() -> None:
+            i = 0
             while not stop.is_set():
-                client.load(host_indices=host, device_indices=dev).wait()
+                if op == "load":
+                    client.load(host_indices=host, device_indices=dev).wait()
+                else:  # 32 pages of 2 MiB of new keys: 64 MiB, more than the plane's stash
+                    client.put([f"k{i}-{j}".encode().ljust(16, b".") for j in range(32)], torch.arange(32))
+                    i += 1
 
         t = threading.Thread(target=loads, daemon=True)
         t.start()
@@ -220,7 +229,8 @@ def test_copies_the_data_plane_runs_are_counted_in_flight(daemon_factory):
         finally:
             stop.set()
             t.join(30)
-        assert any(seen), f"{len(seen)} scrapes while 64 MiB Loads ran back to back read 0"
+        assert any(seen), f"{len(seen)} scrapes while 64 MiB {op}s ran back to back read 0"
+        assert op == "load" or d.core.copier.alone_copies > alone  # (the path the Puts took)
         assert value(scrape(port), "kvserver_plane_copies_in_flight") == 0
         client.unregister()
 

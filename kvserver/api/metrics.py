@@ -116,7 +116,8 @@ def snapshot(core: KVCore, transfers: Transfers) -> Snapshot:
         clients=len(core.clients),
         queue_depth=core.copier.queued,
         waiting=core.copier.waiting(),
-        plane_copies=sum(c.gate.inflight for c in core.clients.values() if c.gate is not None),
+        plane_copies=core.copier.alone_inflight + sum(c.gate.inflight for c in core.clients.values()
+                                                       if c.gate is not None),
         reclaims=core.reclaimed,
         transfer_bytes=dict(transfers.bytes),
         transfer_ops=dict(transfers.ops),
@@ -304,11 +305,12 @@ def _families(s: Snapshot, per_space: bool) -> Iterator[Metric]:
     yield _gauge("kvserver_cache_slab_bytes", "Host memory held by the node-wide cache's slabs.",
                  s.cache_bytes)
     yield _gauge("kvserver_clients", "Registered clients.", s.clients)
-    yield _gauge("kvserver_copy_queue_depth", "Copies handed to the copy workers (the event loop's "
-                 "path) and not done yet; the data plane's are kvserver_plane_copies_in_flight.",
+    yield _gauge("kvserver_copy_queue_depth", "Copies the event loop planned and handed to the copy "
+                 "workers (which may pass them to the data plane's thread) and not done yet.",
                  s.queue_depth)
-    yield _gauge("kvserver_plane_copies_in_flight", "Copies the compiled data plane has taken from "
-                 "engines' lanes and not finished.", s.plane_copies)
+    yield _gauge("kvserver_plane_copies_in_flight", "Copies the compiled data plane runs and has not "
+                 "finished: those it took from engines' lanes, and those the loop planned for a call "
+                 "it was handed and had the plane run at once.", s.plane_copies)
     waiting = GaugeMetricFamily("kvserver_copies_waiting",
                                 "Copies with pieces no copy worker (the event loop's path) has taken "
                                 "yet, by direction.", labels=("direction",))

@@ -73,6 +73,7 @@ class ClientJob(Job):
     ``host_table``'s rows (cache pages in the arena)."""
 
     client: ClientState
+    alone: bool  # run by the data plane's thread for the loop (``run_alone``), not yet ended
 
     def __init__(self, client: ClientState, plan: transfer.CopyPlan, local_layers: list[int],
                  pages: np.ndarray, ready_event: bytes = b"", event_slot: int = 0, deadline: float = 0.0,
@@ -85,6 +86,7 @@ class ClientJob(Job):
                      spec.token_bytes * spec.layout.num_parts, ready_event, event_slot, deadline,
                      host_table=host_table)
         self.client = client
+        self.alone = False
 
 
 class Copier:
@@ -96,6 +98,7 @@ class Copier:
         self.plane: Any = None
         self.arena_span: tuple[int, int] = (0, 0)
         self.alone_copies = 0  # copies run_alone handed to the data plane
+        self.alone_inflight = 0  # of those, the ones not ended yet
         self._executor = CopyQueue(copy_threads)
         self._waiters = ThreadPoolExecutor(DEVICE_WAITERS, thread_name_prefix="kvdev-wait")
 
@@ -288,7 +291,9 @@ class Copier:
             self.ended_alone(job)
             return None
         job.submitted = True
+        job.alone = True
         self.alone_copies += 1
+        self.alone_inflight += 1
         return fut
 
     def copy_now(self, client: ClientState, offsets: np.ndarray, device_pages: np.ndarray,
@@ -308,6 +313,9 @@ class Copier:
 
     def ended_alone(self, job: ClientJob) -> None:
         """``run_alone``'s job is over: later copies of its client need not wait for it."""
+        if job.alone:
+            job.alone = False
+            self.alone_inflight -= 1
         client = job.client
         if client.order is not None:
             client.order.finished(job)
