@@ -913,3 +913,35 @@ def test_a_host_cache_kept_on_a_disk_outlives_its_daemon_not_its_machine(tmp_pat
     core = KVCore(64 * MB, host_memory_dir=kept_dir)
     assert core.recovery.adopted_pages == 20 and found(core, part_of(core), keys) == (20, True)
     asyncio.run(core.close())
+
+
+def test_a_host_cache_on_a_disk_whose_boot_cannot_be_told_is_never_adopted(tmp_path, monkeypatch):
+    """Where neither the boot id nor the boot time can be read, every boot looked alike, and a
+    cache kept on a disk was adopted after a reboot: now it starts empty at every start, and a
+    header of a daemon that did not bind its files to the boot says that is why."""
+    from kvserver.host import kept as kept_mod
+
+    keys = keys_of(b"nb", 20)
+    with small_ext4(tmp_path, 128) as mnt:
+        path = os.path.join(mnt, "kv")
+        core = KVCore(64 * MB, host_memory_dir=path)
+        put(core, part_of(core), keys)
+        asyncio.run(core.close())
+        header = os.path.join(path, "format.json")
+        with open(header) as f:
+            shape = json.load(f)
+        del shape["boot"]  # as a daemon before the binding wrote it
+        with open(header, "w") as f:
+            json.dump(shape, f)
+        core = KVCore(64 * MB, host_memory_dir=path)
+        assert core.recovery.adopted_pages == 0 and "did not bind" in core.recovery.reason
+        put(core, part_of(core), keys)
+        asyncio.run(core.close())
+        monkeypatch.setattr(kept_mod, "BOOT_ID", str(tmp_path / "no-boot-id"))
+        monkeypatch.setattr(kept_mod, "BOOT_TIME", str(tmp_path / "no-stat"))
+        assert kept_mod.boot_id() == ""
+        for _ in range(2):
+            core = KVCore(64 * MB, host_memory_dir=path)
+            assert core.recovery.adopted_pages == 0
+            put(core, part_of(core), keys)
+            asyncio.run(core.close())

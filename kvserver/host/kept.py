@@ -57,15 +57,25 @@ _libc.fstatfs.restype = ctypes.c_int
 # File systems whose files are memory: nothing is written back, a reboot ends them (statfs(2)).
 MEMORY_FILE_SYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs", 0x958458F6: "hugetlbfs"}
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
+BOOT_TIME = "/proc/stat"  # its "btime": when this boot began, where the boot id cannot be read
 
 
 def boot_id() -> str:
-    """This boot of the machine's id ("" where the kernel does not say)."""
+    """This boot of the machine's id: the kernel's boot id, else its boot time ("" where neither
+    can be read)."""
     try:
         with open(BOOT_ID) as f:
             return f.read().strip()
     except OSError:
-        return ""
+        pass
+    try:
+        with open(BOOT_TIME) as f:
+            for line in f:
+                if line.startswith("btime "):
+                    return "btime:" + line.split()[1]
+    except (OSError, IndexError):
+        pass
+    return ""
 
 
 def in_memory(fd: int) -> bool:
@@ -133,10 +143,14 @@ class KeptDir:
         try:
             _check_own(os.fstat(self._dir), self.path, stat.S_IFDIR)
             if unchecked and not in_memory(self._dir):
-                self.shape["boot"] = boot_id()
+                boot = boot_id()
+                # One that cannot tell this boot from the next never adopts (a new id each start).
+                self.shape["boot"] = boot or "unknown:" + os.urandom(8).hex()
                 self._asked = self.shape
                 logger.warning("%s is not on tmpfs: the cache kept there outlives its daemon, not its "
-                               "machine (after a reboot it starts empty; its pages keep no check)", self.path)
+                               "machine (after a reboot it starts empty; its pages keep no check)%s",
+                               self.path, "" if boot else "; this machine's boot cannot be told from "
+                               "the next (no boot id nor boot time), so it starts empty at every start")
             self._lock = self._open(LOCK)
             try:
                 fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -204,8 +218,11 @@ class KeptDir:
             got = found.get("format") if isinstance(found, dict) else None
             return False, f"it is in format {got!r}, which this daemon (format {FORMAT}) does not know"
         if "boot" in self.shape and found.get("boot") != self.shape["boot"]:
-            return False, ("the machine restarted since it was written (on a file system that writes "
-                           "back, a power cut may have torn what it holds, and its pages keep no check)")
+            since = ("the machine restarted since it was written" if found.get("boot") else
+                     "it was written by a daemon that did not bind it to the machine's boot, so a "
+                     "restart of the machine since cannot be ruled out")
+            return False, (f"{since} (on a file system that writes back, a power cut may have torn "
+                           "what it holds, and its pages keep no check)")
         if found != self.shape and self._accept is not None and self._accept(found):
             self.shape = found
         if found != self.shape:
