@@ -110,6 +110,7 @@ class Daemon:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self._switch_taken = False  # holds the process's switch interval at SWITCH_INTERVAL_S
+        self._core_started = False  # its tiers started (a failed start closes it again)
         raise_fd_limit()  # mappings, sockets and peers' descriptors: take what the system allows
         set_wait_seconds(config.cuda_wait_seconds)  # for the CUDA pools this daemon opens
         capacity = config.host_memory
@@ -207,11 +208,18 @@ class Daemon:
         except BaseException:
             self._switch_taken = False
             _SWITCH.give()
+            if self._core_started:  # (its tiers' tasks and threads: nothing of a failed start runs on)
+                with contextlib.suppress(Exception):
+                    await self.core.close(0.0)
             raise
 
     async def _start(self) -> None:
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)
+        # What runs beside the calls first, before anyone can call: the disk tier's start names
+        # every page of a kept host cache it holds no copy of (a sort of millions of pages).
+        self.core.start()
+        self._core_started = True
         bound = []
         for address in self.config.addresses:
             if address.startswith("unix://"):
@@ -267,7 +275,6 @@ class Daemon:
                 logger.warning("metrics on %s are served to anyone who can reach %s: no token guards them",
                                url, host)
         self.reaper.start()
-        self.core.start()
         self._leases = asyncio.ensure_future(expire_leases(self.core.cache, self._stop_leases,
                                                            share=self.core.share))
         self._lag = asyncio.ensure_future(self.metrics.watch_loop())

@@ -208,3 +208,74 @@ def test_a_stop_counts_the_batch_the_writer_was_taking_disk_pages_for(tmp_path, 
     assert written + skipped == n, (written, skipped)
     if skipped:
         assert any(f"stops with {skipped} pages" in r.getMessage() for r in caplog.records)
+
+
+def test_the_writer_takes_the_blocks_of_the_next_slabs_off_the_event_loop(tmp_path, monkeypatch):
+    """A disk slab's fallocate ran on the event loop as the slab was reserved: it waits on the file
+    system's journal, which the tier's own writes keep busy (up to 100 ms on ext4 here, eight
+    writer threads running). The writer takes the next slabs' blocks ahead in a worker thread;
+    the slabs reserved over them take none on the loop."""
+    from kvserver.host.kept import KeptDir
+
+    on_loop: list[int] = []
+    ahead: list[int] = []
+    real = KeptDir.allocate
+
+    def allocate(self, name, start, nbytes):
+        if name == "data":  # (the page tables' own files grow on the loop: a few bytes a page)
+            (on_loop if threading.current_thread() is threading.main_thread() else ahead).append(nbytes)
+        return real(self, name, start, nbytes)
+
+    monkeypatch.setattr(KeptDir, "allocate", allocate)
+
+    async def body() -> None:
+        core = KVCore(64 * MiB, disk_cache=str(tmp_path / "disk"), disk_size=256 * MiB)
+        try:
+            d = core.disk
+            part = part_of(core)
+            before = len(on_loop)  # (the files' own, at the start)
+            for r in range(24):  # 24 MiB a round, 576 MiB in all: the disk's slabs all made
+                put(core, part, f"a{r}-", 768)
+                while d.queued_bytes or d._backlog:
+                    await asyncio.sleep(0.01)
+            assert d.counters.written_pages > 0 and d.cache.slabs.bytes >= d.arena.capacity // 2
+            assert len(on_loop) == before, f"{len(on_loop) - before} fallocates on the loop"
+            assert sum(ahead) >= d.cache.slabs.bytes
+        finally:
+            await core.close()
+
+    asyncio.run(body())
+
+
+def test_a_backlog_entry_of_many_pages_is_taken_a_bounded_number_of_pages_a_turn(tmp_path, monkeypatch):
+    """A kept host cache adopted at start is one backlog entry of every page it holds: a turn of
+    the writer looked up as many as a quarter of host memory holds at once (3.7 M pages of 1 KiB:
+    the loop held 280-350 ms). A turn now takes at most ``REFILL_PAGES`` of it."""
+    monkeypatch.setattr(disk_tier, "REFILL_PAGES", 16)
+    gate = stuck_writes(monkeypatch)
+
+    async def body() -> None:
+        core = KVCore(16 * MiB, disk_cache=str(tmp_path / "disk"), disk_size=128 * MiB)
+        try:
+            d = core.disk
+            part = part_of(core)
+            put(core, part, "first-", 128)  # 4 MiB queued, stuck: the next Put goes to the backlog
+            put(core, part, "big-", 256)
+            assert len(d._backlog) == 1 and len(d._backlog[0][1]) == 256
+            gate.set()
+            longest, turns = 0, 0
+            while d._backlog:
+                before = sum(len(ids) for _, ids, _ in d._backlog)
+                await asyncio.sleep(0)
+                longest = max(longest, before - sum(len(ids) for _, ids, _ in d._backlog))
+                turns += 1
+                assert turns < 10_000
+            assert longest <= 16 and turns >= 256 // 16
+            while d.queued_bytes:
+                await asyncio.sleep(0.01)
+            assert d.counters.written_pages == 128 + 256
+        finally:
+            gate.set()
+            await core.close()
+
+    asyncio.run(body())

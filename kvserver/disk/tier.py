@@ -54,8 +54,10 @@ logger = logging.getLogger(__name__)
 MAX_QUEUED_SHARE = 0.25  # of host memory, at most, held by pages waiting for their disk write
 MAX_BACKLOG_SHARE = 1.0  # of host memory, at most, named by pages in the backlog (older: evicted)
 REFILL_ENTRIES = 256  # backlog entries looked at per turn of the writer (a turn of the loop)
+REFILL_PAGES = 16384  # backlog pages looked up per turn, at most (~1.5 ms of the index; one batch)
 DISK_SLAB_BYTES = 32 << 20  # at most; a small disk has slabs of 1/64 of it
 PIECE_BYTES = 16 << 20  # one worker thread's share of a read or write
+AHEAD_SLABS = 2  # slabs' worth of the file whose blocks the writer takes ahead of time
 
 
 @dataclass(slots=True)
@@ -138,6 +140,7 @@ class DiskTier:
     def _build(self, capacity: int, default_quota: int, quotas: Mapping[str, int]) -> None:
         self.arena = DiskArena(capacity, self.kept)
         slab = max(REGION_ALIGN, min(DISK_SLAB_BYTES, capacity // 64 // REGION_ALIGN * REGION_ALIGN))
+        self._slab_bytes = slab
         self.cache = KVCache(self.arena, default_quota=default_quota, quotas=quotas,
                              slab_bytes=slab, sums=True, what="disk cache")
         rec = self.cache.adopt()
@@ -283,17 +286,24 @@ class DiskTier:
     def _refill(self) -> bool:
         """Moves backlog pages into the queue while it has room (at least one batch when it is
         empty); those evicted meanwhile have no disk copy: skipped. Looks at ``REFILL_ENTRIES``
-        entries at most; True if it stopped there, backlog and room left (another turn goes on)."""
+        entries and ``REFILL_PAGES`` pages at most (a kept host cache adopted at start is one
+        entry of millions of pages); True if it stopped there, backlog and room left (another turn
+        goes on)."""
         h = self.host
+        budget = REFILL_PAGES
         for _ in range(REFILL_ENTRIES):
             if not self._backlog:
                 return False
+            if budget <= 0:
+                return True
             part, ids, keys = self._backlog[0]
             room = int((self._limit() - self._queued_bytes) // part.key.page_bytes)
             if room <= 0:
                 if self._queued_bytes:
                     return False
                 room = 1
+            room = min(room, budget)
+            budget -= min(room, len(ids))
             self._drop_backlog_head(count=False)
             if len(ids) > room:
                 self._backlog.appendleft((part, ids[room:], keys[room:]))
@@ -320,6 +330,8 @@ class DiskTier:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            part, ids, _ = self._queue[0]  # (still queued while blocks are taken: a stop counts it)
+            await self._take_ahead(len(ids) * part.key.page_bytes)
             await slots.acquire()
             if self._closed or not self._queue:
                 slots.release()
@@ -338,6 +350,21 @@ class DiskTier:
                 slots.release()
             else:
                 done.add_done_callback(lambda _: slots.release())
+            if self._backlog:  # one batch of the backlog a turn of the loop: others' calls between
+                await asyncio.sleep(0)
+
+    async def _take_ahead(self, nbytes: int) -> None:
+        """Takes the blocks of the next slabs' ranges, for ``nbytes`` of pages and ``AHEAD_SLABS``
+        slabs more, in a worker thread, so that reserving them costs the loop no ``fallocate``
+        (``DiskArena.ahead``)."""
+        arena = self.arena
+        for start, size in arena.ahead(nbytes + AHEAD_SLABS * self._slab_bytes, self._slab_bytes):
+            punches = arena.punches
+            took = await asyncio.get_running_loop().run_in_executor(self._write_pool, arena.take_ahead,
+                                                                    start, size)
+            if not took:
+                return
+            arena.took_ahead(start, size, punches)
 
     async def _write(self, part: Part, ids: np.ndarray, keys: Keys) -> asyncio.Future | None:
         """Starts writing the host pages ``ids`` of ``part`` (held since queued: they still hold
