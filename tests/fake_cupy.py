@@ -172,8 +172,14 @@ class FakeRuntime:
         self.calls.append(("ipcOpenMemHandle", handle))
         return self.allocations[handle].ctypes.data
 
+    def _sticky(self, what: str) -> None:
+        """After a sticky error every call of the context fails with it, as CUDA's do."""
+        if self.sticky:
+            raise RuntimeError(f"cudaErrorIllegalAddress ({what}): an illegal memory access was encountered")
+
     def ipcCloseMemHandle(self, ptr):
         self.calls.append(("ipcCloseMemHandle", ptr))
+        self._sticky("ipcCloseMemHandle")
 
     def hostRegister(self, ptr, size, flags):
         self.calls.append(("hostRegister", ptr, size, flags))
@@ -184,6 +190,7 @@ class FakeRuntime:
 
     def hostUnregister(self, ptr):
         self.calls.append(("hostUnregister", ptr))
+        self._sticky("hostUnregister")
         with self._lock:
             if self.registered.pop(ptr, None) is None:
                 raise RuntimeError("cudaErrorHostMemoryNotRegistered")
@@ -247,6 +254,7 @@ class FakeRuntime:
 
     def eventDestroy(self, event):
         self.calls.append(("eventDestroy", event))
+        self._sticky("eventDestroy")
 
     def ipcGetEventHandle(self, event):
         return event.to_bytes(8, "little") * 8

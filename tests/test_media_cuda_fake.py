@@ -768,7 +768,9 @@ def test_a_quarantined_pool_is_released_once_its_context_has_a_sticky_error(daem
     """CuPy's streamQuery and eventQuery return a sticky error's code (700, an illegal address)
     rather than raise, on every call: the quarantine read that as "not drained yet" for ever, and
     the pool's pins, mappings and host region stayed held for the daemon's life. A failed context
-    runs nothing more: its pool is released, and a wait on it gives up at once."""
+    runs nothing more, and every call of it fails: its pool is released as far as it can be, each
+    step whatever became of the others, and what waited for the release (a cache Put's pages, given
+    up on) is let go; a wait on it gives up at once."""
     from kvclient import KVClient
 
     refs, _, _ = cuda_pool(fake, 2, 64)
@@ -780,13 +782,17 @@ def test_a_quarantined_pool_is_released_once_its_context_has_a_sticky_error(daem
         with grpc.insecure_channel(d.address) as ch, KVClient(d.address):
             stub = ticketing_stub(ch, d.address)
             reg = register(stub, refs, 2, 64, 16)
-            host = list(stub.Alloc(pb.AllocRequest(client_id=reg.client_id, num_tokens=16)).host_indices)
-            with pytest.raises(grpc.RpcError):  # stalls, then fails the client
-                stub.Write(pb.WriteRequest(client_id=reg.client_id, host_indices=host,
-                                           device_indices=list(range(16)), ready_event=hung), timeout=20)
+            with pytest.raises(grpc.RpcError):  # a cache Put behind the hung event: stalls, then fails
+                stub.Put(pb.PutRequest(client_id=reg.client_id, keys=bytes(range(16)) * 2, key_bytes=16,
+                                       device_pages=[0, 1], ready_event=hung), timeout=20)
             assert wait_for(lambda: d.run(lambda: bool(d.core._quarantined))), "not quarantined"
             rt.sticky = 700  # the context fails: the hung copy will never run
             assert wait_for(lambda: d.run(lambda: not d.core._quarantined), 3.0), "never released"
+
+            def held() -> list:
+                return d.run(lambda: [(t.counters.pages, t.counters.bytes) for t in d.core.cache.stats()[1]])
+
+            assert wait_for(lambda: all(t == (0, 0) for t in held()), 3.0), held()
     finally:
         rt.sticky = 0
         rt.fire(hung)

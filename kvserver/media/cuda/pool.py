@@ -30,7 +30,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -337,24 +337,44 @@ class CudaDevicePool(DevicePool):
             return waits.done(self._stream_query())
 
     def _release(self) -> None:
+        """Lets go of what the pool holds, each step whatever became of the others (after a
+        sticky error every call of the context fails: the rest is let go all the same, logged),
+        and says so (``released``: what waited for it, the jobs given up on among them, goes)."""
         rt = self.cupy.cuda.runtime
-        with self.device():
-            for event in self.events:
-                rt.eventDestroy(event)
-            with self._events_lock:
-                for event in self.opened_events.values():
-                    rt.eventDestroy(event)
-            for ptr in self.pinned:
-                rt.hostUnregister(ptr)
-            for handle in self.handles:
-                _close_allocation(rt, self.ordinal, handle)
-            if self.stream is not None:  # the offset tables' blocks cached for this stream
-                self.cupy.get_default_memory_pool().free_all_blocks(stream=self.stream)
+        failed: list[str] = []
+
+        def step(what: str, call: Callable[..., Any], *args: Any) -> None:
+            try:
+                call(*args)
+            except Exception as exc:
+                failed.append(f"{what}: {exc}")
+
+        try:
+            with self.device():
+                for event in self.events:
+                    step("eventDestroy", rt.eventDestroy, event)
+                with self._events_lock:
+                    for event in self.opened_events.values():
+                        step("eventDestroy", rt.eventDestroy, event)
+                for ptr in self.pinned:
+                    step("hostUnregister", rt.hostUnregister, ptr)
+                for handle in self.handles:
+                    step("ipcCloseMemHandle", _close_allocation, rt, self.ordinal, handle)
+                if self.stream is not None:  # the offset tables' blocks cached for this stream
+                    step("free_all_blocks", self.cupy.get_default_memory_pool().free_all_blocks,
+                         self.stream)
+        except Exception as exc:  # (the device itself could not be made current)
+            failed.append(f"device {self.ordinal}: {exc}")
+        finally:
             # CuPy destroys its stream with the last reference, which is this one.
             self.events, self.pinned, self.handles, self.stream = [], [], [], None
             self.opened_events = OrderedDict()
-        if not self.released.done():
-            self.released.set_result(None)
+            if not self.released.done():
+                self.released.set_result(None)
+        if failed:
+            logger.warning("releasing the CUDA pool on device %d: %d steps failed (%s%s); a device "
+                           "whose context failed needs the daemon started again", self.ordinal,
+                           len(failed), failed[0], "..." if len(failed) > 1 else "")
 
     def _fail(self, why: str) -> None:
         """Latches why this pool's GPU work is given up on, once (the reaper, the copy workers and a
