@@ -452,9 +452,10 @@ def test_every_pp_stage_stores_and_loads_its_own_layers(daemon, pp_size, caplog)
             b.close()
     if pp_size == 1:
         return
-    # A backend whose host pool claims other layers for a stage already fixed: refused (the
-    # daemon names both ranges), and every call misses.
+    # A backend whose host pool claims other layers for a stage fixed by a registration that
+    # stands: refused (the daemon names both ranges), and every call misses.
     start, end = ranges[1]
+    holder, _ = _engine(daemon.address, num_layers=10, pp_size=pp_size, pp_rank=1)
     wrong = sglang_env.mha_pool(layer_num=end - start + 1, start_layer=start - 1, end_layer=end, size=512,
                                 page_size=PAGE)
     with caplog.at_level(logging.WARNING):
@@ -468,6 +469,7 @@ def test_every_pp_stage_stores_and_loads_its_own_layers(daemon, pp_size, caplog)
         assert odd.batch_get_v1(keys, _slots([1, 2, 3])) == [False] * 3
     finally:
         odd.close()
+        holder.close()
 
 
 def test_daemon_stops_and_comes_back(daemon_factory):
