@@ -100,36 +100,3 @@ def test_scheduler_sees_a_page_only_when_every_stage_holds_it(daemon_proc) -> No
         view.close()
         for eng in stages:
             eng.close()
-
-
-def test_a_stage_range_no_registration_uses_gives_way_to_another(daemon_proc) -> None:
-    """Engines started again with another PP split (e.g. SGLANG_PP_LAYER_PARTITION) were refused
-    on every cache call for as long as the old split's pages stayed, and nothing evicted a part
-    no engine could Put to any more (with --host-memory-dir, across restarts too). A stage's part
-    that no registration uses now gives way to a registration naming another range: its pages go
-    (they would not be interchangeable) and the new range's are stored. While a registration of
-    the old range stands, the new one is refused as before."""
-    rng = np.random.default_rng(7)
-    keys = prompt_keys(rng.integers(0, 1000, N * PAGE))
-
-    def odd_stage() -> CacheEngine:
-        return CacheEngine(daemon_proc.address, start=3, end=6, num_layers=NUM_LAYERS, pp_rank=1,
-                           pp_size=STAGES, pages=320)
-
-    with stage(daemon_proc.address, 1) as old:
-        pages = scattered(rng, N, old.num_pages)
-        old.fill(keys, pages)
-        assert old.put(keys, pages).stored == N
-        with pytest.raises(KVClientError) as err, odd_stage() as odd:
-            odd.lookup(keys)
-        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION, err.value
-    with odd_stage() as odd:  # the old range's engine is gone
-        assert odd.lookup(keys).pages == 0
-        pages = scattered(rng, N, odd.num_pages)
-        odd.fill(keys, pages)
-        assert odd.put(keys, pages).stored == N
-        assert odd.lookup(keys).pages == N
-        odd.wipe()
-        assert odd.get(keys, pages) == N and odd.wrong(keys, pages) == []
-    space = next(s for s in daemon_proc.stats().spaces if s.space.pp_size == STAGES)
-    assert space.counters.pages == N and space.parts_seen == 1

@@ -209,33 +209,6 @@ def test_a_part_number_the_catalog_gives_another_part_never_serves_the_first_one
         assert t["disk"].bad_checks >= 1 and t["disk"].promoted_pages == 0
 
 
-def test_a_stage_range_the_disk_holds_gives_way_to_the_one_the_engines_use_now(daemon_factory, disk_dir):
-    """Engines started again with another PP split, after a restart: the disk's part of the old
-    range kept the stage's place, and no page of the new range was ever written to disk (the
-    host tier served on alone, without a word). The disk's part of a range the host cache no
-    longer has gives way at its first write; the new range's pages come back from disk."""
-    rng = np.random.default_rng(8)
-
-    def stage(address: str, end: int) -> CacheEngine:
-        return CacheEngine(address, start=0, end=end, num_layers=8, pp_rank=0, pp_size=2, pages=256)
-
-    d = daemon_factory(host_memory=24 * MiB, disk_cache=disk_dir, disk_size=128 * MiB)
-    with stage(d.address, 4) as eng:
-        store(eng, keys_of("old", 200), d=d)
-        written(d, 200)
-    d.stop()
-    again = daemon_factory(host_memory=24 * MiB, disk_cache=disk_dir, disk_size=128 * MiB)
-    keys = keys_of("new", 200)
-    with stage(again.address, 3) as eng:
-        assert eng.lookup(keys_of("old", 200)).pages == 0
-        store(eng, keys, d=again)
-        store(eng, keys_of("filler", 900), d=again)  # the first keys leave host memory
-        written(again, 1100)
-        found = eng.lookup(keys)
-        assert found.pages == 200 and found.disk_pages > 0, (found.pages, found.disk_pages)
-        assert load_checked(eng, keys, rng) == 200
-
-
 def _evicted_to_disk(d, eng: CacheEngine, keys: list[bytes]) -> int:
     """Stores ``keys`` and more after them until the first keys are on disk only; returns how many
     of the first keys the disk alone holds."""

@@ -27,15 +27,7 @@ from kvserver.core.client_state import ClientSpec, ClientState, check_model_shap
 from kvserver.core.copier import INLINE_COPY_BYTES, ClientJob, LoadStep
 from kvserver.core.kvcore import KVCore
 from kvserver.core.share import LoopShare, in_steps
-from kvserver.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-    KVError,
-    NoCapacity,
-    NotFound,
-    OutOfRange,
-    Unavailable,
-)
+from kvserver.errors import InvalidArgument, KVError, NoCapacity, NotFound, OutOfRange, Unavailable
 from kvserver.events import LoggedEvent
 from kvserver.events.book import MAX_READ_KEYS
 from kvserver.peers.tenants import TenantBook
@@ -187,34 +179,14 @@ class CacheOps:
 
     # ---- who is asking ----------------------------------------------------------------------
 
-    @staticmethod
-    def _keys_of(client: ClientState) -> tuple[SpaceKey, PartKey]:
+    def _part(self, client: ClientState) -> Part:
         if client.part_keys is None:  # a registration's tenant and spec never change
             spec = client.spec
             shard = 0 if spec.layout.is_mla else spec.tp_rank
             part = PartKey(shard, spec.pp_rank, spec.layers.start, spec.layers.end, spec.page_bytes)
             client.part_keys = (space_key(client.tenant, spec), part)
-        return client.part_keys
-
-    def _part(self, client: ClientState) -> Part:
-        space_key_, part = self._keys_of(client)
-        space = self.cache.space(space_key_)
-        try:
-            return self.cache.part(space, part)
-        except FailedPrecondition:  # the stage's part has another layer range or page size
-            old = space.parts.get((part.tp_shard, part.pp_rank))
-            used = (space_key_, None if old is None else old.key)
-            if old is None or any(self._keys_of(c) == used for c in self.kv.clients.values()):
-                raise  # a registration of that range stands: the first one fixed it
-        # No registration uses the old range (its engines were started again with another split):
-        # it gives way, its pages dropped; the scheduler lanes that walk it walk it no more.
-        new = self.cache.replace_part(space, part)  # (the disk's gives way at its first write)
-        plane = self.kv.copier.plane
-        if plane is not None:
-            for calls in self._plane_gets.values():
-                if calls.space and old in calls.parts:
-                    plane.close_gate(calls.gate)  # its lane's Lookups are the loop's from now on
-        return new
+        space, part = client.part_keys
+        return self.cache.part(self.cache.space(space), part)
 
     async def open_space(self, space: SpaceKey) -> str:
         made = self.cache.find_space(space) is None

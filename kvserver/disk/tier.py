@@ -27,7 +27,6 @@ Primitives: ``DiskTier`` (``holds``, ``demote``, ``take_steps`` / ``read`` / ``f
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -42,7 +41,7 @@ import numpy as np
 from kvserver.config import format_size
 from kvserver.disk import io
 from kvserver.disk.arena import DiskArena
-from kvserver.errors import FailedPrecondition, KVError
+from kvserver.errors import KVError
 from kvserver.host.kept import FORMAT, KeptDir
 from kvserver.host.regions import REGION_ALIGN, aligned_capacity
 from kvserver.store import GetPlan, Keys, KVCache, Part, PartKey, SpaceKey
@@ -175,12 +174,6 @@ class DiskTier:
             if not create:
                 return None
             mine = self.cache.part(space, part.key)
-        if mine.key != part.key and create:
-            # The host's part fixes the stage's range (its first engine's, or one that took the
-            # place of a range no registration used): the disk's of another range gives way to it
-            # at its first write, once none of its pages is being read.
-            with contextlib.suppress(FailedPrecondition):
-                mine = self.cache.replace_part(space, part.key)
         return mine if mine.key == part.key else None
 
     def part_keys(self, key: SpaceKey) -> list[PartKey]:

@@ -308,33 +308,6 @@ class KVCache:
             keep.compact([*self._parts.values(), *dropped])
         return part
 
-    @_locked
-    def replace_part(self, space: Space, key: PartKey) -> Part:
-        """The part of ``key``'s TP shard and PP stage in ``space``, made anew where the one there
-        has another layer range or page size: that one's pages go first (evicted: they would
-        not be interchangeable with the new one's). The caller knows no registration uses it;
-        FailedPrecondition, nothing changed, while a page of it is being written or read or is
-        pinned (a later call tries again)."""
-        old = space.parts.get((key.tp_shard, key.pp_rank))
-        if old is None or old.key == key:
-            return self.part(space, key)
-        p = self.pages
-        ids = np.flatnonzero(p.part[: p.high] == old.gid) if old.pages else np.empty(0, np.int64)
-        if ((p.state[ids] != COMMITTED) | (p.readers[ids] > 0) | (p.pins[ids] > 0)).any():
-            k = old.key
-            raise FailedPrecondition(
-                f"PP stage {key.pp_rank} (TP shard {key.tp_shard}) of this KV space holds layers "
-                f"[{k.start_layer}, {k.end_layer}), no registration uses them any more, and they give way "
-                "once their pages in use (being read or written, or pinned) are let go: try again")
-        self._drop(ids)
-        del space.parts[(key.tp_shard, key.pp_rank)]
-        del self._parts[old.gid]
-        logger.info("the %s's part of PP stage %d (TP shard %d) of %s gives way: %d pages of layers "
-                    "[%d, %d) dropped for layers [%d, %d)", self.what, key.pp_rank, key.tp_shard,
-                    space.key.model, len(ids), old.key.start_layer, old.key.end_layer, key.start_layer,
-                    key.end_layer)
-        return self.part(space, key)
-
     # Lookup
 
     def lookup(self, target: Part | Space, keys: Keys | Sequence[bytes], pin_ms: int = 0) -> tuple[int, str]:
