@@ -180,10 +180,9 @@ class RawRing:
 
     def __init__(self, address: str, client_id: str = "", slots: int = 8, *, space_id: str = "",
                  metadata: tuple = (), submit_end: socket.socket | None = None,
-                 before_open: Callable[[RawRing], None] | None = None, keep_ends: bool = False) -> None:
+                 before_open: Callable[[RawRing], None] | None = None) -> None:
         """``submit_end``: handed over as the daemon's end of the submit doorbell instead of the
-        pair's; ``before_open``: runs once the doorbells are made, before OpenLane; ``keep_ends``:
-        this process keeps its copies of the daemon's ends (``daemon_ends``: submit, then done)."""
+        pair's; ``before_open``: runs once the doorbells are made, before OpenLane."""
         self.slots = slots
         fd = os.memfd_create("raw-lane", os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, R.ring_bytes(slots))
@@ -195,7 +194,6 @@ class RawRing:
         pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(slots)]
         self.done = [a for a, _ in pairs]
         peer = [fd, (submit_end or submit_peer).fileno()] + [b.fileno() for _, b in pairs]
-        self.daemon_ends = [submit_peer] + [b for _, b in pairs] if keep_ends else []
         try:
             if before_open is not None:
                 before_open(self)
@@ -208,10 +206,9 @@ class RawRing:
             raise
         finally:
             os.close(fd)
-            if not keep_ends:
-                submit_peer.close()
-                for _, b in pairs:
-                    b.close()
+            submit_peer.close()
+            for _, b in pairs:
+                b.close()
 
     def put(self, i: int, rpc: int, data: bytes, length: int | None = None, state: int = R.SUBMITTED) -> None:
         off = R.slot_offset(i)
@@ -239,7 +236,7 @@ class RawRing:
         return status, bytes(self.mm[off + R.ERROR_AT: off + R.ERROR_AT + m]).decode()
 
     def close(self) -> None:
-        for s in (self.submit, *self.done, *self.daemon_ends):
+        for s in (self.submit, *self.done):
             s.close()
         self.mm.close()
 
@@ -695,61 +692,6 @@ def test_a_doorbell_that_holds_messages_when_its_lane_opens_is_refused_unread(da
     finally:
         os.close(r)
         os.close(w)
-
-
-@pytest.mark.parametrize("where", ["compiled", "python", "close"])
-def test_a_descriptor_sent_down_a_doorbell_is_let_go_on_its_uids_closer(daemon_factory, monkeypatch,
-                                                                         where) -> None:
-    """A peer that kept a copy of the daemon's end of its doorbell turned SO_PASSRIGHTS on again
-    through it, after the lane opened, and sent a descriptor whose last close waits (a TCP socket
-    set to linger on unread data): whichever daemon thread dropped it waited out the linger (the
-    loop, the data plane's thread, or the loop again at the lane's close). The doorbells are read
-    with room for descriptors, handed to the uid's closer thread, and closed on it; a lane whose
-    peer sends one is served no more."""
-    import array
-
-    from test_peers_fd_passing import _lingering_tcp_socket
-
-    from kvserver.lane import plane as plane_mod
-    from kvserver.peers import tickets
-    from kvserver.peers.tickets import SO_PASSRIGHTS
-
-    if where == "python":
-        monkeypatch.setattr(plane_mod, "ENABLED", False)
-    elif not plane_mod.ENABLED:
-        pytest.skip("the compiled data plane is not built")
-    d = daemon_factory()
-    with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, \
-            ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as other, \
-            KVClient(d.address, lane="grpc") as client, KVClient(d.address, timeout=10) as bystander:
-        reg = register(client, pool)
-        register(bystander, other)
-        fill(other, 4)
-        ring = RawRing(d.address, reg.client_id, keep_ends=True)
-        try:
-            into = 1 if where == "close" else 0  # a done doorbell (never read) or the submit one
-            ring.daemon_ends[into].setsockopt(socket.SOL_SOCKET, SO_PASSRIGHTS, 1)  # through its copy
-            lingering = _lingering_tcp_socket(5)
-            sender = ring.done[0] if where == "close" else ring.submit
-            sender.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [lingering]))])
-            os.close(lingering)  # the message holds the last reference now
-            for end in ring.daemon_ends:
-                end.close()
-            ring.daemon_ends = []
-            t0 = time.monotonic()
-            if where == "close":
-                client.unregister()  # its lane's doorbells are closed
-            else:
-                time.sleep(0.3)  # the daemon reads the message (its ring)
-            d.run(lambda: None)  # the loop answers
-            assert time.monotonic() - t0 < 3.0, f"the loop was held {time.monotonic() - t0:.1f} s"
-            r0 = time.monotonic()
-            round_trip(bystander, other)  # another engine's lane, on the plane where it runs
-            assert time.monotonic() - r0 < 3.0, f"another engine waited {time.monotonic() - r0:.1f} s"
-            # Nor does its uid's closer wait out the linger: the socket is closed abortively.
-            wait_until(lambda: tickets.pending_for(os.geteuid()) == 0, 2, "the closer let go of it")
-        finally:
-            ring.close()
 
 
 @pytest.mark.parametrize("plane", ["compiled", "python"])

@@ -29,7 +29,7 @@ from kvserver.errors import (
 from kvserver.lane.plane import DataPlane
 from kvserver.lane.server import Lane, open_ring
 from kvserver.peers.tenants import tenant_of
-from kvserver.peers.tickets import PEER_GONE, close_off_loop, process_exited
+from kvserver.peers.tickets import PEER_GONE, process_exited
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class LaneBook:
         on_served = gate.py_exit if gate is not None else None
         fast = functools.partial(self.fast, client_id) if gate is not None and self.fast is not None else None
         lane = Lane(public_id(client_id), ring, submit, done, functools.partial(self.run, client_id),
-                    on_served, fast=fast, uid=uid)
+                    on_served, fast=fast)
         # Both before its opening, which waits for the plane's thread: another open is refused, a
         # gRPC copy meanwhile takes its turn through the gate (ordered with the lane's), and a
         # release meanwhile shuts the gate and closes the lane (which waits for the opening).
@@ -222,7 +222,7 @@ class LaneBook:
         owner = f"space {public_id(space_id)}"
         fast = functools.partial(self.fast_space, space_id) if self.fast_space is not None else None
         lane = Lane(owner, ring, submit, done, functools.partial(self.run_space, space_id),
-                    close_when_gone=True, peer_gone_fd=gone, fast=fast, uid=ticket.peer.uid)
+                    close_when_gone=True, peer_gone_fd=gone, fast=fast)
         gate = None
         if self.plane is not None and fast is not None:
             try:  # the plane answers its Lookups once the space has all its parts (CacheOps)
@@ -318,7 +318,8 @@ class LaneBook:
         except BaseException as exc:
             closed(lane)
             ring.close()
-            close_off_loop([s.detach() for s in (submit, *done)], uid)  # (what they hold: not here)
+            for s in (submit, *done):
+                s.close()
             if isinstance(exc, OSError) and exc.errno == errno.ESHUTDOWN:  # behind the stop's unwatch_all
                 raise Unavailable("the daemon is stopping: it opens no lane") from exc
             if isinstance(exc, RuntimeError) and self.plane is not None and self.plane.stopped:

@@ -29,7 +29,6 @@ import numpy as np
 
 from kvserver.copies.workers import Work
 from kvserver.errors import JobStopped
-from kvserver.peers.tickets import close_off_loop
 from kvserver.protocol import compiled
 
 if TYPE_CHECKING:
@@ -64,7 +63,6 @@ SETTLE_IDS = 64 << 10
 # burst on many lanes (one tenant may hold 256) holds the loop a turn at a time, and a lane's
 # request waits for at most one request of each lane queued before it, not for all they hold.
 HANDOFF_BATCH = 64
-SENT_DESCRIPTOR = -2  # a handoff's slot: its peer sent a descriptor down the doorbell (the rpc field)
 # The stop word of a copy made at once (``copy_now``): nothing can stop it while it runs on the loop.
 _NO_STOP = np.zeros(1, np.int64)
 
@@ -215,11 +213,6 @@ class DataPlane:
 
     def _serve_one(self, key: Any, slot: int, rpc: int, counted: bool) -> None:
         lane = self.lanes.get(key)
-        if slot == SENT_DESCRIPTOR:  # ``rpc``: a descriptor its peer sent down the doorbell, now ours
-            close_off_loop([rpc], lane.uid if lane is not None else -1)
-            if lane is not None:
-                lane.sent_descriptors()
-            return
         if lane is None:  # removed meanwhile: the request dies with its lane
             return
         if slot < 0:  # a space's lane whose peer closed its end of the doorbell

@@ -38,7 +38,7 @@ from kvserver.errors import (
     KVError,
     status_of,
 )
-from kvserver.peers.tickets import RIGHTS_SPACE, close_off_loop, fds_of, refuse_rights
+from kvserver.peers.tickets import refuse_rights
 from kvserver.protocol import ring as R
 from kvserver.protocol.shared_memory import ShmMapping, map_sealed_fd
 
@@ -165,11 +165,8 @@ class Lane:
 
     def __init__(self, owner: str, ring: ShmMapping, submit: socket.socket, done: list[socket.socket],
                  run: Runner, on_served: Callable[[], None] | None = None, *,
-                 close_when_gone: bool = False, peer_gone_fd: int = -1, fast: Fast | None = None,
-                 uid: int = -1) -> None:
+                 close_when_gone: bool = False, peer_gone_fd: int = -1, fast: Fast | None = None) -> None:
         self.owner = owner
-        self.uid = uid  # its peer's: descriptors it sends down a doorbell go to that uid's closer
-        self._sent = False  # its peer sent descriptors down a doorbell
         self.close_when_gone = close_when_gone
         self._closing: asyncio.Task | None = None
         self._gone_fd = peer_gone_fd
@@ -408,20 +405,12 @@ class Lane:
     def _doorbell(self) -> None:
         for _ in range(self._max_drain):
             try:
-                # Room for descriptors: a peer that turned SO_PASSRIGHTS on again (through a copy of
-                # this end it kept, or on a kernel without it) has them installed here, not let go
-                # on the loop (a file on FUSE, a socket set to linger), and closed on its closer.
-                data, anc, _, _ = self._submit.recvmsg(16, RIGHTS_SPACE,
-                                                       socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
+                data = self._submit.recv(16, socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:
                 data, gone = b"", True
             else:
-                if anc:
-                    close_off_loop(fds_of(anc), self.uid)
-                    self.sent_descriptors()
-                    return
                 # An empty read is the peer's end of file or an empty message (SOCK_SEQPACKET carries
                 # them): the socket says which.
                 gone = not data and _peer_left(self._submit)
@@ -571,27 +560,13 @@ class Lane:
         else:
             self._let_go()
 
-    def sent_descriptors(self) -> None:
-        """Its peer sent descriptors down a doorbell (closed on its uid's closer): the lane is
-        served no more, and a space's is closed (a registration's goes with its release)."""
-        if self._sent:
-            return
-        self._sent = True
-        logger.warning("the peer of lane %s sent descriptors down its doorbell: the lane is no longer "
-                       "served", self.owner)
-        if self.close_when_gone:
-            self._gone("its peer sent descriptors down its doorbell")
-        else:
-            self._unwatch()
-
     def _let_go(self) -> None:
         """The ring unmapped, the doorbells and the pidfd closed; the close has ended."""
         if self._ended is None or self._ended.done():
             return
         try:
-            # On the peer's uid's closer: what a doorbell still holds (descriptors its peer sent
-            # there) is let go with its last close, never on the loop.
-            close_off_loop([s.detach() for s in (self._submit, *self._done)], self.uid)
+            for s in (self._submit, *self._done):
+                s.close()
             self.close_gone_fd()
             self._ring.close()
         finally:

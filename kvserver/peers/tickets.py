@@ -80,20 +80,10 @@ def socket_kind(fd: int) -> tuple[int, int] | None:
         sock.detach()
 
 
-QUEUED_MOST = 1024  # messages of a Unix socket read before its close, at most (its peer may go on)
-
-
 def close_peer_fd(fd: int) -> None:
-    """Closes a descriptor a peer sent (``_close``)."""
-    _close(fd, 0)
-
-
-def _close(fd: int, depth: int) -> None:
     """Closes a descriptor a peer sent, without letting it decide how long that takes where that
     can be helped: a socket is closed abortively (SO_LINGER 0), never waiting for a linger time the
-    peer chose; a Unix socket's queue is read first, its descriptors closed so (a lingering socket
-    sent down a doorbell would otherwise be let go by the doorbell's last close, lingering). (The
-    close of a file on FUSE waits for its server: see ``close_off_loop``.)"""
+    peer chose. (The close of a file on FUSE waits for its server: see ``close_off_loop``.)"""
     try:
         sock = socket.socket(fileno=fd)
     except OSError:  # not a socket
@@ -103,15 +93,6 @@ def _close(fd: int, depth: int) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_OFF)
         except OSError:
             pass  # not an option of this kind of socket (Unix sockets never linger)
-        if sock.family == socket.AF_UNIX and depth < 2:
-            for _ in range(QUEUED_MOST):
-                try:
-                    _, anc, _, _ = sock.recvmsg(64, RIGHTS_SPACE,
-                                                socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
-                except OSError:  # nothing more (EAGAIN), a listening or unconnected socket, gone
-                    break
-                for got in fds_of(anc):
-                    _close(got, depth + 1)
         sock.close()
         return
     try:
@@ -165,7 +146,7 @@ class _Closer:
                     self.busy_since = time.monotonic()
                 try:
                     close_peer_fd(fd)
-                except Exception:  # (the thread goes on with the others)
+                except Exception:  # (the thread goes on with the others: its uid is never locked out)
                     logger.exception("closing a peer's fd %d failed", fd)
                 self.busy_since = None
                 with self._lock:

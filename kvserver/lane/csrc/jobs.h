@@ -80,8 +80,7 @@ static void handoff(Engine *e, Lane *l, int i, uint32_t rpc) {
     /* A copy the loop serves keeps the plane from the registration's copies until it ends (the
      * two never copy for one registration at once); a request that copies nothing (a Lookup, an
      * id no one knows) holds nothing off. */
-    /* (slot -1: a space's peer gone; SENT_DESCRIPTOR: rpc is a descriptor its peer sent) */
-    int counted = i >= 0 && !l->gate->space && rpc >= 1 && rpc <= RPC_COPIES_LAST; /* a space's copies nothing */
+    int counted = !l->gate->space && rpc >= 1 && rpc <= RPC_COPIES_LAST; /* a space's lane copies nothing */
     pthread_mutex_lock(&e->hand_mu);
     if (e->nhand == e->caphand) {
         size_t cap = e->caphand ? 2 * e->caphand : 64;
@@ -96,8 +95,6 @@ static void handoff(Engine *e, Lane *l, int i, uint32_t rpc) {
     if (!room) { /* out of memory: said, not dropped (a peer gone: its process's exit is watched too) */
         if (i >= 0)
             answer_error(l, i, CODE_RESOURCE_EXHAUSTED, "the daemon is out of memory for this request: retry");
-        else if (i == SENT_DESCRIPTOR)
-            close((int)rpc); /* no room to hand it to its closer: closed here, not kept for ever */
         return;
     }
     if (counted) {

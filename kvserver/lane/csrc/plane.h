@@ -33,8 +33,6 @@
 #define FLAG_JOB_ENDED 2
 #define FLAG_PLANE_GET 4 /* a Get this thread served whole (try_get): its client's next one likely is too */
 #define MAX_DRAIN 64
-#define SENT_DESCRIPTOR (-2) /* a handoff's slot: the rpc field is a descriptor its peer sent */
-#define RIGHTS_ROOM CMSG_SPACE(253 * sizeof(int)) /* one message's descriptors at most (SCM_MAX_FD) */
 #define MAX_IDLE_RINGS 256       /* rings without a call taken, before a lane's doorbell is muted */
 #define MUTE_NS 10000000LL      /* and for how long (its calls are then found 10 ms late at most) */
 #define PIECE_BYTES (512 * 1024)

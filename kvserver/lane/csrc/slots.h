@@ -170,42 +170,14 @@ static void doorbell(Engine *e, Lane *l, uint32_t events) {
         char buf[MAX_DRAIN];
         struct iovec iov[MAX_DRAIN];
         struct mmsghdr msgs[MAX_DRAIN];
-        /* Room for descriptors: a peer that turned SO_PASSRIGHTS on again (through a copy of the
-         * daemon's end it kept, or on a kernel without it) has them installed here, handed to its
-         * uid's closer thread, never let go on this thread (a file on FUSE, a lingering socket). */
-        static char rights[MAX_DRAIN][RIGHTS_ROOM]; /* (this thread's alone) */
         memset(msgs, 0, sizeof msgs);
         for (int k = 0; k < MAX_DRAIN; k++) {
             iov[k].iov_base = buf + k;
             iov[k].iov_len = 1;
             msgs[k].msg_hdr.msg_iov = iov + k;
             msgs[k].msg_hdr.msg_iovlen = 1;
-            msgs[k].msg_hdr.msg_control = rights[k];
-            msgs[k].msg_hdr.msg_controllen = RIGHTS_ROOM;
         }
-        int got = recvmmsg(l->submit_fd, msgs, MAX_DRAIN, MSG_DONTWAIT | MSG_CMSG_CLOEXEC, NULL);
-        int sent = 0;
-        for (int k = 0; k < got; k++) {
-            struct msghdr *h = &msgs[k].msg_hdr;
-            if (!h->msg_controllen)
-                continue;
-            for (struct cmsghdr *c = CMSG_FIRSTHDR(h); c; c = CMSG_NXTHDR(h, c)) {
-                if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
-                    continue;
-                int n = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
-                for (int f = 0; f < n; f++) {
-                    int fd;
-                    memcpy(&fd, CMSG_DATA(c) + f * sizeof(int), sizeof fd);
-                    handoff(e, l, SENT_DESCRIPTOR, (uint32_t)fd);
-                    sent = 1;
-                }
-            }
-        }
-        if (sent) { /* a peer that sends descriptors is served no more (the loop says so) */
-            unwatch(e, l);
-            pend(e, l);
-            return;
-        }
+        int got = recvmmsg(l->submit_fd, msgs, MAX_DRAIN, MSG_DONTWAIT, NULL);
         if (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
             /* A doorbell that reads as rung but cannot be read (checked at the opening to be one
              * end of a connected pair: defence in depth) is not watched again: no spinning. */
