@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import threading
+import time
 
 import torch
 from test_disk_tier import MiB, keys_of
@@ -276,6 +277,40 @@ def test_a_backlog_entry_of_many_pages_is_taken_a_bounded_number_of_pages_a_turn
             assert d.counters.written_pages == 128 + 256
         finally:
             gate.set()
+            await core.close()
+
+    asyncio.run(body())
+
+
+def test_a_full_file_system_pauses_taking_blocks_ahead_then_it_is_tried_again(tmp_path, monkeypatch):
+    """A take ahead that met a full file system turned taking blocks ahead off for the daemon's
+    life (every slab's fallocate on the loop again, even once room came back): it pauses for
+    ``FULL_PAUSE_SECONDS`` and is tried again."""
+    from kvserver.disk import arena as disk_arena
+    from kvserver.host.kept import KeptDir
+
+    full = [True]
+    real = KeptDir.allocate
+
+    def allocate(self, name, start, nbytes):
+        return False if full[0] and name == "data" else real(self, name, start, nbytes)
+
+    monkeypatch.setattr(KeptDir, "allocate", allocate)
+
+    async def body() -> None:
+        core = KVCore(16 * MiB, disk_cache=str(tmp_path / "disk"), disk_size=128 * MiB)
+        try:
+            a = core.disk.arena
+            slab = core.disk._slab_bytes
+            (start, size), *_ = a.ahead(slab, slab)
+            assert not a.take_ahead(start, size)  # the file system is full
+            assert a.ahead(slab, slab) == []  # paused
+            assert a.full_until >= time.monotonic() + disk_arena.FULL_PAUSE_SECONDS - 5
+            full[0] = False  # room again
+            a.full_until = time.monotonic() - 1  # (the pause over)
+            (start, size), *_ = a.ahead(slab, slab)
+            assert a.take_ahead(start, size)
+        finally:
             await core.close()
 
     asyncio.run(body())

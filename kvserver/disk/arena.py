@@ -15,6 +15,7 @@ write it; ``ahead`` and ``take_ahead``).
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 
@@ -25,6 +26,7 @@ from kvserver.host.regions import REGION_ALIGN, Regions
 logger = logging.getLogger(__name__)
 
 DATA = "data"
+FULL_PAUSE_SECONDS = 30.0  # after a take ahead found the file system full, none for this long
 
 
 class DiskArena(Regions):
@@ -42,7 +44,9 @@ class DiskArena(Regions):
         self.direct_fd = kept.direct(DATA)  # -1: the file system has no direct I/O
         # Per REGION_ALIGN unit of the file: free, its blocks taken already (``take_ahead``).
         self._ready = np.zeros(self.capacity // REGION_ALIGN, bool)
-        self.full = False  # a take ahead found the file system full: none is tried again
+        # A take ahead found the file system full: none is tried again before this (monotonic) time
+        # (a slab's own ``fallocate`` says so meanwhile, as ever; the file system may find room).
+        self.full_until = 0.0
         self.punches = 0  # holes punched: a take ahead under way across one marks nothing
         if self.direct_fd < 0:
             logger.warning("the disk cache's file system (%s) does not do direct I/O: its pages go "
@@ -58,7 +62,8 @@ class DiskArena(Regions):
         will take (free ranges of at least ``least`` bytes: reserve takes the first that fits)
         and whose blocks are not taken yet; for ``take_ahead`` in a worker thread."""
         out: list[tuple[int, int]] = []
-        left = 0 if self.full else (nbytes + REGION_ALIGN - 1) // REGION_ALIGN * REGION_ALIGN
+        full = time.monotonic() < self.full_until
+        left = 0 if full else (nbytes + REGION_ALIGN - 1) // REGION_ALIGN * REGION_ALIGN
         starts, sizes = self.free_ranges()
         for start, size in zip(starts, sizes, strict=True):
             if left <= 0:
@@ -75,13 +80,14 @@ class DiskArena(Regions):
 
     def take_ahead(self, start: int, size: int) -> bool:
         """Takes the blocks of [start, start + size) (any thread); False if the file system is
-        full (nothing is tried ahead again; a slab's own ``fallocate`` says so as ever)."""
+        full (nothing is tried ahead for ``FULL_PAUSE_SECONDS``; a slab's own ``fallocate`` says so
+        as ever)."""
         try:
             if self.kept.allocate(DATA, start, size):
                 return True
         except OSError as exc:  # (a slab's own fallocate meets it, and says so, as ever)
             logger.warning("the disk cache could not take blocks ahead of time: %s", exc)
-        self.full = True
+        self.full_until = time.monotonic() + FULL_PAUSE_SECONDS
         return False
 
     def took_ahead(self, start: int, size: int, punches: int) -> None:
