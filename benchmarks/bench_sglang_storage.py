@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -134,6 +135,7 @@ def main() -> None:
         b.close()
         daemon.stop()
         sglang_env.restore()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -160,6 +161,7 @@ def main() -> None:
         daemon.stop()
         mem_a.close()
         mem_b.close()
+        shutil.rmtree(tmp, ignore_errors=True)
         vllm_env.restore()
 
 

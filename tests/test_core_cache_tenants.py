@@ -8,6 +8,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -96,6 +97,7 @@ def test_killed_engine_restarted_hits_its_prefix_and_other_tenants_do_not(tmp_pa
             assert lookup_as(os.getuid(), d.socket, keys)["pages"] == N
     finally:
         d.stop()
+        shutil.rmtree(sock_dir, ignore_errors=True)
 
 
 def lookup_as(uid: int, socket: str, keys: list[bytes]) -> dict:

@@ -24,9 +24,11 @@ Llama config.json it reads (no hub access, no weights, no tokenizer).
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -98,6 +100,7 @@ def model_dir() -> str:
     global _model_dir
     if _model_dir is None:
         _model_dir = tempfile.mkdtemp(prefix="kvserver-vllm-model-")
+        atexit.register(shutil.rmtree, _model_dir, True)  # (ignore_errors)
         config = {
             "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
             "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
