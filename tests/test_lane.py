@@ -638,6 +638,19 @@ def test_a_lanes_doorbells_take_no_descriptors(daemon) -> None:
             ring.close()
 
 
+def refused_lane(daemon, said: str, **ring) -> None:
+    """A registration's lane made with ``ring`` (RawRing's keywords) is refused INVALID_ARGUMENT,
+    saying ``said``; the registration serves on over gRPC, and a lane made right still opens."""
+    with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, KVClient(daemon.address, lane="grpc") as client:
+        reg = register(client, pool)
+        with pytest.raises(grpc.RpcError) as err:
+            RawRing(daemon.address, reg.client_id, **ring).close()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert said in err.value.details()
+        round_trip(client, pool)
+        RawRing(daemon.address, reg.client_id).close()
+
+
 @pytest.mark.parametrize("kind", ["listening", "unconnected"])
 def test_a_doorbell_that_is_not_one_end_of_a_connected_pair_is_refused(daemon, kind) -> None:
     """A listening SOCK_SEQPACKET socket handed over as the submit doorbell reads as rung for ever
@@ -652,14 +665,7 @@ def test_a_doorbell_that_is_not_one_end_of_a_connected_pair_is_refused(daemon, k
             end.listen(1)
             knock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             knock.connect(end.getsockname())  # pending on it: readable from now on
-        with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, \
-                KVClient(daemon.address, lane="grpc") as client:
-            reg = register(client, pool)
-            with pytest.raises(grpc.RpcError) as err:
-                RawRing(daemon.address, reg.client_id, submit_end=end).close()
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
-            assert "connected" in err.value.details()
-            round_trip(client, pool)  # the registration serves on
+        refused_lane(daemon, "connected", submit_end=end)
     finally:
         end.close()
         if knock is not None:
@@ -680,15 +686,7 @@ def test_a_doorbell_that_holds_messages_when_its_lane_opens_is_refused_unread(da
             ring.submit.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [r] * 253))])
 
     try:
-        with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, \
-                KVClient(daemon.address, lane="grpc") as client:
-            reg = register(client, pool)
-            with pytest.raises(grpc.RpcError) as err:
-                RawRing(daemon.address, reg.client_id, before_open=fill).close()
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
-            assert "holds" in err.value.details()
-            round_trip(client, pool)
-            RawRing(daemon.address, reg.client_id).close()  # an empty one opens
+        refused_lane(daemon, "holds", before_open=fill)
     finally:
         os.close(r)
         os.close(w)
