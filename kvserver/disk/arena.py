@@ -14,6 +14,7 @@ write it; ``ahead`` and ``take_ahead``).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 
@@ -64,8 +65,7 @@ class DiskArena(Regions):
         out: list[tuple[int, int]] = []
         full = time.monotonic() < self.full_until
         left = 0 if full else (nbytes + REGION_ALIGN - 1) // REGION_ALIGN * REGION_ALIGN
-        starts, sizes = self.free_ranges()
-        for start, size in zip(starts, sizes, strict=True):
+        for start, size in zip(self._free_starts, self._free_sizes, strict=True):  # (read, not copied)
             if left <= 0:
                 break
             if size < least:
@@ -96,11 +96,13 @@ class DiskArena(Regions):
         since ``punches`` was read (the take may have run before it)."""
         if punches != self.punches:
             return
-        starts, sizes = self.free_ranges()
-        for s, z in zip(starts, sizes, strict=True):
-            lo, hi = max(s, start), min(s + z, start + size)
+        starts, sizes, end = self._free_starts, self._free_sizes, start + size
+        i = max(0, bisect.bisect_right(starts, start) - 1)  # the free ranges over it only
+        while i < len(starts) and starts[i] < end:
+            lo, hi = max(starts[i], start), min(starts[i] + sizes[i], end)
             if lo < hi:
                 self._ready[lo // REGION_ALIGN : hi // REGION_ALIGN] = True
+            i += 1
 
     def _commit(self, start: int, size: int) -> None:
         units = slice(start // REGION_ALIGN, (start + size) // REGION_ALIGN)
