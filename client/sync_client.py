@@ -22,7 +22,7 @@ from kvclient import _messages as msg
 from kvclient._ops import Call, Missed, Op, StreamOp
 from kvclient._shell import CoreShell
 from kvclient._transport.channel import CHANNEL_OPTIONS
-from kvclient._transport.fd_socket import fd_socket_path, ticket_for, ticketed
+from kvclient._transport.fd_socket import fd_socket_path, lane_ticket_for, ticketed
 from kvclient._transport.lane import ClientLane, release_late
 from kvclient.core import LANE_LOAD, LANE_WRITE, ClientCore, Reregistration
 from kvclient.cuda_pool import CudaKVPool
@@ -313,7 +313,7 @@ class KVClient(CoreShell):
         lane = None
         try:
             lane = ClientLane()
-            ticket = ticket_for(self.target, lane.daemon_fds(), self.timeout)
+            ticket = lane_ticket_for(self.target, lane, self.timeout)
             opened = lane.opened_by(lambda: self._stub.OpenLane(
                 pb.OpenLaneRequest(client_id=reg.client_id, peer_ticket=ticket), timeout=self.timeout,
                 metadata=self._core.metadata))

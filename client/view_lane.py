@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from kvclient._transport.fd_socket import fd_socket_path, ticket_for
+from kvclient._transport.fd_socket import fd_socket_path, lane_ticket_for
 from kvclient._transport.lane import ClientLane, release_late
 from kvclient.errors import KVClientError
 from kvserver.v1 import kvserver_pb2 as pb
@@ -140,7 +140,7 @@ class ViewLane:
             lane = ClientLane(SLOTS)
             # The ticket and OpenLane together: half the first Lookup's time at most.
             until = time.monotonic() + min(OPEN_SECONDS, max(0.001, (deadline - time.monotonic()) / 2))
-            ticket = ticket_for(self._target, lane.daemon_fds(), max(0.001, until - time.monotonic()))
+            ticket = lane_ticket_for(self._target, lane, max(0.001, until - time.monotonic()))
             opened = lane.opened_by(lambda: stub.OpenLane(
                 pb.OpenLaneRequest(space_id=space_id, peer_ticket=ticket),
                 timeout=max(0.001, until - time.monotonic()), metadata=self._metadata))

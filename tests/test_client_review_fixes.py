@@ -334,11 +334,11 @@ def test_loads_in_flight_on_a_hung_daemon_end_together_and_no_poll_waits(socket_
         d.stop()
 
 
-def _lane_memfds() -> int:
+def _lane_memfds(prefix: str = "/memfd:kvclient-lane") -> int:
     n = 0
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):
-            n += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:kvclient-lane")
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith(prefix)
     return n
 
 
@@ -367,17 +367,18 @@ def test_a_lane_the_process_has_no_descriptors_for_leaves_the_client_registered_
     try:
         with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, KVClient(d.address, timeout=2.0) as client:
             client.stats(all_clients=True)  # (the channel's socket made before the limit)
-            before = _lane_memfds()
-            with _descriptors_left(8):
+            before, sockets = _lane_memfds(), _lane_memfds("socket:")
+            with _descriptors_left(10):  # (its doorbells' ends come short: MSG_CTRUNC)
                 reg = register(client, pool)
             assert reg is not None and client.connected and client.lane is None
-            assert _lane_memfds() == before
+            assert (_lane_memfds(), _lane_memfds("socket:")) == (before, sockets)
             host, dev = client.alloc(PAGE), torch.arange(PAGE)
             assert client.write(host_indices=host, device_indices=dev) > 0  # on gRPC
-        for _ in range(3):  # a lane whose socket pairs run out of descriptors midway
+        sockets = _lane_memfds("socket:")
+        for _ in range(3):  # a standalone lane whose socket pairs run out of descriptors midway
             with _descriptors_left(6), pytest.raises(OSError):
-                lane_mod.ClientLane()
-        assert _lane_memfds() == before
+                lane_mod.ClientLane.standalone()
+        assert (_lane_memfds(), _lane_memfds("socket:")) == (before, sockets)
     finally:
         d.stop()
 

@@ -743,7 +743,7 @@ def test_the_slot_words_read_with_an_acquire_load_are_the_slot_s() -> None:
     wire = pytest.importorskip("kvserver.protocol._wire")
     from kvclient._transport.lane import ClientLane
 
-    lane = ClientLane(slots=2)
+    lane = ClientLane.standalone(slots=2)
     try:
         R.U32.pack_into(lane._mm, R.slot_offset(1) + R.STATE, 3)
         R.U32.pack_into(lane._mm, R.slot_offset(1) + R.PROGRESS_AT + 24, 7)
@@ -762,7 +762,7 @@ def test_a_burst_of_handed_over_requests_is_served_a_batch_a_loop_turn(plane_dae
     of them a turn, between its other work. Before, it served every request handed over in one
     turn: with 48 such lanes (one tenant may hold 256 registrations) 3072 Lookups of 4 Ki keys held
     the loop 0.3-0.46 s, every other engine's calls with it."""
-    from kvclient._transport.fd_socket import ticket_for
+    from kvclient._transport.fd_socket import lane_ticket_for
     from kvclient._transport.lane import ClientLane
     from kvserver.lane import server as lane_server
 
@@ -792,7 +792,7 @@ def test_a_burst_of_handed_over_requests_is_served_a_batch_a_loop_turn(plane_dae
         try:
             for c in clients:
                 lane = ClientLane(slots=64)
-                ticket = ticket_for(d.address, lane.daemon_fds())
+                ticket = lane_ticket_for(d.address, lane)
                 stub.OpenLane(pb.OpenLaneRequest(client_id=c.registration.client_id, peer_ticket=ticket),
                               timeout=10)
                 lane.handed_over()

@@ -20,13 +20,13 @@ from collections.abc import Callable
 import grpc
 import pytest
 import torch
-from checks import wait_until
+from checks import error_of, wait_until
 from daemon_proc import DaemonProcess
 
 from kvclient import KVClient, KVLayout, ShmKVPool
-from kvclient._transport.fd_socket import ticket_for
 from kvclient.keys import page_keys
 from kvserver.protocol import ring as R
+from kvserver.protocol.fd_socket import TicketRefused, request_lane_ticket, request_ticket
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
@@ -175,39 +175,48 @@ def test_a_lookup_given_up_on_the_ring_ends_and_takes_no_lease(daemon) -> None:
 # ---- a raw peer: its own ring, written by hand -----------------------------------------------------
 
 
+def raw_ring_fd(slots: int) -> int:
+    """A lane's ring of ``slots`` slots: a sealed memfd, its header written."""
+    fd = os.memfd_create("raw-lane", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, R.ring_bytes(slots))
+    os.pwrite(fd, R.header(slots), 0)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    return fd
+
+
 class RawRing:
     """A lane made without the library: the ring, the doorbells, and OpenLane."""
 
     def __init__(self, address: str, client_id: str = "", slots: int = 8, *, space_id: str = "",
-                 metadata: tuple = (), submit_end: socket.socket | None = None,
-                 before_open: Callable[[RawRing], None] | None = None) -> None:
-        """``submit_end``: handed over as the daemon's end of the submit doorbell instead of the
-        pair's; ``before_open``: runs once the doorbells are made, before OpenLane."""
+                 metadata: tuple = (),
+                 own_doorbells: Callable[[list[socket.socket]], list[socket.socket]] | None = None) -> None:
+        """``own_doorbells``: the doorbells are made here, and what it returns, given their other
+        ends, is sent with the ring as the daemon's ends (the daemon makes them otherwise)."""
         self.slots = slots
-        fd = os.memfd_create("raw-lane", os.MFD_ALLOW_SEALING)
-        os.ftruncate(fd, R.ring_bytes(slots))
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        fd = raw_ring_fd(slots)
         self.mm = mmap.mmap(fd, R.ring_bytes(slots))
-        header = R.header(slots)
-        self.mm[: len(header)] = header
-        self.submit, submit_peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(slots)]
-        self.done = [a for a, _ in pairs]
-        peer = [fd, (submit_end or submit_peer).fileno()] + [b.fileno() for _, b in pairs]
+        self.submit, self.done = None, []
+        others: list[socket.socket] = []
         try:
-            if before_open is not None:
-                before_open(self)
+            path = address[len("unix://"):] + ".fd"
+            if own_doorbells is None:
+                ticket, ends = request_lane_ticket(path, [fd], 1 + slots)
+            else:
+                pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(1 + slots)]
+                ends, others = [a for a, _ in pairs], [b for _, b in pairs]
+                sent = own_doorbells(others)
+                ticket = request_ticket(path, [fd] + [b.fileno() for b in sent])
+            self.submit, self.done = ends[0], ends[1:]
             with grpc.insecure_channel(address) as ch:
                 pb_grpc.KVServerStub(ch).OpenLane(
-                    pb.OpenLaneRequest(client_id=client_id, space_id=space_id,
-                                       peer_ticket=ticket_for(address, peer)), timeout=5, metadata=metadata)
+                    pb.OpenLaneRequest(client_id=client_id, space_id=space_id, peer_ticket=ticket),
+                    timeout=5, metadata=metadata)
         except BaseException:
             self.close()
             raise
         finally:
             os.close(fd)
-            submit_peer.close()
-            for _, b in pairs:
+            for b in others:
                 b.close()
 
     def put(self, i: int, rpc: int, data: bytes, length: int | None = None, state: int = R.SUBMITTED) -> None:
@@ -236,7 +245,7 @@ class RawRing:
         return status, bytes(self.mm[off + R.ERROR_AT: off + R.ERROR_AT + m]).decode()
 
     def close(self) -> None:
-        for s in (self.submit, *self.done):
+        for s in ([self.submit] if self.submit is not None else []) + self.done:
             s.close()
         self.mm.close()
 
@@ -380,21 +389,24 @@ def test_a_lookup_on_a_ring_is_its_own_registration_s(daemon) -> None:
 
 
 # Another process (torch-free, so it starts fast) opening a lane of one slot and printing OK or
-# the status: argv address, "client_id" or "space_id", the id, and "both-ends" to send its own end
-# of the submit pair as the done doorbell (the daemon then holds both ends: no end-of-file comes).
+# the status: argv address, "client_id" or "space_id", the id, and "ends-live-on" to leave its
+# doorbells' ends open in a child it starts (no end-of-file comes when it exits; the child's pid
+# is printed first).
 OPEN_LANE = """
-import fcntl, os, socket, sys, grpc
+import fcntl, os, socket, subprocess, sys, grpc
 from kvserver.protocol import ring as R
-from kvserver.protocol.fd_socket import request_ticket
+from kvserver.protocol.fd_socket import request_lane_ticket
 from kvserver.v1 import kvserver_pb2 as pb, kvserver_pb2_grpc as pb_grpc
 address, field, value = sys.argv[1:4]
 fd = os.memfd_create("other-lane", os.MFD_ALLOW_SEALING)
 os.ftruncate(fd, R.ring_bytes(1))
 os.pwrite(fd, R.header(1), 0)
 fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-submit, done = (socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2))
-fds = [fd, submit[1].fileno(), (submit[0] if sys.argv[4:] == ["both-ends"] else done[1]).fileno()]
-ticket = request_ticket(address[len("unix://"):] + ".fd", fds)
+ticket, ends = request_lane_ticket(address[len("unix://"):] + ".fd", [fd], 2)
+if sys.argv[4:] == ["ends-live-on"]:
+    child = subprocess.Popen(["sleep", "60"], pass_fds=[e.fileno() for e in ends],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    print(child.pid, flush=True)
 with grpc.insecure_channel(address) as ch:
     try:
         pb_grpc.KVServerStub(ch).OpenLane(pb.OpenLaneRequest(peer_ticket=ticket, **{field: value}), timeout=5)
@@ -638,58 +650,85 @@ def test_a_lanes_doorbells_take_no_descriptors(daemon) -> None:
             ring.close()
 
 
-def refused_lane(daemon, said: str, **ring) -> None:
-    """A registration's lane made with ``ring`` (RawRing's keywords) is refused INVALID_ARGUMENT,
-    saying ``said``; the registration serves on over gRPC, and a lane made right still opens."""
-    with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, KVClient(daemon.address, lane="grpc") as client:
-        reg = register(client, pool)
-        with pytest.raises(grpc.RpcError) as err:
-            RawRing(daemon.address, reg.client_id, **ring).close()
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
-        assert said in err.value.details()
-        round_trip(client, pool)
-        RawRing(daemon.address, reg.client_id).close()
-
-
-@pytest.mark.parametrize("kind", ["listening", "unconnected"])
-def test_a_doorbell_that_is_not_one_end_of_a_connected_pair_is_refused(daemon, kind) -> None:
-    """A listening SOCK_SEQPACKET socket handed over as the submit doorbell reads as rung for ever
-    (a connection waits on it) while every read fails: the compiled plane's thread went round a
-    full core's worth, and its mute for doorbells rung without calls never began. A doorbell must
-    be one end of a connected pair, and is checked so before the lane opens."""
-    end = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    knock = None
-    try:
-        if kind == "listening":
-            end.bind(f"\0kvtest-listening-doorbell-{os.getpid()}")
-            end.listen(1)
-            knock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            knock.connect(end.getsockname())  # pending on it: readable from now on
-        refused_lane(daemon, "connected", submit_end=end)
-    finally:
-        end.close()
-        if knock is not None:
-            knock.close()
-
-
-def test_a_doorbell_that_holds_messages_when_its_lane_opens_is_refused_unread(daemon) -> None:
-    """The daemon's end of a doorbell holding messages at OpenLane: each was read on the loop, up
-    to 4096 of them with their descriptors (a root peer's million held the loop 0.95 s). A doorbell
-    must come empty; one that does not is refused, and what it holds is let go with it on its
-    uid's closer thread, never read."""
+@pytest.mark.parametrize("kind", ["a pair", "listening", "holding messages"])
+def test_a_lane_takes_no_doorbell_its_peer_sent(daemon, kind) -> None:
+    """A lane's doorbells are made by the daemon, which hands the engine its ends with the ticket:
+    a peer that sent its own kept a copy of the daemon's end, and so could hold its read lock (a
+    read into a page on a FUSE file system whose server never answers) or take descriptors down
+    it again (SO_PASSRIGHTS on), and the loop or the plane's thread would wait on them; it could
+    also send a listening socket (read as rung for ever) or one full of messages. Any doorbell a
+    peer sends is refused, unread; the registration serves on over gRPC, and a lane whose
+    doorbells the daemon made opens."""
     import array
 
     r, w = os.pipe()
+    kept: list[socket.socket] = []
 
-    def fill(ring: RawRing) -> None:
-        for _ in range(16):
-            ring.submit.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [r] * 253))])
+    def spoil(others: list[socket.socket]) -> list[socket.socket]:
+        if kind == "listening":  # a connection waits on it: it reads as rung for ever
+            end = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            end.bind(f"\0kvtest-listening-doorbell-{os.getpid()}")
+            end.listen(1)
+            knock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            knock.connect(end.getsockname())
+            kept.extend((end, knock))
+            return [end, *others[1:]]
+        if kind == "holding messages":
+            sender = socket.socket(fileno=os.dup(others[0].fileno()))  # a copy the peer keeps
+            kept.append(sender)
+            for _ in range(16):
+                others[0].sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                            array.array("i", [r] * 253))])
+        return others
 
     try:
-        refused_lane(daemon, "holds", before_open=fill)
+        with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, \
+                KVClient(daemon.address, lane="grpc") as client:
+            reg = register(client, pool)
+            with pytest.raises(TicketRefused) as err:  # at the fd socket, before a ticket holds them
+                RawRing(daemon.address, reg.client_id, own_doorbells=spoil).close()
+            assert err.value.code == "INVALID_ARGUMENT" and "descriptor 1 is a socket" in err.value.message
+            assert daemon.run(lambda: daemon.core.tickets.num_fds) == 0
+            round_trip(client, pool)
+            RawRing(daemon.address, reg.client_id).close()
     finally:
         os.close(r)
         os.close(w)
+        for each in kept:
+            each.close()
+
+
+@pytest.mark.parametrize("case", ["no doorbells", "more than the ring", "too few doorbells"])
+def test_a_lane_opens_with_its_ring_alone_and_as_many_doorbells_as_the_daemon_made_for_it(daemon,
+                                                                                          case) -> None:
+    ring, other = raw_ring_fd(8), raw_ring_fd(1)
+    path = daemon.address[len("unix://"):] + ".fd"
+    ends: list[socket.socket] = []
+    try:
+        with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, \
+                KVClient(daemon.address, lane="grpc") as client:
+            reg = register(client, pool)
+            if case == "no doorbells":
+                ticket, said = request_ticket(path, [ring]), "doorbells the daemon made"
+            elif case == "more than the ring":
+                (ticket, ends), said = request_lane_ticket(path, [ring, other], 9), "its ring alone"
+            else:
+                (ticket, ends), said = request_lane_ticket(path, [ring], 3), "3 doorbells for a ring of 8"
+            with grpc.insecure_channel(daemon.address) as ch:
+                code, message = error_of(lambda: pb_grpc.KVServerStub(ch).OpenLane(
+                    pb.OpenLaneRequest(client_id=reg.client_id, peer_ticket=ticket), timeout=5))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and said in message, (code, message)
+            for end in ends:  # the ticket's doorbells went with it
+                assert end.recv(8) == b""
+            lanes = daemon.daemon.servicer.lanes
+            assert daemon.run(lambda: (daemon.core.tickets.num_fds, len(lanes.lanes))) == (0, 0)
+            round_trip(client, pool)
+            RawRing(daemon.address, reg.client_id).close()
+    finally:
+        os.close(ring)
+        os.close(other)
+        for end in ends:
+            end.close()
 
 
 @pytest.mark.parametrize("plane", ["compiled", "python"])

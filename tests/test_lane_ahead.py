@@ -43,7 +43,7 @@ def daemon_end(lane: lane_mod.ClientLane, which: int) -> socket.socket:
 
 @pytest.mark.parametrize("compiled", [True, False])
 def test_a_nudge_rings_only_a_plane_that_reads_the_doorbell_and_sleeps(compiled, monkeypatch) -> None:
-    lane = lane_mod.ClientLane(slots=2)
+    lane = lane_mod.ClientLane.standalone(slots=2)
     if not compiled:
         monkeypatch.setattr(lane, "_c", None)
     try:
@@ -150,7 +150,7 @@ def test_a_plane_write_says_how_long_it_took_and_the_client_learns_its_pace(sock
 
 
 def test_a_write_naps_only_when_its_expected_copy_is_long() -> None:
-    lane = lane_mod.ClientLane(slots=1)
+    lane = lane_mod.ClientLane.standalone(slots=1)
     try:
         lane.reg = type("Reg", (), {"start_layer": 4, "end_layer": 8})()
         data = lane_mod._COUNTS.pack(3, 3, 0).rjust(24, b"\0") + b"\0" * 16  # 3 pages, every layer
@@ -240,7 +240,7 @@ def _submitted(lane: lane_mod.ClientLane) -> int:
 
 
 def test_a_napping_wait_wakes_when_rung_before_its_nap_ends() -> None:
-    lane = lane_mod.ClientLane(slots=1)
+    lane = lane_mod.ClientLane.standalone(slots=1)
     try:
         i = _submitted(lane)
         t = answer(lane, i, ring=True, when_asleep=True)
@@ -259,7 +259,7 @@ def test_a_napping_wait_looks_when_its_nap_ends() -> None:
     """An answer stored unrung while the client naps (as the plane leaves one for a client that
     says it looks) is seen once the nap ends; a wait that slept on the doorbell instead would
     reach its deadline."""
-    lane = lane_mod.ClientLane(slots=1)
+    lane = lane_mod.ClientLane.standalone(slots=1)
     try:
         i = _submitted(lane)
         t = answer(lane, i, ring=False, when_asleep=True)
@@ -286,7 +286,7 @@ def test_a_signal_during_a_nap_runs_its_handler_and_one_that_raises_ends_the_wai
         if len(calls) > 1:
             raise Alarm
 
-    lane = lane_mod.ClientLane(slots=1)  # no daemon: the slot is never answered
+    lane = lane_mod.ClientLane.standalone(slots=1)  # no daemon: the slot is never answered
     old = signal.signal(signal.SIGALRM, handler)
     try:
         i = _submitted(lane)
@@ -302,7 +302,7 @@ def test_a_signal_during_a_nap_runs_its_handler_and_one_that_raises_ends_the_wai
 
 
 def test_a_nap_never_outlasts_the_deadline_and_ends_at_a_closed_doorbell() -> None:
-    lane = lane_mod.ClientLane(slots=1)
+    lane = lane_mod.ClientLane.standalone(slots=1)
     try:
         i = _submitted(lane)
         t0 = time.monotonic()

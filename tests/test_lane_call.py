@@ -29,7 +29,7 @@ WRITE_B = R.RPC_IDS["WriteB"]
 
 
 def test_one_call_submits_waits_and_reads_the_answer() -> None:
-    lane = lane_mod.ClientLane(slots=2)
+    lane = lane_mod.ClientLane.standalone(slots=2)
     try:
         R.U32.pack_into(lane._mm, R.slot_offset(1) + R.BUSY_AT, 99)  # a last call's: cleared at submit
         doorbell = daemon_end(lane, 0)
@@ -49,7 +49,7 @@ def test_one_call_submits_waits_and_reads_the_answer() -> None:
 
 
 def test_one_call_answers_an_error_unrung_and_ends_at_its_deadline_or_a_closed_doorbell() -> None:
-    lane = lane_mod.ClientLane(slots=2)
+    lane = lane_mod.ClientLane.standalone(slots=2)
     try:
         # Left unrung while the caller looks (its spin): seen without the doorbell. An answer
         # that came after the spin (a busy machine) is rung, as the daemon rings a sleeper; one
@@ -83,7 +83,7 @@ def test_one_call_answers_an_error_unrung_and_ends_at_its_deadline_or_a_closed_d
 
 
 def test_one_call_refuses_what_it_cannot_send_before_touching_the_slot() -> None:
-    lane = lane_mod.ClientLane(slots=2)
+    lane = lane_mod.ClientLane.standalone(slots=2)
     try:
         now, big = time.monotonic(), b"x" * (R.REQUEST_BYTES + 1)
 
@@ -112,7 +112,7 @@ def test_a_signal_that_raises_during_a_unary_call_abandons_its_slot() -> None:
     def handler(signum, frame):
         raise Alarm
 
-    lane = lane_mod.ClientLane(slots=1)  # no daemon: never answered
+    lane = lane_mod.ClientLane.standalone(slots=1)  # no daemon: never answered
     old = signal.signal(signal.SIGALRM, handler)
     main = threading.main_thread().ident
 
@@ -142,7 +142,7 @@ def test_a_stream_whose_submit_raises_gives_its_slot_back_and_the_lane_still_clo
     def interrupted(*args):
         raise Interrupted
 
-    lane = lane_mod.ClientLane(slots=1)
+    lane = lane_mod.ClientLane.standalone(slots=1)
     monkeypatch.setattr(lane, "_put", interrupted)  # as a signal's handler raising before the submit
     with pytest.raises(Interrupted):
         lane.stream("LoadB", b"x", 1.0)

@@ -43,7 +43,7 @@ def lane(request):
         pytest.skip("the compiled client calls are not built")
     saved = lane_mod.crowded()[0]
     lane_mod.crowded(1.0)  # the default window, none under way, no strikes
-    ln = lane_mod.ClientLane(slots=1)
+    ln = lane_mod.ClientLane.standalone(slots=1)
     if request.param == "python":
         ln._c = None
     try:

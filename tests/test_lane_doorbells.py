@@ -72,7 +72,7 @@ def pending(sock: socket.socket) -> int:
 
 
 def test_a_submit_rings_only_a_daemon_that_sleeps() -> None:
-    lane = lane_mod.ClientLane(slots=2)
+    lane = lane_mod.ClientLane.standalone(slots=2)
     try:
         assert R.U32.unpack_from(lane._mm, R.FEATURES_AT)[0] == R.FEATURE_QUIET_DONE
         daemon_end = socket.socket(fileno=os.dup(lane.daemon_fds()[1]))
@@ -226,7 +226,7 @@ def test_a_spin_from_the_environment_is_checked(monkeypatch, caplog, text, want)
 
 
 def test_a_load_s_waiter_spins_long_only_while_its_steps_come_fast() -> None:
-    lane = lane_mod.ClientLane(slots=1, spin=30e-6, load_spin=200e-6)
+    lane = lane_mod.ClientLane.standalone(slots=1, spin=30e-6, load_spin=200e-6)
     try:
         src = lane_mod.LaneStream(lane, 0, time.monotonic() + 5)
         assert src.spin() == 200e-6  # the first layer: no pace known yet
@@ -241,7 +241,7 @@ def test_a_load_s_waiter_spins_long_only_while_its_steps_come_fast() -> None:
 def test_a_stream_the_event_loop_serves_waits_for_its_first_step_with_the_short_spin(socket_dir) -> None:
     # A Get is served on the daemon's event loop: its first step comes hundreds of microseconds
     # later, and a long spin would cost the engine that much CPU for nothing.
-    lane = lane_mod.ClientLane(slots=1, spin=30e-6, load_spin=200e-6)
+    lane = lane_mod.ClientLane.standalone(slots=1, spin=30e-6, load_spin=200e-6)
     try:
         get = lane_mod.LaneStream(lane, 0, time.monotonic() + 5, on_plane=False)
         assert get.spin() == 30e-6
@@ -267,8 +267,8 @@ def test_a_stream_the_event_loop_serves_waits_for_its_first_step_with_the_short_
 def test_a_call_refused_before_its_submit_gives_its_slot_back_and_the_lane_still_closes() -> None:
     """Never submitted, the slot is not the daemon's: it comes back at once, not abandoned."""
     with pytest.raises(ValueError, match="spin"):
-        lane_mod.ClientLane(slots=1, spin=0.02)
-    lane = lane_mod.ClientLane(slots=1)
+        lane_mod.ClientLane.standalone(slots=1, spin=0.02)
+    lane = lane_mod.ClientLane.standalone(slots=1)
     lane.spin = 0.02  # set after: a spin the compiled wait refuses, before the slot is touched
     with pytest.raises(ValueError, match="spin"):
         lane.unary("WriteB", b"x", 1.0)
@@ -287,7 +287,7 @@ def test_a_signal_during_the_spin_runs_its_handler_before_the_wait_sleeps() -> N
     def raise_alarm(signum, frame):
         raise Alarm
 
-    lane = lane_mod.ClientLane(slots=1, spin=0.005)  # no daemon: the slot is never answered
+    lane = lane_mod.ClientLane.standalone(slots=1, spin=0.005)  # no daemon: the slot is never answered
     old = signal.signal(signal.SIGALRM, raise_alarm)
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.001)  # lands during the 5 ms spin

@@ -417,6 +417,14 @@ def _lingering_closed() -> Iterator[None]:
         _LINGERING.pop().close()
 
 
+def _seqpacket_pair_end() -> int:
+    """One end of a Unix SOCK_SEQPACKET pair, the other closed (what a lane's doorbells were, when
+    the engine made them)."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    b.close()
+    return a.detach()
+
+
 def _dev_null() -> int:
     return os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
 
@@ -428,7 +436,8 @@ def _directory() -> int:
 NOT_SHARED_MEMORY = [
     pytest.param(_pipe, "a pipe", id="pipe"),
     pytest.param(_disk_file, "a file outside shared memory", id="disk-file"),
-    pytest.param(_lingering_tcp_socket, "a socket other than a Unix SOCK_SEQPACKET one", id="tcp-socket"),
+    pytest.param(_lingering_tcp_socket, "a socket", id="tcp-socket"),
+    pytest.param(_seqpacket_pair_end, "a socket", id="unix-seqpacket-socket"),
     pytest.param(_dev_null, "a file outside shared memory", id="char-device"),
     pytest.param(_directory, "a file outside shared memory", id="directory"),
 ]
@@ -951,7 +960,7 @@ def test_a_lane_ring_past_the_largest_is_refused_unmapped() -> None:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
         before = _vm_size()
         with pytest.raises(InvalidArgument, match="the lane's ring is 17592186044416 bytes"):
-            open_ring([fd, a.fileno(), b.fileno()])
+            open_ring([fd], [a.fileno(), b.fileno()])
         assert _vm_size() - before < 1 << 30
     finally:
         os.close(fd)

@@ -264,26 +264,28 @@ def test_threads_share_a_views_lane(daemon) -> None:
 def test_a_spaces_lane_closes_when_its_process_exits_though_its_doorbell_lives_on(daemon) -> None:
     with view(daemon.address, lane="grpc") as v:
         sid = v.open()
-        # Its done doorbell is its own end of the submit pair: the daemon holds both ends, and no
-        # end-of-file comes when the process exits (at once).
-        out = subprocess.run([sys.executable, "-c", OPEN_LANE, daemon.address, "space_id", sid, "both-ends"],
-                             check=True, capture_output=True, text=True, timeout=60).stdout.split()
-        assert out == ["OK"]
-        wait_until(lambda: books(daemon) == (0, {}, {}), 10, "the exited process's lane to close")
+        # Its doorbells' ends live on in a child it leaves behind: no end-of-file comes when the
+        # process exits (at once).
+        argv = [sys.executable, "-c", OPEN_LANE, daemon.address, "space_id", sid, "ends-live-on"]
+        out = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=60).stdout.split()
+        try:
+            assert out[1:] == ["OK"]
+            wait_until(lambda: books(daemon) == (0, {}, {}), 10, "the exited process's lane to close")
+        finally:
+            os.kill(int(out[0]), signal.SIGKILL)
 
 
-# A process that takes a ticket for a space's lane (the ring, both ends of the submit doorbell,
-# so that its exit brings no end-of-file) and exits without redeeming it.
+# A process that takes a ticket for a space's lane (its ring; the daemon makes its doorbells)
+# and exits without redeeming it.
 TICKET = """
-import fcntl, os, socket, sys
+import fcntl, os, sys
 from kvserver.protocol import ring as R
-from kvserver.protocol.fd_socket import request_ticket
+from kvserver.protocol.fd_socket import request_lane_ticket
 fd = os.memfd_create("ticket-lane", os.MFD_ALLOW_SEALING)
 os.ftruncate(fd, R.ring_bytes(1))
 os.pwrite(fd, R.header(1), 0)
 fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-print(request_ticket(sys.argv[1][len("unix://"):] + ".fd", [fd, b.fileno(), a.fileno()]))
+print(request_lane_ticket(sys.argv[1][len("unix://"):] + ".fd", [fd], 2)[0])
 """
 
 

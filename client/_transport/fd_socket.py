@@ -9,14 +9,21 @@ Synchronous and short; the asyncio client runs it in a thread.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 
 from kvclient.errors import KVClientError
-from kvserver.protocol.fd_socket import TicketRefused, request_ticket
+from kvserver.protocol.fd_socket import TicketRefused, request_lane_ticket, request_ticket
 from kvserver.protocol.fd_socket import fd_socket_path as fd_socket_of
 from kvserver.protocol.paths import default_socket, foreign_path
 from kvserver.v1 import kvserver_pb2 as pb
+
+if TYPE_CHECKING:
+    from kvclient._transport.lane import ClientLane
+
+T = TypeVar("T")
 
 
 def fd_socket_path(target: str) -> str | None:
@@ -29,6 +36,10 @@ def fd_socket_path(target: str) -> str | None:
 
 
 def get_ticket(path: str, fds: list[int], timeout: float = 5.0) -> str:
+    return _asked(path, lambda: request_ticket(path, fds, timeout))
+
+
+def _asked(path: str, ask: Callable[[], T]) -> T:
     if path == fd_socket_of(default_socket()):  # a path any user can make first (/tmp/kvserver-<uid>)
         why = foreign_path(os.path.dirname(path))
         if why is not None:
@@ -37,7 +48,7 @@ def get_ticket(path: str, fds: list[int], timeout: float = 5.0) -> str:
                                 "made it could read and write the pool (set XDG_RUNTIME_DIR or "
                                 "KVSERVER_ADDRESS to a directory of your own)")
     try:
-        return request_ticket(path, fds, timeout)
+        return ask()
     except OSError as exc:
         raise KVClientError(grpc.StatusCode.UNAVAILABLE,
                             f"cannot get a peer ticket from the daemon's fd socket {path}: {exc}") from None
@@ -52,6 +63,18 @@ def ticket_for(target: str, fds: list[int] | tuple[int, ...] = (), timeout: floa
     "" when it has none (TCP). It waits at most ``timeout`` (the caller's own call bound)."""
     path = fd_socket_path(target)
     return "" if path is None else get_ticket(path, list(fds), timeout)
+
+
+def lane_ticket_for(target: str, lane: ClientLane, timeout: float = 5.0) -> str:
+    """A lane's ticket: ``lane``'s ring goes to the daemon, which makes its doorbells and hands
+    this process its ends of them (``lane.attach``). Raises KVClientError as ``get_ticket``, and
+    UNAVAILABLE for a target without an fd socket (a lane needs one)."""
+    path = fd_socket_path(target)
+    if path is None:
+        raise KVClientError(grpc.StatusCode.UNAVAILABLE, f"{target} has no fd socket: no lane")
+    ticket, ends = _asked(path, lambda: request_lane_ticket(path, lane.ring_fds(), lane.doorbells, timeout))
+    lane.attach(ends)
+    return ticket
 
 
 def ticketed(target: str, pool, req: pb.RegisterRequest, timeout: float = 5.0) -> pb.RegisterRequest:

@@ -1,13 +1,14 @@
 """The client's half of the data-plane fast lane (docs/lane.md; the layout is kvserver.protocol.ring).
 
-``ClientLane`` makes the sealed ring and the doorbells, and carries one Write, Load, Put, Get or
-Lookup per slot: the serialized request goes into a free slot, the submit doorbell rings the daemon
-(unless its data plane says it is awake), and the caller's thread waits on its slot's done
-doorbell (poll with the call's deadline, after a short spin on the slot's words; with the compiled
-module, ``kvserver.protocol._wire``, in one call without the GIL, and rung only while it sleeps:
-docs/lane.md, "Ringing only a sleeper"). A request too large for a slot, or a call that finds
-every slot busy, takes the gRPC path instead (the caller's choice: ``unary``/``stream`` answer
-None).
+``ClientLane`` makes the sealed ring, takes its ends of the doorbells the daemon made for it
+(``attach``; the fd socket's lane ticket, kvclient._transport.fd_socket.lane_ticket_for), and
+carries one Write, Load, Put, Get or Lookup per slot: the serialized request goes into a free
+slot, the submit doorbell rings the daemon (unless its data plane says it is awake), and the
+caller's thread waits on its slot's done doorbell (poll with the call's deadline, after a short
+spin on the slot's words; with the compiled module, ``kvserver.protocol._wire``, in one call
+without the GIL, and rung only while it sleeps: docs/lane.md, "Ringing only a sleeper"). A request
+too large for a slot, or a call that finds every slot busy, takes the gRPC path instead (the
+caller's choice: ``unary``/``stream`` answer None).
 
 A slot whose call gave up (its deadline) stays the daemon's until the daemon marks it DONE; it is
 taken back by a later call. A call given up whose answer still matters (a pinning Lookup: the
@@ -203,32 +204,14 @@ class ClientLane:
         self._address = ctypes.addressof(view)  # valid while the mapping is: until _release
         del view  # no export may outlive this line, or the mapping could not be closed
         self._ring_fd = fd
-        made: list[socket.socket] = []
-        try:  # (out of descriptors midway: what was made is closed, nothing leaks)
-            self._submit, submit_peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            made += [self._submit, submit_peer]
-            pairs = []
-            for _ in range(slots):
-                pairs.append(socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET))
-                made += pairs[-1]
-        except BaseException:
-            for each in made:
-                each.close()
-            self._mm.close()
-            os.close(fd)
-            raise
-        self._done = [p[0] for p in pairs]
-        # Their numbers, for the compiled calls: open until _release, which no call outlives.
-        self._submit_fd = self._submit.fileno()
-        self._done_fds = [s.fileno() for s in self._done]
-        self._peer: list[socket.socket] | None = [submit_peer] + [p[1] for p in pairs]
-        for s in self._done:
-            s.setblocking(False)
-        self._polls = []
-        for s in self._done:
-            p = select.poll()
-            p.register(s.fileno(), select.POLLIN)
-            self._polls.append(p)
+        # The doorbells: the daemon makes them and hands over these ends with the lane's ticket
+        # (``attach``), keeping the others, which no one else then holds (docs/security.md).
+        self._submit: socket.socket | None = None
+        self._done: list[socket.socket] = []
+        self._submit_fd = -1
+        self._done_fds: list[int] = []
+        self._polls: list[select.poll] = []
+        self._peer: list[socket.socket] | None = None  # the other ends, where made here (standalone)
         self._lock = threading.Lock()
         self._free = list(range(slots))
         self._abandoned: set[int] = set()
@@ -239,10 +222,55 @@ class ClientLane:
         self._cut = False  # closed with wake: this client shut its own ends
         self._released = False
 
+    @classmethod
+    def standalone(cls, slots: int = R.DEFAULT_SLOTS, **kw: Any) -> ClientLane:
+        """A lane whose doorbells are made here, their other ends in ``daemon_fds`` (for a test
+        that stands in for the daemon)."""
+        lane = cls(slots, **kw)
+        made: list[socket.socket] = []
+        try:
+            for _ in range(1 + slots):
+                made += socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        except BaseException:
+            for each in made:
+                each.close()
+            lane.close()
+            raise
+        lane.attach(made[0::2])
+        lane._peer = made[1::2]
+        return lane
+
     # ---- opening -------------------------------------------------------------------------------
 
+    @property
+    def doorbells(self) -> int:
+        """How many doorbells the lane takes: the submit doorbell and one per slot."""
+        return 1 + self.slots
+
+    def ring_fds(self) -> list[int]:
+        """What the daemon gets over the fd socket: the ring."""
+        return [self._ring_fd]
+
+    def attach(self, ends: list[socket.socket]) -> None:
+        """Takes the engine's ends of the doorbells (the submit doorbell's first), as the fd socket
+        handed them over with the lane's ticket."""
+        if len(ends) != self.doorbells or self._submit is not None:
+            for each in ends:
+                each.close()
+            raise ValueError(f"a lane of {self.slots} slots takes {self.doorbells} doorbells once; "
+                             f"{len(ends)} given")
+        self._submit, self._done = ends[0], list(ends[1:])
+        # Their numbers, for the compiled calls: open until _release, which no call outlives.
+        self._submit_fd = self._submit.fileno()
+        self._done_fds = [s.fileno() for s in self._done]
+        for s in self._done:
+            s.setblocking(False)
+            p = select.poll()
+            p.register(s.fileno(), select.POLLIN)
+            self._polls.append(p)
+
     def daemon_fds(self) -> list[int]:
-        """What the daemon gets over the fd socket: the ring, then its ends of the doorbells."""
+        """A standalone lane's: the ring, then the other ends of its doorbells."""
         assert self._peer is not None
         return [self._ring_fd] + [s.fileno() for s in self._peer]
 
@@ -622,17 +650,20 @@ class ClientLane:
         self.handed_over()
         if wake:
             self._cut = True
-            for s in (self._submit, *self._done):
+            for s in self._doorbell_socks():
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
         self._maybe_release()
+
+    def _doorbell_socks(self) -> list[socket.socket]:
+        return ([self._submit] if self._submit is not None else []) + self._done
 
     def _release(self) -> None:
         with self._lock:
             if self._released:
                 return
             self._released = True
-        for s in (self._submit, *self._done):
+        for s in self._doorbell_socks():
             s.close()
         with contextlib.suppress(BufferError):
             self._mm.close()

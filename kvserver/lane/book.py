@@ -131,7 +131,7 @@ class LaneBook:
         except BaseException:
             ticket.close_off_loop()  # a peer's memfd may be the last reference to many pages
             raise
-        ticket.fds = []  # the lane owns them now
+        ticket.fds, ticket.doorbells = [], []  # the lane owns them now
         gate = None
         uid, plane_bytes = ticket.peer.uid, 0
         # With copies of the client already running on the loop (a concurrent gRPC call), they hold
@@ -203,9 +203,9 @@ class LaneBook:
             if len(self.space_lanes) >= self.max_space_lanes:
                 raise NoCapacity(f"the daemon has {len(self.space_lanes)} space lanes open, the most it "
                                  "holds: the Lookups go over gRPC")
-            if len(ticket.fds) - 2 > MAX_SPACE_LANE_SLOTS:
+            if len(ticket.doorbells) - 1 > MAX_SPACE_LANE_SLOTS:
                 raise InvalidArgument(f"a space's lane has at most {MAX_SPACE_LANE_SLOTS} slots; "
-                                      f"{len(ticket.fds) - 2} doorbells sent")
+                                      f"{len(ticket.doorbells)} doorbells made")
             # Its process's end: the lane closes when the process exits, even if the doorbell's
             # other end lives on (handed back to the daemon, or held by a child it forked).
             gone = _pidfd(ticket)
@@ -218,7 +218,7 @@ class LaneBook:
         except BaseException:
             ticket.close_off_loop()
             raise
-        ticket.fds = []
+        ticket.fds, ticket.doorbells = [], []  # the lane owns them now
         owner = f"space {public_id(space_id)}"
         fast = functools.partial(self.fast_space, space_id) if self.fast_space is not None else None
         lane = Lane(owner, ring, submit, done, functools.partial(self.run_space, space_id),
@@ -277,12 +277,13 @@ class LaneBook:
     def _take_ring(self, ticket: Any) -> tuple[Any, Any, list[Any]]:
         """The ticket's ring and doorbells, checked, within its uid's descriptor budget."""
         uid, held = ticket.peer.uid, self._fds_per_uid[ticket.peer.uid]
-        if held + len(ticket.fds) > self.max_fds_per_uid:  # the ring's mapping keeps a copy of its fd
+        if held + len(ticket.fds) + len(ticket.doorbells) > self.max_fds_per_uid:  # (the ring's
+            # mapping keeps a copy of its fd)
             raise NoCapacity(
                 f"uid {uid}'s lanes hold {held} descriptors; this one would pass the most one uid's "
                 f"lanes may hold ({self.max_fds_per_uid}): its calls go over gRPC"
             )
-        return open_ring(ticket.fds)
+        return open_ring(ticket.fds, ticket.doorbells)
 
     async def _start(self, lane: Lane, ring: Any, submit: Any, done: list[Any], uid: int, gate: Any,
                      also: Callable[[], None] | None = None, plane_bytes: int = 0) -> None:

@@ -23,7 +23,6 @@ import logging
 import os
 import select
 import socket
-import stat
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -38,7 +37,6 @@ from kvserver.errors import (
     KVError,
     status_of,
 )
-from kvserver.peers.tickets import refuse_rights
 from kvserver.protocol import ring as R
 from kvserver.protocol.shared_memory import ShmMapping, map_sealed_fd
 
@@ -57,39 +55,6 @@ Fast = Callable[["Lane", int, int, bytes, bool], bool]
 _FAST = frozenset((R.RPC_GET, R.RPC_PUT, R.RPC_LOOKUP))  # what take() offers it
 
 
-def _check_doorbell(fd: int, what: str) -> socket.socket:
-    try:
-        st = os.fstat(fd)
-    except OSError as exc:
-        raise InvalidArgument(f"{what} cannot be used: {exc.strerror}") from None
-    if not stat.S_ISSOCK(st.st_mode):
-        raise InvalidArgument(f"{what} is not a socket: send one end of a SOCK_SEQPACKET socketpair")
-    try:
-        sock = socket.socket(fileno=fd)  # owns fd from here
-    except OSError as exc:
-        raise InvalidArgument(f"{what} cannot be used: {exc.strerror or exc}") from None
-    try:
-        if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_SEQPACKET:
-            raise InvalidArgument(f"{what} is not a Unix SOCK_SEQPACKET socket")
-        # A listening socket reads as rung for ever (a connection waits) while every read fails.
-        listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
-        try:
-            sock.getpeername()
-        except OSError:
-            listening = listening or -1
-        if listening:
-            raise InvalidArgument(f"{what} is {'listening' if listening > 0 else 'not connected'}: send "
-                                  "one end of a connected SOCK_SEQPACKET socketpair")
-        # Its peer's descriptors never reach the loop or the plane (each reads it unready for them).
-        if not refuse_rights(sock):
-            raise InvalidArgument(f"{what} holds messages (or its peer closed it) before its lane "
-                                  "opens: send one end of a new socketpair")
-    except BaseException:
-        sock.detach()
-        raise
-    return sock
-
-
 def _peer_left(sock: socket.socket) -> bool:
     """Whether the peer of a Unix SOCK_SEQPACKET socket has closed its end (POLLRDHUP or POLLHUP)."""
     poller = select.poll()
@@ -103,12 +68,18 @@ def ring_features(ring: ShmMapping) -> int:
     return R.U32.unpack_from(ring.mm, R.FEATURES_AT)[0]
 
 
-def open_ring(fds: list[int]) -> tuple[ShmMapping, socket.socket, list[socket.socket]]:
-    """Checks and takes over a ticket's descriptors: (ring, submit doorbell, done doorbells). The
-    caller keeps ``fds`` and closes them if this raises; on success they belong to the results
-    (the ring's descriptor is closed, its mapping kept)."""
-    if len(fds) < 3:
-        raise InvalidArgument(f"a lane takes a ring and at least two doorbells; {len(fds)} descriptors sent")
+def open_ring(fds: list[int], doorbells: list[int]) -> tuple[ShmMapping, socket.socket, list[socket.socket]]:
+    """Checks and takes over a ticket's descriptors: (ring, submit doorbell, done doorbells).
+    ``fds``: what the peer sent, the ring alone; ``doorbells``: the daemon's ends of the doorbells
+    the fd socket made for the ticket (a doorbell a peer sent is refused: a peer holding a copy of
+    the daemon's end could hold its read lock, or take descriptors down it again). The caller
+    keeps both lists and closes them if this raises; on success they belong to the results (the
+    ring's descriptor is closed, its mapping kept)."""
+    if len(fds) != 1 or len(doorbells) < 2:
+        raise InvalidArgument(
+            f"a lane takes its ring alone ({len(fds)} descriptors sent) and the doorbells the daemon "
+            f"made for its ticket ({len(doorbells)} made; at least two): ask the fd socket for them "
+            "(kvserver.protocol.fd_socket.request_lane_ticket)")
     try:
         seals = fcntl.fcntl(fds[0], fcntl.F_GET_SEALS)
     except OSError:
@@ -138,17 +109,10 @@ def open_ring(fds: list[int]) -> tuple[ShmMapping, socket.socket, list[socket.so
         if ring.size != R.ring_bytes(slots):
             raise InvalidArgument(f"the lane's ring is {ring.size} bytes; {slots} slots take "
                                   f"{R.ring_bytes(slots)}")
-        if len(fds) != 2 + slots:
-            raise InvalidArgument(f"{len(fds)} descriptors for a ring of {slots} slots; expected {2 + slots}")
-        socks: list[socket.socket] = []
-        try:
-            for i, fd in enumerate(fds[1:]):
-                what = "the submit doorbell" if i == 0 else f"done doorbell {i - 1}"
-                socks.append(_check_doorbell(fd, what))
-        except BaseException:
-            for s in socks:
-                s.detach()
-            raise
+        if len(doorbells) != 1 + slots:
+            raise InvalidArgument(f"{len(doorbells)} doorbells for a ring of {slots} slots; expected "
+                                  f"{1 + slots}")
+        socks = [socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, fileno=fd) for fd in doorbells]
     except BaseException:
         ring.close()
         raise

@@ -14,6 +14,7 @@ connections at once, at most ``MAX_CONNS_PER_UID`` of one uid, so no peer can st
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import errno
@@ -28,6 +29,7 @@ from kvserver.errors import InvalidArgument, KVError, NoCapacity
 from kvserver.peers.tickets import (
     PEER_GONE,
     RIGHTS_SPACE,
+    SO_PASSRIGHTS,
     PeerCred,
     TicketBook,
     close_off_loop,
@@ -38,7 +40,16 @@ from kvserver.peers.tickets import (
     pending_for,
     socket_kind,
 )
-from kvserver.protocol.fd_socket import FDS_PER_MESSAGE, HEADER, MAGIC, MAX_FDS, MORE
+from kvserver.protocol.fd_socket import (
+    FDS_PER_MESSAGE,
+    HEADER,
+    LANE_HEADER,
+    LANE_MAGIC,
+    MAGIC,
+    MAX_DOORBELLS,
+    MAX_FDS,
+    MORE,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -201,14 +212,24 @@ class PeerSocket:
 
     async def _serve(self, conn: socket.socket, peer: PeerCred) -> None:
         fds: list[int] = []
+        ours: list[int] = []  # the daemon's ends of the doorbells it made, and the engine's
+        theirs: list[int] = []
         reply: bytes | None = None
         pidfd = -1
         try:
             pidfd = _peer_pidfd(conn, peer.pid)  # here: a task cancelled before it runs holds none
             async with asyncio.timeout(self.conn_seconds):
-                await self._receive(conn, fds)
-            reply = b"T" + self.tickets.issue(peer, fds, pidfd).encode()
-            fds, pidfd = [], -1  # the ticket owns them now
+                bells = await self._receive(conn, fds)
+            if bells:  # within the uid's budget before any is made
+                self.tickets.check_room(peer.uid, len(fds) + (pidfd >= 0) + bells)
+                ours, theirs = make_doorbells(bells)
+            try:
+                reply = b"T" + self.tickets.issue(peer, fds, pidfd, ours).encode()
+            except BaseException:
+                close_made(ours + theirs)
+                theirs = []
+                raise
+            fds, pidfd, ours = [], -1, []  # the ticket owns them now
         except TimeoutError:
             reply = _error(InvalidArgument(f"the message did not arrive within {self.conn_seconds} s"))
         except KVError as exc:
@@ -221,21 +242,29 @@ class PeerSocket:
             close_off_loop(fds, peer.uid)  # a refused peer's descriptors: maybe the last hold on a big memfd
             if pidfd >= 0:
                 os.close(pidfd)
-            _reply(conn, reply, peer.uid)
+            _reply(conn, reply, peer.uid, theirs)
+            close_made(theirs)  # in flight to the engine (or never sent): this copy is not the last
 
-    async def _receive(self, conn: socket.socket, fds: list[int]) -> None:
-        """Reads the header and every announced descriptor into ``fds``."""
+    async def _receive(self, conn: socket.socket, fds: list[int]) -> int:
+        """Reads the header and every announced descriptor into ``fds``; returns the number of
+        doorbells the engine asks the daemon to make (0 for a plain ticket)."""
         data = await self._message(conn, fds)
-        if len(data) != HEADER.size or data[:4] != MAGIC:
-            raise InvalidArgument(f"expected the {HEADER.size}-byte header starting {MAGIC!r}")
-        _, n = HEADER.unpack(data)
+        if len(data) == HEADER.size and data[:4] == MAGIC:
+            (_, n), bells = HEADER.unpack(data), 0
+        elif len(data) == LANE_HEADER.size and data[:4] == LANE_MAGIC:
+            _, n, bells = LANE_HEADER.unpack(data)
+            if not 1 <= bells <= MAX_DOORBELLS:
+                raise InvalidArgument(f"{bells} doorbells asked for; a lane takes 1 to {MAX_DOORBELLS}")
+        else:
+            raise InvalidArgument(f"expected the {HEADER.size}-byte header starting {MAGIC!r} (or the "
+                                  f"{LANE_HEADER.size}-byte one starting {LANE_MAGIC!r})")
         if n > MAX_FDS:
             raise InvalidArgument(f"{n} descriptors announced; at most {MAX_FDS} per ticket")
         while True:
             if len(fds) > n:
                 raise InvalidArgument(f"{len(fds)} descriptors sent but {n} announced")
             if len(fds) == n:
-                return
+                return bells
             if await self._message(conn, fds) != MORE:
                 raise InvalidArgument(f"expected {MORE!r} with more descriptors ({len(fds)} of {n} so far)")
 
@@ -255,9 +284,9 @@ class PeerSocket:
         for i, fd in enumerate(got, len(fds) - len(got)):
             why = _unusable(fd)
             if why:
-                raise InvalidArgument(f"descriptor {i} is {why}: a pool's buffers are shared memory "
-                                      "(memfds, or files on tmpfs or hugetlbfs) and a lane's doorbells "
-                                      "Unix SOCK_SEQPACKET sockets")
+                raise InvalidArgument(f"descriptor {i} is {why}: a ticket carries shared memory only (a "
+                                      "pool's buffers, a lane's ring: memfds, or files on tmpfs or "
+                                      "hugetlbfs); a lane's doorbells are made by the daemon")
         if flags & socket.MSG_CTRUNC:
             # The control buffer holds FDS_PER_MESSAGE descriptors: truncated short of that, the
             # kernel could not install them here (this process is at its descriptor limit).
@@ -292,17 +321,16 @@ def _out_of_descriptors() -> bool:
 
 
 def _unusable(fd: int) -> str:
-    """Why a peer's descriptor is none a pool or a lane can use ('' if it is one). Checked before a
-    ticket keeps it: a descriptor of another kind (a TCP socket set to linger, a file on a slow
-    file system) could block whoever closes it. Nothing here calls into a file system (any user
-    can mount a FUSE one whose server never answers): shared memory is what takes seals, a socket
-    what answers SO_TYPE; anything else is named from its /proc link."""
+    """Why a peer's descriptor is none a pool or a lane can use ('' if it is one: shared memory).
+    Checked before a ticket keeps it: a descriptor of another kind (a TCP socket set to linger, a
+    file on a slow file system) could block whoever closes it, and a socket is no lane's doorbell
+    (the daemon makes those). Nothing here calls into a file system (any user can mount a FUSE one
+    whose server never answers): shared memory is what takes seals, a socket what answers
+    SO_TYPE; anything else is named from its /proc link."""
     if is_shared_memory(fd):
         return ""
-    kind = socket_kind(fd)
-    if kind is not None:
-        return "" if kind == (socket.AF_UNIX, socket.SOCK_SEQPACKET) else \
-            "a socket other than a Unix SOCK_SEQPACKET one"
+    if socket_kind(fd) is not None:
+        return "a socket"
     try:
         link = os.readlink(f"/proc/self/fd/{fd}")
     except OSError as exc:
@@ -320,15 +348,44 @@ def _error(exc: KVError) -> bytes:
     return b"E" + f"{exc.code.name} {exc}".encode()[:1024]
 
 
-def _reply(conn: socket.socket, reply: bytes | None, uid: int) -> None:
-    """Answers (if ``reply``) and closes the connection. Whatever the peer (of ``uid``) sent that
-    was not read goes first: a Unix socket closed with unread data resets its peer, which would
-    then lose the answer. Its descriptors are installed and closed on the uid's closer, as is the
-    connection itself (its queue may hold more): released here, a file on FUSE could hold the
-    loop on its server. Nothing is read from a uid whose closer is behind."""
+def make_doorbells(n: int) -> tuple[list[int], list[int]]:
+    """``n`` Unix SOCK_SEQPACKET socket pairs: (the daemon's ends, the engine's), close-on-exec,
+    the daemon's taking no descriptors (SO_PASSRIGHTS off, where the kernel has it) from before
+    the engine holds the other end. Out of descriptors: NoCapacity, nothing left open."""
+    ours: list[int] = []
+    theirs: list[int] = []
+    try:
+        for _ in range(n):
+            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            with contextlib.suppress(OSError):
+                a.setsockopt(socket.SOL_SOCKET, SO_PASSRIGHTS, 0)
+            ours.append(a.detach())
+            theirs.append(b.detach())
+    except OSError as exc:
+        close_made(ours + theirs)
+        raise NoCapacity(f"the daemon cannot make the lane's doorbells ({exc.strerror}): try again "
+                         "later") from None
+    return ours, theirs
+
+
+def close_made(fds: list[int]) -> None:
+    """Closes doorbell ends the daemon made and no peer ever held a copy of (nothing queued in
+    them can hold the closer: on the loop)."""
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _reply(conn: socket.socket, reply: bytes | None, uid: int, fds: list[int] = ()) -> None:
+    """Answers (if ``reply``, with ``fds`` attached) and closes the connection. Whatever the peer
+    (of ``uid``) sent that was not read goes first: a Unix socket closed with unread data resets
+    its peer, which would then lose the answer. Its descriptors are installed and closed on the
+    uid's closer, as is the connection itself (its queue may hold more): released here, a file on
+    FUSE could hold the loop on its server. Nothing is read from a uid whose closer is behind."""
     if pending_for(uid) < MAX_PENDING_CLOSES:
         drain(conn, uid)
     if reply is not None:
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
         with contextlib.suppress(OSError):
-            conn.send(reply)
+            conn.sendmsg([reply], anc)
     close_off_loop([conn.detach()], uid)

@@ -222,25 +222,6 @@ def drain(sock: socket.socket, uid: int, most: int = 64) -> None:
             return
 
 
-def refuse_rights(sock: socket.socket) -> bool:
-    """A doorbell a peer handed over takes no descriptors from now on (SO_PASSRIGHTS off: the
-    peer's sendmsg of one fails; where the kernel lacks it, nothing changes); whether it holds
-    nothing yet (no message, and its peer's end open). One that does is not read here: a queue of
-    thousands of messages, each with its descriptors, would hold the loop; it goes with its
-    ticket's descriptors, whose closer thread lets it go. A peek installs no descriptor."""
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, SO_PASSRIGHTS, 0)
-    except OSError:
-        pass
-    try:
-        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except (BlockingIOError, InterruptedError):
-        return True
-    except OSError:
-        return False
-    return False
-
-
 def pending_for(uid: int) -> int:
     """Descriptors of ``uid``'s waiting on its closer (other than shared memory)."""
     closer = _RISKY.get(uid)
@@ -285,7 +266,10 @@ class Ticket:
     # pid, it never names another process, whatever runs between then and the redeem. -1: none
     # (no pidfds of peers in this kernel); PEER_GONE: that process was gone already.
     pidfd: int = -1
-    held: int = 0  # descriptors it counts against the book's budgets (its fds and pidfd)
+    held: int = 0  # descriptors it counts against the book's budgets (its fds, doorbells and pidfd)
+    # The daemon's ends of the doorbells it made for a lane (the fd socket's KVF2), the submit
+    # doorbell's first: no peer ever held them.
+    doorbells: list[int] = field(default_factory=list)
 
     def take_pidfd(self) -> int:
         """The pidfd, the caller's to close from now on (-1: none; PEER_GONE)."""
@@ -297,11 +281,16 @@ class Ticket:
         if fd >= 0:
             os.close(fd)
 
+    def take_doorbells(self) -> list[int]:
+        """The daemon's ends of the doorbells, the caller's to close from now on."""
+        bells, self.doorbells = self.doorbells, []
+        return bells
+
     def close(self) -> None:
         """Closes every descriptor the ticket holds, here (idempotent): at shutdown only."""
         self.drop_pidfd()
         fds, self.fds = self.fds, []
-        for fd in fds:
+        for fd in fds + self.take_doorbells():
             close_peer_fd(fd)
 
     def close_mapped(self, mapped: set[int]) -> None:
@@ -313,12 +302,15 @@ class Ticket:
         for i, fd in enumerate(fds):
             if i in mapped:
                 close_peer_fd(fd)
-        close_off_loop([fd for i, fd in enumerate(fds) if i not in mapped], self.peer.uid)
+        close_off_loop([fd for i, fd in enumerate(fds) if i not in mapped] + self.take_doorbells(),
+                       self.peer.uid)
 
     def close_off_loop(self) -> None:
+        """Closes every descriptor the ticket holds on the closer threads (a doorbell's queue,
+        where the kernel lets a peer send descriptors down it, may hold some)."""
         self.drop_pidfd()
         fds, self.fds = self.fds, []
-        close_off_loop(fds, self.peer.uid)
+        close_off_loop(fds + self.take_doorbells(), self.peer.uid)
 
 
 class TicketBook:
@@ -339,23 +331,28 @@ class TicketBook:
     def __len__(self) -> int:
         return len(self._tickets)
 
-    def issue(self, peer: PeerCred, fds: list[int], pidfd: int = -1) -> str:
-        """A new ticket holding ``fds`` and the peer's ``pidfd``: the book owns them once it
-        returns (if it raises, they stay the caller's to close)."""
-        if self._per_uid[peer.uid] >= self.max_per_uid:
+    def check_room(self, uid: int, n: int) -> None:
+        """Raises NoCapacity unless ``uid`` may have one more ticket, holding ``n`` descriptors."""
+        if self._per_uid[uid] >= self.max_per_uid:
             raise NoCapacity(
-                f"uid {peer.uid} already holds {self.max_per_uid} unredeemed tickets; "
+                f"uid {uid} already holds {self.max_per_uid} unredeemed tickets; "
                 "register with them or let them expire"
             )
-        n = len(fds) + (pidfd >= 0)
-        if self._fds_per_uid[peer.uid] + n > self.max_fds_per_uid or self.num_fds + n > self.max_fds:
+        if self._fds_per_uid[uid] + n > self.max_fds_per_uid or self.num_fds + n > self.max_fds:
             raise NoCapacity(
-                f"too many descriptors held by unredeemed tickets ({self._fds_per_uid[peer.uid]} of uid "
-                f"{peer.uid}, at most {self.max_fds_per_uid}; {self.num_fds} in all, at most "
+                f"too many descriptors held by unredeemed tickets ({self._fds_per_uid[uid]} of uid "
+                f"{uid}, at most {self.max_fds_per_uid}; {self.num_fds} in all, at most "
                 f"{self.max_fds}): register with them or let them expire"
             )
+
+    def issue(self, peer: PeerCred, fds: list[int], pidfd: int = -1, doorbells: list[int] = ()) -> str:
+        """A new ticket holding ``fds``, the daemon's ends of the ``doorbells`` it made and the
+        peer's ``pidfd``: the book owns them once it returns (if it raises, they stay the
+        caller's to close)."""
+        n = len(fds) + len(doorbells) + (pidfd >= 0)
+        self.check_room(peer.uid, n)
         key = secrets.token_hex(16)
-        ticket = Ticket(peer, list(fds), pidfd=pidfd, held=n)
+        ticket = Ticket(peer, list(fds), pidfd=pidfd, held=n, doorbells=list(doorbells))
         self._tickets[key] = ticket
         self._per_uid[peer.uid] += 1
         self._fds_per_uid[peer.uid] += n
