@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tenant-quota", default=_env("TENANT_QUOTA", "100%"),
                    help="cached bytes one tenant may hold in the node-wide cache: a size or a share of "
                         "--host-memory (default 100%%: the whole budget)")
+    p.add_argument("--tenant-region-quota", default=_env("TENANT_REGION_QUOTA", "100%"),
+                   help="host memory the regions of one tenant's registrations may take together: a "
+                        "size or a share of --host-memory (default 100%%: the whole budget)")
     p.add_argument("--tenant-tokens", default=_env("TENANT_TOKENS"),
                    help="file of 'name token [quota]' lines: a call sending x-kvserver-tenant: <token> "
                         "is in tenant <name> (default: a caller's tenant is its uid)")
@@ -263,6 +266,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         cuda_wait_seconds=args.cuda_wait_seconds,
         allow_named_shm=args.allow_named_shm,
         tenant_quota=args.tenant_quota,
+        tenant_region_quota=args.tenant_region_quota,
         tenant_tokens=args.tenant_tokens,
         metrics_listen=args.metrics_listen,
         metrics_per_space=args.metrics_per_space,
@@ -273,6 +277,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         check_events_installed()
     # Checked here, so that a bad quota or tokens file stops the daemon with a clear message.
     parse_quota(config.tenant_quota, config.host_memory)
+    parse_quota(config.tenant_region_quota, config.host_memory)
     if config.tenant_tokens:
         TenantBook.load(config.tenant_tokens, config.host_memory)
     return config

@@ -143,6 +143,8 @@ class ServerConfig:
     max_message_bytes: int | None = None
     cuda_wait_seconds: float = 20.0  # GPU work of a client making no progress this long fails it
     tenant_quota: str = "100%"  # cached bytes one tenant may hold: a size or a share of host_memory
+    # host memory one tenant's registrations' regions may take together: a size or a share of host_memory
+    tenant_region_quota: str = "100%"
     tenant_tokens: str | None = None  # file of 'name token [quota]' lines (kvserver.peers.tenants)
     metrics_listen: str | None = None  # HOST:PORT of a Prometheus /metrics endpoint; None: off
     metrics_per_space: bool = False  # also tenants', models' and spaces' series (names every tenant)

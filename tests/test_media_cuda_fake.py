@@ -786,8 +786,11 @@ def test_a_quarantined_pool_is_released_once_its_context_has_a_sticky_error(daem
                 stub.Put(pb.PutRequest(client_id=reg.client_id, keys=bytes(range(16)) * 2, key_bytes=16,
                                        device_pages=[0, 1], ready_event=hung), timeout=20)
             assert wait_for(lambda: d.run(lambda: bool(d.core._quarantined))), "not quarantined"
+            # Its region still counts in its tenant's share (--tenant-region-quota) until released.
+            assert d.run(lambda: sum(d.core._region_bytes_by_tenant.values())) > 0
             rt.sticky = 700  # the context fails: the hung copy will never run
             assert wait_for(lambda: d.run(lambda: not d.core._quarantined), 3.0), "never released"
+            assert wait_for(lambda: d.run(lambda: not d.core._region_bytes_by_tenant), 3.0)
 
             def held() -> list:
                 return d.run(lambda: [(t.counters.pages, t.counters.bytes) for t in d.core.cache.stats()[1]])

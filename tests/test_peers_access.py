@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -647,6 +648,46 @@ def test_one_tenant_cannot_take_every_client_slot(make_daemon, parties, unmapped
     req.replaces_client_id = parties[1].cid
     resp = parties[0].call("Register", req)
     parties[0].call("Unregister", pb.UnregisterRequest(client_id=resp.client_id))
+
+
+def test_one_tenants_regions_stay_under_its_region_quota(make_daemon, tmp_path) -> None:
+    """The host memory one tenant's registrations take together is capped (--tenant-region-quota):
+    without it one uid's registrations could take the whole budget (and evict every tenant's
+    cache for it). Past the quota a registration is granted what is left, down to the least it
+    accepts, else refused naming the quota; another tenant is not held to the first's use, and an
+    Unregister gives its region's share back."""
+    tokens = tmp_path / "tenants"
+    tokens.write_text("other other-tenant-token\n")
+    d = make_daemon(host_memory=16 << 20, tenant_region_quota="1MiB", tenant_tokens=str(tokens))
+
+    def register(client: KVClient, pool: ShmKVPool, tokens: int, least: int | None = None):
+        return client.register(model="m", pool=pool, start_layer=0, end_layer=LAYERS, num_layers=LAYERS,
+                               host_tokens=tokens, page_size=PAGE, min_host_tokens=least)
+
+    with contextlib.ExitStack() as stack:
+        pa, pb_, pc, po = (stack.enter_context(_new_pool(seed=seed)) for seed in range(4))
+        a, b, c = (stack.enter_context(KVClient(d.address, lane="grpc", resilient=False)) for _ in range(3))
+        other = stack.enter_context(KVClient(d.address, lane="grpc", tenant_token="other-tenant-token"))
+        token_bytes = register(other, po, PAGE).host_bytes_per_token  # (K and V, every layer)
+        other.unregister()
+        quota_tokens = (1 << 20) // token_bytes
+        three_quarters = quota_tokens * 3 // 4
+        assert register(a, pa, three_quarters).host_tokens == three_quarters
+        with pytest.raises(KVClientError) as err:
+            register(b, pb_, three_quarters)
+        assert err.value.code == C.RESOURCE_EXHAUSTED, err.value
+        assert f"tenant uid:{os.getuid()}'s registrations hold {three_quarters * token_bytes} bytes" \
+            in err.value.message and "--tenant-region-quota" in err.value.message, err.value.message
+        # What is left, to one that accepts that little.
+        assert register(c, pc, three_quarters, least=PAGE).host_tokens == quota_tokens - three_quarters
+        assert register(other, po, three_quarters).host_tokens == three_quarters  # its own quota
+        c.unregister()
+        assert register(b, pb_, quota_tokens // 4).host_tokens == quota_tokens // 4
+        assert d.run(lambda: dict(d.core._region_bytes_by_tenant)) == {
+            f"uid:{os.getuid()}": quota_tokens * token_bytes, "other": three_quarters * token_bytes}
+        for client in (a, b, other):
+            client.unregister()
+        assert d.run(lambda: dict(d.core._region_bytes_by_tenant)) == {}  # every region given back
 
 
 LIMIT = 64  # max_request_indices

@@ -73,6 +73,7 @@ class KVCore:
         allow_named_shm: bool = False,
         tenant_quota: int = 0,
         tenant_quotas: dict[str, int] | None = None,
+        tenant_region_quota: int = 0,
         host_memory_dir: str | None = None,
         disk_cache: str | None = None,
         disk_size: int = 0,
@@ -117,6 +118,9 @@ class KVCore:
         self.max_clients = max_clients
         self.max_clients_per_tenant = max_clients_per_tenant
         self._registering_by_tenant: Counter[str] = Counter()  # registrations under way, by tenant
+        # Host memory one tenant's regions take together (0: the whole budget), and what they take.
+        self.tenant_region_quota = tenant_region_quota
+        self._region_bytes_by_tenant: Counter[str] = Counter()
         self.max_request_indices = max_request_indices
         self.max_pages_per_client = max_pages_per_client
         self.clients: dict[str, ClientState] = {}
@@ -340,11 +344,11 @@ class KVCore:
                     mapped = self._mapped[fds_of] - (replaced.mapped_bytes if replaced is not None
                                                      and replaced.pool_fds_of == fds_of else 0)
                     access = dataclasses.replace(access, map_budget=self.max_mapped_bytes_per_uid - mapped)
-                    client = await self._register(req, spec, access, least, most)
+                    client = await self._register(req, spec, access, least, most, who)
                     client.mapped_bytes = client.device.mapped_bytes
                     self._mapped[fds_of] += client.mapped_bytes
             else:
-                client = await self._register(req, spec, access, least, most)
+                client = await self._register(req, spec, access, least, most, who)
             client.peer = access.peer
             client.tenant = who
             client.pool_fds, client.pool_fds_of = fds, fds_of
@@ -497,8 +501,29 @@ class KVCore:
             self._in_threads -= 1
             self._thread_done.set()
 
+    def _region_room(self, tenant: str, spec: ClientSpec, least: int, most: int) -> int:
+        """The most pages a region of ``tenant``'s may take under its region quota (at most
+        ``most``); refuses fewer than ``least``, naming what the tenant's regions hold."""
+        if not self.tenant_region_quota:
+            return most
+        held = self._region_bytes_by_tenant[tenant]
+        room = max(0, self.tenant_region_quota - held) // spec.page_bytes
+        if room < least:
+            raise NoCapacity(
+                f"tenant {tenant}'s registrations hold {held} bytes of host memory, and its regions may "
+                f"take {self.tenant_region_quota} together (--tenant-region-quota): this registration "
+                f"accepts no fewer than {least * spec.page_size} host tokens ({least * spec.page_bytes} "
+                "bytes); unregister one first, or accept fewer (min_host_tokens)"
+            )
+        return min(most, room)
+
+    def _give_region_quota(self, tenant: str, nbytes: int) -> None:
+        self._region_bytes_by_tenant[tenant] -= nbytes
+        if self._region_bytes_by_tenant[tenant] <= 0:
+            del self._region_bytes_by_tenant[tenant]
+
     async def _register(self, req: pb.RegisterRequest, spec: ClientSpec, access: ShmAccess, least: int,
-                        most: int) -> ClientState:
+                        most: int, tenant: str) -> ClientState:
         def open_device():
             return open_pool(req.device_pool, spec.layout, spec.dtype, len(spec.layers), spec.page_size,
                              req.event_slots, access, slabs=self.slab_pinner)
@@ -508,9 +533,13 @@ class KVCore:
             if req.replaces_client_id:  # only now that the new pool has passed every check
                 await self._release_replaced(req.replaces_client_id)
             page_bytes = spec.page_bytes
+            most = self._region_room(tenant, spec, least, most)  # no room made for more than it may take
             await self.rooms.make(least * page_bytes, most * page_bytes)
+            # Again: its other registrations may have taken regions meanwhile (no await from here).
+            most = self._region_room(tenant, spec, least, most)
             num_pages = min(most, self._check_fits(spec, least))  # (no await since: the room is there)
             offset = self.arena.reserve(num_pages * page_bytes, commit=False)
+            self._region_bytes_by_tenant[tenant] += num_pages * page_bytes
         except BaseException:
             await self._in_thread(device.close)
             raise
@@ -529,6 +558,7 @@ class KVCore:
             try:
                 await self._in_thread(device.close)
             finally:  # committed (and pinned) memory goes back to the kernel off the loop
+                self._give_region_quota(tenant, num_pages * page_bytes)
                 await self._release_region(offset, num_pages * page_bytes)
             raise
         client = ClientState(
@@ -538,6 +568,7 @@ class KVCore:
             device=device,
             region_offset=offset,
             region_bytes=num_pages * page_bytes,
+            tenant=tenant,
             pages=PageAllocator(num_pages),
             host_views=host_views,
             host_table=host_table,
@@ -659,6 +690,7 @@ class KVCore:
                 del self._mapped[client.pool_fds_of]
             client.mapped_bytes = 0
             if held is None:
+                self._give_region_quota(client.tenant, client.region_bytes)
                 await self._release_region(client.region_offset, client.region_bytes)
                 # Its own copies are dead, but a quarantined client's may still write the same
                 # device memory: the engine must not let it be reused yet.
@@ -670,6 +702,7 @@ class KVCore:
 
                 def drained() -> None:  # its memory back to the kernel off the loop, then the range
                     self._quarantined.pop(client_id, None)
+                    self._give_region_quota(client.tenant, region[1])
                     if self._closing:  # (the arena is about to go: no thread may use it after)
                         self.arena.release(*region)
                     else:
