@@ -137,7 +137,9 @@ class Daemon:
             allow_named_shm=config.allow_named_shm,
             tenant_quota=parse_quota(config.tenant_quota, capacity),
             tenant_quotas=self.tenants.quotas,
-            tenant_region_quota=parse_quota(config.tenant_region_quota, capacity),
+            # The whole budget is no quota: what no region of the daemon's could pass.
+            tenant_region_quota=region_quota if (region_quota := parse_quota(config.tenant_region_quota,
+                                                                             capacity)) < capacity else 0,
             host_memory_dir=config.host_memory_dir,
             disk_cache=config.disk_cache,
             disk_size=config.disk_size,

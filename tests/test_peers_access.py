@@ -650,41 +650,57 @@ def test_one_tenant_cannot_take_every_client_slot(make_daemon, parties, unmapped
     parties[0].call("Unregister", pb.UnregisterRequest(client_id=resp.client_id))
 
 
+def _quota_register(client: KVClient, pool: ShmKVPool, tokens: int, least: int | None = None):
+    return client.register(model="m", pool=pool, start_layer=0, end_layer=LAYERS, num_layers=LAYERS,
+                           host_tokens=tokens, page_size=PAGE, min_host_tokens=least)
+
+
 def test_one_tenants_regions_stay_under_its_region_quota(make_daemon, tmp_path) -> None:
     """The host memory one tenant's registrations take together is capped (--tenant-region-quota):
     without it one uid's registrations could take the whole budget (and evict every tenant's
     cache for it). Past the quota a registration is granted what is left, down to the least it
     accepts, else refused naming the quota; another tenant is not held to the first's use, and an
-    Unregister gives its region's share back."""
+    Unregister gives its region's share back. A region counts as the arena takes it: whole 2 MiB
+    units, however few pages it holds."""
     tokens = tmp_path / "tenants"
     tokens.write_text("other other-tenant-token\n")
-    d = make_daemon(host_memory=16 << 20, tenant_region_quota="1MiB", tenant_tokens=str(tokens))
-
-    def register(client: KVClient, pool: ShmKVPool, tokens: int, least: int | None = None):
-        return client.register(model="m", pool=pool, start_layer=0, end_layer=LAYERS, num_layers=LAYERS,
-                               host_tokens=tokens, page_size=PAGE, min_host_tokens=least)
-
+    quota = 8 << 20
+    d = make_daemon(host_memory=64 << 20, tenant_region_quota="8MiB", tenant_tokens=str(tokens))
     with contextlib.ExitStack() as stack:
-        pa, pb_, pc, po = (stack.enter_context(_new_pool(seed=seed)) for seed in range(4))
+        pools = [stack.enter_context(_new_pool(seed=seed)) for seed in range(4)]
         a, b, c = (stack.enter_context(KVClient(d.address, lane="grpc", resilient=False)) for _ in range(3))
         other = stack.enter_context(KVClient(d.address, lane="grpc", tenant_token="other-tenant-token"))
-        token_bytes = register(other, po, PAGE).host_bytes_per_token  # (K and V, every layer)
+        token_bytes = _quota_register(other, pools[3], PAGE).host_bytes_per_token  # (K and V, every layer)
         other.unregister()
-        quota_tokens = (1 << 20) // token_bytes
-        three_quarters = quota_tokens * 3 // 4
-        assert register(a, pa, three_quarters).host_tokens == three_quarters
+        unit = (2 << 20) // token_bytes  # the tokens of one 2 MiB unit
+        assert _quota_register(a, pools[0], 3 * unit).host_tokens == 3 * unit
         with pytest.raises(KVClientError) as err:
-            register(b, pb_, three_quarters)
+            _quota_register(b, pools[1], 3 * unit)
         assert err.value.code == C.RESOURCE_EXHAUSTED, err.value
-        assert f"tenant uid:{os.getuid()}'s registrations hold {three_quarters * token_bytes} bytes" \
-            in err.value.message and "--tenant-region-quota" in err.value.message, err.value.message
+        assert f"tenant uid:{os.getuid()}'s registrations hold {6 << 20} bytes" in err.value.message \
+            and "--tenant-region-quota" in err.value.message, err.value.message
         # What is left, to one that accepts that little.
-        assert register(c, pc, three_quarters, least=PAGE).host_tokens == quota_tokens - three_quarters
-        assert register(other, po, three_quarters).host_tokens == three_quarters  # its own quota
+        assert _quota_register(c, pools[2], 3 * unit, least=PAGE).host_tokens == unit
+        assert _quota_register(other, pools[3], 3 * unit).host_tokens == 3 * unit  # its own quota
         c.unregister()
-        assert register(b, pb_, quota_tokens // 4).host_tokens == quota_tokens // 4
-        assert d.run(lambda: dict(d.core._region_bytes_by_tenant)) == {
-            f"uid:{os.getuid()}": quota_tokens * token_bytes, "other": three_quarters * token_bytes}
+        # A one-page region takes a whole unit of the arena, and of the quota.
+        assert _quota_register(b, pools[1], PAGE).host_tokens == PAGE
+        with pytest.raises(KVClientError) as err:
+            _quota_register(c, pools[2], PAGE)
+        assert err.value.code == C.RESOURCE_EXHAUSTED and "--tenant-region-quota" in err.value.message
+        assert d.run(lambda: dict(d.core._region_bytes_by_tenant)) == {f"uid:{os.getuid()}": quota,
+                                                                        "other": 6 << 20}
+        # A registration replacing its own gets the old one's share back; one that could not fit
+        # even so is refused before anything changes: the registration it names stays.
+        old = b.registration.client_id
+        assert _quota_register(b, pools[1], unit, least=unit).host_tokens == unit
+        assert b.registration.client_id != old
+        old = b.registration.client_id
+        with pytest.raises(KVClientError) as err:
+            _quota_register(b, pools[1], 2 * unit)
+        assert err.value.code == C.RESOURCE_EXHAUSTED, err.value
+        assert "the registration it names stays" in err.value.message, err.value.message
+        assert d.run(lambda: old in d.core.clients)
         for client in (a, b, other):
             client.unregister()
         assert d.run(lambda: dict(d.core._region_bytes_by_tenant)) == {}  # every region given back

@@ -147,6 +147,7 @@ class ClientState:
     # before it opened a Session is reclaimed as one whose Session ended (liveness.py).
     pidfd: int = -1
     tenant: str = "anonymous"  # whose cached pages it sees (kvserver.peers.tenants)
+    quota_bytes: int = 0  # what its region counts in its tenant's region quota (0: no quota)
     # The descriptors its pool's mappings hold (kvserver.core.kvcore.pool_descriptors), and whose
     # count they are in: its uid's, or its tenant's where the call came with no peer.
     pool_fds: int = 0

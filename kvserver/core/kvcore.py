@@ -38,6 +38,7 @@ from kvserver.events.book import Publisher
 from kvserver.host.arena import HostArena, aligned_capacity, populate
 from kvserver.host.kept import KeptDir, KeptDirError
 from kvserver.host.pages import PageAllocator
+from kvserver.host.regions import REGION_ALIGN, align_down, align_up
 from kvserver.media import ShmAccess, SlabPinner, open_pool, pool_descriptors
 from kvserver.peers.tenants import tenant_of
 from kvserver.peers.tickets import TicketBook, fd_budget
@@ -120,7 +121,8 @@ class KVCore:
         self._registering_by_tenant: Counter[str] = Counter()  # registrations under way, by tenant
         # Host memory one tenant's regions take together (0: the whole budget), and what they take.
         self.tenant_region_quota = tenant_region_quota
-        self._region_bytes_by_tenant: Counter[str] = Counter()
+        self._region_bytes_by_tenant: Counter[str] = Counter()  # booked under way, too
+        self._quarantined_bytes_by_tenant: Counter[str] = Counter()  # of those, quarantined CUDA pools'
         self.max_request_indices = max_request_indices
         self.max_pages_per_client = max_pages_per_client
         self.clients: dict[str, ClientState] = {}
@@ -318,6 +320,10 @@ class KVCore:
                     f"tenant {who} holds {self.max_clients_per_tenant} registrations, its limit "
                     "(--max-clients-per-tenant): unregister one first"
                 )
+            # Its tenant's region quota, before its pool is opened (seconds for a CUDA pool) and
+            # before a registration it replaces is let go (which stays when this one never fits).
+            self._region_room(who, spec, least, least, replaced.quota_bytes if replaced is not None
+                              and replaced.tenant == who else 0, replacing=replaced is not None)
             # Other registrations' rooms in flight it would fit beside are waited out first, holding
             # nothing (its uid's turn to map a pool, the registration it replaces).
             await self.rooms.wait(least * spec.page_bytes, replaced.region_bytes if replaced else 0)
@@ -501,24 +507,41 @@ class KVCore:
             self._in_threads -= 1
             self._thread_done.set()
 
-    def _region_room(self, tenant: str, spec: ClientSpec, least: int, most: int) -> int:
+    def _region_room(self, tenant: str, spec: ClientSpec, least: int, most: int, given_back: int = 0,
+                     replacing: bool = False) -> int:
         """The most pages a region of ``tenant``'s may take under its region quota (at most
-        ``most``); refuses fewer than ``least``, naming what the tenant's regions hold."""
+        ``most``), counting what its regions take (each rounded up to the arena's alignment, as
+        the arena takes it) and what its registrations under way booked, less ``given_back`` (the
+        share of a registration it replaces); refuses fewer than ``least``, naming them."""
         if not self.tenant_region_quota:
             return most
-        held = self._region_bytes_by_tenant[tenant]
-        room = max(0, self.tenant_region_quota - held) // spec.page_bytes
+        held = self._region_bytes_by_tenant[tenant] - given_back
+        room = align_down(max(0, self.tenant_region_quota - held), REGION_ALIGN) // spec.page_bytes
         if room < least:
+            stuck = self._quarantined_bytes_by_tenant[tenant]
             raise NoCapacity(
-                f"tenant {tenant}'s registrations hold {held} bytes of host memory, and its regions may "
-                f"take {self.tenant_region_quota} together (--tenant-region-quota): this registration "
-                f"accepts no fewer than {least * spec.page_size} host tokens ({least * spec.page_bytes} "
-                "bytes); unregister one first, or accept fewer (min_host_tokens)"
+                f"tenant {tenant}'s registrations hold {held} bytes of host memory"
+                + (f" ({stuck} of them regions of CUDA pools quarantined until their GPU work drains)"
+                   if stuck else "")
+                + f", and its regions may take {self.tenant_region_quota} together (--tenant-region-quota; "
+                f"each region takes a multiple of {REGION_ALIGN} bytes): this registration accepts no fewer "
+                f"than {least * spec.page_size} host tokens ({least * spec.page_bytes} bytes); unregister "
+                "one first, or accept fewer (min_host_tokens)"
+                + ("; the registration it names stays" if replacing else "")
             )
         return min(most, room)
 
-    def _give_region_quota(self, tenant: str, nbytes: int) -> None:
-        self._region_bytes_by_tenant[tenant] -= nbytes
+    def _book_region_quota(self, tenant: str, nbytes: int) -> int:
+        """Books a region of ``nbytes`` in its tenant's share; returns what was booked."""
+        booked = align_up(nbytes, REGION_ALIGN) if self.tenant_region_quota else 0
+        if booked:
+            self._region_bytes_by_tenant[tenant] += booked
+        return booked
+
+    def _give_region_quota(self, tenant: str, booked: int) -> None:
+        if not booked:
+            return
+        self._region_bytes_by_tenant[tenant] -= booked
         if self._region_bytes_by_tenant[tenant] <= 0:
             del self._region_bytes_by_tenant[tenant]
 
@@ -533,13 +556,18 @@ class KVCore:
             if req.replaces_client_id:  # only now that the new pool has passed every check
                 await self._release_replaced(req.replaces_client_id)
             page_bytes = spec.page_bytes
-            most = self._region_room(tenant, spec, least, most)  # no room made for more than it may take
-            await self.rooms.make(least * page_bytes, most * page_bytes)
-            # Again: its other registrations may have taken regions meanwhile (no await from here).
+            # No room is made for more than its tenant may take; what it may take is booked while
+            # the room is made, so that its tenant's other registrations under way make none for it.
             most = self._region_room(tenant, spec, least, most)
+            booked = self._book_region_quota(tenant, most * page_bytes)
+            try:
+                await self.rooms.make(least * page_bytes, most * page_bytes)
+            finally:
+                self._give_region_quota(tenant, booked)
+            most = self._region_room(tenant, spec, least, most)  # (no await from here)
             num_pages = min(most, self._check_fits(spec, least))  # (no await since: the room is there)
             offset = self.arena.reserve(num_pages * page_bytes, commit=False)
-            self._region_bytes_by_tenant[tenant] += num_pages * page_bytes
+            quota_bytes = self._book_region_quota(tenant, num_pages * page_bytes)
         except BaseException:
             await self._in_thread(device.close)
             raise
@@ -558,7 +586,7 @@ class KVCore:
             try:
                 await self._in_thread(device.close)
             finally:  # committed (and pinned) memory goes back to the kernel off the loop
-                self._give_region_quota(tenant, num_pages * page_bytes)
+                self._give_region_quota(tenant, quota_bytes)
                 await self._release_region(offset, num_pages * page_bytes)
             raise
         client = ClientState(
@@ -568,6 +596,7 @@ class KVCore:
             device=device,
             region_offset=offset,
             region_bytes=num_pages * page_bytes,
+            quota_bytes=quota_bytes,
             tenant=tenant,
             pages=PageAllocator(num_pages),
             host_views=host_views,
@@ -690,7 +719,7 @@ class KVCore:
                 del self._mapped[client.pool_fds_of]
             client.mapped_bytes = 0
             if held is None:
-                self._give_region_quota(client.tenant, client.region_bytes)
+                self._give_region_quota(client.tenant, client.quota_bytes)
                 await self._release_region(client.region_offset, client.region_bytes)
                 # Its own copies are dead, but a quarantined client's may still write the same
                 # device memory: the engine must not let it be reused yet.
@@ -698,11 +727,15 @@ class KVCore:
             else:  # stays reserved until the quarantine has released the pool's GPU resources
                 client.copies_pending = True
                 self._quarantined[client_id] = handles
+                self._quarantined_bytes_by_tenant[client.tenant] += client.quota_bytes
                 loop, region = asyncio.get_running_loop(), (client.region_offset, client.region_bytes)
 
                 def drained() -> None:  # its memory back to the kernel off the loop, then the range
                     self._quarantined.pop(client_id, None)
-                    self._give_region_quota(client.tenant, region[1])
+                    self._give_region_quota(client.tenant, client.quota_bytes)
+                    self._quarantined_bytes_by_tenant[client.tenant] -= client.quota_bytes
+                    if self._quarantined_bytes_by_tenant[client.tenant] <= 0:
+                        del self._quarantined_bytes_by_tenant[client.tenant]
                     if self._closing:  # (the arena is about to go: no thread may use it after)
                         self.arena.release(*region)
                     else:

@@ -26,6 +26,10 @@ REGION_ALIGN = 1 << 21  # 2 MiB: regions start on huge-page boundaries
 BOOK_ALLOWANCE = 64  # bookkeeping up to capacity / BOOK_ALLOWANCE is not charged to the capacity
 
 
+def align_down(n: int, a: int) -> int:
+    return n // a * a
+
+
 def align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
