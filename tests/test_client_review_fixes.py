@@ -368,7 +368,7 @@ def test_a_lane_the_process_has_no_descriptors_for_leaves_the_client_registered_
         with ShmKVPool(LAYOUT, DTYPE, LAYERS, TOKENS) as pool, KVClient(d.address, timeout=2.0) as client:
             client.stats(all_clients=True)  # (the channel's socket made before the limit)
             before, sockets = _lane_memfds(), _lane_memfds("socket:")
-            with _descriptors_left(10):  # (its doorbells' ends come short: MSG_CTRUNC)
+            with _descriptors_left(8):  # (its doorbells cannot all be connected)
                 reg = register(client, pool)
             assert reg is not None and client.connected and client.lane is None
             assert (_lane_memfds(), _lane_memfds("socket:")) == (before, sockets)

@@ -652,13 +652,13 @@ def test_a_lanes_doorbells_take_no_descriptors(daemon) -> None:
 
 @pytest.mark.parametrize("kind", ["a pair", "listening", "holding messages"])
 def test_a_lane_takes_no_doorbell_its_peer_sent(daemon, kind) -> None:
-    """A lane's doorbells are made by the daemon, which hands the engine its ends with the ticket:
-    a peer that sent its own kept a copy of the daemon's end, and so could hold its read lock (a
-    read into a page on a FUSE file system whose server never answers) or take descriptors down
-    it again (SO_PASSRIGHTS on), and the loop or the plane's thread would wait on them; it could
-    also send a listening socket (read as rung for ever) or one full of messages. Any doorbell a
-    peer sends is refused, unread; the registration serves on over gRPC, and a lane whose
-    doorbells the daemon made opens."""
+    """A lane's doorbells are connections the engine makes to the fd socket, whose accepts are the
+    daemon's ends: a peer that sent its own kept a copy of the daemon's end, and so could hold its
+    read lock (a read into a page on a FUSE file system whose server never answers) or take
+    descriptors down it again (SO_PASSRIGHTS on), and the loop or the plane's thread would wait on
+    them; it could also send a listening socket (read as rung for ever) or one full of messages.
+    Any doorbell a peer sends is refused, unread; the registration serves on over gRPC, and a lane
+    whose doorbells were connected opens."""
     import array
 
     r, w = os.pipe()
@@ -709,7 +709,7 @@ def test_a_lane_opens_with_its_ring_alone_and_as_many_doorbells_as_the_daemon_ma
                 KVClient(daemon.address, lane="grpc") as client:
             reg = register(client, pool)
             if case == "no doorbells":
-                ticket, said = request_ticket(path, [ring]), "doorbells the daemon made"
+                ticket, said = request_ticket(path, [ring]), "doorbells the daemon accepted"
             elif case == "more than the ring":
                 (ticket, ends), said = request_lane_ticket(path, [ring, other], 9), "its ring alone"
             else:

@@ -1,26 +1,37 @@
-"""A lane's doorbells are made by the daemon (the fd socket's lane ticket, ``KVF2``): it keeps one
-end of each socket pair under the ticket and hands the engine the others, so no peer ever holds a
-copy of the daemon's end (which could hold the end's read lock, or take descriptors down it again,
-and so hold whichever of the loop and the data plane's thread reads it). Against the in-process
-daemon (conftest's ``daemon``): what the ticket holds is read on its loop."""
+"""A lane's doorbells are connections to the fd socket (the lane ticket, ``KVF2``, then one ``KVB1``
+connection per doorbell): the daemon keeps the connections it accepted as its ends, which no peer
+ever holds (a copy of one could hold its read lock, or take descriptors down it again, and so
+hold whichever of the loop and the data plane's thread reads it), and it never hands a peer a
+descriptor of its own. Against the in-process daemon (conftest's ``daemon``): what the ticket
+holds is read on its loop."""
 
 from __future__ import annotations
 
 import array
-import errno
 import os
 import select
 import socket
 import struct
+import threading
 import time
 
 import grpc
 import pytest
+import torch
+from test_lane import raw_ring_fd
 
-from kvserver.peers import fd_socket as fd_socket_mod
-from kvserver.protocol.fd_socket import MAX_DOORBELLS, TicketRefused, fd_socket_path, request_lane_ticket
-
-C = grpc.StatusCode
+from kvclient import KVClient, KVLayout, ShmKVPool
+from kvserver.protocol.fd_socket import (
+    BELL_HEADER,
+    BELL_MAGIC,
+    MAX_DOORBELLS,
+    TicketRefused,
+    fd_socket_path,
+    request_lane_ticket,
+    request_ticket,
+)
+from kvserver.v1 import kvserver_pb2 as pb
+from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
 
 
 def fd_path(d) -> str:
@@ -38,16 +49,6 @@ def ring_memfd() -> int:
     return os.memfd_create("kvtest-bells-ring", os.MFD_CLOEXEC)
 
 
-def sockets_open() -> int:
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-        except OSError:
-            pass
-    return n
-
-
 def passrights_supported() -> bool:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with a, b:
@@ -58,7 +59,45 @@ def passrights_supported() -> bool:
     return True
 
 
-def test_a_lane_ticket_hands_over_the_engines_ends_of_doorbells_the_daemon_made(daemon) -> None:
+def lane_ticket(daemon, doorbells: int, ring: int | None = None) -> str:
+    """A lane ticket (of ``ring``, else of a bare memfd) whose doorbells are left to connect."""
+    fd = ring_memfd() if ring is None else ring
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            s.settimeout(10)
+            s.connect(fd_path(daemon))
+            s.sendmsg([b"KVF2" + struct.pack("<II", 1, doorbells)], _rights([fd]))
+            reply = s.recv(2048)
+    finally:
+        if ring is None:
+            os.close(fd)
+    assert reply[:1] == b"T", reply
+    return reply[1:].decode()
+
+
+def _rights(fds: list[int]) -> list:
+    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+
+
+def bell(daemon, ticket: str, index: int, then: tuple[bytes, list[int]] | None = None,
+         fds: list[int] = ()) -> tuple[socket.socket, bytes]:
+    """Connects doorbell ``index`` of ``ticket`` (with ``fds`` on its first message, and the
+    message and descriptors ``then`` sent right after it); returns the connection and the
+    daemon's answer."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(10)
+    s.connect(fd_path(daemon))
+    s.sendmsg([BELL_HEADER.pack(BELL_MAGIC, index) + ticket.encode()], _rights(list(fds)))
+    if then is not None:
+        s.sendmsg([then[0]], _rights(then[1]))
+    return s, s.recv(2048)
+
+
+def held(daemon, ticket: str) -> list[int]:
+    return daemon.run(lambda: list(daemon.core.tickets._tickets[ticket].doorbells))
+
+
+def test_a_lane_tickets_doorbells_are_the_connections_the_daemon_accepted(daemon) -> None:
     fd = ring_memfd()
     try:
         ticket, ends = request_lane_ticket(fd_path(daemon), [fd], 3)
@@ -66,17 +105,18 @@ def test_a_lane_ticket_hands_over_the_engines_ends_of_doorbells_the_daemon_made(
         os.close(fd)
     try:
         assert len(ends) == 3
-        assert all((e.family, e.type) == (socket.AF_UNIX, socket.SOCK_SEQPACKET) for e in ends)
-        held = daemon.run(lambda: daemon.core.tickets._tickets[ticket])
-        assert len(held.fds) == 1 and len(held.doorbells) == 3
-        ours = [socket.socket(fileno=os.dup(b)) for b in held.doorbells]
+        book = daemon.run(lambda: daemon.core.tickets._tickets[ticket])
+        assert len(book.fds) == 1 and len(book.doorbells) == 3 and min(book.doorbells) >= 0
+        assert daemon.run(lambda: book.held) >= 4  # its ring and doorbells (and its pidfd) counted
+        ours = [socket.socket(fileno=os.dup(b)) for b in book.doorbells]
         try:
             for i, (end, mine) in enumerate(zip(ends, ours, strict=True)):  # each pair, in order
+                assert mine.getpeername() == "" and end.getpeername() == fd_path(daemon)
                 end.send(b"%d" % i)
                 assert mine.recv(8, socket.MSG_DONTWAIT) == b"%d" % i
                 mine.send(b"back")
                 assert end.recv(8) == b"back"
-                if passrights_supported():  # the daemon's ends take no descriptor, from the first
+                if passrights_supported():  # the daemon's ends take no descriptor
                     r, w = os.pipe()
                     try:
                         with pytest.raises(PermissionError):
@@ -88,15 +128,32 @@ def test_a_lane_ticket_hands_over_the_engines_ends_of_doorbells_the_daemon_made(
         finally:
             for s in ours:
                 s.close()
-        # The ticket counts its doorbells against the uid's descriptor budget (and its ring, pidfd).
-        assert daemon.run(lambda: held.held) >= 4
     finally:
         for e in ends:
             e.close()
 
 
+def test_the_daemon_hands_a_peer_no_descriptor_of_its_own(daemon) -> None:
+    """A lane ticket's answer carries no descriptor: sockets the daemon made and sent would stay
+    in flight, charged to the daemon's user, in the queue of a peer that never reads them (one
+    that kept doing so grew the kernel's memory by 11 MiB a ticket's life, ran a daemon limited by
+    RLIMIT_NOFILE into ETOOMANYREFS for every engine's lane, and made each of its sends of
+    descriptors wait for the kernel's collector of sockets in flight)."""
+    fd = ring_memfd()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            s.settimeout(10)
+            s.connect(fd_path(daemon))
+            s.sendmsg([b"KVF2" + struct.pack("<II", 1, MAX_DOORBELLS)], _rights([fd]))
+            reply, anc, _, _ = s.recvmsg(2048, socket.CMSG_SPACE(4 * MAX_DOORBELLS))
+    finally:
+        os.close(fd)
+    assert reply[:1] == b"T" and anc == [], (reply, anc)
+    assert held(daemon, reply[1:].decode()) == [-1] * MAX_DOORBELLS  # none connected yet
+
+
 def test_an_unredeemed_lane_tickets_doorbells_close_at_its_expiry(daemon) -> None:
-    daemon.run(lambda: setattr(daemon.core.tickets, "ttl", 0.3))
+    daemon.run(lambda: setattr(daemon.core.tickets, "ttl", 0.5))
     fd = ring_memfd()
     try:
         _, ends = request_lane_ticket(fd_path(daemon), [fd], 2)
@@ -114,70 +171,113 @@ def test_an_unredeemed_lane_tickets_doorbells_close_at_its_expiry(daemon) -> Non
             e.close()
 
 
-def _refused(daemon, header: bytes, fds: list[int]) -> bytes:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
-        s.settimeout(10)
-        s.connect(fd_path(daemon))
-        s.sendmsg([header], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else [])
-        reply, anc, _, _ = s.recvmsg(2048, socket.CMSG_SPACE(4 * MAX_DOORBELLS))
-        assert anc == []  # no doorbell handed over
-        return reply
-
-
 @pytest.mark.parametrize("bells", [0, MAX_DOORBELLS + 1, 1 << 31])
-def test_a_lane_ticket_asking_for_no_doorbell_or_too_many_is_refused_before_any_is_made(daemon,
-                                                                                        bells) -> None:
+def test_a_lane_ticket_of_no_doorbell_or_too_many_is_refused(daemon, bells) -> None:
     fd = ring_memfd()
     try:
-        before = sockets_open()
-        reply = _refused(daemon, b"KVF2" + struct.pack("<II", 1, bells), [fd])
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            s.settimeout(10)
+            s.connect(fd_path(daemon))
+            s.sendmsg([b"KVF2" + struct.pack("<II", 1, bells)],
+                      [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+            reply = s.recv(2048)
         assert reply.startswith(b"EINVALID_ARGUMENT ") and b"doorbells asked for" in reply, reply
         assert daemon.run(lambda: len(daemon.core.tickets)) == 0
-        wait_until(lambda: sockets_open() <= before, what="the connection closed, no doorbell left")
     finally:
         os.close(fd)
 
 
-def test_a_lane_ticket_past_its_uids_budget_is_refused_before_any_doorbell_is_made(daemon,
-                                                                                   monkeypatch) -> None:
+def test_a_lane_tickets_doorbells_count_in_its_uids_budget(daemon) -> None:
     daemon.run(lambda: setattr(daemon.core.tickets, "max_fds_per_uid", 16))
-    made: list[int] = []
-    real = fd_socket_mod.make_doorbells
-    monkeypatch.setattr(fd_socket_mod, "make_doorbells", lambda n: (made.append(n), real(n))[1])
     fd = ring_memfd()
     try:
         with pytest.raises(TicketRefused) as err:
             request_lane_ticket(fd_path(daemon), [fd], MAX_DOORBELLS)
         assert err.value.code == "RESOURCE_EXHAUSTED" and "too many descriptors" in err.value.message
-        assert made == [] and daemon.run(lambda: daemon.core.tickets.num_fds) == 0
-        _, ends = request_lane_ticket(fd_path(daemon), [fd], 9)  # within it: made
-        assert made == [9] and len(ends) == 9
+        assert daemon.run(lambda: daemon.core.tickets.num_fds) == 0
+        _, ends = request_lane_ticket(fd_path(daemon), [fd], 9)  # within it
+        assert len(ends) == 9
         for e in ends:
             e.close()
     finally:
         os.close(fd)
 
 
-def test_a_daemon_out_of_descriptors_midway_through_the_doorbells_says_so_and_keeps_none(daemon,
-                                                                                        monkeypatch) -> None:
-    real = socket.socketpair
-    calls = [0]
-
-    def socketpair(*args):
-        calls[0] += 1
-        if calls[0] > 3:
-            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
-        return real(*args)
-
-    fd = ring_memfd()
+def test_a_doorbell_is_connected_only_once_by_its_tickets_own_process_and_comes_empty(daemon) -> None:
+    """Each doorbell's connection is checked on its first message: the ticket's own process, one
+    of its doorbells not connected yet, no descriptor on it and nothing queued after it (what came
+    with descriptors before SO_PASSRIGHTS went off is never read); refused ones hold nothing."""
+    ticket = lane_ticket(daemon, 2)
+    r, w = os.pipe()
+    conns: list[socket.socket] = []
     try:
-        before = sockets_open()
-        monkeypatch.setattr(fd_socket_mod.socket, "socketpair", socketpair)
-        with pytest.raises(TicketRefused) as err:
-            request_lane_ticket(fd_path(daemon), [fd], 9)
-        monkeypatch.setattr(fd_socket_mod.socket, "socketpair", real)
-        assert err.value.code == "RESOURCE_EXHAUSTED" and "doorbells" in err.value.message, err.value
-        assert calls[0] == 4 and daemon.run(lambda: len(daemon.core.tickets)) == 0
-        wait_until(lambda: sockets_open() <= before, what="the three pairs made closed")
+        s, reply = bell(daemon, "f" * 32, 0)
+        conns.append(s)
+        assert reply.startswith(b"EPERMISSION_DENIED "), reply
+        s, reply = bell(daemon, ticket, 2)
+        conns.append(s)
+        assert reply.startswith(b"EINVALID_ARGUMENT ") and b"doorbell 2 of a ticket of 2" in reply, reply
+        s, reply = bell(daemon, ticket, 0, fds=[r])
+        conns.append(s)
+        assert reply.startswith(b"EINVALID_ARGUMENT ") and b"descriptor 0 is a pipe" in reply, reply
+        # A second message (here with a descriptor) queued behind the first: the loop is held
+        # while both are sent, so that the daemon reads the first with the second there.
+        busy = threading.Thread(target=daemon.run, args=(lambda: time.sleep(0.5),))
+        busy.start()
+        time.sleep(0.1)
+        s, reply = bell(daemon, ticket, 0, then=(b"ring", [r]))
+        busy.join()
+        conns.append(s)
+        assert reply.startswith(b"EINVALID_ARGUMENT ") and b"holds messages" in reply, reply
+        assert held(daemon, ticket) == [-1, -1]
+        s, reply = bell(daemon, ticket, 0)
+        conns.append(s)
+        assert reply == b"B"
+        s, reply = bell(daemon, ticket, 0)
+        conns.append(s)
+        assert reply.startswith(b"EINVALID_ARGUMENT ") and b"connected already" in reply, reply
+        # Another process's doorbell for this ticket.
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _, reply = bell(daemon, ticket, 1)
+                os._exit(0 if reply.startswith(b"EPERMISSION_DENIED ") else 1)
+            except BaseException:
+                os._exit(2)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert held(daemon, ticket)[1] == -1
+        s, reply = bell(daemon, ticket, 1)
+        conns.append(s)
+        assert reply == b"B" and min(held(daemon, ticket)) >= 0
     finally:
-        os.close(fd)
+        os.close(r)
+        os.close(w)
+        for s in conns:
+            s.close()
+
+
+def test_a_lane_ticket_whose_doorbells_were_not_all_connected_opens_no_lane(daemon) -> None:
+    """The lane's ticket with its submit doorbell alone connected: OpenLane refuses it, and the
+    connected one goes with it."""
+    with ShmKVPool(KVLayout.mha(2, 8), torch.float16, 2, 256) as pool, \
+            KVClient(daemon.address, lane="grpc") as client:
+        reg = client.register(model="m", pool=pool, start_layer=0, end_layer=2, num_layers=2, host_tokens=64,
+                              page_size=16)
+        ring = raw_ring_fd(1)
+        try:
+            ticket = lane_ticket(daemon, 2, ring)
+        finally:
+            os.close(ring)
+        s, reply = bell(daemon, ticket, 0)
+        try:
+            assert reply == b"B"
+            with grpc.insecure_channel(daemon.address) as ch, pytest.raises(grpc.RpcError) as err:
+                pb_grpc.KVServerStub(ch).OpenLane(pb.OpenLaneRequest(client_id=reg.client_id,
+                                                                     peer_ticket=ticket), timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "doorbell 1 of the lane's ticket was never connected" in err.value.details()
+            assert s.recv(8) == b""  # its connected doorbell went with it
+        finally:
+            s.close()
+        assert request_ticket(fd_path(daemon), [])  # (the fd socket serves on)

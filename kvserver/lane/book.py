@@ -205,7 +205,7 @@ class LaneBook:
                                  "holds: the Lookups go over gRPC")
             if len(ticket.doorbells) - 1 > MAX_SPACE_LANE_SLOTS:
                 raise InvalidArgument(f"a space's lane has at most {MAX_SPACE_LANE_SLOTS} slots; "
-                                      f"{len(ticket.doorbells)} doorbells made")
+                                      f"{len(ticket.doorbells)} doorbells asked for")
             # Its process's end: the lane closes when the process exits, even if the doorbell's
             # other end lives on (handed back to the daemon, or held by a child it forked).
             gone = _pidfd(ticket)

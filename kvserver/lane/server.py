@@ -70,16 +70,18 @@ def ring_features(ring: ShmMapping) -> int:
 
 def open_ring(fds: list[int], doorbells: list[int]) -> tuple[ShmMapping, socket.socket, list[socket.socket]]:
     """Checks and takes over a ticket's descriptors: (ring, submit doorbell, done doorbells).
-    ``fds``: what the peer sent, the ring alone; ``doorbells``: the daemon's ends of the doorbells
-    the fd socket made for the ticket (a doorbell a peer sent is refused: a peer holding a copy of
-    the daemon's end could hold its read lock, or take descriptors down it again). The caller
-    keeps both lists and closes them if this raises; on success they belong to the results (the
-    ring's descriptor is closed, its mapping kept)."""
+    ``fds``: what the peer sent, the ring alone; ``doorbells``: the daemon's ends of the ticket's
+    doorbells, the connections the fd socket accepted for them (a doorbell a peer sent is refused:
+    a peer holding a copy of the daemon's end could hold its read lock, or take descriptors down
+    it again). The caller keeps both lists and closes them if this raises; on success they belong
+    to the results (the ring's descriptor is closed, its mapping kept)."""
     if len(fds) != 1 or len(doorbells) < 2:
         raise InvalidArgument(
             f"a lane takes its ring alone ({len(fds)} descriptors sent) and the doorbells the daemon "
-            f"made for its ticket ({len(doorbells)} made; at least two): ask the fd socket for them "
-            "(kvserver.protocol.fd_socket.request_lane_ticket)")
+            f"accepted for its ticket ({len(doorbells)}; at least two): ask the fd socket for a lane "
+            "ticket (kvserver.protocol.fd_socket.request_lane_ticket)")
+    if -1 in doorbells:
+        raise InvalidArgument(f"doorbell {doorbells.index(-1)} of the lane's ticket was never connected")
     try:
         seals = fcntl.fcntl(fds[0], fcntl.F_GET_SEALS)
     except OSError:

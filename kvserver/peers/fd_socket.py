@@ -14,7 +14,6 @@ connections at once, at most ``MAX_CONNS_PER_UID`` of one uid, so no peer can st
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
 import errno
@@ -41,6 +40,8 @@ from kvserver.peers.tickets import (
     socket_kind,
 )
 from kvserver.protocol.fd_socket import (
+    BELL_HEADER,
+    BELL_MAGIC,
     FDS_PER_MESSAGE,
     HEADER,
     LANE_HEADER,
@@ -49,6 +50,7 @@ from kvserver.protocol.fd_socket import (
     MAX_DOORBELLS,
     MAX_FDS,
     MORE,
+    TICKET_CHARS,
 )
 
 logger = logging.getLogger(__name__)
@@ -212,24 +214,19 @@ class PeerSocket:
 
     async def _serve(self, conn: socket.socket, peer: PeerCred) -> None:
         fds: list[int] = []
-        ours: list[int] = []  # the daemon's ends of the doorbells it made, and the engine's
-        theirs: list[int] = []
         reply: bytes | None = None
         pidfd = -1
         try:
             pidfd = _peer_pidfd(conn, peer.pid)  # here: a task cancelled before it runs holds none
             async with asyncio.timeout(self.conn_seconds):
-                bells = await self._receive(conn, fds)
-            if bells:  # within the uid's budget before any is made
-                self.tickets.check_room(peer.uid, len(fds) + (pidfd >= 0) + bells)
-                ours, theirs = make_doorbells(bells)
-            try:
-                reply = b"T" + self.tickets.issue(peer, fds, pidfd, ours).encode()
-            except BaseException:
-                close_made(ours + theirs)
-                theirs = []
-                raise
-            fds, pidfd, ours = [], -1, []  # the ticket owns them now
+                first = await self._message(conn, fds)
+                if first[:4] == BELL_MAGIC:  # a doorbell of a lane ticket: kept, not answered and closed
+                    self._doorbell(conn, peer, first, fds)
+                    conn = None
+                    return
+                bells = await self._receive(conn, fds, first)
+            reply = b"T" + self.tickets.issue(peer, fds, pidfd, bells).encode()
+            fds, pidfd = [], -1  # the ticket owns them now
         except TimeoutError:
             reply = _error(InvalidArgument(f"the message did not arrive within {self.conn_seconds} s"))
         except KVError as exc:
@@ -242,13 +239,42 @@ class PeerSocket:
             close_off_loop(fds, peer.uid)  # a refused peer's descriptors: maybe the last hold on a big memfd
             if pidfd >= 0:
                 os.close(pidfd)
-            _reply(conn, reply, peer.uid, theirs)
-            close_made(theirs)  # in flight to the engine (or never sent): this copy is not the last
+            if conn is not None:
+                _reply(conn, reply, peer.uid)
 
-    async def _receive(self, conn: socket.socket, fds: list[int]) -> int:
-        """Reads the header and every announced descriptor into ``fds``; returns the number of
-        doorbells the engine asks the daemon to make (0 for a plain ticket)."""
-        data = await self._message(conn, fds)
+    def _doorbell(self, conn: socket.socket, peer: PeerCred, first: bytes, fds: list[int]) -> None:
+        """A connection that is one of a lane ticket's doorbells (its first message ``BELL_MAGIC``,
+        the doorbell's index and the ticket): checked, answered ``B`` and kept under the ticket as
+        the daemon's end. That end was made by this daemon's accept and no one else holds it: no
+        peer can hold its read lock or turn SO_PASSRIGHTS on again through it. Raises KVError
+        (the connection is then answered and closed, as any refused one)."""
+        if len(first) != BELL_HEADER.size + TICKET_CHARS or fds:
+            raise InvalidArgument(f"a doorbell's first message is {BELL_HEADER.size + TICKET_CHARS} bytes "
+                                  "(its index and its ticket), without descriptors")
+        _, index = BELL_HEADER.unpack_from(first)
+        key = first[BELL_HEADER.size:].decode(errors="replace")
+        self.tickets.check_doorbell(key, index, peer)
+        # No descriptor can come down it from now on (where the kernel has SO_PASSRIGHTS), and it
+        # must hold nothing now: what came before with descriptors goes unread, with it, on the
+        # uid's closer.
+        with contextlib.suppress(OSError):
+            conn.setsockopt(socket.SOL_SOCKET, SO_PASSRIGHTS, 0)
+        try:
+            conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            pass
+        else:
+            raise InvalidArgument("a doorbell holds messages after its first (or its peer closed it): "
+                                  "connect a new one")
+        try:
+            conn.send(b"B", socket.MSG_DONTWAIT)
+        except OSError as exc:
+            raise _Closed from exc
+        self.tickets.attach_doorbell(key, index, conn.detach())
+
+    async def _receive(self, conn: socket.socket, fds: list[int], data: bytes) -> int:
+        """Reads, after the first message ``data``, every announced descriptor into ``fds``;
+        returns the number of doorbells a lane ticket is to hold (0 for a plain ticket)."""
         if len(data) == HEADER.size and data[:4] == MAGIC:
             (_, n), bells = HEADER.unpack(data), 0
         elif len(data) == LANE_HEADER.size and data[:4] == LANE_MAGIC:
@@ -348,44 +374,15 @@ def _error(exc: KVError) -> bytes:
     return b"E" + f"{exc.code.name} {exc}".encode()[:1024]
 
 
-def make_doorbells(n: int) -> tuple[list[int], list[int]]:
-    """``n`` Unix SOCK_SEQPACKET socket pairs: (the daemon's ends, the engine's), close-on-exec,
-    the daemon's taking no descriptors (SO_PASSRIGHTS off, where the kernel has it) from before
-    the engine holds the other end. Out of descriptors: NoCapacity, nothing left open."""
-    ours: list[int] = []
-    theirs: list[int] = []
-    try:
-        for _ in range(n):
-            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-            with contextlib.suppress(OSError):
-                a.setsockopt(socket.SOL_SOCKET, SO_PASSRIGHTS, 0)
-            ours.append(a.detach())
-            theirs.append(b.detach())
-    except OSError as exc:
-        close_made(ours + theirs)
-        raise NoCapacity(f"the daemon cannot make the lane's doorbells ({exc.strerror}): try again "
-                         "later") from None
-    return ours, theirs
-
-
-def close_made(fds: list[int]) -> None:
-    """Closes doorbell ends the daemon made and no peer ever held a copy of (nothing queued in
-    them can hold the closer: on the loop)."""
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-
-
-def _reply(conn: socket.socket, reply: bytes | None, uid: int, fds: list[int] = ()) -> None:
-    """Answers (if ``reply``, with ``fds`` attached) and closes the connection. Whatever the peer
-    (of ``uid``) sent that was not read goes first: a Unix socket closed with unread data resets
-    its peer, which would then lose the answer. Its descriptors are installed and closed on the
-    uid's closer, as is the connection itself (its queue may hold more): released here, a file on
-    FUSE could hold the loop on its server. Nothing is read from a uid whose closer is behind."""
+def _reply(conn: socket.socket, reply: bytes | None, uid: int) -> None:
+    """Answers (if ``reply``) and closes the connection. Whatever the peer (of ``uid``) sent that
+    was not read goes first: a Unix socket closed with unread data resets its peer, which would
+    then lose the answer. Its descriptors are installed and closed on the uid's closer, as is the
+    connection itself (its queue may hold more): released here, a file on FUSE could hold the
+    loop on its server. Nothing is read from a uid whose closer is behind."""
     if pending_for(uid) < MAX_PENDING_CLOSES:
         drain(conn, uid)
     if reply is not None:
-        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
         with contextlib.suppress(OSError):
-            conn.sendmsg([reply], anc)
+            conn.send(reply)
     close_off_loop([conn.detach()], uid)

@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvserver.errors import NoCapacity, PermissionDenied
+from kvserver.errors import InvalidArgument, NoCapacity, PermissionDenied
 from kvserver.protocol.fd_socket import FDS_PER_MESSAGE, MAX_FDS
 
 logger = logging.getLogger(__name__)
@@ -267,8 +267,8 @@ class Ticket:
     # (no pidfds of peers in this kernel); PEER_GONE: that process was gone already.
     pidfd: int = -1
     held: int = 0  # descriptors it counts against the book's budgets (its fds, doorbells and pidfd)
-    # The daemon's ends of the doorbells it made for a lane (the fd socket's KVF2), the submit
-    # doorbell's first: no peer ever held them.
+    # A lane ticket's doorbells (the fd socket's KVF2), the submit doorbell's first: the daemon's
+    # ends, the connections it accepted for them (KVB1), no peer ever held; -1 until connected.
     doorbells: list[int] = field(default_factory=list)
 
     def take_pidfd(self) -> int:
@@ -282,9 +282,9 @@ class Ticket:
             os.close(fd)
 
     def take_doorbells(self) -> list[int]:
-        """The daemon's ends of the doorbells, the caller's to close from now on."""
+        """The daemon's ends of the doorbells connected so far, the caller's to close from now on."""
         bells, self.doorbells = self.doorbells, []
-        return bells
+        return [fd for fd in bells if fd >= 0]
 
     def close(self) -> None:
         """Closes every descriptor the ticket holds, here (idempotent): at shutdown only."""
@@ -345,14 +345,14 @@ class TicketBook:
                 f"{self.max_fds}): register with them or let them expire"
             )
 
-    def issue(self, peer: PeerCred, fds: list[int], pidfd: int = -1, doorbells: list[int] = ()) -> str:
-        """A new ticket holding ``fds``, the daemon's ends of the ``doorbells`` it made and the
-        peer's ``pidfd``: the book owns them once it returns (if it raises, they stay the
-        caller's to close)."""
-        n = len(fds) + len(doorbells) + (pidfd >= 0)
+    def issue(self, peer: PeerCred, fds: list[int], pidfd: int = -1, doorbells: int = 0) -> str:
+        """A new ticket holding ``fds`` and the peer's ``pidfd`` (the book owns them once it
+        returns; if it raises, they stay the caller's to close), and room for ``doorbells`` the
+        peer then connects (``attach_doorbell``)."""
+        n = len(fds) + doorbells + (pidfd >= 0)
         self.check_room(peer.uid, n)
         key = secrets.token_hex(16)
-        ticket = Ticket(peer, list(fds), pidfd=pidfd, held=n, doorbells=list(doorbells))
+        ticket = Ticket(peer, list(fds), pidfd=pidfd, held=n, doorbells=[-1] * doorbells)
         self._tickets[key] = ticket
         self._per_uid[peer.uid] += 1
         self._fds_per_uid[peer.uid] += n
@@ -363,6 +363,23 @@ class TicketBook:
             with contextlib.suppress(OSError, ValueError):  # (else at its expiry, as before)
                 loop.add_reader(pidfd, self._expire, key, "its process exited")
         return key
+
+    def check_doorbell(self, key: str, index: int, peer: PeerCred) -> None:
+        """Raises unless ``peer`` may connect doorbell ``index`` of ticket ``key``: the ticket's own
+        process (same pid and uid), a doorbell the ticket holds and that is not connected yet."""
+        ticket = self._tickets.get(key)
+        if ticket is None or (ticket.peer.pid, ticket.peer.uid) != (peer.pid, peer.uid):
+            raise PermissionDenied("a doorbell names a ticket that is unknown, expired, used, or another "
+                                   "process's: connect it right after the lane ticket")
+        if not 0 <= index < len(ticket.doorbells):
+            raise InvalidArgument(f"doorbell {index} of a ticket of {len(ticket.doorbells)} doorbells")
+        if ticket.doorbells[index] >= 0:
+            raise InvalidArgument(f"doorbell {index} of this ticket is connected already")
+
+    def attach_doorbell(self, key: str, index: int, fd: int) -> None:
+        """Keeps ``fd`` as the daemon's end of doorbell ``index`` of ticket ``key`` (checked by
+        ``check_doorbell`` just before, with nothing awaited since)."""
+        self._tickets[key].doorbells[index] = fd
 
     def redeem(self, key: str, pidfd: bool = False) -> Ticket:
         """The ticket, removed from the book: the caller closes its fds once done with them.

@@ -50,7 +50,8 @@ Doorbells are SOCK_SEQPACKET socket pairs, not eventfds: the daemon reads and wr
 MSG_DONTWAIT, a per-call flag, whereas an eventfd's O_NONBLOCK lives in the open file description
 that the peer shares and may clear (a blocking eventfd read or write would stall the daemon's
 event loop). One pair rings the daemon ("submit"); one pair per slot rings the client ("done").
-The daemon makes them and hands the client its ends (kvserver.protocol.fd_socket, ``KVF2``).
+The client connects each to the daemon's fd socket, whose accepts are the daemon's ends
+(kvserver.protocol.fd_socket, ``KVF2`` and ``KVB1``).
 A closed end reads as end-of-file on the other: a dead daemon wakes every waiting client at once.
 Neither side rings a peer that is known awake (docs/lane.md, "Ringing only a sleeper"): a submit skips the
 submit doorbell while the header's awake word is set, and a quiet ring's slot is rung done only
