@@ -12,6 +12,8 @@ import os
 import select
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -281,3 +283,34 @@ def test_a_lane_ticket_whose_doorbells_were_not_all_connected_opens_no_lane(daem
         finally:
             s.close()
         assert request_ticket(fd_path(daemon), [])  # (the fd socket serves on)
+
+
+# One engine process of several (an 8-GPU node's tensor-parallel ranks, one uid) asking for its
+# lane's ticket at a set moment (argv: fd socket path, CLOCK_MONOTONIC start); prints OK or why not.
+RANK = """
+import os, sys, time
+from kvserver.protocol.fd_socket import TicketRefused, request_lane_ticket
+path, start = sys.argv[1], float(sys.argv[2])
+fd = os.memfd_create("rank-ring", os.MFD_CLOEXEC)
+time.sleep(max(0.0, start - time.monotonic()))
+try:
+    _, ends = request_lane_ticket(path, [fd], 9, 10.0)
+    print("OK", len(ends))
+except TicketRefused as exc:
+    print(exc.code, exc.message)
+"""
+
+
+def test_engines_of_one_uid_opening_their_lanes_at_once_all_get_them(daemon) -> None:
+    """Eight processes of one uid asking for lane tickets at the same moment: each ticket's
+    doorbells are connections too, and the uid's connections were given back a loop turn after
+    their answers, so a process connecting its next doorbell at once was counted twice, and six
+    processes out of eight were refused (RESOURCE_EXHAUSTED) and stayed on gRPC. A doorbell whose
+    first message has come is served at its accept, uncounted; a connection is given back as it
+    is answered; and an engine refused for too many connections at once tries again until its
+    timeout."""
+    start = time.monotonic() + 1.5  # (the processes' start, torch-free, well within it)
+    procs = [subprocess.Popen([sys.executable, "-c", RANK, fd_path(daemon), repr(start)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(8)]
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert [o.split() for o, _ in outs] == [["OK", "9"]] * 8, outs

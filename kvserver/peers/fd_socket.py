@@ -51,6 +51,7 @@ from kvserver.protocol.fd_socket import (
     MAX_FDS,
     MORE,
     TICKET_CHARS,
+    TOO_MANY_CONNS,
 )
 
 logger = logging.getLogger(__name__)
@@ -180,9 +181,6 @@ class PeerSocket:
                 close_off_loop([conn.detach()])
                 continue
             peer = PeerCred(pid, uid, gid)
-            if len(self._serving) >= MAX_CONNS or self._per_uid.get(uid, 0) >= MAX_CONNS_PER_UID:
-                _reply(conn, _error(NoCapacity("too many fd socket connections at once; try again")), uid)
-                continue
             if pending_for(uid) >= MAX_PENDING_CLOSES:
                 # Its closer is behind: nothing more of it is read (what the connection holds goes
                 # with it, unread, on that closer) until the closer catches up.
@@ -197,22 +195,56 @@ class PeerSocket:
                     f"a descriptor this uid sent has taken {stuck:.0f} s to close so far (a file on FUSE "
                     "whose server does not answer?); no more are taken from it until it closes")), uid)
                 continue
+            if self._doorbell_now(conn, peer):
+                continue
+            if len(self._serving) >= MAX_CONNS or self._per_uid.get(uid, 0) >= MAX_CONNS_PER_UID:
+                _reply(conn, _error(NoCapacity(TOO_MANY_CONNS)), uid)
+                continue
             self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
-            task = asyncio.get_running_loop().create_task(self._serve(conn, peer))
+            counted = [True]  # until _serve gives it back (or its task ends without running)
+            task = asyncio.get_running_loop().create_task(self._serve(conn, peer, counted))
             self._serving.add(task)
-            task.add_done_callback(lambda t, uid=uid: self._served(t, uid))
+            task.add_done_callback(lambda t, uid=uid, counted=counted: self._served(t, uid, counted))
+
+    def _doorbell_now(self, conn: socket.socket, peer: PeerCred) -> bool:
+        """Serves at once, here, a connection whose first message has come and is a doorbell's
+        (``BELL_MAGIC``): an engine connects all its lane's doorbells at once, and a doorbell's
+        check takes no wait, so none counts among its uid's connections or waits for a task of
+        its own. False (nothing read) for any other connection."""
+        try:
+            if conn.recv(len(BELL_MAGIC), socket.MSG_PEEK | socket.MSG_DONTWAIT) != BELL_MAGIC:
+                return False  # (a peek installs no descriptor)
+        except OSError:
+            return False
+        fds: list[int] = []
+        try:
+            first = _read_message(conn, fds)
+            self._doorbell(conn, peer, first, fds)
+            return True
+        except KVError as exc:
+            reply: bytes | None = _error(exc)
+        except (_Closed, BlockingIOError, InterruptedError):
+            reply = None
+        close_off_loop(fds, peer.uid)
+        _reply(conn, reply, peer.uid)
+        return True
 
     def _listen_again(self) -> None:
         if self._sock is not None:
             asyncio.get_running_loop().add_reader(self._sock.fileno(), self._accept)
 
-    def _served(self, task: asyncio.Task, uid: int) -> None:
+    def _served(self, task: asyncio.Task, uid: int, counted: list[bool]) -> None:
         self._serving.discard(task)
-        self._per_uid[uid] -= 1
-        if not self._per_uid[uid]:
-            del self._per_uid[uid]
+        self._uncount(uid, counted)
 
-    async def _serve(self, conn: socket.socket, peer: PeerCred) -> None:
+    def _uncount(self, uid: int, counted: list[bool]) -> None:
+        if counted[0]:
+            counted[0] = False
+            self._per_uid[uid] -= 1
+            if not self._per_uid[uid]:
+                del self._per_uid[uid]
+
+    async def _serve(self, conn: socket.socket, peer: PeerCred, counted: list[bool]) -> None:
         fds: list[int] = []
         reply: bytes | None = None
         pidfd = -1
@@ -241,6 +273,9 @@ class PeerSocket:
                 os.close(pidfd)
             if conn is not None:
                 _reply(conn, reply, peer.uid)
+            # Given back now, not a loop turn later when its task's end is seen: an engine
+            # connecting again right after its answer is not counted twice.
+            self._uncount(peer.uid, counted)
 
     def _doorbell(self, conn: socket.socket, peer: PeerCred, first: bytes, fds: list[int]) -> None:
         """A connection that is one of a lane ticket's doorbells (its first message ``BELL_MAGIC``,
@@ -298,33 +333,41 @@ class PeerSocket:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                data, anc, flags, _ = conn.recvmsg(64, RIGHTS_SPACE, socket.MSG_CMSG_CLOEXEC)
-                break
+                return _read_message(conn, fds)
             except (BlockingIOError, InterruptedError):
                 pass
-            except OSError as exc:
-                raise _Closed from exc
             await _readable(loop, conn)
-        got = fds_of(anc)
-        fds.extend(got)
-        for i, fd in enumerate(got, len(fds) - len(got)):
-            why = _unusable(fd)
-            if why:
-                raise InvalidArgument(f"descriptor {i} is {why}: a ticket carries shared memory only (a "
-                                      "pool's buffers, a lane's ring: memfds, or files on tmpfs or "
-                                      "hugetlbfs); a lane's doorbells are made by the daemon")
-        if flags & socket.MSG_CTRUNC:
-            # The control buffer holds FDS_PER_MESSAGE descriptors: truncated short of that, the
-            # kernel could not install them here (this process is at its descriptor limit).
-            if len(got) < FDS_PER_MESSAGE or _out_of_descriptors():
-                raise NoCapacity("the daemon is out of descriptors (its limit is "
-                                 f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}): try again later")
-            raise InvalidArgument(f"more than {FDS_PER_MESSAGE} descriptors in one message")
-        if flags & socket.MSG_TRUNC:
-            raise InvalidArgument("fd socket message too long")
-        if not data and not anc:
-            raise _Closed
-        return data
+
+
+def _read_message(conn: socket.socket, fds: list[int]) -> bytes:
+    """The next message of ``conn``, its descriptors added to ``fds`` (then checked); raises
+    BlockingIOError when none has come, _Closed when the peer left, KVError for what is refused."""
+    try:
+        data, anc, flags, _ = conn.recvmsg(64, RIGHTS_SPACE, socket.MSG_CMSG_CLOEXEC)
+    except (BlockingIOError, InterruptedError):
+        raise
+    except OSError as exc:
+        raise _Closed from exc
+    got = fds_of(anc)
+    fds.extend(got)
+    for i, fd in enumerate(got, len(fds) - len(got)):
+        why = _unusable(fd)
+        if why:
+            raise InvalidArgument(f"descriptor {i} is {why}: a ticket carries shared memory only (a "
+                                  "pool's buffers, a lane's ring: memfds, or files on tmpfs or "
+                                  "hugetlbfs); a lane's doorbells are connected to this socket, not sent")
+    if flags & socket.MSG_CTRUNC:
+        # The control buffer holds FDS_PER_MESSAGE descriptors: truncated short of that, the
+        # kernel could not install them here (this process is at its descriptor limit).
+        if len(got) < FDS_PER_MESSAGE or _out_of_descriptors():
+            raise NoCapacity("the daemon is out of descriptors (its limit is "
+                             f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}): try again later")
+        raise InvalidArgument(f"more than {FDS_PER_MESSAGE} descriptors in one message")
+    if flags & socket.MSG_TRUNC:
+        raise InvalidArgument("fd socket message too long")
+    if not data and not anc:
+        raise _Closed
+    return data
 
 
 async def _readable(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import array
 import os
+import random
 import socket
 import struct
 import time
@@ -37,6 +38,9 @@ LANE_HEADER = struct.Struct("<4sII")
 BELL_MAGIC = b"KVB1"
 BELL_HEADER = struct.Struct("<4sI")
 TICKET_CHARS = 32  # a ticket: 16 random bytes, in hex
+# The daemon's refusal of a connection while it serves too many of its uid's (or in all) at once:
+# an engine tries again until its timeout (its other processes, TP ranks, ask at the same time).
+TOO_MANY_CONNS = "too many fd socket connections at once; try again"
 MORE = b"+"
 MAX_FDS = 1024  # descriptors one ticket may carry (a pool needs one per object: usually one)
 FDS_PER_MESSAGE = 253  # Linux's SCM_MAX_FD
@@ -64,9 +68,10 @@ def request_ticket(path: str, fds: list[int], timeout: float = 5.0) -> str:
 
 def request_lane_ticket(path: str, fds: list[int], doorbells: int,
                         timeout: float = 5.0) -> tuple[str, list[socket.socket]]:
-    """A lane's ticket: sends ``fds`` (its ring), then connects the ticket's ``doorbells``; returns
-    the ticket and this process's ends of them (the submit doorbell's first). Raises as
-    ``request_ticket`` does."""
+    """A lane's ticket: sends ``fds`` (its ring), then connects the ticket's ``doorbells`` (all at
+    once, each first message sent right after its connect, then their answers read: a queue of
+    connections ahead at the daemon is waited out once); returns the ticket and this process's
+    ends of them (the submit doorbell's first). Raises as ``request_ticket`` does."""
     if not 1 <= doorbells <= MAX_DOORBELLS:
         raise ValueError(f"a lane takes 1 to {MAX_DOORBELLS} doorbells, not {doorbells}")
     deadline = time.monotonic() + timeout
@@ -74,21 +79,48 @@ def request_lane_ticket(path: str, fds: list[int], doorbells: int,
     ends: list[socket.socket] = []
     try:
         for i in range(doorbells):
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-            ends.append(s)
-            _connect(s, path, deadline)
-            s.send(BELL_HEADER.pack(BELL_MAGIC, i) + ticket.encode())
-            reply = s.recv(2048)
-            if reply != b"B":
+            ends.append(_ring_up(path, ticket, i, deadline))
+        for i in range(doorbells):
+            while True:
+                reply = ends[i].recv(2048)
+                if reply == b"B":
+                    break
                 code, _, message = reply[1:].decode(errors="replace").partition(" ")
-                raise TicketRefused(code or "UNKNOWN", message or "the doorbell's connection closed "
-                                    "without an answer")
-            s.settimeout(None)
+                if not _try_again(reply, deadline):
+                    raise TicketRefused(code or "UNKNOWN", message or "the doorbell's connection closed "
+                                        "without an answer")
+                ends[i].close()
+                ends[i] = _ring_up(path, ticket, i, deadline)
+            ends[i].settimeout(None)
     except BaseException:
         for each in ends:
             each.close()
         raise
     return ticket, ends
+
+
+def _ring_up(path: str, ticket: str, index: int, deadline: float) -> socket.socket:
+    """A new connection to ``path`` that has sent doorbell ``index`` of ``ticket``."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        _connect(s, path, deadline)
+        s.send(BELL_HEADER.pack(BELL_MAGIC, index) + ticket.encode())
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+def _try_again(reply: bytes, deadline: float) -> bool:
+    """Whether ``reply`` refused a connection for too many of its uid's at once (other processes
+    of the engine's uid asking too) with time left before ``deadline``: then after a pause."""
+    if not reply.startswith(b"ERESOURCE_EXHAUSTED " + TOO_MANY_CONNS.encode()):
+        return False
+    left = deadline - time.monotonic()
+    if left <= 0.002:
+        return False
+    time.sleep(min(0.002 + 0.008 * random.random(), left / 2))
+    return True
 
 
 def _connect(s: socket.socket, path: str, deadline: float) -> None:
@@ -110,6 +142,17 @@ def _connect(s: socket.socket, path: str, deadline: float) -> None:
 
 def _exchange(path: str, header: bytes, fds: list[int], timeout: float) -> str:
     deadline = time.monotonic() + timeout
+    while True:
+        reply = _exchange_once(path, header, fds, deadline)
+        if not _try_again(reply, deadline):
+            break
+    if reply[:1] == b"T":
+        return reply[1:].decode()
+    code, _, message = reply[1:].decode(errors="replace").partition(" ")
+    raise TicketRefused(code or "UNKNOWN", message or "the connection closed without an answer")
+
+
+def _exchange_once(path: str, header: bytes, fds: list[int], deadline: float) -> bytes:
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as s:
         _connect(s, path, deadline)
         chunks = [fds[i : i + FDS_PER_MESSAGE] for i in range(0, len(fds), FDS_PER_MESSAGE)] or [[]]
@@ -123,10 +166,7 @@ def _exchange(path: str, header: bytes, fds: list[int], timeout: float) -> str:
         reply, anc, _, _ = s.recvmsg(2048, socket.CMSG_SPACE(4), socket.MSG_CMSG_CLOEXEC)
     for fd in _fds_of(anc):  # (none comes from a daemon)
         os.close(fd)
-    if reply[:1] == b"T":
-        return reply[1:].decode()
-    code, _, message = reply[1:].decode(errors="replace").partition(" ")
-    raise TicketRefused(code or "UNKNOWN", message or "the connection closed without an answer")
+    return reply
 
 
 def _fds_of(anc: list[tuple[int, int, bytes]]) -> list[int]:
