@@ -314,3 +314,65 @@ def test_engines_of_one_uid_opening_their_lanes_at_once_all_get_them(daemon) -> 
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(8)]
     outs = [p.communicate(timeout=60) for p in procs]
     assert [o.split() for o, _ in outs] == [["OK", "9"]] * 8, outs
+
+
+def test_a_lane_ticket_gives_up_at_its_timeout_while_its_doorbells_wait_for_answers(daemon,
+                                                                                   monkeypatch) -> None:
+    """The doorbells' answers were each read with the time left at its connect: a daemon whose
+    loop answered each 0.25 s after the last kept the engine 2.3 s in a call given a 1 s timeout
+    (16 s with 65 doorbells). Each answer is now waited for until the call's deadline only."""
+    book = daemon.core.tickets
+    check = book.check_doorbell
+
+    def slow_check(*args, **kw):  # a loop that takes its time (here: held in each check)
+        time.sleep(0.25)
+        return check(*args, **kw)
+
+    monkeypatch.setattr(book, "check_doorbell", slow_check)
+    fd = ring_memfd()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(OSError):  # (TimeoutError)
+            request_lane_ticket(fd_path(daemon), [fd], 9, timeout=1.0)
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        os.close(fd)
+
+
+def test_a_doorbell_refused_at_its_accept_for_too_many_connections_is_connected_again(daemon,
+                                                                                    monkeypatch) -> None:
+    """An engine paused between a doorbell's connect and its first message, while its uid's other
+    processes held all its connections: the daemon refused the connection at its accept, and the
+    engine's late send (EPIPE) or its read (ECONNRESET, reported before the answer) failed the
+    whole lane. The answer is read all the same, and the doorbell connected again once there is
+    room (here: once the idle connections are dropped)."""
+    import kvserver.protocol.fd_socket as proto
+
+    daemon.run(lambda: setattr(daemon.daemon.peer_socket, "conn_seconds", 0.3))
+    idle: list[socket.socket] = []
+    connect = proto._connect
+
+    def paused_connect(s: socket.socket, path: str, deadline: float) -> None:
+        connect(s, path, deadline)
+        if not idle:  # the ticket's: then the uid's other processes take its every connection
+            return
+        time.sleep(0.02)  # the engine paused between a doorbell's connect and its first message
+
+    monkeypatch.setattr(proto, "_connect", paused_connect)
+    fd = ring_memfd()
+    try:
+        ticket = proto._exchange(fd_path(daemon), proto.LANE_HEADER.pack(proto.LANE_MAGIC, 1, 2), [fd], 5.0)
+        for _ in range(8):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.connect(fd_path(daemon))
+            idle.append(s)
+        wait_until(lambda: daemon.run(lambda: dict(daemon.daemon.peer_socket._per_uid)).get(os.getuid()) == 8)
+        monkeypatch.setattr(proto, "_exchange", lambda *args: ticket)  # (the ticket is taken)
+        _, ends = proto.request_lane_ticket(fd_path(daemon), [fd], 2, timeout=10.0)
+        assert len(ends) == 2 and min(held(daemon, ticket)) >= 0
+        for e in ends:
+            e.close()
+    finally:
+        os.close(fd)
+        for s in idle:
+            s.close()

@@ -82,7 +82,8 @@ def request_lane_ticket(path: str, fds: list[int], doorbells: int,
             ends.append(_ring_up(path, ticket, i, deadline))
         for i in range(doorbells):
             while True:
-                reply = ends[i].recv(2048)
+                ends[i].settimeout(max(0.001, deadline - time.monotonic()))
+                reply = _answer(ends[i])
                 if reply == b"B":
                     break
                 code, _, message = reply[1:].decode(errors="replace").partition(" ")
@@ -104,11 +105,23 @@ def _ring_up(path: str, ticket: str, index: int, deadline: float) -> socket.sock
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:
         _connect(s, path, deadline)
-        s.send(BELL_HEADER.pack(BELL_MAGIC, index) + ticket.encode())
+        try:
+            s.send(BELL_HEADER.pack(BELL_MAGIC, index) + ticket.encode())
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused at its accept, before its first message came: its answer says why
     except BaseException:
         s.close()
         raise
     return s
+
+
+def _answer(s: socket.socket) -> bytes:
+    """The daemon's answer on ``s``; a reset (the daemon closed it with our message unread, as
+    when it refused the connection at its accept) is reported before the answer, still queued."""
+    try:
+        return s.recv(2048)
+    except ConnectionResetError:
+        return s.recv(2048)
 
 
 def _try_again(reply: bytes, deadline: float) -> bool:
@@ -163,7 +176,10 @@ def _exchange_once(path: str, header: bytes, fds: list[int], deadline: float) ->
                 s.sendmsg([data], anc)
         except (BrokenPipeError, ConnectionResetError):
             pass  # refused before it read anything (too many connections): its answer says why
-        reply, anc, _, _ = s.recvmsg(2048, socket.CMSG_SPACE(4), socket.MSG_CMSG_CLOEXEC)
+        try:
+            reply, anc, _, _ = s.recvmsg(2048, socket.CMSG_SPACE(4), socket.MSG_CMSG_CLOEXEC)
+        except ConnectionResetError:  # (reported before the answer, still queued: as in _answer)
+            reply, anc, _, _ = s.recvmsg(2048, socket.CMSG_SPACE(4), socket.MSG_CMSG_CLOEXEC)
     for fd in _fds_of(anc):  # (none comes from a daemon)
         os.close(fd)
     return reply
