@@ -5,7 +5,9 @@ half (``request_ticket``), are in ``kvserver.protocol.fd_socket``.
 The daemon reads the peer's pid, uid and gid (SO_PEERCRED), keeps the descriptors under a random
 ticket (tickets.py) and answers ``b"T" + ticket``; on anything else it answers
 ``b"E" + <status code name> + b" " + message`` and closes every descriptor it got. Either way it
-then closes the connection.
+then closes the connection, but for a lane ticket's doorbell (a connection whose first message is
+``BELL_MAGIC``): checked and answered ``b"B"``, that is kept under its ticket as the daemon's end
+of the doorbell (``_doorbell``; at its accept when its first message is there, ``_doorbell_now``).
 
 Every socket is non-blocking and served on the event loop (``add_reader``); a connection that has
 not finished within ``CONN_SECONDS`` is dropped, and the daemon holds at most ``MAX_CONNS``
