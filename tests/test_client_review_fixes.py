@@ -371,14 +371,15 @@ def test_a_lane_the_process_has_no_descriptors_for_leaves_the_client_registered_
             with _descriptors_left(8):  # (its doorbells cannot all be connected)
                 reg = register(client, pool)
             assert reg is not None and client.connected and client.lane is None
-            assert (_lane_memfds(), _lane_memfds("socket:")) == (before, sockets)
+            # (no more sockets: gRPC's own may close meanwhile, on its threads)
+            assert _lane_memfds() == before and _lane_memfds("socket:") <= sockets
             host, dev = client.alloc(PAGE), torch.arange(PAGE)
             assert client.write(host_indices=host, device_indices=dev) > 0  # on gRPC
         sockets = _lane_memfds("socket:")
         for _ in range(3):  # a standalone lane whose socket pairs run out of descriptors midway
             with _descriptors_left(6), pytest.raises(OSError):
                 lane_mod.ClientLane.standalone()
-        assert (_lane_memfds(), _lane_memfds("socket:")) == (before, sockets)
+        assert _lane_memfds() == before and _lane_memfds("socket:") <= sockets
     finally:
         d.stop()
 
