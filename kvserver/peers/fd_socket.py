@@ -44,6 +44,7 @@ from kvserver.peers.tickets import (
 from kvserver.protocol.fd_socket import (
     BELL_HEADER,
     BELL_MAGIC,
+    CLOSES_BEHIND,
     FDS_PER_MESSAGE,
     HEADER,
     LANE_HEADER,
@@ -186,9 +187,8 @@ class PeerSocket:
             if pending_for(uid) >= MAX_PENDING_CLOSES:
                 # Its closer is behind: nothing more of it is read (what the connection holds goes
                 # with it, unread, on that closer) until the closer catches up.
-                _reply(conn, _error(NoCapacity(
-                    f"{pending_for(uid)} descriptors this uid sent are waiting to be closed; no more "
-                    "are taken from it until they are")), uid)
+                behind = f"{pending_for(uid)} descriptors this uid sent are waiting to be closed"
+                _reply(conn, _error(NoCapacity(f"{behind}; {CLOSES_BEHIND}")), uid)
                 continue
             if closing_for(uid) >= STUCK_SECONDS:
                 # What it sent queues behind that close (on its own closer): no new connection adds to it.

@@ -110,30 +110,32 @@ class _Closer:
         # uid: a uid's one thread (closing_for reads its busy_since), which ends after
         # CLOSER_IDLE_SECONDS with nothing to close; None: the CLOSERS shared ones, for ever
         self._uid = uid
-        self._queue: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[int, list[int]]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._most = CLOSERS if uid is None else 1
         self._name = "kvpeer-close" if uid is None else f"kvpeer-close-{uid}"
         self.busy_since: float | None = None  # when its (one) thread began the close under way
         self.pending = 0  # descriptors handed to it and not closed yet
+        self.pending_of: Counter[int] = Counter()  # of those, by the uid that sent them
 
-    def close(self, fds: list[int]) -> None:
+    def close(self, fds: list[int], uid: int = -1) -> None:
         with self._lock:
             if len(self._threads) < self._most:
                 thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 thread.start()
                 self._threads.append(thread)
             self.pending += len(fds)
-        self._queue.put(fds)
+            self.pending_of[uid] += len(fds)
+        self._queue.put((uid, fds))
 
     def _run(self) -> None:
         while True:
             if self._uid is None:
-                fds = self._queue.get()
+                uid, fds = self._queue.get()
             else:
                 try:
-                    fds = self._queue.get(timeout=CLOSER_IDLE_SECONDS)
+                    uid, fds = self._queue.get(timeout=CLOSER_IDLE_SECONDS)
                 except queue.Empty:
                     with _RISKY_LOCK:  # (close_off_loop queues under it: nothing comes in meanwhile)
                         if self._queue.empty():
@@ -151,6 +153,9 @@ class _Closer:
                 self.busy_since = None
                 with self._lock:
                     self.pending -= 1
+                    self.pending_of[uid] -= 1
+                    if not self.pending_of[uid]:
+                        del self.pending_of[uid]
 
 
 _CLOSER = _Closer()
@@ -175,13 +180,13 @@ def close_off_loop(fds: list[int], uid: int = -1) -> None:
     for fd in fds:
         (safe if is_shared_memory(fd) else risky).append(fd)
     if safe:
-        _CLOSER.close(safe)
+        _CLOSER.close(safe, uid)
     if risky:
         with _RISKY_LOCK:
             closer = _RISKY.get(uid)
             if closer is None:
                 closer = _RISKY[uid] = _Closer(uid)
-            closer.close(risky)
+            closer.close(risky, uid)
 
 
 SO_PASSRIGHTS = getattr(socket, "SO_PASSRIGHTS", 83)  # Linux 6.16: a socket that takes no descriptors
@@ -223,9 +228,11 @@ def drain(sock: socket.socket, uid: int, most: int = 64) -> None:
 
 
 def pending_for(uid: int) -> int:
-    """Descriptors of ``uid``'s waiting on its closer (other than shared memory)."""
+    """Descriptors of ``uid``'s waiting to be closed: on its own closer, and the shared memory it
+    sent on the shared ones (which a peer sending the same memfd again and again outpaced: the
+    daemon held thousands waiting)."""
     closer = _RISKY.get(uid)
-    return 0 if closer is None else closer.pending
+    return (0 if closer is None else closer.pending) + _CLOSER.pending_of.get(uid, 0)
 
 
 def closing_for(uid: int) -> float:

@@ -41,6 +41,9 @@ TICKET_CHARS = 32  # a ticket: 16 random bytes, in hex
 # The daemon's refusal of a connection while it serves too many of its uid's (or in all) at once:
 # an engine tries again until its timeout (its other processes, TP ranks, ask at the same time).
 TOO_MANY_CONNS = "too many fd socket connections at once; try again"
+# The end of its refusal while the descriptors the uid sent before wait to be closed (a moment's
+# work, unless the uid sent a flood): an engine tries again too.
+CLOSES_BEHIND = "no more are taken from it until they are"
 MORE = b"+"
 MAX_FDS = 1024  # descriptors one ticket may carry (a pool needs one per object: usually one)
 FDS_PER_MESSAGE = 253  # Linux's SCM_MAX_FD
@@ -126,8 +129,10 @@ def _answer(s: socket.socket) -> bytes:
 
 def _try_again(reply: bytes, deadline: float) -> bool:
     """Whether ``reply`` refused a connection for too many of its uid's at once (other processes
-    of the engine's uid asking too) with time left before ``deadline``: then after a pause."""
-    if not reply.startswith(b"ERESOURCE_EXHAUSTED " + TOO_MANY_CONNS.encode()):
+    of the engine's uid asking too), or while what its uid sent before waits to be closed, with
+    time left before ``deadline``: then after a pause."""
+    if not (reply.startswith(b"ERESOURCE_EXHAUSTED " + TOO_MANY_CONNS.encode())
+            or reply.startswith(b"ERESOURCE_EXHAUSTED ") and reply.endswith(CLOSES_BEHIND.encode())):
         return False
     left = deadline - time.monotonic()
     if left <= 0.002:
