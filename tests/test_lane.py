@@ -191,7 +191,8 @@ class RawRing:
                  metadata: tuple = (),
                  own_doorbells: Callable[[list[socket.socket]], list[socket.socket]] | None = None) -> None:
         """``own_doorbells``: the doorbells are made here, and what it returns, given their other
-        ends, is sent with the ring as the daemon's ends (the daemon makes them otherwise)."""
+        ends, is sent with the ring as the daemon's ends (they are connected to the fd socket
+        otherwise)."""
         self.slots = slots
         fd = raw_ring_fd(slots)
         self.mm = mmap.mmap(fd, R.ring_bytes(slots))
@@ -699,8 +700,8 @@ def test_a_lane_takes_no_doorbell_its_peer_sent(daemon, kind) -> None:
 
 
 @pytest.mark.parametrize("case", ["no doorbells", "more than the ring", "too few doorbells"])
-def test_a_lane_opens_with_its_ring_alone_and_as_many_doorbells_as_the_daemon_made_for_it(daemon,
-                                                                                          case) -> None:
+def test_a_lane_opens_with_its_ring_alone_and_as_many_connected_doorbells_as_it_has_slots_plus_one(
+        daemon, case) -> None:
     ring, other = raw_ring_fd(8), raw_ring_fd(1)
     path = daemon.address[len("unix://"):] + ".fd"
     ends: list[socket.socket] = []

@@ -275,7 +275,7 @@ def test_a_spaces_lane_closes_when_its_process_exits_though_its_doorbell_lives_o
             os.kill(int(out[0]), signal.SIGKILL)
 
 
-# A process that takes a ticket for a space's lane (its ring; the daemon makes its doorbells)
+# A process that takes a ticket for a space's lane (its ring; its doorbells connected)
 # and exits without redeeming it.
 TICKET = """
 import fcntl, os, sys

@@ -66,8 +66,8 @@ def ticket_for(target: str, fds: list[int] | tuple[int, ...] = (), timeout: floa
 
 
 def lane_ticket_for(target: str, lane: ClientLane, timeout: float = 5.0) -> str:
-    """A lane's ticket: ``lane``'s ring goes to the daemon, which makes its doorbells and hands
-    this process its ends of them (``lane.attach``). Raises KVClientError as ``get_ticket``, and
+    """A lane's ticket: ``lane``'s ring goes to the daemon, and its doorbells are connected to the
+    fd socket, this process's ends attached to ``lane``. Raises KVClientError as ``get_ticket``, and
     UNAVAILABLE for a target without an fd socket (a lane needs one)."""
     path = fd_socket_path(target)
     if path is None:

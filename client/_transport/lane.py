@@ -1,6 +1,6 @@
 """The client's half of the data-plane fast lane (docs/lane.md; the layout is kvserver.protocol.ring).
 
-``ClientLane`` makes the sealed ring, takes its ends of the doorbells the daemon made for it
+``ClientLane`` makes the sealed ring, takes its ends of the doorbells it connected to the daemon
 (``attach``; the fd socket's lane ticket, kvclient._transport.fd_socket.lane_ticket_for), and
 carries one Write, Load, Put, Get or Lookup per slot: the serialized request goes into a free
 slot, the submit doorbell rings the daemon (unless its data plane says it is awake), and the
@@ -204,8 +204,9 @@ class ClientLane:
         self._address = ctypes.addressof(view)  # valid while the mapping is: until _release
         del view  # no export may outlive this line, or the mapping could not be closed
         self._ring_fd = fd
-        # The doorbells: the daemon makes them and hands over these ends with the lane's ticket
-        # (``attach``), keeping the others, which no one else then holds (docs/security.md).
+        # The doorbells: connections to the daemon's fd socket made for the lane's ticket
+        # (``attach``), whose other ends are the daemon's accepts, which no one else holds
+        # (docs/security.md).
         self._submit: socket.socket | None = None
         self._done: list[socket.socket] = []
         self._submit_fd = -1
@@ -252,8 +253,8 @@ class ClientLane:
         return [self._ring_fd]
 
     def attach(self, ends: list[socket.socket]) -> None:
-        """Takes the engine's ends of the doorbells (the submit doorbell's first), as the fd socket
-        handed them over with the lane's ticket."""
+        """Takes the engine's ends of the doorbells (the submit doorbell's first), as
+        ``request_lane_ticket`` connected them for the lane's ticket."""
         if len(ends) != self.doorbells or self._submit is not None:
             for each in ends:
                 each.close()

@@ -1,6 +1,6 @@
 """The fd socket's daemon half: where an engine hands the daemon its pool's descriptors
 (SCM_RIGHTS) and gets back a one-time ticket for its Register call. The protocol, and the engine's
-half (``request_ticket``), are in ``kvserver.protocol.fd_socket``.
+half (``request_ticket``, ``request_lane_ticket``), are in ``kvserver.protocol.fd_socket``.
 
 The daemon reads the peer's pid, uid and gid (SO_PEERCRED), keeps the descriptors under a random
 ticket (tickets.py) and answers ``b"T" + ticket``; on anything else it answers
@@ -395,9 +395,9 @@ def _unusable(fd: int) -> str:
     """Why a peer's descriptor is none a pool or a lane can use ('' if it is one: shared memory).
     Checked before a ticket keeps it: a descriptor of another kind (a TCP socket set to linger, a
     file on a slow file system) could block whoever closes it, and a socket is no lane's doorbell
-    (the daemon makes those). Nothing here calls into a file system (any user can mount a FUSE one
-    whose server never answers): shared memory is what takes seals, a socket what answers
-    SO_TYPE; anything else is named from its /proc link."""
+    (those are connected to this socket). Nothing here calls into a file system (any user can
+    mount a FUSE one whose server never answers): shared memory is what takes seals, a socket
+    what answers SO_TYPE; anything else is named from its /proc link."""
     if is_shared_memory(fd):
         return ""
     if socket_kind(fd) is not None:
