@@ -25,7 +25,6 @@ test engines use them).
 from __future__ import annotations
 
 import array
-import os
 import random
 import socket
 import struct
@@ -181,20 +180,4 @@ def _exchange_once(path: str, header: bytes, fds: list[int], deadline: float) ->
                 s.sendmsg([data], anc)
         except (BrokenPipeError, ConnectionResetError):
             pass  # refused before it read anything (too many connections): its answer says why
-        try:
-            reply, anc, _, _ = s.recvmsg(2048, socket.CMSG_SPACE(4), socket.MSG_CMSG_CLOEXEC)
-        except ConnectionResetError:  # (reported before the answer, still queued: as in _answer)
-            reply, anc, _, _ = s.recvmsg(2048, socket.CMSG_SPACE(4), socket.MSG_CMSG_CLOEXEC)
-    for fd in _fds_of(anc):  # (none comes from a daemon)
-        os.close(fd)
-    return reply
-
-
-def _fds_of(anc: list[tuple[int, int, bytes]]) -> list[int]:
-    out: list[int] = []
-    for level, kind, payload in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            got = array.array("i")
-            got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
-            out.extend(got)
-    return out
+        return _answer(s)  # (read without room for descriptors: a daemon sends none)
