@@ -539,11 +539,7 @@ class KVCore:
         return booked
 
     def _give_region_quota(self, tenant: str, booked: int) -> None:
-        if not booked:
-            return
-        self._region_bytes_by_tenant[tenant] -= booked
-        if self._region_bytes_by_tenant[tenant] <= 0:
-            del self._region_bytes_by_tenant[tenant]
+        _less(self._region_bytes_by_tenant, tenant, booked)
 
     async def _register(self, req: pb.RegisterRequest, spec: ClientSpec, access: ShmAccess, least: int,
                         most: int, tenant: str) -> ClientState:
@@ -733,9 +729,7 @@ class KVCore:
                 def drained() -> None:  # its memory back to the kernel off the loop, then the range
                     self._quarantined.pop(client_id, None)
                     self._give_region_quota(client.tenant, client.quota_bytes)
-                    self._quarantined_bytes_by_tenant[client.tenant] -= client.quota_bytes
-                    if self._quarantined_bytes_by_tenant[client.tenant] <= 0:
-                        del self._quarantined_bytes_by_tenant[client.tenant]
+                    _less(self._quarantined_bytes_by_tenant, client.tenant, client.quota_bytes)
                     if self._closing:  # (the arena is about to go: no thread may use it after)
                         self.arena.release(*region)
                     else:
@@ -1021,6 +1015,14 @@ async def _keyed_lock(locks: dict, key: Any):
         entry[1] -= 1
         if not entry[1]:
             del locks[key]
+
+
+def _less(counts: Counter, key: Any, n: int) -> None:
+    """``counts[key]`` less ``n``, the key dropped once nothing is left."""
+    if n:
+        counts[key] -= n
+        if counts[key] <= 0:
+            del counts[key]
 
 
 def _replacing(req: pb.RegisterRequest, client_id: str) -> pb.RegisterRequest:

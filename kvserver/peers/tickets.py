@@ -338,26 +338,22 @@ class TicketBook:
     def __len__(self) -> int:
         return len(self._tickets)
 
-    def check_room(self, uid: int, n: int) -> None:
-        """Raises NoCapacity unless ``uid`` may have one more ticket, holding ``n`` descriptors."""
-        if self._per_uid[uid] >= self.max_per_uid:
-            raise NoCapacity(
-                f"uid {uid} already holds {self.max_per_uid} unredeemed tickets; "
-                "register with them or let them expire"
-            )
-        if self._fds_per_uid[uid] + n > self.max_fds_per_uid or self.num_fds + n > self.max_fds:
-            raise NoCapacity(
-                f"too many descriptors held by unredeemed tickets ({self._fds_per_uid[uid]} of uid "
-                f"{uid}, at most {self.max_fds_per_uid}; {self.num_fds} in all, at most "
-                f"{self.max_fds}): register with them or let them expire"
-            )
-
     def issue(self, peer: PeerCred, fds: list[int], pidfd: int = -1, doorbells: int = 0) -> str:
         """A new ticket holding ``fds`` and the peer's ``pidfd`` (the book owns them once it
         returns; if it raises, they stay the caller's to close), and room for ``doorbells`` the
         peer then connects (``attach_doorbell``)."""
+        if self._per_uid[peer.uid] >= self.max_per_uid:
+            raise NoCapacity(
+                f"uid {peer.uid} already holds {self.max_per_uid} unredeemed tickets; "
+                "register with them or let them expire"
+            )
         n = len(fds) + doorbells + (pidfd >= 0)
-        self.check_room(peer.uid, n)
+        if self._fds_per_uid[peer.uid] + n > self.max_fds_per_uid or self.num_fds + n > self.max_fds:
+            raise NoCapacity(
+                f"too many descriptors held by unredeemed tickets ({self._fds_per_uid[peer.uid]} of uid "
+                f"{peer.uid}, at most {self.max_fds_per_uid}; {self.num_fds} in all, at most "
+                f"{self.max_fds}): register with them or let them expire"
+            )
         key = secrets.token_hex(16)
         ticket = Ticket(peer, list(fds), pidfd=pidfd, held=n, doorbells=[-1] * doorbells)
         self._tickets[key] = ticket
