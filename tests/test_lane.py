@@ -619,7 +619,7 @@ def test_a_large_binary_request_is_expanded_off_the_event_loop(daemon, monkeypat
     assert threads and all(t.startswith("kvserver-parse") for t in threads), threads
 
 
-def _passrights_supported() -> bool:
+def passrights_supported() -> bool:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with a, b:
         try:
@@ -629,7 +629,7 @@ def _passrights_supported() -> bool:
     return True
 
 
-@pytest.mark.skipif(not _passrights_supported(), reason="the kernel has no SO_PASSRIGHTS")
+@pytest.mark.skipif(not passrights_supported(), reason="the kernel has no SO_PASSRIGHTS")
 def test_a_lanes_doorbells_take_no_descriptors(daemon) -> None:
     """The daemon's ends of a lane's doorbells refuse descriptors (SO_PASSRIGHTS off): the loop and
     the data plane read them without a control buffer, and a descriptor dropped there would be

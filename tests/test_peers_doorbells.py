@@ -20,7 +20,8 @@ import time
 import grpc
 import pytest
 import torch
-from test_lane import raw_ring_fd
+from checks import wait_until
+from test_lane import passrights_supported, raw_ring_fd
 
 from kvclient import KVClient, KVLayout, ShmKVPool
 from kvserver.protocol.fd_socket import (
@@ -40,40 +41,31 @@ def fd_path(d) -> str:
     return fd_socket_path(d.config.socket)
 
 
-def wait_until(cond, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"{what} not reached within {timeout} s"
-        time.sleep(0.01)
-
-
 def ring_memfd() -> int:
     return os.memfd_create("kvtest-bells-ring", os.MFD_CLOEXEC)
 
 
-def passrights_supported() -> bool:
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    with a, b:
-        try:
-            a.setsockopt(socket.SOL_SOCKET, 83, 0)  # SO_PASSRIGHTS (Linux 6.16)
-        except OSError:
-            return False
-    return True
-
-
-def lane_ticket(daemon, doorbells: int, ring: int | None = None) -> str:
-    """A lane ticket (of ``ring``, else of a bare memfd) whose doorbells are left to connect."""
+def ask_lane(daemon, doorbells: int, ring: int | None = None) -> tuple[bytes, list]:
+    """The daemon's answer to a lane ticket's request of ``doorbells`` (for ``ring``, else a bare
+    memfd), and the control messages that came with it (room for as many descriptors as a lane
+    has doorbells at most)."""
     fd = ring_memfd() if ring is None else ring
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
             s.settimeout(10)
             s.connect(fd_path(daemon))
             s.sendmsg([b"KVF2" + struct.pack("<II", 1, doorbells)], _rights([fd]))
-            reply = s.recv(2048)
+            reply, anc, _, _ = s.recvmsg(2048, socket.CMSG_SPACE(4 * MAX_DOORBELLS))
     finally:
         if ring is None:
             os.close(fd)
-    assert reply[:1] == b"T", reply
+    return reply, anc
+
+
+def lane_ticket(daemon, doorbells: int, ring: int | None = None) -> str:
+    """A lane ticket (of ``ring``, else of a bare memfd) whose doorbells are left to connect."""
+    reply, anc = ask_lane(daemon, doorbells, ring)
+    assert reply[:1] == b"T" and anc == [], (reply, anc)
     return reply[1:].decode()
 
 
@@ -122,8 +114,7 @@ def test_a_lane_tickets_doorbells_are_the_connections_the_daemon_accepted(daemon
                     r, w = os.pipe()
                     try:
                         with pytest.raises(PermissionError):
-                            end.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                                  array.array("i", [r]))])
+                            end.sendmsg([b"x"], _rights([r]))
                     finally:
                         os.close(r)
                         os.close(w)
@@ -141,17 +132,8 @@ def test_the_daemon_hands_a_peer_no_descriptor_of_its_own(daemon) -> None:
     that kept doing so grew the kernel's memory by 11 MiB a ticket's life, ran a daemon limited by
     RLIMIT_NOFILE into ETOOMANYREFS for every engine's lane, and made each of its sends of
     descriptors wait for the kernel's collector of sockets in flight)."""
-    fd = ring_memfd()
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
-            s.settimeout(10)
-            s.connect(fd_path(daemon))
-            s.sendmsg([b"KVF2" + struct.pack("<II", 1, MAX_DOORBELLS)], _rights([fd]))
-            reply, anc, _, _ = s.recvmsg(2048, socket.CMSG_SPACE(4 * MAX_DOORBELLS))
-    finally:
-        os.close(fd)
-    assert reply[:1] == b"T" and anc == [], (reply, anc)
-    assert held(daemon, reply[1:].decode()) == [-1] * MAX_DOORBELLS  # none connected yet
+    ticket = lane_ticket(daemon, MAX_DOORBELLS)  # (its answer: checked to carry none)
+    assert held(daemon, ticket) == [-1] * MAX_DOORBELLS  # none connected yet
 
 
 def test_an_unredeemed_lane_tickets_doorbells_close_at_its_expiry(daemon) -> None:
@@ -175,18 +157,9 @@ def test_an_unredeemed_lane_tickets_doorbells_close_at_its_expiry(daemon) -> Non
 
 @pytest.mark.parametrize("bells", [0, MAX_DOORBELLS + 1, 1 << 31])
 def test_a_lane_ticket_of_no_doorbell_or_too_many_is_refused(daemon, bells) -> None:
-    fd = ring_memfd()
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
-            s.settimeout(10)
-            s.connect(fd_path(daemon))
-            s.sendmsg([b"KVF2" + struct.pack("<II", 1, bells)],
-                      [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
-            reply = s.recv(2048)
-        assert reply.startswith(b"EINVALID_ARGUMENT ") and b"doorbells asked for" in reply, reply
-        assert daemon.run(lambda: len(daemon.core.tickets)) == 0
-    finally:
-        os.close(fd)
+    reply, anc = ask_lane(daemon, bells)
+    assert reply.startswith(b"EINVALID_ARGUMENT ") and b"doorbells asked for" in reply and anc == [], reply
+    assert daemon.run(lambda: len(daemon.core.tickets)) == 0
 
 
 def test_a_lane_tickets_doorbells_count_in_its_uids_budget(daemon) -> None:
@@ -366,7 +339,8 @@ def test_a_doorbell_refused_at_its_accept_for_too_many_connections_is_connected_
             s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             s.connect(fd_path(daemon))
             idle.append(s)
-        wait_until(lambda: daemon.run(lambda: dict(daemon.daemon.peer_socket._per_uid)).get(os.getuid()) == 8)
+        wait_until(lambda: daemon.run(lambda: dict(daemon.daemon.peer_socket._per_uid)).get(os.getuid()) == 8,
+                   10, "the uid's eight idle connections")
         monkeypatch.setattr(proto, "_exchange", lambda *args: ticket)  # (the ticket is taken)
         _, ends = proto.request_lane_ticket(fd_path(daemon), [fd], 2, timeout=10.0)
         assert len(ends) == 2 and min(held(daemon, ticket)) >= 0
