@@ -18,7 +18,7 @@ from cache_engine import CacheEngine, scattered
 from daemon_proc import DaemonProcess
 from mooncake_master import MooncakeMaster, needs_mooncake
 from netns import two_hosts
-from test_cluster_tier import cluster_stat, keys_of, published, store
+from test_cluster_tier import cluster_stat, keys_of, published, store, wait_joined
 
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
@@ -35,7 +35,7 @@ def test_a_prefix_crosses_the_veth_bit_exact(tmp_path):
                                   "--cluster-metadata", master.metadata, host_memory="256MiB",
                                   prefix=("ip", "netns", "exec", ns))
                 daemons.append(d)
-                d.wait_for(lambda s: any(t.name == "cluster" and t.joined for t in s.tiers), 20)
+                wait_joined(d)
             a, b = daemons
             keys = keys_of("veth", 200)
             with CacheEngine(a.address, pages=256) as ea:

@@ -28,10 +28,19 @@ def cluster_stat(d: DaemonProcess):
     return next(t for t in d.stats().tiers if t.name == "cluster")
 
 
+# A join takes about a second here (Mooncake's setup, a probe first); a loaded CI machine once
+# took more than 20 s, so a test waits longer than that before it calls the join lost.
+JOIN_WAIT = 60
+
+
+def wait_joined(d: DaemonProcess) -> None:
+    d.wait_for(lambda s: any(t.name == "cluster" and t.joined for t in s.tiers), JOIN_WAIT)
+
+
 def node(tmp_path, name: str, master: MooncakeMaster, *extra: str) -> DaemonProcess:
     d = DaemonProcess(str(tmp_path / f"{name}.sock"), "--cluster-master", master.address,
                       "--cluster-timeout-ms", "1000", *extra, host_memory="256MiB")
-    d.wait_for(lambda s: any(t.name == "cluster" and t.joined for t in s.tiers), 20)
+    wait_joined(d)
     return d
 
 
@@ -359,7 +368,7 @@ def test_a_peer_that_stalls_then_dies_takes_a_bounded_share_and_leaves_its_keys_
     b = DaemonProcess(str(tmp_path / "b.sock"), "--cluster-master", master.address,
                       "--cluster-timeout-ms", "1000", "--cluster-segment", "160MiB", host_memory="64MiB")
     try:
-        b.wait_for(lambda s: any(t.name == "cluster" and t.joined for t in s.tiers), 20)
+        wait_joined(b)
         theirs, mine = keys_of("theirs", 1000), keys_of("mine", 1500)  # 31 and 47 MiB of pages
         with CacheEngine(a.address, pages=256) as ea:
             for i in range(0, len(theirs), 200):
