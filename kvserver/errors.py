@@ -93,27 +93,33 @@ class DeadlineExceeded(KVError):
 
 class JobStopped(KVError):
     """A copy stopped at a layer boundary before its last layer: nothing more of it is copied.
-    Its code says why: its deadline passed, its call ended, or its client was released."""
+    Its code says why: its deadline passed, its call ended, or its client was released. Or
+    ("late") a write (device to host) whose copy ended after its deadline, which is not done: its
+    engine gives up on the call by then and may reuse the device pages the copy still read (a
+    daemon stopped mid-copy, then resumed), so nothing of what it copied is kept."""
 
     CODES = {
         "deadline": Code.DEADLINE_EXCEEDED,
         "cancelled": Code.CANCELLED,
         "released": Code.NOT_FOUND,
+        "late": Code.DEADLINE_EXCEEDED,
     }
     WHY = {
         "deadline": "its timeout_ms passed",
         "cancelled": "its call ended",
         "released": "its client was unregistered or reclaimed",
     }
+    # The data plane's LATE_WRITE (kvserver/lane/csrc/plane.h), word for word.
+    LATE = ("copy ended after its timeout_ms, when its engine may have given up on it and reused what it "
+            "read: nothing of it is kept")
 
     def __init__(self, reason: str, layers_done: int, total: int) -> None:
         self.code = self.CODES[reason]
         self.reason = reason
         self.layers_done = layers_done
-        super().__init__(
+        super().__init__(self.LATE if reason == "late" else (
             f"copy stopped because {self.WHY[reason]}: {layers_done} of its {total} layers were "
-            "copied, and nothing more of it will be"
-        )
+            "copied, and nothing more of it will be"))
 
 
 class GpuStalled(KVError):

@@ -24,7 +24,8 @@ are torch CUDA tensors, and checks:
    with its own pool, looks the keys up, Gets them (plus keys never stored) into other scattered
    pages of its pool, and reads each layer on its compute stream right after
    ``stream_wait_layer``: bit for bit the first engine's pages, the pages past the stored prefix
-   untouched;
+   untouched; and a Put whose ready event fires after its deadline (behind another engine's
+   spinning kernel) is answered DEADLINE_EXCEEDED and stores nothing (``late_put``);
 8. the SGLang linker (``kvclient.sglang.linker.KVServerLinker``, scripts/gpu_check_sglang.py) on
    CUDA tensors shaped like SGLang's MHA (bf16) and MLA (fp8 stored as uint8) pools of one PP
    stage (global layers [4, 8)): one linker offloads scattered pages after its forward stream's
@@ -82,6 +83,9 @@ STALL_EXTRA_WRITES = 100
 # tokens stored (32 MiB) and 4 more asked for that were never stored.
 CACHE_LAYERS, CACHE_TOKENS, CACHE_PAGE, CACHE_PAGES, CACHE_EXTRA = 8, 4096, 16, 64, 4
 CACHE_SEEDS = {"put": 11, "get": 12}  # each engine's pool contents
+# The late Put (``late_put``): its deadline (timeout_ms) and how long its ready event is held back
+# behind another engine's spinning kernel (past that deadline, well within CUDA_WAIT_SECONDS).
+LATE_TIMEOUT_MS, LATE_SPIN_SECONDS = 300, 0.8
 # The vLLM worker-side round (scripts/gpu_check_vllm.py): (pool kind, vLLM 0.33 layout), its CASES.
 VLLM_CASES = (("mha", "LBNHC"), ("mha", "LBHNC"), ("mla", "LBNHC"))
 
@@ -604,6 +608,66 @@ def cache_plan(num_tokens: int = CACHE_TOKENS, page_size: int = CACHE_PAGE, page
     }
 
 
+def late_put(address: str, pool, packed: bytes, pages: list[int], page: int) -> dict:
+    """A Put already on the GPU whose copy ends after its deadline: its ready event is another
+    engine's, recorded behind a kernel spinning for LATE_SPIN_SECONDS, past the Put's deadline
+    (LATE_TIMEOUT_MS). Its engine may have reused the device pages by the time the copy reads them,
+    so the daemon answers DEADLINE_EXCEEDED, the copy ended after its timeout_ms, and stores
+    nothing; a Put of the first key behind that event fired already stores it. ``packed``: keys
+    of 16 bytes never stored otherwise; ``pages`` their device pages. The Puts are raw gRPC calls,
+    each with its own timeout_ms, of a registration of ``pool``."""
+    import grpc
+
+    from kvclient import KVClient
+    from kvserver.v1 import kvserver_pb2 as pb
+    from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
+
+    result: dict = {"spin_seconds": LATE_SPIN_SECONDS, "timeout_ms": LATE_TIMEOUT_MS}
+    keys = [packed[i:i + 16] for i in range(0, len(packed), 16)]
+    spin_end, spin_far = mp.get_context("spawn").Pipe()
+    spinner = mp.get_context("spawn").Process(target=stall_spinner, args=(LATE_SPIN_SECONDS, spin_far),
+                                              daemon=True)
+    spinner.start()
+    spin_far.close()
+    client = KVClient(address, timeout=60, resilient=False)
+    try:
+        client.register(model="check-cache", pool=pool, start_layer=0, end_layer=CACHE_LAYERS,
+                        num_layers=CACHE_LAYERS, host_tokens=page, page_size=page)
+        if not spin_end.poll(120):
+            raise RuntimeError("the spinning engine did not start within 120 s")
+        ready = spin_end.recv()
+
+        def put(n: int, at: int, timeout_ms: int):
+            return pb.PutRequest(client_id=client.registration.client_id, keys=b"".join(keys[at:at + n]),
+                                 key_bytes=16, device_pages=pages[at:at + n], ready_event=ready,
+                                 timeout_ms=timeout_ms)
+
+        with grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.KVServerStub(channel)
+            result["in_time_stored"] = stub.Put(put(1, 0, 60_000), timeout=60).stored
+            spin_end.send("go")
+            if not spin_end.poll(60) or spin_end.recv() != "spinning":
+                raise RuntimeError("the spinning engine did not spin")
+            start = time.monotonic()
+            try:
+                result["code"], result["stored"] = "OK", stub.Put(put(len(keys) - 1, 1, LATE_TIMEOUT_MS),
+                                                                  timeout=60).stored
+            except grpc.RpcError as exc:
+                result["code"], result["message"] = exc.code().name, (exc.details() or "")[:300]
+            result["seconds"] = round(time.monotonic() - start, 2)
+        if not spin_end.poll(LATE_SPIN_SECONDS + 60):
+            raise RuntimeError("the spinning engine's event never fired")
+        result["lookup"] = client.lookup(packed).pages  # the leading key only
+        client.unregister()
+    finally:
+        client.close()
+        spinner.join(30)
+    result["ok"] = (result["in_time_stored"] == 1 and result["code"] == "DEADLINE_EXCEEDED"
+                    and "copy ended after its timeout_ms" in result.get("message", "")
+                    and result["lookup"] == 1)
+    return result
+
+
 def cache_engine(address: str, role: str, plan: dict, out, stored) -> None:
     """One engine of the cache round trip: ``put`` stores its pages and unregisters, then sets
     ``stored``; ``get`` waits for that, then loads them into its own pool (see the module's notes)."""
@@ -653,7 +717,10 @@ def cache_engine(address: str, role: str, plan: dict, out, stored) -> None:
             stage("unregister (the pages outlive their writer)")
             client.unregister()
             stored.set()
-            result["ok"] = put.stored == n and again.present == n and again.stored == 0
+            stage("a put whose copy ends after its deadline (behind a spinning engine's event)")
+            late_keys = page_keys(plan["tokens"][: n * page], page, salt=b"late")
+            late = result["late_put"] = late_put(address, pool, late_keys, plan["put_pages"], page)
+            result["ok"] = put.stored == n and again.present == n and again.stored == 0 and late["ok"]
         else:
             stage("wait for the put")
             if not stored.wait(120):

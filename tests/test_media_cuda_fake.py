@@ -1655,3 +1655,38 @@ def test_a_quarantined_pools_region_counts_in_its_tenants_region_quota_and_the_r
             register(stub, again, 2, 64, 16)
     finally:
         rt.fire(hung)
+
+
+def test_a_cuda_put_whose_copy_ends_after_its_deadline_stores_nothing(daemon_factory, fake):
+    """A Put already on the GPU cannot be stopped: its copy waits for the engine's ready event,
+    which fires after the Put's deadline (within --cuda-wait-seconds, so nothing stalls). The copy
+    then reads device pages its engine may have reused by then: it is answered DEADLINE_EXCEEDED,
+    job ended, and its pages are not stored (they were, before). A Put whose event fires in time
+    stores its pages."""
+    d = daemon_factory(cuda_wait_seconds=WAIT_S)
+    rt = fake.cuda.runtime
+    late = (780).to_bytes(8, "little") * 8
+    rt.hang(late)
+    try:
+        with grpc.insecure_channel(d.address) as ch:
+            stub = ticketing_stub(ch, d.address)
+            reg = register(stub, cuda_pool(fake, 2, 64)[0], 2, 64, 16)
+            keys = bytes(range(32))  # two keys
+            put = in_thread(lambda: stub.Put(pb.PutRequest(
+                client_id=reg.client_id, keys=keys, key_bytes=16, device_pages=[0, 1], ready_event=late,
+                timeout_ms=200), timeout=20))
+            time.sleep(0.5)  # past the Put's deadline, well within --cuda-wait-seconds
+            rt.fire(late)
+            put[0].join(20)
+            err = put[1].get("error")
+            assert err is not None and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, put[1]
+            assert "copy ended after its timeout_ms" in err.details(), err.details()
+            assert ("kvserver-job", "ended") in tuple(err.trailing_metadata())
+            lookup = pb.LookupRequest(client_id=reg.client_id, keys=keys, key_bytes=16)
+            assert stub.Lookup(lookup, timeout=10).pages == 0, "a Put ended past its deadline was stored"
+            again = pb.PutRequest(client_id=reg.client_id, keys=keys, key_bytes=16, device_pages=[0, 1],
+                                  timeout_ms=5000)
+            assert stub.Put(again, timeout=20).stored == 2
+            assert stub.Lookup(lookup, timeout=10).pages == 2
+    finally:
+        rt.fire(late)

@@ -8,6 +8,7 @@ client's copies and reports its progress.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -95,3 +96,14 @@ class Job:
 
     def stopped(self, layers_done: int) -> JobStopped:
         return JobStopped(self.stop_reason or "cancelled", layers_done, len(self.local_layers))
+
+    def check_ended(self, to_device: bool) -> None:
+        """Called by the medium as the job's copy ends: raises JobStopped ("late") for a write
+        (device to host) that ended after its deadline, which is therefore not done. Its engine
+        gives up on the call by then (its deadline, then the Unregister that confirms the copy
+        stopped) and may reuse the device pages the copy was still reading: a daemon stopped in
+        the middle of a copy and resumed after that would otherwise keep, and the cache serve,
+        torn KV. (The deadline is on the loop's clock, CLOCK_MONOTONIC as ``time.monotonic``,
+        uvloop's a millisecond behind at most: a write is judged late no later than it should be.)"""
+        if not to_device and self.deadline > 0 and time.monotonic() > self.deadline:
+            raise JobStopped("late", len(self.local_layers), len(self.local_layers))

@@ -63,6 +63,9 @@ SETTLE_IDS = 64 << 10
 # burst on many lanes (one tenant may hold 256) holds the loop a turn at a time, and a lane's
 # request waits for at most one request of each lane queued before it, not for all they hold.
 HANDOFF_BATCH = 64
+# A copy's end the plane posts back for a write whose copy ended past its write_by_ns (csrc/plane.h's
+# DONE_LATE; 0 done, 1 stopped by its stop word, 2 its gate closed, 3 the plane stopped it).
+DONE_LATE = 4
 # The stop word of a copy made at once (``copy_now``): nothing can stop it while it runs on the loop.
 _NO_STOP = np.zeros(1, np.int64)
 
@@ -362,7 +365,8 @@ class DataPlane:
                 host_pages, tokens, layers, job.stop_word,
                 signal.counter if signal is not None else None, signal.fd if signal is not None else -1,
                 signal.interval if signal is not None else 0.0,
-                *((None, -1, 0, 0, 0, False) if answer is None else answer), paged=pages is not None)
+                *((None, -1, 0, 0, 0, False) if answer is None else answer), paged=pages is not None,
+                write_by_ns=0 if to_device or job.deadline <= 0 else int(job.deadline * 1e9))
         except (MemoryError, RuntimeError):  # no room, or the plane stopped: the copy workers run it
             logger.exception("the data plane could not take a cache copy; the copy workers run it")
             taken = False
@@ -444,6 +448,8 @@ class DataPlane:
         ended()
         if status == 0:
             fut.set_result(None)
+        elif status == DONE_LATE:  # a write that ended past its deadline (Job.check_ended)
+            fut.set_exception(JobStopped("late", layers, len(job.local_layers)))
         elif status == 1 or job.stop_reason:
             fut.set_exception(job.stopped(layers))
         else:  # its gate closed (the client is going), or the plane stopped

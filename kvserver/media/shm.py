@@ -156,6 +156,7 @@ class ShmDevicePool(DevicePool):
                     transfer.copy_part_at(job.plan, job.host_table, layer, part, pages, dev_tokens, to_device)
             if signal is not None:
                 signal.publish(i + 1)
+        job.check_ended(to_device)
 
     def close(self) -> None:
         # The tables hold the mappings' addresses: a copy started after this finds none to use.
@@ -383,6 +384,7 @@ def _pieces(job: Job, plan_rows: Callable[[], transfer.JobRows], count: int, tab
             if signal is not None:
                 os.eventfd_write(signal.fd, 1)  # wake the loop: the copy ends here
             raise job.stopped(landed)
+        job.check_ended(to_device)
 
     def stopping(i: int) -> bool:
         return job.stopping and i % split == 0  # the next piece would begin a layer group

@@ -16,6 +16,16 @@ static void observe(Engine *e, int h, int64_t ns) {
 
 static inline char *slot_at(Lane *l, int i) { return l->ring + HEADER_BYTES + (size_t)i * SLOT_BYTES; }
 
+/* By when a write of slot i must end to be done (Job.write_by_ns): its deadline, or the slot's
+ * expiry word (when its client stops waiting) if that is sooner. */
+static int64_t write_by(Lane *l, int i, int64_t deadline) {
+    uint64_t expires;
+    memcpy(&expires, slot_at(l, i) + EXPIRES_AT, 8);
+    if (expires && expires <= (uint64_t)INT64_MAX && (!deadline || (int64_t)expires < deadline))
+        return (int64_t)expires;
+    return deadline;
+}
+
 static inline void put32(char *p, uint32_t v) { memcpy(p, &v, 4); }
 /* A protobuf varint field (its one-byte tag, then v) at p: its length (at most 11 bytes). */
 static uint32_t pb_varint_field(unsigned char *p, unsigned char tag, uint64_t v) {
@@ -180,6 +190,8 @@ static Job *make_job(Lane *l, int i, const kv_request *r, int64_t *pages, int32_
     j->lp_stride = layer_local_bytes(g);
     j->arrival_ns = arrival;
     j->deadline_ns = r->timeout_ms ? arrival + (int64_t)r->timeout_ms * 1000000 : 0;
+    if (!j->load)
+        j->write_by_ns = write_by(l, i, j->deadline_ns);
     return j;
 }
 

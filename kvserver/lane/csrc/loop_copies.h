@@ -126,22 +126,25 @@ static int64_t plan_runs(Run *runs, const int64_t *offs, const int64_t *toks, in
  * `arrival_ns`, CLOCK_MONOTONIC, else now: DEADLINE_EXCEEDED; its stop word, which only its
  * client's release sets: NOT_FOUND too); `counted`: the request holds one count of the gate's
  * py_inflight (a handed-over copy), which the plane gives back once the copy joins its jobs; and the
- * slot given back; its latencies go to the Get histograms. */
+ * slot given back; its latencies go to the Get histograms.
+ * write_by_ns=0: a write whose copy ends after it (CLOCK_MONOTONIC ns) is posted back DONE_LATE,
+ * not done (Job.write_by_ns). */
 static PyObject *engine_submit_copy(Engine *e, PyObject *args, PyObject *kw) {
     static char *names[] = {"ticket", "gate", "load", "host_base", "lp_stride", "host_limit", "offsets",
                             "tokens", "layers", "stop", "progress", "signal_fd", "interval", "lane", "slot",
-                            "found", "timeout_ms", "arrival_ns", "counted", "paged", "now", NULL};
+                            "found", "timeout_ms", "arrival_ns", "counted", "paged", "now", "write_by_ns", NULL};
     unsigned long long ticket, host_base;
     Gate *g;
     int load, signal_fd = -1, slot = -1, counted = 0, paged = 0, now = 0;
-    long long lp_stride, host_limit, arrival = 0;
+    long long lp_stride, host_limit, arrival = 0, write_by_ns = 0;
     unsigned int found = 0, timeout_ms = 0;
     PyObject *offsets_obj, *tokens_obj, *layers_obj, *stop_obj, *progress_obj = Py_None, *lane_obj = Py_None;
     double interval = 0.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "KO!pKLLOOOO|OidOiIILppp", names, &ticket, &GateType, &g, &load,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KO!pKLLOOOO|OidOiIILpppL", names, &ticket, &GateType, &g, &load,
                                      &host_base, &lp_stride, &host_limit, &offsets_obj, &tokens_obj,
                                      &layers_obj, &stop_obj, &progress_obj, &signal_fd, &interval, &lane_obj,
-                                     &slot, &found, &timeout_ms, &arrival, &counted, &paged, &now))
+                                     &slot, &found, &timeout_ms, &arrival, &counted, &paged, &now,
+                                     &write_by_ns))
         return NULL;
     if (e->started != 1) {
         PyErr_SetString(PyExc_RuntimeError, "the data plane has stopped");
@@ -233,6 +236,7 @@ static PyObject *engine_submit_copy(Engine *e, PyObject *args, PyObject *kw) {
     j->interval_ns = (int64_t)(interval * 1e9);
     j->stop = stop.buf;
     j->arrival_ns = arrival > 0 ? arrival : now_ns();
+    j->write_by_ns = load || write_by_ns < 0 ? 0 : write_by_ns;
     if (answer_lane) {
         j->answers = 1;
         j->lane = answer_lane;

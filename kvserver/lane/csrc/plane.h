@@ -60,6 +60,11 @@
 #define CODE_NOT_FOUND 5
 #define CODE_RESOURCE_EXHAUSTED 8
 #define CODE_DEADLINE 4
+/* A write's status message when its copy ended past its write_by_ns (kvserver.errors.JobStopped's
+ * "late", word for word). */
+#define LATE_WRITE                                                                                 \
+    "copy ended after its timeout_ms, when its engine may have given up on it and reused what it " \
+    "read: nothing of it is kept"
 
 /* ---- Gate: what the data plane may do for one registration ---------------------------------- */
 
@@ -262,6 +267,11 @@ typedef struct Job {
     uint32_t nl;
     int32_t *local;
     int64_t arrival_ns, deadline_ns, bytes_per_layer;
+    /* A write (device to host) whose copy ends after this (CLOCK_MONOTONIC ns; 0: never) is not
+     * done (finish): its engine gives up on the call by then and may reuse the device pages the
+     * copy still reads (a daemon stopped mid-copy, then resumed), so what it copied may be torn.
+     * Its deadline, or its client's expiry word if sooner; a loop's copy's, the loop's deadline. */
+    int64_t write_by_ns;
     int released;  /* its gate closed: it ends at its next layer boundary */
     uint32_t li;   /* layers done */
     int part;      /* within the current layer */
@@ -328,7 +338,7 @@ typedef struct {
     uint32_t layers;
 } Done;
 
-enum { DONE_OK, DONE_STOPPED, DONE_RELEASED, DONE_HALTED };
+enum { DONE_OK, DONE_STOPPED, DONE_RELEASED, DONE_HALTED, DONE_LATE /* a write ended past write_by_ns */ };
 
 typedef struct {
     int64_t lane_key;

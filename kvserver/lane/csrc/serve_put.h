@@ -150,6 +150,7 @@ static int try_put(Engine *e, Lane *l, int i, uint32_t n) {
     j->lp_stride = lp;
     j->stop = &never_stopped;
     j->deadline_ns = q.timeout_ms ? arrival + (int64_t)q.timeout_ms * 1000000 : 0;
+    j->write_by_ns = write_by(l, i, j->deadline_ns);
     mark_writes(j, 1); /* a later Load into these device pages waits for this copy */
     enqueue(e, j);
     return 1;

@@ -337,9 +337,15 @@ static void finish_put(Engine *e, Job *j, uint32_t code, const char *message, in
 
 static void cuda_forget(Engine *e, Job *j);
 
-/* Ends a job: its pages are no longer busy, its slot answered (unless its lane is gone: silent). */
+/* Ends a job: its pages are no longer busy, its slot answered (unless its lane is gone: silent).
+ * A write whose copy ended past its write_by_ns is not done: ended as stopped by its deadline. */
 static void finish(Engine *e, Job *j, uint32_t code, const char *message, int answer) {
     cuda_forget(e, j);
+    int late = code == 0 && !j->load && j->write_by_ns && now_ns() > j->write_by_ns;
+    if (late) {
+        code = CODE_DEADLINE;
+        message = LATE_WRITE;
+    }
     if (j->store) {
         finish_put(e, j, code, message, answer);
         return;
@@ -353,7 +359,7 @@ static void finish(Engine *e, Job *j, uint32_t code, const char *message, int an
         return;
     }
     if (j->ext && !j->answers) {
-        finish_ext(e, j, code == 0 ? DONE_OK : DONE_HALTED);
+        finish_ext(e, j, code == 0 ? DONE_OK : late ? DONE_LATE : DONE_HALTED);
         return;
     }
     Gate *g = j->gate;

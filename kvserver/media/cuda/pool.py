@@ -443,6 +443,7 @@ class CudaDevicePool(DevicePool):
         def wait(pending: Pending) -> None:
             try:
                 self.wait(pending, signal)
+                job.check_ended(to_device)  # (seen done here, after the GPU: never too early)
             except BaseException as exc:
                 fail(exc)
             else:

@@ -1,0 +1,86 @@
+"""A Put whose copy ends after its deadline stores nothing: its engine gave up on it and may have
+reused the device pages the copy was still reading, so what it copied may be torn.
+
+The daemon is a real process, stopped (SIGSTOP) in the middle of a Put's copy, while the engine
+gives up on the Put (its deadline, then the Unregister that would confirm the copy stopped, which
+the stopped daemon cannot answer), is told the pages were not stored, and writes other KV into
+those device pages. Once the daemon runs again, the copy ends; before, its pages were committed
+and every engine sharing the prefix loaded the torn KV. Every path a Put's copy takes (CASES).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+from cache_engine import CacheEngine
+from checks import wait_until
+from daemon_proc import DaemonProcess
+
+PAGES, PAGE_TOKENS = 256, 1024  # one layer of 2 parts: 512 KiB a page, 128 MiB a Put
+TIMEOUT = 0.5  # the engine's calls: the Put's deadline
+# (case, the engine's lane, the daemon's environment): where the Put's copy runs.
+CASES = [
+    ("plane stores", "auto", {}),  # the compiled data plane serves the lane Put whole
+    ("plane copies the loop's", "auto", {"KVSERVER_PLANE_PUTS": "0"}),  # the loop stores, the plane copies
+    ("copy workers", "grpc", {}),  # a gRPC Put: the copy workers
+    ("python lane", "auto", {"KVSERVER_DATA_PLANE": "python"}),  # no compiled plane: the loop, the workers
+]
+
+
+def frozen_mid_put(d: DaemonProcess, eng: CacheEngine, keys: list[bytes]) -> tuple[object, float]:
+    """Puts ``keys`` (device pages 0..n-1) and stops the daemon once about a third of the copy is
+    in its arena (which the copy is the first to touch: its resident size grows with it); waits
+    for the engine to give up; then the engine writes other KV into those device pages. Returns
+    the Put's result and how much of the copy had landed at the stop."""
+    pages = np.arange(len(keys))
+    eng.fill(keys, pages)
+    size = len(keys) * eng.page_bytes
+    base = d.rss()
+    out: dict = {}
+    put = threading.Thread(target=lambda: out.setdefault("result", eng.put(keys, pages)))
+    put.start()
+    t0 = time.monotonic()
+    while d.rss() - base < size // 3:
+        assert put.is_alive() and time.monotonic() - t0 < 30, "the Put ended before the daemon was stopped"
+    os.kill(d.pid, signal.SIGSTOP)
+    landed = (d.rss() - base) / size
+    try:
+        put.join(30)  # given up: its deadline, then an Unregister the stopped daemon cannot answer
+        assert not put.is_alive()
+        for parts in eng.raw:  # the engine reuses the pages it was told were not stored
+            for buf in parts:
+                buf[:] = 7
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+    return out["result"], landed
+
+
+@pytest.mark.parametrize("lane,env", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_a_put_whose_copy_ends_after_its_deadline_stores_nothing(tmp_path, monkeypatch, lane, env):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    d = DaemonProcess(str(tmp_path / "d.sock"), host_memory="512MiB")
+    try:
+        keys = [f"late-{i:05d}".encode() for i in range(PAGES)]
+        with CacheEngine(d.address, start=0, end=1, pages=PAGES, page_size=PAGE_TOKENS, timeout=TIMEOUT,
+                         lane=lane, resilient=True) as eng:
+            result, landed = frozen_mid_put(d, eng, keys)
+            assert result.stored == 0 and result.dropped == PAGES, result  # the engine was told so
+            assert 0.2 < landed < 0.9, landed
+        with CacheEngine(d.address, start=0, end=1, pages=PAGES, page_size=PAGE_TOKENS, lane=lane) as other:
+            # The first engine's registration is gone once its copy ended (the daemon ran again).
+            wait_until(lambda: len(d.stats().clients) == 1, 10, "the first engine's registration to go")
+            assert other.lookup(keys).pages == 0, "a Put its engine gave up on stored its pages"
+            assert d.stats().cache_bytes == 0
+            assert other.load_checked(keys, np.random.default_rng(0)) == 0
+            # The daemon stores and serves those keys as before.
+            other.fill(keys, np.arange(PAGES))
+            assert other.put(keys, np.arange(PAGES)).stored == PAGES
+            assert other.load_checked(keys, np.random.default_rng(1)) == PAGES
+    finally:
+        d.kill()
