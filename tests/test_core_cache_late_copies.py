@@ -21,6 +21,8 @@ from cache_engine import CacheEngine
 from checks import wait_until
 from daemon_proc import DaemonProcess
 
+from kvclient import KVClientError
+
 PAGES, PAGE_TOKENS = 256, 1024  # one layer of 2 parts: 512 KiB a page, 128 MiB a Put
 TIMEOUT = 0.5  # the engine's calls: the Put's deadline
 # (case, the engine's lane, the daemon's environment): where the Put's copy runs.
@@ -84,3 +86,77 @@ def test_a_put_whose_copy_ends_after_its_deadline_stores_nothing(tmp_path, monke
             assert other.load_checked(keys, np.random.default_rng(1)) == PAGES
     finally:
         d.kill()
+
+
+LATE = "copy ended after its timeout_ms"  # kvserver.errors.JobStopped.LATE, the plane's LATE_WRITE
+NOT_STARTED = "had stopped waiting for it when the daemon took it"
+
+
+def late_on_the_lane(eng: CacheEngine, call, attempts: int = 60) -> list[str]:
+    """Runs ``call(attempt)`` (a Put or Write on the lane) with its slot's expiry word set a moment
+    after it is submitted (a client may write any expiry there), until one is taken before its
+    expiry and its copy ends after it: one taken after it is not started, one whose copy ends
+    before it is done, and the moment is moved for the next try. Returns each try's outcome: the
+    status message, or "done"; the last one is the late end."""
+    lane, outcomes, after = eng.client.lane, [], 1_000_000
+    real = lane._expires
+    for attempt in range(attempts):
+        lane._expires = lambda deadline, after=after: time.monotonic_ns() + after
+        try:
+            call(attempt)
+            outcomes.append("done")
+            after = max(50_000, after * 2 // 3)
+        except KVClientError as exc:
+            outcomes.append(exc.message)
+            if LATE in exc.message:
+                return outcomes
+            assert NOT_STARTED in exc.message, exc.message
+            after = after * 3 // 2
+        finally:
+            lane._expires = real
+    raise AssertionError(f"no try ended late: {outcomes}")
+
+
+def test_the_planes_own_put_and_write_ending_after_their_expiry_keep_nothing(daemon_factory):
+    """The compiled data plane's own Put (into the pages it set aside, try_put) and Write, each
+    taken before its lane call's expiry word and copied past it: answered DEADLINE_EXCEEDED, the
+    copy ended late; the Put files no key and gives its pages back, the Write leaves no page busy;
+    the same calls in time then store and write as before."""
+    d = daemon_factory()
+    plane = d.core.copier.plane
+    if plane is None:
+        pytest.skip("the compiled data plane is not built here")
+    n = 32  # 16 MiB a call: what the plane sets aside for a Put of this page size at most
+    with CacheEngine(d.address, start=0, end=1, pages=64, page_size=PAGE_TOKENS, host_tokens=n * PAGE_TOKENS,
+                     lane="auto") as eng:
+        first = [f"first-{i:04d}".encode() for i in range(2)]
+        eng.fill(first, np.arange(2))
+        assert eng.put(first, np.arange(2)).stored == 2  # a registration's first Put is the loop's
+        gate = d.run(lambda: next(c.gate for c in d.core.clients.values()))
+        wait_until(lambda: gate.stashed >= n, 10, "the pages set aside for the plane's Puts")
+
+        def put(attempt: int) -> None:
+            keys = [f"late-{attempt:03d}-{i:03d}".encode() for i in range(n)]
+            eng.fill(keys, np.arange(2, 2 + n))
+            stores = plane.plane_stores
+            try:
+                eng.put(keys, np.arange(2, 2 + n))
+            except KVClientError:
+                assert plane.plane_stores == stores and eng.lookup(keys).pages == 0
+                wait_until(lambda: gate.stashed >= n, 10, "the late Put's pages to come back")
+                raise
+            assert plane.plane_stores == stores + 1, "not the plane's own Put"
+            wait_until(lambda: gate.stashed >= n, 10, "the pages set aside to be made again")
+
+        late_on_the_lane(eng, put)
+        keys = [f"again-{i:04d}".encode() for i in range(n)]
+        eng.fill(keys, np.arange(2, 2 + n))
+        assert eng.put(keys, np.arange(2, 2 + n)).stored == n
+        assert eng.load_checked(first + keys, np.random.default_rng(2)) == n + 2
+
+        host = eng.client.alloc(n * PAGE_TOKENS)
+        dev = np.arange(n * PAGE_TOKENS)
+        late_on_the_lane(eng, lambda _: eng.client.write(host_indices=host, device_indices=dev))
+        assert eng.client.free(host) == n * PAGE_TOKENS  # no page left busy
+        host = eng.client.alloc(n * PAGE_TOKENS)
+        assert eng.client.write(host_indices=host, device_indices=dev) > 0

@@ -679,3 +679,41 @@ def test_the_plane_takes_nothing_of_a_pool_the_loop_gave_up_on(daemon_factory, f
             assert time.monotonic() - t0 < 1.0
         finally:
             rt.fire(READY)
+
+
+def test_a_planes_cuda_write_whose_event_fires_after_its_deadline_is_not_done(plane_daemon, fake) -> None:
+    """The plane's own CUDA Write waits on the GPU for the engine's ready event, which fires after
+    the Write's timeout_ms (within --cuda-wait-seconds and the client's own wait): the copy, seen
+    done only then, ended late, so it is answered DEADLINE_EXCEEDED and not counted done; the
+    next Write, in time, is."""
+    d, rt = plane_daemon, fake.cuda.runtime
+    pool = FakeCudaPool(fake)
+    c = KVClient(d.address, timeout=0.3, resilient=False)
+    c.register(model="gpu", pool=pool, start_layer=START, end_layer=START + LAYERS, num_layers=16,
+               host_tokens=TOKENS, page_size=PAGE, event_slots=2)
+    try:
+        gate = d.core.clients[c.registration.client_id].gate
+        host = c.alloc(PAGE)
+        c.write(host_indices=host, device_indices=list(range(PAGE)), ready_event=READY)  # the loop opens it
+        jobs = gate.cuda_jobs
+        rt.hang(READY)
+        out: dict = {}
+
+        def write() -> None:
+            try:
+                out["got"] = c.write(host_indices=host, device_indices=list(range(PAGE)), ready_event=READY)
+            except KVClientError as exc:
+                out["got"] = exc
+
+        t = threading.Thread(target=write)
+        t.start()
+        time.sleep(0.6)  # past its timeout_ms (0.3 s), within the client's wait (0.3 s + 1 s)
+        rt.fire(READY)
+        t.join(10)
+        assert gate.cuda_jobs - jobs == 1, "not the plane's"
+        assert isinstance(out["got"], KVClientError) and out["got"].code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "copy ended after its timeout_ms" in out["got"].message
+        assert c.write(host_indices=host, device_indices=list(range(PAGE)), ready_event=READY) > 0
+    finally:
+        rt.fire_all()
+        c.close()

@@ -1690,3 +1690,53 @@ def test_a_cuda_put_whose_copy_ends_after_its_deadline_stores_nothing(daemon_fac
             assert stub.Lookup(lookup, timeout=10).pages == 2
     finally:
         rt.fire(late)
+
+
+def test_a_put_whose_waited_keys_end_late_keeps_and_reports_its_own_pages(daemon_factory, fake):
+    """Put B stores its own two keys in time, then waits for two keys Put A is writing. A's copy
+    ends after A's deadline (its engine's event fires late): A keeps nothing, and B stores those
+    keys itself, behind its own engine's event, which now fires after B's deadline: that copy
+    keeps nothing either. B's own pages stay stored, and B says so (stored 2, the 2 keys it could
+    not store dropped, last), not DEADLINE_EXCEEDED, which would say nothing of it was kept."""
+    from kvserver.store.pages import WRITING
+
+    d = daemon_factory(cuda_wait_seconds=5.0)  # no hung event here is held that long
+    rt = fake.cuda.runtime
+    ev_a, ev_b = ((781 + i).to_bytes(8, "little") * 8 for i in range(2))
+    theirs, own = bytes(range(32)), bytes(range(100, 132))  # two keys each
+    try:
+        with grpc.insecure_channel(d.address) as ch:
+            stub = ticketing_stub(ch, d.address)
+            ra = register(stub, cuda_pool(fake, 2, 64)[0], 2, 64, 16)
+            rb = register(stub, cuda_pool(fake, 2, 64)[0], 2, 64, 16)
+
+            def put(reg, keys: bytes, pages: list[int], event: bytes, timeout_ms: int):
+                return stub.Put(pb.PutRequest(client_id=reg.client_id, keys=keys, key_bytes=16,
+                                              device_pages=pages, ready_event=event, timeout_ms=timeout_ms),
+                                timeout=20)
+
+            def held(keys: bytes) -> int:
+                return stub.Lookup(pb.LookupRequest(client_id=rb.client_id, keys=keys, key_bytes=16),
+                                   timeout=10).pages
+
+            put(rb, bytes(range(200, 216)), [9], ev_b, 5000)  # B's event opened (and fired)
+            rt.hang(ev_a)
+            a_started = time.monotonic()
+            a = in_thread(lambda: put(ra, theirs, [0, 1], ev_a, 300))
+            assert wait_for(lambda: d.run(lambda: int((d.core.cache.pages.state == WRITING).sum())) == 2)
+            b_started = time.monotonic()
+            b = in_thread(lambda: put(rb, own + theirs, [2, 3, 4, 5], ev_b, 1500))
+            assert wait_for(lambda: held(own) == 2), "B's own pages were not stored in time"
+            rt.hang(ev_b)  # B's engine's next event: B's copy of A's keys waits for it
+            time.sleep(max(0.0, a_started + 0.45 - time.monotonic()))  # past A's deadline
+            rt.fire(ev_a)  # A's copy ends late: nothing kept; B stores A's keys itself
+            time.sleep(max(0.0, b_started + 1.7 - time.monotonic()))  # past B's deadline
+            rt.fire(ev_b)
+            for t, _ in (a, b):
+                t.join(20)
+            assert a[1]["error"].code() == grpc.StatusCode.DEADLINE_EXCEEDED, a[1]
+            assert "error" not in b[1], b[1]["error"].details()
+            assert (b[1]["result"].stored, b[1]["result"].dropped) == (2, 2), b[1]["result"]
+            assert held(own) == 2 and held(theirs) == 0
+    finally:
+        rt.fire_all()

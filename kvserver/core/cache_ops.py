@@ -27,7 +27,15 @@ from kvserver.core.client_state import ClientSpec, ClientState, check_model_shap
 from kvserver.core.copier import INLINE_COPY_BYTES, ClientJob, LoadStep
 from kvserver.core.kvcore import KVCore
 from kvserver.core.share import LoopShare, in_steps
-from kvserver.errors import InvalidArgument, KVError, NoCapacity, NotFound, OutOfRange, Unavailable
+from kvserver.errors import (
+    InvalidArgument,
+    JobStopped,
+    KVError,
+    NoCapacity,
+    NotFound,
+    OutOfRange,
+    Unavailable,
+)
 from kvserver.events import LoggedEvent
 from kvserver.events.book import MAX_READ_KEYS
 from kvserver.peers.tenants import TenantBook
@@ -484,7 +492,11 @@ class CacheOps:
             out = PutOutcome(own.stored, own.present + present, own.dropped + len(waiting) - present,
                              own.bytes)
         else:
-            more = await self._store(client, part, sub, pages[waiting], ready_event, deadline, False)
+            try:
+                more = await self._store(client, part, sub, pages[waiting], ready_event, deadline, False)
+            except JobStopped as exc:  # (its deadline, say) its own pages stand: these are not stored
+                logger.debug("a Put's copy of %d keys another Put failed to store stopped: %s", len(sub), exc)
+                more = PutOutcome(0, 0, len(sub), 0)
             out = PutOutcome(own.stored + more.stored, own.present + more.present,
                              own.dropped + more.dropped, own.bytes + more.bytes)
         return out if out.dropped == own.dropped else self._as_prefix(part, keys, out)

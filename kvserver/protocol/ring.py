@@ -40,7 +40,8 @@ of exactly ``ring_bytes(slots)`` bytes:
                             daemon's CLOCK_MONOTONIC (OpenLaneResponse.clock_ns); a call the daemon
                             takes at or after it is answered DEADLINE_EXCEEDED, job ended, and never
                             started (a daemon stopped past it, then resumed, runs nothing its
-                            clients gave up on); a Write or Put whose copy ends after it is not
+                            clients gave up on); a Write or Put the compiled plane serves itself
+                            whose copy ends after it (or after its timeout_ms, as any) is not
                             done (DEADLINE_EXCEEDED, job ended, nothing kept). 0: none
       96 (zeros up to REQUEST_AT)
       REQUEST_AT  request bytes  (REQUEST_BYTES)
