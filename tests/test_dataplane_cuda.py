@@ -707,7 +707,11 @@ def test_a_planes_cuda_write_whose_event_fires_after_its_deadline_is_not_done(pl
 
         t = threading.Thread(target=write)
         t.start()
-        time.sleep(0.6)  # past its timeout_ms (0.3 s), within the client's wait (0.3 s + 1 s)
+        deadline = time.monotonic() + 10
+        while gate.cuda_jobs == jobs:  # on the GPU, waiting for the event: its deadline runs from before
+            assert time.monotonic() < deadline, "the plane did not put the Write on the GPU"
+            time.sleep(0.005)
+        time.sleep(0.5)  # past its timeout_ms (0.3 s), within the client's wait (0.3 s + 1 s)
         rt.fire(READY)
         t.join(10)
         assert gate.cuda_jobs - jobs == 1, "not the plane's"

@@ -1663,6 +1663,8 @@ def test_a_cuda_put_whose_copy_ends_after_its_deadline_stores_nothing(daemon_fac
     then reads device pages its engine may have reused by then: it is answered DEADLINE_EXCEEDED,
     job ended, and its pages are not stored (they were, before). A Put whose event fires in time
     stores its pages."""
+    from kvserver.store.pages import WRITING
+
     d = daemon_factory(cuda_wait_seconds=WAIT_S)
     rt = fake.cuda.runtime
     late = (780).to_bytes(8, "little") * 8
@@ -1675,7 +1677,8 @@ def test_a_cuda_put_whose_copy_ends_after_its_deadline_stores_nothing(daemon_fac
             put = in_thread(lambda: stub.Put(pb.PutRequest(
                 client_id=reg.client_id, keys=keys, key_bytes=16, device_pages=[0, 1], ready_event=late,
                 timeout_ms=200), timeout=20))
-            time.sleep(0.5)  # past the Put's deadline, well within --cuda-wait-seconds
+            assert wait_for(lambda: d.run(lambda: int((d.core.cache.pages.state == WRITING).sum())) == 2)
+            time.sleep(0.5)  # past the Put's deadline (it came before its pages), within --cuda-wait-seconds
             rt.fire(late)
             put[0].join(20)
             err = put[1].get("error")
@@ -1721,16 +1724,16 @@ def test_a_put_whose_waited_keys_end_late_keeps_and_reports_its_own_pages(daemon
 
             put(rb, bytes(range(200, 216)), [9], ev_b, 5000)  # B's event opened (and fired)
             rt.hang(ev_a)
-            a_started = time.monotonic()
             a = in_thread(lambda: put(ra, theirs, [0, 1], ev_a, 300))
             assert wait_for(lambda: d.run(lambda: int((d.core.cache.pages.state == WRITING).sum())) == 2)
-            b_started = time.monotonic()
+            a_seen = time.monotonic()  # A came before: its deadline is at most 300 ms from here
             b = in_thread(lambda: put(rb, own + theirs, [2, 3, 4, 5], ev_b, 1500))
             assert wait_for(lambda: held(own) == 2), "B's own pages were not stored in time"
+            b_seen = time.monotonic()  # B came before: its deadline is at most 1.5 s from here
             rt.hang(ev_b)  # B's engine's next event: B's copy of A's keys waits for it
-            time.sleep(max(0.0, a_started + 0.45 - time.monotonic()))  # past A's deadline
+            time.sleep(max(0.0, a_seen + 0.45 - time.monotonic()))  # past A's deadline
             rt.fire(ev_a)  # A's copy ends late: nothing kept; B stores A's keys itself
-            time.sleep(max(0.0, b_started + 1.7 - time.monotonic()))  # past B's deadline
+            time.sleep(max(0.0, b_seen + 1.7 - time.monotonic()))  # past B's deadline
             rt.fire(ev_b)
             for t, _ in (a, b):
                 t.join(20)
