@@ -1665,7 +1665,7 @@ def test_a_cuda_put_whose_copy_ends_after_its_deadline_stores_nothing(daemon_fac
     stores its pages."""
     from kvserver.store.pages import WRITING
 
-    d = daemon_factory(cuda_wait_seconds=WAIT_S)
+    d = daemon_factory(cuda_wait_seconds=5.0)  # the late event is held 0.5 s: far from a stall
     rt = fake.cuda.runtime
     late = (780).to_bytes(8, "little") * 8
     rt.hang(late)
@@ -1695,12 +1695,14 @@ def test_a_cuda_put_whose_copy_ends_after_its_deadline_stores_nothing(daemon_fac
         rt.fire(late)
 
 
-def test_a_put_whose_waited_keys_end_late_keeps_and_reports_its_own_pages(daemon_factory, fake):
+@pytest.mark.parametrize("own_first", [True, False], ids=["own keys first", "waited keys first"])
+def test_a_put_whose_waited_keys_end_late_keeps_and_reports_its_own_pages(daemon_factory, fake, own_first):
     """Put B stores its own two keys in time, then waits for two keys Put A is writing. A's copy
     ends after A's deadline (its engine's event fires late): A keeps nothing, and B stores those
     keys itself, behind its own engine's event, which now fires after B's deadline: that copy
-    keeps nothing either. B's own pages stay stored, and B says so (stored 2, the 2 keys it could
-    not store dropped, last), not DEADLINE_EXCEEDED, which would say nothing of it was kept."""
+    keeps nothing either. B's own pages stay stored, and B answers its keys' stored prefix (own
+    keys first: stored 2, the 2 it could not store dropped, last; A's keys first: none of the
+    prefix, all 4 dropped), not DEADLINE_EXCEEDED, which would say nothing of it was kept."""
     from kvserver.store.pages import WRITING
 
     d = daemon_factory(cuda_wait_seconds=5.0)  # no hung event here is held that long
@@ -1727,7 +1729,8 @@ def test_a_put_whose_waited_keys_end_late_keeps_and_reports_its_own_pages(daemon
             a = in_thread(lambda: put(ra, theirs, [0, 1], ev_a, 300))
             assert wait_for(lambda: d.run(lambda: int((d.core.cache.pages.state == WRITING).sum())) == 2)
             a_seen = time.monotonic()  # A came before: its deadline is at most 300 ms from here
-            b = in_thread(lambda: put(rb, own + theirs, [2, 3, 4, 5], ev_b, 1500))
+            keys_b = own + theirs if own_first else theirs + own
+            b = in_thread(lambda: put(rb, keys_b, [2, 3, 4, 5], ev_b, 1500))
             assert wait_for(lambda: held(own) == 2), "B's own pages were not stored in time"
             b_seen = time.monotonic()  # B came before: its deadline is at most 1.5 s from here
             rt.hang(ev_b)  # B's engine's next event: B's copy of A's keys waits for it
@@ -1739,7 +1742,8 @@ def test_a_put_whose_waited_keys_end_late_keeps_and_reports_its_own_pages(daemon
                 t.join(20)
             assert a[1]["error"].code() == grpc.StatusCode.DEADLINE_EXCEEDED, a[1]
             assert "error" not in b[1], b[1]["error"].details()
-            assert (b[1]["result"].stored, b[1]["result"].dropped) == (2, 2), b[1]["result"]
+            answer = (b[1]["result"].stored, b[1]["result"].dropped)
+            assert answer == ((2, 2) if own_first else (0, 4)), b[1]["result"]
             assert held(own) == 2 and held(theirs) == 0
     finally:
         rt.fire_all()
