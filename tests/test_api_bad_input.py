@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import os
-import resource
 import secrets
 import signal
 import subprocess
@@ -907,10 +906,12 @@ def test_pool_shrunk_after_register_does_not_kill_the_daemon(socket_dir: str) ->
     path = os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
     try:
+        # No core file, set by a shell the script then replaces (a preexec_fn runs Python code in
+        # a child forked from this multithreaded process, which can hang on a lock held at the fork).
         res = subprocess.run(
-            [sys.executable, "-c", SHRINK_SCRIPT, name, os.path.join(socket_dir, "shrunk.sock")],
+            ["bash", "-c", 'ulimit -c 0 && exec "$0" "$@"', sys.executable, "-c", SHRINK_SCRIPT, name,
+             os.path.join(socket_dir, "shrunk.sock")],
             capture_output=True, text=True, timeout=120, env=env,
-            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0)),
         )
     finally:
         if os.path.lexists(os.path.join(SHM_DIR, name)):

@@ -488,19 +488,22 @@ def test_sockets_set_to_linger_never_hold_the_daemon(daemon) -> None:
 def test_a_daemon_out_of_descriptors_says_so(socket_dir) -> None:
     """A daemon at its descriptor limit answers RESOURCE_EXHAUSTED naming it, not 'too many
     descriptors in one message' (the kernel truncates the descriptors it cannot install)."""
-    import resource
-
     path = os.path.join(socket_dir, "kv.sock")
-
-    def few_descriptors() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
-
-    proc = subprocess.Popen([sys.executable, "-m", "kvserver", "--socket", path, "--host-memory", "64MiB"],
-                            preexec_fn=few_descriptors, stderr=subprocess.DEVNULL)
+    log = open(os.path.join(socket_dir, "daemon.log"), "wb")  # noqa: SIM115 (closed below)
+    # The limit is set by a shell the daemon then replaces, not by a preexec_fn: Python code run in
+    # a child forked from this multithreaded process (gRPC's threads) can hang on a lock held at
+    # the fork, and the daemon then never starts.
+    proc = subprocess.Popen(["bash", "-c", 'ulimit -n 128 && exec "$0" "$@"', sys.executable,
+                             "-m", "kvserver", "--socket", path, "--host-memory", "64MiB"], stderr=log)
     fd, mapping = create_memfd("kvtest-exhaust", 4096)
     mapping.close()
     try:
-        wait_until(lambda: os.path.exists(path), 30, "the daemon's socket")
+        deadline = time.monotonic() + 30
+        while not os.path.exists(path):
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                f"the daemon did not start (exit {proc.poll()}): "
+                + open(os.path.join(socket_dir, "daemon.log"), errors="replace").read()[-2000:])
+            time.sleep(0.02)
         with pytest.raises(KVClientError) as err:
             get_ticket(fd_socket_path(path), [fd] * 250)  # one message: more than it can install
         assert err.value.code == C.RESOURCE_EXHAUSTED, err.value
@@ -518,6 +521,7 @@ def test_a_daemon_out_of_descriptors_says_so(socket_dir) -> None:
         os.close(fd)
         proc.terminate()
         proc.wait(30)
+        log.close()
 
 
 # ---- leaks --------------------------------------------------------------------------------------
