@@ -1657,14 +1657,19 @@ def test_a_quarantined_pools_region_counts_in_its_tenants_region_quota_and_the_r
         rt.fire(hung)
 
 
+def being_written(d) -> int:
+    """Pages of a part being written by a Put now (not those the data plane sets aside)."""
+    from kvserver.store.pages import WRITING
+
+    return d.run(lambda: int(((d.core.cache.pages.state == WRITING) & (d.core.cache.pages.part >= 0)).sum()))
+
+
 def test_a_cuda_put_whose_copy_ends_after_its_deadline_stores_nothing(daemon_factory, fake):
     """A Put already on the GPU cannot be stopped: its copy waits for the engine's ready event,
     which fires after the Put's deadline (within --cuda-wait-seconds, so nothing stalls). The copy
     then reads device pages its engine may have reused by then: it is answered DEADLINE_EXCEEDED,
     job ended, and its pages are not stored (they were, before). A Put whose event fires in time
     stores its pages."""
-    from kvserver.store.pages import WRITING
-
     d = daemon_factory(cuda_wait_seconds=5.0)  # the late event is held 0.5 s: far from a stall
     rt = fake.cuda.runtime
     late = (780).to_bytes(8, "little") * 8
@@ -1677,7 +1682,7 @@ def test_a_cuda_put_whose_copy_ends_after_its_deadline_stores_nothing(daemon_fac
             put = in_thread(lambda: stub.Put(pb.PutRequest(
                 client_id=reg.client_id, keys=keys, key_bytes=16, device_pages=[0, 1], ready_event=late,
                 timeout_ms=200), timeout=20))
-            assert wait_for(lambda: d.run(lambda: int((d.core.cache.pages.state == WRITING).sum())) == 2)
+            assert wait_for(lambda: being_written(d) == 2)
             time.sleep(0.5)  # past the Put's deadline (it came before its pages), within --cuda-wait-seconds
             rt.fire(late)
             put[0].join(20)
@@ -1703,8 +1708,6 @@ def test_a_put_whose_waited_keys_end_late_keeps_and_reports_its_own_pages(daemon
     keeps nothing either. B's own pages stay stored, and B answers its keys' stored prefix (own
     keys first: stored 2, the 2 it could not store dropped, last; A's keys first: none of the
     prefix, all 4 dropped), not DEADLINE_EXCEEDED, which would say nothing of it was kept."""
-    from kvserver.store.pages import WRITING
-
     d = daemon_factory(cuda_wait_seconds=5.0)  # no hung event here is held that long
     rt = fake.cuda.runtime
     ev_a, ev_b = ((781 + i).to_bytes(8, "little") * 8 for i in range(2))
@@ -1727,7 +1730,7 @@ def test_a_put_whose_waited_keys_end_late_keeps_and_reports_its_own_pages(daemon
             put(rb, bytes(range(200, 216)), [9], ev_b, 5000)  # B's event opened (and fired)
             rt.hang(ev_a)
             a = in_thread(lambda: put(ra, theirs, [0, 1], ev_a, 300))
-            assert wait_for(lambda: d.run(lambda: int((d.core.cache.pages.state == WRITING).sum())) == 2)
+            assert wait_for(lambda: being_written(d) == 2)
             a_seen = time.monotonic()  # A came before: its deadline is at most 300 ms from here
             keys_b = own + theirs if own_first else theirs + own
             b = in_thread(lambda: put(rb, keys_b, [2, 3, 4, 5], ev_b, 1500))
