@@ -24,11 +24,10 @@ import tempfile
 import time
 
 import numpy as np
-import torch
 
 from kvserver.core.cache_ops import CacheOps
 from kvserver.core.kvcore import KVCore
-from kvserver.protocol.layout import KVLayout
+from kvserver.protocol.layout import KVLayout, dtype_named
 from kvserver.store import Keys
 from kvserver.store.spaces import PartKey, SpaceKey
 
@@ -87,11 +86,11 @@ async def one_round(args, where: str, order: int) -> tuple[float, float, float, 
         core = KVCore(n * page + 64 * MiB, disk_cache=os.path.join(root, "disk"),
                       disk_size=2 * n * page + 64 * MiB, disk_threads=args.threads)
         c = core.cache
-        space = SpaceKey(f"uid:{os.getuid()}", "disk-bench", LAYOUT, torch.float16, 16, 4, 1, 1)
+        space = SpaceKey(f"uid:{os.getuid()}", "disk-bench", LAYOUT, dtype_named("float16"), 16, 4, 1, 1)
         part = c.part(c.space(space), PartKey(0, 0, 0, 4, page))
         keys = Keys.of([i.to_bytes(8, "little") + b"diskbnch" for i in range(n)])
         plan = c.prepare_put(part, keys)
-        arena = core.arena.view(torch.uint8).numpy()
+        arena = core.arena.view(np.uint8)
         rng = np.random.default_rng(0)
         for off in plan.offsets.tolist():
             arena[off : off + page] = rng.integers(0, 256, page, dtype=np.uint8)

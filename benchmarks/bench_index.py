@@ -24,10 +24,9 @@ import sys
 import time
 
 import numpy as np
-import torch
 
 from kvserver.host.arena import HostArena
-from kvserver.protocol.layout import KVLayout
+from kvserver.protocol.layout import KVLayout, dtype_named
 from kvserver.store import Keys, KVCache, PartKey, SpaceKey
 from kvserver.store.pages import BYTES_PER_PAGE
 
@@ -54,7 +53,7 @@ def fill_cache(mib: int) -> tuple[int, int, float, float]:
     """(pages cached, resident bytes grown, a Put's mean seconds, a Lookup's mean seconds)."""
     arena = HostArena(mib * MiB)
     cache = KVCache(arena)
-    key = SpaceKey("bench", "m", KVLayout.mha(1, 16), torch.float16, 1, 1, 1, 1)
+    key = SpaceKey("bench", "m", KVLayout.mha(1, 16), dtype_named("float16"), 1, 1, 1, 1)
     part = cache.part(cache.space(key), PartKey(0, 0, 0, 1, PAGE_BYTES))
     gc.collect()
     before = rss()

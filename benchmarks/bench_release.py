@@ -16,6 +16,7 @@ import os
 import sys
 import tempfile
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
@@ -46,12 +47,12 @@ def main() -> None:
                                  host_tokens=nbytes // TOKEN_BYTES, page_size=16)
                 client = d.run(lambda: d.core.clients[reg.client_id])
                 offset, size = client.region_offset, client.region_bytes
-                arena.view(torch.uint8)[offset: offset + size].fill_(1)
+                arena.view(np.uint8)[offset: offset + size].fill(1)
                 off_loop, took = d.call(lag_during(lambda: d.core.unregister(reg.client_id)))
                 c.close()
             # The baseline: the same region, populated again, given back on the loop.
             offset = d.run(arena.reserve, size)
-            arena.view(torch.uint8)[offset: offset + size].fill_(1)
+            arena.view(np.uint8)[offset: offset + size].fill(1)
 
             async def on_loop() -> None:
                 arena.release(offset, size)

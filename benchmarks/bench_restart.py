@@ -29,10 +29,12 @@ import tempfile
 import time
 
 import grpc
+import numpy as np
 import torch
 
 from kvclient import CacheView, KVLayout
 from kvserver.core.kvcore import KVCore
+from kvserver.protocol.layout import dtype_named
 from kvserver.store.spaces import PartKey, SpaceKey
 from kvserver.v1 import kvserver_pb2 as pb
 from kvserver.v1 import kvserver_pb2_grpc as pb_grpc
@@ -53,9 +55,9 @@ def fill(path: str, capacity: int, nbytes: int) -> int:
     """Stores ``nbytes`` of pages in a kept cache at ``path``; returns the pages stored."""
     core = KVCore(capacity, host_memory_dir=path)
     c = core.cache
-    space = SpaceKey(f"uid:{os.getuid()}", MODEL, LAYOUT, torch.float16, PAGE, LAYERS, 1, 1)
+    space = SpaceKey(f"uid:{os.getuid()}", MODEL, LAYOUT, dtype_named("float16"), PAGE, LAYERS, 1, 1)
     part = c.part(c.space(space), PartKey(0, 0, 0, LAYERS, PAGE_BYTES))
-    arena = core.arena.view(torch.uint8).numpy()
+    arena = core.arena.view(np.uint8)
     n = nbytes // PAGE_BYTES
     stored, every = 0, keys(n)
     for start in range(0, n, 4096):
@@ -81,9 +83,9 @@ def fill_disk(path: str, disk_size: int, nbytes: int) -> int:
         core = KVCore(DISK_HOST, disk_cache=path, disk_size=disk_size)
         try:
             c, disk = core.cache, core.disk
-            space = SpaceKey(f"uid:{os.getuid()}", MODEL, LAYOUT, torch.float16, PAGE, LAYERS, 1, 1)
+            space = SpaceKey(f"uid:{os.getuid()}", MODEL, LAYOUT, dtype_named("float16"), PAGE, LAYERS, 1, 1)
             part = c.part(c.space(space), PartKey(0, 0, 0, LAYERS, PAGE_BYTES))
-            arena = core.arena.view(torch.uint8).numpy()
+            arena = core.arena.view(np.uint8)
             n = nbytes // PAGE_BYTES
             every, stored = keys(n), 0
             for start in range(0, n, 128):  # 32 MiB a Put

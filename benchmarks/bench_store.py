@@ -15,10 +15,9 @@ import time
 from itertools import repeat
 
 import numpy as np
-import torch
 
 from kvserver.host.arena import HostArena
-from kvserver.protocol.layout import KVLayout
+from kvserver.protocol.layout import KVLayout, dtype_named
 from kvserver.store import Keys, KVCache, PartKey, SpaceKey
 from kvserver.store.steps import STEP_KEYS
 
@@ -41,7 +40,7 @@ def main() -> None:
     n_max = 1 << 16
     arena = HostArena(3 * n_max * PAGE_BYTES + (32 << 20))
     cache = KVCache(arena)
-    key = SpaceKey("bench", "m", KVLayout.mha(2, 4), torch.float16, 16, 3, 1, 3)
+    key = SpaceKey("bench", "m", KVLayout.mha(2, 4), dtype_named("float16"), 16, 3, 1, 3)
     space = cache.space(key)
     parts = [cache.part(space, PartKey(0, r, r, r + 1, PAGE_BYTES)) for r in range(3)]
     listed = [i.to_bytes(16, "little") for i in range(n_max)]

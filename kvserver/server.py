@@ -15,7 +15,6 @@ import threading
 from typing import NoReturn
 
 import grpc
-import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -25,6 +24,7 @@ from kvserver.api.metrics import Metrics
 from kvserver.api.servicer import KVServicer, add_to_server
 from kvserver.cluster import MooncakeClient, local_address
 from kvserver.config import ServerConfig
+from kvserver.copies import transfer
 from kvserver.core.cache_ops import expire_leases
 from kvserver.core.kvcore import KVCore
 from kvserver.core.liveness import Reaper
@@ -217,7 +217,9 @@ class Daemon:
             raise
 
     async def _start(self) -> None:
-        if self.config.torch_threads:
+        if self.config.torch_threads and transfer.copy_rows is None:  # only then is torch loaded
+            import torch
+
             torch.set_num_threads(self.config.torch_threads)
         # What runs beside the calls first, before anyone can call: the disk tier's start names
         # every page of a kept host cache it holds no copy of (a sort of millions of pages).
@@ -319,7 +321,7 @@ class Daemon:
 
 
 async def serve(config: ServerConfig) -> None:
-    # What the imports made (torch's and grpc's modules: some 180k objects) lives as long as the
+    # What the imports made (grpc's and numpy's modules) lives as long as the
     # daemon: kept out of the collector, a full collection walks only what the daemon made, not the
     # event loop's 75 ms, and the exit is not slowed by collections over it either. Frozen before
     # the start, so that the daemon's own objects (a kept cache's spaces, a registration taken
@@ -343,8 +345,8 @@ async def serve(config: ServerConfig) -> None:
 
 def end_process(code: int) -> NoReturn:
     """Ends the process at once, what it logged and printed written out first: the daemon's files,
-    publisher and tiers are closed by then. The interpreter's own teardown (torch's and grpc's
-    modules, its last collections) took 0.3-0.9 s more of every stop, which a restart waits for.
+    publisher and tiers are closed by then. The interpreter's own teardown (grpc's modules, its
+    last collections) took 0.3-0.9 s more of every stop, which a restart waits for.
     One collection runs first, so that a task dropped with an exception still says so."""
     gc.collect()
     logging.shutdown()

@@ -819,8 +819,34 @@ def preflight(address: str) -> dict:
         "kvclient": os.path.dirname(os.path.realpath(kvclient.__file__)),
         "daemon_health": health_pb2.HealthCheckResponse.ServingStatus.Name(status),
         "cuda": "usable" if cupy is not None else why,
+        "cupy_alone": cupy_alone(),
         "vllm_worker": _vllm_worker_imports(),
     }
+
+
+# In a process that never imports torch: CuPy's device count, a kernel compiled by NVRTC and run.
+CUPY_ALONE = """
+import sys
+import cupy
+n = cupy.cuda.runtime.getDeviceCount()
+k = cupy.RawKernel(r'extern "C" __global__ void one(int* x) { x[threadIdx.x] = 1; }', "one")
+x = cupy.zeros(32, dtype=cupy.int32)
+k((1,), (32,), (x,))
+assert int(x.sum()) == 32 and "torch" not in sys.modules, sorted(m for m in sys.modules if "torch" in m)
+print(f"usable: {n} device(s), a kernel compiled and run, without torch")
+"""
+
+
+def cupy_alone() -> str:
+    """Whether CuPy finds the CUDA libraries without torch in the process (a daemon that opens a
+    CUDA pool imports torch first: kvserver/media/cuda/runtime.py): what it printed, or why not."""
+    try:
+        run = subprocess.run([sys.executable, "-c", CUPY_ALONE], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return "no answer within 120 s"
+    if run.returncode == 0:
+        return run.stdout.strip()
+    return "failed: " + (run.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
 
 
 def _vllm_worker_imports() -> str:

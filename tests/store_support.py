@@ -4,10 +4,9 @@ name keys, spaces and parts and to put pages."""
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from kvserver.host.arena import HostArena
-from kvserver.protocol.layout import KVLayout
+from kvserver.protocol.layout import KVLayout, dtype_named
 from kvserver.store import Keys, KVCache, Part, PartKey, PutPlan, Space, SpaceKey
 
 MiB = 1 << 20
@@ -38,7 +37,7 @@ def K(names: str) -> list[bytes]:
 def space_key(tenant: str = "t", *, mla: bool = False, tp: int = 1, pp: int = 1, layers: int = 4,
               model: str = "m") -> SpaceKey:
     layout = KVLayout.mla(8, 0) if mla else KVLayout.mha(2, 4)
-    return SpaceKey(tenant, model, layout, torch.float16, 16, layers, tp, pp)
+    return SpaceKey(tenant, model, layout, dtype_named("float16"), 16, layers, tp, pp)
 
 
 def part_of(cache: KVCache, space: Space, tp_shard: int = 0, pp_rank: int = 0,

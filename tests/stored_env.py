@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import torch
 from checks import error_of, pool_sha, sha_of
 
@@ -121,8 +122,8 @@ class StoredEnv:
         def read() -> str:
             core = self.daemon.core
             c = core.clients[self.cid]
-            view = core.arena.view(torch.uint8)[c.region_offset : c.region_offset + c.region_bytes]
-            return hashlib.sha256(view.numpy().tobytes()).hexdigest()
+            view = core.arena.view(np.uint8)[c.region_offset : c.region_offset + c.region_bytes]
+            return hashlib.sha256(view.tobytes()).hexdigest()
 
         return self.daemon.run(read)
 

@@ -6,16 +6,15 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import torch
 from test_disk_tier import MiB, keys_of
 
 from kvserver.core.kvcore import KVCore
-from kvserver.protocol.layout import KVLayout
+from kvserver.protocol.layout import KVLayout, dtype_named
 from kvserver.store import Keys
 from kvserver.store.spaces import PartKey, SpaceKey
 
 PAGE = 32 * 1024
-SPACE = SpaceKey("t", "m", KVLayout.mha(2, 64), torch.float16, 16, 4, 1, 1)
+SPACE = SpaceKey("t", "m", KVLayout.mha(2, 64), dtype_named("float16"), 16, 4, 1, 1)
 
 
 def test_puts_a_full_cache_leaves_unstored_are_logged_at_once_then_rarely(caplog):

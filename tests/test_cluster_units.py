@@ -7,21 +7,21 @@ from __future__ import annotations
 import socket
 
 import pytest
-import torch
 
 from kvserver.cluster.breaker import Breaker
 from kvserver.cluster.names import names, part_prefix
 from kvserver.cluster.store import local_address
-from kvserver.protocol.layout import KVLayout
+from kvserver.protocol.layout import KVLayout, dtype_named
 from kvserver.store import Keys, PartKey, SpaceKey
 from kvserver.store.spaces import Part as PartOf
 from kvserver.store.spaces import PartCounts, Space
 
 MHA = KVLayout.mha(2, 64)
+F16 = dtype_named("float16")
 
 
 def part(tenant="t", model="m", weights="", tp_shard=0, pp_rank=0, layers=(0, 4), page_bytes=4096,
-         dtype=torch.float16, layout=MHA):
+         dtype=F16, layout=MHA):
     key = SpaceKey(tenant, model, layout, dtype, 16, 4, 1, 1, weights)
     return PartOf(Space(key, PartCounts(4)), PartKey(tp_shard, pp_rank, *layers, page_bytes), 0)
 
@@ -40,7 +40,7 @@ def test_a_page_name_is_the_same_on_every_node_and_its_parts_are_all_named():
 
 @pytest.mark.parametrize("other", [
     dict(tenant="u"), dict(model="m2"), dict(weights="sha256:1"), dict(tp_shard=1), dict(pp_rank=1),
-    dict(layers=(0, 2)), dict(page_bytes=8192), dict(dtype=torch.bfloat16),
+    dict(layers=(0, 2)), dict(page_bytes=8192), dict(dtype=dtype_named("bfloat16")),
     dict(layout=KVLayout.mla(512, 64)),
 ])
 def test_any_field_of_the_space_or_part_changes_every_name(other):

@@ -422,7 +422,7 @@ def test_a_released_region_goes_back_to_the_kernel_off_the_loop(daemon, monkeypa
     assert [(on_loop, start, n) for on_loop, start, n, _ in calls] == [(False, offset, region)]
     assert calls[0][3] >= region  # still reserved while its pages go back
     assert daemon.run(lambda: daemon.core.arena.reserved) == 0
-    view = daemon.core.arena.view(torch.uint8)
+    view = daemon.core.arena.view(np.uint8)
     assert not bool(view[offset: offset + region].any())
 
 

@@ -12,19 +12,18 @@ import logging
 import threading
 import time
 
-import torch
 from test_disk_tier import MiB, keys_of
 
 from kvserver.core.kvcore import KVCore
 from kvserver.disk import io
 from kvserver.disk import tier as disk_tier
-from kvserver.protocol.layout import KVLayout
+from kvserver.protocol.layout import KVLayout, dtype_named
 from kvserver.store import Keys
 from kvserver.store.keep import kept_shape
 from kvserver.store.spaces import PartKey, SpaceKey
 
 PAGE = 32 * 1024
-SPACE = SpaceKey("t", "m", KVLayout.mha(2, 64), torch.float16, 16, 4, 1, 1)
+SPACE = SpaceKey("t", "m", KVLayout.mha(2, 64), dtype_named("float16"), 16, 4, 1, 1)
 
 
 def stuck_writes(monkeypatch) -> threading.Event:

@@ -15,7 +15,6 @@ import time
 
 import numpy as np
 import pytest
-import torch
 from cache_engine import CacheEngine
 from test_disk_tier import MiB, keys_of, load_checked, store, tiers, written
 
@@ -23,7 +22,7 @@ from kvserver.config import ServerConfig
 from kvserver.core.kvcore import KVCore
 from kvserver.disk import io
 from kvserver.disk.arena import DiskArena
-from kvserver.protocol.layout import KVLayout
+from kvserver.protocol.layout import KVLayout, dtype_named
 from kvserver.store import Keys
 from kvserver.store.keep import kept_shape
 from kvserver.store.spaces import PartKey, SpaceKey
@@ -160,7 +159,7 @@ def test_a_bad_page_two_reads_hold_is_dropped_by_the_last(tmp_path):
         core = KVCore(64 * MiB, disk_cache=str(tmp_path / "disk"), disk_size=64 * MiB)
         try:
             disk, c = core.disk, core.cache
-            space = SpaceKey("t", "m", KVLayout.mha(2, 64), torch.float16, 16, 4, 1, 1)
+            space = SpaceKey("t", "m", KVLayout.mha(2, 64), dtype_named("float16"), 16, 4, 1, 1)
             part = c.part(c.space(space), PartKey(0, 0, 0, 4, 32 * 1024))
             keys = Keys.of(keys_of("two", 8))
             plan = c.prepare_put(part, keys)
@@ -188,7 +187,7 @@ def test_a_kept_host_caches_pages_get_their_disk_copies_all_of_them(tmp_path):
     bound) meets a disk tier at start: every page is written, none skipped."""
     kept = f"/dev/shm/kvserver-test-backlog-{os.getpid()}-{os.urandom(3).hex()}"
     page = 40 * 1024
-    space = SpaceKey("t", "m", KVLayout.mha(2, 64), torch.float16, 16, 4, 1, 1)
+    space = SpaceKey("t", "m", KVLayout.mha(2, 64), dtype_named("float16"), 16, 4, 1, 1)
     keys = Keys.of(keys_of("backlog", 400))
 
     async def fill() -> None:
@@ -225,7 +224,7 @@ def test_a_kept_host_caches_pages_get_their_disk_copies_all_of_them(tmp_path):
 
 def test_a_size_given_as_a_share_keeps_the_size_the_disk_was_made_with(tmp_path, caplog):
     path = str(tmp_path / "disk")
-    space = SpaceKey("t", "m", KVLayout.mha(2, 64), torch.float16, 16, 4, 1, 1)
+    space = SpaceKey("t", "m", KVLayout.mha(2, 64), dtype_named("float16"), 16, 4, 1, 1)
     keys = Keys.of(keys_of("share", 50))
 
     async def run(size: int, share: bool, fill: bool) -> tuple[int, int]:
@@ -309,7 +308,7 @@ def test_a_reads_back_hold_on_the_hit_never_lands_on_ids_reused_meanwhile(tmp_pa
         core = KVCore(48 * MiB, disk_cache=str(tmp_path / "disk"), disk_size=128 * MiB)
         try:
             c, disk = core.cache, core.disk
-            space = c.space(SpaceKey("t", "m", KVLayout.mha(2, 64), torch.float16, 16, 4, 1, 1))
+            space = c.space(SpaceKey("t", "m", KVLayout.mha(2, 64), dtype_named("float16"), 16, 4, 1, 1))
             part = c.part(space, PartKey(0, 0, 0, 4, 8192))
             keys = Keys.of(keys_of("stale", 1100))  # two steps of keys
             plan = c.prepare_put(part, keys)

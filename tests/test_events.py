@@ -19,6 +19,7 @@ from mooncake_master import free_port
 from kvclient import CacheView
 from kvserver.events import book
 from kvserver.events.publisher import space_topic
+from kvserver.protocol.layout import dtype_named
 from kvserver.store import SpaceKey
 
 MiB = 1 << 20
@@ -185,7 +186,7 @@ def test_the_daemons_publisher_speaks_vllms_schema_with_replay(daemon_factory, v
 def test_a_log_joins_small_changes_but_never_into_an_event_a_reader_has_read():
     from kvserver.store import Keys
 
-    space = SpaceKey("t", "m", LAYOUT, DTYPE, PAGE, 4, 1, 1)
+    space = SpaceKey("t", "m", LAYOUT, dtype_named(str(DTYPE)), PAGE, 4, 1, 1)
     b = book.EventBook()
     log_id, events, seq, gap = b.read(space, "", 0)
     assert (events, seq, gap) == ([], 0, False)

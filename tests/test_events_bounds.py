@@ -19,10 +19,11 @@ from cache_engine import DTYPE, LAYOUT, MODEL, PAGE
 
 from kvserver.events import book, schema
 from kvserver.events.publisher import BATCH_BYTES, ZmqPublisher
+from kvserver.protocol.layout import dtype_named
 from kvserver.store import Keys, SpaceKey
 
 RECORDS = 1 << 15  # one-key records into a log: four times the events it keeps (MAX_LOG_EVENTS)
-A = SpaceKey("tenantA", MODEL, LAYOUT, DTYPE, PAGE, 4, 1, 1)
+A = SpaceKey("tenantA", MODEL, LAYOUT, dtype_named(str(DTYPE)), PAGE, 4, 1, 1)
 decode = msgspec.msgpack.Decoder(type=schema.KVEventBatch).decode
 
 
@@ -206,7 +207,7 @@ def test_reads_walk_every_log_at_most_once_a_second_and_an_idle_log_still_starts
             return super().items()
 
     b._logs = Walked()
-    spaces = [SpaceKey(f"t{i}", MODEL, LAYOUT, DTYPE, PAGE, 4, 1, 1) for i in range(3)]
+    spaces = [SpaceKey(f"t{i}", MODEL, LAYOUT, dtype_named(str(DTYPE)), PAGE, 4, 1, 1) for i in range(3)]
     first = b.read(spaces[0], "", 0)[0]
     for _ in range(100):  # a busy second of readers
         for s in spaces:

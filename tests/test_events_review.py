@@ -26,12 +26,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvserver.events import publisher
 from kvserver.events.publisher import ZmqPublisher, space_topic
+from kvserver.protocol.layout import dtype_named
 from kvserver.store import Keys, SpaceKey
 
 MiB = 1 << 20
 END = (-1).to_bytes(8, "big", signed=True)
-A = SpaceKey("tenantA", MODEL, LAYOUT, DTYPE, PAGE, 4, 1, 1)
-B = SpaceKey("tenantB", MODEL, LAYOUT, DTYPE, PAGE, 4, 1, 1)
+A = SpaceKey("tenantA", MODEL, LAYOUT, dtype_named(str(DTYPE)), PAGE, 4, 1, 1)
+B = SpaceKey("tenantB", MODEL, LAYOUT, dtype_named(str(DTYPE)), PAGE, 4, 1, 1)
 TOPIC_A, TOPIC_B = space_topic(A).encode(), space_topic(B).encode()
 
 

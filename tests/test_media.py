@@ -80,7 +80,7 @@ async def put_then_get(core, client_id: str, offsets: np.ndarray, src: np.ndarra
 
 def arena_page(core, offset: int, spec) -> np.ndarray:
     """One cached page as [layer, part, token, byte]."""
-    arena = core.arena.view(torch.uint8).numpy()
+    arena = core.arena.view(np.uint8)
     page = arena[offset: offset + spec.page_bytes]
     return page.reshape(len(spec.layers), spec.layout.num_parts, spec.page_size, spec.token_bytes)
 
@@ -92,7 +92,7 @@ def check_round_trip(daemon, client_id: str, dev, offsets: np.ndarray, src: np.n
     core = daemon.core
     client = daemon.run(core.client, client_id)
     start, end = client.region_offset, client.region_offset + client.region_bytes
-    region = core.arena.view(torch.uint8).numpy()[start:end]
+    region = core.arena.view(np.uint8)[start:end]
     region_before = region.copy()
     settled: list = []
     steps = daemon.call(put_then_get(core, client_id, offsets, src, dst, settled))
@@ -160,7 +160,7 @@ def test_each_medium_implements_every_member(daemon, fake):
         for name in interface_members():
             getattr(dev, name)  # every attribute is there (raises AttributeError if not)
         assert dev.num_tokens == TOKENS and dev.page_size == PAGE and dev.num_pages == TOKENS // PAGE
-        assert dev.paged and dev.dtype == torch.int64 and dev.failed is None
+        assert dev.paged and dev.dtype == np.int64 and dev.failed is None
     assert (shm_dev.inline_ok, shm_dev.records_events, shm_dev.event_slots) == (True, False, 0)
     assert list(shm_dev.event_handles) == [] and shm_dev.ipc_allocations == frozenset()
     assert (cuda_dev.inline_ok, cuda_dev.records_events, cuda_dev.event_slots) == (False, True, 2)

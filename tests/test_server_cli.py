@@ -433,12 +433,13 @@ uvloop.run(main())
 
 
 def test_what_the_start_made_is_kept_out_of_the_collector(socket_dir):
-    """A full collection over the daemon's modules (torch's and grpc's: some 180k objects) took 75 ms
-    of the event loop, every engine's calls stalled behind it: what the imports made is frozen
-    before the daemon starts, and a collection then walks only the daemon's own objects."""
+    """A full collection over the daemon's modules (torch's and grpc's then: some 180k objects) took
+    75 ms of the event loop, every engine's calls stalled behind it: what the imports made (grpc's
+    and numpy's, some 40k objects, since the daemon loads no torch) is frozen before the daemon
+    starts, and a collection then walks only the daemon's own objects."""
     proc = subprocess.run([sys.executable, "-c", FROZEN_CHILD, os.path.join(socket_dir, "gc.sock")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     frozen, took = proc.stdout.split()
-    assert int(frozen) > 50_000, f"only {frozen} objects were frozen once the daemon listened"
+    assert int(frozen) > 20_000, f"only {frozen} objects were frozen once the daemon listened"
     assert float(took) < 0.01, f"a full collection took {float(took) * 1e3:.1f} ms"

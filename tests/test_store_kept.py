@@ -19,14 +19,13 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 
 from kvserver.core.kvcore import KVCore
 from kvserver.disk.arena import DiskArena
 from kvserver.errors import NoCapacity
 from kvserver.host.kept import KeptDir
 from kvserver.host.regions import aligned_capacity
-from kvserver.protocol.layout import KVLayout
+from kvserver.protocol.layout import KVLayout, dtype_named
 from kvserver.store.keep import kept_shape
 from kvserver.store.keys import Keys
 from kvserver.store.spaces import PartKey, SpaceKey
@@ -44,7 +43,7 @@ def kept_dir():
 
 
 def space(weights: str = "", tenant: str = "t") -> SpaceKey:
-    return SpaceKey(tenant, "m", LAYOUT, torch.float16, 16, 4, 1, 1, weights)
+    return SpaceKey(tenant, "m", LAYOUT, dtype_named("float16"), 16, 4, 1, 1, weights)
 
 
 def part_of(core: KVCore, weights: str = "", page_bytes: int = PAGE_BYTES, tenant: str = "t"):
@@ -64,7 +63,7 @@ def keys_of(prefix: bytes, n: int) -> list[bytes]:
 def put(core: KVCore, part, keys: list[bytes], ok: bool = True):
     """Stores ``keys`` with their content (``ok``: the copy completes); returns the plan."""
     plan = core.cache.prepare_put(part, keys)
-    arena = core.arena.view(torch.uint8).numpy()
+    arena = core.arena.view(np.uint8)
     for pos, off in zip(plan.positions.tolist(), plan.offsets.tolist(), strict=True):
         arena[off : off + part.key.page_bytes] = content(keys[pos], part.key.page_bytes)
     if ok is not None:
@@ -75,7 +74,7 @@ def put(core: KVCore, part, keys: list[bytes], ok: bool = True):
 def found(core: KVCore, part, keys: list[bytes]) -> tuple[int, bool]:
     """How many leading keys hit, and whether their bytes are exactly what was stored."""
     plan = core.cache.prepare_get(part, keys)
-    arena = core.arena.view(torch.uint8).numpy()
+    arena = core.arena.view(np.uint8)
     exact = all(np.array_equal(arena[off : off + part.key.page_bytes], content(k, part.key.page_bytes))
                 for k, off in zip(keys, plan.offsets.tolist(), strict=False))
     core.cache.complete_get(plan, True)

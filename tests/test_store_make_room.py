@@ -122,7 +122,7 @@ def _full_of_small_pages(monkeypatch) -> tuple:
         assert len(put(kv, part, ks).positions) == n
         keys.append(ks)
     assert arena.largest_free() == 0 and kv.bytes == 16 * MIB
-    arena.view(torch.uint8).fill_(0xAB)
+    arena.view(np.uint8).fill(0xAB)
     return kv, arena, part, keys
 
 
@@ -176,7 +176,7 @@ def test_make_room_in_steps_holds_what_it_makes_and_frees_its_memory_on_the_call
     assert len(punched) == 3  # given back as freed: not freed twice
     assert arena.largest_free() == 6 * MIB and arena.reserved == cache.bytes == 10 * MIB
     start = arena.reserve(6 * MIB)
-    assert start == min(oldest) and not arena.view(torch.uint8)[start: start + 6 * MIB].any()
+    assert start == min(oldest) and not arena.view(np.uint8)[start: start + 6 * MIB].any()
     assert cache.stats()[0][0].counters.evictions == 3 * 2 * MIB // SMALL + 4 * taken
     _slabs_add_up(cache)
 
@@ -338,7 +338,7 @@ def test_a_register_that_needs_the_caches_room_evicts_in_steps_and_frees_off_the
         assert watch.punches and not any(watch.punches), watch.punches  # all off the loop
         assert len(watch.steps) >= 40 * MIB // (256 * 16 << 10), len(watch.steps)  # the loop let go
         client = d.run(lambda: d.core.clients[reg.client_id])
-        view = d.core.arena.view(torch.uint8)
+        view = d.core.arena.view(np.uint8)
         assert not view[client.region_offset: client.region_offset + client.region_bytes].any()
 
 

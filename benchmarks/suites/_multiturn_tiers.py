@@ -27,9 +27,9 @@ class InProcessHost:
         g = dev.geom
         self.dev = dev
         self.host = torch.zeros((pages, g.layers, 2, g.chunk), dtype=torch.uint8)
-        self.host_table = transfer.BufferTable.of([[self.host[:, la, q] for q in range(2)]
+        self.host_table = transfer.BufferTable.of([[self.host[:, la, q].numpy() for q in range(2)]
                                                    for la in range(g.layers)])
-        self.dev_table = transfer.BufferTable.of(dev.raw)
+        self.dev_table = transfer.BufferTable.of([[b.numpy() for b in layer] for layer in dev.raw])
         self.layers = np.arange(g.layers)
         self.lru = PrefixLRU(pages)
 

@@ -108,8 +108,8 @@ class InProcess:
         # int64 words per (layer, part) of a page
         self.chunk = chunk = page_size * pool.layout.token_bytes(pool.dtype) // 8
         self.host = host = torch.zeros(layers, parts, pages, chunk, dtype=torch.int64)
-        self._views = [[b.view(torch.int64).view(-1, chunk) for b in layer] for layer in pool.buffers]
-        self._tokens = [[b.view(torch.int64).view(pool.num_tokens, -1) for b in layer]
+        self._views = [[b.view(torch.int64).view(-1, chunk).numpy() for b in layer] for layer in pool.buffers]
+        self._tokens = [[b.view(torch.int64).view(pool.num_tokens, -1).numpy() for b in layer]
                         for layer in pool.buffers]
         self._plan = transfer.make_plan(self.hp.numpy(), self.dev.numpy(), page_size, pool_pages)
         self._host_table = transfer.BufferTable(
@@ -124,12 +124,12 @@ class InProcess:
             # No compiled kernel: per (layer, part), as the daemon falls back.
             for la in range(len(self._views)):
                 for pa in range(len(self._views[la])):
-                    transfer.copy_part(self._plan, self.host[la, pa], self._views[la][pa],
+                    transfer.copy_part(self._plan, self.host[la, pa].numpy(), self._views[la][pa],
                                        self._tokens[la][pa], to_device)
 
     def holds_the_pool_pages(self) -> bool:
         """Whether the host buffer holds the pool's pages (after a write), in the order ``hp``."""
-        want = np.stack([np.stack([v[self.dev_pages].numpy() for v in views], 1) for views in self._views], 1)
+        want = np.stack([np.stack([v[self.dev_pages.numpy()] for v in views], 1) for views in self._views], 1)
         return np.array_equal(self.host.permute(2, 0, 1, 3)[self.hp].numpy(), want)
 
 

@@ -70,7 +70,7 @@ def _layout_label(key: SpaceKey) -> str:
 
 
 def _space_labels(key: SpaceKey) -> list[str]:
-    return [key.tenant, key.model, _layout_label(key), str(key.dtype).removeprefix("torch."),
+    return [key.tenant, key.model, _layout_label(key), key.dtype.name,
             str(key.page_size), str(key.num_layers), str(key.tp_size), str(key.pp_size), key.weights]
 
 

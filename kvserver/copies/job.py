@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from kvserver.copies import transfer
 from kvserver.copies.workers import Work
@@ -32,7 +31,7 @@ class Job:
     local_layers: list[int]
     pages: np.ndarray
     region: transfer.BufferTable  # the client's own host region (rows are its pages)
-    region_views: list[list[torch.Tensor]]  # the same region as [layer][part] tensors (torch's path)
+    region_views: list[list[np.ndarray]]  # the same region as [layer][part] views (copies a part at a time)
     layer_token_bytes: int  # bytes of one token in one layer: every part (K and V) together
     ready_event: bytes = b""  # CUDA: the engine's event to wait on before copying
     event_slot: int = 0  # CUDA loads: whose layer events to record

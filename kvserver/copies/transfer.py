@@ -9,7 +9,9 @@ A whole job (every layer and part) is one call of the ``_kvcopy`` C kernel: one 
 per row, no temporary, no thread pool of its own, and the GIL released from the first byte to the
 last, so the event loop keeps serving while it runs. Per-layer progress comes out through a
 counter and an eventfd. Without the compiled kernel the copy falls back to torch, per (layer,
-part): ``index_select(out=scratch)`` then ``index_copy_`` (two passes).
+part): ``index_select(out=scratch)`` then ``index_copy_`` (two passes), over the same memory; only
+such a daemon imports torch (its copy threads: ``--torch-threads``). Views are numpy arrays over
+mapped memory (``kvserver.protocol.raw_memory``).
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ import threading
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from kvserver.copies.geometry import Geometry
 from kvserver.errors import InvalidArgument, OutOfRange, Unimplemented
 from kvserver.protocol import compiled
+from kvserver.protocol.raw_memory import address
 
 # The copy kernel (csrc/kvcopy.c); None where not built (e.g. run from a source tree without a
 # build) or built from other sources: torch's indexing below.
@@ -55,13 +57,12 @@ class BufferTable:
     geometry: Geometry | None = None
 
     @classmethod
-    def of(cls, views: list[list[torch.Tensor]]) -> BufferTable:
-        w = views[0][0].element_size()
-        strides = {v.stride(0) * w for layer in views for v in layer}
+    def of(cls, views: list[list[np.ndarray]]) -> BufferTable:
+        strides = {v.strides[0] for layer in views for v in layer}
         return cls(
-            bases=np.array([[v.data_ptr() for v in layer] for layer in views], dtype=np.uint64),
+            bases=np.array([[address(v) for v in layer] for layer in views], dtype=np.uint64),
             row_stride=strides.pop() if len(strides) == 1 else None,
-            row_bytes=views[0][0].shape[1] * w,
+            row_bytes=views[0][0].shape[1] * views[0][0].itemsize,
         )
 
 
@@ -212,8 +213,8 @@ def make_plan(
     )
 
 
-def copy_part(plan: CopyPlan, host: torch.Tensor, device_pages: torch.Tensor | None,
-              device_tokens: torch.Tensor, to_device: bool, stream: bool = False) -> None:
+def copy_part(plan: CopyPlan, host: np.ndarray, device_pages: np.ndarray | None,
+              device_tokens: np.ndarray, to_device: bool, stream: bool = False) -> None:
     """Copies one (layer, part). ``host`` is [region_pages, page_size*elems]; device views are
     [pages, page_size*elems] and [tokens, elems]. ``stream``: copied with streaming stores, as the
     daemon copies a job where ``streams`` says so."""
@@ -223,19 +224,18 @@ def copy_part(plan: CopyPlan, host: torch.Tensor, device_pages: torch.Tensor | N
     if copy_rows is None:
         _copy_part_torch(plan, host, dev, to_device)
         return
-    w = host.element_size()
-    row_bytes = dev.shape[1] * w
-    host_off, dev_off = plan.offsets(host.stride(0) * w, dev.stride(0) * w, row_bytes)
+    row_bytes = dev.shape[1] * dev.itemsize
+    host_off, dev_off = plan.offsets(host.strides[0], dev.strides[0], row_bytes)
     if to_device:
-        copy_rows(dev.data_ptr(), dev_off.ctypes.data, host.data_ptr(), host_off.ctypes.data,
+        copy_rows(address(dev), dev_off.ctypes.data, address(host), host_off.ctypes.data,
                   dev_off.size, row_bytes, stream)
     else:
-        copy_rows(host.data_ptr(), host_off.ctypes.data, dev.data_ptr(), dev_off.ctypes.data,
+        copy_rows(address(host), host_off.ctypes.data, address(dev), dev_off.ctypes.data,
                   dev_off.size, row_bytes, stream)
 
 
-def copy_part_at(plan: CopyPlan, host: BufferTable, layer: int, part: int, device_pages: torch.Tensor | None,
-                 device_tokens: torch.Tensor, to_device: bool) -> None:
+def copy_part_at(plan: CopyPlan, host: BufferTable, layer: int, part: int, device_pages: np.ndarray | None,
+                 device_tokens: np.ndarray, to_device: bool) -> None:
     """Copies one (layer, part) between a device view and host rows given by a table whose rows
     are byte offsets (the cache's pages, wherever they lie in the arena)."""
     if plan.host_pages.size == 0:
@@ -243,14 +243,13 @@ def copy_part_at(plan: CopyPlan, host: BufferTable, layer: int, part: int, devic
     if copy_rows is None:
         raise Unimplemented("the node-wide cache needs kvserver's compiled copy kernel (_kvcopy)")
     dev = device_pages if plan.device_paged else device_tokens
-    w = dev.element_size()
-    row_bytes = dev.shape[1] * w
-    host_off, dev_off = plan.offsets(host.row_stride, dev.stride(0) * w, row_bytes)
+    row_bytes = dev.shape[1] * dev.itemsize
+    host_off, dev_off = plan.offsets(host.row_stride, dev.strides[0], row_bytes)
     base = int(host.bases[layer, part])
     if to_device:
-        copy_rows(dev.data_ptr(), dev_off.ctypes.data, base, host_off.ctypes.data, dev_off.size, row_bytes)
+        copy_rows(address(dev), dev_off.ctypes.data, base, host_off.ctypes.data, dev_off.size, row_bytes)
     else:
-        copy_rows(base, host_off.ctypes.data, dev.data_ptr(), dev_off.ctypes.data, dev_off.size, row_bytes)
+        copy_rows(base, host_off.ctypes.data, address(dev), dev_off.ctypes.data, dev_off.size, row_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,8 +346,10 @@ def copy_job(plan: CopyPlan, layers: np.ndarray, host: BufferTable, device: Buff
 _scratch = threading.local()
 
 
-def _scratch_buffer(dtype: torch.dtype, rows: int, cols: int) -> torch.Tensor:
-    """A per-thread reusable buffer of at least rows x cols, grown on demand."""
+def _scratch_buffer(dtype, rows: int, cols: int):  # torch types: torch is loaded late
+    """A per-thread reusable torch buffer of at least rows x cols, grown on demand."""
+    import torch
+
     need = rows * cols
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.dtype != dtype or buf.numel() < need:
@@ -357,7 +358,10 @@ def _scratch_buffer(dtype: torch.dtype, rows: int, cols: int) -> torch.Tensor:
     return buf[:need].view(rows, cols)
 
 
-def _copy_part_torch(plan: CopyPlan, host: torch.Tensor, dev: torch.Tensor, to_device: bool) -> None:
+def _copy_part_torch(plan: CopyPlan, host_view: np.ndarray, dev_view: np.ndarray, to_device: bool) -> None:
+    import torch  # only a daemon without its copy kernel loads torch, at its first copy
+
+    host, dev = torch.from_numpy(host_view), torch.from_numpy(dev_view)  # the same memory
     host_pages = torch.from_numpy(plan.host_pages)
     dev_rows = torch.from_numpy(plan.device_rows)
     tmp = _scratch_buffer(host.dtype, host_pages.numel(), host.shape[1])

@@ -39,7 +39,7 @@ from kvserver.errors import (
 from kvserver.events import LoggedEvent
 from kvserver.events.book import MAX_READ_KEYS
 from kvserver.peers.tenants import TenantBook
-from kvserver.protocol.layout import KVLayout, torch_dtype
+from kvserver.protocol.layout import KVLayout, kv_dtype
 from kvserver.store import (
     MAX_KEY_BYTES,
     MAX_PIN_MS,
@@ -141,7 +141,7 @@ def space_from_wire(tenant: str, msg: pb.KVSpace) -> SpaceKey:
         raise InvalidArgument("space.dtype must be set")
     tp_size, pp_size = max(msg.tp_size, 1), max(msg.pp_size, 1)
     check_model_shape(tp_size, pp_size, msg.num_layers, "space ")
-    return SpaceKey(tenant, msg.model, KVLayout.from_wire(msg.layout), torch_dtype(msg.dtype), msg.page_size,
+    return SpaceKey(tenant, msg.model, KVLayout.from_wire(msg.layout), kv_dtype(msg.dtype), msg.page_size,
                     msg.num_layers, tp_size, pp_size, msg.weights)
 
 

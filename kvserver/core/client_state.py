@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from kvserver.copies.order import JobOrder
 from kvserver.copies.transfer import BufferTable
@@ -16,7 +15,7 @@ from kvserver.errors import InvalidArgument
 from kvserver.host.pages import PageAllocator
 from kvserver.media.base import DevicePool
 from kvserver.peers.tickets import PeerCred
-from kvserver.protocol.layout import KVLayout, LayerRange, torch_dtype
+from kvserver.protocol.layout import KVDType, KVLayout, LayerRange, kv_dtype
 from kvserver.store import PartKey, SpaceKey
 from kvserver.v1 import kvserver_pb2 as pb
 
@@ -66,7 +65,7 @@ class ClientSpec:
     num_layers: int
     layers: LayerRange
     layout: KVLayout
-    dtype: torch.dtype
+    dtype: KVDType
     page_size: int
     weights: str = ""  # the weights' identity beyond the model's name: part of its KV space
 
@@ -102,7 +101,7 @@ class ClientSpec:
             num_layers=req.num_layers,
             layers=layers,
             layout=KVLayout.from_wire(req.layout),
-            dtype=torch_dtype(req.dtype),
+            dtype=kv_dtype(req.dtype),
             page_size=req.page_size,
             weights=req.weights,
         )
@@ -127,7 +126,7 @@ class ClientState:
     region_offset: int
     region_bytes: int
     pages: PageAllocator
-    host_views: list[list[torch.Tensor]]  # [layer][part] -> [num_pages, page_size*elems]
+    host_views: list[list[np.ndarray]]  # [layer][part] -> [num_pages, page_size*elems]
     host_table: BufferTable
     counters: Counters = field(default_factory=Counters)
     busy: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))

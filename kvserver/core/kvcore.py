@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import numpy as np
-import torch
+from numpy.lib.stride_tricks import as_strided
 
 from kvserver.cluster import ClusterTier, MooncakeClient
 from kvserver.config import DEFAULT_MAX_REQUEST_INDICES, format_size
@@ -568,7 +568,7 @@ class KVCore:
             await self._in_thread(device.close)
             raise
 
-        def attach() -> tuple[list[list[torch.Tensor]], transfer.BufferTable]:
+        def attach() -> tuple[list[list[np.ndarray]], transfer.BufferTable]:
             # A kept arena takes the region's memory first (seconds for a large one): off the loop.
             self.arena.commit(offset, num_pages * page_bytes)
             device.attach_host(self.arena.address + offset, num_pages * page_bytes, len(spec.layers))
@@ -617,19 +617,18 @@ class KVCore:
                 return epoch
 
     def _host_views(
-        self, spec: ClientSpec, wide: torch.dtype, offset: int, num_pages: int
-    ) -> list[list[torch.Tensor]]:
+        self, spec: ClientSpec, wide: np.dtype, offset: int, num_pages: int
+    ) -> list[list[np.ndarray]]:
         w = wide.itemsize
         flat = self.arena.view(wide)
         chunk = spec.page_size * spec.token_bytes
         parts = spec.layout.num_parts
         return [
             [
-                torch.as_strided(
-                    flat,
+                as_strided(
+                    flat[(offset + (layer * parts + part) * chunk) // w :],
                     (num_pages, chunk // w),
-                    (spec.page_bytes // w, 1),
-                    (offset + (layer * parts + part) * chunk) // w,
+                    (spec.page_bytes, w),
                 )
                 for part in range(parts)
             ]

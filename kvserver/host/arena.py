@@ -27,12 +27,12 @@ import platform
 import sys
 
 import numpy as np
-import torch
 
 from kvserver.config import format_size, machine_memory
 from kvserver.errors import NoCapacity
 from kvserver.host.kept import KeptDir
 from kvserver.host.regions import BOOK_ALLOWANCE, REGION_ALIGN, Regions, aligned_capacity
+from kvserver.protocol.raw_memory import address_of, array_at
 
 __all__ = ["BOOK_ALLOWANCE", "REGION_ALIGN", "HostArena", "HostMemoryError", "aligned_capacity"]
 
@@ -103,20 +103,22 @@ class HostArena(Regions):
                 "and writing all of it will swap or end in the OOM killer",
                 format_size(self.capacity), format_size(machine_memory()),
             )
-        self._views: dict[torch.dtype, torch.Tensor] = {}
+        self._address = address_of(self._mm)
+        self._views: dict[np.dtype, np.ndarray] = {}
 
-    def view(self, dtype: torch.dtype) -> torch.Tensor:
-        """The whole arena as a flat tensor of ``dtype`` (cached per dtype)."""
+    def view(self, dtype: np.dtype | type) -> np.ndarray:
+        """The whole arena as a flat array of ``dtype`` (cached per dtype)."""
+        dtype = np.dtype(dtype)
         t = self._views.get(dtype)
         if t is None:
-            t = torch.frombuffer(self._mm, dtype=dtype, count=self.capacity // dtype.itemsize)
+            t = array_at(self._address, self.capacity, dtype)
             self._views[dtype] = t
         return t
 
     @property
     def address(self) -> int:
         """The arena's first byte in this process."""
-        return self.view(torch.uint8).data_ptr()
+        return self._address
 
     def _commit(self, start: int, size: int) -> None:
         if self.kept is not None and not self.kept.allocate("arena", start, size):
@@ -135,7 +137,7 @@ class HostArena(Regions):
                 raise OSError(err, f"madvise of {size} bytes at offset {start}: {os.strerror(err)}")
 
     def close(self) -> None:
-        # Every client's host views are gone by now (clients are unregistered first): torch views
-        # do not pin the mapping, so none may outlive this.
+        # Every client's host views are gone by now (clients are unregistered first): views do not
+        # pin the mapping (kvserver.protocol.raw_memory), so none may outlive this.
         self._views.clear()
         self._mm.close()

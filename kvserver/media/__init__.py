@@ -10,14 +10,12 @@ May import: ``copies``, ``peers`` (the caller's credentials for named objects), 
 
 from __future__ import annotations
 
-import torch
-
 from kvserver.errors import InvalidArgument
 from kvserver.media import cuda, shm
 from kvserver.media.base import DevicePool, wide_dtype
 from kvserver.media.cuda import SlabPinner
 from kvserver.media.shm import ShmAccess, ShmDevicePool, pool_descriptors
-from kvserver.protocol.layout import KVLayout
+from kvserver.protocol.layout import KVDType, KVLayout
 from kvserver.v1 import kvserver_pb2 as pb
 
 __all__ = ["MAX_POOL_TOKENS", "DevicePool", "ShmAccess", "ShmDevicePool", "SlabPinner", "open_pool",
@@ -29,7 +27,7 @@ MAX_POOL_TOKENS = 1 << 40
 def open_pool(
     msg: pb.DevicePool,
     layout: KVLayout,
-    kv_dtype: torch.dtype,
+    kv_dtype: KVDType,
     num_layers: int,
     page_size: int,
     event_slots: int = 0,

@@ -15,17 +15,17 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
 if TYPE_CHECKING:
     from kvserver.copies.job import Job
     from kvserver.copies.progress import LayerSignal
     from kvserver.copies.workers import Work
 
-WIDE_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+WIDE_DTYPES = {8: np.dtype(np.int64), 4: np.dtype(np.int32), 2: np.dtype(np.int16), 1: np.dtype(np.uint8)}
 
 
-def wide_dtype(*sizes: int) -> torch.dtype:
+def wide_dtype(*sizes: int) -> np.dtype:
     """The widest integer dtype whose size divides every one of ``sizes``."""
     g = 0
     for s in sizes:
@@ -33,7 +33,7 @@ def wide_dtype(*sizes: int) -> torch.dtype:
     for width, dtype in WIDE_DTYPES.items():
         if g % width == 0:
             return dtype
-    return torch.uint8
+    return WIDE_DTYPES[1]
 
 
 class DevicePool(ABC):
@@ -45,7 +45,7 @@ class DevicePool(ABC):
     # Attributes (plain fields or properties of each medium):
     num_tokens: int
     page_size: int
-    dtype: torch.dtype  # the wide integer dtype of the client's host views (copies move its words)
+    dtype: np.dtype  # the wide integer dtype of the client's host views (copies move its words)
     event_slots: int  # sets of per-layer load events a client can use at once (0: no events)
     event_handles: Sequence[bytes]  # IPC handles of the layer events, [slot * layers + layer]
     failed: str | None  # why the pool's work is given up on (the reaper reclaims it), or None

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+from numpy.lib.stride_tricks import as_strided
 
 from kvserver.copies import geometry, transfer, workers
 from kvserver.copies.transfer import BufferTable
@@ -21,7 +21,8 @@ from kvserver.copies.workers import Work
 from kvserver.errors import FailedPrecondition, InvalidArgument, NoCapacity, PermissionDenied, Unimplemented
 from kvserver.media.base import DevicePool, wide_dtype
 from kvserver.peers.tickets import PeerCred
-from kvserver.protocol.layout import KVLayout
+from kvserver.protocol.layout import KVDType, KVLayout
+from kvserver.protocol.raw_memory import address_of, array_at
 from kvserver.protocol.shared_memory import ShmMapping, map_sealed_fd, open_shm
 from kvserver.v1 import kvserver_pb2 as pb
 
@@ -51,9 +52,9 @@ class ShmDevicePool(DevicePool):
 
     num_tokens: int
     page_size: int
-    dtype: torch.dtype  # the wide copy dtype
-    token_views: list[list[torch.Tensor]]  # [layer][part] -> [num_tokens, elems]
-    page_views: list[list[torch.Tensor]] | None  # [layer][part] -> [num_pages, page_size*elems]
+    dtype: np.dtype  # the wide copy dtype
+    token_views: list[list[np.ndarray]]  # [layer][part] -> [num_tokens, elems]
+    page_views: list[list[np.ndarray]] | None  # [layer][part] -> [num_pages, page_size*elems]
     mappings: list[ShmMapping] = field(default_factory=list)
     token_table: BufferTable | None = None
     page_table: BufferTable | None = None
@@ -131,7 +132,7 @@ class ShmDevicePool(DevicePool):
                 return fut
         table = self.page_table if job.plan.device_paged else self.token_table
         count = transfer.row_count(job.plan, job.host, table)
-        if count is None:  # no compiled kernel, or buffers of different strides: torch, one piece
+        if count is None:  # no compiled kernel, or buffers of different strides: one piece
             work = Work(to_device, 1, lambda _: self._run_views(job, to_device, signal),
                         stopping=lambda _: job.stopping, ready=job.ready)
         else:
@@ -142,7 +143,8 @@ class ShmDevicePool(DevicePool):
         return fut
 
     def _run_views(self, job: Job, to_device: bool, signal: LayerSignal | None) -> None:
-        """Copies the job's layers in order with torch, in this thread; raises ``JobStopped`` if
+        """Copies the job's layers in order, a (layer, part) at a time (``transfer.copy_part``), in
+        this thread; raises ``JobStopped`` if
         it was stopped first (before any layer, or at a layer boundary)."""
         for i, layer in enumerate(job.local_layers):
             if job.stopping:
@@ -172,7 +174,7 @@ def open_shm_pool(
     refs: list[pb.BufferRef],
     n: int,
     layout: KVLayout,
-    kv_dtype: torch.dtype,
+    kv_dtype: KVDType,
     num_layers: int,
     page_size: int,
     access: ShmAccess,
@@ -222,7 +224,7 @@ def open_shm_pool(
             return _strided_pool(refs, geoms, n, layout, page_size, token_bytes, mappings)
         wide = wide_dtype(token_bytes, *(r.offset for r in refs), *(r.token_stride for r in refs))
         w = wide.itemsize
-        flat = {key: torch.frombuffer(m.mm, dtype=wide, count=m.size // w) for key, m in mappings.items()}
+        flat = {key: array_at(address_of(m.mm), m.size, wide) for key, m in mappings.items()}
 
         def at(r: pb.BufferRef) -> int:  # its offset in its mapping (which starts at a page of it)
             return r.offset - mappings[_key(r)].start
@@ -231,7 +233,7 @@ def open_shm_pool(
         parts = layout.num_parts
         token_views = [
             [
-                torch.as_strided(flat[_key(r)], (n, elems), (r.token_stride // w, 1), at(r) // w)
+                as_strided(flat[_key(r)][at(r) // w :], (n, elems), (r.token_stride, w))
                 for r in refs[layer * parts : (layer + 1) * parts]
             ]
             for layer in range(num_layers)
@@ -241,9 +243,8 @@ def open_shm_pool(
             pages = n // page_size
             page_views = [
                 [
-                    torch.as_strided(
-                        flat[_key(r)], (pages, page_size * elems), (page_size * elems, 1), at(r) // w
-                    )
+                    as_strided(flat[_key(r)][at(r) // w :], (pages, page_size * elems),
+                               (page_size * token_bytes, w))
                     for r in refs[layer * parts : (layer + 1) * parts]
                 ]
                 for layer in range(num_layers)
@@ -267,11 +268,7 @@ def _strided_pool(refs: list[pb.BufferRef], geoms: list[geometry.Geometry], n: i
         raise Unimplemented(
             "every buffer of a shared-memory pool with blocks or strided heads must have the same "
             "token_stride, block_tokens, block_stride and head_stride")
-    addresses = {}
-    for key, m in mappings.items():
-        flat = torch.frombuffer(m.mm, dtype=torch.uint8)
-        addresses[key] = flat.data_ptr()
-        del flat  # the mapping stays open; no export of it may outlive this call
+    addresses = {key: address_of(m.mm) for key, m in mappings.items()}
     parts = layout.num_parts
     bases = np.array([[addresses[_key(r)] + r.offset - mappings[_key(r)].start for r in refs[i : i + parts]]
                       for i in range(0, len(refs), parts)], dtype=np.uint64)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
-import torch
 
 from kvserver.errors import InvalidArgument, LayerOutOfRange, shown
 from kvserver.v1 import kvserver_pb2 as pb
@@ -15,30 +15,61 @@ from kvserver.v1 import kvserver_pb2 as pb
 # a longer one (a 16 MiB message holds ~16 M) is refused by its length alone.
 MAX_LAYER_IDS = 1 << 20
 
-DTYPE_TO_TORCH: dict[int, torch.dtype] = {
-    pb.DTYPE_BFLOAT16: torch.bfloat16,
-    pb.DTYPE_FLOAT16: torch.float16,
-    pb.DTYPE_FLOAT32: torch.float32,
-    pb.DTYPE_FLOAT8_E4M3FN: torch.float8_e4m3fn,
-    pb.DTYPE_FLOAT8_E5M2: torch.float8_e5m2,
-}
-TORCH_TO_DTYPE: dict[torch.dtype, int] = {v: k for k, v in DTYPE_TO_TORCH.items()}
+
+class Sized(Protocol):
+    """A dtype as far as sizes go: a ``KVDType``, a numpy or a torch dtype."""
+
+    @property
+    def itemsize(self) -> int: ...
 
 
-def torch_dtype(dtype: int) -> torch.dtype:
+@dataclass(frozen=True, slots=True)
+class KVDType:
+    """A KV dtype as the daemon knows it: its name (torch's, without ``torch.``), the bytes of one
+    element and its wire value. The daemon moves bytes and never loads torch; engines name their
+    tensors' dtypes (``wire_dtype`` takes a ``torch.dtype`` as well)."""
+
+    name: str
+    itemsize: int
+    wire: int
+
+    def __str__(self) -> str:
+        return self.name
+
+
+KV_DTYPES: dict[int, KVDType] = {d.wire: d for d in (
+    KVDType("bfloat16", 2, pb.DTYPE_BFLOAT16),
+    KVDType("float16", 2, pb.DTYPE_FLOAT16),
+    KVDType("float32", 4, pb.DTYPE_FLOAT32),
+    KVDType("float8_e4m3fn", 1, pb.DTYPE_FLOAT8_E4M3FN),
+    KVDType("float8_e5m2", 1, pb.DTYPE_FLOAT8_E5M2),
+)}
+_BY_NAME: dict[str, KVDType] = {d.name: d for d in KV_DTYPES.values()}
+
+
+def kv_dtype(dtype: int) -> KVDType:
+    """The dtype a wire value names."""
     try:
-        return DTYPE_TO_TORCH[dtype]
+        return KV_DTYPES[dtype]
     except KeyError:
-        allowed = ", ".join(pb.DType.Name(d) for d in DTYPE_TO_TORCH)
+        allowed = ", ".join(pb.DType.Name(d) for d in KV_DTYPES)
         raise InvalidArgument(f"dtype {dtype} is not supported; use one of {allowed}") from None
 
 
-def wire_dtype(dtype: torch.dtype) -> int:
+def dtype_named(name: str) -> KVDType:
+    """The dtype of ``name`` (``bfloat16``, or torch's ``torch.bfloat16``)."""
     try:
-        return TORCH_TO_DTYPE[dtype]
+        return _BY_NAME[name.removeprefix("torch.")]
     except KeyError:
-        allowed = ", ".join(str(d) for d in TORCH_TO_DTYPE)
-        raise InvalidArgument(f"dtype {dtype} is not supported; use one of {allowed}") from None
+        allowed = ", ".join(_BY_NAME)
+        raise InvalidArgument(f"dtype {name} is not supported; use one of {allowed}") from None
+
+
+def wire_dtype(dtype: KVDType | object) -> int:
+    """The wire value of a ``KVDType`` or of an engine's ``torch.dtype``."""
+    if isinstance(dtype, KVDType):
+        return dtype.wire
+    return dtype_named(str(dtype)).wire
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +97,7 @@ class KVLayout:
     def token_shape(self) -> tuple[int, int]:
         return (self.num_heads, self.head_dim)
 
-    def token_bytes(self, dtype: torch.dtype) -> int:
+    def token_bytes(self, dtype: Sized) -> int:
         """Bytes of one token in one part (K, V or latent) of one layer."""
         return self.num_heads * self.head_dim * dtype.itemsize
 

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from kvserver.protocol.layout import KVLayout
+from kvserver.protocol.layout import KVDType, KVLayout
 from kvserver.store.complete import CompleteCount, PartCounts
 from kvserver.store.counters import CacheCounters
 
@@ -22,7 +20,7 @@ class SpaceKey:
     tenant: str
     model: str
     layout: KVLayout
-    dtype: torch.dtype
+    dtype: KVDType
     page_size: int
     num_layers: int
     tp_size: int

@@ -18,15 +18,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
 from kvserver.copies import geometry
 from kvserver.errors import InvalidArgument, Unimplemented
 from kvserver.media.cuda.plan import MAX_EVENT_SLOTS
 from kvserver.media.cuda.runtime import require_cuda
 from kvserver.media.cuda.slabs import SlabPinner
 from kvserver.protocol.cuda_ipc import check_span, normalize_pci_bus_id, normalize_uuid, raw_ipc_handle
-from kvserver.protocol.layout import KVLayout
+from kvserver.protocol.layout import KVDType, KVLayout
 from kvserver.v1 import kvserver_pb2 as pb
 
 if TYPE_CHECKING:
@@ -35,7 +33,7 @@ if TYPE_CHECKING:
 __all__ = ["SlabPinner", "open_cuda"]
 
 
-def open_cuda(refs: list[pb.BufferRef], num_tokens: int, layout: KVLayout, kv_dtype: torch.dtype,
+def open_cuda(refs: list[pb.BufferRef], num_tokens: int, layout: KVLayout, kv_dtype: KVDType,
               page_size: int, event_slots: int, slabs: SlabPinner | None = None) -> CudaDevicePool:
     """Checks every handle, UUID and span first (bad input is INVALID_ARGUMENT on any daemon),
     then needs a usable GPU (FAILED_PRECONDITION without one), then opens the allocations.
