@@ -161,6 +161,9 @@ NOT_RUN = {
                             "--runs 3 --plot docs/plots/restart-disk.png"):
         "a benchmark that writes 21 GiB to disk and drops the page cache, for figures measured by hand; "
         "tests/test_bench_restart_disk.py runs the same script on 64 MiB",
+    ("docs/performance.md", ".venv/bin/python benchmarks/bench_start.py --runs 10"):
+        "twenty daemon launches, for figures measured by hand; tests/test_bench_start.py runs the same "
+        "script with --runs 1",
     ("docs/performance.md", ".venv/bin/python benchmarks/bench_release.py --gib 4"):
         "a benchmark that populates 4 GiB twice, for figures measured by hand; tests/test_bench_release.py "
         "runs the same script on a small region",
