@@ -217,10 +217,9 @@ class Daemon:
             raise
 
     async def _start(self) -> None:
-        if self.config.torch_threads and transfer.copy_rows is None:  # only then is torch loaded
-            import torch
-
-            torch.set_num_threads(self.config.torch_threads)
+        torch = sys.modules.get("torch")
+        if self.config.torch_threads and transfer.copy_rows is None and torch is not None:
+            torch.set_num_threads(self.config.torch_threads)  # its threads copy, without the kernel
         # What runs beside the calls first, before anyone can call: the disk tier's start names
         # every page of a kept host cache it holds no copy of (a sort of millions of pages).
         self.core.start()
@@ -321,11 +320,13 @@ class Daemon:
 
 
 async def serve(config: ServerConfig) -> None:
-    # What the imports made (grpc's and numpy's modules) lives as long as the
-    # daemon: kept out of the collector, a full collection walks only what the daemon made, not the
-    # event loop's 75 ms, and the exit is not slowed by collections over it either. Frozen before
-    # the start, so that the daemon's own objects (a kept cache's spaces, a registration taken
-    # while it starts) are collected as ever once they are dropped.
+    # What the imports made (grpc's and numpy's modules; torch's where the daemon will use it,
+    # loaded here for that) lives as long as the daemon: kept out of the collector, a full collection
+    # walks only what the daemon made, not the event loop's 60-75 ms, and the exit is not slowed by
+    # collections over it either. Frozen before the start, so that the daemon's own objects (a kept
+    # cache's spaces, a registration taken while it starts) are collected as ever once dropped.
+    if transfer.torch_needed():
+        transfer.load_torch()
     gc.freeze()
     keep_freed_heap()  # frees never give a burst of memory back at once, on the loop (host/heap.py)
     daemon = Daemon(config)

@@ -42,16 +42,74 @@ def test_a_daemon_serving_engines_has_no_torch_mapped(tmp_path) -> None:
         d.kill()
 
 
+FAKE_CUPY = ("import sys\nTORCH_FIRST = 'torch' in sys.modules\n\n\nclass cuda:\n    class runtime:\n"
+             "        @staticmethod\n        def getDeviceCount():\n            return 1\n")
+
+
 def test_a_daemon_opening_a_cuda_pool_imports_torch_before_cupy(tmp_path) -> None:
     """Where the GPU check proved the CUDA path, torch was in the daemon and had loaded its nvidia
     packages' CUDA libraries before CuPy looked for them: the first CUDA registration keeps that."""
     fake = tmp_path / "cupy"
     fake.mkdir()
-    (fake / "__init__.py").write_text(
-        "import sys\nTORCH_FIRST = 'torch' in sys.modules\n\n\nclass cuda:\n    class runtime:\n"
-        "        @staticmethod\n        def getDeviceCount():\n            return 1\n")
+    (fake / "__init__.py").write_text(FAKE_CUPY)
     code = ("import sys\nfrom kvserver.media.cuda.runtime import require_cuda\n"
             "assert 'torch' not in sys.modules\nprint(require_cuda().TORCH_FIRST)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "True", out.stdout + out.stderr[-2000:]
+
+
+# A daemon as `python -m kvserver` serves; once it listens: whether torch is loaded, what was frozen,
+# the first CUDA registration's look at CuPy, and then a full collection's CPU time.
+SERVING_CHILD = """
+import asyncio, gc, os, sys, time
+import uvloop
+from kvserver.config import ServerConfig
+from kvserver.server import serve
+
+async def main():
+    task = asyncio.ensure_future(serve(ServerConfig(socket=sys.argv[1], host_memory=64 << 20)))
+    deadline = time.monotonic() + 60
+    while not os.path.exists(sys.argv[1]):
+        assert not task.done() and time.monotonic() < deadline, "the daemon did not start"
+        await asyncio.sleep(0.01)
+    from kvserver.media.cuda.runtime import require_cuda
+    loaded = "torch" in sys.modules
+    cupy = await asyncio.get_running_loop().run_in_executor(None, require_cuda)
+    took = []
+    for _ in range(3):  # the cost each pays (the first also clears what the start left: once)
+        t0 = time.thread_time()
+        gc.collect()
+        took.append(time.thread_time() - t0)
+    print(loaded, gc.get_freeze_count(), min(took), cupy.TORCH_FIRST, flush=True)
+    os._exit(0)
+
+uvloop.run(main())
+"""
+
+
+def _serve_with(tmp_path, *fakes: tuple[str, str]) -> list[str]:
+    for name, source in fakes:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(source)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", SERVING_CHILD, str(tmp_path / "kv.sock")],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.split()
+
+
+def test_a_daemon_where_cupy_is_installed_loads_torch_before_it_freezes_what_its_start_made(tmp_path) -> None:
+    """torch loaded at a first CUDA registration, after the start's objects were frozen, would stay
+    in every full collection of the daemon's life (60 ms of the loop each); and its import would
+    hold the GIL for up to a second while other engines' calls wait."""
+    loaded, frozen, took, torch_first = _serve_with(tmp_path, ("cupy", FAKE_CUPY))
+    assert loaded == "True" and torch_first == "True"
+    assert int(frozen) > 100_000, f"only {frozen} objects were frozen: torch came after the freeze"
+    assert float(took) < 0.01, f"a full collection took {float(took) * 1e3:.1f} ms"
+
+
+def test_a_torch_that_fails_to_load_leaves_cuda_to_cupy_and_the_daemon_serving(tmp_path) -> None:
+    broken = "raise OSError('libcudnn.so.9: cannot open shared object file')\n"
+    loaded, _, _, torch_first = _serve_with(tmp_path, ("cupy", FAKE_CUPY), ("torch", broken))
+    assert (loaded, torch_first) == ("False", "False")

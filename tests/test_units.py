@@ -308,3 +308,14 @@ def test_the_daemon_out_of_descriptors_is_resource_exhausted_not_internal() -> N
         code, details = status_of(OSError(number, os.strerror(number)))
         assert code == Code.RESOURCE_EXHAUSTED and "out of file descriptors" in details, details
     assert status_of(OSError(errno.EIO, "I/O error"))[0] == Code.INTERNAL
+
+
+def test_engines_name_their_torch_dtypes_on_the_wire_and_others_are_refused_as_before():
+    from kvserver.protocol.layout import KV_DTYPES, kv_dtype, wire_dtype
+
+    for wire, d in KV_DTYPES.items():
+        assert wire_dtype(getattr(torch, d.name)) == wire == wire_dtype(d) and kv_dtype(wire) is d
+        assert d.itemsize == getattr(torch, d.name).itemsize
+    for bad in (torch.int8, torch.float64, np.dtype(np.float16), "bfloat16"):
+        with pytest.raises(InvalidArgument, match=r"use one of torch\.bfloat16, torch\.float16, torch\."):
+            wire_dtype(bad)

@@ -9,13 +9,18 @@ A whole job (every layer and part) is one call of the ``_kvcopy`` C kernel: one 
 per row, no temporary, no thread pool of its own, and the GIL released from the first byte to the
 last, so the event loop keeps serving while it runs. Per-layer progress comes out through a
 counter and an eventfd. Without the compiled kernel the copy falls back to torch, per (layer,
-part): ``index_select(out=scratch)`` then ``index_copy_`` (two passes), over the same memory; only
-such a daemon imports torch (its copy threads: ``--torch-threads``). Views are numpy arrays over
-mapped memory (``kvserver.protocol.raw_memory``).
+part): ``index_select(out=scratch)`` then ``index_copy_`` (two passes), over the same memory; such a
+daemon imports torch at its start (``load_torch``; its copy threads: ``--torch-threads``), as does
+one where CuPy is installed. Views are numpy arrays over mapped memory
+(``kvserver.protocol.raw_memory``).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import logging
+import sys
 import threading
 from dataclasses import dataclass, field
 
@@ -25,6 +30,8 @@ from kvserver.copies.geometry import Geometry
 from kvserver.errors import InvalidArgument, OutOfRange, Unimplemented
 from kvserver.protocol import compiled
 from kvserver.protocol.raw_memory import address
+
+logger = logging.getLogger(__name__)
 
 # The copy kernel (csrc/kvcopy.c); None where not built (e.g. run from a source tree without a
 # build) or built from other sources: torch's indexing below.
@@ -343,6 +350,32 @@ def copy_job(plan: CopyPlan, layers: np.ndarray, host: BufferTable, device: Buff
     return copier.copy(0, len(layers), 0, rows.count, progress, 0, eventfd, signal_interval, stop)
 
 
+@functools.cache
+def load_torch() -> bool:
+    """Imports torch, once: where the daemon uses it (the path below; CUDA, before CuPy:
+    ``kvserver.media.cuda.runtime``). True if it is loaded; a torch that fails to load (a CUDA
+    library missing) is logged, and the daemon goes on without it."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    except Exception as exc:  # OSError and friends from its native libraries
+        logger.warning("torch could not be loaded (%s: %s)", type(exc).__name__, exc)
+        return False
+    return True
+
+
+def torch_needed() -> bool:
+    """Whether this daemon will load torch: it has no copy kernel, or CuPy is installed (the CUDA
+    path imports torch before CuPy)."""
+    if copy_rows is None or "cupy" in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec("cupy") is not None
+    except (ImportError, ValueError):  # a parent package that fails, a module without a spec
+        return False
+
+
 _scratch = threading.local()
 
 
@@ -359,7 +392,7 @@ def _scratch_buffer(dtype, rows: int, cols: int):  # torch types: torch is loade
 
 
 def _copy_part_torch(plan: CopyPlan, host_view: np.ndarray, dev_view: np.ndarray, to_device: bool) -> None:
-    import torch  # only a daemon without its copy kernel loads torch, at its first copy
+    import torch  # (loaded at the daemon's start: ``torch_needed``)
 
     host, dev = torch.from_numpy(host_view), torch.from_numpy(dev_view)  # the same memory
     host_pages = torch.from_numpy(plan.host_pages)

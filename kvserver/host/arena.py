@@ -103,7 +103,7 @@ class HostArena(Regions):
                 "and writing all of it will swap or end in the OOM killer",
                 format_size(self.capacity), format_size(machine_memory()),
             )
-        self._address = address_of(self._mm)
+        self._address: int | None = address_of(self._mm)
         self._views: dict[np.dtype, np.ndarray] = {}
 
     def view(self, dtype: np.dtype | type) -> np.ndarray:
@@ -111,13 +111,15 @@ class HostArena(Regions):
         dtype = np.dtype(dtype)
         t = self._views.get(dtype)
         if t is None:
-            t = array_at(self._address, self.capacity, dtype)
+            t = array_at(self.address, self.capacity, dtype)
             self._views[dtype] = t
         return t
 
     @property
     def address(self) -> int:
-        """The arena's first byte in this process."""
+        """The arena's first byte in this process (RuntimeError once closed: it is unmapped)."""
+        if self._address is None:
+            raise RuntimeError("the host memory arena is closed")
         return self._address
 
     def _commit(self, start: int, size: int) -> None:
@@ -140,4 +142,5 @@ class HostArena(Regions):
         # Every client's host views are gone by now (clients are unregistered first): views do not
         # pin the mapping (kvserver.protocol.raw_memory), so none may outlive this.
         self._views.clear()
+        self._address = None
         self._mm.close()

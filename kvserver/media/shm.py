@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 
 from kvserver.copies import geometry, transfer, workers
 from kvserver.copies.transfer import BufferTable
@@ -22,7 +21,7 @@ from kvserver.errors import FailedPrecondition, InvalidArgument, NoCapacity, Per
 from kvserver.media.base import DevicePool, wide_dtype
 from kvserver.peers.tickets import PeerCred
 from kvserver.protocol.layout import KVDType, KVLayout
-from kvserver.protocol.raw_memory import address_of, array_at
+from kvserver.protocol.raw_memory import address_of, array_at, rows_at
 from kvserver.protocol.shared_memory import ShmMapping, map_sealed_fd, open_shm
 from kvserver.v1 import kvserver_pb2 as pb
 
@@ -233,7 +232,7 @@ def open_shm_pool(
         parts = layout.num_parts
         token_views = [
             [
-                as_strided(flat[_key(r)][at(r) // w :], (n, elems), (r.token_stride, w))
+                rows_at(flat[_key(r)], at(r), n, elems, r.token_stride)
                 for r in refs[layer * parts : (layer + 1) * parts]
             ]
             for layer in range(num_layers)
@@ -243,8 +242,7 @@ def open_shm_pool(
             pages = n // page_size
             page_views = [
                 [
-                    as_strided(flat[_key(r)][at(r) // w :], (pages, page_size * elems),
-                               (page_size * token_bytes, w))
+                    rows_at(flat[_key(r)], at(r), pages, page_size * elems, page_size * token_bytes)
                     for r in refs[layer * parts : (layer + 1) * parts]
                 ]
                 for layer in range(num_layers)

@@ -66,10 +66,15 @@ def dtype_named(name: str) -> KVDType:
 
 
 def wire_dtype(dtype: KVDType | object) -> int:
-    """The wire value of a ``KVDType`` or of an engine's ``torch.dtype``."""
+    """The wire value of a ``KVDType`` or of an engine's ``torch.dtype`` (told by its name)."""
     if isinstance(dtype, KVDType):
         return dtype.wire
-    return dtype_named(str(dtype)).wire
+    name = str(dtype)
+    got = _BY_NAME.get(name.removeprefix("torch.")) if name.startswith("torch.") else None
+    if got is None:
+        allowed = ", ".join(f"torch.{n}" for n in _BY_NAME)
+        raise InvalidArgument(f"dtype {dtype} is not supported; use one of {allowed}")
+    return got.wire
 
 
 @dataclass(frozen=True, slots=True)

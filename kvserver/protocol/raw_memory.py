@@ -41,6 +41,14 @@ def array_at(address: int, nbytes: int, dtype: np.dtype | type = np.uint8) -> np
     return raw.view(dtype)
 
 
+def rows_at(flat: np.ndarray, offset: int, rows: int, row_items: int, row_stride: int) -> np.ndarray:
+    """``rows`` rows of ``row_items`` items of ``flat``'s dtype over its memory, the first at its
+    byte ``offset`` and each ``row_stride`` bytes after the one before; ValueError where one would
+    reach past ``flat``'s end (numpy's ``as_strided`` would point there without a word)."""
+    return np.ndarray((rows, row_items), flat.dtype, buffer=flat, offset=offset,
+                      strides=(row_stride, flat.itemsize))
+
+
 def address(view: np.ndarray) -> int:
     """The address of a view's first item."""
     return view.__array_interface__["data"][0]

@@ -6,11 +6,11 @@ registrations with FAILED_PRECONDITION and the reason.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
 
+from kvserver.copies.transfer import load_torch
 from kvserver.errors import FailedPrecondition
 
 logger = logging.getLogger(__name__)
@@ -25,11 +25,9 @@ _probe_lock = threading.Lock()
 def _probe_once() -> tuple[object | None, str]:
     # CuPy finds the CUDA libraries it loads (the runtime, NVRTC for the copy kernels) where the GPU
     # check found them on an H200: with torch in the process, which loads its nvidia packages'
-    # copies as it is imported. Only a daemon that opens a CUDA pool gets here: a daemon serving
-    # shared-memory pools loads no torch (scripts/gpu_check.py's ``cupy_alone`` says whether CuPy
-    # finds them without it).
-    with contextlib.suppress(ImportError):
-        import torch  # noqa: F401
+    # copies as it is imported (scripts/gpu_check.py's ``cupy_alone`` says whether CuPy finds them
+    # without it). A daemon where CuPy is installed loaded it at its start (``kvserver.server``).
+    load_torch()
     try:
         import cupy
     except ImportError as exc:
