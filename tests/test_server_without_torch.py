@@ -113,3 +113,51 @@ def test_a_torch_that_fails_to_load_leaves_cuda_to_cupy_and_the_daemon_serving(t
     broken = "raise OSError('libcudnn.so.9: cannot open shared object file')\n"
     loaded, _, _, torch_first = _serve_with(tmp_path, ("cupy", FAKE_CUPY), ("torch", broken))
     assert (loaded, torch_first) == ("False", "False")
+
+
+def _child(tmp_path, code: str, *fakes: tuple[str, str]) -> subprocess.CompletedProcess:
+    for name, source in fakes:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(source)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_a_cuda_registration_without_cupy_is_refused_without_loading_torch(tmp_path) -> None:
+    """Else any engine could make a daemon without CuPy load torch after its start's freeze (180 MiB,
+    a second of the GIL, and 40-60 ms of the loop in every full collection after)."""
+    code = ("import sys\nfrom kvserver.errors import FailedPrecondition\n"
+            "from kvserver.media.cuda.runtime import require_cuda\n"
+            "try:\n    require_cuda()\nexcept FailedPrecondition as exc:\n    print(exc)\n"
+            "print('torch' in sys.modules)")
+    out = _child(tmp_path, code)
+    assert out.returncode == 0, out.stderr[-2000:]
+    said, loaded = out.stdout.strip().splitlines()
+    assert "CuPy is not installed" in said and loaded == "False", out.stdout
+
+
+BROKEN_TORCH = "raise ImportError('libcudnn.so.9: cannot open shared object file')\n"
+
+
+def test_a_torch_that_fails_to_load_is_logged_and_copies_without_the_kernel_say_why(tmp_path) -> None:
+    code = """
+import logging, numpy as np
+logging.basicConfig(level=logging.WARNING)
+from kvserver.copies import transfer
+from kvserver.errors import KVError
+transfer.copy_rows = None  # as a daemon built without its copy kernel
+print(transfer.load_torch())
+plan = transfer.make_plan(np.array([0]), np.arange(4), 4, 4)
+host, dev = np.zeros((1, 8), np.int64), np.zeros((4, 2), np.int64)
+for _ in range(2):
+    try:
+        transfer.copy_part(plan, host, dev.reshape(1, 8), dev, True)
+    except KVError as exc:
+        print(type(exc).__name__, exc)
+"""
+    out = _child(tmp_path, code, ("torch", BROKEN_TORCH))
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[0] == "False" and len(lines) == 3, out.stdout
+    assert all(line.startswith("Unimplemented ") and "torch" in line for line in lines[1:]), out.stdout
+    assert out.stderr.count("torch could not be loaded (ImportError: libcudnn.so.9") == 1, out.stderr

@@ -357,9 +357,12 @@ def load_torch() -> bool:
     library missing) is logged, and the daemon goes on without it."""
     try:
         import torch  # noqa: F401
-    except ImportError:
+    except ModuleNotFoundError as exc:
+        if exc.name == "torch":  # not installed: nothing to say
+            return False
+        logger.warning("torch could not be loaded (%s: %s)", type(exc).__name__, exc)
         return False
-    except Exception as exc:  # OSError and friends from its native libraries
+    except Exception as exc:  # a library of its own missing or broken (ImportError, OSError)
         logger.warning("torch could not be loaded (%s: %s)", type(exc).__name__, exc)
         return False
     return True
@@ -392,7 +395,10 @@ def _scratch_buffer(dtype, rows: int, cols: int):  # torch types: torch is loade
 
 
 def _copy_part_torch(plan: CopyPlan, host_view: np.ndarray, dev_view: np.ndarray, to_device: bool) -> None:
-    import torch  # (loaded at the daemon's start: ``torch_needed``)
+    if not load_torch():
+        raise Unimplemented("copies without kvserver's compiled copy kernel (_kvcopy) need torch, which "
+                            "did not load (the daemon's log says why)")
+    import torch  # (loaded: at the daemon's start, ``torch_needed``)
 
     host, dev = torch.from_numpy(host_view), torch.from_numpy(dev_view)  # the same memory
     host_pages = torch.from_numpy(plan.host_pages)

@@ -10,7 +10,7 @@ import functools
 import logging
 import threading
 
-from kvserver.copies.transfer import load_torch
+from kvserver.copies.transfer import load_torch, torch_needed
 from kvserver.errors import FailedPrecondition
 
 logger = logging.getLogger(__name__)
@@ -27,6 +27,8 @@ def _probe_once() -> tuple[object | None, str]:
     # check found them on an H200: with torch in the process, which loads its nvidia packages'
     # copies as it is imported (scripts/gpu_check.py's ``cupy_alone`` says whether CuPy finds them
     # without it). A daemon where CuPy is installed loaded it at its start (``kvserver.server``).
+    if not torch_needed():  # no CuPy to find: nothing more loaded for a registration refused
+        return None, "CuPy is not installed; install kvserver[cuda]"
     load_torch()
     try:
         import cupy
