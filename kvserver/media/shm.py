@@ -143,8 +143,8 @@ class ShmDevicePool(DevicePool):
 
     def _run_views(self, job: Job, to_device: bool, signal: LayerSignal | None) -> None:
         """Copies the job's layers in order, a (layer, part) at a time (``transfer.copy_part``), in
-        this thread; raises ``JobStopped`` if
-        it was stopped first (before any layer, or at a layer boundary)."""
+        this thread; raises ``JobStopped`` if it was stopped first (before any layer, or at a layer
+        boundary)."""
         for i, layer in enumerate(job.local_layers):
             if job.stopping:
                 raise job.stopped(i)
