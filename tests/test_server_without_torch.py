@@ -1,6 +1,7 @@
-"""The daemon never loads torch: it moves bytes (numpy views of mapped memory, the C kernels, CUDA
+"""The daemon loads no torch: it moves bytes (numpy views of mapped memory, the C kernels, CUDA
 through CuPy), and torch's import was most of its start (1.2 of 1.5 s here) and of its idle memory.
-Only a daemon built without its copy kernel takes torch, for the slow copy path."""
+Only a daemon where CuPy is installed (its CUDA path finds the CUDA libraries torch loads) or one
+built without its copy kernel (the slow copy path) loads torch, at its start."""
 
 from __future__ import annotations
 
@@ -46,16 +47,23 @@ FAKE_CUPY = ("import sys\nTORCH_FIRST = 'torch' in sys.modules\n\n\nclass cuda:\
              "        @staticmethod\n        def getDeviceCount():\n            return 1\n")
 
 
+def _child(tmp_path, code: str, *fakes: tuple[str, str],
+           args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``code`` run in a new interpreter that finds the stand-in packages ``fakes`` (name, source)."""
+    for name, source in fakes:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(source)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120,
+                          env=env)
+
+
 def test_a_daemon_opening_a_cuda_pool_imports_torch_before_cupy(tmp_path) -> None:
     """Where the GPU check proved the CUDA path, torch was in the daemon and had loaded its nvidia
     packages' CUDA libraries before CuPy looked for them: the first CUDA registration keeps that."""
-    fake = tmp_path / "cupy"
-    fake.mkdir()
-    (fake / "__init__.py").write_text(FAKE_CUPY)
     code = ("import sys\nfrom kvserver.media.cuda.runtime import require_cuda\n"
             "assert 'torch' not in sys.modules\nprint(require_cuda().TORCH_FIRST)")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    out = _child(tmp_path, code, ("cupy", FAKE_CUPY))
     assert out.returncode == 0 and out.stdout.strip() == "True", out.stdout + out.stderr[-2000:]
 
 
@@ -89,12 +97,7 @@ uvloop.run(main())
 
 
 def _serve_with(tmp_path, *fakes: tuple[str, str]) -> list[str]:
-    for name, source in fakes:
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "__init__.py").write_text(source)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", SERVING_CHILD, str(tmp_path / "kv.sock")],
-                         capture_output=True, text=True, timeout=120, env=env)
+    out = _child(tmp_path, SERVING_CHILD, *fakes, args=(str(tmp_path / "kv.sock"),))
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.split()
 
@@ -113,14 +116,6 @@ def test_a_torch_that_fails_to_load_leaves_cuda_to_cupy_and_the_daemon_serving(t
     broken = "raise OSError('libcudnn.so.9: cannot open shared object file')\n"
     loaded, _, _, torch_first = _serve_with(tmp_path, ("cupy", FAKE_CUPY), ("torch", broken))
     assert (loaded, torch_first) == ("False", "False")
-
-
-def _child(tmp_path, code: str, *fakes: tuple[str, str]) -> subprocess.CompletedProcess:
-    for name, source in fakes:
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "__init__.py").write_text(source)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
 
 
 def test_a_cuda_registration_without_cupy_is_refused_without_loading_torch(tmp_path) -> None:
