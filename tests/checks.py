@@ -98,3 +98,9 @@ def loop_held(loop, seconds: float = 10) -> Iterator[None]:
     finally:
         free.set()
 
+
+def being_written(d) -> int:
+    """Pages of a part being written by a Put now in daemon ``d`` (not those the data plane sets aside)."""
+    from kvserver.store.pages import WRITING
+
+    return d.run(lambda: int(((d.core.cache.pages.state == WRITING) & (d.core.cache.pages.part >= 0)).sum()))

@@ -18,7 +18,7 @@ import time
 import grpc
 import pytest
 import torch
-from checks import wait_until
+from checks import being_written, wait_until
 from test_dataplane import DTYPE, LAYERS, LAYOUT, PAGE, START, TOKENS, _client, _fill
 from test_dataplane_cache import PAGES, _keys, _pages_of, _zero
 from test_lane_doorbells import pending
@@ -145,7 +145,9 @@ def test_a_lane_get_never_overtakes_an_earlier_write_of_its_device_pages(plane_d
                 time.sleep(0.001)
             putter = threading.Thread(target=lambda: result.setdefault("put", c.put(_keys("z"), p)))
             putter.start()
-            time.sleep(0.2)
+            # Held until the Put took its pages on the task path: let go before, a slow machine's Put
+            # (the sanitized job's) came after the Write had ended, alone, and the plane copied it.
+            wait_until(lambda: being_written(d) == PAGES, 30, "the Put never reached the daemon")
         finally:
             engine.pause(False)
         writer.join(30)

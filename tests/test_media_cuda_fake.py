@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from checks import being_written
 from fake_cupy import UUID
 from kernel_host import compiler
 from ticketing import ticketing_stub
@@ -1655,13 +1656,6 @@ def test_a_quarantined_pools_region_counts_in_its_tenants_region_quota_and_the_r
             register(stub, again, 2, 64, 16)
     finally:
         rt.fire(hung)
-
-
-def being_written(d) -> int:
-    """Pages of a part being written by a Put now (not those the data plane sets aside)."""
-    from kvserver.store.pages import WRITING
-
-    return d.run(lambda: int(((d.core.cache.pages.state == WRITING) & (d.core.cache.pages.part >= 0)).sum()))
 
 
 def test_a_cuda_put_whose_copy_ends_after_its_deadline_stores_nothing(daemon_factory, fake):
