@@ -357,13 +357,9 @@ def load_torch() -> bool:
     library missing) is logged, and the daemon goes on without it."""
     try:
         import torch  # noqa: F401
-    except ModuleNotFoundError as exc:
-        if exc.name == "torch":  # not installed: nothing to say
-            return False
-        logger.warning("torch could not be loaded (%s: %s)", type(exc).__name__, exc)
-        return False
     except Exception as exc:  # a library of its own missing or broken (ImportError, OSError)
-        logger.warning("torch could not be loaded (%s: %s)", type(exc).__name__, exc)
+        if not (isinstance(exc, ModuleNotFoundError) and exc.name == "torch"):  # (not installed: quiet)
+            logger.warning("torch could not be loaded (%s: %s)", type(exc).__name__, exc)
         return False
     return True
 

@@ -44,7 +44,7 @@ KV_DTYPES: dict[int, KVDType] = {d.wire: d for d in (
     KVDType("float8_e4m3fn", 1, pb.DTYPE_FLOAT8_E4M3FN),
     KVDType("float8_e5m2", 1, pb.DTYPE_FLOAT8_E5M2),
 )}
-_BY_NAME: dict[str, KVDType] = {d.name: d for d in KV_DTYPES.values()}
+KV_DTYPES_BY_NAME: dict[str, KVDType] = {d.name: d for d in KV_DTYPES.values()}
 
 
 def kv_dtype(dtype: int) -> KVDType:
@@ -59,9 +59,9 @@ def kv_dtype(dtype: int) -> KVDType:
 def dtype_named(name: str) -> KVDType:
     """The dtype of ``name`` (``bfloat16``, or torch's ``torch.bfloat16``)."""
     try:
-        return _BY_NAME[name.removeprefix("torch.")]
+        return KV_DTYPES_BY_NAME[name.removeprefix("torch.")]
     except KeyError:
-        allowed = ", ".join(_BY_NAME)
+        allowed = ", ".join(KV_DTYPES_BY_NAME)
         raise InvalidArgument(f"dtype {name} is not supported; use one of {allowed}") from None
 
 
@@ -70,9 +70,9 @@ def wire_dtype(dtype: KVDType | object) -> int:
     if isinstance(dtype, KVDType):
         return dtype.wire
     name = str(dtype)
-    got = _BY_NAME.get(name.removeprefix("torch.")) if name.startswith("torch.") else None
+    got = KV_DTYPES_BY_NAME.get(name.removeprefix("torch.")) if name.startswith("torch.") else None
     if got is None:
-        allowed = ", ".join(f"torch.{n}" for n in _BY_NAME)
+        allowed = ", ".join(f"torch.{n}" for n in KV_DTYPES_BY_NAME)
         raise InvalidArgument(f"dtype {dtype} is not supported; use one of {allowed}")
     return got.wire
 

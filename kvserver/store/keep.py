@@ -39,7 +39,7 @@ from kvserver.config import format_size
 from kvserver.errors import KVError, NoCapacity
 from kvserver.host.arena import REGION_ALIGN
 from kvserver.host.kept import KeptDir
-from kvserver.protocol.layout import KV_DTYPES, KVLayout
+from kvserver.protocol.layout import KV_DTYPES_BY_NAME, KVLayout
 from kvserver.store.keys import DIGEST_BYTES, MAX_KEY_BYTES, WORD_BYTES
 from kvserver.store.pages import COMMITTED, MAX_SLAB_PAGES, MIN_PAGE_BYTES, UNUSED, WRITING, max_pages
 from kvserver.store.spaces import Part, PartKey, SpaceKey
@@ -83,9 +83,6 @@ def kept_shape(capacity: int, kind: str = "host") -> dict[str, int | str]:
     return {**shape, "capacity": capacity, "pages": max_pages(capacity), "slab_record": SLAB_RECORD.itemsize}
 
 
-_DTYPES_BY_NAME = {d.name: d for d in KV_DTYPES.values()}
-
-
 def space_json(key: SpaceKey) -> dict[str, Any]:
     lay = key.layout
     return {"tenant": key.tenant, "model": key.model, "weights": key.weights,
@@ -96,7 +93,7 @@ def space_json(key: SpaceKey) -> dict[str, Any]:
 
 def _space_of(d: dict[str, Any]) -> SpaceKey:
     is_mla, heads, dim, rope = d["layout"]
-    dtype = _DTYPES_BY_NAME.get(d["dtype"]) if isinstance(d["dtype"], str) else None
+    dtype = KV_DTYPES_BY_NAME.get(d["dtype"]) if isinstance(d["dtype"], str) else None
     if dtype is None:
         raise ValueError(f"not a dtype: {d['dtype']!r}")
     layout = KVLayout(bool(is_mla), int(heads), int(dim), int(rope))
